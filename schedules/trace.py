@@ -1,0 +1,105 @@
+"""The trace schema both engines fill, and the metrics computed from it.
+
+A trace is a pandas DataFrame with one row per executed op:
+
+=========== ==========================================================================
+device      global rank that ran the op (replica * D + device)
+step        optimizer step (iteration) the op belongs to, 0-based
+seq         position in the order the device executed its ops in that step
+kind        F, B, W, SEND, RECV, COPY, ALLREDUCE, OPTIM
+token       the op's token (``F3.s2.c1``), the same text both engines print
+copy        model copy (0 = single/down, 1 = up); stage: global stage; chunk: chunk on device
+microbatch  micro-batch (-1 for ALLREDUCE / OPTIM)
+peer        peer rank for SEND / RECV, else -1
+start, end  seconds (or unit-cost time units), on one clock shared by all devices
+bytes       bytes moved by SEND / RECV / ALLREDUCE (0 for others)
+act_mem     activation memory alive on the device right after the op (bytes, or Ma with unit costs)
+=========== ==========================================================================
+
+``trace.attrs`` carries run metadata: engine ("sim" / "executor"), schedule, devices,
+microbatches, replicas, time_unit ("s" or "F"), mem_unit ("B" or "Ma") and ``static_mem``
+(per-device bytes of weights + gradients + optimizer state, or Mw-based units).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import pandas as pd
+
+COLUMNS = ["device", "step", "seq", "kind", "token", "copy", "stage", "chunk", "microbatch", "peer",
+           "start", "end", "bytes", "act_mem"]
+COMPUTE = ("F", "B", "W")
+
+
+def make_trace(rows: list[dict] | list[tuple], **attrs) -> pd.DataFrame:
+    """Build a trace from row dicts (or tuples in COLUMNS order) and attach metadata."""
+    if rows and isinstance(rows[0], dict):
+        df = pd.DataFrame(rows, columns=COLUMNS)
+    else:
+        df = pd.DataFrame.from_records(rows, columns=COLUMNS)
+    df = df.astype({"device": int, "step": int, "seq": int, "copy": int, "stage": int, "chunk": int,
+                    "microbatch": int, "peer": int, "start": float, "end": float,
+                    "bytes": float, "act_mem": float})
+    df.attrs.update(attrs)
+    return df
+
+
+@dataclass
+class DeviceMetrics:
+    device: int
+    busy: float
+    bubble_ratio: float
+    peak_activation: float
+    peak_memory: float
+
+
+@dataclass
+class Metrics:
+    iteration_time: float
+    bubble_ratio: float
+    per_device: list[DeviceMetrics] = field(default_factory=list)
+    iteration_times: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_metrics(trace: pd.DataFrame, step: int | None = None) -> Metrics:
+    """Metrics of one step (the last one by default).
+
+    Iteration time is the makespan of the step (first op start to last op end, over all
+    devices); a device's busy time sums its F/B/W; its bubble ratio is 1 - busy / iteration time;
+    the schedule's bubble ratio is the mean over devices. Peak activation is the highest
+    ``act_mem`` a device reached; peak memory adds its static memory (``attrs['static_mem']``).
+    """
+    if trace.empty:
+        raise ValueError("empty trace")
+    steps = sorted(trace["step"].unique())
+    step = steps[-1] if step is None else step
+    t = trace[trace["step"] == step]
+    t0, t1 = t["start"].min(), t["end"].max()
+    it = float(t1 - t0)
+    static = trace.attrs.get("static_mem") or {}
+    comp = t[t["kind"].isin(COMPUTE)]
+    busy = (comp["end"] - comp["start"]).groupby(comp["device"]).sum()
+    peak = t.groupby("device")["act_mem"].max()
+    devs = sorted(t["device"].unique())
+    per = []
+    for d in devs:
+        b = float(busy.get(d, 0.0))
+        pa = float(peak.get(d, 0.0))
+        st = float(static.get(d, static.get(str(d), 0.0))) if isinstance(static, dict) else float(static[d])
+        per.append(DeviceMetrics(int(d), b, 1.0 - b / it if it > 0 else 0.0, pa, st + pa))
+    its = []
+    for s in steps:
+        ts = trace[trace["step"] == s]
+        its.append(float(ts["end"].max() - ts["start"].min()))
+    return Metrics(it, sum(p.bubble_ratio for p in per) / len(per), per, its)
+
+
+def op_orders(trace: pd.DataFrame, step: int | None = None) -> dict[int, list[str]]:
+    """Each device's executed op tokens in start order (to compare with the schedule's programs)."""
+    steps = sorted(trace["step"].unique())
+    step = steps[-1] if step is None else step
+    t = trace[trace["step"] == step].sort_values(["device", "seq"], kind="stable")
+    return {int(d): list(g["token"]) for d, g in t.groupby("device", sort=True)}
