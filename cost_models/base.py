@@ -1,0 +1,155 @@
+"""What the engines consume: per-stage costs bound to a schedule, and the network between ranks.
+
+A cost model turns (model, device, schedule placement) into :class:`StageCosts`: per (copy,
+stage) compute times and memory, indexed ``[copy][stage]``. The simulator never knows where
+numbers came from (unit costs, formulas, a calibration profile).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from schedules.ir import Schedule
+
+Table = tuple[tuple[float, ...], ...]
+
+
+def _table(rows) -> Table:
+    return tuple(tuple(float(x) for x in r) for r in rows)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Costs of every (copy, stage) of a schedule.
+
+    f, b, w: forward, backward (full; or input-grad only when the schedule splits it), and
+      weight-grad times. act: activation memory kept from F until the backward that frees it;
+      act_w: the part of it still alive between B and W (split schedules).
+    act_bytes / grad_bytes: message sizes a stage sends downstream (activation) / upstream
+      (gradient w.r.t. its input). param_bytes: gradient bytes all-reduced for the stage.
+    static_mem: per device (weights + gradients + optimizer state of the stages it holds).
+    optim_time: per device. copy_time: local hand-off time (V turn).
+    """
+
+    time_unit: str
+    mem_unit: str
+    f: Table
+    b: Table
+    w: Table
+    act: Table
+    act_w: Table
+    act_bytes: Table
+    grad_bytes: Table
+    param_bytes: Table
+    static_mem: tuple[float, ...]
+    optim_time: tuple[float, ...]
+    copy_time: float = 0.0
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def compute_time(self, kind: str, copy: int, stage: int) -> float:
+        return {"F": self.f, "B": self.b, "W": self.w}[kind][copy][stage]
+
+
+class CostModel(Protocol):
+    def bind(self, sched: Schedule) -> StageCosts: ...
+
+
+@dataclass(frozen=True)
+class UnitCostModel:
+    """The closed-form model: a full stage (L/D layers) has F = 1, B = 2 (split: B = 1, W = 1), a
+    device holding more stages runs proportionally shorter chunks; activations in Ma, weights in
+    Mw (weights + gradients + optimizer state of one full stage = 1), no communication cost."""
+
+    def bind(self, sched: Schedule) -> StageCosts:
+        C, S, D = sched.num_copies, sched.num_stages, sched.num_devices
+        f = D / S
+        ones = [[f] * S for _ in range(C)]
+        zeros = [[0.0] * S for _ in range(C)]
+        b = [[f if sched.split_backward else 2 * f] * S for _ in range(C)]
+        w = ones if sched.split_backward else zeros
+        static = [0.0] * sched.num_ranks
+        for r in range(sched.num_ranks):
+            static[r] = f * len(sched.stages_on(sched.rank_device(r)))
+        return StageCosts("F", "Ma", _table(ones), _table(b), _table(w), _table(ones),
+                          _table(ones if sched.split_backward else zeros),
+                          _table(zeros), _table(zeros), _table(zeros), tuple(static),
+                          tuple([0.0] * sched.num_ranks), 0.0, {"model": "unit"})
+
+
+def partition_layers(num_layers: int, num_stages: int, sizes: Sequence[int] | None = None) -> list[range]:
+    """Contiguous layer ranges per stage: the given ``sizes`` or as even as possible (earlier
+    stages get the extra layers)."""
+    if sizes is not None:
+        if sum(sizes) != num_layers or len(sizes) != num_stages or min(sizes) < 1:
+            raise ValueError(f"partition {list(sizes)} must give {num_stages} stages >= 1 layer summing to {num_layers}")
+    else:
+        if num_layers < num_stages:
+            raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages; "
+                             f"use fewer devices/chunks or a deeper model")
+        q, r = divmod(num_layers, num_stages)
+        sizes = [q + (1 if i < r else 0) for i in range(num_stages)]
+    out, start = [], 0
+    for n in sizes:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer costs (seconds, bytes); index i is layer i of the whole model."""
+
+    f: tuple[float, ...]
+    b_input: tuple[float, ...]
+    w: tuple[float, ...]
+    act: tuple[float, ...]          # bytes kept for backward per micro-batch
+    act_w: tuple[float, ...]        # of which still needed by W after B (split)
+    out_bytes: tuple[float, ...]    # bytes of the layer's output (sent if a stage ends here)
+    params: tuple[float, ...]       # parameter count
+    bytes_per_param_static: float = 16.0   # weights + grads + optimizer state
+    grad_bytes_per_param: float = 2.0      # bytes all-reduced per parameter
+    optim_time_per_param: float = 0.0
+    copy_time: float = 0.0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.f)
+
+
+@dataclass(frozen=True)
+class PerLayerCostModel:
+    """Sums per-layer costs over each stage's contiguous layers (even split unless given)."""
+
+    layers: LayerCosts
+    partition: tuple[int, ...] | None = None
+
+    def bind(self, sched: Schedule) -> StageCosts:
+        L = self.layers
+        S, C = sched.num_stages, sched.num_copies
+        parts = partition_layers(L.num_layers, S, self.partition)
+
+        def per_stage(vals):
+            return [sum(vals[i] for i in rng) for rng in parts]
+
+        f = per_stage(L.f)
+        if sched.split_backward:
+            b, w = per_stage(L.b_input), per_stage(L.w)
+        else:
+            b = [x + y for x, y in zip(per_stage(L.b_input), per_stage(L.w))]
+            w = [0.0] * S
+        act = per_stage(L.act)
+        act_w = per_stage(L.act_w) if sched.split_backward else [0.0] * S
+        out = [L.out_bytes[rng[-1]] for rng in parts]
+        # the gradient a stage sends upstream has the shape of its input = previous stage's output
+        grad = [0.0] + out[:-1]
+        params = per_stage(L.params)
+        static, optim = [], []
+        for r in range(sched.num_ranks):
+            held = sched.stages_on(sched.rank_device(r))
+            p = sum(params[s] for _, s in held)
+            static.append(p * L.bytes_per_param_static)
+            optim.append(p * L.optim_time_per_param)
+        rows = lambda v: _table([v] * C)  # noqa: E731
+        return StageCosts("s", "B", rows(f), rows(b), rows(w), rows(act), rows(act_w), rows(out), rows(grad),
+                          rows([p * L.grad_bytes_per_param for p in params]), tuple(static), tuple(optim),
+                          L.copy_time, {"model": "per-layer", "partition": [len(r) for r in parts]})

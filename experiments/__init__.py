@@ -1,0 +1,1 @@
+"""Command line, paper reproductions, cross-validation, plots and reports."""
