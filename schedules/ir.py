@@ -49,9 +49,17 @@ class Op:
     chunk: int = 0
     peer: int = -1
     payload: str = ""
+    _tok: str | None = field(default=None, compare=False, repr=False, hash=False)
 
     # ------------------------------------------------------------------ tokens
     def __str__(self) -> str:  # noqa: D105
+        tok = self._tok
+        if tok is None:
+            tok = self._token()
+            object.__setattr__(self, "_tok", tok)   # ops are immutable: the token is cached
+        return tok
+
+    def _token(self) -> str:
         suffix = ""
         if self.copy:
             suffix += f".c{self.copy}"

@@ -36,7 +36,8 @@ def make_trace(rows: list[dict] | list[tuple], **attrs) -> pd.DataFrame:
     if rows and isinstance(rows[0], dict):
         df = pd.DataFrame(rows, columns=COLUMNS)
     else:
-        df = pd.DataFrame.from_records(rows, columns=COLUMNS)
+        cols = list(zip(*rows)) if rows else [[] for _ in COLUMNS]
+        df = pd.DataFrame(dict(zip(COLUMNS, cols)), columns=COLUMNS)
     df = df.astype({"device": int, "step": int, "seq": int, "copy": int, "stage": int, "chunk": int,
                     "microbatch": int, "peer": int, "start": float, "end": float,
                     "bytes": float, "act_mem": float})
@@ -51,6 +52,7 @@ class DeviceMetrics:
     bubble_ratio: float
     peak_activation: float
     peak_memory: float
+    static_memory: float = 0.0
 
 
 @dataclass
@@ -89,7 +91,7 @@ def step_metrics(trace: pd.DataFrame, step: int | None = None) -> Metrics:
         b = float(busy.get(d, 0.0))
         pa = float(peak.get(d, 0.0))
         st = float(static.get(d, static.get(str(d), 0.0))) if isinstance(static, dict) else float(static[d])
-        per.append(DeviceMetrics(int(d), b, 1.0 - b / it if it > 0 else 0.0, pa, st + pa))
+        per.append(DeviceMetrics(int(d), b, 1.0 - b / it if it > 0 else 0.0, pa, st + pa, st))
     its = []
     for s in steps:
         ts = trace[trace["step"] == s]
@@ -103,3 +105,35 @@ def op_orders(trace: pd.DataFrame, step: int | None = None) -> dict[int, list[st
     step = steps[-1] if step is None else step
     t = trace[trace["step"] == step].sort_values(["device", "seq"], kind="stable")
     return {int(d): list(g["token"]) for d, g in t.groupby("device", sort=True)}
+
+
+def to_chrome(trace: pd.DataFrame) -> dict:
+    """Chrome trace (Perfetto / chrome://tracing) of a trace: one row (thread) per device, one
+    slice per op, plus an activation-memory counter per device. Unit-cost time (F) is shown as
+    1 F = 1 ms."""
+    scale = 1e6 if trace.attrs.get("time_unit", "s") == "s" else 1e3
+    name = f"{trace.attrs.get('engine', '')} {trace.attrs.get('schedule', '')}".strip() or "pipetwin"
+    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": name}}]
+    for d in sorted(trace["device"].unique()):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": int(d), "args": {"name": f"device {d}"}})
+    t0 = float(trace["start"].min()) if len(trace) else 0.0
+    mem_unit = trace.attrs.get("mem_unit", "B")
+    for row in trace.itertuples(index=False):
+        ts = (row.start - t0) * scale
+        events.append({"name": row.token, "cat": row.kind, "ph": "X", "pid": 0, "tid": int(row.device),
+                       "ts": ts, "dur": max(0.0, (row.end - row.start) * scale),
+                       "args": {"step": int(row.step), "microbatch": int(row.microbatch), "stage": int(row.stage),
+                                "copy": int(row.copy), "chunk": int(row.chunk), "peer": int(row.peer),
+                                "bytes": float(row.bytes)}})
+        if row.kind in COMPUTE:
+            events.append({"name": f"activation memory ({mem_unit}) device {row.device}", "ph": "C", "pid": 0,
+                           "ts": (row.end - t0) * scale, "args": {"act_mem": float(row.act_mem)}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {k: (v if isinstance(v, (int, float, str)) else str(v)) for k, v in trace.attrs.items()}}
+
+
+def write_chrome(trace: pd.DataFrame, path) -> None:
+    import json
+    from pathlib import Path
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(to_chrome(trace)))

@@ -1,0 +1,22 @@
+"""``pipetwin demo``: the main job on built-in defaults (what ``make demo`` runs)."""
+from __future__ import annotations
+
+import argparse
+
+from . import cmd_compare
+
+NAME = "demo"
+HELP = "compare every schedule at D=4, N=8 and write figure, Chrome traces and table under out/"
+
+
+def add_arguments(p):
+    p.add_argument("--out", default="out", help="output folder (default: out)")
+    p.add_argument("--devices", "-D", type=int, default=4)
+    p.add_argument("--microbatches", "-N", type=int, default=8)
+
+
+def main(args) -> int:
+    ns = argparse.Namespace(schedules="all", devices=args.devices, microbatches=args.microbatches, chunks=2, dp=1,
+                            no_eager=False, unit_costs=True, slowdown=[], jitter=0.0, seed=0, json=False,
+                            plot=None, out=args.out)
+    return cmd_compare.main(ns)

@@ -1,0 +1,56 @@
+"""``pipetwin simulate``: simulate one iteration of a schedule and report its metrics."""
+from __future__ import annotations
+
+from schedules.trace import write_chrome
+from sim import simulate
+
+from .common import add_schedule_args, build_lowered, fmt_table, metrics_record, print_json
+from .costs import add_cost_args, resolve_costs, sim_options
+
+NAME = "simulate"
+HELP = "simulate one training iteration of a schedule"
+
+
+def add_arguments(p):
+    add_schedule_args(p)
+    add_cost_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="write the timeline figure")
+    p.add_argument("--chrome-trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--trace", metavar="FILE.csv", help="write the trace as CSV")
+
+
+def run_one(name: str, args):
+    low = build_lowered(name, args)
+    costs, network, extra = resolve_costs(args, low)
+    trace = simulate(low, costs, network, sim_options(args, low))
+    return low, trace, extra
+
+
+def main(args) -> int:
+    low, trace, extra = run_one(args.schedule, args)
+    rec = metrics_record(trace, **extra)
+    if args.plot:
+        from .plots import plot_timeline
+        plot_timeline(trace, args.plot)
+    if args.chrome_trace:
+        write_chrome(trace, args.chrome_trace)
+    if args.trace:
+        trace.to_csv(args.trace, index=False)
+    if args.json:
+        print_json(rec)
+        return 0
+    unit, mem = rec["time_unit"], rec["memory_unit"]
+    print(f"{rec['schedule']}: D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
+          f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
+    for k, v in extra.items():
+        if not isinstance(v, (dict, list)):
+            print(f"  {k}: {v}")
+    print(fmt_table(rec["per_device"], ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"],
+                    {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}",
+                     "peak_memory": "{:.6g}"}))
+    print(f"(time in {unit}, memory in {mem})")
+    for what, path in (("figure", args.plot), ("chrome trace", args.chrome_trace), ("trace", args.trace)):
+        if path:
+            print(f"wrote {what}: {path}")
+    return 0

@@ -1,0 +1,259 @@
+"""The SimPy engine: interprets a lowered schedule with a cost model and returns a trace.
+
+One SimPy process per rank walks its program:
+
+- F / B / W take their time from the cost model (times the rank's slowdown and optional
+  per-op jitter). With ``hosts``, ranks on one host share its cores (processor sharing: each
+  compute op is a flow of its duration in core-seconds, capped at one core).
+- SEND posts the message and returns at once (isend); the transfer occupies every link on the
+  network path for latency + bytes / bandwidth, sharing each link's bandwidth with concurrent
+  transfers. RECV blocks until its message has arrived. COPY is local (``copy_time``).
+- ALLREDUCE starts once every member of the stage's group has reached it; it runs as a ring
+  (2(n-1) rounds of S/n bytes to the next rank, over the same links) while the ranks go on;
+  OPTIM waits for the rank's all-reduces, then takes ``optim_time``.
+- Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
+  F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
+
+The engine knows no schedule by name: everything it does is driven by op kinds and placement.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import simpy
+
+from cost_models.base import StageCosts
+from cost_models.network import Network
+from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError,
+                          message_key)
+from schedules.lower import lower
+from schedules.trace import make_trace
+
+from .flows import FairShare
+
+
+@dataclass
+class SimOptions:
+    """Knobs beyond the schedule and the costs.
+
+    slowdown: per-rank factor on compute time (a straggler GPU: {3: 1.5}).
+    link_slowdown: per-link-name factor dividing bandwidth (a slow link: {"node1.nic.out": 2}).
+    jitter: relative standard deviation of per-op compute noise (seeded, deterministic).
+    hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores.
+    """
+
+    slowdown: Mapping[int, float] = field(default_factory=dict)
+    link_slowdown: Mapping[str, float] = field(default_factory=dict)
+    jitter: float = 0.0
+    seed: int = 0
+    hosts: Sequence[int] | None = None
+    cores: float | Mapping[int, float] = 1.0
+
+
+class SimulationError(RuntimeError):
+    pass
+
+
+def simulate(sched: Schedule, costs: StageCosts, network: Network | None = None,
+             options: SimOptions | None = None, *, eager: bool = True) -> "pd.DataFrame":  # noqa: F821
+    """Simulate one training iteration of ``sched`` (lowered here if it is not) and return its trace."""
+    opts = options or SimOptions()
+    low = sched if sched.lowered else lower(sched, eager=eager)
+    return _Engine(low, costs, network, opts).run()
+
+
+class _Engine:
+    def __init__(self, sched: Schedule, costs: StageCosts, network: Network | None, opts: SimOptions):
+        self.s = sched
+        self.c = costs
+        self.net = network
+        self.o = opts
+        self.env = simpy.Environment()
+        self.flows = FairShare(self.env)
+        self.rows: list[tuple] = []
+        self.arrived: set[tuple] = set()                 # messages delivered, not yet received
+        self.waiting: dict[tuple, simpy.Event] = {}      # RECVs blocked on a message
+        self.ar_arrived: dict[int, list[int]] = {}
+        self.ar_done: dict[int, simpy.Event] = {}
+        self.ar_end: dict[int, float] = {}
+        self.pending_ar: dict[int, list[tuple]] = {}   # rank -> (row index, op index, op, start, bytes, act)
+        self.rng = random.Random(opts.seed)
+        self.pc = [0] * sched.num_ranks
+        self.finished = [False] * sched.num_ranks
+        R = sched.num_ranks
+        if len(costs.static_mem) != R:
+            raise ScheduleError(f"costs were bound for {len(costs.static_mem)} ranks, schedule has {R}; "
+                                f"bind the cost model to the lowered schedule")
+        self.groups = {s: sched.stage_group(s) for s in range(sched.num_stages)}
+
+    # ------------------------------------------------------------------ helpers
+    def _path(self, a: int, b: int):
+        links = self.net.path(a, b)
+        out, lat = [], 0.0
+        for ln in links:
+            bw = ln.bandwidth / self.o.link_slowdown.get(ln.name, 1.0)
+            out.append((ln.name, bw))
+            lat += ln.latency
+        return out, lat
+
+    def _deliver(self, msg: tuple) -> None:
+        """Message ``msg`` = (src, dst, n-th on that pair) has arrived at dst."""
+        ev = self.waiting.pop(msg, None)
+        if ev is None:
+            self.arrived.add(msg)
+        else:
+            ev.succeed()
+
+    def _transfer(self, a: int, b: int, nbytes: float, msg: tuple):
+        links, lat = self._path(a, b)
+        if lat > 0:
+            yield self.env.timeout(lat)
+        yield self.flows.start(nbytes, links)
+        self._deliver(msg)
+
+    def _compute_time(self, rank: int, kind: str, copy: int, stage: int) -> float:
+        t = self.c.compute_time(kind, copy, stage) * self.o.slowdown.get(rank, 1.0)
+        if self.o.jitter:
+            t *= max(0.05, self.rng.gauss(1.0, self.o.jitter))
+        return t
+
+    def _cores(self, host: int) -> float:
+        c = self.o.cores
+        return float(c.get(host, 1.0)) if isinstance(c, Mapping) else float(c)
+
+    # ------------------------------------------------------------------ all-reduce
+    def _allreduce(self, stage: int, members: list[int]):
+        nbytes = self.c.param_bytes[0][stage]
+        n = len(members)
+        if self.net is not None and nbytes > 0 and n > 1:
+            chunk = nbytes / n
+            for _ in range(2 * (n - 1)):
+                evs = []
+                lat = 0.0
+                for i, a in enumerate(members):
+                    links, la = self._path(a, members[(i + 1) % n])
+                    lat = max(lat, la)
+                    evs.append((links, chunk))
+                if lat > 0:
+                    yield self.env.timeout(lat)
+                yield self.env.all_of([self.flows.start(ch, ln) for ln, ch in evs])
+        self.ar_end[stage] = self.env.now
+        self.ar_done[stage].succeed()
+
+    # ------------------------------------------------------------------ rank process
+    def _compile(self, r: int) -> list[tuple]:
+        """Resolve every op of rank r once: its trace-row prefix, duration or bytes, activation
+        change and message event, so the hot loop does no lookups."""
+        c, s = self.c, self.s
+        split = s.split_backward
+        slow = self.o.slowdown.get(r, 1.0)
+        fifo_count: dict = {}
+        out = []
+        for i, op in enumerate(s.program(r)):
+            k = op.kind
+            pre = (r, 0, i, k, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer)
+            cs = (op.copy, op.stage)
+            if k in (F, B, W):
+                a = c.act[op.copy][op.stage]
+                aw = c.act_w[op.copy][op.stage] if split else 0.0
+                grow = a if k == F else 0.0
+                free = (a - aw) if k == B else (aw if k == W else 0.0)
+                out.append((k, pre, c.compute_time(k, *cs) * slow, grow, free, None))
+            elif k in (SEND, RECV):
+                src_stage = op.stage if k == SEND else (op.stage - 1 if op.payload == ACT else op.stage + 1)
+                table = c.act_bytes if op.payload == ACT else c.grad_bytes
+                pair = (r, op.peer) if k == SEND else (op.peer, r)
+                # per-pair FIFO (checked by validation): the n-th SEND of a pair is the n-th RECV
+                n = fifo_count[(k, pair)] = fifo_count.get((k, pair), -1) + 1
+                out.append((k, pre, table[op.copy][src_stage], 0.0, 0.0, pair + (n,)))
+            elif k == ALLREDUCE:
+                out.append((k, pre, c.param_bytes[op.copy][op.stage], 0.0, 0.0, op))
+            else:
+                out.append((k, pre, 0.0, 0.0, 0.0, None))
+        return out
+
+    def _rank(self, r: int):
+        env, c = self.env, self.c
+        rows = self.rows
+        act = 0.0
+        my_ars: list[int] = []
+        host = self.o.hosts[r] if self.o.hosts is not None else None
+        jitter = self.o.jitter
+        no_net = self.net is None
+        for i, (k, pre, val, grow, free, ref) in enumerate(self._compile(r)):
+            self.pc[r] = i
+            start = env.now
+            nbytes = 0.0
+            if k in (F, B, W):
+                dur = val * max(0.05, self.rng.gauss(1.0, jitter)) if jitter else val
+                act += grow
+                if host is None:
+                    yield env.timeout(dur)
+                else:
+                    yield self.flows.start(dur, {f"host{host}.cores": self._cores(host)}, cap=1.0)
+                act -= free
+            elif k == SEND:
+                nbytes = val
+                if no_net:
+                    self._deliver(ref)
+                else:
+                    env.process(self._transfer(r, pre[9], val, ref))
+            elif k == RECV:
+                nbytes = val
+                if ref in self.arrived:
+                    self.arrived.discard(ref)
+                else:
+                    ev = self.waiting[ref] = env.event()
+                    yield ev
+            elif k == COPY:
+                if c.copy_time:
+                    yield env.timeout(c.copy_time)
+            elif k == ALLREDUCE:
+                st = ref.stage
+                arrived = self.ar_arrived.setdefault(st, [])
+                arrived.append(r)
+                if st not in self.ar_done:
+                    self.ar_done[st] = env.event()
+                my_ars.append(st)
+                if len(arrived) == len(self.groups[st]):
+                    env.process(self._allreduce(st, self._ring_order(self.groups[st])))
+                # asynchronous: its row is completed at OPTIM, once its end is known
+                self.pending_ar.setdefault(r, []).append((len(rows), pre, start, val, act))
+                rows.append(None)
+                continue
+            elif k == OPTIM:
+                for st in my_ars:
+                    ev = self.ar_done[st]
+                    if not ev.triggered:
+                        yield ev
+                self._fill_ar_rows(r)
+                if c.optim_time[r]:
+                    yield env.timeout(c.optim_time[r])
+            rows.append(pre + (start, env.now, nbytes, act))
+        self.finished[r] = True
+
+    def _ring_order(self, members: list[int]) -> list[int]:
+        order = getattr(self.net, "ring_order", None)
+        return list(order(members)) if order else list(members)
+
+    def _fill_ar_rows(self, r: int) -> None:
+        for idx, pre, start, nbytes, act in self.pending_ar.pop(r, []):
+            self.rows[idx] = pre + (start, max(start, self.ar_end[pre[6]]), nbytes, act)
+
+    def run(self):
+        for r in range(self.s.num_ranks):
+            self.env.process(self._rank(r))
+        self.env.run()
+        stuck = [r for r in range(self.s.num_ranks) if not self.finished[r]]
+        if stuck:
+            desc = "; ".join(f"rank {r} at {self.s.program(r)[self.pc[r]]}" for r in stuck)
+            raise SimulationError(f"simulation deadlocked: {desc}")
+        rows = [row for row in self.rows if row is not None]
+        c = self.c
+        return make_trace(rows, engine="sim", schedule=self.s.name, devices=self.s.num_devices,
+                          microbatches=self.s.num_microbatches, replicas=self.s.replicas,
+                          time_unit=c.time_unit, mem_unit=c.mem_unit,
+                          static_mem={r: c.static_mem[r] for r in range(self.s.num_ranks)},
+                          cost_model=c.meta.get("model", ""))

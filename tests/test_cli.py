@@ -1,0 +1,74 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments.cli import main
+
+
+def run_cli(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_simulate_json_unit_costs(capsys):
+    rc, out, _ = run_cli(capsys, "simulate", "--schedule", "bitpipe", "--devices", "4", "--microbatches", "4",
+                         "--unit-costs", "--json")
+    assert rc == 0
+    rec = json.loads(out)
+    assert rec["schedule"] == "bitpipe" and rec["devices"] == 4 and rec["microbatches"] == 4
+    assert rec["iteration_time"] == pytest.approx(14.0)
+    assert rec["bubble_ratio"] == pytest.approx(2 / 14)
+    assert [p["peak_activation"] for p in rec["per_device"]] == [3.5, 4.0, 4.0, 3.5]
+    assert set(rec["per_device"][0]) >= {"device", "busy", "bubble_ratio", "peak_activation", "peak_memory"}
+
+
+def test_simulate_writes_outputs(capsys, tmp_path):
+    png, js = tmp_path / "t.png", tmp_path / "t.json"
+    rc, out, _ = run_cli(capsys, "simulate", "-s", "chimera", "-D", "4", "-N", "8", "--unit-costs",
+                         "--plot", str(png), "--chrome-trace", str(js))
+    assert rc == 0 and "bubble 0.2500" in out
+    assert png.stat().st_size > 10_000 and json.loads(js.read_text())["traceEvents"]
+
+
+def test_compare_table_and_figure(capsys, tmp_path):
+    rc, out, _ = run_cli(capsys, "compare", "-D", "4", "-N", "4", "--unit-costs", "--json",
+                         "--plot", str(tmp_path / "c.png"))
+    assert rc == 0
+    rows = {r["schedule"]: r for r in json.loads(out)["schedules"]}
+    assert rows["gpipe"]["bubble_ratio"] == pytest.approx(3 / 7)
+    assert rows["interleaved"]["bubble_ratio"] == pytest.approx(3 / 11)
+    assert (tmp_path / "c.png").exists()
+
+
+def test_compare_skips_inadmissible(capsys):
+    rc, out, _ = run_cli(capsys, "compare", "-D", "3", "-N", "3", "--unit-costs", "--schedules", "dapple,bitpipe")
+    assert rc == 0 and "skipped bitpipe: bitpipe needs an even number of devices; got 3" in out
+
+
+def test_demo_writes_everything(capsys, tmp_path):
+    rc, out, _ = run_cli(capsys, "demo", "--out", str(tmp_path))
+    assert rc == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"compare.png", "table.csv", "bitpipe.chrome.json", "gpipe.chrome.json"} <= names
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["simulate", "-s", "bitpipe", "-D", "5", "-N", "10", "--unit-costs"], "bitpipe needs an even number of devices; got 5"),
+    (["simulate", "-s", "nope", "-D", "2", "-N", "2", "--unit-costs"], "unknown schedule 'nope'"),
+    (["simulate", "-s", "interleaved", "-D", "4", "-N", "6", "--unit-costs"], "multiple of the number of devices"),
+    (["simulate", "-s", "dapple", "-D", "2", "-N", "2", "--unit-costs", "--slowdown", "9=2"], "ranks 0..1"),
+])
+def test_user_errors_exit_nonzero_one_line(argv, msg):
+    p = subprocess.run([sys.executable, "-m", "experiments", *argv], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert msg in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_schedules_lists_requirements(capsys):
+    rc, out, _ = run_cli(capsys, "schedules")
+    assert rc == 0
+    assert "bitpipe" in out and "D even, N multiple of D" in out
