@@ -47,7 +47,8 @@ class StageCosts:
     meta: dict = field(default_factory=dict, compare=False)
 
     def compute_time(self, kind: str, copy: int, stage: int) -> float:
-        return {"F": self.f, "B": self.b, "W": self.w}[kind][copy][stage]
+        table = self.f if kind == "F" else self.b if kind == "B" else self.w
+        return table[copy][stage]
 
 
 class CostModel(Protocol):
