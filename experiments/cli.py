@@ -47,6 +47,9 @@ def main(argv=None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"pipetwin: error: {msg}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("pipetwin: interrupted", file=sys.stderr)
         return 130

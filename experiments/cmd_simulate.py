@@ -4,7 +4,7 @@ from __future__ import annotations
 from schedules.trace import write_chrome
 from sim import simulate
 
-from .common import add_schedule_args, build_lowered, fmt_table, metrics_record, print_json
+from .common import add_schedule_args, build_lowered, fmt_table, metrics_record, print_json, units_note
 from .costs import add_cost_args, resolve_costs, sim_options
 
 NAME = "simulate"
@@ -49,7 +49,7 @@ def main(args) -> int:
     print(fmt_table(rec["per_device"], ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"],
                     {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}",
                      "peak_memory": "{:.6g}"}))
-    print(f"(time in {unit}, memory in {mem})")
+    print(units_note(unit, mem))
     for what, path in (("figure", args.plot), ("chrome trace", args.chrome_trace), ("trace", args.trace)):
         if path:
             print(f"wrote {what}: {path}")

@@ -72,3 +72,10 @@ def fmt_table(rows: list[dict], cols: list[str], fmts: dict | None = None) -> st
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in cells]
     return "\n".join(out)
+
+
+def units_note(time_unit: str, mem_unit: str) -> str:
+    if mem_unit == "Ma":
+        return ("(time in F = one full-stage forward; activations in Ma; peak_memory adds weights+grads+optimizer "
+                "in Mw, one full stage = 1)")
+    return f"(time in {time_unit}, memory in bytes)"
