@@ -1,4 +1,29 @@
-"""What things cost: model and cluster specs, compute/communication/memory cost functions."""
+"""What things cost: model and cluster specs, compute/communication/memory cost functions.
+
+Entry points (all units SI: seconds, bytes, bytes/s, FLOP/s):
+
+* specs: :func:`load_model`, :func:`load_device`, :func:`load_cluster` (preset name or YAML path;
+  :func:`model_presets`, :func:`device_presets`, :func:`cluster_presets` list the presets);
+* compute: :class:`TransformerCostModel` ``(model, device, recompute=...).bind(schedule)`` ->
+  :class:`StageCosts`; :func:`transformer_layers` for the per-layer formulas;
+* network: :class:`Cluster` (``path(src, dst)``), ``cluster.place(schedule, "copies-same-node")``;
+* communication: :func:`p2p_time`, :func:`ring_allreduce_time`, :func:`allreduce_time`,
+  :func:`allreduce_steps`;
+* memory: :func:`memory_report` / :func:`check_memory` (out-of-memory verdict);
+* calibration: :func:`load_profile` -> per-layer cost model + cluster of cpu ranks.
+"""
+from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel, StageCosts, UnitCostModel, partition_layers
-from .model_spec import ModelSpec, SpecError, load_model, model_presets
+from .calibration import CalibrationProfile, LayerTiming, load_profile, profile_from_dict, save_profile
+from .cluster import (LINK_TYPES, MAPPINGS, Cluster, LinkSpec, cluster_from_dict, cluster_presets, link_types,
+                      load_cluster, map_copies_same_node, sequential_map, stage_sharing_groups)
+from .comm import (all_gather_time, allreduce_kind, allreduce_steps, allreduce_time, p2p_time, path_time,
+                   reduce_scatter_time, ring_allreduce_time, step_time, steps_time)
+from .device import DeviceSpec, device_from_dict, device_presets, load_device
+from .memory import (MemoryReport, OutOfMemory, StaticMemory, activation_walk, check_memory, memory_report,
+                     peak_activation, static_memory)
+from .model_spec import ModelSpec, load_model, model_presets, spec_from_dict
 from .network import Link, Network, PortNetwork
+from .transformer import (RECOMPUTE, Layer, TransformerCostModel, block_activation_bytes, block_flops,
+                          block_params, block_weight_grad_bytes, boundary_bytes, default_partition, model_flops,
+                          model_params, recompute_flops, transformer_layers)

@@ -1,20 +1,23 @@
 """Model specs: the sizes of a GPT-style decoder (and of other layer stacks the papers use).
 
 A spec is what both the executor (to build the real model) and the cost models (to compute
-FLOPs and bytes) read. Presets ship as YAML files under ``cost_models/presets/models``; a user
-passes a preset name or a path to their own YAML file.
+FLOPs and bytes, see :mod:`cost_models.transformer`) read. Presets ship as YAML files under
+``cost_models/presets/models``; a user passes a preset name or a path to their own YAML file.
+
+Fields: ``layers`` transformer blocks (embedding and output head come on top), ``hidden`` h,
+``heads`` a, ``seq_len`` s, ``vocab`` V, ``micro_batch`` b (sequences per micro-batch),
+``ffn_mult`` (MLP width = ffn_mult * h), ``kind`` gpt | bert, ``dtype_bytes`` (bytes per
+activation / weight element: 2 for fp16/bf16, 4 for fp32).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, fields
-from importlib import resources
 from pathlib import Path
 
-import yaml
+from ._spec import SpecError, presets, read_yaml
 
-
-class SpecError(ValueError):
-    """A malformed or unknown spec; the message names the file and field."""
+KINDS = ("gpt", "bert")
 
 
 @dataclass(frozen=True)
@@ -33,21 +36,24 @@ class ModelSpec:
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch", "ffn_mult", "dtype_bytes"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(f"model {self.name!r}: field {f!r} must be a positive integer; got {v!r}")
         if self.hidden % self.heads:
-            raise SpecError(f"model {self.name!r}: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+            raise SpecError(f"model {self.name!r}: field 'heads': hidden ({self.hidden}) must be divisible "
+                            f"by heads ({self.heads})")
+        if self.kind not in KINDS:
+            raise SpecError(f"model {self.name!r}: field 'kind' must be one of {', '.join(KINDS)}; got {self.kind!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-
-def _preset_dir():
-    return resources.files("cost_models") / "presets" / "models"
+    def replace(self, **changes) -> "ModelSpec":
+        """A copy with some fields changed (e.g. ``micro_batch=4``), validated again."""
+        return dataclasses.replace(self, **changes)
 
 
 def model_presets() -> list[str]:
-    return sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
+    return presets("models")
 
 
 def spec_from_dict(d: dict, source: str = "<dict>") -> ModelSpec:
@@ -64,23 +70,13 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> ModelSpec:
     d.setdefault("name", Path(source).stem)
     try:
         return ModelSpec(**d)
+    except SpecError as e:
+        raise SpecError(f"{source}: {e}") from None
     except TypeError as e:  # pragma: no cover - defensive
         raise SpecError(f"{source}: {e}") from None
 
 
-def load_model(name_or_path: str) -> ModelSpec:
+def load_model(name_or_path: str | Path) -> ModelSpec:
     """A preset name (see :func:`model_presets`) or a path to a YAML file."""
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.exists():
-            raise SpecError(f"model file {p} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise SpecError(f"{p}: not valid YAML ({e})") from None
-        return spec_from_dict(data, str(p))
-    f = _preset_dir() / f"{name_or_path}.yaml"
-    if not f.is_file():
-        raise SpecError(f"unknown model preset {name_or_path!r}; choose one of {', '.join(model_presets())} "
-                        f"or pass a YAML file")
-    return spec_from_dict(yaml.safe_load(f.read_text()), name_or_path)
+    data, source = read_yaml(name_or_path, "models", "model")
+    return spec_from_dict(data, source)

@@ -1,0 +1,206 @@
+"""Calibration profiles: costs measured on a real machine (the ``cpu`` device of the executor).
+
+A profile is a YAML file written by a calibration run and read by :func:`load_profile`. It turns
+into a per-layer cost model (measured seconds; parameter and activation bytes from the formulas
+of :mod:`cost_models.transformer` unless measured) and a one-node :class:`Cluster` of ``cpu``
+devices whose links are the fitted point-to-point and all-reduce costs. Format (version 1)::
+
+    format: pipetwin-calibration/1
+    name: laptop-gloo              # free text
+    model: tiny                    # model preset name, YAML path, or a mapping of ModelSpec fields
+    layers:                        # seconds per micro-batch of the model's micro_batch, per layer kind
+      embedding: {f: 2.0e-5, b_input: 0.0, w: 3.0e-5}
+      block:     {f: 4.1e-4, b_input: 4.5e-4, w: 3.9e-4}
+      head:      {f: 1.2e-4, b_input: 1.1e-4, w: 1.0e-4}
+    # per_layer: [{f:, b_input:, w:}, ...]   # optional, one entry per layer (L + 2), wins over `layers`
+    # act_bytes: {embedding: ..., block: ..., head: ...}   # optional measured bytes kept F -> B
+    p2p: {latency: 60 us, bandwidth: 2.5 GB/s}        # one message: latency + bytes / bandwidth
+    allreduce: {latency: 80 us, bandwidth: 1.2 GB/s}  # fit of 2(n-1) latency + 2(n-1)/n S / bandwidth
+    optimizer: {seconds_per_param: 3.0e-9}            # optimizer step time per parameter
+    copy_time: 0.0                 # seconds of a local hand-off (optional)
+    memory: 16 GiB                 # memory one rank may use (optional; no OOM verdict without it)
+    meta: {host: ..., torch: ..., threads: 1, date: ...}   # free-form, kept as is
+
+Units: seconds, bytes, bytes/s (unit strings such as ``60 us`` or ``2.5 GB/s`` are accepted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import _spec
+from ._spec import SpecError
+from .base import LayerCosts, PerLayerCostModel
+from .cluster import Cluster, LinkSpec
+from .device import DeviceSpec
+from .model_spec import ModelSpec, load_model, spec_from_dict
+from .transformer import _check_recompute, default_partition, transformer_layers
+
+FORMAT = "pipetwin-calibration/1"
+KINDS = ("embedding", "block", "head")
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """Measured seconds of one layer for one micro-batch."""
+
+    f: float
+    b_input: float
+    w: float
+
+
+@dataclass(frozen=True)
+class CalibrationProfile:
+    name: str
+    model: ModelSpec
+    layers: tuple[LayerTiming, ...]          # one per layer: embedding, blocks, head
+    p2p: LinkSpec
+    allreduce: LinkSpec
+    optimizer_seconds_per_param: float = 0.0
+    copy_time: float = 0.0
+    memory_bytes: float | None = None
+    act_bytes: tuple[float, ...] | None = None   # measured bytes kept F -> B per layer, if any
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def device(self) -> DeviceSpec:
+        return DeviceSpec("cpu", (), self.memory_bytes, None, 1.0, True, f"CPU rank calibrated by {self.name}")
+
+    def layer_costs(self, recompute: str = "none", bytes_per_param: float = 16.0,
+                    grad_bytes_per_param: float | None = None, dropout: bool = True) -> LayerCosts:
+        """Measured seconds; bytes from the formulas (or the measured ``act_bytes``). Recomputation
+        adds the recomputed fraction of the measured forward to the input backward."""
+        _check_recompute(recompute)
+        formula = transformer_layers(self.model, recompute, dropout)
+        measured = self.act_bytes
+        act = [m if measured is not None and recompute == "none" else l.act_bytes
+               for l, m in zip(formula, measured or [None] * len(formula))]
+        grad = float(self.model.dtype_bytes if grad_bytes_per_param is None else grad_bytes_per_param)
+        return LayerCosts(
+            f=tuple(t.f for t in self.layers),
+            b_input=tuple(t.b_input + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0)
+                          for t, l in zip(self.layers, formula)),
+            w=tuple(t.w for t in self.layers),
+            act=tuple(float(a) for a in act),
+            act_w=tuple(l.act_w_bytes for l in formula),
+            out_bytes=tuple(l.out_bytes for l in formula),
+            params=tuple(float(l.params) for l in formula),
+            bytes_per_param_static=float(bytes_per_param),
+            grad_bytes_per_param=grad,
+            optim_time_per_param=self.optimizer_seconds_per_param,
+            copy_time=self.copy_time,
+        )
+
+    def cost_model(self, num_stages: int, partition: tuple[int, ...] | None = None, **kw) -> PerLayerCostModel:
+        """A per-layer cost model (seconds, bytes); ``kw`` go to :meth:`layer_costs`."""
+        return PerLayerCostModel(self.layer_costs(**kw), partition or default_partition(self.model.layers, num_stages))
+
+    def cluster(self, num_ranks: int) -> Cluster:
+        """``num_ranks`` cpu ranks on one host: the p2p fit is every rank's port, the all-reduce fit
+        the collective."""
+        return Cluster(f"{self.name}-{num_ranks}", 1, num_ranks, self.device(), self.p2p, self.p2p, 1, None,
+                       self.allreduce, f"{num_ranks} CPU ranks calibrated by profile {self.name}")
+
+    def to_dict(self) -> dict:
+        d = {"format": FORMAT, "name": self.name, "model": self.model.to_dict(),
+             "per_layer": [{"f": t.f, "b_input": t.b_input, "w": t.w} for t in self.layers],
+             "p2p": {"latency": self.p2p.latency, "bandwidth": self.p2p.bandwidth},
+             "allreduce": {"latency": self.allreduce.latency, "bandwidth": self.allreduce.bandwidth},
+             "optimizer": {"seconds_per_param": self.optimizer_seconds_per_param},
+             "copy_time": self.copy_time, "meta": dict(self.meta)}
+        if self.memory_bytes is not None:
+            d["memory"] = self.memory_bytes
+        if self.act_bytes is not None:
+            d["act_bytes_per_layer"] = list(self.act_bytes)
+        return d
+
+
+_FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
+           "allreduce", "optimizer", "copy_time", "memory", "meta")
+
+
+def _timing(v, source: str, fld: str) -> LayerTiming:
+    _spec.mapping(v, source, fld)
+    _spec.check_fields(v, source, ("f", "b_input", "w"), ("f", "b_input", "w"), fld + ".")
+    return LayerTiming(*(_spec.seconds(v[k], source, f"{fld}.{k}") for k in ("f", "b_input", "w")))
+
+
+def _fit(v, source: str, fld: str, kind: str) -> LinkSpec:
+    _spec.mapping(v, source, fld)
+    _spec.check_fields(v, source, ("latency", "bandwidth"), ("latency", "bandwidth"), fld + ".")
+    return LinkSpec(kind, _spec.bandwidth(v["bandwidth"], source, fld + ".bandwidth"),
+                    _spec.seconds(v["latency"], source, fld + ".latency"))
+
+
+def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
+    d = _spec.mapping(d, source)
+    _spec.check_fields(d, source, _FIELDS, ("model", "p2p", "allreduce"))
+    fmt = d.get("format", FORMAT)
+    if fmt != FORMAT:
+        raise SpecError(f"{source}: field 'format' must be {FORMAT!r}; got {fmt!r}")
+    m = d["model"]
+    try:
+        model = load_model(m) if isinstance(m, str) else spec_from_dict(m, f"{source} (field 'model')")
+    except SpecError as e:
+        raise SpecError(f"{source}: field 'model': {e}") from None
+    n = model.layers + 2
+    if "per_layer" in d:
+        pl = d["per_layer"]
+        if not isinstance(pl, list) or len(pl) != n:
+            raise SpecError(f"{source}: field 'per_layer' must list {n} layers (embedding, {model.layers} blocks, "
+                            f"head); got {len(pl) if isinstance(pl, list) else pl!r}")
+        layers = tuple(_timing(v, source, f"per_layer[{i}]") for i, v in enumerate(pl))
+    elif "layers" in d:
+        by = _spec.mapping(d["layers"], source, "layers")
+        _spec.check_fields(by, source, KINDS, KINDS, "layers.")
+        t = {k: _timing(by[k], source, f"layers.{k}") for k in KINDS}
+        layers = (t["embedding"], *[t["block"]] * model.layers, t["head"])
+    else:
+        raise SpecError(f"{source}: missing field 'layers' (or 'per_layer')")
+    act = None
+    if "act_bytes_per_layer" in d:
+        al = d["act_bytes_per_layer"]
+        if not isinstance(al, list) or len(al) != n:
+            raise SpecError(f"{source}: field 'act_bytes_per_layer' must list {n} numbers")
+        act = tuple(_spec.size_bytes(v, source, f"act_bytes_per_layer[{i}]", allow_zero=True)
+                    for i, v in enumerate(al))
+    elif "act_bytes" in d:
+        ab = _spec.mapping(d["act_bytes"], source, "act_bytes")
+        _spec.check_fields(ab, source, KINDS, KINDS, "act_bytes.")
+        v = {k: _spec.size_bytes(ab[k], source, f"act_bytes.{k}", allow_zero=True) for k in KINDS}
+        act = (v["embedding"], *[v["block"]] * model.layers, v["head"])
+    opt = d.get("optimizer", {}) or {}
+    _spec.mapping(opt, source, "optimizer")
+    _spec.check_fields(opt, source, ("seconds_per_param",), prefix="optimizer.")
+    osp = _spec.seconds(opt.get("seconds_per_param", 0.0), source, "optimizer.seconds_per_param")
+    mem = d.get("memory")
+    meta = d.get("meta", {}) or {}
+    _spec.mapping(meta, source, "meta")
+    return CalibrationProfile(
+        name=str(d.get("name", Path(source).stem)), model=model, layers=layers,
+        p2p=_fit(d["p2p"], source, "p2p", "calibrated-p2p"),
+        allreduce=_fit(d["allreduce"], source, "allreduce", "calibrated-allreduce"),
+        optimizer_seconds_per_param=osp,
+        copy_time=_spec.seconds(d.get("copy_time", 0.0), source, "copy_time"),
+        memory_bytes=None if mem is None else _spec.size_bytes(mem, source, "memory"),
+        act_bytes=act, meta=dict(meta))
+
+
+def load_profile(path: str | Path) -> CalibrationProfile:
+    """Read a calibration profile YAML file (see the module docstring for the format)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"calibration profile {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError(f"{p}: not valid YAML ({e})") from None
+    return profile_from_dict(data, str(p))
+
+
+def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
+    """Write a profile (per-layer form) that :func:`load_profile` reads back unchanged."""
+    p = Path(path)
+    p.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+    return p

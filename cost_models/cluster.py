@@ -1,0 +1,330 @@
+"""Cluster specs: nodes of devices, the links inside a node and the network between nodes.
+
+A :class:`Cluster` implements the :class:`~cost_models.network.Network` protocol. The model:
+
+* Inside a node every device has one full-duplex port into a non-blocking fabric (NVSwitch,
+  or a PCIe switch): a message from local device i to local device j crosses the links
+  ``n<node>.g<i>.out`` and ``n<node>.g<j>.in`` (``intra`` bandwidth each, ``intra`` latency once).
+* Between nodes a message leaves through the sender's NIC and enters through the receiver's
+  NIC: links ``n<a>.nic<k>.out`` and ``n<b>.nic<l>.in`` (``inter`` bandwidth, latency once).
+  Local device i uses NIC ``i * nics_per_node // devices_per_node`` (rail-style: with 8 NICs
+  for 8 GPUs each GPU has its own; with one NIC all flows of a node share it). The switch
+  between nodes is non-blocking.
+* Each link carries its latency on the first link of a path only, so a lone message of S bytes
+  takes ``sum(latencies) + S / min(bandwidths)`` (:func:`cost_models.comm.p2p_time`); the
+  simulator shares a link's bandwidth between the transfers crossing it.
+
+Ranks of a schedule are placed on physical devices by ``device_map`` (rank -> global device
+index ``node * devices_per_node + local``; None = identity). :func:`sequential_map` keeps rank
+order; :func:`map_copies_same_node` puts the devices that hold copies of the same stage (the two
+pipelines of Chimera / BitPipe, optionally data-parallel replicas too) on one node, so the stage
+gradient all-reduce stays on NVLink (BitPipe's mapping).
+
+A cluster YAML file (presets in ``cost_models/presets/clusters``)::
+
+    name: dgx-a100-4x8-ib
+    nodes: 4
+    devices_per_node: 8
+    device: a100                  # device preset, YAML path, or an inline device mapping
+    intra: nvlink3                # a link type (see LINK_TYPES) or {type:, bandwidth:, latency:}
+    inter: {type: ib-hdr}         # bandwidth in B/s or e.g. '200 Gb/s'; latency in s or '5 us'
+    nics_per_node: 8
+
+Units: bandwidth bytes/s per direction, latency seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import _spec
+from ._spec import SpecError
+from .device import DeviceSpec, device_from_dict, load_device
+from .network import Link
+
+if TYPE_CHECKING:  # pragma: no cover
+    from schedules.ir import Schedule
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A class of link: ``bandwidth`` bytes/s per direction of one port, ``latency`` seconds."""
+
+    kind: str
+    bandwidth: float
+    latency: float
+
+    def to_dict(self) -> dict:
+        return {"type": self.kind, "bandwidth": self.bandwidth, "latency": self.latency}
+
+
+# Nominal per-direction bandwidths of one device's / NIC's port, and typical NCCL-level one-way
+# latencies. Edit in a cluster file (``intra: {type: nvlink3, bandwidth: 200 GB/s}``) to match
+# what you measure; bandwidth achievable by NCCL is usually 70-90% of these.
+LINK_TYPES: dict[str, LinkSpec] = {
+    "nvlink2": LinkSpec("nvlink2", 150e9, 3e-6),    # V100 SXM2: 6 links x 25 GB/s
+    "nvlink3": LinkSpec("nvlink3", 300e9, 3e-6),    # A100: 12 links x 25 GB/s, NVSwitch
+    "nvlink4": LinkSpec("nvlink4", 450e9, 3e-6),    # H100/H200: 18 links x 25 GB/s, NVSwitch
+    "pcie3": LinkSpec("pcie3", 15.75e9, 5e-6),      # PCIe 3.0 x16
+    "pcie4": LinkSpec("pcie4", 31.5e9, 5e-6),       # PCIe 4.0 x16
+    "pcie5": LinkSpec("pcie5", 63e9, 5e-6),         # PCIe 5.0 x16
+    "ib-edr": LinkSpec("ib-edr", 100e9 / 8, 5e-6),  # InfiniBand EDR 100 Gb/s
+    "ib-hdr": LinkSpec("ib-hdr", 200e9 / 8, 5e-6),  # InfiniBand HDR 200 Gb/s
+    "ib-ndr": LinkSpec("ib-ndr", 400e9 / 8, 5e-6),  # InfiniBand NDR 400 Gb/s
+    "eth-25g": LinkSpec("eth-25g", 25e9 / 8, 30e-6),    # 25 Gb/s Ethernet (TCP sockets)
+    "eth-100g": LinkSpec("eth-100g", 100e9 / 8, 20e-6),  # 100 Gb/s Ethernet
+}
+
+
+def link_types() -> list[str]:
+    return sorted(LINK_TYPES)
+
+
+def link_from_value(value, source: str, field: str) -> LinkSpec:
+    """A link type name, or a mapping ``{type?, bandwidth?, latency?}`` (a type's values are the
+    defaults; without a type both bandwidth and latency are required)."""
+    if isinstance(value, str):
+        if value not in LINK_TYPES:
+            raise SpecError(f"{source}: field {field!r}: unknown link type {value!r} "
+                            f"(known: {', '.join(link_types())})")
+        return LINK_TYPES[value]
+    if not isinstance(value, dict):
+        raise SpecError(f"{source}: field {field!r} must be a link type name or a mapping with "
+                        f"type / bandwidth / latency; got {value!r}")
+    _spec.check_fields(value, source, ("type", "bandwidth", "latency"), prefix=field + ".")
+    kind = value.get("type", "custom")
+    if kind != "custom" and kind not in LINK_TYPES:
+        raise SpecError(f"{source}: field {field + '.type'!r}: unknown link type {kind!r} "
+                        f"(known: {', '.join(link_types())})")
+    base = LINK_TYPES.get(kind)
+    if base is None:
+        _spec.check_fields(value, source, ("type", "bandwidth", "latency"), ("bandwidth", "latency"), field + ".")
+    bw = _spec.bandwidth(value["bandwidth"], source, field + ".bandwidth") if "bandwidth" in value else base.bandwidth
+    lat = _spec.seconds(value["latency"], source, field + ".latency") if "latency" in value else base.latency
+    return LinkSpec(kind, bw, lat)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` devices; see the module docstring for the link model.
+
+    ``collective``: an optional fitted (latency, bandwidth) of a ring all-reduce inside a node
+    (calibration profiles set it); :func:`cost_models.comm.allreduce_time` then uses it instead of
+    the intra links.
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra: LinkSpec
+    inter: LinkSpec
+    nics_per_node: int = 1
+    device_map: tuple[int, ...] | None = None
+    collective: LinkSpec | None = None
+    description: str = ""
+
+    def __post_init__(self):
+        for f in ("nodes", "devices_per_node", "nics_per_node"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"cluster {self.name!r}: field {f!r} must be an integer >= 1; got {v!r}")
+        if self.device_map is not None:
+            m = self.device_map
+            bad = [g for g in m if not (isinstance(g, int) and 0 <= g < self.num_devices)]
+            if bad:
+                raise SpecError(f"cluster {self.name!r}: device_map entry {bad[0]!r} is not a device "
+                                f"0..{self.num_devices - 1}")
+            if len(set(m)) != len(m):
+                dup = next(g for g in m if m.count(g) > 1)
+                raise SpecError(f"cluster {self.name!r}: device_map puts two ranks on device {dup}")
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks this cluster places: len(device_map), or every device without a map."""
+        return self.num_devices if self.device_map is None else len(self.device_map)
+
+    def physical(self, rank: int) -> int:
+        """Global physical device index of a rank."""
+        if not 0 <= rank < self.num_ranks:
+            raise SpecError(f"rank {rank} is not placed on cluster {self.name!r} "
+                            f"({self.num_ranks} ranks on {self.num_devices} devices)")
+        return rank if self.device_map is None else self.device_map[rank]
+
+    def node_of(self, rank: int) -> int:
+        return self.physical(rank) // self.devices_per_node
+
+    def local_of(self, rank: int) -> int:
+        return self.physical(rank) % self.devices_per_node
+
+    def nic_of(self, rank: int) -> int:
+        """The NIC (0..nics_per_node-1 within its node) a rank's inter-node traffic uses."""
+        return self.local_of(rank) * self.nics_per_node // self.devices_per_node
+
+    def with_device_map(self, device_map) -> "Cluster":
+        return replace(self, device_map=None if device_map is None else tuple(int(g) for g in device_map))
+
+    def place(self, sched: "Schedule", mapping: str = "sequential", **kw) -> "Cluster":
+        """This cluster with the ranks of ``sched`` placed by a named mapping (see :data:`MAPPINGS`)."""
+        if mapping not in MAPPINGS:
+            raise SpecError(f"unknown device mapping {mapping!r}; choose one of {', '.join(MAPPINGS)}")
+        return self.with_device_map(MAPPINGS[mapping](sched, self, **kw))
+
+    # ------------------------------------------------------------------ network
+    def _intra(self, node: int, local: int, direction: str, latency: float) -> Link:
+        return Link(f"n{node}.g{local}.{direction}", self.intra.bandwidth, latency)
+
+    def _nic(self, node: int, nic: int, direction: str, latency: float) -> Link:
+        return Link(f"n{node}.nic{nic}.{direction}", self.inter.bandwidth, latency)
+
+    def path(self, src: int, dst: int) -> list[Link]:
+        """Links a message from rank ``src`` to rank ``dst`` occupies ([] on the same device)."""
+        a, b = self.physical(src), self.physical(dst)
+        if a == b:
+            return []
+        dpn = self.devices_per_node
+        na, nb, la, lb = a // dpn, b // dpn, a % dpn, b % dpn
+        if na == nb:
+            return [self._intra(na, la, "out", self.intra.latency), self._intra(nb, lb, "in", 0.0)]
+        ka, kb = la * self.nics_per_node // dpn, lb * self.nics_per_node // dpn
+        return [self._nic(na, ka, "out", self.inter.latency), self._nic(nb, kb, "in", 0.0)]
+
+    def links(self) -> list[Link]:
+        """Every link of the cluster (for engines that create links up front)."""
+        out = []
+        for n in range(self.nodes):
+            for i in range(self.devices_per_node):
+                out += [self._intra(n, i, "out", self.intra.latency), self._intra(n, i, "in", 0.0)]
+            for k in range(self.nics_per_node):
+                out += [self._nic(n, k, "out", self.inter.latency), self._nic(n, k, "in", 0.0)]
+        return out
+
+    # ------------------------------------------------------------------ I/O
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "description": self.description, "nodes": self.nodes,
+             "devices_per_node": self.devices_per_node, "device": self.device.to_dict(),
+             "intra": self.intra.to_dict(), "inter": self.inter.to_dict(), "nics_per_node": self.nics_per_node}
+        if self.collective is not None:
+            d["collective"] = self.collective.to_dict()
+        return d
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {self.device.name}, "
+                f"intra {self.intra.kind} {self.intra.bandwidth / 1e9:g} GB/s, "
+                f"inter {self.inter.kind} {self.inter.bandwidth * 8 / 1e9:g} Gb/s x {self.nics_per_node} NIC(s)/node")
+
+
+_FIELDS = ("name", "description", "nodes", "devices_per_node", "device", "intra", "inter", "nics_per_node",
+           "collective")
+
+
+def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
+    d = _spec.mapping(d, source)
+    _spec.check_fields(d, source, _FIELDS, ("nodes", "devices_per_node", "device", "inter"))
+    nodes = _spec.integer(d["nodes"], source, "nodes")
+    dpn = _spec.integer(d["devices_per_node"], source, "devices_per_node")
+    nics = _spec.integer(d.get("nics_per_node", 1), source, "nics_per_node")
+    dev = d["device"]
+    if isinstance(dev, str):
+        try:
+            device = load_device(dev)
+        except SpecError as e:
+            raise SpecError(f"{source}: field 'device': {e}") from None
+    elif isinstance(dev, dict):
+        device = device_from_dict(dev, f"{source} (field 'device')")
+    else:
+        raise SpecError(f"{source}: field 'device' must be a device preset name, a YAML path or a mapping; "
+                        f"got {dev!r}")
+    if "intra" not in d and dpn > 1:
+        raise SpecError(f"{source}: missing field 'intra' (the link between devices of a node)")
+    intra = link_from_value(d.get("intra", "pcie4"), source, "intra")
+    inter = link_from_value(d["inter"], source, "inter")
+    coll = link_from_value(d["collective"], source, "collective") if d.get("collective") is not None else None
+    name = d.get("name", Path(source).stem)
+    desc = d.get("description", "")
+    if not isinstance(name, str) or not isinstance(desc, str):
+        raise SpecError(f"{source}: fields 'name' and 'description' must be strings")
+    return Cluster(name, nodes, dpn, device, intra, inter, nics, None, coll, desc)
+
+
+def cluster_presets() -> list[str]:
+    return _spec.presets("clusters")
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A preset name (see :func:`cluster_presets`) or a path to a YAML file."""
+    data, source = _spec.read_yaml(name_or_path, "clusters", "cluster")
+    return cluster_from_dict(data, source)
+
+
+# ---------------------------------------------------------------------- rank -> device mappings
+def _check_fits(sched: "Schedule", cluster: Cluster) -> None:
+    if sched.num_ranks > cluster.num_devices:
+        raise SpecError(f"schedule {sched.name!r} needs {sched.num_ranks} ranks ({sched.num_devices} devices x "
+                        f"{sched.replicas} replicas) but cluster {cluster.name!r} has {cluster.num_devices} devices")
+
+
+def sequential_map(sched: "Schedule", cluster: Cluster) -> tuple[int, ...]:
+    """Rank r on physical device r: pipeline neighbours share a node, copies of a stage may not."""
+    _check_fits(sched, cluster)
+    return tuple(range(sched.num_ranks))
+
+
+def stage_sharing_groups(sched: "Schedule", include_replicas: bool = False) -> list[list[int]]:
+    """Ranks joined by holding copies of the same stage (connected components), each sorted, ordered
+    by their smallest rank. Without ``include_replicas`` a group stays inside one pipeline replica
+    (ranks r*D .. r*D+D-1); with it, the data-parallel replicas of a stage join too."""
+    D, R = sched.num_devices, sched.replicas
+    parent = list(range(sched.num_ranks))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for s in range(sched.num_stages):
+        group = sched.stage_group(s)
+        if include_replicas:
+            parts = [group]
+        else:
+            parts = [[g for g in group if g // D == r] for r in range(R)]
+        for part in parts:
+            for g in part[1:]:
+                parent[find(g)] = find(part[0])
+    comps: dict[int, list[int]] = {}
+    for r in range(sched.num_ranks):
+        comps.setdefault(find(r), []).append(r)
+    return sorted(comps.values(), key=lambda g: g[0])
+
+
+def map_copies_same_node(sched: "Schedule", cluster: Cluster, *, include_replicas: bool = False) -> tuple[int, ...]:
+    """BitPipe's mapping: devices holding copies of one stage share a node.
+
+    Groups of :func:`stage_sharing_groups` (for Chimera / BitPipe: devices d and D-1-d) are packed
+    first-fit into nodes in order of their smallest rank; a group larger than a node's free slots
+    spills over in rank order. For single-copy schedules every group is one rank and the result is
+    the sequential mapping.
+    """
+    _check_fits(sched, cluster)
+    dpn = cluster.devices_per_node
+    slots: list[list[int]] = [[] for _ in range(cluster.nodes)]
+    for g in stage_sharing_groups(sched, include_replicas):
+        target = next((n for n in range(cluster.nodes) if dpn - len(slots[n]) >= len(g)), None)
+        for r in g:
+            n = target if target is not None else next(n for n in range(cluster.nodes) if len(slots[n]) < dpn)
+            slots[n].append(r)
+    dm = [0] * sched.num_ranks
+    for n, ranks in enumerate(slots):
+        for i, r in enumerate(ranks):
+            dm[r] = n * dpn + i
+    return tuple(dm)
+
+
+MAPPINGS = {"sequential": sequential_map, "copies-same-node": map_copies_same_node}

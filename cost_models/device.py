@@ -1,0 +1,105 @@
+"""Device specs: what one accelerator can compute and hold.
+
+A device YAML file (presets in ``cost_models/presets/devices``)::
+
+    name: a100
+    description: NVIDIA A100 SXM4 80GB
+    peak_flops: {fp16: 312 TFLOP/s, bf16: 312 TFLOP/s, fp32: 19.5 TFLOP/s}   # dense, no sparsity
+    memory: 80 GiB                 # bytes
+    memory_bandwidth: 2039 GB/s    # bytes/s (optimizer step and local copies are memory-bound)
+    efficiency: 0.5                # achievable fraction of peak for transformer layers
+
+A ``calibrated: true`` device (the ``cpu`` preset) has no datasheet peak: its layer times come
+from a calibration profile measured on the machine (:mod:`cost_models.calibration`).
+
+Units: FLOP/s, bytes, bytes/s; ``efficiency`` is a fraction in (0, 1].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _spec
+from ._spec import SpecError
+
+PRECISIONS = ("fp16", "bf16", "fp32", "tf32", "fp8")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator. ``peak_flops`` is a tuple of (precision, dense FLOP/s) pairs."""
+
+    name: str
+    peak_flops: tuple[tuple[str, float], ...] = ()
+    memory_bytes: float | None = None          # None: unknown (never out of memory)
+    memory_bandwidth: float | None = None      # bytes/s; None: memory-bound costs are 0
+    efficiency: float = 1.0
+    calibrated: bool = False
+    description: str = ""
+
+    def peak(self, precision: str) -> float:
+        """Dense peak FLOP/s at ``precision``; a SpecError says which precisions the device has."""
+        for p, v in self.peak_flops:
+            if p == precision:
+                return v
+        if self.calibrated:
+            raise SpecError(f"device {self.name!r} has no datasheet FLOP/s: its costs come from a calibration "
+                            f"profile (cost_models.calibration.load_profile)")
+        have = ", ".join(p for p, _ in self.peak_flops) or "none"
+        raise SpecError(f"device {self.name!r} has no peak for precision {precision!r} (has: {have})")
+
+    def has(self, precision: str) -> bool:
+        return any(p == precision for p, _ in self.peak_flops)
+
+    def achievable_flops(self, precision: str) -> float:
+        """FLOP/s a transformer layer reaches: peak * efficiency."""
+        return self.peak(precision) * self.efficiency
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "description": self.description, "peak_flops": dict(self.peak_flops),
+             "memory": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth,
+             "efficiency": self.efficiency, "calibrated": self.calibrated}
+        return {k: v for k, v in d.items() if v is not None}
+
+
+_FIELDS = ("name", "description", "peak_flops", "memory", "memory_bandwidth", "efficiency", "calibrated")
+
+
+def device_from_dict(d, source: str = "<dict>") -> DeviceSpec:
+    d = _spec.mapping(d, source)
+    _spec.check_fields(d, source, _FIELDS)
+    calibrated = d.get("calibrated", False)
+    if not isinstance(calibrated, bool):
+        raise SpecError(f"{source}: field 'calibrated' must be true or false; got {calibrated!r}")
+    peaks = []
+    raw = d.get("peak_flops", {}) or {}
+    _spec.mapping(raw, source, "peak_flops")
+    for p, v in raw.items():
+        if p not in PRECISIONS:
+            raise SpecError(f"{source}: unknown field 'peak_flops.{p}' (known: {', '.join(PRECISIONS)})")
+        peaks.append((p, _spec.flops(v, source, f"peak_flops.{p}")))
+    if not peaks and not calibrated:
+        raise SpecError(f"{source}: missing field 'peak_flops' (or set 'calibrated: true' for a device whose "
+                        f"costs come from a calibration profile)")
+    mem = d.get("memory")
+    mem = None if mem is None else _spec.size_bytes(mem, source, "memory")
+    bw = d.get("memory_bandwidth")
+    bw = None if bw is None else _spec.bandwidth(bw, source, "memory_bandwidth")
+    eff = _spec.number(d.get("efficiency", 1.0), source, "efficiency")
+    if eff > 1:
+        raise SpecError(f"{source}: field 'efficiency' must be in (0, 1]; got {eff!r}")
+    name = d.get("name", Path(source).stem)
+    desc = d.get("description", "")
+    if not isinstance(name, str) or not isinstance(desc, str):
+        raise SpecError(f"{source}: fields 'name' and 'description' must be strings")
+    return DeviceSpec(name, tuple(peaks), mem, bw, eff, calibrated, desc)
+
+
+def device_presets() -> list[str]:
+    return _spec.presets("devices")
+
+
+def load_device(name_or_path: str | Path) -> DeviceSpec:
+    """A preset name (see :func:`device_presets`) or a path to a YAML file."""
+    data, source = _spec.read_yaml(name_or_path, "devices", "device")
+    return device_from_dict(data, source)

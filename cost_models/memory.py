@@ -1,0 +1,150 @@
+"""Memory per device: static state plus the activations of in-flight micro-batches, and the
+out-of-memory verdict.
+
+Static memory of a rank = parameters of every (copy, stage) it holds x bytes per parameter
+(weights + gradients + optimizer state; 16 for mixed-precision Adam). A bidirectional schedule
+holds two copies of each stage, so its weights count twice: this follows from
+``Schedule.stages_on`` and is already in ``StageCosts.static_mem``.
+
+Activation memory is walked along a rank's program (its own op order decides it; timing does
+not): F of (copy, stage) adds ``act[copy][stage]``; B frees it and, for split schedules, keeps
+``act_w`` until the W of the same micro-batch frees that. The peak over the walk is what the
+rank needs on top of its static memory. Units are those of the StageCosts (bytes, or Ma / Mw
+for the unit model). Not counted: communication buffers, the all-reduce bucket, allocator
+fragmentation and, under full recomputation, the transient activations of the one stage being
+recomputed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .base import StageCosts
+
+
+class OutOfMemory(ValueError):
+    """A plan whose peak memory on some device exceeds the device's memory."""
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Static bytes of one rank, split by kind."""
+
+    params: float
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def static_memory(sched, param_counts: Sequence[float], weight_bytes: float = 2.0, grad_bytes: float = 2.0,
+                  bytes_per_param: float = 16.0) -> list[StaticMemory]:
+    """Per rank: parameters of the stages it holds (``param_counts[stage]``, every copy counted)
+    times weight / gradient / optimizer bytes (optimizer = bytes_per_param - weights - gradients)."""
+    opt = max(0.0, bytes_per_param - weight_bytes - grad_bytes)
+    out = []
+    for r in range(sched.num_ranks):
+        p = float(sum(param_counts[s] for _, s in sched.stages_on(sched.rank_device(r))))
+        out.append(StaticMemory(p, p * weight_bytes, p * grad_bytes, p * opt))
+    return out
+
+
+def activation_walk(program: Iterable, costs: StageCosts, split_backward: bool) -> list[float]:
+    """Activation memory after each compute op of a program (F / B / W ops; others skipped)."""
+    level, out = 0.0, []
+    for op in program:
+        k = op.kind
+        if k == "F":
+            level += costs.act[op.copy][op.stage]
+        elif k == "B":
+            level -= costs.act[op.copy][op.stage]
+            if split_backward:
+                level += costs.act_w[op.copy][op.stage]
+        elif k == "W":
+            level -= costs.act_w[op.copy][op.stage]
+        else:
+            continue
+        out.append(level)
+    return out
+
+
+def peak_activation(sched, costs: StageCosts) -> tuple[float, ...]:
+    """Peak activation memory of each rank over its program."""
+    peaks = []
+    for r in range(sched.num_ranks):
+        walk = activation_walk(sched.programs[sched.rank_device(r)], costs, sched.split_backward)
+        peaks.append(max([0.0, *walk]))
+    return tuple(peaks)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Per-rank static and peak activation memory against a capacity (None: unknown)."""
+
+    static: tuple[float, ...]
+    activation: tuple[float, ...]
+    capacity: float | None
+    unit: str = "B"
+
+    @property
+    def peak(self) -> tuple[float, ...]:
+        return tuple(s + a for s, a in zip(self.static, self.activation))
+
+    @property
+    def max_peak(self) -> float:
+        return max(self.peak)
+
+    @property
+    def worst_rank(self) -> int:
+        p = self.peak
+        return p.index(max(p))
+
+    @property
+    def oom(self) -> bool:
+        return self.capacity is not None and self.max_peak > self.capacity
+
+    @property
+    def oom_ranks(self) -> tuple[int, ...]:
+        if self.capacity is None:
+            return ()
+        return tuple(r for r, p in enumerate(self.peak) if p > self.capacity)
+
+    @property
+    def headroom(self) -> float | None:
+        return None if self.capacity is None else self.capacity - self.max_peak
+
+    def _fmt(self, x: float) -> str:
+        return f"{x / 2 ** 30:.2f} GiB" if self.unit == "B" else f"{x:g} {self.unit}"
+
+    def summary(self) -> str:
+        r = self.worst_rank
+        s = (f"peak {self._fmt(self.peak[r])} on rank {r} (static {self._fmt(self.static[r])} + "
+             f"activations {self._fmt(self.activation[r])})")
+        if self.capacity is None:
+            return s + "; device memory unknown"
+        if self.oom:
+            return (f"OUT OF MEMORY: {s} exceeds the device's {self._fmt(self.capacity)} on rank(s) "
+                    f"{', '.join(map(str, self.oom_ranks))}")
+        return s + f" fits in {self._fmt(self.capacity)}"
+
+    def raise_if_oom(self) -> "MemoryReport":
+        if self.oom:
+            raise OutOfMemory(self.summary() + "; use fewer micro-batches in flight, recomputation, more stages "
+                                               "or a device with more memory")
+        return self
+
+
+def memory_report(sched, costs: StageCosts, capacity: float | None = None) -> MemoryReport:
+    """Static + peak activation memory of each rank of ``sched`` under ``costs``. ``capacity``
+    defaults to ``costs.meta['memory_capacity']`` (set by TransformerCostModel from the device)."""
+    if capacity is None:
+        capacity = costs.meta.get("memory_capacity")
+    return MemoryReport(tuple(costs.static_mem), peak_activation(sched, costs), capacity, costs.mem_unit)
+
+
+def check_memory(sched, costs: StageCosts, capacity: float | None = None) -> MemoryReport:
+    """:func:`memory_report`, raising :class:`OutOfMemory` when a rank's peak exceeds ``capacity``."""
+    return memory_report(sched, costs, capacity).raise_if_oom()
