@@ -7,7 +7,7 @@ from schedules import ScheduleError
 from schedules.trace import write_chrome
 
 from .cmd_simulate import run_one
-from .common import add_schedule_args, fmt_table, metrics_record, parse_schedules, print_json, units_note
+from .common import add_schedule_args, fmt_table, metrics_record, parse_schedules, human_rows, print_json, units_note
 from .costs import add_cost_args
 
 NAME = "compare"
@@ -60,7 +60,10 @@ def main(args) -> int:
         return 0
     unit, mem = rows[0]["time_unit"], rows[0]["memory_unit"]
     print(f"D={args.devices} N={args.microbatches} R={args.dp}  {units_note(unit, mem)}")
-    print(fmt_table(rows, ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"],
+    cols = ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"]
+    if any("out_of_memory" in r for r in rows):
+        cols.append("out_of_memory")
+    print(fmt_table(human_rows(rows, mem), cols,
                     {"iteration_time": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation_max": "{:.6g}",
                      "peak_memory_max": "{:.6g}"}))
     for name, why in skipped.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 from schedules.trace import write_chrome
 from sim import simulate
 
-from .common import add_schedule_args, build_lowered, fmt_table, metrics_record, print_json, units_note
+from .common import add_schedule_args, build_lowered, fmt_table, metrics_record, human_rows, print_json, units_note
 from .costs import add_cost_args, resolve_costs, sim_options
 
 NAME = "simulate"
@@ -44,9 +44,11 @@ def main(args) -> int:
     print(f"{rec['schedule']}: D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
           f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
     for k, v in extra.items():
-        if not isinstance(v, (dict, list)):
+        if not isinstance(v, (dict, list)) and k != "memory_capacity":
             print(f"  {k}: {v}")
-    print(fmt_table(rec["per_device"], ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"],
+    if "memory_verdict" in rec:
+        print(f"  memory: {rec['memory_verdict']}")
+    print(fmt_table(human_rows(rec["per_device"], mem), ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"],
                     {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}",
                      "peak_memory": "{:.6g}"}))
     print(units_note(unit, mem))

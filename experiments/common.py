@@ -52,6 +52,14 @@ def metrics_record(trace, **extra) -> dict:
            "replicas": a.get("replicas", 1), "iteration_time": m.iteration_time, "bubble_ratio": m.bubble_ratio,
            "time_unit": a.get("time_unit"), "memory_unit": a.get("mem_unit")}
     rec.update(extra)
+    cap = extra.get("memory_capacity")
+    if cap:
+        worst = max(m.per_device, key=lambda p: p.peak_memory)
+        rec["out_of_memory"] = worst.peak_memory > cap
+        rec["memory_verdict"] = (f"{'OUT OF MEMORY' if rec['out_of_memory'] else 'fits'}: peak "
+                                 f"{worst.peak_memory / 2**30:.2f} GiB on device {worst.device} "
+                                 f"(static {worst.static_memory / 2**30:.2f} + activations "
+                                 f"{worst.peak_activation / 2**30:.2f}) vs {cap / 2**30:.0f} GiB")
     rec["per_device"] = [{"device": p.device, "busy": p.busy, "bubble_ratio": p.bubble_ratio,
                           "peak_activation": p.peak_activation, "peak_memory": p.peak_memory,
                           "static_memory": p.static_memory}
@@ -78,4 +86,12 @@ def units_note(time_unit: str, mem_unit: str) -> str:
     if mem_unit == "Ma":
         return ("(time in F = one full-stage forward; activations in Ma; peak_memory adds weights+grads+optimizer "
                 "in Mw, one full stage = 1)")
-    return f"(time in {time_unit}, memory in bytes)"
+    return f"(time in {time_unit}, memory in GiB)"
+
+
+def human_rows(rows: list[dict], mem_unit: str, keys=("peak_activation", "peak_memory", "static_memory",
+                                                      "peak_activation_max", "peak_memory_max")) -> list[dict]:
+    """Rows for printing: bytes shown in GiB (the JSON output keeps bytes)."""
+    if mem_unit != "B":
+        return rows
+    return [{k: (v / 2**30 if k in keys and v is not None else v) for k, v in r.items()} for r in rows]

@@ -1,13 +1,28 @@
 """Cost-model and simulator options shared by simulate / compare / demo."""
 from __future__ import annotations
 
-from cost_models import UnitCostModel
+from cost_models import MAPPINGS, TransformerCostModel, UnitCostModel, load_cluster, load_model, load_profile
 from sim import SimOptions
+
+DEFAULT_MODEL = "gpt-96"
+DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
 
 
 def add_cost_args(p):
     p.add_argument("--unit-costs", action="store_true",
                    help="closed-form unit costs: F=1, B=2 per full stage, no communication, memory in Ma")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; see cost_models/presets/models)")
+    p.add_argument("--cluster", "-c", default=DEFAULT_CLUSTER,
+                   help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
+    p.add_argument("--profile", metavar="FILE.yaml",
+                   help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
+                        "--model/--cluster formulas")
+    p.add_argument("--device-map", default="sequential", choices=sorted(MAPPINGS),
+                   help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="activation recomputation")
+    p.add_argument("--micro-batch", type=int, help="micro-batch size (default: the model spec's)")
     p.add_argument("--slowdown", action="append", default=[], metavar="RANK=FACTOR",
                    help="a straggler: compute on RANK takes FACTOR times longer (repeatable)")
     p.add_argument("--jitter", type=float, default=0.0, help="relative std-dev of per-op compute noise")
@@ -27,7 +42,27 @@ def _pairs(items, what):
 
 def resolve_costs(args, low):
     """(StageCosts, network or None, extra report fields) for a lowered schedule."""
-    return UnitCostModel().bind(low), None, {"cost_model": "unit"}
+    if getattr(args, "unit_costs", False):
+        return UnitCostModel().bind(low), None, {"cost_model": "unit"}
+    if getattr(args, "profile", None):
+        prof = load_profile(args.profile)
+        costs = prof.cost_model(low.num_stages, recompute=args.recompute).bind(low)
+        net = prof.cluster(low.num_ranks)
+        return costs, net, {"cost_model": f"profile {args.profile}", "cluster": net.name}
+    model = load_model(args.model)
+    if args.micro_batch is not None:
+        if args.micro_batch < 1:
+            raise ValueError(f"--micro-batch must be >= 1; got {args.micro_batch}")
+        model = model.replace(micro_batch=args.micro_batch)
+    cluster = load_cluster(args.cluster)
+    if low.num_ranks > cluster.num_devices:
+        raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
+                         f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
+    placed = cluster.place(low, args.device_map)
+    costs = TransformerCostModel(model, cluster.device, recompute=args.recompute).bind(low)
+    return costs, placed, {"cost_model": "transformer", "model": model.name, "micro_batch": model.micro_batch,
+                           "cluster": cluster.name, "device_map": args.device_map,
+                           "memory_capacity": costs.meta.get("memory_capacity")}
 
 
 def sim_options(args, low) -> SimOptions:

@@ -8,8 +8,9 @@ One SimPy process per rank walks its program:
 - SEND posts the message and returns at once (isend); the transfer occupies every link on the
   network path for latency + bytes / bandwidth, sharing each link's bandwidth with concurrent
   transfers. RECV blocks until its message has arrived. COPY is local (``copy_time``).
-- ALLREDUCE starts once every member of the stage's group has reached it; it runs as a ring
-  (2(n-1) rounds of S/n bytes to the next rank, over the same links) while the ranks go on;
+- ALLREDUCE starts once every member of the stage's group has reached it; it runs the steps of
+  a ring all-reduce (hierarchical when the group spans nodes) as flows over the same links as
+  P2P traffic, while the ranks go on;
   OPTIM waits for the rank's all-reduces, then takes ``optim_time``.
 - Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
   F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
@@ -25,6 +26,7 @@ from typing import Mapping, Sequence
 import simpy
 
 from cost_models.base import StageCosts
+from cost_models.comm import allreduce_steps
 from cost_models.network import Network
 from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError,
                           message_key)
@@ -39,7 +41,8 @@ class SimOptions:
     """Knobs beyond the schedule and the costs.
 
     slowdown: per-rank factor on compute time (a straggler GPU: {3: 1.5}).
-    link_slowdown: per-link-name factor dividing bandwidth (a slow link: {"node1.nic.out": 2}).
+    link_slowdown: per-link-name factor dividing bandwidth (a slow link: {"n1.nic0.out": 2};
+      link names come from the network, e.g. ``Cluster.links()``).
     jitter: relative standard deviation of per-op compute noise (seeded, deterministic).
     hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores.
     """
@@ -125,20 +128,19 @@ class _Engine:
 
     # ------------------------------------------------------------------ all-reduce
     def _allreduce(self, stage: int, members: list[int]):
+        """Replay the all-reduce algorithm of :func:`cost_models.comm.allreduce_steps` (a ring,
+        or hierarchical when the group spans nodes) as flows over the same links as P2P traffic."""
         nbytes = self.c.param_bytes[0][stage]
-        n = len(members)
-        if self.net is not None and nbytes > 0 and n > 1:
-            chunk = nbytes / n
-            for _ in range(2 * (n - 1)):
-                evs = []
-                lat = 0.0
-                for i, a in enumerate(members):
-                    links, la = self._path(a, members[(i + 1) % n])
+        if self.net is not None and nbytes > 0 and len(members) > 1:
+            for step in allreduce_steps(self.net, members, nbytes):
+                lat, flows = 0.0, []
+                for src, dst, b in step:
+                    links, la = self._path(src, dst)
                     lat = max(lat, la)
-                    evs.append((links, chunk))
+                    flows.append((links, b))
                 if lat > 0:
                     yield self.env.timeout(lat)
-                yield self.env.all_of([self.flows.start(ch, ln) for ln, ch in evs])
+                yield self.env.all_of([self.flows.start(b, ln) for ln, b in flows])
         self.ar_end[stage] = self.env.now
         self.ar_done[stage].succeed()
 
@@ -218,7 +220,7 @@ class _Engine:
                     self.ar_done[st] = env.event()
                 my_ars.append(st)
                 if len(arrived) == len(self.groups[st]):
-                    env.process(self._allreduce(st, self._ring_order(self.groups[st])))
+                    env.process(self._allreduce(st, self.groups[st]))
                 # asynchronous: its row is completed at OPTIM, once its end is known
                 self.pending_ar.setdefault(r, []).append((len(rows), pre, start, val, act))
                 rows.append(None)
@@ -233,10 +235,6 @@ class _Engine:
                     yield env.timeout(c.optim_time[r])
             rows.append(pre + (start, env.now, nbytes, act))
         self.finished[r] = True
-
-    def _ring_order(self, members: list[int]) -> list[int]:
-        order = getattr(self.net, "ring_order", None)
-        return list(order(members)) if order else list(members)
 
     def _fill_ar_rows(self, r: int) -> None:
         for idx, pre, start, nbytes, act in self.pending_ar.pop(r, []):

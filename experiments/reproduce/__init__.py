@@ -1,0 +1,31 @@
+"""Paper reproductions. Each target writes CSV + PNG + a markdown report under ``out/reproduce/<name>``;
+every number comes from the simulator at run time, with the paper's numbers beside it."""
+from __future__ import annotations
+
+import importlib
+
+TARGETS = {
+    "bitpipe": "experiments.reproduce.bitpipe",
+    "dapple-runtime": "experiments.reproduce.dapple_runtime",
+    "dapple-planner": "experiments.reproduce.dapple_planner",
+}
+
+
+def available() -> dict[str, str]:
+    out = {}
+    for name, mod in TARGETS.items():
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        out[name] = mod
+    return out
+
+
+def run(name: str, out_dir, quick: bool = False) -> str:
+    targets = available()
+    if name not in targets:
+        raise ValueError(f"unknown reproduction {name!r}; choose one of {', '.join(targets)}")
+    return importlib.import_module(targets[name]).run(out_dir, quick=quick)
