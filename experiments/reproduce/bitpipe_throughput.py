@@ -1,0 +1,106 @@
+"""Part 3 of the BitPipe reproduction: throughput on a DGX-A100 cluster with InfiniBand.
+
+For each model (GPT-96, BERT-64) and GPU count G in {8, 16, 32}: a D = 8 pipeline, R = G/8
+data-parallel replicas (gradient all-reduce across replicas and, for Chimera / BitPipe, across the
+two copies; BitPipe's mapping keeps both copies of a stage on one node), N = 8 (one basic unit) and
+N = 16 micro-batches of one sample per replica. Throughput = samples per second = R * N * micro_batch / simulated iteration time.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from cost_models import TransformerCostModel, load_cluster, load_model
+from schedules import build, lower
+from schedules.trace import step_metrics
+from sim import simulate
+
+SCHEDULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
+PAPER_SPEEDUP = "1.05x - 1.28x over the best of the others (BitPipe paper, GPT-96 and BERT-64, 8-32 GPUs)"
+
+
+def run_config(model_name: str, G: int, schedule: str, *, D: int = 8, N: int = 8, micro_batch: int = 1,
+               cluster: str = "dgx-a100-4x8-ib") -> dict:
+    R = G // D
+    model = load_model(model_name).replace(micro_batch=micro_batch)
+    cl = load_cluster(cluster)
+    low = lower(build(schedule, D, N), replicas=R)
+    mapping = "copies-same-node" if low.num_copies == 2 else "sequential"
+    placed = cl.place(low, mapping)
+    costs = TransformerCostModel(model, cl.device).bind(low)
+    m = step_metrics(simulate(low, costs, placed))
+    cap = costs.meta.get("memory_capacity")
+    peak = max(p.peak_memory for p in m.per_device)
+    return {"model": model_name, "gpus": G, "D": D, "R": R, "N": N, "micro_batch": micro_batch,
+            "schedule": schedule, "mapping": mapping, "iteration_time_s": m.iteration_time,
+            "throughput_samples_s": R * N * micro_batch / m.iteration_time, "bubble": m.bubble_ratio,
+            "peak_memory_GiB": peak / 2**30, "oom": bool(cap and peak > cap)}
+
+
+def throughput_table(quick: bool) -> pd.DataFrame:
+    models = ["gpt-96"] if quick else ["gpt-96", "bert-64"]
+    gpus = [8] if quick else [8, 16, 32]
+    Ns = [8] if quick else [8, 16]
+    rows = [run_config(m, g, s, N=n) for m in models for g in gpus for n in Ns for s in SCHEDULES]
+    return pd.DataFrame(rows)
+
+
+def speedups(df: pd.DataFrame) -> pd.DataFrame:
+    out = []
+    for (model, g, n), grp in df.groupby(["model", "gpus", "N"], sort=False):
+        ok = grp[~grp.oom]
+        bit = ok[ok.schedule == "bitpipe"]
+        others = ok[ok.schedule != "bitpipe"]
+        if bit.empty or others.empty:
+            continue
+        best = others.loc[others.throughput_samples_s.idxmax()]
+        out.append({"model": model, "gpus": g, "N": n, "bitpipe_samples_s": float(bit.throughput_samples_s.iloc[0]),
+                    "best_other": best.schedule, "best_other_samples_s": float(best.throughput_samples_s),
+                    "speedup": float(bit.throughput_samples_s.iloc[0] / best.throughput_samples_s)})
+    return pd.DataFrame(out)
+
+
+def plot(df: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(dict.fromkeys(df.model))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        sub = df[(df.model == model) & (df.N == df.N.min())]
+        gpus = sorted(sub.gpus.unique())
+        width = 0.8 / len(SCHEDULES)
+        for i, s in enumerate(SCHEDULES):
+            vals = [float(sub[(sub.gpus == g) & (sub.schedule == s)].throughput_samples_s.iloc[0]) for g in gpus]
+            ax.bar([j + i * width for j in range(len(gpus))], vals, width, label=s)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(gpus))], [f"{g} GPUs" for g in gpus])
+        ax.set_ylabel("samples / s (simulated)")
+        ax.set_title(f"{model} on DGX-A100 + InfiniBand, N = {int(sub.N.min())}")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def throughput_section(out: Path, quick: bool) -> str:
+    from .bitpipe import _md
+    df = throughput_table(quick)
+    df.to_csv(out / "throughput.csv", index=False)
+    plot(df, out / "throughput.png")
+    sp = speedups(df)
+    sp.to_csv(out / "speedup.csv", index=False)
+    lo, hi = (sp.speedup.min(), sp.speedup.max()) if not sp.empty else (float("nan"), float("nan"))
+    return "\n".join([
+        "## Throughput (figure: throughput.png)", "",
+        "D = 8 pipeline stages, R = GPUs / 8 data-parallel replicas, N micro-batches of one sample per "
+        "replica (larger micro-batches run GPT-96 out of memory without recomputation), DGX-A100 nodes (NVLink inside, 8 x HDR InfiniBand between); Chimera and BitPipe use the "
+        "mapping that keeps both copies of a stage on one node.", "",
+        _md(df.drop(columns=["D", "micro_batch"])), "",
+        "### BitPipe over the best other schedule", "", _md(sp), "",
+        f"Simulated speed-up: {lo:.2f}x - {hi:.2f}x. Paper: {PAPER_SPEEDUP}.",
+        "Where they differ: our costs come from FLOP formulas at a fixed efficiency (no kernel-size effects), "
+        "our BitPipe unit is list-scheduled (half a forward-unit longer than the paper's at D = 8), and at "
+        "N = 2D our BitPipe concatenates two units directly (pulling forwards into the junction does not "
+        "help our greedy unit at D = 8), so it pays the unit bubble twice and can fall behind 1F1B-interleaved; "
+        "the paper fills part of that junction."])
