@@ -25,18 +25,22 @@ def add_cost_args(p):
     p.add_argument("--micro-batch", type=int, help="micro-batch size (default: the model spec's)")
     p.add_argument("--slowdown", action="append", default=[], metavar="RANK=FACTOR",
                    help="a straggler: compute on RANK takes FACTOR times longer (repeatable)")
+    p.add_argument("--slow-link", action="append", default=[], metavar="LINK=FACTOR",
+                   help="a slow link: divide the bandwidth of LINK (e.g. n1.nic0.out) by FACTOR (repeatable)")
     p.add_argument("--jitter", type=float, default=0.0, help="relative std-dev of per-op compute noise")
     p.add_argument("--seed", type=int, default=0, help="seed for --jitter")
 
 
-def _pairs(items, what):
+def _pairs(items, what, key=int, example="3=1.5", label="RANK"):
     out = {}
     for it in items:
         try:
             k, v = it.split("=")
-            out[int(k)] = float(v)
+            out[key(k)] = float(v)
         except ValueError:
-            raise ValueError(f"{what} expects RANK=FACTOR, e.g. 3=1.5; got {it!r}") from None
+            raise ValueError(f"{what} expects {label}=FACTOR, e.g. {example}; got {it!r}") from None
+        if out[key(k)] <= 0:
+            raise ValueError(f"{what}: the factor must be > 0; got {it!r}")
     return out
 
 
@@ -65,11 +69,20 @@ def resolve_costs(args, low):
                            "memory_capacity": costs.meta.get("memory_capacity")}
 
 
-def sim_options(args, low) -> SimOptions:
+def sim_options(args, low, network=None) -> SimOptions:
     slow = _pairs(args.slowdown, "--slowdown")
+    links = _pairs(getattr(args, "slow_link", []), "--slow-link", key=str, example="n1.nic0.out=4", label="LINK")
+    if links:
+        if network is None or not hasattr(network, "links"):
+            raise ValueError("--slow-link needs a cluster (not --unit-costs)")
+        known = {ln.name for ln in network.links()}
+        for name in links:
+            if name not in known:
+                raise ValueError(f"--slow-link: no link named {name!r} in this cluster; links look like "
+                                 f"{', '.join(sorted(known)[:4])} ...")
     for r in slow:
         if not 0 <= r < low.num_ranks:
             raise ValueError(f"--slowdown names rank {r}, but the run has ranks 0..{low.num_ranks - 1}")
     if args.jitter < 0:
         raise ValueError("--jitter must be >= 0")
-    return SimOptions(slowdown=slow, jitter=args.jitter, seed=args.seed)
+    return SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed)

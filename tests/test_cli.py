@@ -72,3 +72,32 @@ def test_schedules_lists_requirements(capsys):
     rc, out, _ = run_cli(capsys, "schedules")
     assert rc == 0
     assert "bitpipe" in out and "D even, N multiple of D" in out
+
+
+def test_simulate_real_costs_reports_out_of_memory(capsys):
+    rc, out, _ = run_cli(capsys, "simulate", "-s", "gpipe", "-D", "8", "-N", "64", "-m", "gpt-96",
+                         "-c", "dgx-a100-4x8-ib", "--json")
+    rec = json.loads(out)
+    assert rc == 0 and rec["time_unit"] == "s" and rec["memory_unit"] == "B"
+    assert rec["out_of_memory"] is True and "OUT OF MEMORY" in rec["memory_verdict"]
+    rc, out, _ = run_cli(capsys, "simulate", "-s", "dapple", "-D", "8", "-N", "64", "-m", "gpt-96", "--json")
+    assert json.loads(out)["out_of_memory"] is False
+
+
+def test_slow_link_slows_the_run(capsys):
+    base = ["simulate", "-s", "dapple", "-D", "16", "-N", "16", "-m", "bert-48", "-c", "v100-2x8-25gbe", "--json"]
+    rc, out, _ = run_cli(capsys, *base)
+    t0 = json.loads(out)["iteration_time"]
+    rc, out, _ = run_cli(capsys, *base, "--slow-link", "n0.nic0.out=10")
+    assert json.loads(out)["iteration_time"] > t0
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--slow-link", "nope=2"], "no link named 'nope'"),
+    (["--slow-link", "x"], "expects LINK=FACTOR"),
+    (["--cluster", "nope"], "unknown cluster"),
+    (["--model", "nope"], "unknown model preset"),
+])
+def test_real_cost_user_errors(capsys, argv, msg):
+    rc, _, err = run_cli(capsys, "simulate", "-s", "dapple", "-D", "4", "-N", "4", *argv)
+    assert rc == 2 and msg in err
