@@ -7,7 +7,7 @@ from typing import Callable
 
 from .ir import Schedule, ScheduleError
 
-_MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
+_MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb_h1", "zb_v", "dualpipe_v", "bitpipe_zb"]
 
 
 @dataclass(frozen=True)
