@@ -6,7 +6,8 @@ import argparse
 from . import cmd_compare
 
 NAME = "demo"
-HELP = "compare every schedule at D=4, N=8 and write figure, Chrome traces and table under out/"
+HELP = ("compare every schedule at D=4, N=8 and write figure, Chrome traces and table under out/, plus the "
+        "bubble-vs-N figure")
 
 
 def add_arguments(p):
@@ -21,4 +22,11 @@ def main(args) -> int:
                             model=None, cluster=None, profile=None, device_map="sequential", recompute="none",
                             micro_batch=None,
                             plot=None, out=args.out)
-    return cmd_compare.main(ns)
+    rc = cmd_compare.main(ns)
+    from . import cmd_bubbles
+    path = f"{args.out}/bubbles.png"
+    df = cmd_bubbles.table(args.devices, 4, cmd_bubbles.names())
+    cmd_bubbles.plot(df, path)
+    df.to_csv(f"{args.out}/bubbles.csv", index=False)
+    print(f"wrote bubble-vs-N figure: {path}")
+    return rc

@@ -74,7 +74,12 @@ def print_json(obj) -> None:
 
 def fmt_table(rows: list[dict], cols: list[str], fmts: dict | None = None) -> str:
     fmts = fmts or {}
-    cells = [[(fmts.get(c, "{}").format(r[c]) if r.get(c) is not None else "-") for c in cols] for r in rows]
+    def cell(r, c):
+        v = r.get(c)
+        if v is None or (isinstance(v, float) and v != v):
+            return "-"
+        return fmts.get(c, "{}").format(v)
+    cells = [[cell(r, c) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
     out = [line, "  ".join("-" * w for w in widths)]

@@ -101,3 +101,12 @@ def test_slow_link_slows_the_run(capsys):
 def test_real_cost_user_errors(capsys, argv, msg):
     rc, _, err = run_cli(capsys, "simulate", "-s", "dapple", "-D", "4", "-N", "4", *argv)
     assert rc == 2 and msg in err
+
+
+def test_bubbles_vs_n(capsys, tmp_path):
+    rc, out, _ = run_cli(capsys, "bubbles", "-D", "4", "--max-k", "3", "--json", "--plot", str(tmp_path / "b.png"))
+    assert rc == 0 and (tmp_path / "b.png").exists()
+    rows = {(r["schedule"], r["N"]): r for r in json.loads(out)}
+    assert rows[("chimera", 12)]["bubble"] == pytest.approx(3 * rows[("chimera", 4)]["bubble"])
+    assert rows[("bitpipe-zb", 12)]["bubble"] == pytest.approx(rows[("bitpipe-zb", 4)]["bubble"])
+    assert rows[("gpipe", 4)]["bubble_ratio"] == pytest.approx(3 / 7)
