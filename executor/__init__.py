@@ -1,0 +1,14 @@
+"""The torch.distributed executor: trains a GPT with any lowered schedule of the IR.
+
+``run(RunConfig(...))`` validates the schedule, starts D x R ranks (CPU + gloo, or one rank per
+process under ``torchrun`` with NCCL) and returns a :class:`~executor.config.RunResult` (losses,
+iteration times, per-rank activation memory, the merged trace); ``run_reference`` trains the same
+model on the same batches in one process. Modules: ``model`` (GPT and its split into stages),
+``data``, ``device`` (the CPU/GPU choice and memory meters), ``p2p`` (messages), ``runtime`` (the
+interpreter), ``worker`` (one rank), ``launch`` (processes), ``reference``.
+"""
+from .config import RunConfig, RunResult, plan
+from .launch import LaunchError, run, run_many
+from .reference import run_reference
+
+__all__ = ["RunConfig", "RunResult", "plan", "LaunchError", "run", "run_many", "run_reference"]

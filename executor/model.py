@@ -1,0 +1,173 @@
+"""The executor's model: a GPT-style decoder built from a ModelSpec and split into stages.
+
+The full model is a token + position embedding, ``spec.layers`` pre-norm transformer blocks
+(causal self-attention and a GELU MLP, each wrapped in a residual) and a final LayerNorm with an
+output head; the loss is the cross-entropy of next-token prediction.
+
+Splitting (:func:`partition_layers`): a schedule has S stages per model copy. The L blocks are
+divided contiguously and as evenly as possible over the S stages; the embedding is part of stage
+0 and the final norm, head and loss are part of stage S-1, so the stages that also carry those get
+the smaller block counts when L is not a multiple of S. A stage is a :class:`StageModule`; the
+whole model is simply the stage that spans everything (``stage_module(spec, 1, 0)``).
+
+Parameter names are global (``blocks.5.attn.qkv.weight`` is block 5 wherever it lives), and
+every parameter is initialised from its own generator seeded by (seed, name)
+(:func:`init_parameters`), so the weights do not depend on how the model is split: a
+single-process reference, each pipeline stage and both copies of a bidirectional schedule all get
+bit-identical initial values.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as Fn
+
+from cost_models.model_spec import ModelSpec
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.heads = spec.heads
+        self.qkv = nn.Linear(spec.hidden, 3 * spec.hidden)
+        self.proj = nn.Linear(spec.hidden, spec.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(spec.hidden)
+        self.attn = CausalSelfAttention(spec)
+        self.ln2 = nn.LayerNorm(spec.hidden)
+        self.fc = nn.Linear(spec.hidden, spec.ffn_mult * spec.hidden)
+        self.out = nn.Linear(spec.ffn_mult * spec.hidden, spec.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(Fn.gelu(self.fc(self.ln2(x))))
+
+
+class Embedding(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.tok = nn.Embedding(spec.vocab, spec.hidden)
+        self.pos = nn.Embedding(spec.seq_len, spec.hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(pos)
+
+
+class StageModule(nn.Module):
+    """A contiguous slice of the GPT: optional embedding, blocks ``first..last-1``, optional head.
+
+    ``forward`` maps token ids (first stage) or hidden states [b, s, h] to hidden states, or to
+    logits [b, s, V] on the last stage; :meth:`loss` turns logits into the mean cross-entropy.
+    """
+
+    def __init__(self, spec: ModelSpec, blocks: range, *, first: bool, last: bool):
+        super().__init__()
+        self.spec = spec
+        self.block_range = blocks
+        self.first, self.last = first, last
+        self.embed = Embedding(spec) if first else None
+        self.blocks = nn.ModuleDict({str(i): Block(spec) for i in blocks})
+        self.norm = nn.LayerNorm(spec.hidden) if last else None
+        self.head = nn.Linear(spec.hidden, spec.vocab, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return Fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def partition_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous block ranges for ``num_stages`` stages (see the module docstring)."""
+    if num_stages < 1:
+        raise ValueError(f"need at least one stage; got {num_stages}")
+    if num_layers < num_stages:
+        raise ValueError(f"the model has {num_layers} layers but the schedule has {num_stages} stages per copy; "
+                         f"use a model with at least {num_stages} layers (--model FILE.yaml) or fewer stages")
+    base, extra = divmod(num_layers, num_stages)
+    inner = list(range(1, num_stages - 1))
+    order = inner + [s for s in (0, num_stages - 1) if s not in inner]
+    counts = [base] * num_stages
+    for s in order[:extra]:
+        counts[s] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, seed: int, num_layers: int) -> None:
+    """GPT-2 style init from one generator per global parameter name: weights N(0, 0.02) (residual
+    output projections scaled by 1/sqrt(2L)), biases 0, LayerNorm weights 1."""
+    for name, p in module.named_parameters():
+        if name.endswith(".bias"):
+            p.zero_()
+            continue
+        owner = module.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, nn.LayerNorm):
+            p.fill_(1.0)
+            continue
+        std = 0.02
+        if name.endswith("attn.proj.weight") or name.endswith(".out.weight"):
+            std /= math.sqrt(2 * num_layers)
+        g = torch.Generator().manual_seed(_param_seed(seed, name))
+        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+
+def stage_module(spec: ModelSpec, num_stages: int, stage: int, *, seed: int = 0) -> StageModule:
+    """Stage ``stage`` of ``num_stages`` (float32, on the CPU), initialised from ``seed``."""
+    ranges = partition_layers(spec.layers, num_stages)
+    mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1)
+    init_parameters(mod, seed, spec.layers)
+    return mod
+
+
+def full_model(spec: ModelSpec, *, seed: int = 0) -> StageModule:
+    """The whole GPT as one module, with the same initial weights as any split of it."""
+    return stage_module(spec, 1, 0, seed=seed)
+
+
+def boundary_shape(spec: ModelSpec) -> tuple[int, int, int]:
+    """Shape of the activation (and of its gradient) passed between two stages."""
+    return (spec.micro_batch, spec.seq_len, spec.hidden)
+
+
+def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
+    """``adam`` (default betas, no weight decay) or ``sgd`` (momentum 0.9); the reference and every
+    rank use the same one, so their updates agree element by element."""
+    params = list(params)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}; choose adam or sgd")

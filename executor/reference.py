@@ -1,0 +1,56 @@
+"""The single-process reference: the same model, batches, loss and optimizer, no pipeline.
+
+One process holds the whole GPT (:func:`executor.model.full_model`, the same initial weights as
+every pipeline split) and, per step, runs forward and backward of each of the G = R * N global
+micro-batches in turn, each loss divided by G so the accumulated gradient is that of the mean
+loss of the global batch, then steps the optimizer. The executor must reproduce its losses and
+final parameters; its peak activation memory is that of one micro-batch through the whole model,
+measured with the same meter as the executor (so Ma = that / D).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .config import RunConfig, RunResult
+from .data import TokenSource
+from .device import NullMeter, select_device
+from .model import full_model, make_optimizer
+
+
+def run_reference(config: RunConfig) -> RunResult:
+    ctx = select_device("cpu" if config.device == "auto" else config.device)
+    spec = config.spec()
+    model = full_model(spec, seed=config.seed).to(ctx.device)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = make_optimizer(params, config.optimizer, config.lr)
+    data = TokenSource(spec, config.seed, config.data)
+    meter = ctx.meter(params) if config.measure_memory else NullMeter()
+    G = config.global_microbatches
+    losses, times, peak, ma = [], [], 0, 0.0
+    for step in range(config.steps):
+        meter.start_step()
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for g in range(G):
+            x, y = (t.to(ctx.device) for t in data.batch(step, g, G))
+            before = meter.current()
+            with meter.capture():
+                loss = model.loss(model(x), y)
+                scaled = loss / G
+            if step == 0 and g == 0:
+                ma = (meter.current() - before) / config.devices
+            scaled.backward()
+            loss_sum = loss_sum + loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        ctx.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss_sum) / G)
+        peak = max(peak, int(meter.peak))
+    per_device = [{"device": 0, "peak_activation_bytes": peak, "peak_activation_ma": peak / ma if ma else None}]
+    params_out = {n: p.detach().cpu().clone() for n, p in model.named_parameters()} if config.collect_params else None
+    return RunResult(config, losses, times, per_device, ma, "reference", params=params_out)

@@ -1,0 +1,276 @@
+"""The interpreter: one rank walks its lowered program, op by op, for one optimizer step.
+
+Per op kind (the IR's semantics, :mod:`schedules.ir` / :mod:`schedules.validate`):
+
+F     forward of one chunk (a stage module) for one micro-batch. Its input is the token ids
+      (stage 0) or the activation a RECV or COPY delivered; the output is kept with the input for
+      backward, and a detached copy is handed to the SEND/COPY that follows. On the last stage
+      the output is the loss of the micro-batch divided by G = R * N (the number of
+      micro-batches in the global batch), so that summing gradients over micro-batches, model
+      copies and replicas gives exactly the gradient of the mean loss of the global batch.
+B     backward of that chunk for that micro-batch, given the output gradient a RECV or COPY
+      delivered (none on the last stage). A full backward accumulates the parameter gradients and
+      produces the input gradient. In a split-backward schedule B computes only the input gradient
+      (``autograd.grad`` w.r.t. the input, keeping the graph) and W later computes the parameter
+      gradients from the kept graph; the gradients equal the full backward's bit for bit (the
+      same kernels, accumulated in the same order), at the cost of re-running the activation-
+      gradient chain inside W.
+W     weight-gradient half of a split backward (see B); frees the graph.
+SEND  ``isend`` of the message produced by the F/B before it (see :mod:`executor.p2p`).
+RECV  wait for the message posted ahead by the mailbox; activations become leaves that require
+      grad, so the following B yields their gradient.
+COPY  same-rank hand-off (the V turn of a V-shaped placement): an activation is detached and
+      made a leaf of the next stage's graph; a gradient is passed as is.
+ALLREDUCE  sum the stage's parameter gradients over ``schedule.stage_group(stage)`` (the model
+      copies and data-parallel replicas of the stage), started asynchronously on one flat buffer;
+      local copies of the stage on this rank are summed into it first.
+OPTIM wait for the step's all-reduces, write the sums back to every local copy, step the
+      optimizer and zero the gradients. Every copy of a stage then holds the same weights.
+
+Every op becomes one trace row (schema of :mod:`schedules.trace`): start/end on the rank's clock
+(seconds since the aligned start; on CUDA compute ops synchronise before their end is read),
+bytes moved for SEND/RECV/ALLREDUCE, and the activation bytes alive after the op.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, GRAD, OPTIM, RECV, SEND, W, Op, Schedule,
+                          message_key)
+
+from .data import TokenSource
+from .device import DeviceContext
+from .p2p import CommError, Mailbox, wait_work
+
+
+@dataclass
+class _StepState:
+    """Tensors alive within one step, keyed by (copy, stage, micro-batch) or by message key."""
+
+    inputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    inbox: dict = field(default_factory=dict)      # message key -> tensor delivered by RECV/COPY
+    produced: dict = field(default_factory=dict)   # message key -> tensor for SEND/COPY
+    pending_w: dict = field(default_factory=dict)  # (copy, stage, mb) -> (output, output grad)
+    batches: dict = field(default_factory=dict)    # global micro-batch -> (inputs, targets)
+    allreduces: list = field(default_factory=list)
+    loss_sum: torch.Tensor | float = 0.0
+
+    def leftovers(self) -> list[str]:
+        out = []
+        for name in ("inputs", "outputs", "inbox", "produced", "pending_w"):
+            keys = list(getattr(self, name))
+            if keys:
+                out.append(f"{name}: {keys[:4]}")
+        return out
+
+
+@dataclass
+class StepOutcome:
+    rows: list[tuple]
+    loss_sum: float
+    peak_activation: int
+
+
+class PipelineRuntime:
+    """Runs one rank's lowered program (see the module docstring).
+
+    ``modules`` maps (copy, stage) to the stage modules this rank holds (already on its device);
+    ``stage_groups`` maps a stage to its all-reduce process group (stages whose group is this rank
+    alone are absent); ``clock0`` is this rank's ``perf_counter`` at the aligned start.
+    """
+
+    def __init__(self, sched: Schedule, rank: int, *, modules: dict, optimizer: torch.optim.Optimizer,
+                 data: TokenSource, ctx: DeviceContext, meter, mailbox: Mailbox, stage_groups: dict,
+                 timeout: float, clock0: float, fault: str | None = None):
+        self.sched, self.rank = sched, rank
+        self.program = sched.program(rank)
+        self.modules, self.optimizer, self.data = modules, optimizer, data
+        self.ctx, self.meter, self.mailbox = ctx, meter, mailbox
+        self.stage_groups, self.timeout, self.clock0 = stage_groups, timeout, clock0
+        self.last_stage = sched.num_stages - 1
+        self.G = sched.replicas * sched.num_microbatches
+        self.mb_offset = (rank // sched.num_devices) * sched.num_microbatches
+        self.local_copies: dict[int, list[int]] = {}
+        for c, s in modules:
+            self.local_copies.setdefault(s, []).append(c)
+        self.fwd_bytes: dict[int, int] = {}   # stage -> activation bytes one micro-batch's F kept
+        self.fault = _parse_fault(fault, rank)
+        self.step_index = 0
+        self._state = _StepState()
+        self._handlers = {F: self._forward, B: self._backward, W: self._weight, SEND: self._send,
+                          RECV: self._recv, COPY: self._copy, ALLREDUCE: self._allreduce, OPTIM: self._optim}
+
+    # ------------------------------------------------------------------ one step
+    def run_step(self, step: int) -> StepOutcome:
+        self.step_index = step
+        self._state = st = _StepState()
+        self.meter.start_step()
+        self.mailbox.start_step(step)
+        rows = []
+        now = time.perf_counter
+        for seq, op in enumerate(self.program):
+            if self.fault is not None and self.fault[0] == str(op) and self.fault[1] in (None, step):
+                raise RuntimeError(f"injected fault: rank {self.rank} step {step} at {op}")
+            t0 = now()
+            try:
+                nbytes = self._handlers[op.kind](op)
+            except CommError:
+                raise
+            except Exception as e:
+                raise RuntimeError(f"rank {self.rank} step {step}: {op} failed: {e}") from e
+            if op.kind in (F, B, W):
+                self.ctx.synchronize()
+            t1 = now()
+            rows.append((self.rank, step, seq, op.kind, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer,
+                         t0 - self.clock0, t1 - self.clock0, float(nbytes), float(self.meter.current())))
+            self.mailbox.top_up()
+        self.mailbox.finish_step()
+        left = st.leftovers()
+        if left:
+            raise RuntimeError(f"rank {self.rank} step {step}: the program left tensors unconsumed "
+                               f"({'; '.join(left)}); every F needs its B (and W) and every message its consumer")
+        loss = float(st.loss_sum)
+        self._state = _StepState()
+        return StepOutcome(rows, loss, int(self.meter.peak))
+
+    # ------------------------------------------------------------------ compute
+    def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.mb_offset + mb
+        b = self._state.batches.get(g)
+        if b is None:
+            x, y = self.data.batch(self.step_index, g, self.G)
+            b = self._state.batches[g] = (x.to(self.ctx.device), y.to(self.ctx.device))
+        return b
+
+    def _forward(self, op: Op) -> int:
+        st = self._state
+        key = (op.copy, op.stage, op.mb)
+        module = self.modules[(op.copy, op.stage)]
+        if op.stage == 0:
+            x = self._batch(op.mb)[0]
+        else:
+            x = st.inbox.pop((ACT, op.copy, op.mb, op.stage - 1))
+        before = self.meter.current()
+        with self.meter.capture():
+            out = module(x)
+            if op.stage == self.last_stage:
+                loss = module.loss(out, self._batch(op.mb)[1])
+                out = loss / self.G
+        if op.stage not in self.fwd_bytes:
+            self.fwd_bytes[op.stage] = self.meter.current() - before
+        if op.stage == self.last_stage:
+            st.loss_sum = st.loss_sum + loss.detach()
+        else:
+            st.produced[(ACT, op.copy, op.mb, op.stage)] = out.detach()
+        st.inputs[key] = x
+        st.outputs[key] = out
+        return 0
+
+    def _backward(self, op: Op) -> int:
+        st = self._state
+        key = (op.copy, op.stage, op.mb)
+        out, x = st.outputs.pop(key), st.inputs.pop(key)
+        grad = None if op.stage == self.last_stage else st.inbox.pop((GRAD, op.copy, op.mb, op.stage + 1))
+        gx = None
+        if self.sched.split_backward:
+            if op.stage > 0:
+                (gx,) = torch.autograd.grad(out, (x,), grad, retain_graph=True)
+            st.pending_w[key] = (out, grad)
+        else:
+            torch.autograd.backward(out, grad)
+            gx = x.grad if op.stage > 0 else None
+        if op.stage > 0:
+            st.produced[(GRAD, op.copy, op.mb, op.stage)] = gx
+        return 0
+
+    def _weight(self, op: Op) -> int:
+        out, grad = self._state.pending_w.pop((op.copy, op.stage, op.mb))
+        params = [p for p in self.modules[(op.copy, op.stage)].parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out, params, grad, allow_unused=True)
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad.add_(g)
+        return 0
+
+    # ------------------------------------------------------------------ messages
+    def _send(self, op: Op) -> int:
+        t = self._state.produced.pop(message_key(op))
+        self.mailbox.send(op, t)
+        return t.numel() * t.element_size()
+
+    def _recv(self, op: Op) -> int:
+        t = self.mailbox.wait(op)
+        if op.payload == ACT:
+            t.requires_grad_(True)
+        self._state.inbox[message_key(op)] = t
+        return t.numel() * t.element_size()
+
+    def _copy(self, op: Op) -> int:
+        st = self._state
+        k = message_key(op)
+        t = st.produced.pop(k)
+        st.inbox[k] = t.detach().requires_grad_(True) if op.payload == ACT else t
+        return 0
+
+    # ------------------------------------------------------------------ gradients
+    def _local_grads(self, stage: int) -> list[list[torch.Tensor]]:
+        return [[p.grad for p in self.modules[(c, stage)].parameters()] for c in self.local_copies[stage]]
+
+    def _allreduce(self, op: Op) -> int:
+        copies = self._local_grads(op.stage)
+        flat = _flatten_dense_tensors(copies[0])
+        for grads in copies[1:]:
+            flat.add_(_flatten_dense_tensors(grads))
+        group = self.stage_groups.get(op.stage)
+        work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
+        self._state.allreduces.append((op, flat, work))
+        return flat.numel() * flat.element_size()
+
+    def _optim(self, op: Op) -> int:
+        done = set()
+        for ar, flat, work in self._state.allreduces:
+            if work is not None:
+                wait_work(work, self.timeout, f"rank {self.rank} step {self.step_index}: {ar} over ranks "
+                                              f"{self.sched.stage_group(ar.stage)}")
+            self._write_back(ar.stage, flat)
+            done.add(ar.stage)
+        self._state.allreduces = []
+        for stage, copies in self.local_copies.items():
+            if stage in done:
+                continue
+            if len(self.sched.stage_group(stage)) > 1:
+                raise RuntimeError(f"rank {self.rank}: stage {stage} is held by ranks {self.sched.stage_group(stage)} "
+                                   f"but the program has no ALLREDUCE for it before OPT")
+            if len(copies) > 1:   # both model copies of the stage on this rank: sum them locally
+                grads = self._local_grads(stage)
+                flat = _flatten_dense_tensors(grads[0])
+                for g in grads[1:]:
+                    flat.add_(_flatten_dense_tensors(g))
+                self._write_back(stage, flat)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return 0
+
+    def _write_back(self, stage: int, flat: torch.Tensor) -> None:
+        copies = self._local_grads(stage)
+        for grads in copies:
+            for g, s in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(s)
+
+
+def _parse_fault(fault: str | None, rank: int):
+    """``"RANK:TOKEN[:STEP]"`` -> (token, step or None) when it targets this rank."""
+    if not fault:
+        return None
+    parts = fault.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"fault must be RANK:TOKEN[:STEP]; got {fault!r}")
+    if int(parts[0]) != rank:
+        return None
+    return parts[1], (int(parts[2]) if len(parts) == 3 else None)

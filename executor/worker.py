@@ -1,0 +1,212 @@
+"""What each rank process does: join the process group, build its stages, run the steps, report.
+
+:func:`run_jobs` is the target :mod:`executor.launch` starts on every rank (spawned worker or
+``torchrun`` process). It joins the default process group once (env:// rendezvous: MASTER_ADDR,
+MASTER_PORT, RANK, WORLD_SIZE), then runs each job in turn on the same processes (tests run many
+schedules per spawn). Per job every rank:
+
+1. builds the stage modules its device holds (``schedule.stages_on``) with the seed's weights,
+   pre-allocates their gradients and makes the optimizer;
+2. creates the all-reduce subgroups ``schedule.stage_group(s)`` (every rank calls ``new_group``
+   for every distinct group in stage order, as torch.distributed requires; groups are cached)
+   and warms every communicator the program will use (one tiny message per pair and direction,
+   one tiny all-reduce per group), so none is created lazily in the middle of a step;
+3. aligns clocks: a barrier, then every rank reads ``perf_counter`` and the readings are
+   exchanged with ``all_gather_object``; ranks on one host share a monotonic clock, so they all
+   measure from the earliest reading on their host (exact alignment); across hosts the barrier
+   bounds the skew;
+4. runs the steps with :class:`executor.runtime.PipelineRuntime`;
+5. sends its trace rows, losses, memory and (on request) parameters to rank 0, which merges them
+   into a :class:`executor.config.RunResult`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from schedules import Schedule
+from schedules.trace import make_trace, step_metrics
+
+from .config import RunConfig, RunResult
+from .data import TokenSource
+from .device import DeviceContext, NullMeter, cpu_threads, select_device
+from .model import boundary_shape, make_optimizer, stage_module
+from .p2p import DirectionalGroups, Mailbox
+from .runtime import PipelineRuntime
+
+
+@dataclass(frozen=True)
+class Job:
+    config: RunConfig
+    schedule: Schedule  # lowered and validated (executor.config.plan)
+
+
+class ProcessGroups:
+    """Process groups of one world, created once and reused by every job."""
+
+    def __init__(self, world: int, backend: str):
+        self.backend = backend
+        self.p2p = DirectionalGroups(world, backend)
+        self._stage: dict[tuple[int, ...], object] = {}
+
+    def for_stages(self, sched: Schedule, rank: int, device) -> dict[int, object]:
+        """Stage -> all-reduce group (stages held by more than one rank). A new group runs one
+        tiny all-reduce right away, so its (NCCL) communicator exists before the program needs
+        it; all ranks create and warm groups in stage order, which cannot deadlock."""
+        out = {}
+        for s in range(sched.num_stages):
+            ranks = tuple(sched.stage_group(s))
+            if len(ranks) < 2:
+                continue
+            if ranks not in self._stage:
+                group = self._stage[ranks] = dist.new_group(list(ranks), backend=self.backend)
+                if rank in ranks:
+                    dist.all_reduce(torch.zeros(1, device=device), group=group)
+            out[s] = self._stage[ranks]
+        return out
+
+    def warm_up_p2p(self, sched: Schedule, rank: int, device) -> None:
+        pairs = {tuple(sorted((r, op.peer))) for r in range(sched.num_ranks) for op in sched.program(r)
+                 if op.peer >= 0}
+        self.p2p.warm_up(rank, pairs, device)
+
+
+def init_world(device: str, rank: int, world: int, local_rank: int, local_world: int,
+               timeout: float = 60.0) -> DeviceContext:
+    """Pick the device, size the CPU thread pool and join the default process group (env://)."""
+    ctx = select_device(device, local_rank)
+    if not ctx.is_cuda:
+        torch.set_num_threads(cpu_threads(local_world))
+    dist.init_process_group(ctx.backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=max(timeout, 30.0)),
+                            device_id=ctx.device if ctx.is_cuda else None)
+    return ctx
+
+
+def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_world: int) -> list[RunResult] | None:
+    """Run ``jobs`` on this rank; rank 0 returns their results, the other ranks None."""
+    devices = {j.config.device for j in jobs}
+    if len(devices) != 1:
+        raise ValueError(f"jobs of one launch must use one device kind; got {sorted(devices)}")
+    ctx = init_world(devices.pop(), rank, world, local_rank, local_world, max(j.config.timeout for j in jobs))
+    groups = ProcessGroups(world, ctx.backend)
+    results = [run_job(job, rank, world, ctx, groups) for job in jobs]
+    dist.barrier()
+    dist.destroy_process_group()
+    return results if rank == 0 else None
+
+
+@dataclass
+class RankSetup:
+    """One rank's part of a job, ready to run steps."""
+
+    runtime: PipelineRuntime
+    modules: dict
+    params: list
+    optimizer: torch.optim.Optimizer
+
+
+def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RankSetup:
+    """Steps 1-3 of the module docstring: stages, optimizer, groups, mailbox, aligned clock."""
+    cfg, sched = job.config, job.schedule
+    if sched.num_ranks != world:
+        raise ValueError(f"{sched.name} with D={sched.num_devices}, R={sched.replicas} needs {sched.num_ranks} "
+                         f"processes; {world} were started")
+    spec = cfg.spec()
+    modules = {(c, s): stage_module(spec, sched.num_stages, s, seed=cfg.seed).to(ctx.device)
+               for c, s in sched.stages_on(sched.rank_device(rank))}
+    params = [p for m in modules.values() for p in m.parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = make_optimizer(params, cfg.optimizer, cfg.lr)
+    shape = boundary_shape(spec)
+    mailbox = Mailbox(rank, sched.program(rank), groups.p2p,
+                      lambda op: torch.empty(shape, dtype=torch.float32, device=ctx.device),
+                      timeout=cfg.timeout, lookahead=cfg.recv_lookahead)
+    meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
+    groups.warm_up_p2p(sched, rank, ctx.device)
+    stage_groups = groups.for_stages(sched, rank, ctx.device)
+    runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer,
+                              data=TokenSource(spec, cfg.seed, cfg.data), ctx=ctx, meter=meter,
+                              mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
+                              clock0=_aligned_clock(world), fault=cfg.fault)
+    return RankSetup(runtime, modules, params, optimizer)
+
+
+def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RunResult | None:
+    cfg, sched = job.config, job.schedule
+    rs = setup_rank(job, rank, world, ctx, groups)
+    rows, losses, peak = [], [], 0
+    for step in range(cfg.steps):
+        out = rs.runtime.run_step(step)
+        rows += out.rows
+        losses.append(out.loss_sum)
+        peak = max(peak, out.peak_activation)
+    report = {"rank": rank, "rows": rows, "losses": losses, "peak": peak, "fwd_bytes": rs.runtime.fwd_bytes,
+              "static_bytes": _static_bytes(rs.params, rs.optimizer)}
+    if cfg.collect_params:
+        replica = rank // sched.num_devices
+        report["params"] = {f"r{replica}.c{c}/{n}": p.detach().cpu().clone() for (c, _), m in rs.modules.items()
+                            for n, p in m.named_parameters()}
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(report, gathered, dst=0)
+    return merge_reports(cfg, sched, gathered, backend=ctx.backend) if rank == 0 else None
+
+
+def _aligned_clock(world: int) -> float:
+    dist.barrier()
+    mine = (socket.gethostname(), time.perf_counter())
+    readings = [None] * world
+    dist.all_gather_object(readings, mine)
+    return min(t for host, t in readings if host == mine[0])
+
+
+def _static_bytes(params, optimizer) -> int:
+    n = sum(p.numel() * p.element_size() * 2 for p in params)  # weights + gradients
+    for state in optimizer.state.values():
+        n += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    return n
+
+
+def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backend: str) -> RunResult:
+    """Rank 0: one trace, the global loss per step, per-rank memory (bytes and Ma)."""
+    D, S = sched.num_devices, sched.num_stages
+    fwd: dict[int, int] = {}
+    for rep in reports:
+        for s, b in rep["fwd_bytes"].items():
+            fwd.setdefault(s, b)
+    ma = sum(fwd.get(s, 0) for s in range(S)) / D
+    static = {rep["rank"]: rep["static_bytes"] for rep in reports}
+    trace = make_trace([row for rep in reports for row in rep["rows"]], engine="executor", schedule=sched.name,
+                       devices=D, microbatches=sched.num_microbatches, replicas=sched.replicas, time_unit="s",
+                       mem_unit="B", static_mem=static, ma_bytes=ma, model=cfg.model, backend=backend)
+    G = cfg.global_microbatches
+    losses = [sum(rep["losses"][k] for rep in reports) / G for k in range(cfg.steps)]
+    metrics = step_metrics(trace)
+    per_metrics = {m.device: m for m in metrics.per_device}
+    per_device = []
+    for rep in sorted(reports, key=lambda r: r["rank"]):
+        r = rep["rank"]
+        m = per_metrics.get(r)
+        per_device.append({"device": r, "peak_activation_bytes": rep["peak"],
+                           "peak_activation_ma": rep["peak"] / ma if ma else None,
+                           "static_bytes": rep["static_bytes"],
+                           "busy_s": m.busy if m else 0.0, "bubble_ratio": m.bubble_ratio if m else None})
+    params = None
+    if cfg.collect_params:
+        params = {k: v for rep in reports for k, v in rep["params"].items()}
+    return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params)
+
+
+def local_env() -> tuple[int, int, int, int]:
+    """(rank, world, local rank, local world) from the launcher's / torchrun's environment."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, local_rank, local_world

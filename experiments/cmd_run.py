@@ -1,0 +1,113 @@
+"""``pipetwin run``: train a GPT with a schedule on real processes (torch.distributed executor).
+
+Spawns D x R ranks (CPU + gloo) or, under ``torchrun``, runs as one of its ranks (NCCL on
+``cuda:LOCAL_RANK``; only rank 0 prints). ``--reference`` instead trains the same model on the
+same batches in this one process. Both print the same fields; ``--json`` prints
+``losses`` (one per step), ``iteration_times`` (s) and ``per_device`` with
+``peak_activation_bytes`` (and ``peak_activation_ma``, in units of Ma = ``ma_bytes``).
+A rank that fails ends the run: exit status 1 with the failing rank's traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from schedules.trace import write_chrome
+
+from .common import add_schedule_args, fmt_table, print_json
+
+NAME = "run"
+HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
+
+
+def add_arguments(p):
+    add_schedule_args(p)
+    p.add_argument("--model", default="tiny", help="model preset name or YAML file (default: tiny)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam, or sgd with momentum 0.9")
+    p.add_argument("--data", metavar="FILE", help="train on the bytes of a text file (default: synthetic tokens)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda:LOCAL_RANK + NCCL under torchrun when CUDA exists, else CPU + gloo")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a receive or all-reduce may wait (default 60)")
+    p.add_argument("--recv-lookahead", type=int, default=2,
+                   help="receives posted ahead per peer (default 2; 0 = all at step start)")
+    p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
+    p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", metavar="FILE.csv", help="write the merged trace as CSV")
+    p.add_argument("--chrome-trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--plot", metavar="FILE.png", help="write the timeline figure")
+    p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]", help=argparse.SUPPRESS)
+
+
+def config_from_args(args):
+    from executor.config import RunConfig
+    return RunConfig(schedule=args.schedule, devices=args.devices, microbatches=args.microbatches,
+                     chunks=args.chunks, replicas=args.dp, model=args.model, steps=args.steps, seed=args.seed,
+                     lr=args.lr, optimizer=args.optimizer, timeout=args.timeout, data=args.data,
+                     device=args.device, eager_allreduce=not args.no_eager,
+                     recv_lookahead=args.recv_lookahead or None, measure_memory=not args.no_memory,
+                     fault=args.inject_fault)
+
+
+def main(args) -> int:
+    from executor.config import plan
+    from executor.launch import LaunchError, run
+    from executor.reference import run_reference
+
+    cfg = config_from_args(args)
+    if args.reference:
+        plan(cfg)  # same checks as an executor run
+        result = run_reference(cfg)
+    else:
+        try:
+            result = run(cfg)
+        except LaunchError as e:
+            print(f"pipetwin: run failed: {e}", file=sys.stderr)
+            return 1
+    if result is None:  # a torchrun rank other than 0
+        return 0
+    _write_outputs(result, args)
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    _print_human(result, args)
+    return 0
+
+
+def _write_outputs(result, args) -> None:
+    trace = result.trace
+    wanted = [(args.trace, "--trace"), (args.chrome_trace, "--chrome-trace"), (args.plot, "--plot")]
+    if trace is None:
+        for path, flag in wanted:
+            if path:
+                raise ValueError(f"{flag} needs an executor run (the reference records no trace)")
+        return
+    if args.trace:
+        trace.to_csv(args.trace, index=False)
+    if args.chrome_trace:
+        write_chrome(trace, args.chrome_trace)
+    if args.plot:
+        from .plots import plot_timeline
+        plot_timeline(trace, args.plot)
+
+
+def _print_human(result, args) -> None:
+    c = result.config
+    where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
+    print(f"{result.engine} {c.schedule}: D={c.devices} N={c.microbatches} R={c.replicas}  model {c.model}  "
+          f"{c.optimizer} lr={c.lr:g}  ({where})")
+    steps = [{"step": i, "loss": l, "iteration_s": t}
+             for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]
+    print(fmt_table(steps, ["step", "loss", "iteration_s"], {"loss": "{:.6f}", "iteration_s": "{:.4f}"}))
+    print(f"throughput {result.throughput:.1f} sequences/s (steps after the first); Ma = {result.ma_bytes:.0f} B")
+    cols = ["device", "peak_activation_bytes", "peak_activation_ma"]
+    if result.trace is not None:
+        cols += ["busy_s", "bubble_ratio"]
+    print(fmt_table(result.per_device, cols, {"peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}",
+                                              "bubble_ratio": "{:.3f}"}))
+    for what, path in (("trace", args.trace), ("chrome trace", args.chrome_trace), ("figure", args.plot)):
+        if path:
+            print(f"wrote {what}: {path}")

@@ -1,0 +1,215 @@
+"""The executor on real processes (gloo on the CPU) against the single-process reference.
+
+Two spawns run the whole matrix (processes are reused across jobs): world size 2 holds every
+schedule at D = 2 (plus split-backward variants and an Adam run), world size 4 every schedule at
+D = 4 and at D = 2 x R = 2 replicas. Each job trains 3 optimizer steps; the losses and every final
+parameter (every model copy, every replica) must equal the reference within 1e-5 relative, and
+every rank's executed op order must equal its program exactly.
+"""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.config import RunConfig, plan
+from executor.launch import LaunchError, run, run_many
+from executor.reference import run_reference
+from schedules import B, W, ScheduleError, build, lower, make_schedule, names
+from schedules.ir import message_key, parse_op
+from schedules.trace import COLUMNS, op_orders
+
+PAPER = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
+BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0)
+
+
+def split_variant(name: str, D: int, N: int, *, defer: bool):
+    """A split-backward version of a schedule: each B becomes B then W (right after it, or all
+    W deferred to the end of the device's program)."""
+    base = build(name, D, N)
+    order = []
+    for prog in base.programs:
+        ops, tail = [], []
+        for op in prog:
+            ops.append((op.kind, op.mb, op.copy, op.stage))
+            if op.kind == B:
+                (tail if defer else ops).append((W, op.mb, op.copy, op.stage))
+        order.append(ops + tail)
+    return make_schedule(f"{name}-split{'-deferred' if defer else ''}", D, N, base.placement, order,
+                         split_backward=True)
+
+
+def _cases_world2():
+    cases = {f"{s}-D2": (RunConfig(schedule=s, devices=2, microbatches=4, **BASE), None) for s in PAPER}
+    for extra in names():  # schedules added later by other families run here too
+        if extra in PAPER:
+            continue
+        try:
+            cfg = RunConfig(schedule=extra, devices=2, microbatches=4, **BASE)
+            plan(cfg)
+        except (ScheduleError, ValueError):
+            continue
+        cases[f"{extra}-D2"] = (cfg, None)
+    cfg = RunConfig(schedule="dapple", devices=2, microbatches=4, **BASE)
+    cases["dapple-split-D2"] = (cfg, split_variant("dapple", 2, 4, defer=False))
+    cases["bitpipe-split-deferred-D2"] = (cfg, split_variant("bitpipe", 2, 4, defer=True))
+    text = str(Path(__file__).resolve().parent.parent / "schedules" / "ir.py")
+    cases["gpipe-textdata-allrecvsposted-D2"] = (RunConfig(schedule="gpipe", devices=2, microbatches=4, data=text,
+                                                          recv_lookahead=None, **BASE), None)
+    cases["bitpipe-adam-D2"] = (RunConfig(schedule="bitpipe", devices=2, microbatches=4,
+                                          **dict(BASE, optimizer="adam", lr=1e-3)), None)
+    return cases
+
+
+def _cases_world4():
+    cases = {f"{s}-D4": (RunConfig(schedule=s, devices=4, microbatches=8, **BASE), None) for s in PAPER}
+    cases.update({f"{s}-D2R2": (RunConfig(schedule=s, devices=2, microbatches=4, replicas=2, **BASE), None)
+                  for s in PAPER})
+    cases["chimera-noeager-D2R2"] = (RunConfig(schedule="chimera", devices=2, microbatches=4, replicas=2,
+                                               eager_allreduce=False, **BASE), None)
+    return cases
+
+
+CASES = {2: _cases_world2(), 4: _cases_world4()}
+IDS = [(w, k) for w, cases in CASES.items() for k in cases]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{world: {case: (config, lowered schedule, result)}}, run lazily once per world size."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cases = CASES[world]
+            results = run_many(list(cases.values()))
+            cache[world] = {k: (cfg, plan(cfg, sched), res) for (k, (cfg, sched)), res in zip(cases.items(), results)}
+        return cache[world]
+    return get
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(cfg):
+        key = cfg.with_(schedule="", eager_allreduce=True, recv_lookahead=None)  # no effect on the reference
+        if key not in cache:
+            cache[key] = run_reference(cfg)
+        return cache[key]
+    return get
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
+def test_losses_and_parameters_equal_reference(runs, references, world, case):
+    cfg, sched, res = runs(world)[case]
+    ref = references(cfg)
+    assert len(res.losses) == cfg.steps == len(ref.losses)
+    for got, want in zip(res.losses, ref.losses):
+        assert abs(got - want) <= 1e-5 * abs(want), (res.losses, ref.losses)
+    if cfg.optimizer == "adam":
+        assert res.losses[-1] < res.losses[0]  # it trains (3 SGD steps are within the batch noise)
+    copies = {k.split("/", 1)[0] for k in res.params}
+    assert len(copies) == sched.num_copies * sched.replicas
+    by_name: dict[str, list[torch.Tensor]] = {}
+    for key, tensor in res.params.items():
+        by_name.setdefault(key.split("/", 1)[1], []).append(tensor)
+    assert set(by_name) == set(ref.params)
+    for name, tensors in by_name.items():
+        assert len(tensors) == sched.num_copies * sched.replicas
+        if cfg.optimizer == "sgd":
+            assert max(_rel(t, ref.params[name]) for t in tensors) <= 1e-5, name
+        for t in tensors[1:]:  # every copy of a stage, on every replica, ends with identical weights
+            assert torch.equal(t, tensors[0]), name
+
+
+@pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
+def test_executed_op_order_is_the_program(runs, world, case):
+    cfg, sched, res = runs(world)[case]
+    trace = res.trace
+    for step in range(cfg.steps):
+        orders = op_orders(trace, step)
+        assert sorted(orders) == list(range(sched.num_ranks))
+        for rank, tokens in orders.items():
+            assert tokens == [str(op) for op in sched.program(rank)], f"rank {rank} step {step}"
+
+
+@pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
+def test_trace_schema_clock_and_memory(runs, world, case):
+    cfg, sched, res = runs(world)[case]
+    t = res.trace
+    assert list(t.columns) == COLUMNS and t.attrs["engine"] == "executor"
+    assert (t["end"] >= t["start"]).all()
+    # all activations are released by the end of every step
+    last = t.sort_values("seq").groupby(["device", "step"]).tail(1)
+    assert (last["kind"] == "OPTIM").all() and (last["act_mem"] == 0).all()
+    assert all(p["peak_activation_bytes"] > 0 and p["peak_activation_ma"] > 0 for p in res.per_device)
+    # clocks are aligned: a message is never received before it was sent
+    sends = {}
+    for row in t[t["kind"] == "SEND"].itertuples():
+        sends[(row.step, row.device, row.peer, message_key(parse_op(row.token)))] = row.start
+    for row in t[t["kind"] == "RECV"].itertuples():
+        sent = sends[(row.step, row.peer, row.device, message_key(parse_op(row.token)))]
+        assert row.end >= sent, row.token
+    msg = cfg.spec().micro_batch * cfg.spec().seq_len * cfg.spec().hidden * 4
+    assert (t[t["kind"].isin(["SEND", "RECV"])]["bytes"] == msg).all()
+
+
+def test_recv_timeout_names_rank_op_and_peer():
+    """A lowered program that never sends one activation: rank 1's receive times out."""
+    low = lower(build("gpipe", 2, 2))
+    progs = [list(p) for p in low.programs]
+    progs[0].remove(parse_op("SA1.s0>1"))
+    broken = low.with_programs(progs)
+    cfg = RunConfig(schedule="gpipe", devices=2, microbatches=2, steps=1, timeout=2.0)
+    with pytest.raises(ScheduleError):
+        plan(cfg, broken)  # validation catches it before anything starts
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 step 0: RA1\.s1<0 waiting for rank 0: nothing arrived within 2 s"):
+        run(cfg, broken, check=False)
+    assert time.monotonic() - t0 < 30
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "experiments", "run", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_run_json_trace_and_reference(tmp_path):
+    common = ["-s", "interleaved", "-D", "2", "-N", "4", "--steps", "3", "--json"]
+    csv, chrome = tmp_path / "t.csv", tmp_path / "t.json"
+    p = _cli(*common, "--trace", str(csv), "--chrome-trace", str(chrome))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert len(out["losses"]) == 3 and len(out["iteration_times"]) == 3
+    assert [d["device"] for d in out["per_device"]] == [0, 1]
+    assert all(d["peak_activation_bytes"] > 0 for d in out["per_device"])
+    assert csv.read_text().splitlines()[0] == ",".join(COLUMNS)
+    assert json.loads(chrome.read_text())["traceEvents"]
+    r = _cli(*common, "--reference")
+    assert r.returncode == 0, r.stderr
+    ref = json.loads(r.stdout)
+    assert ref["engine"] == "reference" and ref["per_device"][0]["peak_activation_bytes"] > 0
+    for a, b in zip(out["losses"], ref["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_cli_crashed_rank_ends_the_run_with_its_traceback():
+    t0 = time.monotonic()
+    p = _cli("-s", "dapple", "-D", "2", "-N", "4", "--steps", "2", "--timeout", "20", "--inject-fault", "1:B1.s1:1")
+    assert p.returncode == 1
+    assert "rank 1 failed: RuntimeError: injected fault: rank 1 step 1 at B1.s1" in p.stderr
+    assert "Traceback" in p.stderr and "runtime.py" in p.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_cli_bad_schedule_is_a_user_error():
+    p = _cli("-s", "chimera", "-D", "3", "-N", "3", timeout=60)
+    assert p.returncode == 2 and "even number of devices" in p.stderr
