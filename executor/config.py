@@ -38,7 +38,7 @@ class RunConfig:
     data: str | None = None         # text file of byte tokens; None = synthetic stream
     device: str = "auto"            # auto | cpu | cuda (see executor.device)
     eager_allreduce: bool = True    # all-reduce in the bubbles (lowering's eager placement)
-    recv_lookahead: int | None = 2  # receives posted ahead per peer (None = all at step start)
+    recv_lookahead: int | None = None  # receives posted ahead per peer (None = all at step start)
     measure_memory: bool = True     # saved-tensor hooks on the CPU (allocator counters on CUDA)
     collect_params: bool = False    # return the final parameters (tests)
     fault: str | None = None        # fault injection for tests: "RANK:TOKEN[:STEP]" raises there

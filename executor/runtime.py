@@ -63,8 +63,8 @@ class _StepState:
 
     def leftovers(self) -> list[str]:
         out = []
-        for name in ("inputs", "outputs", "inbox", "produced", "pending_w"):
-            keys = list(getattr(self, name))
+        for name in ("inputs", "outputs", "inbox", "produced", "pending_w", "allreduces"):
+            keys = [str(x[0]) for x in self.allreduces] if name == "allreduces" else list(getattr(self, name))
             if keys:
                 out.append(f"{name}: {keys[:4]}")
         return out

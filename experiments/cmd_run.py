@@ -31,8 +31,8 @@ def add_arguments(p):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK + NCCL under torchrun when CUDA exists, else CPU + gloo")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a receive or all-reduce may wait (default 60)")
-    p.add_argument("--recv-lookahead", type=int, default=2,
-                   help="receives posted ahead per peer (default 2; 0 = all at step start)")
+    p.add_argument("--recv-lookahead", type=int, default=0,
+                   help="receives posted ahead per peer, each holding a buffer (default 0 = all at step start)")
     p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
     p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
