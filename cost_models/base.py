@@ -29,6 +29,8 @@ class StageCosts:
       (gradient w.r.t. its input). param_bytes: gradient bytes all-reduced for the stage.
     static_mem: per device (weights + gradients + optimizer state of the stages it holds).
     optim_time: per device. copy_time: local hand-off time (V turn).
+    send_time / recv_time: CPU time a rank spends posting a message / taking a delivered one
+      (host overheads measured by calibration; 0 for GPUs, where the copy engines do the work).
     """
 
     time_unit: str
@@ -45,6 +47,8 @@ class StageCosts:
     optim_time: tuple[float, ...]
     copy_time: float = 0.0
     meta: dict = field(default_factory=dict, compare=False)
+    send_time: float = 0.0
+    recv_time: float = 0.0
 
     def compute_time(self, kind: str, copy: int, stage: int) -> float:
         table = self.f if kind == "F" else self.b if kind == "B" else self.w
@@ -111,6 +115,8 @@ class LayerCosts:
     grad_bytes_per_param: float = 2.0      # bytes all-reduced per parameter
     optim_time_per_param: float = 0.0
     copy_time: float = 0.0
+    b_full: tuple[float, ...] | None = None  # measured full backward (else b_input + w)
+    op_overhead: tuple[tuple[str, float], ...] = ()  # seconds added per op: (("F", s), ("SEND", s), ...)
 
     @property
     def num_layers(self) -> int:
@@ -132,11 +138,15 @@ class PerLayerCostModel:
         def per_stage(vals):
             return [sum(vals[i] for i in rng) for rng in parts]
 
-        f = per_stage(L.f)
+        ovh = dict(L.op_overhead)
+        f = [x + ovh.get("F", 0.0) for x in per_stage(L.f)]
         if sched.split_backward:
-            b, w = per_stage(L.b_input), per_stage(L.w)
+            b = [x + ovh.get("B", 0.0) for x in per_stage(L.b_input)]
+            w = [x + ovh.get("W", 0.0) for x in per_stage(L.w)]
         else:
-            b = [x + y for x, y in zip(per_stage(L.b_input), per_stage(L.w))]
+            full = per_stage(L.b_full) if L.b_full is not None else \
+                [x + y for x, y in zip(per_stage(L.b_input), per_stage(L.w))]
+            b = [x + ovh.get("B", 0.0) for x in full]
             w = [0.0] * S
         act = per_stage(L.act)
         act_w = per_stage(L.act_w) if sched.split_backward else [0.0] * S
@@ -149,8 +159,9 @@ class PerLayerCostModel:
             held = sched.stages_on(sched.rank_device(r))
             p = sum(params[s] for _, s in held)
             static.append(p * L.bytes_per_param_static)
-            optim.append(p * L.optim_time_per_param)
+            optim.append(p * L.optim_time_per_param + ovh.get("OPTIM", 0.0))
         rows = lambda v: _table([v] * C)  # noqa: E731
         return StageCosts("s", "B", rows(f), rows(b), rows(w), rows(act), rows(act_w), rows(out), rows(grad),
                           rows([p * L.grad_bytes_per_param for p in params]), tuple(static), tuple(optim),
-                          L.copy_time, {"model": "per-layer", "partition": [len(r) for r in parts]})
+                          L.copy_time, {"model": "per-layer", "partition": [len(r) for r in parts]},
+                          ovh.get("SEND", 0.0), ovh.get("RECV", 0.0))

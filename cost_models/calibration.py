@@ -44,11 +44,14 @@ KINDS = ("embedding", "block", "head")
 
 @dataclass(frozen=True)
 class LayerTiming:
-    """Measured seconds of one layer for one micro-batch."""
+    """Measured seconds of one layer for one micro-batch: forward, input-grad backward,
+    weight-grad backward of a split backward, and (optional) the full backward, which may differ
+    from b_input + w (a split backward can redo work)."""
 
     f: float
     b_input: float
     w: float
+    b: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class CalibrationProfile:
     memory_bytes: float | None = None
     act_bytes: tuple[float, ...] | None = None   # measured bytes kept F -> B per layer, if any
     meta: dict = field(default_factory=dict, compare=False)
+    act_w_bytes: tuple[float, ...] | None = None  # measured bytes still kept between B and W, if any
+    overhead: tuple[tuple[str, float], ...] = ()  # per-op runtime overhead (s): F, B, W, SEND, RECV, OPTIM
+    cores: int | None = None                      # cores of the host the ranks share
 
     def device(self) -> DeviceSpec:
         return DeviceSpec("cpu", (), self.memory_bytes, None, 1.0, True, f"CPU rank calibrated by {self.name}")
@@ -76,6 +82,13 @@ class CalibrationProfile:
         measured = self.act_bytes
         act = [m if measured is not None and recompute == "none" else l.act_bytes
                for l, m in zip(formula, measured or [None] * len(formula))]
+        mw = self.act_w_bytes
+        act_w = [m if mw is not None and recompute == "none" else l.act_w_bytes
+                 for l, m in zip(formula, mw or [None] * len(formula))]
+        full = None
+        if all(t.b is not None for t in self.layers):
+            full = tuple(t.b + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0)
+                         for t, l in zip(self.layers, formula))
         grad = float(self.model.dtype_bytes if grad_bytes_per_param is None else grad_bytes_per_param)
         return LayerCosts(
             f=tuple(t.f for t in self.layers),
@@ -83,13 +96,15 @@ class CalibrationProfile:
                           for t, l in zip(self.layers, formula)),
             w=tuple(t.w for t in self.layers),
             act=tuple(float(a) for a in act),
-            act_w=tuple(l.act_w_bytes for l in formula),
+            act_w=tuple(float(a) for a in act_w),
             out_bytes=tuple(l.out_bytes for l in formula),
             params=tuple(float(l.params) for l in formula),
             bytes_per_param_static=float(bytes_per_param),
             grad_bytes_per_param=grad,
             optim_time_per_param=self.optimizer_seconds_per_param,
             copy_time=self.copy_time,
+            b_full=full,
+            op_overhead=self.overhead,
         )
 
     def cost_model(self, num_stages: int, partition: tuple[int, ...] | None = None, **kw) -> PerLayerCostModel:
@@ -104,7 +119,8 @@ class CalibrationProfile:
 
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "name": self.name, "model": self.model.to_dict(),
-             "per_layer": [{"f": t.f, "b_input": t.b_input, "w": t.w} for t in self.layers],
+             "per_layer": [{"f": t.f, "b_input": t.b_input, "w": t.w, **({"b": t.b} if t.b is not None else {})}
+                           for t in self.layers],
              "p2p": {"latency": self.p2p.latency, "bandwidth": self.p2p.bandwidth},
              "allreduce": {"latency": self.allreduce.latency, "bandwidth": self.allreduce.bandwidth},
              "optimizer": {"seconds_per_param": self.optimizer_seconds_per_param},
@@ -113,17 +129,34 @@ class CalibrationProfile:
             d["memory"] = self.memory_bytes
         if self.act_bytes is not None:
             d["act_bytes_per_layer"] = list(self.act_bytes)
+        if self.act_w_bytes is not None:
+            d["act_w_bytes_per_layer"] = list(self.act_w_bytes)
+        if self.overhead:
+            d["overhead"] = dict(self.overhead)
+        if self.cores is not None:
+            d["cores"] = self.cores
         return d
 
 
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
-           "allreduce", "optimizer", "copy_time", "memory", "meta")
+           "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores")
+OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
 
 
 def _timing(v, source: str, fld: str) -> LayerTiming:
     _spec.mapping(v, source, fld)
-    _spec.check_fields(v, source, ("f", "b_input", "w"), ("f", "b_input", "w"), fld + ".")
-    return LayerTiming(*(_spec.seconds(v[k], source, f"{fld}.{k}") for k in ("f", "b_input", "w")))
+    _spec.check_fields(v, source, ("f", "b_input", "w", "b"), ("f", "b_input", "w"), fld + ".")
+    b = _spec.seconds(v["b"], source, f"{fld}.b") if "b" in v else None
+    return LayerTiming(*(_spec.seconds(v[k], source, f"{fld}.{k}") for k in ("f", "b_input", "w")), b)
+
+
+def _per_layer_bytes(d, key: str, n: int, source: str):
+    if key not in d:
+        return None
+    al = d[key]
+    if not isinstance(al, list) or len(al) != n:
+        raise SpecError(f"{source}: field {key!r} must list {n} numbers")
+    return tuple(_spec.size_bytes(v, source, f"{key}[{i}]", allow_zero=True) for i, v in enumerate(al))
 
 
 def _fit(v, source: str, fld: str, kind: str) -> LinkSpec:
@@ -177,6 +210,12 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     mem = d.get("memory")
     meta = d.get("meta", {}) or {}
     _spec.mapping(meta, source, "meta")
+    ovh = _spec.mapping(d.get("overhead", {}) or {}, source, "overhead")
+    _spec.check_fields(ovh, source, OVERHEAD_KINDS, prefix="overhead.")
+    overhead = tuple((k, _spec.seconds(ovh[k], source, f"overhead.{k}")) for k in OVERHEAD_KINDS if k in ovh)
+    cores = d.get("cores")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise SpecError(f"{source}: field 'cores' must be an integer >= 1; got {cores!r}")
     return CalibrationProfile(
         name=str(d.get("name", Path(source).stem)), model=model, layers=layers,
         p2p=_fit(d["p2p"], source, "p2p", "calibrated-p2p"),
@@ -184,7 +223,8 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         optimizer_seconds_per_param=osp,
         copy_time=_spec.seconds(d.get("copy_time", 0.0), source, "copy_time"),
         memory_bytes=None if mem is None else _spec.size_bytes(mem, source, "memory"),
-        act_bytes=act, meta=dict(meta))
+        act_bytes=act, meta=dict(meta), act_w_bytes=_per_layer_bytes(d, "act_w_bytes_per_layer", n, source),
+        overhead=overhead, cores=cores)
 
 
 def load_profile(path: str | Path) -> CalibrationProfile:
@@ -204,3 +244,33 @@ def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
     p = Path(path)
     p.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
     return p
+
+
+def fit_latency_bandwidth(sizes, times) -> tuple[float, float]:
+    """Least-squares fit of ``time = latency + bytes / bandwidth``; returns (latency s, bandwidth B/s).
+
+    The latency is clamped at 0 (a negative intercept is noise); raises SpecError when the times
+    do not grow with the size (no bandwidth can be fitted)."""
+    xs, ys = [float(x) for x in sizes], [float(y) for y in times]
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise SpecError("need timings at two or more message sizes to fit latency and bandwidth")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if slope <= 0:
+        raise SpecError("message times do not grow with size; cannot fit a bandwidth (measure larger messages)")
+    lat = my - slope * mx
+    if lat < 0:  # refit through the origin
+        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        lat = 0.0
+    return lat, 1.0 / slope
+
+
+def fit_allreduce(sizes, times, n: int) -> tuple[float, float]:
+    """Fit a ring all-reduce over n ranks, ``time = 2(n-1) latency + 2(n-1)/n bytes / bandwidth``;
+    returns (latency, bandwidth) of one ring step."""
+    if n < 2:
+        raise SpecError("an all-reduce fit needs at least 2 ranks")
+    lat, bw = fit_latency_bandwidth(sizes, times)
+    return lat / (2 * (n - 1)), bw * 2 * (n - 1) / n

@@ -23,7 +23,7 @@ def add_arguments(p):
 def run_one(name: str, args):
     low = build_lowered(name, args)
     costs, network, extra = resolve_costs(args, low)
-    trace = simulate(low, costs, network, sim_options(args, low, network))
+    trace = simulate(low, costs, network, sim_options(args, low, network, extra.get("host_cores")))
     return low, trace, extra
 
 

@@ -52,7 +52,8 @@ def resolve_costs(args, low):
         prof = load_profile(args.profile)
         costs = prof.cost_model(low.num_stages, recompute=args.recompute).bind(low)
         net = prof.cluster(low.num_ranks)
-        return costs, net, {"cost_model": f"profile {args.profile}", "cluster": net.name}
+        return costs, net, {"cost_model": f"profile {args.profile}", "cluster": net.name,
+                            "host_cores": prof.cores}
     model = load_model(args.model)
     if args.micro_batch is not None:
         if args.micro_batch < 1:
@@ -69,7 +70,9 @@ def resolve_costs(args, low):
                            "memory_capacity": costs.meta.get("memory_capacity")}
 
 
-def sim_options(args, low, network=None) -> SimOptions:
+def sim_options(args, low, network=None, host_cores: int | None = None) -> SimOptions:
+    """Simulator options from the CLI; ``host_cores``: all ranks run on one host with that many
+    cores (calibrated CPU runs), so they share them."""
     slow = _pairs(args.slowdown, "--slowdown")
     links = _pairs(getattr(args, "slow_link", []), "--slow-link", key=str, example="n1.nic0.out=4", label="LINK")
     if links:
@@ -85,4 +88,5 @@ def sim_options(args, low, network=None) -> SimOptions:
             raise ValueError(f"--slowdown names rank {r}, but the run has ranks 0..{low.num_ranks - 1}")
     if args.jitter < 0:
         raise ValueError("--jitter must be >= 0")
-    return SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed)
+    return SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed,
+                      hosts=[0] * low.num_ranks if host_cores else None, cores=float(host_cores or 1))

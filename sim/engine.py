@@ -5,9 +5,11 @@ One SimPy process per rank walks its program:
 - F / B / W take their time from the cost model (times the rank's slowdown and optional
   per-op jitter). With ``hosts``, ranks on one host share its cores (processor sharing: each
   compute op is a flow of its duration in core-seconds, capped at one core).
-- SEND posts the message and returns at once (isend); the transfer occupies every link on the
+- SEND posts the message (taking ``send_time`` of CPU, 0 unless calibrated on a host) and
+  returns (isend); the transfer occupies every link on the
   network path for latency + bytes / bandwidth, sharing each link's bandwidth with concurrent
-  transfers. RECV blocks until its message has arrived. COPY is local (``copy_time``).
+  transfers. RECV blocks until its message has arrived (then
+  ``recv_time`` of CPU). COPY is local (``copy_time``).
 - ALLREDUCE starts once every member of the stage's group has reached it; it runs the steps of
   a ring all-reduce (hierarchical when the group spans nodes) as flows over the same links as
   P2P traffic, while the ranks go on;
@@ -122,6 +124,13 @@ class _Engine:
             t *= max(0.05, self.rng.gauss(1.0, self.o.jitter))
         return t
 
+    def _busy(self, host, seconds: float) -> simpy.Event:
+        """The rank computes for ``seconds`` of one core; on a shared host the ranks that compute
+        at the same moment share its cores."""
+        if host is None:
+            return self.env.timeout(seconds)
+        return self.flows.start(seconds, {f"host{host}.cores": self._cores(host)}, cap=1.0)
+
     def _cores(self, host: int) -> float:
         c = self.o.cores
         return float(c.get(host, 1.0)) if isinstance(c, Mapping) else float(c)
@@ -191,13 +200,12 @@ class _Engine:
             if k in (F, B, W):
                 dur = val * max(0.05, self.rng.gauss(1.0, jitter)) if jitter else val
                 act += grow
-                if host is None:
-                    yield env.timeout(dur)
-                else:
-                    yield self.flows.start(dur, {f"host{host}.cores": self._cores(host)}, cap=1.0)
+                yield self._busy(host, dur)
                 act -= free
             elif k == SEND:
                 nbytes = val
+                if c.send_time:
+                    yield self._busy(host, c.send_time)
                 if no_net:
                     self._deliver(ref)
                 else:
@@ -209,6 +217,8 @@ class _Engine:
                 else:
                     ev = self.waiting[ref] = env.event()
                     yield ev
+                if c.recv_time:
+                    yield self._busy(host, c.recv_time)
             elif k == COPY:
                 if c.copy_time:
                     yield env.timeout(c.copy_time)
@@ -232,7 +242,7 @@ class _Engine:
                         yield ev
                 self._fill_ar_rows(r)
                 if c.optim_time[r]:
-                    yield env.timeout(c.optim_time[r])
+                    yield self._busy(host, c.optim_time[r])
             rows.append(pre + (start, env.now, nbytes, act))
         self.finished[r] = True
 

@@ -1,0 +1,81 @@
+"""``pipetwin validate``: executor vs simulator, schedule by schedule, with a calibrated profile."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import fmt_table, parse_schedules, print_json
+
+NAME = "validate"
+HELP = "run each schedule for real and in the simulator (calibrated profile); compare time, bubbles, memory"
+
+
+def add_arguments(p):
+    p.add_argument("--schedules", default="all", help="comma-separated names or 'all'")
+    p.add_argument("--devices", "-D", type=int, default=2)
+    p.add_argument("--microbatches", "-N", type=int, default=None, help="default 2D")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--chunks", "-v", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8, help="executor steps (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="steps dropped before the median (default 2)")
+    p.add_argument("--profile", help="calibration profile; default: calibrate now (pipetwin calibrate)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--plot", default="out/validate.png", help="overlay figure (default out/validate.png)")
+    p.add_argument("--json", action="store_true")
+
+
+def main(args) -> int:
+    from schedules import ScheduleError, build
+
+    from cost_models import load_profile, save_profile
+    from executor.calibrate import calibrate
+
+    from .crossval import plot_overlay, run_and_compare
+
+    D, R = args.devices, args.dp
+    N = args.microbatches or 2 * D
+    if args.steps <= args.warmup:
+        raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    names, skipped = [], {}
+    for n in parse_schedules(args.schedules):
+        try:
+            build(n, D, N, chunks=args.chunks)
+            names.append(n)
+        except ScheduleError as e:
+            skipped[n] = str(e)
+    if not names:
+        raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
+    if args.profile:
+        prof = load_profile(args.profile)
+    else:
+        import sys
+        print("calibrating this machine (pass --profile FILE to reuse one) ...", file=sys.stderr)
+        prof = calibrate(args.model, ranks=D * R)
+        save_profile(prof, Path(args.plot).with_name("calibration.yaml"))
+    comps = run_and_compare(names, D, N, R, prof, steps=args.steps, warmup=args.warmup, model=args.model,
+                            chunks=args.chunks)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_overlay(comps, args.plot)
+    recs = [c.record() for c in comps]
+    if args.json:
+        print_json({"schedules": recs, "skipped": skipped})
+        return 0
+    rows = [{"schedule": c.schedule, "measured_ms": c.measured_iteration_time * 1e3,
+             "simulated_ms": c.simulated_iteration_time * 1e3, "error": c.error,
+             "bubble_meas": sum(c.measured_bubble) / len(c.measured_bubble),
+             "bubble_sim": sum(c.simulated_bubble) / len(c.simulated_bubble),
+             "peak_act_meas_B": max(c.measured_peak_activation_bytes),
+             "peak_act_sim_B": max(c.simulated_peak_activation_bytes), "mem_err": c.memory_error,
+             "order_identical": c.order_identical} for c in comps]
+    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps, "
+          f"first {args.warmup} dropped, median")
+    print(fmt_table(rows, list(rows[0]), {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}",
+                                          "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_meas_B": "{:.0f}",
+                                          "peak_act_sim_B": "{:.0f}", "mem_err": "{:.2%}"}))
+    errs = sorted(abs(c.error) for c in comps)
+    print(f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}")
+    for n, why in skipped.items():
+        print(f"skipped {n}: {why}")
+    if args.plot:
+        print(f"wrote figure: {args.plot}")
+    return 0

@@ -1,0 +1,131 @@
+"""Cross-validation: the same lowered schedule run by the executor and by the simulator.
+
+For each schedule: the executor trains ``steps`` steps (the first ``warmup`` dropped); its
+iteration time is the median of the rest and the step whose time is that median is the one
+compared op by op. The simulator runs the same lowered schedule with the calibrated profile
+(per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the ranks
+share. Reported side by side: iteration time and its relative error, per-device bubble ratio,
+peak activation bytes (measured by saved-tensor hooks vs simulated from the profile's measured
+per-layer bytes) and whether each rank's executed op order equals the schedule's program.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from cost_models import CalibrationProfile
+from schedules.trace import op_orders, step_metrics
+from sim import SimOptions, simulate
+
+
+@dataclass
+class Comparison:
+    schedule: str
+    devices: int
+    microbatches: int
+    replicas: int
+    measured_iteration_time: float
+    simulated_iteration_time: float
+    measured_iteration_times: list[float]
+    measured_peak_activation_bytes: list[float]
+    simulated_peak_activation_bytes: list[float]
+    measured_bubble: list[float]
+    simulated_bubble: list[float]
+    order_identical: bool
+    measured_trace: pd.DataFrame = field(repr=False, default=None)
+    simulated_trace: pd.DataFrame = field(repr=False, default=None)
+
+    @property
+    def error(self) -> float:
+        return self.simulated_iteration_time / self.measured_iteration_time - 1.0
+
+    @property
+    def memory_error(self) -> float:
+        return max(abs(s / m - 1.0) if m else abs(s) for m, s in
+                   zip(self.measured_peak_activation_bytes, self.simulated_peak_activation_bytes))
+
+    def record(self) -> dict:
+        return {"schedule": self.schedule, "devices": self.devices, "microbatches": self.microbatches,
+                "replicas": self.replicas, "measured_iteration_time": self.measured_iteration_time,
+                "simulated_iteration_time": self.simulated_iteration_time, "error": self.error,
+                "measured_iteration_times": self.measured_iteration_times,
+                "measured_peak_activation_bytes": self.measured_peak_activation_bytes,
+                "simulated_peak_activation_bytes": self.simulated_peak_activation_bytes,
+                "memory_error": self.memory_error, "measured_bubble": self.measured_bubble,
+                "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical}
+
+
+def simulate_with_profile(low, profile: CalibrationProfile):
+    costs = profile.cost_model(low.num_stages).bind(low)
+    net = profile.cluster(low.num_ranks)
+    opts = SimOptions(hosts=[0] * low.num_ranks, cores=float(profile.cores or 1))
+    return simulate(low, costs, net, opts)
+
+
+def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
+    """``results``: executor RunResults (with traces) of the schedules to compare."""
+    from executor.config import plan
+    out = []
+    for res in results:
+        cfg = res.config
+        low = plan(cfg)
+        times = res.iteration_times[warmup:] or res.iteration_times
+        med = statistics.median(times)
+        # the measured step closest to the median represents the run
+        step = min(range(warmup, len(res.iteration_times)) or range(len(res.iteration_times)),
+                   key=lambda s: abs(res.iteration_times[s] - med))
+        mtr = res.trace
+        mm = step_metrics(mtr, step)
+        str_ = simulate_with_profile(low, profile)
+        sm = step_metrics(str_)
+        orders = op_orders(mtr, step)
+        identical = all(orders.get(r) == [str(o) for o in low.program(r)] for r in range(low.num_ranks))
+        identical &= all(op_orders(mtr, s) == orders for s in sorted(mtr["step"].unique()))
+        out.append(Comparison(cfg.schedule, cfg.devices, cfg.microbatches, cfg.replicas, med, sm.iteration_time,
+                              list(res.iteration_times), [float(p["peak_activation_bytes"]) for p in res.per_device],
+                              [p.peak_activation for p in sm.per_device], [p.bubble_ratio for p in mm.per_device],
+                              [p.bubble_ratio for p in sm.per_device], identical, mtr[mtr["step"] == step], str_))
+    return out
+
+
+def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
+                    steps: int = 8, warmup: int = 2, model: str | None = None, chunks: int = 2) -> list[Comparison]:
+    from executor.config import RunConfig
+    from executor.launch import run_many
+    cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
+                      steps=steps, model=model or profile.model.name) for s in schedules]
+    return compare(run_many(cfgs), profile, warmup)
+
+
+def plot_overlay(comps: list[Comparison], path) -> None:
+    """Simulated (outline) over measured (filled) timelines, one panel per schedule."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    n = len(comps)
+    fig, axes = plt.subplots(n, 1, figsize=(12, sum(0.9 + 0.5 * c.devices * c.replicas for c in comps)),
+                             squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for ax, c in zip(axes[:, 0], comps):
+        for tr, filled in ((c.measured_trace, True), (c.simulated_trace, False)):
+            t = tr[tr["kind"].isin(["F", "B", "W"])]
+            t0 = tr["start"].min()
+            for row in t.itertuples(index=False):
+                y = row.device
+                colour = cmap(row.microbatch % 10)
+                if filled:
+                    ax.barh(y, row.end - row.start, left=row.start - t0, height=0.8, color=colour,
+                            alpha=0.45 if row.kind == "F" else 0.9, linewidth=0)
+                else:
+                    ax.barh(y, row.end - row.start, left=row.start - t0, height=0.8, fill=False,
+                            edgecolor="black", linewidth=0.6)
+        ax.set_title(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms (filled) vs simulated "
+                     f"{c.simulated_iteration_time * 1e3:.1f} ms (outlined), error {c.error:+.1%}", fontsize=9)
+        ax.set_yticks(range(c.devices * c.replicas), [f"rank {r}" for r in range(c.devices * c.replicas)], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
