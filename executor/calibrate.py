@@ -81,15 +81,18 @@ def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repe
     def grad_out(out):
         return None if out.dim() == 0 else torch.ones_like(out) * 1e-3
 
-    x, out = forward()
-    act = meter.current()
-    del x, out
-    # bytes still kept between B (input grad, graph retained) and W: the runtime keeps the graph
-    x, out = forward()
-    if needs_input_grad:
-        torch.autograd.grad(out, (x,), grad_out(out), retain_graph=True)
-    act_w = meter.current()
-    del x, out
+    def kept(after_input_grad: bool) -> int:
+        nonlocal meter
+        meter = SavedTensorMeter(params)   # a fresh count for this one micro-batch
+        x, out = forward()
+        if after_input_grad and needs_input_grad:
+            torch.autograd.grad(out, (x,), grad_out(out), retain_graph=True)
+        n = meter.current()
+        del x, out
+        return n
+
+    act = kept(False)
+    act_w = kept(True)   # the runtime keeps the graph from B to W
     for p in params:
         p.grad = None
 
