@@ -166,32 +166,27 @@ def _comm_worker(payload, rank, world, local_rank, local_world):
     from .worker import init_world
     init_world("cpu", rank, world, local_rank, local_world)
     repeats = payload["repeats"]
-    p2p, ar = [], []
-    for size in payload["p2p_sizes"]:
-        buf = torch.zeros(size // 4)
+
+    def timed(fn, divide=1):
         ts = []
         for i in range(repeats + 3):
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            fn()
             if i >= 3:
-                ts.append((time.perf_counter() - t0) / 2)
-        p2p.append((size, statistics.median(ts)))
-    for size in payload["ar_sizes"]:
-        buf = torch.ones(size // 4)
-        ts = []
-        for i in range(repeats + 3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            if i >= 3:
-                ts.append(time.perf_counter() - t0)
-        ar.append((size, statistics.median(ts)))
+                ts.append((time.perf_counter() - t0) / divide)
+        return statistics.median(ts)
+
+    def ping_pong(buf):
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+
+    p2p = [(size, timed(lambda b=torch.zeros(size // 4): ping_pong(b), divide=2)) for size in payload["p2p_sizes"]]
+    ar = [(size, timed(lambda b=torch.ones(size // 4): dist.all_reduce(b))) for size in payload["ar_sizes"]]
     dist.barrier()
     dist.destroy_process_group()
     return {"p2p": p2p, "allreduce": ar}

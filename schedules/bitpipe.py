@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from .bidirectional import build_bidirectional, v_placement
 from .timing import time_programs, unit_duration
-from .common import check_even_devices, check_multiple, check_positive
+from .common import check_units
 
 NAME = "bitpipe"
 REQUIRES = "D even, N multiple of D"
@@ -24,9 +24,7 @@ REQUIRES = "D even, N multiple of D"
 
 def build(num_devices: int, num_microbatches: int, **_):
     D, N = num_devices, num_microbatches
-    check_positive(NAME, D, N)
-    check_even_devices(NAME, D)
-    check_multiple(NAME, N, D)
+    check_units(NAME, D, N)
     return build_bidirectional(NAME, D, N, v_placement(D), pull=junction_pull(D))
 
 

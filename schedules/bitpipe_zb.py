@@ -30,7 +30,7 @@ first device) and at most 5D/2 counting the W-retained part as whole (5D/4 Ma).
 from __future__ import annotations
 
 from .bidirectional import v_placement
-from .common import check_even_devices, check_multiple, check_positive
+from .common import check_units
 from .ir import B, F, W, make_schedule
 from .timing import list_schedule
 
@@ -40,9 +40,7 @@ REQUIRES = "D even, N multiple of D"
 
 def build(num_devices: int, num_microbatches: int, **_):
     D, N = num_devices, num_microbatches
-    check_positive(NAME, D, N)
-    check_even_devices(NAME, D)
-    check_multiple(NAME, N, D)
+    check_units(NAME, D, N)
     P = v_placement(D)
     S = 2 * D
     ops: list[list[tuple]] = [[] for _ in range(D)]

@@ -7,7 +7,7 @@ Bubble (unit costs, N = D): (D-2)/(3N/2+D-2); D = N = 4 gives 4/16.
 Activation memory: between (D/2+1) Ma and D Ma per device; weights 2 Mw per device.
 """
 from .bidirectional import build_bidirectional, straight_placement
-from .common import check_even_devices, check_multiple, check_positive
+from .common import check_units
 
 NAME = "chimera"
 REQUIRES = "D even, N multiple of D"
@@ -15,7 +15,5 @@ REQUIRES = "D even, N multiple of D"
 
 def build(num_devices: int, num_microbatches: int, **_):
     D, N = num_devices, num_microbatches
-    check_positive(NAME, D, N)
-    check_even_devices(NAME, D)
-    check_multiple(NAME, N, D)
+    check_units(NAME, D, N)
     return build_bidirectional(NAME, D, N, straight_placement(D), pull=0)

@@ -18,3 +18,10 @@ def check_multiple(name: str, N: int, D: int, what: str = "the number of devices
     if N % D:
         raise ScheduleError(f"{name} needs the number of micro-batches to be a multiple of {what} ({D}); "
                             f"got {N} (try {max(D, N - N % D)} or {N - N % D + D})")
+
+
+def check_units(name: str, D: int, N: int) -> None:
+    """Bidirectional schedules built from units of D micro-batches: D even, N a multiple of D."""
+    check_positive(name, D, N)
+    check_even_devices(name, D)
+    check_multiple(name, N, D)

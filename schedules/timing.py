@@ -7,7 +7,7 @@ that schedule families use to derive a per-device order from priorities (Chimera
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .ir import B, F, W, Op, ScheduleError
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import (ACT, ALLREDUCE, B, COPY, F, GRAD, OPTIM, RECV, SEND, W, Op, Schedule, ScheduleError,
-                 message_key)
+from .ir import ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError, message_key
 from .lower import incoming, lower
 
 

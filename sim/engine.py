@@ -25,13 +25,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import pandas as pd
 import simpy
 
 from cost_models.base import StageCosts
 from cost_models.comm import allreduce_steps
 from cost_models.network import Network
-from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError,
-                          message_key)
+from schedules.ir import ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError
 from schedules.lower import lower
 from schedules.trace import make_trace
 
@@ -62,7 +62,7 @@ class SimulationError(RuntimeError):
 
 
 def simulate(sched: Schedule, costs: StageCosts, network: Network | None = None,
-             options: SimOptions | None = None, *, eager: bool = True) -> "pd.DataFrame":  # noqa: F821
+             options: SimOptions | None = None, *, eager: bool = True) -> pd.DataFrame:
     """Simulate one training iteration of ``sched`` (lowered here if it is not) and return its trace."""
     opts = options or SimOptions()
     low = sched if sched.lowered else lower(sched, eager=eager)

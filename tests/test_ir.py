@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from schedules import (ACT, ALLREDUCE, B, COPY, F, GRAD, OPTIM, RECV, SEND, W, Op, ScheduleError, build, lower,
+from schedules import (ACT, ALLREDUCE, B, COPY, F, GRAD, RECV, SEND, W, Op, ScheduleError, build, lower,
                        message_key, parse_op, validate)
 from schedules.ir import make_schedule
 

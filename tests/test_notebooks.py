@@ -1,6 +1,5 @@
 """The notebooks run top to bottom (small sizes): each code cell executed in order, one namespace."""
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -3,10 +3,12 @@ from fractions import Fraction
 import pytest
 
 from cost_models import UnitCostModel
-from schedules import ScheduleError, build, lower, names, validate
+from schedules import ScheduleError, build, lower, validate
 from schedules.timing import time_programs, unit_duration
 from schedules.trace import step_metrics
 from sim import simulate
+
+from tests.helpers import admissible
 
 PAPER = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 
@@ -97,14 +99,6 @@ def test_requirements_fail_fast(name, D, N, msg):
 def test_unknown_schedule():
     with pytest.raises(ScheduleError, match="unknown schedule 'nope'; choose one of"):
         build("nope", 2, 2)
-
-
-def admissible(name, D):
-    for N in range(1, 4 * D + 1):
-        try:
-            yield N, build(name, D, N)
-        except ScheduleError:
-            continue
 
 
 @pytest.mark.parametrize("name", PAPER)

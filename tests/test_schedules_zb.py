@@ -7,6 +7,7 @@ import pytest
 from schedules import B, ScheduleError, W, build, lower, names, validate
 from schedules.analysis import (activation_peaks, bubble_vs_n, fused_overlap_timing, unit_summary,
                                 unit_times)
+from tests.helpers import admissible
 
 ZB = ["zb-h1", "zb-v", "dualpipe-v", "bitpipe-zb"]
 DS = (1, 2, 3, 4, 6, 8, 16)
@@ -225,14 +226,6 @@ def test_bubble_vs_n_table():
 
 
 # ------------------------------------------------------------------------- validate everything
-def admissible(name, D):
-    for N in range(1, 4 * D + 1):
-        try:
-            yield N, build(name, D, N)
-        except ScheduleError:
-            continue
-
-
 @pytest.mark.parametrize("name", ZB)
 def test_every_admissible_config_lowers_and_validates(name):
     count = 0

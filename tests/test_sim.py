@@ -3,7 +3,7 @@ import simpy
 
 from cost_models import UnitCostModel
 from cost_models.base import StageCosts
-from cost_models.network import Link, PortNetwork
+from cost_models.network import PortNetwork
 from schedules import build, lower
 from schedules.trace import make_trace, op_orders, step_metrics
 from sim import FairShare, SimOptions, simulate
