@@ -1,0 +1,32 @@
+"""The DAPPLE planner (Fan et al., PPoPP 2021) and its baselines: hybrid data x pipeline plans.
+
+Given a model, a cluster and a global batch, find the plan with the shortest iteration that fits in
+memory: the number of stages, a contiguous partition of the layers, the replicas of every stage
+(data parallelism inside a stage), where every replica sits (fresh-first / append-first /
+scatter-first), the micro-batch count and the schedule.
+
+* :mod:`planner.workload` / :mod:`planner.models`: per-layer, per-sample costs (transformers from
+  cost_models, the DAPPLE paper's CNN/RNN models defined here);
+* :mod:`planner.placement`: placement policies and communication costs on the cluster;
+* :mod:`planner.cost`: the objective, L = warm-up + steady + ending (DAPPLE's pivot formulation);
+  its docstring states it in full;
+* :mod:`planner.search`: the exact search (dynamic programme with pruning) for DAPPLE's and
+  PipeDream's objectives, and a brute-force reference;
+* :mod:`planner.simulate`: plans as IR schedules (uniform and non-uniform), simulated with SimPy;
+* :mod:`planner.planning`: search + re-simulation + baselines (what ``pipetwin plan`` runs);
+* :mod:`planner.planfile`: plan files (:func:`load_plan`), :mod:`planner.cli`: ``simulate --plan``.
+"""
+from .cost import Estimate, estimate
+from .models import paper_models
+from .placement import POLICIES, Topology
+from .plan import Plan, StagePlan
+from .planfile import LoadedPlan, load_plan, plan_record, save_plan
+from .planning import Evaluated, PlanningResult, evaluate_plan, plan_training
+from .search import PlanError, SearchResult, SearchSpace, exhaustive, search
+from .simulate import build_plan, replicated_schedule, simulate_plan
+from .workload import Workload, load_workload
+
+__all__ = ["Estimate", "estimate", "paper_models", "POLICIES", "Topology", "Plan", "StagePlan", "LoadedPlan",
+           "load_plan", "plan_record", "save_plan", "Evaluated", "PlanningResult", "evaluate_plan",
+           "plan_training", "PlanError", "SearchResult", "SearchSpace", "exhaustive", "search", "build_plan",
+           "replicated_schedule", "simulate_plan", "Workload", "load_workload"]

@@ -1,0 +1,160 @@
+"""Placing stage replicas on a hierarchical cluster, and what the placement costs.
+
+DAPPLE's three device-assignment policies, made precise (``nodes x dpn`` devices, device id =
+``node * dpn + local``):
+
+* ``fresh-first``: every stage starts on a fresh machine. A stage of r replicas takes
+  ``ceil(r / dpn)`` whole machines and uses the first r devices of them; the rest of its last
+  machine stays idle (the fragmentation the paper warns about). Replicas of a stage share a machine
+  whenever r <= dpn, so its gradient all-reduce runs on NVLink.
+* ``append-first``: stages are packed one after the other in device order (node-major), filling the
+  machines already in use before opening a new one; a stage may straddle two machines.
+* ``scatter-first``: devices are taken round-robin over the machines (device 0 of every machine,
+  then device 1, ...), so a stage's replicas are spread evenly over all machines and replica i of
+  consecutive stages tends to sit on the same machine (point-to-point traffic stays local, the
+  all-reduce crosses machines: good for models with small weights and large activations).
+
+Stages take consecutive *slots* of the policy's allocation order, packed against its end: the last
+stage gets the last slots; if a plan uses fewer devices than the cluster has, the unused ones are the
+first slots. A stage's slots are thus fixed by (slots taken by the stages after it, its replicas),
+which lets the search extend plans from the last stage backwards (:mod:`planner.search`).
+
+Costs (closed forms from :mod:`cost_models.comm`, on the cluster with identity rank mapping):
+
+* gradient all-reduce of a stage: :func:`cost_models.allreduce_time` over its devices;
+* the stage-boundary transfer of one micro-batch: replica ``c mod r_s`` of stage s sends the
+  activations of sub-batch c (c < lcm(r_s, r_s+1)) to replica ``c mod r_s+1`` of stage s+1, all at
+  once; a transfer takes its path latency plus its bytes over its bottleneck link, where each link's
+  bandwidth is shared by every transfer crossing it (a NIC shared by several replicas is the
+  bottleneck between machines). The gradient travels back the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import gcd
+
+from cost_models import Cluster, allreduce_time
+
+POLICIES = ("fresh-first", "append-first", "scatter-first")
+
+
+def check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown placement policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def lcm(a: int, b: int) -> int:
+    return a * b // gcd(a, b)
+
+
+@dataclass
+class Topology:
+    """A cluster seen by the planner: allocation orders, slots and cached communication costs."""
+
+    cluster: Cluster
+    _order: dict = field(default_factory=dict, repr=False)
+    _devs: dict = field(default_factory=dict, repr=False)
+    _ar: dict = field(default_factory=dict, repr=False)
+    _link: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.cluster.device_map is not None:
+            self.cluster = self.cluster.with_device_map(None)
+
+    @property
+    def num_devices(self) -> int:
+        return self.cluster.num_devices
+
+    @property
+    def dpn(self) -> int:
+        return self.cluster.devices_per_node
+
+    def node(self, dev: int) -> int:
+        return dev // self.dpn
+
+    # ---------------------------------------------------------------- allocation
+    def order(self, policy: str) -> tuple[int, ...]:
+        o = self._order.get(policy)
+        if o is None:
+            check_policy(policy)
+            n, d = self.cluster.nodes, self.dpn
+            if policy == "scatter-first":
+                o = tuple(node * d + g for g in range(d) for node in range(n))
+            else:
+                o = tuple(range(n * d))
+            self._order[policy] = o
+        return o
+
+    def slots(self, policy: str, replicas: int) -> int:
+        """Slots of the allocation order a stage of ``replicas`` devices takes."""
+        if policy == "fresh-first":
+            return -(-replicas // self.dpn) * self.dpn
+        return replicas
+
+    def devices(self, policy: str, offset: int, replicas: int) -> tuple[int, ...]:
+        """Devices of a stage whose slots start at ``offset``."""
+        key = (policy, offset, replicas)
+        d = self._devs.get(key)
+        if d is None:
+            d = self._devs[key] = self.order(policy)[offset:offset + replicas]
+        return d
+
+    def place(self, policy: str, replicas) -> list[tuple[int, ...]]:
+        """Devices of every stage of a replication vector (packed against the end of the order)."""
+        sl = [self.slots(policy, r) for r in replicas]
+        if sum(sl) > self.num_devices:
+            raise ValueError(f"{policy}: replicas {list(replicas)} take {sum(sl)} slots; the cluster has "
+                             f"{self.num_devices} devices")
+        off = self.num_devices - sum(sl)
+        out = []
+        for r, s in zip(replicas, sl):
+            out.append(self.devices(policy, off, r))
+            off += s
+        return out
+
+    # ---------------------------------------------------------------- communication
+    def allreduce_coef(self, devs: tuple[int, ...]) -> tuple[float, float]:
+        """(alpha, beta): the all-reduce over ``devs`` of n bytes takes alpha + beta * n seconds."""
+        c = self._ar.get(devs)
+        if c is None:
+            if len(devs) <= 1:
+                c = (0.0, 0.0)
+            else:
+                a = allreduce_time(self.cluster, devs, 0.0)
+                c = (a, allreduce_time(self.cluster, devs, 1.0) - a)
+            self._ar[devs] = c
+        return c
+
+    def allreduce(self, devs: tuple[int, ...], nbytes: float) -> float:
+        if len(devs) <= 1 or nbytes <= 0:
+            return 0.0
+        a, b = self.allreduce_coef(devs)
+        return a + b * nbytes
+
+    def transfer_terms(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
+        """(latency, seconds per byte of the whole micro-batch) of every transfer of a boundary."""
+        key = (src, dst)
+        t = self._link.get(key)
+        if t is None:
+            n = lcm(len(src), len(dst))
+            pairs: dict[tuple[int, int], float] = {}
+            for c in range(n):
+                p = (src[c % len(src)], dst[c % len(dst)])
+                pairs[p] = pairs.get(p, 0.0) + 1.0 / n
+            load: dict[str, float] = {}
+            paths = {}
+            for (a, b), frac in pairs.items():
+                path = self.cluster.path(a, b)
+                paths[(a, b)] = path
+                for ln in path:
+                    load[ln.name] = load.get(ln.name, 0.0) + frac
+            terms = []
+            for p, path in paths.items():
+                if path:
+                    terms.append((sum(ln.latency for ln in path), max(load[ln.name] / ln.bandwidth for ln in path)))
+            t = self._link[key] = tuple(terms)
+        return t
+
+    def transfer(self, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float) -> float:
+        """Seconds to move ``nbytes`` (one micro-batch's boundary tensor) from stage ``src`` to ``dst``."""
+        return max((lat + nbytes * k for lat, k in self.transfer_terms(src, dst)), default=0.0)

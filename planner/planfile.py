@@ -1,0 +1,119 @@
+"""Plan files: everything needed to rebuild a plan, for ``pipetwin simulate --plan`` and ``pipetwin run --plan``.
+
+A plan file is JSON::
+
+    {
+      "format": "pipetwin-plan", "version": 1,
+      "model":   {"kind": "transformer", "name": "bert-48", "spec": {...ModelSpec fields...}, "recompute": "none"}
+                 or {"kind": "paper", "name": "vgg-19", "recompute": "none"},
+      "cluster": {...Cluster.to_dict(): nodes, devices_per_node, device, intra, inter, nics_per_node...},
+      "memory_limit": bytes per device (null: the device's memory),
+      "plan":    {"global_batch", "microbatches" (M), "micro_batch" (b = G / M), "policy", "schedule", "chunks",
+                  "stages": [{"layers": [start, stop], "replicas": r, "devices": [physical ids]}, ...]},
+      "uniform": true | false,
+      "run":     for a uniform plan, the executor's view (null otherwise):
+                 {"schedule", "devices" (D = stages), "microbatches" (M), "dp" (R), "chunks",
+                  "micro_batch" (b / R per pipeline replica), "partition" (layers per stage, over the
+                  L + 2 layers of a transformer: embedding and head included), "device_map"
+                  (rank i * D + s -> physical device of replica i of stage s)},
+      "estimate": {...planner.cost.Estimate.to_dict()...}, "simulated": {...} or null
+    }
+
+Layers are global indices of the model's layer stack (for a transformer: 0 = embedding,
+1..L = blocks, L + 1 = head). Device ids are ``node * devices_per_node + local``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cost_models import Cluster, cluster_from_dict
+
+from .plan import Plan
+from .simulate import Built, SimOutcome, build_plan, simulate_plan
+from .workload import Workload, workload_from_source
+
+FORMAT, VERSION = "pipetwin-plan", 1
+
+
+def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,
+                est=None, sim: SimOutcome | None = None) -> dict:
+    run = None
+    if plan.uniform:
+        R = plan.dp
+        run = {"schedule": plan.schedule, "devices": plan.num_stages, "microbatches": plan.microbatches,
+               "dp": R, "chunks": plan.chunks, "micro_batch": plan.micro_batch // R,
+               "partition": list(plan.partition), "device_map": list(plan.device_map())}
+    return {"format": FORMAT, "version": VERSION, "model": dict(work.source), "cluster": cluster.to_dict(),
+            "memory_limit": memory_limit, "plan": plan.to_dict(), "uniform": plan.uniform, "run": run,
+            "estimate": est.to_dict() if est is not None else None,
+            "simulated": sim.to_dict() if sim is not None else None}
+
+
+def save_plan(path, plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,
+              est=None, sim: SimOutcome | None = None) -> dict:
+    rec = plan_record(plan, work, cluster, memory_limit, est, sim)
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(rec, indent=2) + "\n")
+    return rec
+
+
+@dataclass
+class LoadedPlan:
+    """A plan file read back: the plan, the model's workload, the cluster and the memory limit."""
+
+    plan: Plan
+    workload: Workload
+    cluster: Cluster
+    memory_limit: float | None
+    record: dict
+
+    @property
+    def capacity(self) -> float | None:
+        return self.memory_limit if self.memory_limit is not None else self.workload.memory_capacity
+
+    def build(self, *, eager: bool = True, check: bool = True) -> Built:
+        """The lowered schedule, its StageCosts and the cluster with the plan's device map
+        (``.astuple()`` gives ``(lowered, costs, network)`` for :func:`sim.simulate`)."""
+        return build_plan(self.plan, self.workload, self.cluster, self.capacity, eager=eager, check=check)
+
+    def simulate(self, options=None) -> SimOutcome:
+        return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, options)
+
+
+def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        raise ValueError(f"{source}: not a pipetwin plan file (expected \"format\": \"{FORMAT}\")")
+    if rec.get("version") != VERSION:
+        raise ValueError(f"{source}: plan file version {rec.get('version')!r}; this pipetwin reads version {VERSION}")
+    for k in ("model", "cluster", "plan"):
+        if k not in rec:
+            raise ValueError(f"{source}: missing field {k!r}")
+    cluster = cluster_from_dict(dict(rec["cluster"]), f"{source} (field 'cluster')")
+    work = workload_from_source(rec["model"], cluster.device)
+    try:
+        plan = Plan.from_dict(rec["plan"])
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    if plan.num_layers != work.num_layers or plan.stages[0].start != 0:
+        raise ValueError(f"{source}: the plan covers layers {plan.stages[0].start}..{plan.stages[-1].stop}, "
+                         f"model {work.name} has {work.num_layers}")
+    if max(d for st in plan.stages for d in st.devices) >= cluster.num_devices:
+        raise ValueError(f"{source}: the plan uses devices beyond the cluster's {cluster.num_devices}")
+    lim = rec.get("memory_limit")
+    return LoadedPlan(plan, work, cluster, None if lim is None else float(lim), rec)
+
+
+def load_plan(path) -> LoadedPlan:
+    """Read a plan file written by ``pipetwin plan --out`` (see the module docstring)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"plan file {p} does not exist")
+    try:
+        rec = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    return plan_from_record(rec, str(p))

@@ -1,0 +1,170 @@
+"""Plan a training job end to end: search, re-simulate the best candidates, compare with the baselines.
+
+:func:`plan_training` (what ``pipetwin plan`` runs):
+
+1. search the plan space exactly under DAPPLE's objective (:func:`planner.search.search`), keeping
+   the ``top_k`` best plans found, plus the best uniform (R x D) plan when none of them is uniform;
+2. re-simulate every candidate with the SimPy engine (:func:`planner.simulate.simulate_plan`;
+   uniform plans also with every other schedule named in ``schedules`` whose requirements they
+   meet) and pick the fastest simulated one that fits in memory. Non-uniform plans are simulated
+   through the IR's model copies (see :mod:`planner.simulate`);
+3. the baselines, through the same search code: the PipeDream planner (its slowest-element
+   objective; it has no notion of micro-batches, so it is run for every micro-batch count M and the
+   M whose plan has the shortest estimated synchronous iteration is kept) and pure data parallelism
+   (one stage replicated on every device, M chosen by the objective: gradient accumulation when
+   memory needs it); both simulated like the DAPPLE plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from cost_models import Cluster
+from schedules import ScheduleError
+
+from .cost import Estimate, estimate
+from .placement import Topology
+from .plan import Plan
+from .search import PlanError, SearchResult, SearchSpace, divisors, search
+from .simulate import SimOutcome, simulate_plan
+from .workload import Workload, load_workload
+
+
+@dataclass
+class Evaluated:
+    """A plan with its analytical estimate and (when simulated) its simulated iteration."""
+
+    plan: Plan
+    estimate: Estimate
+    sim: SimOutcome | None = None
+    note: str = ""
+
+    @property
+    def time(self) -> float:
+        """Simulated iteration time when simulated, else the analytical latency."""
+        return self.sim.iteration_time if self.sim is not None else self.estimate.latency
+
+    @property
+    def fits(self) -> bool:
+        return (not self.sim.oom) if self.sim is not None else self.estimate.fits
+
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.plan.global_batch / self.time
+
+    def to_dict(self) -> dict:
+        d = {"plan": self.plan.describe(), "iteration_time": self.time, "simulated": self.sim is not None,
+             "estimate": {"latency": self.estimate.latency, "latency_round_trip": self.estimate.latency_rt,
+                          "peak_memory": self.estimate.peak_memory},
+             "throughput": self.throughput()}
+        if self.sim is not None:
+            d["sim"] = self.sim.to_dict()
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+@dataclass
+class PlanningResult:
+    workload: Workload
+    cluster: Cluster
+    global_batch: int
+    capacity: float | None
+    best: Evaluated
+    candidates: list[Evaluated]
+    search: SearchResult
+    pipedream: Evaluated | None = None
+    data_parallel: Evaluated | None = None
+    baseline_notes: dict = field(default_factory=dict)
+    baseline_seconds: float = 0.0
+
+    def speedup(self, other: Evaluated | None) -> float | None:
+        return None if other is None else other.time / self.best.time
+
+
+def _simulate(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Evaluated:
+    return replace(ev, sim=simulate_plan(ev.plan, work, cluster, cap))
+
+
+def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: float | None = None,
+                  recompute: str = "none", schedules=("dapple",), top_k: int = 6, simulate: bool = True,
+                  baselines: bool = True, progress: bool = False, space: SearchSpace | None = None,
+                  model_name: str | None = None) -> PlanningResult:
+    """Search, simulate and compare (see the module docstring). ``model``: a name (paper model,
+    cost_models preset or YAML path), a ModelSpec or a :class:`Workload`."""
+    work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute)
+    name = model_name or (model if isinstance(model, str) else work.name)
+    cap = memory_limit if memory_limit is not None else work.memory_capacity
+    topo = Topology(cluster)
+    space = space or SearchSpace()
+    res = search(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=top_k,
+                 model=name, cluster=cluster.name, progress=progress)
+    cands = [Evaluated(c.plan, c.estimate) for c in res.candidates]
+    if not any(c.plan.uniform for c in cands) and not space.uniform:
+        try:
+            u = search(work, topo, global_batch, space=replace(space, uniform=True), capacity=cap,
+                       model=name, cluster=cluster.name)
+            cands.append(Evaluated(u.best.plan, u.best.estimate, note="best uniform plan"))
+        except PlanError:
+            pass
+    for sched in schedules:
+        if sched == "dapple":
+            continue
+        for c in list(cands):
+            if c.plan.uniform and c.plan.schedule == "dapple":
+                p = c.plan.with_schedule(sched)
+                cands.append(Evaluated(p, c.estimate, note=f"{sched} on the plan of a dapple candidate"))
+    evaluated = []
+    for c in cands:
+        if simulate:
+            try:
+                c = _simulate(c, work, cluster, cap)
+            except ScheduleError as e:      # a schedule whose requirements the plan does not meet
+                continue
+        evaluated.append(c)
+    fitting = [c for c in evaluated if c.fits] or evaluated
+    fitting.sort(key=lambda c: c.time)
+    out = PlanningResult(work, cluster, global_batch, cap, fitting[0], fitting, res)
+    if baselines:
+        _baselines(out, work, topo, cluster, global_batch, cap, space, name, simulate, progress)
+    return out
+
+
+def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, simulate, progress) -> None:
+    import time
+    t0 = time.perf_counter()
+    # PipeDream: its objective per micro-batch count; keep the M with the best synchronous estimate
+    best = None
+    for M in divisors(G):
+        if space.microbatches is not None and M not in space.microbatches:
+            continue
+        try:
+            r = search(work, topo, G, objective="pipedream", space=replace(space, microbatches=(M,)),
+                       capacity=cap, model=name, cluster=cluster.name)
+        except PlanError:
+            continue
+        c = r.best
+        if best is None or c.estimate.latency_rt < best.estimate.latency_rt:
+            best = c
+    if best is None:
+        out.baseline_notes["pipedream"] = "no plan fits"
+    else:
+        ev = Evaluated(best.plan, best.estimate)
+        out.pipedream = _simulate(ev, work, cluster, cap) if simulate else ev
+    # pure data parallelism: the whole model replicated on every device (gradient accumulation over
+    # M micro-batches when memory needs it)
+    P = space.devices or topo.num_devices
+    try:
+        r = search(work, topo, G, space=replace(space, max_stages=1, uniform=False, replicas=(P,)),
+                   capacity=cap, model=name, cluster=cluster.name)
+        ev = Evaluated(r.best.plan, r.best.estimate)
+        out.data_parallel = _simulate(ev, work, cluster, cap) if simulate else ev
+    except PlanError as e:
+        out.baseline_notes["data_parallel"] = "does not fit: " + str(e).split(": ", 1)[-1]
+    out.baseline_seconds = time.perf_counter() - t0
+
+
+def evaluate_plan(plan: Plan, work: Workload, cluster: Cluster, capacity=None, simulate: bool = True) -> Evaluated:
+    """Estimate (and simulate) one given plan."""
+    cap = capacity if capacity is not None else work.memory_capacity
+    ev = Evaluated(plan, estimate(plan, work, Topology(cluster), cap))
+    return _simulate(ev, work, cluster, cap) if simulate else ev

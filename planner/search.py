@@ -1,0 +1,461 @@
+"""Searching the plan space: an exact dynamic programme over stage suffixes, with pruning.
+
+The space (DAPPLE's): the number of micro-batches M (a divisor of the global batch G; b = G / M),
+the number of stages S, a contiguous partition of the layers, the replicas r_s of every stage (a
+divisor of b, so each replica gets b / r_s whole samples), the placement policy
+(:mod:`planner.placement`), with at most the cluster's devices in use and every device's memory
+within the limit. :class:`SearchSpace` narrows it (``max_stages=1`` is pure data parallelism,
+``uniform=True`` keeps R x D plans only, ``policies``, ``microbatches``, ``replicas``).
+
+Why a DP works. Write the chain of elements of a plan (:mod:`planner.cost`) from the last one back:
+with ``V`` = max over the elements e of a suffix of (round trips fw + bw of the suffix up to e) +
+(M-1) st_e, and ``T`` = max over its stages of (AR + OPT - backward time between that stage and the
+suffix's start), prepending an element gives
+
+    V <- (fw + bw) + max((M - 1) st, V)        T <- max(AR + OPT, T - bw)   (a stage)
+    V <- (fw + bw) + max((M - 1) st, V)        T <- T - bw                  (a boundary)
+
+and the whole plan's latency is ``L = V + T``. Both updates are monotone in (V, T), and the memory
+of a stage depends on the suffix only through n = min(stages in the suffix, M); the placement of a
+stage depends on the suffix only through the slots the suffix takes and the first stage's replicas
+(placement packs stages against the end of the allocation order). So for every state
+
+    (j = first layer of the suffix, k = slots the suffix takes, r1 = replicas of its first stage)
+
+the Pareto front of labels (V, T, n) is exact: a label dominated in all three can never lead to a
+better plan. Labels are pruned against the best complete plan found so far (kept top_k deep) with a
+lower bound: the layers [0, i) still to place need ``W_pre`` per-sample seconds on at most ``P - k``
+devices, so some prefix stage runs at least ``W_pre b / (P - k)`` per micro-batch and
+``L >= max(V + T, V + W_pre b / (P - k), M W_pre b / (P - k))``. A stage that grows (layers added
+at its front) only increases V and its memory, so the scan over its first layer stops at the first
+one that breaks the memory limit or the bound. The search is exact: the tests check it against
+:func:`exhaustive` (every plan of the space, evaluated with :func:`planner.cost.estimate`).
+
+The PipeDream objective uses the same DP with labels (slowest element, V, T, n): the slowest element
+first, DAPPLE's latency L to break its ties (many plans tie when one layer that cannot be split is
+the slowest element; breaking the tie in favour of the shorter iteration makes the baseline as
+strong as its objective allows).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .cost import Estimate, estimate
+from .placement import POLICIES, Topology, check_policy
+from .plan import Plan, StagePlan
+from .workload import Workload
+
+OBJECTIVES = ("dapple", "pipedream")
+INF = float("inf")
+
+
+class PlanError(ValueError):
+    """No plan of the space fits; the message says why and what to change."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Restrictions of the plan space (None: unrestricted)."""
+
+    policies: tuple[str, ...] = POLICIES
+    microbatches: tuple[int, ...] | None = None
+    max_stages: int | None = None
+    uniform: bool = False
+    replicas: tuple[int, ...] | None = None
+    devices: int | None = None          # use at most this many devices of the cluster
+
+    def __post_init__(self):
+        for p in self.policies:
+            check_policy(p)
+        if self.max_stages is not None and self.max_stages < 1:
+            raise ValueError(f"max_stages must be >= 1; got {self.max_stages}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    value: float                 # the objective (seconds)
+    estimate: Estimate
+
+
+@dataclass
+class SearchResult:
+    objective: str
+    candidates: list[Candidate]
+    evaluated: int = 0           # stage placements evaluated (partial plans)
+    complete: int = 0            # complete plans reached
+    labels: int = 0              # partial plans kept in the fronts
+    seconds: float = 0.0
+    configurations: int = 0      # (micro-batch count, policy) pairs searched
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+@dataclass
+class _Ctx:
+    work: Workload
+    topo: Topology
+    G: int
+    objective: str
+    space: SearchSpace
+    capacity: float
+    top_k: int
+    model: str
+    cluster: str
+    P: int
+    heap: list = field(default_factory=list)        # (-primary, -secondary, seq, key, plan)
+    keys: set = field(default_factory=set)
+    seq: itertools.count = field(default_factory=itertools.count)
+    evaluated: int = 0
+    complete: int = 0
+    labels: int = 0
+
+    # -------------------------------------------------------------- incumbents
+    def threshold(self) -> float:
+        if len(self.heap) < self.top_k:
+            return INF
+        return -self.heap[0][0]
+
+    def offer(self, value: tuple[float, float], M: int, policy: str, path) -> None:
+        """A complete plan: stages [(i, j, r), ...] from the first."""
+        self.complete += 1
+        thr = self.threshold()
+        if value[0] > thr:
+            return
+        stages = []
+        while path is not None:
+            i, j, r, path = path
+            stages.append((i, j, r))
+        reps = [r for _, _, r in stages]
+        devs = self.topo.place(policy, reps)
+        key = (M, tuple((i, j, d) for (i, j, _), d in zip(stages, devs)))
+        if key in self.keys:
+            return
+        if len(self.heap) >= self.top_k:
+            worst = self.heap[0]
+            if (value[0], value[1]) >= (-worst[0], -worst[1]):
+                return
+            heapq.heappop(self.heap)
+            self.keys.discard(worst[3])
+        plan = Plan(self.model, self.cluster, self.G, M,
+                    tuple(StagePlan(i, j, d) for (i, j, _), d in zip(stages, devs)), policy)
+        heapq.heappush(self.heap, (-value[0], -value[1], next(self.seq), key, plan))
+        self.keys.add(key)
+
+
+def _rep_values(space: SearchSpace, b: int, P: int) -> list[int]:
+    reps = [r for r in divisors(b) if r <= P]
+    if space.replicas is not None:
+        reps = [r for r in reps if r in space.replicas]
+    return reps
+
+
+def _dp(ctx: _Ctx, M: int, policy: str) -> None:
+    """Exact search of one (M, policy): see the module docstring."""
+    work, topo, P = ctx.work, ctx.topo, ctx.P
+    L, b = work.num_layers, ctx.G // M
+    pd = ctx.objective == "pipedream"
+    slots = {r: topo.slots(policy, r) for r in _rep_values(ctx.space, b, P)}
+    reps = [r for r, s in slots.items() if s <= P]
+    if not reps:
+        return
+    min_slot = min(slots[r] for r in reps)
+    cf, cb, ca, cp, out = work._cf, work._cb, work._ca, work._cp, work.out_bytes
+    bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
+    cap = ctx.capacity
+    Mm1 = M - 1
+    limit = ctx.space.max_stages
+    uniform = ctx.space.uniform
+    g = _sqrt_work_bound(work, cap)   # prefix round trips: sum rt >= g[i]^2 b / devices
+    N = topo.num_devices             # stages pack against the end of the allocation order
+    fronts: list[dict] = [dict() for _ in range(L + 1)]
+    # a label: (p, v, t, n, stages, path) for the suffix [j, L): p = slowest element (PipeDream),
+    # v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only under max_stages
+    fronts[L][(0, 0)] = [(0.0, 0.0, -INF, 0, 0, None)]
+    for j in range(L, 0, -1):
+        states = fronts[j]
+        fronts[j] = None  # free
+        for (k, r1), labels in states.items():
+            devs1 = topo.devices(policy, N - k, r1) if k else None
+            X = out[j - 1] * b
+            for r in reps:
+                if k and uniform and r != r1:
+                    continue
+                sl = slots[r]
+                k2 = k + sl
+                if k2 > P:
+                    continue
+                free = P - k2
+                more = free >= min_slot
+                devs = topo.devices(policy, N - k2, r)
+                q = b / r
+                alpha, beta = topo.allreduce_coef(devs)
+                if k:
+                    ca_, cg_ = topo.transfer(devs, devs1, X), topo.transfer(devs1, devs, X)
+                else:
+                    ca_ = cg_ = 0.0
+                link_st = ca_ if ca_ > cg_ else cg_
+                for (p, v, t, n, cnt, path) in labels:
+                    if limit is not None and cnt >= limit:
+                        continue
+                    thr = ctx.threshold()
+                    n2 = n + 1 if n < M else M
+                    cnt2 = cnt + 1 if limit is not None else 0
+                    if k:       # the boundary between the new stage and the suffix
+                        p1 = max(p, ca_ + cg_)
+                        v1 = (ca_ + cg_) + max(Mm1 * link_st, v)
+                        t1 = t - cg_
+                    else:
+                        p1, v1, t1 = p, v, t
+                    can_more = more and (limit is None or cnt2 < limit)
+                    i = j - 1
+                    while i >= 0:
+                        if not can_more and i > 0:
+                            i = 0          # the stage must take every remaining layer
+                        par = cp[j] - cp[i]
+                        if par * bps + n2 * (ca[j] - ca[i]) * q > cap:
+                            break
+                        bw = (cb[j] - cb[i]) * q
+                        rt = (cf[j] - cf[i]) * q + bw
+                        ar = alpha + beta * par * gbp if (alpha or beta) and par > 0 else 0.0
+                        v2 = rt + max(Mm1 * rt, v1)
+                        p2 = max(p1, rt, ar / r)
+                        if (p2 if pd else v2) > thr:
+                            break          # a longer stage is no better
+                        t2 = max(ar + par * otp, t1 - bw)
+                        ctx.evaluated += 1
+                        if i == 0:
+                            ctx.offer((p2, v2 + t2) if pd else (v2 + t2, 0.0), M, policy, (i, j, r, path))
+                            thr = ctx.threshold()
+                            break
+                        pw = (cf[i] + cb[i]) * b / free
+                        if pd:
+                            lb = max(p2, pw)
+                        else:
+                            prt = g[i] * g[i] * b / free
+                            lb = max(v2 + t2, v2 + prt, M * pw)
+                        if lb <= thr:
+                            _push(fronts[i], (k2, r), (p2, v2, t2, n2, cnt2, (i, j, r, path)), pd)
+                            ctx.labels += 1
+                        i -= 1
+
+
+def balanced_partition(weights, parts: int) -> list[int]:
+    """Cut points (parts + 1 edges) of a contiguous split of ``weights`` where cumulative weight crosses
+    k / parts of the total (every part keeps at least one item)."""
+    n = len(weights)
+    total = sum(weights) or 1.0
+    edges, acc, i = [0], 0.0, 0
+    for k in range(1, parts):
+        target = total * k / parts
+        while i < n - (parts - k) and (acc + weights[i] / 2 < target or i < edges[-1] + 1):
+            acc += weights[i]
+            i += 1
+        edges.append(i)
+    edges.append(n)
+    return edges
+
+
+def _seed(ctx: _Ctx, jobs) -> None:
+    """Offer simple plans first (uniform R x D with a work-balanced partition) so that pruning bites
+    from the start; they are plans of the space, so the result stays exact."""
+    work, topo, P = ctx.work, ctx.topo, ctx.P
+    L = work.num_layers
+    wts = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(L)]
+    limit = ctx.space.max_stages or L
+    for M, policy in jobs:
+        b = ctx.G // M
+        for r in _rep_values(ctx.space, b, P):
+            sl = topo.slots(policy, r)
+            for D in range(1, min(L, limit, P // sl) + 1):
+                if D * sl > P:
+                    break
+                edges = balanced_partition(wts, D)
+                devs = topo.place(policy, [r] * D)
+                plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
+                            tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
+                est = estimate(plan, work, topo, None if ctx.capacity == INF else ctx.capacity)
+                if not est.fits:
+                    continue
+                v = (est.slowest, est.latency) if ctx.objective == "pipedream" else (est.latency, 0.0)
+                if v[0] <= ctx.threshold():
+                    path = None
+                    for s in reversed(range(D)):
+                        path = (edges[s], edges[s + 1], r, path)
+                    ctx.offer(v, M, policy, path)
+                    ctx.complete -= 1
+
+
+def _sqrt_work_bound(work: Workload, cap: float) -> list[float]:
+    """g[i] = min over splits of layers [0, i) into stages whose weights, gradients and optimizer state
+    fit in ``cap`` of sum_s sqrt(W_s) (W_s: per-sample forward + backward seconds of stage s).
+
+    Stages on r_1.. devices (sum r_s <= f) have round trips sum_s W_s b / r_s >= (sum_s sqrt(W_s))^2 b / f
+    (Cauchy-Schwarz), so g[i]^2 b / f bounds the round trips a prefix on f devices adds to every
+    pivot behind it: memory forces big models into several stages, and splitting costs round trip."""
+    L = work.num_layers
+    bps = work.bytes_per_param_static
+    g = [0.0] + [INF] * L
+    for i in range(1, L + 1):
+        best = INF
+        for i0 in range(i - 1, -1, -1):
+            if work.param_count(i0, i) * bps > cap:
+                break
+            v = g[i0] + (work.fwd(i0, i) + work.bwd(i0, i)) ** 0.5
+            if v < best:
+                best = v
+        g[i] = best
+    return g
+
+
+def _push(front: dict, key, lab, pd: bool) -> None:
+    """Insert a label into a state's Pareto front (smaller is better in every field compared: the
+    DAPPLE objective ignores the slowest element, the PipeDream one uses it first and DAPPLE's latency
+    to break its ties)."""
+    fr = front.get(key)
+    if fr is None:
+        front[key] = [lab]
+        return
+    p, v, t, n, c = lab[0], lab[1], lab[2], lab[3], lab[4]
+    if pd:
+        for o in fr:
+            if o[0] <= p and o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c:
+                return
+        fr[:] = [o for o in fr if not (p <= o[0] and v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4])]
+    else:
+        for o in fr:
+            if o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c:
+                return
+        fr[:] = [o for o in fr if not (v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4])]
+    fr.append(lab)
+
+
+def _policies(topo: Topology, policies) -> list[str]:
+    """Drop policies that place every plan exactly like an earlier one on this cluster."""
+    out = []
+    c = topo.cluster
+    for p in policies:
+        same = any(topo.order(p) == topo.order(o) and (c.devices_per_node == 1 or "fresh-first" not in (p, o))
+                   for o in out)
+        if not same:
+            out.append(p)
+    return out
+
+
+def search(work: Workload, topo: Topology, global_batch: int, *, objective: str = "dapple",
+           space: SearchSpace | None = None, capacity: float | None = None, top_k: int = 1,
+           model: str | None = None, cluster: str | None = None, progress: bool = False) -> SearchResult:
+    """The best ``top_k`` plans of the space by ``objective`` (``dapple``: the latency L; ``pipedream``:
+    the slowest element). Raises :class:`PlanError` when no plan fits."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global batch must be a positive integer; got {global_batch!r}")
+    space = space or SearchSpace()
+    P = topo.num_devices if space.devices is None else min(space.devices, topo.num_devices)
+    cap = capacity if capacity is not None else work.memory_capacity
+    ctx = _Ctx(work, topo, global_batch, objective, space, INF if cap is None else float(cap), max(1, top_k),
+               model or work.name, cluster or topo.cluster.name, P)
+    Ms = [m for m in divisors(global_batch) if space.microbatches is None or m in space.microbatches]
+    if not Ms:
+        raise PlanError(f"no micro-batch count in {list(space.microbatches or [])} divides the global batch "
+                        f"{global_batch}")
+    pols = _policies(topo, space.policies)
+    t0 = time.perf_counter()
+    jobs = [(M, p) for M in Ms for p in pols]
+    _seed(ctx, jobs)
+    from tqdm import tqdm
+    bar = tqdm(jobs, desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
+               disable=not progress, leave=False)
+    for M, p in bar:
+        _dp(ctx, M, p)
+        if progress and ctx.heap:
+            bar.set_postfix_str(f"best {min(-h[0] for h in ctx.heap):.4g} s")
+    bar.close()
+    if not ctx.heap:
+        raise PlanError(no_plan_message(work, topo, global_batch, cap, space, P))
+    ranked = sorted(ctx.heap, key=lambda h: (-h[0], -h[1], h[2]))
+    cands = [Candidate(h[4], -h[0], estimate(h[4], work, topo, cap)) for h in ranked]
+    return SearchResult(objective, cands, ctx.evaluated, ctx.complete, ctx.labels, time.perf_counter() - t0,
+                        len(jobs))
+
+
+def no_plan_message(work: Workload, topo: Topology, G: int, cap, space: SearchSpace, P: int) -> str:
+    gib = 2 ** 30
+    static = work.total_params * work.bytes_per_param_static
+    what = f"no plan of {work.name} with global batch {G} fits on {P} device(s) of {topo.cluster.name}"
+    if cap is None:
+        return what + " under the search restrictions; relax them (stages, replicas, micro-batch counts)"
+    lim = f"{cap / gib:.1f} GiB per device"
+    worst = max(range(work.num_layers),
+                key=lambda l: work.params[l] * work.bytes_per_param_static + work.act[l])
+    one = work.params[worst] * work.bytes_per_param_static + work.act[worst]
+    if one > cap:
+        return (f"{what}: layer {work.layer_names[worst]!r} alone needs {one / gib:.2f} GiB (weights, gradients, "
+                f"optimizer state and one sample's activations) > {lim}; use a device with more memory "
+                f"or a larger --memory-limit")
+    need = static + work.activation(0, work.num_layers)
+    return (f"{what}: the model needs {static / gib:.1f} GiB of weights, gradients and optimizer state "
+            f"({work.total_params / 1e9:.2f} B parameters x {work.bytes_per_param_static:g} B) plus "
+            f"{work.activation(0, work.num_layers) / gib:.2f} GiB of activations per sample, "
+            f"{need / gib:.1f} GiB in all, and no split over {P} devices keeps every device within {lim}; "
+            f"use more devices, a larger --memory-limit, recomputation (--recompute full) or a smaller global batch"
+            + ("" if space == SearchSpace() else ", or relax the search restrictions"))
+
+
+# ---------------------------------------------------------------------- reference
+def compositions(n: int, parts: int):
+    """Every way to write n as an ordered sum of ``parts`` positive integers."""
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        edges = (0, *cuts, n)
+        yield tuple(edges[i + 1] - edges[i] for i in range(parts))
+
+
+def all_plans(work: Workload, topo: Topology, global_batch: int, space: SearchSpace | None = None,
+              model: str = "m", cluster: str = "c"):
+    """Every plan of the space (memory not checked): for tests and tiny cases only."""
+    space = space or SearchSpace()
+    P = topo.num_devices if space.devices is None else min(space.devices, topo.num_devices)
+    L = work.num_layers
+    for M in divisors(global_batch):
+        if space.microbatches is not None and M not in space.microbatches:
+            continue
+        reps = _rep_values(space, global_batch // M, P)
+        for policy in space.policies:
+            for S in range(1, min(L, P, space.max_stages or L) + 1):
+                for sizes in compositions(L, S):
+                    for rv in itertools.product(reps, repeat=S):
+                        if space.uniform and len(set(rv)) > 1:
+                            continue
+                        if sum(topo.slots(policy, r) for r in rv) > P:
+                            continue
+                        devs = topo.place(policy, rv)
+                        edges = list(itertools.accumulate((0, *sizes)))
+                        yield Plan(model, cluster, global_batch, M,
+                                   tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(S)), policy)
+
+
+def exhaustive(work: Workload, topo: Topology, global_batch: int, *, objective: str = "dapple",
+               space: SearchSpace | None = None, capacity: float | None = None) -> tuple[float, Plan | None, int]:
+    """(best objective value, a best plan, plans evaluated) by brute force over :func:`all_plans`."""
+    cap = capacity if capacity is not None else work.memory_capacity
+    best, arg, n = INF, None, 0
+    for plan in all_plans(work, topo, global_batch, space):
+        n += 1
+        est = estimate(plan, work, topo, cap)
+        if not est.fits:
+            continue
+        v = est.latency if objective == "dapple" else est.slowest
+        if v < best:
+            best, arg = v, plan
+    return best, arg, n

@@ -1,0 +1,158 @@
+"""What the planner plans for: a model's per-layer costs on one device, per sample.
+
+A :class:`Workload` holds, for every layer of the model (index i = layer i of the whole stack,
+embedding and head included for transformers), the forward, input-backward and weight-backward
+seconds, the activation bytes kept for the backward, the bytes of the layer's output (sent when a
+stage ends there) and the parameter count, all **per sample**. Every cost the cost models compute
+is linear in the micro-batch (transformer FLOPs and activations are ``b x`` the per-sequence ones),
+so a stage replica that processes ``q`` samples of a micro-batch costs ``q x`` these numbers.
+
+:meth:`Workload.layer_costs` gives a :class:`cost_models.LayerCosts` at a micro-batch size (what
+:class:`cost_models.PerLayerCostModel` binds to a schedule); for a transformer it is computed by
+:class:`cost_models.TransformerCostModel` at exactly that micro-batch, so a plan simulated through
+the planner and through ``pipetwin simulate`` sees the same numbers.
+
+:func:`load_workload` resolves a model name: a planner-local paper model (:mod:`planner.models`:
+vgg-19, gnmt-16, amoebanet-36, xlnet-36), a cost_models preset (gpt-96, bert-48, ...) or a YAML
+path, on a device spec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from cost_models import DeviceSpec, LayerCosts, ModelSpec, TransformerCostModel, load_model
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per-sample, per-layer costs of a model on a device (seconds, bytes, parameter counts)."""
+
+    name: str
+    layer_names: tuple[str, ...]
+    f: tuple[float, ...]
+    b_input: tuple[float, ...]
+    w: tuple[float, ...]
+    act: tuple[float, ...]
+    act_w: tuple[float, ...]
+    out_bytes: tuple[float, ...]
+    params: tuple[float, ...]
+    bytes_per_param_static: float = 16.0
+    grad_bytes_per_param: float = 2.0
+    optim_time_per_param: float = 0.0
+    copy_time: float = 0.0                   # per sample
+    memory_capacity: float | None = None     # the device's memory (bytes)
+    source: dict = field(default_factory=dict, compare=False)   # how to rebuild it (plan files)
+    spec: ModelSpec | None = field(default=None, compare=False)
+    device: DeviceSpec | None = field(default=None, compare=False)
+    recompute: str = "none"
+
+    def __post_init__(self):
+        n = len(self.f)
+        for name in ("b_input", "w", "act", "act_w", "out_bytes", "params", "layer_names"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"workload {self.name!r}: {name} has {len(getattr(self, name))} entries, "
+                                 f"f has {n}")
+        if n < 1:
+            raise ValueError(f"workload {self.name!r} has no layers")
+        pre = lambda xs: (0.0, *accumulate(xs))  # noqa: E731
+        object.__setattr__(self, "_cf", pre(self.f))
+        object.__setattr__(self, "_cb", pre(b + w for b, w in zip(self.b_input, self.w)))
+        object.__setattr__(self, "_ca", pre(self.act))
+        object.__setattr__(self, "_cp", pre(self.params))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.f)
+
+    # ---------------------------------------------------------------- range sums (per sample)
+    def fwd(self, i: int, j: int) -> float:
+        """Forward seconds of layers [i, j) for one sample."""
+        return self._cf[j] - self._cf[i]
+
+    def bwd(self, i: int, j: int) -> float:
+        """Full backward (input + weight gradient) seconds of layers [i, j) for one sample."""
+        return self._cb[j] - self._cb[i]
+
+    def activation(self, i: int, j: int) -> float:
+        return self._ca[j] - self._ca[i]
+
+    def param_count(self, i: int, j: int) -> float:
+        return self._cp[j] - self._cp[i]
+
+    @property
+    def total_params(self) -> float:
+        return self._cp[-1]
+
+    @property
+    def work_per_sample(self) -> float:
+        """Forward + backward seconds of the whole model for one sample."""
+        return self._cf[-1] + self._cb[-1]
+
+    # ---------------------------------------------------------------- binding
+    def layer_costs(self, micro_batch: int) -> LayerCosts:
+        """Per-layer costs at ``micro_batch`` samples per micro-batch."""
+        if self.spec is not None and self.device is not None:
+            tm = TransformerCostModel(self.spec.replace(micro_batch=int(micro_batch)), self.device,
+                                      recompute=self.recompute)
+            return tm.layer_costs()
+        q = float(micro_batch)
+        sc = lambda xs: tuple(x * q for x in xs)  # noqa: E731
+        return LayerCosts(sc(self.f), sc(self.b_input), sc(self.w), sc(self.act), sc(self.act_w),
+                          sc(self.out_bytes), tuple(self.params), self.bytes_per_param_static,
+                          self.grad_bytes_per_param, self.optim_time_per_param, self.copy_time * q)
+
+
+def from_layer_costs(name: str, lc: LayerCosts, *, per: int = 1, layer_names=None, memory_capacity=None,
+                     source: dict | None = None) -> Workload:
+    """A workload from :class:`LayerCosts` measured or computed at ``per`` samples per micro-batch."""
+    d = float(per)
+    sc = lambda xs: tuple(x / d for x in xs)  # noqa: E731
+    names = tuple(layer_names) if layer_names is not None else tuple(f"layer{i}" for i in range(lc.num_layers))
+    return Workload(name, names, sc(lc.f), sc(lc.b_input), sc(lc.w), sc(lc.act), sc(lc.act_w), sc(lc.out_bytes),
+                    tuple(float(p) for p in lc.params), lc.bytes_per_param_static, lc.grad_bytes_per_param,
+                    lc.optim_time_per_param, lc.copy_time / d, memory_capacity, dict(source or {"kind": "inline"}))
+
+
+def transformer_workload(spec: ModelSpec, device: DeviceSpec, recompute: str = "none",
+                         source: dict | None = None) -> Workload:
+    """A transformer (cost_models formulas) at one sequence per sample."""
+    tm = TransformerCostModel(spec.replace(micro_batch=1), device, recompute=recompute)
+    names = tuple(l.name for l in tm.layers())
+    wl = from_layer_costs(spec.name, tm.layer_costs(), layer_names=names, memory_capacity=device.memory_bytes,
+                          source=source or {"kind": "transformer", "name": spec.name, "spec": spec.to_dict(),
+                                            "recompute": recompute})
+    return Workload(**{**{f: getattr(wl, f) for f in _FIELDS}, "spec": spec, "device": device,
+                       "recompute": recompute})
+
+
+_FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
+           "bytes_per_param_static", "grad_bytes_per_param", "optim_time_per_param", "copy_time",
+           "memory_capacity", "source")
+
+
+def load_workload(model, device: DeviceSpec, recompute: str = "none") -> Workload:
+    """``model``: a planner paper model name (see :func:`planner.models.paper_models`), a cost_models
+    model preset or YAML path, or a :class:`ModelSpec`."""
+    from .models import PAPER_MODELS, paper_workload
+    if isinstance(model, ModelSpec):
+        return transformer_workload(model, device, recompute)
+    if isinstance(model, str) and model in PAPER_MODELS:
+        return paper_workload(model, device, recompute)
+    spec = load_model(model)
+    src = {"kind": "transformer", "name": str(model), "spec": spec.to_dict(), "recompute": recompute}
+    return transformer_workload(spec, device, recompute, source=src)
+
+
+def workload_from_source(source: dict, device: DeviceSpec) -> Workload:
+    """Rebuild a workload from its ``source`` record (what plan files store)."""
+    from .models import paper_workload
+    kind = source.get("kind")
+    recompute = source.get("recompute", "none")
+    if kind == "paper":
+        return paper_workload(source["name"], device, recompute)
+    if kind == "transformer":
+        from cost_models import spec_from_dict
+        spec = spec_from_dict(dict(source["spec"]), f"plan model {source.get('name', '')}".strip())
+        return transformer_workload(spec, device, recompute, source=source)
+    raise ValueError(f"plan file: cannot rebuild model of kind {kind!r} (expected 'paper' or 'transformer')")

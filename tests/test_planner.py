@@ -1,0 +1,230 @@
+"""The DAPPLE planner: exact search (= brute force), memory, errors, placement, plan files, IR forms."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_cluster, load_device
+from planner import (POLICIES, Plan, PlanError, SearchSpace, StagePlan, Topology, estimate, exhaustive,
+                     load_plan, replicated_schedule, save_plan, search, simulate_plan)
+from planner.models import paper_workload
+from planner.plan import Plan as _Plan
+from planner.search import all_plans
+from planner.simulate import build_plan
+from planner.workload import from_layer_costs, load_workload
+from schedules import lower, validate
+
+V100 = load_device("v100")
+
+
+def rand_work(rng, L, cap=None):
+    f = tuple(rng.uniform(0.2e-3, 3e-3) for _ in range(L))
+    lc = LayerCosts(f=f, b_input=f, w=tuple(x * rng.uniform(0.5, 1.5) for x in f),
+                    act=tuple(rng.uniform(1e8, 8e8) for _ in range(L)), act_w=(0.0,) * L,
+                    out_bytes=tuple(rng.uniform(1e5, 5e7) for _ in range(L)),
+                    params=tuple(rng.uniform(1e6, 3e8) for _ in range(L)),
+                    bytes_per_param_static=16.0, grad_bytes_per_param=2.0, optim_time_per_param=1e-11)
+    return from_layer_costs("rand", lc, memory_capacity=cap)
+
+
+def small_cluster(rng, nodes, dpn):
+    return Cluster("t", nodes, dpn, V100, LINK_TYPES[rng.choice(["nvlink2", "pcie3"])],
+                   LINK_TYPES[rng.choice(["eth-25g", "ib-edr"])], nics_per_node=rng.choice([1, dpn]))
+
+
+SPACES = [SearchSpace(), SearchSpace(uniform=True), SearchSpace(max_stages=2), SearchSpace(max_stages=1),
+          SearchSpace(devices=3), SearchSpace(policies=("scatter-first",))]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_search_equals_brute_force(seed):
+    """On small cases the exact search finds the brute-force optimum of the whole space, for
+    DAPPLE's latency and for PipeDream's slowest element, with and without memory limits."""
+    rng = random.Random(seed)
+    nodes, dpn = [(2, 2), (1, 4), (4, 1), (2, 3), (3, 2), (1, 3)][seed % 6]
+    topo = Topology(small_cluster(rng, nodes, dpn))
+    work = rand_work(rng, rng.randint(2, 5), rng.choice([None, 4e9, 8e9, 16e9]))
+    G = rng.choice([4, 6, 8, 12])
+    space = SPACES[seed % len(SPACES)]
+    for obj in ("dapple", "pipedream"):
+        best, plan, n = exhaustive(work, topo, G, objective=obj, space=space)
+        assert n > 0
+        if plan is None:
+            with pytest.raises(PlanError):
+                search(work, topo, G, objective=obj, space=space)
+            continue
+        got = search(work, topo, G, objective=obj, space=space).best
+        assert got.value == pytest.approx(best, rel=1e-9)
+        e = got.estimate
+        assert e.fits
+        assert (e.latency if obj == "dapple" else e.slowest) == pytest.approx(best, rel=1e-9)
+
+
+def test_brute_force_space_is_complete():
+    """all_plans enumerates every (M, policy, S, partition, replicas) combination: count one by hand."""
+    topo = Topology(Cluster("t", 1, 2, V100, LINK_TYPES["nvlink2"], LINK_TYPES["eth-25g"]))
+    work = rand_work(random.Random(0), 3)
+    plans = list(all_plans(work, topo, 2, SearchSpace(policies=("append-first",))))
+    # M=1 (b=2, r in {1, 2}): S=1: 2 plans; S=2: 2 partitions x (1,1) = 2; S=3 needs 3 devices: 0
+    # M=2 (b=1, r=1): S=1: 1; S=2: 2 partitions = 2
+    assert len(plans) == 2 + 2 + 1 + 2
+
+
+def test_memory_limit_never_exceeded():
+    """The unconstrained optimum does not fit a tighter limit; the planner then returns a plan that
+    fits, analytically and in simulation, and it is the brute-force optimum under the limit."""
+    rng = random.Random(3)
+    topo = Topology(Cluster("t", 2, 2, V100, LINK_TYPES["nvlink2"], LINK_TYPES["ib-edr"]))
+    work = rand_work(rng, 5)
+    free = search(work, topo, 8, capacity=1e15).best
+    lowest = min(estimate(p, work, topo).peak_memory for p in all_plans(work, topo, 8))
+    assert lowest < free.estimate.peak_memory
+    limit = (lowest + free.estimate.peak_memory) / 2
+    got = search(work, topo, 8, capacity=limit, top_k=4)
+    for c in got.candidates:
+        assert c.estimate.peak_memory <= limit
+    assert got.best.value > free.value
+    assert got.best.value == pytest.approx(exhaustive(work, topo, 8, capacity=limit)[0], rel=1e-9)
+    sim = simulate_plan(got.best.plan, work, topo.cluster, limit)
+    assert not sim.oom and sim.peak_memory == pytest.approx(got.best.estimate.peak_memory, rel=1e-9)
+
+
+def test_cluster_too_small_is_a_clear_error(capsys):
+    from experiments.cli import main
+    two = Cluster("two", 1, 2, load_device("a100"), LINK_TYPES["nvlink3"], LINK_TYPES["ib-hdr"])
+    work = load_workload("gpt-96", two.device)
+    with pytest.raises(PlanError, match=r"needs 1[0-9.]+ GiB of weights.*within 80.0 GiB per device"):
+        search(work, Topology(two), 8)
+    rc = main(["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "16", "--memory-limit", "64 MiB",
+               "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("pipetwin: error: no plan of bert-48")
+    assert "alone needs" in err[0] and "0.1 GiB per device" in err[0]
+
+
+def test_placement_policies():
+    topo = Topology(Cluster("t", 2, 4, V100, LINK_TYPES["nvlink2"], LINK_TYPES["eth-25g"]))
+    # append-first packs in device order (stage 1 straddles the two nodes)
+    assert topo.place("append-first", [2, 4, 2]) == [(0, 1), (2, 3, 4, 5), (6, 7)]
+    # fresh-first: every stage on its own machine(s), the rest of a machine idle
+    assert topo.place("fresh-first", [2, 4]) == [(0, 1), (4, 5, 6, 7)]
+    with pytest.raises(ValueError, match="take 12 slots"):
+        topo.place("fresh-first", [2, 4, 2])
+    # scatter-first: round robin over the machines
+    assert topo.place("scatter-first", [2, 2, 4]) == [(0, 4), (1, 5), (2, 6, 3, 7)]
+    # unused devices are the first of the order
+    assert topo.place("append-first", [2, 2]) == [(4, 5), (6, 7)]
+
+
+def test_estimate_closed_form_and_simulation():
+    """No communication, equal layers: L = (M + S - 1)(F + B) with the pivot on the last stage, and
+    the simulator agrees; memory: stage s keeps min(S - s, M) micro-batches."""
+    L, S, M = 8, 4, 6
+    f = (1e-3,) * L
+    lc = LayerCosts(f=f, b_input=f, w=f, act=(1e6,) * L, act_w=(0.0,) * L, out_bytes=(0.0,) * L,
+                    params=(1e3,) * L)
+    work = from_layer_costs("eq", lc)
+    ideal = LinkSpec("ideal", 1e15, 0.0)
+    cl = Cluster("fast", 1, 4, V100, ideal, ideal)
+    topo = Topology(cl)
+    plan = Plan("eq", "fast", M, M, tuple(StagePlan(2 * s, 2 * s + 2, (s,)) for s in range(S)), "append-first")
+    e = estimate(plan, work, topo)
+    assert e.latency == pytest.approx((M + S - 1) * 6e-3)
+    assert e.pivot == f"stage {S - 1}"
+    assert [st.act_mem for st in e.stages] == [min(S - s, M) * 2e6 for s in range(S)]
+    sim = simulate_plan(plan, work, cl)
+    assert sim.iteration_time == pytest.approx(e.latency, rel=1e-9)
+    assert sim.per_device_peak == tuple(st.memory for st in e.stages)
+
+
+def test_pivot_moves_to_a_slow_stage():
+    """A stage twice as slow as the others becomes the pivot: L = sum F..Q + (M-1)(F_Q + B_Q) + sum B."""
+    f = (1e-3, 1e-3, 2e-3, 1e-3)
+    lc = LayerCosts(f=f, b_input=f, w=f, act=(1.0,) * 4, act_w=(0.0,) * 4, out_bytes=(0.0,) * 4, params=(1.0,) * 4)
+    work = from_layer_costs("slow", lc)
+    ideal = LinkSpec("ideal", 1e15, 0.0)
+    topo = Topology(Cluster("fast", 1, 4, V100, ideal, ideal))
+    M = 10
+    plan = Plan("slow", "fast", M, M, tuple(StagePlan(s, s + 1, (s,)) for s in range(4)), "append-first")
+    e = estimate(plan, work, topo)
+    assert e.pivot == "stage 2"
+    assert e.latency == pytest.approx((1 + 1 + 2) * 1e-3 + (M - 1) * 6e-3 + (2 + 2 + 4) * 1e-3)
+    assert e.steady == pytest.approx((M - 1) * 6e-3)
+
+
+def test_replicated_schedule_is_valid_and_matches_the_estimate():
+    """Non-uniform replicas through model copies: valid FIFO-safe programs, per-stage all-reduce groups,
+    memory equal to the analytical model."""
+    low = lower(replicated_schedule((2, 1, 3), 4))
+    validate(low)
+    assert low.num_devices == 6 and low.num_copies == 6 and low.num_microbatches == 24
+    assert [low.stage_group(s) for s in range(3)] == [[0, 1], [2], [3, 4, 5]]
+    c = load_cluster("v100-2x8-25gbe")
+    work = load_workload("bert-48", c.device)
+    topo = Topology(c)
+    plan = Plan("bert-48", c.name, 48, 4,
+                tuple(StagePlan(a, b, d) for (a, b), d in zip([(0, 14), (14, 30), (30, 50)],
+                                                               topo.place("append-first", [2, 1, 3]))),
+                "append-first")
+    e = estimate(plan, work, topo)
+    sim = simulate_plan(plan, work, c)
+    assert sim.per_device_peak == pytest.approx([e.stages[s].memory for s, r in enumerate((2, 1, 3)) for _ in range(r)])
+    assert sim.iteration_time == pytest.approx(e.latency_rt, rel=0.15)
+
+
+def test_uniform_plan_in_the_ir():
+    c = load_cluster("v100-2x8-25gbe")
+    work = load_workload("bert-48", c.device)
+    topo = Topology(c)
+    devs = topo.place("fresh-first", [8, 8])
+    plan = Plan("bert-48", c.name, 64, 4, (StagePlan(0, 26, devs[0]), StagePlan(26, 50, devs[1])), "fresh-first")
+    bt = build_plan(plan, work, c)
+    assert bt.lowered.num_devices == 2 and bt.lowered.replicas == 8
+    assert bt.network.device_map == tuple(8 * (r % 2) + r // 2 for r in range(16))
+    assert bt.costs.meta["partition"] == [26, 24]
+    assert bt.costs.f[0][0] == pytest.approx(work.fwd(0, 26) * 2)      # b / R = 16 / 8 samples
+    for sched in ("gpipe", "interleaved"):
+        assert simulate_plan(plan.with_schedule(sched), work, c).iteration_time > 0
+
+
+@pytest.mark.parametrize("model", ["bert-48", "vgg-19"])
+def test_plan_file_round_trip(tmp_path, model):
+    c = load_cluster("v100-16x1-25gbe")
+    work = load_workload(model, c.device)
+    res = search(work, Topology(c), 32)
+    plan = res.best.plan
+    path = tmp_path / "plan.json"
+    rec = save_plan(path, plan, work, c, memory_limit=30 * 2 ** 30, est=res.best.estimate)
+    lp = load_plan(path)
+    assert lp.plan == plan and lp.cluster == c and lp.memory_limit == 30 * 2 ** 30
+    assert lp.workload == work
+    assert json.loads(path.read_text())["plan"] == rec["plan"]
+    if plan.uniform:
+        run = rec["run"]
+        assert (run["devices"], run["dp"], run["microbatches"]) == (plan.num_stages, plan.dp, plan.microbatches)
+        assert run["partition"] == list(plan.partition) and run["micro_batch"] * plan.dp * plan.microbatches == 32
+    low, costs, net = lp.build().astuple()
+    assert low.num_ranks == plan.devices_used and len(costs.static_mem) == low.num_ranks
+    assert lp.simulate().iteration_time == pytest.approx(simulate_plan(plan, work, c).iteration_time)
+
+
+def test_plan_file_errors(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("{}")
+    with pytest.raises(ValueError, match="not a pipetwin plan file"):
+        load_plan(p)
+    with pytest.raises(FileNotFoundError):
+        load_plan(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="cannot be split over 3 replicas"):
+        _Plan("m", "c", 8, 2, (StagePlan(0, 2, (0, 1, 2)),), "append-first")
+
+
+def test_paper_models():
+    v = paper_workload("vgg-19", V100)
+    assert v.num_layers == 19 and v.total_params == pytest.approx(143.67e6, rel=1e-3)
+    assert sum(v.f) * V100.achievable_flops("fp32") == pytest.approx(39.26e9, rel=1e-3)   # 19.6 GMAC
+    assert paper_workload("xlnet-36", V100).num_layers == 38
+    with pytest.raises(ValueError, match="unknown paper model"):
+        paper_workload("resnet", V100)
