@@ -14,6 +14,8 @@ HELP = "simulate one training iteration of a schedule"
 def add_arguments(p):
     add_schedule_args(p)
     add_cost_args(p)
+    from planner.cli import add_plan_option
+    add_plan_option(p)          # --plan PLAN.json (pipetwin plan --out); -s/-D/-N become optional
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="write the timeline figure")
     p.add_argument("--chrome-trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
@@ -21,6 +23,11 @@ def add_arguments(p):
 
 
 def run_one(name: str, args):
+    from planner.cli import built_from_args
+    built = built_from_args(args)   # None without --plan
+    if built is not None:
+        low, costs, network, extra = built
+        return low, simulate(low, costs, network, sim_options(args, low, network)), extra
     low = build_lowered(name, args)
     costs, network, extra = resolve_costs(args, low)
     trace = simulate(low, costs, network, sim_options(args, low, network, extra.get("host_cores")))

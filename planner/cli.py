@@ -1,6 +1,6 @@
 """Command-line glue for other subcommands: ``pipetwin simulate --plan plan.json``.
 
-``experiments/cmd_simulate.py`` needs three additions (see :func:`add_plan_option` and
+``experiments/cmd_simulate.py`` carries these lines (see :func:`add_plan_option` and
 :func:`built_from_args`)::
 
     # in add_arguments(p), after add_cost_args(p):
@@ -11,7 +11,7 @@
         built = built_from_args(args)
         if built is not None:
             low, costs, network, extra = built
-            return low, simulate(low, costs, network, sim_options(args, low)), extra
+            return low, simulate(low, costs, network, sim_options(args, low, network)), extra
 
 With ``--plan`` the schedule, D, N, --dp, model, cluster, micro-batch and device map come from the
 plan file; --slowdown / --jitter / --seed and the output options still apply.
