@@ -129,34 +129,49 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
     return out
 
 
-def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, simulate, progress) -> None:
-    import time
-    t0 = time.perf_counter()
-    # PipeDream: its objective per micro-batch count; keep the M with the best synchronous estimate
+def pipedream_plan(work: Workload, topo: Topology, G: int, *, microbatches: int | None = None,
+                   space: SearchSpace | None = None, capacity=None, model: str | None = None) -> Evaluated | None:
+    """The PipeDream planner's plan. PipeDream plans for one micro-batch size (its minibatch) and has
+    no notion of a synchronous iteration: with ``microbatches`` given it plans for b = G / M; without,
+    it is run for every M dividing G and the M whose plan has the shortest estimated synchronous
+    iteration (round-trip bound) is kept, the most favourable reading for the baseline."""
+    space = space or SearchSpace()
+    Ms = [microbatches] if microbatches is not None else [
+        m for m in divisors(G) if space.microbatches is None or m in space.microbatches]
     best = None
-    for M in divisors(G):
-        if space.microbatches is not None and M not in space.microbatches:
-            continue
+    for M in Ms:
         try:
             r = search(work, topo, G, objective="pipedream", space=replace(space, microbatches=(M,)),
-                       capacity=cap, model=name, cluster=cluster.name)
+                       capacity=capacity, model=model, cluster=topo.cluster.name)
         except PlanError:
             continue
         c = r.best
         if best is None or c.estimate.latency_rt < best.estimate.latency_rt:
             best = c
-    if best is None:
+    return None if best is None else Evaluated(best.plan, best.estimate)
+
+
+def data_parallel_plan(work: Workload, topo: Topology, G: int, *, space: SearchSpace | None = None,
+                       capacity=None, model: str | None = None) -> Evaluated:
+    """Pure data parallelism: the whole model on every device (gradient accumulation over M
+    micro-batches when memory needs it). Raises PlanError when it does not fit."""
+    space = space or SearchSpace()
+    P = space.devices or topo.num_devices
+    r = search(work, topo, G, space=replace(space, max_stages=1, uniform=False, replicas=(P,)),
+               capacity=capacity, model=model, cluster=topo.cluster.name)
+    return Evaluated(r.best.plan, r.best.estimate)
+
+
+def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, simulate, progress) -> None:
+    import time
+    t0 = time.perf_counter()
+    ev = pipedream_plan(work, topo, G, space=space, capacity=cap, model=name)
+    if ev is None:
         out.baseline_notes["pipedream"] = "no plan fits"
     else:
-        ev = Evaluated(best.plan, best.estimate)
         out.pipedream = _simulate(ev, work, cluster, cap) if simulate else ev
-    # pure data parallelism: the whole model replicated on every device (gradient accumulation over
-    # M micro-batches when memory needs it)
-    P = space.devices or topo.num_devices
     try:
-        r = search(work, topo, G, space=replace(space, max_stages=1, uniform=False, replicas=(P,)),
-                   capacity=cap, model=name, cluster=cluster.name)
-        ev = Evaluated(r.best.plan, r.best.estimate)
+        ev = data_parallel_plan(work, topo, G, space=space, capacity=cap, model=name)
         out.data_parallel = _simulate(ev, work, cluster, cap) if simulate else ev
     except PlanError as e:
         out.baseline_notes["data_parallel"] = "does not fit: " + str(e).split(": ", 1)[-1]

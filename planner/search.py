@@ -266,13 +266,14 @@ def balanced_partition(weights, parts: int) -> list[int]:
     return edges
 
 
-def _seed(ctx: _Ctx, jobs) -> None:
+def _seed(ctx: _Ctx, jobs) -> dict:
     """Offer simple plans first (uniform R x D with a work-balanced partition) so that pruning bites
     from the start; they are plans of the space, so the result stays exact."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     L = work.num_layers
     wts = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(L)]
     limit = ctx.space.max_stages or L
+    found = {}
     for M, policy in jobs:
         b = ctx.G // M
         for r in _rep_values(ctx.space, b, P):
@@ -288,12 +289,14 @@ def _seed(ctx: _Ctx, jobs) -> None:
                 if not est.fits:
                     continue
                 v = (est.slowest, est.latency) if ctx.objective == "pipedream" else (est.latency, 0.0)
+                found[(M, policy)] = min(found.get((M, policy), INF), v[0])
                 if v[0] <= ctx.threshold():
                     path = None
                     for s in reversed(range(D)):
                         path = (edges[s], edges[s + 1], r, path)
                     ctx.offer(v, M, policy, path)
                     ctx.complete -= 1
+    return found
 
 
 def _sqrt_work_bound(work: Workload, cap: float) -> list[float]:
@@ -373,7 +376,8 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     pols = _policies(topo, space.policies)
     t0 = time.perf_counter()
     jobs = [(M, p) for M in Ms for p in pols]
-    _seed(ctx, jobs)
+    seeds = _seed(ctx, jobs)
+    jobs.sort(key=lambda mp: seeds.get(mp, INF))     # promising configurations first: pruning bites sooner
     from tqdm import tqdm
     bar = tqdm(jobs, desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
                disable=not progress, leave=False)
