@@ -57,11 +57,19 @@ class Comparison:
                 "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical}
 
 
-def simulate_with_profile(low, profile: CalibrationProfile):
+def simulate_with_profile(low, profile: CalibrationProfile, steps: int = 1):
+    """Simulate ``steps`` back-to-back iterations on one host whose cores the ranks share."""
     costs = profile.cost_model(low.num_stages).bind(low)
     net = profile.cluster(low.num_ranks)
-    opts = SimOptions(hosts=[0] * low.num_ranks, cores=float(profile.cores or 1))
+    opts = SimOptions(hosts=[0] * low.num_ranks, cores=float(profile.cores or 1), steps=steps, comm_uses_cores=True)
     return simulate(low, costs, net, opts)
+
+
+def median_step(times: list[float], warmup: int) -> tuple[float, int]:
+    """Median of the per-step iteration times after ``warmup`` steps, and the step closest to it."""
+    idx = list(range(warmup, len(times))) or list(range(len(times)))
+    med = statistics.median(times[i] for i in idx)
+    return med, min(idx, key=lambda i: abs(times[i] - med))
 
 
 def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
@@ -71,22 +79,22 @@ def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list
     for res in results:
         cfg = res.config
         low = plan(cfg)
-        times = res.iteration_times[warmup:] or res.iteration_times
-        med = statistics.median(times)
-        # the measured step closest to the median represents the run
-        step = min(range(warmup, len(res.iteration_times)) or range(len(res.iteration_times)),
-                   key=lambda s: abs(res.iteration_times[s] - med))
+        # both engines: the same number of back-to-back steps, the same statistic (the median
+        # per-step makespan after the warm-up); the step closest to it represents the run
+        med, step = median_step(res.iteration_times, warmup)
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile)
-        sm = step_metrics(str_)
+        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times))
+        sim_med, sim_step = median_step(step_metrics(str_).iteration_times, warmup)
+        sm = step_metrics(str_, sim_step)
         orders = op_orders(mtr, step)
         identical = all(orders.get(r) == [str(o) for o in low.program(r)] for r in range(low.num_ranks))
         identical &= all(op_orders(mtr, s) == orders for s in sorted(mtr["step"].unique()))
-        out.append(Comparison(cfg.schedule, cfg.devices, cfg.microbatches, cfg.replicas, med, sm.iteration_time,
+        out.append(Comparison(cfg.schedule, cfg.devices, cfg.microbatches, cfg.replicas, med, sim_med,
                               list(res.iteration_times), [float(p["peak_activation_bytes"]) for p in res.per_device],
                               [p.peak_activation for p in sm.per_device], [p.bubble_ratio for p in mm.per_device],
-                              [p.bubble_ratio for p in sm.per_device], identical, mtr[mtr["step"] == step], str_))
+                              [p.bubble_ratio for p in sm.per_device], identical, mtr[mtr["step"] == step],
+                              str_[str_["step"] == sim_step]))
     return out
 
 

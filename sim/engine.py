@@ -47,6 +47,10 @@ class SimOptions:
       link names come from the network, e.g. ``Cluster.links()``).
     jitter: relative standard deviation of per-op compute noise (seeded, deterministic).
     hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores.
+    comm_uses_cores: with ``hosts``, transfers also occupy a core of each end's host while they
+      run (CPU transports such as gloo, whose threads copy and reduce the bytes).
+    steps: iterations simulated back to back (no barrier between them, as in the executor: a
+      rank that finishes early starts the next step); the trace's ``step`` column tells them apart.
     """
 
     slowdown: Mapping[int, float] = field(default_factory=dict)
@@ -55,6 +59,8 @@ class SimOptions:
     seed: int = 0
     hosts: Sequence[int] | None = None
     cores: float | Mapping[int, float] = 1.0
+    steps: int = 1
+    comm_uses_cores: bool = False
 
 
 class SimulationError(RuntimeError):
@@ -80,10 +86,10 @@ class _Engine:
         self.rows: list[tuple] = []
         self.arrived: set[tuple] = set()                 # messages delivered, not yet received
         self.waiting: dict[tuple, simpy.Event] = {}      # RECVs blocked on a message
-        self.ar_arrived: dict[int, list[int]] = {}
-        self.ar_done: dict[int, simpy.Event] = {}
-        self.ar_end: dict[int, float] = {}
-        self.pending_ar: dict[int, list[tuple]] = {}   # rank -> (row index, op index, op, start, bytes, act)
+        self.ar_arrived: dict[tuple[int, int], list[int]] = {}   # (step, stage) -> ranks arrived
+        self.ar_done: dict[tuple[int, int], simpy.Event] = {}
+        self.ar_end: dict[tuple[int, int], float] = {}
+        self.pending_ar: dict[int, list[tuple]] = {}   # rank -> (row index, key, row prefix, start, bytes, act)
         self.rng = random.Random(opts.seed)
         self.pc = [0] * sched.num_ranks
         self.finished = [False] * sched.num_ranks
@@ -101,6 +107,12 @@ class _Engine:
             bw = ln.bandwidth / self.o.link_slowdown.get(ln.name, 1.0)
             out.append((ln.name, bw))
             lat += ln.latency
+        if self.o.comm_uses_cores and self.o.hosts is not None and out:
+            # on CPU ranks the transport's threads copy the bytes: a transfer at the link's speed
+            # keeps one core of each end's host busy, shared with the compute of that host
+            per_byte = 1.0 / min(bw for _, bw in out)
+            for h in sorted({self.o.hosts[a], self.o.hosts[b]}):
+                out.append((f"host{h}.cores", (self._cores(h), per_byte)))
         return out, lat
 
     def _deliver(self, msg: tuple) -> None:
@@ -136,10 +148,10 @@ class _Engine:
         return float(c.get(host, 1.0)) if isinstance(c, Mapping) else float(c)
 
     # ------------------------------------------------------------------ all-reduce
-    def _allreduce(self, stage: int, members: list[int]):
+    def _allreduce(self, key: tuple[int, int], members: list[int]):
         """Replay the all-reduce algorithm of :func:`cost_models.comm.allreduce_steps` (a ring,
         or hierarchical when the group spans nodes) as flows over the same links as P2P traffic."""
-        nbytes = self.c.param_bytes[0][stage]
+        nbytes = self.c.param_bytes[0][key[1]]
         if self.net is not None and nbytes > 0 and len(members) > 1:
             for step in allreduce_steps(self.net, members, nbytes):
                 lat, flows = 0.0, []
@@ -150,8 +162,8 @@ class _Engine:
                 if lat > 0:
                     yield self.env.timeout(lat)
                 yield self.env.all_of([self.flows.start(b, ln) for ln, b in flows])
-        self.ar_end[stage] = self.env.now
-        self.ar_done[stage].succeed()
+        self.ar_end[key] = self.env.now
+        self.ar_done[key].succeed()
 
     # ------------------------------------------------------------------ rank process
     def _compile(self, r: int) -> list[tuple]:
@@ -188,67 +200,73 @@ class _Engine:
     def _rank(self, r: int):
         env, c = self.env, self.c
         rows = self.rows
-        act = 0.0
-        my_ars: list[int] = []
         host = self.o.hosts[r] if self.o.hosts is not None else None
         jitter = self.o.jitter
         no_net = self.net is None
-        for i, (k, pre, val, grow, free, ref) in enumerate(self._compile(r)):
-            self.pc[r] = i
-            start = env.now
-            nbytes = 0.0
-            if k in (F, B, W):
-                dur = val * max(0.05, self.rng.gauss(1.0, jitter)) if jitter else val
-                act += grow
-                yield self._busy(host, dur)
-                act -= free
-            elif k == SEND:
-                nbytes = val
-                if c.send_time:
-                    yield self._busy(host, c.send_time)
-                if no_net:
-                    self._deliver(ref)
-                else:
-                    env.process(self._transfer(r, pre[9], val, ref))
-            elif k == RECV:
-                nbytes = val
-                if ref in self.arrived:
-                    self.arrived.discard(ref)
-                else:
-                    ev = self.waiting[ref] = env.event()
-                    yield ev
-                if c.recv_time:
-                    yield self._busy(host, c.recv_time)
-            elif k == COPY:
-                if c.copy_time:
-                    yield env.timeout(c.copy_time)
-            elif k == ALLREDUCE:
-                st = ref.stage
-                arrived = self.ar_arrived.setdefault(st, [])
-                arrived.append(r)
-                if st not in self.ar_done:
-                    self.ar_done[st] = env.event()
-                my_ars.append(st)
-                if len(arrived) == len(self.groups[st]):
-                    env.process(self._allreduce(st, self.groups[st]))
-                # asynchronous: its row is completed at OPTIM, once its end is known
-                self.pending_ar.setdefault(r, []).append((len(rows), pre, start, val, act))
-                rows.append(None)
-                continue
-            elif k == OPTIM:
-                for st in my_ars:
-                    ev = self.ar_done[st]
-                    if not ev.triggered:
+        compiled = self._compile(r)
+        for step in range(self.o.steps):
+            act = 0.0
+            my_ars: list[tuple[int, int]] = []
+            for i, (k, pre, val, grow, free, ref) in enumerate(compiled):
+                self.pc[r] = i
+                if step:
+                    pre = (r, step) + pre[2:]
+                    if ref is not None and k in (SEND, RECV):
+                        ref = ref + (step,)
+                start = env.now
+                nbytes = 0.0
+                if k in (F, B, W):
+                    dur = val * max(0.05, self.rng.gauss(1.0, jitter)) if jitter else val
+                    act += grow
+                    yield self._busy(host, dur)
+                    act -= free
+                elif k == SEND:
+                    nbytes = val
+                    if c.send_time:
+                        yield self._busy(host, c.send_time)
+                    if no_net:
+                        self._deliver(ref)
+                    else:
+                        env.process(self._transfer(r, pre[9], val, ref))
+                elif k == RECV:
+                    nbytes = val
+                    if ref in self.arrived:
+                        self.arrived.discard(ref)
+                    else:
+                        ev = self.waiting[ref] = env.event()
                         yield ev
-                self._fill_ar_rows(r)
-                if c.optim_time[r]:
-                    yield self._busy(host, c.optim_time[r])
-            rows.append(pre + (start, env.now, nbytes, act))
+                    if c.recv_time:
+                        yield self._busy(host, c.recv_time)
+                elif k == COPY:
+                    if c.copy_time:
+                        yield env.timeout(c.copy_time)
+                elif k == ALLREDUCE:
+                    key = (step, ref.stage)
+                    arrived = self.ar_arrived.setdefault(key, [])
+                    arrived.append(r)
+                    if key not in self.ar_done:
+                        self.ar_done[key] = env.event()
+                    my_ars.append(key)
+                    if len(arrived) == len(self.groups[ref.stage]):
+                        env.process(self._allreduce(key, self.groups[ref.stage]))
+                    # asynchronous: its row is completed at OPTIM, once its end is known
+                    self.pending_ar.setdefault(r, []).append((len(rows), key, pre, start, val, act))
+                    rows.append(None)
+                    continue
+                elif k == OPTIM:
+                    for key in my_ars:
+                        ev = self.ar_done[key]
+                        if not ev.triggered:
+                            yield ev
+                    self._fill_ar_rows(r)
+                    if c.optim_time[r]:
+                        yield self._busy(host, c.optim_time[r])
+                rows.append(pre + (start, env.now, nbytes, act))
         self.finished[r] = True
 
     def _fill_ar_rows(self, r: int) -> None:
-        for idx, pre, start, nbytes, act in self.pending_ar.pop(r, []):
-            self.rows[idx] = pre + (start, max(start, self.ar_end[pre[6]]), nbytes, act)
+        for idx, key, pre, start, nbytes, act in self.pending_ar.pop(r, []):
+            self.rows[idx] = pre + (start, max(start, self.ar_end[key]), nbytes, act)
 
     def run(self):
         for r in range(self.s.num_ranks):

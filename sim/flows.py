@@ -2,7 +2,8 @@
 
 A flow needs ``amount`` units of work (bytes, or core-seconds) and crosses a set of resources;
 while n flows share a resource of capacity C, each gets C/n of it, and a flow progresses at the
-smallest share along its resources (capped by its own ``cap``, e.g. one core per compute op).
+smallest share along its resources (capped by its own ``cap``, e.g. one core per compute op);
+a weight converts a flow's units into a resource's (a transfer that also keeps a CPU busy).
 Rates are recomputed whenever a flow starts or ends (processor sharing), so two equal transfers
 on one link take twice as long as one, and k compute ops on a host with c < k cores take k/c
 times longer.
@@ -21,6 +22,7 @@ EPS = 1e-12
 class _Flow:
     remaining: float
     resources: tuple[str, ...]
+    weights: tuple[float, ...]
     cap: float
     event: simpy.Event
     rate: float = 0.0
@@ -35,23 +37,27 @@ class FairShare:
     _last: float = 0.0
     _gen: int = 0
 
-    def start(self, amount: float, resources: dict[str, float] | list[tuple[str, float]],
+    def start(self, amount: float, resources: dict | list[tuple],
               cap: float = math.inf) -> simpy.Event:
-        """Start a flow of ``amount`` over ``resources`` ({name: capacity}); returns an event that
-        fires when it completes."""
+        """Start a flow of ``amount`` over ``resources``; returns an event that fires when it
+        completes. ``resources`` maps a name to its capacity, or to (capacity, weight): the flow
+        uses ``weight`` resource units per unit of its own (e.g. core-seconds per byte when a
+        transfer also keeps a host's CPU busy); unweighted means 1."""
         ev = self.env.event()
         items = resources.items() if isinstance(resources, dict) else resources
-        names = []
-        for name, cap_r in items:
-            if cap_r <= 0:
-                raise ValueError(f"resource {name} has no capacity ({cap_r})")
+        names, weights = [], []
+        for name, spec in items:
+            cap_r, w = spec if isinstance(spec, tuple) else (spec, 1.0)
+            if cap_r <= 0 or w <= 0:
+                raise ValueError(f"resource {name} needs a positive capacity and weight; got {spec}")
             self.capacity.setdefault(name, cap_r)
             names.append(name)
+            weights.append(w)
         if amount <= EPS or (not names and math.isinf(cap)):
             ev.succeed()
             return ev
         self._advance()
-        f = _Flow(amount, tuple(names), cap, ev)
+        f = _Flow(amount, tuple(names), tuple(weights), cap, ev)
         self._flows.append(f)
         for n in names:
             self._count[n] = self._count.get(n, 0) + 1
@@ -77,8 +83,8 @@ class FairShare:
         nxt = math.inf
         for f in self._flows:
             r = f.cap
-            for n in f.resources:
-                r = min(r, self.capacity[n] / self._count[n])
+            for n, w in zip(f.resources, f.weights):
+                r = min(r, self.capacity[n] / self._count[n] / w)
             f.rate = r
             nxt = min(nxt, f.remaining / r)
         self._gen += 1
