@@ -3,11 +3,15 @@
 :func:`plan_training` (what ``pipetwin plan`` runs):
 
 1. search the plan space exactly under DAPPLE's objective (:func:`planner.search.search`), keeping
-   the ``top_k`` best plans found, plus the best uniform (R x D) plan when none of them is uniform;
-2. re-simulate every candidate with the SimPy engine (:func:`planner.simulate.simulate_plan`;
-   uniform plans also with every other schedule named in ``schedules`` whose requirements they
-   meet) and pick the fastest simulated one that fits in memory. Non-uniform plans are simulated
-   through the IR's model copies (see :mod:`planner.simulate`);
+   the best plans found; add the best plans of the round-trip-aware search (``dapple-rt``, a
+   heuristic on an evaluation budget) and the best uniform (R x D) plan;
+2. re-simulate, with the SimPy engine (:func:`planner.simulate.simulate_plan`), the exact optimum,
+   the best uniform plan and the other candidates with the shortest round-trip-aware estimate
+   (``top_k`` in all; uniform plans also with every other schedule named in ``schedules`` whose
+   requirements they meet) and pick the fastest simulated one that fits in memory. Non-uniform
+   plans are simulated through the IR's model copies (see :mod:`planner.simulate`). The pivot
+   formulation alone can prefer plans whose network round trips starve 1F1B (see
+   :mod:`planner.cost`); the simulation is what decides;
 3. the baselines, through the same search code: the PipeDream planner (its slowest-element
    objective; it has no notion of micro-batches, so it is run for every micro-batch count M and the
    M whose plan has the shortest estimated synchronous iteration is kept) and pure data parallelism
@@ -88,7 +92,7 @@ def _simulate(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Evaluated
 def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: float | None = None,
                   recompute: str = "none", schedules=("dapple",), top_k: int = 6, simulate: bool = True,
                   baselines: bool = True, progress: bool = False, space: SearchSpace | None = None,
-                  model_name: str | None = None) -> PlanningResult:
+                  model_name: str | None = None, rt_budget: int | None = 1_000_000) -> PlanningResult:
     """Search, simulate and compare (see the module docstring). ``model``: a name (paper model,
     cost_models preset or YAML path), a ModelSpec or a :class:`Workload`."""
     work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute)
@@ -96,16 +100,33 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
     cap = memory_limit if memory_limit is not None else work.memory_capacity
     topo = Topology(cluster)
     space = space or SearchSpace()
-    res = search(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=top_k,
+    res = search(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=max(top_k, 8),
                  model=name, cluster=cluster.name, progress=progress)
-    cands = [Evaluated(c.plan, c.estimate) for c in res.candidates]
-    if not any(c.plan.uniform for c in cands) and not space.uniform:
+    pool = [Evaluated(c.plan, c.estimate) for c in res.candidates]
+    extra = []
+    try:    # candidates that respect the 1F1B round trips (a heuristic search, on a budget)
+        rt = search(work, topo, global_batch, objective="dapple-rt", space=space, capacity=cap, top_k=3,
+                    model=name, cluster=cluster.name, budget=rt_budget)
+        extra += [Evaluated(c.plan, c.estimate, note="round-trip search") for c in rt.candidates]
+    except PlanError:
+        pass
+    if not space.uniform:
         try:
             u = search(work, topo, global_batch, space=replace(space, uniform=True), capacity=cap,
                        model=name, cluster=cluster.name)
-            cands.append(Evaluated(u.best.plan, u.best.estimate, note="best uniform plan"))
+            extra.append(Evaluated(u.best.plan, u.best.estimate, note="best uniform plan"))
         except PlanError:
             pass
+    # simulate the exact optimum, then the most promising others by the round-trip-aware estimate
+    seen, cands = set(), []
+    rest = sorted(pool[1:] + extra, key=lambda c: c.estimate.latency_rt)
+    for c in [pool[0]] + rest:
+        key = (c.plan.microbatches, c.plan.stages, c.plan.policy)
+        if key in seen:
+            continue
+        seen.add(key)
+        if len(cands) < top_k or c.note == "best uniform plan":
+            cands.append(c)
     for sched in schedules:
         if sched == "dapple":
             continue
@@ -118,7 +139,7 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
         if simulate:
             try:
                 c = _simulate(c, work, cluster, cap)
-            except ScheduleError as e:      # a schedule whose requirements the plan does not meet
+            except ScheduleError:      # a schedule whose requirements the plan does not meet
                 continue
         evaluated.append(c)
     fitting = [c for c in evaluated if c.fits] or evaluated

@@ -31,6 +31,13 @@ at its front) only increases V and its memory, so the scan over its first layer 
 one that breaks the memory limit or the bound. The search is exact: the tests check it against
 :func:`exhaustive` (every plan of the space, evaluated with :func:`planner.cost.estimate`).
 
+``dapple-rt`` searches the same way for :attr:`planner.cost.Estimate.latency_rt` (the pivot
+formulation plus the 1F1B round-trip bound), with labels (suffix round trip, V, T, n). That search is
+a heuristic, not exact: a stage's round-trip bound shrinks when more stages follow it (n larger) while
+its memory grows, so labels with different n are not comparable, and treating fewer as better (as
+the exact objectives may) can prune the best plan. The planner uses it only to propose candidates
+for simulation next to the exact DAPPLE optimum.
+
 The PipeDream objective uses the same DP with labels (slowest element, V, T, n): the slowest element
 first, DAPPLE's latency L to break its ties (many plans tie when one layer that cannot be split is
 the slowest element; breaking the tie in favour of the shorter iteration makes the baseline as
@@ -49,12 +56,16 @@ from .placement import POLICIES, Topology, check_policy
 from .plan import Plan, StagePlan
 from .workload import Workload
 
-OBJECTIVES = ("dapple", "pipedream")
+OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")
 
 
 class PlanError(ValueError):
     """No plan of the space fits; the message says why and what to change."""
+
+
+class _OutOfBudget(Exception):
+    pass
 
 
 def divisors(n: int) -> list[int]:
@@ -95,6 +106,7 @@ class SearchResult:
     labels: int = 0              # partial plans kept in the fronts
     seconds: float = 0.0
     configurations: int = 0      # (micro-batch count, policy) pairs searched
+    exhausted: bool = True       # False when an evaluation budget stopped the search early
 
     @property
     def best(self) -> Candidate:
@@ -119,6 +131,7 @@ class _Ctx:
     evaluated: int = 0
     complete: int = 0
     labels: int = 0
+    budget: int | None = None
 
     # -------------------------------------------------------------- incumbents
     def threshold(self) -> float:
@@ -165,6 +178,7 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     work, topo, P = ctx.work, ctx.topo, ctx.P
     L, b = work.num_layers, ctx.G // M
     pd = ctx.objective == "pipedream"
+    rtm = ctx.objective == "dapple-rt"
     slots = {r: topo.slots(policy, r) for r in _rep_values(ctx.space, b, P)}
     reps = [r for r, s in slots.items() if s <= P]
     if not reps:
@@ -205,6 +219,8 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                 else:
                     ca_ = cg_ = 0.0
                 link_st = ca_ if ca_ > cg_ else cg_
+                if ctx.budget is not None and ctx.evaluated > ctx.budget:
+                    raise _OutOfBudget
                 for (p, v, t, n, cnt, path) in labels:
                     if limit is not None and cnt >= limit:
                         continue
@@ -212,7 +228,7 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                     n2 = n + 1 if n < M else M
                     cnt2 = cnt + 1 if limit is not None else 0
                     if k:       # the boundary between the new stage and the suffix
-                        p1 = max(p, ca_ + cg_)
+                        p1 = p + ca_ + cg_ if rtm else max(p, ca_ + cg_)
                         v1 = (ca_ + cg_) + max(Mm1 * link_st, v)
                         t1 = t - cg_
                     else:
@@ -228,8 +244,12 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                         bw = (cb[j] - cb[i]) * q
                         rt = (cf[j] - cf[i]) * q + bw
                         ar = alpha + beta * par * gbp if (alpha or beta) and par > 0 else 0.0
-                        v2 = rt + max(Mm1 * rt, v1)
-                        p2 = max(p1, rt, ar / r)
+                        if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
+                            p2 = p1 + rt
+                            v2 = rt + max(Mm1 * rt, v1, p1 + Mm1 * p2 / n2)
+                        else:
+                            v2 = rt + max(Mm1 * rt, v1)
+                            p2 = max(p1, rt, ar / r)
                         if (p2 if pd else v2) > thr:
                             break          # a longer stage is no better
                         t2 = max(ar + par * otp, t1 - bw)
@@ -245,7 +265,7 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                             prt = g[i] * g[i] * b / free
                             lb = max(v2 + t2, v2 + prt, M * pw)
                         if lb <= thr:
-                            _push(fronts[i], (k2, r), (p2, v2, t2, n2, cnt2, (i, j, r, path)), pd)
+                            _push(fronts[i], (k2, r), (p2, v2, t2, n2, cnt2, (i, j, r, path)), pd or rtm)
                             ctx.labels += 1
                         i -= 1
 
@@ -288,7 +308,8 @@ def _seed(ctx: _Ctx, jobs) -> dict:
                 est = estimate(plan, work, topo, None if ctx.capacity == INF else ctx.capacity)
                 if not est.fits:
                     continue
-                v = (est.slowest, est.latency) if ctx.objective == "pipedream" else (est.latency, 0.0)
+                v = (est.slowest, est.latency) if ctx.objective == "pipedream" else \
+                    (est.latency_rt if ctx.objective == "dapple-rt" else est.latency, 0.0)
                 found[(M, policy)] = min(found.get((M, policy), INF), v[0])
                 if v[0] <= ctx.threshold():
                     path = None
@@ -323,8 +344,8 @@ def _sqrt_work_bound(work: Workload, cap: float) -> list[float]:
 
 def _push(front: dict, key, lab, pd: bool) -> None:
     """Insert a label into a state's Pareto front (smaller is better in every field compared: the
-    DAPPLE objective ignores the slowest element, the PipeDream one uses it first and DAPPLE's latency
-    to break its ties)."""
+    DAPPLE objective ignores the first field, the PipeDream one (slowest element) and the round-trip
+    one (the suffix's round trip) compare it too)."""
     fr = front.get(key)
     if fr is None:
         front[key] = [lab]
@@ -357,9 +378,14 @@ def _policies(topo: Topology, policies) -> list[str]:
 
 def search(work: Workload, topo: Topology, global_batch: int, *, objective: str = "dapple",
            space: SearchSpace | None = None, capacity: float | None = None, top_k: int = 1,
-           model: str | None = None, cluster: str | None = None, progress: bool = False) -> SearchResult:
+           model: str | None = None, cluster: str | None = None, progress: bool = False,
+           budget: int | None = None) -> SearchResult:
     """The best ``top_k`` plans of the space by ``objective`` (``dapple``: the latency L; ``pipedream``:
-    the slowest element). Raises :class:`PlanError` when no plan fits."""
+    the slowest element; ``dapple-rt``: L with the 1F1B round-trip bound, heuristically). Raises
+    :class:`PlanError` when no plan fits. With top_k > 1 the best plan is exact; the others are the
+    best complete plans the search met (a plan dominated at a shared partial state is not kept).
+    ``budget``: stop after about this many stage placements and return the best plans found so far
+    (``exhausted`` is then False; the result is no longer exact)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
     if not isinstance(global_batch, int) or global_batch < 1:
@@ -368,7 +394,7 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     P = topo.num_devices if space.devices is None else min(space.devices, topo.num_devices)
     cap = capacity if capacity is not None else work.memory_capacity
     ctx = _Ctx(work, topo, global_batch, objective, space, INF if cap is None else float(cap), max(1, top_k),
-               model or work.name, cluster or topo.cluster.name, P)
+               model or work.name, cluster or topo.cluster.name, P, budget=budget)
     Ms = [m for m in divisors(global_batch) if space.microbatches is None or m in space.microbatches]
     if not Ms:
         raise PlanError(f"no micro-batch count in {list(space.microbatches or [])} divides the global batch "
@@ -381,8 +407,13 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     from tqdm import tqdm
     bar = tqdm(jobs, desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
                disable=not progress, leave=False)
+    exhausted = True
     for M, p in bar:
-        _dp(ctx, M, p)
+        try:
+            _dp(ctx, M, p)
+        except _OutOfBudget:
+            exhausted = False
+            break
         if progress and ctx.heap:
             bar.set_postfix_str(f"best {min(-h[0] for h in ctx.heap):.4g} s")
     bar.close()
@@ -391,7 +422,7 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     ranked = sorted(ctx.heap, key=lambda h: (-h[0], -h[1], h[2]))
     cands = [Candidate(h[4], -h[0], estimate(h[4], work, topo, cap)) for h in ranked]
     return SearchResult(objective, cands, ctx.evaluated, ctx.complete, ctx.labels, time.perf_counter() - t0,
-                        len(jobs))
+                        len(jobs), exhausted)
 
 
 def no_plan_message(work: Workload, topo: Topology, G: int, cap, space: SearchSpace, P: int) -> str:
@@ -459,7 +490,7 @@ def exhaustive(work: Workload, topo: Topology, global_batch: int, *, objective: 
         est = estimate(plan, work, topo, cap)
         if not est.fits:
             continue
-        v = est.latency if objective == "dapple" else est.slowest
+        v = {"dapple": est.latency, "dapple-rt": est.latency_rt, "pipedream": est.slowest}[objective]
         if v < best:
             best, arg = v, plan
     return best, arg, n

@@ -228,3 +228,18 @@ def test_paper_models():
     assert paper_workload("xlnet-36", V100).num_layers == 38
     with pytest.raises(ValueError, match="unknown paper model"):
         paper_workload("resnet", V100)
+
+
+def test_round_trip_search_and_budget():
+    """The round-trip-aware search returns latency_rt of its plan (>= the pivot latency); on these
+    small cases it also finds the brute-force optimum. A budget stops a search early, flagged."""
+    rng = random.Random(11)
+    topo = Topology(small_cluster(rng, 2, 2))
+    work = rand_work(rng, 5)
+    r = search(work, topo, 8, objective="dapple-rt")
+    e = estimate(r.best.plan, work, topo)
+    assert r.best.value == pytest.approx(e.latency_rt, rel=1e-12) and e.latency_rt >= e.latency
+    assert r.best.value == pytest.approx(exhaustive(work, topo, 8, objective="dapple-rt")[0], rel=1e-9)
+    cut = search(work, topo, 8, budget=5)
+    assert not cut.exhausted and cut.evaluated < r.evaluated + 100
+    assert search(work, topo, 8).exhausted

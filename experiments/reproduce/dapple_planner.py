@@ -87,9 +87,9 @@ def plot(table: pd.DataFrame, scaling: pd.DataFrame, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.4, 1]})
     ax = axes[0]
-    labels = [f"{r.model}\n{r.cluster.replace('v100-', '')}" for r in table.itertuples()]
+    labels = [f"{r.model} {r.cluster.replace('v100-', '').replace('-25gbe', '')}" for r in table.itertuples()]
     x = range(len(table))
     w = 0.27
     for k, (col, name) in enumerate((("speedup_over_pipedream_m_p", "over PipeDream (M = P)"),
@@ -99,7 +99,7 @@ def plot(table: pd.DataFrame, scaling: pd.DataFrame, out: Path) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(PAPER_MAX_SPEEDUP_OVER_PIPEDREAM, color="r", ls="--", lw=0.8, label="paper: up to 3.23x over PipeDream")
     ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_xticklabels(labels, fontsize=7, rotation=40, ha="right")
     ax.set_ylabel("speed-up of the DAPPLE plan (simulated)")
     ax.legend(fontsize=7)
     ax = axes[1]
