@@ -195,7 +195,15 @@ def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, si
         ev = data_parallel_plan(work, topo, G, space=space, capacity=cap, model=name)
         out.data_parallel = _simulate(ev, work, cluster, cap) if simulate else ev
     except PlanError as e:
-        out.baseline_notes["data_parallel"] = "does not fit: " + str(e).split(": ", 1)[-1]
+        gib = 2 ** 30
+        whole = work.total_params * work.bytes_per_param_static
+        one = whole + work.activation(0, work.num_layers)     # at least one sample per micro-batch
+        if cap is not None and one > cap:
+            out.baseline_notes["data_parallel"] = (
+                f"does not fit: every device would hold the whole model, {whole / gib:.1f} GiB of weights, "
+                f"gradients and optimizer state plus activations, > {cap / gib:.1f} GiB")
+        else:
+            out.baseline_notes["data_parallel"] = "does not fit: " + str(e).split(": ", 1)[-1]
     out.baseline_seconds = time.perf_counter() - t0
 
 

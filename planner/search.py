@@ -191,6 +191,15 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     limit = ctx.space.max_stages
     uniform = ctx.space.uniform
     g = _sqrt_work_bound(work, cap)   # prefix round trips: sum rt >= g[i]^2 b / devices
+    needs: dict[int, list[float]] = {}    # w -> slots layers [0, i) need with w micro-batches in flight
+
+    def need(i: int, w: int) -> float:
+        w = 1 << (w.bit_length() - 1)     # a power of two <= w: a valid (smaller) requirement
+        tab = needs.get(w)
+        if tab is None:
+            tab = needs[w] = _need_table(work, b, w, [(r, slots[r]) for r in reps], cap)
+        return tab[i]
+
     N = topo.num_devices             # stages pack against the end of the allocation order
     fronts: list[dict] = [dict() for _ in range(L + 1)]
     # a label: (p, v, t, n, stages, path) for the suffix [j, L): p = slowest element (PipeDream),
@@ -258,6 +267,9 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                             ctx.offer((p2, v2 + t2) if pd else (v2 + t2, 0.0), M, policy, (i, j, r, path))
                             thr = ctx.threshold()
                             break
+                        if need(i, n2 + 1 if n2 < M else M) > free:
+                            i -= 1
+                            continue       # layers [0, i) cannot fit on the slots left
                         pw = (cf[i] + cb[i]) * b / free
                         if pd:
                             lb = max(p2, pw)
@@ -318,6 +330,27 @@ def _seed(ctx: _Ctx, jobs) -> dict:
                     ctx.offer(v, M, policy, path)
                     ctx.complete -= 1
     return found
+
+
+def _need_table(work: Workload, b: int, w: int, reps: list[tuple[int, int]], cap: float) -> list[float]:
+    """need[i] = fewest slots on which layers [0, i) fit as stages that each keep ``w`` micro-batches
+    of b / r samples per replica (INF: never). Stages before a suffix of n stages keep at least
+    min(n + 1, M) micro-batches, so this bounds what a prefix needs."""
+    L = work.num_layers
+    bps = work.bytes_per_param_static
+    need = [0.0] + [INF] * L
+    for i in range(1, L + 1):
+        best = INF
+        for r, sl in reps:
+            q = b / r
+            for i0 in range(i - 1, -1, -1):
+                if work.param_count(i0, i) * bps + w * work.activation(i0, i) * q > cap:
+                    break
+                v = need[i0] + sl
+                if v < best:
+                    best = v
+        need[i] = best
+    return need
 
 
 def _sqrt_work_bound(work: Workload, cap: float) -> list[float]:
