@@ -128,9 +128,9 @@ class Plan:
         try:
             stages = tuple(StagePlan(int(s["layers"][0]), int(s["layers"][1]), tuple(int(x) for x in s["devices"]))
                            for s in d["stages"])
-            for s, st in zip(d["stages"], stages):
+            for k, (s, st) in enumerate(zip(d["stages"], stages)):
                 if "replicas" in s and int(s["replicas"]) != st.replicas:
-                    raise ValueError(f"stage {s}: 'replicas' {s['replicas']} != number of devices {st.replicas}")
+                    raise ValueError(f"plan: stage {k} has 'replicas' {s['replicas']} but {st.replicas} devices")
             return Plan(str(d["model"]), str(d["cluster"]), int(d["global_batch"]), int(d["microbatches"]), stages,
                         str(d["policy"]), str(d.get("schedule", "dapple")), int(d.get("chunks", 2)))
         except KeyError as e:

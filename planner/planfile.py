@@ -83,6 +83,24 @@ class LoadedPlan:
     def simulate(self, options=None) -> SimOutcome:
         return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, options)
 
+    def run_args(self) -> dict:
+        """What ``pipetwin run --plan`` needs, for a uniform transformer plan: ``schedule``, ``devices``
+        (D), ``microbatches`` (M), ``replicas`` (R), ``chunks``, ``model`` (preset name or spec dict),
+        ``micro_batch`` (per pipeline replica), ``partition`` (layers per stage over embedding + blocks +
+        head) and ``device_map`` (rank -> physical device). Raises ValueError for plans the executor
+        cannot express yet (non-uniform replicas, non-transformer models)."""
+        if not self.plan.uniform:
+            raise ValueError(f"the plan has stage replicas {':'.join(map(str, self.plan.replicas))}; the executor "
+                             f"runs R x D plans only (every stage on the same number of devices)")
+        src = self.workload.source
+        if src.get("kind") != "transformer" and self.workload.spec is None:
+            raise ValueError(f"the executor trains transformer models; {self.workload.name} is a layer-cost model")
+        run = dict(self.record.get("run") or {})
+        run["replicas"] = run.pop("dp", self.plan.dp)
+        run["model"] = src.get("name") if src.get("kind") == "transformer" else self.workload.spec.to_dict()
+        run["model_spec"] = self.workload.spec.to_dict() if self.workload.spec is not None else src.get("spec")
+        return run
+
 
 def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
