@@ -116,7 +116,8 @@ def _print_human(res, rec, base, stats, args) -> None:
     print(fmt_table(rows, ["stage", "layers", "replicas", "nodes", "fwd_ms", "bwd_ms", "allreduce_ms", "memory_GiB"],
                     {"fwd_ms": "{:.2f}", "bwd_ms": "{:.2f}", "allreduce_ms": "{:.2f}", "memory_GiB": "{:.2f}"}))
     print(f"  analytical: L = {est.latency:.4g} s = warm-up {est.warmup:.4g} + steady {est.steady:.4g} + "
-          f"ending {est.ending:.4g} (pivot {est.pivot}); with 1F1B round trips {est.latency_rt:.4g} s")
+          f"ending {est.ending:.4g} (pivot {est.pivot}); with 1F1B round trips {est.latency_rt:.4g} s"
+          + ("" if plan.schedule == "dapple" else f"  [the model is DAPPLE's 1F1B; {plan.schedule} is simulated]"))
     cap = res.capacity
     if best.sim is not None:
         sm = best.sim
