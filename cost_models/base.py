@@ -31,6 +31,8 @@ class StageCosts:
     optim_time: per device. copy_time: local hand-off time (V turn).
     send_time / recv_time: CPU time a rank spends posting a message / taking a delivered one
       (host overheads measured by calibration; 0 for GPUs, where the copy engines do the work).
+    grad_copy_per_byte: CPU time per gradient byte a rank spends flattening a stage's gradients
+      at its ALLREDUCE and writing the result back at OPTIM (per local copy of the stage).
     """
 
     time_unit: str
@@ -49,6 +51,7 @@ class StageCosts:
     meta: dict = field(default_factory=dict, compare=False)
     send_time: float = 0.0
     recv_time: float = 0.0
+    grad_copy_per_byte: float = 0.0
 
     def compute_time(self, kind: str, copy: int, stage: int) -> float:
         table = self.f if kind == "F" else self.b if kind == "B" else self.w
@@ -117,6 +120,11 @@ class LayerCosts:
     copy_time: float = 0.0
     b_full: tuple[float, ...] | None = None  # measured full backward (else b_input + w)
     op_overhead: tuple[tuple[str, float], ...] = ()  # seconds added per op: (("F", s), ("SEND", s), ...)
+    data_time: float = 0.0   # producing one micro-batch's inputs/targets, paid by the first F needing it
+    # a split backward of the first stage has no input gradient to produce: B does nothing and W
+    # the whole backward (what an implementation without per-layer gradient hooks does)
+    first_stage_all_in_w: bool = False
+    grad_copy_per_byte: float = 0.0   # CPU s/byte to flatten gradients for an all-reduce (and back)
 
     @property
     def num_layers(self) -> int:
@@ -140,14 +148,25 @@ class PerLayerCostModel:
 
         ovh = dict(L.op_overhead)
         f = [x + ovh.get("F", 0.0) for x in per_stage(L.f)]
+        full = per_stage(L.b_full) if L.b_full is not None else \
+            [x + y for x, y in zip(per_stage(L.b_input), per_stage(L.w))]
         if sched.split_backward:
             b = [x + ovh.get("B", 0.0) for x in per_stage(L.b_input)]
             w = [x + ovh.get("W", 0.0) for x in per_stage(L.w)]
+            if L.first_stage_all_in_w:
+                b[0], w[0] = ovh.get("B", 0.0), full[0] + ovh.get("W", 0.0)
         else:
-            full = per_stage(L.b_full) if L.b_full is not None else \
-                [x + y for x, y in zip(per_stage(L.b_input), per_stage(L.w))]
             b = [x + ovh.get("B", 0.0) for x in full]
             w = [0.0] * S
+        # inputs are made where the first stage runs, targets where the last one does (once per
+        # device: a V-shaped copy has both on one device)
+        f_copy = []
+        for c in range(C):
+            fc = list(f)
+            fc[0] += L.data_time
+            if S > 1 and sched.placement[c][S - 1] != sched.placement[c][0]:
+                fc[S - 1] += L.data_time
+            f_copy.append(fc)
         act = per_stage(L.act)
         act_w = per_stage(L.act_w) if sched.split_backward else [0.0] * S
         out = [L.out_bytes[rng[-1]] for rng in parts]
@@ -161,7 +180,7 @@ class PerLayerCostModel:
             static.append(p * L.bytes_per_param_static)
             optim.append(p * L.optim_time_per_param + ovh.get("OPTIM", 0.0))
         rows = lambda v: _table([v] * C)  # noqa: E731
-        return StageCosts("s", "B", rows(f), rows(b), rows(w), rows(act), rows(act_w), rows(out), rows(grad),
+        return StageCosts("s", "B", _table(f_copy), rows(b), rows(w), rows(act), rows(act_w), rows(out), rows(grad),
                           rows([p * L.grad_bytes_per_param for p in params]), tuple(static), tuple(optim),
                           L.copy_time, {"model": "per-layer", "partition": [len(r) for r in parts]},
-                          ovh.get("SEND", 0.0), ovh.get("RECV", 0.0))
+                          ovh.get("SEND", 0.0), ovh.get("RECV", 0.0), L.grad_copy_per_byte)

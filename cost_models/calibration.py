@@ -17,6 +17,11 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
     p2p: {latency: 60 us, bandwidth: 2.5 GB/s}        # one message: latency + bytes / bandwidth
     allreduce: {latency: 80 us, bandwidth: 1.2 GB/s}  # fit of 2(n-1) latency + 2(n-1)/n S / bandwidth
     optimizer: {seconds_per_param: 3.0e-9}            # optimizer step time per parameter
+    overhead: {F: 5.0e-5, B: 4.0e-5, W: 4.0e-5, SEND: 9.0e-5, RECV: 3.0e-5, OPTIM: 2.0e-4}  # per op (optional)
+    data_time: 4.0e-4              # making one micro-batch's tokens (first / last stage F pays it)
+    first_stage_all_in_w: true     # split backward: stage 0's B does nothing, its W everything
+    cores: 2                       # the host's cores, shared by the ranks (processor sharing)
+    grad_copy_per_byte: 2.0e-10    # flattening a stage's gradients for its all-reduce, and back
     copy_time: 0.0                 # seconds of a local hand-off (optional)
     memory: 16 GiB                 # memory one rank may use (optional; no OOM verdict without it)
     meta: {host: ..., torch: ..., threads: 1, date: ...}   # free-form, kept as is
@@ -69,6 +74,9 @@ class CalibrationProfile:
     act_w_bytes: tuple[float, ...] | None = None  # measured bytes still kept between B and W, if any
     overhead: tuple[tuple[str, float], ...] = ()  # per-op runtime overhead (s): F, B, W, SEND, RECV, OPTIM
     cores: int | None = None                      # cores of the host the ranks share
+    data_time: float = 0.0                        # seconds to produce one micro-batch's tokens
+    first_stage_all_in_w: bool = True             # the executor's split backward (see LayerCosts)
+    grad_copy_per_byte: float = 0.0               # flattening gradients for an all-reduce and back
 
     def device(self) -> DeviceSpec:
         return DeviceSpec("cpu", (), self.memory_bytes, None, 1.0, True, f"CPU rank calibrated by {self.name}")
@@ -105,6 +113,9 @@ class CalibrationProfile:
             copy_time=self.copy_time,
             b_full=full,
             op_overhead=self.overhead,
+            data_time=self.data_time,
+            first_stage_all_in_w=self.first_stage_all_in_w,
+            grad_copy_per_byte=self.grad_copy_per_byte,
         )
 
     def cost_model(self, num_stages: int, partition: tuple[int, ...] | None = None, **kw) -> PerLayerCostModel:
@@ -135,11 +146,15 @@ class CalibrationProfile:
             d["overhead"] = dict(self.overhead)
         if self.cores is not None:
             d["cores"] = self.cores
+        d["data_time"] = self.data_time
+        d["grad_copy_per_byte"] = self.grad_copy_per_byte
+        d["first_stage_all_in_w"] = self.first_stage_all_in_w
         return d
 
 
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
-           "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores")
+           "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores", "data_time",
+           "first_stage_all_in_w", "grad_copy_per_byte")
 OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
 
 
@@ -224,7 +239,10 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         copy_time=_spec.seconds(d.get("copy_time", 0.0), source, "copy_time"),
         memory_bytes=None if mem is None else _spec.size_bytes(mem, source, "memory"),
         act_bytes=act, meta=dict(meta), act_w_bytes=_per_layer_bytes(d, "act_w_bytes_per_layer", n, source),
-        overhead=overhead, cores=cores)
+        overhead=overhead, cores=cores,
+        data_time=_spec.seconds(d.get("data_time", 0.0), source, "data_time"),
+        first_stage_all_in_w=bool(d.get("first_stage_all_in_w", True)),
+        grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"))
 
 
 def load_profile(path: str | Path) -> CalibrationProfile:

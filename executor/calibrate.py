@@ -10,12 +10,14 @@ runs on this machine. What is measured, and how:
    ``autograd.grad`` for the split parts). Activation bytes kept from F to B (and from B to W)
    per layer come from the same :class:`executor.device.SavedTensorMeter`.
 2. Communication (``ranks`` spawned ranks, gloo): one-way P2P times by ping-pong over message
-   sizes, fitted as latency + bytes / bandwidth; all-reduce times over sizes, fitted as a ring.
-3. Runtime overheads: a short executor run (gpipe, D = ``ranks``) is traced; per op kind, the
-   median of (measured duration - the layer model's prediction) is the overhead the runtime
-   adds to every op (Python dispatch, hooks, contention with the other ranks and the transport's
-   threads). SEND/OPTIM get their median duration, RECV the 20th percentile of its durations
-   (a receive whose message is already there).
+   sizes, fitted as latency + bytes / bandwidth; all-reduce times over sizes, fitted as a ring;
+   and, with every rank doing it at once, the Adam step per parameter (the slower of this and the
+   lone measurement is kept) and the gradient flatten + write-back per byte around an all-reduce.
+3. The runtime: short executor runs (1F1B, 1F1B-interleaved, ZB-V at D = ``ranks``) are traced;
+   per op kind, measured = scale x (layer model) + overhead is fitted over all their ops (inside
+   a run the ranks share memory bandwidth and caches, and the runtime adds Python dispatch and
+   hooks per op). SEND/OPTIM get their median duration, RECV the 20th percentile of its
+   durations (a receive whose message is already there). See :func:`fit_runtime`.
 
 ``calibrate(...)`` returns the profile; :func:`cost_models.save_profile` writes it.
 """
@@ -168,6 +170,7 @@ def _comm_worker(payload, rank, world, local_rank, local_world):
     repeats = payload["repeats"]
 
     def timed(fn, divide=1):
+        # scheduling hiccups only ever add time: the 25th percentile is the stable statistic
         ts = []
         for i in range(repeats + 3):
             dist.barrier()
@@ -175,7 +178,8 @@ def _comm_worker(payload, rank, world, local_rank, local_world):
             fn()
             if i >= 3:
                 ts.append((time.perf_counter() - t0) / divide)
-        return statistics.median(ts)
+        ts.sort()
+        return ts[len(ts) // 4]
 
     def ping_pong(buf):
         if rank == 0:
@@ -187,41 +191,91 @@ def _comm_worker(payload, rank, world, local_rank, local_world):
 
     p2p = [(size, timed(lambda b=torch.zeros(size // 4): ping_pong(b), divide=2)) for size in payload["p2p_sizes"]]
     ar = [(size, timed(lambda b=torch.ones(size // 4): dist.all_reduce(b))) for size in payload["ar_sizes"]]
+    # the optimizer step and the gradient flatten/write-back as every rank does them at once (the
+    # ranks of a bidirectional or data-parallel run step together and share memory bandwidth)
+    from .model import full_model, make_optimizer
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    m = full_model(payload["spec"])
+    params = list(m.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = make_optimizer(params, "adam", 1e-3)
+    grads = [p.grad for p in params]
+    nparams = sum(p.numel() for p in params)
+    t_opt = timed(opt.step)
+
+    def flatten_and_write_back():
+        flat = _flatten_dense_tensors(grads)
+        for g, v in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(v)
+    t_flat = timed(flatten_and_write_back)
     dist.barrier()
     dist.destroy_process_group()
-    return {"p2p": p2p, "allreduce": ar}
+    return {"p2p": p2p, "allreduce": ar, "optimizer_per_param": t_opt / nparams,
+            "grad_copy_per_byte": t_flat / (4 * nparams)}
 
 
-def measure_comm(ranks: int, repeats: int = 10) -> dict:
+def measure_comm(spec: ModelSpec, ranks: int, repeats: int = 10) -> dict:
     from .launch import launch
     return launch("executor.calibrate:_comm_worker",
-                  {"repeats": repeats, "p2p_sizes": P2P_SIZES, "ar_sizes": AR_SIZES}, ranks)
+                  {"repeats": repeats, "p2p_sizes": P2P_SIZES, "ar_sizes": AR_SIZES, "spec": spec}, ranks)
 
 
 # ---------------------------------------------------------------------------- overheads
-def fit_overheads(trace, predicted: dict[tuple[str, int], float], optim_predicted: dict[int, float],
-                  warmup_steps: int = 1) -> dict[str, float]:
-    """Runtime overhead per op kind from an executor trace and the layer model's predictions
-    ``predicted[(kind, stage)]`` (seconds) and ``optim_predicted[rank]``."""
+def op_samples(trace, predicted: dict[tuple[str, int], float], optim_predicted: dict[int, float],
+               split: bool, warmup_steps: int = 1) -> dict[str, list[tuple[float, float]]]:
+    """(predicted, measured) seconds of every op after the warm-up, by kind (B of a split
+    backward is kind "Bi"); SEND/RECV are predicted 0 (their whole duration is overhead)."""
     t = trace[trace["step"] >= warmup_steps]
     dur = (t["end"] - t["start"]).to_numpy()
-    res: dict[str, list[float]] = {}
+    out: dict[str, list[tuple[float, float]]] = {}
     for kind, stage, dev, d in zip(t["kind"], t["stage"], t["device"], dur):
         if kind in ("F", "B", "W"):
-            res.setdefault(kind, []).append(d - predicted[(kind, int(stage))])
+            k = "Bi" if (kind == "B" and split) else kind
+            out.setdefault(k, []).append((predicted[(kind, int(stage))], float(d)))
         elif kind == "OPTIM":
-            res.setdefault(kind, []).append(d - optim_predicted.get(int(dev), 0.0))
+            out.setdefault(kind, []).append((optim_predicted.get(int(dev), 0.0), float(d)))
         elif kind in ("SEND", "RECV"):
-            res.setdefault(kind, []).append(d)
-    out = {}
-    for kind, vals in res.items():
-        vals.sort()
-        if kind == "RECV":
-            v = vals[int(0.2 * (len(vals) - 1))]
-        else:
-            v = statistics.median(vals)
-        out[kind] = max(0.0, float(v))
+            out.setdefault(kind, []).append((0.0, float(d)))
     return out
+
+
+def fit_scale_overhead(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit measured = scale * predicted + overhead (least absolute deviations by iteratively
+    reweighted least squares, so the odd descheduled op does not drag the fit); scale >= 0.5,
+    overhead >= 0."""
+    xs = [p for p, _ in samples]
+    ys = [m for _, m in samples]
+    w = [1.0] * len(xs)
+    a, c = 1.0, 0.0
+    for _ in range(20):
+        sw = sum(w)
+        mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+        my = sum(wi * y for wi, y in zip(w, ys)) / sw
+        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+        a = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx if sxx > 0 else 1.0
+        a = max(0.5, a)
+        c = max(0.0, my - a * mx)
+        w = [1.0 / max(1e-6, abs(y - a * x - c)) for x, y in zip(xs, ys)]
+    return a, c
+
+
+def fit_runtime(samples: dict[str, list[tuple[float, float]]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per op kind: (scale, overhead) of the runtime against the layer model. Compute ops get
+    both (in a run, ranks share memory bandwidth and caches, so ops run slower than alone);
+    SEND and OPTIM their median duration / residual, RECV the 20th percentile of its durations
+    (a message that is already there)."""
+    scale: dict[str, float] = {}
+    overhead: dict[str, float] = {}
+    for kind, v in samples.items():
+        if kind in ("F", "B", "Bi", "W"):
+            scale[kind], overhead[kind] = fit_scale_overhead(v)
+        elif kind == "RECV":
+            d = sorted(m for _, m in v)
+            overhead[kind] = d[int(0.2 * (len(d) - 1))]
+        else:
+            overhead[kind] = max(0.0, float(statistics.median(m - p for p, m in v)))
+    return scale, overhead
 
 
 def _stage_prediction(spec, layers: dict, num_stages: int, split: bool):
@@ -238,26 +292,50 @@ def _stage_prediction(spec, layers: dict, num_stages: int, split: bool):
 
 
 def measure_overheads(model: str, spec: ModelSpec, layers: dict, ranks: int, opt_per_param: float,
-                      steps: int = 6) -> dict[str, float]:
-    """Fit runtime overheads from a traced executor run (1F1B and its split-backward twin)."""
-    from .config import RunConfig
+                      data_time: float, steps: int = 6) -> tuple[dict[str, float], dict[str, float]]:
+    """Fit the runtime against the layer model on traced executor runs: 1F1B (whole stages with
+    embedding and head), 1F1B-interleaved (inner chunks of blocks only too) and ZB-V (split
+    backward). Returns (scale, overhead) per op kind (see :func:`fit_runtime`)."""
+    from .config import RunConfig, plan
     from .launch import run_many
     from .model import stage_module
-    cfgs = [RunConfig(schedule="dapple", devices=ranks, microbatches=2 * ranks, steps=steps, model=model),
-            RunConfig(schedule="zb-h1", devices=ranks, microbatches=2 * ranks, steps=steps, model=model)]
+    cfgs = [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model)
+            for s in ("dapple", "interleaved", "zb-v")]
     results = run_many(cfgs)
-    out: dict[str, list[float]] = {}
+    pooled: dict[str, list[tuple[float, float]]] = {}
     for cfg, res in zip(cfgs, results):
-        split = cfg.schedule == "zb-h1"
-        pred = _stage_prediction(spec, layers, ranks, split)
+        sched = plan(cfg)
+        split, S = sched.split_backward, sched.num_stages
+        pred = _stage_prediction(spec, layers, S, split)
+        pred[("F", 0)] += data_time
+        pred[("F", S - 1)] += data_time
         optim = {}
         for r in range(ranks):
-            n = sum(p.numel() for p in stage_module(spec, ranks, r).parameters())
+            n = sum(p.numel() for _, st in sched.stages_on(r) for p in stage_module(spec, S, st).parameters())
             optim[r] = n * opt_per_param
-        for k, v in fit_overheads(res.trace, pred, optim).items():
-            if k == "W" or not split:
-                out.setdefault(k, []).append(v)
-    return {k: statistics.median(v) for k, v in out.items()}
+        if split:   # stage 0: B has no input gradient to produce, W does the whole backward
+            pred[("B", 0)] = 0.0
+            pred[("W", 0)] = _stage_prediction(spec, layers, S, False)[("B", 0)]
+        for k, v in op_samples(res.trace, pred, optim, split).items():
+            pooled.setdefault(k, []).extend(v)
+    return fit_runtime(pooled)
+
+
+def scale_layers(layers: dict, scale: dict[str, float]) -> dict:
+    """Layer times as they run inside a training run: microbenchmarks times the fitted scale."""
+    out = {}
+    for kind, t in layers.items():
+        out[kind] = dict(t, f=t["f"] * scale.get("F", 1.0), b=t["b"] * scale.get("B", 1.0),
+                         b_input=t["b_input"] * scale.get("Bi", 1.0), w=t["w"] * scale.get("W", 1.0))
+    return out
+
+
+def measure_data(spec: ModelSpec, repeats: int = 20) -> float:
+    """Seconds to produce one micro-batch (inputs and targets) from the synthetic stream."""
+    from .data import TokenSource
+    src = TokenSource(spec, 0)
+    it = iter(range(10 ** 9))
+    return _median_time(lambda: src.batch(0, next(it), 1 << 20), repeats)
 
 
 def measure_optimizer(spec: ModelSpec, threads: int, repeats: int = 10) -> float:
@@ -279,26 +357,33 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     if spec.kind != "gpt":
         raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
     threads = cpu_threads(ranks)
-    steps = [("layers", None), ("optimizer", None), ("communication", None), ("runtime overheads", None)]
     report = progress or (lambda msg: None)
-    report(steps[0][0])
+    report("layers")
     layers = measure_layers(spec, threads, repeats, progress=report)
-    report(steps[1][0])
+    report("optimizer")
     opt = measure_optimizer(spec, threads)
-    report(steps[2][0])
-    comm = measure_comm(max(2, ranks), max(5, repeats // 2))
+    data = measure_data(spec)
+    report("communication")
+    comm = measure_comm(spec, max(2, ranks), max(12, repeats))
+    opt = max(opt, comm["optimizer_per_param"])
     lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
     ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, ranks))
-    report(steps[3][0])
-    overhead = measure_overheads(model, spec, layers, max(2, ranks), opt)
+    report("runtime overheads")
+    # fitted on runs with as many ranks as the runs to predict: when ranks outnumber the cores,
+    # the OS's time slicing costs more than ideal processor sharing, and the fit absorbs that
+    scale, overhead = measure_overheads(model, spec, layers, max(2, ranks), opt, data)
+    layers = scale_layers(layers, scale)
+    overhead.pop("Bi", None)   # one B overhead in the profile: the full backward's
     per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
-    return CalibrationProfile(
+    prof = CalibrationProfile(
         name=f"{platform.node() or 'host'}-{model}", model=spec,
         layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in per),
         p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
         optimizer_seconds_per_param=opt, copy_time=0.0, memory_bytes=None,
         act_bytes=tuple(float(x["act"]) for x in per), act_w_bytes=tuple(float(x["act_w"]) for x in per),
-        overhead=tuple(sorted(overhead.items())), cores=os.cpu_count() or 1,
+        overhead=tuple(sorted(overhead.items())), cores=os.cpu_count() or 1, data_time=data,
+        grad_copy_per_byte=comm["grad_copy_per_byte"],
         meta={"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
               "allreduce_samples": [list(x) for x in comm["allreduce"]]})
+    return prof

@@ -29,7 +29,7 @@ import pandas as pd
 import simpy
 
 from cost_models.base import StageCosts
-from cost_models.comm import allreduce_steps
+from cost_models.comm import allreduce_steps, ring_allreduce_time
 from cost_models.network import Network
 from schedules.ir import ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError
 from schedules.lower import lower
@@ -150,9 +150,21 @@ class _Engine:
     # ------------------------------------------------------------------ all-reduce
     def _allreduce(self, key: tuple[int, int], members: list[int]):
         """Replay the all-reduce algorithm of :func:`cost_models.comm.allreduce_steps` (a ring,
-        or hierarchical when the group spans nodes) as flows over the same links as P2P traffic."""
+        or hierarchical when the group spans nodes) as flows over the same links as P2P traffic;
+        on a network with a measured all-reduce fit (``collective``), take its ring time."""
         nbytes = self.c.param_bytes[0][key[1]]
-        if self.net is not None and nbytes > 0 and len(members) > 1:
+        fitted = getattr(self.net, "collective", None)
+        if self.net is not None and nbytes > 0 and len(members) > 1 and fitted is not None:
+            # a measured all-reduce (calibration profile): its fitted ring time
+            n = len(members)
+            t = ring_allreduce_time(nbytes, n, fitted.bandwidth, fitted.latency)
+            if self.o.comm_uses_cores and self.o.hosts is not None:
+                # CPU transports reduce on the host: each member keeps a core busy for that time,
+                # shared with the compute of its host
+                yield self.env.all_of([self._busy(self.o.hosts[m], t) for m in members])
+            else:
+                yield self.env.timeout(t)
+        elif self.net is not None and nbytes > 0 and len(members) > 1:
             for step in allreduce_steps(self.net, members, nbytes):
                 lat, flows = 0.0, []
                 for src, dst, b in step:
@@ -192,7 +204,8 @@ class _Engine:
                 n = fifo_count[(k, pair)] = fifo_count.get((k, pair), -1) + 1
                 out.append((k, pre, table[op.copy][src_stage], 0.0, 0.0, pair + (n,)))
             elif k == ALLREDUCE:
-                out.append((k, pre, c.param_bytes[op.copy][op.stage], 0.0, 0.0, op))
+                copies = sum(1 for _, st in s.stages_on(s.rank_device(r)) if st == op.stage)
+                out.append((k, pre, c.param_bytes[op.copy][op.stage], copies * c.grad_copy_per_byte, 0.0, op))
             else:
                 out.append((k, pre, 0.0, 0.0, 0.0, None))
         return out
@@ -206,6 +219,7 @@ class _Engine:
         compiled = self._compile(r)
         for step in range(self.o.steps):
             act = 0.0
+            copy_back = 0.0
             my_ars: list[tuple[int, int]] = []
             for i, (k, pre, val, grow, free, ref) in enumerate(compiled):
                 self.pc[r] = i
@@ -241,6 +255,8 @@ class _Engine:
                     if c.copy_time:
                         yield env.timeout(c.copy_time)
                 elif k == ALLREDUCE:
+                    if grow:   # flatten the local copies' gradients (CPU ranks)
+                        yield self._busy(host, grow * val)
                     key = (step, ref.stage)
                     arrived = self.ar_arrived.setdefault(key, [])
                     arrived.append(r)
@@ -251,6 +267,7 @@ class _Engine:
                         env.process(self._allreduce(key, self.groups[ref.stage]))
                     # asynchronous: its row is completed at OPTIM, once its end is known
                     self.pending_ar.setdefault(r, []).append((len(rows), key, pre, start, val, act))
+                    copy_back += grow * val
                     rows.append(None)
                     continue
                 elif k == OPTIM:
@@ -259,8 +276,8 @@ class _Engine:
                         if not ev.triggered:
                             yield ev
                     self._fill_ar_rows(r)
-                    if c.optim_time[r]:
-                        yield self._busy(host, c.optim_time[r])
+                    if c.optim_time[r] or copy_back:
+                        yield self._busy(host, c.optim_time[r] + copy_back)
                 rows.append(pre + (start, env.now, nbytes, act))
         self.finished[r] = True
 
