@@ -15,7 +15,7 @@ def add_arguments(p):
     p.add_argument("--microbatches", "-N", type=int, default=None, help="default 2D")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--chunks", "-v", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="executor steps (default 8)")
+    p.add_argument("--steps", type=int, default=12, help="executor steps (default 12)")
     p.add_argument("--warmup", type=int, default=2, help="steps dropped before the median (default 2)")
     p.add_argument("--profile", help="calibration profile; default: calibrate now (pipetwin calibrate)")
     p.add_argument("--model", default="tiny")
