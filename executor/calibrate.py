@@ -14,9 +14,8 @@ runs on this machine. What is measured, and how:
    and, with every rank doing it at once, the Adam step per parameter (the slower of this and the
    lone measurement is kept) and the gradient flatten + write-back per byte around an all-reduce.
 3. The runtime: short executor runs (1F1B, 1F1B-interleaved, ZB-V at D = ``ranks``) are traced;
-   per op kind, measured = scale x (layer model) + overhead is fitted over all their ops (inside
-   a run the ranks share memory bandwidth and caches, and the runtime adds Python dispatch and
-   hooks per op). SEND/OPTIM get their median duration, RECV the 20th percentile of its
+   per op kind, measured = scale x (layer model) is fitted over all their ops (inside a run the
+   ranks share memory bandwidth and caches, and the runtime adds Python dispatch and hooks). SEND/OPTIM get their median duration, RECV the 20th percentile of its
    durations (a receive whose message is already there). See :func:`fit_runtime`.
 
 ``calibrate(...)`` returns the profile; :func:`cost_models.save_profile` writes it.
@@ -240,36 +239,23 @@ def op_samples(trace, predicted: dict[tuple[str, int], float], optim_predicted: 
     return out
 
 
-def fit_scale_overhead(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """Fit measured = scale * predicted + overhead (least absolute deviations by iteratively
-    reweighted least squares, so the odd descheduled op does not drag the fit); scale >= 0.5,
-    overhead >= 0."""
-    xs = [p for p, _ in samples]
-    ys = [m for _, m in samples]
-    w = [1.0] * len(xs)
-    a, c = 1.0, 0.0
-    for _ in range(20):
-        sw = sum(w)
-        mx = sum(wi * x for wi, x in zip(w, xs)) / sw
-        my = sum(wi * y for wi, y in zip(w, ys)) / sw
-        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
-        a = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx if sxx > 0 else 1.0
-        a = max(0.5, a)
-        c = max(0.0, my - a * mx)
-        w = [1.0 / max(1e-6, abs(y - a * x - c)) for x, y in zip(xs, ys)]
-    return a, c
+def fit_scale(samples: list[tuple[float, float]]) -> float:
+    """measured = scale x predicted, with scale the median ratio over the ops (robust to the odd
+    descheduled op; a two-parameter fit with an overhead term proved unstable on a busy host)."""
+    ratios = sorted(m / p for p, m in samples if p > 0)
+    return float(statistics.median(ratios)) if ratios else 1.0
 
 
 def fit_runtime(samples: dict[str, list[tuple[float, float]]]) -> tuple[dict[str, float], dict[str, float]]:
-    """Per op kind: (scale, overhead) of the runtime against the layer model. Compute ops get
-    both (in a run, ranks share memory bandwidth and caches, so ops run slower than alone);
-    SEND and OPTIM their median duration / residual, RECV the 20th percentile of its durations
-    (a message that is already there)."""
+    """Per op kind: (scale, overhead) of the runtime against the layer model. Compute ops get a
+    scale (in a run, ranks share memory bandwidth and caches, and the runtime adds hooks and
+    dispatch, so ops run slower than alone); SEND and OPTIM an overhead, their median duration /
+    residual, RECV the 20th percentile of its durations (a message that is already there)."""
     scale: dict[str, float] = {}
     overhead: dict[str, float] = {}
     for kind, v in samples.items():
         if kind in ("F", "B", "Bi", "W"):
-            scale[kind], overhead[kind] = fit_scale_overhead(v)
+            scale[kind] = fit_scale(v)
         elif kind == "RECV":
             d = sorted(m for _, m in v)
             overhead[kind] = d[int(0.2 * (len(d) - 1))]
