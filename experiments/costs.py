@@ -89,4 +89,5 @@ def sim_options(args, low, network=None, host_cores: int | None = None) -> SimOp
     if args.jitter < 0:
         raise ValueError("--jitter must be >= 0")
     return SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed,
-                      hosts=[0] * low.num_ranks if host_cores else None, cores=float(host_cores or 1))
+                      hosts=[0] * low.num_ranks if host_cores else None, cores=float(host_cores or 1),
+                      comm_uses_cores=bool(host_cores))
