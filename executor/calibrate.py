@@ -17,6 +17,9 @@ runs on this machine. What is measured, and how:
    per op kind, measured = scale x (layer model) is fitted over all their ops (inside a run the
    ranks share memory bandwidth and caches, and the runtime adds Python dispatch and hooks). SEND/OPTIM get their median duration, RECV the 20th percentile of its
    durations (a receive whose message is already there). See :func:`fit_runtime`.
+4. The all-reduce inside a run: a traced Chimera run (one unit) shows how much longer the last
+   gradient all-reduce takes there than alone (gloo's threads compete with the ranks for the
+   cores); the fitted all-reduce is slowed by that factor (:func:`measure_allreduce_in_run`).
 
 ``calibrate(...)`` returns the profile; :func:`cost_models.save_profile` writes it.
 """
@@ -307,6 +310,41 @@ def measure_overheads(model: str, spec: ModelSpec, layers: dict, ranks: int, opt
     return fit_runtime(pooled)
 
 
+def measure_allreduce_in_run(model: str, spec: ModelSpec, ranks: int, opt_per_param: float,
+                             optim_overhead: float, grad_copy_per_byte: float, fit: LinkSpec,
+                             steps: int = 8) -> float:
+    """How much slower a gradient all-reduce is inside a run than alone, on a traced Chimera run
+    with one unit of micro-batches (both copies of every stage all-reduce at the end). The
+    optimizer op waits for the last all-reduce: its duration minus the optimizer step and the
+    gradient write-back is that all-reduce's in-run time, compared with the fitted ring time.
+    Returns the factor (>= 1) applied to the fitted all-reduce."""
+    from cost_models.comm import ring_allreduce_time
+
+    from .config import RunConfig, plan
+    from .launch import run
+    from .model import stage_module
+    D = ranks if ranks % 2 == 0 else ranks + 1
+    cfg = RunConfig(schedule="chimera", devices=D, microbatches=D, steps=steps, model=model)
+    res = run(cfg)
+    sched = plan(cfg)
+    S = sched.num_stages
+    t = res.trace[res.trace["step"] >= 2]
+    ratios = []
+    for (dev, step), g in t.groupby(["device", "step"]):
+        ars = g[g["kind"] == "ALLREDUCE"].sort_values("seq")
+        opt = g[g["kind"] == "OPTIM"]
+        if ars.empty or opt.empty:
+            continue
+        nparams = sum(p.numel() for _, st in sched.stages_on(int(dev)) for p in stage_module(spec, S, st).parameters())
+        local = (opt["end"] - opt["start"]).iloc[0] - nparams * opt_per_param - optim_overhead \
+            - grad_copy_per_byte * float(ars["bytes"].sum())
+        ring = ring_allreduce_time(float(ars["bytes"].iloc[-1]), len(sched.stage_group(int(ars["stage"].iloc[-1]))),
+                                   fit.bandwidth, fit.latency)
+        if ring > 0:
+            ratios.append(local / ring)
+    return max(1.0, float(statistics.median(ratios))) if ratios else 1.0
+
+
 def scale_layers(layers: dict, scale: dict[str, float]) -> dict:
     """Layer times as they run inside a training run: microbenchmarks times the fitted scale."""
     out = {}
@@ -361,15 +399,22 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     layers = scale_layers(layers, scale)
     overhead.pop("Bi", None)   # one B overhead in the profile: the full backward's
     per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
+    report("all-reduce inside a run")
+    ar_fit = LinkSpec("calibrated-allreduce", ar_bw, ar_lat)
+    ar_scale = measure_allreduce_in_run(model, spec, max(2, ranks), opt, overhead.get("OPTIM", 0.0),
+                                        comm["grad_copy_per_byte"], ar_fit)
     prof = CalibrationProfile(
         name=f"{platform.node() or 'host'}-{model}", model=spec,
         layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in per),
-        p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
+        p2p=LinkSpec("calibrated-p2p", bw, lat),
+        # the all-reduce as it runs inside training: slower than alone by the measured factor
+        allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_scale, ar_lat * ar_scale),
         optimizer_seconds_per_param=opt, copy_time=0.0, memory_bytes=None,
         act_bytes=tuple(float(x["act"]) for x in per), act_w_bytes=tuple(float(x["act_w"]) for x in per),
         overhead=tuple(sorted(overhead.items())), cores=os.cpu_count() or 1, data_time=data,
         grad_copy_per_byte=comm["grad_copy_per_byte"],
         meta={"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
-              "allreduce_samples": [list(x) for x in comm["allreduce"]]})
+              "allreduce_samples": [list(x) for x in comm["allreduce"]],
+              "allreduce_in_run_factor": ar_scale})
     return prof

@@ -23,7 +23,7 @@ def main(args) -> int:
     if args.ranks < 1 or args.repeats < 3:
         raise ValueError("--ranks must be >= 1 and --repeats >= 3")
     stages = ["layers", "layer embedding", "layer block", "layer head", "optimizer", "communication",
-              "runtime overheads"]
+              "runtime overheads", "all-reduce inside a run"]
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):
             bar.set_postfix_str(msg)
