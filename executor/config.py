@@ -2,7 +2,8 @@
 
 :func:`plan` turns a config into a lowered, validated schedule and checks that the model can be
 split into its stages; it runs in the launching process, so every user error is reported before
-any worker process starts.
+any worker process starts. :func:`config_from_plan` turns a planner plan file into a config and the
+lowered schedule to run (``pipetwin run --plan``).
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from typing import Any
 
 import torch
 
-from cost_models.model_spec import ModelSpec, load_model
+from cost_models.model_spec import ModelSpec, load_model, spec_from_dict
 from schedules import Schedule, build, lower, validate
 
-from .model import partition_layers
+from .model import blocks_from_layers, partition_layers
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -22,14 +23,20 @@ OPTIMIZERS = ("sgd", "adam")
 @dataclass(frozen=True)
 class RunConfig:
     """One training run. ``replicas`` R copies the whole pipeline (ranks r*D + d); each step
-    trains on R*N micro-batches of ``spec.micro_batch`` sequences; the loss is their mean."""
+    trains on R*N micro-batches of ``spec.micro_batch`` sequences; the loss is their mean.
+
+    ``model`` is a preset name, a YAML path or a ModelSpec; ``micro_batch`` overrides the spec's
+    sequences per micro-batch; ``partition`` gives the transformer blocks of each of the schedule's
+    stages per model copy (embedding in stage 0, head in the last; default: the even split of
+    :func:`executor.model.partition_layers`). The reference uses the same spec and G = R * N, so its
+    global batch is the run's."""
 
     schedule: str = "dapple"
     devices: int = 2
     microbatches: int = 4
     chunks: int = 2                 # chunks per device for schedules that take it (interleaved)
     replicas: int = 1
-    model: str = "tiny"             # preset name or YAML path
+    model: str | ModelSpec = "tiny"  # preset name, YAML path or ModelSpec
     steps: int = 3
     seed: int = 0
     lr: float = 1e-3
@@ -42,6 +49,8 @@ class RunConfig:
     measure_memory: bool = True     # saved-tensor hooks on the CPU (allocator counters on CUDA)
     collect_params: bool = False    # return the final parameters (tests)
     fault: str | None = None        # fault injection for tests: "RANK:TOKEN[:STEP]" raises there
+    micro_batch: int | None = None  # sequences per micro-batch (None: the spec's micro_batch)
+    partition: tuple[int, ...] | None = None  # blocks per stage of a model copy (None: even split)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -53,12 +62,27 @@ class RunConfig:
             raise ValueError(f"timeout must be positive; got {self.timeout}")
         if self.recv_lookahead is not None and self.recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1 or None; got {self.recv_lookahead}")
+        if self.micro_batch is not None and (isinstance(self.micro_batch, bool) or int(self.micro_batch) < 1
+                                             or int(self.micro_batch) != self.micro_batch):
+            raise ValueError(f"micro_batch must be a positive integer or None; got {self.micro_batch!r}")
+        if self.partition is not None:
+            try:
+                part = tuple(self.partition)
+            except TypeError:
+                raise ValueError(f"partition must be a list of block counts per stage; got {self.partition!r}") \
+                    from None
+            object.__setattr__(self, "partition", part)
 
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)
 
     def spec(self) -> ModelSpec:
-        return load_model(self.model)
+        spec = self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
+        return spec if self.micro_batch is None else spec.replace(micro_batch=int(self.micro_batch))
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name if isinstance(self.model, ModelSpec) else str(self.model)
 
     @property
     def global_microbatches(self) -> int:
@@ -74,13 +98,50 @@ def plan(config: RunConfig, schedule: Schedule | None = None, *, check: bool = T
     else:
         low = schedule if schedule.lowered else lower(schedule, replicas=config.replicas,
                                                       eager=config.eager_allreduce)
+        G = low.replicas * low.num_microbatches
+        if G != config.global_microbatches:
+            raise ValueError(f"schedule {low.name} runs {low.replicas} x {low.num_microbatches} micro-batches per "
+                             f"step but the config says replicas={config.replicas} x microbatches="
+                             f"{config.microbatches}; they must agree (the reference trains on the config's)")
     if check:
         validate(low)
     spec = config.spec()
     if spec.kind != "gpt":
         raise ValueError(f"the executor trains GPT decoders; model {spec.name!r} is of kind {spec.kind!r}")
-    partition_layers(spec.layers, low.num_stages)
+    partition_layers(spec.layers, low.num_stages, config.partition)
     return low
+
+
+def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfig, Schedule, dict]:
+    """A planner plan (a plan file path or a :class:`planner.LoadedPlan`) as ``(config, lowered
+    schedule, info)`` for :func:`executor.launch.run`: the plan's model, its per-replica micro-batch,
+    its layer partition (converted to blocks per stage) and its layout, uniform (R x D: the named
+    schedule with ``replicas`` R) or not (stage s on r_s devices: the planner's model-copy schedule,
+    run as a custom schedule). ``options``: other RunConfig fields (steps, seed, lr, ...).
+    ``info``: ``layout``, ``device_map`` (rank -> the plan cluster's device id), ``partition_layers``
+    (layers per stage as the plan counts them), ``global_batch`` and ``plan`` (a one-line summary)."""
+    bad = set(options) & {"schedule", "devices", "microbatches", "replicas", "model", "micro_batch", "partition",
+                          "eager_allreduce"}
+    if bad:
+        raise ValueError(f"the plan fixes {', '.join(sorted(bad))}; do not pass them with a plan")
+    from planner.planfile import LoadedPlan, load_plan
+    loaded = source if isinstance(source, LoadedPlan) else load_plan(source)
+    ex = loaded.for_executor(eager=eager)
+    low: Schedule = ex["schedule"]
+    spec = spec_from_dict(dict(ex["model_spec"]), f"plan model {ex['model']}")
+    if spec.kind != "gpt":
+        raise ValueError(f"the executor trains GPT decoders; the plan's model {spec.name!r} is of kind {spec.kind!r}")
+    try:
+        blocks = blocks_from_layers(ex["partition"], spec.layers)
+    except ValueError as e:
+        raise ValueError(f"plan partition: {e}") from None
+    cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],
+                    chunks=loaded.plan.chunks, replicas=low.replicas, model=spec, micro_batch=ex["micro_batch"],
+                    partition=tuple(blocks), eager_allreduce=eager, **options)
+    plan(cfg, low)
+    info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
+            "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
+    return cfg, low, info
 
 
 @dataclass
@@ -110,7 +171,9 @@ class RunResult:
     def to_dict(self) -> dict:
         c = self.config
         return {"engine": self.engine, "schedule": c.schedule, "devices": c.devices,
-                "microbatches": c.microbatches, "replicas": c.replicas, "model": c.model,
+                "microbatches": c.microbatches, "replicas": c.replicas, "model": c.model_name,
+                "micro_batch": c.spec().micro_batch,
+                "partition": list(c.partition) if c.partition is not None else None,
                 "steps": c.steps, "optimizer": c.optimizer, "lr": c.lr, "seed": c.seed,
                 "losses": self.losses, "iteration_times": self.iteration_times,
                 "throughput_seq_per_s": self.throughput, "ma_bytes": self.ma_bytes,

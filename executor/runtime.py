@@ -23,7 +23,8 @@ COPY  same-rank hand-off (the V turn of a V-shaped placement): an activation is 
       made a leaf of the next stage's graph; a gradient is passed as is.
 ALLREDUCE  sum the stage's parameter gradients over ``schedule.stage_group(stage)`` (the model
       copies and data-parallel replicas of the stage), started asynchronously on one flat buffer;
-      local copies of the stage on this rank are summed into it first.
+      local copies of the stage on this rank are summed into it first (copies that share one module
+      have accumulated into the same gradients already).
 OPTIM wait for the step's all-reduces, write the sums back to every local copy, step the
       optimizer and zero the gradients. Every copy of a stage then holds the same weights.
 
@@ -220,7 +221,9 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ gradients
     def _local_grads(self, stage: int) -> list[list[torch.Tensor]]:
-        return [[p.grad for p in self.modules[(c, stage)].parameters()] for c in self.local_copies[stage]]
+        """The gradients of each distinct module of ``stage`` on this rank (copies may share one)."""
+        mods = {id(m): m for m in (self.modules[(c, stage)] for c in self.local_copies[stage])}
+        return [[p.grad for p in m.parameters()] for m in mods.values()]
 
     def _allreduce(self, op: Op) -> int:
         copies = self._local_grads(op.stage)
@@ -241,14 +244,14 @@ class PipelineRuntime:
             self._write_back(ar.stage, flat)
             done.add(ar.stage)
         self._state.allreduces = []
-        for stage, copies in self.local_copies.items():
+        for stage in self.local_copies:
             if stage in done:
                 continue
             if len(self.sched.stage_group(stage)) > 1:
                 raise RuntimeError(f"rank {self.rank}: stage {stage} is held by ranks {self.sched.stage_group(stage)} "
                                    f"but the program has no ALLREDUCE for it before OPT")
-            if len(copies) > 1:   # both model copies of the stage on this rank: sum them locally
-                grads = self._local_grads(stage)
+            grads = self._local_grads(stage)
+            if len(grads) > 1:   # separate modules of the stage on this rank: sum them locally
                 flat = _flatten_dense_tensors(grads[0])
                 for g in grads[1:]:
                     flat.add_(_flatten_dense_tensors(g))

@@ -5,8 +5,10 @@
 MASTER_PORT, RANK, WORLD_SIZE), then runs each job in turn on the same processes (tests run many
 schedules per spawn). Per job every rank:
 
-1. builds the stage modules its device holds (``schedule.stages_on``) with the seed's weights,
-   pre-allocates their gradients and makes the optimizer;
+1. builds the stage modules its device holds (``schedule.stages_on``) with the seed's weights
+   (several model copies of one stage on a device, as in a planner plan with stage replicas, share
+   one module: one set of weights, gradients and optimizer state), pre-allocates their gradients
+   and makes the optimizer;
 2. creates the all-reduce subgroups ``schedule.stage_group(s)`` (every rank calls ``new_group``
    for every distinct group in stage order, as torch.distributed requires; groups are cached)
    and warms every communicator the program will use (one tiny message per pair and direction,
@@ -119,9 +121,12 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         raise ValueError(f"{sched.name} with D={sched.num_devices}, R={sched.replicas} needs {sched.num_ranks} "
                          f"processes; {world} were started")
     spec = cfg.spec()
-    modules = {(c, s): stage_module(spec, sched.num_stages, s, seed=cfg.seed).to(ctx.device)
-               for c, s in sched.stages_on(sched.rank_device(rank))}
-    params = [p for m in modules.values() for p in m.parameters()]
+    built, modules = {}, {}
+    for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
+        if s not in built:
+            built[s] = stage_module(spec, sched.num_stages, s, seed=cfg.seed, partition=cfg.partition).to(ctx.device)
+        modules[(c, s)] = built[s]
+    params = [p for m in built.values() for p in m.parameters()]
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = make_optimizer(params, cfg.optimizer, cfg.lr)
@@ -185,7 +190,7 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     static = {rep["rank"]: rep["static_bytes"] for rep in reports}
     trace = make_trace([row for rep in reports for row in rep["rows"]], engine="executor", schedule=sched.name,
                        devices=D, microbatches=sched.num_microbatches, replicas=sched.replicas, time_unit="s",
-                       mem_unit="B", static_mem=static, ma_bytes=ma, model=cfg.model, backend=backend)
+                       mem_unit="B", static_mem=static, ma_bytes=ma, model=cfg.model_name, backend=backend)
     G = cfg.global_microbatches
     losses = [sum(rep["losses"][k] for rep in reports) / G for k in range(cfg.steps)]
     metrics = step_metrics(trace)

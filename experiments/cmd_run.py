@@ -6,6 +6,13 @@ same batches in this one process. Both print the same fields; ``--json`` prints
 ``losses`` (one per step), ``iteration_times`` (s) and ``per_device`` with
 ``peak_activation_bytes`` (and ``peak_activation_ma``, in units of Ma = ``ma_bytes``).
 A rank that fails ends the run: exit status 1 with the failing rank's traceback.
+
+``--plan PLAN.json`` runs a plan written by ``pipetwin plan --out`` instead of -s/-D/-N/--dp/--model:
+uniform plans (R replicas of a D-stage pipeline) with the named schedule, non-uniform plans (stage s
+on r_s devices) with the planner's model-copy schedule; the plan's layer partition and per-replica
+micro-batch size apply, and ``--reference`` trains the same model on the same global batch. The
+plan's device map (rank -> GPU) is not applied: on the CPU ranks are local processes, under
+torchrun rank r runs where torchrun starts it, so launch in the plan's order (a note says so).
 """
 from __future__ import annotations
 
@@ -20,9 +27,18 @@ NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
 
 
+PLAN_FIXES = ("schedule", "devices", "microbatches", "dp", "chunks", "model")   # what --plan brings
+
+
 def add_arguments(p):
     add_schedule_args(p)
-    p.add_argument("--model", default="tiny", help="model preset name or YAML file (default: tiny)")
+    for a in p._actions:            # with --plan these come from the plan file (checked in main)
+        if a.dest in PLAN_FIXES:
+            a.required = False
+            a.default = None
+    p.add_argument("--plan", metavar="PLAN.json",
+                   help="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
+    p.add_argument("--model", default=None, help="model preset name or YAML file (default: tiny)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
@@ -42,14 +58,30 @@ def add_arguments(p):
     p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]", help=argparse.SUPPRESS)
 
 
+def _common_options(args) -> dict:
+    return dict(steps=args.steps, seed=args.seed, lr=args.lr, optimizer=args.optimizer, timeout=args.timeout,
+                data=args.data, device=args.device, recv_lookahead=args.recv_lookahead or None,
+                measure_memory=not args.no_memory, fault=args.inject_fault)
+
+
 def config_from_args(args):
     from executor.config import RunConfig
+    flags = {"schedule": "--schedule", "devices": "--devices", "microbatches": "--microbatches"}
+    missing = [flag for dest, flag in flags.items() if getattr(args, dest, None) is None]
+    if missing:
+        raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json)")
     return RunConfig(schedule=args.schedule, devices=args.devices, microbatches=args.microbatches,
-                     chunks=args.chunks, replicas=args.dp, model=args.model, steps=args.steps, seed=args.seed,
-                     lr=args.lr, optimizer=args.optimizer, timeout=args.timeout, data=args.data,
-                     device=args.device, eager_allreduce=not args.no_eager,
-                     recv_lookahead=args.recv_lookahead or None, measure_memory=not args.no_memory,
-                     fault=args.inject_fault)
+                     chunks=2 if args.chunks is None else args.chunks, replicas=1 if args.dp is None else args.dp,
+                     model=args.model or "tiny", eager_allreduce=not args.no_eager, **_common_options(args))
+
+
+def plan_config_from_args(args):
+    """``(config, lowered schedule, info)`` for ``--plan`` (see :func:`executor.config.config_from_plan`)."""
+    from executor.config import config_from_plan
+    given = [f"--{d}" for d in PLAN_FIXES if getattr(args, d, None) is not None]
+    if given:
+        raise ValueError(f"--plan fixes the schedule, layout and model; drop {', '.join(given)}")
+    return config_from_plan(args.plan, eager=not args.no_eager, **_common_options(args))
 
 
 def main(args) -> int:
@@ -57,24 +89,61 @@ def main(args) -> int:
     from executor.launch import LaunchError, run
     from executor.reference import run_reference
 
-    cfg = config_from_args(args)
+    sched, info = None, None
+    if args.plan:
+        cfg, sched, info = plan_config_from_args(args)
+        _announce_plan(cfg, sched, info, args)
+    else:
+        cfg = config_from_args(args)
     if args.reference:
-        plan(cfg)  # same checks as an executor run
+        plan(cfg, sched)  # same checks as an executor run
         result = run_reference(cfg)
     else:
         try:
-            result = run(cfg)
+            result = run(cfg, sched)
         except LaunchError as e:
             print(f"pipetwin: run failed: {e}", file=sys.stderr)
             return 1
     if result is None:  # a torchrun rank other than 0
         return 0
+    if info is not None:
+        result.extra["plan"] = {"file": str(args.plan), **info}
     _write_outputs(result, args)
     if args.json:
         print_json(result.to_dict())
         return 0
     _print_human(result, args)
     return 0
+
+
+def _announce_plan(cfg, sched, info, args) -> None:
+    """What a --plan run runs (stdout; stderr with --json) and the device-map note (rank 0 only)."""
+    import os
+
+    from executor.launch import under_torchrun
+    if under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
+        return
+    out = sys.stderr if args.json else sys.stdout
+    spec = cfg.spec()
+    what = "reference (one process) for" if args.reference else f"{sched.num_ranks} ranks:"
+    print(f"plan {args.plan}: {info['plan']}", file=out)
+    print(f"running {what} {info['layout']}; global batch {info['global_batch']} = {cfg.global_microbatches} "
+          f"micro-batches of {spec.micro_batch}; blocks per stage {list(cfg.partition)} (layers "
+          f"{info['partition_layers']} with embedding and head); schedule {cfg.schedule}", file=out)
+    if args.reference:
+        return
+    dmap = info["device_map"]
+    pairs = ", ".join(f"{r}->{d}" for r, d in enumerate(dmap))
+    if under_torchrun() and cfg.device != "cpu":
+        print(f"note: under torchrun rank r runs on cuda:LOCAL_RANK of the node torchrun put it on; the plan "
+              f"places rank -> device {pairs} (device = node * devices_per_node + GPU): launch so that "
+              f"torchrun's rank order matches it", file=out)
+    elif cfg.device == "cuda":
+        print(f"note: spawned ranks run on cuda:rank of this machine; the plan's device map (rank -> device "
+              f"{pairs}) is not applied", file=out)
+    else:
+        print(f"note: the plan's device map (rank -> device {pairs}) is ignored on the CPU: the ranks are "
+              f"local processes", file=out)
 
 
 def _write_outputs(result, args) -> None:
@@ -97,7 +166,7 @@ def _write_outputs(result, args) -> None:
 def _print_human(result, args) -> None:
     c = result.config
     where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
-    print(f"{result.engine} {c.schedule}: D={c.devices} N={c.microbatches} R={c.replicas}  model {c.model}  "
+    print(f"{result.engine} {c.schedule}: D={c.devices} N={c.microbatches} R={c.replicas}  model {c.model_name}  "
           f"{c.optimizer} lr={c.lr:g}  ({where})")
     steps = [{"step": i, "loss": l, "iteration_s": t}
              for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]

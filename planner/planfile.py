@@ -21,6 +21,10 @@ A plan file is JSON::
 
 Layers are global indices of the model's layer stack (for a transformer: 0 = embedding,
 1..L = blocks, L + 1 = head). Device ids are ``node * devices_per_node + local``.
+
+``pipetwin run --plan`` reads :meth:`LoadedPlan.for_executor` (any transformer plan, uniform or not:
+the lowered schedule the simulator runs and how to feed it); :meth:`LoadedPlan.run_args` is the
+flat view of a uniform plan's ``run`` record.
 """
 from __future__ import annotations
 
@@ -100,6 +104,39 @@ class LoadedPlan:
         run["model"] = src.get("name") if src.get("kind") == "transformer" else self.workload.spec.to_dict()
         run["model_spec"] = self.workload.spec.to_dict() if self.workload.spec is not None else src.get("spec")
         return run
+
+    def for_executor(self, *, eager: bool = True) -> dict:
+        """What ``pipetwin run --plan`` runs, for uniform and non-uniform transformer plans: the very
+        lowered schedule the simulator runs (:func:`planner.simulate.build_plan`; its IR form is
+        described there) and how to feed it:
+
+        ``schedule`` (lowered Schedule), ``model`` (name), ``model_spec`` (ModelSpec fields),
+        ``microbatches`` (IR micro-batches per pipeline replica: M for a uniform plan, M x C
+        sub-batches for a non-uniform one), ``replicas`` (the IR's R; 1 for non-uniform plans),
+        ``micro_batch`` (samples per IR micro-batch: b / R, or b / C), ``partition`` (layers of each
+        of the schedule's stages per model copy, over the L + 2 layers embedding, blocks, head),
+        ``device_map`` (rank -> physical device id of the plan's cluster), ``layout`` (a line) and
+        ``global_batch``. Raises ValueError for models the executor cannot train (layer-cost models)."""
+        if self.workload.spec is None:
+            raise ValueError(f"the executor trains transformer models; {self.workload.name} is a layer-cost model "
+                             f"(the plan can be simulated, not run)")
+        plan = self.plan
+        bt = self.build(eager=eager, check=False)
+        low = bt.lowered
+        if plan.uniform:
+            per, mbs = plan.micro_batch // plan.dp, plan.microbatches
+            layout = f"{plan.dp} x {plan.num_stages}-stage pipeline, {mbs} micro-batches of {per} per replica"
+        else:
+            C = bt.extra["sub_batches"]
+            per, mbs = plan.micro_batch // C, plan.microbatches * C
+            layout = (f"stage replicas {':'.join(map(str, plan.replicas))}, {plan.microbatches} micro-batches of "
+                      f"{plan.micro_batch} cut into {C} sub-batches of {per} (model copies)")
+        src = self.workload.source
+        return {"schedule": low, "model": src.get("name", self.workload.name),
+                "model_spec": self.workload.spec.to_dict(), "microbatches": mbs, "replicas": low.replicas,
+                "micro_batch": per, "partition": list(bt.costs.meta["partition"]),
+                "device_map": list(bt.network.device_map or range(low.num_ranks)), "layout": layout,
+                "global_batch": plan.global_batch}
 
 
 def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:

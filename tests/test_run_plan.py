@@ -1,0 +1,182 @@
+"""``pipetwin run --plan``: planner plans on the executor, against the single-process reference.
+
+The DAPPLE planner plans the ``tiny`` GPT on two small V100 clusters: a uniform plan (2 replicas of
+a 2-stage pipeline, uneven partition) and a non-uniform one (stage replicas 1:2:1, run through the
+planner's model copies); a third job runs the uniform plan with the interleaved schedule (4 stages
+per copy: the planner's own re-partition). The three share one spawn of 4 ranks, train 3 SGD steps
+and must match the reference (same model, same global batch) within 1e-5 relative, losses and every
+final parameter; each rank's static memory must be that of the blocks the plan puts on it (copies of
+one stage on a rank share one module).
+"""
+import json
+
+import pytest
+import torch
+
+from cost_models import LINK_TYPES, Cluster, load_device
+from executor.config import RunConfig, config_from_plan, plan
+from executor.launch import run_many
+from executor.model import blocks_from_layers, full_model, partition_layers, stage_module
+from executor.reference import run_reference
+from experiments.cli import main as cli_main
+from planner import Plan, SearchSpace, StagePlan, Topology, load_workload, plan_training, save_plan
+
+V100 = load_device("v100")
+BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0)
+
+
+def _cluster(nodes, dpn, inter):
+    return Cluster("small", nodes, dpn, V100, LINK_TYPES["nvlink2"], LINK_TYPES[inter])
+
+
+def _planned(cluster, G, space, wanted, fallback):
+    """The planner's plan for tiny (analytical ranking: fast and deterministic); if a planner change
+    ever picks another shape, the same shape built with the planner's placement instead."""
+    res = plan_training("tiny", cluster, G, simulate=False, baselines=False, space=space, top_k=1)
+    p = res.best.plan
+    return (p if wanted(p) else fallback(Topology(cluster))), res.workload
+
+
+def _plans(tmp):
+    """{name: plan file}: uniform 2 x 2 (uneven), non-uniform 1:2:1, the uniform one interleaved."""
+    out = {}
+    cu = _cluster(2, 2, "ib-edr")
+    pu, wu = _planned(cu, 8, SearchSpace(uniform=True, replicas=(2,)),
+                      lambda p: p.uniform and p.dp == 2 and len(set(p.partition)) > 1,
+                      lambda t: Plan("tiny", cu.name, 8, 4, tuple(StagePlan(a, b, d) for (a, b), d in zip(
+                          [(0, 6), (6, 10)], t.place("fresh-first", [2, 2]))), "fresh-first"))
+    cn = _cluster(1, 4, "eth-25g")
+    pn, wn = _planned(cn, 8, SearchSpace(), lambda p: not p.uniform,
+                      lambda t: Plan("tiny", cn.name, 8, 4, tuple(StagePlan(a, b, d) for (a, b), d in zip(
+                          [(0, 4), (4, 8), (8, 10)], t.place("append-first", [1, 2, 1]))), "append-first"))
+    for name, p, w, c in (("uniform", pu, wu, cu), ("nonuniform", pn, wn, cn),
+                          ("interleaved", pu.with_schedule("interleaved", 2), wu, cu)):
+        out[name] = tmp / f"{name}.json"
+        save_plan(out[name], p, w, c)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plan_files(tmp_path_factory):
+    return _plans(tmp_path_factory.mktemp("plans"))
+
+
+@pytest.fixture(scope="module")
+def plan_runs(plan_files):
+    """{name: (plan file, config, lowered schedule, executor result, reference result)}."""
+    files = plan_files
+    jobs = {name: config_from_plan(path, **BASE) for name, path in files.items()}
+    results = run_many([(cfg, low) for cfg, low, _ in jobs.values()])
+    return {name: (files[name], cfg, low, res, run_reference(cfg))
+            for (name, (cfg, low, _)), res in zip(jobs.items(), results)}
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("name", ["uniform", "nonuniform", "interleaved"])
+def test_plan_run_equals_reference(plan_runs, name):
+    path, cfg, low, res, ref = plan_runs[name]
+    rec = json.loads(path.read_text())
+    G = rec["plan"]["global_batch"]
+    # the run and its reference train on the plan's global batch
+    assert cfg.global_microbatches * cfg.spec().micro_batch == G
+    assert low.replicas * low.num_microbatches == cfg.global_microbatches
+    reps = [s["replicas"] for s in rec["plan"]["stages"]]
+    if name == "uniform":
+        assert reps == [2, 2] and cfg.replicas == 2 and len(set(cfg.partition)) > 1
+        assert list(cfg.partition) == blocks_from_layers([b - a for a, b in (s["layers"] for s in
+                                                                              rec["plan"]["stages"])], 8)
+    if name == "nonuniform":
+        assert len(set(reps)) > 1 and low.num_copies > 1 and low.num_ranks == sum(reps)
+    if name == "interleaved":
+        assert low.num_stages == 4 and len(cfg.partition) == 4
+    assert len(res.losses) == len(ref.losses) == 3
+    for got, want in zip(res.losses, ref.losses):
+        assert abs(got - want) <= 1e-5 * abs(want), (res.losses, ref.losses)
+    by_name = {}
+    for key, t in res.params.items():
+        by_name.setdefault(key.split("/", 1)[1], []).append(t)
+    assert set(by_name) == set(ref.params)
+    for pname, tensors in by_name.items():
+        assert len(tensors) == low.num_copies * low.replicas, pname
+        assert max(_rel(t, ref.params[pname]) for t in tensors) <= 1e-5, pname
+    # each rank holds the blocks the plan gives it, once per stage however many copies of it it
+    # runs (the planner's memory model): weights + gradients + SGD momentum, 12 B per parameter
+    spec = cfg.spec()
+    for dev in res.per_device:
+        r = dev["device"]
+        n = sum(p.numel() for s in {s for _, s in low.stages_on(low.rank_device(r))}
+                for p in stage_module(spec, low.num_stages, s, partition=cfg.partition).parameters())
+        assert dev["static_bytes"] == 12 * n, (name, r)
+
+
+def test_partition_conversion_and_checks():
+    assert blocks_from_layers([6, 4], 8) == [5, 3]
+    assert blocks_from_layers([1, 8, 1], 8) == [0, 8, 0]
+    assert blocks_from_layers([10], 8) == [8]
+    assert [len(r) for r in partition_layers(8, 3, [0, 8, 0])] == [0, 8, 0]
+    for bad, msg in (([5, 4], "covers 9 layers"), ([0, 10], "without layers")):
+        with pytest.raises(ValueError, match=msg):
+            blocks_from_layers(bad, 8)
+    for bad, msg in (([4, 4], "2 stage"), ([4, 0, 4], "stage 1 without layers"), ([3, 3, 3], "covers 9 blocks"),
+                     ([4.5, 1.5, 2], "whole block counts")):
+        with pytest.raises(ValueError, match=msg):
+            partition_layers(8, 3, bad)
+    with pytest.raises(ValueError, match="partition"):
+        plan(RunConfig(devices=2, microbatches=2, partition=(4, 3)))
+    with pytest.raises(ValueError, match="micro_batch"):
+        RunConfig(micro_batch=0)
+    # identical initial weights for any split
+    spec = RunConfig(micro_batch=1).spec()
+    assert spec.micro_batch == 1
+    full = dict(full_model(spec, seed=5).named_parameters())
+    for part in ([5, 3], [0, 8, 0], [1, 2, 3, 2]):
+        for s in range(len(part)):
+            for n, p in stage_module(spec, len(part), s, seed=5, partition=part).named_parameters():
+                assert torch.equal(p, full[n]), (part, n)
+
+
+def test_cli_run_and_reference_with_plan(plan_files, capsys):
+    """``pipetwin run --plan`` end to end (4 spawned ranks, 2 steps) and with ``--reference``."""
+    path = plan_files["nonuniform"]
+    cfg, _, _ = config_from_plan(path, **BASE)
+    ref = run_reference(cfg)
+    common = ["run", "--plan", str(path), "--json", "--optimizer", "sgd", "--lr", "0.05"]
+    assert cli_main(common + ["--reference"]) == 0
+    io = capsys.readouterr()
+    out = json.loads(io.out)
+    assert out["losses"] == pytest.approx(ref.losses, rel=1e-6)
+    assert out["plan"]["global_batch"] == 8 and out["partition"] == list(cfg.partition)
+    assert "stage replicas 1:2:1" in io.err and "running reference" in io.err
+    assert cli_main(common + ["--steps", "2"]) == 0
+    io = capsys.readouterr()
+    out = json.loads(io.out)
+    assert out["engine"] == "executor" and len(out["per_device"]) == 4
+    assert out["losses"] == pytest.approx(ref.losses[:2], rel=1e-5)
+    assert "running 4 ranks" in io.err and "device map" in io.err and "ignored on the CPU" in io.err
+
+
+def test_bad_plan_and_flags_are_one_line_errors(plan_files, tmp_path, capsys):
+    path = plan_files["uniform"]
+    short = json.loads(path.read_text())
+    short["plan"]["stages"][-1]["layers"][1] -= 1
+    cl = _cluster(1, 4, "eth-25g")
+    vgg = load_workload("vgg-19", cl.device)
+    save_plan(tmp_path / "vgg.json", Plan("vgg-19", cl.name, 8, 4, (StagePlan(0, vgg.num_layers, (0,)),),
+                                          "fresh-first"), vgg, cl)
+    cases = {"bad.json": ("{ nope", "not valid JSON"), "short.json": (json.dumps(short), "covers layers"),
+             "vgg.json": ((tmp_path / "vgg.json").read_text(), "vgg-19 is a layer-cost model")}
+    for fname, (text, msg) in cases.items():
+        (tmp_path / fname).write_text(text)
+        assert cli_main(["run", "--plan", str(tmp_path / fname)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("pipetwin: error: ") and "\n" not in err and msg in err, err
+    for argv, msg in ((["--plan", str(path), "-s", "dapple"], "drop --schedule"),
+                      (["--plan", str(path), "--dp", "2", "--model", "tiny"], "drop --dp, --model"),
+                      ([], "give --schedule, --devices, --microbatches (or --plan"),
+                      (["--plan", str(tmp_path / "missing.json")], "does not exist")):
+        assert cli_main(["run", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("pipetwin: error: ") and "\n" not in err and msg in err, err
