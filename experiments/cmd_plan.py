@@ -151,6 +151,6 @@ def _print_human(res, rec, base, stats, args) -> None:
               f"{run['partition']}; or --plan FILE)")
     else:
         print("executor: a non-uniform plan (stage replicas " + ":".join(map(str, plan.replicas))
-              + ") needs 'pipetwin run --plan' with per-stage replicas (not in the executor yet)")
+              + "): run it with 'pipetwin run --plan FILE' (sub-batches as model copies)")
     if args.out:
         print(f"wrote plan file: {args.out}")

@@ -16,11 +16,10 @@ micro-batches (:func:`replicated_schedule`). The static memory of such a device 
 weights once (the copies of a stage on one device are one set of weights); the IR form would count
 them per copy, so the planner overrides it.
 
-What this needs from an executor (``pipetwin run --plan`` for non-uniform plans): a device that
-holds several copies of the *same* stage must keep one set of weights and gradients for them and
-add their gradients locally before the stage's all-reduce (today each copy is a separate module, as
-for Chimera's two pipelines), and copies sent between stages with different replica counts need the
-per-copy peers the lowering already records. See the report of :mod:`planner` for the details.
+The executor runs such plans (``pipetwin run --plan``): the copies of one stage on a rank share
+one module (one set of weights, gradients and optimizer state), their gradients are summed
+locally before the stage's all-reduce, and messages between stages with different replica counts
+use the per-copy peers the lowering records.
 """
 from __future__ import annotations
 
