@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from planner import SearchSpace, Topology, evaluate_plan, plan_training
+from planner import Topology, plan_training
 from planner.clusters import gpus_on_servers, resolve_cluster
 from planner.planning import pipedream_plan, _simulate
 
