@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import pandas as pd
 
 COLUMNS = ["device", "step", "seq", "kind", "token", "copy", "stage", "chunk", "microbatch", "peer",
@@ -31,16 +32,25 @@ COLUMNS = ["device", "step", "seq", "kind", "token", "copy", "stage", "chunk", "
 COMPUTE = ("F", "B", "W")
 
 
+_INT_COLS = ("device", "step", "seq", "copy", "stage", "chunk", "microbatch", "peer")
+_FLOAT_COLS = ("start", "end", "bytes", "act_mem")
+
+
 def make_trace(rows: list[dict] | list[tuple], **attrs) -> pd.DataFrame:
     """Build a trace from row dicts (or tuples in COLUMNS order) and attach metadata."""
     if rows and isinstance(rows[0], dict):
-        df = pd.DataFrame(rows, columns=COLUMNS)
+        cols = {c: [r[c] for r in rows] for c in COLUMNS}
     else:
-        cols = list(zip(*rows)) if rows else [[] for _ in COLUMNS]
-        df = pd.DataFrame(dict(zip(COLUMNS, cols)), columns=COLUMNS)
-    df = df.astype({"device": int, "step": int, "seq": int, "copy": int, "stage": int, "chunk": int,
-                    "microbatch": int, "peer": int, "start": float, "end": float,
-                    "bytes": float, "act_mem": float})
+        cols = dict(zip(COLUMNS, zip(*rows))) if rows else {c: () for c in COLUMNS}
+    data = {}
+    for c in COLUMNS:
+        if c in _INT_COLS:
+            data[c] = np.asarray(cols[c], dtype=np.int64)
+        elif c in _FLOAT_COLS:
+            data[c] = np.asarray(cols[c], dtype=np.float64)
+        else:
+            data[c] = np.asarray(cols[c], dtype=object)
+    df = pd.DataFrame(data, columns=COLUMNS, copy=False)
     df.attrs.update(attrs)
     return df
 
