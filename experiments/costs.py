@@ -88,6 +88,12 @@ def sim_options(args, low, network=None, host_cores: int | None = None) -> SimOp
             raise ValueError(f"--slowdown names rank {r}, but the run has ranks 0..{low.num_ranks - 1}")
     if args.jitter < 0:
         raise ValueError("--jitter must be >= 0")
-    return SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed,
-                      hosts=[0] * low.num_ranks if host_cores else None, cores=float(host_cores or 1),
-                      comm_uses_cores=bool(host_cores))
+    base = SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed)
+    return on_one_host(base, low.num_ranks, host_cores) if host_cores else base
+
+
+def on_one_host(opts: SimOptions, num_ranks: int, cores: int) -> SimOptions:
+    """Calibrated CPU ranks: all on one host whose ``cores`` they share, with transfers and
+    all-reduces keeping cores busy too (the transport's threads)."""
+    from dataclasses import replace
+    return replace(opts, hosts=[0] * num_ranks, cores=float(cores), comm_uses_cores=True)

@@ -19,6 +19,8 @@ from cost_models import CalibrationProfile
 from schedules.trace import op_orders, step_metrics
 from sim import SimOptions, simulate
 
+from .costs import on_one_host
+
 
 @dataclass
 class Comparison:
@@ -61,7 +63,7 @@ def simulate_with_profile(low, profile: CalibrationProfile, steps: int = 1):
     """Simulate ``steps`` back-to-back iterations on one host whose cores the ranks share."""
     costs = profile.cost_model(low.num_stages).bind(low)
     net = profile.cluster(low.num_ranks)
-    opts = SimOptions(hosts=[0] * low.num_ranks, cores=float(profile.cores or 1), steps=steps, comm_uses_cores=True)
+    opts = on_one_host(SimOptions(steps=steps), low.num_ranks, profile.cores or 1)
     return simulate(low, costs, net, opts)
 
 

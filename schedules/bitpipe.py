@@ -15,7 +15,7 @@ Activation memory: between (3D+2)/4 Ma and D Ma per device.
 from functools import lru_cache
 
 from .bidirectional import build_bidirectional, v_placement
-from .timing import time_programs, unit_duration
+from .analysis import unit_summary
 from .common import check_units
 
 NAME = "bitpipe"
@@ -36,8 +36,6 @@ def junction_pull(D: int) -> int:
     P = v_placement(D)
 
     def makespan(pull):
-        s = build_bidirectional(NAME, D, 2 * D, P, pull=pull)
-        t = time_programs(s.programs, s.num_stages, unit_duration(D, s.num_stages, False))
-        return max(e for _, _, e in t.values())
+        return unit_summary(build_bidirectional(NAME, D, 2 * D, P, pull=pull))["makespan"]
 
     return 2 if makespan(2) <= makespan(0) else 0

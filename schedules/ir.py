@@ -31,9 +31,7 @@ F, B, W = "F", "B", "W"
 SEND, RECV, COPY = "SEND", "RECV", "COPY"
 ALLREDUCE, OPTIM = "ALLREDUCE", "OPTIM"
 COMPUTE_KINDS = (F, B, W)
-ALL_KINDS = (F, B, W, SEND, RECV, COPY, ALLREDUCE, OPTIM)
 ACT, GRAD = "act", "grad"
-COPY_NAMES = {0: "down", 1: "up"}
 
 
 class ScheduleError(ValueError):
@@ -84,10 +82,6 @@ class Op:
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
-
-    @property
-    def is_comm(self) -> bool:
-        return self.kind in (SEND, RECV)
 
 
 _TOKEN = re.compile(
@@ -164,9 +158,6 @@ class Schedule:
     @property
     def num_ranks(self) -> int:
         return self.num_devices * self.replicas
-
-    def device_of(self, copy: int, stage: int) -> int:
-        return self.placement[copy][stage]
 
     def stages_on(self, device: int) -> list[tuple[int, int]]:
         """(copy, stage) pairs held by a device, in chunk order."""

@@ -60,7 +60,7 @@ def lower(sched: Schedule, *, replicas: int = 1, eager: bool = True) -> Schedule
             out = outgoing(op, sched)
             if out is None:
                 continue
-            payload, dst_stage, dst = out
+            payload, _, dst = out
             if dst == d:
                 msg = Op(COPY, op.mb, op.stage, op.copy, op.chunk, -1, payload)
             else:

@@ -130,12 +130,6 @@ class _Engine:
         yield self.flows.start(nbytes, links)
         self._deliver(msg)
 
-    def _compute_time(self, rank: int, kind: str, copy: int, stage: int) -> float:
-        t = self.c.compute_time(kind, copy, stage) * self.o.slowdown.get(rank, 1.0)
-        if self.o.jitter:
-            t *= max(0.05, self.rng.gauss(1.0, self.o.jitter))
-        return t
-
     def _busy(self, host, seconds: float) -> simpy.Event:
         """The rank computes for ``seconds`` of one core; on a shared host the ranks that compute
         at the same moment share its cores."""
@@ -189,13 +183,12 @@ class _Engine:
         for i, op in enumerate(s.program(r)):
             k = op.kind
             pre = (r, 0, i, k, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer)
-            cs = (op.copy, op.stage)
             if k in (F, B, W):
                 a = c.act[op.copy][op.stage]
                 aw = c.act_w[op.copy][op.stage] if split else 0.0
                 grow = a if k == F else 0.0
                 free = (a - aw) if k == B else (aw if k == W else 0.0)
-                out.append((k, pre, c.compute_time(k, *cs) * slow, grow, free, None))
+                out.append((k, pre, c.compute_time(k, op.copy, op.stage) * slow, grow, free, None))
             elif k in (SEND, RECV):
                 src_stage = op.stage if k == SEND else (op.stage - 1 if op.payload == ACT else op.stage + 1)
                 table = c.act_bytes if op.payload == ACT else c.grad_bytes

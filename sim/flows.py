@@ -106,7 +106,3 @@ class FairShare:
         self._flows.remove(f)
         for n in f.resources:
             self._count[n] -= 1
-
-    @property
-    def active(self) -> int:
-        return len(self._flows)
