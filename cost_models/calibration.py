@@ -21,6 +21,7 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
     data_time: 4.0e-4              # making one micro-batch's tokens (first / last stage F pays it)
     first_stage_all_in_w: true     # split backward: stage 0's B does nothing, its W everything
     cores: 2                       # the host's cores, shared by the ranks (processor sharing)
+    oversubscribed_slowdown: 1.3   # compute this much slower while the ranks outnumber the cores
     grad_copy_per_byte: 2.0e-10    # flattening a stage's gradients for its all-reduce, and back
     copy_time: 0.0                 # seconds of a local hand-off (optional)
     memory: 16 GiB                 # memory one rank may use (optional; no OOM verdict without it)
@@ -77,6 +78,7 @@ class CalibrationProfile:
     data_time: float = 0.0                        # seconds to produce one micro-batch's tokens
     first_stage_all_in_w: bool = True             # the executor's split backward (see LayerCosts)
     grad_copy_per_byte: float = 0.0               # flattening gradients for an all-reduce and back
+    oversubscribed_slowdown: float = 1.0          # compute slowdown while the ranks outnumber the cores
 
     def device(self) -> DeviceSpec:
         return DeviceSpec("cpu", (), self.memory_bytes, None, 1.0, True, f"CPU rank calibrated by {self.name}")
@@ -146,6 +148,7 @@ class CalibrationProfile:
             d["overhead"] = dict(self.overhead)
         if self.cores is not None:
             d["cores"] = self.cores
+        d["oversubscribed_slowdown"] = self.oversubscribed_slowdown
         d["data_time"] = self.data_time
         d["grad_copy_per_byte"] = self.grad_copy_per_byte
         d["first_stage_all_in_w"] = self.first_stage_all_in_w
@@ -154,7 +157,7 @@ class CalibrationProfile:
 
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
            "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores", "data_time",
-           "first_stage_all_in_w", "grad_copy_per_byte")
+           "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown")
 OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
 
 
@@ -231,6 +234,9 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     cores = d.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise SpecError(f"{source}: field 'cores' must be an integer >= 1; got {cores!r}")
+    over = d.get("oversubscribed_slowdown", 1.0)
+    if isinstance(over, bool) or not isinstance(over, (int, float)) or not 1 <= over <= 10:
+        raise SpecError(f"{source}: field 'oversubscribed_slowdown' must be a number in [1, 10]; got {over!r}")
     return CalibrationProfile(
         name=str(d.get("name", Path(source).stem)), model=model, layers=layers,
         p2p=_fit(d["p2p"], source, "p2p", "calibrated-p2p"),
@@ -242,7 +248,8 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         overhead=overhead, cores=cores,
         data_time=_spec.seconds(d.get("data_time", 0.0), source, "data_time"),
         first_stage_all_in_w=bool(d.get("first_stage_all_in_w", True)),
-        grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"))
+        grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"),
+        oversubscribed_slowdown=float(over))
 
 
 def load_profile(path: str | Path) -> CalibrationProfile:

@@ -36,6 +36,13 @@ class DeviceContext:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def host_collectives(self) -> bool:
+        """Collectives run on the host (gloo): a completed future means the result is there, so
+        its completion time is the collective's end. (A NCCL future completes once the kernels
+        are queued, which says nothing about when they end.)"""
+        return not self.is_cuda
+
     def synchronize(self) -> None:
         """Wait for queued device work (so an op's end time is real); a no-op on the CPU."""
         if self.is_cuda:

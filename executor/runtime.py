@@ -24,7 +24,8 @@ COPY  same-rank hand-off (the V turn of a V-shaped placement): an activation is 
 ALLREDUCE  sum the stage's parameter gradients over ``schedule.stage_group(stage)`` (the model
       copies and data-parallel replicas of the stage), started asynchronously on one flat buffer;
       local copies of the stage on this rank are summed into it first (copies that share one module
-      have accumulated into the same gradients already).
+      have accumulated into the same gradients already). On gloo its trace row ends when the sum
+      is ready (the future's completion), as in the simulator; on NCCL when it was launched.
 OPTIM wait for the step's all-reduces, write the sums back to every local copy, step the
       optimizer and zero the gradients. Every copy of a stage then holds the same weights.
 
@@ -60,6 +61,7 @@ class _StepState:
     pending_w: dict = field(default_factory=dict)  # (copy, stage, mb) -> (output, output grad)
     batches: dict = field(default_factory=dict)    # global micro-batch -> (inputs, targets)
     allreduces: list = field(default_factory=list)
+    ar_done: list = field(default_factory=list)     # per ALLREDUCE: [perf_counter at completion]
     loss_sum: torch.Tensor | float = 0.0
 
     def leftovers(self) -> list[str]:
@@ -132,6 +134,7 @@ class PipelineRuntime:
                          t0 - self.clock0, t1 - self.clock0, float(nbytes), float(self.meter.current())))
             self.mailbox.top_up()
         self.mailbox.finish_step()
+        self._allreduce_ends(rows, st.ar_done)
         left = st.leftovers()
         if left:
             raise RuntimeError(f"rank {self.rank} step {step}: the program left tensors unconsumed "
@@ -233,6 +236,11 @@ class PipelineRuntime:
         group = self.stage_groups.get(op.stage)
         work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
         self._state.allreduces.append((op, flat, work))
+        done = [None]
+        if work is not None and self.ctx.host_collectives:
+            # the transport's thread completes the future: its clock is when the sum was ready
+            work.get_future().then(lambda _f, box=done: box.__setitem__(0, time.perf_counter()))
+        self._state.ar_done.append(done)
         return flat.numel() * flat.element_size()
 
     def _optim(self, op: Op) -> int:
@@ -259,6 +267,16 @@ class PipelineRuntime:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         return 0
+
+    def _allreduce_ends(self, rows: list[tuple], done: list[list]) -> None:
+        """An ALLREDUCE row spans launch to completion (as the simulator's does) where the
+        completion time is known; otherwise it spans the launch only."""
+        it = iter(done)
+        for i, row in enumerate(rows):
+            if row[3] == ALLREDUCE:
+                t = next(it)[0]
+                if t is not None:
+                    rows[i] = row[:11] + (max(row[11], t - self.clock0),) + row[12:]
 
     def _write_back(self, stage: int, flat: torch.Tensor) -> None:
         copies = self._local_grads(stage)

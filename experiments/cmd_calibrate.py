@@ -1,6 +1,7 @@
 """``pipetwin calibrate``: measure this machine with the executor's code and write a profile."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 NAME = "calibrate"
@@ -23,7 +24,9 @@ def main(args) -> int:
     if args.ranks < 1 or args.repeats < 3:
         raise ValueError("--ranks must be >= 1 and --repeats >= 3")
     stages = ["layers", "layer embedding", "layer block", "layer head", "optimizer", "communication",
-              "runtime overheads", "all-reduce inside a run"]
+              "runtime (traced runs)"]
+    if args.ranks > (os.cpu_count() or 1):
+        stages.append("oversubscribed cores (traced runs)")
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):
             bar.set_postfix_str(msg)
@@ -37,6 +40,8 @@ def main(args) -> int:
           f"(split {blk.b_input * 1e3:.3f} + {blk.w * 1e3:.3f}); P2P {prof.p2p.latency * 1e6:.0f} us + "
           f"{prof.p2p.bandwidth / 1e9:.2f} GB/s; all-reduce step {prof.allreduce.latency * 1e6:.0f} us + "
           f"{prof.allreduce.bandwidth / 1e9:.2f} GB/s; overheads "
-          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in prof.overhead) + f"; {prof.cores} cores")
+          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in prof.overhead) + f"; {prof.cores} cores"
+          + (f", compute {prof.oversubscribed_slowdown:.2f}x slower with more ranks than cores"
+             if prof.oversubscribed_slowdown > 1 else ""))
     print(f"wrote {out}")
     return 0

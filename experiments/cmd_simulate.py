@@ -30,7 +30,7 @@ def run_one(name: str, args):
         return low, simulate(low, costs, network, sim_options(args, low, network)), extra
     low = build_lowered(name, args)
     costs, network, extra = resolve_costs(args, low)
-    trace = simulate(low, costs, network, sim_options(args, low, network, extra.get("host_cores")))
+    trace = simulate(low, costs, network, sim_options(args, low, network, extra.get("host")))
     return low, trace, extra
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from cost_models import MAPPINGS, TransformerCostModel, UnitCostModel, load_cluster, load_model, load_profile
 from sim import SimOptions
+from sim.host import on_one_host
 
 DEFAULT_MODEL = "gpt-96"
 DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
@@ -53,7 +54,7 @@ def resolve_costs(args, low):
         costs = prof.cost_model(low.num_stages, recompute=args.recompute).bind(low)
         net = prof.cluster(low.num_ranks)
         return costs, net, {"cost_model": f"profile {args.profile}", "cluster": net.name,
-                            "host_cores": prof.cores}
+                            "host": (prof.cores, prof.oversubscribed_slowdown) if prof.cores else None}
     model = load_model(args.model)
     if args.micro_batch is not None:
         if args.micro_batch < 1:
@@ -70,9 +71,9 @@ def resolve_costs(args, low):
                            "memory_capacity": costs.meta.get("memory_capacity")}
 
 
-def sim_options(args, low, network=None, host_cores: int | None = None) -> SimOptions:
-    """Simulator options from the CLI; ``host_cores``: all ranks run on one host with that many
-    cores (calibrated CPU runs), so they share them."""
+def sim_options(args, low, network=None, host: tuple[int, float] | None = None) -> SimOptions:
+    """Simulator options from the CLI; ``host`` = (cores, slowdown when oversubscribed): all ranks
+    run on one host with that many cores (calibrated CPU runs), so they share them."""
     slow = _pairs(args.slowdown, "--slowdown")
     links = _pairs(getattr(args, "slow_link", []), "--slow-link", key=str, example="n1.nic0.out=4", label="LINK")
     if links:
@@ -89,11 +90,4 @@ def sim_options(args, low, network=None, host_cores: int | None = None) -> SimOp
     if args.jitter < 0:
         raise ValueError("--jitter must be >= 0")
     base = SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed)
-    return on_one_host(base, low.num_ranks, host_cores) if host_cores else base
-
-
-def on_one_host(opts: SimOptions, num_ranks: int, cores: int) -> SimOptions:
-    """Calibrated CPU ranks: all on one host whose ``cores`` they share, with transfers and
-    all-reduces keeping cores busy too (the transport's threads)."""
-    from dataclasses import replace
-    return replace(opts, hosts=[0] * num_ranks, cores=float(cores), comm_uses_cores=True)
+    return on_one_host(base, low.num_ranks, *host) if host else base

@@ -10,16 +10,14 @@ per-layer bytes) and whether each rank's executed op order equals the schedule's
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
 import pandas as pd
 
 from cost_models import CalibrationProfile
-from schedules.trace import op_orders, step_metrics
-from sim import SimOptions, simulate
+from schedules.trace import median_step, op_orders, step_metrics
+from sim.host import simulate_with_profile
 
-from .costs import on_one_host
 
 
 @dataclass
@@ -57,21 +55,6 @@ class Comparison:
                 "simulated_peak_activation_bytes": self.simulated_peak_activation_bytes,
                 "memory_error": self.memory_error, "measured_bubble": self.measured_bubble,
                 "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical}
-
-
-def simulate_with_profile(low, profile: CalibrationProfile, steps: int = 1):
-    """Simulate ``steps`` back-to-back iterations on one host whose cores the ranks share."""
-    costs = profile.cost_model(low.num_stages).bind(low)
-    net = profile.cluster(low.num_ranks)
-    opts = on_one_host(SimOptions(steps=steps), low.num_ranks, profile.cores or 1)
-    return simulate(low, costs, net, opts)
-
-
-def median_step(times: list[float], warmup: int) -> tuple[float, int]:
-    """Median of the per-step iteration times after ``warmup`` steps, and the step closest to it."""
-    idx = list(range(warmup, len(times))) or list(range(len(times)))
-    med = statistics.median(times[i] for i in idx)
-    return med, min(idx, key=lambda i: abs(times[i] - med))
 
 
 def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:

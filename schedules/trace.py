@@ -147,3 +147,11 @@ def write_chrome(trace: pd.DataFrame, path) -> None:
     from pathlib import Path
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(to_chrome(trace)))
+
+
+def median_step(times: list[float], warmup: int) -> tuple[float, int]:
+    """Median of per-step iteration times after ``warmup`` steps, and the step closest to it
+    (the one that represents the run)."""
+    idx = list(range(warmup, len(times))) or list(range(len(times)))
+    med = float(np.median([times[i] for i in idx]))
+    return med, min(idx, key=lambda i: abs(times[i] - med))

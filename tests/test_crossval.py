@@ -63,11 +63,71 @@ def test_short_validate_run_memory_is_exact(profile):
     assert g.measured_peak_activation_bytes[0] > d.measured_peak_activation_bytes[0]
 
 
-def test_runtime_scale_is_robust_to_descheduled_ops():
-    from executor.calibrate import fit_runtime, fit_scale
-    samples = [(p, 1.3 * p) for p in (1e-3, 2e-3, 3e-3, 4e-3, 5e-3)] + [(2e-3, 9e-3)]  # one hiccup
-    assert fit_scale(samples) == pytest.approx(1.3)
-    scale, overhead = fit_runtime({"F": samples, "SEND": [(0.0, 1e-4), (0.0, 2e-4), (0.0, 3e-4)],
-                                   "RECV": [(0.0, x * 1e-5) for x in range(1, 11)]})
-    assert scale["F"] == pytest.approx(1.3) and overhead["SEND"] == pytest.approx(2e-4)
-    assert overhead["RECV"] == pytest.approx(2e-5)   # the 20th percentile: a message already there
+def _synthetic_runs(profile, schedules, D, steps=5):
+    """Runs 'measured' by the simulator itself with a known profile (what the fits must recover)."""
+    from types import SimpleNamespace
+
+    from executor.config import RunConfig, plan
+    from schedules.trace import step_metrics
+    from sim.host import simulate_with_profile
+    out = []
+    for s in schedules:
+        cfg = RunConfig(schedule=s, devices=D, microbatches=2 * D, steps=steps, model="tiny")
+        tr = simulate_with_profile(plan(cfg), profile, steps=steps)
+        out.append(SimpleNamespace(config=cfg, trace=tr, iteration_times=step_metrics(tr).iteration_times))
+    return out
+
+
+def _toy_profile(scale=None, overhead=(), slowdown=1.0, cores=2):
+    from dataclasses import replace
+
+    from cost_models.calibration import LayerTiming
+    from cost_models.cluster import LinkSpec
+    from cost_models.model_spec import load_model
+    from cost_models import CalibrationProfile
+    sc = {"F": 1.0, "B": 1.0, "Bi": 1.0, "W": 1.0, **(scale or {})}
+    spec = load_model("tiny")
+    base = [LayerTiming(1e-4, 0.0, 1.5e-4, 1.5e-4)] + [LayerTiming(4e-4, 3.5e-4, 4.5e-4, 6e-4)] * spec.layers \
+        + [LayerTiming(2e-4, 1.5e-4, 1.5e-4, 2.5e-4)]
+    layers = tuple(replace(t, f=t.f * sc["F"], b_input=t.b_input * sc["Bi"], w=t.w * sc["W"], b=t.b * sc["B"])
+                   for t in base)
+    return CalibrationProfile("toy", spec, layers, LinkSpec("p2p", 4e9, 8e-5), LinkSpec("ar", 1e9, 3e-4),
+                              optimizer_seconds_per_param=5e-9, overhead=tuple(sorted(overhead)), cores=cores,
+                              data_time=3e-4, grad_copy_per_byte=2e-10, oversubscribed_slowdown=slowdown)
+
+
+def test_runtime_fit_through_the_simulator_recovers_known_costs():
+    """Runs made by a profile whose ops cost 1.3x (F), 0.9x (split B), 1.2x (W) the layer times,
+    with SEND and OPTIM overheads: fitting from a profile with the plain layer times recovers them."""
+    from executor.calibrate import fit_runtime
+    truth = _toy_profile({"F": 1.3, "B": 1.1, "Bi": 0.9, "W": 1.2}, (("OPTIM", 4e-4), ("RECV", 2e-5), ("SEND", 1e-4)))
+    runs = _synthetic_runs(truth, ["dapple", "interleaved", "zb-v"], 2)
+    scale, overhead = fit_runtime(runs, lambda sc, ov: _toy_profile(sc, tuple(ov.items())), iterations=5)
+    assert scale["F"] == pytest.approx(1.3, rel=0.02) and scale["B"] == pytest.approx(1.1, rel=0.02)
+    assert scale["Bi"] == pytest.approx(0.9, rel=0.02) and scale["W"] == pytest.approx(1.2, rel=0.02)
+    assert overhead["SEND"] == pytest.approx(1e-4, rel=0.05) and overhead["OPTIM"] == pytest.approx(4e-4, rel=0.05)
+
+
+def test_oversubscribed_slowdown_is_recovered_and_only_applies_beyond_the_cores():
+    from executor.calibrate import fit_oversubscribed
+    from sim import SimOptions
+    from sim.host import on_one_host
+    assert on_one_host(SimOptions(), 2, 2, 1.4).slowdown == {}
+    assert on_one_host(SimOptions(slowdown={1: 2.0}), 4, 2, 1.5).slowdown == {0: 1.5, 1: 3.0, 2: 1.5, 3: 1.5}
+    runs = _synthetic_runs(_toy_profile(slowdown=1.4), ["dapple", "zb-v"], 4)
+    assert fit_oversubscribed(runs, lambda x: _toy_profile(slowdown=x)) == pytest.approx(1.4, rel=0.02)
+
+
+def test_executor_allreduce_rows_end_when_the_sum_is_ready():
+    """On gloo an ALLREDUCE row spans launch to completion, like the simulator's: no member can
+    have the sum before the last member launched it, and OPT waits for it."""
+    from executor.config import RunConfig
+    from executor.launch import run
+    tr = run(RunConfig(schedule="chimera", devices=2, microbatches=2, steps=2, model="tiny")).trace
+    ars = tr[tr["kind"] == "ALLREDUCE"]
+    assert len(ars) == 2 * 2 * 2   # 2 steps x 2 stages x 2 members
+    for (step, stage), g in ars.groupby(["step", "stage"]):
+        assert (g["end"] >= g["start"].max()).all(), (step, stage)
+        for row in g.itertuples():
+            opt = tr[(tr["kind"] == "OPTIM") & (tr["device"] == row.device) & (tr["step"] == step)]
+            assert row.end <= float(opt["end"].iloc[0])
