@@ -17,7 +17,7 @@ runs on this machine. What is measured, and how:
    gradient flatten + write-back per byte around an all-reduce. In the simulator an all-reduce
    keeps a core of every member busy (gloo's threads copy and reduce), shared with compute.
 3. The runtime, through the simulator: short executor runs (1F1B, 1F1B-interleaved, ZB-V at
-   D = min(ranks, cores), the best of 2 each) are traced and simulated with the profile; per op
+   D = min(ranks, cores), the best of 3 each) are traced and simulated with the profile; per op
    kind the compute is scaled by measured / simulated total time, SEND and OPTIM get the mean
    residual as a per-op overhead, RECV the 20th percentile of its durations; repeated to a fixed
    point (:func:`fit_runtime`). Inside a run ops cost more than alone: the ranks share memory
@@ -235,6 +235,12 @@ def measure_comm(spec: ModelSpec, ranks: int, repeats: int = 10) -> dict:
 
 # ---------------------------------------------------------------------------- the runtime
 RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v")   # whole stages, inner chunks, split backward
+PROBE = 20   # host speed probe repeats in traced runs (executor.worker.speed_probe)
+
+
+def probe_seconds(runs: list) -> float:
+    """The host speed the probe saw over ``runs`` (median of their medians)."""
+    return float(statistics.median(r.extra["probe_seconds"] for r in runs))
 
 
 def op_totals(trace, split: bool, warmup_steps: int) -> dict[str, list[float]]:
@@ -251,7 +257,7 @@ def op_totals(trace, split: bool, warmup_steps: int) -> dict[str, list[float]]:
     return out
 
 
-def trace_runtime(model: str, ranks: int, steps: int = 8, repeats: int = 2, warmup_steps: int = 2) -> list:
+def trace_runtime(model: str, ranks: int, steps: int = 12, repeats: int = 3, warmup_steps: int = 2) -> list:
     """Traced executor runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
     N = 2D, each ``repeats`` times (the list in turn, so a slow spell of the host is spread);
     per schedule the run with the lowest median step time is kept (validation compares with the
@@ -260,7 +266,7 @@ def trace_runtime(model: str, ranks: int, steps: int = 8, repeats: int = 2, warm
 
     from .config import RunConfig
     from .launch import run_many
-    cfgs = [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model)
+    cfgs = [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE)
             for s in RUNTIME_SCHEDULES]
     best: dict[str, tuple[float, object]] = {}
     for res in run_many(cfgs * repeats):
@@ -271,50 +277,66 @@ def trace_runtime(model: str, ranks: int, steps: int = 8, repeats: int = 2, warm
     return [best[s][1] for s in RUNTIME_SCHEDULES]
 
 
+COMPUTE_KINDS = ("F", "B", "Bi", "W")
+
+
 def fit_runtime(runs: list, make_profile: Callable[[dict, dict], CalibrationProfile], *,
-                warmup_steps: int = 2, iterations: int = 4) -> tuple[dict[str, float], dict[str, float]]:
+                warmup_steps: int = 2, iterations: int = 5) -> tuple[dict[str, float], dict[str, float]]:
     """Fit the runtime's costs so that the simulator reproduces the traced ``runs``.
 
-    Inside a run, ops cost more than the layers alone (ranks share memory bandwidth and caches,
-    the runtime adds hooks and Python dispatch), and when ranks outnumber the cores they also
-    wait for a core: the simulator models that part itself (processor sharing). So the fit goes
-    through the simulator: simulate the runs with the current profile, then per op kind scale
-    the compute (F, B, split B "Bi", W) by measured / simulated total time, and move the per-op
-    overhead of SEND and OPTIM by the mean residual; repeat. Totals, not medians: a run pays
-    every op's time, the slow ones included. RECV keeps the 20th percentile of its measured
-    durations (a receive whose message is already there).
+    Inside a run ops cost more than the layers alone (ranks share memory bandwidth and caches)
+    and every op pays a fixed cost (Python dispatch, hooks, the runtime's bookkeeping), while
+    ranks that outnumber the cores also wait for one: the simulator models that part itself
+    (processor sharing). So the fit goes through the simulator: simulate the runs with the
+    current profile; per run and compute kind (F, B, split B "Bi", W) take the measured and
+    simulated total time; fit measured = scale_kind x simulated + overhead x ops by least squares
+    (one per-op overhead shared by the compute kinds: the runs differ in op size, 1F1B's stages
+    against the chunks of 1F1B-interleaved and ZB-V, which tells the two apart); scale the
+    optimizer step (OPTIM) by measured / simulated total and move SEND's per-op overhead by the
+    mean residual; repeat. Totals, not medians: a run pays every op's time, the slow ones
+    included. RECV keeps the 20th percentile of its measured durations (a receive whose message
+    is already there).
 
     ``make_profile(scale, overhead)`` builds the profile to simulate with. Returns (scale, overhead).
     """
     from sim.host import simulate_with_profile
 
     from .config import plan
-    scale = {k: 1.0 for k in ("F", "B", "Bi", "W")}
+    scale = {k: 1.0 for k in COMPUTE_KINDS + ("OPTIM",)}
     recv = sorted(d for res in runs for d in
                   (lambda t: (t["end"] - t["start"])[t["kind"] == "RECV"])(res.trace[res.trace["step"] >= warmup_steps]))
-    overhead = {"SEND": 0.0, "OPTIM": 0.0, "RECV": recv[int(0.2 * (len(recv) - 1))] if recv else 0.0}
+    overhead = {"SEND": 0.0, "RECV": recv[int(0.2 * (len(recv) - 1))] if recv else 0.0, "F": 0.0, "B": 0.0, "W": 0.0}
     lows = [plan(res.config) for res in runs]
-    measured: dict[str, list[float]] = {}
-    for res, low in zip(runs, lows):
-        for k, (tot, n) in op_totals(res.trace, low.split_backward, warmup_steps).items():
-            acc = measured.setdefault(k, [0.0, 0])
-            acc[0] += tot
-            acc[1] += n
+    measured = [op_totals(res.trace, low.split_backward, warmup_steps) for res, low in zip(runs, lows)]
+
+    def total(per_run, kind):
+        return sum(t.get(kind, [0.0, 0])[0] for t in per_run), sum(t.get(kind, [0.0, 0])[1] for t in per_run)
+
     for _ in range(iterations):
         prof = make_profile(scale, overhead)
-        simulated: dict[str, list[float]] = {}
-        for res, low in zip(runs, lows):
-            st = simulate_with_profile(low, prof, steps=len(res.iteration_times))
-            for k, (tot, n) in op_totals(st, low.split_backward, warmup_steps).items():
-                acc = simulated.setdefault(k, [0.0, 0])
-                acc[0] += tot
-                acc[1] += n
-        for k in scale:
-            if k in measured and simulated.get(k, [0.0])[0] > 0:
-                scale[k] *= measured[k][0] / simulated[k][0]
-        for k in ("SEND", "OPTIM"):
-            if k in measured and k in simulated:
-                overhead[k] = max(0.0, overhead[k] + (measured[k][0] - simulated[k][0]) / measured[k][1])
+        simulated = [op_totals(simulate_with_profile(low, prof, steps=len(res.iteration_times)), low.split_backward,
+                               warmup_steps) for res, low in zip(runs, lows)]
+        c_old = overhead["F"]
+        # (measured, scalable simulated part, ops) per run and compute kind
+        rows = {k: [(m[k][0], s[k][0] - c_old * s[k][1], m[k][1]) for m, s in zip(measured, simulated)
+                    if k in m and k in s and s[k][0] > 0] for k in COMPUTE_KINDS}
+        rows = {k: v for k, v in rows.items() if v}
+        alpha, c = {k: 1.0 for k in rows}, c_old
+        for _ in range(50):   # alternate: per-kind scale for the overhead, overhead for the scales
+            alpha = {k: max(1e-3, sum((m - c * n) * x for m, x, n in v) / sum(x * x for _, x, _ in v))
+                     for k, v in rows.items()}
+            num = sum((m - alpha[k] * x) * n for k, v in rows.items() for m, x, n in v)
+            den = sum(n * n for v in rows.values() for _, _, n in v)
+            c = max(0.0, num / den) if den else 0.0
+        for k, a in alpha.items():
+            scale[k] *= a
+        overhead.update(F=c, B=c, W=c)
+        mo, so = total(measured, "OPTIM"), total(simulated, "OPTIM")
+        if so[0] > 0:
+            scale["OPTIM"] *= mo[0] / so[0]
+        ms, ss = total(measured, "SEND"), total(simulated, "SEND")
+        if ms[1]:
+            overhead["SEND"] = max(0.0, overhead["SEND"] + (ms[0] - ss[0]) / ms[1])
     return scale, overhead
 
 
@@ -390,6 +412,7 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     base_ranks = max(2, min(ranks, cores))
     report("runtime (traced runs)")
     runs = trace_runtime(model, base_ranks)
+    probes = {str(base_ranks): probe_seconds(runs)}
     per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
@@ -401,11 +424,11 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
             name=f"{platform.node() or 'host'}-{model}", model=spec,
             layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
             p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
-            optimizer_seconds_per_param=opt, copy_time=0.0, memory_bytes=None,
+            optimizer_seconds_per_param=opt * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
             act_bytes=tuple(float(x["act"]) for x in per), act_w_bytes=tuple(float(x["act_w"]) for x in per),
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
-            meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks))
+            meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes)))
 
     # the runtime is fitted with no more ranks than cores; what sharing the cores costs beyond
     # ideal processor sharing is fitted on runs with as many ranks as the runs to predict
@@ -413,6 +436,8 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     slowdown = 1.0
     if ranks > base_ranks:
         report("oversubscribed cores (traced runs)")
-        slowdown = fit_oversubscribed(trace_runtime(model, ranks), lambda x: make_profile(scale, overhead, x))
+        over = trace_runtime(model, ranks)
+        probes[str(ranks)] = probe_seconds(over)
+        slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x))
     prof = make_profile(scale, overhead, slowdown)
     return prof

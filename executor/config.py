@@ -51,6 +51,8 @@ class RunConfig:
     fault: str | None = None        # fault injection for tests: "RANK:TOKEN[:STEP]" raises there
     micro_batch: int | None = None  # sequences per micro-batch (None: the spec's micro_batch)
     partition: tuple[int, ...] | None = None  # blocks per stage of a model copy (None: even split)
+    probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
+                                    # and after the steps on every rank at once (0: off); see worker
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:

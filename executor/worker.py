@@ -20,6 +20,13 @@ schedules per spawn). Per job every rank:
 4. runs the steps with :class:`executor.runtime.PipelineRuntime`;
 5. sends its trace rows, losses, memory and (on request) parameters to rank 0, which merges them
    into a :class:`executor.config.RunResult`.
+
+With ``probe`` > 0 every rank also times, all at once, the forward and backward of one transformer
+block on one micro-batch, ``probe`` times before and as many after the steps: the host's speed
+during the run (``RunResult.extra["probe_seconds"]``, the median). Validation compares it with
+the speed the calibration saw (the same probe in its traced runs), so a host that is slower or
+faster than when it was calibrated (a shared VM drifts by 10-30% over minutes) is told apart
+from an error of the model.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from schedules.trace import make_trace, step_metrics
 from .config import RunConfig, RunResult
 from .data import TokenSource
 from .device import DeviceContext, NullMeter, cpu_threads, select_device
-from .model import boundary_shape, make_optimizer, stage_module
+from .model import Block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
 
@@ -147,14 +154,17 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
 def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RunResult | None:
     cfg, sched = job.config, job.schedule
     rs = setup_rank(job, rank, world, ctx, groups)
+    probe = speed_probe(cfg.spec(), ctx, cfg.probe) if cfg.probe else []
     rows, losses, peak = [], [], 0
     for step in range(cfg.steps):
         out = rs.runtime.run_step(step)
         rows += out.rows
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)
+    if cfg.probe:
+        probe += speed_probe(cfg.spec(), ctx, cfg.probe)
     report = {"rank": rank, "rows": rows, "losses": losses, "peak": peak, "fwd_bytes": rs.runtime.fwd_bytes,
-              "static_bytes": _static_bytes(rs.params, rs.optimizer)}
+              "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe}
     if cfg.collect_params:
         replica = rank // sched.num_devices
         report["params"] = {f"r{replica}.c{c}/{n}": p.detach().cpu().clone() for (c, _), m in rs.modules.items()
@@ -162,6 +172,23 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(report, gathered, dst=0)
     return merge_reports(cfg, sched, gathered, backend=ctx.backend) if rank == 0 else None
+
+
+def speed_probe(spec, ctx: DeviceContext, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` forward + backward passes of one transformer block on one
+    micro-batch, started on every rank at once (a barrier first), after one untimed pass."""
+    gen = torch.Generator().manual_seed(1234)
+    block = Block(spec).to(ctx.device)
+    x = torch.randn(spec.micro_batch, spec.seq_len, spec.hidden, generator=gen).to(ctx.device).requires_grad_(True)
+    dist.barrier()
+    out = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        block(x).sum().backward()
+        ctx.synchronize()
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
 
 
 def _aligned_clock(world: int) -> float:
@@ -206,7 +233,12 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     params = None
     if cfg.collect_params:
         params = {k: v for rep in reports for k, v in rep["params"].items()}
-    return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params)
+    extra = {}
+    probes = sorted(t for rep in reports for t in rep["probe"])
+    if probes:
+        extra["probe_seconds"] = probes[len(probes) // 2]
+    return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,
+                     extra=extra)
 
 
 def local_env() -> tuple[int, int, int, int]:

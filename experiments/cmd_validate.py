@@ -17,8 +17,8 @@ def add_arguments(p):
     p.add_argument("--chunks", "-v", type=int, default=2)
     p.add_argument("--steps", type=int, default=12, help="executor steps (default 12)")
     p.add_argument("--warmup", type=int, default=2, help="steps dropped before the median (default 2)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="executor runs per schedule; the one with the lowest median counts (default 2)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="executor runs per schedule; the one with the lowest median counts (default 3)")
     p.add_argument("--profile", help="calibration profile; default: calibrate now (pipetwin calibrate)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--plot", default="out/validate.png", help="overlay figure (default out/validate.png)")
@@ -70,14 +70,21 @@ def main(args) -> int:
              "bubble_sim": sum(c.simulated_bubble) / len(c.simulated_bubble),
              "peak_act_meas_B": max(c.measured_peak_activation_bytes),
              "peak_act_sim_B": max(c.simulated_peak_activation_bytes), "mem_err": c.memory_error,
-             "order_identical": c.order_identical} for c in comps]
+             "order_identical": c.order_identical, "host_speed": c.host_speed,
+             "err_drift_adj": c.drift_adjusted_error} for c in comps]
     print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps, "
           f"first {args.warmup} dropped, median; best of {args.repeats} runs")
     print(fmt_table(rows, list(rows[0]), {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}",
                                           "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_meas_B": "{:.0f}",
-                                          "peak_act_sim_B": "{:.0f}", "mem_err": "{:.2%}"}))
+                                          "peak_act_sim_B": "{:.0f}", "mem_err": "{:.2%}",
+                                          "host_speed": "{:.2f}", "err_drift_adj": "{:+.1%}"}))
     errs = sorted(abs(c.error) for c in comps)
     print(f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}")
+    speeds = [c.host_speed for c in comps if c.host_speed is not None]
+    if speeds:
+        adj = sorted(abs(c.drift_adjusted_error) for c in comps if c.drift_adjusted_error is not None)
+        print(f"host speed during the runs vs calibration (block probe): {min(speeds):.2f}-{max(speeds):.2f}; "
+              f"|error| with that drift taken out: median {adj[len(adj) // 2]:.1%}, max {adj[-1]:.1%}")
     for n, why in skipped.items():
         print(f"skipped {n}: {why}")
     if args.plot:

@@ -34,12 +34,29 @@ class Comparison:
     measured_bubble: list[float]
     simulated_bubble: list[float]
     order_identical: bool
+    measured_probe: float | None = None     # host speed probe during the run (s), see executor.worker
+    profile_probe: float | None = None      # the same probe when the profile was calibrated
     measured_trace: pd.DataFrame = field(repr=False, default=None)
     simulated_trace: pd.DataFrame = field(repr=False, default=None)
 
     @property
     def error(self) -> float:
         return self.simulated_iteration_time / self.measured_iteration_time - 1.0
+
+    @property
+    def host_speed(self) -> float | None:
+        """How fast the host ran compared with calibration (probe at calibration / probe now):
+        0.9 means compute was 10% slower during this run than the profile assumes."""
+        if not self.measured_probe or not self.profile_probe:
+            return None
+        return self.profile_probe / self.measured_probe
+
+    @property
+    def drift_adjusted_error(self) -> float | None:
+        """The error with the simulated time divided by ``host_speed``: what is left once the
+        host's drift since calibration is accounted for (an estimate: all time treated as compute)."""
+        hs = self.host_speed
+        return None if hs is None else self.simulated_iteration_time / hs / self.measured_iteration_time - 1.0
 
     @property
     def memory_error(self) -> float:
@@ -54,7 +71,8 @@ class Comparison:
                 "measured_peak_activation_bytes": self.measured_peak_activation_bytes,
                 "simulated_peak_activation_bytes": self.simulated_peak_activation_bytes,
                 "memory_error": self.memory_error, "measured_bubble": self.measured_bubble,
-                "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical}
+                "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical,
+                "host_speed": self.host_speed, "drift_adjusted_error": self.drift_adjusted_error}
 
 
 def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
@@ -78,8 +96,10 @@ def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list
         out.append(Comparison(cfg.schedule, cfg.devices, cfg.microbatches, cfg.replicas, med, sim_med,
                               list(res.iteration_times), [float(p["peak_activation_bytes"]) for p in res.per_device],
                               [p.peak_activation for p in sm.per_device], [p.bubble_ratio for p in mm.per_device],
-                              [p.bubble_ratio for p in sm.per_device], identical, mtr[mtr["step"] == step],
-                              str_[str_["step"] == sim_step]))
+                              [p.bubble_ratio for p in sm.per_device], identical,
+                              measured_probe=res.extra.get("probe_seconds"),
+                              profile_probe=(profile.meta.get("probe_seconds") or {}).get(str(low.num_ranks)),
+                              measured_trace=mtr[mtr["step"] == step], simulated_trace=str_[str_["step"] == sim_step]))
     return out
 
 
@@ -89,10 +109,11 @@ def run_and_compare(schedules: list[str], devices: int, microbatches: int, repli
     """Run each schedule ``repeats`` times (the whole list, then again, so a passing slowdown of
     the host hits different schedules) and compare the run with the lowest median step time:
     the simulator predicts the machine undisturbed."""
+    from executor.calibrate import PROBE
     from executor.config import RunConfig
     from executor.launch import run_many
     cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model or profile.model.name) for s in schedules]
+                      steps=steps, model=model or profile.model.name, probe=PROBE) for s in schedules]
     results = run_many(cfgs * max(1, repeats))
     best = {}
     for i, res in enumerate(results):
