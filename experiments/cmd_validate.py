@@ -70,16 +70,21 @@ def main(args) -> int:
              "bubble_sim": sum(c.simulated_bubble) / len(c.simulated_bubble),
              "peak_act_meas_B": max(c.measured_peak_activation_bytes),
              "peak_act_sim_B": max(c.simulated_peak_activation_bytes), "mem_err": c.memory_error,
-             "order_identical": c.order_identical, "host_speed": c.host_speed,
+             "order_identical": c.order_identical, "run_spread": c.run_spread, "host_speed": c.host_speed,
              "err_drift_adj": c.drift_adjusted_error} for c in comps]
     print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps, "
           f"first {args.warmup} dropped, median; best of {args.repeats} runs")
     print(fmt_table(rows, list(rows[0]), {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}",
                                           "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_meas_B": "{:.0f}",
                                           "peak_act_sim_B": "{:.0f}", "mem_err": "{:.2%}",
-                                          "host_speed": "{:.2f}", "err_drift_adj": "{:+.1%}"}))
+                                          "run_spread": "{:.1%}", "host_speed": "{:.2f}",
+                                          "err_drift_adj": "{:+.1%}"}))
     errs = sorted(abs(c.error) for c in comps)
     print(f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}")
+    spreads = sorted(c.run_spread for c in comps if c.run_spread is not None)
+    if spreads:
+        print(f"run-to-run spread of the measured medians ({args.repeats} runs each, the host's own noise): "
+              f"median {spreads[len(spreads) // 2]:.1%}, max {spreads[-1]:.1%}")
     speeds = [c.host_speed for c in comps if c.host_speed is not None]
     if speeds:
         adj = sorted(abs(c.drift_adjusted_error) for c in comps if c.drift_adjusted_error is not None)

@@ -35,6 +35,7 @@ class Comparison:
     simulated_bubble: list[float]
     order_identical: bool
     measured_probe: float | None = None     # host speed probe during the run (s), see executor.worker
+    run_medians: list[float] = field(default_factory=list)   # median step time of every repeat run
     profile_probe: float | None = None      # the same probe when the profile was calibrated
     measured_trace: pd.DataFrame = field(repr=False, default=None)
     simulated_trace: pd.DataFrame = field(repr=False, default=None)
@@ -42,6 +43,12 @@ class Comparison:
     @property
     def error(self) -> float:
         return self.simulated_iteration_time / self.measured_iteration_time - 1.0
+
+    @property
+    def run_spread(self) -> float | None:
+        """How far apart the repeat runs of this schedule were: slowest / fastest median - 1. The
+        host's own reproducibility; an error of that size is noise, not the model."""
+        return max(self.run_medians) / min(self.run_medians) - 1.0 if len(self.run_medians) > 1 else None
 
     @property
     def host_speed(self) -> float | None:
@@ -72,7 +79,8 @@ class Comparison:
                 "simulated_peak_activation_bytes": self.simulated_peak_activation_bytes,
                 "memory_error": self.memory_error, "measured_bubble": self.measured_bubble,
                 "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical,
-                "host_speed": self.host_speed, "drift_adjusted_error": self.drift_adjusted_error}
+                "host_speed": self.host_speed, "drift_adjusted_error": self.drift_adjusted_error,
+                "run_medians": self.run_medians, "run_spread": self.run_spread}
 
 
 def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
@@ -115,13 +123,17 @@ def run_and_compare(schedules: list[str], devices: int, microbatches: int, repli
     cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
                       steps=steps, model=model or profile.model.name, probe=PROBE) for s in schedules]
     results = run_many(cfgs * max(1, repeats))
-    best = {}
+    best, medians = {}, {}
     for i, res in enumerate(results):
         name = schedules[i % len(schedules)]
         med = median_step(res.iteration_times, warmup)[0]
+        medians.setdefault(name, []).append(med)
         if name not in best or med < best[name][0]:
             best[name] = (med, res)
-    return compare([best[n][1] for n in schedules], profile, warmup)
+    comps = compare([best[n][1] for n in schedules], profile, warmup)
+    for c, n in zip(comps, schedules):
+        c.run_medians = medians[n]
+    return comps
 
 
 def plot_overlay(comps: list[Comparison], path) -> None:
