@@ -17,10 +17,10 @@ runs on this machine. What is measured, and how:
    gradient flatten + write-back per byte around an all-reduce. In the simulator an all-reduce
    keeps a core of every member busy (gloo's threads copy and reduce), shared with compute.
 3. The runtime, through the simulator: short executor runs (1F1B, 1F1B-interleaved, ZB-V at
-   D = min(ranks, cores), the best of 3 each) are traced and simulated with the profile; per op
-   kind the compute is scaled by measured / simulated total time, SEND and OPTIM get the mean
-   residual as a per-op overhead, RECV the 20th percentile of its durations; repeated to a fixed
-   point (:func:`fit_runtime`). Inside a run ops cost more than alone: the ranks share memory
+   D = :func:`fit_ranks`, the best of 3 each) are traced and simulated with the profile; per op
+   kind the compute gets a scale and all compute ops one per-op cost (least squares on measured
+   vs simulated totals), OPTIM a scale, SEND the mean residual as a per-op cost, RECV the 20th
+   percentile of its durations; repeated to a fixed point (:func:`fit_runtime`). Inside a run ops cost more than alone: the ranks share memory
    bandwidth and caches, the runtime adds hooks and Python dispatch.
 4. More ranks than cores (``ranks`` > cores): the OS time-slices them in ~4 ms quanta, which
    costs more than ideal processor sharing. The same runs at D = ``ranks`` give one compute
@@ -259,22 +259,13 @@ def op_totals(trace, split: bool, warmup_steps: int) -> dict[str, list[float]]:
 
 def trace_runtime(model: str, ranks: int, steps: int = 12, repeats: int = 3, warmup_steps: int = 2) -> list:
     """Traced executor runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
-    N = 2D, each ``repeats`` times (the list in turn, so a slow spell of the host is spread);
-    per schedule the run with the lowest median step time is kept (validation compares with the
-    best of its runs too: the model predicts the host undisturbed)."""
-    from schedules.trace import median_step
-
+    N = 2D, the best of ``repeats`` runs each (:func:`executor.launch.run_best_of`; validation
+    compares with the best of its runs too: the model predicts the host undisturbed)."""
     from .config import RunConfig
-    from .launch import run_many
+    from .launch import run_best_of
     cfgs = [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE)
             for s in RUNTIME_SCHEDULES]
-    best: dict[str, tuple[float, object]] = {}
-    for res in run_many(cfgs * repeats):
-        med = median_step(res.iteration_times, warmup_steps)[0]
-        name = res.config.schedule
-        if name not in best or med < best[name][0]:
-            best[name] = (med, res)
-    return [best[s][1] for s in RUNTIME_SCHEDULES]
+    return [res for res, _ in run_best_of(cfgs, repeats, warmup_steps)]
 
 
 COMPUTE_KINDS = ("F", "B", "Bi", "W")
@@ -303,8 +294,11 @@ def fit_runtime(runs: list, make_profile: Callable[[dict, dict], CalibrationProf
 
     from .config import plan
     scale = {k: 1.0 for k in COMPUTE_KINDS + ("OPTIM",)}
-    recv = sorted(d for res in runs for d in
-                  (lambda t: (t["end"] - t["start"])[t["kind"] == "RECV"])(res.trace[res.trace["step"] >= warmup_steps]))
+    recv = []
+    for res in runs:
+        t = res.trace[(res.trace["step"] >= warmup_steps) & (res.trace["kind"] == "RECV")]
+        recv += (t["end"] - t["start"]).tolist()
+    recv.sort()
     overhead = {"SEND": 0.0, "RECV": recv[int(0.2 * (len(recv) - 1))] if recv else 0.0, "F": 0.0, "B": 0.0, "W": 0.0}
     lows = [plan(res.config) for res in runs]
     measured = [op_totals(res.trace, low.split_backward, warmup_steps) for res, low in zip(runs, lows)]
@@ -390,6 +384,12 @@ def measure_optimizer(spec: ModelSpec, threads: int, repeats: int = 10) -> float
     return t / sum(p.numel() for p in m.parameters())
 
 
+def fit_ranks(ranks: int) -> int:
+    """Ranks of the runs the runtime is fitted on: no more than the host's cores (at least 2);
+    when ``ranks`` is larger, the cost of oversubscribed cores is fitted on runs at ``ranks``."""
+    return max(2, min(ranks, os.cpu_count() or 1))
+
+
 def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None) -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
     predicted put on this host (it sets the thread count per rank, like the executor does)."""
@@ -409,7 +409,7 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
     ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, ranks))
     cores = os.cpu_count() or 1
-    base_ranks = max(2, min(ranks, cores))
+    base_ranks = fit_ranks(ranks)
     report("runtime (traced runs)")
     runs = trace_runtime(model, base_ranks)
     probes = {str(base_ranks): probe_seconds(runs)}

@@ -154,15 +154,16 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
 def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RunResult | None:
     cfg, sched = job.config, job.schedule
     rs = setup_rank(job, rank, world, ctx, groups)
-    probe = speed_probe(cfg.spec(), ctx, cfg.probe) if cfg.probe else []
+    probe_host = speed_probe(cfg.spec(), ctx, cfg.probe) if cfg.probe else None
+    probe = probe_host() if probe_host else []
     rows, losses, peak = [], [], 0
     for step in range(cfg.steps):
         out = rs.runtime.run_step(step)
         rows += out.rows
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)
-    if cfg.probe:
-        probe += speed_probe(cfg.spec(), ctx, cfg.probe)
+    if probe_host:
+        probe += probe_host()
     report = {"rank": rank, "rows": rows, "losses": losses, "peak": peak, "fwd_bytes": rs.runtime.fwd_bytes,
               "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe}
     if cfg.collect_params:
@@ -174,21 +175,25 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     return merge_reports(cfg, sched, gathered, backend=ctx.backend) if rank == 0 else None
 
 
-def speed_probe(spec, ctx: DeviceContext, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` forward + backward passes of one transformer block on one
-    micro-batch, started on every rank at once (a barrier first), after one untimed pass."""
+def speed_probe(spec, ctx: DeviceContext, repeats: int):
+    """A probe of the host's speed: each call returns the seconds of ``repeats`` forward +
+    backward passes of one transformer block on one micro-batch, started on every rank at once
+    (a barrier first), after one untimed pass."""
     gen = torch.Generator().manual_seed(1234)
     block = Block(spec).to(ctx.device)
     x = torch.randn(spec.micro_batch, spec.seq_len, spec.hidden, generator=gen).to(ctx.device).requires_grad_(True)
-    dist.barrier()
-    out = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        block(x).sum().backward()
-        ctx.synchronize()
-        if i:
-            out.append(time.perf_counter() - t0)
-    return out
+
+    def probe() -> list[float]:
+        dist.barrier()
+        out = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            block(x).sum().backward()
+            ctx.synchronize()
+            if i:
+                out.append(time.perf_counter() - t0)
+        return out
+    return probe
 
 
 def _aligned_clock(world: int) -> float:

@@ -1,7 +1,6 @@
 """``pipetwin calibrate``: measure this machine with the executor's code and write a profile."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 NAME = "calibrate"
@@ -19,13 +18,13 @@ def main(args) -> int:
     from tqdm import tqdm
 
     from cost_models import save_profile
-    from executor.calibrate import calibrate
+    from executor.calibrate import calibrate, fit_ranks
 
     if args.ranks < 1 or args.repeats < 3:
         raise ValueError("--ranks must be >= 1 and --repeats >= 3")
     stages = ["layers", "layer embedding", "layer block", "layer head", "optimizer", "communication",
               "runtime (traced runs)"]
-    if args.ranks > (os.cpu_count() or 1):
+    if args.ranks > fit_ranks(args.ranks):
         stages.append("oversubscribed cores (traced runs)")
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):

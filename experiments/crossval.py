@@ -114,25 +114,17 @@ def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list
 def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
                     steps: int = 8, warmup: int = 2, model: str | None = None, chunks: int = 2,
                     repeats: int = 1) -> list[Comparison]:
-    """Run each schedule ``repeats`` times (the whole list, then again, so a passing slowdown of
-    the host hits different schedules) and compare the run with the lowest median step time:
-    the simulator predicts the machine undisturbed."""
+    """Run each schedule ``repeats`` times and compare the run with the lowest median step time
+    (:func:`executor.launch.run_best_of`): the simulator predicts the machine undisturbed."""
     from executor.calibrate import PROBE
     from executor.config import RunConfig
-    from executor.launch import run_many
+    from executor.launch import run_best_of
     cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
                       steps=steps, model=model or profile.model.name, probe=PROBE) for s in schedules]
-    results = run_many(cfgs * max(1, repeats))
-    best, medians = {}, {}
-    for i, res in enumerate(results):
-        name = schedules[i % len(schedules)]
-        med = median_step(res.iteration_times, warmup)[0]
-        medians.setdefault(name, []).append(med)
-        if name not in best or med < best[name][0]:
-            best[name] = (med, res)
-    comps = compare([best[n][1] for n in schedules], profile, warmup)
-    for c, n in zip(comps, schedules):
-        c.run_medians = medians[n]
+    best = run_best_of(cfgs, repeats, warmup)
+    comps = compare([res for res, _ in best], profile, warmup)
+    for c, (_, meds) in zip(comps, best):
+        c.run_medians = meds
     return comps
 
 
