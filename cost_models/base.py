@@ -18,7 +18,7 @@ def _table(rows) -> Table:
     return tuple(tuple(float(x) for x in r) for r in rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageCosts:
     """Costs of every (copy, stage) of a schedule.
 
@@ -78,10 +78,10 @@ class UnitCostModel:
         static = [0.0] * sched.num_ranks
         for r in range(sched.num_ranks):
             static[r] = f * len(sched.stages_on(sched.rank_device(r)))
-        return StageCosts("F", "Ma", _table(ones), _table(b), _table(w), _table(ones),
-                          _table(ones if sched.split_backward else zeros),
-                          _table(zeros), _table(zeros), _table(zeros), tuple(static),
-                          tuple([0.0] * sched.num_ranks), 0.0, {"model": "unit"})
+        return StageCosts(time_unit="F", mem_unit="Ma", f=_table(ones), b=_table(b), w=_table(w), act=_table(ones),
+                          act_w=_table(ones if sched.split_backward else zeros), act_bytes=_table(zeros),
+                          grad_bytes=_table(zeros), param_bytes=_table(zeros), static_mem=tuple(static),
+                          optim_time=tuple([0.0] * sched.num_ranks), meta={"model": "unit"})
 
 
 def partition_layers(num_layers: int, num_stages: int, sizes: Sequence[int] | None = None) -> list[range]:
@@ -180,7 +180,10 @@ class PerLayerCostModel:
             static.append(p * L.bytes_per_param_static)
             optim.append(p * L.optim_time_per_param + ovh.get("OPTIM", 0.0))
         rows = lambda v: _table([v] * C)  # noqa: E731
-        return StageCosts("s", "B", _table(f_copy), rows(b), rows(w), rows(act), rows(act_w), rows(out), rows(grad),
-                          rows([p * L.grad_bytes_per_param for p in params]), tuple(static), tuple(optim),
-                          L.copy_time, {"model": "per-layer", "partition": [len(r) for r in parts]},
-                          ovh.get("SEND", 0.0), ovh.get("RECV", 0.0), L.grad_copy_per_byte)
+        return StageCosts(time_unit="s", mem_unit="B", f=_table(f_copy), b=rows(b), w=rows(w), act=rows(act),
+                          act_w=rows(act_w), act_bytes=rows(out), grad_bytes=rows(grad),
+                          param_bytes=rows([p * L.grad_bytes_per_param for p in params]), static_mem=tuple(static),
+                          optim_time=tuple(optim), copy_time=L.copy_time,
+                          meta={"model": "per-layer", "partition": [len(r) for r in parts]},
+                          send_time=ovh.get("SEND", 0.0), recv_time=ovh.get("RECV", 0.0),
+                          grad_copy_per_byte=L.grad_copy_per_byte)

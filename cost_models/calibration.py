@@ -81,7 +81,8 @@ class CalibrationProfile:
     oversubscribed_slowdown: float = 1.0          # compute slowdown while the ranks outnumber the cores
 
     def device(self) -> DeviceSpec:
-        return DeviceSpec("cpu", (), self.memory_bytes, None, 1.0, True, f"CPU rank calibrated by {self.name}")
+        return DeviceSpec(name="cpu", memory_bytes=self.memory_bytes, calibrated=True,
+                          description=f"CPU rank calibrated by {self.name}")
 
     def layer_costs(self, recompute: str = "none", bytes_per_param: float = 16.0,
                     grad_bytes_per_param: float | None = None, dropout: bool = True) -> LayerCosts:
@@ -127,8 +128,9 @@ class CalibrationProfile:
     def cluster(self, num_ranks: int) -> Cluster:
         """``num_ranks`` cpu ranks on one host: the p2p fit is every rank's port, the all-reduce fit
         the collective."""
-        return Cluster(f"{self.name}-{num_ranks}", 1, num_ranks, self.device(), self.p2p, self.p2p, 1, None,
-                       self.allreduce, f"{num_ranks} CPU ranks calibrated by profile {self.name}")
+        return Cluster(name=f"{self.name}-{num_ranks}", nodes=1, devices_per_node=num_ranks, device=self.device(),
+                       intra=self.p2p, inter=self.p2p, collective=self.allreduce,
+                       description=f"{num_ranks} CPU ranks calibrated by profile {self.name}")
 
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "name": self.name, "model": self.model.to_dict(),

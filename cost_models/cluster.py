@@ -105,7 +105,7 @@ def link_from_value(value, source: str, field: str) -> LinkSpec:
     return LinkSpec(kind, bw, lat)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Cluster:
     """``nodes`` x ``devices_per_node`` devices; see the module docstring for the link model.
 
@@ -250,7 +250,8 @@ def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
     desc = d.get("description", "")
     if not isinstance(name, str) or not isinstance(desc, str):
         raise SpecError(f"{source}: fields 'name' and 'description' must be strings")
-    return Cluster(name, nodes, dpn, device, intra, inter, nics, None, coll, desc)
+    return Cluster(name=name, nodes=nodes, devices_per_node=dpn, device=device, intra=intra, inter=inter,
+                   nics_per_node=nics, collective=coll, description=desc)
 
 
 def cluster_presets() -> list[str]:

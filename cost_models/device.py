@@ -25,7 +25,7 @@ from ._spec import SpecError
 PRECISIONS = ("fp16", "bf16", "fp32", "tf32", "fp8")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     """One accelerator. ``peak_flops`` is a tuple of (precision, dense FLOP/s) pairs."""
 
@@ -92,7 +92,8 @@ def device_from_dict(d, source: str = "<dict>") -> DeviceSpec:
     desc = d.get("description", "")
     if not isinstance(name, str) or not isinstance(desc, str):
         raise SpecError(f"{source}: fields 'name' and 'description' must be strings")
-    return DeviceSpec(name, tuple(peaks), mem, bw, eff, calibrated, desc)
+    return DeviceSpec(name=name, peak_flops=tuple(peaks), memory_bytes=mem, memory_bandwidth=bw, efficiency=eff,
+                      calibrated=calibrated, description=desc)
 
 
 def device_presets() -> list[str]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from schedules.ir import COMPUTE_KINDS, activation_change
+
 from .base import StageCosts
 
 
@@ -53,20 +55,15 @@ def static_memory(sched, param_counts: Sequence[float], weight_bytes: float = 2.
 
 
 def activation_walk(program: Iterable, costs: StageCosts, split_backward: bool) -> list[float]:
-    """Activation memory after each compute op of a program (F / B / W ops; others skipped)."""
+    """Activation memory after each compute op of a program (F / B / W ops; others skipped), by
+    the one activation rule :func:`schedules.ir.activation_change`."""
     level, out = 0.0, []
     for op in program:
-        k = op.kind
-        if k == "F":
-            level += costs.act[op.copy][op.stage]
-        elif k == "B":
-            level -= costs.act[op.copy][op.stage]
-            if split_backward:
-                level += costs.act_w[op.copy][op.stage]
-        elif k == "W":
-            level -= costs.act_w[op.copy][op.stage]
-        else:
+        if op.kind not in COMPUTE_KINDS:
             continue
+        act_w = costs.act_w[op.copy][op.stage] if split_backward else 0.0
+        alloc, free = activation_change(op.kind, costs.act[op.copy][op.stage], act_w, split_backward)
+        level += alloc - free
         out.append(level)
     return out
 

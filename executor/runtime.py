@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, GRAD, OPTIM, RECV, SEND, W, Op, Schedule,
                           message_key)
+from schedules.trace import TraceRow
 
 from .data import TokenSource
 from .device import DeviceContext
@@ -75,7 +75,7 @@ class _StepState:
 
 @dataclass
 class StepOutcome:
-    rows: list[tuple]
+    rows: list[TraceRow]
     loss_sum: float
     peak_activation: int
 
@@ -130,8 +130,8 @@ class PipelineRuntime:
             if op.kind in (F, B, W):
                 self.ctx.synchronize()
             t1 = now()
-            rows.append((self.rank, step, seq, op.kind, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer,
-                         t0 - self.clock0, t1 - self.clock0, float(nbytes), float(self.meter.current())))
+            rows.append(TraceRow(self.rank, step, seq, op.kind, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer,
+                                 t0 - self.clock0, t1 - self.clock0, float(nbytes), float(self.meter.current())))
             self.mailbox.top_up()
         self.mailbox.finish_step()
         self._allreduce_ends(rows, st.ar_done)
@@ -229,10 +229,7 @@ class PipelineRuntime:
         return [[p.grad for p in m.parameters()] for m in mods.values()]
 
     def _allreduce(self, op: Op) -> int:
-        copies = self._local_grads(op.stage)
-        flat = _flatten_dense_tensors(copies[0])
-        for grads in copies[1:]:
-            flat.add_(_flatten_dense_tensors(grads))
+        flat = self._summed_local_grads(op.stage)
         group = self.stage_groups.get(op.stage)
         work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
         self._state.allreduces.append((op, flat, work))
@@ -258,31 +255,46 @@ class PipelineRuntime:
             if len(self.sched.stage_group(stage)) > 1:
                 raise RuntimeError(f"rank {self.rank}: stage {stage} is held by ranks {self.sched.stage_group(stage)} "
                                    f"but the program has no ALLREDUCE for it before OPT")
-            grads = self._local_grads(stage)
-            if len(grads) > 1:   # separate modules of the stage on this rank: sum them locally
-                flat = _flatten_dense_tensors(grads[0])
-                for g in grads[1:]:
-                    flat.add_(_flatten_dense_tensors(g))
-                self._write_back(stage, flat)
+            if len(self._local_grads(stage)) > 1:   # separate modules of the stage here: sum them locally
+                self._write_back(stage, self._summed_local_grads(stage))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         return 0
 
-    def _allreduce_ends(self, rows: list[tuple], done: list[list]) -> None:
+    def _allreduce_ends(self, rows: list[TraceRow], done: list[list]) -> None:
         """An ALLREDUCE row spans launch to completion (as the simulator's does) where the
         completion time is known; otherwise it spans the launch only."""
         it = iter(done)
         for i, row in enumerate(rows):
-            if row[3] == ALLREDUCE:
+            if row.kind == ALLREDUCE:
                 t = next(it)[0]
                 if t is not None:
-                    rows[i] = row[:11] + (max(row[11], t - self.clock0),) + row[12:]
+                    rows[i] = row._replace(end=max(row.end, t - self.clock0))
+
+    def _summed_local_grads(self, stage: int) -> torch.Tensor:
+        """The stage's gradients on this rank as one flat buffer, summed over its local modules."""
+        copies = self._local_grads(stage)
+        flat = flatten(copies[0])
+        for grads in copies[1:]:
+            flat.add_(flatten(grads))
+        return flat
 
     def _write_back(self, stage: int, flat: torch.Tensor) -> None:
-        copies = self._local_grads(stage)
-        for grads in copies:
-            for g, s in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(s)
+        for grads in self._local_grads(stage):
+            unflatten_into(flat, grads)
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One new flat buffer holding ``tensors`` back to back (public-API equivalent of
+    torch's private ``_flatten_dense_tensors``)."""
+    return torch.nn.utils.parameters_to_vector(tensors)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy the consecutive slices of ``flat`` back into ``tensors`` (the inverse of :func:`flatten`;
+    torch's ``vector_to_parameters`` would rebind ``.data`` instead of writing into the tensors)."""
+    for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
 
 
 def _parse_fault(fault: str | None, rank: int):

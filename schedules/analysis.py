@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 import pandas as pd
 
-from .ir import B, F, W, Schedule, ScheduleError
+from .ir import B, F, W, Schedule, ScheduleError, activation_change
 from .timing import compute_deps, key, time_programs, unit_duration
 
 
@@ -73,31 +73,32 @@ def bubble_vs_n(names: Iterable[str], D: int, Ns: Sequence[int], **kw) -> pd.Dat
 
 def activation_peaks(sched: Schedule) -> pd.DataFrame:
     """Per device: peak F..B, pending-W and F..W activations in chunks and in Ma (unit timing;
-    memory is freed at an op's end before an op starting at the same instant allocates)."""
+    memory is freed at an op's end before an op starting at the same instant allocates).
+
+    Each count is the one activation rule (:func:`schedules.ir.activation_change`) with a chunk
+    keeping ``act`` from F to B and ``act_w`` from B to W: F..B counts (act, act_w) = (1, 0),
+    pending W (0, 1) and F..W (1, 1)."""
     t = unit_times(sched)
+    split = sched.split_backward
     ma = sched.num_devices / sched.num_stages
+    counts = {"fb": (1.0, 0.0), "pw": (0.0, 1.0 if split else 0.0), "fw": (1.0, 1.0 if split else 0.0)}
     rows = []
     for d in range(sched.num_devices):
-        ev = []
-        for (kind, c, s, m), (dev, start, end) in t.items():
-            if dev != d:
-                continue
-            if kind == F:
-                ev.append((start, 1, 0))
-            elif kind == B:
-                # a full backward frees everything; a split one moves the chunk to "pending W"
-                ev.append((end, -1, 1 if sched.split_backward else 0))
-            else:
-                ev.append((end, 0, -1))
-        ev.sort()
-        fb = pw = 0
-        pfb = ppw = pfw = 0
-        for _, dfb, dpw in ev:
-            fb += dfb
-            pw += dpw
-            pfb, ppw, pfw = max(pfb, fb), max(ppw, pw), max(pfw, fb + pw)
-        rows.append({"device": d, "fb_chunks": pfb, "pending_w_chunks": ppw, "fw_chunks": pfw,
-                     "fb_ma": pfb * ma, "fw_ma": pfw * ma})
+        peak = {}
+        for name, (act, act_w) in counts.items():
+            ev = []
+            for (kind, c, s, m), (dev, start, end) in t.items():
+                if dev == d:
+                    alloc, free = activation_change(kind, act, act_w, split)
+                    ev += [(start, alloc), (end, -free)]
+            ev.sort()
+            level = best = 0.0
+            for _, delta in ev:
+                level += delta
+                best = max(best, level)
+            peak[name] = int(round(best))
+        rows.append({"device": d, "fb_chunks": peak["fb"], "pending_w_chunks": peak["pw"], "fw_chunks": peak["fw"],
+                     "fb_ma": peak["fb"] * ma, "fw_ma": peak["fw"] * ma})
     return pd.DataFrame(rows)
 
 

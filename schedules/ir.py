@@ -120,14 +120,45 @@ def parse_op(token: str) -> Op:
     return Op(OPTIM)
 
 
+def producer_stage(payload: str, consumer: int) -> int:
+    """The stage that produces a message ``consumer`` takes in: activations flow down the stages
+    (from ``consumer - 1``), gradients up (from ``consumer + 1``). The one statement of that rule."""
+    return consumer - 1 if payload == ACT else consumer + 1
+
+
+def consumer_stage(payload: str, producer: int) -> int:
+    """The inverse of :func:`producer_stage`: the stage a message of ``producer`` is for."""
+    return producer + 1 if payload == ACT else producer - 1
+
+
+def source_stage(op: Op) -> int:
+    """The producing stage of the message a SEND/RECV/COPY carries (SEND and COPY name it,
+    a RECV names the consuming stage)."""
+    if op.kind in (SEND, COPY):
+        return op.stage
+    if op.kind == RECV:
+        return producer_stage(op.payload, op.stage)
+    raise ScheduleError(f"{op} carries no message")
+
+
 def message_key(op: Op) -> tuple:
     """Identify the message a SEND/RECV/COPY carries: (payload, copy, micro-batch, producing stage)."""
-    if op.kind in (SEND, COPY):
-        return (op.payload, op.copy, op.mb, op.stage)
-    if op.kind == RECV:
-        src = op.stage - 1 if op.payload == ACT else op.stage + 1
-        return (op.payload, op.copy, op.mb, src)
-    raise ScheduleError(f"{op} carries no message")
+    return (op.payload, op.copy, op.mb, source_stage(op))
+
+
+def activation_change(kind: str, act: float, act_w: float, split: bool) -> tuple[float, float]:
+    """(allocated when the op starts, freed when it ends) of activation memory, for a compute op of
+    a (copy, stage) that keeps ``act`` from its F to its backward, of which ``act_w`` stays until the
+    W of a split backward. The one statement of the activation rule every engine and analysis uses:
+    F allocates ``act``; a full B frees it; a split B frees ``act - act_w``; W frees ``act_w``.
+    (A negative free is an allocation at the op's end: e.g. counting only what waits for W.)"""
+    if kind == F:
+        return act, 0.0
+    if kind == B:
+        return 0.0, (act - act_w) if split else act
+    if kind == W:
+        return 0.0, act_w
+    raise ScheduleError(f"{kind} is not a compute op")
 
 
 @dataclass(frozen=True)

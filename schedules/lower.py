@@ -17,28 +17,33 @@ Inserted ops:
 from __future__ import annotations
 
 from .ir import (ACT, ALLREDUCE, B, COPY, F, GRAD, OPTIM, RECV, SEND, W, Op, Schedule, ScheduleError,
-                 message_key)
+                 consumer_stage, message_key, producer_stage)
 from .timing import key, time_programs, unit_duration
+
+
+_PAYLOAD = {F: ACT, B: GRAD}   # what a forward / an input-gradient backward hands on
 
 
 def outgoing(op: Op, sched: Schedule) -> tuple[str, int, int] | None:
     """(payload, destination stage, destination device) of the message a compute op produces."""
-    S = sched.num_stages
-    if op.kind == F and op.stage < S - 1:
-        return ACT, op.stage + 1, sched.placement[op.copy][op.stage + 1]
-    if op.kind == B and op.stage > 0:
-        return GRAD, op.stage - 1, sched.placement[op.copy][op.stage - 1]
-    return None
+    payload = _PAYLOAD.get(op.kind)
+    if payload is None:
+        return None
+    dst = consumer_stage(payload, op.stage)
+    if not 0 <= dst < sched.num_stages:
+        return None
+    return payload, dst, sched.placement[op.copy][dst]
 
 
 def incoming(op: Op, sched: Schedule) -> tuple[str, int, int] | None:
     """(payload, source stage, source device) of the message a compute op consumes."""
-    S = sched.num_stages
-    if op.kind == F and op.stage > 0:
-        return ACT, op.stage - 1, sched.placement[op.copy][op.stage - 1]
-    if op.kind == B and op.stage < S - 1:
-        return GRAD, op.stage + 1, sched.placement[op.copy][op.stage + 1]
-    return None
+    payload = _PAYLOAD.get(op.kind)
+    if payload is None:
+        return None
+    src = producer_stage(payload, op.stage)
+    if not 0 <= src < sched.num_stages:
+        return None
+    return payload, src, sched.placement[op.copy][src]
 
 
 def lower(sched: Schedule, *, replicas: int = 1, eager: bool = True) -> Schedule:
@@ -85,7 +90,7 @@ def lower(sched: Schedule, *, replicas: int = 1, eager: bool = True) -> Schedule
             for k in range(len(pos) - 2, -1, -1):
                 pos[k] = min(pos[k], pos[k + 1])
             for (payload, c, mb, src_stage), p in zip(keys, pos):
-                stage = src_stage + 1 if payload == ACT else src_stage - 1
+                stage = consumer_stage(payload, src_stage)
                 before[d].setdefault(p, []).append(Op(RECV, mb, stage, c, chunk[(c, stage)], src, payload))
 
     # ALLREDUCE: one global order, eager (after the last grad op of the stage) or at the end

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Iterable, Sequence
 
-from .ir import B, F, W, Op, ScheduleError
+from .ir import ACT, GRAD, B, F, W, Op, ScheduleError, producer_stage
 
 Key = tuple  # (kind, copy, stage, mb)
 
@@ -21,11 +21,11 @@ def key(op: Op) -> Key:
 def compute_deps(kind: str, copy: int, stage: int, mb: int, num_stages: int) -> list[Key]:
     """Keys of the compute ops this one needs (data dependencies of a pipeline)."""
     if kind == F:
-        return [(F, copy, stage - 1, mb)] if stage > 0 else []
+        return [(F, copy, producer_stage(ACT, stage), mb)] if stage > 0 else []
     if kind == B:
         d = [(F, copy, stage, mb)]
         if stage < num_stages - 1:
-            d.append((B, copy, stage + 1, mb))
+            d.append((B, copy, producer_stage(GRAD, stage), mb))
         return d
     if kind == W:
         return [(B, copy, stage, mb)]

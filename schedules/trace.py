@@ -23,12 +23,34 @@ microbatches, replicas, time_unit ("s" or "F"), mem_unit ("B" or "Ma") and ``sta
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
-COLUMNS = ["device", "step", "seq", "kind", "token", "copy", "stage", "chunk", "microbatch", "peer",
-           "start", "end", "bytes", "act_mem"]
+
+class TraceRow(NamedTuple):
+    """One executed op, as both engines record it (the columns of the table above). A NamedTuple:
+    engines build hundreds of thousands of them, and a tuple is what a DataFrame is built from
+    fastest; fields are still read and changed by name (``row.end``, ``row._replace(end=t)``)."""
+
+    device: int
+    step: int
+    seq: int
+    kind: str
+    token: str
+    copy: int
+    stage: int
+    chunk: int
+    microbatch: int
+    peer: int
+    start: float
+    end: float
+    bytes: float
+    act_mem: float
+
+
+COLUMNS = list(TraceRow._fields)
 COMPUTE = ("F", "B", "W")
 
 
@@ -36,8 +58,9 @@ _INT_COLS = ("device", "step", "seq", "copy", "stage", "chunk", "microbatch", "p
 _FLOAT_COLS = ("start", "end", "bytes", "act_mem")
 
 
-def make_trace(rows: list[dict] | list[tuple], **attrs) -> pd.DataFrame:
-    """Build a trace from row dicts (or tuples in COLUMNS order) and attach metadata."""
+def make_trace(rows: list[TraceRow] | list[dict], **attrs) -> pd.DataFrame:
+    """Build a trace from :class:`TraceRow` records (or row dicts with the same keys) and attach
+    metadata."""
     if rows and isinstance(rows[0], dict):
         cols = {c: [r[c] for r in rows] for c in COLUMNS}
     else:

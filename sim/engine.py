@@ -21,9 +21,11 @@ The engine knows no schedule by name: everything it does is driven by op kinds a
 """
 from __future__ import annotations
 
+import gc
 import random
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from functools import partial
+from typing import Mapping, NamedTuple, Sequence
 
 import pandas as pd
 import simpy
@@ -31,9 +33,10 @@ import simpy
 from cost_models.base import StageCosts
 from cost_models.comm import allreduce_steps, ring_allreduce_time
 from cost_models.network import Network
-from schedules.ir import ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError
+from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError,
+                          activation_change, source_stage)
 from schedules.lower import lower
-from schedules.trace import make_trace
+from schedules.trace import TraceRow, make_trace
 
 from .flows import FairShare
 
@@ -67,6 +70,26 @@ class SimulationError(RuntimeError):
     pass
 
 
+class _Planned(NamedTuple):
+    """One op of a rank's program, resolved before the run. Every field means one thing for every
+    kind (zero / None where it does not apply)."""
+
+    kind: str
+    head: tuple          # the trace row's first fields (device .. peer), see schedules.trace.TraceRow
+    seconds: float       # compute time (F/B/W); flattening the local gradients (ALLREDUCE)
+    nbytes: float        # bytes moved (SEND/RECV/ALLREDUCE)
+    act_alloc: float     # activation bytes allocated when the op starts (F)
+    act_free: float      # activation bytes freed when it ends (B/W)
+    msg: tuple | None    # (src, dst, n-th message on that pair) for SEND/RECV
+    stage: int
+    peer: int
+
+
+# records from one tuple, without a Python-level call (the engine makes one per op)
+_new_row = partial(tuple.__new__, TraceRow)
+_new_planned = partial(tuple.__new__, _Planned)
+
+
 def simulate(sched: Schedule, costs: StageCosts, network: Network | None = None,
              options: SimOptions | None = None, *, eager: bool = True) -> pd.DataFrame:
     """Simulate one training iteration of ``sched`` (lowered here if it is not) and return its trace."""
@@ -83,13 +106,13 @@ class _Engine:
         self.o = opts
         self.env = simpy.Environment()
         self.flows = FairShare(self.env)
-        self.rows: list[tuple] = []
+        self.rows: list[TraceRow | None] = []
         self.arrived: set[tuple] = set()                 # messages delivered, not yet received
         self.waiting: dict[tuple, simpy.Event] = {}      # RECVs blocked on a message
         self.ar_arrived: dict[tuple[int, int], list[int]] = {}   # (step, stage) -> ranks arrived
         self.ar_done: dict[tuple[int, int], simpy.Event] = {}
         self.ar_end: dict[tuple[int, int], float] = {}
-        self.pending_ar: dict[int, list[tuple]] = {}   # rank -> (row index, key, row prefix, start, bytes, act)
+        self.pending_ar: dict[int, list[tuple]] = {}   # rank -> (row index, all-reduce key, row so far)
         self.rng = random.Random(opts.seed)
         self.pc = [0] * sched.num_ranks
         self.finished = [False] * sched.num_ranks
@@ -172,75 +195,86 @@ class _Engine:
         self.ar_done[key].succeed()
 
     # ------------------------------------------------------------------ rank process
-    def _compile(self, r: int) -> list[tuple]:
-        """Resolve every op of rank r once: its trace-row prefix, duration or bytes, activation
-        change and message event, so the hot loop does no lookups."""
+    def _compile(self, r: int) -> list[_Planned]:
+        """Resolve every op of rank r once (its trace-row prefix, duration, bytes, activation
+        change, message), so the hot loop does no lookups. What depends only on (kind, copy,
+        stage, payload) is resolved once per such combination."""
         c, s = self.c, self.s
         split = s.split_backward
         slow = self.o.slowdown.get(r, 1.0)
         fifo_count: dict = {}
+        resolved: dict = {}
         out = []
+        append, planned = out.append, _new_planned
         for i, op in enumerate(s.program(r)):
             k = op.kind
-            pre = (r, 0, i, k, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer)
-            if k in (F, B, W):
-                a = c.act[op.copy][op.stage]
-                aw = c.act_w[op.copy][op.stage] if split else 0.0
-                grow = a if k == F else 0.0
-                free = (a - aw) if k == B else (aw if k == W else 0.0)
-                out.append((k, pre, c.compute_time(k, op.copy, op.stage) * slow, grow, free, None))
-            elif k in (SEND, RECV):
-                src_stage = op.stage if k == SEND else (op.stage - 1 if op.payload == ACT else op.stage + 1)
-                table = c.act_bytes if op.payload == ACT else c.grad_bytes
+            head = (r, 0, i, k, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer)
+            what = (k, op.copy, op.stage, op.payload)
+            res = resolved.get(what)
+            if res is None:
+                res = resolved[what] = self._resolve(r, op, split, slow)
+            msg = None
+            if k == SEND or k == RECV:
                 pair = (r, op.peer) if k == SEND else (op.peer, r)
                 # per-pair FIFO (checked by validation): the n-th SEND of a pair is the n-th RECV
                 n = fifo_count[(k, pair)] = fifo_count.get((k, pair), -1) + 1
-                out.append((k, pre, table[op.copy][src_stage], 0.0, 0.0, pair + (n,)))
-            elif k == ALLREDUCE:
-                copies = sum(1 for _, st in s.stages_on(s.rank_device(r)) if st == op.stage)
-                out.append((k, pre, c.param_bytes[op.copy][op.stage], copies * c.grad_copy_per_byte, 0.0, op))
-            else:
-                out.append((k, pre, 0.0, 0.0, 0.0, None))
+                msg = pair + (n,)
+            append(planned((k, head) + res + (msg, op.stage, op.peer)))
         return out
+
+    def _resolve(self, r: int, op, split: bool, slow: float) -> tuple[float, float, float, float]:
+        """(seconds, nbytes, act_alloc, act_free) of an op of rank r (see :class:`_Planned`)."""
+        c, s, k = self.c, self.s, op.kind
+        if k in (F, B, W):
+            alloc, free = activation_change(k, c.act[op.copy][op.stage],
+                                            c.act_w[op.copy][op.stage] if split else 0.0, split)
+            return c.compute_time(k, op.copy, op.stage) * slow, 0.0, alloc, free
+        if k in (SEND, RECV):
+            table = c.act_bytes if op.payload == ACT else c.grad_bytes
+            return 0.0, table[op.copy][source_stage(op)], 0.0, 0.0
+        if k == ALLREDUCE:
+            nbytes = c.param_bytes[op.copy][op.stage]
+            copies = sum(1 for _, st in s.stages_on(s.rank_device(r)) if st == op.stage)
+            return copies * c.grad_copy_per_byte * nbytes, nbytes, 0.0, 0.0   # flatten the local copies
+        return 0.0, 0.0, 0.0, 0.0
 
     def _rank(self, r: int):
         env, c = self.env, self.c
         rows = self.rows
+        new_row = _new_row
         host = self.o.hosts[r] if self.o.hosts is not None else None
         jitter = self.o.jitter
         no_net = self.net is None
         compiled = self._compile(r)
+        pc = self.pc
         for step in range(self.o.steps):
             act = 0.0
             copy_back = 0.0
             my_ars: list[tuple[int, int]] = []
-            for i, (k, pre, val, grow, free, ref) in enumerate(compiled):
-                self.pc[r] = i
+            for i, (k, head, seconds, nbytes, alloc, free, msg, stage, peer) in enumerate(compiled):
+                pc[r] = i
                 if step:
-                    pre = (r, step) + pre[2:]
-                    if ref is not None and k in (SEND, RECV):
-                        ref = ref + (step,)
+                    head = (r, step) + head[2:]
+                    if msg is not None:
+                        msg = msg + (step,)
                 start = env.now
-                nbytes = 0.0
                 if k in (F, B, W):
-                    dur = val * max(0.05, self.rng.gauss(1.0, jitter)) if jitter else val
-                    act += grow
+                    dur = seconds * max(0.05, self.rng.gauss(1.0, jitter)) if jitter else seconds
+                    act += alloc
                     yield self._busy(host, dur)
                     act -= free
                 elif k == SEND:
-                    nbytes = val
                     if c.send_time:
                         yield self._busy(host, c.send_time)
                     if no_net:
-                        self._deliver(ref)
+                        self._deliver(msg)
                     else:
-                        env.process(self._transfer(r, pre[9], val, ref))
+                        env.process(self._transfer(r, peer, nbytes, msg))
                 elif k == RECV:
-                    nbytes = val
-                    if ref in self.arrived:
-                        self.arrived.discard(ref)
+                    if msg in self.arrived:
+                        self.arrived.discard(msg)
                     else:
-                        ev = self.waiting[ref] = env.event()
+                        ev = self.waiting[msg] = env.event()
                         yield ev
                     if c.recv_time:
                         yield self._busy(host, c.recv_time)
@@ -248,19 +282,20 @@ class _Engine:
                     if c.copy_time:
                         yield env.timeout(c.copy_time)
                 elif k == ALLREDUCE:
-                    if grow:   # flatten the local copies' gradients (CPU ranks)
-                        yield self._busy(host, grow * val)
-                    key = (step, ref.stage)
+                    if seconds:
+                        yield self._busy(host, seconds)
+                    key = (step, stage)
                     arrived = self.ar_arrived.setdefault(key, [])
                     arrived.append(r)
                     if key not in self.ar_done:
                         self.ar_done[key] = env.event()
                     my_ars.append(key)
-                    if len(arrived) == len(self.groups[ref.stage]):
-                        env.process(self._allreduce(key, self.groups[ref.stage]))
+                    if len(arrived) == len(self.groups[stage]):
+                        env.process(self._allreduce(key, self.groups[stage]))
                     # asynchronous: its row is completed at OPTIM, once its end is known
-                    self.pending_ar.setdefault(r, []).append((len(rows), key, pre, start, val, act))
-                    copy_back += grow * val
+                    self.pending_ar.setdefault(r, []).append(
+                        (len(rows), key, new_row(head + (start, start, nbytes, act))))
+                    copy_back += seconds    # ... and write the sums back to every copy at OPTIM
                     rows.append(None)
                     continue
                 elif k == OPTIM:
@@ -271,17 +306,26 @@ class _Engine:
                     self._fill_ar_rows(r)
                     if c.optim_time[r] or copy_back:
                         yield self._busy(host, c.optim_time[r] + copy_back)
-                rows.append(pre + (start, env.now, nbytes, act))
+                rows.append(new_row(head + (start, env.now, nbytes, act)))
         self.finished[r] = True
 
     def _fill_ar_rows(self, r: int) -> None:
-        for idx, key, pre, start, nbytes, act in self.pending_ar.pop(r, []):
-            self.rows[idx] = pre + (start, max(start, self.ar_end[key]), nbytes, act)
+        for idx, key, row in self.pending_ar.pop(r, []):
+            self.rows[idx] = row._replace(end=max(row.start, self.ar_end[key]))
 
     def run(self):
         for r in range(self.s.num_ranks):
             self.env.process(self._rank(r))
-        self.env.run()
+        # a run allocates one long-lived record per op and almost no cyclic garbage: the cyclic
+        # collector would walk the growing heap again and again (measured: half the run time of
+        # a 97k-op run), so it is paused while the engine runs
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            self.env.run()
+        finally:
+            if paused:
+                gc.enable()
         stuck = [r for r in range(self.s.num_ranks) if not self.finished[r]]
         if stuck:
             desc = "; ".join(f"rank {r} at {self.s.program(r)[self.pc[r]]}" for r in stuck)

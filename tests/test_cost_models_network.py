@@ -12,8 +12,8 @@ MB = 6_291_456  # GPT-96 boundary tensor, bytes
 
 
 def small_cluster(nodes=2, dpn=4, nics=1, **kw):
-    return Cluster("t", nodes, dpn, cm.load_device("a100"), LinkSpec("x", 100e9, 2e-6),
-                   LinkSpec("y", 10e9, 10e-6), nics, **kw)
+    return Cluster(name="t", nodes=nodes, devices_per_node=dpn, device=cm.load_device("a100"),
+                   intra=LinkSpec("x", 100e9, 2e-6), inter=LinkSpec("y", 10e9, 10e-6), nics_per_node=nics, **kw)
 
 
 # ----------------------------------------------------------------------------- links and paths

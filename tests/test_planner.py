@@ -29,9 +29,15 @@ def rand_work(rng, L, cap=None):
     return from_layer_costs("rand", lc, memory_capacity=cap)
 
 
+def cluster(nodes, dpn, intra, inter, device=V100, name="t"):
+    return Cluster(name=name, nodes=nodes, devices_per_node=dpn, device=device, intra=LINK_TYPES[intra],
+                   inter=LINK_TYPES[inter])
+
+
 def small_cluster(rng, nodes, dpn):
-    return Cluster("t", nodes, dpn, V100, LINK_TYPES[rng.choice(["nvlink2", "pcie3"])],
-                   LINK_TYPES[rng.choice(["eth-25g", "ib-edr"])], nics_per_node=rng.choice([1, dpn]))
+    return Cluster(name="t", nodes=nodes, devices_per_node=dpn, device=V100,
+                   intra=LINK_TYPES[rng.choice(["nvlink2", "pcie3"])],
+                   inter=LINK_TYPES[rng.choice(["eth-25g", "ib-edr"])], nics_per_node=rng.choice([1, dpn]))
 
 
 SPACES = [SearchSpace(), SearchSpace(uniform=True), SearchSpace(max_stages=2), SearchSpace(max_stages=1),
@@ -64,7 +70,7 @@ def test_search_equals_brute_force(seed):
 
 def test_brute_force_space_is_complete():
     """all_plans enumerates every (M, policy, S, partition, replicas) combination: count one by hand."""
-    topo = Topology(Cluster("t", 1, 2, V100, LINK_TYPES["nvlink2"], LINK_TYPES["eth-25g"]))
+    topo = Topology(cluster(1, 2, "nvlink2", "eth-25g"))
     work = rand_work(random.Random(0), 3)
     plans = list(all_plans(work, topo, 2, SearchSpace(policies=("append-first",))))
     # M=1 (b=2, r in {1, 2}): S=1: 2 plans; S=2: 2 partitions x (1,1) = 2; S=3 needs 3 devices: 0
@@ -76,7 +82,7 @@ def test_memory_limit_never_exceeded():
     """The unconstrained optimum does not fit a tighter limit; the planner then returns a plan that
     fits, analytically and in simulation, and it is the brute-force optimum under the limit."""
     rng = random.Random(3)
-    topo = Topology(Cluster("t", 2, 2, V100, LINK_TYPES["nvlink2"], LINK_TYPES["ib-edr"]))
+    topo = Topology(cluster(2, 2, "nvlink2", "ib-edr"))
     work = rand_work(rng, 5)
     free = search(work, topo, 8, capacity=1e15).best
     lowest = min(estimate(p, work, topo).peak_memory for p in all_plans(work, topo, 8))
@@ -93,7 +99,7 @@ def test_memory_limit_never_exceeded():
 
 def test_cluster_too_small_is_a_clear_error(capsys):
     from experiments.cli import main
-    two = Cluster("two", 1, 2, load_device("a100"), LINK_TYPES["nvlink3"], LINK_TYPES["ib-hdr"])
+    two = cluster(1, 2, "nvlink3", "ib-hdr", device=load_device("a100"), name="two")
     work = load_workload("gpt-96", two.device)
     with pytest.raises(PlanError, match=r"needs 1[0-9.]+ GiB of weights.*within 80.0 GiB per device"):
         search(work, Topology(two), 8)
@@ -105,7 +111,7 @@ def test_cluster_too_small_is_a_clear_error(capsys):
 
 
 def test_placement_policies():
-    topo = Topology(Cluster("t", 2, 4, V100, LINK_TYPES["nvlink2"], LINK_TYPES["eth-25g"]))
+    topo = Topology(cluster(2, 4, "nvlink2", "eth-25g"))
     # append-first packs in device order (stage 1 straddles the two nodes)
     assert topo.place("append-first", [2, 4, 2]) == [(0, 1), (2, 3, 4, 5), (6, 7)]
     # fresh-first: every stage on its own machine(s), the rest of a machine idle
@@ -127,7 +133,7 @@ def test_estimate_closed_form_and_simulation():
                     params=(1e3,) * L)
     work = from_layer_costs("eq", lc)
     ideal = LinkSpec("ideal", 1e15, 0.0)
-    cl = Cluster("fast", 1, 4, V100, ideal, ideal)
+    cl = Cluster(name="fast", nodes=1, devices_per_node=4, device=V100, intra=ideal, inter=ideal)
     topo = Topology(cl)
     plan = Plan("eq", "fast", M, M, tuple(StagePlan(2 * s, 2 * s + 2, (s,)) for s in range(S)), "append-first")
     e = estimate(plan, work, topo)
@@ -145,7 +151,7 @@ def test_pivot_moves_to_a_slow_stage():
     lc = LayerCosts(f=f, b_input=f, w=f, act=(1.0,) * 4, act_w=(0.0,) * 4, out_bytes=(0.0,) * 4, params=(1.0,) * 4)
     work = from_layer_costs("slow", lc)
     ideal = LinkSpec("ideal", 1e15, 0.0)
-    topo = Topology(Cluster("fast", 1, 4, V100, ideal, ideal))
+    topo = Topology(Cluster(name="fast", nodes=1, devices_per_node=4, device=V100, intra=ideal, inter=ideal))
     M = 10
     plan = Plan("slow", "fast", M, M, tuple(StagePlan(s, s + 1, (s,)) for s in range(4)), "append-first")
     e = estimate(plan, work, topo)

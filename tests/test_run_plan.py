@@ -26,7 +26,8 @@ BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0
 
 
 def _cluster(nodes, dpn, inter):
-    return Cluster("small", nodes, dpn, V100, LINK_TYPES["nvlink2"], LINK_TYPES[inter])
+    return Cluster(name="small", nodes=nodes, devices_per_node=dpn, device=V100, intra=LINK_TYPES["nvlink2"],
+                   inter=LINK_TYPES[inter])
 
 
 def _planned(cluster, G, space, wanted, fallback):

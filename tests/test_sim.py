@@ -50,8 +50,9 @@ def test_processor_sharing_k_ops_on_c_cores():
 def costs_for(low, *, f=1.0, b=2.0, act_bytes=0.0, param_bytes=0.0):
     C, S, R = low.num_copies, low.num_stages, low.num_ranks
     tab = lambda v: tuple(tuple([v] * S) for _ in range(C))  # noqa: E731
-    return StageCosts("s", "B", tab(f), tab(b), tab(0.0), tab(1.0), tab(0.0), tab(act_bytes), tab(act_bytes),
-                      tab(param_bytes), (0.0,) * R, (0.0,) * R)
+    return StageCosts(time_unit="s", mem_unit="B", f=tab(f), b=tab(b), w=tab(0.0), act=tab(1.0), act_w=tab(0.0),
+                      act_bytes=tab(act_bytes), grad_bytes=tab(act_bytes), param_bytes=tab(param_bytes),
+                      static_mem=(0.0,) * R, optim_time=(0.0,) * R)
 
 
 def test_p2p_time_is_latency_plus_bytes_over_bandwidth():
