@@ -7,8 +7,8 @@ model on the same batches in one process. Modules: ``model`` (GPT and its split 
 ``data``, ``device`` (the CPU/GPU choice and memory meters), ``p2p`` (messages), ``runtime`` (the
 interpreter), ``worker`` (one rank), ``launch`` (processes), ``reference``.
 """
-from .config import RunConfig, RunResult, plan
+from .config import RunConfig, RunResult, lowered_schedule
 from .launch import LaunchError, run, run_many
 from .reference import run_reference
 
-__all__ = ["RunConfig", "RunResult", "plan", "LaunchError", "run", "run_many", "run_reference"]
+__all__ = ["RunConfig", "RunResult", "lowered_schedule", "LaunchError", "run", "run_many", "run_reference"]

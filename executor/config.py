@@ -1,9 +1,9 @@
-"""What to run and what comes back: :class:`RunConfig`, :func:`plan`, :class:`RunResult`.
+"""What to run and what comes back: :class:`RunConfig`, :func:`lowered_schedule`, :class:`RunResult`.
 
-:func:`plan` turns a config into a lowered, validated schedule and checks that the model can be
-split into its stages; it runs in the launching process, so every user error is reported before
-any worker process starts. :func:`config_from_plan` turns a planner plan file into a config and the
-lowered schedule to run (``pipetwin run --plan``).
+:func:`lowered_schedule` turns a config into a lowered, validated schedule and checks that the
+model can be split into its stages; it runs in the launching process, so every user error is
+reported before any worker process starts. (Planner plan files become configs in the command
+layer, :mod:`experiments.plan_files`.)
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from cost_models.model_spec import ModelSpec, load_model, spec_from_dict
+from cost_models.model_spec import ModelSpec, load_model
 from schedules import Schedule, build, lower, validate
 
-from .model import blocks_from_layers, partition_layers
+from .model import partition_layers
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -91,9 +91,10 @@ class RunConfig:
         return self.replicas * self.microbatches
 
 
-def plan(config: RunConfig, schedule: Schedule | None = None, *, check: bool = True) -> Schedule:
+def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, check: bool = True) -> Schedule:
     """The lowered schedule a config runs (``schedule`` overrides the named one), validated
-    (``check=False`` skips the symbolic run: only for tests that run broken programs)."""
+    (``check=False`` skips the symbolic run: only for tests that run broken programs), after
+    checking that the model can be split into its stages."""
     if schedule is None:
         sched = build(config.schedule, config.devices, config.microbatches, chunks=config.chunks)
         low = lower(sched, replicas=config.replicas, eager=config.eager_allreduce)
@@ -112,38 +113,6 @@ def plan(config: RunConfig, schedule: Schedule | None = None, *, check: bool = T
         raise ValueError(f"the executor trains GPT decoders; model {spec.name!r} is of kind {spec.kind!r}")
     partition_layers(spec.layers, low.num_stages, config.partition)
     return low
-
-
-def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfig, Schedule, dict]:
-    """A planner plan (a plan file path or a :class:`planner.LoadedPlan`) as ``(config, lowered
-    schedule, info)`` for :func:`executor.launch.run`: the plan's model, its per-replica micro-batch,
-    its layer partition (converted to blocks per stage) and its layout, uniform (R x D: the named
-    schedule with ``replicas`` R) or not (stage s on r_s devices: the planner's model-copy schedule,
-    run as a custom schedule). ``options``: other RunConfig fields (steps, seed, lr, ...).
-    ``info``: ``layout``, ``device_map`` (rank -> the plan cluster's device id), ``partition_layers``
-    (layers per stage as the plan counts them), ``global_batch`` and ``plan`` (a one-line summary)."""
-    bad = set(options) & {"schedule", "devices", "microbatches", "replicas", "model", "micro_batch", "partition",
-                          "eager_allreduce"}
-    if bad:
-        raise ValueError(f"the plan fixes {', '.join(sorted(bad))}; do not pass them with a plan")
-    from planner.planfile import LoadedPlan, load_plan
-    loaded = source if isinstance(source, LoadedPlan) else load_plan(source)
-    ex = loaded.for_executor(eager=eager)
-    low: Schedule = ex["schedule"]
-    spec = spec_from_dict(dict(ex["model_spec"]), f"plan model {ex['model']}")
-    if spec.kind != "gpt":
-        raise ValueError(f"the executor trains GPT decoders; the plan's model {spec.name!r} is of kind {spec.kind!r}")
-    try:
-        blocks = blocks_from_layers(ex["partition"], spec.layers)
-    except ValueError as e:
-        raise ValueError(f"plan partition: {e}") from None
-    cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],
-                    chunks=loaded.plan.chunks, replicas=low.replicas, model=spec, micro_batch=ex["micro_batch"],
-                    partition=tuple(blocks), eager_allreduce=eager, **options)
-    plan(cfg, low)
-    info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
-            "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
-    return cfg, low, info
 
 
 @dataclass

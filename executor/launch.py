@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 from schedules import Schedule
 
-from .config import RunConfig, RunResult, plan
+from .config import RunConfig, RunResult, lowered_schedule
 from .worker import Job, local_env
 
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
@@ -65,7 +65,7 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
     planned = []
     for job in jobs:
         cfg, sched = job if isinstance(job, tuple) else (job, None)
-        planned.append(Job(cfg, plan(cfg, sched, check=check)))
+        planned.append(Job(cfg, lowered_schedule(cfg, sched, check=check)))
     worlds = {j.schedule.num_ranks for j in planned}
     if len(worlds) != 1:
         raise ValueError(f"run_many needs one world size (D x R) for all jobs; got {sorted(worlds)}")

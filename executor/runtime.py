@@ -11,10 +11,7 @@ F     forward of one chunk (a stage module) for one micro-batch. Its input is th
 B     backward of that chunk for that micro-batch, given the output gradient a RECV or COPY
       delivered (none on the last stage). A full backward accumulates the parameter gradients and
       produces the input gradient. In a split-backward schedule B computes only the input gradient
-      (``autograd.grad`` w.r.t. the input, keeping the graph) and W later computes the parameter
-      gradients from the kept graph; the gradients equal the full backward's bit for bit (the
-      same kernels, accumulated in the same order), at the cost of re-running the activation-
-      gradient chain inside W.
+      and W later the parameter gradients (:mod:`executor.backward`).
 W     weight-gradient half of a split backward (see B); frees the graph.
 SEND  ``isend`` of the message produced by the F/B before it (see :mod:`executor.p2p`).
 RECV  wait for the message posted ahead by the mailbox; activations become leaves that require
@@ -45,6 +42,7 @@ from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, GRAD, OPTIM, RECV, SEND, W
                           message_key)
 from schedules.trace import TraceRow
 
+from .backward import full_backward, input_backward, weight_backward
 from .data import TokenSource
 from .device import DeviceContext
 from .p2p import CommError, Mailbox, wait_work
@@ -184,10 +182,10 @@ class PipelineRuntime:
         gx = None
         if self.sched.split_backward:
             if op.stage > 0:
-                (gx,) = torch.autograd.grad(out, (x,), grad, retain_graph=True)
+                gx = input_backward(out, x, grad)
             st.pending_w[key] = (out, grad)
         else:
-            torch.autograd.backward(out, grad)
+            full_backward(out, grad)
             gx = x.grad if op.stage > 0 else None
         if op.stage > 0:
             st.produced[(GRAD, op.copy, op.mb, op.stage)] = gx
@@ -196,10 +194,7 @@ class PipelineRuntime:
     def _weight(self, op: Op) -> int:
         out, grad = self._state.pending_w.pop((op.copy, op.stage, op.mb))
         params = [p for p in self.modules[(op.copy, op.stage)].parameters() if p.requires_grad]
-        grads = torch.autograd.grad(out, params, grad, allow_unused=True)
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad.add_(g)
+        weight_backward(out, params, grad)
         return 0
 
     # ------------------------------------------------------------------ messages

@@ -33,9 +33,9 @@ LARGER = {"name": "bench-small", "kind": "gpt", "layers": 8, "hidden": 256, "hea
 
 
 def _ours(cfg, rank, world, ctx, groups):
-    from executor.config import plan
+    from executor.config import lowered_schedule
     from executor.worker import Job, setup_rank
-    rs = setup_rank(Job(cfg, plan(cfg)), rank, world, ctx, groups)
+    rs = setup_rank(Job(cfg, lowered_schedule(cfg)), rank, world, ctx, groups)
 
     def step(k):
         rs.runtime.run_step(k)

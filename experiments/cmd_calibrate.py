@@ -18,7 +18,7 @@ def main(args) -> int:
     from tqdm import tqdm
 
     from cost_models import save_profile
-    from executor.calibrate import calibrate, fit_ranks
+    from calibration import calibrate, fit_ranks
 
     if args.ranks < 1 or args.repeats < 3:
         raise ValueError("--ranks must be >= 1 and --repeats >= 3")

@@ -13,7 +13,7 @@ import sys
 
 from cost_models._spec import size_bytes
 
-from .common import fmt_table, print_json
+from .common import fmt_table, parse_schedules, print_json
 
 NAME = "plan"
 HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner)"
@@ -54,16 +54,12 @@ def _parse_limit(text):
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
     from planner.clusters import resolve_cluster
-    from schedules import names
 
     if args.global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1; got {args.global_batch}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1; got {args.top}")
-    scheds = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    for s in scheds:
-        if s not in names():
-            raise ValueError(f"unknown schedule {s!r}; choose from {', '.join(names())}")
+    scheds = parse_schedules(args.schedules)
     cluster = resolve_cluster(args.cluster)
     limit = _parse_limit(args.memory_limit)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),

@@ -21,23 +21,14 @@ import sys
 
 from schedules.trace import write_chrome
 
-from .common import add_schedule_args, fmt_table, print_json
+from .common import add_schedule_args, check_schedule_args, fmt_table, print_json
 
 NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
 
 
-PLAN_FIXES = ("schedule", "devices", "microbatches", "dp", "chunks", "model")   # what --plan brings
-
-
 def add_arguments(p):
-    add_schedule_args(p)
-    for a in p._actions:            # with --plan these come from the plan file (checked in main)
-        if a.dest in PLAN_FIXES:
-            a.required = False
-            a.default = None
-    p.add_argument("--plan", metavar="PLAN.json",
-                   help="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
+    add_schedule_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
     p.add_argument("--model", default=None, help="model preset name or YAML file (default: tiny)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
@@ -66,26 +57,21 @@ def _common_options(args) -> dict:
 
 def config_from_args(args):
     from executor.config import RunConfig
-    flags = {"schedule": "--schedule", "devices": "--devices", "microbatches": "--microbatches"}
-    missing = [flag for dest, flag in flags.items() if getattr(args, dest, None) is None]
-    if missing:
-        raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json)")
+    check_schedule_args(args)
     return RunConfig(schedule=args.schedule, devices=args.devices, microbatches=args.microbatches,
-                     chunks=2 if args.chunks is None else args.chunks, replicas=1 if args.dp is None else args.dp,
-                     model=args.model or "tiny", eager_allreduce=not args.no_eager, **_common_options(args))
+                     chunks=args.chunks, replicas=args.dp, model=args.model or "tiny",
+                     eager_allreduce=not args.no_eager, **_common_options(args))
 
 
 def plan_config_from_args(args):
-    """``(config, lowered schedule, info)`` for ``--plan`` (see :func:`executor.config.config_from_plan`)."""
-    from executor.config import config_from_plan
-    given = [f"--{d}" for d in PLAN_FIXES if getattr(args, d, None) is not None]
-    if given:
-        raise ValueError(f"--plan fixes the schedule, layout and model; drop {', '.join(given)}")
+    """``(config, lowered schedule, info)`` for ``--plan`` (:func:`experiments.plan_files.config_from_plan`)."""
+    from .plan_files import config_from_plan
+    check_schedule_args(args, also_fixed=("model",))
     return config_from_plan(args.plan, eager=not args.no_eager, **_common_options(args))
 
 
 def main(args) -> int:
-    from executor.config import plan
+    from executor.config import lowered_schedule
     from executor.launch import LaunchError, run
     from executor.reference import run_reference
 
@@ -96,7 +82,7 @@ def main(args) -> int:
     else:
         cfg = config_from_args(args)
     if args.reference:
-        plan(cfg, sched)  # same checks as an executor run
+        lowered_schedule(cfg, sched)  # same checks as an executor run
         result = run_reference(cfg)
     else:
         try:

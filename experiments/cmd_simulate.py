@@ -4,7 +4,7 @@ from __future__ import annotations
 from schedules.trace import write_chrome
 from sim import simulate
 
-from .common import add_schedule_args, build_lowered, fmt_table, metrics_record, human_rows, print_json, units_note
+from .common import add_schedule_args, build_lowered, check_schedule_args, fmt_table, metrics_record, human_rows, print_json, units_note
 from .costs import add_cost_args, resolve_costs, sim_options
 
 NAME = "simulate"
@@ -12,10 +12,9 @@ HELP = "simulate one training iteration of a schedule"
 
 
 def add_arguments(p):
-    add_schedule_args(p)
+    add_schedule_args(p, plan="simulate a plan written by 'pipetwin plan --out' (replaces -s/-D/-N/--chunks/"
+                              "--dp/--model/--cluster/--micro-batch/--device-map)")
     add_cost_args(p)
-    from planner.cli import add_plan_option
-    add_plan_option(p)          # --plan PLAN.json (pipetwin plan --out); -s/-D/-N become optional
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="write the timeline figure")
     p.add_argument("--chrome-trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
@@ -23,10 +22,11 @@ def add_arguments(p):
 
 
 def run_one(name: str, args):
-    from planner.cli import built_from_args
-    built = built_from_args(args)   # None without --plan
-    if built is not None:
-        low, costs, network, extra = built
+    if getattr(args, "plan", None):
+        if args.unit_costs or args.profile:
+            raise ValueError("--plan brings its own costs; drop --unit-costs / --profile")
+        from .plan_files import simulation_from_plan
+        low, costs, network, extra = simulation_from_plan(args.plan, eager=not args.no_eager)
         return low, simulate(low, costs, network, sim_options(args, low, network)), extra
     low = build_lowered(name, args)
     costs, network, extra = resolve_costs(args, low)
@@ -35,6 +35,7 @@ def run_one(name: str, args):
 
 
 def main(args) -> int:
+    check_schedule_args(args)
     low, trace, extra = run_one(args.schedule, args)
     rec = metrics_record(trace, **extra)
     if args.plot:

@@ -29,7 +29,7 @@ def main(args) -> int:
     from schedules import ScheduleError, build
 
     from cost_models import load_profile, save_profile
-    from executor.calibrate import calibrate
+    from calibration import calibrate
 
     from .crossval import plot_overlay, run_and_compare
 

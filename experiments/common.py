@@ -4,34 +4,64 @@ from __future__ import annotations
 import json
 import sys
 
-from schedules import build, lower, names, validate
+from schedules import build, get, lower, names, validate
 from schedules.trace import step_metrics
 
 
-def add_schedule_args(p, *, schedule=True, many=False):
+SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
+PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "dp")   # what a --plan file brings
+
+
+def add_schedule_args(p, *, schedule=True, many=False, plan: str | None = None):
+    """-s/-D/-N/--chunks/--dp/--no-eager. With ``plan`` (the help text of a ``--plan PLAN.json``
+    option) a plan file may bring the schedule and layout instead: those options then default to
+    None and :func:`check_schedule_args` requires them, after parsing, when no plan is given."""
+    required = plan is None
     if schedule:
-        p.add_argument("--schedule", "-s", required=True, help=f"one of: {', '.join(names())}")
+        p.add_argument("--schedule", "-s", required=required, help=f"one of: {', '.join(names())}")
     if many:
         p.add_argument("--schedules", default="all", help="comma-separated schedule names, or 'all'")
-    p.add_argument("--devices", "-D", type=int, required=True, help="pipeline devices D")
-    p.add_argument("--microbatches", "-N", type=int, required=True, help="micro-batches N per iteration")
-    p.add_argument("--chunks", "-v", type=int, default=2, help="chunks per device for interleaved schedules")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas R of the whole pipeline")
+    p.add_argument("--devices", "-D", type=int, required=required, help="pipeline devices D")
+    p.add_argument("--microbatches", "-N", type=int, required=required, help="micro-batches N per iteration")
+    p.add_argument("--chunks", "-v", type=int, default=SCHEDULE_DEFAULTS["chunks"] if required else None,
+                   help="chunks per device for interleaved schedules (default 2)")
+    p.add_argument("--dp", type=int, default=SCHEDULE_DEFAULTS["dp"] if required else None,
+                   help="data-parallel replicas R of the whole pipeline (default 1)")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end, not in bubbles")
+    if plan is not None:
+        p.add_argument("--plan", metavar="PLAN.json", help=plan)
+
+
+def check_schedule_args(args, also_fixed: tuple[str, ...] = ()) -> None:
+    """For commands with ``--plan``: a plan and -s/-D/-N/--chunks/--dp (and the options named in
+    ``also_fixed``) exclude each other; without a plan -s/-D/-N are required and --chunks/--dp take
+    their defaults (set on ``args``)."""
+    if getattr(args, "plan", None):
+        given = [f"--{d}" for d in PLAN_OPTIONS + also_fixed if getattr(args, d, None) is not None]
+        if given:
+            what = "the schedule, layout and model" if "model" in also_fixed else "the schedule and layout"
+            raise ValueError(f"--plan fixes {what}; drop {', '.join(given)}")
+        return
+    missing = [f"--{d}" for d in ("schedule", "devices", "microbatches") if getattr(args, d, 0) is None]
+    if missing:
+        raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json)")
+    for dest, value in SCHEDULE_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
 
 
 def parse_schedules(text: str) -> list[str]:
+    """Schedule names from a comma-separated list (or 'all'); an unknown one is the registry's error."""
     if text == "all":
         return names()
     out = [t.strip() for t in text.split(",") if t.strip()]
-    known = names()
     for n in out:
-        if n not in known:
-            raise ValueError(f"unknown schedule {n!r}; choose from {', '.join(known)}")
+        get(n)
     return out
 
 
-def schedule_kwargs(name: str, args) -> dict:
+def schedule_kwargs(args) -> dict:
+    """Family options from the command line (passed to every family's build)."""
     return {"chunks": args.chunks}
 
 
@@ -39,7 +69,7 @@ def build_lowered(name: str, args):
     """Build, lower and validate a schedule from CLI arguments (raises ScheduleError, a ValueError)."""
     if args.dp < 1:
         raise ValueError(f"--dp must be >= 1; got {args.dp}")
-    sched = build(name, args.devices, args.microbatches, **schedule_kwargs(name, args))
+    sched = build(name, args.devices, args.microbatches, **schedule_kwargs(args))
     low = lower(sched, replicas=args.dp, eager=not args.no_eager)
     validate(low)
     return low

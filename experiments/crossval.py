@@ -85,11 +85,11 @@ class Comparison:
 
 def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
     """``results``: executor RunResults (with traces) of the schedules to compare."""
-    from executor.config import plan
+    from executor.config import lowered_schedule
     out = []
     for res in results:
         cfg = res.config
-        low = plan(cfg)
+        low = lowered_schedule(cfg)
         # both engines: the same number of back-to-back steps, the same statistic (the median
         # per-step makespan after the warm-up); the step closest to it represents the run
         med, step = median_step(res.iteration_times, warmup)
@@ -116,7 +116,7 @@ def run_and_compare(schedules: list[str], devices: int, microbatches: int, repli
                     repeats: int = 1) -> list[Comparison]:
     """Run each schedule ``repeats`` times and compare the run with the lowest median step time
     (:func:`executor.launch.run_best_of`): the simulator predicts the machine undisturbed."""
-    from executor.calibrate import PROBE
+    from calibration import PROBE
     from executor.config import RunConfig
     from executor.launch import run_best_of
     cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,

@@ -13,15 +13,17 @@ scatter-first), the micro-batch count and the schedule.
 * :mod:`planner.search`: the exact search (dynamic programme with pruning) for DAPPLE's and
   PipeDream's objectives, and a brute-force reference;
 * :mod:`planner.simulate`: plans as IR schedules (uniform and non-uniform), simulated with SimPy;
-* :mod:`planner.planning`: search + re-simulation + baselines (what ``pipetwin plan`` runs);
-* :mod:`planner.planfile`: plan files (:func:`load_plan`), :mod:`planner.cli`: ``simulate --plan``.
+* :mod:`planner.plan`: the plan record (:class:`Plan`: stages, replicas, devices, batching);
+* :mod:`planner.choose`: choosing a plan: search + re-simulation + baselines (what ``pipetwin
+  plan`` runs);
+* :mod:`planner.plan_io`: plan files, written and read back (:func:`save_plan`, :func:`load_plan`).
 """
 from .cost import Estimate, estimate
 from .models import paper_models
 from .placement import POLICIES, Topology
 from .plan import Plan, StagePlan
-from .planfile import LoadedPlan, load_plan, plan_record, save_plan
-from .planning import Evaluated, PlanningResult, evaluate_plan, plan_training
+from .choose import Evaluated, PlanningResult, evaluate_plan, plan_training
+from .plan_io import LoadedPlan, load_plan, plan_record, save_plan
 from .search import PlanError, SearchResult, SearchSpace, exhaustive, search
 from .simulate import build_plan, replicated_schedule, simulate_plan
 from .workload import Workload, load_workload

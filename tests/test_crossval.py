@@ -33,7 +33,7 @@ def test_fit_refuses_flat_timings():
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
-    from executor.calibrate import calibrate
+    from calibration import calibrate
     prof = calibrate("tiny", ranks=2, repeats=5)
     path = tmp_path_factory.mktemp("cal") / "profile.yaml"
     save_profile(prof, path)
@@ -67,13 +67,13 @@ def _synthetic_runs(profile, schedules, D, steps=5):
     """Runs 'measured' by the simulator itself with a known profile (what the fits must recover)."""
     from types import SimpleNamespace
 
-    from executor.config import RunConfig, plan
+    from executor.config import RunConfig, lowered_schedule
     from schedules.trace import step_metrics
     from sim.host import simulate_with_profile
     out = []
     for s in schedules:
         cfg = RunConfig(schedule=s, devices=D, microbatches=2 * D, steps=steps, model="tiny")
-        tr = simulate_with_profile(plan(cfg), profile, steps=steps)
+        tr = simulate_with_profile(lowered_schedule(cfg), profile, steps=steps)
         out.append(SimpleNamespace(config=cfg, trace=tr, iteration_times=step_metrics(tr).iteration_times))
     return out
 
@@ -100,7 +100,7 @@ def test_runtime_fit_through_the_simulator_recovers_known_costs():
     """Runs made by a profile whose ops cost 1.3x (F), 0.9x (split B), 1.2x (W) the layer times,
     1.5x the optimizer time, 60 us per compute op and 100 us per SEND: fitting from the plain
     layer times recovers them."""
-    from executor.calibrate import fit_runtime
+    from calibration import fit_runtime
     truth = _toy_profile({"F": 1.3, "B": 1.1, "Bi": 0.9, "W": 1.2, "OPTIM": 1.5},
                          (("B", 6e-5), ("F", 6e-5), ("RECV", 2e-5), ("SEND", 1e-4), ("W", 6e-5)))
     runs = _synthetic_runs(truth, ["dapple", "interleaved", "zb-v"], 2)
@@ -112,7 +112,7 @@ def test_runtime_fit_through_the_simulator_recovers_known_costs():
 
 
 def test_oversubscribed_slowdown_is_recovered_and_only_applies_beyond_the_cores():
-    from executor.calibrate import fit_oversubscribed
+    from calibration import fit_oversubscribed
     from sim import SimOptions
     from sim.host import on_one_host
     assert on_one_host(SimOptions(), 2, 2, 1.4).slowdown == {}

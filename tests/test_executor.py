@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cost_models.model_spec import load_model
-from executor.config import RunConfig, plan
+from executor.config import RunConfig, lowered_schedule
 from executor.data import TokenSource
 from executor.device import SavedTensorMeter, select_device
 from executor.model import full_model, partition_layers, stage_module
@@ -101,12 +101,12 @@ def test_split_backward_equals_full_backward():
 
 def test_plan_validates_before_anything_starts():
     with pytest.raises(ScheduleError, match="even number of devices"):
-        plan(RunConfig(schedule="chimera", devices=3, microbatches=3))
+        lowered_schedule(RunConfig(schedule="chimera", devices=3, microbatches=3))
     with pytest.raises(ValueError, match="layers"):
-        plan(RunConfig(schedule="interleaved", devices=4, microbatches=4, chunks=4))  # 16 stages > 8 layers
+        lowered_schedule(RunConfig(schedule="interleaved", devices=4, microbatches=4, chunks=4))  # 16 stages > 8 layers
     with pytest.raises(ValueError, match="optimizer"):
         RunConfig(optimizer="lamb")
-    low = plan(RunConfig(schedule="bitpipe", devices=2, microbatches=4, replicas=2))
+    low = lowered_schedule(RunConfig(schedule="bitpipe", devices=2, microbatches=4, replicas=2))
     assert low.lowered and low.num_ranks == 4
 
 

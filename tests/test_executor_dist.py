@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.config import RunConfig, plan
+from executor.config import RunConfig, lowered_schedule
 from executor.launch import LaunchError, run, run_many
 from executor.reference import run_reference
 from schedules import B, W, ScheduleError, build, lower, make_schedule, names
@@ -49,7 +49,7 @@ def _cases_world2():
             continue
         try:
             cfg = RunConfig(schedule=extra, devices=2, microbatches=4, **BASE)
-            plan(cfg)
+            lowered_schedule(cfg)
         except (ScheduleError, ValueError):
             continue
         cases[f"{extra}-D2"] = (cfg, None)
@@ -86,7 +86,7 @@ def runs():
         if world not in cache:
             cases = CASES[world]
             results = run_many(list(cases.values()))
-            cache[world] = {k: (cfg, plan(cfg, sched), res) for (k, (cfg, sched)), res in zip(cases.items(), results)}
+            cache[world] = {k: (cfg, lowered_schedule(cfg, sched), res) for (k, (cfg, sched)), res in zip(cases.items(), results)}
         return cache[world]
     return get
 
@@ -170,7 +170,7 @@ def test_recv_timeout_names_rank_op_and_peer():
     broken = low.with_programs(progs)
     cfg = RunConfig(schedule="gpipe", devices=2, microbatches=2, steps=1, timeout=2.0)
     with pytest.raises(ScheduleError):
-        plan(cfg, broken)  # validation catches it before anything starts
+        lowered_schedule(cfg, broken)  # validation catches it before anything starts
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 step 0: RA1\.s1<0 waiting for rank 0: nothing arrived within 2 s"):
         run(cfg, broken, check=False)

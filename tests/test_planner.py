@@ -251,20 +251,19 @@ def test_round_trip_search_and_budget():
     assert search(work, topo, 8).exhausted
 
 
-def test_run_args_for_the_executor(tmp_path):
+def test_plan_file_run_record(tmp_path):
     c = load_cluster("v100-2x8-25gbe")
     work = load_workload("bert-48", c.device)
     topo = Topology(c)
     devs = topo.place("fresh-first", [8, 8])
     plan = Plan("bert-48", c.name, 64, 4, (StagePlan(0, 26, devs[0]), StagePlan(26, 50, devs[1])), "fresh-first")
     save_plan(tmp_path / "u.json", plan, work, c)
-    run = load_plan(tmp_path / "u.json").run_args()
-    assert (run["schedule"], run["devices"], run["microbatches"], run["replicas"]) == ("dapple", 2, 4, 8)
-    assert run["micro_batch"] == 2 and run["partition"] == [26, 24] and run["model"] == "bert-48"
+    run = load_plan(tmp_path / "u.json").record["run"]
+    assert (run["schedule"], run["devices"], run["microbatches"], run["dp"]) == ("dapple", 2, 4, 8)
+    assert run["micro_batch"] == 2 and run["partition"] == [26, 24]
     assert run["device_map"] == list(plan.device_map())
     nonu = Plan("bert-48", c.name, 64, 4, tuple(StagePlan(a, b, d) for (a, b), d in
                                                 zip([(0, 26), (26, 50)], topo.place("append-first", [8, 4]))),
                 "append-first")
     save_plan(tmp_path / "n.json", nonu, work, c)
-    with pytest.raises(ValueError, match="R x D plans only"):
-        load_plan(tmp_path / "n.json").run_args()
+    assert load_plan(tmp_path / "n.json").record["run"] is None   # not an R x D layout

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cost_models import LINK_TYPES, Cluster, load_device
-from executor.config import RunConfig, config_from_plan, plan
+from executor.config import RunConfig, lowered_schedule
+from experiments.plan_files import config_from_plan
 from executor.launch import run_many
 from executor.model import blocks_from_layers, full_model, partition_layers, stage_module
 from executor.reference import run_reference
@@ -126,7 +127,7 @@ def test_partition_conversion_and_checks():
         with pytest.raises(ValueError, match=msg):
             partition_layers(8, 3, bad)
     with pytest.raises(ValueError, match="partition"):
-        plan(RunConfig(devices=2, microbatches=2, partition=(4, 3)))
+        lowered_schedule(RunConfig(devices=2, microbatches=2, partition=(4, 3)))
     with pytest.raises(ValueError, match="micro_batch"):
         RunConfig(micro_batch=0)
     # identical initial weights for any split

@@ -24,7 +24,7 @@ import pandas as pd
 
 from planner import Topology, plan_training
 from planner.clusters import gpus_on_servers, resolve_cluster
-from planner.planning import pipedream_plan, _simulate
+from planner.choose import pipedream_plan, with_simulation
 
 from .bitpipe import _md
 
@@ -46,7 +46,7 @@ def compare(model: str, cluster_name: str, G: int) -> dict:
            "dapple_plan": best.plan.describe(), "dapple_s": best.time,
            "dapple_est_s": best.estimate.latency, "search_s": res.search.seconds}
     fixed = pipedream_plan(work, Topology(cl), G, microbatches=P if G % P == 0 else None, model=model)
-    for key, ev in (("pipedream_best_m", res.pipedream), ("pipedream_m_p", fixed and _simulate(fixed, work, cl, None)),
+    for key, ev in (("pipedream_best_m", res.pipedream), ("pipedream_m_p", fixed and with_simulation(fixed, work, cl, None)),
                     ("data_parallel", res.data_parallel)):
         row[f"{key}_plan"] = ev.plan.describe() if ev is not None else res.baseline_notes.get(key, "does not fit")
         row[f"{key}_s"] = ev.time if ev is not None else float("nan")
@@ -74,9 +74,9 @@ def scaling_table(quick: bool) -> pd.DataFrame:
             cl = gpus_on_servers(base, n)
             G = per * n
             res = plan_training(m, cl, G, top_k=3, baselines=False)
-            from planner.planning import data_parallel_plan
+            from planner.choose import data_parallel_plan
             dp = data_parallel_plan(res.workload, Topology(cl), G, model=m)
-            dp = _simulate(dp, res.workload, cl, None)
+            dp = with_simulation(dp, res.workload, cl, None)
             rows.append({"model": m, "gpus": n, "servers": cl.nodes, "global_batch": G,
                          "dapple_samples_per_s": G / res.best.time, "dp_samples_per_s": G / dp.time,
                          "speedup": dp.time / res.best.time, "dapple_plan": res.best.plan.describe()})

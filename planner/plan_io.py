@@ -23,8 +23,8 @@ Layers are global indices of the model's layer stack (for a transformer: 0 = emb
 1..L = blocks, L + 1 = head). Device ids are ``node * devices_per_node + local``.
 
 ``pipetwin run --plan`` reads :meth:`LoadedPlan.for_executor` (any transformer plan, uniform or not:
-the lowered schedule the simulator runs and how to feed it); :meth:`LoadedPlan.run_args` is the
-flat view of a uniform plan's ``run`` record.
+the lowered schedule the simulator runs and how to feed it; :mod:`experiments.plan_files`). The
+``run`` record is the flat view of a uniform plan for other tools.
 """
 from __future__ import annotations
 
@@ -86,24 +86,6 @@ class LoadedPlan:
 
     def simulate(self, options=None) -> SimOutcome:
         return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, options)
-
-    def run_args(self) -> dict:
-        """What ``pipetwin run --plan`` needs, for a uniform transformer plan: ``schedule``, ``devices``
-        (D), ``microbatches`` (M), ``replicas`` (R), ``chunks``, ``model`` (preset name or spec dict),
-        ``micro_batch`` (per pipeline replica), ``partition`` (layers per stage over embedding + blocks +
-        head) and ``device_map`` (rank -> physical device). Raises ValueError for plans the executor
-        cannot express yet (non-uniform replicas, non-transformer models)."""
-        if not self.plan.uniform:
-            raise ValueError(f"the plan has stage replicas {':'.join(map(str, self.plan.replicas))}; the executor "
-                             f"runs R x D plans only (every stage on the same number of devices)")
-        src = self.workload.source
-        if src.get("kind") != "transformer" and self.workload.spec is None:
-            raise ValueError(f"the executor trains transformer models; {self.workload.name} is a layer-cost model")
-        run = dict(self.record.get("run") or {})
-        run["replicas"] = run.pop("dp", self.plan.dp)
-        run["model"] = src.get("name") if src.get("kind") == "transformer" else self.workload.spec.to_dict()
-        run["model_spec"] = self.workload.spec.to_dict() if self.workload.spec is not None else src.get("spec")
-        return run
 
     def for_executor(self, *, eager: bool = True) -> dict:
         """What ``pipetwin run --plan`` runs, for uniform and non-uniform transformer plans: the very

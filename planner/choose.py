@@ -85,7 +85,7 @@ class PlanningResult:
         return None if other is None else other.time / self.best.time
 
 
-def _simulate(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Evaluated:
+def with_simulation(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Evaluated:
     return replace(ev, sim=simulate_plan(ev.plan, work, cluster, cap))
 
 
@@ -138,7 +138,7 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
     for c in cands:
         if simulate:
             try:
-                c = _simulate(c, work, cluster, cap)
+                c = with_simulation(c, work, cluster, cap)
             except ScheduleError:      # a schedule whose requirements the plan does not meet
                 continue
         evaluated.append(c)
@@ -190,10 +190,10 @@ def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, si
     if ev is None:
         out.baseline_notes["pipedream"] = "no plan fits"
     else:
-        out.pipedream = _simulate(ev, work, cluster, cap) if simulate else ev
+        out.pipedream = with_simulation(ev, work, cluster, cap) if simulate else ev
     try:
         ev = data_parallel_plan(work, topo, G, space=space, capacity=cap, model=name)
-        out.data_parallel = _simulate(ev, work, cluster, cap) if simulate else ev
+        out.data_parallel = with_simulation(ev, work, cluster, cap) if simulate else ev
     except PlanError as e:
         gib = 2 ** 30
         whole = work.total_params * work.bytes_per_param_static
@@ -211,4 +211,4 @@ def evaluate_plan(plan: Plan, work: Workload, cluster: Cluster, capacity=None, s
     """Estimate (and simulate) one given plan."""
     cap = capacity if capacity is not None else work.memory_capacity
     ev = Evaluated(plan, estimate(plan, work, Topology(cluster), cap))
-    return _simulate(ev, work, cluster, cap) if simulate else ev
+    return with_simulation(ev, work, cluster, cap) if simulate else ev

@@ -1,0 +1,218 @@
+"""Measurements with the executor's own code: layers, communication, data, the optimizer step.
+
+Layers run in this process exactly as :class:`executor.runtime.PipelineRuntime` runs a stage:
+the executor's modules (:mod:`executor.model`), its saved-tensor meter
+(:class:`executor.device.SavedTensorMeter`) and its backward calls (:mod:`executor.backward`).
+Timing uses ``torch.utils.benchmark``: a statement that can simply be repeated (a forward, an
+optimizer step) is timed by ``Timer.blocked_autorange``; a backward needs a fresh graph before
+every run, which ``Timer`` cannot set up untimed, so each run is timed on its own and the runs
+are summarised by ``torch.utils.benchmark.Measurement`` (its median).
+
+Communication runs on spawned gloo ranks (:func:`executor.launch.launch`): one-way P2P times by
+ping-pong over message sizes (25th percentile), all-reduces as the runtime launches them (fresh
+flat buffer, own group, asynchronous; the median), and, with every rank doing it at once, the
+Adam step per parameter and the gradient flatten + write-back per byte.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch.utils.benchmark import Measurement, TaskSpec, Timer
+
+from cost_models.model_spec import ModelSpec
+from executor.backward import full_backward, input_backward, weight_backward
+from executor.device import SavedTensorMeter
+from executor.model import Block, Embedding, full_model, init_parameters, make_optimizer
+
+P2P_SIZES = (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+AR_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+MIN_RUN_TIME = 0.05   # seconds Timer.blocked_autorange spends per statement (at least)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(spec.hidden)
+        self.head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False)
+
+    def forward(self, x, targets):
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def timer_median(fn: Callable[[], object], label: str) -> float:
+    """Median seconds of ``fn()`` by ``torch.utils.benchmark.Timer.blocked_autorange``."""
+    return Timer(stmt="fn()", globals={"fn": fn}, label=label,
+                 num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=MIN_RUN_TIME).median
+
+
+def fresh_state_median(prepare: Callable[[], object], body: Callable[[object], float | None], repeats: int,
+                       label: str, warmup: int = 3) -> float:
+    """Median seconds of ``body(prepare())`` with ``prepare`` untimed before every run (a backward
+    needs a fresh graph each time); ``repeats`` timed runs after ``warmup`` untimed ones. A body
+    that returns a number returns the seconds of the part that counts (W after an untimed B)."""
+    times = []
+    for i in range(warmup + repeats):
+        state = prepare()
+        t0 = time.perf_counter()
+        part = body(state)
+        dt = time.perf_counter() - t0 if part is None else part
+        if i >= warmup:
+            times.append(dt)
+    m = Measurement(number_per_run=1, raw_times=times,
+                    task_spec=TaskSpec(stmt=label, setup="", num_threads=torch.get_num_threads()))
+    return m.median
+
+
+def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repeats: int) -> dict:
+    """Times (s) and kept bytes of one layer, run as the runtime runs a stage.
+
+    ``make_input()`` returns (input, extra args); the input is a leaf that requires grad unless it
+    is token ids (embedding)."""
+    params = [p for p in module.parameters()]
+    needs_input_grad = kind != "embedding"
+
+    def forward(meter=None):
+        x, extra = make_input()
+        if meter is None:
+            return x, module(x, *extra)
+        with meter.capture():
+            return x, module(x, *extra)
+
+    def grad_out(out):
+        return None if out.dim() == 0 else torch.ones_like(out) * 1e-3
+
+    def kept(after_input_grad: bool) -> int:
+        meter = SavedTensorMeter(params)   # a fresh count for this one micro-batch
+        x, out = forward(meter)
+        if after_input_grad and needs_input_grad:
+            input_backward(out, x, grad_out(out))   # the runtime keeps the graph from B to W
+        n = meter.current()
+        del x, out
+        return n
+
+    act, act_w = kept(False), kept(True)
+    for p in params:
+        p.grad = None
+    f = timer_median(lambda: forward(), f"{kind} F")
+
+    def split_input(state):
+        x, out = state
+        if needs_input_grad:
+            input_backward(out, x, grad_out(out))
+
+    def weight_after_input(state) -> float:
+        split_input(state)
+        t0 = time.perf_counter()
+        weight_backward(state[1], params, grad_out(state[1]))
+        return time.perf_counter() - t0
+
+    b = fresh_state_median(forward, lambda st: full_backward(st[1], grad_out(st[1])), repeats, f"{kind} B")
+    b_input = fresh_state_median(forward, split_input, repeats, f"{kind} B_input") if needs_input_grad else 0.0
+    w = fresh_state_median(forward, weight_after_input, repeats, f"{kind} W")
+    return {"f": f, "b": b, "b_input": b_input, "w": w, "act": act, "act_w": act_w}
+
+
+def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None) -> dict[str, dict]:
+    """Per kind (embedding, block, head): times and kept bytes for one micro-batch."""
+    torch.set_num_threads(threads)
+    b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab, (b, s), generator=g)
+    targets = torch.randint(0, spec.vocab, (b, s), generator=g)
+    emb, blk, head = Embedding(spec), Block(spec), _Head(spec)
+    for m in (emb, blk, head):
+        init_parameters(m, 0, spec.layers)
+    hidden = torch.randn(b, s, h, generator=g)
+    cases = {
+        "embedding": (emb, lambda: (tokens, ())),
+        "block": (blk, lambda: (hidden.clone().requires_grad_(True), ())),
+        "head": (head, lambda: (hidden.clone().requires_grad_(True), (targets,))),
+    }
+    out = {}
+    for kind, (mod, mk) in cases.items():
+        if progress:
+            progress(f"layer {kind}")
+        out[kind] = measure_layer(mod, mk, kind, repeats)
+    return out
+
+
+# ---------------------------------------------------------------------------- communication
+def comm_worker(payload, rank, world, local_rank, local_world):
+    """Spawned rank: ping-pong P2P sizes with rank 0 <-> 1, then all-reduce sizes over all ranks."""
+    import torch.distributed as dist
+
+    from executor.runtime import flatten, unflatten_into
+    from executor.worker import init_world
+    init_world("cpu", rank, world, local_rank, local_world)
+    repeats = payload["repeats"]
+
+    def timed(fn, divide=1, quantile=0.25, reps=repeats):
+        # P2P: scheduling hiccups only ever add time, the 25th percentile is the stable statistic;
+        # all-reduce: gloo's times spread 3x (thread wake-ups on every ring step), a run meets the
+        # typical one, so the median
+        ts = []
+        for i in range(reps + 3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= 3:
+                ts.append((time.perf_counter() - t0) / divide)
+        ts.sort()
+        return ts[int(quantile * (len(ts) - 1))]
+
+    def ping_pong(buf):
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+
+    p2p = [(size, timed(lambda b=torch.zeros(size // 4): ping_pong(b), divide=2)) for size in payload["p2p_sizes"]]
+    # as the runtime does it: a fresh flat buffer, on a group of its own, asynchronous, then wait
+    group = dist.new_group(list(range(world)))
+    ar = [(size, timed(lambda n=size // 4: dist.all_reduce(torch.ones(n), group=group, async_op=True).wait(),
+                       quantile=0.5, reps=2 * repeats))
+          for size in payload["ar_sizes"]]
+    # the optimizer step and the gradient flatten/write-back as every rank does them at once (the
+    # ranks of a bidirectional or data-parallel run step together and share memory bandwidth)
+    m = full_model(payload["spec"])
+    params = list(m.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = make_optimizer(params, "adam", 1e-3)
+    grads = [p.grad for p in params]
+    nparams = sum(p.numel() for p in params)
+    t_opt = timed(opt.step)
+    t_flat = timed(lambda: unflatten_into(flatten(grads), grads))
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"p2p": p2p, "allreduce": ar, "optimizer_per_param": t_opt / nparams,
+            "grad_copy_per_byte": t_flat / (4 * nparams)}
+
+
+def measure_comm(spec: ModelSpec, ranks: int, repeats: int = 10) -> dict:
+    from executor.launch import launch
+    return launch("calibration.measure:comm_worker",
+                  {"repeats": repeats, "p2p_sizes": P2P_SIZES, "ar_sizes": AR_SIZES, "spec": spec}, ranks)
+
+
+def measure_data(spec: ModelSpec) -> float:
+    """Seconds to produce one micro-batch (inputs and targets) from the synthetic stream."""
+    from executor.data import TokenSource
+    src = TokenSource(spec, 0)
+    it = iter(range(10 ** 9))
+    return timer_median(lambda: src.batch(0, next(it), 1 << 20), "data")
+
+
+def measure_optimizer(spec: ModelSpec, threads: int) -> float:
+    """Seconds per parameter of an Adam step (the executor's default optimizer) on this host."""
+    torch.set_num_threads(threads)
+    m = full_model(spec)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = make_optimizer(m.parameters(), "adam", 1e-3)
+    return timer_median(opt.step, "adam step") / sum(p.numel() for p in m.parameters())

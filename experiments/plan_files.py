@@ -1,0 +1,56 @@
+"""Planner plan files in the commands: ``pipetwin simulate --plan`` and ``pipetwin run --plan``.
+
+A plan file (:mod:`planner.plan_io`) holds a plan, the model's workload and the cluster. Here it
+becomes what the engines take: the simulator's (lowered schedule, costs, placed cluster), and the
+executor's :class:`executor.config.RunConfig` with the lowered schedule to run.
+"""
+from __future__ import annotations
+
+from cost_models.model_spec import spec_from_dict
+from executor.config import RunConfig, lowered_schedule
+from executor.model import blocks_from_layers
+from planner.plan_io import LoadedPlan, load_plan
+from schedules import Schedule
+
+# the fields of a run a plan fixes (its schedule, layout and model)
+PLAN_FIXES = ("schedule", "devices", "microbatches", "replicas", "model", "micro_batch", "partition",
+              "eager_allreduce")
+
+
+def simulation_from_plan(path, *, eager: bool = True):
+    """``(lowered, costs, placed cluster, report fields)`` of a plan file for :func:`sim.simulate`."""
+    lp = load_plan(path)
+    bt = lp.build(eager=eager)
+    extra = dict(bt.extra)
+    extra["plan_file"] = str(path)
+    return bt.lowered, bt.costs, bt.network, extra
+
+
+def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfig, Schedule, dict]:
+    """A planner plan (a plan file path or a :class:`planner.plan_io.LoadedPlan`) as ``(config, lowered
+    schedule, info)`` for :func:`executor.launch.run`: the plan's model, its per-replica micro-batch,
+    its layer partition (converted to blocks per stage) and its layout, uniform (R x D: the named
+    schedule with ``replicas`` R) or not (stage s on r_s devices: the planner's model-copy schedule,
+    run as a custom schedule). ``options``: other RunConfig fields (steps, seed, lr, ...).
+    ``info``: ``layout``, ``device_map`` (rank -> the plan cluster's device id), ``partition_layers``
+    (layers per stage as the plan counts them), ``global_batch`` and ``plan`` (a one-line summary)."""
+    bad = set(options) & set(PLAN_FIXES)
+    if bad:
+        raise ValueError(f"the plan fixes {', '.join(sorted(bad))}; do not pass them with a plan")
+    loaded = source if isinstance(source, LoadedPlan) else load_plan(source)
+    ex = loaded.for_executor(eager=eager)
+    low: Schedule = ex["schedule"]
+    spec = spec_from_dict(dict(ex["model_spec"]), f"plan model {ex['model']}")
+    if spec.kind != "gpt":
+        raise ValueError(f"the executor trains GPT decoders; the plan's model {spec.name!r} is of kind {spec.kind!r}")
+    try:
+        blocks = blocks_from_layers(ex["partition"], spec.layers)
+    except ValueError as e:
+        raise ValueError(f"plan partition: {e}") from None
+    cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],
+                    chunks=loaded.plan.chunks, replicas=low.replicas, model=spec, micro_batch=ex["micro_batch"],
+                    partition=tuple(blocks), eager_allreduce=eager, **options)
+    lowered_schedule(cfg, low)
+    info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
+            "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
+    return cfg, low, info
