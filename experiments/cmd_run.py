@@ -27,7 +27,7 @@ NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
 
 
-PLAN_FIXES = ("schedule", "devices", "microbatches", "dp", "chunks", "model")   # what --plan brings
+PLAN_FIXES = ("schedule", "devices", "microbatches", "dp", "chunks", "variant", "model")   # what --plan brings
 
 
 def add_arguments(p):
@@ -95,6 +95,9 @@ def main(args) -> int:
         _announce_plan(cfg, sched, info, args)
     else:
         cfg = config_from_args(args)
+        if args.variant is not None:  # RunConfig names a family; a variant is built here and run as given
+            from schedules import build
+            sched = build(cfg.schedule, cfg.devices, cfg.microbatches, chunks=cfg.chunks, variant=args.variant)
     if args.reference:
         plan(cfg, sched)  # same checks as an executor run
         result = run_reference(cfg)

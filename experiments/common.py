@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from schedules import build, lower, names, validate
+from schedules import build, families, lower, names, validate
 from schedules.trace import step_metrics
 
 
@@ -16,6 +16,9 @@ def add_schedule_args(p, *, schedule=True, many=False):
     p.add_argument("--devices", "-D", type=int, required=True, help="pipeline devices D")
     p.add_argument("--microbatches", "-N", type=int, required=True, help="micro-batches N per iteration")
     p.add_argument("--chunks", "-v", type=int, default=2, help="chunks per device for interleaved schedules")
+    p.add_argument("--variant", default=None,
+                   help="a schedule's variant (default: its first); " +
+                        "; ".join(f"{n}: {', '.join(f.variants)}" for n, f in families().items() if f.variants))
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas R of the whole pipeline")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end, not in bubbles")
 
@@ -32,7 +35,10 @@ def parse_schedules(text: str) -> list[str]:
 
 
 def schedule_kwargs(name: str, args) -> dict:
-    return {"chunks": args.chunks}
+    kw = {"chunks": args.chunks}
+    if getattr(args, "variant", None) is not None:
+        kw["variant"] = args.variant
+    return kw
 
 
 def build_lowered(name: str, args):
