@@ -193,9 +193,10 @@ def _changes_section(out: Path, quick: bool) -> str:
     bc = bubble_changes(8, Ns)
     bc.to_csv(out / "bubble_changes.csv", index=False)
     parts = ["## What changed: the released orders instead of pipetwin's greedy ones", "",
-             "Before, both schedules came from pipetwin's greedy list scheduler: BitPipe's unit was half a "
-             "forward-unit longer than the paper's at D = 8 and every unit paid its whole fill and drain again "
-             "(flat bubble ratio in N); Chimera concatenated its units with nothing in the junction. Now each "
+             "Before, both schedules came from pipetwin's greedy list scheduler: BitPipe's unit was longer than "
+             "the paper's from D = 8 on (30.5 instead of 30 at D = 8) and from D = 6 on every unit paid its whole "
+             "fill and drain again (a flat bubble ratio in N); Chimera concatenated its units with nothing in the "
+             "junction. Now each "
              "device runs the per-device order of the authors' released code (BitPipe: wuhouming/BitPipe; "
              "Chimera: Shigangli/Chimera). The previous BitPipe order is the variant `--variant greedy` (still "
              "the better one at D = 4 for N > D).", "",
