@@ -41,12 +41,13 @@ first), pulling the first two forwards of the next unit into the junction when t
 units (:func:`junction_pull`: at D = 2, 4). Bubble per device: 0 at D = 2; (K+3)/2 at D = 4
 (2, 2.5, 3, 3.5 for K = 1..4: better than ``released``'s K+1 for K >= 2, the reason it is kept);
 K times its unit's bubble at D >= 6 (4K at D = 6, 6.5K at D = 8, 15K at D = 16: worse than
-``released``). Activation memory within the same (3D+2)/4 .. D Ma range at N = D.
+``released``). Activation memory (3D+2)/4 .. D Ma as ``released``'s, except at D = 4 for N > D,
+where the two pulled forwards cost half a Ma more (4 .. 4.5 Ma): its gain has a memory price.
 
 Decisions where the released code is not a general formula: (1) it has a special warm-up for
 2N = D chunk-forwards, which cannot happen for N >= D, so only the general warm-up above exists
-here. (2) Its eager sync all-reduces the after-the-turn chunks before a device's last backward and
-the others at the end; pipetwin's lowering instead starts each stage's all-reduce right after its
+here. (2) Its eager sync all-reduces the after-the-turn chunks before a device's last backward (the
+two middle devices: after it) and the others at the end; pipetwin's lowering instead starts each stage's all-reduce right after its
 gradients are final, in one global order (same or earlier, and the same rule for every schedule).
 (3) It pairs each compute op with a combined send/receive call; pipetwin keeps the compute order
 and lets lowering derive FIFO-safe SEND/RECV from it, so only the compute order is the released

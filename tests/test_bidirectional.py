@@ -133,9 +133,13 @@ def test_bitpipe_greedy_variant_is_better_at_d4_only():
     assert build("bitpipe", 4, 8, variant="greedy").meta["variant"] == "greedy"
     assert build("bitpipe", 4, 8).programs == build("bitpipe", 4, 8, variant="released").programs
     assert build("bitpipe", 4, 8).programs != build("bitpipe", 4, 8, variant="greedy").programs
-    for D in (4, 8):
-        p = activation_peaks(build("bitpipe", D, D, variant="greedy"))
-        assert (3 * D + 2) / 4 <= p.fb_ma.min() and p.fb_ma.max() <= D
+    for D in (4, 8, 16):
+        for K in (1, 2, 4):
+            p = activation_peaks(build("bitpipe", D, K * D, variant="greedy"))
+            if D == 4 and K > 1:   # the two pulled forwards cost half a Ma
+                assert (p.fb_ma.min(), p.fb_ma.max()) == (4, 4.5)
+            else:
+                assert (p.fb_ma.min(), p.fb_ma.max()) == ((3 * D + 2) / 4, D)
 
 
 # ------------------------------------------------------------------------------------- Chimera
