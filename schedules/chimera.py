@@ -50,11 +50,12 @@ pipetwin reads it as halving the micro-batch under the forward-doubling order (a
 of the paper says as much; it keeps direct's peak memory and the doubled order's bubble), so it is
 the same order as ``forward-doubling`` with a different expected micro-batch size, stated in
 ``meta``. (2) The released runtimes sync gradients with their own early/late rule per stage;
-pipetwin's lowering places each stage's all-reduce right after its gradients are final instead
-(same or earlier). (3) The newer runtime on the main branch (``chimera_pipeline_rank.py``) derives
-its order from a lockstep simulation in which a forward and a backward take one slot each;
-pipetwin follows the SC'21 runtimes, which spell the order out as loops and whose timing, like
-every closed form here, has B = 2F.
+pipetwin's lowering instead issues each stage's all-reduce after the op that finalises its
+gradients, in one global order on every rank (the same rule for every schedule). (3) The newer
+runtime on the main branch (``chimera_pipeline_rank.py``) derives its order from a lockstep
+simulation in which a forward and a backward take one slot each; pipetwin follows the SC'21
+runtimes, which spell the order out as loops and whose timing, like every closed form here, has
+B = 2F.
 """
 from .bidirectional import FifoStreams, pick_variant, straight_placement
 from .common import check_units
