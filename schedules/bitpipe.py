@@ -46,14 +46,14 @@ where the two pulled forwards cost half a Ma more (4 .. 4.5 Ma): its gain has a 
 
 Decisions where the released code is not a general formula: (1) it has a special warm-up for
 2N = D chunk-forwards, which cannot happen for N >= D, so only the general warm-up above exists
-here. (2) Its eager sync all-reduces the after-the-turn chunks before a device's last backward (the two
-middle devices: after it) and the others at the end; pipetwin's lowering instead issues each
-stage's all-reduce after the op that finalises the stage's gradients, in one global order on every
-rank (the same rule for every schedule). (3) It pairs each compute op with a combined send/receive
-call; pipetwin keeps the compute order and lets lowering derive FIFO-safe SEND/RECV from it, so
-only the compute order is the released one. (4) Which global micro-batch is a copy's k-th is a
-numbering convention (the loss is their mean); :func:`schedules.bidirectional.copy_microbatch`
-fixes it.
+here. (2) Its eager sync all-reduces the after-the-turn chunks before a device's last backward
+(the two middle devices: after it) and the others at the end; pipetwin's lowering instead issues
+each stage's all-reduce after the op that finalises the stage's gradients, in one global order on
+every rank (the same rule for every schedule). (3) It pairs each compute op with a combined
+send/receive call; pipetwin keeps the compute order and lets lowering derive FIFO-safe SEND/RECV
+from it, so only the compute order is the released one. (4) Which global micro-batch is a copy's
+k-th is a numbering convention (the loss is their mean);
+:func:`schedules.bidirectional.copy_microbatch` fixes it.
 """
 from functools import lru_cache
 
