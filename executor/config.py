@@ -35,6 +35,7 @@ class RunConfig:
     devices: int = 2
     microbatches: int = 4
     chunks: int = 2                 # chunks per device for schedules that take it (interleaved)
+    variant: str | None = None      # the schedule family's variant (None: its default)
     replicas: int = 1
     model: str | ModelSpec = "tiny"  # preset name, YAML path or ModelSpec
     steps: int = 3
@@ -96,7 +97,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     (``check=False`` skips the symbolic run: only for tests that run broken programs), after
     checking that the model can be split into its stages."""
     if schedule is None:
-        sched = build(config.schedule, config.devices, config.microbatches, chunks=config.chunks)
+        kw = {} if config.variant is None else {"variant": config.variant}
+        sched = build(config.schedule, config.devices, config.microbatches, chunks=config.chunks, **kw)
         low = lower(sched, replicas=config.replicas, eager=config.eager_allreduce)
     else:
         low = schedule if schedule.lowered else lower(schedule, replicas=config.replicas,
@@ -141,7 +143,7 @@ class RunResult:
 
     def to_dict(self) -> dict:
         c = self.config
-        return {"engine": self.engine, "schedule": c.schedule, "devices": c.devices,
+        return {"engine": self.engine, "schedule": c.schedule, "variant": c.variant, "devices": c.devices,
                 "microbatches": c.microbatches, "replicas": c.replicas, "model": c.model_name,
                 "micro_batch": c.spec().micro_batch,
                 "partition": list(c.partition) if c.partition is not None else None,

@@ -59,7 +59,7 @@ def config_from_args(args):
     from executor.config import RunConfig
     check_schedule_args(args)
     return RunConfig(schedule=args.schedule, devices=args.devices, microbatches=args.microbatches,
-                     chunks=args.chunks, replicas=args.dp, model=args.model or "tiny",
+                     chunks=args.chunks, variant=args.variant, replicas=args.dp, model=args.model or "tiny",
                      eager_allreduce=not args.no_eager, **_common_options(args))
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 import sys
 
-from schedules import build, get, lower, names, validate
+from schedules import build, families, get, lower, names, validate
 from schedules.trace import step_metrics
 
 
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
-PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "dp")   # what a --plan file brings
+PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
 
 
 def add_schedule_args(p, *, schedule=True, many=False, plan: str | None = None):
@@ -25,6 +25,9 @@ def add_schedule_args(p, *, schedule=True, many=False, plan: str | None = None):
     p.add_argument("--microbatches", "-N", type=int, required=required, help="micro-batches N per iteration")
     p.add_argument("--chunks", "-v", type=int, default=SCHEDULE_DEFAULTS["chunks"] if required else None,
                    help="chunks per device for interleaved schedules (default 2)")
+    p.add_argument("--variant", default=None,
+                   help="a schedule's variant (default: its first); " +
+                        "; ".join(f"{n}: {', '.join(f.variants)}" for n, f in families().items() if f.variants))
     p.add_argument("--dp", type=int, default=SCHEDULE_DEFAULTS["dp"] if required else None,
                    help="data-parallel replicas R of the whole pipeline (default 1)")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end, not in bubbles")
@@ -62,7 +65,10 @@ def parse_schedules(text: str) -> list[str]:
 
 def schedule_kwargs(args) -> dict:
     """Family options from the command line (passed to every family's build)."""
-    return {"chunks": args.chunks}
+    kw = {"chunks": args.chunks}
+    if getattr(args, "variant", None) is not None:
+        kw["variant"] = args.variant
+    return kw
 
 
 def build_lowered(name: str, args):

@@ -1,15 +1,22 @@
-"""Shared construction of bidirectional schedules (Chimera, BitPipe and our own variants).
+"""Shared pieces of the bidirectional schedules (Chimera, BitPipe and our own variants).
 
 Two model copies run in opposite directions over the same devices. The micro-batches of each
 basic unit (D of them) are split in half: the first half goes "down" (copy 0), the second "up"
-(copy 1). The per-device order of a unit comes from greedy list scheduling under unit costs
-with the rule "backward first; among forwards the deepest stage first"; N = K*D concatenates K
-units, and a device may pull the first ``pull`` forwards of the next unit into idle time at the
-junction (0 = direct concatenation).
+(copy 1); :func:`copy_microbatch` numbers them, so a copy's k-th micro-batch (the k-th it runs,
+first in first out, as the released runtimes do) is a fixed global micro-batch.
+
+- placements: :func:`v_placement` (BitPipe), :func:`straight_placement` (Chimera);
+- :func:`pick_variant`: one check of a family's ``variant=`` argument (one ScheduleError line);
+- :class:`FifoStreams`: emit a released runtime's per-device order as "next forward / backward of
+  this copy's chunk" calls and get pipetwin's (kind, micro-batch, copy, stage) tuples back;
+- :func:`build_bidirectional`: the greedy list-scheduled order (pipetwin's own, BitPipe's
+  ``greedy`` variant): list scheduling under unit costs with the rule "backward first; among
+  forwards the deepest stage first"; N = K*D concatenates K units, and a device may pull the first
+  ``pull`` forwards of the next unit into idle time at the junction (0 = direct concatenation).
 """
 from __future__ import annotations
 
-from .ir import B, F, W, make_schedule
+from .ir import B, F, W, ScheduleError, make_schedule
 from .timing import list_schedule
 
 
@@ -30,6 +37,50 @@ def straight_placement(D: int) -> list[list[int]]:
 
 def copy_of(mb: int, D: int) -> int:
     return 0 if mb % D < D // 2 else 1
+
+
+def copy_microbatch(copy: int, k: int, D: int) -> int:
+    """The global micro-batch that is the k-th one of a copy: unit k // (D/2), and within the unit
+    the first D/2 micro-batches go down (copy 0), the next D/2 up (copy 1); inverse of
+    :func:`copy_of` with the unit order."""
+    half = D // 2
+    return (k // half) * D + copy * half + k % half
+
+
+def pick_variant(name: str, variant: str | None, variants: dict[str, str]) -> str:
+    """The variant to build (the first of ``variants`` when None); a clear error otherwise."""
+    if variant is None:
+        return next(iter(variants))
+    if variant not in variants:
+        raise ScheduleError(f"{name} has no variant {variant!r}; choose one of {', '.join(variants)} "
+                            f"(default {next(iter(variants))})")
+    return variant
+
+
+class FifoStreams:
+    """Builds one device's order from "run the next F (or B) of this chunk" steps.
+
+    The released runtimes keep one first-in-first-out queue per model chunk: the k-th forward a
+    chunk runs is its copy's k-th micro-batch, and so is its k-th backward. ``stage_of[key]`` names
+    the (copy, stage) a chunk key stands for; ``f(key)`` / ``b(key)`` append the next op."""
+
+    def __init__(self, D: int, stage_of: dict):
+        self.D = D
+        self.stage_of = stage_of
+        self.count: dict[tuple, int] = {}
+        self.order: list[tuple[str, int, int, int]] = []
+
+    def _next(self, kind: str, key) -> None:
+        copy, stage = self.stage_of[key]
+        k = self.count.get((kind, key), 0)
+        self.count[(kind, key)] = k + 1
+        self.order.append((kind, copy_microbatch(copy, k, self.D), copy, stage))
+
+    def f(self, key) -> None:
+        self._next(F, key)
+
+    def b(self, key) -> None:
+        self._next(B, key)
 
 
 def build_bidirectional(name: str, D: int, N: int, placement, *, pull: int, split: bool = False,

@@ -3,10 +3,10 @@ does not grow with the number of micro-batches.
 
 Builds on BitPipe (Wu et al., 2024: two opposite V-shaped copies merged, the V turn a local copy)
 and on zero-bubble scheduling (Qi et al., ICLR 2024: B split into input-gradient B and
-weight-gradient W, W used as filler). BitPipe and Chimera concatenate K = N/D units, each with
-its own fill and drain, so their idle time grows linearly with K (their bubble *ratio* stays
-flat). Here there are no units: all N micro-batches flow through one fill, one steady state and
-one drain, and the W's fill what would be bubbles.
+weight-gradient W, W used as filler). BitPipe and Chimera concatenate K = N/D units and fill
+only part of each junction (half a unit's fill and drain stays idle), so their idle time grows
+linearly with K. Here there are no units: all N micro-batches flow through one fill, one steady
+state and one drain, and the W's fill what would be bubbles.
 
 Requirements: D even, N a multiple of D (the bubble below is exact for those; other N are
 refused). Placement: :func:`schedules.bidirectional.v_placement` - each copy has 2D stages of
@@ -21,7 +21,7 @@ chunk-activations between F and B and fewer than 5D/2 between F and W, else the 
 
 Bubble (unit costs, exact, tested for D in 2..20 even and N = K*D, K = 1..4): makespan
 3N + (D-2)/4, bubble (D-2)/4 per device whatever N, ratio (D-2)/(12N + D-2): D = N = 4 gives
-1/25 (BitPipe 2/14), D = 8 gives 1.5 (BitPipe 6.5 at N = 8 and 26 at N = 32). (D-2)/4 is the
+1/25 (BitPipe 2/14), D = 8 gives 1.5 (BitPipe 6 at N = 8 and 15 at N = 32). (D-2)/4 is the
 time the first forward needs to reach the middle devices D/2-1 and D/2 from the nearer end, so
 no schedule on this placement under unit costs can do better.
 Activation memory: at most 2D chunk-activations between F and B per device (D Ma, as 1F1B's

@@ -1,4 +1,5 @@
-"""Schedule families by name: ``build(name, D, N, chunks=...)`` and their requirements."""
+"""Schedule families by name: ``build(name, D, N, chunks=..., variant=...)``, their requirements
+and their variants (a family module's ``VARIANTS``: name -> one line, the first is the default)."""
 from __future__ import annotations
 
 import importlib
@@ -16,12 +17,13 @@ class Family:
     requires: str
     doc: str
     build: Callable[..., Schedule]
+    variants: tuple[str, ...] = ()      # the first is the default; () = the family has none
 
 
 def _load(mod: str) -> Family:
     m = importlib.import_module(f"schedules.{mod}")
     doc = (m.__doc__ or "").strip()
-    return Family(m.NAME, m.REQUIRES, doc, m.build)
+    return Family(m.NAME, m.REQUIRES, doc, m.build, tuple(getattr(m, "VARIANTS", ())))
 
 
 def families() -> dict[str, Family]:
@@ -40,5 +42,10 @@ def get(name: str) -> Family:
 
 
 def build(name: str, num_devices: int, num_microbatches: int, **kw) -> Schedule:
-    """Build a compute-only schedule of a family (requirements checked up front)."""
-    return get(name).build(num_devices, num_microbatches, **kw)
+    """Build a compute-only schedule of a family (requirements checked up front). ``variant``
+    (None: the family's default) must be one of the family's variants."""
+    fam = get(name)
+    if kw.get("variant") is not None and not fam.variants:
+        raise ScheduleError(f"{name} has no variants (got {kw['variant']!r}); leave the variant out "
+                            f"(schedules with variants: {', '.join(n for n, f in families().items() if f.variants)})")
+    return fam.build(num_devices, num_microbatches, **kw)

@@ -29,7 +29,7 @@ def test_simulate_writes_outputs(capsys, tmp_path):
     png, js = tmp_path / "t.png", tmp_path / "t.json"
     rc, out, _ = run_cli(capsys, "simulate", "-s", "chimera", "-D", "4", "-N", "8", "--unit-costs",
                          "--plot", str(png), "--chrome-trace", str(js))
-    assert rc == 0 and "bubble 0.2500" in out
+    assert rc == 0 and "bubble 0.2000" in out   # released direct concatenation: (K+1)(D-2) = 6 of 30
     assert png.stat().st_size > 10_000 and json.loads(js.read_text())["traceEvents"]
 
 
@@ -107,6 +107,7 @@ def test_bubbles_vs_n(capsys, tmp_path):
     rc, out, _ = run_cli(capsys, "bubbles", "-D", "4", "--max-k", "3", "--json", "--plot", str(tmp_path / "b.png"))
     assert rc == 0 and (tmp_path / "b.png").exists()
     rows = {(r["schedule"], r["N"]): r for r in json.loads(out)}
-    assert rows[("chimera", 12)]["bubble"] == pytest.approx(3 * rows[("chimera", 4)]["bubble"])
+    # Chimera pays D-2 per junction, half a unit's 2(D-2): (K+1)(D-2) = 8 at K = 3, twice K = 1's
+    assert rows[("chimera", 12)]["bubble"] == pytest.approx(2 * rows[("chimera", 4)]["bubble"])
     assert rows[("bitpipe-zb", 12)]["bubble"] == pytest.approx(rows[("bitpipe-zb", 4)]["bubble"])
     assert rows[("gpipe", 4)]["bubble_ratio"] == pytest.approx(3 / 7)

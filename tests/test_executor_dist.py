@@ -70,6 +70,9 @@ def _cases_world4():
                   for s in PAPER})
     cases["chimera-noeager-D2R2"] = (RunConfig(schedule="chimera", devices=2, microbatches=4, replicas=2,
                                                eager_allreduce=False, **BASE), None)
+    for name, variant in (("chimera", "forward-doubling"), ("bitpipe", "greedy")):   # the non-default orders
+        cases[f"{name}-{variant}-D4"] = (RunConfig(schedule=name, devices=4, microbatches=8, **BASE),
+                                         build(name, 4, 8, variant=variant))
     return cases
 
 

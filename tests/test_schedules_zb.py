@@ -173,15 +173,15 @@ def test_bitpipe_zb_bubble_constant_in_n(D):
 
 
 def test_bitpipe_and_chimera_bubbles_grow_with_k():
-    """Concatenated units: absolute bubble K times the N = D one (the ratio stays flat)."""
-    for name, D in [("chimera", 4), ("chimera", 8), ("bitpipe", 8)]:
-        b1 = summary(name, D, D)["bubble"]
-        for K in (2, 3, 4):
-            s = summary(name, D, K * D)
-            assert s["bubble"] == K * b1
-            assert s["bubble_ratio"] == pytest.approx(summary(name, D, D)["bubble_ratio"])
-    assert [summary("chimera", 4, 4 * K)["bubble"] for K in (1, 2, 3, 4)] == [4, 8, 12, 16]
-    assert [summary("bitpipe", 8, 8 * K)["bubble"] for K in (1, 2, 3, 4)] == [6.5, 13, 19.5, 26]
+    """Concatenated units: the released orders pay half a unit's bubble per junction (their ratio
+    falls with K but their bubble time grows); BitPipe's greedy variant pays a whole unit's (flat
+    ratio). BitPipe-ZB's bubble does not grow at all (above)."""
+    assert [summary("chimera", 4, 4 * K)["bubble"] for K in (1, 2, 3, 4)] == [4, 6, 8, 10]
+    assert [summary("chimera", 8, 8 * K)["bubble"] for K in (1, 2, 3, 4)] == [12, 18, 24, 30]
+    assert [summary("bitpipe", 8, 8 * K)["bubble"] for K in (1, 2, 3, 4)] == [6, 9, 12, 15]
+    greedy = [unit_summary(build("bitpipe", 8, 8 * K, variant="greedy")) for K in (1, 2, 3, 4)]
+    assert [s["bubble"] for s in greedy] == [6.5, 13, 19.5, 26]
+    assert [s["bubble_ratio"] for s in greedy] == pytest.approx([greedy[0]["bubble_ratio"]] * 4)
 
 
 def test_bitpipe_zb_beats_everything_at_n_equals_kd():

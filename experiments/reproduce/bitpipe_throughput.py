@@ -21,11 +21,12 @@ PAPER_SPEEDUP = "1.05x - 1.28x over the best of the others (BitPipe paper, GPT-9
 
 
 def run_config(model_name: str, G: int, schedule: str, *, D: int = 8, N: int = 8, micro_batch: int = 1,
-               cluster: str = "dgx-a100-4x8-ib") -> dict:
+               cluster: str = "dgx-a100-4x8-ib", sched=None) -> dict:
+    """One simulated configuration (``sched``: a compute schedule to run instead of the named one)."""
     R = G // D
     model = load_model(model_name).replace(micro_batch=micro_batch)
     cl = load_cluster(cluster)
-    low = lower(build(schedule, D, N), replicas=R)
+    low = lower(sched if sched is not None else build(schedule, D, N), replicas=R)
     mapping = "copies-same-node" if low.num_copies == 2 else "sequential"
     placed = cl.place(low, mapping)
     costs = TransformerCostModel(model, cl.device).bind(low)
@@ -98,9 +99,46 @@ def throughput_section(out: Path, quick: bool) -> str:
         "mapping that keeps both copies of a stage on one node.", "",
         _md(df.drop(columns=["D", "micro_batch"])), "",
         "### BitPipe over the best other schedule", "", _md(sp), "",
-        f"Simulated speed-up: {lo:.2f}x - {hi:.2f}x. Paper: {PAPER_SPEEDUP}.",
+        f"Simulated speed-up: {lo:.2f}x - {hi:.2f}x ({_range(sp, 8)} at N = D, {_range(sp, 16)} at N = 2D). "
+        f"Paper: {PAPER_SPEEDUP}.",
         "Where they differ: our costs come from FLOP formulas at a fixed efficiency (no kernel-size effects), "
-        "our BitPipe unit is list-scheduled (half a forward-unit longer than the paper's at D = 8), and at "
-        "N = 2D our BitPipe concatenates two units directly (pulling forwards into the junction does not "
-        "help our greedy unit at D = 8), so it pays the unit bubble twice and can fall behind 1F1B-interleaved; "
-        "the paper fills part of that junction."])
+        "and point-to-point and all-reduce times from pipetwin's link model of the cluster preset."])
+
+
+def _range(sp: pd.DataFrame, N: int) -> str:
+    sub = sp[sp.N == N]
+    if sub.empty:
+        return "-"
+    return f"{sub.speedup.min():.2f}x - {sub.speedup.max():.2f}x"
+
+
+def changes_section(out: Path) -> str:
+    """Throughput of Chimera and BitPipe with pipetwin's previous orders beside the released ones
+    (same configurations as :func:`throughput_table`, read back from throughput.csv), and BitPipe's
+    speed-up over the best other schedule before and now."""
+    from .bitpipe import _md, previous_order
+    now = pd.read_csv(out / "throughput.csv")
+    before = now.copy()
+    for i, r in now.iterrows():
+        if r.schedule in ("chimera", "bitpipe"):
+            old = run_config(r.model, int(r.gpus), r.schedule, N=int(r.N),
+                             sched=previous_order(r.schedule, int(r.D), int(r.N)))
+            for k in ("iteration_time_s", "throughput_samples_s", "bubble", "peak_memory_GiB", "oom"):
+                before.at[i, k] = old[k]
+    key = ["model", "gpus", "N", "schedule"]
+    t = now[now.schedule.isin(["chimera", "bitpipe"])][key + ["throughput_samples_s"]].merge(
+        before[key + ["throughput_samples_s"]], on=key, suffixes=("_now", "_before"))
+    t["change"] = t.throughput_samples_s_now / t.throughput_samples_s_before
+    t = t[key + ["throughput_samples_s_before", "throughput_samples_s_now", "change"]]
+    sp_now, sp_before = speedups(now), speedups(before)
+    sp = sp_before[["model", "gpus", "N", "best_other", "speedup"]].merge(
+        sp_now[["model", "gpus", "N", "best_other", "speedup"]], on=["model", "gpus", "N"],
+        suffixes=("_before", "_now"))
+    t.to_csv(out / "throughput_changes.csv", index=False)
+    sp.to_csv(out / "speedup_changes.csv", index=False)
+    lines = ["### Throughput before and now (same configurations as above)", "", _md(t), "",
+             "### BitPipe's speed-up over the best other schedule, before and now", "", _md(sp), ""]
+    for N, what in ((8, "N = D"), (16, "N = 2D")):
+        if (sp.N == N).any():
+            lines.append(f"- {what}: {_range(sp_before, N)} before, {_range(sp_now, N)} now.")
+    return "\n".join(lines)
