@@ -11,6 +11,8 @@ from typing import Protocol, Sequence
 
 from schedules.ir import Schedule
 
+from .partition import layer_ranges
+
 Table = tuple[tuple[float, ...], ...]
 
 
@@ -84,25 +86,6 @@ class UnitCostModel:
                           optim_time=tuple([0.0] * sched.num_ranks), meta={"model": "unit"})
 
 
-def partition_layers(num_layers: int, num_stages: int, sizes: Sequence[int] | None = None) -> list[range]:
-    """Contiguous layer ranges per stage: the given ``sizes`` or as even as possible (earlier
-    stages get the extra layers)."""
-    if sizes is not None:
-        if sum(sizes) != num_layers or len(sizes) != num_stages or min(sizes) < 1:
-            raise ValueError(f"partition {list(sizes)} must give {num_stages} stages >= 1 layer summing to {num_layers}")
-    else:
-        if num_layers < num_stages:
-            raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages; "
-                             f"use fewer devices/chunks or a deeper model")
-        q, r = divmod(num_layers, num_stages)
-        sizes = [q + (1 if i < r else 0) for i in range(num_stages)]
-    out, start = [], 0
-    for n in sizes:
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
 @dataclass(frozen=True)
 class LayerCosts:
     """Per-layer costs (seconds, bytes); index i is layer i of the whole model."""
@@ -141,7 +124,7 @@ class PerLayerCostModel:
     def bind(self, sched: Schedule) -> StageCosts:
         L = self.layers
         S, C = sched.num_stages, sched.num_copies
-        parts = partition_layers(L.num_layers, S, self.partition)
+        parts = layer_ranges(L.num_layers, S, self.partition)
 
         def per_stage(vals):
             return [sum(vals[i] for i in rng) for rng in parts]

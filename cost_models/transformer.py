@@ -44,7 +44,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import LayerCosts, PerLayerCostModel, StageCosts, partition_layers
+from .base import LayerCosts, PerLayerCostModel, StageCosts
+from .partition import default_partition, layer_ranges
 from .device import DeviceSpec
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
@@ -177,27 +178,6 @@ def model_flops(spec: ModelSpec, recompute: str = "none") -> float:
     return sum(l.flops_total for l in transformer_layers(spec, recompute))
 
 
-def default_partition(num_blocks: int, num_stages: int) -> tuple[int, ...]:
-    """Layer counts per stage for [embedding, blocks..., head], the executor's split
-    (``executor.model.partition_layers``): the blocks are divided as evenly as possible, the
-    extra ones going to the inner stages first (stage 1, 2, ...) and then to stages 0 and S-1,
-    which also carry the embedding (stage 0) and the head (stage S-1).
-    With fewer blocks than stages (which the executor refuses), the L + 2 layers are split evenly."""
-    if num_stages < 1:
-        raise ValueError(f"need at least one stage; got {num_stages}")
-    if num_stages == 1:
-        return (num_blocks + 2,)
-    if num_blocks < num_stages:
-        return tuple(len(r) for r in partition_layers(num_blocks + 2, num_stages))
-    base, extra = divmod(num_blocks, num_stages)
-    counts = [base] * num_stages
-    order = list(range(1, num_stages - 1)) + [0, num_stages - 1]
-    for s in order[:extra]:
-        counts[s] += 1
-    counts[0] += 1
-    counts[-1] += 1
-    return tuple(counts)
-
 
 def static_bytes_split(dtype_bytes: float, grad_bytes: float, bytes_per_param: float) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per parameter out of ``bytes_per_param`` in all:
@@ -302,7 +282,7 @@ class TransformerCostModel:
 
     def stage_params(self, num_stages: int) -> list[float]:
         """Parameter count of each stage under :meth:`partition_for`."""
-        parts = partition_layers(self.model.layers + 2, num_stages, self.partition_for(num_stages))
+        parts = layer_ranges(self.model.layers + 2, num_stages, self.partition_for(num_stages))
         L = self.layers()
         return [float(sum(L[i].params for i in r)) for r in parts]
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from cost_models.model_spec import ModelSpec, load_model
+from cost_models.partition import block_ranges
 from schedules import Schedule, build, lower, validate
 
-from .model import partition_layers
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -28,7 +28,7 @@ class RunConfig:
     ``model`` is a preset name, a YAML path or a ModelSpec; ``micro_batch`` overrides the spec's
     sequences per micro-batch; ``partition`` gives the transformer blocks of each of the schedule's
     stages per model copy (embedding in stage 0, head in the last; default: the even split of
-    :func:`executor.model.partition_layers`). The reference uses the same spec and G = R * N, so its
+    :func:`cost_models.partition.block_ranges`). The reference uses the same spec and G = R * N, so its
     global batch is the run's."""
 
     schedule: str = "dapple"
@@ -113,7 +113,7 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     spec = config.spec()
     if spec.kind != "gpt":
         raise ValueError(f"the executor trains GPT decoders; model {spec.name!r} is of kind {spec.kind!r}")
-    partition_layers(spec.layers, low.num_stages, config.partition)
+    block_ranges(spec.layers, low.num_stages, config.partition)
     return low
 
 

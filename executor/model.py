@@ -4,11 +4,11 @@ The full model is a token + position embedding, ``spec.layers`` pre-norm transfo
 (causal self-attention and a GELU MLP, each wrapped in a residual) and a final LayerNorm with an
 output head; the loss is the cross-entropy of next-token prediction.
 
-Splitting (:func:`partition_layers`): a schedule has S stages per model copy. By default the L
+Splitting (:func:`cost_models.partition.block_ranges`): a schedule has S stages per model copy. By default the L
 blocks are divided contiguously and as evenly as possible over the S stages; the embedding is part
 of stage 0 and the final norm, head and loss are part of stage S-1, so the stages that also carry
 those get the smaller block counts when L is not a multiple of S. An explicit partition gives the
-blocks per stage instead (a planner's plan: :func:`blocks_from_layers` converts its counts over the
+blocks per stage instead (a planner's plan: :func:`cost_models.partition.blocks_from_layers` converts its counts over the
 L + 2 layers embedding, blocks, head); there stage 0 may hold the embedding alone and stage S-1
 the head alone (0 blocks), every other stage needs at least one block. A stage is a
 :class:`StageModule`; the whole model is simply the stage that spans everything
@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as Fn
 
 from cost_models.model_spec import ModelSpec
+from cost_models.partition import block_ranges
 
 
 class CausalSelfAttention(nn.Module):
@@ -105,75 +106,6 @@ class StageModule(nn.Module):
         return Fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def partition_layers(num_layers: int, num_stages: int, blocks=None) -> list[range]:
-    """Contiguous block ranges for ``num_stages`` stages (see the module docstring); ``blocks``:
-    an explicit number of blocks per stage (validated), else the even default split."""
-    if num_stages < 1:
-        raise ValueError(f"need at least one stage; got {num_stages}")
-    if blocks is not None:
-        counts = check_partition(blocks, num_layers, num_stages)
-    else:
-        if num_layers < num_stages:
-            raise ValueError(f"the model has {num_layers} layers but the schedule has {num_stages} stages per "
-                             f"copy; use a model with at least {num_stages} layers (--model FILE.yaml) or fewer "
-                             f"stages")
-        base, extra = divmod(num_layers, num_stages)
-        inner = list(range(1, num_stages - 1))
-        order = inner + [s for s in (0, num_stages - 1) if s not in inner]
-        counts = [base] * num_stages
-        for s in order[:extra]:
-            counts[s] += 1
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
-
-
-def check_partition(blocks, num_layers: int, num_stages: int) -> list[int]:
-    """``blocks`` (blocks per stage) as a list, or ValueError saying what is wrong with it."""
-    try:
-        items = list(blocks)
-        counts = [int(b) for b in items]
-    except (TypeError, ValueError):
-        raise ValueError(f"a partition is a list of block counts per stage; got {blocks!r}") from None
-    if any(isinstance(b, bool) or c != b for b, c in zip(items, counts)):
-        raise ValueError(f"a partition is a list of whole block counts per stage; got {items}")
-    if len(counts) != num_stages:
-        raise ValueError(f"the partition {counts} has {len(counts)} stage(s); the schedule has {num_stages} "
-                         f"stages per model copy")
-    if sum(counts) != num_layers:
-        raise ValueError(f"the partition {counts} covers {sum(counts)} blocks; the model has {num_layers}")
-    if any(c < 0 for c in counts):
-        raise ValueError(f"the partition {counts} has a negative block count")
-    empty = [s for s, c in enumerate(counts) if c == 0 and 0 < s < num_stages - 1]
-    if empty or (num_stages == 1 and counts[0] == 0):
-        raise ValueError(f"the partition {counts} leaves stage {empty[0] if empty else 0} without layers (only "
-                         f"the first stage, with the embedding, and the last, with the head, may hold no block)")
-    return counts
-
-
-def blocks_from_layers(layers, num_blocks: int) -> list[int]:
-    """Blocks per stage from layer counts over the L + 2 layers [embedding, blocks..., head] (how
-    the planner and :func:`cost_models.transformer.default_partition` count): stage 0's count
-    includes the embedding, the last stage's the head."""
-    try:
-        counts = [int(c) for c in layers]
-    except (TypeError, ValueError):
-        raise ValueError(f"a layer partition is a list of layer counts per stage; got {layers!r}") from None
-    if not counts:
-        raise ValueError("the layer partition is empty")
-    if sum(counts) != num_blocks + 2:
-        raise ValueError(f"the layer partition {counts} covers {sum(counts)} layers; the model has {num_blocks + 2} "
-                         f"({num_blocks} blocks + embedding + head)")
-    if any(c < 1 for c in counts):
-        raise ValueError(f"the layer partition {counts} has a stage without layers")
-    out = list(counts)
-    out[0] -= 1
-    out[-1] -= 1
-    return out
-
-
 def _param_seed(seed: int, name: str) -> int:
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2 ** 63)
 
@@ -199,8 +131,8 @@ def init_parameters(module: nn.Module, seed: int, num_layers: int) -> None:
 
 def stage_module(spec: ModelSpec, num_stages: int, stage: int, *, seed: int = 0, partition=None) -> StageModule:
     """Stage ``stage`` of ``num_stages`` (float32, on the CPU), initialised from ``seed``;
-    ``partition``: blocks per stage (default: the even split of :func:`partition_layers`)."""
-    ranges = partition_layers(spec.layers, num_stages, partition)
+    ``partition``: blocks per stage (default: the even split of :func:`cost_models.partition.block_ranges`)."""
+    ranges = block_ranges(spec.layers, num_stages, partition)
     mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1)
     init_parameters(mod, seed, spec.layers)
     return mod

@@ -16,7 +16,7 @@ import time
 from planner import SearchSpace, Topology, search
 from planner.clusters import resolve_cluster
 from planner.search import _policies, _rep_values, divisors
-from planner.workload import load_workload
+from planner.models import load_workload
 
 
 def space_size(L: int, topo: Topology, G: int, space: SearchSpace) -> int:

@@ -6,7 +6,8 @@ from pathlib import Path
 from schedules import names
 from schedules.analysis import bubble_vs_n
 
-from .common import fmt_table, parse_schedules, print_json
+from .common import parse_schedules, print_json
+from .tables import fmt_table
 
 NAME = "bubbles"
 HELP = "bubble time and ratio against the number of micro-batches N (unit costs), every schedule"

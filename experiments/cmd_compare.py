@@ -7,7 +7,8 @@ from schedules import ScheduleError
 from schedules.trace import write_chrome
 
 from .cmd_simulate import run_one
-from .common import add_schedule_args, fmt_table, metrics_record, parse_schedules, human_rows, print_json, units_note
+from .common import add_schedule_args, metrics_record, parse_schedules, human_rows, print_json, units_note
+from .tables import fmt_table
 from .costs import add_cost_args
 
 NAME = "compare"

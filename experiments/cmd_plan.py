@@ -13,7 +13,8 @@ import sys
 
 from cost_models._spec import size_bytes
 
-from .common import fmt_table, parse_schedules, print_json
+from .common import parse_schedules, print_json
+from .tables import fmt_table
 
 NAME = "plan"
 HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner)"

@@ -21,7 +21,8 @@ import sys
 
 from schedules.trace import write_chrome
 
-from .common import add_schedule_args, check_schedule_args, fmt_table, print_json
+from .common import add_schedule_args, check_schedule_args, print_json
+from .tables import fmt_table
 
 NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import fmt_table, parse_schedules, print_json
+from .common import parse_schedules, print_json
+from .tables import fmt_table
 
 NAME = "validate"
 HELP = "run each schedule for real and in the simulator (calibrated profile); compare time, bubbles, memory"

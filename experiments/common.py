@@ -8,6 +8,7 @@ from schedules import build, families, get, lower, names, validate
 from schedules.trace import step_metrics
 
 
+
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
 PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
 
@@ -106,21 +107,6 @@ def metrics_record(trace, **extra) -> dict:
 def print_json(obj) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
-
-
-def fmt_table(rows: list[dict], cols: list[str], fmts: dict | None = None) -> str:
-    fmts = fmts or {}
-    def cell(r, c):
-        v = r.get(c)
-        if v is None or (isinstance(v, float) and v != v):
-            return "-"
-        return fmts.get(c, "{}").format(v)
-    cells = [[cell(r, c) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
 
 
 def units_note(time_unit: str, mem_unit: str) -> str:

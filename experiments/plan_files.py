@@ -7,8 +7,8 @@ executor's :class:`executor.config.RunConfig` with the lowered schedule to run.
 from __future__ import annotations
 
 from cost_models.model_spec import spec_from_dict
+from cost_models.partition import blocks_from_layers
 from executor.config import RunConfig, lowered_schedule
-from executor.model import blocks_from_layers
 from planner.plan_io import LoadedPlan, load_plan
 from schedules import Schedule
 

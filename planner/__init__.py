@@ -26,7 +26,8 @@ from .choose import Evaluated, PlanningResult, evaluate_plan, plan_training
 from .plan_io import LoadedPlan, load_plan, plan_record, save_plan
 from .search import PlanError, SearchResult, SearchSpace, exhaustive, search
 from .simulate import build_plan, replicated_schedule, simulate_plan
-from .workload import Workload, load_workload
+from .models import load_workload
+from .workload import Workload
 
 __all__ = ["Estimate", "estimate", "paper_models", "POLICIES", "Topology", "Plan", "StagePlan", "LoadedPlan",
            "load_plan", "plan_record", "save_plan", "Evaluated", "PlanningResult", "evaluate_plan",

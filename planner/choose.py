@@ -30,7 +30,8 @@ from .placement import Topology
 from .plan import Plan
 from .search import PlanError, SearchResult, SearchSpace, divisors, search
 from .simulate import SimOutcome, simulate_plan
-from .workload import Workload, load_workload
+from .models import load_workload
+from .workload import Workload
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The DAPPLE paper's models, approximated from their published layer sizes (planner-local).
+"""The models the planner plans, by name: the DAPPLE paper's models, approximated from their
+published layer sizes (planner-local), and cost_models' transformer presets / specs
+(:func:`load_workload`, :func:`workload_from_source`).
 
 DAPPLE (Fan et al., PPoPP 2021) evaluates its planner on VGG-19, GNMT-16, BERT-48, XLNet-36 and
 AmoebaNet-36. The transformers come from :mod:`cost_models.transformer` (BERT-48 is the
@@ -29,7 +31,7 @@ moments in fp32).
 """
 from __future__ import annotations
 
-from cost_models import DeviceSpec, LayerCosts, ModelSpec
+from cost_models import DeviceSpec, LayerCosts, ModelSpec, load_model, spec_from_dict
 
 from .workload import Workload, from_layer_costs, transformer_workload
 
@@ -127,3 +129,27 @@ def paper_workload(name: str, device: DeviceSpec, recompute: str = "none") -> Wo
         raise ValueError(f"recomputation is only modelled for transformers; {name} takes --recompute none")
     lc, names = _layers(_ROWS[name](), device, "fp32", name)
     return from_layer_costs(name, lc, layer_names=names, memory_capacity=device.memory_bytes, source=src)
+
+
+def load_workload(model, device: DeviceSpec, recompute: str = "none") -> Workload:
+    """``model``: a planner paper model name (see :func:`planner.models.paper_models`), a cost_models
+    model preset or YAML path, or a :class:`ModelSpec`."""
+    if isinstance(model, ModelSpec):
+        return transformer_workload(model, device, recompute)
+    if isinstance(model, str) and model in PAPER_MODELS:
+        return paper_workload(model, device, recompute)
+    spec = load_model(model)
+    src = {"kind": "transformer", "name": str(model), "spec": spec.to_dict(), "recompute": recompute}
+    return transformer_workload(spec, device, recompute, source=src)
+
+
+def workload_from_source(source: dict, device: DeviceSpec) -> Workload:
+    """Rebuild a workload from its ``source`` record (what plan files store)."""
+    kind = source.get("kind")
+    recompute = source.get("recompute", "none")
+    if kind == "paper":
+        return paper_workload(source["name"], device, recompute)
+    if kind == "transformer":
+        spec = spec_from_dict(dict(source["spec"]), f"plan model {source.get('name', '')}".strip())
+        return transformer_workload(spec, device, recompute, source=source)
+    raise ValueError(f"plan file: cannot rebuild model of kind {kind!r} (expected 'paper' or 'transformer')")

@@ -36,7 +36,8 @@ from cost_models import Cluster, cluster_from_dict
 
 from .plan import Plan
 from .simulate import Built, SimOutcome, build_plan, simulate_plan
-from .workload import Workload, workload_from_source
+from .models import workload_from_source
+from .workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 1
 

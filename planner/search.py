@@ -56,6 +56,8 @@ from .placement import POLICIES, Topology, check_policy
 from .plan import Plan, StagePlan
 from .workload import Workload
 
+from cost_models.partition import balanced_edges
+
 OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")
 
@@ -282,22 +284,6 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                         i -= 1
 
 
-def balanced_partition(weights, parts: int) -> list[int]:
-    """Cut points (parts + 1 edges) of a contiguous split of ``weights`` where cumulative weight crosses
-    k / parts of the total (every part keeps at least one item)."""
-    n = len(weights)
-    total = sum(weights) or 1.0
-    edges, acc, i = [0], 0.0, 0
-    for k in range(1, parts):
-        target = total * k / parts
-        while i < n - (parts - k) and (acc + weights[i] / 2 < target or i < edges[-1] + 1):
-            acc += weights[i]
-            i += 1
-        edges.append(i)
-    edges.append(n)
-    return edges
-
-
 def _seed(ctx: _Ctx, jobs) -> dict:
     """Offer simple plans first (uniform R x D with a work-balanced partition) so that pruning bites
     from the start; they are plans of the space, so the result stays exact."""
@@ -313,7 +299,7 @@ def _seed(ctx: _Ctx, jobs) -> dict:
             for D in range(1, min(L, limit, P // sl) + 1):
                 if D * sl > P:
                     break
-                edges = balanced_partition(wts, D)
+                edges = balanced_edges(wts, D)
                 devs = topo.place(policy, [r] * D)
                 plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
                             tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)

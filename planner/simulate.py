@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from functools import reduce
 
 from cost_models import Cluster, PerLayerCostModel, StageCosts
+from cost_models.partition import balanced_edges
 from schedules import Schedule, build, lower, make_schedule, validate
 from schedules.dapple import one_f_one_b
 from schedules.ir import B, F
@@ -35,7 +36,6 @@ from sim import SimOptions, simulate
 
 from .placement import lcm
 from .plan import Plan
-from .search import balanced_partition
 from .workload import Workload
 
 REPLICATED = "dapple-replicated"
@@ -88,7 +88,7 @@ def ir_partition(plan: Plan, work: Workload, num_stages: int) -> tuple[int, ...]
         raise ValueError(f"schedule {plan.schedule} needs {num_stages} stages; {work.name} has only "
                          f"{work.num_layers} layers")
     wts = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(work.num_layers)]
-    e = balanced_partition(wts, num_stages)
+    e = balanced_edges(wts, num_stages)
     return tuple(e[i + 1] - e[i] for i in range(num_stages))
 
 

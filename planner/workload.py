@@ -129,30 +129,3 @@ def transformer_workload(spec: ModelSpec, device: DeviceSpec, recompute: str = "
 _FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
            "bytes_per_param_static", "grad_bytes_per_param", "optim_time_per_param", "copy_time",
            "memory_capacity", "source")
-
-
-def load_workload(model, device: DeviceSpec, recompute: str = "none") -> Workload:
-    """``model``: a planner paper model name (see :func:`planner.models.paper_models`), a cost_models
-    model preset or YAML path, or a :class:`ModelSpec`."""
-    from .models import PAPER_MODELS, paper_workload
-    if isinstance(model, ModelSpec):
-        return transformer_workload(model, device, recompute)
-    if isinstance(model, str) and model in PAPER_MODELS:
-        return paper_workload(model, device, recompute)
-    spec = load_model(model)
-    src = {"kind": "transformer", "name": str(model), "spec": spec.to_dict(), "recompute": recompute}
-    return transformer_workload(spec, device, recompute, source=src)
-
-
-def workload_from_source(source: dict, device: DeviceSpec) -> Workload:
-    """Rebuild a workload from its ``source`` record (what plan files store)."""
-    from .models import paper_workload
-    kind = source.get("kind")
-    recompute = source.get("recompute", "none")
-    if kind == "paper":
-        return paper_workload(source["name"], device, recompute)
-    if kind == "transformer":
-        from cost_models import spec_from_dict
-        spec = spec_from_dict(dict(source["spec"]), f"plan model {source.get('name', '')}".strip())
-        return transformer_workload(spec, device, recompute, source=source)
-    raise ValueError(f"plan file: cannot rebuild model of kind {kind!r} (expected 'paper' or 'transformer')")

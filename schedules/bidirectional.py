@@ -5,7 +5,8 @@ basic unit (D of them) are split in half: the first half goes "down" (copy 0), t
 (copy 1); :func:`copy_microbatch` numbers them, so a copy's k-th micro-batch (the k-th it runs,
 first in first out, as the released runtimes do) is a fixed global micro-batch.
 
-- placements: :func:`v_placement` (BitPipe), :func:`straight_placement` (Chimera);
+- placements live in :mod:`schedules.placement` (:func:`~schedules.placement.v_placement` for BitPipe,
+  :func:`~schedules.placement.straight_placement` for Chimera);
 - :func:`pick_variant`: one check of a family's ``variant=`` argument (one ScheduleError line);
 - :class:`FifoStreams`: emit a released runtime's per-device order as "next forward / backward of
   this copy's chunk" calls and get pipetwin's (kind, micro-batch, copy, stage) tuples back;
@@ -18,21 +19,6 @@ from __future__ import annotations
 
 from .ir import B, F, W, ScheduleError, make_schedule
 from .timing import list_schedule
-
-
-def v_placement(D: int) -> list[list[int]]:
-    """Two opposite V-shaped copies of 2D stages each (BitPipe): down stage k < D on device k and
-    k >= D on device 2D-1-k; the up copy mirrors it. Device d holds down stages d, 2D-1-d and
-    up stages D-1-d, D+d; the V turn (stage D-1 -> D) stays on one device."""
-    S = 2 * D
-    down = [k if k < D else S - 1 - k for k in range(S)]
-    up = [D - 1 - k if k < D else k - D for k in range(S)]
-    return [down, up]
-
-
-def straight_placement(D: int) -> list[list[int]]:
-    """Two opposite straight copies of D stages (Chimera)."""
-    return [list(range(D)), [D - 1 - s for s in range(D)]]
 
 
 def copy_of(mb: int, D: int) -> int:

@@ -1,7 +1,7 @@
 """BitPipe (Wu et al., 2024): two opposite V-shaped interleaved pipelines merged.
 
 Requirements: D even, N = K*D micro-batches (K >= 1 basic units). Placement
-(:func:`schedules.bidirectional.v_placement`): each copy has 2D stages (L/(2D) layers, F/2 each);
+(:func:`schedules.placement.v_placement`): each copy has 2D stages (L/(2D) layers, F/2 each);
 device d holds down stages d and 2D-1-d and up stages D-1-d and D+d, so the V turn is a local
 COPY and each device holds 4 chunks (weights 2 Mw). Micro-batches: the first D/2 of each unit go
 down, the next D/2 up. Gradient all-reduce of a stage's two copies is placed eagerly where the
@@ -58,7 +58,8 @@ k-th is a numbering convention (the loss is their mean);
 from functools import lru_cache
 
 from .analysis import unit_summary
-from .bidirectional import FifoStreams, build_bidirectional, pick_variant, v_placement
+from .bidirectional import FifoStreams, build_bidirectional, pick_variant
+from .placement import v_placement
 from .common import check_units
 from .ir import make_schedule
 

@@ -9,7 +9,7 @@ linearly with K. Here there are no units: all N micro-batches flow through one f
 state and one drain, and the W's fill what would be bubbles.
 
 Requirements: D even, N a multiple of D (the bubble below is exact for those; other N are
-refused). Placement: :func:`schedules.bidirectional.v_placement` - each copy has 2D stages of
+refused). Placement: :func:`schedules.placement.v_placement` - each copy has 2D stages of
 L/(2D) layers (F/2 per chunk); device d holds down stages d, 2D-1-d and up stages D-1-d, D+d
 (4 chunks, weights 2 Mw, all-reduce of the two copies of a stage by lowering). Micro-batch m goes
 "down" when m is even and "up" when odd, so both ends of the device line start at once.
@@ -29,7 +29,7 @@ first device) and at most 5D/2 counting the W-retained part as whole (5D/4 Ma).
 """
 from __future__ import annotations
 
-from .bidirectional import v_placement
+from .placement import v_placement
 from .common import check_units
 from .ir import B, F, W, make_schedule
 from .timing import list_schedule

@@ -57,7 +57,8 @@ simulation in which a forward and a backward take one slot each; pipetwin follow
 runtimes, which spell the order out as loops and whose timing, like every closed form here, has
 B = 2F.
 """
-from .bidirectional import FifoStreams, pick_variant, straight_placement
+from .bidirectional import FifoStreams, pick_variant
+from .placement import straight_placement
 from .common import check_units
 from .ir import ScheduleError, make_schedule
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from .common import check_positive
 from .ir import B, F, W, ScheduleError, make_schedule
-from .zb_v import v_stages
+from .placement import v_stages
 
 NAME = "dualpipe-v"
 REQUIRES = "D >= 1, N >= 2D"

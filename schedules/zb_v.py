@@ -26,14 +26,10 @@ chunk-activation the peak is still 2D chunks = D Ma on every device.
 """
 from .common import check_positive
 from .ir import B, F, W, make_schedule
+from .placement import v_stages
 
 NAME = "zb-v"
 REQUIRES = "D >= 1, N >= 1 (closed form for N >= 2D-1)"
-
-
-def v_stages(D: int) -> list[int]:
-    """Single-copy V placement: stage k -> device (k if k < D else 2D-1-k)."""
-    return [k if k < D else 2 * D - 1 - k for k in range(2 * D)]
 
 
 def zbv_device_order(D: int, d: int, n: int) -> list[tuple[str, int, int]]:

@@ -213,13 +213,14 @@ class _Engine:
             res = resolved.get(what)
             if res is None:
                 res = resolved[what] = self._resolve(r, op, split, slow)
+            seconds, nbytes, alloc, free = res
             msg = None
             if k == SEND or k == RECV:
-                pair = (r, op.peer) if k == SEND else (op.peer, r)
+                src, dst = (r, op.peer) if k == SEND else (op.peer, r)
                 # per-pair FIFO (checked by validation): the n-th SEND of a pair is the n-th RECV
-                n = fifo_count[(k, pair)] = fifo_count.get((k, pair), -1) + 1
-                msg = pair + (n,)
-            append(planned((k, head) + res + (msg, op.stage, op.peer)))
+                n = fifo_count[(k, src, dst)] = fifo_count.get((k, src, dst), -1) + 1
+                msg = (src, dst, n)
+            append(planned((k, head, seconds, nbytes, alloc, free, msg, op.stage, op.peer)))
         return out
 
     def _resolve(self, r: int, op, split: bool, slow: float) -> tuple[float, float, float, float]:

@@ -103,7 +103,7 @@ def test_default_partition():
     assert cm.default_partition(15, 4) == (5, 4, 4, 4)       # then to stage 0, then to the last
     assert cm.default_partition(3, 2) == (3, 2)
     assert cm.default_partition(8, 1) == (10,)
-    assert cm.default_partition(2, 3) == (2, 1, 1)     # fewer blocks than stages: split L + 2 layers
+    assert cm.default_partition(2, 3) == (1, 2, 1)     # fewer blocks than stages: the even rule over L + 2 layers
 
 
 # ----------------------------------------------------------------------------- seconds

@@ -6,7 +6,8 @@ from cost_models.model_spec import load_model
 from executor.config import RunConfig, lowered_schedule
 from executor.data import TokenSource
 from executor.device import SavedTensorMeter, select_device
-from executor.model import full_model, partition_layers, stage_module
+from cost_models.partition import block_ranges
+from executor.model import full_model, stage_module
 from schedules import ScheduleError
 
 SPEC = load_model("tiny")
@@ -14,18 +15,18 @@ SPEC = load_model("tiny")
 
 def test_partition_is_contiguous_and_covers_all_layers():
     for L, S in [(8, 2), (8, 8), (10, 4), (9, 4), (7, 3)]:
-        parts = partition_layers(L, S)
+        parts = block_ranges(L, S)
         assert [r.start for r in parts[1:]] == [r.stop for r in parts[:-1]]
         assert parts[0].start == 0 and parts[-1].stop == L
         sizes = [len(r) for r in parts]
         assert max(sizes) - min(sizes) <= 1
     # extra layers go to inner stages first: the ends also carry embedding / head
-    assert [len(r) for r in partition_layers(10, 4)] == [2, 3, 3, 2]
+    assert [len(r) for r in block_ranges(10, 4)] == [2, 3, 3, 2]
 
 
 def test_partition_rejects_more_stages_than_layers():
     with pytest.raises(ValueError, match="at least 16 layers"):
-        partition_layers(8, 16)
+        block_ranges(8, 16)
 
 
 @pytest.mark.parametrize("S", [2, 4, 8])

@@ -13,7 +13,8 @@ from planner.models import paper_workload
 from planner.plan import Plan as _Plan
 from planner.search import all_plans
 from planner.simulate import build_plan
-from planner.workload import from_layer_costs, load_workload
+from planner.models import load_workload
+from planner.workload import from_layer_costs
 from schedules import lower, validate
 
 V100 = load_device("v100")

@@ -17,7 +17,8 @@ from cost_models import LINK_TYPES, Cluster, load_device
 from executor.config import RunConfig, lowered_schedule
 from experiments.plan_files import config_from_plan
 from executor.launch import run_many
-from executor.model import blocks_from_layers, full_model, partition_layers, stage_module
+from cost_models.partition import block_ranges, blocks_from_layers
+from executor.model import full_model, stage_module
 from executor.reference import run_reference
 from experiments.cli import main as cli_main
 from planner import Plan, SearchSpace, StagePlan, Topology, load_workload, plan_training, save_plan
@@ -118,14 +119,14 @@ def test_partition_conversion_and_checks():
     assert blocks_from_layers([6, 4], 8) == [5, 3]
     assert blocks_from_layers([1, 8, 1], 8) == [0, 8, 0]
     assert blocks_from_layers([10], 8) == [8]
-    assert [len(r) for r in partition_layers(8, 3, [0, 8, 0])] == [0, 8, 0]
+    assert [len(r) for r in block_ranges(8, 3, [0, 8, 0])] == [0, 8, 0]
     for bad, msg in (([5, 4], "covers 9 layers"), ([0, 10], "without layers")):
         with pytest.raises(ValueError, match=msg):
             blocks_from_layers(bad, 8)
     for bad, msg in (([4, 4], "2 stage"), ([4, 0, 4], "stage 1 without layers"), ([3, 3, 3], "covers 9 blocks"),
                      ([4.5, 1.5, 2], "whole block counts")):
         with pytest.raises(ValueError, match=msg):
-            partition_layers(8, 3, bad)
+            block_ranges(8, 3, bad)
     with pytest.raises(ValueError, match="partition"):
         lowered_schedule(RunConfig(devices=2, microbatches=2, partition=(4, 3)))
     with pytest.raises(ValueError, match="micro_batch"):

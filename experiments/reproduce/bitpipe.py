@@ -21,9 +21,11 @@ import pandas as pd
 from cost_models import UnitCostModel
 from schedules import ScheduleError, build, lower
 from schedules.analysis import unit_summary
-from schedules.bidirectional import build_bidirectional, straight_placement
 from schedules.trace import step_metrics
 from sim import simulate
+
+from ..tables import markdown
+from .bitpipe_throughput import changes_section, previous_order, throughput_section
 
 SCHEDULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 
@@ -56,17 +58,6 @@ def order_closed_form(name: str, D: int, N: int) -> float:
     if name == "bitpipe":
         return (K + 1) * (D - 2) / (6 * N + (K + 1) * (D - 2))
     return closed_form(name, D, N)["bubble"]
-
-
-def previous_order(name: str, D: int, N: int):
-    """pipetwin's order of Chimera / BitPipe before it followed the released code: greedy list
-    scheduling of each unit (BitPipe's is still its ``greedy`` variant; Chimera's concatenated the
-    units directly with nothing pulled into the junction)."""
-    if name == "bitpipe":
-        return build("bitpipe", D, N, variant="greedy")
-    if name == "chimera":
-        return build_bidirectional("chimera", D, N, straight_placement(D), pull=0)
-    raise ValueError(f"{name} did not change")
 
 
 def simulate_unit(name: str, D: int, N: int):
@@ -128,20 +119,6 @@ def plot_scaling(df: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def _md(df: pd.DataFrame, floatfmt: str = ".4g") -> str:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in df.itertuples(index=False):
-        cells = []
-        for v in row:
-            if isinstance(v, float):
-                cells.append("-" if pd.isna(v) else format(v, floatfmt))
-            else:
-                cells.append(str(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def run(out_dir, quick: bool = False) -> str:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,12 +129,12 @@ def run(out_dir, quick: bool = False) -> str:
     plot_scaling(sc, out / "bubble_scaling.png")
     parts = ["# BitPipe reproduced in simulation", "",
              "## Bubble ratio and memory at D = N = 4 (unit costs: F = 1, B = 2; Ma, Mw per device)", "",
-             _md(t), ""]
+             markdown(t), ""]
     mism = t[(t.bubble_sim - t.bubble_paper).abs() > 1e-9]
     parts.append("All simulated bubble ratios equal the closed forms." if mism.empty else
                  "Bubble ratios that differ from the closed form: " + ", ".join(mism.schedule))
     off = sc[(sc.bubble_sim - sc.bubble_closed_form).abs() > 1e-9]
-    parts += ["", "## Bubble scaling (figure: bubble_scaling.png)", "", _md(sc), "",
+    parts += ["", "## Bubble scaling (figure: bubble_scaling.png)", "", markdown(sc), "",
               "The papers state Chimera's and BitPipe's closed forms for one basic unit (N = D, column "
               "bubble_paper). Both now follow the orders their authors released, which for N = K*D concatenate "
               "K units and fill part of each junction with the next unit's first forwards: each junction costs "
@@ -200,8 +177,7 @@ def _changes_section(out: Path, quick: bool) -> str:
              "device runs the per-device order of the authors' released code (BitPipe: wuhouming/BitPipe; "
              "Chimera: Shigangli/Chimera). The previous BitPipe order is the variant `--variant greedy` (still "
              "the better one at D = 4 for N > D).", "",
-             "### Bubble ratio against N (D = 8, unit costs)", "", _md(bc)]
-    from .bitpipe_throughput import changes_section
+             "### Bubble ratio against N (D = 8, unit costs)", "", markdown(bc)]
     thr = changes_section(out)
     if thr:
         parts += ["", thr]
@@ -210,7 +186,6 @@ def _changes_section(out: Path, quick: bool) -> str:
 
 def _throughput_section(out: Path, quick: bool) -> str:
     """Part 3 needs the transformer cost model and cluster presets (cost_models)."""
-    from .bitpipe_throughput import throughput_section
     return throughput_section(out, quick)
 
 
@@ -240,6 +215,6 @@ def _mapping_section(out: Path) -> str:
         "With the sequential mapping the two copies of stage s sit on devices s and D-1-s, i.e. on different "
         "servers, so each stage's gradient all-reduce crosses Ethernet; BitPipe's mapping keeps both copies on "
         "one server (NVLink). Eager sync starts each all-reduce as soon as the stage's gradients are final.", "",
-        _md(df), "",
+        markdown(df), "",
         f"BitPipe with its mapping and eager sync is {base / best:.2f}x faster than sequential mapping with "
         f"the all-reduces at the end."])

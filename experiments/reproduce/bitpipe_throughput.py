@@ -14,10 +14,25 @@ import pandas as pd
 from cost_models import TransformerCostModel, load_cluster, load_model
 from schedules import build, lower
 from schedules.trace import step_metrics
+from schedules.bidirectional import build_bidirectional
+from schedules.placement import straight_placement
 from sim import simulate
+
+from ..tables import markdown
 
 SCHEDULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 PAPER_SPEEDUP = "1.05x - 1.28x over the best of the others (BitPipe paper, GPT-96 and BERT-64, 8-32 GPUs)"
+
+
+def previous_order(name: str, D: int, N: int):
+    """pipetwin's order of Chimera / BitPipe before it followed the released code: greedy list
+    scheduling of each unit (BitPipe's is still its ``greedy`` variant; Chimera's concatenated the
+    units directly with nothing pulled into the junction)."""
+    if name == "bitpipe":
+        return build("bitpipe", D, N, variant="greedy")
+    if name == "chimera":
+        return build_bidirectional("chimera", D, N, straight_placement(D), pull=0)
+    raise ValueError(f"{name} did not change")
 
 
 def run_config(model_name: str, G: int, schedule: str, *, D: int = 8, N: int = 8, micro_batch: int = 1,
@@ -85,7 +100,6 @@ def plot(df: pd.DataFrame, path: Path) -> None:
 
 
 def throughput_section(out: Path, quick: bool) -> str:
-    from .bitpipe import _md
     df = throughput_table(quick)
     df.to_csv(out / "throughput.csv", index=False)
     plot(df, out / "throughput.png")
@@ -97,8 +111,8 @@ def throughput_section(out: Path, quick: bool) -> str:
         "D = 8 pipeline stages, R = GPUs / 8 data-parallel replicas, N micro-batches of one sample per "
         "replica (larger micro-batches run GPT-96 out of memory without recomputation), DGX-A100 nodes (NVLink inside, 8 x HDR InfiniBand between); Chimera and BitPipe use the "
         "mapping that keeps both copies of a stage on one node.", "",
-        _md(df.drop(columns=["D", "micro_batch"])), "",
-        "### BitPipe over the best other schedule", "", _md(sp), "",
+        markdown(df.drop(columns=["D", "micro_batch"])), "",
+        "### BitPipe over the best other schedule", "", markdown(sp), "",
         f"Simulated speed-up: {lo:.2f}x - {hi:.2f}x ({_range(sp, 8)} at N = D, {_range(sp, 16)} at N = 2D). "
         f"Paper: {PAPER_SPEEDUP}.",
         "Where they differ: our costs come from FLOP formulas at a fixed efficiency (no kernel-size effects), "
@@ -116,7 +130,6 @@ def changes_section(out: Path) -> str:
     """Throughput of Chimera and BitPipe with pipetwin's previous orders beside the released ones
     (same configurations as :func:`throughput_table`, read back from throughput.csv), and BitPipe's
     speed-up over the best other schedule before and now."""
-    from .bitpipe import _md, previous_order
     now = pd.read_csv(out / "throughput.csv")
     before = now.copy()
     for i, r in now.iterrows():
@@ -136,8 +149,8 @@ def changes_section(out: Path) -> str:
         suffixes=("_before", "_now"))
     t.to_csv(out / "throughput_changes.csv", index=False)
     sp.to_csv(out / "speedup_changes.csv", index=False)
-    lines = ["### Throughput before and now (same configurations as above)", "", _md(t), "",
-             "### BitPipe's speed-up over the best other schedule, before and now", "", _md(sp), ""]
+    lines = ["### Throughput before and now (same configurations as above)", "", markdown(t), "",
+             "### BitPipe's speed-up over the best other schedule, before and now", "", markdown(sp), ""]
     for N, what in ((8, "N = D"), (16, "N = 2D")):
         if (sp.N == N).any():
             lines.append(f"- {what}: {_range(sp_before, N)} before, {_range(sp_now, N)} now.")

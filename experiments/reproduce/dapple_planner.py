@@ -26,7 +26,7 @@ from planner import Topology, plan_training
 from planner.clusters import gpus_on_servers, resolve_cluster
 from planner.choose import pipedream_plan, with_simulation
 
-from .bitpipe import _md
+from ..tables import markdown
 
 PAPER_MAX_SPEEDUP_OVER_PIPEDREAM = 3.23
 # model -> global batch (samples): ~8-32 samples per GPU on 16 GPUs
@@ -137,8 +137,8 @@ def run(out_dir, quick: bool = False) -> str:
              f"{PAPER_MAX_SPEEDUP_OVER_PIPEDREAM}x over PipeDream's planner; ours reaches {best_pd:.2f}x "
              f"(PipeDream at M = P) and {t.speedup_over_pipedream_best_m.max():.2f}x (best M); "
              f"{t.speedup_over_data_parallel.max():.2f}x over data parallelism.", "",
-             "## Speed-ups (figure: dapple_planner.png, left)", "", _md(short), "", "## Plans", "", _md(plans), "",
-             "## Scaling on 25 Gb/s Ethernet (figure: dapple_planner.png, right)", "", _md(sc), "",
+             "## Speed-ups (figure: dapple_planner.png, left)", "", markdown(short), "", "## Plans", "", markdown(plans), "",
+             "## Scaling on 25 Gb/s Ethernet (figure: dapple_planner.png, right)", "", markdown(sc), "",
              "Weak scaling (fixed samples per GPU); 2-8 GPUs sit in one server (NVLink), 16 and 32 span 2 and 4 "
              "servers with one 25 Gb/s NIC each, where data parallelism's gradient all-reduce crosses Ethernet."]
     report = "\n".join(parts)

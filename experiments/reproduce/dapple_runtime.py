@@ -49,7 +49,7 @@ def fitted(model, schedule, D, N, mb, cluster):
 
 
 def run(out_dir, quick: bool = False) -> str:
-    from .bitpipe import _md
+    from ..tables import markdown
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cluster, D = "v100-2x8-25gbe", 8
@@ -80,11 +80,11 @@ def run(out_dir, quick: bool = False) -> str:
         "# DAPPLE early backward vs GPipe, simulated", "",
         f"Cluster {cluster} (V100 32 GB, NVLink inside a server, 25 Gb/s Ethernet between), D = {D} stages, "
         f"micro-batch sizes {mbs}. Rows with both_fit False: even full recomputation does not fit GPipe.", "",
-        "## Same settings, no recomputation", "", _md(same), "",
+        "## Same settings, no recomputation", "", markdown(same), "",
         "Equal micro-batch count and size give the same bubble (D-1)/(N+D-1) and iteration time; DAPPLE keeps "
         "at most D-s micro-batches of activations on stage s instead of N.", "",
         "## Under the 32 GB limit (figure: dapple_vs_gpipe.png)", "",
-        "Each schedule uses the cheapest recomputation that fits (none < selective < full).", "", _md(lim), "",
+        "Each schedule uses the cheapest recomputation that fits (none < selective < full).", "", markdown(lim), "",
         f"Best simulated speed-up of DAPPLE over GPipe: {sp[0]:.2f}x (paper: {PAPER['speedup']}x); peak-memory "
         f"saving {sp[1]:.0%} - {sp[2]:.0%} (paper: {PAPER['memory_saving']:.0%}).",
         "Where they differ: the paper's GPipe baseline recomputes with its own implementation and batch settings; "
