@@ -7,7 +7,7 @@ numbers came from (unit costs, formulas, a calibration profile).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from schedules.ir import Schedule
 
@@ -58,10 +58,6 @@ class StageCosts:
     def compute_time(self, kind: str, copy: int, stage: int) -> float:
         table = self.f if kind == "F" else self.b if kind == "B" else self.w
         return table[copy][stage]
-
-
-class CostModel(Protocol):
-    def bind(self, sched: Schedule) -> StageCosts: ...
 
 
 @dataclass(frozen=True)

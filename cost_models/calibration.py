@@ -80,6 +80,11 @@ class CalibrationProfile:
     grad_copy_per_byte: float = 0.0               # flattening gradients for an all-reduce and back
     oversubscribed_slowdown: float = 1.0          # compute slowdown while the ranks outnumber the cores
 
+    def __post_init__(self):
+        # one canonical order of the per-op overheads (the file's), so equal profiles compare equal
+        order = {k: i for i, k in enumerate(OVERHEAD_KINDS)}
+        object.__setattr__(self, "overhead", tuple(sorted(self.overhead, key=lambda kv: order.get(kv[0], len(order)))))
+
     def device(self) -> DeviceSpec:
         return DeviceSpec(name="cpu", memory_bytes=self.memory_bytes, calibrated=True,
                           description=f"CPU rank calibrated by {self.name}")

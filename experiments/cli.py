@@ -13,7 +13,9 @@ import sys
 
 import experiments
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
+# what a user can cause and fix: bad values (ScheduleError, SpecError, OutOfMemory are ValueErrors)
+# and missing files. Anything else (a KeyError included) is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
 
 def _commands():
@@ -44,8 +46,7 @@ def main(argv=None) -> int:
     try:
         return int(args._main(args) or 0)
     except USER_ERRORS as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"pipetwin: error: {msg}", file=sys.stderr)
+        print(f"pipetwin: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()

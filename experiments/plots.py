@@ -46,18 +46,21 @@ def draw_timeline(ax, trace, *, step=None, title=None, label_ops=True):
     return m
 
 
-def legend_handles():
-    return [Patch(facecolor="grey", alpha=0.45, edgecolor="black", label="forward"),
-            Patch(facecolor="grey", edgecolor="black", label="backward"),
-            Patch(facecolor="grey", alpha=0.75, hatch="..", edgecolor="black", label="weight-grad (W)"),
-            Patch(facecolor="white", hatch="//", edgecolor="black", label="up copy")]
+def add_legend(ax) -> None:
+    """The op-style key (F / B / W / up copy), above the axes so that it never covers an op."""
+    handles = [Patch(facecolor="grey", alpha=0.45, edgecolor="black", label="forward"),
+               Patch(facecolor="grey", edgecolor="black", label="backward"),
+               Patch(facecolor="grey", alpha=0.75, hatch="..", edgecolor="black", label="weight-grad (W)"),
+               Patch(facecolor="white", hatch="//", edgecolor="black", label="up copy")]
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.02), borderaxespad=0.0, fontsize=7,
+              ncol=4, frameon=False)
 
 
 def plot_timeline(trace, path, *, title=None):
     devices = trace["device"].nunique()
     fig, ax = plt.subplots(figsize=(12, 0.45 * devices + 1.4))
     draw_timeline(ax, trace, title=title)
-    ax.legend(handles=legend_handles(), loc="upper right", fontsize=7, ncol=4)
+    add_legend(ax)
     fig.tight_layout()
     _save(fig, path)
 
@@ -70,7 +73,7 @@ def plot_stacked(traces: dict, path, *, sharex=True):
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, (name, t) in zip(axes[:, 0], traces.items()):
         draw_timeline(ax, t, title=name, label_ops=t.attrs.get("microbatches", 0) <= 16)
-    axes[0, 0].legend(handles=legend_handles(), loc="upper right", fontsize=7, ncol=4)
+    add_legend(axes[0, 0])
     fig.tight_layout()
     _save(fig, path)
 

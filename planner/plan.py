@@ -96,11 +96,6 @@ class Plan:
             raise ValueError(f"plan with replicas {list(self.replicas)} is not uniform")
         return self.stages[0].replicas
 
-    @property
-    def micro_batch_per_replica(self) -> int:
-        """b / R: the micro-batch one pipeline replica of a uniform plan runs."""
-        return self.micro_batch // self.dp
-
     def device_map(self) -> tuple[int, ...]:
         """Rank -> physical device for the IR form of a uniform plan: rank i * D + s is replica i of stage s."""
         D, R = self.num_stages, self.dp

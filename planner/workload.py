@@ -84,11 +84,6 @@ class Workload:
     def total_params(self) -> float:
         return self._cp[-1]
 
-    @property
-    def work_per_sample(self) -> float:
-        """Forward + backward seconds of the whole model for one sample."""
-        return self._cf[-1] + self._cb[-1]
-
     # ---------------------------------------------------------------- binding
     def layer_costs(self, micro_batch: int) -> LayerCosts:
         """Per-layer costs at ``micro_batch`` samples per micro-batch."""

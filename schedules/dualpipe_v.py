@@ -26,8 +26,9 @@ Bubble: DeepSeek states (PP/2-1)(F&B + B - 3W) with F, B (full), W and F&B chunk
 the ranks of DualPipe. Under our serial unit model (F = 1/2, B(full) = 1, W = 1/2 per chunk,
 F&B = F + B(full) = 3/2) the order gives exactly makespan 3N + (D-1)/2, bubble (D-1)/2 =
 (D-1) chunk-forwards (the staggered start of device D-1), for every N >= 2D: the same as ZB-V.
-With these values the formula gives D/2 - 1 for PP = D (the issue's reading), half a unit
-less than our model, and D - 1 for PP = 2D, half a unit more. Timing the overlapped pairs
+With these values DeepSeek's formula gives D/2 - 1 for PP = D, half a unit less than our model,
+and D - 1 for PP = 2D, (D-1)/2 more: the serial model runs F&B as F then B, so the formula, which
+assumes an overlapped F&B, does not describe it. Timing the overlapped pairs
 as fused ops of length F&B (``schedules.analysis.fused_overlap_timing``) with F = B = W, the
 most idle device idles exactly (D-1)(F&B + B - 3W) for F&B in [2F, 3F]: DeepSeek's formula with
 PP = 2D, i.e. the DualPipe on 2D ranks that DualPipe-V on D devices is cut from.

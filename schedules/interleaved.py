@@ -5,7 +5,10 @@ D. Device d holds stages d, d+D, ..., d+(v-1)D (each L/(vD) layers, F/v per chun
 Micro-batches go through the chunks in groups of D; device d warms up with
 (D-d-1)*2 + (v-1)*D chunk-forwards, then alternates, then drains.
 Bubble (unit costs): (D-1)/(vN+D-1); D = N = 4, v = 2 gives 3/11.
-Activation memory at device 0: about (1 + (D-1)/(vD)... ) i.e. D Ma + (v-1)/v-ish extra Ma.
+Activation memory: device d keeps at most min(Nv, 2(D-1-d) + (v-1)D + 1) chunk-activations
+between F and B (its warm-up forwards plus the one of its first steady pair), each 1/v Ma:
+min(Nv, 2(D-1-d) + (v-1)D + 1)/v Ma; on device 0 with N > D that is D + (D-1)/v Ma (D = 4,
+v = 2: 5.5 Ma against 1F1B's 4). Exact under unit costs (tests/test_schedules.py).
 """
 from .ir import B, F, ScheduleError, make_schedule
 from .common import check_multiple, check_positive

@@ -97,8 +97,8 @@ def list_schedule(ops: Sequence[Iterable[tuple[str, int, int, int]]], num_stages
 
     Whenever a device is idle it starts, among its ops whose inputs are ready, the one with the
     smallest ``priority(device, op)`` that ``admit(device, op, state)`` allows. ``state`` holds
-    ``inflight[device]`` (forwards whose backward has not ended), ``started[(device, group,
-    kind)]`` (ops started so far) and ``pending[device][group]`` (count of ops not started).
+    ``started[(device, group, kind)]`` (ops started so far) and ``pending[device][group]`` (count
+    of ops not started).
     With ``group`` (e.g. the unit of concatenated units), a device only looks at its two lowest
     groups that still have ops. Ties in time are processed in device order, so the result is
     deterministic. Returns the order per device.
@@ -128,7 +128,7 @@ def list_schedule(ops: Sequence[Iterable[tuple[str, int, int, int]]], num_stages
             ready[d].append(op)
     order: list[list] = [[] for _ in range(D)]
     busy = [False] * D
-    state = {"inflight": [0] * D, "pending": pending_n, "started": {}}
+    state = {"pending": pending_n, "started": {}}
     running: list[tuple[float, int, int, tuple]] = []
     seq = 0
     now = 0.0
@@ -145,8 +145,6 @@ def list_schedule(ops: Sequence[Iterable[tuple[str, int, int, int]]], num_stages
             kind, mb, c, s = op
             g = grp(op)
             pending_n[d][g] -= 1
-            if kind == F:
-                state["inflight"][d] += 1
             sk = (d, g, kind)
             state["started"][sk] = state["started"].get(sk, 0) + 1
             heapq.heappush(running, (now + dur(kind, c, s), seq, d, op))
@@ -164,8 +162,6 @@ def list_schedule(ops: Sequence[Iterable[tuple[str, int, int, int]]], num_stages
             _, _, d, op = heapq.heappop(running)
             busy[d] = False
             kind, mb, c, s = op
-            if kind == B:
-                state["inflight"][d] -= 1
             for d2, op2 in succ.get((kind, c, s, mb), ()):
                 ndeps[op2] -= 1
                 if ndeps[op2] == 0:

@@ -32,15 +32,24 @@ def test_fit_refuses_flat_timings():
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
+def calibrated(tmp_path_factory):
     from calibration import calibrate
     prof = calibrate("tiny", ranks=2, repeats=5)
     path = tmp_path_factory.mktemp("cal") / "profile.yaml"
     save_profile(prof, path)
-    return load_profile(path)
+    return prof, load_profile(path)
 
 
-def test_calibrated_profile_round_trips(profile):
+@pytest.fixture(scope="module")
+def profile(calibrated):
+    return calibrated[1]
+
+
+def test_calibrated_profile_round_trips(calibrated):
+    measured, profile = calibrated
+    # every field (meta aside, free-form) comes back from the YAML file exactly
+    assert profile == measured
+    assert profile.layers == measured.layers and profile.overhead == measured.overhead
     assert profile.cores >= 1 and profile.p2p.bandwidth > 0 and profile.allreduce.latency >= 0
     kinds = dict(profile.overhead)
     assert set(kinds) >= {"SEND", "RECV"} and profile.optimizer_seconds_per_param > 0

@@ -4,6 +4,7 @@ import pytest
 
 from cost_models import UnitCostModel
 from schedules import ScheduleError, build, lower, validate
+from schedules.analysis import unit_summary
 from schedules.timing import time_programs, unit_duration
 from schedules.trace import step_metrics
 from sim import simulate
@@ -104,16 +105,20 @@ def test_unknown_schedule():
 
 @pytest.mark.parametrize("name", PAPER)
 def test_every_admissible_config_validates_and_simulates(name):
+    """Every config validates, and the simulator (unit costs, no network) reproduces the
+    dependency timing of schedules.analysis exactly: the makespan and each device's busy time,
+    for every replica."""
     count = 0
     for D in (2, 4, 6, 8, 16):
         for N, s in admissible(name, D):
+            want = unit_summary(s)
             for R in (1, 2) if D <= 4 else (1,):
                 low = lower(s, replicas=R)
                 validate(low)
                 if D <= 8 or N == D:
                     m = step_metrics(simulate(low, UnitCostModel().bind(low)))
-                    busy = max(p.busy for p in m.per_device)
-                    assert m.iteration_time >= busy - 1e-9
+                    assert m.iteration_time == pytest.approx(want["makespan"], abs=1e-9), (D, N, R)
+                    assert [p.busy for p in m.per_device] == pytest.approx(want["busy"] * R, abs=1e-9)
                 count += 1
     assert count > 0
 
@@ -123,3 +128,16 @@ def test_timing_matches_simulator_under_unit_costs():
         s = build(name, 4, 8)
         t = time_programs(s.programs, s.num_stages, unit_duration(4, s.num_stages, False))
         assert max(e for _, _, e in t.values()) == pytest.approx(sim_unit(name, 4, 8).iteration_time)
+
+
+@pytest.mark.parametrize("D,N,v", [(2, 2, 2), (2, 8, 3), (4, 4, 2), (4, 8, 2), (4, 16, 3), (8, 8, 2), (8, 32, 4)])
+def test_interleaved_activation_closed_form(D, N, v):
+    """Device d keeps min(Nv, 2(D-1-d) + (v-1)D + 1) chunk-activations between F and B, 1/v Ma each
+    (the module docstring); device 0 with N > D: D + (D-1)/v Ma."""
+    from schedules.analysis import activation_peaks
+    peaks = activation_peaks(build("interleaved", D, N, chunks=v))
+    want = [Fraction(min(N * v, 2 * (D - 1 - d) + (v - 1) * D + 1), v) for d in range(D)]
+    assert list(peaks["fb_chunks"]) == [w * v for w in want]
+    assert list(peaks["fb_ma"]) == pytest.approx([float(w) for w in want])
+    if N > D:
+        assert peaks["fb_ma"][0] == pytest.approx(D + (D - 1) / v)
