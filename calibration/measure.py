@@ -171,7 +171,10 @@ def comm_worker(payload, rank, world, local_rank, local_world):
             dist.recv(buf, 0)
             dist.send(buf, 0)
 
-    p2p = [(size, timed(lambda b=torch.zeros(size // 4): ping_pong(b), divide=2)) for size in payload["p2p_sizes"]]
+    p2p = []
+    for size in payload["p2p_sizes"]:
+        buf = torch.zeros(size // 4)
+        p2p.append((size, timed(lambda b=buf: ping_pong(b), divide=2)))
     # as the runtime does it: a fresh flat buffer, on a group of its own, asynchronous, then wait
     group = dist.new_group(list(range(world)))
     ar = [(size, timed(lambda n=size // 4: dist.all_reduce(torch.ones(n), group=group, async_op=True).wait(),

@@ -7,7 +7,6 @@ numbers came from (unit costs, formulas, a calibration profile).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from schedules.ir import Schedule
 

@@ -163,8 +163,8 @@ class CalibrationProfile:
 
 
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
-           "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores", "data_time",
-           "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown")
+           "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores",
+           "data_time", "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown")
 OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
 
 

@@ -161,7 +161,7 @@ def step_time(network: Network, transfers: Sequence[Transfer]) -> float:
     paths = [network.path(s, d) for s, d, _ in transfers]
     load = Counter(l.name for p in paths for l in p)
     t = 0.0
-    for (s, d, nb), p in zip(transfers, paths):
+    for (_s, _d, nb), p in zip(transfers, paths):
         if p:
             t = max(t, sum(l.latency for l in p) + nb / min(l.bandwidth / load[l.name] for l in p))
     return t

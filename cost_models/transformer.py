@@ -45,10 +45,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import LayerCosts, PerLayerCostModel, StageCosts
-from .partition import default_partition, layer_ranges
 from .device import DeviceSpec
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
+from .partition import default_partition, layer_ranges
 
 RECOMPUTE = ("none", "selective", "full")
 LOGIT_BYTES = 4          # the loss keeps fp32 logits / softmax

@@ -16,7 +16,6 @@ from cost_models.model_spec import ModelSpec, load_model
 from cost_models.partition import block_ranges
 from schedules import Schedule, build, lower, validate
 
-
 OPTIMIZERS = ("sgd", "adam")
 
 

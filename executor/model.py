@@ -8,9 +8,9 @@ Splitting (:func:`cost_models.partition.block_ranges`): a schedule has S stages 
 blocks are divided contiguously and as evenly as possible over the S stages; the embedding is part
 of stage 0 and the final norm, head and loss are part of stage S-1, so the stages that also carry
 those get the smaller block counts when L is not a multiple of S. An explicit partition gives the
-blocks per stage instead (a planner's plan: :func:`cost_models.partition.blocks_from_layers` converts its counts over the
-L + 2 layers embedding, blocks, head); there stage 0 may hold the embedding alone and stage S-1
-the head alone (0 blocks), every other stage needs at least one block. A stage is a
+blocks per stage instead (a planner's plan: :func:`cost_models.partition.blocks_from_layers`
+converts its counts over the L + 2 layers embedding, blocks, head); there stage 0 may hold the
+embedding alone and stage S-1 the head alone (0 blocks), every other stage needs at least one block. A stage is a
 :class:`StageModule`; the whole model is simply the stage that spans everything
 (``stage_module(spec, 1, 0)``).
 

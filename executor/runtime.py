@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, GRAD, OPTIM, RECV, SEND, W, Op, Schedule,
-                          message_key)
+from schedules.ir import ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op, Schedule, W, message_key
 from schedules.trace import TraceRow
 
 from .backward import full_backward, input_backward, weight_backward

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     seqs = args.steps * args.microbatches * spec.micro_batch
     thr = {k: seqs / statistics.median(v) for k, v in times.items()}
     rows = []
-    for ours, theirs, chunks in PAIRS:
+    for ours, theirs, _chunks in PAIRS:
         a, b = thr[f"pipetwin {ours}"], thr[f"torch {theirs}"]
         c = thr[f"pipetwin {ours} (no memory measurement)"]
         rows.append({"pair": f"{ours} vs {theirs}", "pipetwin_seq_per_s": a, "pipetwin_nomem_seq_per_s": c,

@@ -15,8 +15,8 @@ import time
 
 from planner import SearchSpace, Topology, search
 from planner.clusters import resolve_cluster
-from planner.search import _policies, _rep_values, divisors
 from planner.models import load_workload
+from planner.search import _policies, _rep_values, divisors
 
 
 def space_size(L: int, topo: Topology, G: int, space: SearchSpace) -> int:
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
             print(f"G={G:<5d} {obj:9s} search {dt:6.2f} s  evaluated {r.evaluated:>10,} stage placements  "
                   f"{r.complete:>6,} complete plans  {r.labels:>9,} kept  {r.configurations} configurations  "
                   f"space {size:.2e} plans")
-            print(f"          best: {b.plan.describe()}  L = {b.estimate.latency:.4g} s  "
-                  f"({'slowest element ' + format(b.value, '.4g') + ' s' if obj == 'pipedream' else 'pivot ' + b.estimate.pivot})")
+            why = (f"slowest element {b.value:.4g} s" if obj == "pipedream" else f"pivot {b.estimate.pivot}")
+            print(f"          best: {b.plan.describe()}  L = {b.estimate.latency:.4g} s  ({why})")
     return 0
 
 

@@ -17,8 +17,8 @@ def add_arguments(p):
 def main(args) -> int:
     from tqdm import tqdm
 
-    from cost_models import save_profile
     from calibration import calibrate, fit_ranks
+    from cost_models import save_profile
 
     if args.ranks < 1 or args.repeats < 3:
         raise ValueError("--ranks must be >= 1 and --repeats >= 3")

@@ -7,9 +7,9 @@ from schedules import ScheduleError
 from schedules.trace import write_chrome
 
 from .cmd_simulate import run_one
-from .common import add_schedule_args, metrics_record, parse_schedules, human_rows, print_json, units_note
-from .tables import fmt_table
+from .common import add_schedule_args, human_rows, metrics_record, parse_schedules, print_json, units_note
 from .costs import add_cost_args
+from .tables import fmt_table
 
 NAME = "compare"
 HELP = "compare schedules at the same D and N: table + stacked timelines"
@@ -20,7 +20,8 @@ def add_arguments(p):
     add_cost_args(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png", help="stacked timelines of all schedules")
-    p.add_argument("--out", metavar="DIR", help="also write table.csv, one Chrome trace per schedule and the figure here")
+    p.add_argument("--out", metavar="DIR",
+                   help="also write table.csv, one Chrome trace per schedule and the figure here")
 
 
 def compare(args):
@@ -50,7 +51,8 @@ def main(args) -> int:
     if out:
         out.mkdir(parents=True, exist_ok=True)
         import pandas as pd
-        pd.DataFrame([{k: v for k, v in r.items() if k != "per_device"} for r in rows]).to_csv(out / "table.csv", index=False)
+        table = pd.DataFrame([{k: v for k, v in r.items() if k != "per_device"} for r in rows])
+        table.to_csv(out / "table.csv", index=False)
         for name, t in traces.items():
             write_chrome(t, out / f"{name}.chrome.json")
     if plot:

@@ -118,7 +118,8 @@ def _print_human(res, rec, base, stats, args) -> None:
     cap = res.capacity
     if best.sim is not None:
         sm = best.sim
-        print(f"  simulated: iteration {sm.iteration_time:.4g} s ({plan.global_batch / sm.iteration_time:.1f} samples/s), "
+        print(f"  simulated: iteration {sm.iteration_time:.4g} s "
+              f"({plan.global_batch / sm.iteration_time:.1f} samples/s), "
               f"bubble {sm.bubble_ratio:.3f}, peak memory {sm.peak_memory / gib:.2f} GiB"
               + (f" of {cap / gib:.1f} GiB" if cap else ""))
     rows = []

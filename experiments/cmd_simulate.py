@@ -4,9 +4,17 @@ from __future__ import annotations
 from schedules.trace import write_chrome
 from sim import simulate
 
-from .common import add_schedule_args, build_lowered, check_schedule_args, metrics_record, human_rows, print_json, units_note
-from .tables import fmt_table
+from .common import (
+    add_schedule_args,
+    build_lowered,
+    check_schedule_args,
+    human_rows,
+    metrics_record,
+    print_json,
+    units_note,
+)
 from .costs import add_cost_args, resolve_costs, sim_options
+from .tables import fmt_table
 
 NAME = "simulate"
 HELP = "simulate one training iteration of a schedule"
@@ -57,7 +65,8 @@ def main(args) -> int:
             print(f"  {k}: {v}")
     if "memory_verdict" in rec:
         print(f"  memory: {rec['memory_verdict']}")
-    print(fmt_table(human_rows(rec["per_device"], mem), ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"],
+    cols = ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"]
+    print(fmt_table(human_rows(rec["per_device"], mem), cols,
                     {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}",
                      "peak_memory": "{:.6g}"}))
     print(units_note(unit, mem))

@@ -27,10 +27,9 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from schedules import ScheduleError, build
-
-    from cost_models import load_profile, save_profile
     from calibration import calibrate
+    from cost_models import load_profile, save_profile
+    from schedules import ScheduleError, build
 
     from .crossval import plot_overlay, run_and_compare
 

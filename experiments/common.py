@@ -7,8 +7,6 @@ import sys
 from schedules import build, families, get, lower, names, validate
 from schedules.trace import step_metrics
 
-
-
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
 PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
 

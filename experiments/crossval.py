@@ -19,7 +19,6 @@ from schedules.trace import median_step, op_orders, step_metrics
 from sim.host import simulate_with_profile
 
 
-
 @dataclass
 class Comparison:
     schedule: str

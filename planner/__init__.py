@@ -18,15 +18,14 @@ scatter-first), the micro-batch count and the schedule.
   plan`` runs);
 * :mod:`planner.plan_io`: plan files, written and read back (:func:`save_plan`, :func:`load_plan`).
 """
+from .choose import Evaluated, PlanningResult, evaluate_plan, plan_training
 from .cost import Estimate, estimate
-from .models import paper_models
+from .models import load_workload, paper_models
 from .placement import POLICIES, Topology
 from .plan import Plan, StagePlan
-from .choose import Evaluated, PlanningResult, evaluate_plan, plan_training
 from .plan_io import LoadedPlan, load_plan, plan_record, save_plan
 from .search import PlanError, SearchResult, SearchSpace, exhaustive, search
 from .simulate import build_plan, replicated_schedule, simulate_plan
-from .models import load_workload
 from .workload import Workload
 
 __all__ = ["Estimate", "estimate", "paper_models", "POLICIES", "Topology", "Plan", "StagePlan", "LoadedPlan",

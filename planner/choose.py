@@ -26,11 +26,11 @@ from cost_models import Cluster
 from schedules import ScheduleError
 
 from .cost import Estimate, estimate
+from .models import load_workload
 from .placement import Topology
 from .plan import Plan
 from .search import PlanError, SearchResult, SearchSpace, divisors, search
 from .simulate import SimOutcome, simulate_plan
-from .models import load_workload
 from .workload import Workload
 
 

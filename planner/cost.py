@@ -94,7 +94,8 @@ class Estimate:
         return self.capacity is None or self.peak_memory <= self.capacity
 
     def to_dict(self) -> dict:
-        return {"latency": self.latency, "latency_round_trip": self.latency_rt, "warmup": self.warmup, "steady": self.steady, "ending": self.ending,
+        return {"latency": self.latency, "latency_round_trip": self.latency_rt, "warmup": self.warmup,
+                "steady": self.steady, "ending": self.ending,
                 "pivot": self.pivot, "slowest_element": self.slowest, "peak_memory": self.peak_memory,
                 "fits": self.fits,
                 "stages": [{"f": s.f, "b": s.b, "allreduce": s.allreduce, "optim": s.optim,
@@ -149,7 +150,7 @@ def estimate(plan: Plan, work: Workload, topo: Topology, capacity: float | None 
     drain = sum(x[1] for x in elems[:e + 1])
     steady = (M - 1) * st
     tail, bp = float("-inf"), 0.0
-    for fw, bw, _, _, s in elems:
+    for _fw, bw, _, _, s in elems:
         if s >= 0:
             tail = max(tail, stages[s].allreduce + stages[s].optim - bp)
         bp += bw

@@ -149,7 +149,7 @@ class Topology:
                 for ln in path:
                     load[ln.name] = load.get(ln.name, 0.0) + frac
             terms = []
-            for p, path in paths.items():
+            for path in paths.values():
                 if path:
                     terms.append((sum(ln.latency for ln in path), max(load[ln.name] / ln.bandwidth for ln in path)))
             t = self._link[key] = tuple(terms)

@@ -51,12 +51,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from cost_models.partition import balanced_edges
+
 from .cost import Estimate, estimate
 from .placement import POLICIES, Topology, check_policy
 from .plan import Plan, StagePlan
 from .workload import Workload
-
-from cost_models.partition import balanced_edges
 
 OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from cost_models import DeviceSpec, LayerCosts, ModelSpec, TransformerCostModel, load_model
+from cost_models import DeviceSpec, LayerCosts, ModelSpec, TransformerCostModel
 
 
 @dataclass(frozen=True)

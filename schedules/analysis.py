@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 import pandas as pd
 
-from .ir import B, F, W, Schedule, ScheduleError, activation_change
+from .ir import B, F, Schedule, ScheduleError, W, activation_change
 from .timing import compute_deps, key, time_programs, unit_duration
 
 
@@ -87,7 +87,7 @@ def activation_peaks(sched: Schedule) -> pd.DataFrame:
         peak = {}
         for name, (act, act_w) in counts.items():
             ev = []
-            for (kind, c, s, m), (dev, start, end) in t.items():
+            for (kind, _c, _s, _m), (dev, start, end) in t.items():
                 if dev == d:
                     alloc, free = activation_change(kind, act, act_w, split)
                     ev += [(start, alloc), (end, -free)]

@@ -17,7 +17,7 @@ first in first out, as the released runtimes do) is a fixed global micro-batch.
 """
 from __future__ import annotations
 
-from .ir import B, F, W, ScheduleError, make_schedule
+from .ir import B, F, ScheduleError, W, make_schedule
 from .timing import list_schedule
 
 

@@ -59,9 +59,9 @@ from functools import lru_cache
 
 from .analysis import unit_summary
 from .bidirectional import FifoStreams, build_bidirectional, pick_variant
-from .placement import v_placement
 from .common import check_units
 from .ir import make_schedule
+from .placement import v_placement
 
 NAME = "bitpipe"
 REQUIRES = "D even, N multiple of D"

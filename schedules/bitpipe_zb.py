@@ -29,9 +29,9 @@ first device) and at most 5D/2 counting the W-retained part as whole (5D/4 Ma).
 """
 from __future__ import annotations
 
-from .placement import v_placement
 from .common import check_units
 from .ir import B, F, W, make_schedule
+from .placement import v_placement
 from .timing import list_schedule
 
 NAME = "bitpipe-zb"

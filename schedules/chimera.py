@@ -58,9 +58,9 @@ runtimes, which spell the order out as loops and whose timing, like every closed
 B = 2F.
 """
 from .bidirectional import FifoStreams, pick_variant
-from .placement import straight_placement
 from .common import check_units
 from .ir import ScheduleError, make_schedule
+from .placement import straight_placement
 
 NAME = "chimera"
 REQUIRES = "D even, N multiple of D"

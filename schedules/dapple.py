@@ -5,8 +5,8 @@ first backward, then alternates one forward and one backward, then drains the ba
 Bubble (unit costs): (D-1)/(N+D-1), the same as GPipe (3/7 at D = N = 4).
 Activation memory: min(D-s, N) Ma on stage s (D..1 Ma from first to last device at N >= D).
 """
-from .ir import B, F, make_schedule
 from .common import check_positive
+from .ir import B, F, make_schedule
 
 NAME = "dapple"
 REQUIRES = "D >= 1, N >= 1"

@@ -38,7 +38,7 @@ Ma; DeepSeek: PP+1 chunks) and at most d+1 pending W's; 2D+1 chunks counting tho
 from __future__ import annotations
 
 from .common import check_positive
-from .ir import B, F, W, ScheduleError, make_schedule
+from .ir import B, F, ScheduleError, W, make_schedule
 from .placement import v_stages
 
 NAME = "dualpipe-v"

@@ -4,8 +4,8 @@ Requirements: D >= 1, N >= 1. Stage s on device s, one chunk per device.
 Bubble (unit costs, F=1, B=2): (D-1)/(N+D-1); D = N = 4 gives 3/7.
 Activation memory: N Ma on every device (every micro-batch stays alive until its backward).
 """
-from .ir import B, F, make_schedule
 from .common import check_positive
+from .ir import B, F, make_schedule
 
 NAME = "gpipe"
 REQUIRES = "D >= 1, N >= 1"

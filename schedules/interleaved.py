@@ -10,9 +10,9 @@ between F and B (its warm-up forwards plus the one of its first steady pair), ea
 min(Nv, 2(D-1-d) + (v-1)D + 1)/v Ma; on device 0 with N > D that is D + (D-1)/v Ma (D = 4,
 v = 2: 5.5 Ma against 1F1B's 4). Exact under unit costs (tests/test_schedules.py).
 """
-from .ir import B, F, ScheduleError, make_schedule
 from .common import check_multiple, check_positive
 from .dapple import one_f_one_b
+from .ir import B, F, ScheduleError, make_schedule
 
 NAME = "interleaved"
 REQUIRES = "N multiple of D, chunks v >= 1 (default 2)"

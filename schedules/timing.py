@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Iterable, Sequence
 
-from .ir import ACT, GRAD, B, F, W, Op, ScheduleError, producer_stage
+from .ir import ACT, GRAD, B, F, Op, ScheduleError, W, producer_stage
 
 Key = tuple  # (kind, copy, stage, mb)
 
@@ -118,7 +118,7 @@ def list_schedule(ops: Sequence[Iterable[tuple[str, int, int, int]]], num_stages
             g = grp(op)
             pending_n[d][g] = pending_n[d].get(g, 0) + 1
             total += 1
-    for k, (d, op) in where.items():
+    for _k, (d, op) in where.items():
         deps = compute_deps(op[0], op[2], op[3], op[1], num_stages)
         deps = [x for x in deps if x in where]
         ndeps[op] = len(deps)

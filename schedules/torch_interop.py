@@ -43,7 +43,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, Sequence
 
-from .ir import B, F, W, Schedule, ScheduleError, make_schedule
+from .ir import B, F, Schedule, ScheduleError, W, make_schedule
 
 _TOKEN = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError, message_key
+from .ir import ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedule, ScheduleError, W, message_key
 from .lower import incoming, lower
 
 
@@ -164,4 +164,5 @@ def symbolic_run(sched: Schedule) -> None:
 
 def _fmt(k: tuple) -> str:
     payload, c, mb, stage = k
-    return f"{'activation' if payload == ACT else 'gradient'} of mb {mb} from stage {stage}" + (f" (copy {c})" if c else "")
+    what = "activation" if payload == ACT else "gradient"
+    return f"{what} of mb {mb} from stage {stage}" + (f" (copy {c})" if c else "")

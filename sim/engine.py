@@ -33,8 +33,21 @@ import simpy
 from cost_models.base import StageCosts
 from cost_models.comm import allreduce_steps, ring_allreduce_time
 from cost_models.network import Network
-from schedules.ir import (ACT, ALLREDUCE, B, COPY, F, OPTIM, RECV, SEND, W, Schedule, ScheduleError,
-                          activation_change, source_stage)
+from schedules.ir import (
+    ACT,
+    ALLREDUCE,
+    COPY,
+    OPTIM,
+    RECV,
+    SEND,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    activation_change,
+    source_stage,
+)
 from schedules.lower import lower
 from schedules.trace import TraceRow, make_trace
 
@@ -199,7 +212,7 @@ class _Engine:
         """Resolve every op of rank r once (its trace-row prefix, duration, bytes, activation
         change, message), so the hot loop does no lookups. What depends only on (kind, copy,
         stage, payload) is resolved once per such combination."""
-        c, s = self.c, self.s
+        s = self.s
         split = s.split_backward
         slow = self.o.slowdown.get(r, 1.0)
         fifo_count: dict = {}

@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from schedules import ALLREDUCE, B, COPY, F, ScheduleError, build, lower, validate
+from schedules import ALLREDUCE, COPY, B, F, ScheduleError, build, lower, validate
 from schedules.analysis import activation_peaks, unit_summary
 from schedules.bidirectional import copy_microbatch
 from tests.test_cli import run_cli

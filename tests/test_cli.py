@@ -56,7 +56,8 @@ def test_demo_writes_everything(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["simulate", "-s", "bitpipe", "-D", "5", "-N", "10", "--unit-costs"], "bitpipe needs an even number of devices; got 5"),
+    (["simulate", "-s", "bitpipe", "-D", "5", "-N", "10", "--unit-costs"],
+     "bitpipe needs an even number of devices; got 5"),
     (["simulate", "-s", "nope", "-D", "2", "-N", "2", "--unit-costs"], "unknown schedule 'nope'"),
     (["simulate", "-s", "interleaved", "-D", "4", "-N", "6", "--unit-costs"], "multiple of the number of devices"),
     (["simulate", "-s", "dapple", "-D", "2", "-N", "2", "--unit-costs", "--slowdown", "9=2"], "ranks 0..1"),

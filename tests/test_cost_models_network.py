@@ -100,7 +100,7 @@ def test_allreduce_steps_replay_the_closed_form(cluster, ranks):
     # every rank sends and receives the same number of bytes in total
     sent = {}
     for st in steps:
-        for s, d, b in st:
+        for s, _d, b in st:
             sent[s] = sent.get(s, 0) + b
     assert len(set(round(v) for v in sent.values())) == 1
 

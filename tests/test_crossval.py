@@ -2,8 +2,8 @@
 import pytest
 
 from cost_models import load_profile, save_profile
-from cost_models.calibration import fit_allreduce, fit_latency_bandwidth
 from cost_models._spec import SpecError
+from cost_models.calibration import fit_allreduce, fit_latency_bandwidth
 
 
 def test_fit_recovers_known_latency_and_bandwidth():
@@ -90,10 +90,10 @@ def _synthetic_runs(profile, schedules, D, steps=5):
 def _toy_profile(scale=None, overhead=(), slowdown=1.0, cores=2):
     from dataclasses import replace
 
+    from cost_models import CalibrationProfile
     from cost_models.calibration import LayerTiming
     from cost_models.cluster import LinkSpec
     from cost_models.model_spec import load_model
-    from cost_models import CalibrationProfile
     sc = {"F": 1.0, "B": 1.0, "Bi": 1.0, "W": 1.0, "OPTIM": 1.0, **(scale or {})}
     spec = load_model("tiny")
     base = [LayerTiming(1e-4, 0.0, 1.5e-4, 1.5e-4)] + [LayerTiming(4e-4, 3.5e-4, 4.5e-4, 6e-4)] * spec.layers \
@@ -101,7 +101,8 @@ def _toy_profile(scale=None, overhead=(), slowdown=1.0, cores=2):
     layers = tuple(replace(t, f=t.f * sc["F"], b_input=t.b_input * sc["Bi"], w=t.w * sc["W"], b=t.b * sc["B"])
                    for t in base)
     return CalibrationProfile("toy", spec, layers, LinkSpec("p2p", 4e9, 8e-5), LinkSpec("ar", 1e9, 3e-4),
-                              optimizer_seconds_per_param=5e-9 * sc["OPTIM"], overhead=tuple(sorted(overhead)), cores=cores,
+                              optimizer_seconds_per_param=5e-9 * sc["OPTIM"], overhead=tuple(sorted(overhead)),
+                              cores=cores,
                               data_time=3e-4, grad_copy_per_byte=2e-10, oversubscribed_slowdown=slowdown)
 
 

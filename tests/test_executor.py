@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from cost_models.model_spec import load_model
+from cost_models.partition import block_ranges
 from executor.config import RunConfig, lowered_schedule
 from executor.data import TokenSource
 from executor.device import SavedTensorMeter, select_device
-from cost_models.partition import block_ranges
 from executor.model import full_model, stage_module
 from schedules import ScheduleError
 

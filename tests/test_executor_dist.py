@@ -18,7 +18,7 @@ import torch
 from executor.config import RunConfig, lowered_schedule
 from executor.launch import LaunchError, run, run_many
 from executor.reference import run_reference
-from schedules import B, W, ScheduleError, build, lower, make_schedule, names
+from schedules import B, ScheduleError, W, build, lower, make_schedule, names
 from schedules.ir import message_key, parse_op
 from schedules.trace import COLUMNS, op_orders
 
@@ -89,7 +89,8 @@ def runs():
         if world not in cache:
             cases = CASES[world]
             results = run_many(list(cases.values()))
-            cache[world] = {k: (cfg, lowered_schedule(cfg, sched), res) for (k, (cfg, sched)), res in zip(cases.items(), results)}
+            cache[world] = {k: (cfg, lowered_schedule(cfg, sched), res)
+                            for (k, (cfg, sched)), res in zip(cases.items(), results)}
         return cache[world]
     return get
 

@@ -9,14 +9,17 @@ import pytest
 
 pytest.importorskip("torch.distributed.pipelining")
 from torch.distributed.pipelining import schedules as S  # noqa: E402
-from torch.distributed.pipelining.schedules import (_Action, _add_send_recv,  # noqa: E402
-                                                    _PipelineScheduleRuntime, _simulate_comms_compute,
-                                                    _validate_schedule)
+from torch.distributed.pipelining.schedules import (  # noqa: E402
+    _Action,
+    _add_send_recv,
+    _PipelineScheduleRuntime,
+    _simulate_comms_compute,
+    _validate_schedule,
+)
 
 from schedules import ScheduleError, build, lower, validate  # noqa: E402
 from schedules.analysis import unit_summary  # noqa: E402
-from schedules.torch_interop import (from_torch_order, from_torch_text, to_torch_actions,  # noqa: E402
-                                     to_torch_text)
+from schedules.torch_interop import from_torch_order, from_torch_text, to_torch_actions, to_torch_text  # noqa: E402
 
 SINGLE_COPY = ["gpipe", "dapple", "interleaved", "zb-h1", "zb-v", "dualpipe-v"]
 

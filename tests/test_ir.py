@@ -1,8 +1,25 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from schedules import (ACT, ALLREDUCE, B, COPY, F, GRAD, RECV, SEND, W, Op, ScheduleError, build, lower,
-                       message_key, parse_op, validate)
+from schedules import (
+    ACT,
+    ALLREDUCE,
+    COPY,
+    GRAD,
+    RECV,
+    SEND,
+    B,
+    F,
+    Op,
+    ScheduleError,
+    W,
+    build,
+    lower,
+    message_key,
+    parse_op,
+    validate,
+)
 from schedules.ir import make_schedule
 
 

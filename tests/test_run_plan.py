@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from cost_models import LINK_TYPES, Cluster, load_device
-from executor.config import RunConfig, lowered_schedule
-from experiments.plan_files import config_from_plan
-from executor.launch import run_many
 from cost_models.partition import block_ranges, blocks_from_layers
+from executor.config import RunConfig, lowered_schedule
+from executor.launch import run_many
 from executor.model import full_model, stage_module
 from executor.reference import run_reference
 from experiments.cli import main as cli_main
+from experiments.plan_files import config_from_plan
 from planner import Plan, SearchSpace, StagePlan, Topology, load_workload, plan_training, save_plan
 
 V100 = load_device("v100")

@@ -8,7 +8,6 @@ from schedules.analysis import unit_summary
 from schedules.timing import time_programs, unit_duration
 from schedules.trace import step_metrics
 from sim import simulate
-
 from tests.helpers import admissible
 
 PAPER = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]

@@ -5,8 +5,7 @@ from fractions import Fraction
 import pytest
 
 from schedules import B, ScheduleError, W, build, lower, names, validate
-from schedules.analysis import (activation_peaks, bubble_vs_n, fused_overlap_timing, unit_summary,
-                                unit_times)
+from schedules.analysis import activation_peaks, bubble_vs_n, fused_overlap_timing, unit_summary, unit_times
 from tests.helpers import admissible
 
 ZB = ["zb-h1", "zb-v", "dualpipe-v", "bitpipe-zb"]
@@ -134,7 +133,7 @@ def test_dualpipe_v_pairs_are_consecutive_and_full_backwards_marked():
     s = build("dualpipe-v", 4, 12)
     pairs = s.meta["overlapped"]
     full = set(s.meta["full_backward"])
-    for d, prog in enumerate(s.compute_programs()):
+    for _d, prog in enumerate(s.compute_programs()):
         toks = [(o.kind, o.stage, o.mb) for o in prog]
         for a, b in pairs:
             if a in toks:
@@ -230,7 +229,7 @@ def test_bubble_vs_n_table():
 def test_every_admissible_config_lowers_and_validates(name):
     count = 0
     for D in (2, 4, 6, 8, 16):
-        for N, s in admissible(name, D):
+        for _N, s in admissible(name, D):
             for R in (1, 2):
                 low = validate(lower(s, replicas=R))
                 assert low.num_ranks == R * D

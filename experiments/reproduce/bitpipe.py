@@ -94,8 +94,9 @@ def scaling(quick: bool) -> pd.DataFrame:
                 m = simulate_unit(name, 8, N)
             except ScheduleError:
                 continue
+            paper = closed_form(name, 8, N)["bubble"] if name not in ("chimera", "bitpipe") or N == 8 else None
             rows.append({"sweep": "N", "D": 8, "N": N, "schedule": name, "bubble_sim": m.bubble_ratio,
-                         "bubble_paper": closed_form(name, 8, N)["bubble"] if name not in ("chimera", "bitpipe") or N == 8 else None,
+                         "bubble_paper": paper,
                          "bubble_closed_form": order_closed_form(name, 8, N)})
     return pd.DataFrame(rows)
 

@@ -3,7 +3,8 @@
 For each model (GPT-96, BERT-64) and GPU count G in {8, 16, 32}: a D = 8 pipeline, R = G/8
 data-parallel replicas (gradient all-reduce across replicas and, for Chimera / BitPipe, across the
 two copies; BitPipe's mapping keeps both copies of a stage on one node), N = 8 (one basic unit) and
-N = 16 micro-batches of one sample per replica. Throughput = samples per second = R * N * micro_batch / simulated iteration time.
+N = 16 micro-batches of one sample per replica. Throughput = samples per second = R * N * micro_batch /
+simulated iteration time.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pandas as pd
 
 from cost_models import TransformerCostModel, load_cluster, load_model
 from schedules import build, lower
-from schedules.trace import step_metrics
 from schedules.bidirectional import build_bidirectional
 from schedules.placement import straight_placement
+from schedules.trace import step_metrics
 from sim import simulate
 
 from ..tables import markdown
@@ -109,7 +110,8 @@ def throughput_section(out: Path, quick: bool) -> str:
     return "\n".join([
         "## Throughput (figure: throughput.png)", "",
         "D = 8 pipeline stages, R = GPUs / 8 data-parallel replicas, N micro-batches of one sample per "
-        "replica (larger micro-batches run GPT-96 out of memory without recomputation), DGX-A100 nodes (NVLink inside, 8 x HDR InfiniBand between); Chimera and BitPipe use the "
+        "replica (larger micro-batches run GPT-96 out of memory without recomputation), DGX-A100 nodes "
+        "(NVLink inside, 8 x HDR InfiniBand between); Chimera and BitPipe use the "
         "mapping that keeps both copies of a stage on one node.", "",
         markdown(df.drop(columns=["D", "micro_batch"])), "",
         "### BitPipe over the best other schedule", "", markdown(sp), "",

@@ -23,8 +23,8 @@ from pathlib import Path
 import pandas as pd
 
 from planner import Topology, plan_training
-from planner.clusters import gpus_on_servers, resolve_cluster
 from planner.choose import pipedream_plan, with_simulation
+from planner.clusters import gpus_on_servers, resolve_cluster
 
 from ..tables import markdown
 
@@ -46,7 +46,8 @@ def compare(model: str, cluster_name: str, G: int) -> dict:
            "dapple_plan": best.plan.describe(), "dapple_s": best.time,
            "dapple_est_s": best.estimate.latency, "search_s": res.search.seconds}
     fixed = pipedream_plan(work, Topology(cl), G, microbatches=P if G % P == 0 else None, model=model)
-    for key, ev in (("pipedream_best_m", res.pipedream), ("pipedream_m_p", fixed and with_simulation(fixed, work, cl, None)),
+    fixed_m = fixed and with_simulation(fixed, work, cl, None)
+    for key, ev in (("pipedream_best_m", res.pipedream), ("pipedream_m_p", fixed_m),
                     ("data_parallel", res.data_parallel)):
         row[f"{key}_plan"] = ev.plan.describe() if ev is not None else res.baseline_notes.get(key, "does not fit")
         row[f"{key}_s"] = ev.time if ev is not None else float("nan")
@@ -137,7 +138,8 @@ def run(out_dir, quick: bool = False) -> str:
              f"{PAPER_MAX_SPEEDUP_OVER_PIPEDREAM}x over PipeDream's planner; ours reaches {best_pd:.2f}x "
              f"(PipeDream at M = P) and {t.speedup_over_pipedream_best_m.max():.2f}x (best M); "
              f"{t.speedup_over_data_parallel.max():.2f}x over data parallelism.", "",
-             "## Speed-ups (figure: dapple_planner.png, left)", "", markdown(short), "", "## Plans", "", markdown(plans), "",
+             "## Speed-ups (figure: dapple_planner.png, left)", "", markdown(short), "",
+             "## Plans", "", markdown(plans), "",
              "## Scaling on 25 Gb/s Ethernet (figure: dapple_planner.png, right)", "", markdown(sc), "",
              "Weak scaling (fixed samples per GPU); 2-8 GPUs sit in one server (NVLink), 16 and 32 span 2 and 4 "
              "servers with one 25 Gb/s NIC each, where data parallelism's gradient all-reduce crosses Ethernet."]

@@ -75,7 +75,8 @@ def run(out_dir, quick: bool = False) -> str:
     lim.to_csv(out / "memory_limited.csv", index=False)
     _plot(lim, out / "dapple_vs_gpipe.png")
     best = lim[lim.both_fit]
-    sp = (best.speedup.max(), best.memory_saving.min(), best.memory_saving.max()) if not best.empty else (float("nan"),) * 3
+    nan3 = (float("nan"),) * 3
+    sp = (best.speedup.max(), best.memory_saving.min(), best.memory_saving.max()) if not best.empty else nan3
     report = "\n".join([
         "# DAPPLE early backward vs GPipe, simulated", "",
         f"Cluster {cluster} (V100 32 GB, NVLink inside a server, 25 Gb/s Ethernet between), D = {D} stages, "
