@@ -4,15 +4,8 @@ from __future__ import annotations
 from schedules.trace import write_chrome
 from sim import simulate
 
-from .common import (
-    add_schedule_args,
-    build_lowered,
-    check_schedule_args,
-    human_rows,
-    metrics_record,
-    print_json,
-    units_note,
-)
+from .common import (add_schedule_args, build_lowered, check_schedule_args, human_rows, metrics_record, print_json,
+                     units_note)
 from .costs import add_cost_args, resolve_costs, sim_options
 from .tables import fmt_table
 

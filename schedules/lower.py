@@ -16,24 +16,8 @@ Inserted ops:
 """
 from __future__ import annotations
 
-from .ir import (
-    ACT,
-    ALLREDUCE,
-    COPY,
-    GRAD,
-    OPTIM,
-    RECV,
-    SEND,
-    B,
-    F,
-    Op,
-    Schedule,
-    ScheduleError,
-    W,
-    consumer_stage,
-    message_key,
-    producer_stage,
-)
+from .ir import (ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op, Schedule, ScheduleError, W, consumer_stage,
+                 message_key, producer_stage)
 from .timing import key, time_programs, unit_duration
 
 _PAYLOAD = {F: ACT, B: GRAD}   # what a forward / an input-gradient backward hands on
