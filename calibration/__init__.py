@@ -7,9 +7,11 @@ What is measured, and how:
 1. Layers (:mod:`calibration.measure`, in this process, with the thread count one rank uses when
    ``ranks`` share the host): forward, full backward, and the split backward's input-grad and
    weight-grad parts of the embedding, one transformer block and the head (+ loss), built by
-   :mod:`executor.model` and run with the runtime's own backward calls (:mod:`executor.backward`).
-   Activation bytes kept from F to B (and from B to W) per layer come from the runtime's
-   :class:`executor.device.SavedTensorMeter`.
+   :mod:`executor.model` and run with the runtime's own backward calls (:mod:`executor.backward`)
+   in the run's precision (``dtype``: fp32, or bf16 autocast; the profile's model then has
+   ``dtype_bytes`` 2). Activation bytes kept from F to B (and from B to W) per layer come from
+   the runtime's :class:`executor.device.SavedTensorMeter`, a block's also under each
+   recomputation mode (:mod:`executor.recompute`).
 2. Communication (``ranks`` spawned ranks, gloo): one-way P2P times by ping-pong over message
    sizes (25th percentile), fitted as latency + bytes / bandwidth; all-reduce times over sizes as
    the runtime launches them (the median: gloo's times spread 3x between wake-ups), fitted as a
@@ -41,6 +43,7 @@ from cost_models.calibration import CalibrationProfile, LayerTiming, fit_allredu
 from cost_models.cluster import LinkSpec
 from cost_models.model_spec import load_model
 from executor.device import cpu_threads
+from executor.precision import Precision
 
 from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds, scale_layer,
                   trace_runtime)
@@ -49,16 +52,20 @@ from .measure import measure_comm, measure_data, measure_layers, measure_optimiz
 __all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed"]
 
 
-def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None) -> CalibrationProfile:
+def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
+              dtype: str = "fp32") -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
-    predicted put on this host (it sets the thread count per rank, like the executor does)."""
+    predicted put on this host (it sets the thread count per rank, like the executor does);
+    ``dtype`` the precision of the runs to be predicted (fp32 | bf16)."""
+    precision = Precision(dtype)
     spec = load_model(model)
     if spec.kind != "gpt":
         raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
+    spec = spec.replace(dtype_bytes=precision.dtype_bytes)
     threads = cpu_threads(ranks)
     report = progress or (lambda msg: None)
     report("layers")
-    layers = measure_layers(spec, threads, repeats, progress=report)
+    layers = measure_layers(spec, threads, repeats, progress=report, precision=precision)
     report("optimizer")
     opt = measure_optimizer(spec, threads)
     data = measure_data(spec)
@@ -70,9 +77,10 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     cores = os.cpu_count() or 1
     base_ranks = fit_ranks(ranks)
     report("runtime (traced runs)")
-    runs = trace_runtime(model, base_ranks)
+    runs = trace_runtime(model, base_ranks, dtype=dtype)
     probes = {str(base_ranks): probe_seconds(runs)}
     per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
+    act_rec = tuple((m, tuple(float(x["act_recompute"].get(m, x["act"])) for x in per)) for m in ("selective", "full"))
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
             "allreduce_samples": [list(x) for x in comm["allreduce"]]}
@@ -87,6 +95,7 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
             act_bytes=tuple(float(x["act"]) for x in per), act_w_bytes=tuple(float(x["act_w"]) for x in per),
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
+            act_bytes_recompute=act_rec, precision=dtype,
             meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes)))
 
     # the runtime is fitted with no more ranks than cores; what sharing the cores costs beyond
@@ -95,7 +104,7 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     slowdown = 1.0
     if ranks > base_ranks:
         report("oversubscribed cores (traced runs)")
-        over = trace_runtime(model, ranks)
+        over = trace_runtime(model, ranks, dtype=dtype)
         probes[str(ranks)] = probe_seconds(over)
         slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x))
     return make_profile(scale, overhead, slowdown)

@@ -55,12 +55,13 @@ def op_totals(trace, split: bool, warmup_steps: int) -> dict[str, list[float]]:
     return out
 
 
-def trace_runtime(model: str, ranks: int, steps: int = 12, repeats: int = 3, warmup_steps: int = 2) -> list:
+def trace_runtime(model: str, ranks: int, steps: int = 12, repeats: int = 3, warmup_steps: int = 2,
+                  dtype: str = "fp32") -> list:
     """Traced executor runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
     N = 2D, the best of ``repeats`` runs each (:func:`executor.launch.run_best_of`; validation
     compares with the best of its runs too: the model predicts the host undisturbed)."""
-    cfgs = [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE)
-            for s in RUNTIME_SCHEDULES]
+    cfgs = [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
+                      dtype=dtype) for s in RUNTIME_SCHEDULES]
     return [res for res, _ in run_best_of(cfgs, repeats, warmup_steps)]
 
 

@@ -1,8 +1,12 @@
 """Measurements with the executor's own code: layers, communication, data, the optimizer step.
 
 Layers run in this process exactly as :class:`executor.runtime.PipelineRuntime` runs a stage:
-the executor's modules (:mod:`executor.model`), its saved-tensor meter
-(:class:`executor.device.SavedTensorMeter`) and its backward calls (:mod:`executor.backward`).
+the executor's modules (:mod:`executor.model`), its precision (:mod:`executor.precision`: the
+forward under bf16 autocast with ``dtype="bf16"``), its saved-tensor meter
+(:class:`executor.device.SavedTensorMeter`, with the gradients a split backward keeps from B to W
+held as the runtime holds them), its backward calls (:class:`executor.backward.SplitBackward`,
+one per layer: its graph template warms up in the untimed runs) and, for the bytes a block keeps
+under each recomputation mode, its recomputation hooks (:mod:`executor.recompute`).
 Timing uses ``torch.utils.benchmark``: a statement that can simply be repeated (a forward, an
 optimizer step) is timed by ``Timer.blocked_autorange``; a backward needs a fresh graph before
 every run, which ``Timer`` cannot set up untimed, so each run is timed on its own and the runs
@@ -15,6 +19,7 @@ Adam step per parameter and the gradient flatten + write-back per byte.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -22,9 +27,11 @@ import torch
 from torch.utils.benchmark import Measurement, TaskSpec, Timer
 
 from cost_models.model_spec import ModelSpec
-from executor.backward import full_backward, input_backward, weight_backward
+from executor.backward import SplitBackward, full_backward, weight_backward
 from executor.device import SavedTensorMeter
 from executor.model import Block, Embedding, full_model, init_parameters, make_optimizer
+from executor.precision import Precision
+from executor.recompute import MODES, Recompute
 
 P2P_SIZES = (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 AR_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
@@ -66,57 +73,86 @@ def fresh_state_median(prepare: Callable[[], object], body: Callable[[object], f
     return m.median
 
 
-def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repeats: int) -> dict:
+def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repeats: int, *,
+                  precision: Precision | None = None, recompute: tuple[str, ...] = ("none",)) -> dict:
     """Times (s) and kept bytes of one layer, run as the runtime runs a stage.
 
     ``make_input()`` returns (input, extra args); the input is a leaf that requires grad unless it
-    is token ids (embedding)."""
+    is token ids (embedding). Returns ``f``, ``b`` (full backward), ``b_input`` and ``w`` (split
+    backward), ``act`` (bytes kept from F to B), ``act_w`` (kept from B to W: the retained graph
+    and the gradients B recorded) and ``act_recompute`` (``act`` per mode in ``recompute``)."""
+    precision = precision or Precision()
     params = [p for p in module.parameters()]
     needs_input_grad = kind != "embedding"
+    split = SplitBackward(params)
+
+    parked = []   # what a timed B keeps for W, freed untimed before the next run
 
     def forward(meter=None):
+        parked.clear()
         x, extra = make_input()
-        if meter is None:
-            return x, module(x, *extra)
-        with meter.capture():
-            return x, module(x, *extra)
+        with precision.autocast(x.device), (meter.capture() if meter is not None else contextlib.nullcontext()):
+            return [x, module(x, *extra)]
 
     def grad_out(out):
         return None if out.dim() == 0 else torch.ones_like(out) * 1e-3
 
-    def kept(after_input_grad: bool) -> int:
+    def kept(mode: str, after_input_grad: bool) -> int:
         meter = SavedTensorMeter(params)   # a fresh count for this one micro-batch
-        x, out = forward(meter)
-        if after_input_grad and needs_input_grad:
-            input_backward(out, x, grad_out(out))   # the runtime keeps the graph from B to W
-        n = meter.current()
-        del x, out
-        return n
+        hooks = Recompute(mode, meter, params, keep_for_weight=after_input_grad).install(module)
+        try:
+            x, out = forward(meter)
+            held = None
+            if after_input_grad:            # the runtime keeps the graph and the recorded gradients to W
+                _, pending = split.input(out, x if needs_input_grad else None, grad_out(out))
+                held = meter.hold(pending.tensors())
+            n = meter.current()
+            del x, out, held
+            return n
+        finally:
+            for h in hooks:
+                h.remove()
 
-    act, act_w = kept(False), kept(True)
+    act, act_w = kept("none", False), kept("none", True)
+    act_recompute = {m: kept(m, False) for m in recompute}
     for p in params:
         p.grad = None
     f = timer_median(lambda: forward(), f"{kind} F")
 
     def split_input(state):
-        x, out = state
-        if needs_input_grad:
-            input_backward(out, x, grad_out(out))
+        # as in the runtime, the output is dropped after B: W's end frees the graph
+        out = state.pop()
+        return split.input(out, state[0] if needs_input_grad else None, grad_out(out))[1]
+
+    def input_only(state) -> float:
+        t0 = time.perf_counter()
+        pending = split_input(state)
+        dt = time.perf_counter() - t0
+        parked.append(pending)
+        return dt
 
     def weight_after_input(state) -> float:
-        split_input(state)
+        pending = split_input(state)
         t0 = time.perf_counter()
-        weight_backward(state[1], params, grad_out(state[1]))
+        weight_backward(pending)
+        del pending
         return time.perf_counter() - t0
 
-    b = fresh_state_median(forward, lambda st: full_backward(st[1], grad_out(st[1])), repeats, f"{kind} B")
-    b_input = fresh_state_median(forward, split_input, repeats, f"{kind} B_input") if needs_input_grad else 0.0
+    b = fresh_state_median(forward, lambda st: _full(st, grad_out), repeats, f"{kind} B")
+    b_input = fresh_state_median(forward, input_only, repeats, f"{kind} B_input") if needs_input_grad else 0.0
     w = fresh_state_median(forward, weight_after_input, repeats, f"{kind} W")
-    return {"f": f, "b": b, "b_input": b_input, "w": w, "act": act, "act_w": act_w}
+    return {"f": f, "b": b, "b_input": b_input, "w": w, "act": act, "act_w": act_w, "act_recompute": act_recompute}
 
 
-def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None) -> dict[str, dict]:
-    """Per kind (embedding, block, head): times and kept bytes for one micro-batch."""
+def _full(state, grad_out) -> None:
+    out = state.pop()
+    full_backward(out, grad_out(out))
+
+
+def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None,
+                   precision: Precision | None = None) -> dict[str, dict]:
+    """Per kind (embedding, block, head): times and kept bytes for one micro-batch (a block's kept
+    bytes also under each recomputation mode: blocks are what the executor recomputes)."""
     torch.set_num_threads(threads)
     b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
     g = torch.Generator().manual_seed(0)
@@ -135,7 +171,8 @@ def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=No
     for kind, (mod, mk) in cases.items():
         if progress:
             progress(f"layer {kind}")
-        out[kind] = measure_layer(mod, mk, kind, repeats)
+        out[kind] = measure_layer(mod, mk, kind, repeats, precision=precision,
+                                  recompute=MODES if kind == "block" else ("none",))
     return out
 
 

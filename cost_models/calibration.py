@@ -14,6 +14,9 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
       head:      {f: 1.2e-4, b_input: 1.1e-4, w: 1.0e-4}
     # per_layer: [{f:, b_input:, w:}, ...]   # optional, one entry per layer (L + 2), wins over `layers`
     # act_bytes: {embedding: ..., block: ..., head: ...}   # optional measured bytes kept F -> B
+    # act_bytes_recompute_per_layer: {selective: [...], full: [...]}  # optional: kept F -> B per layer
+    #                                # with the executor's recomputation (else the formulas)
+    precision: fp32                # the executor's --dtype the profile was measured in (fp32 | bf16)
     p2p: {latency: 60 us, bandwidth: 2.5 GB/s}        # one message: latency + bytes / bandwidth
     allreduce: {latency: 80 us, bandwidth: 1.2 GB/s}  # fit of 2(n-1) latency + 2(n-1)/n S / bandwidth
     optimizer: {seconds_per_param: 3.0e-9}            # optimizer step time per parameter
@@ -46,6 +49,8 @@ from .transformer import _check_recompute, default_partition, transformer_layers
 
 FORMAT = "pipetwin-calibration/1"
 KINDS = ("embedding", "block", "head")
+PRECISIONS = ("fp32", "bf16")
+FP32_GRAD_BYTES = 4.0    # the executor keeps fp32 gradients (master weights) in every precision
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,9 @@ class CalibrationProfile:
     first_stage_all_in_w: bool = True             # the executor's split backward (see LayerCosts)
     grad_copy_per_byte: float = 0.0               # flattening gradients for an all-reduce and back
     oversubscribed_slowdown: float = 1.0          # compute slowdown while the ranks outnumber the cores
+    # measured bytes kept F -> B per layer under each recomputation mode ((mode, per-layer bytes), ...)
+    act_bytes_recompute: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    precision: str = "fp32"                       # the executor's --dtype when measured
 
     def __post_init__(self):
         # one canonical order of the per-op overheads (the file's), so equal profiles compare equal
@@ -91,21 +99,31 @@ class CalibrationProfile:
 
     def layer_costs(self, recompute: str = "none", bytes_per_param: float = 16.0,
                     grad_bytes_per_param: float | None = None, dropout: bool = True) -> LayerCosts:
-        """Measured seconds; bytes from the formulas (or the measured ``act_bytes``). Recomputation
-        adds the recomputed fraction of the measured forward to the input backward."""
+        """Measured seconds; bytes measured where the profile has them (``act_bytes``, and per
+        recomputation mode ``act_bytes_recompute``), else from the formulas. Recomputation adds the
+        recomputed fraction of the measured forward to the input backward.
+
+        Why measured bytes per mode: the formulas (:mod:`cost_models.transformer`) describe
+        Megatron-style attention, whose softmax keeps ``s^2`` tensors (and dropout masks); the
+        executor's fused attention keeps none, so ``selective`` saves only the attention output
+        and its log-sum-exp there, and the formulas' selective / none differ from what it keeps by
+        the ``a s^2 b`` terms. ``full`` (each block keeps its input, ``sbh d``) agrees with them.
+        The gradients all-reduced are fp32 in every precision (master weights: 4 bytes per
+        parameter), whatever the model's ``dtype_bytes``."""
         _check_recompute(recompute)
         formula = transformer_layers(self.model, recompute, dropout)
-        measured = self.act_bytes
-        act = [m if measured is not None and recompute == "none" else l.act_bytes
+        measured = self.act_bytes if recompute == "none" else dict(self.act_bytes_recompute).get(recompute)
+        act = [m if measured is not None else l.act_bytes
                for l, m in zip(formula, measured or [None] * len(formula))]
         mw = self.act_w_bytes
-        act_w = [m if mw is not None and recompute == "none" else l.act_w_bytes
-                 for l, m in zip(formula, mw or [None] * len(formula))]
+        # B -> W keeps the same with or without recomputation: a split backward recomputes in B and
+        # keeps the recomputed graph for W (executor.recompute)
+        act_w = [m if mw is not None else l.act_w_bytes for l, m in zip(formula, mw or [None] * len(formula))]
         full = None
         if all(t.b is not None for t in self.layers):
             full = tuple(t.b + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0)
                          for t, l in zip(self.layers, formula))
-        grad = float(self.model.dtype_bytes if grad_bytes_per_param is None else grad_bytes_per_param)
+        grad = float(FP32_GRAD_BYTES if grad_bytes_per_param is None else grad_bytes_per_param)
         return LayerCosts(
             f=tuple(t.f for t in self.layers),
             b_input=tuple(t.b_input + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0)
@@ -159,12 +177,16 @@ class CalibrationProfile:
         d["data_time"] = self.data_time
         d["grad_copy_per_byte"] = self.grad_copy_per_byte
         d["first_stage_all_in_w"] = self.first_stage_all_in_w
+        if self.act_bytes_recompute:
+            d["act_bytes_recompute_per_layer"] = {m: list(v) for m, v in self.act_bytes_recompute}
+        d["precision"] = self.precision
         return d
 
 
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
            "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores",
-           "data_time", "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown")
+           "data_time", "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown",
+           "act_bytes_recompute_per_layer", "precision")
 OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
 
 
@@ -241,6 +263,13 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     cores = d.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise SpecError(f"{source}: field 'cores' must be an integer >= 1; got {cores!r}")
+    rec = _spec.mapping(d.get("act_bytes_recompute_per_layer", {}) or {}, source, "act_bytes_recompute_per_layer")
+    _spec.check_fields(rec, source, ("selective", "full"), prefix="act_bytes_recompute_per_layer.")
+    act_rec = tuple((m, _per_layer_bytes(rec, m, n, f"{source}: act_bytes_recompute_per_layer"))
+                    for m in ("selective", "full") if m in rec)
+    precision = d.get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise SpecError(f"{source}: field 'precision' must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     over = d.get("oversubscribed_slowdown", 1.0)
     if isinstance(over, bool) or not isinstance(over, (int, float)) or not 1 <= over <= 10:
         raise SpecError(f"{source}: field 'oversubscribed_slowdown' must be a number in [1, 10]; got {over!r}")
@@ -256,7 +285,7 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         data_time=_spec.seconds(d.get("data_time", 0.0), source, "data_time"),
         first_stage_all_in_w=bool(d.get("first_stage_all_in_w", True)),
         grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"),
-        oversubscribed_slowdown=float(over))
+        oversubscribed_slowdown=float(over), act_bytes_recompute=act_rec, precision=precision)
 
 
 def load_profile(path: str | Path) -> CalibrationProfile:

@@ -1,33 +1,439 @@
-"""The backward pass as the runtime runs it: full, or split into its input-gradient and
-weight-gradient halves (zero-bubble schedules). One implementation, used by the runtime
+"""The backward pass as the runtime runs it: full, or split into its input-gradient half (B) and
+its weight-gradient half (W) for zero-bubble schedules. One implementation, used by the runtime
 (:class:`executor.runtime.PipelineRuntime`) and by calibration, which times exactly these calls.
 
 - :func:`full_backward`: ``autograd.backward`` from the stage's output (with the gradient that
   arrived for it); parameter gradients accumulate, the input's gradient lands in ``x.grad``.
-- :func:`input_backward`: the gradient w.r.t. the stage's input only, keeping the graph for W.
-- :func:`weight_backward`: the parameter gradients from the kept graph, accumulated into
-  ``p.grad``; frees the graph. Gradients equal the full backward's (same kernels, same order),
-  at the cost of re-running the activation-gradient chain inside W.
+- :meth:`SplitBackward.input` (B): the gradient w.r.t. the stage's input, and nothing else. On
+  the way it records, for every *parameterised op* -- an autograd node on the input's gradient
+  path with an edge towards a parameter, e.g. the ``addmm`` of a linear layer or a layer norm --
+  the gradient that arrived at it. Returns the input gradient and a :class:`PendingWeightGrad`.
+- :meth:`SplitBackward.weight` (W): from each recorded op's saved inputs and the gradient
+  recorded there, only its parameter side (``dW = g^T x`` of a linear layer, ``dgamma, dbeta``
+  of a layer norm), accumulated into ``p.grad``. The activation-gradient chain is not run again.
+  Then the graph is freed.
+
+This is the technique of ``torch.distributed.pipelining``'s ``stage_backward_input`` /
+``stage_backward_weight`` (``torch/distributed/pipelining/_backward.py``): find the nodes where
+the weight subgraphs join the input's gradient path, capture the gradient arriving there in B,
+and start W at those nodes. What differs, and why:
+
+- *W without the autograd engine for the common ops.* PyTorch starts one ``autograd.grad`` per
+  parameter group at the recorded nodes (``GradientEdge`` roots); each call costs a graph task
+  (tens of microseconds) and groups with several nodes re-run the chain between them. Here a
+  node whose parameter side is a plain parameter (seen through transposes and dtype casts, e.g.
+  an autocast copy) and whose kind is ``addmm`` / ``mm`` / ``native_layer_norm`` gets its weight
+  gradient from the node's saved inputs and the recorded gradient directly -- the same kernels
+  the engine would run (``mm`` of the saved input and the gradient, ``native_layer_norm_backward``
+  with only the parameter outputs), accumulated in place. Any other parameterised node falls back
+  to the engine, as in PyTorch: one call per group of nodes sharing a parameter, the nodes as
+  ``GradientEdge`` roots and their parameters as the only inputs, so the engine runs only their
+  parameter side; within a group, node pre-hooks clamp each node's incoming gradient to the one
+  recorded in B (the chain between them runs again: the price of an unusual shared op, the sum is
+  still exact).
+- *Shared parameters* (a layer applied twice, tied weights, one autocast weight copy used twice):
+  every use is its own node with its own recorded gradient, and the contributions are summed --
+  exactly what the full backward computes, in a possibly different order of the sum.
+- *The graph is analysed once per module.* A stage's forward builds the same graph every micro-
+  batch. The first B walks it (which nodes depend on the input, which lead to parameters) and
+  records, as a template, the path from the output to every parameterised node, the node's kind,
+  its offset in autograd's sequence numbers and its parameters. Later B's follow those paths
+  only (not the whole graph) and check kind and offset; any mismatch (a forward that took another
+  branch) analyses afresh. The capture in B is then one engine call with the recorded nodes as
+  extra ``GradientEdge`` inputs: no Python hook runs inside the backward.
+
+B keeps the graph (``retain_graph``): W needs the saved inputs of the parameterised ops. W
+frees it. When no input needs a gradient (the first stage: token ids) B does nothing and W is
+the whole backward. Gradients equal the full backward's up to the order of floating-point sums.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+from torch.autograd.graph import GradientEdge
+
+
+try:   # the engine entry torch.autograd.backward / grad call after their argument checks
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:    # pragma: no cover - older torch: the public functions
+    _engine_run_backward = None
+
+
+def _seed(out: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    return torch.ones_like(out, memory_format=torch.preserve_format) if grad is None else grad
 
 
 def full_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
-    torch.autograd.backward(out, grad)
+    """``autograd.backward(out, grad)``. The runtime's tensors are its own (shapes and dtypes
+    match by construction), so it goes straight to the engine: ``torch.autograd.backward``'s
+    argument checks cost tens of microseconds per call, a tenth of a small stage's backward."""
+    if _engine_run_backward is None:
+        torch.autograd.backward(out, grad)
+    else:
+        _engine_run_backward((out,), (_seed(out, grad),), False, False, (), allow_unreachable=True,
+                             accumulate_grad=True)
 
 
-def input_backward(out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
-    (gx,) = torch.autograd.grad(out, (x,), grad, retain_graph=True)
-    return gx
+def _grad(out: torch.Tensor, inputs: tuple, grad: torch.Tensor | None) -> tuple:
+    """``autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)`` (see full_backward)."""
+    if _engine_run_backward is None:
+        return torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
+    return _engine_run_backward((out,), (_seed(out, grad),), True, False, inputs, allow_unreachable=True,
+                                accumulate_grad=False)
 
 
-def weight_backward(out: torch.Tensor, params: list[torch.Tensor], grad: torch.Tensor | None) -> None:
-    grads = torch.autograd.grad(out, params, grad, allow_unused=True)
-    for p, g in zip(params, grads):
-        if g is not None:
-            if p.grad is None:
-                p.grad = g
+# ---------------------------------------------------------------------------- recorded ops
+_ADDMM, _MM, _LN = "addmm", "mm", "layer_norm"
+_FAST_KIND = {"AddmmBackward0": _ADDMM, "MmBackward0": _MM, "NativeLayerNormBackward0": _LN}
+_PASS_THROUGH = {"TBackward0": True, "ToCopyBackward0": False}   # param-side nodes: name -> transposes
+
+
+@dataclass
+class _Op:
+    """A parameterised op of the template: its kind, parameters and how to reach it."""
+
+    node_type: type
+    reg: int                            # where the replay program leaves the node (see _program)
+    seq_offset: int                     # root's sequence number - node's (same forward: same offset)
+    arity: int                          # gradients arriving at the node (its forward outputs)
+    params: dict                        # id(param) -> param, those its parameter side reaches
+    fast: tuple | None                  # direct weight-gradient recipe, or None (engine)
+
+
+@dataclass
+class PendingWeightGrad:
+    """What B keeps for W: the recorded nodes and the gradients that arrived at them (with the
+    template's ops), or, when B computed nothing, the output and its gradient (W then runs the
+    whole backward)."""
+
+    ops: list = field(default_factory=list)       # [(_Op, node, grads)]
+    groups: list = field(default_factory=list)    # engine groups: lists of indices into ops
+    full: tuple | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The gradients B recorded: memory alive between B and W beyond the graph's saved tensors."""
+        return [g for _, _, grads in self.ops for g in grads if g is not None]
+
+
+class SplitBackward:
+    """B and W of one stage module (or one layer, for calibration): see the module docstring.
+    ``params`` are the parameters whose gradients W produces."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self._ids = {id(p) for p in self.params}
+        self._template = None        # (root type, replay program, ops, engine groups) of the last analysed graph
+        self.analyses = 0            # how often the graph was walked in full (tests, diagnostics)
+
+    # ------------------------------------------------------------------ B
+    def input(self, out: torch.Tensor, x: torch.Tensor | None,
+              grad: torch.Tensor | None) -> tuple[torch.Tensor | None, PendingWeightGrad]:
+        """B: the gradient w.r.t. ``x`` (None when ``x`` needs none) and what W needs."""
+        if x is None or not x.requires_grad or out.grad_fn is None:
+            return None, PendingWeightGrad(full=(out, grad))
+        nodes = self._replay(out.grad_fn) if self._template is not None else None
+        if nodes is None:
+            return self._analyse_and_run(out, x, grad)
+        _, _, ops, groups = self._template
+        edges = [GradientEdge(n, k) for op, n in zip(ops, nodes) for k in range(op.arity)]
+        got = _grad(out, (x, *edges), grad)
+        gx, i = got[0], 1
+        recorded = []
+        for op, n in zip(ops, nodes):
+            recorded.append((op, n, got[i:i + op.arity]))
+            i += op.arity
+        return _input_grad(gx, x), PendingWeightGrad(recorded, groups)
+
+    def _analyse_and_run(self, out, x, grad):
+        self.analyses += 1
+        found = _analyse(out.grad_fn, x, self._ids)
+        if found is None:       # out does not depend on x: W is the whole backward
+            return torch.zeros_like(x), PendingWeightGrad(full=(out, grad))
+        paths, raw = found
+        captured: dict = {}
+        handles = []
+        try:
+            for node, _ in raw:
+                handles.append(node.register_prehook(lambda g, n=node: captured.__setitem__(n, g)))
+            (gx,) = _grad(out, (x,), grad)
+        finally:
+            for h in handles:
+                h.remove()
+        root_seq = out.grad_fn._sequence_nr()
+        program, regs = _program([paths[n] for n, _ in raw])
+        ops, recorded = [], []
+        for (node, params), reg in zip(raw, regs):
+            grads = captured.get(node)
+            if grads is None:          # no gradient reached it: it contributes nothing
+                grads = ()
+            op = _Op(type(node), reg, root_seq - node._sequence_nr(), len(grads), params, _fast_recipe(node))
+            ops.append(op)
+            recorded.append((op, node, tuple(grads)))
+        self._template = (type(out.grad_fn), program, ops, _engine_groups(ops))
+        return _input_grad(gx, x), PendingWeightGrad(recorded, self._template[3])
+
+    def _replay(self, root) -> list | None:
+        """The template's nodes in this graph, following the recorded paths; None on a mismatch."""
+        root_type, program, ops, _ = self._template
+        if type(root) is not root_type:
+            return None
+        regs = [root]
+        push = regs.append
+        try:
+            for src, slot in program:
+                push(regs[src].next_functions[slot][0])
+        except IndexError:
+            return None
+        root_seq = root._sequence_nr()
+        nodes = []
+        for op in ops:
+            node = regs[op.reg]
+            if type(node) is not op.node_type or root_seq - node._sequence_nr() != op.seq_offset:
+                return None
+            nodes.append(node)
+        return nodes
+
+    # ------------------------------------------------------------------ W
+    def weight(self, pending: PendingWeightGrad) -> None:
+        """W: the parameter gradients of the ops B recorded, accumulated into ``p.grad``."""
+        weight_backward(pending)
+
+
+def weight_backward(pending: PendingWeightGrad) -> None:
+    """W of a :class:`PendingWeightGrad` (see :meth:`SplitBackward.weight`)."""
+    if pending.full is not None:
+        out, grad = pending.full
+        pending.full = None
+        full_backward(out, grad)
+        return
+    ops = pending.ops
+    in_engine = {i for grp in pending.groups for i in grp}
+    with torch.no_grad():   # the saved inputs carry autograd history: record nothing
+        for i, (op, node, grads) in enumerate(ops):
+            if i not in in_engine and grads and grads[0] is not None:
+                _direct(op.fast, node, grads[0])
+    for grp in pending.groups:
+        roots, seeds, inputs = [], [], {}
+        for i in grp:
+            op, node, grads = ops[i]
+            for k, g in enumerate(grads):
+                if g is not None:
+                    roots.append(GradientEdge(node, k))
+                    seeds.append(g)
+            inputs.update(op.params)
+        if not roots:
+            continue
+        handles = []
+        if len(grp) > 1:   # nodes sharing a parameter: each starts from the gradient B recorded at it
+            for i in grp:
+                _, node, grads = ops[i]
+                handles.append(node.register_prehook(lambda _g, saved=grads: saved))
+        try:
+            torch.autograd.backward(roots, seeds, inputs=list(inputs.values()), retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+    pending.ops, pending.groups = [], []
+
+
+def _input_grad(gx, x):
+    return torch.zeros_like(x) if gx is None else gx
+
+
+# ---------------------------------------------------------------------------- analysis
+def _analyse(root, x: torch.Tensor, param_ids: set):
+    """Walk the graph below ``root``: the nodes that depend on ``x`` and have a child that does not
+    and leads to parameters (``[(node, {id: param})]`` in post-order), with a path from the root
+    to each node (child slots). None when ``root`` does not depend on ``x``."""
+    input_node = x.grad_fn
+    dep: dict = {}       # node -> depends on x
+    reach: dict = {}     # node not depending on x -> {id(param): param} below it
+    parent: dict = {root: None}   # node -> (parent node, slot) of its first discovery
+    kids_of: dict = {}
+    ops = []
+    stack = [root]
+    while stack:         # iterative post-order: a node is pushed again (in a tuple) to be finished
+        item = stack.pop()
+        if type(item) is tuple:
+            node = item[0]
+            kids = kids_of.pop(node)
+            if any(dep[k] for k, _ in kids):
+                dep[node] = True
+                below = {}
+                for k, _ in kids:
+                    if not dep[k]:
+                        below.update(reach[k])
+                if below:
+                    ops.append((node, below))
             else:
-                p.grad.add_(g)
+                dep[node] = False
+                below = {}
+                for k, _ in kids:
+                    below.update(reach[k])
+                reach[node] = below
+            continue
+        if item in dep or item in kids_of:
+            continue
+        if item is input_node:
+            dep[item] = True
+            continue
+        kids = [(c, slot) for slot, (c, _) in enumerate(item.next_functions) if c is not None]
+        if not kids:                                 # a leaf: x, a parameter or another leaf
+            var = getattr(item, "variable", None)
+            dep[item] = var is x
+            if var is not x:
+                reach[item] = {id(var): var} if id(var) in param_ids else {}
+            continue
+        kids_of[item] = kids
+        stack.append((item,))
+        for c, slot in kids:
+            if c not in dep and c not in kids_of:
+                if c not in parent:
+                    parent[c] = (item, slot)
+                stack.append(c)
+    if not dep.get(root):
+        return None
+    paths = {}
+    for node, _ in ops:
+        path, n = [], node
+        while parent[n] is not None:
+            n, slot = parent[n]
+            path.append(slot)
+        paths[node] = path[::-1]
+    return paths, ops
+
+
+def _program(paths: list[list[int]]) -> tuple[tuple, list[int]]:
+    """Paths (child slots from the root) as a straight-line program over registers: register 0 is
+    the root, instruction i ``(src, slot)`` puts ``regs[src].next_functions[slot]`` in register
+    i + 1; common prefixes are walked once. Returns the program and each path's register."""
+    program, at = [], {(): 0}
+    ends = []
+    for path in paths:
+        key = ()
+        for slot in path:
+            nxt = key + (slot,)
+            if nxt not in at:
+                program.append((at[key], slot))
+                at[nxt] = len(program)
+            key = nxt
+        ends.append(at[key])
+    return tuple(program), ends
+
+
+def _engine_groups(ops: list[_Op]) -> list[list[int]]:
+    """Ops that need the engine, in groups of ops sharing a parameter (transitively). A group of
+    ops that all have a direct recipe needs no engine (each use adds its own contribution)."""
+    owner: dict = {}
+    groups: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        hit = {id(owner[p]) for p in op.params if p in owner}
+        merged = [i] + [j for gid in hit for j in groups.pop(gid)]
+        groups[id(merged)] = merged
+        for j in merged:
+            for p in ops[j].params:
+                owner[p] = merged
+    return [sorted(g) for g in groups.values() if any(ops[i].fast is None for i in g)]
+
+
+def _param_chain(node):
+    """(parameter, transposed) when ``node`` is a parameter's accumulator seen through transposes
+    and dtype casts only; else None."""
+    transposed = False
+    while node is not None:
+        nf = node.next_functions
+        if not nf:
+            var = getattr(node, "variable", None)
+            return (var, transposed) if var is not None else None
+        flip = _PASS_THROUGH.get(type(node).__name__)
+        if flip is None or len(nf) != 1:
+            return None
+        transposed ^= flip
+        node = nf[0][0]
+    return None
+
+
+def _fast_recipe(node):
+    """How W gets this node's parameter gradients directly, or None (the engine does it)."""
+    kind = _FAST_KIND.get(type(node).__name__)
+    if kind is None:
+        return None
+    nf = [c for c, _ in node.next_functions]
+    if kind == _ADDMM:
+        if node._saved_alpha != 1 or node._saved_beta != 1 or nf[2] is None:
+            return None
+        w = _param_chain(nf[2])
+        b = _param_chain(nf[0]) if nf[0] is not None else (None, False)
+        if w is None or b is None or b[1] or (b[0] is not None and b[0].dim() != 1):
+            return None
+        return (_ADDMM, w[0], w[1], b[0])
+    if kind == _MM:
+        w = _param_chain(nf[1]) if nf[1] is not None else None
+        return None if w is None else (_MM, w[0], w[1], None)
+    wb = []
+    for c in nf[1:3]:
+        if c is None:
+            wb.append(None)
+        elif not c.next_functions and getattr(c, "variable", None) is not None:
+            wb.append(c.variable)
+        else:
+            return None
+    return (_LN, wb[0], False, wb[1])
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g.to(p.dtype) if g.dtype != p.dtype else g
+    else:
+        p.grad.add_(g)
+
+
+_ONES: dict = {}
+
+
+def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
+    key = (n, like.dtype, like.device)
+    v = _ONES.get(key)
+    if v is None:
+        v = _ONES[key] = torch.ones(n, dtype=like.dtype, device=like.device)
+    return v
+
+
+def _direct(recipe, node, g: torch.Tensor) -> None:
+    """The parameter side of a recorded node from its saved inputs and the gradient ``g`` that
+    arrived at it (the formulas of autograd's AddmmBackward0 / MmBackward0 / NativeLayerNormBackward0,
+    accumulated in place: ``addmm_`` / ``addmv_`` where the dtypes allow, else the product is added)."""
+    kind, w, transposed, b = recipe
+    if kind == _LN:
+        _, dw, db = torch.ops.aten.native_layer_norm_backward(
+            g, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
+            node._saved_weight, node._saved_bias, [False, w is not None, b is not None])
+        if w is not None:
+            _accumulate(w, dw)
+        if b is not None:
+            _accumulate(b, db)
+        return
+    mat1 = node._saved_mat1 if kind == _ADDMM else node._saved_self
+    # out = mat1 @ mat2 -> d(mat2) = mat1^T g; the parameter is mat2, or mat2^T when transposed
+    wg = w.grad
+    if wg is not None and wg.dtype == g.dtype == mat1.dtype:
+        if transposed:
+            wg.addmm_(g.t(), mat1)
+        else:
+            wg.addmm_(mat1.t(), g)
+    else:
+        _accumulate(w, g.t().mm(mat1) if transposed else mat1.t().mm(g))
+    if b is not None:
+        bg = b.grad
+        if bg is not None and bg.dtype == g.dtype:
+            bg.addmv_(g.t(), _ones(g.shape[0], g))
+        else:
+            _accumulate(b, g.sum(0))
+
+
+# ---------------------------------------------------------------------------- functional form
+def input_backward(out: torch.Tensor, x: torch.Tensor | None, grad: torch.Tensor | None,
+                   params) -> tuple[torch.Tensor | None, PendingWeightGrad]:
+    """B without a template (analyses the graph every time): ``SplitBackward(params).input(...)``."""
+    return SplitBackward(params).input(out, x, grad)

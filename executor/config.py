@@ -16,6 +16,9 @@ from cost_models.model_spec import ModelSpec, load_model
 from cost_models.partition import block_ranges
 from schedules import Schedule, build, lower, validate
 
+from .precision import Precision
+from .recompute import check_mode
+
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -53,6 +56,10 @@ class RunConfig:
     partition: tuple[int, ...] | None = None  # blocks per stage of a model copy (None: even split)
     probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
                                     # and after the steps on every rank at once (0: off); see worker
+    dtype: str = "fp32"             # fp32 | bf16 (autocast, fp32 master weights): executor.precision
+    recompute: str = "none"         # none | selective | full activation recomputation: executor.recompute
+    device_map: str | tuple[int, ...] = "sequential"  # under torchrun: a mapping name (cost_models MAPPINGS)
+                                    # or an explicit rank -> global device map; see executor.launch
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -67,6 +74,10 @@ class RunConfig:
         if self.micro_batch is not None and (isinstance(self.micro_batch, bool) or int(self.micro_batch) < 1
                                              or int(self.micro_batch) != self.micro_batch):
             raise ValueError(f"micro_batch must be a positive integer or None; got {self.micro_batch!r}")
+        Precision(self.dtype)
+        check_mode(self.recompute)
+        if not isinstance(self.device_map, str):
+            object.__setattr__(self, "device_map", tuple(int(d) for d in self.device_map))
         if self.partition is not None:
             try:
                 part = tuple(self.partition)
@@ -79,8 +90,17 @@ class RunConfig:
         return replace(self, **changes)
 
     def spec(self) -> ModelSpec:
+        """The model as this run trains it: ``micro_batch`` applied, ``dtype_bytes`` that of the
+        run's precision (2 for bf16: the activations and messages the cost model counts)."""
         spec = self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
-        return spec if self.micro_batch is None else spec.replace(micro_batch=int(self.micro_batch))
+        changes = {"dtype_bytes": self.precision.dtype_bytes}
+        if self.micro_batch is not None:
+            changes["micro_batch"] = int(self.micro_batch)
+        return spec.replace(**changes) if any(getattr(spec, k) != v for k, v in changes.items()) else spec
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(self.dtype)
 
     @property
     def model_name(self) -> str:
@@ -146,7 +166,8 @@ class RunResult:
                 "microbatches": c.microbatches, "replicas": c.replicas, "model": c.model_name,
                 "micro_batch": c.spec().micro_batch,
                 "partition": list(c.partition) if c.partition is not None else None,
-                "steps": c.steps, "optimizer": c.optimizer, "lr": c.lr, "seed": c.seed,
+                "steps": c.steps, "optimizer": c.optimizer, "lr": c.lr, "seed": c.seed, "dtype": c.dtype,
+                "recompute": c.recompute,
                 "losses": self.losses, "iteration_times": self.iteration_times,
                 "throughput_seq_per_s": self.throughput, "ma_bytes": self.ma_bytes,
                 "per_device": self.per_device, **self.extra}

@@ -112,7 +112,10 @@ class SavedTensorMeter:
                     self.peak = self.live
             else:
                 ref[0] += 1
-        return _Saved(t, self, key)
+        # detached: a saved output would otherwise hold its own grad_fn, a cycle through C++ that
+        # keeps a retained graph alive after its last reference is dropped (the unpacked tensor
+        # gets its autograd metadata back from the saved variable)
+        return _Saved(t.detach(), self, key)
 
     @staticmethod
     def _unpack(x):
@@ -132,6 +135,15 @@ class SavedTensorMeter:
         """Context manager to wrap a forward whose saved tensors should be counted."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    # the hook pair itself, for code that installs its own saved-tensor hooks inside a capture
+    # (executor.recompute) and still wants the tensors it keeps counted
+    pack, unpack = _pack, _unpack
+
+    def hold(self, tensors) -> list:
+        """Count ``tensors`` as kept activation memory while the returned handles live (e.g. the
+        gradients a split backward keeps from B to W, a recomputed layer's input)."""
+        return [self._pack(t) for t in tensors]
+
     def start_step(self) -> None:
         self.peak = self.live
 
@@ -149,6 +161,17 @@ class AllocatorMeter:
 
     def capture(self):
         return contextlib.nullcontext()
+
+    @staticmethod
+    def pack(t):
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def hold(self, tensors) -> None:   # the allocator sees every live tensor anyway
+        return None
 
     def start_step(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -169,6 +192,17 @@ class NullMeter:
 
     def capture(self):
         return contextlib.nullcontext()
+
+    @staticmethod
+    def pack(t):
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def hold(self, tensors) -> None:
+        return None
 
     def start_step(self) -> None:
         pass

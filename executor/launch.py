@@ -11,7 +11,14 @@ come out as ValueError before anything starts), then:
           -m experiments run --schedule bitpipe --devices 8 --microbatches 16 --dp 2 \\
           --model gpt3-1.3b --steps 20 --trace run.csv
 
-  (D x R = 16 processes; every node runs the same command.)
+  (D x R = 16 processes; every node runs the same command.) *Placement*: each process is the
+  device (node ``GROUP_RANK``, GPU ``LOCAL_RANK``) = global device ``node * LOCAL_WORLD_SIZE +
+  LOCAL_RANK``; it runs the pipeline rank that ``config.device_map`` puts on that device (a
+  mapping name of :data:`cost_models.cluster.MAPPINGS`, e.g. BitPipe's ``copies-same-node``, laid
+  over torchrun's nodes x processes per node; or an explicit rank -> device map from a plan),
+  not the rank torchrun gave it (:func:`torchrun_placement`). The default ``sequential`` is
+  torchrun's own order. The process group is joined with the pipeline rank (the rendezvous store
+  still comes from torchrun's rank 0).
 - otherwise: spawns D x R worker processes (``python -m executor.launch``) on 127.0.0.1 with a
   free port and env:// rendezvous, i.e. the very code path torchrun uses, and watches them. A
   worker that raises writes its traceback; the launcher then stops all workers at once (SIGTERM,
@@ -40,7 +47,7 @@ from typing import Any, Sequence
 from schedules import Schedule
 
 from .config import RunConfig, RunResult, lowered_schedule
-from .worker import Job, local_env
+from .worker import Job, local_env, topology
 
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
 _REPO = str(Path(__file__).resolve().parent.parent)
@@ -74,7 +81,13 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
         if int(os.environ["WORLD_SIZE"]) != world:
             raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the schedule needs "
                              f"D x R = {world}")
-        return _in_place("executor.worker:run_jobs", planned) or [None] * len(planned)
+        maps = {j.config.device_map for j in planned}
+        if len(maps) != 1:
+            raise ValueError(f"run_many under torchrun needs one device map for all jobs; got {sorted(map(str, maps))}")
+        rank, device = torchrun_placement(planned[0].config.device_map, planned[0].schedule)
+        launch_rank, world, local_rank, local_world = local_env()
+        from .worker import run_jobs
+        return run_jobs(planned, rank, world, local_rank, local_world, launch_rank=launch_rank) or [None] * len(planned)
     if any(j.config.device == "auto" for j in planned):
         planned = [Job(j.config.with_(device="cpu") if j.config.device == "auto" else j.config, j.schedule)
                    for j in planned]
@@ -94,6 +107,37 @@ def run_best_of(configs: Sequence[RunConfig], repeats: int, warmup: int) -> list
         meds = [median_step(r.iteration_times, warmup)[0] for r in runs]
         out.append((runs[meds.index(min(meds))], meds))
     return out
+
+
+def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tuple[int, ...]:
+    """Pipeline rank -> global device on ``nodes`` x ``per_node`` devices: ``device_map`` is a
+    mapping name (:data:`cost_models.cluster.MAPPINGS`) or an explicit map (a plan's)."""
+    from types import SimpleNamespace
+
+    from cost_models.cluster import MAPPINGS
+    n = sched.num_ranks
+    if isinstance(device_map, str):
+        if device_map not in MAPPINGS:
+            raise ValueError(f"unknown device map {device_map!r}; choose one of {', '.join(MAPPINGS)}")
+        where = SimpleNamespace(name=f"torchrun {nodes}x{per_node}", nodes=nodes, devices_per_node=per_node,
+                                num_devices=nodes * per_node)
+        dm = tuple(MAPPINGS[device_map](sched, where))
+    else:
+        dm = tuple(int(d) for d in device_map)
+    if len(dm) != n or sorted(dm) != sorted(set(dm)) or any(not 0 <= d < nodes * per_node for d in dm):
+        raise ValueError(f"device map {list(dm)} must give each of the {n} ranks its own device among the "
+                         f"{nodes} x {per_node} devices torchrun started")
+    return dm
+
+
+def torchrun_placement(device_map, sched: Schedule) -> tuple[int, int]:
+    """(pipeline rank, global device) of this torchrun process (see the module docstring)."""
+    node, local, nodes, per_node = topology()
+    device = node * per_node + local
+    dm = device_map_for(device_map, sched, nodes, per_node)
+    if device not in dm:
+        raise ValueError(f"device {device} (node {node}, local rank {local}) holds no rank of device map {list(dm)}")
+    return dm.index(device), device
 
 
 def _in_place(target: str, payload):

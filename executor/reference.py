@@ -3,7 +3,10 @@
 One process holds the whole GPT (:func:`executor.model.full_model`, the same initial weights as
 every pipeline split) and, per step, runs forward and backward of each of the G = R * N global
 micro-batches in turn, each loss divided by G so the accumulated gradient is that of the mean
-loss of the global batch, then steps the optimizer. The executor must reproduce its losses and
+loss of the global batch, then steps the optimizer. In bf16 (``config.dtype``) the forward runs
+under the same autocast as the pipeline's stages (:mod:`executor.precision`); there are no stage
+boundaries, so no message is rounded. Recomputation does not change the arithmetic, so the
+reference does not recompute. The executor must reproduce its losses and
 final parameters; its peak activation memory is that of one micro-batch through the whole model,
 measured with the same meter as the executor (so Ma = that / D).
 
@@ -36,6 +39,7 @@ def run_reference(config: RunConfig) -> RunResult:
     data = TokenSource(spec, config.seed, config.data)
     meter = ctx.meter(params) if config.measure_memory else NullMeter()
     G = config.global_microbatches
+    precision = config.precision
     losses, times, peak, ma = [], [], 0, 0.0
     for step in range(config.steps):
         meter.start_step()
@@ -44,7 +48,7 @@ def run_reference(config: RunConfig) -> RunResult:
         for g in range(G):
             x, y = (t.to(ctx.device) for t in data.batch(step, g, G))
             before = meter.current()
-            with meter.capture():
+            with meter.capture(), precision.autocast(ctx.device):
                 loss = model.loss(model(x), y)
                 scaled = loss / G
             if step == 0 and g == 0:

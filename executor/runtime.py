@@ -2,22 +2,27 @@
 
 Per op kind (the IR's semantics, :mod:`schedules.ir` / :mod:`schedules.validate`):
 
-F     forward of one chunk (a stage module) for one micro-batch. Its input is the token ids
-      (stage 0) or the activation a RECV or COPY delivered; the output is kept with the input for
-      backward, and a detached copy is handed to the SEND/COPY that follows. On the last stage
+F     forward of one chunk (a stage module) for one micro-batch, under the run's precision
+      (:mod:`executor.precision`: fp32, or bf16 autocast) and with its layers' recomputation
+      hooks (:mod:`executor.recompute`). Its input is the token ids (stage 0) or the activation
+      a RECV or COPY delivered; the output is kept with the input for backward, and a detached
+      copy (in the precision's wire dtype) is handed to the SEND/COPY that follows. On the last stage
       the output is the loss of the micro-batch divided by G = R * N (the number of
       micro-batches in the global batch), so that summing gradients over micro-batches, model
       copies and replicas gives exactly the gradient of the mean loss of the global batch.
 B     backward of that chunk for that micro-batch, given the output gradient a RECV or COPY
       delivered (none on the last stage). A full backward accumulates the parameter gradients and
       produces the input gradient. In a split-backward schedule B computes only the input gradient
-      and W later the parameter gradients (:mod:`executor.backward`).
+      and records what W needs, W later only the parameter gradients (:mod:`executor.backward`,
+      one :class:`~executor.backward.SplitBackward` per stage module); the gradients B recorded
+      count as activation memory until W.
 W     weight-gradient half of a split backward (see B); frees the graph.
 SEND  ``isend`` of the message produced by the F/B before it (see :mod:`executor.p2p`).
-RECV  wait for the message posted ahead by the mailbox; activations become leaves that require
-      grad, so the following B yields their gradient.
+RECV  wait for the message posted ahead by the mailbox; activations become (fp32) leaves that
+      require grad, so the following B yields their gradient.
 COPY  same-rank hand-off (the V turn of a V-shaped placement): an activation is detached and
-      made a leaf of the next stage's graph; a gradient is passed as is.
+      made a leaf of the next stage's graph; a gradient is passed as is (both as they would
+      travel: the same rounding as a SEND in bf16).
 ALLREDUCE  sum the stage's parameter gradients over ``schedule.stage_group(stage)`` (the model
       copies and data-parallel replicas of the stage), started asynchronously on one flat buffer;
       local copies of the stage on this rank are summed into it first (copies that share one module
@@ -41,10 +46,12 @@ import torch.distributed as dist
 from schedules.ir import ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op, Schedule, W, message_key
 from schedules.trace import TraceRow
 
-from .backward import full_backward, input_backward, weight_backward
+from .backward import SplitBackward, full_backward, weight_backward
 from .data import TokenSource
 from .device import DeviceContext
 from .p2p import CommError, Mailbox, wait_work
+from .precision import Precision
+from .recompute import Recompute
 
 
 @dataclass
@@ -55,7 +62,7 @@ class _StepState:
     outputs: dict = field(default_factory=dict)
     inbox: dict = field(default_factory=dict)      # message key -> tensor delivered by RECV/COPY
     produced: dict = field(default_factory=dict)   # message key -> tensor for SEND/COPY
-    pending_w: dict = field(default_factory=dict)  # (copy, stage, mb) -> (output, output grad)
+    pending_w: dict = field(default_factory=dict)  # (copy, stage, mb) -> (PendingWeightGrad, meter hold)
     batches: dict = field(default_factory=dict)    # global micro-batch -> (inputs, targets)
     allreduces: list = field(default_factory=list)
     ar_done: list = field(default_factory=list)     # per ALLREDUCE: [perf_counter at completion]
@@ -82,12 +89,15 @@ class PipelineRuntime:
 
     ``modules`` maps (copy, stage) to the stage modules this rank holds (already on its device);
     ``stage_groups`` maps a stage to its all-reduce process group (stages whose group is this rank
-    alone are absent); ``clock0`` is this rank's ``perf_counter`` at the aligned start.
+    alone are absent); ``clock0`` is this rank's ``perf_counter`` at the aligned start;
+    ``precision`` the numeric precision, ``recompute`` the activation recomputation
+    (``none|selective|full``, installed on the modules here).
     """
 
     def __init__(self, sched: Schedule, rank: int, *, modules: dict, optimizer: torch.optim.Optimizer,
                  data: TokenSource, ctx: DeviceContext, meter, mailbox: Mailbox, stage_groups: dict,
-                 timeout: float, clock0: float, fault: str | None = None):
+                 timeout: float, clock0: float, fault: str | None = None, precision: Precision | None = None,
+                 recompute: str = "none"):
         self.sched, self.rank = sched, rank
         self.program = sched.program(rank)
         self.modules, self.optimizer, self.data = modules, optimizer, data
@@ -101,6 +111,13 @@ class PipelineRuntime:
             self.local_copies.setdefault(s, []).append(c)
         self.fwd_bytes: dict[int, int] = {}   # stage -> activation bytes one micro-batch's F kept
         self.fault = _parse_fault(fault, rank)
+        self.precision = precision or Precision()
+        distinct = {id(m): m for m in modules.values()}
+        self.split = {key: SplitBackward(m.parameters()) for key, m in distinct.items()} if sched.split_backward else {}
+        self.recompute = Recompute(recompute, meter, [p for m in distinct.values() for p in m.parameters()],
+                                   keep_for_weight=sched.split_backward)
+        for m in distinct.values():
+            self.recompute.install(m)
         self.step_index = 0
         self._state = _StepState()
         self._handlers = {F: self._forward, B: self._backward, W: self._weight, SEND: self._send,
@@ -158,7 +175,7 @@ class PipelineRuntime:
         else:
             x = st.inbox.pop((ACT, op.copy, op.mb, op.stage - 1))
         before = self.meter.current()
-        with self.meter.capture():
+        with self.meter.capture(), self.precision.autocast(self.ctx.device):
             out = module(x)
             if op.stage == self.last_stage:
                 loss = module.loss(out, self._batch(op.mb)[1])
@@ -168,7 +185,7 @@ class PipelineRuntime:
         if op.stage == self.last_stage:
             st.loss_sum = st.loss_sum + loss.detach()
         else:
-            st.produced[(ACT, op.copy, op.mb, op.stage)] = out.detach()
+            st.produced[(ACT, op.copy, op.mb, op.stage)] = self.precision.to_wire(out)
         st.inputs[key] = x
         st.outputs[key] = out
         return 0
@@ -178,22 +195,20 @@ class PipelineRuntime:
         key = (op.copy, op.stage, op.mb)
         out, x = st.outputs.pop(key), st.inputs.pop(key)
         grad = None if op.stage == self.last_stage else st.inbox.pop((GRAD, op.copy, op.mb, op.stage + 1))
-        gx = None
         if self.sched.split_backward:
-            if op.stage > 0:
-                gx = input_backward(out, x, grad)
-            st.pending_w[key] = (out, grad)
+            split = self.split[id(self.modules[(op.copy, op.stage)])]
+            gx, pending = split.input(out, x if op.stage > 0 else None, grad)
+            st.pending_w[key] = (pending, self.meter.hold(pending.tensors()))
         else:
             full_backward(out, grad)
             gx = x.grad if op.stage > 0 else None
         if op.stage > 0:
-            st.produced[(GRAD, op.copy, op.mb, op.stage)] = gx
+            st.produced[(GRAD, op.copy, op.mb, op.stage)] = self.precision.to_wire(gx)
         return 0
 
     def _weight(self, op: Op) -> int:
-        out, grad = self._state.pending_w.pop((op.copy, op.stage, op.mb))
-        params = [p for p in self.modules[(op.copy, op.stage)].parameters() if p.requires_grad]
-        weight_backward(out, params, grad)
+        pending, _held = self._state.pending_w.pop((op.copy, op.stage, op.mb))
+        weight_backward(pending)
         return 0
 
     # ------------------------------------------------------------------ messages
@@ -204,15 +219,17 @@ class PipelineRuntime:
 
     def _recv(self, op: Op) -> int:
         t = self.mailbox.wait(op)
+        nbytes = t.numel() * t.element_size()
+        t = self.precision.from_wire(t)
         if op.payload == ACT:
             t.requires_grad_(True)
         self._state.inbox[message_key(op)] = t
-        return t.numel() * t.element_size()
+        return nbytes
 
     def _copy(self, op: Op) -> int:
         st = self._state
         k = message_key(op)
-        t = st.produced.pop(k)
+        t = self.precision.from_wire(st.produced.pop(k))
         st.inbox[k] = t.detach().requires_grad_(True) if op.payload == ACT else t
         return 0
 

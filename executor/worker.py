@@ -87,23 +87,31 @@ class ProcessGroups:
 
 
 def init_world(device: str, rank: int, world: int, local_rank: int, local_world: int,
-               timeout: float = 60.0) -> DeviceContext:
-    """Pick the device, size the CPU thread pool and join the default process group (env://)."""
+               timeout: float = 60.0, launch_rank: int | None = None) -> DeviceContext:
+    """Pick the device (``local_rank``'s), size the CPU thread pool and join the default process
+    group as ``rank``. The rendezvous (env://: MASTER_ADDR, MASTER_PORT) is made as the launcher's
+    rank ``launch_rank`` (default ``rank``): under torchrun a process may run another pipeline
+    rank than the one torchrun gave it (placement, :func:`executor.launch.torchrun_placement`)."""
     ctx = select_device(device, local_rank)
     if not ctx.is_cuda:
         torch.set_num_threads(cpu_threads(local_world))
-    dist.init_process_group(ctx.backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=max(timeout, 30.0)),
-                            device_id=ctx.device if ctx.is_cuda else None)
+    wait = datetime.timedelta(seconds=max(timeout, 30.0))
+    store, _, _ = next(dist.rendezvous("env://", rank=rank if launch_rank is None else launch_rank,
+                                       world_size=world, timeout=wait))
+    store.set_timeout(wait)
+    dist.init_process_group(ctx.backend, store=dist.PrefixStore("pipetwin", store), rank=rank, world_size=world,
+                            timeout=wait, device_id=ctx.device if ctx.is_cuda else None)
     return ctx
 
 
-def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_world: int) -> list[RunResult] | None:
+def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_world: int,
+             launch_rank: int | None = None) -> list[RunResult] | None:
     """Run ``jobs`` on this rank; rank 0 returns their results, the other ranks None."""
     devices = {j.config.device for j in jobs}
     if len(devices) != 1:
         raise ValueError(f"jobs of one launch must use one device kind; got {sorted(devices)}")
-    ctx = init_world(devices.pop(), rank, world, local_rank, local_world, max(j.config.timeout for j in jobs))
+    ctx = init_world(devices.pop(), rank, world, local_rank, local_world, max(j.config.timeout for j in jobs),
+                     launch_rank=launch_rank)
     groups = ProcessGroups(world, ctx.backend)
     results = [run_job(job, rank, world, ctx, groups) for job in jobs]
     dist.barrier()
@@ -137,9 +145,9 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = make_optimizer(params, cfg.optimizer, cfg.lr)
-    shape = boundary_shape(spec)
+    shape, wire = boundary_shape(spec), cfg.precision.wire_dtype
     mailbox = Mailbox(rank, sched.program(rank), groups.p2p,
-                      lambda op: torch.empty(shape, dtype=torch.float32, device=ctx.device),
+                      lambda op: torch.empty(shape, dtype=wire, device=ctx.device),
                       timeout=cfg.timeout, lookahead=cfg.recv_lookahead)
     meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
     groups.warm_up_p2p(sched, rank, ctx.device)
@@ -147,7 +155,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer,
                               data=TokenSource(spec, cfg.seed, cfg.data), ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
-                              clock0=_aligned_clock(world), fault=cfg.fault)
+                              clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
+                              recompute=cfg.recompute)
     return RankSetup(runtime, modules, params, optimizer)
 
 
@@ -164,8 +173,11 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
         peak = max(peak, out.peak_activation)
     if probe_host:
         probe += probe_host()
+    node, local, _, per_node = topology()
     report = {"rank": rank, "rows": rows, "losses": losses, "peak": peak, "fwd_bytes": rs.runtime.fwd_bytes,
-              "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe}
+              "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe,
+              "placement": {"node": node, "local_rank": local, "device": node * per_node + local,
+                            "host": socket.gethostname()}}
     if cfg.collect_params:
         replica = rank // sched.num_devices
         report["params"] = {f"r{replica}.c{c}/{n}": p.detach().cpu().clone() for (c, _), m in rs.modules.items()
@@ -238,7 +250,7 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     params = None
     if cfg.collect_params:
         params = {k: v for rep in reports for k, v in rep["params"].items()}
-    extra = {}
+    extra = {"placement": [rep["placement"] for rep in sorted(reports, key=lambda r: r["rank"])]}
     probes = sorted(t for rep in reports for t in rep["probe"])
     if probes:
         extra["probe_seconds"] = probes[len(probes) // 2]
@@ -252,3 +264,14 @@ def local_env() -> tuple[int, int, int, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return rank, world, local_rank, local_world
+
+
+def topology() -> tuple[int, int, int, int]:
+    """(node, local rank, nodes, processes per node) of this process: torchrun's GROUP_RANK (the
+    node's rank), LOCAL_RANK and LOCAL_WORLD_SIZE; spawned ranks are all on node 0."""
+    rank, world, local_rank, local_world = local_env()
+    if world % local_world:
+        raise ValueError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}: nodes must "
+                         f"run the same number of processes")
+    node = int(os.environ.get("GROUP_RANK", rank // local_world))
+    return node, local_rank, world // local_world, local_world

@@ -11,6 +11,8 @@ def add_arguments(p):
     p.add_argument("--model", default="tiny", help="model preset or YAML file (default tiny)")
     p.add_argument("--ranks", type=int, default=2, help="ranks the predicted runs put on this host (default 2)")
     p.add_argument("--repeats", type=int, default=20, help="timings per measurement (median)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="precision of the runs to predict (bf16: autocast, as pipetwin run --dtype bf16)")
     p.add_argument("--out", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")
 
 
@@ -30,13 +32,15 @@ def main(args) -> int:
         def progress(msg):
             bar.set_postfix_str(msg)
             bar.update(1)
-        prof = calibrate(args.model, ranks=args.ranks, repeats=args.repeats, progress=progress)
+        prof = calibrate(args.model, ranks=args.ranks, repeats=args.repeats, progress=progress, dtype=args.dtype)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(prof, out)
     blk = prof.layers[1]
-    print(f"profile {prof.name}: block F {blk.f * 1e3:.3f} ms, B {blk.b * 1e3:.3f} ms "
-          f"(split {blk.b_input * 1e3:.3f} + {blk.w * 1e3:.3f}); P2P {prof.p2p.latency * 1e6:.0f} us + "
+    split = (blk.b_input + blk.w) / blk.b
+    print(f"profile {prof.name} ({prof.precision}): block F {blk.f * 1e3:.3f} ms, B {blk.b * 1e3:.3f} ms "
+          f"(split {blk.b_input * 1e3:.3f} + {blk.w * 1e3:.3f} = {split:.2f} x B); "
+          f"P2P {prof.p2p.latency * 1e6:.0f} us + "
           f"{prof.p2p.bandwidth / 1e9:.2f} GB/s; all-reduce step {prof.allreduce.latency * 1e6:.0f} us + "
           f"{prof.allreduce.bandwidth / 1e9:.2f} GB/s; overheads "
           + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in prof.overhead) + f"; {prof.cores} cores"

@@ -2,7 +2,9 @@
 
 Spawns D x R ranks (CPU + gloo) or, under ``torchrun``, runs as one of its ranks (NCCL on
 ``cuda:LOCAL_RANK``; only rank 0 prints). ``--reference`` instead trains the same model on the
-same batches in this one process. Both print the same fields; ``--json`` prints
+same batches in this one process. ``--dtype bf16`` trains in bf16 mixed precision (autocast, fp32
+master weights and optimizer state; :mod:`executor.precision`), ``--recompute selective|full``
+recomputes activations in the backward (:mod:`executor.recompute`). Both print the same fields; ``--json`` prints
 ``losses`` (one per step), ``iteration_times`` (s) and ``per_device`` with
 ``peak_activation_bytes`` (and ``peak_activation_ma``, in units of Ma = ``ma_bytes``).
 A rank that fails ends the run: exit status 1 with the failing rank's traceback.
@@ -10,9 +12,12 @@ A rank that fails ends the run: exit status 1 with the failing rank's traceback.
 ``--plan PLAN.json`` runs a plan written by ``pipetwin plan --out`` instead of -s/-D/-N/--dp/--model:
 uniform plans (R replicas of a D-stage pipeline) with the named schedule, non-uniform plans (stage s
 on r_s devices) with the planner's model-copy schedule; the plan's layer partition and per-replica
-micro-batch size apply, and ``--reference`` trains the same model on the same global batch. The
-plan's device map (rank -> GPU) is not applied: on the CPU ranks are local processes, under
-torchrun rank r runs where torchrun starts it, so launch in the plan's order (a note says so).
+micro-batch size apply, and ``--reference`` trains the same model on the same global batch.
+
+Placement: under torchrun every process runs the pipeline rank that the plan's device map (or
+``--device-map sequential|copies-same-node``, laid over torchrun's nodes x processes per node)
+puts on its (node, local rank), not torchrun's rank (:func:`executor.launch.torchrun_placement`).
+On spawned CPU ranks there is nothing to place: they are local processes.
 """
 from __future__ import annotations
 
@@ -42,6 +47,13 @@ def add_arguments(p):
     p.add_argument("--recv-lookahead", type=int, default=0,
                    help="receives posted ahead per peer, each holding a buffer (default 0 = all at step start)")
     p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: autocast mixed precision with fp32 master weights and optimizer state (default fp32)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recomputation per transformer block (default none)")
+    p.add_argument("--device-map", choices=["sequential", "copies-same-node"], default=None,
+                   help="under torchrun: which (node, GPU) runs which rank (default: the plan's map, else "
+                        "sequential = torchrun's order); copies-same-node is BitPipe's")
     p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.csv", help="write the merged trace as CSV")
@@ -51,9 +63,12 @@ def add_arguments(p):
 
 
 def _common_options(args) -> dict:
-    return dict(steps=args.steps, seed=args.seed, lr=args.lr, optimizer=args.optimizer, timeout=args.timeout,
-                data=args.data, device=args.device, recv_lookahead=args.recv_lookahead or None,
-                measure_memory=not args.no_memory, fault=args.inject_fault)
+    out = dict(steps=args.steps, seed=args.seed, lr=args.lr, optimizer=args.optimizer, timeout=args.timeout,
+               data=args.data, device=args.device, recv_lookahead=args.recv_lookahead or None,
+               measure_memory=not args.no_memory, fault=args.inject_fault, dtype=args.dtype, recompute=args.recompute)
+    if args.device_map is not None:
+        out["device_map"] = args.device_map
+    return out
 
 
 def config_from_args(args):
@@ -108,6 +123,12 @@ def _announce_plan(cfg, sched, info, args) -> None:
     import os
 
     from executor.launch import under_torchrun
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if (under_torchrun() and not args.reference and isinstance(cfg.device_map, tuple)
+            and per_node != info["devices_per_node"]):
+        raise ValueError(f"the plan's cluster has {info['devices_per_node']} devices per node but torchrun "
+                         f"runs {per_node} processes per node; launch --nproc-per-node "
+                         f"{info['devices_per_node']} (or pass --device-map)")
     if under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
         return
     out = sys.stderr if args.json else sys.stdout
@@ -121,10 +142,9 @@ def _announce_plan(cfg, sched, info, args) -> None:
         return
     dmap = info["device_map"]
     pairs = ", ".join(f"{r}->{d}" for r, d in enumerate(dmap))
-    if under_torchrun() and cfg.device != "cpu":
-        print(f"note: under torchrun rank r runs on cuda:LOCAL_RANK of the node torchrun put it on; the plan "
-              f"places rank -> device {pairs} (device = node * devices_per_node + GPU): launch so that "
-              f"torchrun's rank order matches it", file=out)
+    if under_torchrun():
+        print(f"placement: rank -> device {pairs} (device = node * {info['devices_per_node']} + local rank)"
+              if isinstance(cfg.device_map, tuple) else f"placement: --device-map {cfg.device_map}", file=out)
     elif cfg.device == "cuda":
         print(f"note: spawned ranks run on cuda:rank of this machine; the plan's device map (rank -> device "
               f"{pairs}) is not applied", file=out)

@@ -22,6 +22,8 @@ def add_arguments(p):
                    help="executor runs per schedule; the one with the lowest median counts (default 3)")
     p.add_argument("--profile", help="calibration profile; default: calibrate now (pipetwin calibrate)")
     p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                   help="precision of the runs (default: the profile's, else fp32); calibrates in it")
     p.add_argument("--plot", default="out/validate.png", help="overlay figure (default out/validate.png)")
     p.add_argument("--json", action="store_true")
 
@@ -48,10 +50,13 @@ def main(args) -> int:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
     if args.profile:
         prof = load_profile(args.profile)
+        if args.dtype is not None and args.dtype != prof.precision:
+            raise ValueError(f"profile {args.profile} was measured in {prof.precision}, not {args.dtype}; "
+                             f"calibrate with --dtype {args.dtype} (or drop --dtype)")
     else:
         import sys
         print("calibrating this machine (pass --profile FILE to reuse one) ...", file=sys.stderr)
-        prof = calibrate(args.model, ranks=D * R)
+        prof = calibrate(args.model, ranks=D * R, dtype=args.dtype or "fp32")
         save_profile(prof, Path(args.plot).with_name("calibration.yaml"))
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1; got {args.repeats}")
@@ -72,8 +77,8 @@ def main(args) -> int:
              "peak_act_sim_B": max(c.simulated_peak_activation_bytes), "mem_err": c.memory_error,
              "order_identical": c.order_identical, "run_spread": c.run_spread, "host_speed": c.host_speed,
              "err_drift_adj": c.drift_adjusted_error} for c in comps]
-    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps, "
-          f"first {args.warmup} dropped, median; best of {args.repeats} runs")
+    print(f"D={D} N={N} R={R}, model {args.model} ({prof.precision}), profile {prof.name}; "
+          f"executor {args.steps} steps, first {args.warmup} dropped, median; best of {args.repeats} runs")
     print(fmt_table(rows, list(rows[0]), {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}",
                                           "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_meas_B": "{:.0f}",
                                           "peak_act_sim_B": "{:.0f}", "mem_err": "{:.2%}",

@@ -94,7 +94,7 @@ def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list
         med, step = median_step(res.iteration_times, warmup)
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times))
+        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times), recompute=cfg.recompute)
         sim_med, sim_step = median_step(step_metrics(str_).iteration_times, warmup)
         sm = step_metrics(str_, sim_step)
         orders = op_orders(mtr, step)
@@ -119,7 +119,8 @@ def run_and_compare(schedules: list[str], devices: int, microbatches: int, repli
     from executor.config import RunConfig
     from executor.launch import run_best_of
     cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model or profile.model.name, probe=PROBE) for s in schedules]
+                      steps=steps, model=model or profile.model.name, probe=PROBE, dtype=profile.precision)
+            for s in schedules]
     best = run_best_of(cfgs, repeats, warmup)
     comps = compare([res for res, _ in best], profile, warmup)
     for c, (_, meds) in zip(comps, best):

@@ -32,8 +32,10 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
     its layer partition (converted to blocks per stage) and its layout, uniform (R x D: the named
     schedule with ``replicas`` R) or not (stage s on r_s devices: the planner's model-copy schedule,
     run as a custom schedule). ``options``: other RunConfig fields (steps, seed, lr, ...).
-    ``info``: ``layout``, ``device_map`` (rank -> the plan cluster's device id), ``partition_layers``
-    (layers per stage as the plan counts them), ``global_batch`` and ``plan`` (a one-line summary)."""
+    ``info``: ``layout``, ``device_map`` (rank -> the plan cluster's device id; also the config's
+    ``device_map``, applied under torchrun), ``devices_per_node`` (of the plan's cluster),
+    ``partition_layers`` (layers per stage as the plan counts them), ``global_batch`` and ``plan``
+    (a one-line summary)."""
     bad = set(options) & set(PLAN_FIXES)
     if bad:
         raise ValueError(f"the plan fixes {', '.join(sorted(bad))}; do not pass them with a plan")
@@ -47,10 +49,12 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
         blocks = blocks_from_layers(ex["partition"], spec.layers)
     except ValueError as e:
         raise ValueError(f"plan partition: {e}") from None
+    options.setdefault("device_map", tuple(ex["device_map"]))
     cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],
                     chunks=loaded.plan.chunks, replicas=low.replicas, model=spec, micro_batch=ex["micro_batch"],
                     partition=tuple(blocks), eager_allreduce=eager, **options)
     lowered_schedule(cfg, low)
     info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
+            "devices_per_node": loaded.cluster.devices_per_node,
             "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
     return cfg, low, info
