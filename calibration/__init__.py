@@ -49,7 +49,17 @@ from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_r
                   trace_runtime)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed"]
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed", "kept_bytes"]
+
+
+def kept_bytes(per: list[dict]) -> dict:
+    """The profile fields of measured activation bytes (``act_bytes``, ``act_w_bytes``,
+    ``act_bytes_recompute``) from per-layer measurements (:func:`calibration.measure.measure_layer`,
+    one per layer: embedding, blocks, head)."""
+    return {"act_bytes": tuple(float(x["act"]) for x in per),
+            "act_w_bytes": tuple(float(x["act_w"]) for x in per),
+            "act_bytes_recompute": tuple((m, tuple(float(x["act_recompute"].get(m, x["act"])) for x in per))
+                                         for m in ("selective", "full"))}
 
 
 def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
@@ -80,7 +90,6 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     runs = trace_runtime(model, base_ranks, dtype=dtype)
     probes = {str(base_ranks): probe_seconds(runs)}
     per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
-    act_rec = tuple((m, tuple(float(x["act_recompute"].get(m, x["act"])) for x in per)) for m in ("selective", "full"))
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
             "allreduce_samples": [list(x) for x in comm["allreduce"]]}
@@ -92,10 +101,9 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
             layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
             p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
             optimizer_seconds_per_param=opt * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
-            act_bytes=tuple(float(x["act"]) for x in per), act_w_bytes=tuple(float(x["act_w"]) for x in per),
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
-            act_bytes_recompute=act_rec, precision=dtype,
+            precision=dtype, **kept_bytes(per),
             meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes)))
 
     # the runtime is fitted with no more ranks than cores; what sharing the cores costs beyond

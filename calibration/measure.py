@@ -74,13 +74,15 @@ def fresh_state_median(prepare: Callable[[], object], body: Callable[[object], f
 
 
 def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repeats: int, *,
-                  precision: Precision | None = None, recompute: tuple[str, ...] = ("none",)) -> dict:
+                  precision: Precision | None = None, recompute: tuple[str, ...] = ("none",),
+                  bytes_only: bool = False) -> dict:
     """Times (s) and kept bytes of one layer, run as the runtime runs a stage.
 
     ``make_input()`` returns (input, extra args); the input is a leaf that requires grad unless it
     is token ids (embedding). Returns ``f``, ``b`` (full backward), ``b_input`` and ``w`` (split
     backward), ``act`` (bytes kept from F to B), ``act_w`` (kept from B to W: the retained graph
-    and the gradients B recorded) and ``act_recompute`` (``act`` per mode in ``recompute``)."""
+    and the gradients B recorded) and ``act_recompute`` (``act`` per mode in ``recompute``).
+    ``bytes_only``: the bytes, no timing (times 0)."""
     precision = precision or Precision()
     params = [p for p in module.parameters()]
     needs_input_grad = kind != "embedding"
@@ -99,7 +101,7 @@ def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repe
 
     def kept(mode: str, after_input_grad: bool) -> int:
         meter = SavedTensorMeter(params)   # a fresh count for this one micro-batch
-        hooks = Recompute(mode, meter, params, keep_for_weight=after_input_grad).install(module)
+        hooks = Recompute(mode, meter, params).install(module)
         try:
             x, out = forward(meter)
             held = None
@@ -117,6 +119,9 @@ def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repe
     act_recompute = {m: kept(m, False) for m in recompute}
     for p in params:
         p.grad = None
+    if bytes_only:
+        return {"f": 0.0, "b": 0.0, "b_input": 0.0, "w": 0.0, "act": act, "act_w": act_w,
+                "act_recompute": act_recompute}
     f = timer_median(lambda: forward(), f"{kind} F")
 
     def split_input(state):
@@ -150,7 +155,7 @@ def _full(state, grad_out) -> None:
 
 
 def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None,
-                   precision: Precision | None = None) -> dict[str, dict]:
+                   precision: Precision | None = None, bytes_only: bool = False) -> dict[str, dict]:
     """Per kind (embedding, block, head): times and kept bytes for one micro-batch (a block's kept
     bytes also under each recomputation mode: blocks are what the executor recomputes)."""
     torch.set_num_threads(threads)
@@ -172,7 +177,7 @@ def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=No
         if progress:
             progress(f"layer {kind}")
         out[kind] = measure_layer(mod, mk, kind, repeats, precision=precision,
-                                  recompute=MODES if kind == "block" else ("none",))
+                                  recompute=MODES if kind == "block" else ("none",), bytes_only=bytes_only)
     return out
 
 

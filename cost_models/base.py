@@ -147,6 +147,8 @@ class PerLayerCostModel:
             f_copy.append(fc)
         act = per_stage(L.act)
         act_w = per_stage(L.act_w) if sched.split_backward else [0.0] * S
+        if sched.split_backward and L.first_stage_all_in_w:
+            act_w[0] = act[0]     # B does nothing there: what F kept waits for W as it is
         out = [L.out_bytes[rng[-1]] for rng in parts]
         # the gradient a stage sends upstream has the shape of its input = previous stage's output
         grad = [0.0] + out[:-1]

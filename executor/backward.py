@@ -9,9 +9,12 @@ its weight-gradient half (W) for zero-bubble schedules. One implementation, used
   path with an edge towards a parameter, e.g. the ``addmm`` of a linear layer or a layer norm --
   the gradient that arrived at it. Returns the input gradient and a :class:`PendingWeightGrad`.
 - :meth:`SplitBackward.weight` (W): from each recorded op's saved inputs and the gradient
-  recorded there, only its parameter side (``dW = g^T x`` of a linear layer, ``dgamma, dbeta``
-  of a layer norm), accumulated into ``p.grad``. The activation-gradient chain is not run again.
-  Then the graph is freed.
+  recorded there, only its parameter side (``dW = g^T x``, ``db = sum g`` of a linear layer),
+  accumulated into ``p.grad``. The activation-gradient chain is not run again.
+
+Norms are the exception, as in the zero-bubble paper's implementation: a layer norm's two
+per-channel parameters get their gradients in B, from the same fused kernel that computes its
+input gradient (one kernel instead of two, and nothing of it waits for W).
 
 This is the technique of ``torch.distributed.pipelining``'s ``stage_backward_input`` /
 ``stage_backward_weight`` (``torch/distributed/pipelining/_backward.py``): find the nodes where
@@ -24,8 +27,8 @@ and start W at those nodes. What differs, and why:
   node whose parameter side is a plain parameter (seen through transposes and dtype casts, e.g.
   an autocast copy) and whose kind is ``addmm`` / ``mm`` / ``native_layer_norm`` gets its weight
   gradient from the node's saved inputs and the recorded gradient directly -- the same kernels
-  the engine would run (``mm`` of the saved input and the gradient, ``native_layer_norm_backward``
-  with only the parameter outputs), accumulated in place. Any other parameterised node falls back
+  the engine would run (``mm`` of the saved input and the gradient, the bias's sum), accumulated
+  in place. Any other parameterised node falls back
   to the engine, as in PyTorch: one call per group of nodes sharing a parameter, the nodes as
   ``GradientEdge`` roots and their parameters as the only inputs, so the engine runs only their
   parameter side; within a group, node pre-hooks clamp each node's incoming gradient to the one
@@ -42,9 +45,14 @@ and start W at those nodes. What differs, and why:
   branch) analyses afresh. The capture in B is then one engine call with the recorded nodes as
   extra ``GradientEdge`` inputs: no Python hook runs inside the backward.
 
-B keeps the graph (``retain_graph``): W needs the saved inputs of the parameterised ops. W
-frees it. When no input needs a gradient (the first stage: token ids) B does nothing and W is
-the whole backward. Gradients equal the full backward's up to the order of floating-point sums.
+*What lives from B to W.* Before its engine call B takes (detached) the saved inputs W's direct
+recipes use -- a linear layer's input -- then runs without
+``retain_graph``: the graph is freed as B goes, as in a full backward, and only those inputs and
+the recorded gradients wait for W (the zero-bubble paper's M_W: the inputs of the linear layers
+and the gradients of their outputs). Only when some op needs the engine in W is the graph kept
+(``retain_graph``) until W. When no input needs a gradient (the first stage: token ids) B does
+nothing and W is the whole backward. Gradients equal the full backward's up to the order of
+floating-point sums.
 """
 from __future__ import annotations
 
@@ -75,11 +83,11 @@ def full_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
                              accumulate_grad=True)
 
 
-def _grad(out: torch.Tensor, inputs: tuple, grad: torch.Tensor | None) -> tuple:
-    """``autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)`` (see full_backward)."""
+def _grad(out: torch.Tensor, inputs: tuple, grad: torch.Tensor | None, *, retain: bool) -> tuple:
+    """``autograd.grad(out, inputs, grad, retain_graph=retain, allow_unused=True)`` (see full_backward)."""
     if _engine_run_backward is None:
-        return torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
-    return _engine_run_backward((out,), (_seed(out, grad),), True, False, inputs, allow_unreachable=True,
+        return torch.autograd.grad(out, inputs, grad, retain_graph=retain, allow_unused=True)
+    return _engine_run_backward((out,), (_seed(out, grad),), retain, False, inputs, allow_unreachable=True,
                                 accumulate_grad=False)
 
 
@@ -99,31 +107,44 @@ class _Op:
     arity: int                          # gradients arriving at the node (its forward outputs)
     params: dict                        # id(param) -> param, those its parameter side reaches
     fast: tuple | None                  # direct weight-gradient recipe, or None (engine)
+    in_b: bool = False                  # a norm: its (per-channel) parameter gradients come with B
 
 
 @dataclass
 class PendingWeightGrad:
-    """What B keeps for W: the recorded nodes and the gradients that arrived at them (with the
-    template's ops), or, when B computed nothing, the output and its gradient (W then runs the
-    whole backward)."""
+    """What B keeps for W: per recorded op the gradients that arrived at it and either its saved
+    inputs (ops with a direct recipe: the graph itself is not kept) or its node (ops the engine
+    handles: the graph is kept), or, when B computed nothing, the output and its gradient (W then
+    runs the whole backward)."""
 
-    ops: list = field(default_factory=list)       # [(_Op, node, grads)]
+    ops: list = field(default_factory=list)       # [(_Op, node or None, grads, saved inputs or None)]
     groups: list = field(default_factory=list)    # engine groups: lists of indices into ops
     full: tuple | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        """The gradients B recorded: memory alive between B and W beyond the graph's saved tensors."""
-        return [g for _, _, grads in self.ops for g in grads if g is not None]
+        """The tensors B keeps for W (the gradients it recorded and the ops' saved inputs): the
+        activation memory alive from B to W, beyond a retained graph's saved tensors."""
+        out = []
+        for _, _, grads, saved in self.ops:
+            out += [g for g in grads if g is not None]
+            if saved is not None:
+                out += [t for t in saved if torch.is_tensor(t)]
+        return out
 
 
 class SplitBackward:
     """B and W of one stage module (or one layer, for calibration): see the module docstring.
-    ``params`` are the parameters whose gradients W produces."""
+    ``params`` are the parameters whose gradients W produces. ``lazy``: the module's saved
+    tensors are recomputed during the backward (:mod:`executor.recompute`), so W's inputs are
+    taken in node pre-hooks as B reaches each node, not all before B (which would recompute every
+    layer of the stage at once)."""
 
-    def __init__(self, params):
+    def __init__(self, params, *, lazy: bool = False):
         self.params = list(params)
+        self.lazy = lazy
         self._ids = {id(p) for p in self.params}
-        self._template = None        # (root type, replay program, ops, engine groups) of the last analysed graph
+        self._template = None        # (root type, replay program, ops, engine groups, norm params) of the
+                                     # last analysed graph
         self.analyses = 0            # how often the graph was walked in full (tests, diagnostics)
 
     # ------------------------------------------------------------------ B
@@ -135,14 +156,21 @@ class SplitBackward:
         nodes = self._replay(out.grad_fn) if self._template is not None else None
         if nodes is None:
             return self._analyse_and_run(out, x, grad)
-        _, _, ops, groups = self._template
-        edges = [GradientEdge(n, k) for op, n in zip(ops, nodes) for k in range(op.arity)]
-        got = _grad(out, (x, *edges), grad)
+        _, _, ops, groups, in_b = self._template
+        if self.lazy:
+            return self._run_hooked(out, x, grad, ops, nodes, groups, in_b)
+        kept = _keep_for_w(ops, nodes, groups)
+        edges = [GradientEdge(n, k) for op, n in zip(ops, nodes) if not op.in_b for k in range(op.arity)]
+        got = _grad(out, (x, *edges, *in_b), grad, retain=bool(groups))
+        _add_grads(in_b, got[1 + len(edges):])
         gx, i = got[0], 1
-        recorded = []
-        for op, n in zip(ops, nodes):
-            recorded.append((op, n, got[i:i + op.arity]))
-            i += op.arity
+        recorded = []           # one entry per op (engine groups index them); a norm's is empty
+        for op, (node, saved) in zip(ops, kept):
+            if op.in_b:
+                recorded.append((op, None, (), None))
+            else:
+                recorded.append((op, node, got[i:i + op.arity], saved))
+                i += op.arity
         return _input_grad(gx, x), PendingWeightGrad(recorded, groups)
 
     def _analyse_and_run(self, out, x, grad):
@@ -151,31 +179,63 @@ class SplitBackward:
         if found is None:       # out does not depend on x: W is the whole backward
             return torch.zeros_like(x), PendingWeightGrad(full=(out, grad))
         paths, raw = found
-        captured: dict = {}
+        root_seq = out.grad_fn._sequence_nr()
+        program, regs = _program([paths[n] for n, _ in raw])
+        ops = [_Op(type(node), reg, root_seq - node._sequence_nr(), 0, params, _fast_recipe(node))
+               for (node, params), reg in zip(raw, regs)]
+        groups = _engine_groups(ops)
+        in_engine = {i for grp in groups for i in grp}
+        in_b = {}
+        for i, op in enumerate(ops):
+            if op.fast is not None and op.fast[0] == _LN and i not in in_engine:
+                op.in_b = True
+                in_b.update({id(p): p for p in (op.fast[1], op.fast[3]) if p is not None})
+        in_b = tuple(in_b.values())
+        gx, pending = self._run_hooked(out, x, grad, ops, [node for node, _ in raw], groups, in_b)
+        for op, (_, _, grads, _) in zip(ops, pending.ops):
+            op.arity = len(grads)
+        self._template = (type(out.grad_fn), program, ops, groups, in_b)
+        return gx, pending
+
+    def _run_hooked(self, out, x, grad, ops, nodes, groups, in_b):
+        """B with node pre-hooks taking each op's incoming gradient (and, when lazy, its saved
+        inputs) as the engine reaches it."""
+        in_engine = {i for grp in groups for i in grp}
+        eager = None if self.lazy else _keep_for_w(ops, nodes, groups)
+        grads_at: list = [()] * len(ops)
+        saved_at: list = [None] * len(ops)
         handles = []
+
+        def hook(i, op, node, fetch):
+            def pre(g):
+                grads_at[i] = g
+                if fetch:
+                    saved_at[i] = _fetch(op, node)
+            return pre
         try:
-            for node, _ in raw:
-                handles.append(node.register_prehook(lambda g, n=node: captured.__setitem__(n, g)))
-            (gx,) = _grad(out, (x,), grad)
+            for i, (op, node) in enumerate(zip(ops, nodes)):
+                if not op.in_b:
+                    fetch = self.lazy and op.fast is not None and i not in in_engine
+                    handles.append(node.register_prehook(hook(i, op, node, fetch)))
+            got = _grad(out, (x, *in_b), grad, retain=bool(groups))
         finally:
             for h in handles:
                 h.remove()
-        root_seq = out.grad_fn._sequence_nr()
-        program, regs = _program([paths[n] for n, _ in raw])
-        ops, recorded = [], []
-        for (node, params), reg in zip(raw, regs):
-            grads = captured.get(node)
-            if grads is None:          # no gradient reached it: it contributes nothing
-                grads = ()
-            op = _Op(type(node), reg, root_seq - node._sequence_nr(), len(grads), params, _fast_recipe(node))
-            ops.append(op)
-            recorded.append((op, node, tuple(grads)))
-        self._template = (type(out.grad_fn), program, ops, _engine_groups(ops))
-        return _input_grad(gx, x), PendingWeightGrad(recorded, self._template[3])
+        _add_grads(in_b, got[1:])
+        recorded = []
+        for i, (op, node) in enumerate(zip(ops, nodes)):
+            if op.in_b:
+                recorded.append((op, None, (), None))
+            elif eager is not None:
+                recorded.append((op, eager[i][0], tuple(grads_at[i] or ()), eager[i][1]))
+            else:
+                engine = i in in_engine or op.fast is None
+                recorded.append((op, node if engine else None, tuple(grads_at[i] or ()), saved_at[i]))
+        return _input_grad(got[0], x), PendingWeightGrad(recorded, groups)
 
     def _replay(self, root) -> list | None:
         """The template's nodes in this graph, following the recorded paths; None on a mismatch."""
-        root_type, program, ops, _ = self._template
+        root_type, program, ops, _, _ = self._template
         if type(root) is not root_type:
             return None
         regs = [root]
@@ -208,15 +268,14 @@ def weight_backward(pending: PendingWeightGrad) -> None:
         full_backward(out, grad)
         return
     ops = pending.ops
-    in_engine = {i for grp in pending.groups for i in grp}
-    with torch.no_grad():   # the saved inputs carry autograd history: record nothing
-        for i, (op, node, grads) in enumerate(ops):
-            if i not in in_engine and grads and grads[0] is not None:
-                _direct(op.fast, node, grads[0])
+    with torch.no_grad():
+        for op, _, grads, saved in ops:
+            if saved is not None and grads and grads[0] is not None:
+                _direct(op.fast, saved, grads[0])
     for grp in pending.groups:
         roots, seeds, inputs = [], [], {}
         for i in grp:
-            op, node, grads = ops[i]
+            op, node, grads, _ = ops[i]
             for k, g in enumerate(grads):
                 if g is not None:
                     roots.append(GradientEdge(node, k))
@@ -227,7 +286,7 @@ def weight_backward(pending: PendingWeightGrad) -> None:
         handles = []
         if len(grp) > 1:   # nodes sharing a parameter: each starts from the gradient B recorded at it
             for i in grp:
-                _, node, grads = ops[i]
+                _, node, grads, _ = ops[i]
                 handles.append(node.register_prehook(lambda _g, saved=grads: saved))
         try:
             torch.autograd.backward(roots, seeds, inputs=list(inputs.values()), retain_graph=True)
@@ -400,21 +459,42 @@ def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def _direct(recipe, node, g: torch.Tensor) -> None:
-    """The parameter side of a recorded node from its saved inputs and the gradient ``g`` that
-    arrived at it (the formulas of autograd's AddmmBackward0 / MmBackward0 / NativeLayerNormBackward0,
-    accumulated in place: ``addmm_`` / ``addmv_`` where the dtypes allow, else the product is added)."""
+def _fetch(op: _Op, node) -> tuple:
+    """The saved inputs of ``node`` that its direct recipe uses, detached (no history kept)."""
+    kind = op.fast[0]
+    saved = (node._saved_mat1 if kind == _ADDMM else node._saved_self,)
+    return tuple(t.detach() for t in saved)
+
+
+def _keep_for_w(ops: list[_Op], nodes: list, groups: list) -> list[tuple]:
+    """Per op, what W will need, taken before B runs: (None, the saved inputs of its direct
+    recipe) or (its node, None) when the engine handles it (the graph is then kept); a norm
+    (gradients in B) needs nothing."""
+    in_engine = {i for grp in groups for i in grp}
+    out = []
+    for i, (op, node) in enumerate(zip(ops, nodes)):
+        if op.in_b:
+            out.append((None, None))
+        elif i in in_engine or op.fast is None:
+            out.append((node, None))
+        else:
+            out.append((None, _fetch(op, node)))
+    return out
+
+
+def _add_grads(params: tuple, grads: tuple) -> None:
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            if g is not None:
+                _accumulate(p, g)
+
+
+def _direct(recipe, saved: tuple, g: torch.Tensor) -> None:
+    """The parameter side of a recorded linear op from its saved input and the gradient ``g`` that
+    arrived at it (the formulas of autograd's AddmmBackward0 / MmBackward0, accumulated in place:
+    ``addmm_`` / ``addmv_`` where the dtypes allow, else the product is added)."""
     kind, w, transposed, b = recipe
-    if kind == _LN:
-        _, dw, db = torch.ops.aten.native_layer_norm_backward(
-            g, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
-            node._saved_weight, node._saved_bias, [False, w is not None, b is not None])
-        if w is not None:
-            _accumulate(w, dw)
-        if b is not None:
-            _accumulate(b, db)
-        return
-    mat1 = node._saved_mat1 if kind == _ADDMM else node._saved_self
+    (mat1,) = saved
     # out = mat1 @ mat2 -> d(mat2) = mat1^T g; the parameter is mat2, or mat2^T when transposed
     wg = w.grad
     if wg is not None and wg.dtype == g.dtype == mat1.dtype:

@@ -18,17 +18,19 @@ runtime installs on the stage it built (:meth:`Recompute.install`); the model is
   that drops the attention output and its log-sum-exp: fused kernels keep no ``s^2`` tensors to
   begin with, which is why selective recomputation saves little there.
 
-Why not ``torch.utils.checkpoint``: a split backward unpacks saved tensors twice, in B (the input
-gradient) and again in W (the weight gradients of :mod:`executor.backward`), and W is a second
-backward call. ``torch.utils.checkpoint`` clears a recomputed tensor when it is unpacked and
-recomputes per backward call (W would re-run the forward), and its selective mode refuses a
-second backward outright. Here a recomputed value lives as long as its placeholder: a full
-backward frees it as it goes, a split backward keeps it from B to W (the graph is retained for W).
+Why not ``torch.utils.checkpoint``: a split backward unpacks some saved tensors twice, in B and
+again for W (:mod:`executor.backward` takes a linear layer's saved input when its node runs in
+B; an op the engine handles in W unpacks its saved tensors in a second backward call).
+``torch.utils.checkpoint`` recomputes per backward call and clears a recomputed tensor once it
+is unpacked, and its selective mode refuses a second backward outright. Here a recomputed value
+lives as long as its placeholder, so any number of unpacks see it; the backward frees the
+placeholders (and with them the values) as it goes.
 
 Memory as the saved-tensor meter counts it (what is kept between ops): the kept inputs and the
-unrecomputed saved tensors from F; in a split backward also the recomputed values, which stay
-alive from B to W (``keep_for_weight``). The recomputation's own transient inside one full
-backward is not counted (the simulator does not model it either).
+unrecomputed saved tensors from F, and what a split backward keeps for W (counted by the
+runtime). The recomputed values are transient inside one B and not counted (the simulator does
+not model that transient either); only when an op needs the engine in W does the graph, and
+with it the recomputed values, stay until W (uncounted).
 """
 from __future__ import annotations
 
@@ -67,10 +69,9 @@ class Recompute:
     ``meter``: the rank's activation meter (its pack/unpack store what is kept, ``hold`` counts
     held tensors); ``params``: tensors never recomputed (saved as they are)."""
 
-    def __init__(self, mode: str, meter, params, *, keep_for_weight: bool):
+    def __init__(self, mode: str, meter, params):
         self.mode = check_mode(mode)
         self.meter = meter
-        self.keep_for_weight = keep_for_weight
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
         self._recomputing = 0
         self._stack: list = []
@@ -157,12 +158,11 @@ class _Frame:
     def value(self, k: int) -> torch.Tensor:
         if not self.recomputed:
             self._recompute()
-        return self.values[k][0]
+        return self.values[k]
 
     def _recompute(self) -> None:
         owner = self.owner
         counter = [0]
-        keep = owner.keep_for_weight
 
         def record(t):
             if owner.is_param(t):
@@ -170,8 +170,7 @@ class _Frame:
             k = counter[0]
             counter[0] += 1
             if k in self.alive:
-                v = t.detach()
-                self.values[k] = (v, owner.meter.hold([v]) if keep else None)
+                self.values[k] = t.detach()
             return None
 
         args = tuple(a.detach().requires_grad_(g) if torch.is_tensor(a) else a
@@ -213,11 +212,11 @@ class _Recipe:
     """An attention-core op as it ran in the forward: recomputed on demand, its outputs kept
     while placeholders for them live."""
 
-    __slots__ = ("func", "args", "kwargs", "holders", "out", "held", "keep", "meter")
+    __slots__ = ("func", "args", "kwargs", "holders", "out")
 
-    def __init__(self, func, args, kwargs, keep: bool, meter):
+    def __init__(self, func, args, kwargs):
         self.func, self.args, self.kwargs = func, args, kwargs
-        self.holders, self.out, self.held, self.keep, self.meter = 0, None, None, keep, meter
+        self.holders, self.out = 0, None
 
     def output(self, i: int) -> torch.Tensor:
         out = self.out
@@ -228,14 +227,12 @@ class _Recipe:
             out = out if isinstance(out, (tuple, list)) else (out,)
             if self.holders:
                 self.out = out
-                if self.keep:
-                    self.held = self.meter.hold([t for t in out if torch.is_tensor(t)])
         return out[i]
 
     def drop(self) -> None:
         self.holders -= 1
         if self.holders <= 0:
-            self.out = self.held = None
+            self.out = None
 
 
 class _Ref:
@@ -271,10 +268,8 @@ class _CoreRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.made: dict = {}          # tensor signature -> (recipe, output index)
-        self.keep, self.meter = False, None
 
     def pack_with(self, owner: Recompute):
-        self.keep, self.meter = owner.keep_for_weight, owner.meter
         pack = owner.meter.pack
 
         def hook(t):
@@ -295,7 +290,7 @@ class _CoreRecorder(TorchDispatchMode):
                     hit = made.get(_signature(a))
                     return _Ref(*hit) if hit is not None else a.detach()
                 return a
-            recipe = _Recipe(func, tuple(arg(a) for a in args), kwargs, self.keep, self.meter)
+            recipe = _Recipe(func, tuple(arg(a) for a in args), kwargs)
             for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
                 if torch.is_tensor(t):
                     made[_signature(t)] = (recipe, i)

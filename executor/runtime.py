@@ -113,9 +113,10 @@ class PipelineRuntime:
         self.fault = _parse_fault(fault, rank)
         self.precision = precision or Precision()
         distinct = {id(m): m for m in modules.values()}
-        self.split = {key: SplitBackward(m.parameters()) for key, m in distinct.items()} if sched.split_backward else {}
-        self.recompute = Recompute(recompute, meter, [p for m in distinct.values() for p in m.parameters()],
-                                   keep_for_weight=sched.split_backward)
+        lazy = recompute != "none"    # saved tensors exist only while B runs: W's inputs are taken then
+        self.split = {key: SplitBackward(m.parameters(), lazy=lazy) for key, m in distinct.items()} \
+            if sched.split_backward else {}
+        self.recompute = Recompute(recompute, meter, [p for m in distinct.values() for p in m.parameters()])
         for m in distinct.values():
             self.recompute.install(m)
         self.step_index = 0

@@ -1,13 +1,20 @@
 """Executor pieces that need no process group: model split, init, data, memory meter, B/W split."""
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from cost_models.model_spec import load_model
 from cost_models.partition import block_ranges
+from cost_models.transformer import block_flops
+from executor.backward import SplitBackward, full_backward, weight_backward
 from executor.config import RunConfig, lowered_schedule
 from executor.data import TokenSource
 from executor.device import SavedTensorMeter, select_device
-from executor.model import full_model, stage_module
+from executor.model import Block, full_model, stage_module
+from executor.recompute import Recompute
 from schedules import ScheduleError
 
 SPEC = load_model("tiny")
@@ -78,26 +85,168 @@ def test_saved_tensor_meter_counts_each_storage_once_and_releases():
     assert meter.peak == x.numel() * 4 + h.numel() * 4
 
 
-def test_split_backward_equals_full_backward():
-    """B = autograd.grad w.r.t. the input (graph kept), then W = grads of the parameters."""
+class _AtenCounter(TorchDispatchMode):
+    """Counts aten ops and the matmul FLOPs (2 per multiply-accumulate) run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.flops = Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def _norm_params(module) -> set:
+    return {id(p) for m in module.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+
+
+def _grads(module, x, g, *, split=None, autocast=False):
+    """(input grad, parameter grads) of one forward + backward, full or through ``split``
+    (B then W); B must leave every gradient but the norms' untouched."""
+    params = list(module.parameters())
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = module(x)
+    gg = g.to(out.dtype)
+    if split is None:
+        full_backward(out, gg)
+        return x.grad, [p.grad.clone() for p in params]
+    gx, pending = split.input(out, x, gg)
+    norms = _norm_params(module)
+    assert all((p.grad is None) != (id(p) in norms) for p in params), "B computed linear weight gradients"
+    del out
+    weight_backward(pending)
+    return gx, [p.grad.clone() for p in params]
+
+
+def test_split_backward_equals_full_backward_and_w_runs_only_weight_kernels():
+    """B then W (executor.backward) equals the full backward on a pipeline stage (2 blocks),
+    micro-batch after micro-batch (the graph is analysed once, then replayed), and the FLOPs
+    split exactly as the formulas say: B the input-gradient FLOPs, W the weight-gradient FLOPs
+    (2 x rows x weights of the linear layers), no attention, GeLU or norm backward in W (the norms'
+    per-channel parameters come with B, from their fused kernel)."""
     torch.manual_seed(0)
     stage = stage_module(SPEC, 4, 1, seed=0)
     x = torch.randn(SPEC.micro_batch, SPEC.seq_len, SPEC.hidden)
     g = torch.randn_like(x)
+    gx_full, full = _grads(stage, x, g)
+    split = SplitBackward(stage.parameters())
+    for _ in range(3):
+        gx, got = _grads(stage, x, g, split=split)
+        assert torch.equal(gx, gx_full)
+        for a, b in zip(got, full):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+    assert split.analyses == 1
+    # what B and W run
+    stage.zero_grad(set_to_none=False)
+    xx = x.clone().requires_grad_()
+    out = stage(xx)
+    with FlopCounterMode(display=False) as fc_b, _AtenCounter() as in_b:
+        _, pending = split.input(out, xx, g)
+    del out
+    with _AtenCounter() as in_w:
+        weight_backward(pending)
+    _, _, flops_w = block_flops(SPEC)
+    blocks = len(stage.blocks)
+    xx = x.clone().requires_grad_()
+    out = stage(xx)
+    with FlopCounterMode(display=False) as fc_dx:             # the input gradient alone, as torch counts it
+        torch.autograd.grad(out, (xx,), g)
+    assert fc_b.get_total_flops() == fc_dx.get_total_flops()  # attention backward included
+    assert in_b.flops == blocks * flops_w                   # the linear layers' input gradients
+    assert in_w.flops == blocks * flops_w                   # and their weight gradients, in W only
+    for kernel in ("_scaled_dot_product_flash_attention_for_cpu_backward", "gelu_backward", "mm",
+                   "native_layer_norm_backward"):
+        assert in_w.ops[kernel] == 0, kernel
+    assert in_w.ops["addmm_"] == in_w.ops["addmv_"] == 4 * blocks      # each linear's weight and bias
+    assert in_b.ops["native_layer_norm_backward"] == 2 * blocks
 
-    x1 = x.clone().requires_grad_()
-    out = stage(x1)
-    torch.autograd.backward(out, g)
-    full = [p.grad.clone() for p in stage.parameters()]
+
+class _Shared(torch.nn.Module):
+    """One block applied twice, a linear layer used twice and a scale used twice in elementwise
+    products (an op without a direct recipe: W falls back to the engine for that group)."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.block = Block(spec)
+        self.lin = torch.nn.Linear(spec.hidden, spec.hidden)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, spec.hidden))
+
+    def forward(self, x):
+        x = self.lin(self.block(x)) * self.scale
+        x = self.block(x)
+        return self.lin(x) * 0.5 + x * self.scale
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_split_backward_with_parameters_used_twice(autocast):
+    torch.manual_seed(0)
+    mod = _Shared(SPEC)
+    x = torch.randn(SPEC.micro_batch, SPEC.seq_len, SPEC.hidden)
+    g = torch.randn_like(x)
+    gx_full, full = _grads(mod, x, g, autocast=autocast)
+    split = SplitBackward(mod.parameters())
+    for _ in range(2):
+        gx, got = _grads(mod, x, g, split=split, autocast=autocast)
+        assert torch.equal(gx, gx_full)
+        # fp32: the same sums in another order; bf16: the full backward sums a shared weight's two
+        # uses in bf16 (one autocast copy), the split in fp32
+        tol = 4e-3 if autocast else 1e-6
+        for a, b in zip(got, full):
+            assert (a - b).abs().max() <= tol * b.abs().max()
+    assert split.analyses == 1
+    _, _, ops, groups, _ = split._template
+    assert len(groups) == 1 and {ops[i].node_type.__name__ for i in groups[0]} >= {"MulBackward0"}
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("split", [False, True], ids=["full-backward", "split-backward"])
+def test_recompute_keeps_less_and_changes_no_gradient(mode, split):
+    """Per block, full recomputation keeps the block's input (sbh x 4 bytes), selective drops the
+    attention's log-sum-exp (the fused kernel keeps no s^2 tensor: b a s x 4 bytes); a split
+    backward keeps (8 + 2m) sbh x 4 bytes from B to W; gradients are bit-identical to no
+    recomputation; everything is released after the backward."""
+    torch.manual_seed(0)
+    stage = stage_module(SPEC, 4, 1, seed=0)
+    params = list(stage.parameters())
+    x0 = torch.randn(SPEC.micro_batch, SPEC.seq_len, SPEC.hidden)
+    g = torch.randn_like(x0)
+    _, ref = _grads(stage, x0, g)
+    meter = SavedTensorMeter(params)
+    with meter.capture():
+        out = stage(x0.clone().requires_grad_())
+    kept_none = meter.current()
+    del out
+    Recompute(mode, meter, params).install(stage)
     stage.zero_grad(set_to_none=True)
-
-    x2 = x.clone().requires_grad_()
-    out = stage(x2)
-    (gx,) = torch.autograd.grad(out, (x2,), g, retain_graph=True)
-    gw = torch.autograd.grad(out, list(stage.parameters()), g)
-    assert torch.equal(gx, x1.grad)
-    for a, b in zip(gw, full):
-        assert torch.equal(a, b)
+    x = x0.clone().requires_grad_()
+    with meter.capture():
+        out = stage(x)
+    kept = meter.current()
+    b, s, h, a = SPEC.micro_batch, SPEC.seq_len, SPEC.hidden, SPEC.heads
+    blocks = len(stage.blocks)
+    assert kept == (blocks * b * s * h * 4 if mode == "full" else kept_none - blocks * b * a * s * 4)
+    if split:
+        gx, pending = SplitBackward(params, lazy=True).input(out, x, g)
+        held = meter.hold(pending.tensors())
+        del out
+        # what waits for W: the inputs of the linear layers and the gradients of their outputs,
+        # (8 + 2m) sbh d per block (the zero-bubble paper's M_W), recomputed or not
+        assert meter.current() == blocks * (8 + 2 * SPEC.ffn_mult) * b * s * h * 4
+        weight_backward(pending)
+        del pending, held
+    else:
+        full_backward(out, g)
+        del out
+    assert meter.current() == 0
+    for p, r in zip(params, ref):
+        assert torch.equal(p.grad, r)
 
 
 def test_plan_validates_before_anything_starts():
