@@ -10,9 +10,12 @@ to the bf16 reference (within 1e-2); measured peak activation bytes, with and wi
 recomputation and in bf16, to the simulator's with a profile of the measured per-layer bytes.
 """
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -296,3 +299,45 @@ def test_cli_crashed_rank_ends_the_run_with_its_traceback():
 def test_cli_bad_schedule_is_a_user_error():
     p = _cli("-s", "chimera", "-D", "3", "-N", "3", timeout=60)
     assert p.returncode == 2 and "even number of devices" in p.stderr
+
+
+def test_torchrun_placement_follows_the_device_map(tmp_path):
+    """Under torchrun each process runs the pipeline rank the device map puts on its (node, local
+    rank), not torchrun's rank: 2 simulated nodes x 2 processes (torchrun's environment variables,
+    gloo on the CPU), BitPipe D = 4 with copies-same-node (both copies of a stage on one node).
+    The map is [0, 2, 3, 1]: the process at node 0 / local rank 1 (torchrun rank 1) runs pipeline
+    rank 3. Losses equal the single-process reference."""
+    from cost_models.cluster import map_copies_same_node
+    from executor.launch import device_map_for
+    args = ["-s", "bitpipe", "-D", "4", "-N", "4", "--steps", "2", "--device", "cpu", "--optimizer", "sgd",
+            "--lr", "0.05", "--device-map", "copies-same-node", "--timeout", "60", "--json"]
+    low = lowered_schedule(RunConfig(schedule="bitpipe", devices=4, microbatches=4))
+    want = device_map_for("copies-same-node", low, 2, 2)
+    assert want == (0, 2, 3, 1) == map_copies_same_node(low, types.SimpleNamespace(
+        name="2x2", nodes=2, devices_per_node=2, num_devices=4))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for launch_rank in range(4):
+        node, local = divmod(launch_rank, 2)
+        env = dict(os.environ, RANK=str(launch_rank), WORLD_SIZE="4", LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE="2", GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        env.pop("PIPETWIN_WORKDIR", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "experiments", "run", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(out)
+    printed = [i for i, o in enumerate(outs) if o.strip()]
+    assert printed == [0]                     # torchrun rank 0 sits on device 0 = pipeline rank 0's
+    res = json.loads(outs[0])
+    placement = res["placement"]
+    assert [p["device"] for p in placement] == list(want)
+    assert [(p["node"], p["local_rank"]) for p in placement] == [divmod(d, 2) for d in want]
+    ref = run_reference(RunConfig(schedule="bitpipe", devices=4, microbatches=4, steps=2, optimizer="sgd", lr=0.05))
+    for a, b in zip(res["losses"], ref.losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
