@@ -62,14 +62,17 @@ class TokenSource:
         g = torch.Generator().manual_seed(_mix(self.seed, step, index))
         first = torch.randint(0, V, (b,), generator=g)
         noise = torch.randint(0, V, (b, s + 1), generator=g)
-        keep = torch.rand((b, s + 1), generator=g) >= 0.1
-        seq = torch.empty((b, s + 1), dtype=torch.int64)
-        prev = first
-        for t in range(s + 1):
-            cur = torch.where(keep[:, t], (self._a * prev + self._c) % V, noise[:, t]) if t else first
-            seq[:, t] = cur
-            prev = cur
-        return seq
+        keep = (torch.rand((b, s + 1), generator=g) >= 0.1).tolist()
+        noise = noise.tolist()
+        a, c = self._a, self._c
+        rows = []
+        for i, prev in enumerate(first.tolist()):   # the recurrence in Python ints: a few microseconds,
+            row, kp, nz = [prev], keep[i], noise[i]   # where a torch op per token cost milliseconds
+            for t in range(1, s + 1):
+                prev = (a * prev + c) % V if kp[t] else nz[t]
+                row.append(prev)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64)
 
     def _text_rows(self, position: int) -> torch.Tensor:
         b, w = self.spec.micro_batch, self.spec.seq_len + 1
