@@ -12,6 +12,12 @@ Activation memory (bytes alive that backward needs):
   autograd saves during a stage's forward. Each storage is counted once (views and tensors saved
   by several ops share one), parameters are not counted, and a storage stops counting when the
   last saved reference to it is released (backward frees the graph, or the graph is dropped).
+  The hooks cost a few microseconds per saved tensor (a tiny GPT's stage saves ~100 per
+  micro-batch), so the runtime meters the first forward of each stage in a step this way and
+  accounts the step's other micro-batches of that stage with the bytes it measured (same module,
+  same shapes: the same saved tensors), from their F to the backward that frees them
+  (:class:`executor.runtime.PipelineRuntime`; ``RunConfig.meter_every_forward`` meters every
+  forward, which tests compare). What a split backward keeps for W is always counted exactly.
 - CUDA, :class:`AllocatorMeter`: the caching allocator's ``memory_allocated`` minus its value at
   the start of the step (weights, gradients and optimizer state are allocated before), with the
   peak from ``max_memory_allocated`` (reset each step). It also counts received activation buffers
@@ -21,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -74,66 +79,82 @@ def cpu_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-class _Saved:
-    """What the pack hook stores instead of the tensor; releasing it releases the count."""
+class _Saved(tuple):
+    """What the pack hook stores instead of the tensor: (tensor, count record); releasing it
+    releases the count. A tuple subclass: made by C code, nothing but the finalizer in Python."""
 
-    __slots__ = ("tensor", "meter", "key", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, meter: "SavedTensorMeter", key):
-        self.tensor, self.meter, self.key = tensor, meter, key
+    __slots__ = ()
 
     def __del__(self):
-        self.meter._release(self.key)
+        ref = self[1]                # [references, bytes, meter, storage key]
+        ref[0] -= 1
+        if not ref[0]:
+            meter = ref[2]
+            meter.live -= ref[1]
+            del meter._refs[ref[3]]
+
+
+_new_saved = tuple.__new__
 
 
 class SavedTensorMeter:
-    """Bytes of non-parameter tensors saved for backward that are alive (CPU; see module doc)."""
+    """Bytes of non-parameter tensors saved for backward that are alive (CPU; see module doc).
+
+    Every saved tensor passes through :meth:`_pack` and back through :meth:`_unpack`, so they are
+    kept lean (the meter's cost is a measured part of every metered run; see
+    ``experiments/bench_executor.py``): a storage is keyed by its base address, computed from the
+    tensor's own pointer and offset (no storage object is made after the first sight), and the
+    hooks take no lock -- the autograd engine runs a CPU graph's backward on the thread that
+    called it, which is the one that ran the forward."""
 
     def __init__(self, params):
         self._param_storages = {p.untyped_storage().data_ptr() for p in params}
-        self._refs: dict[tuple, list] = {}  # storage key -> [refcount, nbytes]
-        self._lock = threading.Lock()
+        self._refs: dict[int, list] = {}  # storage address -> [references, bytes, meter, address]
         self.live = 0
         self.peak = 0
 
     def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = t.data_ptr() - t.storage_offset() * t.element_size()
         if ptr in self._param_storages or ptr == 0:
             return t
-        key = (ptr, t.device.type)
-        with self._lock:
-            ref = self._refs.get(key)
-            if ref is None:
-                n = storage.nbytes()
-                self._refs[key] = [1, n]
-                self.live += n
-                if self.live > self.peak:
-                    self.peak = self.live
-            else:
-                ref[0] += 1
+        if self.off:          # inside an unmetered forward (for hooks nested in one: executor.recompute)
+            return t.detach()
+        ref = self._refs.get(ptr)
+        if ref is None:
+            n = t.untyped_storage().nbytes()
+            ref = self._refs[ptr] = [1, n, self, ptr]
+            self.live += n
+            if self.live > self.peak:
+                self.peak = self.live
+        else:
+            ref[0] += 1
         # detached: a saved output would otherwise hold its own grad_fn, a cycle through C++ that
         # keeps a retained graph alive after its last reference is dropped (the unpacked tensor
         # gets its autograd metadata back from the saved variable)
-        return _Saved(t.detach(), self, key)
+        return _new_saved(_Saved, (t.detach(), ref))
 
     @staticmethod
     def _unpack(x):
-        return x.tensor if isinstance(x, _Saved) else x
+        return x[0] if type(x) is _Saved else x
 
-    def _release(self, key) -> None:
-        with self._lock:
-            ref = self._refs.get(key)
-            if ref is None:
-                return
-            ref[0] -= 1
-            if ref[0] == 0:
-                self.live -= ref[1]
-                del self._refs[key]
+    samples = True   # the runtime may meter one forward per stage and account the others
 
-    def capture(self):
-        """Context manager to wrap a forward whose saved tensors should be counted."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+    def capture(self, measure: bool = True):
+        """Context manager to wrap a forward whose saved tensors should be counted; with
+        ``measure=False`` nothing inside it is counted (the runtime accounts it)."""
+        if measure:
+            return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return self._quiet()
+
+    @contextlib.contextmanager
+    def _quiet(self):
+        self.off = True
+        try:
+            yield
+        finally:
+            self.off = False
+
+    off = False
 
     # the hook pair itself, for code that installs its own saved-tensor hooks inside a capture
     # (executor.recompute) and still wants the tensors it keeps counted
@@ -142,6 +163,8 @@ class SavedTensorMeter:
     def hold(self, tensors) -> list:
         """Count ``tensors`` as kept activation memory while the returned handles live (e.g. the
         gradients a split backward keeps from B to W, a recomputed layer's input)."""
+        if self.off:
+            return None
         return [self._pack(t) for t in tensors]
 
     def start_step(self) -> None:
@@ -159,7 +182,9 @@ class AllocatorMeter:
         self.base = torch.cuda.memory_allocated(device)
         self.peak = 0
 
-    def capture(self):
+    samples = False  # the allocator sees every micro-batch: nothing to account
+
+    def capture(self, measure: bool = True):
         return contextlib.nullcontext()
 
     @staticmethod
@@ -189,8 +214,9 @@ class NullMeter:
     """Memory measurement switched off: everything reads 0."""
 
     live = peak = 0
+    samples = False
 
-    def capture(self):
+    def capture(self, measure: bool = True):
         return contextlib.nullcontext()
 
     @staticmethod

@@ -66,6 +66,8 @@ class _StepState:
     batches: dict = field(default_factory=dict)    # global micro-batch -> (inputs, targets)
     allreduces: list = field(default_factory=list)
     ar_done: list = field(default_factory=list)     # per ALLREDUCE: [perf_counter at completion]
+    accounted: dict = field(default_factory=dict)   # (copy, stage, mb) -> bytes of an unmetered F
+    metered: set = field(default_factory=set)       # (copy, stage) whose F was metered this step
     loss_sum: torch.Tensor | float = 0.0
 
     def leftovers(self) -> list[str]:
@@ -97,7 +99,7 @@ class PipelineRuntime:
     def __init__(self, sched: Schedule, rank: int, *, modules: dict, optimizer: torch.optim.Optimizer,
                  data: TokenSource, ctx: DeviceContext, meter, mailbox: Mailbox, stage_groups: dict,
                  timeout: float, clock0: float, fault: str | None = None, precision: Precision | None = None,
-                 recompute: str = "none"):
+                 recompute: str = "none", meter_every_forward: bool = False):
         self.sched, self.rank = sched, rank
         self.program = sched.program(rank)
         self.modules, self.optimizer, self.data = modules, optimizer, data
@@ -117,6 +119,9 @@ class PipelineRuntime:
         self.split = {key: SplitBackward(m.parameters(), lazy=lazy) for key, m in distinct.items()} \
             if sched.split_backward else {}
         self.recompute = Recompute(recompute, meter, [p for m in distinct.values() for p in m.parameters()])
+        self.sample_memory = getattr(meter, "samples", False) and not meter_every_forward
+        self.stage_bytes: dict = {}     # (copy, stage) -> bytes its metered forward kept
+        self.accounted = 0              # bytes of the live unmetered forwards (see executor.device)
         for m in distinct.values():
             self.recompute.install(m)
         self.step_index = 0
@@ -132,6 +137,7 @@ class PipelineRuntime:
         self.mailbox.start_step(step)
         rows = []
         now = time.perf_counter
+        peak = self.meter.current() + self.accounted
         for seq, op in enumerate(self.program):
             if self.fault is not None and self.fault[0] == str(op) and self.fault[1] in (None, step):
                 raise RuntimeError(f"injected fault: rank {self.rank} step {step} at {op}")
@@ -145,8 +151,11 @@ class PipelineRuntime:
             if op.kind in (F, B, W):
                 self.ctx.synchronize()
             t1 = now()
+            live = self.meter.current() + self.accounted
+            if live > peak:
+                peak = live
             rows.append(TraceRow(self.rank, step, seq, op.kind, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer,
-                                 t0 - self.clock0, t1 - self.clock0, float(nbytes), float(self.meter.current())))
+                                 t0 - self.clock0, t1 - self.clock0, float(nbytes), float(live)))
             self.mailbox.top_up()
         self.mailbox.finish_step()
         self._allreduce_ends(rows, st.ar_done)
@@ -156,7 +165,7 @@ class PipelineRuntime:
                                f"({'; '.join(left)}); every F needs its B (and W) and every message its consumer")
         loss = float(st.loss_sum)
         self._state = _StepState()
-        return StepOutcome(rows, loss, int(self.meter.peak))
+        return StepOutcome(rows, loss, int(max(peak, self.meter.peak)))
 
     # ------------------------------------------------------------------ compute
     def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,14 +184,22 @@ class PipelineRuntime:
             x = self._batch(op.mb)[0]
         else:
             x = st.inbox.pop((ACT, op.copy, op.mb, op.stage - 1))
+        where = (op.copy, op.stage)
+        measure = not self.sample_memory or where not in st.metered
         before = self.meter.current()
-        with self.meter.capture(), self.precision.autocast(self.ctx.device):
+        with self.meter.capture(measure), self.precision.autocast(self.ctx.device):
             out = module(x)
             if op.stage == self.last_stage:
                 loss = module.loss(out, self._batch(op.mb)[1])
                 out = loss / self.G
+        if measure:
+            st.metered.add(where)
+            self.stage_bytes[where] = self.meter.current() - before
+        else:                    # the same module and shapes keep what its metered forward kept
+            n = st.accounted[key] = self.stage_bytes[where]
+            self.accounted += n
         if op.stage not in self.fwd_bytes:
-            self.fwd_bytes[op.stage] = self.meter.current() - before
+            self.fwd_bytes[op.stage] = self.stage_bytes[where]
         if op.stage == self.last_stage:
             st.loss_sum = st.loss_sum + loss.detach()
         else:
@@ -200,16 +217,21 @@ class PipelineRuntime:
             split = self.split[id(self.modules[(op.copy, op.stage)])]
             gx, pending = split.input(out, x if op.stage > 0 else None, grad)
             st.pending_w[key] = (pending, self.meter.hold(pending.tensors()))
+            if pending.full is None:     # the graph is gone; what waits for W is held exactly
+                self.accounted -= st.accounted.pop(key, 0)
         else:
             full_backward(out, grad)
             gx = x.grad if op.stage > 0 else None
+            self.accounted -= st.accounted.pop(key, 0)
         if op.stage > 0:
             st.produced[(GRAD, op.copy, op.mb, op.stage)] = self.precision.to_wire(gx)
         return 0
 
     def _weight(self, op: Op) -> int:
-        pending, _held = self._state.pending_w.pop((op.copy, op.stage, op.mb))
+        key = (op.copy, op.stage, op.mb)
+        pending, _held = self._state.pending_w.pop(key)
         weight_backward(pending)
+        self.accounted -= self._state.accounted.pop(key, 0)
         return 0
 
     # ------------------------------------------------------------------ messages

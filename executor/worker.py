@@ -156,7 +156,7 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                               data=TokenSource(spec, cfg.seed, cfg.data), ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
-                              recompute=cfg.recompute)
+                              recompute=cfg.recompute, meter_every_forward=cfg.meter_every_forward)
     return RankSetup(runtime, modules, params, optimizer)
 
 
