@@ -1,23 +1,36 @@
 """Throughput of pipetwin's executor against torch.distributed.pipelining's own runtime.
 
-Same GPT (``executor.model``, same split and weights), same micro-batches, D = 2 ranks, gloo on
-the CPU, one spawned world for everything, side by side:
+Same GPT (``executor.model``, same split and weights), same micro-batches, same optimizer, D = 2
+ranks, gloo on the CPU, one spawned world for everything, side by side, for every schedule both
+have:
 
-    pipetwin dapple        vs  torch Schedule1F1B               (2 stages)
-    pipetwin interleaved   vs  torch ScheduleInterleaved1F1B    (v = 2: 4 stages, looped)
+    pipetwin dapple        vs  torch Schedule1F1B                  (1 stage per rank)
+    pipetwin interleaved   vs  torch ScheduleInterleaved1F1B       (v = 2: 4 stages, looped)
+    pipetwin zb-h1         vs  torch ScheduleInterleavedZeroBubble (1 stage per rank: the same order)
+    pipetwin zb-v          vs  torch ScheduleZBVZeroBubble         (V placement, split backward)
+    pipetwin dualpipe-v    vs  torch ScheduleDualPipeV             (V placement, split backward)
 
-Each variant runs ``--warmup`` steps, then ``--steps`` timed optimizer steps (barrier before and
-after, wall clock of rank 0); variants alternate for ``--rounds`` rounds and the median is kept,
-which evens out other load on the machine. Throughput is sequences per second; the ratio is
-pipetwin / torch (> 1: pipetwin is faster). pipetwin runs with its tracing and activation-memory
-measurement on (its default), and once more with memory measurement off.
+pipetwin runs with its tracing and activation-memory metering on (its default), and once more
+with metering off (``--no-memory``): the metering's own cost. A round times every variant once
+(``--steps`` optimizer steps after ``--warmup``, barrier before and after, rank 0's wall clock);
+``--rounds`` rounds interleave the variants, so a slow spell of this shared machine hits all of
+them. Per pair the ratio is pipetwin's throughput over torch's *within each round*; the table
+shows its median over the rounds and the spread (the range of the per-round ratios, and of each
+variant's step times: the machine's own noise). ``--model tiny`` (default) or ``wide``, a 256-wide
+GPT, or a preset / YAML.
 
-    python -m experiments.bench_executor [--model tiny|FILE.yaml] [--microbatches 8] [--json]
+    python -m experiments.bench_executor [--model tiny|wide|FILE.yaml] [-N 8] [--rounds 15] [--json]
+
+``--profile-step SCHEDULE`` instead runs cProfile over the steps of one pipetwin schedule and one
+torch schedule on rank 0 and prints where the time goes.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -27,9 +40,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-PAIRS = [("dapple", "Schedule1F1B", 1), ("interleaved", "ScheduleInterleaved1F1B", 2)]
-LARGER = {"name": "bench-small", "kind": "gpt", "layers": 8, "hidden": 256, "heads": 8, "seq_len": 128,
-          "vocab": 512, "micro_batch": 4, "dtype_bytes": 4}
+# (pipetwin schedule, torch schedule class, stages per rank, V placement)
+PAIRS = [("dapple", "Schedule1F1B", 1, False), ("interleaved", "ScheduleInterleaved1F1B", 2, False),
+         ("zb-h1", "ScheduleInterleavedZeroBubble", 1, False), ("zb-v", "ScheduleZBVZeroBubble", 2, True),
+         ("dualpipe-v", "ScheduleDualPipeV", 2, True)]
+WIDE = {"name": "bench-wide", "kind": "gpt", "layers": 8, "hidden": 256, "heads": 8, "seq_len": 128,
+        "vocab": 512, "micro_batch": 4, "dtype_bytes": 4}
 
 
 def _ours(cfg, rank, world, ctx, groups):
@@ -42,7 +58,7 @@ def _ours(cfg, rank, world, ctx, groups):
     return step
 
 
-def _torch(cfg, schedule_cls: str, chunks: int, rank, world, ctx):
+def _torch(cfg, schedule_cls: str, chunks: int, v_shape: bool, rank, world, ctx):
     from torch.distributed import pipelining as pp
 
     from executor.data import TokenSource
@@ -50,11 +66,13 @@ def _torch(cfg, schedule_cls: str, chunks: int, rank, world, ctx):
     spec = cfg.spec()
     D, N = world, cfg.microbatches
     S = D * chunks
-    stage_ids = [rank + D * k for k in range(chunks)]
+    stage_ids = [rank, S - 1 - rank] if v_shape else [rank + D * k for k in range(chunks)]
     modules = [stage_module(spec, S, s, seed=cfg.seed).to(ctx.device) for s in stage_ids]
     stages = [pp.PipelineStage(m, s, S, ctx.device) for m, s in zip(modules, stage_ids)]
     cls = getattr(pp, schedule_cls)
-    sched = cls(stages[0] if chunks == 1 else stages, n_microbatches=N, loss_fn=StageModule.loss)
+    single = issubclass(cls, pp.schedules.PipelineScheduleSingle)
+    sched = cls(stages[0] if single else stages, n_microbatches=N,
+                loss_fn=StageModule.loss)
     optimizer = make_optimizer([p for m in modules for p in m.parameters()], cfg.optimizer, cfg.lr)
     data = TokenSource(spec, cfg.seed)
     has_first, has_last = 0 in stage_ids, S - 1 in stage_ids
@@ -73,6 +91,17 @@ def _torch(cfg, schedule_cls: str, chunks: int, rank, world, ctx):
     return step
 
 
+def _variants(base, rank, world, ctx, groups, pairs):
+    out = {}
+    for ours, theirs, chunks, v_shape in pairs:
+        cfg = base.with_(schedule=ours, chunks=chunks)
+        out[f"pipetwin {ours}"] = _ours(cfg, rank, world, ctx, groups)
+        out[f"pipetwin {ours} (no memory metering)"] = _ours(cfg.with_(measure_memory=False), rank, world,
+                                                             ctx, groups)
+        out[f"torch {theirs}"] = _torch(cfg, theirs, chunks, v_shape, rank, world, ctx)
+    return out
+
+
 def _timed(step, warmup: int, steps: int, start: int) -> float:
     for k in range(warmup):
         step(start + k)
@@ -88,15 +117,10 @@ def bench_rank(payload, rank, world, local_rank, local_world):
     """Target of executor.launch.launch: every rank builds every variant, rank 0 returns timings."""
     from executor.worker import ProcessGroups, init_world
     base, rounds, warmup, steps = payload["config"], payload["rounds"], payload["warmup"], payload["steps"]
+    pairs = [p for p in PAIRS if p[0] in payload["schedules"]]
     ctx = init_world("cpu", rank, world, local_rank, local_world, base.timeout)
     groups = ProcessGroups(world, ctx.backend)
-    variants = {}
-    for ours, theirs, chunks in PAIRS:
-        cfg = base.with_(schedule=ours, chunks=chunks if chunks > 1 else base.chunks)
-        variants[f"pipetwin {ours}"] = _ours(cfg, rank, world, ctx, groups)
-        variants[f"pipetwin {ours} (no memory measurement)"] = _ours(cfg.with_(measure_memory=False), rank, world,
-                                                                    ctx, groups)
-        variants[f"torch {theirs}"] = _torch(cfg, theirs, chunks, rank, world, ctx)
+    variants = _variants(base, rank, world, ctx, groups, pairs)
     times: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(rounds):
         for name, step in variants.items():
@@ -106,48 +130,105 @@ def bench_rank(payload, rank, world, local_rank, local_world):
     return times if rank == 0 else None
 
 
+def profile_rank(payload, rank, world, local_rank, local_world):
+    """Target for ``--profile-step``: cProfile of the steps of one pipetwin and one torch schedule."""
+    from executor.worker import ProcessGroups, init_world
+    base, steps = payload["config"], payload["steps"]
+    pairs = [p for p in PAIRS if p[0] == payload["schedule"]]
+    ctx = init_world("cpu", rank, world, local_rank, local_world, base.timeout)
+    groups = ProcessGroups(world, ctx.backend)
+    variants = _variants(base, rank, world, ctx, groups, pairs)
+    report = {}
+    for name, step in variants.items():
+        _timed(step, 2, 1, 0)
+        prof = cProfile.Profile()
+        dist.barrier()
+        prof.enable()
+        t0 = time.perf_counter()
+        for k in range(steps):
+            step(10 + k)
+        seconds = time.perf_counter() - t0
+        prof.disable()
+        dist.barrier()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(payload["lines"])
+        report[name] = (seconds / steps, buf.getvalue())
+    dist.destroy_process_group()
+    return report if rank == 0 else None
+
+
+def summarize(times: dict[str, list[float]], seqs: int, pairs) -> list[dict]:
+    """Per pair: medians and spreads of throughput and of the per-round ratios."""
+    rows = []
+    for ours, theirs, _, _ in pairs:
+        a, c, b = times[f"pipetwin {ours}"], times[f"pipetwin {ours} (no memory metering)"], times[f"torch {theirs}"]
+        ratio = [tb / ta for ta, tb in zip(a, b)]            # throughput ours / theirs, same round
+        ratio_nomem = [tb / tc for tc, tb in zip(c, b)]
+        metering = [ta / tc - 1.0 for ta, tc in zip(a, c)]    # metering's cost, same round
+        rows.append({"pair": f"{ours} vs {theirs}", "pipetwin_seq_per_s": seqs / statistics.median(a),
+                     "pipetwin_nomem_seq_per_s": seqs / statistics.median(c),
+                     "torch_seq_per_s": seqs / statistics.median(b),
+                     "ratio": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
+                     "ratio_nomem": statistics.median(ratio_nomem),
+                     "metering_cost": statistics.median(metering),
+                     "spread_pipetwin": max(a) / min(a) - 1.0, "spread_torch": max(b) / min(b) - 1.0})
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_executor", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="preset or YAML (default tiny); 'larger' = a 256-wide GPT")
+    p.add_argument("--model", default="tiny", help="tiny (default), wide (a 256-wide GPT), a preset or a YAML file")
     p.add_argument("--microbatches", "-N", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant and round (default 5)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    p.add_argument("--schedules", default=",".join(x[0] for x in PAIRS), help="pipetwin schedules to compare")
+    p.add_argument("--profile-step", metavar="SCHEDULE", help="cProfile one pipetwin schedule and its torch pair")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
     from executor.config import RunConfig
     from executor.launch import launch
+    wanted = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - {x[0] for x in PAIRS})
+    if unknown:
+        raise SystemExit(f"bench_executor: error: no torch pair for {', '.join(unknown)}; choose from "
+                         f"{', '.join(x[0] for x in PAIRS)}")
+    pairs = [x for x in PAIRS if x[0] in wanted]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
-        if model == "larger":
-            model = str(Path(tmp) / "bench-small.yaml")
-            Path(model).write_text(json.dumps(LARGER))  # JSON is YAML
+        if model == "wide":
+            model = str(Path(tmp) / "bench-wide.yaml")
+            Path(model).write_text(json.dumps(WIDE))  # JSON is YAML
         cfg = RunConfig(schedule="dapple", devices=2, microbatches=args.microbatches, model=model, steps=args.steps,
-                        optimizer="sgd", lr=1e-3, device="cpu", timeout=120.0)
+                        optimizer="sgd", lr=1e-3, device="cpu", timeout=300.0)
         spec = cfg.spec()
+        if args.profile_step:
+            report = launch("experiments.bench_executor:profile_rank",
+                            {"config": cfg, "schedule": args.profile_step, "steps": args.steps, "lines": 25}, 2)
+            for name, (sec, text) in report.items():
+                print(f"===== {name}: {sec * 1e3:.1f} ms per step (under cProfile)\n{text}")
+            return 0
         times = launch("experiments.bench_executor:bench_rank",
-                       {"config": cfg, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps}, 2)
+                       {"config": cfg, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
+                        "schedules": wanted}, 2)
     seqs = args.steps * args.microbatches * spec.micro_batch
-    thr = {k: seqs / statistics.median(v) for k, v in times.items()}
-    rows = []
-    for ours, theirs, _chunks in PAIRS:
-        a, b = thr[f"pipetwin {ours}"], thr[f"torch {theirs}"]
-        c = thr[f"pipetwin {ours} (no memory measurement)"]
-        rows.append({"pair": f"{ours} vs {theirs}", "pipetwin_seq_per_s": a, "pipetwin_nomem_seq_per_s": c,
-                     "torch_seq_per_s": b, "ratio": a / b, "ratio_nomem": c / b})
+    rows = summarize(times, seqs, pairs)
     if args.json:
         json.dump({"model": spec.name, "devices": 2, "microbatches": args.microbatches, "backend": "gloo",
-                   "steps": args.steps, "rounds": args.rounds, "results": rows,
-                   "raw_seconds": times}, sys.stdout, indent=2)
+                   "steps": args.steps, "rounds": args.rounds, "results": rows, "raw_seconds": times},
+                  sys.stdout, indent=2)
         print()
         return 0
+    from .tables import fmt_table
     print(f"model {spec.name} (L={spec.layers} h={spec.hidden} s={spec.seq_len} b={spec.micro_batch}), D=2, "
-          f"N={args.microbatches}, gloo/CPU, median of {args.rounds} rounds x {args.steps} steps")
-    for r in rows:
-        print(f"  {r['pair']:<45} pipetwin {r['pipetwin_seq_per_s']:8.1f} seq/s "
-              f"(no mem {r['pipetwin_nomem_seq_per_s']:8.1f})  torch {r['torch_seq_per_s']:8.1f} seq/s  "
-              f"ratio {r['ratio']:.2f} (no mem {r['ratio_nomem']:.2f})")
+          f"N={args.microbatches}, gloo/CPU; {args.rounds} interleaved rounds x {args.steps} steps; ratio = "
+          f"pipetwin / torch throughput per round (median, min-max); spread = slowest / fastest round - 1")
+    print(fmt_table(rows, ["pair", "pipetwin_seq_per_s", "torch_seq_per_s", "ratio", "ratio_min", "ratio_max",
+                           "ratio_nomem", "metering_cost", "spread_pipetwin", "spread_torch"],
+                    {"pipetwin_seq_per_s": "{:.1f}", "torch_seq_per_s": "{:.1f}", "ratio": "{:.2f}",
+                     "ratio_min": "{:.2f}", "ratio_max": "{:.2f}", "ratio_nomem": "{:.2f}",
+                     "metering_cost": "{:+.1%}", "spread_pipetwin": "{:.0%}", "spread_torch": "{:.0%}"}))
     return 0
 
 
