@@ -10,11 +10,22 @@ Entry points (all units SI: seconds, bytes, bytes/s, FLOP/s):
 * communication: :func:`p2p_time`, :func:`ring_allreduce_time`, :func:`allreduce_time`,
   :func:`allreduce_steps`;
 * memory: :func:`memory_report` / :func:`check_memory` (out-of-memory verdict);
-* calibration: :func:`load_profile` -> per-layer cost model + cluster of cpu ranks.
+* calibration: :func:`load_profile` -> per-layer cost model + cluster of cpu ranks;
+  :func:`scaled_layer_costs` -> the measured layers on another device;
+* a user's layer stack (``PATH.py:FUNC``): :class:`StackSpec` (measured, in its profile),
+  :func:`is_model_ref`, :func:`stack_partition` (its default split).
 """
 from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel, StageCosts, UnitCostModel
-from .calibration import CalibrationProfile, LayerTiming, load_profile, profile_from_dict, save_profile
+from .calibration import (
+                      CalibrationProfile,
+                      LayerTiming,
+                      host_flop_rate,
+                      load_profile,
+                      profile_from_dict,
+                      save_profile,
+                      scaled_layer_costs,
+)
 from .cluster import (
                       LINK_TYPES,
                       MAPPINGS,
@@ -54,6 +65,7 @@ from .memory import (
 from .model_spec import ModelSpec, load_model, model_presets, spec_from_dict
 from .network import Link, Network, PortNetwork
 from .partition import (
+                      balanced_counts,
                       balanced_edges,
                       block_ranges,
                       blocks_from_layers,
@@ -61,7 +73,9 @@ from .partition import (
                       even_counts,
                       layer_ranges,
                       layers_from_blocks,
+                      stack_partition,
 )
+from .stack import StackSpec, is_model_ref, stack_from_dict
 from .transformer import (
                       RECOMPUTE,
                       Layer,

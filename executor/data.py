@@ -24,7 +24,8 @@ import torch
 from cost_models.model_spec import ModelSpec
 
 
-def _mix(*xs: int) -> int:
+def mix_seed(*xs: int) -> int:
+    """A 63-bit seed from integers (seed, step, micro-batch, ...): the one rule the data sources use."""
     h = 0x243F6A8885A308D3
     for x in xs:
         h = (h * 0x100000001B3 ^ (x & 0xFFFFFFFFFFFF)) % (2 ** 63)
@@ -47,7 +48,7 @@ class TokenSource:
                 raise ValueError(f"data file {path} has {raw.numel()} bytes; it needs at least "
                                  f"{spec.seq_len + 2} (seq_len + 2)")
             self.text = raw % spec.vocab
-        g = torch.Generator().manual_seed(_mix(seed, 17))
+        g = torch.Generator().manual_seed(mix_seed(seed, 17))
         V = spec.vocab
         self._a = int(torch.randint(1, V, (1,), generator=g)) | 1
         self._c = int(torch.randint(0, V, (1,), generator=g))
@@ -59,7 +60,7 @@ class TokenSource:
 
     def _synthetic(self, step: int, index: int) -> torch.Tensor:
         b, s, V = self.spec.micro_batch, self.spec.seq_len, self.spec.vocab
-        g = torch.Generator().manual_seed(_mix(self.seed, step, index))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, step, index))
         first = torch.randint(0, V, (b,), generator=g)
         noise = torch.randint(0, V, (b, s + 1), generator=g)
         keep = torch.rand((b, s + 1), generator=g) >= 0.1

@@ -6,6 +6,11 @@ candidates with the SimPy engine and prints the best plan, its simulated iterati
 and the simulated times of the PipeDream planner's plan and of pure data parallelism. ``--out``
 writes a plan file for ``pipetwin simulate --plan`` / ``pipetwin run --plan``; ``--json`` prints
 one object (the plan file's content plus ``baselines`` and ``search``).
+
+``--profile FILE`` (``pipetwin calibrate``) plans with measured per-layer costs instead of the
+formulas: the only way to plan a model file ``--model PATH.py:FUNC``. Without ``--cluster`` the plan
+is for this machine as calibrated (``--devices`` CPU ranks, default the profile's), with one it is
+for that cluster, the measured times scaled onto its devices (:func:`cost_models.scaled_layer_costs`).
 """
 from __future__ import annotations
 
@@ -21,11 +26,14 @@ HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE p
 
 
 def add_arguments(p):
-    p.add_argument("--model", "-m", required=True,
-                   help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, or a DAPPLE paper model "
-                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36)")
-    p.add_argument("--cluster", "-c", required=True,
-                   help="cluster preset or YAML file (also v100-4x8-25gbe, a100-8x8-ib)")
+    p.add_argument("--model", "-m", default=None,
+                   help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, a DAPPLE paper model "
+                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36), or a model file PATH.py:FUNC with its --profile")
+    p.add_argument("--cluster", "-c", default=None,
+                   help="cluster preset or YAML file (also v100-4x8-25gbe, a100-8x8-ib); with --profile optional "
+                        "(default: this machine as calibrated)")
+    p.add_argument("--profile", metavar="FILE.yaml",
+                   help="a calibration profile (pipetwin calibrate --model ...): measured per-layer costs")
     p.add_argument("--global-batch", "-G", type=int, required=True, help="samples (sequences) per iteration")
     p.add_argument("--memory-limit", metavar="BYTES",
                    help="memory per device, e.g. '16 GiB' (default: the device's memory)")
@@ -61,14 +69,21 @@ def main(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top must be >= 1; got {args.top}")
     scheds = parse_schedules(args.schedules)
-    cluster = resolve_cluster(args.cluster)
+    model = args.model
+    if args.profile:
+        cluster, model = _profile_model(args)
+    elif args.model is None or args.cluster is None:
+        raise ValueError("give --model and --cluster (or --profile FILE.yaml, which brings the model and, without "
+                         "--cluster, this machine)")
+    else:
+        cluster = resolve_cluster(args.cluster)
     limit = _parse_limit(args.memory_limit)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
                         max_stages=args.max_stages, uniform=args.uniform, devices=args.devices)
-    res = plan_training(args.model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
+    res = plan_training(model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
                         schedules=scheds, top_k=args.top, simulate=not args.no_simulate,
                         baselines=not args.no_baselines, progress=not args.no_progress and sys.stderr.isatty(),
-                        space=space, model_name=args.model)
+                        space=space, model_name=args.model or getattr(model, "name", None))
     best = res.best
     rec = plan_record(best.plan, res.workload, cluster, limit, best.estimate, best.sim)
     if args.out:
@@ -92,12 +107,30 @@ def main(args) -> int:
     return 0
 
 
+def _profile_model(args):
+    """(cluster, workload) of ``--profile``: this machine as calibrated, or scaled onto ``--cluster``."""
+    from cost_models import load_profile
+    from planner.clusters import resolve_cluster
+    from planner.models import profile_workload
+
+    from .costs import check_profile_model
+    prof = load_profile(args.profile)
+    check_profile_model(prof, args.model)
+    if args.recompute != "none":
+        raise ValueError("--recompute is not modelled with a calibration profile; use none")
+    if args.cluster is None:
+        n = args.devices or int(prof.meta.get("ranks", 2))
+        return prof.cluster(n), profile_workload(prof)
+    cluster = resolve_cluster(args.cluster)
+    return cluster, profile_workload(prof, cluster.device)
+
+
 def _print_human(res, rec, base, stats, args) -> None:
     best, cl, work = res.best, res.cluster, res.workload
     plan, est = best.plan, best.estimate
     gib = 2 ** 30
-    print(f"DAPPLE plan for {args.model} on {cl.name} ({cl.num_devices} x {cl.device.name}), global batch "
-          f"{plan.global_batch}")
+    print(f"DAPPLE plan for {args.model or work.name} on {cl.name} ({cl.num_devices} x {cl.device.name}), global "
+          f"batch {plan.global_batch}" + (f"; measured costs from {args.profile}" if args.profile else ""))
     print(f"  {plan.describe()}")
     per = "" if not plan.uniform else f" ({plan.micro_batch // plan.dp} per pipeline replica)"
     print(f"  {plan.microbatches} micro-batches of {plan.micro_batch} samples{per}; devices in use "
@@ -143,7 +176,11 @@ def _print_human(res, rec, base, stats, args) -> None:
           f"configurations; {len(stats['candidates'])} candidates re-simulated; baselines "
           f"{stats['baseline_seconds']:.2f} s")
     run = rec["run"]
-    if run is not None:
+    if run is not None and work.source.get("stack"):
+        print(f"executor: pipetwin run --model {work.name} --schedule {run['schedule']} --devices {run['devices']} "
+              f"--microbatches {run['microbatches']} --dp {run['dp']} --micro-batch {run['micro_batch']} "
+              f"--partition {','.join(map(str, run['partition']))}  (or --plan FILE)")
+    elif run is not None:
         print(f"executor: pipetwin run --schedule {run['schedule']} --devices {run['devices']} --microbatches "
               f"{run['microbatches']} --dp {run['dp']}  (micro-batch {run['micro_batch']} per replica, partition "
               f"{run['partition']}; or --plan FILE)")

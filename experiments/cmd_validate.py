@@ -21,41 +21,60 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int, default=3,
                    help="executor runs per schedule; the one with the lowest median counts (default 3)")
     p.add_argument("--profile", help="calibration profile; default: calibrate now (pipetwin calibrate)")
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default=None,
+                   help="model preset / YAML file or a model file PATH.py:FUNC (default: the profile's, else tiny)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per micro-batch when calibrating now (default: a model file's 4, a GPT spec's)")
     p.add_argument("--plot", default="out/validate.png", help="overlay figure (default out/validate.png)")
     p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:
     from calibration import calibrate
-    from cost_models import load_profile, save_profile
+    from cost_models import is_model_ref, load_profile, save_profile
     from schedules import ScheduleError, build
 
+    from .costs import check_profile_model
     from .crossval import plot_overlay, run_and_compare
 
     D, R = args.devices, args.dp
     N = args.microbatches or 2 * D
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1; got {args.repeats}")
+    prof = None
+    if args.profile:
+        prof = load_profile(args.profile)
+        check_profile_model(prof, args.model)
+        if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
+            raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; drop "
+                             f"--micro-batch or calibrate at {args.micro_batch}")
+    model = args.model or (prof.model_name if prof is not None else "tiny")
+    layers = None
+    if is_model_ref(model):     # the model's own checks now, and its layer count for the schedules' stages
+        from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
+        mb = prof.micro_batch if prof is not None else args.micro_batch or DEFAULT_MICRO_BATCH
+        layers = stack_layout(model, 1, micro_batch=mb).num_layers
     names, skipped = [], {}
     for n in parse_schedules(args.schedules):
         try:
-            build(n, D, N, chunks=args.chunks)
-            names.append(n)
+            stages = build(n, D, N, chunks=args.chunks).num_stages
         except ScheduleError as e:
             skipped[n] = str(e)
+            continue
+        if layers is not None and stages > layers:
+            skipped[n] = f"{n} has {stages} stages at D={D}; model {model} has {layers} layers"
+            continue
+        names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
-    if args.profile:
-        prof = load_profile(args.profile)
-    else:
+    if prof is None:
         import sys
         print("calibrating this machine (pass --profile FILE to reuse one) ...", file=sys.stderr)
-        prof = calibrate(args.model, ranks=D * R)
-        save_profile(prof, Path(args.plot).with_name("calibration.yaml"))
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1; got {args.repeats}")
-    comps = run_and_compare(names, D, N, R, prof, steps=args.steps, warmup=args.warmup, model=args.model,
+        prof = calibrate(model, ranks=D * R, micro_batch=args.micro_batch)
+        save_profile(prof, Path(args.plot or "out/validate.png").with_name("calibration.yaml"))
+    comps = run_and_compare(names, D, N, R, prof, steps=args.steps, warmup=args.warmup, model=model,
                             chunks=args.chunks, repeats=args.repeats)
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +91,7 @@ def main(args) -> int:
              "peak_act_sim_B": max(c.simulated_peak_activation_bytes), "mem_err": c.memory_error,
              "order_identical": c.order_identical, "run_spread": c.run_spread, "host_speed": c.host_speed,
              "err_drift_adj": c.drift_adjusted_error} for c in comps]
-    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps, "
+    print(f"D={D} N={N} R={R}, model {model}, profile {prof.name}; executor {args.steps} steps, "
           f"first {args.warmup} dropped, median; best of {args.repeats} runs")
     print(fmt_table(rows, list(rows[0]), {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}",
                                           "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_meas_B": "{:.0f}",

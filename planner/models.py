@@ -31,9 +31,11 @@ moments in fp32).
 """
 from __future__ import annotations
 
-from cost_models import DeviceSpec, LayerCosts, ModelSpec, load_model, spec_from_dict
+from dataclasses import replace
 
-from .workload import Workload, from_layer_costs, transformer_workload
+from cost_models import DeviceSpec, LayerCosts, ModelSpec, load_model, scaled_layer_costs, spec_from_dict
+
+from .workload import WORKLOAD_FIELDS, Workload, from_layer_costs, transformer_workload
 
 XLNET_36 = ModelSpec(name="xlnet-36", layers=36, hidden=1024, heads=16, seq_len=512, vocab=32000, kind="bert")
 FP32 = 4
@@ -143,13 +145,43 @@ def load_workload(model, device: DeviceSpec, recompute: str = "none") -> Workloa
     return transformer_workload(spec, device, recompute, source=src)
 
 
+def profile_workload(profile, device: DeviceSpec | None = None) -> Workload:
+    """A calibration profile's model (a transformer spec or a user's layer stack, ``PATH.py:FUNC``)
+    as a workload: the measured per-layer costs divided by the profile's micro-batch (per sample:
+    the planner takes costs as linear in the micro-batch, here an approximation of measured ones),
+    on the profile's own host (``device`` None) or scaled onto ``device``
+    (:func:`cost_models.scaled_layer_costs`). Its ``source`` record carries the per-sample costs
+    themselves, so a plan file rebuilds it without the profile."""
+    if device is None:
+        lc, cap = profile.layer_costs(), profile.memory_bytes
+    else:
+        lc, cap = scaled_layer_costs(profile, device)[0], device.memory_bytes
+    names = profile.model.layer_names if profile.is_stack else \
+        ("embedding", *[f"block{i}" for i in range(profile.model.layers)], "head")
+    work = from_layer_costs(profile.model_name, lc, per=profile.micro_batch, layer_names=names, memory_capacity=cap)
+    src = {"kind": "profile", "name": profile.model_name, "profile": profile.name, "stack": profile.is_stack,
+           "workload": {f: list(v) if isinstance(v, tuple) else v for f in WORKLOAD_FIELDS
+                        if f != "source" for v in [getattr(work, f)]}}
+    if not profile.is_stack:
+        src["spec"] = profile.model.to_dict()
+    return replace(work, source=src)
+
+
 def workload_from_source(source: dict, device: DeviceSpec) -> Workload:
     """Rebuild a workload from its ``source`` record (what plan files store)."""
     kind = source.get("kind")
     recompute = source.get("recompute", "none")
+    if kind == "profile":
+        w = dict(source.get("workload") or {})
+        missing = [f for f in WORKLOAD_FIELDS if f != "source" and f not in w]
+        if missing:
+            raise ValueError(f"plan file: the profile workload misses {', '.join(missing)}")
+        w = {k: tuple(v) if isinstance(v, list) else v for k, v in w.items()}
+        return Workload(**w, source=dict(source))
     if kind == "paper":
         return paper_workload(source["name"], device, recompute)
     if kind == "transformer":
         spec = spec_from_dict(dict(source["spec"]), f"plan model {source.get('name', '')}".strip())
         return transformer_workload(spec, device, recompute, source=source)
-    raise ValueError(f"plan file: cannot rebuild model of kind {kind!r} (expected 'paper' or 'transformer')")
+    raise ValueError(f"plan file: cannot rebuild model of kind {kind!r} (expected 'paper', 'transformer' or "
+                     f"'profile')")

@@ -121,6 +121,7 @@ def transformer_workload(spec: ModelSpec, device: DeviceSpec, recompute: str = "
                        "recompute": recompute})
 
 
-_FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
-           "bytes_per_param_static", "grad_bytes_per_param", "optim_time_per_param", "copy_time",
-           "memory_capacity", "source")
+WORKLOAD_FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
+                   "bytes_per_param_static", "grad_bytes_per_param", "optim_time_per_param", "copy_time",
+                   "memory_capacity", "source")
+_FIELDS = WORKLOAD_FIELDS
