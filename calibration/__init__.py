@@ -60,7 +60,26 @@ from .fit import (
 )
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed"]
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed", "measure_stack"]
+
+
+def measure_stack(ref: str, micro_batch: int, threads: int, repeats: int = 20, progress=None):
+    """A model file's layers measured (:func:`calibration.measure.measure_stack_layers`): (rows,
+    :class:`cost_models.stack.StackSpec`, bytes each layer adds after the one before it, the same
+    until W). Between B and W a stage keeps its whole graph (the input backward retains it), so
+    what a layer keeps for W after the previous one is its chain bytes less what it frees alone
+    at B."""
+    from executor.user_model import build_stack, stack_layout
+    stack_layout(ref, 1, micro_batch=micro_batch)        # the model's own checks, one line each
+    rows = measure_stack_layers(build_stack(ref, 0), micro_batch, threads, repeats, progress=progress)
+    spec = StackSpec(
+        name=ref, micro_batch=micro_batch, layer_names=tuple(r["name"] for r in rows),
+        params=tuple(float(r["params"]) for r in rows), out_bytes=tuple(float(r["out_bytes"]) for r in rows),
+        act_first=tuple(float(r["act"]) for r in rows), act_w_first=tuple(float(r["act_w"]) for r in rows),
+        flops=tuple(r["flops"] for r in rows), dtype_bytes=4)
+    act = tuple(float(r["act_chain"]) for r in rows)
+    act_w = tuple(max(0.0, float(r["act_chain"]) - (r["act"] - r["act_w"])) for r in rows)
+    return rows, spec, act, act_w
 
 
 def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
@@ -85,21 +104,10 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     report = progress or (lambda msg: None)
     report("layers")
     if stack_ref is not None:
-        from executor.user_model import DEFAULT_MICRO_BATCH, build_stack, stack_layout
+        from executor.user_model import DEFAULT_MICRO_BATCH, build_stack
         mb = int(micro_batch or DEFAULT_MICRO_BATCH)
-        stack_layout(stack_ref, 1, micro_batch=mb)          # the model's own checks, one line each
+        per, model_spec, act, act_w = measure_stack(stack_ref, mb, threads, repeats, progress=report)
         stack = build_stack(stack_ref, 0)
-        rows = measure_stack_layers(stack, mb, threads, repeats, progress=report)
-        per = rows
-        model_spec = StackSpec(
-            name=stack_ref, micro_batch=mb, layer_names=tuple(r["name"] for r in rows),
-            params=tuple(float(r["params"]) for r in rows), out_bytes=tuple(float(r["out_bytes"]) for r in rows),
-            act_first=tuple(float(r["act"]) for r in rows), act_w_first=tuple(float(r["act_w"]) for r in rows),
-            flops=tuple(r["flops"] for r in rows), dtype_bytes=4)
-        act = tuple(float(r["act_chain"]) for r in rows)
-        # between B and W the stage's whole graph stays (input backward keeps it): what a layer
-        # keeps for W after the one before it is its chain bytes less what it keeps beyond W alone
-        act_w = tuple(max(0.0, float(r["act_chain"]) - (r["act"] - r["act_w"])) for r in rows)
         opt_model, data = stack_ref, measure_data(None, stack, mb)
         run_model, run_mb = stack_ref, mb
     else:
