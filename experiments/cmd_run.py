@@ -16,11 +16,11 @@ torchrun rank r runs where torchrun starts it, so launch in the plan's order (a 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from schedules.trace import write_chrome
 
+from .checks import input_file, nonneg_int, output_file, positive_float, positive_int
 from .common import add_schedule_args, check_schedule_args, print_json
 from .tables import fmt_table
 
@@ -31,23 +31,27 @@ HELP = "train a model with a schedule on torch.distributed (or --reference: in o
 def add_arguments(p):
     add_schedule_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
     p.add_argument("--model", default=None, help="model preset name or YAML file (default: tiny)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps (default 3)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the weights and the synthetic data")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam, or sgd with momentum 0.9")
-    p.add_argument("--data", metavar="FILE", help="train on the bytes of a text file (default: synthetic tokens)")
+    p.add_argument("--data", metavar="FILE", type=input_file,
+                   help="train on the bytes of a text file (default: synthetic tokens)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK + NCCL under torchrun when CUDA exists, else CPU + gloo")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a receive or all-reduce may wait (default 60)")
-    p.add_argument("--recv-lookahead", type=int, default=0,
+    p.add_argument("--timeout", type=positive_float, default=60.0,
+                   help="seconds a receive or all-reduce may wait (default 60)")
+    p.add_argument("--recv-lookahead", type=nonneg_int, default=0,
                    help="receives posted ahead per peer, each holding a buffer (default 0 = all at step start)")
     p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
     p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", metavar="FILE.csv", help="write the merged trace as CSV")
-    p.add_argument("--chrome-trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--plot", metavar="FILE.png", help="write the timeline figure")
-    p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]", help=argparse.SUPPRESS)
+    p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the merged trace as CSV")
+    p.add_argument("--chrome-trace", metavar="FILE.json", type=output_file, help="write a Chrome/Perfetto trace")
+    p.add_argument("--plot", metavar="FILE.png", type=output_file, help="write the timeline figure")
+    p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]",
+                   help="make RANK raise at the op TOKEN of its program (e.g. 1:F2.s1, 0:RG1.s0<1:2 in step 2) to "
+                        "check that a failure ends the run; the token must be in that rank's program")
 
 
 def _common_options(args) -> dict:

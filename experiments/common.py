@@ -7,6 +7,8 @@ import sys
 from schedules import build, families, get, lower, names, validate
 from schedules.trace import step_metrics
 
+from .checks import check_run_size, positive_int
+
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
 PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
 
@@ -20,14 +22,14 @@ def add_schedule_args(p, *, schedule=True, many=False, plan: str | None = None):
         p.add_argument("--schedule", "-s", required=required, help=f"one of: {', '.join(names())}")
     if many:
         p.add_argument("--schedules", default="all", help="comma-separated schedule names, or 'all'")
-    p.add_argument("--devices", "-D", type=int, required=required, help="pipeline devices D")
-    p.add_argument("--microbatches", "-N", type=int, required=required, help="micro-batches N per iteration")
-    p.add_argument("--chunks", "-v", type=int, default=SCHEDULE_DEFAULTS["chunks"] if required else None,
+    p.add_argument("--devices", "-D", type=positive_int, required=required, help="pipeline devices D")
+    p.add_argument("--microbatches", "-N", type=positive_int, required=required, help="micro-batches N per iteration")
+    p.add_argument("--chunks", "-v", type=positive_int, default=SCHEDULE_DEFAULTS["chunks"] if required else None,
                    help="chunks per device for interleaved schedules (default 2)")
     p.add_argument("--variant", default=None,
                    help="a schedule's variant (default: its first); " +
                         "; ".join(f"{n}: {', '.join(f.variants)}" for n, f in families().items() if f.variants))
-    p.add_argument("--dp", type=int, default=SCHEDULE_DEFAULTS["dp"] if required else None,
+    p.add_argument("--dp", type=positive_int, default=SCHEDULE_DEFAULTS["dp"] if required else None,
                    help="data-parallel replicas R of the whole pipeline (default 1)")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end, not in bubbles")
     if plan is not None:
@@ -70,10 +72,17 @@ def schedule_kwargs(args) -> dict:
     return kw
 
 
-def build_lowered(name: str, args):
-    """Build, lower and validate a schedule from CLI arguments (raises ScheduleError, a ValueError)."""
-    if args.dp < 1:
-        raise ValueError(f"--dp must be >= 1; got {args.dp}")
+def check_size_args(args, **limits) -> None:
+    """The cheap feasibility checks of :func:`experiments.checks.check_run_size` for -D/-N/--dp/--chunks
+    (``limits``: cluster_devices, cluster_name, layers, model_name), before anything is built."""
+    check_run_size(devices=args.devices, microbatches=args.microbatches, replicas=args.dp,
+                   chunks=args.chunks or 1, **limits)
+
+
+def build_lowered(name: str, args, **limits):
+    """Build, lower and validate a schedule from CLI arguments (raises ScheduleError, a ValueError)
+    after the cheap checks (:func:`check_size_args` with ``limits``)."""
+    check_size_args(args, **limits)
     sched = build(name, args.devices, args.microbatches, **schedule_kwargs(args))
     low = lower(sched, replicas=args.dp, eager=not args.no_eager)
     validate(low)

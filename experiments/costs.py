@@ -1,9 +1,20 @@
-"""Cost-model and simulator options shared by simulate / compare / demo."""
+"""Cost-model and simulator options shared by simulate / compare / demo.
+
+The cost source is one of three, never silently two: ``--unit-costs``, ``--profile FILE`` (measured
+costs and network) or ``--model``/``--cluster`` (formulas; the defaults when none is given).
+:func:`cost_inputs` reads them (cheap: presets and files) so that the size checks can run before a
+schedule is built; :func:`bind_costs` binds them to the built schedule.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cost_models import MAPPINGS, TransformerCostModel, UnitCostModel, load_cluster, load_model, load_profile
+from cost_models.comm import links_used
 from sim import SimOptions
 from sim.host import on_one_host
+
+from .checks import factor_pair, nonneg_float, nonneg_int, pairs_dict, positive_int
 
 DEFAULT_MODEL = "gpt-96"
 DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
@@ -12,55 +23,77 @@ DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
 def add_cost_args(p):
     p.add_argument("--unit-costs", action="store_true",
                    help="closed-form unit costs: F=1, B=2 per full stage, no communication, memory in Ma")
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; see cost_models/presets/models)")
-    p.add_argument("--cluster", "-c", default=DEFAULT_CLUSTER,
+    p.add_argument("--model", "-m", default=None,
+                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; 'pipetwin presets' lists them)")
+    p.add_argument("--cluster", "-c", default=None,
                    help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
     p.add_argument("--profile", metavar="FILE.yaml",
                    help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
-                        "--model/--cluster formulas")
+                        "--model/--cluster formulas (exclusive with them)")
     p.add_argument("--device-map", default="sequential", choices=sorted(MAPPINGS),
                    help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation")
-    p.add_argument("--micro-batch", type=int, help="micro-batch size (default: the model spec's)")
-    p.add_argument("--slowdown", action="append", default=[], metavar="RANK=FACTOR",
+    p.add_argument("--micro-batch", type=positive_int, help="micro-batch size (default: the model spec's)")
+    p.add_argument("--slowdown", action="append", default=[], metavar="RANK=FACTOR", type=factor_pair("RANK", int),
                    help="a straggler: compute on RANK takes FACTOR times longer (repeatable)")
     p.add_argument("--slow-link", action="append", default=[], metavar="LINK=FACTOR",
-                   help="a slow link: divide the bandwidth of LINK (e.g. n1.nic0.out) by FACTOR (repeatable)")
-    p.add_argument("--jitter", type=float, default=0.0, help="relative std-dev of per-op compute noise")
-    p.add_argument("--seed", type=int, default=0, help="seed for --jitter")
+                   type=factor_pair("LINK", str, "n1.nic0.out=4"),
+                   help="a slow link: divide the bandwidth of LINK (e.g. n1.nic0.out) by FACTOR (repeatable); "
+                        "the run must cross it")
+    p.add_argument("--jitter", type=nonneg_float, default=0.0, help="relative std-dev of per-op compute noise")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed for --jitter")
 
 
-def _pairs(items, what, key=int, example="3=1.5", label="RANK"):
-    out = {}
-    for it in items:
-        try:
-            k, v = it.split("=")
-            out[key(k)] = float(v)
-        except ValueError:
-            raise ValueError(f"{what} expects {label}=FACTOR, e.g. {example}; got {it!r}") from None
-        if out[key(k)] <= 0:
-            raise ValueError(f"{what}: the factor must be > 0; got {it!r}")
-    return out
+@dataclass(frozen=True)
+class CostInputs:
+    """What the cost options name, loaded: ``kind`` unit | profile | transformer."""
+
+    kind: str
+    model: object = None     # ModelSpec (transformer)
+    cluster: object = None   # Cluster (transformer)
+    profile: object = None   # CalibrationProfile (profile)
+
+    def limits(self) -> dict:
+        """Keyword arguments of :func:`experiments.checks.check_run_size` (cluster size, layers)."""
+        if self.kind == "transformer":
+            return {"cluster_devices": self.cluster.num_devices, "cluster_name": self.cluster.name,
+                    "layers": self.model.layers + 2, "model_name": self.model.name}
+        if self.kind == "profile":
+            m = self.profile.model
+            return {"layers": m.layers + 2, "model_name": m.name}
+        return {}
 
 
-def resolve_costs(args, low):
-    """(StageCosts, network or None, extra report fields) for a lowered schedule."""
+def cost_inputs(args) -> CostInputs:
+    """Load the cost source the options name (see the module docstring); conflicting sources are an error."""
+    given = [f for f, v in (("--model", getattr(args, "model", None)), ("--cluster", getattr(args, "cluster", None)),
+                            ("--micro-batch", getattr(args, "micro_batch", None))) if v is not None]
     if getattr(args, "unit_costs", False):
-        return UnitCostModel().bind(low), None, {"cost_model": "unit"}
+        if getattr(args, "profile", None) or given:
+            raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
+        return CostInputs("unit")
     if getattr(args, "profile", None):
-        prof = load_profile(args.profile)
+        if given:
+            raise ValueError(f"--profile brings the measured model and network; drop {', '.join(given)}")
+        return CostInputs("profile", profile=load_profile(args.profile))
+    model = load_model(args.model or DEFAULT_MODEL)
+    if args.micro_batch is not None:
+        model = model.replace(micro_batch=args.micro_batch)
+    return CostInputs("transformer", model=model, cluster=load_cluster(args.cluster or DEFAULT_CLUSTER))
+
+
+def bind_costs(args, inputs: CostInputs, low):
+    """(StageCosts, network or None, extra report fields) for a lowered schedule."""
+    if inputs.kind == "unit":
+        return UnitCostModel().bind(low), None, {"cost_model": "unit"}
+    if inputs.kind == "profile":
+        prof = inputs.profile
         costs = prof.cost_model(low.num_stages, recompute=args.recompute).bind(low)
         net = prof.cluster(low.num_ranks)
         return costs, net, {"cost_model": f"profile {args.profile}", "cluster": net.name,
                             "host": (prof.cores, prof.oversubscribed_slowdown) if prof.cores else None}
-    model = load_model(args.model)
-    if args.micro_batch is not None:
-        if args.micro_batch < 1:
-            raise ValueError(f"--micro-batch must be >= 1; got {args.micro_batch}")
-        model = model.replace(micro_batch=args.micro_batch)
-    cluster = load_cluster(args.cluster)
+    model, cluster = inputs.model, inputs.cluster
     if low.num_ranks > cluster.num_devices:
         raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
                          f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
@@ -71,23 +104,42 @@ def resolve_costs(args, low):
                            "memory_capacity": costs.meta.get("memory_capacity")}
 
 
-def sim_options(args, low, network=None, host: tuple[int, float] | None = None) -> SimOptions:
+def resolve_costs(args, low):
+    """:func:`cost_inputs` then :func:`bind_costs` (for callers that built the schedule already)."""
+    return bind_costs(args, cost_inputs(args), low)
+
+
+def check_slow_links(links: dict, network, low, *, crossed: bool = True) -> None:
+    """Every ``--slow-link`` must be a link of ``network`` and (``crossed``) one the run crosses
+    (else it would do nothing)."""
+    if not links:
+        return
+    if network is None or not hasattr(network, "links"):
+        raise ValueError("--slow-link needs a cluster (not --unit-costs)")
+    known = {ln.name for ln in network.links()}
+    for name in links:
+        if name not in known:
+            raise ValueError(f"--slow-link: no link named {name!r} in this cluster; links look like "
+                             f"{', '.join(sorted(known)[:4])} ...")
+    if not crossed:
+        return
+    used = links_used(low, network)
+    for name in links:
+        if name not in used:
+            some = ", ".join(sorted(used)[:6]) or "none (no messages)"
+            raise ValueError(f"--slow-link: this run never crosses link {name!r}, so slowing it changes nothing; "
+                             f"it crosses {some}{' ...' if len(used) > 6 else ''}")
+
+
+def sim_options(args, low, network=None, host: tuple[int, float] | None = None, *,
+                check_links: bool = True) -> SimOptions:
     """Simulator options from the CLI; ``host`` = (cores, slowdown when oversubscribed): all ranks
     run on one host with that many cores (calibrated CPU runs), so they share them."""
-    slow = _pairs(args.slowdown, "--slowdown")
-    links = _pairs(getattr(args, "slow_link", []), "--slow-link", key=str, example="n1.nic0.out=4", label="LINK")
-    if links:
-        if network is None or not hasattr(network, "links"):
-            raise ValueError("--slow-link needs a cluster (not --unit-costs)")
-        known = {ln.name for ln in network.links()}
-        for name in links:
-            if name not in known:
-                raise ValueError(f"--slow-link: no link named {name!r} in this cluster; links look like "
-                                 f"{', '.join(sorted(known)[:4])} ...")
+    slow = pairs_dict(args.slowdown, "--slowdown")
+    links = pairs_dict(getattr(args, "slow_link", []), "--slow-link")
+    check_slow_links(links, network, low, crossed=check_links)
     for r in slow:
         if not 0 <= r < low.num_ranks:
             raise ValueError(f"--slowdown names rank {r}, but the run has ranks 0..{low.num_ranks - 1}")
-    if args.jitter < 0:
-        raise ValueError("--jitter must be >= 0")
     base = SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed)
     return on_one_host(base, low.num_ranks, *host) if host else base
