@@ -100,6 +100,10 @@ class RunConfig:
         return self.replicas * self.microbatches
 
 
+class FaultError(ValueError):
+    """A fault to inject that is malformed or would never fire."""
+
+
 @dataclass(frozen=True)
 class Fault:
     """An injected fault: ``rank`` raises when it reaches the op printed as ``token`` (e.g. ``F3.s1``,
@@ -118,9 +122,9 @@ def parse_fault(text: str) -> Fault:
             raise ValueError
         rank, step = int(parts[0]), (int(parts[2]) if len(parts) == 3 else None)
     except ValueError:
-        raise ValueError(f"fault must be RANK:TOKEN[:STEP], e.g. 1:F2.s1 or 0:B0.s0:1; got {text!r}") from None
+        raise FaultError(f"a fault is RANK:TOKEN[:STEP], e.g. 1:F2.s1 or 0:B0.s0:1; got {text!r}") from None
     if rank < 0 or (step is not None and step < 0):
-        raise ValueError(f"fault: rank and step must be >= 0; got {text!r}")
+        raise FaultError(f"a fault's rank and step must be >= 0; got {text!r}")
     return Fault(rank, parts[1], step)
 
 
@@ -131,13 +135,13 @@ def check_fault(config: RunConfig, low: Schedule) -> Fault | None:
         return None
     f = parse_fault(config.fault)
     if f.rank >= low.num_ranks:
-        raise ValueError(f"fault {config.fault!r}: the run has ranks 0..{low.num_ranks - 1}")
+        raise FaultError(f"fault {config.fault!r}: the run has ranks 0..{low.num_ranks - 1}")
     tokens = [str(op) for op in low.program(f.rank)]
     if f.token not in tokens:
-        raise ValueError(f"fault {config.fault!r}: rank {f.rank} runs no op {f.token!r}; its program is "
+        raise FaultError(f"fault {config.fault!r}: rank {f.rank} runs no op {f.token!r}; its program is "
                          f"{' '.join(tokens[:8])}{' ...' if len(tokens) > 8 else ''}")
     if f.step is not None and f.step >= config.steps:
-        raise ValueError(f"fault {config.fault!r}: the run has steps 0..{config.steps - 1}")
+        raise FaultError(f"fault {config.fault!r}: the run has steps 0..{config.steps - 1}")
     return f
 
 

@@ -27,7 +27,7 @@ import math
 import sys
 
 from cost_models.files import FileError, check_output_dir, check_output_path, read_bytes
-from schedules.registry import check_size
+from schedules import registry
 
 
 class Parser(argparse.ArgumentParser):
@@ -176,8 +176,16 @@ def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks
     """What can be refused without building a schedule: the size limits of the IR
     (:func:`schedules.registry.check_size`), a cluster too small for D x R ranks, a model with
     fewer layers than stages (every schedule has at least D stages per copy). One-line ValueErrors."""
-    check_size(devices, microbatches, replicas, chunks)
     ranks = devices * replicas
+    if ranks > registry.MAX_RANKS:
+        raise ValueError(f"-D {devices} x --dp {replicas} = {ranks} ranks is beyond pipetwin's limit of "
+                         f"{registry.MAX_RANKS} ranks; lower -D or --dp")
+    ops = registry.estimated_ops(devices, microbatches, replicas, chunks)
+    if ops > registry.MAX_OPS:
+        most = max(1, registry.MAX_OPS * microbatches // ops)
+        raise ValueError(f"-N {microbatches} micro-batches on {ranks} ranks is about {ops:,} ops per iteration, "
+                         f"beyond pipetwin's limit of {registry.MAX_OPS:,} (memory and time grow with it); "
+                         f"use -N {most:,} or fewer")
     if cluster_devices is not None and ranks > cluster_devices:
         raise ValueError(f"{ranks} ranks (D={devices} x R={replicas}) do not fit on cluster {cluster_name} with "
                          f"{cluster_devices} devices; pick a bigger --cluster or a smaller -D/--dp")

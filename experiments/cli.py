@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:   # a bad option (one line printed), --help or --version
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args._main(args) or 0)
     except USER_ERRORS as e:

@@ -82,11 +82,12 @@ def main(args) -> int:
         print_json({"schedules": rows, "skipped": skipped})
         return 0
     unit, mem = rows[0]["time_unit"], rows[0]["memory_unit"]
-    print(f"D={args.devices} N={args.microbatches} R={args.dp}  {units_note(unit, mem)}")
+    shown_rows, shown = human_rows(rows, mem)
+    print(f"D={args.devices} N={args.microbatches} R={args.dp}  {units_note(unit, mem, shown)}")
     cols = ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"]
     if any("out_of_memory" in r for r in rows):
         cols.append("out_of_memory")
-    print(fmt_table(human_rows(rows, mem), cols,
+    print(fmt_table(shown_rows, cols,
                     {"iteration_time": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation_max": "{:.6g}",
                      "peak_memory_max": "{:.6g}"}))
     for name, why in skipped.items():

@@ -20,9 +20,9 @@ import sys
 
 from schedules.trace import write_chrome
 
-from .checks import input_file, nonneg_int, output_file, positive_float, positive_int
+from .checks import check_run_size, input_file, nonneg_int, output_file, positive_float, positive_int
 from .common import add_schedule_args, check_schedule_args, print_json
-from .tables import fmt_table
+from .tables import byte_unit, fmt_bytes, fmt_table
 
 NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
@@ -61,8 +61,12 @@ def _common_options(args) -> dict:
 
 
 def config_from_args(args):
+    from cost_models import load_model
     from executor.config import RunConfig
     check_schedule_args(args)
+    spec = load_model(args.model or "tiny")
+    check_run_size(devices=args.devices, microbatches=args.microbatches, replicas=args.dp, chunks=args.chunks,
+                   layers=spec.layers, model_name=spec.name)   # before anything is built
     return RunConfig(schedule=args.schedule, devices=args.devices, microbatches=args.microbatches,
                      chunks=args.chunks, variant=args.variant, replicas=args.dp, model=args.model or "tiny",
                      eager_allreduce=not args.no_eager, **_common_options(args))
@@ -76,6 +80,15 @@ def plan_config_from_args(args):
 
 
 def main(args) -> int:
+    from executor.config import FaultError
+
+    try:
+        return _main(args)
+    except FaultError as e:
+        raise ValueError(f"--inject-fault {args.inject_fault}: {e}") from None
+
+
+def _main(args) -> int:
     from executor.config import lowered_schedule
     from executor.launch import LaunchError, run
     from executor.reference import run_reference
@@ -162,12 +175,16 @@ def _print_human(result, args) -> None:
     steps = [{"step": i, "loss": l, "iteration_s": t}
              for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]
     print(fmt_table(steps, ["step", "loss", "iteration_s"], {"loss": "{:.6f}", "iteration_s": "{:.4f}"}))
-    print(f"throughput {result.throughput:.1f} sequences/s (steps after the first); Ma = {result.ma_bytes:.0f} B")
-    cols = ["device", "peak_activation_bytes", "peak_activation_ma"]
+    print(f"throughput {result.throughput:.1f} sequences/s (steps after the first); Ma = {fmt_bytes(result.ma_bytes)} "
+          f"(one micro-batch's activations over the whole model / D)")
+    unit, div = byte_unit([d["peak_activation_bytes"] for d in result.per_device])
+    act = f"peak_activation_{unit}"
+    rows = [{**d, act: d["peak_activation_bytes"] / div} for d in result.per_device]
+    cols = ["device", act, "peak_activation_ma"]
     if result.trace is not None:
         cols += ["busy_s", "bubble_ratio"]
-    print(fmt_table(result.per_device, cols, {"peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}",
-                                              "bubble_ratio": "{:.3f}"}))
+    print(fmt_table(rows, cols, {act: "{:.4g}", "peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}",
+                                 "bubble_ratio": "{:.3f}"}))
     for what, path in (("trace", args.trace), ("chrome trace", args.chrome_trace), ("figure", args.plot)):
         if path:
             print(f"wrote {what}: {path}")

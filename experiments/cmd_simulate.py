@@ -85,10 +85,10 @@ def main(args) -> int:
     if "memory_verdict" in rec:
         print(f"  memory: {rec['memory_verdict']}")
     cols = ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"]
-    print(fmt_table(human_rows(rec["per_device"], mem), cols,
-                    {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}",
-                     "peak_memory": "{:.6g}"}))
-    print(units_note(unit, mem))
+    rows, shown = human_rows(rec["per_device"], mem)
+    print(fmt_table(rows, cols, {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}",
+                                 "peak_memory": "{:.6g}"}))
+    print(units_note(unit, mem, shown))
     for what, path in (("figure", args.plot), ("chrome trace", args.chrome_trace), ("trace", args.trace)):
         if path:
             print(f"wrote {what}: {path}")

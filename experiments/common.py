@@ -8,6 +8,7 @@ from schedules import build, families, get, lower, names, validate
 from schedules.trace import step_metrics
 
 from .checks import check_run_size, positive_int
+from .tables import byte_unit, fmt_bytes
 
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
 PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
@@ -101,9 +102,9 @@ def metrics_record(trace, **extra) -> dict:
         worst = max(m.per_device, key=lambda p: p.peak_memory)
         rec["out_of_memory"] = worst.peak_memory > cap
         rec["memory_verdict"] = (f"{'OUT OF MEMORY' if rec['out_of_memory'] else 'fits'}: peak "
-                                 f"{worst.peak_memory / 2**30:.2f} GiB on device {worst.device} "
-                                 f"(static {worst.static_memory / 2**30:.2f} + activations "
-                                 f"{worst.peak_activation / 2**30:.2f}) vs {cap / 2**30:.0f} GiB")
+                                 f"{fmt_bytes(worst.peak_memory)} on device {worst.device} "
+                                 f"(static {fmt_bytes(worst.static_memory)} + activations "
+                                 f"{fmt_bytes(worst.peak_activation)}) vs {fmt_bytes(cap)}")
     rec["per_device"] = [{"device": p.device, "busy": p.busy, "bubble_ratio": p.bubble_ratio,
                           "peak_activation": p.peak_activation, "peak_memory": p.peak_memory,
                           "static_memory": p.static_memory}
@@ -116,16 +117,22 @@ def print_json(obj) -> None:
     sys.stdout.write("\n")
 
 
-def units_note(time_unit: str, mem_unit: str) -> str:
+MEMORY_KEYS = ("peak_activation", "peak_memory", "static_memory", "peak_activation_max", "peak_memory_max")
+
+
+def units_note(time_unit: str, mem_unit: str, shown: str = "GiB") -> str:
+    """The units line under a table; ``shown``: the unit :func:`human_rows` picked for bytes."""
     if mem_unit == "Ma":
         return ("(time in F = one full-stage forward; activations in Ma; peak_memory adds weights+grads+optimizer "
                 "in Mw, one full stage = 1)")
-    return f"(time in {time_unit}, memory in GiB)"
+    return f"(time in {time_unit}, memory in {shown})"
 
 
-def human_rows(rows: list[dict], mem_unit: str, keys=("peak_activation", "peak_memory", "static_memory",
-                                                      "peak_activation_max", "peak_memory_max")) -> list[dict]:
-    """Rows for printing: bytes shown in GiB (the JSON output keeps bytes)."""
+def human_rows(rows: list[dict], mem_unit: str, keys=MEMORY_KEYS) -> tuple[list[dict], str]:
+    """Rows for printing and the unit of their memory columns: bytes shown in the binary unit that
+    fits the largest (KiB for a tiny model, GiB for a large one; :func:`experiments.tables.byte_unit`).
+    The JSON output keeps bytes."""
     if mem_unit != "B":
-        return rows
-    return [{k: (v / 2**30 if k in keys and v is not None else v) for k, v in r.items()} for r in rows]
+        return rows, mem_unit
+    unit, div = byte_unit([v for r in rows for k, v in r.items() if k in keys])
+    return [{k: (v / div if k in keys and v is not None else v) for k, v in r.items()} for r in rows], unit
