@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from .files import one_line, read_text
+from .files import FileError, one_line, read_text
 
 
 class SpecError(ValueError):
@@ -145,7 +145,10 @@ def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]
     names the file for error messages. ``kind`` is the preset folder, ``what`` a word for errors."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.is_file() or "/" in str(name_or_path):
-        text, source = read_text(p, f"{what} file"), str(p)
+        try:
+            text, source = read_text(p, f"{what} file"), str(p)
+        except FileError as e:   # a spec error like any other of the file
+            raise SpecError(str(e)) from None
     else:
         f = preset_dir(kind) / f"{name_or_path}.yaml"
         if not f.is_file():

@@ -41,7 +41,7 @@ from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel
 from .cluster import Cluster, LinkSpec
 from .device import DeviceSpec
-from .files import one_line, prepare_output, read_text
+from .files import FileError, one_line, prepare_output, read_text
 from .model_spec import ModelSpec, load_model, spec_from_dict
 from .transformer import _check_recompute, default_partition, transformer_layers
 
@@ -263,7 +263,10 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
 def load_profile(path: str | Path) -> CalibrationProfile:
     """Read a calibration profile YAML file (see the module docstring for the format)."""
     p = Path(path)
-    text = read_text(p, "calibration profile")
+    try:
+        text = read_text(p, "calibration profile")
+    except FileError as e:
+        raise SpecError(str(e)) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
