@@ -15,64 +15,17 @@ Entry points (all units SI: seconds, bytes, bytes/s, FLOP/s):
 from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel, StageCosts, UnitCostModel
 from .calibration import CalibrationProfile, LayerTiming, load_profile, profile_from_dict, save_profile
-from .cluster import (
-                      LINK_TYPES,
-                      MAPPINGS,
-                      Cluster,
-                      LinkSpec,
-                      cluster_from_dict,
-                      cluster_presets,
-                      link_types,
-                      load_cluster,
-                      map_copies_same_node,
-                      sequential_map,
-                      stage_sharing_groups,
-)
-from .comm import (
-                      all_gather_time,
-                      allreduce_kind,
-                      allreduce_steps,
-                      allreduce_time,
-                      p2p_time,
-                      path_time,
-                      reduce_scatter_time,
-                      ring_allreduce_time,
-                      step_time,
-                      steps_time,
-)
+from .cluster import (LINK_TYPES, MAPPINGS, Cluster, LinkSpec, cluster_from_dict, cluster_presets, link_types,
+                      load_cluster, map_copies_same_node, sequential_map, stage_sharing_groups)
+from .comm import (all_gather_time, allreduce_kind, allreduce_steps, allreduce_time, p2p_time, path_time,
+                   reduce_scatter_time, ring_allreduce_time, step_time, steps_time)
 from .device import DeviceSpec, device_from_dict, device_presets, load_device
-from .memory import (
-                      MemoryReport,
-                      OutOfMemory,
-                      StaticMemory,
-                      activation_walk,
-                      check_memory,
-                      memory_report,
-                      peak_activation,
-                      static_memory,
-)
+from .memory import (MemoryReport, OutOfMemory, StaticMemory, activation_walk, check_memory, memory_report,
+                     peak_activation, static_memory)
 from .model_spec import ModelSpec, load_model, model_presets, spec_from_dict
 from .network import Link, Network, PortNetwork
-from .partition import (
-                      balanced_edges,
-                      block_ranges,
-                      blocks_from_layers,
-                      default_partition,
-                      even_counts,
-                      layer_ranges,
-                      layers_from_blocks,
-)
-from .transformer import (
-                      RECOMPUTE,
-                      Layer,
-                      TransformerCostModel,
-                      block_activation_bytes,
-                      block_flops,
-                      block_params,
-                      block_weight_grad_bytes,
-                      boundary_bytes,
-                      model_flops,
-                      model_params,
-                      recompute_flops,
-                      transformer_layers,
-)
+from .partition import (balanced_edges, block_ranges, blocks_from_layers, default_partition, even_counts, layer_ranges,
+                        layers_from_blocks)
+from .transformer import (RECOMPUTE, Layer, TransformerCostModel, block_activation_bytes, block_flops, block_params,
+                          block_weight_grad_bytes, boundary_bytes, model_flops, model_params, recompute_flops,
+                          transformer_layers)

@@ -8,15 +8,8 @@ from schedules.trace import write_chrome
 
 from .checks import output_dir, output_file
 from .cmd_simulate import run_one
-from .common import (
-    add_schedule_args,
-    check_size_args,
-    human_rows,
-    metrics_record,
-    parse_schedules,
-    print_json,
-    units_note,
-)
+from .common import (add_schedule_args, check_size_args, human_rows, metrics_record, parse_schedules, print_json,
+                     units_note)
 from .costs import add_cost_args, cost_inputs
 from .tables import fmt_table
 

@@ -6,15 +6,8 @@ from schedules.trace import write_chrome
 from sim import simulate
 
 from .checks import output_file
-from .common import (
-    add_schedule_args,
-    build_lowered,
-    check_schedule_args,
-    human_rows,
-    metrics_record,
-    print_json,
-    units_note,
-)
+from .common import (add_schedule_args, build_lowered, check_schedule_args, human_rows, metrics_record, print_json,
+                     units_note)
 from .costs import add_cost_args, bind_costs, cost_inputs, sim_options
 from .tables import fmt_table
 

@@ -1,23 +1,6 @@
 """The shared schedule language: IR, schedule families, lowering, validation, trace metrics."""
-from .ir import (
-                 ACT,
-                 ALLREDUCE,
-                 COMPUTE_KINDS,
-                 COPY,
-                 GRAD,
-                 OPTIM,
-                 RECV,
-                 SEND,
-                 B,
-                 F,
-                 Op,
-                 Schedule,
-                 ScheduleError,
-                 W,
-                 make_schedule,
-                 message_key,
-                 parse_op,
-)
+from .ir import (ACT, ALLREDUCE, COMPUTE_KINDS, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op, Schedule, ScheduleError, W,
+                 make_schedule, message_key, parse_op)
 from .lower import lower
 from .registry import build, families, get, names
 from .trace import step_metrics, write_chrome

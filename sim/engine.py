@@ -34,21 +34,8 @@ import simpy
 from cost_models.base import StageCosts
 from cost_models.comm import allreduce_steps, ring_allreduce_time
 from cost_models.network import Network
-from schedules.ir import (
-    ACT,
-    ALLREDUCE,
-    COPY,
-    OPTIM,
-    RECV,
-    SEND,
-    B,
-    F,
-    Schedule,
-    ScheduleError,
-    W,
-    activation_change,
-    source_stage,
-)
+from schedules.ir import (ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedule, ScheduleError, W, activation_change,
+                          source_stage)
 from schedules.lower import lower
 from schedules.trace import TraceRow, make_trace
 
