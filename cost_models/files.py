@@ -16,10 +16,14 @@ class FileError(ValueError):
     """A file that cannot be used as asked; the message names it and says why."""
 
 
+class MissingFileError(FileError, FileNotFoundError):
+    """The file does not exist (a FileError and a FileNotFoundError)."""
+
+
 def _checked(path, what: str) -> Path:
     p = Path(path)
     if not p.exists():
-        raise FileError(f"{what} {p} does not exist")
+        raise MissingFileError(f"{what} {p} does not exist")
     if p.is_dir():
         raise FileError(f"{what} {p} is a folder, not a file")
     if not os.access(p, os.R_OK):

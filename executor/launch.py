@@ -8,7 +8,7 @@ come out as ValueError before anything starts), then:
   :mod:`executor.device`); rank 0 returns the result, the other ranks return None. On a cluster::
 
       torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
-          -m experiments run --schedule bitpipe --devices 8 --microbatches 16 --dp 2 \\
+          --no-python pipetwin run --schedule bitpipe --devices 8 --microbatches 16 --dp 2 \\
           --model gpt3-1.3b --steps 20 --trace run.csv
 
   (D x R = 16 processes; every node runs the same command.)

@@ -5,7 +5,9 @@ Spawns D x R ranks (CPU + gloo) or, under ``torchrun``, runs as one of its ranks
 same batches in this one process. Both print the same fields; ``--json`` prints
 ``losses`` (one per step), ``iteration_times`` (s) and ``per_device`` with
 ``peak_activation_bytes`` (and ``peak_activation_ma``, in units of Ma = ``ma_bytes``).
-A rank that fails ends the run: exit status 1 with the failing rank's traceback.
+A rank that fails ends the run: exit status 1 with the failing rank's traceback, or with the
+signal of a rank killed from outside. ``--inject-fault RANK:TOKEN[:STEP]`` makes a rank raise at
+one op of its program (checked against the program first), to try that out.
 
 ``--plan PLAN.json`` runs a plan written by ``pipetwin plan --out`` instead of -s/-D/-N/--dp/--model:
 uniform plans (R replicas of a D-stage pipeline) with the named schedule, non-uniform plans (stage s
