@@ -146,7 +146,7 @@ def constants_from_dict(d, source: str) -> GpuConstants:
     try:
         return GpuConstants(**vals)
     except SpecError as e:
-        raise SpecError(f"{source}: {e}") from None
+        raise SpecError(f"{source}: " + str(e).replace("kernel constant '", "field 'kernels.")) from None
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -202,26 +202,36 @@ def tile_efficiency(c: GpuConstants, tm: int, tn: int) -> float:
     return c.gemm_efficiency * inten / (inten + c.tile_intensity)
 
 
+def tile_time(c: GpuConstants, peak: float, bandwidth: float, batch: int, m: int, n: int, k: int, nbytes: float,
+              tm: int, tn: int, split: int = 1, scale: float = 1.0) -> float:
+    """Seconds of one GEMM run with ``tm x tn`` tiles and split-K ``split`` (no kernel latency):
+    ``max(waves * tile work / (SM peak * e(tile)), bytes / bandwidth)`` plus the split-K reduction.
+    ``scale`` multiplies the FLOPs (a fused kernel doing more than 2 m n k per product)."""
+    tiles = batch * -(-m // tm) * -(-n // tn) * split
+    waves = -(-tiles // c.sms)
+    bw = bandwidth * c.memory_efficiency
+    t = waves * 2.0 * tm * tn * (k / split) * scale / (peak / c.sms * tile_efficiency(c, tm, tn))
+    t = max(t, nbytes / bw)
+    if split > 1:
+        t += (split + 1) * m * n * batch * 4.0 / bw
+    return t
+
+
 def gemm_time(c: GpuConstants, peak: float, bandwidth: float, batch: int, m: int, n: int, k: int,
               nbytes: float, flops: float | None = None) -> tuple[float, tuple[int, int, int]]:
-    """(seconds without the kernel latency, (tm, tn, split-K) chosen) for one GEMM (module docstring)."""
+    """(seconds without the kernel latency, (tm, tn, split-K) chosen) for one GEMM: the fastest of
+    :data:`TILES` x :data:`SPLIT_K` (split-K only while every split keeps k / p >= 64 and the tiles
+    stay within four waves), as the library's heuristic picks (module docstring)."""
     if min(batch, m, n, k) < 1:
         return 0.0, (0, 0, 1)
-    per_sm = peak / c.sms
-    bw = bandwidth * c.memory_efficiency
-    t_mem = nbytes / bw
     scale = 1.0 if flops is None else flops / (2.0 * batch * m * n * k)
     best, arg = math.inf, (0, 0, 1)
     for tm, tn in TILES:
         tiles = batch * -(-m // tm) * -(-n // tn)
-        eff = tile_efficiency(c, tm, tn)
         for p in SPLIT_K:
             if p > 1 and (k // p < 64 or tiles * p > 4 * c.sms):
                 break
-            waves = -(-(tiles * p) // c.sms)
-            t = waves * 2.0 * tm * tn * (k / p) * scale / (per_sm * eff)
-            extra = (p * m * n * batch * 4.0 + m * n * batch * 4.0) / bw if p > 1 else 0.0
-            t = max(t, t_mem) + extra
+            t = tile_time(c, peak, bandwidth, batch, m, n, k, nbytes, tm, tn, p, scale)
             if t < best:
                 best, arg = t, (tm, tn, p)
     return best, arg
