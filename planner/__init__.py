@@ -6,7 +6,9 @@ memory: the number of stages, a contiguous partition of the layers, the replicas
 scatter-first), the micro-batch count and the schedule.
 
 * :mod:`planner.workload` / :mod:`planner.models`: per-layer, per-sample costs (transformers from
-  cost_models, the DAPPLE paper's CNN/RNN models defined here);
+  cost_models, the DAPPLE paper's CNN/RNN models defined here, measured profiles in PipeDream's graph
+  format: :mod:`planner.profiles`); with the kernel cost model the per-sample times depend on the
+  micro-batch (:mod:`planner.model_kernels`), which makes the micro-batch count a real choice;
 * :mod:`planner.placement`: placement policies and communication costs on the cluster;
 * :mod:`planner.cost`: the objective, L = warm-up + steady + ending (DAPPLE's pivot formulation);
   its docstring states it in full;
