@@ -107,6 +107,8 @@ def _pairs(items, what, key=int, example="3=1.5", label="RANK"):
 
 def resolve_costs(args, low):
     """(StageCosts, network or None, extra report fields) for a lowered schedule."""
+    if getattr(args, "cost_model", None) and (getattr(args, "unit_costs", False) or getattr(args, "profile", None)):
+        raise ValueError("--cost-model applies to --model/--cluster costs; drop it with --unit-costs / --profile")
     if getattr(args, "unit_costs", False):
         return UnitCostModel().bind(low), None, {"cost_model": "unit"}
     if getattr(args, "profile", None):

@@ -143,3 +143,6 @@ def test_cost_model_errors(capsys):
     assert rc == 2 and len(err) == 1 and err[0].startswith("pipetwin: error: no plan of bert-48")
     with pytest.raises(ValueError, match="cost model must be one of kernels, linear"):
         load_workload("bert-48", V100, cost_model="fast")
+    rc = main(["simulate", "-s", "dapple", "-D", "2", "-N", "2", "--unit-costs", "--cost-model", "linear"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--cost-model applies to --model/--cluster costs" in err[0]
