@@ -167,14 +167,13 @@ def transformer_workload(spec: ModelSpec, device: DeviceSpec, recompute: str = "
     src["cost_model"] = cost_model
     wl = from_layer_costs(spec.name, tm.layer_costs(), layer_names=names, memory_capacity=device.memory_bytes,
                           source=src)
-    curve = None
-    if cost_model == "kernels":
-        def curve(q: int):
-            lc = TransformerCostModel(spec.replace(micro_batch=q), device, recompute=recompute,
-                                      compute="kernels").layer_costs()
-            return tuple(x / q for x in lc.f), tuple(x / q for x in lc.b_input), tuple(x / q for x in lc.w)
+    def curve(q: int):
+        lc = TransformerCostModel(spec.replace(micro_batch=q), device, recompute=recompute,
+                                  compute="kernels").layer_costs()
+        return tuple(x / q for x in lc.f), tuple(x / q for x in lc.b_input), tuple(x / q for x in lc.w)
     return Workload(**{**{f: getattr(wl, f) for f in _FIELDS}, "spec": spec, "device": device,
-                       "recompute": recompute, "cost_model": cost_model, "per_sample_at": curve})
+                       "recompute": recompute, "cost_model": cost_model,
+                       "per_sample_at": curve if cost_model == "kernels" else None})
 
 
 _FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
