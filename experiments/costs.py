@@ -1,7 +1,18 @@
-"""Cost-model and simulator options shared by simulate / compare / demo."""
+"""Cost-model and simulator options shared by simulate / compare / demo.
+
+``--cost-model`` picks how layer times are computed from ``--model`` on the cluster's device:
+``kernels`` (the default where the device preset has the kernel model's constants:
+:mod:`cost_models.kernels`, checked against measured V100 layers by ``pipetwin reproduce
+cost-curves``; per-sample costs fall with the micro-batch) or ``linear`` (FLOPs at the device's
+fixed efficiency: the same per sample at every micro-batch, the closed-form view). ``--model
+FILE.txt`` reads a per-layer profile in PipeDream's graph format (DAPPLE's released profiles),
+profiled at ``--profile-batch`` (default: the ``pbs-B`` in the file name) and scaled linearly to
+the micro-batch as DAPPLE did unless ``--cost-model kernels`` is asked for.
+"""
 from __future__ import annotations
 
 from cost_models import MAPPINGS, TransformerCostModel, UnitCostModel, load_cluster, load_model, load_profile
+from cost_models.kernels import COST_MODELS
 from sim import SimOptions
 from sim.host import on_one_host
 
@@ -13,7 +24,9 @@ def add_cost_args(p):
     p.add_argument("--unit-costs", action="store_true",
                    help="closed-form unit costs: F=1, B=2 per full stage, no communication, memory in Ma")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; see cost_models/presets/models)")
+                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; see cost_models/presets/models), or a "
+                        f"per-layer profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles)")
+    add_cost_model_args(p)
     p.add_argument("--cluster", "-c", default=DEFAULT_CLUSTER,
                    help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
     p.add_argument("--profile", metavar="FILE.yaml",
@@ -32,6 +45,53 @@ def add_cost_args(p):
     p.add_argument("--seed", type=int, default=0, help="seed for --jitter")
 
 
+def add_cost_model_args(p) -> None:
+    """``--cost-model`` and ``--profile-batch`` (shared with ``pipetwin plan``)."""
+    p.add_argument("--cost-model", choices=list(COST_MODELS), default=None,
+                   help="layer times: 'kernels' (GEMM tiles and waves, memory-bound kernels, launch overhead: costs "
+                        "depend on the micro-batch; default where the device has the constants) or 'linear' (FLOPs "
+                        "at a fixed efficiency; the default for --model FILE.txt profiles, as DAPPLE scaled them)")
+    p.add_argument("--profile-batch", type=int, metavar="B",
+                   help="the batch a --model FILE.txt profile was measured at (default: the pbs-B in its name)")
+
+
+def cost_model_for(choice: str | None, device, profile: bool) -> str:
+    """The cost model to use: the one asked for, else linear for profiles and for devices without
+    kernel constants, kernels otherwise."""
+    if choice is not None:
+        if choice not in COST_MODELS:
+            raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {choice!r}")
+        if choice == "kernels" and device.kernels is None:
+            raise ValueError(f"--cost-model kernels needs the device's kernel constants; {device.name} has none "
+                             f"(add a 'kernels:' block to its YAML, or use --cost-model linear)")
+        return choice
+    if profile or device.kernels is None:
+        return "linear"
+    return "kernels"
+
+
+def _profile_costs(args, low, cluster, cost_model):
+    """StageCosts of a PipeDream/DAPPLE profile: the planner's workload at the micro-batch (default
+    the profile batch), a work-balanced contiguous partition over the schedule's stages."""
+    from cost_models.partition import balanced_edges
+    from planner.load import load_workload
+    from cost_models import PerLayerCostModel
+    work = load_workload(args.model, cluster.device, recompute=args.recompute, cost_model=cost_model,
+                         profile_batch=args.profile_batch)
+    mb = args.micro_batch if args.micro_batch is not None else work.source["profile_batch"]
+    if mb < 1:
+        raise ValueError(f"--micro-batch must be >= 1; got {mb}")
+    S = low.num_stages
+    if S > work.num_layers:
+        raise ValueError(f"{S} stages but the profile has {work.num_layers} layers; use fewer devices/chunks")
+    t = work.at(mb)
+    edges = balanced_edges([t.fwd(i, i + 1) + t.bwd(i, i + 1) for i in range(work.num_layers)], S)
+    part = tuple(edges[i + 1] - edges[i] for i in range(S))
+    costs = PerLayerCostModel(work.layer_costs(mb), part).bind(low)
+    costs.meta.update(memory_capacity=cluster.device.memory_bytes)
+    return costs, mb, part
+
+
 def _pairs(items, what, key=int, example="3=1.5", label="RANK"):
     out = {}
     for it in items:
@@ -47,6 +107,8 @@ def _pairs(items, what, key=int, example="3=1.5", label="RANK"):
 
 def resolve_costs(args, low):
     """(StageCosts, network or None, extra report fields) for a lowered schedule."""
+    if getattr(args, "cost_model", None) and (getattr(args, "unit_costs", False) or getattr(args, "profile", None)):
+        raise ValueError("--cost-model applies to --model/--cluster costs; drop it with --unit-costs / --profile")
     if getattr(args, "unit_costs", False):
         return UnitCostModel().bind(low), None, {"cost_model": "unit"}
     if getattr(args, "profile", None):
@@ -55,18 +117,27 @@ def resolve_costs(args, low):
         net = prof.cluster(low.num_ranks)
         return costs, net, {"cost_model": f"profile {args.profile}", "cluster": net.name,
                             "host": (prof.cores, prof.oversubscribed_slowdown) if prof.cores else None}
+    cluster = load_cluster(args.cluster)
+    if low.num_ranks > cluster.num_devices:
+        raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
+                         f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
+    profile = str(args.model).endswith(".txt")
+    cost_model = cost_model_for(getattr(args, "cost_model", None), cluster.device, profile)
+    if getattr(args, "profile_batch", None) is not None and not profile:
+        raise ValueError("--profile-batch applies to a profile file (--model FILE.txt) only")
+    placed = cluster.place(low, args.device_map)
+    if profile:
+        costs, mb, part = _profile_costs(args, low, cluster, cost_model)
+        return costs, placed, {"cost_model": cost_model, "model": str(args.model), "micro_batch": mb,
+                               "partition": list(part), "cluster": cluster.name, "device_map": args.device_map,
+                               "memory_capacity": costs.meta.get("memory_capacity")}
     model = load_model(args.model)
     if args.micro_batch is not None:
         if args.micro_batch < 1:
             raise ValueError(f"--micro-batch must be >= 1; got {args.micro_batch}")
         model = model.replace(micro_batch=args.micro_batch)
-    cluster = load_cluster(args.cluster)
-    if low.num_ranks > cluster.num_devices:
-        raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
-                         f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
-    placed = cluster.place(low, args.device_map)
-    costs = TransformerCostModel(model, cluster.device, recompute=args.recompute).bind(low)
-    return costs, placed, {"cost_model": "transformer", "model": model.name, "micro_batch": model.micro_batch,
+    costs = TransformerCostModel(model, cluster.device, recompute=args.recompute, compute=cost_model).bind(low)
+    return costs, placed, {"cost_model": cost_model, "model": model.name, "micro_batch": model.micro_batch,
                            "cluster": cluster.name, "device_map": args.device_map,
                            "memory_capacity": costs.meta.get("memory_capacity")}
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from cost_models import Cluster, cluster_from_dict
 
-from .models import workload_from_source
+from .load import workload_from_source
 from .plan import Plan
 from .simulate import Built, SimOutcome, build_plan, simulate_plan
 from .workload import Workload
