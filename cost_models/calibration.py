@@ -43,7 +43,8 @@ from .cluster import Cluster, LinkSpec
 from .device import DeviceSpec
 from .files import FileError, one_line, prepare_output, read_text
 from .model_spec import ModelSpec, load_model, spec_from_dict
-from .transformer import _check_recompute, default_partition, transformer_layers
+from .partition import default_partition
+from .transformer import _check_recompute, transformer_layers
 
 FORMAT = "pipetwin-calibration/1"
 KINDS = ("embedding", "block", "head")

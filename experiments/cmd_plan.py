@@ -23,8 +23,11 @@ HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE p
 
 def add_arguments(p):
     p.add_argument("--model", "-m", required=True,
-                   help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, or a DAPPLE paper model "
-                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36)")
+                   help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, a DAPPLE paper model "
+                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36), or a per-layer profile in PipeDream's graph "
+                        "format (FILE.txt, e.g. DAPPLE's released profiles)")
+    from .costs import add_cost_model_args
+    add_cost_model_args(p)
     p.add_argument("--cluster", "-c", required=True,
                    help="cluster preset or YAML file (also v100-4x8-25gbe, a100-8x8-ib)")
     p.add_argument("--global-batch", "-G", type=positive_int, required=True, help="samples (sequences) per iteration")
@@ -56,6 +59,9 @@ def _parse_limit(text):
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
     from planner.clusters import resolve_cluster
+    from planner.workload import is_profile_path
+
+    from .costs import cost_model_for
 
     if args.global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1; got {args.global_batch}")
@@ -63,13 +69,15 @@ def main(args) -> int:
         raise ValueError(f"--top must be >= 1; got {args.top}")
     scheds = parse_schedules(args.schedules)
     cluster = resolve_cluster(args.cluster)
+    cost_model = cost_model_for(args.cost_model, cluster.device, is_profile_path(args.model))
     limit = _parse_limit(args.memory_limit)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
                         max_stages=args.max_stages, uniform=args.uniform, devices=args.devices)
     res = plan_training(args.model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
                         schedules=scheds, top_k=args.top, simulate=not args.no_simulate,
                         baselines=not args.no_baselines, progress=not args.no_progress and sys.stderr.isatty(),
-                        space=space, model_name=args.model)
+                        space=space, model_name=args.model, cost_model=cost_model,
+                        profile_batch=args.profile_batch)
     best = res.best
     rec = plan_record(best.plan, res.workload, cluster, limit, best.estimate, best.sim)
     if args.out:
@@ -106,7 +114,7 @@ def _print_human(res, rec, base, stats, args) -> None:
     best, cl, work = res.best, res.cluster, res.workload
     plan, est = best.plan, best.estimate
     print(f"DAPPLE plan for {args.model} on {cl.name} ({cl.num_devices} x {cl.device.name}), global batch "
-          f"{plan.global_batch}")
+          f"{plan.global_batch}, {work.cost_model} cost model")
     print(f"  {plan.describe()}")
     per = "" if not plan.uniform else f" ({plan.micro_batch // plan.dp} per pipeline replica)"
     print(f"  {plan.microbatches} micro-batches of {plan.micro_batch} samples{per}; devices in use "

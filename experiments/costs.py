@@ -1,5 +1,14 @@
 """Cost-model and simulator options shared by simulate / compare / demo.
 
+``--cost-model`` picks how layer times are computed from ``--model`` on the cluster's device:
+``kernels`` (the default where the device preset has the kernel model's constants:
+:mod:`cost_models.kernels`, checked against measured V100 layers by ``pipetwin reproduce
+cost-curves``; per-sample costs fall with the micro-batch) or ``linear`` (FLOPs at the device's
+fixed efficiency: the same per sample at every micro-batch, the closed-form view). ``--model
+FILE.txt`` reads a per-layer profile in PipeDream's graph format (DAPPLE's released profiles),
+profiled at ``--profile-batch`` (default: the ``pbs-B`` in the file name) and scaled linearly to
+the micro-batch as DAPPLE did unless ``--cost-model kernels`` is asked for.
+
 The cost source is one of three, never silently two: ``--unit-costs``, ``--profile FILE`` (measured
 costs and network) or ``--model``/``--cluster`` (formulas; the defaults when none is given).
 :func:`cost_inputs` reads them (cheap: presets and files) so that the size checks can run before a
@@ -11,6 +20,7 @@ from dataclasses import dataclass
 
 from cost_models import MAPPINGS, TransformerCostModel, UnitCostModel, load_cluster, load_model, load_profile
 from cost_models.comm import links_used
+from cost_models.kernels import COST_MODELS
 from sim import SimOptions
 from sim.host import on_one_host
 
@@ -24,7 +34,9 @@ def add_cost_args(p):
     p.add_argument("--unit-costs", action="store_true",
                    help="closed-form unit costs: F=1, B=2 per full stage, no communication, memory in Ma")
     p.add_argument("--model", "-m", default=None,
-                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; 'pipetwin presets' lists them)")
+                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; 'pipetwin presets' lists them), or a "
+                        f"per-layer profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles)")
+    add_cost_model_args(p)
     p.add_argument("--cluster", "-c", default=None,
                    help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
     p.add_argument("--profile", metavar="FILE.yaml",
@@ -45,9 +57,57 @@ def add_cost_args(p):
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed for --jitter")
 
 
+def add_cost_model_args(p) -> None:
+    """``--cost-model`` and ``--profile-batch`` (shared with ``pipetwin plan``)."""
+    p.add_argument("--cost-model", choices=list(COST_MODELS), default=None,
+                   help="layer times: 'kernels' (GEMM tiles and waves, memory-bound kernels, launch overhead: costs "
+                        "depend on the micro-batch; default where the device has the constants) or 'linear' (FLOPs "
+                        "at a fixed efficiency; the default for --model FILE.txt profiles, as DAPPLE scaled them)")
+    p.add_argument("--profile-batch", type=positive_int, metavar="B",
+                   help="the batch a --model FILE.txt profile was measured at (default: the pbs-B in its name)")
+
+
+def cost_model_for(choice: str | None, device, profile: bool) -> str:
+    """The cost model to use: the one asked for, else linear for profiles and for devices without
+    kernel constants, kernels otherwise."""
+    if choice is not None:
+        if choice not in COST_MODELS:
+            raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {choice!r}")
+        if choice == "kernels" and device.kernels is None:
+            raise ValueError(f"--cost-model kernels needs the device's kernel constants; {device.name} has none "
+                             f"(add a 'kernels:' block to its YAML, or use --cost-model linear)")
+        return choice
+    if profile or device.kernels is None:
+        return "linear"
+    return "kernels"
+
+
+def _profile_costs(args, low, cluster, cost_model):
+    """StageCosts of a PipeDream/DAPPLE profile: the planner's workload at the micro-batch (default
+    the profile batch), a work-balanced contiguous partition over the schedule's stages."""
+    from cost_models.partition import balanced_edges
+    from planner.load import load_workload
+    from cost_models import PerLayerCostModel
+    work = load_workload(args.model, cluster.device, recompute=args.recompute, cost_model=cost_model,
+                         profile_batch=args.profile_batch)
+    mb = args.micro_batch if args.micro_batch is not None else work.source["profile_batch"]
+    if mb < 1:
+        raise ValueError(f"--micro-batch must be >= 1; got {mb}")
+    S = low.num_stages
+    if S > work.num_layers:
+        raise ValueError(f"{S} stages but the profile has {work.num_layers} layers; use fewer devices/chunks")
+    t = work.at(mb)
+    edges = balanced_edges([t.fwd(i, i + 1) + t.bwd(i, i + 1) for i in range(work.num_layers)], S)
+    part = tuple(edges[i + 1] - edges[i] for i in range(S))
+    costs = PerLayerCostModel(work.layer_costs(mb), part).bind(low)
+    costs.meta.update(memory_capacity=cluster.device.memory_bytes)
+    return costs, mb, part
+
+
 @dataclass(frozen=True)
 class CostInputs:
-    """What the cost options name, loaded: ``kind`` unit | profile | transformer."""
+    """What the cost options name, loaded: ``kind`` unit | profile | transformer | layer-profile (a
+    PipeDream-format ``--model FILE.txt``, read when bound: its partition needs the schedule)."""
 
     kind: str
     model: object = None     # ModelSpec (transformer)
@@ -59,6 +119,8 @@ class CostInputs:
         if self.kind == "transformer":
             return {"cluster_devices": self.cluster.num_devices, "cluster_name": self.cluster.name,
                     "layers": self.model.layers + 2, "model_name": self.model.name}
+        if self.kind == "layer-profile":
+            return {"cluster_devices": self.cluster.num_devices, "cluster_name": self.cluster.name}
         if self.kind == "profile":
             m = self.profile.model
             return {"layers": m.layers + 2, "model_name": m.name}
@@ -67,8 +129,12 @@ class CostInputs:
 
 def cost_inputs(args) -> CostInputs:
     """Load the cost source the options name (see the module docstring); conflicting sources are an error."""
+    if getattr(args, "cost_model", None) and (getattr(args, "unit_costs", False) or getattr(args, "profile", None)):
+        raise ValueError("--cost-model applies to --model/--cluster costs; drop it with --unit-costs / --profile")
     given = [f for f, v in (("--model", getattr(args, "model", None)), ("--cluster", getattr(args, "cluster", None)),
-                            ("--micro-batch", getattr(args, "micro_batch", None))) if v is not None]
+                            ("--micro-batch", getattr(args, "micro_batch", None)),
+                            ("--cost-model", getattr(args, "cost_model", None)),
+                            ("--profile-batch", getattr(args, "profile_batch", None))) if v is not None]
     if getattr(args, "unit_costs", False):
         if getattr(args, "profile", None) or given:
             raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
@@ -77,10 +143,15 @@ def cost_inputs(args) -> CostInputs:
         if given:
             raise ValueError(f"--profile brings the measured model and network; drop {', '.join(given)}")
         return CostInputs("profile", profile=load_profile(args.profile))
+    cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
+    if str(args.model).endswith(".txt"):
+        return CostInputs("layer-profile", cluster=cluster)
+    if getattr(args, "profile_batch", None) is not None:
+        raise ValueError("--profile-batch applies to a profile file (--model FILE.txt) only")
     model = load_model(args.model or DEFAULT_MODEL)
     if args.micro_batch is not None:
         model = model.replace(micro_batch=args.micro_batch)
-    return CostInputs("transformer", model=model, cluster=load_cluster(args.cluster or DEFAULT_CLUSTER))
+    return CostInputs("transformer", model=model, cluster=cluster)
 
 
 def bind_costs(args, inputs: CostInputs, low):
@@ -97,9 +168,16 @@ def bind_costs(args, inputs: CostInputs, low):
     if low.num_ranks > cluster.num_devices:
         raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
                          f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
+    profile = inputs.kind == "layer-profile"
+    cost_model = cost_model_for(getattr(args, "cost_model", None), cluster.device, profile)
     placed = cluster.place(low, args.device_map)
-    costs = TransformerCostModel(model, cluster.device, recompute=args.recompute).bind(low)
-    return costs, placed, {"cost_model": "transformer", "model": model.name, "micro_batch": model.micro_batch,
+    if profile:
+        costs, mb, part = _profile_costs(args, low, cluster, cost_model)
+        return costs, placed, {"cost_model": cost_model, "model": str(args.model), "micro_batch": mb,
+                               "partition": list(part), "cluster": cluster.name, "device_map": args.device_map,
+                               "memory_capacity": costs.meta.get("memory_capacity")}
+    costs = TransformerCostModel(model, cluster.device, recompute=args.recompute, compute=cost_model).bind(low)
+    return costs, placed, {"cost_model": cost_model, "model": model.name, "micro_batch": model.micro_batch,
                            "cluster": cluster.name, "device_map": args.device_map,
                            "memory_capacity": costs.meta.get("memory_capacity")}
 
