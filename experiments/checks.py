@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 from cost_models.files import FileError, check_output_dir, check_output_path, read_bytes
 from schedules import registry
@@ -190,9 +189,6 @@ def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks
         raise ValueError(f"{ranks} ranks (D={devices} x R={replicas}) do not fit on cluster {cluster_name} with "
                          f"{cluster_devices} devices; pick a bigger --cluster or a smaller -D/--dp")
     if layers is not None and layers < devices:
-        raise ValueError(f"model {model_name} has {layers} transformer blocks, fewer than the {devices} pipeline "
+        raise ValueError(f"model {model_name} has {layers} layers to split, fewer than the {devices} pipeline "
                          f"stages; lower -D or pick a deeper --model")
 
-
-def stderr_line(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
