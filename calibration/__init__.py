@@ -48,19 +48,12 @@ from cost_models.model_spec import load_model
 from cost_models.stack import StackSpec, is_model_ref
 from executor.device import cpu_threads
 
-from .fit import (
-    PROBE,
-    RUNTIME_SCHEDULES,
-    fit_oversubscribed,
-    fit_ranks,
-    fit_runtime,
-    probe_seconds,
-    scale_layer,
-    trace_runtime,
-)
+from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds, scale_layer,
+                  trace_runtime)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed", "measure_stack"]
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed",
+           "measure_stack"]
 
 
 def measure_stack(ref: str, micro_batch: int, threads: int, repeats: int = 20, progress=None):

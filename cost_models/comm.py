@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Sequence
 
+from schedules.ir import SEND
+
 from .cluster import Cluster
 from .network import Link, Network
 
@@ -169,3 +171,14 @@ def step_time(network: Network, transfers: Sequence[Transfer]) -> float:
 
 def steps_time(network: Network, steps: Sequence[Sequence[Transfer]]) -> float:
     return sum(step_time(network, s) for s in steps)
+
+
+def links_used(sched, network: Network) -> set[str]:
+    """Names of the links a lowered schedule's messages and all-reduces cross on ``network`` (the
+    same paths and all-reduce steps the simulator uses)."""
+    pairs = {(r, op.peer) for r in range(sched.num_ranks) for op in sched.program(r) if op.kind == SEND}
+    for s in range(sched.num_stages):
+        group = sched.stage_group(s)
+        if len(group) > 1:
+            pairs |= {(a, b) for step in allreduce_steps(network, group, 1.0) for a, b, _ in step}
+    return {ln.name for a, b in pairs for ln in network.path(a, b)}

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import importlib
 import importlib.util
 import sys
@@ -251,6 +252,17 @@ class StackLayout:
 
     def stage_of_layer(self) -> list[int]:
         return [s for s, rng in enumerate(self.stage_ranges()) for _ in rng]
+
+    def host_bytes(self, sched: Schedule) -> float:
+        """Host memory the model needs on top of the ranks' processes, at least (the launcher's
+        check before spawning): every rank builds the whole model once (fp32 weights), every model
+        copy and replica holds weights + gradients + Adam state (16 B per parameter), and min(N, D)
+        micro-batches per pipeline keep about every layer's output."""
+        params = float(sum(self.params))
+        outs = float(sum(math.prod(s) * torch.empty((), dtype=d).element_size()
+                         for s, d in zip(self.out_shapes, self.out_dtypes)))
+        inflight = min(sched.num_microbatches, sched.num_devices) * sched.replicas
+        return sched.num_ranks * 4 * params + 16 * params * sched.num_copies * sched.replicas + inflight * outs
 
     def message_buffer(self, op: Op, device) -> torch.Tensor:
         """An empty tensor for the message of RECV ``op``: an activation is the output of the

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .checks import int_in, output_file, positive_int
+
 NAME = "calibrate"
 HELP = "measure per-layer, P2P, all-reduce and runtime costs here; write a profile the simulator loads"
 
@@ -18,46 +20,54 @@ def add_arguments(p):
     p.add_argument("--model", default="tiny",
                    help="model preset or YAML file (default tiny), or a model file PATH.py:FUNC (each of its layers "
                         "is measured)")
-    p.add_argument("--micro-batch", type=int, default=None,
+    p.add_argument("--micro-batch", type=positive_int, default=None,
                    help="samples per micro-batch to measure at (default: a model file's 4, a GPT spec's micro_batch)")
-    p.add_argument("--runtime-steps", type=int, default=12,
+    p.add_argument("--ranks", type=positive_int, default=2,
+                   help="ranks the predicted runs put on this host (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timings per measurement (median, >= 3)")
+    p.add_argument("--runtime-steps", type=int_in(3, 1000), default=12,
                    help="steps of each traced run the runtime is fitted on (default 12; the first 2 are dropped)")
-    p.add_argument("--runtime-repeats", type=int, default=3, help="traced runs per schedule, best kept (default 3)")
-    p.add_argument("--ranks", type=int, default=2, help="ranks the predicted runs put on this host (default 2)")
-    p.add_argument("--repeats", type=int, default=20, help="timings per measurement (median)")
-    p.add_argument("--out", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")
+    p.add_argument("--runtime-repeats", type=int_in(1, 100), default=3,
+                   help="traced runs per schedule, the best kept (default 3)")
+    p.add_argument("--out", default="out/calibration.yaml", type=output_file,
+                   help="profile file (default out/calibration.yaml)")
 
 
-def main(args) -> int:
+def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_batch: int | None = None,
+                            runtime_steps: int = 12, runtime_repeats: int = 3):
+    """:func:`calibration.calibrate` with a progress bar on stderr (one tick per stage). A bad
+    ``--model`` (preset, YAML file or model file) fails here, before any measurement."""
     from tqdm import tqdm
 
     from calibration import calibrate, fit_ranks
-    from cost_models import is_model_ref, save_profile
+    from cost_models import is_model_ref, load_model
 
-    if args.ranks < 1 or args.repeats < 3:
-        raise ValueError("--ranks must be >= 1 and --repeats >= 3")
-    if args.micro_batch is not None and args.micro_batch < 1:
-        raise ValueError(f"--micro-batch must be >= 1; got {args.micro_batch}")
-    out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a directory; give a file name (e.g. {out / 'calibration.yaml'})")
-    if is_model_ref(args.model):
+    if is_model_ref(model):
         from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
-        n = stack_layout(args.model, 1, micro_batch=args.micro_batch or DEFAULT_MICRO_BATCH).num_layers
+        n = stack_layout(model, 1, micro_batch=micro_batch or DEFAULT_MICRO_BATCH).num_layers
         layers = [f"layer {i}" for i in range(n)]
     else:
+        load_model(model)
         layers = ["layer embedding", "layer block", "layer head"]
     stages = ["layers", *layers, "optimizer", "communication", "runtime (traced runs)"]
-    if args.ranks > fit_ranks(args.ranks):
+    if ranks > fit_ranks(ranks):
         stages.append("oversubscribed cores (traced runs)")
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):
             bar.set_postfix_str(msg)
             bar.update(1)
-        prof = calibrate(args.model, ranks=args.ranks, repeats=args.repeats, progress=progress,
-                         micro_batch=args.micro_batch, runtime_steps=args.runtime_steps,
-                         runtime_repeats=args.runtime_repeats)
-    out.parent.mkdir(parents=True, exist_ok=True)
+        return calibrate(model, ranks=ranks, repeats=repeats, progress=progress, micro_batch=micro_batch,
+                         runtime_steps=runtime_steps, runtime_repeats=runtime_repeats)
+
+
+def main(args) -> int:
+    from cost_models import save_profile
+
+    if args.repeats < 3:
+        raise ValueError(f"--repeats must be >= 3; got {args.repeats}")
+    prof = calibrate_with_progress(args.model, args.ranks, args.repeats, micro_batch=args.micro_batch,
+                                   runtime_steps=args.runtime_steps, runtime_repeats=args.runtime_repeats)
+    out = Path(args.out)
     save_profile(prof, out)
     if prof.is_stack:
         _print_stack(prof)

@@ -1,6 +1,8 @@
 """Searching the plan space: an exact dynamic programme over stage suffixes, with pruning.
 
 The space (DAPPLE's): the number of micro-batches M (a divisor of the global batch G; b = G / M),
+whose choice matters when per-sample costs depend on the micro-batch (the kernel cost model: a
+replica of q = b / r samples runs at the per-sample times of q, :meth:`Workload.at`),
 the number of stages S, a contiguous partition of the layers, the replicas r_s of every stage (a
 divisor of b, so each replica gets b / r_s whole samples), the placement policy
 (:mod:`planner.placement`), with at most the cluster's devices in use and every device's memory
@@ -186,13 +188,16 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     if not reps:
         return
     min_slot = min(slots[r] for r in reps)
-    cf, cb, ca, cp, out = work._cf, work._cb, work._ca, work._cp, work.out_bytes
+    # per-sample times at each replica's share of the micro-batch; the bounds use the smallest
+    lo = work.floor([b // r for r in reps])
+    at_q = {r: work.at(b // r) for r in reps}
+    cf, cb, ca, cp, out = lo._cf, lo._cb, work._ca, work._cp, work.out_bytes
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     cap = ctx.capacity
     Mm1 = M - 1
     limit = ctx.space.max_stages
     uniform = ctx.space.uniform
-    g = _sqrt_work_bound(work, cap)   # prefix round trips: sum rt >= g[i]^2 b / devices
+    g = _sqrt_work_bound(lo, cap)     # prefix round trips: sum rt >= g[i]^2 b / devices
     needs: dict[int, list[float]] = {}    # w -> slots layers [0, i) need with w micro-batches in flight
 
     def need(i: int, w: int) -> float:
@@ -224,6 +229,7 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                 more = free >= min_slot
                 devs = topo.devices(policy, N - k2, r)
                 q = b / r
+                cfq, cbq = at_q[r]._cf, at_q[r]._cb
                 alpha, beta = topo.allreduce_coef(devs)
                 if k:
                     ca_, cg_ = topo.transfer(devs, devs1, X), topo.transfer(devs1, devs, X)
@@ -252,8 +258,8 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                         par = cp[j] - cp[i]
                         if par * bps + n2 * (ca[j] - ca[i]) * q > cap:
                             break
-                        bw = (cb[j] - cb[i]) * q
-                        rt = (cf[j] - cf[i]) * q + bw
+                        bw = (cbq[j] - cbq[i]) * q
+                        rt = (cfq[j] - cfq[i]) * q + bw
                         ar = alpha + beta * par * gbp if (alpha or beta) and par > 0 else 0.0
                         if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
                             p2 = p1 + rt
