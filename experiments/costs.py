@@ -15,7 +15,7 @@ costs and network) or ``--model``/``--cluster`` (formulas; the defaults when non
 schedule is built; :func:`bind_costs` binds them to the built schedule.
 
 A calibration profile (``pipetwin calibrate``; the only cost source of a model file
-``--model PATH.py:FUNC``, which may then be named beside it) is used on this machine as calibrated
+``--model PATH.py:FUNC``, which may be named beside it and must be the profile's) is used on this machine as calibrated
 (the ranks share its cores), or with ``--cluster`` scaled onto that cluster's devices
 (:func:`cost_models.scaled_layer_costs`: every measured time times this host's FLOP rate over the
 device's achievable one) and placed on its network. :func:`calibrated_costs` is that choice as a
@@ -219,11 +219,13 @@ def cost_inputs(args) -> CostInputs:
             raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
         return CostInputs("unit")
     if getattr(args, "profile", None):
-        prof = load_profile(args.profile)
-        # a --model is checked against the profile's, a --cluster is where its times are scaled to
-        given = [f for f in given if f not in ("--model", "--cluster", "--micro-batch")]
+        # a model file (--model PATH.py:FUNC) is checked against the profile's model, a --cluster is
+        # where its measured times are scaled to; any other model option is a second cost source
+        given = [f for f in given if f not in ("--cluster", "--micro-batch")
+                 and not (f == "--model" and is_model_ref(args.model))]
         if given:
             raise ValueError(f"--profile brings the measured model and network; drop {', '.join(given)}")
+        prof = load_profile(args.profile)
         check_profile_model(prof, args.model)
         if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
             raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; calibrate "
