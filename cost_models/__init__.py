@@ -31,6 +31,7 @@ from .cluster import (
 from .comm import (
                       all_gather_time,
                       allreduce_kind,
+                      allreduce_phases,
                       allreduce_steps,
                       allreduce_time,
                       p2p_time,
