@@ -6,6 +6,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from .common import gc_paused
 from .ir import Schedule, ScheduleError
 
 _MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb_h1", "zb_v", "dualpipe_v", "bitpipe_zb"]
@@ -48,4 +49,5 @@ def build(name: str, num_devices: int, num_microbatches: int, **kw) -> Schedule:
     if kw.get("variant") is not None and not fam.variants:
         raise ScheduleError(f"{name} has no variants (got {kw['variant']!r}); leave the variant out "
                             f"(schedules with variants: {', '.join(n for n, f in families().items() if f.variants)})")
-    return fam.build(num_devices, num_microbatches, **kw)
+    with gc_paused():
+        return fam.build(num_devices, num_microbatches, **kw)

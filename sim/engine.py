@@ -41,7 +41,6 @@ The engine knows no schedule by name: everything it does is driven by op kinds a
 """
 from __future__ import annotations
 
-import gc
 import random
 from dataclasses import dataclass, field
 from functools import partial
@@ -53,6 +52,7 @@ import simpy
 from cost_models.base import StageCosts
 from cost_models.comm import allreduce_phases, ring_allreduce_time
 from cost_models.network import Network
+from schedules.common import gc_paused
 from schedules.ir import (
     ACT,
     ALLREDUCE,
@@ -190,7 +190,6 @@ class _Planned(NamedTuple):
 
 # records from one tuple, without a Python-level call (the engine makes one per op)
 _new_row = partial(tuple.__new__, TraceRow)
-_new_planned = partial(tuple.__new__, _Planned)
 
 
 def simulate(sched: Schedule, costs: StageCosts, network: Network | None = None,
@@ -377,17 +376,18 @@ class _Engine:
                 self.env.process(self._allreduce(key))
 
     # ------------------------------------------------------------------ rank process
-    def _compile(self, r: int) -> list[_Planned]:
+    def _compile(self, r: int) -> list[tuple]:
         """Resolve every op of rank r once (duration, bytes, activation change, message and, with a
-        trace, its row prefix), so the hot loop does no lookups. What depends only on (kind, copy,
-        stage, payload) is resolved once per such combination."""
+        trace, its row prefix) as a :class:`_Planned` tuple, so the hot loop does no lookups. What
+        depends only on (kind, copy, stage, payload) is resolved once per such combination."""
         s = self.s
         split = s.split_backward
         slow = self.o.slowdown.get(r, 1.0)
-        fifo_count: dict = {}
+        sent: dict = {}
+        got: dict = {}
         resolved: dict = {}
         out = []
-        append, planned = out.append, _new_planned
+        append = out.append
         record = self.record
         for i, op in enumerate(s.program(r)):
             k = op.kind
@@ -396,14 +396,17 @@ class _Engine:
             res = resolved.get(what)
             if res is None:
                 res = resolved[what] = self._resolve(r, op, split, slow)
-            seconds, nbytes, alloc, free = res
             msg = None
-            if k == SEND or k == RECV:
-                src, dst = (r, op.peer) if k == SEND else (op.peer, r)
+            if k == SEND:
                 # per-pair FIFO (checked by validation): the n-th SEND of a pair is the n-th RECV
-                n = fifo_count[(k, src, dst)] = fifo_count.get((k, src, dst), -1) + 1
-                msg = (src, dst, n)
-            append(planned((k, seconds, nbytes, alloc, free, msg, op.stage, op.peer, head)))
+                peer = op.peer
+                n = sent[peer] = sent.get(peer, -1) + 1
+                msg = (r, peer, n)
+            elif k == RECV:
+                peer = op.peer
+                n = got[peer] = got.get(peer, -1) + 1
+                msg = (peer, r, n)
+            append((k, res[0], res[1], res[2], res[3], msg, op.stage, op.peer, head))
         return out
 
     def _resolve(self, r: int, op, split: bool, slow: float) -> tuple[float, float, float, float]:
@@ -559,16 +562,8 @@ class _Engine:
     def run(self) -> SimResult:
         for r in range(self.ranks):
             self.env.process(self._rank(r))
-        # a run allocates one long-lived record per op and almost no cyclic garbage: the cyclic
-        # collector would walk the growing heap again and again (measured: half the run time of
-        # a 97k-op run), so it is paused while the engine runs
-        paused = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             self.env.run()
-        finally:
-            if paused:
-                gc.enable()
         stuck = [r for r in range(self.ranks) if not self.finished[r]]
         if stuck:
             desc = "; ".join(f"rank {r} at {self.s.program(r)[self.pc[r]]}" for r in stuck)
