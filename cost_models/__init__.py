@@ -16,6 +16,7 @@ from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel, StageCosts, UnitCostModel
 from .calibration import CalibrationProfile, LayerTiming, load_profile, profile_from_dict, save_profile
 from .cluster import (
+                      FABRICS,
                       LINK_TYPES,
                       MAPPINGS,
                       Cluster,
@@ -27,6 +28,8 @@ from .cluster import (
                       map_copies_same_node,
                       sequential_map,
                       stage_sharing_groups,
+                      with_fabric,
+                      with_nodes,
 )
 from .comm import (
                       all_gather_time,

@@ -27,18 +27,20 @@ def add_arguments(p):
 def compare(args):
     """Simulate each schedule; schedules whose requirements the D/N do not meet are listed as skipped."""
     rows, traces, skipped = [], {}, {}
+    want = bool(args.plot or args.out)
     for name in parse_schedules(args.schedules):
         try:
-            low, trace, extra = run_one(name, args)
+            low, res, extra = run_one(name, args, trace=want)
         except ScheduleError as e:
             skipped[name] = str(e)
             continue
-        rec = metrics_record(trace, **extra)
+        rec = metrics_record(res, **extra)
         per = rec["per_device"]
         rec["peak_activation_max"] = max(p["peak_activation"] for p in per)
         rec["peak_memory_max"] = max(p["peak_memory"] for p in per)
         rows.append(rec)
-        traces[name] = trace
+        if want:
+            traces[name] = res.trace()
     if not rows:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
     return rows, traces, skipped

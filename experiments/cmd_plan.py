@@ -14,6 +14,7 @@ import sys
 from cost_models._spec import size_bytes
 
 from .common import parse_schedules, print_json
+from .costs import add_cluster_shape_args, load_shaped_cluster
 from .tables import fmt_table
 
 NAME = "plan"
@@ -25,7 +26,8 @@ def add_arguments(p):
                    help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, or a DAPPLE paper model "
                         "(vgg-19, gnmt-16, amoebanet-36, xlnet-36)")
     p.add_argument("--cluster", "-c", required=True,
-                   help="cluster preset or YAML file (also v100-4x8-25gbe, a100-8x8-ib)")
+                   help="cluster preset or YAML file, optionally sized NAME:NODES (also v100-4x8-25gbe, a100-8x8-ib)")
+    add_cluster_shape_args(p)
     p.add_argument("--global-batch", "-G", type=int, required=True, help="samples (sequences) per iteration")
     p.add_argument("--memory-limit", metavar="BYTES",
                    help="memory per device, e.g. '16 GiB' (default: the device's memory)")
@@ -61,7 +63,7 @@ def main(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top must be >= 1; got {args.top}")
     scheds = parse_schedules(args.schedules)
-    cluster = resolve_cluster(args.cluster)
+    cluster = load_shaped_cluster(args, resolve_cluster)
     limit = _parse_limit(args.memory_limit)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
                         max_stages=args.max_stages, uniform=args.uniform, devices=args.devices)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from schedules.trace import write_chrome
-from sim import simulate
+from sim import run
 
 from .common import (
     add_schedule_args,
     build_lowered,
     check_schedule_args,
+    check_writable,
     human_rows,
     metrics_record,
     print_json,
@@ -30,23 +31,30 @@ def add_arguments(p):
     p.add_argument("--trace", metavar="FILE.csv", help="write the trace as CSV")
 
 
-def run_one(name: str, args):
+def run_one(name: str, args, trace: bool = True):
+    """(lowered schedule, :class:`sim.SimResult`, extra report fields) of one simulation from the
+    command line; the per-op trace is kept only with ``trace``."""
     if getattr(args, "plan", None):
         if args.unit_costs or args.profile:
             raise ValueError("--plan brings its own costs; drop --unit-costs / --profile")
         from .plan_files import simulation_from_plan
         low, costs, network, extra = simulation_from_plan(args.plan, eager=not args.no_eager)
-        return low, simulate(low, costs, network, sim_options(args, low, network)), extra
+        return low, run(low, costs, network, sim_options(args, low, network), trace=trace), extra
     low = build_lowered(name, args)
     costs, network, extra = resolve_costs(args, low)
-    trace = simulate(low, costs, network, sim_options(args, low, network, extra.get("host")))
-    return low, trace, extra
+    res = run(low, costs, network, sim_options(args, low, network, extra.get("host")), trace=trace)
+    return low, res, extra
 
 
 def main(args) -> int:
     check_schedule_args(args)
-    low, trace, extra = run_one(args.schedule, args)
-    rec = metrics_record(trace, **extra)
+    for opt in ("plot", "chrome_trace", "trace"):
+        if getattr(args, opt):
+            check_writable(getattr(args, opt), "--" + opt.replace("_", "-"))
+    want_trace = bool(args.plot or args.chrome_trace or args.trace)
+    low, res, extra = run_one(args.schedule, args, trace=want_trace)
+    rec = metrics_record(res, **extra)
+    trace = res.trace() if want_trace else None
     if args.plot:
         from .plots import plot_timeline
         plot_timeline(trace, args.plot)
@@ -60,6 +68,9 @@ def main(args) -> int:
     unit, mem = rec["time_unit"], rec["memory_unit"]
     print(f"{rec['schedule']}: D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
           f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
+    if rec["replicas"] > 1:
+        print("  replicas: " + ("identical, one simulated for all" if rec["simulated_replicas"] == 1 else
+                                f"all {rec['replicas']} simulated ({rec.get('full_simulation')})"))
     for k, v in extra.items():
         if not isinstance(v, (dict, list)) and k != "memory_capacity":
             print(f"  {k}: {v}")

@@ -80,13 +80,21 @@ def build_lowered(name: str, args):
     return low
 
 
-def metrics_record(trace, **extra) -> dict:
-    m = step_metrics(trace)
-    a = trace.attrs
+def metrics_record(result, **extra) -> dict:
+    """The report of one simulation or run: ``result`` is a trace (DataFrame) or a :class:`sim.SimResult`
+    (then ``simulated_replicas`` and, when every replica was simulated, ``full_simulation`` say how)."""
+    if hasattr(result, "metrics"):
+        m, a = result.metrics(), result.attrs
+    else:
+        m, a = step_metrics(result), result.attrs
     rec = {"schedule": a.get("schedule"), "devices": a.get("devices"), "microbatches": a.get("microbatches"),
            "replicas": a.get("replicas", 1), "iteration_time": m.iteration_time, "bubble_ratio": m.bubble_ratio,
            "time_unit": a.get("time_unit"), "memory_unit": a.get("mem_unit")}
     rec.update(extra)
+    if hasattr(result, "simulated_replicas"):
+        rec["simulated_replicas"] = result.simulated_replicas
+        if result.full_reason is not None:
+            rec["full_simulation"] = result.full_reason
     cap = extra.get("memory_capacity")
     if cap:
         worst = max(m.per_device, key=lambda p: p.peak_memory)
@@ -100,6 +108,28 @@ def metrics_record(trace, **extra) -> dict:
                           "static_memory": p.static_memory}
                          for p in m.per_device]
     return rec
+
+
+def check_writable(path, option: str, directory: bool = False) -> None:
+    """Fail fast (one line) when an output path cannot be written: a directory where a file is
+    expected (or the reverse), or a parent that cannot be created or written."""
+    import os
+    from pathlib import Path
+    p = Path(path)
+    if directory:
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"{option}: {path} is a file; give a directory")
+        probe = p
+        while not probe.exists():
+            probe = probe.parent
+    else:
+        if p.is_dir():
+            raise ValueError(f"{option}: {path} is a directory; give a file name")
+        probe = p.parent
+        while not probe.exists():
+            probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{option}: cannot write under {probe}; choose another path")
 
 
 def print_json(obj) -> None:

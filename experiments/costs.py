@@ -1,7 +1,19 @@
 """Cost-model and simulator options shared by simulate / compare / demo."""
 from __future__ import annotations
 
-from cost_models import MAPPINGS, TransformerCostModel, UnitCostModel, load_cluster, load_model, load_profile
+import math
+
+from cost_models import (
+    FABRICS,
+    MAPPINGS,
+    TransformerCostModel,
+    UnitCostModel,
+    load_cluster,
+    load_model,
+    load_profile,
+    with_fabric,
+    with_nodes,
+)
 from sim import SimOptions
 from sim.host import on_one_host
 
@@ -15,7 +27,9 @@ def add_cost_args(p):
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"model preset or YAML file (default {DEFAULT_MODEL}; see cost_models/presets/models)")
     p.add_argument("--cluster", "-c", default=DEFAULT_CLUSTER,
-                   help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
+                   help=f"cluster preset or YAML file, optionally sized NAME:NODES (default {DEFAULT_CLUSTER}; "
+                        f"e.g. dgx-h100-ib:128)")
+    add_cluster_shape_args(p)
     p.add_argument("--profile", metavar="FILE.yaml",
                    help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
                         "--model/--cluster formulas")
@@ -30,6 +44,40 @@ def add_cost_args(p):
                    help="a slow link: divide the bandwidth of LINK (e.g. n1.nic0.out) by FACTOR (repeatable)")
     p.add_argument("--jitter", type=float, default=0.0, help="relative std-dev of per-op compute noise")
     p.add_argument("--seed", type=int, default=0, help="seed for --jitter")
+    p.add_argument("--exact", action="store_true",
+                   help="simulate every data-parallel replica op by op even when they are identical (by default "
+                        "one replica stands for all when nothing tells them apart)")
+
+
+def add_cluster_shape_args(p):
+    """--nodes / --fabric / --oversubscription / --nodes-per-leaf: any cluster preset resized and rewired."""
+    p.add_argument("--nodes", type=int, help="number of nodes of the cluster's kind (overrides the preset's)")
+    p.add_argument("--fabric", choices=FABRICS, help="inter-node fabric: flat (one non-blocking switch), fat-tree "
+                   "(leaves of --nodes-per-leaf nodes) or rail (rail-optimised: NIC k of a group on one switch)")
+    p.add_argument("--oversubscription", type=float,
+                   help="fat-tree / rail: a leaf's down / up bandwidth (1 = non-blocking, e.g. 2)")
+    p.add_argument("--nodes-per-leaf", type=int, help="fat-tree / rail: nodes under one leaf (rail) switch")
+
+
+def shape_cluster(cluster, args):
+    """A loaded cluster with the --nodes / --fabric / --oversubscription / --nodes-per-leaf of ``args``."""
+    nodes = getattr(args, "nodes", None)
+    over = getattr(args, "oversubscription", None)
+    per = getattr(args, "nodes_per_leaf", None)
+    if nodes is not None and nodes < 1:
+        raise ValueError(f"--nodes must be >= 1; got {nodes}")
+    if over is not None and not (math.isfinite(over) and over >= 1):
+        raise ValueError(f"--oversubscription must be a finite number >= 1 (1 = non-blocking); got {over}")
+    if per is not None and per < 1:
+        raise ValueError(f"--nodes-per-leaf must be >= 1; got {per}")
+    if nodes is not None:
+        cluster = with_nodes(cluster, nodes)
+    return with_fabric(cluster, getattr(args, "fabric", None), over, per)
+
+
+def load_shaped_cluster(args, loader=load_cluster):
+    """The cluster of ``--cluster`` (``NAME:NODES`` allowed) shaped by the options of :func:`add_cluster_shape_args`."""
+    return shape_cluster(loader(args.cluster), args)
 
 
 def _pairs(items, what, key=int, example="3=1.5", label="RANK"):
@@ -60,7 +108,7 @@ def resolve_costs(args, low):
         if args.micro_batch < 1:
             raise ValueError(f"--micro-batch must be >= 1; got {args.micro_batch}")
         model = model.replace(micro_batch=args.micro_batch)
-    cluster = load_cluster(args.cluster)
+    cluster = load_shaped_cluster(args)
     if low.num_ranks > cluster.num_devices:
         raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
                          f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
@@ -87,7 +135,8 @@ def sim_options(args, low, network=None, host: tuple[int, float] | None = None) 
     for r in slow:
         if not 0 <= r < low.num_ranks:
             raise ValueError(f"--slowdown names rank {r}, but the run has ranks 0..{low.num_ranks - 1}")
-    if args.jitter < 0:
-        raise ValueError("--jitter must be >= 0")
-    base = SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed)
+    if not (args.jitter >= 0 and math.isfinite(args.jitter)):
+        raise ValueError(f"--jitter must be a finite number >= 0; got {args.jitter}")
+    base = SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed,
+                      exact=getattr(args, "exact", False))
     return on_one_host(base, low.num_ranks, *host) if host else base

@@ -88,6 +88,7 @@ class FairShare:
     env: simpy.Environment
     capacity: dict[str, float] = field(default_factory=dict)
     _flows: list[_Flow] = field(default_factory=list)
+    _users: dict[str, int] = field(default_factory=dict)    # resource -> active flows on it
     _last: float = 0.0
     _gen: int = 0
 
@@ -113,8 +114,17 @@ class FairShare:
             ev.succeed()
             return ev
         self._advance()
-        self._flows.append(_Flow(amount, tuple(names), tuple(weights), cap, share, ev))
-        self._reschedule()
+        f = _Flow(amount, tuple(names), tuple(weights), cap, share, ev)
+        users = self._users
+        shared = False
+        for n in f.resources:
+            k = users.get(n, 0)
+            shared = shared or k > 0
+            users[n] = k + 1
+        self._flows.append(f)
+        # a flow on resources nobody else uses changes no other rate: only its own is computed
+        max_min_rates(self._flows if shared else (f,), self.capacity)
+        self._arm()
         return ev
 
     @property
@@ -129,16 +139,11 @@ class FairShare:
                 f.remaining -= f.rate * dt
         self._last = now
 
-    def _reschedule(self) -> None:
+    def _arm(self) -> None:
+        """One timer for the next completion (an older timer is ignored when it fires)."""
         flows = self._flows
-        done = [f for f in flows if f.remaining <= EPS * max(1.0, f.rate)]
-        if done:
-            flows[:] = [f for f in flows if f not in done]
-            for f in done:
-                f.event.succeed()
         if not flows:
             return
-        max_min_rates(flows, self.capacity)
         nxt = min(f.remaining / f.rate for f in flows)
         self._gen += 1
         gen = self._gen
@@ -150,7 +155,18 @@ class FairShare:
             return
         self._advance()
         # snap flows that are within rounding of completion
-        for f in self._flows:
-            if f.rate > 0 and f.remaining / f.rate <= 1e-9 * max(1.0, self.env.now):
+        horizon = 1e-9 * max(1.0, self.env.now)
+        done = [f for f in self._flows if f.remaining <= EPS * max(1.0, f.rate) or f.remaining / f.rate <= horizon]
+        if done:
+            users = self._users
+            self._flows = [f for f in self._flows if f not in done]
+            freed = False
+            for f in done:
                 f.remaining = 0.0
-        self._reschedule()
+                for n in f.resources:
+                    users[n] -= 1
+                    freed = freed or users[n] > 0
+                f.event.succeed()
+            if freed:       # someone still uses what the finished flows leave: rates change
+                max_min_rates(self._flows, self.capacity)
+        self._arm()

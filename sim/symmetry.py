@@ -13,7 +13,8 @@ load is how many copies of each class cross it. Classes are refined (split by th
 equitable partition. Then, whatever subset of classes is active, max-min fair sharing gives every
 copy of a class the same rate (progressive filling raises them together and they meet the same
 saturations), so a class is one flow over one resource per kind of link it crosses, with a weight
-equal to the copies of the class on such a link. If the SENDs of some device pair split, a
+equal to the copies of the class on such a link. Links that can never limit a rate (a fabric uplink
+wide enough for everything that may cross it) are left out first. If the SENDs of some device pair split, a
 replica meets other links or contention than replica 0: the placement is not symmetric and the
 engine simulates every replica.
 """
@@ -56,6 +57,29 @@ def symmetry_blocker(sched, costs, opts) -> str | None:
     return None
 
 
+def _drop_idle_links(paths: list[tuple[tuple[str, ...], float]], cap: dict[str, float]):
+    """Paths without the links that can never limit a rate: a link inside paths (never a path's
+    first or last link) whose capacity covers every copy crossing it running at the smaller
+    capacity of its path's two end links (which stay, so no copy ever runs faster than that). A
+    fabric uplink wide enough for all its traffic is such a link; without it, copies that differ
+    only in crossing it (a ring's hop between leaves) are alike."""
+    ends = set()
+    for names, _ in paths:
+        if names:
+            ends.add(names[0])
+            ends.add(names[-1])
+    demand: dict[str, float] = {}
+    for names, _ in paths:
+        if len(names) > 2:
+            bound = min(cap[names[0]], cap[names[-1]])
+            for n in names[1:-1]:
+                demand[n] = demand.get(n, 0.0) + bound
+    idle = {n for n, d in demand.items() if n not in ends and d <= cap[n]}
+    if not idle:
+        return paths
+    return [(tuple(n for n in names if n not in idle), lat) for names, lat in paths]
+
+
 def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str | None]:
     """(the one-replica flows, None) when the network treats the replicas alike, else (None, why)."""
     if network is None:
@@ -96,6 +120,7 @@ def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str |
                 lat += ln.latency
             got = cache[(a, b)] = (tuple(names), float(f"{lat:.12g}"))
         paths.append(got)
+    paths = _drop_idle_links(paths, cap)
     cls = [c for c, _, _ in copies]
     count = len(kinds)
     while True:
