@@ -31,6 +31,7 @@ F, B, W = "F", "B", "W"
 SEND, RECV, COPY = "SEND", "RECV", "COPY"
 ALLREDUCE, OPTIM = "ALLREDUCE", "OPTIM"
 COMPUTE_KINDS = (F, B, W)
+_COMPUTE_SET = frozenset(COMPUTE_KINDS)
 ACT, GRAD = "act", "grad"
 
 
@@ -259,7 +260,7 @@ class Schedule:
         return out
 
     def compute_programs(self) -> list[list[Op]]:
-        return [[o for o in p if o.is_compute] for p in self.programs]
+        return [[o for o in p if o.kind in _COMPUTE_SET] for p in self.programs]
 
     def to_text(self) -> str:
         """One line per device: ``d: tok tok ...`` (see :func:`schedules.io.from_text`)."""

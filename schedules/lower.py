@@ -85,10 +85,17 @@ def _lower(sched: Schedule, replicas: int, eager: bool) -> Schedule:
     out_of: dict[tuple, tuple | None] = {}
     in_of: dict[tuple, tuple | None] = {}
     sent: dict[tuple[int, int], list[tuple]] = {}
+    consumers: list[dict[tuple, int]] = [dict() for _ in range(D)]   # message key -> consumer position
     for d, prog in enumerate(progs):
         after_d = after[d]
+        consumer_pos = consumers[d]
         for i, op in enumerate(prog):
             ks = (op.kind, op.copy, op.stage)
+            inc = in_of.get(ks, 0)
+            if inc == 0:
+                inc = in_of[ks] = incoming(op, sched)
+            if inc is not None and inc[2] != d:
+                consumer_pos[(inc[0], op.copy, op.mb, inc[1])] = i
             out = out_of.get(ks, 0)
             if out == 0:
                 out = out_of[ks] = outgoing(op, sched)
@@ -110,15 +117,8 @@ def _lower(sched: Schedule, replicas: int, eager: bool) -> Schedule:
     by_dst: dict[int, list] = {}
     for (src, dst), keys in sent.items():
         by_dst.setdefault(dst, []).append((src, keys))
-    for d, prog in enumerate(progs):
-        consumer_pos: dict[tuple, int] = {}
-        for i, op in enumerate(prog):
-            ks = (op.kind, op.copy, op.stage)
-            inc = in_of.get(ks, 0)
-            if inc == 0:
-                inc = in_of[ks] = incoming(op, sched)
-            if inc is not None and inc[2] != d:
-                consumer_pos[(inc[0], op.copy, op.mb, inc[1])] = i
+    for d in range(D):
+        consumer_pos = consumers[d]
         before_d = before[d]
         for src, keys in by_dst.get(d, ()):
             missing = [k for k in keys if k not in consumer_pos]

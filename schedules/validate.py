@@ -23,26 +23,30 @@ def check_structure(sched: Schedule) -> None:
     if len(sched.programs) != D:
         raise ScheduleError(f"{sched.name}: {len(sched.programs)} programs for {D} devices")
     kinds = (F, B, W) if sched.split_backward else (F, B)
+    compute = frozenset((F, B, W))
     seen: dict[tuple, int] = {}
     copy_of: dict[int, int] = {}
+    C, placement, split = sched.num_copies, sched.placement, sched.split_backward
     for d, prog in enumerate(sched.programs):
         for op in prog:
-            if not op.is_compute:
+            kind = op.kind
+            if kind not in compute:
                 continue
-            if op.kind == W and not sched.split_backward:
+            c, st, mb = op.copy, op.stage, op.mb
+            if kind == W and not split:
                 raise ScheduleError(f"device {d}: {op} is a W op but {sched.name} does not split the backward")
-            if not (0 <= op.copy < sched.num_copies and 0 <= op.stage < S):
+            if not (0 <= c < C and 0 <= st < S):
                 raise ScheduleError(f"device {d}: {op} names a copy/stage outside the schedule")
-            if not 0 <= op.mb < N:
-                raise ScheduleError(f"device {d}: {op} names micro-batch {op.mb}, outside 0..{N - 1}")
-            want = sched.placement[op.copy][op.stage]
+            if not 0 <= mb < N:
+                raise ScheduleError(f"device {d}: {op} names micro-batch {mb}, outside 0..{N - 1}")
+            want = placement[c][st]
             if want != d:
                 raise ScheduleError(f"device {d}: {op} belongs on device {want} by the placement")
-            k = (op.kind, op.copy, op.stage, op.mb)
+            k = (kind, c, st, mb)
             if k in seen:
                 raise ScheduleError(f"device {d}: {op} appears twice")
             seen[k] = d
-            if copy_of.setdefault(op.mb, op.copy) != op.copy:
+            if copy_of.setdefault(mb, c) != c:
                 raise ScheduleError(f"micro-batch {op.mb} runs in two model copies ({copy_of[op.mb]} and {op.copy})")
     for m in range(N):
         if m not in copy_of:
