@@ -199,7 +199,9 @@ SYMMETRIC = [("dapple", 4, 8, 2, {}), ("dapple", 4, 8, 8, {}), ("gpipe", 8, 8, 4
              ("dapple", 8, 16, 4, {"nics_per_node": 1}), ("dapple", 4, 8, 8, {"nics_per_node": 1}),
              ("chimera", 4, 8, 4, {}), ("bitpipe", 4, 8, 4, {"mapping": "copies-same-node"}),
              ("zb-v", 4, 8, 8, {"cluster": "v100-2x8-25gbe", "nodes": 4}),
-             ("interleaved", 4, 8, 4, {"eager": False}), ("dapple", 16, 16, 2, {"nodes": 4})]
+             ("interleaved", 4, 8, 4, {"eager": False}), ("dapple", 16, 16, 2, {"nodes": 4}),
+             ("dapple", 8, 8, 4, {"fabric": "fat-tree", "nodes_per_leaf": 2, "oversubscription": 8.0}),
+             ("zb-h1", 16, 16, 2, {"nodes": 4, "fabric": "rail", "nodes_per_leaf": 2, "oversubscription": 4.0})]
 
 
 @pytest.mark.parametrize("name,D,N,R,kw", SYMMETRIC,
