@@ -19,7 +19,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/pipetwin demo --out out
 
-# the house rules: ruff (pyflakes, pycodestyle, import order, bugbear) and the import contracts of
+# the house rules: ruff (pyflakes, pycodestyle, bugbear) and the import contracts of
 # setup.cfg [importlinter] (the layers, lazy imports included)
 lint: setup
 	$(BIN)/ruff check .

@@ -42,16 +42,8 @@ from cost_models.cluster import LinkSpec
 from cost_models.model_spec import load_model
 from executor.device import cpu_threads
 
-from .fit import (
-    PROBE,
-    RUNTIME_SCHEDULES,
-    fit_oversubscribed,
-    fit_ranks,
-    fit_runtime,
-    probe_seconds,
-    scale_layer,
-    trace_runtime,
-)
+from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds, scale_layer,
+                  trace_runtime)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer
 
 __all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed"]

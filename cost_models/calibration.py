@@ -41,8 +41,10 @@ from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel
 from .cluster import Cluster, LinkSpec
 from .device import DeviceSpec
+from .files import FileError, one_line, prepare_output, read_text
 from .model_spec import ModelSpec, load_model, spec_from_dict
-from .transformer import _check_recompute, default_partition, transformer_layers
+from .partition import default_partition
+from .transformer import _check_recompute, transformer_layers
 
 FORMAT = "pipetwin-calibration/1"
 KINDS = ("embedding", "block", "head")
@@ -262,18 +264,20 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
 def load_profile(path: str | Path) -> CalibrationProfile:
     """Read a calibration profile YAML file (see the module docstring for the format)."""
     p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"calibration profile {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        text = read_text(p, "calibration profile")
+    except FileError as e:
+        raise SpecError(str(e)) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise SpecError(f"{p}: not valid YAML ({e})") from None
+        raise SpecError(f"{p}: not valid YAML ({one_line(e)})") from None
     return profile_from_dict(data, str(p))
 
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
     """Write a profile (per-layer form) that :func:`load_profile` reads back unchanged."""
-    p = Path(path)
+    p = prepare_output(path, "calibration profile")
     p.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
     return p
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Sequence
 
+from schedules.ir import SEND
+
 from .cluster import Cluster
 from .network import Link, Network
 
@@ -176,3 +178,17 @@ def step_time(network: Network, transfers: Sequence[Transfer]) -> float:
 
 def steps_time(network: Network, steps: Sequence[Sequence[Transfer]]) -> float:
     return sum(step_time(network, s) for s in steps)
+
+
+def links_used(sched, network: Network) -> set[str]:
+    """Names of the links a lowered schedule's messages and all-reduces cross on ``network`` (the
+    same paths and all-reduce phases the simulator uses). Replicas run their device's program, so
+    the device programs' pairs, shifted per replica, are every rank's."""
+    D = sched.num_devices
+    dev_pairs = {(d, op.peer) for d in range(D) for op in sched.programs[d] if op.kind == SEND}
+    pairs = {(a + i * D, b + i * D) for i in range(sched.replicas) for a, b in dev_pairs}
+    for s in range(sched.num_stages):
+        group = sched.stage_group(s)
+        if len(group) > 1:
+            pairs |= {(a, b) for _, transfers in allreduce_phases(network, group, 1.0) for a, b, _ in transfers}
+    return {ln.name for a, b in pairs for ln in network.path(a, b)}

@@ -17,10 +17,9 @@ Two sources:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from cost_models.files import read_bytes
 from cost_models.model_spec import ModelSpec
 
 
@@ -39,13 +38,8 @@ class TokenSource:
         self.seed = seed
         self.text: torch.Tensor | None = None
         if text_file:
-            path = Path(text_file)
-            if not path.is_file():
-                raise FileNotFoundError(f"data file {path} does not exist")
-            raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).to(torch.int64)
-            if raw.numel() < spec.seq_len + 2:
-                raise ValueError(f"data file {path} has {raw.numel()} bytes; it needs at least "
-                                 f"{spec.seq_len + 2} (seq_len + 2)")
+            data = read_bytes(text_file, "data file", min_bytes=spec.seq_len + 2)
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
             self.text = raw % spec.vocab
         g = torch.Generator().manual_seed(_mix(seed, 17))
         V = spec.vocab

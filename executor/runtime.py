@@ -42,6 +42,7 @@ from schedules.ir import ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op
 from schedules.trace import TraceRow
 
 from .backward import full_backward, input_backward, weight_backward
+from .config import parse_fault
 from .data import TokenSource
 from .device import DeviceContext
 from .p2p import CommError, Mailbox, wait_work
@@ -292,12 +293,9 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 def _parse_fault(fault: str | None, rank: int):
-    """``"RANK:TOKEN[:STEP]"`` -> (token, step or None) when it targets this rank."""
+    """``"RANK:TOKEN[:STEP]"`` (:func:`executor.config.parse_fault`) -> (token, step or None) when it
+    targets this rank."""
     if not fault:
         return None
-    parts = fault.split(":")
-    if len(parts) not in (2, 3):
-        raise ValueError(f"fault must be RANK:TOKEN[:STEP]; got {fault!r}")
-    if int(parts[0]) != rank:
-        return None
-    return parts[1], (int(parts[2]) if len(parts) == 3 else None)
+    f = parse_fault(fault)
+    return (f.token, f.step) if f.rank == rank else None

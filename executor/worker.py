@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -105,7 +106,15 @@ def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_worl
         raise ValueError(f"jobs of one launch must use one device kind; got {sorted(devices)}")
     ctx = init_world(devices.pop(), rank, world, local_rank, local_world, max(j.config.timeout for j in jobs))
     groups = ProcessGroups(world, ctx.backend)
-    results = [run_job(job, rank, world, ctx, groups) for job in jobs]
+    total = sum(j.config.steps for j in jobs)
+    what = "training" if len(jobs) == 1 else f"{len(jobs)} runs"
+    done = [0]
+
+    def step_done(seconds: float) -> None:
+        done[0] += 1
+        if rank == 0:
+            report_progress(done[0], total, what, seconds)
+    results = [run_job(job, rank, world, ctx, groups, on_step=step_done) for job in jobs]
     dist.barrier()
     dist.destroy_process_group()
     return results if rank == 0 else None
@@ -151,14 +160,31 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     return RankSetup(runtime, modules, params, optimizer)
 
 
-def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RunResult | None:
+def report_progress(done: int, total: int, what: str, seconds: float) -> None:
+    """Rank 0 after each step: into the spawned launcher's progress file (it draws the bar), or under
+    torchrun a line on stderr when stderr is a terminal."""
+    work = os.environ.get("PIPETWIN_WORKDIR")
+    if work:
+        tmp = os.path.join(work, "progress.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{done} {total} {what}")
+        os.replace(tmp, os.path.join(work, "progress"))
+    elif sys.stderr.isatty():
+        print(f"pipetwin: {what}: step {done}/{total} ({seconds:.3g} s)", file=sys.stderr, flush=True)
+
+
+def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups",
+            on_step=None) -> RunResult | None:
     cfg, sched = job.config, job.schedule
     rs = setup_rank(job, rank, world, ctx, groups)
     probe_host = speed_probe(cfg.spec(), ctx, cfg.probe) if cfg.probe else None
     probe = probe_host() if probe_host else []
     rows, losses, peak = [], [], 0
     for step in range(cfg.steps):
+        t0 = time.perf_counter()
         out = rs.runtime.run_step(step)
+        if on_step is not None:
+            on_step(time.perf_counter() - t0)
         rows += out.rows
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)

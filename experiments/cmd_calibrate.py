@@ -3,36 +3,46 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .checks import output_file, positive_int
+
 NAME = "calibrate"
 HELP = "measure per-layer, P2P, all-reduce and runtime costs here; write a profile the simulator loads"
 
 
 def add_arguments(p):
     p.add_argument("--model", default="tiny", help="model preset or YAML file (default tiny)")
-    p.add_argument("--ranks", type=int, default=2, help="ranks the predicted runs put on this host (default 2)")
-    p.add_argument("--repeats", type=int, default=20, help="timings per measurement (median)")
-    p.add_argument("--out", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")
+    p.add_argument("--ranks", type=positive_int, default=2,
+                   help="ranks the predicted runs put on this host (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timings per measurement (median, >= 3)")
+    p.add_argument("--out", default="out/calibration.yaml", type=output_file,
+                   help="profile file (default out/calibration.yaml)")
 
 
-def main(args) -> int:
+def calibrate_with_progress(model: str, ranks: int, repeats: int = 20):
+    """:func:`calibration.calibrate` with a progress bar on stderr (one tick per stage)."""
     from tqdm import tqdm
 
     from calibration import calibrate, fit_ranks
-    from cost_models import save_profile
 
-    if args.ranks < 1 or args.repeats < 3:
-        raise ValueError("--ranks must be >= 1 and --repeats >= 3")
     stages = ["layers", "layer embedding", "layer block", "layer head", "optimizer", "communication",
               "runtime (traced runs)"]
-    if args.ranks > fit_ranks(args.ranks):
+    if ranks > fit_ranks(ranks):
         stages.append("oversubscribed cores (traced runs)")
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):
             bar.set_postfix_str(msg)
             bar.update(1)
-        prof = calibrate(args.model, ranks=args.ranks, repeats=args.repeats, progress=progress)
+        return calibrate(model, ranks=ranks, repeats=repeats, progress=progress)
+
+
+def main(args) -> int:
+    from cost_models import load_model, save_profile
+
+    if args.repeats < 3:
+        raise ValueError(f"--repeats must be >= 3; got {args.repeats}")
+    load_model(args.model)   # a bad --model fails before any measurement
+    prof = calibrate_with_progress(args.model, args.ranks, args.repeats)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(prof, out)
     blk = prof.layers[1]
     print(f"profile {prof.name}: block F {blk.f * 1e3:.3f} ms, B {blk.b * 1e3:.3f} ms "

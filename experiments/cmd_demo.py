@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from . import cmd_compare
+from .checks import output_dir, positive_int
 
 NAME = "demo"
 HELP = ("compare every schedule at D=4, N=8 and write figure, Chrome traces and table under out/, plus the "
@@ -11,9 +12,9 @@ HELP = ("compare every schedule at D=4, N=8 and write figure, Chrome traces and 
 
 
 def add_arguments(p):
-    p.add_argument("--out", default="out", help="output folder (default: out)")
-    p.add_argument("--devices", "-D", type=int, default=4)
-    p.add_argument("--microbatches", "-N", type=int, default=8)
+    p.add_argument("--out", default="out", type=output_dir, help="output folder (default: out)")
+    p.add_argument("--devices", "-D", type=positive_int, default=4)
+    p.add_argument("--microbatches", "-N", type=positive_int, default=8)
 
 
 def main(args) -> int:

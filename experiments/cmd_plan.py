@@ -13,9 +13,10 @@ import sys
 
 from cost_models._spec import size_bytes
 
+from .checks import output_file, positive_int
 from .common import parse_schedules, print_json
 from .costs import add_cluster_shape_args, load_shaped_cluster
-from .tables import fmt_table
+from .tables import byte_unit, fmt_bytes, fmt_table, wrap_cell
 
 NAME = "plan"
 HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner)"
@@ -23,21 +24,24 @@ HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE p
 
 def add_arguments(p):
     p.add_argument("--model", "-m", required=True,
-                   help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, or a DAPPLE paper model "
-                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36)")
+                   help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, a DAPPLE paper model "
+                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36), or a per-layer profile in PipeDream's graph "
+                        "format (FILE.txt, e.g. DAPPLE's released profiles)")
+    from .costs import add_cost_model_args
+    add_cost_model_args(p)
     p.add_argument("--cluster", "-c", required=True,
                    help="cluster preset or YAML file, optionally sized NAME:NODES (also v100-4x8-25gbe, a100-8x8-ib)")
     add_cluster_shape_args(p)
-    p.add_argument("--global-batch", "-G", type=int, required=True, help="samples (sequences) per iteration")
+    p.add_argument("--global-batch", "-G", type=positive_int, required=True, help="samples (sequences) per iteration")
     p.add_argument("--memory-limit", metavar="BYTES",
                    help="memory per device, e.g. '16 GiB' (default: the device's memory)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation (transformers)")
     p.add_argument("--schedules", default="dapple",
                    help="schedules to try on uniform plans, comma-separated (default dapple; e.g. dapple,gpipe,zb-h1)")
-    p.add_argument("--top", type=int, default=6, help="candidates re-simulated (default 6)")
-    p.add_argument("--devices", type=int, help="use at most this many of the cluster's devices")
-    p.add_argument("--max-stages", type=int, help="at most this many pipeline stages")
+    p.add_argument("--top", type=positive_int, default=6, help="candidates re-simulated (default 6)")
+    p.add_argument("--devices", type=positive_int, help="use at most this many of the cluster's devices")
+    p.add_argument("--max-stages", type=positive_int, help="at most this many pipeline stages")
     p.add_argument("--uniform", action="store_true", help="only R x D plans (every stage on R devices)")
     p.add_argument("--policies", default="fresh-first,append-first,scatter-first",
                    help="placement policies to search (comma-separated)")
@@ -45,7 +49,7 @@ def add_arguments(p):
     p.add_argument("--no-baselines", action="store_true", help="skip the PipeDream and data-parallel baselines")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", metavar="PLAN.json", help="write the plan file")
+    p.add_argument("--out", metavar="PLAN.json", type=output_file, help="write the plan file")
 
 
 def _parse_limit(text):
@@ -57,6 +61,9 @@ def _parse_limit(text):
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
     from planner.clusters import resolve_cluster
+    from planner.workload import is_profile_path
+
+    from .costs import cost_model_for
 
     if args.global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1; got {args.global_batch}")
@@ -64,13 +71,15 @@ def main(args) -> int:
         raise ValueError(f"--top must be >= 1; got {args.top}")
     scheds = parse_schedules(args.schedules)
     cluster = load_shaped_cluster(args, resolve_cluster)
+    cost_model = cost_model_for(args.cost_model, cluster.device, is_profile_path(args.model))
     limit = _parse_limit(args.memory_limit)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
                         max_stages=args.max_stages, uniform=args.uniform, devices=args.devices)
     res = plan_training(args.model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
                         schedules=scheds, top_k=args.top, simulate=not args.no_simulate,
                         baselines=not args.no_baselines, progress=not args.no_progress and sys.stderr.isatty(),
-                        space=space, model_name=args.model)
+                        space=space, model_name=args.model, cost_model=cost_model,
+                        profile_batch=args.profile_batch)
     best = res.best
     rec = plan_record(best.plan, res.workload, cluster, limit, best.estimate, best.sim)
     if args.out:
@@ -94,36 +103,46 @@ def main(args) -> int:
     return 0
 
 
+def _say(text: str, width: int = 120) -> None:
+    """A line of prose, wrapped to ``width`` columns (continuation lines indented)."""
+    import textwrap
+    lead = len(text) - len(text.lstrip())
+    print(textwrap.fill(text, width, initial_indent="", subsequent_indent=" " * (lead + 4),
+                        break_long_words=False, break_on_hyphens=False, drop_whitespace=True)
+          if len(text) > width else text)
+
+
 def _print_human(res, rec, base, stats, args) -> None:
     best, cl, work = res.best, res.cluster, res.workload
     plan, est = best.plan, best.estimate
-    gib = 2 ** 30
     print(f"DAPPLE plan for {args.model} on {cl.name} ({cl.num_devices} x {cl.device.name}), global batch "
-          f"{plan.global_batch}")
+          f"{plan.global_batch}, {work.cost_model} cost model")
     print(f"  {plan.describe()}")
     per = "" if not plan.uniform else f" ({plan.micro_batch // plan.dp} per pipeline replica)"
     print(f"  {plan.microbatches} micro-batches of {plan.micro_batch} samples{per}; devices in use "
           f"{plan.devices_used} of {cl.num_devices}")
     dpn = cl.devices_per_node
+    unit, div = byte_unit([se.memory for se in est.stages])
+    mem = f"memory_{unit}"
     rows = []
     for s, (st, se) in enumerate(zip(plan.stages, est.stages)):
         nodes = sorted({d // dpn for d in st.devices})
         first, last = work.layer_names[st.start], work.layer_names[st.stop - 1]
         rows.append({"stage": s, "layers": f"{st.start}-{st.stop - 1} ({first}..{last})", "replicas": st.replicas,
                      "nodes": ",".join(map(str, nodes)), "fwd_ms": se.f * 1e3, "bwd_ms": se.b * 1e3,
-                     "allreduce_ms": se.allreduce * 1e3, "memory_GiB": se.memory / gib})
-    print(fmt_table(rows, ["stage", "layers", "replicas", "nodes", "fwd_ms", "bwd_ms", "allreduce_ms", "memory_GiB"],
-                    {"fwd_ms": "{:.2f}", "bwd_ms": "{:.2f}", "allreduce_ms": "{:.2f}", "memory_GiB": "{:.2f}"}))
-    print(f"  analytical: L = {est.latency:.4g} s = warm-up {est.warmup:.4g} + steady {est.steady:.4g} + "
+                     "allreduce_ms": se.allreduce * 1e3, mem: se.memory / div})
+    print(fmt_table(rows, ["stage", "layers", "replicas", "nodes", "fwd_ms", "bwd_ms", "allreduce_ms", mem],
+                    {"fwd_ms": "{:.2f}", "bwd_ms": "{:.2f}", "allreduce_ms": "{:.2f}", mem: "{:.3g}"}))
+    _say(f"  analytical: L = {est.latency:.4g} s = warm-up {est.warmup:.4g} + steady {est.steady:.4g} + "
           f"ending {est.ending:.4g} (pivot {est.pivot}); with 1F1B round trips {est.latency_rt:.4g} s"
           + ("" if plan.schedule == "dapple" else f"  [the model is DAPPLE's 1F1B; {plan.schedule} is simulated]"))
     cap = res.capacity
     if best.sim is not None:
         sm = best.sim
-        print(f"  simulated: iteration {sm.iteration_time:.4g} s "
+        _say(f"  simulated: iteration {sm.iteration_time:.4g} s "
               f"({plan.global_batch / sm.iteration_time:.1f} samples/s), "
-              f"bubble {sm.bubble_ratio:.3f}, peak memory {sm.peak_memory / gib:.2f} GiB"
-              + (f" of {cap / gib:.1f} GiB" if cap else ""))
+              f"bubble {sm.bubble_ratio:.3f}, peak memory {fmt_bytes(sm.peak_memory)}"
+              + (f" of {fmt_bytes(cap)}" if cap else ""))
     rows = []
     for key, label in (("dapple", "DAPPLE planner"), ("pipedream", "PipeDream planner"),
                        ("data_parallel", "data parallel")):
@@ -137,20 +156,25 @@ def _print_human(res, rec, base, stats, args) -> None:
                      "dapple_speedup": b["speedup_of_dapple"], "detail": b["plan"]})
     if rows:
         kind = "simulated" if best.sim is not None else "analytical"
-        print(f"baselines ({kind} iteration times):")
-        print(fmt_table(rows, ["plan", "iteration_s", "dapple_speedup", "detail"],
+        print(f"baselines ({kind} iteration times; each plan below the table):")
+        print(fmt_table(rows, ["plan", "iteration_s", "dapple_speedup"],
                         {"iteration_s": "{:.4g}", "dapple_speedup": "{:.2f}x"}))
-    print(f"search: {stats['seconds']:.2f} s, {stats['stage_placements_evaluated']:,} stage placements evaluated, "
+        for r in rows:   # the details run to hundreds of characters: wrapped under the table
+            lines = wrap_cell(r["detail"], 116 - len(r["plan"]))
+            print(f"  {r['plan']}: {lines[0]}")
+            for line in lines[1:]:
+                print(" " * (len(r["plan"]) + 4) + line)
+    _say(f"search: {stats['seconds']:.2f} s, {stats['stage_placements_evaluated']:,} stage placements evaluated, "
           f"{stats['complete_plans']:,} complete plans, {stats['configurations']} (micro-batch count, policy) "
           f"configurations; {len(stats['candidates'])} candidates re-simulated; baselines "
           f"{stats['baseline_seconds']:.2f} s")
     run = rec["run"]
     if run is not None:
-        print(f"executor: pipetwin run --schedule {run['schedule']} --devices {run['devices']} --microbatches "
+        _say(f"executor: pipetwin run --schedule {run['schedule']} --devices {run['devices']} --microbatches "
               f"{run['microbatches']} --dp {run['dp']}  (micro-batch {run['micro_batch']} per replica, partition "
               f"{run['partition']}; or --plan FILE)")
     else:
-        print("executor: a non-uniform plan (stage replicas " + ":".join(map(str, plan.replicas))
+        _say("executor: a non-uniform plan (stage replicas " + ":".join(map(str, plan.replicas))
               + "): run it with 'pipetwin run --plan FILE' (sub-batches as model copies)")
     if args.out:
         print(f"wrote plan file: {args.out}")

@@ -5,7 +5,9 @@ Spawns D x R ranks (CPU + gloo) or, under ``torchrun``, runs as one of its ranks
 same batches in this one process. Both print the same fields; ``--json`` prints
 ``losses`` (one per step), ``iteration_times`` (s) and ``per_device`` with
 ``peak_activation_bytes`` (and ``peak_activation_ma``, in units of Ma = ``ma_bytes``).
-A rank that fails ends the run: exit status 1 with the failing rank's traceback.
+A rank that fails ends the run: exit status 1 with the failing rank's traceback, or with the
+signal of a rank killed from outside. ``--inject-fault RANK:TOKEN[:STEP]`` makes a rank raise at
+one op of its program (checked against the program first), to try that out.
 
 ``--plan PLAN.json`` runs a plan written by ``pipetwin plan --out`` instead of -s/-D/-N/--dp/--model:
 uniform plans (R replicas of a D-stage pipeline) with the named schedule, non-uniform plans (stage s
@@ -16,13 +18,13 @@ torchrun rank r runs where torchrun starts it, so launch in the plan's order (a 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from schedules.trace import write_chrome
 
+from .checks import check_run_size, input_file, nonneg_int, output_file, positive_float, positive_int
 from .common import add_schedule_args, check_schedule_args, print_json
-from .tables import fmt_table
+from .tables import byte_unit, fmt_bytes, fmt_table
 
 NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
@@ -31,23 +33,27 @@ HELP = "train a model with a schedule on torch.distributed (or --reference: in o
 def add_arguments(p):
     add_schedule_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
     p.add_argument("--model", default=None, help="model preset name or YAML file (default: tiny)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps (default 3)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the weights and the synthetic data")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam, or sgd with momentum 0.9")
-    p.add_argument("--data", metavar="FILE", help="train on the bytes of a text file (default: synthetic tokens)")
+    p.add_argument("--data", metavar="FILE", type=input_file,
+                   help="train on the bytes of a text file (default: synthetic tokens)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK + NCCL under torchrun when CUDA exists, else CPU + gloo")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a receive or all-reduce may wait (default 60)")
-    p.add_argument("--recv-lookahead", type=int, default=0,
+    p.add_argument("--timeout", type=positive_float, default=60.0,
+                   help="seconds a receive or all-reduce may wait (default 60)")
+    p.add_argument("--recv-lookahead", type=nonneg_int, default=0,
                    help="receives posted ahead per peer, each holding a buffer (default 0 = all at step start)")
     p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
     p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", metavar="FILE.csv", help="write the merged trace as CSV")
-    p.add_argument("--chrome-trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--plot", metavar="FILE.png", help="write the timeline figure")
-    p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]", help=argparse.SUPPRESS)
+    p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the merged trace as CSV")
+    p.add_argument("--chrome-trace", metavar="FILE.json", type=output_file, help="write a Chrome/Perfetto trace")
+    p.add_argument("--plot", metavar="FILE.png", type=output_file, help="write the timeline figure")
+    p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]",
+                   help="make RANK raise at the op TOKEN of its program (e.g. 1:F2.s1, 0:RG1.s0<1:2 in step 2) to "
+                        "check that a failure ends the run; the token must be in that rank's program")
 
 
 def _common_options(args) -> dict:
@@ -57,8 +63,12 @@ def _common_options(args) -> dict:
 
 
 def config_from_args(args):
+    from cost_models import load_model
     from executor.config import RunConfig
     check_schedule_args(args)
+    spec = load_model(args.model or "tiny")
+    check_run_size(devices=args.devices, microbatches=args.microbatches, replicas=args.dp, chunks=args.chunks,
+                   layers=spec.layers, model_name=spec.name)   # before anything is built
     return RunConfig(schedule=args.schedule, devices=args.devices, microbatches=args.microbatches,
                      chunks=args.chunks, variant=args.variant, replicas=args.dp, model=args.model or "tiny",
                      eager_allreduce=not args.no_eager, **_common_options(args))
@@ -72,6 +82,15 @@ def plan_config_from_args(args):
 
 
 def main(args) -> int:
+    from executor.config import FaultError
+
+    try:
+        return _main(args)
+    except FaultError as e:
+        raise ValueError(f"--inject-fault {args.inject_fault}: {e}") from None
+
+
+def _main(args) -> int:
     from executor.config import lowered_schedule
     from executor.launch import LaunchError, run
     from executor.reference import run_reference
@@ -158,12 +177,16 @@ def _print_human(result, args) -> None:
     steps = [{"step": i, "loss": l, "iteration_s": t}
              for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]
     print(fmt_table(steps, ["step", "loss", "iteration_s"], {"loss": "{:.6f}", "iteration_s": "{:.4f}"}))
-    print(f"throughput {result.throughput:.1f} sequences/s (steps after the first); Ma = {result.ma_bytes:.0f} B")
-    cols = ["device", "peak_activation_bytes", "peak_activation_ma"]
+    print(f"throughput {result.throughput:.1f} sequences/s (steps after the first); Ma = {fmt_bytes(result.ma_bytes)} "
+          f"(one micro-batch's activations over the whole model / D)")
+    unit, div = byte_unit([d["peak_activation_bytes"] for d in result.per_device])
+    act = f"peak_activation_{unit}"
+    rows = [{**d, act: d["peak_activation_bytes"] / div} for d in result.per_device]
+    cols = ["device", act, "peak_activation_ma"]
     if result.trace is not None:
         cols += ["busy_s", "bubble_ratio"]
-    print(fmt_table(result.per_device, cols, {"peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}",
-                                              "bubble_ratio": "{:.3f}"}))
+    print(fmt_table(rows, cols, {act: "{:.4g}", "peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}",
+                                 "bubble_ratio": "{:.3f}"}))
     for what, path in (("trace", args.trace), ("chrome trace", args.chrome_trace), ("figure", args.plot)):
         if path:
             print(f"wrote {what}: {path}")

@@ -12,8 +12,9 @@ import sys
 
 from cost_models import MAPPINGS
 
-from .common import check_writable, parse_schedules
-from .costs import DEFAULT_CLUSTER, DEFAULT_MODEL, add_cluster_shape_args
+from .checks import output_dir, positive_int
+from .common import parse_schedules
+from .costs import DEFAULT_CLUSTER, DEFAULT_MODEL, add_cluster_shape_args, add_cost_model_args
 from .tables import fmt_table
 
 NAME = "sweep"
@@ -30,16 +31,18 @@ def add_arguments(p):
     p.add_argument("--cluster", "-c", default=DEFAULT_CLUSTER,
                    help=f"cluster preset or YAML file, optionally NAME:NODES (default {DEFAULT_CLUSTER})")
     add_cluster_shape_args(p)
+    add_cost_model_args(p)
     p.add_argument("--unit-costs", action="store_true", help="closed-form unit costs instead of model x cluster")
     p.add_argument("--profile", metavar="FILE.yaml", help="a calibration profile's costs and network")
     p.add_argument("--device-map", default="sequential", choices=sorted(MAPPINGS),
                    help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    p.add_argument("--chunks", "-v", type=int, default=2, help="chunks per device for interleaved schedules")
+    p.add_argument("--chunks", "-v", type=positive_int, default=2, help="chunks per device for interleaved schedules")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end")
     p.add_argument("--exact", action="store_true", help="simulate every replica even when they are identical")
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for sweep.csv, sweep.jsonl and the figures")
-    p.add_argument("--workers", type=int, default=None, help="local worker processes (default: all cores)")
+    p.add_argument("--out", required=True, metavar="DIR", type=output_dir,
+                   help="folder for sweep.csv, sweep.jsonl and the figures")
+    p.add_argument("--workers", type=positive_int, default=None, help="local worker processes (default: all cores)")
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run the points on a Ray cluster (ADDRESS, e.g. 'auto'; alone: a local Ray); "
                         "needs pip install 'pipetwin[ray]'")
@@ -54,25 +57,22 @@ def main(args) -> int:
                 micro_batch=(None,) if args.micro_batch is None else parse_ints(args.micro_batch, "--micro-batch"))
     if args.unit_costs and args.micro_batch is not None:
         raise ValueError("--micro-batch has no meaning with --unit-costs; drop one")
-    if args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers must be >= 1; got {args.workers}")
     if args.workers is not None and args.ray is not None:
         raise ValueError("--workers is for local processes; Ray places the points itself (drop one)")
-    if args.chunks < 1:
-        raise ValueError(f"--chunks must be >= 1; got {args.chunks}")
-    check_writable(args.out, "--out", directory=True)
     # fail fast on what every point shares (a bad model, cluster or fabric), before any worker starts
     from .costs import load_shaped_cluster
     if not args.unit_costs and not args.profile:
-        from cost_models import load_model
-        load_model(args.model)
+        if not str(args.model).endswith(".txt"):
+            from cost_models import load_model
+            load_model(args.model)
         load_shaped_cluster(args)
     elif args.profile and not os.path.isfile(args.profile):
         raise FileNotFoundError(f"--profile: no such file: {args.profile}")
     common = Common(model=args.model, cluster=args.cluster, nodes=args.nodes, fabric=args.fabric,
                     oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf,
                     unit_costs=args.unit_costs, profile=args.profile, device_map=args.device_map,
-                    recompute=args.recompute, chunks=args.chunks, no_eager=args.no_eager, exact=args.exact)
+                    recompute=args.recompute, chunks=args.chunks, no_eager=args.no_eager, exact=args.exact,
+                    cost_model=args.cost_model, profile_batch=args.profile_batch)
     rows = run_sweep(grid, common, args.out, workers=args.workers, use_ray=args.ray is not None,
                      ray_address=args.ray, progress=not args.no_progress and sys.stderr.isatty(),
                      figures=not args.no_figures)

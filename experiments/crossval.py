@@ -128,32 +128,9 @@ def run_and_compare(schedules: list[str], devices: int, microbatches: int, repli
 
 
 def plot_overlay(comps: list[Comparison], path) -> None:
-    """Simulated (outline) over measured (filled) timelines, one panel per schedule."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    n = len(comps)
-    fig, axes = plt.subplots(n, 1, figsize=(12, sum(0.9 + 0.5 * c.devices * c.replicas for c in comps)),
-                             squeeze=False)
-    cmap = plt.get_cmap("tab10")
-    for ax, c in zip(axes[:, 0], comps):
-        for tr, filled in ((c.measured_trace, True), (c.simulated_trace, False)):
-            t = tr[tr["kind"].isin(["F", "B", "W"])]
-            t0 = tr["start"].min()
-            for row in t.itertuples(index=False):
-                y = row.device
-                colour = cmap(row.microbatch % 10)
-                if filled:
-                    ax.barh(y, row.end - row.start, left=row.start - t0, height=0.8, color=colour,
-                            alpha=0.45 if row.kind == "F" else 0.9, linewidth=0)
-                else:
-                    ax.barh(y, row.end - row.start, left=row.start - t0, height=0.8, fill=False,
-                            edgecolor="black", linewidth=0.6)
-        ax.set_title(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms (filled) vs simulated "
-                     f"{c.simulated_iteration_time * 1e3:.1f} ms (outlined), error {c.error:+.1%}", fontsize=9)
-        ax.set_yticks(range(c.devices * c.replicas), [f"rank {r}" for r in range(c.devices * c.replicas)], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_xlabel("seconds", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """Simulated (outline) over measured (filled) timelines, one panel per schedule
+    (:func:`experiments.plots.plot_overlay`)."""
+    from .plots import plot_overlay as draw
+    draw([(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms vs simulated "
+           f"{c.simulated_iteration_time * 1e3:.1f} ms, error {c.error:+.1%}", c.measured_trace, c.simulated_trace)
+          for c in comps], path)

@@ -60,6 +60,8 @@ class Common:
     chunks: int = 2
     no_eager: bool = False
     exact: bool = False
+    cost_model: str | None = None
+    profile_batch: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,13 +87,17 @@ def parse_ints(text: str, option: str) -> tuple[int, ...]:
 
 
 def _namespace(point: Point, common: Common) -> argparse.Namespace:
-    """The options ``pipetwin simulate`` would parse for this point."""
+    """The options ``pipetwin simulate`` would parse for this point (the model and cluster options
+    only where the cost source is the model x cluster formulas, as simulate requires)."""
+    formulas = not (common.unit_costs or common.profile)
+    pick = lambda v: v if formulas else None  # noqa: E731
     return argparse.Namespace(
         schedule=point.schedule, devices=point.devices, microbatches=point.microbatches, dp=point.dp,
         micro_batch=point.micro_batch, chunks=common.chunks, variant=None, no_eager=common.no_eager, plan=None,
-        unit_costs=common.unit_costs, model=common.model, cluster=common.cluster, profile=common.profile,
-        nodes=common.nodes, fabric=common.fabric, oversubscription=common.oversubscription,
-        nodes_per_leaf=common.nodes_per_leaf, device_map=common.device_map, recompute=common.recompute,
+        unit_costs=common.unit_costs, model=pick(common.model), cluster=pick(common.cluster), profile=common.profile,
+        nodes=pick(common.nodes), fabric=pick(common.fabric), oversubscription=pick(common.oversubscription),
+        nodes_per_leaf=pick(common.nodes_per_leaf), cost_model=pick(common.cost_model),
+        profile_batch=pick(common.profile_batch), device_map=common.device_map, recompute=common.recompute,
         slowdown=[], slow_link=[], jitter=0.0, seed=0, exact=common.exact)
 
 

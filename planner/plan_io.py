@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cost_models import Cluster, cluster_from_dict
+from cost_models._spec import size_bytes
+from cost_models.files import one_line, prepare_output, read_text
 
-from .models import workload_from_source
+from .load import workload_from_source
 from .plan import Plan
 from .simulate import Built, SimOutcome, build_plan, simulate_plan
 from .workload import Workload
@@ -59,9 +61,7 @@ def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: floa
 def save_plan(path, plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,
               est=None, sim: SimOutcome | None = None) -> dict:
     rec = plan_record(plan, work, cluster, memory_limit, est, sim)
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    p = prepare_output(path, "plan file")
     p.write_text(json.dumps(rec, indent=2) + "\n")
     return rec
 
@@ -142,16 +142,17 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:
     if max(d for st in plan.stages for d in st.devices) >= cluster.num_devices:
         raise ValueError(f"{source}: the plan uses devices beyond the cluster's {cluster.num_devices}")
     lim = rec.get("memory_limit")
-    return LoadedPlan(plan, work, cluster, None if lim is None else float(lim), rec)
+    if lim is not None:
+        lim = size_bytes(lim, source, "memory_limit")
+    return LoadedPlan(plan, work, cluster, lim, rec)
 
 
 def load_plan(path) -> LoadedPlan:
     """Read a plan file written by ``pipetwin plan --out`` (see the module docstring)."""
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"plan file {p} does not exist")
+    text = read_text(p, "plan file")
     try:
-        rec = json.loads(p.read_text())
+        rec = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
+        raise ValueError(f"{p}: not valid JSON ({one_line(e)})") from None
     return plan_from_record(rec, str(p))

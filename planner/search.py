@@ -1,6 +1,8 @@
 """Searching the plan space: an exact dynamic programme over stage suffixes, with pruning.
 
 The space (DAPPLE's): the number of micro-batches M (a divisor of the global batch G; b = G / M),
+whose choice matters when per-sample costs depend on the micro-batch (the kernel cost model: a
+replica of q = b / r samples runs at the per-sample times of q, :meth:`Workload.at`),
 the number of stages S, a contiguous partition of the layers, the replicas r_s of every stage (a
 divisor of b, so each replica gets b / r_s whole samples), the placement policy
 (:mod:`planner.placement`), with at most the cluster's devices in use and every device's memory
@@ -184,8 +186,10 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     if not reps:
         return
     min_slot = min(slots[r] for r in reps)
+    # per-sample times at each replica's share of the micro-batch; the bounds use the smallest
+    lo = work.floor([b // r for r in reps])
     cap = ctx.capacity
-    g = _sqrt_work_bound(work, cap)   # prefix round trips: sum rt >= g[i]^2 b / devices
+    g = _sqrt_work_bound(lo, cap)     # prefix round trips: sum rt >= g[i]^2 b / devices
     needs: dict[int, list[float]] = {}    # w -> slots layers [0, i) need with w micro-batches in flight
 
     def need(w: int) -> list[float]:
@@ -196,8 +200,8 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
             tab = needs[w] = _need_table(work, b, w, [(r, slots[r]) for r in reps], cap)
         return tab
 
-    N = topo.num_devices             # stages pack against the end of the allocation order
-    period = topo.translation_period(policy)
+    env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps, slots=slots,
+                 min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy))
     fronts: list[dict] = [dict() for _ in range(L + 1)]
     # a label: (p, v, t, n, stages, path, k) for the suffix [j, L) on the last k slots: p = slowest
     # element (PipeDream), v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only
@@ -213,16 +217,34 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
             for lab in mixed:
                 by_k.setdefault(lab[6], []).append(lab)
             for k, labels in by_k.items():
-                _extend(ctx, M, policy, j, k, r1, labels, fronts, period, reps, slots, min_slot, need, g, N)
+                _extend(ctx, env, j, k, r1, labels, fronts)
 
 
-def _extend(ctx, M, policy, j, k, r1, labels, fronts, period, reps, slots, min_slot, need, g, N) -> None:
+@dataclass(frozen=True, kw_only=True)
+class _DPEnv:
+    """What one (M, policy) search shares between its steps (see :func:`_dp`)."""
+
+    M: int
+    policy: str
+    b: int
+    lo: Workload            # the smallest per-sample times over the replica counts (bounds)
+    at_q: dict              # replicas -> the workload at its share of the micro-batch
+    reps: list
+    slots: dict
+    min_slot: int
+    need: object            # w -> need table
+    g: list
+    N: int                  # the allocation order's length (stages pack against its end)
+    period: int | None
+
+
+def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list) -> None:
     """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (first stage r1)."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
-    b = ctx.G // M
+    M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
     pd = ctx.objective == "pipedream"
     rtm = ctx.objective == "dapple-rt"
-    cf, cb, ca, cp, out = work._cf, work._cb, work._ca, work._cp, work.out_bytes
+    cf, cb, ca, cp, out = env.lo._cf, env.lo._cb, work._ca, work._cp, work.out_bytes
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     cap = ctx.capacity
     Mm1 = M - 1
@@ -230,18 +252,19 @@ def _extend(ctx, M, policy, j, k, r1, labels, fronts, period, reps, slots, min_s
     uniform = ctx.space.uniform
     devs1 = topo.devices(policy, N - k, r1) if k else None
     X = out[j - 1] * b
-    for r in reps:
+    for r in env.reps:
         if k and uniform and r != r1:
             continue
-        sl = slots[r]
+        sl = env.slots[r]
         k2 = k + sl
         if k2 > P:
             continue
         key = (k2 % period if period else k2, r)
         free = P - k2
-        more = free >= min_slot
+        more = free >= env.min_slot
         devs = topo.devices(policy, N - k2, r)
         q = b / r
+        cfq, cbq = env.at_q[r]._cf, env.at_q[r]._cb
         alpha, beta = topo.allreduce_coef(devs)
         if k:
             ca_, cg_ = topo.transfer(devs, devs1, X), topo.transfer(devs1, devs, X)
@@ -267,7 +290,7 @@ def _extend(ctx, M, policy, j, k, r1, labels, fronts, period, reps, slots, min_s
             else:
                 p1, v1, t1 = p, v, t
             can_more = more and (limit is None or cnt2 < limit)
-            need_w = need(n2 + 1 if n2 < M else M)
+            need_w = env.need(n2 + 1 if n2 < M else M)
             i = j - 1
             while i >= 0:
                 if not can_more and i > 0:
@@ -275,14 +298,13 @@ def _extend(ctx, M, policy, j, k, r1, labels, fronts, period, reps, slots, min_s
                 par = cp[j] - cp[i]
                 if par * bps + n2 * (ca[j] - ca[i]) * q > cap:
                     break
-                bw = (cb[j] - cb[i]) * q
-                rt = (cf[j] - cf[i]) * q + bw
+                bw = (cbq[j] - cbq[i]) * q
+                rt = (cfq[j] - cfq[i]) * q + bw
                 ar = alpha + beta * par * gbp if (alpha or beta) and par > 0 else 0.0
                 x = Mm1 * rt
                 if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
                     p2 = p1 + rt
-                    y = p1 + Mm1 * p2 / n2
-                    v2 = rt + max(x, v1, y)
+                    v2 = rt + max(x, v1, p1 + Mm1 * p2 / n2)
                 else:
                     v2 = rt + (x if x > v1 else v1)
                     p2 = max(p1, rt, ar / r)

@@ -17,50 +17,31 @@ Inserted ops:
 from __future__ import annotations
 
 from .common import gc_paused
-from .ir import (
-    ACT,
-    ALLREDUCE,
-    COPY,
-    GRAD,
-    OPTIM,
-    RECV,
-    SEND,
-    B,
-    F,
-    Op,
-    Schedule,
-    ScheduleError,
-    W,
-    consumer_stage,
-    message_key,
-    new_op,
-    producer_stage,
-)
+from .ir import (ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op, Schedule, ScheduleError, W, consumer_stage,
+                 message_key, new_op, producer_stage)
 from .timing import key, time_programs, unit_duration
 
 _PAYLOAD = {F: ACT, B: GRAD}   # what a forward / an input-gradient backward hands on
 
 
-def outgoing(op: Op, sched: Schedule) -> tuple[str, int, int] | None:
-    """(payload, destination stage, destination device) of the message a compute op produces."""
+def _neighbour(op: Op, sched: Schedule, other_stage) -> tuple[str, int, int] | None:
     payload = _PAYLOAD.get(op.kind)
     if payload is None:
         return None
-    dst = consumer_stage(payload, op.stage)
-    if not 0 <= dst < sched.num_stages:
+    st = other_stage(payload, op.stage)
+    if not 0 <= st < sched.num_stages:
         return None
-    return payload, dst, sched.placement[op.copy][dst]
+    return payload, st, sched.placement[op.copy][st]
+
+
+def outgoing(op: Op, sched: Schedule) -> tuple[str, int, int] | None:
+    """(payload, destination stage, destination device) of the message a compute op produces."""
+    return _neighbour(op, sched, consumer_stage)
 
 
 def incoming(op: Op, sched: Schedule) -> tuple[str, int, int] | None:
     """(payload, source stage, source device) of the message a compute op consumes."""
-    payload = _PAYLOAD.get(op.kind)
-    if payload is None:
-        return None
-    src = producer_stage(payload, op.stage)
-    if not 0 <= src < sched.num_stages:
-        return None
-    return payload, src, sched.placement[op.copy][src]
+    return _neighbour(op, sched, producer_stage)
 
 
 def lower(sched: Schedule, *, replicas: int = 1, eager: bool = True) -> Schedule:

@@ -41,6 +41,7 @@ The engine knows no schedule by name: everything it does is driven by op kinds a
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from functools import partial
@@ -53,21 +54,8 @@ from cost_models.base import StageCosts
 from cost_models.comm import allreduce_phases, ring_allreduce_time
 from cost_models.network import Network
 from schedules.common import gc_paused
-from schedules.ir import (
-    ACT,
-    ALLREDUCE,
-    COPY,
-    OPTIM,
-    RECV,
-    SEND,
-    B,
-    F,
-    Schedule,
-    ScheduleError,
-    W,
-    activation_change,
-    source_stage,
-)
+from schedules.ir import (ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedule, ScheduleError, W, activation_change,
+                          source_stage)
 from schedules.lower import lower
 from schedules.trace import COLUMNS, DeviceMetrics, Metrics, TraceRow, make_trace
 
@@ -100,6 +88,17 @@ class SimOptions:
     steps: int = 1
     comm_uses_cores: bool = False
     exact: bool = False
+
+    def __post_init__(self):
+        # a NaN or infinite factor would stall the event loop (a time that never comes) or print nonsense
+        for what, table in (("slowdown", self.slowdown), ("link_slowdown", self.link_slowdown)):
+            for k, v in table.items():
+                if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                    raise ValueError(f"SimOptions.{what}[{k!r}] must be a finite number > 0; got {v!r}")
+        if not (math.isfinite(self.jitter) and self.jitter >= 0):
+            raise ValueError(f"SimOptions.jitter must be a finite number >= 0; got {self.jitter!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"SimOptions.steps must be an integer >= 1; got {self.steps!r}")
 
 
 class SimulationError(RuntimeError):
@@ -193,18 +192,41 @@ _new_row = partial(tuple.__new__, TraceRow)
 
 
 def simulate(sched: Schedule, costs: StageCosts, network: Network | None = None,
-             options: SimOptions | None = None, *, eager: bool = True) -> pd.DataFrame:
-    """Simulate one training iteration of ``sched`` (lowered here if it is not) and return its trace."""
-    return run(sched, costs, network, options, eager=eager, trace=True).trace()
+             options: SimOptions | None = None, *, eager: bool = True, free_comm: bool = False) -> pd.DataFrame:
+    """Simulate one training iteration of ``sched`` (lowered here if it is not) and return its trace.
+
+    ``network`` carries the messages and all-reduces (a placed :class:`cost_models.Cluster`, a
+    profile's cluster, a :class:`cost_models.PortNetwork`). Without one, communication is free:
+    fine for costs that move no bytes (:class:`cost_models.UnitCostModel`); costs that do need
+    ``free_comm=True`` to say so, else this raises ValueError instead of dropping them silently."""
+    return run(sched, costs, network, options, eager=eager, trace=True, free_comm=free_comm).trace()
 
 
 def run(sched: Schedule, costs: StageCosts, network: Network | None = None,
-        options: SimOptions | None = None, *, eager: bool = True, trace: bool = False) -> SimResult:
+        options: SimOptions | None = None, *, eager: bool = True, trace: bool = False,
+        free_comm: bool = False, max_ops: int | None = None) -> SimResult:
     """Simulate ``sched`` and return its :class:`SimResult` (metrics on the fly; the per-op trace
-    only with ``trace=True``)."""
+    only with ``trace=True``; ``network`` and ``free_comm`` as for :func:`simulate`). ``max_ops``:
+    refuse (ValueError, before running) to simulate more ops than that, e.g. every replica of a big
+    job whose replicas differ."""
     opts = options or SimOptions()
+    if network is None and not free_comm and _moves_bytes(costs):
+        raise ValueError("these costs send messages and all-reduce gradients but no network was given; pass "
+                         "network= (e.g. cluster.place(schedule)) or free_comm=True to make communication free")
     low = sched if sched.lowered else lower(sched, eager=eager)
-    return _Engine(low, costs, network, opts, trace).run()
+    eng = _Engine(low, costs, network, opts, trace)
+    if max_ops is not None:
+        ops = sum(len(low.programs[r % low.num_devices]) for r in range(eng.ranks))
+        if ops > max_ops:
+            why = f"the replicas are simulated one by one ({eng.full_reason})" if eng.full_reason else "the run"
+            raise ValueError(f"{why}: {ops:,} ops per iteration, beyond the limit of {max_ops:,}; use fewer "
+                             f"replicas or micro-batches")
+    return eng.run()
+
+
+def _moves_bytes(costs: StageCosts) -> bool:
+    return any(x > 0 for table in (costs.act_bytes, costs.grad_bytes, costs.param_bytes) for row in table
+               for x in row)
 
 
 class _Engine:
@@ -221,8 +243,6 @@ class _Engine:
         if len(costs.static_mem) != R:
             raise ScheduleError(f"costs were bound for {len(costs.static_mem)} ranks, schedule has {R}; "
                                 f"bind the cost model to the lowered schedule")
-        if opts.steps < 1:
-            raise ValueError(f"steps must be >= 1; got {opts.steps}")
         self.sym: Symmetry | None = None
         self.full_reason: str | None = None
         if sched.replicas > 1:

@@ -2,24 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedules import (
-    ACT,
-    ALLREDUCE,
-    COPY,
-    GRAD,
-    RECV,
-    SEND,
-    B,
-    F,
-    Op,
-    ScheduleError,
-    W,
-    build,
-    lower,
-    message_key,
-    parse_op,
-    validate,
-)
+from schedules import (ACT, ALLREDUCE, COPY, GRAD, RECV, SEND, B, F, Op, ScheduleError, W, build, lower, message_key,
+                       parse_op, validate)
 from schedules.ir import make_schedule
 
 

@@ -7,21 +7,10 @@ import random
 import pytest
 
 from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_cluster, load_device
-from planner import (
-    Plan,
-    PlanError,
-    SearchSpace,
-    StagePlan,
-    Topology,
-    estimate,
-    exhaustive,
-    load_plan,
-    replicated_schedule,
-    save_plan,
-    search,
-    simulate_plan,
-)
-from planner.models import load_workload, paper_workload
+from planner import (Plan, PlanError, SearchSpace, StagePlan, Topology, estimate, exhaustive, load_plan,
+                     replicated_schedule, save_plan, search, simulate_plan)
+from planner.load import load_workload
+from planner.models import paper_workload
 from planner.plan import Plan as _Plan
 from planner.search import all_plans
 from planner.simulate import build_plan
