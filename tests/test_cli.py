@@ -158,3 +158,11 @@ def test_simulate_output_path_checked_first(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "simulate", "-s", "dapple", "-D", "2", "-N", "2", "--unit-costs",
                          "--trace", str(tmp_path))
     assert rc == 2 and "argument --trace" in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_thousands_of_replicas_as_one(capsys):
+    # 2,400 GPUs: beyond the rank limit of a full simulation, fine for one replica standing for all
+    rc, out, _ = run_cli(capsys, "simulate", "-s", "dapple", "-D", "4", "-N", "8", "--dp", "600", "-m", "gpt3-1.3b",
+                         "-c", "dgx-a100-ib:300", "--json")
+    rec = json.loads(out)
+    assert rc == 0 and rec["simulated_replicas"] == 1 and len(rec["per_device"]) == 2400

@@ -251,3 +251,11 @@ def test_asymmetric_replicas_fall_back_to_the_full_simulation():
     # a slow link under one replica
     slow = run(low, costs, net, SimOptions(link_slowdown={"n0.g5.out": 4.0}))
     assert slow.simulated_replicas == 2 and "not symmetric" in slow.full_reason
+
+
+def test_run_refuses_a_full_simulation_beyond_max_ops():
+    low, costs, net = _placed("dapple", 3, 6, 4)          # replicas differ: every one is simulated
+    with pytest.raises(ValueError, match=r"replicas are simulated one by one \(replica 1's .*beyond the limit of 100"):
+        run(low, costs, net, max_ops=100)
+    low, costs, net = _placed("dapple", 4, 8, 4)          # identical: one replica's ops count
+    assert run(low, costs, net, max_ops=sum(map(len, low.programs))).simulated_replicas == 1
