@@ -285,8 +285,10 @@ class Cluster:
         return d
 
     def describe(self) -> str:
-        fab = "" if self.fabric == "flat" else (f", {self.fabric} fabric ({self.nodes_per_leaf} nodes per leaf, "
-                                                f"oversubscription {self.oversubscription:g})")
+        per = self.nodes_per_leaf
+        fab = "" if self.fabric == "flat" else (
+            f", {self.fabric}" + (f" {per}/leaf" if per != DEFAULT_NODES_PER_LEAF else "")
+            + (f" {self.oversubscription:g}:1" if self.oversubscription != 1 else ""))
         return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {self.device.name}, "
                 f"intra {self.intra.kind} {self.intra.bandwidth / 1e9:g} GB/s, "
                 f"inter {self.inter.kind} {self.inter.bandwidth * 8 / 1e9:g} Gb/s x {self.nics_per_node} NIC(s)/node"
