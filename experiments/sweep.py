@@ -297,7 +297,7 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
             ax.annotate(label(ok[i]), pts[i], fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.legend()
     ax.set_xlabel("iteration time")
-    ax.set_ylabel("peak memory per device")
+    ax.set_ylabel("peak memory per device (bytes; Ma with unit costs)")
     ax.set_title("memory vs time")
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=120)
