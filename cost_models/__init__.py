@@ -23,10 +23,10 @@ from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel, StageCosts, UnitCostModel
 from .calibration import (CalibrationProfile, LayerTiming, host_flop_rate, load_profile, profile_from_dict,
                           save_profile, scaled_layer_costs)
-from .cluster import (LINK_TYPES, MAPPINGS, Cluster, LinkSpec, cluster_from_dict, cluster_presets, link_types,
-                      load_cluster, map_copies_same_node, sequential_map, stage_sharing_groups)
-from .comm import (all_gather_time, allreduce_kind, allreduce_steps, allreduce_time, p2p_time, path_time,
-                   reduce_scatter_time, ring_allreduce_time, step_time, steps_time)
+from .cluster import (FABRICS, LINK_TYPES, MAPPINGS, Cluster, LinkSpec, cluster_from_dict, cluster_presets, link_types,
+                      load_cluster, map_copies_same_node, sequential_map, stage_sharing_groups, with_fabric, with_nodes)
+from .comm import (all_gather_time, allreduce_kind, allreduce_phases, allreduce_steps, allreduce_time, p2p_time,
+                   path_time, reduce_scatter_time, ring_allreduce_time, step_time, steps_time)
 from .device import DeviceSpec, device_from_dict, device_presets, load_device
 from .kernels import COST_MODELS, GpuConstants
 from .layer_measurements import load_measurements

@@ -29,24 +29,26 @@ def add_arguments(p):
 def compare(args):
     """Simulate each schedule; schedules whose requirements the D/N do not meet are listed as skipped."""
     rows, traces, skipped, crossing = [], {}, {}, {}
+    want = bool(args.plot or args.out)
     inputs = cost_inputs(args)
     check_size_args(args, **inputs.limits())   # before building any schedule
     for name in parse_schedules(args.schedules):
         crossed: list = []
         try:
-            low, trace, extra = run_one(name, args, inputs, crossed=crossed)
+            low, res, extra = run_one(name, args, inputs, crossed=crossed, trace=want)
         except ScheduleError as e:
             skipped[name] = str(e)
             continue
         for link, _ in args.slow_link:
             if link not in crossed[0]:
                 crossing.setdefault(link, []).append(name)
-        rec = metrics_record(trace, **extra)
+        rec = metrics_record(res, **extra)
         per = rec["per_device"]
         rec["peak_activation_max"] = max(p["peak_activation"] for p in per)
         rec["peak_memory_max"] = max(p["peak_memory"] for p in per)
         rows.append(rec)
-        traces[name] = trace
+        if want:
+            traces[name] = res.trace()
     if not rows:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
     for link, names in crossing.items():

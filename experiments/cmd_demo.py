@@ -21,7 +21,7 @@ def main(args) -> int:
     ns = argparse.Namespace(schedules="all", devices=args.devices, microbatches=args.microbatches, chunks=2, dp=1,
                             no_eager=False, unit_costs=True, slowdown=[], slow_link=[], jitter=0.0, seed=0, json=False,
                             model=None, cluster=None, profile=None, device_map="sequential", recompute="none",
-                            micro_batch=None,
+                            micro_batch=None, exact=False,
                             plot=None, out=args.out)
     rc = cmd_compare.main(ns)
     from . import cmd_bubbles

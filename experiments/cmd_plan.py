@@ -20,6 +20,7 @@ from cost_models._spec import size_bytes
 
 from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
+from .costs import add_cluster_shape_args, load_shaped_cluster
 from .tables import byte_unit, fmt_bytes, fmt_table, wrap_cell
 
 NAME = "plan"
@@ -35,8 +36,9 @@ def add_arguments(p):
     from .costs import add_cost_model_args
     add_cost_model_args(p)
     p.add_argument("--cluster", "-c", default=None,
-                   help="cluster preset or YAML file (also v100-4x8-25gbe, a100-8x8-ib); with --profile optional "
-                        "(default: this machine as calibrated)")
+                   help="cluster preset or YAML file, optionally sized NAME:NODES (also v100-4x8-25gbe, "
+                        "a100-8x8-ib); with --profile optional (default: this machine as calibrated)")
+    add_cluster_shape_args(p)
     p.add_argument("--profile", metavar="FILE.yaml", type=input_file,
                    help="a calibration profile (pipetwin calibrate --model ...): measured per-layer costs")
     p.add_argument("--global-batch", "-G", type=positive_int, required=True, help="samples (sequences) per iteration")
@@ -84,7 +86,7 @@ def main(args) -> int:
         raise ValueError("give --model and --cluster (or --profile FILE.yaml, which brings the model and, without "
                          "--cluster, this machine)")
     else:
-        cluster = resolve_cluster(args.cluster)
+        cluster = load_shaped_cluster(args, resolve_cluster)
         cost_model = cost_model_for(args.cost_model, cluster.device, is_profile_path(args.model))
     limit = _parse_limit(args.memory_limit)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
@@ -133,7 +135,7 @@ def _calibrated_model(args):
     if args.cluster is None:
         n = args.devices or int(prof.meta.get("ranks", 2))
         return prof.cluster(n), calibrated_workload(prof)
-    cluster = resolve_cluster(args.cluster)
+    cluster = load_shaped_cluster(args, resolve_cluster)
     return cluster, calibrated_workload(prof, cluster.device)
 
 

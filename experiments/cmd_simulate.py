@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from cost_models.comm import links_used
 from schedules.trace import write_chrome
-from sim import simulate
+from sim import run
+
+from schedules.registry import MAX_OPS
 
 from .checks import output_file
 from .common import (add_schedule_args, build_lowered, check_schedule_args, human_rows, metrics_record, print_json,
@@ -25,11 +27,12 @@ def add_arguments(p):
     p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the trace as CSV")
 
 
-def run_one(name: str, args, inputs=None, *, crossed: list | None = None):
-    """Simulate schedule ``name`` as the options say: ``(lowered, trace, report fields)``. ``inputs``:
-    the loaded cost options (:func:`experiments.costs.cost_inputs`; loaded here when None). With
-    ``crossed`` (a list) the ``--slow-link`` links are not required to be crossed; the set of links
-    this run crosses is appended to it instead."""
+def run_one(name: str, args, inputs=None, *, crossed: list | None = None, trace: bool = True):
+    """Simulate schedule ``name`` as the options say: ``(lowered, sim.SimResult, report fields)``, the
+    per-op trace kept only with ``trace``. ``inputs``: the loaded cost options
+    (:func:`experiments.costs.cost_inputs`; loaded here when None). With ``crossed`` (a list) the
+    ``--slow-link`` links are not required to be crossed; the set of links this run crosses is
+    appended to it instead."""
     check_links = crossed is None
     if getattr(args, "plan", None):
         given = [f for f, v in (("--unit-costs", args.unit_costs), ("--profile", args.profile),
@@ -42,13 +45,13 @@ def run_one(name: str, args, inputs=None, *, crossed: list | None = None):
         low, costs, network, extra = simulation_from_plan(args.plan, eager=not args.no_eager)
         opts = sim_options(args, low, network, check_links=check_links)
         _note_links(crossed, low, network)
-        return low, simulate(low, costs, network, opts), extra
+        return low, run(low, costs, network, opts, trace=trace, max_ops=MAX_OPS), extra
     inputs = inputs or cost_inputs(args)
     low = build_lowered(name, args, **inputs.limits())
     costs, network, extra = bind_costs(args, inputs, low)
     opts = sim_options(args, low, network, extra.get("host"), check_links=check_links)
     _note_links(crossed, low, network)
-    return low, simulate(low, costs, network, opts), extra
+    return low, run(low, costs, network, opts, trace=trace, max_ops=MAX_OPS), extra
 
 
 def _note_links(crossed, low, network) -> None:
@@ -58,8 +61,10 @@ def _note_links(crossed, low, network) -> None:
 
 def main(args) -> int:
     check_schedule_args(args)
-    low, trace, extra = run_one(args.schedule, args)
-    rec = metrics_record(trace, **extra)
+    want_trace = bool(args.plot or args.chrome_trace or args.trace)
+    low, res, extra = run_one(args.schedule, args, trace=want_trace)
+    rec = metrics_record(res, **extra)
+    trace = res.trace() if want_trace else None
     if args.plot:
         from .plots import plot_timeline
         plot_timeline(trace, args.plot)
@@ -73,6 +78,9 @@ def main(args) -> int:
     unit, mem = rec["time_unit"], rec["memory_unit"]
     print(f"{rec['schedule']}: D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
           f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
+    if rec["replicas"] > 1:
+        print("  replicas: " + ("identical, one simulated for all" if rec["simulated_replicas"] == 1 else
+                                f"all {rec['replicas']} simulated ({rec.get('full_simulation')})"))
     for k, v in extra.items():
         if not isinstance(v, (dict, list)) and k != "memory_capacity":
             print(f"  {k}: {v}")

@@ -77,7 +77,7 @@ def check_size_args(args, **limits) -> None:
     """The cheap feasibility checks of :func:`experiments.checks.check_run_size` for -D/-N/--dp/--chunks
     (``limits``: cluster_devices, cluster_name, layers, model_name), before anything is built."""
     check_run_size(devices=args.devices, microbatches=args.microbatches, replicas=args.dp,
-                   chunks=args.chunks or 1, **limits)
+                   chunks=args.chunks or 1, one_replica=True, **limits)
 
 
 def build_lowered(name: str, args, **limits):
@@ -90,13 +90,21 @@ def build_lowered(name: str, args, **limits):
     return low
 
 
-def metrics_record(trace, **extra) -> dict:
-    m = step_metrics(trace)
-    a = trace.attrs
+def metrics_record(result, **extra) -> dict:
+    """The report of one simulation or run: ``result`` is a trace (DataFrame) or a :class:`sim.SimResult`
+    (then ``simulated_replicas`` and, when every replica was simulated, ``full_simulation`` say how)."""
+    if hasattr(result, "metrics"):
+        m, a = result.metrics(), result.attrs
+    else:
+        m, a = step_metrics(result), result.attrs
     rec = {"schedule": a.get("schedule"), "devices": a.get("devices"), "microbatches": a.get("microbatches"),
            "replicas": a.get("replicas", 1), "iteration_time": m.iteration_time, "bubble_ratio": m.bubble_ratio,
            "time_unit": a.get("time_unit"), "memory_unit": a.get("mem_unit")}
     rec.update(extra)
+    if hasattr(result, "simulated_replicas"):
+        rec["simulated_replicas"] = result.simulated_replicas
+        if result.full_reason is not None:
+            rec["full_simulation"] = result.full_reason
     cap = extra.get("memory_capacity")
     if cap:
         worst = max(m.per_device, key=lambda p: p.peak_memory)

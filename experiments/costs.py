@@ -26,15 +26,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models import (MAPPINGS, PerLayerCostModel, TransformerCostModel, UnitCostModel, is_model_ref, load_cluster,
-                         load_model, load_profile, scaled_layer_costs)
+from cost_models import (FABRICS, MAPPINGS, PerLayerCostModel, TransformerCostModel, UnitCostModel, is_model_ref,
+                         load_cluster, load_model, load_profile, scaled_layer_costs, with_fabric, with_nodes)
 from cost_models.comm import links_used
 from cost_models.stack import same_model_ref
 from cost_models.kernels import COST_MODELS
 from sim import SimOptions
 from sim.host import on_one_host
 
-from .checks import factor_pair, nonneg_float, nonneg_int, pairs_dict, positive_int
+from .checks import factor_pair, float_in, nonneg_float, nonneg_int, pairs_dict, positive_int
 
 DEFAULT_MODEL = "gpt-96"
 DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
@@ -49,8 +49,10 @@ def add_cost_args(p):
                         f"model file PATH.py:FUNC with its --profile")
     add_cost_model_args(p)
     p.add_argument("--cluster", "-c", default=None,
-                   help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER}); with --profile: the measured "
-                        f"layer times scaled onto it (default there: this machine, as calibrated)")
+                   help=f"cluster preset or YAML file, optionally sized NAME:NODES (default {DEFAULT_CLUSTER}; "
+                        f"e.g. dgx-h100-ib:128); with --profile: the measured layer times scaled onto it (default "
+                        f"there: this machine, as calibrated)")
+    add_cluster_shape_args(p)
     p.add_argument("--profile", metavar="FILE.yaml",
                    help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
                         "--model/--cluster formulas")
@@ -71,6 +73,34 @@ def add_cost_args(p):
                         "the run must cross it")
     p.add_argument("--jitter", type=nonneg_float, default=0.0, help="relative std-dev of per-op compute noise")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed for --jitter")
+    p.add_argument("--exact", action="store_true",
+                   help="simulate every data-parallel replica op by op even when they are identical (by default "
+                        "one replica stands for all when nothing tells them apart)")
+
+
+def add_cluster_shape_args(p):
+    """--nodes / --fabric / --oversubscription / --nodes-per-leaf: any cluster preset resized and rewired."""
+    p.add_argument("--nodes", type=positive_int, help="number of nodes of the cluster's kind (overrides the preset's)")
+    p.add_argument("--fabric", choices=FABRICS, help="inter-node fabric: flat (one non-blocking switch), fat-tree "
+                   "(leaves of --nodes-per-leaf nodes) or rail (rail-optimised: NIC k of a group on one switch)")
+    p.add_argument("--oversubscription", type=float_in(1.0, 1e6), metavar="RATIO",
+                   help="fat-tree / rail: a leaf's down / up bandwidth (1 = non-blocking, e.g. 2)")
+    p.add_argument("--nodes-per-leaf", type=positive_int, help="fat-tree / rail: nodes under one leaf (rail) switch")
+
+
+def shape_cluster(cluster, args):
+    """A loaded cluster with the --nodes / --fabric / --oversubscription / --nodes-per-leaf of ``args``
+    (values checked by the parser; a library caller's bad value is the Cluster's SpecError)."""
+    nodes = getattr(args, "nodes", None)
+    if nodes is not None:
+        cluster = with_nodes(cluster, nodes)
+    return with_fabric(cluster, getattr(args, "fabric", None), getattr(args, "oversubscription", None),
+                       getattr(args, "nodes_per_leaf", None))
+
+
+def load_shaped_cluster(args, loader=load_cluster, default: str = DEFAULT_CLUSTER):
+    """The cluster of ``--cluster`` (``NAME:NODES`` allowed) shaped by :func:`add_cluster_shape_args`' options."""
+    return shape_cluster(loader(getattr(args, "cluster", None) or default), args)
 
 
 def add_cost_model_args(p) -> None:
@@ -213,7 +243,10 @@ def cost_inputs(args) -> CostInputs:
     given = [f for f, v in (("--model", getattr(args, "model", None)), ("--cluster", getattr(args, "cluster", None)),
                             ("--micro-batch", getattr(args, "micro_batch", None)),
                             ("--cost-model", getattr(args, "cost_model", None)),
-                            ("--profile-batch", getattr(args, "profile_batch", None))) if v is not None]
+                            ("--profile-batch", getattr(args, "profile_batch", None)),
+                            ("--nodes", getattr(args, "nodes", None)), ("--fabric", getattr(args, "fabric", None)),
+                            ("--oversubscription", getattr(args, "oversubscription", None)),
+                            ("--nodes-per-leaf", getattr(args, "nodes_per_leaf", None))) if v is not None]
     if getattr(args, "unit_costs", False):
         if getattr(args, "profile", None) or given:
             raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
@@ -221,7 +254,11 @@ def cost_inputs(args) -> CostInputs:
     if getattr(args, "profile", None):
         # a model file (--model PATH.py:FUNC) is checked against the profile's model, a --cluster is
         # where its measured times are scaled to; any other model option is a second cost source
-        given = [f for f in given if f not in ("--cluster", "--micro-batch")
+        shape = ("--nodes", "--fabric", "--oversubscription", "--nodes-per-leaf")
+        if not getattr(args, "cluster", None) and any(f in shape for f in given):
+            raise ValueError(f"{', '.join(f for f in given if f in shape)} shape a --cluster; with --profile give "
+                             f"the --cluster to scale the measured times onto (or drop them)")
+        given = [f for f in given if f not in ("--cluster", "--micro-batch", *shape)
                  and not (f == "--model" and is_model_ref(args.model))]
         if given:
             raise ValueError(f"--profile brings the measured model and network; drop {', '.join(given)}")
@@ -230,10 +267,10 @@ def cost_inputs(args) -> CostInputs:
         if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
             raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; calibrate "
                              f"again with --micro-batch {args.micro_batch} (measured costs are not extrapolated)")
-        return CostInputs("profile", profile=prof, cluster=load_cluster(args.cluster) if args.cluster else None)
+        return CostInputs("profile", profile=prof, cluster=load_shaped_cluster(args) if args.cluster else None)
     if parse_partition(getattr(args, "partition", None)) == "time":
         raise ValueError("--partition time balances measured layer times: it needs --profile FILE.yaml")
-    cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
+    cluster = load_shaped_cluster(args)
     if str(args.model).endswith(".txt"):
         return CostInputs("layer-profile", cluster=cluster)
     if getattr(args, "profile_batch", None) is not None:
@@ -310,5 +347,6 @@ def sim_options(args, low, network=None, host: tuple[int, float] | None = None, 
     for r in slow:
         if not 0 <= r < low.num_ranks:
             raise ValueError(f"--slowdown names rank {r}, but the run has ranks 0..{low.num_ranks - 1}")
-    base = SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed)
+    base = SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed,
+                      exact=getattr(args, "exact", False))
     return on_one_host(base, low.num_ranks, *host) if host else base

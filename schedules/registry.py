@@ -13,6 +13,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from .common import gc_paused
 from .ir import Schedule, ScheduleError
 
 MAX_RANKS = 2048
@@ -84,4 +85,5 @@ def build(name: str, num_devices: int, num_microbatches: int, **kw) -> Schedule:
     if kw.get("variant") is not None and not fam.variants:
         raise ScheduleError(f"{name} has no variants (got {kw['variant']!r}); leave the variant out "
                             f"(schedules with variants: {', '.join(n for n, f in families().items() if f.variants)})")
-    return fam.build(num_devices, num_microbatches, **kw)
+    with gc_paused():
+        return fam.build(num_devices, num_microbatches, **kw)

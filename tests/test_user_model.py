@@ -367,3 +367,22 @@ def test_stack_profile_file_and_stage_bytes():
         profile_from_dict({k: v for k, v in d.items() if k != "act_bytes_per_layer"}, "p.yaml")
     with pytest.raises(SpecError, match="recomputation is modelled for transformers"):
         prof.layer_costs(recompute="selective")
+
+
+def test_sweep_a_model_file_with_its_profile(calibrated, capsys, tmp_path):
+    import csv
+    import json
+    _, path = calibrated
+    out = tmp_path / "sw"
+    assert cli_main(["sweep", "--model", CNN, "--profile", str(path), "-s", "dapple,zb-v", "-D", "2", "-N", "4,8",
+                     "--out", str(out), "--workers", "1", "--no-figures"]) == 0
+    capsys.readouterr()
+    with open(out / "sweep.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 4 and not any(r["error"] for r in rows)
+    for r in rows:      # each point is `simulate --profile --json` of that point
+        assert cli_main(["simulate", "--profile", str(path), "--model", CNN, "-s", r["schedule"], "-D", "2", "-N",
+                         r["microbatches"], "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["iteration_time"] == pytest.approx(float(r["iteration_time"]))
+    assert cli_main(["sweep", "--model", LM, "--profile", str(path), "-D", "2", "-N", "4", "--out", str(out)]) == 2
+    assert f"was measured for model {CNN}, not {LM}" in capsys.readouterr().err
