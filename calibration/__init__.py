@@ -11,7 +11,11 @@ What is measured, and how:
    in the run's precision (``dtype``: fp32, or bf16 autocast; the profile's model then has
    ``dtype_bytes`` 2). Activation bytes kept from F to B (and from B to W) per layer come from
    the runtime's :class:`executor.device.SavedTensorMeter`, a block's also under each
-   recomputation mode (:mod:`executor.recompute`).
+   recomputation mode (:mod:`executor.recompute`). A model file (``PATH.py:FUNC``, see
+   :mod:`executor.user_model`) is measured the same way (in fp32), every one of its layers on the
+   output of the one before it (the last with the loss), at ``micro_batch`` samples; its profile
+   also keeps per layer the parameters, the output bytes, the FLOPs of the timed calls and the
+   kept bytes alone and after the previous layer (:class:`cost_models.stack.StackSpec`).
 2. Communication (``ranks`` spawned ranks, gloo): one-way P2P times by ping-pong over message
    sizes (25th percentile), fitted as latency + bytes / bandwidth; all-reduce times over sizes as
    the runtime launches them (the median: gloo's times spread 3x between wake-ups), fitted as a
@@ -36,20 +40,23 @@ from __future__ import annotations
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 
 from cost_models.calibration import CalibrationProfile, LayerTiming, fit_allreduce, fit_latency_bandwidth
 from cost_models.cluster import LinkSpec
 from cost_models.model_spec import load_model
+from cost_models.stack import StackSpec, is_model_ref
 from executor.device import cpu_threads
 from executor.precision import Precision
 
 from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds, scale_layer,
                   trace_runtime)
-from .measure import measure_comm, measure_data, measure_layers, measure_optimizer
+from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed", "kept_bytes"]
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed", "kept_bytes",
+           "measure_stack"]
 
 
 def kept_bytes(per: list[dict]) -> dict:
@@ -62,48 +69,98 @@ def kept_bytes(per: list[dict]) -> dict:
                                          for m in ("selective", "full"))}
 
 
-def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
-              dtype: str = "fp32") -> CalibrationProfile:
+def measure_stack(ref: str, micro_batch: int, threads: int, repeats: int = 20, progress=None):
+    """A model file's layers measured (:func:`calibration.measure.measure_stack_layers`): (rows,
+    :class:`cost_models.stack.StackSpec`, bytes each layer adds after the one before it, the same
+    until W). A split backward frees the graph in B and keeps only W's inputs (a layer's own input
+    and the gradients B recorded, :mod:`executor.backward`): the same bytes after the previous layer
+    as alone. Where B keeps the graph (an op W runs through the engine), what the layer keeps for W
+    after the previous one is its chain bytes less what it frees alone at B."""
+    from executor.user_model import build_stack, stack_layout
+    stack_layout(ref, 1, micro_batch=micro_batch)        # the model's own checks, one line each
+    rows = measure_stack_layers(build_stack(ref, 0), micro_batch, threads, repeats, progress=progress)
+    spec = StackSpec(
+        name=ref, micro_batch=micro_batch, layer_names=tuple(r["name"] for r in rows),
+        params=tuple(float(r["params"]) for r in rows), out_bytes=tuple(float(r["out_bytes"]) for r in rows),
+        act_first=tuple(float(r["act"]) for r in rows), act_w_first=tuple(float(r["act_w"]) for r in rows),
+        flops=tuple(r["flops"] for r in rows), dtype_bytes=4)
+    act = tuple(float(r["act_chain"]) for r in rows)
+    act_w = tuple(max(0.0, float(r["act_chain"]) - (r["act"] - r["act_w"])) if r["graph_kept"] else float(r["act_w"])
+                  for r in rows)
+    return rows, spec, act, act_w
+
+
+def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
+              runtime_steps: int = 12, runtime_repeats: int = 3, dtype: str = "fp32") -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
-    predicted put on this host (it sets the thread count per rank, like the executor does);
-    ``dtype`` the precision of the runs to be predicted (fp32 | bf16)."""
+    predicted put on this host (it sets the thread count per rank, like the executor does).
+    ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
+    ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`).
+    ``runtime_steps`` / ``runtime_repeats``: the traced runs the runtime is fitted on (steps each,
+    best of; the first 2 steps are dropped). ``dtype`` the precision of the runs to be predicted
+    (fp32 | bf16; a model file: fp32)."""
     precision = Precision(dtype)
-    spec = load_model(model)
-    if spec.kind != "gpt":
-        raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
-    spec = spec.replace(dtype_bytes=precision.dtype_bytes)
+    stack_ref = model if is_model_ref(model) else None
+    if stack_ref is None:
+        spec = load_model(model)
+        if spec.kind != "gpt":
+            raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
+        if micro_batch is not None:
+            spec = spec.replace(micro_batch=int(micro_batch))
+        spec = spec.replace(dtype_bytes=precision.dtype_bytes)
+    elif precision.mixed:
+        raise ValueError(f"calibrate --dtype {dtype} measures the GPT presets; calibrate model file {stack_ref} "
+                         f"with --dtype fp32")
+    if runtime_steps < 3 or runtime_repeats < 1:
+        raise ValueError(f"the traced runs need >= 3 steps (2 are dropped) and >= 1 repeat; got {runtime_steps} "
+                         f"steps, {runtime_repeats} repeats")
     threads = cpu_threads(ranks)
     report = progress or (lambda msg: None)
     report("layers")
-    layers = measure_layers(spec, threads, repeats, progress=report, precision=precision)
+    if stack_ref is not None:
+        from executor.user_model import DEFAULT_MICRO_BATCH, build_stack
+        mb = int(micro_batch or DEFAULT_MICRO_BATCH)
+        per, model_spec, act, act_w = measure_stack(stack_ref, mb, threads, repeats, progress=report)
+        stack = build_stack(stack_ref, 0)
+        opt_model, data = stack_ref, measure_data(None, stack, mb)
+        run_model, run_mb = stack_ref, mb
+        kept = {"act_bytes": act, "act_w_bytes": act_w}
+    else:
+        layers = measure_layers(spec, threads, repeats, progress=report, precision=precision)
+        per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
+        model_spec = spec
+        kept = kept_bytes(per)
+        opt_model, data = spec, measure_data(spec)
+        run_model, run_mb = model, micro_batch
     report("optimizer")
-    opt = measure_optimizer(spec, threads)
-    data = measure_data(spec)
+    opt = measure_optimizer(opt_model, threads)
     report("communication")
-    comm = measure_comm(spec, max(2, ranks), max(12, repeats))
+    comm = measure_comm(opt_model, max(2, ranks), max(12, repeats))
     opt = max(opt, comm["optimizer_per_param"])
     lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
     ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, ranks))
     cores = os.cpu_count() or 1
     base_ranks = fit_ranks(ranks)
     report("runtime (traced runs)")
-    runs = trace_runtime(model, base_ranks, dtype=dtype)
+    runs = trace_runtime(run_model, base_ranks, steps=runtime_steps, repeats=runtime_repeats, micro_batch=run_mb,
+                         dtype=dtype)
     probes = {str(base_ranks): probe_seconds(runs)}
-    per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
+    label = model_spec.name if stack_ref is None else Path(stack_ref.rsplit(":", 1)[0]).stem
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
-            "allreduce_samples": [list(x) for x in comm["allreduce"]]}
+            "allreduce_samples": [list(x) for x in comm["allreduce"]],
+            "runtime_schedules": [r.config.schedule for r in runs]}
 
     def make_profile(scale: dict, overhead: dict, oversubscribed: float = 1.0) -> CalibrationProfile:
         timing = [scale_layer(x, scale) for x in per]
         return CalibrationProfile(
-            name=f"{platform.node() or 'host'}-{model}", model=spec,
+            name=f"{platform.node() or 'host'}-{label}", model=model_spec,
             layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
             p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
             optimizer_seconds_per_param=opt * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
-            precision=dtype, **kept_bytes(per),
+            precision=dtype, **kept,
             meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes)))
 
     # the runtime is fitted with no more ranks than cores; what sharing the cores costs beyond
@@ -112,7 +169,8 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     slowdown = 1.0
     if ranks > base_ranks:
         report("oversubscribed cores (traced runs)")
-        over = trace_runtime(model, ranks, dtype=dtype)
+        over = trace_runtime(run_model, ranks, steps=runtime_steps, repeats=runtime_repeats, micro_batch=run_mb,
+                             dtype=dtype)
         probes[str(ranks)] = probe_seconds(over)
         slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x))
     return make_profile(scale, overhead, slowdown)

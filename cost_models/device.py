@@ -7,7 +7,10 @@ A device YAML file (presets in ``cost_models/presets/devices``)::
     peak_flops: {fp16: 312 TFLOP/s, bf16: 312 TFLOP/s, fp32: 19.5 TFLOP/s}   # dense, no sparsity
     memory: 80 GiB                 # bytes
     memory_bandwidth: 2039 GB/s    # bytes/s (optimizer step and local copies are memory-bound)
-    efficiency: 0.5                # achievable fraction of peak for transformer layers
+    efficiency: 0.5                # achievable fraction of peak for transformer layers (linear model)
+    kernels:                       # constants of the kernel cost model (cost_models/kernels.py)
+      {sms: 108, gemm_efficiency: 0.935, tile_intensity: 3.16, memory_efficiency: 0.616, kernel_latency: 6.7 us,
+       dispatch_forward: 2 us, dispatch_backward: 25.3 us, module_overhead: 81.4 us}
 
 A ``calibrated: true`` device (the ``cpu`` preset) has no datasheet peak: its layer times come
 from a calibration profile measured on the machine (:mod:`cost_models.calibration`).
@@ -21,6 +24,7 @@ from pathlib import Path
 
 from . import _spec
 from ._spec import SpecError
+from .kernels import GpuConstants, constants_from_dict
 
 PRECISIONS = ("fp16", "bf16", "fp32", "tf32", "fp8")
 
@@ -36,6 +40,7 @@ class DeviceSpec:
     efficiency: float = 1.0
     calibrated: bool = False
     description: str = ""
+    kernels: GpuConstants | None = None        # the kernel cost model's constants (None: linear model only)
 
     def peak(self, precision: str) -> float:
         """Dense peak FLOP/s at ``precision``; a SpecError says which precisions the device has."""
@@ -58,11 +63,13 @@ class DeviceSpec:
     def to_dict(self) -> dict:
         d = {"name": self.name, "description": self.description, "peak_flops": dict(self.peak_flops),
              "memory": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth,
-             "efficiency": self.efficiency, "calibrated": self.calibrated}
+             "efficiency": self.efficiency, "calibrated": self.calibrated,
+             "kernels": self.kernels.to_dict() if self.kernels is not None else None}
         return {k: v for k, v in d.items() if v is not None}
 
 
-_FIELDS = ("name", "description", "peak_flops", "memory", "memory_bandwidth", "efficiency", "calibrated")
+_FIELDS = ("name", "description", "peak_flops", "memory", "memory_bandwidth", "efficiency", "calibrated",
+           "kernels")
 
 
 def device_from_dict(d, source: str = "<dict>") -> DeviceSpec:
@@ -92,8 +99,9 @@ def device_from_dict(d, source: str = "<dict>") -> DeviceSpec:
     desc = d.get("description", "")
     if not isinstance(name, str) or not isinstance(desc, str):
         raise SpecError(f"{source}: fields 'name' and 'description' must be strings")
+    kern = None if d.get("kernels") is None else constants_from_dict(d["kernels"], source)
     return DeviceSpec(name=name, peak_flops=tuple(peaks), memory_bytes=mem, memory_bandwidth=bw, efficiency=eff,
-                      calibrated=calibrated, description=desc)
+                      calibrated=calibrated, description=desc, kernels=kern)
 
 
 def device_presets() -> list[str]:

@@ -38,7 +38,11 @@ F = B = W = 2bshV (+ 2bsh^2 for BERT); it keeps the fp32 logits (4 bsV bytes) fo
 In pipeline training the head holds its own copy of the (possibly tied) embedding table, so its
 parameters count on the last stage.
 
-Time of a layer = FLOPs / (device peak at the precision x efficiency); see :class:`TransformerCostModel`.
+Time of a layer: with ``compute="linear"`` FLOPs / (device peak at the precision x efficiency), the
+same per sample at every micro-batch; with ``compute="kernels"`` the kernels the layer launches at
+its micro-batch, priced by :mod:`cost_models.kernels` (GEMM tiles and waves, memory-bound
+element-wise kernels, launch overhead; the device preset's ``kernels:`` constants). See
+:class:`TransformerCostModel`.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 
 from .base import LayerCosts, PerLayerCostModel, StageCosts
 from .device import DeviceSpec
+from .kernels import COST_MODELS, DeviceRates, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
 from .partition import default_partition, layer_ranges
@@ -201,7 +206,10 @@ class TransformerCostModel:
       :func:`default_partition`). optimizer_bytes_touched: bytes the optimizer step reads and
       writes per parameter (default gradients + 2 x optimizer state + weights = 28 for Adam at 16);
       its time is that over the device's memory bandwidth. The local hand-off of a V turn copies the
-      boundary tensor once (read + write) at memory bandwidth.
+      boundary tensor once (read + write) at memory bandwidth. compute: ``linear`` (FLOPs at a fixed
+      efficiency: per-sample costs independent of the micro-batch) or ``kernels`` (the kernel model
+      of :mod:`cost_models.kernels`: costs depend on the micro-batch; needs the device's ``kernels:``
+      constants).
     """
 
     model: ModelSpec
@@ -213,9 +221,14 @@ class TransformerCostModel:
     dropout: bool = True
     partition: tuple[int, ...] | None = None
     optimizer_bytes_touched: float | None = None
+    compute: str = "linear"
 
     def __post_init__(self):
         _check_recompute(self.recompute)
+        if self.compute not in COST_MODELS:
+            raise SpecError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.compute!r}")
+        if self.compute == "kernels":
+            DeviceRates.of(self.device, self.resolved_precision())   # fail fast: constants present
         if self.bytes_per_param <= 0:
             raise SpecError(f"bytes_per_param must be > 0; got {self.bytes_per_param}")
         self.flop_rate()   # fail fast on a device without a peak (e.g. cpu: use a calibration profile)
@@ -258,12 +271,20 @@ class TransformerCostModel:
 
     def layer_costs(self) -> LayerCosts:
         """Per-layer seconds and bytes (the input of :class:`PerLayerCostModel` and of planners)."""
-        rate = self.flop_rate()
         L = self.layers()
+        if self.compute == "kernels":
+            t = transformer_layer_times(self.model, self.device, self.resolved_precision(), self.recompute,
+                                        self.dropout)
+            f, b_in, w = (tuple(x[i] for x in t) for i in range(3))
+        else:
+            rate = self.flop_rate()
+            f = tuple(l.flops_f / rate for l in L)
+            b_in = tuple((l.flops_b_input + l.flops_recompute) / rate for l in L)
+            w = tuple(l.flops_w / rate for l in L)
         return LayerCosts(
-            f=tuple(l.flops_f / rate for l in L),
-            b_input=tuple((l.flops_b_input + l.flops_recompute) / rate for l in L),
-            w=tuple(l.flops_w / rate for l in L),
+            f=f,
+            b_input=b_in,
+            w=w,
             act=tuple(l.act_bytes for l in L),
             act_w=tuple(l.act_w_bytes for l in L),
             out_bytes=tuple(l.out_bytes for l in L),
@@ -293,7 +314,8 @@ class TransformerCostModel:
 
     def bind(self, sched) -> StageCosts:
         costs = self.per_layer_model(sched.num_stages).bind(sched)
-        costs.meta.update(model="transformer", model_name=self.model.name, device=self.device.name,
+        costs.meta.update(model="transformer", cost_model=self.compute, model_name=self.model.name,
+                          device=self.device.name,
                           precision=self.resolved_precision(), recompute=self.recompute,
                           bytes_per_param=self.bytes_per_param, memory_capacity=self.device.memory_bytes)
         return costs

@@ -25,7 +25,7 @@ and start W at those nodes. What differs, and why:
   parameter group at the recorded nodes (``GradientEdge`` roots); each call costs a graph task
   (tens of microseconds) and groups with several nodes re-run the chain between them. Here a
   node whose parameter side is a plain parameter (seen through transposes and dtype casts, e.g.
-  an autocast copy) and whose kind is ``addmm`` / ``mm`` / ``native_layer_norm`` gets its weight
+  an autocast copy) and whose kind is ``addmm`` / ``mm`` / ``native_layer_norm`` / ``convolution`` gets its weight
   gradient from the node's saved inputs and the recorded gradient directly -- the same kernels
   the engine would run (``mm`` of the saved input and the gradient, the bias's sum), accumulated
   in place. Any other parameterised node falls back
@@ -92,8 +92,9 @@ def _grad(out: torch.Tensor, inputs: tuple, grad: torch.Tensor | None, *, retain
 
 
 # ---------------------------------------------------------------------------- recorded ops
-_ADDMM, _MM, _LN = "addmm", "mm", "layer_norm"
-_FAST_KIND = {"AddmmBackward0": _ADDMM, "MmBackward0": _MM, "NativeLayerNormBackward0": _LN}
+_ADDMM, _MM, _LN, _CONV = "addmm", "mm", "layer_norm", "convolution"
+_FAST_KIND = {"AddmmBackward0": _ADDMM, "MmBackward0": _MM, "NativeLayerNormBackward0": _LN,
+              "ConvolutionBackward0": _CONV}
 _PASS_THROUGH = {"TBackward0": True, "ToCopyBackward0": False}   # param-side nodes: name -> transposes
 
 
@@ -151,7 +152,9 @@ class SplitBackward:
     def input(self, out: torch.Tensor, x: torch.Tensor | None,
               grad: torch.Tensor | None) -> tuple[torch.Tensor | None, PendingWeightGrad]:
         """B: the gradient w.r.t. ``x`` (None when ``x`` needs none) and what W needs."""
-        if x is None or not x.requires_grad or out.grad_fn is None:
+        if out.grad_fn is None:    # nothing before it trains (a first stage of parameter-free layers)
+            return None, PendingWeightGrad()
+        if x is None or not x.requires_grad:
             return None, PendingWeightGrad(full=(out, grad))
         nodes = self._replay(out.grad_fn) if self._template is not None else None
         if nodes is None:
@@ -430,6 +433,12 @@ def _fast_recipe(node):
     if kind == _MM:
         w = _param_chain(nf[1]) if nf[1] is not None else None
         return None if w is None else (_MM, w[0], w[1], None)
+    if kind == _CONV:     # weight (through dtype casts) and optional bias, both plain parameters
+        w = _param_chain(nf[1]) if nf[1] is not None else None
+        b = _param_chain(nf[2]) if len(nf) > 2 and nf[2] is not None else (None, False)
+        if w is None or w[1] or b is None or b[1]:
+            return None
+        return (_CONV, w[0], False, b[0])
     wb = []
     for c in nf[1:3]:
         if c is None:
@@ -462,6 +471,9 @@ def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
 def _fetch(op: _Op, node) -> tuple:
     """The saved inputs of ``node`` that its direct recipe uses, detached (no history kept)."""
     kind = op.fast[0]
+    if kind == _CONV:   # the input, and the geometry convolution_backward needs (not tensors)
+        return (node._saved_input.detach(), node._saved_stride, node._saved_padding, node._saved_dilation,
+                node._saved_transposed, node._saved_output_padding, node._saved_groups)
     saved = (node._saved_mat1 if kind == _ADDMM else node._saved_self,)
     return tuple(t.detach() for t in saved)
 
@@ -494,6 +506,9 @@ def _direct(recipe, saved: tuple, g: torch.Tensor) -> None:
     arrived at it (the formulas of autograd's AddmmBackward0 / MmBackward0, accumulated in place:
     ``addmm_`` / ``addmv_`` where the dtypes allow, else the product is added)."""
     kind, w, transposed, b = recipe
+    if kind == _CONV:
+        _direct_conv(w, b, saved, g)
+        return
     (mat1,) = saved
     # out = mat1 @ mat2 -> d(mat2) = mat1^T g; the parameter is mat2, or mat2^T when transposed
     wg = w.grad
@@ -510,6 +525,19 @@ def _direct(recipe, saved: tuple, g: torch.Tensor) -> None:
             bg.addmv_(g.t(), _ones(g.shape[0], g))
         else:
             _accumulate(b, g.sum(0))
+
+
+def _direct_conv(w: torch.Tensor, b: torch.Tensor | None, saved: tuple, g: torch.Tensor) -> None:
+    """A convolution's weight and bias gradients only (``convolution_backward`` with the input's
+    gradient masked off: the kernels the full backward runs for them)."""
+    inp, stride, padding, dilation, transposed, output_padding, groups = saved
+    weight = w.detach() if w.dtype == inp.dtype else w.detach().to(inp.dtype)   # read for its shape/dtype
+    _, gw, gb = torch.ops.aten.convolution_backward(
+        g, inp, weight, [w.shape[0]] if b is not None else None, list(stride), list(padding), list(dilation),
+        transposed, list(output_padding), groups, [False, True, b is not None])
+    _accumulate(w, gw)
+    if b is not None:
+        _accumulate(b, gb)
 
 
 # ---------------------------------------------------------------------------- functional form

@@ -15,7 +15,7 @@ import time
 
 from planner import SearchSpace, Topology, search
 from planner.clusters import resolve_cluster
-from planner.models import load_workload
+from planner.load import load_workload
 from planner.search import _policies, _rep_values, divisors
 
 

@@ -84,17 +84,22 @@ class Comparison:
 
 def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
     """``results``: executor RunResults (with traces) of the schedules to compare."""
+    from cost_models.partition import layers_from_blocks
     from executor.config import lowered_schedule
     out = []
     for res in results:
         cfg = res.config
         low = lowered_schedule(cfg)
+        # the run's split, as layers per stage (a GPT's blocks plus its embedding and head)
+        part = None if cfg.partition is None else \
+            tuple(cfg.partition) if cfg.is_model_file else tuple(layers_from_blocks(cfg.partition))
         # both engines: the same number of back-to-back steps, the same statistic (the median
         # per-step makespan after the warm-up); the step closest to it represents the run
         med, step = median_step(res.iteration_times, warmup)
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times), recompute=cfg.recompute)
+        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times), partition=part,
+                                     recompute=cfg.recompute)
         sim_med, sim_step = median_step(step_metrics(str_).iteration_times, warmup)
         sm = step_metrics(str_, sim_step)
         orders = op_orders(mtr, step)
@@ -112,15 +117,17 @@ def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list
 
 def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
                     steps: int = 8, warmup: int = 2, model: str | None = None, chunks: int = 2,
-                    repeats: int = 1) -> list[Comparison]:
+                    repeats: int = 1, partitions: dict | None = None) -> list[Comparison]:
     """Run each schedule ``repeats`` times and compare the run with the lowest median step time
-    (:func:`executor.launch.run_best_of`): the simulator predicts the machine undisturbed."""
+    (:func:`executor.launch.run_best_of`): the simulator predicts the machine undisturbed. The runs
+    use the profile's micro-batch; ``partitions``: schedule -> the executor's partition (default:
+    its own split, which the simulator uses too)."""
     from calibration import PROBE
     from executor.config import RunConfig
     from executor.launch import run_best_of
     cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model or profile.model.name, probe=PROBE, dtype=profile.precision)
-            for s in schedules]
+                      steps=steps, model=model or profile.model.name, probe=PROBE, micro_batch=profile.micro_batch,
+                      partition=(partitions or {}).get(s), dtype=profile.precision) for s in schedules]
     best = run_best_of(cfgs, repeats, warmup)
     comps = compare([res for res, _ in best], profile, warmup)
     for c, (_, meds) in zip(comps, best):
@@ -129,32 +136,9 @@ def run_and_compare(schedules: list[str], devices: int, microbatches: int, repli
 
 
 def plot_overlay(comps: list[Comparison], path) -> None:
-    """Simulated (outline) over measured (filled) timelines, one panel per schedule."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    n = len(comps)
-    fig, axes = plt.subplots(n, 1, figsize=(12, sum(0.9 + 0.5 * c.devices * c.replicas for c in comps)),
-                             squeeze=False)
-    cmap = plt.get_cmap("tab10")
-    for ax, c in zip(axes[:, 0], comps):
-        for tr, filled in ((c.measured_trace, True), (c.simulated_trace, False)):
-            t = tr[tr["kind"].isin(["F", "B", "W"])]
-            t0 = tr["start"].min()
-            for row in t.itertuples(index=False):
-                y = row.device
-                colour = cmap(row.microbatch % 10)
-                if filled:
-                    ax.barh(y, row.end - row.start, left=row.start - t0, height=0.8, color=colour,
-                            alpha=0.45 if row.kind == "F" else 0.9, linewidth=0)
-                else:
-                    ax.barh(y, row.end - row.start, left=row.start - t0, height=0.8, fill=False,
-                            edgecolor="black", linewidth=0.6)
-        ax.set_title(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms (filled) vs simulated "
-                     f"{c.simulated_iteration_time * 1e3:.1f} ms (outlined), error {c.error:+.1%}", fontsize=9)
-        ax.set_yticks(range(c.devices * c.replicas), [f"rank {r}" for r in range(c.devices * c.replicas)], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_xlabel("seconds", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """Simulated (outline) over measured (filled) timelines, one panel per schedule
+    (:func:`experiments.plots.plot_overlay`)."""
+    from .plots import plot_overlay as draw
+    draw([(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms vs simulated "
+           f"{c.simulated_iteration_time * 1e3:.1f} ms, error {c.error:+.1%}", c.measured_trace, c.simulated_trace)
+          for c in comps], path)

@@ -6,7 +6,9 @@ memory: the number of stages, a contiguous partition of the layers, the replicas
 scatter-first), the micro-batch count and the schedule.
 
 * :mod:`planner.workload` / :mod:`planner.models`: per-layer, per-sample costs (transformers from
-  cost_models, the DAPPLE paper's CNN/RNN models defined here);
+  cost_models, the DAPPLE paper's CNN/RNN models defined here, measured profiles in PipeDream's graph
+  format: :mod:`planner.profiles`); with the kernel cost model the per-sample times depend on the
+  micro-batch (:mod:`planner.model_kernels`), which makes the micro-batch count a real choice;
 * :mod:`planner.placement`: placement policies and communication costs on the cluster;
 * :mod:`planner.cost`: the objective, L = warm-up + steady + ending (DAPPLE's pivot formulation);
   its docstring states it in full;
@@ -20,7 +22,8 @@ scatter-first), the micro-batch count and the schedule.
 """
 from .choose import Evaluated, PlanningResult, evaluate_plan, plan_training
 from .cost import Estimate, estimate
-from .models import load_workload, paper_models
+from .load import load_workload
+from .models import paper_models
 from .placement import POLICIES, Topology
 from .plan import Plan, StagePlan
 from .plan_io import LoadedPlan, load_plan, plan_record, save_plan

@@ -26,7 +26,7 @@ from cost_models import Cluster
 from schedules import ScheduleError
 
 from .cost import Estimate, estimate
-from .models import load_workload
+from .load import load_workload
 from .placement import Topology
 from .plan import Plan
 from .search import PlanError, SearchResult, SearchSpace, divisors, search
@@ -93,10 +93,13 @@ def with_simulation(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Eva
 def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: float | None = None,
                   recompute: str = "none", schedules=("dapple",), top_k: int = 6, simulate: bool = True,
                   baselines: bool = True, progress: bool = False, space: SearchSpace | None = None,
-                  model_name: str | None = None, rt_budget: int | None = 1_000_000) -> PlanningResult:
+                  model_name: str | None = None, rt_budget: int | None = 1_000_000, cost_model: str = "linear",
+                  profile_batch: int | None = None) -> PlanningResult:
     """Search, simulate and compare (see the module docstring). ``model``: a name (paper model,
-    cost_models preset or YAML path), a ModelSpec or a :class:`Workload`."""
-    work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute)
+    cost_models preset or YAML path, profile ``*.txt``), a ModelSpec or a :class:`Workload`;
+    ``cost_model`` / ``profile_batch``: see :func:`planner.workload.load_workload` (ignored for a Workload)."""
+    work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute, cost_model,
+                                                                   profile_batch)
     name = model_name or (model if isinstance(model, str) else work.name)
     cap = memory_limit if memory_limit is not None else work.memory_capacity
     topo = Topology(cluster)

@@ -3,8 +3,9 @@
 A plan (see :mod:`planner.plan`) is a chain of *elements*: stage 0, the boundary 0->1, stage 1, ...,
 stage S-1. With b = G / M samples per micro-batch and q_s = b / r_s per replica of stage s:
 
-* a stage has forward ``fw = F_s q_s`` and backward ``bw = B_s q_s`` (F_s, B_s: per-sample seconds of
-  its layers; B = input + weight gradient) and occupies its devices ``st = fw + bw`` per micro-batch;
+* a stage has forward ``fw = F_s(q_s) q_s`` and backward ``bw = B_s(q_s) q_s`` (F_s, B_s: per-sample
+  seconds of its layers at a micro-batch of q_s samples, the same at every q_s with the linear cost
+  model; B = input + weight gradient) and occupies its devices ``st = fw + bw`` per micro-batch;
 * a boundary has ``fw`` = the time to send one micro-batch's activations from stage s to stage s+1
   and ``bw`` = the time to send the gradients back (:meth:`planner.placement.Topology.transfer`);
   the two directions use different links (full duplex), so it occupies its links
@@ -105,10 +106,12 @@ class Estimate:
 
 def stage_estimate(work: Workload, topo: Topology, i: int, j: int, devs: tuple[int, ...], b: int,
                    inflight: int) -> StageEstimate:
-    """Layers [i, j) on ``devs`` with b samples per micro-batch and ``inflight`` micro-batches kept."""
+    """Layers [i, j) on ``devs`` with b samples per micro-batch and ``inflight`` micro-batches kept
+    (compute at the per-sample times of a micro-batch of b / replicas samples)."""
     q = b / len(devs)
     p = work.param_count(i, j)
-    return StageEstimate(work.fwd(i, j) * q, work.bwd(i, j) * q,
+    wq = work.at(round(q))
+    return StageEstimate(wq.fwd(i, j) * q, wq.bwd(i, j) * q,
                          topo.allreduce(devs, p * work.grad_bytes_per_param), p * work.optim_time_per_param,
                          p * work.bytes_per_param_static, inflight * work.activation(i, j) * q)
 

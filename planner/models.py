@@ -31,9 +31,11 @@ moments in fp32).
 """
 from __future__ import annotations
 
-from cost_models import DeviceSpec, LayerCosts, ModelSpec, load_model, spec_from_dict
+import dataclasses
 
-from .workload import Workload, from_layer_costs, transformer_workload
+from cost_models import DeviceSpec, LayerCosts, ModelSpec, scaled_layer_costs
+
+from .workload import WORKLOAD_FIELDS, Workload, from_layer_costs, transformer_workload
 
 XLNET_36 = ModelSpec(name="xlnet-36", layers=36, hidden=1024, heads=16, seq_len=512, vocab=32000, kind="bert")
 FP32 = 4
@@ -118,38 +120,69 @@ def paper_models() -> list[str]:
     return list(PAPER_MODELS)
 
 
-def paper_workload(name: str, device: DeviceSpec, recompute: str = "none") -> Workload:
-    """One of :data:`PAPER_MODELS` on ``device`` (per sample)."""
-    src = {"kind": "paper", "name": name, "recompute": recompute}
+def paper_workload(name: str, device: DeviceSpec, recompute: str = "none", cost_model: str = "linear") -> Workload:
+    """One of :data:`PAPER_MODELS` on ``device`` (per sample). ``cost_model="kernels"``: the
+    per-sample times at each micro-batch from the kernels of :mod:`planner.model_kernels`."""
+    src = {"kind": "paper", "name": name, "recompute": recompute, "cost_model": cost_model}
     if name == "xlnet-36":
-        return transformer_workload(XLNET_36, device, recompute, source=src)
+        return transformer_workload(XLNET_36, device, recompute, source=src, cost_model=cost_model)
     if name not in _ROWS:
         raise ValueError(f"unknown paper model {name!r}; choose one of {', '.join(PAPER_MODELS)}")
     if recompute != "none":
         raise ValueError(f"recomputation is only modelled for transformers; {name} takes --recompute none")
     lc, names = _layers(_ROWS[name](), device, "fp32", name)
-    return from_layer_costs(name, lc, layer_names=names, memory_capacity=device.memory_bytes, source=src)
+    wl = from_layer_costs(name, lc, layer_names=names, memory_capacity=device.memory_bytes, source=src)
+    if cost_model == "linear":
+        return wl
+    curve = kernel_curve(name, device)
+    f, b, w = curve(1)
+    return dataclasses.replace(wl, f=f, b_input=b, w=w, cost_model=cost_model, per_sample_at=curve)
 
 
-def load_workload(model, device: DeviceSpec, recompute: str = "none") -> Workload:
-    """``model``: a planner paper model name (see :func:`planner.models.paper_models`), a cost_models
-    model preset or YAML path, or a :class:`ModelSpec`."""
-    if isinstance(model, ModelSpec):
-        return transformer_workload(model, device, recompute)
-    if isinstance(model, str) and model in PAPER_MODELS:
-        return paper_workload(model, device, recompute)
-    spec = load_model(model)
-    src = {"kind": "transformer", "name": str(model), "spec": spec.to_dict(), "recompute": recompute}
-    return transformer_workload(spec, device, recompute, source=src)
+def kernel_curve(name: str, device: DeviceSpec, precision: str = "fp32"):
+    """q -> per-sample (f, b_input, w) per layer of a CNN/RNN paper model under the kernel model."""
+    from cost_models.kernels import DeviceRates
+
+    from .model_kernels import KERNELS
+    rates = DeviceRates.of(device, precision)
+    n_rows = len(_ROWS[name]())
+
+    def curve(q: int):
+        layers = KERNELS[name](int(q))
+        if len(layers) != n_rows:   # pragma: no cover - the two descriptions must agree
+            raise AssertionError(f"{name}: {len(layers)} kernel layers vs {n_rows} rows")
+        t = [rates.phases(ks) for ks in layers]
+        return tuple(x[0] / q for x in t), tuple(x[1] / q for x in t), tuple(x[2] / q for x in t)
+    return curve
 
 
-def workload_from_source(source: dict, device: DeviceSpec) -> Workload:
-    """Rebuild a workload from its ``source`` record (what plan files store)."""
-    kind = source.get("kind")
-    recompute = source.get("recompute", "none")
-    if kind == "paper":
-        return paper_workload(source["name"], device, recompute)
-    if kind == "transformer":
-        spec = spec_from_dict(dict(source["spec"]), f"plan model {source.get('name', '')}".strip())
-        return transformer_workload(spec, device, recompute, source=source)
-    raise ValueError(f"plan file: cannot rebuild model of kind {kind!r} (expected 'paper' or 'transformer')")
+def calibrated_workload(profile, device: DeviceSpec | None = None) -> Workload:
+    """A calibration profile's model (``pipetwin calibrate``: a transformer spec or a user's layer
+    stack, ``PATH.py:FUNC``) as a workload: the measured per-layer costs divided by the profile's
+    micro-batch (per sample: the planner takes costs as linear in the micro-batch, here an
+    approximation of measured ones), on the profile's own host (``device`` None) or scaled onto
+    ``device`` (:func:`cost_models.scaled_layer_costs`). Its ``source`` record (kind
+    ``calibrated``) carries the per-sample costs themselves, so a plan file rebuilds it without the
+    profile (:func:`calibrated_from_source`)."""
+    if device is None:
+        lc, cap = profile.layer_costs(), profile.memory_bytes
+    else:
+        lc, cap = scaled_layer_costs(profile, device)[0], device.memory_bytes
+    names = profile.model.layer_names if profile.is_stack else \
+        ("embedding", *[f"block{i}" for i in range(profile.model.layers)], "head")
+    work = from_layer_costs(profile.model_name, lc, per=profile.micro_batch, layer_names=names, memory_capacity=cap)
+    src = {"kind": "calibrated", "name": profile.model_name, "profile": profile.name, "stack": profile.is_stack,
+           "workload": {f: list(v) if isinstance(v, tuple) else v for f in WORKLOAD_FIELDS
+                        if f != "source" for v in [getattr(work, f)]}}
+    if not profile.is_stack:
+        src["spec"] = profile.model.to_dict()
+    return dataclasses.replace(work, source=src)
+
+
+def calibrated_from_source(source: dict) -> Workload:
+    """The workload of a ``calibrated`` source record (the inverse of :func:`calibrated_workload`)."""
+    w = dict(source.get("workload") or {})
+    missing = [f for f in WORKLOAD_FIELDS if f != "source" and f not in w]
+    if missing:
+        raise ValueError(f"plan file: the calibrated workload misses {', '.join(missing)}")
+    return Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in w.items()}, source=dict(source))

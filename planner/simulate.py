@@ -11,7 +11,9 @@ lowering, the validator and the simulator already handle: with C = lcm(r_s), eve
 cut into C sub-batches of b / C samples, sub-batch c runs on model copy c, and copy c of stage s is
 placed on replica ``c mod r_s`` of that stage. A device of stage s thus holds C / r_s copies of the
 stage and runs them one after the other (b / r_s samples per micro-batch, as the plan says); its
-gradient all-reduce covers exactly the r_s devices of the stage. Programs follow 1F1B over whole
+gradient all-reduce covers exactly the r_s devices of the stage (with micro-batch-dependent costs each
+sub-batch is priced at the per-sample times of the stage's share b / r_s, see
+:func:`_sub_batch_costs`). Programs follow 1F1B over whole
 micro-batches (:func:`replicated_schedule`). The static memory of such a device counts the stage's
 weights once (the copies of a stage on one device are one set of weights); the IR form would count
 them per copy, so the planner overrides it.
@@ -31,8 +33,7 @@ from cost_models.partition import balanced_edges
 from schedules import Schedule, build, lower, make_schedule, validate
 from schedules.dapple import one_f_one_b
 from schedules.ir import B, F
-from schedules.trace import step_metrics
-from sim import SimOptions, simulate
+from sim import SimOptions, run
 
 from .placement import lcm
 from .plan import Plan
@@ -92,6 +93,24 @@ def ir_partition(plan: Plan, work: Workload, num_stages: int) -> tuple[int, ...]
     return tuple(e[i + 1] - e[i] for i in range(num_stages))
 
 
+def _sub_batch_costs(plan: Plan, work: Workload, C: int):
+    """Layer costs of one sub-batch (b / C samples) of a non-uniform plan. With micro-batch-dependent
+    costs a device of stage s runs its C / r_s sub-batches at the per-sample times of b / r_s
+    samples, the micro-batch share the planner priced (DAPPLE runs it as one pass), so every layer
+    of stage s gets those per-sample times times b / C."""
+    b = plan.micro_batch
+    lc = work.layer_costs(b // C)
+    if not work.varies:
+        return lc
+    sub = float(b // C)
+    f, bi, w = list(lc.f), list(lc.b_input), list(lc.w)
+    for st in plan.stages:
+        wq = work.at(b // st.replicas)
+        for i in range(st.start, st.stop):
+            f[i], bi[i], w[i] = wq.f[i] * sub, wq.b_input[i] * sub, wq.w[i] * sub
+    return replace(lc, f=tuple(f), b_input=tuple(bi), w=tuple(w), b_full=None)
+
+
 def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | None = None, *,
                eager: bool = True, check: bool = True) -> Built:
     """Lower a plan, bind its costs and place it (see the module docstring)."""
@@ -118,7 +137,7 @@ def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | N
         low = lower(sched, eager=eager)
         C = sched.meta["sub_batches"]
         part = plan.partition
-        costs = PerLayerCostModel(work.layer_costs(b // C), part).bind(low)
+        costs = PerLayerCostModel(_sub_batch_costs(plan, work, C), part).bind(low)
         stage_of = [s for s, st in enumerate(plan.stages) for _ in st.devices]
         params = [work.param_count(st.start, st.stop) for st in plan.stages]
         costs = replace(costs, static_mem=tuple(params[stage_of[r]] * work.bytes_per_param_static
@@ -156,9 +175,9 @@ class SimOutcome:
 
 def simulate_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | None = None,
                   options: SimOptions | None = None) -> SimOutcome:
-    """One simulated iteration of a plan."""
+    """One simulated iteration of a plan (the simulator's fast path: metrics without a trace, one
+    replica standing for identical ones)."""
     bt = build_plan(plan, work, cluster, capacity, check=False)
-    trace = simulate(bt.lowered, bt.costs, bt.network, options or SimOptions())
-    m = step_metrics(trace)
+    m = run(bt.lowered, bt.costs, bt.network, options or SimOptions()).metrics()
     peaks = tuple(p.peak_memory for p in m.per_device)
     return SimOutcome(m.iteration_time, m.bubble_ratio, max(peaks), peaks, bt.costs.meta.get("memory_capacity"))

@@ -3,9 +3,14 @@
 A :class:`Workload` holds, for every layer of the model (index i = layer i of the whole stack,
 embedding and head included for transformers), the forward, input-backward and weight-backward
 seconds, the activation bytes kept for the backward, the bytes of the layer's output (sent when a
-stage ends there) and the parameter count, all **per sample**. Every cost the cost models compute
-is linear in the micro-batch (transformer FLOPs and activations are ``b x`` the per-sequence ones),
-so a stage replica that processes ``q`` samples of a micro-batch costs ``q x`` these numbers.
+stage ends there) and the parameter count, all **per sample**. With the linear cost model every
+cost is linear in the micro-batch (transformer FLOPs and activations are ``b x`` the per-sequence
+ones), so a stage replica that processes ``q`` samples of a micro-batch costs ``q x`` these
+numbers. With the kernel cost model (``cost_model="kernels"``, :mod:`cost_models.kernels`) the
+per-sample *times* depend on q (a GPU is less efficient on small micro-batches):
+:meth:`Workload.at` gives the per-sample times at q (``q x`` those is what a replica of q samples
+costs), :meth:`Workload.floor` the smallest per-sample times over a set of q (the search's lower
+bounds); activations, boundary bytes and parameters stay linear.
 
 :meth:`Workload.layer_costs` gives a :class:`cost_models.LayerCosts` at a micro-batch size (what
 :class:`cost_models.PerLayerCostModel` binds to a schedule); for a transformer it is computed by
@@ -14,12 +19,15 @@ the planner and through ``pipetwin simulate`` sees the same numbers.
 
 :func:`load_workload` resolves a model name: a planner-local paper model (:mod:`planner.models`:
 vgg-19, gnmt-16, amoebanet-36, xlnet-36), a cost_models preset (gpt-96, bert-48, ...) or a YAML
-path, on a device spec.
+path, or a profile in PipeDream's graph format (DAPPLE's released profiles, ``*.txt``:
+:mod:`planner.profiles`), on a device spec.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
+from pathlib import Path
+from typing import Callable
 
 from cost_models import DeviceSpec, LayerCosts, ModelSpec, TransformerCostModel
 
@@ -46,6 +54,10 @@ class Workload:
     spec: ModelSpec | None = field(default=None, compare=False)
     device: DeviceSpec | None = field(default=None, compare=False)
     recompute: str = "none"
+    cost_model: str = "linear"
+    # q -> per-sample (f, b_input, w) at micro-batch q (None: the same at every q)
+    per_sample_at: Callable[[int], tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]] | None = \
+        field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         n = len(self.f)
@@ -60,6 +72,37 @@ class Workload:
         object.__setattr__(self, "_cb", pre(b + w for b, w in zip(self.b_input, self.w)))
         object.__setattr__(self, "_ca", pre(self.act))
         object.__setattr__(self, "_cp", pre(self.params))
+        object.__setattr__(self, "_at", {})
+
+    # ---------------------------------------------------------------- micro-batch dependence
+    @property
+    def varies(self) -> bool:
+        """Whether per-sample times depend on the micro-batch (kernel cost model)."""
+        return self.per_sample_at is not None
+
+    def at(self, q: int) -> "Workload":
+        """This workload with the per-sample times of a micro-batch of ``q`` samples (itself when
+        the costs are linear)."""
+        if self.per_sample_at is None:
+            return self
+        q = int(q)
+        if q < 1:
+            raise ValueError(f"micro-batch must be >= 1 sample; got {q}")
+        got = self._at.get(q)
+        if got is None:
+            f, b, w = self.per_sample_at(q)
+            got = self._at[q] = replace(self, f=tuple(f), b_input=tuple(b), w=tuple(w), per_sample_at=None)
+        return got
+
+    def floor(self, qs) -> "Workload":
+        """Per-layer smallest per-sample forward and backward times over the micro-batches ``qs``
+        (a lower bound on the cost of any of them)."""
+        if self.per_sample_at is None:
+            return self
+        ws = [self.at(q) for q in sorted(set(int(q) for q in qs))]
+        f = tuple(min(w.f[i] for w in ws) for i in range(self.num_layers))
+        bw = tuple(min(w.b_input[i] + w.w[i] for w in ws) for i in range(self.num_layers))
+        return replace(self, f=f, b_input=bw, w=(0.0,) * self.num_layers, per_sample_at=None)
 
     @property
     def num_layers(self) -> int:
@@ -89,11 +132,12 @@ class Workload:
         """Per-layer costs at ``micro_batch`` samples per micro-batch."""
         if self.spec is not None and self.device is not None:
             tm = TransformerCostModel(self.spec.replace(micro_batch=int(micro_batch)), self.device,
-                                      recompute=self.recompute)
+                                      recompute=self.recompute, compute=self.cost_model)
             return tm.layer_costs()
         q = float(micro_batch)
+        t = self.at(int(micro_batch)) if self.varies else self
         sc = lambda xs: tuple(x * q for x in xs)  # noqa: E731
-        return LayerCosts(sc(self.f), sc(self.b_input), sc(self.w), sc(self.act), sc(self.act_w),
+        return LayerCosts(sc(t.f), sc(t.b_input), sc(t.w), sc(self.act), sc(self.act_w),
                           sc(self.out_bytes), tuple(self.params), self.bytes_per_param_static,
                           self.grad_bytes_per_param, self.optim_time_per_param, self.copy_time * q)
 
@@ -110,17 +154,35 @@ def from_layer_costs(name: str, lc: LayerCosts, *, per: int = 1, layer_names=Non
 
 
 def transformer_workload(spec: ModelSpec, device: DeviceSpec, recompute: str = "none",
-                         source: dict | None = None) -> Workload:
-    """A transformer (cost_models formulas) at one sequence per sample."""
-    tm = TransformerCostModel(spec.replace(micro_batch=1), device, recompute=recompute)
+                         source: dict | None = None, cost_model: str = "linear") -> Workload:
+    """A transformer (cost_models formulas, or the kernel model) at one sequence per sample."""
+    tm = TransformerCostModel(spec.replace(micro_batch=1), device, recompute=recompute, compute=cost_model)
     names = tuple(l.name for l in tm.layers())
+    src = dict(source or {"kind": "transformer", "name": spec.name, "spec": spec.to_dict(), "recompute": recompute})
+    src["cost_model"] = cost_model
     wl = from_layer_costs(spec.name, tm.layer_costs(), layer_names=names, memory_capacity=device.memory_bytes,
-                          source=source or {"kind": "transformer", "name": spec.name, "spec": spec.to_dict(),
-                                            "recompute": recompute})
+                          source=src)
+    def curve(q: int):
+        lc = TransformerCostModel(spec.replace(micro_batch=q), device, recompute=recompute,
+                                  compute="kernels").layer_costs()
+        return tuple(x / q for x in lc.f), tuple(x / q for x in lc.b_input), tuple(x / q for x in lc.w)
     return Workload(**{**{f: getattr(wl, f) for f in _FIELDS}, "spec": spec, "device": device,
-                       "recompute": recompute})
+                       "recompute": recompute, "cost_model": cost_model,
+                       "per_sample_at": curve if cost_model == "kernels" else None})
 
 
-_FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
-           "bytes_per_param_static", "grad_bytes_per_param", "optim_time_per_param", "copy_time",
-           "memory_capacity", "source")
+WORKLOAD_FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
+                   "bytes_per_param_static", "grad_bytes_per_param", "optim_time_per_param", "copy_time",
+                   "memory_capacity", "source")
+_FIELDS = WORKLOAD_FIELDS
+
+
+def check_cost_model(cost_model: str) -> None:
+    from cost_models.kernels import COST_MODELS
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"cost model must be one of {', '.join(COST_MODELS)}; got {cost_model!r}")
+
+
+def is_profile_path(model) -> bool:
+    """A PipeDream/DAPPLE profile file is given by a path ending in .txt."""
+    return isinstance(model, (str, Path)) and str(model).endswith(".txt")

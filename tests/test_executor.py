@@ -168,6 +168,36 @@ def test_split_backward_equals_full_backward_and_w_runs_only_weight_kernels():
     assert in_b.ops["native_layer_norm_backward"] == 2 * blocks
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_split_backward_of_convolutions_frees_the_graph_and_w_runs_only_weight_gradients(autocast):
+    """A conv stack (a user's model file): B then W equals the full backward; W gets each
+    convolution's weight and bias gradients from its saved input (no engine group, so B frees the
+    graph), and W runs convolution_backward once per convolution with the input's gradient masked
+    off: W's FLOPs equal the closed form 2 x outputs x (in channels x k x k) per weight."""
+    torch.manual_seed(0)
+    mod = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Conv2d(8, 4, 3, padding=1, bias=False))
+    x = torch.randn(2, 3, 8, 8)
+    g = torch.randn(2, 4, 4, 4)
+    gx_full, full = _grads(mod, x, g, autocast=autocast)
+    split = SplitBackward(mod.parameters())
+    for _ in range(2):
+        gx, got = _grads(mod, x, g, split=split, autocast=autocast)
+        assert torch.equal(gx, gx_full)
+        for a, b in zip(got, full):
+            assert (a - b).abs().max() <= (4e-3 if autocast else 1e-6) * b.abs().max()
+    _, _, ops, groups, _ = split._template
+    assert groups == [] and [op.fast[0] for op in ops] == ["convolution", "convolution"]
+    xx = x.clone().requires_grad_()
+    out = mod(xx)
+    _, pending = split.input(out, xx, g)
+    assert pending.full is None and all(node is None for _, node, _, _ in pending.ops)   # no graph kept
+    del out
+    with FlopCounterMode(display=False) as fc_w:
+        weight_backward(pending)
+    assert fc_w.get_total_flops() == 2 * (2 * 8 * 8 * 8) * (3 * 9) + 2 * (2 * 4 * 4 * 4) * (8 * 9)
+
+
 class _Shared(torch.nn.Module):
     """One block applied twice, a linear layer used twice and a scale used twice in elementwise
     products (an op without a direct recipe: W falls back to the engine for that group)."""

@@ -9,7 +9,8 @@ import pytest
 from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_cluster, load_device
 from planner import (Plan, PlanError, SearchSpace, StagePlan, Topology, estimate, exhaustive, load_plan,
                      replicated_schedule, save_plan, search, simulate_plan)
-from planner.models import load_workload, paper_workload
+from planner.load import load_workload
+from planner.models import paper_workload
 from planner.plan import Plan as _Plan
 from planner.search import all_plans
 from planner.simulate import build_plan
@@ -66,6 +67,25 @@ def test_search_equals_brute_force(seed):
         e = got.estimate
         assert e.fits
         assert (e.latency if obj == "dapple" else e.slowest) == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_equals_brute_force_on_fabrics(seed):
+    """Suffixes of different sizes are compared only where moving a plan by whole nodes (whole leaves
+    on fat-tree and rail fabrics) changes no cost: the optimum is still the brute force's."""
+    from dataclasses import replace
+    rng = random.Random(100 + seed)
+    nodes, dpn, fabric, per = [(4, 1, "fat-tree", 2), (4, 2, "rail", 2), (3, 2, "fat-tree", 2),
+                               (4, 1, "flat", 1), (2, 2, "rail", 1), (4, 2, "fat-tree", 1)][seed]
+    base = small_cluster(rng, nodes, dpn)
+    topo = Topology(replace(base, fabric=fabric, nodes_per_leaf=per, oversubscription=rng.choice([1.0, 4.0]),
+                            nics_per_node=dpn))
+    work = rand_work(rng, rng.randint(2, 4), rng.choice([None, 8e9]))
+    G = rng.choice([4, 8])
+    for obj in ("dapple", "pipedream"):
+        best, plan, _ = exhaustive(work, topo, G, objective=obj)
+        got = search(work, topo, G, objective=obj).best
+        assert got.value == pytest.approx(best, rel=1e-9)
 
 
 def test_brute_force_space_is_complete():

@@ -82,3 +82,9 @@ def test_reproduce_quick(tmp_path, capsys):
     # the DAPPLE plan is never slower than the baselines it is searched against
     assert (t.speedup_over_data_parallel >= 1 - 1e-9).all()
     assert (t.speedup_over_pipedream_best_m >= 0.97).all()
+    # DAPPLE's own profiles, both cost models, the paper's numbers beside ours and the term per row
+    assert set(t.cost_model) == {"linear", "kernels"} and (t.paper_dp_mean == 1.71).all()
+    assert t.data_parallel_term.str.contains("all-reduce").all()
+    k = t.set_index(["model", "cost_model"]).dapple_M
+    assert k["bert-48", "kernels"] < k["bert-48", "linear"]
+    assert "Where we differ from the paper" in out

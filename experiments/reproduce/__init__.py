@@ -8,6 +8,7 @@ TARGETS = {
     "bitpipe": "experiments.reproduce.bitpipe",
     "dapple-runtime": "experiments.reproduce.dapple_runtime",
     "dapple-planner": "experiments.reproduce.dapple_planner",
+    "cost-curves": "experiments.reproduce.cost_curves",
 }
 
 

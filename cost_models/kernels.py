@@ -1,0 +1,564 @@
+"""GPU op costs from kernel shapes: the micro-batch-dependent cost model (``--cost-model kernels``).
+
+The linear model (:class:`cost_models.TransformerCostModel` with ``compute="linear"``) charges
+FLOPs / (peak x efficiency): a sample costs the same at micro-batch 1 and 64. A real GPU does not:
+at small micro-batches the GEMMs leave SMs idle and the framework's per-op overhead dominates;
+measured on a V100 (Chimera's profiles, ``cost_models/presets/measurements/chimera-v100``) one
+BERT-large layer costs 4.2x less per sample at batch 64 than at batch 1. This module prices every
+kernel a layer launches:
+
+**GEMM** ``C[m x n] = A[m x k] B[k x n]`` (``batch`` independent products for batched matmuls).
+The library runs it as output tiles of ``tm x tn`` (one thread block each), one tile per SM at a
+time, so a GEMM of ``T = batch * ceil(m / tm) * ceil(n / tn)`` tiles takes ``waves =
+ceil(T / sms)`` rounds (tile and wave quantisation). A tile of depth k does ``2 tm tn k`` FLOPs at
+the SM's share of the peak times the tile's efficiency::
+
+    e(tile) = gemm_efficiency * I / (I + tile_intensity),   I = tm tn / (tm + tn)
+
+(``I`` is the tile's FLOPs per operand element loaded: small tiles re-read their operands more
+often and reach less of the peak). With split-K ``p`` (for GEMMs with few tiles and a deep k) the
+tiles multiply by p, each does k / p, and the p partial results are summed (an extra pass over
+``p m n`` fp32 elements). The GEMM cannot be faster than moving its operands once::
+
+    t_compute = waves * 2 tm tn (k / p) / (peak / sms * e(tile))
+    t_memory  = bytes(A + B + C) / (memory_bandwidth * memory_efficiency)
+    t_gemm    = kernel_latency + max(t_compute, t_memory)      minimised over tiles and p
+
+as the library's heuristic picks the fastest kernel. Tiles: :data:`TILES`; p in 1, 2, 4, 8, 16.
+
+**Attention** is priced as the batched GEMMs it is made of (eager attention: ``QK^T`` and ``PV``
+over ``batch x heads`` products, plus the element-wise passes over the ``b a s^2`` scores), or as
+one fused kernel (``gpt``: ``scaled_dot_product_attention``) of ``4 b s^2 h`` FLOPs at the GEMM
+efficiency of its tiles, reading Q, K, V and writing the output once.
+
+**Element-wise and reduction kernels** (bias, GeLU, dropout, softmax, layer norm, residual adds,
+copies of permuted views, gradient accumulation) are memory-bound::
+
+    t = kernel_latency + bytes / (memory_bandwidth * memory_efficiency)
+
+**Launch overhead.** An eager framework issues the kernels one by one from the host. Issuing a
+kernel costs the host ``dispatch_forward`` seconds in the forward (the ATen dispatch and the
+launch) plus ``module_overhead`` for every ``nn.Module`` call that leads to it (Python: the
+module's ``__call__``, its hooks, its ``forward``), and ``dispatch_backward`` per kernel in the
+backward (the autograd engine, no Python). A kernel starts when it has been issued and the previous
+one has finished. A pass of kernels of host times h_i and GPU times g_i repeated back to back (the
+layers of a stage) costs per pass, in the long run::
+
+    t_pass = max(sum_i h_i, sum_i g_i)
+
+(:func:`stream_time` with ``repeats=None``); :func:`stream_time` with a repeat count simulates the
+queue exactly (what a benchmark that times a few passes sees). The constants (``sms`` from the
+datasheet; the efficiencies, the latency and the host times fitted to measurements) are the
+``kernels:`` block of a device preset (:class:`GpuConstants`); ``pipetwin reproduce cost-curves``
+fits them and reports the error on held-out files.
+
+Layers priced here: transformer blocks of four families (:data:`ARCHS`: ``bert`` = Hugging Face
+BertLayer, ``gpt`` = the executor's pre-norm block with fused attention, ``opt`` = OPT decoder
+layer, ``t5`` = T5 encoder block), the embedding lookup and the output head with its loss
+(:func:`transformer_layer_times`); the planner builds its CNN/RNN layers from :func:`gemm`,
+:func:`conv2d` and :func:`memory` (:mod:`planner.model_kernels`). Phases: ``F`` forward, ``B``
+input gradient (with the element-wise backward), ``W`` weight gradient (GEMMs, bias reductions,
+gradient accumulation): B + W is the full backward, and the split is what zero-bubble schedules use.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from ._spec import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .device import DeviceSpec
+    from .model_spec import ModelSpec
+
+TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64),
+                                      (64, 32), (32, 64), (32, 32))
+SPLIT_K = (1, 2, 4, 8, 16)
+ARCHS = ("bert", "gpt", "opt", "t5")
+# nn.Module calls of a block that launch no kernel of their own (the block and its sub-block containers):
+# BertLayer, BertAttention, BertSelfAttention, BertSelfOutput, BertIntermediate, BertOutput; the
+# executor's Block and CausalSelfAttention; OPTDecoderLayer, OPTAttention; T5Block,
+# T5LayerSelfAttention, T5Attention, T5LayerFF, T5DenseActDense
+CONTAINERS = {"bert": 6, "gpt": 2, "opt": 2, "t5": 5}
+PHASES = ("F", "B", "W")
+COST_MODELS = ("kernels", "linear")
+
+
+@dataclass(frozen=True)
+class GpuConstants:
+    """The constants of the kernel model for one device (the ``kernels:`` block of a device preset).
+
+    sms: streaming multiprocessors (datasheet). gemm_efficiency: fraction of the peak an SM reaches
+    on GEMM tiles of unbounded intensity (the asymptote of ``e(tile)``). tile_intensity: FLOPs per
+    loaded operand element at which a tile reaches half of it. memory_efficiency: fraction of the
+    memory bandwidth streaming kernels reach. kernel_latency: seconds of GPU time every kernel
+    costs on top of its work (launch, ramp-up, tail). dispatch_forward / dispatch_backward: host
+    seconds per kernel the framework needs to issue the forward / backward (eager PyTorch);
+    module_overhead: host seconds per ``nn.Module`` call in the forward."""
+
+    sms: int
+    gemm_efficiency: float
+    tile_intensity: float
+    memory_efficiency: float
+    kernel_latency: float
+    dispatch_forward: float
+    dispatch_backward: float
+    module_overhead: float
+
+    FIELDS = ("sms", "gemm_efficiency", "tile_intensity", "memory_efficiency", "kernel_latency",
+              "dispatch_forward", "dispatch_backward", "module_overhead")
+
+    def __post_init__(self):
+        for f in self.FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise SpecError(f"kernel constant {f!r} must be a finite number; got {v!r}")
+        if not isinstance(self.sms, int) or self.sms < 1:
+            raise SpecError(f"kernel constant 'sms' must be a positive integer; got {self.sms!r}")
+        for f in ("gemm_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, f) <= 1:
+                raise SpecError(f"kernel constant {f!r} must be in (0, 1]; got {getattr(self, f)!r}")
+        if self.tile_intensity < 0:
+            raise SpecError(f"kernel constant 'tile_intensity' must be >= 0; got {self.tile_intensity!r}")
+        for f in ("kernel_latency", "dispatch_forward", "dispatch_backward", "module_overhead"):
+            if getattr(self, f) < 0:
+                raise SpecError(f"kernel constant {f!r} must be a time >= 0; got {getattr(self, f)!r}")
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+    def with_values(self, **kw) -> "GpuConstants":
+        return replace(self, **kw)
+
+
+def constants_from_dict(d, source: str) -> GpuConstants:
+    """The ``kernels:`` block of a device YAML (times accept units: ``20 us``)."""
+    from . import _spec
+    d = _spec.mapping(d, source, "kernels")
+    _spec.check_fields(d, source, GpuConstants.FIELDS, GpuConstants.FIELDS, prefix="kernels.")
+    vals = {"sms": _spec.integer(d["sms"], source, "kernels.sms")}
+    for f in ("gemm_efficiency", "tile_intensity", "memory_efficiency"):
+        vals[f] = _spec.number(d[f], source, f"kernels.{f}", allow_zero=f == "tile_intensity")
+    for f in ("kernel_latency", "dispatch_forward", "dispatch_backward", "module_overhead"):
+        vals[f] = _spec.seconds(d[f], source, f"kernels.{f}")
+    try:
+        return GpuConstants(**vals)
+    except SpecError as e:
+        raise SpecError(f"{source}: " + str(e).replace("kernel constant '", "field 'kernels.")) from None
+
+
+# ---------------------------------------------------------------------------- kernels
+@dataclass(frozen=True)
+class Kernel:
+    """One GPU kernel: a GEMM (``gemm = (batch, m, n, k)``) or a memory-bound kernel moving
+    ``bytes``. ``phase``: F, B or W (see the module docstring). ``modules``: nn.Module calls the
+    host makes before issuing it (forward only)."""
+
+    name: str
+    phase: str
+    bytes: float = 0.0
+    gemm: tuple[int, int, int, int] | None = None
+    flops: float = 0.0          # fused attention: FLOPs priced at the GEMM efficiency of its tiles
+    modules: int = 0
+
+
+def gemm(name: str, phase: str, m: int, n: int, k: int, dtype_bytes: int, batch: int = 1, modules: int = 0) -> Kernel:
+    """``batch`` products ``[m x k] x [k x n]``; bytes = the operands and the result, read/written once."""
+    m, n, k, batch = int(m), int(n), int(k), int(batch)
+    return Kernel(name, phase, float(dtype_bytes * batch * (m * k + k * n + m * n)), (batch, m, n, k),
+                  modules=modules)
+
+
+def memory(name: str, phase: str, nbytes: float, modules: int = 0) -> Kernel:
+    return Kernel(name, phase, float(nbytes), modules=modules)
+
+
+def fused_attention(name: str, phase: str, b: int, heads: int, s: int, head_dim: int, dtype_bytes: int,
+                    backward: bool = False) -> Kernel:
+    """One flash-style attention kernel: 4 b s^2 a d FLOPs forward (QK^T and PV), 2.5x that
+    backward (recomputing the scores); reads Q, K, V (and dO, O) and writes O (or dQ, dK, dV)."""
+    flops = 4.0 * b * heads * s * s * head_dim * (2.5 if backward else 1.0)
+    tensors = (7 if backward else 4) * b * s * heads * head_dim * dtype_bytes
+    return Kernel(name, phase, float(tensors), (b * heads, s, head_dim, s), flops)
+
+
+def conv2d(name: str, phase: str, batch: int, h_out: int, w_out: int, c_in: int, c_out: int, ksize: int,
+           dtype_bytes: int) -> list[Kernel]:
+    """A convolution as the implicit GEMM cuDNN runs: forward ``[b h w x c_out]``, depth
+    ``c_in k^2``; phase B is the data gradient, W the filter gradient."""
+    M, K = batch * h_out * w_out, c_in * ksize * ksize
+    if phase == "F":
+        return [gemm(name, "F", M, c_out, K, dtype_bytes, modules=1)]
+    if phase == "B":
+        return [gemm(name + ".dgrad", "B", M, K, c_out, dtype_bytes)]
+    return [gemm(name + ".wgrad", "W", c_out, K, M, dtype_bytes)]
+
+
+# ---------------------------------------------------------------------------- timing
+def tile_efficiency(c: GpuConstants, tm: int, tn: int) -> float:
+    inten = tm * tn / (tm + tn)
+    return c.gemm_efficiency * inten / (inten + c.tile_intensity)
+
+
+def tile_time(c: GpuConstants, peak: float, bandwidth: float, batch: int, m: int, n: int, k: int, nbytes: float,
+              tm: int, tn: int, split: int = 1, scale: float = 1.0) -> float:
+    """Seconds of one GEMM run with ``tm x tn`` tiles and split-K ``split`` (no kernel latency):
+    ``max(waves * tile work / (SM peak * e(tile)), bytes / bandwidth)`` plus the split-K reduction.
+    ``scale`` multiplies the FLOPs (a fused kernel doing more than 2 m n k per product)."""
+    tiles = batch * -(-m // tm) * -(-n // tn) * split
+    waves = -(-tiles // c.sms)
+    bw = bandwidth * c.memory_efficiency
+    t = waves * 2.0 * tm * tn * (k / split) * scale / (peak / c.sms * tile_efficiency(c, tm, tn))
+    t = max(t, nbytes / bw)
+    if split > 1:
+        t += (split + 1) * m * n * batch * 4.0 / bw
+    return t
+
+
+def gemm_time(c: GpuConstants, peak: float, bandwidth: float, batch: int, m: int, n: int, k: int,
+              nbytes: float, flops: float | None = None) -> tuple[float, tuple[int, int, int]]:
+    """(seconds without the kernel latency, (tm, tn, split-K) chosen) for one GEMM: the fastest of
+    :data:`TILES` x :data:`SPLIT_K` (split-K only while every split keeps k / p >= 64 and the tiles
+    stay within four waves), as the library's heuristic picks (module docstring)."""
+    if min(batch, m, n, k) < 1:
+        return 0.0, (0, 0, 1)
+    scale = 1.0 if flops is None else flops / (2.0 * batch * m * n * k)
+    best, arg = math.inf, (0, 0, 1)
+    for tm, tn in TILES:
+        tiles = batch * -(-m // tm) * -(-n // tn)
+        for p in SPLIT_K:
+            if p > 1 and (k // p < 64 or tiles * p > 4 * c.sms):
+                break
+            t = tile_time(c, peak, bandwidth, batch, m, n, k, nbytes, tm, tn, p, scale)
+            if t < best:
+                best, arg = t, (tm, tn, p)
+    return best, arg
+
+
+def kernel_time(k: Kernel, c: GpuConstants, peak: float, bandwidth: float) -> float:
+    """GPU seconds of one kernel: latency + max(compute, memory) for GEMMs, latency + bytes / BW else."""
+    if k.gemm is not None:
+        t, _ = gemm_time(c, peak, bandwidth, *k.gemm, k.bytes, k.flops or None)
+        return c.kernel_latency + t
+    return c.kernel_latency + k.bytes / (bandwidth * c.memory_efficiency)
+
+
+def stream_time(gpu_times: Sequence[float], host_times: Sequence[float], repeats: int | None = None) -> float:
+    """Seconds per pass of kernels the host issues in order (kernel i after ``host_times[i]`` more
+    seconds of host work), each starting when issued and when the previous one has finished.
+
+    ``repeats=None``: the long-run time per pass of a pass repeated back to back,
+    ``max(sum(host_times), sum(gpu_times))``. ``repeats=r``: the queue simulated exactly for r
+    passes from an idle start, divided by r."""
+    if len(gpu_times) != len(host_times):
+        raise ValueError("stream_time: one host time per kernel")
+    if repeats is None:
+        return max(float(sum(host_times)), float(sum(gpu_times)))
+    issue = end = 0.0
+    for _ in range(int(repeats)):
+        for g, h in zip(gpu_times, host_times):
+            issue += h
+            end = max(issue, end) + g
+    return end / repeats
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What the timing needs from a device: kernel constants, peak FLOP/s at the precision, bandwidth."""
+
+    constants: GpuConstants
+    peak: float
+    bandwidth: float
+
+    @staticmethod
+    def of(device: "DeviceSpec", precision: str, constants: GpuConstants | None = None) -> "DeviceRates":
+        c = constants if constants is not None else device.kernels
+        if c is None:
+            raise SpecError(f"device {device.name!r} has no 'kernels:' constants for the kernel cost model; add "
+                            f"them to its YAML (see cost_models/kernels.py) or use --cost-model linear")
+        if not device.memory_bandwidth:
+            raise SpecError(f"device {device.name!r} needs 'memory_bandwidth' for the kernel cost model")
+        return DeviceRates(c, device.peak(precision), device.memory_bandwidth)
+
+    def times(self, kernels: Iterable[Kernel]) -> list[float]:
+        return [kernel_time(k, self.constants, self.peak, self.bandwidth) for k in kernels]
+
+    def host_times(self, kernels: Iterable[Kernel]) -> list[float]:
+        """Host seconds to issue each kernel: dispatch (per phase) + module calls (forward)."""
+        c = self.constants
+        return [c.dispatch_forward + k.modules * c.module_overhead if k.phase == "F" else c.dispatch_backward
+                for k in kernels]
+
+    def phase_time(self, kernels: Sequence[Kernel], phase: str, repeats: int | None = None) -> float:
+        ks = [k for k in kernels if k.phase == phase]
+        if not ks:
+            return 0.0
+        return stream_time(self.times(ks), self.host_times(ks), repeats)
+
+    def phases(self, kernels: Sequence[Kernel]) -> tuple[float, float, float]:
+        """(F, B, W) seconds, each phase a long-run stream of its own kernels."""
+        return tuple(self.phase_time(kernels, p) for p in PHASES)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------- transformer blocks
+@dataclass(frozen=True)
+class BlockShape:
+    """One transformer block: ``arch`` (:data:`ARCHS`), hidden h, heads a, sequence s, MLP width
+    ffn, bytes per element, micro-batch b. ``pre_norm`` (opt: the norm before each sub-block) and
+    ``dropout`` (masks and their kernels) follow the arch unless given."""
+
+    arch: str
+    hidden: int
+    heads: int
+    seq: int
+    ffn: int
+    dtype_bytes: int
+    micro_batch: int
+    dropout: bool = True
+    pre_norm: bool | None = None
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise SpecError(f"unknown block arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
+        for f in ("hidden", "heads", "seq", "ffn", "dtype_bytes", "micro_batch"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"block field {f!r} must be a positive integer; got {v!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _norm(name, phase, arch, n, d, T):
+    """Kernels of a norm over n elements (T rows): LayerNorm one kernel forward, three backward
+    (input gradient; partial and final gamma/beta sums); T5's eager RMSNorm six forward (pow, mean,
+    add eps, rsqrt, scale, weight) and eight backward."""
+    small = 4 * T
+    if arch == "t5":
+        if phase == "F":
+            return [memory(f"{name}.pow", "F", 2 * n * d, modules=1), memory(f"{name}.mean", "F", n * d + small),
+                    memory(f"{name}.eps", "F", 2 * small), memory(f"{name}.rsqrt", "F", 2 * small),
+                    memory(f"{name}.scale", "F", 2 * n * d + small), memory(f"{name}.weight", "F", 2 * n * d)]
+        return [memory(f"{name}.weight.dx", "B", 3 * n * d), memory(f"{name}.scale.dx", "B", 3 * n * d),
+                memory(f"{name}.scale.dr", "B", 2 * n * d + small), memory(f"{name}.rsqrt.bwd", "B", 3 * small),
+                memory(f"{name}.mean.bwd", "B", n * d + small), memory(f"{name}.pow.bwd", "B", 3 * n * d),
+                memory(f"{name}.accum", "B", 3 * n * d),
+                memory(f"{name}.weight.dw", "W", 2 * n * d)]
+    if phase == "F":
+        return [memory(f"{name}", "F", 2 * n * d + 2 * small, modules=1)]
+    return [memory(f"{name}.dx", "B", 3 * n * d + 2 * small), memory(f"{name}.dgb", "W", 2 * n * d),
+            memory(f"{name}.dgb.sum", "W", small)]
+
+
+def _linear(name, T, n_out, n_in, d, bias, input_grad=True):
+    """(forward kernels, backward kernels) of a linear layer over T rows."""
+    fwd = [gemm(name, "F", T, n_out, n_in, d, modules=1)]
+    bwd = []
+    if input_grad:
+        bwd.append(gemm(f"{name}.dx", "B", T, n_in, n_out, d))
+    bwd.append(gemm(f"{name}.dw", "W", n_out, n_in, T, d))
+    if bias:
+        bwd.append(memory(f"{name}.db", "W", T * n_out * d + n_out * 4))
+    return fwd, bwd
+
+
+def block_kernels(sh: BlockShape, *, input_grad: bool = True, accumulate_grads: bool = True,
+                  recompute: str = "none") -> list[Kernel]:
+    """Every kernel one block launches for one micro-batch: forward (F, in order), then the input
+    gradient with the element-wise backward (B) and the weight gradients (W), in backward order.
+
+    input_grad: the block's input needs a gradient (False for a benchmark that feeds a leaf tensor:
+    with a post-norm block the Q/K/V input-gradient GEMMs, their sum and the first residual's
+    gradient sum are skipped). accumulate_grads: the weight gradients are added into existing
+    ``.grad`` tensors (one kernel per parameter tensor: every micro-batch after the first).
+    recompute: ``selective`` re-runs the attention core in B, ``full`` the whole forward."""
+    return list(_block_kernels(sh, input_grad, accumulate_grads, recompute))
+
+
+@lru_cache(maxsize=4096)
+def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, recompute: str) -> tuple[Kernel, ...]:
+    """The kernels of :func:`block_kernels` as a tuple (cached per distinct block)."""
+    a, s, h, f, d, b = sh.arch, sh.seq, sh.hidden, sh.ffn, sh.dtype_bytes, sh.micro_batch
+    A, Dh = sh.heads, sh.head_dim
+    T = b * s
+    th = T * h * d                       # bytes of one [T x h] tensor
+    n_sc = b * A * s * s                 # attention score elements
+    sc = n_sc * d
+    bias = a in ("bert", "gpt", "opt")
+    drop = sh.dropout and a != "gpt"
+    pre = sh.pre_norm if sh.pre_norm is not None else a in ("gpt", "t5")
+    mask = 1 if drop else 0              # bytes per element of a dropout mask
+    Fk: list[Kernel] = []
+    groups: list[list[Kernel]] = []      # backward kernels of each forward step, in forward order
+    attn_f: list[Kernel] = []            # the attention core (selective recomputation re-runs it)
+    params: list[int] = []               # parameter tensors (gradient accumulation)
+    qkv_dx = input_grad or pre           # the Q/K/V inputs need a gradient
+
+    def step(fwd, bwd, core=False):
+        Fk.extend(fwd)
+        groups.append(list(bwd))
+        if core:
+            attn_f.extend(fwd)
+
+    def lin(name, n_out, n_in, dx=True):
+        fw, bw = _linear(name, T, n_out, n_in, d, bias, dx)
+        step(fw, bw)
+        params.extend([n_out * n_in] + ([n_out] if bias else []))
+
+    def norm(name):
+        step(_norm(name, "F", a, T * h, d, T), _norm(name, "B", a, T * h, d, T))
+        params.extend([h] if a == "t5" else [h, h])
+
+    def dropout(name, nbytes, elems, modules=1):
+        if drop:
+            step([memory(name, "F", 2 * nbytes + elems * mask, modules=modules)],
+                 [memory(f"{name}.bwd", "B", 2 * nbytes + elems * mask)])
+
+    # ---- attention sub-block
+    if pre:
+        norm("ln1")
+    if a == "gpt":
+        lin("qkv", 3 * h, h, qkv_dx)
+        step([fused_attention("attn", "F", b, A, s, Dh, d)],
+             [fused_attention("attn.bwd", "B", b, A, s, Dh, d, backward=True)], core=True)
+    else:
+        if qkv_dx:      # the three input gradients are summed
+            step([], [memory(f"qkv.dx.sum{i}", "B", 3 * th) for i in range(2)])
+        for nm in ("q", "k", "v"):
+            lin(nm, h, h, qkv_dx)
+        if a == "opt":
+            step([memory("q.scale", "F", 2 * th)], [memory("q.scale.bwd", "B", 2 * th)])
+        # permuted views are copied to contiguous tensors for the batched matmuls
+        step([memory("q.copy", "F", 2 * th), memory("k.copy", "F", 2 * th)],
+             [memory("q.copy.bwd", "B", 2 * th), memory("k.copy.bwd", "B", 2 * th)], core=True)
+        step([gemm("qk", "F", s, s, Dh, d, batch=b * A)],
+             [gemm("qk.dq", "B", s, Dh, s, d, batch=b * A), gemm("qk.dk", "B", s, Dh, s, d, batch=b * A)], core=True)
+        if a == "bert":
+            step([memory("scale", "F", 2 * sc)], [memory("scale.bwd", "B", 2 * sc)], core=True)
+            step([memory("mask", "F", 2 * sc)], [], core=True)
+        elif a == "opt":
+            step([memory("mask", "F", 2 * sc + b * s * s * d)], [], core=True)
+            # torch.max(scores, finfo.min): its backward is where(eq, grad / 2, grad) then
+            # masked_fill(lt): five passes over the scores (two of them writing bool masks)
+            bm = n_sc
+            step([memory("clamp", "F", 2 * sc)],
+                 [memory("clamp.eq", "B", sc + bm), memory("clamp.half", "B", 2 * sc),
+                  memory("clamp.where", "B", 3 * sc + bm), memory("clamp.lt", "B", sc + bm),
+                  memory("clamp.fill", "B", 2 * sc + bm)], core=True)
+        else:   # t5: a position bias (zeros + mask) added to the scores in place
+            pb = A * s * s * d
+            step([memory("bias.zeros", "F", pb), memory("bias.mask", "F", 2 * pb),
+                  memory("bias.add", "F", 2 * sc + pb)], [], core=True)
+        step([memory("softmax", "F", 2 * sc)], [memory("softmax.bwd", "B", 3 * sc)], core=True)
+        if drop and a in ("bert", "t5"):
+            step([memory("attn.dropout", "F", 2 * sc + n_sc * mask, modules=1)],
+                 [memory("attn.dropout.bwd", "B", 2 * sc + n_sc * mask)], core=True)
+        step([memory("v.copy", "F", 2 * th)], [memory("v.copy.bwd", "B", 2 * th)], core=True)
+        step([gemm("pv", "F", s, Dh, s, d, batch=b * A)],
+             [gemm("pv.dp", "B", s, s, Dh, d, batch=b * A), gemm("pv.dv", "B", s, Dh, s, d, batch=b * A)], core=True)
+        step([memory("ctx.copy", "F", 2 * th)], [memory("ctx.copy.bwd", "B", 2 * th)], core=True)
+    lin("o" if a != "gpt" else "proj", h, h)
+    dropout("o.dropout", th, T * h)
+    step([memory("residual1", "F", 3 * th)], [memory("residual1.accum", "B", 3 * th)] if input_grad or pre else [])
+    if not pre:
+        norm("ln1")
+    # ---- MLP sub-block
+    if pre:
+        norm("ln2")
+    lin("fc1", f, h)
+    step([memory("act", "F", 2 * T * f * d, modules=0 if a == "gpt" else 1)],
+         [memory("act.bwd", "B", 3 * T * f * d)])
+    if a == "t5":
+        dropout("act.dropout", T * f * d, T * f)
+    lin("fc2", h, f)
+    dropout("fc2.dropout", th, T * h)
+    step([memory("residual2", "F", 3 * th)], [memory("residual2.accum", "B", 3 * th)])
+    if not pre:
+        norm("ln2")
+    Fk[0] = replace(Fk[0], modules=Fk[0].modules + CONTAINERS[a])
+    back = [k for g in reversed(groups) for k in g]      # B and W interleaved, as autograd runs them
+    if recompute == "full":
+        back = [replace(k, phase="B", name=k.name + ".re") for k in Fk] + back
+    elif recompute == "selective":
+        back = [replace(k, phase="B", name=k.name + ".re") for k in attn_f] + back
+    elif recompute != "none":
+        raise SpecError(f"recompute must be one of none, selective, full; got {recompute!r}")
+    if accumulate_grads:
+        back += [memory(f"grad.accum{i}", "W", 3 * p * d) for i, p in enumerate(params)]
+    return tuple(Fk + back)
+
+
+def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None) -> BlockShape:
+    """The block of a model spec: ``bert`` for kind bert, ``gpt`` (the executor's block) for gpt."""
+    return BlockShape(arch or ("bert" if spec.kind == "bert" else "gpt"), spec.hidden, spec.heads, spec.seq_len,
+                      spec.ffn_mult * spec.hidden, spec.dtype_bytes, spec.micro_batch, dropout)
+
+
+def embedding_kernels(spec: "ModelSpec") -> list[Kernel]:
+    """Token (+ position, + token type) lookup and sum; backward: a scatter-add into the tables."""
+    T, h, d = spec.micro_batch * spec.seq_len, spec.hidden, spec.dtype_bytes
+    n = 3 if spec.kind == "bert" else 2
+    ks = [memory(f"embed.lookup{i}", "F", 2 * T * h * d + 8 * T) for i in range(n)]
+    ks += [memory("embed.sum", "F", (n + 1) * T * h * d)]
+    ks += [memory(f"embed.scatter{i}", "W", 3 * T * h * d + 8 * T) for i in range(n)]
+    return ks
+
+
+def head_kernels(spec: "ModelSpec") -> list[Kernel]:
+    """Final norm, the V x h projection (BERT: the h x h transform and GeLU first), the softmax
+    cross-entropy over the fp32 logits and their gradient."""
+    T, h, d, V = spec.micro_batch * spec.seq_len, spec.hidden, spec.dtype_bytes, spec.vocab
+    ks = [memory("head.norm", "F", 2 * T * h * d), memory("head.norm.dx", "B", 3 * T * h * d)]
+    if spec.kind == "bert":
+        ks += [gemm("head.transform", "F", T, h, h, d), memory("head.gelu", "F", 2 * T * h * d),
+               gemm("head.transform.dx", "B", T, h, h, d), memory("head.gelu.bwd", "B", 3 * T * h * d),
+               gemm("head.transform.dw", "W", h, h, T, d)]
+    ks += [gemm("head.proj", "F", T, V, h, d), memory("head.logsoftmax", "F", T * V * (d + 4)),
+           memory("head.loss", "F", T * V * 4), memory("head.loss.bwd", "B", T * V * (4 + d)),
+           gemm("head.proj.dx", "B", T, h, V, d), gemm("head.proj.dw", "W", V, h, T, d)]
+    return ks
+
+
+def transformer_layer_times(spec: "ModelSpec", device: "DeviceSpec", precision: str, recompute: str = "none",
+                            dropout: bool = True, constants: GpuConstants | None = None
+                            ) -> list[tuple[float, float, float]]:
+    """(F, B, W) seconds of every layer of the stack [embedding, blocks, head] for one micro-batch
+    of ``spec.micro_batch`` sequences, each phase a long-run kernel stream (see :func:`stream_time`)."""
+    rates = DeviceRates.of(device, precision, constants)
+    block = rates.phases(block_kernels(block_shape(spec, dropout), recompute=recompute))
+    return [rates.phases(embedding_kernels(spec)), *([block] * spec.layers), rates.phases(head_kernels(spec))]
+
+
+# ---------------------------------------------------------------------------- measurement protocol
+@dataclass(frozen=True)
+class Protocol:
+    """How a benchmark timed a layer (Chimera's ``prof_steps``-style script): ``passes`` forward
+    passes back to back, then as many backward passes, host-timed; the forward time is the first
+    part / passes, the backward the rest / passes. ``input_grad``: the layer input needs a gradient;
+    ``accumulate_grads``: the backward passes add into existing gradients (all but the first)."""
+
+    passes: int = 4
+    input_grad: bool = False
+    accumulate_fraction: float = 0.75
+
+
+def measured_layer_times(sh: BlockShape, rates: DeviceRates, protocol: Protocol = Protocol()) -> tuple[float, float]:
+    """(forward, backward) seconds per pass of one block as the protocol measures them: the queue of
+    ``passes`` forward passes, then (one stream) as many backward passes, simulated exactly."""
+    ks = block_kernels(sh, input_grad=protocol.input_grad, accumulate_grads=False)
+    acc = [k for k in block_kernels(sh, input_grad=protocol.input_grad, accumulate_grads=True)
+           if k.name.startswith("grad.accum")]
+    fk = [k for k in ks if k.phase == "F"]
+    bk = [k for k in ks if k.phase != "F"]
+    n = protocol.passes
+    n_acc = round(protocol.accumulate_fraction * n)
+    f_g, f_h = rates.times(fk), rates.host_times(fk)
+    b_g, b_h = rates.times(bk), rates.host_times(bk)
+    a_g, a_h = rates.times(acc), rates.host_times(acc)
+    t_f = stream_time(f_g * n, f_h * n, 1)
+    gpu = f_g * n + b_g * (n - n_acc) + (b_g + a_g) * n_acc
+    host = f_h * n + b_h * (n - n_acc) + (b_h + a_h) * n_acc
+    return t_f / n, (stream_time(gpu, host, 1) - t_f) / n
