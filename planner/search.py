@@ -28,7 +28,14 @@ the Pareto front of labels (V, T, n) is exact: a label dominated in all three ca
 better plan. Labels are pruned against the best complete plan found so far (kept top_k deep) with a
 lower bound: the layers [0, i) still to place need ``W_pre`` per-sample seconds on at most ``P - k``
 devices, so some prefix stage runs at least ``W_pre b / (P - k)`` per micro-batch and
-``L >= max(V + T, V + W_pre b / (P - k), M W_pre b / (P - k))``. A stage that grows (layers added
+``L >= max(V + T, V + W_pre b / (P - k), M W_pre b / (P - k))``. A prefix stage also has at most
+``rmax`` replicas (the largest replica count, <= b), so at least ``q = b / min(rmax, P - k)`` samples
+per replica: the prefix adds round trips ``R_pre >= W_pre q`` and forwards ``FW_pre >= F_pre q``, and
+since prepending adds its round trips to V and takes at most its backwards off T,
+``L >= V + max(R_pre, T + FW_pre)``; its slowest stage holds the largest layer, ``>= w_max q``. Before
+the exact passes, passes under a trial threshold (a fraction of the best seed, ``CEILINGS``) prune
+harder; one counts only when it found top_k plans within its threshold, so what it pruned is worse
+than those (:meth:`_Ctx.settled`); else the next raises it, the last has none. A stage that grows (layers added
 at its front) only increases V and its memory, so the scan over its first layer stops at the first
 one that breaks the memory limit or the bound. The search is exact: the tests check it against
 :func:`exhaustive` (every plan of the space, evaluated with :func:`planner.cost.estimate`).
