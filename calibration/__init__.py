@@ -9,7 +9,11 @@ What is measured, and how:
    weight-grad parts of the embedding, one transformer block and the head (+ loss), built by
    :mod:`executor.model` and run with the runtime's own backward calls (:mod:`executor.backward`).
    Activation bytes kept from F to B (and from B to W) per layer come from the runtime's
-   :class:`executor.device.SavedTensorMeter`.
+   :class:`executor.device.SavedTensorMeter`. A model file (``PATH.py:FUNC``, see
+   :mod:`executor.user_model`) is measured the same way, every one of its layers on the output of
+   the one before it (the last with the loss), at ``micro_batch`` samples; its profile also keeps
+   per layer the parameters, the output bytes, the FLOPs of the timed calls and the kept bytes
+   alone and after the previous layer (:class:`cost_models.stack.StackSpec`).
 2. Communication (``ranks`` spawned ranks, gloo): one-way P2P times by ping-pong over message
    sizes (25th percentile), fitted as latency + bytes / bandwidth; all-reduce times over sizes as
    the runtime launches them (the median: gloo's times spread 3x between wake-ups), fitted as a
@@ -34,57 +38,103 @@ from __future__ import annotations
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 
 from cost_models.calibration import CalibrationProfile, LayerTiming, fit_allreduce, fit_latency_bandwidth
 from cost_models.cluster import LinkSpec
 from cost_models.model_spec import load_model
+from cost_models.stack import StackSpec, is_model_ref
 from executor.device import cpu_threads
 
 from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds, scale_layer,
                   trace_runtime)
-from .measure import measure_comm, measure_data, measure_layers, measure_optimizer
+from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed"]
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed",
+           "measure_stack"]
 
 
-def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None) -> CalibrationProfile:
+def measure_stack(ref: str, micro_batch: int, threads: int, repeats: int = 20, progress=None):
+    """A model file's layers measured (:func:`calibration.measure.measure_stack_layers`): (rows,
+    :class:`cost_models.stack.StackSpec`, bytes each layer adds after the one before it, the same
+    until W). Between B and W a stage keeps its whole graph (the input backward retains it), so
+    what a layer keeps for W after the previous one is its chain bytes less what it frees alone
+    at B."""
+    from executor.user_model import build_stack, stack_layout
+    stack_layout(ref, 1, micro_batch=micro_batch)        # the model's own checks, one line each
+    rows = measure_stack_layers(build_stack(ref, 0), micro_batch, threads, repeats, progress=progress)
+    spec = StackSpec(
+        name=ref, micro_batch=micro_batch, layer_names=tuple(r["name"] for r in rows),
+        params=tuple(float(r["params"]) for r in rows), out_bytes=tuple(float(r["out_bytes"]) for r in rows),
+        act_first=tuple(float(r["act"]) for r in rows), act_w_first=tuple(float(r["act_w"]) for r in rows),
+        flops=tuple(r["flops"] for r in rows), dtype_bytes=4)
+    act = tuple(float(r["act_chain"]) for r in rows)
+    act_w = tuple(max(0.0, float(r["act_chain"]) - (r["act"] - r["act_w"])) for r in rows)
+    return rows, spec, act, act_w
+
+
+def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
+              runtime_steps: int = 12, runtime_repeats: int = 3) -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
-    predicted put on this host (it sets the thread count per rank, like the executor does)."""
-    spec = load_model(model)
-    if spec.kind != "gpt":
-        raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
+    predicted put on this host (it sets the thread count per rank, like the executor does).
+    ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
+    ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`).
+    ``runtime_steps`` / ``runtime_repeats``: the traced runs the runtime is fitted on (steps each,
+    best of; the first 2 steps are dropped)."""
+    stack_ref = model if is_model_ref(model) else None
+    if stack_ref is None:
+        spec = load_model(model)
+        if spec.kind != "gpt":
+            raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
+        if micro_batch is not None:
+            spec = spec.replace(micro_batch=int(micro_batch))
+    if runtime_steps < 3 or runtime_repeats < 1:
+        raise ValueError(f"the traced runs need >= 3 steps (2 are dropped) and >= 1 repeat; got {runtime_steps} "
+                         f"steps, {runtime_repeats} repeats")
     threads = cpu_threads(ranks)
     report = progress or (lambda msg: None)
     report("layers")
-    layers = measure_layers(spec, threads, repeats, progress=report)
+    if stack_ref is not None:
+        from executor.user_model import DEFAULT_MICRO_BATCH, build_stack
+        mb = int(micro_batch or DEFAULT_MICRO_BATCH)
+        per, model_spec, act, act_w = measure_stack(stack_ref, mb, threads, repeats, progress=report)
+        stack = build_stack(stack_ref, 0)
+        opt_model, data = stack_ref, measure_data(None, stack, mb)
+        run_model, run_mb = stack_ref, mb
+    else:
+        layers = measure_layers(spec, threads, repeats, progress=report)
+        per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
+        model_spec, act, act_w = spec, tuple(float(x["act"]) for x in per), tuple(float(x["act_w"]) for x in per)
+        opt_model, data = spec, measure_data(spec)
+        run_model, run_mb = model, micro_batch
     report("optimizer")
-    opt = measure_optimizer(spec, threads)
-    data = measure_data(spec)
+    opt = measure_optimizer(opt_model, threads)
     report("communication")
-    comm = measure_comm(spec, max(2, ranks), max(12, repeats))
+    comm = measure_comm(opt_model, max(2, ranks), max(12, repeats))
     opt = max(opt, comm["optimizer_per_param"])
     lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
     ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, ranks))
     cores = os.cpu_count() or 1
     base_ranks = fit_ranks(ranks)
     report("runtime (traced runs)")
-    runs = trace_runtime(model, base_ranks)
+    runs = trace_runtime(run_model, base_ranks, steps=runtime_steps, repeats=runtime_repeats, micro_batch=run_mb)
     probes = {str(base_ranks): probe_seconds(runs)}
-    per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
+    label = model_spec.name if stack_ref is None else Path(stack_ref.rsplit(":", 1)[0]).stem
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
-            "allreduce_samples": [list(x) for x in comm["allreduce"]]}
+            "allreduce_samples": [list(x) for x in comm["allreduce"]],
+            "runtime_schedules": [r.config.schedule for r in runs]}
 
     def make_profile(scale: dict, overhead: dict, oversubscribed: float = 1.0) -> CalibrationProfile:
         timing = [scale_layer(x, scale) for x in per]
         return CalibrationProfile(
-            name=f"{platform.node() or 'host'}-{model}", model=spec,
+            name=f"{platform.node() or 'host'}-{label}", model=model_spec,
             layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
             p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
             optimizer_seconds_per_param=opt * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
-            act_bytes=tuple(float(x["act"]) for x in per), act_w_bytes=tuple(float(x["act_w"]) for x in per),
+            act_bytes=act, act_w_bytes=act_w,
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
             meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes)))
@@ -95,7 +145,7 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     slowdown = 1.0
     if ranks > base_ranks:
         report("oversubscribed cores (traced runs)")
-        over = trace_runtime(model, ranks)
+        over = trace_runtime(run_model, ranks, steps=runtime_steps, repeats=runtime_repeats, micro_batch=run_mb)
         probes[str(ranks)] = probe_seconds(over)
         slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x))
     return make_profile(scale, overhead, slowdown)

@@ -55,12 +55,26 @@ def op_totals(trace, split: bool, warmup_steps: int) -> dict[str, list[float]]:
     return out
 
 
-def trace_runtime(model: str, ranks: int, steps: int = 12, repeats: int = 3, warmup_steps: int = 2) -> list:
+def trace_runtime(model: str, ranks: int, steps: int = 12, repeats: int = 3, warmup_steps: int = 2,
+                  micro_batch: int | None = None) -> list:
     """Traced executor runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
     N = 2D, the best of ``repeats`` runs each (:func:`executor.launch.run_best_of`; validation
-    compares with the best of its runs too: the model predicts the host undisturbed)."""
-    cfgs = [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE)
-            for s in RUNTIME_SCHEDULES]
+    compares with the best of its runs too: the model predicts the host undisturbed). Schedules
+    with more stages than a model file has layers are left out (at least one must fit)."""
+    cfgs, refused = [], []
+    for s in RUNTIME_SCHEDULES:
+        cfg = RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
+                        micro_batch=micro_batch)
+        try:
+            lowered_schedule(cfg)
+        except ValueError as e:
+            if not cfg.is_model_file:
+                raise
+            refused.append(str(e))
+            continue
+        cfgs.append(cfg)
+    if not cfgs:
+        raise ValueError(f"no runtime schedule fits model {model} at D = {ranks}: " + "; ".join(refused))
     return [res for res, _ in run_best_of(cfgs, repeats, warmup_steps)]
 
 

@@ -68,7 +68,9 @@ class LinkSpec:
     latency: float
 
     def to_dict(self) -> dict:
-        return {"type": self.kind, "bandwidth": self.bandwidth, "latency": self.latency}
+        # a link that is no preset type (e.g. a calibration profile's fitted one) reads back as custom
+        return {"type": self.kind if self.kind in LINK_TYPES else "custom", "bandwidth": self.bandwidth,
+                "latency": self.latency}
 
 
 # Nominal per-direction bandwidths of one device's / NIC's port, and typical NCCL-level one-way

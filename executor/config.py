@@ -16,6 +16,7 @@ import torch
 from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
 from cost_models.partition import block_ranges
+from cost_models.stack import is_model_ref
 from schedules import Schedule, build, lower, validate
 from schedules.registry import check_size
 
@@ -29,11 +30,14 @@ class RunConfig:
     """One training run. ``replicas`` R copies the whole pipeline (ranks r*D + d); each step
     trains on R*N micro-batches of ``spec.micro_batch`` sequences; the loss is their mean.
 
-    ``model`` is a preset name, a YAML path or a ModelSpec; ``micro_batch`` overrides the spec's
-    sequences per micro-batch; ``partition`` gives the transformer blocks of each of the schedule's
-    stages per model copy (embedding in stage 0, head in the last; default: the even split of
-    :func:`cost_models.partition.block_ranges`). The reference uses the same spec and G = R * N, so its
-    global batch is the run's."""
+    ``model`` is a preset name, a YAML path or a ModelSpec of the built-in GPT, or a model file
+    ``PATH.py:FUNC`` / ``package.module:FUNC`` (a layer stack: :mod:`executor.user_model`);
+    ``micro_batch`` overrides the spec's sequences per micro-batch (a model file's samples per
+    micro-batch; default :data:`executor.user_model.DEFAULT_MICRO_BATCH`); ``partition`` gives, per
+    stage of a model copy, the GPT's transformer blocks (embedding in stage 0, head in the last;
+    default: the even split of :func:`cost_models.partition.block_ranges`) or a model file's layers
+    (default: :func:`cost_models.partition.stack_partition`). The reference uses the same model and
+    G = R * N, so its global batch is the run's."""
 
     schedule: str = "dapple"
     devices: int = 2
@@ -41,7 +45,7 @@ class RunConfig:
     chunks: int = 2                 # chunks per device for schedules that take it (interleaved)
     variant: str | None = None      # the schedule family's variant (None: its default)
     replicas: int = 1
-    model: str | ModelSpec = "tiny"  # preset name, YAML path or ModelSpec
+    model: str | ModelSpec = "tiny"  # preset name, YAML path, ModelSpec, or a model file PATH.py:FUNC
     steps: int = 3
     seed: int = 0
     lr: float = 1e-3
@@ -55,7 +59,7 @@ class RunConfig:
     collect_params: bool = False    # return the final parameters (tests)
     fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (see parse_fault)
     micro_batch: int | None = None  # sequences per micro-batch (None: the spec's micro_batch)
-    partition: tuple[int, ...] | None = None  # blocks per stage of a model copy (None: even split)
+    partition: tuple[int, ...] | None = None  # blocks (GPT) or layers (model file) per stage of a model copy
     probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
                                     # and after the steps on every rank at once (0: off); see worker
 
@@ -87,9 +91,28 @@ class RunConfig:
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)
 
+    @property
+    def is_model_file(self) -> bool:
+        """The model is a user's layer stack (``PATH.py:FUNC``), not the built-in GPT."""
+        return is_model_ref(self.model)
+
     def spec(self) -> ModelSpec:
         spec = self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
         return spec if self.micro_batch is None else spec.replace(micro_batch=int(self.micro_batch))
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        """Sequences (GPT) or samples (model file) per micro-batch."""
+        if self.is_model_file:
+            from .user_model import DEFAULT_MICRO_BATCH
+            return int(self.micro_batch or DEFAULT_MICRO_BATCH)
+        return self.spec().micro_batch
+
+    def stack_layout(self, num_stages: int):
+        """A model file's checked layout over ``num_stages`` stages (:func:`executor.user_model.stack_layout`)."""
+        from .user_model import stack_layout
+        return stack_layout(str(self.model), num_stages, micro_batch=self.samples_per_microbatch, seed=self.seed,
+                            partition=self.partition)
 
     @property
     def model_name(self) -> str:
@@ -149,16 +172,21 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     """The lowered schedule a config runs (``schedule`` overrides the named one), validated
     (``check=False`` skips the symbolic run: only for tests that run broken programs), after
     the cheap checks (sizes, the model's kind and depth, the device, the data file) and before
-    the fault's (its token must be in its rank's program)."""
-    spec = config.spec()
-    if spec.kind != "gpt":
+    the fault's (its token must be in its rank's program). A model file is imported, built and run
+    on one micro-batch here (:func:`executor.user_model.stack_layout`): its errors come out before
+    any rank starts."""
+    stack = config.is_model_file
+    spec = None if stack else config.spec()
+    if spec is not None and spec.kind != "gpt":
         raise ValueError(f"the executor trains GPT decoders; model {spec.name!r} is of kind {spec.kind!r}")
     check_device(config.device)
+    if stack and config.data is not None:
+        raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
     if config.data is not None:
         check_input(config.data, "data file", min_bytes=spec.seq_len + 2)
     if schedule is None:
         check_size(config.devices, config.microbatches, config.replicas, config.chunks)
-        if config.partition is None and spec.layers < config.devices:
+        if spec is not None and config.partition is None and spec.layers < config.devices:
             block_ranges(spec.layers, config.devices)   # every schedule has >= D stages: its error, before building
         kw = {} if config.variant is None else {"variant": config.variant}
         sched = build(config.schedule, config.devices, config.microbatches, chunks=config.chunks, **kw)
@@ -171,7 +199,10 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
             raise ValueError(f"schedule {low.name} runs {low.replicas} x {low.num_microbatches} micro-batches per "
                              f"step but the config says replicas={config.replicas} x microbatches="
                              f"{config.microbatches}; they must agree (the reference trains on the config's)")
-    block_ranges(spec.layers, low.num_stages, config.partition)
+    if stack:
+        config.stack_layout(low.num_stages)     # imports, builds and checks the model: user errors here
+    else:
+        block_ranges(spec.layers, low.num_stages, config.partition)
     if check:
         validate(low)
     check_fault(config, low)
@@ -199,14 +230,14 @@ class RunResult:
     def throughput(self) -> float:
         """Sequences per second over the steps after the first (all steps if only one)."""
         times = self.iteration_times[1:] or self.iteration_times
-        seqs = self.config.global_microbatches * self.config.spec().micro_batch
+        seqs = self.config.global_microbatches * self.config.samples_per_microbatch
         return seqs * len(times) / sum(times) if sum(times) > 0 else float("nan")
 
     def to_dict(self) -> dict:
         c = self.config
         return {"engine": self.engine, "schedule": c.schedule, "variant": c.variant, "devices": c.devices,
                 "microbatches": c.microbatches, "replicas": c.replicas, "model": c.model_name,
-                "micro_batch": c.spec().micro_batch,
+                "micro_batch": c.samples_per_microbatch,
                 "partition": list(c.partition) if c.partition is not None else None,
                 "steps": c.steps, "optimizer": c.optimizer, "lr": c.lr, "seed": c.seed,
                 "losses": self.losses, "iteration_times": self.iteration_times,

@@ -118,7 +118,9 @@ class SavedTensorMeter:
                     self.peak = self.live
             else:
                 ref[0] += 1
-        return _Saved(t, self, key)
+        # detached: a saved output (ReLU, sigmoid, ...) must not hold its own grad_fn, which holds this
+        # object (a reference cycle that keeps the graph alive until the garbage collector runs)
+        return _Saved(t.detach(), self, key)
 
     @staticmethod
     def _unpack(x):

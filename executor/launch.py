@@ -98,6 +98,8 @@ def estimated_host_bytes(job: Job) -> float:
     min(N, D) micro-batches in flight per pipeline (1F1B's; GPipe keeps more)."""
     from cost_models.transformer import block_activation_bytes, model_params
     cfg, low = job.config, job.schedule
+    if job.layout is not None:      # a model file's layer stack (executor.user_model)
+        return low.num_ranks * PROCESS_BYTES + job.layout.host_bytes(low)
     spec = cfg.spec()
     fp32 = 4 / spec.dtype_bytes
     static = 16.0 * model_params(spec) * low.num_copies * low.replicas

@@ -37,7 +37,8 @@ def run_one(name: str, args, inputs=None, *, crossed: list | None = None, trace:
     if getattr(args, "plan", None):
         given = [f for f, v in (("--unit-costs", args.unit_costs), ("--profile", args.profile),
                                 ("--model", args.model), ("--cluster", args.cluster),
-                                ("--micro-batch", args.micro_batch)) if v]
+                                ("--micro-batch", args.micro_batch),
+                                ("--partition", getattr(args, "partition", None))) if v]
         if given:
             raise ValueError(f"--plan brings its own model, cluster and costs; drop {', '.join(given)}")
         from .plan_files import simulation_from_plan

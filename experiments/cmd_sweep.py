@@ -27,7 +27,9 @@ def add_arguments(p):
     p.add_argument("--microbatches", "-N", required=True, help="micro-batches per iteration, comma-separated")
     p.add_argument("--dp", default="1", help="data-parallel replicas, comma-separated (default 1)")
     p.add_argument("--micro-batch", help="micro-batch sizes, comma-separated (default: the model spec's)")
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model preset or YAML file (default {DEFAULT_MODEL})")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"model preset or YAML file (default {DEFAULT_MODEL}), or a model file PATH.py:FUNC with "
+                        f"its --profile")
     p.add_argument("--cluster", "-c", default=DEFAULT_CLUSTER,
                    help=f"cluster preset or YAML file, optionally NAME:NODES (default {DEFAULT_CLUSTER})")
     add_cluster_shape_args(p)
@@ -68,6 +70,12 @@ def main(args) -> int:
         load_shaped_cluster(args)
     elif args.profile and not os.path.isfile(args.profile):
         raise FileNotFoundError(f"--profile: no such file: {args.profile}")
+    elif args.profile:
+        from cost_models import is_model_ref, load_profile
+
+        from .costs import check_profile_model
+        if is_model_ref(args.model):
+            check_profile_model(load_profile(args.profile), args.model)
     common = Common(model=args.model, cluster=args.cluster, nodes=args.nodes, fabric=args.fabric,
                     oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf,
                     unit_costs=args.unit_costs, profile=args.profile, device_map=args.device_map,

@@ -23,7 +23,10 @@ def add_arguments(p):
                    help="executor runs per schedule; the one with the lowest median counts (default 3)")
     p.add_argument("--profile", type=input_file,
                    help="calibration profile; default: calibrate now (pipetwin calibrate) and write it beside --plot")
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default=None,
+                   help="model preset / YAML file or a model file PATH.py:FUNC (default: the profile's, else tiny)")
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="samples per micro-batch when calibrating now (default: a model file's 4, a GPT spec's)")
     p.add_argument("--plot", default="out/validate.png", type=output_file,
                    help="overlay figure (default out/validate.png)")
     p.add_argument("--json", action="store_true")
@@ -32,40 +35,56 @@ def add_arguments(p):
 def main(args) -> int:
     import sys
 
-    from cost_models import load_model, load_profile, save_profile
+    from cost_models import is_model_ref, load_model, load_profile, save_profile
     from cost_models.files import check_output_path
     from schedules import ScheduleError, build
 
     from .cmd_calibrate import calibrate_with_progress
+    from .costs import check_profile_model
     from .crossval import plot_overlay, run_and_compare
 
     D, R = args.devices, args.dp
     N = args.microbatches or 2 * D
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    spec = load_model(args.model)
-    check_run_size(devices=D, microbatches=N, replicas=R, chunks=args.chunks, layers=spec.layers,
-                   model_name=spec.name)
+    prof = None
+    if args.profile:
+        prof = load_profile(args.profile)
+        check_profile_model(prof, args.model)
+        if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
+            raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; drop "
+                             f"--micro-batch or calibrate at {args.micro_batch}")
+    model = args.model or (prof.model_name if prof is not None else "tiny")
+    if is_model_ref(model):     # the model's own checks now, and its layer count for the schedules' stages
+        from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
+        mb = prof.micro_batch if prof is not None else args.micro_batch or DEFAULT_MICRO_BATCH
+        layers, name = stack_layout(model, 1, micro_batch=mb).num_layers, model
+    else:
+        spec = load_model(model)
+        layers, name = spec.layers, spec.name
+    check_run_size(devices=D, microbatches=N, replicas=R, chunks=args.chunks, layers=layers, model_name=name)
     profile_out = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
     if not args.profile:
         check_output_path(profile_out, "calibration profile")
     names, skipped = [], {}
     for n in parse_schedules(args.schedules):
         try:
-            build(n, D, N, chunks=args.chunks)
-            names.append(n)
+            stages = build(n, D, N, chunks=args.chunks).num_stages
         except ScheduleError as e:
             skipped[n] = str(e)
+            continue
+        if is_model_ref(model) and stages > layers:
+            skipped[n] = f"{n} has {stages} stages at D={D}; model {model} has {layers} layers"
+            continue
+        names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
-    if args.profile:
-        prof = load_profile(args.profile)
-    else:
+    if prof is None:
         print("calibrating this machine (pass --profile FILE to reuse one) ...", file=sys.stderr)
-        prof = calibrate_with_progress(args.model, D * R)
+        prof = calibrate_with_progress(model, D * R, micro_batch=args.micro_batch)
         saved = save_profile(prof, profile_out)
         print(f"wrote the profile to {saved} (reuse it: --profile {saved})", file=sys.stderr)
-    comps = run_and_compare(names, D, N, R, prof, steps=args.steps, warmup=args.warmup, model=args.model,
+    comps = run_and_compare(names, D, N, R, prof, steps=args.steps, warmup=args.warmup, model=model,
                             chunks=args.chunks, repeats=args.repeats)
     if args.plot:
         plot_overlay(comps, args.plot)
@@ -85,7 +104,7 @@ def main(args) -> int:
     fmts = {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}", "bubble_meas": "{:.3f}",
             "bubble_sim": "{:.3f}", f"peak_act_meas_{unit}": "{:.4g}", f"peak_act_sim_{unit}": "{:.4g}",
             "mem_err": "{:.2%}", "run_spread": "{:.1%}", "host_speed": "{:.2f}", "err_drift_adj": "{:+.1%}"}
-    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps, "
+    print(f"D={D} N={N} R={R}, model {model}, profile {prof.name}; executor {args.steps} steps, "
           f"first {args.warmup} dropped, median; best of {args.repeats} runs")
     print("iteration time, measured (best run) vs simulated:")
     print(fmt_table(rows, ["schedule", "measured_ms", "simulated_ms", "error", "run_spread", "host_speed",

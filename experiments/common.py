@@ -42,7 +42,7 @@ def check_schedule_args(args, also_fixed: tuple[str, ...] = ()) -> None:
     ``also_fixed``) exclude each other; without a plan -s/-D/-N are required and --chunks/--dp take
     their defaults (set on ``args``)."""
     if getattr(args, "plan", None):
-        given = [f"--{d}" for d in PLAN_OPTIONS + also_fixed if getattr(args, d, None) is not None]
+        given = [f"--{d.replace('_', '-')}" for d in PLAN_OPTIONS + also_fixed if getattr(args, d, None) is not None]
         if given:
             what = "the schedule, layout and model" if "model" in also_fixed else "the schedule and layout"
             raise ValueError(f"--plan fixes {what}; drop {', '.join(given)}")

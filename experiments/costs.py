@@ -13,14 +13,23 @@ The cost source is one of three, never silently two: ``--unit-costs``, ``--profi
 costs and network) or ``--model``/``--cluster`` (formulas; the defaults when none is given).
 :func:`cost_inputs` reads them (cheap: presets and files) so that the size checks can run before a
 schedule is built; :func:`bind_costs` binds them to the built schedule.
+
+A calibration profile (``pipetwin calibrate``; the only cost source of a model file
+``--model PATH.py:FUNC``, which may be named beside it and must be the profile's) is used on this machine as calibrated
+(the ranks share its cores), or with ``--cluster`` scaled onto that cluster's devices
+(:func:`cost_models.scaled_layer_costs`: every measured time times this host's FLOP rate over the
+device's achievable one) and placed on its network. :func:`calibrated_costs` is that choice as a
+library call (``pipetwin sweep`` can call it too). ``--partition`` gives layers per stage (or
+``time``: balanced by a profile's measured layer times).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models import (FABRICS, MAPPINGS, TransformerCostModel, UnitCostModel, load_cluster, load_model, load_profile,
-                         with_fabric, with_nodes)
+from cost_models import (FABRICS, MAPPINGS, PerLayerCostModel, TransformerCostModel, UnitCostModel, is_model_ref,
+                         load_cluster, load_model, load_profile, scaled_layer_costs, with_fabric, with_nodes)
 from cost_models.comm import links_used
+from cost_models.stack import same_model_ref
 from cost_models.kernels import COST_MODELS
 from sim import SimOptions
 from sim.host import on_one_host
@@ -35,16 +44,22 @@ def add_cost_args(p):
     p.add_argument("--unit-costs", action="store_true",
                    help="closed-form unit costs: F=1, B=2 per full stage, no communication, memory in Ma")
     p.add_argument("--model", "-m", default=None,
-                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; 'pipetwin presets' lists them), or a "
-                        f"per-layer profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles)")
+                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; 'pipetwin presets' lists them), a "
+                        f"per-layer profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles), or a "
+                        f"model file PATH.py:FUNC with its --profile")
     add_cost_model_args(p)
     p.add_argument("--cluster", "-c", default=None,
                    help=f"cluster preset or YAML file, optionally sized NAME:NODES (default {DEFAULT_CLUSTER}; "
-                        f"e.g. dgx-h100-ib:128)")
+                        f"e.g. dgx-h100-ib:128); with --profile: the measured layer times scaled onto it (default "
+                        f"there: this machine, as calibrated)")
     add_cluster_shape_args(p)
     p.add_argument("--profile", metavar="FILE.yaml",
                    help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
-                        "--model/--cluster formulas (exclusive with them)")
+                        "--model/--cluster formulas")
+    p.add_argument("--partition", metavar="COUNTS|time",
+                   help="layers per stage of a model copy, e.g. 3,2,2,3 (a transformer's embedding and head count "
+                        "as layers), or 'time': balanced by the profile's measured layer times (default: the "
+                        "executor's split)")
     p.add_argument("--device-map", default="sequential", choices=sorted(MAPPINGS),
                    help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
@@ -135,6 +150,67 @@ def _profile_costs(args, low, cluster, cost_model):
     return costs, mb, part
 
 
+def parse_partition(text: str | None):
+    """``--partition``: None, ``"time"`` or a tuple of layer counts."""
+    if text is None:
+        return None
+    if text.strip() == "time":
+        return "time"
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--partition takes layer counts per stage (e.g. 3,2,2,3) or 'time'; got {text!r}") from None
+    if any(c < 0 for c in counts):
+        raise ValueError(f"--partition: layer counts must be >= 0; got {text!r}")
+    return counts
+
+
+def check_profile_model(prof, model: str | None, where: str = "--profile") -> None:
+    """A ``--model`` given with a calibration profile must be the profile's model."""
+    if model is None:
+        return
+    ok = same_model_ref(model, prof.model_name) if is_model_ref(model) or prof.is_stack else \
+        model == prof.model_name or load_model(model) == prof.model
+    if not ok:
+        raise ValueError(f"{where} {prof.name} was measured for model {prof.model_name}, not {model}; calibrate "
+                         f"{model} (pipetwin calibrate --model {model}) or drop --model")
+
+
+def profile_partition(prof, choice, num_stages: int) -> tuple[int, ...] | None:
+    """Layers per stage over a calibration profile's layers: the given counts, ``"time"`` (balanced
+    by the measured layer times) or None (the executor's default split)."""
+    if choice == "time":
+        return prof.time_partition(num_stages)
+    return choice
+
+
+def calibrated_costs(prof, low, *, cluster=None, device_map: str = "sequential", partition=None,
+                     recompute: str = "none", label: str = "profile"):
+    """(StageCosts, network, extra report fields) of a lowered schedule from calibration profile
+    ``prof``: on its own host (``cluster`` None: cpu ranks sharing the calibrated cores, extra
+    ``host``) or scaled onto ``cluster`` (a Cluster: the module docstring's scaling, placed with
+    ``device_map``). ``partition``: layer counts, ``"time"`` or None (the executor's split)."""
+    part = profile_partition(prof, partition, low.num_stages)
+    if cluster is None:
+        costs = prof.cost_model(low.num_stages, part, recompute=recompute).bind(low)
+        net = prof.cluster(low.num_ranks)
+        return costs, net, {"cost_model": label, "cluster": net.name, "micro_batch": prof.micro_batch,
+                            "host": (prof.cores, prof.oversubscribed_slowdown) if prof.cores else None}
+    if recompute != "none":
+        raise ValueError("--recompute with a profile scaled onto a cluster is not modelled; use none")
+    if low.num_ranks > cluster.num_devices:
+        raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
+                         f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
+    layers, factor = scaled_layer_costs(prof, cluster.device)
+    costs = PerLayerCostModel(layers, part or prof.default_partition(low.num_stages)).bind(low)
+    costs.meta.update(memory_capacity=cluster.device.memory_bytes)
+    return costs, cluster.place(low, device_map), {
+        "cost_model": f"{label} scaled onto {cluster.device.name} (measured times x {factor:.3g}: this host's FLOP "
+                      f"rate / the device's achievable fp32 rate)",
+        "cluster": cluster.name, "micro_batch": prof.micro_batch, "device_map": device_map,
+        "memory_capacity": cluster.device.memory_bytes}
+
+
 @dataclass(frozen=True)
 class CostInputs:
     """What the cost options name, loaded: ``kind`` unit | profile | transformer | layer-profile (a
@@ -142,7 +218,7 @@ class CostInputs:
 
     kind: str
     model: object = None     # ModelSpec (transformer)
-    cluster: object = None   # Cluster (transformer)
+    cluster: object = None   # Cluster (transformer; a profile's scaled onto it)
     profile: object = None   # CalibrationProfile (profile)
 
     def limits(self) -> dict:
@@ -154,7 +230,9 @@ class CostInputs:
             return {"cluster_devices": self.cluster.num_devices, "cluster_name": self.cluster.name}
         if self.kind == "profile":
             m = self.profile.model
-            return {"layers": m.layers + 2, "model_name": m.name}
+            size = {"cluster_devices": self.cluster.num_devices, "cluster_name": self.cluster.name} \
+                if self.cluster is not None else {}
+            return {"layers": m.num_layers if self.profile.is_stack else m.layers + 2, "model_name": m.name, **size}
         return {}
 
 
@@ -174,9 +252,24 @@ def cost_inputs(args) -> CostInputs:
             raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
         return CostInputs("unit")
     if getattr(args, "profile", None):
+        # a model file (--model PATH.py:FUNC) is checked against the profile's model, a --cluster is
+        # where its measured times are scaled to; any other model option is a second cost source
+        shape = ("--nodes", "--fabric", "--oversubscription", "--nodes-per-leaf")
+        if not getattr(args, "cluster", None) and any(f in shape for f in given):
+            raise ValueError(f"{', '.join(f for f in given if f in shape)} shape a --cluster; with --profile give "
+                             f"the --cluster to scale the measured times onto (or drop them)")
+        given = [f for f in given if f not in ("--cluster", "--micro-batch", *shape)
+                 and not (f == "--model" and is_model_ref(args.model))]
         if given:
             raise ValueError(f"--profile brings the measured model and network; drop {', '.join(given)}")
-        return CostInputs("profile", profile=load_profile(args.profile))
+        prof = load_profile(args.profile)
+        check_profile_model(prof, args.model)
+        if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
+            raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; calibrate "
+                             f"again with --micro-batch {args.micro_batch} (measured costs are not extrapolated)")
+        return CostInputs("profile", profile=prof, cluster=load_shaped_cluster(args) if args.cluster else None)
+    if parse_partition(getattr(args, "partition", None)) == "time":
+        raise ValueError("--partition time balances measured layer times: it needs --profile FILE.yaml")
     cluster = load_shaped_cluster(args)
     if str(args.model).endswith(".txt"):
         return CostInputs("layer-profile", cluster=cluster)
@@ -192,12 +285,10 @@ def bind_costs(args, inputs: CostInputs, low):
     """(StageCosts, network or None, extra report fields) for a lowered schedule."""
     if inputs.kind == "unit":
         return UnitCostModel().bind(low), None, {"cost_model": "unit"}
+    choice = parse_partition(getattr(args, "partition", None))
     if inputs.kind == "profile":
-        prof = inputs.profile
-        costs = prof.cost_model(low.num_stages, recompute=args.recompute).bind(low)
-        net = prof.cluster(low.num_ranks)
-        return costs, net, {"cost_model": f"profile {args.profile}", "cluster": net.name,
-                            "host": (prof.cores, prof.oversubscribed_slowdown) if prof.cores else None}
+        return calibrated_costs(inputs.profile, low, cluster=inputs.cluster, device_map=args.device_map,
+                                partition=choice, recompute=args.recompute, label=f"profile {args.profile}")
     model, cluster = inputs.model, inputs.cluster
     if low.num_ranks > cluster.num_devices:
         raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
@@ -206,11 +297,14 @@ def bind_costs(args, inputs: CostInputs, low):
     cost_model = cost_model_for(getattr(args, "cost_model", None), cluster.device, profile)
     placed = cluster.place(low, args.device_map)
     if profile:
+        if choice is not None:
+            raise ValueError("--partition does not apply to a --model FILE.txt profile (it is split by work)")
         costs, mb, part = _profile_costs(args, low, cluster, cost_model)
         return costs, placed, {"cost_model": cost_model, "model": str(args.model), "micro_batch": mb,
                                "partition": list(part), "cluster": cluster.name, "device_map": args.device_map,
                                "memory_capacity": costs.meta.get("memory_capacity")}
-    costs = TransformerCostModel(model, cluster.device, recompute=args.recompute, compute=cost_model).bind(low)
+    costs = TransformerCostModel(model, cluster.device, recompute=args.recompute, compute=cost_model,
+                                 partition=choice).bind(low)
     return costs, placed, {"cost_model": cost_model, "model": model.name, "micro_batch": model.micro_batch,
                            "cluster": cluster.name, "device_map": args.device_map,
                            "memory_capacity": costs.meta.get("memory_capacity")}

@@ -84,17 +84,21 @@ class Comparison:
 
 def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
     """``results``: executor RunResults (with traces) of the schedules to compare."""
+    from cost_models.partition import layers_from_blocks
     from executor.config import lowered_schedule
     out = []
     for res in results:
         cfg = res.config
         low = lowered_schedule(cfg)
+        # the run's split, as layers per stage (a GPT's blocks plus its embedding and head)
+        part = None if cfg.partition is None else \
+            tuple(cfg.partition) if cfg.is_model_file else tuple(layers_from_blocks(cfg.partition))
         # both engines: the same number of back-to-back steps, the same statistic (the median
         # per-step makespan after the warm-up); the step closest to it represents the run
         med, step = median_step(res.iteration_times, warmup)
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times))
+        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times), partition=part)
         sim_med, sim_step = median_step(step_metrics(str_).iteration_times, warmup)
         sm = step_metrics(str_, sim_step)
         orders = op_orders(mtr, step)
@@ -112,14 +116,17 @@ def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list
 
 def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
                     steps: int = 8, warmup: int = 2, model: str | None = None, chunks: int = 2,
-                    repeats: int = 1) -> list[Comparison]:
+                    repeats: int = 1, partitions: dict | None = None) -> list[Comparison]:
     """Run each schedule ``repeats`` times and compare the run with the lowest median step time
-    (:func:`executor.launch.run_best_of`): the simulator predicts the machine undisturbed."""
+    (:func:`executor.launch.run_best_of`): the simulator predicts the machine undisturbed. The runs
+    use the profile's micro-batch; ``partitions``: schedule -> the executor's partition (default:
+    its own split, which the simulator uses too)."""
     from calibration import PROBE
     from executor.config import RunConfig
     from executor.launch import run_best_of
     cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model or profile.model.name, probe=PROBE) for s in schedules]
+                      steps=steps, model=model or profile.model.name, probe=PROBE, micro_batch=profile.micro_batch,
+                      partition=(partitions or {}).get(s)) for s in schedules]
     best = run_best_of(cfgs, repeats, warmup)
     comps = compare([res for res, _ in best], profile, warmup)
     for c, (_, meds) in zip(comps, best):

@@ -88,13 +88,16 @@ def parse_ints(text: str, option: str) -> tuple[int, ...]:
 
 def _namespace(point: Point, common: Common) -> argparse.Namespace:
     """The options ``pipetwin simulate`` would parse for this point (the model and cluster options
-    only where the cost source is the model x cluster formulas, as simulate requires)."""
+    only where the cost source is the model x cluster formulas, as simulate requires; a model file
+    ``PATH.py:FUNC`` also beside its ``--profile``, which checks that they match)."""
     formulas = not (common.unit_costs or common.profile)
     pick = lambda v: v if formulas else None  # noqa: E731
+    from cost_models import is_model_ref
+    model = common.model if formulas or (common.profile and is_model_ref(common.model)) else None
     return argparse.Namespace(
         schedule=point.schedule, devices=point.devices, microbatches=point.microbatches, dp=point.dp,
         micro_batch=point.micro_batch, chunks=common.chunks, variant=None, no_eager=common.no_eager, plan=None,
-        unit_costs=common.unit_costs, model=pick(common.model), cluster=pick(common.cluster), profile=common.profile,
+        unit_costs=common.unit_costs, model=model, cluster=pick(common.cluster), profile=common.profile,
         nodes=pick(common.nodes), fabric=pick(common.fabric), oversubscription=pick(common.oversubscription),
         nodes_per_leaf=pick(common.nodes_per_leaf), cost_model=pick(common.cost_model),
         profile_batch=pick(common.profile_batch), device_map=common.device_map, recompute=common.recompute,

@@ -5,7 +5,9 @@ A plan file is JSON::
     {
       "format": "pipetwin-plan", "version": 1,
       "model":   {"kind": "transformer", "name": "bert-48", "spec": {...ModelSpec fields...}, "recompute": "none"}
-                 or {"kind": "paper", "name": "vgg-19", "recompute": "none"},
+                 or {"kind": "paper", "name": "vgg-19", "recompute": "none"}
+                 or {"kind": "calibrated", "name": "my.py:build" (or a preset), "profile": ..., "stack": true,
+                     "workload": {...the per-sample Workload fields...}, "spec": {...} (a transformer's)},
       "cluster": {...Cluster.to_dict(): nodes, devices_per_node, device, intra, inter, nics_per_node...},
       "memory_limit": bytes per device (null: the device's memory),
       "plan":    {"global_batch", "microbatches" (M), "micro_batch" (b = G / M), "policy", "schedule", "chunks",
@@ -99,10 +101,15 @@ class LoadedPlan:
         ``micro_batch`` (samples per IR micro-batch: b / R, or b / C), ``partition`` (layers of each
         of the schedule's stages per model copy, over the L + 2 layers embedding, blocks, head),
         ``device_map`` (rank -> physical device id of the plan's cluster), ``layout`` (a line) and
-        ``global_batch``. Raises ValueError for models the executor cannot train (layer-cost models)."""
-        if self.workload.spec is None:
-            raise ValueError(f"the executor trains transformer models; {self.workload.name} is a layer-cost model "
-                             f"(the plan can be simulated, not run)")
+        ``global_batch``; for a profile's layer stack ``model_file`` (``PATH.py:FUNC``) instead of
+        ``model_spec`` and a partition over its layers. Raises ValueError for models the executor
+        cannot train (the paper's layer-cost models)."""
+        src = self.workload.source
+        stack = src.get("kind") == "calibrated" and src.get("stack")
+        spec = self.workload.spec.to_dict() if self.workload.spec is not None else src.get("spec")
+        if not stack and spec is None:
+            raise ValueError(f"the executor trains transformer models and model files; {self.workload.name} is a "
+                             f"layer-cost model (the plan can be simulated, not run)")
         plan = self.plan
         bt = self.build(eager=eager, check=False)
         low = bt.lowered
@@ -114,9 +121,9 @@ class LoadedPlan:
             per, mbs = plan.micro_batch // C, plan.microbatches * C
             layout = (f"stage replicas {':'.join(map(str, plan.replicas))}, {plan.microbatches} micro-batches of "
                       f"{plan.micro_batch} cut into {C} sub-batches of {per} (model copies)")
-        src = self.workload.source
-        return {"schedule": low, "model": src.get("name", self.workload.name),
-                "model_spec": self.workload.spec.to_dict(), "microbatches": mbs, "replicas": low.replicas,
+        out = {"model_file": src["name"]} if stack else {"model_spec": spec}
+        return {**out, "schedule": low, "model": src.get("name", self.workload.name),
+                "microbatches": mbs, "replicas": low.replicas,
                 "micro_batch": per, "partition": list(bt.costs.meta["partition"]),
                 "device_map": list(bt.network.device_map or range(low.num_ranks)), "layout": layout,
                 "global_batch": plan.global_batch}
