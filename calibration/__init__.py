@@ -18,16 +18,21 @@ What is measured, and how:
    all-reduce. In the simulator an all-reduce keeps a core of every member busy (gloo's threads
    copy and reduce), shared with compute.
 3. The runtime, through the simulator (:mod:`calibration.fit`): short executor runs (1F1B,
-   1F1B-interleaved, ZB-V at D = :func:`calibration.fit.fit_ranks`, the best of 3 each) are traced
-   and simulated with the profile; per op kind the compute gets a scale and all compute ops one
-   per-op cost (bounded least squares on measured vs simulated totals), OPTIM a scale, SEND the
-   mean residual as a per-op cost, RECV the 20th percentile of its durations; repeated to a fixed
+   1F1B-interleaved, ZB-V at D = :func:`calibration.fit.fit_ranks`, ranks pinned to cores, in
+   interleaved rounds until three quiet runs of each agree: :func:`executor.sitting.run_series`)
+   are traced and simulated with the profile; per op kind the compute gets a scale and all
+   compute ops one per-op cost (bounded least squares on measured vs simulated times per step,
+   over the steps around the low quantile validation compares), OPTIM a scale, SEND the mean
+   residual as a per-op cost, RECV the 20th percentile of its durations; repeated to a fixed
    point (:func:`calibration.fit.fit_runtime`).
 4. More ranks than cores (``ranks`` > cores): the OS time-slices them in ~4 ms quanta, which
    costs more than ideal processor sharing. The same runs at D = ``ranks`` give one compute
    slowdown that makes the simulated step times match (:func:`calibration.fit.fit_oversubscribed`).
 
-``calibrate(...)`` returns the profile; :func:`cost_models.save_profile` writes it.
+``calibrate(...)`` returns the profile; :func:`cost_models.save_profile` writes it. How the
+traced runs' sitting went is kept in ``meta["sitting"]`` (per D: spread, other processes' load,
+and the problems of configs that did not settle; :func:`sitting_problems` reads them): a
+profile calibrated on a busy host is written, but validation refuses it.
 """
 from __future__ import annotations
 
@@ -42,16 +47,38 @@ from cost_models.cluster import LinkSpec
 from cost_models.model_spec import load_model
 from executor.device import cpu_threads
 
+from executor.sitting import RunSeries, SittingRules
+
 from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds, scale_layer,
                   trace_runtime)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed"]
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed",
+           "sitting_problems", "sitting_record"]
 
 
-def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None) -> CalibrationProfile:
+def sitting_record(series: list[RunSeries]) -> dict:
+    """How a sitting's traced runs went, for the profile's meta: the largest spread of the kept
+    runs, the most CPU other processes took in any run, runs per config, and every unsettled
+    config's problem."""
+    spreads = [x.spread for x in series if x.spread is not None]
+    loads = [f for x in series for f in (x.foreign(i) for i in range(len(x.runs))) if f is not None]
+    return {"spread_max": max(spreads) if spreads else None, "foreign_cores_max": max(loads) if loads else None,
+            "runs": {x.config.schedule: len(x.runs) for x in series},
+            "problems": [f"{x.config.schedule}: {x.problem}" for x in series if x.problem]}
+
+
+def sitting_problems(profile: CalibrationProfile) -> list[str]:
+    """Why the profile's calibration sitting is unusable (empty: it is usable)."""
+    return [f"D={d}: {p}" for d, rec in sorted((profile.meta.get("sitting") or {}).items())
+            for p in rec.get("problems", [])]
+
+
+def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
+              rules: SittingRules | None = None) -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
-    predicted put on this host (it sets the thread count per rank, like the executor does)."""
+    predicted put on this host (it sets the thread count per rank, like the executor does);
+    ``rules``: how the traced runs are repeated and judged (:class:`executor.sitting.SittingRules`)."""
     spec = load_model(model)
     if spec.kind != "gpt":
         raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
@@ -70,8 +97,9 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     cores = os.cpu_count() or 1
     base_ranks = fit_ranks(ranks)
     report("runtime (traced runs)")
-    runs = trace_runtime(model, base_ranks)
+    runs = trace_runtime(model, base_ranks, rules=rules, progress=report)
     probes = {str(base_ranks): probe_seconds(runs)}
+    sitting = {str(base_ranks): sitting_record(runs)}
     per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
@@ -87,7 +115,8 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
             act_bytes=tuple(float(x["act"]) for x in per), act_w_bytes=tuple(float(x["act_w"]) for x in per),
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
-            meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes)))
+            meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
+                      sitting=dict(sitting)))
 
     # the runtime is fitted with no more ranks than cores; what sharing the cores costs beyond
     # ideal processor sharing is fitted on runs with as many ranks as the runs to predict
@@ -95,7 +124,8 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     slowdown = 1.0
     if ranks > base_ranks:
         report("oversubscribed cores (traced runs)")
-        over = trace_runtime(model, ranks)
+        over = trace_runtime(model, ranks, rules=rules, progress=report)
         probes[str(ranks)] = probe_seconds(over)
+        sitting[str(ranks)] = sitting_record(over)
         slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x))
     return make_profile(scale, overhead, slowdown)

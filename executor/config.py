@@ -53,6 +53,8 @@ class RunConfig:
     partition: tuple[int, ...] | None = None  # blocks per stage of a model copy (None: even split)
     probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
                                     # and after the steps on every rank at once (0: off); see worker
+    pin_cores: bool = False         # pin each rank to a core of its own where the host has one per rank
+                                    # (executor.host.pin_to_core; otherwise the ranks float)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:

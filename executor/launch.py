@@ -81,21 +81,6 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
     return launch("executor.worker:run_jobs", planned, world)
 
 
-def run_best_of(configs: Sequence[RunConfig], repeats: int, warmup: int) -> list[tuple[RunResult, list[float]]]:
-    """Run ``configs`` ``repeats`` times (the whole list, then again, so a slow spell of the host
-    hits different configs) and keep, per config, the run with the lowest median step time after
-    ``warmup`` steps (the host undisturbed); returns (that run, the medians of all its runs)."""
-    from schedules.trace import median_step
-    configs = list(configs)
-    results = run_many(configs * max(1, repeats))
-    out: list[tuple[RunResult, list[float]]] = []
-    for i in range(len(configs)):
-        runs = results[i::len(configs)]
-        meds = [median_step(r.iteration_times, warmup)[0] for r in runs]
-        out.append((runs[meds.index(min(meds))], meds))
-    return out
-
-
 def _in_place(target: str, payload):
     rank, world, local_rank, local_world = local_env()
     return _resolve(target)(payload, rank, world, local_rank, local_world)

@@ -23,10 +23,16 @@ schedules per spawn). Per job every rank:
 
 With ``probe`` > 0 every rank also times, all at once, the forward and backward of one transformer
 block on one micro-batch, ``probe`` times before and as many after the steps: the host's speed
-during the run (``RunResult.extra["probe_seconds"]``, the median). Validation compares it with
-the speed the calibration saw (the same probe in its traced runs), so a host that is slower or
-faster than when it was calibrated (a shared VM drifts by 10-30% over minutes) is told apart
-from an error of the model.
+during the run (``RunResult.extra["probe_seconds"]``, the low quantile
+:data:`schedules.trace.STEP_QUANTILE` of all ranks' times, the statistic steps are summarised by).
+Validation compares it with the speed the calibration saw (the same probe in its traced runs), so
+a host that is slower or faster than when it was calibrated (a shared VM drifts by 10-30% over
+minutes) is told apart from an error of the model. Such runs also report the CPU other processes
+used while the steps ran (``extra["foreign_cores"]``, see :mod:`executor.host`).
+
+With ``pin_cores`` every rank is pinned to a core of its own before the process group starts
+its threads, where the host has a core per rank (:func:`executor.host.pin_to_core`;
+``extra["pinned"]`` says whether all were).
 """
 from __future__ import annotations
 
@@ -36,15 +42,17 @@ import socket
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from schedules import Schedule
-from schedules.trace import make_trace, step_metrics
+from schedules.trace import STEP_QUANTILE, make_trace, step_metrics
 
 from .config import RunConfig, RunResult
 from .data import TokenSource
 from .device import DeviceContext, NullMeter, cpu_threads, select_device
+from .host import CpuMeter, foreign_cores, pin_to_core
 from .model import Block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
@@ -103,9 +111,14 @@ def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_worl
     devices = {j.config.device for j in jobs}
     if len(devices) != 1:
         raise ValueError(f"jobs of one launch must use one device kind; got {sorted(devices)}")
+    pins = {j.config.pin_cores for j in jobs}
+    if len(pins) != 1:
+        raise ValueError("jobs of one launch must agree on pin_cores (a process is pinned once)")
+    # pinned before the process group starts gloo's threads (they inherit the affinity)
+    core = pin_to_core(local_rank, local_world) if pins.pop() else None
     ctx = init_world(devices.pop(), rank, world, local_rank, local_world, max(j.config.timeout for j in jobs))
     groups = ProcessGroups(world, ctx.backend)
-    results = [run_job(job, rank, world, ctx, groups) for job in jobs]
+    results = [run_job(job, rank, world, ctx, groups, core=core) for job in jobs]
     dist.barrier()
     dist.destroy_process_group()
     return results if rank == 0 else None
@@ -151,21 +164,25 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     return RankSetup(runtime, modules, params, optimizer)
 
 
-def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RunResult | None:
+def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups", *,
+            core: int | None = None) -> RunResult | None:
     cfg, sched = job.config, job.schedule
     rs = setup_rank(job, rank, world, ctx, groups)
     probe_host = speed_probe(cfg.spec(), ctx, cfg.probe) if cfg.probe else None
     probe = probe_host() if probe_host else []
     rows, losses, peak = [], [], 0
+    cpu = CpuMeter() if cfg.probe else None
     for step in range(cfg.steps):
         out = rs.runtime.run_step(step)
         rows += out.rows
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)
+    window = cpu.stop() if cpu else None
     if probe_host:
         probe += probe_host()
     report = {"rank": rank, "rows": rows, "losses": losses, "peak": peak, "fwd_bytes": rs.runtime.fwd_bytes,
-              "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe}
+              "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe, "cpu": window,
+              "core": core}
     if cfg.collect_params:
         replica = rank // sched.num_devices
         report["params"] = {f"r{replica}.c{c}/{n}": p.detach().cpu().clone() for (c, _), m in rs.modules.items()
@@ -241,7 +258,12 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     extra = {}
     probes = sorted(t for rep in reports for t in rep["probe"])
     if probes:
-        extra["probe_seconds"] = probes[len(probes) // 2]
+        extra["probe_seconds"] = float(np.quantile(probes, STEP_QUANTILE))
+    windows = [rep["cpu"] for rep in reports if rep.get("cpu") is not None]
+    if windows and len(windows) == len(reports):
+        extra["foreign_cores"] = foreign_cores(windows)
+    if cfg.pin_cores:
+        extra["pinned"] = all(rep.get("core") is not None for rep in reports)
     return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,
                      extra=extra)
 

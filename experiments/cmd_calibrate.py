@@ -17,7 +17,7 @@ def add_arguments(p):
 def main(args) -> int:
     from tqdm import tqdm
 
-    from calibration import calibrate, fit_ranks
+    from calibration import calibrate, fit_ranks, sitting_problems
     from cost_models import save_profile
 
     if args.ranks < 1 or args.repeats < 3:
@@ -29,7 +29,8 @@ def main(args) -> int:
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):
             bar.set_postfix_str(msg)
-            bar.update(1)
+            if msg in stages:   # the traced runs' rounds report too: they do not advance the bar
+                bar.update(1)
         prof = calibrate(args.model, ranks=args.ranks, repeats=args.repeats, progress=progress)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -43,4 +44,6 @@ def main(args) -> int:
           + (f", compute {prof.oversubscribed_slowdown:.2f}x slower with more ranks than cores"
              if prof.oversubscribed_slowdown > 1 else ""))
     print(f"wrote {out}")
+    for p in sitting_problems(prof):
+        print(f"warning: host busy while calibrating ({p}); validate refuses this profile")
     return 0

@@ -16,27 +16,56 @@ def add_arguments(p):
     p.add_argument("--microbatches", "-N", type=int, default=None, help="default 2D")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--chunks", "-v", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12, help="executor steps (default 12)")
-    p.add_argument("--warmup", type=int, default=2, help="steps dropped before the median (default 2)")
+    p.add_argument("--steps", type=int, default=20, help="executor steps per run (default 20)")
+    p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run (default 2)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="executor runs per schedule; the one with the lowest median counts (default 3)")
+                   help="quiet runs per schedule that must agree (default 3); the step time is the 20th "
+                        "percentile of their pooled steps")
+    p.add_argument("--max-runs", type=int, default=6,
+                   help="runs per schedule at most before the sitting is refused (default 6)")
+    p.add_argument("--max-spread", type=float, default=0.05,
+                   help="largest spread allowed between the agreeing runs (default 0.05)")
+    p.add_argument("--max-foreign", type=float, default=0.15,
+                   help="cores' worth of other processes' CPU a run may see and still count (default 0.15)")
+    p.add_argument("--max-drift", type=float, default=0.05,
+                   help="a run counts only if its host speed probe is this close to calibration's (default 0.05)")
     p.add_argument("--profile", help="calibration profile; default: calibrate now (pipetwin calibrate)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--plot", default="out/validate.png", help="overlay figure (default out/validate.png)")
     p.add_argument("--json", action="store_true")
 
 
+REFUSED = 3   # exit status of a sitting refused for a busy host (not a user error: try again later)
+
+
+def _say(msg: str) -> None:
+    import sys
+    print(msg, file=sys.stderr, flush=True)
+
+
 def main(args) -> int:
-    from calibration import calibrate
+    import time
+
+    from calibration import calibrate, sitting_problems
     from cost_models import load_profile, save_profile
+    from executor.sitting import SittingRules
     from schedules import ScheduleError, build
 
-    from .crossval import plot_overlay, run_and_compare
+    from .crossval import plot_overlay, refusals, run_and_compare
 
+    t_start = time.perf_counter()
     D, R = args.devices, args.dp
     N = args.microbatches or 2 * D
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.repeats < 1 or args.max_runs < args.repeats:
+        raise ValueError(f"need 1 <= --repeats <= --max-runs; got {args.repeats} and {args.max_runs}")
+    for name in ("max_spread", "max_foreign", "max_drift"):
+        v = getattr(args, name)
+        if not 0.0 <= v < 10.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a number in [0, 10); got {v}")
+    rules = SittingRules(runs=args.repeats, max_runs=args.max_runs, warmup=args.warmup, max_spread=args.max_spread,
+                         max_foreign=args.max_foreign, max_drift=args.max_drift)
     names, skipped = [], {}
     for n in parse_schedules(args.schedules):
         try:
@@ -46,52 +75,89 @@ def main(args) -> int:
             skipped[n] = str(e)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
+    t_cal = 0.0
     if args.profile:
         prof = load_profile(args.profile)
     else:
-        import sys
-        print("calibrating this machine (pass --profile FILE to reuse one) ...", file=sys.stderr)
-        prof = calibrate(args.model, ranks=D * R)
-        save_profile(prof, Path(args.plot).with_name("calibration.yaml"))
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1; got {args.repeats}")
-    comps = run_and_compare(names, D, N, R, prof, steps=args.steps, warmup=args.warmup, model=args.model,
-                            chunks=args.chunks, repeats=args.repeats)
+        _say("calibrating this machine (pass --profile FILE to reuse one) ...")
+        prof = calibrate(args.model, ranks=D * R, rules=rules, progress=lambda m: _say(f"  calibrate: {m}"))
+        cal = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
+        cal.parent.mkdir(parents=True, exist_ok=True)
+        save_profile(prof, cal)
+        t_cal = time.perf_counter() - t_start
+    busy = [f"calibration {p}" for p in sitting_problems(prof)]
+    if busy:   # a profile from a busy sitting predicts another host: nothing to compare it with
+        return _refuse(busy, [], args, skipped, time.perf_counter() - t_start)
+    _say(f"running {len(names)} schedules, {args.repeats} agreeing quiet runs each (at most {args.max_runs}) ...")
+    comps = run_and_compare(names, D, N, R, prof, steps=args.steps, model=args.model, chunks=args.chunks,
+                            rules=rules, progress=lambda m: _say(f"  validate: {m}"))
+    seconds = time.perf_counter() - t_start
+    reasons = refusals(comps, prof, max_drift=args.max_drift)
+    if reasons:
+        return _refuse(reasons, comps, args, skipped, seconds)
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_overlay(comps, args.plot)
-    recs = [c.record() for c in comps]
     if args.json:
-        print_json({"schedules": recs, "skipped": skipped})
+        print_json({"schedules": [c.record() for c in comps], "skipped": skipped, "refused": [],
+                    "seconds": seconds, "calibration_seconds": t_cal})
         return 0
     rows = [{"schedule": c.schedule, "measured_ms": c.measured_iteration_time * 1e3,
              "simulated_ms": c.simulated_iteration_time * 1e3, "error": c.error,
              "bubble_meas": sum(c.measured_bubble) / len(c.measured_bubble),
              "bubble_sim": sum(c.simulated_bubble) / len(c.simulated_bubble),
-             "peak_act_meas_B": max(c.measured_peak_activation_bytes),
-             "peak_act_sim_B": max(c.simulated_peak_activation_bytes), "mem_err": c.memory_error,
-             "order_identical": c.order_identical, "run_spread": c.run_spread, "host_speed": c.host_speed,
-             "err_drift_adj": c.drift_adjusted_error} for c in comps]
-    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps, "
-          f"first {args.warmup} dropped, median; best of {args.repeats} runs")
+             "peak_act_B": max(c.measured_peak_activation_bytes), "mem_err": c.memory_error,
+             "order_ok": c.order_identical, "spread": c.spread, "runs": f"{c.kept_runs}/{len(c.run_times)}"}
+            for c in comps]
+    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps per run, "
+          f"first {args.warmup} dropped; 20th percentile of the pooled steps of {args.repeats} agreeing quiet runs")
     print(fmt_table(rows, list(rows[0]), {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}",
-                                          "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_meas_B": "{:.0f}",
-                                          "peak_act_sim_B": "{:.0f}", "mem_err": "{:.2%}",
-                                          "run_spread": "{:.1%}", "host_speed": "{:.2f}",
-                                          "err_drift_adj": "{:+.1%}"}))
+                                          "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_B": "{:.0f}",
+                                          "mem_err": "{:.2%}", "spread": "{:.1%}"}))
     errs = sorted(abs(c.error) for c in comps)
-    print(f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}")
-    spreads = sorted(c.run_spread for c in comps if c.run_spread is not None)
-    if spreads:
-        print(f"run-to-run spread of the measured medians ({args.repeats} runs each, the host's own noise): "
-              f"median {spreads[len(spreads) // 2]:.1%}, max {spreads[-1]:.1%}")
-    speeds = [c.host_speed for c in comps if c.host_speed is not None]
-    if speeds:
-        adj = sorted(abs(c.drift_adjusted_error) for c in comps if c.drift_adjusted_error is not None)
-        print(f"host speed during the runs vs calibration (block probe): {min(speeds):.2f}-{max(speeds):.2f}; "
-              f"|error| with that drift taken out: median {adj[len(adj) // 2]:.1%}, max {adj[-1]:.1%}")
+    spreads = sorted(c.spread for c in comps if c.spread is not None)
+    print(f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}"
+          + (f"; spread of the agreeing runs (the host's own noise): median {spreads[len(spreads) // 2]:.1%}, "
+             f"max {spreads[-1]:.1%}" if spreads else ""))
+    print(_sitting_line(comps))
     for n, why in skipped.items():
         print(f"skipped {n}: {why}")
     if args.plot:
         print(f"wrote figure: {args.plot}")
+    print(f"validate took {seconds:.0f} s" + (f" ({t_cal:.0f} s calibrating)" if t_cal else ""))
     return 0
+
+
+def _sitting_line(comps) -> str:
+    loads = [f for c in comps for f in c.foreign_cores if f is not None]
+    speeds = [c.host_speed for c in comps if c.host_speed is not None]
+    runs = sum(len(c.run_times) for c in comps)
+    return (f"sitting: {runs} runs" + (f", other processes {min(loads):.2f}-{max(loads):.2f} cores" if loads else "")
+            + (f", host speed {min(speeds):.2f}-{max(speeds):.2f} of calibration's" if speeds else ""))
+
+
+def _refuse(reasons: list[str], comps, args, skipped, seconds: float) -> int:
+    """Say why no error figure comes from this sitting; what does not depend on timing (peak
+    activation bytes, op order) is still reported."""
+    if args.json:
+        recs = []
+        for c in comps:
+            r = c.record()
+            for k in ("error", "measured_iteration_time"):
+                r.pop(k)
+            recs.append(r)
+        print_json({"schedules": recs, "skipped": skipped, "refused": reasons, "seconds": seconds})
+        return REFUSED
+    print("refused: host busy: " + reasons[0])
+    for r in reasons[1:]:
+        print("         host busy: " + r)
+    print("no time or error figure from this sitting (pass --max-runs to wait longer, or run it when the host is "
+          "quiet)")
+    if comps:
+        exact = sum(1 for c in comps if c.memory_error == 0.0)
+        same = sum(1 for c in comps if c.order_identical)
+        print(f"timing-free checks: peak activation bytes exact in {exact} of {len(comps)} schedules, op order "
+              f"identical in {same} of {len(comps)}")
+        print(_sitting_line(comps))
+    print(f"validate took {seconds:.0f} s")
+    return REFUSED

@@ -1,12 +1,18 @@
 """Cross-validation: the same lowered schedule run by the executor and by the simulator.
 
-For each schedule: the executor trains ``steps`` steps (the first ``warmup`` dropped); its
-iteration time is the median of the rest and the step whose time is that median is the one
-compared op by op. The simulator runs the same lowered schedule with the calibrated profile
-(per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the ranks
-share. Reported side by side: iteration time and its relative error, per-device bubble ratio,
-peak activation bytes (measured by saved-tensor hooks vs simulated from the profile's measured
-per-layer bytes) and whether each rank's executed op order equals the schedule's program.
+For each schedule: the executor trains ``steps`` steps per run, in interleaved rounds of runs
+until its quiet runs agree (:func:`executor.sitting.run_series`); its iteration time is the low
+quantile of the pooled steps after the warm-up (the noise-free step, which the simulator
+predicts; the calibration fitted the runtime to the same statistic) and the step closest to it
+is the one compared op by op. The simulator runs the same lowered schedule with the calibrated
+profile (per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the
+ranks share. Reported side by side: iteration time and its relative error, per-device bubble
+ratio, peak activation bytes (measured by saved-tensor hooks vs simulated from the profile's
+measured per-layer bytes) and whether each rank's executed op order equals the schedule's program.
+
+A time is only worth comparing from a usable sitting: :func:`refusals` says why one is not (a
+busy calibration, a schedule whose runs did not settle, a host whose speed moved since
+calibration); ``pipetwin validate`` then prints the reasons instead of an error figure.
 """
 from __future__ import annotations
 
@@ -15,12 +21,14 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from cost_models import CalibrationProfile
-from schedules.trace import median_step, op_orders, step_metrics
+from schedules.trace import op_orders, quantile_step, step_metrics
 from sim.host import simulate_with_profile
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Comparison:
+    """One schedule, measured (the noise-free step of its runs) and simulated."""
+
     schedule: str
     devices: int
     microbatches: int
@@ -33,8 +41,12 @@ class Comparison:
     measured_bubble: list[float]
     simulated_bubble: list[float]
     order_identical: bool
-    measured_probe: float | None = None     # host speed probe during the run (s), see executor.worker
-    run_medians: list[float] = field(default_factory=list)   # median step time of every repeat run
+    measured_probe: float | None = None     # host speed probe during the runs (s), see executor.worker
+    run_times: list[float] = field(default_factory=list)     # low quantile step time of every run
+    kept_runs: int = 0                      # runs that counted (quiet, agreeing)
+    foreign_cores: list[float | None] = field(default_factory=list)   # other processes' load per run
+    problem: str | None = None              # why the runs did not settle (None: they did)
+    spread: float | None = None             # slowest / fastest kept run - 1: the host's reproducibility
     profile_probe: float | None = None      # the same probe when the profile was calibrated
     measured_trace: pd.DataFrame = field(repr=False, default=None)
     simulated_trace: pd.DataFrame = field(repr=False, default=None)
@@ -44,10 +56,8 @@ class Comparison:
         return self.simulated_iteration_time / self.measured_iteration_time - 1.0
 
     @property
-    def run_spread(self) -> float | None:
-        """How far apart the repeat runs of this schedule were: slowest / fastest median - 1. The
-        host's own reproducibility; an error of that size is noise, not the model."""
-        return max(self.run_medians) / min(self.run_medians) - 1.0 if len(self.run_medians) > 1 else None
+    def usable(self) -> bool:
+        return self.problem is None
 
     @property
     def host_speed(self) -> float | None:
@@ -56,13 +66,6 @@ class Comparison:
         if not self.measured_probe or not self.profile_probe:
             return None
         return self.profile_probe / self.measured_probe
-
-    @property
-    def drift_adjusted_error(self) -> float | None:
-        """The error with the simulated time divided by ``host_speed``: what is left once the
-        host's drift since calibration is accounted for (an estimate: all time treated as compute)."""
-        hs = self.host_speed
-        return None if hs is None else self.simulated_iteration_time / hs / self.measured_iteration_time - 1.0
 
     @property
     def memory_error(self) -> float:
@@ -78,53 +81,74 @@ class Comparison:
                 "simulated_peak_activation_bytes": self.simulated_peak_activation_bytes,
                 "memory_error": self.memory_error, "measured_bubble": self.measured_bubble,
                 "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical,
-                "host_speed": self.host_speed, "drift_adjusted_error": self.drift_adjusted_error,
-                "run_medians": self.run_medians, "run_spread": self.run_spread}
+                "host_speed": self.host_speed, "run_times": self.run_times, "spread": self.spread,
+                "kept_runs": self.kept_runs, "foreign_cores": self.foreign_cores, "problem": self.problem}
 
 
-def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
-    """``results``: executor RunResults (with traces) of the schedules to compare."""
+def compare(series: list, profile: CalibrationProfile) -> list[Comparison]:
+    """``series``: the executor's runs of each schedule (:class:`executor.sitting.RunSeries`)."""
     from executor.config import lowered_schedule
     out = []
-    for res in results:
-        cfg = res.config
+    for ser in series:
+        cfg, warmup, q = ser.config, ser.rules.warmup, ser.rules.quantile
         low = lowered_schedule(cfg)
-        # both engines: the same number of back-to-back steps, the same statistic (the median
-        # per-step makespan after the warm-up); the step closest to it represents the run
-        med, step = median_step(res.iteration_times, warmup)
+        # both engines, one statistic: the low quantile of per-step makespans after the warm-up
+        # (the simulator's steps after it are all alike); the step closest to it represents the run
+        res, step = ser.representative()
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times))
-        sim_med, sim_step = median_step(step_metrics(str_).iteration_times, warmup)
+        str_ = simulate_with_profile(low, profile, steps=warmup + 2)
+        sim_t, sim_step = quantile_step(step_metrics(str_).iteration_times, warmup, q)
         sm = step_metrics(str_, sim_step)
         orders = op_orders(mtr, step)
         identical = all(orders.get(r) == [str(o) for o in low.program(r)] for r in range(low.num_ranks))
-        identical &= all(op_orders(mtr, s) == orders for s in sorted(mtr["step"].unique()))
-        out.append(Comparison(cfg.schedule, cfg.devices, cfg.microbatches, cfg.replicas, med, sim_med,
-                              list(res.iteration_times), [float(p["peak_activation_bytes"]) for p in res.per_device],
-                              [p.peak_activation for p in sm.per_device], [p.bubble_ratio for p in mm.per_device],
-                              [p.bubble_ratio for p in sm.per_device], identical,
-                              measured_probe=res.extra.get("probe_seconds"),
+        identical &= all(op_orders(run.trace, s) == orders for run in ser.runs
+                         for s in sorted(run.trace["step"].unique()))
+        out.append(Comparison(schedule=cfg.schedule, devices=cfg.devices, microbatches=cfg.microbatches,
+                              replicas=cfg.replicas, measured_iteration_time=ser.step_time,
+                              simulated_iteration_time=sim_t, measured_iteration_times=list(res.iteration_times),
+                              measured_peak_activation_bytes=[float(p["peak_activation_bytes"])
+                                                              for p in res.per_device],
+                              simulated_peak_activation_bytes=[p.peak_activation for p in sm.per_device],
+                              measured_bubble=[p.bubble_ratio for p in mm.per_device],
+                              simulated_bubble=[p.bubble_ratio for p in sm.per_device], order_identical=identical,
+                              measured_probe=ser.probe_seconds, run_times=ser.run_times, kept_runs=len(ser.kept),
+                              foreign_cores=[ser.foreign(i) for i in range(len(ser.runs))], problem=ser.problem,
+                              spread=ser.spread,
                               profile_probe=(profile.meta.get("probe_seconds") or {}).get(str(low.num_ranks)),
                               measured_trace=mtr[mtr["step"] == step], simulated_trace=str_[str_["step"] == sim_step]))
     return out
 
 
 def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
-                    steps: int = 8, warmup: int = 2, model: str | None = None, chunks: int = 2,
-                    repeats: int = 1) -> list[Comparison]:
-    """Run each schedule ``repeats`` times and compare the run with the lowest median step time
-    (:func:`executor.launch.run_best_of`): the simulator predicts the machine undisturbed."""
+                    steps: int = 20, model: str | None = None, chunks: int = 2, rules=None,
+                    progress=None) -> list[Comparison]:
+    """Run each schedule in interleaved rounds until its quiet runs agree (ranks pinned to cores
+    where the host allows; ``rules``: :class:`executor.sitting.SittingRules`; a run is quiet when
+    its host speed probe matches the calibration's too) and compare the noise-free step with the
+    simulator's (:func:`executor.sitting.run_series`)."""
     from calibration import PROBE
     from executor.config import RunConfig
-    from executor.launch import run_best_of
+    from executor.sitting import SittingRules, run_series
     cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model or profile.model.name, probe=PROBE) for s in schedules]
-    best = run_best_of(cfgs, repeats, warmup)
-    comps = compare([res for res, _ in best], profile, warmup)
-    for c, (_, meds) in zip(comps, best):
-        c.run_medians = meds
-    return comps
+                      steps=steps, model=model or profile.model.name, probe=PROBE, pin_cores=True)
+            for s in schedules]
+    ref = (profile.meta.get("probe_seconds") or {}).get(str(devices * replicas))
+    return compare(run_series(cfgs, rules or SittingRules(), reference_probe=ref, progress=progress), profile)
+
+
+def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift: float = 0.05) -> list[str]:
+    """Why the sitting cannot give an error figure (empty: it can): the profile's calibration
+    sitting was busy, a schedule's runs did not settle, or the host speed probe moved by more
+    than ``max_drift`` since calibration (the profile then describes another host state)."""
+    from calibration import sitting_problems
+    out = [f"calibration {p}" for p in sitting_problems(profile)]
+    out += [f"{c.schedule}: {c.problem}" for c in comps if c.problem]
+    speeds = [c.host_speed for c in comps if c.host_speed is not None and c.usable]
+    if speeds and max(abs(x - 1.0) for x in speeds) > max_drift:
+        out.append(f"host speed {min(speeds):.2f}-{max(speeds):.2f} of calibration's (block probe; at most "
+                   f"{max_drift:.0%} off allowed): recalibrate")
+    return out
 
 
 def plot_overlay(comps: list[Comparison], path) -> None:
