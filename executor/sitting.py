@@ -113,11 +113,11 @@ class RunSeries:
             why = []
             if busy:
                 f = [self.foreign(i) for i in busy]
-                why.append(f"other processes kept {min(f):.2f}-{max(f):.2f} cores busy in {len(busy)} "
+                why.append(f"other processes kept {_span(f, '{:.2f}')} cores busy in {len(busy)} "
                            f"(at most {r.max_foreign:g})")
             if off:
                 d = [self.drift(i) for i in off]
-                why.append(f"the host speed probe was {min(d):+.0%} to {max(d):+.0%} off {self.reference_label} "
+                why.append(f"the host speed probe was {_span(d, '{:+.0%}', ' to ')} off {self.reference_label} "
                            f"in {len(off)} (at most {r.max_drift:.0%})")
             self.problem = f"{len(quiet)} of {n} runs quiet, {r.runs} needed" + (": " + "; ".join(why) if why else "")
             self.brief = f"{len(quiet)}/{n} runs quiet"
@@ -168,6 +168,11 @@ class RunSeries:
         idx = self.kept or list(range(len(self.runs)))
         p = [self.runs[i].extra["probe_seconds"] for i in idx if "probe_seconds" in self.runs[i].extra]
         return float(np.median(p)) if p else None
+
+
+def _span(values: list[float], fmt: str, sep: str = "-") -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}{sep}{hi}"
 
 
 def run_series(configs: Sequence[RunConfig], rules: SittingRules = SittingRules(), *,
