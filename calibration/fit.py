@@ -8,9 +8,9 @@ sharing). So the fit goes through the simulator (:func:`fit_runtime`), and the c
 oversubscribed cores beyond ideal processor sharing gets a fit of its own
 (:func:`fit_oversubscribed`).
 
-The traced runs are a sitting of their own (:func:`executor.sitting.run_series`): interleaved
-rounds, runs disturbed by other processes left out, and the statistic validation uses: the low
-quantile of the step times, the fits reproducing the steps around it
+The traced runs are a sitting (:func:`executor.sitting.run_series`): interleaved rounds, runs
+disturbed by other processes left out, and the statistic validation uses: the noise-free step
+time, the fits reproducing the fast steps around it
 (:meth:`executor.sitting.RunSeries.typical_steps`), not the mean of all steps.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from scipy.optimize import lsq_linear
 
 from cost_models.calibration import CalibrationProfile
 from executor.config import RunConfig, lowered_schedule
-from executor.sitting import RunSeries, SittingRules, run_series
-from schedules.trace import quantile_step, step_metrics
+from executor.sitting import RunSeries
+from schedules.trace import noise_free, step_metrics
 from sim.host import simulate_with_profile
 
 # the runs the runtime is fitted on: whole stages (1F1B), inner chunks (1F1B-interleaved) and a
@@ -61,7 +61,7 @@ def op_means(rows, split: bool) -> dict[str, list[float]]:
 
 
 def typical_rows(series: RunSeries):
-    """The trace rows of the series' typical steps (around its low quantile), steps renumbered
+    """The trace rows of the series' typical steps (its fast steps around their median), steps renumbered
     so that each (run, step) pair is one step."""
     import pandas as pd
     parts = []
@@ -71,16 +71,14 @@ def typical_rows(series: RunSeries):
     return pd.concat(parts, ignore_index=True)
 
 
-def trace_runtime(model: str, ranks: int, steps: int = 20, rules: SittingRules | None = None,
-                  progress=None) -> list[RunSeries]:
-    """Traced executor runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
-    N = 2D, ranks pinned to cores where the host allows, in interleaved rounds until each settles
-    (:func:`executor.sitting.run_series`; validation measures the same way: the model predicts the
-    host undisturbed)."""
-    rules = rules or SittingRules()
-    cfgs = [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
+def runtime_configs(model: str, ranks: int, steps: int = 20) -> list[RunConfig]:
+    """The traced runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
+    N = 2D, probed, ranks pinned to cores where the host allows; run them in a sitting
+    (:func:`executor.sitting.run_series`), alone (calibration) or beside the runs to predict
+    (validation: then both meet the same host; the ones equal to a validation's config are
+    shared)."""
+    return [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
                       pin_cores=True) for s in RUNTIME_SCHEDULES]
-    return run_series(cfgs, rules, progress=progress)
 
 
 def scale_and_overhead(rows: dict[str, list[tuple[float, float, float]]]) -> tuple[dict[str, float], float]:
@@ -110,8 +108,8 @@ def fit_runtime(series: list[RunSeries], make_profile: Callable[[dict, dict], Ca
     """Fit the runtime's costs so that the simulator reproduces the traced ``series``.
 
     Simulate each config with the current profile; per config and compute kind (F, B, split B
-    "Bi", W) take the measured time per step (over the typical steps: those around the low
-    quantile, the statistic validation compares) and the simulated one; fit measured = scale_kind
+    "Bi", W) take the measured time per step (over the typical steps: the fast steps around
+    the noise-free time, the statistic validation compares) and the simulated one; fit measured = scale_kind
     x simulated + overhead x ops (:func:`scale_and_overhead`: one per-op overhead shared by the
     compute kinds; the configs differ in op size, 1F1B's stages against the chunks of
     1F1B-interleaved and ZB-V, which tells the two apart); scale the optimizer step (OPTIM) by
@@ -165,7 +163,7 @@ def fit_oversubscribed(series: list[RunSeries], make_profile: Callable[[float], 
                        iterations: int = 6) -> float:
     """How much slower compute runs while the ranks outnumber the host's cores, beyond ideal
     processor sharing: on traced ``series`` with more ranks than cores, the slowdown that makes
-    the simulated step times add up to the measured ones (their low quantiles; fixed point). Measured on this
+    the simulated step times add up to the measured ones (noise-free times; fixed point). Measured on this
     machine: time slicing costs every op about the same, not only the ops that overlap (all
     ranks' threads, gloo's included, wake up and take slices; caches are refilled after each
     switch), so one factor on all compute, not a loss of capacity under overlap.
@@ -176,8 +174,8 @@ def fit_oversubscribed(series: list[RunSeries], make_profile: Callable[[float], 
     slowdown = 1.0
     for _ in range(iterations):
         prof = make_profile(slowdown)
-        simulated = sum(quantile_step(step_metrics(simulate_with_profile(low, prof, warm + 2)).iteration_times,
-                                      warm, x.rules.quantile)[0] for x, low in zip(series, lows))
+        simulated = sum(noise_free(step_metrics(simulate_with_profile(low, prof, warm + 2)).iteration_times[warm:])
+                        for low in lows)
         slowdown = min(10.0, max(1.0, slowdown * measured / simulated))
     return slowdown
 

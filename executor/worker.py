@@ -23,8 +23,8 @@ schedules per spawn). Per job every rank:
 
 With ``probe`` > 0 every rank also times, all at once, the forward and backward of one transformer
 block on one micro-batch, ``probe`` times before and as many after the steps: the host's speed
-during the run (``RunResult.extra["probe_seconds"]``, the low quantile
-:data:`schedules.trace.STEP_QUANTILE` of all ranks' times, the statistic steps are summarised by).
+during the run (``RunResult.extra["probe_seconds"]``: :func:`schedules.trace.noise_free` of all
+ranks' times, the statistic steps are summarised by; the times in ``extra["probe_samples"]``).
 Validation compares it with the speed the calibration saw (the same probe in its traced runs), so
 a host that is slower or faster than when it was calibrated (a shared VM drifts by 10-30% over
 minutes) is told apart from an error of the model. Such runs also report the CPU other processes
@@ -42,12 +42,11 @@ import socket
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from schedules import Schedule
-from schedules.trace import STEP_QUANTILE, make_trace, step_metrics
+from schedules.trace import make_trace, noise_free, step_metrics
 
 from .config import RunConfig, RunResult
 from .data import TokenSource
@@ -258,7 +257,8 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     extra = {}
     probes = sorted(t for rep in reports for t in rep["probe"])
     if probes:
-        extra["probe_seconds"] = float(np.quantile(probes, STEP_QUANTILE))
+        extra["probe_seconds"] = noise_free(probes)
+        extra["probe_samples"] = probes
     windows = [rep["cpu"] for rep in reports if rep.get("cpu") is not None]
     if windows and len(windows) == len(reports):
         extra["foreign_cores"] = foreign_cores(windows)

@@ -17,15 +17,13 @@ def add_arguments(p):
 def main(args) -> int:
     from tqdm import tqdm
 
-    from calibration import calibrate, fit_ranks, sitting_problems
+    from calibration import calibrate, sitting_problems
     from cost_models import save_profile
 
     if args.ranks < 1 or args.repeats < 3:
         raise ValueError("--ranks must be >= 1 and --repeats >= 3")
     stages = ["layers", "layer embedding", "layer block", "layer head", "optimizer", "communication",
               "runtime (traced runs)"]
-    if args.ranks > fit_ranks(args.ranks):
-        stages.append("oversubscribed cores (traced runs)")
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):
             bar.set_postfix_str(msg)

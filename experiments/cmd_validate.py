@@ -19,16 +19,16 @@ def add_arguments(p):
     p.add_argument("--steps", type=int, default=20, help="executor steps per run (default 20)")
     p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run (default 2)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="quiet runs per schedule that must agree (default 3); the step time is the 20th "
-                        "percentile of their pooled steps")
+                   help="quiet runs per schedule at least (default 3); the step time is the noise-free time "
+                        "(median of the fast steps) of their pooled steps")
     p.add_argument("--max-runs", type=int, default=6,
                    help="runs per schedule at most before the sitting is refused (default 6)")
     p.add_argument("--max-spread", type=float, default=0.05,
-                   help="largest spread allowed between the agreeing runs (default 0.05)")
+                   help="largest run-to-run spread allowed: the step time with any one run left out (default 0.05)")
     p.add_argument("--max-foreign", type=float, default=0.15,
                    help="cores' worth of other processes' CPU a run may see and still count (default 0.15)")
     p.add_argument("--max-drift", type=float, default=0.05,
-                   help="a run counts only if its host speed probe is this close to calibration's (default 0.05)")
+                   help="with --profile: largest change of the host speed probe since calibration (default 0.05)")
     p.add_argument("--profile", help="calibration profile; default: calibrate now (pipetwin calibrate)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--plot", default="out/validate.png", help="overlay figure (default out/validate.png)")
@@ -46,12 +46,12 @@ def _say(msg: str) -> None:
 def main(args) -> int:
     import time
 
-    from calibration import calibrate, sitting_problems
+    from calibration import sitting_problems
     from cost_models import load_profile, save_profile
     from executor.sitting import SittingRules
     from schedules import ScheduleError, build
 
-    from .crossval import plot_overlay, refusals, run_and_compare
+    from .crossval import calibrate_and_compare, plot_overlay, refusals, run_and_compare
 
     t_start = time.perf_counter()
     D, R = args.devices, args.dp
@@ -65,7 +65,7 @@ def main(args) -> int:
         if not 0.0 <= v < 10.0:
             raise ValueError(f"--{name.replace('_', '-')} must be a number in [0, 10); got {v}")
     rules = SittingRules(runs=args.repeats, max_runs=args.max_runs, warmup=args.warmup, max_spread=args.max_spread,
-                         max_foreign=args.max_foreign, max_drift=args.max_drift)
+                         max_foreign=args.max_foreign)
     names, skipped = [], {}
     for n in parse_schedules(args.schedules):
         try:
@@ -75,24 +75,27 @@ def main(args) -> int:
             skipped[n] = str(e)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
-    t_cal = 0.0
+    progress = lambda m: _say(f"  {m}")   # noqa: E731
     if args.profile:
         prof = load_profile(args.profile)
+        busy = [f"calibration {p}" for p in sitting_problems(prof)]
+        if busy:   # a profile from a busy sitting predicts another host: nothing to compare it with
+            return _refuse(busy, [], args, skipped, time.perf_counter() - t_start)
+        _say(f"running {len(names)} schedules in rounds until {args.repeats} quiet runs of each agree "
+             f"(at most {args.max_runs}) ...")
+        comps = run_and_compare(names, D, N, R, prof, steps=args.steps, model=args.model, chunks=args.chunks,
+                                rules=rules, progress=progress)
+        reasons = refusals(comps, prof, max_drift=args.max_drift)
     else:
-        _say("calibrating this machine (pass --profile FILE to reuse one) ...")
-        prof = calibrate(args.model, ranks=D * R, rules=rules, progress=lambda m: _say(f"  calibrate: {m}"))
+        _say(f"calibrating and running {len(names)} schedules in one sitting, in rounds until {args.repeats} quiet "
+             f"runs of each agree (at most {args.max_runs}; pass --profile FILE to use an earlier calibration) ...")
+        prof, comps = calibrate_and_compare(names, D, N, R, model=args.model, steps=args.steps, chunks=args.chunks,
+                                            rules=rules, progress=progress)
         cal = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
         cal.parent.mkdir(parents=True, exist_ok=True)
         save_profile(prof, cal)
-        t_cal = time.perf_counter() - t_start
-    busy = [f"calibration {p}" for p in sitting_problems(prof)]
-    if busy:   # a profile from a busy sitting predicts another host: nothing to compare it with
-        return _refuse(busy, [], args, skipped, time.perf_counter() - t_start)
-    _say(f"running {len(names)} schedules, {args.repeats} agreeing quiet runs each (at most {args.max_runs}) ...")
-    comps = run_and_compare(names, D, N, R, prof, steps=args.steps, model=args.model, chunks=args.chunks,
-                            rules=rules, progress=lambda m: _say(f"  validate: {m}"))
+        reasons = refusals(comps, prof, max_drift=None)
     seconds = time.perf_counter() - t_start
-    reasons = refusals(comps, prof, max_drift=args.max_drift)
     if reasons:
         return _refuse(reasons, comps, args, skipped, seconds)
     if args.plot:
@@ -100,31 +103,39 @@ def main(args) -> int:
         plot_overlay(comps, args.plot)
     if args.json:
         print_json({"schedules": [c.record() for c in comps], "skipped": skipped, "refused": [],
-                    "seconds": seconds, "calibration_seconds": t_cal})
+                    "seconds": seconds})
         return 0
-    rows = [{"schedule": c.schedule, "measured_ms": c.measured_iteration_time * 1e3,
+    rows = [{"schedule": c.schedule + ("*" if c.fitted else ""), "measured_ms": c.measured_iteration_time * 1e3,
              "simulated_ms": c.simulated_iteration_time * 1e3, "error": c.error,
              "bubble_meas": sum(c.measured_bubble) / len(c.measured_bubble),
              "bubble_sim": sum(c.simulated_bubble) / len(c.simulated_bubble),
              "peak_act_B": max(c.measured_peak_activation_bytes), "mem_err": c.memory_error,
              "order_ok": c.order_identical, "spread": c.spread, "runs": f"{c.kept_runs}/{len(c.run_times)}"}
             for c in comps]
-    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}; executor {args.steps} steps per run, "
-          f"first {args.warmup} dropped; 20th percentile of the pooled steps of {args.repeats} agreeing quiet runs")
+    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}"
+          + ("" if args.profile else " (calibrated in this sitting)"))
+    print(f"measured: noise-free step (median of the fast steps) of {args.repeats}+ quiet runs per schedule, "
+          f"{args.steps} steps each, first {args.warmup} dropped")
     print(fmt_table(rows, list(rows[0]), {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}",
                                           "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_B": "{:.0f}",
                                           "mem_err": "{:.2%}", "spread": "{:.1%}"}))
+    if any(c.fitted for c in comps):
+        print("* the profile's runtime was fitted on these runs (in-sample); the others are predictions")
     errs = sorted(abs(c.error) for c in comps)
+    out_errs = sorted(abs(c.error) for c in comps if not c.fitted)
     spreads = sorted(c.spread for c in comps if c.spread is not None)
     print(f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}"
-          + (f"; spread of the agreeing runs (the host's own noise): median {spreads[len(spreads) // 2]:.1%}, "
-             f"max {spreads[-1]:.1%}" if spreads else ""))
+          + (f" (predictions only: median {out_errs[len(out_errs) // 2]:.1%}, max {out_errs[-1]:.1%})"
+             if out_errs and len(out_errs) < len(errs) else ""))
+    if spreads:
+        print(f"run-to-run spread (the host's own noise): median {spreads[len(spreads) // 2]:.1%}, "
+              f"max {spreads[-1]:.1%}")
     print(_sitting_line(comps))
     for n, why in skipped.items():
         print(f"skipped {n}: {why}")
     if args.plot:
         print(f"wrote figure: {args.plot}")
-    print(f"validate took {seconds:.0f} s" + (f" ({t_cal:.0f} s calibrating)" if t_cal else ""))
+    print(f"validate took {seconds:.0f} s")
     return 0
 
 

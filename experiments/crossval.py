@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from cost_models import CalibrationProfile
-from schedules.trace import op_orders, quantile_step, step_metrics
+from schedules.trace import noise_free, op_orders, step_metrics
 from sim.host import simulate_with_profile
 
 
@@ -46,7 +46,8 @@ class Comparison:
     kept_runs: int = 0                      # runs that counted (quiet, agreeing)
     foreign_cores: list[float | None] = field(default_factory=list)   # other processes' load per run
     problem: str | None = None              # why the runs did not settle (None: they did)
-    spread: float | None = None             # slowest / fastest kept run - 1: the host's reproducibility
+    spread: float | None = None             # run-to-run spread (executor.sitting.RunSeries.spread)
+    fitted: bool = False                    # the profile's runtime was fitted on these very runs
     profile_probe: float | None = None      # the same probe when the profile was calibrated
     measured_trace: pd.DataFrame = field(repr=False, default=None)
     simulated_trace: pd.DataFrame = field(repr=False, default=None)
@@ -82,23 +83,27 @@ class Comparison:
                 "memory_error": self.memory_error, "measured_bubble": self.measured_bubble,
                 "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical,
                 "host_speed": self.host_speed, "run_times": self.run_times, "spread": self.spread,
-                "kept_runs": self.kept_runs, "foreign_cores": self.foreign_cores, "problem": self.problem}
+                "kept_runs": self.kept_runs, "foreign_cores": self.foreign_cores, "problem": self.problem,
+                "fitted": self.fitted}
 
 
-def compare(series: list, profile: CalibrationProfile) -> list[Comparison]:
-    """``series``: the executor's runs of each schedule (:class:`executor.sitting.RunSeries`)."""
+def compare(series: list, profile: CalibrationProfile, fitted: frozenset = frozenset()) -> list[Comparison]:
+    """``series``: the executor's runs of each schedule (:class:`executor.sitting.RunSeries`);
+    ``fitted``: the configs among them the profile's runtime was fitted on (marked in-sample)."""
     from executor.config import lowered_schedule
     out = []
     for ser in series:
-        cfg, warmup, q = ser.config, ser.rules.warmup, ser.rules.quantile
+        cfg, warmup = ser.config, ser.rules.warmup
         low = lowered_schedule(cfg)
-        # both engines, one statistic: the low quantile of per-step makespans after the warm-up
-        # (the simulator's steps after it are all alike); the step closest to it represents the run
+        # both engines, one statistic: the noise-free step time after the warm-up (the
+        # simulator's steps after it are all alike); the step closest to it represents the runs
         res, step = ser.representative()
         mtr = res.trace
         mm = step_metrics(mtr, step)
         str_ = simulate_with_profile(low, profile, steps=warmup + 2)
-        sim_t, sim_step = quantile_step(step_metrics(str_).iteration_times, warmup, q)
+        sim_times = step_metrics(str_).iteration_times
+        sim_t = noise_free(sim_times[warmup:])
+        sim_step = min(range(warmup, len(sim_times)), key=lambda k: abs(sim_times[k] - sim_t))
         sm = step_metrics(str_, sim_step)
         orders = op_orders(mtr, step)
         identical = all(orders.get(r) == [str(o) for o in low.program(r)] for r in range(low.num_ranks))
@@ -114,40 +119,75 @@ def compare(series: list, profile: CalibrationProfile) -> list[Comparison]:
                               simulated_bubble=[p.bubble_ratio for p in sm.per_device], order_identical=identical,
                               measured_probe=ser.probe_seconds, run_times=ser.run_times, kept_runs=len(ser.kept),
                               foreign_cores=[ser.foreign(i) for i in range(len(ser.runs))], problem=ser.problem,
-                              spread=ser.spread,
+                              spread=ser.spread, fitted=cfg in fitted,
                               profile_probe=(profile.meta.get("probe_seconds") or {}).get(str(low.num_ranks)),
                               measured_trace=mtr[mtr["step"] == step], simulated_trace=str_[str_["step"] == sim_step]))
     return out
+
+
+def _configs(schedules, devices, microbatches, replicas, *, steps, model, chunks):
+    from calibration import PROBE
+    from executor.config import RunConfig
+    return [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
+                      steps=steps, model=model, probe=PROBE, pin_cores=True) for s in schedules]
 
 
 def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
                     steps: int = 20, model: str | None = None, chunks: int = 2, rules=None,
                     progress=None) -> list[Comparison]:
     """Run each schedule in interleaved rounds until its quiet runs agree (ranks pinned to cores
-    where the host allows; ``rules``: :class:`executor.sitting.SittingRules`; a run is quiet when
-    its host speed probe matches the calibration's too) and compare the noise-free step with the
-    simulator's (:func:`executor.sitting.run_series`)."""
-    from calibration import PROBE
-    from executor.config import RunConfig
+    where the host allows; ``rules``: :class:`executor.sitting.SittingRules`) and compare its
+    noise-free step with the simulator's, with a profile calibrated earlier
+    (:func:`executor.sitting.run_series`)."""
     from executor.sitting import SittingRules, run_series
-    cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model or profile.model.name, probe=PROBE, pin_cores=True)
-            for s in schedules]
-    ref = (profile.meta.get("probe_seconds") or {}).get(str(devices * replicas))
-    return compare(run_series(cfgs, rules or SittingRules(), reference_probe=ref, progress=progress), profile)
+    cfgs = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model or profile.model.name,
+                    chunks=chunks)
+    return compare(run_series(cfgs, rules or SittingRules(), progress=progress), profile)
 
 
-def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift: float = 0.05) -> list[str]:
+def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, *,
+                          model: str = "tiny", steps: int = 20, chunks: int = 2, repeats: int = 20, rules=None,
+                          progress=None) -> tuple[CalibrationProfile, list[Comparison]]:
+    """Calibrate and validate in one sitting: measure the host (:func:`calibration.measure_host`),
+    then run the schedules and the calibration's traced runs (:func:`calibration.runtime_configs`;
+    those equal to a schedule's config are shared) in the same interleaved rounds, fit the
+    profile on the traced ones and compare every schedule. Both sides meet the same host states:
+    on this VM the host's undisturbed speed itself moves by ~10% between sittings minutes apart,
+    which is the error a profile from another sitting carries. The fitted configs are marked
+    in-sample (``Comparison.fitted``). Returns (profile, comparisons)."""
+    from calibration import fit_profile, fit_ranks, measure_host, runtime_configs
+    from executor.sitting import SittingRules, run_series
+    report = progress or (lambda msg: None)
+    world = devices * replicas
+    host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"))
+    base_ranks = fit_ranks(world)
+    fit_base = runtime_configs(model, base_ranks, steps)
+    fit_over = runtime_configs(model, world, steps) if world > base_ranks else []
+    val = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model, chunks=chunks)
+    every = list(dict.fromkeys(val + fit_base + fit_over))
+    report(f"runs: {len(val)} schedules and {len(every) - len(val)} more calibration runs, interleaved")
+    by_cfg = dict(zip(every, run_series(every, rules or SittingRules(), progress=report)))
+    profile = fit_profile(host, [by_cfg[c] for c in fit_base], [by_cfg[c] for c in fit_over] or None)
+    fitted = frozenset(fit_over if fit_over else fit_base)
+    return profile, compare([by_cfg[c] for c in val], profile, fitted)
+
+
+def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift: float | None = 0.05) -> list[str]:
     """Why the sitting cannot give an error figure (empty: it can): the profile's calibration
-    sitting was busy, a schedule's runs did not settle, or the host speed probe moved by more
-    than ``max_drift`` since calibration (the profile then describes another host state)."""
+    runs did not settle, a schedule's runs did not settle, or (``max_drift``: for a profile
+    calibrated in another sitting) the host speed probe moved by more than that since (the
+    profile then describes another host state)."""
     from calibration import sitting_problems
-    out = [f"calibration {p}" for p in sitting_problems(profile)]
-    out += [f"{c.schedule}: {c.problem}" for c in comps if c.problem]
-    speeds = [c.host_speed for c in comps if c.host_speed is not None and c.usable]
-    if speeds and max(abs(x - 1.0) for x in speeds) > max_drift:
-        out.append(f"host speed {min(speeds):.2f}-{max(speeds):.2f} of calibration's (block probe; at most "
-                   f"{max_drift:.0%} off allowed): recalibrate")
+    mine = [f"{c.schedule}: {c.problem}" for c in comps if c.problem]
+    # runs shared by calibration and validation (one sitting) are named once
+    out = [f"calibration {p}" for p in sitting_problems(profile) if not any(p.endswith(": " + m) for m in mine)]
+    out += mine
+    speeds = sorted(c.host_speed for c in comps if c.host_speed is not None)
+    if max_drift is not None and speeds:
+        mid = speeds[len(speeds) // 2]
+        if abs(mid - 1.0) > max_drift:
+            out.append(f"host speed {mid:.2f} of calibration's (block probe, median over the schedules; at most "
+                       f"{max_drift:.0%} off allowed): recalibrate")
     return out
 
 

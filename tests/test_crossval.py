@@ -32,15 +32,21 @@ def test_fit_refuses_flat_timings():
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    from calibration import calibrate
+def sitting(tmp_path_factory):
+    """Calibration and validation in one sitting (two rounds whatever the host's load: a busy
+    host leaves the runs unsettled, which the profile records; the fits use all runs then)."""
     from executor.sitting import SittingRules
-    # two rounds of traced runs whatever the host's load (a busy host leaves them unsettled, which
-    # the profile records; the fits use all runs then)
-    prof = calibrate("tiny", ranks=2, repeats=5, rules=SittingRules(runs=2, max_runs=2))
+    from experiments.crossval import calibrate_and_compare
+    prof, comps = calibrate_and_compare(["gpipe", "dapple"], 2, 4, 1, steps=4, repeats=5,
+                                        rules=SittingRules(runs=2, max_runs=2, warmup=1))
     path = tmp_path_factory.mktemp("cal") / "profile.yaml"
     save_profile(prof, path)
-    return prof, load_profile(path)
+    return prof, load_profile(path), comps
+
+
+@pytest.fixture(scope="module")
+def calibrated(sitting):
+    return sitting[:2]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +68,18 @@ def test_calibrated_profile_round_trips(calibrated):
     assert len(profile.act_bytes) == profile.model.layers + 2 and profile.act_bytes[1] > 0
     sit = profile.meta["sitting"]["2"]
     assert sit["runs"] == {"dapple": 2, "interleaved": 2, "zb-v": 2} and sit["foreign_cores_max"] >= 0
+
+
+def test_one_sitting_shares_runs_between_calibration_and_validation(sitting):
+    """dapple's runs are the calibration's too (in-sample, marked), gpipe is a prediction; the
+    memory and op order checks hold whatever the host's load."""
+    prof, _, comps = sitting
+    g, d = comps
+    assert (g.schedule, g.fitted, d.schedule, d.fitted) == ("gpipe", False, "dapple", True)
+    assert len(d.run_times) == len(g.run_times) == 2 == prof.meta["sitting"]["2"]["runs"]["dapple"]
+    for c in comps:
+        assert c.order_identical and c.measured_peak_activation_bytes == c.simulated_peak_activation_bytes
+        assert c.simulated_iteration_time > 0 and c.measured_iteration_time > 0
 
 
 def test_short_validate_run_memory_is_exact(profile):
