@@ -9,7 +9,11 @@ What is measured, and how:
    weight-grad parts of the embedding, one transformer block and the head (+ loss), built by
    :mod:`executor.model` and run with the runtime's own backward calls (:mod:`executor.backward`).
    Activation bytes kept from F to B (and from B to W) per layer come from the runtime's
-   :class:`executor.device.SavedTensorMeter`.
+   :class:`executor.device.SavedTensorMeter`. A model file (``PATH.py:FUNC``, see
+   :mod:`executor.user_model`) is measured the same way, every one of its layers on the output of
+   the one before it (the last with the loss), at ``micro_batch`` samples; its profile also keeps
+   per layer the parameters, the output bytes, the FLOPs of the timed calls and the kept bytes
+   alone and after the previous layer (:class:`cost_models.stack.StackSpec`).
 2. Communication (``ranks`` spawned ranks, gloo): one-way P2P times by ping-pong over message
    sizes (25th percentile), fitted as latency + bytes / bandwidth; all-reduce times over sizes as
    the runtime launches them (the median: gloo's times spread 3x between wake-ups), fitted as a
@@ -44,22 +48,24 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from cost_models.calibration import CalibrationProfile, LayerTiming, fit_allreduce, fit_latency_bandwidth
 from cost_models.cluster import LinkSpec
-from cost_models.model_spec import ModelSpec, load_model
+from cost_models.model_spec import load_model
+from cost_models.stack import StackSpec, is_model_ref
 from executor.device import cpu_threads
-
 from executor.sitting import RunSeries, SittingRules, run_series
 
 from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds,
                   runtime_configs, scale_layer)
-from .measure import measure_comm, measure_data, measure_layers, measure_optimizer
+from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
 __all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_oversubscribed", "fit_profile",
-           "fit_ranks", "fit_runtime", "measure_host", "runtime_configs", "sitting_problems", "sitting_record"]
+           "fit_ranks", "fit_runtime", "measure_host", "measure_stack", "runtime_configs", "sitting_problems",
+           "sitting_record"]
 
 
 def sitting_record(series: list[RunSeries]) -> dict:
@@ -79,35 +85,81 @@ def sitting_problems(profile: CalibrationProfile) -> list[str]:
             for p in rec.get("problems", [])]
 
 
+def measure_stack(ref: str, micro_batch: int, threads: int, repeats: int = 20, progress=None):
+    """A model file's layers measured (:func:`calibration.measure.measure_stack_layers`): (rows,
+    :class:`cost_models.stack.StackSpec`, bytes each layer adds after the one before it, the same
+    until W). Between B and W a stage keeps its whole graph (the input backward retains it), so
+    what a layer keeps for W after the previous one is its chain bytes less what it frees alone
+    at B."""
+    from executor.user_model import build_stack, stack_layout
+    stack_layout(ref, 1, micro_batch=micro_batch)        # the model's own checks, one line each
+    rows = measure_stack_layers(build_stack(ref, 0), micro_batch, threads, repeats, progress=progress)
+    spec = StackSpec(
+        name=ref, micro_batch=micro_batch, layer_names=tuple(r["name"] for r in rows),
+        params=tuple(float(r["params"]) for r in rows), out_bytes=tuple(float(r["out_bytes"]) for r in rows),
+        act_first=tuple(float(r["act"]) for r in rows), act_w_first=tuple(float(r["act_w"]) for r in rows),
+        flops=tuple(r["flops"] for r in rows), dtype_bytes=4)
+    act = tuple(float(r["act_chain"]) for r in rows)
+    act_w = tuple(max(0.0, float(r["act_chain"]) - (r["act"] - r["act_w"])) for r in rows)
+    return rows, spec, act, act_w
+
+
 @dataclass(frozen=True, kw_only=True)
 class HostMeasurements:
     """What calibration measures before any traced run (steps 1-2 of the module docstring)."""
 
-    model: str
-    spec: ModelSpec
+    model: str              # the model as given: preset / YAML file or model file PATH.py:FUNC
+    label: str              # its name in the profile's name
+    model_spec: object      # cost_models.model_spec.ModelSpec or, for a model file, cost_models.stack.StackSpec
+    micro_batch: int | None  # the traced runs' micro-batch (None: the spec's own)
     ranks: int
     threads: int
-    layers: dict            # per kind (embedding, block, head): times and kept bytes
+    per: list               # per layer of the model (embedding, blocks, head; a model file's layers): times
+    act: tuple              # bytes kept from F to B per layer
+    act_w: tuple            # bytes kept from B to W per layer
     optimizer: float        # seconds per parameter of an Adam step
     data: float             # seconds per micro-batch from the data stream
     comm: dict              # measure_comm's samples and per-byte costs
 
+    def runtime_configs(self, ranks: int, steps: int = 20) -> list:
+        """The traced runs the runtime is fitted on, at ``ranks`` (:func:`calibration.fit.runtime_configs`)."""
+        return runtime_configs(self.model, ranks, steps, micro_batch=self.micro_batch)
 
-def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None) -> HostMeasurements:
-    """Layers, optimizer, data and communication of this machine, for ``ranks`` ranks on it."""
-    spec = load_model(model)
-    if spec.kind != "gpt":
-        raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
+
+def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
+                 micro_batch: int | None = None) -> HostMeasurements:
+    """Layers, optimizer, data and communication of this machine, for ``ranks`` ranks on it.
+    ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
+    ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`)."""
+    stack_ref = model if is_model_ref(model) else None
+    if stack_ref is None:
+        spec = load_model(model)
+        if spec.kind != "gpt":
+            raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
+        if micro_batch is not None:
+            spec = spec.replace(micro_batch=int(micro_batch))
     threads = cpu_threads(ranks)
     report = progress or (lambda msg: None)
     report("layers")
-    layers = measure_layers(spec, threads, repeats, progress=report)
+    if stack_ref is not None:
+        from executor.user_model import DEFAULT_MICRO_BATCH, build_stack
+        mb = int(micro_batch or DEFAULT_MICRO_BATCH)
+        per, model_spec, act, act_w = measure_stack(stack_ref, mb, threads, repeats, progress=report)
+        stack = build_stack(stack_ref, 0)
+        opt_model, data = stack_ref, measure_data(None, stack, mb)
+        label, run_mb = Path(stack_ref.rsplit(":", 1)[0]).stem, mb
+    else:
+        layers = measure_layers(spec, threads, repeats, progress=report)
+        per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
+        model_spec, act, act_w = spec, tuple(float(x["act"]) for x in per), tuple(float(x["act_w"]) for x in per)
+        opt_model, data = spec, measure_data(spec)
+        label, run_mb = spec.name, micro_batch
     report("optimizer")
-    opt = measure_optimizer(spec, threads)
-    data = measure_data(spec)
+    opt = measure_optimizer(opt_model, threads)
     report("communication")
-    comm = measure_comm(spec, max(2, ranks), max(12, repeats))
-    return HostMeasurements(model=model, spec=spec, ranks=ranks, threads=threads, layers=layers,
+    comm = measure_comm(opt_model, max(2, ranks), max(12, repeats))
+    return HostMeasurements(model=model, label=label, model_spec=model_spec, micro_batch=run_mb, ranks=ranks,
+                            threads=threads, per=per, act=act, act_w=act_w,
                             optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm)
 
 
@@ -117,26 +169,26 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries],
     (:func:`runtime_configs` at :func:`fit_ranks` ranks) and, when ``host.ranks`` outnumber the
     cores, the oversubscribed slowdown fitted on ``over`` (the same configs at ``host.ranks``;
     None there: not measured, the profile is marked unusable)."""
-    spec, ranks, comm = host.spec, host.ranks, host.comm
+    ranks, comm = host.ranks, host.comm
     lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
     ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, ranks))
     cores = os.cpu_count() or 1
     base_ranks = fit_ranks(ranks)
     probes = {str(base_ranks): probe_seconds(base)}
     sitting = {str(base_ranks): sitting_record(base)}
-    per = [host.layers["embedding"]] + [host.layers["block"]] * spec.layers + [host.layers["head"]]
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": host.threads,
             "ranks": ranks, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "p2p_samples": [list(x) for x in comm["p2p"]], "allreduce_samples": [list(x) for x in comm["allreduce"]]}
+            "p2p_samples": [list(x) for x in comm["p2p"]], "allreduce_samples": [list(x) for x in comm["allreduce"]],
+            "runtime_schedules": [x.config.schedule for x in base]}
 
     def make_profile(scale: dict, overhead: dict, oversubscribed: float = 1.0) -> CalibrationProfile:
-        timing = [scale_layer(x, scale) for x in per]
+        timing = [scale_layer(x, scale) for x in host.per]
         return CalibrationProfile(
-            name=f"{platform.node() or 'host'}-{host.model}", model=spec,
+            name=f"{platform.node() or 'host'}-{host.label}", model=host.model_spec,
             layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
             p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
             optimizer_seconds_per_param=host.optimizer * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
-            act_bytes=tuple(float(x["act"]) for x in per), act_w_bytes=tuple(float(x["act_w"]) for x in per),
+            act_bytes=host.act, act_w_bytes=host.act_w,
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=host.data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
             meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
@@ -155,17 +207,32 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries],
     return make_profile(scale, overhead, slowdown)
 
 
-def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
-              rules: SittingRules | None = None) -> CalibrationProfile:
+def runtime_rules(runtime_steps: int = 20, runtime_repeats: int = 3) -> SittingRules:
+    """The sitting rules of calibration's traced runs: ``runtime_repeats`` quiet runs per config at
+    least (twice as many rounds at most), the first 2 of ``runtime_steps`` steps dropped."""
+    if runtime_steps < 3 or runtime_repeats < 1:
+        raise ValueError(f"the traced runs need >= 3 steps (2 are dropped) and >= 1 repeat; got {runtime_steps} "
+                         f"steps, {runtime_repeats} repeats")
+    return SittingRules(runs=runtime_repeats, max_runs=2 * runtime_repeats, warmup=2)
+
+
+def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
+              runtime_steps: int = 20, runtime_repeats: int = 3, rules: SittingRules | None = None
+              ) -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
-    predicted put on this host (it sets the thread count per rank, like the executor does);
-    ``rules``: how the traced runs are repeated and judged (:class:`executor.sitting.SittingRules`).
-    All traced runs share one sitting (interleaved rounds, both world sizes)."""
+    predicted put on this host (it sets the thread count per rank, like the executor does).
+    ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
+    ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`).
+    ``runtime_steps`` / ``runtime_repeats``: the traced runs the runtime is fitted on (steps each,
+    quiet runs per config at least: :func:`runtime_rules`); ``rules`` replaces those rules
+    (:class:`executor.sitting.SittingRules`). All traced runs share one sitting (interleaved
+    rounds, both world sizes)."""
+    rules = rules or runtime_rules(runtime_steps, runtime_repeats)
     report = progress or (lambda msg: None)
-    host = measure_host(model, ranks=ranks, repeats=repeats, progress=report)
+    host = measure_host(model, ranks=ranks, repeats=repeats, progress=report, micro_batch=micro_batch)
     base_ranks = fit_ranks(ranks)
     report("runtime (traced runs)")
-    base_cfgs = runtime_configs(model, base_ranks)
-    over_cfgs = runtime_configs(model, ranks) if ranks > base_ranks else []
-    series = run_series(base_cfgs + over_cfgs, rules or SittingRules(), progress=report)
+    base_cfgs = host.runtime_configs(base_ranks, runtime_steps)
+    over_cfgs = host.runtime_configs(ranks, runtime_steps) if ranks > base_ranks else []
+    series = run_series(base_cfgs + over_cfgs, rules, progress=report)
     return fit_profile(host, series[:len(base_cfgs)], series[len(base_cfgs):] or None)

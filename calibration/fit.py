@@ -71,14 +71,28 @@ def typical_rows(series: RunSeries):
     return pd.concat(parts, ignore_index=True)
 
 
-def runtime_configs(model: str, ranks: int, steps: int = 20) -> list[RunConfig]:
+def runtime_configs(model: str, ranks: int, steps: int = 20, micro_batch: int | None = None) -> list[RunConfig]:
     """The traced runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
     N = 2D, probed, ranks pinned to cores where the host allows; run them in a sitting
     (:func:`executor.sitting.run_series`), alone (calibration) or beside the runs to predict
     (validation: then both meet the same host; the ones equal to a validation's config are
-    shared)."""
-    return [RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
-                      pin_cores=True) for s in RUNTIME_SCHEDULES]
+    shared). Schedules with more stages than a model file has layers are left out (at least one
+    must fit)."""
+    cfgs, refused = [], []
+    for s in RUNTIME_SCHEDULES:
+        cfg = RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
+                        micro_batch=micro_batch, pin_cores=True)
+        try:
+            lowered_schedule(cfg)
+        except ValueError as e:
+            if not cfg.is_model_file:
+                raise
+            refused.append(str(e))
+            continue
+        cfgs.append(cfg)
+    if not cfgs:
+        raise ValueError(f"no runtime schedule fits model {model} at D = {ranks}: " + "; ".join(refused))
+    return cfgs
 
 
 def scale_and_overhead(rows: dict[str, list[tuple[float, float, float]]]) -> tuple[dict[str, float], float]:

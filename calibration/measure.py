@@ -1,8 +1,13 @@
 """Measurements with the executor's own code: layers, communication, data, the optimizer step.
 
 Layers run in this process exactly as :class:`executor.runtime.PipelineRuntime` runs a stage:
-the executor's modules (:mod:`executor.model`), its saved-tensor meter
-(:class:`executor.device.SavedTensorMeter`) and its backward calls (:mod:`executor.backward`).
+the executor's modules (:mod:`executor.model`, or the user's layers of a model file,
+:mod:`executor.user_model`), its saved-tensor meter (:class:`executor.device.SavedTensorMeter`)
+and its backward calls (:mod:`executor.backward`). A user's layer stack is measured layer by
+layer (:func:`measure_stack_layers`), each on the output of the layer before it, plus what the
+cost models need that no formula gives: parameters and output bytes per layer, FLOPs of each
+timed call (``torch.utils.flop_counter.FlopCounterMode``) and the bytes each layer keeps when it
+runs after the one before it in one graph (:func:`chain_kept_bytes`) as well as alone.
 Timing uses ``torch.utils.benchmark``: a statement that can simply be repeated (a forward, an
 optimizer step) is timed by ``Timer.blocked_autorange``; a backward needs a fresh graph before
 every run, which ``Timer`` cannot set up untimed, so each run is timed on its own and the runs
@@ -66,13 +71,16 @@ def fresh_state_median(prepare: Callable[[], object], body: Callable[[object], f
     return m.median
 
 
-def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repeats: int) -> dict:
+def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repeats: int,
+                  needs_input_grad: bool | None = None) -> dict:
     """Times (s) and kept bytes of one layer, run as the runtime runs a stage.
 
     ``make_input()`` returns (input, extra args); the input is a leaf that requires grad unless it
-    is token ids (embedding)."""
+    is token ids (the embedding; ``needs_input_grad=False``: a first layer). A layer whose output
+    carries no gradient (integer outputs, nothing to train before it) has no backward: 0."""
     params = [p for p in module.parameters()]
-    needs_input_grad = kind != "embedding"
+    if needs_input_grad is None:
+        needs_input_grad = kind != "embedding"
 
     def forward(meter=None):
         x, extra = make_input()
@@ -93,6 +101,11 @@ def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repe
         del x, out
         return n
 
+    _, probe_out = forward()
+    if not (probe_out.requires_grad and probe_out.is_floating_point()):
+        f = timer_median(lambda: forward(), f"{kind} F")
+        return {"f": f, "b": 0.0, "b_input": 0.0, "w": 0.0, "act": 0, "act_w": 0}
+    del probe_out
     act, act_w = kept(False), kept(True)
     for p in params:
         p.grad = None
@@ -139,6 +152,113 @@ def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=No
     return out
 
 
+class _WithLoss(torch.nn.Module):
+    """The last layer of a stack with the loss, as the runtime's last stage computes it."""
+
+    def __init__(self, layer: torch.nn.Module, loss):
+        super().__init__()
+        self.layer = layer
+        self._loss = (loss,)
+
+    def forward(self, x, target):
+        return self._loss[0](self.layer(x), target)
+
+
+def _layer_inputs(stack, micro_batch: int):
+    """The input of every layer of a stack at the micro-batch (one forward), and the target."""
+    from executor.user_model import probe_forward
+    x, y, outs, _ = probe_forward(stack, micro_batch)
+    return [x] + [o.detach() for o in outs[:-1]], y, [o.detach() for o in outs]
+
+
+def _stack_case(stack, i: int, inputs, target):
+    """(module, make_input, needs_input_grad) of layer ``i`` measured as a stage's first layer."""
+    last = i == len(stack.layers) - 1
+    mod = _WithLoss(stack.layers[i], stack.loss) if last else stack.layers[i]
+    x = inputs[i]
+    grad_in = i > 0 and x.is_floating_point()
+    extra = (target,) if last else ()
+    return mod, (lambda: (x.clone().requires_grad_(True) if grad_in else x, extra)), grad_in
+
+
+def count_flops(module: torch.nn.Module, make_input: Callable, needs_input_grad: bool) -> tuple[float, ...]:
+    """FLOPs (f, b, b_input, w) of the very calls :func:`measure_layer` times (matrix products and
+    convolutions, as ``torch.utils.flop_counter`` counts them: 2 per multiply-accumulate)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    params = list(module.parameters())
+
+    def counted(fn) -> float:
+        with FlopCounterMode(display=False) as fc:
+            fn()
+        return float(fc.get_total_flops())
+
+    def fresh():
+        x, extra = make_input()
+        return x, module(x, *extra)
+
+    def grad_out(out):
+        return None if out.dim() == 0 else torch.ones_like(out) * 1e-3
+
+    f = counted(fresh)
+    x, out = fresh()
+    if not (out.requires_grad and out.is_floating_point()):
+        return f, 0.0, 0.0, 0.0
+    b = counted(lambda: full_backward(out, grad_out(out)))
+    x, out = fresh()
+    bi = counted(lambda: input_backward(out, x, grad_out(out))) if needs_input_grad else 0.0
+    if not needs_input_grad:
+        x, out = fresh()
+    w = counted(lambda: weight_backward(out, params, grad_out(out)))
+    for p in params:
+        p.grad = None
+    return f, b, bi, w
+
+
+def chain_kept_bytes(stack, micro_batch: int) -> list[int]:
+    """Bytes each layer adds to the saved tensors when the whole stack (and the loss) runs as one
+    graph (the runtime's meter on one forward): a layer that saves the tensor the layer before it
+    saved (a pooling after a ReLU) adds only what is new."""
+    params = [p for m in stack.layers for p in m.parameters()]
+    x, y = stack.sample(torch.Generator().manual_seed(0), micro_batch)
+    meter = SavedTensorMeter(params)
+    out, before = [], 0
+    h = x
+    with meter.capture():
+        for i, layer in enumerate(stack.layers):
+            h = layer(h)
+            if i == len(stack.layers) - 1:
+                h = stack.loss(h, y)
+            out.append(meter.current() - before)
+            before = meter.current()
+    del h
+    return out
+
+
+def measure_stack_layers(stack, micro_batch: int, threads: int, repeats: int = 20, progress=None) -> list[dict]:
+    """Per layer of a user's stack: the times and kept bytes of :func:`measure_layer` (each layer as
+    the first of a stage, on the output of the one before it; the last with the loss), FLOPs
+    (:func:`count_flops`), parameters, output bytes (what a stage ending there sends; 0 for the
+    last layer, whose stage ends in the loss) and ``act_chain`` (:func:`chain_kept_bytes`)."""
+    torch.set_num_threads(threads)
+    inputs, target, outs = _layer_inputs(stack, micro_batch)
+    chain = chain_kept_bytes(stack, micro_batch)
+    rows = []
+    n = len(stack.layers)
+    for i in range(n):
+        mod, make_input, grad_in = _stack_case(stack, i, inputs, target)
+        name = type(stack.layers[i]).__name__
+        if progress:
+            progress(f"layer {i} {name}")
+        row = measure_layer(mod, make_input, f"layer {i} {name}", repeats, needs_input_grad=grad_in)
+        row["flops"] = count_flops(mod, make_input, grad_in)
+        row["params"] = sum(p.numel() for p in stack.layers[i].parameters())
+        row["out_bytes"] = 0 if i == n - 1 else outs[i].numel() * outs[i].element_size()
+        row["act_chain"] = chain[i]
+        row["name"] = name
+        rows.append(row)
+    return rows
+
+
 # ---------------------------------------------------------------------------- communication
 def comm_worker(payload, rank, world, local_rank, local_world):
     """Spawned rank: ping-pong P2P sizes with rank 0 <-> 1, then all-reduce sizes over all ranks."""
@@ -182,8 +302,7 @@ def comm_worker(payload, rank, world, local_rank, local_world):
           for size in payload["ar_sizes"]]
     # the optimizer step and the gradient flatten/write-back as every rank does them at once (the
     # ranks of a bidirectional or data-parallel run step together and share memory bandwidth)
-    m = full_model(payload["spec"])
-    params = list(m.parameters())
+    params = model_parameters(payload["model"])
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt = make_optimizer(params, "adam", 1e-3)
@@ -197,25 +316,39 @@ def comm_worker(payload, rank, world, local_rank, local_world):
             "grad_copy_per_byte": t_flat / (4 * nparams)}
 
 
-def measure_comm(spec: ModelSpec, ranks: int, repeats: int = 10) -> dict:
+def model_parameters(model: ModelSpec | str) -> list[torch.nn.Parameter]:
+    """The whole model's parameters (each once): the GPT of a spec, or a model file's layers."""
+    if isinstance(model, ModelSpec):
+        return list(full_model(model).parameters())
+    from executor.user_model import build_stack, unique_parameters
+    return unique_parameters(build_stack(model, 0).layers)
+
+
+def measure_comm(model: ModelSpec | str, ranks: int, repeats: int = 10) -> dict:
+    """``model``: a GPT spec or a model file reference (its parameters time the optimizer step)."""
     from executor.launch import launch
     return launch("calibration.measure:comm_worker",
-                  {"repeats": repeats, "p2p_sizes": P2P_SIZES, "ar_sizes": AR_SIZES, "spec": spec}, ranks)
+                  {"repeats": repeats, "p2p_sizes": P2P_SIZES, "ar_sizes": AR_SIZES, "model": model}, ranks)
 
 
-def measure_data(spec: ModelSpec) -> float:
-    """Seconds to produce one micro-batch (inputs and targets) from the synthetic stream."""
-    from executor.data import TokenSource
-    src = TokenSource(spec, 0)
+def measure_data(spec: ModelSpec | None, stack=None, micro_batch: int = 1) -> float:
+    """Seconds to produce one micro-batch (inputs and targets): the synthetic token stream of a GPT
+    spec, or a model file's ``sample`` as the executor calls it (:class:`executor.user_model.StackData`)."""
+    if stack is not None:
+        from executor.user_model import StackData
+        src = StackData(stack, micro_batch, 0)
+    else:
+        from executor.data import TokenSource
+        src = TokenSource(spec, 0)
     it = iter(range(10 ** 9))
     return timer_median(lambda: src.batch(0, next(it), 1 << 20), "data")
 
 
-def measure_optimizer(spec: ModelSpec, threads: int) -> float:
+def measure_optimizer(model: ModelSpec | str, threads: int) -> float:
     """Seconds per parameter of an Adam step (the executor's default optimizer) on this host."""
     torch.set_num_threads(threads)
-    m = full_model(spec)
-    for p in m.parameters():
+    params = model_parameters(model)
+    for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    opt = make_optimizer(m.parameters(), "adam", 1e-3)
-    return timer_median(opt.step, "adam step") / sum(p.numel() for p in m.parameters())
+    opt = make_optimizer(params, "adam", 1e-3)
+    return timer_median(opt.step, "adam step") / sum(p.numel() for p in params)

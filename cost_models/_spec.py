@@ -12,12 +12,15 @@ such numeric strings are accepted too.
 """
 from __future__ import annotations
 
+import math
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
+
+from .files import FileError, one_line, read_text
 
 
 class SpecError(ValueError):
@@ -55,7 +58,7 @@ def number(value: Any, source: str, field: str, *, positive: bool = True, allow_
         except ValueError:
             v = None
     what = "a positive number" if positive and not allow_zero else "a number >= 0" if positive else "a number"
-    if v is None or v != v:
+    if v is None or not math.isfinite(v):
         raise _bad(source, field, what, value)
     if positive and (v < 0 or (v == 0 and not allow_zero)):
         raise _bad(source, field, what, value)
@@ -74,7 +77,7 @@ def _with_unit(value: Any, source: str, field: str, pattern: re.Pattern, what: s
         m = pattern.fullmatch(value.strip())
         if m:
             v = float(m["num"]) * scale(m)
-    if v is None or v != v or v < 0 or (v == 0 and not allow_zero):
+    if v is None or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         raise _bad(source, field, what, value)
     return v
 
@@ -142,9 +145,10 @@ def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]
     names the file for error messages. ``kind`` is the preset folder, ``what`` a word for errors."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.is_file() or "/" in str(name_or_path):
-        if not p.is_file():
-            raise SpecError(f"{what} file {p} does not exist")
-        text, source = p.read_text(), str(p)
+        try:
+            text, source = read_text(p, f"{what} file"), str(p)
+        except FileError as e:   # a spec error like any other of the file
+            raise SpecError(str(e)) from None
     else:
         f = preset_dir(kind) / f"{name_or_path}.yaml"
         if not f.is_file():
@@ -154,5 +158,5 @@ def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise SpecError(f"{source}: not valid YAML ({e})") from None
+        raise SpecError(f"{source}: not valid YAML ({one_line(e)})") from None
     return data, source

@@ -103,6 +103,10 @@ class LayerCosts:
     # the whole backward (what an implementation without per-layer gradient hooks does)
     first_stage_all_in_w: bool = False
     grad_copy_per_byte: float = 0.0   # CPU s/byte to flatten gradients for an all-reduce (and back)
+    # bytes a layer keeps (and keeps until W) when it is the first layer of a stage, where act / act_w
+    # are what it adds after the layer before it (a measured layer stack: cost_models.stack); None: act
+    act_first: tuple[float, ...] | None = None
+    act_w_first: tuple[float, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -145,8 +149,8 @@ class PerLayerCostModel:
             if S > 1 and sched.placement[c][S - 1] != sched.placement[c][0]:
                 fc[S - 1] += L.data_time
             f_copy.append(fc)
-        act = per_stage(L.act)
-        act_w = per_stage(L.act_w) if sched.split_backward else [0.0] * S
+        act = stage_sums(L.act, L.act_first, parts)
+        act_w = stage_sums(L.act_w, L.act_w_first, parts) if sched.split_backward else [0.0] * S
         out = [L.out_bytes[rng[-1]] for rng in parts]
         # the gradient a stage sends upstream has the shape of its input = previous stage's output
         grad = [0.0] + out[:-1]
@@ -165,3 +169,15 @@ class PerLayerCostModel:
                           meta={"model": "per-layer", "partition": [len(r) for r in parts]},
                           send_time=ovh.get("SEND", 0.0), recv_time=ovh.get("RECV", 0.0),
                           grad_copy_per_byte=L.grad_copy_per_byte)
+
+
+def stage_sums(per_layer, first, parts: list[range]) -> list[float]:
+    """Per stage: the sum of ``per_layer`` over its layers, with the stage's first layer counted by
+    ``first`` when given (what a layer keeps at the start of a stage; see :class:`LayerCosts`)."""
+    out = []
+    for rng in parts:
+        vals = [per_layer[i] for i in rng]
+        if first is not None and len(rng):
+            vals[0] = first[rng[0]]
+        out.append(float(sum(vals)))
+    return out

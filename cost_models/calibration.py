@@ -27,6 +27,19 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
     memory: 16 GiB                 # memory one rank may use (optional; no OOM verdict without it)
     meta: {host: ..., torch: ..., threads: 1, date: ...}   # free-form, kept as is
 
+A profile of a user's layer stack (``pipetwin calibrate --model PATH.py:FUNC``) has a ``model``
+mapping with ``file: PATH.py:FUNC`` and the measured per-layer facts of
+:class:`cost_models.stack.StackSpec` (names, parameters, output bytes, kept bytes at a stage's
+start, FLOPs), ``per_layer`` timings (one per layer of the stack, required) and
+``act_bytes_per_layer`` / ``act_w_bytes_per_layer`` (what each layer adds after the one before
+it; required). Its default partition is :func:`cost_models.partition.stack_partition` (the
+executor's), recomputation is not modelled.
+
+On another device (``pipetwin simulate --profile FILE --cluster PRESET``),
+:func:`scaled_layer_costs` scales the measured times by one factor: the FLOP rate this host reached
+over the whole model (measured FLOPs / measured seconds, forward + full backward) against the
+device's achievable rate (its peak at the precision x its efficiency).
+
 Units: seconds, bytes, bytes/s (unit strings such as ``60 us`` or ``2.5 GB/s`` are accepted).
 """
 from __future__ import annotations
@@ -41,8 +54,10 @@ from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel
 from .cluster import Cluster, LinkSpec
 from .device import DeviceSpec
+from .files import FileError, one_line, prepare_output, read_text
 from .model_spec import ModelSpec, load_model, spec_from_dict
-from .partition import default_partition
+from .partition import balanced_counts, default_partition, stack_partition
+from .stack import StackSpec, stack_from_dict
 from .transformer import _check_recompute, transformer_layers
 
 FORMAT = "pipetwin-calibration/1"
@@ -64,8 +79,8 @@ class LayerTiming:
 @dataclass(frozen=True)
 class CalibrationProfile:
     name: str
-    model: ModelSpec
-    layers: tuple[LayerTiming, ...]          # one per layer: embedding, blocks, head
+    model: ModelSpec | StackSpec              # a transformer spec, or a measured layer stack
+    layers: tuple[LayerTiming, ...]          # one per layer: embedding, blocks, head (or the stack's layers)
     p2p: LinkSpec
     allreduce: LinkSpec
     optimizer_seconds_per_param: float = 0.0
@@ -85,6 +100,22 @@ class CalibrationProfile:
         # one canonical order of the per-op overheads (the file's), so equal profiles compare equal
         order = {k: i for i, k in enumerate(OVERHEAD_KINDS)}
         object.__setattr__(self, "overhead", tuple(sorted(self.overhead, key=lambda kv: order.get(kv[0], len(order)))))
+        if self.is_stack and (self.act_bytes is None or len(self.layers) != self.model.num_layers):
+            raise SpecError(f"profile {self.name}: a layer-stack profile needs one timing and measured activation "
+                            f"bytes per layer ({self.model.num_layers} layers)")
+
+    @property
+    def is_stack(self) -> bool:
+        """A profile of a user's layer stack (``--model PATH.py:FUNC``), not of a transformer spec."""
+        return isinstance(self.model, StackSpec)
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name
+
+    @property
+    def micro_batch(self) -> int:
+        return self.model.micro_batch
 
     def device(self) -> DeviceSpec:
         return DeviceSpec(name="cpu", memory_bytes=self.memory_bytes, calibrated=True,
@@ -95,6 +126,8 @@ class CalibrationProfile:
         """Measured seconds; bytes from the formulas (or the measured ``act_bytes``). Recomputation
         adds the recomputed fraction of the measured forward to the input backward."""
         _check_recompute(recompute)
+        if self.is_stack:
+            return self._stack_costs(recompute, bytes_per_param, grad_bytes_per_param)
         formula = transformer_layers(self.model, recompute, dropout)
         measured = self.act_bytes
         act = [m if measured is not None and recompute == "none" else l.act_bytes
@@ -127,9 +160,38 @@ class CalibrationProfile:
             grad_copy_per_byte=self.grad_copy_per_byte,
         )
 
+    def _stack_costs(self, recompute: str, bytes_per_param: float, grad_bytes_per_param: float | None) -> LayerCosts:
+        if recompute != "none":
+            raise SpecError(f"profile {self.name}: recomputation is modelled for transformers; a layer-stack profile "
+                            f"takes recompute none")
+        st: StackSpec = self.model
+        act_w = self.act_w_bytes if self.act_w_bytes is not None else self.act_bytes
+        full = tuple(t.b for t in self.layers) if all(t.b is not None for t in self.layers) else None
+        return LayerCosts(
+            f=tuple(t.f for t in self.layers), b_input=tuple(t.b_input for t in self.layers),
+            w=tuple(t.w for t in self.layers), act=tuple(self.act_bytes), act_w=tuple(act_w),
+            out_bytes=tuple(st.out_bytes), params=tuple(st.params), bytes_per_param_static=float(bytes_per_param),
+            grad_bytes_per_param=float(st.dtype_bytes if grad_bytes_per_param is None else grad_bytes_per_param),
+            optim_time_per_param=self.optimizer_seconds_per_param, copy_time=self.copy_time, b_full=full,
+            op_overhead=self.overhead, data_time=self.data_time, first_stage_all_in_w=self.first_stage_all_in_w,
+            grad_copy_per_byte=self.grad_copy_per_byte, act_first=tuple(st.act_first),
+            act_w_first=tuple(st.act_w_first))
+
+    def default_partition(self, num_stages: int) -> tuple[int, ...]:
+        """Layers per stage the executor uses by default for this model (so simulated = run)."""
+        if self.is_stack:
+            return tuple(stack_partition(self.model.params, num_stages))
+        return default_partition(self.model.layers, num_stages)
+
+    def time_partition(self, num_stages: int) -> tuple[int, ...]:
+        """Layers per stage balanced by the measured time of each layer (forward + full backward):
+        the min-max split of :func:`cost_models.partition.balanced_counts`."""
+        return tuple(balanced_counts([t.f + (t.b if t.b is not None else t.b_input + t.w) for t in self.layers],
+                                     num_stages))
+
     def cost_model(self, num_stages: int, partition: tuple[int, ...] | None = None, **kw) -> PerLayerCostModel:
         """A per-layer cost model (seconds, bytes); ``kw`` go to :meth:`layer_costs`."""
-        return PerLayerCostModel(self.layer_costs(**kw), partition or default_partition(self.model.layers, num_stages))
+        return PerLayerCostModel(self.layer_costs(**kw), partition or self.default_partition(num_stages))
 
     def cluster(self, num_ranks: int) -> Cluster:
         """``num_ranks`` cpu ranks on one host: the p2p fit is every rank's port, the all-reduce fit
@@ -199,16 +261,24 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     if fmt != FORMAT:
         raise SpecError(f"{source}: field 'format' must be {FORMAT!r}; got {fmt!r}")
     m = d["model"]
+    stack = isinstance(m, dict) and "file" in m
     try:
-        model = load_model(m) if isinstance(m, str) else spec_from_dict(m, f"{source} (field 'model')")
+        if stack:
+            model = stack_from_dict(m, f"{source} (field 'model')")
+        else:
+            model = load_model(m) if isinstance(m, str) else spec_from_dict(m, f"{source} (field 'model')")
     except SpecError as e:
         raise SpecError(f"{source}: field 'model': {e}") from None
-    n = model.layers + 2
+    n = model.num_layers if stack else model.layers + 2
+    if stack and ("per_layer" not in d or "act_bytes_per_layer" not in d):
+        raise SpecError(f"{source}: a layer-stack profile (model.file) needs fields 'per_layer' and "
+                        f"'act_bytes_per_layer' ({n} entries each)")
     if "per_layer" in d:
         pl = d["per_layer"]
         if not isinstance(pl, list) or len(pl) != n:
-            raise SpecError(f"{source}: field 'per_layer' must list {n} layers (embedding, {model.layers} blocks, "
-                            f"head); got {len(pl) if isinstance(pl, list) else pl!r}")
+            what = "the stack's layers" if stack else f"embedding, {model.layers} blocks, head"
+            raise SpecError(f"{source}: field 'per_layer' must list {n} layers ({what}); "
+                            f"got {len(pl) if isinstance(pl, list) else pl!r}")
         layers = tuple(_timing(v, source, f"per_layer[{i}]") for i, v in enumerate(pl))
     elif "layers" in d:
         by = _spec.mapping(d["layers"], source, "layers")
@@ -263,18 +333,20 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
 def load_profile(path: str | Path) -> CalibrationProfile:
     """Read a calibration profile YAML file (see the module docstring for the format)."""
     p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"calibration profile {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        text = read_text(p, "calibration profile")
+    except FileError as e:
+        raise SpecError(str(e)) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise SpecError(f"{p}: not valid YAML ({e})") from None
+        raise SpecError(f"{p}: not valid YAML ({one_line(e)})") from None
     return profile_from_dict(data, str(p))
 
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
     """Write a profile (per-layer form) that :func:`load_profile` reads back unchanged."""
-    p = Path(path)
+    p = prepare_output(path, "calibration profile")
     p.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
     return p
 
@@ -307,3 +379,43 @@ def fit_allreduce(sizes, times, n: int) -> tuple[float, float]:
         raise SpecError("an all-reduce fit needs at least 2 ranks")
     lat, bw = fit_latency_bandwidth(sizes, times)
     return lat / (2 * (n - 1)), bw * 2 * (n - 1) / n
+
+
+def host_flop_rate(profile: CalibrationProfile) -> float:
+    """FLOP/s this host reached over the whole model: counted FLOPs of the forward and full backward
+    of every layer (measured for a layer stack, from the formulas of :mod:`cost_models.transformer`
+    for a transformer) over their measured seconds."""
+    if profile.is_stack:
+        if profile.model.flops is None:
+            raise SpecError(f"profile {profile.name} has no FLOP counts (calibrate again to scale it onto a device)")
+        flops = [(f, b) for f, b, _, _ in profile.model.flops]
+    else:
+        flops = [(l.flops_f, l.flops_b_input + l.flops_w) for l in transformer_layers(profile.model)]
+    secs = sum(t.f + (t.b if t.b is not None else t.b_input + t.w) for t in profile.layers)
+    total = sum(f + b for f, b in flops)
+    if secs <= 0 or total <= 0:
+        raise SpecError(f"profile {profile.name}: no FLOPs or no time measured; cannot scale it onto a device")
+    return total / secs
+
+
+def scaled_layer_costs(profile: CalibrationProfile, device: DeviceSpec, precision: str = "fp32",
+                       bytes_per_param: float = 16.0) -> tuple[LayerCosts, float]:
+    """The profile's layers on ``device``: every measured time (F, B, split B and W) times
+    ``host_flop_rate / device.achievable_flops(precision)`` (one factor for the whole model: the
+    measured proportions between layers are kept; see the module docstring); activation, output
+    and parameter bytes as measured; the optimizer step at the device's memory bandwidth (28 bytes
+    touched per parameter, as :class:`cost_models.transformer.TransformerCostModel`); no host
+    overheads (per-op, data, gradient copies: this host's CPU runtime costs). Returns (costs,
+    the factor)."""
+    base = profile.layer_costs(bytes_per_param=bytes_per_param)
+    factor = host_flop_rate(profile) / device.achievable_flops(precision)
+    sc = lambda xs: tuple(x * factor for x in xs)  # noqa: E731
+    bw = device.memory_bandwidth
+    costs = LayerCosts(
+        f=sc(base.f), b_input=sc(base.b_input), w=sc(base.w), act=base.act, act_w=base.act_w,
+        out_bytes=base.out_bytes, params=base.params, bytes_per_param_static=base.bytes_per_param_static,
+        grad_bytes_per_param=base.grad_bytes_per_param, optim_time_per_param=(28.0 / bw) if bw else 0.0,
+        copy_time=(2 * max(base.out_bytes) / bw) if bw else 0.0,
+        b_full=sc(base.b_full) if base.b_full is not None else None,
+        first_stage_all_in_w=base.first_stage_all_in_w, act_first=base.act_first, act_w_first=base.act_w_first)
+    return costs, factor

@@ -7,9 +7,16 @@ A :class:`Cluster` implements the :class:`~cost_models.network.Network` protocol
   ``n<node>.g<i>.out`` and ``n<node>.g<j>.in`` (``intra`` bandwidth each, ``intra`` latency once).
 * Between nodes a message leaves through the sender's NIC and enters through the receiver's
   NIC: links ``n<a>.nic<k>.out`` and ``n<b>.nic<l>.in`` (``inter`` bandwidth, latency once).
-  Local device i uses NIC ``i * nics_per_node // devices_per_node`` (rail-style: with 8 NICs
-  for 8 GPUs each GPU has its own; with one NIC all flows of a node share it). The switch
-  between nodes is non-blocking.
+  Local device i uses NIC ``i * nics_per_node // devices_per_node`` (with 8 NICs for 8 GPUs
+  each GPU has its own; with one NIC all flows of a node share it).
+* The fabric between the NICs (``fabric``): ``flat`` is one non-blocking switch. ``fat-tree``
+  groups the nodes into leaves of ``nodes_per_leaf``; a message between leaves also crosses its
+  leaf's uplink ``leaf<x>.up`` and the other leaf's downlink ``leaf<y>.down``, each carrying the
+  leaf's NIC bandwidth divided by ``oversubscription`` (1 = non-blocking, 2 = half as much up as
+  down). ``rail`` is rail-optimised: NIC k of the nodes of a group of ``nodes_per_leaf`` share
+  one rail switch, so a message between the same rail of one group stays there, and any other
+  (another rail, another group) crosses ``g<x>.rail<k>.up`` and ``g<y>.rail<l>.down`` (the rail
+  switch's ports divided by ``oversubscription``).
 * Each link carries its latency on the first link of a path only, so a lone message of S bytes
   takes ``sum(latencies) + S / min(bandwidths)`` (:func:`cost_models.comm.p2p_time`); the
   simulator shares a link's bandwidth between the transfers crossing it.
@@ -29,6 +36,11 @@ A cluster YAML file (presets in ``cost_models/presets/clusters``)::
     intra: nvlink3                # a link type (see LINK_TYPES) or {type:, bandwidth:, latency:}
     inter: {type: ib-hdr}         # bandwidth in B/s or e.g. '200 Gb/s'; latency in s or '5 us'
     nics_per_node: 8
+    fabric: flat                  # flat | fat-tree | rail (optional)
+    oversubscription: 1           # fat-tree / rail: down / up bandwidth of a leaf (optional)
+    nodes_per_leaf: 32            # fat-tree / rail: nodes under one leaf switch (optional)
+
+Sizes: ``load_cluster("dgx-h100-ib:128")`` (or :func:`with_nodes`) is the preset with 128 nodes.
 
 Units: bandwidth bytes/s per direction, latency seconds.
 """
@@ -56,7 +68,9 @@ class LinkSpec:
     latency: float
 
     def to_dict(self) -> dict:
-        return {"type": self.kind, "bandwidth": self.bandwidth, "latency": self.latency}
+        # a link that is no preset type (e.g. a calibration profile's fitted one) reads back as custom
+        return {"type": self.kind if self.kind in LINK_TYPES else "custom", "bandwidth": self.bandwidth,
+                "latency": self.latency}
 
 
 # Nominal per-direction bandwidths of one device's / NIC's port, and typical NCCL-level one-way
@@ -75,6 +89,10 @@ LINK_TYPES: dict[str, LinkSpec] = {
     "eth-25g": LinkSpec("eth-25g", 25e9 / 8, 30e-6),    # 25 Gb/s Ethernet (TCP sockets)
     "eth-100g": LinkSpec("eth-100g", 100e9 / 8, 20e-6),  # 100 Gb/s Ethernet
 }
+
+
+FABRICS = ("flat", "fat-tree", "rail")
+DEFAULT_NODES_PER_LEAF = 32       # a DGX SuperPOD scalable unit
 
 
 def link_types() -> list[str]:
@@ -124,12 +142,22 @@ class Cluster:
     device_map: tuple[int, ...] | None = None
     collective: LinkSpec | None = None
     description: str = ""
+    fabric: str = "flat"
+    oversubscription: float = 1.0
+    nodes_per_leaf: int = DEFAULT_NODES_PER_LEAF
 
     def __post_init__(self):
-        for f in ("nodes", "devices_per_node", "nics_per_node"):
+        for f in ("nodes", "devices_per_node", "nics_per_node", "nodes_per_leaf"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(f"cluster {self.name!r}: field {f!r} must be an integer >= 1; got {v!r}")
+        if self.fabric not in FABRICS:
+            raise SpecError(f"cluster {self.name!r}: unknown fabric {self.fabric!r}; "
+                            f"choose one of {', '.join(FABRICS)}")
+        o = self.oversubscription
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or not (1.0 <= o < float("inf")):
+            raise SpecError(f"cluster {self.name!r}: oversubscription must be a finite number >= 1 "
+                            f"(1 = non-blocking); got {o!r}")
         if self.device_map is not None:
             m = self.device_map
             bad = [g for g in m if not (isinstance(g, int) and 0 <= g < self.num_devices)]
@@ -183,6 +211,30 @@ class Cluster:
     def _nic(self, node: int, nic: int, direction: str, latency: float) -> Link:
         return Link(f"n{node}.nic{nic}.{direction}", self.inter.bandwidth, latency)
 
+    def _leaf_nodes(self, leaf: int) -> int:
+        """Nodes under leaf (or rail group) ``leaf``: ``nodes_per_leaf``, fewer in the last one."""
+        return min(self.nodes_per_leaf, self.nodes - leaf * self.nodes_per_leaf)
+
+    def _uplinks(self, na: int, ka: int, nb: int, kb: int) -> list[Link]:
+        """The fabric links between NIC ka of node na and NIC kb of node nb (none on a flat fabric,
+        inside one leaf, or on one rail of one group)."""
+        if self.fabric == "flat":
+            return []
+        per = self.nodes_per_leaf
+        ga, gb = na // per, nb // per
+        over = self.oversubscription
+        if self.fabric == "fat-tree":
+            if ga == gb:
+                return []
+            nic = self.inter.bandwidth * self.nics_per_node
+            return [Link(f"leaf{ga}.up", nic * self._leaf_nodes(ga) / over, 0.0),
+                    Link(f"leaf{gb}.down", nic * self._leaf_nodes(gb) / over, 0.0)]
+        if ga == gb and ka == kb:
+            return []
+        bw = self.inter.bandwidth
+        return [Link(f"g{ga}.rail{ka}.up", bw * self._leaf_nodes(ga) / over, 0.0),
+                Link(f"g{gb}.rail{kb}.down", bw * self._leaf_nodes(gb) / over, 0.0)]
+
     def path(self, src: int, dst: int) -> list[Link]:
         """Links a message from rank ``src`` to rank ``dst`` occupies ([] on the same device)."""
         a, b = self.physical(src), self.physical(dst)
@@ -193,7 +245,8 @@ class Cluster:
         if na == nb:
             return [self._intra(na, la, "out", self.intra.latency), self._intra(nb, lb, "in", 0.0)]
         ka, kb = la * self.nics_per_node // dpn, lb * self.nics_per_node // dpn
-        return [self._nic(na, ka, "out", self.inter.latency), self._nic(nb, kb, "in", 0.0)]
+        return [self._nic(na, ka, "out", self.inter.latency), *self._uplinks(na, ka, nb, kb),
+                self._nic(nb, kb, "in", 0.0)]
 
     def links(self) -> list[Link]:
         """Every link of the cluster (for engines that create links up front)."""
@@ -203,7 +256,24 @@ class Cluster:
                 out += [self._intra(n, i, "out", self.intra.latency), self._intra(n, i, "in", 0.0)]
             for k in range(self.nics_per_node):
                 out += [self._nic(n, k, "out", self.inter.latency), self._nic(n, k, "in", 0.0)]
-        return out
+        groups = -(-self.nodes // self.nodes_per_leaf)
+        if self.fabric != "flat" and (groups > 1 or self.fabric == "rail"):
+            for g in range(groups):
+                lead = g * self.nodes_per_leaf
+                other = 0 if g else min(self.nodes - 1, self.nodes_per_leaf)   # a node of another leaf
+                if self.fabric == "fat-tree":
+                    out += self._uplinks(lead, 0, other, 0) + self._uplinks(other, 0, lead, 0)
+                else:
+                    for k in range(self.nics_per_node):
+                        k2 = (k + 1) % self.nics_per_node
+                        out += [ln for ln in self._uplinks(lead, k, lead, k2) + self._uplinks(lead, k2, lead, k)
+                                if ln.name.startswith(f"g{g}.rail{k}.")]
+        seen, uniq = set(), []
+        for ln in out:
+            if ln.name not in seen:
+                seen.add(ln.name)
+                uniq.append(ln)
+        return uniq
 
     # ------------------------------------------------------------------ I/O
     def to_dict(self) -> dict:
@@ -212,16 +282,39 @@ class Cluster:
              "intra": self.intra.to_dict(), "inter": self.inter.to_dict(), "nics_per_node": self.nics_per_node}
         if self.collective is not None:
             d["collective"] = self.collective.to_dict()
+        if self.fabric != "flat":
+            d.update(fabric=self.fabric, oversubscription=self.oversubscription, nodes_per_leaf=self.nodes_per_leaf)
         return d
 
     def describe(self) -> str:
+        per = self.nodes_per_leaf
+        fab = "" if self.fabric == "flat" else (
+            f", {self.fabric}" + (f" {per}/leaf" if per != DEFAULT_NODES_PER_LEAF else "")
+            + (f" {self.oversubscription:g}:1" if self.oversubscription != 1 else ""))
         return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {self.device.name}, "
                 f"intra {self.intra.kind} {self.intra.bandwidth / 1e9:g} GB/s, "
-                f"inter {self.inter.kind} {self.inter.bandwidth * 8 / 1e9:g} Gb/s x {self.nics_per_node} NIC(s)/node")
+                f"inter {self.inter.kind} {self.inter.bandwidth * 8 / 1e9:g} Gb/s x {self.nics_per_node} NIC(s)/node"
+                + fab)
+
+
+def with_nodes(cluster: Cluster, nodes) -> Cluster:
+    """``cluster`` with ``nodes`` nodes of its kind (named ``<name>:<nodes>``)."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise SpecError(f"cluster {cluster.name!r}: the node count must be a whole number >= 1; got {nodes!r}")
+    base = cluster.name.rsplit(":", 1)[0]
+    return replace(cluster, nodes=nodes, name=f"{base}:{nodes}", device_map=None)
+
+
+def with_fabric(cluster: Cluster, fabric: str | None = None, oversubscription: float | None = None,
+                nodes_per_leaf: int | None = None) -> Cluster:
+    """``cluster`` with another inter-node fabric (None keeps a field; checked by :class:`Cluster`)."""
+    kw = {k: v for k, v in (("fabric", fabric), ("oversubscription", oversubscription),
+                            ("nodes_per_leaf", nodes_per_leaf)) if v is not None}
+    return replace(cluster, **kw) if kw else cluster
 
 
 _FIELDS = ("name", "description", "nodes", "devices_per_node", "device", "intra", "inter", "nics_per_node",
-           "collective")
+           "collective", "fabric", "oversubscription", "nodes_per_leaf")
 
 
 def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
@@ -250,18 +343,40 @@ def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
     desc = d.get("description", "")
     if not isinstance(name, str) or not isinstance(desc, str):
         raise SpecError(f"{source}: fields 'name' and 'description' must be strings")
+    fabric = d.get("fabric", "flat")
+    if fabric not in FABRICS:
+        raise SpecError(f"{source}: field 'fabric' must be one of {', '.join(FABRICS)}; got {fabric!r}")
+    over = _spec.number(d.get("oversubscription", 1.0), source, "oversubscription")
+    if not 1.0 <= over < float("inf"):
+        raise SpecError(f"{source}: field 'oversubscription' must be a finite number >= 1; got {over!r}")
+    per = _spec.integer(d.get("nodes_per_leaf", DEFAULT_NODES_PER_LEAF), source, "nodes_per_leaf")
     return Cluster(name=name, nodes=nodes, devices_per_node=dpn, device=device, intra=intra, inter=inter,
-                   nics_per_node=nics, collective=coll, description=desc)
+                   nics_per_node=nics, collective=coll, description=desc, fabric=fabric, oversubscription=over,
+                   nodes_per_leaf=per)
 
 
 def cluster_presets() -> list[str]:
     return _spec.presets("clusters")
 
 
+def split_size(name_or_path: str | Path) -> tuple[str | Path, int | None]:
+    """``"NAME:NODES"`` -> (NAME, NODES); anything else -> (it, None). A bad count is a SpecError."""
+    if not isinstance(name_or_path, str) or ":" not in name_or_path or Path(name_or_path).exists():
+        return name_or_path, None
+    base, count = name_or_path.rsplit(":", 1)
+    if not count.strip().isdigit() or int(count) < 1:
+        raise SpecError(f"cluster {name_or_path!r}: the node count after ':' must be a whole number >= 1; "
+                        f"got {count!r} (e.g. dgx-h100-ib:128)")
+    return base, int(count)
+
+
 def load_cluster(name_or_path: str | Path) -> Cluster:
-    """A preset name (see :func:`cluster_presets`) or a path to a YAML file."""
-    data, source = _spec.read_yaml(name_or_path, "clusters", "cluster")
-    return cluster_from_dict(data, source)
+    """A preset name (see :func:`cluster_presets`) or a path to a YAML file, optionally sized as
+    ``NAME:NODES`` (e.g. ``dgx-h100-ib:128``)."""
+    base, nodes = split_size(name_or_path)
+    data, source = _spec.read_yaml(base, "clusters", "cluster")
+    c = cluster_from_dict(data, source)
+    return c if nodes is None else with_nodes(c, nodes)
 
 
 # ---------------------------------------------------------------------- rank -> device mappings

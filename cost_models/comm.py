@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Sequence
 
+from schedules.ir import SEND
+
 from .cluster import Cluster
 from .network import Link, Network
 
@@ -132,14 +134,15 @@ def allreduce_time(network: Network, ranks: Sequence[int], nbytes: float) -> flo
     return ring_allreduce_time(nbytes, n, bw, lat)
 
 
-def _ring_steps(rings: list[list[int]], chunk: float, steps: int) -> list[list[Transfer]]:
-    return [[(ring[i], ring[(i + 1) % len(ring)], chunk) for ring in rings for i in range(len(ring))]
-            for _ in range(steps)]
+def _ring_step(rings: list[list[int]], chunk: float) -> list[Transfer]:
+    return [(ring[i], ring[(i + 1) % len(ring)], chunk) for ring in rings for i in range(len(ring))]
 
 
-def allreduce_steps(network: Network, ranks: Sequence[int], nbytes: float) -> list[list[Transfer]]:
-    """The all-reduce of :func:`allreduce_time` as steps; every transfer ``(src, dst, bytes)`` of a
-    step starts together and the next step starts when all of them have arrived."""
+def allreduce_phases(network: Network, ranks: Sequence[int], nbytes: float) -> list[tuple[int, list[Transfer]]]:
+    """The all-reduce of :func:`allreduce_time` as phases ``(repeat, transfers)``: a phase is one
+    step of concurrent transfers ``(src, dst, bytes)`` run ``repeat`` times in a row (a ring's
+    steps all move the same chunks between the same neighbours), so a group of n ranks costs O(n)
+    to describe, not O(n^2). :func:`allreduce_steps` spells the steps out."""
     ranks = sorted(set(ranks))
     n = len(ranks)
     kind = allreduce_kind(network, ranks)
@@ -148,10 +151,16 @@ def allreduce_steps(network: Network, ranks: Sequence[int], nbytes: float) -> li
     if kind == "hierarchical":
         groups = _node_groups(network, ranks)  # type: ignore[arg-type]
         m, k = len(groups), len(groups[0])
-        inside = _ring_steps(groups, nbytes / k, k - 1) if k > 1 else []
-        across = _ring_steps([[g[j] for g in groups] for j in range(k)], nbytes / (k * m), 2 * (m - 1))
-        return inside + across + [list(s) for s in inside]
-    return _ring_steps([_ring_order(network, ranks)], nbytes / n, 2 * (n - 1))
+        inside = [(k - 1, _ring_step(groups, nbytes / k))] if k > 1 else []
+        across = [(2 * (m - 1), _ring_step([[g[j] for g in groups] for j in range(k)], nbytes / (k * m)))]
+        return inside + across + [(r, list(t)) for r, t in inside]
+    return [(2 * (n - 1), _ring_step([_ring_order(network, ranks)], nbytes / n))]
+
+
+def allreduce_steps(network: Network, ranks: Sequence[int], nbytes: float) -> list[list[Transfer]]:
+    """The all-reduce of :func:`allreduce_time` as steps; every transfer ``(src, dst, bytes)`` of a
+    step starts together and the next step starts when all of them have arrived."""
+    return [list(t) for r, t in allreduce_phases(network, ranks, nbytes) for _ in range(r)]
 
 
 def step_time(network: Network, transfers: Sequence[Transfer]) -> float:
@@ -169,3 +178,17 @@ def step_time(network: Network, transfers: Sequence[Transfer]) -> float:
 
 def steps_time(network: Network, steps: Sequence[Sequence[Transfer]]) -> float:
     return sum(step_time(network, s) for s in steps)
+
+
+def links_used(sched, network: Network) -> set[str]:
+    """Names of the links a lowered schedule's messages and all-reduces cross on ``network`` (the
+    same paths and all-reduce phases the simulator uses). Replicas run their device's program, so
+    the device programs' pairs, shifted per replica, are every rank's."""
+    D = sched.num_devices
+    dev_pairs = {(d, op.peer) for d in range(D) for op in sched.programs[d] if op.kind == SEND}
+    pairs = {(a + i * D, b + i * D) for i in range(sched.replicas) for a, b in dev_pairs}
+    for s in range(sched.num_stages):
+        group = sched.stage_group(s)
+        if len(group) > 1:
+            pairs |= {(a, b) for _, transfers in allreduce_phases(network, group, 1.0) for a, b, _ in transfers}
+    return {ln.name for a, b in pairs for ln in network.path(a, b)}

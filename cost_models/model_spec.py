@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ._spec import SpecError, presets, read_yaml
+from .stack import is_model_ref, model_ref_help
 
 KINDS = ("gpt", "bert")
 
@@ -77,6 +78,9 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> ModelSpec:
 
 
 def load_model(name_or_path: str | Path) -> ModelSpec:
-    """A preset name (see :func:`model_presets`) or a path to a YAML file."""
+    """A preset name (see :func:`model_presets`) or a path to a YAML file. (A Python model file,
+    ``PATH.py:FUNC``, has no spec: its costs come from a calibration profile.)"""
+    if is_model_ref(str(name_or_path)):
+        raise SpecError(model_ref_help(str(name_or_path)))
     data, source = read_yaml(name_or_path, "models", "model")
     return spec_from_dict(data, source)

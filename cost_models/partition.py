@@ -11,6 +11,12 @@ A partition is a list of counts, one per stage, of consecutive layers. Rules:
   (:func:`default_partition`, :func:`blocks_from_layers` converts).
 - **weighted** (:func:`balanced_edges`): cut where the cumulative weight (time, parameters)
   crosses k/S of the total.
+- **min-max** (:func:`balanced_counts`): the contiguous split whose heaviest stage is as light as
+  possible (exact), every stage with at least one layer. A user's layer stack (``--model
+  PATH.py:FUNC``) is split this way by default over its parameter counts
+  (:func:`stack_partition`), or over its measured times (forward + backward from a calibration
+  profile); the executor and the cost models both call :func:`stack_partition`, so a simulation
+  and a run of the same model split it the same way.
 """
 from __future__ import annotations
 
@@ -146,3 +152,82 @@ def balanced_edges(weights: Sequence[float], parts: int) -> list[int]:
         edges.append(i)
     edges.append(n)
     return edges
+
+
+def balanced_counts(weights: Sequence[float], parts: int) -> list[int]:
+    """Layer counts of the contiguous split of ``weights`` into ``parts`` stages (each at least one
+    layer) whose heaviest stage is lightest: the exact optimum, the smallest feasible bottleneck
+    among the sums of contiguous runs (binary search, a greedy feasibility check). Among the splits
+    with that bottleneck, the one whose stage weights have the smallest sum of squares (the others
+    as even as they can be; a dynamic programme, first cut on ties), or, for stacks too long for it
+    (layers^2 x stages > 4e6), the greedy one (each stage takes as many layers as fit)."""
+    n = len(weights)
+    if parts < 1:
+        raise ValueError(f"need at least one stage; got {parts}")
+    if n < parts:
+        raise ValueError(f"cannot split {n} layers into {parts} stages; use fewer devices/chunks or a deeper model")
+    w = [float(x) for x in weights]
+    if any(x < 0 or x != x or x == float("inf") for x in w):
+        raise ValueError(f"layer weights must be finite and >= 0; got {weights!r}")
+
+    prefix = [0.0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+
+    def split(limit: float) -> list[int] | None:
+        # run sums as differences of the prefix sums: the same arithmetic as the candidates
+        counts, start = [], 0
+        for i in range(n):
+            if prefix[i + 1] - prefix[i] > limit:
+                return None
+            opened = len(counts)
+            must_open = opened < parts and n - i == parts - opened   # each stage left needs a layer
+            if not counts or must_open or prefix[i + 1] - prefix[start] > limit:
+                if opened == parts:
+                    return None
+                counts.append(0)
+                start = i
+            counts[-1] += 1
+        return counts if len(counts) == parts else None
+
+    candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if split(candidates[mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    limit = candidates[lo]
+    if n * n * parts > 4_000_000:
+        out = split(limit)
+        assert out is not None   # the whole sum is always feasible
+        return out
+    inf = float("inf")
+    # cost[k][i]: least sum of squares of the first i layers in k stages, each within the limit
+    cost = [[inf] * (n + 1) for _ in range(parts + 1)]
+    back = [[0] * (n + 1) for _ in range(parts + 1)]
+    cost[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                run = prefix[i] - prefix[j]
+                if run > limit or cost[k - 1][j] == inf:
+                    continue
+                c = cost[k - 1][j] + run * run
+                if c < cost[k][i]:
+                    cost[k][i], back[k][i] = c, j
+    out, i = [], n
+    for k in range(parts, 0, -1):
+        j = back[k][i]
+        out.append(i - j)
+        i = j
+    return out[::-1]
+
+
+def stack_partition(params: Sequence[float], num_stages: int, counts: Sequence[int] | None = None) -> list[int]:
+    """Layers per stage of a user's layer stack: the given ``counts`` (validated) or the min-max
+    split of the layers' parameter counts (:func:`balanced_counts`)."""
+    if counts is not None:
+        return check_counts(counts, len(params), num_stages)
+    return balanced_counts(params, num_stages)

@@ -24,6 +24,8 @@ def input_backward(out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor | None
 
 
 def weight_backward(out: torch.Tensor, params: list[torch.Tensor], grad: torch.Tensor | None) -> None:
+    if not params:      # a stage of parameter-free layers (a user's activation or pooling layers)
+        return
     grads = torch.autograd.grad(out, params, grad, allow_unused=True)
     for p, g in zip(params, grads):
         if g is not None:

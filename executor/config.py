@@ -7,14 +7,20 @@ layer, :mod:`experiments.plan_files`.)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
 from cost_models.partition import block_ranges
+from cost_models.stack import is_model_ref
 from schedules import Schedule, build, lower, validate
+from schedules.registry import check_size
+
+from .device import check_device
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -24,11 +30,14 @@ class RunConfig:
     """One training run. ``replicas`` R copies the whole pipeline (ranks r*D + d); each step
     trains on R*N micro-batches of ``spec.micro_batch`` sequences; the loss is their mean.
 
-    ``model`` is a preset name, a YAML path or a ModelSpec; ``micro_batch`` overrides the spec's
-    sequences per micro-batch; ``partition`` gives the transformer blocks of each of the schedule's
-    stages per model copy (embedding in stage 0, head in the last; default: the even split of
-    :func:`cost_models.partition.block_ranges`). The reference uses the same spec and G = R * N, so its
-    global batch is the run's."""
+    ``model`` is a preset name, a YAML path or a ModelSpec of the built-in GPT, or a model file
+    ``PATH.py:FUNC`` / ``package.module:FUNC`` (a layer stack: :mod:`executor.user_model`);
+    ``micro_batch`` overrides the spec's sequences per micro-batch (a model file's samples per
+    micro-batch; default :data:`executor.user_model.DEFAULT_MICRO_BATCH`); ``partition`` gives, per
+    stage of a model copy, the GPT's transformer blocks (embedding in stage 0, head in the last;
+    default: the even split of :func:`cost_models.partition.block_ranges`) or a model file's layers
+    (default: :func:`cost_models.partition.stack_partition`). The reference uses the same model and
+    G = R * N, so its global batch is the run's."""
 
     schedule: str = "dapple"
     devices: int = 2
@@ -36,7 +45,7 @@ class RunConfig:
     chunks: int = 2                 # chunks per device for schedules that take it (interleaved)
     variant: str | None = None      # the schedule family's variant (None: its default)
     replicas: int = 1
-    model: str | ModelSpec = "tiny"  # preset name, YAML path or ModelSpec
+    model: str | ModelSpec = "tiny"  # preset name, YAML path, ModelSpec, or a model file PATH.py:FUNC
     steps: int = 3
     seed: int = 0
     lr: float = 1e-3
@@ -48,9 +57,9 @@ class RunConfig:
     recv_lookahead: int | None = None  # receives posted ahead per peer (None = all at step start)
     measure_memory: bool = True     # saved-tensor hooks on the CPU (allocator counters on CUDA)
     collect_params: bool = False    # return the final parameters (tests)
-    fault: str | None = None        # fault injection for tests: "RANK:TOKEN[:STEP]" raises there
+    fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (see parse_fault)
     micro_batch: int | None = None  # sequences per micro-batch (None: the spec's micro_batch)
-    partition: tuple[int, ...] | None = None  # blocks per stage of a model copy (None: even split)
+    partition: tuple[int, ...] | None = None  # blocks (GPT) or layers (model file) per stage of a model copy
     probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
                                     # and after the steps on every rank at once (0: off); see worker
     pin_cores: bool = False         # pin each rank to a core of its own where the host has one per rank
@@ -62,8 +71,12 @@ class RunConfig:
         for name in ("devices", "microbatches", "replicas", "steps", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive; got {self.timeout}")
+        for name in ("timeout", "lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a finite number > 0; got {v!r}")
+        if self.fault is not None:
+            parse_fault(self.fault)
         if self.recv_lookahead is not None and self.recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1 or None; got {self.recv_lookahead}")
         if self.micro_batch is not None and (isinstance(self.micro_batch, bool) or int(self.micro_batch) < 1
@@ -80,9 +93,28 @@ class RunConfig:
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)
 
+    @property
+    def is_model_file(self) -> bool:
+        """The model is a user's layer stack (``PATH.py:FUNC``), not the built-in GPT."""
+        return is_model_ref(self.model)
+
     def spec(self) -> ModelSpec:
         spec = self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
         return spec if self.micro_batch is None else spec.replace(micro_batch=int(self.micro_batch))
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        """Sequences (GPT) or samples (model file) per micro-batch."""
+        if self.is_model_file:
+            from .user_model import DEFAULT_MICRO_BATCH
+            return int(self.micro_batch or DEFAULT_MICRO_BATCH)
+        return self.spec().micro_batch
+
+    def stack_layout(self, num_stages: int):
+        """A model file's checked layout over ``num_stages`` stages (:func:`executor.user_model.stack_layout`)."""
+        from .user_model import stack_layout
+        return stack_layout(str(self.model), num_stages, micro_batch=self.samples_per_microbatch, seed=self.seed,
+                            partition=self.partition)
 
     @property
     def model_name(self) -> str:
@@ -93,11 +125,71 @@ class RunConfig:
         return self.replicas * self.microbatches
 
 
+class FaultError(ValueError):
+    """A fault to inject that is malformed or would never fire."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault: ``rank`` raises when it reaches the op printed as ``token`` (e.g. ``F3.s1``,
+    ``RA2.s1<0``; :func:`schedules.parse_op` reads them), in step ``step`` (None: the first time)."""
+
+    rank: int
+    token: str
+    step: int | None = None
+
+
+def parse_fault(text: str) -> Fault:
+    """``"RANK:TOKEN[:STEP]"`` -> :class:`Fault` (syntax only; :func:`check_fault` checks it against a run)."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) not in (2, 3) or not parts[1]:
+            raise ValueError
+        rank, step = int(parts[0]), (int(parts[2]) if len(parts) == 3 else None)
+    except ValueError:
+        raise FaultError(f"a fault is RANK:TOKEN[:STEP], e.g. 1:F2.s1 or 0:B0.s0:1; got {text!r}") from None
+    if rank < 0 or (step is not None and step < 0):
+        raise FaultError(f"a fault's rank and step must be >= 0; got {text!r}")
+    return Fault(rank, parts[1], step)
+
+
+def check_fault(config: RunConfig, low: Schedule) -> Fault | None:
+    """The config's fault, checked: its rank exists, its token is an op of that rank's program and
+    its step is one the run takes (so an injected fault cannot silently never fire)."""
+    if config.fault is None:
+        return None
+    f = parse_fault(config.fault)
+    if f.rank >= low.num_ranks:
+        raise FaultError(f"fault {config.fault!r}: the run has ranks 0..{low.num_ranks - 1}")
+    tokens = [str(op) for op in low.program(f.rank)]
+    if f.token not in tokens:
+        raise FaultError(f"fault {config.fault!r}: rank {f.rank} runs no op {f.token!r}; its program is "
+                         f"{' '.join(tokens[:8])}{' ...' if len(tokens) > 8 else ''}")
+    if f.step is not None and f.step >= config.steps:
+        raise FaultError(f"fault {config.fault!r}: the run has steps 0..{config.steps - 1}")
+    return f
+
+
 def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, check: bool = True) -> Schedule:
     """The lowered schedule a config runs (``schedule`` overrides the named one), validated
     (``check=False`` skips the symbolic run: only for tests that run broken programs), after
-    checking that the model can be split into its stages."""
+    the cheap checks (sizes, the model's kind and depth, the device, the data file) and before
+    the fault's (its token must be in its rank's program). A model file is imported, built and run
+    on one micro-batch here (:func:`executor.user_model.stack_layout`): its errors come out before
+    any rank starts."""
+    stack = config.is_model_file
+    spec = None if stack else config.spec()
+    if spec is not None and spec.kind != "gpt":
+        raise ValueError(f"the executor trains GPT decoders; model {spec.name!r} is of kind {spec.kind!r}")
+    check_device(config.device)
+    if stack and config.data is not None:
+        raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
+    if config.data is not None:
+        check_input(config.data, "data file", min_bytes=spec.seq_len + 2)
     if schedule is None:
+        check_size(config.devices, config.microbatches, config.replicas, config.chunks)
+        if spec is not None and config.partition is None and spec.layers < config.devices:
+            block_ranges(spec.layers, config.devices)   # every schedule has >= D stages: its error, before building
         kw = {} if config.variant is None else {"variant": config.variant}
         sched = build(config.schedule, config.devices, config.microbatches, chunks=config.chunks, **kw)
         low = lower(sched, replicas=config.replicas, eager=config.eager_allreduce)
@@ -109,12 +201,13 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
             raise ValueError(f"schedule {low.name} runs {low.replicas} x {low.num_microbatches} micro-batches per "
                              f"step but the config says replicas={config.replicas} x microbatches="
                              f"{config.microbatches}; they must agree (the reference trains on the config's)")
+    if stack:
+        config.stack_layout(low.num_stages)     # imports, builds and checks the model: user errors here
+    else:
+        block_ranges(spec.layers, low.num_stages, config.partition)
     if check:
         validate(low)
-    spec = config.spec()
-    if spec.kind != "gpt":
-        raise ValueError(f"the executor trains GPT decoders; model {spec.name!r} is of kind {spec.kind!r}")
-    block_ranges(spec.layers, low.num_stages, config.partition)
+    check_fault(config, low)
     return low
 
 
@@ -139,14 +232,14 @@ class RunResult:
     def throughput(self) -> float:
         """Sequences per second over the steps after the first (all steps if only one)."""
         times = self.iteration_times[1:] or self.iteration_times
-        seqs = self.config.global_microbatches * self.config.spec().micro_batch
+        seqs = self.config.global_microbatches * self.config.samples_per_microbatch
         return seqs * len(times) / sum(times) if sum(times) > 0 else float("nan")
 
     def to_dict(self) -> dict:
         c = self.config
         return {"engine": self.engine, "schedule": c.schedule, "variant": c.variant, "devices": c.devices,
                 "microbatches": c.microbatches, "replicas": c.replicas, "model": c.model_name,
-                "micro_batch": c.spec().micro_batch,
+                "micro_batch": c.samples_per_microbatch,
                 "partition": list(c.partition) if c.partition is not None else None,
                 "steps": c.steps, "optimizer": c.optimizer, "lr": c.lr, "seed": c.seed,
                 "losses": self.losses, "iteration_times": self.iteration_times,

@@ -17,14 +17,14 @@ Two sources:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from cost_models.files import read_bytes
 from cost_models.model_spec import ModelSpec
 
 
-def _mix(*xs: int) -> int:
+def mix_seed(*xs: int) -> int:
+    """A 63-bit seed from integers (seed, step, micro-batch, ...): the one rule the data sources use."""
     h = 0x243F6A8885A308D3
     for x in xs:
         h = (h * 0x100000001B3 ^ (x & 0xFFFFFFFFFFFF)) % (2 ** 63)
@@ -39,15 +39,10 @@ class TokenSource:
         self.seed = seed
         self.text: torch.Tensor | None = None
         if text_file:
-            path = Path(text_file)
-            if not path.is_file():
-                raise FileNotFoundError(f"data file {path} does not exist")
-            raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).to(torch.int64)
-            if raw.numel() < spec.seq_len + 2:
-                raise ValueError(f"data file {path} has {raw.numel()} bytes; it needs at least "
-                                 f"{spec.seq_len + 2} (seq_len + 2)")
+            data = read_bytes(text_file, "data file", min_bytes=spec.seq_len + 2)
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
             self.text = raw % spec.vocab
-        g = torch.Generator().manual_seed(_mix(seed, 17))
+        g = torch.Generator().manual_seed(mix_seed(seed, 17))
         V = spec.vocab
         self._a = int(torch.randint(1, V, (1,), generator=g)) | 1
         self._c = int(torch.randint(0, V, (1,), generator=g))
@@ -59,7 +54,7 @@ class TokenSource:
 
     def _synthetic(self, step: int, index: int) -> torch.Tensor:
         b, s, V = self.spec.micro_batch, self.spec.seq_len, self.spec.vocab
-        g = torch.Generator().manual_seed(_mix(self.seed, step, index))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, step, index))
         first = torch.randint(0, V, (b,), generator=g)
         noise = torch.randint(0, V, (b, s + 1), generator=g)
         keep = torch.rand((b, s + 1), generator=g) >= 0.1

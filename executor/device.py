@@ -52,17 +52,23 @@ class DeviceContext:
         return AllocatorMeter(self.device) if self.is_cuda else SavedTensorMeter(params)
 
 
-def select_device(kind: str = "auto", local_rank: int | None = None) -> DeviceContext:
-    """The device and process-group backend for this rank (see the module docstring)."""
+def check_device(kind: str) -> None:
+    """Refuse a device choice this machine cannot honour (before any process starts)."""
     if kind not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda; got {kind!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available on this machine "
+                         "(use --device cpu or auto)")
+
+
+def select_device(kind: str = "auto", local_rank: int | None = None) -> DeviceContext:
+    """The device and process-group backend for this rank (see the module docstring)."""
+    check_device(kind)
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     want_cuda = kind == "cuda" or (kind == "auto" and "LOCAL_RANK" in os.environ and torch.cuda.is_available())
     if not want_cuda:
         return DeviceContext(torch.device("cpu"), "gloo")
-    if not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but CUDA is not available on this machine")
     count = torch.cuda.device_count()
     dev = torch.device("cuda", local_rank % count)
     torch.cuda.set_device(dev)
@@ -112,7 +118,9 @@ class SavedTensorMeter:
                     self.peak = self.live
             else:
                 ref[0] += 1
-        return _Saved(t, self, key)
+        # detached: a saved output (ReLU, sigmoid, ...) must not hold its own grad_fn, which holds this
+        # object (a reference cycle that keeps the graph alive until the garbage collector runs)
+        return _Saved(t.detach(), self, key)
 
     @staticmethod
     def _unpack(x):

@@ -8,16 +8,21 @@ come out as ValueError before anything starts), then:
   :mod:`executor.device`); rank 0 returns the result, the other ranks return None. On a cluster::
 
       torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
-          -m experiments run --schedule bitpipe --devices 8 --microbatches 16 --dp 2 \\
+          --no-python pipetwin run --schedule bitpipe --devices 8 --microbatches 16 --dp 2 \\
           --model gpt3-1.3b --steps 20 --trace run.csv
 
   (D x R = 16 processes; every node runs the same command.)
-- otherwise: spawns D x R worker processes (``python -m executor.launch``) on 127.0.0.1 with a
-  free port and env:// rendezvous, i.e. the very code path torchrun uses, and watches them. A
-  worker that raises writes its traceback; the launcher then stops all workers at once (SIGTERM,
-  then SIGKILL) and raises :class:`LaunchError` with the first failure's traceback (the root
-  cause; the failures it caused in other ranks are listed after it). A worker blocked on a
-  message that never comes fails on its receive timeout with rank, op and peer. Nothing hangs.
+- otherwise: checks that the ranks fit in this host's memory (:func:`check_host_memory`), then
+  spawns D x R worker processes on 127.0.0.1 with a free port and env:// rendezvous, i.e. the very
+  code path torchrun uses, and watches them. Workers import pipetwin's own code whatever the
+  working directory holds (a folder with its own ``executor/`` or ``schedules/`` package cannot
+  shadow it: the cwd is taken off ``sys.path``, see :data:`WORKER_BOOT`). A worker that raises
+  writes its traceback; a worker killed from outside (``kill -9``, the kernel's out-of-memory
+  killer) is named with its signal; either way the launcher then stops all workers at once
+  (SIGTERM, then SIGKILL) and raises :class:`LaunchError` naming the root cause first (the
+  failures it caused in other ranks are listed after it). A worker blocked on a message that
+  never comes fails on its receive timeout with rank, op and peer. Nothing hangs. Rank 0 reports
+  each finished step; on a terminal the launcher shows it as a progress bar on stderr.
 
 :func:`launch` is the generic part (any ``module:function`` target on every rank);
 :func:`run_many` runs several jobs with the same world size on one set of processes.
@@ -44,6 +49,11 @@ from .worker import Job, local_env
 
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
 _REPO = str(Path(__file__).resolve().parent.parent)
+# a worker's first code: the working directory ('' or '.') off sys.path, pipetwin's folder first
+WORKER_BOOT = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+               f"sys.path.insert(0, {_REPO!r}); "
+               "from executor.launch import _worker_main; _worker_main()")
+PROCESS_BYTES = 350 * 2 ** 20   # what one rank process costs before the model (python + torch + gloo)
 
 
 class LaunchError(RuntimeError):
@@ -78,7 +88,50 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
     if any(j.config.device == "auto" for j in planned):
         planned = [Job(j.config.with_(device="cpu") if j.config.device == "auto" else j.config, j.schedule)
                    for j in planned]
+    check_host_memory(planned, world)
     return launch("executor.worker:run_jobs", planned, world)
+
+
+def estimated_host_bytes(job: Job) -> float:
+    """Host memory a spawned CPU job needs at least: every rank's process, weights + gradients +
+    Adam state (16 B per fp32 parameter, per model copy and replica) and the activations of
+    min(N, D) micro-batches in flight per pipeline (1F1B's; GPipe keeps more)."""
+    from cost_models.transformer import block_activation_bytes, model_params
+    cfg, low = job.config, job.schedule
+    if job.layout is not None:      # a model file's layer stack (executor.user_model)
+        return low.num_ranks * PROCESS_BYTES + job.layout.host_bytes(low)
+    spec = cfg.spec()
+    fp32 = 4 / spec.dtype_bytes
+    static = 16.0 * model_params(spec) * low.num_copies * low.replicas
+    inflight = min(low.num_microbatches, low.num_devices) * low.replicas
+    acts = inflight * spec.layers * block_activation_bytes(spec) * fp32
+    return low.num_ranks * PROCESS_BYTES + static + acts
+
+
+def available_host_bytes() -> float | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(jobs: Sequence[Job], world: int) -> None:
+    """Refuse (ValueError) CPU jobs whose ranks cannot fit in this host's available memory, before
+    spawning them (an allocation failure or the OOM killer later would waste the start-up)."""
+    cpu = [j for j in jobs if j.config.device != "cuda"]
+    avail = available_host_bytes()
+    if not cpu or avail is None:
+        return
+    need = max(estimated_host_bytes(j) for j in cpu)
+    if need > avail:
+        gib = 2 ** 30
+        raise ValueError(f"{world} ranks of model {cpu[0].config.model_name} need at least {need / gib:.1f} GiB of "
+                         f"memory on this host but {avail / gib:.1f} GiB is available; use fewer ranks (-D/--dp), "
+                         f"micro-batches or a smaller --model")
 
 
 def _in_place(target: str, payload):
@@ -102,7 +155,7 @@ def launch(target: str, payload: Any, world: int) -> Any:
                            PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
                 env[_WORKDIR_ENV] = tmp
                 log = open(work / f"log.{rank}", "wb")
-                procs.append(subprocess.Popen([sys.executable, "-m", "executor.launch"], env=env, stdout=log,
+                procs.append(subprocess.Popen([sys.executable, "-c", WORKER_BOOT], env=env, stdout=log,
                                               stderr=subprocess.STDOUT, cwd=os.getcwd()))
                 log.close()
             _watch(procs, work)
@@ -112,14 +165,50 @@ def launch(target: str, payload: Any, world: int) -> Any:
 
 
 def _watch(procs: list[subprocess.Popen], work: Path) -> None:
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
+    bar = _Progress(work / "progress")
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes):
+                return
+            if any(c not in (None, 0) for c in codes):
+                time.sleep(0.1)   # let the other deaths of the same cause land before judging
+                died = {r: p.poll() for r, p in enumerate(procs) if p.poll() not in (None, 0)}
+                _stop(procs)
+                raise LaunchError(_failure_report(procs, work, died))
+            bar.update()
+            time.sleep(0.02)
+    finally:
+        bar.close()
+
+
+class _Progress:
+    """Rank 0's progress file (``done total what``, see :func:`executor.worker.report_progress`)
+    as a tqdm bar on stderr when stderr is a terminal."""
+
+    def __init__(self, path: Path):
+        self.path, self.bar, self.seen = path, None, ""
+        self.enabled = sys.stderr.isatty()
+
+    def update(self) -> None:
+        if not self.enabled:
             return
-        if any(c not in (None, 0) for c in codes):
-            _stop(procs)
-            raise LaunchError(_failure_report(procs, work))
-        time.sleep(0.02)
+        try:
+            text = self.path.read_text()
+        except OSError:
+            return
+        if text == self.seen or text.count(" ") < 2:
+            return
+        self.seen = text
+        done, total, what = text.split(" ", 2)
+        if self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=int(total), desc=what.strip(), unit="step", leave=False, file=sys.stderr)
+        self.bar.update(int(done) - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -135,7 +224,18 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _failure_report(procs: list[subprocess.Popen], work: Path) -> str:
+def _signal_name(code: int) -> str:
+    try:
+        return f"{signal.Signals(-code).name} ({-code})"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _failure_report(procs: list[subprocess.Popen], work: Path, died: dict[int, int] | None = None) -> str:
+    """What went wrong, root cause first: ranks killed by a signal before the launcher stopped
+    anything (``died``: rank -> exit code when the failure was seen), then the first Python error."""
+    died = died or {}
+    killed = [(r, c) for r, c in sorted(died.items()) if c < 0]
     errors = []
     for rank in range(len(procs)):
         f = work / f"error.{rank}"
@@ -153,10 +253,16 @@ def _failure_report(procs: list[subprocess.Popen], work: Path) -> str:
         for _, r, t in errors[1:]:
             lines.append(f"(then rank {r} failed: {t.strip().splitlines()[-1]})")
     for rank, p in enumerate(procs):
-        if any(r == rank for _, r, _ in errors) or p.returncode in (0, None, -signal.SIGTERM, -signal.SIGKILL):
+        code = died.get(rank, p.returncode)
+        if any(r == rank for _, r, _ in errors) or code in (0, None) or code < 0:
             continue
         tail = (work / f"log.{rank}").read_text(errors="replace")[-2000:]
-        lines.insert(0, f"rank {rank} exited with code {p.returncode} without a Python error; its output:\n{tail}")
+        lines.insert(0, f"rank {rank} exited with code {code} without a Python error; its output:\n{tail}")
+    if killed:
+        head = "; ".join(f"rank {r} was killed by {_signal_name(c)}" for r, c in killed)
+        why = (" from outside the run (kill -9, or the kernel's out-of-memory killer: see dmesg)"
+               if any(-c == signal.SIGKILL for _, c in killed) else " from outside the run")
+        lines.insert(0, head + why + ("; the errors below followed from it" if lines else ""))
     return "\n".join(lines) if lines else "a rank exited abnormally"
 
 

@@ -1,9 +1,10 @@
 """The single-process reference: the same model, batches, loss and optimizer, no pipeline.
 
 One process holds the whole GPT (:func:`executor.model.full_model`, the same initial weights as
-every pipeline split) and, per step, runs forward and backward of each of the G = R * N global
-micro-batches in turn, each loss divided by G so the accumulated gradient is that of the mean
-loss of the global batch, then steps the optimizer. The executor must reproduce its losses and
+every pipeline split; or a model file's whole layer stack, :func:`executor.user_model.reference_model`)
+and, per step, runs forward and backward of each of the G = R * N global micro-batches in turn,
+each loss divided by G so the accumulated gradient is that of the mean loss of the global batch,
+then steps the optimizer. The executor must reproduce its losses and
 final parameters; its peak activation memory is that of one micro-batch through the whole model,
 measured with the same meter as the executor (so Ma = that / D).
 
@@ -27,13 +28,18 @@ from .model import full_model, make_optimizer
 
 def run_reference(config: RunConfig) -> RunResult:
     ctx = select_device("cpu" if config.device == "auto" else config.device)
-    spec = config.spec()
-    model = full_model(spec, seed=config.seed).to(ctx.device)
+    if config.is_model_file:    # a layer stack: all its layers as one stage (executor.user_model)
+        from .user_model import reference_model
+        model, data = reference_model(str(config.model), seed=config.seed, micro_batch=config.samples_per_microbatch)
+        model = model.to(ctx.device)
+    else:
+        spec = config.spec()
+        model = full_model(spec, seed=config.seed).to(ctx.device)
+        data = TokenSource(spec, config.seed, config.data)
     params = list(model.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer = make_optimizer(params, config.optimizer, config.lr)
-    data = TokenSource(spec, config.seed, config.data)
     meter = ctx.meter(params) if config.measure_memory else NullMeter()
     G = config.global_microbatches
     losses, times, peak, ma = [], [], 0, 0.0
@@ -58,5 +64,6 @@ def run_reference(config: RunConfig) -> RunResult:
         losses.append(float(loss_sum) / G)
         peak = max(peak, int(meter.peak))
     per_device = [{"device": 0, "peak_activation_bytes": peak, "peak_activation_ma": peak / ma if ma else None}]
-    params_out = {n: p.detach().cpu().clone() for n, p in model.named_parameters()} if config.collect_params else None
+    params_out = ({n: p.detach().cpu().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+                  if config.collect_params else None)
     return RunResult(config, losses, times, per_device, ma, "reference", params=params_out)

@@ -42,6 +42,7 @@ from schedules.ir import ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op
 from schedules.trace import TraceRow
 
 from .backward import full_backward, input_backward, weight_backward
+from .config import parse_fault
 from .data import TokenSource
 from .device import DeviceContext
 from .p2p import CommError, Mailbox, wait_work
@@ -82,12 +83,14 @@ class PipelineRuntime:
 
     ``modules`` maps (copy, stage) to the stage modules this rank holds (already on its device);
     ``stage_groups`` maps a stage to its all-reduce process group (stages whose group is this rank
-    alone are absent); ``clock0`` is this rank's ``perf_counter`` at the aligned start.
+    alone are absent); ``clock0`` is this rank's ``perf_counter`` at the aligned start. ``tied``
+    (a layer stack's parameters shared across stages, :class:`executor.user_model.TiedGradients`):
+    those are left out of the stages' all-reduces and summed over their ranks at OPTIM.
     """
 
     def __init__(self, sched: Schedule, rank: int, *, modules: dict, optimizer: torch.optim.Optimizer,
                  data: TokenSource, ctx: DeviceContext, meter, mailbox: Mailbox, stage_groups: dict,
-                 timeout: float, clock0: float, fault: str | None = None):
+                 timeout: float, clock0: float, fault: str | None = None, tied=None):
         self.sched, self.rank = sched, rank
         self.program = sched.program(rank)
         self.modules, self.optimizer, self.data = modules, optimizer, data
@@ -101,6 +104,8 @@ class PipelineRuntime:
             self.local_copies.setdefault(s, []).append(c)
         self.fwd_bytes: dict[int, int] = {}   # stage -> activation bytes one micro-batch's F kept
         self.fault = _parse_fault(fault, rank)
+        self.tied = tied
+        self._skip = tied.excluded if tied is not None else frozenset()
         self.step_index = 0
         self._state = _StepState()
         self._handlers = {F: self._forward, B: self._backward, W: self._weight, SEND: self._send,
@@ -220,12 +225,12 @@ class PipelineRuntime:
     def _local_grads(self, stage: int) -> list[list[torch.Tensor]]:
         """The gradients of each distinct module of ``stage`` on this rank (copies may share one)."""
         mods = {id(m): m for m in (self.modules[(c, stage)] for c in self.local_copies[stage])}
-        return [[p.grad for p in m.parameters()] for m in mods.values()]
+        return [[p.grad for p in m.parameters() if id(p) not in self._skip] for m in mods.values()]
 
     def _allreduce(self, op: Op) -> int:
         flat = self._summed_local_grads(op.stage)
         group = self.stage_groups.get(op.stage)
-        work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
+        work = dist.all_reduce(flat, group=group, async_op=True) if group is not None and flat.numel() else None
         self._state.allreduces.append((op, flat, work))
         done = [None]
         if work is not None and self.ctx.host_collectives:
@@ -251,6 +256,8 @@ class PipelineRuntime:
                                    f"but the program has no ALLREDUCE for it before OPT")
             if len(self._local_grads(stage)) > 1:   # separate modules of the stage here: sum them locally
                 self._write_back(stage, self._summed_local_grads(stage))
+        if self.tied is not None:
+            self.tied.sync(self.timeout, self.step_index)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         return 0
@@ -268,6 +275,8 @@ class PipelineRuntime:
     def _summed_local_grads(self, stage: int) -> torch.Tensor:
         """The stage's gradients on this rank as one flat buffer, summed over its local modules."""
         copies = self._local_grads(stage)
+        if not copies[0]:       # a stage without parameters (a layer stack's activation or pooling layers)
+            return torch.zeros(0, device=self.ctx.device)
         flat = flatten(copies[0])
         for grads in copies[1:]:
             flat.add_(flatten(grads))
@@ -287,17 +296,16 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy the consecutive slices of ``flat`` back into ``tensors`` (the inverse of :func:`flatten`;
     torch's ``vector_to_parameters`` would rebind ``.data`` instead of writing into the tensors)."""
+    if not tensors:
+        return
     for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
         t.copy_(part.view_as(t))
 
 
 def _parse_fault(fault: str | None, rank: int):
-    """``"RANK:TOKEN[:STEP]"`` -> (token, step or None) when it targets this rank."""
+    """``"RANK:TOKEN[:STEP]"`` (:func:`executor.config.parse_fault`) -> (token, step or None) when it
+    targets this rank."""
     if not fault:
         return None
-    parts = fault.split(":")
-    if len(parts) not in (2, 3):
-        raise ValueError(f"fault must be RANK:TOKEN[:STEP]; got {fault!r}")
-    if int(parts[0]) != rank:
-        return None
-    return parts[1], (int(parts[2]) if len(parts) == 3 else None)
+    f = parse_fault(fault)
+    return (f.token, f.step) if f.rank == rank else None

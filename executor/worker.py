@@ -39,6 +39,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -60,7 +61,12 @@ from .runtime import PipelineRuntime
 @dataclass(frozen=True)
 class Job:
     config: RunConfig
-    schedule: Schedule  # lowered and validated (executor.config.plan)
+    schedule: Schedule  # lowered and validated (executor.config.lowered_schedule)
+    layout: object = None   # a model file's StackLayout (executor.user_model), made here from the config
+
+    def __post_init__(self):
+        if self.layout is None and self.config.is_model_file:
+            object.__setattr__(self, "layout", self.config.stack_layout(self.schedule.num_stages))
 
 
 class ProcessGroups:
@@ -80,12 +86,17 @@ class ProcessGroups:
             ranks = tuple(sched.stage_group(s))
             if len(ranks) < 2:
                 continue
-            if ranks not in self._stage:
-                group = self._stage[ranks] = dist.new_group(list(ranks), backend=self.backend)
-                if rank in ranks:
-                    dist.all_reduce(torch.zeros(1, device=device), group=group)
-            out[s] = self._stage[ranks]
+            out[s] = self.for_ranks(ranks, rank, device)
         return out
+
+    def for_ranks(self, ranks, rank: int, device):
+        """The (cached) group of ``ranks``; every rank must ask for the same groups in one order."""
+        ranks = tuple(ranks)
+        if ranks not in self._stage:
+            group = self._stage[ranks] = dist.new_group(list(ranks), backend=self.backend)
+            if rank in ranks:
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+        return self._stage[ranks]
 
     def warm_up_p2p(self, sched: Schedule, rank: int, device) -> None:
         pairs = {tuple(sorted((r, op.peer))) for r in range(sched.num_ranks) for op in sched.program(r)
@@ -117,7 +128,15 @@ def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_worl
     core = pin_to_core(local_rank, local_world) if pins.pop() else None
     ctx = init_world(devices.pop(), rank, world, local_rank, local_world, max(j.config.timeout for j in jobs))
     groups = ProcessGroups(world, ctx.backend)
-    results = [run_job(job, rank, world, ctx, groups, core=core) for job in jobs]
+    total = sum(j.config.steps for j in jobs)
+    what = "training" if len(jobs) == 1 else f"{len(jobs)} runs"
+    done = [0]
+
+    def step_done(seconds: float) -> None:
+        done[0] += 1
+        if rank == 0:
+            report_progress(done[0], total, what, seconds)
+    results = [run_job(job, rank, world, ctx, groups, on_step=step_done, core=core) for job in jobs]
     dist.barrier()
     dist.destroy_process_group()
     return results if rank == 0 else None
@@ -131,6 +150,7 @@ class RankSetup:
     modules: dict
     params: list
     optimizer: torch.optim.Optimizer
+    probe: object = None     # a layer stack's speed-probe work (None: the GPT block's)
 
 
 def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RankSetup:
@@ -139,40 +159,70 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     if sched.num_ranks != world:
         raise ValueError(f"{sched.name} with D={sched.num_devices}, R={sched.replicas} needs {sched.num_ranks} "
                          f"processes; {world} were started")
-    spec = cfg.spec()
-    built, modules = {}, {}
-    for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
-        if s not in built:
-            built[s] = stage_module(spec, sched.num_stages, s, seed=cfg.seed, partition=cfg.partition).to(ctx.device)
-        modules[(c, s)] = built[s]
-    params = [p for m in built.values() for p in m.parameters()]
+    stack = None
+    if job.layout is not None:      # a model file: executor.user_model builds this rank's stages
+        from .user_model import NoOptimizer, TiedGradients, build_rank
+        stack = build_rank(job.layout, sched, rank, seed=cfg.seed, device=ctx.device, probe=bool(cfg.probe))
+        modules, params, data = stack.modules, stack.params, stack.data
+        layout = job.layout
+        buffer = lambda op: layout.message_buffer(op, ctx.device)  # noqa: E731
+    else:
+        spec = cfg.spec()
+        built, modules = {}, {}
+        for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
+            if s not in built:
+                built[s] = stage_module(spec, sched.num_stages, s, seed=cfg.seed,
+                                        partition=cfg.partition).to(ctx.device)
+            modules[(c, s)] = built[s]
+        params = [p for m in built.values() for p in m.parameters()]
+        data = TokenSource(spec, cfg.seed, cfg.data)
+        shape = boundary_shape(spec)
+        buffer = lambda op: torch.empty(shape, dtype=torch.float32, device=ctx.device)  # noqa: E731
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer = make_optimizer(params, cfg.optimizer, cfg.lr)
-    shape = boundary_shape(spec)
-    mailbox = Mailbox(rank, sched.program(rank), groups.p2p,
-                      lambda op: torch.empty(shape, dtype=torch.float32, device=ctx.device),
-                      timeout=cfg.timeout, lookahead=cfg.recv_lookahead)
+    optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
+    mailbox = Mailbox(rank, sched.program(rank), groups.p2p, buffer, timeout=cfg.timeout,
+                      lookahead=cfg.recv_lookahead)
     meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
     groups.warm_up_p2p(sched, rank, ctx.device)
     stage_groups = groups.for_stages(sched, rank, ctx.device)
-    runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer,
-                              data=TokenSource(spec, cfg.seed, cfg.data), ctx=ctx, meter=meter,
+    tied = None
+    if stack is not None:       # parameters shared across stages: one group per set of ranks, all ranks alike
+        tied = TiedGradients(rank, [(ranks, groups.for_ranks(ranks, rank, ctx.device) if len(ranks) > 1 else None,
+                                     ps) for ranks, ps in stack.tie_groups], stack.excluded)
+    runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer, data=data, ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
-                              clock0=_aligned_clock(world), fault=cfg.fault)
-    return RankSetup(runtime, modules, params, optimizer)
+                              clock0=_aligned_clock(world), fault=cfg.fault, tied=tied)
+    return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None)
 
 
-def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups", *,
-            core: int | None = None) -> RunResult | None:
+def report_progress(done: int, total: int, what: str, seconds: float) -> None:
+    """Rank 0 after each step: into the spawned launcher's progress file (it draws the bar), or under
+    torchrun a line on stderr when stderr is a terminal."""
+    work = os.environ.get("PIPETWIN_WORKDIR")
+    if work:
+        tmp = os.path.join(work, "progress.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{done} {total} {what}")
+        os.replace(tmp, os.path.join(work, "progress"))
+    elif sys.stderr.isatty():
+        print(f"pipetwin: {what}: step {done}/{total} ({seconds:.3g} s)", file=sys.stderr, flush=True)
+
+
+def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups",
+            on_step=None, *, core: int | None = None) -> RunResult | None:
     cfg, sched = job.config, job.schedule
     rs = setup_rank(job, rank, world, ctx, groups)
-    probe_host = speed_probe(cfg.spec(), ctx, cfg.probe) if cfg.probe else None
+    probe_host = speed_probe(None if job.layout is not None else cfg.spec(), ctx, cfg.probe, rs.probe) \
+        if cfg.probe else None
     probe = probe_host() if probe_host else []
     rows, losses, peak = [], [], 0
     cpu = CpuMeter() if cfg.probe else None
     for step in range(cfg.steps):
+        t0 = time.perf_counter()
         out = rs.runtime.run_step(step)
+        if on_step is not None:
+            on_step(time.perf_counter() - t0)
         rows += out.rows
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)
@@ -185,26 +235,31 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     if cfg.collect_params:
         replica = rank // sched.num_devices
         report["params"] = {f"r{replica}.c{c}/{n}": p.detach().cpu().clone() for (c, _), m in rs.modules.items()
-                            for n, p in m.named_parameters()}
+                            for n, p in m.named_parameters(remove_duplicate=False)}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(report, gathered, dst=0)
     return merge_reports(cfg, sched, gathered, backend=ctx.backend) if rank == 0 else None
 
 
-def speed_probe(spec, ctx: DeviceContext, repeats: int):
+def speed_probe(spec, ctx: DeviceContext, repeats: int, work=None):
     """A probe of the host's speed: each call returns the seconds of ``repeats`` forward +
-    backward passes of one transformer block on one micro-batch, started on every rank at once
-    (a barrier first), after one untimed pass."""
-    gen = torch.Generator().manual_seed(1234)
-    block = Block(spec).to(ctx.device)
-    x = torch.randn(spec.micro_batch, spec.seq_len, spec.hidden, generator=gen).to(ctx.device).requires_grad_(True)
+    backward passes of one transformer block on one micro-batch (or of ``work()``: a layer
+    stack's, see :mod:`executor.user_model`), started on every rank at once (a barrier first),
+    after one untimed pass."""
+    if work is None:
+        gen = torch.Generator().manual_seed(1234)
+        block = Block(spec).to(ctx.device)
+        x = torch.randn(spec.micro_batch, spec.seq_len, spec.hidden, generator=gen).to(ctx.device).requires_grad_(True)
+
+        def work():
+            block(x).sum().backward()
 
     def probe() -> list[float]:
         dist.barrier()
         out = []
         for i in range(repeats + 1):
             t0 = time.perf_counter()
-            block(x).sum().backward()
+            work()
             ctx.synchronize()
             if i:
                 out.append(time.perf_counter() - t0)

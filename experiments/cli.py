@@ -2,7 +2,11 @@
 
 Each subcommand lives in its own module ``experiments/cmd_<name>.py`` with ``NAME``, ``HELP``,
 ``add_arguments(parser)`` and ``main(args) -> int``. User errors (bad schedule, impossible D/N,
-malformed config) print one line ``pipetwin: error: ...`` and exit 2; no traceback.
+malformed config) print one line ``pipetwin: error: ...`` and exit 2; no traceback. Parse errors
+do too (:class:`experiments.checks.Parser`): give every new option a checked type from
+:mod:`experiments.checks` (``positive_float``, ``positive_int``, ``input_file``, ``output_file``,
+...) so a bad value is refused while parsing, and run the cheap feasibility checks
+(:func:`experiments.checks.check_run_size`) before building anything.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import pkgutil
 import sys
 
 import experiments
+
+from .checks import Parser
 
 # what a user can cause and fix: bad values (ScheduleError, SpecError, OutOfMemory are ValueErrors)
 # and missing files. Anything else (a KeyError included) is a bug and keeps its traceback.
@@ -23,15 +29,28 @@ def _commands():
     for info in pkgutil.iter_modules(experiments.__path__):
         if info.name.startswith("cmd_"):
             mods.append(importlib.import_module(f"experiments.{info.name}"))
-    order = ["schedules", "simulate", "compare", "run", "calibrate", "validate", "plan", "reproduce", "demo"]
+    order = ["schedules", "presets", "simulate", "compare", "run", "calibrate", "validate", "plan", "reproduce",
+             "demo"]
     mods.sort(key=lambda m: (order.index(m.NAME) if m.NAME in order else len(order), m.NAME))
     return mods
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+    try:
+        return dist_version("pipetwin")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pipetwin", description="Pipeline-parallel training lab: "
-                                "one schedule IR, a SimPy simulator and a torch.distributed executor.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    p = Parser(prog="pipetwin", description="Pipeline-parallel training lab: "
+               "one schedule IR, a SimPy simulator and a torch.distributed executor.",
+               epilog="'pipetwin presets' lists the model, cluster and device presets; "
+                      "'pipetwin COMMAND --help' the options of a command.")
+    p.add_argument("--version", action="version", version=f"pipetwin {version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for mod in _commands():
         sp = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
@@ -42,11 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:   # a bad option (one line printed), --help or --version
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args._main(args) or 0)
     except USER_ERRORS as e:
-        print(f"pipetwin: error: {e}", file=sys.stderr)
+        print(f"pipetwin: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("pipetwin: error: out of memory on this host; use a smaller -D/-N/--dp or model", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()

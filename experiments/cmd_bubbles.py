@@ -1,11 +1,15 @@
-"""``pipetwin bubbles``: bubble against N for every schedule (unit costs), table + figure."""
-from __future__ import annotations
+"""``pipetwin bubbles``: bubble against N for every schedule, table + figure.
 
-from pathlib import Path
+Unit costs by default (the closed forms); with ``--profile FILE`` (``pipetwin calibrate``, e.g. of a
+model file ``--model PATH.py:FUNC``) every point is simulated with the measured costs, on this
+machine or, with ``--cluster``, scaled onto that cluster (:func:`experiments.costs.calibrated_costs`).
+"""
+from __future__ import annotations
 
 from schedules import names
 from schedules.analysis import bubble_vs_n
 
+from .checks import check_run_size, input_file, output_file, positive_int
 from .common import parse_schedules, print_json
 from .tables import fmt_table
 
@@ -14,55 +18,113 @@ HELP = "bubble time and ratio against the number of micro-batches N (unit costs)
 
 
 def add_arguments(p):
-    p.add_argument("--devices", "-D", type=int, default=8)
-    p.add_argument("--max-k", type=int, default=4, help="N = K*D for K = 1..max-k (default 4)")
+    p.add_argument("--devices", "-D", type=positive_int, default=8)
+    p.add_argument("--max-k", type=positive_int, default=4, help="N = K*D for K = 1..max-k (default 4)")
     p.add_argument("--schedules", default="all")
-    p.add_argument("--chunks", "-v", type=int, default=2)
-    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--chunks", "-v", type=positive_int, default=2)
+    p.add_argument("--plot", metavar="FILE.png", type=output_file)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", metavar="FILE.yaml", type=input_file,
+                   help="simulate with a calibration profile's measured costs")
+    p.add_argument("--cluster", "-c", default=None,
+                   help="with --profile: scale the measured times onto this cluster preset (default: this machine)")
+    p.add_argument("--partition", metavar="COUNTS|time", help="with --profile: layers per stage, or 'time'")
 
 
 def table(D: int, max_k: int, scheds: list[str], chunks: int = 2):
     if D < 1 or max_k < 1:
         raise ValueError("--devices and --max-k must be >= 1")
+    check_run_size(devices=D, microbatches=max_k * D, chunks=chunks)
     return bubble_vs_n(scheds, D, [k * D for k in range(1, max_k + 1)], chunks=chunks)
 
 
-def plot(df, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def profile_table(D: int, max_k: int, scheds: list[str], profile, *, chunks: int = 2, cluster=None,
+                  partition=None):
+    """The table of :func:`table` with every point simulated from ``profile`` (seconds): makespan =
+    the iteration time, bubble = makespan - mean busy time; points a schedule refuses (or whose
+    stages outnumber the model's layers) are NaN with the reason."""
+    import pandas as pd
+
+    from schedules import ScheduleError, build, lower, validate
+    from schedules.trace import step_metrics
+    from sim import SimOptions, simulate
+    from sim.host import on_one_host
+
+    from .costs import calibrated_costs
+    if D < 1 or max_k < 1:
+        raise ValueError("--devices and --max-k must be >= 1")
+    check_run_size(devices=D, microbatches=max_k * D, chunks=chunks)
+    rows = []
+    for name in scheds:
+        for N in [k * D for k in range(1, max_k + 1)]:
+            row = {"schedule": name, "D": D, "N": N}
+            try:
+                low = lower(build(name, D, N, chunks=chunks))
+                validate(low)
+                costs, net, extra = calibrated_costs(profile, low, cluster=cluster, partition=partition)
+            except (ScheduleError, ValueError) as e:
+                rows.append({**row, "makespan": float("nan"), "mean_busy": float("nan"), "bubble": float("nan"),
+                             "bubble_ratio": float("nan"), "error": str(e)})
+                continue
+            host = extra.get("host")
+            opts = on_one_host(SimOptions(), low.num_ranks, *host) if host else SimOptions()
+            m = step_metrics(simulate(low, costs, net, opts))
+            busy = sum(p.busy for p in m.per_device) / len(m.per_device)
+            rows.append({**row, "makespan": m.iteration_time, "mean_busy": busy, "bubble": m.iteration_time - busy,
+                         "bubble_ratio": m.bubble_ratio, "error": ""})
+    return pd.DataFrame(rows, columns=["schedule", "D", "N", "makespan", "mean_busy", "bubble", "bubble_ratio",
+                                       "error"])
+
+
+def plot(df, path, unit: str = "units of F") -> None:
+    from .plots import _save, plt, series_style
     ok = df.dropna(subset=["bubble"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for name, g in ok.groupby("schedule", sort=False):
-        style = "-" if name in ("chimera", "bitpipe", "bitpipe-zb") else "--"
-        axes[0].plot(g.N, g.bubble_ratio, "o" + style, label=name)
-        axes[1].plot(g.N, g.bubble, "o" + style, label=name)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    for i, (name, g) in enumerate(ok.groupby("schedule", sort=False)):
+        style = series_style(i)
+        axes[0].plot(g.N, g.bubble_ratio, label=name, **style)
+        axes[1].plot(g.N, g.bubble, label=name, **style)
     D = int(df.D.iloc[0])
     axes[0].set_ylabel("bubble ratio")
-    axes[1].set_ylabel("bubble time (units of F)")
+    axes[1].set_ylabel(f"bubble time ({unit})")
     for ax in axes:
         ax.set_xlabel(f"micro-batches N (D = {D})")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, ncol=2)
+        ax.set_ylim(bottom=0)
+    # outside the axes, right of the second panel: the key never covers a line
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+                   title="schedule (equal lines overlap:\nlook for both markers)", title_fontsize=7)
     fig.suptitle("Bubble against N under unit costs: Chimera's and BitPipe's bubble time grows with the number "
-                 "of concatenated units; bitpipe-zb's stays flat", fontsize=9)
+                 "of concatenated units; bitpipe-zb's stays flat" if unit == "units of F" else
+                 f"Bubble against N, simulated with measured costs ({unit})", fontsize=9)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def main(args) -> int:
-    df = table(args.devices, args.max_k, parse_schedules(args.schedules) if args.schedules != "all" else names(),
-               args.chunks)
+    scheds = parse_schedules(args.schedules) if args.schedules != "all" else names()
+    if args.profile:
+        from cost_models import load_cluster, load_profile
+
+        from .costs import parse_partition
+        prof = load_profile(args.profile)
+        df = profile_table(args.devices, args.max_k, scheds, prof, chunks=args.chunks,
+                           cluster=load_cluster(args.cluster) if args.cluster else None,
+                           partition=parse_partition(args.partition))
+        where = f"scaled onto {args.cluster}" if args.cluster else "this machine"
+        head = f"D={args.devices}, simulated with profile {args.profile} ({prof.model_name}, {where}); time in s"
+    else:
+        if args.cluster or args.partition:
+            raise ValueError("--cluster and --partition go with --profile (unit costs have neither)")
+        df = table(args.devices, args.max_k, scheds, args.chunks)
+        head = f"D={args.devices}, unit costs (F=1, B=2; split B=W=1)"
     if args.plot:
-        plot(df, args.plot)
+        plot(df, args.plot, "s" if args.profile else "units of F")
     if args.json:
         print_json(df.fillna({"error": ""}).to_dict(orient="records"))
         return 0
     rows = df.to_dict(orient="records")
-    print(f"D={args.devices}, unit costs (F=1, B=2; split B=W=1); '-' = the schedule refuses that N")
+    print(f"{head}; '-' = the schedule refuses that N")
     print(fmt_table(rows, ["schedule", "N", "makespan", "bubble", "bubble_ratio"],
                     {"makespan": "{:.4g}", "bubble": "{:.4g}", "bubble_ratio": "{:.4f}"}))
     if args.plot:

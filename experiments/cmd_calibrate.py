@@ -1,41 +1,85 @@
-"""``pipetwin calibrate``: measure this machine with the executor's code and write a profile."""
+"""``pipetwin calibrate``: measure this machine with the executor's code and write a profile.
+
+``--model`` is a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` (see
+:mod:`executor.user_model`): then every one of its layers is measured (F, B, split B and W, kept
+bytes, output bytes, parameters, FLOPs) at ``--micro-batch`` samples, and the profile feeds
+``pipetwin simulate / compare / bubbles --profile``, ``pipetwin plan --profile`` and
+``pipetwin validate --profile`` for that model.
+"""
 from __future__ import annotations
 
 from pathlib import Path
+
+from .checks import int_in, output_file, positive_int
 
 NAME = "calibrate"
 HELP = "measure per-layer, P2P, all-reduce and runtime costs here; write a profile the simulator loads"
 
 
 def add_arguments(p):
-    p.add_argument("--model", default="tiny", help="model preset or YAML file (default tiny)")
-    p.add_argument("--ranks", type=int, default=2, help="ranks the predicted runs put on this host (default 2)")
-    p.add_argument("--repeats", type=int, default=20, help="timings per measurement (median)")
-    p.add_argument("--out", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")
+    p.add_argument("--model", default="tiny",
+                   help="model preset or YAML file (default tiny), or a model file PATH.py:FUNC (each of its layers "
+                        "is measured)")
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="samples per micro-batch to measure at (default: a model file's 4, a GPT spec's micro_batch)")
+    p.add_argument("--ranks", type=positive_int, default=2,
+                   help="ranks the predicted runs put on this host (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timings per measurement (median, >= 3)")
+    p.add_argument("--runtime-steps", type=int_in(3, 1000), default=20,
+                   help="steps of each traced run the runtime is fitted on (default 20; the first 2 are dropped)")
+    p.add_argument("--runtime-repeats", type=int_in(1, 100), default=3,
+                   help="quiet traced runs per schedule at least, in interleaved rounds (twice as many at most; "
+                        "default 3): the fit uses the noise-free steps of their pooled steps")
+    p.add_argument("--out", default="out/calibration.yaml", type=output_file,
+                   help="profile file (default out/calibration.yaml)")
 
 
-def main(args) -> int:
+def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_batch: int | None = None,
+                            runtime_steps: int = 20, runtime_repeats: int = 3):
+    """:func:`calibration.calibrate` with a progress bar on stderr (one tick per stage). A bad
+    ``--model`` (preset, YAML file or model file) fails here, before any measurement."""
     from tqdm import tqdm
 
-    from calibration import calibrate, sitting_problems
-    from cost_models import save_profile
+    from calibration import calibrate
+    from cost_models import is_model_ref, load_model
 
-    if args.ranks < 1 or args.repeats < 3:
-        raise ValueError("--ranks must be >= 1 and --repeats >= 3")
-    stages = ["layers", "layer embedding", "layer block", "layer head", "optimizer", "communication",
-              "runtime (traced runs)"]
+    if is_model_ref(model):
+        from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
+        n = stack_layout(model, 1, micro_batch=micro_batch or DEFAULT_MICRO_BATCH).num_layers
+        layers = [f"layer {i}" for i in range(n)]
+    else:
+        load_model(model)
+        layers = ["layer embedding", "layer block", "layer head"]
+    stages = ["layers", *layers, "optimizer", "communication", "runtime (traced runs)"]
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):
             bar.set_postfix_str(msg)
             if msg in stages:   # the traced runs' rounds report too: they do not advance the bar
                 bar.update(1)
-        prof = calibrate(args.model, ranks=args.ranks, repeats=args.repeats, progress=progress)
+        return calibrate(model, ranks=ranks, repeats=repeats, progress=progress, micro_batch=micro_batch,
+                         runtime_steps=runtime_steps, runtime_repeats=runtime_repeats)
+
+
+def main(args) -> int:
+    from calibration import sitting_problems
+    from cost_models import save_profile
+
+    if args.repeats < 3:
+        raise ValueError(f"--repeats must be >= 3; got {args.repeats}")
+    prof = calibrate_with_progress(args.model, args.ranks, args.repeats, micro_batch=args.micro_batch,
+                                   runtime_steps=args.runtime_steps, runtime_repeats=args.runtime_repeats)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(prof, out)
-    blk = prof.layers[1]
-    print(f"profile {prof.name}: block F {blk.f * 1e3:.3f} ms, B {blk.b * 1e3:.3f} ms "
-          f"(split {blk.b_input * 1e3:.3f} + {blk.w * 1e3:.3f}); P2P {prof.p2p.latency * 1e6:.0f} us + "
+    if prof.is_stack:
+        _print_stack(prof)
+        f, b = sum(t.f for t in prof.layers), sum(t.b for t in prof.layers)
+        compute = (f"model {prof.model_name} at micro-batch {prof.micro_batch}: {prof.model.num_layers} layers, "
+                   f"F {f * 1e3:.3f} ms, B {b * 1e3:.3f} ms in all")
+    else:
+        blk = prof.layers[1]
+        compute = (f"block F {blk.f * 1e3:.3f} ms, B {blk.b * 1e3:.3f} ms "
+                   f"(split {blk.b_input * 1e3:.3f} + {blk.w * 1e3:.3f})")
+    print(f"profile {prof.name}: {compute}; P2P {prof.p2p.latency * 1e6:.0f} us + "
           f"{prof.p2p.bandwidth / 1e9:.2f} GB/s; all-reduce step {prof.allreduce.latency * 1e6:.0f} us + "
           f"{prof.allreduce.bandwidth / 1e9:.2f} GB/s; overheads "
           + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in prof.overhead) + f"; {prof.cores} cores"
@@ -45,3 +89,16 @@ def main(args) -> int:
     for p in sitting_problems(prof):
         print(f"warning: host busy while calibrating ({p}); validate refuses this profile")
     return 0
+
+
+def _print_stack(prof) -> None:
+    """One row per layer of a model file's profile (times in the run, as fitted)."""
+    from .tables import fmt_table
+    st = prof.model
+    rows = [{"layer": i, "name": name, "params": int(p), "f_ms": t.f * 1e3, "b_ms": t.b * 1e3,
+             "b_input_ms": t.b_input * 1e3, "w_ms": t.w * 1e3, "kept_B": int(k), "out_B": int(o),
+             "fwd_MFLOP": fl[0] / 1e6}
+            for i, (name, p, t, k, o, fl) in enumerate(zip(st.layer_names, st.params, prof.layers, st.act_first,
+                                                           st.out_bytes, st.flops))]
+    print(fmt_table(rows, list(rows[0]), {"f_ms": "{:.3f}", "b_ms": "{:.3f}", "b_input_ms": "{:.3f}",
+                                          "w_ms": "{:.3f}", "fwd_MFLOP": "{:.3f}"}))

@@ -6,6 +6,11 @@ candidates with the SimPy engine and prints the best plan, its simulated iterati
 and the simulated times of the PipeDream planner's plan and of pure data parallelism. ``--out``
 writes a plan file for ``pipetwin simulate --plan`` / ``pipetwin run --plan``; ``--json`` prints
 one object (the plan file's content plus ``baselines`` and ``search``).
+
+``--profile FILE`` (``pipetwin calibrate``) plans with measured per-layer costs instead of the
+formulas: the only way to plan a model file ``--model PATH.py:FUNC``. Without ``--cluster`` the plan
+is for this machine as calibrated (``--devices`` CPU ranks, default the profile's), with one it is
+for that cluster, the measured times scaled onto its devices (:func:`cost_models.scaled_layer_costs`).
 """
 from __future__ import annotations
 
@@ -13,32 +18,39 @@ import sys
 
 from cost_models._spec import size_bytes
 
+from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
-from .tables import fmt_table
+from .costs import add_cluster_shape_args, load_shaped_cluster
+from .tables import byte_unit, fmt_bytes, fmt_table, wrap_cell
 
 NAME = "plan"
 HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner)"
 
 
 def add_arguments(p):
-    p.add_argument("--model", "-m", required=True,
+    p.add_argument("--model", "-m", default=None,
                    help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, a DAPPLE paper model "
-                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36), or a per-layer profile in PipeDream's graph "
-                        "format (FILE.txt, e.g. DAPPLE's released profiles)")
+                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36), a per-layer profile in PipeDream's graph "
+                        "format (FILE.txt, e.g. DAPPLE's released profiles), or a model file PATH.py:FUNC with its "
+                        "--profile")
     from .costs import add_cost_model_args
     add_cost_model_args(p)
-    p.add_argument("--cluster", "-c", required=True,
-                   help="cluster preset or YAML file (also v100-4x8-25gbe, a100-8x8-ib)")
-    p.add_argument("--global-batch", "-G", type=int, required=True, help="samples (sequences) per iteration")
+    p.add_argument("--cluster", "-c", default=None,
+                   help="cluster preset or YAML file, optionally sized NAME:NODES (also v100-4x8-25gbe, "
+                        "a100-8x8-ib); with --profile optional (default: this machine as calibrated)")
+    add_cluster_shape_args(p)
+    p.add_argument("--profile", metavar="FILE.yaml", type=input_file,
+                   help="a calibration profile (pipetwin calibrate --model ...): measured per-layer costs")
+    p.add_argument("--global-batch", "-G", type=positive_int, required=True, help="samples (sequences) per iteration")
     p.add_argument("--memory-limit", metavar="BYTES",
                    help="memory per device, e.g. '16 GiB' (default: the device's memory)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation (transformers)")
     p.add_argument("--schedules", default="dapple",
                    help="schedules to try on uniform plans, comma-separated (default dapple; e.g. dapple,gpipe,zb-h1)")
-    p.add_argument("--top", type=int, default=6, help="candidates re-simulated (default 6)")
-    p.add_argument("--devices", type=int, help="use at most this many of the cluster's devices")
-    p.add_argument("--max-stages", type=int, help="at most this many pipeline stages")
+    p.add_argument("--top", type=positive_int, default=6, help="candidates re-simulated (default 6)")
+    p.add_argument("--devices", type=positive_int, help="use at most this many of the cluster's devices")
+    p.add_argument("--max-stages", type=positive_int, help="at most this many pipeline stages")
     p.add_argument("--uniform", action="store_true", help="only R x D plans (every stage on R devices)")
     p.add_argument("--policies", default="fresh-first,append-first,scatter-first",
                    help="placement policies to search (comma-separated)")
@@ -46,7 +58,7 @@ def add_arguments(p):
     p.add_argument("--no-baselines", action="store_true", help="skip the PipeDream and data-parallel baselines")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", metavar="PLAN.json", help="write the plan file")
+    p.add_argument("--out", metavar="PLAN.json", type=output_file, help="write the plan file")
 
 
 def _parse_limit(text):
@@ -67,15 +79,22 @@ def main(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top must be >= 1; got {args.top}")
     scheds = parse_schedules(args.schedules)
-    cluster = resolve_cluster(args.cluster)
-    cost_model = cost_model_for(args.cost_model, cluster.device, is_profile_path(args.model))
+    model, cost_model = args.model, None
+    if args.profile:
+        cluster, model = _calibrated_model(args)
+    elif args.model is None or args.cluster is None:
+        raise ValueError("give --model and --cluster (or --profile FILE.yaml, which brings the model and, without "
+                         "--cluster, this machine)")
+    else:
+        cluster = load_shaped_cluster(args, resolve_cluster)
+        cost_model = cost_model_for(args.cost_model, cluster.device, is_profile_path(args.model))
     limit = _parse_limit(args.memory_limit)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
                         max_stages=args.max_stages, uniform=args.uniform, devices=args.devices)
-    res = plan_training(args.model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
+    res = plan_training(model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
                         schedules=scheds, top_k=args.top, simulate=not args.no_simulate,
                         baselines=not args.no_baselines, progress=not args.no_progress and sys.stderr.isatty(),
-                        space=space, model_name=args.model, cost_model=cost_model,
+                        space=space, model_name=args.model or getattr(model, "name", None), cost_model=cost_model,
                         profile_batch=args.profile_batch)
     best = res.best
     rec = plan_record(best.plan, res.workload, cluster, limit, best.estimate, best.sim)
@@ -100,36 +119,67 @@ def main(args) -> int:
     return 0
 
 
+def _calibrated_model(args):
+    """(cluster, workload) of ``--profile``: this machine as calibrated, or scaled onto ``--cluster``."""
+    from cost_models import load_profile
+    from planner.clusters import resolve_cluster
+    from planner.models import calibrated_workload
+
+    from .costs import check_profile_model
+    if args.cost_model is not None or args.profile_batch is not None:
+        raise ValueError("--profile brings measured costs; drop --cost-model / --profile-batch")
+    if args.recompute != "none":
+        raise ValueError("--recompute is not modelled with a calibration profile; use none")
+    prof = load_profile(args.profile)
+    check_profile_model(prof, args.model)
+    if args.cluster is None:
+        n = args.devices or int(prof.meta.get("ranks", 2))
+        return prof.cluster(n), calibrated_workload(prof)
+    cluster = load_shaped_cluster(args, resolve_cluster)
+    return cluster, calibrated_workload(prof, cluster.device)
+
+
+def _say(text: str, width: int = 120) -> None:
+    """A line of prose, wrapped to ``width`` columns (continuation lines indented)."""
+    import textwrap
+    lead = len(text) - len(text.lstrip())
+    print(textwrap.fill(text, width, initial_indent="", subsequent_indent=" " * (lead + 4),
+                        break_long_words=False, break_on_hyphens=False, drop_whitespace=True)
+          if len(text) > width else text)
+
+
 def _print_human(res, rec, base, stats, args) -> None:
     best, cl, work = res.best, res.cluster, res.workload
     plan, est = best.plan, best.estimate
-    gib = 2 ** 30
-    print(f"DAPPLE plan for {args.model} on {cl.name} ({cl.num_devices} x {cl.device.name}), global batch "
-          f"{plan.global_batch}, {work.cost_model} cost model")
+    costs = f"measured costs from {args.profile}" if args.profile else f"{work.cost_model} cost model"
+    _say(f"DAPPLE plan for {args.model or work.name} on {cl.name} ({cl.num_devices} x {cl.device.name}), global "
+         f"batch {plan.global_batch}, {costs}")
     print(f"  {plan.describe()}")
     per = "" if not plan.uniform else f" ({plan.micro_batch // plan.dp} per pipeline replica)"
     print(f"  {plan.microbatches} micro-batches of {plan.micro_batch} samples{per}; devices in use "
           f"{plan.devices_used} of {cl.num_devices}")
     dpn = cl.devices_per_node
+    unit, div = byte_unit([se.memory for se in est.stages])
+    mem = f"memory_{unit}"
     rows = []
     for s, (st, se) in enumerate(zip(plan.stages, est.stages)):
         nodes = sorted({d // dpn for d in st.devices})
         first, last = work.layer_names[st.start], work.layer_names[st.stop - 1]
         rows.append({"stage": s, "layers": f"{st.start}-{st.stop - 1} ({first}..{last})", "replicas": st.replicas,
                      "nodes": ",".join(map(str, nodes)), "fwd_ms": se.f * 1e3, "bwd_ms": se.b * 1e3,
-                     "allreduce_ms": se.allreduce * 1e3, "memory_GiB": se.memory / gib})
-    print(fmt_table(rows, ["stage", "layers", "replicas", "nodes", "fwd_ms", "bwd_ms", "allreduce_ms", "memory_GiB"],
-                    {"fwd_ms": "{:.2f}", "bwd_ms": "{:.2f}", "allreduce_ms": "{:.2f}", "memory_GiB": "{:.2f}"}))
-    print(f"  analytical: L = {est.latency:.4g} s = warm-up {est.warmup:.4g} + steady {est.steady:.4g} + "
+                     "allreduce_ms": se.allreduce * 1e3, mem: se.memory / div})
+    print(fmt_table(rows, ["stage", "layers", "replicas", "nodes", "fwd_ms", "bwd_ms", "allreduce_ms", mem],
+                    {"fwd_ms": "{:.2f}", "bwd_ms": "{:.2f}", "allreduce_ms": "{:.2f}", mem: "{:.3g}"}))
+    _say(f"  analytical: L = {est.latency:.4g} s = warm-up {est.warmup:.4g} + steady {est.steady:.4g} + "
           f"ending {est.ending:.4g} (pivot {est.pivot}); with 1F1B round trips {est.latency_rt:.4g} s"
           + ("" if plan.schedule == "dapple" else f"  [the model is DAPPLE's 1F1B; {plan.schedule} is simulated]"))
     cap = res.capacity
     if best.sim is not None:
         sm = best.sim
-        print(f"  simulated: iteration {sm.iteration_time:.4g} s "
+        _say(f"  simulated: iteration {sm.iteration_time:.4g} s "
               f"({plan.global_batch / sm.iteration_time:.1f} samples/s), "
-              f"bubble {sm.bubble_ratio:.3f}, peak memory {sm.peak_memory / gib:.2f} GiB"
-              + (f" of {cap / gib:.1f} GiB" if cap else ""))
+              f"bubble {sm.bubble_ratio:.3f}, peak memory {fmt_bytes(sm.peak_memory)}"
+              + (f" of {fmt_bytes(cap)}" if cap else ""))
     rows = []
     for key, label in (("dapple", "DAPPLE planner"), ("pipedream", "PipeDream planner"),
                        ("data_parallel", "data parallel")):
@@ -143,20 +193,29 @@ def _print_human(res, rec, base, stats, args) -> None:
                      "dapple_speedup": b["speedup_of_dapple"], "detail": b["plan"]})
     if rows:
         kind = "simulated" if best.sim is not None else "analytical"
-        print(f"baselines ({kind} iteration times):")
-        print(fmt_table(rows, ["plan", "iteration_s", "dapple_speedup", "detail"],
+        print(f"baselines ({kind} iteration times; each plan below the table):")
+        print(fmt_table(rows, ["plan", "iteration_s", "dapple_speedup"],
                         {"iteration_s": "{:.4g}", "dapple_speedup": "{:.2f}x"}))
-    print(f"search: {stats['seconds']:.2f} s, {stats['stage_placements_evaluated']:,} stage placements evaluated, "
+        for r in rows:   # the details run to hundreds of characters: wrapped under the table
+            lines = wrap_cell(r["detail"], 116 - len(r["plan"]))
+            print(f"  {r['plan']}: {lines[0]}")
+            for line in lines[1:]:
+                print(" " * (len(r["plan"]) + 4) + line)
+    _say(f"search: {stats['seconds']:.2f} s, {stats['stage_placements_evaluated']:,} stage placements evaluated, "
           f"{stats['complete_plans']:,} complete plans, {stats['configurations']} (micro-batch count, policy) "
           f"configurations; {len(stats['candidates'])} candidates re-simulated; baselines "
           f"{stats['baseline_seconds']:.2f} s")
     run = rec["run"]
-    if run is not None:
-        print(f"executor: pipetwin run --schedule {run['schedule']} --devices {run['devices']} --microbatches "
+    if run is not None and work.source.get("stack"):
+        _say(f"executor: pipetwin run --model {work.name} --schedule {run['schedule']} --devices {run['devices']} "
+             f"--microbatches {run['microbatches']} --dp {run['dp']} --micro-batch {run['micro_batch']} "
+             f"--partition {','.join(map(str, run['partition']))}  (or --plan FILE)")
+    elif run is not None:
+        _say(f"executor: pipetwin run --schedule {run['schedule']} --devices {run['devices']} --microbatches "
               f"{run['microbatches']} --dp {run['dp']}  (micro-batch {run['micro_batch']} per replica, partition "
               f"{run['partition']}; or --plan FILE)")
     else:
-        print("executor: a non-uniform plan (stage replicas " + ":".join(map(str, plan.replicas))
+        _say("executor: a non-uniform plan (stage replicas " + ":".join(map(str, plan.replicas))
               + "): run it with 'pipetwin run --plan FILE' (sub-batches as model copies)")
     if args.out:
         print(f"wrote plan file: {args.out}")

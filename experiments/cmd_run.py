@@ -5,7 +5,9 @@ Spawns D x R ranks (CPU + gloo) or, under ``torchrun``, runs as one of its ranks
 same batches in this one process. Both print the same fields; ``--json`` prints
 ``losses`` (one per step), ``iteration_times`` (s) and ``per_device`` with
 ``peak_activation_bytes`` (and ``peak_activation_ma``, in units of Ma = ``ma_bytes``).
-A rank that fails ends the run: exit status 1 with the failing rank's traceback.
+A rank that fails ends the run: exit status 1 with the failing rank's traceback, or with the
+signal of a rank killed from outside. ``--inject-fault RANK:TOKEN[:STEP]`` makes a rank raise at
+one op of its program (checked against the program first), to try that out.
 
 ``--plan PLAN.json`` runs a plan written by ``pipetwin plan --out`` instead of -s/-D/-N/--dp/--model:
 uniform plans (R replicas of a D-stage pipeline) with the named schedule, non-uniform plans (stage s
@@ -16,13 +18,13 @@ torchrun rank r runs where torchrun starts it, so launch in the plan's order (a 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from schedules.trace import write_chrome
 
+from .checks import check_run_size, input_file, nonneg_int, output_file, positive_float, positive_int
 from .common import add_schedule_args, check_schedule_args, print_json
-from .tables import fmt_table
+from .tables import byte_unit, fmt_bytes, fmt_table
 
 NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
@@ -30,24 +32,37 @@ HELP = "train a model with a schedule on torch.distributed (or --reference: in o
 
 def add_arguments(p):
     add_schedule_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
-    p.add_argument("--model", default=None, help="model preset name or YAML file (default: tiny)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--model", default=None,
+                   help="model preset name or YAML file (default: tiny), or a model file PATH.py:FUNC / "
+                        "package.module:FUNC whose FUNC() returns layers, loss and sample (executor/user_model.py)")
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="samples per micro-batch (default: a model file's 4, a GPT spec's micro_batch)")
+    p.add_argument("--partition", metavar="COUNTS|time",
+                   help="layers per stage of a model copy, e.g. 3,2,2,3 (a GPT's embedding and head count as layers), "
+                        "or 'time': balanced by the measured layer times of --profile (default: a model file's "
+                        "layers balanced by parameters, a GPT's blocks evenly)")
+    p.add_argument("--profile", metavar="FILE.yaml", type=input_file, help="calibration profile for --partition time")
+    p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps (default 3)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the weights and the synthetic data")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam, or sgd with momentum 0.9")
-    p.add_argument("--data", metavar="FILE", help="train on the bytes of a text file (default: synthetic tokens)")
+    p.add_argument("--data", metavar="FILE", type=input_file,
+                   help="train on the bytes of a text file (default: synthetic tokens)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda:LOCAL_RANK + NCCL under torchrun when CUDA exists, else CPU + gloo")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a receive or all-reduce may wait (default 60)")
-    p.add_argument("--recv-lookahead", type=int, default=0,
+    p.add_argument("--timeout", type=positive_float, default=60.0,
+                   help="seconds a receive or all-reduce may wait (default 60)")
+    p.add_argument("--recv-lookahead", type=nonneg_int, default=0,
                    help="receives posted ahead per peer, each holding a buffer (default 0 = all at step start)")
     p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
     p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", metavar="FILE.csv", help="write the merged trace as CSV")
-    p.add_argument("--chrome-trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--plot", metavar="FILE.png", help="write the timeline figure")
-    p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]", help=argparse.SUPPRESS)
+    p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the merged trace as CSV")
+    p.add_argument("--chrome-trace", metavar="FILE.json", type=output_file, help="write a Chrome/Perfetto trace")
+    p.add_argument("--plot", metavar="FILE.png", type=output_file, help="write the timeline figure")
+    p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]",
+                   help="make RANK raise at the op TOKEN of its program (e.g. 1:F2.s1, 0:RG1.s0<1:2 in step 2) to "
+                        "check that a failure ends the run; the token must be in that rank's program")
 
 
 def _common_options(args) -> dict:
@@ -57,21 +72,68 @@ def _common_options(args) -> dict:
 
 
 def config_from_args(args):
+    from cost_models import is_model_ref, load_model
     from executor.config import RunConfig
     check_schedule_args(args)
+    model = args.model or "tiny"
+    if not is_model_ref(model):     # a model file is checked (built) with the schedule: lowered_schedule
+        spec = load_model(model)
+        check_run_size(devices=args.devices, microbatches=args.microbatches, replicas=args.dp, chunks=args.chunks,
+                       layers=spec.layers, model_name=spec.name)   # before anything is built
     return RunConfig(schedule=args.schedule, devices=args.devices, microbatches=args.microbatches,
-                     chunks=args.chunks, variant=args.variant, replicas=args.dp, model=args.model or "tiny",
-                     eager_allreduce=not args.no_eager, **_common_options(args))
+                     chunks=args.chunks, variant=args.variant, replicas=args.dp, model=model,
+                     eager_allreduce=not args.no_eager, micro_batch=args.micro_batch,
+                     partition=run_partition(args, model), **_common_options(args))
+
+
+def run_partition(args, model: str):
+    """``--partition`` as the executor's partition: layers per stage for a model file, blocks per
+    stage for a GPT (its counts include the embedding and the head); ``time`` from ``--profile``."""
+    from cost_models import blocks_from_layers, is_model_ref, load_model, load_profile
+    from schedules import build
+
+    from .costs import check_profile_model, parse_partition, profile_partition
+    choice = parse_partition(args.partition)
+    if choice is None:
+        if args.profile:
+            raise ValueError("--profile is read for --partition time; give that too (or drop --profile)")
+        return None
+    stages = build(args.schedule, args.devices, args.microbatches, chunks=args.chunks,
+                   **({} if args.variant is None else {"variant": args.variant})).num_stages
+    if choice == "time":
+        if not args.profile:
+            raise ValueError("--partition time balances measured layer times: give --profile FILE.yaml "
+                             "(pipetwin calibrate --model ...)")
+        prof = load_profile(args.profile)
+        check_profile_model(prof, model)
+        counts = profile_partition(prof, choice, stages)
+    else:
+        counts = choice
+    if is_model_ref(model):
+        return tuple(counts)
+    try:
+        return tuple(blocks_from_layers(counts, load_model(model).layers))
+    except ValueError as e:
+        raise ValueError(f"--partition: {e}") from None
 
 
 def plan_config_from_args(args):
     """``(config, lowered schedule, info)`` for ``--plan`` (:func:`experiments.plan_files.config_from_plan`)."""
     from .plan_files import config_from_plan
-    check_schedule_args(args, also_fixed=("model",))
+    check_schedule_args(args, also_fixed=("model", "micro_batch", "partition"))
     return config_from_plan(args.plan, eager=not args.no_eager, **_common_options(args))
 
 
 def main(args) -> int:
+    from executor.config import FaultError
+
+    try:
+        return _main(args)
+    except FaultError as e:
+        raise ValueError(f"--inject-fault {args.inject_fault}: {e}") from None
+
+
+def _main(args) -> int:
     from executor.config import lowered_schedule
     from executor.launch import LaunchError, run
     from executor.reference import run_reference
@@ -111,12 +173,12 @@ def _announce_plan(cfg, sched, info, args) -> None:
     if under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
         return
     out = sys.stderr if args.json else sys.stdout
-    spec = cfg.spec()
     what = "reference (one process) for" if args.reference else f"{sched.num_ranks} ranks:"
     print(f"plan {args.plan}: {info['plan']}", file=out)
+    split = (f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
+             f"blocks per stage {list(cfg.partition)} (layers {info['partition_layers']} with embedding and head)")
     print(f"running {what} {info['layout']}; global batch {info['global_batch']} = {cfg.global_microbatches} "
-          f"micro-batches of {spec.micro_batch}; blocks per stage {list(cfg.partition)} (layers "
-          f"{info['partition_layers']} with embedding and head); schedule {cfg.schedule}", file=out)
+          f"micro-batches of {cfg.samples_per_microbatch}; {split}; schedule {cfg.schedule}", file=out)
     if args.reference:
         return
     dmap = info["device_map"]
@@ -158,12 +220,17 @@ def _print_human(result, args) -> None:
     steps = [{"step": i, "loss": l, "iteration_s": t}
              for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]
     print(fmt_table(steps, ["step", "loss", "iteration_s"], {"loss": "{:.6f}", "iteration_s": "{:.4f}"}))
-    print(f"throughput {result.throughput:.1f} sequences/s (steps after the first); Ma = {result.ma_bytes:.0f} B")
-    cols = ["device", "peak_activation_bytes", "peak_activation_ma"]
+    what = "samples" if c.is_model_file else "sequences"
+    print(f"throughput {result.throughput:.1f} {what}/s (steps after the first); Ma = {fmt_bytes(result.ma_bytes)} "
+          f"(one micro-batch's activations over the whole model / D)")
+    unit, div = byte_unit([d["peak_activation_bytes"] for d in result.per_device])
+    act = f"peak_activation_{unit}"
+    rows = [{**d, act: d["peak_activation_bytes"] / div} for d in result.per_device]
+    cols = ["device", act, "peak_activation_ma"]
     if result.trace is not None:
         cols += ["busy_s", "bubble_ratio"]
-    print(fmt_table(result.per_device, cols, {"peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}",
-                                              "bubble_ratio": "{:.3f}"}))
+    print(fmt_table(rows, cols, {act: "{:.4g}", "peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}",
+                                 "bubble_ratio": "{:.3f}"}))
     for what, path in (("trace", args.trace), ("chrome trace", args.chrome_trace), ("figure", args.plot)):
         if path:
             print(f"wrote {what}: {path}")

@@ -1,10 +1,17 @@
-"""``pipetwin validate``: executor vs simulator, schedule by schedule, with a calibrated profile."""
+"""``pipetwin validate``: executor vs simulator, schedule by schedule, with a calibrated profile.
+
+The measured side is the noise-free step of every schedule (:mod:`executor.sitting`: interleaved
+rounds of runs, ranks pinned to cores, runs disturbed by other processes left out, the
+run-to-run spread checked); a sitting whose runs do not settle is refused with its reason
+("host busy: ...") and no error figure (exit status 3).
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
+from .checks import check_run_size, float_in, input_file, int_in, nonneg_int, output_file, positive_int
 from .common import parse_schedules, print_json
-from .tables import fmt_table
+from .tables import byte_unit, fmt_table
 
 NAME = "validate"
 HELP = "run each schedule for real and in the simulator (calibrated profile); compare time, bubbles, memory"
@@ -12,26 +19,32 @@ HELP = "run each schedule for real and in the simulator (calibrated profile); co
 
 def add_arguments(p):
     p.add_argument("--schedules", default="all", help="comma-separated names or 'all'")
-    p.add_argument("--devices", "-D", type=int, default=2)
-    p.add_argument("--microbatches", "-N", type=int, default=None, help="default 2D")
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--chunks", "-v", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20, help="executor steps per run (default 20)")
-    p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every run (default 2)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--devices", "-D", type=positive_int, default=2)
+    p.add_argument("--microbatches", "-N", type=positive_int, default=None, help="default 2D")
+    p.add_argument("--dp", type=positive_int, default=1)
+    p.add_argument("--chunks", "-v", type=positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=20, help="executor steps per run (default 20)")
+    p.add_argument("--warmup", type=nonneg_int, default=2, help="steps dropped at the start of every run (default 2)")
+    p.add_argument("--repeats", type=int_in(1, 100), default=3,
                    help="quiet runs per schedule at least (default 3); the step time is the noise-free time "
                         "(median of the fast steps) of their pooled steps")
-    p.add_argument("--max-runs", type=int, default=6,
+    p.add_argument("--max-runs", type=int_in(1, 100), default=6,
                    help="runs per schedule at most before the sitting is refused (default 6)")
-    p.add_argument("--max-spread", type=float, default=0.05,
+    p.add_argument("--max-spread", type=float_in(0.0, 10.0), default=0.05,
                    help="largest run-to-run spread allowed: the step time with any one run left out (default 0.05)")
-    p.add_argument("--max-foreign", type=float, default=0.15,
+    p.add_argument("--max-foreign", type=float_in(0.0, 10.0), default=0.15,
                    help="cores' worth of other processes' CPU a run may see and still count (default 0.15)")
-    p.add_argument("--max-drift", type=float, default=0.05,
+    p.add_argument("--max-drift", type=float_in(0.0, 10.0), default=0.05,
                    help="with --profile: largest change of the host speed probe since calibration (default 0.05)")
-    p.add_argument("--profile", help="calibration profile; default: calibrate now (pipetwin calibrate)")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--plot", default="out/validate.png", help="overlay figure (default out/validate.png)")
+    p.add_argument("--profile", type=input_file,
+                   help="calibration profile; default: calibrate now, in the same sitting as the runs, and write "
+                        "it beside --plot")
+    p.add_argument("--model", default=None,
+                   help="model preset / YAML file or a model file PATH.py:FUNC (default: the profile's, else tiny)")
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="samples per micro-batch when calibrating now (default: a model file's 4, a GPT spec's)")
+    p.add_argument("--plot", default="out/validate.png", type=output_file,
+                   help="overlay figure (default out/validate.png)")
     p.add_argument("--json", action="store_true")
 
 
@@ -47,10 +60,12 @@ def main(args) -> int:
     import time
 
     from calibration import sitting_problems
-    from cost_models import load_profile, save_profile
+    from cost_models import is_model_ref, load_model, load_profile, save_profile
+    from cost_models.files import check_output_path
     from executor.sitting import SittingRules
     from schedules import ScheduleError, build
 
+    from .costs import check_profile_model
     from .crossval import calibrate_and_compare, plot_overlay, refusals, run_and_compare
 
     t_start = time.perf_counter()
@@ -58,69 +73,92 @@ def main(args) -> int:
     N = args.microbatches or 2 * D
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    if args.repeats < 1 or args.max_runs < args.repeats:
-        raise ValueError(f"need 1 <= --repeats <= --max-runs; got {args.repeats} and {args.max_runs}")
-    for name in ("max_spread", "max_foreign", "max_drift"):
-        v = getattr(args, name)
-        if not 0.0 <= v < 10.0:
-            raise ValueError(f"--{name.replace('_', '-')} must be a number in [0, 10); got {v}")
+    if args.max_runs < args.repeats:
+        raise ValueError(f"need --repeats <= --max-runs; got {args.repeats} and {args.max_runs}")
     rules = SittingRules(runs=args.repeats, max_runs=args.max_runs, warmup=args.warmup, max_spread=args.max_spread,
                          max_foreign=args.max_foreign)
+    prof = None
+    if args.profile:
+        prof = load_profile(args.profile)
+        check_profile_model(prof, args.model)
+        if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
+            raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; drop "
+                             f"--micro-batch or calibrate at {args.micro_batch}")
+    model = args.model or (prof.model_name if prof is not None else "tiny")
+    if is_model_ref(model):     # the model's own checks now, and its layer count for the schedules' stages
+        from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
+        mb = prof.micro_batch if prof is not None else args.micro_batch or DEFAULT_MICRO_BATCH
+        layers, name = stack_layout(model, 1, micro_batch=mb).num_layers, model
+    else:
+        spec = load_model(model)
+        layers, name = spec.layers, spec.name
+    check_run_size(devices=D, microbatches=N, replicas=R, chunks=args.chunks, layers=layers, model_name=name)
+    profile_out = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
+    if not args.profile:
+        check_output_path(profile_out, "calibration profile")
     names, skipped = [], {}
     for n in parse_schedules(args.schedules):
         try:
-            build(n, D, N, chunks=args.chunks)
-            names.append(n)
+            stages = build(n, D, N, chunks=args.chunks).num_stages
         except ScheduleError as e:
             skipped[n] = str(e)
+            continue
+        if is_model_ref(model) and stages > layers:
+            skipped[n] = f"{n} has {stages} stages at D={D}; model {model} has {layers} layers"
+            continue
+        names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
     progress = lambda m: _say(f"  {m}")   # noqa: E731
-    if args.profile:
-        prof = load_profile(args.profile)
+    if prof is not None:
         busy = [f"calibration {p}" for p in sitting_problems(prof)]
         if busy:   # a profile from a busy sitting predicts another host: nothing to compare it with
             return _refuse(busy, [], args, skipped, time.perf_counter() - t_start)
         _say(f"running {len(names)} schedules in rounds until {args.repeats} quiet runs of each agree "
              f"(at most {args.max_runs}) ...")
-        comps = run_and_compare(names, D, N, R, prof, steps=args.steps, model=args.model, chunks=args.chunks,
+        comps = run_and_compare(names, D, N, R, prof, steps=args.steps, model=model, chunks=args.chunks,
                                 rules=rules, progress=progress)
         reasons = refusals(comps, prof, max_drift=args.max_drift)
     else:
         _say(f"calibrating and running {len(names)} schedules in one sitting, in rounds until {args.repeats} quiet "
              f"runs of each agree (at most {args.max_runs}; pass --profile FILE to use an earlier calibration) ...")
-        prof, comps = calibrate_and_compare(names, D, N, R, model=args.model, steps=args.steps, chunks=args.chunks,
-                                            rules=rules, progress=progress)
-        cal = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
-        cal.parent.mkdir(parents=True, exist_ok=True)
-        save_profile(prof, cal)
+        prof, comps = calibrate_and_compare(names, D, N, R, model=model, steps=args.steps, chunks=args.chunks,
+                                            rules=rules, progress=progress, micro_batch=args.micro_batch)
+        saved = save_profile(prof, profile_out)
+        _say(f"wrote the profile to {saved} (reuse it: --profile {saved})")
         reasons = refusals(comps, prof, max_drift=None)
     seconds = time.perf_counter() - t_start
     if reasons:
         return _refuse(reasons, comps, args, skipped, seconds)
     if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_overlay(comps, args.plot)
     if args.json:
         print_json({"schedules": [c.record() for c in comps], "skipped": skipped, "refused": [],
                     "seconds": seconds})
         return 0
+    unit, div = byte_unit([max(c.measured_peak_activation_bytes) for c in comps])
     rows = [{"schedule": c.schedule + ("*" if c.fitted else ""), "measured_ms": c.measured_iteration_time * 1e3,
-             "simulated_ms": c.simulated_iteration_time * 1e3, "error": c.error,
+             "simulated_ms": c.simulated_iteration_time * 1e3, "error": c.error, "spread": c.spread,
+             "runs": f"{c.kept_runs}/{len(c.run_times)}", "host_speed": c.host_speed,
              "bubble_meas": sum(c.measured_bubble) / len(c.measured_bubble),
              "bubble_sim": sum(c.simulated_bubble) / len(c.simulated_bubble),
-             "peak_act_B": max(c.measured_peak_activation_bytes), "mem_err": c.memory_error,
-             "order_ok": c.order_identical, "spread": c.spread, "runs": f"{c.kept_runs}/{len(c.run_times)}"}
-            for c in comps]
-    print(f"D={D} N={N} R={R}, model {args.model}, profile {prof.name}"
+             f"peak_act_meas_{unit}": max(c.measured_peak_activation_bytes) / div,
+             f"peak_act_sim_{unit}": max(c.simulated_peak_activation_bytes) / div, "mem_err": c.memory_error,
+             "order_identical": c.order_identical} for c in comps]
+    fmts = {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}", "spread": "{:.1%}",
+            "host_speed": "{:.2f}", "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}",
+            f"peak_act_meas_{unit}": "{:.4g}", f"peak_act_sim_{unit}": "{:.4g}", "mem_err": "{:.2%}"}
+    print(f"D={D} N={N} R={R}, model {model}, profile {prof.name}"
           + ("" if args.profile else " (calibrated in this sitting)"))
     print(f"measured: noise-free step (median of the fast steps) of {args.repeats}+ quiet runs per schedule, "
           f"{args.steps} steps each, first {args.warmup} dropped")
-    print(fmt_table(rows, list(rows[0]), {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}",
-                                          "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}", "peak_act_B": "{:.0f}",
-                                          "mem_err": "{:.2%}", "spread": "{:.1%}"}))
+    print("iteration time, measured vs simulated:")
+    print(fmt_table(rows, ["schedule", "measured_ms", "simulated_ms", "error", "spread", "runs", "host_speed"], fmts))
     if any(c.fitted for c in comps):
         print("* the profile's runtime was fitted on these runs (in-sample); the others are predictions")
+    print("bubbles, peak activation memory and op order:")
+    print(fmt_table(rows, ["schedule", "bubble_meas", "bubble_sim", f"peak_act_meas_{unit}",
+                           f"peak_act_sim_{unit}", "mem_err", "order_identical"], fmts))
     errs = sorted(abs(c.error) for c in comps)
     out_errs = sorted(abs(c.error) for c in comps if not c.fitted)
     spreads = sorted(c.spread for c in comps if c.spread is not None)

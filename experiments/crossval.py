@@ -90,17 +90,21 @@ class Comparison:
 def compare(series: list, profile: CalibrationProfile, fitted: frozenset = frozenset()) -> list[Comparison]:
     """``series``: the executor's runs of each schedule (:class:`executor.sitting.RunSeries`);
     ``fitted``: the configs among them the profile's runtime was fitted on (marked in-sample)."""
+    from cost_models.partition import layers_from_blocks
     from executor.config import lowered_schedule
     out = []
     for ser in series:
         cfg, warmup = ser.config, ser.rules.warmup
         low = lowered_schedule(cfg)
+        # the run's split, as layers per stage (a GPT's blocks plus its embedding and head)
+        part = None if cfg.partition is None else \
+            tuple(cfg.partition) if cfg.is_model_file else tuple(layers_from_blocks(cfg.partition))
         # both engines, one statistic: the noise-free step time after the warm-up (the
         # simulator's steps after it are all alike); the step closest to it represents the runs
         res, step = ser.representative()
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile, steps=warmup + 2)
+        str_ = simulate_with_profile(low, profile, steps=warmup + 2, partition=part)
         sim_times = step_metrics(str_).iteration_times
         sim_t = noise_free(sim_times[warmup:])
         sim_step = min(range(warmup, len(sim_times)), key=lambda k: abs(sim_times[k] - sim_t))
@@ -125,29 +129,32 @@ def compare(series: list, profile: CalibrationProfile, fitted: frozenset = froze
     return out
 
 
-def _configs(schedules, devices, microbatches, replicas, *, steps, model, chunks):
+def _configs(schedules, devices, microbatches, replicas, *, steps, model, chunks, micro_batch=None, partitions=None):
     from calibration import PROBE
     from executor.config import RunConfig
     return [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model, probe=PROBE, pin_cores=True) for s in schedules]
+                      steps=steps, model=model, probe=PROBE, pin_cores=True, micro_batch=micro_batch,
+                      partition=(partitions or {}).get(s)) for s in schedules]
 
 
 def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
                     steps: int = 20, model: str | None = None, chunks: int = 2, rules=None,
-                    progress=None) -> list[Comparison]:
+                    progress=None, partitions: dict | None = None) -> list[Comparison]:
     """Run each schedule in interleaved rounds until its quiet runs agree (ranks pinned to cores
     where the host allows; ``rules``: :class:`executor.sitting.SittingRules`) and compare its
     noise-free step with the simulator's, with a profile calibrated earlier
-    (:func:`executor.sitting.run_series`)."""
+    (:func:`executor.sitting.run_series`). The runs use the profile's micro-batch;
+    ``partitions``: schedule -> the executor's partition (default: its own split, which the
+    simulator uses too)."""
     from executor.sitting import SittingRules, run_series
     cfgs = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model or profile.model.name,
-                    chunks=chunks)
+                    chunks=chunks, micro_batch=profile.micro_batch, partitions=partitions)
     return compare(run_series(cfgs, rules or SittingRules(), progress=progress), profile)
 
 
 def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, *,
                           model: str = "tiny", steps: int = 20, chunks: int = 2, repeats: int = 20, rules=None,
-                          progress=None) -> tuple[CalibrationProfile, list[Comparison]]:
+                          progress=None, micro_batch: int | None = None) -> tuple[CalibrationProfile, list[Comparison]]:
     """Calibrate and validate in one sitting: measure the host (:func:`calibration.measure_host`),
     then run the schedules and the calibration's traced runs (:func:`calibration.runtime_configs`;
     those equal to a schedule's config are shared) in the same interleaved rounds, fit the
@@ -155,15 +162,17 @@ def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int,
     on this VM the host's undisturbed speed itself moves by ~10% between sittings minutes apart,
     which is the error a profile from another sitting carries. The fitted configs are marked
     in-sample (``Comparison.fitted``). Returns (profile, comparisons)."""
-    from calibration import fit_profile, fit_ranks, measure_host, runtime_configs
+    from calibration import fit_profile, fit_ranks, measure_host
     from executor.sitting import SittingRules, run_series
     report = progress or (lambda msg: None)
     world = devices * replicas
-    host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"))
+    host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"),
+                        micro_batch=micro_batch)
     base_ranks = fit_ranks(world)
-    fit_base = runtime_configs(model, base_ranks, steps)
-    fit_over = runtime_configs(model, world, steps) if world > base_ranks else []
-    val = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model, chunks=chunks)
+    fit_base = host.runtime_configs(base_ranks, steps)
+    fit_over = host.runtime_configs(world, steps) if world > base_ranks else []
+    val = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model, chunks=chunks,
+                   micro_batch=host.micro_batch)
     every = list(dict.fromkeys(val + fit_base + fit_over))
     report(f"runs: {len(val)} schedules and {len(every) - len(val)} more calibration runs, interleaved")
     by_cfg = dict(zip(every, run_series(every, rules or SittingRules(), progress=report)))
@@ -192,32 +201,9 @@ def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift:
 
 
 def plot_overlay(comps: list[Comparison], path) -> None:
-    """Simulated (outline) over measured (filled) timelines, one panel per schedule."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    n = len(comps)
-    fig, axes = plt.subplots(n, 1, figsize=(12, sum(0.9 + 0.5 * c.devices * c.replicas for c in comps)),
-                             squeeze=False)
-    cmap = plt.get_cmap("tab10")
-    for ax, c in zip(axes[:, 0], comps):
-        for tr, filled in ((c.measured_trace, True), (c.simulated_trace, False)):
-            t = tr[tr["kind"].isin(["F", "B", "W"])]
-            t0 = tr["start"].min()
-            for row in t.itertuples(index=False):
-                y = row.device
-                colour = cmap(row.microbatch % 10)
-                if filled:
-                    ax.barh(y, row.end - row.start, left=row.start - t0, height=0.8, color=colour,
-                            alpha=0.45 if row.kind == "F" else 0.9, linewidth=0)
-                else:
-                    ax.barh(y, row.end - row.start, left=row.start - t0, height=0.8, fill=False,
-                            edgecolor="black", linewidth=0.6)
-        ax.set_title(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms (filled) vs simulated "
-                     f"{c.simulated_iteration_time * 1e3:.1f} ms (outlined), error {c.error:+.1%}", fontsize=9)
-        ax.set_yticks(range(c.devices * c.replicas), [f"rank {r}" for r in range(c.devices * c.replicas)], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_xlabel("seconds", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """Simulated (outline) over measured (filled) timelines, one panel per schedule
+    (:func:`experiments.plots.plot_overlay`)."""
+    from .plots import plot_overlay as draw
+    draw([(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms vs simulated "
+           f"{c.simulated_iteration_time * 1e3:.1f} ms, error {c.error:+.1%}", c.measured_trace, c.simulated_trace)
+          for c in comps], path)

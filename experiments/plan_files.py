@@ -40,6 +40,15 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
     loaded = source if isinstance(source, LoadedPlan) else load_plan(source)
     ex = loaded.for_executor(eager=eager)
     low: Schedule = ex["schedule"]
+    info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
+            "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
+    if "model_file" in ex:      # a profile's layer stack: the partition is over its layers
+        cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],
+                        chunks=loaded.plan.chunks, replicas=low.replicas, model=ex["model_file"],
+                        micro_batch=ex["micro_batch"], partition=tuple(ex["partition"]), eager_allreduce=eager,
+                        **options)
+        lowered_schedule(cfg, low)
+        return cfg, low, info
     spec = spec_from_dict(dict(ex["model_spec"]), f"plan model {ex['model']}")
     if spec.kind != "gpt":
         raise ValueError(f"the executor trains GPT decoders; the plan's model {spec.name!r} is of kind {spec.kind!r}")
@@ -51,6 +60,4 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
                     chunks=loaded.plan.chunks, replicas=low.replicas, model=spec, micro_batch=ex["micro_batch"],
                     partition=tuple(blocks), eager_allreduce=eager, **options)
     lowered_schedule(cfg, low)
-    info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
-            "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
     return cfg, low, info

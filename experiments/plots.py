@@ -1,4 +1,9 @@
-"""Paper-style timeline figures from traces (simulated or measured)."""
+"""Paper-style figures from traces (simulated or measured) and bubble tables.
+
+Rules every figure here keeps: legends sit outside the axes (they never cover an op); op kinds
+differ by more than colour (F light, B solid, W dotted hatch), so the figures read in black and
+white; lines that coincide stay visible (each series its own marker, size and dash); panels that
+are compared share one x axis starting at 0."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,14 +51,20 @@ def draw_timeline(ax, trace, *, step=None, title=None, label_ops=True):
     return m
 
 
-def add_legend(ax) -> None:
-    """The op-style key (F / B / W / up copy), above the axes so that it never covers an op."""
-    handles = [Patch(facecolor="grey", alpha=0.45, edgecolor="black", label="forward"),
-               Patch(facecolor="grey", edgecolor="black", label="backward"),
-               Patch(facecolor="grey", alpha=0.75, hatch="..", edgecolor="black", label="weight-grad (W)"),
-               Patch(facecolor="white", hatch="//", edgecolor="black", label="up copy")]
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.02), borderaxespad=0.0, fontsize=7,
-              ncol=4, frameon=False)
+def op_handles(extra=()) -> list:
+    """Legend handles of the op styles (F / B / W / up copy), plus ``extra`` handles."""
+    return [Patch(facecolor="grey", alpha=0.45, edgecolor="black", label="forward (F)"),
+            Patch(facecolor="grey", edgecolor="black", label="backward (B)"),
+            Patch(facecolor="grey", alpha=0.75, hatch="..", edgecolor="black", label="weight-grad (W)"),
+            Patch(facecolor="white", hatch="//", edgecolor="black", label="up copy"), *extra]
+
+
+def add_legend(ax, extra=()) -> None:
+    """The op-style key, above the axes so that it never covers an op (colour = micro-batch)."""
+    handles = op_handles(extra)
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.12), borderaxespad=0.0, fontsize=7,
+              ncol=len(handles), frameon=False, title="colour = micro-batch, number on the op = micro-batch",
+              title_fontsize=7)
 
 
 def plot_timeline(trace, path, *, title=None):
@@ -76,6 +87,59 @@ def plot_stacked(traces: dict, path, *, sharex=True):
     add_legend(axes[0, 0])
     fig.tight_layout()
     _save(fig, path)
+
+
+def plot_overlay(panels, path) -> None:
+    """Measured (filled, the op styles of :func:`draw_timeline`, micro-batch numbers on the ops)
+    under simulated (black outlines) timelines, one panel per schedule, all on one x axis from 0.
+    ``panels``: (title, measured trace, simulated trace) per schedule, each trace one step."""
+    from matplotlib.lines import Line2D
+    n = len(panels)
+    heights = [0.9 + 0.45 * m["device"].nunique() for _, m, _ in panels]
+    fig, axes = plt.subplots(n, 1, figsize=(12, sum(heights) + 1.0), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    cmap = plt.get_cmap("tab10")
+    for ax, (title, measured, simulated) in zip(axes[:, 0], panels):
+        devices = sorted(set(measured["device"]) | set(simulated["device"]))
+        for tr, filled in ((measured, True), (simulated, False)):
+            t = tr[tr["kind"].isin(["F", "B", "W"])]
+            t0 = tr["start"].min()
+            for row in t.itertuples(index=False):
+                y, width, left = devices.index(row.device), row.end - row.start, row.start - t0
+                if filled:
+                    style = dict(KIND_STYLE[row.kind])
+                    hatch = style.pop("hatch", None)
+                    if getattr(row, "copy", 0) == 1:
+                        hatch = (hatch or "") + "//"
+                    ax.barh(y, width, left=left, height=0.8, color=cmap(row.microbatch % 10), hatch=hatch,
+                            edgecolor="grey", linewidth=0.3, **style)
+                    if width > 0:
+                        ax.text(left + width / 2, y, str(row.microbatch), ha="center", va="center", fontsize=5)
+                else:
+                    ax.barh(y, width, left=left, height=0.8, fill=False, edgecolor="black", linewidth=0.7)
+        ax.set_title(title, fontsize=9)
+        ax.set_yticks(range(len(devices)), [f"rank {r}" for r in devices], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(left=0)
+    axes[-1, 0].set_xlabel("seconds since the step's first op", fontsize=8)
+    outline = Line2D([], [], color="black", linewidth=1.0, label="simulated (outline)")
+    add_legend(axes[0, 0], extra=[Patch(facecolor="tab:blue", alpha=0.9, label="measured (filled)"), outline])
+    fig.tight_layout()
+    _save(fig, path)
+
+
+# one style per series: coinciding lines (gpipe = dapple in bubble plots) stay visible
+SERIES_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "h", "<", ">")
+SERIES_DASHES = ("-", "--", "-.", ":")
+
+
+def series_style(i: int) -> dict:
+    """Plot keywords of series ``i``: its own marker and dash; even series large and hollow, odd ones
+    small and filled, so a series drawn over its neighbour's equal values shows inside it."""
+    hollow = i % 2 == 0
+    return dict(marker=SERIES_MARKERS[i % len(SERIES_MARKERS)], linestyle=SERIES_DASHES[i % len(SERIES_DASHES)],
+                markersize=10 if hollow else 5, markerfacecolor="none" if hollow else None,
+                markeredgewidth=1.4 if hollow else 1.0, linewidth=1.2)
 
 
 def _save(fig, path):

@@ -37,3 +37,28 @@ def fmt_table(rows: Sequence[Mapping], cols: Sequence[str], fmts: Mapping[str, s
 def markdown(df, floatfmt: str = ".4g") -> str:
     """A pandas DataFrame as a markdown table (floats with ``floatfmt``)."""
     return fmt_table(df.to_dict("records"), list(df.columns), markdown=True, floatfmt=floatfmt)
+
+
+BYTE_UNITS = (("B", 1), ("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40))
+
+
+def byte_unit(values) -> tuple[str, int]:
+    """The binary unit that shows ``values`` (bytes) best: the largest in which the biggest value is >= 1."""
+    top = max((abs(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))), default=0)
+    name, div = BYTE_UNITS[0]
+    for n, d in BYTE_UNITS:
+        if top >= d:
+            name, div = n, d
+    return name, div
+
+
+def fmt_bytes(n: float) -> str:
+    """One size in its own best unit: ``2.11 MiB``."""
+    name, div = byte_unit([n])
+    return f"{n:.0f} B" if div == 1 else f"{n / div:.3g} {name}"
+
+
+def wrap_cell(text: str, width: int) -> list[str]:
+    """``text`` cut at spaces into lines of at most ``width`` characters (long words stay whole)."""
+    import textwrap
+    return textwrap.wrap(str(text), width, break_long_words=False, break_on_hyphens=False) or [""]

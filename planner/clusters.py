@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models import Cluster, load_cluster
+from cost_models import Cluster, load_cluster, with_nodes
+from cost_models.cluster import split_size
 
 
 def _v100_4x8() -> Cluster:
@@ -32,10 +33,13 @@ CLUSTERS = {"v100-4x8-25gbe": _v100_4x8, "a100-8x8-ib": _a100_8x8}
 
 
 def resolve_cluster(name_or_path) -> Cluster:
+    """A planner cluster name or a cost_models preset / YAML path, optionally sized ``NAME:NODES``."""
     if isinstance(name_or_path, Cluster):
         return name_or_path
-    if name_or_path in CLUSTERS:
-        return CLUSTERS[name_or_path]()
+    base, nodes = split_size(name_or_path)
+    if base in CLUSTERS:
+        c = CLUSTERS[base]()
+        return c if nodes is None else with_nodes(c, nodes)
     return load_cluster(name_or_path)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from cost_models import DeviceSpec, ModelSpec, load_model, spec_from_dict
 
-from .models import PAPER_MODELS, paper_workload
+from .models import PAPER_MODELS, calibrated_from_source, paper_workload
 from .profiles import profile_workload
 from .workload import Workload, check_cost_model, is_profile_path, transformer_workload
 
@@ -46,5 +46,7 @@ def workload_from_source(source: dict, device: DeviceSpec) -> Workload:
     if kind == "profile":
         return profile_workload(source["path"], device, profile_batch=source.get("profile_batch"),
                                 cost_model=cost_model, activation_per_sample=source.get("activation_per_sample"))
-    raise ValueError(f"plan file: cannot rebuild model of kind {kind!r} (expected 'paper', 'transformer' or "
-                     f"'profile')")
+    if kind == "calibrated":    # a calibration profile's measured costs, carried in the record
+        return calibrated_from_source(source)
+    raise ValueError(f"plan file: cannot rebuild model of kind {kind!r} (expected 'paper', 'transformer', "
+                     f"'profile' or 'calibrated')")

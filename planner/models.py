@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from cost_models import DeviceSpec, LayerCosts, ModelSpec
+from cost_models import DeviceSpec, LayerCosts, ModelSpec, scaled_layer_costs
 
-from .workload import Workload, from_layer_costs, transformer_workload
+from .workload import WORKLOAD_FIELDS, Workload, from_layer_costs, transformer_workload
 
 XLNET_36 = ModelSpec(name="xlnet-36", layers=36, hidden=1024, heads=16, seq_len=512, vocab=32000, kind="bert")
 FP32 = 4
@@ -154,3 +154,35 @@ def kernel_curve(name: str, device: DeviceSpec, precision: str = "fp32"):
         t = [rates.phases(ks) for ks in layers]
         return tuple(x[0] / q for x in t), tuple(x[1] / q for x in t), tuple(x[2] / q for x in t)
     return curve
+
+
+def calibrated_workload(profile, device: DeviceSpec | None = None) -> Workload:
+    """A calibration profile's model (``pipetwin calibrate``: a transformer spec or a user's layer
+    stack, ``PATH.py:FUNC``) as a workload: the measured per-layer costs divided by the profile's
+    micro-batch (per sample: the planner takes costs as linear in the micro-batch, here an
+    approximation of measured ones), on the profile's own host (``device`` None) or scaled onto
+    ``device`` (:func:`cost_models.scaled_layer_costs`). Its ``source`` record (kind
+    ``calibrated``) carries the per-sample costs themselves, so a plan file rebuilds it without the
+    profile (:func:`calibrated_from_source`)."""
+    if device is None:
+        lc, cap = profile.layer_costs(), profile.memory_bytes
+    else:
+        lc, cap = scaled_layer_costs(profile, device)[0], device.memory_bytes
+    names = profile.model.layer_names if profile.is_stack else \
+        ("embedding", *[f"block{i}" for i in range(profile.model.layers)], "head")
+    work = from_layer_costs(profile.model_name, lc, per=profile.micro_batch, layer_names=names, memory_capacity=cap)
+    src = {"kind": "calibrated", "name": profile.model_name, "profile": profile.name, "stack": profile.is_stack,
+           "workload": {f: list(v) if isinstance(v, tuple) else v for f in WORKLOAD_FIELDS
+                        if f != "source" for v in [getattr(work, f)]}}
+    if not profile.is_stack:
+        src["spec"] = profile.model.to_dict()
+    return dataclasses.replace(work, source=src)
+
+
+def calibrated_from_source(source: dict) -> Workload:
+    """The workload of a ``calibrated`` source record (the inverse of :func:`calibrated_workload`)."""
+    w = dict(source.get("workload") or {})
+    missing = [f for f in WORKLOAD_FIELDS if f != "source" and f not in w]
+    if missing:
+        raise ValueError(f"plan file: the calibrated workload misses {', '.join(missing)}")
+    return Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in w.items()}, source=dict(source))

@@ -56,6 +56,7 @@ class Topology:
     _devs: dict = field(default_factory=dict, repr=False)
     _ar: dict = field(default_factory=dict, repr=False)
     _link: dict = field(default_factory=dict, repr=False)
+    _xfer: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.cluster.device_map is not None:
@@ -112,6 +113,25 @@ class Topology:
             off += s
         return out
 
+    def translation_period(self, policy: str) -> int | None:
+        """Slots by which every stage of a plan can move along the allocation order without any
+        communication cost changing (None: no such shift): whole nodes (whole leaves on a fat-tree or
+        rail fabric) for the node-major orders; one device of every node for scatter-first on a flat
+        fabric whose NICs are one per node or one per device. The search uses it to compare suffixes
+        of different sizes (:mod:`planner.search`)."""
+        c = self.cluster
+        if c.fabric != "flat":
+            if c.nodes % c.nodes_per_leaf:
+                return None
+            step = c.nodes_per_leaf
+        else:
+            step = 1
+        if policy in ("fresh-first", "append-first"):
+            return step * self.dpn
+        if policy == "scatter-first" and step == 1 and c.nics_per_node in (1, self.dpn):
+            return c.nodes
+        return None
+
     # ---------------------------------------------------------------- communication
     def allreduce_coef(self, devs: tuple[int, ...]) -> tuple[float, float]:
         """(alpha, beta): the all-reduce over ``devs`` of n bytes takes alpha + beta * n seconds."""
@@ -156,5 +176,10 @@ class Topology:
         return t
 
     def transfer(self, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float) -> float:
-        """Seconds to move ``nbytes`` (one micro-batch's boundary tensor) from stage ``src`` to ``dst``."""
-        return max((lat + nbytes * k for lat, k in self.transfer_terms(src, dst)), default=0.0)
+        """Seconds to move ``nbytes`` (one micro-batch's boundary tensor) from stage ``src`` to ``dst``
+        (cached: the search asks the same boundaries millions of times)."""
+        key = (src, dst, nbytes)
+        t = self._xfer.get(key)
+        if t is None:
+            t = self._xfer[key] = max((lat + nbytes * k for lat, k in self.transfer_terms(src, dst)), default=0.0)
+        return t

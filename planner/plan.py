@@ -43,6 +43,12 @@ class Plan:
     chunks: int = 2
 
     def __post_init__(self):
+        for name in ("global_batch", "microbatches", "chunks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"plan: field {name!r} must be an integer >= 1; got {v!r}")
+        if not self.stages:
+            raise ValueError("plan: field 'stages' is empty; a plan needs at least one stage")
         if self.global_batch % self.microbatches:
             raise ValueError(f"global batch {self.global_batch} is not a multiple of {self.microbatches} micro-batches")
         b = self.micro_batch
@@ -130,3 +136,6 @@ class Plan:
                         str(d["policy"]), str(d.get("schedule", "dapple")), int(d.get("chunks", 2)))
         except KeyError as e:
             raise ValueError(f"plan: missing field {e.args[0]!r}") from None
+        except (TypeError, IndexError):
+            raise ValueError("plan: malformed field (stages need 'layers': [start, stop] and 'devices': [ids])") \
+                from None

@@ -5,7 +5,9 @@ A plan file is JSON::
     {
       "format": "pipetwin-plan", "version": 1,
       "model":   {"kind": "transformer", "name": "bert-48", "spec": {...ModelSpec fields...}, "recompute": "none"}
-                 or {"kind": "paper", "name": "vgg-19", "recompute": "none"},
+                 or {"kind": "paper", "name": "vgg-19", "recompute": "none"}
+                 or {"kind": "calibrated", "name": "my.py:build" (or a preset), "profile": ..., "stack": true,
+                     "workload": {...the per-sample Workload fields...}, "spec": {...} (a transformer's)},
       "cluster": {...Cluster.to_dict(): nodes, devices_per_node, device, intra, inter, nics_per_node...},
       "memory_limit": bytes per device (null: the device's memory),
       "plan":    {"global_batch", "microbatches" (M), "micro_batch" (b = G / M), "policy", "schedule", "chunks",
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cost_models import Cluster, cluster_from_dict
+from cost_models._spec import size_bytes
+from cost_models.files import one_line, prepare_output, read_text
 
 from .load import workload_from_source
 from .plan import Plan
@@ -59,9 +63,7 @@ def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: floa
 def save_plan(path, plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,
               est=None, sim: SimOutcome | None = None) -> dict:
     rec = plan_record(plan, work, cluster, memory_limit, est, sim)
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    p = prepare_output(path, "plan file")
     p.write_text(json.dumps(rec, indent=2) + "\n")
     return rec
 
@@ -99,10 +101,15 @@ class LoadedPlan:
         ``micro_batch`` (samples per IR micro-batch: b / R, or b / C), ``partition`` (layers of each
         of the schedule's stages per model copy, over the L + 2 layers embedding, blocks, head),
         ``device_map`` (rank -> physical device id of the plan's cluster), ``layout`` (a line) and
-        ``global_batch``. Raises ValueError for models the executor cannot train (layer-cost models)."""
-        if self.workload.spec is None:
-            raise ValueError(f"the executor trains transformer models; {self.workload.name} is a layer-cost model "
-                             f"(the plan can be simulated, not run)")
+        ``global_batch``; for a profile's layer stack ``model_file`` (``PATH.py:FUNC``) instead of
+        ``model_spec`` and a partition over its layers. Raises ValueError for models the executor
+        cannot train (the paper's layer-cost models)."""
+        src = self.workload.source
+        stack = src.get("kind") == "calibrated" and src.get("stack")
+        spec = self.workload.spec.to_dict() if self.workload.spec is not None else src.get("spec")
+        if not stack and spec is None:
+            raise ValueError(f"the executor trains transformer models and model files; {self.workload.name} is a "
+                             f"layer-cost model (the plan can be simulated, not run)")
         plan = self.plan
         bt = self.build(eager=eager, check=False)
         low = bt.lowered
@@ -114,9 +121,9 @@ class LoadedPlan:
             per, mbs = plan.micro_batch // C, plan.microbatches * C
             layout = (f"stage replicas {':'.join(map(str, plan.replicas))}, {plan.microbatches} micro-batches of "
                       f"{plan.micro_batch} cut into {C} sub-batches of {per} (model copies)")
-        src = self.workload.source
-        return {"schedule": low, "model": src.get("name", self.workload.name),
-                "model_spec": self.workload.spec.to_dict(), "microbatches": mbs, "replicas": low.replicas,
+        out = {"model_file": src["name"]} if stack else {"model_spec": spec}
+        return {**out, "schedule": low, "model": src.get("name", self.workload.name),
+                "microbatches": mbs, "replicas": low.replicas,
                 "micro_batch": per, "partition": list(bt.costs.meta["partition"]),
                 "device_map": list(bt.network.device_map or range(low.num_ranks)), "layout": layout,
                 "global_batch": plan.global_batch}
@@ -142,16 +149,17 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:
     if max(d for st in plan.stages for d in st.devices) >= cluster.num_devices:
         raise ValueError(f"{source}: the plan uses devices beyond the cluster's {cluster.num_devices}")
     lim = rec.get("memory_limit")
-    return LoadedPlan(plan, work, cluster, None if lim is None else float(lim), rec)
+    if lim is not None:
+        lim = size_bytes(lim, source, "memory_limit")
+    return LoadedPlan(plan, work, cluster, lim, rec)
 
 
 def load_plan(path) -> LoadedPlan:
     """Read a plan file written by ``pipetwin plan --out`` (see the module docstring)."""
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"plan file {p} does not exist")
+    text = read_text(p, "plan file")
     try:
-        rec = json.loads(p.read_text())
+        rec = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
+        raise ValueError(f"{p}: not valid JSON ({one_line(e)})") from None
     return plan_from_record(rec, str(p))

@@ -181,8 +181,6 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     """Exact search of one (M, policy): see the module docstring."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     L, b = work.num_layers, ctx.G // M
-    pd = ctx.objective == "pipedream"
-    rtm = ctx.objective == "dapple-rt"
     slots = {r: topo.slots(policy, r) for r in _rep_values(ctx.space, b, P)}
     reps = [r for r, s in slots.items() if s <= P]
     if not reps:
@@ -190,104 +188,150 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     min_slot = min(slots[r] for r in reps)
     # per-sample times at each replica's share of the micro-batch; the bounds use the smallest
     lo = work.floor([b // r for r in reps])
-    at_q = {r: work.at(b // r) for r in reps}
-    cf, cb, ca, cp, out = lo._cf, lo._cb, work._ca, work._cp, work.out_bytes
+    cap = ctx.capacity
+    g = _sqrt_work_bound(lo, cap)     # prefix round trips: sum rt >= g[i]^2 b / devices
+    needs: dict[int, list[float]] = {}    # w -> slots layers [0, i) need with w micro-batches in flight
+
+    def need(w: int) -> list[float]:
+        """need[i]: slots layers [0, i) need with w micro-batches in flight."""
+        w = 1 << (w.bit_length() - 1)     # a power of two <= w: a valid (smaller) requirement
+        tab = needs.get(w)
+        if tab is None:
+            tab = needs[w] = _need_table(work, b, w, [(r, slots[r]) for r in reps], cap)
+        return tab
+
+    env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps, slots=slots,
+                 min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy))
+    fronts: list[dict] = [dict() for _ in range(L + 1)]
+    # a label: (p, v, t, n, stages, path, k) for the suffix [j, L) on the last k slots: p = slowest
+    # element (PipeDream), v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only
+    # under max_stages. A front is keyed by (k mod period, first stage's replicas): on a cluster whose
+    # costs do not change when every stage moves by ``period`` slots, a suffix on fewer slots with no
+    # worse labels leaves the prefix the same choices and more room (see Topology.translation_period)
+    fronts[L][(0, 0)] = [(0.0, 0.0, -INF, 0, 0, None, 0)]
+    for j in range(L, 0, -1):
+        states = fronts[j]
+        fronts[j] = None  # free
+        for (_, r1), mixed in states.items():
+            by_k: dict[int, list] = {}
+            for lab in mixed:
+                by_k.setdefault(lab[6], []).append(lab)
+            for k, labels in by_k.items():
+                _extend(ctx, env, j, k, r1, labels, fronts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _DPEnv:
+    """What one (M, policy) search shares between its steps (see :func:`_dp`)."""
+
+    M: int
+    policy: str
+    b: int
+    lo: Workload            # the smallest per-sample times over the replica counts (bounds)
+    at_q: dict              # replicas -> the workload at its share of the micro-batch
+    reps: list
+    slots: dict
+    min_slot: int
+    need: object            # w -> need table
+    g: list
+    N: int                  # the allocation order's length (stages pack against its end)
+    period: int | None
+
+
+def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list) -> None:
+    """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (first stage r1)."""
+    work, topo, P = ctx.work, ctx.topo, ctx.P
+    M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
+    pd = ctx.objective == "pipedream"
+    rtm = ctx.objective == "dapple-rt"
+    cf, cb, ca, cp, out = env.lo._cf, env.lo._cb, work._ca, work._cp, work.out_bytes
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     cap = ctx.capacity
     Mm1 = M - 1
     limit = ctx.space.max_stages
     uniform = ctx.space.uniform
-    g = _sqrt_work_bound(lo, cap)     # prefix round trips: sum rt >= g[i]^2 b / devices
-    needs: dict[int, list[float]] = {}    # w -> slots layers [0, i) need with w micro-batches in flight
-
-    def need(i: int, w: int) -> float:
-        w = 1 << (w.bit_length() - 1)     # a power of two <= w: a valid (smaller) requirement
-        tab = needs.get(w)
-        if tab is None:
-            tab = needs[w] = _need_table(work, b, w, [(r, slots[r]) for r in reps], cap)
-        return tab[i]
-
-    N = topo.num_devices             # stages pack against the end of the allocation order
-    fronts: list[dict] = [dict() for _ in range(L + 1)]
-    # a label: (p, v, t, n, stages, path) for the suffix [j, L): p = slowest element (PipeDream),
-    # v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only under max_stages
-    fronts[L][(0, 0)] = [(0.0, 0.0, -INF, 0, 0, None)]
-    for j in range(L, 0, -1):
-        states = fronts[j]
-        fronts[j] = None  # free
-        for (k, r1), labels in states.items():
-            devs1 = topo.devices(policy, N - k, r1) if k else None
-            X = out[j - 1] * b
-            for r in reps:
-                if k and uniform and r != r1:
-                    continue
-                sl = slots[r]
-                k2 = k + sl
-                if k2 > P:
-                    continue
-                free = P - k2
-                more = free >= min_slot
-                devs = topo.devices(policy, N - k2, r)
-                q = b / r
-                cfq, cbq = at_q[r]._cf, at_q[r]._cb
-                alpha, beta = topo.allreduce_coef(devs)
-                if k:
-                    ca_, cg_ = topo.transfer(devs, devs1, X), topo.transfer(devs1, devs, X)
+    devs1 = topo.devices(policy, N - k, r1) if k else None
+    X = out[j - 1] * b
+    for r in env.reps:
+        if k and uniform and r != r1:
+            continue
+        sl = env.slots[r]
+        k2 = k + sl
+        if k2 > P:
+            continue
+        key = (k2 % period if period else k2, r)
+        free = P - k2
+        more = free >= env.min_slot
+        devs = topo.devices(policy, N - k2, r)
+        q = b / r
+        cfq, cbq = env.at_q[r]._cf, env.at_q[r]._cb
+        alpha, beta = topo.allreduce_coef(devs)
+        if k:
+            ca_, cg_ = topo.transfer(devs, devs1, X), topo.transfer(devs1, devs, X)
+        else:
+            ca_ = cg_ = 0.0
+        link_st = ca_ if ca_ > cg_ else cg_
+        if ctx.budget is not None and ctx.evaluated > ctx.budget:
+            raise _OutOfBudget
+        for (p, v, t, n, cnt, path, _k) in labels:
+            if limit is not None and cnt >= limit:
+                continue
+            thr = ctx.threshold()
+            n2 = n + 1 if n < M else M
+            cnt2 = cnt + 1 if limit is not None else 0
+            if k:       # the boundary between the new stage and the suffix
+                if rtm:
+                    p1 = p + ca_ + cg_
                 else:
-                    ca_ = cg_ = 0.0
-                link_st = ca_ if ca_ > cg_ else cg_
-                if ctx.budget is not None and ctx.evaluated > ctx.budget:
-                    raise _OutOfBudget
-                for (p, v, t, n, cnt, path) in labels:
-                    if limit is not None and cnt >= limit:
-                        continue
+                    p1 = p if p > ca_ + cg_ else ca_ + cg_
+                x = Mm1 * link_st
+                v1 = (ca_ + cg_) + (x if x > v else v)
+                t1 = t - cg_
+            else:
+                p1, v1, t1 = p, v, t
+            can_more = more and (limit is None or cnt2 < limit)
+            need_w = env.need(n2 + 1 if n2 < M else M)
+            i = j - 1
+            while i >= 0:
+                if not can_more and i > 0:
+                    i = 0          # the stage must take every remaining layer
+                par = cp[j] - cp[i]
+                if par * bps + n2 * (ca[j] - ca[i]) * q > cap:
+                    break
+                bw = (cbq[j] - cbq[i]) * q
+                rt = (cfq[j] - cfq[i]) * q + bw
+                ar = alpha + beta * par * gbp if (alpha or beta) and par > 0 else 0.0
+                x = Mm1 * rt
+                if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
+                    p2 = p1 + rt
+                    v2 = rt + max(x, v1, p1 + Mm1 * p2 / n2)
+                else:
+                    v2 = rt + (x if x > v1 else v1)
+                    p2 = max(p1, rt, ar / r)
+                if (p2 if pd else v2) > thr:
+                    break          # a longer stage is no better
+                y = ar + par * otp
+                t2 = y if y > t1 - bw else t1 - bw
+                ctx.evaluated += 1
+                if i == 0:
+                    ctx.offer((p2, v2 + t2) if pd else (v2 + t2, 0.0), M, policy, (i, j, r, path))
                     thr = ctx.threshold()
-                    n2 = n + 1 if n < M else M
-                    cnt2 = cnt + 1 if limit is not None else 0
-                    if k:       # the boundary between the new stage and the suffix
-                        p1 = p + ca_ + cg_ if rtm else max(p, ca_ + cg_)
-                        v1 = (ca_ + cg_) + max(Mm1 * link_st, v)
-                        t1 = t - cg_
-                    else:
-                        p1, v1, t1 = p, v, t
-                    can_more = more and (limit is None or cnt2 < limit)
-                    i = j - 1
-                    while i >= 0:
-                        if not can_more and i > 0:
-                            i = 0          # the stage must take every remaining layer
-                        par = cp[j] - cp[i]
-                        if par * bps + n2 * (ca[j] - ca[i]) * q > cap:
-                            break
-                        bw = (cbq[j] - cbq[i]) * q
-                        rt = (cfq[j] - cfq[i]) * q + bw
-                        ar = alpha + beta * par * gbp if (alpha or beta) and par > 0 else 0.0
-                        if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
-                            p2 = p1 + rt
-                            v2 = rt + max(Mm1 * rt, v1, p1 + Mm1 * p2 / n2)
-                        else:
-                            v2 = rt + max(Mm1 * rt, v1)
-                            p2 = max(p1, rt, ar / r)
-                        if (p2 if pd else v2) > thr:
-                            break          # a longer stage is no better
-                        t2 = max(ar + par * otp, t1 - bw)
-                        ctx.evaluated += 1
-                        if i == 0:
-                            ctx.offer((p2, v2 + t2) if pd else (v2 + t2, 0.0), M, policy, (i, j, r, path))
-                            thr = ctx.threshold()
-                            break
-                        if need(i, n2 + 1 if n2 < M else M) > free:
-                            i -= 1
-                            continue       # layers [0, i) cannot fit on the slots left
-                        pw = (cf[i] + cb[i]) * b / free
-                        if pd:
-                            lb = max(p2, pw)
-                        else:
-                            prt = g[i] * g[i] * b / free
-                            lb = max(v2 + t2, v2 + prt, M * pw)
-                        if lb <= thr:
-                            _push(fronts[i], (k2, r), (p2, v2, t2, n2, cnt2, (i, j, r, path)), pd or rtm)
-                            ctx.labels += 1
-                        i -= 1
+                    break
+                if need_w[i] > free:
+                    i -= 1
+                    continue       # layers [0, i) cannot fit on the slots left
+                pw = (cf[i] + cb[i]) * b / free
+                if pd:
+                    lb = p2 if p2 > pw else pw
+                else:
+                    prt = g[i] * g[i] * b / free
+                    lb = v2 + (t2 if t2 > prt else prt)
+                    if M * pw > lb:
+                        lb = M * pw
+                if lb <= thr:
+                    _push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), pd or rtm)
+                    ctx.labels += 1
+                i -= 1
 
 
 def _seed(ctx: _Ctx, jobs) -> dict:
@@ -370,22 +414,24 @@ def _sqrt_work_bound(work: Workload, cap: float) -> list[float]:
 def _push(front: dict, key, lab, pd: bool) -> None:
     """Insert a label into a state's Pareto front (smaller is better in every field compared: the
     DAPPLE objective ignores the first field, the PipeDream one (slowest element) and the round-trip
-    one (the suffix's round trip) compare it too)."""
+    one (the suffix's round trip) compare it too; the slots the suffix takes count too, for fronts
+    that hold suffixes of several sizes)."""
     fr = front.get(key)
     if fr is None:
         front[key] = [lab]
         return
-    p, v, t, n, c = lab[0], lab[1], lab[2], lab[3], lab[4]
+    p, v, t, n, c, k = lab[0], lab[1], lab[2], lab[3], lab[4], lab[6]
     if pd:
         for o in fr:
-            if o[0] <= p and o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c:
+            if o[0] <= p and o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c and o[6] <= k:
                 return
-        fr[:] = [o for o in fr if not (p <= o[0] and v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4])]
+        fr[:] = [o for o in fr if not (p <= o[0] and v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4]
+                                       and k <= o[6])]
     else:
         for o in fr:
-            if o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c:
+            if o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c and o[6] <= k:
                 return
-        fr[:] = [o for o in fr if not (v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4])]
+        fr[:] = [o for o in fr if not (v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4] and k <= o[6])]
     fr.append(lab)
 
 

@@ -33,8 +33,7 @@ from cost_models.partition import balanced_edges
 from schedules import Schedule, build, lower, make_schedule, validate
 from schedules.dapple import one_f_one_b
 from schedules.ir import B, F
-from schedules.trace import step_metrics
-from sim import SimOptions, simulate
+from sim import SimOptions, run
 
 from .placement import lcm
 from .plan import Plan
@@ -176,9 +175,9 @@ class SimOutcome:
 
 def simulate_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | None = None,
                   options: SimOptions | None = None) -> SimOutcome:
-    """One simulated iteration of a plan."""
+    """One simulated iteration of a plan (the simulator's fast path: metrics without a trace, one
+    replica standing for identical ones)."""
     bt = build_plan(plan, work, cluster, capacity, check=False)
-    trace = simulate(bt.lowered, bt.costs, bt.network, options or SimOptions())
-    m = step_metrics(trace)
+    m = run(bt.lowered, bt.costs, bt.network, options or SimOptions()).metrics()
     peaks = tuple(p.peak_memory for p in m.per_device)
     return SimOutcome(m.iteration_time, m.bubble_ratio, max(peaks), peaks, bt.costs.meta.get("memory_capacity"))

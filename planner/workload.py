@@ -171,9 +171,10 @@ def transformer_workload(spec: ModelSpec, device: DeviceSpec, recompute: str = "
                        "per_sample_at": curve if cost_model == "kernels" else None})
 
 
-_FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
-           "bytes_per_param_static", "grad_bytes_per_param", "optim_time_per_param", "copy_time",
-           "memory_capacity", "source")
+WORKLOAD_FIELDS = ("name", "layer_names", "f", "b_input", "w", "act", "act_w", "out_bytes", "params",
+                   "bytes_per_param_static", "grad_bytes_per_param", "optim_time_per_param", "copy_time",
+                   "memory_capacity", "source")
+_FIELDS = WORKLOAD_FIELDS
 
 
 def check_cost_model(cost_model: str) -> None:

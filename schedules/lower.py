@@ -16,8 +16,9 @@ Inserted ops:
 """
 from __future__ import annotations
 
+from .common import gc_paused
 from .ir import (ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op, Schedule, ScheduleError, W, consumer_stage,
-                 message_key, producer_stage)
+                 message_key, new_op, producer_stage)
 from .timing import key, time_programs, unit_duration
 
 _PAYLOAD = {F: ACT, B: GRAD}   # what a forward / an input-gradient backward hands on
@@ -44,6 +45,11 @@ def incoming(op: Op, sched: Schedule) -> tuple[str, int, int] | None:
 
 
 def lower(sched: Schedule, *, replicas: int = 1, eager: bool = True) -> Schedule:
+    with gc_paused():
+        return _lower(sched, replicas, eager)
+
+
+def _lower(sched: Schedule, replicas: int, eager: bool) -> Schedule:
     if sched.lowered:
         raise ScheduleError(f"{sched.name} is already lowered")
     if replicas < 1:
@@ -55,40 +61,62 @@ def lower(sched: Schedule, *, replicas: int = 1, eager: bool = True) -> Schedule
     before: list[dict[int, list[Op]]] = [dict() for _ in range(D)]
     after: list[dict[int, list[Op]]] = [dict() for _ in range(D)]
 
-    # SEND / COPY after producers; remember each pair's send order
+    # SEND / COPY after producers; remember each pair's send order. What depends only on (kind,
+    # copy, stage) is resolved once per such combination (the ops of one stage all alike).
+    out_of: dict[tuple, tuple | None] = {}
+    in_of: dict[tuple, tuple | None] = {}
     sent: dict[tuple[int, int], list[tuple]] = {}
+    consumers: list[dict[tuple, int]] = [dict() for _ in range(D)]   # message key -> consumer position
     for d, prog in enumerate(progs):
+        after_d = after[d]
+        consumer_pos = consumers[d]
         for i, op in enumerate(prog):
-            out = outgoing(op, sched)
+            ks = (op.kind, op.copy, op.stage)
+            inc = in_of.get(ks, 0)
+            if inc == 0:
+                inc = in_of[ks] = incoming(op, sched)
+            if inc is not None and inc[2] != d:
+                consumer_pos[(inc[0], op.copy, op.mb, inc[1])] = i
+            out = out_of.get(ks, 0)
+            if out == 0:
+                out = out_of[ks] = outgoing(op, sched)
             if out is None:
                 continue
             payload, _, dst = out
             if dst == d:
-                msg = Op(COPY, op.mb, op.stage, op.copy, op.chunk, -1, payload)
+                msg = new_op(COPY, op.mb, op.stage, op.copy, op.chunk, -1, payload)
             else:
-                msg = Op(SEND, op.mb, op.stage, op.copy, op.chunk, dst, payload)
+                msg = new_op(SEND, op.mb, op.stage, op.copy, op.chunk, dst, payload)
                 sent.setdefault((d, dst), []).append(message_key(msg))
-            after[d].setdefault(i, []).append(msg)
+            lst = after_d.get(i)
+            if lst is None:
+                after_d[i] = [msg]
+            else:
+                lst.append(msg)
 
     # RECV before consumers, in the sender's FIFO order
-    for d, prog in enumerate(progs):
-        consumer_pos: dict[tuple, int] = {}
-        for i, op in enumerate(prog):
-            inc = incoming(op, sched)
-            if inc is not None and inc[2] != d:
-                consumer_pos[(inc[0], op.copy, op.mb, inc[1])] = i
-        for (src, dst), keys in sent.items():
-            if dst != d:
-                continue
+    by_dst: dict[int, list] = {}
+    for (src, dst), keys in sent.items():
+        by_dst.setdefault(dst, []).append((src, keys))
+    for d in range(D):
+        consumer_pos = consumers[d]
+        before_d = before[d]
+        for src, keys in by_dst.get(d, ()):
             missing = [k for k in keys if k not in consumer_pos]
             if missing:
                 raise ScheduleError(f"device {src} sends {missing[0]} to device {d}, which never consumes it")
             pos = [consumer_pos[k] for k in keys]
             for k in range(len(pos) - 2, -1, -1):
-                pos[k] = min(pos[k], pos[k + 1])
+                if pos[k + 1] < pos[k]:
+                    pos[k] = pos[k + 1]
             for (payload, c, mb, src_stage), p in zip(keys, pos):
                 stage = consumer_stage(payload, src_stage)
-                before[d].setdefault(p, []).append(Op(RECV, mb, stage, c, chunk[(c, stage)], src, payload))
+                rv = new_op(RECV, mb, stage, c, chunk[(c, stage)], src, payload)
+                lst = before_d.get(p)
+                if lst is None:
+                    before_d[p] = [rv]
+                else:
+                    lst.append(rv)
 
     # ALLREDUCE: one global order, eager (after the last grad op of the stage) or at the end
     proto = sched.with_programs(progs, replicas=replicas)
@@ -117,11 +145,17 @@ def lower(sched: Schedule, *, replicas: int = 1, eager: bool = True) -> Schedule
     lowered = []
     for d, prog in enumerate(progs):
         out: list[Op] = []
+        append, extend = out.append, out.extend
+        before_d, after_d = before[d], after[d]
         for i, op in enumerate(prog):
-            out += before[d].get(i, [])
-            out.append(op)
-            out += after[d].get(i, [])
-        out.append(Op(OPTIM))
+            b = before_d.get(i)
+            if b is not None:
+                extend(b)
+            append(op)
+            a = after_d.get(i)
+            if a is not None:
+                extend(a)
+        append(Op(OPTIM))
         lowered.append(out)
     meta = dict(sched.meta, eager_allreduce=eager)
     return sched.with_programs(lowered, replicas=replicas, lowered=True, meta=meta)

@@ -1,12 +1,24 @@
 """Schedule families by name: ``build(name, D, N, chunks=..., variant=...)``, their requirements
-and their variants (a family module's ``VARIANTS``: name -> one line, the first is the default)."""
+and their variants (a family module's ``VARIANTS``: name -> one line, the first is the default).
+
+Size limits (:func:`check_size`, run by :func:`build` before anything is built): at most
+``MAX_RANKS`` ranks (D x R) and an estimated ``MAX_OPS`` ops per iteration over all ranks after
+lowering (about 7 per micro-batch, chunk and rank: F, B, W and the sends and receives). Building
+and validating grow with D^2 and the simulator's trace with the op count: 4 million ops take about
+a minute and a few GiB; beyond, the run is refused at once instead of running for minutes or
+growing memory without bound."""
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from .common import gc_paused
 from .ir import Schedule, ScheduleError
+
+MAX_RANKS = 2048
+MAX_OPS = 4_000_000
+OPS_PER_MICROBATCH = 7      # per chunk and rank, after lowering (F, B, W, SEND/RECV of both directions)
 
 _MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb_h1", "zb_v", "dualpipe_v", "bitpipe_zb"]
 
@@ -41,11 +53,37 @@ def get(name: str) -> Family:
     return fams[name]
 
 
+def estimated_ops(num_devices: int, num_microbatches: int, replicas: int = 1, chunks: int = 1) -> int:
+    """An upper estimate of the ops of one lowered iteration (every schedule has at most two chunks
+    per device unless ``chunks`` says more)."""
+    return OPS_PER_MICROBATCH * num_devices * replicas * num_microbatches * max(2, chunks)
+
+
+def check_size(num_devices: int, num_microbatches: int, replicas: int = 1, chunks: int = 1) -> None:
+    """Refuse, in O(1), sizes beyond the limits of the module docstring (ScheduleError, one line).
+    Values below 1 pass: each family's own requirements say what it needs."""
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+           for v in (num_devices, num_microbatches, replicas, chunks)):
+        return
+    ranks = num_devices * replicas
+    if ranks > MAX_RANKS:
+        raise ScheduleError(f"D x R = {num_devices} x {replicas} = {ranks} ranks is beyond pipetwin's limit of "
+                            f"{MAX_RANKS} (schedules.registry.MAX_RANKS)")
+    ops = estimated_ops(num_devices, num_microbatches, replicas, chunks)
+    if ops > MAX_OPS:
+        raise ScheduleError(f"D={num_devices} x R={replicas} with N={num_microbatches} micro-batches is about "
+                            f"{ops:,} ops per iteration, beyond pipetwin's limit of {MAX_OPS:,} "
+                            f"(schedules.registry.MAX_OPS); use fewer micro-batches (N <= "
+                            f"{max(1, MAX_OPS // (ops // num_microbatches)):,} here)")
+
+
 def build(name: str, num_devices: int, num_microbatches: int, **kw) -> Schedule:
-    """Build a compute-only schedule of a family (requirements checked up front). ``variant``
-    (None: the family's default) must be one of the family's variants."""
+    """Build a compute-only schedule of a family (requirements and :func:`check_size` checked up
+    front). ``variant`` (None: the family's default) must be one of the family's variants."""
     fam = get(name)
+    check_size(num_devices, num_microbatches, 1, int(kw.get("chunks") or 1))
     if kw.get("variant") is not None and not fam.variants:
         raise ScheduleError(f"{name} has no variants (got {kw['variant']!r}); leave the variant out "
                             f"(schedules with variants: {', '.join(n for n, f in families().items() if f.variants)})")
-    return fam.build(num_devices, num_microbatches, **kw)
+    with gc_paused():
+        return fam.build(num_devices, num_microbatches, **kw)

@@ -7,11 +7,13 @@ that schedule families use to derive a per-device order from priorities (Chimera
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from typing import Callable, Iterable, Sequence
 
 from .ir import ACT, GRAD, B, F, Op, ScheduleError, W, producer_stage
 
 Key = tuple  # (kind, copy, stage, mb)
+_COMPUTE = frozenset((F, B, W))
 
 
 def key(op: Op) -> Key:
@@ -52,38 +54,56 @@ def time_programs(programs: Sequence[Sequence[Op]], num_stages: int,
     starts as soon as its inputs exist (zero communication cost).
 
     Returns ``{key: (device, start, end)}``. Raises :class:`ScheduleError` naming the stuck
-    devices if the order deadlocks.
+    devices if the order deadlocks. (A worklist: a device runs until an input is missing and
+    is woken when that input's op ends, so every op is looked at about once.)
     """
-    progs = [[o for o in p if o.is_compute] for p in programs]
+    progs = [[o for o in p if o.kind in _COMPUTE] for p in programs]
     pos = [0] * len(progs)
     clock = [0.0] * len(progs)
     done: dict[Key, tuple[int, float, float]] = {}
-    remaining = sum(len(p) for p in progs)
-    while remaining:
-        progressed = False
-        for d, prog in enumerate(progs):
-            while pos[d] < len(prog):
-                op = prog[pos[d]]
-                deps = compute_deps(op.kind, op.copy, op.stage, op.mb, num_stages)
-                if any(k not in done for k in deps):
+    waiting: dict[Key, list[int]] = {}
+    templates: dict[tuple, tuple] = {}      # (kind, copy, stage) -> deps as (kind, copy, stage)
+    ready = deque(range(len(progs)))
+    while ready:
+        d = ready.popleft()
+        prog, p, t = progs[d], pos[d], clock[d]
+        n = len(prog)
+        while p < n:
+            op = prog[p]
+            k, c, s, m = op.kind, op.copy, op.stage, op.mb
+            tmpl = templates.get((k, c, s))
+            if tmpl is None:
+                tmpl = templates[(k, c, s)] = tuple(x[:3] for x in compute_deps(k, c, s, 0, num_stages))
+            start = t
+            blocked = False
+            for dk, dc, ds in tmpl:
+                e = done.get((dk, dc, ds, m))
+                if e is None:
+                    waiting.setdefault((dk, dc, ds, m), []).append(d)
+                    blocked = True
                     break
-                start = max([clock[d]] + [done[k][2] for k in deps])
-                end = start + dur(op)
-                done[key(op)] = (d, start, end)
-                clock[d] = end
-                pos[d] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            waits = []
-            for d, prog in enumerate(progs):
-                if pos[d] < len(prog):
-                    op = prog[pos[d]]
-                    missing = [k for k in compute_deps(op.kind, op.copy, op.stage, op.mb, num_stages)
-                               if k not in done]
-                    waits.append(f"device {d} at {op} waits for " +
-                                 ", ".join(f"{k[0]}{k[3]}.s{k[2]}" + (f".c{k[1]}" if k[1] else "") for k in missing))
-            raise ScheduleError("compute order deadlocks: " + "; ".join(waits))
+                if e[2] > start:
+                    start = e[2]
+            if blocked:
+                break
+            t = start + dur(op)
+            kk = (k, c, s, m)
+            done[kk] = (d, start, t)
+            p += 1
+            woken = waiting.pop(kk, None)
+            if woken:
+                ready.extend(woken)
+        pos[d], clock[d] = p, t
+    if any(pos[d] < len(prog) for d, prog in enumerate(progs)):
+        waits = []
+        for d, prog in enumerate(progs):
+            if pos[d] < len(prog):
+                op = prog[pos[d]]
+                missing = [k for k in compute_deps(op.kind, op.copy, op.stage, op.mb, num_stages)
+                           if k not in done]
+                waits.append(f"device {d} at {op} waits for " +
+                             ", ".join(f"{k[0]}{k[3]}.s{k[2]}" + (f".c{k[1]}" if k[1] else "") for k in missing))
+        raise ScheduleError("compute order deadlocks: " + "; ".join(waits))
     return done
 
 

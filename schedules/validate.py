@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from .common import gc_paused
 from .ir import ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedule, ScheduleError, W, message_key
 from .lower import incoming, lower
 
@@ -22,26 +23,30 @@ def check_structure(sched: Schedule) -> None:
     if len(sched.programs) != D:
         raise ScheduleError(f"{sched.name}: {len(sched.programs)} programs for {D} devices")
     kinds = (F, B, W) if sched.split_backward else (F, B)
+    compute = frozenset((F, B, W))
     seen: dict[tuple, int] = {}
     copy_of: dict[int, int] = {}
+    C, placement, split = sched.num_copies, sched.placement, sched.split_backward
     for d, prog in enumerate(sched.programs):
         for op in prog:
-            if not op.is_compute:
+            kind = op.kind
+            if kind not in compute:
                 continue
-            if op.kind == W and not sched.split_backward:
+            c, st, mb = op.copy, op.stage, op.mb
+            if kind == W and not split:
                 raise ScheduleError(f"device {d}: {op} is a W op but {sched.name} does not split the backward")
-            if not (0 <= op.copy < sched.num_copies and 0 <= op.stage < S):
+            if not (0 <= c < C and 0 <= st < S):
                 raise ScheduleError(f"device {d}: {op} names a copy/stage outside the schedule")
-            if not 0 <= op.mb < N:
-                raise ScheduleError(f"device {d}: {op} names micro-batch {op.mb}, outside 0..{N - 1}")
-            want = sched.placement[op.copy][op.stage]
+            if not 0 <= mb < N:
+                raise ScheduleError(f"device {d}: {op} names micro-batch {mb}, outside 0..{N - 1}")
+            want = placement[c][st]
             if want != d:
                 raise ScheduleError(f"device {d}: {op} belongs on device {want} by the placement")
-            k = (op.kind, op.copy, op.stage, op.mb)
+            k = (kind, c, st, mb)
             if k in seen:
                 raise ScheduleError(f"device {d}: {op} appears twice")
             seen[k] = d
-            if copy_of.setdefault(op.mb, op.copy) != op.copy:
+            if copy_of.setdefault(mb, c) != c:
                 raise ScheduleError(f"micro-batch {op.mb} runs in two model copies ({copy_of[op.mb]} and {op.copy})")
     for m in range(N):
         if m not in copy_of:
@@ -55,24 +60,28 @@ def check_structure(sched: Schedule) -> None:
 
 def validate(sched: Schedule) -> Schedule:
     """Check a schedule; return its lowered form (lowering it with defaults if needed)."""
-    check_structure(sched)
-    low = sched if sched.lowered else lower(sched)
-    symbolic_run(low)
+    with gc_paused():
+        check_structure(sched)
+        low = sched if sched.lowered else lower(sched)
+        symbolic_run(low)
     return low
 
 
 def check_collective_order(sched: Schedule) -> None:
-    R = sched.num_ranks
-    seqs = [[op.stage for op in sched.program(r) if op.kind == ALLREDUCE] for r in range(R)]
-    groups = {s: set(sched.stage_group(s)) for s in range(sched.num_stages)}
-    for r in range(R):
+    """Every pair of ranks issues the all-reduces they share in the same order. Replicas run their
+    device's program, so the pairs of replica 0's devices decide for every pair of ranks (two
+    ranks of one device share every all-reduce and issue them in one order)."""
+    D = sched.num_devices
+    seqs = [[op.stage for op in sched.programs[d] if op.kind == ALLREDUCE] for d in range(D)]
+    holds = [{s for _, s in sched.stages_on(d)} for d in range(D)]
+    for r in range(D):
         for s in seqs[r]:
-            if r not in groups[s]:
+            if s not in holds[r]:
                 raise ScheduleError(f"rank {r} all-reduces stage {s} but does not hold it")
-    for a in range(R):
-        for b in range(a + 1, R):
-            sa = [s for s in seqs[a] if b in groups[s]]
-            sb = [s for s in seqs[b] if a in groups[s]]
+    for a in range(D):
+        for b in range(a + 1, D):
+            sa = [s for s in seqs[a] if s in holds[b]]
+            sb = [s for s in seqs[b] if s in holds[a]]
             if sa != sb:
                 raise ScheduleError(f"ranks {a} and {b} issue their shared all-reduces in different orders: "
                                     f"{' '.join(f'AR.s{s}' for s in sa)} vs {' '.join(f'AR.s{s}' for s in sb)}")
@@ -80,67 +89,82 @@ def check_collective_order(sched: Schedule) -> None:
 
 def symbolic_run(sched: Schedule) -> None:
     """Execute the lowered programs symbolically; raise ScheduleError on a deadlock or a FIFO
-    mismatch, naming the ranks and ops involved."""
+    mismatch, naming the ranks and ops involved. Replicas run their device's program on their own
+    ranks and meet only in all-reduces, which every replica reaches exactly when replica 0 does:
+    running replica 0 decides for all of them."""
     if not sched.lowered:
         raise ScheduleError("symbolic_run needs a lowered schedule (call lower() first)")
     check_collective_order(sched)
-    R = sched.num_ranks
+    R = sched.num_devices
     progs = [sched.program(r) for r in range(R)]
+    members = {s: [g for g in sched.stage_group(s) if g < R] for s in range(sched.num_stages)}
     pc = [0] * R
     avail: list[set] = [set() for _ in range(R)]      # message keys present on the rank
     done: list[set] = [set() for _ in range(R)]       # (kind, copy, stage, mb) finished
     fifo: dict[tuple[int, int], deque] = {}
     ar_arrived: dict[int, int] = {}
     ar_started: list[list[int]] = [[] for _ in range(R)]
+    inputs: dict[tuple, tuple | None] = {}             # (kind, copy, stage) -> incoming(...)
 
-    def step(r: int) -> str | None:
-        """Run rank r as far as it goes; return what it waits for (None when finished)."""
+    def step(r: int) -> tuple | None:
+        """Run rank r as far as it goes; return what it waits for, (rank, op, all-reduced stage or
+        None), or None when finished."""
         prog = progs[r]
-        while pc[r] < len(prog):
-            op = prog[pc[r]]
-            k = op.kind
-            if k in (F, B, W):
-                inc = incoming(op, sched) if k != W else None
-                if inc is not None:
-                    mk = (inc[0], op.copy, op.mb, inc[1])
-                    if mk not in avail[r]:
-                        raise ScheduleError(f"rank {r}: {op} runs before its input "
-                                            f"({'activation' if inc[0] == ACT else 'gradient'} from stage {inc[1]}) "
-                                            f"was received or copied")
-                if k == B and (F, op.copy, op.stage, op.mb) not in done[r]:
-                    raise ScheduleError(f"rank {r}: {op} runs before its forward")
-                if k == W and (B, op.copy, op.stage, op.mb) not in done[r]:
-                    raise ScheduleError(f"rank {r}: {op} runs before its input-gradient backward")
-                done[r].add((k, op.copy, op.stage, op.mb))
-            elif k in (SEND, COPY):
-                producer = F if op.payload == ACT else B
-                if (producer, op.copy, op.stage, op.mb) not in done[r]:
-                    raise ScheduleError(f"rank {r}: {op} before the op that produces it")
-                if k == SEND:
-                    fifo.setdefault((r, op.peer), deque()).append(message_key(op))
-                else:
-                    avail[r].add(message_key(op))
-            elif k == RECV:
-                q = fifo.get((op.peer, r))
-                if not q:
-                    return f"rank {r} waits at {op} for rank {op.peer}"
-                got = q.popleft()
-                want = message_key(op)
-                if got != want:
-                    raise ScheduleError(f"FIFO mismatch: rank {r} at {op} expects {_fmt(want)} from rank {op.peer}, "
-                                        f"but the next message rank {op.peer} sent is {_fmt(got)}")
-                avail[r].add(want)
-            elif k == ALLREDUCE:
-                ar_arrived[op.stage] = ar_arrived.get(op.stage, 0) + 1
-                ar_started[r].append(op.stage)
-            elif k == OPTIM:
-                for s in ar_started[r]:
-                    count = len(sched.stage_group(s))
-                    if ar_arrived.get(s, 0) < count:
-                        return (f"rank {r} waits at OPT for AR.s{s} "
-                                f"({ar_arrived.get(s, 0)}/{count} members of {sched.stage_group(s)} arrived)")
-            pc[r] += 1
-        return None
+        av, dn = avail[r], done[r]
+        p, n = pc[r], len(prog)
+        try:
+            while p < n:
+                op = prog[p]
+                k = op.kind
+                if k == F or k == B or k == W:
+                    c, st, mb = op.copy, op.stage, op.mb
+                    if k != W:
+                        ks = (k, c, st)
+                        inc = inputs.get(ks, 0)
+                        if inc == 0:
+                            inc = inputs[ks] = incoming(op, sched)
+                        if inc is not None and (inc[0], c, mb, inc[1]) not in av:
+                            raise ScheduleError(f"rank {r}: {op} runs before its input "
+                                                f"({'activation' if inc[0] == ACT else 'gradient'} from stage "
+                                                f"{inc[1]}) was received or copied")
+                    if k == B and (F, c, st, mb) not in dn:
+                        raise ScheduleError(f"rank {r}: {op} runs before its forward")
+                    if k == W and (B, c, st, mb) not in dn:
+                        raise ScheduleError(f"rank {r}: {op} runs before its input-gradient backward")
+                    dn.add((k, c, st, mb))
+                elif k == SEND or k == COPY:
+                    producer = F if op.payload == ACT else B
+                    if (producer, op.copy, op.stage, op.mb) not in dn:
+                        raise ScheduleError(f"rank {r}: {op} before the op that produces it")
+                    if k == SEND:
+                        q = fifo.get((r, op.peer))
+                        if q is None:
+                            q = fifo[(r, op.peer)] = deque()
+                        q.append(message_key(op))
+                    else:
+                        av.add(message_key(op))
+                elif k == RECV:
+                    q = fifo.get((op.peer, r))
+                    if not q:
+                        return (r, op, None)        # formatted only if the run deadlocks
+                    got = q.popleft()
+                    want = message_key(op)
+                    if got != want:
+                        raise ScheduleError(f"FIFO mismatch: rank {r} at {op} expects {_fmt(want)} from rank "
+                                            f"{op.peer}, but the next message rank {op.peer} sent is {_fmt(got)}")
+                    av.add(want)
+                elif k == ALLREDUCE:
+                    ar_arrived[op.stage] = ar_arrived.get(op.stage, 0) + 1
+                    ar_started[r].append(op.stage)
+                elif k == OPTIM:
+                    for s in ar_started[r]:
+                        count = len(members[s])
+                        if ar_arrived.get(s, 0) < count:
+                            return (r, op, s)
+                p += 1
+            return None
+        finally:
+            pc[r] = p
 
     waiting = {r: "" for r in range(R)}
     while waiting:
@@ -155,11 +179,19 @@ def symbolic_run(sched: Schedule) -> None:
                 progressed |= pc[r] != before
                 waiting[r] = w
         if waiting and not progressed:
-            raise ScheduleError("deadlock: " + "; ".join(waiting[r] for r in sorted(waiting)))
+            raise ScheduleError("deadlock: " + "; ".join(_wait_text(*waiting[r], members, ar_arrived)
+                                                         for r in sorted(waiting)))
     leftovers = {pair: list(q) for pair, q in fifo.items() if q}
     if leftovers:
         (a, b), q = next(iter(leftovers.items()))
         raise ScheduleError(f"rank {a} sent {_fmt(q[0])} to rank {b}, which never receives it")
+
+
+def _wait_text(r: int, op, stage, members: dict, arrived: dict) -> str:
+    if stage is None:
+        return f"rank {r} waits at {op} for rank {op.peer}"
+    return (f"rank {r} waits at OPT for AR.s{stage} "
+            f"({arrived.get(stage, 0)}/{len(members[stage])} members of {members[stage]} arrived)")
 
 
 def _fmt(k: tuple) -> str:

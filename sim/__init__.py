@@ -1,5 +1,6 @@
-"""The SimPy engine: devices, links with bandwidth sharing, collectives, memory tracking."""
-from .engine import SimOptions, SimulationError, simulate
+"""The SimPy engine: devices, links with max-min fair bandwidth sharing, collectives, memory tracking,
+replica symmetry."""
+from .engine import SimOptions, SimResult, SimulationError, run, simulate
 from .flows import FairShare
 
-__all__ = ["SimOptions", "SimulationError", "simulate", "FairShare"]
+__all__ = ["SimOptions", "SimResult", "SimulationError", "run", "simulate", "FairShare"]

@@ -1,4 +1,5 @@
-"""The SimPy engine: interprets a lowered schedule with a cost model and returns a trace.
+"""The SimPy engine: interprets a lowered schedule with a cost model and returns its metrics (and,
+when asked, its trace).
 
 One SimPy process per rank walks its program:
 
@@ -6,22 +7,41 @@ One SimPy process per rank walks its program:
   per-op jitter). With ``hosts``, ranks on one host share its cores (processor sharing: each
   compute op is a flow of its duration in core-seconds, capped at one core).
 - SEND posts the message (taking ``send_time`` of CPU, 0 unless calibrated on a host) and
-  returns (isend); the transfer occupies every link on the
-  network path for latency + bytes / bandwidth, sharing each link's bandwidth with concurrent
-  transfers. RECV blocks until its message has arrived (then
-  ``recv_time`` of CPU). COPY is local (``copy_time``).
-- ALLREDUCE starts once every member of the stage's group has reached it; it runs the steps of
-  a ring all-reduce (hierarchical when the group spans nodes) as flows over the same links as
-  P2P traffic, while the ranks go on;
+  returns (isend); the transfer occupies every link on the network path for latency +
+  bytes / bandwidth, sharing each link's bandwidth max-min fairly with concurrent transfers
+  (:mod:`sim.flows`). RECV blocks until its message has arrived (then ``recv_time`` of CPU).
+  COPY is local (``copy_time``).
+- ALLREDUCE starts once every member of the stage's group has reached it; it runs the phases of
+  a ring all-reduce (hierarchical when the group spans nodes, :func:`cost_models.comm.allreduce_phases`)
+  as flows over the same links as P2P traffic, while the ranks go on;
   OPTIM waits for the rank's all-reduces, then takes ``optim_time``.
 - Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
   F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
+
+A rank keeps its own clock and runs ahead of SimPy's while it touches nothing shared (compute on
+its own device, a message already delivered, no network); it synchronises (a timeout to its
+clock) before it starts a flow or joins an all-reduce, and it blocks only on a message not yet
+delivered. The times are those of one event per op; the events are far fewer.
+
+Metrics (iteration time per step, per-rank busy time and peak activation) are kept on the fly;
+the per-op trace is recorded only when asked (``trace=True``).
+
+Replica symmetry: when the R data-parallel replicas are identical (same costs, no per-rank
+slowdown that differs between replicas, no jitter, no shared host cores) and the network treats
+them alike, only replica 0 is simulated. The others' traffic is there as multiplicity: each
+transfer of replica 0 is one flow standing for the same transfer of every replica, and each
+all-reduce phase is a few flows standing for its transfers. The classes come from refining the
+transfers until every member of a class crosses links that carry the same load from the same
+classes (an equitable partition, :func:`sim.symmetry.replica_classes`); then max-min fair sharing
+gives every member the rate of its representative, so replica 0's run is every replica's. When a
+replica's transfers fall into a class of their own, the placement is not symmetric and every
+replica is simulated; ``SimOptions(exact=True)`` forces that.
 
 The engine knows no schedule by name: everything it does is driven by op kinds and placement.
 """
 from __future__ import annotations
 
-import gc
+import math
 import random
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,14 +51,16 @@ import pandas as pd
 import simpy
 
 from cost_models.base import StageCosts
-from cost_models.comm import allreduce_steps, ring_allreduce_time
+from cost_models.comm import allreduce_phases, ring_allreduce_time
 from cost_models.network import Network
+from schedules.common import gc_paused
 from schedules.ir import (ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedule, ScheduleError, W, activation_change,
                           source_stage)
 from schedules.lower import lower
-from schedules.trace import TraceRow, make_trace
+from schedules.trace import COLUMNS, DeviceMetrics, Metrics, TraceRow, make_trace
 
 from .flows import FairShare
+from .symmetry import Symmetry, replica_classes, symmetry_blocker
 
 
 @dataclass
@@ -48,12 +70,13 @@ class SimOptions:
     slowdown: per-rank factor on compute time (a straggler GPU: {3: 1.5}).
     link_slowdown: per-link-name factor dividing bandwidth (a slow link: {"n1.nic0.out": 2};
       link names come from the network, e.g. ``Cluster.links()``).
-    jitter: relative standard deviation of per-op compute noise (seeded, deterministic).
+    jitter: relative standard deviation of per-op compute noise (seeded per rank, deterministic).
     hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores.
     comm_uses_cores: with ``hosts``, transfers also occupy a core of each end's host while they
       run (CPU transports such as gloo, whose threads copy and reduce the bytes).
     steps: iterations simulated back to back (no barrier between them, as in the executor: a
       rank that finishes early starts the next step); the trace's ``step`` column tells them apart.
+    exact: simulate every data-parallel replica op by op even when they are identical.
     """
 
     slowdown: Mapping[int, float] = field(default_factory=dict)
@@ -64,10 +87,89 @@ class SimOptions:
     cores: float | Mapping[int, float] = 1.0
     steps: int = 1
     comm_uses_cores: bool = False
+    exact: bool = False
+
+    def __post_init__(self):
+        # a NaN or infinite factor would stall the event loop (a time that never comes) or print nonsense
+        for what, table in (("slowdown", self.slowdown), ("link_slowdown", self.link_slowdown)):
+            for k, v in table.items():
+                if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                    raise ValueError(f"SimOptions.{what}[{k!r}] must be a finite number > 0; got {v!r}")
+        if not (math.isfinite(self.jitter) and self.jitter >= 0):
+            raise ValueError(f"SimOptions.jitter must be a finite number >= 0; got {self.jitter!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"SimOptions.steps must be an integer >= 1; got {self.steps!r}")
 
 
 class SimulationError(RuntimeError):
     pass
+
+
+@dataclass
+class SimResult:
+    """What one simulation measured: per-step iteration times and, for the last step, every rank's
+    busy (compute) time and peak activation memory; the trace when it was recorded.
+
+    ``simulated_replicas``: 1 when replica symmetry let one replica stand for all, else R;
+    ``full_reason`` says why every replica was simulated (None when it was not needed)."""
+
+    attrs: dict
+    iteration_times: list[float]
+    busy: list[float]                 # per rank, last step
+    peak_activation: list[float]      # per rank, last step
+    simulated_replicas: int
+    full_reason: str | None = None
+    _rows: list | None = field(default=None, repr=False)
+    _trace: pd.DataFrame | None = field(default=None, repr=False)
+
+    @property
+    def iteration_time(self) -> float:
+        return self.iteration_times[-1]
+
+    def metrics(self) -> Metrics:
+        """The last step's metrics, as :func:`schedules.trace.step_metrics` computes them from the trace."""
+        it = self.iteration_time
+        static = self.attrs["static_mem"]
+        per = []
+        for d, (b, pa) in enumerate(zip(self.busy, self.peak_activation)):
+            st = float(static[d])
+            per.append(DeviceMetrics(d, b, 1.0 - b / it if it > 0 else 0.0, pa, st + pa, st))
+        return Metrics(it, sum(p.bubble_ratio for p in per) / len(per), per, list(self.iteration_times))
+
+    def trace(self) -> pd.DataFrame:
+        """The per-op trace (``simulate(..., trace=True)`` only). Under replica symmetry the other
+        replicas' rows are replica 0's with the ranks shifted."""
+        if self._trace is None:
+            if self._rows is None:
+                raise ValueError("this simulation kept no trace; run it with trace=True")
+            self._trace = _expand(self._rows, self.attrs, self.simulated_replicas)
+            self._rows = None
+        return self._trace
+
+
+def _expand(rows: list, attrs: dict, simulated: int) -> pd.DataFrame:
+    R, D = attrs["replicas"], attrs["devices"]
+    base = make_trace(rows, **attrs)
+    if simulated == R or R == 1:
+        return base
+    parts = [base]
+    tok = base["token"].to_numpy()
+    peer = base["peer"].to_numpy()
+    comm = peer >= 0
+    cut = [t.rfind(">") if ">" in t else t.rfind("<") for t in tok[comm]]
+    heads = [t[:c + 1] for t, c in zip(tok[comm], cut)]
+    for i in range(1, R):
+        part = base.copy()
+        part["device"] = base["device"].to_numpy() + i * D
+        part.loc[comm, "peer"] = peer[comm] + i * D
+        if comm.any():
+            t = tok.copy()
+            t[comm] = [h + str(p + i * D) for h, p in zip(heads, peer[comm])]
+            part["token"] = t
+        parts.append(part)
+    out = pd.concat(parts, ignore_index=True)
+    out.attrs.update(attrs)
+    return out[COLUMNS]
 
 
 class _Planned(NamedTuple):
@@ -75,7 +177,6 @@ class _Planned(NamedTuple):
     kind (zero / None where it does not apply)."""
 
     kind: str
-    head: tuple          # the trace row's first fields (device .. peer), see schedules.trace.TraceRow
     seconds: float       # compute time (F/B/W); flattening the local gradients (ALLREDUCE)
     nbytes: float        # bytes moved (SEND/RECV/ALLREDUCE)
     act_alloc: float     # activation bytes allocated when the op starts (F)
@@ -83,47 +184,106 @@ class _Planned(NamedTuple):
     msg: tuple | None    # (src, dst, n-th message on that pair) for SEND/RECV
     stage: int
     peer: int
+    head: tuple | None   # the trace row's first fields (device .. peer), when a trace is kept
 
 
 # records from one tuple, without a Python-level call (the engine makes one per op)
 _new_row = partial(tuple.__new__, TraceRow)
-_new_planned = partial(tuple.__new__, _Planned)
 
 
 def simulate(sched: Schedule, costs: StageCosts, network: Network | None = None,
-             options: SimOptions | None = None, *, eager: bool = True) -> pd.DataFrame:
-    """Simulate one training iteration of ``sched`` (lowered here if it is not) and return its trace."""
+             options: SimOptions | None = None, *, eager: bool = True, free_comm: bool = False) -> pd.DataFrame:
+    """Simulate one training iteration of ``sched`` (lowered here if it is not) and return its trace.
+
+    ``network`` carries the messages and all-reduces (a placed :class:`cost_models.Cluster`, a
+    profile's cluster, a :class:`cost_models.PortNetwork`). Without one, communication is free:
+    fine for costs that move no bytes (:class:`cost_models.UnitCostModel`); costs that do need
+    ``free_comm=True`` to say so, else this raises ValueError instead of dropping them silently."""
+    return run(sched, costs, network, options, eager=eager, trace=True, free_comm=free_comm).trace()
+
+
+def run(sched: Schedule, costs: StageCosts, network: Network | None = None,
+        options: SimOptions | None = None, *, eager: bool = True, trace: bool = False,
+        free_comm: bool = False, max_ops: int | None = None) -> SimResult:
+    """Simulate ``sched`` and return its :class:`SimResult` (metrics on the fly; the per-op trace
+    only with ``trace=True``; ``network`` and ``free_comm`` as for :func:`simulate`). ``max_ops``:
+    refuse (ValueError, before running) to simulate more ops than that, e.g. every replica of a big
+    job whose replicas differ."""
     opts = options or SimOptions()
+    if network is None and not free_comm and _moves_bytes(costs):
+        raise ValueError("these costs send messages and all-reduce gradients but no network was given; pass "
+                         "network= (e.g. cluster.place(schedule)) or free_comm=True to make communication free")
     low = sched if sched.lowered else lower(sched, eager=eager)
-    return _Engine(low, costs, network, opts).run()
+    eng = _Engine(low, costs, network, opts, trace)
+    if max_ops is not None:
+        ops = sum(len(low.programs[r % low.num_devices]) for r in range(eng.ranks))
+        if ops > max_ops:
+            why = f"the replicas are simulated one by one ({eng.full_reason})" if eng.full_reason else "the run"
+            raise ValueError(f"{why}: {ops:,} ops per iteration, beyond the limit of {max_ops:,}; use fewer "
+                             f"replicas or micro-batches")
+    return eng.run()
+
+
+def _moves_bytes(costs: StageCosts) -> bool:
+    return any(x > 0 for table in (costs.act_bytes, costs.grad_bytes, costs.param_bytes) for row in table
+               for x in row)
 
 
 class _Engine:
-    def __init__(self, sched: Schedule, costs: StageCosts, network: Network | None, opts: SimOptions):
+    def __init__(self, sched: Schedule, costs: StageCosts, network: Network | None, opts: SimOptions,
+                 record: bool):
         self.s = sched
         self.c = costs
         self.net = network
         self.o = opts
+        self.record = record
         self.env = simpy.Environment()
         self.flows = FairShare(self.env)
-        self.rows: list[TraceRow | None] = []
-        self.arrived: set[tuple] = set()                 # messages delivered, not yet received
-        self.waiting: dict[tuple, simpy.Event] = {}      # RECVs blocked on a message
-        self.ar_arrived: dict[tuple[int, int], list[int]] = {}   # (step, stage) -> ranks arrived
-        self.ar_done: dict[tuple[int, int], simpy.Event] = {}
-        self.ar_end: dict[tuple[int, int], float] = {}
-        self.pending_ar: dict[int, list[tuple]] = {}   # rank -> (row index, all-reduce key, row so far)
-        self.rng = random.Random(opts.seed)
-        self.pc = [0] * sched.num_ranks
-        self.finished = [False] * sched.num_ranks
         R = sched.num_ranks
         if len(costs.static_mem) != R:
             raise ScheduleError(f"costs were bound for {len(costs.static_mem)} ranks, schedule has {R}; "
                                 f"bind the cost model to the lowered schedule")
-        self.groups = {s: sched.stage_group(s) for s in range(sched.num_stages)}
+        self.sym: Symmetry | None = None
+        self.full_reason: str | None = None
+        if sched.replicas > 1:
+            self.full_reason = symmetry_blocker(sched, costs, opts)
+            if self.full_reason is None:
+                self.sym, self.full_reason = replica_classes(sched, costs, network, opts)
+        self.ranks = sched.num_devices if self.sym is not None else R
+        self.rows: list[TraceRow | None] = []
+        self.arrived: dict[tuple, float] = {}            # messages delivered, not yet received -> time
+        self.waiting: dict[tuple, simpy.Event] = {}      # RECVs blocked on a message
+        self.ar_arrived: dict[tuple[int, int], list[int]] = {}   # (step, stage) -> ranks arrived
+        self.ar_start: dict[tuple[int, int], float] = {}
+        self.ar_done: dict[tuple[int, int], simpy.Event] = {}
+        self.ar_end: dict[tuple[int, int], float] = {}
+        self.pending_ar: dict[int, list[tuple]] = {}   # rank -> (row index, all-reduce key, row so far)
+        self.pc = [0] * self.ranks
+        self.finished = [False] * self.ranks
+        self.busy = [0.0] * self.ranks
+        self.peak = [0.0] * self.ranks
+        self.step_first = [float("inf")] * opts.steps
+        self.step_last = [float("-inf")] * opts.steps
+        self.groups = {}
+        for s in range(sched.num_stages):
+            g = sched.stage_group(s)
+            self.groups[s] = [r for r in g if r < self.ranks]
+        self._paths: dict[tuple[int, int], tuple[list, float]] = {}
 
     # ------------------------------------------------------------------ helpers
     def _path(self, a: int, b: int):
+        """(resources, latency) of a transfer from rank a to rank b (cached per pair)."""
+        got = self._paths.get((a, b))
+        if got is not None:
+            return got
+        if self.sym is not None:
+            got = self.sym.p2p[(a, b)]
+        else:
+            got = self._real_path(a, b)
+        self._paths[(a, b)] = got
+        return got
+
+    def _real_path(self, a: int, b: int):
         links = self.net.path(a, b)
         out, lat = [], 0.0
         for ln in links:
@@ -138,20 +298,32 @@ class _Engine:
                 out.append((f"host{h}.cores", (self._cores(h), per_byte)))
         return out, lat
 
-    def _deliver(self, msg: tuple) -> None:
-        """Message ``msg`` = (src, dst, n-th on that pair) has arrived at dst."""
+    def _share(self, res) -> float:
+        """A transfer that also keeps cores busy rises on the cores' scale (see :mod:`sim.flows`)."""
+        for _, spec in res:
+            if isinstance(spec, tuple) and _is_core(_):
+                return 1.0 / spec[1]
+        return 1.0
+
+    def _deliver(self, msg: tuple, t: float) -> None:
+        """Message ``msg`` = (src, dst, n-th on that pair) has arrived at dst at time t."""
         ev = self.waiting.pop(msg, None)
         if ev is None:
-            self.arrived.add(msg)
+            self.arrived[msg] = t
         else:
-            ev.succeed()
+            ev.succeed(t)
 
-    def _transfer(self, a: int, b: int, nbytes: float, msg: tuple):
-        links, lat = self._path(a, b)
+    def _send(self, a: int, b: int, nbytes: float, msg: tuple) -> None:
+        res, lat = self._path(a, b)
         if lat > 0:
-            yield self.env.timeout(lat)
-        yield self.flows.start(nbytes, links)
-        self._deliver(msg)
+            self.env.timeout(lat).callbacks.append(lambda _e: self._flow(res, nbytes, msg))
+        else:
+            self._flow(res, nbytes, msg)
+
+    def _flow(self, res, nbytes: float, msg: tuple) -> None:
+        ev = self.flows.start(nbytes, res, share=self._share(res) if self.o.comm_uses_cores else 1.0)
+        env = self.env
+        ev.callbacks.append(lambda _e: self._deliver(msg, env.now))
 
     def _busy(self, host, seconds: float) -> simpy.Event:
         """The rank computes for ``seconds`` of one core; on a shared host the ranks that compute
@@ -165,62 +337,96 @@ class _Engine:
         return float(c.get(host, 1.0)) if isinstance(c, Mapping) else float(c)
 
     # ------------------------------------------------------------------ all-reduce
-    def _allreduce(self, key: tuple[int, int], members: list[int]):
-        """Replay the all-reduce algorithm of :func:`cost_models.comm.allreduce_steps` (a ring,
+    def _allreduce(self, key: tuple[int, int]):
+        """Replay the all-reduce algorithm of :func:`cost_models.comm.allreduce_phases` (a ring,
         or hierarchical when the group spans nodes) as flows over the same links as P2P traffic;
         on a network with a measured all-reduce fit (``collective``), take its ring time."""
-        nbytes = self.c.param_bytes[0][key[1]]
+        env = self.env
+        start = self.ar_start[key]
+        if start > env.now:
+            yield env.timeout(start - env.now)
+        stage = key[1]
+        nbytes = self.c.param_bytes[0][stage]
+        full = self.s.stage_group(stage)
         fitted = getattr(self.net, "collective", None)
-        if self.net is not None and nbytes > 0 and len(members) > 1 and fitted is not None:
+        if self.net is not None and nbytes > 0 and len(full) > 1 and fitted is not None:
             # a measured all-reduce (calibration profile): its fitted ring time
-            n = len(members)
-            t = ring_allreduce_time(nbytes, n, fitted.bandwidth, fitted.latency)
+            t = ring_allreduce_time(nbytes, len(full), fitted.bandwidth, fitted.latency)
             if self.o.comm_uses_cores and self.o.hosts is not None:
                 # CPU transports reduce on the host: each member keeps a core busy for that time,
                 # shared with the compute of its host
-                yield self.env.all_of([self._busy(self.o.hosts[m], t) for m in members])
+                yield env.all_of([self._busy(self.o.hosts[m], t) for m in full])
             else:
-                yield self.env.timeout(t)
-        elif self.net is not None and nbytes > 0 and len(members) > 1:
-            for step in allreduce_steps(self.net, members, nbytes):
-                lat, flows = 0.0, []
-                for src, dst, b in step:
-                    links, la = self._path(src, dst)
-                    lat = max(lat, la)
-                    flows.append((links, b))
-                if lat > 0:
-                    yield self.env.timeout(lat)
-                yield self.env.all_of([self.flows.start(b, ln) for ln, b in flows])
-        self.ar_end[key] = self.env.now
-        self.ar_done[key].succeed()
+                yield env.timeout(t)
+        elif self.net is not None and nbytes > 0 and len(full) > 1:
+            for repeat, lat, flows in self._ar_phases(stage, full, nbytes):
+                for _ in range(repeat):
+                    if lat > 0:
+                        yield env.timeout(lat)
+                    yield env.all_of([self.flows.start(b, res, share=sh) for res, b, sh in flows])
+        self.ar_end[key] = env.now
+        self.ar_done[key].succeed(env.now)
+
+    def _ar_phases(self, stage: int, full: list[int], nbytes: float):
+        """[(repeat, latency, [(resources, bytes, share)])] of a stage's all-reduce."""
+        if self.sym is not None:
+            return self.sym.allreduce[stage]
+        out = []
+        for repeat, transfers in allreduce_phases(self.net, full, nbytes):
+            lat, flows = 0.0, []
+            for src, dst, b in transfers:
+                res, la = self._path(src, dst)
+                lat = max(lat, la)
+                flows.append((res, b, self._share(res) if self.o.comm_uses_cores else 1.0))
+            out.append((repeat, lat, flows))
+        return out
+
+    def _ar_arrive(self, key: tuple[int, int], r: int, t: float) -> None:
+        arrived = self.ar_arrived.setdefault(key, [])
+        arrived.append(r)
+        if key not in self.ar_done:
+            self.ar_done[key] = self.env.event()
+        self.ar_start[key] = max(self.ar_start.get(key, t), t)
+        if len(arrived) == len(self.groups[key[1]]):
+            nbytes = self.c.param_bytes[0][key[1]]
+            if self.net is None or nbytes <= 0 or len(self.s.stage_group(key[1])) <= 1:
+                self.ar_end[key] = self.ar_start[key]        # nothing to move
+                self.ar_done[key].succeed(self.ar_start[key])
+            else:
+                self.env.process(self._allreduce(key))
 
     # ------------------------------------------------------------------ rank process
-    def _compile(self, r: int) -> list[_Planned]:
-        """Resolve every op of rank r once (its trace-row prefix, duration, bytes, activation
-        change, message), so the hot loop does no lookups. What depends only on (kind, copy,
-        stage, payload) is resolved once per such combination."""
+    def _compile(self, r: int) -> list[tuple]:
+        """Resolve every op of rank r once (duration, bytes, activation change, message and, with a
+        trace, its row prefix) as a :class:`_Planned` tuple, so the hot loop does no lookups. What
+        depends only on (kind, copy, stage, payload) is resolved once per such combination."""
         s = self.s
         split = s.split_backward
         slow = self.o.slowdown.get(r, 1.0)
-        fifo_count: dict = {}
+        sent: dict = {}
+        got: dict = {}
         resolved: dict = {}
         out = []
-        append, planned = out.append, _new_planned
+        append = out.append
+        record = self.record
         for i, op in enumerate(s.program(r)):
             k = op.kind
-            head = (r, 0, i, k, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer)
+            head = (r, 0, i, k, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer) if record else None
             what = (k, op.copy, op.stage, op.payload)
             res = resolved.get(what)
             if res is None:
                 res = resolved[what] = self._resolve(r, op, split, slow)
-            seconds, nbytes, alloc, free = res
             msg = None
-            if k == SEND or k == RECV:
-                src, dst = (r, op.peer) if k == SEND else (op.peer, r)
+            if k == SEND:
                 # per-pair FIFO (checked by validation): the n-th SEND of a pair is the n-th RECV
-                n = fifo_count[(k, src, dst)] = fifo_count.get((k, src, dst), -1) + 1
-                msg = (src, dst, n)
-            append(planned((k, head, seconds, nbytes, alloc, free, msg, op.stage, op.peer)))
+                peer = op.peer
+                n = sent[peer] = sent.get(peer, -1) + 1
+                msg = (r, peer, n)
+            elif k == RECV:
+                peer = op.peer
+                n = got[peer] = got.get(peer, -1) + 1
+                msg = (peer, r, n)
+            append((k, res[0], res[1], res[2], res[3], msg, op.stage, op.peer, head))
         return out
 
     def _resolve(self, r: int, op, split: bool, slow: float) -> tuple[float, float, float, float]:
@@ -242,99 +448,166 @@ class _Engine:
     def _rank(self, r: int):
         env, c = self.env, self.c
         rows = self.rows
+        record = self.record
         new_row = _new_row
         host = self.o.hosts[r] if self.o.hosts is not None else None
         jitter = self.o.jitter
+        rng = random.Random(self.o.seed * 1_000_003 + r) if jitter else None
         no_net = self.net is None
         compiled = self._compile(r)
         pc = self.pc
+        arrived, waiting = self.arrived, self.waiting
+        send_time, recv_time, copy_time = c.send_time, c.recv_time, c.copy_time
+        clock = 0.0
         for step in range(self.o.steps):
-            act = 0.0
+            act = peak = busy = 0.0
             copy_back = 0.0
             my_ars: list[tuple[int, int]] = []
-            for i, (k, head, seconds, nbytes, alloc, free, msg, stage, peer) in enumerate(compiled):
-                pc[r] = i
-                if step:
-                    head = (r, step) + head[2:]
-                    if msg is not None:
-                        msg = msg + (step,)
-                start = env.now
-                if k in (F, B, W):
-                    dur = seconds * max(0.05, self.rng.gauss(1.0, jitter)) if jitter else seconds
+            step_start = clock
+            for i, (k, seconds, nbytes, alloc, free, msg, stage, peer, head) in enumerate(compiled):
+                if step and msg is not None:
+                    msg = msg + (step,)
+                start = clock
+                if k == F or k == B or k == W:
+                    dur = seconds * max(0.05, rng.gauss(1.0, jitter)) if jitter else seconds
                     act += alloc
-                    yield self._busy(host, dur)
+                    if host is None:
+                        clock += dur
+                        busy += dur
+                    else:
+                        pc[r] = i
+                        if clock > env.now:
+                            yield env.timeout(clock - env.now)
+                        yield self._busy(host, dur)
+                        clock = env.now
+                        busy += clock - start
                     act -= free
+                    if act > peak:
+                        peak = act
                 elif k == SEND:
-                    if c.send_time:
-                        yield self._busy(host, c.send_time)
-                    if no_net:
-                        self._deliver(msg)
+                    if send_time:
+                        if host is None:
+                            clock += send_time
+                        else:
+                            pc[r] = i
+                            if clock > env.now:
+                                yield env.timeout(clock - env.now)
+                            yield self._busy(host, send_time)
+                            clock = env.now
+                    if no_net:       # delivered at once (self._deliver, inlined: one per SEND)
+                        ev = waiting.pop(msg, None)
+                        if ev is None:
+                            arrived[msg] = clock
+                        else:
+                            ev.succeed(clock)
                     else:
-                        env.process(self._transfer(r, peer, nbytes, msg))
+                        if clock > env.now:
+                            pc[r] = i
+                            yield env.timeout(clock - env.now)
+                            clock = env.now
+                        self._send(r, peer, nbytes, msg)
                 elif k == RECV:
-                    if msg in self.arrived:
-                        self.arrived.discard(msg)
-                    else:
-                        ev = self.waiting[msg] = env.event()
-                        yield ev
-                    if c.recv_time:
-                        yield self._busy(host, c.recv_time)
+                    t = arrived.pop(msg, None)
+                    if t is None:
+                        pc[r] = i
+                        ev = waiting[msg] = env.event()
+                        t = yield ev
+                    if t > clock:
+                        clock = t
+                    if recv_time:
+                        if host is None:
+                            clock += recv_time
+                        else:
+                            pc[r] = i
+                            if clock > env.now:
+                                yield env.timeout(clock - env.now)
+                            yield self._busy(host, recv_time)
+                            clock = env.now
                 elif k == COPY:
-                    if c.copy_time:
-                        yield env.timeout(c.copy_time)
+                    clock += copy_time
                 elif k == ALLREDUCE:
                     if seconds:
-                        yield self._busy(host, seconds)
+                        if host is None:
+                            clock += seconds
+                        else:
+                            pc[r] = i
+                            if clock > env.now:
+                                yield env.timeout(clock - env.now)
+                            yield self._busy(host, seconds)
+                            clock = env.now
                     key = (step, stage)
-                    arrived = self.ar_arrived.setdefault(key, [])
-                    arrived.append(r)
-                    if key not in self.ar_done:
-                        self.ar_done[key] = env.event()
                     my_ars.append(key)
-                    if len(arrived) == len(self.groups[stage]):
-                        env.process(self._allreduce(key, self.groups[stage]))
-                    # asynchronous: its row is completed at OPTIM, once its end is known
-                    self.pending_ar.setdefault(r, []).append(
-                        (len(rows), key, new_row(head + (start, start, nbytes, act))))
+                    self._ar_arrive(key, r, clock)
                     copy_back += seconds    # ... and write the sums back to every copy at OPTIM
-                    rows.append(None)
+                    if record:
+                        if step:
+                            head = (r, step) + head[2:]
+                        # asynchronous: its row is completed at OPTIM, once its end is known
+                        self.pending_ar.setdefault(r, []).append(
+                            (len(rows), key, new_row(head + (start, start, nbytes, act))))
+                        rows.append(None)
                     continue
                 elif k == OPTIM:
+                    pc[r] = i
                     for key in my_ars:
-                        ev = self.ar_done[key]
-                        if not ev.triggered:
-                            yield ev
-                    self._fill_ar_rows(r)
+                        t = self.ar_end.get(key)
+                        if t is None:
+                            t = yield self.ar_done[key]
+                        if t > clock:
+                            clock = t
+                    if record:
+                        self._fill_ar_rows(r)
                     if c.optim_time[r] or copy_back:
-                        yield self._busy(host, c.optim_time[r] + copy_back)
-                rows.append(new_row(head + (start, env.now, nbytes, act)))
+                        if host is None:
+                            clock += c.optim_time[r] + copy_back
+                        else:
+                            pc[r] = i
+                            if clock > env.now:
+                                yield env.timeout(clock - env.now)
+                            yield self._busy(host, c.optim_time[r] + copy_back)
+                            clock = env.now
+                if record:
+                    if step:
+                        head = (r, step) + head[2:]
+                    rows.append(new_row(head + (start, clock, nbytes, act)))
+            self.busy[r] = busy
+            self.peak[r] = peak
+            if step_start < self.step_first[step]:
+                self.step_first[step] = step_start
+            if clock > self.step_last[step]:
+                self.step_last[step] = clock
+        pc[r] = len(compiled)
         self.finished[r] = True
 
     def _fill_ar_rows(self, r: int) -> None:
         for idx, key, row in self.pending_ar.pop(r, []):
             self.rows[idx] = row._replace(end=max(row.start, self.ar_end[key]))
 
-    def run(self):
-        for r in range(self.s.num_ranks):
+    def run(self) -> SimResult:
+        for r in range(self.ranks):
             self.env.process(self._rank(r))
-        # a run allocates one long-lived record per op and almost no cyclic garbage: the cyclic
-        # collector would walk the growing heap again and again (measured: half the run time of
-        # a 97k-op run), so it is paused while the engine runs
-        paused = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             self.env.run()
-        finally:
-            if paused:
-                gc.enable()
-        stuck = [r for r in range(self.s.num_ranks) if not self.finished[r]]
+        stuck = [r for r in range(self.ranks) if not self.finished[r]]
         if stuck:
             desc = "; ".join(f"rank {r} at {self.s.program(r)[self.pc[r]]}" for r in stuck)
             raise SimulationError(f"simulation deadlocked: {desc}")
-        rows = [row for row in self.rows if row is not None]
-        c = self.c
-        return make_trace(rows, engine="sim", schedule=self.s.name, devices=self.s.num_devices,
-                          microbatches=self.s.num_microbatches, replicas=self.s.replicas,
-                          time_unit=c.time_unit, mem_unit=c.mem_unit,
-                          static_mem={r: c.static_mem[r] for r in range(self.s.num_ranks)},
-                          cost_model=c.meta.get("model", ""))
+        s, c = self.s, self.c
+        R = s.num_ranks
+        attrs = dict(engine="sim", schedule=s.name, devices=s.num_devices, microbatches=s.num_microbatches,
+                     replicas=s.replicas, time_unit=c.time_unit, mem_unit=c.mem_unit,
+                     static_mem={r: c.static_mem[r] for r in range(R)}, cost_model=c.meta.get("model", ""))
+        its = [float(b - a) for a, b in zip(self.step_first, self.step_last)]
+        busy, peak = self.busy, self.peak
+        if self.ranks < R:
+            reps = R // self.ranks
+            busy, peak = busy * reps, peak * reps
+        rows = [row for row in self.rows if row is not None] if self.record else None
+        return SimResult(attrs, its, list(busy), list(peak), 1 if self.ranks < R else s.replicas,
+                         self.full_reason, rows)
+
+
+def _is_core(name: str) -> bool:
+    return name.startswith("host") and name.endswith(".cores")
+
+

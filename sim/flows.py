@@ -1,12 +1,23 @@
-"""Fair sharing of capacities among concurrent flows (links' bandwidth, hosts' cores).
+"""Max-min fair sharing of capacities among concurrent flows (links' bandwidth, hosts' cores).
 
-A flow needs ``amount`` units of work (bytes, or core-seconds) and crosses a set of resources;
-while n flows share a resource of capacity C, each gets C/n of it, and a flow progresses at the
-smallest share along its resources (capped by its own ``cap``, e.g. one core per compute op);
-a weight converts a flow's units into a resource's (a transfer that also keeps a CPU busy).
-Rates are recomputed whenever a flow starts or ends (processor sharing), so two equal transfers
-on one link take twice as long as one, and k compute ops on a host with c < k cores take k/c
-times longer.
+A flow needs ``amount`` units of work (bytes, or core-seconds) and crosses a set of resources,
+using ``weight`` resource units per unit of its own on each (1 for a link it crosses once; the
+core-seconds per byte of a transfer that also keeps a CPU busy; the number of identical flows it
+stands for, when the simulator lets one flow represent the same transfer of every data-parallel
+replica). Rates are max-min fair, found by progressive filling: every flow's level rises at the
+same pace; a resource saturates when the flows on it use its whole capacity, and a flow stops
+rising when one of its resources saturates or it reaches its own ``cap`` (one core for a compute
+op). A flow's rate is its ``share`` times its level (``share`` puts flows of different units on
+one scale: a transfer that keeps a core busy at link speed ``bw`` rises ``bw`` bytes/s per core).
+
+So two equal flows on one link get half of it each; a flow throttled elsewhere (a slower link
+upstream) keeps only what it can use, and the other flow takes the rest; k compute ops on a host
+with c < k cores each get c/k of a core. Rates are recomputed whenever a flow starts or ends.
+
+Worked example (the tests check it): links A (10 B/s) and B (4 B/s); flow 1 crosses A only,
+flow 2 crosses A and B. Both rise to 4, where B saturates: flow 2 stops at 4; flow 1 rises on to
+6, where A saturates. (An equal split would give each 5 of A and flow 2 only 4 of that: 1 B/s of
+A unused.)
 """
 from __future__ import annotations
 
@@ -16,6 +27,7 @@ from dataclasses import dataclass, field
 import simpy
 
 EPS = 1e-12
+_TIE = 1e-9       # levels within this relative distance saturate together
 
 
 @dataclass(eq=False)
@@ -24,8 +36,51 @@ class _Flow:
     resources: tuple[str, ...]
     weights: tuple[float, ...]
     cap: float
+    share: float
     event: simpy.Event
     rate: float = 0.0
+
+
+def max_min_rates(flows, capacity: dict[str, float]) -> None:
+    """Set ``f.rate`` of every flow to its max-min fair rate (progressive filling, see the module
+    docstring). ``flows``: objects with resources, weights, cap, share and a writable rate."""
+    residual: dict[str, float] = {}
+    for f in flows:
+        for n in f.resources:
+            residual[n] = capacity[n]
+    active = list(flows)
+    while active:
+        demand: dict[str, float] = {}
+        for f in active:
+            s = f.share
+            for n, w in zip(f.resources, f.weights):
+                demand[n] = demand.get(n, 0.0) + w * s
+        level = math.inf
+        for f in active:
+            c = f.cap / f.share
+            if c < level:
+                level = c
+        sat = {}
+        for n, d in demand.items():
+            lv = residual[n] / d if residual[n] > 0 else 0.0
+            sat[n] = lv
+            if lv < level:
+                level = lv
+        if math.isinf(level):      # nothing limits these flows (cannot happen: start() rejects them)
+            for f in active:
+                f.rate = math.inf
+            return
+        top = level * (1 + _TIE) + EPS
+        full = {n for n, lv in sat.items() if lv <= top}
+        still = []
+        for f in active:
+            if f.cap / f.share <= top or any(n in full for n in f.resources):
+                f.rate = f.share * level
+                for n, w in zip(f.resources, f.weights):
+                    residual[n] -= w * f.rate
+            else:
+                still.append(f)
+        active = still
 
 
 @dataclass
@@ -33,16 +88,16 @@ class FairShare:
     env: simpy.Environment
     capacity: dict[str, float] = field(default_factory=dict)
     _flows: list[_Flow] = field(default_factory=list)
-    _count: dict[str, int] = field(default_factory=dict)
+    _users: dict[str, int] = field(default_factory=dict)    # resource -> active flows on it
     _last: float = 0.0
     _gen: int = 0
 
     def start(self, amount: float, resources: dict | list[tuple],
-              cap: float = math.inf) -> simpy.Event:
+              cap: float = math.inf, share: float = 1.0) -> simpy.Event:
         """Start a flow of ``amount`` over ``resources``; returns an event that fires when it
         completes. ``resources`` maps a name to its capacity, or to (capacity, weight): the flow
-        uses ``weight`` resource units per unit of its own (e.g. core-seconds per byte when a
-        transfer also keeps a host's CPU busy); unweighted means 1."""
+        uses ``weight`` resource units per unit of its own (unweighted means 1). ``cap`` bounds
+        its rate, ``share`` scales its level (see the module docstring)."""
         ev = self.env.event()
         items = resources.items() if isinstance(resources, dict) else resources
         names, weights = [], []
@@ -53,16 +108,28 @@ class FairShare:
             self.capacity.setdefault(name, cap_r)
             names.append(name)
             weights.append(w)
+        if share <= 0:
+            raise ValueError(f"a flow's share must be positive; got {share}")
         if amount <= EPS or (not names and math.isinf(cap)):
             ev.succeed()
             return ev
         self._advance()
-        f = _Flow(amount, tuple(names), tuple(weights), cap, ev)
+        f = _Flow(amount, tuple(names), tuple(weights), cap, share, ev)
+        users = self._users
+        shared = False
+        for n in f.resources:
+            k = users.get(n, 0)
+            shared = shared or k > 0
+            users[n] = k + 1
         self._flows.append(f)
-        for n in names:
-            self._count[n] = self._count.get(n, 0) + 1
-        self._reschedule()
+        # a flow on resources nobody else uses changes no other rate: only its own is computed
+        max_min_rates(self._flows if shared else (f,), self.capacity)
+        self._arm()
         return ev
+
+    @property
+    def active(self) -> int:
+        return len(self._flows)
 
     def _advance(self) -> None:
         now = self.env.now
@@ -72,21 +139,12 @@ class FairShare:
                 f.remaining -= f.rate * dt
         self._last = now
 
-    def _reschedule(self) -> None:
-        done = [f for f in self._flows if f.remaining <= EPS * max(1.0, f.rate)]
-        for f in done:
-            self._remove(f)
-        for f in done:
-            f.event.succeed()
-        if not self._flows:
+    def _arm(self) -> None:
+        """One timer for the next completion (an older timer is ignored when it fires)."""
+        flows = self._flows
+        if not flows:
             return
-        nxt = math.inf
-        for f in self._flows:
-            r = f.cap
-            for n, w in zip(f.resources, f.weights):
-                r = min(r, self.capacity[n] / self._count[n] / w)
-            f.rate = r
-            nxt = min(nxt, f.remaining / r)
+        nxt = min(f.remaining / f.rate for f in flows)
         self._gen += 1
         gen = self._gen
         t = self.env.timeout(max(nxt, 0.0))
@@ -97,12 +155,18 @@ class FairShare:
             return
         self._advance()
         # snap flows that are within rounding of completion
-        for f in self._flows:
-            if f.rate > 0 and f.remaining / f.rate <= 1e-9 * max(1.0, self.env.now):
+        horizon = 1e-9 * max(1.0, self.env.now)
+        done = [f for f in self._flows if f.remaining <= EPS * max(1.0, f.rate) or f.remaining / f.rate <= horizon]
+        if done:
+            users = self._users
+            self._flows = [f for f in self._flows if f not in done]
+            freed = False
+            for f in done:
                 f.remaining = 0.0
-        self._reschedule()
-
-    def _remove(self, f: _Flow) -> None:
-        self._flows.remove(f)
-        for n in f.resources:
-            self._count[n] -= 1
+                for n in f.resources:
+                    users[n] -= 1
+                    freed = freed or users[n] > 0
+                f.event.succeed()
+            if freed:       # someone still uses what the finished flows leave: rates change
+                max_min_rates(self._flows, self.capacity)
+        self._arm()

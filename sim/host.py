@@ -24,10 +24,11 @@ def on_one_host(opts: SimOptions, num_ranks: int, cores: int, oversubscribed_slo
     return replace(opts, hosts=[0] * num_ranks, cores=float(cores), comm_uses_cores=True, slowdown=slow)
 
 
-def simulate_with_profile(low, profile, steps: int = 1):
+def simulate_with_profile(low, profile, steps: int = 1, partition=None):
     """Simulate ``steps`` back-to-back iterations of lowered schedule ``low`` with the costs of
-    calibration ``profile``, on one host whose cores the ranks share."""
-    costs = profile.cost_model(low.num_stages).bind(low)
+    calibration ``profile``, on one host whose cores the ranks share (``partition``: layers per
+    stage; default the executor's split for the profile's model)."""
+    costs = profile.cost_model(low.num_stages, partition).bind(low)
     net = profile.cluster(low.num_ranks)
     return simulate(low, costs, net, on_one_host(SimOptions(steps=steps), low.num_ranks, profile.cores or 1,
                                                       profile.oversubscribed_slowdown))

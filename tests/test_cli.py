@@ -112,3 +112,57 @@ def test_bubbles_vs_n(capsys, tmp_path):
     assert rows[("chimera", 12)]["bubble"] == pytest.approx(2 * rows[("chimera", 4)]["bubble"])
     assert rows[("bitpipe-zb", 12)]["bubble"] == pytest.approx(rows[("bitpipe-zb", 4)]["bubble"])
     assert rows[("gpipe", 4)]["bubble_ratio"] == pytest.approx(3 / 7)
+
+
+def test_simulate_replica_symmetry_and_exact(capsys):
+    base = ("simulate", "-s", "dapple", "-D", "4", "-N", "8", "--dp", "4", "-m", "gpt3-1.3b", "--json")
+    rc, out, _ = run_cli(capsys, *base)
+    one = json.loads(out)
+    rc2, out, _ = run_cli(capsys, *base, "--exact")
+    full = json.loads(out)
+    assert rc == rc2 == 0 and one["simulated_replicas"] == 1 and "full_simulation" not in one
+    assert full["simulated_replicas"] == 4 and full["full_simulation"] == "exact simulation asked for"
+    assert one["iteration_time"] == pytest.approx(full["iteration_time"], rel=1e-3)
+    assert [p["peak_memory"] for p in one["per_device"]] == [p["peak_memory"] for p in full["per_device"]]
+    assert len(one["per_device"]) == 16
+
+
+def test_sized_cluster_and_fabric_options(capsys):
+    base = ("simulate", "-s", "dapple", "-D", "8", "-N", "8", "--dp", "4", "-m", "gpt3-1.3b", "--json")
+    rc, out, _ = run_cli(capsys, *base, "-c", "dgx-a100-ib:4")
+    assert rc == 0 and json.loads(out)["cluster"] == "dgx-a100-ib:4"
+    rc, out, _ = run_cli(capsys, *base, "--nodes", "4", "--fabric", "fat-tree", "--nodes-per-leaf", "2",
+                         "--oversubscription", "8")
+    over = json.loads(out)["iteration_time"]
+    rc, out, _ = run_cli(capsys, *base)
+    assert over > json.loads(out)["iteration_time"]      # the leaves' uplinks are shared
+    rc, _, err = run_cli(capsys, *base, "--nodes", "2")
+    assert rc == 2 and "32 ranks" in err and "do not fit" in err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (("-c", "dgx-h100-ib:0"), "whole number >= 1"),
+    (("-c", "dgx-h100-ib:many"), "whole number >= 1"),
+    (("--nodes", "0"), "argument --nodes: must be an integer >= 1"),
+    (("--oversubscription", "nan", "--fabric", "rail"), "argument --oversubscription: must be a number in [1, 1e+06]"),
+    (("--oversubscription", "0.5"), "argument --oversubscription: must be a number in [1, 1e+06]"),
+    (("--nodes-per-leaf", "-1"), "argument --nodes-per-leaf: must be an integer >= 1"),
+    (("--unit-costs", "--nodes", "4"), "--unit-costs replaces every cost model; drop --nodes"),
+])
+def test_cluster_option_errors(capsys, argv, msg):
+    rc, _, err = run_cli(capsys, "simulate", "-s", "dapple", "-D", "4", "-N", "4", *argv)
+    assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_output_path_checked_first(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "simulate", "-s", "dapple", "-D", "2", "-N", "2", "--unit-costs",
+                         "--trace", str(tmp_path))
+    assert rc == 2 and "argument --trace" in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_thousands_of_replicas_as_one(capsys):
+    # 2,400 GPUs: beyond the rank limit of a full simulation, fine for one replica standing for all
+    rc, out, _ = run_cli(capsys, "simulate", "-s", "dapple", "-D", "4", "-N", "8", "--dp", "600", "-m", "gpt3-1.3b",
+                         "-c", "dgx-a100-ib:300", "--json")
+    rec = json.loads(out)
+    assert rc == 0 and rec["simulated_replicas"] == 1 and len(rec["per_device"]) == 2400

@@ -149,3 +149,52 @@ def test_device_map_validation():
         c.with_device_map([8])
     m = c.with_device_map([4, 0])
     assert m.num_ranks == 2 and m.node_of(0) == 1 and [l.name for l in m.path(0, 1)] == ["n1.nic0.out", "n0.nic0.in"]
+
+
+# ----------------------------------------------------------------------------- sizes and fabrics
+def test_cluster_sizes():
+    c = cm.load_cluster("dgx-h100-ib:128")
+    assert (c.nodes, c.num_devices, c.name) == (128, 1024, "dgx-h100-ib:128")
+    assert c.fabric == "rail" and c.nodes_per_leaf == 32 and c.inter.kind == "ib-ndr"
+    assert cm.with_nodes(A100x32, 16).num_devices == 128
+    assert cm.load_cluster("dgx-a100-4x8-ib:2").nodes == 2
+    for bad in ("dgx-h100-ib:0", "dgx-h100-ib:x", "dgx-h100-ib:-3"):
+        with pytest.raises(cm.SpecError, match="whole number >= 1"):
+            cm.load_cluster(bad)
+    with pytest.raises(cm.SpecError, match="whole number >= 1"):
+        cm.with_nodes(A100x32, 0)
+    for over in (0.5, float("nan"), float("inf")):
+        with pytest.raises(cm.SpecError, match="oversubscription"):
+            cm.with_fabric(A100x32, "fat-tree", over)
+    with pytest.raises(cm.SpecError, match="unknown fabric"):
+        cm.with_fabric(A100x32, "torus")
+
+
+def test_fat_tree_paths_and_oversubscription():
+    # 4 nodes, 2 per leaf, 1 NIC of 10 GB/s each, oversubscribed 2:1: a leaf has 2 x 10 GB/s down, 10 up
+    c = small_cluster(nodes=4, fabric="fat-tree", nodes_per_leaf=2, oversubscription=2.0)
+    inside = c.path(0, 4)             # node 0 -> node 1, one leaf
+    assert [l.name for l in inside] == ["n0.nic0.out", "n1.nic0.in"]
+    across = c.path(0, 8)             # node 0 -> node 2, leaf 0 -> leaf 1
+    assert [l.name for l in across] == ["n0.nic0.out", "leaf0.up", "leaf1.down", "n2.nic0.in"]
+    assert [l.bandwidth for l in across] == [10e9, 10e9, 10e9, 10e9]
+    # two nodes of leaf 0 send to leaf 1 at once: the uplink halves each (the NICs alone would not)
+    one = cm.step_time(c, [(0, 8, MB)])
+    two = cm.step_time(c, [(0, 8, MB), (4, 12, MB)])
+    assert two - 10e-6 == pytest.approx(2 * (one - 10e-6))
+    flat = small_cluster(nodes=4)
+    assert cm.step_time(flat, [(0, 8, MB), (4, 12, MB)]) == pytest.approx(one)
+    assert {"leaf0.up", "leaf1.down"} <= {l.name for l in c.links()}
+
+
+def test_rail_paths():
+    c = small_cluster(nodes=4, dpn=4, nics=4, fabric="rail", nodes_per_leaf=2, oversubscription=4.0)
+    # same rail (local 1 -> local 1) in one group: NIC to NIC through the rail switch
+    assert [l.name for l in c.path(1, 5)] == ["n0.nic1.out", "n1.nic1.in"]
+    # another rail, or another group: up to the spine and down; a rail switch has 2 nodes x 10 GB/s / 4
+    p = c.path(3, 4)
+    assert [l.name for l in p] == ["n0.nic3.out", "g0.rail3.up", "g0.rail0.down", "n1.nic0.in"]
+    assert p[1].bandwidth == pytest.approx(2 * 10e9 / 4)
+    assert [l.name for l in c.path(1, 9)] == ["n0.nic1.out", "g0.rail1.up", "g1.rail1.down", "n2.nic1.in"]
+    names = {l.name for l in c.links()}
+    assert {"g0.rail3.up", "g1.rail0.down"} <= names and len(names) == len(c.links())

@@ -69,6 +69,25 @@ def test_search_equals_brute_force(seed):
         assert (e.latency if obj == "dapple" else e.slowest) == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_search_equals_brute_force_on_fabrics(seed):
+    """Suffixes of different sizes are compared only where moving a plan by whole nodes (whole leaves
+    on fat-tree and rail fabrics) changes no cost: the optimum is still the brute force's."""
+    from dataclasses import replace
+    rng = random.Random(100 + seed)
+    nodes, dpn, fabric, per = [(4, 1, "fat-tree", 2), (4, 2, "rail", 2), (3, 2, "fat-tree", 2),
+                               (4, 1, "flat", 1), (2, 2, "rail", 1), (4, 2, "fat-tree", 1)][seed]
+    base = small_cluster(rng, nodes, dpn)
+    topo = Topology(replace(base, fabric=fabric, nodes_per_leaf=per, oversubscription=rng.choice([1.0, 4.0]),
+                            nics_per_node=dpn))
+    work = rand_work(rng, rng.randint(2, 4), rng.choice([None, 8e9]))
+    G = rng.choice([4, 8])
+    for obj in ("dapple", "pipedream"):
+        best, plan, _ = exhaustive(work, topo, G, objective=obj)
+        got = search(work, topo, G, objective=obj).best
+        assert got.value == pytest.approx(best, rel=1e-9)
+
+
 def test_brute_force_space_is_complete():
     """all_plans enumerates every (M, policy, S, partition, replicas) combination: count one by hand."""
     topo = Topology(cluster(1, 2, "nvlink2", "eth-25g"))

@@ -6,7 +6,7 @@ from cost_models.base import StageCosts
 from cost_models.network import PortNetwork
 from schedules import build, lower
 from schedules.trace import make_trace, op_orders, step_metrics
-from sim import FairShare, SimOptions, simulate
+from sim import FairShare, SimOptions, run, simulate
 
 
 def run_flows(specs):
@@ -136,3 +136,126 @@ def test_chrome_trace_is_valid_json(tmp_path):
     slices = [e for e in ev if e["ph"] == "X"]
     assert len(slices) == len(tr)
     assert {e["name"] for e in slices} >= {"F0.s0", "B1.s1", "OPT"}
+
+
+# ---------------------------------------------------------------------- max-min fair sharing
+INF = float("inf")
+
+
+def test_max_min_two_flows_one_throttled_upstream():
+    # link A (10 B/s) carries flows 1 and 2; flow 2 also crosses B (4 B/s). Max-min: flow 2 gets
+    # 4 (B saturates), flow 1 the remaining 6 of A. Flow 2 (40 B) ends at 10 s; by then flow 1 has
+    # moved 60 of its 100 B and takes the rest at 10 B/s: 14 s. (Equal split: 5 and 4, 1 B/s idle.)
+    ends = run_flows([(0, 100.0, {"A": 10.0}, INF), (0, 40.0, {"A": 10.0, "B": 4.0}, INF)])
+    assert ends == [pytest.approx(14.0), pytest.approx(10.0)]
+
+
+def test_max_min_parking_lot_chain():
+    # links L1, L2, L3 of 1, 2, 3 B/s; a long flow crosses all three, one short flow per link.
+    # Progressive filling: L1 saturates at level 1/2 (long + s1); then s2 rises to 2 - 1/2 = 1.5 on
+    # L2 and s3 to 3 - 1/2 = 2.5 on L3. 1 B each: long and s1 end at 2, s2 at 2/3, s3 at 0.4
+    # (equal split would give s2 1 and s3 1.5: 1.0 and 0.667).
+    lot = {"L1": 1.0, "L2": 2.0, "L3": 3.0}
+    ends = run_flows([(0, 1.0, lot, INF), (0, 1.0, {"L1": 1.0}, INF), (0, 1.0, {"L2": 2.0}, INF),
+                      (0, 1.0, {"L3": 3.0}, INF)])
+    assert ends == [pytest.approx(2.0), pytest.approx(2.0), pytest.approx(2 / 3), pytest.approx(0.4)]
+
+
+def test_max_min_rates_by_hand():
+    from types import SimpleNamespace
+
+    from sim.flows import max_min_rates
+    fl = lambda res, w=None, cap=INF, share=1.0: SimpleNamespace(  # noqa: E731
+        resources=tuple(res), weights=tuple(w or [1.0] * len(res)), cap=cap, share=share, rate=0.0)
+    # one flow standing for 3 identical ones (weight 3) next to a single one on a 12 B/s link:
+    # each of the 4 real flows gets 3
+    a, b = fl(["l"], [3.0]), fl(["l"])
+    max_min_rates([a, b], {"l": 12.0})
+    assert (a.rate, b.rate) == (pytest.approx(3.0), pytest.approx(3.0))
+    # a capped flow (a compute op: 1 core) leaves the rest of a 3-core host to the others
+    c1, c2, c3 = fl(["h"], cap=1.0), fl(["h"], cap=1.0), fl(["h"], cap=5.0)
+    max_min_rates([c1, c2, c3], {"h": 3.0})
+    assert [c1.rate, c2.rate, c3.rate] == [pytest.approx(1.0)] * 3
+    max_min_rates([c1, c3], {"h": 3.0})
+    assert [c1.rate, c3.rate] == [pytest.approx(1.0), pytest.approx(2.0)]
+    # a transfer that keeps a core busy (0.01 core-s per byte, share 100 B/s per core) next to a
+    # compute op on one core: each gets half of the core
+    t, c = fl(["h", "link"], [0.01, 1.0], share=100.0), fl(["h"], cap=1.0)
+    max_min_rates([t, c], {"h": 1.0, "link": 100.0})
+    assert (t.rate, c.rate) == (pytest.approx(50.0), pytest.approx(0.5))
+
+
+# ---------------------------------------------------------------------- replica symmetry
+def _placed(name, D, N, R, cluster="dgx-a100-4x8-ib", mapping="sequential", eager=True, **cl):
+    from dataclasses import replace
+
+    from cost_models import TransformerCostModel, load_cluster, load_model
+    c = replace(load_cluster(cluster), **cl)
+    low = lower(build(name, D, N), replicas=R, eager=eager)
+    return low, TransformerCostModel(load_model("gpt3-1.3b"), c.device).bind(low), c.place(low, mapping)
+
+
+SYMMETRIC = [("dapple", 4, 8, 2, {}), ("dapple", 4, 8, 8, {}), ("gpipe", 8, 8, 4, {}),
+             ("dapple", 8, 16, 4, {"nics_per_node": 1}), ("dapple", 4, 8, 8, {"nics_per_node": 1}),
+             ("chimera", 4, 8, 4, {}), ("bitpipe", 4, 8, 4, {"mapping": "copies-same-node"}),
+             ("zb-v", 4, 8, 8, {"cluster": "v100-2x8-25gbe", "nodes": 4}),
+             ("interleaved", 4, 8, 4, {"eager": False}), ("dapple", 16, 16, 2, {"nodes": 4}),
+             ("dapple", 8, 8, 4, {"fabric": "fat-tree", "nodes_per_leaf": 2, "oversubscription": 8.0}),
+             ("zb-h1", 16, 16, 2, {"nodes": 4, "fabric": "rail", "nodes_per_leaf": 2, "oversubscription": 4.0})]
+
+
+@pytest.mark.parametrize("name,D,N,R,kw", SYMMETRIC,
+                         ids=[f"{c[0]}-D{c[1]}-R{c[3]}-{i}" for i, c in enumerate(SYMMETRIC)])
+def test_replica_symmetry_equals_the_full_simulation(name, D, N, R, kw):
+    low, costs, net = _placed(name, D, N, R, **kw)
+    full = run(low, costs, net, SimOptions(exact=True))
+    one = run(low, costs, net)
+    assert one.simulated_replicas == 1 and one.full_reason is None
+    assert full.simulated_replicas == R and full.full_reason == "exact simulation asked for"
+    a, b = full.metrics(), one.metrics()
+    assert b.iteration_time == pytest.approx(a.iteration_time, rel=1e-3)
+    assert [p.peak_memory for p in b.per_device] == [p.peak_memory for p in a.per_device]
+    assert [p.busy for p in b.per_device] == pytest.approx([p.busy for p in a.per_device])
+    # the full simulation's metrics are the trace's
+    tr = step_metrics(simulate(low, costs, net, SimOptions(exact=True)))
+    assert tr.iteration_time == pytest.approx(a.iteration_time, rel=1e-12)
+
+
+def test_symmetric_trace_is_the_full_trace():
+    low, costs, net = _placed("dapple", 4, 8, 4, nics_per_node=1)
+    key = ["device", "step", "seq"]
+    full = simulate(low, costs, net, SimOptions(exact=True)).sort_values(key).reset_index(drop=True)
+    one = simulate(low, costs, net).sort_values(key).reset_index(drop=True)
+    assert len(one) == len(full)
+    assert one["token"].tolist() == full["token"].tolist() and one["peer"].tolist() == full["peer"].tolist()
+    assert one["start"].to_numpy() == pytest.approx(full["start"].to_numpy(), rel=1e-9, abs=1e-12)
+    assert one["end"].to_numpy() == pytest.approx(full["end"].to_numpy(), rel=1e-9, abs=1e-12)
+
+
+def test_asymmetric_replicas_fall_back_to_the_full_simulation():
+    # D = 3 on 8-GPU nodes: replica 2 straddles two nodes, replica 0 does not
+    low, costs, net = _placed("dapple", 3, 6, 4)
+    res = run(low, costs, net)
+    assert res.simulated_replicas == 4
+    assert res.full_reason.startswith("replica ") and "not symmetric" in res.full_reason
+    assert res.iteration_time == run(low, costs, net, SimOptions(exact=True)).iteration_time
+    # a straggler in one replica only; the same slowdown in every replica keeps the symmetry
+    low, costs, net = _placed("dapple", 4, 8, 2)
+    assert run(low, costs, net, SimOptions(slowdown={5: 1.5})).full_reason == \
+        "rank 5's slowdown differs from its replicas'"
+    both = run(low, costs, net, SimOptions(slowdown={1: 1.5, 5: 1.5}))
+    assert both.simulated_replicas == 1
+    assert both.iteration_time == pytest.approx(
+        run(low, costs, net, SimOptions(slowdown={1: 1.5, 5: 1.5}, exact=True)).iteration_time, rel=1e-3)
+    assert run(low, costs, net, SimOptions(jitter=0.1)).full_reason == "per-op jitter makes replicas differ"
+    # a slow link under one replica
+    slow = run(low, costs, net, SimOptions(link_slowdown={"n0.g5.out": 4.0}))
+    assert slow.simulated_replicas == 2 and "not symmetric" in slow.full_reason
+
+
+def test_run_refuses_a_full_simulation_beyond_max_ops():
+    low, costs, net = _placed("dapple", 3, 6, 4)          # replicas differ: every one is simulated
+    with pytest.raises(ValueError, match=r"replicas are simulated one by one \(replica 1's .*beyond the limit of 100"):
+        run(low, costs, net, max_ops=100)
+    low, costs, net = _placed("dapple", 4, 8, 4)          # identical: one replica's ops count
+    assert run(low, costs, net, max_ops=sum(map(len, low.programs))).simulated_replicas == 1

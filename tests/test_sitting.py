@@ -220,7 +220,8 @@ def test_validate_refuses_a_profile_calibrated_on_a_busy_host(capsys, tmp_path):
     save_profile(_profile({"sitting": {"2": {"problems": ["dapple: other processes kept 0.90-1.10 cores busy"]}}}),
                  path)
     t0 = time.perf_counter()
-    assert main(["validate", "--profile", str(path), "--plot", ""]) == 3
+    assert main(["validate", "--profile", str(path), "--plot", str(tmp_path / "v.png")]) == 3
+    assert not (tmp_path / "v.png").exists()
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "refused: host busy: calibration D=2: dapple: other processes kept 0.90-1.10 " \
                                   "cores busy"

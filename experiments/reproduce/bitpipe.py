@@ -24,6 +24,7 @@ from schedules.analysis import unit_summary
 from schedules.trace import step_metrics
 from sim import simulate
 
+from ..progress import phase
 from ..tables import markdown
 from .bitpipe_throughput import changes_section, previous_order, throughput_section
 
@@ -123,8 +124,10 @@ def plot_scaling(df: pd.DataFrame, path: Path) -> None:
 def run(out_dir, quick: bool = False) -> str:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    phase("bitpipe: bubble and memory at D = N = 4")
     t = table_d4()
     t.to_csv(out / "table_d4_n4.csv", index=False)
+    phase("bitpipe: bubble scaling over D and N")
     sc = scaling(quick)
     sc.to_csv(out / "bubble_scaling.csv", index=False)
     plot_scaling(sc, out / "bubble_scaling.png")
@@ -144,10 +147,13 @@ def run(out_dir, quick: bool = False) -> str:
               "at N = D). " + ("Every simulated ratio equals its closed form." if off.empty else
                                "Simulated ratios that differ from the closed form: " +
                                ", ".join(f"{r.schedule} D={r.D} N={r.N}" for r in off.itertuples()))]
+    phase("bitpipe: device mapping and eager sync")
     parts += ["", _mapping_section(out)]
+    phase("bitpipe: throughput (Table 4 models)")
     thr = _throughput_section(out, quick)
     if thr:
         parts += ["", thr]
+    phase("bitpipe: the previous greedy orders")
     parts += ["", _changes_section(out, quick)]
     report = "\n".join(parts)
     (out / "report.md").write_text(report + "\n")

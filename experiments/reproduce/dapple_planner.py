@@ -40,6 +40,7 @@ from planner.clusters import gpus_on_servers, resolve_cluster
 from planner.choose import data_parallel_plan, pipedream_plan, with_simulation
 from planner.profiles import profile_workload
 
+from ..progress import phase
 from ..tables import markdown
 
 PAPER_MAX_SPEEDUP_OVER_PIPEDREAM = 3.23
@@ -280,8 +281,10 @@ def _differences(t: pd.DataFrame) -> list[str]:
 def run(out_dir, quick: bool = False) -> str:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    phase("dapple-planner: DAPPLE vs PipeDream vs data parallel")
     t = planner_table(quick)
     t.to_csv(out / "planner_comparison.csv", index=False)
+    phase("dapple-planner: scaling on 25 GbE")
     sc = scaling_table(quick)
     sc.to_csv(out / "scaling_25gbe.csv", index=False)
     plot(t, sc, out / "dapple_planner.png")

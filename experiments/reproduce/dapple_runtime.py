@@ -21,6 +21,8 @@ from schedules import build, lower
 from schedules.trace import step_metrics
 from sim import simulate
 
+from ..progress import phase
+
 PAPER = {"speedup": 1.6, "memory_saving": 0.12}
 
 
@@ -56,8 +58,10 @@ def run(out_dir, quick: bool = False) -> str:
     mbs = {"bert-48": 16, "gpt3-1.3b": 4}
     models = ["bert-48"] if quick else ["bert-48", "gpt3-1.3b"]
     Ns = [8, 32] if quick else [8, 16, 32, 64]
+    phase("dapple-runtime: GPipe vs DAPPLE at the same micro-batches")
     same = pd.DataFrame([sim(m, s, D, N, mbs[m], "none", cluster) for m in models for N in Ns[:2]
                          for s in ("gpipe", "dapple")])
+    phase("dapple-runtime: under the memory limit (recomputation fitted)")
     limited_rows = []
     for m in models:
         for N in Ns:

@@ -1,0 +1,112 @@
+"""Reading the user's files, with one-line errors: the one place every loader goes through.
+
+:func:`read_bytes` / :func:`read_text` raise :class:`FileError` (a ValueError, so the CLI prints
+``pipetwin: error: ...`` and exits 2) when the path does not exist, is a folder, cannot be read,
+is empty (unless ``allow_empty``) or, for text, is not UTF-8. :func:`one_line` turns a parser's
+multi-line message (YAML's carets, JSON's positions) into one line for such errors.
+:func:`check_output_path` is the same for a file to be written (run it before long work).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class FileError(ValueError):
+    """A file that cannot be used as asked; the message names it and says why."""
+
+
+class MissingFileError(FileError, FileNotFoundError):
+    """The file does not exist (a FileError and a FileNotFoundError)."""
+
+
+def _checked(path, what: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise MissingFileError(f"{what} {p} does not exist")
+    if p.is_dir():
+        raise FileError(f"{what} {p} is a folder, not a file")
+    if not os.access(p, os.R_OK):
+        raise FileError(f"{what} {p} cannot be read (permission denied)")
+    return p
+
+
+def check_input(path, what: str = "file", *, min_bytes: int = 1) -> Path:
+    """A file that will be read later (elsewhere, e.g. by every rank): exists, is a file, is
+    readable and holds at least ``min_bytes`` bytes. Reads nothing."""
+    p = _checked(path, what)
+    size = p.stat().st_size
+    if size == 0 and min_bytes > 0:
+        raise FileError(f"{what} {p} is empty")
+    if size < min_bytes:
+        raise FileError(f"{what} {p} has {size} bytes; it needs at least {min_bytes}")
+    return p
+
+
+def read_bytes(path, what: str = "file", *, allow_empty: bool = False, min_bytes: int = 0) -> bytes:
+    """The bytes of a file (``what`` names it in errors: 'data file', 'plan file', ...)."""
+    p = _checked(path, what)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise FileError(f"{what} {p} cannot be read ({e.strerror or e})") from None
+    if not data and not allow_empty:
+        raise FileError(f"{what} {p} is empty")
+    if len(data) < min_bytes:
+        raise FileError(f"{what} {p} has {len(data)} bytes; it needs at least {min_bytes}")
+    return data
+
+
+def read_text(path, what: str = "file", *, allow_empty: bool = False) -> str:
+    """The text of a UTF-8 file (see :func:`read_bytes`)."""
+    data = read_bytes(path, what, allow_empty=allow_empty)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FileError(f"{what} {path} is not a text (UTF-8) file: byte {e.start} is {data[e.start]:#04x}") from None
+
+
+def one_line(message) -> str:
+    """A parser's error message on one line (whitespace runs collapsed)."""
+    return " ".join(str(message).split())
+
+
+def check_output_path(path, what: str = "output file") -> Path:
+    """A file that is about to be written: not a folder, and its folder exists or can be created
+    (no part of the path is an existing file) and is writable. Creates nothing."""
+    p = Path(path)
+    if str(path) == "" or p.is_dir():
+        raise FileError(f"{what} {p} is a folder; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    ancestor = parent
+    while not ancestor.exists():
+        if ancestor.is_symlink():
+            raise FileError(f"{what} {p}: {ancestor} is a broken link")
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise FileError(f"{what} {p} cannot be written: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise FileError(f"{what} {p} cannot be written: folder {ancestor} is not writable")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise FileError(f"{what} {p} cannot be overwritten (permission denied)")
+    return p
+
+
+def check_output_dir(path, what: str = "output folder") -> Path:
+    """A folder that is about to be written into (created if needed): see :func:`check_output_path`."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise FileError(f"{what} {p} is a file, not a folder")
+    if p.is_dir():
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise FileError(f"{what} {p} is not writable")
+        return p
+    check_output_path(p / "x", what)
+    return p
+
+
+def prepare_output(path, what: str = "output file") -> Path:
+    """:func:`check_output_path`, then create its folder: call right before writing."""
+    p = check_output_path(path, what)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p

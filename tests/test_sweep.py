@@ -1,0 +1,119 @@
+"""pipetwin sweep: grid rows equal simulate --json, resume, workers, impossible points, Ray."""
+import csv
+import json
+
+import pytest
+
+from experiments.cli import main
+from experiments.sweep import COLUMNS, Common, Grid, pareto_front, run_sweep
+
+
+def run_cli(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def read_rows(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+BASE = ("--schedules", "dapple,bitpipe", "--devices", "2,3", "--microbatches", "4", "--dp", "1,2",
+        "-m", "gpt3-1.3b", "--no-figures")
+
+
+def test_sweep_rows_equal_simulate_json(capsys, tmp_path):
+    out = tmp_path / "sw"
+    rc, text, _ = run_cli(capsys, "sweep", *BASE, "--micro-batch", "1,2", "--out", str(out), "--workers", "1")
+    assert rc == 0 and "16 points (12 ran, 4 impossible)" in text
+    rows = read_rows(out / "sweep.csv")
+    assert list(rows[0]) == COLUMNS and len(rows) == 16
+    bad = [r for r in rows if r["error"]]
+    assert len(bad) == 4 and all(r["schedule"] == "bitpipe" and r["devices"] == "3" for r in bad)
+    assert bad[0]["error"] == "bitpipe needs an even number of devices; got 3" and bad[0]["iteration_time"] == ""
+    records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert len(records) == 12
+    for point in ({"schedule": "bitpipe", "devices": "2", "microbatches": "4", "dp": "2", "micro_batch": "2"},
+                  {"schedule": "dapple", "devices": "3", "microbatches": "4", "dp": "1", "micro_batch": "1"}):
+        rc, js, _ = run_cli(capsys, "simulate", "-s", point["schedule"], "-D", point["devices"], "-N", "4",
+                            "--dp", point["dp"], "--micro-batch", point["micro_batch"], "-m", "gpt3-1.3b", "--json")
+        want = json.loads(js)
+        got = next(r["record"] for r in records if r["point"] == point)
+        assert got == want
+        row = next(r for r in rows if all(r[k] == v for k, v in point.items()))
+        assert float(row["iteration_time"]) == want["iteration_time"]
+        assert float(row["peak_memory"]) == max(p["peak_memory"] for p in want["per_device"])
+        assert row["out_of_memory"] == str(want["out_of_memory"])
+        samples = 4 * int(point["dp"]) * int(point["micro_batch"])
+        assert float(row["throughput"]) == pytest.approx(samples / want["iteration_time"])
+
+
+def test_sweep_resumes_and_workers_agree(capsys, tmp_path):
+    out = tmp_path / "sw"
+    rc, _, _ = run_cli(capsys, "sweep", *BASE, "--out", str(out), "--workers", "1")
+    rows = read_rows(out / "sweep.csv")
+    assert rc == 0 and len(rows) == 8
+    # mark a finished point: a rerun with a bigger grid must keep it (skipped), and add only the new ones
+    rows[0]["iteration_time"] = "123.0"
+    with open(out / "sweep.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    rc, text, _ = run_cli(capsys, "sweep", *BASE[:5], "2,4", *BASE[6:], "--out", str(out), "--workers", "2")
+    again = read_rows(out / "sweep.csv")
+    key = lambda r: tuple(r[k] for k in ("schedule", "devices", "microbatches", "dp", "micro_batch"))  # noqa: E731
+    marked = key(rows[0])
+    assert rc == 0 and len(again) == 16 and "16 points" in text
+    assert next(r for r in again if key(r) == marked)["iteration_time"] == "123.0"
+    # what the two processes ran equals what one process runs
+    fresh = tmp_path / "one"
+    run_cli(capsys, "sweep", *BASE[:5], "2,4", *BASE[6:], "--out", str(fresh), "--workers", "1")
+    ref = read_rows(fresh / "sweep.csv")
+    assert [r for r in again if key(r) != marked] == [r for r in ref if key(r) != marked]
+
+
+def test_sweep_figures_and_pareto(tmp_path):
+    rows = run_sweep(Grid(schedules=("dapple", "zb-v"), devices=(2, 4), microbatches=(4,), dp=(1,)),
+                     Common(model="tiny", cluster="dgx-a100-4x8-ib", unit_costs=True), tmp_path, workers=1)
+    assert len(rows) == 4 and not any(r["error"] for r in rows)
+    assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "pareto.png").stat().st_size > 0
+    # (time, memory): b and c are on the front, a is beaten by b in both, d ties c's time with more memory
+    assert pareto_front([(2.0, 5.0), (1.0, 4.0), (3.0, 1.0), (3.0, 2.0)]) == [1, 2]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (("--devices", "4,x"), "--devices: expected comma-separated whole numbers >= 1"),
+    (("--devices", "0"), "--devices: expected comma-separated whole numbers >= 1"),
+    (("--workers", "0"), "argument --workers: must be an integer >= 1"),
+    (("-c", "dgx-a100-ib:0"), "whole number >= 1"),
+    (("--nodes", "-2"), "argument --nodes: must be an integer >= 1"),
+    (("--oversubscription", "nan"), "argument --oversubscription: must be a number in [1, 1e+06]"),
+    (("--schedules", "nope"), "unknown schedule 'nope'"),
+])
+def test_sweep_user_errors(capsys, tmp_path, argv, msg):
+    args = {"--devices": "4", "--microbatches": "8", "--out": str(tmp_path / "o")}
+    for k, v in zip(argv[::2], argv[1::2]):
+        args[k] = v
+    rc, _, err = run_cli(capsys, "sweep", *[x for kv in args.items() for x in kv], "--no-figures")
+    assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_sweep_out_must_be_writable(capsys, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc, _, err = run_cli(capsys, "sweep", "--devices", "2", "--microbatches", "2", "--out", str(f))
+    assert rc == 2 and "argument --out" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sweep_on_a_local_ray(tmp_path):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        grid = Grid(schedules=("dapple", "bitpipe"), devices=(2, 3), microbatches=(4,), dp=(1, 2))
+        common = Common(model="gpt3-1.3b", cluster="dgx-a100-4x8-ib")
+        on_ray = run_sweep(grid, common, tmp_path / "ray", use_ray=True, figures=False)
+    finally:
+        ray.shutdown()
+    local = run_sweep(grid, common, tmp_path / "local", workers=1, figures=False)
+    assert on_ray == local and len(on_ray) == 8 and sum(bool(r["error"]) for r in on_ray) == 2
