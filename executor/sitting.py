@@ -39,7 +39,7 @@ class SittingRules:
     """How many runs, and how much interference a sitting tolerates."""
 
     runs: int = 3               # counting runs per config, at least
-    max_runs: int = 6           # rounds at most before a config is given up
+    max_runs: int = 8           # rounds at most before a config is given up
     warmup: int = 2             # steps dropped at the start of every run
     max_spread: float = 0.05    # run-to-run spread allowed (the time with any one run left out)
     max_foreign: float = 0.15   # cores' worth of other processes' CPU a counting run may see
