@@ -57,6 +57,7 @@ class Topology:
     _ar: dict = field(default_factory=dict, repr=False)
     _link: dict = field(default_factory=dict, repr=False)
     _xfer: dict = field(default_factory=dict, repr=False)
+    _seeds: dict = field(default_factory=dict, repr=False)     # planner.search's seed estimates
 
     def __post_init__(self):
         if self.cluster.device_map is not None:

@@ -28,7 +28,14 @@ the Pareto front of labels (V, T, n) is exact: a label dominated in all three ca
 better plan. Labels are pruned against the best complete plan found so far (kept top_k deep) with a
 lower bound: the layers [0, i) still to place need ``W_pre`` per-sample seconds on at most ``P - k``
 devices, so some prefix stage runs at least ``W_pre b / (P - k)`` per micro-batch and
-``L >= max(V + T, V + W_pre b / (P - k), M W_pre b / (P - k))``. A stage that grows (layers added
+``L >= max(V + T, V + W_pre b / (P - k), M W_pre b / (P - k))``. A prefix stage also has at most
+``rmax`` replicas (the largest replica count, <= b), so at least ``q = b / min(rmax, P - k)`` samples
+per replica: the prefix adds round trips ``R_pre >= W_pre q`` and forwards ``FW_pre >= F_pre q``, and
+since prepending adds its round trips to V and takes at most its backwards off T,
+``L >= V + max(R_pre, T + FW_pre)``; its slowest stage holds the largest layer, ``>= w_max q``. Before
+the exact passes, passes under a trial threshold (a fraction of the best seed, ``CEILINGS``) prune
+harder; one counts only when it found top_k plans within its threshold, so what it pruned is worse
+than those (:meth:`_Ctx.settled`); else the next raises it, the last has none. A stage that grows (layers added
 at its front) only increases V and its memory, so the scan over its first layer stops at the first
 one that breaks the memory limit or the bound. The search is exact: the tests check it against
 :func:`exhaustive` (every plan of the space, evaluated with :func:`planner.cost.estimate`).
@@ -62,6 +69,8 @@ from .workload import Workload
 
 OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")
+CEILINGS = (0.86, 0.93)     # trial thresholds of the first passes, as fractions of the best seed
+PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earlier, weaker bounds; tests)
 
 
 class PlanError(ValueError):
@@ -138,10 +147,18 @@ class _Ctx:
     budget: int | None = None
 
     # -------------------------------------------------------------- incumbents
+    ceiling: float = INF        # a pass's trial threshold (see :func:`search`)
+
     def threshold(self) -> float:
         if len(self.heap) < self.top_k:
-            return INF
-        return -self.heap[0][0]
+            return self.ceiling
+        x = -self.heap[0][0]
+        return x if x < self.ceiling else self.ceiling
+
+    def settled(self) -> bool:
+        """Whether the kept plans are what a search without the ceiling keeps: top_k plans at most
+        the ceiling were found, so whatever the ceiling pruned (a lower bound above it) is worse."""
+        return len(self.heap) >= self.top_k and -self.heap[0][0] <= self.ceiling
 
     def offer(self, value: tuple[float, float], M: int, policy: str, path) -> None:
         """A complete plan: stages [(i, j, r), ...] from the first."""
@@ -200,8 +217,13 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
             tab = needs[w] = _need_table(work, b, w, [(r, slots[r]) for r in reps], cap)
         return tab
 
+    wmax = [0.0] * (L + 1)      # wmax[i]: the largest per-sample round trip of one layer in [0, i)
+    for i in range(1, L + 1):
+        x = lo._cf[i] - lo._cf[i - 1] + lo._cb[i] - lo._cb[i - 1]
+        wmax[i] = x if x > wmax[i - 1] else wmax[i - 1]
     env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps, slots=slots,
-                 min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy))
+                 min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy),
+                 rmax=max(reps), wmax=wmax)
     fronts: list[dict] = [dict() for _ in range(L + 1)]
     # a label: (p, v, t, n, stages, path, k) for the suffix [j, L) on the last k slots: p = slowest
     # element (PipeDream), v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only
@@ -236,12 +258,15 @@ class _DPEnv:
     g: list
     N: int                  # the allocation order's length (stages pack against its end)
     period: int | None
+    rmax: int               # the most replicas a stage can have
+    wmax: list              # wmax[i]: the largest per-sample round trip of one layer of [0, i)
 
 
 def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list) -> None:
     """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (first stage r1)."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
+    rmax, wmax = env.rmax, env.wmax
     pd = ctx.objective == "pipedream"
     rtm = ctx.objective == "dapple-rt"
     cf, cb, ca, cp, out = env.lo._cf, env.lo._cb, work._ca, work._cp, work.out_bytes
@@ -250,7 +275,9 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     Mm1 = M - 1
     limit = ctx.space.max_stages
     uniform = ctx.space.uniform
-    devs1 = topo.devices(policy, N - k, r1) if k else None
+    # costs of a stage and of its boundary, with the stages moved towards the order's start by whole
+    # translation periods (no communication cost changes: Topology.translation_period), so the caches
+    # hold one period of offsets instead of the whole order
     X = out[j - 1] * b
     for r in env.reps:
         if k and uniform and r != r1:
@@ -262,11 +289,15 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         key = (k2 % period if period else k2, r)
         free = P - k2
         more = free >= env.min_slot
-        devs = topo.devices(policy, N - k2, r)
+        off = N - k2
+        if period:
+            off %= period
+        devs = topo.devices(policy, off, r)
         q = b / r
         cfq, cbq = env.at_q[r]._cf, env.at_q[r]._cb
         alpha, beta = topo.allreduce_coef(devs)
         if k:
+            devs1 = topo.devices(policy, off + sl, r1)
             ca_, cg_ = topo.transfer(devs, devs1, X), topo.transfer(devs1, devs, X)
         else:
             ca_ = cg_ = 0.0
@@ -320,12 +351,22 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                 if need_w[i] > free:
                     i -= 1
                     continue       # layers [0, i) cannot fit on the slots left
+                # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
+                # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
+                qmin = b / (rmax if rmax < free else free) if PREFIX_BOUNDS else 0.0
                 pw = (cf[i] + cb[i]) * b / free
+                x = wmax[i] * qmin
+                if x > pw:
+                    pw = x
                 if pd:
                     lb = p2 if p2 > pw else pw
                 else:
                     prt = g[i] * g[i] * b / free
-                    lb = v2 + (t2 if t2 > prt else prt)
+                    x = (cf[i] + cb[i]) * qmin
+                    if x > prt:
+                        prt = x
+                    x = t2 + cf[i] * qmin
+                    lb = v2 + (x if x > prt else prt)
                     if M * pw > lb:
                         lb = M * pw
                 if lb <= thr:
@@ -341,6 +382,13 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     L = work.num_layers
     wts = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(L)]
     limit = ctx.space.max_stages or L
+    cap = None if ctx.capacity == INF else ctx.capacity
+    # the seeds' estimates are the same for every search of this workload on this topology (the planner
+    # searches several objectives and spaces of one job): kept on the topology, per workload object
+    got = topo._seeds.get(id(work))
+    if got is None or got[0] is not work:
+        got = topo._seeds[id(work)] = (work, {})
+    known = got[1]
     found = {}
     for M, policy in jobs:
         b = ctx.G // M
@@ -349,11 +397,15 @@ def _seed(ctx: _Ctx, jobs) -> dict:
             for D in range(1, min(L, limit, P // sl) + 1):
                 if D * sl > P:
                     break
-                edges = balanced_edges(wts, D)
-                devs = topo.place(policy, [r] * D)
-                plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
-                            tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
-                est = estimate(plan, work, topo, None if ctx.capacity == INF else ctx.capacity)
+                ek = (ctx.G, cap, M, policy, r, D)
+                edges, est = known.get(ek, (None, None))
+                if est is None:
+                    edges = balanced_edges(wts, D)
+                    devs = topo.place(policy, [r] * D)
+                    plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
+                                tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
+                    est = estimate(plan, work, topo, cap)
+                    known[ek] = (edges, est)
                 if not est.fits:
                     continue
                 v = (est.slowest, est.latency) if ctx.objective == "pipedream" else \
@@ -475,18 +527,31 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     jobs = [(M, p) for M in Ms for p in pols]
     seeds = _seed(ctx, jobs)
     jobs.sort(key=lambda mp: seeds.get(mp, INF))     # promising configurations first: pruning bites sooner
+    # Passes under a trial threshold (the ceiling) below the best seed: pruning against it is far
+    # stronger than against the seeds, and once top_k plans within it are found nothing it pruned can
+    # be among the best (ctx.settled); otherwise the next pass raises it, the last has none. The
+    # plans found stay in the heap. A budgeted search makes one plain pass.
+    best_seed = min(seeds.values(), default=INF)
+    ceilings = [INF] if budget is not None or best_seed == INF else [best_seed * a for a in CEILINGS] + [INF]
     from tqdm import tqdm
-    bar = tqdm(jobs, desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
+    bar = tqdm(total=len(jobs), desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
                disable=not progress, leave=False)
     exhausted = True
-    for M, p in bar:
-        try:
-            _dp(ctx, M, p)
-        except _OutOfBudget:
-            exhausted = False
+    for ceiling in ceilings:
+        ctx.ceiling = ceiling
+        bar.reset()
+        for M, p in jobs:
+            try:
+                _dp(ctx, M, p)
+            except _OutOfBudget:
+                exhausted = False
+                break
+            bar.update()
+            if progress and ctx.heap:
+                bar.set_postfix_str(f"best {min(-h[0] for h in ctx.heap):.4g} s")
+        if not exhausted or ctx.settled():
             break
-        if progress and ctx.heap:
-            bar.set_postfix_str(f"best {min(-h[0] for h in ctx.heap):.4g} s")
+    ctx.ceiling = INF
     bar.close()
     if not ctx.heap:
         raise PlanError(no_plan_message(work, topo, global_batch, cap, space, P))

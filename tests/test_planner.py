@@ -290,3 +290,32 @@ def test_plan_file_run_record(tmp_path):
                 "append-first")
     save_plan(tmp_path / "n.json", nonu, work, c)
     assert load_plan(tmp_path / "n.json").record["run"] is None   # not an R x D layout
+
+
+MID_CASES = [("gpt-96", "dgx-a100-ib:4", 64, "flat"), ("bert-48", "v100-2x8-25gbe", 64, "flat"),
+             ("gpt3-1.3b", "dgx-h100-ib:4", 128, "fat-tree"), ("bert-48", "dgx-a100-ib:4", 32, "rail"),
+             ("bert-64", "dgx-a100-ib:2", 32, "flat")]
+
+
+@pytest.mark.parametrize("case", MID_CASES, ids=lambda c: f"{c[0]}-{c[1]}-G{c[2]}-{c[3]}")
+def test_fast_search_equals_the_earlier_search(case, monkeypatch):
+    """On mid-size jobs (too big for brute force) the search with the replica-capped prefix bounds and
+    the trial-threshold passes finds the same optimum, value and plan, as the search without them
+    (the earlier exact search), for DAPPLE's latency and PipeDream's slowest element."""
+    import sys
+    from dataclasses import replace
+    ps = sys.modules["planner.search"]      # the module (``planner.search`` is also the function)
+    model, name, G, fabric = case
+    cl = load_cluster(name)
+    if fabric != "flat":
+        cl = replace(cl, fabric=fabric, nodes_per_leaf=2, oversubscription=2.0)
+    work = load_workload(model, cl.device)
+    for obj in ("dapple", "pipedream"):
+        fast = search(work, Topology(cl), G, objective=obj, top_k=4)
+        with monkeypatch.context() as m:
+            m.setattr(ps, "PREFIX_BOUNDS", False)
+            m.setattr(ps, "CEILINGS", ())
+            ref = search(work, Topology(cl), G, objective=obj, top_k=4)
+        assert fast.best.value == pytest.approx(ref.best.value, rel=1e-12)
+        assert fast.best.estimate.latency == pytest.approx(ref.best.estimate.latency, rel=1e-12)
+        assert fast.exhausted and ref.exhausted
