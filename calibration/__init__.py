@@ -24,22 +24,32 @@ What is measured, and how:
    all-reduce. In the simulator an all-reduce keeps a core of every member busy (gloo's threads
    copy and reduce), shared with compute.
 3. The runtime, through the simulator (:mod:`calibration.fit`): short executor runs (1F1B,
-   1F1B-interleaved, ZB-V at D = :func:`calibration.fit.fit_ranks`, the best of 3 each) are traced
-   and simulated with the profile; per op kind the compute gets a scale and all compute ops one
-   per-op cost (bounded least squares on measured vs simulated totals), OPTIM a scale, SEND the
-   mean residual as a per-op cost, RECV the 20th percentile of its durations; repeated to a fixed
+   1F1B-interleaved, ZB-V at D = :func:`calibration.fit.fit_ranks`, ranks pinned to cores, in
+   interleaved rounds until three quiet runs of each agree: :func:`executor.sitting.run_series`)
+   are traced and simulated with the profile; per op kind the compute gets a scale and all
+   compute ops one per-op cost (bounded least squares on measured vs simulated times per step,
+   over the steps around the low quantile validation compares), OPTIM a scale, SEND the mean
+   residual as a per-op cost, RECV the 20th percentile of its durations; repeated to a fixed
    point (:func:`calibration.fit.fit_runtime`).
 4. More ranks than cores (``ranks`` > cores): the OS time-slices them in ~4 ms quanta, which
-   costs more than ideal processor sharing. The same runs at D = ``ranks`` give one compute
-   slowdown that makes the simulated step times match (:func:`calibration.fit.fit_oversubscribed`).
+   costs more than ideal processor sharing. The same runs at D = ``ranks`` (in the same rounds
+   as those of 3.) give one compute slowdown that makes the simulated step times match
+   (:func:`calibration.fit.fit_oversubscribed`).
 
-``calibrate(...)`` returns the profile; :func:`cost_models.save_profile` writes it.
+:func:`calibrate` is :func:`measure_host` (1-2), the traced runs, then :func:`fit_profile`
+(3-4); validation can run the traced runs beside its own (:func:`experiments.crossval.calibrate_and_compare`).
+
+``calibrate(...)`` returns the profile; :func:`cost_models.save_profile` writes it. How the
+traced runs' sitting went is kept in ``meta["sitting"]`` (per D: spread, other processes' load,
+and the problems of configs that did not settle; :func:`sitting_problems` reads them): a
+profile calibrated on a busy host is written, but validation refuses it.
 """
 from __future__ import annotations
 
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,13 +60,15 @@ from cost_models.model_spec import load_model
 from cost_models.stack import StackSpec, is_model_ref
 from executor.device import cpu_threads
 from executor.precision import Precision
+from executor.sitting import RunSeries, SittingRules, run_series
 
-from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds, scale_layer,
-                  trace_runtime)
+from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds,
+                  runtime_configs, scale_layer)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "calibrate", "fit_ranks", "fit_runtime", "fit_oversubscribed", "kept_bytes",
-           "measure_stack"]
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_oversubscribed", "fit_profile",
+           "fit_ranks", "fit_runtime", "kept_bytes", "measure_host", "measure_stack", "runtime_configs",
+           "sitting_problems", "sitting_record"]
 
 
 def kept_bytes(per: list[dict]) -> dict:
@@ -67,6 +79,23 @@ def kept_bytes(per: list[dict]) -> dict:
             "act_w_bytes": tuple(float(x["act_w"]) for x in per),
             "act_bytes_recompute": tuple((m, tuple(float(x["act_recompute"].get(m, x["act"])) for x in per))
                                          for m in ("selective", "full"))}
+
+
+def sitting_record(series: list[RunSeries]) -> dict:
+    """How a sitting's traced runs went, for the profile's meta: the largest spread of the kept
+    runs, the most CPU other processes took in any run, runs per config, and every unsettled
+    config's problem."""
+    spreads = [x.spread for x in series if x.spread is not None]
+    loads = [f for x in series for f in (x.foreign(i) for i in range(len(x.runs))) if f is not None]
+    return {"spread_max": max(spreads) if spreads else None, "foreign_cores_max": max(loads) if loads else None,
+            "runs": {x.config.schedule: len(x.runs) for x in series},
+            "problems": [f"{x.config.schedule}: {x.problem}" for x in series if x.problem]}
+
+
+def sitting_problems(profile: CalibrationProfile) -> list[str]:
+    """Why the profile's calibration sitting is unusable (empty: it is usable)."""
+    return [f"D={d}: {p}" for d, rec in sorted((profile.meta.get("sitting") or {}).items())
+            for p in rec.get("problems", [])]
 
 
 def measure_stack(ref: str, micro_batch: int, threads: int, repeats: int = 20, progress=None):
@@ -90,15 +119,35 @@ def measure_stack(ref: str, micro_batch: int, threads: int, repeats: int = 20, p
     return rows, spec, act, act_w
 
 
-def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
-              runtime_steps: int = 12, runtime_repeats: int = 3, dtype: str = "fp32") -> CalibrationProfile:
-    """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
-    predicted put on this host (it sets the thread count per rank, like the executor does).
+@dataclass(frozen=True, kw_only=True)
+class HostMeasurements:
+    """What calibration measures before any traced run (steps 1-2 of the module docstring)."""
+
+    model: str              # the model as given: preset / YAML file or model file PATH.py:FUNC
+    label: str              # its name in the profile's name
+    model_spec: object      # cost_models.model_spec.ModelSpec or, for a model file, cost_models.stack.StackSpec
+    micro_batch: int | None  # the traced runs' micro-batch (None: the spec's own)
+    ranks: int
+    threads: int
+    per: list               # per layer of the model (embedding, blocks, head; a model file's layers): times
+    dtype: str              # precision of the runs to predict: fp32 | bf16 (executor.precision)
+    kept: dict              # measured activation bytes: the profile's act_bytes, act_w_bytes (and a
+                            # GPT's act_bytes_recompute): :func:`kept_bytes`
+    optimizer: float        # seconds per parameter of an Adam step
+    data: float             # seconds per micro-batch from the data stream
+    comm: dict              # measure_comm's samples and per-byte costs
+
+    def runtime_configs(self, ranks: int, steps: int = 20) -> list:
+        """The traced runs the runtime is fitted on, at ``ranks`` (:func:`calibration.fit.runtime_configs`)."""
+        return runtime_configs(self.model, ranks, steps, micro_batch=self.micro_batch, dtype=self.dtype)
+
+
+def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
+                 micro_batch: int | None = None, dtype: str = "fp32") -> HostMeasurements:
+    """Layers, optimizer, data and communication of this machine, for ``ranks`` ranks on it.
     ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
-    ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`).
-    ``runtime_steps`` / ``runtime_repeats``: the traced runs the runtime is fitted on (steps each,
-    best of; the first 2 steps are dropped). ``dtype`` the precision of the runs to be predicted
-    (fp32 | bf16; a model file: fp32)."""
+    ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`). ``dtype``
+    the precision of the runs to be predicted (fp32 | bf16; a model file: fp32)."""
     precision = Precision(dtype)
     stack_ref = model if is_model_ref(model) else None
     if stack_ref is None:
@@ -111,9 +160,6 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     elif precision.mixed:
         raise ValueError(f"calibrate --dtype {dtype} measures the GPT presets; calibrate model file {stack_ref} "
                          f"with --dtype fp32")
-    if runtime_steps < 3 or runtime_repeats < 1:
-        raise ValueError(f"the traced runs need >= 3 steps (2 are dropped) and >= 1 repeat; got {runtime_steps} "
-                         f"steps, {runtime_repeats} repeats")
     threads = cpu_threads(ranks)
     report = progress or (lambda msg: None)
     report("layers")
@@ -123,54 +169,95 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
         per, model_spec, act, act_w = measure_stack(stack_ref, mb, threads, repeats, progress=report)
         stack = build_stack(stack_ref, 0)
         opt_model, data = stack_ref, measure_data(None, stack, mb)
-        run_model, run_mb = stack_ref, mb
+        label, run_mb = Path(stack_ref.rsplit(":", 1)[0]).stem, mb
         kept = {"act_bytes": act, "act_w_bytes": act_w}
     else:
         layers = measure_layers(spec, threads, repeats, progress=report, precision=precision)
         per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
-        model_spec = spec
-        kept = kept_bytes(per)
+        model_spec, kept = spec, kept_bytes(per)
         opt_model, data = spec, measure_data(spec)
-        run_model, run_mb = model, micro_batch
+        label, run_mb = spec.name, micro_batch
     report("optimizer")
     opt = measure_optimizer(opt_model, threads)
     report("communication")
     comm = measure_comm(opt_model, max(2, ranks), max(12, repeats))
-    opt = max(opt, comm["optimizer_per_param"])
+    return HostMeasurements(model=model, label=label, model_spec=model_spec, micro_batch=run_mb, ranks=ranks,
+                            threads=threads, per=per, dtype=dtype, kept=kept,
+                            optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm)
+
+
+def fit_profile(host: HostMeasurements, base: list[RunSeries],
+                over: list[RunSeries] | None = None) -> CalibrationProfile:
+    """The profile: ``host``'s measurements with the runtime fitted on the traced ``base`` runs
+    (:func:`runtime_configs` at :func:`fit_ranks` ranks) and, when ``host.ranks`` outnumber the
+    cores, the oversubscribed slowdown fitted on ``over`` (the same configs at ``host.ranks``;
+    None there: not measured, the profile is marked unusable)."""
+    ranks, comm = host.ranks, host.comm
     lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
     ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, ranks))
     cores = os.cpu_count() or 1
     base_ranks = fit_ranks(ranks)
-    report("runtime (traced runs)")
-    runs = trace_runtime(run_model, base_ranks, steps=runtime_steps, repeats=runtime_repeats, micro_batch=run_mb,
-                         dtype=dtype)
-    probes = {str(base_ranks): probe_seconds(runs)}
-    label = model_spec.name if stack_ref is None else Path(stack_ref.rsplit(":", 1)[0]).stem
-    meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": threads, "ranks": ranks,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "p2p_samples": [list(x) for x in comm["p2p"]],
-            "allreduce_samples": [list(x) for x in comm["allreduce"]],
-            "runtime_schedules": [r.config.schedule for r in runs]}
+    probes = {str(base_ranks): probe_seconds(base)}
+    sitting = {str(base_ranks): sitting_record(base)}
+    meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": host.threads,
+            "ranks": ranks, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "p2p_samples": [list(x) for x in comm["p2p"]], "allreduce_samples": [list(x) for x in comm["allreduce"]],
+            "runtime_schedules": [x.config.schedule for x in base]}
 
     def make_profile(scale: dict, overhead: dict, oversubscribed: float = 1.0) -> CalibrationProfile:
-        timing = [scale_layer(x, scale) for x in per]
+        timing = [scale_layer(x, scale) for x in host.per]
         return CalibrationProfile(
-            name=f"{platform.node() or 'host'}-{label}", model=model_spec,
+            name=f"{platform.node() or 'host'}-{host.label}", model=host.model_spec,
             layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
             p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
-            optimizer_seconds_per_param=opt * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
-            overhead=tuple(sorted(overhead.items())), cores=cores, data_time=data,
+            optimizer_seconds_per_param=host.optimizer * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
+            overhead=tuple(sorted(overhead.items())), cores=cores, data_time=host.data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
-            precision=dtype, **kept,
-            meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes)))
+            precision=host.dtype, **host.kept,
+            meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
+                      sitting=dict(sitting)))
 
     # the runtime is fitted with no more ranks than cores; what sharing the cores costs beyond
     # ideal processor sharing is fitted on runs with as many ranks as the runs to predict
-    scale, overhead = fit_runtime(runs, make_profile)
+    scale, overhead = fit_runtime(base, make_profile)
     slowdown = 1.0
-    if ranks > base_ranks:
-        report("oversubscribed cores (traced runs)")
-        over = trace_runtime(run_model, ranks, steps=runtime_steps, repeats=runtime_repeats, micro_batch=run_mb,
-                             dtype=dtype)
+    if ranks > base_ranks and over is None:
+        sitting[str(ranks)] = {"problems": [f"no traced runs at D={ranks}"]}
+    elif ranks > base_ranks:
         probes[str(ranks)] = probe_seconds(over)
+        sitting[str(ranks)] = sitting_record(over)
         slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x))
     return make_profile(scale, overhead, slowdown)
+
+
+def runtime_rules(runtime_steps: int = 20, runtime_repeats: int = 3) -> SittingRules:
+    """The sitting rules of calibration's traced runs: ``runtime_repeats`` quiet runs per config at
+    least (twice as many rounds at most), the first 2 of ``runtime_steps`` steps dropped."""
+    if runtime_steps < 3 or runtime_repeats < 1:
+        raise ValueError(f"the traced runs need >= 3 steps (2 are dropped) and >= 1 repeat; got {runtime_steps} "
+                         f"steps, {runtime_repeats} repeats")
+    return SittingRules(runs=runtime_repeats, max_runs=2 * runtime_repeats, warmup=2)
+
+
+def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
+              runtime_steps: int = 20, runtime_repeats: int = 3, rules: SittingRules | None = None,
+              dtype: str = "fp32") -> CalibrationProfile:
+    """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
+    predicted put on this host (it sets the thread count per rank, like the executor does).
+    ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
+    ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`).
+    ``runtime_steps`` / ``runtime_repeats``: the traced runs the runtime is fitted on (steps each,
+    quiet runs per config at least: :func:`runtime_rules`); ``rules`` replaces those rules
+    (:class:`executor.sitting.SittingRules`). All traced runs share one sitting (interleaved
+    rounds, both world sizes). ``dtype``: the precision of the runs to be predicted (fp32 | bf16; a
+    model file: fp32)."""
+    rules = rules or runtime_rules(runtime_steps, runtime_repeats)
+    report = progress or (lambda msg: None)
+    host = measure_host(model, ranks=ranks, repeats=repeats, progress=report, micro_batch=micro_batch,
+                        dtype=dtype)
+    base_ranks = fit_ranks(ranks)
+    report("runtime (traced runs)")
+    base_cfgs = host.runtime_configs(base_ranks, runtime_steps)
+    over_cfgs = host.runtime_configs(ranks, runtime_steps) if ranks > base_ranks else []
+    series = run_series(base_cfgs + over_cfgs, rules, progress=report)
+    return fit_profile(host, series[:len(base_cfgs)], series[len(base_cfgs):] or None)

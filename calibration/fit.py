@@ -7,11 +7,15 @@ outnumber the cores also wait for one: the simulator models that part itself (pr
 sharing). So the fit goes through the simulator (:func:`fit_runtime`), and the cost of
 oversubscribed cores beyond ideal processor sharing gets a fit of its own
 (:func:`fit_oversubscribed`).
+
+The traced runs are a sitting (:func:`executor.sitting.run_series`): interleaved rounds, runs
+disturbed by other processes left out, and the statistic validation uses: the noise-free step
+time, the fits reproducing the fast steps around it
+(:meth:`executor.sitting.RunSeries.typical_steps`), not the mean of all steps.
 """
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Callable
 
 import numpy as np
@@ -19,8 +23,8 @@ from scipy.optimize import lsq_linear
 
 from cost_models.calibration import CalibrationProfile
 from executor.config import RunConfig, lowered_schedule
-from executor.launch import run_best_of
-from schedules.trace import median_step, step_metrics
+from executor.sitting import RunSeries
+from schedules.trace import noise_free, step_metrics
 from sim.host import simulate_with_profile
 
 # the runs the runtime is fitted on: whole stages (1F1B), inner chunks (1F1B-interleaved) and a
@@ -36,35 +40,49 @@ def fit_ranks(ranks: int) -> int:
     return max(2, min(ranks, os.cpu_count() or 1))
 
 
-def probe_seconds(runs: list) -> float:
-    """The host speed the probe saw over ``runs`` (median of their medians)."""
-    return float(statistics.median(r.extra["probe_seconds"] for r in runs))
+def probe_seconds(series: list[RunSeries]) -> float | None:
+    """The host speed the probe saw over ``series`` (median over the configs)."""
+    p = [x.probe_seconds for x in series if x.probe_seconds is not None]
+    return float(np.median(p)) if p else None
 
 
-def op_totals(trace, split: bool, warmup_steps: int) -> dict[str, list[float]]:
-    """Per op kind: [total seconds, count] over the steps after the warm-up (B of a split
-    backward is kind "Bi": it is the input-gradient half only)."""
-    t = trace[trace["step"] >= warmup_steps]
-    dur = (t["end"] - t["start"]).to_numpy()
+def op_means(rows, split: bool) -> dict[str, list[float]]:
+    """Per op kind: [seconds per step, ops per step] over the trace ``rows`` of the steps they
+    hold (B of a split backward is kind "Bi": it is the input-gradient half only)."""
+    nsteps = max(1, rows["step"].nunique())
+    dur = (rows["end"] - rows["start"]).to_numpy()
     out: dict[str, list[float]] = {}
-    for kind, d in zip(t["kind"], dur):
+    for kind, d in zip(rows["kind"], dur):
         k = "Bi" if (kind == "B" and split) else kind
-        acc = out.setdefault(k, [0.0, 0])
-        acc[0] += float(d)
-        acc[1] += 1
+        acc = out.setdefault(k, [0.0, 0.0])
+        acc[0] += float(d) / nsteps
+        acc[1] += 1.0 / nsteps
     return out
 
 
-def trace_runtime(model: str, ranks: int, steps: int = 12, repeats: int = 3, warmup_steps: int = 2,
-                  micro_batch: int | None = None, dtype: str = "fp32") -> list:
-    """Traced executor runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
-    N = 2D, the best of ``repeats`` runs each (:func:`executor.launch.run_best_of`; validation
-    compares with the best of its runs too: the model predicts the host undisturbed), in precision ``dtype``. Schedules
-    with more stages than a model file has layers are left out (at least one must fit)."""
+def typical_rows(series: RunSeries):
+    """The trace rows of the series' typical steps (its fast steps around their median), steps renumbered
+    so that each (run, step) pair is one step."""
+    import pandas as pd
+    parts = []
+    for k, (res, step) in enumerate(series.typical_steps()):
+        t = res.trace[res.trace["step"] == step]
+        parts.append(t.assign(step=k))
+    return pd.concat(parts, ignore_index=True)
+
+
+def runtime_configs(model: str, ranks: int, steps: int = 20, micro_batch: int | None = None,
+                    dtype: str = "fp32") -> list[RunConfig]:
+    """The traced runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
+    N = 2D, in precision ``dtype``, probed, ranks pinned to cores where the host allows; run them in a sitting
+    (:func:`executor.sitting.run_series`), alone (calibration) or beside the runs to predict
+    (validation: then both meet the same host; the ones equal to a validation's config are
+    shared). Schedules with more stages than a model file has layers are left out (at least one
+    must fit)."""
     cfgs, refused = [], []
     for s in RUNTIME_SCHEDULES:
         cfg = RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
-                        micro_batch=micro_batch, dtype=dtype)
+                        micro_batch=micro_batch, dtype=dtype, pin_cores=True)
         try:
             lowered_schedule(cfg)
         except ValueError as e:
@@ -75,7 +93,7 @@ def trace_runtime(model: str, ranks: int, steps: int = 12, repeats: int = 3, war
         cfgs.append(cfg)
     if not cfgs:
         raise ValueError(f"no runtime schedule fits model {model} at D = {ranks}: " + "; ".join(refused))
-    return [res for res, _ in run_best_of(cfgs, repeats, warmup_steps)]
+    return cfgs
 
 
 def scale_and_overhead(rows: dict[str, list[tuple[float, float, float]]]) -> tuple[dict[str, float], float]:
@@ -100,38 +118,44 @@ def scale_and_overhead(rows: dict[str, list[tuple[float, float, float]]]) -> tup
     return {k: float(v) for k, v in zip(kinds, sol)}, float(sol[-1])
 
 
-def fit_runtime(runs: list, make_profile: Callable[[dict, dict], CalibrationProfile], *,
-                warmup_steps: int = 2, iterations: int = 5) -> tuple[dict[str, float], dict[str, float]]:
-    """Fit the runtime's costs so that the simulator reproduces the traced ``runs``.
+def fit_runtime(series: list[RunSeries], make_profile: Callable[[dict, dict], CalibrationProfile], *,
+                iterations: int = 5) -> tuple[dict[str, float], dict[str, float]]:
+    """Fit the runtime's costs so that the simulator reproduces the traced ``series``.
 
-    Simulate the runs with the current profile; per run and compute kind (F, B, split B "Bi", W)
-    take the measured and simulated total time; fit measured = scale_kind x simulated + overhead
-    x ops (:func:`scale_and_overhead`: one per-op overhead shared by the compute kinds; the runs
-    differ in op size, 1F1B's stages against the chunks of 1F1B-interleaved and ZB-V, which tells
-    the two apart); scale the optimizer step (OPTIM) by measured / simulated total and move
-    SEND's per-op overhead by the mean residual; repeat. Totals, not medians: a run pays every
-    op's time, the slow ones included. RECV keeps the 20th percentile of its measured durations
-    (a receive whose message is already there).
+    Simulate each config with the current profile; per config and compute kind (F, B, split B
+    "Bi", W) take the measured time per step (over the typical steps: the fast steps around
+    the noise-free time, the statistic validation compares) and the simulated one; fit measured = scale_kind
+    x simulated + overhead x ops (:func:`scale_and_overhead`: one per-op overhead shared by the
+    compute kinds; the configs differ in op size, 1F1B's stages against the chunks of
+    1F1B-interleaved and ZB-V, which tells the two apart); scale the optimizer step (OPTIM) by
+    measured / simulated time and move SEND's per-op overhead by the mean residual; repeat. Sums
+    over a step, not op medians: a step pays every op's time, the slow ones included. RECV keeps
+    the 20th percentile of its measured durations (a receive whose message is already there).
 
     ``make_profile(scale, overhead)`` builds the profile to simulate with. Returns (scale, overhead).
     """
     scale = {k: 1.0 for k in (*COMPUTE_KINDS, "OPTIM")}
+    rows = [typical_rows(x) for x in series]
     recv = []
-    for res in runs:
-        t = res.trace[(res.trace["step"] >= warmup_steps) & (res.trace["kind"] == "RECV")]
+    for t in rows:
+        t = t[t["kind"] == "RECV"]
         recv += (t["end"] - t["start"]).tolist()
     recv.sort()
     overhead = {"SEND": 0.0, "RECV": recv[int(0.2 * (len(recv) - 1))] if recv else 0.0, "F": 0.0, "B": 0.0, "W": 0.0}
-    lows = [lowered_schedule(res.config) for res in runs]
-    measured = [op_totals(res.trace, low.split_backward, warmup_steps) for res, low in zip(runs, lows)]
+    lows = [lowered_schedule(x.config) for x in series]
+    measured = [op_means(t, low.split_backward) for t, low in zip(rows, lows)]
+    warm = series[0].rules.warmup if series else 0
+    steps = warm + 2
 
     def total(per_run, kind):
         return sum(t.get(kind, [0.0, 0])[0] for t in per_run), sum(t.get(kind, [0.0, 0])[1] for t in per_run)
 
     for _ in range(iterations):
         prof = make_profile(scale, overhead)
-        simulated = [op_totals(simulate_with_profile(low, prof, steps=len(res.iteration_times)), low.split_backward,
-                               warmup_steps) for res, low in zip(runs, lows)]
+        simulated = []
+        for low in lows:   # the simulator's steps after the warm-up are all alike
+            tr = simulate_with_profile(low, prof, steps=steps)
+            simulated.append(op_means(tr[tr["step"] >= warm], low.split_backward))
         c_old = overhead["F"]
         # (measured, scalable simulated part, ops) per run and compute kind
         rows = {k: [(m[k][0], s[k][0] - c_old * s[k][1], m[k][1]) for m, s in zip(measured, simulated)
@@ -150,22 +174,23 @@ def fit_runtime(runs: list, make_profile: Callable[[dict, dict], CalibrationProf
     return scale, overhead
 
 
-def fit_oversubscribed(runs: list, make_profile: Callable[[float], CalibrationProfile], *,
-                       warmup_steps: int = 2, iterations: int = 6) -> float:
+def fit_oversubscribed(series: list[RunSeries], make_profile: Callable[[float], CalibrationProfile], *,
+                       iterations: int = 6) -> float:
     """How much slower compute runs while the ranks outnumber the host's cores, beyond ideal
-    processor sharing: on traced ``runs`` with more ranks than cores, the slowdown that makes the
-    simulated median step times add up to the measured ones (fixed point). Measured on this
+    processor sharing: on traced ``series`` with more ranks than cores, the slowdown that makes
+    the simulated step times add up to the measured ones (noise-free times; fixed point). Measured on this
     machine: time slicing costs every op about the same, not only the ops that overlap (all
     ranks' threads, gloo's included, wake up and take slices; caches are refilled after each
     switch), so one factor on all compute, not a loss of capacity under overlap.
     ``make_profile(slowdown)`` builds the profile to simulate with. Returns a number in [1, 10]."""
-    measured = sum(median_step(res.iteration_times, warmup_steps)[0] for res in runs)
-    lows = [lowered_schedule(res.config) for res in runs]
+    measured = sum(x.step_time for x in series)
+    lows = [lowered_schedule(x.config) for x in series]
+    warm = series[0].rules.warmup if series else 0
     slowdown = 1.0
     for _ in range(iterations):
         prof = make_profile(slowdown)
-        simulated = sum(median_step(step_metrics(simulate_with_profile(low, prof, len(res.iteration_times)))
-                                    .iteration_times, warmup_steps)[0] for res, low in zip(runs, lows))
+        simulated = sum(noise_free(step_metrics(simulate_with_profile(low, prof, warm + 2)).iteration_times[warm:])
+                        for low in lows)
         slowdown = min(10.0, max(1.0, slowdown * measured / simulated))
     return slowdown
 

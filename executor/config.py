@@ -70,6 +70,8 @@ class RunConfig:
     recompute: str = "none"         # none | selective | full activation recomputation: executor.recompute
     device_map: str | tuple[int, ...] = "sequential"  # under torchrun: a mapping name (cost_models MAPPINGS)
                                     # or an explicit rank -> global device map; see executor.launch
+    pin_cores: bool = False         # pin each rank to a core of its own where the host has one per rank
+                                    # (executor.host.pin_to_core; otherwise the ranks float)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:

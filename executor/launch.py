@@ -147,21 +147,6 @@ def check_host_memory(jobs: Sequence[Job], world: int) -> None:
                          f"micro-batches or a smaller --model")
 
 
-def run_best_of(configs: Sequence[RunConfig], repeats: int, warmup: int) -> list[tuple[RunResult, list[float]]]:
-    """Run ``configs`` ``repeats`` times (the whole list, then again, so a slow spell of the host
-    hits different configs) and keep, per config, the run with the lowest median step time after
-    ``warmup`` steps (the host undisturbed); returns (that run, the medians of all its runs)."""
-    from schedules.trace import median_step
-    configs = list(configs)
-    results = run_many(configs * max(1, repeats))
-    out: list[tuple[RunResult, list[float]]] = []
-    for i in range(len(configs)):
-        runs = results[i::len(configs)]
-        meds = [median_step(r.iteration_times, warmup)[0] for r in runs]
-        out.append((runs[meds.index(min(meds))], meds))
-    return out
-
-
 def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tuple[int, ...]:
     """Pipeline rank -> global device on ``nodes`` x ``per_node`` devices: ``device_map`` is a
     mapping name (:data:`cost_models.cluster.MAPPINGS`) or an explicit map (a plan's)."""

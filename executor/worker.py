@@ -23,10 +23,16 @@ schedules per spawn). Per job every rank:
 
 With ``probe`` > 0 every rank also times, all at once, the forward and backward of one transformer
 block on one micro-batch, ``probe`` times before and as many after the steps: the host's speed
-during the run (``RunResult.extra["probe_seconds"]``, the median). Validation compares it with
-the speed the calibration saw (the same probe in its traced runs), so a host that is slower or
-faster than when it was calibrated (a shared VM drifts by 10-30% over minutes) is told apart
-from an error of the model.
+during the run (``RunResult.extra["probe_seconds"]``: :func:`schedules.trace.noise_free` of all
+ranks' times, the statistic steps are summarised by; the times in ``extra["probe_samples"]``).
+Validation compares it with the speed the calibration saw (the same probe in its traced runs), so
+a host that is slower or faster than when it was calibrated (a shared VM drifts by 10-30% over
+minutes) is told apart from an error of the model. Such runs also report the CPU other processes
+used while the steps ran (``extra["foreign_cores"]``, see :mod:`executor.host`).
+
+With ``pin_cores`` every rank is pinned to a core of its own before the process group starts
+its threads, where the host has a core per rank (:func:`executor.host.pin_to_core`;
+``extra["pinned"]`` says whether all were).
 """
 from __future__ import annotations
 
@@ -41,11 +47,12 @@ import torch
 import torch.distributed as dist
 
 from schedules import Schedule
-from schedules.trace import make_trace, step_metrics
+from schedules.trace import make_trace, noise_free, step_metrics
 
 from .config import RunConfig, RunResult
 from .data import TokenSource
 from .device import DeviceContext, NullMeter, cpu_threads, select_device
+from .host import CpuMeter, foreign_cores, pin_to_core
 from .model import Block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
@@ -121,6 +128,11 @@ def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_worl
     devices = {j.config.device for j in jobs}
     if len(devices) != 1:
         raise ValueError(f"jobs of one launch must use one device kind; got {sorted(devices)}")
+    pins = {j.config.pin_cores for j in jobs}
+    if len(pins) != 1:
+        raise ValueError("jobs of one launch must agree on pin_cores (a process is pinned once)")
+    # pinned before the process group starts gloo's threads (they inherit the affinity)
+    core = pin_to_core(local_rank, local_world) if pins.pop() else None
     ctx = init_world(devices.pop(), rank, world, local_rank, local_world, max(j.config.timeout for j in jobs),
                      launch_rank=launch_rank)
     groups = ProcessGroups(world, ctx.backend)
@@ -132,7 +144,7 @@ def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_worl
         done[0] += 1
         if rank == 0:
             report_progress(done[0], total, what, seconds)
-    results = [run_job(job, rank, world, ctx, groups, on_step=step_done) for job in jobs]
+    results = [run_job(job, rank, world, ctx, groups, on_step=step_done, core=core) for job in jobs]
     dist.barrier()
     dist.destroy_process_group()
     return results if rank == 0 else None
@@ -210,13 +222,14 @@ def report_progress(done: int, total: int, what: str, seconds: float) -> None:
 
 
 def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups",
-            on_step=None) -> RunResult | None:
+            on_step=None, *, core: int | None = None) -> RunResult | None:
     cfg, sched = job.config, job.schedule
     rs = setup_rank(job, rank, world, ctx, groups)
     probe_host = speed_probe(None if job.layout is not None else cfg.spec(), ctx, cfg.probe, rs.probe) \
         if cfg.probe else None
     probe = probe_host() if probe_host else []
     rows, losses, peak = [], [], 0
+    cpu = CpuMeter() if cfg.probe else None
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         out = rs.runtime.run_step(step)
@@ -225,11 +238,12 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
         rows += out.rows
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)
+    window = cpu.stop() if cpu else None
     if probe_host:
         probe += probe_host()
     node, local, _, per_node = topology()
     report = {"rank": rank, "rows": rows, "losses": losses, "peak": peak, "fwd_bytes": rs.runtime.fwd_bytes,
-              "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe,
+              "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe, "cpu": window, "core": core,
               "placement": {"node": node, "local_rank": local, "device": node * per_node + local,
                             "host": socket.gethostname()}}
     if cfg.collect_params:
@@ -312,7 +326,13 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     extra = {"placement": [rep["placement"] for rep in sorted(reports, key=lambda r: r["rank"])]}
     probes = sorted(t for rep in reports for t in rep["probe"])
     if probes:
-        extra["probe_seconds"] = probes[len(probes) // 2]
+        extra["probe_seconds"] = noise_free(probes)
+        extra["probe_samples"] = probes
+    windows = [rep["cpu"] for rep in reports if rep.get("cpu") is not None]
+    if windows and len(windows) == len(reports):
+        extra["foreign_cores"] = foreign_cores(windows)
+    if cfg.pin_cores:
+        extra["pinned"] = all(rep.get("core") is not None for rep in reports)
     return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,
                      extra=extra)
 

@@ -1,12 +1,18 @@
 """Cross-validation: the same lowered schedule run by the executor and by the simulator.
 
-For each schedule: the executor trains ``steps`` steps (the first ``warmup`` dropped); its
-iteration time is the median of the rest and the step whose time is that median is the one
-compared op by op. The simulator runs the same lowered schedule with the calibrated profile
-(per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the ranks
-share. Reported side by side: iteration time and its relative error, per-device bubble ratio,
-peak activation bytes (measured by saved-tensor hooks vs simulated from the profile's measured
-per-layer bytes) and whether each rank's executed op order equals the schedule's program.
+For each schedule: the executor trains ``steps`` steps per run, in interleaved rounds of runs
+until its quiet runs agree (:func:`executor.sitting.run_series`); its iteration time is the low
+quantile of the pooled steps after the warm-up (the noise-free step, which the simulator
+predicts; the calibration fitted the runtime to the same statistic) and the step closest to it
+is the one compared op by op. The simulator runs the same lowered schedule with the calibrated
+profile (per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the
+ranks share. Reported side by side: iteration time and its relative error, per-device bubble
+ratio, peak activation bytes (measured by saved-tensor hooks vs simulated from the profile's
+measured per-layer bytes) and whether each rank's executed op order equals the schedule's program.
+
+A time is only worth comparing from a usable sitting: :func:`refusals` says why one is not (a
+busy calibration, a schedule whose runs did not settle, a host whose speed moved since
+calibration); ``pipetwin validate`` then prints the reasons instead of an error figure.
 """
 from __future__ import annotations
 
@@ -15,12 +21,14 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from cost_models import CalibrationProfile
-from schedules.trace import median_step, op_orders, step_metrics
+from schedules.trace import noise_free, op_orders, step_metrics
 from sim.host import simulate_with_profile
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Comparison:
+    """One schedule, measured (the noise-free step of its runs) and simulated."""
+
     schedule: str
     devices: int
     microbatches: int
@@ -33,8 +41,13 @@ class Comparison:
     measured_bubble: list[float]
     simulated_bubble: list[float]
     order_identical: bool
-    measured_probe: float | None = None     # host speed probe during the run (s), see executor.worker
-    run_medians: list[float] = field(default_factory=list)   # median step time of every repeat run
+    measured_probe: float | None = None     # host speed probe during the runs (s), see executor.worker
+    run_times: list[float] = field(default_factory=list)     # low quantile step time of every run
+    kept_runs: int = 0                      # runs that counted (quiet, agreeing)
+    foreign_cores: list[float | None] = field(default_factory=list)   # other processes' load per run
+    problem: str | None = None              # why the runs did not settle (None: they did)
+    spread: float | None = None             # run-to-run spread (executor.sitting.RunSeries.spread)
+    fitted: bool = False                    # the profile's runtime was fitted on these very runs
     profile_probe: float | None = None      # the same probe when the profile was calibrated
     measured_trace: pd.DataFrame = field(repr=False, default=None)
     simulated_trace: pd.DataFrame = field(repr=False, default=None)
@@ -44,10 +57,8 @@ class Comparison:
         return self.simulated_iteration_time / self.measured_iteration_time - 1.0
 
     @property
-    def run_spread(self) -> float | None:
-        """How far apart the repeat runs of this schedule were: slowest / fastest median - 1. The
-        host's own reproducibility; an error of that size is noise, not the model."""
-        return max(self.run_medians) / min(self.run_medians) - 1.0 if len(self.run_medians) > 1 else None
+    def usable(self) -> bool:
+        return self.problem is None
 
     @property
     def host_speed(self) -> float | None:
@@ -56,13 +67,6 @@ class Comparison:
         if not self.measured_probe or not self.profile_probe:
             return None
         return self.profile_probe / self.measured_probe
-
-    @property
-    def drift_adjusted_error(self) -> float | None:
-        """The error with the simulated time divided by ``host_speed``: what is left once the
-        host's drift since calibration is accounted for (an estimate: all time treated as compute)."""
-        hs = self.host_speed
-        return None if hs is None else self.simulated_iteration_time / hs / self.measured_iteration_time - 1.0
 
     @property
     def memory_error(self) -> float:
@@ -78,61 +82,125 @@ class Comparison:
                 "simulated_peak_activation_bytes": self.simulated_peak_activation_bytes,
                 "memory_error": self.memory_error, "measured_bubble": self.measured_bubble,
                 "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical,
-                "host_speed": self.host_speed, "drift_adjusted_error": self.drift_adjusted_error,
-                "run_medians": self.run_medians, "run_spread": self.run_spread}
+                "host_speed": self.host_speed, "run_times": self.run_times, "spread": self.spread,
+                "kept_runs": self.kept_runs, "foreign_cores": self.foreign_cores, "problem": self.problem,
+                "fitted": self.fitted}
 
 
-def compare(results: list, profile: CalibrationProfile, warmup: int = 2) -> list[Comparison]:
-    """``results``: executor RunResults (with traces) of the schedules to compare."""
+def compare(series: list, profile: CalibrationProfile, fitted: frozenset = frozenset()) -> list[Comparison]:
+    """``series``: the executor's runs of each schedule (:class:`executor.sitting.RunSeries`);
+    ``fitted``: the configs among them the profile's runtime was fitted on (marked in-sample)."""
     from cost_models.partition import layers_from_blocks
     from executor.config import lowered_schedule
     out = []
-    for res in results:
-        cfg = res.config
+    for ser in series:
+        cfg, warmup = ser.config, ser.rules.warmup
         low = lowered_schedule(cfg)
         # the run's split, as layers per stage (a GPT's blocks plus its embedding and head)
         part = None if cfg.partition is None else \
             tuple(cfg.partition) if cfg.is_model_file else tuple(layers_from_blocks(cfg.partition))
-        # both engines: the same number of back-to-back steps, the same statistic (the median
-        # per-step makespan after the warm-up); the step closest to it represents the run
-        med, step = median_step(res.iteration_times, warmup)
+        # both engines, one statistic: the noise-free step time after the warm-up (the
+        # simulator's steps after it are all alike); the step closest to it represents the runs
+        res, step = ser.representative()
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile, steps=len(res.iteration_times), partition=part,
-                                     recompute=cfg.recompute)
-        sim_med, sim_step = median_step(step_metrics(str_).iteration_times, warmup)
+        str_ = simulate_with_profile(low, profile, steps=warmup + 2, partition=part, recompute=cfg.recompute)
+        sim_times = step_metrics(str_).iteration_times
+        sim_t = noise_free(sim_times[warmup:])
+        sim_step = min(range(warmup, len(sim_times)), key=lambda k: abs(sim_times[k] - sim_t))
         sm = step_metrics(str_, sim_step)
         orders = op_orders(mtr, step)
         identical = all(orders.get(r) == [str(o) for o in low.program(r)] for r in range(low.num_ranks))
-        identical &= all(op_orders(mtr, s) == orders for s in sorted(mtr["step"].unique()))
-        out.append(Comparison(cfg.schedule, cfg.devices, cfg.microbatches, cfg.replicas, med, sim_med,
-                              list(res.iteration_times), [float(p["peak_activation_bytes"]) for p in res.per_device],
-                              [p.peak_activation for p in sm.per_device], [p.bubble_ratio for p in mm.per_device],
-                              [p.bubble_ratio for p in sm.per_device], identical,
-                              measured_probe=res.extra.get("probe_seconds"),
+        identical &= all(op_orders(run.trace, s) == orders for run in ser.runs
+                         for s in sorted(run.trace["step"].unique()))
+        out.append(Comparison(schedule=cfg.schedule, devices=cfg.devices, microbatches=cfg.microbatches,
+                              replicas=cfg.replicas, measured_iteration_time=ser.step_time,
+                              simulated_iteration_time=sim_t, measured_iteration_times=list(res.iteration_times),
+                              measured_peak_activation_bytes=[float(p["peak_activation_bytes"])
+                                                              for p in res.per_device],
+                              simulated_peak_activation_bytes=[p.peak_activation for p in sm.per_device],
+                              measured_bubble=[p.bubble_ratio for p in mm.per_device],
+                              simulated_bubble=[p.bubble_ratio for p in sm.per_device], order_identical=identical,
+                              measured_probe=ser.probe_seconds, run_times=ser.run_times, kept_runs=len(ser.kept),
+                              foreign_cores=[ser.foreign(i) for i in range(len(ser.runs))], problem=ser.problem,
+                              spread=ser.spread, fitted=cfg in fitted,
                               profile_probe=(profile.meta.get("probe_seconds") or {}).get(str(low.num_ranks)),
                               measured_trace=mtr[mtr["step"] == step], simulated_trace=str_[str_["step"] == sim_step]))
     return out
 
 
-def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
-                    steps: int = 8, warmup: int = 2, model: str | None = None, chunks: int = 2,
-                    repeats: int = 1, partitions: dict | None = None) -> list[Comparison]:
-    """Run each schedule ``repeats`` times and compare the run with the lowest median step time
-    (:func:`executor.launch.run_best_of`): the simulator predicts the machine undisturbed. The runs
-    use the profile's micro-batch; ``partitions``: schedule -> the executor's partition (default:
-    its own split, which the simulator uses too)."""
+def _configs(schedules, devices, microbatches, replicas, *, steps, model, chunks, micro_batch=None, partitions=None,
+             dtype="fp32"):
     from calibration import PROBE
     from executor.config import RunConfig
-    from executor.launch import run_best_of
-    cfgs = [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model or profile.model.name, probe=PROBE, micro_batch=profile.micro_batch,
-                      partition=(partitions or {}).get(s), dtype=profile.precision) for s in schedules]
-    best = run_best_of(cfgs, repeats, warmup)
-    comps = compare([res for res, _ in best], profile, warmup)
-    for c, (_, meds) in zip(comps, best):
-        c.run_medians = meds
-    return comps
+    return [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
+                      steps=steps, model=model, probe=PROBE, pin_cores=True, micro_batch=micro_batch,
+                      partition=(partitions or {}).get(s), dtype=dtype) for s in schedules]
+
+
+def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
+                    steps: int = 20, model: str | None = None, chunks: int = 2, rules=None,
+                    progress=None, partitions: dict | None = None) -> list[Comparison]:
+    """Run each schedule in interleaved rounds until its quiet runs agree (ranks pinned to cores
+    where the host allows; ``rules``: :class:`executor.sitting.SittingRules`) and compare its
+    noise-free step with the simulator's, with a profile calibrated earlier
+    (:func:`executor.sitting.run_series`). The runs use the profile's micro-batch;
+    ``partitions``: schedule -> the executor's partition (default: its own split, which the
+    simulator uses too). The runs are in the profile's precision."""
+    from executor.sitting import SittingRules, run_series
+    cfgs = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model or profile.model.name,
+                    chunks=chunks, micro_batch=profile.micro_batch, partitions=partitions,
+                    dtype=profile.precision)
+    return compare(run_series(cfgs, rules or SittingRules(), progress=progress), profile)
+
+
+def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, *,
+                          model: str = "tiny", steps: int = 20, chunks: int = 2, repeats: int = 20, rules=None,
+                          progress=None, micro_batch: int | None = None, dtype: str = "fp32"
+                          ) -> tuple[CalibrationProfile, list[Comparison]]:
+    """Calibrate and validate in one sitting: measure the host (:func:`calibration.measure_host`),
+    then run the schedules and the calibration's traced runs (:func:`calibration.runtime_configs`;
+    those equal to a schedule's config are shared) in the same interleaved rounds, fit the
+    profile on the traced ones and compare every schedule. Both sides meet the same host states:
+    on this VM the host's undisturbed speed itself moves by ~10% between sittings minutes apart,
+    which is the error a profile from another sitting carries. The fitted configs are marked
+    in-sample (``Comparison.fitted``); ``dtype`` the runs' precision. Returns (profile, comparisons)."""
+    from calibration import fit_profile, fit_ranks, measure_host
+    from executor.sitting import SittingRules, run_series
+    report = progress or (lambda msg: None)
+    world = devices * replicas
+    host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"),
+                        micro_batch=micro_batch, dtype=dtype)
+    base_ranks = fit_ranks(world)
+    fit_base = host.runtime_configs(base_ranks, steps)
+    fit_over = host.runtime_configs(world, steps) if world > base_ranks else []
+    val = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model, chunks=chunks,
+                   micro_batch=host.micro_batch, dtype=dtype)
+    every = list(dict.fromkeys(val + fit_base + fit_over))
+    report(f"runs: {len(val)} schedules and {len(every) - len(val)} more calibration runs, interleaved")
+    by_cfg = dict(zip(every, run_series(every, rules or SittingRules(), progress=report)))
+    profile = fit_profile(host, [by_cfg[c] for c in fit_base], [by_cfg[c] for c in fit_over] or None)
+    fitted = frozenset(fit_over if fit_over else fit_base)
+    return profile, compare([by_cfg[c] for c in val], profile, fitted)
+
+
+def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift: float | None = 0.05) -> list[str]:
+    """Why the sitting cannot give an error figure (empty: it can): the profile's calibration
+    runs did not settle, a schedule's runs did not settle, or (``max_drift``: for a profile
+    calibrated in another sitting) the host speed probe moved by more than that since (the
+    profile then describes another host state)."""
+    from calibration import sitting_problems
+    mine = [f"{c.schedule}: {c.problem}" for c in comps if c.problem]
+    # runs shared by calibration and validation (one sitting) are named once
+    out = [f"calibration {p}" for p in sitting_problems(profile) if not any(p.endswith(": " + m) for m in mine)]
+    out += mine
+    speeds = sorted(c.host_speed for c in comps if c.host_speed is not None)
+    if max_drift is not None and speeds:
+        mid = speeds[len(speeds) // 2]
+        if abs(mid - 1.0) > max_drift:
+            out.append(f"host speed {mid:.2f} of calibration's (block probe, median over the schedules; at most "
+                       f"{max_drift:.0%} off allowed): recalibrate")
+    return out
 
 
 def plot_overlay(comps: list[Comparison], path) -> None:

@@ -32,12 +32,21 @@ def test_fit_refuses_flat_timings():
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    from calibration import calibrate
-    prof = calibrate("tiny", ranks=2, repeats=5)
+def sitting(tmp_path_factory):
+    """Calibration and validation in one sitting (two rounds whatever the host's load: a busy
+    host leaves the runs unsettled, which the profile records; the fits use all runs then)."""
+    from executor.sitting import SittingRules
+    from experiments.crossval import calibrate_and_compare
+    prof, comps = calibrate_and_compare(["gpipe", "dapple"], 2, 4, 1, steps=4, repeats=5,
+                                        rules=SittingRules(runs=2, max_runs=2, warmup=1))
     path = tmp_path_factory.mktemp("cal") / "profile.yaml"
     save_profile(prof, path)
-    return prof, load_profile(path)
+    return prof, load_profile(path), comps
+
+
+@pytest.fixture(scope="module")
+def calibrated(sitting):
+    return sitting[:2]
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +66,29 @@ def test_calibrated_profile_round_trips(calibrated):
     blk = profile.layers[1]
     assert 0 < blk.f and 0 < blk.b and 0 < blk.b_input and 0 < blk.w
     assert len(profile.act_bytes) == profile.model.layers + 2 and profile.act_bytes[1] > 0
+    sit = profile.meta["sitting"]["2"]
+    assert sit["runs"] == {"dapple": 2, "interleaved": 2, "zb-v": 2} and sit["foreign_cores_max"] >= 0
+
+
+def test_one_sitting_shares_runs_between_calibration_and_validation(sitting):
+    """dapple's runs are the calibration's too (in-sample, marked), gpipe is a prediction; the
+    memory and op order checks hold whatever the host's load."""
+    prof, _, comps = sitting
+    g, d = comps
+    assert (g.schedule, g.fitted, d.schedule, d.fitted) == ("gpipe", False, "dapple", True)
+    assert len(d.run_times) == len(g.run_times) == 2 == prof.meta["sitting"]["2"]["runs"]["dapple"]
+    for c in comps:
+        assert c.order_identical and c.measured_peak_activation_bytes == c.simulated_peak_activation_bytes
+        assert c.simulated_iteration_time > 0 and c.measured_iteration_time > 0
 
 
 def test_short_validate_run_memory_is_exact(profile):
+    from executor.sitting import SittingRules
     from experiments.crossval import run_and_compare
-    comps = run_and_compare(["gpipe", "dapple"], 2, 4, 1, profile, steps=3, warmup=1)
+    comps = run_and_compare(["gpipe", "dapple"], 2, 4, 1, profile, steps=3,
+                            rules=SittingRules(runs=1, max_runs=1, warmup=1))
     for c in comps:
+        assert len(c.run_times) == 1 and c.foreign_cores[0] >= 0.0
         assert c.order_identical, c.schedule
         assert c.measured_peak_activation_bytes == c.simulated_peak_activation_bytes, c.schedule
         assert c.simulated_iteration_time > 0 and c.measured_iteration_time > 0
@@ -72,18 +98,29 @@ def test_short_validate_run_memory_is_exact(profile):
     assert g.measured_peak_activation_bytes[0] > d.measured_peak_activation_bytes[0]
 
 
-def _synthetic_runs(profile, schedules, D, steps=5):
-    """Runs 'measured' by the simulator itself with a known profile (what the fits must recover)."""
+def _synthetic_runs(profile, schedules, D, steps=5, disturbed=()):
+    """Runs 'measured' by the simulator itself with a known profile (what the fits must recover),
+    one series per schedule; the steps in ``disturbed`` are made 1.6x slower, every op of them
+    (a busy spell of the host)."""
     from types import SimpleNamespace
 
     from executor.config import RunConfig, lowered_schedule
+    from executor.sitting import RunSeries, SittingRules
     from schedules.trace import step_metrics
     from sim.host import simulate_with_profile
     out = []
     for s in schedules:
         cfg = RunConfig(schedule=s, devices=D, microbatches=2 * D, steps=steps, model="tiny")
         tr = simulate_with_profile(lowered_schedule(cfg), profile, steps=steps)
-        out.append(SimpleNamespace(config=cfg, trace=tr, iteration_times=step_metrics(tr).iteration_times))
+        times = list(step_metrics(tr).iteration_times)
+        for k in disturbed:
+            rows = tr["step"] == k
+            t0 = tr.loc[rows, "start"].min()
+            tr.loc[rows, "start"] = t0 + (tr.loc[rows, "start"] - t0) * 1.6
+            tr.loc[rows, "end"] = t0 + (tr.loc[rows, "end"] - t0) * 1.6
+            times[k] *= 1.6
+        run = SimpleNamespace(config=cfg, trace=tr, iteration_times=times, extra={})
+        out.append(RunSeries(config=cfg, runs=[run], rules=SittingRules(runs=1, max_runs=1)).settle())
     return out
 
 
@@ -113,7 +150,9 @@ def test_runtime_fit_through_the_simulator_recovers_known_costs():
     from calibration import fit_runtime
     truth = _toy_profile({"F": 1.3, "B": 1.1, "Bi": 0.9, "W": 1.2, "OPTIM": 1.5},
                          (("B", 6e-5), ("F", 6e-5), ("RECV", 2e-5), ("SEND", 1e-4), ("W", 6e-5)))
-    runs = _synthetic_runs(truth, ["dapple", "interleaved", "zb-v"], 2)
+    # 12 steps, 5 of them in a busy spell: the fit reproduces the steps around the low quantile,
+    # the undisturbed ones (a fit to all steps would find every cost about 25% too high)
+    runs = _synthetic_runs(truth, ["dapple", "interleaved", "zb-v"], 2, steps=12, disturbed=(3, 5, 6, 9, 11))
     scale, overhead = fit_runtime(runs, lambda sc, ov: _toy_profile(sc, tuple(ov.items())), iterations=5)
     assert scale["F"] == pytest.approx(1.3, rel=0.02) and scale["B"] == pytest.approx(1.1, rel=0.02)
     assert scale["Bi"] == pytest.approx(0.9, rel=0.02) and scale["W"] == pytest.approx(1.2, rel=0.02)
@@ -127,7 +166,7 @@ def test_oversubscribed_slowdown_is_recovered_and_only_applies_beyond_the_cores(
     from sim.host import on_one_host
     assert on_one_host(SimOptions(), 2, 2, 1.4).slowdown == {}
     assert on_one_host(SimOptions(slowdown={1: 2.0}), 4, 2, 1.5).slowdown == {0: 1.5, 1: 3.0, 2: 1.5, 3: 1.5}
-    runs = _synthetic_runs(_toy_profile(slowdown=1.4), ["dapple", "zb-v"], 4)
+    runs = _synthetic_runs(_toy_profile(slowdown=1.4), ["dapple", "zb-v"], 4, steps=8, disturbed=(4, 6))
     assert fit_oversubscribed(runs, lambda x: _toy_profile(slowdown=x)) == pytest.approx(1.4, rel=0.02)
 
 

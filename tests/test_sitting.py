@@ -1,0 +1,235 @@
+"""Measuring on a shared host: the noise-free statistic, interference detection, repeat or refuse."""
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from executor.config import RunConfig
+from executor.host import CpuWindow, foreign_cores, host_busy_seconds, own_cpu_seconds
+from executor.sitting import RunSeries, SittingRules, run_series
+from schedules.trace import fast_steps, noise_free
+
+
+def _run(times, foreign=0.0, probe=None, schedule="dapple"):
+    extra = {"foreign_cores": foreign}
+    if probe is not None:
+        extra["probe_seconds"] = probe
+    return SimpleNamespace(config=RunConfig(schedule=schedule), iteration_times=list(times), extra=extra, trace=None)
+
+
+def _times(base, n=12, seed=0, warm=(3.0, 2.0)):
+    """Warm-up steps, then ``base`` plus positive noise (interference only adds time)."""
+    g = np.random.default_rng(seed)
+    return [base * w for w in warm] + list(base * (1 + g.exponential(0.05, n - len(warm))))
+
+
+def test_noise_free_is_the_median_of_the_fast_steps_whatever_the_share_of_slow_ones():
+    fast = [10.0, 10.4, 10.8, 11.2, 11.6, 12.3]      # within 30% of the floor (the lower quartile, 10.6): not 14.0
+    assert fast_steps(fast + [14.0]) == [0, 1, 2, 3, 4, 5] and noise_free(fast + [14.0]) == pytest.approx(11.0)
+    # a host slowed 1.6x for spells: the answer does not move while the fast steps are >= 25%
+    for slow in (0, 10, 60):
+        assert noise_free(fast[:5] * 12 + [16.0 + 0.1 * k for k in range(slow)]) == pytest.approx(10.8)
+    # ... where the median of all steps would (the slow ones are half of them)
+    assert np.median(fast[:5] * 12 + [16.0] * 60) == pytest.approx(13.8)
+    # a few lucky steps (a short fast spell in one run) do not set it, as a 5th-percentile floor would
+    lucky = fast[:5] * 4 + [16.0] * 6 + [7.0] * 3
+    assert noise_free(lucky) == pytest.approx(10.8)
+    cut = np.quantile(lucky, 0.05) * 1.3
+    assert np.median([t for t in lucky if t <= cut]) == pytest.approx(7.0)
+
+
+def test_series_pools_the_quiet_runs_and_measures_the_run_to_run_spread():
+    rules = SittingRules(runs=3, max_spread=0.05, max_foreign=0.15)
+    runs = [_run(_times(10.0, seed=1)), _run(_times(10.2, seed=2)), _run(_times(16.0, seed=3)),   # slow spell
+            _run(_times(8.0, seed=4), foreign=0.9),                                             # busy: no count
+            _run(_times(10.1, seed=5))]
+    s = RunSeries(config=runs[0].config, runs=runs, rules=rules).settle()
+    assert s.settled and s.kept == [0, 1, 2, 4] and s.problem is None
+    pool = [t for i in (0, 1, 2, 4) for t in runs[i].iteration_times[2:]]
+    assert s.step_time == pytest.approx(noise_free(pool)) and 10.0 <= s.step_time <= 10.2 * 1.1
+    loo = [noise_free([t for i in (0, 1, 2, 4) if i != j for t in runs[i].iteration_times[2:]]) for j in (0, 1, 2, 4)]
+    assert s.spread == pytest.approx(max(loo) / min(loo) - 1) and s.spread < 0.05
+    assert s.run_times[2] == pytest.approx(noise_free(runs[2].iteration_times[2:]))
+    res, step = s.representative()
+    assert step >= 2 and res.iteration_times[step] == min(pool, key=lambda t: abs(t - s.step_time))
+    typical = sorted(r.iteration_times[k] for r, k in s.typical_steps())
+    fast = sorted(pool[k] for k in fast_steps(pool))
+    assert typical == fast[len(fast) // 4: len(fast) - len(fast) // 4]
+
+
+def test_series_refuses_a_spread_or_a_busy_host_with_the_figures():
+    rules = SittingRules(runs=3, max_spread=0.05, max_foreign=0.15)
+    # the fast level is only in run 0: leaving it out moves the time from 10 to 14.7 (+47%)
+    spread = RunSeries(config=RunConfig(), rules=rules,
+                       runs=[_run([1, 1] + [10.0] * 8), _run([1, 1] + [14.7] * 8), _run([1, 1] + [14.7] * 8)]).settle()
+    assert not spread.settled and spread.kept == []
+    assert spread.problem == ("run-to-run spread 47% (the step time with any one of 3 quiet runs left out; at most 5% "
+                              "allowed)") and spread.brief == "spread 47%"
+    busy = RunSeries(config=RunConfig(), rules=rules,
+                     runs=[_run([1, 1] + [10.0] * 8, foreign=f) for f in (0.05, 0.9, 1.3)]).settle()
+    assert busy.problem == "1 of 3 runs quiet, 3 needed: other processes kept 0.90-1.30 cores busy in 2 (at most 0.15)"
+    assert busy.brief == "1/3 runs quiet"
+
+
+def test_probe_of_a_series_pools_its_runs_samples():
+    runs = [_run([1, 1, 5], probe=9.0), _run([1, 1, 5], probe=9.0)]
+    runs[0].extra["probe_samples"] = [1.0, 1.1, 1.6, 1.7]
+    runs[1].extra["probe_samples"] = [1.05, 1.65, 1.6]
+    s = RunSeries(config=RunConfig(), runs=runs, rules=SittingRules(runs=2)).settle()
+    assert s.probe_seconds == pytest.approx(noise_free([1.0, 1.1, 1.6, 1.7, 1.05, 1.65, 1.6])) == pytest.approx(1.05)
+
+
+def test_run_series_repeats_unsettled_configs_and_rotates_the_order(monkeypatch):
+    """Scripted runs: dapple's fast level shows in one run of three, then in a fourth, which
+    settles it; gpipe's again only in the fifth (leaving either fast run out leaves it in a
+    quarter of the steps, which the lower quartile does not see), so it is given up after
+    max_runs rounds; zb-v settles at once; every round starts with another config."""
+    import executor.launch as launch
+    script = {"dapple": iter([10.0, 14.0, 14.0, 10.0]), "gpipe": iter([10.0, 14.0, 14.0, 14.0, 10.0]),
+              "zb-v": iter([10.0, 10.0, 10.0])}
+    rounds = []
+
+    def fake_run_many(cfgs):
+        rounds.append([c.schedule for c in cfgs])
+        return [_run([1.0, 1.0] + [next(script[c.schedule])] * 5, schedule=c.schedule) for c in cfgs]
+
+    monkeypatch.setattr(launch, "run_many", fake_run_many)
+    msgs = []
+    cfgs = [RunConfig(schedule=s) for s in ("dapple", "gpipe", "zb-v")]
+    out = run_series(cfgs, SittingRules(runs=3, max_runs=5), progress=msgs.append)
+    assert rounds == [["dapple", "gpipe", "zb-v"], ["gpipe", "zb-v", "dapple"], ["zb-v", "dapple", "gpipe"],
+                      ["gpipe", "dapple"], ["gpipe"]]
+    d, g, z = out
+    assert d.settled and d.kept == [0, 1, 2, 3] and d.step_time == 10.0 and z.settled and len(z.runs) == 3
+    assert not g.settled and len(g.runs) == 5 and g.problem.startswith("run-to-run spread 40%")
+    assert len(msgs) == 5 and msgs[2].startswith("round 3: 3 run(s)")
+    assert msgs[2].endswith("; not settled: dapple (spread 40%), gpipe (spread 40%)")
+
+
+def test_run_series_runs_each_world_size_in_every_round(monkeypatch):
+    import executor.launch as launch
+    worlds = []
+
+    def fake_run_many(cfgs):
+        worlds.append(sorted({c.devices for c in cfgs}))
+        return [_run([1.0, 1.0, 5.0, 5.0], schedule=c.schedule) for c in cfgs]
+
+    monkeypatch.setattr(launch, "run_many", fake_run_many)
+    cfgs = [RunConfig(schedule="dapple", devices=2), RunConfig(schedule="dapple", devices=4, microbatches=8)]
+    run_series(cfgs, SittingRules(runs=2, max_runs=2))
+    assert worlds == [[2], [4], [2], [4]]
+
+
+def test_foreign_cores_subtracts_the_ranks_own_cpu():
+    w = [CpuWindow(host="a", wall=2.0, host_busy=3.0, own=1.0), CpuWindow(host="a", wall=2.0, host_busy=3.1, own=0.9)]
+    assert foreign_cores(w) == pytest.approx((3.1 - 1.9) / 2.0)   # median busy reading (upper) minus both ranks
+    two_hosts = w + [CpuWindow(host="b", wall=1.0, host_busy=1.0, own=0.2)]
+    assert foreign_cores(two_hosts) == pytest.approx(0.8)          # the most loaded host
+    assert foreign_cores([CpuWindow(host="a", wall=1.0, host_busy=None, own=0.5)]) is None
+
+
+@pytest.mark.skipif(host_busy_seconds() is None, reason="no /proc/stat")
+def test_host_counters_see_this_process_and_a_busy_child():
+    # this process spins 0.3 s of CPU: the host's busy time grows by at least that much
+    b0, o0 = host_busy_seconds(), own_cpu_seconds()
+    while own_cpu_seconds() - o0 < 0.3:
+        pass
+    assert host_busy_seconds() - b0 >= 0.3 - 0.05   # tick rounding
+    # a child spinning for 1.5 s is another process: at least most of one core's worth of foreign CPU
+    from executor.host import CpuMeter
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"])
+    meter = CpuMeter()
+    time.sleep(1.0)
+    win = meter.stop()
+    child.wait()
+    assert foreign_cores([win]) >= 0.5 * min(1.0, 2.0 / max(1.0, os.getloadavg()[0]))
+
+
+def test_pin_to_core_pins_every_thread_and_declines_without_a_core_per_rank():
+    code = """
+import os, threading
+from executor.host import pin_to_core
+cores = sorted(os.sched_getaffinity(0))
+assert pin_to_core(0, len(cores) + 1) is None and sorted(os.sched_getaffinity(0)) == cores
+core = pin_to_core(len(cores) - 1, len(cores))
+assert core == cores[-1], core
+seen = []
+t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+t.start(); t.join()
+tasks = [int(x) for x in os.listdir('/proc/self/task')]
+assert seen == [{core}] and all(os.sched_getaffinity(x) == {core} for x in tasks), seen
+print('ok')
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd())
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_probed_pinned_run_reports_its_host():
+    from executor.launch import run
+    res = run(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=2, model="tiny", probe=2,
+                        pin_cores=True))
+    assert res.extra["probe_seconds"] > 0 and res.extra["foreign_cores"] >= 0.0
+    assert res.extra["pinned"] is (len(os.sched_getaffinity(0)) >= 2)
+    assert "foreign_cores" not in run(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=1,
+                                                model="tiny")).extra
+
+
+def _profile(meta):
+    from dataclasses import replace
+
+    from cost_models import CalibrationProfile
+    from cost_models.calibration import LayerTiming
+    from cost_models.cluster import LinkSpec
+    from cost_models.model_spec import load_model
+    spec = load_model("tiny")
+    prof = CalibrationProfile("toy", spec, (LayerTiming(1e-4, 0.0, 1.5e-4, 1.5e-4),) * (spec.layers + 2),
+                              LinkSpec("p2p", 4e9, 8e-5), LinkSpec("ar", 1e9, 3e-4), optimizer_seconds_per_param=5e-9,
+                              cores=2, data_time=3e-4, grad_copy_per_byte=2e-10)
+    return replace(prof, meta=meta)
+
+
+def test_refusals_name_calibration_unsettled_runs_and_probe_drift():
+    from experiments.crossval import Comparison, refusals
+
+    def comp(name, problem=None, probe=1.0):
+        return Comparison(schedule=name, devices=2, microbatches=4, replicas=1, measured_iteration_time=1.0,
+                          simulated_iteration_time=1.0, measured_iteration_times=[1.0],
+                          measured_peak_activation_bytes=[1.0], simulated_peak_activation_bytes=[1.0],
+                          measured_bubble=[0.1], simulated_bubble=[0.1], order_identical=True, problem=problem,
+                          measured_probe=probe, profile_probe=1.0)
+    quiet = _profile({"sitting": {"2": {"problems": []}}, "probe_seconds": {"2": 1.0}})
+    assert refusals([comp("dapple"), comp("gpipe", probe=1.04)], quiet) == []
+    assert refusals([comp("dapple"), comp("gpipe", problem="run-to-run spread 47% (...)")], quiet) == \
+        ["gpipe: run-to-run spread 47% (...)"]
+    slow = [comp("dapple", probe=1.25), comp("gpipe", probe=1.3), comp("zb-v", probe=1.0)]
+    assert refusals(slow, quiet) == \
+        ["host speed 0.80 of calibration's (block probe, median over the schedules; at most 5% off allowed): "
+         "recalibrate"]
+    assert refusals(slow, quiet, max_drift=None) == []   # calibrated in the same sitting
+    busy = _profile({"sitting": {"2": {"problems": ["zb-v: run-to-run spread 31% (...)"]}}})
+    assert refusals([comp("dapple")], busy) == ["calibration D=2: zb-v: run-to-run spread 31% (...)"]
+    # a run shared by calibration and validation is named once
+    assert refusals([comp("zb-v", problem="run-to-run spread 31% (...)")], busy) == \
+        ["zb-v: run-to-run spread 31% (...)"]
+
+
+def test_validate_refuses_a_profile_calibrated_on_a_busy_host(capsys, tmp_path):
+    """No runs, no error figure: one line saying why, exit status 3."""
+    from cost_models import save_profile
+    from experiments.cli import main
+    path = tmp_path / "busy.yaml"
+    save_profile(_profile({"sitting": {"2": {"problems": ["dapple: other processes kept 0.90-1.10 cores busy"]}}}),
+                 path)
+    t0 = time.perf_counter()
+    assert main(["validate", "--profile", str(path), "--plot", str(tmp_path / "v.png")]) == 3
+    assert not (tmp_path / "v.png").exists()
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "refused: host busy: calibration D=2: dapple: other processes kept 0.90-1.10 " \
+                                  "cores busy"
+    assert "error" not in out.replace("no time or error figure", "") and "%" not in out
+    assert time.perf_counter() - t0 < 5.0
+
