@@ -11,6 +11,7 @@ from experiments.cli import main
 from planner import PlanError, SearchSpace, Topology, estimate, exhaustive, search, simulate_plan
 from planner.load import load_workload
 from planner.workload import from_layer_costs
+from tests.test_planner import rand_work
 
 V100 = load_device("v100")
 IDEAL = LinkSpec("ideal", 1e15, 0.0)
@@ -57,13 +58,7 @@ def test_larger_micro_batch_where_per_sample_time_falls():
 
 
 def rand_curved(rng, L):
-    f = tuple(rng.uniform(0.2e-3, 3e-3) for _ in range(L))
-    lc = LayerCosts(f=f, b_input=f, w=tuple(x * rng.uniform(0.5, 1.5) for x in f),
-                    act=tuple(rng.uniform(1e8, 8e8) for _ in range(L)), act_w=(0.0,) * L,
-                    out_bytes=tuple(rng.uniform(1e5, 5e7) for _ in range(L)),
-                    params=tuple(rng.uniform(1e6, 3e8) for _ in range(L)),
-                    bytes_per_param_static=16.0, grad_bytes_per_param=2.0, optim_time_per_param=1e-11)
-    return curved(from_layer_costs("rand", lc, memory_capacity=rng.choice([None, 8e9, 16e9])), rng.uniform(0.5, 8))
+    return curved(rand_work(rng, L, cap=rng.choice([None, 8e9, 16e9])), rng.uniform(0.5, 8))
 
 
 @pytest.mark.parametrize("seed", range(6))
