@@ -180,47 +180,10 @@ class SavedTensorMeter:
         return self.live
 
 
-class AllocatorMeter:
-    """Activation bytes from the CUDA caching allocator's counters (see module doc)."""
+class _NoHooks:
+    """A meter that needs no saved-tensor hooks: they pass tensors through, hold nothing."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.base = torch.cuda.memory_allocated(device)
-        self.peak = 0
-
-    samples = False  # the allocator sees every micro-batch: nothing to account
-
-    def capture(self, measure: bool = True):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def pack(t):
-        return t
-
-    @staticmethod
-    def unpack(t):
-        return t
-
-    def hold(self, tensors) -> None:   # the allocator sees every live tensor anyway
-        return None
-
-    def start_step(self) -> None:
-        torch.cuda.synchronize(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.peak = 0
-
-    def current(self) -> int:
-        cur = torch.cuda.memory_allocated(self.device) - self.base
-        self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - self.base)
-        return cur
-
-
-class NullMeter:
-    """Memory measurement switched off: everything reads 0."""
-
-    live = peak = 0
-    samples = False
+    samples = False  # nothing sampled per stage: nothing to account for the other micro-batches
 
     def capture(self, measure: bool = True):
         return contextlib.nullcontext()
@@ -235,6 +198,33 @@ class NullMeter:
 
     def hold(self, tensors) -> None:
         return None
+
+
+class AllocatorMeter(_NoHooks):
+    """Activation bytes from the CUDA caching allocator's counters (see module doc); the
+    allocator sees every micro-batch and every live tensor, so the hooks do nothing."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = torch.cuda.memory_allocated(device)
+        self.peak = 0
+
+    def start_step(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = 0
+
+    def current(self) -> int:
+        cur = torch.cuda.memory_allocated(self.device) - self.base
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - self.base)
+        return cur
+
+
+class NullMeter(_NoHooks):
+    """Memory measurement switched off: everything reads 0."""
+
+    live = peak = 0
 
     def start_step(self) -> None:
         pass
