@@ -159,7 +159,8 @@ def bench_rank(payload, rank, world, local_rank, local_world):
     if rank:
         return None
     foreign = {k: [foreign_cores([w[k][r] for w in gathered]) for r in range(rounds)] for k in variants}
-    return {"seconds": times, "foreign_cores": foreign}
+    cpu = {k: [sum(w[k][r].own for w in gathered) for r in range(rounds)] for k in variants}
+    return {"seconds": times, "foreign_cores": foreign, "cpu_seconds": cpu}
 
 
 def profile_rank(payload, rank, world, local_rank, local_world):
@@ -193,10 +194,13 @@ def profile_rank(payload, rank, world, local_rank, local_world):
 
 
 def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str, list] | None = None,
-              max_foreign: float = 0.15) -> list[dict]:
+              max_foreign: float = 0.15, cpu: dict[str, list[float]] | None = None) -> list[dict]:
     """Per pair: medians and spreads of throughput and of the per-round ratios; with ``foreign``
     (cores' worth of other processes' CPU per variant and round) also the median ratio over the
-    quiet rounds, where both runs of the pair saw at most ``max_foreign`` of it."""
+    quiet rounds, where both runs of the pair saw at most ``max_foreign`` of it; with ``cpu`` (the
+    ranks' own CPU seconds per variant and round) the per-round ratio of CPU used, torch's over
+    pipetwin's, and the metering's share of it (CPU time barely moves when other processes take
+    turns on the cores, wall time does)."""
     rows = []
     for ours, theirs, _, _ in pairs:
         na, nc, nb = _pair_names(ours, theirs)
@@ -216,6 +220,10 @@ def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str
             quiet = [q for q, f in zip(ratio, load) if f <= max_foreign]
             row.update({"foreign_cores": statistics.median(load), "quiet_rounds": len(quiet),
                         "ratio_quiet": statistics.median(quiet) if quiet else None})
+        if cpu is not None:
+            ca, cc, cb = cpu[na], cpu[nc], cpu[nb]
+            row.update({"cpu_ratio": statistics.median([y / x for x, y in zip(ca, cb)]),
+                        "metering_cpu": statistics.median([x / z - 1.0 for x, z in zip(ca, cc)])})
         rows.append(row)
     return rows
 
@@ -266,11 +274,11 @@ def main(argv=None) -> int:
                        {"config": cfg, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
                         "schedules": wanted}, 2)
     seqs = args.steps * args.microbatches * spec.micro_batch
-    rows = summarize(out["seconds"], seqs, pairs, out["foreign_cores"], args.max_foreign)
+    rows = summarize(out["seconds"], seqs, pairs, out["foreign_cores"], args.max_foreign, out["cpu_seconds"])
     if args.json:
         json.dump({"model": spec.name, "devices": 2, "microbatches": args.microbatches, "backend": "gloo",
                    "steps": args.steps, "rounds": args.rounds, "results": rows, "raw_seconds": out["seconds"],
-                   "foreign_cores": out["foreign_cores"]},
+                   "foreign_cores": out["foreign_cores"], "cpu_seconds": out["cpu_seconds"]},
                   sys.stdout, indent=2)
         print()
         return 0
@@ -279,16 +287,17 @@ def main(argv=None) -> int:
           f"N={args.microbatches}, gloo/CPU; {args.rounds} interleaved rounds x {args.steps} steps; ratio = "
           f"pipetwin / torch throughput per round (median, min-max); spread = slowest / fastest round - 1; "
           f"foreign = other processes' CPU (cores, median); quiet = median ratio over the rounds with at most "
-          f"{args.max_foreign:g} cores of it (how many)")
+          f"{args.max_foreign:g} cores of it (how many); cpu_ratio = torch / pipetwin CPU seconds of both ranks "
+          f"per round (median), metering_cpu = the metering's CPU cost")
     for row in rows:
         row["quiet"] = "-" if row["ratio_quiet"] is None else f"{row['ratio_quiet']:.2f} ({row['quiet_rounds']})"
     print(fmt_table(rows, ["pair", "pipetwin_seq_per_s", "torch_seq_per_s", "ratio", "ratio_min", "ratio_max",
                            "ratio_nomem", "metering_cost", "spread_pipetwin", "spread_torch", "foreign_cores",
-                           "quiet"],
+                           "quiet", "cpu_ratio", "metering_cpu"],
                     {"pipetwin_seq_per_s": "{:.1f}", "torch_seq_per_s": "{:.1f}", "ratio": "{:.2f}",
                      "ratio_min": "{:.2f}", "ratio_max": "{:.2f}", "ratio_nomem": "{:.2f}",
                      "metering_cost": "{:+.1%}", "spread_pipetwin": "{:.0%}", "spread_torch": "{:.0%}",
-                     "foreign_cores": "{:.2f}"}))
+                     "foreign_cores": "{:.2f}", "cpu_ratio": "{:.2f}", "metering_cpu": "{:+.1%}"}))
     return 0
 
 

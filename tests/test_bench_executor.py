@@ -34,7 +34,8 @@ def test_summarize_ratios_metering_and_quiet_rounds():
     na, nc, nb = f"pipetwin {ours}", f"pipetwin {ours} (no memory metering)", f"torch {theirs}"
     times = {na: [1.0, 2.0, 1.0, 4.0], nc: [0.8, 2.0, 1.0, 2.0], nb: [1.2, 1.0, 1.1, 2.0]}
     foreign = {na: [0.0, 1.0, 0.1, 0.0], nc: [0.0] * 4, nb: [0.05, 0.0, 0.2, 0.0]}
-    row, = summarize(times, 10, PAIRS[:1], foreign, max_foreign=0.15)
+    cpu = {na: [2.0, 2.0, 2.2, 2.0], nc: [2.0, 1.6, 2.0, 2.0], nb: [2.4, 3.0, 2.2, 2.6]}
+    row, = summarize(times, 10, PAIRS[:1], foreign, max_foreign=0.15, cpu=cpu)
     assert row["ratio"] == pytest.approx((0.5 + 1.1) / 2)             # ratios 1.2, 0.5, 1.1, 0.5
     assert (row["ratio_min"], row["ratio_max"]) == (pytest.approx(0.5), pytest.approx(1.2))
     assert row["metering_cost"] == pytest.approx((0.0 + 0.25) / 2)    # 0.25, 0, 0, 1
@@ -43,3 +44,5 @@ def test_summarize_ratios_metering_and_quiet_rounds():
     assert row["foreign_cores"] == pytest.approx((0.05 + 0.2) / 2)    # per round the busier run: .05 1 .2 0
     assert row["pipetwin_seq_per_s"] == pytest.approx(10 / 1.5)
     assert row["spread_pipetwin"] == pytest.approx(3.0)
+    assert row["cpu_ratio"] == pytest.approx((1.2 + 1.3) / 2)         # 1.2, 1.5, 1.0, 1.3
+    assert row["metering_cpu"] == pytest.approx((0.0 + 0.1) / 2)      # 0, .25, .1, 0
