@@ -28,8 +28,8 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int_in(1, 100), default=3,
                    help="quiet runs per schedule at least (default 3); the step time is the median of the runs' "
                         "noise-free times (each the median of its fast steps)")
-    p.add_argument("--max-runs", type=int_in(1, 100), default=8,
-                   help="runs per schedule at most before the sitting is refused (default 8)")
+    p.add_argument("--max-runs", type=int_in(1, 100), default=12,
+                   help="runs per schedule at most before the sitting is refused (default 12)")
     p.add_argument("--max-spread", type=float_in(0.0, 10.0), default=0.05,
                    help="largest run-to-run spread allowed: the step time with any one run left out (default 0.05)")
     p.add_argument("--max-foreign", type=float_in(0.0, 10.0), default=0.15,
