@@ -24,13 +24,17 @@ What is measured, and how:
    all-reduce. In the simulator an all-reduce keeps a core of every member busy (gloo's threads
    copy and reduce), shared with compute.
 3. The runtime, through the simulator (:mod:`calibration.fit`): short executor runs (1F1B,
-   1F1B-interleaved, ZB-V at D = :func:`calibration.fit.fit_ranks`, ranks pinned to cores, in
-   interleaved rounds until three quiet runs of each agree: :func:`executor.sitting.run_series`)
-   are traced and simulated with the profile; per op kind the compute gets a scale and all
-   compute ops one per-op cost (bounded least squares on measured vs simulated times per step,
-   over the steps around the low quantile validation compares), OPTIM a scale, SEND the mean
-   residual as a per-op cost, RECV the 20th percentile of its durations; repeated to a fixed
-   point (:func:`calibration.fit.fit_runtime`).
+   1F1B-interleaved, ZB-V and BitPipe at D = :func:`calibration.fit.fit_ranks`, ranks pinned to
+   cores, in interleaved rounds until three quiet runs of each agree:
+   :func:`executor.sitting.run_series`) are traced and simulated with the profile; per op kind
+   the compute gets a scale and all compute ops one per-op cost (bounded least squares on
+   measured vs simulated times per step, over the fast steps of the runs validation's statistic
+   rests on), OPTIM a scale, SEND the mean residual as a per-op cost, RECV the 20th percentile of
+   its durations; repeated to a fixed point (:func:`calibration.fit.fit_runtime`). Then the
+   communication as it costs inside a run: the extra latency of a message over the ping-pong's
+   and the slowdown of an all-reduce in the bubbles over its lone time, fitted on the step times
+   (:func:`calibration.fit.fit_communication`; kept in ``meta["in_run"]``, the lone fits in
+   ``meta["alone"]``).
 4. More ranks than cores (``ranks`` > cores): the OS time-slices them in ~4 ms quanta, which
    costs more than ideal processor sharing. The same runs at D = ``ranks`` (in the same rounds
    as those of 3.) give one compute slowdown that makes the simulated step times match
