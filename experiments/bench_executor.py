@@ -228,6 +228,27 @@ def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str
     return rows
 
 
+def print_table(rows: list[dict], spec, *, microbatches: int, rounds: int, steps: int, max_foreign: float) -> None:
+    """The sitting's table as ``main`` prints it (also from a ``--json`` file's results)."""
+    from .tables import fmt_table
+    print(f"model {spec.name} (L={spec.layers} h={spec.hidden} s={spec.seq_len} b={spec.micro_batch}), D=2, "
+          f"N={microbatches}, gloo/CPU; {rounds} interleaved rounds x {steps} steps; ratio = "
+          f"pipetwin / torch throughput per round (median, min-max); spread = slowest / fastest round - 1; "
+          f"foreign = other processes' CPU (cores, median); quiet = median ratio over the rounds with at most "
+          f"{max_foreign:g} cores of it (how many); cpu_ratio = torch / pipetwin CPU seconds of both ranks "
+          f"per round (median), metering_cpu = the metering's CPU cost")
+    rows = [dict(r) for r in rows]
+    for row in rows:
+        row["quiet"] = "-" if row["ratio_quiet"] is None else f"{row['ratio_quiet']:.2f} ({row['quiet_rounds']})"
+    print(fmt_table(rows, ["pair", "pipetwin_seq_per_s", "torch_seq_per_s", "ratio", "ratio_min", "ratio_max",
+                           "ratio_nomem", "metering_cost", "spread_pipetwin", "spread_torch", "foreign_cores",
+                           "quiet", "cpu_ratio", "metering_cpu"],
+                    {"pipetwin_seq_per_s": "{:.1f}", "torch_seq_per_s": "{:.1f}", "ratio": "{:.2f}",
+                     "ratio_min": "{:.2f}", "ratio_max": "{:.2f}", "ratio_nomem": "{:.2f}",
+                     "metering_cost": "{:+.1%}", "spread_pipetwin": "{:.0%}", "spread_torch": "{:.0%}",
+                     "foreign_cores": "{:.2f}", "cpu_ratio": "{:.2f}", "metering_cpu": "{:+.1%}"}))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_executor", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny (default), wide (a 256-wide GPT), a preset or a YAML file")
@@ -282,22 +303,8 @@ def main(argv=None) -> int:
                   sys.stdout, indent=2)
         print()
         return 0
-    from .tables import fmt_table
-    print(f"model {spec.name} (L={spec.layers} h={spec.hidden} s={spec.seq_len} b={spec.micro_batch}), D=2, "
-          f"N={args.microbatches}, gloo/CPU; {args.rounds} interleaved rounds x {args.steps} steps; ratio = "
-          f"pipetwin / torch throughput per round (median, min-max); spread = slowest / fastest round - 1; "
-          f"foreign = other processes' CPU (cores, median); quiet = median ratio over the rounds with at most "
-          f"{args.max_foreign:g} cores of it (how many); cpu_ratio = torch / pipetwin CPU seconds of both ranks "
-          f"per round (median), metering_cpu = the metering's CPU cost")
-    for row in rows:
-        row["quiet"] = "-" if row["ratio_quiet"] is None else f"{row['ratio_quiet']:.2f} ({row['quiet_rounds']})"
-    print(fmt_table(rows, ["pair", "pipetwin_seq_per_s", "torch_seq_per_s", "ratio", "ratio_min", "ratio_max",
-                           "ratio_nomem", "metering_cost", "spread_pipetwin", "spread_torch", "foreign_cores",
-                           "quiet", "cpu_ratio", "metering_cpu"],
-                    {"pipetwin_seq_per_s": "{:.1f}", "torch_seq_per_s": "{:.1f}", "ratio": "{:.2f}",
-                     "ratio_min": "{:.2f}", "ratio_max": "{:.2f}", "ratio_nomem": "{:.2f}",
-                     "metering_cost": "{:+.1%}", "spread_pipetwin": "{:.0%}", "spread_torch": "{:.0%}",
-                     "foreign_cores": "{:.2f}", "cpu_ratio": "{:.2f}", "metering_cpu": "{:+.1%}"}))
+    print_table(rows, spec, microbatches=args.microbatches, rounds=args.rounds, steps=args.steps,
+                max_foreign=args.max_foreign)
     return 0
 
 
