@@ -292,13 +292,11 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         off = N - k2
         if period:
             off %= period
-        devs = topo.devices(policy, off, r)
         q = b / r
         cfq, cbq = env.at_q[r]._cf, env.at_q[r]._cb
-        alpha, beta = topo.allreduce_coef(devs)
+        alpha, beta = topo.allreduce_at(policy, off, r)
         if k:
-            devs1 = topo.devices(policy, off + sl, r1)
-            ca_, cg_ = topo.transfer(devs, devs1, X), topo.transfer(devs1, devs, X)
+            ca_, cg_ = topo.boundary(policy, off, r, r1, X)
         else:
             ca_ = cg_ = 0.0
         link_st = ca_ if ca_ > cg_ else cg_
