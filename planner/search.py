@@ -194,6 +194,46 @@ def _rep_values(space: SearchSpace, b: int, P: int) -> list[int]:
     return reps
 
 
+def _live_reps(ctx: _Ctx, M: int, policy: str) -> list[int]:
+    """The replica counts a stage of a plan of (M, policy) can have and still be within the current
+    threshold: some single layer fits in memory with one micro-batch of b / r samples kept, and
+    the objective of any plan with such a stage is at least M st (DAPPLE's latency: its V counts
+    the stage's round trip st plus (M - 1) st; the round-trip latency is larger still) or st (the
+    slowest element), st >= the fastest single layer's forward + backward at b / r samples.
+    :func:`_extend` breaks at once on the others (memory, or ``v2 > thr``), before any label."""
+    work, topo, P, b = ctx.work, ctx.topo, ctx.P, ctx.G // M
+    thr = ctx.threshold()
+    bps, cap = work.bytes_per_param_static, ctx.capacity
+    out = []
+    for r in _rep_values(ctx.space, b, P):
+        if topo.slots(policy, r) > P:
+            continue
+        q = b / r
+        wq = work.at(b // r)
+        if min(work.params[l] * bps + work.act[l] * q for l in range(work.num_layers)) > cap:
+            continue
+        st = min((wq._cf[l + 1] - wq._cf[l] + wq._cb[l + 1] - wq._cb[l]) * q for l in range(work.num_layers))
+        if (st if ctx.objective == "pipedream" else M * st) > thr:
+            continue
+        out.append(r)
+    return out
+
+
+def _twin_key(ctx: _Ctx, M: int, policy: str):
+    """What determines the search of (M, policy) under the current threshold: the allocation order,
+    the translation period and the slots of every live replica count (:func:`_live_reps`). Two
+    configurations with the same key run the same DP on the same stage placements (devices
+    ``order[offset:offset + r]`` at the same offsets), so they meet the same plans (same keys:
+    M and every stage's layers and devices) and a later one, under a threshold no larger, can only
+    offer plans the earlier one offered (or worse ones); e.g. fresh-first and append-first when
+    every live stage takes whole nodes. None when no replica count is live."""
+    live = _live_reps(ctx, M, policy)
+    if not live:
+        return None
+    topo = ctx.topo
+    return (M, topo.order(policy), topo.translation_period(policy), tuple((r, topo.slots(policy, r)) for r in live))
+
+
 def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     """Exact search of one (M, policy): see the module docstring."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
@@ -221,7 +261,9 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     for i in range(1, L + 1):
         x = lo._cf[i] - lo._cf[i - 1] + lo._cb[i] - lo._cb[i - 1]
         wmax[i] = x if x > wmax[i - 1] else wmax[i - 1]
-    env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps, slots=slots,
+    live = set(_live_reps(ctx, M, policy))
+    env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps,
+                 live=[r for r in reps if r in live], slots=slots,
                  min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy),
                  rmax=max(reps), wmax=wmax)
     fronts: list[dict] = [dict() for _ in range(L + 1)]
@@ -252,6 +294,7 @@ class _DPEnv:
     lo: Workload            # the smallest per-sample times over the replica counts (bounds)
     at_q: dict              # replicas -> the workload at its share of the micro-batch
     reps: list
+    live: list              # the replica counts that can still be in a plan within the threshold (_live_reps)
     slots: dict
     min_slot: int
     need: object            # w -> need table
@@ -279,7 +322,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     # translation periods (no communication cost changes: Topology.translation_period), so the caches
     # hold one period of offsets instead of the whole order
     X = out[j - 1] * b
-    for r in env.reps:
+    for r in env.live:
         if k and uniform and r != r1:
             continue
         sl = env.slots[r]
@@ -538,7 +581,12 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     for ceiling in ceilings:
         ctx.ceiling = ceiling
         bar.reset()
+        ran: dict = {}          # (M, the placements of its live replica counts) -> a policy searched
         for M, p in jobs:
+            twin = _twin_key(ctx, M, p)
+            if twin is not None and ran.setdefault(twin, p) != p:
+                bar.update()
+                continue        # the same search as an earlier configuration's (see _twin_key)
             try:
                 _dp(ctx, M, p)
             except _OutOfBudget:
