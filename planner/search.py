@@ -50,15 +50,24 @@ for simulation next to the exact DAPPLE optimum.
 The PipeDream objective uses the same DP with labels (slowest element, V, T, n): the slowest element
 first, DAPPLE's latency L to break its ties (many plans tie when one layer that cannot be split is
 the slowest element; breaking the tie in favour of the shorter iteration makes the baseline as
-strong as its objective allows).
+strong as its objective allows). With top_k = 1 (the baseline's use) it runs as two exact searches:
+first the least slowest element p* alone (labels (p, n): V and T do not matter to it, and only a
+strictly smaller p than the best found is of use, so the threshold is just below it), then DAPPLE's
+L among the plans whose every element is within p* (an element above p* breaks the scan over a
+stage's first layer, since elements only grow as a stage grows, and a label whose prefix bound on
+the slowest element exceeds p* is dropped). Every plan of the second search has slowest element p*
+(none is smaller), so its best is the lexicographic (slowest, L) optimum, and ties fall to the plan
+found first as in one search; the second search's labels are DAPPLE's (V, T, n), far fewer than
+(p, V, T, n) when many plans tie on p.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cost_models.partition import balanced_edges
 
@@ -71,6 +80,7 @@ OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")
 CEILINGS = (0.86, 0.93)     # trial thresholds of the first passes, as fractions of the best seed
 PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earlier, weaker bounds; tests)
+TWO_PHASE = True            # PipeDream's objective in two searches (False: one, over (slowest, L) labels; tests)
 
 
 class PlanError(ValueError):
@@ -145,6 +155,7 @@ class _Ctx:
     complete: int = 0
     labels: int = 0
     budget: int | None = None
+    pcap: float = INF           # "slowest-latency": the largest element a plan may have
 
     # -------------------------------------------------------------- incumbents
     ceiling: float = INF        # a pass's trial threshold (see :func:`search`)
@@ -153,6 +164,8 @@ class _Ctx:
         if len(self.heap) < self.top_k:
             return self.ceiling
         x = -self.heap[0][0]
+        if self.objective == "slowest":     # only a strictly smaller slowest element is of use
+            x = math.nextafter(x, -INF)
         return x if x < self.ceiling else self.ceiling
 
     def settled(self) -> bool:
@@ -213,7 +226,7 @@ def _live_reps(ctx: _Ctx, M: int, policy: str) -> list[int]:
         if min(work.params[l] * bps + work.act[l] * q for l in range(work.num_layers)) > cap:
             continue
         st = min((wq._cf[l + 1] - wq._cf[l] + wq._cb[l + 1] - wq._cb[l]) * q for l in range(work.num_layers))
-        if (st if ctx.objective == "pipedream" else M * st) > thr:
+        if (st if ctx.objective in ("pipedream", "slowest") else M * st) > thr or st > ctx.pcap:
             continue
         out.append(r)
     return out
@@ -310,8 +323,12 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     work, topo, P = ctx.work, ctx.topo, ctx.P
     M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
     rmax, wmax = env.rmax, env.wmax
-    pd = ctx.objective == "pipedream"
-    rtm = ctx.objective == "dapple-rt"
+    obj = ctx.objective
+    pd = obj in ("pipedream", "slowest")       # the slowest element first
+    rtm = obj == "dapple-rt"
+    pcap = ctx.pcap                            # "slowest-latency": L, with every element within pcap
+    capped = obj == "slowest-latency"
+    mode = _MODES[obj]
     cf, cb, ca, cp, out = env.lo._cf, env.lo._cb, work._ca, work._cp, work.out_bytes
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     cap = ctx.capacity
@@ -380,13 +397,13 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                 else:
                     v2 = rt + (x if x > v1 else v1)
                     p2 = max(p1, rt, ar / r)
-                if (p2 if pd else v2) > thr:
+                if (p2 if pd else v2) > thr or p2 > pcap:
                     break          # a longer stage is no better
                 y = ar + par * otp
                 t2 = y if y > t1 - bw else t1 - bw
                 ctx.evaluated += 1
                 if i == 0:
-                    ctx.offer((p2, v2 + t2) if pd else (v2 + t2, 0.0), M, policy, (i, j, r, path))
+                    ctx.offer((p2, v2 + t2) if pd else (v2 + t2, p2 if capped else 0.0), M, policy, (i, j, r, path))
                     thr = ctx.threshold()
                     break
                 if need_w[i] > free:
@@ -410,8 +427,8 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                     lb = v2 + (x if x > prt else prt)
                     if M * pw > lb:
                         lb = M * pw
-                if lb <= thr:
-                    _push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), pd or rtm)
+                if lb <= thr and pw <= pcap:
+                    _push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), mode)
                     ctx.labels += 1
                 i -= 1
 
@@ -449,8 +466,14 @@ def _seed(ctx: _Ctx, jobs) -> dict:
                     known[ek] = (edges, est)
                 if not est.fits:
                     continue
-                v = (est.slowest, est.latency) if ctx.objective == "pipedream" else \
-                    (est.latency_rt if ctx.objective == "dapple-rt" else est.latency, 0.0)
+                if ctx.objective in ("pipedream", "slowest"):
+                    v = (est.slowest, est.latency)
+                elif ctx.objective == "slowest-latency":
+                    if est.slowest > ctx.pcap:
+                        continue
+                    v = (est.latency, est.slowest)
+                else:
+                    v = (est.latency_rt if ctx.objective == "dapple-rt" else est.latency, 0.0)
                 found[(M, policy)] = min(found.get((M, policy), INF), v[0])
                 if v[0] <= ctx.threshold():
                     path = None
@@ -504,22 +527,31 @@ def _sqrt_work_bound(work: Workload, cap: float) -> list[float]:
     return g
 
 
-def _push(front: dict, key, lab, pd: bool) -> None:
+# which fields of a label a front compares (see _push): the first (p) too, or v and t not
+_MODES = {"dapple": 0, "slowest-latency": 0, "pipedream": 1, "dapple-rt": 1, "slowest": 2}
+
+
+def _push(front: dict, key, lab, mode: int) -> None:
     """Insert a label into a state's Pareto front (smaller is better in every field compared: the
     DAPPLE objective ignores the first field, the PipeDream one (slowest element) and the round-trip
-    one (the suffix's round trip) compare it too; the slots the suffix takes count too, for fronts
-    that hold suffixes of several sizes)."""
+    one (the suffix's round trip) compare it too (mode 1), the slowest element alone ignores V and T
+    (mode 2); the slots the suffix takes count too, for fronts that hold suffixes of several sizes)."""
     fr = front.get(key)
     if fr is None:
         front[key] = [lab]
         return
     p, v, t, n, c, k = lab[0], lab[1], lab[2], lab[3], lab[4], lab[6]
-    if pd:
+    if mode == 1:
         for o in fr:
             if o[0] <= p and o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c and o[6] <= k:
                 return
         fr[:] = [o for o in fr if not (p <= o[0] and v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4]
                                        and k <= o[6])]
+    elif mode == 2:
+        for o in fr:
+            if o[0] <= p and o[3] <= n and o[4] <= c and o[6] <= k:
+                return
+        fr[:] = [o for o in fr if not (p <= o[0] and n <= o[3] and c <= o[4] and k <= o[6])]
     else:
         for o in fr:
             if o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c and o[6] <= k:
@@ -566,6 +598,35 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     pols = _policies(topo, space.policies)
     t0 = time.perf_counter()
     jobs = [(M, p) for M in Ms for p in pols]
+    from tqdm import tqdm
+    bar = tqdm(total=len(jobs), desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
+               disable=not progress, leave=False)
+    if objective == "pipedream" and ctx.top_k == 1 and budget is None and TWO_PHASE:
+        # (slowest element, L) in two exact searches: the least slowest element p*, then the least L
+        # among the plans whose every element is within p* (see the module docstring)
+        ctx = replace(ctx, objective="slowest")
+        exhausted = _passes(ctx, list(jobs), bar, progress)
+        if ctx.heap:
+            first = ctx.heap[0]
+            ctx = replace(ctx, objective="slowest-latency", pcap=-first[0], heap=[], keys=set())
+            ctx.heap.append((first[1], first[0], next(ctx.seq), first[3], first[4]))
+            ctx.keys.add(first[3])
+            exhausted = _passes(ctx, list(jobs), bar, progress) and exhausted
+            ctx.heap = [(h[1], h[0], *h[2:]) for h in ctx.heap]     # back to (slowest, L)
+        ctx.objective = objective
+    else:
+        exhausted = _passes(ctx, jobs, bar, progress)
+    bar.close()
+    if not ctx.heap:
+        raise PlanError(no_plan_message(work, topo, global_batch, cap, space, P))
+    ranked = sorted(ctx.heap, key=lambda h: (-h[0], -h[1], h[2]))
+    cands = [Candidate(h[4], -h[0], estimate(h[4], work, topo, cap)) for h in ranked]
+    return SearchResult(objective, cands, ctx.evaluated, ctx.complete, ctx.labels, time.perf_counter() - t0,
+                        len(jobs), exhausted)
+
+
+def _passes(ctx: _Ctx, jobs: list, bar, progress: bool) -> bool:
+    """Seed, then search every configuration of ``jobs``; False when the budget stopped it."""
     seeds = _seed(ctx, jobs)
     jobs.sort(key=lambda mp: seeds.get(mp, INF))     # promising configurations first: pruning bites sooner
     # Passes under a trial threshold (the ceiling) below the best seed: pruning against it is far
@@ -573,10 +634,9 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     # be among the best (ctx.settled); otherwise the next pass raises it, the last has none. The
     # plans found stay in the heap. A budgeted search makes one plain pass.
     best_seed = min(seeds.values(), default=INF)
-    ceilings = [INF] if budget is not None or best_seed == INF else [best_seed * a for a in CEILINGS] + [INF]
-    from tqdm import tqdm
-    bar = tqdm(total=len(jobs), desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
-               disable=not progress, leave=False)
+    if ctx.heap:
+        best_seed = min(best_seed, -ctx.heap[0][0])
+    ceilings = [INF] if ctx.budget is not None or best_seed == INF else [best_seed * a for a in CEILINGS] + [INF]
     exhausted = True
     for ceiling in ceilings:
         ctx.ceiling = ceiling
@@ -598,13 +658,7 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
         if not exhausted or ctx.settled():
             break
     ctx.ceiling = INF
-    bar.close()
-    if not ctx.heap:
-        raise PlanError(no_plan_message(work, topo, global_batch, cap, space, P))
-    ranked = sorted(ctx.heap, key=lambda h: (-h[0], -h[1], h[2]))
-    cands = [Candidate(h[4], -h[0], estimate(h[4], work, topo, cap)) for h in ranked]
-    return SearchResult(objective, cands, ctx.evaluated, ctx.complete, ctx.labels, time.perf_counter() - t0,
-                        len(jobs), exhausted)
+    return exhausted
 
 
 def no_plan_message(work: Workload, topo: Topology, G: int, cap, space: SearchSpace, P: int) -> str:

@@ -301,7 +301,8 @@ MID_CASES = [("gpt-96", "dgx-a100-ib:4", 64, "flat"), ("bert-48", "v100-2x8-25gb
 def test_fast_search_equals_the_earlier_search(case, monkeypatch):
     """On mid-size jobs (too big for brute force) the search with the replica-capped prefix bounds and
     the trial-threshold passes finds the same optimum, value and plan, as the search without them
-    (the earlier exact search), for DAPPLE's latency and PipeDream's slowest element."""
+    (the earlier exact search), for DAPPLE's latency and PipeDream's slowest element (in two phases,
+    against one search over (slowest, L) labels)."""
     import sys
     from dataclasses import replace
     ps = sys.modules["planner.search"]      # the module (``planner.search`` is also the function)
@@ -311,11 +312,44 @@ def test_fast_search_equals_the_earlier_search(case, monkeypatch):
         cl = replace(cl, fabric=fabric, nodes_per_leaf=2, oversubscription=2.0)
     work = load_workload(model, cl.device)
     for obj in ("dapple", "pipedream"):
-        fast = search(work, Topology(cl), G, objective=obj, top_k=4)
+        fast = search(work, Topology(cl), G, objective=obj, top_k=1 if obj == "pipedream" else 4)
         with monkeypatch.context() as m:
             m.setattr(ps, "PREFIX_BOUNDS", False)
             m.setattr(ps, "CEILINGS", ())
+            m.setattr(ps, "TWO_PHASE", False)
             ref = search(work, Topology(cl), G, objective=obj, top_k=4)
         assert fast.best.value == pytest.approx(ref.best.value, rel=1e-12)
         assert fast.best.estimate.latency == pytest.approx(ref.best.estimate.latency, rel=1e-12)
         assert fast.exhausted and ref.exhausted
+        if obj == "pipedream":      # the PipeDream baseline's plan itself is unchanged
+            assert fast.best.plan == ref.best.plan
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pipedream_in_two_phases_equals_one_search(seed, monkeypatch):
+    """PipeDream's objective (slowest element, then L) searched in two phases (the least slowest
+    element p*, then the least L with every element within p*) gives the value, the latency and the
+    plan of one search over (slowest, L) labels, and the brute-force optimum, on random small jobs
+    (memory limits, several fabrics, restricted spaces)."""
+    import sys
+    from dataclasses import replace
+    ps = sys.modules["planner.search"]
+    rng = random.Random(500 + seed)
+    nodes, dpn = rng.choice([(2, 2), (1, 4), (4, 1), (2, 3), (3, 2), (2, 4)])
+    cl = small_cluster(rng, nodes, dpn)
+    if seed % 3 == 1:
+        cl = replace(cl, fabric=rng.choice(["fat-tree", "rail"]), nodes_per_leaf=rng.choice([1, 2]),
+                     oversubscription=2.0, nics_per_node=dpn)
+    topo = Topology(cl)
+    work = rand_work(rng, rng.randint(2, 6), rng.choice([None, 4e9, 8e9]))
+    G = rng.choice([4, 6, 8, 12])
+    space = SPACES[seed % len(SPACES)]
+    best, plan, _ = exhaustive(work, topo, G, objective="pipedream", space=space)
+    if plan is None:
+        return
+    two = search(work, topo, G, objective="pipedream", space=space).best
+    monkeypatch.setattr(ps, "TWO_PHASE", False)
+    one = search(work, Topology(cl), G, objective="pipedream", space=space).best
+    assert two.value == one.value and two.value == pytest.approx(best, rel=1e-9)
+    assert two.estimate.latency == one.estimate.latency
+    assert two.plan == one.plan
