@@ -459,12 +459,20 @@ def _seed(ctx: _Ctx, jobs) -> dict:
                 edges, est = known.get(ek, (None, None))
                 if est is None:
                     edges = balanced_edges(wts, D)
-                    devs = topo.place(policy, [r] * D)
-                    plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
-                                tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
-                    est = estimate(plan, work, topo, cap)
+                    q = b / r
+                    # the memory of estimate()'s stages, first: most seeds do not fit, and estimating
+                    # the rest is what costs (the estimate is kept as False when it does not fit)
+                    if cap is not None and any(
+                            work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
+                            + min(D - s, M) * work.activation(edges[s], edges[s + 1]) * q > cap for s in range(D)):
+                        est = False
+                    else:
+                        devs = topo.place(policy, [r] * D)
+                        plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
+                                    tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
+                        est = estimate(plan, work, topo, cap)
                     known[ek] = (edges, est)
-                if not est.fits:
+                if est is False or not est.fits:
                     continue
                 if ctx.objective in ("pipedream", "slowest"):
                     v = (est.slowest, est.latency)
