@@ -447,48 +447,82 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     if got is None or got[0] is not work:
         got = topo._seeds[id(work)] = (work, {})
     known = got[1]
-    found = {}
-    for M, policy in jobs:
+    slow = ctx.objective in ("pipedream", "slowest")
+
+    def value(M, policy, r, D):
+        """(edges, the seed's objective value) or None when it does not fit or is not of the space."""
+        ek = (ctx.G, cap, M, policy, r, D)
+        edges, est = known.get(ek, (None, None))
+        if est is None:
+            q = ctx.G // M / r
+            edges = balanced_edges(wts, D)
+            # the memory of estimate()'s stages, first: most seeds do not fit, and estimating the
+            # rest is what costs (the estimate is kept as False when it does not fit)
+            if cap is not None and any(
+                    work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
+                    + min(D - s, M) * work.activation(edges[s], edges[s + 1]) * q > cap for s in range(D)):
+                est = False
+            else:
+                devs = topo.place(policy, [r] * D)
+                plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
+                            tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
+                est = estimate(plan, work, topo, cap)
+            known[ek] = (edges, est)
+        if est is False or not est.fits:
+            return None
+        if slow:
+            return edges, (est.slowest, est.latency)
+        if ctx.objective == "slowest-latency":
+            return None if est.slowest > ctx.pcap else (edges, (est.latency, est.slowest))
+        return edges, (est.latency_rt if ctx.objective == "dapple-rt" else est.latency, 0.0)
+
+    def shapes(M, policy):
+        """(r, D, total): the seeds of a configuration in order; total = its stages' round trips."""
         b = ctx.G // M
         for r in _rep_values(ctx.space, b, P):
             sl = topo.slots(policy, r)
+            wq = work.at(b // r)
+            total = (wq._cf[L] + wq._cb[L]) * (b / r)
             for D in range(1, min(L, limit, P // sl) + 1):
                 if D * sl > P:
                     break
-                ek = (ctx.G, cap, M, policy, r, D)
-                edges, est = known.get(ek, (None, None))
-                if est is None:
-                    edges = balanced_edges(wts, D)
-                    q = b / r
-                    # the memory of estimate()'s stages, first: most seeds do not fit, and estimating
-                    # the rest is what costs (the estimate is kept as False when it does not fit)
-                    if cap is not None and any(
-                            work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
-                            + min(D - s, M) * work.activation(edges[s], edges[s + 1]) * q > cap for s in range(D)):
-                        est = False
-                    else:
-                        devs = topo.place(policy, [r] * D)
-                        plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
-                                    tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
-                        est = estimate(plan, work, topo, cap)
-                    known[ek] = (edges, est)
-                if est is False or not est.fits:
-                    continue
-                if ctx.objective in ("pipedream", "slowest"):
-                    v = (est.slowest, est.latency)
-                elif ctx.objective == "slowest-latency":
-                    if est.slowest > ctx.pcap:
-                        continue
-                    v = (est.latency, est.slowest)
-                else:
-                    v = (est.latency_rt if ctx.objective == "dapple-rt" else est.latency, 0.0)
-                found[(M, policy)] = min(found.get((M, policy), INF), v[0])
-                if v[0] <= ctx.threshold():
-                    path = None
-                    for s in reversed(range(D)):
-                        path = (edges[s], edges[s + 1], r, path)
-                    ctx.offer(v, M, policy, path)
-                    ctx.complete -= 1
+                yield r, D, total
+
+    # The seeds on the most replicas of every configuration first (usually the best ones): their
+    # top_k-th best value (over distinct plans) bounds the threshold after seeding, and their best
+    # per configuration the configuration's best seed. A seed whose lower bound exceeds both (its
+    # slowest stage takes >= total / D; L >= the stages' round trips and >= M times a stage's) is
+    # neither kept nor its configuration's best: it is not estimated. The others are offered in
+    # their usual order, so the kept plans are the same.
+    pre, first = {}, {}
+    for M, policy in jobs:
+        rs = [r for r in _rep_values(ctx.space, ctx.G // M, P) if topo.slots(policy, r) <= P]
+        for r, D, _ in shapes(M, policy):
+            if rs and r == rs[-1]:
+                got = value(M, policy, r, D)
+                if got is not None:
+                    devs = topo.place(policy, [r] * D)
+                    pre[(M, tuple(zip(got[0], got[0][1:], devs)))] = got[1][0]
+                    first[(M, policy)] = min(first.get((M, policy), INF), got[1][0])
+    vals = sorted(pre.values())
+    bound = vals[ctx.top_k - 1] if len(vals) >= ctx.top_k else INF
+    found = {}
+    for M, policy in jobs:
+        for r, D, total in shapes(M, policy):
+            lbv = (total / D if slow else max(total, M * total / D)) * (1 - 1e-9)
+            if lbv > bound and lbv >= first.get((M, policy), INF):
+                continue
+            got = value(M, policy, r, D)
+            if got is None:
+                continue
+            edges, v = got
+            found[(M, policy)] = min(found.get((M, policy), INF), v[0])
+            if v[0] <= ctx.threshold():
+                path = None
+                for s in reversed(range(D)):
+                    path = (edges[s], edges[s + 1], r, path)
+                ctx.offer(v, M, policy, path)
+                ctx.complete -= 1
     return found
 
 
