@@ -353,3 +353,32 @@ def test_pipedream_in_two_phases_equals_one_search(seed, monkeypatch):
     assert two.value == one.value and two.value == pytest.approx(best, rel=1e-9)
     assert two.estimate.latency == one.estimate.latency
     assert two.plan == one.plan
+
+
+@pytest.mark.parametrize("fabric,per", [("flat", 1), ("fat-tree", 2), ("rail", 2), ("rail", 3)])
+def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatch):
+    """Boundary transfers are cached by their devices with alike nodes renamed (Topology.relabel):
+    the costs equal those computed on the devices themselves, exactly, for stages at any offsets and
+    replica counts (node-major and scatter orders), and the renaming is the identity where the
+    fabric's groups differ (a last group with fewer nodes)."""
+    from dataclasses import replace
+    rng = random.Random(per)
+    base = replace(small_cluster(rng, 6, 4), nics_per_node=4)
+    cl = replace(base, fabric=fabric, nodes_per_leaf=per, oversubscription=2.0)
+    fast = Topology(cl)
+    ref = Topology(cl)
+    monkeypatch.setattr(ref, "relabel", lambda src, dst: (src, dst))
+    for _ in range(300):
+        pol = rng.choice(["fresh-first", "append-first", "scatter-first"])
+        r, r1 = rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2, 4, 5, 8])
+        sl = fast.slots(pol, r)
+        if sl + fast.slots(pol, r1) > cl.num_devices:
+            continue
+        off = rng.randrange(cl.num_devices - sl - fast.slots(pol, r1) + 1)
+        nbytes = rng.uniform(1e5, 1e8)
+        a, b = ref.devices(pol, off, r), ref.devices(pol, off + sl, r1)
+        assert fast.boundary(pol, off, r, r1, nbytes) == (ref.transfer(a, b, nbytes), ref.transfer(b, a, nbytes))
+    # nodes 0, 1, 2, 4, 0 of 4 devices each: renamed 0, 1, 2, 3 on a flat fabric; 5 nodes in groups
+    # of 2 or 3 leave a smaller last group, so no renaming
+    got = Topology(replace(cl, nodes=5)).relabel((0, 5, 9), (17, 2))
+    assert got == (((0, 5, 9), (13, 2)) if fabric == "flat" else ((0, 5, 9), (17, 2)))
