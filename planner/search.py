@@ -319,7 +319,12 @@ class _DPEnv:
 
 
 def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list) -> None:
-    """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (first stage r1)."""
+    """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (first stage r1).
+
+    The hot loop of the search: what does not change inside a loop is read before it (the threshold
+    changes only when a complete plan is offered, so it is re-read only then; the need table per
+    micro-batches in flight; the sums at j), and DAPPLE's latency alone does not compute the slowest
+    element p, which no decision of it reads (its fronts ignore p: ``_MODES``)."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
     rmax, wmax = env.rmax, env.wmax
@@ -328,6 +333,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     rtm = obj == "dapple-rt"
     pcap = ctx.pcap                            # "slowest-latency": L, with every element within pcap
     capped = obj == "slowest-latency"
+    track_p = obj != "dapple"                  # DAPPLE's latency never reads p
     mode = _MODES[obj]
     cf, cb, ca, cp, out = env.lo._cf, env.lo._cb, work._ca, work._cp, work.out_bytes
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
@@ -335,6 +341,11 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     Mm1 = M - 1
     limit = ctx.space.max_stages
     uniform = ctx.space.uniform
+    prefix_bounds = PREFIX_BOUNDS
+    offer, push, need, threshold = ctx.offer, _push, env.need, ctx.threshold
+    cpj, caj = cp[j], ca[j]
+    needs: dict = {}
+    thr = threshold()
     # costs of a stage and of its boundary, with the stages moved towards the order's start by whole
     # translation periods (no communication cost changes: Topology.translation_period), so the caches
     # hold one period of offsets instead of the whole order
@@ -354,64 +365,77 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
             off %= period
         q = b / r
         cfq, cbq = env.at_q[r]._cf, env.at_q[r]._cb
+        cfqj, cbqj = cfq[j], cbq[j]
         alpha, beta = topo.allreduce_at(policy, off, r)
+        has_ar = bool(alpha or beta)
         if k:
             ca_, cg_ = topo.boundary(policy, off, r, r1, X)
         else:
             ca_ = cg_ = 0.0
         link_st = ca_ if ca_ > cg_ else cg_
+        cacg = ca_ + cg_
+        xb = Mm1 * link_st
         if ctx.budget is not None and ctx.evaluated > ctx.budget:
             raise _OutOfBudget
+        if free > 0:
+            # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
+            # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
+            qmin = b / (rmax if rmax < free else free) if prefix_bounds else 0.0
+        ev = nl = 0
         for (p, v, t, n, cnt, path, _k) in labels:
             if limit is not None and cnt >= limit:
                 continue
-            thr = ctx.threshold()
             n2 = n + 1 if n < M else M
             cnt2 = cnt + 1 if limit is not None else 0
             if k:       # the boundary between the new stage and the suffix
                 if rtm:
-                    p1 = p + ca_ + cg_
+                    p1 = p + cacg
                 else:
-                    p1 = p if p > ca_ + cg_ else ca_ + cg_
-                x = Mm1 * link_st
-                v1 = (ca_ + cg_) + (x if x > v else v)
+                    p1 = p if p > cacg else cacg
+                v1 = cacg + (xb if xb > v else v)
                 t1 = t - cg_
             else:
                 p1, v1, t1 = p, v, t
             can_more = more and (limit is None or cnt2 < limit)
-            need_w = env.need(n2 + 1 if n2 < M else M)
+            w = n2 + 1 if n2 < M else M
+            need_w = needs.get(w)
+            if need_w is None:
+                need_w = needs[w] = need(w)
             i = j - 1
             while i >= 0:
                 if not can_more and i > 0:
                     i = 0          # the stage must take every remaining layer
-                par = cp[j] - cp[i]
-                if par * bps + n2 * (ca[j] - ca[i]) * q > cap:
+                par = cpj - cp[i]
+                if par * bps + n2 * (caj - ca[i]) * q > cap:
                     break
-                bw = (cbq[j] - cbq[i]) * q
-                rt = (cfq[j] - cfq[i]) * q + bw
-                ar = alpha + beta * par * gbp if (alpha or beta) and par > 0 else 0.0
+                bw = (cbqj - cbq[i]) * q
+                rt = (cfqj - cfq[i]) * q + bw
+                ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
                 x = Mm1 * rt
                 if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
                     p2 = p1 + rt
                     v2 = rt + max(x, v1, p1 + Mm1 * p2 / n2)
                 else:
                     v2 = rt + (x if x > v1 else v1)
-                    p2 = max(p1, rt, ar / r)
+                    if track_p:
+                        p2 = p1 if p1 > rt else rt
+                        x = ar / r
+                        if x > p2:
+                            p2 = x
+                    else:
+                        p2 = 0.0
                 if (p2 if pd else v2) > thr or p2 > pcap:
                     break          # a longer stage is no better
                 y = ar + par * otp
                 t2 = y if y > t1 - bw else t1 - bw
-                ctx.evaluated += 1
+                ev += 1
                 if i == 0:
-                    ctx.offer((p2, v2 + t2) if pd else (v2 + t2, p2 if capped else 0.0), M, policy, (i, j, r, path))
-                    thr = ctx.threshold()
+                    offer((p2, v2 + t2) if pd else (v2 + t2, p2 if capped else 0.0), M, policy, (i, j, r, path))
+                    thr = threshold()
                     break
                 if need_w[i] > free:
                     i -= 1
                     continue       # layers [0, i) cannot fit on the slots left
-                # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
-                # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
-                qmin = b / (rmax if rmax < free else free) if PREFIX_BOUNDS else 0.0
                 pw = (cf[i] + cb[i]) * b / free
                 x = wmax[i] * qmin
                 if x > pw:
@@ -428,9 +452,11 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                     if M * pw > lb:
                         lb = M * pw
                 if lb <= thr and pw <= pcap:
-                    _push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), mode)
-                    ctx.labels += 1
+                    push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), mode)
+                    nl += 1
                 i -= 1
+        ctx.evaluated += ev
+        ctx.labels += nl
 
 
 def _seed(ctx: _Ctx, jobs) -> dict:
