@@ -323,8 +323,9 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
 
     The hot loop of the search: what does not change inside a loop is read before it (the threshold
     changes only when a complete plan is offered, so it is re-read only then; the need table per
-    micro-batches in flight; the sums at j), and DAPPLE's latency alone does not compute the slowest
-    element p, which no decision of it reads (its fronts ignore p: ``_MODES``)."""
+    micro-batches in flight; the sums at j; a stage's costs per first layer, shared by the labels),
+    and DAPPLE's latency alone does not compute the slowest element p, which no decision of it reads
+    (its fronts ignore p: ``_MODES``)."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
     rmax, wmax = env.rmax, env.wmax
@@ -382,6 +383,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
             # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
             qmin = b / (rmax if rmax < free else free) if prefix_bounds else 0.0
         ev = nl = 0
+        rows: dict = {}     # i -> the stage [i, j)'s costs on r replicas, which no label changes
         for (p, v, t, n, cnt, path, _k) in labels:
             if limit is not None and cnt >= limit:
                 continue
@@ -405,12 +407,16 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
             while i >= 0:
                 if not can_more and i > 0:
                     i = 0          # the stage must take every remaining layer
-                par = cpj - cp[i]
-                if par * bps + n2 * (caj - ca[i]) * q > cap:
+                row = rows.get(i)
+                if row is None:
+                    par = cpj - cp[i]
+                    bw = (cbqj - cbq[i]) * q
+                    rt = (cfqj - cfq[i]) * q + bw
+                    ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
+                    row = rows[i] = (par * bps, caj - ca[i], bw, rt, ar, ar + par * otp)
+                pbs, da, bw, rt, ar, y = row
+                if pbs + n2 * da * q > cap:
                     break
-                bw = (cbqj - cbq[i]) * q
-                rt = (cfqj - cfq[i]) * q + bw
-                ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
                 x = Mm1 * rt
                 if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
                     p2 = p1 + rt
@@ -426,7 +432,6 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                         p2 = 0.0
                 if (p2 if pd else v2) > thr or p2 > pcap:
                     break          # a longer stage is no better
-                y = ar + par * otp
                 t2 = y if y > t1 - bw else t1 - bw
                 ev += 1
                 if i == 0:
