@@ -323,9 +323,10 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
 
     The hot loop of the search: what does not change inside a loop is read before it (the threshold
     changes only when a complete plan is offered, so it is re-read only then; the need table per
-    micro-batches in flight; the sums at j; a stage's costs per first layer, shared by the labels),
-    and DAPPLE's latency alone does not compute the slowest element p, which no decision of it reads
-    (its fronts ignore p: ``_MODES``)."""
+    micro-batches in flight; the sums at j; per first layer i, the stage's costs on r replicas and the
+    parts of the prefix bounds that depend on no label, computed once and shared by the labels, in
+    the same arithmetic), and DAPPLE's latency alone does not compute the slowest element p, which no
+    decision of it reads (its fronts ignore p: ``_MODES``)."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
     rmax, wmax = env.rmax, env.wmax
@@ -383,7 +384,8 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
             # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
             qmin = b / (rmax if rmax < free else free) if prefix_bounds else 0.0
         ev = nl = 0
-        rows: dict = {}     # i -> the stage [i, j)'s costs on r replicas, which no label changes
+        rows = [None] * j   # i -> the stage [i, j)'s costs on r replicas, which no label changes
+        bnds = [None] * j   # i -> the label-free parts of the bounds on the prefix [0, i) on ``free`` slots
         for (p, v, t, n, cnt, path, _k) in labels:
             if limit is not None and cnt >= limit:
                 continue
@@ -407,7 +409,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
             while i >= 0:
                 if not can_more and i > 0:
                     i = 0          # the stage must take every remaining layer
-                row = rows.get(i)
+                row = rows[i]
                 if row is None:
                     par = cpj - cp[i]
                     bw = (cbqj - cbq[i]) * q
@@ -441,18 +443,22 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                 if need_w[i] > free:
                     i -= 1
                     continue       # layers [0, i) cannot fit on the slots left
-                pw = (cf[i] + cb[i]) * b / free
-                x = wmax[i] * qmin
-                if x > pw:
-                    pw = x
-                if pd:
-                    lb = p2 if p2 > pw else pw
-                else:
+                bd = bnds[i]
+                if bd is None:
+                    pw = (cf[i] + cb[i]) * b / free
+                    x = wmax[i] * qmin
+                    if x > pw:
+                        pw = x
                     prt = g[i] * g[i] * b / free
                     x = (cf[i] + cb[i]) * qmin
                     if x > prt:
                         prt = x
-                    x = t2 + cf[i] * qmin
+                    bd = bnds[i] = (pw, prt, cf[i] * qmin)
+                pw, prt, fwm = bd
+                if pd:
+                    lb = p2 if p2 > pw else pw
+                else:
+                    x = t2 + fwm
                     lb = v2 + (x if x > prt else prt)
                     if M * pw > lb:
                         lb = M * pw
