@@ -24,13 +24,17 @@ What is measured, and how:
    all-reduce. In the simulator an all-reduce keeps a core of every member busy (gloo's threads
    copy and reduce), shared with compute.
 3. The runtime, through the simulator (:mod:`calibration.fit`): short executor runs (1F1B,
-   1F1B-interleaved, ZB-V at D = :func:`calibration.fit.fit_ranks`, ranks pinned to cores, in
-   interleaved rounds until three quiet runs of each agree: :func:`executor.sitting.run_series`)
-   are traced and simulated with the profile; per op kind the compute gets a scale and all
-   compute ops one per-op cost (bounded least squares on measured vs simulated times per step,
-   over the steps around the low quantile validation compares), OPTIM a scale, SEND the mean
-   residual as a per-op cost, RECV the 20th percentile of its durations; repeated to a fixed
-   point (:func:`calibration.fit.fit_runtime`).
+   1F1B-interleaved, ZB-V and BitPipe at D = :func:`calibration.fit.fit_ranks`, ranks pinned to
+   cores, in interleaved rounds until three quiet runs of each agree:
+   :func:`executor.sitting.run_series`) are traced and simulated with the profile; per op kind
+   the compute gets a scale and all compute ops one per-op cost (bounded least squares on
+   measured vs simulated times per step, over the fast steps of the runs validation's statistic
+   rests on), OPTIM a scale, SEND the mean residual as a per-op cost, RECV the 20th percentile of
+   its durations; repeated to a fixed point (:func:`calibration.fit.fit_runtime`). Then the
+   communication as it costs inside a run: the extra latency of a message over the ping-pong's
+   and the slowdown of an all-reduce in the bubbles over its lone time, fitted on the step times
+   (:func:`calibration.fit.fit_communication`; kept in ``meta["in_run"]``, the lone fits in
+   ``meta["alone"]``).
 4. More ranks than cores (``ranks`` > cores): the OS time-slices them in ~4 ms quanta, which
    costs more than ideal processor sharing. The same runs at D = ``ranks`` (in the same rounds
    as those of 3.) give one compute slowdown that makes the simulated step times match
@@ -62,12 +66,12 @@ from executor.device import cpu_threads
 from executor.precision import Precision
 from executor.sitting import RunSeries, SittingRules, run_series
 
-from .fit import (PROBE, RUNTIME_SCHEDULES, fit_oversubscribed, fit_ranks, fit_runtime, probe_seconds,
-                  runtime_configs, scale_layer)
+from .fit import (PROBE, RUNTIME_SCHEDULES, fit_communication, fit_oversubscribed, fit_ranks, fit_runtime,
+                  probe_seconds, runtime_configs, scale_layer)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_oversubscribed", "fit_profile",
-           "fit_ranks", "fit_runtime", "kept_bytes", "measure_host", "measure_stack", "runtime_configs",
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_communication", "fit_oversubscribed",
+           "fit_profile", "fit_ranks", "fit_runtime", "kept_bytes", "measure_host", "measure_stack", "runtime_configs",
            "sitting_problems", "sitting_record"]
 
 
@@ -204,30 +208,35 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries],
             "p2p_samples": [list(x) for x in comm["p2p"]], "allreduce_samples": [list(x) for x in comm["allreduce"]],
             "runtime_schedules": [x.config.schedule for x in base]}
 
-    def make_profile(scale: dict, overhead: dict, oversubscribed: float = 1.0) -> CalibrationProfile:
+    def make_profile(scale: dict, overhead: dict, oversubscribed: float = 1.0, p2p_extra: float = 0.0,
+                     ar_slowdown: float = 1.0) -> CalibrationProfile:
         timing = [scale_layer(x, scale) for x in host.per]
         return CalibrationProfile(
             name=f"{platform.node() or 'host'}-{host.label}", model=host.model_spec,
             layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
-            p2p=LinkSpec("calibrated-p2p", bw, lat), allreduce=LinkSpec("calibrated-allreduce", ar_bw, ar_lat),
+            p2p=LinkSpec("calibrated-p2p", bw, lat + p2p_extra),
+            allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_slowdown, ar_lat * ar_slowdown),
             optimizer_seconds_per_param=host.optimizer * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=host.data,
             grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
             precision=host.dtype, **host.kept,
             meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
-                      sitting=dict(sitting)))
+                      sitting=dict(sitting), alone={"p2p_latency": lat, "allreduce_latency": ar_lat,
+                                                    "allreduce_bandwidth": ar_bw},
+                      in_run={"p2p_latency_extra": p2p_extra, "allreduce_slowdown": ar_slowdown}))
 
     # the runtime is fitted with no more ranks than cores; what sharing the cores costs beyond
     # ideal processor sharing is fitted on runs with as many ranks as the runs to predict
     scale, overhead = fit_runtime(base, make_profile)
+    p2p_extra, ar_slowdown = fit_communication(base, lambda p, a: make_profile(scale, overhead, 1.0, p, a))
     slowdown = 1.0
     if ranks > base_ranks and over is None:
         sitting[str(ranks)] = {"problems": [f"no traced runs at D={ranks}"]}
     elif ranks > base_ranks:
         probes[str(ranks)] = probe_seconds(over)
         sitting[str(ranks)] = sitting_record(over)
-        slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x))
-    return make_profile(scale, overhead, slowdown)
+        slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x, p2p_extra, ar_slowdown))
+    return make_profile(scale, overhead, slowdown, p2p_extra, ar_slowdown)
 
 
 def runtime_rules(runtime_steps: int = 20, runtime_repeats: int = 3) -> SittingRules:

@@ -19,17 +19,19 @@ import os
 from typing import Callable
 
 import numpy as np
-from scipy.optimize import lsq_linear
+from scipy.optimize import least_squares, lsq_linear
 
 from cost_models.calibration import CalibrationProfile
 from executor.config import RunConfig, lowered_schedule
 from executor.sitting import RunSeries
+from schedules.ir import ALLREDUCE
 from schedules.trace import noise_free, step_metrics
 from sim.host import simulate_with_profile
 
 # the runs the runtime is fitted on: whole stages (1F1B), inner chunks (1F1B-interleaved) and a
-# split backward (ZB-V): their op sizes differ, which tells a per-op cost from a scale
-RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v")
+# split backward (ZB-V): their op sizes differ, which tells a per-op cost from a scale; BitPipe's
+# two model copies all-reduce their gradients in the bubbles, which tells the in-run all-reduce
+RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v", "bitpipe")
 PROBE = 20   # host speed probe repeats in traced runs (executor.worker.speed_probe)
 COMPUTE_KINDS = ("F", "B", "Bi", "W")
 
@@ -174,6 +176,51 @@ def fit_runtime(series: list[RunSeries], make_profile: Callable[[dict, dict], Ca
     return scale, overhead
 
 
+MAX_P2P_EXTRA = 5e-3     # s: the in-run message latency may exceed the ping-pong's by at most this
+MAX_AR_SLOWDOWN = 10.0   # an all-reduce inside a run at most this many times its lone time
+
+
+def simulated_step(low, profile: CalibrationProfile, warmup: int) -> float:
+    """The simulator's noise-free step time of lowered schedule ``low`` (its steps after the
+    warm-up are all alike; the statistic the measured side uses)."""
+    return noise_free(step_metrics(simulate_with_profile(low, profile, warmup + 2)).iteration_times[warmup:])
+
+
+def fit_communication(series: list[RunSeries], make_profile: Callable[[float, float], CalibrationProfile]
+                      ) -> tuple[float, float]:
+    """Communication as it costs inside a run, fitted on step times: (extra P2P latency in
+    seconds, all-reduce slowdown).
+
+    The ping-pong and the lone all-reduces of calibration time idle ranks. Inside a run a
+    message arrives later (measured here: ~0.5 ms more per message; the receiving rank's
+    gloo thread shares its pinned core with compute) and an all-reduce launched in the
+    bubbles takes about twice its lone time (its copies and sums compete with compute). The op
+    totals :func:`fit_runtime` matches cannot show either: a receive's wait is the other
+    rank's time. So, with the runtime's op costs fixed, the two are moved until the simulated
+    noise-free step times of the traced ``series`` equal the measured ones (relative
+    residuals, bounded least squares: ``scipy.optimize.least_squares``; the latency within
+    [0, :data:`MAX_P2P_EXTRA`], the slowdown within [1, :data:`MAX_AR_SLOWDOWN`] and only
+    fitted when some run all-reduces, else 1). ``make_profile(p2p_extra, ar_slowdown)``
+    builds the profile to simulate with."""
+    if not series:
+        return 0.0, 1.0
+    lows = [lowered_schedule(x.config) for x in series]
+    measured = np.array([x.step_time for x in series])
+    warm = series[0].rules.warmup
+    reduces = any(op.kind == ALLREDUCE for low in lows for r in range(low.num_ranks) for op in low.program(r))
+
+    def residuals(x):   # x: the latency in ms (both unknowns of order one for the finite differences)
+        prof = make_profile(float(x[0]) * 1e-3, float(x[1]) if reduces else 1.0)
+        return np.array([simulated_step(low, prof, warm) for low in lows]) / measured - 1.0
+
+    n = 2 if reduces else 1
+    upper = [MAX_P2P_EXTRA * 1e3, MAX_AR_SLOWDOWN][:n]
+    # started inside the bounds: trust-region reflective scales its steps by the distance to a bound
+    sol = least_squares(residuals, x0=[0.2, 1.2][:n], bounds=([0.0, 1.0][:n], upper), diff_step=0.02, xtol=1e-4,
+                        ftol=1e-4)
+    return float(sol.x[0]) * 1e-3, float(sol.x[1]) if reduces else 1.0
+
+
 def fit_oversubscribed(series: list[RunSeries], make_profile: Callable[[float], CalibrationProfile], *,
                        iterations: int = 6) -> float:
     """How much slower compute runs while the ranks outnumber the host's cores, beyond ideal
@@ -189,8 +236,7 @@ def fit_oversubscribed(series: list[RunSeries], make_profile: Callable[[float], 
     slowdown = 1.0
     for _ in range(iterations):
         prof = make_profile(slowdown)
-        simulated = sum(noise_free(step_metrics(simulate_with_profile(low, prof, warm + 2)).iteration_times[warm:])
-                        for low in lows)
+        simulated = sum(simulated_step(low, prof, warm) for low in lows)
         slowdown = min(10.0, max(1.0, slowdown * measured / simulated))
     return slowdown
 

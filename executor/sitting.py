@@ -3,9 +3,11 @@
 The simulator predicts the step a host runs undisturbed. On this shared VM a step takes either
 its own time or up to ~1.6x as long, in spells of seconds (other processes; other VMs on the same
 machine, which no counter of this one shows), and the share of slow steps changes from minute to
-minute. So a config's time is the noise-free time of its pooled steps
-(:func:`schedules.trace.noise_free`: the median of the fast steps), and a sitting is only
-usable if it shows that time reproducibly:
+minute; whole runs of a second or two also land in faster or slower host states (the same
+config's runs spread by 20-30% with no process of this VM busy). So a run's time is the
+noise-free time of its steps (:func:`schedules.trace.noise_free`: the median of the fast steps),
+a config's time the median of its runs' times, and a sitting is only usable if it shows that
+time reproducibly:
 
 - every config is run in rounds, all configs once per round (one launch per world size), the
   order rotated from round to round, so every config meets the same mix of host states;
@@ -13,14 +15,17 @@ usable if it shows that time reproducibly:
   steps ran (``RunResult.extra["foreign_cores"]``, :mod:`executor.host`): those share the very
   cores the ranks run on, fast steps included;
 - a config is settled once it has ``runs`` counting runs and its time does not hang on any one
-  of them: the time with each counting run left out in turn stays within ``max_spread``
+  of them: the median with each counting run left out in turn stays within ``max_spread``
   (:attr:`RunSeries.spread`, the run-to-run spread). Unsettled configs are run again, up to
   ``max_runs`` rounds;
 - what is left unsettled says why (:attr:`RunSeries.problem`): the caller refuses to report a
   time from it.
 
-Calibration fits the runtime on the same fast steps (:meth:`RunSeries.typical_steps`), so both
-sides use one statistic.
+(The median of runs, not one statistic of all runs' steps pooled: measured here, a pooled
+fast-step median moved by 6-18% when one of 3-8 runs was left out, because the fast band of a
+pool of host states cuts through them; the median of the runs' own times moved by at most 5% at
+five runs in the same sittings.) Calibration fits the runtime on the fast steps of the runs
+around that median (:meth:`RunSeries.typical_steps`), so both sides use one statistic.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 
 from schedules.trace import fast_steps, noise_free
 
@@ -88,12 +94,13 @@ class RunSeries:
         return bool(self.kept) and self.problem is None
 
     def _time_of(self, idx: list[int]) -> float:
-        return noise_free([t for i in idx for t in self._steps(i)])
+        """The step time of runs ``idx``: the median of their own noise-free times."""
+        return float(np.median([noise_free(self._steps(i)) for i in idx]))
 
     @property
     def spread(self) -> float | None:
-        """Run-to-run spread: the step time with each counting run left out in turn, largest /
-        smallest - 1 (None with fewer than 2 runs)."""
+        """Run-to-run spread: the step time (the median of the runs' times) with each counting run
+        left out in turn, largest / smallest - 1 (None with fewer than 2 runs)."""
         idx = self._counting()
         if len(idx) < 2:
             return None
@@ -133,9 +140,9 @@ class RunSeries:
 
     @property
     def step_time(self) -> float:
-        """The noise-free step time of the counting runs' pooled steps (of the quiet runs, or all,
-        while unsettled)."""
-        return noise_free([t for t, _, _ in self._pool()])
+        """The step time: the median of the counting runs' own noise-free times (of the quiet runs,
+        or all, while unsettled)."""
+        return self._time_of(self._counting())
 
     def representative(self) -> tuple[RunResult, int]:
         """The run and step whose time is closest to :attr:`step_time` (compared op by op)."""
@@ -144,9 +151,13 @@ class RunSeries:
         return self.runs[i], s
 
     def typical_steps(self) -> list[tuple[RunResult, int]]:
-        """The fast steps of the pool around their median (the middle half of them): the steps
-        a fit should reproduce."""
-        pool = self._pool()
+        """The steps a fit should reproduce: of the counting runs in the middle of their times
+        (the middle half, at least the median one), the fast steps around their median (the
+        middle half of them)."""
+        idx = sorted(self._counting(), key=lambda i: noise_free(self._steps(i)))
+        m = len(idx)
+        middle = set(idx[m // 4: max(m // 4 + 1, m - m // 4)])
+        pool = [x for x in self._pool() if x[1] in middle]
         fast = sorted(pool[k] for k in fast_steps([t for t, _, _ in pool]))
         n = len(fast)
         return [(self.runs[i], s) for _, i, s in fast[n // 4: max(n // 4 + 1, n - n // 4)]]

@@ -26,10 +26,10 @@ def add_arguments(p):
     p.add_argument("--steps", type=positive_int, default=20, help="executor steps per run (default 20)")
     p.add_argument("--warmup", type=nonneg_int, default=2, help="steps dropped at the start of every run (default 2)")
     p.add_argument("--repeats", type=int_in(1, 100), default=3,
-                   help="quiet runs per schedule at least (default 3); the step time is the noise-free time "
-                        "(median of the fast steps) of their pooled steps")
-    p.add_argument("--max-runs", type=int_in(1, 100), default=8,
-                   help="runs per schedule at most before the sitting is refused (default 8)")
+                   help="quiet runs per schedule at least (default 3); the step time is the median of the runs' "
+                        "noise-free times (each the median of its fast steps)")
+    p.add_argument("--max-runs", type=int_in(1, 100), default=12,
+                   help="runs per schedule at most before the sitting is refused (default 12)")
     p.add_argument("--max-spread", type=float_in(0.0, 10.0), default=0.05,
                    help="largest run-to-run spread allowed: the step time with any one run left out (default 0.05)")
     p.add_argument("--max-foreign", type=float_in(0.0, 10.0), default=0.15,
@@ -156,8 +156,8 @@ def main(args) -> int:
             f"peak_act_meas_{unit}": "{:.4g}", f"peak_act_sim_{unit}": "{:.4g}", "mem_err": "{:.2%}"}
     print(f"D={D} N={N} R={R}, model {model} ({prof.precision}), profile {prof.name}"
           + ("" if args.profile else " (calibrated in this sitting)"))
-    print(f"measured: noise-free step (median of the fast steps) of {args.repeats}+ quiet runs per schedule, "
-          f"{args.steps} steps each, first {args.warmup} dropped")
+    print(f"measured: median over {args.repeats}+ quiet runs per schedule of each run's noise-free step (the median "
+          f"of its fast steps), {args.steps} steps each, first {args.warmup} dropped")
     print("iteration time, measured vs simulated:")
     print(fmt_table(rows, ["schedule", "measured_ms", "simulated_ms", "error", "spread", "runs", "host_speed"], fmts))
     if any(c.fitted for c in comps):

@@ -60,6 +60,12 @@ def test_calibrated_profile_round_trips(calibrated):
     assert profile == measured
     assert profile.layers == measured.layers and profile.overhead == measured.overhead
     assert profile.cores >= 1 and profile.p2p.bandwidth > 0 and profile.allreduce.latency >= 0
+    # the in-run communication fitted on the step times sits on top of the lone measurements
+    alone, in_run = profile.meta["alone"], profile.meta["in_run"]
+    assert profile.p2p.latency == pytest.approx(alone["p2p_latency"] + in_run["p2p_latency_extra"], rel=1e-12)
+    assert profile.allreduce.latency == pytest.approx(alone["allreduce_latency"] * in_run["allreduce_slowdown"],
+                                                      rel=1e-12)
+    assert 0 <= in_run["p2p_latency_extra"] <= 5e-3 and 1 <= in_run["allreduce_slowdown"] <= 10
     kinds = dict(profile.overhead)
     assert set(kinds) >= {"SEND", "RECV"} and profile.optimizer_seconds_per_param > 0
     assert profile.data_time > 0 and profile.grad_copy_per_byte > 0
@@ -67,7 +73,7 @@ def test_calibrated_profile_round_trips(calibrated):
     assert 0 < blk.f and 0 < blk.b and 0 < blk.b_input and 0 < blk.w
     assert len(profile.act_bytes) == profile.model.layers + 2 and profile.act_bytes[1] > 0
     sit = profile.meta["sitting"]["2"]
-    assert sit["runs"] == {"dapple": 2, "interleaved": 2, "zb-v": 2} and sit["foreign_cores_max"] >= 0
+    assert sit["runs"] == {"dapple": 2, "interleaved": 2, "zb-v": 2, "bitpipe": 2} and sit["foreign_cores_max"] >= 0
 
 
 def test_one_sitting_shares_runs_between_calibration_and_validation(sitting):
@@ -158,6 +164,33 @@ def test_runtime_fit_through_the_simulator_recovers_known_costs():
     assert scale["Bi"] == pytest.approx(0.9, rel=0.02) and scale["W"] == pytest.approx(1.2, rel=0.02)
     assert scale["OPTIM"] == pytest.approx(1.5, rel=0.02) and overhead["SEND"] == pytest.approx(1e-4, rel=0.05)
     assert overhead["F"] == overhead["B"] == overhead["W"] == pytest.approx(6e-5, rel=0.1)
+
+
+def _with_comm(profile, p2p_extra: float, ar_slowdown: float):
+    from dataclasses import replace
+
+    from cost_models.cluster import LinkSpec
+    return replace(profile, p2p=LinkSpec("p2p", profile.p2p.bandwidth, profile.p2p.latency + p2p_extra),
+                   allreduce=LinkSpec("ar", profile.allreduce.bandwidth / ar_slowdown,
+                                      profile.allreduce.latency * ar_slowdown))
+
+
+def test_in_run_communication_is_recovered_from_step_times():
+    """Runs whose messages arrive 0.5 ms later than the ping-pong's latency and whose all-reduces
+    take 2.2x their lone time (BitPipe's two copies): fitting on step times recovers both; without
+    an all-reducing run the slowdown is not fitted (1), and the latency still is."""
+    from calibration import fit_communication
+    base = _toy_profile()
+    truth = _with_comm(base, 5e-4, 2.2)
+    runs = _synthetic_runs(truth, ["dapple", "zb-v", "bitpipe"], 2, steps=8, disturbed=(3, 6))
+    extra, slowdown = fit_communication(runs, lambda p, a: _with_comm(base, p, a))
+    assert extra == pytest.approx(5e-4, rel=0.03) and slowdown == pytest.approx(2.2, rel=0.03)
+    extra, slowdown = fit_communication(runs[:2], lambda p, a: _with_comm(base, p, a))
+    assert extra == pytest.approx(5e-4, rel=0.03) and slowdown == 1.0
+    # runs that match the lone measurements: nothing to add
+    runs = _synthetic_runs(base, ["dapple", "bitpipe"], 2, steps=6)
+    extra, slowdown = fit_communication(runs, lambda p, a: _with_comm(base, p, a))
+    assert extra == pytest.approx(0.0, abs=2e-6) and slowdown == pytest.approx(1.0, abs=0.01)
 
 
 def test_oversubscribed_slowdown_is_recovered_and_only_applies_beyond_the_cores():
