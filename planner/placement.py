@@ -244,9 +244,15 @@ class Topology:
         key = (policy, offset, replicas, replicas1, nbytes)
         t = self._bound.get(key)
         if t is None:
-            a = self.devices(policy, offset, replicas)
-            b = self.devices(policy, offset + self.slots(policy, replicas), replicas1)
-            t = self._bound[key] = (self.transfer(a, b, nbytes), self.transfer(b, a, nbytes))
+            # the boundary's transfer terms do not depend on the bytes: kept by the stages alone, so
+            # every tensor size (every micro-batch size of the search) reuses them
+            tk = key[:4]
+            terms = self._bound.get(tk)
+            if terms is None:
+                a = self.devices(policy, offset, replicas)
+                b = self.devices(policy, offset + self.slots(policy, replicas), replicas1)
+                terms = self._bound[tk] = (self.transfer_terms(a, b), self.transfer_terms(b, a))
+            t = self._bound[key] = (transfer_seconds(terms[0], nbytes), transfer_seconds(terms[1], nbytes))
         return t
 
     def transfer(self, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float) -> float:
@@ -255,5 +261,11 @@ class Topology:
         key = (src, dst, nbytes)
         t = self._xfer.get(key)
         if t is None:
-            t = self._xfer[key] = max((lat + nbytes * k for lat, k in self.transfer_terms(src, dst)), default=0.0)
+            t = self._xfer[key] = transfer_seconds(self.transfer_terms(src, dst), nbytes)
         return t
+
+
+def transfer_seconds(terms, nbytes: float) -> float:
+    """Seconds of a boundary transfer of ``nbytes`` with :meth:`Topology.transfer_terms` ``terms``: its
+    slowest transfer, latency plus bytes over its share of its bottleneck link."""
+    return max((lat + nbytes * k for lat, k in terms), default=0.0)

@@ -360,7 +360,8 @@ def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatc
     """Boundary transfers are cached by their devices with alike nodes renamed (Topology.relabel):
     the costs equal those computed on the devices themselves, exactly, for stages at any offsets and
     replica counts (node-major and scatter orders), and the renaming is the identity where the
-    fabric's groups differ (a last group with fewer nodes)."""
+    fabric's groups differ (a last group with fewer nodes); the same stages with another tensor size
+    reuse the stages' transfer terms and still equal the direct costs."""
     from dataclasses import replace
     rng = random.Random(per)
     base = replace(small_cluster(rng, 6, 4), nics_per_node=4)
@@ -378,6 +379,9 @@ def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatc
         nbytes = rng.uniform(1e5, 1e8)
         a, b = ref.devices(pol, off, r), ref.devices(pol, off + sl, r1)
         assert fast.boundary(pol, off, r, r1, nbytes) == (ref.transfer(a, b, nbytes), ref.transfer(b, a, nbytes))
+        # the same stages with another tensor size (its transfer terms kept by the stages alone)
+        big = nbytes * rng.uniform(1.5, 40.0)
+        assert fast.boundary(pol, off, r, r1, big) == (ref.transfer(a, b, big), ref.transfer(b, a, big))
     # nodes 0, 1, 2, 4, 0 of 4 devices each: renamed 0, 1, 2, 3 on a flat fabric; 5 nodes in groups
     # of 2 or 3 leave a smaller last group, so no renaming
     got = Topology(replace(cl, nodes=5)).relabel((0, 5, 9), (17, 2))
