@@ -257,9 +257,14 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
         return
     min_slot = min(slots[r] for r in reps)
     # per-sample times at each replica's share of the micro-batch; the bounds use the smallest
-    lo = work.floor([b // r for r in reps])
     cap = ctx.capacity
-    g = _sqrt_work_bound(lo, cap)     # prefix round trips: sum rt >= g[i]^2 b / devices
+    known = _job_cache(topo, work)
+    qs = tuple(b // r for r in reps)
+    got = known.get(("floor", qs, cap))
+    if got is None:
+        lo = work.floor(qs)
+        got = known[("floor", qs, cap)] = (lo, _sqrt_work_bound(lo, cap))
+    lo, g = got     # g: prefix round trips: sum rt >= g[i]^2 b / devices
     needs: dict[int, list[float]] = {}    # w -> slots layers [0, i) need with w micro-batches in flight
 
     def need(w: int) -> list[float]:
@@ -267,7 +272,11 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
         w = 1 << (w.bit_length() - 1)     # a power of two <= w: a valid (smaller) requirement
         tab = needs.get(w)
         if tab is None:
-            tab = needs[w] = _need_table(work, b, w, [(r, slots[r]) for r in reps], cap)
+            rs = tuple((r, slots[r]) for r in reps)
+            tab = known.get(("need", b, w, rs, cap))
+            if tab is None:
+                tab = known[("need", b, w, rs, cap)] = _need_table(work, b, w, list(rs), cap)
+            needs[w] = tab
         return tab
 
     wmax = [0.0] * (L + 1)      # wmax[i]: the largest per-sample round trip of one layer in [0, i)
@@ -470,6 +479,16 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         ctx.labels += nl
 
 
+def _job_cache(topo: Topology, work: Workload) -> dict:
+    """What every search of this workload on this topology computes alike (the planner searches
+    several objectives and spaces of one job): the seeds' estimates, the need tables and the bounds
+    g of :func:`_dp`, each by all its inputs; kept on the topology, per workload object."""
+    got = topo._seeds.get(id(work))
+    if got is None or got[0] is not work:
+        got = topo._seeds[id(work)] = (work, {})
+    return got[1]
+
+
 def _seed(ctx: _Ctx, jobs) -> dict:
     """Offer simple plans first (uniform R x D with a work-balanced partition) so that pruning bites
     from the start; they are plans of the space, so the result stays exact."""
@@ -478,12 +497,7 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     wts = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(L)]
     limit = ctx.space.max_stages or L
     cap = None if ctx.capacity == INF else ctx.capacity
-    # the seeds' estimates are the same for every search of this workload on this topology (the planner
-    # searches several objectives and spaces of one job): kept on the topology, per workload object
-    got = topo._seeds.get(id(work))
-    if got is None or got[0] is not work:
-        got = topo._seeds[id(work)] = (work, {})
-    known = got[1]
+    known = _job_cache(topo, work)
     slow = ctx.objective in ("pipedream", "slowest")
 
     def value(M, policy, r, D):

@@ -69,6 +69,31 @@ def test_search_equals_brute_force(seed):
         assert (e.latency if obj == "dapple" else e.slowest) == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_searches_sharing_a_topology_equal_brute_force(seed):
+    """Searches of one workload on one topology share the tables that depend on the job only (seeds,
+    need tables, bounds; kept on the topology by all their inputs): a sequence of searches with
+    memory limits loosening then tightening, other objectives and spaces in between, each finds the
+    brute-force optimum of its own limit and space."""
+    rng = random.Random(900 + seed)
+    nodes, dpn = rng.choice([(2, 2), (1, 4), (2, 3), (3, 2)])
+    topo = Topology(small_cluster(rng, nodes, dpn))
+    work = rand_work(rng, rng.randint(3, 5))
+    G = rng.choice([4, 8, 12])
+    whole = work.total_params * work.bytes_per_param_static + work.activation(0, work.num_layers) * G
+    caps = sorted(whole * rng.uniform(0.05, 0.6) for _ in range(3))
+    for cap in caps + caps[::-1] + [None]:
+        obj = rng.choice(["dapple", "pipedream"])
+        space = rng.choice(SPACES)
+        best, plan, _ = exhaustive(work, topo, G, objective=obj, space=space, capacity=cap)
+        if plan is None:
+            with pytest.raises(PlanError):
+                search(work, topo, G, objective=obj, space=space, capacity=cap)
+            continue
+        got = search(work, topo, G, objective=obj, space=space, capacity=cap).best
+        assert got.value == pytest.approx(best, rel=1e-9)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_search_equals_brute_force_on_fabrics(seed):
     """Suffixes of different sizes are compared only where moving a plan by whole nodes (whole leaves
