@@ -57,6 +57,8 @@ class Topology:
     _ar: dict = field(default_factory=dict, repr=False)
     _link: dict = field(default_factory=dict, repr=False)
     _xfer: dict = field(default_factory=dict, repr=False)
+    _bound: dict = field(default_factory=dict, repr=False)
+    _paths: dict = field(default_factory=dict, repr=False)
     _seeds: dict = field(default_factory=dict, repr=False)     # planner.search's seed estimates
 
     def __post_init__(self):
@@ -146,14 +148,54 @@ class Topology:
             self._ar[devs] = c
         return c
 
+    def allreduce_at(self, policy: str, offset: int, replicas: int) -> tuple[float, float]:
+        """:meth:`allreduce_coef` of the stage of ``replicas`` on the slots from ``offset``."""
+        key = (policy, offset, replicas, None)
+        c = self._ar.get(key)
+        if c is None:
+            c = self._ar[key] = self.allreduce_coef(self.devices(policy, offset, replicas))
+        return c
+
     def allreduce(self, devs: tuple[int, ...], nbytes: float) -> float:
         if len(devs) <= 1 or nbytes <= 0:
             return 0.0
         a, b = self.allreduce_coef(devs)
         return a + b * nbytes
 
+    def relabel(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``src`` and ``dst`` with their nodes renamed in order of first appearance (groups of
+        ``nodes_per_leaf`` first, then nodes inside a group), local device indices kept: a renaming
+        that maps every link onto one of the same bandwidth and latency (all nodes alike; on a
+        fat-tree or rail fabric whole groups alike, so only when the groups are all full), hence the
+        same transfer costs. Unchanged when the fabric's groups are not all alike."""
+        c = self.cluster
+        per = c.nodes if c.fabric == "flat" else c.nodes_per_leaf
+        if c.nodes % per:
+            return src, dst
+        d = self.dpn
+        groups: dict[int, int] = {}
+        nodes: dict[int, int] = {}
+        fill: list[int] = []
+
+        def new(dev: int) -> int:
+            n = dev // d
+            m = nodes.get(n)
+            if m is None:
+                g = n // per
+                h = groups.get(g)
+                if h is None:
+                    h = groups[g] = len(groups)
+                    fill.append(0)
+                m = nodes[n] = h * per + fill[h]
+                fill[h] += 1
+            return m * d + dev % d
+
+        return tuple(new(x) for x in src), tuple(new(x) for x in dst)
+
     def transfer_terms(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
-        """(latency, seconds per byte of the whole micro-batch) of every transfer of a boundary."""
+        """(latency, seconds per byte of the whole micro-batch) of every transfer of a boundary
+        (cached by the boundary's devices up to :meth:`relabel`)."""
+        src, dst = self.relabel(src, dst)
         key = (src, dst)
         t = self._link.get(key)
         if t is None:
@@ -163,17 +205,54 @@ class Topology:
                 p = (src[c % len(src)], dst[c % len(dst)])
                 pairs[p] = pairs.get(p, 0.0) + 1.0 / n
             load: dict[str, float] = {}
-            paths = {}
-            for (a, b), frac in pairs.items():
-                path = self.cluster.path(a, b)
-                paths[(a, b)] = path
-                for ln in path:
-                    load[ln.name] = load.get(ln.name, 0.0) + frac
-            terms = []
-            for path in paths.values():
-                if path:
-                    terms.append((sum(ln.latency for ln in path), max(load[ln.name] / ln.bandwidth for ln in path)))
+            paths = []
+            for p, frac in pairs.items():
+                path = self._path(p)
+                paths.append(path)
+                for name in path[0]:
+                    load[name] = load.get(name, 0.0) + frac
+            terms = set()
+            for names, bws, lat in paths:
+                if names:
+                    terms.add((lat, max(load[nm] / bw for nm, bw in zip(names, bws))))
+            # only the terms no other one exceeds in both latency and seconds per byte can be the
+            # largest lat + nbytes * k (nbytes >= 0)
+            terms = sorted(terms, key=lambda x: (-x[0], -x[1]))
+            keep, best = [], -1.0
+            for lat, k in terms:
+                if k > best:
+                    keep.append((lat, k))
+                    best = k
+            terms = keep
             t = self._link[key] = tuple(terms)
+        return t
+
+    def _path(self, pair: tuple[int, int]) -> tuple[tuple[str, ...], tuple[float, ...], float]:
+        """(link names, bandwidths, latency) of the path between a pair of devices (cached)."""
+        got = self._paths.get(pair)
+        if got is None:
+            path = self.cluster.path(*pair)
+            got = self._paths[pair] = (tuple(ln.name for ln in path), tuple(ln.bandwidth for ln in path),
+                                       sum(ln.latency for ln in path))
+        return got
+
+    def boundary(self, policy: str, offset: int, replicas: int, replicas1: int, nbytes: float) -> tuple[float, float]:
+        """(activation, gradient) seconds of the boundary between a stage of ``replicas`` on the slots
+        from ``offset`` and the next stage, of ``replicas1`` on the slots right after it, for a
+        boundary tensor of ``nbytes`` (:meth:`transfer` both ways, cached by these small keys: the
+        search asks for the same boundaries millions of times)."""
+        key = (policy, offset, replicas, replicas1, nbytes)
+        t = self._bound.get(key)
+        if t is None:
+            # the boundary's transfer terms do not depend on the bytes: kept by the stages alone, so
+            # every tensor size (every micro-batch size of the search) reuses them
+            tk = key[:4]
+            terms = self._bound.get(tk)
+            if terms is None:
+                a = self.devices(policy, offset, replicas)
+                b = self.devices(policy, offset + self.slots(policy, replicas), replicas1)
+                terms = self._bound[tk] = (self.transfer_terms(a, b), self.transfer_terms(b, a))
+            t = self._bound[key] = (transfer_seconds(terms[0], nbytes), transfer_seconds(terms[1], nbytes))
         return t
 
     def transfer(self, src: tuple[int, ...], dst: tuple[int, ...], nbytes: float) -> float:
@@ -182,5 +261,11 @@ class Topology:
         key = (src, dst, nbytes)
         t = self._xfer.get(key)
         if t is None:
-            t = self._xfer[key] = max((lat + nbytes * k for lat, k in self.transfer_terms(src, dst)), default=0.0)
+            t = self._xfer[key] = transfer_seconds(self.transfer_terms(src, dst), nbytes)
         return t
+
+
+def transfer_seconds(terms, nbytes: float) -> float:
+    """Seconds of a boundary transfer of ``nbytes`` with :meth:`Topology.transfer_terms` ``terms``: its
+    slowest transfer, latency plus bytes over its share of its bottleneck link."""
+    return max((lat + nbytes * k for lat, k in terms), default=0.0)

@@ -50,15 +50,24 @@ for simulation next to the exact DAPPLE optimum.
 The PipeDream objective uses the same DP with labels (slowest element, V, T, n): the slowest element
 first, DAPPLE's latency L to break its ties (many plans tie when one layer that cannot be split is
 the slowest element; breaking the tie in favour of the shorter iteration makes the baseline as
-strong as its objective allows).
+strong as its objective allows). With top_k = 1 (the baseline's use) it runs as two exact searches:
+first the least slowest element p* alone (labels (p, n): V and T do not matter to it, and only a
+strictly smaller p than the best found is of use, so the threshold is just below it), then DAPPLE's
+L among the plans whose every element is within p* (an element above p* breaks the scan over a
+stage's first layer, since elements only grow as a stage grows, and a label whose prefix bound on
+the slowest element exceeds p* is dropped). Every plan of the second search has slowest element p*
+(none is smaller), so its best is the lexicographic (slowest, L) optimum, and ties fall to the plan
+found first as in one search; the second search's labels are DAPPLE's (V, T, n), far fewer than
+(p, V, T, n) when many plans tie on p.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cost_models.partition import balanced_edges
 
@@ -71,6 +80,7 @@ OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")
 CEILINGS = (0.86, 0.93)     # trial thresholds of the first passes, as fractions of the best seed
 PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earlier, weaker bounds; tests)
+TWO_PHASE = True            # PipeDream's objective in two searches (False: one, over (slowest, L) labels; tests)
 
 
 class PlanError(ValueError):
@@ -145,6 +155,7 @@ class _Ctx:
     complete: int = 0
     labels: int = 0
     budget: int | None = None
+    pcap: float = INF           # "slowest-latency": the largest element a plan may have
 
     # -------------------------------------------------------------- incumbents
     ceiling: float = INF        # a pass's trial threshold (see :func:`search`)
@@ -153,6 +164,8 @@ class _Ctx:
         if len(self.heap) < self.top_k:
             return self.ceiling
         x = -self.heap[0][0]
+        if self.objective == "slowest":     # only a strictly smaller slowest element is of use
+            x = math.nextafter(x, -INF)
         return x if x < self.ceiling else self.ceiling
 
     def settled(self) -> bool:
@@ -194,6 +207,46 @@ def _rep_values(space: SearchSpace, b: int, P: int) -> list[int]:
     return reps
 
 
+def _live_reps(ctx: _Ctx, M: int, policy: str) -> list[int]:
+    """The replica counts a stage of a plan of (M, policy) can have and still be within the current
+    threshold: some single layer fits in memory with one micro-batch of b / r samples kept, and
+    the objective of any plan with such a stage is at least M st (DAPPLE's latency: its V counts
+    the stage's round trip st plus (M - 1) st; the round-trip latency is larger still) or st (the
+    slowest element), st >= the fastest single layer's forward + backward at b / r samples.
+    :func:`_extend` breaks at once on the others (memory, or ``v2 > thr``), before any label."""
+    work, topo, P, b = ctx.work, ctx.topo, ctx.P, ctx.G // M
+    thr = ctx.threshold()
+    bps, cap = work.bytes_per_param_static, ctx.capacity
+    out = []
+    for r in _rep_values(ctx.space, b, P):
+        if topo.slots(policy, r) > P:
+            continue
+        q = b / r
+        wq = work.at(b // r)
+        if min(work.params[l] * bps + work.act[l] * q for l in range(work.num_layers)) > cap:
+            continue
+        st = min((wq._cf[l + 1] - wq._cf[l] + wq._cb[l + 1] - wq._cb[l]) * q for l in range(work.num_layers))
+        if (st if ctx.objective in ("pipedream", "slowest") else M * st) > thr or st > ctx.pcap:
+            continue
+        out.append(r)
+    return out
+
+
+def _twin_key(ctx: _Ctx, M: int, policy: str):
+    """What determines the search of (M, policy) under the current threshold: the allocation order,
+    the translation period and the slots of every live replica count (:func:`_live_reps`). Two
+    configurations with the same key run the same DP on the same stage placements (devices
+    ``order[offset:offset + r]`` at the same offsets), so they meet the same plans (same keys:
+    M and every stage's layers and devices) and a later one, under a threshold no larger, can only
+    offer plans the earlier one offered (or worse ones); e.g. fresh-first and append-first when
+    every live stage takes whole nodes. None when no replica count is live."""
+    live = _live_reps(ctx, M, policy)
+    if not live:
+        return None
+    topo = ctx.topo
+    return (M, topo.order(policy), topo.translation_period(policy), tuple((r, topo.slots(policy, r)) for r in live))
+
+
 def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     """Exact search of one (M, policy): see the module docstring."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
@@ -204,9 +257,14 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
         return
     min_slot = min(slots[r] for r in reps)
     # per-sample times at each replica's share of the micro-batch; the bounds use the smallest
-    lo = work.floor([b // r for r in reps])
     cap = ctx.capacity
-    g = _sqrt_work_bound(lo, cap)     # prefix round trips: sum rt >= g[i]^2 b / devices
+    known = _job_cache(topo, work)
+    qs = tuple(b // r for r in reps)
+    got = known.get(("floor", qs, cap))
+    if got is None:
+        lo = work.floor(qs)
+        got = known[("floor", qs, cap)] = (lo, _sqrt_work_bound(lo, cap))
+    lo, g = got     # g: prefix round trips: sum rt >= g[i]^2 b / devices
     needs: dict[int, list[float]] = {}    # w -> slots layers [0, i) need with w micro-batches in flight
 
     def need(w: int) -> list[float]:
@@ -214,14 +272,20 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
         w = 1 << (w.bit_length() - 1)     # a power of two <= w: a valid (smaller) requirement
         tab = needs.get(w)
         if tab is None:
-            tab = needs[w] = _need_table(work, b, w, [(r, slots[r]) for r in reps], cap)
+            rs = tuple((r, slots[r]) for r in reps)
+            tab = known.get(("need", b, w, rs, cap))
+            if tab is None:
+                tab = known[("need", b, w, rs, cap)] = _need_table(work, b, w, list(rs), cap)
+            needs[w] = tab
         return tab
 
     wmax = [0.0] * (L + 1)      # wmax[i]: the largest per-sample round trip of one layer in [0, i)
     for i in range(1, L + 1):
         x = lo._cf[i] - lo._cf[i - 1] + lo._cb[i] - lo._cb[i - 1]
         wmax[i] = x if x > wmax[i - 1] else wmax[i - 1]
-    env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps, slots=slots,
+    live = set(_live_reps(ctx, M, policy))
+    env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps,
+                 live=[r for r in reps if r in live], slots=slots,
                  min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy),
                  rmax=max(reps), wmax=wmax)
     fronts: list[dict] = [dict() for _ in range(L + 1)]
@@ -252,6 +316,7 @@ class _DPEnv:
     lo: Workload            # the smallest per-sample times over the replica counts (bounds)
     at_q: dict              # replicas -> the workload at its share of the micro-batch
     reps: list
+    live: list              # the replica counts that can still be in a plan within the threshold (_live_reps)
     slots: dict
     min_slot: int
     need: object            # w -> need table
@@ -263,23 +328,40 @@ class _DPEnv:
 
 
 def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list) -> None:
-    """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (first stage r1)."""
+    """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (first stage r1).
+
+    The hot loop of the search: what does not change inside a loop is read before it (the threshold
+    changes only when a complete plan is offered, so it is re-read only then; the need table per
+    micro-batches in flight; the sums at j; per first layer i, the stage's costs on r replicas and the
+    parts of the prefix bounds that depend on no label, computed once and shared by the labels, in
+    the same arithmetic), and DAPPLE's latency alone does not compute the slowest element p, which no
+    decision of it reads (its fronts ignore p: ``_MODES``)."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
     rmax, wmax = env.rmax, env.wmax
-    pd = ctx.objective == "pipedream"
-    rtm = ctx.objective == "dapple-rt"
+    obj = ctx.objective
+    pd = obj in ("pipedream", "slowest")       # the slowest element first
+    rtm = obj == "dapple-rt"
+    pcap = ctx.pcap                            # "slowest-latency": L, with every element within pcap
+    capped = obj == "slowest-latency"
+    track_p = obj != "dapple"                  # DAPPLE's latency never reads p
+    mode = _MODES[obj]
     cf, cb, ca, cp, out = env.lo._cf, env.lo._cb, work._ca, work._cp, work.out_bytes
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     cap = ctx.capacity
     Mm1 = M - 1
     limit = ctx.space.max_stages
     uniform = ctx.space.uniform
+    prefix_bounds = PREFIX_BOUNDS
+    offer, push, need, threshold = ctx.offer, _push, env.need, ctx.threshold
+    cpj, caj = cp[j], ca[j]
+    needs: dict = {}
+    thr = threshold()
     # costs of a stage and of its boundary, with the stages moved towards the order's start by whole
     # translation periods (no communication cost changes: Topology.translation_period), so the caches
     # hold one period of offsets instead of the whole order
     X = out[j - 1] * b
-    for r in env.reps:
+    for r in env.live:
         if k and uniform and r != r1:
             continue
         sl = env.slots[r]
@@ -292,87 +374,119 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         off = N - k2
         if period:
             off %= period
-        devs = topo.devices(policy, off, r)
         q = b / r
         cfq, cbq = env.at_q[r]._cf, env.at_q[r]._cb
-        alpha, beta = topo.allreduce_coef(devs)
+        cfqj, cbqj = cfq[j], cbq[j]
+        alpha, beta = topo.allreduce_at(policy, off, r)
+        has_ar = bool(alpha or beta)
         if k:
-            devs1 = topo.devices(policy, off + sl, r1)
-            ca_, cg_ = topo.transfer(devs, devs1, X), topo.transfer(devs1, devs, X)
+            ca_, cg_ = topo.boundary(policy, off, r, r1, X)
         else:
             ca_ = cg_ = 0.0
         link_st = ca_ if ca_ > cg_ else cg_
+        cacg = ca_ + cg_
+        xb = Mm1 * link_st
         if ctx.budget is not None and ctx.evaluated > ctx.budget:
             raise _OutOfBudget
+        if free > 0:
+            # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
+            # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
+            qmin = b / (rmax if rmax < free else free) if prefix_bounds else 0.0
+        ev = nl = 0
+        rows = [None] * j   # i -> the stage [i, j)'s costs on r replicas, which no label changes
+        bnds = [None] * j   # i -> the label-free parts of the bounds on the prefix [0, i) on ``free`` slots
         for (p, v, t, n, cnt, path, _k) in labels:
             if limit is not None and cnt >= limit:
                 continue
-            thr = ctx.threshold()
             n2 = n + 1 if n < M else M
             cnt2 = cnt + 1 if limit is not None else 0
             if k:       # the boundary between the new stage and the suffix
                 if rtm:
-                    p1 = p + ca_ + cg_
+                    p1 = p + cacg
                 else:
-                    p1 = p if p > ca_ + cg_ else ca_ + cg_
-                x = Mm1 * link_st
-                v1 = (ca_ + cg_) + (x if x > v else v)
+                    p1 = p if p > cacg else cacg
+                v1 = cacg + (xb if xb > v else v)
                 t1 = t - cg_
             else:
                 p1, v1, t1 = p, v, t
             can_more = more and (limit is None or cnt2 < limit)
-            need_w = env.need(n2 + 1 if n2 < M else M)
+            w = n2 + 1 if n2 < M else M
+            need_w = needs.get(w)
+            if need_w is None:
+                need_w = needs[w] = need(w)
             i = j - 1
             while i >= 0:
                 if not can_more and i > 0:
                     i = 0          # the stage must take every remaining layer
-                par = cp[j] - cp[i]
-                if par * bps + n2 * (ca[j] - ca[i]) * q > cap:
+                row = rows[i]
+                if row is None:
+                    par = cpj - cp[i]
+                    bw = (cbqj - cbq[i]) * q
+                    rt = (cfqj - cfq[i]) * q + bw
+                    ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
+                    row = rows[i] = (par * bps, caj - ca[i], bw, rt, ar, ar + par * otp)
+                pbs, da, bw, rt, ar, y = row
+                if pbs + n2 * da * q > cap:
                     break
-                bw = (cbq[j] - cbq[i]) * q
-                rt = (cfq[j] - cfq[i]) * q + bw
-                ar = alpha + beta * par * gbp if (alpha or beta) and par > 0 else 0.0
                 x = Mm1 * rt
                 if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
                     p2 = p1 + rt
                     v2 = rt + max(x, v1, p1 + Mm1 * p2 / n2)
                 else:
                     v2 = rt + (x if x > v1 else v1)
-                    p2 = max(p1, rt, ar / r)
-                if (p2 if pd else v2) > thr:
+                    if track_p:
+                        p2 = p1 if p1 > rt else rt
+                        x = ar / r
+                        if x > p2:
+                            p2 = x
+                    else:
+                        p2 = 0.0
+                if (p2 if pd else v2) > thr or p2 > pcap:
                     break          # a longer stage is no better
-                y = ar + par * otp
                 t2 = y if y > t1 - bw else t1 - bw
-                ctx.evaluated += 1
+                ev += 1
                 if i == 0:
-                    ctx.offer((p2, v2 + t2) if pd else (v2 + t2, 0.0), M, policy, (i, j, r, path))
-                    thr = ctx.threshold()
+                    offer((p2, v2 + t2) if pd else (v2 + t2, p2 if capped else 0.0), M, policy, (i, j, r, path))
+                    thr = threshold()
                     break
                 if need_w[i] > free:
                     i -= 1
                     continue       # layers [0, i) cannot fit on the slots left
-                # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
-                # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
-                qmin = b / (rmax if rmax < free else free) if PREFIX_BOUNDS else 0.0
-                pw = (cf[i] + cb[i]) * b / free
-                x = wmax[i] * qmin
-                if x > pw:
-                    pw = x
-                if pd:
-                    lb = p2 if p2 > pw else pw
-                else:
+                bd = bnds[i]
+                if bd is None:
+                    pw = (cf[i] + cb[i]) * b / free
+                    x = wmax[i] * qmin
+                    if x > pw:
+                        pw = x
                     prt = g[i] * g[i] * b / free
                     x = (cf[i] + cb[i]) * qmin
                     if x > prt:
                         prt = x
-                    x = t2 + cf[i] * qmin
+                    bd = bnds[i] = (pw, prt, cf[i] * qmin)
+                pw, prt, fwm = bd
+                if pd:
+                    lb = p2 if p2 > pw else pw
+                else:
+                    x = t2 + fwm
                     lb = v2 + (x if x > prt else prt)
                     if M * pw > lb:
                         lb = M * pw
-                if lb <= thr:
-                    _push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), pd or rtm)
-                    ctx.labels += 1
+                if lb <= thr and pw <= pcap:
+                    push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), mode)
+                    nl += 1
                 i -= 1
+        ctx.evaluated += ev
+        ctx.labels += nl
+
+
+def _job_cache(topo: Topology, work: Workload) -> dict:
+    """What every search of this workload on this topology computes alike (the planner searches
+    several objectives and spaces of one job): the seeds' estimates, the need tables and the bounds
+    g of :func:`_dp`, each by all its inputs; kept on the topology, per workload object."""
+    got = topo._seeds.get(id(work))
+    if got is None or got[0] is not work:
+        got = topo._seeds[id(work)] = (work, {})
+    return got[1]
 
 
 def _seed(ctx: _Ctx, jobs) -> dict:
@@ -383,40 +497,83 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     wts = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(L)]
     limit = ctx.space.max_stages or L
     cap = None if ctx.capacity == INF else ctx.capacity
-    # the seeds' estimates are the same for every search of this workload on this topology (the planner
-    # searches several objectives and spaces of one job): kept on the topology, per workload object
-    got = topo._seeds.get(id(work))
-    if got is None or got[0] is not work:
-        got = topo._seeds[id(work)] = (work, {})
-    known = got[1]
-    found = {}
-    for M, policy in jobs:
+    known = _job_cache(topo, work)
+    slow = ctx.objective in ("pipedream", "slowest")
+
+    def value(M, policy, r, D):
+        """(edges, the seed's objective value) or None when it does not fit or is not of the space."""
+        ek = (ctx.G, cap, M, policy, r, D)
+        edges, est = known.get(ek, (None, None))
+        if est is None:
+            q = ctx.G // M / r
+            edges = balanced_edges(wts, D)
+            # the memory of estimate()'s stages, first: most seeds do not fit, and estimating the
+            # rest is what costs (the estimate is kept as False when it does not fit)
+            if cap is not None and any(
+                    work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
+                    + min(D - s, M) * work.activation(edges[s], edges[s + 1]) * q > cap for s in range(D)):
+                est = False
+            else:
+                devs = topo.place(policy, [r] * D)
+                plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
+                            tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
+                est = estimate(plan, work, topo, cap)
+            known[ek] = (edges, est)
+        if est is False or not est.fits:
+            return None
+        if slow:
+            return edges, (est.slowest, est.latency)
+        if ctx.objective == "slowest-latency":
+            return None if est.slowest > ctx.pcap else (edges, (est.latency, est.slowest))
+        return edges, (est.latency_rt if ctx.objective == "dapple-rt" else est.latency, 0.0)
+
+    def shapes(M, policy):
+        """(r, D, total): the seeds of a configuration in order; total = its stages' round trips."""
         b = ctx.G // M
         for r in _rep_values(ctx.space, b, P):
             sl = topo.slots(policy, r)
+            wq = work.at(b // r)
+            total = (wq._cf[L] + wq._cb[L]) * (b / r)
             for D in range(1, min(L, limit, P // sl) + 1):
                 if D * sl > P:
                     break
-                ek = (ctx.G, cap, M, policy, r, D)
-                edges, est = known.get(ek, (None, None))
-                if est is None:
-                    edges = balanced_edges(wts, D)
+                yield r, D, total
+
+    # The seeds on the most replicas of every configuration first (usually the best ones): their
+    # top_k-th best value (over distinct plans) bounds the threshold after seeding, and their best
+    # per configuration the configuration's best seed. A seed whose lower bound exceeds both (its
+    # slowest stage takes >= total / D; L >= the stages' round trips and >= M times a stage's) is
+    # neither kept nor its configuration's best: it is not estimated. The others are offered in
+    # their usual order, so the kept plans are the same.
+    pre, first = {}, {}
+    for M, policy in jobs:
+        rs = [r for r in _rep_values(ctx.space, ctx.G // M, P) if topo.slots(policy, r) <= P]
+        for r, D, _ in shapes(M, policy):
+            if rs and r == rs[-1]:
+                got = value(M, policy, r, D)
+                if got is not None:
                     devs = topo.place(policy, [r] * D)
-                    plan = Plan(ctx.model, ctx.cluster, ctx.G, M,
-                                tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(D)), policy)
-                    est = estimate(plan, work, topo, cap)
-                    known[ek] = (edges, est)
-                if not est.fits:
-                    continue
-                v = (est.slowest, est.latency) if ctx.objective == "pipedream" else \
-                    (est.latency_rt if ctx.objective == "dapple-rt" else est.latency, 0.0)
-                found[(M, policy)] = min(found.get((M, policy), INF), v[0])
-                if v[0] <= ctx.threshold():
-                    path = None
-                    for s in reversed(range(D)):
-                        path = (edges[s], edges[s + 1], r, path)
-                    ctx.offer(v, M, policy, path)
-                    ctx.complete -= 1
+                    pre[(M, tuple(zip(got[0], got[0][1:], devs)))] = got[1][0]
+                    first[(M, policy)] = min(first.get((M, policy), INF), got[1][0])
+    vals = sorted(pre.values())
+    bound = vals[ctx.top_k - 1] if len(vals) >= ctx.top_k else INF
+    found = {}
+    for M, policy in jobs:
+        for r, D, total in shapes(M, policy):
+            lbv = (total / D if slow else max(total, M * total / D)) * (1 - 1e-9)
+            if lbv > bound and lbv >= first.get((M, policy), INF):
+                continue
+            got = value(M, policy, r, D)
+            if got is None:
+                continue
+            edges, v = got
+            found[(M, policy)] = min(found.get((M, policy), INF), v[0])
+            if v[0] <= ctx.threshold():
+                path = None
+                for s in reversed(range(D)):
+                    path = (edges[s], edges[s + 1], r, path)
+                ctx.offer(v, M, policy, path)
+                ctx.complete -= 1
     return found
 
 
@@ -463,22 +620,31 @@ def _sqrt_work_bound(work: Workload, cap: float) -> list[float]:
     return g
 
 
-def _push(front: dict, key, lab, pd: bool) -> None:
+# which fields of a label a front compares (see _push): the first (p) too, or v and t not
+_MODES = {"dapple": 0, "slowest-latency": 0, "pipedream": 1, "dapple-rt": 1, "slowest": 2}
+
+
+def _push(front: dict, key, lab, mode: int) -> None:
     """Insert a label into a state's Pareto front (smaller is better in every field compared: the
     DAPPLE objective ignores the first field, the PipeDream one (slowest element) and the round-trip
-    one (the suffix's round trip) compare it too; the slots the suffix takes count too, for fronts
-    that hold suffixes of several sizes)."""
+    one (the suffix's round trip) compare it too (mode 1), the slowest element alone ignores V and T
+    (mode 2); the slots the suffix takes count too, for fronts that hold suffixes of several sizes)."""
     fr = front.get(key)
     if fr is None:
         front[key] = [lab]
         return
     p, v, t, n, c, k = lab[0], lab[1], lab[2], lab[3], lab[4], lab[6]
-    if pd:
+    if mode == 1:
         for o in fr:
             if o[0] <= p and o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c and o[6] <= k:
                 return
         fr[:] = [o for o in fr if not (p <= o[0] and v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4]
                                        and k <= o[6])]
+    elif mode == 2:
+        for o in fr:
+            if o[0] <= p and o[3] <= n and o[4] <= c and o[6] <= k:
+                return
+        fr[:] = [o for o in fr if not (p <= o[0] and n <= o[3] and c <= o[4] and k <= o[6])]
     else:
         for o in fr:
             if o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c and o[6] <= k:
@@ -525,6 +691,35 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     pols = _policies(topo, space.policies)
     t0 = time.perf_counter()
     jobs = [(M, p) for M in Ms for p in pols]
+    from tqdm import tqdm
+    bar = tqdm(total=len(jobs), desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
+               disable=not progress, leave=False)
+    if objective == "pipedream" and ctx.top_k == 1 and budget is None and TWO_PHASE:
+        # (slowest element, L) in two exact searches: the least slowest element p*, then the least L
+        # among the plans whose every element is within p* (see the module docstring)
+        ctx = replace(ctx, objective="slowest")
+        exhausted = _passes(ctx, list(jobs), bar, progress)
+        if ctx.heap:
+            first = ctx.heap[0]
+            ctx = replace(ctx, objective="slowest-latency", pcap=-first[0], heap=[], keys=set())
+            ctx.heap.append((first[1], first[0], next(ctx.seq), first[3], first[4]))
+            ctx.keys.add(first[3])
+            exhausted = _passes(ctx, list(jobs), bar, progress) and exhausted
+            ctx.heap = [(h[1], h[0], *h[2:]) for h in ctx.heap]     # back to (slowest, L)
+        ctx.objective = objective
+    else:
+        exhausted = _passes(ctx, jobs, bar, progress)
+    bar.close()
+    if not ctx.heap:
+        raise PlanError(no_plan_message(work, topo, global_batch, cap, space, P))
+    ranked = sorted(ctx.heap, key=lambda h: (-h[0], -h[1], h[2]))
+    cands = [Candidate(h[4], -h[0], estimate(h[4], work, topo, cap)) for h in ranked]
+    return SearchResult(objective, cands, ctx.evaluated, ctx.complete, ctx.labels, time.perf_counter() - t0,
+                        len(jobs), exhausted)
+
+
+def _passes(ctx: _Ctx, jobs: list, bar, progress: bool) -> bool:
+    """Seed, then search every configuration of ``jobs``; False when the budget stopped it."""
     seeds = _seed(ctx, jobs)
     jobs.sort(key=lambda mp: seeds.get(mp, INF))     # promising configurations first: pruning bites sooner
     # Passes under a trial threshold (the ceiling) below the best seed: pruning against it is far
@@ -532,15 +727,19 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     # be among the best (ctx.settled); otherwise the next pass raises it, the last has none. The
     # plans found stay in the heap. A budgeted search makes one plain pass.
     best_seed = min(seeds.values(), default=INF)
-    ceilings = [INF] if budget is not None or best_seed == INF else [best_seed * a for a in CEILINGS] + [INF]
-    from tqdm import tqdm
-    bar = tqdm(total=len(jobs), desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
-               disable=not progress, leave=False)
+    if ctx.heap:
+        best_seed = min(best_seed, -ctx.heap[0][0])
+    ceilings = [INF] if ctx.budget is not None or best_seed == INF else [best_seed * a for a in CEILINGS] + [INF]
     exhausted = True
     for ceiling in ceilings:
         ctx.ceiling = ceiling
         bar.reset()
+        ran: dict = {}          # (M, the placements of its live replica counts) -> a policy searched
         for M, p in jobs:
+            twin = _twin_key(ctx, M, p)
+            if twin is not None and ran.setdefault(twin, p) != p:
+                bar.update()
+                continue        # the same search as an earlier configuration's (see _twin_key)
             try:
                 _dp(ctx, M, p)
             except _OutOfBudget:
@@ -552,13 +751,7 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
         if not exhausted or ctx.settled():
             break
     ctx.ceiling = INF
-    bar.close()
-    if not ctx.heap:
-        raise PlanError(no_plan_message(work, topo, global_batch, cap, space, P))
-    ranked = sorted(ctx.heap, key=lambda h: (-h[0], -h[1], h[2]))
-    cands = [Candidate(h[4], -h[0], estimate(h[4], work, topo, cap)) for h in ranked]
-    return SearchResult(objective, cands, ctx.evaluated, ctx.complete, ctx.labels, time.perf_counter() - t0,
-                        len(jobs), exhausted)
+    return exhausted
 
 
 def no_plan_message(work: Workload, topo: Topology, G: int, cap, space: SearchSpace, P: int) -> str:

@@ -69,6 +69,31 @@ def test_search_equals_brute_force(seed):
         assert (e.latency if obj == "dapple" else e.slowest) == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_searches_sharing_a_topology_equal_brute_force(seed):
+    """Searches of one workload on one topology share the tables that depend on the job only (seeds,
+    need tables, bounds; kept on the topology by all their inputs): a sequence of searches with
+    memory limits loosening then tightening, other objectives and spaces in between, each finds the
+    brute-force optimum of its own limit and space."""
+    rng = random.Random(900 + seed)
+    nodes, dpn = rng.choice([(2, 2), (1, 4), (2, 3), (3, 2)])
+    topo = Topology(small_cluster(rng, nodes, dpn))
+    work = rand_work(rng, rng.randint(3, 5))
+    G = rng.choice([4, 8, 12])
+    whole = work.total_params * work.bytes_per_param_static + work.activation(0, work.num_layers) * G
+    caps = sorted(whole * rng.uniform(0.05, 0.6) for _ in range(3))
+    for cap in caps + caps[::-1] + [None]:
+        obj = rng.choice(["dapple", "pipedream"])
+        space = rng.choice(SPACES)
+        best, plan, _ = exhaustive(work, topo, G, objective=obj, space=space, capacity=cap)
+        if plan is None:
+            with pytest.raises(PlanError):
+                search(work, topo, G, objective=obj, space=space, capacity=cap)
+            continue
+        got = search(work, topo, G, objective=obj, space=space, capacity=cap).best
+        assert got.value == pytest.approx(best, rel=1e-9)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_search_equals_brute_force_on_fabrics(seed):
     """Suffixes of different sizes are compared only where moving a plan by whole nodes (whole leaves
@@ -301,7 +326,8 @@ MID_CASES = [("gpt-96", "dgx-a100-ib:4", 64, "flat"), ("bert-48", "v100-2x8-25gb
 def test_fast_search_equals_the_earlier_search(case, monkeypatch):
     """On mid-size jobs (too big for brute force) the search with the replica-capped prefix bounds and
     the trial-threshold passes finds the same optimum, value and plan, as the search without them
-    (the earlier exact search), for DAPPLE's latency and PipeDream's slowest element."""
+    (the earlier exact search), for DAPPLE's latency and PipeDream's slowest element (in two phases,
+    against one search over (slowest, L) labels)."""
     import sys
     from dataclasses import replace
     ps = sys.modules["planner.search"]      # the module (``planner.search`` is also the function)
@@ -311,11 +337,77 @@ def test_fast_search_equals_the_earlier_search(case, monkeypatch):
         cl = replace(cl, fabric=fabric, nodes_per_leaf=2, oversubscription=2.0)
     work = load_workload(model, cl.device)
     for obj in ("dapple", "pipedream"):
-        fast = search(work, Topology(cl), G, objective=obj, top_k=4)
+        fast = search(work, Topology(cl), G, objective=obj, top_k=1 if obj == "pipedream" else 4)
         with monkeypatch.context() as m:
             m.setattr(ps, "PREFIX_BOUNDS", False)
             m.setattr(ps, "CEILINGS", ())
+            m.setattr(ps, "TWO_PHASE", False)
             ref = search(work, Topology(cl), G, objective=obj, top_k=4)
         assert fast.best.value == pytest.approx(ref.best.value, rel=1e-12)
         assert fast.best.estimate.latency == pytest.approx(ref.best.estimate.latency, rel=1e-12)
         assert fast.exhausted and ref.exhausted
+        if obj == "pipedream":      # the PipeDream baseline's plan itself is unchanged
+            assert fast.best.plan == ref.best.plan
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pipedream_in_two_phases_equals_one_search(seed, monkeypatch):
+    """PipeDream's objective (slowest element, then L) searched in two phases (the least slowest
+    element p*, then the least L with every element within p*) gives the value, the latency and the
+    plan of one search over (slowest, L) labels, and the brute-force optimum, on random small jobs
+    (memory limits, several fabrics, restricted spaces)."""
+    import sys
+    from dataclasses import replace
+    ps = sys.modules["planner.search"]
+    rng = random.Random(500 + seed)
+    nodes, dpn = rng.choice([(2, 2), (1, 4), (4, 1), (2, 3), (3, 2), (2, 4)])
+    cl = small_cluster(rng, nodes, dpn)
+    if seed % 3 == 1:
+        cl = replace(cl, fabric=rng.choice(["fat-tree", "rail"]), nodes_per_leaf=rng.choice([1, 2]),
+                     oversubscription=2.0, nics_per_node=dpn)
+    topo = Topology(cl)
+    work = rand_work(rng, rng.randint(2, 6), rng.choice([None, 4e9, 8e9]))
+    G = rng.choice([4, 6, 8, 12])
+    space = SPACES[seed % len(SPACES)]
+    best, plan, _ = exhaustive(work, topo, G, objective="pipedream", space=space)
+    if plan is None:
+        return
+    two = search(work, topo, G, objective="pipedream", space=space).best
+    monkeypatch.setattr(ps, "TWO_PHASE", False)
+    one = search(work, Topology(cl), G, objective="pipedream", space=space).best
+    assert two.value == one.value and two.value == pytest.approx(best, rel=1e-9)
+    assert two.estimate.latency == one.estimate.latency
+    assert two.plan == one.plan
+
+
+@pytest.mark.parametrize("fabric,per", [("flat", 1), ("fat-tree", 2), ("rail", 2), ("rail", 3)])
+def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatch):
+    """Boundary transfers are cached by their devices with alike nodes renamed (Topology.relabel):
+    the costs equal those computed on the devices themselves, exactly, for stages at any offsets and
+    replica counts (node-major and scatter orders), and the renaming is the identity where the
+    fabric's groups differ (a last group with fewer nodes); the same stages with another tensor size
+    reuse the stages' transfer terms and still equal the direct costs."""
+    from dataclasses import replace
+    rng = random.Random(per)
+    base = replace(small_cluster(rng, 6, 4), nics_per_node=4)
+    cl = replace(base, fabric=fabric, nodes_per_leaf=per, oversubscription=2.0)
+    fast = Topology(cl)
+    ref = Topology(cl)
+    monkeypatch.setattr(ref, "relabel", lambda src, dst: (src, dst))
+    for _ in range(300):
+        pol = rng.choice(["fresh-first", "append-first", "scatter-first"])
+        r, r1 = rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2, 4, 5, 8])
+        sl = fast.slots(pol, r)
+        if sl + fast.slots(pol, r1) > cl.num_devices:
+            continue
+        off = rng.randrange(cl.num_devices - sl - fast.slots(pol, r1) + 1)
+        nbytes = rng.uniform(1e5, 1e8)
+        a, b = ref.devices(pol, off, r), ref.devices(pol, off + sl, r1)
+        assert fast.boundary(pol, off, r, r1, nbytes) == (ref.transfer(a, b, nbytes), ref.transfer(b, a, nbytes))
+        # the same stages with another tensor size (its transfer terms kept by the stages alone)
+        big = nbytes * rng.uniform(1.5, 40.0)
+        assert fast.boundary(pol, off, r, r1, big) == (ref.transfer(a, b, big), ref.transfer(b, a, big))
+    # nodes 0, 1, 2, 4, 0 of 4 devices each: renamed 0, 1, 2, 3 on a flat fabric; 5 nodes in groups
+    # of 2 or 3 leave a smaller last group, so no renaming
+    got = Topology(replace(cl, nodes=5)).relabel((0, 5, 9), (17, 2))
+    assert got == (((0, 5, 9), (13, 2)) if fabric == "flat" else ((0, 5, 9), (17, 2)))
