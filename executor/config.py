@@ -59,7 +59,7 @@ class RunConfig:
     eager_allreduce: bool = True    # all-reduce in the bubbles (lowering's eager placement)
     recv_lookahead: int | None = None  # receives posted ahead per peer (None = all at step start)
     measure_memory: bool = True     # saved-tensor hooks on the CPU (allocator counters on CUDA)
-    meter_every_forward: bool = False  # CPU: meter every forward, not one per stage and step (executor.device)
+    meter_every_forward: bool = False  # CPU: meter every forward, not one per stage and run (executor.device)
     collect_params: bool = False    # return the final parameters (tests)
     fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (see parse_fault)
     micro_batch: int | None = None  # sequences per micro-batch (None: the spec's micro_batch)

@@ -13,11 +13,14 @@ Activation memory (bytes alive that backward needs):
   by several ops share one), parameters are not counted, and a storage stops counting when the
   last saved reference to it is released (backward frees the graph, or the graph is dropped).
   The hooks cost a few microseconds per saved tensor (a tiny GPT's stage saves ~100 per
-  micro-batch), so the runtime meters the first forward of each stage in a step this way and
-  accounts the step's other micro-batches of that stage with the bytes it measured (same module,
-  same shapes: the same saved tensors), from their F to the backward that frees them
-  (:class:`executor.runtime.PipelineRuntime`; ``RunConfig.meter_every_forward`` meters every
-  forward, which tests compare). What a split backward keeps for W is always counted exactly.
+  micro-batch; a metered forward + backward of it took 15% longer), so the runtime meters the
+  first forward of each stage in the run this way and accounts every other micro-batch of that
+  stage, in that step and the later ones, with the bytes it measured (same module, same shapes,
+  same precision and recomputation: the same saved tensors), from their F to the backward that
+  frees them (:class:`executor.runtime.PipelineRuntime`; ``RunConfig.meter_every_forward``
+  meters every forward of every step, which tests compare op by op over several steps). Metering
+  once per step instead cost tiny D=2 dapple 5% of its step time. What a split backward keeps for
+  W is always counted exactly.
 - CUDA, :class:`AllocatorMeter`: the caching allocator's ``memory_allocated`` minus its value at
   the start of the step (weights, gradients and optimizer state are allocated before), with the
   peak from ``max_memory_allocated`` (reset each step). It also counts received activation buffers

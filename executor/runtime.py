@@ -68,7 +68,6 @@ class _StepState:
     allreduces: list = field(default_factory=list)
     ar_done: list = field(default_factory=list)     # per ALLREDUCE: [perf_counter at completion]
     accounted: dict = field(default_factory=dict)   # (copy, stage, mb) -> bytes of an unmetered F
-    metered: set = field(default_factory=set)       # (copy, stage) whose F was metered this step
     loss_sum: torch.Tensor | float = 0.0
 
     def leftovers(self) -> list[str]:
@@ -123,7 +122,7 @@ class PipelineRuntime:
             if sched.split_backward else {}
         self.recompute = Recompute(recompute, meter, [p for m in distinct.values() for p in m.parameters()])
         self.sample_memory = getattr(meter, "samples", False) and not meter_every_forward
-        self.stage_bytes: dict = {}     # (copy, stage) -> bytes its metered forward kept
+        self.stage_bytes: dict = {}     # (copy, stage) -> bytes its metered forward (the run's first) kept
         self.accounted = 0              # bytes of the live unmetered forwards (see executor.device)
         for m in distinct.values():
             self.recompute.install(m)
@@ -190,7 +189,7 @@ class PipelineRuntime:
         else:
             x = st.inbox.pop((ACT, op.copy, op.mb, op.stage - 1))
         where = (op.copy, op.stage)
-        measure = not self.sample_memory or where not in st.metered
+        measure = not self.sample_memory or where not in self.stage_bytes
         before = self.meter.current()
         with self.meter.capture(measure), self.precision.autocast(self.ctx.device):
             out = module(x)
@@ -198,7 +197,6 @@ class PipelineRuntime:
                 loss = module.loss(out, self._batch(op.mb)[1])
                 out = loss / self.G
         if measure:
-            st.metered.add(where)
             self.stage_bytes[where] = self.meter.current() - before
         else:                    # the same module and shapes keep what its metered forward kept
             n = st.accounted[key] = self.stage_bytes[where]

@@ -11,18 +11,23 @@ have:
     pipetwin dualpipe-v    vs  torch ScheduleDualPipeV             (V placement, split backward)
 
 pipetwin runs with its tracing and activation-memory metering on (its default), and once more
-with metering off (``--no-memory``): the metering's own cost. A round times every variant once
-(``--steps`` optimizer steps after ``--warmup``, barrier before and after, rank 0's wall clock);
-``--rounds`` rounds interleave the variants, so a slow spell of this shared machine hits all of
-them. Per pair the ratio is pipetwin's throughput over torch's *within each round*; the table
-shows its median over the rounds and the spread (the range of the per-round ratios, and of each
-variant's step times: the machine's own noise). ``--model tiny`` (default) or ``wide``, a 256-wide
-GPT, or a preset / YAML.
+with metering off (``--no-memory``): the metering's own cost. Every variant first runs
+``--warmup`` untimed steps; then a round times each variant once (``--steps`` optimizer steps,
+barrier before and after, rank 0's wall clock). The three variants of a pair run back to back,
+the pairs' order rotates from round to round and a pair's order reverses every other round, so
+no variant always runs first or always follows the same one, and a slow spell of this shared
+machine hits all of them alike. Per pair the ratio is pipetwin's throughput over torch's *within
+each round*; the table shows its median over the rounds and the spread (the range of the per-round
+ratios, and of each variant's step times: the machine's own noise). Each timed run also reads how
+many cores' worth of CPU other processes used meanwhile (:mod:`executor.host`); ``quiet`` is the
+median ratio over the rounds where both runs of the pair saw at most ``--max-foreign`` cores of it
+(and how many rounds those were). ``--model tiny`` (default) or ``wide``, a 256-wide GPT, or a
+preset / YAML.
 
     python -m experiments.bench_executor [--model tiny|wide|FILE.yaml] [-N 8] [--rounds 15] [--json]
 
 ``--profile-step SCHEDULE`` instead runs cProfile over the steps of one pipetwin schedule and one
-torch schedule on rank 0 and prints where the time goes.
+torch schedule on both ranks and prints where the time goes.
 """
 from __future__ import annotations
 
@@ -102,32 +107,60 @@ def _variants(base, rank, world, ctx, groups, pairs):
     return out
 
 
-def _timed(step, warmup: int, steps: int, start: int) -> float:
-    for k in range(warmup):
-        step(start + k)
+def _pair_names(ours: str, theirs: str) -> list[str]:
+    return [f"pipetwin {ours}", f"pipetwin {ours} (no memory metering)", f"torch {theirs}"]
+
+
+def round_order(blocks: list[list[str]], r: int) -> list[str]:
+    """The variants of round ``r``: the blocks (one pair's variants each, kept back to back)
+    rotated by ``r``, each block reversed in odd rounds."""
+    k = r % len(blocks)
+    return [name for b in blocks[k:] + blocks[:k] for name in (b if r % 2 == 0 else b[::-1])]
+
+
+def _timed(step, steps: int, start: int) -> tuple[float, object]:
+    """Wall seconds of ``steps`` steps between two barriers, and this rank's CPU window over them."""
+    from executor.host import CpuMeter
     dist.barrier()
+    meter = CpuMeter()
     t0 = time.perf_counter()
     for k in range(steps):
-        step(start + warmup + k)
+        step(start + k)
     dist.barrier()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    return seconds, meter.stop()
 
 
 def bench_rank(payload, rank, world, local_rank, local_world):
-    """Target of executor.launch.launch: every rank builds every variant, rank 0 returns timings."""
+    """Target of executor.launch.launch: every rank builds every variant, rank 0 returns each
+    variant's seconds per round and the cores' worth of other processes' CPU during each."""
+    from executor.host import foreign_cores
     from executor.worker import ProcessGroups, init_world
     base, rounds, warmup, steps = payload["config"], payload["rounds"], payload["warmup"], payload["steps"]
     pairs = [p for p in PAIRS if p[0] in payload["schedules"]]
     ctx = init_world("cpu", rank, world, local_rank, local_world, base.timeout)
     groups = ProcessGroups(world, ctx.backend)
     variants = _variants(base, rank, world, ctx, groups, pairs)
+    for step in variants.values():
+        for k in range(warmup):
+            step(k)
     times: dict[str, list[float]] = {k: [] for k in variants}
+    windows: dict[str, list] = {k: [] for k in variants}
+    blocks = [_pair_names(ours, theirs) for ours, theirs, _, _ in pairs]
     for r in range(rounds):
-        for name, step in variants.items():
-            times[name].append(_timed(step, warmup, steps, start=r * (warmup + steps)))
+        for name in round_order(blocks, r):
+            seconds, window = _timed(variants[name], steps, start=warmup + r * steps)
+            times[name].append(seconds)
+            windows[name].append(window)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(windows, gathered, dst=0)
     dist.barrier()
     dist.destroy_process_group()
-    return times if rank == 0 else None
+    if rank:
+        return None
+    foreign = {k: [foreign_cores([w[k][r] for w in gathered]) for r in range(rounds)] for k in variants}
+    cpu = {k: [sum(w[k][r].own for w in gathered) for r in range(rounds)] for k in variants}
+    return {"seconds": times, "foreign_cores": foreign, "cpu_seconds": cpu}
 
 
 def profile_rank(payload, rank, world, local_rank, local_world):
@@ -140,7 +173,8 @@ def profile_rank(payload, rank, world, local_rank, local_world):
     variants = _variants(base, rank, world, ctx, groups, pairs)
     report = {}
     for name, step in variants.items():
-        _timed(step, 2, 1, 0)
+        for k in range(3):
+            step(k)
         prof = cProfile.Profile()
         dist.barrier()
         prof.enable()
@@ -153,26 +187,66 @@ def profile_rank(payload, rank, world, local_rank, local_world):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(payload["lines"])
         report[name] = (seconds / steps, buf.getvalue())
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(report, gathered, dst=0)
     dist.destroy_process_group()
-    return report if rank == 0 else None
+    return gathered if rank == 0 else None
 
 
-def summarize(times: dict[str, list[float]], seqs: int, pairs) -> list[dict]:
-    """Per pair: medians and spreads of throughput and of the per-round ratios."""
+def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str, list] | None = None,
+              max_foreign: float = 0.15, cpu: dict[str, list[float]] | None = None) -> list[dict]:
+    """Per pair: medians and spreads of throughput and of the per-round ratios; with ``foreign``
+    (cores' worth of other processes' CPU per variant and round) also the median ratio over the
+    quiet rounds, where both runs of the pair saw at most ``max_foreign`` of it; with ``cpu`` (the
+    ranks' own CPU seconds per variant and round) the per-round ratio of CPU used, torch's over
+    pipetwin's, and the metering's share of it (CPU time barely moves when other processes take
+    turns on the cores, wall time does)."""
     rows = []
     for ours, theirs, _, _ in pairs:
-        a, c, b = times[f"pipetwin {ours}"], times[f"pipetwin {ours} (no memory metering)"], times[f"torch {theirs}"]
+        na, nc, nb = _pair_names(ours, theirs)
+        a, c, b = times[na], times[nc], times[nb]
         ratio = [tb / ta for ta, tb in zip(a, b)]            # throughput ours / theirs, same round
         ratio_nomem = [tb / tc for tc, tb in zip(c, b)]
         metering = [ta / tc - 1.0 for ta, tc in zip(a, c)]    # metering's cost, same round
-        rows.append({"pair": f"{ours} vs {theirs}", "pipetwin_seq_per_s": seqs / statistics.median(a),
-                     "pipetwin_nomem_seq_per_s": seqs / statistics.median(c),
-                     "torch_seq_per_s": seqs / statistics.median(b),
-                     "ratio": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
-                     "ratio_nomem": statistics.median(ratio_nomem),
-                     "metering_cost": statistics.median(metering),
-                     "spread_pipetwin": max(a) / min(a) - 1.0, "spread_torch": max(b) / min(b) - 1.0})
+        row = {"pair": f"{ours} vs {theirs}", "pipetwin_seq_per_s": seqs / statistics.median(a),
+               "pipetwin_nomem_seq_per_s": seqs / statistics.median(c),
+               "torch_seq_per_s": seqs / statistics.median(b),
+               "ratio": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
+               "ratio_nomem": statistics.median(ratio_nomem),
+               "metering_cost": statistics.median(metering),
+               "spread_pipetwin": max(a) / min(a) - 1.0, "spread_torch": max(b) / min(b) - 1.0}
+        if foreign is not None:
+            load = [max(x or 0.0, y or 0.0) for x, y in zip(foreign[na], foreign[nb])]
+            quiet = [q for q, f in zip(ratio, load) if f <= max_foreign]
+            row.update({"foreign_cores": statistics.median(load), "quiet_rounds": len(quiet),
+                        "ratio_quiet": statistics.median(quiet) if quiet else None})
+        if cpu is not None:
+            ca, cc, cb = cpu[na], cpu[nc], cpu[nb]
+            row.update({"cpu_ratio": statistics.median([y / x for x, y in zip(ca, cb)]),
+                        "metering_cpu": statistics.median([x / z - 1.0 for x, z in zip(ca, cc)])})
+        rows.append(row)
     return rows
+
+
+def print_table(rows: list[dict], spec, *, microbatches: int, rounds: int, steps: int, max_foreign: float) -> None:
+    """The sitting's table as ``main`` prints it (also from a ``--json`` file's results)."""
+    from .tables import fmt_table
+    print(f"model {spec.name} (L={spec.layers} h={spec.hidden} s={spec.seq_len} b={spec.micro_batch}), D=2, "
+          f"N={microbatches}, gloo/CPU; {rounds} interleaved rounds x {steps} steps; ratio = "
+          f"pipetwin / torch throughput per round (median, min-max); spread = slowest / fastest round - 1; "
+          f"foreign = other processes' CPU (cores, median); quiet = median ratio over the rounds with at most "
+          f"{max_foreign:g} cores of it (how many); cpu_ratio = torch / pipetwin CPU seconds of both ranks "
+          f"per round (median), metering_cpu = the metering's CPU cost")
+    rows = [dict(r) for r in rows]
+    for row in rows:
+        row["quiet"] = "-" if row["ratio_quiet"] is None else f"{row['ratio_quiet']:.2f} ({row['quiet_rounds']})"
+    print(fmt_table(rows, ["pair", "pipetwin_seq_per_s", "torch_seq_per_s", "ratio", "ratio_min", "ratio_max",
+                           "ratio_nomem", "metering_cost", "spread_pipetwin", "spread_torch", "foreign_cores",
+                           "quiet", "cpu_ratio", "metering_cpu"],
+                    {"pipetwin_seq_per_s": "{:.1f}", "torch_seq_per_s": "{:.1f}", "ratio": "{:.2f}",
+                     "ratio_min": "{:.2f}", "ratio_max": "{:.2f}", "ratio_nomem": "{:.2f}",
+                     "metering_cost": "{:+.1%}", "spread_pipetwin": "{:.0%}", "spread_torch": "{:.0%}",
+                     "foreign_cores": "{:.2f}", "cpu_ratio": "{:.2f}", "metering_cpu": "{:+.1%}"}))
 
 
 def main(argv=None) -> int:
@@ -180,12 +254,19 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny", help="tiny (default), wide (a 256-wide GPT), a preset or a YAML file")
     p.add_argument("--microbatches", "-N", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant and round (default 5)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps of every variant before the rounds (default 1)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    p.add_argument("--max-foreign", type=float, default=0.15,
+                   help="cores' worth of other processes' CPU a quiet round may see (default 0.15)")
     p.add_argument("--schedules", default=",".join(x[0] for x in PAIRS), help="pipetwin schedules to compare")
     p.add_argument("--profile-step", metavar="SCHEDULE", help="cProfile one pipetwin schedule and its torch pair")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    for name, low in (("microbatches", 1), ("steps", 1), ("warmup", 0), ("rounds", 1)):
+        if getattr(args, name) < low:
+            p.error(f"--{name} must be >= {low}; got {getattr(args, name)}")
+    if not args.max_foreign >= 0:
+        p.error(f"--max-foreign must be >= 0; got {args.max_foreign}")
 
     from executor.config import RunConfig
     from executor.launch import launch
@@ -206,29 +287,24 @@ def main(argv=None) -> int:
         if args.profile_step:
             report = launch("experiments.bench_executor:profile_rank",
                             {"config": cfg, "schedule": args.profile_step, "steps": args.steps, "lines": 25}, 2)
-            for name, (sec, text) in report.items():
-                print(f"===== {name}: {sec * 1e3:.1f} ms per step (under cProfile)\n{text}")
+            for r, rep in enumerate(report):
+                for name, (sec, text) in rep.items():
+                    print(f"===== rank {r}: {name}: {sec * 1e3:.1f} ms per step (under cProfile)\n{text}")
             return 0
-        times = launch("experiments.bench_executor:bench_rank",
+        out = launch("experiments.bench_executor:bench_rank",
                        {"config": cfg, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
                         "schedules": wanted}, 2)
     seqs = args.steps * args.microbatches * spec.micro_batch
-    rows = summarize(times, seqs, pairs)
+    rows = summarize(out["seconds"], seqs, pairs, out["foreign_cores"], args.max_foreign, out["cpu_seconds"])
     if args.json:
         json.dump({"model": spec.name, "devices": 2, "microbatches": args.microbatches, "backend": "gloo",
-                   "steps": args.steps, "rounds": args.rounds, "results": rows, "raw_seconds": times},
+                   "steps": args.steps, "rounds": args.rounds, "results": rows, "raw_seconds": out["seconds"],
+                   "foreign_cores": out["foreign_cores"], "cpu_seconds": out["cpu_seconds"]},
                   sys.stdout, indent=2)
         print()
         return 0
-    from .tables import fmt_table
-    print(f"model {spec.name} (L={spec.layers} h={spec.hidden} s={spec.seq_len} b={spec.micro_batch}), D=2, "
-          f"N={args.microbatches}, gloo/CPU; {args.rounds} interleaved rounds x {args.steps} steps; ratio = "
-          f"pipetwin / torch throughput per round (median, min-max); spread = slowest / fastest round - 1")
-    print(fmt_table(rows, ["pair", "pipetwin_seq_per_s", "torch_seq_per_s", "ratio", "ratio_min", "ratio_max",
-                           "ratio_nomem", "metering_cost", "spread_pipetwin", "spread_torch"],
-                    {"pipetwin_seq_per_s": "{:.1f}", "torch_seq_per_s": "{:.1f}", "ratio": "{:.2f}",
-                     "ratio_min": "{:.2f}", "ratio_max": "{:.2f}", "ratio_nomem": "{:.2f}",
-                     "metering_cost": "{:+.1%}", "spread_pipetwin": "{:.0%}", "spread_torch": "{:.0%}"}))
+    print_table(rows, spec, microbatches=args.microbatches, rounds=args.rounds, steps=args.steps,
+                max_foreign=args.max_foreign)
     return 0
 
 

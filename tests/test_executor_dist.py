@@ -31,7 +31,8 @@ from schedules.trace import COLUMNS, op_orders
 PAPER = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 SPLIT = ["zb-h1", "zb-v", "dualpipe-v", "bitpipe-zb"]      # the schedules with a split backward
 PRECISION_SCHEDULES = ["dapple", "zb-v"]
-METER_TWINS = ["dapple-D2", "interleaved-D2", "bitpipe-D2", "zb-v-D2", "dualpipe-v-D2"]
+METER_TWINS = ["dapple-D2", "interleaved-D2", "bitpipe-D2", "zb-v-D2", "dualpipe-v-D2", "dapple-recompute-selective-D2",
+               "zb-v-recompute-full-D2", "zb-v-bf16-D2"]
 BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0)
 
 
@@ -70,14 +71,14 @@ def _cases_world2():
                                                       recv_lookahead=1, **BASE), None)
     cases["bitpipe-adam-D2"] = (RunConfig(schedule="bitpipe", devices=2, microbatches=4,
                                           **dict(BASE, optimizer="adam", lr=1e-3)), None)
-    for key in METER_TWINS:   # the same runs metered at every forward (executor.device)
-        cfg, sched = cases[key]
-        cases[f"{key}-meter-every"] = (cfg.with_(meter_every_forward=True), sched)
     for name in PRECISION_SCHEDULES:
         cases[f"{name}-bf16-D2"] = (RunConfig(schedule=name, devices=2, microbatches=4, dtype="bf16", **BASE), None)
         for mode in ("selective", "full"):
             cases[f"{name}-recompute-{mode}-D2"] = (RunConfig(schedule=name, devices=2, microbatches=4,
                                                               recompute=mode, **BASE), None)
+    for key in METER_TWINS:   # the same runs metered at every forward (executor.device)
+        cfg, sched = cases[key]
+        cases[f"{key}-meter-every"] = (cfg.with_(meter_every_forward=True), sched)
     return cases
 
 
@@ -229,9 +230,10 @@ def _bytes_profile(spec, dtype: str):
 
 @pytest.mark.parametrize("key", METER_TWINS)
 def test_metering_one_forward_per_stage_equals_metering_every_forward(runs, key):
-    """The runtime meters the first forward of each stage in a step and accounts the others with
-    its bytes: every rank's activation bytes after every op, and its peak, equal those of the
-    same run metered tensor by tensor at every forward."""
+    """The runtime meters the first forward of each stage in the run and accounts the others (those
+    of the later steps too) with its bytes: every rank's activation bytes after every op of all 3
+    steps, and its peak, equal those of the same run metered tensor by tensor at every forward
+    (with recomputation and in bf16 too)."""
     _, _, sampled = runs(2)[key]
     _, _, every = runs(2)[f"{key}-meter-every"]
     assert [d["peak_activation_bytes"] for d in sampled.per_device] == \
