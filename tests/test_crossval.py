@@ -65,7 +65,7 @@ def test_calibrated_profile_round_trips(calibrated):
     assert profile.p2p.latency == pytest.approx(alone["p2p_latency"] + in_run["p2p_latency_extra"], rel=1e-12)
     assert profile.allreduce.latency == pytest.approx(alone["allreduce_latency"] * in_run["allreduce_slowdown"],
                                                       rel=1e-12)
-    assert 0 <= in_run["p2p_latency_extra"] <= 5e-3 and 1 <= in_run["allreduce_slowdown"] <= 10
+    assert 0 <= in_run["p2p_latency_extra"] <= 5e-3 and 0.1 <= in_run["allreduce_slowdown"] <= 10
     kinds = dict(profile.overhead)
     assert set(kinds) >= {"SEND", "RECV"} and profile.optimizer_seconds_per_param > 0
     assert profile.data_time > 0 and profile.grad_copy_per_byte > 0
@@ -191,6 +191,10 @@ def test_in_run_communication_is_recovered_from_step_times():
     runs = _synthetic_runs(base, ["dapple", "bitpipe"], 2, steps=6)
     extra, slowdown = fit_communication(runs, lambda p, a: _with_comm(base, p, a))
     assert extra == pytest.approx(0.0, abs=2e-6) and slowdown == pytest.approx(1.0, abs=0.01)
+    # all-reduces faster in the runs than the lone median said (its samples spread 3x): below 1
+    runs = _synthetic_runs(_with_comm(base, 3e-4, 0.6), ["dapple", "bitpipe"], 2, steps=6)
+    extra, slowdown = fit_communication(runs, lambda p, a: _with_comm(base, p, a))
+    assert extra == pytest.approx(3e-4, rel=0.03) and slowdown == pytest.approx(0.6, rel=0.03)
 
 
 def test_oversubscribed_slowdown_is_recovered_and_only_applies_beyond_the_cores():
