@@ -84,10 +84,14 @@ class RunSeries:
     def _counting(self) -> list[int]:
         return self.kept or self.quiet() or list(range(len(self.runs)))
 
+    def _run_time(self, i: int) -> float:
+        """Run ``i``'s own noise-free step time."""
+        return noise_free(self._steps(i))
+
     @property
     def run_times(self) -> list[float]:
         """Every run's own noise-free step time."""
-        return [noise_free(self._steps(i)) for i in range(len(self.runs))]
+        return [self._run_time(i) for i in range(len(self.runs))]
 
     @property
     def settled(self) -> bool:
@@ -95,7 +99,7 @@ class RunSeries:
 
     def _time_of(self, idx: list[int]) -> float:
         """The step time of runs ``idx``: the median of their own noise-free times."""
-        return float(np.median([noise_free(self._steps(i)) for i in idx]))
+        return float(np.median([self._run_time(i) for i in idx]))
 
     @property
     def spread(self) -> float | None:
@@ -154,7 +158,7 @@ class RunSeries:
         """The steps a fit should reproduce: of the counting runs in the middle of their times
         (the middle half, at least the median one), the fast steps around their median (the
         middle half of them)."""
-        idx = sorted(self._counting(), key=lambda i: noise_free(self._steps(i)))
+        idx = sorted(self._counting(), key=self._run_time)
         m = len(idx)
         middle = set(idx[m // 4: max(m // 4 + 1, m - m // 4)])
         pool = [x for x in self._pool() if x[1] in middle]
