@@ -81,6 +81,7 @@ INF = float("inf")
 CEILINGS = (0.86, 0.93)     # trial thresholds of the first passes, as fractions of the best seed
 PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earlier, weaker bounds; tests)
 TWO_PHASE = True            # PipeDream's objective in two searches (False: one, over (slowest, L) labels; tests)
+PREFIX_TABLES = True        # the whole-prefix bounds of _prefix_tables (False: without them; tests)
 
 
 class PlanError(ValueError):
@@ -279,6 +280,24 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
             needs[w] = tab
         return tab
 
+    cols: dict = {}     # (w, free // step) -> the columns of _prefix_tables at the slots left
+    step = max(1, -(-P // 128))     # the tables count slots in units of step (see _prefix_tables)
+
+    def tables(w: int, free: int):
+        """(Y, X, F) of :func:`_prefix_tables` for prefixes on at most ``free`` slots, by first layer
+        i of the suffix; None where they do not apply."""
+        w = 1 << (w.bit_length() - 1)     # as need(): a valid (smaller) requirement
+        key = (w, free // step)
+        got = cols.get(key)
+        if got is None:
+            tk = ("prefix", policy, b, M, w, tuple((r, slots[r]) for r in reps), cap, P)
+            tab = known.get(tk)
+            if tab is None:
+                tab = known[tk] = _prefix_tables(work, topo, policy, b, M, w, reps, slots, cap, P, step)
+            f = free // step
+            got = cols[key] = tuple(t[:, f].tolist() for t in tab)
+        return got
+
     wmax = [0.0] * (L + 1)      # wmax[i]: the largest per-sample round trip of one layer in [0, i)
     for i in range(1, L + 1):
         x = lo._cf[i] - lo._cf[i - 1] + lo._cb[i] - lo._cb[i - 1]
@@ -287,7 +306,8 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps,
                  live=[r for r in reps if r in live], slots=slots,
                  min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy),
-                 rmax=max(reps), wmax=wmax)
+                 rmax=max(reps), wmax=wmax,
+                 tables=tables if PREFIX_TABLES and ctx.objective in ("dapple", "slowest-latency") else None)
     fronts: list[dict] = [dict() for _ in range(L + 1)]
     # a label: (p, v, t, n, stages, path, k) for the suffix [j, L) on the last k slots: p = slowest
     # element (PipeDream), v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only
@@ -325,6 +345,7 @@ class _DPEnv:
     period: int | None
     rmax: int               # the most replicas a stage can have
     wmax: list              # wmax[i]: the largest per-sample round trip of one layer of [0, i)
+    tables: object = None   # (w, free) -> the whole-prefix bounds (_prefix_tables), DAPPLE's latency only
 
 
 def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list) -> None:
@@ -338,7 +359,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     decision of it reads (its fronts ignore p: ``_MODES``)."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
-    rmax, wmax = env.rmax, env.wmax
+    rmax, wmax, tables = env.rmax, env.wmax, env.tables
     obj = ctx.objective
     pd = obj in ("pipedream", "slowest")       # the slowest element first
     rtm = obj == "dapple-rt"
@@ -414,6 +435,8 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
             need_w = needs.get(w)
             if need_w is None:
                 need_w = needs[w] = need(w)
+            if tables is not None and free > 0:
+                tY, tX, tF = tables(w, free)
             i = j - 1
             while i >= 0:
                 if not can_more and i > 0:
@@ -471,6 +494,16 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                     lb = v2 + (x if x > prt else prt)
                     if M * pw > lb:
                         lb = M * pw
+                    if tables is not None:     # the whole-prefix bounds (_prefix_tables)
+                        x = tY[i]
+                        if x > lb:
+                            lb = x
+                        x = v2 + tX[i]
+                        if x > lb:
+                            lb = x
+                        x = v2 + t2 + tF[i]
+                        if x > lb:
+                            lb = x
                 if lb <= thr and pw <= pcap:
                     push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), mode)
                     nl += 1
@@ -575,6 +608,86 @@ def _seed(ctx: _Ctx, jobs) -> dict:
                 ctx.offer(v, M, policy, path)
                 ctx.complete -= 1
     return found
+
+
+def _prefix_tables(work: Workload, topo: Topology, policy: str, b: int, M: int, w: int, reps: list, slots: dict,
+                   cap: float, P: int, step: int):
+    """Lower bounds on what a whole prefix (stages [0, i), from the first) adds to DAPPLE's latency,
+    by i and the slots it may take: arrays ``Y, X, F`` of shape (L + 1, P // step + 1).
+
+    For a prefix (its stages and the boundaries between them) write R = its round trips, FW = its
+    forwards, C = max over its elements e of (round trips up to e) + (M - 1) st_e and Tp = max over
+    its stages s of (AR_s + OPT_s - its backwards before s). A plan = prefix + boundary + a suffix
+    with DAPPLE's (V, T) (module docstring) has V_full >= max(C, R + V) and T_full = max(Tp, T - BW')
+    with BW' the prefix's backwards and the boundary's, so
+
+        L >= C + Tp,     L >= V + R + Tp,     L >= (R' + V) + (T - BW') >= V + T + FW.
+
+    Appending a stage sigma = [a, c) on r replicas (round trip rt, forward fw, all-reduce and
+    optimizer y = AR + OPT, after a boundary beta of fw_b + bw_b) to a prefix gives R' >= R + rt,
+    FW' >= FW + fw, C' >= max(C, R + M rt) (sigma's own term: R + rt_b + rt + (M - 1) rt), and
+    Tp' = max(Tp, y - BW - bw_b) with R' - BW - bw_b >= FW + rt, so
+
+        R' + Tp' >= max(R + Tp + rt, FW + rt + y)
+        C' + Tp' >= max(C + Tp, R + Tp + M rt, FW + M rt + y)
+
+    monotone in (C + Tp, R + Tp, FW): the least of each over the prefixes [0, a) bound the new
+    ones (``Y`` = least C + Tp, ``X`` = least R + Tp, ``F`` = least FW; the empty prefix has
+    FW = 0 and C + Tp = R + Tp = -inf, which gives the first stage its exact C + Tp = M rt + y and
+    R + Tp = rt + y). Only lower bounds go in, so each entry is <= its least over real prefixes:
+    boundaries count 0; a stage's all-reduce is :meth:`Topology.allreduce_floor` (no larger at any
+    offset); it must fit in memory with ``w`` micro-batches in flight, at most what any prefix stage
+    keeps ahead of a suffix of n stages (min(n + 1, M) or more: the caller passes a power of two
+    <= that); stages are not capped in number. Entry [i][f] is the least over prefixes on at most
+    f steps of slots, a stage of s slots taking floor(s / step) of them: the floors of the stages of
+    a prefix on ``free`` slots sum to at most floor(free / step), so looking up f = floor(free /
+    step) bounds every prefix on ``free`` slots (exact when ``step`` divides every stage's slots).
+    Positive entries are lowered by a relative 1e-9 (the search sums the same terms in another
+    order, which rounds differently)."""
+    import numpy as np
+    L = work.num_layers
+    nf = P // step + 1
+    Y = np.full((L + 1, nf), INF)
+    X = np.full((L + 1, nf), INF)
+    F = np.full((L + 1, nf), INF)
+    Y[0] = X[0] = -INF
+    F[0] = 0.0
+    cp, ca = np.array(work._cp), np.array(work._ca)
+    bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
+    per_r = []
+    for r in reps:
+        wq = work.at(b // r)
+        alpha, beta = topo.allreduce_floor(policy, r)
+        per_r.append((r, slots[r] // step, b / r, np.array(wq._cf), np.array(wq._cb), alpha, beta))
+    for c in range(1, L + 1):
+        for r, sg, q, cf, cb, alpha, beta in per_r:
+            if sg >= nf:
+                continue
+            # the stages [a, c) that fit: memory only grows as a stage grows, so a = a0 .. c - 1
+            par = cp[c] - cp[:c]
+            fit = par * bps + w * (ca[c] - ca[:c]) * q <= cap
+            if not fit[c - 1]:
+                continue
+            a0 = c - 1
+            while a0 > 0 and fit[a0 - 1]:
+                a0 -= 1
+            par = par[a0:]
+            fw = (cf[c] - cf[a0:c]) * q
+            rt = fw + (cb[c] - cb[a0:c]) * q
+            y = np.where(par > 0, alpha + beta * par * gbp, 0.0) if r > 1 else np.zeros(c - a0)
+            y = y + par * otp
+            n = nf - sg
+            Fa, Xa, Ya = F[a0:c, :n], X[a0:c, :n], Y[a0:c, :n]
+            rt_, fw_, y_ = rt[:, None], fw[:, None], y[:, None]
+            np.minimum(F[c, sg:], (Fa + fw_).min(axis=0), out=F[c, sg:])
+            np.minimum(X[c, sg:], np.maximum(Xa + rt_, Fa + (rt_ + y_)).min(axis=0), out=X[c, sg:])
+            np.minimum(Y[c, sg:], np.maximum(np.maximum(Ya, Xa + M * rt_), Fa + (M * rt_ + y_)).min(axis=0),
+                       out=Y[c, sg:])
+        for t in (Y, X, F):     # on at most f steps of slots
+            np.minimum.accumulate(t[c], out=t[c])
+    for t in (Y, X, F):     # less a relative 1e-9: sums in another order than the search's round differently
+        t[t > 0] *= 1 - 1e-9
+    return Y, X, F
 
 
 def _need_table(work: Workload, b: int, w: int, reps: list[tuple[int, int]], cap: float) -> list[float]:
