@@ -400,21 +400,53 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         cfqj, cbqj = cfq[j], cbq[j]
         alpha, beta = topo.allreduce_at(policy, off, r)
         has_ar = bool(alpha or beta)
+        if ctx.budget is not None and ctx.evaluated > ctx.budget:
+            raise _OutOfBudget
+        rows = [None] * j   # i -> the stage [i, j)'s costs on r replicas, which no label changes
         if k:
+            # The boundary's costs only raise p and V (p1 >= p, v1 >= v), so a label whose first
+            # stage [i, j) breaks the scan (memory, or p2 / v2 above the threshold or pcap) with a
+            # free boundary breaks it with the real one: when every label does, nothing of this r is
+            # evaluated, and the boundary (costly to price the first time) is not looked up.
+            for (p, v, _t, n, cnt, _path, _k) in labels:
+                if limit is not None and cnt >= limit:
+                    continue
+                n2 = n + 1 if n < M else M
+                i = j - 1 if (more and (limit is None or cnt + 1 < limit)) else 0
+                row = rows[i]
+                if row is None:
+                    par = cpj - cp[i]
+                    bw = (cbqj - cbq[i]) * q
+                    rt = (cfqj - cfq[i]) * q + bw
+                    ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
+                    row = rows[i] = (par * bps, caj - ca[i], bw, rt, ar, ar + par * otp)
+                pbs, da, bw, rt, ar, y = row
+                if pbs + n2 * da * q > cap:
+                    continue
+                x = Mm1 * rt
+                if rtm:
+                    p2 = p + rt
+                    v2 = rt + max(x, v, p + Mm1 * p2 / n2)
+                else:
+                    v2 = rt + (x if x > v else v)
+                    p2 = (p if p > rt else rt) if track_p else 0.0
+                    if track_p and ar / r > p2:
+                        p2 = ar / r
+                if not ((p2 if pd else v2) > thr or p2 > pcap):
+                    break
+            else:
+                continue
             ca_, cg_ = topo.boundary(policy, off, r, r1, X)
         else:
             ca_ = cg_ = 0.0
         link_st = ca_ if ca_ > cg_ else cg_
         cacg = ca_ + cg_
         xb = Mm1 * link_st
-        if ctx.budget is not None and ctx.evaluated > ctx.budget:
-            raise _OutOfBudget
         if free > 0:
             # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
             # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
             qmin = b / (rmax if rmax < free else free) if prefix_bounds else 0.0
         ev = nl = 0
-        rows = [None] * j   # i -> the stage [i, j)'s costs on r replicas, which no label changes
         bnds = [None] * j   # i -> the label-free parts of the bounds on the prefix [0, i) on ``free`` slots
         for (p, v, t, n, cnt, path, _k) in labels:
             if limit is not None and cnt >= limit:
