@@ -642,6 +642,34 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     return found
 
 
+def latency_floor(work: Workload, topo: Topology, global_batch: int, microbatches: int, *,
+                  space: SearchSpace | None = None, capacity: float | None = None) -> float:
+    """A lower bound on DAPPLE's latency L of every plan of ``space`` with ``microbatches`` micro-batches
+    that fits in memory (INF when none can): the least over the policies of the whole-prefix bound
+    ``Y`` of :func:`_prefix_tables` for all the layers on all the devices, with one micro-batch in
+    flight (what the last stage keeps; the others keep more), so L >= C + Tp >= Y (the whole plan is
+    a prefix of nothing). The planner uses it to skip micro-batch counts whose plans cannot win."""
+    space = space or SearchSpace()
+    P = topo.num_devices if space.devices is None else min(space.devices, topo.num_devices)
+    cap = capacity if capacity is not None else work.memory_capacity
+    cap = INF if cap is None else float(cap)
+    M, b = microbatches, global_batch // microbatches
+    step = max(1, -(-P // 128))
+    known = _job_cache(topo, work)
+    out = INF
+    for policy in space.policies:
+        slots = {r: topo.slots(policy, r) for r in _rep_values(space, b, P)}
+        reps = [r for r, sl in slots.items() if sl <= P]
+        if not reps:
+            continue
+        tk = ("prefix", policy, b, M, 1, tuple((r, slots[r]) for r in reps), cap, P)
+        tab = known.get(tk)
+        if tab is None:
+            tab = known[tk] = _prefix_tables(work, topo, policy, b, M, 1, reps, slots, cap, P, step)
+        out = min(out, float(tab[0][work.num_layers][P // step]))
+    return out
+
+
 def _prefix_tables(work: Workload, topo: Topology, policy: str, b: int, M: int, w: int, reps: list, slots: dict,
                    cap: float, P: int, step: int):
     """Lower bounds on what a whole prefix (stages [0, i), from the first) adds to DAPPLE's latency,

@@ -523,3 +523,52 @@ def test_prefix_tables_bound_every_prefix(seed):
                                     if i == 1:
                                         closest = min(closest, (y - Y[i][N]) / y)
     assert 0 <= closest <= 0.02     # one layer: its one-stage prefix is within the all-reduce floor of Y
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_latency_floor_and_the_pipedream_skip(seed, monkeypatch):
+    """latency_floor(M) is at most DAPPLE's latency of every plan with M micro-batches that fits (brute
+    force), and the PipeDream baseline that skips the Ms by it keeps the plan of the scan over every M."""
+    import sys
+    ch = sys.modules["planner.choose"]
+    ps = sys.modules["planner.search"]
+    rng = random.Random(1500 + seed)
+    nodes, dpn = rng.choice([(2, 2), (1, 4), (4, 1), (2, 3), (3, 2)])
+    topo = Topology(small_cluster(rng, nodes, dpn))
+    work = rand_work(rng, rng.randint(2, 5), rng.choice([None, 8e9, 16e9]))
+    G = rng.choice([4, 8, 12])
+    space = SPACES[seed % len(SPACES)]
+    for M in ps.divisors(G):
+        floor = ps.latency_floor(work, topo, G, M, space=space)
+        best, plan, _ = exhaustive(work, topo, G, space=replace_space(space, M))
+        assert floor <= best * (1 + 1e-12)
+        if plan is not None:
+            assert floor > 0
+    skip = ch.pipedream_plan(work, topo, G, space=space)
+    monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)
+    scan = ch.pipedream_plan(work, Topology(topo.cluster), G, space=space)
+    assert (skip is None) == (scan is None)
+    if scan is not None:
+        assert skip.plan == scan.plan
+
+
+def replace_space(space, M):
+    from dataclasses import replace
+    return replace(space, microbatches=(M,))
+
+
+def test_pipedream_skip_keeps_the_mid_size_baseline(monkeypatch):
+    """On a mid-size job the skipping baseline searches fewer micro-batch counts and keeps the same plan."""
+    import sys
+    ch = sys.modules["planner.choose"]
+    cl = load_cluster("dgx-a100-ib:4")
+    work = load_workload("gpt-96", cl.device)
+    calls = []
+    real = ch.search
+    monkeypatch.setattr(ch, "search", lambda *a, **k: calls.append(k["space"].microbatches) or real(*a, **k))
+    skip = ch.pipedream_plan(work, Topology(cl), 64)
+    searched = len(calls)
+    monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)
+    scan = ch.pipedream_plan(work, Topology(cl), 64)
+    assert skip.plan == scan.plan and skip.estimate.latency_rt == scan.estimate.latency_rt
+    assert searched < len(calls) - searched == 7
