@@ -81,6 +81,7 @@ INF = float("inf")
 CEILINGS = (0.86, 0.93)     # trial thresholds of the first passes, as fractions of the best seed
 PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earlier, weaker bounds; tests)
 TWO_PHASE = True            # PipeDream's objective in two searches (False: one, over (slowest, L) labels; tests)
+WCAP = 2                    # the tables keep at most this many micro-batches in flight (fewer tables)
 PREFIX_TABLES = True        # the whole-prefix bounds of _prefix_tables (False: without them; tests)
 
 
@@ -286,7 +287,7 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     def tables(w: int, free: int):
         """(Y, X, F) of :func:`_prefix_tables` for prefixes on at most ``free`` slots, by first layer
         i of the suffix; None where they do not apply."""
-        w = 1 << (w.bit_length() - 1)     # as need(): a valid (smaller) requirement
+        w = min(1 << (w.bit_length() - 1), WCAP)     # as need(): a valid (smaller) requirement
         key = (w, free // step)
         got = cols.get(key)
         if got is None:
@@ -645,29 +646,48 @@ def _seed(ctx: _Ctx, jobs) -> dict:
 def latency_floor(work: Workload, topo: Topology, global_batch: int, microbatches: int, *,
                   space: SearchSpace | None = None, capacity: float | None = None) -> float:
     """A lower bound on DAPPLE's latency L of every plan of ``space`` with ``microbatches`` micro-batches
-    that fits in memory (INF when none can): the least over the policies of the whole-prefix bound
-    ``Y`` of :func:`_prefix_tables` for all the layers on all the devices, with one micro-batch in
-    flight (what the last stage keeps; the others keep more), so L >= C + Tp >= Y (the whole plan is
-    a prefix of nothing). The planner uses it to skip micro-batch counts whose plans cannot win."""
+    that fits in memory (INF when none can). A plan is a prefix [0, i) (stages that keep at least
+    min(2, M) micro-batches in flight) and a last stage [i, L) on r replicas (one in flight), so the
+    recursion of :func:`_prefix_tables` applied to the last stage bounds it: L >= C + Tp >=
+    max(Y[i], X[i] + M rt, F[i] + M rt + y) at the slots the last stage leaves, least over (i, r) and
+    the policies. The tables are the search's own (same keys), so the planner's later searches reuse
+    them. The planner uses it to skip micro-batch counts whose plans cannot win."""
     space = space or SearchSpace()
     P = topo.num_devices if space.devices is None else min(space.devices, topo.num_devices)
     cap = capacity if capacity is not None else work.memory_capacity
     cap = INF if cap is None else float(cap)
-    M, b = microbatches, global_batch // microbatches
+    M, b, L = microbatches, global_batch // microbatches, work.num_layers
     step = max(1, -(-P // 128))
+    w = min(2, M, WCAP)
     known = _job_cache(topo, work)
+    cp, ca = work._cp, work._ca
+    bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     out = INF
     for policy in space.policies:
         slots = {r: topo.slots(policy, r) for r in _rep_values(space, b, P)}
         reps = [r for r, sl in slots.items() if sl <= P]
         if not reps:
             continue
-        tk = ("prefix", policy, b, M, 1, tuple((r, slots[r]) for r in reps), cap, P)
+        tk = ("prefix", policy, b, M, w, tuple((r, slots[r]) for r in reps), cap, P)
         tab = known.get(tk)
         if tab is None:
-            tab = known[tk] = _prefix_tables(work, topo, policy, b, M, 1, reps, slots, cap, P, step)
-        out = min(out, float(tab[0][work.num_layers][P // step]))
-    return out
+            tab = known[tk] = _prefix_tables(work, topo, policy, b, M, w, reps, slots, cap, P, step)
+        Y, X, F = tab
+        for r in reps:
+            f = (P - slots[r]) // step
+            q = b / r
+            wq = work.at(b // r)
+            alpha, beta = topo.allreduce_floor(policy, r)
+            for i in range(L - 1, -1, -1):      # the last stage [i, L); it only grows as i falls
+                par = cp[L] - cp[i]
+                if par * bps + (ca[L] - ca[i]) * q > cap:
+                    break
+                rt = (wq._cf[L] - wq._cf[i]) * q + (wq._cb[L] - wq._cb[i]) * q
+                y = (alpha + beta * par * gbp if r > 1 and par > 0 else 0.0) + par * otp
+                v = max(float(Y[i][f]), float(X[i][f]) + M * rt, float(F[i][f]) + M * rt + y)
+                if v < out:
+                    out = v
+    return out * (1 - 1e-9) if 0 < out < INF else out
 
 
 def _prefix_tables(work: Workload, topo: Topology, policy: str, b: int, M: int, w: int, reps: list, slots: dict,
