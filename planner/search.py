@@ -37,7 +37,15 @@ the exact passes, passes under a trial threshold (a fraction of the best seed, `
 harder; one counts only when it found top_k plans within its threshold, so what it pruned is worse
 than those (:meth:`_Ctx.settled`); else the next raises it, the last has none. A stage that grows (layers added
 at its front) only increases V and its memory, so the scan over its first layer stops at the first
-one that breaks the memory limit or the bound. The search is exact: the tests check it against
+one that breaks the memory limit or the bound. For DAPPLE's latency (and the PipeDream baseline's
+second phase) the labels also meet whole-prefix bounds: tables, built once per configuration by a DP
+forwards from layer 0, of the least (C + Tp), (R + Tp) and forwards any prefix [0, i) on at most f
+slots can have (C: its largest pivot term, Tp: its all-reduces sticking out of the ending), with
+boundaries free and each stage's all-reduce at its floor over the allocation order
+(:func:`_prefix_tables`, :meth:`Topology.allreduce_floor`); they capture the prefix's own pivot and
+ending, which the per-label bounds above leave out, and drop whole configurations at their first
+stage. A stage's boundary is priced only when some label can pass the scan with it (its costs
+only raise p and V). The search is exact: the tests check it against
 :func:`exhaustive` (every plan of the space, evaluated with :func:`planner.cost.estimate`).
 
 ``dapple-rt`` searches the same way for :attr:`planner.cost.Estimate.latency_rt` (the pivot
