@@ -186,8 +186,10 @@ def main(args) -> int:
 def _sitting_line(comps) -> str:
     loads = [f for c in comps for f in c.foreign_cores if f is not None]
     speeds = [c.host_speed for c in comps if c.host_speed is not None]
+    own = [x for c in comps for x in c.rank_cores if x is not None]
     runs = sum(len(c.run_times) for c in comps)
     return (f"sitting: {runs} runs" + (f", other processes {min(loads):.2f}-{max(loads):.2f} cores" if loads else "")
+            + (f", the ranks' own CPU {min(own):.2f}-{max(own):.2f} cores" if own else "")
             + (f", host speed {min(speeds):.2f}-{max(speeds):.2f} of calibration's" if speeds else ""))
 
 
