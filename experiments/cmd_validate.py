@@ -89,6 +89,10 @@ def main(args) -> int:
         if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
             raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; drop "
                              f"--micro-batch or calibrate at {args.micro_batch}")
+        if prof.cores and D * R > prof.cores and prof.time_slice is None and prof.oversubscribed_slowdown == 1.0:
+            raise ValueError(f"profile {args.profile} does not model {D * R} ranks on {prof.cores} cores (calibrated "
+                             f"for {prof.meta.get('ranks', '?')} ranks, no time slice): calibrate with --ranks "
+                             f"{D * R}, or drop --profile")
     model = args.model or (prof.model_name if prof is not None else "tiny")
     if is_model_ref(model):     # the model's own checks now, and its layer count for the schedules' stages
         from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
