@@ -31,8 +31,9 @@ torch schedule on both ranks and prints where the time goes. ``--profile-ops SCH
 two at the level of torch's operators, per rank: ``--rounds`` steps of each, alternating, each between
 two barriers, with the process's CPU, page faults and context switches per step (medians, and the
 paired difference torch - pipetwin of the same round with its quartiles), then ``--steps`` steps of
-each under ``torch.profiler``: every operator's self CPU time and calls per step side by side (the
-sends and receives, the optimizer, zeroing and scaling of gradients, copies included).
+each under ``torch.profiler`` (one at a time, alternating): every operator's self CPU time and calls
+per step side by side (the sends and receives, the optimizer, zeroing and scaling of gradients,
+copies included).
 """
 from __future__ import annotations
 
@@ -233,15 +234,17 @@ def ops_rank(payload, rank, world, local_rank, local_world):
             u1 = _usage()
             dist.barrier()
             usage[name].append({k: u1[k] - u0[k] for k in u0})
-    ops = {}
-    for name in names:
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(payload["steps"]):
+    ops = {k: {} for k in names}
+    for r in range(payload["steps"]):    # one profiled step at a time, alternating, so that a slow spell hits both
+        for name in (names if r % 2 == 0 else names[::-1]):
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
                 variants[name](step)
                 step += 1
-        dist.barrier()
-        ops[name] = {e.key: (e.count, e.self_cpu_time_total) for e in prof.key_averages()}
+            dist.barrier()
+            for e in prof.key_averages():
+                calls, us = ops[name].get(e.key, (0, 0.0))
+                ops[name][e.key] = (calls + e.count, us + e.self_cpu_time_total)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object({"usage": usage, "ops": ops}, gathered, dst=0)
     dist.destroy_process_group()
