@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-long bench clean
+.PHONY: setup demo lint test test-long bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ test-long: setup
 
 bench: setup
 	$(BIN)/python -m experiments.bench_sim
+
+# on a machine with a GPU: layers vs the kernel model, the preset's constants fitted, runs vs the
+# reference (experiments/gpu_check.py; --device cpu runs the same code without a GPU)
+gpu-check: setup
+	$(BIN)/python -m experiments.gpu_check --device cuda --out out/gpu-check
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

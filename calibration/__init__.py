@@ -35,10 +35,11 @@ What is measured, and how:
    and the slowdown of an all-reduce in the bubbles over its lone time, fitted on the step times
    (:func:`calibration.fit.fit_communication`; kept in ``meta["in_run"]``, the lone fits in
    ``meta["alone"]``).
-4. More ranks than cores (``ranks`` > cores): the OS time-slices them in ~4 ms quanta, which
-   costs more than ideal processor sharing. The same runs at D = ``ranks`` (in the same rounds
-   as those of 3.) give one compute slowdown that makes the simulated step times match
-   (:func:`calibration.fit.fit_oversubscribed`).
+4. More ranks than cores (``ranks`` > cores): the OS time-slices them, which is not processor
+   sharing (an op runs at full speed once it has a core; a woken rank waits for one). The traced
+   runs of 3. then have D = ``ranks``, the simulator time-slices the cores (:mod:`sim.slicing`)
+   and the slice is chosen with the fit (:func:`calibration.fit.fit_time_slice`: the profile's
+   ``time_slice``).
 
 :func:`calibrate` is :func:`measure_host` (1-2), the traced runs, then :func:`fit_profile`
 (3-4); validation can run the traced runs beside its own (:func:`experiments.crossval.calibrate_and_compare`).
@@ -66,11 +67,11 @@ from executor.device import cpu_threads
 from executor.precision import Precision
 from executor.sitting import RunSeries, SittingRules, run_series
 
-from .fit import (PROBE, RUNTIME_SCHEDULES, fit_communication, fit_oversubscribed, fit_ranks, fit_runtime,
+from .fit import (PROBE, RUNTIME_SCHEDULES, fit_communication, fit_ranks, fit_runtime, fit_time_slice,
                   probe_seconds, runtime_configs, scale_layer)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_communication", "fit_oversubscribed",
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_communication", "fit_time_slice",
            "fit_profile", "fit_ranks", "fit_runtime", "kept_bytes", "measure_host", "measure_stack", "runtime_configs",
            "sitting_problems", "sitting_record"]
 
@@ -190,12 +191,11 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
                             optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm)
 
 
-def fit_profile(host: HostMeasurements, base: list[RunSeries],
-                over: list[RunSeries] | None = None) -> CalibrationProfile:
+def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationProfile:
     """The profile: ``host``'s measurements with the runtime fitted on the traced ``base`` runs
-    (:func:`runtime_configs` at :func:`fit_ranks` ranks) and, when ``host.ranks`` outnumber the
-    cores, the oversubscribed slowdown fitted on ``over`` (the same configs at ``host.ranks``;
-    None there: not measured, the profile is marked unusable)."""
+    (:func:`runtime_configs` at :func:`fit_ranks` ranks). When ``host.ranks`` outnumber the cores,
+    those runs have that many ranks, the simulator time-slices the cores, and the slice is
+    fitted with the rest (:func:`calibration.fit.fit_time_slice`)."""
     ranks, comm = host.ranks, host.comm
     lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
     ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, ranks))
@@ -208,7 +208,7 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries],
             "p2p_samples": [list(x) for x in comm["p2p"]], "allreduce_samples": [list(x) for x in comm["allreduce"]],
             "runtime_schedules": [x.config.schedule for x in base]}
 
-    def make_profile(scale: dict, overhead: dict, oversubscribed: float = 1.0, p2p_extra: float = 0.0,
+    def make_profile(scale: dict, overhead: dict, time_slice: float | None = None, p2p_extra: float = 0.0,
                      ar_slowdown: float = 1.0) -> CalibrationProfile:
         timing = [scale_layer(x, scale) for x in host.per]
         return CalibrationProfile(
@@ -218,25 +218,22 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries],
             allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_slowdown, ar_lat * ar_slowdown),
             optimizer_seconds_per_param=host.optimizer * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
             overhead=tuple(sorted(overhead.items())), cores=cores, data_time=host.data,
-            grad_copy_per_byte=comm["grad_copy_per_byte"], oversubscribed_slowdown=oversubscribed,
+            grad_copy_per_byte=comm["grad_copy_per_byte"], time_slice=time_slice,
             precision=host.dtype, **host.kept,
             meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
                       sitting=dict(sitting), alone={"p2p_latency": lat, "allreduce_latency": ar_lat,
                                                     "allreduce_bandwidth": ar_bw},
                       in_run={"p2p_latency_extra": p2p_extra, "allreduce_slowdown": ar_slowdown}))
 
-    # the runtime is fitted with no more ranks than cores; what sharing the cores costs beyond
-    # ideal processor sharing is fitted on runs with as many ranks as the runs to predict
-    scale, overhead = fit_runtime(base, make_profile)
-    p2p_extra, ar_slowdown = fit_communication(base, lambda p, a: make_profile(scale, overhead, 1.0, p, a))
-    slowdown = 1.0
-    if ranks > base_ranks and over is None:
-        sitting[str(ranks)] = {"problems": [f"no traced runs at D={ranks}"]}
-    elif ranks > base_ranks:
-        probes[str(ranks)] = probe_seconds(over)
-        sitting[str(ranks)] = sitting_record(over)
-        slowdown = fit_oversubscribed(over, lambda x: make_profile(scale, overhead, x, p2p_extra, ar_slowdown))
-    return make_profile(scale, overhead, slowdown, p2p_extra, ar_slowdown)
+    def fit(time_slice: float | None) -> CalibrationProfile:
+        # the op costs first (op totals), then the in-run communication on the step times
+        scale, overhead = fit_runtime(base, lambda sc, ov: make_profile(sc, ov, time_slice))
+        p2p_extra, ar_slowdown = fit_communication(base, lambda p, a: make_profile(scale, overhead, time_slice, p, a))
+        return make_profile(scale, overhead, time_slice, p2p_extra, ar_slowdown)
+
+    if base_ranks > cores:
+        return fit_time_slice(base, fit)[1]
+    return fit(None)
 
 
 def runtime_rules(runtime_steps: int = 20, runtime_repeats: int = 3) -> SittingRules:
@@ -264,9 +261,6 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     report = progress or (lambda msg: None)
     host = measure_host(model, ranks=ranks, repeats=repeats, progress=report, micro_batch=micro_batch,
                         dtype=dtype)
-    base_ranks = fit_ranks(ranks)
     report("runtime (traced runs)")
-    base_cfgs = host.runtime_configs(base_ranks, runtime_steps)
-    over_cfgs = host.runtime_configs(ranks, runtime_steps) if ranks > base_ranks else []
-    series = run_series(base_cfgs + over_cfgs, rules, progress=report)
-    return fit_profile(host, series[:len(base_cfgs)], series[len(base_cfgs):] or None)
+    series = run_series(host.runtime_configs(fit_ranks(ranks), runtime_steps), rules, progress=report)
+    return fit_profile(host, series)

@@ -35,13 +35,14 @@ from torch.utils.benchmark import Measurement, TaskSpec, Timer
 
 from cost_models.model_spec import ModelSpec
 from executor.backward import SplitBackward, full_backward, weight_backward
-from executor.device import SavedTensorMeter
+from executor.device import SavedTensorMeter, clock
 from executor.model import Block, Embedding, full_model, init_parameters, make_optimizer
 from executor.precision import Precision
 from executor.recompute import MODES, Recompute
 
 P2P_SIZES = (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 AR_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+CPU = torch.device("cpu")
 MIN_RUN_TIME = 0.05   # seconds Timer.blocked_autorange spends per statement (at least)
 
 
@@ -63,21 +64,22 @@ def timer_median(fn: Callable[[], object], label: str) -> float:
 
 
 def fresh_state_medians(prepare: Callable[[], object], bodies: dict[str, Callable[[object], float | None]],
-                        repeats: int, label: str, warmup: int = 3) -> dict[str, float]:
+                        repeats: int, label: str, warmup: int = 3, device: torch.device = CPU) -> dict[str, float]:
     """Median seconds of each ``body(prepare())``, ``prepare`` untimed before every run (a backward
     needs a fresh graph each time): ``repeats`` timed runs of every body after ``warmup`` untimed
     ones, the bodies taking turns run by run (which goes first rotates), so that a slow spell of
     the host hits them alike and their ratios -- (B_input + W) / B -- compare the same moments. A
-    body that returns a number returns the seconds of the part that counts (W after an untimed B)."""
+    body that returns a number returns the seconds of the part that counts (W after an untimed B).
+    Times are taken once ``device``'s queued work has finished (:func:`executor.device.clock`)."""
     names = list(bodies)
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(warmup + repeats):
         k = i % len(names)
         for name in names[k:] + names[:k]:
             state = prepare()
-            t0 = time.perf_counter()
+            t0 = clock(device)
             part = bodies[name](state)
-            dt = time.perf_counter() - t0 if part is None else part
+            dt = clock(device) - t0 if part is None else part
             if i >= warmup:
                 times[name].append(dt)
     return {n: Measurement(number_per_run=1, raw_times=t, task_spec=TaskSpec(
@@ -133,6 +135,7 @@ def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repe
                 h.remove()
 
     _, probe_out = forward()
+    device = probe_out.device    # where the layer runs: times wait for its queued work
     if not (probe_out.requires_grad and probe_out.is_floating_point()):
         f = 0.0 if bytes_only else timer_median(lambda: forward(), f"{kind} F")
         return {"f": f, "b": 0.0, "b_input": 0.0, "w": 0.0, "act": 0, "act_w": 0,
@@ -153,23 +156,23 @@ def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repe
         return split.input(out, state[0] if needs_input_grad else None, grad_out(out))[1]
 
     def input_only(state) -> float:
-        t0 = time.perf_counter()
+        t0 = clock(device)
         pending = split_input(state)
-        dt = time.perf_counter() - t0
+        dt = clock(device) - t0
         parked.append(pending)
         return dt
 
     def weight_after_input(state) -> float:
         pending = split_input(state)
-        t0 = time.perf_counter()
+        t0 = clock(device)
         weight_backward(pending)
         del pending
-        return time.perf_counter() - t0
+        return clock(device) - t0
 
     bodies = {"b": lambda st: _full(st, grad_out), "w": weight_after_input}
     if needs_input_grad:
         bodies["b_input"] = input_only
-    med = fresh_state_medians(forward, bodies, repeats, kind)
+    med = fresh_state_medians(forward, bodies, repeats, kind, device=device)
     b, b_input, w = med["b"], med.get("b_input", 0.0), med["w"]
     return {"f": f, "b": b, "b_input": b_input, "w": w, "act": act, "act_w": act_w, "act_recompute": act_recompute,
             "graph_kept": graph_kept[0]}
@@ -181,25 +184,33 @@ def _full(state, grad_out) -> None:
 
 
 def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None,
-                   precision: Precision | None = None, bytes_only: bool = False) -> dict[str, dict]:
-    """Per kind (embedding, block, head): times and kept bytes for one micro-batch (a block's kept
-    bytes also under each recomputation mode: blocks are what the executor recomputes)."""
+                   precision: Precision | None = None, bytes_only: bool = False, device: torch.device = CPU,
+                   kinds: tuple[str, ...] = ("embedding", "block", "head")) -> dict[str, dict]:
+    """Per kind (embedding, block, head; ``kinds`` of them): times and kept bytes for one
+    micro-batch (a block's kept bytes also under each recomputation mode: blocks are what the
+    executor recomputes), computed on ``device`` (a GPU: times wait for its queued kernels)."""
     torch.set_num_threads(threads)
     b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, spec.vocab, (b, s), generator=g)
-    targets = torch.randint(0, spec.vocab, (b, s), generator=g)
+    tokens = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
+    targets = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
     emb, blk, head = Embedding(spec), Block(spec), _Head(spec)
     for m in (emb, blk, head):
         init_parameters(m, 0, spec.layers)
-    hidden = torch.randn(b, s, h, generator=g)
+        m.to(device)
+    hidden = torch.randn(b, s, h, generator=g).to(device)
     cases = {
         "embedding": (emb, lambda: (tokens, ())),
         "block": (blk, lambda: (hidden.clone().requires_grad_(True), ())),
         "head": (head, lambda: (hidden.clone().requires_grad_(True), (targets,))),
     }
+    unknown = set(kinds) - set(cases)
+    if unknown:
+        raise ValueError(f"layer kinds are {', '.join(cases)}; got {', '.join(sorted(unknown))}")
     out = {}
     for kind, (mod, mk) in cases.items():
+        if kind not in kinds:
+            continue
         if progress:
             progress(f"layer {kind}")
         out[kind] = measure_layer(mod, mk, kind, repeats, precision=precision,

@@ -24,7 +24,8 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
     data_time: 4.0e-4              # making one micro-batch's tokens (first / last stage F pays it)
     first_stage_all_in_w: true     # split backward: stage 0's B does nothing, its W everything
     cores: 2                       # the host's cores, shared by the ranks (processor sharing)
-    oversubscribed_slowdown: 1.3   # compute this much slower while the ranks outnumber the cores
+    time_slice: 4 ms               # with more ranks than cores: the OS's time slice (sim.slicing)
+    oversubscribed_slowdown: 1.0   # compute this much slower then (profiles of earlier versions)
     grad_copy_per_byte: 2.0e-10    # flattening a stage's gradients for its all-reduce, and back
     copy_time: 0.0                 # seconds of a local hand-off (optional)
     memory: 16 GiB                 # memory one rank may use (optional; no OOM verdict without it)
@@ -100,6 +101,7 @@ class CalibrationProfile:
     first_stage_all_in_w: bool = True             # the executor's split backward (see LayerCosts)
     grad_copy_per_byte: float = 0.0               # flattening gradients for an all-reduce and back
     oversubscribed_slowdown: float = 1.0          # compute slowdown while the ranks outnumber the cores
+    time_slice: float | None = None               # s: the OS's slice while the ranks outnumber the cores
     # measured bytes kept F -> B per layer under each recomputation mode ((mode, per-layer bytes), ...)
     act_bytes_recompute: tuple[tuple[str, tuple[float, ...]], ...] = ()
     precision: str = "fp32"                       # the executor's --dtype when measured
@@ -237,6 +239,8 @@ class CalibrationProfile:
         if self.cores is not None:
             d["cores"] = self.cores
         d["oversubscribed_slowdown"] = self.oversubscribed_slowdown
+        if self.time_slice is not None:
+            d["time_slice"] = self.time_slice
         d["data_time"] = self.data_time
         d["grad_copy_per_byte"] = self.grad_copy_per_byte
         d["first_stage_all_in_w"] = self.first_stage_all_in_w
@@ -249,7 +253,7 @@ class CalibrationProfile:
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
            "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores",
            "data_time", "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown",
-           "act_bytes_recompute_per_layer", "precision")
+           "act_bytes_recompute_per_layer", "precision", "time_slice")
 OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
 
 
@@ -344,6 +348,9 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     over = d.get("oversubscribed_slowdown", 1.0)
     if isinstance(over, bool) or not isinstance(over, (int, float)) or not 1 <= over <= 10:
         raise SpecError(f"{source}: field 'oversubscribed_slowdown' must be a number in [1, 10]; got {over!r}")
+    time_slice = d.get("time_slice")
+    if time_slice is not None:
+        time_slice = _spec.seconds(time_slice, source, "time_slice", allow_zero=False)
     return CalibrationProfile(
         name=str(d.get("name", Path(source).stem)), model=model, layers=layers,
         p2p=_fit(d["p2p"], source, "p2p", "calibrated-p2p"),
@@ -356,7 +363,8 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         data_time=_spec.seconds(d.get("data_time", 0.0), source, "data_time"),
         first_stage_all_in_w=bool(d.get("first_stage_all_in_w", True)),
         grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"),
-        oversubscribed_slowdown=float(over), act_bytes_recompute=act_rec, precision=precision)
+        oversubscribed_slowdown=float(over), act_bytes_recompute=act_rec, precision=precision,
+        time_slice=time_slice)
 
 
 def load_profile(path: str | Path) -> CalibrationProfile:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,7 @@ class DeviceContext:
 
     def synchronize(self) -> None:
         """Wait for queued device work (so an op's end time is real); a no-op on the CPU."""
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
     def meter(self, params) -> "SavedTensorMeter | AllocatorMeter":
         return AllocatorMeter(self.device) if self.is_cuda else SavedTensorMeter(params)
@@ -67,6 +67,20 @@ def check_device(kind: str) -> None:
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but CUDA is not available on this machine "
                          "(use --device cpu or auto)")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA kernel launch returns before the kernel
+    ends); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the work queued on ``device`` has finished: a time stamp
+    that a GPU's queue does not run ahead of."""
+    synchronize(device)
+    return time.perf_counter()
 
 
 def select_device(kind: str = "auto", local_rank: int | None = None) -> DeviceContext:

@@ -77,6 +77,12 @@ class RunSeries:
     def foreign(self, i: int) -> float | None:
         return self.runs[i].extra.get("foreign_cores")
 
+    def rank_cores(self, i: int) -> float | None:
+        """Cores' worth of CPU run ``i``'s ranks used themselves while its steps ran (None: not metered)."""
+        e = self.runs[i].extra
+        cpu, wall = e.get("rank_cpu_seconds"), e.get("wall_seconds")
+        return sum(cpu) / wall if cpu and wall else None
+
     def quiet(self) -> list[int]:
         """The runs other processes left alone (unknown counters count as quiet)."""
         return [i for i in range(len(self.runs)) if (self.foreign(i) or 0.0) <= self.rules.max_foreign]

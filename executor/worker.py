@@ -28,7 +28,8 @@ ranks' times, the statistic steps are summarised by; the times in ``extra["probe
 Validation compares it with the speed the calibration saw (the same probe in its traced runs), so
 a host that is slower or faster than when it was calibrated (a shared VM drifts by 10-30% over
 minutes) is told apart from an error of the model. Such runs also report the CPU other processes
-used while the steps ran (``extra["foreign_cores"]``, see :mod:`executor.host`).
+used while the steps ran (``extra["foreign_cores"]``, see :mod:`executor.host`) and the ranks'
+own (``extra["rank_cpu_seconds"]``, per rank, over the median rank's ``extra["wall_seconds"]``).
 
 With ``pin_cores`` every rank is pinned to a core of its own before the process group starts
 its threads, where the host has a core per rank (:func:`executor.host.pin_to_core`;
@@ -331,6 +332,8 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     windows = [rep["cpu"] for rep in reports if rep.get("cpu") is not None]
     if windows and len(windows) == len(reports):
         extra["foreign_cores"] = foreign_cores(windows)
+        extra["rank_cpu_seconds"] = [w.own for w in windows]
+        extra["wall_seconds"] = sorted(w.wall for w in windows)[len(windows) // 2]
     if cfg.pin_cores:
         extra["pinned"] = all(rep.get("core") is not None for rep in reports)
     return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,

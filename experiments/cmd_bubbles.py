@@ -48,7 +48,7 @@ def profile_table(D: int, max_k: int, scheds: list[str], profile, *, chunks: int
     from schedules import ScheduleError, build, lower, validate
     from schedules.trace import step_metrics
     from sim import SimOptions, simulate
-    from sim.host import on_one_host
+    from sim.host import HostCores, on_one_host
 
     from .costs import calibrated_costs
     if D < 1 or max_k < 1:
@@ -67,7 +67,7 @@ def profile_table(D: int, max_k: int, scheds: list[str], profile, *, chunks: int
                              "bubble_ratio": float("nan"), "error": str(e)})
                 continue
             host = extra.get("host")
-            opts = on_one_host(SimOptions(), low.num_ranks, *host) if host else SimOptions()
+            opts = on_one_host(SimOptions(), low.num_ranks, HostCores(**host)) if host else SimOptions()
             m = step_metrics(simulate(low, costs, net, opts))
             busy = sum(p.busy for p in m.per_device) / len(m.per_device)
             rows.append({**row, "makespan": m.iteration_time, "mean_busy": busy, "bubble": m.iteration_time - busy,

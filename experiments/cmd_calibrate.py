@@ -87,7 +87,9 @@ def main(args) -> int:
           f"{prof.allreduce.bandwidth / 1e9:.2f} GB/s; overheads "
           + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in prof.overhead) + f"; {prof.cores} cores"
           + (f", compute {prof.oversubscribed_slowdown:.2f}x slower with more ranks than cores"
-             if prof.oversubscribed_slowdown > 1 else ""))
+             if prof.oversubscribed_slowdown > 1 else "")
+          + (f", time-sliced in {prof.time_slice * 1e3:.0f} ms slices with more ranks than cores"
+             if prof.time_slice else ""))
     print(f"wrote {out}")
     for p in sitting_problems(prof):
         print(f"warning: host busy while calibrating ({p}); validate refuses this profile")

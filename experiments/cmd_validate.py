@@ -89,6 +89,10 @@ def main(args) -> int:
         if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
             raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; drop "
                              f"--micro-batch or calibrate at {args.micro_batch}")
+        if prof.cores and D * R > prof.cores and prof.time_slice is None and prof.oversubscribed_slowdown == 1.0:
+            raise ValueError(f"profile {args.profile} does not model {D * R} ranks on {prof.cores} cores (calibrated "
+                             f"for {prof.meta.get('ranks', '?')} ranks, no time slice): calibrate with --ranks "
+                             f"{D * R}, or drop --profile")
     model = args.model or (prof.model_name if prof is not None else "tiny")
     if is_model_ref(model):     # the model's own checks now, and its layer count for the schedules' stages
         from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
@@ -186,8 +190,10 @@ def main(args) -> int:
 def _sitting_line(comps) -> str:
     loads = [f for c in comps for f in c.foreign_cores if f is not None]
     speeds = [c.host_speed for c in comps if c.host_speed is not None]
+    own = [x for c in comps for x in c.rank_cores if x is not None]
     runs = sum(len(c.run_times) for c in comps)
     return (f"sitting: {runs} runs" + (f", other processes {min(loads):.2f}-{max(loads):.2f} cores" if loads else "")
+            + (f", the ranks' own CPU {min(own):.2f}-{max(own):.2f} cores" if own else "")
             + (f", host speed {min(speeds):.2f}-{max(speeds):.2f} of calibration's" if speeds else ""))
 
 

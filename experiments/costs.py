@@ -24,7 +24,7 @@ library call (``pipetwin sweep`` can call it too). ``--partition`` gives layers 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from cost_models import (FABRICS, MAPPINGS, PerLayerCostModel, TransformerCostModel, UnitCostModel, is_model_ref,
                          load_cluster, load_model, load_profile, scaled_layer_costs, with_fabric, with_nodes)
@@ -32,7 +32,7 @@ from cost_models.comm import links_used
 from cost_models.stack import same_model_ref
 from cost_models.kernels import COST_MODELS
 from sim import SimOptions
-from sim.host import on_one_host
+from sim.host import HostCores, on_one_host
 
 from .checks import factor_pair, float_in, nonneg_float, nonneg_int, pairs_dict, positive_int
 
@@ -195,7 +195,7 @@ def calibrated_costs(prof, low, *, cluster=None, device_map: str = "sequential",
         costs = prof.cost_model(low.num_stages, part, recompute=recompute).bind(low)
         net = prof.cluster(low.num_ranks)
         return costs, net, {"cost_model": label, "cluster": net.name, "micro_batch": prof.micro_batch,
-                            "host": (prof.cores, prof.oversubscribed_slowdown) if prof.cores else None}
+                            "host": host_record(prof)}
     if recompute != "none":
         raise ValueError("--recompute with a profile scaled onto a cluster is not modelled; use none")
     if low.num_ranks > cluster.num_devices:
@@ -337,10 +337,17 @@ def check_slow_links(links: dict, network, low, *, crossed: bool = True) -> None
                              f"it crosses {some}{' ...' if len(used) > 6 else ''}")
 
 
-def sim_options(args, low, network=None, host: tuple[int, float] | None = None, *,
+def host_record(prof) -> dict | None:
+    """How a profile's ranks share their host, as a record (:class:`sim.host.HostCores`'s fields;
+    None when the profile names no cores): the ``host`` entry of a simulation's report."""
+    host = HostCores.of(prof)
+    return None if host is None else asdict(host)
+
+
+def sim_options(args, low, network=None, host: dict | None = None, *,
                 check_links: bool = True) -> SimOptions:
-    """Simulator options from the CLI; ``host`` = (cores, slowdown when oversubscribed): all ranks
-    run on one host with that many cores (calibrated CPU runs), so they share them."""
+    """Simulator options from the CLI; ``host`` (:func:`host_record`): all ranks run on that one
+    host (calibrated CPU runs), so they share its cores."""
     slow = pairs_dict(args.slowdown, "--slowdown")
     links = pairs_dict(getattr(args, "slow_link", []), "--slow-link")
     check_slow_links(links, network, low, crossed=check_links)
@@ -349,4 +356,4 @@ def sim_options(args, low, network=None, host: tuple[int, float] | None = None, 
             raise ValueError(f"--slowdown names rank {r}, but the run has ranks 0..{low.num_ranks - 1}")
     base = SimOptions(slowdown=slow, link_slowdown=links, jitter=args.jitter, seed=args.seed,
                       exact=getattr(args, "exact", False))
-    return on_one_host(base, low.num_ranks, *host) if host else base
+    return on_one_host(base, low.num_ranks, HostCores(**host)) if host else base

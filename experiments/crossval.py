@@ -45,6 +45,7 @@ class Comparison:
     run_times: list[float] = field(default_factory=list)     # low quantile step time of every run
     kept_runs: int = 0                      # runs that counted (quiet, agreeing)
     foreign_cores: list[float | None] = field(default_factory=list)   # other processes' load per run
+    rank_cores: list[float | None] = field(default_factory=list)      # the ranks' own CPU per run (cores)
     problem: str | None = None              # why the runs did not settle (None: they did)
     spread: float | None = None             # run-to-run spread (executor.sitting.RunSeries.spread)
     fitted: bool = False                    # the profile's runtime was fitted on these very runs
@@ -83,7 +84,8 @@ class Comparison:
                 "memory_error": self.memory_error, "measured_bubble": self.measured_bubble,
                 "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical,
                 "host_speed": self.host_speed, "run_times": self.run_times, "spread": self.spread,
-                "kept_runs": self.kept_runs, "foreign_cores": self.foreign_cores, "problem": self.problem,
+                "kept_runs": self.kept_runs, "foreign_cores": self.foreign_cores, "rank_cores": self.rank_cores,
+                "problem": self.problem,
                 "fitted": self.fitted}
 
 
@@ -122,7 +124,8 @@ def compare(series: list, profile: CalibrationProfile, fitted: frozenset = froze
                               measured_bubble=[p.bubble_ratio for p in mm.per_device],
                               simulated_bubble=[p.bubble_ratio for p in sm.per_device], order_identical=identical,
                               measured_probe=ser.probe_seconds, run_times=ser.run_times, kept_runs=len(ser.kept),
-                              foreign_cores=[ser.foreign(i) for i in range(len(ser.runs))], problem=ser.problem,
+                              foreign_cores=[ser.foreign(i) for i in range(len(ser.runs))],
+                              rank_cores=[ser.rank_cores(i) for i in range(len(ser.runs))], problem=ser.problem,
                               spread=ser.spread, fitted=cfg in fitted,
                               profile_probe=(profile.meta.get("probe_seconds") or {}).get(str(low.num_ranks)),
                               measured_trace=mtr[mtr["step"] == step], simulated_trace=str_[str_["step"] == sim_step]))
@@ -171,17 +174,14 @@ def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int,
     world = devices * replicas
     host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"),
                         micro_batch=micro_batch, dtype=dtype)
-    base_ranks = fit_ranks(world)
-    fit_base = host.runtime_configs(base_ranks, steps)
-    fit_over = host.runtime_configs(world, steps) if world > base_ranks else []
+    fit_base = host.runtime_configs(fit_ranks(world), steps)
     val = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model, chunks=chunks,
                    micro_batch=host.micro_batch, dtype=dtype)
-    every = list(dict.fromkeys(val + fit_base + fit_over))
+    every = list(dict.fromkeys(val + fit_base))
     report(f"runs: {len(val)} schedules and {len(every) - len(val)} more calibration runs, interleaved")
     by_cfg = dict(zip(every, run_series(every, rules or SittingRules(), progress=report)))
-    profile = fit_profile(host, [by_cfg[c] for c in fit_base], [by_cfg[c] for c in fit_over] or None)
-    fitted = frozenset(fit_over if fit_over else fit_base)
-    return profile, compare([by_cfg[c] for c in val], profile, fitted)
+    profile = fit_profile(host, [by_cfg[c] for c in fit_base])
+    return profile, compare([by_cfg[c] for c in val], profile, frozenset(fit_base))
 
 
 def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift: float | None = 0.05) -> list[str]:

@@ -60,6 +60,7 @@ from schedules.lower import lower
 from schedules.trace import COLUMNS, DeviceMetrics, Metrics, TraceRow, make_trace
 
 from .flows import FairShare
+from .slicing import SlicedCores
 from .symmetry import Symmetry, replica_classes, symmetry_blocker
 
 
@@ -74,6 +75,11 @@ class SimOptions:
     hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores.
     comm_uses_cores: with ``hosts``, transfers also occupy a core of each end's host while they
       run (CPU transports such as gloo, whose threads copy and reduce the bytes).
+    time_slice: with ``hosts``, the seconds an OS gives a rank on a core before the next waiting
+      rank takes it (:class:`sim.slicing.SlicedCores`: ranks take turns on whole cores, an op runs
+      at full speed once it has one) instead of ideal processor sharing (every computing rank at
+      its share of the cores at once); transfers then take no core time of their own (their CPU
+      work is the SEND/RECV costs, queued like compute). None: processor sharing.
     steps: iterations simulated back to back (no barrier between them, as in the executor: a
       rank that finishes early starts the next step); the trace's ``step`` column tells them apart.
     exact: simulate every data-parallel replica op by op even when they are identical.
@@ -88,6 +94,7 @@ class SimOptions:
     steps: int = 1
     comm_uses_cores: bool = False
     exact: bool = False
+    time_slice: float | None = None
 
     def __post_init__(self):
         # a NaN or infinite factor would stall the event loop (a time that never comes) or print nonsense
@@ -99,6 +106,9 @@ class SimOptions:
             raise ValueError(f"SimOptions.jitter must be a finite number >= 0; got {self.jitter!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"SimOptions.steps must be an integer >= 1; got {self.steps!r}")
+        if self.time_slice is not None and not (math.isfinite(self.time_slice) and self.time_slice > 0):
+            raise ValueError("SimOptions.time_slice must be a finite number of seconds > 0 or None; "
+                             f"got {self.time_slice!r}")
 
 
 class SimulationError(RuntimeError):
@@ -239,6 +249,7 @@ class _Engine:
         self.record = record
         self.env = simpy.Environment()
         self.flows = FairShare(self.env)
+        self.sliced: dict[int, SlicedCores] = {}
         R = sched.num_ranks
         if len(costs.static_mem) != R:
             raise ScheduleError(f"costs were bound for {len(costs.static_mem)} ranks, schedule has {R}; "
@@ -290,7 +301,7 @@ class _Engine:
             bw = ln.bandwidth / self.o.link_slowdown.get(ln.name, 1.0)
             out.append((ln.name, bw))
             lat += ln.latency
-        if self.o.comm_uses_cores and self.o.hosts is not None and out:
+        if self.o.comm_uses_cores and self.o.hosts is not None and out and self.o.time_slice is None:
             # on CPU ranks the transport's threads copy the bytes: a transfer at the link's speed
             # keeps one core of each end's host busy, shared with the compute of that host
             per_byte = 1.0 / min(bw for _, bw in out)
@@ -327,9 +338,14 @@ class _Engine:
 
     def _busy(self, host, seconds: float) -> simpy.Event:
         """The rank computes for ``seconds`` of one core; on a shared host the ranks that compute
-        at the same moment share its cores."""
+        at the same moment share its cores (time-sliced: take turns on them)."""
         if host is None:
             return self.env.timeout(seconds)
+        if self.o.time_slice is not None:
+            cores = self.sliced.get(host)
+            if cores is None:
+                cores = self.sliced[host] = SlicedCores(self.env, self._cores(host), self.o.time_slice)
+            return cores.run(seconds)
         return self.flows.start(seconds, {f"host{host}.cores": self._cores(host)}, cap=1.0)
 
     def _cores(self, host: int) -> float:

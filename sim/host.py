@@ -1,27 +1,49 @@
 """Ranks of one CPU host, as a calibration profile describes them.
 
 A profile (:mod:`cost_models.calibration`) is measured with every rank on one host: the ranks
-share its cores (processor sharing), and the transport's threads (gloo) keep cores busy while
-they move or reduce bytes. These two helpers set the simulator up that way; calibration (to
-fit the runtime against traced runs) and validation (to predict them) both use them.
+share its cores, and the transport's threads (gloo) keep cores busy while they move or reduce
+bytes. With no more ranks than cores each rank has a core of its own (pinned) and the sharing is
+processor sharing; with more ranks than cores the OS time-slices them (:mod:`sim.slicing`), the
+profile's ``time_slice``. These helpers set the simulator up that way; calibration (to fit the
+runtime against traced runs) and validation (to predict them) both use them.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .engine import SimOptions, simulate
 
 
-def on_one_host(opts: SimOptions, num_ranks: int, cores: int, oversubscribed_slowdown: float = 1.0) -> SimOptions:
-    """Calibrated CPU ranks: all on one host whose ``cores`` they share, with transfers and
+@dataclass(frozen=True, kw_only=True)
+class HostCores:
+    """How the ranks of one CPU host share it: ``cores``; with more ranks than cores, the OS's
+    ``time_slice`` (seconds; None: processor sharing) and a compute ``oversubscribed_slowdown``
+    (profiles of earlier versions; 1 in new ones)."""
+
+    cores: int
+    time_slice: float | None = None
+    oversubscribed_slowdown: float = 1.0
+
+    @classmethod
+    def of(cls, profile) -> "HostCores | None":
+        """The host of a calibration profile (None: the profile names no core count)."""
+        if not profile.cores:
+            return None
+        return cls(cores=profile.cores, time_slice=profile.time_slice,
+                   oversubscribed_slowdown=profile.oversubscribed_slowdown)
+
+
+def on_one_host(opts: SimOptions, num_ranks: int, host: HostCores) -> SimOptions:
+    """Calibrated CPU ranks: all on one host whose cores they share, with transfers and
     all-reduces keeping cores busy too (the transport's threads). When the ranks outnumber the
-    cores, every rank's compute is also ``oversubscribed_slowdown`` times slower (measured by
-    calibration: OS time slicing, context switches and refilled caches cost more than ideal
-    processor sharing), on top of any slowdown ``opts`` already has."""
+    cores, the cores are time-sliced (``host.time_slice``) and every rank's compute is
+    ``host.oversubscribed_slowdown`` times slower, on top of any slowdown ``opts`` already has."""
     slow = dict(opts.slowdown)
-    if num_ranks > cores and oversubscribed_slowdown != 1.0:
-        slow = {r: slow.get(r, 1.0) * oversubscribed_slowdown for r in range(num_ranks)}
-    return replace(opts, hosts=[0] * num_ranks, cores=float(cores), comm_uses_cores=True, slowdown=slow)
+    over = num_ranks > host.cores
+    if over and host.oversubscribed_slowdown != 1.0:
+        slow = {r: slow.get(r, 1.0) * host.oversubscribed_slowdown for r in range(num_ranks)}
+    return replace(opts, hosts=[0] * num_ranks, cores=float(host.cores), comm_uses_cores=True, slowdown=slow,
+                   time_slice=host.time_slice if over else None)
 
 
 def simulate_with_profile(low, profile, steps: int = 1, partition=None, recompute: str = "none"):
@@ -31,5 +53,5 @@ def simulate_with_profile(low, profile, steps: int = 1, partition=None, recomput
     profile's model)."""
     costs = profile.cost_model(low.num_stages, partition, recompute=recompute).bind(low)
     net = profile.cluster(low.num_ranks)
-    return simulate(low, costs, net, on_one_host(SimOptions(steps=steps), low.num_ranks, profile.cores or 1,
-                                                      profile.oversubscribed_slowdown))
+    host = HostCores.of(profile) or HostCores(cores=1)
+    return simulate(low, costs, net, on_one_host(SimOptions(steps=steps), low.num_ranks, host))

@@ -224,3 +224,14 @@ def test_profile_file_is_checked_where_it_is_used(capsys, tmp_path):
     assert main(SIM[:1] + ["-s", "dapple", "-D", "2", "-N", "2", "--profile", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "nan.yaml" in err and "p2p.latency" in err and len(err.strip().splitlines()) == 1
+
+
+def test_validate_refuses_a_profile_that_does_not_model_more_ranks_than_cores(capsys, tmp_path):
+    """A profile calibrated for 2 ranks on 2 cores (no time slice) cannot predict 4 ranks on them:
+    validate says so before it runs anything; with a time slice it would go on (not run here)."""
+    from tests.test_cost_models_specs import PROFILE
+    prof = tmp_path / "two.yaml"
+    prof.write_text(PROFILE.replace("threads: 1}", "threads: 1, ranks: 2}") + "cores: 2\n")
+    assert main(["validate", "-D", "4", "--profile", str(prof)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "4 ranks on 2 cores" in err[0] and "for 2 ranks" in err[0] and "--ranks 4" in err[0]

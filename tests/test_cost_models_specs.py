@@ -167,6 +167,11 @@ def test_profile_round_trip_and_per_layer(tmp_path):
     prof = cm.profile_from_dict(d, "inline")
     lc = prof.layer_costs()
     assert lc.f[9] == pytest.approx(9e-4) and lc.act[1] == 2 ** 20 and lc.act[9] == 100
+    # the time slice of an oversubscribed host: a time with a unit, kept through a round trip
+    sliced = cm.load_profile(write(tmp_path, "s.yaml", PROFILE + "cores: 2\ntime_slice: 4 ms\n"))
+    assert sliced.time_slice == pytest.approx(4e-3)
+    assert cm.load_profile(cm.save_profile(sliced, tmp_path / "s2.yaml")) == sliced
+    assert prof.time_slice is None
 
 
 @pytest.mark.parametrize("old,new,field", [
@@ -176,6 +181,8 @@ def test_profile_round_trip_and_per_layer(tmp_path):
     ("model: tiny", "model: tiny2", "model"),
     ("format: pipetwin-calibration/1", "format: other/2", "format"),
     ("memory: 4 GiB", "memory: much", "memory"),
+    ("memory: 4 GiB", "memory: 4 GiB\ntime_slice: 0 ms", "time_slice"),
+    ("memory: 4 GiB", "memory: 4 GiB\ntime_slice: soon", "time_slice"),
 ])
 def test_malformed_profile_names_field(tmp_path, old, new, field):
     p = write(tmp_path, "prof.yaml", PROFILE.replace(old, new))

@@ -197,14 +197,37 @@ def test_in_run_communication_is_recovered_from_step_times():
     assert extra == pytest.approx(3e-4, rel=0.03) and slowdown == pytest.approx(0.6, rel=0.03)
 
 
-def test_oversubscribed_slowdown_is_recovered_and_only_applies_beyond_the_cores():
-    from calibration import fit_oversubscribed
+def test_oversubscribed_slowdown_only_applies_beyond_the_cores():
+    """A profile of an earlier version (compute slowdown instead of time slices) still predicts as
+    it did: the factor applies to every rank when the ranks outnumber the cores, never below."""
     from sim import SimOptions
-    from sim.host import on_one_host
-    assert on_one_host(SimOptions(), 2, 2, 1.4).slowdown == {}
-    assert on_one_host(SimOptions(slowdown={1: 2.0}), 4, 2, 1.5).slowdown == {0: 1.5, 1: 3.0, 2: 1.5, 3: 1.5}
-    runs = _synthetic_runs(_toy_profile(slowdown=1.4), ["dapple", "zb-v"], 4, steps=8, disturbed=(4, 6))
-    assert fit_oversubscribed(runs, lambda x: _toy_profile(slowdown=x)) == pytest.approx(1.4, rel=0.02)
+    from sim.host import HostCores, on_one_host
+    assert on_one_host(SimOptions(), 2, HostCores(cores=2, oversubscribed_slowdown=1.4)).slowdown == {}
+    opts = on_one_host(SimOptions(slowdown={1: 2.0}), 4, HostCores(cores=2, oversubscribed_slowdown=1.5))
+    assert opts.slowdown == {0: 1.5, 1: 3.0, 2: 1.5, 3: 1.5} and opts.time_slice is None
+    sliced = HostCores(cores=2, time_slice=4e-3)
+    assert on_one_host(SimOptions(), 2, sliced).time_slice is None       # a core per rank: no slicing
+    assert on_one_host(SimOptions(), 3, sliced).time_slice == 4e-3
+
+
+def test_time_slice_is_recovered_from_runs_with_more_ranks_than_cores():
+    """Runs made by a profile whose 4 ranks share 2 cores in 6 ms slices: of the candidate slices
+    the fit picks 6 ms whatever their order (a slice too long to preempt the ops would have
+    predicted them 2% or more off, so the choice is informed)."""
+    from dataclasses import replace
+
+    from calibration import fit_time_slice
+    from calibration.fit import simulated_step
+    from executor.config import lowered_schedule
+    # ops of 6-12 ms: a 6 ms slice preempts them, a 30 ms one does not
+    truth = replace(_toy_profile({"F": 15.0, "B": 20.0, "Bi": 15.0, "W": 15.0}), time_slice=6e-3)
+    runs = _synthetic_runs(truth, ["gpipe", "zb-v", "dapple"], 4, steps=6)
+    long = replace(truth, time_slice=30e-3)
+    gaps = [simulated_step(lowered_schedule(x.config), long, 2) / x.step_time - 1 for x in runs]
+    assert max(abs(g) for g in gaps) > 0.02
+    for order in ((1e-3, 6e-3, 30e-3), (30e-3, 6e-3, 1e-3)):
+        q, prof = fit_time_slice(runs, lambda s: replace(truth, time_slice=s), slices=order)
+        assert q == 6e-3 and prof.time_slice == 6e-3
 
 
 def test_executor_allreduce_rows_end_when_the_sum_is_ready():

@@ -259,3 +259,81 @@ def test_run_refuses_a_full_simulation_beyond_max_ops():
         run(low, costs, net, max_ops=100)
     low, costs, net = _placed("dapple", 4, 8, 4)          # identical: one replica's ops count
     assert run(low, costs, net, max_ops=sum(map(len, low.programs))).simulated_replicas == 1
+
+
+def run_sliced(cores, quantum, jobs):
+    """jobs: list of (start_time, seconds) on time-sliced cores; returns completion times."""
+    from sim.slicing import SlicedCores
+    env = simpy.Environment()
+    cpu = SlicedCores(env, cores, quantum)
+    ends = [None] * len(jobs)
+
+    def proc(i, t0, seconds):
+        yield env.timeout(t0)
+        yield cpu.run(seconds)
+        ends[i] = env.now
+
+    for i, (t0, s) in enumerate(jobs):
+        env.process(proc(i, t0, s))
+    env.run()
+    return ends
+
+
+def test_time_sliced_cores_take_turns_in_slices():
+    # one core, 1 s slices: A 0-1, B 1-2 (done), A 2-3.5 (nobody waits: it keeps the core)
+    assert run_sliced(1, 1.0, [(0, 2.5), (0, 1.0)]) == [pytest.approx(3.5), pytest.approx(2.0)]
+    # three 1 s ops on two cores: two run at full speed, the third waits (processor sharing: 1.5 s each)
+    assert run_sliced(2, 10.0, [(0, 1.0)] * 3) == [pytest.approx(1.0), pytest.approx(1.0), pytest.approx(2.0)]
+    # a rank woken at 0.5 s waits for the slice in progress to end (2 s), then A resumes
+    assert run_sliced(1, 2.0, [(0, 3.0), (0.5, 0.5)]) == [pytest.approx(3.5), pytest.approx(2.5)]
+    # alone, work never waits, whatever the slice
+    assert run_sliced(2, 0.3, [(0, 3.5), (1, 0.2)]) == [pytest.approx(3.5), pytest.approx(1.2)]
+
+
+def test_time_slices_need_whole_cores_and_a_positive_slice():
+    from sim.slicing import SlicedCores
+    env = simpy.Environment()
+    with pytest.raises(ValueError, match="whole number"):
+        SlicedCores(env, 1.5, 1e-3)
+    with pytest.raises(ValueError, match="time slice"):
+        SlicedCores(env, 2, 0.0)
+    with pytest.raises(ValueError, match="time_slice"):
+        SimOptions(time_slice=float("nan"))
+
+
+def test_time_sliced_host_by_hand():
+    """Two ranks on one core, 1F1B with D = 2, N = 2 (F 1 s, B 2 s, a receive 0.01 s of CPU, free
+    messages): every piece of CPU work queues for the core, first come first served.
+
+    Slices longer than any op: rank 0 runs F0 [0, 1] and F1 [1, 2] (asked for before rank 1's
+    receive, woken by F0's message at 1); rank 1 takes its activation [2, 2.01], F0 [2.01, 3.01],
+    B0 [3.01, 5.01]; both receives follow (rank 1's first: it asked first) [5.01, 5.03]; rank 1's
+    F1 [5.03, 6.03], rank 0's B0 [6.03, 8.03], rank 1's B1 [8.03, 10.03], rank 0's last gradient
+    [10.03, 10.04] and B1 [10.04, 12.04]. Rows start when a rank asks for the core.
+
+    0.5 s slices: rank 0's F1 is preempted at 1.5 by rank 1's receive [1.5, 1.51] and finishes
+    [1.51, 2.01]; rank 1's F0 then runs [2.01, 3.01] (nobody waits: it keeps the core)."""
+    from dataclasses import replace
+    low = lower(build("dapple", 2, 2))
+    costs = replace(costs_for(low, f=1.0, b=2.0), recv_time=0.01)
+
+    def ends(q):
+        tr = simulate(low, costs, None, SimOptions(hosts=[0, 0], cores=1.0, time_slice=q))
+        tr = tr[tr["kind"] != "OPTIM"]
+        return {(int(r.device), r.token): (round(r.start, 9), round(r.end, 9)) for r in tr.itertuples()}
+
+    long = ends(100.0)
+    assert long[(0, "F0.s0")] == (0.0, 1.0) and long[(0, "F1.s0")] == (1.0, 2.0)
+    assert long[(1, "RA0.s1<0")] == (0.0, 2.01) and long[(1, "F0.s1")] == (2.01, 3.01)
+    assert long[(1, "B0.s1")] == (3.01, 5.01) and long[(1, "RA1.s1<0")] == (5.01, 5.02)
+    assert long[(0, "RG0.s0<1")] == (2.0, 5.03) and long[(1, "F1.s1")] == (5.02, 6.03)
+    assert long[(0, "B0.s0")] == (5.03, 8.03) and long[(1, "B1.s1")] == (6.03, 10.03)
+    assert long[(0, "RG1.s0<1")] == (8.03, 10.04) and long[(0, "B1.s0")] == (10.04, 12.04)
+    short = ends(0.5)
+    assert short[(1, "RA0.s1<0")] == (0.0, 1.51) and short[(0, "F1.s0")] == (1.0, 2.01)
+    assert short[(1, "F0.s1")] == (1.51, 3.01)
+    # processor sharing does the same work in the same time here (one core, never idle), but
+    # stretches the ops that overlap
+    tr = simulate(low, costs, None, SimOptions(hosts=[0, 0], cores=1.0))
+    assert step_metrics(tr).iteration_time == pytest.approx(12.04)
+    assert tr.loc[(tr["device"] == 0) & (tr["token"] == "F1.s0"), "end"].item() > 2.0

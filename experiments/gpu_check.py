@@ -1,0 +1,247 @@
+"""The one short script for a machine with a GPU: what issues 12 and 15 ask to measure there.
+
+Run: ``python -m experiments.gpu_check`` (defaults: ``--device cuda --model gpt3-1.3b --gpu h200
+--dtype bf16 --micro-batches 1,2,4,8,16``; ``make gpu-check``). It prints each part as it goes and
+writes ``--out`` (default ``out/gpu-check``):
+
+1. **Layers** (``layers.csv``): one transformer block of the model measured on the device the way
+   ``pipetwin calibrate`` measures a layer (:func:`calibration.measure.measure_layers`: F, the
+   split backward's B_input and W, the full B; times wait for the GPU's queue), at each
+   micro-batch, beside the kernel model's prediction for the ``--gpu`` preset
+   (:func:`cost_models.kernels.transformer_layer_times`: F, B = the input gradient, W), with the
+   relative errors (model / measured - 1).
+2. **Fit** (``fitted-constants.yaml``, ``measurements/``): the preset's kernel constants fitted on
+   the measured F and full B (:func:`cost_models.layer_measurements.fit_constants`, the fit
+   ``pipetwin reproduce cost-curves`` does on Chimera's V100 files), the errors after the fit, and
+   the measurements as a measurement set (``layers.yaml`` + ``block.csv``) that
+   :func:`cost_models.layer_measurements.load_measurements` reads.
+3. **Runs** (``runs.csv``): the single-process reference and a pipetwin run (DAPPLE's 1F1B) of the
+   same model and data on D = ``--devices`` ranks, one GPU each (NCCL wants a GPU per rank; the
+   default is 1 .. the GPUs at hand), in ``--dtype``: losses side by side (bf16 runs should stay
+   within 1e-2 of the reference) and the median step time after the first step.
+
+``report.md`` holds the three tables. Without a GPU, ``--device cpu`` runs the same code (the
+tests do, on the tiny model); the GPU preset's prediction is then not a statement about the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .checks import int_in, output_dir
+from .sweep import parse_ints
+
+KINDS = ("f", "b_input", "w", "b")
+
+
+def measure_block(spec, mbs, device, dtype: str, repeats: int, progress=print) -> list[dict]:
+    """Per micro-batch: the executor's block measured on ``device`` (seconds)."""
+    import torch
+
+    from calibration.measure import measure_layers
+    from executor.precision import Precision
+    rows = []
+    for mb in mbs:
+        t0 = time.perf_counter()
+        m = measure_layers(replace(spec, micro_batch=mb), torch.get_num_threads(), repeats,
+                           precision=Precision(dtype), device=device, kinds=("block",))["block"]
+        rows.append({"micro_batch": mb, **{k: float(m[k]) for k in KINDS}})
+        progress(f"layers: micro-batch {mb}: F {m['f'] * 1e3:.3f} ms, B_input {m['b_input'] * 1e3:.3f} ms, "
+                 f"W {m['w'] * 1e3:.3f} ms, B {m['b'] * 1e3:.3f} ms ({time.perf_counter() - t0:.1f} s)")
+    return rows
+
+
+def model_block(spec, mb: int, gpu, dtype: str, constants=None) -> dict:
+    """The kernel model's (F, B_input, W, full B) seconds of one block at micro-batch ``mb``."""
+    from cost_models.kernels import transformer_layer_times
+    f, b, w = transformer_layer_times(replace(spec, micro_batch=mb, layers=1), gpu, dtype, dropout=False,
+                                      constants=constants)[1]
+    return {"f": f, "b_input": b, "w": w, "b": b + w}
+
+
+def layer_table(spec, measured: list[dict], gpu, dtype: str, constants=None) -> list[dict]:
+    out = []
+    for row in measured:
+        pred = model_block(spec, row["micro_batch"], gpu, dtype, constants)
+        r = {"micro_batch": row["micro_batch"]}
+        for k in KINDS:
+            r[f"{k}_measured_ms"] = row[k] * 1e3
+            r[f"{k}_model_ms"] = pred[k] * 1e3
+            r[f"{k}_error"] = pred[k] / row[k] - 1 if row[k] > 0 else float("nan")
+        out.append(r)
+    return out
+
+
+def measurement_set(spec, measured: list[dict], gpu, dtype: str):
+    """The measured block as a :class:`cost_models.layer_measurements.MeasurementSet` (F and full B
+    per micro-batch, one pass each, the input needing a gradient as in a pipeline stage)."""
+    from cost_models.kernels import Protocol, block_shape
+    from cost_models.layer_measurements import LayerMeasurement, MeasurementSet
+    shape = replace(block_shape(spec, dropout=False), dtype_bytes=4 if dtype == "fp32" else 2)
+    layer = LayerMeasurement("block", shape, tuple(r["micro_batch"] for r in measured),
+                             tuple(r["f"] for r in measured), tuple(r["b"] for r in measured))
+    return MeasurementSet(f"{gpu.name}-measured", gpu, dtype, Protocol(passes=1, input_grad=True), (layer,),
+                          ("block",), ())
+
+
+def write_measurement_set(ms, folder: Path) -> None:
+    """``layers.yaml`` + ``block.csv`` in the format :func:`load_measurements` reads (milliseconds)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    layer = ms.layers[0]
+    sh = layer.shape
+    (folder / "layers.yaml").write_text(
+        "# one block measured by experiments/gpu_check.py (calibration.measure.measure_layers): F and the\n"
+        "# full backward, one pass each, input with a gradient\n"
+        f"device: {ms.device.name}\nprecision: {ms.precision}\n"
+        f"protocol: {{passes: {ms.protocol.passes}, input_grad: {str(ms.protocol.input_grad).lower()}}}\n"
+        f"layers:\n  block: {{file: block.csv, arch: {sh.arch}, hidden: {sh.hidden}, heads: {sh.heads}, "
+        f"ffn: {sh.ffn}, seq: {sh.seq}, dropout: {str(sh.dropout).lower()}}}\nfit: [block]\n")
+    with open(folder / "block.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["bs", "time_f", "time_b"])
+        for b, tf, tb in zip(layer.batches, layer.time_f, layer.time_b):
+            w.writerow([b, f"{tf * 1e3:.6f}", f"{tb * 1e3:.6f}"])
+
+
+def run_pair(model: str, devices: int, dtype: str, device: str, steps: int, microbatches: int) -> dict:
+    """The reference and a DAPPLE run on ``devices`` ranks: losses and median step times."""
+    from executor.config import RunConfig
+    from executor.launch import run
+    from executor.reference import run_reference
+    cfg = RunConfig(schedule="dapple", devices=devices, microbatches=microbatches, model=model, steps=steps,
+                    dtype=dtype, device=device)
+    ref = run_reference(cfg)
+    res = run(cfg)
+    diff = max(abs(a - b) for a, b in zip(ref.losses, res.losses))
+
+    def step(times):
+        later = times[1:] or times
+        return statistics.median(later) * 1e3
+
+    return {"devices": devices, "schedule": "dapple", "microbatches": microbatches, "dtype": dtype,
+            "loss_reference": ref.losses[-1], "loss_run": res.losses[-1], "max_loss_difference": diff,
+            "step_ms_reference": step(ref.iteration_times), "step_ms_run": step(res.iteration_times)}
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--model", default="gpt3-1.3b", help="GPT model preset or YAML (default gpt3-1.3b)")
+    p.add_argument("--gpu", default="h200", help="device preset whose kernel model is checked (default h200)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    p.add_argument("--micro-batches", default="1,2,4,8,16", help="comma-separated (default 1,2,4,8,16)")
+    p.add_argument("--repeats", type=int_in(3, 1000), default=10,
+                   help="timed backward runs per measurement (default 10)")
+    p.add_argument("--devices", default=None,
+                   help="ranks of the runs, comma-separated (default: 1 .. the GPUs at hand; on the CPU 1,2)")
+    p.add_argument("--run-layers", type=int_in(1, 100000), default=None,
+                   help="blocks of the model in the runs (default: the model's; fewer for a shorter check)")
+    p.add_argument("--steps", type=int_in(2, 1000), default=4, help="steps per run (default 4)")
+    p.add_argument("--out", type=output_dir, default="out/gpu-check")
+    args = p.parse_args(argv)
+    try:
+        mbs = parse_ints(args.micro_batches, "--micro-batches")
+        devices = parse_ints(args.devices, "--devices") if args.devices is not None else None
+        return _main(args.device, args.model, args.gpu, args.dtype, mbs, args.repeats, devices,
+                     args.run_layers, args.steps, Path(args.out))
+    except ValueError as e:
+        print(f"gpu_check: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int, devices, run_layers, steps: int,
+          out: Path) -> int:
+    import torch
+
+    from cost_models import load_device, load_model
+    from cost_models.layer_measurements import error_table, fit_constants
+    from executor.device import check_device
+
+    from .tables import fmt_table, markdown
+    check_device(device)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False); use --device cpu")
+    spec, gpu = load_model(model), load_device(gpu_name)
+    gpu.peak(dtype)                                      # the preset has the precision, before any work
+    if gpu.kernels is None:
+        raise ValueError(f"device preset {gpu.name!r} has no kernel constants (kernels:) to check")
+    n_gpus = torch.cuda.device_count() if device == "cuda" else 0
+    devices = tuple(devices or (range(1, n_gpus + 1) if device == "cuda" else (1, 2)))
+    if device == "cuda" and max(devices) > n_gpus:
+        raise ValueError(f"--devices {max(devices)}: only {n_gpus} GPU(s) here, and NCCL needs one per rank")
+    layers = run_layers or spec.layers
+    if layers < max(devices):
+        raise ValueError(f"--devices {max(devices)}: the run has {layers} blocks, at least one per rank is needed")
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    print(f"gpu_check: {spec.name} block, {dtype}, on {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}"
+          f" (kernel model: {gpu.name})")
+
+    measured = measure_block(spec, mbs, dev, dtype, repeats)
+    before = layer_table(spec, measured, gpu, dtype)
+    _write_csv(before, out / "layers.csv")
+    cols = ["micro_batch"] + [f"{k}_{s}" for k in KINDS for s in ("measured_ms", "model_ms", "error")]
+    text = ["# gpu_check", "", f"{spec.name} block, {dtype}, kernel model of {gpu.name}", "",
+            "## Layers: measured vs kernel model (preset constants)", "", markdown(_rounded(before, cols))]
+    print(fmt_table(_rounded(before, cols).to_dict("records"), cols))
+
+    ms = measurement_set(spec, measured, gpu, dtype)
+    write_measurement_set(ms, out / "measurements")
+    t0 = time.perf_counter()
+    fitted, rms = fit_constants(ms)
+    after = error_table(ms, fitted)
+    start = error_table(ms)
+    (out / "fitted-constants.yaml").write_text(
+        f"# kernel constants of {gpu.name} fitted on {spec.name} blocks ({dtype}), rms log error {rms:.3f}\n"
+        "kernels: {" + ", ".join(f"{k}: {v:.6g}" for k, v in fitted.to_dict().items()) + "}\n")
+    fit_rows = [{"micro_batch": a["batch"], "f_error_preset": s["f_error"], "f_error_fitted": a["f_error"],
+                 "b_error_preset": s["b_error"], "b_error_fitted": a["b_error"]} for s, a in zip(start, after)]
+    print(f"fit ({time.perf_counter() - t0:.1f} s): rms log error {rms:.3f}; constants: "
+          + ", ".join(f"{k} {v:.4g}" for k, v in fitted.to_dict().items()))
+    print(fmt_table(_rounded(fit_rows, list(fit_rows[0])).to_dict("records"), list(fit_rows[0])))
+    text += ["", "## Kernel constants fitted on these measurements", "",
+             f"rms log error {rms:.3f}: " + ", ".join(f"{k} {v:.4g}" for k, v in fitted.to_dict().items()), "",
+             markdown(_rounded(fit_rows, list(fit_rows[0])))]
+
+    run_model = replace(spec, layers=layers)
+    runs = []
+    for d in devices:
+        t0 = time.perf_counter()
+        row = run_pair(run_model, d, dtype, device, steps, microbatches=2 * d)
+        runs.append(row)
+        print(f"runs: D={d}: loss {row['loss_run']:.4f} vs reference {row['loss_reference']:.4f} "
+              f"(max difference {row['max_loss_difference']:.2e}), step {row['step_ms_run']:.1f} ms vs "
+              f"{row['step_ms_reference']:.1f} ms ({time.perf_counter() - t0:.1f} s)")
+    _write_csv(runs, out / "runs.csv")
+    text += ["", f"## Runs: pipetwin (dapple) vs the single-process reference, {layers} blocks", "",
+             markdown(_rounded(runs, list(runs[0])))]
+    (out / "report.md").write_text("\n".join(text) + "\n")
+    print(f"wrote {out}/report.md, layers.csv, runs.csv, fitted-constants.yaml, measurements/")
+    return 0
+
+
+def _rounded(rows: list[dict], cols: list[str]):
+    import pandas as pd
+    df = pd.DataFrame(rows)[cols]
+    for c in cols:
+        if c.endswith("_error") or c.startswith(("f_error", "b_error")):
+            df[c] = df[c].map(lambda v: f"{v:+.1%}")
+        elif df[c].dtype.kind == "f":
+            df[c] = df[c].map(lambda v: f"{v:.4g}")
+    return df
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""experiments.gpu_check, run on the CPU (the same code a GPU machine runs with --device cuda)."""
+import csv
+import math
+
+import pytest
+
+from cost_models import load_device, load_model
+from cost_models.layer_measurements import error_table, load_measurements
+from experiments import gpu_check
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    rc = gpu_check.main(["--device", "cpu", "--model", "tiny", "--gpu", "v100", "--dtype", "fp32",
+                         "--micro-batches", "1,2", "--repeats", "3", "--devices", "1,2", "--run-layers", "2",
+                         "--steps", "2", "--out", str(out)])
+    return rc, out
+
+
+def test_layers_measured_beside_the_kernel_model(checked):
+    rc, out = checked
+    assert rc == 0
+    rows = _rows(out / "layers.csv")
+    assert [int(r["micro_batch"]) for r in rows] == [1, 2]
+    spec, gpu = load_model("tiny"), load_device("v100")
+    for r in rows:
+        pred = gpu_check.model_block(spec, int(r["micro_batch"]), gpu, "fp32")
+        for k in gpu_check.KINDS:
+            measured = float(r[f"{k}_measured_ms"])
+            assert measured > 0
+            assert float(r[f"{k}_model_ms"]) == pytest.approx(pred[k] * 1e3, rel=1e-9)
+            assert float(r[f"{k}_error"]) == pytest.approx(pred[k] * 1e3 / measured - 1, rel=1e-9)
+    # the model's full backward is its input-gradient and weight-gradient parts
+    assert pred["b"] == pytest.approx(pred["b_input"] + pred["w"])
+
+
+def test_measurement_set_round_trips_and_the_fit_is_no_worse_than_the_preset(checked):
+    rc, out = checked
+    rows = _rows(out / "layers.csv")
+    ms = load_measurements(out / "measurements")
+    layer = ms.layer("block")
+    assert layer.batches == (1, 2) and ms.protocol.input_grad and ms.protocol.passes == 1
+    for r, f, b in zip(rows, layer.time_f, layer.time_b):
+        assert f * 1e3 == pytest.approx(float(r["f_measured_ms"]), rel=1e-5)
+        assert b * 1e3 == pytest.approx(float(r["b_measured_ms"]), rel=1e-5)
+    text = (out / "fitted-constants.yaml").read_text()
+    fitted_rms = float(text.split("rms log error ")[1].split()[0])
+    start = error_table(ms)
+    preset_rms = math.sqrt(sum(math.log1p(x["f_error"]) ** 2 + math.log1p(x["b_error"]) ** 2 for x in start)
+                           / (2 * len(start)))
+    assert fitted_rms <= preset_rms + 1e-3
+
+
+def test_runs_equal_the_reference(checked):
+    rc, out = checked
+    runs = _rows(out / "runs.csv")
+    assert [int(r["devices"]) for r in runs] == [1, 2]
+    for r in runs:
+        assert float(r["max_loss_difference"]) <= 1e-5     # fp32: the same sums in another order
+        assert float(r["step_ms_run"]) > 0 and float(r["step_ms_reference"]) > 0
+    assert "## Runs" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--device", "cpu", "--micro-batches", "1,x"], "--micro-batches"),
+    (["--device", "cpu", "--gpu", "cpu"], "no datasheet"),
+    (["--device", "cpu", "--model", "tiny", "--devices", "3", "--run-layers", "2"], "at least one per rank"),
+])
+def test_bad_input_fails_fast(argv, words, capsys, tmp_path):
+    assert gpu_check.main(argv + ["--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]
+    assert not (tmp_path / "o" / "layers.csv").exists()
