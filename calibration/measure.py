@@ -15,7 +15,9 @@ runs after the one before it in one graph (:func:`chain_kept_bytes`) as well as 
 Timing uses ``torch.utils.benchmark``: a statement that can simply be repeated (a forward, an
 optimizer step) is timed by ``Timer.blocked_autorange``; a backward needs a fresh graph before
 every run, which ``Timer`` cannot set up untimed, so each run is timed on its own and the runs
-are summarised by ``torch.utils.benchmark.Measurement`` (its median).
+are summarised by ``torch.utils.benchmark.Measurement`` (its median); a layer's full backward, its
+B_input and its W take turns run by run (:func:`fresh_state_medians`), so that their ratio is not
+the host's drift between three separate loops.
 
 Communication runs on spawned gloo ranks (:func:`executor.launch.launch`): one-way P2P times by
 ping-pong over message sizes (25th percentile), all-reduces as the runtime launches them (fresh
@@ -61,23 +63,27 @@ def timer_median(fn: Callable[[], object], label: str) -> float:
                  num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=MIN_RUN_TIME).median
 
 
-def fresh_state_median(prepare: Callable[[], object], body: Callable[[object], float | None], repeats: int,
-                       label: str, warmup: int = 3, device: torch.device = CPU) -> float:
-    """Median seconds of ``body(prepare())`` with ``prepare`` untimed before every run (a backward
-    needs a fresh graph each time); ``repeats`` timed runs after ``warmup`` untimed ones. A body
-    that returns a number returns the seconds of the part that counts (W after an untimed B).
+def fresh_state_medians(prepare: Callable[[], object], bodies: dict[str, Callable[[object], float | None]],
+                        repeats: int, label: str, warmup: int = 3, device: torch.device = CPU) -> dict[str, float]:
+    """Median seconds of each ``body(prepare())``, ``prepare`` untimed before every run (a backward
+    needs a fresh graph each time): ``repeats`` timed runs of every body after ``warmup`` untimed
+    ones, the bodies taking turns run by run (which goes first rotates), so that a slow spell of
+    the host hits them alike and their ratios -- (B_input + W) / B -- compare the same moments. A
+    body that returns a number returns the seconds of the part that counts (W after an untimed B).
     Times are taken once ``device``'s queued work has finished (:func:`executor.device.clock`)."""
-    times = []
+    names = list(bodies)
+    times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(warmup + repeats):
-        state = prepare()
-        t0 = clock(device)
-        part = body(state)
-        dt = clock(device) - t0 if part is None else part
-        if i >= warmup:
-            times.append(dt)
-    m = Measurement(number_per_run=1, raw_times=times,
-                    task_spec=TaskSpec(stmt=label, setup="", num_threads=torch.get_num_threads()))
-    return m.median
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            state = prepare()
+            t0 = clock(device)
+            part = bodies[name](state)
+            dt = clock(device) - t0 if part is None else part
+            if i >= warmup:
+                times[name].append(dt)
+    return {n: Measurement(number_per_run=1, raw_times=t, task_spec=TaskSpec(
+        stmt=f"{label} {n}", setup="", num_threads=torch.get_num_threads())).median for n, t in times.items()}
 
 
 def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repeats: int, *,
@@ -163,10 +169,11 @@ def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repe
         del pending
         return clock(device) - t0
 
-    b = fresh_state_median(forward, lambda st: _full(st, grad_out), repeats, f"{kind} B", device=device)
-    b_input = fresh_state_median(forward, input_only, repeats, f"{kind} B_input", device=device) \
-        if needs_input_grad else 0.0
-    w = fresh_state_median(forward, weight_after_input, repeats, f"{kind} W", device=device)
+    bodies = {"b": lambda st: _full(st, grad_out), "w": weight_after_input}
+    if needs_input_grad:
+        bodies["b_input"] = input_only
+    med = fresh_state_medians(forward, bodies, repeats, kind, device=device)
+    b, b_input, w = med["b"], med.get("b_input", 0.0), med["w"]
     return {"f": f, "b": b, "b_input": b_input, "w": w, "act": act, "act_w": act_w, "act_recompute": act_recompute,
             "graph_kept": graph_kept[0]}
 

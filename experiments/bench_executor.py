@@ -27,7 +27,13 @@ preset / YAML.
     python -m experiments.bench_executor [--model tiny|wide|FILE.yaml] [-N 8] [--rounds 15] [--json]
 
 ``--profile-step SCHEDULE`` instead runs cProfile over the steps of one pipetwin schedule and one
-torch schedule on both ranks and prints where the time goes.
+torch schedule on both ranks and prints where the time goes. ``--profile-ops SCHEDULE`` compares the
+two at the level of torch's operators, per rank: ``--rounds`` steps of each, alternating, each between
+two barriers, with the process's CPU, page faults and context switches per step (medians, and the
+paired difference torch - pipetwin of the same round with its quartiles), then ``--steps`` steps of
+each under ``torch.profiler`` (one at a time, alternating): every operator's self CPU time and calls
+per step side by side (the sends and receives, the optimizer, zeroing and scaling of gradients,
+copies included).
 """
 from __future__ import annotations
 
@@ -193,6 +199,108 @@ def profile_rank(payload, rank, world, local_rank, local_world):
     return gathered if rank == 0 else None
 
 
+def _usage() -> dict:
+    """This process's CPU, page faults and context switches so far, and the clock."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall_ms": time.perf_counter() * 1e3, "cpu_ms": (r.ru_utime + r.ru_stime) * 1e3, "sys_ms": r.ru_stime * 1e3,
+            "minflt": r.ru_minflt, "vcsw": r.ru_nvcsw, "ivcsw": r.ru_nivcsw}
+
+
+def ops_rank(payload, rank, world, local_rank, local_world):
+    """Target for ``--profile-ops`` (see the module docstring): per variant (pipetwin with metering,
+    torch) the per-step usage of every round and the profiled operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from executor.worker import ProcessGroups, init_world
+    base = payload["config"]
+    pairs = [p for p in PAIRS if p[0] == payload["schedule"]]
+    ctx = init_world("cpu", rank, world, local_rank, local_world, base.timeout)
+    groups = ProcessGroups(world, ctx.backend)
+    variants = {k: v for k, v in _variants(base, rank, world, ctx, groups, pairs).items() if "no memory" not in k}
+    names = list(variants)
+    step = 0
+    for name in names:
+        for _ in range(2):
+            variants[name](step)
+            step += 1
+    usage = {k: [] for k in names}
+    for r in range(payload["rounds"]):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            dist.barrier()
+            u0 = _usage()
+            variants[name](step)
+            step += 1
+            u1 = _usage()
+            dist.barrier()
+            usage[name].append({k: u1[k] - u0[k] for k in u0})
+    ops = {k: {} for k in names}
+    for r in range(payload["steps"]):    # one profiled step at a time, alternating, so that a slow spell hits both
+        for name in (names if r % 2 == 0 else names[::-1]):
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                variants[name](step)
+                step += 1
+            dist.barrier()
+            for e in prof.key_averages():
+                calls, us = ops[name].get(e.key, (0, 0.0))
+                ops[name][e.key] = (calls + e.count, us + e.self_cpu_time_total)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object({"usage": usage, "ops": ops}, gathered, dst=0)
+    dist.destroy_process_group()
+    return gathered if rank == 0 else None
+
+
+def usage_rows(usage: dict[str, list[dict]]) -> list[dict]:
+    """Per variant the median of each per-step quantity; then, per quantity, the paired difference
+    (second variant - first, round by round): median and quartiles."""
+    names = list(usage)
+    rows = [{"variant": n, **{k: statistics.median(u[k] for u in usage[n]) for k in usage[n][0]}} for n in names]
+    if len(names) == 2:
+        a, b = usage[names[0]], usage[names[1]]
+        for pick, label in ((statistics.median, "median"), (lambda d: _quantile(d, 0.25), "q1"),
+                            (lambda d: _quantile(d, 0.75), "q3")):
+            rows.append({"variant": f"{label} of paired {names[1].split()[0]} - {names[0].split()[0]}",
+                         **{k: pick([y[k] - x[k] for x, y in zip(a, b)]) for k in a[0]}})
+    return rows
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear between order statistics)."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def op_rows(ours: dict, theirs: dict, steps: int, top: int) -> list[dict]:
+    """Operators of two profiles (key -> (calls, self CPU microseconds) over ``steps`` steps) side by
+    side per step, the ``top`` largest by either side's self time first."""
+    keys = sorted(set(ours) | set(theirs), key=lambda k: (-max(ours.get(k, (0, 0))[1], theirs.get(k, (0, 0))[1]), k))
+    rows = []
+    for k in keys[:top]:
+        (ca, ta), (cb, tb) = ours.get(k, (0, 0)), theirs.get(k, (0, 0))
+        rows.append({"op": k, "pipetwin_ms": ta / 1e3 / steps, "torch_ms": tb / 1e3 / steps,
+                     "pipetwin_calls": ca / steps, "torch_calls": cb / steps})
+    return rows
+
+
+def print_ops(report: list[dict], steps: int, rounds: int, top: int) -> None:
+    """``--profile-ops``'s tables, one pair per rank."""
+    from .tables import fmt_table
+    ucols = ["variant", "wall_ms", "cpu_ms", "sys_ms", "minflt", "vcsw", "ivcsw"]
+    for rank, rep in enumerate(report):
+        print(f"===== rank {rank}: per step over {rounds} alternating rounds (medians; paired = same round)")
+        print(fmt_table(usage_rows(rep["usage"]), ucols, {c: "{:.1f}" for c in ucols[1:]}))
+        ours, theirs = list(rep["ops"])
+        print(f"===== rank {rank}: torch.profiler, self CPU ms and calls per step ({steps} steps each)")
+        print(fmt_table(op_rows(rep["ops"][ours], rep["ops"][theirs], steps, top),
+                        ["op", "pipetwin_ms", "torch_ms", "pipetwin_calls", "torch_calls"],
+                        {"pipetwin_ms": "{:.2f}", "torch_ms": "{:.2f}", "pipetwin_calls": "{:.0f}",
+                         "torch_calls": "{:.0f}"}))
+
+
 def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str, list] | None = None,
               max_foreign: float = 0.15, cpu: dict[str, list[float]] | None = None) -> list[dict]:
     """Per pair: medians and spreads of throughput and of the per-round ratios; with ``foreign``
@@ -260,6 +368,9 @@ def main(argv=None) -> int:
                    help="cores' worth of other processes' CPU a quiet round may see (default 0.15)")
     p.add_argument("--schedules", default=",".join(x[0] for x in PAIRS), help="pipetwin schedules to compare")
     p.add_argument("--profile-step", metavar="SCHEDULE", help="cProfile one pipetwin schedule and its torch pair")
+    p.add_argument("--profile-ops", metavar="SCHEDULE",
+                   help="per-step CPU and page faults over --rounds paired steps, then torch.profiler's operators "
+                        "over --steps steps: one pipetwin schedule and its torch pair, per rank")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for name, low in (("microbatches", 1), ("steps", 1), ("warmup", 0), ("rounds", 1)):
@@ -272,6 +383,7 @@ def main(argv=None) -> int:
     from executor.launch import launch
     wanted = [s.strip() for s in args.schedules.split(",") if s.strip()]
     unknown = sorted(set(wanted) - {x[0] for x in PAIRS})
+    unknown += [s for s in (args.profile_step, args.profile_ops) if s and s not in {x[0] for x in PAIRS}]
     if unknown:
         raise SystemExit(f"bench_executor: error: no torch pair for {', '.join(unknown)}; choose from "
                          f"{', '.join(x[0] for x in PAIRS)}")
@@ -290,6 +402,14 @@ def main(argv=None) -> int:
             for r, rep in enumerate(report):
                 for name, (sec, text) in rep.items():
                     print(f"===== rank {r}: {name}: {sec * 1e3:.1f} ms per step (under cProfile)\n{text}")
+            return 0
+        if args.profile_ops:
+            report = launch("experiments.bench_executor:ops_rank",
+                            {"config": cfg, "schedule": args.profile_ops, "steps": args.steps,
+                             "rounds": args.rounds}, 2)
+            print(f"model {spec.name}, D=2, N={args.microbatches}: pipetwin {args.profile_ops} (tracing and "
+                  f"metering on) vs its torch pair")
+            print_ops(report, args.steps, args.rounds, top=30)
             return 0
         out = launch("experiments.bench_executor:bench_rank",
                        {"config": cfg, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,

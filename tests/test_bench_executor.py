@@ -2,7 +2,7 @@
 quiet-round ratio (the timing itself is a benchmark, not a test)."""
 import pytest
 
-from experiments.bench_executor import PAIRS, round_order, summarize
+from experiments.bench_executor import PAIRS, op_rows, round_order, summarize, usage_rows
 
 
 def _blocks(n):
@@ -46,3 +46,25 @@ def test_summarize_ratios_metering_and_quiet_rounds():
     assert row["spread_pipetwin"] == pytest.approx(3.0)
     assert row["cpu_ratio"] == pytest.approx((1.2 + 1.3) / 2)         # 1.2, 1.5, 1.0, 1.3
     assert row["metering_cpu"] == pytest.approx((0.0 + 0.1) / 2)      # 0, .25, .1, 0
+
+
+def test_usage_rows_medians_and_paired_differences():
+    """Per variant the median per step; the paired rows are the round-by-round differences (not
+    the difference of the medians): here torch - pipetwin = 1, 2, 3, 10 ms of CPU."""
+    a = [{"cpu_ms": x, "minflt": 0} for x in (10.0, 20.0, 30.0, 40.0)]
+    b = [{"cpu_ms": x, "minflt": f} for x, f in ((11.0, 4), (22.0, 0), (33.0, 8), (50.0, 4))]
+    rows = usage_rows({"pipetwin dapple": a, "torch Schedule1F1B": b})
+    paired = [f"{q} of paired torch - pipetwin" for q in ("median", "q1", "q3")]
+    assert [r["variant"] for r in rows] == ["pipetwin dapple", "torch Schedule1F1B", *paired]
+    assert rows[0]["cpu_ms"] == 25.0 and rows[1]["cpu_ms"] == 27.5
+    assert rows[2]["cpu_ms"] == 2.5 and rows[2]["minflt"] == 4           # median of 1, 2, 3, 10; of 4, 0, 8, 4
+    assert rows[3]["cpu_ms"] == pytest.approx(1.75) and rows[4]["cpu_ms"] == pytest.approx(4.75)
+
+
+def test_op_rows_per_step_largest_first_and_ops_one_side_lacks():
+    ours = {"aten::mm": (512, 9000.0), "aten::fill_": (100, 600.0)}
+    theirs = {"aten::mm": (512, 8000.0), "aten::div_": (100, 800.0), "aten::t": (10, 1.0)}
+    rows = op_rows(ours, theirs, steps=2, top=3)
+    assert [r["op"] for r in rows] == ["aten::mm", "aten::div_", "aten::fill_"]
+    assert rows[0] == {"op": "aten::mm", "pipetwin_ms": 4.5, "torch_ms": 4.0, "pipetwin_calls": 256, "torch_calls": 256}
+    assert (rows[1]["pipetwin_ms"], rows[1]["torch_calls"]) == (0.0, 50)
