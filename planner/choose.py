@@ -14,7 +14,8 @@
    :mod:`planner.cost`); the simulation is what decides;
 3. the baselines, through the same search code: the PipeDream planner (its slowest-element
    objective; it has no notion of micro-batches, so it is run for every micro-batch count M and the
-   M whose plan has the shortest estimated synchronous iteration is kept) and pure data parallelism
+   M whose plan has the shortest estimated synchronous iteration is kept, skipping the Ms whose
+   :func:`planner.search.latency_floor` says no plan of theirs can be shorter) and pure data parallelism
    (one stage replicated on every device, M chosen by the objective: gradient accumulation when
    memory needs it); both simulated like the DAPPLE plan.
 """
@@ -29,9 +30,12 @@ from .cost import Estimate, estimate
 from .load import load_workload
 from .placement import Topology
 from .plan import Plan
-from .search import PlanError, SearchResult, SearchSpace, divisors, search
+from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search
 from .simulate import SimOutcome, simulate_plan
 from .workload import Workload
+
+
+SKIP_BY_FLOOR = True    # the PipeDream baseline skips micro-batch counts by latency_floor (False: tests)
 
 
 @dataclass
@@ -159,21 +163,30 @@ def pipedream_plan(work: Workload, topo: Topology, G: int, *, microbatches: int 
     """The PipeDream planner's plan. PipeDream plans for one micro-batch size (its minibatch) and has
     no notion of a synchronous iteration: with ``microbatches`` given it plans for b = G / M; without,
     it is run for every M dividing G and the M whose plan has the shortest estimated synchronous
-    iteration (round-trip bound) is kept, the most favourable reading for the baseline."""
+    iteration (round-trip bound) is kept, the most favourable reading for the baseline (Ms that
+    cannot beat the best found are not searched; the same M is kept)."""
     space = space or SearchSpace()
     Ms = [microbatches] if microbatches is not None else [
         m for m in divisors(G) if space.microbatches is None or m in space.microbatches]
+    # The kept M is the first (in increasing M) with the least latency_rt of its plan. Every plan's
+    # latency_rt >= its L >= latency_floor(M), so an M whose floor exceeds the best latency_rt found
+    # cannot be kept and is not searched; the Ms are searched in increasing floor so the best comes
+    # early, and compared by (latency_rt, position in increasing M): the same M as the plain scan.
+    floors = [latency_floor(work, topo, G, M, space=space, capacity=capacity) if len(Ms) > 1 else 0.0
+              for M in Ms] if SKIP_BY_FLOOR else [0.0] * len(Ms)
     best = None
-    for M in Ms:
+    for idx in sorted(range(len(Ms)), key=lambda x: (floors[x], x)):
+        if best is not None and floors[idx] > best[0]:
+            continue
         try:
-            r = search(work, topo, G, objective="pipedream", space=replace(space, microbatches=(M,)),
+            r = search(work, topo, G, objective="pipedream", space=replace(space, microbatches=(Ms[idx],)),
                        capacity=capacity, model=model, cluster=topo.cluster.name)
         except PlanError:
             continue
         c = r.best
-        if best is None or c.estimate.latency_rt < best.estimate.latency_rt:
-            best = c
-    return None if best is None else Evaluated(best.plan, best.estimate)
+        if best is None or (c.estimate.latency_rt, idx) < best[:2]:
+            best = (c.estimate.latency_rt, idx, c)
+    return None if best is None else Evaluated(best[2].plan, best[2].estimate)
 
 
 def data_parallel_plan(work: Workload, topo: Topology, G: int, *, space: SearchSpace | None = None,

@@ -156,6 +156,74 @@ class Topology:
             c = self._ar[key] = self.allreduce_coef(self.devices(policy, offset, replicas))
         return c
 
+    def fewest_nodes(self, policy: str, replicas: int) -> int:
+        """The fewest nodes any stage of ``replicas`` devices spans under ``policy`` (over every
+        offset of the allocation order; cached)."""
+        key = ("nodes", policy, replicas)
+        got = self._ar.get(key)
+        if got is None:
+            o, d = self.order(policy), self.dpn
+            s, r = self.slots(policy, replicas), replicas
+            count: dict[int, int] = {}
+            for x in o[:r]:
+                count[x // d] = count.get(x // d, 0) + 1
+            got = len(count)
+            for off in range(1, len(o) - s + 1):      # slide the window order[off:off + r]
+                a, b = o[off - 1] // d, o[off + r - 1] // d
+                count[a] -= 1
+                if not count[a]:
+                    del count[a]
+                count[b] = count.get(b, 0) + 1
+                if len(count) < got:
+                    got = len(count)
+            self._ar[key] = got
+        return got
+
+    def allreduce_floor(self, policy: str, replicas: int) -> tuple[float, float]:
+        """(alpha, beta) with alpha + beta n <= the all-reduce of n bytes over the devices of any
+        stage of ``replicas`` under ``policy``, whatever its offset (what :meth:`allreduce_at` gives
+        at some offset), from the closed forms of :mod:`cost_models.comm` on a Cluster and the fewest
+        nodes m0 such a stage spans (:meth:`fewest_nodes`). A group of n = r devices on m nodes runs
+
+        * on one node (m = 1, needs r <= dpn): a ring on the node's collective (else intra) link:
+          2(r-1) a_in + 2(r-1)/r n / B_in;
+        * with k devices on each of m >= 2 nodes (r = m k, k <= dpn): reduce-scatter and all-gather
+          inside (2(k-1) a_in + 2(k-1)/k n / B_in) plus a ring across nodes whose NICs are shared by
+          ``share`` rings (2(m-1) a_inter + 2(m-1)/m n share / (k B_inter)), and k ranks on a node's
+          ``nics_per_node`` NICs put share >= ceil(k / nics_per_node) on one of them;
+        * otherwise (m >= 2, unequal counts) a flat ring whose every step takes the slowest hop: some
+          hop crosses nodes, and a path between nodes starts with its NIC's link (bandwidth B_inter,
+          latency a_inter; the other links' latencies are >= 0), so >= 2(r-1) a_inter + 2(r-1)/r n / B_inter.
+
+        m >= m0 in every case. Each form is alpha_c + beta_c n, and their minimum is >= (min alpha_c)
+        + (min beta_c) n for every n >= 0; that is the pair returned ((0, 0) for one replica), less a
+        relative 1e-6 for the rounding of :meth:`allreduce_coef`'s beta = T(1) - T(0)."""
+        key = ("floor", policy, replicas)
+        got = self._ar.get(key)
+        if got is None:
+            c, r = self.cluster, replicas
+            if r <= 1:
+                got = (0.0, 0.0)
+            else:
+                m0 = self.fewest_nodes(policy, r)
+                inside = c.collective or c.intra
+                a_in, b_in, a_x, b_x = inside.latency, inside.bandwidth, c.inter.latency, c.inter.bandwidth
+                forms = []
+                if m0 <= 1 and r <= self.dpn:
+                    forms.append((2 * (r - 1) * a_in, 2 * (r - 1) / r / b_in))
+                for k in range(1, min(r, self.dpn) + 1):
+                    m = r // k
+                    if r % k == 0 and m >= max(2, m0):
+                        share = -(-k // c.nics_per_node)
+                        forms.append((2 * (k - 1) * a_in + 2 * (m - 1) * a_x,
+                                      2 * (k - 1) / k / b_in + 2 * (m - 1) / m * share / (k * b_x)))
+                if r >= max(2, m0):
+                    forms.append((2 * (r - 1) * a_x, 2 * (r - 1) / r / b_x))
+                got = ((min(f[0] for f in forms) * (1 - 1e-6), min(f[1] for f in forms) * (1 - 1e-6))
+                       if forms else (0.0, 0.0))
+            self._ar[key] = got
+        return got
+
     def allreduce(self, devs: tuple[int, ...], nbytes: float) -> float:
         if len(devs) <= 1 or nbytes <= 0:
             return 0.0

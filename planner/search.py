@@ -37,7 +37,15 @@ the exact passes, passes under a trial threshold (a fraction of the best seed, `
 harder; one counts only when it found top_k plans within its threshold, so what it pruned is worse
 than those (:meth:`_Ctx.settled`); else the next raises it, the last has none. A stage that grows (layers added
 at its front) only increases V and its memory, so the scan over its first layer stops at the first
-one that breaks the memory limit or the bound. The search is exact: the tests check it against
+one that breaks the memory limit or the bound. For DAPPLE's latency (and the PipeDream baseline's
+second phase) the labels also meet whole-prefix bounds: tables, built once per configuration by a DP
+forwards from layer 0, of the least (C + Tp), (R + Tp) and forwards any prefix [0, i) on at most f
+slots can have (C: its largest pivot term, Tp: its all-reduces sticking out of the ending), with
+boundaries free and each stage's all-reduce at its floor over the allocation order
+(:func:`_prefix_tables`, :meth:`Topology.allreduce_floor`); they capture the prefix's own pivot and
+ending, which the per-label bounds above leave out, and drop whole configurations at their first
+stage. A stage's boundary is priced only when some label can pass the scan with it (its costs
+only raise p and V). The search is exact: the tests check it against
 :func:`exhaustive` (every plan of the space, evaluated with :func:`planner.cost.estimate`).
 
 ``dapple-rt`` searches the same way for :attr:`planner.cost.Estimate.latency_rt` (the pivot
@@ -81,6 +89,8 @@ INF = float("inf")
 CEILINGS = (0.86, 0.93)     # trial thresholds of the first passes, as fractions of the best seed
 PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earlier, weaker bounds; tests)
 TWO_PHASE = True            # PipeDream's objective in two searches (False: one, over (slowest, L) labels; tests)
+WCAP = 2                    # the tables keep at most this many micro-batches in flight (fewer tables)
+PREFIX_TABLES = True        # the whole-prefix bounds of _prefix_tables (False: without them; tests)
 
 
 class PlanError(ValueError):
@@ -279,6 +289,24 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
             needs[w] = tab
         return tab
 
+    cols: dict = {}     # (w, free // step) -> the columns of _prefix_tables at the slots left
+    step = max(1, -(-P // 128))     # the tables count slots in units of step (see _prefix_tables)
+
+    def tables(w: int, free: int):
+        """(Y, X, F) of :func:`_prefix_tables` for prefixes on at most ``free`` slots, by first layer
+        i of the suffix; None where they do not apply."""
+        w = min(1 << (w.bit_length() - 1), WCAP)     # as need(): a valid (smaller) requirement
+        key = (w, free // step)
+        got = cols.get(key)
+        if got is None:
+            tk = ("prefix", policy, b, M, w, tuple((r, slots[r]) for r in reps), cap, P)
+            tab = known.get(tk)
+            if tab is None:
+                tab = known[tk] = _prefix_tables(work, topo, policy, b, M, w, reps, slots, cap, P, step)
+            f = free // step
+            got = cols[key] = tuple(t[:, f].tolist() for t in tab)
+        return got
+
     wmax = [0.0] * (L + 1)      # wmax[i]: the largest per-sample round trip of one layer in [0, i)
     for i in range(1, L + 1):
         x = lo._cf[i] - lo._cf[i - 1] + lo._cb[i] - lo._cb[i - 1]
@@ -287,7 +315,8 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
     env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps,
                  live=[r for r in reps if r in live], slots=slots,
                  min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy),
-                 rmax=max(reps), wmax=wmax)
+                 rmax=max(reps), wmax=wmax,
+                 tables=tables if PREFIX_TABLES and ctx.objective in ("dapple", "slowest-latency") else None)
     fronts: list[dict] = [dict() for _ in range(L + 1)]
     # a label: (p, v, t, n, stages, path, k) for the suffix [j, L) on the last k slots: p = slowest
     # element (PipeDream), v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only
@@ -325,6 +354,7 @@ class _DPEnv:
     period: int | None
     rmax: int               # the most replicas a stage can have
     wmax: list              # wmax[i]: the largest per-sample round trip of one layer of [0, i)
+    tables: object = None   # (w, free) -> the whole-prefix bounds (_prefix_tables), DAPPLE's latency only
 
 
 def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list) -> None:
@@ -338,7 +368,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     decision of it reads (its fronts ignore p: ``_MODES``)."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
-    rmax, wmax = env.rmax, env.wmax
+    rmax, wmax, tables = env.rmax, env.wmax, env.tables
     obj = ctx.objective
     pd = obj in ("pipedream", "slowest")       # the slowest element first
     rtm = obj == "dapple-rt"
@@ -379,21 +409,53 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         cfqj, cbqj = cfq[j], cbq[j]
         alpha, beta = topo.allreduce_at(policy, off, r)
         has_ar = bool(alpha or beta)
+        if ctx.budget is not None and ctx.evaluated > ctx.budget:
+            raise _OutOfBudget
+        rows = [None] * j   # i -> the stage [i, j)'s costs on r replicas, which no label changes
         if k:
+            # The boundary's costs only raise p and V (p1 >= p, v1 >= v), so a label whose first
+            # stage [i, j) breaks the scan (memory, or p2 / v2 above the threshold or pcap) with a
+            # free boundary breaks it with the real one: when every label does, nothing of this r is
+            # evaluated, and the boundary (costly to price the first time) is not looked up.
+            for (p, v, _t, n, cnt, _path, _k) in labels:
+                if limit is not None and cnt >= limit:
+                    continue
+                n2 = n + 1 if n < M else M
+                i = j - 1 if (more and (limit is None or cnt + 1 < limit)) else 0
+                row = rows[i]
+                if row is None:
+                    par = cpj - cp[i]
+                    bw = (cbqj - cbq[i]) * q
+                    rt = (cfqj - cfq[i]) * q + bw
+                    ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
+                    row = rows[i] = (par * bps, caj - ca[i], bw, rt, ar, ar + par * otp)
+                pbs, da, bw, rt, ar, y = row
+                if pbs + n2 * da * q > cap:
+                    continue
+                x = Mm1 * rt
+                if rtm:
+                    p2 = p + rt
+                    v2 = rt + max(x, v, p + Mm1 * p2 / n2)
+                else:
+                    v2 = rt + (x if x > v else v)
+                    p2 = (p if p > rt else rt) if track_p else 0.0
+                    if track_p and ar / r > p2:
+                        p2 = ar / r
+                if not ((p2 if pd else v2) > thr or p2 > pcap):
+                    break
+            else:
+                continue
             ca_, cg_ = topo.boundary(policy, off, r, r1, X)
         else:
             ca_ = cg_ = 0.0
         link_st = ca_ if ca_ > cg_ else cg_
         cacg = ca_ + cg_
         xb = Mm1 * link_st
-        if ctx.budget is not None and ctx.evaluated > ctx.budget:
-            raise _OutOfBudget
         if free > 0:
             # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
             # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
             qmin = b / (rmax if rmax < free else free) if prefix_bounds else 0.0
         ev = nl = 0
-        rows = [None] * j   # i -> the stage [i, j)'s costs on r replicas, which no label changes
         bnds = [None] * j   # i -> the label-free parts of the bounds on the prefix [0, i) on ``free`` slots
         for (p, v, t, n, cnt, path, _k) in labels:
             if limit is not None and cnt >= limit:
@@ -414,6 +476,8 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
             need_w = needs.get(w)
             if need_w is None:
                 need_w = needs[w] = need(w)
+            if tables is not None and free > 0:
+                tY, tX, tF = tables(w, free)
             i = j - 1
             while i >= 0:
                 if not can_more and i > 0:
@@ -471,6 +535,16 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                     lb = v2 + (x if x > prt else prt)
                     if M * pw > lb:
                         lb = M * pw
+                    if tables is not None:     # the whole-prefix bounds (_prefix_tables)
+                        x = tY[i]
+                        if x > lb:
+                            lb = x
+                        x = v2 + tX[i]
+                        if x > lb:
+                            lb = x
+                        x = v2 + t2 + tF[i]
+                        if x > lb:
+                            lb = x
                 if lb <= thr and pw <= pcap:
                     push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), mode)
                     nl += 1
@@ -575,6 +649,133 @@ def _seed(ctx: _Ctx, jobs) -> dict:
                 ctx.offer(v, M, policy, path)
                 ctx.complete -= 1
     return found
+
+
+def latency_floor(work: Workload, topo: Topology, global_batch: int, microbatches: int, *,
+                  space: SearchSpace | None = None, capacity: float | None = None) -> float:
+    """A lower bound on DAPPLE's latency L of every plan of ``space`` with ``microbatches`` micro-batches
+    that fits in memory (INF when none can). A plan is a prefix [0, i) (stages that keep at least
+    min(2, M) micro-batches in flight) and a last stage [i, L) on r replicas (one in flight), so the
+    recursion of :func:`_prefix_tables` applied to the last stage bounds it: L >= C + Tp >=
+    max(Y[i], X[i] + M rt, F[i] + M rt + y) at the slots the last stage leaves, least over (i, r) and
+    the policies. The tables are the search's own (same keys), so the planner's later searches reuse
+    them. The planner uses it to skip micro-batch counts whose plans cannot win."""
+    space = space or SearchSpace()
+    P = topo.num_devices if space.devices is None else min(space.devices, topo.num_devices)
+    cap = capacity if capacity is not None else work.memory_capacity
+    cap = INF if cap is None else float(cap)
+    M, b, L = microbatches, global_batch // microbatches, work.num_layers
+    step = max(1, -(-P // 128))
+    w = min(2, M, WCAP)
+    known = _job_cache(topo, work)
+    cp, ca = work._cp, work._ca
+    bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
+    out = INF
+    for policy in space.policies:
+        slots = {r: topo.slots(policy, r) for r in _rep_values(space, b, P)}
+        reps = [r for r, sl in slots.items() if sl <= P]
+        if not reps:
+            continue
+        tk = ("prefix", policy, b, M, w, tuple((r, slots[r]) for r in reps), cap, P)
+        tab = known.get(tk)
+        if tab is None:
+            tab = known[tk] = _prefix_tables(work, topo, policy, b, M, w, reps, slots, cap, P, step)
+        Y, X, F = tab
+        for r in reps:
+            f = (P - slots[r]) // step
+            q = b / r
+            wq = work.at(b // r)
+            alpha, beta = topo.allreduce_floor(policy, r)
+            for i in range(L - 1, -1, -1):      # the last stage [i, L); it only grows as i falls
+                par = cp[L] - cp[i]
+                if par * bps + (ca[L] - ca[i]) * q > cap:
+                    break
+                rt = (wq._cf[L] - wq._cf[i]) * q + (wq._cb[L] - wq._cb[i]) * q
+                y = (alpha + beta * par * gbp if r > 1 and par > 0 else 0.0) + par * otp
+                v = max(float(Y[i][f]), float(X[i][f]) + M * rt, float(F[i][f]) + M * rt + y)
+                if v < out:
+                    out = v
+    return out * (1 - 1e-9) if 0 < out < INF else out
+
+
+def _prefix_tables(work: Workload, topo: Topology, policy: str, b: int, M: int, w: int, reps: list, slots: dict,
+                   cap: float, P: int, step: int):
+    """Lower bounds on what a whole prefix (stages [0, i), from the first) adds to DAPPLE's latency,
+    by i and the slots it may take: arrays ``Y, X, F`` of shape (L + 1, P // step + 1).
+
+    For a prefix (its stages and the boundaries between them) write R = its round trips, FW = its
+    forwards, C = max over its elements e of (round trips up to e) + (M - 1) st_e and Tp = max over
+    its stages s of (AR_s + OPT_s - its backwards before s). A plan = prefix + boundary + a suffix
+    with DAPPLE's (V, T) (module docstring) has V_full >= max(C, R + V) and T_full = max(Tp, T - BW')
+    with BW' the prefix's backwards and the boundary's, so
+
+        L >= C + Tp,     L >= V + R + Tp,     L >= (R' + V) + (T - BW') >= V + T + FW.
+
+    Appending a stage sigma = [a, c) on r replicas (round trip rt, forward fw, all-reduce and
+    optimizer y = AR + OPT, after a boundary beta of fw_b + bw_b) to a prefix gives R' >= R + rt,
+    FW' >= FW + fw, C' >= max(C, R + M rt) (sigma's own term: R + rt_b + rt + (M - 1) rt), and
+    Tp' = max(Tp, y - BW - bw_b) with R' - BW - bw_b >= FW + rt, so
+
+        R' + Tp' >= max(R + Tp + rt, FW + rt + y)
+        C' + Tp' >= max(C + Tp, R + Tp + M rt, FW + M rt + y)
+
+    monotone in (C + Tp, R + Tp, FW): the least of each over the prefixes [0, a) bound the new
+    ones (``Y`` = least C + Tp, ``X`` = least R + Tp, ``F`` = least FW; the empty prefix has
+    FW = 0 and C + Tp = R + Tp = -inf, which gives the first stage its exact C + Tp = M rt + y and
+    R + Tp = rt + y). Only lower bounds go in, so each entry is <= its least over real prefixes:
+    boundaries count 0; a stage's all-reduce is :meth:`Topology.allreduce_floor` (no larger at any
+    offset); it must fit in memory with ``w`` micro-batches in flight, at most what any prefix stage
+    keeps ahead of a suffix of n stages (min(n + 1, M) or more: the caller passes a power of two
+    <= that); stages are not capped in number. Entry [i][f] is the least over prefixes on at most
+    f steps of slots, a stage of s slots taking floor(s / step) of them: the floors of the stages of
+    a prefix on ``free`` slots sum to at most floor(free / step), so looking up f = floor(free /
+    step) bounds every prefix on ``free`` slots (exact when ``step`` divides every stage's slots).
+    Positive entries are lowered by a relative 1e-9 (the search sums the same terms in another
+    order, which rounds differently)."""
+    import numpy as np
+    L = work.num_layers
+    nf = P // step + 1
+    Y = np.full((L + 1, nf), INF)
+    X = np.full((L + 1, nf), INF)
+    F = np.full((L + 1, nf), INF)
+    Y[0] = X[0] = -INF
+    F[0] = 0.0
+    cp, ca = np.array(work._cp), np.array(work._ca)
+    bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
+    per_r = []
+    for r in reps:
+        wq = work.at(b // r)
+        alpha, beta = topo.allreduce_floor(policy, r)
+        per_r.append((r, slots[r] // step, b / r, np.array(wq._cf), np.array(wq._cb), alpha, beta))
+    for c in range(1, L + 1):
+        for r, sg, q, cf, cb, alpha, beta in per_r:
+            if sg >= nf:
+                continue
+            # the stages [a, c) that fit: memory only grows as a stage grows, so a = a0 .. c - 1
+            par = cp[c] - cp[:c]
+            fit = par * bps + w * (ca[c] - ca[:c]) * q <= cap
+            if not fit[c - 1]:
+                continue
+            a0 = c - 1
+            while a0 > 0 and fit[a0 - 1]:
+                a0 -= 1
+            par = par[a0:]
+            fw = (cf[c] - cf[a0:c]) * q
+            rt = fw + (cb[c] - cb[a0:c]) * q
+            y = np.where(par > 0, alpha + beta * par * gbp, 0.0) if r > 1 else np.zeros(c - a0)
+            y = y + par * otp
+            n = nf - sg
+            Fa, Xa, Ya = F[a0:c, :n], X[a0:c, :n], Y[a0:c, :n]
+            rt_, fw_, y_ = rt[:, None], fw[:, None], y[:, None]
+            np.minimum(F[c, sg:], (Fa + fw_).min(axis=0), out=F[c, sg:])
+            np.minimum(X[c, sg:], np.maximum(Xa + rt_, Fa + (rt_ + y_)).min(axis=0), out=X[c, sg:])
+            np.minimum(Y[c, sg:], np.maximum(np.maximum(Ya, Xa + M * rt_), Fa + (M * rt_ + y_)).min(axis=0),
+                       out=Y[c, sg:])
+        for t in (Y, X, F):     # on at most f steps of slots
+            np.minimum.accumulate(t[c], out=t[c])
+    for t in (Y, X, F):     # less a relative 1e-9: sums in another order than the search's round differently
+        t[t > 0] *= 1 - 1e-9
+    return Y, X, F
 
 
 def _need_table(work: Workload, b: int, w: int, reps: list[tuple[int, int]], cap: float) -> list[float]:

@@ -324,10 +324,10 @@ MID_CASES = [("gpt-96", "dgx-a100-ib:4", 64, "flat"), ("bert-48", "v100-2x8-25gb
 
 @pytest.mark.parametrize("case", MID_CASES, ids=lambda c: f"{c[0]}-{c[1]}-G{c[2]}-{c[3]}")
 def test_fast_search_equals_the_earlier_search(case, monkeypatch):
-    """On mid-size jobs (too big for brute force) the search with the replica-capped prefix bounds and
-    the trial-threshold passes finds the same optimum, value and plan, as the search without them
-    (the earlier exact search), for DAPPLE's latency and PipeDream's slowest element (in two phases,
-    against one search over (slowest, L) labels)."""
+    """On mid-size jobs (too big for brute force) the search with the replica-capped prefix bounds, the
+    whole-prefix bound tables and the trial-threshold passes finds the same optimum, value and plan,
+    as the search without them (the earlier exact search), for DAPPLE's latency and PipeDream's
+    slowest element (in two phases, against one search over (slowest, L) labels)."""
     import sys
     from dataclasses import replace
     ps = sys.modules["planner.search"]      # the module (``planner.search`` is also the function)
@@ -340,6 +340,7 @@ def test_fast_search_equals_the_earlier_search(case, monkeypatch):
         fast = search(work, Topology(cl), G, objective=obj, top_k=1 if obj == "pipedream" else 4)
         with monkeypatch.context() as m:
             m.setattr(ps, "PREFIX_BOUNDS", False)
+            m.setattr(ps, "PREFIX_TABLES", False)
             m.setattr(ps, "CEILINGS", ())
             m.setattr(ps, "TWO_PHASE", False)
             ref = search(work, Topology(cl), G, objective=obj, top_k=4)
@@ -411,3 +412,163 @@ def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatc
     # of 2 or 3 leave a smaller last group, so no renaming
     got = Topology(replace(cl, nodes=5)).relabel((0, 5, 9), (17, 2))
     assert got == (((0, 5, 9), (13, 2)) if fabric == "flat" else ((0, 5, 9), (17, 2)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_allreduce_floor_is_below_every_offset(seed):
+    """Topology.allreduce_floor(policy, r) is at most the all-reduce of the stage of r replicas at every
+    offset of the allocation order (every size), on flat, fat-tree and rail fabrics; on DGX nodes it
+    is within 1% of the least of them, for stages on whole nodes (fresh-first) and spread over nodes
+    (scatter-first)."""
+    from dataclasses import replace
+    rng = random.Random(1300 + seed)
+    nodes, dpn = rng.choice([(4, 2), (3, 4), (6, 2), (2, 4), (8, 1)])
+    cl = small_cluster(rng, nodes, dpn)
+    if seed % 2:
+        cl = replace(cl, fabric=rng.choice(["fat-tree", "rail"]), nodes_per_leaf=2, oversubscription=2.0,
+                     nics_per_node=dpn)
+    topo = Topology(cl)
+    N = cl.num_devices
+    for pol in ("fresh-first", "append-first", "scatter-first"):
+        for r in range(1, N + 1):
+            s = topo.slots(pol, r)
+            if s > N:
+                continue
+            a, b = topo.allreduce_floor(pol, r)
+            for off in range(N - s + 1):
+                alpha, beta = topo.allreduce_at(pol, off, r)      # what the search charges there
+                for nbytes in (0.0, 1e3, 1e9):
+                    assert a + b * nbytes <= (alpha + beta * nbytes) * (1 + 1e-12)
+                    assert a + b * nbytes <= topo.allreduce(topo.devices(pol, off, r), nbytes) * (1 + 1e-12) \
+                        or nbytes == 0
+    # tight where the planner leans on it: DGX nodes (one NIC per GPU), whole nodes or spread over nodes
+    dgx = Topology(load_cluster("dgx-a100-ib:4"))
+    for pol, r in (("fresh-first", 8), ("fresh-first", 16), ("fresh-first", 32), ("scatter-first", 4),
+                   ("scatter-first", 8), ("scatter-first", 16)):
+        a, b = dgx.allreduce_floor(pol, r)
+        least = min(dgx.allreduce(dgx.devices(pol, off, r), 1e9) for off in range(32 - dgx.slots(pol, r) + 1))
+        assert least * 0.99 <= a + b * 1e9 <= least
+
+
+def _prefix_terms(work, topo, plan_stages, policy, b, M):
+    """(C + Tp, R + Tp, FW) of a prefix: stages [(i, j, devs)] from layer 0 with their boundaries
+    (planner.search._prefix_tables)."""
+    from planner.cost import boundary_bytes, stage_estimate
+    C = Tp = -float("inf")
+    R = FW = BW = 0.0
+    for s, (i, j, devs) in enumerate(plan_stages):
+        if s:
+            a = plan_stages[s - 1][2]
+            nb = boundary_bytes(work, i - 1, b)
+            fb, bb = topo.transfer(a, devs, nb), topo.transfer(devs, a, nb)
+            C = max(C, R + fb + bb + (M - 1) * max(fb, bb))
+            R, FW, BW = R + fb + bb, FW + fb, BW + bb
+        st = stage_estimate(work, topo, i, j, devs, b, 1)
+        rt = st.f + st.b
+        C = max(C, R + rt + (M - 1) * rt)
+        Tp = max(Tp, st.allreduce + st.optim - BW)
+        R, FW, BW = R + rt, FW + st.f, BW + st.b
+    return C + Tp, R + Tp, FW
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_prefix_tables_bound_every_prefix(seed):
+    """Every entry of the whole-prefix bound tables is at most the least (C + Tp, R + Tp, FW) of the
+    prefixes it stands for (stages [0, i) that fit with w micro-batches in flight, on at most f slots,
+    at any offset), checked by enumerating the prefixes of small jobs; and Y of the first layer is
+    within 2% of its best one-stage prefix (the bound is not vacuous)."""
+    import sys
+    import itertools
+    from dataclasses import replace
+    ps = sys.modules["planner.search"]
+    rng = random.Random(1400 + seed)
+    nodes, dpn = rng.choice([(2, 2), (1, 4), (2, 3), (3, 2)])
+    cl = small_cluster(rng, nodes, dpn)
+    if seed % 3 == 2:
+        cl = replace(cl, fabric="fat-tree", nodes_per_leaf=2, oversubscription=2.0, nics_per_node=dpn)
+    topo = Topology(cl)
+    work = rand_work(rng, rng.randint(2, 5), rng.choice([None, 8e9, 16e9]))
+    cap = float("inf") if work.memory_capacity is None else work.memory_capacity
+    G = rng.choice([4, 8, 12])
+    N = cl.num_devices
+    closest = float("inf")
+    for M in (m for m in ps.divisors(G) if m <= 4):
+        b = G // M
+        for pol in ("fresh-first", "append-first", "scatter-first"):
+            slots = {r: topo.slots(pol, r) for r in ps._rep_values(ps.SearchSpace(), b, N)}
+            reps = [r for r, s in slots.items() if s <= N]
+            for w in (1, 2):
+                Y, X, F = ps._prefix_tables(work, topo, pol, b, M, w, reps, slots, cap, N, 1)
+                for i in range(1, work.num_layers + 1):
+                    for S in range(1, i + 1):
+                        for cuts in itertools.combinations(range(1, i), S - 1):
+                            edges = (0, *cuts, i)
+                            for rv in itertools.product(reps, repeat=S):
+                                used = sum(slots[r] for r in rv)
+                                if used > N or any(
+                                        work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
+                                        + w * work.activation(edges[s], edges[s + 1]) * b / rv[s] > cap
+                                        for s in range(S)):
+                                    continue
+                                for end in range(used, N + 1):      # the prefix's last slot
+                                    off, stages = end - used, []
+                                    for s, r in enumerate(rv):
+                                        stages.append((edges[s], edges[s + 1], topo.devices(pol, off, r)))
+                                        off += slots[r]
+                                    y, x, fw = _prefix_terms(work, topo, stages, pol, b, M)
+                                    for f in range(used, N + 1):
+                                        assert Y[i][f] <= y * (1 + 1e-12)
+                                        assert X[i][f] <= x * (1 + 1e-12)
+                                        assert F[i][f] <= fw * (1 + 1e-12)
+                                    if i == 1:
+                                        closest = min(closest, (y - Y[i][N]) / y)
+    assert 0 <= closest <= 0.02     # one layer: its one-stage prefix is within the all-reduce floor of Y
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_latency_floor_and_the_pipedream_skip(seed, monkeypatch):
+    """latency_floor(M) is at most DAPPLE's latency of every plan with M micro-batches that fits (brute
+    force), and the PipeDream baseline that skips the Ms by it keeps the plan of the scan over every M."""
+    import sys
+    ch = sys.modules["planner.choose"]
+    ps = sys.modules["planner.search"]
+    rng = random.Random(1500 + seed)
+    nodes, dpn = rng.choice([(2, 2), (1, 4), (4, 1), (2, 3), (3, 2)])
+    topo = Topology(small_cluster(rng, nodes, dpn))
+    work = rand_work(rng, rng.randint(2, 5), rng.choice([None, 8e9, 16e9]))
+    G = rng.choice([4, 8, 12])
+    space = SPACES[seed % len(SPACES)]
+    for M in ps.divisors(G):
+        floor = ps.latency_floor(work, topo, G, M, space=space)
+        best, plan, _ = exhaustive(work, topo, G, space=replace_space(space, M))
+        assert floor <= best * (1 + 1e-12)
+        if plan is not None:
+            assert floor > 0
+    skip = ch.pipedream_plan(work, topo, G, space=space)
+    monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)
+    scan = ch.pipedream_plan(work, Topology(topo.cluster), G, space=space)
+    assert (skip is None) == (scan is None)
+    if scan is not None:
+        assert skip.plan == scan.plan
+
+
+def replace_space(space, M):
+    from dataclasses import replace
+    return replace(space, microbatches=(M,))
+
+
+def test_pipedream_skip_keeps_the_mid_size_baseline(monkeypatch):
+    """On a mid-size job the skipping baseline searches fewer micro-batch counts and keeps the same plan."""
+    import sys
+    ch = sys.modules["planner.choose"]
+    cl = load_cluster("dgx-a100-ib:4")
+    work = load_workload("gpt-96", cl.device)
+    calls = []
+    real = ch.search
+    monkeypatch.setattr(ch, "search", lambda *a, **k: calls.append(k["space"].microbatches) or real(*a, **k))
+    skip = ch.pipedream_plan(work, Topology(cl), 64)
+    searched = len(calls)
+    monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)
+    scan = ch.pipedream_plan(work, Topology(cl), 64)
+    assert skip.plan == scan.plan and skip.estimate.latency_rt == scan.estimate.latency_rt
+    assert searched < len(calls) - searched == 7
