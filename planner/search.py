@@ -412,6 +412,18 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         if ctx.budget is not None and ctx.evaluated > ctx.budget:
             raise _OutOfBudget
         rows = [None] * j   # i -> the stage [i, j)'s costs on r replicas, which no label changes
+
+        def stage_row(i, q=q, cfqj=cfqj, cbqj=cbqj, cfq=cfq, cbq=cbq, alpha=alpha, beta=beta, has_ar=has_ar,
+                      rows=rows):
+            """The stage [i, j)'s costs on r replicas, computed once (rows[i]): parameter bytes,
+            activation bytes per micro-batch, backward, round trip, all-reduce, and the all-reduce
+            plus the optimizer step."""
+            par = cpj - cp[i]
+            bw = (cbqj - cbq[i]) * q
+            rt = (cfqj - cfq[i]) * q + bw
+            ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
+            row = rows[i] = (par * bps, caj - ca[i], bw, rt, ar, ar + par * otp)
+            return row
         if k:
             # The boundary's costs only raise p and V (p1 >= p, v1 >= v), so a label whose first
             # stage [i, j) breaks the scan (memory, or p2 / v2 above the threshold or pcap) with a
@@ -422,14 +434,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
                     continue
                 n2 = n + 1 if n < M else M
                 i = j - 1 if (more and (limit is None or cnt + 1 < limit)) else 0
-                row = rows[i]
-                if row is None:
-                    par = cpj - cp[i]
-                    bw = (cbqj - cbq[i]) * q
-                    rt = (cfqj - cfq[i]) * q + bw
-                    ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
-                    row = rows[i] = (par * bps, caj - ca[i], bw, rt, ar, ar + par * otp)
-                pbs, da, bw, rt, ar, y = row
+                pbs, da, bw, rt, ar, y = rows[i] or stage_row(i)
                 if pbs + n2 * da * q > cap:
                     continue
                 x = Mm1 * rt
@@ -482,14 +487,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
             while i >= 0:
                 if not can_more and i > 0:
                     i = 0          # the stage must take every remaining layer
-                row = rows[i]
-                if row is None:
-                    par = cpj - cp[i]
-                    bw = (cbqj - cbq[i]) * q
-                    rt = (cfqj - cfq[i]) * q + bw
-                    ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
-                    row = rows[i] = (par * bps, caj - ca[i], bw, rt, ar, ar + par * otp)
-                pbs, da, bw, rt, ar, y = row
+                pbs, da, bw, rt, ar, y = rows[i] or stage_row(i)
                 if pbs + n2 * da * q > cap:
                     break
                 x = Mm1 * rt
