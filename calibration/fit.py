@@ -236,9 +236,10 @@ def fit_time_slice(series: list[RunSeries], fit: Callable[[float], CalibrationPr
     ``fit(slice)`` fits the profile with it (the runtime and the in-run communication, through the
     simulator with time-sliced cores); the one whose simulated step times come closest to the
     measured ones (root mean square of the relative errors over ``series``) wins. Measured here (4
-    ranks on 2 cores, two sittings): 4-6 ms; processor sharing instead had 1-stage-per-rank
-    schedules (GPipe, ZB-H1, Chimera) 17-22% short while the runtime fit reproduced the op totals.
-    Returns (slice, its profile)."""
+    ranks on 2 cores): 4-6 ms on two recorded sittings refitted offline, 2, 10 and 4 ms in three
+    validate sittings (with ops of 1-3 ms the fit hardly tells the slices apart); processor sharing
+    instead had 1-stage-per-rank schedules (GPipe, ZB-H1, Chimera) 17-22% short while the runtime
+    fit reproduced the op totals. Returns (slice, its profile)."""
     lows = [lowered_schedule(x.config) for x in series]
     warm = series[0].rules.warmup if series else 0
     best = None
