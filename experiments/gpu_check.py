@@ -167,12 +167,10 @@ def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int,
 
     from cost_models import load_device, load_model
     from cost_models.layer_measurements import error_table, fit_constants
-    from executor.device import check_device
+    from executor.device import check_device, select_device
 
     from .tables import fmt_table, markdown
-    check_device(device)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False); use --device cpu")
+    check_device(device)                                 # refuses cuda where CUDA is not available
     spec, gpu = load_model(model), load_device(gpu_name)
     gpu.peak(dtype)                                      # the preset has the precision, before any work
     if gpu.kernels is None:
@@ -185,7 +183,7 @@ def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int,
     if layers < max(devices):
         raise ValueError(f"--devices {max(devices)}: the run has {layers} blocks, at least one per rank is needed")
     out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    dev = select_device(device).device                   # the executor's one device choice (cuda:0 here)
     print(f"gpu_check: {spec.name} block, {dtype}, on {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}"
           f" (kernel model: {gpu.name})")
 
