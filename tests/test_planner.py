@@ -444,7 +444,8 @@ def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatc
     the costs equal those computed on the devices themselves, exactly, for stages at any offsets and
     replica counts (node-major and scatter orders), and the renaming is the identity where the
     fabric's groups differ (a last group with fewer nodes); the same stages with another tensor size
-    reuse the stages' transfer terms and still equal the direct costs."""
+    reuse the stages' transfer terms and still equal the direct costs, and the form for stages of
+    distinct devices (Topology._distinct_terms) equals the pair-by-pair one."""
     from dataclasses import replace
     rng = random.Random(per)
     base = replace(small_cluster(rng, 6, 4), nics_per_node=4)
@@ -452,6 +453,8 @@ def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatc
     fast = Topology(cl)
     ref = Topology(cl)
     monkeypatch.setattr(ref, "relabel", lambda src, dst: (src, dst))
+    # and the reference prices every boundary pair by pair (fast: the faster form for distinct devices)
+    monkeypatch.setattr(ref, "_distinct_terms", ref._pair_terms)
     for _ in range(300):
         pol = rng.choice(["fresh-first", "append-first", "scatter-first"])
         r, r1 = rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2, 4, 5, 8])
