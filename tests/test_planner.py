@@ -408,6 +408,30 @@ def test_fast_search_equals_the_earlier_search(case, monkeypatch):
             assert fast.best.plan == ref.best.plan
 
 
+@pytest.mark.parametrize("case", MID_CASES[:3], ids=lambda c: f"{c[0]}-{c[1]}-G{c[2]}-{c[3]}")
+def test_seed_bounds_keep_the_search(case, monkeypatch):
+    """Seeds skipped by the lower bound of their stages' compute, and the most-replica seeds taken in
+    increasing bound (SEED_BOUNDS), leave the search exactly as it was: the same candidates (plans and
+    values, every one of top_k), the same stage placements evaluated and labels kept, for DAPPLE's
+    latency, the round-trip search on its budget and PipeDream's objective."""
+    import sys
+    from dataclasses import replace
+    ps = sys.modules["planner.search"]
+    model, name, G, fabric = case
+    cl = load_cluster(name)
+    if fabric != "flat":
+        cl = replace(cl, fabric=fabric, nodes_per_leaf=2, oversubscription=2.0)
+    work = load_workload(model, cl.device)
+    for obj, k, budget in (("dapple", 8, None), ("dapple-rt", 3, 20_000), ("pipedream", 1, None)):
+        got = []
+        for on in (True, False):
+            with monkeypatch.context() as m:
+                m.setattr(ps, "SEED_BOUNDS", on)
+                r = search(work, Topology(cl), G, objective=obj, top_k=k, budget=budget)
+            got.append(([(c.plan, c.value) for c in r.candidates], r.evaluated, r.labels, r.complete))
+        assert got[0] == got[1]
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_pipedream_in_two_phases_equals_one_search(seed, monkeypatch):
     """PipeDream's objective (slowest element, then L) searched in two phases (the least slowest
