@@ -583,18 +583,26 @@ def _seed(ctx: _Ctx, jobs) -> dict:
             got = known[("edges", D)] = balanced_edges(wts, D)
         return got
 
+    def fits(M, r, D):
+        """Whether the seed's stages fit in memory as estimate() counts them (cached, policy-free):
+        most seeds do not, and estimating the others is what costs."""
+        fk = ("seed-fits", ctx.G, cap, M, r, D)
+        got = known.get(fk)
+        if got is None:
+            q = ctx.G // M / r
+            edges = edges_of(D)
+            got = known[fk] = cap is None or not any(
+                work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
+                + min(D - s, M) * work.activation(edges[s], edges[s + 1]) * q > cap for s in range(D))
+        return got
+
     def value(M, policy, r, D):
         """(edges, the seed's objective value) or None when it does not fit or is not of the space."""
         ek = (ctx.G, cap, M, policy, r, D)
         edges, est = known.get(ek, (None, None))
         if est is None:
-            q = ctx.G // M / r
             edges = edges_of(D)
-            # the memory of estimate()'s stages, first: most seeds do not fit, and estimating the
-            # rest is what costs (the estimate is kept as False when it does not fit)
-            if cap is not None and any(
-                    work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
-                    + min(D - s, M) * work.activation(edges[s], edges[s + 1]) * q > cap for s in range(D)):
+            if not fits(M, r, D):      # (the estimate is kept as False when it does not fit)
                 est = False
             else:
                 devs = topo.place(policy, [r] * D)
@@ -666,7 +674,7 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     for M, policy in jobs:
         rs = [r for r in _rep_values(ctx.space, ctx.G // M, P) if topo.slots(policy, r) <= P]
         for r, D, total in shapes(M, policy):
-            if rs and r == rs[-1]:
+            if rs and r == rs[-1] and (fits(M, r, D) or not SEED_BOUNDS):    # (value(): None if not)
                 order.append((lower(M, r, D, total), len(order), M, policy, r, D))
     order.sort()
     for lb, _, M, policy, r, D in (order if SEED_BOUNDS else sorted(order, key=lambda x: x[1])):
@@ -686,9 +694,15 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     for M, policy in jobs:
         for r, D, total in shapes(M, policy):
             best = first.get((M, policy), INF)
-            lbv = lower(M, r, D, total, bound, best)
+            lbv = (total / D if slow else max(total, M * total / D)) * (1 - 1e-9)
             if lbv > bound and lbv >= best:
                 continue
+            if SEED_BOUNDS:
+                if not fits(M, r, D):
+                    continue        # value() is None: nothing offered, nothing found
+                lbv = lower(M, r, D, total, bound, best)
+                if lbv > bound and lbv >= best:
+                    continue
             got = value(M, policy, r, D)
             if got is None:
                 continue
