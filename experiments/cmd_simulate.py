@@ -79,8 +79,9 @@ def main(args) -> int:
     print(f"{rec['schedule']}: D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
           f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
     if rec["replicas"] > 1:
-        print("  replicas: " + ("identical, one simulated for all" if rec["simulated_replicas"] == 1 else
-                                f"all {rec['replicas']} simulated ({rec.get('full_simulation')})"))
+        k, R = rec["simulated_replicas"], rec["replicas"]
+        print("  replicas: " + ("identical, one simulated for all" if k == 1 else
+                                f"{'all' if k == R else f'{k} of'} {R} simulated ({rec.get('full_simulation')})"))
     for k, v in extra.items():
         if not isinstance(v, (dict, list)) and k != "memory_capacity":
             print(f"  {k}: {v}")

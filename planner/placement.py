@@ -31,6 +31,7 @@ Costs (closed forms from :mod:`cost_models.comm`, on the cluster with identity r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections import Counter
 from math import gcd
 
 from cost_models import Cluster, allreduce_time
@@ -267,33 +268,63 @@ class Topology:
         key = (src, dst)
         t = self._link.get(key)
         if t is None:
-            n = lcm(len(src), len(dst))
-            pairs: dict[tuple[int, int], float] = {}
-            for c in range(n):
-                p = (src[c % len(src)], dst[c % len(dst)])
-                pairs[p] = pairs.get(p, 0.0) + 1.0 / n
-            load: dict[str, float] = {}
-            paths = []
-            for p, frac in pairs.items():
-                path = self._path(p)
-                paths.append(path)
-                for name in path[0]:
-                    load[name] = load.get(name, 0.0) + frac
-            terms = set()
-            for names, bws, lat in paths:
-                if names:
-                    terms.add((lat, max(load[nm] / bw for nm, bw in zip(names, bws))))
-            # only the terms no other one exceeds in both latency and seconds per byte can be the
-            # largest lat + nbytes * k (nbytes >= 0)
-            terms = sorted(terms, key=lambda x: (-x[0], -x[1]))
-            keep, best = [], -1.0
-            for lat, k in terms:
-                if k > best:
-                    keep.append((lat, k))
-                    best = k
-            terms = keep
-            t = self._link[key] = tuple(terms)
+            distinct = len(set(src)) == len(src) and len(set(dst)) == len(dst)
+            t = self._link[key] = self._distinct_terms(src, dst) if distinct else self._pair_terms(src, dst)
         return t
+
+    def _pair_terms(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
+        """:meth:`transfer_terms` (uncached), pair by pair: sub-batch c < n = lcm(|src|, |dst|) goes from
+        src[c mod |src|] to dst[c mod |dst|]; a link's load is the share of the micro-batch crossing it,
+        a transfer's seconds per byte its path's largest load over bandwidth."""
+        n = lcm(len(src), len(dst))
+        pairs: dict[tuple[int, int], float] = {}
+        for c in range(n):
+            p = (src[c % len(src)], dst[c % len(dst)])
+            pairs[p] = pairs.get(p, 0.0) + 1.0 / n
+        load: dict[str, float] = {}
+        paths = []
+        for p, frac in pairs.items():
+            path = self._path(p)
+            paths.append(path)
+            for name in path[0]:
+                load[name] = load.get(name, 0.0) + frac
+        terms = set()
+        for names, bws, lat in paths:
+            if names:
+                terms.add((lat, max(load[nm] / bw for nm, bw in zip(names, bws))))
+        return _pareto(terms)
+
+    def _distinct_terms(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
+        """:meth:`transfer_terms` (uncached) of stages whose devices are distinct, in fewer steps and the
+        same arithmetic: sub-batch c < n = lcm goes from src[c mod |src|] to dst[c mod |dst|], and these
+        pairs are then all distinct (c is fixed by its residues), so each carries 0.0 + 1/n of the
+        micro-batch and a link crossed by k of them carries 1/n added k times in turn, ``acc[k]``; a
+        link's seconds per byte of the whole micro-batch are worked out once, not once per pair."""
+        n = lcm(len(src), len(dst))
+        ls, ld = len(src), len(dst)
+        got, getp = self._paths.get, self._path
+        paths = []
+        for c in range(n):
+            p = (src[c % ls], dst[c % ld])
+            paths.append(got(p) or getp(p))
+        count = Counter(nm for names, _, _ in paths for nm in names)
+        frac = 0.0 + 1.0 / n
+        acc = [0.0]
+        for _ in range(max(count.values(), default=0)):
+            acc.append(acc[-1] + frac)
+        per: dict[str, float] = {}
+        terms = set()
+        for names, bws, lat in paths:
+            if names:
+                k = -1.0
+                for nm, bw in zip(names, bws):
+                    x = per.get(nm)
+                    if x is None:
+                        x = per[nm] = acc[count[nm]] / bw
+                    if x > k:
+                        k = x
+                terms.add((lat, k))
+        return _pareto(terms)
 
     def _path(self, pair: tuple[int, int]) -> tuple[tuple[str, ...], tuple[float, ...], float]:
         """(link names, bandwidths, latency) of the path between a pair of devices (cached)."""
@@ -331,6 +362,17 @@ class Topology:
         if t is None:
             t = self._xfer[key] = transfer_seconds(self.transfer_terms(src, dst), nbytes)
         return t
+
+
+def _pareto(terms) -> tuple[tuple[float, float], ...]:
+    """The (latency, seconds per byte) terms no other one exceeds in both, by decreasing latency:
+    only they can be the largest lat + nbytes * k (nbytes >= 0)."""
+    keep, best = [], -1.0
+    for lat, k in sorted(terms, key=lambda x: (-x[0], -x[1])):
+        if k > best:
+            keep.append((lat, k))
+            best = k
+    return tuple(keep)
 
 
 def transfer_seconds(terms, nbytes: float) -> float:

@@ -70,6 +70,7 @@ found first as in one search; the second search's labels are DAPPLE's (V, T, n),
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -91,6 +92,7 @@ PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earli
 TWO_PHASE = True            # PipeDream's objective in two searches (False: one, over (slowest, L) labels; tests)
 WCAP = 2                    # the tables keep at most this many micro-batches in flight (fewer tables)
 PREFIX_TABLES = True        # the whole-prefix bounds of _prefix_tables (False: without them; tests)
+SEED_BOUNDS = True          # seeds skipped by their stages' compute and in increasing bound (False: tests)
 
 
 class PlanError(ValueError):
@@ -566,24 +568,41 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     from the start; they are plans of the space, so the result stays exact."""
     work, topo, P = ctx.work, ctx.topo, ctx.P
     L = work.num_layers
-    wts = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(L)]
     limit = ctx.space.max_stages or L
     cap = None if ctx.capacity == INF else ctx.capacity
     known = _job_cache(topo, work)
     slow = ctx.objective in ("pipedream", "slowest")
+
+    def edges_of(D):
+        """The work-balanced partition into D stages (one per D: it depends on nothing else)."""
+        got = known.get(("edges", D))
+        if got is None:
+            wts = known.get("wts")
+            if wts is None:
+                wts = known["wts"] = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(L)]
+            got = known[("edges", D)] = balanced_edges(wts, D)
+        return got
+
+    def fits(M, r, D):
+        """Whether the seed's stages fit in memory as estimate() counts them (cached, policy-free):
+        most seeds do not, and estimating the others is what costs."""
+        fk = ("seed-fits", ctx.G, cap, M, r, D)
+        got = known.get(fk)
+        if got is None:
+            q = ctx.G // M / r
+            edges = edges_of(D)
+            got = known[fk] = cap is None or not any(
+                work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
+                + min(D - s, M) * work.activation(edges[s], edges[s + 1]) * q > cap for s in range(D))
+        return got
 
     def value(M, policy, r, D):
         """(edges, the seed's objective value) or None when it does not fit or is not of the space."""
         ek = (ctx.G, cap, M, policy, r, D)
         edges, est = known.get(ek, (None, None))
         if est is None:
-            q = ctx.G // M / r
-            edges = balanced_edges(wts, D)
-            # the memory of estimate()'s stages, first: most seeds do not fit, and estimating the
-            # rest is what costs (the estimate is kept as False when it does not fit)
-            if cap is not None and any(
-                    work.param_count(edges[s], edges[s + 1]) * work.bytes_per_param_static
-                    + min(D - s, M) * work.activation(edges[s], edges[s + 1]) * q > cap for s in range(D)):
+            edges = edges_of(D)
+            if not fits(M, r, D):      # (the estimate is kept as False when it does not fit)
                 est = False
             else:
                 devs = topo.place(policy, [r] * D)
@@ -611,30 +630,79 @@ def _seed(ctx: _Ctx, jobs) -> dict:
                     break
                 yield r, D, total
 
+    def lower(M, r, D, total, bound=-INF, best=-INF):
+        """A lower bound on the seed's value: its slowest stage takes >= total / D, and L >= the
+        stages' round trips and >= M times a stage's; and unless that exceeds ``bound`` and is at
+        least ``best`` (the seed is skipped then), the tighter one of its stages' compute alone
+        (cached, policy-free): L >= max over stages s of (round trips st of stages 0..s) + (M - 1)
+        st_s (the pivot formula's value at stage s, whose elements up to it include the boundaries'
+        transfers too, plus an ending >= 0), the slowest element >= max st_s; less a relative 1e-9
+        for sums in another order than estimate()'s. Both are <= the value: skipping by them keeps
+        what the seeds keep (see below)."""
+        lb = (total / D if slow else max(total, M * total / D)) * (1 - 1e-9)
+        if (lb > bound and lb >= best) or not SEED_BOUNDS:
+            return lb
+        lk = ("seed-bound", ctx.G, M, r, D)
+        got = known.get(lk)
+        if got is None:
+            b = ctx.G // M
+            wq = work.at(b // r)
+            q, cf, cb, e = b / r, wq._cf, wq._cb, edges_of(D)
+            acc = piv = top = 0.0
+            for s in range(D):
+                st = (cf[e[s + 1]] - cf[e[s]] + cb[e[s + 1]] - cb[e[s]]) * q
+                acc += st
+                if st > top:
+                    top = st
+                x = acc + (M - 1) * st
+                if x > piv:
+                    piv = x
+            got = known[lk] = (top * (1 - 1e-9), piv * (1 - 1e-9))
+        x = got[0] if slow else got[1]
+        return x if x > lb else lb
+
     # The seeds on the most replicas of every configuration first (usually the best ones): their
     # top_k-th best value (over distinct plans) bounds the threshold after seeding, and their best
-    # per configuration the configuration's best seed. A seed whose lower bound exceeds both (its
-    # slowest stage takes >= total / D; L >= the stages' round trips and >= M times a stage's) is
+    # per configuration the configuration's best seed. A seed whose lower bound exceeds both is
     # neither kept nor its configuration's best: it is not estimated. The others are offered in
-    # their usual order, so the kept plans are the same.
-    pre, first = {}, {}
+    # their usual order, so the kept plans are the same. The first ones are taken in increasing
+    # lower bound, and one whose bound exceeds the top_k-th best value found so far and its
+    # configuration's best so far is skipped: both only fall, so the seed is above the final ones
+    # too and changes neither (the same bound and best per configuration as estimating them all).
+    pre, first, vals = {}, {}, []
+    order = []
     for M, policy in jobs:
         rs = [r for r in _rep_values(ctx.space, ctx.G // M, P) if topo.slots(policy, r) <= P]
-        for r, D, _ in shapes(M, policy):
-            if rs and r == rs[-1]:
-                got = value(M, policy, r, D)
-                if got is not None:
-                    devs = topo.place(policy, [r] * D)
-                    pre[(M, tuple(zip(got[0], got[0][1:], devs)))] = got[1][0]
-                    first[(M, policy)] = min(first.get((M, policy), INF), got[1][0])
-    vals = sorted(pre.values())
+        for r, D, total in shapes(M, policy):
+            if rs and r == rs[-1] and (fits(M, r, D) or not SEED_BOUNDS):    # (value(): None if not)
+                order.append((lower(M, r, D, total), len(order), M, policy, r, D))
+    order.sort()
+    for lb, _, M, policy, r, D in (order if SEED_BOUNDS else sorted(order, key=lambda x: x[1])):
+        kth = vals[ctx.top_k - 1] if len(vals) >= ctx.top_k else INF
+        if lb > kth and lb >= first.get((M, policy), INF) and SEED_BOUNDS:
+            continue
+        got = value(M, policy, r, D)
+        if got is not None:
+            devs = topo.place(policy, [r] * D)
+            key = (M, tuple(zip(got[0], got[0][1:], devs)))
+            if key not in pre:
+                bisect.insort(vals, got[1][0])
+            pre[key] = got[1][0]
+            first[(M, policy)] = min(first.get((M, policy), INF), got[1][0])
     bound = vals[ctx.top_k - 1] if len(vals) >= ctx.top_k else INF
     found = {}
     for M, policy in jobs:
         for r, D, total in shapes(M, policy):
+            best = first.get((M, policy), INF)
             lbv = (total / D if slow else max(total, M * total / D)) * (1 - 1e-9)
-            if lbv > bound and lbv >= first.get((M, policy), INF):
+            if lbv > bound and lbv >= best:
                 continue
+            if SEED_BOUNDS:
+                if not fits(M, r, D):
+                    continue        # value() is None: nothing offered, nothing found
+                lbv = lower(M, r, D, total, bound, best)
+                if lbv > bound and lbv >= best:
+                    continue
             got = value(M, policy, r, D)
             if got is None:
                 continue

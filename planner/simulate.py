@@ -22,11 +22,18 @@ The executor runs such plans (``pipetwin run --plan``): the copies of one stage 
 one module (one set of weights, gradients and optimizer state), their gradients are summed
 locally before the stage's all-reduce, and messages between stages with different replica counts
 use the per-copy peers the lowering records.
+
+The planner simulates a non-uniform plan whose replica counts share a divisor g > 1 as g
+data-parallel replicas of the plan with r_s / g (``build_plan(split=True)``, exactly the same
+programs on the same devices), so the simulator's replica symmetry applies: one replica of each
+kind of alike ones is simulated (GPT-96's exact optimum on 1,024 A100s at M = 16: 128 of 1,024
+ranks).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import reduce
+from math import gcd
 
 from cost_models import Cluster, PerLayerCostModel, StageCosts
 from cost_models.partition import balanced_edges
@@ -111,9 +118,29 @@ def _sub_batch_costs(plan: Plan, work: Workload, C: int):
     return replace(lc, f=tuple(f), b_input=tuple(bi), w=tuple(w), b_full=None)
 
 
+def replica_groups(plan: Plan) -> int:
+    """g = gcd of the stages' replica counts: the data-parallel replicas a non-uniform plan splits into
+    (see :func:`build_plan`'s ``split``)."""
+    return reduce(gcd, plan.replicas, 0)
+
+
 def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | None = None, *,
-               eager: bool = True, check: bool = True) -> Built:
-    """Lower a plan, bind its costs and place it (see the module docstring)."""
+               eager: bool = True, check: bool = True, split: bool = False) -> Built:
+    """Lower a plan, bind its costs and place it (see the module docstring).
+
+    ``split`` (non-uniform plans whose replica counts r_s have a common divisor g = gcd(r_s) > 1,
+    :func:`replica_groups`): the same programs as g data-parallel replicas of the plan with r_s / g
+    replicas per stage, ``lower(replicated_schedule(r / g, M), replicas=g)``, so the simulator can
+    take its replica-symmetric path. Exact: with C = lcm(r_s) = g C', copy c = c' g + j of the
+    IR form sits on device i = (c mod r_s) = g (c' mod r_s / g) + j of stage s, so the copies and
+    devices with one j = c mod g form a pipeline of their own (every transfer goes from a device of
+    group j to one of group j; only the stages' all-reduces join the groups), and group j is that
+    of replica j of the split form with c' = c // g, i' = i // g: the same ops in the same order on
+    every device (the copies of a device ascending in c and in c' alike), the same FIFO messages, the
+    same sub-batch b / C and the same all-reduce groups (every device of the stage). Rank
+    ``j D' + offset'_s + i'`` of the split form runs on device ``devices_s[i' g + j]``, the one
+    that rank ``offset_s + i`` of the IR form runs on. For the simulator, not the executor (whose
+    plan files keep the IR form)."""
     cap = capacity if capacity is not None else work.memory_capacity
     if plan.num_layers != work.num_layers:
         raise ValueError(f"the plan covers {plan.num_layers} layers; model {work.name} has {work.num_layers}")
@@ -133,20 +160,25 @@ def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | N
         if plan.schedule not in ("dapple", REPLICATED):
             raise ValueError(f"a plan with replicas {list(plan.replicas)} per stage runs the DAPPLE schedule only; "
                              f"got {plan.schedule!r}")
-        sched = replicated_schedule(plan.replicas, M)
-        low = lower(sched, eager=eager)
-        C = sched.meta["sub_batches"]
+        g = replica_groups(plan) if split else 1
+        sub = [r // g for r in plan.replicas]
+        sched = replicated_schedule(sub, M)
+        low = lower(sched, replicas=g, eager=eager)
+        C = g * sched.meta["sub_batches"]
         part = plan.partition
         costs = PerLayerCostModel(_sub_batch_costs(plan, work, C), part).bind(low)
-        stage_of = [s for s, st in enumerate(plan.stages) for _ in st.devices]
+        stage_of = [s for s, r in enumerate(sub) for _ in range(r)]
         params = [work.param_count(st.start, st.stop) for st in plan.stages]
-        costs = replace(costs, static_mem=tuple(params[stage_of[r]] * work.bytes_per_param_static
+        D = low.num_devices
+        costs = replace(costs, static_mem=tuple(params[stage_of[r % D]] * work.bytes_per_param_static
                                                 for r in range(low.num_ranks)),
-                        optim_time=tuple(params[stage_of[r]] * work.optim_time_per_param
+                        optim_time=tuple(params[stage_of[r % D]] * work.optim_time_per_param
                                          for r in range(low.num_ranks)))
-        dmap = tuple(d for st in plan.stages for d in st.devices)
+        dmap = tuple(st.devices[i * g + j] for j in range(g) for st, r in zip(plan.stages, sub) for i in range(r))
         extra = {"layout": "replicas " + ":".join(map(str, plan.replicas)), "sub_batches": C,
                  "micro_batch_per_sub_batch": b // C}
+        if g > 1:
+            extra["split_replicas"] = g
     if check:
         validate(low)
     costs.meta.update(model=costs.meta.get("model", "per-layer"), model_name=work.name, memory_capacity=cap,
@@ -174,10 +206,17 @@ class SimOutcome:
 
 
 def simulate_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | None = None,
-                  options: SimOptions | None = None) -> SimOutcome:
+                  options: SimOptions | None = None, *, split: bool = True) -> SimOutcome:
     """One simulated iteration of a plan (the simulator's fast path: metrics without a trace, one
-    replica standing for identical ones)."""
-    bt = build_plan(plan, work, cluster, capacity, check=False)
+    replica standing for identical ones; a non-uniform plan split into gcd(r_s) replicas, see
+    :func:`build_plan`; ``split=False``: its IR form, every rank simulated)."""
+    bt = build_plan(plan, work, cluster, capacity, check=False, split=split)
     m = run(bt.lowered, bt.costs, bt.network, options or SimOptions()).metrics()
-    peaks = tuple(p.peak_memory for p in m.per_device)
+    peaks = [p.peak_memory for p in m.per_device]
+    g = bt.extra.get("split_replicas", 1)
+    if g > 1:       # back to the IR form's rank order: its rank offset_s + i' g + j is j D' + offset'_s + i'
+        D, subs = bt.lowered.num_devices, [r // g for r in plan.replicas]
+        peaks = [peaks[j * D + sum(subs[:s]) + i // g] for s, r in enumerate(plan.replicas) for i in range(r)
+                 for j in [i % g]]
+    peaks = tuple(peaks)
     return SimOutcome(m.iteration_time, m.bubble_ratio, max(peaks), peaks, bt.costs.meta.get("memory_capacity"))

@@ -34,8 +34,9 @@ all-reduce phase is a few flows standing for its transfers. The classes come fro
 transfers until every member of a class crosses links that carry the same load from the same
 classes (an equitable partition, :func:`sim.symmetry.replica_classes`); then max-min fair sharing
 gives every member the rate of its representative, so replica 0's run is every replica's. When a
-replica's transfers fall into a class of their own, the placement is not symmetric and every
-replica is simulated; ``SimOptions(exact=True)`` forces that.
+replica's transfers fall into classes of their own, the placement is not symmetric: one replica of
+each kind of alike ones is simulated (:mod:`sim.symmetry`), every replica when none are alike;
+``SimOptions(exact=True)`` forces the full simulation.
 
 The engine knows no schedule by name: everything it does is driven by op kinds and placement.
 """
@@ -120,8 +121,10 @@ class SimResult:
     """What one simulation measured: per-step iteration times and, for the last step, every rank's
     busy (compute) time and peak activation memory; the trace when it was recorded.
 
-    ``simulated_replicas``: 1 when replica symmetry let one replica stand for all, else R;
-    ``full_reason`` says why every replica was simulated (None when it was not needed)."""
+    ``simulated_replicas``: 1 when replica symmetry let one replica stand for all, k when one of
+    each of k kinds of alike replicas stood for the others, else R; ``full_reason`` says why more
+    than one was simulated (None when it was not needed); ``rep_of[i]``: the simulated replica
+    whose run is replica i's."""
 
     attrs: dict
     iteration_times: list[float]
@@ -131,6 +134,7 @@ class SimResult:
     full_reason: str | None = None
     _rows: list | None = field(default=None, repr=False)
     _trace: pd.DataFrame | None = field(default=None, repr=False)
+    rep_of: list | None = field(default=None, repr=False)   # replica -> the simulated one standing for it
 
     @property
     def iteration_time(self) -> float:
@@ -152,29 +156,39 @@ class SimResult:
         if self._trace is None:
             if self._rows is None:
                 raise ValueError("this simulation kept no trace; run it with trace=True")
-            self._trace = _expand(self._rows, self.attrs, self.simulated_replicas)
+            self._trace = _expand(self._rows, self.attrs, self.rep_of)
             self._rows = None
         return self._trace
 
 
-def _expand(rows: list, attrs: dict, simulated: int) -> pd.DataFrame:
-    R, D = attrs["replicas"], attrs["devices"]
+def _expand(rows: list, attrs: dict, rep_of: list | None) -> pd.DataFrame:
+    """The trace of every replica from the simulated ones' rows: replica i's are those of
+    ``rep_of[i]`` with the ranks shifted."""
+    D = attrs["devices"]
     base = make_trace(rows, **attrs)
-    if simulated == R or R == 1:
+    if rep_of is None or all(k == i for i, k in enumerate(rep_of)):
         return base
     parts = [base]
-    tok = base["token"].to_numpy()
-    peer = base["peer"].to_numpy()
-    comm = peer >= 0
-    cut = [t.rfind(">") if ">" in t else t.rfind("<") for t in tok[comm]]
-    heads = [t[:c + 1] for t, c in zip(tok[comm], cut)]
-    for i in range(1, R):
-        part = base.copy()
-        part["device"] = base["device"].to_numpy() + i * D
-        part.loc[comm, "peer"] = peer[comm] + i * D
+    by_rep = {}
+    for i, k in enumerate(rep_of):
+        if k == i:
+            continue
+        got = by_rep.get(k)
+        if got is None:
+            mine = base[base["device"].to_numpy() // D == k].reset_index(drop=True)
+            tok = mine["token"].to_numpy()
+            peer = mine["peer"].to_numpy()
+            comm = peer >= 0
+            cut = [t.rfind(">") if ">" in t else t.rfind("<") for t in tok[comm]]
+            got = by_rep[k] = (mine, tok, peer, comm, [t[:c + 1] for t, c in zip(tok[comm], cut)])
+        mine, tok, peer, comm, heads = got
+        shift = (i - k) * D
+        part = mine.copy()
+        part["device"] = mine["device"].to_numpy() + shift
+        part.loc[comm, "peer"] = peer[comm] + shift
         if comm.any():
             t = tok.copy()
-            t[comm] = [h + str(p + i * D) for h, p in zip(heads, peer[comm])]
+            t[comm] = [h + str(p + shift) for h, p in zip(heads, peer[comm])]
             part["token"] = t
         parts.append(part)
     out = pd.concat(parts, ignore_index=True)
@@ -226,7 +240,7 @@ def run(sched: Schedule, costs: StageCosts, network: Network | None = None,
     low = sched if sched.lowered else lower(sched, eager=eager)
     eng = _Engine(low, costs, network, opts, trace)
     if max_ops is not None:
-        ops = sum(len(low.programs[r % low.num_devices]) for r in range(eng.ranks))
+        ops = sum(len(low.programs[r % low.num_devices]) for r in eng.active)
         if ops > max_ops:
             why = f"the replicas are simulated one by one ({eng.full_reason})" if eng.full_reason else "the run"
             raise ValueError(f"{why}: {ops:,} ops per iteration, beyond the limit of {max_ops:,}; use fewer "
@@ -260,7 +274,15 @@ class _Engine:
             self.full_reason = symmetry_blocker(sched, costs, opts)
             if self.full_reason is None:
                 self.sym, self.full_reason = replica_classes(sched, costs, network, opts)
-        self.ranks = sched.num_devices if self.sym is not None else R
+        D = sched.num_devices
+        # the ranks simulated: those of one replica per kind under symmetry (replica 0 alone when all
+        # are alike), else all; rank r's metrics are those of rank rep[r]
+        reps = self.sym.reps if self.sym is not None else range(sched.replicas)
+        self.active = [k * D + d for k in reps for d in range(D)]
+        self.rep = ([self.sym.reps[0] * D + r % D if not self.sym.rep_of else self.sym.rep_of[r // D] * D + r % D
+                     for r in range(R)] if self.sym is not None else list(range(R)))
+        self.simulated_replicas = len(reps)
+        self.ranks = len(self.active)
         self.rows: list[TraceRow | None] = []
         self.arrived: dict[tuple, float] = {}            # messages delivered, not yet received -> time
         self.waiting: dict[tuple, simpy.Event] = {}      # RECVs blocked on a message
@@ -269,16 +291,17 @@ class _Engine:
         self.ar_done: dict[tuple[int, int], simpy.Event] = {}
         self.ar_end: dict[tuple[int, int], float] = {}
         self.pending_ar: dict[int, list[tuple]] = {}   # rank -> (row index, all-reduce key, row so far)
-        self.pc = [0] * self.ranks
-        self.finished = [False] * self.ranks
-        self.busy = [0.0] * self.ranks
-        self.peak = [0.0] * self.ranks
+        self.pc = [0] * R
+        self.finished = [False] * R
+        self.busy = [0.0] * R
+        self.peak = [0.0] * R
         self.step_first = [float("inf")] * opts.steps
         self.step_last = [float("-inf")] * opts.steps
         self.groups = {}
+        simulated = set(self.active)
         for s in range(sched.num_stages):
             g = sched.stage_group(s)
-            self.groups[s] = [r for r in g if r < self.ranks]
+            self.groups[s] = [r for r in g if r in simulated]
         self._paths: dict[tuple[int, int], tuple[list, float]] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -600,11 +623,11 @@ class _Engine:
             self.rows[idx] = row._replace(end=max(row.start, self.ar_end[key]))
 
     def run(self) -> SimResult:
-        for r in range(self.ranks):
+        for r in self.active:
             self.env.process(self._rank(r))
         with gc_paused():
             self.env.run()
-        stuck = [r for r in range(self.ranks) if not self.finished[r]]
+        stuck = [r for r in self.active if not self.finished[r]]
         if stuck:
             desc = "; ".join(f"rank {r} at {self.s.program(r)[self.pc[r]]}" for r in stuck)
             raise SimulationError(f"simulation deadlocked: {desc}")
@@ -614,13 +637,11 @@ class _Engine:
                      replicas=s.replicas, time_unit=c.time_unit, mem_unit=c.mem_unit,
                      static_mem={r: c.static_mem[r] for r in range(R)}, cost_model=c.meta.get("model", ""))
         its = [float(b - a) for a, b in zip(self.step_first, self.step_last)]
-        busy, peak = self.busy, self.peak
-        if self.ranks < R:
-            reps = R // self.ranks
-            busy, peak = busy * reps, peak * reps
+        busy = [self.busy[x] for x in self.rep]
+        peak = [self.peak[x] for x in self.rep]
         rows = [row for row in self.rows if row is not None] if self.record else None
-        return SimResult(attrs, its, list(busy), list(peak), 1 if self.ranks < R else s.replicas,
-                         self.full_reason, rows)
+        rep_of = [x // s.num_devices for x in self.rep[::s.num_devices]]
+        return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=rep_of)
 
 
 def _is_core(name: str) -> bool:

@@ -15,8 +15,14 @@ copy of a class the same rate (progressive filling raises them together and they
 saturations), so a class is one flow over one resource per kind of link it crosses, with a weight
 equal to the copies of the class on such a link. Links that can never limit a rate (a fabric uplink
 wide enough for everything that may cross it) are left out first. If the SENDs of some device pair split, a
-replica meets other links or contention than replica 0: the placement is not symmetric and the
-engine simulates every replica.
+replica meets other links or contention than replica 0: the placement is not symmetric. Replicas
+whose SENDs fall in the same classes, pair by pair, are still alike (a *kind*): every class of
+SENDs is then one device pair of one kind, so one replica of each kind is simulated (each of its
+transfers a flow standing for its kind's copies, the all-reduces as before) and stands for the
+others of its kind, by the same argument: the copies of a class start together and get the same
+rate, so alike replicas stay in lockstep. Only when every replica is a kind of its own does the
+engine simulate every replica (e.g. D = 12 on 8-GPU nodes: replicas 0 and 2 on 8 + 4 GPUs, 1 and
+3 on 4 + 8, two kinds).
 """
 from __future__ import annotations
 
@@ -28,12 +34,19 @@ from schedules.ir import SEND
 
 @dataclass
 class Symmetry:
-    """Flows of a one-replica run: ``p2p[(a, b)]`` = (resources, latency) of a transfer from
-    replica-0 rank a to b; ``allreduce[stage]`` = [(repeat, latency, [(resources, bytes, share)])]."""
+    """Flows of a run of one replica per kind: ``p2p[(a, b)]`` = (resources, latency) of a transfer
+    from rank a to b of a simulated replica; ``allreduce[stage]`` = [(repeat, latency, [(resources,
+    bytes, share)])]; ``rep_of[i]`` = the simulated replica that stands for replica i (the smallest
+    of its kind; ``reps`` = those, ascending; empty: replica 0 for all)."""
 
     p2p: dict = field(default_factory=dict)
     allreduce: dict = field(default_factory=dict)
     classes: int = 0
+    rep_of: list = field(default_factory=list)
+
+    @property
+    def reps(self) -> list[int]:
+        return sorted(set(self.rep_of)) or [0]
 
 
 def symmetry_blocker(sched, costs, opts) -> str | None:
@@ -81,7 +94,8 @@ def _drop_idle_links(paths: list[tuple[tuple[str, ...], float]], cap: dict[str, 
 
 
 def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str | None]:
-    """(the one-replica flows, None) when the network treats the replicas alike, else (None, why)."""
+    """(the flows of one replica per kind, why not one for all or None) when some replicas are alike
+    (their transfers in the same classes, pair by pair), else (None, why)."""
     if network is None:
         return Symmetry(), None
     D, R = sched.num_devices, sched.replicas
@@ -139,16 +153,20 @@ def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str |
         if len(sigs) == count:
             break
         count, cls = len(sigs), new
-    # a device pair's SENDs in every replica must stay one class
-    first: dict[int, int] = {}
+    # replicas whose transfers are in the same classes, pair by pair, are of one kind: one of each
+    # kind is simulated (every class of SENDs is then one device pair of one simulated replica)
+    sig: list[list[int]] = [[] for _ in range(R)]
+    why = None
     for i, (c0, a, b) in enumerate(copies):
-        if kinds[c0][0] != "p2p":
-            continue
-        if c0 not in first:
-            first[c0] = cls[i]
-        elif cls[i] != first[c0]:
-            return None, (f"replica {a // D}'s transfers from rank {a} to rank {b} meet other links or contention "
-                          f"than replica 0's (placement not symmetric)")
+        if kinds[c0][0] == "p2p":
+            sig[a // D].append(cls[i])
+            if why is None and cls[i] != sig[0][len(sig[a // D]) - 1]:
+                why = (f"replica {a // D}'s transfers from rank {a} to rank {b} meet other links or contention "
+                       f"than replica 0's (placement not symmetric)")
+    kind_rep: dict[tuple, int] = {}
+    rep_of = [kind_rep.setdefault(tuple(x), i) for i, x in enumerate(sig)]
+    if len(kind_rep) == R and R > 1:
+        return None, why
     rep: dict[int, int] = {}
     for i, c in enumerate(cls):
         rep.setdefault(c, i)
@@ -163,9 +181,9 @@ def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str |
                 out.append((f"sym{col}", (cap[n], float(load[n][c]))))
         return out, lat
 
-    sym = Symmetry(classes=count)
+    sym = Symmetry(classes=count, rep_of=rep_of if len(kind_rep) > 1 else [])
     for (c0, a, b), c in zip(copies, cls):
-        if kinds[c0][0] == "p2p" and a < D and (a, b) not in sym.p2p:
+        if kinds[c0][0] == "p2p" and rep_of[a // D] == a // D and (a, b) not in sym.p2p:
             sym.p2p[(a, b)] = resources(c)
     members: dict[int, list[int]] = {}
     for i, (c0, _, _) in enumerate(copies):
@@ -183,4 +201,4 @@ def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str |
                 flows.append((res, nb, 1.0))
             out.append((repeat, lat, flows))
         sym.allreduce[s] = out
-    return sym, None
+    return sym, (why + f"; one of each of {len(kind_rep)} kinds of alike replicas simulated" if why else None)

@@ -225,6 +225,63 @@ def test_replicated_schedule_is_valid_and_matches_the_estimate():
     assert sim.iteration_time == pytest.approx(e.latency_rt, rel=0.15)
 
 
+SPLIT = [  # (cluster changes, replicas, layers per stage, policy, M, G, kinds of alike replicas)
+    ({"devices_per_node": 2, "nodes": 8, "nics_per_node": 2, "fabric": "rail", "nodes_per_leaf": 4,
+      "oversubscription": 4.0}, (4, 8, 4), (8, 12, 6), "fresh-first", 4, 32, 2),
+    ({"devices_per_node": 2, "nodes": 8, "nics_per_node": 1, "fabric": "fat-tree", "nodes_per_leaf": 4,
+      "oversubscription": 4.0}, (4, 8, 4), (8, 12, 6), "fresh-first", 4, 32, 2),
+    ({"devices_per_node": 2, "nodes": 8, "nics_per_node": 2}, (2, 4, 6, 4), (5, 8, 8, 5), "append-first", 2, 48, 1),
+    ({"nodes": 2}, (2, 4, 2, 4), (6, 8, 6, 6), "scatter-first", 4, 32, 1),
+    ({}, (2, 4, 2), (8, 11, 7), "append-first", 4, 32, 2)]
+
+
+def _plan_of(topo, model, G, M, reps, layers, policy):
+    edges = [sum(layers[:s]) for s in range(len(layers) + 1)]
+    devs = topo.place(policy, list(reps))
+    return Plan(model, topo.cluster.name, G, M,
+                tuple(StagePlan(edges[s], edges[s + 1], devs[s]) for s in range(len(reps))), policy)
+
+
+@pytest.mark.parametrize("kw,reps,layers,policy,M,G,kinds", SPLIT, ids=[f"{c[1]}-{c[3]}" for c in SPLIT])
+def test_split_replicas_equal_the_ir_form(kw, reps, layers, policy, M, G, kinds):
+    """A non-uniform plan simulated as gcd(r_s) data-parallel replicas of the plan with r_s / gcd
+    replicas (build_plan(split=True)) is its IR form's simulation: the same iteration time and every
+    device's peak memory to the byte, with one replica of each kind simulated."""
+    from dataclasses import replace
+
+    from sim import run
+    c = replace(load_cluster("dgx-a100-4x8-ib"), **kw)
+    work = load_workload("gpt3-1.3b", c.device)
+    plan = _plan_of(Topology(c), "gpt3-1.3b", G, M, reps, layers, policy)
+    g = min(reps)
+    bt = build_plan(plan, work, c, split=True)          # validated
+    assert bt.lowered.replicas == g and bt.lowered.num_devices == sum(reps) // g
+    assert bt.extra["sub_batches"] == build_plan(plan, work, c).extra["sub_batches"]
+    assert sorted(bt.network.device_map) == sorted(d for st in plan.stages for d in st.devices)
+    res = run(bt.lowered, bt.costs, bt.network)
+    assert res.simulated_replicas == (kinds if kinds < g else g)
+    a, b = simulate_plan(plan, work, c, split=True), simulate_plan(plan, work, c, split=False)
+    assert a.iteration_time == pytest.approx(b.iteration_time, rel=1e-3)
+    assert a.per_device_peak == b.per_device_peak
+
+
+@pytest.mark.long
+def test_split_replicas_at_scale():
+    """The planner's exact optimum for GPT-96 on 1,024 A100s at M = 16 (17 stages, replicas
+    32:64:...:64:32, stages straddling rail groups): 32 replicas of 4 kinds, 128 of 1,024 ranks
+    simulated, the IR form's result (all 1,024 ranks)."""
+    c = load_cluster("dgx-a100-ib:128")
+    work = load_workload("gpt-96", c.device)
+    plan = _plan_of(Topology(c), "gpt-96", 1024, 16, (32,) + (64,) * 15 + (32,),
+                    (4, 9, 9, 8, 8, 7, 7, 6, 6, 6, 5, 5, 5, 4, 4, 4, 1), "fresh-first")
+    from sim import run
+    bt = build_plan(plan, work, c, check=False, split=True)
+    assert run(bt.lowered, bt.costs, bt.network).simulated_replicas == 4
+    a, b = simulate_plan(plan, work, c, split=True), simulate_plan(plan, work, c, split=False)
+    assert a.iteration_time == pytest.approx(b.iteration_time, rel=1e-3)
+    assert a.per_device_peak == b.per_device_peak
+
+
 def test_uniform_plan_in_the_ir():
     c = load_cluster("v100-2x8-25gbe")
     work = load_workload("bert-48", c.device)
@@ -351,6 +408,30 @@ def test_fast_search_equals_the_earlier_search(case, monkeypatch):
             assert fast.best.plan == ref.best.plan
 
 
+@pytest.mark.parametrize("case", MID_CASES[:3], ids=lambda c: f"{c[0]}-{c[1]}-G{c[2]}-{c[3]}")
+def test_seed_bounds_keep_the_search(case, monkeypatch):
+    """Seeds skipped by the lower bound of their stages' compute, and the most-replica seeds taken in
+    increasing bound (SEED_BOUNDS), leave the search exactly as it was: the same candidates (plans and
+    values, every one of top_k), the same stage placements evaluated and labels kept, for DAPPLE's
+    latency, the round-trip search on its budget and PipeDream's objective."""
+    import sys
+    from dataclasses import replace
+    ps = sys.modules["planner.search"]
+    model, name, G, fabric = case
+    cl = load_cluster(name)
+    if fabric != "flat":
+        cl = replace(cl, fabric=fabric, nodes_per_leaf=2, oversubscription=2.0)
+    work = load_workload(model, cl.device)
+    for obj, k, budget in (("dapple", 8, None), ("dapple-rt", 3, 20_000), ("pipedream", 1, None)):
+        got = []
+        for on in (True, False):
+            with monkeypatch.context() as m:
+                m.setattr(ps, "SEED_BOUNDS", on)
+                r = search(work, Topology(cl), G, objective=obj, top_k=k, budget=budget)
+            got.append(([(c.plan, c.value) for c in r.candidates], r.evaluated, r.labels, r.complete))
+        assert got[0] == got[1]
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_pipedream_in_two_phases_equals_one_search(seed, monkeypatch):
     """PipeDream's objective (slowest element, then L) searched in two phases (the least slowest
@@ -387,7 +468,8 @@ def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatc
     the costs equal those computed on the devices themselves, exactly, for stages at any offsets and
     replica counts (node-major and scatter orders), and the renaming is the identity where the
     fabric's groups differ (a last group with fewer nodes); the same stages with another tensor size
-    reuse the stages' transfer terms and still equal the direct costs."""
+    reuse the stages' transfer terms and still equal the direct costs, and the form for stages of
+    distinct devices (Topology._distinct_terms) equals the pair-by-pair one."""
     from dataclasses import replace
     rng = random.Random(per)
     base = replace(small_cluster(rng, 6, 4), nics_per_node=4)
@@ -395,6 +477,8 @@ def test_boundary_costs_equal_up_to_renaming_alike_nodes(fabric, per, monkeypatc
     fast = Topology(cl)
     ref = Topology(cl)
     monkeypatch.setattr(ref, "relabel", lambda src, dst: (src, dst))
+    # and the reference prices every boundary pair by pair (fast: the faster form for distinct devices)
+    monkeypatch.setattr(ref, "_distinct_terms", ref._pair_terms)
     for _ in range(300):
         pol = rng.choice(["fresh-first", "append-first", "scatter-first"])
         r, r1 = rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2, 4, 5, 8])

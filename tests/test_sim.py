@@ -253,6 +253,30 @@ def test_asymmetric_replicas_fall_back_to_the_full_simulation():
     assert slow.simulated_replicas == 2 and "not symmetric" in slow.full_reason
 
 
+@pytest.mark.parametrize("kw", [{"nodes": 6}, {"nodes": 6, "fabric": "rail", "nodes_per_leaf": 3,
+                                         "oversubscription": 4.0}], ids=["flat", "rail"])
+def test_alike_replicas_are_simulated_once_per_kind(kw):
+    """D = 12 on 8-GPU nodes, R = 4: replicas 0 and 2 take 8 + 4 GPUs of two nodes, 1 and 3 take 4 + 8,
+    so two kinds of replicas; one of each is simulated and the result is the full simulation's
+    (iteration time, memory to the byte, busy time, the trace)."""
+    low, costs, net = _placed("dapple", 12, 12, 4, **kw)
+    full = run(low, costs, net, SimOptions(exact=True))
+    two = run(low, costs, net)
+    assert two.simulated_replicas == 2 and two.rep_of == [0, 1, 0, 1]
+    assert "not symmetric" in two.full_reason and "2 kinds" in two.full_reason
+    a, b = full.metrics(), two.metrics()
+    assert b.iteration_time == pytest.approx(a.iteration_time, rel=1e-3)
+    assert [p.peak_memory for p in b.per_device] == [p.peak_memory for p in a.per_device]
+    assert [p.busy for p in b.per_device] == pytest.approx([p.busy for p in a.per_device])
+    assert run(low, costs, net, max_ops=sum(map(len, low.programs)) * 2).simulated_replicas == 2
+    key = ["device", "step", "seq"]
+    tf = simulate(low, costs, net, SimOptions(exact=True)).sort_values(key).reset_index(drop=True)
+    tt = simulate(low, costs, net).sort_values(key).reset_index(drop=True)
+    assert len(tt) == len(tf) and tt["token"].tolist() == tf["token"].tolist()
+    assert tt["peer"].tolist() == tf["peer"].tolist()
+    assert tt["end"].to_numpy() == pytest.approx(tf["end"].to_numpy(), rel=1e-9, abs=1e-12)
+
+
 def test_run_refuses_a_full_simulation_beyond_max_ops():
     low, costs, net = _placed("dapple", 3, 6, 4)          # replicas differ: every one is simulated
     with pytest.raises(ValueError, match=r"replicas are simulated one by one \(replica 1's .*beyond the limit of 100"):
