@@ -29,7 +29,7 @@ around that median (:meth:`RunSeries.typical_steps`), so both sides use one stat
 
 *One host state for every config* (where the runs' op costs are known: a ``yardstick``, the
 compute ops' costs measured alone, and each rank has a core of its own). A slow spell slows the
-ops themselves: in the sittings of 2026-12-01 (D = 2) a step's F, B and W ran at 0.65-0.8x their
+ops themselves: in one sitting of 2026-12-01 (D = 2) a step's F, B and W ran at 0.65-0.8x their
 alone times in the host's fast state and up to 1.5x slower in its slow spells, in spells of a few
 steps, and the runs that settled one config could come from another host state than another
 config's (at 18:39 GPipe and ZB-H1, nearly the same program, settled 12% apart). So each step's
