@@ -1,10 +1,12 @@
 """Cross-validation: the same lowered schedule run by the executor and by the simulator.
 
 For each schedule: the executor trains ``steps`` steps per run, in interleaved rounds of runs
-until its quiet runs agree (:func:`executor.sitting.run_series`); its iteration time is the low
-quantile of the pooled steps after the warm-up (the noise-free step, which the simulator
-predicts; the calibration fitted the runtime to the same statistic) and the step closest to it
-is the one compared op by op. The simulator runs the same lowered schedule with the calibrated
+until its quiet runs agree (:func:`executor.sitting.run_series`); its iteration time is the
+median of its steps in the host's fast state, the same state for every schedule of the sitting
+(judged from each step's op speed against the alone-measured op costs,
+:func:`calibration.speed_yardstick`; where ranks outnumber the cores, the noise-free time of its
+runs), which is what the simulator predicts and what the calibration fitted the runtime to; the
+step closest to it is the one compared op by op. The simulator runs the same lowered schedule with the calibrated
 profile (per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the
 ranks share. Reported side by side: iteration time and its relative error, per-device bubble
 ratio, peak activation bytes (measured by saved-tensor hooks vs simulated from the profile's
