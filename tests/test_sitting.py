@@ -257,7 +257,7 @@ def _traced_run(speeds, times, schedule="dapple", foreign=0.0):
     the warm-up."""
     import pandas as pd
     rows = []
-    for k, (h, t) in enumerate(zip(speeds, times)):
+    for k, h in enumerate(speeds):
         for dev in (0, 1):
             clock = 0.0
             for kind, d in (("F", 1e-3 * h), ("B", 2e-3 * h), ("W", 1e-4)):
