@@ -54,8 +54,9 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -63,6 +64,7 @@ from cost_models.calibration import CalibrationProfile, LayerTiming, fit_allredu
 from cost_models.cluster import LinkSpec
 from cost_models.model_spec import load_model
 from cost_models.stack import StackSpec, is_model_ref
+from executor.config import RunConfig, lowered_schedule
 from executor.device import cpu_threads
 from executor.precision import Precision
 from executor.sitting import RunSeries, SittingRules, run_series
@@ -72,8 +74,8 @@ from .fit import (PROBE, RUNTIME_SCHEDULES, fit_communication, fit_ranks, fit_ru
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 
 __all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_communication", "fit_time_slice",
-           "fit_profile", "fit_ranks", "fit_runtime", "kept_bytes", "measure_host", "measure_stack", "runtime_configs",
-           "sitting_problems", "sitting_record"]
+           "fit_profile", "fit_ranks", "fit_runtime", "host_profile", "kept_bytes", "measure_host", "measure_stack",
+           "runtime_configs", "sitting_problems", "sitting_record", "speed_yardstick"]
 
 
 def kept_bytes(per: list[dict]) -> dict:
@@ -92,7 +94,9 @@ def sitting_record(series: list[RunSeries]) -> dict:
     config's problem."""
     spreads = [x.spread for x in series if x.spread is not None]
     loads = [f for x in series for f in (x.foreign(i) for i in range(len(x.runs))) if f is not None]
+    cuts = [x.cut for x in series if x.judges_state]
     return {"spread_max": max(spreads) if spreads else None, "foreign_cores_max": max(loads) if loads else None,
+            "fast_state_cut": cuts[0] if cuts else None,
             "runs": {x.config.schedule: len(x.runs) for x in series},
             "problems": [f"{x.config.schedule}: {x.problem}" for x in series if x.problem]}
 
@@ -191,14 +195,56 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
                             optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm)
 
 
+def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: dict | None = None, *,
+                 time_slice: float | None = None, p2p_extra: float = 0.0, ar_slowdown: float = 1.0,
+                 meta: dict | None = None) -> CalibrationProfile:
+    """The profile of ``host``'s measurements on this host's cores: the layers' alone times times
+    the runtime's ``scale`` per kind (F, B, Bi, W, OPTIM; default 1), ``overhead`` per op kind (s;
+    default none), the OS ``time_slice``, and the in-run communication (extra P2P latency,
+    all-reduce slowdown over the lone fits). ``meta`` is kept, with the scale and the fits added."""
+    scale, overhead, comm = dict(scale or {}), dict(overhead or {}), host.comm
+    lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
+    ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, host.ranks))
+    timing = [scale_layer(x, scale) for x in host.per]
+    return CalibrationProfile(
+        name=f"{platform.node() or 'host'}-{host.label}", model=host.model_spec,
+        layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
+        p2p=LinkSpec("calibrated-p2p", bw, lat + p2p_extra),
+        allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_slowdown, ar_lat * ar_slowdown),
+        optimizer_seconds_per_param=host.optimizer * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
+        overhead=tuple(sorted(overhead.items())), cores=os.cpu_count() or 1, data_time=host.data,
+        grad_copy_per_byte=comm["grad_copy_per_byte"], time_slice=time_slice, precision=host.dtype, **host.kept,
+        meta=dict(meta or {}, runtime_scale=scale, alone={"p2p_latency": lat, "allreduce_latency": ar_lat,
+                                                          "allreduce_bandwidth": ar_bw},
+                  in_run={"p2p_latency_extra": p2p_extra, "allreduce_slowdown": ar_slowdown}))
+
+
+def speed_yardstick(profile: CalibrationProfile) -> Callable[[RunConfig], object | None]:
+    """The yardstick of a traced step's speed (:mod:`executor.sitting`: one host state for every
+    config of a sitting): ``yardstick(config)`` is the config's compute op costs as measured alone
+    (``StageCosts``), the profile's layer times divided by the scale its runtime fit applied
+    (``meta["runtime_scale"]``), no per-op overheads; None where the config's ranks outnumber the
+    profile's cores (an op's duration then includes its waits for a core)."""
+    sc = profile.meta.get("runtime_scale") or {}
+    alone = replace(profile, overhead=(), layers=tuple(
+        LayerTiming(t.f / sc.get("F", 1.0), t.b_input / sc.get("Bi", 1.0), t.w / sc.get("W", 1.0),
+                    None if t.b is None else t.b / sc.get("B", 1.0)) for t in profile.layers))
+    cores = profile.cores or os.cpu_count() or 1
+
+    def of(config: RunConfig):
+        low = lowered_schedule(config)
+        if low.num_ranks > cores:
+            return None
+        return alone.cost_model(low.num_stages, config.stage_layers, recompute=config.recompute).bind(low)
+    return of
+
+
 def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationProfile:
     """The profile: ``host``'s measurements with the runtime fitted on the traced ``base`` runs
     (:func:`runtime_configs` at :func:`fit_ranks` ranks). When ``host.ranks`` outnumber the cores,
     those runs have that many ranks, the simulator time-slices the cores, and the slice is
     fitted with the rest (:func:`calibration.fit.fit_time_slice`)."""
     ranks, comm = host.ranks, host.comm
-    lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
-    ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, ranks))
     cores = os.cpu_count() or 1
     base_ranks = fit_ranks(ranks)
     probes = {str(base_ranks): probe_seconds(base)}
@@ -210,20 +256,9 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationPro
 
     def make_profile(scale: dict, overhead: dict, time_slice: float | None = None, p2p_extra: float = 0.0,
                      ar_slowdown: float = 1.0) -> CalibrationProfile:
-        timing = [scale_layer(x, scale) for x in host.per]
-        return CalibrationProfile(
-            name=f"{platform.node() or 'host'}-{host.label}", model=host.model_spec,
-            layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
-            p2p=LinkSpec("calibrated-p2p", bw, lat + p2p_extra),
-            allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_slowdown, ar_lat * ar_slowdown),
-            optimizer_seconds_per_param=host.optimizer * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
-            overhead=tuple(sorted(overhead.items())), cores=cores, data_time=host.data,
-            grad_copy_per_byte=comm["grad_copy_per_byte"], time_slice=time_slice,
-            precision=host.dtype, **host.kept,
-            meta=dict(meta, runtime_scale=dict(scale), runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
-                      sitting=dict(sitting), alone={"p2p_latency": lat, "allreduce_latency": ar_lat,
-                                                    "allreduce_bandwidth": ar_bw},
-                      in_run={"p2p_latency_extra": p2p_extra, "allreduce_slowdown": ar_slowdown}))
+        return host_profile(host, scale, overhead, time_slice=time_slice, p2p_extra=p2p_extra, ar_slowdown=ar_slowdown,
+                            meta=dict(meta, runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
+                                      sitting=dict(sitting)))
 
     def fit(time_slice: float | None) -> CalibrationProfile:
         # the op costs first (op totals), then the in-run communication on the step times
@@ -262,5 +297,6 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     host = measure_host(model, ranks=ranks, repeats=repeats, progress=report, micro_batch=micro_batch,
                         dtype=dtype)
     report("runtime (traced runs)")
-    series = run_series(host.runtime_configs(fit_ranks(ranks), runtime_steps), rules, progress=report)
+    series = run_series(host.runtime_configs(fit_ranks(ranks), runtime_steps), rules, progress=report,
+                        yardstick=speed_yardstick(host_profile(host)))
     return fit_profile(host, series)

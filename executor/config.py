@@ -15,7 +15,7 @@ import torch
 
 from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
-from cost_models.partition import block_ranges
+from cost_models.partition import block_ranges, layers_from_blocks
 from cost_models.stack import is_model_ref
 from schedules import Schedule, build, lower, validate
 from schedules.registry import check_size
@@ -112,6 +112,14 @@ class RunConfig:
     def is_model_file(self) -> bool:
         """The model is a user's layer stack (``PATH.py:FUNC``), not the built-in GPT."""
         return is_model_ref(self.model)
+
+    @property
+    def stage_layers(self) -> tuple[int, ...] | None:
+        """The run's split as the cost models take it: layers per stage (a GPT's blocks plus its
+        embedding and head; a model file's layers as given); None: the default split."""
+        if self.partition is None:
+            return None
+        return tuple(self.partition) if self.is_model_file else tuple(layers_from_blocks(self.partition))
 
     def spec(self) -> ModelSpec:
         """The model as this run trains it: ``micro_batch`` applied, ``dtype_bytes`` that of the

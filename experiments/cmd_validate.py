@@ -160,8 +160,12 @@ def main(args) -> int:
             f"peak_act_meas_{unit}": "{:.4g}", f"peak_act_sim_{unit}": "{:.4g}", "mem_err": "{:.2%}"}
     print(f"D={D} N={N} R={R}, model {model} ({prof.precision}), profile {prof.name}"
           + ("" if args.profile else " (calibrated in this sitting)"))
-    print(f"measured: median over {args.repeats}+ quiet runs per schedule of each run's noise-free step (the median "
-          f"of its fast steps), {args.steps} steps each, first {args.warmup} dropped")
+    if all(c.state_steps for c in comps):
+        print(f"measured: median of each schedule's steps in the host's fast state, over {args.repeats}+ quiet runs "
+              f"with {rules.state_steps}+ such steps, {args.steps} steps each, first {args.warmup} dropped")
+    else:
+        print(f"measured: median over {args.repeats}+ quiet runs per schedule of each run's noise-free step (the "
+              f"median of its fast steps), {args.steps} steps each, first {args.warmup} dropped")
     print("iteration time, measured vs simulated:")
     print(fmt_table(rows, ["schedule", "measured_ms", "simulated_ms", "error", "spread", "runs", "host_speed"], fmts))
     if any(c.fitted for c in comps):
@@ -192,9 +196,13 @@ def _sitting_line(comps) -> str:
     speeds = [c.host_speed for c in comps if c.host_speed is not None]
     own = [x for c in comps for x in c.rank_cores if x is not None]
     runs = sum(len(c.run_times) for c in comps)
+    judged = [c for c in comps if c.state_steps]
+    fast = (f", the host's fast state (ops at <= {judged[0].state_cut:.2f}x their alone time) in "
+            f"{sum(c.state_steps[0] for c in judged)} of {sum(c.state_steps[1] for c in judged)} steps"
+            if judged else "")
     return (f"sitting: {runs} runs" + (f", other processes {min(loads):.2f}-{max(loads):.2f} cores" if loads else "")
             + (f", the ranks' own CPU {min(own):.2f}-{max(own):.2f} cores" if own else "")
-            + (f", host speed {min(speeds):.2f}-{max(speeds):.2f} of calibration's" if speeds else ""))
+            + (f", host speed {min(speeds):.2f}-{max(speeds):.2f} of calibration's" if speeds else "") + fast)
 
 
 def _refuse(reasons: list[str], comps, args, skipped, seconds: float) -> int:

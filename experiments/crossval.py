@@ -1,10 +1,12 @@
 """Cross-validation: the same lowered schedule run by the executor and by the simulator.
 
 For each schedule: the executor trains ``steps`` steps per run, in interleaved rounds of runs
-until its quiet runs agree (:func:`executor.sitting.run_series`); its iteration time is the low
-quantile of the pooled steps after the warm-up (the noise-free step, which the simulator
-predicts; the calibration fitted the runtime to the same statistic) and the step closest to it
-is the one compared op by op. The simulator runs the same lowered schedule with the calibrated
+until its quiet runs agree (:func:`executor.sitting.run_series`); its iteration time is the
+median of its steps in the host's fast state, the same state for every schedule of the sitting
+(judged from each step's op speed against the alone-measured op costs,
+:func:`calibration.speed_yardstick`; where ranks outnumber the cores, the noise-free time of its
+runs), which is what the simulator predicts and what the calibration fitted the runtime to; the
+step closest to it is the one compared op by op. The simulator runs the same lowered schedule with the calibrated
 profile (per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the
 ranks share. Reported side by side: iteration time and its relative error, per-device bubble
 ratio, peak activation bytes (measured by saved-tensor hooks vs simulated from the profile's
@@ -49,6 +51,8 @@ class Comparison:
     problem: str | None = None              # why the runs did not settle (None: they did)
     spread: float | None = None             # run-to-run spread (executor.sitting.RunSeries.spread)
     fitted: bool = False                    # the profile's runtime was fitted on these very runs
+    state_steps: tuple[int, int] | None = None   # (fast-state steps counted, steps of the quiet runs); None: not judged
+    state_cut: float | None = None          # the sitting's fast state: ops at up to this x their alone time
     profile_probe: float | None = None      # the same probe when the profile was calibrated
     measured_trace: pd.DataFrame = field(repr=False, default=None)
     simulated_trace: pd.DataFrame = field(repr=False, default=None)
@@ -85,6 +89,8 @@ class Comparison:
                 "simulated_bubble": self.simulated_bubble, "order_identical": self.order_identical,
                 "host_speed": self.host_speed, "run_times": self.run_times, "spread": self.spread,
                 "kept_runs": self.kept_runs, "foreign_cores": self.foreign_cores, "rank_cores": self.rank_cores,
+                "fast_state_steps": list(self.state_steps) if self.state_steps else None,
+                "fast_state_cut": self.state_cut,
                 "problem": self.problem,
                 "fitted": self.fitted}
 
@@ -92,15 +98,12 @@ class Comparison:
 def compare(series: list, profile: CalibrationProfile, fitted: frozenset = frozenset()) -> list[Comparison]:
     """``series``: the executor's runs of each schedule (:class:`executor.sitting.RunSeries`);
     ``fitted``: the configs among them the profile's runtime was fitted on (marked in-sample)."""
-    from cost_models.partition import layers_from_blocks
     from executor.config import lowered_schedule
     out = []
     for ser in series:
         cfg, warmup = ser.config, ser.rules.warmup
         low = lowered_schedule(cfg)
-        # the run's split, as layers per stage (a GPT's blocks plus its embedding and head)
-        part = None if cfg.partition is None else \
-            tuple(cfg.partition) if cfg.is_model_file else tuple(layers_from_blocks(cfg.partition))
+        part = cfg.stage_layers
         # both engines, one statistic: the noise-free step time after the warm-up (the
         # simulator's steps after it are all alike); the step closest to it represents the runs
         res, step = ser.representative()
@@ -127,6 +130,7 @@ def compare(series: list, profile: CalibrationProfile, fitted: frozenset = froze
                               foreign_cores=[ser.foreign(i) for i in range(len(ser.runs))],
                               rank_cores=[ser.rank_cores(i) for i in range(len(ser.runs))], problem=ser.problem,
                               spread=ser.spread, fitted=cfg in fitted,
+                              state_steps=ser.state_share() if ser.judges_state else None, state_cut=ser.cut,
                               profile_probe=(profile.meta.get("probe_seconds") or {}).get(str(low.num_ranks)),
                               measured_trace=mtr[mtr["step"] == step], simulated_trace=str_[str_["step"] == sim_step]))
     return out
@@ -150,11 +154,13 @@ def run_and_compare(schedules: list[str], devices: int, microbatches: int, repli
     (:func:`executor.sitting.run_series`). The runs use the profile's micro-batch;
     ``partitions``: schedule -> the executor's partition (default: its own split, which the
     simulator uses too). The runs are in the profile's precision."""
+    from calibration import speed_yardstick
     from executor.sitting import SittingRules, run_series
     cfgs = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model or profile.model.name,
                     chunks=chunks, micro_batch=profile.micro_batch, partitions=partitions,
                     dtype=profile.precision)
-    return compare(run_series(cfgs, rules or SittingRules(), progress=progress), profile)
+    return compare(run_series(cfgs, rules or SittingRules(), progress=progress, yardstick=speed_yardstick(profile)),
+                   profile)
 
 
 def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, *,
@@ -168,7 +174,7 @@ def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int,
     on this VM the host's undisturbed speed itself moves by ~10% between sittings minutes apart,
     which is the error a profile from another sitting carries. The fitted configs are marked
     in-sample (``Comparison.fitted``); ``dtype`` the runs' precision. Returns (profile, comparisons)."""
-    from calibration import fit_profile, fit_ranks, measure_host
+    from calibration import fit_profile, fit_ranks, host_profile, measure_host, speed_yardstick
     from executor.sitting import SittingRules, run_series
     report = progress or (lambda msg: None)
     world = devices * replicas
@@ -179,7 +185,8 @@ def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int,
                    micro_batch=host.micro_batch, dtype=dtype)
     every = list(dict.fromkeys(val + fit_base))
     report(f"runs: {len(val)} schedules and {len(every) - len(val)} more calibration runs, interleaved")
-    by_cfg = dict(zip(every, run_series(every, rules or SittingRules(), progress=report)))
+    by_cfg = dict(zip(every, run_series(every, rules or SittingRules(), progress=report,
+                                        yardstick=speed_yardstick(host_profile(host)))))
     profile = fit_profile(host, [by_cfg[c] for c in fit_base])
     return profile, compare([by_cfg[c] for c in val], profile, frozenset(fit_base))
 

@@ -242,3 +242,119 @@ def test_validate_refuses_a_profile_calibrated_on_a_busy_host(capsys, tmp_path):
     assert "error" not in out.replace("no time or error figure", "") and "%" not in out
     assert time.perf_counter() - t0 < 5.0
 
+
+
+class _Yard:
+    """A yardstick: F costs 1 ms and B 2 ms alone on every stage; W nothing (not judged)."""
+
+    def compute_time(self, kind, copy, stage):
+        return {"F": 1e-3, "B": 2e-3, "W": 0.0}[kind]
+
+
+def _traced_run(speeds, times, schedule="dapple", foreign=0.0):
+    """A run whose step k has iteration time ``times[k]`` and two ranks' F, B, W ops taking
+    ``speeds[k]`` x their yardstick time (W 0.1 ms whatever the speed: not judged); step 0 and 1
+    the warm-up."""
+    import pandas as pd
+    rows = []
+    for k, h in enumerate(speeds):
+        for dev in (0, 1):
+            clock = 0.0
+            for kind, d in (("F", 1e-3 * h), ("B", 2e-3 * h), ("W", 1e-4)):
+                rows.append({"device": dev, "step": k, "kind": kind, "copy": 0, "stage": dev, "start": clock,
+                             "end": clock + d})
+                clock += d
+    return SimpleNamespace(config=RunConfig(schedule=schedule), iteration_times=list(times),
+                           extra={"foreign_cores": foreign}, trace=pd.DataFrame(rows))
+
+
+def test_one_host_state_for_every_config_from_the_ops_speed():
+    """A step's speed is its ops' time over their yardstick time (the median over the step's F and B
+    of both ranks; W has no yardstick time and does not count). The sitting's fast state is shared:
+    up to 1.15 x the 20th percentile of all configs' step speeds. dapple's runs hold both host
+    states; gpipe's runs ran slow (1.5x) but for a few steps: its time comes from those steps, not
+    from its slow ones, which the noise-free time of its runs would have taken."""
+    from executor.sitting import fast_state_cut
+    rules = SittingRules(runs=3, max_spread=0.05, state_band=0.15, state_steps=3)
+    fast, slow = 1.0, 1.5
+    d_runs = [_traced_run([fast] * 2 + [fast] * 9 + [slow] * 9, [30e-3] * 2 + [10e-3 + 1e-4 * j for j in range(9)]
+                          + [15e-3] * 9) for _ in range(3)]
+    g_runs = [_traced_run([fast] * 2 + [fast] * 4 + [slow] * 14, [30e-3] * 2 + [11e-3 + 1e-4 * j for j in range(4)]
+                          + [16e-3 + 1e-5 * j for j in range(14)], schedule="gpipe") for _ in range(3)]
+    d = RunSeries(config=d_runs[0].config, runs=d_runs, rules=rules, yardstick=_Yard())
+    g = RunSeries(config=g_runs[0].config, runs=g_runs, rules=rules, yardstick=_Yard())
+    assert d.speeds(0) == {k: pytest.approx(fast if k < 11 else slow) for k in range(2, 20)}
+    # of the 2 x 3 x 18 step speeds, 27 + 12 are fast: the 20th percentile is 1.0, the cut 1.15
+    assert fast_state_cut([d, g], rules) == pytest.approx(1.15) and d.cut == g.cut == pytest.approx(1.15)
+    for s in (d, g):
+        s.settle()
+    assert d.settled and d.in_state(0) == list(range(2, 11)) and d.step_time == pytest.approx(10.4e-3)
+    assert g.settled and g.in_state(1) == [2, 3, 4, 5] and g.step_time == pytest.approx(11.15e-3)
+    assert noise_free(g._steps(0)) > 16e-3     # the per-run statistic would report the slow state
+    assert g.state_share() == (12, 54) and g.spread == pytest.approx(0.0)
+    assert sorted(r.iteration_times[k] for r, k in g.typical_steps()) == pytest.approx([11.1e-3] * 3 + [11.2e-3] * 3)
+    res, step = g.representative()
+    assert step in (2, 3, 4, 5)
+    # a config that never met the fast state is not settled, and says so
+    late = RunSeries(config=RunConfig(schedule="zb-v"), rules=rules, yardstick=_Yard(),
+                     runs=[_traced_run([slow] * 20, [15e-3] * 20, schedule="zb-v") for _ in range(3)])
+    fast_state_cut([d, g, late], rules)
+    assert not late.settle().settled and late.brief == "0/3 runs fast"
+    assert late.problem == ("0 of 3 quiet runs had 3+ steps at the sitting's fast speed (ops within 15% of 1.15x "
+                            "their alone time), 3 needed: the host ran slow")
+    # without a yardstick the host state is not judged: the per-run noise-free time as before
+    plain = RunSeries(config=g_runs[0].config, runs=g_runs, rules=rules).settle()
+    assert not plain.judges_state and plain.step_time == pytest.approx(np.median([noise_free(r.iteration_times[2:])
+                                                                                   for r in g_runs]))
+
+
+def test_run_series_shares_the_fast_state_and_waits_for_a_config_to_meet_it(monkeypatch):
+    """dapple runs fast from the first round; gpipe's first three runs are slow throughout, so it
+    is not settled (and runs again) until three of its runs had fast steps; its time is theirs."""
+    import executor.launch as launch
+    calls = {"dapple": 0, "gpipe": 0}
+
+    def fake_run_many(cfgs):
+        out = []
+        for c in cfgs:
+            calls[c.schedule] += 1
+            h = 1.0 if c.schedule == "dapple" or calls["gpipe"] > 3 else 1.6
+            out.append(_traced_run([h] * 12, [10e-3 * h] * 12, schedule=c.schedule))
+        return out
+
+    monkeypatch.setattr(launch, "run_many", fake_run_many)
+    msgs = []
+    d, g = run_series([RunConfig(schedule="dapple"), RunConfig(schedule="gpipe")], SittingRules(runs=3, max_runs=8),
+                      progress=msgs.append, yardstick=lambda cfg: _Yard())
+    assert len(d.runs) == 3 and d.settled and d.step_time == pytest.approx(10e-3)
+    assert len(g.runs) == 6 and g.settled and g.kept == [3, 4, 5] and g.step_time == pytest.approx(10e-3)
+    assert msgs[0].endswith(", fast state: ops at <= 1.15x their alone time")
+    assert "gpipe (0/3 runs fast)" in msgs[2] and "not settled" not in msgs[5]
+
+
+def test_speed_yardstick_is_the_alone_cost_of_each_op_and_skips_oversubscribed_configs():
+    """The profile's layer times over the scale its runtime fit applied, summed over each stage's
+    layers (the run's own split; the first and the last stage's F also draw the micro-batch's
+    inputs and targets: the profile's data time, 0.3 ms), no per-op overhead; none for more ranks
+    than cores."""
+    from dataclasses import replace
+
+    from calibration import speed_yardstick
+    from cost_models.calibration import LayerTiming
+    base = _profile({})
+    n = len(base.layers)
+    layers = tuple(LayerTiming(1e-4 * (i + 1), 3e-4 * (i + 1), 5e-5, 4e-4 * (i + 1)) for i in range(n))
+    prof = replace(base, layers=layers, overhead=(("F", 1e-3), ("B", 1e-3)),
+                   meta={"runtime_scale": {"F": 2.0, "B": 4.0, "Bi": 3.0, "W": 0.5}})
+    yard = speed_yardstick(prof)
+    d = yard(RunConfig(schedule="dapple", devices=2, microbatches=4, model="tiny"))
+    # tiny: embedding + 8 blocks + head; dapple's even split: embedding + 4 blocks | 4 blocks + head
+    assert d.compute_time("F", 0, 0) == pytest.approx(sum(1e-4 * (i + 1) for i in range(5)) / 2.0 + 3e-4)
+    assert d.compute_time("F", 0, 1) == pytest.approx(sum(1e-4 * (i + 1) for i in range(5, 10)) / 2.0 + 3e-4)
+    assert d.compute_time("B", 0, 1) == pytest.approx(sum(4e-4 * (i + 1) for i in range(5, 10)) / 4.0)
+    split = yard(RunConfig(schedule="dapple", devices=2, microbatches=4, model="tiny", partition=(3, 5)))
+    assert split.compute_time("F", 0, 0) == pytest.approx(sum(1e-4 * (i + 1) for i in range(4)) / 2.0 + 3e-4)
+    zb = yard(RunConfig(schedule="zb-h1", devices=2, microbatches=4, model="tiny"))
+    assert zb.compute_time("B", 0, 1) == pytest.approx(sum(3e-4 * (i + 1) for i in range(5, 10)) / 3.0)
+    assert zb.compute_time("W", 0, 1) == pytest.approx(5 * 5e-5 / 0.5)
+    assert yard(RunConfig(schedule="dapple", devices=4, microbatches=8, model="tiny")) is None   # 4 ranks, 2 cores
