@@ -38,9 +38,10 @@ config's (at 18:39 GPipe and ZB-H1, nearly the same program, settled 12% apart).
 every step within ``state_band`` of the :data:`STATE_QUANTILE` of all configs' step speeds
 (:func:`fast_state_cut`, recomputed after every round); a config's time is then the median of its
 fast-state steps over its counting runs, a run counts once it has ``state_steps`` of them, and the
-spread is that time with each run left out. Refitting recorded sittings offline (same runs, same
-fit), the largest |error| went from 20.4% to 7.1%, 6.6% to 4.7% and 13.4% to 15.5% (the last a
-sitting whose chimera and bitpipe-zb runs spread 44-76%, which validation refuses). Where ranks
+spread is that time with each run left out. Refitting four recorded D = 2 sittings offline (the
+same runs and fit, either statistic), the median |error| went from 9.9%, 2.8%, 4.6%, 4.4% to 2.5%,
+2.3%, 4.4%, 2.1% and the largest from 20.4%, 6.6%, 13.4%, 9.1% to 8.3%, 5.1%, 12.0%, 11.0%: the
+host-state mixture is gone, not the schedules' own differences from the model. Where ranks
 outnumber the cores an op's duration includes its waits for a core (what :mod:`sim.slicing`
 models), not the host's speed: those configs keep the statistic above.
 """
