@@ -103,7 +103,7 @@ class RunSeries:
 
     def _steps(self, i: int) -> list[float]:
         times = self.runs[i].iteration_times
-        return list(times[self.rules.warmup:]) if len(times) > self.rules.warmup else list(times)
+        return [times[k] for k in self._after_warmup(i)]
 
     def foreign(self, i: int) -> float | None:
         return self.runs[i].extra.get("foreign_cores")
@@ -220,9 +220,9 @@ class RunSeries:
         if self.judges_state:
             fast = self._state_runs(quiet)
             if len(fast) < r.runs:
-                self.problem = (f"{len(fast)} of {len(quiet)} quiet runs had {r.state_steps}+ steps at the sitting's "
-                                f"fast speed (ops within {r.state_band:.0%} of {self.cut:.2f}x their alone time), "
-                                f"{r.runs} needed: the host ran slow")
+                self.problem = (f"{len(fast)} of {len(quiet)} quiet runs had {r.state_steps}+ steps in the sitting's "
+                                f"fast state (ops at <= {self.cut:.2f}x their alone time), {r.runs} needed: the host "
+                                f"ran slow")
                 self.brief = f"{len(fast)}/{len(quiet)} runs fast"
                 return self
             quiet = fast
