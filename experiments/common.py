@@ -92,7 +92,8 @@ def build_lowered(name: str, args, **limits):
 
 def metrics_record(result, **extra) -> dict:
     """The report of one simulation or run: ``result`` is a trace (DataFrame) or a :class:`sim.SimResult`
-    (then ``simulated_replicas`` and, when every replica was simulated, ``full_simulation`` say how)."""
+    (then ``simulated_replicas`` says how many replicas were simulated and, when not just one,
+    ``full_simulation`` why)."""
     if hasattr(result, "metrics"):
         m, a = result.metrics(), result.attrs
     else:

@@ -242,7 +242,10 @@ def run(sched: Schedule, costs: StageCosts, network: Network | None = None,
     if max_ops is not None:
         ops = sum(len(low.programs[r % low.num_devices]) for r in eng.active)
         if ops > max_ops:
-            why = f"the replicas are simulated one by one ({eng.full_reason})" if eng.full_reason else "the run"
+            why = "the run"
+            if eng.full_reason:
+                how = "one by one" if len(eng.active) == low.num_ranks else "one of each kind"
+                why = f"the replicas are simulated {how} ({eng.full_reason})"
             raise ValueError(f"{why}: {ops:,} ops per iteration, beyond the limit of {max_ops:,}; use fewer "
                              f"replicas or micro-batches")
     return eng.run()

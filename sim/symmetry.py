@@ -167,6 +167,17 @@ def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str |
     rep_of = [kind_rep.setdefault(tuple(x), i) for i, x in enumerate(sig)]
     if len(kind_rep) == R and R > 1:
         return None, why
+    if len(kind_rep) > 1:
+        # exact only if every class of SENDs lies within one kind: a class's flows carry the load of
+        # all its copies, so two simulated replicas with a pair in one class would count it twice
+        # (kinds that differ on some pairs can still share the class of another, e.g. a slowed link
+        # on one pair's path that the other pairs' links do not meet)
+        kinds_of: dict[int, set[int]] = {}
+        for i, (c0, a, _) in enumerate(copies):
+            if kinds[c0][0] == "p2p":
+                kinds_of.setdefault(cls[i], set()).add(rep_of[a // D])
+        if any(len(k) > 1 for k in kinds_of.values()):
+            return None, why + "; replicas of different kinds share a class of transfers"
     rep: dict[int, int] = {}
     for i, c in enumerate(cls):
         rep.setdefault(c, i)
