@@ -55,6 +55,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -146,6 +147,14 @@ class HostMeasurements:
     data: float             # seconds per micro-batch from the data stream
     comm: dict              # measure_comm's samples and per-byte costs
 
+    @cached_property
+    def link_fits(self) -> dict[str, float]:
+        """The lone communication fits, once per measurement: P2P latency + bandwidth (ping-pong) and
+        the all-reduce ring's latency + bandwidth."""
+        lat, bw = fit_latency_bandwidth(*zip(*self.comm["p2p"]))
+        ar_lat, ar_bw = fit_allreduce(*zip(*self.comm["allreduce"]), n=max(2, self.ranks))
+        return {"p2p_latency": lat, "p2p_bandwidth": bw, "allreduce_latency": ar_lat, "allreduce_bandwidth": ar_bw}
+
     def runtime_configs(self, ranks: int, steps: int = 20) -> list:
         """The traced runs the runtime is fitted on, at ``ranks`` (:func:`calibration.fit.runtime_configs`)."""
         return runtime_configs(self.model, ranks, steps, micro_batch=self.micro_batch, dtype=self.dtype)
@@ -203,8 +212,9 @@ def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: di
     default none), the OS ``time_slice``, and the in-run communication (extra P2P latency,
     all-reduce slowdown over the lone fits). ``meta`` is kept, with the scale and the fits added."""
     scale, overhead, comm = dict(scale or {}), dict(overhead or {}), host.comm
-    lat, bw = fit_latency_bandwidth(*zip(*comm["p2p"]))
-    ar_lat, ar_bw = fit_allreduce(*zip(*comm["allreduce"]), n=max(2, host.ranks))
+    fits = host.link_fits
+    lat, bw, ar_lat, ar_bw = (fits[k] for k in ("p2p_latency", "p2p_bandwidth", "allreduce_latency",
+                                                "allreduce_bandwidth"))
     timing = [scale_layer(x, scale) for x in host.per]
     return CalibrationProfile(
         name=f"{platform.node() or 'host'}-{host.label}", model=host.model_spec,
