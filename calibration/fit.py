@@ -31,9 +31,15 @@ from schedules.trace import noise_free, step_metrics
 from sim.host import simulate_with_profile
 
 # the runs the runtime is fitted on: whole stages (1F1B), inner chunks (1F1B-interleaved) and a
-# split backward (ZB-V): their op sizes differ, which tells a per-op cost from a scale; BitPipe's
-# two model copies all-reduce their gradients in the bubbles, which tells the in-run all-reduce
-RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v", "bitpipe")
+# split backward on chunks (ZB-V) and on whole stages (ZB-H1): their op sizes differ, which tells
+# a per-op cost from a scale; BitPipe's two model copies all-reduce their gradients in the bubbles,
+# which tells the in-run all-reduce. ZB-H1 joined on 2026-12-01: with chunks in three of four runs
+# the fit left whole-stage schedules 5-11% short (ZB-H1 -11.0%, GPipe -6.9%, Chimera -9.7% in one
+# recorded D = 2 sitting); refitting five recorded D = 2 sittings with it (and the all-reduce's
+# latency off the cores, sim.engine), the largest error over all nine schedules went from
+# 5.1-13.0% to 4.3-7.8% (3.5-5.1% over the four left to predict), and on two D = 4 recordings
+# (time-sliced: the fit set alone changed) from 17.3% and 7.9% to 14.5% and 9.5%
+RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v", "zb-h1", "bitpipe")
 PROBE = 20   # host speed probe repeats in traced runs (executor.worker.speed_probe)
 COMPUTE_KINDS = ("F", "B", "Bi", "W")
 
