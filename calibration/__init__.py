@@ -21,10 +21,11 @@ What is measured, and how:
    the runtime launches them (the median: gloo's times spread 3x between wake-ups), fitted as a
    ring; and, with every rank doing it at once, the Adam step per parameter (the slower of this
    and the lone measurement is kept) and the gradient flatten + write-back per byte around an
-   all-reduce. In the simulator an all-reduce keeps a core of every member busy (gloo's threads
-   copy and reduce), shared with compute.
+   all-reduce. In the simulator an all-reduce's bytes keep a core of every member busy (gloo's
+   threads copy and reduce), shared with compute; its per-message latency, as a P2P message's,
+   passes in wall time (where every rank has a core; time-sliced, the whole ring time is CPU work).
 3. The runtime, through the simulator (:mod:`calibration.fit`): short executor runs (1F1B,
-   1F1B-interleaved, ZB-V and BitPipe at D = :func:`calibration.fit.fit_ranks`, ranks pinned to
+   1F1B-interleaved, ZB-V, ZB-H1 and BitPipe at D = :func:`calibration.fit.fit_ranks`, ranks pinned to
    cores, in interleaved rounds until three quiet runs of each agree:
    :func:`executor.sitting.run_series`) are traced and simulated with the profile; per op kind
    the compute gets a scale and all compute ops one per-op cost (bounded least squares on

@@ -31,9 +31,15 @@ from schedules.trace import noise_free, step_metrics
 from sim.host import simulate_with_profile
 
 # the runs the runtime is fitted on: whole stages (1F1B), inner chunks (1F1B-interleaved) and a
-# split backward (ZB-V): their op sizes differ, which tells a per-op cost from a scale; BitPipe's
-# two model copies all-reduce their gradients in the bubbles, which tells the in-run all-reduce
-RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v", "bitpipe")
+# split backward on chunks (ZB-V) and on whole stages (ZB-H1): their op sizes differ, which tells
+# a per-op cost from a scale; BitPipe's two model copies all-reduce their gradients in the bubbles,
+# which tells the in-run all-reduce. ZB-H1 joined on 2026-12-01: with chunks in three of four runs
+# the fit left whole-stage schedules 5-11% short (ZB-H1 -11.0%, GPipe -6.9%, Chimera -9.7% in one
+# recorded D = 2 sitting); refitting five recorded D = 2 sittings with it (and the all-reduce's
+# latency off the cores, sim.engine), the largest error over all nine schedules went from
+# 5.1-13.0% to 4.3-7.8% (3.5-5.1% over the four left to predict), and on two D = 4 recordings
+# (time-sliced: the fit set alone changed) from 17.3% and 7.9% to 14.5% and 9.5%
+RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v", "zb-h1", "bitpipe")
 PROBE = 20   # host speed probe repeats in traced runs (executor.worker.speed_probe)
 COMPUTE_KINDS = ("F", "B", "Bi", "W")
 
@@ -196,10 +202,11 @@ def fit_communication(series: list[RunSeries], make_profile: Callable[[float, fl
     seconds, all-reduce slowdown).
 
     The ping-pong and the lone all-reduces of calibration time idle ranks. Inside a run a
-    message arrives later (fitted here: 0.30-0.63 ms more per message over the sittings of
+    message arrives later (fitted here: 0.30-0.89 ms more per message over the sittings of
     2026-12-01; the receiving rank's gloo thread shares its pinned core with compute) and an
-    all-reduce launched in the bubbles took 0.9-2.7x its lone time (its copies and sums compete
-    with compute). The op
+    all-reduce launched in the bubbles took 0.6-2.8x its lone time (its copies and sums compete
+    with compute; below 1 only before its ring latency was taken off the cores, :mod:`sim.engine`,
+    when the fit made up for BitPipe's compute slowed by it). The op
     totals :func:`fit_runtime` matches cannot show either: a receive's wait is the other
     rank's time. So, with the runtime's op costs fixed, the two are moved until the simulated
     noise-free step times of the traced ``series`` equal the measured ones (relative

@@ -13,7 +13,8 @@ One SimPy process per rank walks its program:
   COPY is local (``copy_time``).
 - ALLREDUCE starts once every member of the stage's group has reached it; it runs the phases of
   a ring all-reduce (hierarchical when the group spans nodes, :func:`cost_models.comm.allreduce_phases`)
-  as flows over the same links as P2P traffic, while the ranks go on;
+  as flows over the same links as P2P traffic, while the ranks go on (on calibrated CPU ranks, its
+  measured ring time: the latency in wall time, the bytes on the members' cores);
   OPTIM waits for the rank's all-reduces, then takes ``optim_time``.
 - Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
   F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
@@ -395,8 +396,15 @@ class _Engine:
             # a measured all-reduce (calibration profile): its fitted ring time
             t = ring_allreduce_time(nbytes, len(full), fitted.bandwidth, fitted.latency)
             if self.o.comm_uses_cores and self.o.hosts is not None:
-                # CPU transports reduce on the host: each member keeps a core busy for that time,
-                # shared with the compute of its host
+                if self.o.time_slice is None:
+                    # as a P2P transfer's (_real_path): the ring's per-message latency passes
+                    # without a core (the transport's threads wait for the peer), its bytes hold one
+                    lat = ring_allreduce_time(0.0, len(full), fitted.bandwidth, fitted.latency)
+                    yield env.timeout(lat)
+                    t -= lat
+                # CPU transports reduce on the host: each member keeps a core busy for the bytes,
+                # shared with the compute of its host (time-sliced: the whole ring time, queued
+                # for a core like any CPU work)
                 yield env.all_of([self._busy(self.o.hosts[m], t) for m in full])
             else:
                 yield env.timeout(t)

@@ -77,6 +77,34 @@ def test_ring_allreduce_closed_form():
     assert tr.end.max() == pytest.approx(2.0 + expected)
 
 
+def test_calibrated_allreduce_holds_cores_for_its_bytes_not_its_latency():
+    """On calibrated CPU ranks (one host, a measured ring fit) an all-reduce's per-message latency
+    passes in wall time, as a P2P message's does, and only its bytes hold a core, shared with the
+    host's compute. Two replicas of one stage on one core: F + B of both (4 core-s) end at 4; the
+    ring's latency 2 * lat passes once for both members; its bytes (S / bw of one core each) are
+    shared on the core: 2 * S / bw. Time-sliced, the whole ring time is CPU work queued per member."""
+    from cost_models.cluster import Cluster, LinkSpec
+    from cost_models.device import DeviceSpec
+    S, bw, lat = 3e3, 1e3, 0.5
+    low = lower(build("gpipe", 1, 1), replicas=2)
+    link = LinkSpec("p2p", 1e9, 0.0)
+    net = Cluster(name="host", nodes=1, devices_per_node=2, device=DeviceSpec(name="cpu", calibrated=True),
+                  intra=link, inter=link, collective=LinkSpec("ar", bw, lat))
+    costs = costs_for(low, f=1.0, b=1.0, param_bytes=S)
+    host = SimOptions(hosts=[0, 0], cores=1.0, comm_uses_cores=True)
+    ar = simulate(low, costs, net, host)
+    ar = ar[ar.kind == "ALLREDUCE"]
+    assert ar.start.tolist() == [pytest.approx(4.0)] * 2
+    assert ar.end.tolist() == [pytest.approx(4.0 + 2 * lat + 2 * S / bw)] * 2   # 11, not 4 + 2 * (2 lat + S / bw) = 12
+    # with a core per member the bytes take S / bw: the ring time of the fit, as measured alone
+    ar = simulate(low, costs, net, SimOptions(hosts=[0, 0], cores=2.0, comm_uses_cores=True))
+    ar = ar[ar.kind == "ALLREDUCE"]
+    assert (ar.end - ar.start).tolist() == [pytest.approx(2 * lat + S / bw)] * 2
+    sliced = simulate(low, costs, net, SimOptions(hosts=[0, 0], cores=1.0, comm_uses_cores=True, time_slice=0.25))
+    sliced = sliced[sliced.kind == "ALLREDUCE"]
+    assert sliced.end.max() == pytest.approx(4.0 + 2 * (2 * lat + S / bw))
+
+
 def test_straggler_slows_the_whole_pipeline():
     low = lower(build("dapple", 4, 8))
     base = step_metrics(simulate(low, UnitCostModel().bind(low))).iteration_time

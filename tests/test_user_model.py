@@ -300,7 +300,7 @@ def test_calibrate_then_simulate(calibrated, capsys):
     from cost_models.device import load_device
     prof, path = calibrated
     assert load_profile(path) == prof and prof.is_stack and prof.micro_batch == 4
-    assert set(prof.meta["runtime_schedules"]) == {"dapple", "interleaved", "zb-v", "bitpipe"}
+    assert set(prof.meta["runtime_schedules"]) == {"dapple", "interleaved", "zb-v", "zb-h1", "bitpipe"}
     assert cli_main(["simulate", "--profile", str(path), "-s", "zb-v", "-D", "2", "-N", "4", "--json"]) == 0
     here = json.loads(capsys.readouterr().out)
     assert here["iteration_time"] > 0 and here["cluster"] == f"{prof.name}-2"      # this machine, 2 ranks
