@@ -202,9 +202,9 @@ def fit_communication(series: list[RunSeries], make_profile: Callable[[float, fl
     seconds, all-reduce slowdown).
 
     The ping-pong and the lone all-reduces of calibration time idle ranks. Inside a run a
-    message arrives later (fitted here: 0.30-0.89 ms more per message over the sittings of
+    message arrives later (fitted here: 0.18-0.89 ms more per message over the sittings of
     2026-12-01; the receiving rank's gloo thread shares its pinned core with compute) and an
-    all-reduce launched in the bubbles took 0.6-2.8x its lone time (its copies and sums compete
+    all-reduce launched in the bubbles took 0.6-3.4x its lone time (its copies and sums compete
     with compute; below 1 only before its ring latency was taken off the cores, :mod:`sim.engine`,
     when the fit made up for BitPipe's compute slowed by it). The op
     totals :func:`fit_runtime` matches cannot show either: a receive's wait is the other
