@@ -281,7 +281,6 @@ class RunSeries:
             samples += ex.get("probe_samples") or ([ex["probe_seconds"]] if "probe_seconds" in ex else [])
         return noise_free(samples) if samples else None
 
-
     def state_share(self) -> tuple[int, int]:
         """(fast-state steps of the counting runs, steps after the warm-up of the quiet runs)."""
         return (sum(len(self.in_state(i)) for i in self._counting()),

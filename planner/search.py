@@ -694,7 +694,7 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     for M, policy in jobs:
         for r, D, total in shapes(M, policy):
             best = first.get((M, policy), INF)
-            lbv = (total / D if slow else max(total, M * total / D)) * (1 - 1e-9)
+            lbv = lower(M, r, D, total)         # the cheap bound alone
             if lbv > bound and lbv >= best:
                 continue
             if SEED_BOUNDS:

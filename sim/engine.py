@@ -280,11 +280,15 @@ class _Engine:
                 self.sym, self.full_reason = replica_classes(sched, costs, network, opts)
         D = sched.num_devices
         # the ranks simulated: those of one replica per kind under symmetry (replica 0 alone when all
-        # are alike), else all; rank r's metrics are those of rank rep[r]
-        reps = self.sym.reps if self.sym is not None else range(sched.replicas)
+        # are alike), else all; replica i's run is that of replica rep_of[i], rank r's metrics those
+        # of rank rep[r]
+        if self.sym is None:
+            self.rep_of = list(range(sched.replicas))
+        else:
+            self.rep_of = list(self.sym.rep_of) or [0] * sched.replicas
+        reps = sorted(set(self.rep_of))
         self.active = [k * D + d for k in reps for d in range(D)]
-        self.rep = ([self.sym.reps[0] * D + r % D if not self.sym.rep_of else self.sym.rep_of[r // D] * D + r % D
-                     for r in range(R)] if self.sym is not None else list(range(R)))
+        self.rep = [self.rep_of[r // D] * D + r % D for r in range(R)]
         self.simulated_replicas = len(reps)
         self.ranks = len(self.active)
         self.rows: list[TraceRow | None] = []
@@ -651,8 +655,7 @@ class _Engine:
         busy = [self.busy[x] for x in self.rep]
         peak = [self.peak[x] for x in self.rep]
         rows = [row for row in self.rows if row is not None] if self.record else None
-        rep_of = [x // s.num_devices for x in self.rep[::s.num_devices]]
-        return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=rep_of)
+        return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=self.rep_of)
 
 
 def _is_core(name: str) -> bool:

@@ -37,16 +37,12 @@ class Symmetry:
     """Flows of a run of one replica per kind: ``p2p[(a, b)]`` = (resources, latency) of a transfer
     from rank a to b of a simulated replica; ``allreduce[stage]`` = [(repeat, latency, [(resources,
     bytes, share)])]; ``rep_of[i]`` = the simulated replica that stands for replica i (the smallest
-    of its kind; ``reps`` = those, ascending; empty: replica 0 for all)."""
+    of its kind; empty: replica 0 for all)."""
 
     p2p: dict = field(default_factory=dict)
     allreduce: dict = field(default_factory=dict)
     classes: int = 0
     rep_of: list = field(default_factory=list)
-
-    @property
-    def reps(self) -> list[int]:
-        return sorted(set(self.rep_of)) or [0]
 
 
 def symmetry_blocker(sched, costs, opts) -> str | None:
