@@ -33,6 +33,8 @@ import statistics
 import sys
 import time
 
+from experiments.checks import positive_float, positive_int
+
 CASES = ("lone", "after compute", "compute alone", "compute, all-reduce in flight",
          "all-reduce in flight: launch to completion")
 
@@ -114,25 +116,13 @@ def summarize(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (math.isfinite(v) and v > 0):
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-        return v
-    return parse
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bytes", type=_positive(int), default=873472, help="all-reduce size (default: Chimera's "
+    p.add_argument("--bytes", type=positive_int, default=873472, help="all-reduce size (default: Chimera's "
                    "stage 0 of the tiny GPT at D = 2)")
-    p.add_argument("--compute-ms", type=_positive(float), default=4.0, help="compute per case on rank 0 (ms)")
-    p.add_argument("--rounds", type=_positive(int), default=40)
-    p.add_argument("--ranks", type=_positive(int), default=2)
+    p.add_argument("--compute-ms", type=positive_float, default=4.0, help="compute per case on rank 0 (ms)")
+    p.add_argument("--rounds", type=positive_int, default=40)
+    p.add_argument("--ranks", type=positive_int, default=2)
     a = p.parse_args(argv)
     if a.ranks < 2:
         p.error("--ranks must be at least 2 (an all-reduce needs two members)")
@@ -141,7 +131,7 @@ def main(argv=None) -> int:
     from executor.launch import launch
     print(f"all-reduce of {a.bytes} B over {a.ranks} gloo ranks, {a.rounds} rounds ...", file=sys.stderr)
     res = launch("experiments.bench_allreduce:worker",
-                 {"bytes": a.bytes // 4 * 4, "compute_ms": a.compute_ms, "rounds": a.rounds}, a.ranks)
+                 {"bytes": a.bytes, "compute_ms": a.compute_ms, "rounds": a.rounds}, a.ranks)
     s = summarize(res["times"])
     pinned = f"pinned to core {res['core']}" if res["core"] is not None else "not pinned (too few cores)"
     print(f"rank 0 ({pinned}), compute = {res['steps']} matrix products, medians [p25-p75] in ms:")

@@ -15,11 +15,11 @@ def test_summary_is_the_median_and_quartiles_in_ms():
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--bytes", "0"], "finite number > 0"),
+    (["--bytes", "0"], "must be an integer >= 1; got '0'"),
     (["--bytes", "2"], "at least 4"),
-    (["--compute-ms", "nan"], "finite number > 0"),
-    (["--compute-ms", "-1"], "finite number > 0"),
-    (["--rounds", "x"], "not a number"),
+    (["--compute-ms", "nan"], "must be a finite number > 0; got 'nan'"),
+    (["--compute-ms", "-1"], "must be a finite number > 0; got '-1'"),
+    (["--rounds", "x"], "must be an integer >= 1; got 'x'"),
     (["--ranks", "1"], "at least 2"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, says, capsys):
