@@ -15,7 +15,7 @@ import time
 
 from planner import SearchSpace, Topology, search
 from planner.clusters import resolve_cluster
-from planner.load import load_workload
+from cost_models.workload_sources import load_workload
 from planner.search import _policies, _rep_values, divisors
 
 

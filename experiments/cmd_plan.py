@@ -70,7 +70,7 @@ def _parse_limit(text):
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
     from planner.clusters import resolve_cluster
-    from planner.workload import is_profile_path
+    from cost_models.workload import is_profile_path
 
     from .costs import cost_model_for
 
@@ -123,7 +123,7 @@ def _calibrated_model(args):
     """(cluster, workload) of ``--profile``: this machine as calibrated, or scaled onto ``--cluster``."""
     from cost_models import load_profile
     from planner.clusters import resolve_cluster
-    from planner.models import calibrated_workload
+    from cost_models.paper_models import calibrated_workload
 
     from .costs import check_profile_model
     if args.cost_model is not None or args.profile_batch is not None:

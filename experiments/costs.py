@@ -132,7 +132,7 @@ def _profile_costs(args, low, cluster, cost_model):
     """StageCosts of a PipeDream/DAPPLE profile: the planner's workload at the micro-batch (default
     the profile batch), a work-balanced contiguous partition over the schedule's stages."""
     from cost_models.partition import balanced_edges
-    from planner.load import load_workload
+    from cost_models.workload_sources import load_workload
     from cost_models import PerLayerCostModel
     work = load_workload(args.model, cluster.device, recompute=args.recompute, cost_model=cost_model,
                          profile_batch=args.profile_batch)

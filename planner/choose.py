@@ -27,12 +27,12 @@ from cost_models import Cluster
 from schedules import ScheduleError
 
 from .cost import Estimate, estimate
-from .load import load_workload
+from cost_models.workload_sources import load_workload
 from .placement import Topology
 from .plan import Plan
 from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search
 from .simulate import SimOutcome, simulate_plan
-from .workload import Workload
+from cost_models.workload import Workload
 
 
 SKIP_BY_FLOOR = True    # the PipeDream baseline skips micro-batch counts by latency_floor (False: tests)
@@ -101,7 +101,7 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
                   profile_batch: int | None = None) -> PlanningResult:
     """Search, simulate and compare (see the module docstring). ``model``: a name (paper model,
     cost_models preset or YAML path, profile ``*.txt``), a ModelSpec or a :class:`Workload`;
-    ``cost_model`` / ``profile_batch``: see :func:`planner.workload.load_workload` (ignored for a Workload)."""
+    ``cost_model`` / ``profile_batch``: see :func:`cost_models.load_workload` (ignored for a Workload)."""
     work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute, cost_model,
                                                                    profile_batch)
     name = model_name or (model if isinstance(model, str) else work.name)

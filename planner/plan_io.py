@@ -38,10 +38,10 @@ from cost_models import Cluster, cluster_from_dict
 from cost_models._spec import size_bytes
 from cost_models.files import one_line, prepare_output, read_text
 
-from .load import workload_from_source
+from cost_models.workload_sources import workload_from_source
 from .plan import Plan
 from .simulate import Built, SimOutcome, build_plan, simulate_plan
-from .workload import Workload
+from cost_models.workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 1
 

@@ -83,7 +83,7 @@ from cost_models.partition import balanced_edges
 from .cost import Estimate, estimate
 from .placement import POLICIES, Topology, check_policy
 from .plan import Plan, StagePlan
-from .workload import Workload
+from cost_models.workload import Workload
 
 OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")

@@ -44,7 +44,7 @@ from sim import SimOptions, run
 
 from .placement import lcm
 from .plan import Plan
-from .workload import Workload
+from cost_models.workload import Workload
 
 REPLICATED = "dapple-replicated"
 

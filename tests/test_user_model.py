@@ -323,7 +323,7 @@ def test_calibrate_then_simulate(calibrated, capsys):
 def test_plan_from_a_profile_runs_and_equals_the_reference(calibrated, tmp_path):
     from experiments.plan_files import config_from_plan
     from planner import plan_training, save_plan
-    from planner.models import calibrated_workload
+    from cost_models.paper_models import calibrated_workload
     prof, _ = calibrated
     res = plan_training(calibrated_workload(prof), prof.cluster(2), 8, baselines=False, top_k=2)
     path = tmp_path / "plan.json"
