@@ -2,6 +2,9 @@
 
 Entry points (all units SI: seconds, bytes, bytes/s, FLOP/s):
 
+* a job (:class:`Job`: layout, model, cluster, cost source, faults; checked when built) and its
+  binding to costs: :func:`bind` -> :class:`Bound` (lowered schedule, costs, network, report);
+
 * specs: :func:`load_model`, :func:`load_device`, :func:`load_cluster` (preset name or YAML path;
   :func:`model_presets`, :func:`device_presets`, :func:`cluster_presets` list the presets);
 * compute: :class:`TransformerCostModel` ``(model, device, recompute=...).bind(schedule)`` ->
@@ -41,6 +44,8 @@ from .network import Link, Network, PortNetwork
 from .partition import (balanced_counts, balanced_edges, block_ranges, blocks_from_layers, default_partition,
                         even_counts, layer_ranges, layers_from_blocks, stack_partition)
 from .stack import StackSpec, is_model_ref, stack_from_dict
+from .job import ClusterChoice, Faults, Job, Layout, check_run_size
+from .bind import Bound, bind
 from .workload import Workload
 from .workload_sources import load_workload, workload_from_source
 from .paper_models import paper_models

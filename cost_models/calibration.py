@@ -220,6 +220,14 @@ class CalibrationProfile:
                        intra=self.p2p, inter=self.p2p, collective=self.allreduce,
                        description=f"{num_ranks} CPU ranks calibrated by profile {self.name}")
 
+    def host_cores(self) -> dict | None:
+        """How the ranks share the calibrated host (the fields of :class:`sim.host.HostCores`;
+        None when the profile names no core count)."""
+        if not self.cores:
+            return None
+        return {"cores": self.cores, "time_slice": self.time_slice,
+                "oversubscribed_slowdown": self.oversubscribed_slowdown}
+
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "name": self.name, "model": self.model.to_dict(),
              "per_layer": [{"f": t.f, "b_input": t.b_input, "w": t.w, **({"b": t.b} if t.b is not None else {})}

@@ -15,7 +15,7 @@ import torch
 
 from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
-from cost_models.partition import block_ranges, layers_from_blocks
+from cost_models.partition import block_ranges, blocks_from_layers, layers_from_blocks
 from cost_models.stack import is_model_ref
 from schedules import Schedule, build, lower, validate
 from schedules.registry import check_size
@@ -104,6 +104,40 @@ class RunConfig:
                 raise ValueError(f"partition must be a list of block counts per stage; got {self.partition!r}") \
                     from None
             object.__setattr__(self, "partition", part)
+
+    @classmethod
+    def from_job(cls, job, **options) -> "RunConfig":
+        """The run of a :class:`cost_models.job.Job`: its layout, its model (default ``tiny``), its
+        micro-batch size, recompute, eager all-reduce and device map, and its partition in layers
+        per stage (a GPT's embedding and head count as layers, as everywhere a job's partition
+        does; converted here to the blocks per stage a GPT run takes). ``options``: the training
+        fields (steps, seed, lr, ...). The simulator's parts of a job (a cost source, a cluster,
+        faults) would do nothing in a run: they are refused, as is a plan (its run comes from
+        :func:`experiments.plan_files.config_from_plan`) and ``partition="time"`` (resolve it with
+        the profile first: :func:`cost_models.bind.profile_partition`)."""
+        from cost_models.job import Faults
+        sim_only = [f for f, v in (("--unit-costs", job.unit_costs), ("--profile", job.profile),
+                                   ("--plan", job.plan), ("--cost-model", job.cost_model),
+                                   ("--profile-batch", job.profile_batch), ("--exact", job.exact),
+                                   ("faults", job.faults != Faults())) if v] + job.cluster.given()
+        if sim_only:
+            raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
+        if job.partition == "time":
+            raise ValueError("partition 'time' is resolved from a calibration profile before the run "
+                             "(cost_models.bind.profile_partition)")
+        lay = job.layout
+        model = job.model or "tiny"
+        partition = job.partition
+        if partition is not None and not is_model_ref(model):
+            spec = model if isinstance(model, ModelSpec) else load_model(model)
+            try:
+                partition = tuple(blocks_from_layers(partition, spec.layers))
+            except ValueError as e:
+                raise ValueError(f"--partition: {e}") from None
+        return cls(schedule=lay.schedule, devices=lay.devices, microbatches=lay.microbatches, chunks=lay.chunks,
+                   variant=lay.variant, replicas=lay.replicas, model=model, micro_batch=job.micro_batch,
+                   partition=partition, recompute=job.recompute, eager_allreduce=job.eager,
+                   device_map=job.device_map, **options)
 
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)

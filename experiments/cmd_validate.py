@@ -67,7 +67,7 @@ def main(args) -> int:
     from executor.sitting import SittingRules
     from schedules import ScheduleError, build
 
-    from .costs import check_profile_model
+    from cost_models.bind import check_profile_model
     from .crossval import calibrate_and_compare, plot_overlay, refusals, run_and_compare
 
     t_start = time.perf_counter()

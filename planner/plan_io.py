@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cost_models import Cluster, cluster_from_dict
+from cost_models.bind import Bound
 from cost_models._spec import size_bytes
 from cost_models.files import one_line, prepare_output, read_text
 
@@ -77,6 +78,7 @@ class LoadedPlan:
     cluster: Cluster
     memory_limit: float | None
     record: dict
+    path: str = "plan"      # the file it was read from (a job's plan source, see :meth:`bind`)
 
     @property
     def capacity(self) -> float | None:
@@ -86,6 +88,13 @@ class LoadedPlan:
         """The lowered schedule, its StageCosts and the cluster with the plan's device map
         (``.astuple()`` gives ``(lowered, costs, network)`` for :func:`sim.simulate`)."""
         return build_plan(self.plan, self.workload, self.cluster, self.capacity, eager=eager, check=check)
+
+    def bind(self, job) -> Bound:
+        """The plan as a bound job (:class:`cost_models.job.PlanSource`): its lowered schedule
+        (gradients all-reduced eagerly as ``job.eager`` says), costs and placed cluster, with the
+        report fields of :func:`build_plan` and the plan file."""
+        bt = self.build(eager=job.eager)
+        return Bound(bt.lowered, bt.costs, bt.network, {**bt.extra, "plan_file": str(self.path)})
 
     def simulate(self, options=None) -> SimOutcome:
         return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, options)
@@ -151,7 +160,7 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:
     lim = rec.get("memory_limit")
     if lim is not None:
         lim = size_bytes(lim, source, "memory_limit")
-    return LoadedPlan(plan, work, cluster, lim, rec)
+    return LoadedPlan(plan, work, cluster, lim, rec, source)
 
 
 def load_plan(path) -> LoadedPlan:
