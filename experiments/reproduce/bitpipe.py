@@ -8,9 +8,6 @@
 3. Throughput of GPipe, DAPPLE, interleaved, Chimera and BitPipe for GPT-96 and BERT-64 on 8, 16
    and 32 GPUs (DGX-A100 nodes, InfiniBand between nodes), with the paper's reported speed-up
    of BitPipe over the best other schedule (1.05x - 1.28x) beside ours.
-4. What changed when Chimera and BitPipe moved from pipetwin's greedy list-scheduled orders to the
-   orders their authors released (bubble against N, throughput and speed-ups at N = D and 2D):
-   the previous orders are rebuilt here (:func:`previous_order`) and simulated beside the new.
 """
 from __future__ import annotations
 
@@ -20,13 +17,12 @@ import pandas as pd
 
 from cost_models import UnitCostModel
 from schedules import ScheduleError, build, lower
-from schedules.analysis import unit_summary
 from schedules.trace import step_metrics
 from sim import simulate
 
 from ..progress import phase
 from ..tables import markdown
-from .bitpipe_throughput import changes_section, previous_order, throughput_section
+from .bitpipe_throughput import throughput_section
 
 SCHEDULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 
@@ -140,7 +136,8 @@ def run(out_dir, quick: bool = False) -> str:
     off = sc[(sc.bubble_sim - sc.bubble_closed_form).abs() > 1e-9]
     parts += ["", "## Bubble scaling (figure: bubble_scaling.png)", "", markdown(sc), "",
               "The papers state Chimera's and BitPipe's closed forms for one basic unit (N = D, column "
-              "bubble_paper). Both now follow the orders their authors released, which for N = K*D concatenate "
+              "bubble_paper). Both follow the per-device orders their authors released (BitPipe: wuhouming/BitPipe; "
+              "Chimera: Shigangli/Chimera), which for N = K*D concatenate "
               "K units and fill part of each junction with the next unit's first forwards: each junction costs "
               "half a unit's fill and drain, so the ratio falls with K, to (K+1)(D-2)/(6N+(K+1)(D-2)) for "
               "BitPipe and (K+1)(D-2)/(3N+(K+1)(D-2)) for Chimera (column bubble_closed_form, the paper's "
@@ -153,42 +150,9 @@ def run(out_dir, quick: bool = False) -> str:
     thr = _throughput_section(out, quick)
     if thr:
         parts += ["", thr]
-    phase("bitpipe: the previous greedy orders")
-    parts += ["", _changes_section(out, quick)]
     report = "\n".join(parts)
     (out / "report.md").write_text(report + "\n")
     return report
-
-
-def bubble_changes(D: int, Ns) -> pd.DataFrame:
-    """Unit-cost bubble ratio of Chimera and BitPipe with the previous and the released orders."""
-    rows = []
-    for name in ("chimera", "bitpipe"):
-        for N in Ns:
-            before = unit_summary(previous_order(name, D, N))["bubble_ratio"]
-            after = unit_summary(build(name, D, N))["bubble_ratio"]
-            rows.append({"schedule": name, "D": D, "N": N, "bubble_before": before, "bubble_now": after,
-                         "closed_form_now": order_closed_form(name, D, N)})
-    return pd.DataFrame(rows)
-
-
-def _changes_section(out: Path, quick: bool) -> str:
-    Ns = [8, 16] if quick else [8, 16, 24, 32, 48, 64]
-    bc = bubble_changes(8, Ns)
-    bc.to_csv(out / "bubble_changes.csv", index=False)
-    parts = ["## What changed: the released orders instead of pipetwin's greedy ones", "",
-             "Before, both schedules came from pipetwin's greedy list scheduler: BitPipe's unit was longer than "
-             "the paper's from D = 8 on (30.5 instead of 30 at D = 8) and from D = 6 on every unit paid its whole "
-             "fill and drain again (a flat bubble ratio in N); Chimera concatenated its units with nothing in the "
-             "junction. Now each "
-             "device runs the per-device order of the authors' released code (BitPipe: wuhouming/BitPipe; "
-             "Chimera: Shigangli/Chimera). The previous BitPipe order is the variant `--variant greedy` (still "
-             "the better one at D = 4 for N > D).", "",
-             "### Bubble ratio against N (D = 8, unit costs)", "", markdown(bc)]
-    thr = changes_section(out)
-    if thr:
-        parts += ["", thr]
-    return "\n".join(parts)
 
 
 def _throughput_section(out: Path, quick: bool) -> str:

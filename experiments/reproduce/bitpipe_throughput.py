@@ -14,8 +14,6 @@ import pandas as pd
 
 from cost_models import TransformerCostModel, load_cluster, load_model
 from schedules import build, lower
-from schedules.bidirectional import build_bidirectional
-from schedules.placement import straight_placement
 from schedules.trace import step_metrics
 from sim import simulate
 
@@ -25,24 +23,13 @@ SCHEDULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 PAPER_SPEEDUP = "1.05x - 1.28x over the best of the others (BitPipe paper, GPT-96 and BERT-64, 8-32 GPUs)"
 
 
-def previous_order(name: str, D: int, N: int):
-    """pipetwin's order of Chimera / BitPipe before it followed the released code: greedy list
-    scheduling of each unit (BitPipe's is still its ``greedy`` variant; Chimera's concatenated the
-    units directly with nothing pulled into the junction)."""
-    if name == "bitpipe":
-        return build("bitpipe", D, N, variant="greedy")
-    if name == "chimera":
-        return build_bidirectional("chimera", D, N, straight_placement(D), pull=0)
-    raise ValueError(f"{name} did not change")
-
-
 def run_config(model_name: str, G: int, schedule: str, *, D: int = 8, N: int = 8, micro_batch: int = 1,
-               cluster: str = "dgx-a100-4x8-ib", sched=None) -> dict:
-    """One simulated configuration (``sched``: a compute schedule to run instead of the named one)."""
+               cluster: str = "dgx-a100-4x8-ib") -> dict:
+    """One simulated configuration."""
     R = G // D
     model = load_model(model_name).replace(micro_batch=micro_batch)
     cl = load_cluster(cluster)
-    low = lower(sched if sched is not None else build(schedule, D, N), replicas=R)
+    low = lower(build(schedule, D, N), replicas=R)
     mapping = "copies-same-node" if low.num_copies == 2 else "sequential"
     placed = cl.place(low, mapping)
     costs = TransformerCostModel(model, cl.device).bind(low)
@@ -127,33 +114,3 @@ def _range(sp: pd.DataFrame, N: int) -> str:
         return "-"
     return f"{sub.speedup.min():.2f}x - {sub.speedup.max():.2f}x"
 
-
-def changes_section(out: Path) -> str:
-    """Throughput of Chimera and BitPipe with pipetwin's previous orders beside the released ones
-    (same configurations as :func:`throughput_table`, read back from throughput.csv), and BitPipe's
-    speed-up over the best other schedule before and now."""
-    now = pd.read_csv(out / "throughput.csv")
-    before = now.copy()
-    for i, r in now.iterrows():
-        if r.schedule in ("chimera", "bitpipe"):
-            old = run_config(r.model, int(r.gpus), r.schedule, N=int(r.N),
-                             sched=previous_order(r.schedule, int(r.D), int(r.N)))
-            for k in ("iteration_time_s", "throughput_samples_s", "bubble", "peak_memory_GiB", "oom"):
-                before.at[i, k] = old[k]
-    key = ["model", "gpus", "N", "schedule"]
-    t = now[now.schedule.isin(["chimera", "bitpipe"])][key + ["throughput_samples_s"]].merge(
-        before[key + ["throughput_samples_s"]], on=key, suffixes=("_now", "_before"))
-    t["change"] = t.throughput_samples_s_now / t.throughput_samples_s_before
-    t = t[key + ["throughput_samples_s_before", "throughput_samples_s_now", "change"]]
-    sp_now, sp_before = speedups(now), speedups(before)
-    sp = sp_before[["model", "gpus", "N", "best_other", "speedup"]].merge(
-        sp_now[["model", "gpus", "N", "best_other", "speedup"]], on=["model", "gpus", "N"],
-        suffixes=("_before", "_now"))
-    t.to_csv(out / "throughput_changes.csv", index=False)
-    sp.to_csv(out / "speedup_changes.csv", index=False)
-    lines = ["### Throughput before and now (same configurations as above)", "", markdown(t), "",
-             "### BitPipe's speed-up over the best other schedule, before and now", "", markdown(sp), ""]
-    for N, what in ((8, "N = D"), (16, "N = 2D")):
-        if (sp.N == N).any():
-            lines.append(f"- {what}: {_range(sp_before, N)} before, {_range(sp_now, N)} now.")
-    return "\n".join(lines)
