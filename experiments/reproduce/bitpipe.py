@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from cost_models import UnitCostModel
-from schedules import ScheduleError, build, lower
+from cost_models import Job, Layout
+from schedules import ScheduleError
 from schedules.trace import step_metrics
-from sim import simulate
+from sim import simulate_job
 
 from ..progress import phase
 from ..tables import markdown
-from .bitpipe_throughput import throughput_section
+from .bitpipe_throughput import COST_MODEL, throughput_section
 
 SCHEDULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 
@@ -58,8 +58,10 @@ def order_closed_form(name: str, D: int, N: int) -> float:
 
 
 def simulate_unit(name: str, D: int, N: int):
-    low = lower(build(name, D, N))
-    return step_metrics(simulate(low, UnitCostModel().bind(low)))
+    """Metrics of ``name`` on D devices with N micro-batches under unit costs (F = 1, B = 2, no
+    communication): the setting of the closed forms."""
+    job = Job(layout=Layout(schedule=name, devices=D, microbatches=N), unit_costs=True)
+    return simulate_job(job).result.metrics()
 
 
 def table_d4(D: int = 4, N: int = 4) -> pd.DataFrame:
@@ -162,16 +164,16 @@ def _throughput_section(out: Path, quick: bool) -> str:
 
 def _mapping_section(out: Path) -> str:
     """BitPipe's device mapping and eager gradient sync on a 25 Gb/s Ethernet cluster."""
-    from cost_models import TransformerCostModel, load_cluster, load_model
-    cl = load_cluster("v100-2x8-25gbe")
-    model = load_model("bert-48").replace(micro_batch=4)
     rows = []
     for name in ("chimera", "bitpipe"):
         for mapping in ("sequential", "copies-same-node"):
             for eager in (True, False):
-                low = lower(build(name, 16, 16), eager=eager)
-                costs = TransformerCostModel(model, cl.device).bind(low)
-                tr = simulate(low, costs, cl.place(low, mapping))
+                # FLOP formulas at the device's fixed efficiency, as in the throughput part (a V100 has
+                # kernel constants, which a job would otherwise be costed with)
+                job = Job(layout=Layout(schedule=name, devices=16, microbatches=16), model="bert-48",
+                          micro_batch=4, cluster="v100-2x8-25gbe", cost_model=COST_MODEL, device_map=mapping,
+                          eager=eager)
+                tr = simulate_job(job, trace=True).result.trace()
                 m = step_metrics(tr)
                 ar = tr[tr.kind == "ALLREDUCE"]
                 rows.append({"schedule": name, "mapping": mapping, "eager_sync": eager,
