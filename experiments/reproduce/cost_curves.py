@@ -15,9 +15,10 @@ set names as ``fit`` and reports the error on every layer, the ``held_out`` ones
 * ``cost_curves.png``: measured vs modelled time per sample against the batch, one panel per layer;
 * ``report.md``.
 
-The aims (issue 15): median error <= 15 %, per-sample speed-up from batch 1 to 64 within 30 % of
-measured. The device preset (``v100.yaml``) carries the constants this fit prints; the report says
-whether they agree.
+The aims: median error <= 15 %, and the per-sample speed-up from batch 1 to 64 within 30 % of
+measured: that speed-up is what decides the micro-batch size and count a plan takes, and the linear
+model has none (1.0 by construction). The device preset (``v100.yaml``) carries the constants this
+fit prints; the report says whether they agree.
 """
 from __future__ import annotations
 
