@@ -101,9 +101,7 @@ def scaling(quick: bool) -> pd.DataFrame:
 
 
 def plot_scaling(df: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import plt, save_figure
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, sweep, x in ((axes[0], "D", "D"), (axes[1], "N", "N")):
         sub = df[df.sweep == sweep]
@@ -114,9 +112,7 @@ def plot_scaling(df: pd.DataFrame, path: Path) -> None:
         ax.set_title("N = D" if sweep == "D" else "D = 8")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(out_dir, quick: bool = False) -> str:

@@ -70,9 +70,7 @@ def speedups(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot(df: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import plt, save_figure
     models = list(dict.fromkeys(df.model))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -86,9 +84,7 @@ def plot(df: pd.DataFrame, path: Path) -> None:
         ax.set_ylabel("samples / s (simulated)")
         ax.set_title(f"{model} on DGX-A100 + InfiniBand, N = {int(sub.N.min())}")
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def throughput_section(out: Path, quick: bool) -> str:

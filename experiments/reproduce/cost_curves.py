@@ -61,9 +61,7 @@ def cross_family(ms) -> pd.DataFrame:
 
 
 def plot(ms, rows: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import plt, save_figure
     df = pd.DataFrame(rows)
     names = [l.name for l in ms.layers]
     fig, axes = plt.subplots(2, (len(names) + 1) // 2, figsize=(4.2 * ((len(names) + 1) // 2), 7.5))
@@ -83,9 +81,7 @@ def plot(ms, rows: list[dict], out: Path) -> None:
     for ax in list(axes.flat)[len(names):]:
         ax.set_visible(False)
     fig.suptitle("One transformer layer on a V100 (fp32): measured (Chimera) vs the kernel cost model", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def run(out_dir, quick: bool = False) -> str:

@@ -104,9 +104,7 @@ def run(out_dir, quick: bool = False) -> str:
 
 
 def _plot(lim: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import plt, save_figure
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for model, g in lim.groupby("model", sort=False):
         axes[0].plot(g.N, g.gpipe_samples_s, "o--", label=f"GPipe {model}")
@@ -119,6 +117,4 @@ def _plot(lim: pd.DataFrame, path: Path) -> None:
         ax.set_xlabel("micro-batches N")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
