@@ -5,9 +5,16 @@
 2. Scaling of the bubble ratio in D (N = D) and in N (D = 8), with a figure, next to the closed
    form of each order (the papers give Chimera's and BitPipe's for N = D; for N = K*D the released
    orders' own, see schedules/bitpipe.py and schedules/chimera.py).
-3. Throughput of GPipe, DAPPLE, interleaved, Chimera and BitPipe for GPT-96 and BERT-64 on 8, 16
+3. BitPipe's device mapping (both copies of a stage on one server) and eager gradient sync, each
+   on and off, for BERT-48 at D = N = 16 on two V100 servers joined by 25 Gb/s Ethernet.
+4. Throughput of GPipe, DAPPLE, interleaved, Chimera and BitPipe for GPT-96 and BERT-64 on 8, 16
    and 32 GPUs (DGX-A100 nodes, InfiniBand between nodes), with the paper's reported speed-up
-   of BitPipe over the best other schedule (1.05x - 1.28x) beside ours.
+   of BitPipe over the best other schedule (1.05x - 1.28x) beside ours
+   (:mod:`experiments.reproduce.bitpipe_throughput`).
+
+Every point is a :class:`cost_models.Job` simulated by :func:`sim.simulate_job`: unit costs for 1
+and 2, the FLOP formulas at the device's fixed efficiency for 3 and 4
+(:data:`~experiments.reproduce.bitpipe_throughput.COST_MODEL`).
 """
 from __future__ import annotations
 
@@ -145,21 +152,14 @@ def run(out_dir, quick: bool = False) -> str:
     phase("bitpipe: device mapping and eager sync")
     parts += ["", _mapping_section(out)]
     phase("bitpipe: throughput (Table 4 models)")
-    thr = _throughput_section(out, quick)
-    if thr:
-        parts += ["", thr]
+    parts += ["", throughput_section(out, quick)]
     report = "\n".join(parts)
     (out / "report.md").write_text(report + "\n")
     return report
 
 
-def _throughput_section(out: Path, quick: bool) -> str:
-    """Part 3 needs the transformer cost model and cluster presets (cost_models)."""
-    return throughput_section(out, quick)
-
-
 def _mapping_section(out: Path) -> str:
-    """BitPipe's device mapping and eager gradient sync on a 25 Gb/s Ethernet cluster."""
+    """Part 3: BitPipe's device mapping and eager gradient sync on a 25 Gb/s Ethernet cluster."""
     rows = []
     for name in ("chimera", "bitpipe"):
         for mapping in ("sequential", "copies-same-node"):

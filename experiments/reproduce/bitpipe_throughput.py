@@ -1,4 +1,4 @@
-"""Part 3 of the BitPipe reproduction: throughput on a DGX-A100 cluster with InfiniBand.
+"""Part 4 of the BitPipe reproduction: throughput on a DGX-A100 cluster with InfiniBand.
 
 For each model (GPT-96, BERT-64) and GPU count G in {8, 16, 32}: a D = 8 pipeline, R = G/8
 data-parallel replicas (gradient all-reduce across replicas and, for Chimera / BitPipe, across the
