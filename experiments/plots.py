@@ -16,6 +16,8 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from schedules.trace import step_metrics  # noqa: E402
 
+DPI = 110      # the resolution of pipetwin's figures (save_figure)
+
 KIND_STYLE = {"F": dict(alpha=0.45), "B": dict(alpha=1.0), "W": dict(alpha=0.75, hatch="..")}
 
 
@@ -72,8 +74,7 @@ def plot_timeline(trace, path, *, title=None):
     fig, ax = plt.subplots(figsize=(12, 0.45 * devices + 1.4))
     draw_timeline(ax, trace, title=title)
     add_legend(ax)
-    fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_stacked(traces: dict, path, *, sharex=True):
@@ -85,8 +86,7 @@ def plot_stacked(traces: dict, path, *, sharex=True):
     for ax, (name, t) in zip(axes[:, 0], traces.items()):
         draw_timeline(ax, t, title=name, label_ops=t.attrs.get("microbatches", 0) <= 16)
     add_legend(axes[0, 0])
-    fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_overlay(panels, path) -> None:
@@ -124,8 +124,7 @@ def plot_overlay(panels, path) -> None:
     axes[-1, 0].set_xlabel("seconds since the step's first op", fontsize=8)
     outline = Line2D([], [], color="black", linewidth=1.0, label="simulated (outline)")
     add_legend(axes[0, 0], extra=[Patch(facecolor="tab:blue", alpha=0.9, label="measured (filled)"), outline])
-    fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 # one style per series: coinciding lines (gpipe = dapple in bubble plots) stay visible
@@ -142,7 +141,15 @@ def series_style(i: int) -> dict:
                 markeredgewidth=1.4 if hollow else 1.0, linewidth=1.2)
 
 
-def _save(fig, path):
+def save_figure(fig, path) -> None:
+    """Finish a figure the one way every figure here is finished: tight layout (nothing clipped or
+    overlapping), written at :data:`DPI` (its folder made), closed (pyplot keeps open figures alive)."""
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig, path) -> None:
+    """The writing half of :func:`save_figure`: folder, :data:`DPI`, close."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -165,9 +165,7 @@ def scaling_table(quick: bool) -> pd.DataFrame:
 
 
 def plot(table: pd.DataFrame, scaling: pd.DataFrame, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import plt, save_figure
     fig, axes = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1.6, 1]})
     ax = axes[0]
     labels = [f"{r.model} {r.config} {r.cost_model}" for r in table.itertuples()]
@@ -196,9 +194,7 @@ def plot(table: pd.DataFrame, scaling: pd.DataFrame, out: Path) -> None:
     ax.set_ylabel("samples / s (simulated)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def _findings(t: pd.DataFrame) -> list[str]:
