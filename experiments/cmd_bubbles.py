@@ -49,6 +49,7 @@ def profile_table(D: int, max_k: int, scheds: list[str], profile: str, *, chunks
     from cost_models.bind import load_inputs
     from cost_models.job import ClusterChoice, Job, Layout
     from schedules import ScheduleError
+    from schedules.trace import step_metrics
     from sim import simulate_job
 
     if D < 1 or max_k < 1:
@@ -62,12 +63,12 @@ def profile_table(D: int, max_k: int, scheds: list[str], profile: str, *, chunks
         for N in [k * D for k in range(1, max_k + 1)]:
             row = {"schedule": name, "D": D, "N": N}
             try:
-                _, res = simulate_job(base.with_layout(schedule=name, microbatches=N), inputs=inputs)
+                _, res = simulate_job(base.with_layout(schedule=name, microbatches=N), inputs=inputs, trace=True)
             except (ScheduleError, ValueError) as e:
                 rows.append({**row, "makespan": float("nan"), "mean_busy": float("nan"), "bubble": float("nan"),
                              "bubble_ratio": float("nan"), "error": str(e)})
                 continue
-            m = res.metrics()
+            m = step_metrics(res.trace())
             busy = sum(p.busy for p in m.per_device) / len(m.per_device)
             rows.append({**row, "makespan": m.iteration_time, "mean_busy": busy, "bubble": m.iteration_time - busy,
                          "bubble_ratio": m.bubble_ratio, "error": ""})
@@ -76,7 +77,7 @@ def profile_table(D: int, max_k: int, scheds: list[str], profile: str, *, chunks
 
 
 def plot(df, path, unit: str = "units of F") -> None:
-    from .plots import _save, plt, series_style
+    from .plots import plt, save_figure, series_style
     ok = df.dropna(subset=["bubble"])
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
     for i, (name, g) in enumerate(ok.groupby("schedule", sort=False)):
@@ -96,8 +97,7 @@ def plot(df, path, unit: str = "units of F") -> None:
     fig.suptitle("Bubble against N under unit costs: Chimera's and BitPipe's bubble time grows with the number "
                  "of concatenated units; bitpipe-zb's stays flat" if unit == "units of F" else
                  f"Bubble against N, simulated with measured costs ({unit})", fontsize=9)
-    fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def main(args) -> int:

@@ -145,11 +145,6 @@ def save_figure(fig, path) -> None:
     """Finish a figure the one way every figure here is finished: tight layout (nothing clipped or
     overlapping), written at :data:`DPI` (its folder made), closed (pyplot keeps open figures alive)."""
     fig.tight_layout()
-    _save(fig, path)
-
-
-def _save(fig, path) -> None:
-    """The writing half of :func:`save_figure`: folder, :data:`DPI`, close."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

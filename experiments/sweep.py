@@ -229,9 +229,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def plot_sweep(rows: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plots import plt, save_figure
     ok = [r for r in rows if not r["error"] and _num(r["throughput"]) is not None]
     label = lambda r: (f"{r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}"  # noqa: E731
                        + (f" b={r['micro_batch']}" if r["micro_batch"] else ""))
@@ -243,9 +241,7 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("throughput (samples per time unit; red: out of memory)")
     ax.set_title(f"sweep: {len(ok)} of {len(rows)} points ran")
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "throughput.png")
     pts = [(float(r["iteration_time"]), float(r["peak_memory"])) for r in ok]
     fig, ax = plt.subplots(figsize=(7, 5))
     if pts:
@@ -260,9 +256,7 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
     ax.set_xlabel("iteration time")
     ax.set_ylabel("peak memory per device (bytes; Ma with unit costs)")
     ax.set_title("memory vs time")
-    fig.tight_layout()
-    fig.savefig(out / "pareto.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "pareto.png")
 
 
 __all__ = ["COLUMNS", "Grid", "point_key", "run_point", "run_sweep", "read_done", "pareto_front", "parse_ints"]
