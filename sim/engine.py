@@ -260,10 +260,10 @@ def _moves_bytes(costs: StageCosts) -> bool:
 class _Engine:
     def __init__(self, sched: Schedule, costs: StageCosts, network: Network | None, opts: SimOptions,
                  record: bool):
-        self.s = sched
-        self.c = costs
+        self.sched = sched
+        self.costs = costs
         self.net = network
-        self.o = opts
+        self.opts = opts
         self.record = record
         self.env = simpy.Environment()
         self.flows = FairShare(self.env)
@@ -329,14 +329,14 @@ class _Engine:
         links = self.net.path(a, b)
         out, lat = [], 0.0
         for ln in links:
-            bw = ln.bandwidth / self.o.link_slowdown.get(ln.name, 1.0)
+            bw = ln.bandwidth / self.opts.link_slowdown.get(ln.name, 1.0)
             out.append((ln.name, bw))
             lat += ln.latency
-        if self.o.comm_uses_cores and self.o.hosts is not None and out and self.o.time_slice is None:
+        if self.opts.comm_uses_cores and self.opts.hosts is not None and out and self.opts.time_slice is None:
             # on CPU ranks the transport's threads copy the bytes: a transfer at the link's speed
             # keeps one core of each end's host busy, shared with the compute of that host
             per_byte = 1.0 / min(bw for _, bw in out)
-            for h in sorted({self.o.hosts[a], self.o.hosts[b]}):
+            for h in sorted({self.opts.hosts[a], self.opts.hosts[b]}):
                 out.append((f"host{h}.cores", (self._cores(h), per_byte)))
         return out, lat
 
@@ -363,7 +363,7 @@ class _Engine:
             self._flow(res, nbytes, msg)
 
     def _flow(self, res, nbytes: float, msg: tuple) -> None:
-        ev = self.flows.start(nbytes, res, share=self._share(res) if self.o.comm_uses_cores else 1.0)
+        ev = self.flows.start(nbytes, res, share=self._share(res) if self.opts.comm_uses_cores else 1.0)
         env = self.env
         ev.callbacks.append(lambda _e: self._deliver(msg, env.now))
 
@@ -372,15 +372,15 @@ class _Engine:
         at the same moment share its cores (time-sliced: take turns on them)."""
         if host is None:
             return self.env.timeout(seconds)
-        if self.o.time_slice is not None:
+        if self.opts.time_slice is not None:
             cores = self.sliced.get(host)
             if cores is None:
-                cores = self.sliced[host] = SlicedCores(self.env, self._cores(host), self.o.time_slice)
+                cores = self.sliced[host] = SlicedCores(self.env, self._cores(host), self.opts.time_slice)
             return cores.run(seconds)
         return self.flows.start(seconds, {f"host{host}.cores": self._cores(host)}, cap=1.0)
 
     def _cores(self, host: int) -> float:
-        c = self.o.cores
+        c = self.opts.cores
         return float(c.get(host, 1.0)) if isinstance(c, Mapping) else float(c)
 
     # ------------------------------------------------------------------ all-reduce
@@ -393,14 +393,14 @@ class _Engine:
         if start > env.now:
             yield env.timeout(start - env.now)
         stage = key[1]
-        nbytes = self.c.param_bytes[0][stage]
-        full = self.s.stage_group(stage)
+        nbytes = self.costs.param_bytes[0][stage]
+        full = self.sched.stage_group(stage)
         fitted = getattr(self.net, "collective", None)
         if self.net is not None and nbytes > 0 and len(full) > 1 and fitted is not None:
             # a measured all-reduce (calibration profile): its fitted ring time
             t = ring_allreduce_time(nbytes, len(full), fitted.bandwidth, fitted.latency)
-            if self.o.comm_uses_cores and self.o.hosts is not None:
-                if self.o.time_slice is None:
+            if self.opts.comm_uses_cores and self.opts.hosts is not None:
+                if self.opts.time_slice is None:
                     # as a P2P transfer's (_real_path): the ring's per-message latency passes
                     # without a core (the transport's threads wait for the peer), its bytes hold one
                     lat = ring_allreduce_time(0.0, len(full), fitted.bandwidth, fitted.latency)
@@ -409,7 +409,7 @@ class _Engine:
                 # CPU transports reduce on the host: each member keeps a core busy for the bytes,
                 # shared with the compute of its host (time-sliced: the whole ring time, queued
                 # for a core like any CPU work)
-                yield env.all_of([self._busy(self.o.hosts[m], t) for m in full])
+                yield env.all_of([self._busy(self.opts.hosts[m], t) for m in full])
             else:
                 yield env.timeout(t)
         elif self.net is not None and nbytes > 0 and len(full) > 1:
@@ -431,7 +431,7 @@ class _Engine:
             for src, dst, b in transfers:
                 res, la = self._path(src, dst)
                 lat = max(lat, la)
-                flows.append((res, b, self._share(res) if self.o.comm_uses_cores else 1.0))
+                flows.append((res, b, self._share(res) if self.opts.comm_uses_cores else 1.0))
             out.append((repeat, lat, flows))
         return out
 
@@ -442,8 +442,8 @@ class _Engine:
             self.ar_done[key] = self.env.event()
         self.ar_start[key] = max(self.ar_start.get(key, t), t)
         if len(arrived) == len(self.groups[key[1]]):
-            nbytes = self.c.param_bytes[0][key[1]]
-            if self.net is None or nbytes <= 0 or len(self.s.stage_group(key[1])) <= 1:
+            nbytes = self.costs.param_bytes[0][key[1]]
+            if self.net is None or nbytes <= 0 or len(self.sched.stage_group(key[1])) <= 1:
                 self.ar_end[key] = self.ar_start[key]        # nothing to move
                 self.ar_done[key].succeed(self.ar_start[key])
             else:
@@ -454,9 +454,9 @@ class _Engine:
         """Resolve every op of rank r once (duration, bytes, activation change, message and, with a
         trace, its row prefix) as a :class:`_Planned` tuple, so the hot loop does no lookups. What
         depends only on (kind, copy, stage, payload) is resolved once per such combination."""
-        s = self.s
+        s = self.sched
         split = s.split_backward
-        slow = self.o.slowdown.get(r, 1.0)
+        slow = self.opts.slowdown.get(r, 1.0)
         sent: dict = {}
         got: dict = {}
         resolved: dict = {}
@@ -485,7 +485,7 @@ class _Engine:
 
     def _resolve(self, r: int, op, split: bool, slow: float) -> tuple[float, float, float, float]:
         """(seconds, nbytes, act_alloc, act_free) of an op of rank r (see :class:`_Planned`)."""
-        c, s, k = self.c, self.s, op.kind
+        c, s, k = self.costs, self.sched, op.kind
         if k in (F, B, W):
             alloc, free = activation_change(k, c.act[op.copy][op.stage],
                                             c.act_w[op.copy][op.stage] if split else 0.0, split)
@@ -500,20 +500,20 @@ class _Engine:
         return 0.0, 0.0, 0.0, 0.0
 
     def _rank(self, r: int):
-        env, c = self.env, self.c
+        env, c = self.env, self.costs
         rows = self.rows
         record = self.record
         new_row = _new_row
-        host = self.o.hosts[r] if self.o.hosts is not None else None
-        jitter = self.o.jitter
-        rng = random.Random(self.o.seed * 1_000_003 + r) if jitter else None
+        host = self.opts.hosts[r] if self.opts.hosts is not None else None
+        jitter = self.opts.jitter
+        rng = random.Random(self.opts.seed * 1_000_003 + r) if jitter else None
         no_net = self.net is None
         compiled = self._compile(r)
         pc = self.pc
         arrived, waiting = self.arrived, self.waiting
         send_time, recv_time, copy_time = c.send_time, c.recv_time, c.copy_time
         clock = 0.0
-        for step in range(self.o.steps):
+        for step in range(self.opts.steps):
             act = peak = busy = 0.0
             copy_back = 0.0
             my_ars: list[tuple[int, int]] = []
@@ -644,9 +644,9 @@ class _Engine:
             self.env.run()
         stuck = [r for r in self.active if not self.finished[r]]
         if stuck:
-            desc = "; ".join(f"rank {r} at {self.s.program(r)[self.pc[r]]}" for r in stuck)
+            desc = "; ".join(f"rank {r} at {self.sched.program(r)[self.pc[r]]}" for r in stuck)
             raise SimulationError(f"simulation deadlocked: {desc}")
-        s, c = self.s, self.c
+        s, c = self.sched, self.costs
         R = s.num_ranks
         attrs = dict(engine="sim", schedule=s.name, devices=s.num_devices, microbatches=s.num_microbatches,
                      replicas=s.replicas, time_unit=c.time_unit, mem_unit=c.mem_unit,
