@@ -61,8 +61,8 @@ from schedules.ir import (ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedul
 from schedules.lower import lower
 from schedules.trace import COLUMNS, DeviceMetrics, Metrics, TraceRow, make_trace
 
+from .cores import host_model
 from .flows import FairShare
-from .slicing import SlicedCores
 from .symmetry import Symmetry, replica_classes, symmetry_blocker
 
 
@@ -267,7 +267,7 @@ class _Engine:
         self.record = record
         self.env = simpy.Environment()
         self.flows = FairShare(self.env)
-        self.sliced: dict[int, SlicedCores] = {}
+        self.host = host_model(self.env, self.flows, opts.hosts, opts.cores, opts.time_slice, opts.comm_uses_cores)
         R = sched.num_ranks
         if len(costs.static_mem) != R:
             raise ScheduleError(f"costs were bound for {len(costs.static_mem)} ranks, schedule has {R}; "
@@ -314,12 +314,12 @@ class _Engine:
 
     # ------------------------------------------------------------------ helpers
     def _path(self, a: int, b: int):
-        """(resources, latency) of a transfer from rank a to rank b (cached per pair)."""
+        """(resources, latency, share) of a transfer from rank a to rank b (cached per pair)."""
         got = self._paths.get((a, b))
         if got is not None:
             return got
         if self.sym is not None:
-            got = self.sym.p2p[(a, b)]
+            got = self.sym.p2p[(a, b)] + (1.0,)
         else:
             got = self._real_path(a, b)
         self._paths[(a, b)] = got
@@ -332,20 +332,8 @@ class _Engine:
             bw = ln.bandwidth / self.opts.link_slowdown.get(ln.name, 1.0)
             out.append((ln.name, bw))
             lat += ln.latency
-        if self.opts.comm_uses_cores and self.opts.hosts is not None and out and self.opts.time_slice is None:
-            # on CPU ranks the transport's threads copy the bytes: a transfer at the link's speed
-            # keeps one core of each end's host busy, shared with the compute of that host
-            per_byte = 1.0 / min(bw for _, bw in out)
-            for h in sorted({self.opts.hosts[a], self.opts.hosts[b]}):
-                out.append((f"host{h}.cores", (self._cores(h), per_byte)))
-        return out, lat
-
-    def _share(self, res) -> float:
-        """A transfer that also keeps cores busy rises on the cores' scale (see :mod:`sim.flows`)."""
-        for _, spec in res:
-            if isinstance(spec, tuple) and _is_core(_):
-                return 1.0 / spec[1]
-        return 1.0
+        cores, share = self.host.transfer(a, b, out)    # on CPU ranks the transport's threads copy the bytes
+        return out + cores, lat, share
 
     def _deliver(self, msg: tuple, t: float) -> None:
         """Message ``msg`` = (src, dst, n-th on that pair) has arrived at dst at time t."""
@@ -356,38 +344,23 @@ class _Engine:
             ev.succeed(t)
 
     def _send(self, a: int, b: int, nbytes: float, msg: tuple) -> None:
-        res, lat = self._path(a, b)
+        res, lat, share = self._path(a, b)
         if lat > 0:
-            self.env.timeout(lat).callbacks.append(lambda _e: self._flow(res, nbytes, msg))
+            self.env.timeout(lat).callbacks.append(lambda _e: self._flow(res, nbytes, share, msg))
         else:
-            self._flow(res, nbytes, msg)
+            self._flow(res, nbytes, share, msg)
 
-    def _flow(self, res, nbytes: float, msg: tuple) -> None:
-        ev = self.flows.start(nbytes, res, share=self._share(res) if self.opts.comm_uses_cores else 1.0)
+    def _flow(self, res, nbytes: float, share: float, msg: tuple) -> None:
+        ev = self.flows.start(nbytes, res, share=share)
         env = self.env
         ev.callbacks.append(lambda _e: self._deliver(msg, env.now))
-
-    def _busy(self, host, seconds: float) -> simpy.Event:
-        """The rank computes for ``seconds`` of one core; on a shared host the ranks that compute
-        at the same moment share its cores (time-sliced: take turns on them)."""
-        if host is None:
-            return self.env.timeout(seconds)
-        if self.opts.time_slice is not None:
-            cores = self.sliced.get(host)
-            if cores is None:
-                cores = self.sliced[host] = SlicedCores(self.env, self._cores(host), self.opts.time_slice)
-            return cores.run(seconds)
-        return self.flows.start(seconds, {f"host{host}.cores": self._cores(host)}, cap=1.0)
-
-    def _cores(self, host: int) -> float:
-        c = self.opts.cores
-        return float(c.get(host, 1.0)) if isinstance(c, Mapping) else float(c)
 
     # ------------------------------------------------------------------ all-reduce
     def _allreduce(self, key: tuple[int, int]):
         """Replay the all-reduce algorithm of :func:`cost_models.comm.allreduce_phases` (a ring,
         or hierarchical when the group spans nodes) as flows over the same links as P2P traffic;
-        on a network with a measured all-reduce fit (``collective``), take its ring time."""
+        on a network with a measured all-reduce fit (``collective``), take its ring time as the
+        host model spends it (:meth:`sim.cores.HostModel.fitted_allreduce`)."""
         env = self.env
         start = self.ar_start[key]
         if start > env.now:
@@ -397,21 +370,11 @@ class _Engine:
         full = self.sched.stage_group(stage)
         fitted = getattr(self.net, "collective", None)
         if self.net is not None and nbytes > 0 and len(full) > 1 and fitted is not None:
-            # a measured all-reduce (calibration profile): its fitted ring time
+            # a measured all-reduce (calibration profile): its fitted ring time, of which the
+            # messages' latency is the part without bytes
             t = ring_allreduce_time(nbytes, len(full), fitted.bandwidth, fitted.latency)
-            if self.opts.comm_uses_cores and self.opts.hosts is not None:
-                if self.opts.time_slice is None:
-                    # as a P2P transfer's (_real_path): the ring's per-message latency passes
-                    # without a core (the transport's threads wait for the peer), its bytes hold one
-                    lat = ring_allreduce_time(0.0, len(full), fitted.bandwidth, fitted.latency)
-                    yield env.timeout(lat)
-                    t -= lat
-                # CPU transports reduce on the host: each member keeps a core busy for the bytes,
-                # shared with the compute of its host (time-sliced: the whole ring time, queued
-                # for a core like any CPU work)
-                yield env.all_of([self._busy(self.opts.hosts[m], t) for m in full])
-            else:
-                yield env.timeout(t)
+            lat = ring_allreduce_time(0.0, len(full), fitted.bandwidth, fitted.latency)
+            yield from self.host.fitted_allreduce(full, t, lat)
         elif self.net is not None and nbytes > 0 and len(full) > 1:
             for repeat, lat, flows in self._ar_phases(stage, full, nbytes):
                 for _ in range(repeat):
@@ -429,9 +392,9 @@ class _Engine:
         for repeat, transfers in allreduce_phases(self.net, full, nbytes):
             lat, flows = 0.0, []
             for src, dst, b in transfers:
-                res, la = self._path(src, dst)
+                res, la, share = self._path(src, dst)
                 lat = max(lat, la)
-                flows.append((res, b, self._share(res) if self.opts.comm_uses_cores else 1.0))
+                flows.append((res, b, share))
             out.append((repeat, lat, flows))
         return out
 
@@ -504,7 +467,7 @@ class _Engine:
         rows = self.rows
         record = self.record
         new_row = _new_row
-        host = self.opts.hosts[r] if self.opts.hosts is not None else None
+        work = self.host.work(r)
         jitter = self.opts.jitter
         rng = random.Random(self.opts.seed * 1_000_003 + r) if jitter else None
         no_net = self.net is None
@@ -525,14 +488,14 @@ class _Engine:
                 if k == F or k == B or k == W:
                     dur = seconds * max(0.05, rng.gauss(1.0, jitter)) if jitter else seconds
                     act += alloc
-                    if host is None:
+                    if work is None:
                         clock += dur
                         busy += dur
                     else:
                         pc[r] = i
                         if clock > env.now:
                             yield env.timeout(clock - env.now)
-                        yield self._busy(host, dur)
+                        yield work(dur)
                         clock = env.now
                         busy += clock - start
                     act -= free
@@ -540,13 +503,13 @@ class _Engine:
                         peak = act
                 elif k == SEND:
                     if send_time:
-                        if host is None:
+                        if work is None:
                             clock += send_time
                         else:
                             pc[r] = i
                             if clock > env.now:
                                 yield env.timeout(clock - env.now)
-                            yield self._busy(host, send_time)
+                            yield work(send_time)
                             clock = env.now
                     if no_net:       # delivered at once (self._deliver, inlined: one per SEND)
                         ev = waiting.pop(msg, None)
@@ -569,25 +532,25 @@ class _Engine:
                     if t > clock:
                         clock = t
                     if recv_time:
-                        if host is None:
+                        if work is None:
                             clock += recv_time
                         else:
                             pc[r] = i
                             if clock > env.now:
                                 yield env.timeout(clock - env.now)
-                            yield self._busy(host, recv_time)
+                            yield work(recv_time)
                             clock = env.now
                 elif k == COPY:
                     clock += copy_time
                 elif k == ALLREDUCE:
                     if seconds:
-                        if host is None:
+                        if work is None:
                             clock += seconds
                         else:
                             pc[r] = i
                             if clock > env.now:
                                 yield env.timeout(clock - env.now)
-                            yield self._busy(host, seconds)
+                            yield work(seconds)
                             clock = env.now
                     key = (step, stage)
                     my_ars.append(key)
@@ -612,13 +575,13 @@ class _Engine:
                     if record:
                         self._fill_ar_rows(r)
                     if c.optim_time[r] or copy_back:
-                        if host is None:
+                        if work is None:
                             clock += c.optim_time[r] + copy_back
                         else:
                             pc[r] = i
                             if clock > env.now:
                                 yield env.timeout(clock - env.now)
-                            yield self._busy(host, c.optim_time[r] + copy_back)
+                            yield work(c.optim_time[r] + copy_back)
                             clock = env.now
                 if record:
                     if step:
@@ -656,9 +619,4 @@ class _Engine:
         peak = [self.peak[x] for x in self.rep]
         rows = [row for row in self.rows if row is not None] if self.record else None
         return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=self.rep_of)
-
-
-def _is_core(name: str) -> bool:
-    return name.startswith("host") and name.endswith(".cores")
-
 
