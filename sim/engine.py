@@ -78,7 +78,8 @@ class SimOptions:
     link_slowdown: per-link-name factor dividing bandwidth (a slow link: {"n1.nic0.out": 2};
       link names come from the network, e.g. ``Cluster.links()``).
     jitter: relative standard deviation of per-op compute noise (seeded per rank, deterministic).
-    hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores.
+    hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores (how: the
+      host model of :mod:`sim.cores`, processor sharing unless ``time_slice``).
     comm_uses_cores: with ``hosts``, transfers also occupy a core of each end's host while they
       run (CPU transports such as gloo, whose threads copy and reduce the bytes).
     time_slice: with ``hosts``, the seconds an OS gives a rank on a core before the next waiting

@@ -413,6 +413,35 @@ def test_time_sliced_host_by_hand():
     assert tr.loc[(tr["device"] == 0) & (tr["token"] == "F1.s0"), "end"].item() > 2.0
 
 
+def test_host_model_is_chosen_once_from_the_options():
+    """No hosts: the GPU path, whose work function is None (the engine's loop advances the clock
+    itself); hosts: processor sharing, or time slices with ``time_slice``; transfers add the host
+    cores to their path only under processor sharing with ``comm_uses_cores``."""
+    from sim.cores import NoHost, SharedCores, TimeSlicedCores, host_model
+    env = simpy.Environment()
+    fs = FairShare(env)
+    none = host_model(env, fs, None, 1.0, None, True)
+    assert isinstance(none, NoHost) and none.work(0) is None and none.transfer(0, 1, [("l", 10.0)]) == ([], 1.0)
+    shared = host_model(env, fs, [0, 1], {1: 3.0}, None, True)
+    assert isinstance(shared, SharedCores) and (shared.cores(0), shared.cores(1)) == (1.0, 3.0)
+    assert shared.transfer(0, 1, [("l", 10.0), ("m", 4.0)]) == (
+        [("host0.cores", (1.0, 0.25)), ("host1.cores", (3.0, 0.25))], 4.0)
+    assert host_model(env, fs, [0, 1], 2.0, None, False).transfer(0, 1, [("l", 10.0)]) == ([], 1.0)
+    sliced = host_model(env, fs, [0, 0], 2.0, 0.5, True)
+    assert isinstance(sliced, TimeSlicedCores) and sliced.transfer(0, 1, [("l", 10.0)]) == ([], 1.0)
+    ends = []
+
+    def rank(seconds):
+        yield sliced.work(0)(seconds)
+        ends.append(env.now)
+
+    for s in (1.0, 1.0, 1.0):
+        env.process(rank(s))
+    env.run()
+    # three 1 s jobs on two cores in 0.5 s slices, round robin: the first two run [0, 0.5], the third
+    # and the first [0.5, 1], the second and the third [1, 1.5] (processor sharing: all end at 1.5)
+    assert ends == [pytest.approx(1.0), pytest.approx(1.5), pytest.approx(1.5)]
+
 # ---------------------------------------------------------------------- results pinned to the bit
 PINNED_PROFILE = {
     "format": "pipetwin-calibration/1", "name": "pinned-cpu", "model": "tiny",
