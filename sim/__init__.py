@@ -1,5 +1,5 @@
 """The SimPy engine: devices, links with max-min fair bandwidth sharing, collectives, memory tracking,
-replica symmetry."""
+hosts' cores (shared or time-sliced), replica symmetry."""
 from .engine import SimOptions, SimResult, SimulationError, run, simulate
 from .flows import FairShare
 

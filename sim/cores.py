@@ -11,8 +11,8 @@ decides how long it takes:
 - :class:`SharedCores`: ranks on one host share its cores by processor sharing (:mod:`sim.flows`):
   each piece of work is a flow of its duration in core-seconds, capped at one core. With
   ``comm_uses_cores`` (CPU transports such as gloo, whose threads copy and reduce the bytes) a
-  transfer also keeps a core of each end's host busy while it runs, and a fitted all-reduce holds
-  its members' cores for its bytes while its per-message latency passes in wall time.
+  transfer also keeps a core of each end's host busy while it runs, and a fitted all-reduce lets
+  its per-message latency pass in wall time, then holds a core of each member for its bytes.
 - :class:`TimeSlicedCores`: ranks on one host take turns on whole cores in time slices
   (:mod:`sim.slicing`). Transfers then take no core time of their own (their CPU work is the
   SEND/RECV costs, queued like compute); with ``comm_uses_cores`` a fitted all-reduce's whole ring
