@@ -18,7 +18,7 @@ from .engine import SimOptions, simulate
 class HostCores:
     """How the ranks of one CPU host share it: ``cores``; with more ranks than cores, the OS's
     ``time_slice`` (seconds; None: processor sharing) and a compute ``oversubscribed_slowdown``
-    (profiles of earlier versions; 1 in new ones)."""
+    (a factor a profile may carry; 1 when the time slices account for the sharing)."""
 
     cores: int
     time_slice: float | None = None
