@@ -27,7 +27,7 @@ What is measured, and how:
 3. The runtime, through the simulator (:mod:`calibration.fit`): short executor runs (1F1B,
    1F1B-interleaved, ZB-V, ZB-H1 and BitPipe at D = :func:`calibration.fit.fit_ranks`, ranks pinned to
    cores, in interleaved rounds until three quiet runs of each agree:
-   :func:`executor.sitting.run_series`) are traced and simulated with the profile; per op kind
+   :func:`calibration.sitting.run_series`) are traced and simulated with the profile; per op kind
    the compute gets a scale and all compute ops one per-op cost (bounded least squares on
    measured vs simulated times per step, over the fast steps of the runs validation's statistic
    rests on), OPTIM a scale, SEND the mean residual as a per-op cost, RECV the 20th percentile of
@@ -69,11 +69,11 @@ from cost_models.stack import StackSpec, is_model_ref
 from executor.config import RunConfig, lowered_schedule
 from executor.device import cpu_threads
 from executor.precision import Precision
-from executor.sitting import RunSeries, SittingRules, run_series
 
 from .fit import (PROBE, RUNTIME_SCHEDULES, fit_communication, fit_ranks, fit_runtime, fit_time_slice,
                   probe_seconds, runtime_configs, scale_layer)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
+from .sitting import RunSeries, SittingRules, run_series, sitting_problems, sitting_record
 
 __all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_communication", "fit_time_slice",
            "fit_profile", "fit_ranks", "fit_runtime", "host_profile", "kept_bytes", "measure_host", "measure_stack",
@@ -88,25 +88,6 @@ def kept_bytes(per: list[dict]) -> dict:
             "act_w_bytes": tuple(float(x["act_w"]) for x in per),
             "act_bytes_recompute": tuple((m, tuple(float(x["act_recompute"].get(m, x["act"])) for x in per))
                                          for m in ("selective", "full"))}
-
-
-def sitting_record(series: list[RunSeries]) -> dict:
-    """How a sitting's traced runs went, for the profile's meta: the largest spread of the kept
-    runs, the most CPU other processes took in any run, runs per config, and every unsettled
-    config's problem."""
-    spreads = [x.spread for x in series if x.spread is not None]
-    loads = [f for x in series for f in (x.foreign(i) for i in range(len(x.runs))) if f is not None]
-    cuts = [x.cut for x in series if x.judges_state]
-    return {"spread_max": max(spreads) if spreads else None, "foreign_cores_max": max(loads) if loads else None,
-            "fast_state_cut": cuts[0] if cuts else None,
-            "runs": {x.config.schedule: len(x.runs) for x in series},
-            "problems": [f"{x.config.schedule}: {x.problem}" for x in series if x.problem]}
-
-
-def sitting_problems(profile: CalibrationProfile) -> list[str]:
-    """Why the profile's calibration sitting is unusable (empty: it is usable)."""
-    return [f"D={d}: {p}" for d, rec in sorted((profile.meta.get("sitting") or {}).items())
-            for p in rec.get("problems", [])]
 
 
 def measure_stack(ref: str, micro_batch: int, threads: int, repeats: int = 20, progress=None):
@@ -231,7 +212,7 @@ def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: di
 
 
 def speed_yardstick(profile: CalibrationProfile) -> Callable[[RunConfig], object | None]:
-    """The yardstick of a traced step's speed (:mod:`executor.sitting`: one host state for every
+    """The yardstick of a traced step's speed (:mod:`calibration.sitting`: one host state for every
     config of a sitting): ``yardstick(config)`` is the config's compute op costs as measured alone
     (``StageCosts``), the profile's layer times divided by the scale its runtime fit applied
     (``meta["runtime_scale"]``), no per-op overheads; None where the config's ranks outnumber the
@@ -300,7 +281,7 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`).
     ``runtime_steps`` / ``runtime_repeats``: the traced runs the runtime is fitted on (steps each,
     quiet runs per config at least: :func:`runtime_rules`); ``rules`` replaces those rules
-    (:class:`executor.sitting.SittingRules`). All traced runs share one sitting (interleaved
+    (:class:`calibration.sitting.SittingRules`). All traced runs share one sitting (interleaved
     rounds, both world sizes). ``dtype``: the precision of the runs to be predicted (fp32 | bf16; a
     model file: fp32)."""
     rules = rules or runtime_rules(runtime_steps, runtime_repeats)

@@ -9,10 +9,10 @@ the simulator (:func:`fit_runtime`, then :func:`fit_communication`), on runs wit
 as the runs to predict when those outnumber the cores, where the OS's time slice is chosen too
 (:func:`fit_time_slice`).
 
-The traced runs are a sitting (:func:`executor.sitting.run_series`): interleaved rounds, runs
+The traced runs are a sitting (:func:`calibration.sitting.run_series`): interleaved rounds, runs
 disturbed by other processes left out, and the statistic validation uses: the noise-free step
 time, the fits reproducing the fast steps around it
-(:meth:`executor.sitting.RunSeries.typical_steps`), not the mean of all steps.
+(:meth:`calibration.sitting.RunSeries.typical_steps`), not the mean of all steps.
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ from scipy.optimize import least_squares, lsq_linear
 
 from cost_models.calibration import CalibrationProfile
 from executor.config import RunConfig, lowered_schedule
-from executor.sitting import RunSeries
 from schedules.ir import ALLREDUCE
 from schedules.trace import noise_free, step_metrics
 from sim.host import simulate_with_profile
+
+from .sitting import RunSeries
 
 # the runs the runtime is fitted on: whole stages (1F1B), inner chunks (1F1B-interleaved) and a
 # split backward on chunks (ZB-V) and on whole stages (ZB-H1): their op sizes differ, which tells
@@ -87,7 +88,7 @@ def runtime_configs(model: str, ranks: int, steps: int = 20, micro_batch: int | 
                     dtype: str = "fp32") -> list[RunConfig]:
     """The traced runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
     N = 2D, in precision ``dtype``, probed, ranks pinned to cores where the host allows; run them in a sitting
-    (:func:`executor.sitting.run_series`), alone (calibration) or beside the runs to predict
+    (:func:`calibration.sitting.run_series`), alone (calibration) or beside the runs to predict
     (validation: then both meet the same host; the ones equal to a validation's config are
     shared). Schedules with more stages than a model file has layers are left out (at least one
     must fit)."""

@@ -1,6 +1,6 @@
 """``pipetwin validate``: executor vs simulator, schedule by schedule, with a calibrated profile.
 
-The measured side is the noise-free step of every schedule (:mod:`executor.sitting`: interleaved
+The measured side is the noise-free step of every schedule (:mod:`calibration.sitting`: interleaved
 rounds of runs, ranks pinned to cores, runs disturbed by other processes left out, the
 run-to-run spread checked); a sitting whose runs do not settle is refused with its reason
 ("host busy: ...") and no error figure (exit status 3).
@@ -64,7 +64,7 @@ def main(args) -> int:
     from calibration import sitting_problems
     from cost_models import is_model_ref, load_model, load_profile, save_profile
     from cost_models.files import check_output_path
-    from executor.sitting import SittingRules
+    from calibration.sitting import SittingRules
     from schedules import ScheduleError, build
 
     from .costs import check_profile_model

@@ -1,7 +1,7 @@
 """Cross-validation: the same lowered schedule run by the executor and by the simulator.
 
 For each schedule: the executor trains ``steps`` steps per run, in interleaved rounds of runs
-until its quiet runs agree (:func:`executor.sitting.run_series`); its iteration time is the
+until its quiet runs agree (:func:`calibration.sitting.run_series`); its iteration time is the
 median of its steps in the host's fast state, the same state for every schedule of the sitting
 (judged from each step's op speed against the alone-measured op costs,
 :func:`calibration.speed_yardstick`; where ranks outnumber the cores, the noise-free time of its
@@ -49,7 +49,7 @@ class Comparison:
     foreign_cores: list[float | None] = field(default_factory=list)   # other processes' load per run
     rank_cores: list[float | None] = field(default_factory=list)      # the ranks' own CPU per run (cores)
     problem: str | None = None              # why the runs did not settle (None: they did)
-    spread: float | None = None             # run-to-run spread (executor.sitting.RunSeries.spread)
+    spread: float | None = None             # run-to-run spread (calibration.sitting.RunSeries.spread)
     fitted: bool = False                    # the profile's runtime was fitted on these very runs
     state_steps: tuple[int, int] | None = None   # (fast-state steps counted, steps of the quiet runs); None: not judged
     state_cut: float | None = None          # the sitting's fast state: ops at up to this x their alone time
@@ -96,7 +96,7 @@ class Comparison:
 
 
 def compare(series: list, profile: CalibrationProfile, fitted: frozenset = frozenset()) -> list[Comparison]:
-    """``series``: the executor's runs of each schedule (:class:`executor.sitting.RunSeries`);
+    """``series``: the executor's runs of each schedule (:class:`calibration.sitting.RunSeries`);
     ``fitted``: the configs among them the profile's runtime was fitted on (marked in-sample)."""
     from executor.config import lowered_schedule
     out = []
@@ -149,13 +149,13 @@ def run_and_compare(schedules: list[str], devices: int, microbatches: int, repli
                     steps: int = 20, model: str | None = None, chunks: int = 2, rules=None,
                     progress=None, partitions: dict | None = None) -> list[Comparison]:
     """Run each schedule in interleaved rounds until its quiet runs agree (ranks pinned to cores
-    where the host allows; ``rules``: :class:`executor.sitting.SittingRules`) and compare its
+    where the host allows; ``rules``: :class:`calibration.sitting.SittingRules`) and compare its
     noise-free step with the simulator's, with a profile calibrated earlier
-    (:func:`executor.sitting.run_series`). The runs use the profile's micro-batch;
+    (:func:`calibration.sitting.run_series`). The runs use the profile's micro-batch;
     ``partitions``: schedule -> the executor's partition (default: its own split, which the
     simulator uses too). The runs are in the profile's precision."""
     from calibration import speed_yardstick
-    from executor.sitting import SittingRules, run_series
+    from calibration.sitting import SittingRules, run_series
     cfgs = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model or profile.model.name,
                     chunks=chunks, micro_batch=profile.micro_batch, partitions=partitions,
                     dtype=profile.precision)
@@ -175,7 +175,7 @@ def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int,
     which is the error a profile from another sitting carries. The fitted configs are marked
     in-sample (``Comparison.fitted``); ``dtype`` the runs' precision. Returns (profile, comparisons)."""
     from calibration import fit_profile, fit_ranks, host_profile, measure_host, speed_yardstick
-    from executor.sitting import SittingRules, run_series
+    from calibration.sitting import SittingRules, run_series
     report = progress or (lambda msg: None)
     world = devices * replicas
     host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"),
