@@ -62,7 +62,7 @@ from typing import Callable
 
 import torch
 
-from cost_models.calibration import CalibrationProfile, LayerTiming, fit_allreduce, fit_latency_bandwidth
+from cost_models.calibration import CalibrationProfile, LayerTiming
 from cost_models.cluster import LinkSpec
 from cost_models.model_spec import load_model
 from cost_models.stack import StackSpec, is_model_ref
@@ -70,8 +70,8 @@ from executor.config import RunConfig, lowered_schedule
 from executor.device import cpu_threads
 from executor.precision import Precision
 
-from .fit import (PROBE, RUNTIME_SCHEDULES, fit_communication, fit_ranks, fit_runtime, fit_time_slice,
-                  probe_seconds, runtime_configs, scale_layer)
+from .fit import (PROBE, RUNTIME_SCHEDULES, fit_allreduce, fit_communication, fit_latency_bandwidth, fit_ranks,
+                  fit_runtime, fit_time_slice, probe_seconds, runtime_configs, scale_layer)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
 from .sitting import RunSeries, SittingRules, run_series, sitting_problems, sitting_record
 

@@ -1,5 +1,11 @@
-"""The runtime fitted through the simulator: traced executor runs, simulated with the profile,
-costs moved until the simulated op totals equal the measured ones.
+"""The fits of calibration: the lone communication measurements as link costs, and the runtime
+fitted through the simulator (traced executor runs, simulated with the profile, costs moved until
+the simulated op totals equal the measured ones).
+
+The lone measurements (:func:`calibration.measure.measure_comm`: ping-pong P2P times and
+all-reduce times over message sizes) are fitted as latency + bytes / bandwidth
+(:func:`fit_latency_bandwidth`) and as a ring (:func:`fit_allreduce`); the profile keeps the
+results (:mod:`cost_models.calibration` is its format).
 
 Inside a run ops cost more than the layers alone (ranks share memory bandwidth and caches) and
 every op pays a fixed cost (Python dispatch, hooks, the runtime's bookkeeping), while ranks that
@@ -23,6 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy.optimize import least_squares, lsq_linear
 
+from cost_models import SpecError
 from cost_models.calibration import CalibrationProfile
 from executor.config import RunConfig, lowered_schedule
 from schedules.ir import ALLREDUCE
@@ -43,6 +50,36 @@ from .sitting import RunSeries
 RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v", "zb-h1", "bitpipe")
 PROBE = 20   # host speed probe repeats in traced runs (executor.worker.speed_probe)
 COMPUTE_KINDS = ("F", "B", "Bi", "W")
+
+
+def fit_latency_bandwidth(sizes, times) -> tuple[float, float]:
+    """Least-squares fit of ``time = latency + bytes / bandwidth``; returns (latency s, bandwidth B/s).
+
+    The latency is clamped at 0 (a negative intercept is noise); raises SpecError when the times
+    do not grow with the size (no bandwidth can be fitted)."""
+    xs, ys = [float(x) for x in sizes], [float(y) for y in times]
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise SpecError("need timings at two or more message sizes to fit latency and bandwidth")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if slope <= 0:
+        raise SpecError("message times do not grow with size; cannot fit a bandwidth (measure larger messages)")
+    lat = my - slope * mx
+    if lat < 0:  # refit through the origin
+        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        lat = 0.0
+    return lat, 1.0 / slope
+
+
+def fit_allreduce(sizes, times, n: int) -> tuple[float, float]:
+    """Fit a ring all-reduce over n ranks, ``time = 2(n-1) latency + 2(n-1)/n bytes / bandwidth``;
+    returns (latency, bandwidth) of one ring step."""
+    if n < 2:
+        raise SpecError("an all-reduce fit needs at least 2 ranks")
+    lat, bw = fit_latency_bandwidth(sizes, times)
+    return lat / (2 * (n - 1)), bw * 2 * (n - 1) / n
 
 
 def fit_ranks(ranks: int) -> int:

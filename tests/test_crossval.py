@@ -3,7 +3,7 @@ import pytest
 
 from cost_models import load_profile, save_profile
 from cost_models._spec import SpecError
-from cost_models.calibration import fit_allreduce, fit_latency_bandwidth
+from calibration.fit import fit_allreduce, fit_latency_bandwidth
 
 
 def test_fit_recovers_known_latency_and_bandwidth():
