@@ -73,11 +73,12 @@ from executor.precision import Precision
 from .fit import (PROBE, RUNTIME_SCHEDULES, fit_allreduce, fit_communication, fit_latency_bandwidth, fit_ranks,
                   fit_runtime, fit_time_slice, probe_seconds, runtime_configs, scale_layer)
 from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
+from .simulate import simulate_with_profile
 from .sitting import RunSeries, SittingRules, run_series, sitting_problems, sitting_record
 
 __all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "calibrate", "fit_communication", "fit_time_slice",
            "fit_profile", "fit_ranks", "fit_runtime", "host_profile", "kept_bytes", "measure_host", "measure_stack",
-           "runtime_configs", "sitting_problems", "sitting_record", "speed_yardstick"]
+           "runtime_configs", "simulate_with_profile", "sitting_problems", "sitting_record", "speed_yardstick"]
 
 
 def kept_bytes(per: list[dict]) -> dict:

@@ -34,8 +34,8 @@ from cost_models.calibration import CalibrationProfile
 from executor.config import RunConfig, lowered_schedule
 from schedules.ir import ALLREDUCE
 from schedules.trace import noise_free, step_metrics
-from sim.host import simulate_with_profile
 
+from .simulate import simulate_with_profile
 from .sitting import RunSeries
 
 # the runs the runtime is fitted on: whole stages (1F1B), inner chunks (1F1B-interleaved) and a

@@ -24,7 +24,7 @@ import pandas as pd
 
 from cost_models import CalibrationProfile
 from schedules.trace import noise_free, op_orders, step_metrics
-from sim.host import simulate_with_profile
+from calibration import simulate_with_profile
 
 
 @dataclass(kw_only=True)

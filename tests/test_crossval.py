@@ -114,7 +114,7 @@ def _synthetic_runs(profile, schedules, D, steps=5, disturbed=()):
     from executor.config import RunConfig, lowered_schedule
     from calibration.sitting import RunSeries, SittingRules
     from schedules.trace import step_metrics
-    from sim.host import simulate_with_profile
+    from calibration import simulate_with_profile
     out = []
     for s in schedules:
         cfg = RunConfig(schedule=s, devices=D, microbatches=2 * D, steps=steps, model="tiny")

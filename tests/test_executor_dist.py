@@ -253,7 +253,7 @@ def test_peak_activation_memory_equals_the_simulators(runs, name, kind):
     per-layer bytes and the run's recomputation mode, within 1% (fp32 and bf16); recomputation
     lowers what is kept from F to B, and full recomputation lowers every rank's peak of a 1F1B."""
     from schedules.trace import step_metrics
-    from sim.host import simulate_with_profile
+    from calibration import simulate_with_profile
     cfg, low, res = runs(2)[f"{name}-{kind}D2"]
     prof = _bytes_profile(cfg.spec(), cfg.dtype)
     sim = step_metrics(simulate_with_profile(low, prof, recompute=cfg.recompute)).per_device

@@ -256,7 +256,7 @@ def test_simulated_activation_memory_equals_measured(runs, stack_profiles, case)
     """Every rank's peak activation bytes, measured by the runtime's saved-tensor meter, equal the
     simulator's from the profile's per-layer bytes (alone at a stage's start, added after the
     layer before it elsewhere), split backward and parameter-free stages included."""
-    from sim.host import simulate_with_profile
+    from calibration import simulate_with_profile
     cfg = CASES[2][case]
     res, low = runs(2)[case], lowered_schedule(cfg)
     sim = simulate_with_profile(low, stack_profiles[cfg.model], partition=cfg.partition)
