@@ -11,10 +11,13 @@ Its modules:
   shared host, and when to give up;
 - :mod:`calibration.fit`: the fits (the lone link costs; the runtime, the in-run communication
   and the OS time slice through the simulator);
-- :mod:`calibration.simulate`: the simulator as a profile describes the host.
+- :mod:`calibration.simulate`: the simulator as a profile describes the host;
+- :mod:`calibration.compare`: simulated against measured, schedule by schedule (what ``pipetwin
+  validate`` reports), and why a sitting cannot give an error figure.
 
 This module only re-exports.
 """
+from .compare import Comparison, calibrate_and_compare, compare_series, refusals, run_and_compare
 from .fit import (PROBE, RUNTIME_SCHEDULES, fit_allreduce, fit_communication, fit_latency_bandwidth, fit_ranks,
                   fit_runtime, fit_time_slice, runtime_configs)
 from .host import (HostMeasurements, calibrate, fit_profile, host_profile, kept_bytes, measure_host, measure_stack,
@@ -22,8 +25,8 @@ from .host import (HostMeasurements, calibrate, fit_profile, host_profile, kept_
 from .simulate import simulate_with_profile
 from .sitting import RunSeries, SittingRules, run_series, sitting_problems, sitting_record
 
-__all__ = ["PROBE", "RUNTIME_SCHEDULES", "HostMeasurements", "RunSeries", "SittingRules", "calibrate",
-           "fit_allreduce", "fit_communication", "fit_latency_bandwidth", "fit_profile", "fit_ranks", "fit_runtime",
-           "fit_time_slice", "host_profile", "kept_bytes", "measure_host", "measure_stack", "run_series",
-           "runtime_configs", "runtime_rules", "simulate_with_profile", "sitting_problems", "sitting_record",
-           "speed_yardstick"]
+__all__ = ["PROBE", "RUNTIME_SCHEDULES", "Comparison", "HostMeasurements", "RunSeries", "SittingRules", "calibrate",
+           "calibrate_and_compare", "compare_series", "fit_allreduce", "fit_communication", "fit_latency_bandwidth",
+           "fit_profile", "fit_ranks", "fit_runtime", "fit_time_slice", "host_profile", "kept_bytes", "measure_host",
+           "measure_stack", "refusals", "run_and_compare", "run_series", "runtime_configs", "runtime_rules",
+           "simulate_with_profile", "sitting_problems", "sitting_record", "speed_yardstick"]

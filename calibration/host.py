@@ -43,7 +43,8 @@ What is measured, and how:
    ``time_slice``).
 
 :func:`calibrate` is :func:`measure_host` (1-2), the traced runs, then :func:`fit_profile`
-(3-4); validation can run the traced runs beside its own (:func:`experiments.crossval.calibrate_and_compare`).
+(3-4); validation can run the traced runs beside its own
+(:func:`calibration.compare.calibrate_and_compare`).
 
 ``calibrate(...)`` returns the profile; :func:`cost_models.save_profile` writes it. How the
 traced runs' sitting went is kept in ``meta["sitting"]`` (per D: spread, other processes' load,

@@ -61,14 +61,12 @@ def _say(msg: str) -> None:
 def main(args) -> int:
     import time
 
-    from calibration import sitting_problems
+    from calibration import SittingRules, calibrate_and_compare, refusals, run_and_compare, sitting_problems
     from cost_models import is_model_ref, load_model, load_profile, save_profile
     from cost_models.files import check_output_path
-    from calibration.sitting import SittingRules
     from schedules import ScheduleError, build
 
     from .costs import check_profile_model
-    from .crossval import calibrate_and_compare, plot_overlay, refusals, run_and_compare
 
     t_start = time.perf_counter()
     D, R = args.devices, args.dp
@@ -141,6 +139,7 @@ def main(args) -> int:
     if reasons:
         return _refuse(reasons, comps, args, skipped, seconds)
     if args.plot:
+        from .plots import plot_overlay
         plot_overlay(comps, args.plot)
     if args.json:
         print_json({"schedules": [c.record() for c in comps], "skipped": skipped, "refused": [],

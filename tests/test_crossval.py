@@ -36,7 +36,7 @@ def sitting(tmp_path_factory):
     """Calibration and validation in one sitting (two rounds whatever the host's load: a busy
     host leaves the runs unsettled, which the profile records; the fits use all runs then)."""
     from calibration.sitting import SittingRules
-    from experiments.crossval import calibrate_and_compare
+    from calibration import calibrate_and_compare
     prof, comps = calibrate_and_compare(["gpipe", "dapple"], 2, 4, 1, steps=4, repeats=5,
                                         rules=SittingRules(runs=2, max_runs=2, warmup=1))
     path = tmp_path_factory.mktemp("cal") / "profile.yaml"
@@ -91,7 +91,7 @@ def test_one_sitting_shares_runs_between_calibration_and_validation(sitting):
 
 def test_short_validate_run_memory_is_exact(profile):
     from calibration.sitting import SittingRules
-    from experiments.crossval import run_and_compare
+    from calibration import run_and_compare
     comps = run_and_compare(["gpipe", "dapple"], 2, 4, 1, profile, steps=3,
                             rules=SittingRules(runs=1, max_runs=1, warmup=1))
     for c in comps:

@@ -202,7 +202,7 @@ def _profile(meta):
 
 
 def test_refusals_name_calibration_unsettled_runs_and_probe_drift():
-    from experiments.crossval import Comparison, refusals
+    from calibration import Comparison, refusals
 
     def comp(name, problem=None, probe=1.0):
         return Comparison(schedule=name, devices=2, microbatches=4, replicas=1, measured_iteration_time=1.0,
