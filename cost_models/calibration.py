@@ -396,36 +396,6 @@ def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
     return p
 
 
-def fit_latency_bandwidth(sizes, times) -> tuple[float, float]:
-    """Least-squares fit of ``time = latency + bytes / bandwidth``; returns (latency s, bandwidth B/s).
-
-    The latency is clamped at 0 (a negative intercept is noise); raises SpecError when the times
-    do not grow with the size (no bandwidth can be fitted)."""
-    xs, ys = [float(x) for x in sizes], [float(y) for y in times]
-    if len(xs) != len(ys) or len(set(xs)) < 2:
-        raise SpecError("need timings at two or more message sizes to fit latency and bandwidth")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    if slope <= 0:
-        raise SpecError("message times do not grow with size; cannot fit a bandwidth (measure larger messages)")
-    lat = my - slope * mx
-    if lat < 0:  # refit through the origin
-        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-        lat = 0.0
-    return lat, 1.0 / slope
-
-
-def fit_allreduce(sizes, times, n: int) -> tuple[float, float]:
-    """Fit a ring all-reduce over n ranks, ``time = 2(n-1) latency + 2(n-1)/n bytes / bandwidth``;
-    returns (latency, bandwidth) of one ring step."""
-    if n < 2:
-        raise SpecError("an all-reduce fit needs at least 2 ranks")
-    lat, bw = fit_latency_bandwidth(sizes, times)
-    return lat / (2 * (n - 1)), bw * 2 * (n - 1) / n
-
-
 def host_flop_rate(profile: CalibrationProfile) -> float:
     """FLOP/s this host reached over the whole model: counted FLOPs of the forward and full backward
     of every layer (measured for a layer stack, from the formulas of :mod:`cost_models.transformer`

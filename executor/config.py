@@ -21,7 +21,7 @@ from schedules import Schedule, build, lower, validate
 from schedules.registry import check_size
 
 from .device import check_device
-
+from .faults import check_fault, parse_fault
 from .precision import Precision
 from .recompute import check_mode
 
@@ -61,7 +61,7 @@ class RunConfig:
     measure_memory: bool = True     # saved-tensor hooks on the CPU (allocator counters on CUDA)
     meter_every_forward: bool = False  # CPU: meter every forward, not one per stage and run (executor.device)
     collect_params: bool = False    # return the final parameters (tests)
-    fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (see parse_fault)
+    fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (executor.faults)
     micro_batch: int | None = None  # sequences per micro-batch (None: the spec's micro_batch)
     partition: tuple[int, ...] | None = None  # blocks (GPT) or layers (model file) per stage of a model copy
     probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
@@ -191,51 +191,6 @@ class RunConfig:
         return self.replicas * self.microbatches
 
 
-class FaultError(ValueError):
-    """A fault to inject that is malformed or would never fire."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """An injected fault: ``rank`` raises when it reaches the op printed as ``token`` (e.g. ``F3.s1``,
-    ``RA2.s1<0``; :func:`schedules.parse_op` reads them), in step ``step`` (None: the first time)."""
-
-    rank: int
-    token: str
-    step: int | None = None
-
-
-def parse_fault(text: str) -> Fault:
-    """``"RANK:TOKEN[:STEP]"`` -> :class:`Fault` (syntax only; :func:`check_fault` checks it against a run)."""
-    parts = str(text).split(":")
-    try:
-        if len(parts) not in (2, 3) or not parts[1]:
-            raise ValueError
-        rank, step = int(parts[0]), (int(parts[2]) if len(parts) == 3 else None)
-    except ValueError:
-        raise FaultError(f"a fault is RANK:TOKEN[:STEP], e.g. 1:F2.s1 or 0:B0.s0:1; got {text!r}") from None
-    if rank < 0 or (step is not None and step < 0):
-        raise FaultError(f"a fault's rank and step must be >= 0; got {text!r}")
-    return Fault(rank, parts[1], step)
-
-
-def check_fault(config: RunConfig, low: Schedule) -> Fault | None:
-    """The config's fault, checked: its rank exists, its token is an op of that rank's program and
-    its step is one the run takes (so an injected fault cannot silently never fire)."""
-    if config.fault is None:
-        return None
-    f = parse_fault(config.fault)
-    if f.rank >= low.num_ranks:
-        raise FaultError(f"fault {config.fault!r}: the run has ranks 0..{low.num_ranks - 1}")
-    tokens = [str(op) for op in low.program(f.rank)]
-    if f.token not in tokens:
-        raise FaultError(f"fault {config.fault!r}: rank {f.rank} runs no op {f.token!r}; its program is "
-                         f"{' '.join(tokens[:8])}{' ...' if len(tokens) > 8 else ''}")
-    if f.step is not None and f.step >= config.steps:
-        raise FaultError(f"fault {config.fault!r}: the run has steps 0..{config.steps - 1}")
-    return f
-
-
 def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, check: bool = True) -> Schedule:
     """The lowered schedule a config runs (``schedule`` overrides the named one), validated
     (``check=False`` skips the symbolic run: only for tests that run broken programs), after
@@ -273,7 +228,7 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         block_ranges(spec.layers, low.num_stages, config.partition)
     if check:
         validate(low)
-    check_fault(config, low)
+    check_fault(config.fault, low, config.steps)
     return low
 
 

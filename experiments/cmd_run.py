@@ -142,7 +142,7 @@ def plan_config_from_args(args):
 
 
 def main(args) -> int:
-    from executor.config import FaultError
+    from executor.faults import FaultError
 
     try:
         return _main(args)

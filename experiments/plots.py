@@ -89,11 +89,15 @@ def plot_stacked(traces: dict, path, *, sharex=True):
     save_figure(fig, path)
 
 
-def plot_overlay(panels, path) -> None:
+def plot_overlay(comps, path) -> None:
     """Measured (filled, the op styles of :func:`draw_timeline`, micro-batch numbers on the ops)
     under simulated (black outlines) timelines, one panel per schedule, all on one x axis from 0.
-    ``panels``: (title, measured trace, simulated trace) per schedule, each trace one step."""
+    ``comps``: :class:`calibration.compare.Comparison` per schedule (its measured and simulated
+    traces hold the one step compared), titled with both iteration times and the error."""
     from matplotlib.lines import Line2D
+    panels = [(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms vs simulated "
+               f"{c.simulated_iteration_time * 1e3:.1f} ms, error {c.error:+.1%}", c.measured_trace,
+               c.simulated_trace) for c in comps]
     n = len(panels)
     heights = [0.9 + 0.45 * m["device"].nunique() for _, m, _ in panels]
     fig, axes = plt.subplots(n, 1, figsize=(12, sum(heights) + 1.0), sharex=True, squeeze=False,
