@@ -31,6 +31,7 @@ from scipy.optimize import least_squares, lsq_linear
 
 from cost_models import SpecError
 from cost_models.calibration import CalibrationProfile
+from cost_models.job import Job, Layout
 from executor.config import RunConfig, lowered_schedule
 from schedules.ir import ALLREDUCE
 from schedules.trace import noise_free, step_metrics
@@ -117,18 +118,25 @@ def typical_rows(series: RunSeries):
     return pd.concat(parts, ignore_index=True)
 
 
+def measured_run(job: Job, steps: int, dtype: str = "fp32") -> RunConfig:
+    """The executor's run of ``job`` as a sitting measures it: ``steps`` steps in precision
+    ``dtype``, the host speed probe on, ranks pinned to cores where the host allows."""
+    return RunConfig.from_job(job, steps=steps, probe=PROBE, pin_cores=True, dtype=dtype)
+
+
 def runtime_configs(model: str, ranks: int, steps: int = 20, micro_batch: int | None = None,
                     dtype: str = "fp32") -> list[RunConfig]:
-    """The traced runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
-    N = 2D, in precision ``dtype``, probed, ranks pinned to cores where the host allows; run them in a sitting
+    """The traced runs the runtime is fitted on: the jobs of :data:`RUNTIME_SCHEDULES` at
+    D = ``ranks``, N = 2D, as :func:`measured_run` runs them; run them in a sitting
     (:func:`calibration.sitting.run_series`), alone (calibration) or beside the runs to predict
     (validation: then both meet the same host; the ones equal to a validation's config are
     shared). Schedules with more stages than a model file has layers are left out (at least one
     must fit)."""
     cfgs, refused = [], []
     for s in RUNTIME_SCHEDULES:
-        cfg = RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
-                        micro_batch=micro_batch, dtype=dtype, pin_cores=True)
+        job = Job(layout=Layout(schedule=s, devices=ranks, microbatches=2 * ranks), model=model,
+                  micro_batch=micro_batch)
+        cfg = measured_run(job, steps, dtype)
         try:
             lowered_schedule(cfg)
         except ValueError as e:

@@ -17,8 +17,8 @@ exists or can be created, nothing in the way), ``output_dir``; the file checks t
 :mod:`cost_models.files` (library code uses them too). Pairs: ``factor_pair(label, key)`` for
 ``KEY=FACTOR`` with a finite factor > 0.
 
-:func:`check_run_size` (:mod:`cost_models.job`) is the cheap feasibility check (ranks, program
-size, cluster size, layers >= stages) that runs before a schedule is built (building and
+:func:`cost_models.job.check_run_size` is the cheap feasibility check (ranks, program size,
+cluster size, layers >= stages) that commands run before a schedule is built (building and
 validating are O(D^2)).
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ import argparse
 import math
 
 from cost_models.files import FileError, check_output_dir, check_output_path, read_bytes
-from cost_models.job import check_run_size  # noqa: F401  (the commands' size check, re-exported with the types)
 
 
 class Parser(argparse.ArgumentParser):

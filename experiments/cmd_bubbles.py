@@ -9,7 +9,9 @@ from __future__ import annotations
 from schedules import names
 from schedules.analysis import bubble_vs_n
 
-from .checks import check_run_size, input_file, output_file, positive_int
+from cost_models.job import check_run_size
+
+from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
 from .tables import fmt_table
 

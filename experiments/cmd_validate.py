@@ -20,9 +20,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checks import (check_run_size, float_in, input_file, int_in, nonneg_int, output_dir, output_file,
-                     positive_int)
+from cost_models.job import check_run_size
+
+from .checks import float_in, input_file, int_in, nonneg_int, output_dir, output_file, positive_int
 from .common import parse_schedules, print_json
+from .jobs import job_from_args, layout_from_args
 from .tables import byte_unit, fmt_table
 
 NAME = "validate"
@@ -133,6 +135,9 @@ def main(args) -> int:
         names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
+    base = job_from_args(args, layout=layout_from_args(args, schedule=names[0], microbatches=N), model=model,
+                         micro_batch=args.micro_batch)
+    jobs = [base.with_layout(schedule=n) for n in names]
     progress = lambda m: _say(f"  {m}")   # noqa: E731
     record.setting, record.skipped = f"D={D} N={N} R={R}, model {model}", skipped
     if prof is not None:
@@ -143,14 +148,12 @@ def main(args) -> int:
             return _refuse(record, args)
         _say(f"running {len(names)} schedules in rounds until {args.repeats} quiet runs of each agree "
              f"(at most {args.max_runs}) ...")
-        comps = run_and_compare(names, D, N, R, prof, steps=args.steps, model=model, chunks=args.chunks,
-                                rules=rules, progress=progress)
+        comps = run_and_compare(jobs, prof, steps=args.steps, rules=rules, progress=progress)
         reasons = refusals(comps, prof, max_drift=args.max_drift)
     else:
         _say(f"calibrating and running {len(names)} schedules in one sitting, in rounds until {args.repeats} quiet "
              f"runs of each agree (at most {args.max_runs}; pass --profile FILE to use an earlier calibration) ...")
-        prof, comps = calibrate_and_compare(names, D, N, R, model=model, steps=args.steps, chunks=args.chunks,
-                                            rules=rules, progress=progress, micro_batch=args.micro_batch,
+        prof, comps = calibrate_and_compare(jobs, steps=args.steps, rules=rules, progress=progress,
                                             dtype=args.dtype or "fp32")
         saved = save_profile(prof, profile_out)
         _say(f"wrote the profile to {saved} (reuse it: --profile {saved})")

@@ -24,8 +24,9 @@ def tiny_sitting(tmp_path_factory):
     measured, profile read back from its file, comparisons, the file)."""
     from calibration import SittingRules, calibrate_and_compare
     from cost_models import load_profile, save_profile
-    prof, comps = calibrate_and_compare(["gpipe", "dapple"], 2, 4, 1, steps=4, repeats=5,
-                                        rules=SittingRules(runs=2, max_runs=2, warmup=1))
+    from cost_models.job import Job, Layout
+    jobs = [Job(layout=Layout(schedule=s, devices=2, microbatches=4), model="tiny") for s in ("gpipe", "dapple")]
+    prof, comps = calibrate_and_compare(jobs, steps=4, repeats=5, rules=SittingRules(runs=2, max_runs=2, warmup=1))
     path = save_profile(prof, tmp_path_factory.mktemp("tiny") / "calibration.yaml")
     return prof, load_profile(path), comps, path
 

@@ -80,8 +80,9 @@ def test_one_sitting_shares_runs_between_calibration_and_validation(tiny_sitting
 def test_short_validate_run_memory_is_exact(profile):
     from calibration.sitting import SittingRules
     from calibration import run_and_compare
-    comps = run_and_compare(["gpipe", "dapple"], 2, 4, 1, profile, steps=3,
-                            rules=SittingRules(runs=1, max_runs=1, warmup=1))
+    from cost_models.job import Job, Layout
+    jobs = [Job(layout=Layout(schedule=s, devices=2, microbatches=4)) for s in ("gpipe", "dapple")]
+    comps = run_and_compare(jobs, profile, steps=3, rules=SittingRules(runs=1, max_runs=1, warmup=1))
     for c in comps:
         assert len(c.run_times) == 1 and c.foreign_cores[0] >= 0.0
         assert c.order_identical, c.schedule
