@@ -237,7 +237,8 @@ def _live_reps(ctx: _Ctx, M: int, policy: str) -> list[int]:
         wq = work.at(b // r)
         if min(work.params[l] * bps + work.act[l] * q for l in range(work.num_layers)) > cap:
             continue
-        st = min((wq._cf[l + 1] - wq._cf[l] + wq._cb[l + 1] - wq._cb[l]) * q for l in range(work.num_layers))
+        cf, cb = wq.forward_prefix_sums, wq.backward_prefix_sums
+        st = min((cf[l + 1] - cf[l] + cb[l + 1] - cb[l]) * q for l in range(work.num_layers))
         if (st if ctx.objective in ("pipedream", "slowest") else M * st) > thr or st > ctx.pcap:
             continue
         out.append(r)
@@ -310,8 +311,9 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
         return got
 
     wmax = [0.0] * (L + 1)      # wmax[i]: the largest per-sample round trip of one layer in [0, i)
+    cf, cb = lo.forward_prefix_sums, lo.backward_prefix_sums
     for i in range(1, L + 1):
-        x = lo._cf[i] - lo._cf[i - 1] + lo._cb[i] - lo._cb[i - 1]
+        x = cf[i] - cf[i - 1] + cb[i] - cb[i - 1]
         wmax[i] = x if x > wmax[i - 1] else wmax[i - 1]
     live = set(_live_reps(ctx, M, policy))
     env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps,
@@ -378,7 +380,8 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     capped = obj == "slowest-latency"
     track_p = obj != "dapple"                  # DAPPLE's latency never reads p
     mode = _MODES[obj]
-    cf, cb, ca, cp, out = env.lo._cf, env.lo._cb, work._ca, work._cp, work.out_bytes
+    cf, cb, out = env.lo.forward_prefix_sums, env.lo.backward_prefix_sums, work.out_bytes
+    ca, cp = work.activation_prefix_sums, work.param_prefix_sums
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     cap = ctx.capacity
     Mm1 = M - 1
@@ -407,7 +410,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         if period:
             off %= period
         q = b / r
-        cfq, cbq = env.at_q[r]._cf, env.at_q[r]._cb
+        cfq, cbq = env.at_q[r].forward_prefix_sums, env.at_q[r].backward_prefix_sums
         cfqj, cbqj = cfq[j], cbq[j]
         alpha, beta = topo.allreduce_at(policy, off, r)
         has_ar = bool(alpha or beta)
@@ -557,9 +560,9 @@ def _job_cache(topo: Topology, work: Workload) -> dict:
     """What every search of this workload on this topology computes alike (the planner searches
     several objectives and spaces of one job): the seeds' estimates, the need tables and the bounds
     g of :func:`_dp`, each by all its inputs; kept on the topology, per workload object."""
-    got = topo._seeds.get(id(work))
+    got = topo.search_memo.get(id(work))
     if got is None or got[0] is not work:
-        got = topo._seeds[id(work)] = (work, {})
+        got = topo.search_memo[id(work)] = (work, {})
     return got[1]
 
 
@@ -624,7 +627,7 @@ def _seed(ctx: _Ctx, jobs) -> dict:
         for r in _rep_values(ctx.space, b, P):
             sl = topo.slots(policy, r)
             wq = work.at(b // r)
-            total = (wq._cf[L] + wq._cb[L]) * (b / r)
+            total = (wq.forward_prefix_sums[L] + wq.backward_prefix_sums[L]) * (b / r)
             for D in range(1, min(L, limit, P // sl) + 1):
                 if D * sl > P:
                     break
@@ -647,7 +650,7 @@ def _seed(ctx: _Ctx, jobs) -> dict:
         if got is None:
             b = ctx.G // M
             wq = work.at(b // r)
-            q, cf, cb, e = b / r, wq._cf, wq._cb, edges_of(D)
+            q, cf, cb, e = b / r, wq.forward_prefix_sums, wq.backward_prefix_sums, edges_of(D)
             acc = piv = top = 0.0
             for s in range(D):
                 st = (cf[e[s + 1]] - cf[e[s]] + cb[e[s + 1]] - cb[e[s]]) * q
@@ -734,7 +737,7 @@ def latency_floor(work: Workload, topo: Topology, global_batch: int, microbatche
     step = max(1, -(-P // 128))
     w = min(2, M, WCAP)
     known = _job_cache(topo, work)
-    cp, ca = work._cp, work._ca
+    cp, ca = work.param_prefix_sums, work.activation_prefix_sums
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     out = INF
     for policy in space.policies:
@@ -751,12 +754,13 @@ def latency_floor(work: Workload, topo: Topology, global_batch: int, microbatche
             f = (P - slots[r]) // step
             q = b / r
             wq = work.at(b // r)
+            cf, cb = wq.forward_prefix_sums, wq.backward_prefix_sums
             alpha, beta = topo.allreduce_floor(policy, r)
             for i in range(L - 1, -1, -1):      # the last stage [i, L); it only grows as i falls
                 par = cp[L] - cp[i]
                 if par * bps + (ca[L] - ca[i]) * q > cap:
                     break
-                rt = (wq._cf[L] - wq._cf[i]) * q + (wq._cb[L] - wq._cb[i]) * q
+                rt = (cf[L] - cf[i]) * q + (cb[L] - cb[i]) * q
                 y = (alpha + beta * par * gbp if r > 1 and par > 0 else 0.0) + par * otp
                 v = max(float(Y[i][f]), float(X[i][f]) + M * rt, float(F[i][f]) + M * rt + y)
                 if v < out:
@@ -806,13 +810,14 @@ def _prefix_tables(work: Workload, topo: Topology, policy: str, b: int, M: int, 
     F = np.full((L + 1, nf), INF)
     Y[0] = X[0] = -INF
     F[0] = 0.0
-    cp, ca = np.array(work._cp), np.array(work._ca)
+    cp, ca = np.array(work.param_prefix_sums), np.array(work.activation_prefix_sums)
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     per_r = []
     for r in reps:
         wq = work.at(b // r)
         alpha, beta = topo.allreduce_floor(policy, r)
-        per_r.append((r, slots[r] // step, b / r, np.array(wq._cf), np.array(wq._cb), alpha, beta))
+        per_r.append((r, slots[r] // step, b / r, np.array(wq.forward_prefix_sums), np.array(wq.backward_prefix_sums),
+                      alpha, beta))
     for c in range(1, L + 1):
         for r, sg, q, cf, cb, alpha, beta in per_r:
             if sg >= nf:
