@@ -88,11 +88,7 @@ from cost_models.workload import Workload
 OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")
 CEILINGS = (0.86, 0.93)     # trial thresholds of the first passes, as fractions of the best seed
-PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earlier, weaker bounds; tests)
-TWO_PHASE = True            # PipeDream's objective in two searches (False: one, over (slowest, L) labels; tests)
 WCAP = 2                    # the tables keep at most this many micro-batches in flight (fewer tables)
-PREFIX_TABLES = True        # the whole-prefix bounds of _prefix_tables (False: without them; tests)
-SEED_BOUNDS = True          # seeds skipped by their stages' compute and in increasing bound (False: tests)
 
 
 class PlanError(ValueError):
@@ -320,7 +316,7 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
                  live=[r for r in reps if r in live], slots=slots,
                  min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy),
                  rmax=max(reps), wmax=wmax,
-                 tables=tables if PREFIX_TABLES and ctx.objective in ("dapple", "slowest-latency") else None)
+                 tables=tables if ctx.objective in ("dapple", "slowest-latency") else None)
     fronts: list[dict] = [dict() for _ in range(L + 1)]
     # a label: (p, v, t, n, stages, path, k) for the suffix [j, L) on the last k slots: p = slowest
     # element (PipeDream), v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only
@@ -387,7 +383,6 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
     Mm1 = M - 1
     limit = ctx.space.max_stages
     uniform = ctx.space.uniform
-    prefix_bounds = PREFIX_BOUNDS
     offer, push, need, threshold = ctx.offer, _push, env.need, ctx.threshold
     cpj, caj = cp[j], ca[j]
     needs: dict = {}
@@ -464,7 +459,7 @@ def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, front
         if free > 0:
             # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
             # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
-            qmin = b / (rmax if rmax < free else free) if prefix_bounds else 0.0
+            qmin = b / (rmax if rmax < free else free)
         ev = nl = 0
         bnds = [None] * j   # i -> the label-free parts of the bounds on the prefix [0, i) on ``free`` slots
         for (p, v, t, n, cnt, path, _k) in labels:
@@ -643,7 +638,7 @@ def _seed(ctx: _Ctx, jobs) -> dict:
         for sums in another order than estimate()'s. Both are <= the value: skipping by them keeps
         what the seeds keep (see below)."""
         lb = (total / D if slow else max(total, M * total / D)) * (1 - 1e-9)
-        if (lb > bound and lb >= best) or not SEED_BOUNDS:
+        if lb > bound and lb >= best:
             return lb
         lk = ("seed-bound", ctx.G, M, r, D)
         got = known.get(lk)
@@ -677,12 +672,12 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     for M, policy in jobs:
         rs = [r for r in _rep_values(ctx.space, ctx.G // M, P) if topo.slots(policy, r) <= P]
         for r, D, total in shapes(M, policy):
-            if rs and r == rs[-1] and (fits(M, r, D) or not SEED_BOUNDS):    # (value(): None if not)
+            if rs and r == rs[-1] and fits(M, r, D):    # (value(): None if not)
                 order.append((lower(M, r, D, total), len(order), M, policy, r, D))
     order.sort()
-    for lb, _, M, policy, r, D in (order if SEED_BOUNDS else sorted(order, key=lambda x: x[1])):
+    for lb, _, M, policy, r, D in order:
         kth = vals[ctx.top_k - 1] if len(vals) >= ctx.top_k else INF
-        if lb > kth and lb >= first.get((M, policy), INF) and SEED_BOUNDS:
+        if lb > kth and lb >= first.get((M, policy), INF):
             continue
         got = value(M, policy, r, D)
         if got is not None:
@@ -700,12 +695,11 @@ def _seed(ctx: _Ctx, jobs) -> dict:
             lbv = lower(M, r, D, total)         # the cheap bound alone
             if lbv > bound and lbv >= best:
                 continue
-            if SEED_BOUNDS:
-                if not fits(M, r, D):
-                    continue        # value() is None: nothing offered, nothing found
-                lbv = lower(M, r, D, total, bound, best)
-                if lbv > bound and lbv >= best:
-                    continue
+            if not fits(M, r, D):
+                continue        # value() is None: nothing offered, nothing found
+            lbv = lower(M, r, D, total, bound, best)
+            if lbv > bound and lbv >= best:
+                continue
             got = value(M, policy, r, D)
             if got is None:
                 continue
@@ -966,7 +960,7 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     from tqdm import tqdm
     bar = tqdm(total=len(jobs), desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
                disable=not progress, leave=False)
-    if objective == "pipedream" and ctx.top_k == 1 and budget is None and TWO_PHASE:
+    if objective == "pipedream" and ctx.top_k == 1 and budget is None:
         # (slowest element, L) in two exact searches: the least slowest element p*, then the least L
         # among the plans whose every element is within p* (see the module docstring)
         ctx = replace(ctx, objective="slowest")
