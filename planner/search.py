@@ -68,7 +68,7 @@ the slowest element exceeds p* is dropped). Every plan of the second search has 
 found first as in one search; the second search's labels are DAPPLE's (V, T, n), far fewer than
 (p, V, T, n) when many plans tie on p.
 
-The code: :func:`search` offers simple plans first (:func:`_seed`), then runs the passes
+The code: :func:`search_plans` offers simple plans first (:func:`_seed`), then runs the passes
 (:func:`_passes`), each the DP of every (micro-batch count, policy) configuration (:func:`_dp`). The
 DP keeps a front of :class:`Label` per state; :func:`_extend` prepends a stage to the labels of one
 state for every replica count (:class:`_NewStage`: its place, its costs and the label-free bounds,
@@ -176,7 +176,7 @@ class _Ctx:
     pcap: float = INF           # "slowest-latency": the largest element a plan may have
 
     # -------------------------------------------------------------- incumbents
-    ceiling: float = INF        # a pass's trial threshold (see :func:`search`)
+    ceiling: float = INF        # a pass's trial threshold (see :func:`_passes`)
 
     def threshold(self) -> float:
         if len(self.heap) < self.top_k:
@@ -1053,7 +1053,7 @@ def _policies(topo: Topology, policies) -> list[str]:
     return out
 
 
-def search(work: Workload, topo: Topology, global_batch: int, *, objective: str = "dapple",
+def search_plans(work: Workload, topo: Topology, global_batch: int, *, objective: str = "dapple",
            space: SearchSpace | None = None, capacity: float | None = None, top_k: int = 1,
            model: str | None = None, cluster: str | None = None, progress: bool = False,
            budget: int | None = None) -> SearchResult:

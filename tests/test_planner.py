@@ -8,7 +8,7 @@ import pytest
 
 from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_cluster, load_device
 from planner import (Plan, PlanError, SearchSpace, StagePlan, Topology, estimate, exhaustive, load_plan,
-                     replicated_schedule, save_plan, search, simulate_plan)
+                     replicated_schedule, save_plan, search_plans, simulate_plan)
 from cost_models.workload_sources import load_workload
 from cost_models.paper_models import paper_workload
 from planner.plan import Plan as _Plan
@@ -60,9 +60,9 @@ def test_search_equals_brute_force(seed):
         assert n > 0
         if plan is None:
             with pytest.raises(PlanError):
-                search(work, topo, G, objective=obj, space=space)
+                search_plans(work, topo, G, objective=obj, space=space)
             continue
-        got = search(work, topo, G, objective=obj, space=space).best
+        got = search_plans(work, topo, G, objective=obj, space=space).best
         assert got.value == pytest.approx(best, rel=1e-9)
         e = got.estimate
         assert e.fits
@@ -88,9 +88,9 @@ def test_searches_sharing_a_topology_equal_brute_force(seed):
         best, plan, _ = exhaustive(work, topo, G, objective=obj, space=space, capacity=cap)
         if plan is None:
             with pytest.raises(PlanError):
-                search(work, topo, G, objective=obj, space=space, capacity=cap)
+                search_plans(work, topo, G, objective=obj, space=space, capacity=cap)
             continue
-        got = search(work, topo, G, objective=obj, space=space, capacity=cap).best
+        got = search_plans(work, topo, G, objective=obj, space=space, capacity=cap).best
         assert got.value == pytest.approx(best, rel=1e-9)
 
 
@@ -109,7 +109,7 @@ def test_search_equals_brute_force_on_fabrics(seed):
     G = rng.choice([4, 8])
     for obj in ("dapple", "pipedream"):
         best, plan, _ = exhaustive(work, topo, G, objective=obj)
-        got = search(work, topo, G, objective=obj).best
+        got = search_plans(work, topo, G, objective=obj).best
         assert got.value == pytest.approx(best, rel=1e-9)
 
 
@@ -129,11 +129,11 @@ def test_memory_limit_never_exceeded():
     rng = random.Random(3)
     topo = Topology(cluster(2, 2, "nvlink2", "ib-edr"))
     work = rand_work(rng, 5)
-    free = search(work, topo, 8, capacity=1e15).best
+    free = search_plans(work, topo, 8, capacity=1e15).best
     lowest = min(estimate(p, work, topo).peak_memory for p in all_plans(work, topo, 8))
     assert lowest < free.estimate.peak_memory
     limit = (lowest + free.estimate.peak_memory) / 2
-    got = search(work, topo, 8, capacity=limit, top_k=4)
+    got = search_plans(work, topo, 8, capacity=limit, top_k=4)
     for c in got.candidates:
         assert c.estimate.peak_memory <= limit
     assert got.best.value > free.value
@@ -147,7 +147,7 @@ def test_cluster_too_small_is_a_clear_error(capsys):
     two = cluster(1, 2, "nvlink3", "ib-hdr", device=load_device("a100"), name="two")
     work = load_workload("gpt-96", two.device)
     with pytest.raises(PlanError, match=r"needs 1[0-9.]+ GiB of weights.*within 80.0 GiB per device"):
-        search(work, Topology(two), 8)
+        search_plans(work, Topology(two), 8)
     rc = main(["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "16", "--memory-limit", "64 MiB",
                "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -301,7 +301,7 @@ def test_uniform_plan_in_the_ir():
 def test_plan_file_round_trip(tmp_path, model):
     c = load_cluster("v100-16x1-25gbe")
     work = load_workload(model, c.device)
-    res = search(work, Topology(c), 32)
+    res = search_plans(work, Topology(c), 32)
     plan = res.best.plan
     path = tmp_path / "plan.json"
     rec = save_plan(path, plan, work, c, memory_limit=30 * 2 ** 30, est=res.best.estimate)
@@ -344,14 +344,14 @@ def test_round_trip_search_and_budget():
     rng = random.Random(11)
     topo = Topology(small_cluster(rng, 2, 2))
     work = rand_work(rng, 5)
-    r = search(work, topo, 8, objective="dapple-rt")
+    r = search_plans(work, topo, 8, objective="dapple-rt")
     e = estimate(r.best.plan, work, topo)
     assert r.best.value == pytest.approx(e.latency_rt, rel=1e-12) and e.latency_rt >= e.latency
     assert r.best.value == pytest.approx(exhaustive(work, topo, 8, objective="dapple-rt")[0], rel=1e-9)
-    full = search(work, topo, 8)
+    full = search_plans(work, topo, 8)
     assert full.exhausted
     for budget in (5, 20, 50):
-        cut = search(work, topo, 8, budget=budget)
+        cut = search_plans(work, topo, 8, budget=budget)
         # it runs up to the budget and stops within one sweep of a stage's start layers past it
         assert not cut.exhausted and budget < cut.evaluated <= budget + work.num_layers ** 2 < full.evaluated
 
@@ -398,8 +398,8 @@ def test_pipedream_in_two_phases_equals_one_search(seed):
         return
     slowest = min(e.slowest for e in ests)
     latency = min(e.latency for e in ests if e.slowest <= slowest * (1 + 1e-9))
-    two = search(work, topo, G, objective="pipedream", space=space).best
-    one = search(work, Topology(cl), G, objective="pipedream", space=space, top_k=2).best
+    two = search_plans(work, topo, G, objective="pipedream", space=space).best
+    one = search_plans(work, Topology(cl), G, objective="pipedream", space=space, top_k=2).best
     assert two.value == one.value and two.value == pytest.approx(slowest, rel=1e-9)
     assert two.estimate.latency == one.estimate.latency == pytest.approx(latency, rel=1e-9)
     assert two.plan == one.plan
@@ -504,10 +504,9 @@ def test_prefix_tables_bound_every_prefix(seed):
     prefixes it stands for (stages [0, i) that fit with w micro-batches in flight, on at most f slots,
     at any offset), checked by enumerating the prefixes of small jobs; and Y of the first layer is
     within 2% of its best one-stage prefix (the bound is not vacuous)."""
-    import sys
     import itertools
     from dataclasses import replace
-    ps = sys.modules["planner.search"]
+    import planner.search as ps
     rng = random.Random(1400 + seed)
     nodes, dpn = rng.choice([(2, 2), (1, 4), (2, 3), (3, 2)])
     cl = small_cluster(rng, nodes, dpn)
@@ -556,9 +555,8 @@ def test_prefix_tables_bound_every_prefix(seed):
 def test_latency_floor_and_the_pipedream_skip(seed, monkeypatch):
     """latency_floor(M) is at most DAPPLE's latency of every plan with M micro-batches that fits (brute
     force), and the PipeDream baseline that skips the Ms by it keeps the plan of the scan over every M."""
-    import sys
-    ch = sys.modules["planner.choose"]
-    ps = sys.modules["planner.search"]
+    import planner.choose as ch
+    import planner.search as ps
     rng = random.Random(1500 + seed)
     nodes, dpn = rng.choice([(2, 2), (1, 4), (4, 1), (2, 3), (3, 2)])
     topo = Topology(small_cluster(rng, nodes, dpn))
@@ -586,13 +584,12 @@ def replace_space(space, M):
 
 def test_pipedream_skip_keeps_the_mid_size_baseline(monkeypatch):
     """On a mid-size job the skipping baseline searches fewer micro-batch counts and keeps the same plan."""
-    import sys
-    ch = sys.modules["planner.choose"]
+    import planner.choose as ch
     cl = load_cluster("dgx-a100-ib:4")
     work = load_workload("gpt-96", cl.device)
     calls = []
-    real = ch.search
-    monkeypatch.setattr(ch, "search", lambda *a, **k: calls.append(k["space"].microbatches) or real(*a, **k))
+    real = ch.search_plans
+    monkeypatch.setattr(ch, "search_plans", lambda *a, **k: calls.append(k["space"].microbatches) or real(*a, **k))
     skip = ch.pipedream_plan(work, Topology(cl), 64)
     searched = len(calls)
     monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)

@@ -23,7 +23,7 @@ import pytest
 
 from cost_models import load_cluster
 from cost_models.workload_sources import load_workload
-from planner import Topology, search
+from planner import Topology, search_plans
 
 CASES = [("gpt-96", "dgx-a100-ib:4", 64, "flat"), ("bert-48", "v100-2x8-25gbe", 64, "flat"),
          ("gpt3-1.3b", "dgx-h100-ib:4", 128, "fat-tree"), ("bert-48", "dgx-a100-ib:4", 32, "rail"),
@@ -59,7 +59,7 @@ def run_case(model: str, name: str, G: int, fabric: str) -> dict:
     work = load_workload(model, topo.cluster.device)
     got = {}
     for obj, k, budget in RUNS:
-        r = search(work, topo, G, objective=obj, top_k=k, budget=budget)
+        r = search_plans(work, topo, G, objective=obj, top_k=k, budget=budget)
         got[(obj, k, budget)] = (r.evaluated, r.complete, r.labels, r.exhausted,
                                  tuple((encode(c.plan, topo), c.value, c.estimate.latency) for c in r.candidates))
     return got
