@@ -293,8 +293,35 @@ def test_uniform_plan_in_the_ir():
     assert bt.network.device_map == tuple(8 * (r % 2) + r // 2 for r in range(16))
     assert bt.costs.meta["partition"] == [26, 24]
     assert bt.costs.f[0][0] == pytest.approx(work.fwd(0, 26) * 2)      # b / R = 16 / 8 samples
-    for sched in ("gpipe", "interleaved"):
-        assert simulate_plan(plan.with_schedule(sched), work, c).iteration_time > 0
+
+
+def test_uniform_plan_schedules_equal_their_closed_forms():
+    """A uniform plan run with each schedule family the planner offers: R = 2 replicas of a D = 4
+    stage pipeline, M = 4 micro-batches of b = 4 samples (q = b / R = 2 per replica), 8 equal layers
+    (forward u per sample, backward 2u), no communication. A stage of 2 layers takes F + B = 6 u q per
+    micro-batch: GPipe and DAPPLE (1F1B) take (M + D - 1)(F + B) = 42 u q, bubble 3/7; the
+    interleaved schedule with v = 2 chunks (the 8 layers as 8 one-layer chunks, F / v each) takes
+    M (F + B) + (D - 1)(F + B) / v = 33 u q, bubble 3/11 (the design's unit-cost figures)."""
+    u, L, D, R, M, G = 1e-3, 8, 4, 2, 4, 16
+    f = (u,) * L
+    lc = LayerCosts(f=f, b_input=f, w=f, act=(1e6,) * L, act_w=(0.0,) * L, out_bytes=(0.0,) * L,
+                    params=(1e3,) * L)
+    work = from_layer_costs("eq", lc)
+    ideal = LinkSpec("ideal", 1e15, 0.0)
+    cl = Cluster(name="fast", nodes=1, devices_per_node=R * D, device=V100, intra=ideal, inter=ideal)
+    devs = Topology(cl).place("append-first", [R] * D)
+    plan = Plan("eq", "fast", G, M, tuple(StagePlan(2 * s, 2 * s + 2, devs[s]) for s in range(D)), "append-first")
+    q = G // M // R
+    closed = {"gpipe": ((M + D - 1) * 6 * u * q, 3 / 7), "dapple": ((M + D - 1) * 6 * u * q, 3 / 7),
+              "interleaved": ((M * 6 + (D - 1) * 6 / 2) * u * q, 3 / 11)}
+    for sched, (time, bubble) in closed.items():
+        p = plan.with_schedule(sched)
+        bt = build_plan(p, work, cl)
+        assert bt.lowered.replicas == R and bt.costs.meta["partition"] == ([1] * L if sched == "interleaved"
+                                                                            else [2] * D)
+        sim = simulate_plan(p, work, cl)
+        assert sim.iteration_time == pytest.approx(time, rel=1e-9), sched
+        assert sim.bubble_ratio == pytest.approx(bubble, rel=1e-9), sched
 
 
 @pytest.mark.parametrize("model", ["bert-48", "vgg-19"])
