@@ -121,7 +121,7 @@ def test_plan_cli_kernels_default_round_trips_through_a_plan_file(tmp_path, caps
 
 
 def test_simulate_per_sample_time_depends_on_micro_batch(capsys):
-    """The issue's example: bert-48 on v100-16x1-25gbe, micro-batch 1 vs 64. Linear: the same time per
+    """bert-48 on v100-16x1-25gbe simulated at micro-batch 1 and 64. Linear: the same time per
     sample; kernels: much less per sample at 64."""
     per = {}
     for cmodel in ("linear", "kernels"):
