@@ -130,6 +130,31 @@ class Workload:
     def total_params(self) -> float:
         return self._cp[-1]
 
+    # ---------------------------------------------------------------- prefix sums (per sample)
+    # Entry i of each is the sum over layers [0, i) (L + 1 entries, the first 0.0), so the sum over
+    # layers [i, j) is ``sums[j] - sums[i]``: what the range sums above compute, for loops (the
+    # planner's search) that take many such differences and read the tuple once.
+    @property
+    def forward_prefix_sums(self) -> tuple[float, ...]:
+        """Forward seconds of layers [0, i) for one sample, by i (see :meth:`fwd`)."""
+        return self._cf
+
+    @property
+    def backward_prefix_sums(self) -> tuple[float, ...]:
+        """Full backward (input + weight gradient) seconds of layers [0, i) for one sample, by i (see
+        :meth:`bwd`)."""
+        return self._cb
+
+    @property
+    def activation_prefix_sums(self) -> tuple[float, ...]:
+        """Activation bytes layers [0, i) keep for the backward of one sample, by i (see :meth:`activation`)."""
+        return self._ca
+
+    @property
+    def param_prefix_sums(self) -> tuple[float, ...]:
+        """Parameter count of layers [0, i), by i (see :meth:`param_count`)."""
+        return self._cp
+
     # ---------------------------------------------------------------- binding
     def layer_costs(self, micro_batch: int) -> LayerCosts:
         """Per-layer costs at ``micro_batch`` samples per micro-batch."""

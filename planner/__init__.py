@@ -13,8 +13,8 @@ scatter-first), the micro-batch count and the schedule.
 * :mod:`planner.placement`: placement policies and communication costs on the cluster;
 * :mod:`planner.cost`: the objective, L = warm-up + steady + ending (DAPPLE's pivot formulation);
   its docstring states it in full;
-* :mod:`planner.search`: the exact search (dynamic programme with pruning) for DAPPLE's and
-  PipeDream's objectives, and a brute-force reference;
+* :mod:`planner.search`: the exact search (:func:`search_plans`, a dynamic programme with pruning)
+  for DAPPLE's and PipeDream's objectives, and a brute-force reference (:func:`exhaustive`);
 * :mod:`planner.simulate`: plans as IR schedules (uniform and non-uniform), simulated with SimPy;
 * :mod:`planner.plan`: the plan record (:class:`Plan`: stages, replicas, devices, batching);
 * :mod:`planner.choose`: choosing a plan: search + re-simulation + baselines (what ``pipetwin
@@ -26,10 +26,10 @@ from .cost import Estimate, estimate
 from .placement import POLICIES, Topology
 from .plan import Plan, StagePlan
 from .plan_io import LoadedPlan, load_plan, plan_record, save_plan
-from .search import PlanError, SearchResult, SearchSpace, exhaustive, search
+from .search import PlanError, SearchResult, SearchSpace, exhaustive, search_plans
 from .simulate import build_plan, replicated_schedule, simulate_plan
 
 __all__ = ["Estimate", "estimate", "POLICIES", "Topology", "Plan", "StagePlan", "LoadedPlan",
            "load_plan", "plan_record", "save_plan", "Evaluated", "PlanningResult", "evaluate_plan",
-           "plan_training", "PlanError", "SearchResult", "SearchSpace", "exhaustive", "search", "build_plan",
-           "replicated_schedule", "simulate_plan"]
+           "plan_training", "PlanError", "SearchResult", "SearchSpace", "exhaustive", "search_plans",
+           "build_plan", "replicated_schedule", "simulate_plan"]

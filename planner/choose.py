@@ -2,7 +2,7 @@
 
 :func:`plan_training` (what ``pipetwin plan`` runs):
 
-1. search the plan space exactly under DAPPLE's objective (:func:`planner.search.search`), keeping
+1. search the plan space exactly under DAPPLE's objective (:func:`planner.search.search_plans`), keeping
    the best plans found; add the best plans of the round-trip-aware search (``dapple-rt``, a
    heuristic on an evaluation budget) and the best uniform (R x D) plan;
 2. re-simulate, with the SimPy engine (:func:`planner.simulate.simulate_plan`), the exact optimum,
@@ -30,7 +30,7 @@ from .cost import Estimate, estimate
 from cost_models.workload_sources import load_workload
 from .placement import Topology
 from .plan import Plan
-from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search
+from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search_plans
 from .simulate import SimOutcome, simulate_plan
 from cost_models.workload import Workload
 
@@ -108,19 +108,19 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
     cap = memory_limit if memory_limit is not None else work.memory_capacity
     topo = Topology(cluster)
     space = space or SearchSpace()
-    res = search(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=max(top_k, 8),
+    res = search_plans(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=max(top_k, 8),
                  model=name, cluster=cluster.name, progress=progress)
     pool = [Evaluated(c.plan, c.estimate) for c in res.candidates]
     extra = []
     try:    # candidates that respect the 1F1B round trips (a heuristic search, on a budget)
-        rt = search(work, topo, global_batch, objective="dapple-rt", space=space, capacity=cap, top_k=3,
+        rt = search_plans(work, topo, global_batch, objective="dapple-rt", space=space, capacity=cap, top_k=3,
                     model=name, cluster=cluster.name, budget=rt_budget)
         extra += [Evaluated(c.plan, c.estimate, note="round-trip search") for c in rt.candidates]
     except PlanError:
         pass
     if not space.uniform:
         try:
-            u = search(work, topo, global_batch, space=replace(space, uniform=True), capacity=cap,
+            u = search_plans(work, topo, global_batch, space=replace(space, uniform=True), capacity=cap,
                        model=name, cluster=cluster.name)
             extra.append(Evaluated(u.best.plan, u.best.estimate, note="best uniform plan"))
         except PlanError:
@@ -179,7 +179,7 @@ def pipedream_plan(work: Workload, topo: Topology, G: int, *, microbatches: int 
         if best is not None and floors[idx] > best[0]:
             continue
         try:
-            r = search(work, topo, G, objective="pipedream", space=replace(space, microbatches=(Ms[idx],)),
+            r = search_plans(work, topo, G, objective="pipedream", space=replace(space, microbatches=(Ms[idx],)),
                        capacity=capacity, model=model, cluster=topo.cluster.name)
         except PlanError:
             continue
@@ -195,7 +195,7 @@ def data_parallel_plan(work: Workload, topo: Topology, G: int, *, space: SearchS
     micro-batches when memory needs it). Raises PlanError when it does not fit."""
     space = space or SearchSpace()
     P = space.devices or topo.num_devices
-    r = search(work, topo, G, space=replace(space, max_stages=1, uniform=False, replicas=(P,)),
+    r = search_plans(work, topo, G, space=replace(space, max_stages=1, uniform=False, replicas=(P,)),
                capacity=capacity, model=model, cluster=topo.cluster.name)
     return Evaluated(r.best.plan, r.best.estimate)
 
