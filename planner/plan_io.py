@@ -41,7 +41,7 @@ from cost_models.files import one_line, prepare_output, read_text
 
 from cost_models.workload_sources import workload_from_source
 from .plan import Plan
-from .simulate import Built, SimOutcome, build_plan, simulate_plan
+from .simulate import Built, PlanInMemory, SimOutcome, build_plan, simulate_plan
 from cost_models.workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 1
@@ -93,11 +93,13 @@ class LoadedPlan:
         """The plan as a bound job (:class:`cost_models.job.PlanSource`): its lowered schedule
         (gradients all-reduced eagerly as ``job.eager`` says), costs and placed cluster, with the
         report fields of :func:`build_plan` and the plan file."""
-        bt = self.build(eager=job.eager)
-        return Bound(bt.lowered, bt.costs, bt.network, {**bt.extra, "plan_file": str(self.path)})
+        bound = PlanInMemory(self.plan, self.workload, self.cluster, self.capacity, path=self.path).bind(job)
+        return Bound(bound.lowered, bound.costs, bound.network, {**bound.report, "plan_file": str(self.path)})
 
-    def simulate(self, options=None) -> SimOutcome:
-        return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, options)
+    def simulate(self, faults=None) -> SimOutcome:
+        """The plan simulated as :func:`planner.simulate.simulate_plan` does (``faults``: a
+        :class:`cost_models.job.Faults`)."""
+        return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, faults)
 
     def for_executor(self, *, eager: bool = True) -> dict:
         """What ``pipetwin run --plan`` runs, for uniform and non-uniform transformer plans: the very

@@ -65,11 +65,12 @@ def job_options(job: Job, bound: Bound, *, check_links: bool = True, steps: int 
     return on_one_host(base, low.num_ranks, HostCores(**host)) if host else base
 
 
-def simulate_job(job: Job, *, inputs: CostInputs | None = None, trace: bool = False,
-                 check_links: bool = True) -> JobSimulation:
+def simulate_job(job: Job, *, inputs: CostInputs | None = None, trace: bool = False, check_links: bool = True,
+                 max_ops: int | None = MAX_OPS) -> JobSimulation:
     """Bind and simulate one iteration of ``job`` (the per-op trace kept only with ``trace``);
     ``inputs``: the job's loaded cost inputs (:func:`cost_models.bind.load_inputs`) when the caller
-    has them."""
+    has them; ``max_ops``: refuse to simulate more ops than that (None: no limit, for callers that
+    bound the size themselves, as the planner does)."""
     bound = bind(job, inputs)
     opts = job_options(job, bound, check_links=check_links)
-    return JobSimulation(bound, run(bound.lowered, bound.costs, bound.network, opts, trace=trace, max_ops=MAX_OPS))
+    return JobSimulation(bound, run(bound.lowered, bound.costs, bound.network, opts, trace=trace, max_ops=max_ops))
