@@ -35,7 +35,6 @@ from .simulate import SimOutcome, simulate_plan
 from cost_models.workload import Workload
 
 
-SKIP_BY_FLOOR = True    # the PipeDream baseline skips micro-batch counts by latency_floor (False: tests)
 
 
 @dataclass
@@ -159,12 +158,14 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
 
 
 def pipedream_plan(work: Workload, topo: Topology, G: int, *, microbatches: int | None = None,
-                   space: SearchSpace | None = None, capacity=None, model: str | None = None) -> Evaluated | None:
+                   space: SearchSpace | None = None, capacity=None, model: str | None = None,
+                   skip_by_floor: bool = True) -> Evaluated | None:
     """The PipeDream planner's plan. PipeDream plans for one micro-batch size (its minibatch) and has
     no notion of a synchronous iteration: with ``microbatches`` given it plans for b = G / M; without,
     it is run for every M dividing G and the M whose plan has the shortest estimated synchronous
     iteration (round-trip bound) is kept, the most favourable reading for the baseline (Ms that
-    cannot beat the best found are not searched; the same M is kept)."""
+    cannot beat the best found are not searched; the same M is kept; ``skip_by_floor=False``
+    searches every M, the plain scan the skipping is checked against)."""
     space = space or SearchSpace()
     Ms = [microbatches] if microbatches is not None else [
         m for m in divisors(G) if space.microbatches is None or m in space.microbatches]
@@ -173,7 +174,7 @@ def pipedream_plan(work: Workload, topo: Topology, G: int, *, microbatches: int 
     # cannot be kept and is not searched; the Ms are searched in increasing floor so the best comes
     # early, and compared by (latency_rt, position in increasing M): the same M as the plain scan.
     floors = [latency_floor(work, topo, G, M, space=space, capacity=capacity) if len(Ms) > 1 else 0.0
-              for M in Ms] if SKIP_BY_FLOOR else [0.0] * len(Ms)
+              for M in Ms] if skip_by_floor else [0.0] * len(Ms)
     best = None
     for idx in sorted(range(len(Ms)), key=lambda x: (floors[x], x)):
         if best is not None and floors[idx] > best[0]:

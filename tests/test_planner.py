@@ -597,8 +597,7 @@ def test_latency_floor_and_the_pipedream_skip(seed, monkeypatch):
         if plan is not None:
             assert floor > 0
     skip = ch.pipedream_plan(work, topo, G, space=space)
-    monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)
-    scan = ch.pipedream_plan(work, Topology(topo.cluster), G, space=space)
+    scan = ch.pipedream_plan(work, Topology(topo.cluster), G, space=space, skip_by_floor=False)
     assert (skip is None) == (scan is None)
     if scan is not None:
         assert skip.plan == scan.plan
@@ -619,7 +618,6 @@ def test_pipedream_skip_keeps_the_mid_size_baseline(monkeypatch):
     monkeypatch.setattr(ch, "search_plans", lambda *a, **k: calls.append(k["space"].microbatches) or real(*a, **k))
     skip = ch.pipedream_plan(work, Topology(cl), 64)
     searched = len(calls)
-    monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)
-    scan = ch.pipedream_plan(work, Topology(cl), 64)
+    scan = ch.pipedream_plan(work, Topology(cl), 64, skip_by_floor=False)
     assert skip.plan == scan.plan and skip.estimate.latency_rt == scan.estimate.latency_rt
     assert searched < len(calls) - searched == 7
