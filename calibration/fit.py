@@ -1,5 +1,11 @@
-"""The runtime fitted through the simulator: traced executor runs, simulated with the profile,
-costs moved until the simulated op totals equal the measured ones.
+"""The fits of calibration: the lone communication measurements as link costs, and the runtime
+fitted through the simulator (traced executor runs, simulated with the profile, costs moved until
+the simulated op totals equal the measured ones).
+
+The lone measurements (:func:`calibration.measure.measure_comm`: ping-pong P2P times and
+all-reduce times over message sizes) are fitted as latency + bytes / bandwidth
+(:func:`fit_latency_bandwidth`) and as a ring (:func:`fit_allreduce`); the profile keeps the
+results (:mod:`cost_models.calibration` is its format).
 
 Inside a run ops cost more than the layers alone (ranks share memory bandwidth and caches) and
 every op pays a fixed cost (Python dispatch, hooks, the runtime's bookkeeping), while ranks that
@@ -9,10 +15,10 @@ the simulator (:func:`fit_runtime`, then :func:`fit_communication`), on runs wit
 as the runs to predict when those outnumber the cores, where the OS's time slice is chosen too
 (:func:`fit_time_slice`).
 
-The traced runs are a sitting (:func:`executor.sitting.run_series`): interleaved rounds, runs
+The traced runs are a sitting (:func:`calibration.sitting.run_series`): interleaved rounds, runs
 disturbed by other processes left out, and the statistic validation uses: the noise-free step
 time, the fits reproducing the fast steps around it
-(:meth:`executor.sitting.RunSeries.typical_steps`), not the mean of all steps.
+(:meth:`calibration.sitting.RunSeries.typical_steps`), not the mean of all steps.
 """
 from __future__ import annotations
 
@@ -23,25 +29,54 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy.optimize import least_squares, lsq_linear
 
+from cost_models import SpecError
 from cost_models.calibration import CalibrationProfile
+from cost_models.job import Job, Layout
 from executor.config import RunConfig, lowered_schedule
-from executor.sitting import RunSeries
 from schedules.ir import ALLREDUCE
 from schedules.trace import noise_free, step_metrics
-from sim.host import simulate_with_profile
+
+from .simulate import simulate_with_profile
+from .sitting import RunSeries
 
 # the runs the runtime is fitted on: whole stages (1F1B), inner chunks (1F1B-interleaved) and a
 # split backward on chunks (ZB-V) and on whole stages (ZB-H1): their op sizes differ, which tells
 # a per-op cost from a scale; BitPipe's two model copies all-reduce their gradients in the bubbles,
-# which tells the in-run all-reduce. ZB-H1 joined on 2026-12-01: with chunks in three of four runs
-# the fit left whole-stage schedules 5-11% short (ZB-H1 -11.0%, GPipe -6.9%, Chimera -9.7% in one
-# recorded D = 2 sitting); refitting five recorded D = 2 sittings with it (and the all-reduce's
-# latency off the cores, sim.engine), the largest error over all nine schedules went from
-# 5.1-13.0% to 4.3-7.8% (3.5-5.1% over the four left to predict), and on two D = 4 recordings
-# (time-sliced: the fit set alone changed) from 17.3% and 7.9% to 14.5% and 9.5%
+# which tells the in-run all-reduce. ZB-H1 is there for the whole-stage schedules: with chunks in
+# all runs but 1F1B's, the fit leaves them (GPipe, ZB-H1, Chimera) 5-11% short
 RUNTIME_SCHEDULES = ("dapple", "interleaved", "zb-v", "zb-h1", "bitpipe")
 PROBE = 20   # host speed probe repeats in traced runs (executor.worker.speed_probe)
 COMPUTE_KINDS = ("F", "B", "Bi", "W")
+
+
+def fit_latency_bandwidth(sizes, times) -> tuple[float, float]:
+    """Least-squares fit of ``time = latency + bytes / bandwidth``; returns (latency s, bandwidth B/s).
+
+    The latency is clamped at 0 (a negative intercept is noise); raises SpecError when the times
+    do not grow with the size (no bandwidth can be fitted)."""
+    xs, ys = [float(x) for x in sizes], [float(y) for y in times]
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise SpecError("need timings at two or more message sizes to fit latency and bandwidth")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if slope <= 0:
+        raise SpecError("message times do not grow with size; cannot fit a bandwidth (measure larger messages)")
+    lat = my - slope * mx
+    if lat < 0:  # refit through the origin
+        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        lat = 0.0
+    return lat, 1.0 / slope
+
+
+def fit_allreduce(sizes, times, n: int) -> tuple[float, float]:
+    """Fit a ring all-reduce over n ranks, ``time = 2(n-1) latency + 2(n-1)/n bytes / bandwidth``;
+    returns (latency, bandwidth) of one ring step."""
+    if n < 2:
+        raise SpecError("an all-reduce fit needs at least 2 ranks")
+    lat, bw = fit_latency_bandwidth(sizes, times)
+    return lat / (2 * (n - 1)), bw * 2 * (n - 1) / n
 
 
 def fit_ranks(ranks: int) -> int:
@@ -83,18 +118,25 @@ def typical_rows(series: RunSeries):
     return pd.concat(parts, ignore_index=True)
 
 
+def measured_run(job: Job, steps: int, dtype: str = "fp32") -> RunConfig:
+    """The executor's run of ``job`` as a sitting measures it: ``steps`` steps in precision
+    ``dtype``, the host speed probe on, ranks pinned to cores where the host allows."""
+    return RunConfig.from_job(job, steps=steps, probe=PROBE, pin_cores=True, dtype=dtype)
+
+
 def runtime_configs(model: str, ranks: int, steps: int = 20, micro_batch: int | None = None,
                     dtype: str = "fp32") -> list[RunConfig]:
-    """The traced runs the runtime is fitted on: :data:`RUNTIME_SCHEDULES` at D = ``ranks``,
-    N = 2D, in precision ``dtype``, probed, ranks pinned to cores where the host allows; run them in a sitting
-    (:func:`executor.sitting.run_series`), alone (calibration) or beside the runs to predict
+    """The traced runs the runtime is fitted on: the jobs of :data:`RUNTIME_SCHEDULES` at
+    D = ``ranks``, N = 2D, as :func:`measured_run` runs them; run them in a sitting
+    (:func:`calibration.sitting.run_series`), alone (calibration) or beside the runs to predict
     (validation: then both meet the same host; the ones equal to a validation's config are
     shared). Schedules with more stages than a model file has layers are left out (at least one
     must fit)."""
     cfgs, refused = [], []
     for s in RUNTIME_SCHEDULES:
-        cfg = RunConfig(schedule=s, devices=ranks, microbatches=2 * ranks, steps=steps, model=model, probe=PROBE,
-                        micro_batch=micro_batch, dtype=dtype, pin_cores=True)
+        job = Job(layout=Layout(schedule=s, devices=ranks, microbatches=2 * ranks), model=model,
+                  micro_batch=micro_batch)
+        cfg = measured_run(job, steps, dtype)
         try:
             lowered_schedule(cfg)
         except ValueError as e:
@@ -202,19 +244,16 @@ def fit_communication(series: list[RunSeries], make_profile: Callable[[float, fl
     seconds, all-reduce slowdown).
 
     The ping-pong and the lone all-reduces of calibration time idle ranks. Inside a run a
-    message arrives later (fitted here: 0.18-0.89 ms more per message over the sittings of
-    2026-12-01; the receiving rank's gloo thread shares its pinned core with compute) and an
-    all-reduce launched in the bubbles took 0.6-3.4x its lone time (its copies and sums compete
-    with compute; below 1 only before its ring latency was taken off the cores, :mod:`sim.engine`,
-    when the fit made up for BitPipe's compute slowed by it). The op
-    totals :func:`fit_runtime` matches cannot show either: a receive's wait is the other
-    rank's time. So, with the runtime's op costs fixed, the two are moved until the simulated
-    noise-free step times of the traced ``series`` equal the measured ones (relative
-    residuals, bounded least squares: ``scipy.optimize.least_squares``; the latency within
-    [0, :data:`MAX_P2P_EXTRA`], the slowdown within :data:`AR_FACTOR` and only fitted when some
-    run all-reduces, else 1). The slowdown may come out below 1: the lone all-reduce times spread
-    3x between wake-ups and their median (0.3-0.9 ms latency in the sittings here) can sit above
-    what the runs show. ``make_profile(p2p_extra, ar_slowdown)``
+    message arrives later (0.2-0.9 ms more per message on a 2-core host: the receiving rank's
+    gloo thread shares its pinned core with compute) and an all-reduce launched in the bubbles
+    takes 0.6-3.4x its lone time (its copies and sums compete with compute). The op totals
+    :func:`fit_runtime` matches cannot show either: a receive's wait is the other rank's time.
+    So, with the runtime's op costs fixed, the two are moved until the simulated noise-free step
+    times of the traced ``series`` equal the measured ones (relative residuals, bounded least
+    squares: ``scipy.optimize.least_squares``; the latency within [0, :data:`MAX_P2P_EXTRA`], the
+    slowdown within :data:`AR_FACTOR` and only fitted when some run all-reduces, else 1). The
+    slowdown may come out below 1: the lone all-reduce times spread 3x between wake-ups and their
+    median can sit above what the runs show. ``make_profile(p2p_extra, ar_slowdown)``
     builds the profile to simulate with."""
     if not series:
         return 0.0, 1.0
@@ -242,11 +281,10 @@ def fit_time_slice(series: list[RunSeries], fit: Callable[[float], CalibrationPr
     """The time slice that best explains runs with more ranks than cores: for each candidate,
     ``fit(slice)`` fits the profile with it (the runtime and the in-run communication, through the
     simulator with time-sliced cores); the one whose simulated step times come closest to the
-    measured ones (root mean square of the relative errors over ``series``) wins. Measured here (4
-    ranks on 2 cores): 4-6 ms on two recorded sittings refitted offline, 2, 10 and 4 ms in three
-    validate sittings (with ops of 1-3 ms the fit hardly tells the slices apart); processor sharing
-    instead had 1-stage-per-rank schedules (GPipe, ZB-H1, Chimera) 17-22% short while the runtime
-    fit reproduced the op totals. Returns (slice, its profile)."""
+    measured ones (root mean square of the relative errors over ``series``) wins. With 4 ranks on
+    2 cores the fits land on 2-10 ms (with ops of 1-3 ms the fit hardly tells the slices apart);
+    processor sharing instead leaves the 1-stage-per-rank schedules (GPipe, ZB-H1, Chimera) 17-22%
+    short while the runtime fit reproduces the op totals. Returns (slice, its profile)."""
     lows = [lowered_schedule(x.config) for x in series]
     warm = series[0].rules.warmup if series else 0
     best = None

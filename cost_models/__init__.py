@@ -2,6 +2,9 @@
 
 Entry points (all units SI: seconds, bytes, bytes/s, FLOP/s):
 
+* a job (:class:`Job`: layout, model, cluster, cost source, faults; checked when built) and its
+  binding to costs: :func:`bind` -> :class:`Bound` (lowered schedule, costs, network, report);
+
 * specs: :func:`load_model`, :func:`load_device`, :func:`load_cluster` (preset name or YAML path;
   :func:`model_presets`, :func:`device_presets`, :func:`cluster_presets` list the presets);
 * compute: :class:`TransformerCostModel` ``(model, device, recompute=...).bind(schedule)`` ->
@@ -15,6 +18,9 @@ Entry points (all units SI: seconds, bytes, bytes/s, FLOP/s):
   (:class:`GpuConstants`, the ``kernels:`` block of a device preset), checked and fitted against
   measured layers by :mod:`cost_models.layer_measurements` (:func:`load_measurements`);
 * measured per-layer profiles in PipeDream's graph format (DAPPLE's): :func:`load_pipedream_profile`;
+* per-layer, per-sample costs of a whole model (what the planner plans for and ``--model FILE.txt``
+  simulates): :class:`Workload`, :func:`load_workload` (a transformer preset or spec, one of the
+  DAPPLE paper's models, :func:`paper_models`, or a PipeDream profile);
 * a calibration profile on another device: :func:`scaled_layer_costs`;
 * a user's layer stack (``PATH.py:FUNC``): :class:`StackSpec` (measured, in its profile),
   :func:`is_model_ref`, :func:`stack_partition` (its default split).
@@ -38,6 +44,11 @@ from .network import Link, Network, PortNetwork
 from .partition import (balanced_counts, balanced_edges, block_ranges, blocks_from_layers, default_partition,
                         even_counts, layer_ranges, layers_from_blocks, stack_partition)
 from .stack import StackSpec, is_model_ref, stack_from_dict
+from .job import ClusterChoice, Faults, Job, Layout, check_run_size
+from .bind import Bound, bind
+from .workload import Workload
+from .workload_sources import load_workload, workload_from_source
+from .paper_models import paper_models
 from .transformer import (RECOMPUTE, Layer, TransformerCostModel, block_activation_bytes, block_flops, block_params,
                           block_weight_grad_bytes, boundary_bytes, model_flops, model_params, recompute_flops,
                           transformer_layers)

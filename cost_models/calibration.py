@@ -220,6 +220,14 @@ class CalibrationProfile:
                        intra=self.p2p, inter=self.p2p, collective=self.allreduce,
                        description=f"{num_ranks} CPU ranks calibrated by profile {self.name}")
 
+    def host_cores(self) -> dict | None:
+        """How the ranks share the calibrated host (the fields of :class:`sim.host.HostCores`;
+        None when the profile names no core count)."""
+        if not self.cores:
+            return None
+        return {"cores": self.cores, "time_slice": self.time_slice,
+                "oversubscribed_slowdown": self.oversubscribed_slowdown}
+
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "name": self.name, "model": self.model.to_dict(),
              "per_layer": [{"f": t.f, "b_input": t.b_input, "w": t.w, **({"b": t.b} if t.b is not None else {})}
@@ -386,36 +394,6 @@ def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
     p = prepare_output(path, "calibration profile")
     p.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
     return p
-
-
-def fit_latency_bandwidth(sizes, times) -> tuple[float, float]:
-    """Least-squares fit of ``time = latency + bytes / bandwidth``; returns (latency s, bandwidth B/s).
-
-    The latency is clamped at 0 (a negative intercept is noise); raises SpecError when the times
-    do not grow with the size (no bandwidth can be fitted)."""
-    xs, ys = [float(x) for x in sizes], [float(y) for y in times]
-    if len(xs) != len(ys) or len(set(xs)) < 2:
-        raise SpecError("need timings at two or more message sizes to fit latency and bandwidth")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    if slope <= 0:
-        raise SpecError("message times do not grow with size; cannot fit a bandwidth (measure larger messages)")
-    lat = my - slope * mx
-    if lat < 0:  # refit through the origin
-        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-        lat = 0.0
-    return lat, 1.0 / slope
-
-
-def fit_allreduce(sizes, times, n: int) -> tuple[float, float]:
-    """Fit a ring all-reduce over n ranks, ``time = 2(n-1) latency + 2(n-1)/n bytes / bandwidth``;
-    returns (latency, bandwidth) of one ring step."""
-    if n < 2:
-        raise SpecError("an all-reduce fit needs at least 2 ranks")
-    lat, bw = fit_latency_bandwidth(sizes, times)
-    return lat / (2 * (n - 1)), bw * 2 * (n - 1) / n
 
 
 def host_flop_rate(profile: CalibrationProfile) -> float:

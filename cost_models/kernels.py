@@ -56,7 +56,7 @@ Layers priced here: transformer blocks of four families (:data:`ARCHS`: ``bert``
 BertLayer, ``gpt`` = the executor's pre-norm block with fused attention, ``opt`` = OPT decoder
 layer, ``t5`` = T5 encoder block), the embedding lookup and the output head with its loss
 (:func:`transformer_layer_times`); the planner builds its CNN/RNN layers from :func:`gemm`,
-:func:`conv2d` and :func:`memory` (:mod:`planner.model_kernels`). Phases: ``F`` forward, ``B``
+:func:`conv2d` and :func:`memory` (:mod:`cost_models.paper_kernels`). Phases: ``F`` forward, ``B``
 input gradient (with the element-wise backward), ``W`` weight gradient (GEMMs, bias reductions,
 gradient accumulation): B + W is the full backward, and the split is what zero-bubble schedules use.
 """

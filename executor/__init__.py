@@ -7,7 +7,7 @@ iteration times, per-rank activation memory, the merged trace); ``run_reference`
 model on the same batches in one process. Modules: ``model`` (GPT and its split into stages),
 ``user_model`` (a model file: loading, checks, its stages, shared parameters),
 ``data``, ``device`` (the CPU/GPU choice and memory meters), ``p2p`` (messages), ``runtime`` (the
-interpreter), ``worker`` (one rank), ``launch`` (processes), ``reference``.
+interpreter), ``faults`` (fault injection), ``worker`` (one rank), ``launch`` (processes), ``reference``.
 """
 from .config import RunConfig, RunResult, lowered_schedule
 from .launch import LaunchError, run, run_many

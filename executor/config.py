@@ -15,13 +15,13 @@ import torch
 
 from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
-from cost_models.partition import block_ranges, layers_from_blocks
+from cost_models.partition import block_ranges, blocks_from_layers, layers_from_blocks
 from cost_models.stack import is_model_ref
 from schedules import Schedule, build, lower, validate
 from schedules.registry import check_size
 
 from .device import check_device
-
+from .faults import check_fault, parse_fault
 from .precision import Precision
 from .recompute import check_mode
 
@@ -61,7 +61,7 @@ class RunConfig:
     measure_memory: bool = True     # saved-tensor hooks on the CPU (allocator counters on CUDA)
     meter_every_forward: bool = False  # CPU: meter every forward, not one per stage and run (executor.device)
     collect_params: bool = False    # return the final parameters (tests)
-    fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (see parse_fault)
+    fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (executor.faults)
     micro_batch: int | None = None  # sequences per micro-batch (None: the spec's micro_batch)
     partition: tuple[int, ...] | None = None  # blocks (GPT) or layers (model file) per stage of a model copy
     probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
@@ -104,6 +104,40 @@ class RunConfig:
                 raise ValueError(f"partition must be a list of block counts per stage; got {self.partition!r}") \
                     from None
             object.__setattr__(self, "partition", part)
+
+    @classmethod
+    def from_job(cls, job, **options) -> "RunConfig":
+        """The run of a :class:`cost_models.job.Job`: its layout, its model (default ``tiny``), its
+        micro-batch size, recompute, eager all-reduce and device map, and its partition in layers
+        per stage (a GPT's embedding and head count as layers, as everywhere a job's partition
+        does; converted here to the blocks per stage a GPT run takes). ``options``: the training
+        fields (steps, seed, lr, ...). The simulator's parts of a job (a cost source, a cluster,
+        faults) would do nothing in a run: they are refused, as is a plan (its run comes from
+        :func:`experiments.plan_files.config_from_plan`) and ``partition="time"`` (resolve it with
+        the profile first: :func:`cost_models.bind.profile_partition`)."""
+        from cost_models.job import Faults
+        sim_only = [f for f, v in (("--unit-costs", job.unit_costs), ("--profile", job.profile),
+                                   ("--plan", job.plan), ("--cost-model", job.cost_model),
+                                   ("--profile-batch", job.profile_batch), ("--exact", job.exact),
+                                   ("faults", job.faults != Faults())) if v] + job.cluster.given()
+        if sim_only:
+            raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
+        if job.partition == "time":
+            raise ValueError("partition 'time' is resolved from a calibration profile before the run "
+                             "(cost_models.bind.profile_partition)")
+        lay = job.layout
+        model = job.model or "tiny"
+        partition = job.partition
+        if partition is not None and not is_model_ref(model):
+            spec = model if isinstance(model, ModelSpec) else load_model(model)
+            try:
+                partition = tuple(blocks_from_layers(partition, spec.layers))
+            except ValueError as e:
+                raise ValueError(f"--partition: {e}") from None
+        return cls(schedule=lay.schedule, devices=lay.devices, microbatches=lay.microbatches, chunks=lay.chunks,
+                   variant=lay.variant, replicas=lay.replicas, model=model, micro_batch=job.micro_batch,
+                   partition=partition, recompute=job.recompute, eager_allreduce=job.eager,
+                   device_map=job.device_map, **options)
 
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)
@@ -157,51 +191,6 @@ class RunConfig:
         return self.replicas * self.microbatches
 
 
-class FaultError(ValueError):
-    """A fault to inject that is malformed or would never fire."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """An injected fault: ``rank`` raises when it reaches the op printed as ``token`` (e.g. ``F3.s1``,
-    ``RA2.s1<0``; :func:`schedules.parse_op` reads them), in step ``step`` (None: the first time)."""
-
-    rank: int
-    token: str
-    step: int | None = None
-
-
-def parse_fault(text: str) -> Fault:
-    """``"RANK:TOKEN[:STEP]"`` -> :class:`Fault` (syntax only; :func:`check_fault` checks it against a run)."""
-    parts = str(text).split(":")
-    try:
-        if len(parts) not in (2, 3) or not parts[1]:
-            raise ValueError
-        rank, step = int(parts[0]), (int(parts[2]) if len(parts) == 3 else None)
-    except ValueError:
-        raise FaultError(f"a fault is RANK:TOKEN[:STEP], e.g. 1:F2.s1 or 0:B0.s0:1; got {text!r}") from None
-    if rank < 0 or (step is not None and step < 0):
-        raise FaultError(f"a fault's rank and step must be >= 0; got {text!r}")
-    return Fault(rank, parts[1], step)
-
-
-def check_fault(config: RunConfig, low: Schedule) -> Fault | None:
-    """The config's fault, checked: its rank exists, its token is an op of that rank's program and
-    its step is one the run takes (so an injected fault cannot silently never fire)."""
-    if config.fault is None:
-        return None
-    f = parse_fault(config.fault)
-    if f.rank >= low.num_ranks:
-        raise FaultError(f"fault {config.fault!r}: the run has ranks 0..{low.num_ranks - 1}")
-    tokens = [str(op) for op in low.program(f.rank)]
-    if f.token not in tokens:
-        raise FaultError(f"fault {config.fault!r}: rank {f.rank} runs no op {f.token!r}; its program is "
-                         f"{' '.join(tokens[:8])}{' ...' if len(tokens) > 8 else ''}")
-    if f.step is not None and f.step >= config.steps:
-        raise FaultError(f"fault {config.fault!r}: the run has steps 0..{config.steps - 1}")
-    return f
-
-
 def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, check: bool = True) -> Schedule:
     """The lowered schedule a config runs (``schedule`` overrides the named one), validated
     (``check=False`` skips the symbolic run: only for tests that run broken programs), after
@@ -239,7 +228,7 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         block_ranges(spec.layers, low.num_stages, config.partition)
     if check:
         validate(low)
-    check_fault(config, low)
+    check_fault(config.fault, low, config.steps)
     return low
 
 

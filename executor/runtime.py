@@ -47,9 +47,9 @@ from schedules.ir import ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op
 from schedules.trace import TraceRow
 
 from .backward import SplitBackward, full_backward, weight_backward
-from .config import parse_fault
 from .data import TokenSource
 from .device import DeviceContext
+from .faults import parse_fault
 from .p2p import CommError, Mailbox, wait_work
 from .precision import Precision
 from .recompute import Recompute
@@ -341,7 +341,7 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 def _parse_fault(fault: str | None, rank: int):
-    """``"RANK:TOKEN[:STEP]"`` (:func:`executor.config.parse_fault`) -> (token, step or None) when it
+    """``"RANK:TOKEN[:STEP]"`` (:func:`executor.faults.parse_fault`) -> (token, step or None) when it
     targets this rank."""
     if not fault:
         return None

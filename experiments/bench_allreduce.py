@@ -17,11 +17,11 @@ time. Each round, every case once, all ranks together, after a barrier:
 
 Prints rank 0's medians and quartiles over ``--rounds``, and two differences of medians: what the
 compute lost to an all-reduce in flight (the cores' share of it) and the idle all-reduce's excess
-over the lone one (time that holds no core). Measured here on 2026-12-01, 23:2x UTC, two runs of
-the defaults (853 KB, 4 ms, 40 rounds): the compute took 4.22 and 4.01 ms alone and 0.36 and 0.47
-ms more with an all-reduce in flight, which itself took 7.55 and 7.27 ms from launch to completion;
-the lone all-reduce took 3.40 and 3.57 ms, after compute 0.72 and 1.96 ms (both bimodal, 0.5 or
-3.7-4.2 ms: gloo's thread wake-ups), so the time an all-reduce takes is mostly not the cores'.
+over the lone one (time that holds no core). On a 2-core host with the defaults (853 KB, 4 ms,
+40 rounds) the compute loses 0.4-0.5 ms to an all-reduce in flight that itself takes 7.3-7.6 ms
+from launch to completion; the lone all-reduce takes about 3.5 ms, after compute 0.7-2 ms (both
+bimodal, 0.5 or 3.7-4.2 ms: gloo's thread wake-ups). The time an all-reduce takes is mostly not
+the cores': that is why the simulator keeps only its bytes on them.
 
     python -m experiments.bench_allreduce [--bytes 873472] [--compute-ms 4] [--rounds 40] [--ranks 2]
 """

@@ -13,9 +13,9 @@ import argparse
 import math
 import time
 
-from planner import SearchSpace, Topology, search
+from planner import SearchSpace, Topology, search_plans
 from planner.clusters import resolve_cluster
-from planner.load import load_workload
+from cost_models.workload_sources import load_workload
 from planner.search import _policies, _rep_values, divisors
 
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         size = space_size(work.num_layers, topo, G, SearchSpace())
         for obj in ("dapple", "pipedream"):
             t = time.perf_counter()
-            r = search(work, topo, G, objective=obj)
+            r = search_plans(work, topo, G, objective=obj)
             dt = time.perf_counter() - t
             b = r.best
             print(f"G={G:<5d} {obj:9s} search {dt:6.2f} s  evaluated {r.evaluated:>10,} stage placements  "

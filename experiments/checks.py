@@ -17,8 +17,9 @@ exists or can be created, nothing in the way), ``output_dir``; the file checks t
 :mod:`cost_models.files` (library code uses them too). Pairs: ``factor_pair(label, key)`` for
 ``KEY=FACTOR`` with a finite factor > 0.
 
-:func:`check_run_size` is the cheap feasibility check (ranks, program size, cluster size,
-layers >= stages) that runs before a schedule is built (building and validating are O(D^2)).
+:func:`cost_models.job.check_run_size` is the cheap feasibility check (ranks, program size,
+cluster size, layers >= stages) that commands run before a schedule is built (building and
+validating are O(D^2)).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import argparse
 import math
 
 from cost_models.files import FileError, check_output_dir, check_output_path, read_bytes
-from schedules import registry
 
 
 class Parser(argparse.ArgumentParser):
@@ -156,49 +156,3 @@ def factor_pair(label: str = "RANK", key=int, example: str = "3=1.5"):
         return kk, positive_float(v.strip())
     parse.__name__ = "factor_pair"
     return parse
-
-
-def pairs_dict(items, option: str) -> dict:
-    """A list of (key, factor) pairs (from :func:`factor_pair`) as a dict; a key given twice is an error."""
-    out = {}
-    for k, v in items:
-        if k in out:
-            raise ValueError(f"{option} names {k} twice")
-        out[k] = v
-    return out
-
-
-# ---------------------------------------------------------------- cheap feasibility, before any build
-MAX_SIM_RANKS = 131_072     # ranks the simulator keeps per-rank records for (one replica simulated for all)
-
-def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks: int = 1,
-                   cluster_devices: int | None = None, cluster_name: str = "", layers: int | None = None,
-                   model_name: str = "", one_replica: bool = False) -> None:
-    """What can be refused without building a schedule: the size limits of the IR
-    (:func:`schedules.registry.check_size`), a cluster too small for D x R ranks, a model with
-    fewer layers than stages (every schedule has at least D stages per copy). One-line ValueErrors.
-    ``one_replica``: the simulator builds, validates and (when the replicas are identical) simulates
-    one replica, so the limits apply to one; a full simulation of every replica is bounded by the
-    simulator itself (``sim.run(max_ops=...)``)."""
-    ranks = devices * (1 if one_replica else replicas)
-    if ranks > registry.MAX_RANKS:
-        what = f"-D {devices}" if one_replica else f"-D {devices} x --dp {replicas} = {ranks} ranks"
-        raise ValueError(f"{what} is beyond pipetwin's limit of {registry.MAX_RANKS} ranks; lower -D"
-                         + ("" if one_replica else " or --dp"))
-    if one_replica and devices * replicas > MAX_SIM_RANKS:
-        raise ValueError(f"-D {devices} x --dp {replicas} = {devices * replicas:,} ranks is beyond the simulator's "
-                         f"limit of {MAX_SIM_RANKS:,} ranks (its per-rank records); lower --dp")
-    ops = registry.estimated_ops(devices, microbatches, 1 if one_replica else replicas, chunks)
-    if ops > registry.MAX_OPS:
-        most = max(1, registry.MAX_OPS * microbatches // ops)
-        raise ValueError(f"-N {microbatches} micro-batches on {ranks} ranks is about {ops:,} ops per iteration, "
-                         f"beyond pipetwin's limit of {registry.MAX_OPS:,} (memory and time grow with it); "
-                         f"use -N {most:,} or fewer")
-    ranks = devices * replicas
-    if cluster_devices is not None and ranks > cluster_devices:
-        raise ValueError(f"{ranks} ranks (D={devices} x R={replicas}) do not fit on cluster {cluster_name} with "
-                         f"{cluster_devices} devices; pick a bigger --cluster or a smaller -D/--dp")
-    if layers is not None and layers < devices:
-        raise ValueError(f"model {model_name} has {layers} layers to split, fewer than the {devices} pipeline "
-                         f"stages; lower -D or pick a deeper --model")
-

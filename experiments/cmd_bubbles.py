@@ -2,14 +2,16 @@
 
 Unit costs by default (the closed forms); with ``--profile FILE`` (``pipetwin calibrate``, e.g. of a
 model file ``--model PATH.py:FUNC``) every point is simulated with the measured costs, on this
-machine or, with ``--cluster``, scaled onto that cluster (:func:`experiments.costs.calibrated_costs`).
+machine or, with ``--cluster``, scaled onto that cluster (:func:`cost_models.bind.calibrated`).
 """
 from __future__ import annotations
 
 from schedules import names
 from schedules.analysis import bubble_vs_n
 
-from .checks import check_run_size, input_file, output_file, positive_int
+from cost_models.job import check_run_size
+
+from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
 from .tables import fmt_table
 
@@ -38,37 +40,37 @@ def table(D: int, max_k: int, scheds: list[str], chunks: int = 2):
     return bubble_vs_n(scheds, D, [k * D for k in range(1, max_k + 1)], chunks=chunks)
 
 
-def profile_table(D: int, max_k: int, scheds: list[str], profile, *, chunks: int = 2, cluster=None,
+def profile_table(D: int, max_k: int, scheds: list[str], profile: str, *, chunks: int = 2, cluster=None,
                   partition=None):
-    """The table of :func:`table` with every point simulated from ``profile`` (seconds): makespan =
-    the iteration time, bubble = makespan - mean busy time; points a schedule refuses (or whose
-    stages outnumber the model's layers) are NaN with the reason."""
+    """The table of :func:`table` with every point simulated from calibration profile ``profile``
+    (a path; seconds), on its host or scaled onto ``cluster`` (a :class:`cost_models.job.ClusterChoice`):
+    makespan = the iteration time, bubble = makespan - mean busy time; points a schedule refuses
+    (or whose stages outnumber the model's layers) are NaN with the reason."""
     import pandas as pd
 
-    from schedules import ScheduleError, build, lower, validate
+    from cost_models.bind import load_inputs
+    from cost_models.job import ClusterChoice, Job, Layout
+    from schedules import ScheduleError
     from schedules.trace import step_metrics
-    from sim import SimOptions, simulate
-    from sim.host import HostCores, on_one_host
+    from sim import simulate_job
 
-    from .costs import calibrated_costs
     if D < 1 or max_k < 1:
         raise ValueError("--devices and --max-k must be >= 1")
     check_run_size(devices=D, microbatches=max_k * D, chunks=chunks)
+    base = Job(layout=Layout(schedule=scheds[0], devices=D, microbatches=D, chunks=chunks), profile=profile,
+               cluster=cluster or ClusterChoice(), partition=partition)
+    inputs = load_inputs(base)
     rows = []
     for name in scheds:
         for N in [k * D for k in range(1, max_k + 1)]:
             row = {"schedule": name, "D": D, "N": N}
             try:
-                low = lower(build(name, D, N, chunks=chunks))
-                validate(low)
-                costs, net, extra = calibrated_costs(profile, low, cluster=cluster, partition=partition)
+                _, res = simulate_job(base.with_layout(schedule=name, microbatches=N), inputs=inputs, trace=True)
             except (ScheduleError, ValueError) as e:
                 rows.append({**row, "makespan": float("nan"), "mean_busy": float("nan"), "bubble": float("nan"),
                              "bubble_ratio": float("nan"), "error": str(e)})
                 continue
-            host = extra.get("host")
-            opts = on_one_host(SimOptions(), low.num_ranks, HostCores(**host)) if host else SimOptions()
-            m = step_metrics(simulate(low, costs, net, opts))
+            m = step_metrics(res.trace())
             busy = sum(p.busy for p in m.per_device) / len(m.per_device)
             rows.append({**row, "makespan": m.iteration_time, "mean_busy": busy, "bubble": m.iteration_time - busy,
                          "bubble_ratio": m.bubble_ratio, "error": ""})
@@ -77,7 +79,7 @@ def profile_table(D: int, max_k: int, scheds: list[str], profile, *, chunks: int
 
 
 def plot(df, path, unit: str = "units of F") -> None:
-    from .plots import _save, plt, series_style
+    from .plots import plt, save_figure, series_style
     ok = df.dropna(subset=["bubble"])
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
     for i, (name, g) in enumerate(ok.groupby("schedule", sort=False)):
@@ -97,20 +99,19 @@ def plot(df, path, unit: str = "units of F") -> None:
     fig.suptitle("Bubble against N under unit costs: Chimera's and BitPipe's bubble time grows with the number "
                  "of concatenated units; bitpipe-zb's stays flat" if unit == "units of F" else
                  f"Bubble against N, simulated with measured costs ({unit})", fontsize=9)
-    fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def main(args) -> int:
     scheds = parse_schedules(args.schedules) if args.schedules != "all" else names()
     if args.profile:
-        from cost_models import load_cluster, load_profile
+        from cost_models import load_profile
+        from cost_models.job import ClusterChoice
 
-        from .costs import parse_partition
+        from .jobs import parse_partition
         prof = load_profile(args.profile)
-        df = profile_table(args.devices, args.max_k, scheds, prof, chunks=args.chunks,
-                           cluster=load_cluster(args.cluster) if args.cluster else None,
-                           partition=parse_partition(args.partition))
+        df = profile_table(args.devices, args.max_k, scheds, args.profile, chunks=args.chunks,
+                           cluster=ClusterChoice(name=args.cluster), partition=parse_partition(args.partition))
         where = f"scaled onto {args.cluster}" if args.cluster else "this machine"
         head = f"D={args.devices}, simulated with profile {args.profile} ({prof.model_name}, {where}); time in s"
     else:

@@ -1,10 +1,13 @@
 """``pipetwin demo``: the main job on built-in defaults (what ``make demo`` runs)."""
 from __future__ import annotations
 
-import argparse
+from pathlib import Path
 
-from . import cmd_compare
+from cost_models.job import Job, Layout
+from schedules import names
+
 from .checks import output_dir, positive_int
+from .compare import compare_schedules, report
 
 NAME = "demo"
 HELP = ("compare every schedule at D=4, N=8 and write figure, Chrome traces and table under out/, plus the "
@@ -18,12 +21,11 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    ns = argparse.Namespace(schedules="all", devices=args.devices, microbatches=args.microbatches, chunks=2, dp=1,
-                            no_eager=False, unit_costs=True, slowdown=[], slow_link=[], jitter=0.0, seed=0, json=False,
-                            model=None, cluster=None, profile=None, device_map="sequential", recompute="none",
-                            micro_batch=None, exact=False,
-                            plot=None, out=args.out)
-    rc = cmd_compare.main(ns)
+    every = names()
+    job = Job(layout=Layout(schedule=every[0], devices=args.devices, microbatches=args.microbatches),
+              unit_costs=True)
+    out = Path(args.out)
+    rc = report(compare_schedules(job, every, traces=True), job, out=out, plot=str(out / "compare.png"))
     from . import cmd_bubbles
     path = f"{args.out}/bubbles.png"
     df = cmd_bubbles.table(args.devices, 4, cmd_bubbles.names())

@@ -20,7 +20,7 @@ from cost_models._spec import size_bytes
 
 from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
-from .costs import add_cluster_shape_args, load_shaped_cluster
+from .jobs import add_cluster_shape_args, add_cost_model_args, cluster_from_args
 from .tables import byte_unit, fmt_bytes, fmt_table, wrap_cell
 
 NAME = "plan"
@@ -33,7 +33,6 @@ def add_arguments(p):
                         "(vgg-19, gnmt-16, amoebanet-36, xlnet-36), a per-layer profile in PipeDream's graph "
                         "format (FILE.txt, e.g. DAPPLE's released profiles), or a model file PATH.py:FUNC with its "
                         "--profile")
-    from .costs import add_cost_model_args
     add_cost_model_args(p)
     p.add_argument("--cluster", "-c", default=None,
                    help="cluster preset or YAML file, optionally sized NAME:NODES (also v100-4x8-25gbe, "
@@ -70,9 +69,9 @@ def _parse_limit(text):
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
     from planner.clusters import resolve_cluster
-    from planner.workload import is_profile_path
+    from cost_models.workload import is_profile_path
 
-    from .costs import cost_model_for
+    from cost_models.bind import cost_model_for
 
     if args.global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1; got {args.global_batch}")
@@ -86,7 +85,7 @@ def main(args) -> int:
         raise ValueError("give --model and --cluster (or --profile FILE.yaml, which brings the model and, without "
                          "--cluster, this machine)")
     else:
-        cluster = load_shaped_cluster(args, resolve_cluster)
+        cluster = cluster_from_args(args).load(resolve_cluster)
         cost_model = cost_model_for(args.cost_model, cluster.device, is_profile_path(args.model))
     limit = _parse_limit(args.memory_limit)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
@@ -123,9 +122,9 @@ def _calibrated_model(args):
     """(cluster, workload) of ``--profile``: this machine as calibrated, or scaled onto ``--cluster``."""
     from cost_models import load_profile
     from planner.clusters import resolve_cluster
-    from planner.models import calibrated_workload
+    from cost_models.paper_models import calibrated_workload
 
-    from .costs import check_profile_model
+    from cost_models.bind import check_profile_model
     if args.cost_model is not None or args.profile_batch is not None:
         raise ValueError("--profile brings measured costs; drop --cost-model / --profile-batch")
     if args.recompute != "none":
@@ -135,7 +134,7 @@ def _calibrated_model(args):
     if args.cluster is None:
         n = args.devices or int(prof.meta.get("ranks", 2))
         return prof.cluster(n), calibrated_workload(prof)
-    cluster = load_shaped_cluster(args, resolve_cluster)
+    cluster = cluster_from_args(args).load(resolve_cluster)
     return cluster, calibrated_workload(prof, cluster.device)
 
 

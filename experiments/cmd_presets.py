@@ -22,7 +22,7 @@ def _model_lines() -> list[tuple[str, str]]:
         out.append((name, f"{m.kind}, {m.layers} layers, hidden {m.hidden}, {m.heads} heads, seq {m.seq_len}, "
                           f"vocab {m.vocab}, micro-batch {m.micro_batch}, {_count(model_params(m))} parameters"))
     try:   # the planner's layer-cost models (pipetwin plan only)
-        from planner.models import paper_models
+        from cost_models.paper_models import paper_models
         for name in paper_models():
             out.append((name, "DAPPLE paper model (layer costs): pipetwin plan only"))
     except ImportError:

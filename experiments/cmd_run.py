@@ -27,8 +27,9 @@ import sys
 
 from schedules.trace import write_chrome
 
-from .checks import check_run_size, input_file, nonneg_int, output_file, positive_float, positive_int
-from .common import add_schedule_args, check_schedule_args, print_json
+from .checks import input_file, nonneg_int, output_file, positive_float, positive_int
+from .common import print_json
+from .jobs import add_layout_args, check_plan_args, job_from_args, layout_from_args
 from .tables import byte_unit, fmt_bytes, fmt_table
 
 NAME = "run"
@@ -36,7 +37,7 @@ HELP = "train a model with a schedule on torch.distributed (or --reference: in o
 
 
 def add_arguments(p):
-    add_schedule_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
+    add_layout_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
     p.add_argument("--model", default=None,
                    help="model preset name or YAML file (default: tiny), or a model file PATH.py:FUNC / "
                         "package.module:FUNC whose FUNC() returns layers, loss and sample (executor/user_model.py)")
@@ -78,69 +79,70 @@ def add_arguments(p):
 
 
 def _common_options(args) -> dict:
-    out = dict(steps=args.steps, seed=args.seed, lr=args.lr, optimizer=args.optimizer, timeout=args.timeout,
-               data=args.data, device=args.device, recv_lookahead=args.recv_lookahead or None,
-               measure_memory=not args.no_memory, fault=args.inject_fault, dtype=args.dtype, recompute=args.recompute)
-    if args.device_map is not None:
-        out["device_map"] = args.device_map
-    return out
+    """The training options of a run (the RunConfig fields a job does not carry)."""
+    return dict(steps=args.steps, seed=args.seed, lr=args.lr, optimizer=args.optimizer, timeout=args.timeout,
+                data=args.data, device=args.device, recv_lookahead=args.recv_lookahead or None,
+                measure_memory=not args.no_memory, fault=args.inject_fault, dtype=args.dtype)
+
+
+def job_of_run(args):
+    """The job a run's options describe: layout, model (default tiny), micro-batch, partition (the
+    counts given, or ``time``: balanced by ``--profile``'s measured layer times), recompute,
+    device map, eager all-reduce."""
+    from cost_models import is_model_ref, load_model
+    from cost_models.job import check_run_size
+
+    check_plan_args(args)
+    model = args.model or "tiny"
+    layout = layout_from_args(args)
+    if not is_model_ref(model):     # a model file is checked (built) with the schedule: lowered_schedule
+        spec = load_model(model)
+        check_run_size(devices=layout.devices, microbatches=layout.microbatches, replicas=layout.replicas,
+                       chunks=layout.chunks, layers=spec.layers, model_name=spec.name)   # before anything is built
+    return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
+                         partition=run_partition(args, model, layout), recompute=args.recompute,
+                         device_map=args.device_map or "sequential")
 
 
 def config_from_args(args):
-    from cost_models import is_model_ref, load_model
     from executor.config import RunConfig
-    check_schedule_args(args)
-    model = args.model or "tiny"
-    if not is_model_ref(model):     # a model file is checked (built) with the schedule: lowered_schedule
-        spec = load_model(model)
-        check_run_size(devices=args.devices, microbatches=args.microbatches, replicas=args.dp, chunks=args.chunks,
-                       layers=spec.layers, model_name=spec.name)   # before anything is built
-    return RunConfig(schedule=args.schedule, devices=args.devices, microbatches=args.microbatches,
-                     chunks=args.chunks, variant=args.variant, replicas=args.dp, model=model,
-                     eager_allreduce=not args.no_eager, micro_batch=args.micro_batch,
-                     partition=run_partition(args, model), **_common_options(args))
+    return RunConfig.from_job(job_of_run(args), **_common_options(args))
 
 
-def run_partition(args, model: str):
-    """``--partition`` as the executor's partition: layers per stage for a model file, blocks per
-    stage for a GPT (its counts include the embedding and the head); ``time`` from ``--profile``."""
-    from cost_models import blocks_from_layers, is_model_ref, load_model, load_profile
-    from schedules import build
+def run_partition(args, model: str, layout):
+    """``--partition`` in layers per stage of a model copy (a GPT's embedding and head count as
+    layers); ``time`` balanced by the measured layer times of ``--profile`` over the layout's stages."""
+    from cost_models import load_profile
+    from cost_models.bind import check_profile_model, profile_partition
 
-    from .costs import check_profile_model, parse_partition, profile_partition
+    from .jobs import parse_partition
     choice = parse_partition(args.partition)
     if choice is None:
         if args.profile:
             raise ValueError("--profile is read for --partition time; give that too (or drop --profile)")
         return None
-    stages = build(args.schedule, args.devices, args.microbatches, chunks=args.chunks,
-                   **({} if args.variant is None else {"variant": args.variant})).num_stages
-    if choice == "time":
-        if not args.profile:
-            raise ValueError("--partition time balances measured layer times: give --profile FILE.yaml "
-                             "(pipetwin calibrate --model ...)")
-        prof = load_profile(args.profile)
-        check_profile_model(prof, model)
-        counts = profile_partition(prof, choice, stages)
-    else:
-        counts = choice
-    if is_model_ref(model):
-        return tuple(counts)
-    try:
-        return tuple(blocks_from_layers(counts, load_model(model).layers))
-    except ValueError as e:
-        raise ValueError(f"--partition: {e}") from None
+    if choice != "time":
+        return choice
+    if not args.profile:
+        raise ValueError("--partition time balances measured layer times: give --profile FILE.yaml "
+                         "(pipetwin calibrate --model ...)")
+    prof = load_profile(args.profile)
+    check_profile_model(prof, model)
+    return profile_partition(prof, choice, layout.num_stages())
 
 
 def plan_config_from_args(args):
     """``(config, lowered schedule, info)`` for ``--plan`` (:func:`experiments.plan_files.config_from_plan`)."""
     from .plan_files import config_from_plan
-    check_schedule_args(args, also_fixed=("model", "micro_batch", "partition"))
-    return config_from_plan(args.plan, eager=not args.no_eager, **_common_options(args))
+    check_plan_args(args, also_fixed=("model", "micro_batch", "partition"))
+    options = _common_options(args)
+    if args.device_map is not None:
+        options["device_map"] = args.device_map
+    return config_from_plan(args.plan, eager=not args.no_eager, recompute=args.recompute, **options)
 
 
 def main(args) -> int:
-    from executor.config import FaultError
+    from executor.faults import FaultError
 
     try:
         return _main(args)

@@ -1,16 +1,12 @@
 """``pipetwin simulate``: simulate one iteration of a schedule and report its metrics."""
 from __future__ import annotations
 
-from cost_models.comm import links_used
 from schedules.trace import write_chrome
-from sim import run
-
-from schedules.registry import MAX_OPS
+from sim import simulate_job
 
 from .checks import output_file
-from .common import (add_schedule_args, build_lowered, check_schedule_args, human_rows, metrics_record, print_json,
-                     units_note)
-from .costs import add_cost_args, bind_costs, cost_inputs, sim_options
+from .common import human_rows, metrics_record, print_json, units_note
+from .jobs import add_cost_args, add_fault_args, add_layout_args, check_plan_args, job_from_args, load_plan_arg
 from .tables import fmt_table
 
 NAME = "simulate"
@@ -18,51 +14,22 @@ HELP = "simulate one training iteration of a schedule"
 
 
 def add_arguments(p):
-    add_schedule_args(p, plan="simulate a plan written by 'pipetwin plan --out' (replaces -s/-D/-N/--chunks/"
-                              "--dp/--model/--cluster/--micro-batch/--device-map)")
+    add_layout_args(p, plan="simulate a plan written by 'pipetwin plan --out' (replaces -s/-D/-N/--chunks/"
+                             "--dp/--model/--cluster/--micro-batch/--device-map)")
     add_cost_args(p)
+    add_fault_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", type=output_file, help="write the timeline figure")
     p.add_argument("--chrome-trace", metavar="FILE.json", type=output_file, help="write a Chrome/Perfetto trace")
     p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the trace as CSV")
 
 
-def run_one(name: str, args, inputs=None, *, crossed: list | None = None, trace: bool = True):
-    """Simulate schedule ``name`` as the options say: ``(lowered, sim.SimResult, report fields)``, the
-    per-op trace kept only with ``trace``. ``inputs``: the loaded cost options
-    (:func:`experiments.costs.cost_inputs`; loaded here when None). With ``crossed`` (a list) the
-    ``--slow-link`` links are not required to be crossed; the set of links this run crosses is
-    appended to it instead."""
-    check_links = crossed is None
-    if getattr(args, "plan", None):
-        given = [f for f, v in (("--unit-costs", args.unit_costs), ("--profile", args.profile),
-                                ("--model", args.model), ("--cluster", args.cluster),
-                                ("--micro-batch", args.micro_batch),
-                                ("--partition", getattr(args, "partition", None))) if v]
-        if given:
-            raise ValueError(f"--plan brings its own model, cluster and costs; drop {', '.join(given)}")
-        from .plan_files import simulation_from_plan
-        low, costs, network, extra = simulation_from_plan(args.plan, eager=not args.no_eager)
-        opts = sim_options(args, low, network, check_links=check_links)
-        _note_links(crossed, low, network)
-        return low, run(low, costs, network, opts, trace=trace, max_ops=MAX_OPS), extra
-    inputs = inputs or cost_inputs(args)
-    low = build_lowered(name, args, **inputs.limits())
-    costs, network, extra = bind_costs(args, inputs, low)
-    opts = sim_options(args, low, network, extra.get("host"), check_links=check_links)
-    _note_links(crossed, low, network)
-    return low, run(low, costs, network, opts, trace=trace, max_ops=MAX_OPS), extra
-
-
-def _note_links(crossed, low, network) -> None:
-    if crossed is not None:
-        crossed.append(links_used(low, network) if network is not None and hasattr(network, "links") else set())
-
-
 def main(args) -> int:
-    check_schedule_args(args)
+    check_plan_args(args)
+    job = job_from_args(args, plan=load_plan_arg(args))
     want_trace = bool(args.plot or args.chrome_trace or args.trace)
-    low, res, extra = run_one(args.schedule, args, trace=want_trace)
+    bound, res = simulate_job(job, trace=want_trace)
+    extra = bound.report
     rec = metrics_record(res, **extra)
     trace = res.trace() if want_trace else None
     if args.plot:

@@ -1,16 +1,30 @@
 """``pipetwin validate``: executor vs simulator, schedule by schedule, with a calibrated profile.
 
-The measured side is the noise-free step of every schedule (:mod:`executor.sitting`: interleaved
+The measured side is the noise-free step of every schedule (:mod:`calibration.sitting`: interleaved
 rounds of runs, ranks pinned to cores, runs disturbed by other processes left out, the
 run-to-run spread checked); a sitting whose runs do not settle is refused with its reason
 ("host busy: ...") and no error figure (exit status 3).
+
+``--report DIR`` keeps a dated record of the sitting, ``DIR/validate-YYYY-MM-DD-HHMM.md`` (the
+local time of its start): the command with every option as used, the host (platform, cores, load
+at the start and at the end), the profile, the tables and figures validate prints, the sitting
+line and, where the sitting was refused, why (:func:`render_report`). Sittings are logged there;
+the folder is checked before anything runs.
 """
 from __future__ import annotations
 
+import os
+import platform
+import shlex
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checks import check_run_size, float_in, input_file, int_in, nonneg_int, output_file, positive_int
+from cost_models.job import check_run_size
+
+from .checks import float_in, input_file, int_in, nonneg_int, output_dir, output_file, positive_int
 from .common import parse_schedules, print_json
+from .jobs import job_from_args, layout_from_args
 from .tables import byte_unit, fmt_table
 
 NAME = "validate"
@@ -48,9 +62,15 @@ def add_arguments(p):
     p.add_argument("--plot", default="out/validate.png", type=output_file,
                    help="overlay figure (default out/validate.png)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--report", metavar="DIR", type=output_dir, default=None,
+                   help="write a dated markdown record of the sitting into DIR (validate-YYYY-MM-DD-HHMM.md)")
 
 
 REFUSED = 3   # exit status of a sitting refused for a busy host (not a user error: try again later)
+TIME_COLS = ("schedule", "measured_ms", "simulated_ms", "error", "spread", "runs", "host_speed")
+FITTED_NOTE = "* the profile's runtime was fitted on these runs (in-sample); the others are predictions"
+NO_FIGURE = ("no time or error figure from this sitting (pass --max-runs to wait longer, or run it when the host is "
+             "quiet)")
 
 
 def _say(msg: str) -> None:
@@ -59,18 +79,15 @@ def _say(msg: str) -> None:
 
 
 def main(args) -> int:
-    import time
-
-    from calibration import sitting_problems
+    from calibration import SittingRules, calibrate_and_compare, refusals, run_and_compare, sitting_problems
     from cost_models import is_model_ref, load_model, load_profile, save_profile
     from cost_models.files import check_output_path
-    from executor.sitting import SittingRules
     from schedules import ScheduleError, build
 
-    from .costs import check_profile_model
-    from .crossval import calibrate_and_compare, plot_overlay, refusals, run_and_compare
+    from cost_models.bind import check_profile_model
 
     t_start = time.perf_counter()
+    record = SittingRecord(started=time.time(), command=command_line(args), host=host_facts(), load_start=_load())
     D, R = args.devices, args.dp
     N = args.microbatches or 2 * D
     if args.steps <= args.warmup:
@@ -118,34 +135,84 @@ def main(args) -> int:
         names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
+    base = job_from_args(args, layout=layout_from_args(args, schedule=names[0], microbatches=N), model=model,
+                         micro_batch=args.micro_batch)
+    jobs = [base.with_layout(schedule=n) for n in names]
     progress = lambda m: _say(f"  {m}")   # noqa: E731
+    record.setting, record.skipped = f"D={D} N={N} R={R}, model {model}", skipped
     if prof is not None:
+        record.profile, record.profile_file = prof, args.profile
         busy = [f"calibration {p}" for p in sitting_problems(prof)]
         if busy:   # a profile from a busy sitting predicts another host: nothing to compare it with
-            return _refuse(busy, [], args, skipped, time.perf_counter() - t_start)
+            record.reasons, record.seconds = busy, time.perf_counter() - t_start
+            return _refuse(record, args)
         _say(f"running {len(names)} schedules in rounds until {args.repeats} quiet runs of each agree "
              f"(at most {args.max_runs}) ...")
-        comps = run_and_compare(names, D, N, R, prof, steps=args.steps, model=model, chunks=args.chunks,
-                                rules=rules, progress=progress)
+        comps = run_and_compare(jobs, prof, steps=args.steps, rules=rules, progress=progress)
         reasons = refusals(comps, prof, max_drift=args.max_drift)
     else:
         _say(f"calibrating and running {len(names)} schedules in one sitting, in rounds until {args.repeats} quiet "
              f"runs of each agree (at most {args.max_runs}; pass --profile FILE to use an earlier calibration) ...")
-        prof, comps = calibrate_and_compare(names, D, N, R, model=model, steps=args.steps, chunks=args.chunks,
-                                            rules=rules, progress=progress, micro_batch=args.micro_batch,
+        prof, comps = calibrate_and_compare(jobs, steps=args.steps, rules=rules, progress=progress,
                                             dtype=args.dtype or "fp32")
         saved = save_profile(prof, profile_out)
         _say(f"wrote the profile to {saved} (reuse it: --profile {saved})")
         reasons = refusals(comps, prof, max_drift=None)
+        record.profile, record.profile_file, record.calibrated_now = prof, str(saved), True
     seconds = time.perf_counter() - t_start
+    record.comps, record.reasons, record.seconds = comps, reasons, seconds
+    record.measured = _measured_line(comps, args, rules)
     if reasons:
-        return _refuse(reasons, comps, args, skipped, seconds)
+        return _refuse(record, args)
     if args.plot:
+        from .plots import plot_overlay
         plot_overlay(comps, args.plot)
+        record.figure = args.plot
     if args.json:
         print_json({"schedules": [c.record() for c in comps], "skipped": skipped, "refused": [],
                     "seconds": seconds})
+        if args.report:
+            _say(f"wrote report: {write_report(record, args.report)}")
         return 0
+    rows, fmts, unit = _rows(comps)
+    print(_header(record))
+    print(record.measured)
+    print("iteration time, measured vs simulated:")
+    print(fmt_table(rows, TIME_COLS, fmts))
+    if any(c.fitted for c in comps):
+        print(FITTED_NOTE)
+    print("bubbles, peak activation memory and op order:")
+    print(fmt_table(rows, _mem_cols(unit), fmts))
+    for line in _figures(comps):
+        print(line)
+    print(_sitting_line(comps))
+    for n, why in skipped.items():
+        print(f"skipped {n}: {why}")
+    if args.plot:
+        print(f"wrote figure: {args.plot}")
+    if args.report:
+        print(f"wrote report: {write_report(record, args.report)}")
+    print(f"validate took {seconds:.0f} s")
+    return 0
+
+
+def _header(record: "SittingRecord") -> str:
+    return (f"{record.setting} ({record.profile.precision}), profile {record.profile.name}"
+            + (" (calibrated in this sitting)" if record.calibrated_now else ""))
+
+
+def _measured_line(comps, args, rules) -> str:
+    """How the measured side was taken."""
+    if all(c.state_steps for c in comps):
+        return (f"measured: median of each schedule's steps in the host's fast state, over {args.repeats}+ quiet "
+                f"runs with {rules.state_steps}+ such steps, {args.steps} steps each, first {args.warmup} dropped")
+    return (f"measured: median over {args.repeats}+ quiet runs per schedule of each run's noise-free step (the "
+            f"median of its fast steps), {args.steps} steps each, first {args.warmup} dropped")
+
+
+def _rows(comps) -> tuple[list[dict], dict, str]:
+    """The rows of validate's two tables (one per schedule; ``*``: its runs were fitted on), their
+    formats, and the byte unit of the memory columns."""
     unit, div = byte_unit([max(c.measured_peak_activation_bytes) for c in comps])
     rows = [{"schedule": c.schedule + ("*" if c.fitted else ""), "measured_ms": c.measured_iteration_time * 1e3,
              "simulated_ms": c.simulated_iteration_time * 1e3, "error": c.error, "spread": c.spread,
@@ -158,37 +225,27 @@ def main(args) -> int:
     fmts = {"measured_ms": "{:.2f}", "simulated_ms": "{:.2f}", "error": "{:+.1%}", "spread": "{:.1%}",
             "host_speed": "{:.2f}", "bubble_meas": "{:.3f}", "bubble_sim": "{:.3f}",
             f"peak_act_meas_{unit}": "{:.4g}", f"peak_act_sim_{unit}": "{:.4g}", "mem_err": "{:.2%}"}
-    print(f"D={D} N={N} R={R}, model {model} ({prof.precision}), profile {prof.name}"
-          + ("" if args.profile else " (calibrated in this sitting)"))
-    if all(c.state_steps for c in comps):
-        print(f"measured: median of each schedule's steps in the host's fast state, over {args.repeats}+ quiet runs "
-              f"with {rules.state_steps}+ such steps, {args.steps} steps each, first {args.warmup} dropped")
-    else:
-        print(f"measured: median over {args.repeats}+ quiet runs per schedule of each run's noise-free step (the "
-              f"median of its fast steps), {args.steps} steps each, first {args.warmup} dropped")
-    print("iteration time, measured vs simulated:")
-    print(fmt_table(rows, ["schedule", "measured_ms", "simulated_ms", "error", "spread", "runs", "host_speed"], fmts))
-    if any(c.fitted for c in comps):
-        print("* the profile's runtime was fitted on these runs (in-sample); the others are predictions")
-    print("bubbles, peak activation memory and op order:")
-    print(fmt_table(rows, ["schedule", "bubble_meas", "bubble_sim", f"peak_act_meas_{unit}",
-                           f"peak_act_sim_{unit}", "mem_err", "order_identical"], fmts))
+    return rows, fmts, unit
+
+
+def _mem_cols(unit: str) -> list[str]:
+    return ["schedule", "bubble_meas", "bubble_sim", f"peak_act_meas_{unit}", f"peak_act_sim_{unit}", "mem_err",
+            "order_identical"]
+
+
+def _figures(comps) -> list[str]:
+    """|error| (median and max; of the predictions alone too, where some runs were fitted on) and
+    the run-to-run spread."""
     errs = sorted(abs(c.error) for c in comps)
     out_errs = sorted(abs(c.error) for c in comps if not c.fitted)
     spreads = sorted(c.spread for c in comps if c.spread is not None)
-    print(f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}"
-          + (f" (predictions only: median {out_errs[len(out_errs) // 2]:.1%}, max {out_errs[-1]:.1%})"
-             if out_errs and len(out_errs) < len(errs) else ""))
+    out = [f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%}"
+           + (f" (predictions only: median {out_errs[len(out_errs) // 2]:.1%}, max {out_errs[-1]:.1%})"
+              if out_errs and len(out_errs) < len(errs) else "")]
     if spreads:
-        print(f"run-to-run spread (the host's own noise): median {spreads[len(spreads) // 2]:.1%}, "
-              f"max {spreads[-1]:.1%}")
-    print(_sitting_line(comps))
-    for n, why in skipped.items():
-        print(f"skipped {n}: {why}")
-    if args.plot:
-        print(f"wrote figure: {args.plot}")
-    print(f"validate took {seconds:.0f} s")
-    return 0
+        out.append(f"run-to-run spread (the host's own noise): median {spreads[len(spreads) // 2]:.1%}, "
+                   f"max {spreads[-1]:.1%}")
+    return out
 
 
 def _sitting_line(comps) -> str:
@@ -205,9 +262,17 @@ def _sitting_line(comps) -> str:
             + (f", host speed {min(speeds):.2f}-{max(speeds):.2f} of calibration's" if speeds else "") + fast)
 
 
-def _refuse(reasons: list[str], comps, args, skipped, seconds: float) -> int:
+def _timing_free(comps) -> str:
+    exact = sum(1 for c in comps if c.memory_error == 0.0)
+    same = sum(1 for c in comps if c.order_identical)
+    return (f"timing-free checks: peak activation bytes exact in {exact} of {len(comps)} schedules, op order "
+            f"identical in {same} of {len(comps)}")
+
+
+def _refuse(record: "SittingRecord", args) -> int:
     """Say why no error figure comes from this sitting; what does not depend on timing (peak
     activation bytes, op order) is still reported."""
+    reasons, comps = record.reasons, record.comps
     if args.json:
         recs = []
         for c in comps:
@@ -215,18 +280,133 @@ def _refuse(reasons: list[str], comps, args, skipped, seconds: float) -> int:
             for k in ("error", "measured_iteration_time"):
                 r.pop(k)
             recs.append(r)
-        print_json({"schedules": recs, "skipped": skipped, "refused": reasons, "seconds": seconds})
+        print_json({"schedules": recs, "skipped": record.skipped, "refused": reasons, "seconds": record.seconds})
+        if args.report:
+            _say(f"wrote report: {write_report(record, args.report)}")
         return REFUSED
     print("refused: host busy: " + reasons[0])
     for r in reasons[1:]:
         print("         host busy: " + r)
-    print("no time or error figure from this sitting (pass --max-runs to wait longer, or run it when the host is "
-          "quiet)")
+    print(NO_FIGURE)
     if comps:
-        exact = sum(1 for c in comps if c.memory_error == 0.0)
-        same = sum(1 for c in comps if c.order_identical)
-        print(f"timing-free checks: peak activation bytes exact in {exact} of {len(comps)} schedules, op order "
-              f"identical in {same} of {len(comps)}")
+        print(_timing_free(comps))
         print(_sitting_line(comps))
-    print(f"validate took {seconds:.0f} s")
+    if args.report:
+        print(f"wrote report: {write_report(record, args.report)}")
+    print(f"validate took {record.seconds:.0f} s")
     return REFUSED
+
+
+# ---------------------------------------------------------------------------------- --report DIR
+@dataclass(kw_only=True)
+class SittingRecord:
+    """One sitting of validate, as ``--report`` records it (filled in as the sitting goes)."""
+
+    started: float                  # time.time() at the start
+    command: str                    # the command, every option as used (:func:`command_line`)
+    host: dict                      # platform, node, cores (:func:`host_facts`)
+    load_start: tuple | None        # the load average (1, 5, 15 min) at the start
+    load_end: tuple | None = None   # ... and at the end (set when the report is written)
+    setting: str = ""               # D, N, R and the model
+    profile: object = None          # the calibration profile compared with (None: refused before)
+    profile_file: str | None = None  # --profile, or where this sitting's calibration was written
+    calibrated_now: bool = False
+    comps: list = field(default_factory=list)        # calibration.compare.Comparison per schedule
+    reasons: list[str] = field(default_factory=list)  # why no error figure (empty: compared)
+    skipped: dict = field(default_factory=dict)      # schedule -> why it was not run
+    measured: str | None = None     # how the measured side was taken
+    figure: str | None = None       # the overlay figure written
+    seconds: float = 0.0
+
+
+def command_line(args) -> str:
+    """``pipetwin validate`` with every option as used (each option's flag is ``--`` and its
+    name): the command that repeats the sitting."""
+    words = ["pipetwin", "validate"]
+    for name, value in vars(args).items():
+        if name.startswith("_") or name == "command" or value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        words += [flag] if value is True else [flag, str(value)]
+    return shlex.join(words)
+
+
+def host_facts() -> dict:
+    return {"platform": platform.platform(), "node": platform.node() or "?", "cores": os.cpu_count() or 1}
+
+
+def _load() -> tuple | None:
+    try:
+        return tuple(round(x, 2) for x in os.getloadavg())
+    except OSError:
+        return None
+
+
+def _md_line(text: str) -> str:
+    """A line of validate's output as markdown text (a leading ``|`` or ``*`` would start a table or
+    a list)."""
+    return "\\" + text if text[:1] in "|*" else text
+
+
+def render_report(record: SittingRecord) -> str:
+    """The markdown record of a sitting: what was run where, with which profile, and what came out
+    (validate's tables as markdown tables, its figures, the sitting line, or why it was refused)."""
+    when = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime(record.started))
+    h = record.host
+
+    def load(x):
+        return " / ".join(f"{v:.2f}" for v in x) if x else "unknown"
+
+    out = [f"# pipetwin validate, {when}", "",
+           f"- command: `{record.command}`",
+           f"- host: {h['node']} ({h['platform']}), {h['cores']} cores; load average (1 / 5 / 15 min) "
+           f"{load(record.load_start)} at the start, {load(record.load_end)} at the end",
+           f"- setting: {record.setting}"]
+    prof = record.profile
+    if prof is not None:
+        meta = prof.meta or {}
+        where = ("calibrated in this sitting" if record.calibrated_now else
+                 f"calibrated {meta.get('date', 'at an unknown time')} on {meta.get('host', 'an unknown host')}")
+        out.append(f"- profile: {prof.name} ({prof.precision}, {prof.cores or '?'} cores, "
+                   + (f"{prof.time_slice * 1e3:g} ms time slice" if prof.time_slice else "no time slice")
+                   + f"), {where}" + (f"; file `{record.profile_file}`" if record.profile_file else ""))
+    out.append(f"- result: {'refused (exit status 3)' if record.reasons else 'compared'}, "
+               f"{len(record.comps)} schedules in {record.seconds:.0f} s")
+    out += [f"- skipped {n}: {why}" for n, why in record.skipped.items()]
+    comps = record.comps
+    if record.reasons:
+        out += ["", "## Refused", ""] + [f"- host busy: {r}" for r in record.reasons] + ["", NO_FIGURE]
+    if comps:
+        rows, fmts, unit = _rows(comps)
+        if not record.reasons:
+            out += ["", "## Iteration time, measured vs simulated", ""]
+            out += ([_md_line(record.measured), ""] if record.measured else [])
+            out += [fmt_table(rows, TIME_COLS, fmts, markdown=True)]
+            if any(c.fitted for c in comps):
+                out += ["", _md_line(FITTED_NOTE)]
+            out += ["", "## Bubbles, peak activation memory and op order", "",
+                    fmt_table(rows, _mem_cols(unit), fmts, markdown=True),
+                    "", "## Error and run-to-run spread", ""] + [f"- {x}" for x in _figures(comps)]
+        else:   # what does not depend on timing
+            out += ["", "## Peak activation memory and op order", "",
+                    fmt_table(rows, ["schedule"] + _mem_cols(unit)[3:], fmts, markdown=True),
+                    "", _timing_free(comps)]
+        out += ["", _sitting_line(comps)]
+    if record.figure:
+        out += ["", f"Overlay figure: `{record.figure}`"]
+    return "\n".join(out) + "\n"
+
+
+def write_report(record: SittingRecord, folder) -> Path:
+    """Write :func:`render_report` to ``folder/validate-YYYY-MM-DD-HHMM.md`` (the local time of the
+    sitting's start; ``-2``, ``-3`` ... after it when a sitting of the same minute is there) and
+    return the path. The load at the end is taken now."""
+    from cost_models.files import prepare_output
+    record.load_end = _load()
+    stem = "validate-" + time.strftime("%Y-%m-%d-%H%M", time.localtime(record.started))
+    path, k = Path(folder) / f"{stem}.md", 1
+    while path.exists():
+        k += 1
+        path = Path(folder) / f"{stem}-{k}.md"
+    prepare_output(path, "report").write_text(render_report(record))
+    return path

@@ -1,4 +1,4 @@
-"""The one short script for a machine with a GPU: what issues 12 and 15 ask to measure there.
+"""The one short script for a machine with a GPU: the kernel model and the executor checked on it.
 
 Run: ``python -m experiments.gpu_check`` (defaults: ``--device cuda --model gpt3-1.3b --gpu h200
 --dtype bf16 --micro-batches 1,2,4,8,16``; ``make gpu-check``). It prints each part as it goes and

@@ -1,7 +1,7 @@
-"""Planner plan files in the commands: ``pipetwin simulate --plan`` and ``pipetwin run --plan``.
+"""Planner plan files in ``pipetwin run --plan``.
 
-A plan file (:mod:`planner.plan_io`) holds a plan, the model's workload and the cluster. Here it
-becomes what the engines take: the simulator's (lowered schedule, costs, placed cluster), and the
+A plan file (:mod:`planner.plan_io`) holds a plan, the model's workload and the cluster. The
+simulator takes it as a job's plan (:meth:`planner.plan_io.LoadedPlan.bind`); here it becomes the
 executor's :class:`executor.config.RunConfig` with the lowered schedule to run.
 """
 from __future__ import annotations
@@ -15,15 +15,6 @@ from schedules import Schedule
 # the fields of a run a plan fixes (its schedule, layout and model)
 PLAN_FIXES = ("schedule", "devices", "microbatches", "replicas", "model", "micro_batch", "partition",
               "eager_allreduce")
-
-
-def simulation_from_plan(path, *, eager: bool = True):
-    """``(lowered, costs, placed cluster, report fields)`` of a plan file for :func:`sim.simulate`."""
-    lp = load_plan(path)
-    bt = lp.build(eager=eager)
-    extra = dict(bt.extra)
-    extra["plan_file"] = str(path)
-    return bt.lowered, bt.costs, bt.network, extra
 
 
 def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfig, Schedule, dict]:

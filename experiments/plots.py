@@ -16,6 +16,8 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from schedules.trace import step_metrics  # noqa: E402
 
+DPI = 110      # the resolution of pipetwin's figures (save_figure)
+
 KIND_STYLE = {"F": dict(alpha=0.45), "B": dict(alpha=1.0), "W": dict(alpha=0.75, hatch="..")}
 
 
@@ -72,8 +74,7 @@ def plot_timeline(trace, path, *, title=None):
     fig, ax = plt.subplots(figsize=(12, 0.45 * devices + 1.4))
     draw_timeline(ax, trace, title=title)
     add_legend(ax)
-    fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_stacked(traces: dict, path, *, sharex=True):
@@ -85,15 +86,18 @@ def plot_stacked(traces: dict, path, *, sharex=True):
     for ax, (name, t) in zip(axes[:, 0], traces.items()):
         draw_timeline(ax, t, title=name, label_ops=t.attrs.get("microbatches", 0) <= 16)
     add_legend(axes[0, 0])
-    fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def plot_overlay(panels, path) -> None:
+def plot_overlay(comps, path) -> None:
     """Measured (filled, the op styles of :func:`draw_timeline`, micro-batch numbers on the ops)
     under simulated (black outlines) timelines, one panel per schedule, all on one x axis from 0.
-    ``panels``: (title, measured trace, simulated trace) per schedule, each trace one step."""
+    ``comps``: :class:`calibration.compare.Comparison` per schedule (its measured and simulated
+    traces hold the one step compared), titled with both iteration times and the error."""
     from matplotlib.lines import Line2D
+    panels = [(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms vs simulated "
+               f"{c.simulated_iteration_time * 1e3:.1f} ms, error {c.error:+.1%}", c.measured_trace,
+               c.simulated_trace) for c in comps]
     n = len(panels)
     heights = [0.9 + 0.45 * m["device"].nunique() for _, m, _ in panels]
     fig, axes = plt.subplots(n, 1, figsize=(12, sum(heights) + 1.0), sharex=True, squeeze=False,
@@ -124,8 +128,7 @@ def plot_overlay(panels, path) -> None:
     axes[-1, 0].set_xlabel("seconds since the step's first op", fontsize=8)
     outline = Line2D([], [], color="black", linewidth=1.0, label="simulated (outline)")
     add_legend(axes[0, 0], extra=[Patch(facecolor="tab:blue", alpha=0.9, label="measured (filled)"), outline])
-    fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 # one style per series: coinciding lines (gpipe = dapple in bubble plots) stay visible
@@ -142,7 +145,10 @@ def series_style(i: int) -> dict:
                 markeredgewidth=1.4 if hollow else 1.0, linewidth=1.2)
 
 
-def _save(fig, path):
+def save_figure(fig, path) -> None:
+    """Finish a figure the one way every figure here is finished: tight layout (nothing clipped or
+    overlapping), written at :data:`DPI` (its folder made), closed (pyplot keeps open figures alive)."""
+    fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)

@@ -1,10 +1,10 @@
 """Parameter sweeps: a grid of simulations, run on local worker processes or a Ray cluster.
 
 A grid is the product of schedules x devices x micro-batches x data-parallel replicas x
-micro-batch sizes (:class:`Grid`); every point is simulated exactly as ``pipetwin simulate
---json`` would (:func:`run_point` builds the same options and calls the same code:
-:func:`experiments.cmd_simulate.run_one` and :func:`experiments.common.metrics_record`, model
-and cluster resolved the same way), so a point's record *is* that JSON object.
+micro-batch sizes (:class:`Grid`) laid over one job (the options the grid does not vary); each
+point is a :class:`cost_models.job.Job` of its own (:meth:`Grid.jobs`), simulated exactly as
+``pipetwin simulate --json`` simulates it (:func:`sim.simulate_job` and
+:func:`experiments.common.metrics_record`), so a point's record *is* that JSON object.
 
 Results go to ``DIR/sweep.csv`` (one row per point: :data:`COLUMNS`) and ``DIR/sweep.jsonl``
 (the full record of each point). A point that cannot run (a schedule's requirement, a cluster too
@@ -15,65 +15,42 @@ and ``pareto.png`` (peak memory against iteration time, the Pareto front marked)
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import itertools
 import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from cost_models.job import Job
 
 COLUMNS = ["schedule", "devices", "microbatches", "dp", "micro_batch", "iteration_time", "throughput",
            "bubble_ratio", "peak_memory", "out_of_memory", "error"]
 KEY = ("schedule", "devices", "microbatches", "dp", "micro_batch")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Point:
-    schedule: str
-    devices: int
-    microbatches: int
-    dp: int
-    micro_batch: int | None       # None: the model's own (or unit costs)
-
-    def key(self) -> tuple[str, ...]:
-        return (self.schedule, str(self.devices), str(self.microbatches), str(self.dp),
-                "" if self.micro_batch is None else str(self.micro_batch))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Common:
-    """What every point shares: the options of ``simulate`` that the grid does not vary."""
-
-    model: str
-    cluster: str
-    nodes: int | None = None
-    fabric: str | None = None
-    oversubscription: float | None = None
-    nodes_per_leaf: int | None = None
-    unit_costs: bool = False
-    profile: str | None = None
-    device_map: str = "sequential"
-    recompute: str = "none"
-    chunks: int = 2
-    no_eager: bool = False
-    exact: bool = False
-    cost_model: str | None = None
-    profile_batch: int | None = None
+def point_key(job: Job) -> tuple[str, ...]:
+    """The CSV's key of a point (the grid's axes, as text)."""
+    lay = job.layout
+    return (lay.schedule, str(lay.devices), str(lay.microbatches), str(lay.replicas),
+            "" if job.micro_batch is None else str(job.micro_batch))
 
 
 @dataclass(frozen=True, kw_only=True)
 class Grid:
+    """The axes of a sweep; ``micro_batch`` None: the model's own (or unit costs)."""
+
     schedules: tuple[str, ...]
     devices: tuple[int, ...]
     microbatches: tuple[int, ...]
     dp: tuple[int, ...]
     micro_batch: tuple[int | None, ...] = (None,)
 
-    def points(self) -> list[Point]:
-        return [Point(schedule=s, devices=d, microbatches=n, dp=r, micro_batch=b)
+    def jobs(self, base: Job) -> list[Job]:
+        """One job per point: ``base`` with the point's layout and micro-batch size."""
+        return [replace(base.with_layout(schedule=s, devices=d, microbatches=n, replicas=r), micro_batch=b)
                 for s, d, n, r, b in itertools.product(self.schedules, self.devices, self.microbatches, self.dp,
                                                        self.micro_batch)]
 
@@ -86,47 +63,27 @@ def parse_ints(text: str, option: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(p) for p in parts))
 
 
-def _namespace(point: Point, common: Common) -> argparse.Namespace:
-    """The options ``pipetwin simulate`` would parse for this point (the model and cluster options
-    only where the cost source is the model x cluster formulas, as simulate requires; a model file
-    ``PATH.py:FUNC`` also beside its ``--profile``, which checks that they match)."""
-    formulas = not (common.unit_costs or common.profile)
-    pick = lambda v: v if formulas else None  # noqa: E731
-    from cost_models import is_model_ref
-    model = common.model if formulas or (common.profile and is_model_ref(common.model)) else None
-    return argparse.Namespace(
-        schedule=point.schedule, devices=point.devices, microbatches=point.microbatches, dp=point.dp,
-        micro_batch=point.micro_batch, chunks=common.chunks, variant=None, no_eager=common.no_eager, plan=None,
-        unit_costs=common.unit_costs, model=model, cluster=pick(common.cluster), profile=common.profile,
-        nodes=pick(common.nodes), fabric=pick(common.fabric), oversubscription=pick(common.oversubscription),
-        nodes_per_leaf=pick(common.nodes_per_leaf), cost_model=pick(common.cost_model),
-        profile_batch=pick(common.profile_batch), device_map=common.device_map, recompute=common.recompute,
-        slowdown=[], slow_link=[], jitter=0.0, seed=0, exact=common.exact)
-
-
-def run_point(point: Point, common: Common) -> dict:
+def run_point(job: Job) -> dict:
     """Simulate one point: ``{"row": CSV row, "record": simulate --json object or None}``. A point
     that cannot run is a row with its ``error`` (never an exception)."""
-    from .cmd_simulate import run_one
+    from sim import simulate_job
+
     from .common import metrics_record
-    row = dict(zip(KEY, point.key()))
+    row = dict(zip(KEY, point_key(job)))
     try:
-        _, res, extra = run_one(point.schedule, _namespace(point, common), trace=False)
-        rec = metrics_record(res, **extra)
+        bound, res = simulate_job(job)
+        rec = metrics_record(res, **bound.report)
     except (ValueError, FileNotFoundError) as e:       # what `pipetwin simulate` reports as a user error
         row.update(iteration_time="", throughput="", bubble_ratio="", peak_memory="", out_of_memory="",
                    error=str(e).splitlines()[0] if str(e) else type(e).__name__)
         return {"row": row, "record": None}
     b = rec.get("micro_batch")
-    samples = point.microbatches * point.dp * (b if b else 1)
+    lay = job.layout
+    samples = lay.microbatches * lay.replicas * (b if b else 1)
     row.update(iteration_time=rec["iteration_time"], throughput=samples / rec["iteration_time"],
                bubble_ratio=rec["bubble_ratio"], peak_memory=max(p["peak_memory"] for p in rec["per_device"]),
                out_of_memory=rec.get("out_of_memory", ""), error="")
     return {"row": row, "record": rec}
-
-
-def _run_point_packed(args) -> dict:
-    return run_point(*args)
 
 
 # ---------------------------------------------------------------------- the CSV
@@ -165,21 +122,21 @@ class _Writer:
 
 
 # ---------------------------------------------------------------------- running
-def _local(todo, common, workers, on_done):
+def _local(todo, workers, on_done):
     if workers == 1:
-        for p in todo:
-            on_done(run_point(p, common))
+        for job in todo:
+            on_done(run_point(job))
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     ctx = multiprocessing.get_context("spawn")      # no inherited threads or locks
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futs = [pool.submit(_run_point_packed, (p, common)) for p in todo]
+        futs = [pool.submit(run_point, job) for job in todo]
         for f in as_completed(futs):
             on_done(f.result())
 
 
-def _ray(todo, common, address, on_done):
+def _ray(todo, address, on_done):
     try:
         import ray
     except ImportError:
@@ -189,8 +146,8 @@ def _ray(todo, common, address, on_done):
         ray.init(address=None if address in (None, "", "local") else address, ignore_reinit_error=True,
                  log_to_driver=False, include_dashboard=False)
     try:
-        remote = ray.remote(_run_point_packed)
-        pending = [remote.remote((p, common)) for p in todo]
+        remote = ray.remote(run_point)
+        pending = [remote.remote(job) for job in todo]
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             on_done(ray.get(ready[0]))
@@ -199,15 +156,16 @@ def _ray(todo, common, address, on_done):
             ray.shutdown()
 
 
-def run_sweep(grid: Grid, common: Common, out, *, workers: int | None = None, ray_address: str | None = None,
+def run_sweep(grid: Grid, base: Job, out, *, workers: int | None = None, ray_address: str | None = None,
               use_ray: bool = False, progress: bool = False, figures: bool = True) -> list[dict]:
-    """Run every point of ``grid`` not yet in ``out/sweep.csv``; return every point's row as the CSV
-    holds it (text), in grid order."""
+    """Run every point of ``grid`` over job ``base`` not yet in ``out/sweep.csv``; return every
+    point's row as the CSV holds it (text), in grid order."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     done = read_done(out / "sweep.csv")
-    points = grid.points()
-    todo = [p for p in points if p.key() not in done]
+    points = grid.jobs(base)
+    keys = [point_key(j) for j in points]
+    todo = [j for j, k in zip(points, keys) if k not in done]
     from tqdm import tqdm
     bar = tqdm(total=len(points), initial=len(points) - len(todo), desc="sweep", unit="point", file=sys.stderr,
                disable=not progress)
@@ -222,20 +180,20 @@ def run_sweep(grid: Grid, common: Common, out, *, workers: int | None = None, ra
 
     try:
         if use_ray:
-            _ray(todo, common, ray_address, on_done)
+            _ray(todo, ray_address, on_done)
         else:
-            _local(todo, common, workers or os.cpu_count() or 1, on_done)
+            _local(todo, workers or os.cpu_count() or 1, on_done)
     finally:
         writer.close()
         bar.close()
     rows = []
-    for p in points:
-        r = fresh.get(p.key()) or done.get(p.key())
+    for k in keys:
+        r = fresh.get(k) or done.get(k)
         if r is not None:
-            rows.append({k: r[k] for k in COLUMNS})
+            rows.append({c: r[c] for c in COLUMNS})
     _rewrite(out, rows)
     done = read_done(out / "sweep.csv")         # as the CSV holds them (text), in grid order
-    rows = [done[p.key()] for p in points if p.key() in done]
+    rows = [done[k] for k in keys if k in done]
     if figures:
         plot_sweep(rows, out)
     return rows
@@ -271,9 +229,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def plot_sweep(rows: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plots import plt, save_figure
     ok = [r for r in rows if not r["error"] and _num(r["throughput"]) is not None]
     label = lambda r: (f"{r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}"  # noqa: E731
                        + (f" b={r['micro_batch']}" if r["micro_batch"] else ""))
@@ -285,9 +241,7 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("throughput (samples per time unit; red: out of memory)")
     ax.set_title(f"sweep: {len(ok)} of {len(rows)} points ran")
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "throughput.png")
     pts = [(float(r["iteration_time"]), float(r["peak_memory"])) for r in ok]
     fig, ax = plt.subplots(figsize=(7, 5))
     if pts:
@@ -302,10 +256,7 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
     ax.set_xlabel("iteration time")
     ax.set_ylabel("peak memory per device (bytes; Ma with unit costs)")
     ax.set_title("memory vs time")
-    fig.tight_layout()
-    fig.savefig(out / "pareto.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "pareto.png")
 
 
-__all__ = ["COLUMNS", "Common", "Grid", "Point", "run_point", "run_sweep", "read_done", "pareto_front",
-           "parse_ints"]
+__all__ = ["COLUMNS", "Grid", "point_key", "run_point", "run_sweep", "read_done", "pareto_front", "parse_ints"]

@@ -5,15 +5,16 @@ memory: the number of stages, a contiguous partition of the layers, the replicas
 (data parallelism inside a stage), where every replica sits (fresh-first / append-first /
 scatter-first), the micro-batch count and the schedule.
 
-* :mod:`planner.workload` / :mod:`planner.models`: per-layer, per-sample costs (transformers from
-  cost_models, the DAPPLE paper's CNN/RNN models defined here, measured profiles in PipeDream's graph
-  format: :mod:`planner.profiles`); with the kernel cost model the per-sample times depend on the
-  micro-batch (:mod:`planner.model_kernels`), which makes the micro-batch count a real choice;
+* what it plans for is a :class:`cost_models.workload.Workload` (per-layer, per-sample costs:
+  transformers, the DAPPLE paper's CNN/RNN models of :mod:`cost_models.paper_models`, measured
+  profiles in PipeDream's graph format; :func:`cost_models.load_workload` resolves a name); with the
+  kernel cost model the per-sample times depend on the micro-batch, which makes the micro-batch
+  count a real choice;
 * :mod:`planner.placement`: placement policies and communication costs on the cluster;
 * :mod:`planner.cost`: the objective, L = warm-up + steady + ending (DAPPLE's pivot formulation);
   its docstring states it in full;
-* :mod:`planner.search`: the exact search (dynamic programme with pruning) for DAPPLE's and
-  PipeDream's objectives, and a brute-force reference;
+* :mod:`planner.search`: the exact search (:func:`search_plans`, a dynamic programme with pruning)
+  for DAPPLE's and PipeDream's objectives, and a brute-force reference (:func:`exhaustive`);
 * :mod:`planner.simulate`: plans as IR schedules (uniform and non-uniform), simulated with SimPy;
 * :mod:`planner.plan`: the plan record (:class:`Plan`: stages, replicas, devices, batching);
 * :mod:`planner.choose`: choosing a plan: search + re-simulation + baselines (what ``pipetwin
@@ -22,16 +23,13 @@ scatter-first), the micro-batch count and the schedule.
 """
 from .choose import Evaluated, PlanningResult, evaluate_plan, plan_training
 from .cost import Estimate, estimate
-from .load import load_workload
-from .models import paper_models
 from .placement import POLICIES, Topology
 from .plan import Plan, StagePlan
 from .plan_io import LoadedPlan, load_plan, plan_record, save_plan
-from .search import PlanError, SearchResult, SearchSpace, exhaustive, search
+from .search import PlanError, SearchResult, SearchSpace, exhaustive, search_plans
 from .simulate import build_plan, replicated_schedule, simulate_plan
-from .workload import Workload
 
-__all__ = ["Estimate", "estimate", "paper_models", "POLICIES", "Topology", "Plan", "StagePlan", "LoadedPlan",
+__all__ = ["Estimate", "estimate", "POLICIES", "Topology", "Plan", "StagePlan", "LoadedPlan",
            "load_plan", "plan_record", "save_plan", "Evaluated", "PlanningResult", "evaluate_plan",
-           "plan_training", "PlanError", "SearchResult", "SearchSpace", "exhaustive", "search", "build_plan",
-           "replicated_schedule", "simulate_plan", "Workload", "load_workload"]
+           "plan_training", "PlanError", "SearchResult", "SearchSpace", "exhaustive", "search_plans",
+           "build_plan", "replicated_schedule", "simulate_plan"]

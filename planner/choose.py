@@ -2,7 +2,7 @@
 
 :func:`plan_training` (what ``pipetwin plan`` runs):
 
-1. search the plan space exactly under DAPPLE's objective (:func:`planner.search.search`), keeping
+1. search the plan space exactly under DAPPLE's objective (:func:`planner.search.search_plans`), keeping
    the best plans found; add the best plans of the round-trip-aware search (``dapple-rt``, a
    heuristic on an evaluation budget) and the best uniform (R x D) plan;
 2. re-simulate, with the SimPy engine (:func:`planner.simulate.simulate_plan`), the exact optimum,
@@ -27,15 +27,14 @@ from cost_models import Cluster
 from schedules import ScheduleError
 
 from .cost import Estimate, estimate
-from .load import load_workload
+from cost_models.workload_sources import load_workload
 from .placement import Topology
 from .plan import Plan
-from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search
+from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search_plans
 from .simulate import SimOutcome, simulate_plan
-from .workload import Workload
+from cost_models.workload import Workload
 
 
-SKIP_BY_FLOOR = True    # the PipeDream baseline skips micro-batch counts by latency_floor (False: tests)
 
 
 @dataclass
@@ -101,26 +100,26 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
                   profile_batch: int | None = None) -> PlanningResult:
     """Search, simulate and compare (see the module docstring). ``model``: a name (paper model,
     cost_models preset or YAML path, profile ``*.txt``), a ModelSpec or a :class:`Workload`;
-    ``cost_model`` / ``profile_batch``: see :func:`planner.workload.load_workload` (ignored for a Workload)."""
+    ``cost_model`` / ``profile_batch``: see :func:`cost_models.load_workload` (ignored for a Workload)."""
     work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute, cost_model,
                                                                    profile_batch)
     name = model_name or (model if isinstance(model, str) else work.name)
     cap = memory_limit if memory_limit is not None else work.memory_capacity
     topo = Topology(cluster)
     space = space or SearchSpace()
-    res = search(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=max(top_k, 8),
+    res = search_plans(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=max(top_k, 8),
                  model=name, cluster=cluster.name, progress=progress)
     pool = [Evaluated(c.plan, c.estimate) for c in res.candidates]
     extra = []
     try:    # candidates that respect the 1F1B round trips (a heuristic search, on a budget)
-        rt = search(work, topo, global_batch, objective="dapple-rt", space=space, capacity=cap, top_k=3,
+        rt = search_plans(work, topo, global_batch, objective="dapple-rt", space=space, capacity=cap, top_k=3,
                     model=name, cluster=cluster.name, budget=rt_budget)
         extra += [Evaluated(c.plan, c.estimate, note="round-trip search") for c in rt.candidates]
     except PlanError:
         pass
     if not space.uniform:
         try:
-            u = search(work, topo, global_batch, space=replace(space, uniform=True), capacity=cap,
+            u = search_plans(work, topo, global_batch, space=replace(space, uniform=True), capacity=cap,
                        model=name, cluster=cluster.name)
             extra.append(Evaluated(u.best.plan, u.best.estimate, note="best uniform plan"))
         except PlanError:
@@ -159,12 +158,14 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
 
 
 def pipedream_plan(work: Workload, topo: Topology, G: int, *, microbatches: int | None = None,
-                   space: SearchSpace | None = None, capacity=None, model: str | None = None) -> Evaluated | None:
+                   space: SearchSpace | None = None, capacity=None, model: str | None = None,
+                   skip_by_floor: bool = True) -> Evaluated | None:
     """The PipeDream planner's plan. PipeDream plans for one micro-batch size (its minibatch) and has
     no notion of a synchronous iteration: with ``microbatches`` given it plans for b = G / M; without,
     it is run for every M dividing G and the M whose plan has the shortest estimated synchronous
     iteration (round-trip bound) is kept, the most favourable reading for the baseline (Ms that
-    cannot beat the best found are not searched; the same M is kept)."""
+    cannot beat the best found are not searched; the same M is kept; ``skip_by_floor=False``
+    searches every M, the plain scan the skipping is checked against)."""
     space = space or SearchSpace()
     Ms = [microbatches] if microbatches is not None else [
         m for m in divisors(G) if space.microbatches is None or m in space.microbatches]
@@ -173,13 +174,13 @@ def pipedream_plan(work: Workload, topo: Topology, G: int, *, microbatches: int 
     # cannot be kept and is not searched; the Ms are searched in increasing floor so the best comes
     # early, and compared by (latency_rt, position in increasing M): the same M as the plain scan.
     floors = [latency_floor(work, topo, G, M, space=space, capacity=capacity) if len(Ms) > 1 else 0.0
-              for M in Ms] if SKIP_BY_FLOOR else [0.0] * len(Ms)
+              for M in Ms] if skip_by_floor else [0.0] * len(Ms)
     best = None
     for idx in sorted(range(len(Ms)), key=lambda x: (floors[x], x)):
         if best is not None and floors[idx] > best[0]:
             continue
         try:
-            r = search(work, topo, G, objective="pipedream", space=replace(space, microbatches=(Ms[idx],)),
+            r = search_plans(work, topo, G, objective="pipedream", space=replace(space, microbatches=(Ms[idx],)),
                        capacity=capacity, model=model, cluster=topo.cluster.name)
         except PlanError:
             continue
@@ -195,7 +196,7 @@ def data_parallel_plan(work: Workload, topo: Topology, G: int, *, space: SearchS
     micro-batches when memory needs it). Raises PlanError when it does not fit."""
     space = space or SearchSpace()
     P = space.devices or topo.num_devices
-    r = search(work, topo, G, space=replace(space, max_stages=1, uniform=False, replicas=(P,)),
+    r = search_plans(work, topo, G, space=replace(space, max_stages=1, uniform=False, replicas=(P,)),
                capacity=capacity, model=model, cluster=topo.cluster.name)
     return Evaluated(r.best.plan, r.best.estimate)
 

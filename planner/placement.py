@@ -60,7 +60,9 @@ class Topology:
     _xfer: dict = field(default_factory=dict, repr=False)
     _bound: dict = field(default_factory=dict, repr=False)
     _paths: dict = field(default_factory=dict, repr=False)
-    _seeds: dict = field(default_factory=dict, repr=False)     # planner.search's seed estimates
+    # what planner.search computes alike for every search of one workload on this topology (seeds'
+    # estimates, need tables, bound tables), by workload: see planner.search's _job_cache
+    search_memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.cluster.device_map is not None:

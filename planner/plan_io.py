@@ -35,13 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cost_models import Cluster, cluster_from_dict
+from cost_models.bind import Bound
 from cost_models._spec import size_bytes
 from cost_models.files import one_line, prepare_output, read_text
 
-from .load import workload_from_source
+from cost_models.workload_sources import workload_from_source
 from .plan import Plan
-from .simulate import Built, SimOutcome, build_plan, simulate_plan
-from .workload import Workload
+from .simulate import Built, PlanInMemory, SimOutcome, build_plan, simulate_plan
+from cost_models.workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 1
 
@@ -77,6 +78,7 @@ class LoadedPlan:
     cluster: Cluster
     memory_limit: float | None
     record: dict
+    path: str = "plan"      # the file it was read from (a job's plan source, see :meth:`bind`)
 
     @property
     def capacity(self) -> float | None:
@@ -87,8 +89,17 @@ class LoadedPlan:
         (``.astuple()`` gives ``(lowered, costs, network)`` for :func:`sim.simulate`)."""
         return build_plan(self.plan, self.workload, self.cluster, self.capacity, eager=eager, check=check)
 
-    def simulate(self, options=None) -> SimOutcome:
-        return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, options)
+    def bind(self, job) -> Bound:
+        """The plan as a bound job (:class:`cost_models.job.PlanSource`): its lowered schedule
+        (gradients all-reduced eagerly as ``job.eager`` says), costs and placed cluster, with the
+        report fields of :func:`build_plan` and the plan file."""
+        bound = PlanInMemory(self.plan, self.workload, self.cluster, self.capacity, path=self.path).bind(job)
+        return Bound(bound.lowered, bound.costs, bound.network, {**bound.report, "plan_file": str(self.path)})
+
+    def simulate(self, faults=None) -> SimOutcome:
+        """The plan simulated as :func:`planner.simulate.simulate_plan` does (``faults``: a
+        :class:`cost_models.job.Faults`)."""
+        return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, faults)
 
     def for_executor(self, *, eager: bool = True) -> dict:
         """What ``pipetwin run --plan`` runs, for uniform and non-uniform transformer plans: the very
@@ -151,7 +162,7 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:
     lim = rec.get("memory_limit")
     if lim is not None:
         lim = size_bytes(lim, source, "memory_limit")
-    return LoadedPlan(plan, work, cluster, lim, rec)
+    return LoadedPlan(plan, work, cluster, lim, rec, source)
 
 
 def load_plan(path) -> LoadedPlan:

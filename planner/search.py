@@ -67,32 +67,40 @@ the slowest element exceeds p* is dropped). Every plan of the second search has 
 (none is smaller), so its best is the lexicographic (slowest, L) optimum, and ties fall to the plan
 found first as in one search; the second search's labels are DAPPLE's (V, T, n), far fewer than
 (p, V, T, n) when many plans tie on p.
+
+The code: :func:`search_plans` offers simple plans first (:func:`_seed`), then runs the passes
+(:func:`_passes`), each the DP of every (micro-batch count, policy) configuration (:func:`_dp`). The
+DP keeps a front of :class:`Label` per state; :func:`_extend` prepends a stage to the labels of one
+state for every replica count (:class:`_NewStage`: its place, its costs and the label-free bounds,
+shared by the states at the same layer) and hands them to the objective's scan over the stage's
+first layer: :func:`_scan_latency` (DAPPLE's latency, and L within p* for the baseline's second
+phase), :func:`_scan_slowest` (PipeDream's objective, and p* alone for the first phase) or
+:func:`_scan_round_trip` (``dapple-rt``).
 """
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import itertools
 import math
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from cost_models.partition import balanced_edges
 
 from .cost import Estimate, estimate
 from .placement import POLICIES, Topology, check_policy
 from .plan import Plan, StagePlan
-from .workload import Workload
+from cost_models.workload import Workload
 
 OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")
 CEILINGS = (0.86, 0.93)     # trial thresholds of the first passes, as fractions of the best seed
-PREFIX_BOUNDS = True        # the replica-capped prefix bounds (False: the earlier, weaker bounds; tests)
-TWO_PHASE = True            # PipeDream's objective in two searches (False: one, over (slowest, L) labels; tests)
 WCAP = 2                    # the tables keep at most this many micro-batches in flight (fewer tables)
-PREFIX_TABLES = True        # the whole-prefix bounds of _prefix_tables (False: without them; tests)
-SEED_BOUNDS = True          # seeds skipped by their stages' compute and in increasing bound (False: tests)
 
 
 class PlanError(ValueError):
@@ -170,7 +178,7 @@ class _Ctx:
     pcap: float = INF           # "slowest-latency": the largest element a plan may have
 
     # -------------------------------------------------------------- incumbents
-    ceiling: float = INF        # a pass's trial threshold (see :func:`search`)
+    ceiling: float = INF        # a pass's trial threshold (see :func:`_passes`)
 
     def threshold(self) -> float:
         if len(self.heap) < self.top_k:
@@ -225,7 +233,7 @@ def _live_reps(ctx: _Ctx, M: int, policy: str) -> list[int]:
     the objective of any plan with such a stage is at least M st (DAPPLE's latency: its V counts
     the stage's round trip st plus (M - 1) st; the round-trip latency is larger still) or st (the
     slowest element), st >= the fastest single layer's forward + backward at b / r samples.
-    :func:`_extend` breaks at once on the others (memory, or ``v2 > thr``), before any label."""
+    The scans (:func:`_extend`) stop at once on the others (memory, or the threshold), before any label."""
     work, topo, P, b = ctx.work, ctx.topo, ctx.P, ctx.G // M
     thr = ctx.threshold()
     bps, cap = work.bytes_per_param_static, ctx.capacity
@@ -237,7 +245,8 @@ def _live_reps(ctx: _Ctx, M: int, policy: str) -> list[int]:
         wq = work.at(b // r)
         if min(work.params[l] * bps + work.act[l] * q for l in range(work.num_layers)) > cap:
             continue
-        st = min((wq._cf[l + 1] - wq._cf[l] + wq._cb[l + 1] - wq._cb[l]) * q for l in range(work.num_layers))
+        cf, cb = wq.forward_prefix_sums, wq.backward_prefix_sums
+        st = min((cf[l + 1] - cf[l] + cb[l + 1] - cb[l]) * q for l in range(work.num_layers))
         if (st if ctx.objective in ("pipedream", "slowest") else M * st) > thr or st > ctx.pcap:
             continue
         out.append(r)
@@ -310,31 +319,47 @@ def _dp(ctx: _Ctx, M: int, policy: str) -> None:
         return got
 
     wmax = [0.0] * (L + 1)      # wmax[i]: the largest per-sample round trip of one layer in [0, i)
+    cf, cb = lo.forward_prefix_sums, lo.backward_prefix_sums
     for i in range(1, L + 1):
-        x = lo._cf[i] - lo._cf[i - 1] + lo._cb[i] - lo._cb[i - 1]
+        x = cf[i] - cf[i - 1] + cb[i] - cb[i - 1]
         wmax[i] = x if x > wmax[i - 1] else wmax[i - 1]
     live = set(_live_reps(ctx, M, policy))
     env = _DPEnv(M=M, policy=policy, b=b, lo=lo, at_q={r: work.at(b // r) for r in reps}, reps=reps,
                  live=[r for r in reps if r in live], slots=slots,
                  min_slot=min_slot, need=need, g=g, N=topo.num_devices, period=topo.translation_period(policy),
-                 rmax=max(reps), wmax=wmax,
-                 tables=tables if PREFIX_TABLES and ctx.objective in ("dapple", "slowest-latency") else None)
+                 rmax=max(reps), wmax=wmax, tables=tables)
     fronts: list[dict] = [dict() for _ in range(L + 1)]
-    # a label: (p, v, t, n, stages, path, k) for the suffix [j, L) on the last k slots: p = slowest
-    # element (PipeDream), v = V and t = T of DAPPLE's latency, n = min(stages, M), stages counted only
-    # under max_stages. A front is keyed by (k mod period, first stage's replicas): on a cluster whose
-    # costs do not change when every stage moves by ``period`` slots, a suffix on fewer slots with no
-    # worse labels leaves the prefix the same choices and more room (see Topology.translation_period)
-    fronts[L][(0, 0)] = [(0.0, 0.0, -INF, 0, 0, None, 0)]
-    for j in range(L, 0, -1):
-        states = fronts[j]
-        fronts[j] = None  # free
-        for (_, r1), mixed in states.items():
-            by_k: dict[int, list] = {}
-            for lab in mixed:
-                by_k.setdefault(lab[6], []).append(lab)
-            for k, labels in by_k.items():
-                _extend(ctx, env, j, k, r1, labels, fronts)
+    # A front is keyed by (k mod period, first stage's replicas): on a cluster whose costs do not
+    # change when every stage moves by ``period`` slots, a suffix on fewer slots with no worse labels
+    # leaves the prefix the same choices and more room (see Topology.translation_period)
+    fronts[L][(0, 0)] = [Label(0.0, 0.0, -INF, 0, 0, None, 0)]
+    with _collector_paused():
+        for j in range(L, 0, -1):
+            states = fronts[j]
+            fronts[j] = None  # free
+            new_stages: dict = {}   # (k2, r) -> the _NewStage, shared by the states at j
+            for (_, r1), mixed in states.items():
+                by_k: dict[int, list] = {}
+                for lab in mixed:
+                    by_k.setdefault(lab.k, []).append(lab)
+                for k, labels in by_k.items():
+                    _extend(ctx, env, j, k, r1, labels, fronts, new_stages)
+
+
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector paused while the DP runs. The fronts keep up to hundreds of
+    thousands of labels alive, each an object the collector tracks (a tuple of numbers it would stop
+    tracking), and its full passes, started every few hundred thousand allocations, walk them all
+    again, which made the searches for GPT-96 on 1,024 GPUs up to 1.7 times slower. The DP makes no
+    reference cycles (reference counting frees all it drops), so the pause leaves nothing behind."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,210 +381,323 @@ class _DPEnv:
     period: int | None
     rmax: int               # the most replicas a stage can have
     wmax: list              # wmax[i]: the largest per-sample round trip of one layer of [0, i)
-    tables: object = None   # (w, free) -> the whole-prefix bounds (_prefix_tables), DAPPLE's latency only
+    tables: object          # (w, free) -> the whole-prefix bounds (_prefix_tables), for DAPPLE's latency
 
 
-def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list) -> None:
-    """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (first stage r1).
+@dataclass(slots=True)
+class Label:
+    """A partial plan on the front of its state: stages for the layers [j, L) on the last ``k`` slots
+    of the allocation order (the state: j, k and its first stage's replicas; module docstring).
 
-    The hot loop of the search: what does not change inside a loop is read before it (the threshold
-    changes only when a complete plan is offered, so it is re-read only then; the need table per
-    micro-batches in flight; the sums at j; per first layer i, the stage's costs on r replicas and the
-    parts of the prefix bounds that depend on no label, computed once and shared by the labels, in
-    the same arithmetic), and DAPPLE's latency alone does not compute the slowest element p, which no
-    decision of it reads (its fronts ignore p: ``_MODES``)."""
-    work, topo, P = ctx.work, ctx.topo, ctx.P
-    M, policy, b, N, period, g = env.M, env.policy, env.b, env.N, env.period, env.g
-    rmax, wmax, tables = env.rmax, env.wmax, env.tables
-    obj = ctx.objective
-    pd = obj in ("pipedream", "slowest")       # the slowest element first
-    rtm = obj == "dapple-rt"
-    pcap = ctx.pcap                            # "slowest-latency": L, with every element within pcap
-    capped = obj == "slowest-latency"
-    track_p = obj != "dapple"                  # DAPPLE's latency never reads p
-    mode = _MODES[obj]
-    cf, cb, ca, cp, out = env.lo._cf, env.lo._cb, work._ca, work._cp, work.out_bytes
+    ``p``: the slowest element (PipeDream's objective and DAPPLE's latency, whose fronts ignore it), or
+    the suffix's round trip (``dapple-rt``); ``v`` and ``t``: V and T of DAPPLE's latency; ``n`` =
+    min(stages, M); ``stages``: the stages, counted only under ``max_stages`` (else 0); ``path``: the
+    stages from the first, as nested ``(start, stop, replicas, rest)`` tuples ending in None.
+
+    Slotted and not frozen, for speed: the search builds one per partial plan it keeps (hundreds of
+    thousands) and reads its fields in the fronts' comparisons, which a slotted class does as fast as
+    a tuple's items (a NamedTuple's fields are slower to read and to unpack, a frozen dataclass is
+    four times slower to build); none is changed once built. Like a NamedTuple, and unlike a tuple
+    of numbers, it stays tracked by the cyclic garbage collector, which the DP pauses
+    (:func:`_collector_paused`)."""
+
+    p: float
+    v: float
+    t: float
+    n: int
+    stages: int
+    path: tuple | None
+    k: int
+
+
+@dataclass(slots=True)
+class _NewStage:
+    """A stage [i, j) prepended on ``r`` replicas to the suffixes of one state, the two together on
+    the last ``k2`` slots, and the lazily filled tables its labels' scans share: per first layer i,
+    the stage's costs and the label-free parts of the bounds on the prefix [0, i) (:func:`_new_stage`),
+    each computed once and read by every label in the same arithmetic."""
+
+    j: int
+    r: int
+    q: float                # samples per replica of a micro-batch
+    k2: int
+    key: tuple              # the front the new labels go to: (k2 mod period, r)
+    free: int               # slots left for the layers [0, i)
+    more: bool              # whether another stage fits in them
+    off: int                # its place in the allocation order, up to whole translation periods
+    rows: list              # rows[i]: the stage [i, j)'s costs (row(i) fills it)
+    row: Callable
+    bnds: list              # bnds[i]: the label-free bounds on the prefix [0, i) (part(i) fills it)
+    part: Callable
+
+    def shared(self) -> tuple:
+        """What a scan reads on every step: j, r, q, free, k2, key, rows, row, bnds, part."""
+        return self.j, self.r, self.q, self.free, self.k2, self.key, self.rows, self.row, self.bnds, self.part
+
+
+def _new_stage(ctx: _Ctx, env: _DPEnv, j: int, k2: int, r: int) -> _NewStage:
+    """The stage [i, j) on r replicas on the slots before the last k2 - slots(r): it depends on no
+    state but through k2, so the states at j share it (and its tables)."""
+    work, b, period = ctx.work, env.b, env.period
+    q, free = b / r, ctx.P - k2
+    # its slots, moved towards the order's start by whole translation periods (no communication cost
+    # changes: Topology.translation_period), so the caches of all-reduces and boundaries hold one
+    # period of offsets instead of the whole order
+    off = (env.N - k2) % period if period else env.N - k2
+    wq = env.at_q[r]
+    cfq, cbq = wq.forward_prefix_sums, wq.backward_prefix_sums
+    cp, ca = work.param_prefix_sums, work.activation_prefix_sums
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
-    cap = ctx.capacity
-    Mm1 = M - 1
-    limit = ctx.space.max_stages
-    uniform = ctx.space.uniform
-    prefix_bounds = PREFIX_BOUNDS
-    offer, push, need, threshold = ctx.offer, _push, env.need, ctx.threshold
-    cpj, caj = cp[j], ca[j]
+    alpha, beta = ctx.topo.allreduce_at(env.policy, off, r)
+    has_ar = bool(alpha or beta)
+    rows = [None] * j
+
+    def row(i):
+        """The stage [i, j)'s parameter bytes, activation bytes per micro-batch, backward, round trip,
+        all-reduce, and all-reduce plus optimizer step."""
+        par = cp[j] - cp[i]
+        bw = (cbq[j] - cbq[i]) * q
+        rt = (cfq[j] - cfq[i]) * q + bw
+        ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
+        got = rows[i] = (par * bps, ca[j] - ca[i], bw, rt, ar, ar + par * otp)
+        return got
+
+    # the prefix's stages have at most ``free`` replicas in all and each at most min(rmax, free), so
+    # at least qmin = b / min(rmax, free) samples each
+    qmin = b / min(env.rmax, free) if free > 0 else 0.0
+    cf, cb, g, wmax = env.lo.forward_prefix_sums, env.lo.backward_prefix_sums, env.g, env.wmax
+    bnds = [None] * j
+
+    def part(i):
+        """The label-free parts of the bounds on the prefix [0, i) on ``free`` slots (module
+        docstring): its least slowest stage, round trips and forwards."""
+        pw = (cf[i] + cb[i]) * b / free
+        x = wmax[i] * qmin
+        if x > pw:
+            pw = x
+        prt = g[i] * g[i] * b / free
+        x = (cf[i] + cb[i]) * qmin
+        if x > prt:
+            prt = x
+        got = bnds[i] = (pw, prt, cf[i] * qmin)
+        return got
+
+    return _NewStage(j, r, q, k2, (k2 % period if period else k2, r), free, free >= env.min_slot, off, rows, row,
+                     bnds, part)
+
+
+def _heads(labels: list, env: _DPEnv, limit: int | None) -> list[tuple]:
+    """What a label's new stage depends on that no replica count changes: (label, n2 = the
+    micro-batches the new stage keeps, min(n + 1, M), its stage count, whether a stage may come
+    before it (``max_stages``), w = min(n2 + 1, M), and the need table of the stages before it,
+    which keep at least w micro-batches). Labels already at ``max_stages`` are left out."""
+    M, need = env.M, env.need
     needs: dict = {}
-    thr = threshold()
-    # costs of a stage and of its boundary, with the stages moved towards the order's start by whole
-    # translation periods (no communication cost changes: Topology.translation_period), so the caches
-    # hold one period of offsets instead of the whole order
-    X = out[j - 1] * b
+    out = []
+    for lab in labels:
+        if limit is not None and lab.stages >= limit:
+            continue
+        n2 = lab.n + 1 if lab.n < M else M
+        stages = lab.stages + 1 if limit is not None else 0
+        w = n2 + 1 if n2 < M else M
+        need_w = needs.get(w)
+        if need_w is None:
+            need_w = needs[w] = need(w)
+        out.append((lab, n2, stages, limit is None or stages < limit, w, need_w))
+    return out
+
+
+def _extend(ctx: _Ctx, env: _DPEnv, j: int, k: int, r1: int, labels: list, fronts: list, new_stages: dict) -> None:
+    """Prepend a stage [i, j) to every label of the suffix [j, L) on the last k slots (its first stage
+    on r1 replicas): for every replica count r the new stage can have, its place and costs
+    (:class:`_NewStage`, kept in ``new_stages`` for the other states at j), the boundary's transfers,
+    then the objective's scan over the first layer i (:data:`_SCANS`).
+
+    The boundary is priced (costly the first time) only when some label's shortest new stage fits and
+    passes the objective's test with a free boundary: a boundary only raises p and V, so when no
+    label passes without it, none passes with it and the scan would evaluate nothing."""
+    passes, scan = _SCANS[ctx.objective]
+    heads = _heads(labels, env, ctx.space.max_stages)
+    uniform, P, budget, cap, M, Mm1 = ctx.space.uniform, ctx.P, ctx.budget, ctx.capacity, env.M, env.M - 1
+    nbytes = ctx.work.out_bytes[j - 1] * env.b      # what the boundary carries each way
     for r in env.live:
         if k and uniform and r != r1:
             continue
-        sl = env.slots[r]
-        k2 = k + sl
+        k2 = k + env.slots[r]
         if k2 > P:
             continue
-        key = (k2 % period if period else k2, r)
-        free = P - k2
-        more = free >= env.min_slot
-        off = N - k2
-        if period:
-            off %= period
-        q = b / r
-        cfq, cbq = env.at_q[r]._cf, env.at_q[r]._cb
-        cfqj, cbqj = cfq[j], cbq[j]
-        alpha, beta = topo.allreduce_at(policy, off, r)
-        has_ar = bool(alpha or beta)
-        if ctx.budget is not None and ctx.evaluated > ctx.budget:
+        if budget is not None and ctx.evaluated > budget:
             raise _OutOfBudget
-        rows = [None] * j   # i -> the stage [i, j)'s costs on r replicas, which no label changes
-
-        def stage_row(i, q=q, cfqj=cfqj, cbqj=cbqj, cfq=cfq, cbq=cbq, alpha=alpha, beta=beta, has_ar=has_ar,
-                      rows=rows):
-            """The stage [i, j)'s costs on r replicas, computed once (rows[i]): parameter bytes,
-            activation bytes per micro-batch, backward, round trip, all-reduce, and the all-reduce
-            plus the optimizer step."""
-            par = cpj - cp[i]
-            bw = (cbqj - cbq[i]) * q
-            rt = (cfqj - cfq[i]) * q + bw
-            ar = alpha + beta * par * gbp if has_ar and par > 0 else 0.0
-            row = rows[i] = (par * bps, caj - ca[i], bw, rt, ar, ar + par * otp)
-            return row
+        st = new_stages.get((k2, r))
+        if st is None:
+            st = new_stages[(k2, r)] = _new_stage(ctx, env, j, k2, r)
+        thr = ctx.threshold()
+        ca = cg = 0.0           # the suffix is empty: no boundary
         if k:
-            # The boundary's costs only raise p and V (p1 >= p, v1 >= v), so a label whose first
-            # stage [i, j) breaks the scan (memory, or p2 / v2 above the threshold or pcap) with a
-            # free boundary breaks it with the real one: when every label does, nothing of this r is
-            # evaluated, and the boundary (costly to price the first time) is not looked up.
-            for (p, v, _t, n, cnt, _path, _k) in labels:
-                if limit is not None and cnt >= limit:
-                    continue
-                n2 = n + 1 if n < M else M
-                i = j - 1 if (more and (limit is None or cnt + 1 < limit)) else 0
-                pbs, da, bw, rt, ar, y = rows[i] or stage_row(i)
-                if pbs + n2 * da * q > cap:
-                    continue
-                x = Mm1 * rt
-                if rtm:
-                    p2 = p + rt
-                    v2 = rt + max(x, v, p + Mm1 * p2 / n2)
-                else:
-                    v2 = rt + (x if x > v else v)
-                    p2 = (p if p > rt else rt) if track_p else 0.0
-                    if track_p and ar / r > p2:
-                        p2 = ar / r
-                if not ((p2 if pd else v2) > thr or p2 > pcap):
+            rows, row, q, more = st.rows, st.row, st.q, st.more
+            for lab, n2, _, grows, _, _ in heads:
+                i = j - 1 if more and grows else 0
+                pbs, da, _, rt, ar, _ = rows[i] or row(i)
+                if pbs + n2 * da * q <= cap and passes(ctx, M, lab, n2, rt, ar / r, thr):
                     break
             else:
                 continue
-            ca_, cg_ = topo.boundary(policy, off, r, r1, X)
-        else:
-            ca_ = cg_ = 0.0
-        link_st = ca_ if ca_ > cg_ else cg_
-        cacg = ca_ + cg_
-        xb = Mm1 * link_st
-        if free > 0:
-            # bounds on the prefix [0, i) (module docstring): its stages have at most ``free``
-            # replicas in all and each at most min(rmax, free), so at least b / min(rmax, free) samples
-            qmin = b / (rmax if rmax < free else free) if prefix_bounds else 0.0
-        ev = nl = 0
-        bnds = [None] * j   # i -> the label-free parts of the bounds on the prefix [0, i) on ``free`` slots
-        for (p, v, t, n, cnt, path, _k) in labels:
-            if limit is not None and cnt >= limit:
-                continue
-            n2 = n + 1 if n < M else M
-            cnt2 = cnt + 1 if limit is not None else 0
-            if k:       # the boundary between the new stage and the suffix
-                if rtm:
-                    p1 = p + cacg
-                else:
-                    p1 = p if p > cacg else cacg
-                v1 = cacg + (xb if xb > v else v)
-                t1 = t - cg_
-            else:
-                p1, v1, t1 = p, v, t
-            can_more = more and (limit is None or cnt2 < limit)
-            w = n2 + 1 if n2 < M else M
-            need_w = needs.get(w)
-            if need_w is None:
-                need_w = needs[w] = need(w)
-            if tables is not None and free > 0:
-                tY, tX, tF = tables(w, free)
-            i = j - 1
-            while i >= 0:
-                if not can_more and i > 0:
-                    i = 0          # the stage must take every remaining layer
-                pbs, da, bw, rt, ar, y = rows[i] or stage_row(i)
-                if pbs + n2 * da * q > cap:
-                    break
-                x = Mm1 * rt
-                if rtm:        # p: round trip of the suffix; the new stage holds n2 micro-batches
-                    p2 = p1 + rt
-                    v2 = rt + max(x, v1, p1 + Mm1 * p2 / n2)
-                else:
-                    v2 = rt + (x if x > v1 else v1)
-                    if track_p:
-                        p2 = p1 if p1 > rt else rt
-                        x = ar / r
-                        if x > p2:
-                            p2 = x
-                    else:
-                        p2 = 0.0
-                if (p2 if pd else v2) > thr or p2 > pcap:
-                    break          # a longer stage is no better
-                t2 = y if y > t1 - bw else t1 - bw
-                ev += 1
-                if i == 0:
-                    offer((p2, v2 + t2) if pd else (v2 + t2, p2 if capped else 0.0), M, policy, (i, j, r, path))
-                    thr = threshold()
-                    break
-                if need_w[i] > free:
-                    i -= 1
-                    continue       # layers [0, i) cannot fit on the slots left
-                bd = bnds[i]
-                if bd is None:
-                    pw = (cf[i] + cb[i]) * b / free
-                    x = wmax[i] * qmin
-                    if x > pw:
-                        pw = x
-                    prt = g[i] * g[i] * b / free
-                    x = (cf[i] + cb[i]) * qmin
-                    if x > prt:
-                        prt = x
-                    bd = bnds[i] = (pw, prt, cf[i] * qmin)
-                pw, prt, fwm = bd
-                if pd:
-                    lb = p2 if p2 > pw else pw
-                else:
-                    x = t2 + fwm
-                    lb = v2 + (x if x > prt else prt)
-                    if M * pw > lb:
-                        lb = M * pw
-                    if tables is not None:     # the whole-prefix bounds (_prefix_tables)
-                        x = tY[i]
-                        if x > lb:
-                            lb = x
-                        x = v2 + tX[i]
-                        if x > lb:
-                            lb = x
-                        x = v2 + t2 + tF[i]
-                        if x > lb:
-                            lb = x
-                if lb <= thr and pw <= pcap:
-                    push(fronts[i], key, (p2, v2, t2, n2, cnt2, (i, j, r, path), k2), mode)
-                    nl += 1
-                i -= 1
+            ca, cg = ctx.topo.boundary(env.policy, st.off, r, r1, nbytes)
+        # every label's V and T through the boundary (module docstring), the same for every objective;
+        # p's rule is the objective's (its scan applies it to ca + cg)
+        xb = Mm1 * (ca if ca > cg else cg)
+        through = [(h, ca + cg + (xb if xb > h[0].v else h[0].v), h[0].t - cg) for h in heads]
+        ev, nl = scan(ctx, env, st, through, ca + cg, thr, fronts)
         ctx.evaluated += ev
         ctx.labels += nl
+
+
+# The objectives' scans, one per objective family, each given a new stage (_NewStage), its labels
+# with V and T through the boundary, the boundary's round trip and the threshold; they return the
+# stage placements evaluated and the labels offered to fronts. Each walks, for every label, the new
+# stage's first layer i from j - 1 down (the stage grows at its front; only i = 0 when no stage may
+# come before it) and stops at the first i whose stage breaks the memory limit or the threshold: a
+# longer stage holds more and only adds to V, T's floor, p and the round trips. At i = 0 the plan
+# is complete and offered; at i > 0 the label (i, ...) goes to the front of its state when layers
+# [0, i) fit on the slots left and its lower bound (module docstring) is within the threshold. The
+# threshold changes only when a plan is offered, so it is re-read only then. The objective's
+# ``passes`` is its test on one stage with a free boundary (what _extend checks before pricing the
+# boundary).
+
+def _passes_latency(ctx: _Ctx, M: int, lab: Label, n2: int, rt: float, ar_per: float, thr: float) -> bool:
+    x = (M - 1) * rt
+    return not (rt + (x if x > lab.v else lab.v) > thr or max(lab.p, rt, ar_per) > ctx.pcap)
+
+
+def _scan_latency(ctx: _Ctx, env: _DPEnv, st: _NewStage, through: list, cacg: float, thr: float,
+                  fronts: list) -> tuple[int, int]:
+    """DAPPLE's latency L = V + T, and the PipeDream baseline's second phase (``slowest-latency``): L
+    among the plans whose every element is within ``ctx.pcap`` (INF for DAPPLE's), ranked by (L,
+    slowest element); DAPPLE's ranks by L alone, ties to the plan found first. Its labels also meet
+    the whole-prefix bounds (:func:`_prefix_tables`)."""
+    M, Mm1, j, r, q, free, k2, key, rows, row, bnds, part = env.M, env.M - 1, *st.shared()
+    cap, pcap, policy, tables, offer, threshold = ctx.capacity, ctx.pcap, env.policy, env.tables, ctx.offer, \
+        ctx.threshold
+    ranked = ctx.objective == "slowest-latency"
+    ev = nl = 0
+    for (lab, n2, stages, grows, w, need_w), v1, t1 in through:
+        p1 = lab.p if lab.p > cacg else cacg       # the slowest element: the boundary is one
+        if free > 0:
+            tY, tX, tF = tables(w, free)
+        for i in range(j - 1 if st.more and grows else 0, -1, -1):
+            pbs, da, bw, rt, ar, y = rows[i] or row(i)
+            if pbs + n2 * da * q > cap:
+                break
+            x = Mm1 * rt
+            v2 = rt + (x if x > v1 else v1)
+            p2 = p1 if p1 > rt else rt
+            x = ar / r
+            if x > p2:
+                p2 = x
+            if v2 > thr or p2 > pcap:
+                break
+            t2 = y if y > t1 - bw else t1 - bw
+            ev += 1
+            if i == 0:
+                offer((v2 + t2, p2 if ranked else 0.0), M, policy, (0, j, r, lab.path))
+                thr = threshold()
+            elif need_w[i] <= free:
+                pw, prt, fwm = bnds[i] or part(i)
+                x = t2 + fwm
+                # the per-label bounds, then the whole-prefix ones (module docstring)
+                if (v2 + (x if x > prt else prt) <= thr and M * pw <= thr and pw <= pcap
+                        and tY[i] <= thr and v2 + tX[i] <= thr and v2 + t2 + tF[i] <= thr):
+                    _push(fronts[i], key, Label(p2, v2, t2, n2, stages, (i, j, r, lab.path), k2), _FRONT_VT)
+                    nl += 1
+    return ev, nl
+
+
+def _passes_slowest(ctx: _Ctx, M: int, lab: Label, n2: int, rt: float, ar_per: float, thr: float) -> bool:
+    return not max(lab.p, rt, ar_per) > thr
+
+
+def _scan_slowest(ctx: _Ctx, env: _DPEnv, st: _NewStage, through: list, cacg: float, thr: float,
+                  fronts: list) -> tuple[int, int]:
+    """PipeDream's objective: the slowest element p first, DAPPLE's L to break its ties
+    (``pipedream``), or p alone (``slowest``, the baseline's first phase, whose fronts ignore V and
+    T). The scan stops at p above the threshold; the bound is max(p, the prefix's least slowest stage)."""
+    M, Mm1, j, r, q, free, k2, key, rows, row, bnds, part = env.M, env.M - 1, *st.shared()
+    cap, policy, offer, threshold, mode = ctx.capacity, env.policy, ctx.offer, ctx.threshold, _MODES[ctx.objective]
+    ev = nl = 0
+    for (lab, n2, stages, grows, _, need_w), v1, t1 in through:
+        p1 = lab.p if lab.p > cacg else cacg       # the boundary is an element
+        for i in range(j - 1 if st.more and grows else 0, -1, -1):
+            pbs, da, bw, rt, ar, y = rows[i] or row(i)
+            if pbs + n2 * da * q > cap:
+                break
+            p2 = p1 if p1 > rt else rt
+            x = ar / r
+            if x > p2:
+                p2 = x
+            if p2 > thr:
+                break
+            x = Mm1 * rt
+            v2 = rt + (x if x > v1 else v1)
+            t2 = y if y > t1 - bw else t1 - bw
+            ev += 1
+            if i == 0:
+                offer((p2, v2 + t2), M, policy, (0, j, r, lab.path))
+                thr = threshold()
+            elif need_w[i] <= free and (bnds[i] or part(i))[0] <= thr:    # (p2 is within it)
+                _push(fronts[i], key, Label(p2, v2, t2, n2, stages, (i, j, r, lab.path), k2), mode)
+                nl += 1
+    return ev, nl
+
+
+def _passes_round_trip(ctx: _Ctx, M: int, lab: Label, n2: int, rt: float, ar_per: float, thr: float) -> bool:
+    return not rt + max((M - 1) * rt, lab.v, lab.p + (M - 1) * (lab.p + rt) / n2) > thr
+
+
+def _scan_round_trip(ctx: _Ctx, env: _DPEnv, st: _NewStage, through: list, cacg: float, thr: float,
+                     fronts: list) -> tuple[int, int]:
+    """``dapple-rt``: DAPPLE's latency with the 1F1B round-trip bound (module docstring), p the
+    suffix's round trip; a new stage that holds n2 micro-batches adds p2 (M - 1) / n2 as a pivot
+    candidate. A heuristic: labels with different n are compared as the exact objectives compare them."""
+    M, Mm1, j, r, q, free, k2, key, rows, row, bnds, part = env.M, env.M - 1, *st.shared()
+    cap, policy, offer, threshold = ctx.capacity, env.policy, ctx.offer, ctx.threshold
+    ev = nl = 0
+    for (lab, n2, stages, grows, _, need_w), v1, t1 in through:
+        p1 = lab.p + cacg                          # the suffix's round trip, the boundary's added
+        for i in range(j - 1 if st.more and grows else 0, -1, -1):
+            pbs, da, bw, rt, ar, y = rows[i] or row(i)
+            if pbs + n2 * da * q > cap:
+                break
+            p2 = p1 + rt
+            v2 = rt + max(Mm1 * rt, v1, p1 + Mm1 * p2 / n2)
+            if v2 > thr:
+                break
+            t2 = y if y > t1 - bw else t1 - bw
+            ev += 1
+            if i == 0:
+                offer((v2 + t2, 0.0), M, policy, (0, j, r, lab.path))
+                thr = threshold()
+            elif need_w[i] <= free:
+                pw, prt, fwm = bnds[i] or part(i)
+                x = t2 + fwm
+                if v2 + (x if x > prt else prt) <= thr and M * pw <= thr:     # the per-label bounds
+                    _push(fronts[i], key, Label(p2, v2, t2, n2, stages, (i, j, r, lab.path), k2), _FRONT_PVT)
+                    nl += 1
+    return ev, nl
+
+
+# objective -> (the test on one stage with a free boundary, the scan)
+_SCANS = {"dapple": (_passes_latency, _scan_latency), "slowest-latency": (_passes_latency, _scan_latency),
+          "pipedream": (_passes_slowest, _scan_slowest), "slowest": (_passes_slowest, _scan_slowest),
+          "dapple-rt": (_passes_round_trip, _scan_round_trip)}
 
 
 def _job_cache(topo: Topology, work: Workload) -> dict:
     """What every search of this workload on this topology computes alike (the planner searches
     several objectives and spaces of one job): the seeds' estimates, the need tables and the bounds
     g of :func:`_dp`, each by all its inputs; kept on the topology, per workload object."""
-    got = topo._seeds.get(id(work))
+    got = topo.search_memo.get(id(work))
     if got is None or got[0] is not work:
-        got = topo._seeds[id(work)] = (work, {})
+        got = topo.search_memo[id(work)] = (work, {})
     return got[1]
 
 
@@ -624,7 +762,7 @@ def _seed(ctx: _Ctx, jobs) -> dict:
         for r in _rep_values(ctx.space, b, P):
             sl = topo.slots(policy, r)
             wq = work.at(b // r)
-            total = (wq._cf[L] + wq._cb[L]) * (b / r)
+            total = (wq.forward_prefix_sums[L] + wq.backward_prefix_sums[L]) * (b / r)
             for D in range(1, min(L, limit, P // sl) + 1):
                 if D * sl > P:
                     break
@@ -640,14 +778,14 @@ def _seed(ctx: _Ctx, jobs) -> dict:
         for sums in another order than estimate()'s. Both are <= the value: skipping by them keeps
         what the seeds keep (see below)."""
         lb = (total / D if slow else max(total, M * total / D)) * (1 - 1e-9)
-        if (lb > bound and lb >= best) or not SEED_BOUNDS:
+        if lb > bound and lb >= best:
             return lb
         lk = ("seed-bound", ctx.G, M, r, D)
         got = known.get(lk)
         if got is None:
             b = ctx.G // M
             wq = work.at(b // r)
-            q, cf, cb, e = b / r, wq._cf, wq._cb, edges_of(D)
+            q, cf, cb, e = b / r, wq.forward_prefix_sums, wq.backward_prefix_sums, edges_of(D)
             acc = piv = top = 0.0
             for s in range(D):
                 st = (cf[e[s + 1]] - cf[e[s]] + cb[e[s + 1]] - cb[e[s]]) * q
@@ -674,12 +812,12 @@ def _seed(ctx: _Ctx, jobs) -> dict:
     for M, policy in jobs:
         rs = [r for r in _rep_values(ctx.space, ctx.G // M, P) if topo.slots(policy, r) <= P]
         for r, D, total in shapes(M, policy):
-            if rs and r == rs[-1] and (fits(M, r, D) or not SEED_BOUNDS):    # (value(): None if not)
+            if rs and r == rs[-1] and fits(M, r, D):    # (value(): None if not)
                 order.append((lower(M, r, D, total), len(order), M, policy, r, D))
     order.sort()
-    for lb, _, M, policy, r, D in (order if SEED_BOUNDS else sorted(order, key=lambda x: x[1])):
+    for lb, _, M, policy, r, D in order:
         kth = vals[ctx.top_k - 1] if len(vals) >= ctx.top_k else INF
-        if lb > kth and lb >= first.get((M, policy), INF) and SEED_BOUNDS:
+        if lb > kth and lb >= first.get((M, policy), INF):
             continue
         got = value(M, policy, r, D)
         if got is not None:
@@ -697,12 +835,11 @@ def _seed(ctx: _Ctx, jobs) -> dict:
             lbv = lower(M, r, D, total)         # the cheap bound alone
             if lbv > bound and lbv >= best:
                 continue
-            if SEED_BOUNDS:
-                if not fits(M, r, D):
-                    continue        # value() is None: nothing offered, nothing found
-                lbv = lower(M, r, D, total, bound, best)
-                if lbv > bound and lbv >= best:
-                    continue
+            if not fits(M, r, D):
+                continue        # value() is None: nothing offered, nothing found
+            lbv = lower(M, r, D, total, bound, best)
+            if lbv > bound and lbv >= best:
+                continue
             got = value(M, policy, r, D)
             if got is None:
                 continue
@@ -734,7 +871,7 @@ def latency_floor(work: Workload, topo: Topology, global_batch: int, microbatche
     step = max(1, -(-P // 128))
     w = min(2, M, WCAP)
     known = _job_cache(topo, work)
-    cp, ca = work._cp, work._ca
+    cp, ca = work.param_prefix_sums, work.activation_prefix_sums
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     out = INF
     for policy in space.policies:
@@ -751,12 +888,13 @@ def latency_floor(work: Workload, topo: Topology, global_batch: int, microbatche
             f = (P - slots[r]) // step
             q = b / r
             wq = work.at(b // r)
+            cf, cb = wq.forward_prefix_sums, wq.backward_prefix_sums
             alpha, beta = topo.allreduce_floor(policy, r)
             for i in range(L - 1, -1, -1):      # the last stage [i, L); it only grows as i falls
                 par = cp[L] - cp[i]
                 if par * bps + (ca[L] - ca[i]) * q > cap:
                     break
-                rt = (wq._cf[L] - wq._cf[i]) * q + (wq._cb[L] - wq._cb[i]) * q
+                rt = (cf[L] - cf[i]) * q + (cb[L] - cb[i]) * q
                 y = (alpha + beta * par * gbp if r > 1 and par > 0 else 0.0) + par * otp
                 v = max(float(Y[i][f]), float(X[i][f]) + M * rt, float(F[i][f]) + M * rt + y)
                 if v < out:
@@ -806,13 +944,14 @@ def _prefix_tables(work: Workload, topo: Topology, policy: str, b: int, M: int, 
     F = np.full((L + 1, nf), INF)
     Y[0] = X[0] = -INF
     F[0] = 0.0
-    cp, ca = np.array(work._cp), np.array(work._ca)
+    cp, ca = np.array(work.param_prefix_sums), np.array(work.activation_prefix_sums)
     bps, gbp, otp = work.bytes_per_param_static, work.grad_bytes_per_param, work.optim_time_per_param
     per_r = []
     for r in reps:
         wq = work.at(b // r)
         alpha, beta = topo.allreduce_floor(policy, r)
-        per_r.append((r, slots[r] // step, b / r, np.array(wq._cf), np.array(wq._cb), alpha, beta))
+        per_r.append((r, slots[r] // step, b / r, np.array(wq.forward_prefix_sums), np.array(wq.backward_prefix_sums),
+                      alpha, beta))
     for c in range(1, L + 1):
         for r, sg, q, cf, cb, alpha, beta in per_r:
             if sg >= nf:
@@ -887,36 +1026,39 @@ def _sqrt_work_bound(work: Workload, cap: float) -> list[float]:
     return g
 
 
-# which fields of a label a front compares (see _push): the first (p) too, or v and t not
-_MODES = {"dapple": 0, "slowest-latency": 0, "pipedream": 1, "dapple-rt": 1, "slowest": 2}
+# which fields of a label a front compares (see _push), by objective
+_FRONT_VT, _FRONT_PVT, _FRONT_P = 0, 1, 2
+_MODES = {"dapple": _FRONT_VT, "slowest-latency": _FRONT_VT, "pipedream": _FRONT_PVT, "dapple-rt": _FRONT_PVT,
+          "slowest": _FRONT_P}
 
 
-def _push(front: dict, key, lab, mode: int) -> None:
-    """Insert a label into a state's Pareto front (smaller is better in every field compared: the
-    DAPPLE objective ignores the first field, the PipeDream one (slowest element) and the round-trip
-    one (the suffix's round trip) compare it too (mode 1), the slowest element alone ignores V and T
-    (mode 2); the slots the suffix takes count too, for fronts that hold suffixes of several sizes)."""
+def _push(front: dict, key, lab: Label, mode: int) -> None:
+    """Insert a label into a state's Pareto front, unless a label there is no worse in every field
+    compared (smaller is better), and drop those it is no worse than. Every mode compares n, the
+    stages and the slots the suffix takes (fronts hold suffixes of several sizes); ``_FRONT_VT``
+    (DAPPLE's latency) V and T, ``_FRONT_PVT`` (PipeDream's objective, the round-trip one) p, V and T,
+    ``_FRONT_P`` (the slowest element alone) p."""
     fr = front.get(key)
     if fr is None:
         front[key] = [lab]
         return
-    p, v, t, n, c, k = lab[0], lab[1], lab[2], lab[3], lab[4], lab[6]
-    if mode == 1:
+    p, v, t, n, c, k = lab.p, lab.v, lab.t, lab.n, lab.stages, lab.k
+    if mode == _FRONT_PVT:
         for o in fr:
-            if o[0] <= p and o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c and o[6] <= k:
+            if o.p <= p and o.v <= v and o.t <= t and o.n <= n and o.stages <= c and o.k <= k:
                 return
-        fr[:] = [o for o in fr if not (p <= o[0] and v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4]
-                                       and k <= o[6])]
-    elif mode == 2:
+        fr[:] = [o for o in fr if not (p <= o.p and v <= o.v and t <= o.t and n <= o.n and c <= o.stages
+                                       and k <= o.k)]
+    elif mode == _FRONT_P:
         for o in fr:
-            if o[0] <= p and o[3] <= n and o[4] <= c and o[6] <= k:
+            if o.p <= p and o.n <= n and o.stages <= c and o.k <= k:
                 return
-        fr[:] = [o for o in fr if not (p <= o[0] and n <= o[3] and c <= o[4] and k <= o[6])]
+        fr[:] = [o for o in fr if not (p <= o.p and n <= o.n and c <= o.stages and k <= o.k)]
     else:
         for o in fr:
-            if o[1] <= v and o[2] <= t and o[3] <= n and o[4] <= c and o[6] <= k:
+            if o.v <= v and o.t <= t and o.n <= n and o.stages <= c and o.k <= k:
                 return
-        fr[:] = [o for o in fr if not (v <= o[1] and t <= o[2] and n <= o[3] and c <= o[4] and k <= o[6])]
+        fr[:] = [o for o in fr if not (v <= o.v and t <= o.t and n <= o.n and c <= o.stages and k <= o.k)]
     fr.append(lab)
 
 
@@ -932,7 +1074,7 @@ def _policies(topo: Topology, policies) -> list[str]:
     return out
 
 
-def search(work: Workload, topo: Topology, global_batch: int, *, objective: str = "dapple",
+def search_plans(work: Workload, topo: Topology, global_batch: int, *, objective: str = "dapple",
            space: SearchSpace | None = None, capacity: float | None = None, top_k: int = 1,
            model: str | None = None, cluster: str | None = None, progress: bool = False,
            budget: int | None = None) -> SearchResult:
@@ -961,7 +1103,7 @@ def search(work: Workload, topo: Topology, global_batch: int, *, objective: str 
     from tqdm import tqdm
     bar = tqdm(total=len(jobs), desc=f"planning {ctx.model} ({objective})", unit="config", file=sys.stderr,
                disable=not progress, leave=False)
-    if objective == "pipedream" and ctx.top_k == 1 and budget is None and TWO_PHASE:
+    if objective == "pipedream" and ctx.top_k == 1 and budget is None:
         # (slowest element, L) in two exact searches: the least slowest element p*, then the least L
         # among the plans whose every element is within p* (see the module docstring)
         ctx = replace(ctx, objective="slowest")

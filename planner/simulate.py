@@ -36,15 +36,17 @@ from functools import reduce
 from math import gcd
 
 from cost_models import Cluster, PerLayerCostModel, StageCosts
+from cost_models.bind import Bound
+from cost_models.job import Faults, Job
 from cost_models.partition import balanced_edges
+from cost_models.workload import Workload
 from schedules import Schedule, build, lower, make_schedule, validate
 from schedules.dapple import one_f_one_b
 from schedules.ir import B, F
-from sim import SimOptions, run
+from sim import simulate_job
 
 from .placement import lcm
 from .plan import Plan
-from .workload import Workload
 
 REPLICATED = "dapple-replicated"
 
@@ -205,18 +207,42 @@ class SimOutcome:
                 "peak_memory": self.peak_memory, "out_of_memory": self.oom}
 
 
+@dataclass(frozen=True)
+class PlanInMemory:
+    """A plan, its workload and its cluster as a job's cost source
+    (:class:`cost_models.job.PlanSource`): binding it builds the plan (:func:`build_plan`; ``split``
+    and ``check`` as there), so a plan the planner confirms is simulated as a job, the same path as
+    ``pipetwin simulate --plan``."""
+
+    plan: Plan
+    workload: Workload
+    cluster: Cluster
+    capacity: float | None = None
+    split: bool = False
+    check: bool = True
+    path: str = "plan (in memory)"
+
+    def bind(self, job) -> Bound:
+        bt = build_plan(self.plan, self.workload, self.cluster, self.capacity, eager=job.eager, check=self.check,
+                        split=self.split)
+        return Bound(bt.lowered, bt.costs, bt.network, dict(bt.extra))
+
+
 def simulate_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | None = None,
-                  options: SimOptions | None = None, *, split: bool = True) -> SimOutcome:
-    """One simulated iteration of a plan (the simulator's fast path: metrics without a trace, one
-    replica standing for identical ones; a non-uniform plan split into gcd(r_s) replicas, see
-    :func:`build_plan`; ``split=False``: its IR form, every rank simulated)."""
-    bt = build_plan(plan, work, cluster, capacity, check=False, split=split)
-    m = run(bt.lowered, bt.costs, bt.network, options or SimOptions()).metrics()
+                  faults: Faults | None = None, *, split: bool = True) -> SimOutcome:
+    """One simulated iteration of a plan, as a job (:class:`PlanInMemory`; the simulator's fast
+    path: metrics without a trace, one replica standing for identical ones; a non-uniform plan
+    split into gcd(r_s) replicas, see :func:`build_plan`; ``split=False``: its IR form, every rank
+    simulated), with ``faults`` (stragglers, slow links) if given."""
+    job = Job(plan=PlanInMemory(plan, work, cluster, capacity, split=split, check=False),
+              faults=faults or Faults())
+    bound, res = simulate_job(job, max_ops=None)
+    m = res.metrics()
     peaks = [p.peak_memory for p in m.per_device]
-    g = bt.extra.get("split_replicas", 1)
+    g = bound.report.get("split_replicas", 1)
     if g > 1:       # back to the IR form's rank order: its rank offset_s + i' g + j is j D' + offset'_s + i'
-        D, subs = bt.lowered.num_devices, [r // g for r in plan.replicas]
+        D, subs = bound.lowered.num_devices, [r // g for r in plan.replicas]
         peaks = [peaks[j * D + sum(subs[:s]) + i // g] for s, r in enumerate(plan.replicas) for i in range(r)
                  for j in [i % g]]
     peaks = tuple(peaks)
-    return SimOutcome(m.iteration_time, m.bubble_ratio, max(peaks), peaks, bt.costs.meta.get("memory_capacity"))
+    return SimOutcome(m.iteration_time, m.bubble_ratio, max(peaks), peaks, bound.costs.meta.get("memory_capacity"))

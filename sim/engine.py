@@ -3,25 +3,29 @@ when asked, its trace).
 
 One SimPy process per rank walks its program:
 
-- F / B / W take their time from the cost model (times the rank's slowdown and optional
-  per-op jitter). With ``hosts``, ranks on one host share its cores (processor sharing: each
-  compute op is a flow of its duration in core-seconds, capped at one core).
-- SEND posts the message (taking ``send_time`` of CPU, 0 unless calibrated on a host) and
-  returns (isend); the transfer occupies every link on the network path for latency +
-  bytes / bandwidth, sharing each link's bandwidth max-min fairly with concurrent transfers
-  (:mod:`sim.flows`). RECV blocks until its message has arrived (then ``recv_time`` of CPU).
-  COPY is local (``copy_time``).
+- Every op runs in three parts: it waits (a RECV for its message, an OPTIM for the rank's
+  all-reduces), takes its CPU work, then acts (a SEND posts its message, an ALLREDUCE joins its
+  group's). The CPU work is the compute of F / B / W (from the cost model, times the rank's
+  slowdown and optional per-op jitter), a SEND's ``send_time`` and a RECV's ``recv_time`` (0 unless
+  calibrated on a host), an ALLREDUCE's flattening of the local gradient copies, OPTIM's
+  ``optim_time`` and writing the sums back. Without ``hosts`` (GPUs) it takes its duration and the
+  rank's clock just advances; with ``hosts``, ranks on one host share its cores as the host model
+  says (:mod:`sim.cores`: processor sharing, or time slices).
+- A SEND returns once posted (isend); the transfer occupies every link on the network path for
+  latency + bytes / bandwidth, sharing each link's bandwidth max-min fairly with concurrent
+  transfers (:mod:`sim.flows`). A RECV blocks until its message has arrived. COPY is local
+  (``copy_time``).
 - ALLREDUCE starts once every member of the stage's group has reached it; it runs the phases of
   a ring all-reduce (hierarchical when the group spans nodes, :func:`cost_models.comm.allreduce_phases`)
-  as flows over the same links as P2P traffic, while the ranks go on (on calibrated CPU ranks, its
-  measured ring time: the latency in wall time, the bytes on the members' cores);
-  OPTIM waits for the rank's all-reduces, then takes ``optim_time``.
+  as flows over the same links as P2P traffic, while the ranks go on (on a network with a measured
+  all-reduce fit, its ring time, spent as the host model says); OPTIM waits for the rank's
+  all-reduces, then does its CPU work.
 - Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
   F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
 
 A rank keeps its own clock and runs ahead of SimPy's while it touches nothing shared (compute on
 its own device, a message already delivered, no network); it synchronises (a timeout to its
-clock) before it starts a flow or joins an all-reduce, and it blocks only on a message not yet
+clock) before it starts a flow or takes a host's cores, and it blocks only on a message not yet
 delivered. The times are those of one event per op; the events are far fewer.
 
 Metrics (iteration time per step, per-rank busy time and peak activation) are kept on the fly;
@@ -61,8 +65,8 @@ from schedules.ir import (ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedul
 from schedules.lower import lower
 from schedules.trace import COLUMNS, DeviceMetrics, Metrics, TraceRow, make_trace
 
+from .cores import host_model
 from .flows import FairShare
-from .slicing import SlicedCores
 from .symmetry import Symmetry, replica_classes, symmetry_blocker
 
 
@@ -74,7 +78,8 @@ class SimOptions:
     link_slowdown: per-link-name factor dividing bandwidth (a slow link: {"n1.nic0.out": 2};
       link names come from the network, e.g. ``Cluster.links()``).
     jitter: relative standard deviation of per-op compute noise (seeded per rank, deterministic).
-    hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores.
+    hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores (how: the
+      host model of :mod:`sim.cores`, processor sharing unless ``time_slice``).
     comm_uses_cores: with ``hosts``, transfers also occupy a core of each end's host while they
       run (CPU transports such as gloo, whose threads copy and reduce the bytes).
     time_slice: with ``hosts``, the seconds an OS gives a rank on a core before the next waiting
@@ -197,19 +202,31 @@ def _expand(rows: list, attrs: dict, rep_of: list | None) -> pd.DataFrame:
     return out[COLUMNS]
 
 
-class _Planned(NamedTuple):
-    """One op of a rank's program, resolved before the run. Every field means one thing for every
-    kind (zero / None where it does not apply)."""
+# what an op waits for before its CPU work (_Planned.waits) and what it does after (_Planned.then)
+_NOTHING, _MESSAGE, _ALLREDUCES = 0, 1, 2
+_COMPUTED, _POST, _JOIN, _HAND_OFF = 1, 2, 3, 4
 
-    kind: str
-    seconds: float       # compute time (F/B/W); flattening the local gradients (ALLREDUCE)
+
+class _Planned(NamedTuple):
+    """What an op of a rank's program does, resolved before the run. An op runs in three parts: it
+    waits (``waits``), takes its CPU work (``cpu``), then acts (``then``). Every field means one
+    thing for every kind (zero / None where it does not apply). The ops of a rank that do the same
+    (same kind, copy, stage, payload and peer; an OPTIM aside) share one record; what differs per op
+    (the message, the trace row) is kept beside the plan. ``_Engine._rank`` unpacks the record by
+    position, once per op of its loop: the fields' order is the loop's."""
+
+    waits: int           # _MESSAGE (RECV: until its message has arrived), _ALLREDUCES (OPTIM: the
+                         # rank's all-reduces of the step), _NOTHING
+    cpu: float | None    # seconds of CPU work: the compute (F/B/W; always, even 0), posting (SEND) or
+                         # taking (RECV) the message, flattening the local gradient copies (ALLREDUCE),
+                         # the optimizer step and writing the sums back to every copy (OPTIM); None: none
+    then: int            # _COMPUTED (F/B/W: busy time, activation memory), _POST (SEND: the message
+                         # leaves), _JOIN (ALLREDUCE: its group's all-reduce), _HAND_OFF (COPY), _NOTHING
     nbytes: float        # bytes moved (SEND/RECV/ALLREDUCE)
-    act_alloc: float     # activation bytes allocated when the op starts (F)
+    act_alloc: float     # activation bytes allocated by the op (F)
     act_free: float      # activation bytes freed when it ends (B/W)
-    msg: tuple | None    # (src, dst, n-th message on that pair) for SEND/RECV
     stage: int
     peer: int
-    head: tuple | None   # the trace row's first fields (device .. peer), when a trace is kept
 
 
 # records from one tuple, without a Python-level call (the engine makes one per op)
@@ -260,14 +277,14 @@ def _moves_bytes(costs: StageCosts) -> bool:
 class _Engine:
     def __init__(self, sched: Schedule, costs: StageCosts, network: Network | None, opts: SimOptions,
                  record: bool):
-        self.s = sched
-        self.c = costs
+        self.sched = sched
+        self.costs = costs
         self.net = network
-        self.o = opts
+        self.opts = opts
         self.record = record
         self.env = simpy.Environment()
         self.flows = FairShare(self.env)
-        self.sliced: dict[int, SlicedCores] = {}
+        self.host = host_model(self.env, self.flows, opts.hosts, opts.cores, opts.time_slice, opts.comm_uses_cores)
         R = sched.num_ranks
         if len(costs.static_mem) != R:
             raise ScheduleError(f"costs were bound for {len(costs.static_mem)} ranks, schedule has {R}; "
@@ -314,12 +331,12 @@ class _Engine:
 
     # ------------------------------------------------------------------ helpers
     def _path(self, a: int, b: int):
-        """(resources, latency) of a transfer from rank a to rank b (cached per pair)."""
+        """(resources, latency, share) of a transfer from rank a to rank b (cached per pair)."""
         got = self._paths.get((a, b))
         if got is not None:
             return got
         if self.sym is not None:
-            got = self.sym.p2p[(a, b)]
+            got = self.sym.p2p[(a, b)] + (1.0,)
         else:
             got = self._real_path(a, b)
         self._paths[(a, b)] = got
@@ -329,23 +346,11 @@ class _Engine:
         links = self.net.path(a, b)
         out, lat = [], 0.0
         for ln in links:
-            bw = ln.bandwidth / self.o.link_slowdown.get(ln.name, 1.0)
+            bw = ln.bandwidth / self.opts.link_slowdown.get(ln.name, 1.0)
             out.append((ln.name, bw))
             lat += ln.latency
-        if self.o.comm_uses_cores and self.o.hosts is not None and out and self.o.time_slice is None:
-            # on CPU ranks the transport's threads copy the bytes: a transfer at the link's speed
-            # keeps one core of each end's host busy, shared with the compute of that host
-            per_byte = 1.0 / min(bw for _, bw in out)
-            for h in sorted({self.o.hosts[a], self.o.hosts[b]}):
-                out.append((f"host{h}.cores", (self._cores(h), per_byte)))
-        return out, lat
-
-    def _share(self, res) -> float:
-        """A transfer that also keeps cores busy rises on the cores' scale (see :mod:`sim.flows`)."""
-        for _, spec in res:
-            if isinstance(spec, tuple) and _is_core(_):
-                return 1.0 / spec[1]
-        return 1.0
+        cores, share = self.host.transfer(a, b, out)    # on CPU ranks the transport's threads copy the bytes
+        return out + cores, lat, share
 
     def _deliver(self, msg: tuple, t: float) -> None:
         """Message ``msg`` = (src, dst, n-th on that pair) has arrived at dst at time t."""
@@ -356,62 +361,37 @@ class _Engine:
             ev.succeed(t)
 
     def _send(self, a: int, b: int, nbytes: float, msg: tuple) -> None:
-        res, lat = self._path(a, b)
+        res, lat, share = self._path(a, b)
         if lat > 0:
-            self.env.timeout(lat).callbacks.append(lambda _e: self._flow(res, nbytes, msg))
+            self.env.timeout(lat).callbacks.append(lambda _e: self._flow(res, nbytes, share, msg))
         else:
-            self._flow(res, nbytes, msg)
+            self._flow(res, nbytes, share, msg)
 
-    def _flow(self, res, nbytes: float, msg: tuple) -> None:
-        ev = self.flows.start(nbytes, res, share=self._share(res) if self.o.comm_uses_cores else 1.0)
+    def _flow(self, res, nbytes: float, share: float, msg: tuple) -> None:
+        ev = self.flows.start(nbytes, res, share=share)
         env = self.env
         ev.callbacks.append(lambda _e: self._deliver(msg, env.now))
-
-    def _busy(self, host, seconds: float) -> simpy.Event:
-        """The rank computes for ``seconds`` of one core; on a shared host the ranks that compute
-        at the same moment share its cores (time-sliced: take turns on them)."""
-        if host is None:
-            return self.env.timeout(seconds)
-        if self.o.time_slice is not None:
-            cores = self.sliced.get(host)
-            if cores is None:
-                cores = self.sliced[host] = SlicedCores(self.env, self._cores(host), self.o.time_slice)
-            return cores.run(seconds)
-        return self.flows.start(seconds, {f"host{host}.cores": self._cores(host)}, cap=1.0)
-
-    def _cores(self, host: int) -> float:
-        c = self.o.cores
-        return float(c.get(host, 1.0)) if isinstance(c, Mapping) else float(c)
 
     # ------------------------------------------------------------------ all-reduce
     def _allreduce(self, key: tuple[int, int]):
         """Replay the all-reduce algorithm of :func:`cost_models.comm.allreduce_phases` (a ring,
         or hierarchical when the group spans nodes) as flows over the same links as P2P traffic;
-        on a network with a measured all-reduce fit (``collective``), take its ring time."""
+        on a network with a measured all-reduce fit (``collective``), take its ring time as the
+        host model spends it (:meth:`sim.cores.HostModel.fitted_allreduce`)."""
         env = self.env
         start = self.ar_start[key]
         if start > env.now:
             yield env.timeout(start - env.now)
         stage = key[1]
-        nbytes = self.c.param_bytes[0][stage]
-        full = self.s.stage_group(stage)
+        nbytes = self.costs.param_bytes[0][stage]
+        full = self.sched.stage_group(stage)
         fitted = getattr(self.net, "collective", None)
         if self.net is not None and nbytes > 0 and len(full) > 1 and fitted is not None:
-            # a measured all-reduce (calibration profile): its fitted ring time
+            # a measured all-reduce (calibration profile): its fitted ring time, of which the
+            # messages' latency is the part without bytes
             t = ring_allreduce_time(nbytes, len(full), fitted.bandwidth, fitted.latency)
-            if self.o.comm_uses_cores and self.o.hosts is not None:
-                if self.o.time_slice is None:
-                    # as a P2P transfer's (_real_path): the ring's per-message latency passes
-                    # without a core (the transport's threads wait for the peer), its bytes hold one
-                    lat = ring_allreduce_time(0.0, len(full), fitted.bandwidth, fitted.latency)
-                    yield env.timeout(lat)
-                    t -= lat
-                # CPU transports reduce on the host: each member keeps a core busy for the bytes,
-                # shared with the compute of its host (time-sliced: the whole ring time, queued
-                # for a core like any CPU work)
-                yield env.all_of([self._busy(self.o.hosts[m], t) for m in full])
-            else:
-                yield env.timeout(t)
+            lat = ring_allreduce_time(0.0, len(full), fitted.bandwidth, fitted.latency)
+            yield from self.host.fitted_allreduce(full, t, lat)
         elif self.net is not None and nbytes > 0 and len(full) > 1:
             for repeat, lat, flows in self._ar_phases(stage, full, nbytes):
                 for _ in range(repeat):
@@ -429,9 +409,9 @@ class _Engine:
         for repeat, transfers in allreduce_phases(self.net, full, nbytes):
             lat, flows = 0.0, []
             for src, dst, b in transfers:
-                res, la = self._path(src, dst)
+                res, la, share = self._path(src, dst)
                 lat = max(lat, la)
-                flows.append((res, b, self._share(res) if self.o.comm_uses_cores else 1.0))
+                flows.append((res, b, share))
             out.append((repeat, lat, flows))
         return out
 
@@ -442,187 +422,179 @@ class _Engine:
             self.ar_done[key] = self.env.event()
         self.ar_start[key] = max(self.ar_start.get(key, t), t)
         if len(arrived) == len(self.groups[key[1]]):
-            nbytes = self.c.param_bytes[0][key[1]]
-            if self.net is None or nbytes <= 0 or len(self.s.stage_group(key[1])) <= 1:
+            nbytes = self.costs.param_bytes[0][key[1]]
+            if self.net is None or nbytes <= 0 or len(self.sched.stage_group(key[1])) <= 1:
                 self.ar_end[key] = self.ar_start[key]        # nothing to move
                 self.ar_done[key].succeed(self.ar_start[key])
             else:
                 self.env.process(self._allreduce(key))
 
     # ------------------------------------------------------------------ rank process
-    def _compile(self, r: int) -> list[tuple]:
-        """Resolve every op of rank r once (duration, bytes, activation change, message and, with a
-        trace, its row prefix) as a :class:`_Planned` tuple, so the hot loop does no lookups. What
-        depends only on (kind, copy, stage, payload) is resolved once per such combination."""
-        s = self.s
-        split = s.split_backward
-        slow = self.o.slowdown.get(r, 1.0)
+    def _compile(self, r: int) -> tuple[list[_Planned], list[tuple | None], list[tuple] | None]:
+        """Rank r's program resolved once, so the hot loop does no lookups: (plan, messages, heads).
+        ``plan[i]``: op i's :class:`_Planned` record (shared by the rank's ops that do the same,
+        resolved once per such combination); ``messages[i]``: the key (src, dst, n-th message on that
+        pair) of the message SEND or RECV i carries, None for other ops; ``heads[i]``: op i's trace row
+        up to its peer (None without a trace)."""
+        sched = self.sched
+        split = sched.split_backward
+        slow = self.opts.slowdown.get(r, 1.0)
+        program = sched.program(r)
+        messages: list[tuple | None] = [None] * len(program)
+        heads = [None] * len(program) if self.record else None
         sent: dict = {}
         got: dict = {}
-        resolved: dict = {}
-        out = []
-        append = out.append
-        record = self.record
-        for i, op in enumerate(s.program(r)):
+        planned: dict = {}
+        plan = []
+        append = plan.append
+        copy_back = 0.0        # the step's flattening so far: writing the sums back costs as much at OPTIM
+        for i, op in enumerate(program):
             k = op.kind
-            head = (r, 0, i, k, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer) if record else None
-            what = (k, op.copy, op.stage, op.payload)
-            res = resolved.get(what)
-            if res is None:
-                res = resolved[what] = self._resolve(r, op, split, slow)
-            msg = None
+            if heads is not None:
+                heads[i] = (r, 0, i, k, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer)
             if k == SEND:
                 # per-pair FIFO (checked by validation): the n-th SEND of a pair is the n-th RECV
                 peer = op.peer
                 n = sent[peer] = sent.get(peer, -1) + 1
-                msg = (r, peer, n)
+                messages[i] = (r, peer, n)
             elif k == RECV:
                 peer = op.peer
                 n = got[peer] = got.get(peer, -1) + 1
-                msg = (peer, r, n)
-            append((k, res[0], res[1], res[2], res[3], msg, op.stage, op.peer, head))
-        return out
+                messages[i] = (peer, r, n)
+            elif k == OPTIM:
+                optim = self.costs.optim_time[r]
+                cpu = optim + copy_back if optim or copy_back else None
+                append(_Planned(_ALLREDUCES, cpu, _NOTHING, 0.0, 0.0, 0.0, op.stage, op.peer))
+                continue
+            what = (k, op.copy, op.stage, op.payload, op.peer)
+            p = planned.get(what)
+            if p is None:
+                p = planned[what] = self._plan(r, op, split, slow)
+            if k == ALLREDUCE and p.cpu is not None:
+                copy_back += p.cpu
+            append(p)
+        return plan, messages, heads
 
-    def _resolve(self, r: int, op, split: bool, slow: float) -> tuple[float, float, float, float]:
-        """(seconds, nbytes, act_alloc, act_free) of an op of rank r (see :class:`_Planned`)."""
-        c, s, k = self.c, self.s, op.kind
+    def _plan(self, r: int, op, split: bool, slow: float) -> _Planned:
+        """The :class:`_Planned` record of op ``op`` of rank r (any kind but OPTIM)."""
+        c, s, k = self.costs, self.sched, op.kind
         if k in (F, B, W):
             alloc, free = activation_change(k, c.act[op.copy][op.stage],
                                             c.act_w[op.copy][op.stage] if split else 0.0, split)
-            return c.compute_time(k, op.copy, op.stage) * slow, 0.0, alloc, free
+            return _Planned(_NOTHING, c.compute_time(k, op.copy, op.stage) * slow, _COMPUTED, 0.0, alloc, free,
+                            op.stage, op.peer)
         if k in (SEND, RECV):
             table = c.act_bytes if op.payload == ACT else c.grad_bytes
-            return 0.0, table[op.copy][source_stage(op)], 0.0, 0.0
+            nbytes = table[op.copy][source_stage(op)]
+            if k == SEND:
+                return _Planned(_NOTHING, c.send_time or None, _POST, nbytes, 0.0, 0.0, op.stage, op.peer)
+            return _Planned(_MESSAGE, c.recv_time or None, _NOTHING, nbytes, 0.0, 0.0, op.stage, op.peer)
         if k == ALLREDUCE:
             nbytes = c.param_bytes[op.copy][op.stage]
             copies = sum(1 for _, st in s.stages_on(s.rank_device(r)) if st == op.stage)
-            return copies * c.grad_copy_per_byte * nbytes, nbytes, 0.0, 0.0   # flatten the local copies
-        return 0.0, 0.0, 0.0, 0.0
+            flatten = copies * c.grad_copy_per_byte * nbytes       # flatten the local copies
+            return _Planned(_NOTHING, flatten or None, _JOIN, nbytes, 0.0, 0.0, op.stage, op.peer)
+        if k == COPY:
+            return _Planned(_NOTHING, None, _HAND_OFF, 0.0, 0.0, 0.0, op.stage, op.peer)
+        raise ScheduleError(f"rank {r}: {op} is an op kind the simulator does not know")
 
     def _rank(self, r: int):
-        env, c = self.env, self.c
+        """Rank r's SimPy process: its program, op by op, ``steps`` times. The rank keeps its own
+        clock; without a host (the GPU path) its CPU work just advances it, with one it waits for
+        its host's cores in SimPy's time (:mod:`sim.cores`)."""
+        env, costs = self.env, self.costs
         rows = self.rows
         record = self.record
         new_row = _new_row
-        host = self.o.hosts[r] if self.o.hosts is not None else None
-        jitter = self.o.jitter
-        rng = random.Random(self.o.seed * 1_000_003 + r) if jitter else None
+        work = self.host.work(r)
+        jitter = self.opts.jitter
+        rng = random.Random(self.opts.seed * 1_000_003 + r) if jitter else None
         no_net = self.net is None
-        compiled = self._compile(r)
+        plan, messages, heads = self._compile(r)
         pc = self.pc
         arrived, waiting = self.arrived, self.waiting
-        send_time, recv_time, copy_time = c.send_time, c.recv_time, c.copy_time
+        copy_time = costs.copy_time
         clock = 0.0
-        for step in range(self.o.steps):
+        for step in range(self.opts.steps):
             act = peak = busy = 0.0
-            copy_back = 0.0
             my_ars: list[tuple[int, int]] = []
             step_start = clock
-            for i, (k, seconds, nbytes, alloc, free, msg, stage, peer, head) in enumerate(compiled):
-                if step and msg is not None:
-                    msg = msg + (step,)
+            for i, (waits, cpu, then, nbytes, alloc, free, stage, peer) in enumerate(plan):
                 start = clock
-                if k == F or k == B or k == W:
-                    dur = seconds * max(0.05, rng.gauss(1.0, jitter)) if jitter else seconds
-                    act += alloc
-                    if host is None:
-                        clock += dur
-                        busy += dur
-                    else:
-                        pc[r] = i
-                        if clock > env.now:
-                            yield env.timeout(clock - env.now)
-                        yield self._busy(host, dur)
-                        clock = env.now
-                        busy += clock - start
-                    act -= free
-                    if act > peak:
-                        peak = act
-                elif k == SEND:
-                    if send_time:
-                        if host is None:
-                            clock += send_time
-                        else:
-                            pc[r] = i
-                            if clock > env.now:
-                                yield env.timeout(clock - env.now)
-                            yield self._busy(host, send_time)
-                            clock = env.now
-                    if no_net:       # delivered at once (self._deliver, inlined: one per SEND)
-                        ev = waiting.pop(msg, None)
-                        if ev is None:
-                            arrived[msg] = clock
-                        else:
-                            ev.succeed(clock)
-                    else:
-                        if clock > env.now:
-                            pc[r] = i
-                            yield env.timeout(clock - env.now)
-                            clock = env.now
-                        self._send(r, peer, nbytes, msg)
-                elif k == RECV:
-                    t = arrived.pop(msg, None)
-                    if t is None:
-                        pc[r] = i
-                        ev = waiting[msg] = env.event()
-                        t = yield ev
-                    if t > clock:
-                        clock = t
-                    if recv_time:
-                        if host is None:
-                            clock += recv_time
-                        else:
-                            pc[r] = i
-                            if clock > env.now:
-                                yield env.timeout(clock - env.now)
-                            yield self._busy(host, recv_time)
-                            clock = env.now
-                elif k == COPY:
-                    clock += copy_time
-                elif k == ALLREDUCE:
-                    if seconds:
-                        if host is None:
-                            clock += seconds
-                        else:
-                            pc[r] = i
-                            if clock > env.now:
-                                yield env.timeout(clock - env.now)
-                            yield self._busy(host, seconds)
-                            clock = env.now
-                    key = (step, stage)
-                    my_ars.append(key)
-                    self._ar_arrive(key, r, clock)
-                    copy_back += seconds    # ... and write the sums back to every copy at OPTIM
-                    if record:
+                # 1. what the op waits for
+                if waits:
+                    if waits == _MESSAGE:
+                        msg = messages[i]
                         if step:
-                            head = (r, step) + head[2:]
-                        # asynchronous: its row is completed at OPTIM, once its end is known
-                        self.pending_ar.setdefault(r, []).append(
-                            (len(rows), key, new_row(head + (start, start, nbytes, act))))
-                        rows.append(None)
-                    continue
-                elif k == OPTIM:
-                    pc[r] = i
-                    for key in my_ars:
-                        t = self.ar_end.get(key)
+                            msg = msg + (step,)
+                        t = arrived.pop(msg, None)
                         if t is None:
-                            t = yield self.ar_done[key]
+                            pc[r] = i
+                            ev = waiting[msg] = env.event()
+                            t = yield ev
                         if t > clock:
                             clock = t
-                    if record:
-                        self._fill_ar_rows(r)
-                    if c.optim_time[r] or copy_back:
-                        if host is None:
-                            clock += c.optim_time[r] + copy_back
+                    else:                    # the rank's all-reduces of the step
+                        pc[r] = i
+                        for key in my_ars:
+                            t = self.ar_end.get(key)
+                            if t is None:
+                                t = yield self.ar_done[key]
+                            if t > clock:
+                                clock = t
+                        if record:
+                            self._fill_ar_rows(r)
+                # 2. its CPU work
+                if cpu is not None:
+                    if jitter and then == _COMPUTED:
+                        cpu = cpu * max(0.05, rng.gauss(1.0, jitter))
+                    if work is None:         # no host (the GPU path): the clock just advances
+                        clock += cpu
+                    else:                    # in SimPy's time, until the host's cores have run it
+                        pc[r] = i
+                        if clock > env.now:
+                            yield env.timeout(clock - env.now)
+                        yield work(cpu)
+                        clock = env.now
+                # 3. what it does then
+                if then:
+                    if then == _COMPUTED:
+                        busy += cpu if work is None else clock - start
+                        act += alloc
+                        act -= free
+                        if act > peak:
+                            peak = act
+                    elif then == _POST:
+                        msg = messages[i]
+                        if step:
+                            msg = msg + (step,)
+                        if no_net:       # delivered at once (self._deliver, inlined: one per SEND)
+                            ev = waiting.pop(msg, None)
+                            if ev is None:
+                                arrived[msg] = clock
+                            else:
+                                ev.succeed(clock)
                         else:
-                            pc[r] = i
                             if clock > env.now:
+                                pc[r] = i
                                 yield env.timeout(clock - env.now)
-                            yield self._busy(host, c.optim_time[r] + copy_back)
-                            clock = env.now
+                                clock = env.now
+                            self._send(r, peer, nbytes, msg)
+                    elif then == _JOIN:
+                        key = (step, stage)
+                        my_ars.append(key)
+                        self._ar_arrive(key, r, clock)
+                        if record:
+                            head = heads[i] if not step else (r, step) + heads[i][2:]
+                            # asynchronous: its row is completed at OPTIM, once its end is known
+                            self.pending_ar.setdefault(r, []).append(
+                                (len(rows), key, new_row(head + (start, start, nbytes, act))))
+                            rows.append(None)
+                        continue
+                    else:                    # a local hand-off
+                        clock += copy_time
                 if record:
-                    if step:
-                        head = (r, step) + head[2:]
+                    head = heads[i] if not step else (r, step) + heads[i][2:]
                     rows.append(new_row(head + (start, clock, nbytes, act)))
             self.busy[r] = busy
             self.peak[r] = peak
@@ -630,7 +602,7 @@ class _Engine:
                 self.step_first[step] = step_start
             if clock > self.step_last[step]:
                 self.step_last[step] = clock
-        pc[r] = len(compiled)
+        pc[r] = len(plan)
         self.finished[r] = True
 
     def _fill_ar_rows(self, r: int) -> None:
@@ -644,9 +616,9 @@ class _Engine:
             self.env.run()
         stuck = [r for r in self.active if not self.finished[r]]
         if stuck:
-            desc = "; ".join(f"rank {r} at {self.s.program(r)[self.pc[r]]}" for r in stuck)
+            desc = "; ".join(f"rank {r} at {self.sched.program(r)[self.pc[r]]}" for r in stuck)
             raise SimulationError(f"simulation deadlocked: {desc}")
-        s, c = self.s, self.c
+        s, c = self.sched, self.costs
         R = s.num_ranks
         attrs = dict(engine="sim", schedule=s.name, devices=s.num_devices, microbatches=s.num_microbatches,
                      replicas=s.replicas, time_unit=c.time_unit, mem_unit=c.mem_unit,
@@ -656,9 +628,4 @@ class _Engine:
         peak = [self.peak[x] for x in self.rep]
         rows = [row for row in self.rows if row is not None] if self.record else None
         return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=self.rep_of)
-
-
-def _is_core(name: str) -> bool:
-    return name.startswith("host") and name.endswith(".cores")
-
 

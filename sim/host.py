@@ -4,21 +4,21 @@ A profile (:mod:`cost_models.calibration`) is measured with every rank on one ho
 share its cores, and the transport's threads (gloo) keep cores busy while they move or reduce
 bytes. With no more ranks than cores each rank has a core of its own (pinned) and the sharing is
 processor sharing; with more ranks than cores the OS time-slices them (:mod:`sim.slicing`), the
-profile's ``time_slice``. These helpers set the simulator up that way; calibration (to fit the
-runtime against traced runs) and validation (to predict them) both use them.
+profile's ``time_slice``. These helpers set the simulator up that way, for every simulation with a
+profile (:func:`calibration.simulate.simulate_with_profile`, ``pipetwin simulate --profile``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .engine import SimOptions, simulate
+from .engine import SimOptions
 
 
 @dataclass(frozen=True, kw_only=True)
 class HostCores:
     """How the ranks of one CPU host share it: ``cores``; with more ranks than cores, the OS's
     ``time_slice`` (seconds; None: processor sharing) and a compute ``oversubscribed_slowdown``
-    (profiles of earlier versions; 1 in new ones)."""
+    (a factor a profile may carry; 1 when the time slices account for the sharing)."""
 
     cores: int
     time_slice: float | None = None
@@ -45,13 +45,3 @@ def on_one_host(opts: SimOptions, num_ranks: int, host: HostCores) -> SimOptions
     return replace(opts, hosts=[0] * num_ranks, cores=float(host.cores), comm_uses_cores=True, slowdown=slow,
                    time_slice=host.time_slice if over else None)
 
-
-def simulate_with_profile(low, profile, steps: int = 1, partition=None, recompute: str = "none"):
-    """Simulate ``steps`` back-to-back iterations of lowered schedule ``low`` with the costs of
-    calibration ``profile`` (under activation recomputation ``recompute``), on one host whose
-    cores the ranks share (``partition``: layers per stage; default the executor's split for the
-    profile's model)."""
-    costs = profile.cost_model(low.num_stages, partition, recompute=recompute).bind(low)
-    net = profile.cluster(low.num_ranks)
-    host = HostCores.of(profile) or HostCores(cores=1)
-    return simulate(low, costs, net, on_one_host(SimOptions(steps=steps), low.num_ranks, host))

@@ -3,19 +3,18 @@
 With more runnable ranks than cores, processor sharing (:mod:`sim.flows`) lets every runnable
 rank progress at once, each at its share of the cores. An OS does otherwise: a core runs one
 rank at a time, for up to a slice of time, and the others wait their turn, so an op shorter than
-a slice runs at full speed once it has a core. Measured on this machine with 4 ranks on 2 cores:
-the host is busy (the ranks' CPU time was 1.7-1.9 cores' worth of every second), and fitted
-through processor sharing the 1-stage-per-rank schedules (GPipe, ZB-H1, Chimera) came out 17-22%
-short while the fit reproduced the op totals; through time slices, the worst schedule was 8% off
-in the quiet sitting.
+a slice runs at full speed once it has a core. That is why an oversubscribed host (more ranks
+than cores) is modelled this way: fitted through processor sharing, the schedules with one stage
+per rank (GPipe, ZB-H1, Chimera) come out about a fifth short of their measured step times even
+though the fit reproduces the op totals; through time slices they come within about a tenth.
 
 :class:`SlicedCores` is that scheduler, round robin: ``cores`` cores, one queue served first
 come, first served, every piece of CPU work (an op, a send's or receive's CPU time, an
 all-reduce's share) queued on its own. A rank whose slice ends with work left goes to the back
 of the queue when another one waits, and keeps its core otherwise. A rank queues again after
 each op rather than keeping its core for the next: its sends wake the transport's threads, which
-the OS runs next (measured: the variant in which a rank went straight on had the quiet sitting's
-worst schedule 13% off, not 8%).
+the OS runs next (letting a rank go straight on to its next op fits measured step times worse:
+the worst schedule's error grows from about 8% to 13%).
 """
 from __future__ import annotations
 

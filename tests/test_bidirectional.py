@@ -1,4 +1,4 @@
-"""BitPipe and Chimera as their authors released them (issue 11): exact orders, closed forms at
+"""BitPipe and Chimera as their authors released them: exact orders, closed forms at
 N = D and N = K*D, activation peaks, variants, validation, the CLI's --variant."""
 from fractions import Fraction
 

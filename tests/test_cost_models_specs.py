@@ -111,10 +111,23 @@ def test_malformed_cluster_names_file_and_field(tmp_path, old, new, field):
     assert "bad.yaml" in str(e.value) and field in str(e.value)
 
 
-def test_spec_error_is_value_error():
-    assert issubclass(cm.SpecError, ValueError)
-    from cost_models.model_spec import SpecError
-    assert SpecError is cm.SpecError
+@pytest.mark.parametrize("option,name,text,field", [
+    ("--model", "m.yaml", "layers: 4\nhidden: abc\nheads: 2\nseq_len: 8\nvocab: 10\n", "'hidden'"),
+    ("--model", "m.yaml", "layers: [4\n", "not valid YAML"),
+    ("--cluster", "c.yaml", CLUSTER.replace("nodes: 2", "nodes: two"), "'nodes'"),
+    ("--cluster", "c.yaml", CLUSTER.replace("device: a100", "device: tpu"), "device"),
+])
+def test_malformed_spec_file_is_one_line_from_the_cli(tmp_path, capsys, option, name, text, field):
+    """A user's malformed file is a mistake they can fix: the command line names the file and the
+    field on one line and exits 2, no traceback, nothing simulated."""
+    from experiments.cli import main
+    p = write(tmp_path, name, text)
+    assert main(["simulate", option, str(p), "-s", "dapple", "-D", "2", "-N", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipetwin: error: ")
+    assert name in lines[0] and field in lines[0] and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- calibration profiles

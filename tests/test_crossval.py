@@ -1,9 +1,8 @@
 """Calibration fits, profile round trip with overheads, and a short executor-vs-simulator run."""
 import pytest
 
-from cost_models import load_profile, save_profile
+from calibration.fit import fit_allreduce, fit_latency_bandwidth
 from cost_models._spec import SpecError
-from cost_models.calibration import fit_allreduce, fit_latency_bandwidth
 
 
 def test_fit_recovers_known_latency_and_bandwidth():
@@ -32,21 +31,10 @@ def test_fit_refuses_flat_timings():
 
 
 @pytest.fixture(scope="module")
-def sitting(tmp_path_factory):
-    """Calibration and validation in one sitting (two rounds whatever the host's load: a busy
-    host leaves the runs unsettled, which the profile records; the fits use all runs then)."""
-    from executor.sitting import SittingRules
-    from experiments.crossval import calibrate_and_compare
-    prof, comps = calibrate_and_compare(["gpipe", "dapple"], 2, 4, 1, steps=4, repeats=5,
-                                        rules=SittingRules(runs=2, max_runs=2, warmup=1))
-    path = tmp_path_factory.mktemp("cal") / "profile.yaml"
-    save_profile(prof, path)
-    return prof, load_profile(path), comps
-
-
-@pytest.fixture(scope="module")
-def calibrated(sitting):
-    return sitting[:2]
+def calibrated(tiny_sitting):
+    """The tiny GPT's profile, calibrated in one sitting with its validation (tests/conftest.py):
+    as measured, and read back from its file."""
+    return tiny_sitting[:2]
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +65,10 @@ def test_calibrated_profile_round_trips(calibrated):
     assert sit["foreign_cores_max"] >= 0
 
 
-def test_one_sitting_shares_runs_between_calibration_and_validation(sitting):
+def test_one_sitting_shares_runs_between_calibration_and_validation(tiny_sitting):
     """dapple's runs are the calibration's too (in-sample, marked), gpipe is a prediction; the
     memory and op order checks hold whatever the host's load."""
-    prof, _, comps = sitting
+    prof, _, comps, _ = tiny_sitting
     g, d = comps
     assert (g.schedule, g.fitted, d.schedule, d.fitted) == ("gpipe", False, "dapple", True)
     assert len(d.run_times) == len(g.run_times) == 2 == prof.meta["sitting"]["2"]["runs"]["dapple"]
@@ -90,10 +78,11 @@ def test_one_sitting_shares_runs_between_calibration_and_validation(sitting):
 
 
 def test_short_validate_run_memory_is_exact(profile):
-    from executor.sitting import SittingRules
-    from experiments.crossval import run_and_compare
-    comps = run_and_compare(["gpipe", "dapple"], 2, 4, 1, profile, steps=3,
-                            rules=SittingRules(runs=1, max_runs=1, warmup=1))
+    from calibration.sitting import SittingRules
+    from calibration import run_and_compare
+    from cost_models.job import Job, Layout
+    jobs = [Job(layout=Layout(schedule=s, devices=2, microbatches=4)) for s in ("gpipe", "dapple")]
+    comps = run_and_compare(jobs, profile, steps=3, rules=SittingRules(runs=1, max_runs=1, warmup=1))
     for c in comps:
         assert len(c.run_times) == 1 and c.foreign_cores[0] >= 0.0
         assert c.order_identical, c.schedule
@@ -112,9 +101,9 @@ def _synthetic_runs(profile, schedules, D, steps=5, disturbed=()):
     from types import SimpleNamespace
 
     from executor.config import RunConfig, lowered_schedule
-    from executor.sitting import RunSeries, SittingRules
+    from calibration.sitting import RunSeries, SittingRules
     from schedules.trace import step_metrics
-    from sim.host import simulate_with_profile
+    from calibration import simulate_with_profile
     out = []
     for s in schedules:
         cfg = RunConfig(schedule=s, devices=D, microbatches=2 * D, steps=steps, model="tiny")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from executor.config import RunConfig, lowered_schedule
-from executor.launch import LaunchError, run, run_many
+from executor.launch import LaunchError, run
 from executor.reference import run_reference
 from schedules import B, ScheduleError, W, build, lower, make_schedule, names
 from schedules.ir import message_key, parse_op
@@ -96,21 +96,6 @@ def _cases_world4():
 
 CASES = {2: _cases_world2(), 4: _cases_world4()}
 IDS = [(w, k) for w, cases in CASES.items() for k in cases]
-
-
-@pytest.fixture(scope="module")
-def runs():
-    """{world: {case: (config, lowered schedule, result)}}, run lazily once per world size."""
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cases = CASES[world]
-            results = run_many(list(cases.values()))
-            cache[world] = {k: (cfg, lowered_schedule(cfg, sched), res)
-                            for (k, (cfg, sched)), res in zip(cases.items(), results)}
-        return cache[world]
-    return get
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +238,7 @@ def test_peak_activation_memory_equals_the_simulators(runs, name, kind):
     per-layer bytes and the run's recomputation mode, within 1% (fp32 and bf16); recomputation
     lowers what is kept from F to B, and full recomputation lowers every rank's peak of a 1F1B."""
     from schedules.trace import step_metrics
-    from sim.host import simulate_with_profile
+    from calibration import simulate_with_profile
     cfg, low, res = runs(2)[f"{name}-{kind}D2"]
     prof = _bytes_profile(cfg.spec(), cfg.dtype)
     sim = step_metrics(simulate_with_profile(low, prof, recompute=cfg.recompute)).per_device

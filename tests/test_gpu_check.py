@@ -1,10 +1,12 @@
 """experiments.gpu_check, run on the CPU (the same code a GPU machine runs with --device cuda)."""
 import csv
 import math
+from dataclasses import replace
 
 import pytest
 
 from cost_models import load_device, load_model
+from cost_models.kernels import transformer_layer_times
 from cost_models.layer_measurements import error_table, load_measurements
 from experiments import gpu_check
 
@@ -30,14 +32,37 @@ def test_layers_measured_beside_the_kernel_model(checked):
     assert [int(r["micro_batch"]) for r in rows] == [1, 2]
     spec, gpu = load_model("tiny"), load_device("v100")
     for r in rows:
-        pred = gpu_check.model_block(spec, int(r["micro_batch"]), gpu, "fp32")
+        # the kernel model asked directly, not through gpu_check: a block of the whole stack at this
+        # micro-batch, without dropout (the executor's GPT block has none); the full backward is B_input + W
+        f, b_input, w = transformer_layer_times(replace(spec, micro_batch=int(r["micro_batch"])), gpu, "fp32",
+                                                dropout=False)[1]
+        pred = {"f": f, "b_input": b_input, "w": w, "b": b_input + w}
         for k in gpu_check.KINDS:
             measured = float(r[f"{k}_measured_ms"])
             assert measured > 0
             assert float(r[f"{k}_model_ms"]) == pytest.approx(pred[k] * 1e3, rel=1e-9)
             assert float(r[f"{k}_error"]) == pytest.approx(pred[k] * 1e3 / measured - 1, rel=1e-9)
-    # the model's full backward is its input-gradient and weight-gradient parts
-    assert pred["b"] == pytest.approx(pred["b_input"] + pred["w"])
+
+
+def test_each_micro_batch_is_priced_at_its_own_size():
+    """The GPU's table (gpt3-1.3b in bf16 on an H200, the script's defaults), from given measured
+    times: each row's model columns are the kernel model at that row's micro-batch (the tiny model
+    above is launch-bound, the same at every micro-batch, so it cannot tell), the errors are
+    model / measured - 1."""
+    spec, gpu = load_model("gpt3-1.3b"), load_device("h200")
+    measured = [{"micro_batch": mb, "f": 1e-3 * mb, "b_input": 1e-3 * mb, "w": 1e-3 * mb, "b": 2e-3 * mb}
+                for mb in (1, 8)]
+    rows = gpu_check.layer_table(spec, measured, gpu, "bf16")
+    assert [r["micro_batch"] for r in rows] == [1, 8]
+    for m, r in zip(measured, rows):
+        f, b_input, w = transformer_layer_times(replace(spec, micro_batch=m["micro_batch"]), gpu, "bf16",
+                                                dropout=False)[1]
+        for k, want in {"f": f, "b_input": b_input, "w": w, "b": b_input + w}.items():
+            assert r[f"{k}_measured_ms"] == pytest.approx(m[k] * 1e3, rel=1e-12)
+            assert r[f"{k}_model_ms"] == pytest.approx(want * 1e3, rel=1e-12)
+            assert r[f"{k}_error"] == pytest.approx(want / m[k] - 1, rel=1e-12)
+    # 8 samples cost more than one and, the kernels fuller, less than 8 times one
+    assert rows[0]["f_model_ms"] < rows[1]["f_model_ms"] < 8 * rows[0]["f_model_ms"]
 
 
 def test_measurement_set_round_trips_and_the_fit_is_no_worse_than_the_preset(checked):

@@ -7,8 +7,8 @@ import pytest
 from cost_models import load_device
 from cost_models.pipedream_profile import ProfileError, load_pipedream_profile, profile_batch_from_name
 from experiments.cli import main
-from planner.profiles import profile_workload
-from planner.load import load_workload
+from cost_models.pipedream_workload import profile_workload
+from cost_models.workload_sources import load_workload
 
 DIR = resources.files("cost_models") / "presets" / "profiles" / "dapple-v100"
 V100 = load_device("v100")

@@ -8,13 +8,13 @@ import pytest
 
 from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_cluster, load_device
 from planner import (Plan, PlanError, SearchSpace, StagePlan, Topology, estimate, exhaustive, load_plan,
-                     replicated_schedule, save_plan, search, simulate_plan)
-from planner.load import load_workload
-from planner.models import paper_workload
+                     replicated_schedule, save_plan, search_plans, simulate_plan)
+from cost_models.workload_sources import load_workload
+from cost_models.paper_models import paper_workload
 from planner.plan import Plan as _Plan
 from planner.search import all_plans
 from planner.simulate import build_plan
-from planner.workload import from_layer_costs
+from cost_models.workload import from_layer_costs
 from schedules import lower, validate
 
 V100 = load_device("v100")
@@ -60,9 +60,9 @@ def test_search_equals_brute_force(seed):
         assert n > 0
         if plan is None:
             with pytest.raises(PlanError):
-                search(work, topo, G, objective=obj, space=space)
+                search_plans(work, topo, G, objective=obj, space=space)
             continue
-        got = search(work, topo, G, objective=obj, space=space).best
+        got = search_plans(work, topo, G, objective=obj, space=space).best
         assert got.value == pytest.approx(best, rel=1e-9)
         e = got.estimate
         assert e.fits
@@ -88,9 +88,9 @@ def test_searches_sharing_a_topology_equal_brute_force(seed):
         best, plan, _ = exhaustive(work, topo, G, objective=obj, space=space, capacity=cap)
         if plan is None:
             with pytest.raises(PlanError):
-                search(work, topo, G, objective=obj, space=space, capacity=cap)
+                search_plans(work, topo, G, objective=obj, space=space, capacity=cap)
             continue
-        got = search(work, topo, G, objective=obj, space=space, capacity=cap).best
+        got = search_plans(work, topo, G, objective=obj, space=space, capacity=cap).best
         assert got.value == pytest.approx(best, rel=1e-9)
 
 
@@ -109,7 +109,7 @@ def test_search_equals_brute_force_on_fabrics(seed):
     G = rng.choice([4, 8])
     for obj in ("dapple", "pipedream"):
         best, plan, _ = exhaustive(work, topo, G, objective=obj)
-        got = search(work, topo, G, objective=obj).best
+        got = search_plans(work, topo, G, objective=obj).best
         assert got.value == pytest.approx(best, rel=1e-9)
 
 
@@ -129,11 +129,11 @@ def test_memory_limit_never_exceeded():
     rng = random.Random(3)
     topo = Topology(cluster(2, 2, "nvlink2", "ib-edr"))
     work = rand_work(rng, 5)
-    free = search(work, topo, 8, capacity=1e15).best
+    free = search_plans(work, topo, 8, capacity=1e15).best
     lowest = min(estimate(p, work, topo).peak_memory for p in all_plans(work, topo, 8))
     assert lowest < free.estimate.peak_memory
     limit = (lowest + free.estimate.peak_memory) / 2
-    got = search(work, topo, 8, capacity=limit, top_k=4)
+    got = search_plans(work, topo, 8, capacity=limit, top_k=4)
     for c in got.candidates:
         assert c.estimate.peak_memory <= limit
     assert got.best.value > free.value
@@ -147,7 +147,7 @@ def test_cluster_too_small_is_a_clear_error(capsys):
     two = cluster(1, 2, "nvlink3", "ib-hdr", device=load_device("a100"), name="two")
     work = load_workload("gpt-96", two.device)
     with pytest.raises(PlanError, match=r"needs 1[0-9.]+ GiB of weights.*within 80.0 GiB per device"):
-        search(work, Topology(two), 8)
+        search_plans(work, Topology(two), 8)
     rc = main(["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "16", "--memory-limit", "64 MiB",
                "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -293,15 +293,42 @@ def test_uniform_plan_in_the_ir():
     assert bt.network.device_map == tuple(8 * (r % 2) + r // 2 for r in range(16))
     assert bt.costs.meta["partition"] == [26, 24]
     assert bt.costs.f[0][0] == pytest.approx(work.fwd(0, 26) * 2)      # b / R = 16 / 8 samples
-    for sched in ("gpipe", "interleaved"):
-        assert simulate_plan(plan.with_schedule(sched), work, c).iteration_time > 0
+
+
+def test_uniform_plan_schedules_equal_their_closed_forms():
+    """A uniform plan run with each schedule family the planner offers: R = 2 replicas of a D = 4
+    stage pipeline, M = 4 micro-batches of b = 4 samples (q = b / R = 2 per replica), 8 equal layers
+    (forward u per sample, backward 2u), no communication. A stage of 2 layers takes F + B = 6 u q per
+    micro-batch: GPipe and DAPPLE (1F1B) take (M + D - 1)(F + B) = 42 u q, bubble 3/7; the
+    interleaved schedule with v = 2 chunks (the 8 layers as 8 one-layer chunks, F / v each) takes
+    M (F + B) + (D - 1)(F + B) / v = 33 u q, bubble 3/11 (the design's unit-cost figures)."""
+    u, L, D, R, M, G = 1e-3, 8, 4, 2, 4, 16
+    f = (u,) * L
+    lc = LayerCosts(f=f, b_input=f, w=f, act=(1e6,) * L, act_w=(0.0,) * L, out_bytes=(0.0,) * L,
+                    params=(1e3,) * L)
+    work = from_layer_costs("eq", lc)
+    ideal = LinkSpec("ideal", 1e15, 0.0)
+    cl = Cluster(name="fast", nodes=1, devices_per_node=R * D, device=V100, intra=ideal, inter=ideal)
+    devs = Topology(cl).place("append-first", [R] * D)
+    plan = Plan("eq", "fast", G, M, tuple(StagePlan(2 * s, 2 * s + 2, devs[s]) for s in range(D)), "append-first")
+    q = G // M // R
+    closed = {"gpipe": ((M + D - 1) * 6 * u * q, 3 / 7), "dapple": ((M + D - 1) * 6 * u * q, 3 / 7),
+              "interleaved": ((M * 6 + (D - 1) * 6 / 2) * u * q, 3 / 11)}
+    for sched, (time, bubble) in closed.items():
+        p = plan.with_schedule(sched)
+        bt = build_plan(p, work, cl)
+        assert bt.lowered.replicas == R and bt.costs.meta["partition"] == ([1] * L if sched == "interleaved"
+                                                                            else [2] * D)
+        sim = simulate_plan(p, work, cl)
+        assert sim.iteration_time == pytest.approx(time, rel=1e-9), sched
+        assert sim.bubble_ratio == pytest.approx(bubble, rel=1e-9), sched
 
 
 @pytest.mark.parametrize("model", ["bert-48", "vgg-19"])
 def test_plan_file_round_trip(tmp_path, model):
     c = load_cluster("v100-16x1-25gbe")
     work = load_workload(model, c.device)
-    res = search(work, Topology(c), 32)
+    res = search_plans(work, Topology(c), 32)
     plan = res.best.plan
     path = tmp_path / "plan.json"
     rec = save_plan(path, plan, work, c, memory_limit=30 * 2 ** 30, est=res.best.estimate)
@@ -344,14 +371,14 @@ def test_round_trip_search_and_budget():
     rng = random.Random(11)
     topo = Topology(small_cluster(rng, 2, 2))
     work = rand_work(rng, 5)
-    r = search(work, topo, 8, objective="dapple-rt")
+    r = search_plans(work, topo, 8, objective="dapple-rt")
     e = estimate(r.best.plan, work, topo)
     assert r.best.value == pytest.approx(e.latency_rt, rel=1e-12) and e.latency_rt >= e.latency
     assert r.best.value == pytest.approx(exhaustive(work, topo, 8, objective="dapple-rt")[0], rel=1e-9)
-    full = search(work, topo, 8)
+    full = search_plans(work, topo, 8)
     assert full.exhausted
     for budget in (5, 20, 50):
-        cut = search(work, topo, 8, budget=budget)
+        cut = search_plans(work, topo, 8, budget=budget)
         # it runs up to the budget and stops within one sweep of a stage's start layers past it
         assert not cut.exhausted and budget < cut.evaluated <= budget + work.num_layers ** 2 < full.evaluated
 
@@ -374,73 +401,14 @@ def test_plan_file_run_record(tmp_path):
     assert load_plan(tmp_path / "n.json").record["run"] is None   # not an R x D layout
 
 
-MID_CASES = [("gpt-96", "dgx-a100-ib:4", 64, "flat"), ("bert-48", "v100-2x8-25gbe", 64, "flat"),
-             ("gpt3-1.3b", "dgx-h100-ib:4", 128, "fat-tree"), ("bert-48", "dgx-a100-ib:4", 32, "rail"),
-             ("bert-64", "dgx-a100-ib:2", 32, "flat")]
-
-
-@pytest.mark.parametrize("case", MID_CASES, ids=lambda c: f"{c[0]}-{c[1]}-G{c[2]}-{c[3]}")
-def test_fast_search_equals_the_earlier_search(case, monkeypatch):
-    """On mid-size jobs (too big for brute force) the search with the replica-capped prefix bounds, the
-    whole-prefix bound tables and the trial-threshold passes finds the same optimum, value and plan,
-    as the search without them (the earlier exact search), for DAPPLE's latency and PipeDream's
-    slowest element (in two phases, against one search over (slowest, L) labels)."""
-    import sys
-    from dataclasses import replace
-    ps = sys.modules["planner.search"]      # the module (``planner.search`` is also the function)
-    model, name, G, fabric = case
-    cl = load_cluster(name)
-    if fabric != "flat":
-        cl = replace(cl, fabric=fabric, nodes_per_leaf=2, oversubscription=2.0)
-    work = load_workload(model, cl.device)
-    for obj in ("dapple", "pipedream"):
-        fast = search(work, Topology(cl), G, objective=obj, top_k=1 if obj == "pipedream" else 4)
-        with monkeypatch.context() as m:
-            m.setattr(ps, "PREFIX_BOUNDS", False)
-            m.setattr(ps, "PREFIX_TABLES", False)
-            m.setattr(ps, "CEILINGS", ())
-            m.setattr(ps, "TWO_PHASE", False)
-            ref = search(work, Topology(cl), G, objective=obj, top_k=4)
-        assert fast.best.value == pytest.approx(ref.best.value, rel=1e-12)
-        assert fast.best.estimate.latency == pytest.approx(ref.best.estimate.latency, rel=1e-12)
-        assert fast.exhausted and ref.exhausted
-        if obj == "pipedream":      # the PipeDream baseline's plan itself is unchanged
-            assert fast.best.plan == ref.best.plan
-
-
-@pytest.mark.parametrize("case", MID_CASES[:3], ids=lambda c: f"{c[0]}-{c[1]}-G{c[2]}-{c[3]}")
-def test_seed_bounds_keep_the_search(case, monkeypatch):
-    """Seeds skipped by the lower bound of their stages' compute, and the most-replica seeds taken in
-    increasing bound (SEED_BOUNDS), leave the search exactly as it was: the same candidates (plans and
-    values, every one of top_k), the same stage placements evaluated and labels kept, for DAPPLE's
-    latency, the round-trip search on its budget and PipeDream's objective."""
-    import sys
-    from dataclasses import replace
-    ps = sys.modules["planner.search"]
-    model, name, G, fabric = case
-    cl = load_cluster(name)
-    if fabric != "flat":
-        cl = replace(cl, fabric=fabric, nodes_per_leaf=2, oversubscription=2.0)
-    work = load_workload(model, cl.device)
-    for obj, k, budget in (("dapple", 8, None), ("dapple-rt", 3, 20_000), ("pipedream", 1, None)):
-        got = []
-        for on in (True, False):
-            with monkeypatch.context() as m:
-                m.setattr(ps, "SEED_BOUNDS", on)
-                r = search(work, Topology(cl), G, objective=obj, top_k=k, budget=budget)
-            got.append(([(c.plan, c.value) for c in r.candidates], r.evaluated, r.labels, r.complete))
-        assert got[0] == got[1]
-
-
 @pytest.mark.parametrize("seed", range(40))
-def test_pipedream_in_two_phases_equals_one_search(seed, monkeypatch):
-    """PipeDream's objective (slowest element, then L) searched in two phases (the least slowest
-    element p*, then the least L with every element within p*) gives the value, the latency and the
-    plan of one search over (slowest, L) labels, and the brute-force optimum, on random small jobs
-    (memory limits, several fabrics, restricted spaces)."""
-    import sys
+def test_pipedream_in_two_phases_equals_one_search(seed):
+    """PipeDream's objective (slowest element, then L) searched in two phases (top_k = 1: the least
+    slowest element p*, then the least L with every element within p*) gives the value, the latency
+    and the plan of one search over (slowest, L) labels (what top_k > 1 runs), and both are the
+    brute-force optimum in that order: the least slowest element, then the least L among the plans
+    that have it, on random small jobs (memory limits, several fabrics, restricted spaces)."""
     from dataclasses import replace
-    ps = sys.modules["planner.search"]
     rng = random.Random(500 + seed)
     nodes, dpn = rng.choice([(2, 2), (1, 4), (4, 1), (2, 3), (3, 2), (2, 4)])
     cl = small_cluster(rng, nodes, dpn)
@@ -451,14 +419,16 @@ def test_pipedream_in_two_phases_equals_one_search(seed, monkeypatch):
     work = rand_work(rng, rng.randint(2, 6), rng.choice([None, 4e9, 8e9]))
     G = rng.choice([4, 6, 8, 12])
     space = SPACES[seed % len(SPACES)]
-    best, plan, _ = exhaustive(work, topo, G, objective="pipedream", space=space)
-    if plan is None:
+    ests = [e for e in (estimate(p, work, topo, work.memory_capacity) for p in all_plans(work, topo, G, space))
+            if e.fits]
+    if not ests:
         return
-    two = search(work, topo, G, objective="pipedream", space=space).best
-    monkeypatch.setattr(ps, "TWO_PHASE", False)
-    one = search(work, Topology(cl), G, objective="pipedream", space=space).best
-    assert two.value == one.value and two.value == pytest.approx(best, rel=1e-9)
-    assert two.estimate.latency == one.estimate.latency
+    slowest = min(e.slowest for e in ests)
+    latency = min(e.latency for e in ests if e.slowest <= slowest * (1 + 1e-9))
+    two = search_plans(work, topo, G, objective="pipedream", space=space).best
+    one = search_plans(work, Topology(cl), G, objective="pipedream", space=space, top_k=2).best
+    assert two.value == one.value and two.value == pytest.approx(slowest, rel=1e-9)
+    assert two.estimate.latency == one.estimate.latency == pytest.approx(latency, rel=1e-9)
     assert two.plan == one.plan
 
 
@@ -561,10 +531,9 @@ def test_prefix_tables_bound_every_prefix(seed):
     prefixes it stands for (stages [0, i) that fit with w micro-batches in flight, on at most f slots,
     at any offset), checked by enumerating the prefixes of small jobs; and Y of the first layer is
     within 2% of its best one-stage prefix (the bound is not vacuous)."""
-    import sys
     import itertools
     from dataclasses import replace
-    ps = sys.modules["planner.search"]
+    import planner.search as ps
     rng = random.Random(1400 + seed)
     nodes, dpn = rng.choice([(2, 2), (1, 4), (2, 3), (3, 2)])
     cl = small_cluster(rng, nodes, dpn)
@@ -613,9 +582,8 @@ def test_prefix_tables_bound_every_prefix(seed):
 def test_latency_floor_and_the_pipedream_skip(seed, monkeypatch):
     """latency_floor(M) is at most DAPPLE's latency of every plan with M micro-batches that fits (brute
     force), and the PipeDream baseline that skips the Ms by it keeps the plan of the scan over every M."""
-    import sys
-    ch = sys.modules["planner.choose"]
-    ps = sys.modules["planner.search"]
+    import planner.choose as ch
+    import planner.search as ps
     rng = random.Random(1500 + seed)
     nodes, dpn = rng.choice([(2, 2), (1, 4), (4, 1), (2, 3), (3, 2)])
     topo = Topology(small_cluster(rng, nodes, dpn))
@@ -629,8 +597,7 @@ def test_latency_floor_and_the_pipedream_skip(seed, monkeypatch):
         if plan is not None:
             assert floor > 0
     skip = ch.pipedream_plan(work, topo, G, space=space)
-    monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)
-    scan = ch.pipedream_plan(work, Topology(topo.cluster), G, space=space)
+    scan = ch.pipedream_plan(work, Topology(topo.cluster), G, space=space, skip_by_floor=False)
     assert (skip is None) == (scan is None)
     if scan is not None:
         assert skip.plan == scan.plan
@@ -643,16 +610,14 @@ def replace_space(space, M):
 
 def test_pipedream_skip_keeps_the_mid_size_baseline(monkeypatch):
     """On a mid-size job the skipping baseline searches fewer micro-batch counts and keeps the same plan."""
-    import sys
-    ch = sys.modules["planner.choose"]
+    import planner.choose as ch
     cl = load_cluster("dgx-a100-ib:4")
     work = load_workload("gpt-96", cl.device)
     calls = []
-    real = ch.search
-    monkeypatch.setattr(ch, "search", lambda *a, **k: calls.append(k["space"].microbatches) or real(*a, **k))
+    real = ch.search_plans
+    monkeypatch.setattr(ch, "search_plans", lambda *a, **k: calls.append(k["space"].microbatches) or real(*a, **k))
     skip = ch.pipedream_plan(work, Topology(cl), 64)
     searched = len(calls)
-    monkeypatch.setattr(ch, "SKIP_BY_FLOOR", False)
-    scan = ch.pipedream_plan(work, Topology(cl), 64)
+    scan = ch.pipedream_plan(work, Topology(cl), 64, skip_by_floor=False)
     assert skip.plan == scan.plan and skip.estimate.latency_rt == scan.estimate.latency_rt
     assert searched < len(calls) - searched == 7

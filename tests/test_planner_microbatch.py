@@ -8,9 +8,9 @@ import pytest
 
 from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_device
 from experiments.cli import main
-from planner import PlanError, SearchSpace, Topology, estimate, exhaustive, search, simulate_plan
-from planner.load import load_workload
-from planner.workload import from_layer_costs
+from planner import PlanError, SearchSpace, Topology, estimate, exhaustive, search_plans, simulate_plan
+from cost_models.workload_sources import load_workload
+from cost_models.workload import from_layer_costs
 from tests.test_planner import rand_work
 
 V100 = load_device("v100")
@@ -43,15 +43,15 @@ def test_larger_micro_batch_where_per_sample_time_falls():
     u = 1e-3
     topo = Topology(Cluster(name="two", nodes=1, devices_per_node=2, device=V100, intra=IDEAL, inter=IDEAL))
     space = SearchSpace(replicas=(1,), policies=("append-first",))
-    lin = search(two_layers(), topo, 16, space=space).best
+    lin = search_plans(two_layers(), topo, 16, space=space).best
     assert lin.plan.microbatches == 16 and lin.plan.num_stages == 2
     assert lin.value == pytest.approx(17 * u)
     work = curved(two_layers(), 4.0)
-    got = search(work, topo, 16, space=space).best
+    got = search_plans(work, topo, 16, space=space).best
     assert got.plan.microbatches == 2 and got.plan.micro_batch == 8 and got.plan.num_stages == 2
     assert got.value == pytest.approx(36 * u)
     for M, L in ((1, 40), (4, 40), (16, 85)):
-        alt = search(work, topo, 16, space=dataclasses.replace(space, microbatches=(M,))).best
+        alt = search_plans(work, topo, 16, space=dataclasses.replace(space, microbatches=(M,))).best
         assert alt.value == pytest.approx(L * u), M
     # the simulator agrees with the closed form
     assert simulate_plan(got.plan, work, topo.cluster).iteration_time == pytest.approx(36 * u, rel=1e-9)
@@ -76,9 +76,9 @@ def test_search_stays_exact_with_curved_costs(seed):
         best, plan, _ = exhaustive(work, topo, G, objective=obj)
         if plan is None:
             with pytest.raises(PlanError):
-                search(work, topo, G, objective=obj)
+                search_plans(work, topo, G, objective=obj)
             continue
-        got = search(work, topo, G, objective=obj).best
+        got = search_plans(work, topo, G, objective=obj).best
         assert got.value == pytest.approx(best, rel=1e-9), obj
 
 
@@ -98,8 +98,9 @@ def test_kernel_model_planner_picks_fewer_micro_batches_than_linear():
     cl = Cluster(name="v", nodes=1, devices_per_node=4, device=V100, intra=LINK_TYPES["nvlink2"],
                  inter=LINK_TYPES["eth-25g"])
     topo = Topology(cl)
-    lin = search(load_workload("bert-48", V100), topo, 32, space=SearchSpace(uniform=True)).best
-    ker = search(load_workload("bert-48", V100, cost_model="kernels"), topo, 32, space=SearchSpace(uniform=True)).best
+    uniform = SearchSpace(uniform=True)
+    lin = search_plans(load_workload("bert-48", V100), topo, 32, space=uniform).best
+    ker = search_plans(load_workload("bert-48", V100, cost_model="kernels"), topo, 32, space=uniform).best
     assert lin.plan.microbatches == 32                  # linear: more micro-batches only shrink the bubble
     assert ker.plan.microbatches < lin.plan.microbatches
 
@@ -120,7 +121,7 @@ def test_plan_cli_kernels_default_round_trips_through_a_plan_file(tmp_path, caps
 
 
 def test_simulate_per_sample_time_depends_on_micro_batch(capsys):
-    """The issue's example: bert-48 on v100-16x1-25gbe, micro-batch 1 vs 64. Linear: the same time per
+    """bert-48 on v100-16x1-25gbe simulated at micro-batch 1 and 64. Linear: the same time per
     sample; kernels: much less per sample at 64."""
     per = {}
     for cmodel in ("linear", "kernels"):

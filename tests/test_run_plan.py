@@ -21,7 +21,8 @@ from executor.model import full_model, stage_module
 from executor.reference import run_reference
 from experiments.cli import main as cli_main
 from experiments.plan_files import config_from_plan
-from planner import Plan, SearchSpace, StagePlan, Topology, load_workload, plan_training, save_plan
+from cost_models import load_workload
+from planner import Plan, SearchSpace, StagePlan, Topology, plan_training, save_plan
 
 V100 = load_device("v100")
 BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0)

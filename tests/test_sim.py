@@ -411,3 +411,170 @@ def test_time_sliced_host_by_hand():
     tr = simulate(low, costs, None, SimOptions(hosts=[0, 0], cores=1.0))
     assert step_metrics(tr).iteration_time == pytest.approx(12.04)
     assert tr.loc[(tr["device"] == 0) & (tr["token"] == "F1.s0"), "end"].item() > 2.0
+
+
+def test_host_model_is_chosen_once_from_the_options():
+    """No hosts: the GPU path, whose work function is None (the engine's loop advances the clock
+    itself); hosts: processor sharing, or time slices with ``time_slice``; transfers add the host
+    cores to their path only under processor sharing with ``comm_uses_cores``."""
+    from sim.cores import NoHost, SharedCores, TimeSlicedCores, host_model
+    env = simpy.Environment()
+    fs = FairShare(env)
+    none = host_model(env, fs, None, 1.0, None, True)
+    assert isinstance(none, NoHost) and none.work(0) is None and none.transfer(0, 1, [("l", 10.0)]) == ([], 1.0)
+    shared = host_model(env, fs, [0, 1], {1: 3.0}, None, True)
+    assert isinstance(shared, SharedCores) and (shared.cores(0), shared.cores(1)) == (1.0, 3.0)
+    assert shared.transfer(0, 1, [("l", 10.0), ("m", 4.0)]) == (
+        [("host0.cores", (1.0, 0.25)), ("host1.cores", (3.0, 0.25))], 4.0)
+    assert host_model(env, fs, [0, 1], 2.0, None, False).transfer(0, 1, [("l", 10.0)]) == ([], 1.0)
+    sliced = host_model(env, fs, [0, 0], 2.0, 0.5, True)
+    assert isinstance(sliced, TimeSlicedCores) and sliced.transfer(0, 1, [("l", 10.0)]) == ([], 1.0)
+    ends = []
+
+    def rank(seconds):
+        yield sliced.work(0)(seconds)
+        ends.append(env.now)
+
+    for s in (1.0, 1.0, 1.0):
+        env.process(rank(s))
+    env.run()
+    # three 1 s jobs on two cores in 0.5 s slices, round robin: the first two run [0, 0.5], the third
+    # and the first [0.5, 1], the second and the third [1, 1.5] (processor sharing: all end at 1.5)
+    assert ends == [pytest.approx(1.0), pytest.approx(1.5), pytest.approx(1.5)]
+
+# ---------------------------------------------------------------------- results pinned to the bit
+PINNED_PROFILE = {
+    "format": "pipetwin-calibration/1", "name": "pinned-cpu", "model": "tiny",
+    "layers": {"embedding": {"f": 1.0e-5, "b_input": 0.0, "w": 2.0e-5},
+               "block": {"f": 4.0e-4, "b_input": 4.5e-4, "w": 3.5e-4},
+               "head": {"f": 1.0e-4, "b_input": 1.0e-4, "w": 1.0e-4}},
+    "p2p": {"latency": "50 us", "bandwidth": "2 GB/s"}, "allreduce": {"latency": "80 us", "bandwidth": "1 GB/s"},
+    "optimizer": {"seconds_per_param": 2.0e-9},
+    "overhead": {"F": 5.0e-5, "B": 4.0e-5, "W": 4.0e-5, "SEND": 9.0e-5, "RECV": 3.0e-5, "OPTIM": 2.0e-4},
+    "grad_copy_per_byte": 2.0e-10, "copy_time": 1.0e-5, "cores": 2, "time_slice": "4 ms", "memory": "4 GiB",
+}
+
+
+def _pinned_unit(name, D, N, R=1, **opts):
+    low = lower(build(name, D, N), replicas=R)
+    return run(low, UnitCostModel().bind(low), None, SimOptions(**opts), trace=True)
+
+
+def _pinned_port(name, D, N, R, **opts):
+    """Hand-made costs with every CPU overhead (send, receive, copy, flattening, optimizer) on a
+    port network: the GPU path without hosts, the host paths with them."""
+    from dataclasses import replace
+    low = lower(build(name, D, N), replicas=R)
+    costs = replace(costs_for(low, f=1.0, b=2.0, act_bytes=300.0, param_bytes=2e3), send_time=0.03,
+                    recv_time=0.02, copy_time=0.01, grad_copy_per_byte=1e-4,
+                    optim_time=tuple(0.1 + 0.01 * r for r in range(low.num_ranks)))
+    return run(low, costs, PortNetwork(bandwidth=1e3, latency=0.05), SimOptions(**opts), trace=True)
+
+
+def _pinned_placed(name, D, N, R, *, opts=None, **kw):
+    low, costs, net = _placed(name, D, N, R, **kw)
+    return run(low, costs, net, SimOptions(**(opts or {})), trace=True)
+
+
+def _pinned_profile(name, D, N, R=1, steps=2, **profile):
+    """A calibrated CPU host (``sim.host.on_one_host``): D * R ranks on the profile's 2 cores, time-sliced
+    when they outnumber them (unless ``time_slice`` is None), processor sharing otherwise."""
+    from cost_models.calibration import profile_from_dict
+    from sim.host import HostCores, on_one_host
+    prof = profile_from_dict({**PINNED_PROFILE, **profile}, "pinned")
+    low = lower(build(name, D, N), replicas=R)
+    costs = prof.cost_model(low.num_stages).bind(low)
+    opts = on_one_host(SimOptions(steps=steps), low.num_ranks, HostCores.of(prof))
+    return run(low, costs, prof.cluster(low.num_ranks), opts, trace=True)
+
+
+PINNED = {
+    # no host: the GPU path (unit costs, every family, steps, jitter, a straggler)
+    "unit-gpipe": lambda: _pinned_unit("gpipe", 4, 8),
+    "unit-dapple-2steps-jitter": lambda: _pinned_unit("dapple", 4, 8, steps=2, jitter=0.1, seed=3),
+    "unit-interleaved": lambda: _pinned_unit("interleaved", 4, 8),
+    "unit-chimera-slow": lambda: _pinned_unit("chimera", 4, 8, slowdown={1: 1.5}),
+    "unit-bitpipe-R2": lambda: _pinned_unit("bitpipe", 4, 8, R=2),
+    "unit-zb-h1": lambda: _pinned_unit("zb-h1", 4, 8),
+    "unit-zb-v": lambda: _pinned_unit("zb-v", 4, 8),
+    "unit-dualpipe-v": lambda: _pinned_unit("dualpipe-v", 4, 8),
+    "unit-bitpipe-zb": lambda: _pinned_unit("bitpipe-zb", 4, 8),
+    # no host, with send / receive / copy / flattening / optimizer times and all-reduces
+    "port-dapple-R2": lambda: _pinned_port("dapple", 2, 4, 2),
+    "port-bitpipe-R2-2steps": lambda: _pinned_port("bitpipe", 2, 4, 2, steps=2),
+    "port-zb-v-R2-exact": lambda: _pinned_port("zb-v", 2, 4, 2, exact=True),
+    # hosts sharing cores (processor sharing), compute alone and with transfers on the cores
+    "port-dapple-R2-shared": lambda: _pinned_port("dapple", 2, 4, 2, hosts=[0, 0, 1, 1], cores={0: 1.0, 1: 2.0}),
+    "port-chimera-R2-shared-comm": lambda: _pinned_port("chimera", 2, 4, 2, hosts=[0, 0, 0, 1], cores=2.0,
+                                                        comm_uses_cores=True, steps=2),
+    # time-sliced hosts
+    "port-dapple-R2-sliced": lambda: _pinned_port("dapple", 2, 4, 2, hosts=[0, 0, 0, 0], cores=1.0,
+                                                  time_slice=0.25, steps=2),
+    "port-zb-h1-R2-sliced-comm": lambda: _pinned_port("zb-h1", 2, 4, 2, hosts=[0, 0, 1, 1], cores=1.0,
+                                                      comm_uses_cores=True, time_slice=0.4),
+    # a placed GPU cluster: replica symmetry, one replica per kind, every replica
+    "placed-dapple-R4": lambda: _pinned_placed("dapple", 4, 8, 4, nics_per_node=1),
+    "placed-dapple-D12-R4-kinds": lambda: _pinned_placed("dapple", 12, 12, 4, nodes=6),
+    "placed-bitpipe-R2-slowlink": lambda: _pinned_placed("bitpipe", 4, 8, 2, opts={
+        "link_slowdown": {"n0.g5.out": 4.0}, "steps": 2}),
+    # calibrated CPU hosts: shared cores (a core per rank), time slices (more ranks than cores)
+    "profile-dapple-D2-shared": lambda: _pinned_profile("dapple", 2, 4),
+    "profile-gpipe-D2-R2-sliced": lambda: _pinned_profile("gpipe", 2, 4, R=2),
+    "profile-zb-h1-D4-sliced": lambda: _pinned_profile("zb-h1", 4, 8),
+    "profile-chimera-D4-shared-oversubscribed": lambda: _pinned_profile("chimera", 4, 4, time_slice=None),
+    "profile-dapple-D2-R2-shared-4cores": lambda: _pinned_profile("dapple", 2, 4, R=2, cores=4),
+}
+
+
+def _fingerprint(res) -> str:
+    """SHA-256 of everything a run returns, floats by their exact repr: per-step iteration times,
+    busy time and peak activation per rank, the replicas simulated, and the full trace (every
+    column of every row) with its metadata."""
+    import hashlib
+    tr = res.trace()
+    parts = [repr(res.iteration_times), repr(res.busy), repr(res.peak_activation), repr(res.simulated_replicas),
+             repr(res.full_reason), repr(sorted((k, repr(v)) for k, v in tr.attrs.items())), repr(list(tr.columns))]
+    parts += [repr(tr[col].tolist()) for col in tr.columns]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+# the engine's output for each case; print them with `python tests/test_sim.py`
+PINNED_FINGERPRINTS = {
+    'placed-bitpipe-R2-slowlink': '3ecdbee4fc53baf5094aeeeae1404822',   # iteration 0.29723213444906993
+    'placed-dapple-D12-R4-kinds': 'a7827d7e714693acc7817fb5030658c8',   # iteration 0.33951561381003637
+    'placed-dapple-R4': 'ab4bc7f9ec956125a1477c2e15bd45b6',   # iteration 0.4365918011960042
+    'port-bitpipe-R2-2steps': '2c8361589b267f6b2feef2b9556ce11d',   # iteration 34.43999999999998
+    'port-chimera-R2-shared-comm': 'cf964eed64ae56f2fb89d16ca894eaa1',   # iteration 34.56333333333332
+    'port-dapple-R2': '52c93304f85e1931f32ae81a32fd2cae',   # iteration 19.37
+    'port-dapple-R2-shared': '75a59b4616b6d5b0bf57f6cec8d7a8a0',   # iteration 27.740000000000002
+    'port-dapple-R2-sliced': '44c6f55b100e56ac1c6b94a5ed84cfc7',   # iteration 57.15999999999998
+    'port-zb-h1-R2-sliced-comm': '142f6abd2b55c991e7b39c0e69f2b81b',   # iteration 27.919999999999984
+    'port-zb-v-R2-exact': '2b81a68b560d53fddb2d6b5b8fc068ff',   # iteration 33.60000000000001
+    'profile-chimera-D4-shared-oversubscribed': '62c2313a57e1df49b4393cf4ad076622',   # iteration 0.02796741440000002
+    'profile-dapple-D2-R2-shared-4cores': '9798a43bc71b5c0fb01649ca7737b2db',   # iteration 0.03177876480000001
+    'profile-dapple-D2-shared': '076474af8e8ddf6d1aa444aaae1f02eb',   # iteration 0.030385152000000006
+    'profile-gpipe-D2-R2-sliced': 'c32b491e8a3c072c0cb0cf72a0f1f33b',   # iteration 0.04744419840000004
+    'profile-zb-h1-D4-sliced': 'a8338dfed086faeec1955738e998d4be',   # iteration 0.05180508800000009
+    'unit-bitpipe-R2': '0f90add6a7a384443fb329cccf4190cf',   # iteration 27.0
+    'unit-bitpipe-zb': '7cc4a2a9c77438f313831b84d17992c9',   # iteration 24.5
+    'unit-chimera-slow': '36fe46d76ef6f967dc80ef8a32fc8961',   # iteration 39.0
+    'unit-dapple-2steps-jitter': '3899318d5fa7244013141986f4d64883',   # iteration 40.07816017628643
+    'unit-dualpipe-v': 'ae716c80dc878bf2a99e1130936c3f3e',   # iteration 25.5
+    'unit-gpipe': '7fb672ed3e011811e540a369a640fa81',   # iteration 33.0
+    'unit-interleaved': '610f9467a36cf8e66a57b7177d3d31f6',   # iteration 28.5
+    'unit-zb-h1': 'e3c3e7e0ab446c2cd289f62b2cf1d337',   # iteration 27.0
+    'unit-zb-v': 'b66fba4dc498e0ce34beb1dbb0a15357',   # iteration 25.5
+}
+
+
+@pytest.mark.parametrize("case", sorted(PINNED))
+def test_results_are_pinned_to_the_bit(case):
+    """Every case's iteration times, busy times, memory and full trace are those the fingerprint
+    recorded, to the last bit: a change to the engine's structure must not move a single float."""
+    assert _fingerprint(PINNED[case]()) == PINNED_FINGERPRINTS[case]
+
+
+if __name__ == "__main__":
+    for case in sorted(PINNED):
+        res = PINNED[case]()
+        print(f"    {case!r}: {_fingerprint(res)!r},   # iteration {res.iteration_time!r}")

@@ -10,7 +10,7 @@ import pytest
 
 from executor.config import RunConfig
 from executor.host import CpuWindow, foreign_cores, host_busy_seconds, own_cpu_seconds
-from executor.sitting import RunSeries, SittingRules, run_series
+from calibration.sitting import RunSeries, SittingRules, run_series
 from schedules.trace import fast_steps, noise_free
 
 
@@ -202,7 +202,7 @@ def _profile(meta):
 
 
 def test_refusals_name_calibration_unsettled_runs_and_probe_drift():
-    from experiments.crossval import Comparison, refusals
+    from calibration import Comparison, refusals
 
     def comp(name, problem=None, probe=1.0):
         return Comparison(schedule=name, devices=2, microbatches=4, replicas=1, measured_iteration_time=1.0,
@@ -274,7 +274,7 @@ def test_one_host_state_for_every_config_from_the_ops_speed():
     up to 1.15 x the 20th percentile of all configs' step speeds. dapple's runs hold both host
     states; gpipe's runs ran slow (1.5x) but for a few steps: its time comes from those steps, not
     from its slow ones, which the noise-free time of its runs would have taken."""
-    from executor.sitting import fast_state_cut
+    from calibration.sitting import fast_state_cut
     rules = SittingRules(runs=3, max_spread=0.05, state_band=0.15, state_steps=3)
     fast, slow = 1.0, 1.5
     d_runs = [_traced_run([fast] * 2 + [fast] * 9 + [slow] * 9, [30e-3] * 2 + [10e-3 + 1e-4 * j for j in range(9)]

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from experiments.cli import main
-from experiments.sweep import COLUMNS, Common, Grid, pareto_front, run_sweep
+from cost_models.job import Job, Layout
+from experiments.sweep import COLUMNS, Grid, pareto_front, run_sweep
 
 
 def run_cli(capsys, *argv):
@@ -75,7 +76,8 @@ def test_sweep_resumes_and_workers_agree(capsys, tmp_path):
 
 def test_sweep_figures_and_pareto(tmp_path):
     rows = run_sweep(Grid(schedules=("dapple", "zb-v"), devices=(2, 4), microbatches=(4,), dp=(1,)),
-                     Common(model="tiny", cluster="dgx-a100-4x8-ib", unit_costs=True), tmp_path, workers=1)
+                     Job(layout=Layout(schedule="dapple", devices=2, microbatches=4), unit_costs=True), tmp_path,
+                     workers=1)
     assert len(rows) == 4 and not any(r["error"] for r in rows)
     assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "pareto.png").stat().st_size > 0
     # (time, memory): b and c are on the front, a is beaten by b in both, d ties c's time with more memory
@@ -111,7 +113,8 @@ def test_sweep_on_a_local_ray(tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         grid = Grid(schedules=("dapple", "bitpipe"), devices=(2, 3), microbatches=(4,), dp=(1, 2))
-        common = Common(model="gpt3-1.3b", cluster="dgx-a100-4x8-ib")
+        common = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4), model="gpt3-1.3b",
+                     cluster="dgx-a100-4x8-ib")
         on_ray = run_sweep(grid, common, tmp_path / "ray", use_ray=True, figures=False)
     finally:
         ray.shutdown()

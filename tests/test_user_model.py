@@ -6,8 +6,9 @@ with data-parallel replicas (D = 2 x R = 2), three spawns in all (processes reus
 Each job trains 3 SGD steps: the per-step losses equal the reference's within 1e-5 and so does
 every final parameter; the tied parameter's copies end bit-identical on every rank that holds one;
 every rank's peak activation bytes equal the simulator's from the measured per-layer bytes. Then a
-short real calibration of the CNN feeds the simulator (here and scaled onto a cluster) and the
-planner, whose plan runs and equals the reference; bad model files fail in one line (exit 2).
+short real calibration of the tied LM (``pipetwin calibrate``, shared with its notebook:
+tests/conftest.py) feeds the simulator (here and scaled onto a cluster) and the planner, whose
+plan runs and equals the reference; bad model files fail in one line (exit 2).
 """
 from pathlib import Path
 
@@ -65,18 +66,6 @@ IDS = [(w, k) for w, cases in CASES.items() for k in cases]
 
 
 @pytest.fixture(scope="module")
-def runs():
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cases = CASES[world]
-            cache[world] = dict(zip(cases, run_many(list(cases.values()))))
-        return cache[world]
-    return get
-
-
-@pytest.fixture(scope="module")
 def references():
     cache = {}
 
@@ -102,7 +91,7 @@ def _reference(cfg):
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
 def test_losses_and_parameters_equal_reference(runs, references, world, case):
     cfg = CASES[world][case]
-    res, ref = runs(world)[case], references(cfg)
+    (_, _, res), ref = runs(world)[case], references(cfg)
     assert len(res.losses) == 3 == len(ref.losses)
     for got, want in zip(res.losses, ref.losses):
         assert abs(got - want) <= 1e-5 * abs(want), (res.losses, ref.losses)
@@ -121,8 +110,7 @@ def test_losses_and_parameters_equal_reference(runs, references, world, case):
 @pytest.mark.parametrize("world,case", [x for x in IDS if x[1].startswith("lm-")],
                          ids=[k for _, k in IDS if k.startswith("lm-")])
 def test_tied_weights_stay_equal_on_every_rank(runs, world, case):
-    res = runs(world)[case]
-    low = lowered_schedule(CASES[world][case])
+    _, low, res = runs(world)[case]
     copies = [t for key, t in res.params.items() if key.split("/", 1)[1] in TIED]
     # every model copy on every replica holds the embedding, the head or both
     assert len(copies) >= low.num_copies * low.replicas
@@ -256,9 +244,9 @@ def test_simulated_activation_memory_equals_measured(runs, stack_profiles, case)
     """Every rank's peak activation bytes, measured by the runtime's saved-tensor meter, equal the
     simulator's from the profile's per-layer bytes (alone at a stage's start, added after the
     layer before it elsewhere), split backward and parameter-free stages included."""
-    from sim.host import simulate_with_profile
+    from calibration import simulate_with_profile
     cfg = CASES[2][case]
-    res, low = runs(2)[case], lowered_schedule(cfg)
+    _, low, res = runs(2)[case]
     sim = simulate_with_profile(low, stack_profiles[cfg.model], partition=cfg.partition)
     from schedules.trace import step_metrics
     assert [p.peak_activation for p in step_metrics(sim).per_device] == \
@@ -282,23 +270,12 @@ def test_measured_layer_facts(stack_profiles):
     assert stack_profiles[CNN].act_bytes[2] == 4 * 8 * 36 * 8    # after the ReLU only the indices are new
 
 
-@pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    """One real (short) calibration of the CNN, saved."""
-    from calibration import calibrate
-    from cost_models import save_profile
-    prof = calibrate(CNN, ranks=2, repeats=3, runtime_steps=4, runtime_repeats=1)
-    path = tmp_path_factory.mktemp("cal") / "cnn.yaml"
-    save_profile(prof, path)
-    return prof, path
-
-
-def test_calibrate_then_simulate(calibrated, capsys):
+def test_calibrate_then_simulate(tied_lm_profile, capsys):
     import json
 
     from cost_models import load_profile, scaled_layer_costs
     from cost_models.device import load_device
-    prof, path = calibrated
+    prof, path = tied_lm_profile
     assert load_profile(path) == prof and prof.is_stack and prof.micro_batch == 4
     assert set(prof.meta["runtime_schedules"]) == {"dapple", "interleaved", "zb-v", "zb-h1", "bitpipe"}
     assert cli_main(["simulate", "--profile", str(path), "-s", "zb-v", "-D", "2", "-N", "4", "--json"]) == 0
@@ -320,27 +297,27 @@ def test_calibrate_then_simulate(calibrated, capsys):
     assert "simulated with profile" in capsys.readouterr().out
 
 
-def test_plan_from_a_profile_runs_and_equals_the_reference(calibrated, tmp_path):
+def test_plan_from_a_profile_runs_and_equals_the_reference(tied_lm_profile, tmp_path):
     from experiments.plan_files import config_from_plan
     from planner import plan_training, save_plan
-    from planner.models import calibrated_workload
-    prof, _ = calibrated
+    from cost_models.paper_models import calibrated_workload
+    prof, _ = tied_lm_profile
     res = plan_training(calibrated_workload(prof), prof.cluster(2), 8, baselines=False, top_k=2)
     path = tmp_path / "plan.json"
     save_plan(path, res.best.plan, res.workload, prof.cluster(2))
     cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05)
-    assert cfg.model == CNN and sum(cfg.partition) == 10 and cfg.global_microbatches * cfg.samples_per_microbatch == 8
+    assert cfg.model == LM and sum(cfg.partition) == 6 and cfg.global_microbatches * cfg.samples_per_microbatch == 8
     (got,), want = run_many([(cfg, low)]), _reference(cfg)
     for a, b in zip(got.losses, want.losses):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
-def test_model_file_costs_need_its_profile(calibrated, capsys):
-    _, path = calibrated
+def test_model_file_costs_need_its_profile(tied_lm_profile, capsys):
+    _, path = tied_lm_profile
     assert cli_main(["simulate", "--model", CNN, "-s", "dapple", "-D", "2", "-N", "4"]) == 2
     assert f"model {CNN} is a Python model file: its costs are measured" in capsys.readouterr().err
-    assert cli_main(["simulate", "--model", LM, "--profile", str(path), "-s", "dapple", "-D", "2", "-N", "4"]) == 2
-    assert f"was measured for model {CNN}, not {LM}" in capsys.readouterr().err
+    assert cli_main(["simulate", "--model", CNN, "--profile", str(path), "-s", "dapple", "-D", "2", "-N", "4"]) == 2
+    assert f"was measured for model {LM}, not {CNN}" in capsys.readouterr().err
     assert cli_main(["simulate", "--profile", str(path), "-s", "dapple", "-D", "2", "-N", "4", "--micro-batch",
                      "8"]) == 2
     assert "measured at micro-batch 4" in capsys.readouterr().err
@@ -369,20 +346,20 @@ def test_stack_profile_file_and_stage_bytes():
         prof.layer_costs(recompute="selective")
 
 
-def test_sweep_a_model_file_with_its_profile(calibrated, capsys, tmp_path):
+def test_sweep_a_model_file_with_its_profile(tied_lm_profile, capsys, tmp_path):
     import csv
     import json
-    _, path = calibrated
+    _, path = tied_lm_profile
     out = tmp_path / "sw"
-    assert cli_main(["sweep", "--model", CNN, "--profile", str(path), "-s", "dapple,zb-v", "-D", "2", "-N", "4,8",
+    assert cli_main(["sweep", "--model", LM, "--profile", str(path), "-s", "dapple,zb-v", "-D", "2", "-N", "4,8",
                      "--out", str(out), "--workers", "1", "--no-figures"]) == 0
     capsys.readouterr()
     with open(out / "sweep.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 4 and not any(r["error"] for r in rows)
     for r in rows:      # each point is `simulate --profile --json` of that point
-        assert cli_main(["simulate", "--profile", str(path), "--model", CNN, "-s", r["schedule"], "-D", "2", "-N",
+        assert cli_main(["simulate", "--profile", str(path), "--model", LM, "-s", r["schedule"], "-D", "2", "-N",
                          r["microbatches"], "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["iteration_time"] == pytest.approx(float(r["iteration_time"]))
-    assert cli_main(["sweep", "--model", LM, "--profile", str(path), "-D", "2", "-N", "4", "--out", str(out)]) == 2
-    assert f"was measured for model {CNN}, not {LM}" in capsys.readouterr().err
+    assert cli_main(["sweep", "--model", CNN, "--profile", str(path), "-D", "2", "-N", "4", "--out", str(out)]) == 2
+    assert f"was measured for model {LM}, not {CNN}" in capsys.readouterr().err

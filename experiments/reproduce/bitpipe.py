@@ -5,12 +5,16 @@
 2. Scaling of the bubble ratio in D (N = D) and in N (D = 8), with a figure, next to the closed
    form of each order (the papers give Chimera's and BitPipe's for N = D; for N = K*D the released
    orders' own, see schedules/bitpipe.py and schedules/chimera.py).
-3. Throughput of GPipe, DAPPLE, interleaved, Chimera and BitPipe for GPT-96 and BERT-64 on 8, 16
+3. BitPipe's device mapping (both copies of a stage on one server) and eager gradient sync, each
+   on and off, for BERT-48 at D = N = 16 on two V100 servers joined by 25 Gb/s Ethernet.
+4. Throughput of GPipe, DAPPLE, interleaved, Chimera and BitPipe for GPT-96 and BERT-64 on 8, 16
    and 32 GPUs (DGX-A100 nodes, InfiniBand between nodes), with the paper's reported speed-up
-   of BitPipe over the best other schedule (1.05x - 1.28x) beside ours.
-4. What changed when Chimera and BitPipe moved from pipetwin's greedy list-scheduled orders to the
-   orders their authors released (bubble against N, throughput and speed-ups at N = D and 2D):
-   the previous orders are rebuilt here (:func:`previous_order`) and simulated beside the new.
+   of BitPipe over the best other schedule (1.05x - 1.28x) beside ours
+   (:mod:`experiments.reproduce.bitpipe_throughput`).
+
+Every point is a :class:`cost_models.Job` simulated by :func:`sim.simulate_job`: unit costs for 1
+and 2, the FLOP formulas at the device's fixed efficiency for 3 and 4
+(:data:`~experiments.reproduce.bitpipe_throughput.COST_MODEL`).
 """
 from __future__ import annotations
 
@@ -18,15 +22,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from cost_models import UnitCostModel
-from schedules import ScheduleError, build, lower
-from schedules.analysis import unit_summary
+from cost_models import Job, Layout
+from schedules import ScheduleError
 from schedules.trace import step_metrics
-from sim import simulate
+from sim import simulate_job
 
 from ..progress import phase
 from ..tables import markdown
-from .bitpipe_throughput import changes_section, previous_order, throughput_section
+from .bitpipe_throughput import COST_MODEL, throughput_section
 
 SCHEDULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 
@@ -62,8 +65,10 @@ def order_closed_form(name: str, D: int, N: int) -> float:
 
 
 def simulate_unit(name: str, D: int, N: int):
-    low = lower(build(name, D, N))
-    return step_metrics(simulate(low, UnitCostModel().bind(low)))
+    """Metrics of ``name`` on D devices with N micro-batches under unit costs (F = 1, B = 2, no
+    communication): the setting of the closed forms."""
+    job = Job(layout=Layout(schedule=name, devices=D, microbatches=N), unit_costs=True)
+    return simulate_job(job).result.metrics()
 
 
 def table_d4(D: int = 4, N: int = 4) -> pd.DataFrame:
@@ -103,9 +108,7 @@ def scaling(quick: bool) -> pd.DataFrame:
 
 
 def plot_scaling(df: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import plt, save_figure
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, sweep, x in ((axes[0], "D", "D"), (axes[1], "N", "N")):
         sub = df[df.sweep == sweep]
@@ -116,9 +119,7 @@ def plot_scaling(df: pd.DataFrame, path: Path) -> None:
         ax.set_title("N = D" if sweep == "D" else "D = 8")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(out_dir, quick: bool = False) -> str:
@@ -140,7 +141,8 @@ def run(out_dir, quick: bool = False) -> str:
     off = sc[(sc.bubble_sim - sc.bubble_closed_form).abs() > 1e-9]
     parts += ["", "## Bubble scaling (figure: bubble_scaling.png)", "", markdown(sc), "",
               "The papers state Chimera's and BitPipe's closed forms for one basic unit (N = D, column "
-              "bubble_paper). Both now follow the orders their authors released, which for N = K*D concatenate "
+              "bubble_paper). Both follow the per-device orders their authors released (BitPipe: wuhouming/BitPipe; "
+              "Chimera: Shigangli/Chimera), which for N = K*D concatenate "
               "K units and fill part of each junction with the next unit's first forwards: each junction costs "
               "half a unit's fill and drain, so the ratio falls with K, to (K+1)(D-2)/(6N+(K+1)(D-2)) for "
               "BitPipe and (K+1)(D-2)/(3N+(K+1)(D-2)) for Chimera (column bubble_closed_form, the paper's "
@@ -150,64 +152,24 @@ def run(out_dir, quick: bool = False) -> str:
     phase("bitpipe: device mapping and eager sync")
     parts += ["", _mapping_section(out)]
     phase("bitpipe: throughput (Table 4 models)")
-    thr = _throughput_section(out, quick)
-    if thr:
-        parts += ["", thr]
-    phase("bitpipe: the previous greedy orders")
-    parts += ["", _changes_section(out, quick)]
+    parts += ["", throughput_section(out, quick)]
     report = "\n".join(parts)
     (out / "report.md").write_text(report + "\n")
     return report
 
 
-def bubble_changes(D: int, Ns) -> pd.DataFrame:
-    """Unit-cost bubble ratio of Chimera and BitPipe with the previous and the released orders."""
-    rows = []
-    for name in ("chimera", "bitpipe"):
-        for N in Ns:
-            before = unit_summary(previous_order(name, D, N))["bubble_ratio"]
-            after = unit_summary(build(name, D, N))["bubble_ratio"]
-            rows.append({"schedule": name, "D": D, "N": N, "bubble_before": before, "bubble_now": after,
-                         "closed_form_now": order_closed_form(name, D, N)})
-    return pd.DataFrame(rows)
-
-
-def _changes_section(out: Path, quick: bool) -> str:
-    Ns = [8, 16] if quick else [8, 16, 24, 32, 48, 64]
-    bc = bubble_changes(8, Ns)
-    bc.to_csv(out / "bubble_changes.csv", index=False)
-    parts = ["## What changed: the released orders instead of pipetwin's greedy ones", "",
-             "Before, both schedules came from pipetwin's greedy list scheduler: BitPipe's unit was longer than "
-             "the paper's from D = 8 on (30.5 instead of 30 at D = 8) and from D = 6 on every unit paid its whole "
-             "fill and drain again (a flat bubble ratio in N); Chimera concatenated its units with nothing in the "
-             "junction. Now each "
-             "device runs the per-device order of the authors' released code (BitPipe: wuhouming/BitPipe; "
-             "Chimera: Shigangli/Chimera). The previous BitPipe order is the variant `--variant greedy` (still "
-             "the better one at D = 4 for N > D).", "",
-             "### Bubble ratio against N (D = 8, unit costs)", "", markdown(bc)]
-    thr = changes_section(out)
-    if thr:
-        parts += ["", thr]
-    return "\n".join(parts)
-
-
-def _throughput_section(out: Path, quick: bool) -> str:
-    """Part 3 needs the transformer cost model and cluster presets (cost_models)."""
-    return throughput_section(out, quick)
-
-
 def _mapping_section(out: Path) -> str:
-    """BitPipe's device mapping and eager gradient sync on a 25 Gb/s Ethernet cluster."""
-    from cost_models import TransformerCostModel, load_cluster, load_model
-    cl = load_cluster("v100-2x8-25gbe")
-    model = load_model("bert-48").replace(micro_batch=4)
+    """Part 3: BitPipe's device mapping and eager gradient sync on a 25 Gb/s Ethernet cluster."""
     rows = []
     for name in ("chimera", "bitpipe"):
         for mapping in ("sequential", "copies-same-node"):
             for eager in (True, False):
-                low = lower(build(name, 16, 16), eager=eager)
-                costs = TransformerCostModel(model, cl.device).bind(low)
-                tr = simulate(low, costs, cl.place(low, mapping))
+                # FLOP formulas at the device's fixed efficiency, as in the throughput part (a V100 has
+                # kernel constants, which a job would otherwise be costed with)
+                job = Job(layout=Layout(schedule=name, devices=16, microbatches=16), model="bert-48",
+                          micro_batch=4, cluster="v100-2x8-25gbe", cost_model=COST_MODEL, device_map=mapping,
+                          eager=eager)
+                tr = simulate_job(job, trace=True).result.trace()
                 m = step_metrics(tr)
                 ar = tr[tr.kind == "ALLREDUCE"]
                 rows.append({"schedule": name, "mapping": mapping, "eager_sync": eager,

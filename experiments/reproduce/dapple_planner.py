@@ -1,7 +1,7 @@
 """Reproduce the DAPPLE planner's evaluation (Fan et al., PPoPP 2021) on DAPPLE's own profiles.
 
 DAPPLE's released V100 profiles (``cost_models/presets/profiles/dapple-v100``: VGG-19, GNMT-16,
-BERT-48, XLNet-36, AmoebaNet-36 in PipeDream's graph format, :mod:`planner.profiles`) are planned
+BERT-48, XLNet-36, AmoebaNet-36 in PipeDream's graph format, :mod:`cost_models.pipedream_workload`) are planned
 on the paper's two kinds of 16-GPU cluster: config A, two servers of 8 V100 with NVLink and one
 25 Gb/s Ethernet NIC each (``v100-2x8-25gbe``: DAPPLE's hierarchical device set ``[8, 16]``), and
 config B, sixteen single-V100 servers on 25 Gb/s Ethernet (``v100-16x1-25gbe``: its flat set), at
@@ -38,7 +38,7 @@ import pandas as pd
 from planner import Topology, plan_training
 from planner.clusters import gpus_on_servers, resolve_cluster
 from planner.choose import data_parallel_plan, pipedream_plan, with_simulation
-from planner.profiles import profile_workload
+from cost_models.pipedream_workload import profile_workload
 
 from ..progress import phase
 from ..tables import markdown
@@ -165,9 +165,7 @@ def scaling_table(quick: bool) -> pd.DataFrame:
 
 
 def plot(table: pd.DataFrame, scaling: pd.DataFrame, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import plt, save_figure
     fig, axes = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1.6, 1]})
     ax = axes[0]
     labels = [f"{r.model} {r.config} {r.cost_model}" for r in table.itertuples()]
@@ -196,9 +194,7 @@ def plot(table: pd.DataFrame, scaling: pd.DataFrame, out: Path) -> None:
     ax.set_ylabel("samples / s (simulated)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def _findings(t: pd.DataFrame) -> list[str]:

@@ -9,6 +9,10 @@ D micro-batches in flight. We simulate both on V100 servers (NVLink inside, 25 G
 1. same settings, no recomputation: equal iteration time, DAPPLE's peak memory far lower;
 2. under the device memory limit: for each N, GPipe without recomputation if it fits, else with
    full recomputation; DAPPLE without recomputation; throughput and peak memory side by side.
+
+Each point is a :class:`cost_models.Job` simulated by :func:`sim.simulate_job`, costed by the FLOP
+formulas at the V100's fixed efficiency (cost model ``linear``, what the report's "where they differ"
+assumes; the V100 preset has kernel constants, which a job would otherwise be costed with).
 """
 from __future__ import annotations
 
@@ -16,24 +20,22 @@ from pathlib import Path
 
 import pandas as pd
 
-from cost_models import TransformerCostModel, load_cluster, load_model
-from schedules import build, lower
-from schedules.trace import step_metrics
-from sim import simulate
+from cost_models import Job, Layout
+from sim import simulate_job
 
 from ..progress import phase
 
 PAPER = {"speedup": 1.6, "memory_saving": 0.12}
 
 
-def sim(model: str, schedule: str, D: int, N: int, micro_batch: int, recompute: str, cluster: str):
-    spec = load_model(model).replace(micro_batch=micro_batch)
-    cl = load_cluster(cluster)
-    low = lower(build(schedule, D, N))
-    costs = TransformerCostModel(spec, cl.device, recompute=recompute).bind(low)
-    m = step_metrics(simulate(low, costs, cl.place(low, "sequential")))
+def sim(model: str, schedule: str, D: int, N: int, micro_batch: int, recompute: str, cluster: str) -> dict:
+    """One simulated point: throughput and the peak memory against the device's capacity."""
+    job = Job(layout=Layout(schedule=schedule, devices=D, microbatches=N), model=model, micro_batch=micro_batch,
+              recompute=recompute, cluster=cluster, cost_model="linear", device_map="sequential")
+    bound, res = simulate_job(job)
+    m = res.metrics()
     peak = max(p.peak_memory for p in m.per_device)
-    cap = costs.meta["memory_capacity"]
+    cap = bound.report["memory_capacity"]
     return {"model": model, "schedule": schedule, "D": D, "N": N, "micro_batch": micro_batch,
             "recompute": recompute, "iteration_time_s": m.iteration_time,
             "samples_s": N * micro_batch / m.iteration_time, "peak_memory_GiB": peak / 2**30,
@@ -102,9 +104,7 @@ def run(out_dir, quick: bool = False) -> str:
 
 
 def _plot(lim: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import plt, save_figure
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for model, g in lim.groupby("model", sort=False):
         axes[0].plot(g.N, g.gpipe_samples_s, "o--", label=f"GPipe {model}")
@@ -117,6 +117,4 @@ def _plot(lim: pd.DataFrame, path: Path) -> None:
         ax.set_xlabel("micro-batches N")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

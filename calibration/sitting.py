@@ -1,13 +1,13 @@
-"""Measuring step times on a shared host: repeated, interleaved runs, and when to give up.
+"""The statistics of a sitting: step times measured on a shared host, from repeated, interleaved
+runs, and when to give up.
 
-The simulator predicts the step a host runs undisturbed. On this shared VM a step takes either
-its own time or up to ~1.6x as long, in spells of seconds (other processes; other VMs on the same
-machine, which no counter of this one shows), and the share of slow steps changes from minute to
-minute; whole runs of a second or two also land in faster or slower host states (the same
-config's runs spread by 20-30% with no process of this VM busy). So a run's time is the
-noise-free time of its steps (:func:`schedules.trace.noise_free`: the median of the fast steps),
-a config's time the median of its runs' times, and a sitting is only usable if it shows that
-time reproducibly:
+The simulator predicts the step a host runs undisturbed. On a shared host (a VM beside others
+on one machine, which no counter of this one sees) a step takes either its own time or up to
+~1.6x as long, in spells of seconds, and the share of slow steps changes from minute to minute;
+whole runs of a second or two also land in faster or slower host states (the same config's runs
+spread by 20-30% with no process of this VM busy). So a run's time is the noise-free time of its
+steps (:func:`schedules.trace.noise_free`: the median of the fast steps), a config's time the
+median of its runs' times, and a sitting is only usable if it shows that time reproducibly:
 
 - every config is run in rounds, all configs once per round (one launch per world size), the
   order rotated from round to round, so every config meets the same mix of host states;
@@ -21,29 +21,29 @@ time reproducibly:
 - what is left unsettled says why (:attr:`RunSeries.problem`): the caller refuses to report a
   time from it.
 
-(The median of runs, not one statistic of all runs' steps pooled: measured here, a pooled
-fast-step median moved by 6-18% when one of 3-8 runs was left out, because the fast band of a
-pool of host states cuts through them; the median of the runs' own times moved by at most 5% at
-five runs in the same sittings.) Calibration fits the runtime on the fast steps of the runs
-around that median (:meth:`RunSeries.typical_steps`), so both sides use one statistic.
+(The median of runs, not one statistic of all runs' steps pooled: the fast band of a pool of
+host states cuts through them, so a pooled fast-step median moves by 6-18% when one of 3-8 runs
+is left out, where the median of the runs' own times moves by at most 5% at five runs.)
+Calibration fits the runtime on the fast steps of the runs around that median
+(:meth:`RunSeries.typical_steps`), so both sides use one statistic.
 
 *One host state for every config* (where the runs' op costs are known: a ``yardstick``, the
 compute ops' costs measured alone, and each rank has a core of its own). A slow spell slows the
-ops themselves: in one sitting of 2026-12-01 (D = 2) a step's F, B and W ran at 0.65-0.8x their
-alone times in the host's fast state and up to 1.5x slower in its slow spells, in spells of a few
-steps, and the runs that settled one config could come from another host state than another
-config's (at 18:39 GPipe and ZB-H1, nearly the same program, settled 12% apart). So each step's
-*speed* is taken from its own ops: the median over its compute ops of measured / alone time
-(:meth:`RunSeries.speeds`), the same yardstick for every config; the sitting's fast state is
-every step within ``state_band`` of the :data:`STATE_QUANTILE` of all configs' step speeds
-(:func:`fast_state_cut`, recomputed after every round); a config's time is then the median of its
-fast-state steps over its counting runs, a run counts once it has ``state_steps`` of them, and the
-spread is that time with each run left out. Refitting four recorded D = 2 sittings offline (the
-same runs and fit, either statistic), the median |error| went from 9.9%, 2.8%, 4.6%, 4.4% to 2.5%,
-2.3%, 4.4%, 2.1% and the largest from 20.4%, 6.6%, 13.4%, 9.1% to 8.3%, 5.1%, 12.0%, 11.0%: the
-host-state mixture is gone, not the schedules' own differences from the model. Where ranks
-outnumber the cores an op's duration includes its waits for a core (what :mod:`sim.slicing`
-models), not the host's speed: those configs keep the statistic above.
+ops themselves: a step's F, B and W run at 0.65-0.8x their alone times in the host's fast state
+and up to 1.5x slower in its slow spells, in spells of a few steps, so the runs that settle one
+config can come from another host state than another config's (GPipe and ZB-H1, nearly the same
+program, can settle 12% apart). So each step's *speed* is taken from its own ops: the median over
+its compute ops of measured / alone time (:meth:`RunSeries.speeds`), the same yardstick for every
+config; the sitting's fast state is every step within ``state_band`` of the
+:data:`STATE_QUANTILE` of all configs' step speeds (:func:`fast_state_cut`, recomputed after every
+round); a config's time is then the median of its fast-state steps over its counting runs, a run
+counts once it has ``state_steps`` of them, and the spread is that time with each run left out.
+That takes the host-state mixture out of a comparison, not the schedules' own differences from
+the model. Where ranks outnumber the cores an op's duration includes its waits for a core (what
+:mod:`sim.slicing` models), not the host's speed: those configs keep the statistic above.
+
+How a sitting went is kept with what it measured: :func:`sitting_record` (a calibration profile's
+``meta["sitting"]``) and :func:`sitting_problems` (why a profile's sitting is unusable).
 """
 from __future__ import annotations
 
@@ -53,10 +53,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from cost_models.calibration import CalibrationProfile
+from executor import launch
+from executor.config import RunConfig, RunResult
 from schedules.ir import B, F, W
 from schedules.trace import fast_steps, noise_free
-
-from .config import RunConfig, RunResult
 
 # the sitting's fast state: steps within SittingRules.state_band of this quantile of all step speeds
 STATE_QUANTILE = 0.2
@@ -312,7 +313,6 @@ def run_series(configs: Sequence[RunConfig], rules: SittingRules = SittingRules(
     world sizes (a calibration's runs beside a validation's) meet the same host states.
     ``yardstick(config)``: the config's compute op costs alone (``StageCosts``; None: its host
     state is not judged), for one host state across the configs (:func:`fast_state_cut`)."""
-    from .launch import run_many
     report = progress or (lambda msg: None)
     series = [RunSeries(config=c, rules=rules, yardstick=yardstick(c) if yardstick else None) for c in configs]
     for rnd in range(rules.max_runs):
@@ -324,7 +324,7 @@ def run_series(configs: Sequence[RunConfig], rules: SittingRules = SittingRules(
         t0 = time.perf_counter()
         for world in sorted({s.config.devices * s.config.replicas for s in order}):
             group = [s for s in order if s.config.devices * s.config.replicas == world]
-            for s, res in zip(group, run_many([s.config for s in group])):
+            for s, res in zip(group, launch.run_many([s.config for s in group])):
                 s.runs.append(res)
         cut = fast_state_cut(series, rules)
         for s in series:    # all of them: the sitting's fast state moves with every round
@@ -339,3 +339,22 @@ def run_series(configs: Sequence[RunConfig], rules: SittingRules = SittingRules(
                   if unsettled else ""))
     return series
 
+
+
+def sitting_record(series: list[RunSeries]) -> dict:
+    """How a sitting's traced runs went, for the profile's meta: the largest spread of the kept
+    runs, the most CPU other processes took in any run, runs per config, and every unsettled
+    config's problem."""
+    spreads = [x.spread for x in series if x.spread is not None]
+    loads = [f for x in series for f in (x.foreign(i) for i in range(len(x.runs))) if f is not None]
+    cuts = [x.cut for x in series if x.judges_state]
+    return {"spread_max": max(spreads) if spreads else None, "foreign_cores_max": max(loads) if loads else None,
+            "fast_state_cut": cuts[0] if cuts else None,
+            "runs": {x.config.schedule: len(x.runs) for x in series},
+            "problems": [f"{x.config.schedule}: {x.problem}" for x in series if x.problem]}
+
+
+def sitting_problems(profile: CalibrationProfile) -> list[str]:
+    """Why the profile's calibration sitting is unusable (empty: it is usable)."""
+    return [f"D={d}: {p}" for d, rec in sorted((profile.meta.get("sitting") or {}).items())
+            for p in rec.get("problems", [])]

@@ -1,10 +1,10 @@
-"""Cross-validation: the same lowered schedule run by the executor and by the simulator.
+"""Simulated against measured: the same lowered schedule run by the executor and by the simulator.
 
 For each schedule: the executor trains ``steps`` steps per run, in interleaved rounds of runs
-until its quiet runs agree (:func:`executor.sitting.run_series`); its iteration time is the
+until its quiet runs agree (:func:`calibration.sitting.run_series`); its iteration time is the
 median of its steps in the host's fast state, the same state for every schedule of the sitting
 (judged from each step's op speed against the alone-measured op costs,
-:func:`calibration.speed_yardstick`; where ranks outnumber the cores, the noise-free time of its
+:func:`calibration.host.speed_yardstick`; where ranks outnumber the cores, the noise-free time of its
 runs), which is what the simulator predicts and what the calibration fitted the runtime to; the
 step closest to it is the one compared op by op. The simulator runs the same lowered schedule with the calibrated
 profile (per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the
@@ -18,13 +18,19 @@ calibration); ``pipetwin validate`` then prints the reasons instead of an error 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
-from cost_models import CalibrationProfile
+from cost_models.calibration import CalibrationProfile
+from cost_models.job import Job
+from executor.config import RunConfig, lowered_schedule
 from schedules.trace import noise_free, op_orders, step_metrics
-from sim.host import simulate_with_profile
+
+from .fit import fit_ranks, measured_run
+from .host import fit_profile, host_profile, measure_host, speed_yardstick
+from .simulate import simulate_with_profile
+from .sitting import SittingRules, run_series, sitting_problems
 
 
 @dataclass(kw_only=True)
@@ -49,7 +55,7 @@ class Comparison:
     foreign_cores: list[float | None] = field(default_factory=list)   # other processes' load per run
     rank_cores: list[float | None] = field(default_factory=list)      # the ranks' own CPU per run (cores)
     problem: str | None = None              # why the runs did not settle (None: they did)
-    spread: float | None = None             # run-to-run spread (executor.sitting.RunSeries.spread)
+    spread: float | None = None             # run-to-run spread (calibration.sitting.RunSeries.spread)
     fitted: bool = False                    # the profile's runtime was fitted on these very runs
     state_steps: tuple[int, int] | None = None   # (fast-state steps counted, steps of the quiet runs); None: not judged
     state_cut: float | None = None          # the sitting's fast state: ops at up to this x their alone time
@@ -95,10 +101,9 @@ class Comparison:
                 "fitted": self.fitted}
 
 
-def compare(series: list, profile: CalibrationProfile, fitted: frozenset = frozenset()) -> list[Comparison]:
-    """``series``: the executor's runs of each schedule (:class:`executor.sitting.RunSeries`);
+def compare_series(series: list, profile: CalibrationProfile, fitted: frozenset = frozenset()) -> list[Comparison]:
+    """``series``: the executor's runs of each schedule (:class:`calibration.sitting.RunSeries`);
     ``fitted``: the configs among them the profile's runtime was fitted on (marked in-sample)."""
-    from executor.config import lowered_schedule
     out = []
     for ser in series:
         cfg, warmup = ser.config, ser.rules.warmup
@@ -136,59 +141,60 @@ def compare(series: list, profile: CalibrationProfile, fitted: frozenset = froze
     return out
 
 
-def _configs(schedules, devices, microbatches, replicas, *, steps, model, chunks, micro_batch=None, partitions=None,
-             dtype="fp32"):
-    from calibration import PROBE
-    from executor.config import RunConfig
-    return [RunConfig(schedule=s, devices=devices, microbatches=microbatches, replicas=replicas, chunks=chunks,
-                      steps=steps, model=model, probe=PROBE, pin_cores=True, micro_batch=micro_batch,
-                      partition=(partitions or {}).get(s), dtype=dtype) for s in schedules]
+def _runs(jobs: list[Job], *, steps: int, model, micro_batch: int | None, dtype: str) -> list[RunConfig]:
+    """The measured runs of ``jobs`` (:func:`calibration.fit.measured_run`), with the model and
+    micro-batch a profile was measured for where a job leaves them open (None); a job's other
+    micro-batch is refused (measured costs are not extrapolated)."""
+    out = []
+    for job in jobs:
+        if job.micro_batch is not None and micro_batch is not None and job.micro_batch != micro_batch:
+            raise ValueError(f"job {job.layout.schedule}: micro-batch {job.micro_batch}, but the sitting measures "
+                             f"{micro_batch}")
+        filled = replace(job, model=job.model or model, micro_batch=job.micro_batch or micro_batch)
+        out.append(measured_run(filled, steps, dtype))
+    return out
 
 
-def run_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, profile, *,
-                    steps: int = 20, model: str | None = None, chunks: int = 2, rules=None,
-                    progress=None, partitions: dict | None = None) -> list[Comparison]:
-    """Run each schedule in interleaved rounds until its quiet runs agree (ranks pinned to cores
-    where the host allows; ``rules``: :class:`executor.sitting.SittingRules`) and compare its
+def run_and_compare(jobs: list[Job], profile: CalibrationProfile, *, steps: int = 20, rules=None,
+                    progress=None) -> list[Comparison]:
+    """Run each job in interleaved rounds until its quiet runs agree (ranks pinned to cores where
+    the host allows; ``rules``: :class:`calibration.sitting.SittingRules`) and compare its
     noise-free step with the simulator's, with a profile calibrated earlier
-    (:func:`executor.sitting.run_series`). The runs use the profile's micro-batch;
-    ``partitions``: schedule -> the executor's partition (default: its own split, which the
-    simulator uses too). The runs are in the profile's precision."""
-    from calibration import speed_yardstick
-    from executor.sitting import SittingRules, run_series
-    cfgs = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model or profile.model.name,
-                    chunks=chunks, micro_batch=profile.micro_batch, partitions=partitions,
-                    dtype=profile.precision)
-    return compare(run_series(cfgs, rules or SittingRules(), progress=progress, yardstick=speed_yardstick(profile)),
-                   profile)
+    (:func:`calibration.sitting.run_series`). A job's layout and partition (layers per stage; None:
+    the executor's own split, which the simulator uses too) are its own; its model and micro-batch
+    are the profile's, and so is the precision of the runs."""
+    cfgs = _runs(jobs, steps=steps, model=profile.model_name, micro_batch=profile.micro_batch,
+                 dtype=profile.precision)
+    return compare_series(run_series(cfgs, rules or SittingRules(), progress=progress,
+                                     yardstick=speed_yardstick(profile)), profile)
 
 
-def calibrate_and_compare(schedules: list[str], devices: int, microbatches: int, replicas: int, *,
-                          model: str = "tiny", steps: int = 20, chunks: int = 2, repeats: int = 20, rules=None,
-                          progress=None, micro_batch: int | None = None, dtype: str = "fp32"
-                          ) -> tuple[CalibrationProfile, list[Comparison]]:
-    """Calibrate and validate in one sitting: measure the host (:func:`calibration.measure_host`),
-    then run the schedules and the calibration's traced runs (:func:`calibration.runtime_configs`;
-    those equal to a schedule's config are shared) in the same interleaved rounds, fit the
-    profile on the traced ones and compare every schedule. Both sides meet the same host states:
-    on this VM the host's undisturbed speed itself moves by ~10% between sittings minutes apart,
-    which is the error a profile from another sitting carries. The fitted configs are marked
-    in-sample (``Comparison.fitted``); ``dtype`` the runs' precision. Returns (profile, comparisons)."""
-    from calibration import fit_profile, fit_ranks, host_profile, measure_host, speed_yardstick
-    from executor.sitting import SittingRules, run_series
+def calibrate_and_compare(jobs: list[Job], *, steps: int = 20, repeats: int = 20, rules=None, progress=None,
+                          dtype: str = "fp32") -> tuple[CalibrationProfile, list[Comparison]]:
+    """Calibrate and validate in one sitting: measure the host for the jobs' model and micro-batch
+    (:func:`calibration.host.measure_host`, as many ranks as a job has), then run the jobs and the
+    calibration's traced runs (:func:`calibration.fit.runtime_configs`; those equal to a job's run
+    are shared) in the same interleaved rounds, fit the profile on the traced ones and compare
+    every job. Both sides meet the same host states: on a shared host the undisturbed speed
+    itself moves by ~10% between sittings minutes apart, which is the error a profile from
+    another sitting carries. The fitted runs are marked in-sample (``Comparison.fitted``);
+    ``dtype`` the runs' precision. Returns (profile, comparisons)."""
     report = progress or (lambda msg: None)
-    world = devices * replicas
+    first = jobs[0]
+    model = first.model or "tiny"
+    world = first.layout.devices * first.layout.replicas
+    if any(j.layout.devices * j.layout.replicas != world for j in jobs):
+        raise ValueError("calibrating in the sitting measures one rank count: give every job the same D x R")
     host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"),
-                        micro_batch=micro_batch, dtype=dtype)
+                        micro_batch=first.micro_batch, dtype=dtype)
     fit_base = host.runtime_configs(fit_ranks(world), steps)
-    val = _configs(schedules, devices, microbatches, replicas, steps=steps, model=model, chunks=chunks,
-                   micro_batch=host.micro_batch, dtype=dtype)
+    val = _runs(jobs, steps=steps, model=model, micro_batch=host.micro_batch, dtype=dtype)
     every = list(dict.fromkeys(val + fit_base))
     report(f"runs: {len(val)} schedules and {len(every) - len(val)} more calibration runs, interleaved")
     by_cfg = dict(zip(every, run_series(every, rules or SittingRules(), progress=report,
                                         yardstick=speed_yardstick(host_profile(host)))))
     profile = fit_profile(host, [by_cfg[c] for c in fit_base])
-    return profile, compare([by_cfg[c] for c in val], profile, frozenset(fit_base))
+    return profile, compare_series([by_cfg[c] for c in val], profile, frozenset(fit_base))
 
 
 def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift: float | None = 0.05) -> list[str]:
@@ -196,7 +202,6 @@ def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift:
     runs did not settle, a schedule's runs did not settle, or (``max_drift``: for a profile
     calibrated in another sitting) the host speed probe moved by more than that since (the
     profile then describes another host state)."""
-    from calibration import sitting_problems
     mine = [f"{c.schedule}: {c.problem}" for c in comps if c.problem]
     # runs shared by calibration and validation (one sitting) are named once
     out = [f"calibration {p}" for p in sitting_problems(profile) if not any(p.endswith(": " + m) for m in mine)]
@@ -209,11 +214,3 @@ def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift:
                        f"{max_drift:.0%} off allowed): recalibrate")
     return out
 
-
-def plot_overlay(comps: list[Comparison], path) -> None:
-    """Simulated (outline) over measured (filled) timelines, one panel per schedule
-    (:func:`experiments.plots.plot_overlay`)."""
-    from .plots import plot_overlay as draw
-    draw([(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms vs simulated "
-           f"{c.simulated_iteration_time * 1e3:.1f} ms, error {c.error:+.1%}", c.measured_trace, c.simulated_trace)
-          for c in comps], path)

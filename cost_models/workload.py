@@ -17,10 +17,10 @@ bounds); activations, boundary bytes and parameters stay linear.
 :class:`cost_models.TransformerCostModel` at exactly that micro-batch, so a plan simulated through
 the planner and through ``pipetwin simulate`` sees the same numbers.
 
-:func:`load_workload` resolves a model name: a planner-local paper model (:mod:`planner.models`:
-vgg-19, gnmt-16, amoebanet-36, xlnet-36), a cost_models preset (gpt-96, bert-48, ...) or a YAML
-path, or a profile in PipeDream's graph format (DAPPLE's released profiles, ``*.txt``:
-:mod:`planner.profiles`), on a device spec.
+:func:`cost_models.workload_sources.load_workload` resolves a model name: a paper model of
+DAPPLE's (:mod:`cost_models.paper_models`: vgg-19, gnmt-16, amoebanet-36, xlnet-36), a cost_models
+preset (gpt-96, bert-48, ...) or a YAML path, or a profile in PipeDream's graph format (DAPPLE's
+released profiles, ``*.txt``: :mod:`cost_models.pipedream_workload`), on a device spec.
 """
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Callable
 
-from cost_models import DeviceSpec, LayerCosts, ModelSpec, TransformerCostModel
+from .base import LayerCosts
+from .device import DeviceSpec
+from .model_spec import ModelSpec
+from .transformer import TransformerCostModel
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,31 @@ class Workload:
     @property
     def total_params(self) -> float:
         return self._cp[-1]
+
+    # ---------------------------------------------------------------- prefix sums (per sample)
+    # Entry i of each is the sum over layers [0, i) (L + 1 entries, the first 0.0), so the sum over
+    # layers [i, j) is ``sums[j] - sums[i]``: what the range sums above compute, for loops (the
+    # planner's search) that take many such differences and read the tuple once.
+    @property
+    def forward_prefix_sums(self) -> tuple[float, ...]:
+        """Forward seconds of layers [0, i) for one sample, by i (see :meth:`fwd`)."""
+        return self._cf
+
+    @property
+    def backward_prefix_sums(self) -> tuple[float, ...]:
+        """Full backward (input + weight gradient) seconds of layers [0, i) for one sample, by i (see
+        :meth:`bwd`)."""
+        return self._cb
+
+    @property
+    def activation_prefix_sums(self) -> tuple[float, ...]:
+        """Activation bytes layers [0, i) keep for the backward of one sample, by i (see :meth:`activation`)."""
+        return self._ca
+
+    @property
+    def param_prefix_sums(self) -> tuple[float, ...]:
+        """Parameter count of layers [0, i), by i (see :meth:`param_count`)."""
+        return self._cp
 
     # ---------------------------------------------------------------- binding
     def layer_costs(self, micro_batch: int) -> LayerCosts:

@@ -1,0 +1,24 @@
+"""The simulator as a calibration profile describes the host: what calibration fits against
+traced runs and what validation compares with measured ones.
+
+Every rank of a profile was measured on one host: the simulator puts them all there, sharing its
+cores (:class:`sim.host.HostCores`, :func:`sim.host.on_one_host`: processor sharing while every
+rank has a core, the profile's OS time slice beyond), with the profile's per-layer costs and its
+P2P and all-reduce fits (:meth:`cost_models.calibration.CalibrationProfile.cost_model`,
+:meth:`~cost_models.calibration.CalibrationProfile.cluster`).
+"""
+from __future__ import annotations
+
+from sim.engine import SimOptions, simulate
+from sim.host import HostCores, on_one_host
+
+
+def simulate_with_profile(low, profile, steps: int = 1, partition=None, recompute: str = "none"):
+    """Simulate ``steps`` back-to-back iterations of lowered schedule ``low`` with the costs of
+    calibration ``profile`` (under activation recomputation ``recompute``), on one host whose
+    cores the ranks share (``partition``: layers per stage; default the executor's split for the
+    profile's model)."""
+    costs = profile.cost_model(low.num_stages, partition, recompute=recompute).bind(low)
+    net = profile.cluster(low.num_ranks)
+    host = HostCores.of(profile) or HostCores(cores=1)
+    return simulate(low, costs, net, on_one_host(SimOptions(steps=steps), low.num_ranks, host))

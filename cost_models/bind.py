@@ -1,0 +1,225 @@
+"""A job bound to its costs: :func:`bind` turns a :class:`~cost_models.job.Job` into the lowered
+schedule, its per-op costs and the network it runs on, with the fields a report states.
+
+How each cost source is costed:
+
+* model x cluster: ``cost_model`` picks how layer times are computed from the model on the
+  cluster's device: ``kernels`` (the default where the device preset has the kernel model's
+  constants: :mod:`cost_models.kernels`; per-sample costs fall with the micro-batch) or ``linear``
+  (FLOPs at the device's fixed efficiency: the same per sample at every micro-batch, the
+  closed-form view). The ranks are placed on the cluster with ``device_map``.
+* a per-layer profile in PipeDream's graph format (``model="FILE.txt"``, DAPPLE's released
+  profiles): the workload at the micro-batch (default the profile batch, ``profile_batch`` or the
+  ``pbs-B`` in the file name), scaled linearly from the profile batch as DAPPLE did unless
+  ``cost_model="kernels"``, split over the schedule's stages by work.
+* a calibration profile: on its own host (the ranks share its cores: the report's ``host``), or
+  with a ``cluster`` scaled onto that cluster's devices (:func:`cost_models.scaled_layer_costs`:
+  every measured time times this host's FLOP rate over the device's achievable one) and placed on
+  its network. ``partition`` gives layers per stage, or ``"time"``: balanced by the profile's
+  measured layer times.
+* unit costs: F = 1, B = 2 per full stage, no network.
+* a plan: the plan binds itself (:class:`cost_models.job.PlanSource`).
+
+:func:`load_inputs` reads what the job names (presets and files: cheap), so that a caller costing
+many schedules of one job (``pipetwin compare``) reads them once and runs the size checks before
+building any schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedules import Schedule
+
+from .base import PerLayerCostModel, StageCosts, UnitCostModel
+from .calibration import CalibrationProfile, load_profile, scaled_layer_costs
+from .cluster import Cluster
+from .job import DEFAULT_MODEL, Job
+from .kernels import COST_MODELS
+from .model_spec import ModelSpec, load_model
+from .stack import is_model_ref, same_model_ref
+from .transformer import TransformerCostModel
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A job ready for an engine: ``lowered`` schedule, its ``costs``, the ``network`` it runs on
+    (None with unit costs) and the ``report`` fields its cost source states (cost_model, model,
+    micro_batch, cluster, device_map, memory_capacity, host, ...)."""
+
+    lowered: Schedule
+    costs: StageCosts
+    network: object
+    report: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What a job's cost source names, loaded: ``kind`` as :attr:`Job.source`; the model spec
+    (transformer), the cluster (transformer, layer-profile; a profile's when scaled onto one), the
+    calibration profile (profile)."""
+
+    kind: str
+    model: ModelSpec | None = None
+    cluster: Cluster | None = None
+    profile: CalibrationProfile | None = None
+
+    def limits(self) -> dict:
+        """Keyword arguments of :func:`cost_models.job.check_run_size` (cluster size, layers)."""
+        size = {} if self.cluster is None else {"cluster_devices": self.cluster.num_devices,
+                                                "cluster_name": self.cluster.name}
+        if self.kind == "transformer":
+            return {**size, "layers": self.model.layers + 2, "model_name": self.model.name}
+        if self.kind == "profile":
+            m = self.profile.model
+            return {"layers": m.num_layers if self.profile.is_stack else m.layers + 2, "model_name": m.name, **size}
+        return size
+
+
+def cost_model_for(choice: str | None, device, profile: bool) -> str:
+    """The cost model to use: the one asked for, else linear for profiles and for devices without
+    kernel constants, kernels otherwise."""
+    if choice is not None:
+        if choice not in COST_MODELS:
+            raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {choice!r}")
+        if choice == "kernels" and device.kernels is None:
+            raise ValueError(f"--cost-model kernels needs the device's kernel constants; {device.name} has none "
+                             f"(add a 'kernels:' block to its YAML, or use --cost-model linear)")
+        return choice
+    if profile or device.kernels is None:
+        return "linear"
+    return "kernels"
+
+
+def check_profile_model(prof: CalibrationProfile, model, where: str = "--profile") -> None:
+    """A model given with a calibration profile must be the profile's model."""
+    if model is None:
+        return
+    if isinstance(model, ModelSpec):
+        ok = model == prof.model
+    else:
+        ok = same_model_ref(model, prof.model_name) if is_model_ref(model) or prof.is_stack else \
+            model == prof.model_name or load_model(model) == prof.model
+    if not ok:
+        name = model.name if isinstance(model, ModelSpec) else model
+        raise ValueError(f"{where} {prof.name} was measured for model {prof.model_name}, not {name}; calibrate "
+                         f"{name} (pipetwin calibrate --model {name}) or drop --model")
+
+
+def profile_partition(prof: CalibrationProfile, choice, num_stages: int) -> tuple[int, ...] | None:
+    """Layers per stage over a calibration profile's layers: the given counts, ``"time"`` (balanced
+    by the measured layer times) or None (the executor's default split)."""
+    if choice == "time":
+        return prof.time_partition(num_stages)
+    return choice
+
+
+def load_inputs(job: Job) -> CostInputs:
+    """Load what the job's cost source names (a plan binds itself: not here)."""
+    kind = job.source
+    if kind == "unit":
+        return CostInputs("unit")
+    if kind == "profile":
+        prof = load_profile(job.profile)
+        check_profile_model(prof, job.model)
+        if job.micro_batch is not None and job.micro_batch != prof.micro_batch:
+            raise ValueError(f"profile {job.profile} was measured at micro-batch {prof.micro_batch}; calibrate "
+                             f"again with --micro-batch {job.micro_batch} (measured costs are not extrapolated)")
+        return CostInputs("profile", profile=prof, cluster=job.cluster.load() if job.cluster.name else None)
+    if kind == "plan":
+        raise ValueError("a plan job binds through its plan (cost_models.bind.bind)")
+    cluster = job.cluster.load()
+    if kind == "layer-profile":
+        return CostInputs(kind, cluster=cluster)
+    model = job.model if isinstance(job.model, ModelSpec) else load_model(job.model or DEFAULT_MODEL)
+    if job.micro_batch is not None:
+        model = model.replace(micro_batch=job.micro_batch)
+    return CostInputs(kind, model=model, cluster=cluster)
+
+
+def bind(job: Job, inputs: CostInputs | None = None) -> Bound:
+    """The job's lowered schedule (built after the cheap size checks), its costs and network.
+    ``inputs``: :func:`load_inputs` of this job's cost source, when the caller has them."""
+    if job.plan is not None:
+        return job.plan.bind(job)
+    inputs = inputs or load_inputs(job)
+    low = job.layout.build(eager=job.eager, **inputs.limits())
+    return bind_lowered(job, inputs, low)
+
+
+def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
+    """Costs and network of an already lowered schedule ``low`` under the job's cost source."""
+    if inputs.kind == "unit":
+        return Bound(low, UnitCostModel().bind(low), None, {"cost_model": "unit"})
+    if inputs.kind == "profile":
+        return calibrated(inputs.profile, low, cluster=inputs.cluster, device_map=job.device_map,
+                          partition=job.partition, recompute=job.recompute, label=f"profile {job.profile}")
+    cluster = inputs.cluster
+    _check_fits(low, cluster)
+    placed = cluster.place(low, job.device_map)
+    if inputs.kind == "layer-profile":
+        if job.partition is not None:
+            raise ValueError("--partition does not apply to a --model FILE.txt profile (it is split by work)")
+        cost_model = cost_model_for(job.cost_model, cluster.device, True)
+        costs, mb, part = _layer_profile_costs(job, low, cluster, cost_model)
+        return Bound(low, costs, placed, {"cost_model": cost_model, "model": str(job.model), "micro_batch": mb,
+                                          "partition": list(part), "cluster": cluster.name,
+                                          "device_map": job.device_map,
+                                          "memory_capacity": costs.meta.get("memory_capacity")})
+    model = inputs.model
+    cost_model = cost_model_for(job.cost_model, cluster.device, False)
+    costs = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
+                                 partition=job.partition).bind(low)
+    return Bound(low, costs, placed, {"cost_model": cost_model, "model": model.name, "micro_batch": model.micro_batch,
+                                      "cluster": cluster.name, "device_map": job.device_map,
+                                      "memory_capacity": costs.meta.get("memory_capacity")})
+
+
+def _check_fits(low: Schedule, cluster: Cluster) -> None:
+    if low.num_ranks > cluster.num_devices:
+        raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
+                         f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
+
+
+def _layer_profile_costs(job: Job, low: Schedule, cluster: Cluster, cost_model: str):
+    """StageCosts of a PipeDream/DAPPLE profile: its workload at the micro-batch (default the
+    profile batch), a work-balanced contiguous partition over the schedule's stages."""
+    from .partition import balanced_edges
+    from .workload_sources import load_workload
+    work = load_workload(job.model, cluster.device, recompute=job.recompute, cost_model=cost_model,
+                         profile_batch=job.profile_batch)
+    mb = job.micro_batch if job.micro_batch is not None else work.source["profile_batch"]
+    S = low.num_stages
+    if S > work.num_layers:
+        raise ValueError(f"{S} stages but the profile has {work.num_layers} layers; use fewer devices/chunks")
+    t = work.at(mb)
+    edges = balanced_edges([t.fwd(i, i + 1) + t.bwd(i, i + 1) for i in range(work.num_layers)], S)
+    part = tuple(edges[i + 1] - edges[i] for i in range(S))
+    costs = PerLayerCostModel(work.layer_costs(mb), part).bind(low)
+    costs.meta.update(memory_capacity=cluster.device.memory_bytes)
+    return costs, mb, part
+
+
+def calibrated(prof: CalibrationProfile, low: Schedule, *, cluster: Cluster | None = None,
+               device_map: str = "sequential", partition=None, recompute: str = "none",
+               label: str = "profile") -> Bound:
+    """A lowered schedule costed from calibration profile ``prof``: on its own host (``cluster``
+    None: cpu ranks sharing the calibrated cores, report field ``host``) or scaled onto
+    ``cluster`` (the module docstring's scaling, placed with ``device_map``). ``partition``: layer
+    counts, ``"time"`` or None (the executor's split)."""
+    part = profile_partition(prof, partition, low.num_stages)
+    if cluster is None:
+        costs = prof.cost_model(low.num_stages, part, recompute=recompute).bind(low)
+        net = prof.cluster(low.num_ranks)
+        return Bound(low, costs, net, {"cost_model": label, "cluster": net.name, "micro_batch": prof.micro_batch,
+                                       "host": prof.host_cores()})
+    if recompute != "none":
+        raise ValueError("--recompute with a profile scaled onto a cluster is not modelled; use none")
+    _check_fits(low, cluster)
+    layers, factor = scaled_layer_costs(prof, cluster.device)
+    costs = PerLayerCostModel(layers, part or prof.default_partition(low.num_stages)).bind(low)
+    costs.meta.update(memory_capacity=cluster.device.memory_bytes)
+    return Bound(low, costs, cluster.place(low, device_map), {
+        "cost_model": f"{label} scaled onto {cluster.device.name} (measured times x {factor:.3g}: this host's FLOP "
+                      f"rate / the device's achievable fp32 rate)",
+        "cluster": cluster.name, "micro_batch": prof.micro_batch, "device_map": device_map,
+        "memory_capacity": cluster.device.memory_bytes})

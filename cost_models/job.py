@@ -1,0 +1,368 @@
+"""A job: everything one simulation or run needs, as one typed record checked field by field.
+
+A :class:`Job` says which schedule runs on which layout (:class:`Layout`: schedule, pipeline
+devices D, micro-batches N, data-parallel replicas R, chunks, variant), whether gradients are
+all-reduced eagerly in the bubbles (``eager``) or at the end, where its costs come from, and what
+disturbs it (:class:`Faults`). The cost source is exactly one of
+
+* the model x cluster formulas (the default): ``model`` (a preset, a YAML file, a
+  :class:`~cost_models.model_spec.ModelSpec`, or a per-layer profile in PipeDream's graph format
+  ``FILE.txt``) on ``cluster`` (:class:`ClusterChoice`: a preset or YAML file, resized and
+  rewired), with ``cost_model``, ``micro_batch``, ``recompute``, ``partition``, ``device_map``;
+* ``unit_costs``: the closed-form unit costs (F = 1, B = 2, no communication, memory in Ma);
+* ``profile``: a calibration profile (``pipetwin calibrate``): measured costs on its own host, or
+  scaled onto ``cluster`` when one is named;
+* ``plan``: a planner plan file, loaded (:class:`PlanSource`), which brings its own layout, model,
+  cluster and costs.
+
+Constructing a job checks it: a value out of range or two cost sources that exclude each other
+raise one ValueError whose message names the command-line option of the field (``--micro-batch``
+for ``micro_batch``), so the command line reports it as it is. Checks that need a file read (a
+profile's micro-batch, a model file matching its profile) run when the job is bound
+(:func:`cost_models.bind.bind`), still before any schedule is built. :func:`check_run_size` is the
+cheap feasibility check every engine runs before building a schedule.
+
+Jobs are frozen and picklable (a sweep sends them to worker processes); ``with_layout`` and
+``dataclasses.replace`` derive one from another.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
+
+from schedules import registry
+
+from .cluster import FABRICS, MAPPINGS, Cluster, load_cluster, with_fabric, with_nodes
+from .kernels import COST_MODELS
+from .model_spec import ModelSpec
+from .stack import is_model_ref
+from .transformer import RECOMPUTE
+
+if TYPE_CHECKING:   # pragma: no cover - types only
+    from .bind import Bound
+
+DEFAULT_MODEL = "gpt-96"
+DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
+MAX_SIM_RANKS = 131_072     # ranks the simulator keeps per-rank records for (one replica simulated for all)
+
+
+def _whole(value, option: str, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{option} must be an integer >= {low}; got {value!r}")
+
+
+def _finite(value, option: str, *, positive: bool) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise ValueError(f"{option} must be a finite number {'> 0' if positive else '>= 0'}; got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Which schedule runs on which data x pipeline layout: ``schedule`` (a family name,
+    :func:`schedules.names`) on ``devices`` D pipeline devices with ``microbatches`` N per
+    iteration, ``replicas`` R data-parallel copies of the pipeline, ``chunks`` per device for the
+    families that take it and the family's ``variant`` (None: its first)."""
+
+    schedule: str
+    devices: int
+    microbatches: int
+    replicas: int = 1
+    chunks: int = 2
+    variant: str | None = None
+
+    def __post_init__(self):
+        registry.get(self.schedule)          # an unknown name: the registry's one line, with the names
+        for value, option in ((self.devices, "--devices"), (self.microbatches, "--microbatches"),
+                              (self.replicas, "--dp"), (self.chunks, "--chunks")):
+            _whole(value, option)
+
+    def family_options(self) -> dict:
+        """The keyword arguments of :func:`schedules.build` (every family takes ``chunks``)."""
+        return {"chunks": self.chunks, **({} if self.variant is None else {"variant": self.variant})}
+
+    def build(self, *, eager: bool = True, **limits):
+        """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
+        (ScheduleError, a ValueError, names what to change) after :func:`check_run_size` with
+        ``limits`` (cluster_devices, cluster_name, layers, model_name)."""
+        from schedules import build, lower, validate
+        check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
+                       chunks=self.chunks, one_replica=True, **limits)
+        low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options()),
+                    replicas=self.replicas, eager=eager)
+        validate(low)
+        return low
+
+    def num_stages(self) -> int:
+        """Stages of one model copy of the schedule (built, not lowered)."""
+        from schedules import build
+        return build(self.schedule, self.devices, self.microbatches, **self.family_options()).num_stages
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterChoice:
+    """A cluster as the options name it: ``name`` (a preset or YAML path, optionally sized
+    ``NAME:NODES``; None: :data:`DEFAULT_CLUSTER`, or with a profile its own host), resized to
+    ``nodes`` and rewired to ``fabric`` (flat, fat-tree, rail) with ``oversubscription`` and
+    ``nodes_per_leaf`` (None keeps the preset's)."""
+
+    name: str | None = None
+    nodes: int | None = None
+    fabric: str | None = None
+    oversubscription: float | None = None
+    nodes_per_leaf: int | None = None
+
+    def __post_init__(self):
+        if self.nodes is not None:
+            _whole(self.nodes, "--nodes")
+        if self.fabric is not None and self.fabric not in FABRICS:
+            raise ValueError(f"--fabric must be one of {', '.join(FABRICS)}; got {self.fabric!r}")
+        if self.oversubscription is not None:
+            _finite(self.oversubscription, "--oversubscription", positive=True)
+            if self.oversubscription < 1:
+                raise ValueError(f"--oversubscription must be >= 1 (1 = non-blocking); got {self.oversubscription!r}")
+        if self.nodes_per_leaf is not None:
+            _whole(self.nodes_per_leaf, "--nodes-per-leaf")
+
+    def shape_options(self) -> list[str]:
+        """The shaping options given (``--nodes`` ...), for messages."""
+        return [f for f, v in (("--nodes", self.nodes), ("--fabric", self.fabric),
+                               ("--oversubscription", self.oversubscription),
+                               ("--nodes-per-leaf", self.nodes_per_leaf)) if v is not None]
+
+    def given(self) -> list[str]:
+        """Every option given (``--cluster`` first), for messages."""
+        return (["--cluster"] if self.name is not None else []) + self.shape_options()
+
+    def load(self, loader=load_cluster, default: str = DEFAULT_CLUSTER) -> Cluster:
+        """The cluster, shaped (``loader``: a name -> Cluster function; the planner passes its own,
+        which knows more names)."""
+        return self.shape(loader(self.name or default))
+
+    def shape(self, cluster: Cluster) -> Cluster:
+        """``cluster`` resized and rewired as this choice says."""
+        if self.nodes is not None:
+            cluster = with_nodes(cluster, self.nodes)
+        return with_fabric(cluster, self.fabric, self.oversubscription, self.nodes_per_leaf)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Faults:
+    """What disturbs a simulated run: stragglers (``slowdown``: rank -> factor on its compute
+    time), slow links (``slow_links``: link name, e.g. ``n1.nic0.out``, -> factor dividing its
+    bandwidth; the run must cross it), per-op compute noise (``jitter``: relative standard
+    deviation, seeded by ``seed``). Pairs are kept as tuples (a job is hashable); give a rank or a
+    link once."""
+
+    slowdown: tuple[tuple[int, float], ...] = ()
+    slow_links: tuple[tuple[str, float], ...] = ()
+    jitter: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "slowdown", _pairs(self.slowdown, "--slowdown", int))
+        object.__setattr__(self, "slow_links", _pairs(self.slow_links, "--slow-link", str))
+        _finite(self.jitter, "--jitter", positive=False)
+        _whole(self.seed, "--seed", 0)
+
+    @property
+    def slowdown_map(self) -> dict[int, float]:
+        return dict(self.slowdown)
+
+    @property
+    def slow_link_map(self) -> dict[str, float]:
+        return dict(self.slow_links)
+
+
+def _pairs(items, option: str, key_type) -> tuple:
+    items = tuple((k, v) for k, v in (items.items() if isinstance(items, dict) else items))
+    seen = set()
+    for k, v in items:
+        if key_type is int:
+            _whole(k, f"{option} rank", 0)
+        elif not isinstance(k, str) or not k:
+            raise ValueError(f"{option}: a link name must be a non-empty string; got {k!r}")
+        _finite(v, f"{option} {k} factor", positive=True)
+        if k in seen:
+            raise ValueError(f"{option} names {k} twice")
+        seen.add(k)
+    return items
+
+
+class PlanSource(Protocol):
+    """A loaded plan file (:class:`planner.plan_io.LoadedPlan`): it brings the layout, model,
+    cluster and costs of a job, and binds them itself."""
+
+    path: str
+
+    def bind(self, job: "Job") -> "Bound":   # pragma: no cover - a protocol
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One simulation or run (the module docstring says what each field means and which exclude
+    each other)."""
+
+    layout: Layout | None = None
+    model: str | ModelSpec | None = None
+    cluster: ClusterChoice = field(default_factory=ClusterChoice)
+    unit_costs: bool = False
+    profile: str | None = None
+    plan: PlanSource | None = None
+    cost_model: str | None = None
+    profile_batch: int | None = None
+    micro_batch: int | None = None
+    recompute: str = "none"
+    partition: tuple[int, ...] | str | None = None
+    device_map: str = "sequential"
+    eager: bool = True
+    faults: Faults = field(default_factory=Faults)
+    exact: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.cluster, str):
+            object.__setattr__(self, "cluster", ClusterChoice(name=self.cluster))
+        if self.micro_batch is not None:
+            _whole(self.micro_batch, "--micro-batch")
+        if self.profile_batch is not None:
+            _whole(self.profile_batch, "--profile-batch")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
+        if self.device_map not in MAPPINGS:
+            raise ValueError(f"--device-map must be one of {', '.join(sorted(MAPPINGS))}; got {self.device_map!r}")
+        if self.cost_model is not None and self.cost_model not in COST_MODELS:
+            raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
+        object.__setattr__(self, "partition", _partition(self.partition))
+        if self.plan is not None:
+            self._check_plan()
+        else:
+            if self.layout is None:
+                raise ValueError("give --schedule, --devices, --microbatches (or --plan PLAN.json)")
+            self._check_cost_source()
+
+    # ------------------------------------------------------------------ the cost source
+    @property
+    def source(self) -> str:
+        """Where the costs come from: ``plan``, ``unit``, ``profile``, ``layer-profile`` (a
+        PipeDream-format ``model``) or ``transformer`` (a model spec's formulas)."""
+        if self.plan is not None:
+            return "plan"
+        if self.unit_costs:
+            return "unit"
+        if self.profile is not None:
+            return "profile"
+        return "layer-profile" if str(self.model).endswith(".txt") else "transformer"
+
+    def _formula_options(self) -> list[str]:
+        """The options of the model x cluster formulas that are given, in the order they are named."""
+        return [f for f, v in (("--model", self.model), ("--cluster", self.cluster.name),
+                               ("--micro-batch", self.micro_batch), ("--cost-model", self.cost_model),
+                               ("--profile-batch", self.profile_batch)) if v is not None] + \
+            self.cluster.shape_options()
+
+    def _check_cost_source(self) -> None:
+        if self.cost_model and (self.unit_costs or self.profile):
+            raise ValueError("--cost-model applies to --model/--cluster costs; drop it with --unit-costs / --profile")
+        given = self._formula_options()
+        if self.unit_costs:
+            if self.profile or given:
+                raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
+            return
+        if self.profile:
+            # a model file (PATH.py:FUNC) is checked against the profile's model when bound; a
+            # --cluster is where its measured times are scaled to; any other model option is a
+            # second cost source
+            shape = self.cluster.shape_options()
+            if self.cluster.name is None and shape:
+                raise ValueError(f"{', '.join(shape)} shape a --cluster; with --profile give the --cluster to scale "
+                                 f"the measured times onto (or drop them)")
+            other = [f for f in given if f not in ("--cluster", "--micro-batch", *shape)
+                     and not (f == "--model" and is_model_ref(self.model))]
+            if other:
+                raise ValueError(f"--profile brings the measured model and network; drop {', '.join(other)}")
+            return
+        if self.partition == "time":
+            raise ValueError("--partition time balances measured layer times: it needs --profile FILE.yaml")
+        if self.source == "transformer" and self.profile_batch is not None:
+            raise ValueError("--profile-batch applies to a profile file (--model FILE.txt) only")
+
+    def _check_plan(self) -> None:
+        if self.layout is not None:
+            raise ValueError("--plan fixes the schedule and layout; drop --schedule, --devices, --microbatches")
+        given = [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
+                                ("--model", self.model), ("--cluster", self.cluster.name),
+                                ("--micro-batch", self.micro_batch), ("--partition", self.partition)) if v]
+        if given:
+            raise ValueError(f"--plan brings its own model, cluster and costs; drop {', '.join(given)}")
+
+    # ------------------------------------------------------------------ derived jobs
+    def with_layout(self, **changes) -> "Job":
+        """This job on another layout (``schedule=``, ``devices=``, ...: the :class:`Layout` fields)."""
+        return replace(self, layout=replace(self.layout, **changes))
+
+    def record(self) -> dict:
+        """The job as plain data (JSON): what identifies the experiment."""
+        def plain(v):
+            if isinstance(v, ModelSpec):
+                return v.to_dict()
+            if isinstance(v, tuple):
+                return [plain(x) for x in v]
+            return v
+        out = {}
+        for name in self.__dataclass_fields__:
+            v = getattr(self, name)
+            if name == "plan":
+                v = None if v is None else str(v.path)
+            elif isinstance(v, (Layout, ClusterChoice, Faults)):
+                v = {k: plain(getattr(v, k)) for k in v.__dataclass_fields__}
+            out[name] = plain(v)
+        return out
+
+
+def _partition(value):
+    """``partition``: None, ``"time"`` or a tuple of layer counts >= 0."""
+    if value is None or value == "time":
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"--partition takes layer counts per stage (e.g. 3,2,2,3) or 'time'; got {value!r}")
+    try:
+        counts = tuple(value)
+    except TypeError:
+        raise ValueError(f"--partition takes layer counts per stage (e.g. 3,2,2,3) or 'time'; got {value!r}") from None
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise ValueError(f"--partition: layer counts must be whole numbers >= 0; got {value!r}")
+    return counts
+
+
+def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks: int = 1,
+                   cluster_devices: int | None = None, cluster_name: str = "", layers: int | None = None,
+                   model_name: str = "", one_replica: bool = False) -> None:
+    """What can be refused without building a schedule: the size limits of the IR
+    (:func:`schedules.registry.check_size`), a cluster too small for D x R ranks, a model with
+    fewer layers than stages (every schedule has at least D stages per copy). One-line ValueErrors.
+    ``one_replica``: the simulator builds, validates and (when the replicas are identical) simulates
+    one replica, so the limits apply to one; a full simulation of every replica is bounded by the
+    simulator itself (``sim.run(max_ops=...)``)."""
+    ranks = devices * (1 if one_replica else replicas)
+    if ranks > registry.MAX_RANKS:
+        what = f"-D {devices}" if one_replica else f"-D {devices} x --dp {replicas} = {ranks} ranks"
+        raise ValueError(f"{what} is beyond pipetwin's limit of {registry.MAX_RANKS} ranks; lower -D"
+                         + ("" if one_replica else " or --dp"))
+    if one_replica and devices * replicas > MAX_SIM_RANKS:
+        raise ValueError(f"-D {devices} x --dp {replicas} = {devices * replicas:,} ranks is beyond the simulator's "
+                         f"limit of {MAX_SIM_RANKS:,} ranks (its per-rank records); lower --dp")
+    ops = registry.estimated_ops(devices, microbatches, 1 if one_replica else replicas, chunks)
+    if ops > registry.MAX_OPS:
+        most = max(1, registry.MAX_OPS * microbatches // ops)
+        raise ValueError(f"-N {microbatches} micro-batches on {ranks} ranks is about {ops:,} ops per iteration, "
+                         f"beyond pipetwin's limit of {registry.MAX_OPS:,} (memory and time grow with it); "
+                         f"use -N {most:,} or fewer")
+    ranks = devices * replicas
+    if cluster_devices is not None and ranks > cluster_devices:
+        raise ValueError(f"{ranks} ranks (D={devices} x R={replicas}) do not fit on cluster {cluster_name} with "
+                         f"{cluster_devices} devices; pick a bigger --cluster or a smaller -D/--dp")
+    if layers is not None and layers < devices:
+        raise ValueError(f"model {model_name} has {layers} layers to split, fewer than the {devices} pipeline "
+                         f"stages; lower -D or pick a deeper --model")

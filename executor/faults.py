@@ -1,0 +1,61 @@
+"""Fault injection: a rank that raises when it reaches one op of its program, to try out how a
+failing rank ends the run (exit status 1 with that rank's traceback, :mod:`executor.launch`).
+
+A fault is written ``RANK:TOKEN[:STEP]`` (``--inject-fault``, ``RunConfig.fault``): rank ``RANK``
+raises when it reaches the op printed as ``TOKEN`` (``F3.s1``, ``RA2.s1<0``; the IR's op tokens,
+:func:`schedules.parse_op`), in step ``STEP`` (default: the first time). :func:`parse_fault`
+checks the syntax where a config is made; :func:`check_fault` checks it against the lowered
+schedule before any rank starts, so an injected fault cannot silently never fire. This module
+imports nothing of the executor: the config and the runtime both read faults through it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schedules import Schedule
+
+
+class FaultError(ValueError):
+    """A fault to inject that is malformed or would never fire."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault: ``rank`` raises when it reaches the op printed as ``token`` (e.g. ``F3.s1``,
+    ``RA2.s1<0``; :func:`schedules.parse_op` reads them), in step ``step`` (None: the first time)."""
+
+    rank: int
+    token: str
+    step: int | None = None
+
+
+def parse_fault(text: str) -> Fault:
+    """``"RANK:TOKEN[:STEP]"`` -> :class:`Fault` (syntax only; :func:`check_fault` checks it against a run)."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) not in (2, 3) or not parts[1]:
+            raise ValueError
+        rank, step = int(parts[0]), (int(parts[2]) if len(parts) == 3 else None)
+    except ValueError:
+        raise FaultError(f"a fault is RANK:TOKEN[:STEP], e.g. 1:F2.s1 or 0:B0.s0:1; got {text!r}") from None
+    if rank < 0 or (step is not None and step < 0):
+        raise FaultError(f"a fault's rank and step must be >= 0; got {text!r}")
+    return Fault(rank, parts[1], step)
+
+
+def check_fault(fault: str | None, low: Schedule, steps: int) -> Fault | None:
+    """The fault ``fault`` of a run of lowered schedule ``low`` for ``steps`` steps, checked: its rank
+    exists, its token is an op of that rank's program and its step is one the run takes (None: no
+    fault)."""
+    if fault is None:
+        return None
+    f = parse_fault(fault)
+    if f.rank >= low.num_ranks:
+        raise FaultError(f"fault {fault!r}: the run has ranks 0..{low.num_ranks - 1}")
+    tokens = [str(op) for op in low.program(f.rank)]
+    if f.token not in tokens:
+        raise FaultError(f"fault {fault!r}: rank {f.rank} runs no op {f.token!r}; its program is "
+                         f"{' '.join(tokens[:8])}{' ...' if len(tokens) > 8 else ''}")
+    if f.step is not None and f.step >= steps:
+        raise FaultError(f"fault {fault!r}: the run has steps 0..{steps - 1}")
+    return f

@@ -1,0 +1,104 @@
+"""Schedules side by side: one job simulated under every schedule asked for (``pipetwin compare``,
+``pipetwin demo``), and the table, traces and figure written from it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cost_models.bind import load_inputs
+from cost_models.job import Job, check_run_size
+from schedules import ScheduleError
+from schedules.trace import write_chrome
+from sim import simulate_job
+from sim.job import crossed_links
+
+from .common import human_rows, metrics_record, print_json, units_note
+from .tables import fmt_table
+
+
+@dataclass
+class Comparison:
+    """Per schedule that ran, its report (:func:`experiments.common.metrics_record`, with the
+    largest peak activation and memory over the devices); the trace of each when asked; the
+    schedules skipped, with why."""
+
+    rows: list[dict]
+    traces: dict = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def compare_schedules(job: Job, names: list[str], *, traces: bool = False) -> Comparison:
+    """Simulate ``job`` under each schedule of ``names`` (its layout's other fields kept).
+    Schedules whose requirements the layout does not meet are listed as skipped; a slow link that
+    no schedule crosses is refused, one that some do not cross is noted among the skipped."""
+    inputs = load_inputs(job)
+    lay = job.layout
+    check_run_size(devices=lay.devices, microbatches=lay.microbatches, replicas=lay.replicas, chunks=lay.chunks,
+                   one_replica=True, **inputs.limits())   # before building any schedule
+    out = Comparison(rows=[])
+    crossing: dict[str, list[str]] = {}
+    for name in names:
+        try:
+            bound, res = simulate_job(job.with_layout(schedule=name), inputs=inputs, trace=traces, check_links=False)
+        except ScheduleError as e:
+            out.skipped[name] = str(e)
+            continue
+        used = crossed_links(bound) if job.faults.slow_links else set()
+        for link, _ in job.faults.slow_links:
+            if link not in used:
+                crossing.setdefault(link, []).append(name)
+        rec = metrics_record(res, **bound.report)
+        per = rec["per_device"]
+        rec["peak_activation_max"] = max(p["peak_activation"] for p in per)
+        rec["peak_memory_max"] = max(p["peak_memory"] for p in per)
+        out.rows.append(rec)
+        if traces:
+            out.traces[name] = res.trace()
+    if not out.rows:
+        raise ValueError("no schedule accepts these settings: " + "; ".join(out.skipped.values()))
+    for link, missed in crossing.items():
+        if len(missed) == len(out.rows):
+            raise ValueError(f"--slow-link: no compared schedule crosses link {link!r}, so slowing it changes "
+                             f"nothing")
+        out.skipped[f"--slow-link {link}"] = f"not crossed by {', '.join(missed)} (no effect on them)"
+    return out
+
+
+def write_comparison(comp: Comparison, out: Path | None, plot: str | None) -> None:
+    """``out``: table.csv and one Chrome trace per schedule there; ``plot``: the stacked timelines."""
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        import pandas as pd
+        table = pd.DataFrame([{k: v for k, v in r.items() if k != "per_device"} for r in comp.rows])
+        table.to_csv(out / "table.csv", index=False)
+        for name, t in comp.traces.items():
+            write_chrome(t, out / f"{name}.chrome.json")
+    if plot:
+        from .plots import plot_stacked
+        plot_stacked(comp.traces, plot)
+
+
+def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = False) -> int:
+    """Write the comparison's files and print its table (or one JSON object)."""
+    rows, skipped = comp.rows, comp.skipped
+    write_comparison(comp, out, plot)
+    if as_json:
+        print_json({"schedules": rows, "skipped": skipped})
+        return 0
+    lay = job.layout
+    unit, mem = rows[0]["time_unit"], rows[0]["memory_unit"]
+    shown_rows, shown = human_rows(rows, mem)
+    print(f"D={lay.devices} N={lay.microbatches} R={lay.replicas}  {units_note(unit, mem, shown)}")
+    cols = ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"]
+    if any("out_of_memory" in r for r in rows):
+        cols.append("out_of_memory")
+    print(fmt_table(shown_rows, cols,
+                    {"iteration_time": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation_max": "{:.6g}",
+                     "peak_memory_max": "{:.6g}"}))
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    if plot:
+        print(f"wrote figure: {plot}")
+    if out:
+        print(f"wrote table and Chrome traces under {out}/")
+    return 0

@@ -1,0 +1,203 @@
+"""The command line's options of a job, and the one place they become a :class:`cost_models.job.Job`.
+
+A command adds the option groups it takes (:func:`add_layout_args`, :func:`add_cost_args`,
+:func:`add_fault_args`) and calls :func:`job_from_args` once; the job is then all that the
+library sees (:func:`sim.simulate_job`, :func:`cost_models.bind.bind`,
+:meth:`executor.RunConfig.from_job`). The job checks itself field by field (one line naming the
+option, exit status 2); the options' types (:mod:`experiments.checks`) already refuse malformed
+values while parsing.
+"""
+from __future__ import annotations
+
+from cost_models import FABRICS, MAPPINGS
+from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
+from cost_models.kernels import COST_MODELS
+from schedules import families, names
+
+from .checks import factor_pair, float_in, nonneg_float, nonneg_int, positive_int
+
+SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
+PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
+
+
+# ---------------------------------------------------------------------- option groups
+def add_layout_args(p, *, schedule=True, many=False, plan: str | None = None):
+    """-s/-D/-N/--chunks/--variant/--dp/--no-eager. With ``plan`` (the help text of a ``--plan
+    PLAN.json`` option) a plan file may bring the schedule and layout instead: those options then
+    default to None and :func:`check_plan_args` requires them, after parsing, when no plan is
+    given. ``many``: ``--schedules`` (a list) instead of ``-s``."""
+    required = plan is None
+    if schedule:
+        p.add_argument("--schedule", "-s", required=required, help=f"one of: {', '.join(names())}")
+    if many:
+        p.add_argument("--schedules", default="all", help="comma-separated schedule names, or 'all'")
+    p.add_argument("--devices", "-D", type=positive_int, required=required, help="pipeline devices D")
+    p.add_argument("--microbatches", "-N", type=positive_int, required=required, help="micro-batches N per iteration")
+    p.add_argument("--chunks", "-v", type=positive_int, default=SCHEDULE_DEFAULTS["chunks"] if required else None,
+                   help="chunks per device for interleaved schedules (default 2)")
+    p.add_argument("--variant", default=None,
+                   help="a schedule's variant (default: its first); " +
+                        "; ".join(f"{n}: {', '.join(f.variants)}" for n, f in families().items() if f.variants))
+    p.add_argument("--dp", type=positive_int, default=SCHEDULE_DEFAULTS["dp"] if required else None,
+                   help="data-parallel replicas R of the whole pipeline (default 1)")
+    p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end, not in bubbles")
+    if plan is not None:
+        p.add_argument("--plan", metavar="PLAN.json", help=plan)
+    _declare(p, "layout")
+
+
+def check_plan_args(args, also_fixed: tuple[str, ...] = ()) -> None:
+    """For commands with ``--plan``: a plan and -s/-D/-N/--chunks/--dp (and the options named in
+    ``also_fixed``) exclude each other; without a plan -s/-D/-N are required and --chunks/--dp take
+    their defaults (set on ``args``)."""
+    if args.plan:
+        given = [f"--{d.replace('_', '-')}" for d in PLAN_OPTIONS + also_fixed if vars(args).get(d) is not None]
+        if given:
+            what = "the schedule, layout and model" if "model" in also_fixed else "the schedule and layout"
+            raise ValueError(f"--plan fixes {what}; drop {', '.join(given)}")
+        return
+    missing = [f"--{d}" for d in ("schedule", "devices", "microbatches") if vars(args).get(d, 0) is None]
+    if missing:
+        raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json)")
+    for dest, value in SCHEDULE_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+
+
+def add_cluster_shape_args(p):
+    """--nodes / --fabric / --oversubscription / --nodes-per-leaf: any cluster preset resized and rewired."""
+    p.add_argument("--nodes", type=positive_int, help="number of nodes of the cluster's kind (overrides the preset's)")
+    p.add_argument("--fabric", choices=FABRICS, help="inter-node fabric: flat (one non-blocking switch), fat-tree "
+                   "(leaves of --nodes-per-leaf nodes) or rail (rail-optimised: NIC k of a group on one switch)")
+    p.add_argument("--oversubscription", type=float_in(1.0, 1e6), metavar="RATIO",
+                   help="fat-tree / rail: a leaf's down / up bandwidth (1 = non-blocking, e.g. 2)")
+    p.add_argument("--nodes-per-leaf", type=positive_int, help="fat-tree / rail: nodes under one leaf (rail) switch")
+
+
+def add_cost_model_args(p) -> None:
+    """``--cost-model`` and ``--profile-batch`` (shared with ``pipetwin plan``)."""
+    p.add_argument("--cost-model", choices=list(COST_MODELS), default=None,
+                   help="layer times: 'kernels' (GEMM tiles and waves, memory-bound kernels, launch overhead: costs "
+                        "depend on the micro-batch; default where the device has the constants) or 'linear' (FLOPs "
+                        "at a fixed efficiency; the default for --model FILE.txt profiles, as DAPPLE scaled them)")
+    p.add_argument("--profile-batch", type=positive_int, metavar="B",
+                   help="the batch a --model FILE.txt profile was measured at (default: the pbs-B in its name)")
+
+
+def add_cost_args(p, *, per_run: bool = True):
+    """Where the costs come from (see :mod:`cost_models.bind`): --unit-costs | --profile |
+    --model x --cluster, with --cost-model, --device-map, --recompute and (``per_run``: one value
+    per run, not a sweep's axis) --micro-batch and --partition."""
+    p.add_argument("--unit-costs", action="store_true",
+                   help="closed-form unit costs: F=1, B=2 per full stage, no communication, memory in Ma")
+    p.add_argument("--model", "-m", default=None,
+                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; 'pipetwin presets' lists them), a "
+                        f"per-layer profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles), or a "
+                        f"model file PATH.py:FUNC with its --profile")
+    add_cost_model_args(p)
+    p.add_argument("--cluster", "-c", default=None,
+                   help=f"cluster preset or YAML file, optionally sized NAME:NODES (default {DEFAULT_CLUSTER}; "
+                        f"e.g. dgx-h100-ib:128); with --profile: the measured layer times scaled onto it (default "
+                        f"there: this machine, as calibrated)")
+    add_cluster_shape_args(p)
+    p.add_argument("--profile", metavar="FILE.yaml",
+                   help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
+                        "--model/--cluster formulas")
+    if per_run:
+        p.add_argument("--partition", metavar="COUNTS|time",
+                       help="layers per stage of a model copy, e.g. 3,2,2,3 (a transformer's embedding and head "
+                            "count as layers), or 'time': balanced by the profile's measured layer times (default: "
+                            "the executor's split)")
+    p.add_argument("--device-map", default="sequential", choices=sorted(MAPPINGS),
+                   help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="activation recomputation")
+    if per_run:
+        p.add_argument("--micro-batch", type=positive_int, help="micro-batch size (default: the model spec's)")
+    _declare(p, "costs")
+
+
+def add_fault_args(p):
+    """Stragglers, slow links, jitter and --exact (simulated runs)."""
+    p.add_argument("--slowdown", action="append", default=[], metavar="RANK=FACTOR", type=factor_pair("RANK", int),
+                   help="a straggler: compute on RANK takes FACTOR times longer (repeatable)")
+    p.add_argument("--slow-link", action="append", default=[], metavar="LINK=FACTOR",
+                   type=factor_pair("LINK", str, "n1.nic0.out=4"),
+                   help="a slow link: divide the bandwidth of LINK (e.g. n1.nic0.out) by FACTOR (repeatable); "
+                        "the run must cross it")
+    p.add_argument("--jitter", type=nonneg_float, default=0.0, help="relative std-dev of per-op compute noise")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed for --jitter")
+    p.add_argument("--exact", action="store_true",
+                   help="simulate every data-parallel replica op by op even when they are identical (by default "
+                        "one replica stands for all when nothing tells them apart)")
+    _declare(p, "faults")
+
+
+# ---------------------------------------------------------------------- options -> job
+def parse_partition(text: str | None):
+    """``--partition``: None, ``"time"`` or a tuple of layer counts."""
+    if text is None:
+        return None
+    if text.strip() == "time":
+        return "time"
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--partition takes layer counts per stage (e.g. 3,2,2,3) or 'time'; got {text!r}") from None
+    if any(c < 0 for c in counts):
+        raise ValueError(f"--partition: layer counts must be >= 0; got {text!r}")
+    return counts
+
+
+def cluster_from_args(args) -> ClusterChoice:
+    """The cluster options (``--cluster`` and :func:`add_cluster_shape_args`) as a :class:`ClusterChoice`."""
+    return ClusterChoice(name=args.cluster, nodes=args.nodes, fabric=args.fabric,
+                         oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf)
+
+
+def layout_from_args(args, **overrides) -> Layout:
+    """The layout options as a :class:`Layout` (``overrides``: its fields, for the commands whose
+    options give a list where the layout has one value: ``compare``'s schedules, a sweep's axes)."""
+    o = vars(args)
+    fields = dict(schedule=o.get("schedule"), devices=o.get("devices"), microbatches=o.get("microbatches"),
+                  replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
+                  chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"))
+    fields.update(overrides)
+    return Layout(**fields)
+
+
+def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides) -> Job:
+    """The one job the options of a command describe: its layout (``layout``, else from the layout
+    options; none with ``plan``, a loaded plan file), its cost source and its faults, read from the
+    option groups the command added (a group it lacks leaves the job's defaults). ``overrides``:
+    job fields the command sets itself."""
+    o, groups = vars(args), vars(args).get("_job_groups", frozenset())
+    fields: dict = {"plan": plan}
+    if plan is None:
+        fields["layout"] = layout if layout is not None else layout_from_args(args)
+    if "layout" in groups:
+        fields["eager"] = not o["no_eager"]
+    if "costs" in groups:
+        fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
+                      profile=o["profile"], cost_model=o["cost_model"], profile_batch=o["profile_batch"],
+                      recompute=o["recompute"], device_map=o["device_map"])
+        if "partition" in o:
+            fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])
+    if "faults" in groups:
+        fields.update(exact=o["exact"], faults=Faults(slowdown=tuple(o["slowdown"]), slow_links=tuple(o["slow_link"]),
+                                                      jitter=o["jitter"], seed=o["seed"]))
+    fields.update(overrides)
+    return Job(**fields)
+
+
+def _declare(p, group: str) -> None:
+    """Record on the parser that it has option group ``group`` (read by :func:`job_from_args`)."""
+    p.set_defaults(_job_groups=frozenset(p.get_default("_job_groups") or ()) | {group})
+
+
+def load_plan_arg(args):
+    """The ``--plan`` file, loaded (the planner's reader), or None."""
+    if not vars(args).get("plan"):
+        return None
+    from planner.plan_io import load_plan
+    return load_plan(args.plan)
