@@ -82,13 +82,19 @@ class Layout:
         """The keyword arguments of :func:`schedules.build` (every family takes ``chunks``)."""
         return {"chunks": self.chunks, **({} if self.variant is None else {"variant": self.variant})}
 
+    def check_size(self, *, one_replica: bool = True, **limits) -> None:
+        """:func:`check_run_size` of this layout (``limits``: cluster_devices, cluster_name,
+        layers, model_name; ``one_replica``: as the simulator builds it, one replica standing for
+        all, else as the executor runs every rank)."""
+        check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
+                       chunks=self.chunks, one_replica=one_replica, **limits)
+
     def build(self, *, eager: bool = True, **limits):
         """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
-        (ScheduleError, a ValueError, names what to change) after :func:`check_run_size` with
-        ``limits`` (cluster_devices, cluster_name, layers, model_name)."""
+        (ScheduleError, a ValueError, names what to change) after :meth:`check_size` with
+        ``limits``."""
         from schedules import build, lower, validate
-        check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
-                       chunks=self.chunks, one_replica=True, **limits)
+        self.check_size(**limits)
         low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options()),
                     replicas=self.replicas, eager=eager)
         validate(low)

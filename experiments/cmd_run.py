@@ -90,15 +90,13 @@ def job_of_run(args):
     counts given, or ``time``: balanced by ``--profile``'s measured layer times), recompute,
     device map, eager all-reduce."""
     from cost_models import is_model_ref, load_model
-    from cost_models.job import check_run_size
 
     check_plan_args(args)
     model = args.model or "tiny"
     layout = layout_from_args(args)
     if not is_model_ref(model):     # a model file is checked (built) with the schedule: lowered_schedule
         spec = load_model(model)
-        check_run_size(devices=layout.devices, microbatches=layout.microbatches, replicas=layout.replicas,
-                       chunks=layout.chunks, layers=spec.layers, model_name=spec.name)   # before anything is built
+        layout.check_size(one_replica=False, layers=spec.layers, model_name=spec.name)   # before anything is built
     return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
                          partition=run_partition(args, model, layout), recompute=args.recompute,
                          device_map=args.device_map or "sequential")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cost_models.bind import load_inputs
-from cost_models.job import Job, check_run_size
+from cost_models.job import Job
 from schedules import ScheduleError
 from schedules.trace import write_chrome
 from sim import simulate_job
@@ -32,9 +32,7 @@ def compare_schedules(job: Job, names: list[str], *, traces: bool = False) -> Co
     Schedules whose requirements the layout does not meet are listed as skipped; a slow link that
     no schedule crosses is refused, one that some do not cross is noted among the skipped."""
     inputs = load_inputs(job)
-    lay = job.layout
-    check_run_size(devices=lay.devices, microbatches=lay.microbatches, replicas=lay.replicas, chunks=lay.chunks,
-                   one_replica=True, **inputs.limits())   # before building any schedule
+    job.layout.check_size(**inputs.limits())   # before building any schedule
     out = Comparison(rows=[])
     crossing: dict[str, list[str]] = {}
     for name in names:

@@ -27,10 +27,8 @@ class HostCores:
     @classmethod
     def of(cls, profile) -> "HostCores | None":
         """The host of a calibration profile (None: the profile names no core count)."""
-        if not profile.cores:
-            return None
-        return cls(cores=profile.cores, time_slice=profile.time_slice,
-                   oversubscribed_slowdown=profile.oversubscribed_slowdown)
+        fields = profile.host_cores()
+        return None if fields is None else cls(**fields)
 
 
 def on_one_host(opts: SimOptions, num_ranks: int, host: HostCores) -> SimOptions:

@@ -49,7 +49,7 @@ def crossed_links(bound: Bound) -> set[str]:
     return links_used(bound.lowered, net) if net is not None and hasattr(net, "links") else set()
 
 
-def job_options(job: Job, bound: Bound, *, check_links: bool = True, steps: int = 1) -> SimOptions:
+def job_options(job: Job, bound: Bound, *, check_links: bool = True) -> SimOptions:
     """The simulator's options for a bound job: its stragglers, slow links (checked against the
     network; ``check_links=False`` does not require them to be crossed), jitter and seed, ``exact``,
     and, for a calibration profile on its own host, the ranks sharing that host's cores."""
@@ -60,7 +60,7 @@ def job_options(job: Job, bound: Bound, *, check_links: bool = True, steps: int 
         if not 0 <= r < low.num_ranks:
             raise ValueError(f"--slowdown names rank {r}, but the run has ranks 0..{low.num_ranks - 1}")
     base = SimOptions(slowdown=slow, link_slowdown=faults.slow_link_map, jitter=faults.jitter, seed=faults.seed,
-                      exact=job.exact, steps=steps)
+                      exact=job.exact)
     host = bound.report.get("host")
     return on_one_host(base, low.num_ranks, HostCores(**host)) if host else base
 

@@ -81,6 +81,7 @@ CASES = [
      ["--out", "is a file"]),
     ("calibrate-out-under-file", ["calibrate", "--out", "{file}/c.yaml"], ["--out", "is a file"]),
     ("validate-plot-under-file", ["validate", "--plot", "{file}/v.png"], ["--plot", "is a file"]),
+    ("validate-report-under-file", ["validate", "--report", "{file}/reports"], ["--report", "is a file"]),
     ("compare-out-is-file", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", "{file}"], ["--out", "file"]),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "file"]),
     ("reproduce-unknown", ["reproduce", "nope"], ["target", "nope"]),
