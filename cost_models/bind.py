@@ -32,12 +32,13 @@ from schedules import Schedule
 
 from .base import PerLayerCostModel, StageCosts, UnitCostModel
 from .calibration import CalibrationProfile, load_profile, scaled_layer_costs
-from .cluster import Cluster
+from ._spec import SpecError
+from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
 from .kernels import COST_MODELS
 from .model_spec import ModelSpec, load_model
 from .stack import is_model_ref, same_model_ref
-from .transformer import TransformerCostModel
+from .transformer import TensorParallelGroup, TransformerCostModel, model_params
 
 
 @dataclass(frozen=True)
@@ -151,11 +152,13 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
     if inputs.kind == "unit":
         return Bound(low, UnitCostModel().bind(low), None, {"cost_model": "unit"})
     if inputs.kind == "profile":
-        return calibrated(inputs.profile, low, cluster=inputs.cluster, device_map=job.device_map,
+        return calibrated(inputs.profile, low, cluster=inputs.cluster, device_map=job.mapping,
                           partition=job.partition, recompute=job.recompute, label=f"profile {job.profile}")
     cluster = inputs.cluster
+    if inputs.kind == "transformer":
+        return _transformer(job, inputs.model, cluster, low)
     _check_fits(low, cluster)
-    placed = cluster.place(low, job.device_map)
+    placed = cluster.place(low, job.mapping)
     if inputs.kind == "layer-profile":
         if job.partition is not None:
             raise ValueError("--partition does not apply to a --model FILE.txt profile (it is split by work)")
@@ -163,21 +166,40 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
         costs, mb, part = _layer_profile_costs(job, low, cluster, cost_model)
         return Bound(low, costs, placed, {"cost_model": cost_model, "model": str(job.model), "micro_batch": mb,
                                           "partition": list(part), "cluster": cluster.name,
-                                          "device_map": job.device_map,
+                                          "device_map": job.mapping,
                                           "memory_capacity": costs.meta.get("memory_capacity")})
-    model = inputs.model
+    raise AssertionError(f"unhandled cost source {inputs.kind}")   # pragma: no cover
+
+
+def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:
+    """A model spec's formulas on a cluster, T x D x R: every rank a tensor-parallel group of T
+    GPUs (:func:`cost_models.cluster.tensor_parallel_groups`), its collectives on the group's links."""
+    tp = job.layout.tp
+    try:
+        model.check_tensor_parallel(tp)
+        groups = tensor_parallel_groups(cluster, tp)
+    except SpecError as e:
+        raise ValueError(str(e)) from None
+    _check_fits(low, groups, tp)
     cost_model = cost_model_for(job.cost_model, cluster.device, False)
+    group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
     costs = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
-                                 partition=job.partition).bind(low)
-    return Bound(low, costs, placed, {"cost_model": cost_model, "model": model.name, "micro_batch": model.micro_batch,
-                                      "cluster": cluster.name, "device_map": job.device_map,
-                                      "memory_capacity": costs.meta.get("memory_capacity")})
+                                 partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
+                                 tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero,
+                                 replicas=job.layout.replicas).bind(low)
+    return Bound(low, costs, groups.place(low, job.mapping), {
+        "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
+        "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
+        "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": job.sequence_parallel, "zero": job.zero,
+        "memory_capacity": costs.meta.get("memory_capacity")})
 
 
-def _check_fits(low: Schedule, cluster: Cluster) -> None:
+def _check_fits(low: Schedule, cluster: Cluster, tp: int = 1) -> None:
     if low.num_ranks > cluster.num_devices:
-        raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
-                         f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
+        what = f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas})" if tp == 1 else \
+            f"{low.num_ranks * tp:,} GPUs (T={tp} x D={low.num_devices} x R={low.replicas})"
+        raise ValueError(f"{what} do not fit on cluster {cluster.name} with {cluster.num_devices * tp:,} devices; "
+                         f"pick a bigger --cluster")
 
 
 def _layer_profile_costs(job: Job, low: Schedule, cluster: Cluster, cost_model: str):

@@ -60,10 +60,11 @@ def _finite(value, option: str, *, positive: bool) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Which schedule runs on which data x pipeline layout: ``schedule`` (a family name,
+    """Which schedule runs on which T x D x R layout: ``schedule`` (a family name,
     :func:`schedules.names`) on ``devices`` D pipeline devices with ``microbatches`` N per
     iteration, ``replicas`` R data-parallel copies of the pipeline, ``chunks`` per device for the
-    families that take it and the family's ``variant`` (None: its first)."""
+    families that take it and the family's ``variant`` (None: its first); ``tp`` T GPUs per
+    pipeline device that split every layer (tensor parallel): T x D x R GPUs in all."""
 
     schedule: str
     devices: int
@@ -71,12 +72,18 @@ class Layout:
     replicas: int = 1
     chunks: int = 2
     variant: str | None = None
+    tp: int = 1
 
     def __post_init__(self):
         registry.get(self.schedule)          # an unknown name: the registry's one line, with the names
         for value, option in ((self.devices, "--devices"), (self.microbatches, "--microbatches"),
-                              (self.replicas, "--dp"), (self.chunks, "--chunks")):
+                              (self.replicas, "--dp"), (self.chunks, "--chunks"), (self.tp, "--tp")):
             _whole(value, option)
+
+    @property
+    def gpus(self) -> int:
+        """T x D x R."""
+        return self.tp * self.devices * self.replicas
 
     def family_options(self) -> dict:
         """The keyword arguments of :func:`schedules.build` (every family takes ``chunks``)."""
@@ -87,7 +94,7 @@ class Layout:
         layers, model_name; ``one_replica``: as the simulator builds it, one replica standing for
         all, else as the executor runs every rank)."""
         check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
-                       chunks=self.chunks, one_replica=one_replica, **limits)
+                       chunks=self.chunks, one_replica=one_replica, tp=self.tp, **limits)
 
     def build(self, *, eager: bool = True, **limits):
         """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
@@ -222,8 +229,11 @@ class Job:
     micro_batch: int | None = None
     recompute: str = "none"
     partition: tuple[int, ...] | str | None = None
-    device_map: str = "sequential"
+    device_map: str | None = None
     eager: bool = True
+    sequence_parallel: bool = False
+    tp_overlap: bool = False
+    zero: int = 0
     faults: Faults = field(default_factory=Faults)
     exact: bool = False
 
@@ -236,7 +246,7 @@ class Job:
             _whole(self.profile_batch, "--profile-batch")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
-        if self.device_map not in MAPPINGS:
+        if self.device_map is not None and self.device_map not in MAPPINGS:
             raise ValueError(f"--device-map must be one of {', '.join(sorted(MAPPINGS))}; got {self.device_map!r}")
         if self.cost_model is not None and self.cost_model not in COST_MODELS:
             raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
@@ -247,6 +257,33 @@ class Job:
             if self.layout is None:
                 raise ValueError("give --schedule, --devices, --microbatches (or --plan PLAN.json)")
             self._check_cost_source()
+            self._check_parallel()
+
+    @property
+    def mapping(self) -> str:
+        """How ranks are placed: ``device_map``, else Megatron's order (TP, then DP, then PP) with
+        tensor parallelism and the sequential order (a pipeline on consecutive devices) without."""
+        if self.device_map is not None:
+            return self.device_map
+        return "megatron" if self.layout is not None and self.layout.tp > 1 else "sequential"
+
+    def _check_parallel(self) -> None:
+        """Tensor parallelism and ZeRO: options that only act together, and only on the formulas."""
+        tp = self.layout.tp
+        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+            raise ValueError(f"--zero must be 0 or 1 (ZeRO-1: the optimizer state sharded over --dp); "
+                             f"got {self.zero!r}")
+        if self.zero and self.layout.replicas == 1:
+            raise ValueError("--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1")
+        for flag, on in (("--sequence-parallel", self.sequence_parallel), ("--tp-overlap", self.tp_overlap)):
+            if not isinstance(on, bool):
+                raise ValueError(f"{flag} is a switch (true or false); got {on!r}")
+            if on and tp == 1:
+                raise ValueError(f"{flag} acts on a tensor-parallel group; give --tp > 1")
+        given = [f for f, v in (("--tp", tp > 1), ("--zero", self.zero)) if v]
+        if given and self.source != "transformer":
+            raise ValueError(f"{' and '.join(given)} split a model by its formulas: use --model/--cluster costs "
+                             f"(not --unit-costs, --profile or a FILE.txt profile)")
 
     # ------------------------------------------------------------------ the cost source
     @property
@@ -344,7 +381,7 @@ def _partition(value):
 
 def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks: int = 1,
                    cluster_devices: int | None = None, cluster_name: str = "", layers: int | None = None,
-                   model_name: str = "", one_replica: bool = False) -> None:
+                   model_name: str = "", one_replica: bool = False, tp: int = 1) -> None:
     """What can be refused without building a schedule: the size limits of the IR
     (:func:`schedules.registry.check_size`), a cluster too small for D x R ranks, a model with
     fewer layers than stages (every schedule has at least D stages per copy). One-line ValueErrors.
@@ -366,9 +403,11 @@ def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks
                          f"beyond pipetwin's limit of {registry.MAX_OPS:,} (memory and time grow with it); "
                          f"use -N {most:,} or fewer")
     ranks = devices * replicas
-    if cluster_devices is not None and ranks > cluster_devices:
-        raise ValueError(f"{ranks} ranks (D={devices} x R={replicas}) do not fit on cluster {cluster_name} with "
-                         f"{cluster_devices} devices; pick a bigger --cluster or a smaller -D/--dp")
+    if cluster_devices is not None and ranks * tp > cluster_devices:
+        what = f"{ranks} ranks (D={devices} x R={replicas})" if tp == 1 else \
+            f"{ranks * tp:,} GPUs (T={tp} x D={devices} x R={replicas})"
+        raise ValueError(f"{what} do not fit on cluster {cluster_name} with {cluster_devices:,} devices; pick a "
+                         f"bigger --cluster (or --nodes) or a smaller " + ("-D/--dp" if tp == 1 else "--tp/-D/--dp"))
     if layers is not None and layers < devices:
         raise ValueError(f"model {model_name} has {layers} layers to split, fewer than the {devices} pipeline "
                          f"stages; lower -D or pick a deeper --model")

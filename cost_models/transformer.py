@@ -248,8 +248,8 @@ def transformer_layers(spec: ModelSpec, recompute: str = "none", dropout: bool |
 
 
 def model_params(spec: ModelSpec, tied_embeddings: bool | None = None) -> int:
-    """Parameters of the whole model. ``tied_embeddings`` (default: the model's, True for gpt) counts the output projection once with the embedding table, as the
-    papers' model sizes do."""
+    """Parameters of the whole model. ``tied_embeddings`` (default: the model's, True for gpt)
+    counts the output projection once with the embedding table, as the papers' model sizes do."""
     layers = transformer_layers(spec)
     total = sum(l.params for l in layers)
     if spec.tied if tied_embeddings is None else tied_embeddings:

@@ -122,6 +122,11 @@ class RunConfig:
                                    ("faults", job.faults != Faults())) if v] + job.cluster.given()
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
+        split = [f for f, v in (("--tp", job.layout.tp > 1), ("--sequence-parallel", job.sequence_parallel),
+                                ("--tp-overlap", job.tp_overlap), ("--zero", job.zero)) if v]
+        if split:
+            raise ValueError(f"the executor trains data x pipeline layouts; {', '.join(split)} are simulated only "
+                             f"(pipetwin simulate); drop them to run")
         if job.partition == "time":
             raise ValueError("partition 'time' is resolved from a calibration profile before the run "
                              "(cost_models.bind.profile_partition)")
@@ -137,7 +142,7 @@ class RunConfig:
         return cls(schedule=lay.schedule, devices=lay.devices, microbatches=lay.microbatches, chunks=lay.chunks,
                    variant=lay.variant, replicas=lay.replicas, model=model, micro_batch=job.micro_batch,
                    partition=partition, recompute=job.recompute, eager_allreduce=job.eager,
-                   device_map=job.device_map, **options)
+                   device_map=job.mapping, **options)
 
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)

@@ -23,6 +23,7 @@ def add_arguments(p):
     p.add_argument("--devices", "-D", required=True, help="pipeline devices, comma-separated (e.g. 4,8)")
     p.add_argument("--microbatches", "-N", required=True, help="micro-batches per iteration, comma-separated")
     p.add_argument("--dp", default="1", help="data-parallel replicas, comma-separated (default 1)")
+    p.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (default 1)")
     p.add_argument("--micro-batch", help="micro-batch sizes, comma-separated (default: the model spec's)")
     p.add_argument("--chunks", "-v", type=positive_int, default=2, help="chunks per device for interleaved schedules")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end")
@@ -44,13 +45,15 @@ def main(args) -> int:
     from .sweep import Grid, parse_ints, run_sweep
     grid = Grid(schedules=tuple(parse_schedules(args.schedules)), devices=parse_ints(args.devices, "--devices"),
                 microbatches=parse_ints(args.microbatches, "--microbatches"), dp=parse_ints(args.dp, "--dp"),
+                tp=parse_ints(args.tp, "--tp"),
                 micro_batch=(None,) if args.micro_batch is None else parse_ints(args.micro_batch, "--micro-batch"))
     if args.unit_costs and args.micro_batch is not None:
         raise ValueError("--micro-batch has no meaning with --unit-costs; drop one")
     if args.workers is not None and args.ray is not None:
         raise ValueError("--workers is for local processes; Ray places the points itself (drop one)")
     base = job_from_args(args, layout=layout_from_args(args, schedule=grid.schedules[0], devices=grid.devices[0],
-                                                       microbatches=grid.microbatches[0], replicas=grid.dp[0]),
+                                                       microbatches=grid.microbatches[0], replicas=grid.dp[0],
+                                                       tp=grid.tp[0]),
                          micro_batch=grid.micro_batch[0], eager=not args.no_eager, exact=args.exact)
     load_inputs(base)   # fail fast on what every point shares (a bad model, cluster or profile), before any worker
     rows = run_sweep(grid, base, args.out, workers=args.workers, use_ray=args.ray is not None,
@@ -62,7 +65,7 @@ def main(args) -> int:
             for r in sorted(ran, key=lambda r: -float(r["throughput"]))[:10]]
     if show:
         print("fastest points (throughput in samples per time unit):")
-        print(fmt_table(show, ["schedule", "devices", "microbatches", "dp", "micro_batch", "iteration_time",
+        print(fmt_table(show, ["schedule", "devices", "microbatches", "dp", "tp", "micro_batch", "iteration_time",
                                "throughput", "bubble_ratio", "out_of_memory"],
                         {"iteration_time": "{:.6g}", "throughput": "{:.6g}", "bubble_ratio": "{:.4f}"}))
     for r in rows:

@@ -16,8 +16,8 @@ from schedules import families, names
 
 from .checks import factor_pair, float_in, nonneg_float, nonneg_int, positive_int
 
-SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
-PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
+SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}
+PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp", "tp")   # what a --plan file brings
 
 
 # ---------------------------------------------------------------------- option groups
@@ -40,6 +40,9 @@ def add_layout_args(p, *, schedule=True, many=False, plan: str | None = None):
                         "; ".join(f"{n}: {', '.join(f.variants)}" for n, f in families().items() if f.variants))
     p.add_argument("--dp", type=positive_int, default=SCHEDULE_DEFAULTS["dp"] if required else None,
                    help="data-parallel replicas R of the whole pipeline (default 1)")
+    p.add_argument("--tp", type=positive_int, default=SCHEDULE_DEFAULTS["tp"] if required else None,
+                   help="tensor-parallel size T: GPUs per pipeline device that split every layer Megatron-style "
+                            "(T x D x R GPUs; default 1)")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end, not in bubbles")
     if plan is not None:
         p.add_argument("--plan", metavar="PLAN.json", help=plan)
@@ -108,10 +111,22 @@ def add_cost_args(p, *, per_run: bool = True):
                        help="layers per stage of a model copy, e.g. 3,2,2,3 (a transformer's embedding and head "
                             "count as layers), or 'time': balanced by the profile's measured layer times (default: "
                             "the executor's split)")
-    p.add_argument("--device-map", default="sequential", choices=sorted(MAPPINGS),
-                   help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping)")
+    p.add_argument("--device-map", default=None, choices=sorted(MAPPINGS),
+                   help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping; "
+                        "megatron: TP, then DP, then PP; default megatron with --tp > 1, else sequential)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                   help="activation recomputation")
+                   help="activation recomputation: none keeps every activation; selective re-runs the attention "
+                        "core in the backward (keeps no score matrix); full keeps only each block's input and "
+                        "re-runs its forward")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: norms and dropouts on 1/T of the sequence, reduce-scatter + all-gather in place "
+                        "of the all-reduces (Korthikanti et al.)")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="with --tp: the tensor-parallel collectives overlap the layer's compute (default: on the "
+                        "critical path, Megatron's default)")
+    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: ZeRO-1, the optimizer state sharded over the --dp replicas (reduce-scatter + "
+                        "all-gather in place of the gradient all-reduce)")
     if per_run:
         p.add_argument("--micro-batch", type=positive_int, help="micro-batch size (default: the model spec's)")
     _declare(p, "costs")
@@ -161,7 +176,8 @@ def layout_from_args(args, **overrides) -> Layout:
     o = vars(args)
     fields = dict(schedule=o.get("schedule"), devices=o.get("devices"), microbatches=o.get("microbatches"),
                   replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
-                  chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"))
+                  chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"),
+                  tp=o.get("tp") or 1)
     fields.update(overrides)
     return Layout(**fields)
 
@@ -180,7 +196,8 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
     if "costs" in groups:
         fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
                       profile=o["profile"], cost_model=o["cost_model"], profile_batch=o["profile_batch"],
-                      recompute=o["recompute"], device_map=o["device_map"])
+                      recompute=o["recompute"], device_map=o["device_map"],
+                      sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"], zero=o["zero"])
         if "partition" in o:
             fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])
     if "faults" in groups:

@@ -26,15 +26,15 @@ from pathlib import Path
 
 from cost_models.job import Job
 
-COLUMNS = ["schedule", "devices", "microbatches", "dp", "micro_batch", "iteration_time", "throughput",
+COLUMNS = ["schedule", "devices", "microbatches", "dp", "tp", "micro_batch", "iteration_time", "throughput",
            "bubble_ratio", "peak_memory", "out_of_memory", "error"]
-KEY = ("schedule", "devices", "microbatches", "dp", "micro_batch")
+KEY = ("schedule", "devices", "microbatches", "dp", "tp", "micro_batch")
 
 
 def point_key(job: Job) -> tuple[str, ...]:
     """The CSV's key of a point (the grid's axes, as text)."""
     lay = job.layout
-    return (lay.schedule, str(lay.devices), str(lay.microbatches), str(lay.replicas),
+    return (lay.schedule, str(lay.devices), str(lay.microbatches), str(lay.replicas), str(lay.tp),
             "" if job.micro_batch is None else str(job.micro_batch))
 
 
@@ -47,12 +47,13 @@ class Grid:
     microbatches: tuple[int, ...]
     dp: tuple[int, ...]
     micro_batch: tuple[int | None, ...] = (None,)
+    tp: tuple[int, ...] = (1,)
 
     def jobs(self, base: Job) -> list[Job]:
         """One job per point: ``base`` with the point's layout and micro-batch size."""
-        return [replace(base.with_layout(schedule=s, devices=d, microbatches=n, replicas=r), micro_batch=b)
-                for s, d, n, r, b in itertools.product(self.schedules, self.devices, self.microbatches, self.dp,
-                                                       self.micro_batch)]
+        return [replace(base.with_layout(schedule=s, devices=d, microbatches=n, replicas=r, tp=t), micro_batch=b)
+                for s, d, n, r, t, b in itertools.product(self.schedules, self.devices, self.microbatches, self.dp,
+                                                          self.tp, self.micro_batch)]
 
 
 def parse_ints(text: str, option: str) -> tuple[int, ...]:
