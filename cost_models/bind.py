@@ -134,6 +134,8 @@ def load_inputs(job: Job) -> CostInputs:
     model = job.model if isinstance(job.model, ModelSpec) else load_model(job.model or DEFAULT_MODEL)
     if job.micro_batch is not None:
         model = model.replace(micro_batch=job.micro_batch)
+    if job.seq_len is not None:
+        model = model.replace(seq_len=job.seq_len)
     return CostInputs(kind, model=model, cluster=cluster)
 
 

@@ -227,6 +227,7 @@ class Job:
     cost_model: str | None = None
     profile_batch: int | None = None
     micro_batch: int | None = None
+    seq_len: int | None = None
     recompute: str = "none"
     partition: tuple[int, ...] | str | None = None
     device_map: str | None = None
@@ -242,6 +243,8 @@ class Job:
             object.__setattr__(self, "cluster", ClusterChoice(name=self.cluster))
         if self.micro_batch is not None:
             _whole(self.micro_batch, "--micro-batch")
+        if self.seq_len is not None:
+            _whole(self.seq_len, "--seq-len")
         if self.profile_batch is not None:
             _whole(self.profile_batch, "--profile-batch")
         if self.recompute not in RECOMPUTE:
@@ -280,9 +283,9 @@ class Job:
                 raise ValueError(f"{flag} is a switch (true or false); got {on!r}")
             if on and tp == 1:
                 raise ValueError(f"{flag} acts on a tensor-parallel group; give --tp > 1")
-        given = [f for f, v in (("--tp", tp > 1), ("--zero", self.zero)) if v]
+        given = [f for f, v in (("--tp", tp > 1), ("--zero", self.zero), ("--seq-len", self.seq_len)) if v]
         if given and self.source != "transformer":
-            raise ValueError(f"{' and '.join(given)} split a model by its formulas: use --model/--cluster costs "
+            raise ValueError(f"{' and '.join(given)} act on a model's formulas: use --model/--cluster costs "
                              f"(not --unit-costs, --profile or a FILE.txt profile)")
 
     # ------------------------------------------------------------------ the cost source

@@ -153,9 +153,13 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> ModelSpec:
 
 
 def load_model(name_or_path: str | Path) -> ModelSpec:
-    """A preset name (see :func:`model_presets`) or a path to a YAML file. (A Python model file,
-    ``PATH.py:FUNC``, has no spec: its costs come from a calibration profile.)"""
+    """A preset name (see :func:`model_presets`), a path to a YAML file or to a Hugging Face
+    ``config.json`` (:mod:`cost_models.hf_config`). (A Python model file, ``PATH.py:FUNC``, has no
+    spec: its costs come from a calibration profile.)"""
+    from .hf_config import is_hf_config, spec_from_hf_config
     if is_model_ref(str(name_or_path)):
         raise SpecError(model_ref_help(str(name_or_path)))
+    if is_hf_config(name_or_path):
+        return spec_from_hf_config(name_or_path)
     data, source = read_yaml(name_or_path, "models", "model")
     return spec_from_dict(data, source)

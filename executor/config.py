@@ -123,7 +123,8 @@ class RunConfig:
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
         split = [f for f, v in (("--tp", job.layout.tp > 1), ("--sequence-parallel", job.sequence_parallel),
-                                ("--tp-overlap", job.tp_overlap), ("--zero", job.zero)) if v]
+                                ("--tp-overlap", job.tp_overlap), ("--zero", job.zero),
+                                ("--seq-len", job.seq_len)) if v]
         if split:
             raise ValueError(f"the executor trains data x pipeline layouts; {', '.join(split)} are simulated only "
                              f"(pipetwin simulate); drop them to run")

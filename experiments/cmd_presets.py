@@ -19,7 +19,9 @@ def _model_lines() -> list[tuple[str, str]]:
     out = []
     for name in model_presets():
         m = load_model(name)
-        out.append((name, f"{m.kind}, {m.layers} layers, hidden {m.hidden}, {m.heads} heads, seq {m.seq_len}, "
+        heads = f"{m.heads} heads" + (f" ({m.kv} key/value)" if m.kv != m.heads else "")
+        ffn = f", FFN {m.ffn}" if m.ffn != 4 * m.hidden else ""
+        out.append((name, f"{m.kind}, {m.layers} layers, hidden {m.hidden}, {heads}{ffn}, seq {m.seq_len}, "
                           f"vocab {m.vocab}, micro-batch {m.micro_batch}, {_count(model_params(m))} parameters"))
     try:   # the planner's layer-cost models (pipetwin plan only)
         from cost_models.paper_models import paper_models

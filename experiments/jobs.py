@@ -94,7 +94,8 @@ def add_cost_args(p, *, per_run: bool = True):
     p.add_argument("--unit-costs", action="store_true",
                    help="closed-form unit costs: F=1, B=2 per full stage, no communication, memory in Ma")
     p.add_argument("--model", "-m", default=None,
-                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; 'pipetwin presets' lists them), a "
+                   help=f"model preset, YAML file or Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2; default "
+                        f"{DEFAULT_MODEL}; 'pipetwin presets' lists them), a "
                         f"per-layer profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles), or a "
                         f"model file PATH.py:FUNC with its --profile")
     add_cost_model_args(p)
@@ -129,6 +130,8 @@ def add_cost_args(p, *, per_run: bool = True):
                         "all-gather in place of the gradient all-reduce)")
     if per_run:
         p.add_argument("--micro-batch", type=positive_int, help="micro-batch size (default: the model spec's)")
+    p.add_argument("--seq-len", type=positive_int, help="training sequence length (default: the model's; a Hugging "
+                                                          "Face config's max_position_embeddings)")
     _declare(p, "costs")
 
 
@@ -197,7 +200,8 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
         fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
                       profile=o["profile"], cost_model=o["cost_model"], profile_batch=o["profile_batch"],
                       recompute=o["recompute"], device_map=o["device_map"],
-                      sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"], zero=o["zero"])
+                      sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"], zero=o["zero"],
+                      seq_len=o["seq_len"])
         if "partition" in o:
             fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])
     if "faults" in groups:
