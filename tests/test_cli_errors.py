@@ -53,6 +53,19 @@ CASES = [
     ("N-zero", ["simulate", "-s", "dapple", "-D", "4", "-N", "0", "--unit-costs"], ["--microbatches"]),
     ("D-negative", ["bubbles", "-D", "-3"], ["--devices"]),
     ("steps-zero", RUN[:-1] + ["0"], ["--steps"]),
+    # tensor parallelism and ZeRO (the simulator's T x D x R)
+    ("tp-not-dividing-heads", ["simulate", "-s", "dapple", "-D", "4", "-N", "8", "--tp", "3"],
+     ["--tp 3", "heads (32)"]),
+    ("tp-not-dividing-kv-heads", ["simulate", "-s", "dapple", "-D", "4", "-N", "8", "--tp", "16", "-m", "llama3-8b",
+                                  "-c", "dgx-h100-ib:8"], ["--tp 16", "kv_heads (8)"]),
+    ("tp-beyond-cluster", ["simulate", "-s", "dapple", "-D", "8", "-N", "8", "--tp", "8"],
+     ["64 GPUs (T=8 x D=8 x R=1)", "--cluster"]),
+    ("sp-without-tp", SIM + ["--sequence-parallel"], ["--sequence-parallel", "--tp"]),
+    ("zero-without-dp", SIM + ["--zero", "1"], ["--zero 1", "--dp"]),
+    ("tp-with-unit-costs", UNIT + ["--tp", "2"], ["--tp", "--unit-costs"]),
+    ("tp-in-a-run", RUN + ["--tp", "2"], ["--tp", "simulated only"]),
+    ("hf-config-unknown-arch", SIM + ["-m", "{hf_bert}"], ["BertForMaskedLM", "LlamaForCausalLM"]),
+    ("hf-config-folder", SIM + ["-m", "{dir}/x.json"], ["x.json"]),
     # silent wrong results
     ("slow-link-unused", SIM + ["--slow-link", "n1.nic0.out=4"], ["--slow-link", "never crosses"]),
     ("slow-link-unknown", SIM + ["--slow-link", "nope=4"], ["--slow-link", "nope"]),
@@ -99,8 +112,9 @@ def files(tmp_path):
     (tmp_path / "nanmodel.yaml").write_text("layers: 4\nhidden: .nan\nheads: 4\nseq_len: 8\nvocab: 16\n")
     (tmp_path / "infcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: .inf}\ninter: ib-hdr\n")
+    (tmp_path / "bert.json").write_text('{"architectures": ["BertForMaskedLM"], "hidden_size": 768}')
     return {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "nanmodel": str(tmp_path / "nanmodel.yaml"),
-            "infcluster": str(tmp_path / "infcluster.yaml"), "tmp": tmp_path}
+            "infcluster": str(tmp_path / "infcluster.yaml"), "hf_bert": str(tmp_path / "bert.json"), "tmp": tmp_path}
 
 
 def _fill(argv, files):
