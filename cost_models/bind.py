@@ -193,7 +193,8 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
         "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": job.sequence_parallel, "zero": job.zero,
-        "memory_capacity": costs.meta.get("memory_capacity")})
+        "memory_capacity": costs.meta.get("memory_capacity"), "memory_transient": costs.meta["memory_transient"],
+        "memory_reserve": job.memory_reserve})
 
 
 def _check_fits(low: Schedule, cluster: Cluster, tp: int = 1) -> None:

@@ -235,6 +235,7 @@ class Job:
     sequence_parallel: bool = False
     tp_overlap: bool = False
     zero: int = 0
+    memory_reserve: float | None = None
     faults: Faults = field(default_factory=Faults)
     exact: bool = False
 
@@ -245,6 +246,8 @@ class Job:
             _whole(self.micro_batch, "--micro-batch")
         if self.seq_len is not None:
             _whole(self.seq_len, "--seq-len")
+        if self.memory_reserve is not None:
+            _finite(self.memory_reserve, "--memory-reserve", positive=False)
         if self.profile_batch is not None:
             _whole(self.profile_batch, "--profile-batch")
         if self.recompute not in RECOMPUTE:

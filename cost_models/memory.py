@@ -10,9 +10,15 @@ Activation memory is walked along a rank's program (its own op order decides it;
 not): F of (copy, stage) adds ``act[copy][stage]``; B frees it and, for split schedules, keeps
 ``act_w`` until the W of the same micro-batch frees that. The peak over the walk is what the
 rank needs on top of its static memory. Units are those of the StageCosts (bytes, or Ma / Mw
-for the unit model). Not counted: communication buffers, the all-reduce bucket, allocator
-fragmentation and, under full recomputation, the transient activations of the one stage being
-recomputed.
+for the unit model). This is what a trace measures too (simulated and executed alike).
+
+Whether a GPU keeps it (:func:`memory_verdict`) also counts what the walk leaves out and can be
+counted, the *transients* a cost model states (``StageCosts.meta['memory_transient']``: the one
+layer being recomputed, whose activations live from its re-run forward to its backward, and the
+staging buffers of one send and one receive), and a *reserve* for what cannot be: the CUDA
+context, the communication library's buffers and the allocator's fragmentation, by default
+:data:`RESERVE_BYTES` + :data:`RESERVE_FRACTION` of the device's memory (``--memory-reserve``).
+A peak within :data:`NEAR_LIMIT` of the memory left is called near the limit.
 """
 from __future__ import annotations
 
@@ -22,6 +28,47 @@ from typing import Iterable, Sequence
 from schedules.ir import COMPUTE_KINDS, activation_change
 
 from .base import StageCosts
+
+
+RESERVE_BYTES = 2 ** 30        # CUDA context and communicator buffers
+RESERVE_FRACTION = 0.05        # allocator fragmentation
+NEAR_LIMIT = 0.95
+
+
+def default_reserve(capacity: float) -> float:
+    """Bytes kept back on a device of ``capacity`` bytes: 1 GiB + 5% of it."""
+    return RESERVE_BYTES + RESERVE_FRACTION * capacity
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a peak fits a device: ``fits``, ``near`` (within :data:`NEAR_LIMIT` of the usable
+    memory) and the one line that says so."""
+
+    fits: bool
+    near: bool
+    text: str
+
+
+def memory_verdict(static: float, activation: float, capacity: float, *, transient: float = 0.0,
+                   reserve: float | None = None, where: str = "") -> Verdict:
+    """The verdict for a peak of ``static`` + ``activation`` bytes (the walk's, on the device
+    ``where``) plus ``transient`` bytes, with ``reserve`` (None: :func:`default_reserve`) kept back
+    from ``capacity``."""
+    reserve = default_reserve(capacity) if reserve is None else reserve
+    peak = static + activation
+    need = peak + transient
+    usable = capacity - reserve
+    fits = need <= usable
+    near = fits and need > NEAR_LIMIT * usable
+    gib = lambda x: f"{x / 2 ** 30:.3g} GiB"  # noqa: E731
+    on = f" on {where}" if where else ""
+    parts = f"peak {gib(peak)}{on} (static {gib(static)} + activations {gib(activation)})"
+    if transient:
+        parts += f" + transients {gib(transient)} (the recomputed layer, send and receive buffers)"
+    head = "OUT OF MEMORY" if not fits else "fits, near the limit" if near else "fits"
+    text = f"{head}: {parts} vs {gib(usable)} usable of {gib(capacity)} ({gib(reserve)} reserved)"
+    return Verdict(fits, near, text)
 
 
 class OutOfMemory(ValueError):

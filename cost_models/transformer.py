@@ -519,11 +519,24 @@ class TransformerCostModel:
         w, g, o = self.static_split()
         return static_memory(sched, self.stage_params(sched.num_stages), w, g, w + g + o)
 
+    def transient_bytes(self) -> float:
+        """What one GPU holds beyond the activation walk at its worst moment (see
+        :mod:`cost_models.memory`): the layer being recomputed (full: all its activations from
+        the re-run forward to its backward; selective: its attention scores) and the staging
+        buffers of one send and one receive (bsh d / t each)."""
+        m, tp, sp = self.model, self.tp, self.sequence_parallel
+        layer = 0.0
+        if self.recompute != "none" and m.layers:
+            layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp) - \
+                block_activation_bytes(m, self.recompute, self.uses_dropout, tp, sp)
+        return layer + 2 * boundary_bytes(m) / tp
+
     def bind(self, sched) -> StageCosts:
         costs = self.per_layer_model(sched.num_stages).bind(sched)
         costs.meta.update(model="transformer", cost_model=self.compute, model_name=self.model.name,
                           device=self.device.name,
                           precision=self.resolved_precision(), recompute=self.recompute,
                           bytes_per_param=sum(self.static_split()), memory_capacity=self.device.memory_bytes,
-                          tp=self.tp, sequence_parallel=self.sequence_parallel, zero=self.zero)
+                          tp=self.tp, sequence_parallel=self.sequence_parallel, zero=self.zero,
+                          memory_transient=self.transient_bytes())
         return costs

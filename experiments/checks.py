@@ -156,3 +156,15 @@ def factor_pair(label: str = "RANK", key=int, example: str = "3=1.5"):
         return kk, positive_float(v.strip())
     parse.__name__ = "factor_pair"
     return parse
+
+
+def byte_size(option: str):
+    """An argparse type: bytes as a number or with a unit (``4 GiB``, ``80 GB``); 0 allowed."""
+    from cost_models._spec import SpecError, size_bytes
+
+    def parse(text: str) -> float:
+        try:
+            return size_bytes(text.strip(), option, option.lstrip("-"), allow_zero=True)
+        except SpecError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse

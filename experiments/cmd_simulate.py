@@ -43,14 +43,15 @@ def main(args) -> int:
         print_json(rec)
         return 0
     unit, mem = rec["time_unit"], rec["memory_unit"]
-    print(f"{rec['schedule']}: D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
+    tp = f"T={rec['tp']} " if rec.get("tp", 1) > 1 else ""
+    print(f"{rec['schedule']}: {tp}D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
           f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
     if rec["replicas"] > 1:
         k, R = rec["simulated_replicas"], rec["replicas"]
         print("  replicas: " + ("identical, one simulated for all" if k == 1 else
                                 f"{'all' if k == R else f'{k} of'} {R} simulated ({rec.get('full_simulation')})"))
     for k, v in extra.items():
-        if not isinstance(v, (dict, list)) and k != "memory_capacity":
+        if not isinstance(v, (dict, list)) and not k.startswith("memory_") and v is not None:
             print(f"  {k}: {v}")
     if "memory_verdict" in rec:
         print(f"  memory: {rec['memory_verdict']}")

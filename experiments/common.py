@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 import sys
 
+from cost_models.memory import memory_verdict
 from schedules import get, names
 from schedules.trace import step_metrics
 
-from .tables import byte_unit, fmt_bytes
+from .tables import byte_unit
 
 def parse_schedules(text: str) -> list[str]:
     """Schedule names from a comma-separated list (or 'all'); an unknown one is the registry's error."""
@@ -38,11 +39,12 @@ def metrics_record(result, **extra) -> dict:
     cap = extra.get("memory_capacity")
     if cap:
         worst = max(m.per_device, key=lambda p: p.peak_memory)
-        rec["out_of_memory"] = worst.peak_memory > cap
-        rec["memory_verdict"] = (f"{'OUT OF MEMORY' if rec['out_of_memory'] else 'fits'}: peak "
-                                 f"{fmt_bytes(worst.peak_memory)} on device {worst.device} "
-                                 f"(static {fmt_bytes(worst.static_memory)} + activations "
-                                 f"{fmt_bytes(worst.peak_activation)}) vs {fmt_bytes(cap)}")
+        v = memory_verdict(worst.static_memory, worst.peak_activation, cap,
+                           transient=extra.get("memory_transient") or 0.0, reserve=extra.get("memory_reserve"),
+                           where=f"device {worst.device}")
+        rec["out_of_memory"] = not v.fits
+        rec["near_memory_limit"] = v.near
+        rec["memory_verdict"] = v.text
     rec["per_device"] = [{"device": p.device, "busy": p.busy, "bubble_ratio": p.bubble_ratio,
                           "peak_activation": p.peak_activation, "peak_memory": p.peak_memory,
                           "static_memory": p.static_memory}

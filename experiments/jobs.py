@@ -14,7 +14,7 @@ from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Fault
 from cost_models.kernels import COST_MODELS
 from schedules import families, names
 
-from .checks import factor_pair, float_in, nonneg_float, nonneg_int, positive_int
+from .checks import byte_size, factor_pair, float_in, nonneg_float, nonneg_int, positive_int
 
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}
 PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp", "tp")   # what a --plan file brings
@@ -130,6 +130,9 @@ def add_cost_args(p, *, per_run: bool = True):
                         "all-gather in place of the gradient all-reduce)")
     if per_run:
         p.add_argument("--micro-batch", type=positive_int, help="micro-batch size (default: the model spec's)")
+    p.add_argument("--memory-reserve", type=byte_size("--memory-reserve"), metavar="BYTES",
+                   help="device memory kept back for the CUDA context, communicator buffers and fragmentation, "
+                        "e.g. '4 GiB' (default 1 GiB + 5%% of the device's memory)")
     p.add_argument("--seq-len", type=positive_int, help="training sequence length (default: the model's; a Hugging "
                                                           "Face config's max_position_embeddings)")
     _declare(p, "costs")
@@ -201,7 +204,7 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
                       profile=o["profile"], cost_model=o["cost_model"], profile_batch=o["profile_batch"],
                       recompute=o["recompute"], device_map=o["device_map"],
                       sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"], zero=o["zero"],
-                      seq_len=o["seq_len"])
+                      seq_len=o["seq_len"], memory_reserve=o["memory_reserve"])
         if "partition" in o:
             fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])
     if "faults" in groups:

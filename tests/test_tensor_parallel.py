@@ -279,3 +279,36 @@ def test_executor_refuses_what_it_does_not_train_yet():
     job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model="tiny")
     with pytest.raises(ValueError, match="--tp are simulated only"):
         RunConfig.from_job(job)
+
+
+# ---------------------------------------------------------------------------- memory verdicts
+def test_memory_verdict_counts_transients_and_keeps_a_reserve():
+    from cost_models.memory import default_reserve, memory_verdict
+    cap = 80 * GiB
+    assert default_reserve(cap) == GiB + 0.05 * cap            # 5 GiB: 75 GiB usable
+    assert memory_verdict(40 * GiB, 30 * GiB, cap).text.startswith("fits: peak 70 GiB")
+    near = memory_verdict(40 * GiB, 32 * GiB, cap)                # 72 > 0.95 x 75
+    assert near.fits and near.near and near.text.startswith("fits, near the limit")
+    assert not memory_verdict(40 * GiB, 39.5 * GiB, cap).fits     # 79.5 of 80 GiB: no longer "fits"
+    assert not memory_verdict(40 * GiB, 34 * GiB, cap, transient=2 * GiB).fits
+    assert memory_verdict(40 * GiB, 39.5 * GiB, cap, reserve=0).fits
+
+
+def test_transients_of_recomputation():
+    c = cm.load_cluster("dgx-a100-ib:8")
+    group = TensorParallelGroup(c, 8)
+    out = GPT3.seq_len * GPT3.hidden * 2
+    full = TransformerCostModel(GPT3, c.device, tp=8, tp_group=group, recompute="full")
+    assert full.transient_bytes() == pytest.approx(block_activation_bytes(GPT3, tp=8) - out + 2 * out / 8)
+    none = TransformerCostModel(GPT3, c.device, tp=8, tp_group=group)
+    assert none.transient_bytes() == 2 * out / 8
+
+
+def test_simulate_reports_the_verdict(capsys):
+    from experiments.cli import main
+    assert main(["simulate", "-s", "interleaved", "-D", "8", "-N", "64", "-v", "3", "--tp", "8", "-m", "gpt3-175b",
+                 "-c", "dgx-a100-ib:8", "--sequence-parallel", "--recompute", "selective", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert (rec["tp"], rec["gpus"], rec["parameters"], rec["device_map"]) == (8, 64, 174_615_846_912, "megatron")
+    assert rec["out_of_memory"] is False and rec["memory_verdict"].startswith("fits")
+    assert rec["per_device"][0]["peak_activation"] / GiB == pytest.approx(12.4, rel=0.01)
