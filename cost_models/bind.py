@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from schedules import Schedule
 
-from .base import PerLayerCostModel, StageCosts, UnitCostModel
+from .base import PerLayerCostModel, StageCosts, UnitCostModel, with_peak_floor
 from .calibration import CalibrationProfile, load_profile, scaled_layer_costs
 from .cluster import Cluster
 from .job import DEFAULT_MODEL, Job
@@ -167,8 +167,12 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
                                           "memory_capacity": costs.meta.get("memory_capacity")})
     model = inputs.model
     cost_model = cost_model_for(job.cost_model, cluster.device, False)
-    costs = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
-                                 partition=job.partition).bind(low)
+    tcm = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
+                               partition=job.partition)
+    layers = tcm.layers()
+    costs = with_peak_floor(tcm.bind(low), low, [x.flops_f for x in layers],
+                            [x.flops_b_input + x.flops_recompute for x in layers], [x.flops_w for x in layers],
+                            tcm.partition_for(low.num_stages), cluster.device.peak(tcm.resolved_precision()))
     return Bound(low, costs, placed, {"cost_model": cost_model, "model": model.name, "micro_batch": model.micro_batch,
                                       "cluster": cluster.name, "device_map": job.device_map,
                                       "memory_capacity": costs.meta.get("memory_capacity")})

@@ -44,6 +44,7 @@ if TYPE_CHECKING:   # pragma: no cover - types only
 
 DEFAULT_MODEL = "gpt-96"
 DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
+MAX_JITTER = 1.0            # --jitter: at most a relative standard deviation of 100% per op
 MAX_SIM_RANKS = 131_072     # ranks the simulator keeps per-rank records for (one replica simulated for all)
 
 
@@ -155,11 +156,13 @@ class ClusterChoice:
 
 @dataclass(frozen=True, kw_only=True)
 class Faults:
-    """What disturbs a simulated run: stragglers (``slowdown``: rank -> factor on its compute
-    time), slow links (``slow_links``: link name, e.g. ``n1.nic0.out``, -> factor dividing its
+    """What disturbs a simulated run: stragglers (``slowdown``: rank -> factor >= 1 on its compute
+    time), slow links (``slow_links``: link name, e.g. ``n1.nic0.out``, -> factor >= 1 dividing its
     bandwidth; the run must cross it), per-op compute noise (``jitter``: relative standard
-    deviation, seeded by ``seed``). Pairs are kept as tuples (a job is hashable); give a rank or a
-    link once."""
+    deviation in [0, :data:`MAX_JITTER`] of a mean-1 factor on each op, seeded by ``seed``). A
+    factor below 1 would make a "straggler" faster than the device (the simulator refuses ops
+    faster than their FLOPs at its peak). Pairs are kept as tuples (a job is hashable); give a
+    rank or a link once."""
 
     slowdown: tuple[tuple[int, float], ...] = ()
     slow_links: tuple[tuple[str, float], ...] = ()
@@ -170,6 +173,8 @@ class Faults:
         object.__setattr__(self, "slowdown", _pairs(self.slowdown, "--slowdown", int))
         object.__setattr__(self, "slow_links", _pairs(self.slow_links, "--slow-link", str))
         _finite(self.jitter, "--jitter", positive=False)
+        if self.jitter > MAX_JITTER:
+            raise ValueError(f"--jitter is a relative standard deviation in [0, {MAX_JITTER:g}]; got {self.jitter!r}")
         _whole(self.seed, "--seed", 0)
 
     @property
@@ -190,6 +195,8 @@ def _pairs(items, option: str, key_type) -> tuple:
         elif not isinstance(k, str) or not k:
             raise ValueError(f"{option}: a link name must be a non-empty string; got {k!r}")
         _finite(v, f"{option} {k} factor", positive=True)
+        if v < 1:
+            raise ValueError(f"{option} {k}={v:g}: a factor must be >= 1 (it slows down; 1 = no change)")
         if k in seen:
             raise ValueError(f"{option} names {k} twice")
         seen.add(k)
