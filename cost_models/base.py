@@ -195,9 +195,9 @@ def with_peak_floor(costs: StageCosts, sched: Schedule, flops_f, flops_b_input, 
     forward) summed over the same stages and split as :class:`PerLayerCostModel` sums the times.
     No op can run faster; the simulator checks its costs against it (:func:`sim.engine.run`)."""
     zero = (0.0,) * len(flops_f)
-    floor = PerLayerCostModel(LayerCosts(f=tuple(x / peak for x in flops_f), b_input=tuple(x / peak for x in flops_b_input),
-                                         w=tuple(x / peak for x in flops_w), act=zero, act_w=zero, out_bytes=zero,
-                                         params=zero), partition).bind(sched)
+    at_peak = lambda flops: tuple(x / peak for x in flops)  # noqa: E731
+    floor = PerLayerCostModel(LayerCosts(f=at_peak(flops_f), b_input=at_peak(flops_b_input), w=at_peak(flops_w),
+                                         act=zero, act_w=zero, out_bytes=zero, params=zero), partition).bind(sched)
     costs.meta[PEAK_FLOOR] = {"F": floor.f, "B": floor.b, "W": floor.w, "peak": peak}
     return costs
 

@@ -282,6 +282,12 @@ class Job:
         if self.unit_costs:
             if self.profile or given:
                 raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
+            if self.partition is not None:
+                raise ValueError("--partition splits a model's layers; unit costs have none (F = 1 per full "
+                                 "stage): drop --partition or --unit-costs")
+            if self.recompute != "none":
+                raise ValueError("--recompute changes a model's costs; unit costs have none: drop --recompute "
+                                 "or --unit-costs")
             return
         if self.profile:
             # a model file (PATH.py:FUNC) is checked against the profile's model when bound; a
@@ -306,9 +312,10 @@ class Job:
             raise ValueError("--plan fixes the schedule and layout; drop --schedule, --devices, --microbatches")
         given = [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
                                 ("--model", self.model), ("--cluster", self.cluster.name),
-                                ("--micro-batch", self.micro_batch), ("--partition", self.partition)) if v]
+                                ("--micro-batch", self.micro_batch), ("--partition", self.partition),
+                                ("--recompute", self.recompute != "none")) if v]
         if given:
-            raise ValueError(f"--plan brings its own model, cluster and costs; drop {', '.join(given)}")
+            raise ValueError(f"--plan brings its own model, cluster, costs and recompute; drop {', '.join(given)}")
 
     # ------------------------------------------------------------------ derived jobs
     def with_layout(self, **changes) -> "Job":

@@ -298,9 +298,10 @@ def check_peak(sched: Schedule, costs: StageCosts, opts: SimOptions) -> None:
         if table[key] * k < 1 - 1e-9:
             kind, c, s = key
             who = "" if r is None else f"rank {r} (slowdown {k:g}): "
-            raise ValueError(f"{who}{kind} of copy {c} stage {s} would take {table[key] * k * floor[kind][c][s]:.4g} s, "
-                             f"faster than its FLOPs at the device's peak ({floor[kind][c][s]:.4g} s at "
-                             f"{floor['peak']:.4g} FLOP/s); no cost or slowdown may beat the peak")
+            took = table[key] * k * floor[kind][c][s]
+            raise ValueError(f"{who}{kind} of copy {c} stage {s} would take {took:.4g} s, faster than its FLOPs at "
+                             f"the device's peak ({floor[kind][c][s]:.4g} s at {floor['peak']:.4g} FLOP/s); no cost "
+                             f"or slowdown may beat the peak")
 
 
 def _moves_bytes(costs: StageCosts) -> bool:
