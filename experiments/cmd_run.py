@@ -23,6 +23,7 @@ On spawned CPU ranks there is nothing to place: they are local processes.
 """
 from __future__ import annotations
 
+import math
 import sys
 
 from schedules.trace import write_chrome
@@ -172,6 +173,11 @@ def _main(args) -> int:
             return 1
     if result is None:  # a torchrun rank other than 0
         return 0
+    bad = next((i for i, x in enumerate(result.losses) if not math.isfinite(x)), None)
+    if bad is not None:     # a trained model whose loss is NaN or infinite is no result
+        print(f"pipetwin: run failed: the loss is {result.losses[bad]} at step {bad} (model "
+              f"{result.config.model_name}); lower --lr or check the model's loss", file=sys.stderr)
+        return 1
     if info is not None:
         result.extra["plan"] = {"file": str(args.plan), **info}
     _write_outputs(result, args)
