@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from schedules import Schedule
 
-from .base import PerLayerCostModel, StageCosts, UnitCostModel
+from .base import PerLayerCostModel, StageCosts, UnitCostModel, with_peak_floor
 from .calibration import CalibrationProfile, load_profile, scaled_layer_costs
 from ._spec import SpecError
 from .cluster import Cluster, tensor_parallel_groups
@@ -185,10 +185,13 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     _check_fits(low, groups, tp)
     cost_model = cost_model_for(job.cost_model, cluster.device, False)
     group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
-    costs = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
-                                 partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
-                                 tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero,
-                                 replicas=job.layout.replicas).bind(low)
+    tcm = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
+                               partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
+                               tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas)
+    layers = tcm.layers()
+    costs = with_peak_floor(tcm.bind(low), low, [x.flops_f for x in layers],
+                            [x.flops_b_input + x.flops_recompute for x in layers], [x.flops_w for x in layers],
+                            tcm.partition_for(low.num_stages), cluster.device.peak(tcm.resolved_precision()))
     return Bound(low, costs, groups.place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,

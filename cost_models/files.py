@@ -26,6 +26,8 @@ def _checked(path, what: str) -> Path:
         raise MissingFileError(f"{what} {p} does not exist")
     if p.is_dir():
         raise FileError(f"{what} {p} is a folder, not a file")
+    if not p.is_file():     # /dev/zero, a pipe, a socket: reading may never end
+        raise FileError(f"{what} {p} is not a regular file (a device, pipe or socket); give a file")
     if not os.access(p, os.R_OK):
         raise FileError(f"{what} {p} cannot be read (permission denied)")
     return p

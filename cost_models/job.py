@@ -44,6 +44,7 @@ if TYPE_CHECKING:   # pragma: no cover - types only
 
 DEFAULT_MODEL = "gpt-96"
 DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
+MAX_JITTER = 1.0            # --jitter: at most a relative standard deviation of 100% per op
 MAX_SIM_RANKS = 131_072     # ranks the simulator keeps per-rank records for (one replica simulated for all)
 
 
@@ -162,11 +163,13 @@ class ClusterChoice:
 
 @dataclass(frozen=True, kw_only=True)
 class Faults:
-    """What disturbs a simulated run: stragglers (``slowdown``: rank -> factor on its compute
-    time), slow links (``slow_links``: link name, e.g. ``n1.nic0.out``, -> factor dividing its
+    """What disturbs a simulated run: stragglers (``slowdown``: rank -> factor >= 1 on its compute
+    time), slow links (``slow_links``: link name, e.g. ``n1.nic0.out``, -> factor >= 1 dividing its
     bandwidth; the run must cross it), per-op compute noise (``jitter``: relative standard
-    deviation, seeded by ``seed``). Pairs are kept as tuples (a job is hashable); give a rank or a
-    link once."""
+    deviation in [0, :data:`MAX_JITTER`] of a mean-1 factor on each op, seeded by ``seed``). A
+    factor below 1 would make a "straggler" faster than the device (the simulator refuses ops
+    faster than their FLOPs at its peak). Pairs are kept as tuples (a job is hashable); give a
+    rank or a link once."""
 
     slowdown: tuple[tuple[int, float], ...] = ()
     slow_links: tuple[tuple[str, float], ...] = ()
@@ -177,6 +180,8 @@ class Faults:
         object.__setattr__(self, "slowdown", _pairs(self.slowdown, "--slowdown", int))
         object.__setattr__(self, "slow_links", _pairs(self.slow_links, "--slow-link", str))
         _finite(self.jitter, "--jitter", positive=False)
+        if self.jitter > MAX_JITTER:
+            raise ValueError(f"--jitter is a relative standard deviation in [0, {MAX_JITTER:g}]; got {self.jitter!r}")
         _whole(self.seed, "--seed", 0)
 
     @property
@@ -197,6 +202,8 @@ def _pairs(items, option: str, key_type) -> tuple:
         elif not isinstance(k, str) or not k:
             raise ValueError(f"{option}: a link name must be a non-empty string; got {k!r}")
         _finite(v, f"{option} {k} factor", positive=True)
+        if v < 1:
+            raise ValueError(f"{option} {k}={v:g}: a factor must be >= 1 (it slows down; 1 = no change)")
         if k in seen:
             raise ValueError(f"{option} names {k} twice")
         seen.add(k)
@@ -318,6 +325,12 @@ class Job:
         if self.unit_costs:
             if self.profile or given:
                 raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
+            if self.partition is not None:
+                raise ValueError("--partition splits a model's layers; unit costs have none (F = 1 per full "
+                                 "stage): drop --partition or --unit-costs")
+            if self.recompute != "none":
+                raise ValueError("--recompute changes a model's costs; unit costs have none: drop --recompute "
+                                 "or --unit-costs")
             return
         if self.profile:
             # a model file (PATH.py:FUNC) is checked against the profile's model when bound; a
@@ -342,9 +355,10 @@ class Job:
             raise ValueError("--plan fixes the schedule and layout; drop --schedule, --devices, --microbatches")
         given = [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
                                 ("--model", self.model), ("--cluster", self.cluster.name),
-                                ("--micro-batch", self.micro_batch), ("--partition", self.partition)) if v]
+                                ("--micro-batch", self.micro_batch), ("--partition", self.partition),
+                                ("--recompute", self.recompute != "none")) if v]
         if given:
-            raise ValueError(f"--plan brings its own model, cluster and costs; drop {', '.join(given)}")
+            raise ValueError(f"--plan brings its own model, cluster, costs and recompute; drop {', '.join(given)}")
 
     # ------------------------------------------------------------------ derived jobs
     def with_layout(self, **changes) -> "Job":

@@ -23,7 +23,8 @@ def add_arguments(p):
     p.add_argument("--devices", "-D", type=positive_int, default=8)
     p.add_argument("--max-k", type=positive_int, default=4, help="N = K*D for K = 1..max-k (default 4)")
     p.add_argument("--schedules", default="all")
-    p.add_argument("--chunks", "-v", type=positive_int, default=2)
+    p.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help="chunks per device for the schedules that take them (default 2)")
     p.add_argument("--plot", metavar="FILE.png", type=output_file)
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", metavar="FILE.yaml", type=input_file,
@@ -103,7 +104,10 @@ def plot(df, path, unit: str = "units of F") -> None:
 
 
 def main(args) -> int:
+    from .jobs import SCHEDULE_DEFAULTS, check_chunks
     scheds = parse_schedules(args.schedules) if args.schedules != "all" else names()
+    check_chunks(args.chunks, scheds)
+    args.chunks = args.chunks or SCHEDULE_DEFAULTS["chunks"]
     if args.profile:
         from cost_models import load_profile
         from cost_models.job import ClusterChoice

@@ -17,7 +17,7 @@ HELP = "measure per-layer, P2P, all-reduce and runtime costs here; write a profi
 
 
 def add_arguments(p):
-    p.add_argument("--model", default="tiny",
+    p.add_argument("--model", "-m", default="tiny",
                    help="model preset or YAML file (default tiny), or a model file PATH.py:FUNC (each of its layers "
                         "is measured)")
     p.add_argument("--micro-batch", type=positive_int, default=None,

@@ -23,6 +23,7 @@ On spawned CPU ranks there is nothing to place: they are local processes.
 """
 from __future__ import annotations
 
+import math
 import sys
 
 from schedules.trace import write_chrome
@@ -38,7 +39,7 @@ HELP = "train a model with a schedule on torch.distributed (or --reference: in o
 
 def add_arguments(p):
     add_layout_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", "-m", default=None,
                    help="model preset name or YAML file (default: tiny), or a model file PATH.py:FUNC / "
                         "package.module:FUNC whose FUNC() returns layers, loss and sample (executor/user_model.py)")
     p.add_argument("--micro-batch", type=positive_int, default=None,
@@ -63,8 +64,8 @@ def add_arguments(p):
     p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: autocast mixed precision with fp32 master weights and optimizer state (default fp32)")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                   help="activation recomputation per transformer block (default none)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
+                   help="activation recomputation per transformer block (default none; a --plan brings its own)")
     p.add_argument("--device-map", choices=["sequential", "copies-same-node"], default=None,
                    help="under torchrun: which (node, GPU) runs which rank (default: the plan's map, else "
                         "sequential = torchrun's order); copies-same-node is BitPipe's")
@@ -98,7 +99,7 @@ def job_of_run(args):
         spec = load_model(model)
         layout.check_size(one_replica=False, layers=spec.layers, model_name=spec.name)   # before anything is built
     return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
-                         partition=run_partition(args, model, layout), recompute=args.recompute,
+                         partition=run_partition(args, model, layout), recompute=args.recompute or "none",
                          device_map=args.device_map or "sequential")
 
 
@@ -132,11 +133,11 @@ def run_partition(args, model: str, layout):
 def plan_config_from_args(args):
     """``(config, lowered schedule, info)`` for ``--plan`` (:func:`experiments.plan_files.config_from_plan`)."""
     from .plan_files import config_from_plan
-    check_plan_args(args, also_fixed=("model", "micro_batch", "partition"))
+    check_plan_args(args, also_fixed=("model", "micro_batch", "partition", "recompute"))
     options = _common_options(args)
     if args.device_map is not None:
         options["device_map"] = args.device_map
-    return config_from_plan(args.plan, eager=not args.no_eager, recompute=args.recompute, **options)
+    return config_from_plan(args.plan, eager=not args.no_eager, **options)
 
 
 def main(args) -> int:
@@ -154,6 +155,8 @@ def _main(args) -> int:
     from executor.reference import run_reference
 
     sched, info = None, None
+    if args.reference and args.inject_fault:
+        raise ValueError("--inject-fault makes a rank of the pipeline raise; --reference runs no ranks (drop one)")
     if args.plan:
         cfg, sched, info = plan_config_from_args(args)
         _announce_plan(cfg, sched, info, args)
@@ -170,6 +173,11 @@ def _main(args) -> int:
             return 1
     if result is None:  # a torchrun rank other than 0
         return 0
+    bad = next((i for i, x in enumerate(result.losses) if not math.isfinite(x)), None)
+    if bad is not None:     # a trained model whose loss is NaN or infinite is no result
+        print(f"pipetwin: run failed: the loss is {result.losses[bad]} at step {bad} (model "
+              f"{result.config.model_name}); lower --lr or check the model's loss", file=sys.stderr)
+        return 1
     if info is not None:
         result.extra["plan"] = {"file": str(args.plan), **info}
     _write_outputs(result, args)

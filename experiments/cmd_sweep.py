@@ -25,7 +25,8 @@ def add_arguments(p):
     p.add_argument("--dp", default="1", help="data-parallel replicas, comma-separated (default 1)")
     p.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (default 1)")
     p.add_argument("--micro-batch", help="micro-batch sizes, comma-separated (default: the model spec's)")
-    p.add_argument("--chunks", "-v", type=positive_int, default=2, help="chunks per device for interleaved schedules")
+    p.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help="chunks per device for the schedules that take them (default 2)")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end")
     add_cost_args(p, per_run=False)
     p.add_argument("--exact", action="store_true", help="simulate every replica even when they are identical")
@@ -53,7 +54,7 @@ def main(args) -> int:
         raise ValueError("--workers is for local processes; Ray places the points itself (drop one)")
     base = job_from_args(args, layout=layout_from_args(args, schedule=grid.schedules[0], devices=grid.devices[0],
                                                        microbatches=grid.microbatches[0], replicas=grid.dp[0],
-                                                       tp=grid.tp[0]),
+                                                       tp=grid.tp[0], schedules=grid.schedules),
                          micro_batch=grid.micro_batch[0], eager=not args.no_eager, exact=args.exact)
     load_inputs(base)   # fail fast on what every point shares (a bad model, cluster or profile), before any worker
     rows = run_sweep(grid, base, args.out, workers=args.workers, use_ray=args.ray is not None,

@@ -36,7 +36,8 @@ def add_arguments(p):
     p.add_argument("--devices", "-D", type=positive_int, default=2)
     p.add_argument("--microbatches", "-N", type=positive_int, default=None, help="default 2D")
     p.add_argument("--dp", type=positive_int, default=1)
-    p.add_argument("--chunks", "-v", type=positive_int, default=2)
+    p.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help="chunks per device for the schedules that take them (default 2)")
     p.add_argument("--steps", type=positive_int, default=20, help="executor steps per run (default 20)")
     p.add_argument("--warmup", type=nonneg_int, default=2, help="steps dropped at the start of every run (default 2)")
     p.add_argument("--repeats", type=int_in(1, 100), default=3,
@@ -53,7 +54,7 @@ def add_arguments(p):
     p.add_argument("--profile", type=input_file,
                    help="calibration profile; default: calibrate now, in the same sitting as the runs, and write "
                         "it beside --plot")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", "-m", default=None,
                    help="model preset / YAML file or a model file PATH.py:FUNC (default: the profile's, else tiny)")
     p.add_argument("--micro-batch", type=positive_int, default=None,
                    help="samples per micro-batch when calibrating now (default: a model file's 4, a GPT spec's)")
@@ -88,6 +89,9 @@ def main(args) -> int:
 
     t_start = time.perf_counter()
     record = SittingRecord(started=time.time(), command=command_line(args), host=host_facts(), load_start=_load())
+    from .jobs import SCHEDULE_DEFAULTS, check_chunks
+    check_chunks(args.chunks, parse_schedules(args.schedules))
+    args.chunks = args.chunks or SCHEDULE_DEFAULTS["chunks"]
     D, R = args.devices, args.dp
     N = args.microbatches or 2 * D
     if args.steps <= args.warmup:

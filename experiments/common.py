@@ -15,6 +15,9 @@ def parse_schedules(text: str) -> list[str]:
     if text == "all":
         return names()
     out = [t.strip() for t in text.split(",") if t.strip()]
+    if not out:
+        raise ValueError(f"--schedules {text!r} names no schedule; give comma-separated names or 'all' "
+                         f"(one of: {', '.join(names())})")
     for n in out:
         get(n)
     return out

@@ -12,11 +12,11 @@ from __future__ import annotations
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
 from cost_models.kernels import COST_MODELS
-from schedules import families, names
+from schedules import families, get, names
 
 from .checks import byte_size, factor_pair, float_in, nonneg_float, nonneg_int, positive_int
 
-SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}
+SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}     # chunks: for the families that take them (check_chunks)
 PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp", "tp")   # what a --plan file brings
 
 
@@ -33,8 +33,8 @@ def add_layout_args(p, *, schedule=True, many=False, plan: str | None = None):
         p.add_argument("--schedules", default="all", help="comma-separated schedule names, or 'all'")
     p.add_argument("--devices", "-D", type=positive_int, required=required, help="pipeline devices D")
     p.add_argument("--microbatches", "-N", type=positive_int, required=required, help="micro-batches N per iteration")
-    p.add_argument("--chunks", "-v", type=positive_int, default=SCHEDULE_DEFAULTS["chunks"] if required else None,
-                   help="chunks per device for interleaved schedules (default 2)")
+    p.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help=f"chunks per device for the schedules that take them ({', '.join(chunked())}; default 2)")
     p.add_argument("--variant", default=None,
                    help="a schedule's variant (default: its first); " +
                         "; ".join(f"{n}: {', '.join(f.variants)}" for n, f in families().items() if f.variants))
@@ -62,9 +62,22 @@ def check_plan_args(args, also_fixed: tuple[str, ...] = ()) -> None:
     missing = [f"--{d}" for d in ("schedule", "devices", "microbatches") if vars(args).get(d, 0) is None]
     if missing:
         raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json)")
-    for dest, value in SCHEDULE_DEFAULTS.items():
-        if getattr(args, dest) is None:
-            setattr(args, dest, value)
+    for dest in ("dp", "tp"):
+        if vars(args).get(dest) is None:
+            setattr(args, dest, SCHEDULE_DEFAULTS[dest])
+
+
+def chunked() -> list[str]:
+    """The schedule families whose ``chunks`` per device matter (the registry's ``takes_chunks``)."""
+    return [n for n, f in families().items() if f.takes_chunks]
+
+
+def check_chunks(chunks: int | None, schedules) -> None:
+    """``--chunks`` given (not None) for ``schedules`` of which none takes chunks: refused, since it
+    would change nothing."""
+    if chunks is not None and not any(get(n).takes_chunks for n in schedules):
+        raise ValueError(f"--chunks applies to {', '.join(chunked())} only; {', '.join(schedules)} "
+                         f"{'has' if len(schedules) == 1 else 'have'} no chunks (drop --chunks)")
 
 
 def add_cluster_shape_args(p):
@@ -176,16 +189,19 @@ def cluster_from_args(args) -> ClusterChoice:
                          oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf)
 
 
-def layout_from_args(args, **overrides) -> Layout:
+def layout_from_args(args, *, schedules=None, **overrides) -> Layout:
     """The layout options as a :class:`Layout` (``overrides``: its fields, for the commands whose
-    options give a list where the layout has one value: ``compare``'s schedules, a sweep's axes)."""
+    options give a list where the layout has one value: ``compare``'s schedules, a sweep's axes;
+    ``schedules``: the names a ``--chunks`` applies to, default the layout's one)."""
     o = vars(args)
     fields = dict(schedule=o.get("schedule"), devices=o.get("devices"), microbatches=o.get("microbatches"),
                   replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
                   chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"),
                   tp=o.get("tp") or 1)
     fields.update(overrides)
-    return Layout(**fields)
+    layout = Layout(**fields)
+    check_chunks(o.get("chunks"), schedules or [layout.schedule])
+    return layout
 
 
 def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides) -> Job:

@@ -141,14 +141,22 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
             if c.plan.uniform and c.plan.schedule == "dapple":
                 p = c.plan.with_schedule(sched)
                 cands.append(Evaluated(p, c.estimate, note=f"{sched} on the plan of a dapple candidate"))
-    evaluated = []
+    evaluated, unmet = [], {}
     for c in cands:
         if simulate:
             try:
                 c = with_simulation(c, work, cluster, cap)
-            except ScheduleError:      # a schedule whose requirements the plan does not meet
+            except ScheduleError as e:      # a schedule whose requirements the plan does not meet
+                unmet.setdefault(c.plan.schedule, str(e))
                 continue
         evaluated.append(c)
+    # the dapple candidates are what the other schedules are tried on; they are answers only when asked for
+    evaluated = [c for c in evaluated if c.plan.schedule in schedules]
+    if not evaluated:
+        why = "; ".join(f"{n}: {unmet[n]}" for n in schedules if n in unmet)
+        raise PlanError(f"no plan with schedule {', '.join(schedules)}: it is tried on the uniform R x D plans of the "
+                        f"dapple search" + (f" and none meets its requirements ({why})" if why else
+                                            " and none was simulated (simulate, or add dapple to --schedules)"))
     fitting = [c for c in evaluated if c.fits] or evaluated
     fitting.sort(key=lambda c: c.time)
     out = PlanningResult(work, cluster, global_batch, cap, fitting[0], fitting, res)

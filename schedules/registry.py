@@ -30,12 +30,14 @@ class Family:
     doc: str
     build: Callable[..., Schedule]
     variants: tuple[str, ...] = ()      # the first is the default; () = the family has none
+    takes_chunks: bool = False          # ``chunks`` per device changes it (a module's TAKES_CHUNKS)
 
 
 def _load(mod: str) -> Family:
     m = importlib.import_module(f"schedules.{mod}")
     doc = (m.__doc__ or "").strip()
-    return Family(m.NAME, m.REQUIRES, doc, m.build, tuple(getattr(m, "VARIANTS", ())))
+    return Family(m.NAME, m.REQUIRES, doc, m.build, tuple(getattr(m, "VARIANTS", ())),
+                  bool(getattr(m, "TAKES_CHUNKS", False)))
 
 
 def families() -> dict[str, Family]:

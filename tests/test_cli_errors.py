@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from experiments.cli import main
+from tests.test_cost_models_specs import PROFILE
 
 SIM = ["simulate", "-s", "dapple", "-D", "4", "-N", "8"]
 UNIT = SIM + ["--unit-costs"]
@@ -98,6 +99,37 @@ CASES = [
     ("compare-out-is-file", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", "{file}"], ["--out", "file"]),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "file"]),
     ("reproduce-unknown", ["reproduce", "nope"], ["target", "nope"]),
+    # options that do nothing where they are given
+    ("recompute-with-plan", ["simulate", "--plan", "{plan}", "--recompute", "full"], ["--plan", "--recompute"]),
+    ("run-recompute-with-plan", ["run", "--plan", "{plan}", "--recompute", "full"], ["--plan", "--recompute"]),
+    ("chunks-without-chunks", ["simulate", "-s", "zb-v", "-D", "4", "-N", "8", "--unit-costs", "--chunks", "3"],
+     ["--chunks", "interleaved", "zb-v"]),
+    ("chunks-compare-none-chunked", ["compare", "-D", "4", "-N", "8", "--unit-costs", "--schedules", "dapple,gpipe",
+                                     "--chunks", "3"], ["--chunks", "dapple, gpipe"]),
+    ("chunks-run", RUN + ["--chunks", "4"], ["--chunks", "dapple"]),
+    ("partition-with-unit-costs", UNIT + ["--partition", "1,1,1,1"], ["--partition", "--unit-costs"]),
+    ("recompute-with-unit-costs", UNIT + ["--recompute", "full"], ["--recompute", "--unit-costs"]),
+    ("fault-with-reference", RUN + ["--reference", "--inject-fault", "1:F0.s1"], ["--inject-fault", "--reference"]),
+    ("plan-schedule-never-planned", ["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "64", "--no-progress",
+                                     "--no-baselines", "--schedules", "chimera"], ["chimera", "dapple search"]),
+    ("sweep-no-schedules", ["sweep", "-s", "", "-D", "4", "-N", "8", "--unit-costs", "--out", "{dir}/sw"],
+     ["--schedules", "names no schedule"]),
+    ("model-yaml-key-twice", SIM + ["-m", "{dupmodel}"], ["dupmodel.yaml", "'hidden'", "twice"]),
+    ("cluster-yaml-key-twice", SIM + ["-c", "{dupcluster}"], ["dupcluster.yaml", "'bandwidth'", "twice"]),
+    ("profile-key-twice", ["simulate", "-s", "dapple", "-D", "2", "-N", "2", "--profile", "{dupprofile}"],
+     ["dupprofile.yaml", "'latency'", "twice"]),
+    ("profile-measured-cut-short", ["simulate", "-s", "dapple", "-D", "2", "-N", "2", "--profile", "{cutprofile}"],
+     ["cutprofile.yaml", "precision", "cut short"]),
+    ("slowdown-below-1", SIM + ["--slowdown", "2=0.001"], ["--slowdown", "0.001", ">= 1"]),
+    ("slow-link-below-1", SIM + ["--slow-link", "n0.nic0.out=0.5"], ["--slow-link", ">= 1"]),
+    ("jitter-beyond-1", UNIT + ["--jitter", "5"], ["--jitter", "[0, 1]"]),
+    # your model file
+    ("data-not-a-regular-file", RUN + ["--data", "/dev/zero"], ["--data", "/dev/zero", "not a regular file"]),
+    ("model-py-without-func", SIM + ["-m", "{model}"], ["model.py", ":FUNC"]),
+    ("run-m-py-without-func", RUN + ["-m", "{model}"], ["model.py", ":FUNC"]),
+    ("model-in-place-on-input", RUN + ["-m", "{model}:in_place"], ["layer 1 (AddOne)", "in place"]),
+    ("model-integer-inside-a-stage", RUN + ["-m", "{model}:integer_cut"], ["layer 1 (Tok)", "integer", "stage 1"]),
+    ("model-build-exits", RUN + ["-m", "{model}:exits"], ["exits()", "sys.exit(0)"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
@@ -112,9 +144,87 @@ def files(tmp_path):
     (tmp_path / "nanmodel.yaml").write_text("layers: 4\nhidden: .nan\nheads: 4\nseq_len: 8\nvocab: 16\n")
     (tmp_path / "infcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: .inf}\ninter: ib-hdr\n")
+    (tmp_path / "dupmodel.yaml").write_text("layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nhidden: 32\n")
+    (tmp_path / "dupcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
+                                              "intra: {type: nvlink3, bandwidth: 300 GB/s, bandwidth: 3 GB/s}\n"
+                                              "inter: ib-hdr\n")
+    (tmp_path / "dupprofile.yaml").write_text(PROFILE.replace("latency: 50 us", "latency: 50 us, latency: 5 us"))
+    (tmp_path / "cutprofile.yaml").write_text(_measured_profile_text(tmp_path).rsplit("precision:", 1)[0])
+    (tmp_path / "model.py").write_text(MODEL_FILE)
     (tmp_path / "bert.json").write_text('{"architectures": ["BertForMaskedLM"], "hidden_size": 768}')
-    return {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "nanmodel": str(tmp_path / "nanmodel.yaml"),
-            "infcluster": str(tmp_path / "infcluster.yaml"), "hf_bert": str(tmp_path / "bert.json"), "tmp": tmp_path}
+    names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile")
+    return {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
+            "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
+            **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
+
+
+MODEL_FILE = """\
+import sys
+import time
+import types
+
+import torch
+from torch import nn
+
+
+class AddOne(nn.Module):
+    def forward(self, x):
+        x += 1
+        return x
+
+
+class Tok(nn.Module):
+    def forward(self, x):
+        return x.argmax(-1) % 16
+
+
+def _stack(middle):
+    def sample(g, b):
+        x = torch.randn(b, 8, generator=g)
+        return x, x.sum(1, keepdim=True)
+    return types.SimpleNamespace(layers=[nn.Linear(8, 8), *middle, nn.Linear(8, 1)], loss=nn.functional.mse_loss,
+                                 sample=sample)
+
+
+def in_place():
+    return _stack([AddOne(), nn.Linear(8, 8)])
+
+
+def integer_cut():
+    return _stack([Tok(), nn.Embedding(16, 8)])
+
+
+def nan_loss():
+    s = _stack([nn.Linear(8, 8)])
+    s.loss = lambda out, target: (out - target).pow(2).mean() * float("nan")
+    return s
+
+
+def exits():
+    sys.exit(0)
+
+
+def hangs():
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def _measured_profile_text(tmp_path) -> str:
+    """A profile as pipetwin calibrate writes it (a measured one: meta.runtime_scale, every field)."""
+    from dataclasses import replace
+
+    from cost_models import load_profile, save_profile
+    base = load_profile(_write(tmp_path / "base.yaml", PROFILE))
+    n = len(base.layers)
+    measured = replace(base, meta={**base.meta, "runtime_scale": {"F": 1.0}}, cores=2, act_bytes=(1e3,) * n,
+                       act_w_bytes=(0.0,) * n)
+    return save_profile(measured, tmp_path / "measured.yaml").read_text()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
 
 
 def _fill(argv, files):
@@ -124,6 +234,8 @@ def _fill(argv, files):
             a = _plan(files["tmp"], microbatches=0)
         elif "{plan_nostages}" in a:
             a = _plan(files["tmp"], stages=[])
+        elif a == "{plan}":
+            a = _plan(files["tmp"])
         out.append(a.format(**{k: v for k, v in files.items() if k != "tmp"}))
     return out
 
@@ -143,6 +255,44 @@ def test_bad_input_exits_2_with_one_line(capsys, files, argv, words):
     for w in words:
         assert w in lines[0], (w, lines[0])
     assert seconds < 15, f"took {seconds:.1f} s to refuse"
+
+
+def test_measured_profile_reads_back_whole_and_not_cut(tmp_path):
+    """A measured profile round-trips; cut anywhere after its meta (which comes first) it is refused."""
+    from cost_models import load_profile
+    text = _measured_profile_text(tmp_path)
+    assert text.index("meta:") < text.index("model:")
+    assert load_profile(_write(tmp_path / "whole.yaml", text)).cores == 2
+    lines = text.splitlines(keepends=True)
+    for cut in (len(lines) - 1, len(lines) // 2):
+        with pytest.raises(ValueError, match="cut short|must list|missing field"):
+            load_profile(_write(tmp_path / "cut.yaml", "".join(lines[:cut])))
+
+
+def test_hanging_model_file_times_out(capsys, files, monkeypatch):
+    """A build() that never returns is stopped at the stated bound (BUILD_SECONDS; 1 s here)."""
+    import executor.user_model as um
+    monkeypatch.setattr(um, "BUILD_SECONDS", 1.0)
+    t0 = time.perf_counter()
+    rc = main(RUN + ["-m", files["model"] + ":hangs"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "hangs() did not finish in 1 s" in err[0], err
+    assert time.perf_counter() - t0 < 10
+
+
+def test_nan_loss_is_a_failed_run(capsys, files):
+    """A loss that is NaN: exit status 1, one line naming the step, for the pipeline and the reference."""
+    for extra in ([], ["--reference"]):
+        rc = main(RUN + ["-m", files["model"] + ":nan_loss"] + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(err) == 1 and "the loss is nan at step 0" in err[0], err
+
+
+def test_plan_names_the_schedule_it_answers(capsys):
+    """plan --schedules dapple,gpipe answers one of those; the dapple plans are kept only when asked for."""
+    argv = ["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "64", "--no-progress", "--no-baselines", "--json"]
+    assert main(argv + ["--schedules", "gpipe"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["schedule"] == "gpipe"
 
 
 @pytest.mark.parametrize("argv,word", [
@@ -223,7 +373,6 @@ def test_simulate_without_network_refuses_to_drop_communication():
 def test_save_profile_creates_its_folder(tmp_path):
     """validate in a fresh folder: the calibration profile's folder (out/) is created when it is written."""
     from cost_models import load_profile, save_profile
-    from tests.test_cost_models_specs import PROFILE
     src = tmp_path / "p.yaml"
     src.write_text(PROFILE)
     prof = load_profile(src)
@@ -233,7 +382,6 @@ def test_save_profile_creates_its_folder(tmp_path):
 
 def test_profile_file_is_checked_where_it_is_used(capsys, tmp_path):
     """A profile field that is NaN is refused with the file and field named."""
-    from tests.test_cost_models_specs import PROFILE
     bad = tmp_path / "nan.yaml"
     bad.write_text(PROFILE.replace("latency: 50 us", "latency: .nan"))
     assert main(SIM[:1] + ["-s", "dapple", "-D", "2", "-N", "2", "--profile", str(bad)]) == 2
@@ -244,7 +392,6 @@ def test_profile_file_is_checked_where_it_is_used(capsys, tmp_path):
 def test_validate_refuses_a_profile_that_does_not_model_more_ranks_than_cores(capsys, tmp_path):
     """A profile calibrated for 2 ranks on 2 cores (no time slice) cannot predict 4 ranks on them:
     validate says so before it runs anything; with a time slice it would go on (not run here)."""
-    from tests.test_cost_models_specs import PROFILE
     prof = tmp_path / "two.yaml"
     prof.write_text(PROFILE.replace("threads: 1}", "threads: 1, ranks: 2}") + "cores: 2\n")
     assert main(["validate", "-D", "4", "--profile", str(prof)]) == 2
