@@ -18,6 +18,8 @@ How each cost source is costed:
   its network. ``partition`` gives layers per stage, or ``"time"``: balanced by the profile's
   measured layer times.
 * unit costs: F = 1, B = 2 per full stage, no network.
+* stage costs (``stage_costs``, a user's FILE.yaml): its per-stage times, each message its fixed
+  time (:mod:`cost_models.stage_costs`).
 * a plan: the plan binds itself (:class:`cost_models.job.PlanSource`).
 
 :func:`load_inputs` reads what the job names (presets and files: cheap), so that a caller costing
@@ -36,6 +38,7 @@ from .cluster import Cluster
 from .job import DEFAULT_MODEL, Job
 from .kernels import COST_MODELS
 from .model_spec import ModelSpec, load_model
+from .stage_costs import StageTimes, load_stage_costs
 from .stack import is_model_ref, same_model_ref
 from .transformer import TransformerCostModel
 
@@ -62,6 +65,7 @@ class CostInputs:
     model: ModelSpec | None = None
     cluster: Cluster | None = None
     profile: CalibrationProfile | None = None
+    stage_times: StageTimes | None = None
 
     def limits(self) -> dict:
         """Keyword arguments of :func:`cost_models.job.check_run_size` (cluster size, layers)."""
@@ -118,6 +122,10 @@ def load_inputs(job: Job) -> CostInputs:
     kind = job.source
     if kind == "unit":
         return CostInputs("unit")
+    if kind == "stage-costs":
+        times = load_stage_costs(job.stage_costs)
+        times.check_devices(job.layout.devices)
+        return CostInputs(kind, stage_times=times)
     if kind == "profile":
         prof = load_profile(job.profile)
         check_profile_model(prof, job.model)
@@ -150,6 +158,9 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
     """Costs and network of an already lowered schedule ``low`` under the job's cost source."""
     if inputs.kind == "unit":
         return Bound(low, UnitCostModel().bind(low), None, {"cost_model": "unit"})
+    if inputs.kind == "stage-costs":
+        times = inputs.stage_times
+        return Bound(low, times.bind(low), times.network(), {"cost_model": f"stage costs {times.source}"})
     if inputs.kind == "profile":
         return calibrated(inputs.profile, low, cluster=inputs.cluster, device_map=job.device_map,
                           partition=job.partition, recompute=job.recompute, label=f"profile {job.profile}")

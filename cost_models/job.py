@@ -13,7 +13,8 @@ disturbs it (:class:`Faults`). The cost source is exactly one of
 * ``profile``: a calibration profile (``pipetwin calibrate``): measured costs on its own host, or
   scaled onto ``cluster`` when one is named;
 * ``plan``: a planner plan file, loaded (:class:`PlanSource`), which brings its own layout, model,
-  cluster and costs.
+  cluster and costs;
+* ``stage_costs``: a user's per-stage times, FILE.yaml (:mod:`cost_models.stage_costs`).
 
 Constructing a job checks it: a value out of range or two cost sources that exclude each other
 raise one ValueError whose message names the command-line option of the field (``--micro-batch``
@@ -217,6 +218,7 @@ class Job:
     unit_costs: bool = False
     profile: str | None = None
     plan: PlanSource | None = None
+    stage_costs: str | None = None
     cost_model: str | None = None
     profile_batch: int | None = None
     micro_batch: int | None = None
@@ -251,10 +253,12 @@ class Job:
     # ------------------------------------------------------------------ the cost source
     @property
     def source(self) -> str:
-        """Where the costs come from: ``plan``, ``unit``, ``profile``, ``layer-profile`` (a
-        PipeDream-format ``model``) or ``transformer`` (a model spec's formulas)."""
+        """Where the costs come from: ``plan``, ``unit``, ``stage-costs``, ``profile``,
+        ``layer-profile`` (a PipeDream-format ``model``) or ``transformer`` (a model spec's formulas)."""
         if self.plan is not None:
             return "plan"
+        if self.stage_costs is not None:
+            return "stage-costs"
         if self.unit_costs:
             return "unit"
         if self.profile is not None:
@@ -272,6 +276,13 @@ class Job:
         if self.cost_model and (self.unit_costs or self.profile):
             raise ValueError("--cost-model applies to --model/--cluster costs; drop it with --unit-costs / --profile")
         given = self._formula_options()
+        if self.stage_costs is not None:
+            other = given + [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
+                                            ("--partition", self.partition),
+                                            ("--recompute", self.recompute != "none")) if v]
+            if other:
+                raise ValueError(f"--stage-costs gives every stage's times; drop {', '.join(other)}")
+            return
         if self.unit_costs:
             if self.profile or given:
                 raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
@@ -298,6 +309,7 @@ class Job:
         if self.layout is not None:
             raise ValueError("--plan fixes the schedule and layout; drop --schedule, --devices, --microbatches")
         given = [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
+                                ("--stage-costs", self.stage_costs),
                                 ("--model", self.model), ("--cluster", self.cluster.name),
                                 ("--micro-batch", self.micro_batch), ("--partition", self.partition)) if v]
         if given:

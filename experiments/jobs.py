@@ -14,7 +14,7 @@ from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Fault
 from cost_models.kernels import COST_MODELS
 from schedules import families, names
 
-from .checks import factor_pair, float_in, nonneg_float, nonneg_int, positive_int
+from .checks import factor_pair, float_in, input_file, nonneg_float, nonneg_int, positive_int
 
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
 PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
@@ -103,6 +103,9 @@ def add_cost_args(p, *, per_run: bool = True):
     p.add_argument("--profile", metavar="FILE.yaml",
                    help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
                         "--model/--cluster formulas")
+    p.add_argument("--stage-costs", metavar="FILE.yaml", type=input_file,
+                   help="your own per-stage times (f, b, w seconds per stage, message seconds, optional "
+                        "activation bytes; see the README): instead of --model/--cluster formulas")
     if per_run:
         p.add_argument("--partition", metavar="COUNTS|time",
                        help="layers per stage of a model copy, e.g. 3,2,2,3 (a transformer's embedding and head "
@@ -179,7 +182,8 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
         fields["eager"] = not o["no_eager"]
     if "costs" in groups:
         fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
-                      profile=o["profile"], cost_model=o["cost_model"], profile_batch=o["profile_batch"],
+                      profile=o["profile"], stage_costs=o["stage_costs"],
+                      cost_model=o["cost_model"], profile_batch=o["profile_batch"],
                       recompute=o["recompute"], device_map=o["device_map"])
         if "partition" in o:
             fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])

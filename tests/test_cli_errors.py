@@ -74,6 +74,8 @@ CASES = [
     ("model-yaml-nan", SIM + ["-m", "{nanmodel}"], ["nanmodel.yaml", "hidden"]),
     ("cluster-yaml-inf", SIM + ["-c", "{infcluster}"], ["infcluster.yaml", "bandwidth"]),
     ("profile-folder", SIM + ["--profile", "{dir}"], ["calibration profile", "folder"]),
+    ("stage-costs-empty", SIM + ["--stage-costs", "{empty}"], ["--stage-costs", "empty"]),
+    ("stage-costs-and-model", SIM + ["--stage-costs", "{file}", "-m", "tiny"], ["--stage-costs", "--model"]),
     # tracebacks: output paths under an existing file, refused before any work
     ("plot-under-file", UNIT + ["--plot", "{file}/t.png"], ["--plot", "is a file"]),
     ("trace-under-file", RUN + ["--trace", "{file}/t.csv"], ["--trace", "is a file"]),
