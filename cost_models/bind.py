@@ -28,7 +28,7 @@ building any schedule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from schedules import Schedule
 
@@ -150,8 +150,29 @@ def bind(job: Job, inputs: CostInputs | None = None) -> Bound:
     if job.plan is not None:
         return job.plan.bind(job)
     inputs = inputs or load_inputs(job)
-    low = job.layout.build(eager=job.eager, **inputs.limits())
+    low = job.layout.build(eager=job.eager, family=costed_family(job, inputs), **inputs.limits())
     return bind_lowered(job, inputs, low)
+
+
+def costed_family(job: Job, inputs: CostInputs) -> dict | None:
+    """The keyword arguments a family that orders its ops from the job's costs takes (zb-auto:
+    ``costs``, from the same layout costed as ZB-H1, which has its stages and split backward; the
+    message time is one activation over the path from rank 0 to rank 1), else None."""
+    if job.layout.schedule != "zb-auto":
+        return None
+    from schedules.zb_auto import LIMIT_MA, VARIANTS, AutoCosts
+    probe = bind_lowered(job, inputs, replace(job.layout, schedule="zb-h1", variant=None).build(
+        eager=job.eager, **inputs.limits()))
+    c, net = probe.costs, probe.network
+    if inputs.kind == "stage-costs":
+        message = inputs.stage_times.message
+    elif net is None or job.layout.devices < 2:
+        message = 0.0
+    else:
+        links = net.path(0, 1)
+        message = sum(ln.latency for ln in links) + c.act_bytes[0][0] / min(ln.bandwidth for ln in links)
+    k = LIMIT_MA[job.layout.variant or next(iter(VARIANTS))] * job.layout.devices
+    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], tuple(k * a for a in c.act[0]))}
 
 
 def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:

@@ -90,13 +90,13 @@ class Layout:
         check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
                        chunks=self.chunks, one_replica=one_replica, **limits)
 
-    def build(self, *, eager: bool = True, **limits):
+    def build(self, *, eager: bool = True, family: dict | None = None, **limits):
         """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
         (ScheduleError, a ValueError, names what to change) after :meth:`check_size` with
-        ``limits``."""
+        ``limits``; ``family``: more keyword arguments of the family (zb-auto's ``costs``)."""
         from schedules import build, lower, validate
         self.check_size(**limits)
-        low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options()),
+        low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {})),
                     replicas=self.replicas, eager=eager)
         validate(low)
         return low
