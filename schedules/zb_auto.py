@@ -35,7 +35,7 @@ from .zb_h1 import zbh1_device_order
 from .zb_h2 import zbh2_device_order
 
 NAME = "zb-auto"
-REQUIRES = "D >= 1, N >= 1; limit >= 1 micro-batch per device (variants 1p: D Ma, 2p: 2D Ma)"
+REQUIRES = "D >= 1, N >= 1 (1p: D Ma, 2p: 2D Ma)"
 VARIANTS = {"1p": "memory limit of 1F1B's peak, D Ma (ZB-1p)", "2p": "twice 1F1B's peak, 2D Ma (ZB-2p)"}
 LIMIT_MA = {"1p": 1, "2p": 2}
 REFINE_EVALS = 200

@@ -23,7 +23,7 @@ from .common import check_positive
 from .ir import B, F, W, make_schedule
 
 NAME = "zb-h2"
-REQUIRES = "D >= 1, N >= 1 (closed form 3N+D-1 for N >= D, twice 1F1B's memory)"
+REQUIRES = "D >= 1, N >= 1 (closed form 3N+D-1 for N >= D)"
 
 
 def zbh2_device_order(D: int, d: int, N: int) -> list[tuple[str, int]]:

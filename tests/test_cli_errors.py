@@ -174,7 +174,7 @@ def test_outputs_fit_120_columns(capsys):
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120
     blocks = [b for b in out.replace("\n" + " " * 20, " ").splitlines()]   # continuation lines joined
-    assert len(blocks) == 9 and all(b.rstrip().endswith(".") for b in blocks), blocks
+    assert len(blocks) == 11 and all(b.rstrip().endswith(".") for b in blocks), blocks
     assert "then a flush." in " ".join(out.split())
     assert main(["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "64", "--no-progress"]) == 0
     out = capsys.readouterr().out
