@@ -18,6 +18,8 @@ How each cost source is costed:
   its network. ``partition`` gives layers per stage, or ``"time"``: balanced by the profile's
   measured layer times.
 * unit costs: F = 1, B = 2 per full stage, no network.
+* stage costs (``stage_costs``, a user's FILE.yaml): its per-stage times, each message its fixed
+  time (:mod:`cost_models.stage_costs`).
 * a plan: the plan binds itself (:class:`cost_models.job.PlanSource`).
 
 :func:`load_inputs` reads what the job names (presets and files: cheap), so that a caller costing
@@ -26,7 +28,7 @@ building any schedule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from schedules import Schedule
 
@@ -37,6 +39,7 @@ from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
 from .kernels import COST_MODELS
 from .model_spec import ModelSpec, load_model
+from .stage_costs import StageTimes, load_stage_costs
 from .stack import is_model_ref, same_model_ref
 from .transformer import TensorParallelGroup, TransformerCostModel, model_params
 
@@ -63,6 +66,7 @@ class CostInputs:
     model: ModelSpec | None = None
     cluster: Cluster | None = None
     profile: CalibrationProfile | None = None
+    stage_times: StageTimes | None = None
 
     def limits(self) -> dict:
         """Keyword arguments of :func:`cost_models.job.check_run_size` (cluster size, layers)."""
@@ -119,6 +123,10 @@ def load_inputs(job: Job) -> CostInputs:
     kind = job.source
     if kind == "unit":
         return CostInputs("unit")
+    if kind == "stage-costs":
+        times = load_stage_costs(job.stage_costs)
+        times.check_devices(job.layout.devices)
+        return CostInputs(kind, stage_times=times)
     if kind == "profile":
         prof = load_profile(job.profile)
         check_profile_model(prof, job.model)
@@ -145,14 +153,38 @@ def bind(job: Job, inputs: CostInputs | None = None) -> Bound:
     if job.plan is not None:
         return job.plan.bind(job)
     inputs = inputs or load_inputs(job)
-    low = job.layout.build(eager=job.eager, **inputs.limits())
+    low = job.layout.build(eager=job.eager, family=costed_family(job, inputs), **inputs.limits())
     return bind_lowered(job, inputs, low)
+
+
+def costed_family(job: Job, inputs: CostInputs) -> dict | None:
+    """The keyword arguments a family that orders its ops from the job's costs takes (zb-auto:
+    ``costs``, from the same layout costed as ZB-H1, which has its stages and split backward; the
+    message time is one activation over the path from rank 0 to rank 1), else None."""
+    if job.layout.schedule != "zb-auto":
+        return None
+    from schedules.zb_auto import LIMIT_MA, VARIANTS, AutoCosts
+    probe = bind_lowered(job, inputs, replace(job.layout, schedule="zb-h1", variant=None).build(
+        eager=job.eager, **inputs.limits()))
+    c, net = probe.costs, probe.network
+    if inputs.kind == "stage-costs":
+        message = inputs.stage_times.message
+    elif net is None or job.layout.devices < 2:
+        message = 0.0
+    else:
+        links = net.path(0, 1)
+        message = sum(ln.latency for ln in links) + c.act_bytes[0][0] / min(ln.bandwidth for ln in links)
+    k = LIMIT_MA[job.layout.variant or next(iter(VARIANTS))] * job.layout.devices
+    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], tuple(k * a for a in c.act[0]))}
 
 
 def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
     """Costs and network of an already lowered schedule ``low`` under the job's cost source."""
     if inputs.kind == "unit":
         return Bound(low, UnitCostModel().bind(low), None, {"cost_model": "unit"})
+    if inputs.kind == "stage-costs":
+        times = inputs.stage_times
+        return Bound(low, times.bind(low), times.network(), {"cost_model": f"stage costs {times.source}"})
     if inputs.kind == "profile":
         return calibrated(inputs.profile, low, cluster=inputs.cluster, device_map=job.mapping,
                           partition=job.partition, recompute=job.recompute, label=f"profile {job.profile}")

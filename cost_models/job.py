@@ -13,7 +13,8 @@ disturbs it (:class:`Faults`). The cost source is exactly one of
 * ``profile``: a calibration profile (``pipetwin calibrate``): measured costs on its own host, or
   scaled onto ``cluster`` when one is named;
 * ``plan``: a planner plan file, loaded (:class:`PlanSource`), which brings its own layout, model,
-  cluster and costs.
+  cluster and costs;
+* ``stage_costs``: a user's per-stage times, FILE.yaml (:mod:`cost_models.stage_costs`).
 
 Constructing a job checks it: a value out of range or two cost sources that exclude each other
 raise one ValueError whose message names the command-line option of the field (``--micro-batch``
@@ -97,13 +98,13 @@ class Layout:
         check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
                        chunks=self.chunks, one_replica=one_replica, tp=self.tp, **limits)
 
-    def build(self, *, eager: bool = True, **limits):
+    def build(self, *, eager: bool = True, family: dict | None = None, **limits):
         """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
         (ScheduleError, a ValueError, names what to change) after :meth:`check_size` with
-        ``limits``."""
+        ``limits``; ``family``: more keyword arguments of the family (zb-auto's ``costs``)."""
         from schedules import build, lower, validate
         self.check_size(**limits)
-        low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options()),
+        low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {})),
                     replicas=self.replicas, eager=eager)
         validate(low)
         return low
@@ -231,6 +232,7 @@ class Job:
     unit_costs: bool = False
     profile: str | None = None
     plan: PlanSource | None = None
+    stage_costs: str | None = None
     cost_model: str | None = None
     profile_batch: int | None = None
     micro_batch: int | None = None
@@ -301,10 +303,12 @@ class Job:
     # ------------------------------------------------------------------ the cost source
     @property
     def source(self) -> str:
-        """Where the costs come from: ``plan``, ``unit``, ``profile``, ``layer-profile`` (a
-        PipeDream-format ``model``) or ``transformer`` (a model spec's formulas)."""
+        """Where the costs come from: ``plan``, ``unit``, ``stage-costs``, ``profile``,
+        ``layer-profile`` (a PipeDream-format ``model``) or ``transformer`` (a model spec's formulas)."""
         if self.plan is not None:
             return "plan"
+        if self.stage_costs is not None:
+            return "stage-costs"
         if self.unit_costs:
             return "unit"
         if self.profile is not None:
@@ -322,6 +326,13 @@ class Job:
         if self.cost_model and (self.unit_costs or self.profile):
             raise ValueError("--cost-model applies to --model/--cluster costs; drop it with --unit-costs / --profile")
         given = self._formula_options()
+        if self.stage_costs is not None:
+            other = given + [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
+                                            ("--partition", self.partition),
+                                            ("--recompute", self.recompute != "none")) if v]
+            if other:
+                raise ValueError(f"--stage-costs gives every stage's times; drop {', '.join(other)}")
+            return
         if self.unit_costs:
             if self.profile or given:
                 raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
@@ -354,6 +365,7 @@ class Job:
         if self.layout is not None:
             raise ValueError("--plan fixes the schedule and layout; drop --schedule, --devices, --microbatches")
         given = [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
+                                ("--stage-costs", self.stage_costs),
                                 ("--model", self.model), ("--cluster", self.cluster.name),
                                 ("--micro-batch", self.micro_batch), ("--partition", self.partition),
                                 ("--recompute", self.recompute != "none")) if v]

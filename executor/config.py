@@ -117,6 +117,7 @@ class RunConfig:
         the profile first: :func:`cost_models.bind.profile_partition`)."""
         from cost_models.job import Faults
         sim_only = [f for f, v in (("--unit-costs", job.unit_costs), ("--profile", job.profile),
+                                   ("--stage-costs", job.stage_costs),
                                    ("--plan", job.plan), ("--cost-model", job.cost_model),
                                    ("--profile-batch", job.profile_batch), ("--exact", job.exact),
                                    ("faults", job.faults != Faults())) if v] + job.cluster.given()

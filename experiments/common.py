@@ -65,6 +65,8 @@ MEMORY_KEYS = ("peak_activation", "peak_memory", "static_memory", "peak_activati
 
 def units_note(time_unit: str, mem_unit: str, shown: str = "GiB") -> str:
     """The units line under a table; ``shown``: the unit :func:`human_rows` picked for bytes."""
+    if mem_unit == "Ma" and time_unit != "F":
+        return f"(time in {time_unit}; activations in Ma = one full stage's per micro-batch)"
     if mem_unit == "Ma":
         return ("(time in F = one full-stage forward; activations in Ma; peak_memory adds weights+grads+optimizer "
                 "in Mw, one full stage = 1)")

@@ -14,7 +14,7 @@ from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Fault
 from cost_models.kernels import COST_MODELS
 from schedules import families, get, names
 
-from .checks import byte_size, factor_pair, float_in, nonneg_float, nonneg_int, positive_int
+from .checks import byte_size, factor_pair, float_in, input_file, nonneg_float, nonneg_int, positive_int
 
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}     # chunks: for the families that take them (check_chunks)
 PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp", "tp")   # what a --plan file brings
@@ -120,6 +120,9 @@ def add_cost_args(p, *, per_run: bool = True):
     p.add_argument("--profile", metavar="FILE.yaml",
                    help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
                         "--model/--cluster formulas")
+    p.add_argument("--stage-costs", metavar="FILE.yaml", type=input_file,
+                   help="your own per-stage times (f, b, w seconds per stage, message seconds, optional "
+                        "activation bytes; see the README): instead of --model/--cluster formulas")
     if per_run:
         p.add_argument("--partition", metavar="COUNTS|time",
                        help="layers per stage of a model copy, e.g. 3,2,2,3 (a transformer's embedding and head "
@@ -217,7 +220,8 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
         fields["eager"] = not o["no_eager"]
     if "costs" in groups:
         fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
-                      profile=o["profile"], cost_model=o["cost_model"], profile_batch=o["profile_batch"],
+                      profile=o["profile"], stage_costs=o["stage_costs"],
+                      cost_model=o["cost_model"], profile_batch=o["profile_batch"],
                       recompute=o["recompute"], device_map=o["device_map"],
                       sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"], zero=o["zero"],
                       seq_len=o["seq_len"], memory_reserve=o["memory_reserve"])

@@ -20,7 +20,8 @@ MAX_RANKS = 2048
 MAX_OPS = 4_000_000
 OPS_PER_MICROBATCH = 7      # per chunk and rank, after lowering (F, B, W, SEND/RECV of both directions)
 
-_MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb_h1", "zb_v", "dualpipe_v", "bitpipe_zb"]
+_MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb_h1", "zb_h2", "zb_auto", "zb_v", "dualpipe_v",
+            "bitpipe_zb"]
 
 
 @dataclass(frozen=True)

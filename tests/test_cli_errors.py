@@ -88,6 +88,8 @@ CASES = [
     ("model-yaml-nan", SIM + ["-m", "{nanmodel}"], ["nanmodel.yaml", "hidden"]),
     ("cluster-yaml-inf", SIM + ["-c", "{infcluster}"], ["infcluster.yaml", "bandwidth"]),
     ("profile-folder", SIM + ["--profile", "{dir}"], ["calibration profile", "folder"]),
+    ("stage-costs-empty", SIM + ["--stage-costs", "{empty}"], ["--stage-costs", "empty"]),
+    ("stage-costs-and-model", SIM + ["--stage-costs", "{file}", "-m", "tiny"], ["--stage-costs", "--model"]),
     # tracebacks: output paths under an existing file, refused before any work
     ("plot-under-file", UNIT + ["--plot", "{file}/t.png"], ["--plot", "is a file"]),
     ("trace-under-file", RUN + ["--trace", "{file}/t.csv"], ["--trace", "is a file"]),
@@ -336,7 +338,7 @@ def test_outputs_fit_120_columns(capsys):
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120
     blocks = [b for b in out.replace("\n" + " " * 20, " ").splitlines()]   # continuation lines joined
-    assert len(blocks) == 9 and all(b.rstrip().endswith(".") for b in blocks), blocks
+    assert len(blocks) == 11 and all(b.rstrip().endswith(".") for b in blocks), blocks
     assert "then a flush." in " ".join(out.split())
     assert main(["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "64", "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -29,7 +29,7 @@ from schedules.ir import message_key, parse_op
 from schedules.trace import COLUMNS, op_orders
 
 PAPER = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
-SPLIT = ["zb-h1", "zb-v", "dualpipe-v", "bitpipe-zb"]      # the schedules with a split backward
+SPLIT = ["zb-h1", "zb-h2", "zb-auto", "zb-v", "dualpipe-v", "bitpipe-zb"]      # the schedules with a split backward
 PRECISION_SCHEDULES = ["dapple", "zb-v"]
 METER_TWINS = ["dapple-D2", "interleaved-D2", "bitpipe-D2", "zb-v-D2", "dualpipe-v-D2", "dapple-recompute-selective-D2",
                "zb-v-recompute-full-D2", "zb-v-bf16-D2"]
