@@ -13,7 +13,7 @@ from cost_models.job import check_run_size
 
 from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
-from .tables import fmt_table
+from .tables import fmt_table, printable
 
 NAME = "bubbles"
 HELP = "bubble time and ratio against the number of micro-batches N (unit costs), every schedule"
@@ -129,5 +129,5 @@ def main(args) -> int:
     print(fmt_table(rows, ["schedule", "N", "makespan", "bubble", "bubble_ratio"],
                     {"makespan": "{:.4g}", "bubble": "{:.4g}", "bubble_ratio": "{:.4f}"}))
     if args.plot:
-        print(f"wrote figure: {args.plot}")
+        print(f"wrote figure: {printable(args.plot)}")
     return 0

@@ -21,7 +21,7 @@ from cost_models._spec import size_bytes
 from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
 from .jobs import add_cluster_shape_args, add_cost_model_args, cluster_from_args
-from .tables import byte_unit, fmt_bytes, fmt_table, wrap_cell
+from .tables import byte_unit, fmt_bytes, fmt_table, printable, wrap_cell
 
 NAME = "plan"
 HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner)"
@@ -178,6 +178,7 @@ def _calibrated_model(args):
 def _say(text: str, width: int = 120) -> None:
     """A line of prose, wrapped to ``width`` columns (continuation lines indented)."""
     import textwrap
+    text = printable(text)
     lead = len(text) - len(text.lstrip())
     print(textwrap.fill(text, width, initial_indent="", subsequent_indent=" " * (lead + 4),
                         break_long_words=False, break_on_hyphens=False, drop_whitespace=True)
@@ -243,13 +244,13 @@ def _print_human(res, rec, base, stats, args) -> None:
           f"configurations; {len(stats['candidates'])} candidates re-simulated; baselines "
           f"{stats['baseline_seconds']:.2f} s")
     cmd, why = run_command(rec, work, args.model, args.recompute)
-    if cmd is not None:     # on a line of its own, unwrapped: it runs as printed
+    if cmd is not None:     # runs as printed: lines continued with a backslash, as a shell reads them
         print("executor (or pipetwin run --plan FILE):")
-        print(f"  {cmd}")
+        print("  " + " \\\n    ".join(wrap_cell(printable(cmd), 110)))
     elif rec["run"] is None:
         _say("executor: a non-uniform plan (stage replicas " + ":".join(map(str, plan.replicas))
               + "): run it with 'pipetwin run --plan FILE' (sub-batches as model copies)")
     else:
         _say(f"executor: {why}")
     if args.out:
-        print(f"wrote plan file: {args.out}")
+        print(f"wrote plan file: {printable(args.out)}")

@@ -85,6 +85,10 @@ CASES = [
     ("compare-out-is-file", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", "{file}"], ["--out", "file"]),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "file"]),
     ("reproduce-unknown", ["reproduce", "nope"], ["target", "nope"]),
+    # control characters in names are printed escaped
+    ("model-name-escape", SIM + ["-m", "bad\x1b[31m"], ["model preset", "bad\\x1b[31m"]),
+    ("schedule-name-escape", ["simulate", "-s", "zz\x07", "-D", "4", "-N", "8"], ["zz\\x07"]),
+    ("cluster-name-escape", SIM + ["-c", "no\x1bpe"], ["no\\x1bpe"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
@@ -128,6 +132,7 @@ def test_bad_input_exits_2_with_one_line(capsys, files, argv, words):
     assert "Traceback" not in err
     for w in words:
         assert w in lines[0], (w, lines[0])
+    assert lines[0].isprintable(), lines[0]
     assert seconds < 15, f"took {seconds:.1f} s to refuse"
 
 

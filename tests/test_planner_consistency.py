@@ -59,7 +59,13 @@ def test_printed_command_runs_as_printed(zbv, capsys, tmp_path):
           "--no-progress", "--no-baselines"])
     out = capsys.readouterr().out
     lines = out.splitlines()
-    cmd = lines[lines.index("executor (or pipetwin run --plan FILE):") + 1].split()
+    i = lines.index("executor (or pipetwin run --plan FILE):") + 1
+    text = lines[i]
+    while text.endswith("\\"):         # continued as a shell continues it
+        i += 1
+        text = text[:-1] + lines[i]
+    assert max(map(len, lines)) <= 120
+    cmd = shlex.split(text)
     assert cmd[:2] == ["pipetwin", "run"]
     argv = cmd[2:] + ["--steps", "1", "--json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
