@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from tqdm import tqdm
+
 from cost_models import Cluster
 from cost_models.bind import cost_model_for
 from cost_models.workload import is_profile_path
@@ -95,6 +97,9 @@ def with_simulation(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Eva
     return replace(ev, sim=simulate_plan(ev.plan, work, cluster, cap))
 
 
+MAX_GLOBAL_BATCH = 1 << 16     # samples per iteration the planner searches (65,536: tens of seconds at most)
+
+
 def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: float | None = None,
                   recompute: str = "none", schedules=("dapple",), top_k: int = 6, simulate: bool = True,
                   baselines: bool = True, progress: bool = False, space: SearchSpace | None = None,
@@ -105,6 +110,10 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
     ``cost_model`` / ``profile_batch``: see :func:`cost_models.load_workload` (ignored for a Workload);
     ``cost_model`` None: the default of every command (:func:`cost_models.bind.cost_model_for`: kernels
     where the device has kernel constants, linear for profiles ``*.txt`` and other devices)."""
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise ValueError(f"--global-batch {global_batch:,} is beyond the planner's limit of {MAX_GLOBAL_BATCH:,} "
+                         f"samples (planner.choose.MAX_GLOBAL_BATCH: every divisor is a micro-batch count to search "
+                         f"and simulate); plan a smaller global batch and accumulate gradients over iterations")
     if not isinstance(model, Workload):
         cost_model = cost_model_for(cost_model, cluster.device, isinstance(model, str) and is_profile_path(model))
     work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute, cost_model,
@@ -150,7 +159,7 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
                 p = c.plan.with_schedule(sched, split=split)
                 cands.append(Evaluated(p, c.estimate, note=f"{sched} on the plan of a dapple candidate"))
     evaluated = []
-    for c in cands:
+    for c in tqdm(cands, desc="simulating candidates", disable=not (progress and simulate), leave=False):
         if simulate:
             try:
                 c = with_simulation(c, work, cluster, cap)

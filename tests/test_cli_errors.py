@@ -89,6 +89,10 @@ CASES = [
     ("model-name-escape", SIM + ["-m", "bad\x1b[31m"], ["model preset", "bad\\x1b[31m"]),
     ("schedule-name-escape", ["simulate", "-s", "zz\x07", "-D", "4", "-N", "8"], ["zz\\x07"]),
     ("cluster-name-escape", SIM + ["-c", "no\x1bpe"], ["no\\x1bpe"]),
+    # long work is bounded, the bound stated
+    ("bubbles-max-k-huge", ["bubbles", "--max-k", "1000"], ["--max-k 1000", "4,036,032,000 ops", "--max-k <= 31"]),
+    ("plan-global-batch-huge", ["plan", "-m", "gpt-96", "-c", "dgx-a100-ib:4", "-G", "100000000"],
+     ["--global-batch 100,000,000", "65,536"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
