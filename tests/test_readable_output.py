@@ -47,3 +47,13 @@ def test_printable_escapes_control_characters():
     assert printable("a\x1b[31mb\x07\u200b") == "a\\x1b[31mb\\x07\\u200b"
     assert printable("two\nlines") == "two lines" and printable("plain-name_1.yaml") == "plain-name_1.yaml"
     assert "\\x1b" in fmt_table([{"m": "gpt\x1b"}], ["m"])
+
+
+def test_pareto_compares_time_per_sample_in_gib():
+    from experiments.sweep import pareto_front, pareto_points
+    # N=8 runs 2x the samples of N=4 in 1.5x the time: slower per iteration, faster per sample
+    rows = [{"throughput": 4 / 1.0, "peak_memory": 2 * 2 ** 30}, {"throughput": 8 / 1.5, "peak_memory": 3 * 2 ** 30}]
+    pts = pareto_points(rows)
+    assert pts == [(0.25, 2.0), (0.1875, 3.0)]
+    assert sorted(pareto_front(pts)) == [0, 1]
+    assert pareto_points([{"throughput": 2.0, "peak_memory": 5.0}], unit_costs=True) == [(0.5, 5.0)]
