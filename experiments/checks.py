@@ -27,6 +27,7 @@ import argparse
 import math
 
 from cost_models.files import FileError, check_output_dir, check_output_path, read_bytes
+from .tables import one_line_message
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,7 +36,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         sub = self.prog.split(" ", 1)[1] if " " in self.prog else ""
         hint = f" (see pipetwin {sub} --help)" if sub else " (see pipetwin --help)"
-        self.exit(2, f"pipetwin: error: {' '.join(message.split())}{hint}\n")
+        self.exit(2, f"pipetwin: error: {one_line_message(message)}{hint}\n")
 
 
 def _fail(what: str, text) -> argparse.ArgumentTypeError:

@@ -18,6 +18,7 @@ import sys
 import experiments
 
 from .checks import Parser
+from .tables import one_line_message
 
 # what a user can cause and fix: bad values (ScheduleError, SpecError, OutOfMemory are ValueErrors)
 # and missing files. Anything else (a KeyError included) is a bug and keeps its traceback.
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     try:
         return int(args._main(args) or 0)
     except USER_ERRORS as e:
-        print(f"pipetwin: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"pipetwin: error: {one_line_message(e)}", file=sys.stderr)
         return 2
     except MemoryError:
         print("pipetwin: error: out of memory on this host; use a smaller -D/-N/--dp or model", file=sys.stderr)

@@ -31,7 +31,7 @@ from schedules.trace import write_chrome
 from .checks import input_file, nonneg_int, output_file, positive_float, positive_int
 from .common import print_json
 from .jobs import add_layout_args, check_plan_args, job_from_args, layout_from_args
-from .tables import byte_unit, fmt_bytes, fmt_table
+from .tables import byte_unit, fmt_bytes, fmt_table, printable
 
 NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
@@ -203,7 +203,7 @@ def _announce_plan(cfg, sched, info, args) -> None:
         return
     out = sys.stderr if args.json else sys.stdout
     what = "reference (one process) for" if args.reference else f"{sched.num_ranks} ranks:"
-    print(f"plan {args.plan}: {info['plan']}", file=out)
+    print(f"plan {printable(args.plan)}: {info['plan']}", file=out)
     split = (f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
              f"blocks per stage {list(cfg.partition)} (layers {info['partition_layers']} with embedding and head)")
     print(f"running {what} {info['layout']}; global batch {info['global_batch']} = {cfg.global_microbatches} "
@@ -243,8 +243,8 @@ def _write_outputs(result, args) -> None:
 def _print_human(result, args) -> None:
     c = result.config
     where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
-    print(f"{result.engine} {c.schedule}: D={c.devices} N={c.microbatches} R={c.replicas}  model {c.model_name}  "
-          f"{c.optimizer} lr={c.lr:g}  ({where})")
+    print(f"{result.engine} {c.schedule}: D={c.devices} N={c.microbatches} R={c.replicas}  "
+          f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
     steps = [{"step": i, "loss": l, "iteration_s": t}
              for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]
     print(fmt_table(steps, ["step", "loss", "iteration_s"], {"loss": "{:.6f}", "iteration_s": "{:.4f}"}))
@@ -261,4 +261,4 @@ def _print_human(result, args) -> None:
                                  "bubble_ratio": "{:.3f}"}))
     for what, path in (("trace", args.trace), ("chrome trace", args.chrome_trace), ("figure", args.plot)):
         if path:
-            print(f"wrote {what}: {path}")
+            print(f"wrote {what}: {printable(path)}")

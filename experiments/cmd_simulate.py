@@ -7,7 +7,7 @@ from sim import simulate_job
 from .checks import output_file
 from .common import human_rows, metrics_record, print_json, units_note
 from .jobs import add_cost_args, add_fault_args, add_layout_args, check_plan_args, job_from_args, load_plan_arg
-from .tables import fmt_table
+from .tables import fmt_table, group_rows, printable
 
 NAME = "simulate"
 HELP = "simulate one training iteration of a schedule"
@@ -52,15 +52,16 @@ def main(args) -> int:
                                 f"{'all' if k == R else f'{k} of'} {R} simulated ({rec.get('full_simulation')})"))
     for k, v in extra.items():
         if not isinstance(v, (dict, list)) and not k.startswith("memory_") and v is not None:
-            print(f"  {k}: {v}")
+            print(f"  {k}: {printable(v)}")
     if "memory_verdict" in rec:
         print(f"  memory: {rec['memory_verdict']}")
     cols = ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"]
+    fmts = {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}", "peak_memory": "{:.6g}"}
     rows, shown = human_rows(rec["per_device"], mem)
-    print(fmt_table(rows, cols, {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}",
-                                 "peak_memory": "{:.6g}"}))
+    rows = group_rows(rows, "device", cols, fmts)      # identical replicas: one row each (--json keeps all)
+    print(fmt_table(rows, cols + (["count"] if len(rows) < len(rec["per_device"]) else []), fmts))
     print(units_note(unit, mem, shown))
     for what, path in (("figure", args.plot), ("chrome trace", args.chrome_trace), ("trace", args.trace)):
         if path:
-            print(f"wrote {what}: {path}")
+            print(f"wrote {what}: {printable(path)}")
     return 0

@@ -12,7 +12,7 @@ import sys
 from .checks import output_dir, positive_int
 from .common import parse_schedules
 from .jobs import add_cost_args, job_from_args, layout_from_args
-from .tables import fmt_table
+from .tables import fmt_table, printable
 
 NAME = "sweep"
 HELP = "simulate a grid of schedules x devices x micro-batches x replicas x micro-batch sizes"
@@ -61,7 +61,8 @@ def main(args) -> int:
                      ray_address=args.ray, progress=not args.no_progress and sys.stderr.isatty(),
                      figures=not args.no_figures)
     ran = [r for r in rows if not r["error"]]
-    print(f"sweep: {len(rows)} points ({len(ran)} ran, {len(rows) - len(ran)} impossible) -> {args.out}/sweep.csv")
+    print(f"sweep: {len(rows)} points ({len(ran)} ran, {len(rows) - len(ran)} impossible) -> "
+          f"{printable(args.out)}/sweep.csv")
     show = [{**r, **{k: float(r[k]) for k in ("iteration_time", "throughput", "bubble_ratio")}}
             for r in sorted(ran, key=lambda r: -float(r["throughput"]))[:10]]
     if show:
@@ -74,5 +75,6 @@ def main(args) -> int:
             b = f" b={r['micro_batch']}" if r["micro_batch"] else ""
             print(f"impossible: {r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}{b}: {r['error']}")
     if not args.no_figures:
-        print(f"wrote figures: {args.out}/throughput.png, {args.out}/pareto.png")
+        out = printable(args.out)
+        print(f"wrote figures: {out}/throughput.png, {out}/pareto.png")
     return 0

@@ -13,7 +13,7 @@ from sim import simulate_job
 from sim.job import crossed_links
 
 from .common import human_rows, metrics_record, print_json, units_note
-from .tables import fmt_table
+from .tables import fmt_table, printable
 
 
 @dataclass
@@ -96,7 +96,7 @@ def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = Fal
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if plot:
-        print(f"wrote figure: {plot}")
+        print(f"wrote figure: {printable(plot)}")
     if out:
-        print(f"wrote table and Chrome traces under {out}/")
+        print(f"wrote table and Chrome traces under {printable(out)}/")
     return 0

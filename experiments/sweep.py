@@ -11,7 +11,7 @@ Results go to ``DIR/sweep.csv`` (one row per point: :data:`COLUMNS`) and ``DIR/s
 small) is a row with its ``error``; an out-of-memory point is a row with ``out_of_memory`` True.
 Points already in the CSV are skipped (resume after an interruption: rows are appended as they
 finish). Figures: ``throughput.png`` (samples per second of every point that ran, best first)
-and ``pareto.png`` (peak memory against iteration time, the Pareto front marked).
+and ``pareto.png`` (peak memory in GiB against time per sample, the Pareto front marked).
 """
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def run_sweep(grid: Grid, base: Job, out, *, workers: int | None = None, ray_add
     done = read_done(out / "sweep.csv")         # as the CSV holds them (text), in grid order
     rows = [done[k] for k in keys if k in done]
     if figures:
-        plot_sweep(rows, out)
+        plot_sweep(rows, out, unit_costs=base.source == "unit")
     return rows
 
 
@@ -229,7 +229,14 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return front
 
 
-def plot_sweep(rows: list[dict], out: Path) -> None:
+def pareto_points(rows: list[dict], unit_costs: bool = False) -> list[tuple[float, float]]:
+    """(time per sample, peak memory) of rows that ran: time per sample, not iteration time, so
+    points of different global batches (N x R x b) compare; memory in GiB (Ma with unit costs)."""
+    div = 1 if unit_costs else 2 ** 30
+    return [(1.0 / float(r["throughput"]), float(r["peak_memory"]) / div) for r in rows]
+
+
+def plot_sweep(rows: list[dict], out: Path, *, unit_costs: bool = False) -> None:
     from .plots import plt, save_figure
     ok = [r for r in rows if not r["error"] and _num(r["throughput"]) is not None]
     label = lambda r: (f"{r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}"  # noqa: E731
@@ -243,7 +250,7 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
     ax.set_xlabel("throughput (samples per time unit; red: out of memory)")
     ax.set_title(f"sweep: {len(ok)} of {len(rows)} points ran")
     save_figure(fig, out / "throughput.png")
-    pts = [(float(r["iteration_time"]), float(r["peak_memory"])) for r in ok]
+    pts = pareto_points(ok, unit_costs)
     fig, ax = plt.subplots(figsize=(7, 5))
     if pts:
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=colours, s=18)
@@ -254,9 +261,9 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
         for i in front:
             ax.annotate(label(ok[i]), pts[i], fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.legend()
-    ax.set_xlabel("iteration time")
-    ax.set_ylabel("peak memory per device (bytes; Ma with unit costs)")
-    ax.set_title("memory vs time")
+    ax.set_xlabel("time per sample (iteration time / global batch; F with unit costs, else s)")
+    ax.set_ylabel("peak memory per device (" + ("Ma, unit costs)" if unit_costs else "GiB)"))
+    ax.set_title("memory vs time per sample (red: out of memory)")
     save_figure(fig, out / "pareto.png")
 
 

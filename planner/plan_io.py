@@ -11,12 +11,15 @@ A plan file is JSON::
       "cluster": {...Cluster.to_dict(): nodes, devices_per_node, device, intra, inter, nics_per_node...},
       "memory_limit": bytes per device (null: the device's memory),
       "plan":    {"global_batch", "microbatches" (M), "micro_batch" (b = G / M), "policy", "schedule", "chunks",
+                  "split" (layers per stage of a schedule with other stages than the plan's, e.g. zb-v's 2 D;
+                  [] = the stages' own layers),
                   "stages": [{"layers": [start, stop], "replicas": r, "devices": [physical ids]}, ...]},
       "uniform": true | false,
       "run":     for a uniform plan, the executor's view (null otherwise):
                  {"schedule", "devices" (D = stages), "microbatches" (M), "dp" (R), "chunks",
-                  "micro_batch" (b / R per pipeline replica), "partition" (layers per stage, over the
-                  L + 2 layers of a transformer: embedding and head included), "device_map"
+                  "micro_batch" (b / R per pipeline replica), "partition" (layers per stage of the schedule:
+                  the plan's "split" where set; over the L + 2 layers of a transformer: embedding and head
+                  included), "device_map"
                   (rank i * D + s -> physical device of replica i of stage s)},
       "estimate": {...planner.cost.Estimate.to_dict()...}, "simulated": {...} or null
     }
@@ -54,7 +57,7 @@ def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: floa
         R = plan.dp
         run = {"schedule": plan.schedule, "devices": plan.num_stages, "microbatches": plan.microbatches,
                "dp": R, "chunks": plan.chunks, "micro_batch": plan.micro_batch // R,
-               "partition": list(plan.partition), "device_map": list(plan.device_map())}
+               "partition": list(plan.schedule_partition), "device_map": list(plan.device_map())}
     return {"format": FORMAT, "version": VERSION, "model": dict(work.source), "cluster": cluster.to_dict(),
             "memory_limit": memory_limit, "plan": plan.to_dict(), "uniform": plan.uniform, "run": run,
             "estimate": est.to_dict() if est is not None else None,

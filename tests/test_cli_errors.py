@@ -132,6 +132,14 @@ CASES = [
     ("model-in-place-on-input", RUN + ["-m", "{model}:in_place"], ["layer 1 (AddOne)", "in place"]),
     ("model-integer-inside-a-stage", RUN + ["-m", "{model}:integer_cut"], ["layer 1 (Tok)", "integer", "stage 1"]),
     ("model-build-exits", RUN + ["-m", "{model}:exits"], ["exits()", "sys.exit(0)"]),
+    # control characters in names are printed escaped
+    ("model-name-escape", SIM + ["-m", "bad\x1b[31m"], ["model preset", "bad\\x1b[31m"]),
+    ("schedule-name-escape", ["simulate", "-s", "zz\x07", "-D", "4", "-N", "8"], ["zz\\x07"]),
+    ("cluster-name-escape", SIM + ["-c", "no\x1bpe"], ["no\\x1bpe"]),
+    # long work is bounded, the bound stated
+    ("bubbles-max-k-huge", ["bubbles", "--max-k", "1000"], ["--max-k 1000", "4,036,032,000 ops", "--max-k <= 31"]),
+    ("plan-global-batch-huge", ["plan", "-m", "gpt-96", "-c", "dgx-a100-ib:4", "-G", "100000000"],
+     ["--global-batch 100,000,000", "65,536"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
@@ -256,6 +264,7 @@ def test_bad_input_exits_2_with_one_line(capsys, files, argv, words):
     assert "Traceback" not in err
     for w in words:
         assert w in lines[0], (w, lines[0])
+    assert lines[0].isprintable(), lines[0]
     assert seconds < 15, f"took {seconds:.1f} s to refuse"
 
 

@@ -36,7 +36,7 @@ def _cluster(nodes, dpn, inter):
 def _planned(cluster, G, space, wanted, fallback):
     """The planner's plan for tiny (analytical ranking: fast and deterministic); if a planner change
     ever picks another shape, the same shape built with the planner's placement instead."""
-    res = plan_training("tiny", cluster, G, simulate=False, baselines=False, space=space, top_k=1)
+    res = plan_training("tiny", cluster, G, simulate=False, baselines=False, space=space, top_k=1, cost_model="linear")
     p = res.best.plan
     return (p if wanted(p) else fallback(Topology(cluster))), res.workload
 
