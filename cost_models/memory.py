@@ -23,11 +23,31 @@ A peak within :data:`NEAR_LIMIT` of the memory left is called near the limit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Iterable, Sequence
 
 from schedules.ir import COMPUTE_KINDS, activation_change
 
 from .base import StageCosts
+
+
+BYTE_UNITS = (("B", 1), ("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40))
+
+
+def byte_unit(values) -> tuple[str, int]:
+    """The binary unit that shows ``values`` (bytes) best: the largest in which the biggest value is >= 1."""
+    top = max((abs(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))), default=0)
+    name, div = BYTE_UNITS[0]
+    for n, d in BYTE_UNITS:
+        if top >= d:
+            name, div = n, d
+    return name, div
+
+
+def fmt_bytes(n: float) -> str:
+    """One size in its own best unit: ``2.11 MiB``."""
+    name, div = byte_unit([n])
+    return f"{n:.0f} B" if div == 1 else f"{n / div:.3g} {name}"
 
 
 RESERVE_BYTES = 2 ** 30        # CUDA context and communicator buffers
@@ -61,7 +81,7 @@ def memory_verdict(static: float, activation: float, capacity: float, *, transie
     usable = capacity - reserve
     fits = need <= usable
     near = fits and need > NEAR_LIMIT * usable
-    gib = lambda x: f"{x / 2 ** 30:.3g} GiB"  # noqa: E731
+    gib = fmt_bytes
     on = f" on {where}" if where else ""
     parts = f"peak {gib(peak)}{on} (static {gib(static)} + activations {gib(activation)})"
     if transient:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from cost_models.memory import BYTE_UNITS, byte_unit, fmt_bytes  # noqa: F401  (one home: the ledger's)
+
 
 WIDTH = 120        # the widest a table or a line of prose prints (text columns wrap to fit)
 
@@ -73,23 +75,7 @@ def markdown(df, floatfmt: str = ".4g") -> str:
     return fmt_table(df.to_dict("records"), list(df.columns), markdown=True, floatfmt=floatfmt)
 
 
-BYTE_UNITS = (("B", 1), ("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40))
 
-
-def byte_unit(values) -> tuple[str, int]:
-    """The binary unit that shows ``values`` (bytes) best: the largest in which the biggest value is >= 1."""
-    top = max((abs(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))), default=0)
-    name, div = BYTE_UNITS[0]
-    for n, d in BYTE_UNITS:
-        if top >= d:
-            name, div = n, d
-    return name, div
-
-
-def fmt_bytes(n: float) -> str:
-    """One size in its own best unit: ``2.11 MiB``."""
-    name, div = byte_unit([n])
-    return f"{n:.0f} B" if div == 1 else f"{n / div:.3g} {name}"
 
 
 def wrap_cell(text: str, width: int, hard: bool = False) -> list[str]:

@@ -35,8 +35,10 @@ def test_sweep_rows_equal_simulate_json(capsys, tmp_path):
     assert bad[0]["error"] == "bitpipe needs an even number of devices; got 3" and bad[0]["iteration_time"] == ""
     records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     assert len(records) == 12
-    for point in ({"schedule": "bitpipe", "devices": "2", "microbatches": "4", "dp": "2", "micro_batch": "2"},
-                  {"schedule": "dapple", "devices": "3", "microbatches": "4", "dp": "1", "micro_batch": "1"}):
+    for point in ({"schedule": "bitpipe", "devices": "2", "microbatches": "4", "dp": "2", "tp": "1",
+                   "micro_batch": "2"},
+                  {"schedule": "dapple", "devices": "3", "microbatches": "4", "dp": "1", "tp": "1",
+                   "micro_batch": "1"}):
         rc, js, _ = run_cli(capsys, "simulate", "-s", point["schedule"], "-D", point["devices"], "-N", "4",
                             "--dp", point["dp"], "--micro-batch", point["micro_batch"], "-m", "gpt3-1.3b", "--json")
         want = json.loads(js)
