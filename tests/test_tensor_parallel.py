@@ -312,3 +312,20 @@ def test_simulate_reports_the_verdict(capsys):
     assert (rec["tp"], rec["gpus"], rec["parameters"], rec["device_map"]) == (8, 64, 174_615_846_912, "megatron")
     assert rec["out_of_memory"] is False and rec["memory_verdict"].startswith("fits")
     assert rec["per_device"][0]["peak_activation"] / GiB == pytest.approx(12.4, rel=0.01)
+
+
+def test_sweep_takes_tp_as_an_axis(tmp_path, capsys):
+    import csv
+
+    from experiments.cli import main
+    out = tmp_path / "sw"
+    assert main(["sweep", "-s", "dapple", "-D", "4", "-N", "8", "--tp", "1,2", "-m", "gpt3-1.3b", "-c", "dgx-a100-ib:8",
+                 "--out", str(out), "--no-figures", "--workers", "1", "--no-progress"]) == 0
+    rows = {r["tp"]: r for r in csv.DictReader((out / "sweep.csv").open())}
+    assert set(rows) == {"1", "2"}
+    for tp, row in rows.items():
+        capsys.readouterr()
+        assert main(["simulate", "-s", "dapple", "-D", "4", "-N", "8", "--tp", tp, "-m", "gpt3-1.3b",
+                     "-c", "dgx-a100-ib:8", "--json"]) == 0
+        assert float(row["iteration_time"]) == json.loads(capsys.readouterr().out)["iteration_time"]
+    assert float(rows["2"]["iteration_time"]) < float(rows["1"]["iteration_time"])
