@@ -100,10 +100,9 @@ def _dropout(data: dict, source: str, names) -> bool:
     return on
 
 
-def spec_from_hf_config(path, seq_len: int | None = None, micro_batch: int = 1):
-    """The :class:`~cost_models.model_spec.ModelSpec` of the config at ``path`` (see the module
-    docstring)."""
-    from .model_spec import ModelSpec
+def hf_fields(path, seq_len: int | None = None, micro_batch: int = 1) -> dict:
+    """The :class:`~cost_models.model_spec.ModelSpec` fields of the config at ``path`` (see the
+    module docstring; :func:`cost_models.model_spec.spec_from_hf_config` builds the spec)."""
     p = Path(path)
     data = read_config(p)
     source = str(p)
@@ -144,7 +143,4 @@ def spec_from_hf_config(path, seq_len: int | None = None, micro_batch: int = 1):
                       seq_len=seq_len or _int(data, source, "n_positions", "n_ctx"),
                       tied_embeddings=_bool(data, source, "tie_word_embeddings", True),
                       dropout=_dropout(data, source, ("resid_pdrop", "embd_pdrop", "attn_pdrop")))
-    try:
-        return ModelSpec(**fields)
-    except SpecError as e:
-        raise SpecError(f"{source}: {e}") from None
+    return fields

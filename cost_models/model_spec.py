@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ._spec import SpecError, presets, read_yaml
+from .hf_config import hf_fields, is_hf_config
 from .stack import is_model_ref, model_ref_help
 
 KINDS = ("gpt", "bert", "llama")
@@ -152,11 +153,19 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> ModelSpec:
         raise SpecError(f"{source}: {e}") from None
 
 
+def spec_from_hf_config(path, seq_len: int | None = None, micro_batch: int = 1) -> ModelSpec:
+    """The spec of a Hugging Face ``config.json`` (:mod:`cost_models.hf_config`)."""
+    fields = hf_fields(path, seq_len, micro_batch)
+    try:
+        return ModelSpec(**fields)
+    except SpecError as e:
+        raise SpecError(f"{path}: {e}") from None
+
+
 def load_model(name_or_path: str | Path) -> ModelSpec:
     """A preset name (see :func:`model_presets`), a path to a YAML file or to a Hugging Face
     ``config.json`` (:mod:`cost_models.hf_config`). (A Python model file, ``PATH.py:FUNC``, has no
     spec: its costs come from a calibration profile.)"""
-    from .hf_config import is_hf_config, spec_from_hf_config
     if is_model_ref(str(name_or_path)):
         raise SpecError(model_ref_help(str(name_or_path)))
     if is_hf_config(name_or_path):

@@ -13,7 +13,7 @@ import cost_models as cm
 from cost_models.bind import bind
 from cost_models.cluster import megatron_map, tensor_parallel_groups
 from cost_models.comm import reduce_scatter_time, ring_allreduce_time
-from cost_models.hf_config import spec_from_hf_config
+from cost_models.model_spec import spec_from_hf_config
 from cost_models.job import Job, Layout
 from cost_models.kernels import block_kernels, block_shape, transformer_layer_times
 from cost_models.memory import memory_report
