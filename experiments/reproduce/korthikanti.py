@@ -30,7 +30,7 @@ from sim import simulate_job
 
 from ..progress import phase
 from ..tables import markdown
-from .megatron import CLUSTER, error, gpt, megatron_job, table
+from .megatron import CLUSTER, error, gpt, megatron_job, percent, save, table
 
 GiB = 2 ** 30
 QUICK_MODELS = ("22B", "175B")
@@ -127,18 +127,34 @@ def plot(df: pd.DataFrame, path: Path) -> None:
     save_figure(fig, path)
 
 
+def summary_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per quantity and setting (the layer's rows left out), one column per model:
+    "predicted / measured (error)"."""
+    rest = df[~df.quantity.str.startswith("layer")]
+    cells = {}
+    for _, x in rest.iterrows():
+        key = f"{x.quantity}, {x.setting} ({x.unit})"
+        cells.setdefault(key, {})[x.model] = f"{x.predicted:.4g} / {x.measured:.4g} ({percent(x.error)})"
+    return pd.DataFrame.from_dict(cells, orient="index").rename_axis("predicted / measured").reset_index()
+
+
+def layer_line(df: pd.DataFrame) -> str:
+    parts = []
+    for q in ("layer forward", "layer backward"):
+        e = df[df.quantity == q].error
+        if len(e):
+            parts.append(f"{q.split()[1]} {percent(e.min())} to {percent(e.max())}")
+    return f"22B layer (Table 4, {len(df[df.quantity == 'layer forward'])} settings): " + ", ".join(parts) + "."
+
+
 def run(out_dir, quick: bool = False) -> str:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     df = predictions(quick)
-    df.to_csv(out / "korthikanti.csv", index=False)
-    plot(df, out / "korthikanti.png")
+    out = save(out_dir, "korthikanti", df, plot)
+    shown = df.assign(error=df.error.map(percent))
     lines = ["# Korthikanti et al. 2022, predicted (held out: nothing fitted on it)", "",
              f"TP 8, no data parallelism, {CLUSTER}:NODES, the `a100` preset's kernel model (figure: "
-             "korthikanti.png).", "", markdown(df, floatfmt=".4g"), ""]
-    for q, g in df.groupby("quantity", sort=False):
-        e = g.error.abs()
-        lines.append(f"- {q}: |error| median {e.median():.1%}, max {e.max():.1%}")
+             "korthikanti.png).", "", markdown(shown, floatfmt=".4g"), "", "## Summary", "",
+             markdown(summary_table(df)), "", layer_line(df)]
     report = "\n".join(lines)
     (out / "report.md").write_text(report + "\n")
     return report

@@ -4,7 +4,8 @@ Each row is a GPT model (vocabulary 51,200, sequence 2048, eager attention, drop
 weights and activations) on DGX A100 80 GB nodes, 8 x 200 Gb/s HDR InfiniBand per node
 (``dgx-a100-ib`` sized ``NAME:NODES``), tensor parallel T inside a node, pipeline parallel D,
 data parallel R, full activation recomputation, 1F1B (``dapple``) or the interleaved schedule
-with the row's chunks. Each is a :class:`cost_models.Job` simulated by :func:`sim.simulate_job`
+with the row's chunks, the gradient all-reduce after the pipeline's flush (``eager=False``, as
+Megatron-LM's training step runs it). Each is a :class:`cost_models.Job` simulated by :func:`sim.simulate_job`
 with the ``a100`` preset's kernel model; TFLOP/s per GPU is the paper's Eq. (3),
 F = 96 B s l h^2 (1 + s/6h + V/16lh), over the predicted iteration time and the GPUs. Nothing is
 fitted on these rows (``cost_models/presets/measurements/megatron/README.md`` names the source).
@@ -65,6 +66,10 @@ def error(predicted: float, measured: float) -> float:
     return predicted / measured - 1
 
 
+def percent(e: float) -> str:
+    return f"{e:+.1%}"
+
+
 def predict_row(r) -> dict:
     import time
     spec = gpt(f"gpt-{r.params_b:g}b", int(r.layers), int(r.hidden), int(r.heads), int(r.micro_batch))
@@ -108,23 +113,31 @@ def plot(df: pd.DataFrame, path: Path) -> None:
 
 def summary(df: pd.DataFrame, col: str = "error") -> str:
     e = df[col].abs()
-    return f"|error| median {e.median():.1%}, max {e.max():.1%}; {int((e <= 0.10).sum())} of {len(df)} within 10%"
+    within = int((e <= 0.10).sum())
+    return f"absolute error: median {e.median():.1%}, max {e.max():.1%}; {within} of {len(df)} within 10%"
+
+
+def save(out_dir, name: str, df: pd.DataFrame, draw) -> Path:
+    """Write DIR/NAME.csv and the figure ``draw(df, path)`` to DIR/NAME.png; return DIR."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / f"{name}.csv", index=False)
+    draw(df, out / f"{name}.png")
+    return out
 
 
 def run(out_dir, quick: bool = False) -> str:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     df = predictions(quick)
-    df.to_csv(out / "megatron.csv", index=False)
-    plot(df, out / "megatron.png")
+    out = save(out_dir, "megatron", df, plot)
     shown = df[["params_b", "gpus", "tp", "pp", "dp", "chunks", "iteration_s", "predicted_tflops_per_gpu",
                 "measured_tflops_per_gpu", "error"]].rename(columns={
-                    "predicted_tflops_per_gpu": "predicted", "measured_tflops_per_gpu": "measured"})
+                    "predicted_tflops_per_gpu": "TFLOP/s predicted", "measured_tflops_per_gpu": "measured"})
+    shown["error"] = shown.error.map(percent)
     report = "\n".join([
         "# Megatron-LM SC'21 Table 1, predicted (held out: nothing fitted on it)", "",
         "TFLOP/s per GPU by the paper's Eq. (3) over the simulated iteration time; DGX A100 80 GB nodes "
         f"({CLUSTER}:NODES), full recomputation, the `a100` preset's kernel model (figure: megatron.png).", "",
-        markdown(shown, floatfmt=".3g"), "",
+        markdown(shown, floatfmt=".4g"), "",
         summary(df) + ".",
         f"Slowest row to simulate: {df.sim_wall_s.max():.1f} s (simulated replicas: "
         f"{', '.join(str(int(x)) for x in df.simulated_replicas)})."])
