@@ -37,7 +37,7 @@ from pathlib import Path
 from cost_models import Cluster, cluster_from_dict
 from cost_models.bind import Bound
 from cost_models._spec import size_bytes
-from cost_models.files import one_line, prepare_output, read_text
+from cost_models.files import one_line, read_text, write_output
 
 from cost_models.workload_sources import workload_from_source
 from .plan import Plan
@@ -64,8 +64,7 @@ def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: floa
 def save_plan(path, plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,
               est=None, sim: SimOutcome | None = None) -> dict:
     rec = plan_record(plan, work, cluster, memory_limit, est, sim)
-    p = prepare_output(path, "plan file")
-    p.write_text(json.dumps(rec, indent=2) + "\n")
+    write_output(path, json.dumps(rec, indent=2) + "\n", "plan file")
     return rec
 
 

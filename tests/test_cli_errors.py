@@ -85,6 +85,19 @@ CASES = [
     ("compare-out-is-file", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", "{file}"], ["--out", "file"]),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "file"]),
     ("reproduce-unknown", ["reproduce", "nope"], ["target", "nope"]),
+    # tracebacks and truncated files: a full disk (ENOSPC) is one line naming the path
+    ("chrome-trace-disk-full", UNIT + ["--chrome-trace", "/dev/full"], ["Chrome trace /dev/full", "No space left"]),
+    ("trace-disk-full", UNIT + ["--trace", "/dev/full"], ["trace /dev/full", "No space left"]),
+    ("plot-disk-full", UNIT + ["--plot", "/dev/full"], ["figure /dev/full", "No space left"]),
+    ("plan-out-disk-full", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--no-progress",
+                            "--no-baselines", "--out", "/dev/full"], ["plan file /dev/full", "No space left"]),
+    ("run-trace-disk-full", RUN + ["--trace", "/dev/full"], ["trace /dev/full", "No space left"]),
+    # names over 255 bytes (ENAMETOOLONG), refused while parsing
+    ("trace-name-too-long", UNIT + ["--trace", "{dir}/" + "t" * 300 + ".csv"], ["--trace", "304 bytes", "255"]),
+    ("sweep-out-name-too-long", ["sweep", "-D", "2", "-N", "2", "--unit-costs", "--out", "{dir}/" + "d" * 300],
+     ["--out", "300 bytes"]),
+    ("calibrate-out-name-too-long", ["calibrate", "--out", "{dir}/" + "c" * 300 + "/p.yaml"], ["--out", "300 bytes"]),
+    ("model-name-too-long", SIM + ["-m", "{dir}/" + "m" * 300 + ".yaml"], ["model file", "305 bytes"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
@@ -236,3 +249,23 @@ def test_validate_refuses_a_profile_that_does_not_model_more_ranks_than_cores(ca
     assert main(["validate", "-D", "4", "--profile", str(prof)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "4 ranks on 2 cores" in err[0] and "for 2 ranks" in err[0] and "--ranks 4" in err[0]
+
+
+def test_outputs_are_written_whole_or_not_at_all(tmp_path):
+    """An error while writing leaves the old file as it was and no temporary file; a device is
+    written in place (never replaced by a file); a full disk is one FileError naming the path."""
+    from cost_models.files import FileError, output_file, write_output
+    target = tmp_path / "t.csv"
+    write_output(target, "old\n")
+    with pytest.raises(RuntimeError):
+        with output_file(target) as fh:
+            fh.write("half a ro")
+            raise RuntimeError("killed mid-write")
+    assert target.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
+    write_output(target, b"new\n")
+    assert target.read_text() == "new\n"
+    write_output("/dev/null", "x" * 1000)
+    assert Path("/dev/null").is_char_device()
+    with pytest.raises(FileError, match="trace /dev/full could not be written: No space left on device"):
+        write_output("/dev/full", "x" * 100_000, "trace")
