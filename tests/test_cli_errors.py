@@ -14,6 +14,7 @@ from experiments.cli import main
 SIM = ["simulate", "-s", "dapple", "-D", "4", "-N", "8"]
 UNIT = SIM + ["--unit-costs"]
 RUN = ["run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1"]
+SWEEP = ["sweep", "-s", "dapple", "-D", "2", "-N", "2", "--no-figures", "--no-progress", "--workers", "1"]
 
 
 def _plan(tmp_path: Path, **changes) -> str:
@@ -97,6 +98,17 @@ CASES = [
     ("sweep-out-name-too-long", ["sweep", "-D", "2", "-N", "2", "--unit-costs", "--out", "{dir}/" + "d" * 300],
      ["--out", "300 bytes"]),
     ("calibrate-out-name-too-long", ["calibrate", "--out", "{dir}/" + "c" * 300 + "/p.yaml"], ["--out", "300 bytes"]),
+    # silent wrong results: a sweep folder holds one experiment
+    ("sweep-other-model", SWEEP + ["-m", "gpt3-1.3b", "--out", "{sweep}"],
+     ["--out", "model 'tiny' there, 'gpt3-1.3b'"]),
+    ("sweep-other-recompute", SWEEP + ["-m", "tiny", "--recompute", "full", "--out", "{sweep}"],
+     ["--out", "recompute 'none' there, 'full' here", "another --out"]),
+    ("sweep-other-fabric", SWEEP + ["-m", "tiny", "--fabric", "fat-tree", "--out", "{sweep}"],
+     ["cluster.fabric None there, 'fat-tree' here"]),
+    ("sweep-other-cost-model", SWEEP + ["-m", "tiny", "--cost-model", "linear", "--out", "{sweep}"],
+     ["cost_model 'kernels' there, 'linear' here"]),
+    ("sweep-other-cluster", SWEEP + ["-m", "tiny", "-c", "dgx-a100-1x8", "--out", "{sweep}"],
+     ["cluster.name 'dgx-a100-4x8-ib' there, 'dgx-a100-1x8' here"]),
     ("model-name-too-long", SIM + ["-m", "{dir}/" + "m" * 300 + ".yaml"], ["model file", "305 bytes"]),
 ]
 if not torch.cuda.is_available():
@@ -123,6 +135,9 @@ def _fill(argv, files):
             a = _plan(files["tmp"], microbatches=0)
         elif "{plan_nostages}" in a:
             a = _plan(files["tmp"], stages=[])
+        elif a == "{sweep}":        # a finished sweep of model tiny on the default cluster
+            a = str(files["tmp"] / "sweep")
+            assert main(SWEEP + ["-m", "tiny", "--out", a]) == 0
         out.append(a.format(**{k: v for k, v in files.items() if k != "tmp"}))
     return out
 
