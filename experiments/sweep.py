@@ -268,11 +268,21 @@ def _local(todo, workers, on_done):
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from cost_models.lifeline import die_with_parent
     ctx = multiprocessing.get_context("spawn")      # no inherited threads or locks
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    others = set(multiprocessing.active_children())
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         futs = [pool.submit(run_point, job) for job in todo]
-        for f in as_completed(futs):
-            on_done(f.result())
+        try:
+            for f in as_completed(futs):
+                on_done(f.result())
+        except BaseException:       # Ctrl-C, SIGTERM, a failed write: stop the points in flight too
+            pool.shutdown(wait=False, cancel_futures=True)
+            for p in set(multiprocessing.active_children()) - others:
+                p.terminate()
+            raise
 
 
 def _ray(todo, address, on_done):
