@@ -1,11 +1,15 @@
-"""Runs from any folder, and a rank killed from outside is named.
+"""Runs from any folder, a rank killed from outside is named, nothing outlives its parent.
 
 - any folder: a working directory holding its own ``executor/``, ``schedules/``, ``experiments/``,
   ``sim/`` and ``cost_models/`` packages (whose import fails) cannot shadow pipetwin, neither for
   spawned workers (``pipetwin run``) nor under ``torchrun --no-python pipetwin run`` (the README's
   cluster line);
 - kill: SIGKILL of rank 1 in the middle of a run ends it within 30 s with an error naming rank 1
-  and the signal (what the OOM killer does).
+  and the signal (what the OOM killer does);
+- nothing left running: SIGTERM, SIGHUP or SIGKILL of the main process of ``run``, ``sweep`` and
+  ``validate`` leaves no rank, pool worker or resource tracker running 8 s later (SIGTERM and
+  SIGHUP: exit status 128 + signal and one line, as Ctrl-C); the parent-pid watch (where there
+  is no parent-death signal) ends an orphan within 2.5 s.
 """
 import contextlib
 import os
@@ -231,3 +235,36 @@ def test_validate_leaves_no_rank(sig, tmp_path):
     argv = ["validate", "--schedules", "dapple", "-D", "2", "--plot", str(tmp_path / "v.png")]
     code, err, left, n = _kill_when(argv, lambda below: len(_ranks(below)) >= 2, sig, tmp_path, "validate")
     _check_end(sig, code, err, left, n, 2)
+
+
+@LINUX_PROC
+def test_parent_watch_ends_an_orphan_where_there_is_no_parent_death_signal(tmp_path):
+    """The fallback of cost_models.lifeline (platforms without prctl): a worker whose parent is
+    killed with -9 ends within a second or two."""
+    ready = tmp_path / "ready"
+    child = ("import os, time; from pathlib import Path; from cost_models import lifeline; "
+             "lifeline._parent_death_signal = lambda: False; lifeline.die_with_parent(); "
+             f"Path({str(ready)!r}).write_text(str(os.getpid())); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"],
+                              start_new_session=True)
+    pid = None
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(ready.read_text())
+        start = _stat(pid)[2]
+        parent.kill()
+        parent.wait()
+        t0 = time.monotonic()
+        while _survivors({pid: start}) and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert _survivors({pid: start}) == [], "the orphan kept running"
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if pid is not None and _survivors({pid: start}):
+            os.kill(pid, signal.SIGKILL)
