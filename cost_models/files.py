@@ -150,6 +150,8 @@ def output_file(path, what: str = "output file", mode: str = "w", **open_args):
     was). ``mode`` "w" or "wb"; an OSError, in the block or in the write itself, becomes one
     :class:`FileError` line naming ``path``."""
     p = prepare_output(path, what)
+    if p.is_symlink() and p.exists():       # write the file the link names; the link stays
+        p = p.resolve()
     if p.exists() and not p.is_file():      # a device or pipe: no folder entry to replace
         try:
             with open(p, mode, **open_args) as fh:

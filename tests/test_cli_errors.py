@@ -280,6 +280,10 @@ def test_outputs_are_written_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
     write_output(target, b"new\n")
     assert target.read_text() == "new\n"
+    (tmp_path / "link.csv").symlink_to(target)
+    write_output(tmp_path / "link.csv", "through the link\n")
+    assert (tmp_path / "link.csv").is_symlink() and target.read_text() == "through the link\n"
+    (tmp_path / "link.csv").unlink()
     write_output("/dev/null", "x" * 1000)
     assert Path("/dev/null").is_char_device()
     with pytest.raises(FileError, match="trace /dev/full could not be written: No space left on device"):
