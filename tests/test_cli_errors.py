@@ -109,6 +109,10 @@ CASES = [
      ["cost_model 'kernels' there, 'linear' here"]),
     ("sweep-other-cluster", SWEEP + ["-m", "tiny", "-c", "dgx-a100-1x8", "--out", "{sweep}"],
      ["cluster.name 'dgx-a100-4x8-ib' there, 'dgx-a100-1x8' here"]),
+    ("sweep-folder-in-use", SWEEP + ["-m", "tiny", "--out", "{locked}"],
+     ["--out", "is being written by another sweep", "another --out"]),
+    ("sweep-folder-of-unknown-experiment", SWEEP + ["-m", "tiny", "--out", "{unrecorded}"],
+     ["--out", "sweep.csv but no sweep.json"]),
     ("model-name-too-long", SIM + ["-m", "{dir}/" + "m" * 300 + ".yaml"], ["model file", "305 bytes"]),
 ]
 if not torch.cuda.is_available():
@@ -124,8 +128,11 @@ def files(tmp_path):
     (tmp_path / "nanmodel.yaml").write_text("layers: 4\nhidden: .nan\nheads: 4\nseq_len: 8\nvocab: 16\n")
     (tmp_path / "infcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: .inf}\ninter: ib-hdr\n")
-    return {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "nanmodel": str(tmp_path / "nanmodel.yaml"),
+    made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "nanmodel": str(tmp_path / "nanmodel.yaml"),
             "infcluster": str(tmp_path / "infcluster.yaml"), "tmp": tmp_path}
+    yield made
+    if "tmp_held" in made:
+        made["tmp_held"].close()
 
 
 def _fill(argv, files):
@@ -138,7 +145,19 @@ def _fill(argv, files):
         elif a == "{sweep}":        # a finished sweep of model tiny on the default cluster
             a = str(files["tmp"] / "sweep")
             assert main(SWEEP + ["-m", "tiny", "--out", a]) == 0
-        out.append(a.format(**{k: v for k, v in files.items() if k != "tmp"}))
+        elif a == "{locked}":       # a folder another sweep is writing (it holds the lock)
+            import fcntl
+            folder = files["tmp"] / "busy"
+            folder.mkdir()
+            held = open(folder / ".sweep.lock", "w")
+            fcntl.flock(held, fcntl.LOCK_EX)
+            files["tmp_held"] = held                # released when the test's files go
+            a = str(folder)
+        elif a == "{unrecorded}":   # a sweep table with no record of its experiment
+            (files["tmp"] / "old").mkdir()
+            (files["tmp"] / "old" / "sweep.csv").write_text("schedule,devices\n")
+            a = str(files["tmp"] / "old")
+        out.append(a.format(**{k: v for k, v in files.items() if not k.startswith("tmp")}))
     return out
 
 
