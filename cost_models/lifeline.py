@@ -69,7 +69,8 @@ def die_with_parent(parent: int | None = None) -> None:
 @contextlib.contextmanager
 def interrupt_on_termination():
     """SIGTERM and SIGHUP raise :class:`Terminated` in the block (main thread only; elsewhere, and
-    where a signal does not exist, the block runs as it is); the old handlers come back after."""
+    where a signal does not exist, the block runs as it is); a signal the process ignores stays
+    ignored (``nohup pipetwin ...``); the old handlers come back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -80,7 +81,7 @@ def interrupt_on_termination():
     old = {}
     for name in ("SIGTERM", "SIGHUP"):
         sig = getattr(signal, name, None)
-        if sig is not None:
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
             old[sig] = signal.signal(sig, raise_terminated)
     try:
         yield

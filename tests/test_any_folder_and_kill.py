@@ -268,3 +268,20 @@ def test_parent_watch_ends_an_orphan_where_there_is_no_parent_death_signal(tmp_p
             parent.wait()
         if pid is not None and _survivors({pid: start}):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_termination_signals_raise_only_inside_the_block_and_ignored_ones_stay_ignored():
+    from cost_models.lifeline import Terminated, interrupt_on_termination
+    before = signal.getsignal(signal.SIGTERM)
+    old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)        # as under nohup
+    try:
+        with pytest.raises(Terminated) as e:
+            with interrupt_on_termination():
+                assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+                os.kill(os.getpid(), signal.SIGHUP)                  # ignored: nothing happens
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+        assert e.value.signum == signal.SIGTERM and isinstance(e.value, KeyboardInterrupt)
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGHUP, old_hup)
