@@ -146,16 +146,17 @@ def _survivors(procs: dict[int, int]) -> list[str]:
     return out
 
 
-def _ranks(procs: dict[int, int]) -> list[int]:
-    """The executor's ranks among ``procs`` that are past their start (rank 0 reported a step)."""
+def _ranks(procs: dict[int, int], settled: float = 1.0) -> list[int]:
+    """The executor's ranks among ``procs`` that have run for ``settled`` seconds at least (past
+    their first lines, where a rank whose launcher is already gone ends on its own)."""
+    now = float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK")
     found = []
-    for pid in procs:
+    for pid, start in procs.items():
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        work = next((kv.split(b"=", 1)[1] for kv in env if kv.startswith(b"PIPETWIN_WORKDIR=")), None)
-        if work is not None and (Path(work.decode()) / "progress").exists():
+        if b"PIPETWIN_WORKDIR=" in env and now - start >= settled * os.sysconf("SC_CLK_TCK"):
             found.append(pid)
     return found
 
