@@ -58,7 +58,7 @@ from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel
 from .cluster import Cluster, LinkSpec
 from .device import DeviceSpec
-from .files import FileError, prepare_output, read_text
+from .files import FileError, read_text, write_output
 from .model_spec import ModelSpec, load_model, spec_from_dict
 from .partition import balanced_counts, default_partition, stack_partition
 from .stack import StackSpec, stack_from_dict
@@ -399,9 +399,7 @@ def load_profile(path: str | Path) -> CalibrationProfile:
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
     """Write a profile (per-layer form) that :func:`load_profile` reads back unchanged."""
-    p = prepare_output(path, "calibration profile")
-    p.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
-    return p
+    return write_output(path, yaml.safe_dump(profile.to_dict(), sort_keys=False), "calibration profile")
 
 
 def host_flop_rate(profile: CalibrationProfile) -> float:

@@ -27,7 +27,8 @@ come out as ValueError before anything starts), then:
   writes its traceback; a worker killed from outside (``kill -9``, the kernel's out-of-memory
   killer) is named with its signal; either way the launcher then stops all workers at once
   (SIGTERM, then SIGKILL) and raises :class:`LaunchError` naming the root cause first (the
-  failures it caused in other ranks are listed after it). A worker blocked on a message that
+  failures it caused in other ranks are listed after it). Every worker dies with the launcher,
+  ``kill -9`` of it included (:mod:`cost_models.lifeline`). A worker blocked on a message that
   never comes fails on its receive timeout with rank, op and peer. Nothing hangs. Rank 0 reports
   each finished step; on a terminal the launcher shows it as a progress bar on stderr.
 
@@ -56,8 +57,15 @@ from .worker import Job, local_env, topology
 
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
 _REPO = str(Path(__file__).resolve().parent.parent)
-# a worker's first code: the working directory ('' or '.') off sys.path, pipetwin's folder first
-WORKER_BOOT = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+_PARENT_ENV = "PIPETWIN_PARENT"     # the launcher's pid: a rank ends when it does
+# a worker's first code: end with the launcher (cost_models/lifeline.py loaded by its path, before
+# the seconds of importing torch: the package would import pandas first), the working directory
+# ('' or '.') off sys.path, pipetwin's folder first
+WORKER_BOOT = ("import importlib.util as u, os, sys; "
+               f"s = u.spec_from_file_location('_pipetwin_lifeline', {_REPO!r} + '/cost_models/lifeline.py'); "
+               "m = u.module_from_spec(s); s.loader.exec_module(m); "
+               f"m.die_with_parent(int(os.environ[{_PARENT_ENV!r}])); "
+               "sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
                f"sys.path.insert(0, {_REPO!r}); "
                "from executor.launch import _worker_main; _worker_main()")
 PROCESS_BYTES = 350 * 2 ** 20   # what one rank process costs before the model (python + torch + gloo)
@@ -198,6 +206,7 @@ def launch(target: str, payload: Any, world: int) -> Any:
                            OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
                            PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
                 env[_WORKDIR_ENV] = tmp
+                env[_PARENT_ENV] = str(os.getpid())
                 log = open(work / f"log.{rank}", "wb")
                 procs.append(subprocess.Popen([sys.executable, "-c", WORKER_BOOT], env=env, stdout=log,
                                               stderr=subprocess.STDOUT, cwd=os.getcwd()))
@@ -322,7 +331,8 @@ def _resolve(target: str):
 
 
 def _worker_main() -> None:
-    """Entry point of a spawned rank: run the target, leave the result (rank 0) or the error."""
+    """Entry point of a spawned rank (after :data:`WORKER_BOOT`): run the target, leave the result
+    (rank 0) or the error."""
     work = Path(os.environ[_WORKDIR_ENV])
     rank = int(os.environ["RANK"])
     try:

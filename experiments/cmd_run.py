@@ -26,10 +26,9 @@ from __future__ import annotations
 import math
 import sys
 
-from schedules.trace import write_chrome
 
 from .checks import input_file, nonneg_int, output_file, positive_float, positive_int
-from .common import print_json
+from .common import print_json, write_chrome, write_csv
 from .jobs import add_layout_args, check_plan_args, job_from_args, layout_from_args
 from .tables import byte_unit, fmt_bytes, fmt_table, printable
 
@@ -232,7 +231,7 @@ def _write_outputs(result, args) -> None:
                 raise ValueError(f"{flag} needs an executor run (the reference records no trace)")
         return
     if args.trace:
-        trace.to_csv(args.trace, index=False)
+        write_csv(trace, args.trace, "trace")
     if args.chrome_trace:
         write_chrome(trace, args.chrome_trace)
     if args.plot:

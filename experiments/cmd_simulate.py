@@ -1,11 +1,10 @@
 """``pipetwin simulate``: simulate one iteration of a schedule and report its metrics."""
 from __future__ import annotations
 
-from schedules.trace import write_chrome
 from sim import simulate_job
 
 from .checks import output_file
-from .common import human_rows, metrics_record, print_json, units_note
+from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
 from .jobs import add_cost_args, add_fault_args, add_layout_args, check_plan_args, job_from_args, load_plan_arg
 from .tables import fmt_table, group_rows, printable
 
@@ -38,7 +37,7 @@ def main(args) -> int:
     if args.chrome_trace:
         write_chrome(trace, args.chrome_trace)
     if args.trace:
-        trace.to_csv(args.trace, index=False)
+        write_csv(trace, args.trace, "trace")
     if args.json:
         print_json(rec)
         return 0

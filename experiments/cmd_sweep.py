@@ -2,8 +2,8 @@
 
 Every point is ``pipetwin simulate --json`` of one job (a schedule, D, N, R and micro-batch over
 the options the grid does not vary); rows go to ``DIR/sweep.csv`` as they finish (points already
-there are skipped: rerun to resume), the full records to ``DIR/sweep.jsonl``, figures to
-``DIR/throughput.png`` and ``DIR/pareto.png``. See :mod:`experiments.sweep`.
+there are skipped: rerun to resume; a folder of another experiment is refused), the full records to
+``DIR/sweep.jsonl``, figures to ``DIR/throughput.png`` and ``DIR/pareto.png``. See :mod:`experiments.sweep`.
 """
 from __future__ import annotations
 
@@ -41,8 +41,6 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from cost_models.bind import load_inputs
-
     from .sweep import Grid, parse_ints, run_sweep
     grid = Grid(schedules=tuple(parse_schedules(args.schedules)), devices=parse_ints(args.devices, "--devices"),
                 microbatches=parse_ints(args.microbatches, "--microbatches"), dp=parse_ints(args.dp, "--dp"),
@@ -56,7 +54,6 @@ def main(args) -> int:
                                                        microbatches=grid.microbatches[0], replicas=grid.dp[0],
                                                        tp=grid.tp[0], schedules=grid.schedules),
                          micro_batch=grid.micro_batch[0], eager=not args.no_eager, exact=args.exact)
-    load_inputs(base)   # fail fast on what every point shares (a bad model, cluster or profile), before any worker
     rows = run_sweep(grid, base, args.out, workers=args.workers, use_ray=args.ray is not None,
                      ray_address=args.ray, progress=not args.no_progress and sys.stderr.isatty(),
                      figures=not args.no_figures)

@@ -405,12 +405,12 @@ def write_report(record: SittingRecord, folder) -> Path:
     """Write :func:`render_report` to ``folder/validate-YYYY-MM-DD-HHMM.md`` (the local time of the
     sitting's start; ``-2``, ``-3`` ... after it when a sitting of the same minute is there) and
     return the path. The load at the end is taken now."""
-    from cost_models.files import prepare_output
+    from cost_models.files import write_output
     record.load_end = _load()
     stem = "validate-" + time.strftime("%Y-%m-%d-%H%M", time.localtime(record.started))
     path, k = Path(folder) / f"{stem}.md", 1
     while path.exists():
         k += 1
         path = Path(folder) / f"{stem}-{k}.md"
-    prepare_output(path, "report").write_text(render_report(record))
+    write_output(path, render_report(record), "report")
     return path

@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 import sys
 
+from cost_models.files import output_file, write_output
 from cost_models.memory import memory_verdict
 from schedules import get, names
-from schedules.trace import step_metrics
+from schedules.trace import step_metrics, to_chrome
 
 from .tables import byte_unit
 
@@ -53,6 +54,17 @@ def metrics_record(result, **extra) -> dict:
                           "static_memory": p.static_memory}
                          for p in m.per_device]
     return rec
+
+
+def write_csv(frame, path, what: str = "CSV file") -> None:
+    """A DataFrame as CSV, written atomically (:func:`cost_models.files.output_file`)."""
+    with output_file(path, what, newline="") as fh:
+        frame.to_csv(fh, index=False)
+
+
+def write_chrome(trace, path) -> None:
+    """A trace as a Chrome/Perfetto trace (JSON), written atomically."""
+    write_output(path, json.dumps(to_chrome(trace)), "Chrome trace")
 
 
 def print_json(obj) -> None:

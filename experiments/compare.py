@@ -8,11 +8,10 @@ from pathlib import Path
 from cost_models.bind import load_inputs
 from cost_models.job import Job
 from schedules import ScheduleError
-from schedules.trace import write_chrome
 from sim import simulate_job
 from sim.job import crossed_links
 
-from .common import human_rows, metrics_record, print_json, units_note
+from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
 from .tables import fmt_table, printable
 
 
@@ -68,7 +67,7 @@ def write_comparison(comp: Comparison, out: Path | None, plot: str | None) -> No
         out.mkdir(parents=True, exist_ok=True)
         import pandas as pd
         table = pd.DataFrame([{k: v for k, v in r.items() if k != "per_device"} for r in comp.rows])
-        table.to_csv(out / "table.csv", index=False)
+        write_csv(table, out / "table.csv")
         for name, t in comp.traces.items():
             write_chrome(t, out / f"{name}.chrome.json")
     if plot:

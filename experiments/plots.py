@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from cost_models.files import output_file  # noqa: E402
 from schedules.trace import step_metrics  # noqa: E402
 
 DPI = 110      # the resolution of pipetwin's figures (save_figure)
@@ -149,6 +150,8 @@ def save_figure(fig, path) -> None:
     """Finish a figure the one way every figure here is finished: tight layout (nothing clipped or
     overlapping), written at :data:`DPI` (its folder made), closed (pyplot keeps open figures alive)."""
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    try:
+        with output_file(path, "figure", "wb") as fh:
+            fig.savefig(fh, dpi=DPI, format=Path(path).suffix[1:] or None)
+    finally:
+        plt.close(fig)

@@ -40,7 +40,8 @@ from pathlib import Path
 from cost_models import Cluster, cluster_from_dict
 from cost_models.bind import Bound
 from cost_models._spec import size_bytes
-from cost_models.files import one_line, prepare_output, read_text
+from cost_models.files import one_line, read_text, write_output
+from cost_models.stack import absolute_model_ref
 
 from cost_models.workload_sources import workload_from_source
 from .plan import Plan
@@ -67,8 +68,7 @@ def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: floa
 def save_plan(path, plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,
               est=None, sim: SimOutcome | None = None) -> dict:
     rec = plan_record(plan, work, cluster, memory_limit, est, sim)
-    p = prepare_output(path, "plan file")
-    p.write_text(json.dumps(rec, indent=2) + "\n")
+    write_output(path, json.dumps(rec, indent=2) + "\n", "plan file")
     return rec
 
 
@@ -135,7 +135,9 @@ class LoadedPlan:
             per, mbs = plan.micro_batch // C, plan.microbatches * C
             layout = (f"stage replicas {':'.join(map(str, plan.replicas))}, {plan.microbatches} micro-batches of "
                       f"{plan.micro_batch} cut into {C} sub-batches of {per} (model copies)")
-        out = {"model_file": src["name"]} if stack else {"model_spec": spec}
+        # written absolute; an older or hand-moved plan's relative PATH.py: beside the plan file first
+        out = ({"model_file": absolute_model_ref(src["name"], Path(self.path).parent)} if stack
+               else {"model_spec": spec})
         return {**out, "schedule": low, "model": src.get("name", self.workload.name),
                 "microbatches": mbs, "replicas": low.replicas,
                 "micro_batch": per, "partition": list(bt.costs.meta["partition"]),

@@ -15,6 +15,7 @@ from tests.test_cost_models_specs import PROFILE
 SIM = ["simulate", "-s", "dapple", "-D", "4", "-N", "8"]
 UNIT = SIM + ["--unit-costs"]
 RUN = ["run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1"]
+SWEEP = ["sweep", "-s", "dapple", "-D", "2", "-N", "2", "--no-figures", "--no-progress", "--workers", "1"]
 
 
 def _plan(tmp_path: Path, **changes) -> str:
@@ -140,6 +141,34 @@ CASES = [
     ("bubbles-max-k-huge", ["bubbles", "--max-k", "1000"], ["--max-k 1000", "4,036,032,000 ops", "--max-k <= 31"]),
     ("plan-global-batch-huge", ["plan", "-m", "gpt-96", "-c", "dgx-a100-ib:4", "-G", "100000000"],
      ["--global-batch 100,000,000", "65,536"]),
+    # tracebacks and truncated files: a full disk (ENOSPC) is one line naming the path
+    ("chrome-trace-disk-full", UNIT + ["--chrome-trace", "/dev/full"], ["Chrome trace /dev/full", "No space left"]),
+    ("trace-disk-full", UNIT + ["--trace", "/dev/full"], ["trace /dev/full", "No space left"]),
+    ("plot-disk-full", UNIT + ["--plot", "/dev/full"], ["figure /dev/full", "No space left"]),
+    ("plan-out-disk-full", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--no-progress",
+                            "--no-baselines", "--out", "/dev/full"], ["plan file /dev/full", "No space left"]),
+    ("run-trace-disk-full", RUN + ["--trace", "/dev/full"], ["trace /dev/full", "No space left"]),
+    # names over 255 bytes (ENAMETOOLONG), refused while parsing
+    ("trace-name-too-long", UNIT + ["--trace", "{dir}/" + "t" * 300 + ".csv"], ["--trace", "304 bytes", "255"]),
+    ("sweep-out-name-too-long", ["sweep", "-D", "2", "-N", "2", "--unit-costs", "--out", "{dir}/" + "d" * 300],
+     ["--out", "300 bytes"]),
+    ("calibrate-out-name-too-long", ["calibrate", "--out", "{dir}/" + "c" * 300 + "/p.yaml"], ["--out", "300 bytes"]),
+    # silent wrong results: a sweep folder holds one experiment
+    ("sweep-other-model", SWEEP + ["-m", "gpt3-1.3b", "--out", "{sweep}"],
+     ["--out", "model 'tiny' there, 'gpt3-1.3b'"]),
+    ("sweep-other-recompute", SWEEP + ["-m", "tiny", "--recompute", "full", "--out", "{sweep}"],
+     ["--out", "recompute 'none' there, 'full' here", "another --out"]),
+    ("sweep-other-fabric", SWEEP + ["-m", "tiny", "--fabric", "fat-tree", "--out", "{sweep}"],
+     ["cluster.fabric None there, 'fat-tree' here"]),
+    ("sweep-other-cost-model", SWEEP + ["-m", "tiny", "--cost-model", "linear", "--out", "{sweep}"],
+     ["cost_model 'kernels' there, 'linear' here"]),
+    ("sweep-other-cluster", SWEEP + ["-m", "tiny", "-c", "dgx-a100-1x8", "--out", "{sweep}"],
+     ["cluster.name 'dgx-a100-4x8-ib' there, 'dgx-a100-1x8' here"]),
+    ("sweep-folder-in-use", SWEEP + ["-m", "tiny", "--out", "{locked}"],
+     ["--out", "is being written by another sweep", "another --out"]),
+    ("sweep-folder-of-unknown-experiment", SWEEP + ["-m", "tiny", "--out", "{unrecorded}"],
+     ["--out", "sweep.csv but no sweep.json"]),
+    ("model-name-too-long", SIM + ["-m", "{dir}/" + "m" * 300 + ".yaml"], ["model file", "305 bytes"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
@@ -163,9 +192,12 @@ def files(tmp_path):
     (tmp_path / "model.py").write_text(MODEL_FILE)
     (tmp_path / "bert.json").write_text('{"architectures": ["BertForMaskedLM"], "hidden_size": 768}')
     names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile")
-    return {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
+    made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
             "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
             **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
+    yield made
+    if "tmp_held" in made:
+        made["tmp_held"].close()
 
 
 MODEL_FILE = """\
@@ -246,7 +278,22 @@ def _fill(argv, files):
             a = _plan(files["tmp"], stages=[])
         elif a == "{plan}":
             a = _plan(files["tmp"])
-        out.append(a.format(**{k: v for k, v in files.items() if k != "tmp"}))
+        elif a == "{sweep}":        # a finished sweep of model tiny on the default cluster
+            a = str(files["tmp"] / "sweep")
+            assert main(SWEEP + ["-m", "tiny", "--out", a]) == 0
+        elif a == "{locked}":       # a folder another sweep is writing (it holds the lock)
+            import fcntl
+            folder = files["tmp"] / "busy"
+            folder.mkdir()
+            held = open(folder / ".sweep.lock", "w")
+            fcntl.flock(held, fcntl.LOCK_EX)
+            files["tmp_held"] = held                # released when the test's files go
+            a = str(folder)
+        elif a == "{unrecorded}":   # a sweep table with no record of its experiment
+            (files["tmp"] / "old").mkdir()
+            (files["tmp"] / "old" / "sweep.csv").write_text("schedule,devices\n")
+            a = str(files["tmp"] / "old")
+        out.append(a.format(**{k: v for k, v in files.items() if not k.startswith("tmp")}))
     return out
 
 
@@ -408,3 +455,27 @@ def test_validate_refuses_a_profile_that_does_not_model_more_ranks_than_cores(ca
     assert main(["validate", "-D", "4", "--profile", str(prof)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "4 ranks on 2 cores" in err[0] and "for 2 ranks" in err[0] and "--ranks 4" in err[0]
+
+
+def test_outputs_are_written_whole_or_not_at_all(tmp_path):
+    """An error while writing leaves the old file as it was and no temporary file; a device is
+    written in place (never replaced by a file); a full disk is one FileError naming the path."""
+    from cost_models.files import FileError, output_file, write_output
+    target = tmp_path / "t.csv"
+    write_output(target, "old\n")
+    with pytest.raises(RuntimeError):
+        with output_file(target) as fh:
+            fh.write("half a ro")
+            raise RuntimeError("killed mid-write")
+    assert target.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
+    write_output(target, b"new\n")
+    assert target.read_text() == "new\n"
+    (tmp_path / "link.csv").symlink_to(target)
+    write_output(tmp_path / "link.csv", "through the link\n")
+    assert (tmp_path / "link.csv").is_symlink() and target.read_text() == "through the link\n"
+    (tmp_path / "link.csv").unlink()
+    write_output("/dev/null", "x" * 1000)
+    assert Path("/dev/null").is_char_device()
+    with pytest.raises(FileError, match="trace /dev/full could not be written: No space left on device"):
+        write_output("/dev/full", "x" * 100_000, "trace")

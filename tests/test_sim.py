@@ -185,7 +185,7 @@ def test_make_trace_metrics_by_hand():
 def test_chrome_trace_is_valid_json(tmp_path):
     import json
 
-    from schedules.trace import write_chrome
+    from experiments.common import write_chrome
     low = lower(build("dapple", 2, 2))
     tr = simulate(low, UnitCostModel().bind(low))
     write_chrome(tr, tmp_path / "t.json")
