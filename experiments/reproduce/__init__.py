@@ -9,6 +9,7 @@ TARGETS = {
     "dapple-runtime": "experiments.reproduce.dapple_runtime",
     "dapple-planner": "experiments.reproduce.dapple_planner",
     "cost-curves": "experiments.reproduce.cost_curves",
+    "zero-bubble": "experiments.reproduce.zero_bubble",
 }
 
 
