@@ -188,8 +188,9 @@ def auto_limit(layout, c: StageCosts) -> tuple[float, ...]:
     if unit == "Ma":
         return tuple(value * a for a in c.act[0])
     if c.mem_unit != "B":
-        raise ValueError(f"--memory-limit {value / 2**30:.3g} GiB needs costs with activation bytes; these count memory in "
-                         f"Ma (give the limit in Ma, e.g. '16 Ma', or add 'activation:' to a --stage-costs file)")
+        raise ValueError(f"--memory-limit {value / 2**30:.3g} GiB needs costs with activation bytes; these count "
+                         f"memory in Ma (give the limit in Ma, e.g. '16 Ma', or add 'activation:' to a --stage-costs "
+                         f"file)")
     limit = tuple(value - c.static_mem[d] for d in range(layout.devices))
     if min(limit) <= 0:
         d = limit.index(min(limit))
