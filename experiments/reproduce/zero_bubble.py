@@ -214,6 +214,18 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def headline(df: pd.DataFrame) -> pd.DataFrame:
+    """Per schedule: the worst |throughput error| from each source and the worst bubble gap to Table 5."""
+    out = []
+    for label, g in df.groupby("schedule", sort=False):
+        p, k = g[g.source == "profiled"], g[g.source == "kernels"]
+        out.append({"schedule": label + (" (fitted)" if label == FIT_SCHEDULE else ""), "rows": len(p),
+                    "max_error_profiled": f"{p.error.abs().max():.1%}",
+                    "max_error_kernels": f"{k.error.abs().max():.1%}",
+                    "max_bubble_gap": (p.predicted_bubble - p.paper_bubble).abs().max()})
+    return pd.DataFrame(out)
+
+
 def plot(df: pd.DataFrame, path: Path) -> None:
     """One panel per model: measured samples/GPU/s beside the two predictions, per (m, schedule)."""
     from ..plots import plt, save_figure
@@ -257,6 +269,7 @@ def run(out_dir, quick: bool = False) -> str:
         "Table 9 by layers per stage and micro-batch); `kernels` = Table 3's dimensions on the a100 kernel "
         "model, first and last stages one layer shorter. Bubble and iteration cost as the paper defines them "
         "(the longest stage span). Memory: kernels only, GB = 1e9 bytes (the paper's unit unstated).", "",
+        markdown(headline(df), floatfmt=".3f"), "",
         "## Fitted factors", "", markdown(fit), "",
         f"## Against the aims (bubble within {AIMS['bubble']} of Table 5; throughput within "
         f"{AIMS['profiled']:.0%} profiled, {AIMS['kernels']:.0%} kernels; memory within {AIMS['memory']:.0%})", "",
