@@ -163,8 +163,8 @@ def costed_family(job: Job, inputs: CostInputs) -> dict | None:
     message time is one activation over the path from rank 0 to rank 1), else None."""
     if job.layout.schedule != "zb-auto":
         return None
-    from schedules.zb_auto import LIMIT_MA, VARIANTS, AutoCosts
-    probe = bind_lowered(job, inputs, replace(job.layout, schedule="zb-h1", variant=None).build(
+    from schedules.zb_auto import AutoCosts
+    probe = bind_lowered(job, inputs, replace(job.layout, schedule="zb-h1", variant=None, memory_limit=None).build(
         eager=job.eager, **inputs.limits()))
     c, net = probe.costs, probe.network
     if inputs.kind == "stage-costs":
@@ -174,8 +174,29 @@ def costed_family(job: Job, inputs: CostInputs) -> dict | None:
     else:
         links = net.path(0, 1)
         message = sum(ln.latency for ln in links) + c.act_bytes[0][0] / min(ln.bandwidth for ln in links)
-    k = LIMIT_MA[job.layout.variant or next(iter(VARIANTS))] * job.layout.devices
-    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], tuple(k * a for a in c.act[0]))}
+    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], auto_limit(job.layout, c))}
+
+
+def auto_limit(layout, c: StageCosts) -> tuple[float, ...]:
+    """zb-auto's per-device activation limit in the unit of ``c.act``: the variant's k D Ma, or
+    ``--memory-limit`` in Ma, or in bytes less each rank's static memory (weights, optimizer)."""
+    from schedules.zb_auto import LIMIT_MA, VARIANTS
+    if layout.memory_limit is None:
+        k = LIMIT_MA[layout.variant or next(iter(VARIANTS))] * layout.devices
+        return tuple(k * a for a in c.act[0])
+    value, unit = layout.memory_limit
+    if unit == "Ma":
+        return tuple(value * a for a in c.act[0])
+    if c.mem_unit != "B":
+        raise ValueError(f"--memory-limit {value / 2**30:.3g} GiB needs costs with activation bytes; these count "
+                         f"memory in Ma (give the limit in Ma, e.g. '16 Ma', or add 'activation:' to a --stage-costs "
+                         f"file)")
+    limit = tuple(value - c.static_mem[d] for d in range(layout.devices))
+    if min(limit) <= 0:
+        d = limit.index(min(limit))
+        raise ValueError(f"--memory-limit {value / 2**30:.3g} GiB is below rank {d}'s weights and optimizer state "
+                         f"({c.static_mem[d] / 2**30:.3g} GiB); raise it")
+    return limit
 
 
 def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:   # pragma: no cover - types only
 DEFAULT_MODEL = "gpt-96"
 DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
 MAX_JITTER = 1.0            # --jitter: at most a relative standard deviation of 100% per op
+MEMORY_UNITS = ("Ma", "B")   # --memory-limit: activations of full stages, or bytes of device memory
 MAX_SIM_RANKS = 131_072     # ranks the simulator keeps per-rank records for (one replica simulated for all)
 
 
@@ -66,7 +67,10 @@ class Layout:
     :func:`schedules.names`) on ``devices`` D pipeline devices with ``microbatches`` N per
     iteration, ``replicas`` R data-parallel copies of the pipeline, ``chunks`` per device for the
     families that take it and the family's ``variant`` (None: its first); ``tp`` T GPUs per
-    pipeline device that split every layer (tensor parallel): T x D x R GPUs in all."""
+    pipeline device that split every layer (tensor parallel): T x D x R GPUs in all;
+    ``memory_limit`` (value, ``"Ma"`` or ``"B"``) for the families that order their ops under one
+    (zb-auto): each device's activation limit in Ma, or its whole memory in bytes (the costs' static
+    memory, weights and optimizer state, taken off), in place of the variant's."""
 
     schedule: str
     devices: int
@@ -75,13 +79,27 @@ class Layout:
     chunks: int = 2
     variant: str | None = None
     tp: int = 1
+    memory_limit: tuple[float, str] | None = None
 
     def __post_init__(self):
-        registry.get(self.schedule)          # an unknown name: the registry's one line, with the names
+        fam = registry.get(self.schedule)    # an unknown name: the registry's one line, with the names
         for value, option in ((self.devices, "--devices"), (self.microbatches, "--microbatches"),
                               (self.replicas, "--dp"), (self.chunks, "--chunks"), (self.tp, "--tp")):
             _whole(value, option)
+        if self.memory_limit is not None:
+            self._check_memory_limit(fam)
 
+    def _check_memory_limit(self, fam) -> None:
+        value, unit = self.memory_limit
+        if not fam.takes_memory_limit:
+            takes = [n for n, f in registry.families().items() if f.takes_memory_limit]
+            raise ValueError(f"--memory-limit applies to {', '.join(takes)} only; {self.schedule} has a fixed "
+                             f"order (drop --memory-limit)")
+        if unit not in MEMORY_UNITS:
+            raise ValueError(f"--memory-limit unit must be one of {', '.join(MEMORY_UNITS)}; got {unit!r}")
+        _finite(value, "--memory-limit", positive=True)
+        if self.variant is not None:
+            raise ValueError(f"--memory-limit replaces {self.schedule}'s variant (its limit); drop --variant")
     @property
     def gpus(self) -> int:
         """T x D x R."""
@@ -89,7 +107,10 @@ class Layout:
 
     def family_options(self) -> dict:
         """The keyword arguments of :func:`schedules.build` (every family takes ``chunks``)."""
-        return {"chunks": self.chunks, **({} if self.variant is None else {"variant": self.variant})}
+        out = {"chunks": self.chunks, **({} if self.variant is None else {"variant": self.variant})}
+        if self.memory_limit is not None and self.memory_limit[1] == "Ma":
+            out["memory_limit"] = self.memory_limit[0]      # unit costs: 1 Ma per micro-batch and full stage
+        return out
 
     def check_size(self, *, one_replica: bool = True, **limits) -> None:
         """:func:`check_run_size` of this layout (``limits``: cluster_devices, cluster_name,

@@ -133,6 +133,9 @@ class RunConfig:
             raise ValueError("partition 'time' is resolved from a calibration profile before the run "
                              "(cost_models.bind.profile_partition)")
         lay = job.layout
+        if lay.memory_limit is not None:
+            raise ValueError("--memory-limit orders zb-auto from simulated costs; the executor runs a --variant's "
+                             "order (drop --memory-limit)")
         model = job.model or "tiny"
         partition = job.partition
         if partition is not None and not is_model_ref(model):

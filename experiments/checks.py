@@ -159,6 +159,20 @@ def factor_pair(label: str = "RANK", key=int, example: str = "3=1.5"):
     return parse
 
 
+def memory_limit(text: str) -> tuple[float, str]:
+    """An argparse type for ``--memory-limit``: Ma (``16``, ``16 Ma``) or bytes with a unit (``40 GiB``)."""
+    t = text.strip()
+    num = t[:-2].strip() if t.endswith("Ma") else t
+    try:
+        value = float(num)
+    except ValueError:
+        return (byte_size("--memory-limit")(t), "B")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"--memory-limit must be > 0 (Ma, e.g. 16, or bytes with a unit, e.g. "
+                                         f"40 GiB); got {text!r}")
+    return (value, "Ma")
+
+
 def byte_size(option: str):
     """An argparse type: bytes as a number or with a unit (``4 GiB``, ``80 GB``); 0 allowed."""
     from cost_models._spec import SpecError, size_bytes

@@ -14,10 +14,11 @@ from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Fault
 from cost_models.kernels import COST_MODELS
 from schedules import families, get, names
 
-from .checks import byte_size, factor_pair, float_in, input_file, nonneg_float, nonneg_int, positive_int
+from .checks import byte_size, factor_pair, memory_limit, float_in, input_file, nonneg_float, nonneg_int, positive_int
 
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}     # chunks: for the families that take them (check_chunks)
-PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp", "tp")   # what a --plan file brings
+# what a --plan file brings
+PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp", "tp", "memory_limit")
 
 
 # ---------------------------------------------------------------------- option groups
@@ -43,6 +44,9 @@ def add_layout_args(p, *, schedule=True, many=False, plan: str | None = None):
     p.add_argument("--tp", type=positive_int, default=SCHEDULE_DEFAULTS["tp"] if required else None,
                    help="tensor-parallel size T: GPUs per pipeline device that split every layer Megatron-style "
                             "(T x D x R GPUs; default 1)")
+    p.add_argument("--memory-limit", type=memory_limit, metavar="MA|BYTES",
+                   help="zb-auto: each device's limit, in Ma (activations of full stages, e.g. 12) or bytes of "
+                        "device memory with a unit (e.g. '40 GiB'), in place of --variant's")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end, not in bubbles")
     if plan is not None:
         p.add_argument("--plan", metavar="PLAN.json", help=plan)
@@ -200,7 +204,7 @@ def layout_from_args(args, *, schedules=None, **overrides) -> Layout:
     fields = dict(schedule=o.get("schedule"), devices=o.get("devices"), microbatches=o.get("microbatches"),
                   replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
                   chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"),
-                  tp=o.get("tp") or 1)
+                  tp=o.get("tp") or 1, memory_limit=o.get("memory_limit"))
     fields.update(overrides)
     layout = Layout(**fields)
     check_chunks(o.get("chunks"), schedules or [layout.schedule])

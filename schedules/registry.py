@@ -32,13 +32,14 @@ class Family:
     build: Callable[..., Schedule]
     variants: tuple[str, ...] = ()      # the first is the default; () = the family has none
     takes_chunks: bool = False          # ``chunks`` per device changes it (a module's TAKES_CHUNKS)
+    takes_memory_limit: bool = False    # it orders its ops under a memory limit (a module's TAKES_MEMORY_LIMIT)
 
 
 def _load(mod: str) -> Family:
     m = importlib.import_module(f"schedules.{mod}")
     doc = (m.__doc__ or "").strip()
     return Family(m.NAME, m.REQUIRES, doc, m.build, tuple(getattr(m, "VARIANTS", ())),
-                  bool(getattr(m, "TAKES_CHUNKS", False)))
+                  bool(getattr(m, "TAKES_CHUNKS", False)), bool(getattr(m, "TAKES_MEMORY_LIMIT", False)))
 
 
 def families() -> dict[str, Family]:

@@ -38,6 +38,7 @@ NAME = "zb-auto"
 REQUIRES = "D >= 1, N >= 1 (1p: D Ma, 2p: 2D Ma)"
 VARIANTS = {"1p": "memory limit of 1F1B's peak, D Ma (ZB-1p)", "2p": "twice 1F1B's peak, 2D Ma (ZB-2p)"}
 LIMIT_MA = {"1p": 1, "2p": 2}
+TAKES_MEMORY_LIMIT = True       # --memory-limit: the limit itself, in Ma or bytes, in place of the variant's
 REFINE_EVALS = 200
 
 Order = list[tuple[str, int]]
@@ -56,8 +57,10 @@ class AutoCosts:
     limit: tuple[float, ...]
 
     @classmethod
-    def unit(cls, D: int, variant: str = "1p") -> "AutoCosts":
-        return cls((1.0,) * D, (1.0,) * D, (1.0,) * D, 0.0, (1.0,) * D, (float(LIMIT_MA[variant] * D),) * D)
+    def unit(cls, D: int, variant: str = "1p", limit_ma: float | None = None) -> "AutoCosts":
+        """Unit costs under the variant's limit, or ``limit_ma`` Ma per device."""
+        limit = float(LIMIT_MA[variant] * D) if limit_ma is None else float(limit_ma)
+        return cls((1.0,) * D, (1.0,) * D, (1.0,) * D, 0.0, (1.0,) * D, (limit,) * D)
 
     def check(self, D: int) -> None:
         if not all(len(t) == D for t in (self.f, self.b, self.w, self.act, self.limit)):
@@ -213,13 +216,16 @@ def auto_orders(D: int, N: int, c: AutoCosts) -> list[Order]:
     return orders
 
 
-def build(num_devices: int, num_microbatches: int, variant: str | None = None, costs: AutoCosts | None = None, **_):
+def build(num_devices: int, num_microbatches: int, variant: str | None = None, costs: AutoCosts | None = None,
+          memory_limit: float | None = None, **_):
+    """``costs``: the job's own (their limit included); without them unit costs under ``memory_limit``
+    Ma per device (None: the variant's)."""
     D, N = num_devices, num_microbatches
     check_positive(NAME, D, N)
     variant = variant or next(iter(VARIANTS))
     if variant not in VARIANTS:
         raise ScheduleError(f"{NAME} variant must be one of {', '.join(VARIANTS)}; got {variant!r}")
-    c = costs if costs is not None else AutoCosts.unit(D, variant)
+    c = costs if costs is not None else AutoCosts.unit(D, variant, memory_limit)
     orders = auto_orders(D, N, c)
     order = [[(k, m, 0, d) for k, m in orders[d]] for d in range(D)]
     return make_schedule(NAME, D, N, [list(range(D))], order, split_backward=True)

@@ -91,6 +91,10 @@ CASES = [
     ("profile-folder", SIM + ["--profile", "{dir}"], ["calibration profile", "folder"]),
     ("stage-costs-empty", SIM + ["--stage-costs", "{empty}"], ["--stage-costs", "empty"]),
     ("stage-costs-and-model", SIM + ["--stage-costs", "{file}", "-m", "tiny"], ["--stage-costs", "--model"]),
+    ("memory-limit-fixed-order", UNIT + ["--memory-limit", "8"], ["--memory-limit", "zb-auto only"]),
+    ("memory-limit-bad", UNIT + ["--memory-limit", "lots"], ["--memory-limit"]),
+    ("memory-limit-run", ["run", "-s", "zb-auto", "-D", "2", "-N", "2", "--memory-limit", "4"],
+     ["--memory-limit", "executor"]),
     # tracebacks: output paths under an existing file, refused before any work
     ("plot-under-file", UNIT + ["--plot", "{file}/t.png"], ["--plot", "is a file"]),
     ("trace-under-file", RUN + ["--trace", "{file}/t.csv"], ["--trace", "is a file"]),

@@ -1,6 +1,8 @@
 """zb-auto, the automatic zero-bubble scheduler: valid orders for D = 2..16 and N <= 4D, within its
 memory limit, never a bubble above ZB-H1's (1p) or ZB-H2's (2p) at that memory, and the job's own
 stage costs reaching it through bind."""
+from dataclasses import replace
+
 import pytest
 
 from cost_models import Job, Layout
@@ -66,3 +68,26 @@ def test_uneven_stages_get_their_own_order():
     from schedules.zb_h1 import zbh1_device_order
     orders = auto_orders(D, N, c)
     assert makespan(orders, c) <= makespan([zbh1_device_order(D, d, N) for d in range(D)], c)
+
+
+def test_memory_limit_in_ma_and_bytes():
+    """--memory-limit: 2D Ma is ZB-2p's order; a byte limit keeps the peak under it; other schedules refuse it."""
+    D, N = 4, 12
+    lim = Layout(schedule="zb-auto", devices=D, microbatches=N, memory_limit=(8.0, "Ma"))
+    two_p = Layout(schedule="zb-auto", devices=D, microbatches=N, variant="2p")
+    assert simulate_job(Job(layout=lim, unit_costs=True)).result.metrics().iteration_time == \
+        simulate_job(Job(layout=two_p, unit_costs=True)).result.metrics().iteration_time == 3 * N + D - 1
+    tight = simulate_job(Job(layout=replace(lim, memory_limit=(2.0, "Ma")), unit_costs=True)).result
+    assert max(tight.peak_activation) <= 2 and tight.metrics().iteration_time > 3 * N + D - 1
+    gib = 2 ** 30
+    for limit in (25 * gib, 40 * gib):
+        job = Job(layout=replace(lim, memory_limit=(float(limit), "B")), model="gpt3-1.3b")
+        bound, res = simulate_job(job)
+        peak = max(p.peak_memory for p in res.metrics().per_device)
+        assert peak <= limit and peak > limit - 8 * gib, (limit, peak / gib)
+    with pytest.raises(ValueError, match="--memory-limit applies to zb-auto only"):
+        Layout(schedule="dapple", devices=D, microbatches=N, memory_limit=(8.0, "Ma"))
+    with pytest.raises(ValueError, match="drop --variant"):
+        replace(two_p, memory_limit=(8.0, "Ma"))
+    with pytest.raises(ValueError, match="activation bytes"):
+        simulate_job(Job(layout=replace(lim, memory_limit=(1e9, "B")), unit_costs=True))

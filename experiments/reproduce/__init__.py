@@ -11,6 +11,7 @@ TARGETS = {
     "cost-curves": "experiments.reproduce.cost_curves",
     "megatron": "experiments.reproduce.megatron",
     "korthikanti": "experiments.reproduce.korthikanti",
+    "zero-bubble": "experiments.reproduce.zero_bubble",
 }
 
 
