@@ -91,7 +91,7 @@ def main(args) -> int:
     record = SittingRecord(started=time.time(), command=command_line(args), host=host_facts(), load_start=_load())
     from .jobs import SCHEDULE_DEFAULTS, check_chunks
     check_chunks(args.chunks, parse_schedules(args.schedules))
-    args.chunks = args.chunks or SCHEDULE_DEFAULTS["chunks"]
+    chunks = args.chunks or SCHEDULE_DEFAULTS["chunks"]   # args keep None: --chunks is refused where it does nothing
     D, R = args.devices, args.dp
     N = args.microbatches or 2 * D
     if args.steps <= args.warmup:
@@ -122,14 +122,14 @@ def main(args) -> int:
     else:
         spec = load_model(model)
         layers, name = spec.layers, spec.name
-    check_run_size(devices=D, microbatches=N, replicas=R, chunks=args.chunks, layers=layers, model_name=name)
+    check_run_size(devices=D, microbatches=N, replicas=R, chunks=chunks, layers=layers, model_name=name)
     profile_out = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
     if not args.profile:
         check_output_path(profile_out, "calibration profile")
     names, skipped = [], {}
     for n in parse_schedules(args.schedules):
         try:
-            stages = build(n, D, N, chunks=args.chunks).num_stages
+            stages = build(n, D, N, chunks=chunks).num_stages
         except ScheduleError as e:
             skipped[n] = str(e)
             continue
@@ -139,7 +139,8 @@ def main(args) -> int:
         names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
-    base = job_from_args(args, layout=layout_from_args(args, schedule=names[0], microbatches=N), model=model,
+    base = job_from_args(args, layout=layout_from_args(args, schedules=names, schedule=names[0], microbatches=N),
+                         model=model,
                          micro_batch=args.micro_batch)
     jobs = [base.with_layout(schedule=n) for n in names]
     progress = lambda m: _say(f"  {m}")   # noqa: E731

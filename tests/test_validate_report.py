@@ -157,3 +157,54 @@ def test_report_folder_is_refused_before_anything_runs(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("pipetwin: error: argument --report: ") and why in err, err
     assert time.perf_counter() - t0 < 5      # refused while parsing: no calibration, no run
+
+
+def _overlaps(boxes) -> list:
+    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+
+
+def test_overlay_figure_holds_every_op_and_no_label_covers_another():
+    """validate.png: the last panel's measured step 1.6x longer than the first's; every panel's x
+    axis reaches the last op's end of all panels, and no two tick labels, titles, the legend or
+    micro-batch numbers overlap (their bounding boxes as drawn); the numbers sit inside their axes."""
+    from calibration import simulate_with_profile
+    from executor.config import RunConfig, lowered_schedule
+    from experiments.plots import overlay_figure
+    prof = _profile()
+    traces = {s: simulate_with_profile(lowered_schedule(RunConfig(schedule=s, devices=2, microbatches=4)), prof)
+              for s in ("gpipe", "dapple")}
+    comps = _comps(None, traces)
+    slow = comps[1].measured_trace.copy()
+    slow["start"], slow["end"] = slow["start"] * 1.6, slow["end"] * 1.6
+    comps[1].measured_trace = slow
+    ends = [float((t["end"] - t["start"].min()).max()) * 1e3 for c in comps
+            for t in (c.measured_trace, c.simulated_trace)]
+    assert ends[2] > 1.5 * ends[0]
+    fig = overlay_figure(comps)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    axes = fig.axes
+    assert len(axes) == 2
+    for ax in axes:
+        lo, hi = ax.get_xlim()
+        assert lo == 0.0 and max(ends) <= hi <= 1.05 * max(ends)
+        # every tick label drawn, on both axes, clear of the others
+        for ticks in (ax.get_xticklabels(), ax.get_yticklabels()):
+            boxes = [t.get_window_extent(r) for t in ticks if t.get_visible() and t.get_text()]
+            assert _overlaps(boxes) == []
+    shown = [t for t in axes[-1].get_xticklabels() if t.get_text()]
+    assert len(shown) >= 4
+    # titles, the legend, the x label and every axes' tick labels: no two overlap
+    deco = [ax.title.get_window_extent(r) for ax in axes] + [fig.legends[0].get_window_extent(r),
+                                                             axes[-1].xaxis.label.get_window_extent(r)]
+    deco += [ax.get_yticklabels()[0].get_window_extent(r) for ax in axes]
+    assert _overlaps(deco) == []
+    # the micro-batch numbers: inside their axes, none over another; at least one per measured op of gpipe
+    for ax in axes:
+        box = ax.get_window_extent(r)
+        nums = [t.get_window_extent(r) for t in ax.texts]
+        assert nums and _overlaps(nums) == []
+        assert all(box.x0 <= b.x0 and b.x1 <= box.x1 for b in nums)
+    assert len(axes[0].texts) == len(comps[0].measured_trace.query("kind in ['F', 'B', 'W']"))
+    import matplotlib.pyplot as plt
+    plt.close(fig)
