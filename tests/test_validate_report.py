@@ -23,7 +23,7 @@ def _profile(meta=None):
                                                                   "date": "2026-01-02 03:04:05", "host": "lab"})
 
 
-def _comps(problem=None, traces=None):
+def _comps(problem=None, traces=None, cause="noisy runs"):
     """gpipe (a prediction, 10.0 ms measured vs 10.5 ms simulated) and dapple (fitted on, 11.0 vs 11.7 ms)."""
     out = []
     for i, s in enumerate(["gpipe", "dapple"]):
@@ -36,7 +36,8 @@ def _comps(problem=None, traces=None):
             measured_bubble=[0.30, 0.36], simulated_bubble=[0.31, 0.33], order_identical=True, measured_probe=1.02,
             run_times=[0.01, 0.0101, 0.0099], kept_runs=3, foreign_cores=[0.01, 0.05, 0.0],
             rank_cores=[1.90, 1.95, 2.00], spread=0.012 * (i + 1), fitted=i == 1, state_steps=(30, 51),
-            state_cut=0.83, profile_probe=1.0, problem=problem if i == 0 else None, measured_trace=tr,
+            state_cut=0.83, profile_probe=1.0, problem=problem if i == 0 else None,
+            cause=cause if problem and i == 0 else None, measured_trace=tr,
             simulated_trace=tr))
     return out
 
@@ -77,14 +78,17 @@ def test_report_of_a_compared_sitting_holds_its_tables_and_figures():
 
 
 def test_report_of_a_refused_sitting_says_why_and_keeps_no_time():
+    from calibration import Refusal
     md = cmd_validate.render_report(_record(comps=_comps("run-to-run spread 9% (...)"),
-                                            reasons=["gpipe: run-to-run spread 9% (...)", "host speed 0.80"],
-                                            calibrated_now=True))
+                                            reasons=[Refusal("noisy runs", "gpipe: run-to-run spread 9% (...)"),
+                                                     Refusal("host speed", "0.80")],
+                                            remedies=["longer runs", "calibrate again"], calibrated_now=True))
     lines = md.splitlines()
     assert "- result: refused (exit status 3), 2 schedules in 42 s" in lines
     assert lines[lines.index("## Refused") + 2:lines.index("## Refused") + 4] == [
-        "- host busy: gpipe: run-to-run spread 9% (...)", "- host busy: host speed 0.80"]
-    assert cmd_validate.NO_FIGURE in lines
+        "- noisy runs: gpipe: run-to-run spread 9% (...)", "- host speed: 0.80"]
+    assert lines[lines.index("## Refused") + 5:lines.index("## Refused") + 9] == [
+        f"{cmd_validate.NO_FIGURE}; to settle it:", "", "- longer runs", "- calibrate again"]
     assert "- profile: toy (fp32, 2 cores, no time slice), calibrated in this sitting; file `p.yaml`" in lines
     # what does not depend on timing is kept; no iteration time, error or bubble
     assert "| schedule | peak_act_meas_MiB | peak_act_sim_MiB | mem_err | order_identical |" in lines
@@ -92,8 +96,8 @@ def test_report_of_a_refused_sitting_says_why_and_keeps_no_time():
             in lines)
     assert "measured_ms" not in md and "|error|" not in md and "bubble" not in md
     # refused before any run (a profile from a busy sitting): the reasons alone
-    md = cmd_validate.render_report(_record(reasons=["calibration D=2: dapple: busy"]))
-    assert "- host busy: calibration D=2: dapple: busy" in md.splitlines() and "sitting:" not in md
+    md = cmd_validate.render_report(_record(reasons=[Refusal("unsettled profile", "D=2: dapple: busy")]))
+    assert "- unsettled profile: D=2: dapple: busy" in md.splitlines() and "sitting:" not in md
 
 
 def test_command_line_repeats_the_sitting():
@@ -142,7 +146,9 @@ def test_validate_report_writes_the_sitting(monkeypatch, tmp_path, capsys, probl
     md = report.read_text()
     assert f"--report {tmp_path / 'log'}" in md and f"file `{path}`" in md
     if problem:
-        assert "- host busy: gpipe: run-to-run spread 9% (...)" in md and "measured_ms" not in md
+        assert "- noisy runs: gpipe: run-to-run spread 9% (...)" in md and "measured_ms" not in md
+        assert "- the runs were quiet but do not agree: longer runs (--steps, now 20) or more rounds (--max-runs, " \
+               "now 12) may settle them; --max-spread (now 0.05) allows more" in md
     else:
         assert "| gpipe | 10.00 | 10.50 | +5.0% | 1.2% | 3/3 | 0.98 |" in md
         assert next(x for x in plain if x.startswith("|error|")) in md
