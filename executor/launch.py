@@ -52,6 +52,7 @@ from typing import Any, Sequence
 from schedules import Schedule
 
 from .config import RunConfig, RunResult, lowered_schedule
+from .host import available_host_bytes
 from .worker import Job, local_env, topology
 
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
@@ -121,15 +122,17 @@ def estimated_host_bytes(job: Job) -> float:
     return low.num_ranks * PROCESS_BYTES + static + acts
 
 
-def available_host_bytes() -> float | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+def check_stack_fits(config: RunConfig, low: Schedule) -> None:
+    """A CPU run of a model file, its parameters counted on the meta device
+    (:func:`executor.user_model.meta_params`: no weights made) before the model is built: refused
+    (ValueError) where ``low``'s ranks of it cannot fit in this host's available memory (building
+    it once is :func:`executor.user_model.stack_layout`'s check)."""
+    from .user_model import check_fits, meta_params, stack_host_bytes
+    meta = None if config.device == "cuda" else meta_params(str(config.model), config.seed)
+    if meta is not None:
+        params = meta[0]
+        check_fits(str(config.model), low.num_ranks * PROCESS_BYTES + stack_host_bytes(params, low),
+                   f"running {low.num_ranks} ranks of its {sum(params):,} parameters", hint="fewer ranks (-D/--dp) or ")
 
 
 def check_host_memory(jobs: Sequence[Job], world: int) -> None:
