@@ -20,6 +20,9 @@ from dataclasses import dataclass
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)   # user nice system irq softirq steal (/proc/stat "cpu" line; idle, iowait out)
 
 
+PROCESS_BYTES = 350 * 2 ** 20   # what one rank process costs before the model (python + torch + gloo)
+
+
 def available_host_bytes() -> float | None:
     """MemAvailable of /proc/meminfo (None where there is none)."""
     try:

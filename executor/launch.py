@@ -52,7 +52,7 @@ from typing import Any, Sequence
 from schedules import Schedule
 
 from .config import RunConfig, RunResult, lowered_schedule
-from .host import available_host_bytes
+from .host import PROCESS_BYTES, available_host_bytes
 from .worker import Job, local_env, topology
 
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
@@ -61,7 +61,6 @@ _REPO = str(Path(__file__).resolve().parent.parent)
 WORKER_BOOT = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
                f"sys.path.insert(0, {_REPO!r}); "
                "from executor.launch import _worker_main; _worker_main()")
-PROCESS_BYTES = 350 * 2 ** 20   # what one rank process costs before the model (python + torch + gloo)
 
 
 class LaunchError(RuntimeError):
@@ -120,19 +119,6 @@ def estimated_host_bytes(job: Job) -> float:
     inflight = min(low.num_microbatches, low.num_devices) * low.replicas
     acts = inflight * spec.layers * block_activation_bytes(spec) * fp32
     return low.num_ranks * PROCESS_BYTES + static + acts
-
-
-def check_stack_fits(config: RunConfig, low: Schedule) -> None:
-    """A CPU run of a model file, its parameters counted on the meta device
-    (:func:`executor.user_model.meta_params`: no weights made) before the model is built: refused
-    (ValueError) where ``low``'s ranks of it cannot fit in this host's available memory (building
-    it once is :func:`executor.user_model.stack_layout`'s check)."""
-    from .user_model import check_fits, meta_params, stack_host_bytes
-    meta = None if config.device == "cuda" else meta_params(str(config.model), config.seed)
-    if meta is not None:
-        params = meta[0]
-        check_fits(str(config.model), low.num_ranks * PROCESS_BYTES + stack_host_bytes(params, low),
-                   f"running {low.num_ranks} ranks of its {sum(params):,} parameters", hint="fewer ranks (-D/--dp) or ")
 
 
 def check_host_memory(jobs: Sequence[Job], world: int) -> None:

@@ -86,6 +86,7 @@ from cost_models.stack import MODEL_REF
 from schedules.ir import ACT, Op, Schedule, source_stage
 
 from .data import mix_seed
+from .host import PROCESS_BYTES, available_host_bytes
 
 DEFAULT_MICRO_BATCH = 4
 BUILD_SECONDS = 120.0   # importing the model file and FUNC(); then one forward of a micro-batch (each)
@@ -284,12 +285,23 @@ def stack_host_bytes(params, sched: Schedule, out_bytes: float = 0.0) -> float:
 def check_fits(ref: str, need: float, what: str, *, hint: str = "") -> None:
     """``what`` of model ``ref`` needs ``need`` bytes of host memory: refused (ValueError, one line)
     where this host has less available."""
-    from .host import available_host_bytes
     avail = available_host_bytes()
     if avail is not None and need > avail:
         gib = 2 ** 30
         raise ValueError(f"model {ref}: {what} needs at least {need / gib:.1f} GiB of memory on this host but "
                          f"{avail / gib:.1f} GiB is available; use {hint}a smaller model")
+
+
+def check_stack_fits(config, low: Schedule) -> None:
+    """A CPU run of a model file (``config``: its RunConfig), its parameters counted on the meta device
+    (:func:`executor.user_model.meta_params`: no weights made) before the model is built: refused
+    (ValueError) where ``low``'s ranks of it cannot fit in this host's available memory (building
+    it once is :func:`executor.user_model.stack_layout`'s check)."""
+    meta = None if config.device == "cuda" else meta_params(str(config.model), config.seed)
+    if meta is not None:
+        params = meta[0]
+        check_fits(str(config.model), low.num_ranks * PROCESS_BYTES + stack_host_bytes(params, low),
+                   f"running {low.num_ranks} ranks of its {sum(params):,} parameters", hint="fewer ranks (-D/--dp) or ")
 
 
 def find_ties(layers: list[nn.Module]) -> tuple[tuple[tuple[int, str], ...], ...]:
