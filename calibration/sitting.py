@@ -18,8 +18,11 @@ median of its runs' times, and a sitting is only usable if it shows that time re
   of them: the median with each counting run left out in turn stays within ``max_spread``
   (:attr:`RunSeries.spread`, the run-to-run spread). Unsettled configs are run again, up to
   ``max_runs`` rounds;
-- what is left unsettled says why (:attr:`RunSeries.problem`): the caller refuses to report a
-  time from it.
+- what is left unsettled says why (:attr:`RunSeries.problem`) and whose doing it is
+  (:attr:`RunSeries.cause`): :data:`HOST_BUSY` only where too few runs had other processes at or
+  below ``max_foreign`` (default :data:`cost_models.calibration.BUSY_CORES`, 0.5 cores, measured),
+  else :data:`NOISY_RUNS` (quiet runs that disagree: a small model's own noise, or a host state no
+  counter of this VM sees); the caller refuses to report a time from it.
 
 (The median of runs, not one statistic of all runs' steps pooled: the fast band of a pool of
 host states cuts through them, so a pooled fast-step median moves by 6-18% when one of 3-8 runs

@@ -2,8 +2,10 @@
 
 The measured side is the noise-free step of every schedule (:mod:`calibration.sitting`: interleaved
 rounds of runs, ranks pinned to cores, runs disturbed by other processes left out, the
-run-to-run spread checked); a sitting whose runs do not settle is refused with its reason
-("host busy: ...") and no error figure (exit status 3).
+run-to-run spread checked); a sitting whose runs do not settle is refused with its reasons, each
+with its cause (:class:`calibration.compare.Refusal`: "unsettled profile", "host busy" where
+other processes' measured CPU passed ``--max-foreign``, "noisy runs" where quiet runs disagree,
+"host speed"), a remedy true for that cause (:data:`ADVICE`) and no error figure (exit status 3).
 
 ``--report DIR`` keeps a dated record of the sitting, ``DIR/validate-YYYY-MM-DD-HHMM.md`` (the
 local time of its start): the command with every option as used, the host (platform, cores, load
