@@ -67,6 +67,9 @@ from .transformer import _check_recompute, transformer_layers
 FORMAT = "pipetwin-calibration/1"
 KINDS = ("embedding", "block", "head")
 PRECISIONS = ("fp32", "bf16")
+# cores' worth of other processes' CPU, measured while a run's steps ran, from which the run is disturbed
+# and its host busy (calibration.sitting: the sittings a profile is measured and checked in)
+BUSY_CORES = 0.5
 FP32_GRAD_BYTES = 4.0    # the executor keeps fp32 gradients (master weights) in every precision
 
 

@@ -233,6 +233,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
                              f"step but the config says replicas={config.replicas} x microbatches="
                              f"{config.microbatches}; they must agree (the reference trains on the config's)")
     if stack:
+        from .user_model import check_stack_fits
+        check_stack_fits(config, low)           # counted on the meta device: too big is refused before building
         config.stack_layout(low.num_stages)     # imports, builds and checks the model: user errors here
     else:
         block_ranges(spec.layers, low.num_stages, config.partition)

@@ -53,6 +53,7 @@ from typing import Any, Sequence
 from schedules import Schedule
 
 from .config import RunConfig, RunResult, lowered_schedule
+from .host import PROCESS_BYTES, available_host_bytes
 from .worker import Job, local_env, topology
 
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
@@ -68,7 +69,6 @@ WORKER_BOOT = ("import importlib.util as u, os, sys; "
                "sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
                f"sys.path.insert(0, {_REPO!r}); "
                "from executor.launch import _worker_main; _worker_main()")
-PROCESS_BYTES = 350 * 2 ** 20   # what one rank process costs before the model (python + torch + gloo)
 
 
 class LaunchError(RuntimeError):
@@ -127,17 +127,6 @@ def estimated_host_bytes(job: Job) -> float:
     inflight = min(low.num_microbatches, low.num_devices) * low.replicas
     acts = inflight * spec.layers * block_activation_bytes(spec) * fp32
     return low.num_ranks * PROCESS_BYTES + static + acts
-
-
-def available_host_bytes() -> float | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def check_host_memory(jobs: Sequence[Job], world: int) -> None:

@@ -86,6 +86,7 @@ from cost_models.stack import MODEL_REF
 from schedules.ir import ACT, Op, Schedule, source_stage
 
 from .data import mix_seed
+from .host import PROCESS_BYTES, available_host_bytes
 
 DEFAULT_MICRO_BATCH = 4
 BUILD_SECONDS = 120.0   # importing the model file and FUNC(); then one forward of a micro-batch (each)
@@ -253,6 +254,56 @@ def build_stack(ref: str, seed: int = 0) -> Stack:
     return check_stack(obj, ref)
 
 
+def meta_params(ref: str, seed: int = 0) -> tuple[tuple[int, ...], float] | None:
+    """(parameters per layer, bytes of the weights) of the model built on the meta device: every
+    tensor the model function makes is a shape without memory, so a model of any size is counted
+    in the time its Python takes. None where it cannot be built there (it reads a tensor's values
+    while building, or fails): the real build then checks it."""
+    fn, _ = load_function(ref)
+    func = ref.rsplit(":", 1)[-1]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), \
+                time_limit(BUILD_SECONDS, f"model {ref}: {func}() on the meta device"):
+            stack = check_stack(fn(), ref)
+    except (Exception, SystemExit):  # noqa: BLE001 - the user's code; the real build says what is wrong
+        return None
+    layers = [list(layer.parameters()) for layer in stack.layers]
+    unique = {id(p): p for ps in layers for p in ps}.values()
+    return tuple(sum(p.numel() for p in ps) for ps in layers), float(sum(p.numel() * p.element_size() for p in unique))
+
+
+def stack_host_bytes(params, sched: Schedule, out_bytes: float = 0.0) -> float:
+    """Host memory a model of ``params`` parameters per layer needs on top of the ranks' processes,
+    at least: every rank builds the whole model once (fp32 weights), every model copy and replica
+    holds weights + gradients + Adam state (16 B per parameter), and min(N, D) micro-batches per
+    pipeline keep ``out_bytes`` (about every layer's output)."""
+    total = float(sum(params))
+    inflight = min(sched.num_microbatches, sched.num_devices) * sched.replicas
+    return sched.num_ranks * 4 * total + 16 * total * sched.num_copies * sched.replicas + inflight * out_bytes
+
+
+def check_fits(ref: str, need: float, what: str, *, hint: str = "") -> None:
+    """``what`` of model ``ref`` needs ``need`` bytes of host memory: refused (ValueError, one line)
+    where this host has less available."""
+    avail = available_host_bytes()
+    if avail is not None and need > avail:
+        gib = 2 ** 30
+        raise ValueError(f"model {ref}: {what} needs at least {need / gib:.1f} GiB of memory on this host but "
+                         f"{avail / gib:.1f} GiB is available; use {hint}a smaller model")
+
+
+def check_stack_fits(config, low: Schedule) -> None:
+    """A CPU run of a model file (``config``: its RunConfig), its parameters counted on the meta device
+    (:func:`executor.user_model.meta_params`: no weights made) before the model is built: refused
+    (ValueError) where ``low``'s ranks of it cannot fit in this host's available memory (building
+    it once is :func:`executor.user_model.stack_layout`'s check)."""
+    meta = None if config.device == "cuda" else meta_params(str(config.model), config.seed)
+    if meta is not None:
+        params = meta[0]
+        check_fits(str(config.model), low.num_ranks * PROCESS_BYTES + stack_host_bytes(params, low),
+                   f"running {low.num_ranks} ranks of its {sum(params):,} parameters", hint="fewer ranks (-D/--dp) or ")
+
+
 def find_ties(layers: list[nn.Module]) -> tuple[tuple[tuple[int, str], ...], ...]:
     """Parameters shared between layers: per shared parameter (in order of first use) the
     (layer index, parameter name in that layer) of every layer that holds it."""
@@ -295,11 +346,9 @@ class StackLayout:
         check before spawning): every rank builds the whole model once (fp32 weights), every model
         copy and replica holds weights + gradients + Adam state (16 B per parameter), and min(N, D)
         micro-batches per pipeline keep about every layer's output."""
-        params = float(sum(self.params))
         outs = float(sum(math.prod(s) * torch.empty((), dtype=d).element_size()
                          for s, d in zip(self.out_shapes, self.out_dtypes)))
-        inflight = min(sched.num_microbatches, sched.num_devices) * sched.replicas
-        return sched.num_ranks * 4 * params + 16 * params * sched.num_copies * sched.replicas + inflight * outs
+        return stack_host_bytes(self.params, sched, outs)
 
     def message_buffer(self, op: Op, device) -> torch.Tensor:
         """An empty tensor for the message of RECV ``op``: an activation is the output of the
@@ -415,6 +464,9 @@ def stack_layout(ref: str, num_stages: int, *, micro_batch: int = DEFAULT_MICRO_
     key = (ref.strip(), stamp, num_stages, int(micro_batch), int(seed), part)
     if key in _LAYOUTS:
         return _LAYOUTS[key]
+    meta = meta_params(ref, seed)      # counted before any weight is made
+    if meta is not None:
+        check_fits(ref, meta[1], f"building its {sum(meta[0]):,} parameters")
     stack = build_stack(ref, seed)
     params = tuple(sum(p.numel() for p in layer.parameters()) for layer in stack.layers)
     try:

@@ -92,7 +92,7 @@ def main(args) -> int:
              if prof.time_slice else ""))
     print(f"wrote {out}")
     for p in sitting_problems(prof):
-        print(f"warning: host busy while calibrating ({p}); validate refuses this profile")
+        print(f"warning: calibration runs did not settle ({p}); validate refuses this profile")
     return 0
 
 

@@ -42,7 +42,8 @@ def add_arguments(p):
                    help="a calibration profile (pipetwin calibrate --model ...): measured per-layer costs")
     p.add_argument("--global-batch", "-G", type=positive_int, required=True, help="samples (sequences) per iteration")
     p.add_argument("--memory-limit", metavar="BYTES",
-                   help="memory per device, e.g. '16 GiB' (default: the device's memory)")
+                   help="memory per device, e.g. '16 GiB' (default: the device's memory; above it only with --force)")
+    p.add_argument("--force", action="store_true", help="plan for a --memory-limit above the device's memory")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation (transformers)")
     p.add_argument("--schedules", default="dapple",
@@ -66,6 +67,15 @@ def _parse_limit(text):
     return size_bytes(text.strip(), "--memory-limit", "memory-limit")
 
 
+def check_limit(limit: float | None, device, force: bool) -> None:
+    """A ``--memory-limit`` above the memory of the cluster's ``device`` (a DeviceSpec) is refused
+    without ``force``: a plan that fits it would not fit the device."""
+    have = device.memory_bytes
+    if limit is not None and have and limit > have and not force:
+        raise ValueError(f"--memory-limit {fmt_bytes(limit)} is above the {device.name}'s {fmt_bytes(have)} of "
+                         f"memory: a plan within it would not fit the device (lower it, or pass --force)")
+
+
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
     from planner.clusters import resolve_cluster
@@ -85,6 +95,7 @@ def main(args) -> int:
         cluster = cluster_from_args(args).load(resolve_cluster)
         cost_model = args.cost_model      # None: plan_training's default, every command's
     limit = _parse_limit(args.memory_limit)
+    check_limit(limit, cluster.device, args.force)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
                         max_stages=args.max_stages, uniform=args.uniform, devices=args.devices)
     res = plan_training(model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,

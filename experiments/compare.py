@@ -28,15 +28,23 @@ class Comparison:
 
 def compare_schedules(job: Job, names: list[str], *, traces: bool = False) -> Comparison:
     """Simulate ``job`` under each schedule of ``names`` (its layout's other fields kept).
-    Schedules whose requirements the layout does not meet are listed as skipped; a slow link that
-    no schedule crosses is refused, one that some do not cross is noted among the skipped."""
+    Schedules whose requirements the layout does not meet, or with more stages than the model has
+    layers, are listed as skipped; a slow link that no schedule crosses is refused, one that some
+    do not cross is noted among the skipped."""
     inputs = load_inputs(job)
-    job.layout.check_size(**inputs.limits())   # before building any schedule
+    limits = inputs.limits()
+    job.layout.check_size(**limits)   # before building any schedule
     out = Comparison(rows=[])
     crossing: dict[str, list[str]] = {}
     for name in names:
         try:
-            bound, res = simulate_job(job.with_layout(schedule=name), inputs=inputs, trace=traces, check_links=False)
+            one = job.with_layout(schedule=name)
+            stages = one.layout.num_stages()
+            if limits.get("layers") is not None and stages > limits["layers"]:
+                out.skipped[name] = (f"{name} has {stages} stages at D={one.layout.devices}; model "
+                                     f"{limits['model_name']} has {limits['layers']} layers")
+                continue
+            bound, res = simulate_job(one, inputs=inputs, trace=traces, check_links=False)
         except ScheduleError as e:
             out.skipped[name] = str(e)
             continue

@@ -137,6 +137,15 @@ CASES = [
     ("model-in-place-on-input", RUN + ["-m", "{model}:in_place"], ["layer 1 (AddOne)", "in place"]),
     ("model-integer-inside-a-stage", RUN + ["-m", "{model}:integer_cut"], ["layer 1 (Tok)", "integer", "stage 1"]),
     ("model-build-exits", RUN + ["-m", "{model}:exits"], ["exits()", "sys.exit(0)"]),
+    # a model too big for the host: counted on the meta device, refused before a weight is made
+    ("model-too-big-to-run", RUN + ["-m", "{model}:huge"], ["huge", "running 2 ranks of its 160,000,000,081 "
+                                                           "parameters", "GiB of memory on this host", "-D/--dp"]),
+    ("model-too-big-to-build", ["validate", "-m", "{model}:huge", "--plot", "{dir}/v.png"],
+     ["huge", "building its 160,000,000,081 parameters", "GiB of memory on this host"]),
+    # a memory limit the device does not have
+    ("plan-memory-limit-above-the-device", ["plan", "-m", "gpt3-1.3b", "-c", "dgx-a100-4x8-ib", "-G", "64",
+                                            "--memory-limit", "10 TiB", "--no-progress"],
+     ["--memory-limit 10 TiB", "a100's 80 GiB", "--force"]),
     # control characters in names are printed escaped
     ("model-name-escape", SIM + ["-m", "bad\x1b[31m"], ["model preset", "bad\\x1b[31m"]),
     ("schedule-name-escape", ["simulate", "-s", "zz\x07", "-D", "4", "-N", "8"], ["zz\\x07"]),
@@ -254,6 +263,10 @@ def exits():
 def hangs():
     while True:
         time.sleep(0.05)
+
+
+def huge():   # 64 x 2.5 G parameters: 640 GB of fp32 weights, were it built
+    return _stack([nn.Linear(50_000, 50_000, bias=False) for _ in range(64)])
 """
 
 
@@ -349,6 +362,23 @@ def test_nan_loss_is_a_failed_run(capsys, files):
         rc = main(RUN + ["-m", files["model"] + ":nan_loss"] + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 1 and len(err) == 1 and "the loss is nan at step 0" in err[0], err
+
+
+def test_a_model_too_big_is_refused_in_seconds(capsys, files):
+    """640 GB of weights: refused from the meta device's count in a few seconds (a real build would
+    take minutes and the host's memory); with --force a memory limit above the device's is planned."""
+    for argv in (RUN + ["-m", files["model"] + ":huge"], ["validate", "-m", files["model"] + ":huge"]):
+        t0 = time.perf_counter()
+        assert main(argv) == 2
+        assert time.perf_counter() - t0 < 5.0
+        assert "160,000,000,081 parameters needs at least" in capsys.readouterr().err
+    from experiments.cmd_plan import check_limit
+    from cost_models.device import load_device
+    a100 = load_device("a100")
+    check_limit(a100.memory_bytes, a100, False)              # the device's own memory: fine
+    check_limit(2 * a100.memory_bytes, a100, True)           # forced
+    with pytest.raises(ValueError, match="--memory-limit 160 GiB is above the a100's 80 GiB"):
+        check_limit(2 * a100.memory_bytes, a100, False)
 
 
 def test_plan_names_the_schedule_it_answers(capsys):
