@@ -228,7 +228,7 @@ def _print_human(res, rec, base, stats, args) -> None:
         _say(f"  simulated: iteration {sm.iteration_time:.4g} s "
               f"({plan.global_batch / sm.iteration_time:.1f} samples/s), "
               f"bubble {sm.bubble_ratio:.3f}, peak memory {fmt_bytes(sm.peak_memory)}"
-              + (f" of {fmt_bytes(cap)}" if cap else ""))
+              + (f" of {fmt_bytes(cap)}" + (" usable" if args.memory_limit is None else "") if cap else ""))
     rows = []
     for key, label in (("dapple", "DAPPLE planner"), ("pipedream", "PipeDream planner"),
                        ("data_parallel", "data parallel")):

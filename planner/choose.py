@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from cost_models import Cluster
 from cost_models.bind import cost_model_for
+from cost_models.memory import usable_memory
 from cost_models.workload import is_profile_path
 from schedules import ScheduleError, build
 
@@ -119,7 +120,10 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
     work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute, cost_model,
                                                                    profile_batch)
     name = model_name or (model if isinstance(model, str) else work.name)
-    cap = memory_limit if memory_limit is not None else work.memory_capacity
+    # the device's memory less the reserve the verdicts keep back (cost_models.memory); a
+    # --memory-limit is the memory a plan may use, as given
+    cap = memory_limit if memory_limit is not None else \
+        (None if work.memory_capacity is None else usable_memory(work.memory_capacity))
     topo = Topology(cluster)
     space = space or SearchSpace()
     res = search_plans(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=max(top_k, 8),

@@ -182,7 +182,7 @@ def test_gpipe_many_microbatches_is_out_of_memory():
     dp = S.build("dapple", 8, 64)
     rep = cm.check_memory(dp, tm.bind(dp))
     assert rep.activation[0] == 8 * (12 * 274_726_912 + emb_act)
-    assert not rep.oom and rep.headroom > 0
+    assert not rep.oom
 
 
 def test_unit_model_memory():
