@@ -100,7 +100,7 @@ def job_of_run(args):
         layout.check_size(one_replica=False, layers=spec.layers, model_name=spec.name)   # before anything is built
     return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
                          partition=run_partition(args, model, layout), recompute=args.recompute or "none",
-                         device_map=args.device_map or "sequential")
+                         device_map=args.device_map)
 
 
 def config_from_args(args):
