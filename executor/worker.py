@@ -363,9 +363,11 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
                            "peak_activation_ma": rep["peak"] / ma if ma else None,
                            "static_bytes": rep["static_bytes"],
                            "busy_s": m.busy if m else 0.0, "bubble_ratio": m.bubble_ratio if m else None})
-    params = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
-                            if rep["rank"] == r] for r in range(sched.num_ranks)) if cfg.collect_params else None
-    extra = {"placement": [dict(rep["placement"], rank=rep["rank"], tp=rep["tp"])
+    params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
+                                   if rep["rank"] == r] for r in range(sched.num_ranks)) \
+        if cfg.collect_params else (None, None)
+    extra = {} if drift is None or cfg.tp == 1 else {"tp_replica_drift": drift}
+    extra |= {"placement": [dict(rep["placement"], rank=rep["rank"], tp=rep["tp"])
                            for rep in sorted(everyone, key=lambda r: (r["rank"], r["tp"]))]}
     probes = sorted(t for rep in reports for t in rep["probe"])
     if probes:
@@ -382,15 +384,22 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
                      extra=extra)
 
 
-def gather_params(per_rank) -> dict:
+def gather_params(per_rank) -> tuple[dict, float]:
     """The whole parameters of every pipeline rank from its TP ranks' (in TP rank order): split ones
-    concatenated (:func:`executor.tensor_parallel.gather`), replicated ones from TP rank 0."""
-    out = {}
+    concatenated (:func:`executor.tensor_parallel.gather`), replicated ones from TP rank 0; and the
+    largest difference of a replicated parameter between the TP ranks holding it (0 when they agree)."""
+    out, drift = {}, 0.0
     for shards in per_rank:
         for key, value in shards[0].items():
             split = split_of(key) if len(shards) > 1 else None
-            out[key] = value if split is None else gather([s[key] for s in shards], *split)
-    return out
+            if split is not None:
+                out[key] = gather([s[key] for s in shards], *split)
+                continue
+            out[key] = value
+            for other in shards[1:]:
+                if key in other:
+                    drift = max(drift, float((other[key] - value).abs().max()))
+    return out, drift
 
 
 def local_env() -> tuple[int, int, int, int]:
