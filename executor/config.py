@@ -22,6 +22,7 @@ from schedules.registry import check_size
 
 from .device import check_device
 from .faults import check_fault, parse_fault
+from .model import KINDS
 from .precision import Precision
 from .recompute import check_mode
 
@@ -215,8 +216,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     any rank starts."""
     stack = config.is_model_file
     spec = None if stack else config.spec()
-    if spec is not None and spec.kind != "gpt":
-        raise ValueError(f"the executor trains GPT decoders; model {spec.name!r} is of kind {spec.kind!r}")
+    if spec is not None and spec.kind not in KINDS:
+        raise ValueError(f"the executor trains GPT and Llama decoders; model {spec.name!r} is of kind {spec.kind!r}")
     if spec is not None and config.tp > 1:
         check_tensor_parallel(spec, config.tp)
     check_device(config.device)

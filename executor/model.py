@@ -32,32 +32,8 @@ import torch.nn.functional as Fn
 from cost_models.model_spec import ModelSpec
 from cost_models.partition import block_ranges
 
-from .tensor_parallel import SINGLE, TensorParallel, copy, reduce, shard, split_of, vocab_parallel_cross_entropy, \
-    vocab_parallel_embedding
-
-
-class ColumnParallelLinear(nn.Linear):
-    """``nn.Linear(n_in, n_out / T)``: this rank's output rows, its input's gradient summed over
-    the TP group (:mod:`executor.tensor_parallel`); a plain linear layer when T = 1."""
-
-    def __init__(self, n_in: int, n_out: int, tp: TensorParallel, bias: bool = True):
-        super().__init__(n_in, n_out // tp.size, bias=bias)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Fn.linear(copy(x, self.tp), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Linear):
-    """``nn.Linear(n_in / T, n_out)``: this rank's input columns, the partial sums all-reduced
-    over the TP group; the bias lives on TP rank 0 only (:mod:`executor.tensor_parallel`)."""
-
-    def __init__(self, n_in: int, n_out: int, tp: TensorParallel):
-        super().__init__(n_in // tp.size, n_out, bias=tp.rank == 0)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce(Fn.linear(x, self.weight, self.bias), self.tp)
+from .tensor_parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, shard, split_of, \
+    vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,18 +71,35 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token + position embedding; with tensor parallelism the token table is split over the vocabulary."""
+    """Token + position embedding (token only for the Llama kind: its positions are rotary); with
+    tensor parallelism the token table is split over the vocabulary."""
 
     def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp = tp
         self.tok = nn.Embedding(spec.vocab // tp.size, spec.hidden)
-        self.pos = nn.Embedding(spec.seq_len, spec.hidden)
+        self.pos = nn.Embedding(spec.seq_len, spec.hidden) if spec.kind == "gpt" else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
         tok = vocab_parallel_embedding(tokens, self.tok.weight, self.tp) if self.tp.on else self.tok(tokens)
-        return tok + self.pos(pos)
+        if self.pos is None:
+            return tok
+        return tok + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+KINDS = ("gpt", "llama")   # the model kinds the executor builds
+
+
+def block(spec: ModelSpec, tp: TensorParallel = SINGLE) -> nn.Module:
+    """One transformer block of the spec's kind: :class:`Block` (GPT) or :class:`executor.llama.LlamaBlock`."""
+    if spec.kind == "llama":
+        from .llama import LlamaBlock
+        return LlamaBlock(spec, tp)
+    return Block(spec, tp)
+
+
+def final_norm(spec: ModelSpec) -> nn.Module:
+    return nn.RMSNorm(spec.hidden, eps=1e-5) if spec.kind == "llama" else nn.LayerNorm(spec.hidden)
 
 
 class StageModule(nn.Module):
@@ -123,8 +116,8 @@ class StageModule(nn.Module):
         self.block_range = blocks
         self.first, self.last = first, last
         self.embed = Embedding(spec, tp) if first else None
-        self.blocks = nn.ModuleDict({str(i): Block(spec, tp) for i in blocks})
-        self.norm = nn.LayerNorm(spec.hidden) if last else None
+        self.blocks = nn.ModuleDict({str(i): block(spec, tp) for i in blocks})
+        self.norm = final_norm(spec) if last else None
         self.head = ColumnParallelLinear(spec.hidden, spec.vocab, tp, bias=False) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +146,7 @@ def _param_seed(seed: int, name: str) -> int:
 @torch.no_grad()
 def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorParallel = SINGLE) -> None:
     """GPT-2 style init from one generator per global parameter name: weights N(0, 0.02) (residual
-    output projections scaled by 1/sqrt(2L)), biases 0, LayerNorm weights 1. A tensor-parallel
+    output projections scaled by 1/sqrt(2L)), biases 0, norm weights 1 (the Llama kind alike). A tensor-parallel
     rank draws the whole parameter and keeps its shard (:func:`executor.tensor_parallel.shard`):
     every layout starts from the reference's weights."""
     for name, p in module.named_parameters():
@@ -161,11 +154,11 @@ def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorPar
             p.zero_()
             continue
         owner = module.get_submodule(name.rpartition(".")[0])
-        if isinstance(owner, nn.LayerNorm):
+        if isinstance(owner, (nn.LayerNorm, nn.RMSNorm)):
             p.fill_(1.0)
             continue
         std = 0.02
-        if name.endswith("attn.proj.weight") or name.endswith(".out.weight"):
+        if name.endswith(("attn.proj.weight", ".out.weight", "mlp.down.weight")):
             std /= math.sqrt(2 * num_layers)
         g = torch.Generator().manual_seed(_param_seed(seed, name))
         split = split_of(name) if tp.on else None

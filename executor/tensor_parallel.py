@@ -43,12 +43,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as Fn
 
 # parameter name suffix -> (dim, parts): split along ``dim`` of each of ``parts`` equal blocks
 SPLITS = {"attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3), "attn.proj.weight": (1, 1),
           "fc.weight": (0, 1), "fc.bias": (0, 1), "out.weight": (1, 1),
-          "embed.tok.weight": (0, 1), "head.weight": (0, 1)}
-ROW_BIASES = ("attn.proj.bias", "out.bias")   # held by TP rank 0 only (see the module docstring)
+          "embed.tok.weight": (0, 1), "head.weight": (0, 1),
+          # the Llama block (executor.llama)
+          **{f"attn.{n}.{w}": (0, 1) for n in "qkv" for w in ("weight", "bias")},
+          "mlp.gate.weight": (0, 1), "mlp.up.weight": (0, 1), "mlp.down.weight": (1, 1)}
 
 
 @dataclass(frozen=True)
@@ -166,3 +170,27 @@ def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, tp: Ten
     outside = (local < 0) | (local >= weight.shape[0])
     emb = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
     return reduce(emb.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """``nn.Linear(n_in, n_out / T)``: this rank's output rows, its input's gradient summed over
+    the TP group (see the module docstring); a plain linear layer when T = 1."""
+
+    def __init__(self, n_in: int, n_out: int, tp: TensorParallel, bias: bool = True):
+        super().__init__(n_in, n_out // tp.size, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Fn.linear(copy(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """``nn.Linear(n_in / T, n_out)``: this rank's input columns, the partial sums all-reduced
+    over the TP group; the bias lives on TP rank 0 only (see the module docstring)."""
+
+    def __init__(self, n_in: int, n_out: int, tp: TensorParallel, bias: bool = True):
+        super().__init__(n_in // tp.size, n_out, bias=bias and tp.rank == 0)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce(Fn.linear(x, self.weight, self.bias), self.tp)

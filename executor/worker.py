@@ -55,7 +55,7 @@ from .data import TokenSource
 from .device import DeviceContext, NullMeter, cpu_threads, select_device
 from .host import CpuMeter, foreign_cores, pin_to_core
 from .mesh import Mesh, placement
-from .model import Block, boundary_shape, make_optimizer, stage_module
+from .model import block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
 from .tensor_parallel import TensorParallel, gather, split_of
@@ -301,11 +301,11 @@ def speed_probe(spec, ctx: DeviceContext, repeats: int, work=None):
     after one untimed pass."""
     if work is None:
         gen = torch.Generator().manual_seed(1234)
-        block = Block(spec).to(ctx.device)
+        layer = block(spec).to(ctx.device)
         x = torch.randn(spec.micro_batch, spec.seq_len, spec.hidden, generator=gen).to(ctx.device).requires_grad_(True)
 
         def work():
-            block(x).sum().backward()
+            layer(x).sum().backward()
 
     def probe() -> list[float]:
         dist.barrier()

@@ -1,7 +1,8 @@
 """Tensor parallelism in the executor (gloo on the CPU) against the single-process reference.
 
 Two spawns run the matrix (processes reused across jobs): 4 processes hold every schedule family
-at T = 2 x D = 2 (plus recomputation and split-backward runs), 8 processes dapple and zb-v at
+at T = 2 x D = 2 (plus recomputation and split-backward runs, and a tiny Llama: GQA, SwiGLU,
+RMSNorm, rotary, untied head), 8 processes dapple and zb-v at
 T = 2 x D = 2 x R = 2. A small GPT (4 blocks, 4 heads) trains 3 SGD steps (2 with R = 2): every per-step loss
 equals the reference's within 1e-5 (relative), every final parameter -- gathered from its shards
 -- within 1e-5 of the reference's, and the TP ranks of a group end with bit-identical replicated
@@ -23,6 +24,8 @@ from executor.tensor_parallel import TensorParallel, gather, shard, split_of
 from schedules import ScheduleError, names
 
 SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, vocab=64)
+# a tiny Llama: grouped-query attention (2 KV heads for 4 query heads), SwiGLU, RMSNorm, rotary, untied
+LLAMA = SPEC.replace(name="tiny-llama", kind="llama", kv_heads=2, ffn_hidden=48)
 BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0, model=SPEC, tp=2,
             device_map="megatron")
 
@@ -39,6 +42,9 @@ def _cases_world4():
     for name, mode in (("dapple", "full"), ("zb-v", "selective"), ("zb-h1", "full")):
         cases[f"{name}-recompute-{mode}-T2D2"] = RunConfig(schedule=name, devices=2, microbatches=4,
                                                            recompute=mode, **BASE)
+    for name, mode in (("dapple", "none"), ("interleaved", "none"), ("zb-v", "none"), ("zb-v", "full")):
+        cases[f"llama-{name}-recompute-{mode}-T2D2"] = RunConfig(schedule=name, devices=2, microbatches=4,
+                                                                 recompute=mode, **dict(BASE, model=LLAMA))
     return cases
 
 
@@ -61,7 +67,7 @@ def references():
 
 
 def test_every_family_is_in_the_matrix():
-    fams = {k.rsplit("-T2D2", 1)[0] for k in CASES[4]}
+    fams = {k.rsplit("-T2D2", 1)[0] for k in CASES[4] if not k.startswith("llama")}
     assert {"gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb-h1", "zb-v", "dualpipe-v"} <= fams
 
 
@@ -130,6 +136,22 @@ def test_stage_shards_are_the_whole_stages_weights():
             assert shards[0][name].numel() * 2 == value.numel()
 
 
+def test_llama_shards_split_query_and_kv_heads():
+    """T = 2 of the tiny Llama: 2 of 4 query heads and 1 of 2 KV heads per rank, half of SwiGLU's
+    inner size; no biases, so nothing is held by TP rank 0 alone."""
+    shards = [stage_module(LLAMA, 1, 0, tp=TensorParallel(2, t)).state_dict() for t in range(2)]
+    whole = stage_module(LLAMA, 1, 0).state_dict()
+    assert set(shards[0]) == set(shards[1]) == set(whole)
+    assert shards[0]["blocks.0.attn.q.weight"].shape == (16, 32)
+    assert shards[0]["blocks.0.attn.k.weight"].shape == (8, 32)
+    assert shards[1]["blocks.0.mlp.down.weight"].shape == (32, 24)
+    assert not any(k.endswith("pos.weight") for k in whole)     # rotary positions: no table
+    for name, value in whole.items():
+        split = split_of(name)
+        got = shards[0][name] if split is None else gather([s[name] for s in shards], *split)
+        assert torch.equal(got, value), name
+
+
 def test_mesh_ranks():
     mesh = Mesh(2, 4)
     assert mesh.world == 8 and mesh.coords(5) == (2, 1) and mesh.tp_group(3) == (6, 7)
@@ -139,6 +161,8 @@ def test_mesh_ranks():
 def test_tp_not_dividing_heads_is_refused():
     with pytest.raises(ValueError, match=r"--tp 3 does not divide heads \(4\)"):
         lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=3))
+    with pytest.raises(ValueError, match=r"--tp 4 does not divide kv_heads \(2\)"):
+        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=LLAMA, tp=4))
     with pytest.raises(ValueError, match=r"--tp 8 does not divide the vocabulary \(36\)"):
         lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4,
                                    model=SPEC.replace(vocab=36, heads=8, hidden=64), tp=8))
