@@ -75,6 +75,7 @@ class RunConfig:
                                     # (executor.host.pin_to_core; otherwise the ranks float)
     tp: int = 1                     # T processes per pipeline rank split every layer (executor.tensor_parallel)
     seq_len: int | None = None      # training sequence length (None: the model's)
+    zero: int = 0                   # 1: ZeRO-1, the optimizer state sharded over a stage's ranks (executor.zero)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -98,6 +99,12 @@ class RunConfig:
         if self.tp > 1 and self.is_model_file:
             raise ValueError(f"--tp {self.tp} splits the built-in GPT's layers; a model file's layers are not split "
                              f"(use --tp 1 with {self.model})")
+        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+            raise ValueError(f"--zero must be 0 or 1; got {self.zero!r}")
+        if self.zero and self.replicas == 1:
+            raise ValueError("--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1")
+        if self.zero and self.is_model_file:
+            raise ValueError(f"--zero 1 shards the built-in GPT's optimizer state; not a model file's ({self.model})")
         if self.seq_len is not None and self.is_model_file:
             raise ValueError(f"--seq-len sets the built-in GPT's sequence length; model {self.model} brings its own")
         if self.recompute != "none" and self.is_model_file:
@@ -132,7 +139,7 @@ class RunConfig:
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
         split = [f for f, v in (("--sequence-parallel", job.sequence_parallel),
-                                ("--tp-overlap", job.tp_overlap), ("--zero", job.zero)) if v]
+                                ("--tp-overlap", job.tp_overlap)) if v]
         if split:
             raise ValueError(f"the executor trains T x D x R layouts without {', '.join(split)}: simulated only "
                              f"(pipetwin simulate); drop them to run")
@@ -151,7 +158,7 @@ class RunConfig:
         return cls(schedule=lay.schedule, devices=lay.devices, microbatches=lay.microbatches, chunks=lay.chunks,
                    variant=lay.variant, replicas=lay.replicas, model=model, micro_batch=job.micro_batch,
                    partition=partition, recompute=job.recompute, eager_allreduce=job.eager,
-                   device_map=job.mapping, tp=lay.tp, seq_len=job.seq_len, **options)
+                   device_map=job.mapping, tp=lay.tp, seq_len=job.seq_len, zero=job.zero, **options)
 
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)
@@ -286,7 +293,8 @@ class RunResult:
     def to_dict(self) -> dict:
         c = self.config
         return {"engine": self.engine, "schedule": c.schedule, "variant": c.variant, "devices": c.devices,
-                "microbatches": c.microbatches, "replicas": c.replicas, "tp": c.tp, "model": c.model_name,
+                "microbatches": c.microbatches, "replicas": c.replicas, "tp": c.tp, "zero": c.zero,
+                "model": c.model_name,
                 "micro_batch": c.samples_per_microbatch,
                 "partition": list(c.partition) if c.partition is not None else None,
                 "steps": c.steps, "optimizer": c.optimizer, "lr": c.lr, "seed": c.seed, "dtype": c.dtype,

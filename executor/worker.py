@@ -59,6 +59,7 @@ from .model import block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
 from .tensor_parallel import TensorParallel, gather, split_of
+from .zero import ShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -228,12 +229,17 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         buffer = lambda op: torch.empty(shape, dtype=wire, device=ctx.device)  # noqa: E731
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
     mailbox = Mailbox(rank, sched.program(rank), groups.p2p, buffer, timeout=cfg.timeout,
                       lookahead=cfg.recv_lookahead, to_rank=lambda p: mesh.rank(p, tp_rank))
     meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
     groups.warm_up_p2p(sched, global_rank, ctx.device, mesh)
     stage_groups = groups.for_stages(sched, global_rank, ctx.device, mesh)
+    if cfg.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
+        optimizer = ShardedOptimizer([(list(m.parameters()), stage_groups.get(s),
+                                       sched.stage_group(s).index(rank), len(sched.stage_group(s)))
+                                      for s, m in built.items()], cfg.optimizer, cfg.lr)
+    else:
+        optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
     tied = None
     if stack is not None:       # parameters shared across stages: one group per set of ranks, all ranks alike
         tied = TiedGradients(rank, [(ranks, groups.for_ranks(ranks, rank, ctx.device) if len(ranks) > 1 else None,

@@ -6,7 +6,8 @@ RMSNorm, rotary, untied head), 8 processes dapple and zb-v at
 T = 2 x D = 2 x R = 2. A small GPT (4 blocks, 4 heads) trains 3 SGD steps (2 with R = 2): every per-step loss
 equals the reference's within 1e-5 (relative), every final parameter -- gathered from its shards
 -- within 1e-5 of the reference's, and the TP ranks of a group end with bit-identical replicated
-weights. Placement follows Megatron's order (TP, then DP, then PP).
+weights. Placement follows Megatron's order (TP, then DP, then PP). A third spawn (D = 2 x R = 2)
+trains with ZeRO-1 (``--zero 1``): the same losses and weights, the optimizer memory per rank cut by R.
 """
 import os
 
@@ -22,6 +23,7 @@ from executor.model import stage_module
 from executor.reference import run_reference
 from executor.tensor_parallel import TensorParallel, gather, shard, split_of
 from schedules import ScheduleError, names
+from tests.helpers import torchrun_cli
 
 SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, vocab=64)
 # a tiny Llama: grouped-query attention (2 KV heads for 4 query heads), SwiGLU, RMSNorm, rotary, untied
@@ -51,7 +53,16 @@ def _cases_world4():
 CASES = {4: _cases_world4(),
          8: {f"{s}-T2D2R2": RunConfig(schedule=s, devices=2, microbatches=2, replicas=2, **dict(BASE, steps=2))
              for s in ("dapple", "zb-v")}}
-IDS = [(w, k) for w, cases in CASES.items() for k in cases]
+CASES[8]["zb-v-zero-T2D2R2"] = CASES[8]["zb-v-T2D2R2"].with_(zero=1)
+ZBASE = dict(BASE, tp=1, device_map="sequential")
+CASES["zero"] = {"dapple-zero-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
+                                               **ZBASE),
+                 "zb-v-zero-D2R2": RunConfig(schedule="zb-v", devices=2, microbatches=4, replicas=2, zero=1, **ZBASE),
+                 "dapple-adam-zero-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
+                                                    **dict(ZBASE, optimizer="adam", lr=1e-3)),
+                 "dapple-adam-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2,
+                                               **dict(ZBASE, optimizer="adam", lr=1e-3))}
+IDS = [(w, k) for w, cases in CASES.items() for k in cases if "adam" not in k]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +100,9 @@ def test_losses_and_parameters_equal_reference(runs, references, world, case):
         for t in tensors:
             assert float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= 1e-5, name
     # the replicated weights (norms, biases, position embedding) of a TP group never drift apart
-    assert res.extra["tp_replica_drift"] == 0.0
+    assert cfg.tp == 1 or res.extra["tp_replica_drift"] == 0.0
+    if cfg.zero:    # ZeRO-1: every replica ends with the same weights
+        assert all(torch.equal(t, ts[0]) for ts in by_name.values() for t in ts)
 
 
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
@@ -103,6 +116,46 @@ def test_trace_has_one_row_per_op_of_each_pipeline_rank(runs, world, case):
     last = t.sort_values("seq").groupby(["device", "step"]).tail(1)
     assert (last["kind"] == "OPTIM").all() and (last["act_mem"] == 0).all()
     assert len(res.per_device) == sched.num_ranks
+
+
+def test_zero1_shards_the_optimizer_state_over_the_replicas(runs, references):
+    """ZeRO-1 with Adam at R = 2: the losses equal the unsharded run's (and the reference's), the
+    replicas end with identical weights, and each rank's optimizer memory (Adam's two moments and
+    the fp32 master copy of its shard) is 1/R of the unsharded Adam state plus one master shard:
+    3 x 4 bytes x n / 2 against 2 x 4 bytes x n, per rank holding n parameters."""
+    _, _, plain = runs("zero")["dapple-adam-D2R2"]
+    cfg, sched, zero = runs("zero")["dapple-adam-zero-D2R2"]
+    ref = references(cfg)
+    for a, b, r in zip(zero.losses, plain.losses, ref.losses):
+        assert abs(a - b) <= 1e-6 * abs(b) and abs(a - r) <= 1e-5 * abs(r)
+    assert zero.losses[-1] < zero.losses[0]
+    for key, value in zero.params.items():
+        assert torch.allclose(value, plain.params[key], rtol=0, atol=1e-6), key
+    by_name: dict = {}
+    for key, value in zero.params.items():
+        by_name.setdefault(key.split("/", 1)[1], []).append(value)
+    assert all(torch.equal(v[0], v[1]) for v in by_name.values())
+    for zd, pd in zip(zero.per_device, plain.per_device):
+        n = sum(v.numel() for k, v in zero.params.items() if k.startswith("r0.") and
+                _rank_of(sched, k) == zd["device"] % sched.num_devices)
+        weights_and_grads = 2 * 4 * n
+        assert pd["static_bytes"] - weights_and_grads == 2 * 4 * n            # Adam: m and v
+        shard = -(-n // 2)
+        assert zd["static_bytes"] - weights_and_grads == 3 * 4 * shard         # m, v and master of n / R
+
+
+def _rank_of(sched, key):
+    """The pipeline device holding the stage of parameter ``key`` (``r0.c0/blocks.3.fc.weight``)."""
+    from cost_models.partition import block_ranges
+    name = key.split("/", 1)[1]
+    ranges = block_ranges(SPEC.layers, sched.num_stages)
+    if name.startswith("embed."):
+        stage = 0
+    elif name.startswith(("norm.", "head.")):
+        stage = sched.num_stages - 1
+    else:
+        stage = next(s for s, r in enumerate(ranges) if int(name.split(".")[1]) in r)
+    return sched.placement[0][stage]
 
 
 def test_placement_is_megatrons_order(runs):
@@ -189,10 +242,13 @@ def test_a_job_with_tp_runs_and_sp_zero_are_refused():
     lay = Layout(schedule="dapple", devices=2, microbatches=4, tp=2, replicas=2)
     cfg = RunConfig.from_job(Job(layout=lay, model="tiny"), steps=1)
     assert cfg.tp == 2 and cfg.device_map == "megatron"
-    for extra, flag in ((dict(sequence_parallel=True), "--sequence-parallel"), (dict(zero=1), "--zero")):
+    for extra, flag in ((dict(sequence_parallel=True), "--sequence-parallel"), (dict(tp_overlap=True), "--tp-overlap")):
         with pytest.raises(ValueError, match=f"{flag}.*simulated only"):
             RunConfig.from_job(Job(layout=lay, model="tiny", **extra), steps=1)
     assert RunConfig.from_job(Job(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
+    assert RunConfig.from_job(Job(layout=lay, model="tiny", zero=1), steps=1).zero == 1
+    with pytest.raises(ValueError, match="--zero 1 shards the optimizer state over the data-parallel replicas"):
+        RunConfig(schedule="dapple", devices=2, microbatches=4, zero=1)
 
 
 def test_run_many_needs_one_world():
@@ -207,27 +263,8 @@ def test_torchrun_runs_the_mesh_placed_by_the_device_map():
     the mesh rank its device holds: T = 2 x D = 2 with Megatron's order puts pipeline rank d on
     node d, TP rank t on local rank t. Losses equal the reference's."""
     import json
-    import socket
-    import subprocess
-    import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["-s", "dapple", "-D", "2", "-N", "2", "--tp", "2", "--steps", "2", "--device", "cpu", "--optimizer", "sgd",
-            "--lr", "0.05", "--timeout", "60", "--json"]
-    procs = []
-    for launch_rank in range(4):
-        node, local = divmod(launch_rank, 2)
-        env = dict(os.environ, RANK=str(launch_rank), WORLD_SIZE="4", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2",
-                   GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        env.pop("PIPETWIN_WORKDIR", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "experiments", "run", *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-2000:]
-        outs.append(out)
+    outs = torchrun_cli(["-s", "dapple", "-D", "2", "-N", "2", "--tp", "2", "--steps", "2", "--device", "cpu",
+                         "--optimizer", "sgd", "--lr", "0.05", "--timeout", "60", "--json"], timeout=120)
     assert [i for i, o in enumerate(outs) if o.strip()] == [0]
     res = json.loads(outs[0])
     assert res["tp"] == 2
