@@ -36,3 +36,18 @@ def torchrun_cli(args, *, nodes: int = 2, per_node: int = 2, timeout: float = 24
         assert p.returncode == 0, err[-2000:]
         outs.append(out)
     return outs
+
+
+def assert_losses_equal(res, ref, rel: float = 1e-5) -> None:
+    """Every step's loss of a run within ``rel`` (relative) of the reference's."""
+    assert len(res.losses) == res.config.steps == len(ref.losses)
+    for got, want in zip(res.losses, ref.losses):
+        assert abs(got - want) <= rel * abs(want), (res.losses, ref.losses)
+
+
+def params_by_name(res) -> dict:
+    """A run's final parameters by global name: every copy on every replica (``r0.c1/NAME``) in a list."""
+    out: dict = {}
+    for key, tensor in res.params.items():
+        out.setdefault(key.split("/", 1)[1], []).append(tensor)
+    return out

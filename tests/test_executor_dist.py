@@ -25,7 +25,7 @@ from executor.reference import run_reference
 from schedules import B, ScheduleError, W, build, lower, make_schedule, names
 from schedules.ir import message_key, parse_op
 from schedules.trace import COLUMNS, op_orders
-from tests.helpers import torchrun_cli
+from tests.helpers import assert_losses_equal, params_by_name, torchrun_cli
 
 PAPER = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
 SPLIT = ["zb-h1", "zb-h2", "zb-auto", "zb-v", "dualpipe-v", "bitpipe-zb"]      # the schedules with a split backward
@@ -121,16 +121,12 @@ FP32_IDS = [(w, k) for w, k in IDS if CASES[w][k][0].dtype == "fp32"]
 def test_losses_and_parameters_equal_reference(runs, references, world, case):
     cfg, sched, res = runs(world)[case]
     ref = references(cfg)
-    assert len(res.losses) == cfg.steps == len(ref.losses)
-    for got, want in zip(res.losses, ref.losses):
-        assert abs(got - want) <= 1e-5 * abs(want), (res.losses, ref.losses)
+    assert_losses_equal(res, ref)
     if cfg.optimizer == "adam":
         assert res.losses[-1] < res.losses[0]  # it trains (3 SGD steps are within the batch noise)
     copies = {k.split("/", 1)[0] for k in res.params}
     assert len(copies) == sched.num_copies * sched.replicas
-    by_name: dict[str, list[torch.Tensor]] = {}
-    for key, tensor in res.params.items():
-        by_name.setdefault(key.split("/", 1)[1], []).append(tensor)
+    by_name = params_by_name(res)
     assert set(by_name) == set(ref.params)
     for name, tensors in by_name.items():
         assert len(tensors) == sched.num_copies * sched.replicas

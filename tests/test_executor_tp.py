@@ -23,7 +23,7 @@ from executor.model import stage_module
 from executor.reference import run_reference
 from executor.tensor_parallel import TensorParallel, gather, shard, split_of
 from schedules import ScheduleError, names
-from tests.helpers import torchrun_cli
+from tests.helpers import assert_losses_equal, params_by_name, torchrun_cli
 
 SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, vocab=64)
 # a tiny Llama: grouped-query attention (2 KV heads for 4 query heads), SwiGLU, RMSNorm, rotary, untied
@@ -86,12 +86,8 @@ def test_every_family_is_in_the_matrix():
 def test_losses_and_parameters_equal_reference(runs, references, world, case):
     cfg, sched, res = runs(world)[case]
     ref = references(cfg)
-    assert len(res.losses) == cfg.steps == len(ref.losses)
-    for got, want in zip(res.losses, ref.losses):
-        assert abs(got - want) <= 1e-5 * abs(want), (res.losses, ref.losses)
-    by_name: dict[str, list[torch.Tensor]] = {}
-    for key, tensor in res.params.items():
-        by_name.setdefault(key.split("/", 1)[1], []).append(tensor)
+    assert_losses_equal(res, ref)
+    by_name = params_by_name(res)
     assert set(by_name) == set(ref.params)
     for name, tensors in by_name.items():
         assert len(tensors) == sched.num_copies * sched.replicas
@@ -131,9 +127,7 @@ def test_zero1_shards_the_optimizer_state_over_the_replicas(runs, references):
     assert zero.losses[-1] < zero.losses[0]
     for key, value in zero.params.items():
         assert torch.allclose(value, plain.params[key], rtol=0, atol=1e-6), key
-    by_name: dict = {}
-    for key, value in zero.params.items():
-        by_name.setdefault(key.split("/", 1)[1], []).append(value)
+    by_name = params_by_name(zero)
     assert all(torch.equal(v[0], v[1]) for v in by_name.values())
     for zd, pd in zip(zero.per_device, plain.per_device):
         n = sum(v.numel() for k, v in zero.params.items() if k.startswith("r0.") and
