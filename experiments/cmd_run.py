@@ -65,9 +65,13 @@ def add_arguments(p):
                    help="bf16: autocast mixed precision with fp32 master weights and optimizer state (default fp32)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
                    help="activation recomputation per transformer block (default none; a --plan brings its own)")
-    p.add_argument("--device-map", choices=["sequential", "copies-same-node"], default=None,
-                   help="under torchrun: which (node, GPU) runs which rank (default: the plan's map, else "
-                        "sequential = torchrun's order); copies-same-node is BitPipe's")
+    p.add_argument("--device-map", choices=["sequential", "copies-same-node", "megatron"], default=None,
+                   help="under torchrun (and with --tp): which (node, GPU) runs which rank (default: the plan's map, "
+                        "else megatron with --tp: TP, then DP, then PP; else sequential = torchrun's order); "
+                        "copies-same-node is BitPipe's")
+    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: ZeRO-1, the optimizer state sharded over the --dp replicas of each stage")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="training sequence length (default: the model's)")
     p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the merged trace as CSV")
@@ -99,7 +103,7 @@ def job_of_run(args):
         layout.check_size(one_replica=False, layers=spec.layers, model_name=spec.name)   # before anything is built
     return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
                          partition=run_partition(args, model, layout), recompute=args.recompute or "none",
-                         device_map=args.device_map or "sequential")
+                         device_map=args.device_map, zero=args.zero, seq_len=args.seq_len)
 
 
 def config_from_args(args):
@@ -242,7 +246,8 @@ def _write_outputs(result, args) -> None:
 def _print_human(result, args) -> None:
     c = result.config
     where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
-    print(f"{result.engine} {c.schedule}: D={c.devices} N={c.microbatches} R={c.replicas}  "
+    tp = f"T={c.tp} " if c.tp > 1 and result.engine == "executor" else ""
+    print(f"{result.engine} {c.schedule}: {tp}D={c.devices} N={c.microbatches} R={c.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
     steps = [{"step": i, "loss": l, "iteration_s": t}
              for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]

@@ -65,7 +65,7 @@ CASES = [
     ("sp-without-tp", SIM + ["--sequence-parallel"], ["--sequence-parallel", "--tp"]),
     ("zero-without-dp", SIM + ["--zero", "1"], ["--zero 1", "--dp"]),
     ("tp-with-unit-costs", UNIT + ["--tp", "2"], ["--tp", "--unit-costs"]),
-    ("tp-in-a-run", RUN + ["--tp", "2"], ["--tp", "simulated only"]),
+    ("tp-in-a-run-not-dividing-heads", RUN + ["--tp", "3"], ["--tp 3", "heads (4)"]),
     ("hf-config-unknown-arch", SIM + ["-m", "{hf_bert}"], ["BertForMaskedLM", "LlamaForCausalLM"]),
     ("hf-config-folder", SIM + ["-m", "{dir}/x.json"], ["x.json"]),
     # silent wrong results
