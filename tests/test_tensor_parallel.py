@@ -5,6 +5,7 @@ Hugging Face reader, the TP network and the refusals."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -276,9 +277,10 @@ def test_parallel_option_refusals(kw, message):
 
 def test_executor_refuses_what_it_does_not_train_yet():
     from executor.config import RunConfig
-    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model="tiny")
-    with pytest.raises(ValueError, match="--tp are simulated only"):
+    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model="tiny", sequence_parallel=True)
+    with pytest.raises(ValueError, match="--sequence-parallel: simulated only"):
         RunConfig.from_job(job)
+    assert RunConfig.from_job(replace(job, sequence_parallel=False)).tp == 2
 
 
 # ---------------------------------------------------------------------------- memory verdicts
