@@ -514,3 +514,18 @@ def test_outputs_are_written_whole_or_not_at_all(tmp_path):
     assert Path("/dev/null").is_char_device()
     with pytest.raises(FileError, match="trace /dev/full could not be written: No space left on device"):
         write_output("/dev/full", "x" * 100_000, "trace")
+
+
+def test_calibrate_keeps_its_measurement_when_the_final_write_fails(tmp_path):
+    """A disk that fills up during calibrate's measurement: the profile is kept in the temporary
+    folder and the one line names it."""
+    from cost_models import load_profile
+    from cost_models.files import FileError
+    from experiments.cmd_calibrate import save_measured
+    prof = load_profile(_write(tmp_path / "p.yaml", PROFILE))
+    with pytest.raises(FileError) as e:
+        save_measured(prof, Path("/dev/full"))
+    msg = str(e.value)
+    assert "/dev/full" in msg and "No space left" in msg and "\n" not in msg
+    kept = Path(msg.rsplit("kept in ", 1)[1].split(" (copy")[0])
+    assert load_profile(kept) == prof
