@@ -6,7 +6,7 @@ from sim import simulate_job
 from .checks import output_file
 from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
 from .jobs import add_cost_args, add_fault_args, add_layout_args, check_plan_args, job_from_args, load_plan_arg
-from .tables import fmt_table, group_rows, printable
+from .tables import WIDTH, fmt_table, group_rows, printable, wrap_cell
 
 NAME = "simulate"
 HELP = "simulate one training iteration of a schedule"
@@ -53,7 +53,8 @@ def main(args) -> int:
         if not isinstance(v, (dict, list)) and not k.startswith("memory_") and v is not None:
             print(f"  {k}: {printable(v)}")
     if "memory_verdict" in rec:
-        print(f"  memory: {rec['memory_verdict']}")
+        lines = wrap_cell(f"memory: {rec['memory_verdict']}", WIDTH - 4)
+        print("\n".join(("  " if i == 0 else "    ") + ln for i, ln in enumerate(lines)))
     cols = ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"]
     fmts = {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}", "peak_memory": "{:.6g}"}
     rows, shown = human_rows(rec["per_device"], mem)
