@@ -111,7 +111,7 @@ def main(argv=None) -> int:
              ("1,024 GPUs: dapple D=16 R=64 N=128, gpt-96, dgx-a100-ib:128", lambda: cluster_case(64), "100k", 10.0),
              ("10,240 GPUs: dapple D=16 R=640 N=128, gpt-96, dgx-a100-ib:1280", lambda: cluster_case(640), "100k",
               50.0),
-             ("16,384 GPUs: interleaved T=8 D=16 R=128 N=16, llama3-405b, dgx-h100-ib:2048",
+             ("16,384 GPUs: T=8 D=16 R=128 N=16, llama3-405b, dgx-h100-ib:2048",
               tensor_parallel_case, "100k", 20.0)]
     if not a.no_planner:
         cases.append(("plan gpt-96 G=1024 on 1,024 A100s (dgx-a100-ib:128)", planner_case, "100k", None))
