@@ -30,7 +30,7 @@ from schedules.trace import noise_free, op_orders, step_metrics
 from .fit import fit_ranks, measured_run
 from .host import fit_profile, host_profile, measure_host, speed_yardstick
 from .simulate import simulate_with_profile
-from .sitting import SittingRules, run_series, sitting_problems
+from .sitting import NOISY_RUNS, SittingRules, run_series, sitting_problems
 
 
 @dataclass(kw_only=True)
@@ -55,6 +55,7 @@ class Comparison:
     foreign_cores: list[float | None] = field(default_factory=list)   # other processes' load per run
     rank_cores: list[float | None] = field(default_factory=list)      # the ranks' own CPU per run (cores)
     problem: str | None = None              # why the runs did not settle (None: they did)
+    cause: str | None = None                # the problem's cause: HOST_BUSY or NOISY_RUNS (calibration.sitting)
     spread: float | None = None             # run-to-run spread (calibration.sitting.RunSeries.spread)
     fitted: bool = False                    # the profile's runtime was fitted on these very runs
     state_steps: tuple[int, int] | None = None   # (fast-state steps counted, steps of the quiet runs); None: not judged
@@ -134,6 +135,7 @@ def compare_series(series: list, profile: CalibrationProfile, fitted: frozenset 
                               measured_probe=ser.probe_seconds, run_times=ser.run_times, kept_runs=len(ser.kept),
                               foreign_cores=[ser.foreign(i) for i in range(len(ser.runs))],
                               rank_cores=[ser.rank_cores(i) for i in range(len(ser.runs))], problem=ser.problem,
+                              cause=ser.cause,
                               spread=ser.spread, fitted=cfg in fitted,
                               state_steps=ser.state_share() if ser.judges_state else None, state_cut=ser.cut,
                               profile_probe=(profile.meta.get("probe_seconds") or {}).get(str(low.num_ranks)),
@@ -197,20 +199,42 @@ def calibrate_and_compare(jobs: list[Job], *, steps: int = 20, repeats: int = 20
     return profile, compare_series([by_cfg[c] for c in val], profile, frozenset(fit_base))
 
 
-def refusals(comps: list[Comparison], profile: CalibrationProfile, *, max_drift: float | None = 0.05) -> list[str]:
+UNSETTLED_PROFILE, HOST_SPEED = "unsettled profile", "host speed"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a sitting gives no error figure: its ``cause`` (:data:`UNSETTLED_PROFILE`: the profile's
+    own calibration runs did not settle; ``HOST_BUSY``: other processes took the ranks' cores;
+    ``NOISY_RUNS``: quiet runs that do not agree; :data:`HOST_SPEED`: the host's speed moved since
+    calibration), each with its own remedy, and what was seen."""
+
+    cause: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.cause}: {self.text}"
+
+
+def profile_refusals(profile: CalibrationProfile) -> list[Refusal]:
+    """The profile's calibration sitting did not settle (empty: it did)."""
+    return [Refusal(UNSETTLED_PROFILE, p) for p in sitting_problems(profile)]
+
+
+def refusals(comps: list[Comparison], profile: CalibrationProfile, *,
+             max_drift: float | None = 0.05) -> list[Refusal]:
     """Why the sitting cannot give an error figure (empty: it can): the profile's calibration
-    runs did not settle, a schedule's runs did not settle, or (``max_drift``: for a profile
-    calibrated in another sitting) the host speed probe moved by more than that since (the
-    profile then describes another host state)."""
-    mine = [f"{c.schedule}: {c.problem}" for c in comps if c.problem]
+    runs did not settle, a schedule's runs did not settle (other processes busy, or the quiet
+    runs' own noise), or (``max_drift``: for a profile calibrated in another sitting) the host
+    speed probe moved by more than that since (the profile then describes another host state)."""
+    mine = [Refusal(c.cause or NOISY_RUNS, f"{c.schedule}: {c.problem}") for c in comps if c.problem]
     # runs shared by calibration and validation (one sitting) are named once
-    out = [f"calibration {p}" for p in sitting_problems(profile) if not any(p.endswith(": " + m) for m in mine)]
+    out = [r for r in profile_refusals(profile) if not any(r.text.endswith(": " + m.text) for m in mine)]
     out += mine
     speeds = sorted(c.host_speed for c in comps if c.host_speed is not None)
     if max_drift is not None and speeds:
         mid = speeds[len(speeds) // 2]
         if abs(mid - 1.0) > max_drift:
-            out.append(f"host speed {mid:.2f} of calibration's (block probe, median over the schedules; at most "
-                       f"{max_drift:.0%} off allowed): recalibrate")
+            out.append(Refusal(HOST_SPEED, f"{mid:.2f} of calibration's (block probe, median over the schedules; "
+                                           f"at most {max_drift:.0%} off allowed)"))
     return out
-

@@ -316,6 +316,7 @@ def measure_stack_layers(stack, micro_batch: int, threads: int, repeats: int = 2
     the first of a stage, on the output of the one before it; the last with the loss), FLOPs
     (:func:`count_flops`), parameters, output bytes (what a stage ending there sends; 0 for the
     last layer, whose stage ends in the loss) and ``act_chain`` (:func:`chain_kept_bytes`)."""
+    from executor.user_model import LAYER_SECONDS, time_limit
     torch.set_num_threads(threads)
     inputs, target, outs = _layer_inputs(stack, micro_batch)
     chain = chain_kept_bytes(stack, micro_batch)
@@ -326,7 +327,8 @@ def measure_stack_layers(stack, micro_batch: int, threads: int, repeats: int = 2
         name = type(stack.layers[i]).__name__
         if progress:
             progress(f"layer {i} {name}")
-        row = measure_layer(mod, make_input, f"layer {i} {name}", repeats, needs_input_grad=grad_in)
+        with time_limit(LAYER_SECONDS, f"model {stack.ref}: measuring layer {i} ({name})"):
+            row = measure_layer(mod, make_input, f"layer {i} {name}", repeats, needs_input_grad=grad_in)
         row["flops"] = count_flops(mod, make_input, grad_in)
         row["params"] = sum(p.numel() for p in stack.layers[i].parameters())
         row["out_bytes"] = 0 if i == n - 1 else outs[i].numel() * outs[i].element_size()

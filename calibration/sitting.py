@@ -18,8 +18,11 @@ median of its runs' times, and a sitting is only usable if it shows that time re
   of them: the median with each counting run left out in turn stays within ``max_spread``
   (:attr:`RunSeries.spread`, the run-to-run spread). Unsettled configs are run again, up to
   ``max_runs`` rounds;
-- what is left unsettled says why (:attr:`RunSeries.problem`): the caller refuses to report a
-  time from it.
+- what is left unsettled says why (:attr:`RunSeries.problem`) and whose doing it is
+  (:attr:`RunSeries.cause`): :data:`HOST_BUSY` only where too few runs had other processes at or
+  below ``max_foreign`` (default :data:`cost_models.calibration.BUSY_CORES`, 0.5 cores, measured),
+  else :data:`NOISY_RUNS` (quiet runs that disagree: a small model's own noise, or a host state no
+  counter of this VM sees); the caller refuses to report a time from it.
 
 (The median of runs, not one statistic of all runs' steps pooled: the fast band of a pool of
 host states cuts through them, so a pooled fast-step median moves by 6-18% when one of 3-8 runs
@@ -53,7 +56,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from cost_models.calibration import CalibrationProfile
+from cost_models.calibration import BUSY_CORES, CalibrationProfile
 from executor import launch
 from executor.config import RunConfig, RunResult
 from schedules.ir import B, F, W
@@ -61,6 +64,8 @@ from schedules.trace import fast_steps, noise_free
 
 # the sitting's fast state: steps within SittingRules.state_band of this quantile of all step speeds
 STATE_QUANTILE = 0.2
+HOST_BUSY, NOISY_RUNS = "host busy", "noisy runs"    # RunSeries.cause
+OWN_NOISE, NOT_THEIR_LOAD = "the runs' own noise", "not their load"   # why a quiet host's config is unsettled
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +76,7 @@ class SittingRules:
     max_runs: int = 8           # rounds at most before a config is given up
     warmup: int = 2             # steps dropped at the start of every run
     max_spread: float = 0.05    # run-to-run spread allowed (the time with any one run left out)
-    max_foreign: float = 0.15   # cores' worth of other processes' CPU a counting run may see
+    max_foreign: float = BUSY_CORES   # cores' worth of other processes' CPU a counting run may see
     state_band: float = 0.15    # a step is in the host's fast state within this of the sitting's fast speed
     state_steps: int = 3        # fast-state steps a run needs to count (configs with a yardstick)
 
@@ -95,6 +100,7 @@ class RunSeries:
     rules: SittingRules = field(default_factory=SittingRules)
     kept: list[int] = field(default_factory=list)    # indices of the counting runs (once settled)
     problem: str | None = None                       # why the config is not settled (None: it is)
+    cause: str | None = None                         # HOST_BUSY or NOISY_RUNS (None: settled)
     brief: str | None = None                         # the problem in a few words
     # the compute ops' costs alone (cost_models.base.StageCosts: compute_time(kind, copy, stage)), the
     # yardstick of a step's speed; None: the host state is not judged (module docstring)
@@ -209,9 +215,10 @@ class RunSeries:
         """Decide which runs count (see the module docstring); sets ``kept``, ``problem`` and
         ``brief`` (the problem in a few words)."""
         r, n = self.rules, len(self.runs)
-        self.kept, self.problem, self.brief = [], None, None
+        self.kept, self.problem, self.brief, self.cause = [], None, None, None
         quiet = self.quiet()
         if len(quiet) < r.runs:
+            self.cause = HOST_BUSY if len(quiet) < n else NOISY_RUNS   # too few runs at all: not the host's fault
             loads = [self.foreign(i) for i in range(n) if i not in quiet]
             self.problem = (f"{len(quiet)} of {n} runs quiet, {r.runs} needed: other processes kept "
                             f"{_span(loads, '{:.2f}')} cores busy in {n - len(quiet)} (at most {r.max_foreign:g})"
@@ -223,18 +230,24 @@ class RunSeries:
             if len(fast) < r.runs:
                 self.problem = (f"{len(fast)} of {len(quiet)} quiet runs had {r.state_steps}+ steps in the sitting's "
                                 f"fast state (ops at <= {self.cut:.2f}x their alone time), {r.runs} needed: the host "
-                                f"ran slow")
-                self.brief = f"{len(fast)}/{len(quiet)} runs fast"
+                                f"ran slow{self._quiet_host(quiet, NOT_THEIR_LOAD)}")
+                self.brief, self.cause = f"{len(fast)}/{len(quiet)} runs fast", NOISY_RUNS
                 return self
             quiet = fast
         self.kept = quiet
         spread = self.spread
         if spread is not None and spread > r.max_spread:
             self.problem = (f"run-to-run spread {spread:.0%} (the step time with any one of {len(quiet)} quiet runs "
-                            f"left out; at most {r.max_spread:.0%} allowed)")
-            self.brief = f"spread {spread:.0%}"
+                            f"left out; at most {r.max_spread:.0%} allowed){self._quiet_host(quiet, OWN_NOISE)}")
+            self.brief, self.cause = f"spread {spread:.0%}", NOISY_RUNS
             self.kept = []
         return self
+
+    def _quiet_host(self, idx: list[int], why: str) -> str:
+        """What other processes used in runs ``idx`` (all below ``max_foreign``: quiet), as the tail
+        of a problem that is not theirs (``why``: whose it is)."""
+        loads = [x for x in (self.foreign(i) for i in idx) if x is not None]
+        return f", other processes at {_span(loads, '{:.2f}')} cores ({why})" if loads else ""
 
     def _pool(self) -> list[tuple[float, int, int]]:
         """(time, run, step) of the counting runs' steps after the warm-up (in the fast state, where

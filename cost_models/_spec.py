@@ -140,10 +140,43 @@ def presets(kind: str) -> list[str]:
     return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                twice = key in seen
+            except TypeError:       # an unhashable key: the base loader's own error
+                break
+            if twice:
+                raise SpecError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1}); "
+                                f"keep one") from None
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """The data of YAML ``text`` read from ``source`` (the one YAML reader of every spec and profile):
+    invalid YAML or a key given twice in a mapping is a SpecError naming ``source``."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except SpecError as e:
+        raise SpecError(f"{source}: {e}") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{source}: not valid YAML ({one_line(e)})") from None
+
+
 def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]:
     """Load a preset (by name) or a user's YAML file (by path); returns (data, source) where source
     names the file for error messages. ``kind`` is the preset folder, ``what`` a word for errors."""
     p = Path(name_or_path)
+    if p.suffix == ".py":
+        hint = (f"name the function that builds it: {p}:FUNC (FUNC() returns layers, loss and sample)"
+                if kind == "models" else f"a {what} is a preset name or a YAML file")
+        raise SpecError(f"{what} {p} is a Python file; {hint}")
     if p.suffix in (".yaml", ".yml") or p.is_file() or "/" in str(name_or_path):
         try:
             text, source = read_text(p, f"{what} file"), str(p)
@@ -155,8 +188,4 @@ def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]
             raise SpecError(f"unknown {what} preset {str(name_or_path)!r}; choose one of "
                             f"{', '.join(presets(kind))} or pass a YAML file")
         text, source = f.read_text(), f"{kind}/{name_or_path}.yaml"
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError(f"{source}: not valid YAML ({one_line(e)})") from None
-    return data, source
+    return parse_yaml(text, source), source

@@ -183,3 +183,21 @@ def stage_sums(per_layer, first, parts: list[range]) -> list[float]:
             vals[0] = first[rng[0]]
         out.append(float(sum(vals)))
     return out
+
+
+PEAK_FLOOR = "peak_floor"   # StageCosts.meta key of :func:`with_peak_floor`
+
+
+def with_peak_floor(costs: StageCosts, sched: Schedule, flops_f, flops_b_input, flops_w,
+                    partition: tuple[int, ...] | None, peak: float) -> StageCosts:
+    """``costs`` with ``meta["peak_floor"]``: per (copy, stage), the seconds of its F, B and W at
+    the device's ``peak`` FLOP/s, from per-layer FLOPs (``flops_b_input`` with any recomputed
+    forward) summed over the same stages and split as :class:`PerLayerCostModel` sums the times.
+    No op can run faster; the simulator checks its costs against it (:func:`sim.engine.run`)."""
+    zero = (0.0,) * len(flops_f)
+    at_peak = lambda flops: tuple(x / peak for x in flops)  # noqa: E731
+    floor = PerLayerCostModel(LayerCosts(f=at_peak(flops_f), b_input=at_peak(flops_b_input), w=at_peak(flops_w),
+                                         act=zero, act_w=zero, out_bytes=zero, params=zero), partition).bind(sched)
+    costs.meta[PEAK_FLOOR] = {"F": floor.f, "B": floor.b, "W": floor.w, "peak": peak}
+    return costs
+

@@ -18,6 +18,8 @@ How each cost source is costed:
   its network. ``partition`` gives layers per stage, or ``"time"``: balanced by the profile's
   measured layer times.
 * unit costs: F = 1, B = 2 per full stage, no network.
+* stage costs (``stage_costs``, a user's FILE.yaml): its per-stage times, each message its fixed
+  time (:mod:`cost_models.stage_costs`).
 * a plan: the plan binds itself (:class:`cost_models.job.PlanSource`).
 
 :func:`load_inputs` reads what the job names (presets and files: cheap), so that a caller costing
@@ -26,18 +28,20 @@ building any schedule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from schedules import Schedule
 
-from .base import PerLayerCostModel, StageCosts, UnitCostModel
+from .base import PerLayerCostModel, StageCosts, UnitCostModel, with_peak_floor
 from .calibration import CalibrationProfile, load_profile, scaled_layer_costs
-from .cluster import Cluster
+from ._spec import SpecError
+from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
 from .kernels import COST_MODELS
 from .model_spec import ModelSpec, load_model
+from .stage_costs import StageTimes, load_stage_costs
 from .stack import is_model_ref, same_model_ref
-from .transformer import TransformerCostModel
+from .transformer import TensorParallelGroup, TransformerCostModel, model_params
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class CostInputs:
     model: ModelSpec | None = None
     cluster: Cluster | None = None
     profile: CalibrationProfile | None = None
+    stage_times: StageTimes | None = None
 
     def limits(self) -> dict:
         """Keyword arguments of :func:`cost_models.job.check_run_size` (cluster size, layers)."""
@@ -118,6 +123,10 @@ def load_inputs(job: Job) -> CostInputs:
     kind = job.source
     if kind == "unit":
         return CostInputs("unit")
+    if kind == "stage-costs":
+        times = load_stage_costs(job.stage_costs)
+        times.check_devices(job.layout.devices)
+        return CostInputs(kind, stage_times=times)
     if kind == "profile":
         prof = load_profile(job.profile)
         check_profile_model(prof, job.model)
@@ -133,6 +142,8 @@ def load_inputs(job: Job) -> CostInputs:
     model = job.model if isinstance(job.model, ModelSpec) else load_model(job.model or DEFAULT_MODEL)
     if job.micro_batch is not None:
         model = model.replace(micro_batch=job.micro_batch)
+    if job.seq_len is not None:
+        model = model.replace(seq_len=job.seq_len)
     return CostInputs(kind, model=model, cluster=cluster)
 
 
@@ -142,20 +153,67 @@ def bind(job: Job, inputs: CostInputs | None = None) -> Bound:
     if job.plan is not None:
         return job.plan.bind(job)
     inputs = inputs or load_inputs(job)
-    low = job.layout.build(eager=job.eager, **inputs.limits())
+    low = job.layout.build(eager=job.eager, family=costed_family(job, inputs), **inputs.limits())
     return bind_lowered(job, inputs, low)
+
+
+def costed_family(job: Job, inputs: CostInputs) -> dict | None:
+    """The keyword arguments a family that orders its ops from the job's costs takes (zb-auto:
+    ``costs``, from the same layout costed as ZB-H1, which has its stages and split backward; the
+    message time is one activation over the path from rank 0 to rank 1), else None."""
+    if job.layout.schedule != "zb-auto":
+        return None
+    from schedules.zb_auto import AutoCosts
+    probe = bind_lowered(job, inputs, replace(job.layout, schedule="zb-h1", variant=None, memory_limit=None).build(
+        eager=job.eager, **inputs.limits()))
+    c, net = probe.costs, probe.network
+    if inputs.kind == "stage-costs":
+        message = inputs.stage_times.message
+    elif net is None or job.layout.devices < 2:
+        message = 0.0
+    else:
+        links = net.path(0, 1)
+        message = sum(ln.latency for ln in links) + c.act_bytes[0][0] / min(ln.bandwidth for ln in links)
+    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], auto_limit(job.layout, c))}
+
+
+def auto_limit(layout, c: StageCosts) -> tuple[float, ...]:
+    """zb-auto's per-device activation limit in the unit of ``c.act``: the variant's k D Ma, or
+    ``--memory-limit`` in Ma, or in bytes less each rank's static memory (weights, optimizer)."""
+    from schedules.zb_auto import LIMIT_MA, VARIANTS
+    if layout.memory_limit is None:
+        k = LIMIT_MA[layout.variant or next(iter(VARIANTS))] * layout.devices
+        return tuple(k * a for a in c.act[0])
+    value, unit = layout.memory_limit
+    if unit == "Ma":
+        return tuple(value * a for a in c.act[0])
+    if c.mem_unit != "B":
+        raise ValueError(f"--memory-limit {value / 2**30:.3g} GiB needs costs with activation bytes; these count "
+                         f"memory in Ma (give the limit in Ma, e.g. '16 Ma', or add 'activation:' to a --stage-costs "
+                         f"file)")
+    limit = tuple(value - c.static_mem[d] for d in range(layout.devices))
+    if min(limit) <= 0:
+        d = limit.index(min(limit))
+        raise ValueError(f"--memory-limit {value / 2**30:.3g} GiB is below rank {d}'s weights and optimizer state "
+                         f"({c.static_mem[d] / 2**30:.3g} GiB); raise it")
+    return limit
 
 
 def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
     """Costs and network of an already lowered schedule ``low`` under the job's cost source."""
     if inputs.kind == "unit":
         return Bound(low, UnitCostModel().bind(low), None, {"cost_model": "unit"})
+    if inputs.kind == "stage-costs":
+        times = inputs.stage_times
+        return Bound(low, times.bind(low), times.network(), {"cost_model": f"stage costs {times.source}"})
     if inputs.kind == "profile":
-        return calibrated(inputs.profile, low, cluster=inputs.cluster, device_map=job.device_map,
+        return calibrated(inputs.profile, low, cluster=inputs.cluster, device_map=job.mapping,
                           partition=job.partition, recompute=job.recompute, label=f"profile {job.profile}")
     cluster = inputs.cluster
+    if inputs.kind == "transformer":
+        return _transformer(job, inputs.model, cluster, low)
     _check_fits(low, cluster)
-    placed = cluster.place(low, job.device_map)
+    placed = cluster.place(low, job.mapping)
     if inputs.kind == "layer-profile":
         if job.partition is not None:
             raise ValueError("--partition does not apply to a --model FILE.txt profile (it is split by work)")
@@ -163,21 +221,44 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
         costs, mb, part = _layer_profile_costs(job, low, cluster, cost_model)
         return Bound(low, costs, placed, {"cost_model": cost_model, "model": str(job.model), "micro_batch": mb,
                                           "partition": list(part), "cluster": cluster.name,
-                                          "device_map": job.device_map,
+                                          "device_map": job.mapping,
                                           "memory_capacity": costs.meta.get("memory_capacity")})
-    model = inputs.model
+    raise AssertionError(f"unhandled cost source {inputs.kind}")   # pragma: no cover
+
+
+def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:
+    """A model spec's formulas on a cluster, T x D x R: every rank a tensor-parallel group of T
+    GPUs (:func:`cost_models.cluster.tensor_parallel_groups`), its collectives on the group's links."""
+    tp = job.layout.tp
+    try:
+        model.check_tensor_parallel(tp)
+        groups = tensor_parallel_groups(cluster, tp)
+    except SpecError as e:
+        raise ValueError(str(e)) from None
+    _check_fits(low, groups, tp)
     cost_model = cost_model_for(job.cost_model, cluster.device, False)
-    costs = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
-                                 partition=job.partition).bind(low)
-    return Bound(low, costs, placed, {"cost_model": cost_model, "model": model.name, "micro_batch": model.micro_batch,
-                                      "cluster": cluster.name, "device_map": job.device_map,
-                                      "memory_capacity": costs.meta.get("memory_capacity")})
+    group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
+    tcm = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
+                               partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
+                               tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas)
+    layers = tcm.layers()
+    costs = with_peak_floor(tcm.bind(low), low, [x.flops_f for x in layers],
+                            [x.flops_b_input + x.flops_recompute for x in layers], [x.flops_w for x in layers],
+                            tcm.partition_for(low.num_stages), cluster.device.peak(tcm.resolved_precision()))
+    return Bound(low, costs, groups.place(low, job.mapping), {
+        "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
+        "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
+        "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": job.sequence_parallel, "zero": job.zero,
+        "memory_capacity": costs.meta.get("memory_capacity"), "memory_transient": costs.meta["memory_transient"],
+        "memory_reserve": job.memory_reserve})
 
 
-def _check_fits(low: Schedule, cluster: Cluster) -> None:
+def _check_fits(low: Schedule, cluster: Cluster, tp: int = 1) -> None:
     if low.num_ranks > cluster.num_devices:
-        raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
-                         f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
+        what = f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas})" if tp == 1 else \
+            f"{low.num_ranks * tp:,} GPUs (T={tp} x D={low.num_devices} x R={low.replicas})"
+        raise ValueError(f"{what} do not fit on cluster {cluster.name} with {cluster.num_devices * tp:,} devices; "
+                         f"pick a bigger --cluster")
 
 
 def _layer_profile_costs(job: Job, low: Schedule, cluster: Cluster, cost_model: str):

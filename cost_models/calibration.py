@@ -58,7 +58,7 @@ from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel
 from .cluster import Cluster, LinkSpec
 from .device import DeviceSpec
-from .files import FileError, one_line, prepare_output, read_text
+from .files import FileError, read_text, write_output
 from .model_spec import ModelSpec, load_model, spec_from_dict
 from .partition import balanced_counts, default_partition, stack_partition
 from .stack import StackSpec, stack_from_dict
@@ -67,6 +67,9 @@ from .transformer import _check_recompute, transformer_layers
 FORMAT = "pipetwin-calibration/1"
 KINDS = ("embedding", "block", "head")
 PRECISIONS = ("fp32", "bf16")
+# cores' worth of other processes' CPU, measured while a run's steps ran, from which the run is disturbed
+# and its host busy (calibration.sitting: the sittings a profile is measured and checked in)
+BUSY_CORES = 0.5
 FP32_GRAD_BYTES = 4.0    # the executor keeps fp32 gradients (master weights) in every precision
 
 
@@ -229,13 +232,15 @@ class CalibrationProfile:
                 "oversubscribed_slowdown": self.oversubscribed_slowdown}
 
     def to_dict(self) -> dict:
-        d = {"format": FORMAT, "name": self.name, "model": self.model.to_dict(),
+        # meta first: a measured profile's meta (MEASURED) makes the other fields it writes required,
+        # so a file cut short anywhere after it is refused (profile_from_dict)
+        d = {"format": FORMAT, "name": self.name, "meta": dict(self.meta), "model": self.model.to_dict(),
              "per_layer": [{"f": t.f, "b_input": t.b_input, "w": t.w, **({"b": t.b} if t.b is not None else {})}
                            for t in self.layers],
              "p2p": {"latency": self.p2p.latency, "bandwidth": self.p2p.bandwidth},
              "allreduce": {"latency": self.allreduce.latency, "bandwidth": self.allreduce.bandwidth},
              "optimizer": {"seconds_per_param": self.optimizer_seconds_per_param},
-             "copy_time": self.copy_time, "meta": dict(self.meta)}
+             "copy_time": self.copy_time}
         if self.memory_bytes is not None:
             d["memory"] = self.memory_bytes
         if self.act_bytes is not None:
@@ -263,6 +268,12 @@ _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_b
            "data_time", "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown",
            "act_bytes_recompute_per_layer", "precision", "time_slice")
 OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
+# a profile that ``pipetwin calibrate`` measured has this key in its meta (calibration.host.host_profile) ...
+MEASURED = "runtime_scale"
+# ... and every field it always writes: such a profile missing one was cut short (it would simulate
+# with the defaults, silently off)
+MEASURED_FIELDS = ("per_layer", "act_bytes_per_layer", "act_w_bytes_per_layer", "optimizer", "copy_time", "cores",
+                   "oversubscribed_slowdown", "data_time", "grad_copy_per_byte", "first_stage_all_in_w", "precision")
 
 
 def _timing(v, source: str, fld: str) -> LayerTiming:
@@ -291,6 +302,12 @@ def _fit(v, source: str, fld: str, kind: str) -> LinkSpec:
 def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     d = _spec.mapping(d, source)
     _spec.check_fields(d, source, _FIELDS, ("model", "p2p", "allreduce"))
+    meta = d.get("meta", {}) or {}
+    _spec.mapping(meta, source, "meta")
+    missing = [k for k in MEASURED_FIELDS if k not in d] if MEASURED in meta else []
+    if missing:
+        raise SpecError(f"{source}: a measured profile (pipetwin calibrate) lacks field(s) {', '.join(missing)}: "
+                        f"the file was cut short or edited; calibrate again")
     fmt = d.get("format", FORMAT)
     if fmt != FORMAT:
         raise SpecError(f"{source}: field 'format' must be {FORMAT!r}; got {fmt!r}")
@@ -338,8 +355,6 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     _spec.check_fields(opt, source, ("seconds_per_param",), prefix="optimizer.")
     osp = _spec.seconds(opt.get("seconds_per_param", 0.0), source, "optimizer.seconds_per_param")
     mem = d.get("memory")
-    meta = d.get("meta", {}) or {}
-    _spec.mapping(meta, source, "meta")
     ovh = _spec.mapping(d.get("overhead", {}) or {}, source, "overhead")
     _spec.check_fields(ovh, source, OVERHEAD_KINDS, prefix="overhead.")
     overhead = tuple((k, _spec.seconds(ovh[k], source, f"overhead.{k}")) for k in OVERHEAD_KINDS if k in ovh)
@@ -382,18 +397,12 @@ def load_profile(path: str | Path) -> CalibrationProfile:
         text = read_text(p, "calibration profile")
     except FileError as e:
         raise SpecError(str(e)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError(f"{p}: not valid YAML ({one_line(e)})") from None
-    return profile_from_dict(data, str(p))
+    return profile_from_dict(_spec.parse_yaml(text, str(p)), str(p))
 
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:
     """Write a profile (per-layer form) that :func:`load_profile` reads back unchanged."""
-    p = prepare_output(path, "calibration profile")
-    p.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
-    return p
+    return write_output(path, yaml.safe_dump(profile.to_dict(), sort_keys=False), "calibration profile")
 
 
 def host_flop_rate(profile: CalibrationProfile) -> float:

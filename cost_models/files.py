@@ -4,12 +4,21 @@
 ``pipetwin: error: ...`` and exits 2) when the path does not exist, is a folder, cannot be read,
 is empty (unless ``allow_empty``) or, for text, is not UTF-8. :func:`one_line` turns a parser's
 multi-line message (YAML's carets, JSON's positions) into one line for such errors.
-:func:`check_output_path` is the same for a file to be written (run it before long work).
+:func:`check_output_path` is the same for a file to be written (run it before long work: it also
+refuses a name component over :data:`NAME_MAX` bytes); :func:`write_output` / :func:`output_file`
+write one atomically (a temporary file in the same folder, then ``os.replace``: a reader, a crash
+or a full disk never leaves a truncated file) and turn an ``OSError`` into one :class:`FileError`
+line naming the path. An existing device or pipe (``/dev/null``, ``/dev/stdout``) is written in
+place: it cannot be replaced.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
+
+NAME_MAX = 255   # bytes in one name component (Linux, macOS and Windows file systems)
 
 
 class FileError(ValueError):
@@ -20,12 +29,25 @@ class MissingFileError(FileError, FileNotFoundError):
     """The file does not exist (a FileError and a FileNotFoundError)."""
 
 
-def _checked(path, what: str) -> Path:
+def _short_names(path, what: str) -> Path:
+    """``path`` as a Path, refused when one of its names is longer than a file system allows."""
     p = Path(path)
+    for part in p.parts:
+        n = len(os.fsencode(part))
+        if n > NAME_MAX:
+            raise FileError(f"{what} {str(p)[:60]}...: the name {part[:24]}... has {n} bytes; a file system "
+                            f"allows {NAME_MAX}")
+    return p
+
+
+def _checked(path, what: str) -> Path:
+    p = _short_names(path, what)
     if not p.exists():
         raise MissingFileError(f"{what} {p} does not exist")
     if p.is_dir():
         raise FileError(f"{what} {p} is a folder, not a file")
+    if not p.is_file():     # /dev/zero, a pipe, a socket: reading may never end
+        raise FileError(f"{what} {p} is not a regular file (a device, pipe or socket); give a file")
     if not os.access(p, os.R_OK):
         raise FileError(f"{what} {p} cannot be read (permission denied)")
     return p
@@ -74,9 +96,13 @@ def one_line(message) -> str:
 def check_output_path(path, what: str = "output file") -> Path:
     """A file that is about to be written: not a folder, and its folder exists or can be created
     (no part of the path is an existing file) and is writable. Creates nothing."""
-    p = Path(path)
+    p = _short_names(path, what)
     if str(path) == "" or p.is_dir():
         raise FileError(f"{what} {p} is a folder; give a file name")
+    if p.exists() and not p.is_file():      # a device or pipe (/dev/null): written in place
+        if not os.access(p, os.W_OK):
+            raise FileError(f"{what} {p} cannot be written (permission denied)")
+        return p
     parent = p.parent if str(p.parent) else Path(".")
     ancestor = parent
     while not ancestor.exists():
@@ -94,7 +120,7 @@ def check_output_path(path, what: str = "output file") -> Path:
 
 def check_output_dir(path, what: str = "output folder") -> Path:
     """A folder that is about to be written into (created if needed): see :func:`check_output_path`."""
-    p = Path(path)
+    p = _short_names(path, what)
     if p.exists() and not p.is_dir():
         raise FileError(f"{what} {p} is a file, not a folder")
     if p.is_dir():
@@ -108,5 +134,62 @@ def check_output_dir(path, what: str = "output folder") -> Path:
 def prepare_output(path, what: str = "output file") -> Path:
     """:func:`check_output_path`, then create its folder: call right before writing."""
     p = check_output_path(path, what)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_error(p, what, e) from None
     return p
+
+
+def _write_error(p: Path, what: str, e: OSError) -> FileError:
+    return FileError(f"{what} {p} could not be written: {e.strerror or e}")
+
+
+@contextlib.contextmanager
+def output_file(path, what: str = "output file", mode: str = "w", **open_args):
+    """``with output_file(path) as fh: ...``: ``fh`` is a temporary file next to ``path`` that
+    replaces it when the block ends without an error (else it is removed and ``path`` is left as it
+    was). ``mode`` "w" or "wb"; an OSError, in the block or in the write itself, becomes one
+    :class:`FileError` line naming ``path``."""
+    p = prepare_output(path, what)
+    if p.is_symlink() and p.exists():       # write the file the link names; the link stays
+        p = p.resolve()
+    if p.exists() and not p.is_file():      # a device or pipe: no folder entry to replace
+        try:
+            with open(p, mode, **open_args) as fh:
+                yield fh
+        except OSError as e:
+            raise _write_error(p, what, e) from None
+        return
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name[:40]}.", suffix=".tmp")
+        with os.fdopen(fd, mode, **open_args) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        if p.exists():
+            os.chmod(tmp, p.stat().st_mode & 0o7777)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, p)
+        tmp = None
+    except OSError as e:
+        raise _write_error(p, what, e) from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_output(path, data: str | bytes, what: str = "output file") -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically (see :func:`output_file`)."""
+    with output_file(path, what, "wb") as fh:
+        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)

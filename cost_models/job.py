@@ -13,7 +13,8 @@ disturbs it (:class:`Faults`). The cost source is exactly one of
 * ``profile``: a calibration profile (``pipetwin calibrate``): measured costs on its own host, or
   scaled onto ``cluster`` when one is named;
 * ``plan``: a planner plan file, loaded (:class:`PlanSource`), which brings its own layout, model,
-  cluster and costs.
+  cluster and costs;
+* ``stage_costs``: a user's per-stage times, FILE.yaml (:mod:`cost_models.stage_costs`).
 
 Constructing a job checks it: a value out of range or two cost sources that exclude each other
 raise one ValueError whose message names the command-line option of the field (``--micro-batch``
@@ -44,6 +45,8 @@ if TYPE_CHECKING:   # pragma: no cover - types only
 
 DEFAULT_MODEL = "gpt-96"
 DEFAULT_CLUSTER = "dgx-a100-4x8-ib"
+MAX_JITTER = 1.0            # --jitter: at most a relative standard deviation of 100% per op
+MEMORY_UNITS = ("Ma", "B")   # --memory-limit: activations of full stages, or bytes of device memory
 MAX_SIM_RANKS = 131_072     # ranks the simulator keeps per-rank records for (one replica simulated for all)
 
 
@@ -60,10 +63,14 @@ def _finite(value, option: str, *, positive: bool) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Which schedule runs on which data x pipeline layout: ``schedule`` (a family name,
+    """Which schedule runs on which T x D x R layout: ``schedule`` (a family name,
     :func:`schedules.names`) on ``devices`` D pipeline devices with ``microbatches`` N per
     iteration, ``replicas`` R data-parallel copies of the pipeline, ``chunks`` per device for the
-    families that take it and the family's ``variant`` (None: its first)."""
+    families that take it and the family's ``variant`` (None: its first); ``tp`` T GPUs per
+    pipeline device that split every layer (tensor parallel): T x D x R GPUs in all;
+    ``memory_limit`` (value, ``"Ma"`` or ``"B"``) for the families that order their ops under one
+    (zb-auto): each device's activation limit in Ma, or its whole memory in bytes (the costs' static
+    memory, weights and optimizer state, taken off), in place of the variant's."""
 
     schedule: str
     devices: int
@@ -71,31 +78,54 @@ class Layout:
     replicas: int = 1
     chunks: int = 2
     variant: str | None = None
+    tp: int = 1
+    memory_limit: tuple[float, str] | None = None
 
     def __post_init__(self):
-        registry.get(self.schedule)          # an unknown name: the registry's one line, with the names
+        fam = registry.get(self.schedule)    # an unknown name: the registry's one line, with the names
         for value, option in ((self.devices, "--devices"), (self.microbatches, "--microbatches"),
-                              (self.replicas, "--dp"), (self.chunks, "--chunks")):
+                              (self.replicas, "--dp"), (self.chunks, "--chunks"), (self.tp, "--tp")):
             _whole(value, option)
+        if self.memory_limit is not None:
+            self._check_memory_limit(fam)
+
+    def _check_memory_limit(self, fam) -> None:
+        value, unit = self.memory_limit
+        if not fam.takes_memory_limit:
+            takes = [n for n, f in registry.families().items() if f.takes_memory_limit]
+            raise ValueError(f"--memory-limit applies to {', '.join(takes)} only; {self.schedule} has a fixed "
+                             f"order (drop --memory-limit)")
+        if unit not in MEMORY_UNITS:
+            raise ValueError(f"--memory-limit unit must be one of {', '.join(MEMORY_UNITS)}; got {unit!r}")
+        _finite(value, "--memory-limit", positive=True)
+        if self.variant is not None:
+            raise ValueError(f"--memory-limit replaces {self.schedule}'s variant (its limit); drop --variant")
+    @property
+    def gpus(self) -> int:
+        """T x D x R."""
+        return self.tp * self.devices * self.replicas
 
     def family_options(self) -> dict:
         """The keyword arguments of :func:`schedules.build` (every family takes ``chunks``)."""
-        return {"chunks": self.chunks, **({} if self.variant is None else {"variant": self.variant})}
+        out = {"chunks": self.chunks, **({} if self.variant is None else {"variant": self.variant})}
+        if self.memory_limit is not None and self.memory_limit[1] == "Ma":
+            out["memory_limit"] = self.memory_limit[0]      # unit costs: 1 Ma per micro-batch and full stage
+        return out
 
     def check_size(self, *, one_replica: bool = True, **limits) -> None:
         """:func:`check_run_size` of this layout (``limits``: cluster_devices, cluster_name,
         layers, model_name; ``one_replica``: as the simulator builds it, one replica standing for
         all, else as the executor runs every rank)."""
         check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
-                       chunks=self.chunks, one_replica=one_replica, **limits)
+                       chunks=self.chunks, one_replica=one_replica, tp=self.tp, **limits)
 
-    def build(self, *, eager: bool = True, **limits):
+    def build(self, *, eager: bool = True, family: dict | None = None, **limits):
         """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
         (ScheduleError, a ValueError, names what to change) after :meth:`check_size` with
-        ``limits``."""
+        ``limits``; ``family``: more keyword arguments of the family (zb-auto's ``costs``)."""
         from schedules import build, lower, validate
         self.check_size(**limits)
-        low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options()),
+        low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {})),
                     replicas=self.replicas, eager=eager)
         validate(low)
         return low
@@ -155,11 +185,13 @@ class ClusterChoice:
 
 @dataclass(frozen=True, kw_only=True)
 class Faults:
-    """What disturbs a simulated run: stragglers (``slowdown``: rank -> factor on its compute
-    time), slow links (``slow_links``: link name, e.g. ``n1.nic0.out``, -> factor dividing its
+    """What disturbs a simulated run: stragglers (``slowdown``: rank -> factor >= 1 on its compute
+    time), slow links (``slow_links``: link name, e.g. ``n1.nic0.out``, -> factor >= 1 dividing its
     bandwidth; the run must cross it), per-op compute noise (``jitter``: relative standard
-    deviation, seeded by ``seed``). Pairs are kept as tuples (a job is hashable); give a rank or a
-    link once."""
+    deviation in [0, :data:`MAX_JITTER`] of a mean-1 factor on each op, seeded by ``seed``). A
+    factor below 1 would make a "straggler" faster than the device (the simulator refuses ops
+    faster than their FLOPs at its peak). Pairs are kept as tuples (a job is hashable); give a
+    rank or a link once."""
 
     slowdown: tuple[tuple[int, float], ...] = ()
     slow_links: tuple[tuple[str, float], ...] = ()
@@ -170,6 +202,8 @@ class Faults:
         object.__setattr__(self, "slowdown", _pairs(self.slowdown, "--slowdown", int))
         object.__setattr__(self, "slow_links", _pairs(self.slow_links, "--slow-link", str))
         _finite(self.jitter, "--jitter", positive=False)
+        if self.jitter > MAX_JITTER:
+            raise ValueError(f"--jitter is a relative standard deviation in [0, {MAX_JITTER:g}]; got {self.jitter!r}")
         _whole(self.seed, "--seed", 0)
 
     @property
@@ -190,6 +224,8 @@ def _pairs(items, option: str, key_type) -> tuple:
         elif not isinstance(k, str) or not k:
             raise ValueError(f"{option}: a link name must be a non-empty string; got {k!r}")
         _finite(v, f"{option} {k} factor", positive=True)
+        if v < 1:
+            raise ValueError(f"{option} {k}={v:g}: a factor must be >= 1 (it slows down; 1 = no change)")
         if k in seen:
             raise ValueError(f"{option} names {k} twice")
         seen.add(k)
@@ -217,13 +253,19 @@ class Job:
     unit_costs: bool = False
     profile: str | None = None
     plan: PlanSource | None = None
+    stage_costs: str | None = None
     cost_model: str | None = None
     profile_batch: int | None = None
     micro_batch: int | None = None
+    seq_len: int | None = None
     recompute: str = "none"
     partition: tuple[int, ...] | str | None = None
-    device_map: str = "sequential"
+    device_map: str | None = None
     eager: bool = True
+    sequence_parallel: bool = False
+    tp_overlap: bool = False
+    zero: int = 0
+    memory_reserve: float | None = None
     faults: Faults = field(default_factory=Faults)
     exact: bool = False
 
@@ -232,11 +274,15 @@ class Job:
             object.__setattr__(self, "cluster", ClusterChoice(name=self.cluster))
         if self.micro_batch is not None:
             _whole(self.micro_batch, "--micro-batch")
+        if self.seq_len is not None:
+            _whole(self.seq_len, "--seq-len")
+        if self.memory_reserve is not None:
+            _finite(self.memory_reserve, "--memory-reserve", positive=False)
         if self.profile_batch is not None:
             _whole(self.profile_batch, "--profile-batch")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
-        if self.device_map not in MAPPINGS:
+        if self.device_map is not None and self.device_map not in MAPPINGS:
             raise ValueError(f"--device-map must be one of {', '.join(sorted(MAPPINGS))}; got {self.device_map!r}")
         if self.cost_model is not None and self.cost_model not in COST_MODELS:
             raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
@@ -247,14 +293,43 @@ class Job:
             if self.layout is None:
                 raise ValueError("give --schedule, --devices, --microbatches (or --plan PLAN.json)")
             self._check_cost_source()
+            self._check_parallel()
+
+    @property
+    def mapping(self) -> str:
+        """How ranks are placed: ``device_map``, else Megatron's order (TP, then DP, then PP) with
+        tensor parallelism and the sequential order (a pipeline on consecutive devices) without."""
+        if self.device_map is not None:
+            return self.device_map
+        return "megatron" if self.layout is not None and self.layout.tp > 1 else "sequential"
+
+    def _check_parallel(self) -> None:
+        """Tensor parallelism and ZeRO: options that only act together, and only on the formulas."""
+        tp = self.layout.tp
+        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+            raise ValueError(f"--zero must be 0 or 1 (ZeRO-1: the optimizer state sharded over --dp); "
+                             f"got {self.zero!r}")
+        if self.zero and self.layout.replicas == 1:
+            raise ValueError("--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1")
+        for flag, on in (("--sequence-parallel", self.sequence_parallel), ("--tp-overlap", self.tp_overlap)):
+            if not isinstance(on, bool):
+                raise ValueError(f"{flag} is a switch (true or false); got {on!r}")
+            if on and tp == 1:
+                raise ValueError(f"{flag} acts on a tensor-parallel group; give --tp > 1")
+        given = [f for f, v in (("--tp", tp > 1), ("--zero", self.zero), ("--seq-len", self.seq_len)) if v]
+        if given and self.source != "transformer":
+            raise ValueError(f"{' and '.join(given)} act on a model's formulas: use --model/--cluster costs "
+                             f"(not --unit-costs, --profile or a FILE.txt profile)")
 
     # ------------------------------------------------------------------ the cost source
     @property
     def source(self) -> str:
-        """Where the costs come from: ``plan``, ``unit``, ``profile``, ``layer-profile`` (a
-        PipeDream-format ``model``) or ``transformer`` (a model spec's formulas)."""
+        """Where the costs come from: ``plan``, ``unit``, ``stage-costs``, ``profile``,
+        ``layer-profile`` (a PipeDream-format ``model``) or ``transformer`` (a model spec's formulas)."""
         if self.plan is not None:
             return "plan"
+        if self.stage_costs is not None:
+            return "stage-costs"
         if self.unit_costs:
             return "unit"
         if self.profile is not None:
@@ -272,9 +347,22 @@ class Job:
         if self.cost_model and (self.unit_costs or self.profile):
             raise ValueError("--cost-model applies to --model/--cluster costs; drop it with --unit-costs / --profile")
         given = self._formula_options()
+        if self.stage_costs is not None:
+            other = given + [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
+                                            ("--partition", self.partition),
+                                            ("--recompute", self.recompute != "none")) if v]
+            if other:
+                raise ValueError(f"--stage-costs gives every stage's times; drop {', '.join(other)}")
+            return
         if self.unit_costs:
             if self.profile or given:
                 raise ValueError(f"--unit-costs replaces every cost model; drop {', '.join(given or ['--profile'])}")
+            if self.partition is not None:
+                raise ValueError("--partition splits a model's layers; unit costs have none (F = 1 per full "
+                                 "stage): drop --partition or --unit-costs")
+            if self.recompute != "none":
+                raise ValueError("--recompute changes a model's costs; unit costs have none: drop --recompute "
+                                 "or --unit-costs")
             return
         if self.profile:
             # a model file (PATH.py:FUNC) is checked against the profile's model when bound; a
@@ -298,10 +386,12 @@ class Job:
         if self.layout is not None:
             raise ValueError("--plan fixes the schedule and layout; drop --schedule, --devices, --microbatches")
         given = [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
+                                ("--stage-costs", self.stage_costs),
                                 ("--model", self.model), ("--cluster", self.cluster.name),
-                                ("--micro-batch", self.micro_batch), ("--partition", self.partition)) if v]
+                                ("--micro-batch", self.micro_batch), ("--partition", self.partition),
+                                ("--recompute", self.recompute != "none")) if v]
         if given:
-            raise ValueError(f"--plan brings its own model, cluster and costs; drop {', '.join(given)}")
+            raise ValueError(f"--plan brings its own model, cluster, costs and recompute; drop {', '.join(given)}")
 
     # ------------------------------------------------------------------ derived jobs
     def with_layout(self, **changes) -> "Job":
@@ -344,7 +434,7 @@ def _partition(value):
 
 def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks: int = 1,
                    cluster_devices: int | None = None, cluster_name: str = "", layers: int | None = None,
-                   model_name: str = "", one_replica: bool = False) -> None:
+                   model_name: str = "", one_replica: bool = False, tp: int = 1) -> None:
     """What can be refused without building a schedule: the size limits of the IR
     (:func:`schedules.registry.check_size`), a cluster too small for D x R ranks, a model with
     fewer layers than stages (every schedule has at least D stages per copy). One-line ValueErrors.
@@ -366,9 +456,11 @@ def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks
                          f"beyond pipetwin's limit of {registry.MAX_OPS:,} (memory and time grow with it); "
                          f"use -N {most:,} or fewer")
     ranks = devices * replicas
-    if cluster_devices is not None and ranks > cluster_devices:
-        raise ValueError(f"{ranks} ranks (D={devices} x R={replicas}) do not fit on cluster {cluster_name} with "
-                         f"{cluster_devices} devices; pick a bigger --cluster or a smaller -D/--dp")
+    if cluster_devices is not None and ranks * tp > cluster_devices:
+        what = f"{ranks} ranks (D={devices} x R={replicas})" if tp == 1 else \
+            f"{ranks * tp:,} GPUs (T={tp} x D={devices} x R={replicas})"
+        raise ValueError(f"{what} do not fit on cluster {cluster_name} with {cluster_devices:,} devices; pick a "
+                         f"bigger --cluster (or --nodes) or a smaller " + ("-D/--dp" if tp == 1 else "--tp/-D/--dp"))
     if layers is not None and layers < devices:
         raise ValueError(f"model {model_name} has {layers} layers to split, fewer than the {devices} pipeline "
                          f"stages; lower -D or pick a deeper --model")

@@ -76,12 +76,13 @@ if TYPE_CHECKING:  # pragma: no cover
 TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64),
                                       (64, 32), (32, 64), (32, 32))
 SPLIT_K = (1, 2, 4, 8, 16)
-ARCHS = ("bert", "gpt", "opt", "t5")
+ARCHS = ("bert", "gpt", "opt", "t5", "llama")
+TP_ARCHS = ("gpt", "llama")        # the blocks priced split over a tensor-parallel group
 # nn.Module calls of a block that launch no kernel of their own (the block and its sub-block containers):
 # BertLayer, BertAttention, BertSelfAttention, BertSelfOutput, BertIntermediate, BertOutput; the
 # executor's Block and CausalSelfAttention; OPTDecoderLayer, OPTAttention; T5Block,
 # T5LayerSelfAttention, T5Attention, T5LayerFF, T5DenseActDense
-CONTAINERS = {"bert": 6, "gpt": 2, "opt": 2, "t5": 5}
+CONTAINERS = {"bert": 6, "gpt": 2, "opt": 2, "t5": 5, "llama": 2}
 PHASES = ("F", "B", "W")
 COST_MODELS = ("kernels", "linear")
 
@@ -307,7 +308,12 @@ class DeviceRates:
 class BlockShape:
     """One transformer block: ``arch`` (:data:`ARCHS`), hidden h, heads a, sequence s, MLP width
     ffn, bytes per element, micro-batch b. ``pre_norm`` (opt: the norm before each sub-block) and
-    ``dropout`` (masks and their kernels) follow the arch unless given."""
+    ``dropout`` (masks and their kernels) follow the arch unless given. ``gpt`` and ``llama``
+    blocks also take ``kv_heads`` (grouped-query attention), ``attention`` (``flash``: one fused
+    kernel; ``eager``: the scores' batched GEMMs and a fused scale-mask-softmax, as Megatron-LM
+    runs them) and a tensor-parallel split over ``tp`` GPUs (the GEMMs at 1/t of their width or
+    depth, the attention over a/t heads; the norms, residuals and dropouts on the whole sequence,
+    or on 1/t of it with ``sp``, sequence parallelism)."""
 
     arch: str
     hidden: int
@@ -318,10 +324,17 @@ class BlockShape:
     micro_batch: int
     dropout: bool = True
     pre_norm: bool | None = None
+    kv_heads: int | None = None
+    attention: str = "flash"
+    tp: int = 1
+    sp: bool = False
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise SpecError(f"unknown block arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
+        if (self.tp > 1 or self.kv_heads is not None or self.attention != "flash") and self.arch not in TP_ARCHS:
+            raise SpecError(f"tensor parallelism, kv_heads and eager attention are priced for "
+                            f"{' and '.join(TP_ARCHS)} blocks, not {self.arch}; use --cost-model linear")
         for f in ("hidden", "heads", "seq", "ffn", "dtype_bytes", "micro_batch"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -330,6 +343,10 @@ class BlockShape:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def kv(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
 
 
 def _norm(name, phase, arch, n, d, T):
@@ -382,14 +399,16 @@ def block_kernels(sh: BlockShape, *, input_grad: bool = True, accumulate_grads: 
 def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, recompute: str) -> tuple[Kernel, ...]:
     """The kernels of :func:`block_kernels` as a tuple (cached per distinct block)."""
     a, s, h, f, d, b = sh.arch, sh.seq, sh.hidden, sh.ffn, sh.dtype_bytes, sh.micro_batch
-    A, Dh = sh.heads, sh.head_dim
+    tp = sh.tp
+    A, Dh = sh.heads // tp, sh.head_dim  # heads on one GPU of the tensor-parallel group
     T = b * s
-    th = T * h * d                       # bytes of one [T x h] tensor
+    Te = T // tp if sh.sp else T         # rows of the element-wise kernels (sequence parallel: 1/t)
+    th = Te * h * d                      # bytes of one [T x h] tensor
     n_sc = b * A * s * s                 # attention score elements
     sc = n_sc * d
     bias = a in ("bert", "gpt", "opt")
-    drop = sh.dropout and a != "gpt"
-    pre = sh.pre_norm if sh.pre_norm is not None else a in ("gpt", "t5")
+    drop = sh.dropout and a not in TP_ARCHS
+    pre = sh.pre_norm if sh.pre_norm is not None else a in ("gpt", "t5", "llama")
     mask = 1 if drop else 0              # bytes per element of a dropout mask
     Fk: list[Kernel] = []
     groups: list[list[Kernel]] = []      # backward kernels of each forward step, in forward order
@@ -409,8 +428,8 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
         params.extend([n_out * n_in] + ([n_out] if bias else []))
 
     def norm(name):
-        step(_norm(name, "F", a, T * h, d, T), _norm(name, "B", a, T * h, d, T))
-        params.extend([h] if a == "t5" else [h, h])
+        step(_norm(name, "F", a, Te * h, d, Te), _norm(name, "B", a, Te * h, d, Te))
+        params.extend([h] if a in ("t5", "llama") else [h, h])
 
     def dropout(name, nbytes, elems, modules=1):
         if drop:
@@ -420,10 +439,22 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
     # ---- attention sub-block
     if pre:
         norm("ln1")
-    if a == "gpt":
-        lin("qkv", 3 * h, h, qkv_dx)
-        step([fused_attention("attn", "F", b, A, s, Dh, d)],
-             [fused_attention("attn.bwd", "B", b, A, s, Dh, d, backward=True)], core=True)
+    if a in TP_ARCHS:
+        lin("qkv", (sh.heads + 2 * sh.kv) * Dh // tp, h, qkv_dx)
+        if a == "llama":    # rotary embeddings on Q and K
+            qk = T * (A + sh.kv // tp) * Dh * d
+            step([memory("rotary", "F", 2 * qk)], [memory("rotary.bwd", "B", 2 * qk)], core=True)
+        if sh.attention == "flash":
+            step([fused_attention("attn", "F", b, A, s, Dh, d)],
+                 [fused_attention("attn.bwd", "B", b, A, s, Dh, d, backward=True)], core=True)
+        else:               # Megatron's eager core: QK^T, a fused scale-mask-softmax, PV
+            step([gemm("qk", "F", s, s, Dh, d, batch=b * A)],
+                 [gemm("qk.dq", "B", s, Dh, s, d, batch=b * A), gemm("qk.dk", "B", s, Dh, s, d, batch=b * A)],
+                 core=True)
+            step([memory("softmax", "F", 2 * sc)], [memory("softmax.bwd", "B", 3 * sc)], core=True)
+            step([gemm("pv", "F", s, Dh, s, d, batch=b * A)],
+                 [gemm("pv.dp", "B", s, s, Dh, d, batch=b * A), gemm("pv.dv", "B", s, Dh, s, d, batch=b * A)],
+                 core=True)
     else:
         if qkv_dx:      # the three input gradients are summed
             step([], [memory(f"qkv.dx.sum{i}", "B", 3 * th) for i in range(2)])
@@ -460,7 +491,7 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
         step([gemm("pv", "F", s, Dh, s, d, batch=b * A)],
              [gemm("pv.dp", "B", s, s, Dh, d, batch=b * A), gemm("pv.dv", "B", s, Dh, s, d, batch=b * A)], core=True)
         step([memory("ctx.copy", "F", 2 * th)], [memory("ctx.copy.bwd", "B", 2 * th)], core=True)
-    lin("o" if a != "gpt" else "proj", h, h)
+    lin("o" if a not in TP_ARCHS else "proj", h, h // tp if a in TP_ARCHS else h)
     dropout("o.dropout", th, T * h)
     step([memory("residual1", "F", 3 * th)], [memory("residual1.accum", "B", 3 * th)] if input_grad or pre else [])
     if not pre:
@@ -468,12 +499,17 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
     # ---- MLP sub-block
     if pre:
         norm("ln2")
-    lin("fc1", f, h)
-    step([memory("act", "F", 2 * T * f * d, modules=0 if a == "gpt" else 1)],
-         [memory("act.bwd", "B", 3 * T * f * d)])
+    ft = f // tp
+    if a == "llama":        # SwiGLU: gate and up in one GEMM, silu(gate) * up, then down
+        lin("fc1", 2 * ft, h)
+        step([memory("swiglu", "F", 3 * T * ft * d)], [memory("swiglu.bwd", "B", 5 * T * ft * d)])
+    else:
+        lin("fc1", ft, h)
+        step([memory("act", "F", 2 * T * ft * d, modules=0 if a == "gpt" else 1)],
+             [memory("act.bwd", "B", 3 * T * ft * d)])
     if a == "t5":
         dropout("act.dropout", T * f * d, T * f)
-    lin("fc2", h, f)
+    lin("fc2", h, ft)
     dropout("fc2.dropout", th, T * h)
     step([memory("residual2", "F", 3 * th)], [memory("residual2.accum", "B", 3 * th)])
     if not pre:
@@ -491,27 +527,42 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
     return tuple(Fk + back)
 
 
-def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None) -> BlockShape:
-    """The block of a model spec: ``bert`` for kind bert, ``gpt`` (the executor's block) for gpt."""
-    return BlockShape(arch or ("bert" if spec.kind == "bert" else "gpt"), spec.hidden, spec.heads, spec.seq_len,
-                      spec.ffn_mult * spec.hidden, spec.dtype_bytes, spec.micro_batch, dropout)
+def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None, tp: int = 1,
+                sp: bool = False, attention: str | None = None) -> BlockShape:
+    """The block of a model spec: ``bert`` for kind bert, ``gpt`` (the executor's block) for gpt,
+    ``llama`` for llama; its attention the model's unless given."""
+    arch = arch or ("bert" if spec.kind == "bert" else "llama" if spec.kind == "llama" else "gpt")
+    extra = {} if arch not in TP_ARCHS else dict(kv_heads=None if spec.kv == spec.heads else spec.kv,
+                                                 attention=attention or spec.attention_kind, tp=tp, sp=sp)
+    if tp > 1 and arch not in TP_ARCHS:
+        raise SpecError(f"--tp with --cost-model kernels prices {' and '.join(TP_ARCHS)} blocks, not {arch}; "
+                        f"use --cost-model linear")
+    return BlockShape(arch, spec.hidden, spec.heads, spec.seq_len, spec.ffn, spec.dtype_bytes,
+                      spec.micro_batch, dropout, **extra)
 
 
-def embedding_kernels(spec: "ModelSpec") -> list[Kernel]:
-    """Token (+ position, + token type) lookup and sum; backward: a scatter-add into the tables."""
+def embedding_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kernel]:
+    """Token (+ position, + token type) lookup and sum; backward: a scatter-add into the tables.
+    Vocabulary-parallel over ``tp``: each GPU looks up the tokens of its rows (the others are
+    masked to zero) and the outputs are summed by an all-reduce (costed apart)."""
     T, h, d = spec.micro_batch * spec.seq_len, spec.hidden, spec.dtype_bytes
-    n = 3 if spec.kind == "bert" else 2
+    n = 3 if spec.kind == "bert" else 1 if spec.kind == "llama" else 2
     ks = [memory(f"embed.lookup{i}", "F", 2 * T * h * d + 8 * T) for i in range(n)]
-    ks += [memory("embed.sum", "F", (n + 1) * T * h * d)]
+    if n > 1:
+        ks += [memory("embed.sum", "F", (n + 1) * T * h * d)]
+    if tp > 1:
+        ks += [memory("embed.mask", "F", 2 * T * h * d + 8 * T)]
     ks += [memory(f"embed.scatter{i}", "W", 3 * T * h * d + 8 * T) for i in range(n)]
     return ks
 
 
-def head_kernels(spec: "ModelSpec") -> list[Kernel]:
+def head_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kernel]:
     """Final norm, the V x h projection (BERT: the h x h transform and GeLU first), the softmax
-    cross-entropy over the fp32 logits and their gradient."""
-    T, h, d, V = spec.micro_batch * spec.seq_len, spec.hidden, spec.dtype_bytes, spec.vocab
-    ks = [memory("head.norm", "F", 2 * T * h * d), memory("head.norm.dx", "B", 3 * T * h * d)]
+    cross-entropy over the fp32 logits and their gradient; the projection and the loss over V/t
+    rows of the vocabulary on each of ``tp`` GPUs, the norm over 1/t of the sequence with ``sp``."""
+    T, h, d, V = spec.micro_batch * spec.seq_len, spec.hidden, spec.dtype_bytes, -(-spec.vocab // tp)
+    Tn = T // tp if sp else T
+    ks = [memory("head.norm", "F", 2 * Tn * h * d), memory("head.norm.dx", "B", 3 * Tn * h * d)]
     if spec.kind == "bert":
         ks += [gemm("head.transform", "F", T, h, h, d), memory("head.gelu", "F", 2 * T * h * d),
                gemm("head.transform.dx", "B", T, h, h, d), memory("head.gelu.bwd", "B", 3 * T * h * d),
@@ -523,13 +574,15 @@ def head_kernels(spec: "ModelSpec") -> list[Kernel]:
 
 
 def transformer_layer_times(spec: "ModelSpec", device: "DeviceSpec", precision: str, recompute: str = "none",
-                            dropout: bool = True, constants: GpuConstants | None = None
-                            ) -> list[tuple[float, float, float]]:
+                            dropout: bool = True, constants: GpuConstants | None = None, tp: int = 1,
+                            sp: bool = False) -> list[tuple[float, float, float]]:
     """(F, B, W) seconds of every layer of the stack [embedding, blocks, head] for one micro-batch
-    of ``spec.micro_batch`` sequences, each phase a long-run kernel stream (see :func:`stream_time`)."""
+    of ``spec.micro_batch`` sequences on one of ``tp`` GPUs, each phase a long-run kernel stream
+    (see :func:`stream_time`); the tensor-parallel collectives are not in them."""
     rates = DeviceRates.of(device, precision, constants)
-    block = rates.phases(block_kernels(block_shape(spec, dropout), recompute=recompute))
-    return [rates.phases(embedding_kernels(spec)), *([block] * spec.layers), rates.phases(head_kernels(spec))]
+    block = rates.phases(block_kernels(block_shape(spec, dropout, tp=tp, sp=sp), recompute=recompute))
+    return [rates.phases(embedding_kernels(spec, tp, sp)), *([block] * spec.layers),
+            rates.phases(head_kernels(spec, tp, sp))]
 
 
 # ---------------------------------------------------------------------------- measurement protocol

@@ -10,18 +10,90 @@ Activation memory is walked along a rank's program (its own op order decides it;
 not): F of (copy, stage) adds ``act[copy][stage]``; B frees it and, for split schedules, keeps
 ``act_w`` until the W of the same micro-batch frees that. The peak over the walk is what the
 rank needs on top of its static memory. Units are those of the StageCosts (bytes, or Ma / Mw
-for the unit model). Not counted: communication buffers, the all-reduce bucket, allocator
-fragmentation and, under full recomputation, the transient activations of the one stage being
-recomputed.
+for the unit model). This is what a trace measures too (simulated and executed alike).
+
+Whether a GPU keeps it (:func:`memory_verdict`) also counts what the walk leaves out and can be
+counted, the *transients* a cost model states (``StageCosts.meta['memory_transient']``: the one
+layer being recomputed, whose activations live from its re-run forward to its backward, and the
+staging buffers of one send and one receive), and a *reserve* for what cannot be: the CUDA
+context, the communication library's buffers and the allocator's fragmentation, by default
+:data:`RESERVE_BYTES` + :data:`RESERVE_FRACTION` of the device's memory (``--memory-reserve``).
+A peak within :data:`NEAR_LIMIT` of the memory left is called near the limit.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Iterable, Sequence
 
 from schedules.ir import COMPUTE_KINDS, activation_change
 
 from .base import StageCosts
+
+
+BYTE_UNITS = (("B", 1), ("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40))
+
+
+def byte_unit(values) -> tuple[str, int]:
+    """The binary unit that shows ``values`` (bytes) best: the largest in which the biggest value is >= 1."""
+    top = max((abs(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))), default=0)
+    name, div = BYTE_UNITS[0]
+    for n, d in BYTE_UNITS:
+        if top >= d:
+            name, div = n, d
+    return name, div
+
+
+def fmt_bytes(n: float) -> str:
+    """One size in its own best unit: ``2.11 MiB``."""
+    name, div = byte_unit([n])
+    return f"{n:.0f} B" if div == 1 else f"{n / div:.3g} {name}"
+
+
+RESERVE_BYTES = 2 ** 30        # CUDA context and communicator buffers
+RESERVE_FRACTION = 0.05        # allocator fragmentation
+NEAR_LIMIT = 0.95
+
+
+def default_reserve(capacity: float) -> float:
+    """Bytes kept back on a device of ``capacity`` bytes: 1 GiB + 5% of it."""
+    return RESERVE_BYTES + RESERVE_FRACTION * capacity
+
+
+def usable_memory(capacity: float, reserve: float | None = None) -> float:
+    """What a plan may use of a device of ``capacity`` bytes: less ``reserve`` (None: the default)."""
+    return capacity - (default_reserve(capacity) if reserve is None else reserve)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a peak fits a device: ``fits``, ``near`` (within :data:`NEAR_LIMIT` of the usable
+    memory) and the one line that says so."""
+
+    fits: bool
+    near: bool
+    text: str
+
+
+def memory_verdict(static: float, activation: float, capacity: float, *, transient: float = 0.0,
+                   reserve: float | None = None, where: str = "") -> Verdict:
+    """The verdict for a peak of ``static`` + ``activation`` bytes (the walk's, on the device
+    ``where``) plus ``transient`` bytes, with ``reserve`` (None: :func:`default_reserve`) kept back
+    from ``capacity``."""
+    usable = usable_memory(capacity, reserve)
+    reserve = capacity - usable
+    peak = static + activation
+    need = peak + transient
+    fits = need <= usable
+    near = fits and need > NEAR_LIMIT * usable
+    gib = fmt_bytes
+    on = f" on {where}" if where else ""
+    parts = f"peak {gib(peak)}{on} (static {gib(static)} + activations {gib(activation)})"
+    if transient:
+        parts += f" + transients {gib(transient)} (the recomputed layer, send and receive buffers)"
+    head = "OUT OF MEMORY" if not fits else "fits, near the limit" if near else "fits"
+    text = f"{head}: {parts} vs {gib(usable)} usable of {gib(capacity)} ({gib(reserve)} reserved)"
+    return Verdict(fits, near, text)
 
 
 class OutOfMemory(ValueError):
@@ -79,12 +151,15 @@ def peak_activation(sched, costs: StageCosts) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Per-rank static and peak activation memory against a capacity (None: unknown)."""
+    """Per-rank static and peak activation memory against a capacity (None: unknown), with the
+    transients and reserve of :func:`memory_verdict` (which every verdict here is)."""
 
     static: tuple[float, ...]
     activation: tuple[float, ...]
     capacity: float | None
     unit: str = "B"
+    transient: float = 0.0
+    reserve: float | None = None
 
     @property
     def peak(self) -> tuple[float, ...]:
@@ -99,33 +174,28 @@ class MemoryReport:
         p = self.peak
         return p.index(max(p))
 
+    def _verdict(self, r: int) -> Verdict | None:
+        if self.capacity is None or self.unit != "B":
+            return None
+        return memory_verdict(self.static[r], self.activation[r], self.capacity, transient=self.transient,
+                              reserve=self.reserve, where=f"rank {r}")
+
     @property
     def oom(self) -> bool:
-        return self.capacity is not None and self.max_peak > self.capacity
+        return bool(self.oom_ranks)
 
     @property
     def oom_ranks(self) -> tuple[int, ...]:
-        if self.capacity is None:
-            return ()
-        return tuple(r for r, p in enumerate(self.peak) if p > self.capacity)
-
-    @property
-    def headroom(self) -> float | None:
-        return None if self.capacity is None else self.capacity - self.max_peak
-
-    def _fmt(self, x: float) -> str:
-        return f"{x / 2 ** 30:.2f} GiB" if self.unit == "B" else f"{x:g} {self.unit}"
+        return tuple(r for r in range(len(self.static)) if (v := self._verdict(r)) is not None and not v.fits)
 
     def summary(self) -> str:
         r = self.worst_rank
-        s = (f"peak {self._fmt(self.peak[r])} on rank {r} (static {self._fmt(self.static[r])} + "
-             f"activations {self._fmt(self.activation[r])})")
-        if self.capacity is None:
-            return s + "; device memory unknown"
-        if self.oom:
-            return (f"OUT OF MEMORY: {s} exceeds the device's {self._fmt(self.capacity)} on rank(s) "
-                    f"{', '.join(map(str, self.oom_ranks))}")
-        return s + f" fits in {self._fmt(self.capacity)}"
+        v = self._verdict(r)
+        if v is not None:
+            return v.text + (f"; out of memory on rank(s) {', '.join(map(str, self.oom_ranks))}" if self.oom else "")
+        fmt = fmt_bytes if self.unit == "B" else (lambda x: f"{x:g} {self.unit}")
+        return (f"peak {fmt(self.peak[r])} on rank {r} (static {fmt(self.static[r])} + activations "
+                f"{fmt(self.activation[r])})" + ("; device memory unknown" if self.capacity is None else ""))
 
     def raise_if_oom(self) -> "MemoryReport":
         if self.oom:
@@ -134,12 +204,15 @@ class MemoryReport:
         return self
 
 
-def memory_report(sched, costs: StageCosts, capacity: float | None = None) -> MemoryReport:
+def memory_report(sched, costs: StageCosts, capacity: float | None = None,
+                  reserve: float | None = None) -> MemoryReport:
     """Static + peak activation memory of each rank of ``sched`` under ``costs``. ``capacity``
-    defaults to ``costs.meta['memory_capacity']`` (set by TransformerCostModel from the device)."""
+    defaults to ``costs.meta['memory_capacity']`` (set by TransformerCostModel from the device),
+    the transients to ``costs.meta['memory_transient']``; ``reserve`` None: the default one."""
     if capacity is None:
         capacity = costs.meta.get("memory_capacity")
-    return MemoryReport(tuple(costs.static_mem), peak_activation(sched, costs), capacity, costs.mem_unit)
+    return MemoryReport(tuple(costs.static_mem), peak_activation(sched, costs), capacity, costs.mem_unit,
+                        float(costs.meta.get("memory_transient") or 0.0), reserve)
 
 
 def check_memory(sched, costs: StageCosts, capacity: float | None = None) -> MemoryReport:

@@ -6,8 +6,24 @@ FLOPs and bytes, see :mod:`cost_models.transformer`) read. Presets ship as YAML 
 
 Fields: ``layers`` transformer blocks (embedding and output head come on top), ``hidden`` h,
 ``heads`` a, ``seq_len`` s, ``vocab`` V, ``micro_batch`` b (sequences per micro-batch),
-``ffn_mult`` (MLP width = ffn_mult * h), ``kind`` gpt | bert, ``dtype_bytes`` (bytes per
-activation / weight element: 2 for fp16/bf16, 4 for fp32).
+``ffn_mult`` (MLP width = ffn_mult * h), ``kind`` gpt | bert | llama, ``dtype_bytes`` (bytes per
+activation / weight element: 2 for fp16/bf16, 4 for fp32), and the fields that default by kind:
+
+* ``kv_heads`` (grouped-query attention: heads sharing one key/value head; default ``heads``),
+* ``ffn_hidden`` (the MLP's inner size, when it is no multiple of h: Llama's SwiGLU 14336 for
+  h 4096; default ``ffn_mult * hidden``),
+* ``tied_embeddings`` (the output head reuses the token table, counted once in the model's size:
+  gpt yes; bert and llama no, as their papers count them),
+* ``dropout`` (dropout layers and their 1-byte masks: gpt and bert yes, llama no),
+* ``attention``: ``eager`` (the score matrix is materialised: kept for the backward and moved
+  through memory, as in the Megatron-LM and Korthikanti measurements: gpt and bert) or
+  ``flash`` (a fused kernel keeping only its output and the row statistics: llama, and every
+  Hugging Face config). Time and memory both follow it.
+
+The kinds: ``gpt`` (pre-LayerNorm, GeLU MLP of two matrices, learned positions, biases), ``bert``
+(post-LayerNorm encoder, token types), ``llama`` (RMSNorm, SwiGLU MLP of three matrices, rotary
+positions: no position table, no biases). Mistral and Qwen2 configs are llama blocks (Qwen2 adds
+biases to Q, K and V).
 """
 from __future__ import annotations
 
@@ -16,9 +32,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ._spec import SpecError, presets, read_yaml
+from .hf_config import hf_fields, is_hf_config
 from .stack import is_model_ref, model_ref_help
 
-KINDS = ("gpt", "bert")
+KINDS = ("gpt", "bert", "llama")
+ATTENTION = ("eager", "flash")
 
 
 @dataclass(frozen=True)
@@ -31,8 +49,14 @@ class ModelSpec:
     vocab: int
     micro_batch: int = 1
     ffn_mult: int = 4
-    kind: str = "gpt"           # gpt | bert (encoder, same block cost)
+    kind: str = "gpt"           # gpt | bert (encoder, same block cost) | llama
     dtype_bytes: int = 2        # activations/weights in fp16/bf16 for cost models
+    kv_heads: int | None = None         # None: heads (no grouped-query attention)
+    ffn_hidden: int | None = None       # None: ffn_mult * hidden
+    tied_embeddings: bool | None = None  # None: by kind
+    dropout: bool | None = None         # None: by kind
+    attention: str | None = None        # eager | flash; None: by kind
+    qkv_bias: bool = False              # llama kind only: biases on Q, K, V (Qwen2)
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch", "ffn_mult", "dtype_bytes"):
@@ -44,6 +68,58 @@ class ModelSpec:
                             f"by heads ({self.heads})")
         if self.kind not in KINDS:
             raise SpecError(f"model {self.name!r}: field 'kind' must be one of {', '.join(KINDS)}; got {self.kind!r}")
+        for f in ("kv_heads", "ffn_hidden"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise SpecError(f"model {self.name!r}: field {f!r} must be a positive integer; got {v!r}")
+        if self.heads % self.kv:
+            raise SpecError(f"model {self.name!r}: field 'kv_heads': heads ({self.heads}) must be a multiple of "
+                            f"kv_heads ({self.kv})")
+        for f in ("tied_embeddings", "dropout", "qkv_bias"):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, bool):
+                raise SpecError(f"model {self.name!r}: field {f!r} must be true or false; got {v!r}")
+        if self.attention is not None and self.attention not in ATTENTION:
+            raise SpecError(f"model {self.name!r}: field 'attention' must be one of {', '.join(ATTENTION)}; "
+                            f"got {self.attention!r}")
+        if self.kind != "llama" and (self.kv != self.heads or self.qkv_bias):
+            raise SpecError(f"model {self.name!r}: grouped-query attention (kv_heads) and qkv_bias are llama-kind "
+                            f"fields; set kind: llama")
+
+    # ---------------------------------------------------------------- fields by kind
+    @property
+    def kv(self) -> int:
+        """Key/value heads (grouped-query attention; = heads without it)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's inner size."""
+        return self.ffn_mult * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def tied(self) -> bool:
+        return self.kind == "gpt" if self.tied_embeddings is None else self.tied_embeddings
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.kind != "llama" if self.dropout is None else self.dropout
+
+    @property
+    def attention_kind(self) -> str:
+        return ("flash" if self.kind == "llama" else "eager") if self.attention is None else self.attention
+
+    def check_tensor_parallel(self, tp: int, option: str = "--tp") -> None:
+        """Refuse a tensor-parallel size that does not split the heads, the key/value heads and the
+        MLP's inner size evenly (one line naming the first that does not)."""
+        for what, n in (("heads", self.heads), ("kv_heads", self.kv), ("the FFN size", self.ffn)):
+            if n % tp:
+                raise ValueError(f"{option} {tp} does not divide {what} ({n}) of model {self.name}; "
+                                 f"pick a {option} that divides {n}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,10 +153,22 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> ModelSpec:
         raise SpecError(f"{source}: {e}") from None
 
 
+def spec_from_hf_config(path, seq_len: int | None = None, micro_batch: int = 1) -> ModelSpec:
+    """The spec of a Hugging Face ``config.json`` (:mod:`cost_models.hf_config`)."""
+    fields = hf_fields(path, seq_len, micro_batch)
+    try:
+        return ModelSpec(**fields)
+    except SpecError as e:
+        raise SpecError(f"{path}: {e}") from None
+
+
 def load_model(name_or_path: str | Path) -> ModelSpec:
-    """A preset name (see :func:`model_presets`) or a path to a YAML file. (A Python model file,
-    ``PATH.py:FUNC``, has no spec: its costs come from a calibration profile.)"""
+    """A preset name (see :func:`model_presets`), a path to a YAML file or to a Hugging Face
+    ``config.json`` (:mod:`cost_models.hf_config`). (A Python model file, ``PATH.py:FUNC``, has no
+    spec: its costs come from a calibration profile.)"""
     if is_model_ref(str(name_or_path)):
         raise SpecError(model_ref_help(str(name_or_path)))
+    if is_hf_config(name_or_path):
+        return spec_from_hf_config(name_or_path)
     data, source = read_yaml(name_or_path, "models", "model")
     return spec_from_dict(data, source)

@@ -41,6 +41,19 @@ def is_model_ref(model) -> bool:
     return isinstance(model, str) and MODEL_REF.fullmatch(model.strip()) is not None
 
 
+def absolute_model_ref(ref: str, base=None) -> str:
+    """``PATH.py:FUNC`` with PATH absolute (relative: to ``base``, a folder, where the file is there,
+    else to the working directory); ``package.module:FUNC`` and anything else as it is. What
+    profiles and plan files store, so they work from any folder."""
+    m = MODEL_REF.fullmatch(ref.strip()) if isinstance(ref, str) else None
+    if m is None or not m["target"].endswith(".py"):
+        return ref
+    target = Path(m["target"]).expanduser()
+    if not target.is_absolute() and base is not None and (Path(base) / target).is_file():
+        target = Path(base) / target
+    return f"{target.resolve()}:{m['func']}"
+
+
 def same_model_ref(a: str, b: str) -> bool:
     """Whether two model references name the same function (paths compared resolved)."""
     def key(ref):
@@ -73,6 +86,7 @@ class StackSpec:
     dtype_bytes: int = 4
 
     def __post_init__(self):
+        object.__setattr__(self, "name", absolute_model_ref(self.name))     # any folder can load its file
         n = len(self.layer_names)
         if n < 1:
             raise SpecError(f"model {self.name}: a layer stack needs at least one layer")

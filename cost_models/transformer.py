@@ -1,54 +1,83 @@
 """Transformer costs from formulas: FLOPs, parameters and bytes per layer, and a cost model.
 
-Notation: b micro-batch (sequences), s sequence length, h hidden size, a heads, m = ffn_mult
-(MLP width m*h, 4 in GPT/BERT), V vocabulary, d = dtype_bytes (2 for fp16/bf16).
+Notation: b micro-batch (sequences), s sequence length, h hidden size, a heads, k key/value heads
+(grouped-query attention; k = a without it), e = h/a head size, f the MLP's inner size (4h in
+GPT/BERT: ``ffn_mult`` m = 4), V vocabulary, d = dtype_bytes (2 for fp16/bf16), t the
+tensor-parallel size (each stage replica is t GPUs that split every layer Megatron-style: the
+attention heads and the MLP's inner dimension column-parallel, the output projections
+row-parallel; the embedding table and the LM head split over the vocabulary). Every per-GPU
+quantity below is for one of the t GPUs; t = 1 is the unsplit layer.
 
 FLOP convention: **2 FLOPs per multiply-accumulate**, counting matrix multiplications only
-(layernorm, softmax, GeLU, dropout, residual adds are ignored; they are < 2% of a large layer).
-This is the convention of Megatron-LM (Narayanan et al., SC 2021), of the zero-bubble paper
-(Qi et al., ICLR 2024, table 1) and of ``torch.utils.flop_counter.FlopCounterMode``, which the
+(norms, softmax, activations, dropout, residual adds, rotary embeddings are ignored; they are < 2%
+of a large layer). This is the convention of Megatron-LM (Narayanan et al., SC 2021), of the
+zero-bubble paper (Qi et al., ICLR 2024, table 1) and of ``torch.utils.flop_counter``, which the
 tests use to check the formulas exactly on a real torch block.
 
-Per transformer block (pre-LN GPT block: QKV projection, attention, output projection, MLP)::
+Per transformer block, n = 2 matrices in a GeLU MLP (gpt, bert) and 3 in a SwiGLU MLP (llama)::
 
-    forward          F = bsh((8 + 4m)h + 4s)   = sbh(24h + 4s) for m = 4
-                       (QKV 6bsh^2, QK^T 2bs^2h, attention x V 2bs^2h, projection 2bsh^2, MLP 4m bsh^2)
-    input gradient   B = bsh((8 + 4m)h + 8s)   = sbh(24h + 8s)  (both operands of QK^T and attn x V)
-    weight gradient  W = bsh (8 + 4m)h         = 24sbh^2
-    B + W = 2F (the usual "backward = 2 x forward").
-    parameters       (4 + 2m)h^2 + (9 + m)h   = 12h^2 + 13h
+    linear           P = 2bs(h(h + 2ke) + h^2 + n h f)   (QKV, output projection, MLP)
+    forward          F = (P + 4bs^2h) / t               = sbh(24h + 4s) for GPT at t = 1
+    input gradient   B = (P + 8bs^2h) / t                 (both operands of QK^T and attention x V)
+    weight gradient  W = P / t
+    parameters       h(h + 2ke) + h^2 + n h f + norms (2 x 2h LayerNorm, 2 x h RMSNorm) + biases
+                     (gpt/bert: every linear; Qwen2: Q, K, V)  = 12h^2 + 13h for GPT
 
-Activations kept from F for the backward, bytes per micro-batch (Korthikanti et al., "Reducing
-Activation Recomputation in Large Transformer Models", 2022), with 1-byte dropout masks::
+Activations kept from F for the backward, bytes per micro-batch and GPU (Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models", 2022, generalised to k, f, d and
+the masks). Three parts:
 
-    none       sbh((8 + 2m)d + 2) + a s^2 b (2d + 1)  = sbh(34 + 5as/h) for d = 2, m = 4
-    selective  sbh((8 + 2m)d + 2)                     = 34 sbh   (attention core recomputed in B)
-    full       sbh d                                  = 2 sbh    (only the block input; F re-run in B)
+    replicated  R = sbh(4d + 2 x mask)     the two norms' inputs, the two column-parallel inputs, the
+                                           two dropout masks after the sub-blocks: split over t only
+                                           with sequence parallelism
+    split       S = sbh d + 2sbke d + sbh d + n' sb f d      Q, K, V, the output projection's input,
+                                           the MLP's (n' = 2 GeLU: its input and output; 3 SwiGLU:
+                                           gate, up and their product)
+    scores      A = eager: a s^2 b (d + mask + mask x d)     softmax output, its dropout mask and
+                                           output; flash: 4 a s b (the fp32 row statistics)
 
-Without dropout the masks go: ``sbh (8 + 2m)d + a s^2 b d``. Recomputation adds FLOPs to the input
-backward: selective ``4bs^2h`` (QK^T and attention x V again), full ``F``.
-Alive between B and W (split backward): the inputs of the four linear layers and the gradients of
-their outputs, ``(8 + 2m) sbh d`` = 32 sbh (the zero-bubble paper's M_W).
-Bytes sent to the next stage: the hidden states, ``bsh d``.
+    none        R' + (S + A) / t          R' = R / t with sequence parallelism, else R
+    selective   R' + S / t                (the attention core re-run in B)
+    full        sbh d (/ t with SP)       (only the block input; F re-run in B)
 
-Embedding (layer 0): token table Vh + learned positions sh (BERT: + 2 token types + layernorm),
-no matmul FLOPs (a lookup; its backward is a scatter-add). Output head (last layer): a final
-layernorm and the V x h projection (BERT: the MLM transform h x h + layernorm before it), with
-F = B = W = 2bshV (+ 2bsh^2 for BERT); it keeps the fp32 logits (4 bsV bytes) for the loss.
-In pipeline training the head holds its own copy of the (possibly tied) embedding table, so its
-parameters count on the last stage.
+mask = 1 byte with dropout, 0 without (llama has no dropout). For GPT at d = 2 with dropout and
+eager attention this is Korthikanti's Table 2: sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht))
+with t, sbh(34/t + 5as/(ht)) with t and SP, selective dropping the 5as/(ht) term. Recomputation
+adds FLOPs to the input backward: selective ``4bs^2h / t``, full ``F``.
+Alive between B and W (split backward): the inputs of the linear layers and the gradients of their
+outputs, ``(8 + 2m) sbh d`` = 32 sbh for GPT at t = 1 (the zero-bubble paper's M_W); with t the
+column-parallel inputs and the row-parallel output gradients are whole tensors (split with SP).
+Bytes sent to the next stage: the hidden states, ``bsh d`` for the whole tensor-parallel group (its
+t GPUs send 1/t each over their own links; :func:`cost_models.cluster.tensor_parallel_groups`).
+
+Embedding (layer 0): token table Vh/t (vocabulary-parallel) + learned positions sh (gpt, bert:
++ 2 token types + LayerNorm; llama: rotary, no table), no matmul FLOPs (a lookup; its backward is
+a scatter-add). Output head (last layer): a final norm and the V x h projection (BERT: the MLM
+transform h x h + LayerNorm before it), with F = B = W = 2bshV / t; it keeps the fp32 logits
+(4 bsV / t bytes) for the loss. In pipeline training the head holds its own copy of the (possibly
+tied) embedding table, so its parameters count on the last stage.
+
+Tensor-parallel collectives per micro-batch (:func:`layer_collectives`): a block all-reduces its
+bsh d output twice in the forward (after the attention and the MLP) and its input gradient twice
+in the backward; with sequence parallelism each all-reduce is a reduce-scatter and an all-gather
+(the same bytes on a ring). The embedding all-reduces (SP: reduce-scatters) its output; the head
+all-reduces its input gradient (SP: all-gathers its input, reduce-scatters the gradient) and the
+loss three fp32 [b, s] statistics. A full recomputation runs the forward's collectives again in B.
 
 Time of a layer: with ``compute="linear"`` FLOPs / (device peak at the precision x efficiency), the
 same per sample at every micro-batch; with ``compute="kernels"`` the kernels the layer launches at
 its micro-batch, priced by :mod:`cost_models.kernels` (GEMM tiles and waves, memory-bound
-element-wise kernels, launch overhead; the device preset's ``kernels:`` constants). See
-:class:`TransformerCostModel`.
+element-wise kernels, launch overhead; the device preset's ``kernels:`` constants). The
+collectives' time is added to F and B (Megatron's default: on the critical path) or, with
+``overlap``, hidden behind the layer's compute up to its length. See :class:`TransformerCostModel`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .base import LayerCosts, PerLayerCostModel, StageCosts
+from .cluster import Cluster
+from .comm import allreduce_time
 from .device import DeviceSpec
 from .kernels import COST_MODELS, DeviceRates, transformer_layer_times
 from .memory import StaticMemory, static_memory
@@ -65,56 +94,97 @@ def _check_recompute(recompute: str) -> None:
 
 
 # ---------------------------------------------------------------------------- one block
-def block_params(spec: ModelSpec) -> int:
-    """Parameters of one transformer block: (4 + 2m)h^2 + (9 + m)h (= 12h^2 + 13h)."""
-    h, m = spec.hidden, spec.ffn_mult
-    return (4 + 2 * m) * h * h + (9 + m) * h
+def _mlp_matrices(spec: ModelSpec) -> int:
+    """Weight matrices of the MLP: 3 for SwiGLU (gate, up, down), 2 for GeLU."""
+    return 3 if spec.kind == "llama" else 2
 
 
-def block_flops(spec: ModelSpec) -> tuple[float, float, float]:
-    """(forward, input-gradient, weight-gradient) FLOPs of one block for one micro-batch."""
-    b, s, h, m = spec.micro_batch, spec.seq_len, spec.hidden, spec.ffn_mult
-    lin = (8 + 4 * m) * h
-    return float(b * s * h * (lin + 4 * s)), float(b * s * h * (lin + 8 * s)), float(b * s * h * lin)
+def _qkv_width(spec: ModelSpec) -> int:
+    """Output width of the fused Q, K, V projection: h + 2ke."""
+    return spec.hidden + 2 * spec.kv * spec.head_dim
 
 
-def recompute_flops(spec: ModelSpec, recompute: str = "none") -> float:
-    """Extra forward FLOPs the input backward of one block re-runs: 0, 4bs^2h (selective) or F (full)."""
+def _sp_div(tp: int, sp: bool) -> int:
+    """What the replicated activations are divided by: t with sequence parallelism, else 1."""
+    return tp if sp else 1
+
+
+def block_params(spec: ModelSpec, tp: int = 1) -> int:
+    """Parameters of one transformer block on one of ``tp`` GPUs: the matrices and the
+    column-parallel biases split, the norms and the row-parallel biases whole (``tp`` = 1:
+    (4 + 2m)h^2 + (9 + m)h = 12h^2 + 13h for GPT)."""
+    h, f, qkv = spec.hidden, spec.ffn, _qkv_width(spec)
+    mats = h * qkv + h * h + _mlp_matrices(spec) * h * f
+    if spec.kind == "llama":
+        col_bias, row_bias, norms = (qkv if spec.qkv_bias else 0), 0, 2 * h
+    else:
+        col_bias, row_bias, norms = qkv + f, 2 * h, 4 * h
+    return (mats + col_bias) // tp + row_bias + norms
+
+
+def block_flops(spec: ModelSpec, tp: int = 1) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) FLOPs of one block for one micro-batch on one of
+    ``tp`` GPUs (the module docstring's P, F, B, W)."""
+    b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
+    lin = 2 * b * s * (h * _qkv_width(spec) + h * h + _mlp_matrices(spec) * h * spec.ffn)
+    att = 4 * b * s * s * h
+    return float(lin + att) / tp, float(lin + 2 * att) / tp, float(lin) / tp
+
+
+def recompute_flops(spec: ModelSpec, recompute: str = "none", tp: int = 1) -> float:
+    """Extra forward FLOPs the input backward of one block re-runs: 0, 4bs^2h/t (selective) or F (full)."""
     _check_recompute(recompute)
     if recompute == "none":
         return 0.0
     if recompute == "selective":
-        return float(4 * spec.micro_batch * spec.seq_len ** 2 * spec.hidden)
-    return block_flops(spec)[0]
+        return float(4 * spec.micro_batch * spec.seq_len ** 2 * spec.hidden) / tp
+    return block_flops(spec, tp)[0]
 
 
-def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bool = True) -> float:
-    """Bytes one block keeps from F to B for one micro-batch (see the module docstring)."""
+def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bool | None = None, tp: int = 1,
+                           sp: bool = False) -> float:
+    """Bytes one block keeps from F to B for one micro-batch on one of ``tp`` GPUs (``sp``:
+    sequence parallel; ``dropout`` None: the model's; see the module docstring)."""
     _check_recompute(recompute)
-    b, s, h, a, m, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.heads, spec.ffn_mult, spec.dtype_bytes
+    b, s, h, a, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.heads, spec.dtype_bytes
+    mask = 1 if (spec.has_dropout if dropout is None else dropout) else 0
     sbh = s * b * h
     if recompute == "full":
-        return float(sbh * d)
-    linear = sbh * ((8 + 2 * m) * d + (2 if dropout else 0))
+        return float(sbh * d) / _sp_div(tp, sp)
+    replicated = sbh * (4 * d + 2 * mask)
+    split = 2 * sbh * d + 2 * s * b * spec.kv * spec.head_dim * d + (_mlp_matrices(spec)) * s * b * spec.ffn * d
+    if spec.attention_kind == "eager":
+        scores = a * s * s * b * (d + mask + mask * d)
+    else:
+        scores = 4 * a * s * b
+    kept = replicated / _sp_div(tp, sp) + split / tp
     if recompute == "selective":
-        return float(linear)
-    return float(linear + a * s * s * b * (2 * d + 1 if dropout else d))
+        return float(kept)
+    return float(kept + scores / tp)
 
 
-def block_weight_grad_bytes(spec: ModelSpec) -> float:
-    """Bytes alive between a block's input backward and its weight backward: (8 + 2m) sbh d."""
-    return float((8 + 2 * spec.ffn_mult) * spec.seq_len * spec.micro_batch * spec.hidden * spec.dtype_bytes)
+def block_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sp: bool = False) -> float:
+    """Bytes alive between a block's input backward and its weight backward on one of ``tp`` GPUs:
+    the linear layers' inputs and output gradients ((8 + 2m) sbh d for GPT at t = 1)."""
+    s, b, h, f, d = spec.seq_len, spec.micro_batch, spec.hidden, spec.ffn, spec.dtype_bytes
+    sb = s * b
+    whole = 4 * sb * h                     # QKV and fc1 inputs, o and fc2 output gradients
+    up = 2 if spec.kind == "llama" else 1  # SwiGLU: gate and up outputs
+    split = sb * h + sb * f + sb * _qkv_width(spec) + up * sb * f
+    return float(whole * d) / _sp_div(tp, sp) + float(split * d) / tp
 
 
 def boundary_bytes(spec: ModelSpec) -> float:
-    """Bytes of the hidden states a stage sends to the next one (and of the gradient sent back): bsh d."""
+    """Bytes of the hidden states a stage sends to the next one (and of the gradient sent back): bsh d
+    (for the whole tensor-parallel group)."""
     return float(spec.micro_batch * spec.seq_len * spec.hidden * spec.dtype_bytes)
 
 
 # ---------------------------------------------------------------------------- the layer stack
 @dataclass(frozen=True)
 class Layer:
-    """One layer of the stack: FLOPs per micro-batch, parameter count, bytes per micro-batch."""
+    """One layer of the stack: FLOPs per micro-batch, parameter count, bytes per micro-batch (per
+    GPU of a tensor-parallel group)."""
 
     name: str                 # "embedding", "block0".., "head"
     kind: str                 # embedding | block | head
@@ -132,48 +202,57 @@ class Layer:
         return self.flops_f + self.flops_b_input + self.flops_w + self.flops_recompute
 
 
-def embedding_layer(spec: ModelSpec, dropout: bool = True) -> Layer:
-    b, s, h, V, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.vocab, spec.dtype_bytes
-    params = V * h + s * h + (4 * h if spec.kind == "bert" else 0)   # bert: 2 token types + layernorm
+def _vocab_share(spec: ModelSpec, tp: int) -> int:
+    """Rows of the vocabulary one of ``tp`` GPUs holds (vocabulary-parallel: ceil(V / t))."""
+    return -(-spec.vocab // tp)
+
+
+def embedding_layer(spec: ModelSpec, dropout: bool | None = None, tp: int = 1, sp: bool = False) -> Layer:
+    b, s, h, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.dtype_bytes
+    mask = 1 if (spec.has_dropout if dropout is None else dropout) else 0
+    positions = 0 if spec.kind == "llama" else s * h                  # llama: rotary, no table
+    params = _vocab_share(spec, tp) * h + positions + (4 * h if spec.kind == "bert" else 0)
     ids = 8 * b * s                                                    # int64 token ids
-    act = ids + b * s * h * ((d if spec.kind == "bert" else 0) + (1 if dropout else 0))
-    return Layer("embedding", "embedding", 0.0, 0.0, 0.0, 0.0, params, float(act), float(ids + b * s * h * d),
-                 boundary_bytes(spec))
+    act = ids + b * s * h * ((d if spec.kind == "bert" else 0) + mask) / _sp_div(tp, sp)
+    return Layer("embedding", "embedding", 0.0, 0.0, 0.0, 0.0, params, float(act),
+                 float(ids + b * s * h * d / _sp_div(tp, sp)), boundary_bytes(spec))
 
 
-def head_layer(spec: ModelSpec) -> Layer:
-    b, s, h, V, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.vocab, spec.dtype_bytes
-    bsh = b * s * h
+def head_layer(spec: ModelSpec, tp: int = 1, sp: bool = False) -> Layer:
+    b, s, h, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.dtype_bytes
+    V = _vocab_share(spec, tp)
+    bsh = b * s * h / _sp_div(tp, sp)
     logits = b * s * V
     if spec.kind == "bert":     # MLM transform (dense h x h, GeLU, layernorm) then the decoder V x h + bias
         params = h * h + h + 2 * h + V * h + V
-        flops = 2.0 * bsh * h + 2.0 * bsh * V
+        flops = 2.0 * b * s * h * h + 2.0 * b * s * h * V
         act = 4 * bsh * d + logits * LOGIT_BYTES
         act_w = 3 * bsh * d + logits * d
-    else:                       # final layernorm then the V x h projection (no bias)
-        params = 2 * h + V * h
-        flops = 2.0 * bsh * V
+    else:                       # final norm (LayerNorm 2h, RMSNorm h) then the V x h projection (no bias)
+        params = (h if spec.kind == "llama" else 2 * h) + V * h
+        flops = 2.0 * b * s * h * V
         act = 2 * bsh * d + logits * LOGIT_BYTES
         act_w = bsh * d + logits * d
     return Layer("head", "head", flops, flops, flops, 0.0, params, float(act), float(act_w), 0.0)
 
 
-def transformer_layers(spec: ModelSpec, recompute: str = "none", dropout: bool = True) -> list[Layer]:
-    """[embedding, block0, ..., block(L-1), head]: L + 2 layers."""
-    f, bi, w = block_flops(spec)
-    block = dict(flops_f=f, flops_b_input=bi, flops_w=w, flops_recompute=recompute_flops(spec, recompute),
-                 params=block_params(spec), act_bytes=block_activation_bytes(spec, recompute, dropout),
-                 act_w_bytes=block_weight_grad_bytes(spec), out_bytes=boundary_bytes(spec))
+def transformer_layers(spec: ModelSpec, recompute: str = "none", dropout: bool | None = None, tp: int = 1,
+                       sp: bool = False) -> list[Layer]:
+    """[embedding, block0, ..., block(L-1), head]: L + 2 layers, per GPU of a ``tp`` group."""
+    f, bi, w = block_flops(spec, tp)
+    block = dict(flops_f=f, flops_b_input=bi, flops_w=w, flops_recompute=recompute_flops(spec, recompute, tp),
+                 params=block_params(spec, tp), act_bytes=block_activation_bytes(spec, recompute, dropout, tp, sp),
+                 act_w_bytes=block_weight_grad_bytes(spec, tp, sp), out_bytes=boundary_bytes(spec))
     blocks = [Layer(f"block{i}", "block", **block) for i in range(spec.layers)]
-    return [embedding_layer(spec, dropout), *blocks, head_layer(spec)]
+    return [embedding_layer(spec, dropout, tp, sp), *blocks, head_layer(spec, tp, sp)]
 
 
 def model_params(spec: ModelSpec, tied_embeddings: bool | None = None) -> int:
-    """Parameters of the whole model. ``tied_embeddings`` (default: True for gpt) counts the output
-    projection once with the embedding table, as the papers' model sizes do."""
+    """Parameters of the whole model. ``tied_embeddings`` (default: the model's, True for gpt)
+    counts the output projection once with the embedding table, as the papers' model sizes do."""
     layers = transformer_layers(spec)
     total = sum(l.params for l in layers)
-    if tied_embeddings if tied_embeddings is not None else spec.kind == "gpt":
+    if spec.tied if tied_embeddings is None else tied_embeddings:
         total -= spec.vocab * spec.hidden
     return total
 
@@ -183,45 +262,131 @@ def model_flops(spec: ModelSpec, recompute: str = "none") -> float:
     return sum(l.flops_total for l in transformer_layers(spec, recompute))
 
 
+# ---------------------------------------------------------------------------- tensor-parallel collectives
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The tensor-parallel collectives of one layer for one micro-batch: ``forward`` and
+    ``backward`` (the input backward), each a tuple of (kind, bytes of the whole tensor)."""
+
+    forward: tuple[tuple[str, float], ...] = ()
+    backward: tuple[tuple[str, float], ...] = ()
+
+
+def ring_bytes(kind: str, nbytes: float, tp: int) -> float:
+    """Bytes each of ``tp`` GPUs sends in a ring collective of an ``nbytes`` tensor: all-reduce
+    2(t-1)/t S, reduce-scatter and all-gather (t-1)/t S."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}")
+    return (2.0 if kind == "all-reduce" else 1.0) * (tp - 1) / tp * nbytes
+
+
+def layer_collectives(spec: ModelSpec, recompute: str = "none", tp: int = 1, sp: bool = False) -> list[Collectives]:
+    """Per layer of :func:`transformer_layers`, its tensor-parallel collectives (none at t = 1;
+    see the module docstring)."""
+    _check_recompute(recompute)
+    n = spec.layers + 2
+    if tp == 1:
+        return [Collectives()] * n
+    out = boundary_bytes(spec)
+    stats = 3 * spec.micro_batch * spec.seq_len * 4.0        # the loss's fp32 max, sum and target logit
+    pair = (("all-gather", out), ("reduce-scatter", out)) if sp else (("all-reduce", out),)
+    fwd = pair * 2
+    block = Collectives(fwd, fwd + (fwd if recompute == "full" else ()))
+    embed = Collectives((("reduce-scatter" if sp else "all-reduce", out),))
+    head = Collectives(((("all-gather", out),) if sp else ()) + (("all-reduce", stats),) * 3,
+                       (("reduce-scatter" if sp else "all-reduce", out),))
+    return [embed, *([block] * spec.layers), head]
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """The links of one tensor-parallel group: ``size`` consecutive GPUs of ``cluster`` (unplaced:
+    GPU i is device i), inside one node when ``size`` <= devices per node, across ``size`` /
+    devices-per-node nodes otherwise. Collective times by :func:`cost_models.comm.allreduce_time`
+    (a ring inside a node, hierarchical across nodes); a reduce-scatter or an all-gather is half an
+    all-reduce (one of its two ring passes)."""
+
+    cluster: Cluster
+    size: int
+
+    def time(self, kind: str, nbytes: float) -> float:
+        t = allreduce_time(self.cluster, range(self.size), nbytes)
+        return t if kind == "all-reduce" else t / 2
+
+    def phase_time(self, ops: tuple[tuple[str, float], ...]) -> float:
+        return sum(self.time(kind, nbytes) for kind, nbytes in ops)
+
 
 def static_bytes_split(dtype_bytes: float, grad_bytes: float, bytes_per_param: float) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per parameter out of ``bytes_per_param`` in all:
-    16 = 2 fp16 weights + 2 fp16 gradients + 12 fp32 master weights, momentum and variance (Adam)."""
+    """(weights, gradients, optimizer state) bytes per parameter out of ``bytes_per_param`` in all."""
     w, g = float(dtype_bytes), float(grad_bytes)
     return w, g, max(0.0, bytes_per_param - w - g)
 
 
+def mixed_precision_bytes(dtype_bytes: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter as Megatron-LM counts mixed
+    precision with Adam: 16-bit weights (2), fp32 main gradients (4), fp32 master weights and the two
+    Adam moments (4 + 8 = 12): 18 in all; an fp32 model has no master copy: 4 + 4 + 8 = 16."""
+    if dtype_bytes == 2:
+        return 2.0, 4.0, 12.0
+    return float(dtype_bytes), float(dtype_bytes), 2.0 * dtype_bytes
+
+
+ZERO_STAGES = (0, 1)
+
+
 @dataclass(frozen=True)
 class TransformerCostModel:
-    """Seconds and bytes for a transformer on a device, from the formulas above.
+    """Seconds and bytes for a transformer on a device, from the formulas above, per GPU of a
+    tensor-parallel group.
 
     ``bind(schedule)`` gives :class:`StageCosts` in seconds ("s") and bytes ("B").
 
     recompute: none | selective | full (activation recomputation of the blocks).
-    bytes_per_param: static bytes per parameter (weights + gradients + optimizer state); 16 for
-      mixed-precision Adam. grad_bytes_per_param: bytes all-reduced per parameter (default the
-      model's dtype_bytes). precision: fp16 | bf16 | fp32 | ... (default bf16 when the device has
-      it for 2-byte models, else fp16; fp32 for 4-byte models). dropout: the masks count in the
-      activations. partition: layers per stage over the L + 2 layers (default
-      :func:`default_partition`). optimizer_bytes_touched: bytes the optimizer step reads and
-      writes per parameter (default gradients + 2 x optimizer state + weights = 28 for Adam at 16);
-      its time is that over the device's memory bandwidth. The local hand-off of a V turn copies the
+    bytes_per_param: static bytes per parameter (weights + gradients + optimizer state); default
+      :func:`mixed_precision_bytes` (18 for a 16-bit model). grad_bytes_per_param: bytes all-reduced
+      per parameter (default the model's dtype_bytes: gradients reduced in 16 bits, then
+      accumulated into the fp32 main gradients). precision: fp16 | bf16 | fp32 | ... (default bf16
+      when the device has it for 2-byte models, else fp16; fp32 for 4-byte models). dropout: the
+      masks count in the activations (None: the model's). partition: layers per stage over the
+      L + 2 layers (default :func:`default_partition`). optimizer_bytes_touched: bytes the optimizer
+      step reads and writes per parameter (default gradients + 2 x optimizer state + weights); its
+      time is that over the device's memory bandwidth. The local hand-off of a V turn copies the
       boundary tensor once (read + write) at memory bandwidth. compute: ``linear`` (FLOPs at a fixed
       efficiency: per-sample costs independent of the micro-batch) or ``kernels`` (the kernel model
       of :mod:`cost_models.kernels`: costs depend on the micro-batch; needs the device's ``kernels:``
       constants).
+
+    Tensor parallelism: ``tp`` GPUs per stage replica, ``sequence_parallel``, their collectives
+    costed on ``tp_group`` (:class:`TensorParallelGroup`, required for ``tp`` > 1) and added to F
+    and B, or with ``tp_overlap`` hidden behind the layer's compute (the phase takes
+    max(compute, collectives): perfect overlap, the bound of what overlapping can gain).
+    ``zero`` 1 with ``replicas`` R: the optimizer state (master weights and moments) is sharded
+    over the R data-parallel replicas (each GPU keeps 1/R of it and updates 1/R of the parameters),
+    and the gradient all-reduce becomes a reduce-scatter of the gradients plus an all-gather of
+    the updated 16-bit weights: on a ring (R-1)/R (g + w) bytes per parameter, the bytes of an
+    all-reduce of (g + w) / 2 per parameter, which is what the engines are given.
     """
 
     model: ModelSpec
     device: DeviceSpec
     recompute: str = "none"
-    bytes_per_param: float = 16.0
+    bytes_per_param: float | None = None
     grad_bytes_per_param: float | None = None
     precision: str | None = None
-    dropout: bool = True
+    dropout: bool | None = None
     partition: tuple[int, ...] | None = None
     optimizer_bytes_touched: float | None = None
     compute: str = "linear"
+    tp: int = 1
+    sequence_parallel: bool = False
+    tp_overlap: bool = False
+    tp_group: TensorParallelGroup | None = None
+    zero: int = 0
+    replicas: int = 1
 
     def __post_init__(self):
         _check_recompute(self.recompute)
@@ -229,13 +394,30 @@ class TransformerCostModel:
             raise SpecError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.compute!r}")
         if self.compute == "kernels":
             DeviceRates.of(self.device, self.resolved_precision())   # fail fast: constants present
-        if self.bytes_per_param <= 0:
+        if self.bytes_per_param is not None and self.bytes_per_param <= 0:
             raise SpecError(f"bytes_per_param must be > 0; got {self.bytes_per_param}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise SpecError(f"--tp must be an integer >= 1; got {self.tp!r}")
+        self.model.check_tensor_parallel(self.tp)
+        if self.tp > 1 and (self.tp_group is None or self.tp_group.size != self.tp):
+            raise SpecError(f"tensor parallel {self.tp} needs the group's links (tp_group of size {self.tp})")
+        if (self.sequence_parallel or self.tp_overlap) and self.tp == 1:
+            raise SpecError("--sequence-parallel and --tp-overlap split a layer over a tensor-parallel group; "
+                            "give --tp > 1")
+        if self.zero not in ZERO_STAGES:
+            raise SpecError(f"--zero must be one of {', '.join(map(str, ZERO_STAGES))}; got {self.zero!r}")
         self.flop_rate()   # fail fast on a device without a peak (e.g. cpu: use a calibration profile)
 
     @property
     def grad_bytes(self) -> float:
-        return float(self.model.dtype_bytes if self.grad_bytes_per_param is None else self.grad_bytes_per_param)
+        """Bytes all-reduced per parameter (ZeRO-1: the all-reduce equal to its reduce-scatter and
+        all-gather)."""
+        g = float(self.model.dtype_bytes if self.grad_bytes_per_param is None else self.grad_bytes_per_param)
+        return (g + self.model.dtype_bytes) / 2 if self.zero else g
+
+    @property
+    def uses_dropout(self) -> bool:
+        return self.model.has_dropout if self.dropout is None else self.dropout
 
     def resolved_precision(self) -> str:
         if self.precision is not None:
@@ -252,16 +434,24 @@ class TransformerCostModel:
         return self.device.achievable_flops(self.resolved_precision())
 
     def layers(self) -> list[Layer]:
-        return transformer_layers(self.model, self.recompute, self.dropout)
+        return transformer_layers(self.model, self.recompute, self.uses_dropout, self.tp, self.sequence_parallel)
 
     def static_split(self) -> tuple[float, float, float]:
-        return static_bytes_split(self.model.dtype_bytes, self.grad_bytes, self.bytes_per_param)
+        """(weights, gradients, optimizer state) bytes per parameter held on one GPU (ZeRO-1: the
+        optimizer state over the replicas)."""
+        if self.bytes_per_param is None:
+            w, g, o = mixed_precision_bytes(self.model.dtype_bytes)
+        else:
+            w, g, o = static_bytes_split(self.model.dtype_bytes, self.model.dtype_bytes, self.bytes_per_param)
+        return w, g, o / self.replicas if self.zero else o
 
     def optim_time_per_param(self) -> float:
         if not self.device.memory_bandwidth:
             return 0.0
         w, g, o = self.static_split()
-        touched = self.optimizer_bytes_touched if self.optimizer_bytes_touched is not None else g + 2 * o + w
+        shard = self.replicas if self.zero else 1
+        touched = self.optimizer_bytes_touched / shard if self.optimizer_bytes_touched is not None else \
+            (g + w) / shard + 2 * o
         return touched / self.device.memory_bandwidth
 
     def copy_time(self) -> float:
@@ -269,18 +459,34 @@ class TransformerCostModel:
             return 0.0
         return 2 * boundary_bytes(self.model) / self.device.memory_bandwidth
 
+    def collectives(self) -> list[Collectives]:
+        return layer_collectives(self.model, self.recompute, self.tp, self.sequence_parallel)
+
+    def collective_times(self) -> list[tuple[float, float]]:
+        """Per layer: seconds of its tensor-parallel collectives in F and in B."""
+        if self.tp == 1:
+            return [(0.0, 0.0)] * (self.model.layers + 2)
+        g = self.tp_group
+        return [(g.phase_time(c.forward), g.phase_time(c.backward)) for c in self.collectives()]
+
     def layer_costs(self) -> LayerCosts:
         """Per-layer seconds and bytes (the input of :class:`PerLayerCostModel` and of planners)."""
         L = self.layers()
         if self.compute == "kernels":
             t = transformer_layer_times(self.model, self.device, self.resolved_precision(), self.recompute,
-                                        self.dropout)
+                                        self.uses_dropout, tp=self.tp, sp=self.sequence_parallel)
             f, b_in, w = (tuple(x[i] for x in t) for i in range(3))
         else:
             rate = self.flop_rate()
             f = tuple(l.flops_f / rate for l in L)
             b_in = tuple((l.flops_b_input + l.flops_recompute) / rate for l in L)
             w = tuple(l.flops_w / rate for l in L)
+        if self.tp > 1:
+            comm = self.collective_times()
+            join = max if self.tp_overlap else (lambda x, y: x + y)
+            f = tuple(join(x, c) for x, (c, _) in zip(f, comm))
+            b_in = tuple(join(x, c) for x, (_, c) in zip(b_in, comm))
+        w_b, g_b, o_b = self.static_split()
         return LayerCosts(
             f=f,
             b_input=b_in,
@@ -289,8 +495,8 @@ class TransformerCostModel:
             act_w=tuple(l.act_w_bytes for l in L),
             out_bytes=tuple(l.out_bytes for l in L),
             params=tuple(float(l.params) for l in L),
-            bytes_per_param_static=float(self.bytes_per_param),
-            grad_bytes_per_param=self.grad_bytes,
+            bytes_per_param_static=w_b + g_b + o_b,
+            grad_bytes_per_param=self.grad_bytes * self.tp,
             optim_time_per_param=self.optim_time_per_param(),
             copy_time=self.copy_time(),
         )
@@ -302,20 +508,35 @@ class TransformerCostModel:
         return PerLayerCostModel(self.layer_costs(), self.partition_for(num_stages))
 
     def stage_params(self, num_stages: int) -> list[float]:
-        """Parameter count of each stage under :meth:`partition_for`."""
+        """Parameter count of each stage on one GPU under :meth:`partition_for`."""
         parts = layer_ranges(self.model.layers + 2, num_stages, self.partition_for(num_stages))
         L = self.layers()
         return [float(sum(L[i].params for i in r)) for r in parts]
 
     def static_breakdown(self, sched) -> list[StaticMemory]:
-        """Per rank: parameters held and their weight / gradient / optimizer bytes."""
+        """Per rank (one GPU of its tensor-parallel group): parameters held and their weight /
+        gradient / optimizer bytes."""
         w, g, o = self.static_split()
         return static_memory(sched, self.stage_params(sched.num_stages), w, g, w + g + o)
+
+    def transient_bytes(self) -> float:
+        """What one GPU holds beyond the activation walk at its worst moment (see
+        :mod:`cost_models.memory`): the layer being recomputed (full: all its activations from
+        the re-run forward to its backward; selective: its attention scores) and the staging
+        buffers of one send and one receive (bsh d / t each)."""
+        m, tp, sp = self.model, self.tp, self.sequence_parallel
+        layer = 0.0
+        if self.recompute != "none" and m.layers:
+            layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp) - \
+                block_activation_bytes(m, self.recompute, self.uses_dropout, tp, sp)
+        return layer + 2 * boundary_bytes(m) / tp
 
     def bind(self, sched) -> StageCosts:
         costs = self.per_layer_model(sched.num_stages).bind(sched)
         costs.meta.update(model="transformer", cost_model=self.compute, model_name=self.model.name,
                           device=self.device.name,
                           precision=self.resolved_precision(), recompute=self.recompute,
-                          bytes_per_param=self.bytes_per_param, memory_capacity=self.device.memory_bytes)
+                          bytes_per_param=sum(self.static_split()), memory_capacity=self.device.memory_bytes,
+                          tp=self.tp, sequence_parallel=self.sequence_parallel, zero=self.zero,
+                          memory_transient=self.transient_bytes())
         return costs

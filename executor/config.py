@@ -22,6 +22,7 @@ from schedules.registry import check_size
 
 from .device import check_device
 from .faults import check_fault, parse_fault
+from .model import KINDS
 from .precision import Precision
 from .recompute import check_mode
 
@@ -72,11 +73,14 @@ class RunConfig:
                                     # or an explicit rank -> global device map; see executor.launch
     pin_cores: bool = False         # pin each rank to a core of its own where the host has one per rank
                                     # (executor.host.pin_to_core; otherwise the ranks float)
+    tp: int = 1                     # T processes per pipeline rank split every layer (executor.tensor_parallel)
+    seq_len: int | None = None      # training sequence length (None: the model's)
+    zero: int = 0                   # 1: ZeRO-1, the optimizer state sharded over a stage's ranks (executor.zero)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
-        for name in ("devices", "microbatches", "replicas", "steps", "chunks"):
+        for name in ("devices", "microbatches", "replicas", "steps", "chunks", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         for name in ("timeout", "lr"):
@@ -92,6 +96,17 @@ class RunConfig:
             raise ValueError(f"micro_batch must be a positive integer or None; got {self.micro_batch!r}")
         Precision(self.dtype)
         check_mode(self.recompute)
+        if self.tp > 1 and self.is_model_file:
+            raise ValueError(f"--tp {self.tp} splits the built-in GPT's layers; a model file's layers are not split "
+                             f"(use --tp 1 with {self.model})")
+        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+            raise ValueError(f"--zero must be 0 or 1; got {self.zero!r}")
+        if self.zero and self.replicas == 1:
+            raise ValueError("--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1")
+        if self.zero and self.is_model_file:
+            raise ValueError(f"--zero 1 shards the built-in GPT's optimizer state; not a model file's ({self.model})")
+        if self.seq_len is not None and self.is_model_file:
+            raise ValueError(f"--seq-len sets the built-in GPT's sequence length; model {self.model} brings its own")
         if self.recompute != "none" and self.is_model_file:
             raise ValueError(f"--recompute {self.recompute} recomputes the GPT's transformer blocks; a model file's "
                              f"layers are not recomputed (use --recompute none with {self.model})")
@@ -117,15 +132,24 @@ class RunConfig:
         the profile first: :func:`cost_models.bind.profile_partition`)."""
         from cost_models.job import Faults
         sim_only = [f for f, v in (("--unit-costs", job.unit_costs), ("--profile", job.profile),
+                                   ("--stage-costs", job.stage_costs),
                                    ("--plan", job.plan), ("--cost-model", job.cost_model),
                                    ("--profile-batch", job.profile_batch), ("--exact", job.exact),
                                    ("faults", job.faults != Faults())) if v] + job.cluster.given()
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
+        split = [f for f, v in (("--sequence-parallel", job.sequence_parallel),
+                                ("--tp-overlap", job.tp_overlap)) if v]
+        if split:
+            raise ValueError(f"the executor trains T x D x R layouts without {', '.join(split)}: simulated only "
+                             f"(pipetwin simulate); drop them to run")
         if job.partition == "time":
             raise ValueError("partition 'time' is resolved from a calibration profile before the run "
                              "(cost_models.bind.profile_partition)")
         lay = job.layout
+        if lay.memory_limit is not None:
+            raise ValueError("--memory-limit orders zb-auto from simulated costs; the executor runs a --variant's "
+                             "order (drop --memory-limit)")
         model = job.model or "tiny"
         partition = job.partition
         if partition is not None and not is_model_ref(model):
@@ -137,7 +161,7 @@ class RunConfig:
         return cls(schedule=lay.schedule, devices=lay.devices, microbatches=lay.microbatches, chunks=lay.chunks,
                    variant=lay.variant, replicas=lay.replicas, model=model, micro_batch=job.micro_batch,
                    partition=partition, recompute=job.recompute, eager_allreduce=job.eager,
-                   device_map=job.device_map, **options)
+                   device_map=job.mapping, tp=lay.tp, seq_len=job.seq_len, zero=job.zero, **options)
 
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)
@@ -162,6 +186,8 @@ class RunConfig:
         changes = {"dtype_bytes": self.precision.dtype_bytes}
         if self.micro_batch is not None:
             changes["micro_batch"] = int(self.micro_batch)
+        if self.seq_len is not None:
+            changes["seq_len"] = int(self.seq_len)
         return spec.replace(**changes) if any(getattr(spec, k) != v for k, v in changes.items()) else spec
 
     @property
@@ -200,8 +226,10 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     any rank starts."""
     stack = config.is_model_file
     spec = None if stack else config.spec()
-    if spec is not None and spec.kind != "gpt":
-        raise ValueError(f"the executor trains GPT decoders; model {spec.name!r} is of kind {spec.kind!r}")
+    if spec is not None and spec.kind not in KINDS:
+        raise ValueError(f"the executor trains GPT and Llama decoders; model {spec.name!r} is of kind {spec.kind!r}")
+    if spec is not None and config.tp > 1:
+        check_tensor_parallel(spec, config.tp)
     check_device(config.device)
     if stack and config.data is not None:
         raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
@@ -223,6 +251,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
                              f"step but the config says replicas={config.replicas} x microbatches="
                              f"{config.microbatches}; they must agree (the reference trains on the config's)")
     if stack:
+        from .user_model import check_stack_fits
+        check_stack_fits(config, low)           # counted on the meta device: too big is refused before building
         config.stack_layout(low.num_stages)     # imports, builds and checks the model: user errors here
     else:
         block_ranges(spec.layers, low.num_stages, config.partition)
@@ -230,6 +260,15 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         validate(low)
     check_fault(config.fault, low, config.steps)
     return low
+
+
+def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
+    """Refuse a T that does not split the heads, KV heads, FFN size (the simulator's check) or the
+    vocabulary (the executor's vocabulary-parallel embedding and loss) evenly, with one line."""
+    spec.check_tensor_parallel(tp)
+    if spec.vocab % tp:
+        raise ValueError(f"--tp {tp} does not divide the vocabulary ({spec.vocab}) of model {spec.name}; "
+                         f"pick a --tp that divides {spec.vocab}")
 
 
 @dataclass
@@ -259,7 +298,8 @@ class RunResult:
     def to_dict(self) -> dict:
         c = self.config
         return {"engine": self.engine, "schedule": c.schedule, "variant": c.variant, "devices": c.devices,
-                "microbatches": c.microbatches, "replicas": c.replicas, "model": c.model_name,
+                "microbatches": c.microbatches, "replicas": c.replicas, "tp": c.tp, "zero": c.zero,
+                "model": c.model_name,
                 "micro_batch": c.samples_per_microbatch,
                 "partition": list(c.partition) if c.partition is not None else None,
                 "steps": c.steps, "optimizer": c.optimizer, "lr": c.lr, "seed": c.seed, "dtype": c.dtype,

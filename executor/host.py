@@ -20,6 +20,21 @@ from dataclasses import dataclass
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)   # user nice system irq softirq steal (/proc/stat "cpu" line; idle, iowait out)
 
 
+PROCESS_BYTES = 350 * 2 ** 20   # what one rank process costs before the model (python + torch + gloo)
+
+
+def available_host_bytes() -> float | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def pin_to_core(local_rank: int, local_world: int) -> int | None:
     """Pin this process, all its threads and those it starts later, to core ``local_rank`` of
     the cores it may use, when the ``local_world`` ranks of this host fit one per core. Returns

@@ -27,7 +27,8 @@ come out as ValueError before anything starts), then:
   writes its traceback; a worker killed from outside (``kill -9``, the kernel's out-of-memory
   killer) is named with its signal; either way the launcher then stops all workers at once
   (SIGTERM, then SIGKILL) and raises :class:`LaunchError` naming the root cause first (the
-  failures it caused in other ranks are listed after it). A worker blocked on a message that
+  failures it caused in other ranks are listed after it). Every worker dies with the launcher,
+  ``kill -9`` of it included (:mod:`cost_models.lifeline`). A worker blocked on a message that
   never comes fails on its receive timeout with rank, op and peer. Nothing hangs. Rank 0 reports
   each finished step; on a terminal the launcher shows it as a progress bar on stderr.
 
@@ -52,15 +53,23 @@ from typing import Any, Sequence
 from schedules import Schedule
 
 from .config import RunConfig, RunResult, lowered_schedule
+from .host import PROCESS_BYTES, available_host_bytes
+from .mesh import device_map_for, placement  # noqa: F401 - device_map_for: launch's API
 from .worker import Job, local_env, topology
 
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
 _REPO = str(Path(__file__).resolve().parent.parent)
-# a worker's first code: the working directory ('' or '.') off sys.path, pipetwin's folder first
-WORKER_BOOT = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+_PARENT_ENV = "PIPETWIN_PARENT"     # the launcher's pid: a rank ends when it does
+# a worker's first code: end with the launcher (cost_models/lifeline.py loaded by its path, before
+# the seconds of importing torch: the package would import pandas first), the working directory
+# ('' or '.') off sys.path, pipetwin's folder first
+WORKER_BOOT = ("import importlib.util as u, os, sys; "
+               f"s = u.spec_from_file_location('_pipetwin_lifeline', {_REPO!r} + '/cost_models/lifeline.py'); "
+               "m = u.module_from_spec(s); s.loader.exec_module(m); "
+               f"m.die_with_parent(int(os.environ[{_PARENT_ENV!r}])); "
+               "sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
                f"sys.path.insert(0, {_REPO!r}); "
                "from executor.launch import _worker_main; _worker_main()")
-PROCESS_BYTES = 350 * 2 ** 20   # what one rank process costs before the model (python + torch + gloo)
 
 
 class LaunchError(RuntimeError):
@@ -83,18 +92,21 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
     for job in jobs:
         cfg, sched = job if isinstance(job, tuple) else (job, None)
         planned.append(Job(cfg, lowered_schedule(cfg, sched, check=check)))
-    worlds = {j.schedule.num_ranks for j in planned}
+    worlds = {(j.config.tp, j.schedule.num_ranks) for j in planned}
     if len(worlds) != 1:
-        raise ValueError(f"run_many needs one world size (D x R) for all jobs; got {sorted(worlds)}")
-    world = worlds.pop()
+        raise ValueError(f"run_many needs one world size (T x D x R) for all jobs; got "
+                         f"{sorted(t * n for t, n in worlds)}")
+    tp, ranks = worlds.pop()
+    world = tp * ranks
+    maps = {j.config.device_map for j in planned}
+    if len(maps) != 1 and (tp > 1 or under_torchrun()):
+        raise ValueError(f"run_many needs one device map for all jobs; got {sorted(map(str, maps))}")
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the schedule needs "
-                             f"D x R = {world}")
-        maps = {j.config.device_map for j in planned}
-        if len(maps) != 1:
-            raise ValueError(f"run_many under torchrun needs one device map for all jobs; got {sorted(map(str, maps))}")
-        rank, device = torchrun_placement(planned[0].config.device_map, planned[0].schedule)
+            lay = planned[0].schedule
+            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the run needs T x D x R = "
+                             f"{tp} x {lay.num_devices} x {lay.replicas} = {world}")
+        rank, device = torchrun_placement(planned[0].config.device_map, planned[0].schedule, tp)
         launch_rank, world, local_rank, local_world = local_env()
         from .worker import run_jobs
         return run_jobs(planned, rank, world, local_rank, local_world, launch_rank=launch_rank) or [None] * len(planned)
@@ -102,7 +114,7 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
         planned = [Job(j.config.with_(device="cpu") if j.config.device == "auto" else j.config, j.schedule)
                    for j in planned]
     check_host_memory(planned, world)
-    return launch("executor.worker:run_jobs", planned, world)
+    return launch("executor.worker:run_spawned", planned, world)
 
 
 def estimated_host_bytes(job: Job) -> float:
@@ -116,20 +128,9 @@ def estimated_host_bytes(job: Job) -> float:
     spec = cfg.spec()
     fp32 = 4 / spec.dtype_bytes
     static = 16.0 * model_params(spec) * low.num_copies * low.replicas
-    inflight = min(low.num_microbatches, low.num_devices) * low.replicas
+    inflight = min(low.num_microbatches, low.num_devices) * low.replicas * cfg.tp   # TP ranks keep whole inputs
     acts = inflight * spec.layers * block_activation_bytes(spec) * fp32
-    return low.num_ranks * PROCESS_BYTES + static + acts
-
-
-def available_host_bytes() -> float | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return low.num_ranks * cfg.tp * PROCESS_BYTES + static + acts
 
 
 def check_host_memory(jobs: Sequence[Job], world: int) -> None:
@@ -147,35 +148,10 @@ def check_host_memory(jobs: Sequence[Job], world: int) -> None:
                          f"micro-batches or a smaller --model")
 
 
-def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tuple[int, ...]:
-    """Pipeline rank -> global device on ``nodes`` x ``per_node`` devices: ``device_map`` is a
-    mapping name (:data:`cost_models.cluster.MAPPINGS`) or an explicit map (a plan's)."""
-    from types import SimpleNamespace
-
-    from cost_models.cluster import MAPPINGS
-    n = sched.num_ranks
-    if isinstance(device_map, str):
-        if device_map not in MAPPINGS:
-            raise ValueError(f"unknown device map {device_map!r}; choose one of {', '.join(MAPPINGS)}")
-        where = SimpleNamespace(name=f"torchrun {nodes}x{per_node}", nodes=nodes, devices_per_node=per_node,
-                                num_devices=nodes * per_node)
-        dm = tuple(MAPPINGS[device_map](sched, where))
-    else:
-        dm = tuple(int(d) for d in device_map)
-    if len(dm) != n or sorted(dm) != sorted(set(dm)) or any(not 0 <= d < nodes * per_node for d in dm):
-        raise ValueError(f"device map {list(dm)} must give each of the {n} ranks its own device among the "
-                         f"{nodes} x {per_node} devices torchrun started")
-    return dm
-
-
-def torchrun_placement(device_map, sched: Schedule) -> tuple[int, int]:
-    """(pipeline rank, global device) of this torchrun process (see the module docstring)."""
+def torchrun_placement(device_map, sched: Schedule, tp: int = 1) -> tuple[int, int]:
+    """(process-group rank, global device) of this torchrun process (:func:`executor.mesh.placement`)."""
     node, local, nodes, per_node = topology()
-    device = node * per_node + local
-    dm = device_map_for(device_map, sched, nodes, per_node)
-    if device not in dm:
-        raise ValueError(f"device {device} (node {node}, local rank {local}) holds no rank of device map {list(dm)}")
-    return dm.index(device), device
+    return placement(device_map, sched, tp, node, local, nodes, per_node)
 
 
 def _in_place(target: str, payload):
@@ -198,6 +174,7 @@ def launch(target: str, payload: Any, world: int) -> Any:
                            OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
                            PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
                 env[_WORKDIR_ENV] = tmp
+                env[_PARENT_ENV] = str(os.getpid())
                 log = open(work / f"log.{rank}", "wb")
                 procs.append(subprocess.Popen([sys.executable, "-c", WORKER_BOOT], env=env, stdout=log,
                                               stderr=subprocess.STDOUT, cwd=os.getcwd()))
@@ -322,7 +299,8 @@ def _resolve(target: str):
 
 
 def _worker_main() -> None:
-    """Entry point of a spawned rank: run the target, leave the result (rank 0) or the error."""
+    """Entry point of a spawned rank (after :data:`WORKER_BOOT`): run the target, leave the result
+    (rank 0) or the error."""
     work = Path(os.environ[_WORKDIR_ENV])
     rank = int(os.environ["RANK"])
     try:

@@ -32,32 +32,38 @@ import torch.nn.functional as Fn
 from cost_models.model_spec import ModelSpec
 from cost_models.partition import block_ranges
 
+from .tensor_parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, shard, split_of, \
+    vocab_parallel_cross_entropy, vocab_parallel_embedding
+
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.heads = spec.heads
-        self.qkv = nn.Linear(spec.hidden, 3 * spec.hidden)
-        self.proj = nn.Linear(spec.hidden, spec.hidden)
+        self.heads = spec.heads // tp.size        # this rank's heads
+        self.head_dim = spec.hidden // spec.heads
+        self.qkv = ColumnParallelLinear(spec.hidden, 3 * spec.hidden, tp)
+        self.proj = RowParallelLinear(spec.hidden, spec.hidden, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
+        b, s, _ = x.shape
+        h = self.heads * self.head_dim
         q, k, v = self.qkv(x).split(h, dim=2)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); with tensor parallelism
+    (``tp``) the attention heads and the MLP's inner size are split over the TP group."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
         super().__init__()
         self.ln1 = nn.LayerNorm(spec.hidden)
-        self.attn = CausalSelfAttention(spec)
+        self.attn = CausalSelfAttention(spec, tp)
         self.ln2 = nn.LayerNorm(spec.hidden)
-        self.fc = nn.Linear(spec.hidden, spec.ffn_mult * spec.hidden)
-        self.out = nn.Linear(spec.ffn_mult * spec.hidden, spec.hidden)
+        self.fc = ColumnParallelLinear(spec.hidden, spec.ffn_mult * spec.hidden, tp)
+        self.out = RowParallelLinear(spec.ffn_mult * spec.hidden, spec.hidden, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -65,14 +71,35 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """Token + position embedding (token only for the Llama kind: its positions are rotary); with
+    tensor parallelism the token table is split over the vocabulary."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.tok = nn.Embedding(spec.vocab, spec.hidden)
-        self.pos = nn.Embedding(spec.seq_len, spec.hidden)
+        self.tp = tp
+        self.tok = nn.Embedding(spec.vocab // tp.size, spec.hidden)
+        self.pos = nn.Embedding(spec.seq_len, spec.hidden) if spec.kind == "gpt" else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tok(tokens) + self.pos(pos)
+        tok = vocab_parallel_embedding(tokens, self.tok.weight, self.tp) if self.tp.on else self.tok(tokens)
+        if self.pos is None:
+            return tok
+        return tok + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+KINDS = ("gpt", "llama")   # the model kinds the executor builds
+
+
+def block(spec: ModelSpec, tp: TensorParallel = SINGLE) -> nn.Module:
+    """One transformer block of the spec's kind: :class:`Block` (GPT) or :class:`executor.llama.LlamaBlock`."""
+    if spec.kind == "llama":
+        from .llama import LlamaBlock
+        return LlamaBlock(spec, tp)
+    return Block(spec, tp)
+
+
+def final_norm(spec: ModelSpec) -> nn.Module:
+    return nn.RMSNorm(spec.hidden, eps=1e-5) if spec.kind == "llama" else nn.LayerNorm(spec.hidden)
 
 
 class StageModule(nn.Module):
@@ -82,15 +109,16 @@ class StageModule(nn.Module):
     logits [b, s, V] on the last stage; :meth:`loss` turns logits into the mean cross-entropy.
     """
 
-    def __init__(self, spec: ModelSpec, blocks: range, *, first: bool, last: bool):
+    def __init__(self, spec: ModelSpec, blocks: range, *, first: bool, last: bool, tp: TensorParallel = SINGLE):
         super().__init__()
         self.spec = spec
+        self.tp = tp
         self.block_range = blocks
         self.first, self.last = first, last
-        self.embed = Embedding(spec) if first else None
-        self.blocks = nn.ModuleDict({str(i): Block(spec) for i in blocks})
-        self.norm = nn.LayerNorm(spec.hidden) if last else None
-        self.head = nn.Linear(spec.hidden, spec.vocab, bias=False) if last else None
+        self.embed = Embedding(spec, tp) if first else None
+        self.blocks = nn.ModuleDict({str(i): block(spec, tp) for i in blocks})
+        self.norm = final_norm(spec) if last else None
+        self.head = ColumnParallelLinear(spec.hidden, spec.vocab, tp, bias=False) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -101,9 +129,14 @@ class StageModule(nn.Module):
             x = self.head(self.norm(x))
         return x
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return Fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (with tensor parallelism: of the logits split over the vocabulary)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.tp) if self.tp.on else lm_loss(logits, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of whole logits [..., V]."""
+    return Fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -111,30 +144,39 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, seed: int, num_layers: int) -> None:
+def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorParallel = SINGLE) -> None:
     """GPT-2 style init from one generator per global parameter name: weights N(0, 0.02) (residual
-    output projections scaled by 1/sqrt(2L)), biases 0, LayerNorm weights 1."""
+    output projections scaled by 1/sqrt(2L)), biases 0, norm weights 1 (the Llama kind alike). A tensor-parallel
+    rank draws the whole parameter and keeps its shard (:func:`executor.tensor_parallel.shard`):
+    every layout starts from the reference's weights."""
     for name, p in module.named_parameters():
         if name.endswith(".bias"):
             p.zero_()
             continue
         owner = module.get_submodule(name.rpartition(".")[0])
-        if isinstance(owner, nn.LayerNorm):
+        if isinstance(owner, (nn.LayerNorm, nn.RMSNorm)):
             p.fill_(1.0)
             continue
         std = 0.02
-        if name.endswith("attn.proj.weight") or name.endswith(".out.weight"):
+        if name.endswith(("attn.proj.weight", ".out.weight", "mlp.down.weight")):
             std /= math.sqrt(2 * num_layers)
         g = torch.Generator().manual_seed(_param_seed(seed, name))
-        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        split = split_of(name) if tp.on else None
+        shape = list(p.shape)
+        if split is not None:
+            shape[split[0]] *= tp.size
+        full = torch.randn(shape, generator=g, dtype=torch.float32) * std
+        p.copy_(full if split is None else shard(full, tp.rank, tp.size, *split))
 
 
-def stage_module(spec: ModelSpec, num_stages: int, stage: int, *, seed: int = 0, partition=None) -> StageModule:
+def stage_module(spec: ModelSpec, num_stages: int, stage: int, *, seed: int = 0, partition=None,
+                 tp: TensorParallel = SINGLE) -> StageModule:
     """Stage ``stage`` of ``num_stages`` (float32, on the CPU), initialised from ``seed``;
-    ``partition``: blocks per stage (default: the even split of :func:`cost_models.partition.block_ranges`)."""
+    ``partition``: blocks per stage (default: the even split of :func:`cost_models.partition.block_ranges`);
+    ``tp``: this rank's place in its tensor-parallel group (its shards of the stage)."""
     ranges = block_ranges(spec.layers, num_stages, partition)
-    mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1)
-    init_parameters(mod, seed, spec.layers)
+    mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1, tp=tp)
+    init_parameters(mod, seed, spec.layers, tp)
     return mod
 
 

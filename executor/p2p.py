@@ -69,8 +69,10 @@ class Mailbox:
     """Posts, waits for and sends one rank's P2P messages; see the module docstring."""
 
     def __init__(self, rank: int, program: tuple[Op, ...], groups: DirectionalGroups,
-                 buffer: Callable[[Op], torch.Tensor], *, timeout: float, lookahead: int | None = None):
-        self.rank = rank
+                 buffer: Callable[[Op], torch.Tensor], *, timeout: float, lookahead: int | None = None,
+                 to_rank: Callable[[int], int] = int):
+        self.rank = rank          # the pipeline rank (the program's peers are pipeline ranks)
+        self.to_rank = to_rank    # pipeline rank -> process-group rank (TP rank t talks to TP rank t)
         self.groups = groups
         self.buffer = buffer
         self.timeout = timeout
@@ -98,7 +100,8 @@ class Mailbox:
             while todo and (self.lookahead is None or len(posted) < self.lookahead):
                 op = todo.popleft()
                 buf = self.buffer(op)
-                work = dist.irecv(buf, src=peer, group=self.groups.for_message(peer, self.rank))
+                src, me = self.to_rank(peer), self.to_rank(self.rank)
+                work = dist.irecv(buf, src=src, group=self.groups.for_message(src, me))
                 posted.append((op, buf, work))
 
     def wait(self, op: Op) -> torch.Tensor:
@@ -118,7 +121,8 @@ class Mailbox:
     # ------------------------------------------------------------------ sends
     def send(self, op: Op, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=op.peer, group=self.groups.for_message(self.rank, op.peer))
+        dst = self.to_rank(op.peer)
+        work = dist.isend(tensor, dst=dst, group=self.groups.for_message(self.to_rank(self.rank), dst))
         self._sends.append((work, tensor, op))
 
     def finish_step(self) -> None:

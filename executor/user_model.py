@@ -68,8 +68,11 @@ import hashlib
 import math
 import importlib
 import importlib.util
+import signal
 import sys
+import threading
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -83,8 +86,11 @@ from cost_models.stack import MODEL_REF
 from schedules.ir import ACT, Op, Schedule, source_stage
 
 from .data import mix_seed
+from .host import PROCESS_BYTES, available_host_bytes
 
 DEFAULT_MICRO_BATCH = 4
+BUILD_SECONDS = 120.0   # importing the model file and FUNC(); then one forward of a micro-batch (each)
+LAYER_SECONDS = 300.0   # pipetwin calibrate: measuring one layer
 INTERFACE = ("it must return an object with layers (a list of torch.nn.Module), loss(output, target) and "
              "sample(generator, batch_size), e.g. types.SimpleNamespace(layers=..., loss=..., sample=...)")
 
@@ -114,6 +120,33 @@ class Stack:
 
 
 # ---------------------------------------------------------------------------- loading
+class _Timeout(BaseException):
+    """Raised by :func:`time_limit`'s alarm (a BaseException: the user's ``except Exception`` lets it by)."""
+
+
+@contextmanager
+def time_limit(seconds: float, what: str):
+    """Run the block for at most ``seconds`` (wall clock; SIGALRM, so in the main thread only,
+    elsewhere unbounded), else a ValueError of one line: ``what`` did not finish."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise _Timeout
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except _Timeout:
+        raise ValueError(f"{what} did not finish in {seconds:g} s; does it wait for something or loop "
+                         f"forever?") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def _where(e: BaseException, path: str | None) -> str:
     """' (FILE line N)': the innermost frame of the user's file in the exception's traceback."""
     if isinstance(e, SyntaxError) and e.lineno:
@@ -150,8 +183,9 @@ def load_function(ref: str) -> tuple[Callable, str | None]:
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             try:
-                spec.loader.exec_module(module)
-            except Exception as e:  # noqa: BLE001 - the user's code: one line, not a traceback
+                with time_limit(BUILD_SECONDS, f"model {ref}: importing {target}"):
+                    spec.loader.exec_module(module)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code: one line, not a traceback
                 del sys.modules[name]
                 raise ValueError(f"model {ref}: importing {target} failed{_where(e, str(path))}: "
                                  f"{_first_line(e)}") from None
@@ -210,10 +244,64 @@ def build_stack(ref: str, seed: int = 0) -> Stack:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            obj = fn()
+            with time_limit(BUILD_SECONDS, f"model {ref}: {func}()"):
+                obj = fn()
+        except SystemExit as e:   # sys.exit() in the user's code ends nothing but the build
+            raise ValueError(f"model {ref}: {func}() called sys.exit({e.code!r}){_where(e, where)}; it must "
+                             f"return the model") from None
         except Exception as e:  # noqa: BLE001 - the user's code
             raise ValueError(f"model {ref}: {func}() failed{_where(e, where)}: {_first_line(e)}") from None
     return check_stack(obj, ref)
+
+
+def meta_params(ref: str, seed: int = 0) -> tuple[tuple[int, ...], float] | None:
+    """(parameters per layer, bytes of the weights) of the model built on the meta device: every
+    tensor the model function makes is a shape without memory, so a model of any size is counted
+    in the time its Python takes. None where it cannot be built there (it reads a tensor's values
+    while building, or fails): the real build then checks it."""
+    fn, _ = load_function(ref)
+    func = ref.rsplit(":", 1)[-1]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), \
+                time_limit(BUILD_SECONDS, f"model {ref}: {func}() on the meta device"):
+            stack = check_stack(fn(), ref)
+    except (Exception, SystemExit):  # noqa: BLE001 - the user's code; the real build says what is wrong
+        return None
+    layers = [list(layer.parameters()) for layer in stack.layers]
+    unique = {id(p): p for ps in layers for p in ps}.values()
+    return tuple(sum(p.numel() for p in ps) for ps in layers), float(sum(p.numel() * p.element_size() for p in unique))
+
+
+def stack_host_bytes(params, sched: Schedule, out_bytes: float = 0.0) -> float:
+    """Host memory a model of ``params`` parameters per layer needs on top of the ranks' processes,
+    at least: every rank builds the whole model once (fp32 weights), every model copy and replica
+    holds weights + gradients + Adam state (16 B per parameter), and min(N, D) micro-batches per
+    pipeline keep ``out_bytes`` (about every layer's output)."""
+    total = float(sum(params))
+    inflight = min(sched.num_microbatches, sched.num_devices) * sched.replicas
+    return sched.num_ranks * 4 * total + 16 * total * sched.num_copies * sched.replicas + inflight * out_bytes
+
+
+def check_fits(ref: str, need: float, what: str, *, hint: str = "") -> None:
+    """``what`` of model ``ref`` needs ``need`` bytes of host memory: refused (ValueError, one line)
+    where this host has less available."""
+    avail = available_host_bytes()
+    if avail is not None and need > avail:
+        gib = 2 ** 30
+        raise ValueError(f"model {ref}: {what} needs at least {need / gib:.1f} GiB of memory on this host but "
+                         f"{avail / gib:.1f} GiB is available; use {hint}a smaller model")
+
+
+def check_stack_fits(config, low: Schedule) -> None:
+    """A CPU run of a model file (``config``: its RunConfig), its parameters counted on the meta device
+    (:func:`executor.user_model.meta_params`: no weights made) before the model is built: refused
+    (ValueError) where ``low``'s ranks of it cannot fit in this host's available memory (building
+    it once is :func:`executor.user_model.stack_layout`'s check)."""
+    meta = None if config.device == "cuda" else meta_params(str(config.model), config.seed)
+    if meta is not None:
+        params = meta[0]
+        check_fits(str(config.model), low.num_ranks * PROCESS_BYTES + stack_host_bytes(params, low),
+                   f"running {low.num_ranks} ranks of its {sum(params):,} parameters", hint="fewer ranks (-D/--dp) or ")
 
 
 def find_ties(layers: list[nn.Module]) -> tuple[tuple[tuple[int, str], ...], ...]:
@@ -258,11 +346,9 @@ class StackLayout:
         check before spawning): every rank builds the whole model once (fp32 weights), every model
         copy and replica holds weights + gradients + Adam state (16 B per parameter), and min(N, D)
         micro-batches per pipeline keep about every layer's output."""
-        params = float(sum(self.params))
         outs = float(sum(math.prod(s) * torch.empty((), dtype=d).element_size()
                          for s, d in zip(self.out_shapes, self.out_dtypes)))
-        inflight = min(sched.num_microbatches, sched.num_devices) * sched.replicas
-        return sched.num_ranks * 4 * params + 16 * params * sched.num_copies * sched.replicas + inflight * outs
+        return stack_host_bytes(self.params, sched, outs)
 
     def message_buffer(self, op: Op, device) -> torch.Tensor:
         """An empty tensor for the message of RECV ``op``: an activation is the output of the
@@ -300,11 +386,14 @@ def probe_forward(stack: Stack, micro_batch: int):
     outs, h, prev = [], x, "the input from sample()"
     for i, layer in enumerate(stack.layers):
         name = type(layer).__name__
+        version = h._version
         try:
             out = layer(h)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"model {ref}: layer {i} ({name}) cannot take {prev} (shape {list(h.shape)}, "
                              f"{str(h.dtype).replace('torch.', '')}): {_first_line(e)}") from None
+        if h._version != version:
+            raise ValueError(_in_place(ref, i, name))
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"model {ref}: layer {i} ({name}) returned a {type(out).__name__}; every layer must "
                              f"return one tensor, the next layer's input")
@@ -323,6 +412,43 @@ def probe_forward(stack: Stack, micro_batch: int):
     return x, y, outs, loss
 
 
+def _in_place(ref: str, i: int, name: str) -> str:
+    return (f"model {ref}: layer {i} ({name}) changes its input in place (e.g. x.relu_(), x += ...); a stage's "
+            f"input is a received tensor that autograd needs as it was: compute a new tensor (x = x.relu())")
+
+
+def check_gradient_flow(stack: Stack, outs: list[torch.Tensor], counts: tuple[int, ...]) -> None:
+    """Every stage but the first gets its input from the stage before and must send a gradient back:
+    run each such stage as a rank does, from a received leaf tensor that requires grad, and require
+    every layer's output to depend on its input (a layer that returns an integer tensor, a constant or
+    a detached one cuts the gradient; one that changes its input in place is refused by autograd)."""
+    ref = stack.ref
+    for s, rng in enumerate(ranges(counts)):
+        if s == 0 or not outs[rng[0] - 1].is_floating_point():     # integer boundaries: stack_layout's check
+            continue
+        h = outs[rng[0] - 1].detach().clone().requires_grad_(True)
+        for i in rng:
+            name = type(stack.layers[i]).__name__
+            try:
+                out = stack.layers[i](h)
+            except RuntimeError as e:
+                if "in-place" in str(e):
+                    raise ValueError(_in_place(ref, i, name)) from None
+                raise ValueError(f"model {ref}: layer {i} ({name}) fails on a received input: "
+                                 f"{_first_line(e)}") from None
+            cut = not out.requires_grad or torch.autograd.grad(
+                out, h, torch.ones_like(out), allow_unused=True)[0] is None
+            if cut:
+                dtype = str(out.dtype).replace("torch.", "")
+                what = (f"returns an integer tensor ({dtype})" if not out.is_floating_point()
+                        else "returns a tensor that does not depend on its input")
+                raise ValueError(f"model {ref}: layer {i} ({name}) {what}, so stage {s} (layers {rng[0]}-{rng[-1]}) "
+                                 f"cannot send a gradient back to stage {s - 1}; choose a partition that puts it in "
+                                 f"the first stage (--partition; layers per stage now {list(counts)}) or make it "
+                                 f"differentiable")
+            h = out.detach().requires_grad_(True)
+
+
 _LAYOUTS: dict[tuple, StackLayout] = {}
 
 
@@ -338,13 +464,17 @@ def stack_layout(ref: str, num_stages: int, *, micro_batch: int = DEFAULT_MICRO_
     key = (ref.strip(), stamp, num_stages, int(micro_batch), int(seed), part)
     if key in _LAYOUTS:
         return _LAYOUTS[key]
+    meta = meta_params(ref, seed)      # counted before any weight is made
+    if meta is not None:
+        check_fits(ref, meta[1], f"building its {sum(meta[0]):,} parameters")
     stack = build_stack(ref, seed)
     params = tuple(sum(p.numel() for p in layer.parameters()) for layer in stack.layers)
     try:
         counts = tuple(stack_partition(params, num_stages, part))
     except ValueError as e:
         raise ValueError(f"model {ref} ({len(stack.layers)} layers): {e}") from None
-    x, _, outs, loss = probe_forward(stack, int(micro_batch))
+    with time_limit(BUILD_SECONDS, f"model {ref}: one forward of a micro-batch of {micro_batch}"):
+        x, _, outs, loss = probe_forward(stack, int(micro_batch))
     if not loss.requires_grad:
         raise ValueError(f"model {ref}: the loss does not depend on any parameter that requires grad; "
                          f"nothing would train")
@@ -358,6 +488,8 @@ def stack_layout(ref: str, num_stages: int, *, micro_batch: int = DEFAULT_MICRO_
                              f"{layout.names[i]}) carries a {str(layout.out_dtypes[i]).replace('torch.', '')} "
                              f"tensor; gradients flow back only through floating-point tensors: choose a partition "
                              f"that does not cut there (--partition; layers per stage now {list(counts)})")
+    with time_limit(BUILD_SECONDS, f"model {ref}: the gradient check of its stages"):
+        check_gradient_flow(stack, outs, counts)
     _LAYOUTS[key] = layout
     return layout
 

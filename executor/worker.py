@@ -54,9 +54,12 @@ from .config import RunConfig, RunResult
 from .data import TokenSource
 from .device import DeviceContext, NullMeter, cpu_threads, select_device
 from .host import CpuMeter, foreign_cores, pin_to_core
-from .model import Block, boundary_shape, make_optimizer, stage_module
+from .mesh import Mesh, placement
+from .model import block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
+from .tensor_parallel import TensorParallel, gather, split_of
+from .zero import ShardedOptimizer
 
 
 @dataclass(frozen=True)
@@ -78,17 +81,32 @@ class ProcessGroups:
         self.p2p = DirectionalGroups(world, backend)
         self._stage: dict[tuple[int, ...], object] = {}
 
-    def for_stages(self, sched: Schedule, rank: int, device) -> dict[int, object]:
-        """Stage -> all-reduce group (stages held by more than one rank). A new group runs one
-        tiny all-reduce right away, so its (NCCL) communicator exists before the program needs
-        it; all ranks create and warm groups in stage order, which cannot deadlock."""
+    def for_stages(self, sched: Schedule, rank: int, device, mesh: Mesh | None = None) -> dict[int, object]:
+        """Stage -> all-reduce group (stages held by more than one rank; with tensor parallelism the
+        same TP rank of each, :class:`executor.mesh.Mesh`). A new group runs one tiny all-reduce
+        right away, so its (NCCL) communicator exists before the program needs it; all ranks create
+        and warm groups in stage order (then TP rank order), which cannot deadlock."""
+        mesh = mesh or Mesh(1, sched.num_ranks)
+        mine = mesh.coords(rank)[1]
         out = {}
         for s in range(sched.num_stages):
             ranks = tuple(sched.stage_group(s))
             if len(ranks) < 2:
                 continue
-            out[s] = self.for_ranks(ranks, rank, device)
+            for t in range(mesh.tp):
+                group = self.for_ranks(mesh.lift(ranks, t), rank, device)
+                if t == mine:
+                    out[s] = group
         return out
+
+    def for_tensor_parallel(self, mesh: Mesh, rank: int, device) -> object:
+        """This rank's TP group (every TP group is created, by all ranks in pipeline-rank order)."""
+        mine = None
+        for p in range(mesh.ranks):
+            group = self.for_ranks(mesh.tp_group(p), rank, device)
+            if rank in mesh.tp_group(p):
+                mine = group
+        return mine
 
     def for_ranks(self, ranks, rank: int, device):
         """The (cached) group of ``ranks``; every rank must ask for the same groups in one order."""
@@ -99,9 +117,10 @@ class ProcessGroups:
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
         return self._stage[ranks]
 
-    def warm_up_p2p(self, sched: Schedule, rank: int, device) -> None:
-        pairs = {tuple(sorted((r, op.peer))) for r in range(sched.num_ranks) for op in sched.program(r)
-                 if op.peer >= 0}
+    def warm_up_p2p(self, sched: Schedule, rank: int, device, mesh: Mesh | None = None) -> None:
+        mesh = mesh or Mesh(1, sched.num_ranks)
+        pairs = {tuple(sorted(mesh.lift((r, op.peer), t))) for r in range(sched.num_ranks) for op in sched.program(r)
+                 if op.peer >= 0 for t in range(mesh.tp)}
         self.p2p.warm_up(rank, pairs, device)
 
 
@@ -123,9 +142,20 @@ def init_world(device: str, rank: int, world: int, local_rank: int, local_world:
     return ctx
 
 
+def run_spawned(jobs: list[Job], rank: int, world: int, local_rank: int, local_world: int) -> list | None:
+    """A spawned local rank (one node of ``world`` processes): with tensor parallelism the mesh rank
+    its device runs (:func:`executor.mesh.placement`, the function torchrun's processes use);
+    without, the launch order."""
+    tp = jobs[0].config.tp
+    if tp == 1:
+        return run_jobs(jobs, rank, world, local_rank, local_world)
+    mesh_rank, _ = placement(jobs[0].config.device_map, jobs[0].schedule, tp, 0, rank, 1, world)
+    return run_jobs(jobs, mesh_rank, world, local_rank, local_world, launch_rank=rank)
+
+
 def run_jobs(jobs: list[Job], rank: int, world: int, local_rank: int, local_world: int,
              launch_rank: int | None = None) -> list[RunResult] | None:
-    """Run ``jobs`` on this rank; rank 0 returns their results, the other ranks None."""
+    """Run ``jobs`` on this (process-group) rank; rank 0 returns their results, the other ranks None."""
     devices = {j.config.device for j in jobs}
     if len(devices) != 1:
         raise ValueError(f"jobs of one launch must use one device kind; got {sorted(devices)}")
@@ -160,14 +190,21 @@ class RankSetup:
     params: list
     optimizer: torch.optim.Optimizer
     probe: object = None     # a layer stack's speed-probe work (None: the GPT block's)
+    tp_rank: int = 0         # this process's rank in its tensor-parallel group
 
 
 def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RankSetup:
-    """Steps 1-3 of the module docstring: stages, optimizer, groups, mailbox, aligned clock."""
+    """Steps 1-3 of the module docstring: stages, optimizer, groups, mailbox, aligned clock. ``rank``
+    is the process-group rank: pipeline rank ``rank // T``, TP rank ``rank % T`` (:mod:`executor.mesh`)."""
     cfg, sched = job.config, job.schedule
-    if sched.num_ranks != world:
-        raise ValueError(f"{sched.name} with D={sched.num_devices}, R={sched.replicas} needs {sched.num_ranks} "
-                         f"processes; {world} were started")
+    mesh = Mesh(cfg.tp, sched.num_ranks)
+    if mesh.world != world:
+        raise ValueError(f"{sched.name} with T={cfg.tp}, D={sched.num_devices}, R={sched.replicas} needs "
+                         f"{mesh.world} processes; {world} were started")
+    tp_group = groups.for_tensor_parallel(mesh, rank, ctx.device) if mesh.tp > 1 else None
+    pipe_rank, tp_rank = mesh.coords(rank)
+    tp = TensorParallel(mesh.tp, tp_rank, tp_group)
+    global_rank, rank = rank, pipe_rank     # from here on: the pipeline rank, as the program names it
     stack = None
     if job.layout is not None:      # a model file: executor.user_model builds this rank's stages
         from .user_model import NoOptimizer, TiedGradients, build_rank
@@ -184,7 +221,7 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
             if s not in built:
                 built[s] = stage_module(spec, sched.num_stages, s, seed=cfg.seed,
-                                        partition=cfg.partition).to(ctx.device)
+                                        partition=cfg.partition, tp=tp).to(ctx.device)
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)
@@ -192,12 +229,17 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         buffer = lambda op: torch.empty(shape, dtype=wire, device=ctx.device)  # noqa: E731
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
     mailbox = Mailbox(rank, sched.program(rank), groups.p2p, buffer, timeout=cfg.timeout,
-                      lookahead=cfg.recv_lookahead)
+                      lookahead=cfg.recv_lookahead, to_rank=lambda p: mesh.rank(p, tp_rank))
     meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
-    groups.warm_up_p2p(sched, rank, ctx.device)
-    stage_groups = groups.for_stages(sched, rank, ctx.device)
+    groups.warm_up_p2p(sched, global_rank, ctx.device, mesh)
+    stage_groups = groups.for_stages(sched, global_rank, ctx.device, mesh)
+    if cfg.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
+        optimizer = ShardedOptimizer([(list(m.parameters()), stage_groups.get(s),
+                                       sched.stage_group(s).index(rank), len(sched.stage_group(s)))
+                                      for s, m in built.items()], cfg.optimizer, cfg.lr)
+    else:
+        optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
     tied = None
     if stack is not None:       # parameters shared across stages: one group per set of ranks, all ranks alike
         tied = TiedGradients(rank, [(ranks, groups.for_ranks(ranks, rank, ctx.device) if len(ranks) > 1 else None,
@@ -206,7 +248,7 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
                               recompute=cfg.recompute, meter_every_forward=cfg.meter_every_forward, tied=tied)
-    return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None)
+    return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None, tp_rank)
 
 
 def report_progress(done: int, total: int, what: str, seconds: float) -> None:
@@ -243,12 +285,14 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     if probe_host:
         probe += probe_host()
     node, local, _, per_node = topology()
-    report = {"rank": rank, "rows": rows, "losses": losses, "peak": peak, "fwd_bytes": rs.runtime.fwd_bytes,
+    pipe_rank = rank // cfg.tp
+    report = {"rank": pipe_rank, "tp": rs.tp_rank, "rows": rows, "losses": losses, "peak": peak,
+              "fwd_bytes": rs.runtime.fwd_bytes,
               "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe, "cpu": window, "core": core,
               "placement": {"node": node, "local_rank": local, "device": node * per_node + local,
                             "host": socket.gethostname()}}
     if cfg.collect_params:
-        replica = rank // sched.num_devices
+        replica = pipe_rank // sched.num_devices
         report["params"] = {f"r{replica}.c{c}/{n}": p.detach().cpu().clone() for (c, _), m in rs.modules.items()
                             for n, p in m.named_parameters(remove_duplicate=False)}
     gathered = [None] * world if rank == 0 else None
@@ -263,11 +307,11 @@ def speed_probe(spec, ctx: DeviceContext, repeats: int, work=None):
     after one untimed pass."""
     if work is None:
         gen = torch.Generator().manual_seed(1234)
-        block = Block(spec).to(ctx.device)
+        layer = block(spec).to(ctx.device)
         x = torch.randn(spec.micro_batch, spec.seq_len, spec.hidden, generator=gen).to(ctx.device).requires_grad_(True)
 
         def work():
-            block(x).sum().backward()
+            layer(x).sum().backward()
 
     def probe() -> list[float]:
         dist.barrier()
@@ -298,7 +342,11 @@ def _static_bytes(params, optimizer) -> int:
 
 
 def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backend: str) -> RunResult:
-    """Rank 0: one trace, the global loss per step, per-rank memory (bytes and Ma)."""
+    """Rank 0: one trace, the global loss per step, per-rank memory (bytes and Ma), per pipeline rank
+    (with tensor parallelism: TP rank 0 stands for its group, as one simulated rank does; every
+    process's placement is listed and the parameters are gathered from their shards)."""
+    everyone = reports
+    reports = [rep for rep in everyone if rep.get("tp", 0) == 0]
     D, S = sched.num_devices, sched.num_stages
     fwd: dict[int, int] = {}
     for rep in reports:
@@ -321,10 +369,12 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
                            "peak_activation_ma": rep["peak"] / ma if ma else None,
                            "static_bytes": rep["static_bytes"],
                            "busy_s": m.busy if m else 0.0, "bubble_ratio": m.bubble_ratio if m else None})
-    params = None
-    if cfg.collect_params:
-        params = {k: v for rep in reports for k, v in rep["params"].items()}
-    extra = {"placement": [rep["placement"] for rep in sorted(reports, key=lambda r: r["rank"])]}
+    params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
+                                   if rep["rank"] == r] for r in range(sched.num_ranks)) \
+        if cfg.collect_params else (None, None)
+    extra = {} if drift is None or cfg.tp == 1 else {"tp_replica_drift": drift}
+    extra |= {"placement": [dict(rep["placement"], rank=rep["rank"], tp=rep["tp"])
+                           for rep in sorted(everyone, key=lambda r: (r["rank"], r["tp"]))]}
     probes = sorted(t for rep in reports for t in rep["probe"])
     if probes:
         extra["probe_seconds"] = noise_free(probes)
@@ -338,6 +388,24 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
         extra["pinned"] = all(rep.get("core") is not None for rep in reports)
     return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,
                      extra=extra)
+
+
+def gather_params(per_rank) -> tuple[dict, float]:
+    """The whole parameters of every pipeline rank from its TP ranks' (in TP rank order): split ones
+    concatenated (:func:`executor.tensor_parallel.gather`), replicated ones from TP rank 0; and the
+    largest difference of a replicated parameter between the TP ranks holding it (0 when they agree)."""
+    out, drift = {}, 0.0
+    for shards in per_rank:
+        for key, value in shards[0].items():
+            split = split_of(key) if len(shards) > 1 else None
+            if split is not None:
+                out[key] = gather([s[key] for s in shards], *split)
+                continue
+            out[key] = value
+            for other in shards[1:]:
+                if key in other:
+                    drift = max(drift, float((other[key] - value).abs().max()))
+    return out, drift
 
 
 def local_env() -> tuple[int, int, int, int]:

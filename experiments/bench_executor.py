@@ -73,7 +73,7 @@ def _torch(cfg, schedule_cls: str, chunks: int, v_shape: bool, rank, world, ctx)
     from torch.distributed import pipelining as pp
 
     from executor.data import TokenSource
-    from executor.model import StageModule, make_optimizer, stage_module
+    from executor.model import lm_loss, make_optimizer, stage_module
     spec = cfg.spec()
     D, N = world, cfg.microbatches
     S = D * chunks
@@ -83,7 +83,7 @@ def _torch(cfg, schedule_cls: str, chunks: int, v_shape: bool, rank, world, ctx)
     cls = getattr(pp, schedule_cls)
     single = issubclass(cls, pp.schedules.PipelineScheduleSingle)
     sched = cls(stages[0] if single else stages, n_microbatches=N,
-                loss_fn=StageModule.loss)
+                loss_fn=lm_loss)
     optimizer = make_optimizer([p for m in modules for p in m.parameters()], cfg.optimizer, cfg.lr)
     data = TokenSource(spec, cfg.seed)
     has_first, has_last = 0 in stage_ids, S - 1 in stage_ids

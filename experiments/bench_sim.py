@@ -8,6 +8,12 @@ build, lower, validate, bind the costs, place on the cluster, simulate, metrics;
 * a 1,024-GPU job, ``dapple D=16 R=64 N=128``, gpt-96 on ``dgx-a100-ib:128``, against a bare
   SimPy loop of 100,000 timeouts: aim <= 10x;
 * a 10,240-GPU job, the same at R=640 on ``dgx-a100-ib:1280``: aim <= 50x;
+* a 16,384-GPU tensor-parallel job, Llama-3-405B at TP 8 x PP 16 x DP 128 (interleaved, 2 chunks,
+  N=16: Llama 3's 2,048 sequences per step, full recompute) on ``dgx-h100-ib:2048`` in Llama 3's
+  rank order [TP, PP, DP] (``--device-map sequential``: a pipeline inside one rail group), through
+  the typed job (:func:`sim.simulate_job`): aim <= 20x. (In Megatron's order [TP, DP, PP], the
+  default, the data-parallel rings' hops between rail groups tell 32 kinds of replicas apart,
+  and 32 replicas are simulated.)
 * (unless ``--no-planner``) ``plan -m gpt-96 -G 1024`` on ``dgx-a100-ib:128`` (search, re-simulation
   and baselines): aim <= 10 s, shown also as a ratio to the 100k loop (run once: it takes minutes).
 
@@ -60,9 +66,21 @@ def cluster_case(R: int, D: int = 16, N: int = 128, model: str = "gpt-96", clust
     return res.metrics(), None
 
 
+def tensor_parallel_case(R: int = 128):
+    from cost_models.job import Job, Layout
+    from sim import simulate_job
+    job = Job(layout=Layout(schedule="interleaved", devices=16, microbatches=16, replicas=R, tp=8),
+              model="llama3-405b", cluster=f"dgx-h100-ib:{16 * R}", recompute="full", device_map="sequential")
+    _, res = simulate_job(job)
+    if res.simulated_replicas != 1:
+        raise RuntimeError(f"R={R}: replicas were not simulated as one ({res.full_reason})")
+    return res.metrics(), None
+
+
 def planner_case(G: int = 1024, cluster: str = "dgx-a100-ib:128"):
     from planner import plan_training
-    res = plan_training("gpt-96", load_cluster(cluster), G, progress=False)
+    # FLOP-rate costs, as the README's bench table was measured
+    res = plan_training("gpt-96", load_cluster(cluster), G, progress=False, cost_model="linear")
     return res, None
 
 
@@ -92,7 +110,9 @@ def main(argv=None) -> int:
     cases = [("bitpipe D=32 N=256 (unit costs)", bitpipe_case, "events", 4.0),
              ("1,024 GPUs: dapple D=16 R=64 N=128, gpt-96, dgx-a100-ib:128", lambda: cluster_case(64), "100k", 10.0),
              ("10,240 GPUs: dapple D=16 R=640 N=128, gpt-96, dgx-a100-ib:1280", lambda: cluster_case(640), "100k",
-              50.0)]
+              50.0),
+             ("16,384 GPUs: T=8 D=16 R=128 N=16, llama3-405b, dgx-h100-ib:2048",
+              tensor_parallel_case, "100k", 20.0)]
     if not a.no_planner:
         cases.append(("plan gpt-96 G=1024 on 1,024 A100s (dgx-a100-ib:128)", planner_case, "100k", None))
     _, per_dev = bitpipe_case()

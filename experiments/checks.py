@@ -27,6 +27,7 @@ import argparse
 import math
 
 from cost_models.files import FileError, check_output_dir, check_output_path, read_bytes
+from .tables import one_line_message
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,7 +36,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         sub = self.prog.split(" ", 1)[1] if " " in self.prog else ""
         hint = f" (see pipetwin {sub} --help)" if sub else " (see pipetwin --help)"
-        self.exit(2, f"pipetwin: error: {' '.join(message.split())}{hint}\n")
+        self.exit(2, f"pipetwin: error: {one_line_message(message)}{hint}\n")
 
 
 def _fail(what: str, text) -> argparse.ArgumentTypeError:
@@ -155,4 +156,30 @@ def factor_pair(label: str = "RANK", key=int, example: str = "3=1.5"):
             raise argparse.ArgumentTypeError(f"expects {label}=FACTOR, e.g. {example}; got {text!r}") from None
         return kk, positive_float(v.strip())
     parse.__name__ = "factor_pair"
+    return parse
+
+
+def memory_limit(text: str) -> tuple[float, str]:
+    """An argparse type for ``--memory-limit``: Ma (``16``, ``16 Ma``) or bytes with a unit (``40 GiB``)."""
+    t = text.strip()
+    num = t[:-2].strip() if t.endswith("Ma") else t
+    try:
+        value = float(num)
+    except ValueError:
+        return (byte_size("--memory-limit")(t), "B")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"--memory-limit must be > 0 (Ma, e.g. 16, or bytes with a unit, e.g. "
+                                         f"40 GiB); got {text!r}")
+    return (value, "Ma")
+
+
+def byte_size(option: str):
+    """An argparse type: bytes as a number or with a unit (``4 GiB``, ``80 GB``); 0 allowed."""
+    from cost_models._spec import SpecError, size_bytes
+
+    def parse(text: str) -> float:
+        try:
+            return size_bytes(text.strip(), option, option.lstrip("-"), allow_zero=True)
+        except SpecError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return parse

@@ -16,8 +16,10 @@ import pkgutil
 import sys
 
 import experiments
+from cost_models.lifeline import Terminated, interrupt_on_termination
 
 from .checks import Parser
+from .tables import one_line_message
 
 # what a user can cause and fix: bad values (ScheduleError, SpecError, OutOfMemory are ValueErrors)
 # and missing files. Anything else (a KeyError included) is a bug and keeps its traceback.
@@ -66,9 +68,10 @@ def main(argv=None) -> int:
     except SystemExit as e:   # a bad option (one line printed), --help or --version
         return e.code if isinstance(e.code, int) else 2
     try:
-        return int(args._main(args) or 0)
+        with interrupt_on_termination():        # SIGTERM / SIGHUP clean up as Ctrl-C does
+            return int(args._main(args) or 0)
     except USER_ERRORS as e:
-        print(f"pipetwin: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"pipetwin: error: {one_line_message(e)}", file=sys.stderr)
         return 2
     except MemoryError:
         print("pipetwin: error: out of memory on this host; use a smaller -D/-N/--dp or model", file=sys.stderr)
@@ -76,6 +79,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()
         return 0
+    except Terminated as e:
+        print(f"pipetwin: stopped by {e}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("pipetwin: interrupted", file=sys.stderr)
         return 130

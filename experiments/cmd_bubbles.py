@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from schedules import names
 from schedules.analysis import bubble_vs_n
+from schedules.registry import MAX_OPS, estimated_ops
 
 from cost_models.job import check_run_size
 
 from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
-from .tables import fmt_table
+from .tables import fmt_table, printable
 
 NAME = "bubbles"
 HELP = "bubble time and ratio against the number of micro-batches N (unit costs), every schedule"
@@ -23,7 +24,8 @@ def add_arguments(p):
     p.add_argument("--devices", "-D", type=positive_int, default=8)
     p.add_argument("--max-k", type=positive_int, default=4, help="N = K*D for K = 1..max-k (default 4)")
     p.add_argument("--schedules", default="all")
-    p.add_argument("--chunks", "-v", type=positive_int, default=2)
+    p.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help="chunks per device for the schedules that take them (default 2)")
     p.add_argument("--plot", metavar="FILE.png", type=output_file)
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", metavar="FILE.yaml", type=input_file,
@@ -33,11 +35,34 @@ def add_arguments(p):
     p.add_argument("--partition", metavar="COUNTS|time", help="with --profile: layers per stage, or 'time'")
 
 
-def table(D: int, max_k: int, scheds: list[str], chunks: int = 2):
+def check_table_size(D: int, max_k: int, num_schedules: int, chunks: int = 2) -> None:
+    """The whole table at most :data:`schedules.registry.MAX_OPS` estimated ops (every point's
+    build and run together, about 20 s of work), refused in one line naming ``--max-k`` otherwise."""
     if D < 1 or max_k < 1:
         raise ValueError("--devices and --max-k must be >= 1")
     check_run_size(devices=D, microbatches=max_k * D, chunks=chunks)
-    return bubble_vs_n(scheds, D, [k * D for k in range(1, max_k + 1)], chunks=chunks)
+
+    def ops(k):
+        return num_schedules * sum(estimated_ops(D, j * D, 1, chunks) for j in range(1, k + 1))
+    if ops(max_k) > MAX_OPS:
+        top = max([k for k in range(1, max_k) if ops(k) <= MAX_OPS], default=0)
+        raise ValueError(f"--max-k {max_k}: {num_schedules} schedule(s) at N = D..{max_k}D (D={D}) build about "
+                         f"{ops(max_k):,} ops, beyond the table's limit of {MAX_OPS:,} (schedules.registry.MAX_OPS); "
+                         f"use --max-k <= {top} or fewer --schedules")
+
+
+def _points(D: int, max_k: int, scheds: list[str]):
+    """(schedule, N) of the table, with a progress bar on a terminal."""
+    from .progress import bar
+    pts = [(name, k * D) for name in scheds for k in range(1, max_k + 1)]
+    return bar(pts, "bubbles", total=len(pts))
+
+
+def table(D: int, max_k: int, scheds: list[str], chunks: int = 2):
+    import pandas as pd
+    check_table_size(D, max_k, len(scheds), chunks)
+    return pd.concat([bubble_vs_n([name], D, [N], chunks=chunks) for name, N in _points(D, max_k, scheds)],
+                     ignore_index=True)
 
 
 def profile_table(D: int, max_k: int, scheds: list[str], profile: str, *, chunks: int = 2, cluster=None,
@@ -54,26 +79,23 @@ def profile_table(D: int, max_k: int, scheds: list[str], profile: str, *, chunks
     from schedules.trace import step_metrics
     from sim import simulate_job
 
-    if D < 1 or max_k < 1:
-        raise ValueError("--devices and --max-k must be >= 1")
-    check_run_size(devices=D, microbatches=max_k * D, chunks=chunks)
+    check_table_size(D, max_k, len(scheds), chunks)
     base = Job(layout=Layout(schedule=scheds[0], devices=D, microbatches=D, chunks=chunks), profile=profile,
                cluster=cluster or ClusterChoice(), partition=partition)
     inputs = load_inputs(base)
     rows = []
-    for name in scheds:
-        for N in [k * D for k in range(1, max_k + 1)]:
-            row = {"schedule": name, "D": D, "N": N}
-            try:
-                _, res = simulate_job(base.with_layout(schedule=name, microbatches=N), inputs=inputs, trace=True)
-            except (ScheduleError, ValueError) as e:
-                rows.append({**row, "makespan": float("nan"), "mean_busy": float("nan"), "bubble": float("nan"),
-                             "bubble_ratio": float("nan"), "error": str(e)})
-                continue
-            m = step_metrics(res.trace())
-            busy = sum(p.busy for p in m.per_device) / len(m.per_device)
-            rows.append({**row, "makespan": m.iteration_time, "mean_busy": busy, "bubble": m.iteration_time - busy,
-                         "bubble_ratio": m.bubble_ratio, "error": ""})
+    for name, N in _points(D, max_k, scheds):
+        row = {"schedule": name, "D": D, "N": N}
+        try:
+            _, res = simulate_job(base.with_layout(schedule=name, microbatches=N), inputs=inputs, trace=True)
+        except (ScheduleError, ValueError) as e:
+            rows.append({**row, "makespan": float("nan"), "mean_busy": float("nan"), "bubble": float("nan"),
+                         "bubble_ratio": float("nan"), "error": str(e)})
+            continue
+        m = step_metrics(res.trace())
+        busy = sum(p.busy for p in m.per_device) / len(m.per_device)
+        rows.append({**row, "makespan": m.iteration_time, "mean_busy": busy, "bubble": m.iteration_time - busy,
+                     "bubble_ratio": m.bubble_ratio, "error": ""})
     return pd.DataFrame(rows, columns=["schedule", "D", "N", "makespan", "mean_busy", "bubble", "bubble_ratio",
                                        "error"])
 
@@ -103,7 +125,10 @@ def plot(df, path, unit: str = "units of F") -> None:
 
 
 def main(args) -> int:
+    from .jobs import SCHEDULE_DEFAULTS, check_chunks
     scheds = parse_schedules(args.schedules) if args.schedules != "all" else names()
+    check_chunks(args.chunks, scheds)
+    args.chunks = args.chunks or SCHEDULE_DEFAULTS["chunks"]
     if args.profile:
         from cost_models import load_profile
         from cost_models.job import ClusterChoice
@@ -129,5 +154,5 @@ def main(args) -> int:
     print(fmt_table(rows, ["schedule", "N", "makespan", "bubble", "bubble_ratio"],
                     {"makespan": "{:.4g}", "bubble": "{:.4g}", "bubble_ratio": "{:.4f}"}))
     if args.plot:
-        print(f"wrote figure: {args.plot}")
+        print(f"wrote figure: {printable(args.plot)}")
     return 0

@@ -17,7 +17,7 @@ HELP = "measure per-layer, P2P, all-reduce and runtime costs here; write a profi
 
 
 def add_arguments(p):
-    p.add_argument("--model", default="tiny",
+    p.add_argument("--model", "-m", default="tiny",
                    help="model preset or YAML file (default tiny), or a model file PATH.py:FUNC (each of its layers "
                         "is measured)")
     p.add_argument("--micro-batch", type=positive_int, default=None,
@@ -62,9 +62,26 @@ def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_
                          runtime_steps=runtime_steps, runtime_repeats=runtime_repeats, dtype=dtype)
 
 
+def save_measured(prof, out: Path) -> Path:
+    """Save the profile to ``out``; when that write fails at the end (a disk filled up during the
+    measurement), keep the measurement in a file of the temporary folder and name both in the one
+    line of the error, so minutes of measuring are not lost."""
+    import tempfile
+
+    from cost_models import save_profile
+    from cost_models.files import FileError
+    try:
+        return save_profile(prof, out)
+    except FileError as e:
+        try:
+            kept = save_profile(prof, Path(tempfile.mkdtemp(prefix="pipetwin-calibrate-")) / out.name)
+        except FileError:
+            raise e from None
+        raise FileError(f"{e}; the measured profile was kept in {kept} (copy it where you want it)") from None
+
+
 def main(args) -> int:
     from calibration import sitting_problems
-    from cost_models import save_profile
 
     if args.repeats < 3:
         raise ValueError(f"--repeats must be >= 3; got {args.repeats}")
@@ -72,7 +89,7 @@ def main(args) -> int:
                                    runtime_steps=args.runtime_steps, runtime_repeats=args.runtime_repeats,
                                    dtype=args.dtype)
     out = Path(args.out)
-    save_profile(prof, out)
+    save_measured(prof, out)
     if prof.is_stack:
         _print_stack(prof)
         f, b = sum(t.f for t in prof.layers), sum(t.b for t in prof.layers)
@@ -92,7 +109,7 @@ def main(args) -> int:
              if prof.time_slice else ""))
     print(f"wrote {out}")
     for p in sitting_problems(prof):
-        print(f"warning: host busy while calibrating ({p}); validate refuses this profile")
+        print(f"warning: calibration runs did not settle ({p}); validate refuses this profile")
     return 0
 
 

@@ -24,7 +24,7 @@ def add_arguments(p):
 
 def main(args) -> int:
     names = parse_schedules(args.schedules)
-    job = job_from_args(args, layout=layout_from_args(args, schedule=names[0]))
+    job = job_from_args(args, layout=layout_from_args(args, schedule=names[0], schedules=names))
     out = Path(args.out) if args.out else None
     plot = args.plot or (str(out / "compare.png") if out else None)
     comp = compare_schedules(job, names, traces=bool(plot or out))

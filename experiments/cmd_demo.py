@@ -7,6 +7,7 @@ from cost_models.job import Job, Layout
 from schedules import names
 
 from .checks import output_dir, positive_int
+from .common import write_csv
 from .compare import compare_schedules, report
 
 NAME = "demo"
@@ -30,6 +31,6 @@ def main(args) -> int:
     path = f"{args.out}/bubbles.png"
     df = cmd_bubbles.table(args.devices, 4, cmd_bubbles.names())
     cmd_bubbles.plot(df, path)
-    df.to_csv(f"{args.out}/bubbles.csv", index=False)
+    write_csv(df, f"{args.out}/bubbles.csv")
     print(f"wrote bubble-vs-N figure: {path}")
     return rc

@@ -21,7 +21,7 @@ from cost_models._spec import size_bytes
 from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
 from .jobs import add_cluster_shape_args, add_cost_model_args, cluster_from_args
-from .tables import byte_unit, fmt_bytes, fmt_table, wrap_cell
+from .tables import byte_unit, fmt_bytes, fmt_table, printable, wrap_cell
 
 NAME = "plan"
 HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner)"
@@ -42,7 +42,8 @@ def add_arguments(p):
                    help="a calibration profile (pipetwin calibrate --model ...): measured per-layer costs")
     p.add_argument("--global-batch", "-G", type=positive_int, required=True, help="samples (sequences) per iteration")
     p.add_argument("--memory-limit", metavar="BYTES",
-                   help="memory per device, e.g. '16 GiB' (default: the device's memory)")
+                   help="memory per device, e.g. '16 GiB' (default: the device's memory; above it only with --force)")
+    p.add_argument("--force", action="store_true", help="plan for a --memory-limit above the device's memory")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation (transformers)")
     p.add_argument("--schedules", default="dapple",
@@ -66,12 +67,18 @@ def _parse_limit(text):
     return size_bytes(text.strip(), "--memory-limit", "memory-limit")
 
 
+def check_limit(limit: float | None, device, force: bool) -> None:
+    """A ``--memory-limit`` above the memory of the cluster's ``device`` (a DeviceSpec) is refused
+    without ``force``: a plan that fits it would not fit the device."""
+    have = device.memory_bytes
+    if limit is not None and have and limit > have and not force:
+        raise ValueError(f"--memory-limit {fmt_bytes(limit)} is above the {device.name}'s {fmt_bytes(have)} of "
+                         f"memory: a plan within it would not fit the device (lower it, or pass --force)")
+
+
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
     from planner.clusters import resolve_cluster
-    from cost_models.workload import is_profile_path
-
-    from cost_models.bind import cost_model_for
 
     if args.global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1; got {args.global_batch}")
@@ -86,8 +93,9 @@ def main(args) -> int:
                          "--cluster, this machine)")
     else:
         cluster = cluster_from_args(args).load(resolve_cluster)
-        cost_model = cost_model_for(args.cost_model, cluster.device, is_profile_path(args.model))
+        cost_model = args.cost_model      # None: plan_training's default, every command's
     limit = _parse_limit(args.memory_limit)
+    check_limit(limit, cluster.device, args.force)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
                         max_stages=args.max_stages, uniform=args.uniform, devices=args.devices)
     res = plan_training(model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
@@ -118,6 +126,46 @@ def main(args) -> int:
     return 0
 
 
+def _layers_held(plan, work) -> list[str]:
+    """Per plan stage, the layers its devices hold: its own range, or for a split plan the ranges
+    of the schedule's stages placed on it (``3-4, 7-8`` for zb-v's V)."""
+    def rng(a, b):
+        return f"{a}-{b - 1} ({work.layer_names[a]}..{work.layer_names[b - 1]})"
+    if not plan.split:
+        return [rng(st.start, st.stop) for st in plan.stages]
+    from schedules import build
+    sched = build(plan.schedule, plan.num_stages, plan.microbatches, chunks=plan.chunks)
+    edges = [sum(plan.split[:t]) for t in range(len(plan.split) + 1)]
+    out = []
+    for s in range(plan.num_stages):
+        mine = sorted({t for row in sched.placement for t, d in enumerate(row) if d == s})
+        out.append(", ".join(f"{edges[t]}-{edges[t + 1] - 1}" for t in mine))
+    return out
+
+
+def run_command(rec: dict, work, model: str | None, recompute: str = "none") -> tuple[str | None, str]:
+    """The ``pipetwin run`` command line that trains a uniform plan record ``rec`` as planned (its
+    schedule, layout, per-replica micro-batch and the split the simulator uses), or (None, why not)."""
+    import inspect
+    import shlex
+    from schedules.registry import get
+    run = rec["run"]
+    if run is None:
+        return None, "a non-uniform plan runs with --plan FILE"
+    spec = work.spec
+    if not work.source.get("stack") and (spec is None or spec.kind != "gpt"):
+        kind = "a layer-cost model" if spec is None else f"of kind {spec.kind!r}"
+        return None, (f"{work.name} is {kind}; the executor trains GPT decoders and model files (simulate the plan "
+                      f"with 'pipetwin simulate --plan FILE')")
+    name = work.name if work.source.get("stack") else (model or work.source.get("name") or work.name)
+    chunks = f" --chunks {run['chunks']}" if "chunks" in inspect.signature(get(run["schedule"]).build).parameters \
+        else ""
+    rc = f" --recompute {recompute}" if recompute != "none" else ""
+    return (f"pipetwin run --model {shlex.quote(str(name))} --schedule {run['schedule']} --devices {run['devices']} "
+            f"--microbatches {run['microbatches']} --dp {run['dp']}{chunks} --micro-batch {run['micro_batch']} "
+            f"--partition {','.join(map(str, run['partition']))}{rc}"), ""
+
+
 def _calibrated_model(args):
     """(cluster, workload) of ``--profile``: this machine as calibrated, or scaled onto ``--cluster``."""
     from cost_models import load_profile
@@ -141,6 +189,7 @@ def _calibrated_model(args):
 def _say(text: str, width: int = 120) -> None:
     """A line of prose, wrapped to ``width`` columns (continuation lines indented)."""
     import textwrap
+    text = printable(text)
     lead = len(text) - len(text.lstrip())
     print(textwrap.fill(text, width, initial_indent="", subsequent_indent=" " * (lead + 4),
                         break_long_words=False, break_on_hyphens=False, drop_whitespace=True)
@@ -160,15 +209,16 @@ def _print_human(res, rec, base, stats, args) -> None:
     dpn = cl.devices_per_node
     unit, div = byte_unit([se.memory for se in est.stages])
     mem = f"memory_{unit}"
-    rows = []
+    rows, held = [], _layers_held(plan, work)
     for s, (st, se) in enumerate(zip(plan.stages, est.stages)):
         nodes = sorted({d // dpn for d in st.devices})
-        first, last = work.layer_names[st.start], work.layer_names[st.stop - 1]
-        rows.append({"stage": s, "layers": f"{st.start}-{st.stop - 1} ({first}..{last})", "replicas": st.replicas,
+        rows.append({"stage": s, "layers": held[s], "replicas": st.replicas,
                      "nodes": ",".join(map(str, nodes)), "fwd_ms": se.f * 1e3, "bwd_ms": se.b * 1e3,
                      "allreduce_ms": se.allreduce * 1e3, mem: se.memory / div})
-    print(fmt_table(rows, ["stage", "layers", "replicas", "nodes", "fwd_ms", "bwd_ms", "allreduce_ms", mem],
-                    {"fwd_ms": "{:.2f}", "bwd_ms": "{:.2f}", "allreduce_ms": "{:.2f}", mem: "{:.3g}"}))
+    # a split plan's stages hold the schedule's stages (zb-v: two per device): DAPPLE's per-stage
+    # estimate is of the plan's own partition, so its columns are left out
+    cols = ["stage", "layers", "replicas", "nodes"] + ([] if plan.split else ["fwd_ms", "bwd_ms", "allreduce_ms", mem])
+    print(fmt_table(rows, cols, {"fwd_ms": "{:.2f}", "bwd_ms": "{:.2f}", "allreduce_ms": "{:.2f}", mem: "{:.3g}"}))
     _say(f"  analytical: L = {est.latency:.4g} s = warm-up {est.warmup:.4g} + steady {est.steady:.4g} + "
           f"ending {est.ending:.4g} (pivot {est.pivot}); with 1F1B round trips {est.latency_rt:.4g} s"
           + ("" if plan.schedule == "dapple" else f"  [the model is DAPPLE's 1F1B; {plan.schedule} is simulated]"))
@@ -178,7 +228,7 @@ def _print_human(res, rec, base, stats, args) -> None:
         _say(f"  simulated: iteration {sm.iteration_time:.4g} s "
               f"({plan.global_batch / sm.iteration_time:.1f} samples/s), "
               f"bubble {sm.bubble_ratio:.3f}, peak memory {fmt_bytes(sm.peak_memory)}"
-              + (f" of {fmt_bytes(cap)}" if cap else ""))
+              + (f" of {fmt_bytes(cap)}" + (" usable" if args.memory_limit is None else "") if cap else ""))
     rows = []
     for key, label in (("dapple", "DAPPLE planner"), ("pipedream", "PipeDream planner"),
                        ("data_parallel", "data parallel")):
@@ -204,17 +254,14 @@ def _print_human(res, rec, base, stats, args) -> None:
           f"{stats['complete_plans']:,} complete plans, {stats['configurations']} (micro-batch count, policy) "
           f"configurations; {len(stats['candidates'])} candidates re-simulated; baselines "
           f"{stats['baseline_seconds']:.2f} s")
-    run = rec["run"]
-    if run is not None and work.source.get("stack"):
-        _say(f"executor: pipetwin run --model {work.name} --schedule {run['schedule']} --devices {run['devices']} "
-             f"--microbatches {run['microbatches']} --dp {run['dp']} --micro-batch {run['micro_batch']} "
-             f"--partition {','.join(map(str, run['partition']))}  (or --plan FILE)")
-    elif run is not None:
-        _say(f"executor: pipetwin run --schedule {run['schedule']} --devices {run['devices']} --microbatches "
-              f"{run['microbatches']} --dp {run['dp']}  (micro-batch {run['micro_batch']} per replica, partition "
-              f"{run['partition']}; or --plan FILE)")
-    else:
+    cmd, why = run_command(rec, work, args.model, args.recompute)
+    if cmd is not None:     # runs as printed: lines continued with a backslash, as a shell reads them
+        print("executor (or pipetwin run --plan FILE):")
+        print("  " + " \\\n    ".join(wrap_cell(printable(cmd), 110)))
+    elif rec["run"] is None:
         _say("executor: a non-uniform plan (stage replicas " + ":".join(map(str, plan.replicas))
               + "): run it with 'pipetwin run --plan FILE' (sub-batches as model copies)")
+    else:
+        _say(f"executor: {why}")
     if args.out:
-        print(f"wrote plan file: {args.out}")
+        print(f"wrote plan file: {printable(args.out)}")

@@ -19,8 +19,10 @@ def _model_lines() -> list[tuple[str, str]]:
     out = []
     for name in model_presets():
         m = load_model(name)
-        out.append((name, f"{m.kind}, {m.layers} layers, hidden {m.hidden}, {m.heads} heads, seq {m.seq_len}, "
-                          f"vocab {m.vocab}, micro-batch {m.micro_batch}, {_count(model_params(m))} parameters"))
+        heads = f"{m.heads} heads" + (f" ({m.kv} kv)" if m.kv != m.heads else "")
+        ffn = f", ffn {m.ffn}" if m.ffn != 4 * m.hidden else ""
+        out.append((name, f"{m.kind}, {m.layers} layers, h {m.hidden}, {heads}{ffn}, s {m.seq_len}, V {m.vocab}, "
+                          f"b {m.micro_batch}: {_count(model_params(m))} parameters"))
     try:   # the planner's layer-cost models (pipetwin plan only)
         from cost_models.paper_models import paper_models
         for name in paper_models():
@@ -61,7 +63,9 @@ def main(args) -> int:
             continue
         rows = lines()
         width = max(len(n) for n, _ in rows)
-        print(f"{kind} (or a YAML file of your own):")
+        own = "or a YAML file of your own" + (" or a Hugging Face config.json; h hidden, s sequence, V vocabulary, "
+                                           "b micro-batch" if kind == "models" else "")
+        print(f"{kind} ({own}):")
         for name, what in rows:
             print(f"  {name.ljust(width)}  {what}")
     return 0

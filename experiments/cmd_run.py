@@ -23,14 +23,14 @@ On spawned CPU ranks there is nothing to place: they are local processes.
 """
 from __future__ import annotations
 
+import math
 import sys
 
-from schedules.trace import write_chrome
 
 from .checks import input_file, nonneg_int, output_file, positive_float, positive_int
-from .common import print_json
+from .common import print_json, write_chrome, write_csv
 from .jobs import add_layout_args, check_plan_args, job_from_args, layout_from_args
-from .tables import byte_unit, fmt_bytes, fmt_table
+from .tables import byte_unit, fmt_bytes, fmt_table, printable
 
 NAME = "run"
 HELP = "train a model with a schedule on torch.distributed (or --reference: in one process)"
@@ -38,7 +38,7 @@ HELP = "train a model with a schedule on torch.distributed (or --reference: in o
 
 def add_arguments(p):
     add_layout_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", "-m", default=None,
                    help="model preset name or YAML file (default: tiny), or a model file PATH.py:FUNC / "
                         "package.module:FUNC whose FUNC() returns layers, loss and sample (executor/user_model.py)")
     p.add_argument("--micro-batch", type=positive_int, default=None,
@@ -63,11 +63,15 @@ def add_arguments(p):
     p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: autocast mixed precision with fp32 master weights and optimizer state (default fp32)")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                   help="activation recomputation per transformer block (default none)")
-    p.add_argument("--device-map", choices=["sequential", "copies-same-node"], default=None,
-                   help="under torchrun: which (node, GPU) runs which rank (default: the plan's map, else "
-                        "sequential = torchrun's order); copies-same-node is BitPipe's")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
+                   help="activation recomputation per transformer block (default none; a --plan brings its own)")
+    p.add_argument("--device-map", choices=["sequential", "copies-same-node", "megatron"], default=None,
+                   help="under torchrun (and with --tp): which (node, GPU) runs which rank (default: the plan's map, "
+                        "else megatron with --tp: TP, then DP, then PP; else sequential = torchrun's order); "
+                        "copies-same-node is BitPipe's")
+    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: ZeRO-1, the optimizer state sharded over the --dp replicas of each stage")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="training sequence length (default: the model's)")
     p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the merged trace as CSV")
@@ -98,8 +102,8 @@ def job_of_run(args):
         spec = load_model(model)
         layout.check_size(one_replica=False, layers=spec.layers, model_name=spec.name)   # before anything is built
     return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
-                         partition=run_partition(args, model, layout), recompute=args.recompute,
-                         device_map=args.device_map or "sequential")
+                         partition=run_partition(args, model, layout), recompute=args.recompute or "none",
+                         device_map=args.device_map, zero=args.zero, seq_len=args.seq_len)
 
 
 def config_from_args(args):
@@ -132,11 +136,11 @@ def run_partition(args, model: str, layout):
 def plan_config_from_args(args):
     """``(config, lowered schedule, info)`` for ``--plan`` (:func:`experiments.plan_files.config_from_plan`)."""
     from .plan_files import config_from_plan
-    check_plan_args(args, also_fixed=("model", "micro_batch", "partition"))
+    check_plan_args(args, also_fixed=("model", "micro_batch", "partition", "recompute"))
     options = _common_options(args)
     if args.device_map is not None:
         options["device_map"] = args.device_map
-    return config_from_plan(args.plan, eager=not args.no_eager, recompute=args.recompute, **options)
+    return config_from_plan(args.plan, eager=not args.no_eager, **options)
 
 
 def main(args) -> int:
@@ -154,6 +158,8 @@ def _main(args) -> int:
     from executor.reference import run_reference
 
     sched, info = None, None
+    if args.reference and args.inject_fault:
+        raise ValueError("--inject-fault makes a rank of the pipeline raise; --reference runs no ranks (drop one)")
     if args.plan:
         cfg, sched, info = plan_config_from_args(args)
         _announce_plan(cfg, sched, info, args)
@@ -170,6 +176,11 @@ def _main(args) -> int:
             return 1
     if result is None:  # a torchrun rank other than 0
         return 0
+    bad = next((i for i, x in enumerate(result.losses) if not math.isfinite(x)), None)
+    if bad is not None:     # a trained model whose loss is NaN or infinite is no result
+        print(f"pipetwin: run failed: the loss is {result.losses[bad]} at step {bad} (model "
+              f"{result.config.model_name}); lower --lr or check the model's loss", file=sys.stderr)
+        return 1
     if info is not None:
         result.extra["plan"] = {"file": str(args.plan), **info}
     _write_outputs(result, args)
@@ -195,7 +206,7 @@ def _announce_plan(cfg, sched, info, args) -> None:
         return
     out = sys.stderr if args.json else sys.stdout
     what = "reference (one process) for" if args.reference else f"{sched.num_ranks} ranks:"
-    print(f"plan {args.plan}: {info['plan']}", file=out)
+    print(f"plan {printable(args.plan)}: {info['plan']}", file=out)
     split = (f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
              f"blocks per stage {list(cfg.partition)} (layers {info['partition_layers']} with embedding and head)")
     print(f"running {what} {info['layout']}; global batch {info['global_batch']} = {cfg.global_microbatches} "
@@ -224,7 +235,7 @@ def _write_outputs(result, args) -> None:
                 raise ValueError(f"{flag} needs an executor run (the reference records no trace)")
         return
     if args.trace:
-        trace.to_csv(args.trace, index=False)
+        write_csv(trace, args.trace, "trace")
     if args.chrome_trace:
         write_chrome(trace, args.chrome_trace)
     if args.plot:
@@ -235,8 +246,9 @@ def _write_outputs(result, args) -> None:
 def _print_human(result, args) -> None:
     c = result.config
     where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
-    print(f"{result.engine} {c.schedule}: D={c.devices} N={c.microbatches} R={c.replicas}  model {c.model_name}  "
-          f"{c.optimizer} lr={c.lr:g}  ({where})")
+    tp = f"T={c.tp} " if c.tp > 1 and result.engine == "executor" else ""
+    print(f"{result.engine} {c.schedule}: {tp}D={c.devices} N={c.microbatches} R={c.replicas}  "
+          f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
     steps = [{"step": i, "loss": l, "iteration_s": t}
              for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]
     print(fmt_table(steps, ["step", "loss", "iteration_s"], {"loss": "{:.6f}", "iteration_s": "{:.4f}"}))
@@ -253,4 +265,4 @@ def _print_human(result, args) -> None:
                                  "bubble_ratio": "{:.3f}"}))
     for what, path in (("trace", args.trace), ("chrome trace", args.chrome_trace), ("figure", args.plot)):
         if path:
-            print(f"wrote {what}: {path}")
+            print(f"wrote {what}: {printable(path)}")

@@ -1,13 +1,12 @@
 """``pipetwin simulate``: simulate one iteration of a schedule and report its metrics."""
 from __future__ import annotations
 
-from schedules.trace import write_chrome
 from sim import simulate_job
 
 from .checks import output_file
-from .common import human_rows, metrics_record, print_json, units_note
+from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
 from .jobs import add_cost_args, add_fault_args, add_layout_args, check_plan_args, job_from_args, load_plan_arg
-from .tables import fmt_table
+from .tables import WIDTH, fmt_table, group_rows, printable, wrap_cell
 
 NAME = "simulate"
 HELP = "simulate one training iteration of a schedule"
@@ -38,28 +37,31 @@ def main(args) -> int:
     if args.chrome_trace:
         write_chrome(trace, args.chrome_trace)
     if args.trace:
-        trace.to_csv(args.trace, index=False)
+        write_csv(trace, args.trace, "trace")
     if args.json:
         print_json(rec)
         return 0
     unit, mem = rec["time_unit"], rec["memory_unit"]
-    print(f"{rec['schedule']}: D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
+    tp = f"T={rec['tp']} " if rec.get("tp", 1) > 1 else ""
+    print(f"{rec['schedule']}: {tp}D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
           f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
     if rec["replicas"] > 1:
         k, R = rec["simulated_replicas"], rec["replicas"]
         print("  replicas: " + ("identical, one simulated for all" if k == 1 else
                                 f"{'all' if k == R else f'{k} of'} {R} simulated ({rec.get('full_simulation')})"))
     for k, v in extra.items():
-        if not isinstance(v, (dict, list)) and k != "memory_capacity":
-            print(f"  {k}: {v}")
+        if not isinstance(v, (dict, list)) and not k.startswith("memory_") and v is not None:
+            print(f"  {k}: {printable(v)}")
     if "memory_verdict" in rec:
-        print(f"  memory: {rec['memory_verdict']}")
+        lines = wrap_cell(f"memory: {rec['memory_verdict']}", WIDTH - 4)
+        print("\n".join(("  " if i == 0 else "    ") + ln for i, ln in enumerate(lines)))
     cols = ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"]
+    fmts = {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}", "peak_memory": "{:.6g}"}
     rows, shown = human_rows(rec["per_device"], mem)
-    print(fmt_table(rows, cols, {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}",
-                                 "peak_memory": "{:.6g}"}))
+    rows = group_rows(rows, "device", cols, fmts)      # identical replicas: one row each (--json keeps all)
+    print(fmt_table(rows, cols + (["count"] if len(rows) < len(rec["per_device"]) else []), fmts))
     print(units_note(unit, mem, shown))
     for what, path in (("figure", args.plot), ("chrome trace", args.chrome_trace), ("trace", args.trace)):
         if path:
-            print(f"wrote {what}: {path}")
+            print(f"wrote {what}: {printable(path)}")
     return 0

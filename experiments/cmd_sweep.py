@@ -2,8 +2,8 @@
 
 Every point is ``pipetwin simulate --json`` of one job (a schedule, D, N, R and micro-batch over
 the options the grid does not vary); rows go to ``DIR/sweep.csv`` as they finish (points already
-there are skipped: rerun to resume), the full records to ``DIR/sweep.jsonl``, figures to
-``DIR/throughput.png`` and ``DIR/pareto.png``. See :mod:`experiments.sweep`.
+there are skipped: rerun to resume; a folder of another experiment is refused), the full records to
+``DIR/sweep.jsonl``, figures to ``DIR/throughput.png`` and ``DIR/pareto.png``. See :mod:`experiments.sweep`.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from .checks import output_dir, positive_int
 from .common import parse_schedules
 from .jobs import add_cost_args, job_from_args, layout_from_args
-from .tables import fmt_table
+from .tables import fmt_table, printable
 
 NAME = "sweep"
 HELP = "simulate a grid of schedules x devices x micro-batches x replicas x micro-batch sizes"
@@ -23,8 +23,10 @@ def add_arguments(p):
     p.add_argument("--devices", "-D", required=True, help="pipeline devices, comma-separated (e.g. 4,8)")
     p.add_argument("--microbatches", "-N", required=True, help="micro-batches per iteration, comma-separated")
     p.add_argument("--dp", default="1", help="data-parallel replicas, comma-separated (default 1)")
+    p.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (default 1)")
     p.add_argument("--micro-batch", help="micro-batch sizes, comma-separated (default: the model spec's)")
-    p.add_argument("--chunks", "-v", type=positive_int, default=2, help="chunks per device for interleaved schedules")
+    p.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help="chunks per device for the schedules that take them (default 2)")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end")
     add_cost_args(p, per_run=False)
     p.add_argument("--exact", action="store_true", help="simulate every replica even when they are identical")
@@ -39,30 +41,30 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from cost_models.bind import load_inputs
-
     from .sweep import Grid, parse_ints, run_sweep
     grid = Grid(schedules=tuple(parse_schedules(args.schedules)), devices=parse_ints(args.devices, "--devices"),
                 microbatches=parse_ints(args.microbatches, "--microbatches"), dp=parse_ints(args.dp, "--dp"),
+                tp=parse_ints(args.tp, "--tp"),
                 micro_batch=(None,) if args.micro_batch is None else parse_ints(args.micro_batch, "--micro-batch"))
     if args.unit_costs and args.micro_batch is not None:
         raise ValueError("--micro-batch has no meaning with --unit-costs; drop one")
     if args.workers is not None and args.ray is not None:
         raise ValueError("--workers is for local processes; Ray places the points itself (drop one)")
     base = job_from_args(args, layout=layout_from_args(args, schedule=grid.schedules[0], devices=grid.devices[0],
-                                                       microbatches=grid.microbatches[0], replicas=grid.dp[0]),
+                                                       microbatches=grid.microbatches[0], replicas=grid.dp[0],
+                                                       tp=grid.tp[0], schedules=grid.schedules),
                          micro_batch=grid.micro_batch[0], eager=not args.no_eager, exact=args.exact)
-    load_inputs(base)   # fail fast on what every point shares (a bad model, cluster or profile), before any worker
     rows = run_sweep(grid, base, args.out, workers=args.workers, use_ray=args.ray is not None,
                      ray_address=args.ray, progress=not args.no_progress and sys.stderr.isatty(),
                      figures=not args.no_figures)
     ran = [r for r in rows if not r["error"]]
-    print(f"sweep: {len(rows)} points ({len(ran)} ran, {len(rows) - len(ran)} impossible) -> {args.out}/sweep.csv")
+    print(f"sweep: {len(rows)} points ({len(ran)} ran, {len(rows) - len(ran)} impossible) -> "
+          f"{printable(args.out)}/sweep.csv")
     show = [{**r, **{k: float(r[k]) for k in ("iteration_time", "throughput", "bubble_ratio")}}
             for r in sorted(ran, key=lambda r: -float(r["throughput"]))[:10]]
     if show:
         print("fastest points (throughput in samples per time unit):")
-        print(fmt_table(show, ["schedule", "devices", "microbatches", "dp", "micro_batch", "iteration_time",
+        print(fmt_table(show, ["schedule", "devices", "microbatches", "dp", "tp", "micro_batch", "iteration_time",
                                "throughput", "bubble_ratio", "out_of_memory"],
                         {"iteration_time": "{:.6g}", "throughput": "{:.6g}", "bubble_ratio": "{:.4f}"}))
     for r in rows:
@@ -70,5 +72,6 @@ def main(args) -> int:
             b = f" b={r['micro_batch']}" if r["micro_batch"] else ""
             print(f"impossible: {r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}{b}: {r['error']}")
     if not args.no_figures:
-        print(f"wrote figures: {args.out}/throughput.png, {args.out}/pareto.png")
+        out = printable(args.out)
+        print(f"wrote figures: {out}/throughput.png, {out}/pareto.png")
     return 0

@@ -2,8 +2,10 @@
 
 The measured side is the noise-free step of every schedule (:mod:`calibration.sitting`: interleaved
 rounds of runs, ranks pinned to cores, runs disturbed by other processes left out, the
-run-to-run spread checked); a sitting whose runs do not settle is refused with its reason
-("host busy: ...") and no error figure (exit status 3).
+run-to-run spread checked); a sitting whose runs do not settle is refused with its reasons, each
+with its cause (:class:`calibration.compare.Refusal`: "unsettled profile", "host busy" where
+other processes' measured CPU passed ``--max-foreign``, "noisy runs" where quiet runs disagree,
+"host speed"), a remedy true for that cause (:data:`ADVICE`) and no error figure (exit status 3).
 
 ``--report DIR`` keeps a dated record of the sitting, ``DIR/validate-YYYY-MM-DD-HHMM.md`` (the
 local time of its start): the command with every option as used, the host (platform, cores, load
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cost_models.calibration import BUSY_CORES
 from cost_models.job import check_run_size
 
 from .checks import float_in, input_file, int_in, nonneg_int, output_dir, output_file, positive_int
@@ -36,7 +39,8 @@ def add_arguments(p):
     p.add_argument("--devices", "-D", type=positive_int, default=2)
     p.add_argument("--microbatches", "-N", type=positive_int, default=None, help="default 2D")
     p.add_argument("--dp", type=positive_int, default=1)
-    p.add_argument("--chunks", "-v", type=positive_int, default=2)
+    p.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help="chunks per device for the schedules that take them (default 2)")
     p.add_argument("--steps", type=positive_int, default=20, help="executor steps per run (default 20)")
     p.add_argument("--warmup", type=nonneg_int, default=2, help="steps dropped at the start of every run (default 2)")
     p.add_argument("--repeats", type=int_in(1, 100), default=3,
@@ -46,14 +50,15 @@ def add_arguments(p):
                    help="runs per schedule at most before the sitting is refused (default 12)")
     p.add_argument("--max-spread", type=float_in(0.0, 10.0), default=0.05,
                    help="largest run-to-run spread allowed: the step time with any one run left out (default 0.05)")
-    p.add_argument("--max-foreign", type=float_in(0.0, 10.0), default=0.15,
-                   help="cores' worth of other processes' CPU a run may see and still count (default 0.15)")
+    p.add_argument("--max-foreign", type=float_in(0.0, 10.0), default=BUSY_CORES,
+                   help=f"cores' worth of other processes' CPU a run may see and still count (default {BUSY_CORES:g}); "
+                        f"a sitting is refused as 'host busy' only where runs saw more")
     p.add_argument("--max-drift", type=float_in(0.0, 10.0), default=0.05,
                    help="with --profile: largest change of the host speed probe since calibration (default 0.05)")
     p.add_argument("--profile", type=input_file,
                    help="calibration profile; default: calibrate now, in the same sitting as the runs, and write "
                         "it beside --plot")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", "-m", default=None,
                    help="model preset / YAML file or a model file PATH.py:FUNC (default: the profile's, else tiny)")
     p.add_argument("--micro-batch", type=positive_int, default=None,
                    help="samples per micro-batch when calibrating now (default: a model file's 4, a GPT spec's)")
@@ -69,8 +74,25 @@ def add_arguments(p):
 REFUSED = 3   # exit status of a sitting refused for a busy host (not a user error: try again later)
 TIME_COLS = ("schedule", "measured_ms", "simulated_ms", "error", "spread", "runs", "host_speed")
 FITTED_NOTE = "* the profile's runtime was fitted on these runs (in-sample); the others are predictions"
-NO_FIGURE = ("no time or error figure from this sitting (pass --max-runs to wait longer, or run it when the host is "
-             "quiet)")
+NO_FIGURE = "no time or error figure from this sitting"
+# what may settle a sitting refused for each cause (calibration.compare.Refusal), with the options as given
+ADVICE = {
+    "unsettled profile": "the profile's own calibration runs did not settle, which no option of validate changes: "
+                         "calibrate again when the host is quiet (pipetwin calibrate --out FILE), or drop --profile "
+                         "to calibrate in this sitting",
+    "host busy": "other processes used the ranks' cores: run it when they are idle (a run counts with up to "
+                 "--max-foreign {max_foreign:g} cores of theirs)",
+    "noisy runs": "the runs were quiet but do not agree: longer runs (--steps, now {steps}) or more rounds "
+                  "(--max-runs, now {max_runs}) may settle them; --max-spread (now {max_spread:g}) allows more",
+    "host speed": "the host runs at another speed than when the profile was calibrated: calibrate again, or drop "
+                  "--profile to calibrate in this sitting",
+}
+
+
+def advice(reasons, args) -> list[str]:
+    """One remedy per cause among ``reasons`` (:class:`calibration.compare.Refusal`), in their order."""
+    causes = dict.fromkeys(r.cause for r in reasons)
+    return [ADVICE[c].format(**vars(args)) for c in causes]
 
 
 def _say(msg: str) -> None:
@@ -79,7 +101,7 @@ def _say(msg: str) -> None:
 
 
 def main(args) -> int:
-    from calibration import SittingRules, calibrate_and_compare, refusals, run_and_compare, sitting_problems
+    from calibration import SittingRules, calibrate_and_compare, profile_refusals, refusals, run_and_compare
     from cost_models import is_model_ref, load_model, load_profile, save_profile
     from cost_models.files import check_output_path
     from schedules import ScheduleError, build
@@ -88,6 +110,9 @@ def main(args) -> int:
 
     t_start = time.perf_counter()
     record = SittingRecord(started=time.time(), command=command_line(args), host=host_facts(), load_start=_load())
+    from .jobs import SCHEDULE_DEFAULTS, check_chunks
+    check_chunks(args.chunks, parse_schedules(args.schedules))
+    chunks = args.chunks or SCHEDULE_DEFAULTS["chunks"]   # args keep None: --chunks is refused where it does nothing
     D, R = args.devices, args.dp
     N = args.microbatches or 2 * D
     if args.steps <= args.warmup:
@@ -118,14 +143,14 @@ def main(args) -> int:
     else:
         spec = load_model(model)
         layers, name = spec.layers, spec.name
-    check_run_size(devices=D, microbatches=N, replicas=R, chunks=args.chunks, layers=layers, model_name=name)
+    check_run_size(devices=D, microbatches=N, replicas=R, chunks=chunks, layers=layers, model_name=name)
     profile_out = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
     if not args.profile:
         check_output_path(profile_out, "calibration profile")
     names, skipped = [], {}
     for n in parse_schedules(args.schedules):
         try:
-            stages = build(n, D, N, chunks=args.chunks).num_stages
+            stages = build(n, D, N, chunks=chunks).num_stages
         except ScheduleError as e:
             skipped[n] = str(e)
             continue
@@ -135,14 +160,15 @@ def main(args) -> int:
         names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
-    base = job_from_args(args, layout=layout_from_args(args, schedule=names[0], microbatches=N), model=model,
+    base = job_from_args(args, layout=layout_from_args(args, schedules=names, schedule=names[0], microbatches=N),
+                         model=model,
                          micro_batch=args.micro_batch)
     jobs = [base.with_layout(schedule=n) for n in names]
     progress = lambda m: _say(f"  {m}")   # noqa: E731
     record.setting, record.skipped = f"D={D} N={N} R={R}, model {model}", skipped
     if prof is not None:
         record.profile, record.profile_file = prof, args.profile
-        busy = [f"calibration {p}" for p in sitting_problems(prof)]
+        busy = profile_refusals(prof)
         if busy:   # a profile from a busy sitting predicts another host: nothing to compare it with
             record.reasons, record.seconds = busy, time.perf_counter() - t_start
             return _refuse(record, args)
@@ -273,6 +299,7 @@ def _refuse(record: "SittingRecord", args) -> int:
     """Say why no error figure comes from this sitting; what does not depend on timing (peak
     activation bytes, op order) is still reported."""
     reasons, comps = record.reasons, record.comps
+    record.remedies = advice(reasons, args)
     if args.json:
         recs = []
         for c in comps:
@@ -280,14 +307,17 @@ def _refuse(record: "SittingRecord", args) -> int:
             for k in ("error", "measured_iteration_time"):
                 r.pop(k)
             recs.append(r)
-        print_json({"schedules": recs, "skipped": record.skipped, "refused": reasons, "seconds": record.seconds})
+        print_json({"schedules": recs, "skipped": record.skipped, "refused": [str(r) for r in reasons],
+                    "seconds": record.seconds})
         if args.report:
             _say(f"wrote report: {write_report(record, args.report)}")
         return REFUSED
-    print("refused: host busy: " + reasons[0])
+    print(f"refused: {reasons[0]}")
     for r in reasons[1:]:
-        print("         host busy: " + r)
-    print(NO_FIGURE)
+        print(f"         {r}")
+    print(f"{NO_FIGURE}; to settle it:")
+    for line in record.remedies:
+        print(f"- {line}")
     if comps:
         print(_timing_free(comps))
         print(_sitting_line(comps))
@@ -312,7 +342,8 @@ class SittingRecord:
     profile_file: str | None = None  # --profile, or where this sitting's calibration was written
     calibrated_now: bool = False
     comps: list = field(default_factory=list)        # calibration.compare.Comparison per schedule
-    reasons: list[str] = field(default_factory=list)  # why no error figure (empty: compared)
+    reasons: list = field(default_factory=list)   # why no error figure (calibration.compare.Refusal; empty: compared)
+    remedies: list[str] = field(default_factory=list)  # what may settle it (advice)
     skipped: dict = field(default_factory=dict)      # schedule -> why it was not run
     measured: str | None = None     # how the measured side was taken
     figure: str | None = None       # the overlay figure written
@@ -375,7 +406,8 @@ def render_report(record: SittingRecord) -> str:
     out += [f"- skipped {n}: {why}" for n, why in record.skipped.items()]
     comps = record.comps
     if record.reasons:
-        out += ["", "## Refused", ""] + [f"- host busy: {r}" for r in record.reasons] + ["", NO_FIGURE]
+        out += ["", "## Refused", ""] + [f"- {r}" for r in record.reasons] + ["", f"{NO_FIGURE}; to settle it:", ""]
+        out += [f"- {x}" for x in record.remedies]
     if comps:
         rows, fmts, unit = _rows(comps)
         if not record.reasons:
@@ -401,12 +433,12 @@ def write_report(record: SittingRecord, folder) -> Path:
     """Write :func:`render_report` to ``folder/validate-YYYY-MM-DD-HHMM.md`` (the local time of the
     sitting's start; ``-2``, ``-3`` ... after it when a sitting of the same minute is there) and
     return the path. The load at the end is taken now."""
-    from cost_models.files import prepare_output
+    from cost_models.files import write_output
     record.load_end = _load()
     stem = "validate-" + time.strftime("%Y-%m-%d-%H%M", time.localtime(record.started))
     path, k = Path(folder) / f"{stem}.md", 1
     while path.exists():
         k += 1
         path = Path(folder) / f"{stem}-{k}.md"
-    prepare_output(path, "report").write_text(render_report(record))
+    write_output(path, render_report(record), "report")
     return path

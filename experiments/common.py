@@ -4,16 +4,21 @@ from __future__ import annotations
 import json
 import sys
 
+from cost_models.files import output_file, write_output
+from cost_models.memory import memory_verdict
 from schedules import get, names
-from schedules.trace import step_metrics
+from schedules.trace import step_metrics, to_chrome
 
-from .tables import byte_unit, fmt_bytes
+from .tables import byte_unit
 
 def parse_schedules(text: str) -> list[str]:
     """Schedule names from a comma-separated list (or 'all'); an unknown one is the registry's error."""
     if text == "all":
         return names()
     out = [t.strip() for t in text.split(",") if t.strip()]
+    if not out:
+        raise ValueError(f"--schedules {text!r} names no schedule; give comma-separated names or 'all' "
+                         f"(one of: {', '.join(names())})")
     for n in out:
         get(n)
     return out
@@ -38,16 +43,28 @@ def metrics_record(result, **extra) -> dict:
     cap = extra.get("memory_capacity")
     if cap:
         worst = max(m.per_device, key=lambda p: p.peak_memory)
-        rec["out_of_memory"] = worst.peak_memory > cap
-        rec["memory_verdict"] = (f"{'OUT OF MEMORY' if rec['out_of_memory'] else 'fits'}: peak "
-                                 f"{fmt_bytes(worst.peak_memory)} on device {worst.device} "
-                                 f"(static {fmt_bytes(worst.static_memory)} + activations "
-                                 f"{fmt_bytes(worst.peak_activation)}) vs {fmt_bytes(cap)}")
+        v = memory_verdict(worst.static_memory, worst.peak_activation, cap,
+                           transient=extra.get("memory_transient") or 0.0, reserve=extra.get("memory_reserve"),
+                           where=f"device {worst.device}")
+        rec["out_of_memory"] = not v.fits
+        rec["near_memory_limit"] = v.near
+        rec["memory_verdict"] = v.text
     rec["per_device"] = [{"device": p.device, "busy": p.busy, "bubble_ratio": p.bubble_ratio,
                           "peak_activation": p.peak_activation, "peak_memory": p.peak_memory,
                           "static_memory": p.static_memory}
                          for p in m.per_device]
     return rec
+
+
+def write_csv(frame, path, what: str = "CSV file") -> None:
+    """A DataFrame as CSV, written atomically (:func:`cost_models.files.output_file`)."""
+    with output_file(path, what, newline="") as fh:
+        frame.to_csv(fh, index=False)
+
+
+def write_chrome(trace, path) -> None:
+    """A trace as a Chrome/Perfetto trace (JSON), written atomically."""
+    write_output(path, json.dumps(to_chrome(trace)), "Chrome trace")
 
 
 def print_json(obj) -> None:
@@ -60,6 +77,8 @@ MEMORY_KEYS = ("peak_activation", "peak_memory", "static_memory", "peak_activati
 
 def units_note(time_unit: str, mem_unit: str, shown: str = "GiB") -> str:
     """The units line under a table; ``shown``: the unit :func:`human_rows` picked for bytes."""
+    if mem_unit == "Ma" and time_unit != "F":
+        return f"(time in {time_unit}; activations in Ma = one full stage's per micro-batch)"
     if mem_unit == "Ma":
         return ("(time in F = one full-stage forward; activations in Ma; peak_memory adds weights+grads+optimizer "
                 "in Mw, one full stage = 1)")

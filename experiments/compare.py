@@ -8,12 +8,11 @@ from pathlib import Path
 from cost_models.bind import load_inputs
 from cost_models.job import Job
 from schedules import ScheduleError
-from schedules.trace import write_chrome
 from sim import simulate_job
 from sim.job import crossed_links
 
-from .common import human_rows, metrics_record, print_json, units_note
-from .tables import fmt_table
+from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
+from .tables import fmt_table, printable
 
 
 @dataclass
@@ -29,15 +28,23 @@ class Comparison:
 
 def compare_schedules(job: Job, names: list[str], *, traces: bool = False) -> Comparison:
     """Simulate ``job`` under each schedule of ``names`` (its layout's other fields kept).
-    Schedules whose requirements the layout does not meet are listed as skipped; a slow link that
-    no schedule crosses is refused, one that some do not cross is noted among the skipped."""
+    Schedules whose requirements the layout does not meet, or with more stages than the model has
+    layers, are listed as skipped; a slow link that no schedule crosses is refused, one that some
+    do not cross is noted among the skipped."""
     inputs = load_inputs(job)
-    job.layout.check_size(**inputs.limits())   # before building any schedule
+    limits = inputs.limits()
+    job.layout.check_size(**limits)   # before building any schedule
     out = Comparison(rows=[])
     crossing: dict[str, list[str]] = {}
     for name in names:
         try:
-            bound, res = simulate_job(job.with_layout(schedule=name), inputs=inputs, trace=traces, check_links=False)
+            one = job.with_layout(schedule=name)
+            stages = one.layout.num_stages()
+            if limits.get("layers") is not None and stages > limits["layers"]:
+                out.skipped[name] = (f"{name} has {stages} stages at D={one.layout.devices}; model "
+                                     f"{limits['model_name']} has {limits['layers']} layers")
+                continue
+            bound, res = simulate_job(one, inputs=inputs, trace=traces, check_links=False)
         except ScheduleError as e:
             out.skipped[name] = str(e)
             continue
@@ -68,7 +75,7 @@ def write_comparison(comp: Comparison, out: Path | None, plot: str | None) -> No
         out.mkdir(parents=True, exist_ok=True)
         import pandas as pd
         table = pd.DataFrame([{k: v for k, v in r.items() if k != "per_device"} for r in comp.rows])
-        table.to_csv(out / "table.csv", index=False)
+        write_csv(table, out / "table.csv")
         for name, t in comp.traces.items():
             write_chrome(t, out / f"{name}.chrome.json")
     if plot:
@@ -86,7 +93,8 @@ def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = Fal
     lay = job.layout
     unit, mem = rows[0]["time_unit"], rows[0]["memory_unit"]
     shown_rows, shown = human_rows(rows, mem)
-    print(f"D={lay.devices} N={lay.microbatches} R={lay.replicas}  {units_note(unit, mem, shown)}")
+    tp = f"T={lay.tp} " if lay.tp > 1 else ""
+    print(f"{tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  {units_note(unit, mem, shown)}")
     cols = ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"]
     if any("out_of_memory" in r for r in rows):
         cols.append("out_of_memory")
@@ -96,7 +104,7 @@ def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = Fal
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if plot:
-        print(f"wrote figure: {plot}")
+        print(f"wrote figure: {printable(plot)}")
     if out:
-        print(f"wrote table and Chrome traces under {out}/")
+        print(f"wrote table and Chrome traces under {printable(out)}/")
     return 0

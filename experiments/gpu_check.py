@@ -33,6 +33,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from cost_models.files import output_file, write_output
+
 from .checks import int_in, output_dir
 from .sweep import parse_ints
 
@@ -94,14 +96,15 @@ def write_measurement_set(ms, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     layer = ms.layers[0]
     sh = layer.shape
-    (folder / "layers.yaml").write_text(
+    write_output(
+        folder / "layers.yaml",
         "# one block measured by experiments/gpu_check.py (calibration.measure.measure_layers): F and the\n"
         "# full backward, one pass each, input with a gradient\n"
         f"device: {ms.device.name}\nprecision: {ms.precision}\n"
         f"protocol: {{passes: {ms.protocol.passes}, input_grad: {str(ms.protocol.input_grad).lower()}}}\n"
         f"layers:\n  block: {{file: block.csv, arch: {sh.arch}, hidden: {sh.hidden}, heads: {sh.heads}, "
-        f"ffn: {sh.ffn}, seq: {sh.seq}, dropout: {str(sh.dropout).lower()}}}\nfit: [block]\n")
-    with open(folder / "block.csv", "w", newline="") as f:
+        f"ffn: {sh.ffn}, seq: {sh.seq}, dropout: {str(sh.dropout).lower()}}}\nfit: [block]\n", "measurements")
+    with output_file(folder / "block.csv", "measurements", newline="") as f:
         w = csv.writer(f)
         w.writerow(["bs", "time_f", "time_b"])
         for b, tf, tb in zip(layer.batches, layer.time_f, layer.time_b):
@@ -129,7 +132,7 @@ def run_pair(model: str, devices: int, dtype: str, device: str, steps: int, micr
 
 
 def _write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
+    with output_file(path, "table", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -201,9 +204,10 @@ def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int,
     fitted, rms = fit_constants(ms)
     after = error_table(ms, fitted)
     start = error_table(ms)
-    (out / "fitted-constants.yaml").write_text(
+    write_output(
+        out / "fitted-constants.yaml",
         f"# kernel constants of {gpu.name} fitted on {spec.name} blocks ({dtype}), rms log error {rms:.3f}\n"
-        "kernels: {" + ", ".join(f"{k}: {v:.6g}" for k, v in fitted.to_dict().items()) + "}\n")
+        "kernels: {" + ", ".join(f"{k}: {v:.6g}" for k, v in fitted.to_dict().items()) + "}\n", "constants")
     fit_rows = [{"micro_batch": a["batch"], "f_error_preset": s["f_error"], "f_error_fitted": a["f_error"],
                  "b_error_preset": s["b_error"], "b_error_fitted": a["b_error"]} for s, a in zip(start, after)]
     print(f"fit ({time.perf_counter() - t0:.1f} s): rms log error {rms:.3f}; constants: "
@@ -225,7 +229,7 @@ def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int,
     _write_csv(runs, out / "runs.csv")
     text += ["", f"## Runs: pipetwin (dapple) vs the single-process reference, {layers} blocks", "",
              markdown(_rounded(runs, list(runs[0])))]
-    (out / "report.md").write_text("\n".join(text) + "\n")
+    write_output(out / "report.md", "\n".join(text) + "\n", "report")
     print(f"wrote {out}/report.md, layers.csv, runs.csv, fitted-constants.yaml, measurements/")
     return 0
 

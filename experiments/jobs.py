@@ -12,12 +12,13 @@ from __future__ import annotations
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
 from cost_models.kernels import COST_MODELS
-from schedules import families, names
+from schedules import families, get, names
 
-from .checks import factor_pair, float_in, nonneg_float, nonneg_int, positive_int
+from .checks import byte_size, factor_pair, memory_limit, float_in, input_file, nonneg_float, nonneg_int, positive_int
 
-SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1}
-PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp")   # what a --plan file brings
+SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}     # chunks: for the families that take them (check_chunks)
+# what a --plan file brings
+PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp", "tp", "memory_limit")
 
 
 # ---------------------------------------------------------------------- option groups
@@ -33,13 +34,19 @@ def add_layout_args(p, *, schedule=True, many=False, plan: str | None = None):
         p.add_argument("--schedules", default="all", help="comma-separated schedule names, or 'all'")
     p.add_argument("--devices", "-D", type=positive_int, required=required, help="pipeline devices D")
     p.add_argument("--microbatches", "-N", type=positive_int, required=required, help="micro-batches N per iteration")
-    p.add_argument("--chunks", "-v", type=positive_int, default=SCHEDULE_DEFAULTS["chunks"] if required else None,
-                   help="chunks per device for interleaved schedules (default 2)")
+    p.add_argument("--chunks", "-v", type=positive_int, default=None,
+                   help=f"chunks per device for the schedules that take them ({', '.join(chunked())}; default 2)")
     p.add_argument("--variant", default=None,
                    help="a schedule's variant (default: its first); " +
                         "; ".join(f"{n}: {', '.join(f.variants)}" for n, f in families().items() if f.variants))
     p.add_argument("--dp", type=positive_int, default=SCHEDULE_DEFAULTS["dp"] if required else None,
                    help="data-parallel replicas R of the whole pipeline (default 1)")
+    p.add_argument("--tp", type=positive_int, default=SCHEDULE_DEFAULTS["tp"] if required else None,
+                   help="tensor-parallel size T: GPUs per pipeline device that split every layer Megatron-style "
+                            "(T x D x R GPUs; default 1)")
+    p.add_argument("--memory-limit", type=memory_limit, metavar="MA|BYTES",
+                   help="zb-auto: each device's limit, in Ma (activations of full stages, e.g. 12) or bytes of "
+                        "device memory with a unit (e.g. '40 GiB'), in place of --variant's")
     p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end, not in bubbles")
     if plan is not None:
         p.add_argument("--plan", metavar="PLAN.json", help=plan)
@@ -59,9 +66,22 @@ def check_plan_args(args, also_fixed: tuple[str, ...] = ()) -> None:
     missing = [f"--{d}" for d in ("schedule", "devices", "microbatches") if vars(args).get(d, 0) is None]
     if missing:
         raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json)")
-    for dest, value in SCHEDULE_DEFAULTS.items():
-        if getattr(args, dest) is None:
-            setattr(args, dest, value)
+    for dest in ("dp", "tp"):
+        if vars(args).get(dest) is None:
+            setattr(args, dest, SCHEDULE_DEFAULTS[dest])
+
+
+def chunked() -> list[str]:
+    """The schedule families whose ``chunks`` per device matter (the registry's ``takes_chunks``)."""
+    return [n for n, f in families().items() if f.takes_chunks]
+
+
+def check_chunks(chunks: int | None, schedules) -> None:
+    """``--chunks`` given (not None) for ``schedules`` of which none takes chunks: refused, since it
+    would change nothing."""
+    if chunks is not None and not any(get(n).takes_chunks for n in schedules):
+        raise ValueError(f"--chunks applies to {', '.join(chunked())} only; {', '.join(schedules)} "
+                         f"{'has' if len(schedules) == 1 else 'have'} no chunks (drop --chunks)")
 
 
 def add_cluster_shape_args(p):
@@ -91,7 +111,8 @@ def add_cost_args(p, *, per_run: bool = True):
     p.add_argument("--unit-costs", action="store_true",
                    help="closed-form unit costs: F=1, B=2 per full stage, no communication, memory in Ma")
     p.add_argument("--model", "-m", default=None,
-                   help=f"model preset or YAML file (default {DEFAULT_MODEL}; 'pipetwin presets' lists them), a "
+                   help=f"model preset, YAML file or Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2; default "
+                        f"{DEFAULT_MODEL}; 'pipetwin presets' lists them), a "
                         f"per-layer profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles), or a "
                         f"model file PATH.py:FUNC with its --profile")
     add_cost_model_args(p)
@@ -103,17 +124,37 @@ def add_cost_args(p, *, per_run: bool = True):
     p.add_argument("--profile", metavar="FILE.yaml",
                    help="a calibration profile (pipetwin calibrate): measured costs and network instead of "
                         "--model/--cluster formulas")
+    p.add_argument("--stage-costs", metavar="FILE.yaml", type=input_file,
+                   help="your own per-stage times (f, b, w seconds per stage, message seconds, optional "
+                        "activation bytes; see the README): instead of --model/--cluster formulas")
     if per_run:
         p.add_argument("--partition", metavar="COUNTS|time",
                        help="layers per stage of a model copy, e.g. 3,2,2,3 (a transformer's embedding and head "
                             "count as layers), or 'time': balanced by the profile's measured layer times (default: "
                             "the executor's split)")
-    p.add_argument("--device-map", default="sequential", choices=sorted(MAPPINGS),
-                   help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping)")
+    p.add_argument("--device-map", default=None, choices=sorted(MAPPINGS),
+                   help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping; "
+                        "megatron: TP, then DP, then PP; default megatron with --tp > 1, else sequential)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                   help="activation recomputation")
+                   help="activation recomputation: none keeps every activation; selective re-runs the attention "
+                        "core in the backward (keeps no score matrix); full keeps only each block's input and "
+                        "re-runs its forward")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: norms and dropouts on 1/T of the sequence, reduce-scatter + all-gather in place "
+                        "of the all-reduces (Korthikanti et al.)")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="with --tp: the tensor-parallel collectives overlap the layer's compute (default: on the "
+                        "critical path, Megatron's default)")
+    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: ZeRO-1, the optimizer state sharded over the --dp replicas (reduce-scatter + "
+                        "all-gather in place of the gradient all-reduce)")
     if per_run:
         p.add_argument("--micro-batch", type=positive_int, help="micro-batch size (default: the model spec's)")
+    p.add_argument("--memory-reserve", type=byte_size("--memory-reserve"), metavar="BYTES",
+                   help="device memory kept back for the CUDA context, communicator buffers and fragmentation, "
+                        "e.g. '4 GiB' (default 1 GiB + 5%% of the device's memory)")
+    p.add_argument("--seq-len", type=positive_int, help="training sequence length (default: the model's; a Hugging "
+                                                          "Face config's max_position_embeddings)")
     _declare(p, "costs")
 
 
@@ -155,15 +196,19 @@ def cluster_from_args(args) -> ClusterChoice:
                          oversubscription=args.oversubscription, nodes_per_leaf=args.nodes_per_leaf)
 
 
-def layout_from_args(args, **overrides) -> Layout:
+def layout_from_args(args, *, schedules=None, **overrides) -> Layout:
     """The layout options as a :class:`Layout` (``overrides``: its fields, for the commands whose
-    options give a list where the layout has one value: ``compare``'s schedules, a sweep's axes)."""
+    options give a list where the layout has one value: ``compare``'s schedules, a sweep's axes;
+    ``schedules``: the names a ``--chunks`` applies to, default the layout's one)."""
     o = vars(args)
     fields = dict(schedule=o.get("schedule"), devices=o.get("devices"), microbatches=o.get("microbatches"),
                   replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
-                  chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"))
+                  chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"),
+                  tp=o.get("tp") or 1, memory_limit=o.get("memory_limit"))
     fields.update(overrides)
-    return Layout(**fields)
+    layout = Layout(**fields)
+    check_chunks(o.get("chunks"), schedules or [layout.schedule])
+    return layout
 
 
 def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides) -> Job:
@@ -179,8 +224,11 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
         fields["eager"] = not o["no_eager"]
     if "costs" in groups:
         fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
-                      profile=o["profile"], cost_model=o["cost_model"], profile_batch=o["profile_batch"],
-                      recompute=o["recompute"], device_map=o["device_map"])
+                      profile=o["profile"], stage_costs=o["stage_costs"],
+                      cost_model=o["cost_model"], profile_batch=o["profile_batch"],
+                      recompute=o["recompute"], device_map=o["device_map"],
+                      sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"], zero=o["zero"],
+                      seq_len=o["seq_len"], memory_reserve=o["memory_reserve"])
         if "partition" in o:
             fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])
     if "faults" in groups:

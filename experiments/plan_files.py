@@ -14,7 +14,7 @@ from schedules import Schedule
 
 # the fields of a run a plan fixes (its schedule, layout and model)
 PLAN_FIXES = ("schedule", "devices", "microbatches", "replicas", "model", "micro_batch", "partition",
-              "eager_allreduce")
+              "eager_allreduce", "recompute")
 
 
 def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfig, Schedule, dict]:
@@ -37,6 +37,7 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
             "devices_per_node": loaded.cluster.devices_per_node,
             "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
     options.setdefault("device_map", tuple(ex["device_map"]))
+    options["recompute"] = loaded.workload.source.get("recompute", "none")   # what the plan's memory assumed
     if "model_file" in ex:      # a profile's layer stack: the partition is over its layers
         cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],
                         chunks=loaded.plan.chunks, replicas=low.replicas, model=ex["model_file"],

@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from cost_models.files import output_file  # noqa: E402
 from schedules.trace import step_metrics  # noqa: E402
 
 DPI = 110      # the resolution of pipetwin's figures (save_figure)
@@ -90,26 +91,34 @@ def plot_stacked(traces: dict, path, *, sharex=True):
 
 
 def plot_overlay(comps, path) -> None:
-    """Measured (filled, the op styles of :func:`draw_timeline`, micro-batch numbers on the ops)
-    under simulated (black outlines) timelines, one panel per schedule, all on one x axis from 0.
-    ``comps``: :class:`calibration.compare.Comparison` per schedule (its measured and simulated
-    traces hold the one step compared), titled with both iteration times and the error."""
+    """Measured (filled, the op styles of :func:`draw_timeline`, micro-batch numbers on the ops
+    wide enough to hold them) under simulated (black outlines) timelines, one panel per schedule,
+    all on one x axis from 0 to the last op's end of any panel. ``comps``:
+    :class:`calibration.compare.Comparison` per schedule (its measured and simulated traces hold
+    the one step compared), titled with both iteration times and the error."""
+    save_figure(overlay_figure(comps), path, layout=False)
+
+
+def overlay_figure(comps):
+    """The figure of :func:`plot_overlay`, laid out (returned open; :func:`plot_overlay` saves it)."""
     from matplotlib.lines import Line2D
     panels = [(f"{c.schedule}: measured {c.measured_iteration_time * 1e3:.1f} ms vs simulated "
                f"{c.simulated_iteration_time * 1e3:.1f} ms, error {c.error:+.1%}", c.measured_trace,
                c.simulated_trace) for c in comps]
-    n = len(panels)
+    ops = [[(tr[tr["kind"].isin(["F", "B", "W"])], tr["start"].min()) for tr in (m, s)] for _, m, s in panels]
+    # one x axis for every panel, to the last op's end (communication included) of all of them, in ms
+    # since each step's first op
+    right = max(float((tr["end"] - tr["start"].min()).max()) for _, m, s in panels for tr in (m, s) if len(tr)) * 1e3
     heights = [0.9 + 0.45 * m["device"].nunique() for _, m, _ in panels]
-    fig, axes = plt.subplots(n, 1, figsize=(12, sum(heights) + 1.0), sharex=True, squeeze=False,
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights) + 1.2), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     cmap = plt.get_cmap("tab10")
-    for ax, (title, measured, simulated) in zip(axes[:, 0], panels):
+    labels = []
+    for ax, (title, measured, simulated), pair in zip(axes[:, 0], panels, ops):
         devices = sorted(set(measured["device"]) | set(simulated["device"]))
-        for tr, filled in ((measured, True), (simulated, False)):
-            t = tr[tr["kind"].isin(["F", "B", "W"])]
-            t0 = tr["start"].min()
+        for (t, t0), filled in zip(pair, (True, False)):
             for row in t.itertuples(index=False):
-                y, width, left = devices.index(row.device), row.end - row.start, row.start - t0
+                y, width, left = devices.index(row.device), (row.end - row.start) * 1e3, (row.start - t0) * 1e3
                 if filled:
                     style = dict(KIND_STYLE[row.kind])
                     hatch = style.pop("hatch", None)
@@ -118,17 +127,34 @@ def plot_overlay(comps, path) -> None:
                     ax.barh(y, width, left=left, height=0.8, color=cmap(row.microbatch % 10), hatch=hatch,
                             edgecolor="grey", linewidth=0.3, **style)
                     if width > 0:
-                        ax.text(left + width / 2, y, str(row.microbatch), ha="center", va="center", fontsize=5)
+                        labels.append((ax, left, width, y, str(row.microbatch)))
                 else:
                     ax.barh(y, width, left=left, height=0.8, fill=False, edgecolor="black", linewidth=0.7)
         ax.set_title(title, fontsize=9)
         ax.set_yticks(range(len(devices)), [f"rank {r}" for r in devices], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_xlim(left=0)
-    axes[-1, 0].set_xlabel("seconds since the step's first op", fontsize=8)
+        ax.set_ylim(len(devices) - 0.5, -0.5)
+        ax.set_xlim(0.0, right * 1.01)
+    axes[-1, 0].set_xlabel("milliseconds since the step's first op", fontsize=8)
     outline = Line2D([], [], color="black", linewidth=1.0, label="simulated (outline)")
-    add_legend(axes[0, 0], extra=[Patch(facecolor="tab:blue", alpha=0.9, label="measured (filled)"), outline])
-    save_figure(fig, path)
+    # the key above every panel, in a band of its own (anchored to an axes it can meet that axes' title)
+    handles = op_handles([Patch(facecolor="tab:blue", alpha=0.9, label="measured (filled)"), outline])
+    band = 0.5 / fig.get_figheight()
+    fig.legend(handles=handles, loc="upper right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(handles),
+               frameon=False, title="colour = micro-batch, number on the op = micro-batch", title_fontsize=7)
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - band))
+    _label_ops(fig, labels)
+    return fig
+
+
+def _label_ops(fig, labels) -> None:
+    """Micro-batch numbers on the measured ops, each only where it fits inside its op (so no two
+    overlap: a rank's ops do not), with the layout fixed."""
+    renderer = fig.canvas.get_renderer()
+    for ax, left, width, y, text in labels:
+        t = ax.text(left + width / 2, y, text, ha="center", va="center", fontsize=5, clip_on=True)
+        x0, x1 = (ax.transData.transform((x, y))[0] for x in (left, left + width))
+        if t.get_window_extent(renderer).width + 2.0 > x1 - x0:
+            t.remove()
 
 
 # one style per series: coinciding lines (gpipe = dapple in bubble plots) stay visible
@@ -145,10 +171,14 @@ def series_style(i: int) -> dict:
                 markeredgewidth=1.4 if hollow else 1.0, linewidth=1.2)
 
 
-def save_figure(fig, path) -> None:
+def save_figure(fig, path, *, layout: bool = True) -> None:
     """Finish a figure the one way every figure here is finished: tight layout (nothing clipped or
-    overlapping), written at :data:`DPI` (its folder made), closed (pyplot keeps open figures alive)."""
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    overlapping; ``layout=False``: the figure was laid out already), written at :data:`DPI` (its
+    folder made, atomically), closed (pyplot keeps open figures alive)."""
+    if layout:
+        fig.tight_layout()
+    try:
+        with output_file(path, "figure", "wb") as fh:
+            fig.savefig(fh, dpi=DPI, format=Path(path).suffix[1:] or None)
+    finally:
+        plt.close(fig)

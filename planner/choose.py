@@ -23,15 +23,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from tqdm import tqdm
+
 from cost_models import Cluster
-from schedules import ScheduleError
+from cost_models.bind import cost_model_for
+from cost_models.memory import usable_memory
+from cost_models.workload import is_profile_path
+from schedules import ScheduleError, build
 
 from .cost import Estimate, estimate
 from cost_models.workload_sources import load_workload
 from .placement import Topology
-from .plan import Plan
+from .plan import Plan, StagePlan
 from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search_plans
-from .simulate import SimOutcome, simulate_plan
+from .simulate import SimOutcome, simulate_plan, split_candidates
 from cost_models.workload import Workload
 
 
@@ -93,18 +98,32 @@ def with_simulation(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Eva
     return replace(ev, sim=simulate_plan(ev.plan, work, cluster, cap))
 
 
+MAX_GLOBAL_BATCH = 1 << 16     # samples per iteration the planner searches (65,536: tens of seconds at most)
+
+
 def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: float | None = None,
                   recompute: str = "none", schedules=("dapple",), top_k: int = 6, simulate: bool = True,
                   baselines: bool = True, progress: bool = False, space: SearchSpace | None = None,
-                  model_name: str | None = None, rt_budget: int | None = 1_000_000, cost_model: str = "linear",
+                  model_name: str | None = None, rt_budget: int | None = 1_000_000, cost_model: str | None = None,
                   profile_batch: int | None = None) -> PlanningResult:
     """Search, simulate and compare (see the module docstring). ``model``: a name (paper model,
     cost_models preset or YAML path, profile ``*.txt``), a ModelSpec or a :class:`Workload`;
-    ``cost_model`` / ``profile_batch``: see :func:`cost_models.load_workload` (ignored for a Workload)."""
+    ``cost_model`` / ``profile_batch``: see :func:`cost_models.load_workload` (ignored for a Workload);
+    ``cost_model`` None: the default of every command (:func:`cost_models.bind.cost_model_for`: kernels
+    where the device has kernel constants, linear for profiles ``*.txt`` and other devices)."""
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise ValueError(f"--global-batch {global_batch:,} is beyond the planner's limit of {MAX_GLOBAL_BATCH:,} "
+                         f"samples (planner.choose.MAX_GLOBAL_BATCH: every divisor is a micro-batch count to search "
+                         f"and simulate); plan a smaller global batch and accumulate gradients over iterations")
+    if not isinstance(model, Workload):
+        cost_model = cost_model_for(cost_model, cluster.device, isinstance(model, str) and is_profile_path(model))
     work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute, cost_model,
                                                                    profile_batch)
     name = model_name or (model if isinstance(model, str) else work.name)
-    cap = memory_limit if memory_limit is not None else work.memory_capacity
+    # the device's memory less the reserve the verdicts keep back (cost_models.memory); a
+    # --memory-limit is the memory a plan may use, as given
+    cap = memory_limit if memory_limit is not None else \
+        (None if work.memory_capacity is None else usable_memory(work.memory_capacity))
     topo = Topology(cluster)
     space = space or SearchSpace()
     res = search_plans(work, topo, global_batch, objective="dapple", space=space, capacity=cap, top_k=max(top_k, 8),
@@ -134,27 +153,68 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
         seen.add(key)
         if len(cands) < top_k or c.note == "best uniform plan":
             cands.append(c)
+    cands += default_layouts(cands, work, topo, cap)
+    base = [c for c in cands if c.plan.uniform and c.plan.schedule == "dapple"]
     for sched in schedules:
         if sched == "dapple":
             continue
-        for c in list(cands):
-            if c.plan.uniform and c.plan.schedule == "dapple":
-                p = c.plan.with_schedule(sched)
+        for c in base:
+            for split in schedule_splits(c.plan, sched, work):
+                p = c.plan.with_schedule(sched, split=split)
                 cands.append(Evaluated(p, c.estimate, note=f"{sched} on the plan of a dapple candidate"))
-    evaluated = []
-    for c in cands:
+    evaluated, unmet = [], {}
+    for c in tqdm(cands, desc="simulating candidates", disable=not (progress and simulate), leave=False):
         if simulate:
             try:
                 c = with_simulation(c, work, cluster, cap)
-            except ScheduleError:      # a schedule whose requirements the plan does not meet
+            except ScheduleError as e:      # a schedule whose requirements the plan does not meet
+                unmet.setdefault(c.plan.schedule, str(e))
                 continue
         evaluated.append(c)
+    # the dapple candidates are what the other schedules are tried on; they are answers only when asked for
+    evaluated = [c for c in evaluated if c.plan.schedule in schedules]
+    if not evaluated:
+        why = "; ".join(f"{n}: {unmet[n]}" for n in schedules if n in unmet)
+        raise PlanError(f"no plan with schedule {', '.join(schedules)}: it is tried on the uniform R x D plans of the "
+                        f"dapple search" + (f" and none meets its requirements ({why})" if why else
+                                            " and none was simulated (simulate, or add dapple to --schedules)"))
     fitting = [c for c in evaluated if c.fits] or evaluated
     fitting.sort(key=lambda c: c.time)
     out = PlanningResult(work, cluster, global_batch, cap, fitting[0], fitting, res)
     if baselines:
         _baselines(out, work, topo, cluster, global_batch, cap, space, name, simulate, progress)
     return out
+
+
+def default_layouts(cands: list[Evaluated], work: Workload, topo: Topology, cap) -> list[Evaluated]:
+    """For each R x D x M shape among the uniform candidates, the plan ``pipetwin simulate -s dapple
+    -D D -N M --dp R`` runs: the default split (:func:`planner.simulate.split_candidates`' first) and
+    the sequential device map (rank i * D + s, replica i of stage s, on device i * D + s), so that
+    the planner's answer is never slower than the default layout of the shape it picks."""
+    out, seen = [], {(c.plan.num_stages, c.plan.dp, c.plan.microbatches, c.plan.stages) for c in cands
+                     if c.plan.uniform}
+    shapes = dict.fromkeys((c.plan.num_stages, c.plan.dp, c.plan.microbatches) for c in cands if c.plan.uniform)
+    for D, R, M in shapes:
+        part = split_candidates(work, D)[0]
+        edges = [sum(part[:s]) for s in range(D + 1)]
+        stages = tuple(StagePlan(edges[s], edges[s + 1], tuple(i * D + s for i in range(R))) for s in range(D))
+        if (D, R, M, stages) in seen:
+            continue
+        first = next(c.plan for c in cands if c.plan.uniform and c.plan.num_stages == D and c.plan.dp == R)
+        plan = replace(first, microbatches=M, stages=stages, policy="sequential", schedule="dapple", split=())
+        out.append(Evaluated(plan, estimate(plan, work, topo, cap), note="default split and device map"))
+    return out
+
+
+def schedule_splits(plan: Plan, sched: str, work: Workload) -> list[tuple[int, ...]]:
+    """The splits to try for a dapple plan run with schedule ``sched``: () (the plan's own partition)
+    when the schedule has the plan's stages, else :func:`planner.simulate.split_candidates` over the
+    schedule's stages; none when the plan does not meet the schedule's requirements."""
+    try:
+        S = build(sched, plan.num_stages, plan.microbatches, chunks=plan.chunks).num_stages
+        return [()] if S == plan.num_stages else split_candidates(work, S)
+    except (ScheduleError, ValueError):
+        return []
 
 
 def pipedream_plan(work: Workload, topo: Topology, G: int, *, microbatches: int | None = None,

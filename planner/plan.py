@@ -41,6 +41,8 @@ class Plan:
     policy: str
     schedule: str = "dapple"
     chunks: int = 2
+    split: tuple[int, ...] = ()     # layers per stage of the schedule when it has other stages than the
+    #                                 plan's (interleaved, V-shaped: v x D); () = the plan's own partition
 
     def __post_init__(self):
         for name in ("global_batch", "microbatches", "chunks"):
@@ -60,6 +62,9 @@ class Plan:
         for a, c in zip(self.stages, self.stages[1:]):
             if a.stop != c.start:
                 raise ValueError(f"stages must be contiguous: one ends at layer {a.stop}, the next starts at {c.start}")
+        if self.split and (sum(self.split) != self.num_layers or min(self.split) < 1):
+            raise ValueError(f"plan: field 'split' {list(self.split)} must give each schedule stage >= 1 layer and "
+                             f"cover the plan's {self.num_layers} layers")
         devs = [d for st in self.stages for d in st.devices]
         if len(set(devs)) != len(devs):
             raise ValueError("two stages share a device")
@@ -82,6 +87,13 @@ class Plan:
     def partition(self) -> tuple[int, ...]:
         """Layers per stage."""
         return tuple(st.num_layers for st in self.stages)
+
+    @property
+    def schedule_partition(self) -> tuple[int, ...]:
+        """Layers per stage of the schedule the plan runs: ``split`` where the schedule's stages are
+        not the plan's, else :attr:`partition` (what the simulator, the executor and the printed
+        command use)."""
+        return self.split or self.partition
 
     @property
     def num_layers(self) -> int:
@@ -107,20 +119,22 @@ class Plan:
         D, R = self.num_stages, self.dp
         return tuple(self.stages[r % D].devices[r // D] for r in range(D * R))
 
-    def with_schedule(self, schedule: str, chunks: int | None = None) -> "Plan":
-        return replace(self, schedule=schedule, chunks=self.chunks if chunks is None else chunks)
+    def with_schedule(self, schedule: str, chunks: int | None = None, split: tuple[int, ...] = ()) -> "Plan":
+        return replace(self, schedule=schedule, chunks=self.chunks if chunks is None else chunks,
+                       split=tuple(split))
 
     def describe(self) -> str:
         reps = self.replicas
         rep = f"x{reps[0]} each" if self.uniform else "replicas " + ":".join(map(str, reps))
-        return (f"{self.num_stages} stage(s) {rep}, layers " + "|".join(map(str, self.partition))
+        over = f" over {len(self.split)} schedule stages" if self.split else ""
+        return (f"{self.num_stages} stage(s) {rep}, layers " + "|".join(map(str, self.schedule_partition)) + over
                 + f", {self.policy}, M={self.microbatches} x b={self.micro_batch}, {self.schedule}")
 
     # ---------------------------------------------------------------- dict
     def to_dict(self) -> dict:
         return {"model": self.model, "cluster": self.cluster, "global_batch": self.global_batch,
                 "microbatches": self.microbatches, "micro_batch": self.micro_batch, "policy": self.policy,
-                "schedule": self.schedule, "chunks": self.chunks,
+                "schedule": self.schedule, "chunks": self.chunks, "split": list(self.split),
                 "stages": [{"layers": [st.start, st.stop], "replicas": st.replicas, "devices": list(st.devices)}
                            for st in self.stages]}
 
@@ -133,7 +147,8 @@ class Plan:
                 if "replicas" in s and int(s["replicas"]) != st.replicas:
                     raise ValueError(f"plan: stage {k} has 'replicas' {s['replicas']} but {st.replicas} devices")
             return Plan(str(d["model"]), str(d["cluster"]), int(d["global_batch"]), int(d["microbatches"]), stages,
-                        str(d["policy"]), str(d.get("schedule", "dapple")), int(d.get("chunks", 2)))
+                        str(d["policy"]), str(d.get("schedule", "dapple")), int(d.get("chunks", 2)),
+                        tuple(int(x) for x in d.get("split") or ()))
         except KeyError as e:
             raise ValueError(f"plan: missing field {e.args[0]!r}") from None
         except (TypeError, IndexError):

@@ -11,12 +11,15 @@ A plan file is JSON::
       "cluster": {...Cluster.to_dict(): nodes, devices_per_node, device, intra, inter, nics_per_node...},
       "memory_limit": bytes per device (null: the device's memory),
       "plan":    {"global_batch", "microbatches" (M), "micro_batch" (b = G / M), "policy", "schedule", "chunks",
+                  "split" (layers per stage of a schedule with other stages than the plan's, e.g. zb-v's 2 D;
+                  [] = the stages' own layers),
                   "stages": [{"layers": [start, stop], "replicas": r, "devices": [physical ids]}, ...]},
       "uniform": true | false,
       "run":     for a uniform plan, the executor's view (null otherwise):
                  {"schedule", "devices" (D = stages), "microbatches" (M), "dp" (R), "chunks",
-                  "micro_batch" (b / R per pipeline replica), "partition" (layers per stage, over the
-                  L + 2 layers of a transformer: embedding and head included), "device_map"
+                  "micro_batch" (b / R per pipeline replica), "partition" (layers per stage of the schedule:
+                  the plan's "split" where set; over the L + 2 layers of a transformer: embedding and head
+                  included), "device_map"
                   (rank i * D + s -> physical device of replica i of stage s)},
       "estimate": {...planner.cost.Estimate.to_dict()...}, "simulated": {...} or null
     }
@@ -37,7 +40,8 @@ from pathlib import Path
 from cost_models import Cluster, cluster_from_dict
 from cost_models.bind import Bound
 from cost_models._spec import size_bytes
-from cost_models.files import one_line, prepare_output, read_text
+from cost_models.files import one_line, read_text, write_output
+from cost_models.stack import absolute_model_ref
 
 from cost_models.workload_sources import workload_from_source
 from .plan import Plan
@@ -54,7 +58,7 @@ def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: floa
         R = plan.dp
         run = {"schedule": plan.schedule, "devices": plan.num_stages, "microbatches": plan.microbatches,
                "dp": R, "chunks": plan.chunks, "micro_batch": plan.micro_batch // R,
-               "partition": list(plan.partition), "device_map": list(plan.device_map())}
+               "partition": list(plan.schedule_partition), "device_map": list(plan.device_map())}
     return {"format": FORMAT, "version": VERSION, "model": dict(work.source), "cluster": cluster.to_dict(),
             "memory_limit": memory_limit, "plan": plan.to_dict(), "uniform": plan.uniform, "run": run,
             "estimate": est.to_dict() if est is not None else None,
@@ -64,8 +68,7 @@ def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: floa
 def save_plan(path, plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,
               est=None, sim: SimOutcome | None = None) -> dict:
     rec = plan_record(plan, work, cluster, memory_limit, est, sim)
-    p = prepare_output(path, "plan file")
-    p.write_text(json.dumps(rec, indent=2) + "\n")
+    write_output(path, json.dumps(rec, indent=2) + "\n", "plan file")
     return rec
 
 
@@ -132,7 +135,9 @@ class LoadedPlan:
             per, mbs = plan.micro_batch // C, plan.microbatches * C
             layout = (f"stage replicas {':'.join(map(str, plan.replicas))}, {plan.microbatches} micro-batches of "
                       f"{plan.micro_batch} cut into {C} sub-batches of {per} (model copies)")
-        out = {"model_file": src["name"]} if stack else {"model_spec": spec}
+        # written absolute; an older or hand-moved plan's relative PATH.py: beside the plan file first
+        out = ({"model_file": absolute_model_ref(src["name"], Path(self.path).parent)} if stack
+               else {"model_spec": spec})
         return {**out, "schedule": low, "model": src.get("name", self.workload.name),
                 "microbatches": mbs, "replicas": low.replicas,
                 "micro_batch": per, "partition": list(bt.costs.meta["partition"]),

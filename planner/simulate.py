@@ -92,14 +92,35 @@ class Built:
 
 
 def ir_partition(plan: Plan, work: Workload, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage of the lowered schedule: the plan's own partition, or its ``split`` for a
+    schedule with other stages than the plan (a plan file without one: the work-balanced split)."""
+    if plan.split:
+        if len(plan.split) != num_stages:
+            raise ValueError(f"the plan's split {'|'.join(map(str, plan.split))} has {len(plan.split)} stage(s); "
+                             f"schedule {plan.schedule} has {num_stages}")
+        return plan.split
     if num_stages == plan.num_stages:
         return plan.partition
+    return split_candidates(work, num_stages)[-1]
+
+
+def split_candidates(work: Workload, num_stages: int) -> list[tuple[int, ...]]:
+    """The layer splits over ``num_stages`` schedule stages the planner tries where a plan's own
+    partition does not apply or may be beaten: the default split of ``pipetwin simulate`` / ``run``
+    (a transformer's even blocks with the embedding and the head on the end stages), then the
+    split balanced by forward + backward work (distinct ones only)."""
+    from cost_models.partition import default_partition
     if num_stages > work.num_layers:
-        raise ValueError(f"schedule {plan.schedule} needs {num_stages} stages; {work.name} has only "
-                         f"{work.num_layers} layers")
+        raise ValueError(f"{num_stages} schedule stages; {work.name} has only {work.num_layers} layers")
+    out = []
+    if work.spec is not None:
+        out.append(tuple(default_partition(work.spec.layers, num_stages)))
     wts = [work.fwd(l, l + 1) + work.bwd(l, l + 1) for l in range(work.num_layers)]
     e = balanced_edges(wts, num_stages)
-    return tuple(e[i + 1] - e[i] for i in range(num_stages))
+    bal = tuple(e[i + 1] - e[i] for i in range(num_stages))
+    if bal not in out:
+        out.append(bal)
+    return out
 
 
 def _sub_batch_costs(plan: Plan, work: Workload, C: int):
@@ -186,7 +207,7 @@ def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | N
     costs.meta.update(model=costs.meta.get("model", "per-layer"), model_name=work.name, memory_capacity=cap,
                       partition=list(part))
     extra.update(cost_model="planner", model=work.name, cluster=cluster.name, memory_capacity=cap,
-                 plan=plan.describe())
+                 plan=plan.describe(), partition=list(part))
     return Built(plan, low, costs, cluster.with_device_map(dmap), extra)
 
 

@@ -16,6 +16,7 @@ from .ir import B, F, ScheduleError, make_schedule
 
 NAME = "interleaved"
 REQUIRES = "N multiple of D, chunks v >= 1 (default 2)"
+TAKES_CHUNKS = True     # the family's size depends on ``chunks`` (every other family ignores it)
 
 
 def build(num_devices: int, num_microbatches: int, chunks: int = 2, **_):

@@ -20,7 +20,8 @@ MAX_RANKS = 2048
 MAX_OPS = 4_000_000
 OPS_PER_MICROBATCH = 7      # per chunk and rank, after lowering (F, B, W, SEND/RECV of both directions)
 
-_MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb_h1", "zb_v", "dualpipe_v", "bitpipe_zb"]
+_MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb_h1", "zb_h2", "zb_auto", "zb_v", "dualpipe_v",
+            "bitpipe_zb"]
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,15 @@ class Family:
     doc: str
     build: Callable[..., Schedule]
     variants: tuple[str, ...] = ()      # the first is the default; () = the family has none
+    takes_chunks: bool = False          # ``chunks`` per device changes it (a module's TAKES_CHUNKS)
+    takes_memory_limit: bool = False    # it orders its ops under a memory limit (a module's TAKES_MEMORY_LIMIT)
 
 
 def _load(mod: str) -> Family:
     m = importlib.import_module(f"schedules.{mod}")
     doc = (m.__doc__ or "").strip()
-    return Family(m.NAME, m.REQUIRES, doc, m.build, tuple(getattr(m, "VARIANTS", ())))
+    return Family(m.NAME, m.REQUIRES, doc, m.build, tuple(getattr(m, "VARIANTS", ())),
+                  bool(getattr(m, "TAKES_CHUNKS", False)), bool(getattr(m, "TAKES_MEMORY_LIMIT", False)))
 
 
 def families() -> dict[str, Family]:

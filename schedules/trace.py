@@ -161,13 +161,6 @@ def to_chrome(trace: pd.DataFrame) -> dict:
             "otherData": {k: (v if isinstance(v, (int, float, str)) else str(v)) for k, v in trace.attrs.items()}}
 
 
-def write_chrome(trace: pd.DataFrame, path) -> None:
-    import json
-    from pathlib import Path
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(to_chrome(trace)))
-
-
 # The step a noise-free host runs. On a shared VM a step takes either its own time or up to ~1.6x
 # as long for seconds at a time (other processes, and other VMs on the same machine the CPU
 # counters do not show), so the median of many steps depends on how often the host was disturbed.

@@ -56,7 +56,7 @@ from typing import Mapping, NamedTuple, Sequence
 import pandas as pd
 import simpy
 
-from cost_models.base import StageCosts
+from cost_models.base import PEAK_FLOOR, StageCosts
 from cost_models.comm import allreduce_phases, ring_allreduce_time
 from cost_models.network import Network
 from schedules.common import gc_paused
@@ -77,7 +77,8 @@ class SimOptions:
     slowdown: per-rank factor on compute time (a straggler GPU: {3: 1.5}).
     link_slowdown: per-link-name factor dividing bandwidth (a slow link: {"n1.nic0.out": 2};
       link names come from the network, e.g. ``Cluster.links()``).
-    jitter: relative standard deviation of per-op compute noise (seeded per rank, deterministic).
+    jitter: relative standard deviation of per-op compute noise: each compute op's time times a
+      log-normal factor of mean 1 (seeded per rank, deterministic).
     hosts: rank -> host id, with ``cores`` per host: ranks on one host share its cores (how: the
       host model of :mod:`sim.cores`, processor sharing unless ``time_slice``).
     comm_uses_cores: with ``hosts``, transfers also occupy a core of each end's host while they
@@ -256,6 +257,7 @@ def run(sched: Schedule, costs: StageCosts, network: Network | None = None,
         raise ValueError("these costs send messages and all-reduce gradients but no network was given; pass "
                          "network= (e.g. cluster.place(schedule)) or free_comm=True to make communication free")
     low = sched if sched.lowered else lower(sched, eager=eager)
+    check_peak(low, costs, opts)
     eng = _Engine(low, costs, network, opts, trace)
     if max_ops is not None:
         ops = sum(len(low.programs[r % low.num_devices]) for r in eng.active)
@@ -267,6 +269,39 @@ def run(sched: Schedule, costs: StageCosts, network: Network | None = None,
             raise ValueError(f"{why}: {ops:,} ops per iteration, beyond the limit of {max_ops:,}; use fewer "
                              f"replicas or micro-batches")
     return eng.run()
+
+
+def check_peak(sched: Schedule, costs: StageCosts, opts: SimOptions) -> None:
+    """The invariant of costs that know their FLOPs (``costs.meta["peak_floor"]``, see
+    :func:`cost_models.base.with_peak_floor`): no compute op, times its rank's slowdown, runs faster
+    than its FLOPs at the device's peak. O(copies x stages + slowed ranks); a ValueError names the
+    op. (Per-op jitter is noise of mean 1 around these times.)"""
+    floor = costs.meta.get(PEAK_FLOOR)
+    if not floor:
+        return
+    ratio = {}      # (kind, copy, stage) -> modelled time / time at peak
+    for kind, table in (("F", costs.f), ("B", costs.b), ("W", costs.w)):
+        for c, row in enumerate(table):
+            for s, t in enumerate(row):
+                lo = floor[kind][c][s]
+                if lo > 0:
+                    ratio[kind, c, s] = t / lo
+    slowed = {r: k for r, k in opts.slowdown.items() if k < 1 and 0 <= r < sched.num_ranks}
+    checks = [(1.0, None, ratio)]
+    for r, k in slowed.items():
+        held = set(sched.stages_on(sched.rank_device(r)))
+        checks.append((k, r, {key: v for key, v in ratio.items() if key[1:] in held}))
+    for k, r, table in checks:
+        if not table:
+            continue
+        key = min(table, key=table.get)
+        if table[key] * k < 1 - 1e-9:
+            kind, c, s = key
+            who = "" if r is None else f"rank {r} (slowdown {k:g}): "
+            took = table[key] * k * floor[kind][c][s]
+            raise ValueError(f"{who}{kind} of copy {c} stage {s} would take {took:.4g} s, faster than its FLOPs at "
+                             f"the device's peak ({floor[kind][c][s]:.4g} s at {floor['peak']:.4g} FLOP/s); no cost "
+                             f"or slowdown may beat the peak")
 
 
 def _moves_bytes(costs: StageCosts) -> bool:
@@ -509,6 +544,10 @@ class _Engine:
         work = self.host.work(r)
         jitter = self.opts.jitter
         rng = random.Random(self.opts.seed * 1_000_003 + r) if jitter else None
+        # a log-normal factor of mean 1 and standard deviation ``jitter``: noise that keeps the mean
+        # busy time (a clipped normal would not: its mean grows with the deviation) and stays > 0
+        sigma = math.sqrt(math.log1p(jitter * jitter))
+        mu = -0.5 * sigma * sigma
         no_net = self.net is None
         plan, messages, heads = self._compile(r)
         pc = self.pc
@@ -547,7 +586,7 @@ class _Engine:
                 # 2. its CPU work
                 if cpu is not None:
                     if jitter and then == _COMPUTED:
-                        cpu = cpu * max(0.05, rng.gauss(1.0, jitter))
+                        cpu = cpu * rng.lognormvariate(mu, sigma)
                     if work is None:         # no host (the GPU path): the clock just advances
                         clock += cpu
                     else:                    # in SimPy's time, until the host's cores have run it

@@ -9,3 +9,45 @@ def admissible(name, D, max_n=None):
             yield N, build(name, D, N)
         except ScheduleError:
             continue
+
+
+def torchrun_cli(args, *, nodes: int = 2, per_node: int = 2, timeout: float = 240) -> list[str]:
+    """``pipetwin run ARGS`` as torchrun would start it on ``nodes`` x ``per_node`` processes (its
+    environment variables, one local rendezvous); each process's stdout (each must exit 0)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for launch_rank in range(nodes * per_node):
+        node, local = divmod(launch_rank, per_node)
+        env = dict(os.environ, RANK=str(launch_rank), WORLD_SIZE=str(nodes * per_node), LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env.pop("PIPETWIN_WORKDIR", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "experiments", "run", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(out)
+    return outs
+
+
+def assert_losses_equal(res, ref, rel: float = 1e-5) -> None:
+    """Every step's loss of a run within ``rel`` (relative) of the reference's."""
+    assert len(res.losses) == res.config.steps == len(ref.losses)
+    for got, want in zip(res.losses, ref.losses):
+        assert abs(got - want) <= rel * abs(want), (res.losses, ref.losses)
+
+
+def params_by_name(res) -> dict:
+    """A run's final parameters by global name: every copy on every replica (``r0.c1/NAME``) in a list."""
+    out: dict = {}
+    for key, tensor in res.params.items():
+        out.setdefault(key.split("/", 1)[1], []).append(tensor)
+    return out

@@ -1,12 +1,17 @@
-"""Runs from any folder, and a rank killed from outside is named.
+"""Runs from any folder, a rank killed from outside is named, nothing outlives its parent.
 
 - any folder: a working directory holding its own ``executor/``, ``schedules/``, ``experiments/``,
   ``sim/`` and ``cost_models/`` packages (whose import fails) cannot shadow pipetwin, neither for
   spawned workers (``pipetwin run``) nor under ``torchrun --no-python pipetwin run`` (the README's
   cluster line);
 - kill: SIGKILL of rank 1 in the middle of a run ends it within 30 s with an error naming rank 1
-  and the signal (what the OOM killer does).
+  and the signal (what the OOM killer does);
+- nothing left running: SIGTERM, SIGHUP or SIGKILL of the main process of ``run``, ``sweep`` and
+  ``validate`` leaves no rank, pool worker or resource tracker running 8 s later (SIGTERM and
+  SIGHUP: exit status 128 + signal and one line, as Ctrl-C); the parent-pid watch (where there
+  is no parent-death signal) ends an orphan within 2.5 s.
 """
+import contextlib
 import os
 import signal
 import subprocess
@@ -100,3 +105,184 @@ def test_rank_killed_from_outside_is_named():
     assert p.returncode != 0
     first = err.strip().splitlines()[0]
     assert "rank 1 was killed by SIGKILL (9)" in first, err[-2000:]
+
+
+# ---------------------------------------------------------------------- nothing left running
+MAIN = "import sys; from experiments.cli import main; sys.exit(main())"
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time) of a live process, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """pid -> start time of every process below ``root``."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and (st := _stat(int(d.name))) is not None:
+            children.setdefault(st[0], []).append(int(d.name))
+    out, todo = {}, [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            st = _stat(c)
+            if st is not None and st[1] != "Z":
+                out[c] = st[2]
+                todo.append(c)
+    return out
+
+
+def _survivors(procs: dict[int, int]) -> list[str]:
+    """Those of ``procs`` (pid -> start time) still running (a zombie has ended)."""
+    out = []
+    for pid, start in procs.items():
+        st = _stat(pid)
+        if st is not None and st[2] == start and st[1] != "Z":
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120])
+    return out
+
+
+def _ranks(procs: dict[int, int], settled: float = 1.0) -> list[int]:
+    """The executor's ranks among ``procs`` that have run for ``settled`` seconds at least (past
+    their first lines, where a rank whose launcher is already gone ends on its own)."""
+    now = float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK")
+    found = []
+    for pid, start in procs.items():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if b"PIPETWIN_WORKDIR=" in env and now - start >= settled * os.sysconf("SC_CLK_TCK"):
+            found.append(pid)
+    return found
+
+
+def _kill_when(argv, ready, sig, tmp_path, what: str):
+    """Start ``pipetwin argv``, wait until ``ready(descendants)``, send ``sig`` to the main process
+    only; return (its exit status, its stderr, the processes below it still running 8 s later)."""
+    err = open(tmp_path / "stderr", "w+")
+    p = subprocess.Popen([sys.executable, "-c", MAIN, *argv], stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path,
+                         start_new_session=True)
+    below: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None:
+            below = _descendants(p.pid)
+            if ready(below):
+                break
+            time.sleep(0.1)
+        assert p.poll() is None and ready(below), f"{what} did not get going: {(tmp_path / 'stderr').read_text()}"
+        below = _descendants(p.pid)
+        os.kill(p.pid, sig)
+        code = p.wait(timeout=15)
+        deadline = time.monotonic() + 8
+        while (left := _survivors(below)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return code, (tmp_path / "stderr").read_text(), left, len(below)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for pid, start in {**below, **_descendants(p.pid)}.items():     # nothing left behind a failed test
+            st = _stat(pid)
+            if st is not None and st[2] == start:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        err.close()
+
+
+def _check_end(sig, code, err, left, started, want_started):
+    assert started >= want_started, f"only {started} processes were running below the main one"
+    assert left == [], f"left running after {signal.Signals(sig).name} of the main process: {left}"
+    if sig == signal.SIGKILL:
+        assert code == -signal.SIGKILL
+    else:
+        assert code == 128 + sig and err.strip().splitlines()[-1] == f"pipetwin: stopped by {signal.Signals(sig).name}"
+        assert "Traceback" not in err, err[-2000:]
+
+
+LINUX_PROC = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the processes through /proc")
+SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL]
+
+
+@LINUX_PROC
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_run_leaves_no_rank_when_its_main_process_is_killed(sig, tmp_path):
+    code, err, left, n = _kill_when(["run", "-s", "dapple", "-D", "2", "-N", "4", "--steps", "100000"],
+                                    lambda below: len(_ranks(below)) == 2, sig, tmp_path, "run")
+    _check_end(sig, code, err, left, n, 2)
+
+
+@LINUX_PROC
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: signal.Signals(s).name)
+def test_sweep_leaves_no_pool_worker_or_resource_tracker(sig, tmp_path):
+    argv = ["sweep", "-s", "all", "-D", "2,4,8", "-N", "8,16,32,64", "--dp", "1,2", "-m", "gpt3-1.3b",
+            "--workers", "2", "--no-figures", "--out", str(tmp_path / "sw")]
+
+    def going(below):      # two pool workers and the resource tracker, and points coming in
+        table = tmp_path / "sw" / "sweep.csv"
+        return len(below) >= 3 and table.exists() and table.read_text().count("\n") >= 3
+    code, err, left, n = _kill_when(argv, going, sig, tmp_path, "sweep")
+    _check_end(sig, code, err, left, n, 3)
+
+
+@LINUX_PROC
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: signal.Signals(s).name)
+def test_validate_leaves_no_rank(sig, tmp_path):
+    argv = ["validate", "--schedules", "dapple", "-D", "2", "--plot", str(tmp_path / "v.png")]
+    code, err, left, n = _kill_when(argv, lambda below: len(_ranks(below)) >= 2, sig, tmp_path, "validate")
+    _check_end(sig, code, err, left, n, 2)
+
+
+@LINUX_PROC
+def test_parent_watch_ends_an_orphan_where_there_is_no_parent_death_signal(tmp_path):
+    """The fallback of cost_models.lifeline (platforms without prctl): a worker whose parent is
+    killed with -9 ends within a second or two."""
+    ready = tmp_path / "ready"
+    child = ("import os, time; from pathlib import Path; from cost_models import lifeline; "
+             "lifeline._parent_death_signal = lambda: False; lifeline.die_with_parent(); "
+             f"Path({str(ready)!r}).write_text(str(os.getpid())); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"],
+                              start_new_session=True)
+    pid = None
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(ready.read_text())
+        start = _stat(pid)[2]
+        parent.kill()
+        parent.wait()
+        t0 = time.monotonic()
+        while _survivors({pid: start}) and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert _survivors({pid: start}) == [], "the orphan kept running"
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if pid is not None and _survivors({pid: start}):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_termination_signals_raise_only_inside_the_block_and_ignored_ones_stay_ignored():
+    from cost_models.lifeline import Terminated, interrupt_on_termination
+    before = signal.getsignal(signal.SIGTERM)
+    old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)        # as under nohup
+    try:
+        with pytest.raises(Terminated) as e:
+            with interrupt_on_termination():
+                assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+                os.kill(os.getpid(), signal.SIGHUP)                  # ignored: nothing happens
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+        assert e.value.signum == signal.SIGTERM and isinstance(e.value, KeyboardInterrupt)
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGHUP, old_hup)

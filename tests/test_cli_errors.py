@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from experiments.cli import main
+from tests.test_cost_models_specs import PROFILE
 
 SIM = ["simulate", "-s", "dapple", "-D", "4", "-N", "8"]
 UNIT = SIM + ["--unit-costs"]
 RUN = ["run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1"]
+SWEEP = ["sweep", "-s", "dapple", "-D", "2", "-N", "2", "--no-figures", "--no-progress", "--workers", "1"]
 
 
 def _plan(tmp_path: Path, **changes) -> str:
@@ -53,6 +55,19 @@ CASES = [
     ("N-zero", ["simulate", "-s", "dapple", "-D", "4", "-N", "0", "--unit-costs"], ["--microbatches"]),
     ("D-negative", ["bubbles", "-D", "-3"], ["--devices"]),
     ("steps-zero", RUN[:-1] + ["0"], ["--steps"]),
+    # tensor parallelism and ZeRO (the simulator's T x D x R)
+    ("tp-not-dividing-heads", ["simulate", "-s", "dapple", "-D", "4", "-N", "8", "--tp", "3"],
+     ["--tp 3", "heads (32)"]),
+    ("tp-not-dividing-kv-heads", ["simulate", "-s", "dapple", "-D", "4", "-N", "8", "--tp", "16", "-m", "llama3-8b",
+                                  "-c", "dgx-h100-ib:8"], ["--tp 16", "kv_heads (8)"]),
+    ("tp-beyond-cluster", ["simulate", "-s", "dapple", "-D", "8", "-N", "8", "--tp", "8"],
+     ["64 GPUs (T=8 x D=8 x R=1)", "--cluster"]),
+    ("sp-without-tp", SIM + ["--sequence-parallel"], ["--sequence-parallel", "--tp"]),
+    ("zero-without-dp", SIM + ["--zero", "1"], ["--zero 1", "--dp"]),
+    ("tp-with-unit-costs", UNIT + ["--tp", "2"], ["--tp", "--unit-costs"]),
+    ("tp-in-a-run-not-dividing-heads", RUN + ["--tp", "3"], ["--tp 3", "heads (4)"]),
+    ("hf-config-unknown-arch", SIM + ["-m", "{hf_bert}"], ["BertForMaskedLM", "LlamaForCausalLM"]),
+    ("hf-config-folder", SIM + ["-m", "{dir}/x.json"], ["x.json"]),
     # silent wrong results
     ("slow-link-unused", SIM + ["--slow-link", "n1.nic0.out=4"], ["--slow-link", "never crosses"]),
     ("slow-link-unknown", SIM + ["--slow-link", "nope=4"], ["--slow-link", "nope"]),
@@ -74,6 +89,12 @@ CASES = [
     ("model-yaml-nan", SIM + ["-m", "{nanmodel}"], ["nanmodel.yaml", "hidden"]),
     ("cluster-yaml-inf", SIM + ["-c", "{infcluster}"], ["infcluster.yaml", "bandwidth"]),
     ("profile-folder", SIM + ["--profile", "{dir}"], ["calibration profile", "folder"]),
+    ("stage-costs-empty", SIM + ["--stage-costs", "{empty}"], ["--stage-costs", "empty"]),
+    ("stage-costs-and-model", SIM + ["--stage-costs", "{file}", "-m", "tiny"], ["--stage-costs", "--model"]),
+    ("memory-limit-fixed-order", UNIT + ["--memory-limit", "8"], ["--memory-limit", "zb-auto only"]),
+    ("memory-limit-bad", UNIT + ["--memory-limit", "lots"], ["--memory-limit"]),
+    ("memory-limit-run", ["run", "-s", "zb-auto", "-D", "2", "-N", "2", "--memory-limit", "4"],
+     ["--memory-limit", "executor"]),
     # tracebacks: output paths under an existing file, refused before any work
     ("plot-under-file", UNIT + ["--plot", "{file}/t.png"], ["--plot", "is a file"]),
     ("trace-under-file", RUN + ["--trace", "{file}/t.csv"], ["--trace", "is a file"]),
@@ -85,6 +106,83 @@ CASES = [
     ("compare-out-is-file", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", "{file}"], ["--out", "file"]),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "file"]),
     ("reproduce-unknown", ["reproduce", "nope"], ["target", "nope"]),
+    # options that do nothing where they are given
+    ("recompute-with-plan", ["simulate", "--plan", "{plan}", "--recompute", "full"], ["--plan", "--recompute"]),
+    ("run-recompute-with-plan", ["run", "--plan", "{plan}", "--recompute", "full"], ["--plan", "--recompute"]),
+    ("chunks-without-chunks", ["simulate", "-s", "zb-v", "-D", "4", "-N", "8", "--unit-costs", "--chunks", "3"],
+     ["--chunks", "interleaved", "zb-v"]),
+    ("chunks-compare-none-chunked", ["compare", "-D", "4", "-N", "8", "--unit-costs", "--schedules", "dapple,gpipe",
+                                     "--chunks", "3"], ["--chunks", "dapple, gpipe"]),
+    ("chunks-run", RUN + ["--chunks", "4"], ["--chunks", "dapple"]),
+    ("partition-with-unit-costs", UNIT + ["--partition", "1,1,1,1"], ["--partition", "--unit-costs"]),
+    ("recompute-with-unit-costs", UNIT + ["--recompute", "full"], ["--recompute", "--unit-costs"]),
+    ("fault-with-reference", RUN + ["--reference", "--inject-fault", "1:F0.s1"], ["--inject-fault", "--reference"]),
+    ("plan-schedule-never-planned", ["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "64", "--no-progress",
+                                     "--no-baselines", "--schedules", "chimera"], ["chimera", "dapple search"]),
+    ("sweep-no-schedules", ["sweep", "-s", "", "-D", "4", "-N", "8", "--unit-costs", "--out", "{dir}/sw"],
+     ["--schedules", "names no schedule"]),
+    ("model-yaml-key-twice", SIM + ["-m", "{dupmodel}"], ["dupmodel.yaml", "'hidden'", "twice"]),
+    ("cluster-yaml-key-twice", SIM + ["-c", "{dupcluster}"], ["dupcluster.yaml", "'bandwidth'", "twice"]),
+    ("profile-key-twice", ["simulate", "-s", "dapple", "-D", "2", "-N", "2", "--profile", "{dupprofile}"],
+     ["dupprofile.yaml", "'latency'", "twice"]),
+    ("profile-measured-cut-short", ["simulate", "-s", "dapple", "-D", "2", "-N", "2", "--profile", "{cutprofile}"],
+     ["cutprofile.yaml", "precision", "cut short"]),
+    ("slowdown-below-1", SIM + ["--slowdown", "2=0.001"], ["--slowdown", "0.001", ">= 1"]),
+    ("slow-link-below-1", SIM + ["--slow-link", "n0.nic0.out=0.5"], ["--slow-link", ">= 1"]),
+    ("jitter-beyond-1", UNIT + ["--jitter", "5"], ["--jitter", "[0, 1]"]),
+    # your model file
+    ("data-not-a-regular-file", RUN + ["--data", "/dev/zero"], ["--data", "/dev/zero", "not a regular file"]),
+    ("model-py-without-func", SIM + ["-m", "{model}"], ["model.py", ":FUNC"]),
+    ("run-m-py-without-func", RUN + ["-m", "{model}"], ["model.py", ":FUNC"]),
+    ("model-in-place-on-input", RUN + ["-m", "{model}:in_place"], ["layer 1 (AddOne)", "in place"]),
+    ("model-integer-inside-a-stage", RUN + ["-m", "{model}:integer_cut"], ["layer 1 (Tok)", "integer", "stage 1"]),
+    ("model-build-exits", RUN + ["-m", "{model}:exits"], ["exits()", "sys.exit(0)"]),
+    # a model too big for the host: counted on the meta device, refused before a weight is made
+    ("model-too-big-to-run", RUN + ["-m", "{model}:huge"], ["huge", "running 2 ranks of its 160,000,000,081 "
+                                                           "parameters", "GiB of memory on this host", "-D/--dp"]),
+    ("model-too-big-to-build", ["validate", "-m", "{model}:huge", "--plot", "{dir}/v.png"],
+     ["huge", "building its 160,000,000,081 parameters", "GiB of memory on this host"]),
+    # a memory limit the device does not have
+    ("plan-memory-limit-above-the-device", ["plan", "-m", "gpt3-1.3b", "-c", "dgx-a100-4x8-ib", "-G", "64",
+                                            "--memory-limit", "10 TiB", "--no-progress"],
+     ["--memory-limit 10 TiB", "a100's 80 GiB", "--force"]),
+    # control characters in names are printed escaped
+    ("model-name-escape", SIM + ["-m", "bad\x1b[31m"], ["model preset", "bad\\x1b[31m"]),
+    ("schedule-name-escape", ["simulate", "-s", "zz\x07", "-D", "4", "-N", "8"], ["zz\\x07"]),
+    ("cluster-name-escape", SIM + ["-c", "no\x1bpe"], ["no\\x1bpe"]),
+    # long work is bounded, the bound stated
+    ("bubbles-max-k-huge", ["bubbles", "--max-k", "1000"],
+     ["--max-k 1000", "ops, beyond the table's limit", "use --max-k <="]),
+    ("plan-global-batch-huge", ["plan", "-m", "gpt-96", "-c", "dgx-a100-ib:4", "-G", "100000000"],
+     ["--global-batch 100,000,000", "65,536"]),
+    # tracebacks and truncated files: a full disk (ENOSPC) is one line naming the path
+    ("chrome-trace-disk-full", UNIT + ["--chrome-trace", "/dev/full"], ["Chrome trace /dev/full", "No space left"]),
+    ("trace-disk-full", UNIT + ["--trace", "/dev/full"], ["trace /dev/full", "No space left"]),
+    ("plot-disk-full", UNIT + ["--plot", "/dev/full"], ["figure /dev/full", "No space left"]),
+    ("plan-out-disk-full", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--no-progress",
+                            "--no-baselines", "--out", "/dev/full"], ["plan file /dev/full", "No space left"]),
+    ("run-trace-disk-full", RUN + ["--trace", "/dev/full"], ["trace /dev/full", "No space left"]),
+    # names over 255 bytes (ENAMETOOLONG), refused while parsing
+    ("trace-name-too-long", UNIT + ["--trace", "{dir}/" + "t" * 300 + ".csv"], ["--trace", "304 bytes", "255"]),
+    ("sweep-out-name-too-long", ["sweep", "-D", "2", "-N", "2", "--unit-costs", "--out", "{dir}/" + "d" * 300],
+     ["--out", "300 bytes"]),
+    ("calibrate-out-name-too-long", ["calibrate", "--out", "{dir}/" + "c" * 300 + "/p.yaml"], ["--out", "300 bytes"]),
+    # silent wrong results: a sweep folder holds one experiment
+    ("sweep-other-model", SWEEP + ["-m", "gpt3-1.3b", "--out", "{sweep}"],
+     ["--out", "model 'tiny' there, 'gpt3-1.3b'"]),
+    ("sweep-other-recompute", SWEEP + ["-m", "tiny", "--recompute", "full", "--out", "{sweep}"],
+     ["--out", "recompute 'none' there, 'full' here", "another --out"]),
+    ("sweep-other-fabric", SWEEP + ["-m", "tiny", "--fabric", "fat-tree", "--out", "{sweep}"],
+     ["cluster.fabric None there, 'fat-tree' here"]),
+    ("sweep-other-cost-model", SWEEP + ["-m", "tiny", "--cost-model", "linear", "--out", "{sweep}"],
+     ["cost_model 'kernels' there, 'linear' here"]),
+    ("sweep-other-cluster", SWEEP + ["-m", "tiny", "-c", "dgx-a100-1x8", "--out", "{sweep}"],
+     ["cluster.name 'dgx-a100-4x8-ib' there, 'dgx-a100-1x8' here"]),
+    ("sweep-folder-in-use", SWEEP + ["-m", "tiny", "--out", "{locked}"],
+     ["--out", "is being written by another sweep", "another --out"]),
+    ("sweep-folder-of-unknown-experiment", SWEEP + ["-m", "tiny", "--out", "{unrecorded}"],
+     ["--out", "sweep.csv but no sweep.json"]),
+    ("model-name-too-long", SIM + ["-m", "{dir}/" + "m" * 300 + ".yaml"], ["model file", "305 bytes"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
@@ -99,8 +197,94 @@ def files(tmp_path):
     (tmp_path / "nanmodel.yaml").write_text("layers: 4\nhidden: .nan\nheads: 4\nseq_len: 8\nvocab: 16\n")
     (tmp_path / "infcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: .inf}\ninter: ib-hdr\n")
-    return {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "nanmodel": str(tmp_path / "nanmodel.yaml"),
-            "infcluster": str(tmp_path / "infcluster.yaml"), "tmp": tmp_path}
+    (tmp_path / "dupmodel.yaml").write_text("layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nhidden: 32\n")
+    (tmp_path / "dupcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
+                                              "intra: {type: nvlink3, bandwidth: 300 GB/s, bandwidth: 3 GB/s}\n"
+                                              "inter: ib-hdr\n")
+    (tmp_path / "dupprofile.yaml").write_text(PROFILE.replace("latency: 50 us", "latency: 50 us, latency: 5 us"))
+    (tmp_path / "cutprofile.yaml").write_text(_measured_profile_text(tmp_path).rsplit("precision:", 1)[0])
+    (tmp_path / "model.py").write_text(MODEL_FILE)
+    (tmp_path / "bert.json").write_text('{"architectures": ["BertForMaskedLM"], "hidden_size": 768}')
+    names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile")
+    made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
+            "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
+            **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
+    yield made
+    if "tmp_held" in made:
+        made["tmp_held"].close()
+
+
+MODEL_FILE = """\
+import sys
+import time
+import types
+
+import torch
+from torch import nn
+
+
+class AddOne(nn.Module):
+    def forward(self, x):
+        x += 1
+        return x
+
+
+class Tok(nn.Module):
+    def forward(self, x):
+        return x.argmax(-1) % 16
+
+
+def _stack(middle):
+    def sample(g, b):
+        x = torch.randn(b, 8, generator=g)
+        return x, x.sum(1, keepdim=True)
+    return types.SimpleNamespace(layers=[nn.Linear(8, 8), *middle, nn.Linear(8, 1)], loss=nn.functional.mse_loss,
+                                 sample=sample)
+
+
+def in_place():
+    return _stack([AddOne(), nn.Linear(8, 8)])
+
+
+def integer_cut():
+    return _stack([Tok(), nn.Embedding(16, 8)])
+
+
+def nan_loss():
+    s = _stack([nn.Linear(8, 8)])
+    s.loss = lambda out, target: (out - target).pow(2).mean() * float("nan")
+    return s
+
+
+def exits():
+    sys.exit(0)
+
+
+def hangs():
+    while True:
+        time.sleep(0.05)
+
+
+def huge():   # 64 x 2.5 G parameters: 640 GB of fp32 weights, were it built
+    return _stack([nn.Linear(50_000, 50_000, bias=False) for _ in range(64)])
+"""
+
+
+def _measured_profile_text(tmp_path) -> str:
+    """A profile as pipetwin calibrate writes it (a measured one: meta.runtime_scale, every field)."""
+    from dataclasses import replace
+
+    from cost_models import load_profile, save_profile
+    base = load_profile(_write(tmp_path / "base.yaml", PROFILE))
+    n = len(base.layers)
+    measured = replace(base, meta={**base.meta, "runtime_scale": {"F": 1.0}}, cores=2, act_bytes=(1e3,) * n,
+                       act_w_bytes=(0.0,) * n)
+    return save_profile(measured, tmp_path / "measured.yaml").read_text()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
 
 
 def _fill(argv, files):
@@ -110,7 +294,24 @@ def _fill(argv, files):
             a = _plan(files["tmp"], microbatches=0)
         elif "{plan_nostages}" in a:
             a = _plan(files["tmp"], stages=[])
-        out.append(a.format(**{k: v for k, v in files.items() if k != "tmp"}))
+        elif a == "{plan}":
+            a = _plan(files["tmp"])
+        elif a == "{sweep}":        # a finished sweep of model tiny on the default cluster
+            a = str(files["tmp"] / "sweep")
+            assert main(SWEEP + ["-m", "tiny", "--out", a]) == 0
+        elif a == "{locked}":       # a folder another sweep is writing (it holds the lock)
+            import fcntl
+            folder = files["tmp"] / "busy"
+            folder.mkdir()
+            held = open(folder / ".sweep.lock", "w")
+            fcntl.flock(held, fcntl.LOCK_EX)
+            files["tmp_held"] = held                # released when the test's files go
+            a = str(folder)
+        elif a == "{unrecorded}":   # a sweep table with no record of its experiment
+            (files["tmp"] / "old").mkdir()
+            (files["tmp"] / "old" / "sweep.csv").write_text("schedule,devices\n")
+            a = str(files["tmp"] / "old")
+        out.append(a.format(**{k: v for k, v in files.items() if not k.startswith("tmp")}))
     return out
 
 
@@ -128,7 +329,63 @@ def test_bad_input_exits_2_with_one_line(capsys, files, argv, words):
     assert "Traceback" not in err
     for w in words:
         assert w in lines[0], (w, lines[0])
+    assert lines[0].isprintable(), lines[0]
     assert seconds < 15, f"took {seconds:.1f} s to refuse"
+
+
+def test_measured_profile_reads_back_whole_and_not_cut(tmp_path):
+    """A measured profile round-trips; cut anywhere after its meta (which comes first) it is refused."""
+    from cost_models import load_profile
+    text = _measured_profile_text(tmp_path)
+    assert text.index("meta:") < text.index("model:")
+    assert load_profile(_write(tmp_path / "whole.yaml", text)).cores == 2
+    lines = text.splitlines(keepends=True)
+    for cut in (len(lines) - 1, len(lines) // 2):
+        with pytest.raises(ValueError, match="cut short|must list|missing field"):
+            load_profile(_write(tmp_path / "cut.yaml", "".join(lines[:cut])))
+
+
+def test_hanging_model_file_times_out(capsys, files, monkeypatch):
+    """A build() that never returns is stopped at the stated bound (BUILD_SECONDS; 1 s here)."""
+    import executor.user_model as um
+    monkeypatch.setattr(um, "BUILD_SECONDS", 1.0)
+    t0 = time.perf_counter()
+    rc = main(RUN + ["-m", files["model"] + ":hangs"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "hangs() did not finish in 1 s" in err[0], err
+    assert time.perf_counter() - t0 < 10
+
+
+def test_nan_loss_is_a_failed_run(capsys, files):
+    """A loss that is NaN: exit status 1, one line naming the step, for the pipeline and the reference."""
+    for extra in ([], ["--reference"]):
+        rc = main(RUN + ["-m", files["model"] + ":nan_loss"] + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(err) == 1 and "the loss is nan at step 0" in err[0], err
+
+
+def test_a_model_too_big_is_refused_in_seconds(capsys, files):
+    """640 GB of weights: refused from the meta device's count in a few seconds (a real build would
+    take minutes and the host's memory); with --force a memory limit above the device's is planned."""
+    for argv in (RUN + ["-m", files["model"] + ":huge"], ["validate", "-m", files["model"] + ":huge"]):
+        t0 = time.perf_counter()
+        assert main(argv) == 2
+        assert time.perf_counter() - t0 < 5.0
+        assert "160,000,000,081 parameters needs at least" in capsys.readouterr().err
+    from experiments.cmd_plan import check_limit
+    from cost_models.device import load_device
+    a100 = load_device("a100")
+    check_limit(a100.memory_bytes, a100, False)              # the device's own memory: fine
+    check_limit(2 * a100.memory_bytes, a100, True)           # forced
+    with pytest.raises(ValueError, match="--memory-limit 160 GiB is above the a100's 80 GiB"):
+        check_limit(2 * a100.memory_bytes, a100, False)
+
+
+def test_plan_names_the_schedule_it_answers(capsys):
+    """plan --schedules dapple,gpipe answers one of those; the dapple plans are kept only when asked for."""
+    argv = ["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "64", "--no-progress", "--no-baselines", "--json"]
+    assert main(argv + ["--schedules", "gpipe"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["schedule"] == "gpipe"
 
 
 @pytest.mark.parametrize("argv,word", [
@@ -172,7 +429,7 @@ def test_outputs_fit_120_columns(capsys):
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120
     blocks = [b for b in out.replace("\n" + " " * 20, " ").splitlines()]   # continuation lines joined
-    assert len(blocks) == 9 and all(b.rstrip().endswith(".") for b in blocks), blocks
+    assert len(blocks) == 11 and all(b.rstrip().endswith(".") for b in blocks), blocks
     assert "then a flush." in " ".join(out.split())
     assert main(["plan", "-m", "bert-48", "-c", "v100-2x8-25gbe", "-G", "64", "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -209,7 +466,6 @@ def test_simulate_without_network_refuses_to_drop_communication():
 def test_save_profile_creates_its_folder(tmp_path):
     """validate in a fresh folder: the calibration profile's folder (out/) is created when it is written."""
     from cost_models import load_profile, save_profile
-    from tests.test_cost_models_specs import PROFILE
     src = tmp_path / "p.yaml"
     src.write_text(PROFILE)
     prof = load_profile(src)
@@ -219,7 +475,6 @@ def test_save_profile_creates_its_folder(tmp_path):
 
 def test_profile_file_is_checked_where_it_is_used(capsys, tmp_path):
     """A profile field that is NaN is refused with the file and field named."""
-    from tests.test_cost_models_specs import PROFILE
     bad = tmp_path / "nan.yaml"
     bad.write_text(PROFILE.replace("latency: 50 us", "latency: .nan"))
     assert main(SIM[:1] + ["-s", "dapple", "-D", "2", "-N", "2", "--profile", str(bad)]) == 2
@@ -230,9 +485,47 @@ def test_profile_file_is_checked_where_it_is_used(capsys, tmp_path):
 def test_validate_refuses_a_profile_that_does_not_model_more_ranks_than_cores(capsys, tmp_path):
     """A profile calibrated for 2 ranks on 2 cores (no time slice) cannot predict 4 ranks on them:
     validate says so before it runs anything; with a time slice it would go on (not run here)."""
-    from tests.test_cost_models_specs import PROFILE
     prof = tmp_path / "two.yaml"
     prof.write_text(PROFILE.replace("threads: 1}", "threads: 1, ranks: 2}") + "cores: 2\n")
     assert main(["validate", "-D", "4", "--profile", str(prof)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "4 ranks on 2 cores" in err[0] and "for 2 ranks" in err[0] and "--ranks 4" in err[0]
+
+
+def test_outputs_are_written_whole_or_not_at_all(tmp_path):
+    """An error while writing leaves the old file as it was and no temporary file; a device is
+    written in place (never replaced by a file); a full disk is one FileError naming the path."""
+    from cost_models.files import FileError, output_file, write_output
+    target = tmp_path / "t.csv"
+    write_output(target, "old\n")
+    with pytest.raises(RuntimeError):
+        with output_file(target) as fh:
+            fh.write("half a ro")
+            raise RuntimeError("killed mid-write")
+    assert target.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
+    write_output(target, b"new\n")
+    assert target.read_text() == "new\n"
+    (tmp_path / "link.csv").symlink_to(target)
+    write_output(tmp_path / "link.csv", "through the link\n")
+    assert (tmp_path / "link.csv").is_symlink() and target.read_text() == "through the link\n"
+    (tmp_path / "link.csv").unlink()
+    write_output("/dev/null", "x" * 1000)
+    assert Path("/dev/null").is_char_device()
+    with pytest.raises(FileError, match="trace /dev/full could not be written: No space left on device"):
+        write_output("/dev/full", "x" * 100_000, "trace")
+
+
+def test_calibrate_keeps_its_measurement_when_the_final_write_fails(tmp_path):
+    """A disk that fills up during calibrate's measurement: the profile is kept in the temporary
+    folder and the one line names it."""
+    from cost_models import load_profile
+    from cost_models.files import FileError
+    from experiments.cmd_calibrate import save_measured
+    prof = load_profile(_write(tmp_path / "p.yaml", PROFILE))
+    with pytest.raises(FileError) as e:
+        save_measured(prof, Path("/dev/full"))
+    msg = str(e.value)
+    assert "/dev/full" in msg and "No space left" in msg and "\n" not in msg
+    kept = Path(msg.rsplit("kept in ", 1)[1].split(" (copy")[0])
+    assert load_profile(kept) == prof

@@ -10,8 +10,6 @@ to the bf16 reference (within 1e-2); measured peak activation bytes, with and wi
 recomputation and in bf16, to the simulator's with a profile of the measured per-layer bytes.
 """
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,9 +25,10 @@ from executor.reference import run_reference
 from schedules import B, ScheduleError, W, build, lower, make_schedule, names
 from schedules.ir import message_key, parse_op
 from schedules.trace import COLUMNS, op_orders
+from tests.helpers import assert_losses_equal, params_by_name, torchrun_cli
 
 PAPER = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
-SPLIT = ["zb-h1", "zb-v", "dualpipe-v", "bitpipe-zb"]      # the schedules with a split backward
+SPLIT = ["zb-h1", "zb-h2", "zb-auto", "zb-v", "dualpipe-v", "bitpipe-zb"]      # the schedules with a split backward
 PRECISION_SCHEDULES = ["dapple", "zb-v"]
 METER_TWINS = ["dapple-D2", "interleaved-D2", "bitpipe-D2", "zb-v-D2", "dualpipe-v-D2", "dapple-recompute-selective-D2",
                "zb-v-recompute-full-D2", "zb-v-bf16-D2"]
@@ -122,16 +121,12 @@ FP32_IDS = [(w, k) for w, k in IDS if CASES[w][k][0].dtype == "fp32"]
 def test_losses_and_parameters_equal_reference(runs, references, world, case):
     cfg, sched, res = runs(world)[case]
     ref = references(cfg)
-    assert len(res.losses) == cfg.steps == len(ref.losses)
-    for got, want in zip(res.losses, ref.losses):
-        assert abs(got - want) <= 1e-5 * abs(want), (res.losses, ref.losses)
+    assert_losses_equal(res, ref)
     if cfg.optimizer == "adam":
         assert res.losses[-1] < res.losses[0]  # it trains (3 SGD steps are within the batch noise)
     copies = {k.split("/", 1)[0] for k in res.params}
     assert len(copies) == sched.num_copies * sched.replicas
-    by_name: dict[str, list[torch.Tensor]] = {}
-    for key, tensor in res.params.items():
-        by_name.setdefault(key.split("/", 1)[1], []).append(tensor)
+    by_name = params_by_name(res)
     assert set(by_name) == set(ref.params)
     for name, tensors in by_name.items():
         assert len(tensors) == sched.num_copies * sched.replicas
@@ -321,23 +316,7 @@ def test_torchrun_placement_follows_the_device_map(tmp_path):
     want = device_map_for("copies-same-node", low, 2, 2)
     assert want == (0, 2, 3, 1) == map_copies_same_node(low, types.SimpleNamespace(
         name="2x2", nodes=2, devices_per_node=2, num_devices=4))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for launch_rank in range(4):
-        node, local = divmod(launch_rank, 2)
-        env = dict(os.environ, RANK=str(launch_rank), WORLD_SIZE="4", LOCAL_RANK=str(local),
-                   LOCAL_WORLD_SIZE="2", GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        env.pop("PIPETWIN_WORKDIR", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "experiments", "run", *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-2000:]
-        outs.append(out)
+    outs = torchrun_cli(args)
     printed = [i for i, o in enumerate(outs) if o.strip()]
     assert printed == [0]                     # torchrun rank 0 sits on device 0 = pipeline rank 0's
     res = json.loads(outs[0])

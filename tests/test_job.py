@@ -52,14 +52,17 @@ def test_bound_costs_equal_the_hand_built_ones():
     bound = bind(job)
     low = lower(build("bitpipe", 4, 8), replicas=2)
     cl = load_cluster("dgx-a100-4x8-ib")
-    costs = TransformerCostModel(load_model("gpt3-1.3b"), cl.device, recompute="full", compute="linear").bind(low)
+    tm = TransformerCostModel(load_model("gpt3-1.3b"), cl.device, recompute="full", compute="linear")
+    costs = tm.bind(low)
     by_hand = step_metrics(simulate(low, costs, cl.place(low, "copies-same-node")))
     got = run(bound.lowered, bound.costs, bound.network, SimOptions()).metrics()
     assert got.iteration_time == by_hand.iteration_time
     assert [p.peak_memory for p in got.per_device] == [p.peak_memory for p in by_hand.per_device]
     assert bound.report == {"cost_model": "linear", "model": "gpt3-1.3b", "micro_batch": 1,
                             "cluster": "dgx-a100-4x8-ib", "device_map": "copies-same-node",
-                            "memory_capacity": cl.device.memory_bytes}
+                            "memory_capacity": cl.device.memory_bytes, "parameters": 1_315_723_264, "gpus": 8,
+                            "tp": 1, "sequence_parallel": False, "zero": 0, "memory_reserve": None,
+                            "memory_transient": tm.transient_bytes()}
 
 
 def test_unit_job_is_the_closed_form():

@@ -36,7 +36,7 @@ def _cluster(nodes, dpn, inter):
 def _planned(cluster, G, space, wanted, fallback):
     """The planner's plan for tiny (analytical ranking: fast and deterministic); if a planner change
     ever picks another shape, the same shape built with the planner's placement instead."""
-    res = plan_training("tiny", cluster, G, simulate=False, baselines=False, space=space, top_k=1)
+    res = plan_training("tiny", cluster, G, simulate=False, baselines=False, space=space, top_k=1, cost_model="linear")
     p = res.best.plan
     return (p if wanted(p) else fallback(Topology(cluster))), res.workload
 
@@ -184,3 +184,39 @@ def test_bad_plan_and_flags_are_one_line_errors(plan_files, tmp_path, capsys):
         assert cli_main(["run", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("pipetwin: error: ") and "\n" not in err and msg in err, err
+
+
+def test_run_plan_from_another_folder(tmp_path, monkeypatch, capsys):
+    """A profile and a plan made in one folder, the model file named relative to it (cnn.py:build),
+    run from any other folder: both store the model file's path absolute; a plan moved together
+    with its model file (a relative name in it) finds the file beside the plan."""
+    import shutil
+    from pathlib import Path
+
+    import yaml
+    work, moved, other = tmp_path / "work", tmp_path / "moved", tmp_path / "elsewhere"
+    for d in (work, moved, other):
+        d.mkdir()
+    models = Path(__file__).resolve().parent.parent / "notebooks" / "models"
+    shutil.copy(models / "cnn.py", work / "cnn.py")
+    names = ["Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "MaxPool2d", "Flatten", "Linear", "ReLU", "Linear"]
+    n = len(names)
+    (work / "prof.yaml").write_text(yaml.safe_dump({
+        "model": {"file": "cnn.py:build", "micro_batch": 4, "layer_names": names, "params": [100.0] * n,
+                  "out_bytes": [1024.0] * n, "act_first": [1024.0] * n, "act_w_first": [1024.0] * n},
+        "per_layer": [{"f": 1e-3, "b_input": 1e-3, "w": 1e-3, "b": 2e-3}] * n, "act_bytes_per_layer": [1024.0] * n,
+        "p2p": {"latency": 1e-5, "bandwidth": 1e9}, "allreduce": {"latency": 1e-5, "bandwidth": 1e9}, "cores": 2}))
+    monkeypatch.chdir(work)
+    assert cli_main(["plan", "--profile", "prof.yaml", "-G", "8", "--devices", "2", "--no-progress",
+                     "--no-baselines", "--out", "plan.json"]) == 0
+    rec = json.loads((work / "plan.json").read_text())
+    assert rec["model"]["name"] == f"{work / 'cnn.py'}:build"
+    rec["model"]["name"] = "cnn.py:build"                       # as a plan written before, moved with its model
+    (moved / "plan.json").write_text(json.dumps(rec))
+    shutil.copy(work / "cnn.py", moved / "cnn.py")
+    monkeypatch.chdir(other)
+    capsys.readouterr()
+    for plan in (work / "plan.json", moved / "plan.json"):
+        assert cli_main(["run", "--plan", str(plan), "--steps", "1", "--json"]) == 0, capsys.readouterr().err
+        losses = json.loads(capsys.readouterr().out)["losses"]
+        assert len(losses) == 1 and 0 < losses[0] < 10

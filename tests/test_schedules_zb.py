@@ -8,7 +8,7 @@ from schedules import B, ScheduleError, W, build, lower, names, validate
 from schedules.analysis import activation_peaks, bubble_vs_n, fused_overlap_timing, unit_summary, unit_times
 from tests.helpers import admissible
 
-ZB = ["zb-h1", "zb-v", "dualpipe-v", "bitpipe-zb"]
+ZB = ["zb-h1", "zb-h2", "zb-v", "dualpipe-v", "bitpipe-zb"]
 DS = (1, 2, 3, 4, 6, 8, 16)
 
 
@@ -33,10 +33,11 @@ def test_requirements_fail_fast(name, D, N, msg):
 
 
 # ------------------------------------------------------------------------------------- ZB-H1
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])   # the same makespan: ZB-H2 spends its memory on real costs
 @pytest.mark.parametrize("D", DS)
-def test_zb_h1_closed_form_every_n(D):
+def test_zb_h1_closed_form_every_n(D, name):
     for N in range(1, 4 * D + 1):
-        s = summary("zb-h1", D, N)
+        s = summary(name, D, N)
         assert s["makespan"] == 3 * N + D - 1 + max(0, D - N), (D, N)
         assert s["busy"] == [3 * N] * D
         if N >= D:   # (D-1)(F + B - W) with F = B = W = 1
@@ -65,6 +66,23 @@ def test_zb_h1_memory_as_1f1b_plus_w_retained(D):
         assert list(p.pending_w_chunks) == [d + 1 for d in range(D)]   # W-retained part
         assert list(p.fw_chunks) == [D] * D                            # never more than D Ma in all
         assert list(activation_peaks(build("dapple", D, N)).fb_chunks) == [D - d for d in range(D)]
+
+
+# ------------------------------------------------------------------------------------- ZB-H2
+def test_zb_h2_exact_order_d4_n8():
+    t = build("zb-h2", 4, 8).to_text().splitlines()
+    assert t[0] == ("0: F0.s0 F1.s0 F2.s0 F3.s0 F4.s0 F5.s0 F6.s0 B0.s0 W0.s0 F7.s0 B1.s0 W1.s0 B2.s0 W2.s0 "
+                    "B3.s0 W3.s0 B4.s0 W4.s0 B5.s0 W5.s0 B6.s0 W6.s0 B7.s0 W7.s0")
+    assert t[1] == ("1: F0.s1 F1.s1 F2.s1 F3.s1 F4.s1 B0.s1 F5.s1 B1.s1 F6.s1 B2.s1 W0.s1 F7.s1 B3.s1 W1.s1 "
+                    "B4.s1 W2.s1 B5.s1 W3.s1 B6.s1 W4.s1 B7.s1 W5.s1 W6.s1 W7.s1")
+
+
+@pytest.mark.parametrize("D", [2, 4, 8, 16])
+def test_zb_h2_memory_twice_1f1b(D):
+    for N in (2 * D, 4 * D):
+        p = activation_peaks(build("zb-h2", D, N))
+        assert list(p.fb_chunks) == [2 * (D - 1 - d) + 1 for d in range(D)]     # the extra warm-up forwards
+        assert list(p.fw_chunks) == [2 * D - 1] * D                              # < 2 x 1F1B's D Ma
 
 
 # -------------------------------------------------------------------------------------- ZB-V
@@ -234,7 +252,8 @@ def test_every_admissible_config_lowers_and_validates(name):
                 low = validate(lower(s, replicas=R))
                 assert low.num_ranks == R * D
                 count += 1
-    want = {"zb-h1": 2 * 144, "zb-v": 2 * 144, "dualpipe-v": 2 * sum(2 * D + 1 for D in (2, 4, 6, 8, 16)),
+    want = {"zb-h1": 2 * 144, "zb-h2": 2 * 144, "zb-v": 2 * 144,
+            "dualpipe-v": 2 * sum(2 * D + 1 for D in (2, 4, 6, 8, 16)),
             "bitpipe-zb": 2 * 4 * 5}
     assert count == want[name]
 

@@ -1,6 +1,7 @@
 """pipetwin sweep: grid rows equal simulate --json, resume, workers, impossible points, Ray."""
 import csv
 import json
+import os
 
 import pytest
 
@@ -35,8 +36,10 @@ def test_sweep_rows_equal_simulate_json(capsys, tmp_path):
     assert bad[0]["error"] == "bitpipe needs an even number of devices; got 3" and bad[0]["iteration_time"] == ""
     records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     assert len(records) == 12
-    for point in ({"schedule": "bitpipe", "devices": "2", "microbatches": "4", "dp": "2", "micro_batch": "2"},
-                  {"schedule": "dapple", "devices": "3", "microbatches": "4", "dp": "1", "micro_batch": "1"}):
+    for point in ({"schedule": "bitpipe", "devices": "2", "microbatches": "4", "dp": "2", "tp": "1",
+                   "micro_batch": "2"},
+                  {"schedule": "dapple", "devices": "3", "microbatches": "4", "dp": "1", "tp": "1",
+                   "micro_batch": "1"}):
         rc, js, _ = run_cli(capsys, "simulate", "-s", point["schedule"], "-D", point["devices"], "-N", "4",
                             "--dp", point["dp"], "--micro-batch", point["micro_batch"], "-m", "gpt3-1.3b", "--json")
         want = json.loads(js)
@@ -120,3 +123,70 @@ def test_sweep_on_a_local_ray(tmp_path):
         ray.shutdown()
     local = run_sweep(grid, common, tmp_path / "local", workers=1, figures=False)
     assert on_ray == local and len(on_ray) == 8 and sum(bool(r["error"]) for r in on_ray) == 2
+
+
+SMALL = ("sweep", "-s", "dapple,gpipe", "-D", "2", "-N", "2,4", "-m", "tiny", "--no-figures", "--workers", "1")
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sweep_folder_holds_one_experiment(capsys, tmp_path):
+    """Another model (cluster, recompute, ...) into the same --out is refused and changes nothing;
+    the same experiment with its defaults written out resumes (a marked row is kept, not rerun)."""
+    out = tmp_path / "sw"
+    assert run_cli(capsys, *SMALL, "--out", str(out))[0] == 0
+    rows = read_rows(out / "sweep.csv")
+    rows[1]["iteration_time"] = "123.0"
+    with open(out / "sweep.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rc, _, err = run_cli(capsys, *SMALL[:-4], "gpt-96", *SMALL[-3:], "--out", str(out))
+    assert rc == 2 and err.count("\n") == 1
+    assert f"--out {out} holds the results of another experiment (model 'tiny' there, 'gpt-96' here)" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    rc, text, _ = run_cli(capsys, *SMALL, "-c", "dgx-a100-4x8-ib", "--cost-model", "kernels", "--out", str(out))
+    assert rc == 0 and "4 points (4 ran" in text
+    assert read_rows(out / "sweep.csv")[1]["iteration_time"] == "123.0"
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["job"]["model"] == "tiny" and meta["job"]["cluster"]["name"] == "dgx-a100-4x8-ib"
+    assert meta["grid"]["microbatches"] == [2, 4]
+
+
+def test_sweep_drops_a_half_written_row_and_reruns_it(capsys, tmp_path):
+    """A sweep killed in the middle of a write: the cut row (and a cut JSONL line, and a record
+    whose row never came) are dropped, the point is run again, nothing is counted twice."""
+    out, ref = tmp_path / "sw", tmp_path / "ref"
+    grid = ("sweep", "-s", "dapple,bitpipe", "-D", "2,3", "-N", "2", "-m", "tiny", "--no-figures", "--workers", "1")
+    assert run_cli(capsys, *grid, "--out", str(ref))[0] == 0
+    assert run_cli(capsys, *grid, "--out", str(out))[0] == 0
+    table, jsonl = out / "sweep.csv", out / "sweep.jsonl"
+    text = table.read_text()
+    last = text.rstrip("\r\n").rsplit("\n", 1)[1]
+    assert last.startswith("bitpipe,3,2,1,1,,,,,,,bitpipe needs")   # the impossible point comes last
+    table.write_text(text[:len(text) - len(last) // 2 - 2])         # cut in its error: all 12 fields there
+    lines = jsonl.read_text().splitlines()
+    jsonl.write_text("\n".join(lines) + "\n" + lines[-1][:50])      # a record repeated and cut
+    rc, out_text, err = run_cli(capsys, *grid, "--out", str(out))
+    assert rc == 0, err
+    assert "4 points (3 ran, 1 impossible)" in out_text
+    assert read_rows(table) == read_rows(ref / "sweep.csv")
+    assert read_rows(table)[-1]["error"] == "bitpipe needs an even number of devices; got 3"
+    assert _records(jsonl) == _records(ref / "sweep.jsonl") and len(_records(jsonl)) == 3
+
+
+def test_a_second_sweep_on_the_same_folder_is_refused(capsys, tmp_path):
+    """While one sweep holds --out (its lock), another is refused with one line; after it, it runs."""
+    from experiments.sweep import folder_lock
+    out = tmp_path / "sw"
+    out.mkdir()
+    with folder_lock(out):
+        rc, _, err = run_cli(capsys, *SMALL, "--out", str(out))
+        assert rc == 2 and err.count("\n") == 1
+        assert f"--out {out} is being written by another sweep (pid {os.getpid()})" in err
+        assert not (out / "sweep.csv").exists()
+    rc, text, _ = run_cli(capsys, *SMALL, "--out", str(out))
+    assert rc == 0 and len(read_rows(out / "sweep.csv")) == 4 and len(_records(out / "sweep.jsonl")) == 4

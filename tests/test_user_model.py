@@ -297,6 +297,31 @@ def test_calibrate_then_simulate(tied_lm_profile, capsys):
     assert "simulated with profile" in capsys.readouterr().out
 
 
+def test_readme_compare_examples_run_as_printed(tied_lm_profile, capsys):
+    """The README's ``compare --profile out/lm.yaml`` lines, word for word but the profile's path: at
+    D = 4 the 6-layer model has too few layers for the 8-stage schedules, which are skipped with why."""
+    import json
+    import shlex
+    from pathlib import Path
+    _, path = tied_lm_profile
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
+    lines = [x.split("#")[0] for x in readme if x.startswith("pipetwin compare --profile out/lm.yaml")]
+    assert len(lines) == 2 and "-D 4 -N 8" in lines[1]
+    results = []
+    for line in lines:
+        argv = [str(path) if w == "out/lm.yaml" else w for w in shlex.split(line)[1:]]
+        assert cli_main(argv + ["--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    here, there = results
+    assert len(here["schedules"]) >= 10
+    eight = {"interleaved", "bitpipe", "zb-v", "dualpipe-v", "bitpipe-zb"}
+    assert set(there["skipped"]) == eight and {r["schedule"] for r in there["schedules"]}.isdisjoint(eight)
+    why = there["skipped"]["zb-v"]
+    assert why.startswith("zb-v has 8 stages at D=4; model ") and why.endswith("tied_lm.py:build has 6 layers")
+    assert {"gpipe", "dapple", "zb-h1"} <= {r["schedule"] for r in there["schedules"]}
+    assert all(r["iteration_time"] > 0 for r in there["schedules"])
+
+
 def test_plan_from_a_profile_runs_and_equals_the_reference(tied_lm_profile, tmp_path):
     from experiments.plan_files import config_from_plan
     from planner import plan_training, save_plan

@@ -23,7 +23,7 @@ def _profile(meta=None):
                                                                   "date": "2026-01-02 03:04:05", "host": "lab"})
 
 
-def _comps(problem=None, traces=None):
+def _comps(problem=None, traces=None, cause="noisy runs"):
     """gpipe (a prediction, 10.0 ms measured vs 10.5 ms simulated) and dapple (fitted on, 11.0 vs 11.7 ms)."""
     out = []
     for i, s in enumerate(["gpipe", "dapple"]):
@@ -36,7 +36,8 @@ def _comps(problem=None, traces=None):
             measured_bubble=[0.30, 0.36], simulated_bubble=[0.31, 0.33], order_identical=True, measured_probe=1.02,
             run_times=[0.01, 0.0101, 0.0099], kept_runs=3, foreign_cores=[0.01, 0.05, 0.0],
             rank_cores=[1.90, 1.95, 2.00], spread=0.012 * (i + 1), fitted=i == 1, state_steps=(30, 51),
-            state_cut=0.83, profile_probe=1.0, problem=problem if i == 0 else None, measured_trace=tr,
+            state_cut=0.83, profile_probe=1.0, problem=problem if i == 0 else None,
+            cause=cause if problem and i == 0 else None, measured_trace=tr,
             simulated_trace=tr))
     return out
 
@@ -77,14 +78,17 @@ def test_report_of_a_compared_sitting_holds_its_tables_and_figures():
 
 
 def test_report_of_a_refused_sitting_says_why_and_keeps_no_time():
+    from calibration import Refusal
     md = cmd_validate.render_report(_record(comps=_comps("run-to-run spread 9% (...)"),
-                                            reasons=["gpipe: run-to-run spread 9% (...)", "host speed 0.80"],
-                                            calibrated_now=True))
+                                            reasons=[Refusal("noisy runs", "gpipe: run-to-run spread 9% (...)"),
+                                                     Refusal("host speed", "0.80")],
+                                            remedies=["longer runs", "calibrate again"], calibrated_now=True))
     lines = md.splitlines()
     assert "- result: refused (exit status 3), 2 schedules in 42 s" in lines
     assert lines[lines.index("## Refused") + 2:lines.index("## Refused") + 4] == [
-        "- host busy: gpipe: run-to-run spread 9% (...)", "- host busy: host speed 0.80"]
-    assert cmd_validate.NO_FIGURE in lines
+        "- noisy runs: gpipe: run-to-run spread 9% (...)", "- host speed: 0.80"]
+    assert lines[lines.index("## Refused") + 5:lines.index("## Refused") + 9] == [
+        f"{cmd_validate.NO_FIGURE}; to settle it:", "", "- longer runs", "- calibrate again"]
     assert "- profile: toy (fp32, 2 cores, no time slice), calibrated in this sitting; file `p.yaml`" in lines
     # what does not depend on timing is kept; no iteration time, error or bubble
     assert "| schedule | peak_act_meas_MiB | peak_act_sim_MiB | mem_err | order_identical |" in lines
@@ -92,8 +96,8 @@ def test_report_of_a_refused_sitting_says_why_and_keeps_no_time():
             in lines)
     assert "measured_ms" not in md and "|error|" not in md and "bubble" not in md
     # refused before any run (a profile from a busy sitting): the reasons alone
-    md = cmd_validate.render_report(_record(reasons=["calibration D=2: dapple: busy"]))
-    assert "- host busy: calibration D=2: dapple: busy" in md.splitlines() and "sitting:" not in md
+    md = cmd_validate.render_report(_record(reasons=[Refusal("unsettled profile", "D=2: dapple: busy")]))
+    assert "- unsettled profile: D=2: dapple: busy" in md.splitlines() and "sitting:" not in md
 
 
 def test_command_line_repeats_the_sitting():
@@ -142,7 +146,9 @@ def test_validate_report_writes_the_sitting(monkeypatch, tmp_path, capsys, probl
     md = report.read_text()
     assert f"--report {tmp_path / 'log'}" in md and f"file `{path}`" in md
     if problem:
-        assert "- host busy: gpipe: run-to-run spread 9% (...)" in md and "measured_ms" not in md
+        assert "- noisy runs: gpipe: run-to-run spread 9% (...)" in md and "measured_ms" not in md
+        assert "- the runs were quiet but do not agree: longer runs (--steps, now 20) or more rounds (--max-runs, " \
+               "now 12) may settle them; --max-spread (now 0.05) allows more" in md
     else:
         assert "| gpipe | 10.00 | 10.50 | +5.0% | 1.2% | 3/3 | 0.98 |" in md
         assert next(x for x in plain if x.startswith("|error|")) in md
@@ -157,3 +163,54 @@ def test_report_folder_is_refused_before_anything_runs(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("pipetwin: error: argument --report: ") and why in err, err
     assert time.perf_counter() - t0 < 5      # refused while parsing: no calibration, no run
+
+
+def _overlaps(boxes) -> list:
+    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+
+
+def test_overlay_figure_holds_every_op_and_no_label_covers_another():
+    """validate.png: the last panel's measured step 1.6x longer than the first's; every panel's x
+    axis reaches the last op's end of all panels, and no two tick labels, titles, the legend or
+    micro-batch numbers overlap (their bounding boxes as drawn); the numbers sit inside their axes."""
+    from calibration import simulate_with_profile
+    from executor.config import RunConfig, lowered_schedule
+    from experiments.plots import overlay_figure
+    prof = _profile()
+    traces = {s: simulate_with_profile(lowered_schedule(RunConfig(schedule=s, devices=2, microbatches=4)), prof)
+              for s in ("gpipe", "dapple")}
+    comps = _comps(None, traces)
+    slow = comps[1].measured_trace.copy()
+    slow["start"], slow["end"] = slow["start"] * 1.6, slow["end"] * 1.6
+    comps[1].measured_trace = slow
+    ends = [float((t["end"] - t["start"].min()).max()) * 1e3 for c in comps
+            for t in (c.measured_trace, c.simulated_trace)]
+    assert ends[2] > 1.5 * ends[0]
+    fig = overlay_figure(comps)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    axes = fig.axes
+    assert len(axes) == 2
+    for ax in axes:
+        lo, hi = ax.get_xlim()
+        assert lo == 0.0 and max(ends) <= hi <= 1.05 * max(ends)
+        # every tick label drawn, on both axes, clear of the others
+        for ticks in (ax.get_xticklabels(), ax.get_yticklabels()):
+            boxes = [t.get_window_extent(r) for t in ticks if t.get_visible() and t.get_text()]
+            assert _overlaps(boxes) == []
+    shown = [t for t in axes[-1].get_xticklabels() if t.get_text()]
+    assert len(shown) >= 4
+    # titles, the legend, the x label and every axes' tick labels: no two overlap
+    deco = [ax.title.get_window_extent(r) for ax in axes] + [fig.legends[0].get_window_extent(r),
+                                                             axes[-1].xaxis.label.get_window_extent(r)]
+    deco += [ax.get_yticklabels()[0].get_window_extent(r) for ax in axes]
+    assert _overlaps(deco) == []
+    # the micro-batch numbers: inside their axes, none over another; at least one per measured op of gpipe
+    for ax in axes:
+        box = ax.get_window_extent(r)
+        nums = [t.get_window_extent(r) for t in ax.texts]
+        assert nums and _overlaps(nums) == []
+        assert all(box.x0 <= b.x0 and b.x1 <= box.x1 for b in nums)
+    assert len(axes[0].texts) == len(comps[0].measured_trace.query("kind in ['F', 'B', 'W']"))
+    import matplotlib.pyplot as plt
+    plt.close(fig)

@@ -9,6 +9,9 @@ TARGETS = {
     "dapple-runtime": "experiments.reproduce.dapple_runtime",
     "dapple-planner": "experiments.reproduce.dapple_planner",
     "cost-curves": "experiments.reproduce.cost_curves",
+    "megatron": "experiments.reproduce.megatron",
+    "korthikanti": "experiments.reproduce.korthikanti",
+    "zero-bubble": "experiments.reproduce.zero_bubble",
 }
 
 

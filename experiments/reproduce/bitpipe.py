@@ -23,10 +23,12 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models import Job, Layout
+from cost_models.files import write_output
 from schedules import ScheduleError
 from schedules.trace import step_metrics
 from sim import simulate_job
 
+from ..common import write_csv
 from ..progress import phase
 from ..tables import markdown
 from .bitpipe_throughput import COST_MODEL, throughput_section
@@ -127,10 +129,10 @@ def run(out_dir, quick: bool = False) -> str:
     out.mkdir(parents=True, exist_ok=True)
     phase("bitpipe: bubble and memory at D = N = 4")
     t = table_d4()
-    t.to_csv(out / "table_d4_n4.csv", index=False)
+    write_csv(t, out / "table_d4_n4.csv")
     phase("bitpipe: bubble scaling over D and N")
     sc = scaling(quick)
-    sc.to_csv(out / "bubble_scaling.csv", index=False)
+    write_csv(sc, out / "bubble_scaling.csv")
     plot_scaling(sc, out / "bubble_scaling.png")
     parts = ["# BitPipe reproduced in simulation", "",
              "## Bubble ratio and memory at D = N = 4 (unit costs: F = 1, B = 2; Ma, Mw per device)", "",
@@ -154,7 +156,7 @@ def run(out_dir, quick: bool = False) -> str:
     phase("bitpipe: throughput (Table 4 models)")
     parts += ["", throughput_section(out, quick)]
     report = "\n".join(parts)
-    (out / "report.md").write_text(report + "\n")
+    write_output(out / "report.md", report + "\n", "report")
     return report
 
 
@@ -176,7 +178,7 @@ def _mapping_section(out: Path) -> str:
                              "iteration_time_s": m.iteration_time, "bubble": m.bubble_ratio,
                              "allreduce_time_max_s": float((ar.end - ar.start).max())})
     df = pd.DataFrame(rows)
-    df.to_csv(out / "mapping_eager.csv", index=False)
+    write_csv(df, out / "mapping_eager.csv")
     base = df[(df.schedule == "bitpipe") & (df.mapping == "sequential") & ~df.eager_sync].iteration_time_s.iloc[0]
     best = df[(df.schedule == "bitpipe") & (df.mapping == "copies-same-node") & df.eager_sync].iteration_time_s.iloc[0]
     return "\n".join([

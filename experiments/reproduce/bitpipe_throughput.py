@@ -21,6 +21,7 @@ from cost_models import Job, Layout
 from schedules.trace import step_metrics
 from sim import simulate_job
 
+from ..common import write_csv
 from ..tables import markdown
 
 SCHEDULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe"]
@@ -89,10 +90,10 @@ def plot(df: pd.DataFrame, path: Path) -> None:
 
 def throughput_section(out: Path, quick: bool) -> str:
     df = throughput_table(quick)
-    df.to_csv(out / "throughput.csv", index=False)
+    write_csv(df, out / "throughput.csv")
     plot(df, out / "throughput.png")
     sp = speedups(df)
-    sp.to_csv(out / "speedup.csv", index=False)
+    write_csv(sp, out / "speedup.csv")
     lo, hi = (sp.speedup.min(), sp.speedup.max()) if not sp.empty else (float("nan"), float("nan"))
     return "\n".join([
         "## Throughput (figure: throughput.png)", "",

@@ -27,8 +27,10 @@ from statistics import median
 
 import pandas as pd
 
+from cost_models.files import write_output
 from cost_models.layer_measurements import error_table, fit_constants, load_measurements, speedups
 
+from ..common import write_csv
 from ..tables import markdown
 
 AIM_MEDIAN, AIM_SPEEDUP = 0.15, 0.30
@@ -96,9 +98,9 @@ def run(out_dir, quick: bool = False) -> str:
     show = errs.copy()
     show[ms_cols] = show[ms_cols] * 1e3
     show = show.rename(columns={c: c + "_ms" for c in ms_cols})
-    show.to_csv(out / "errors.csv", index=False)
+    write_csv(show, out / "errors.csv")
     sp = pd.DataFrame(speedups(ms, fitted))
-    sp.to_csv(out / "speedups.csv", index=False)
+    write_csv(sp, out / "speedups.csv")
     summ = summary(rows)
     plot(ms, rows, out / "cost_curves.png")
     preset_rows = error_table(ms, preset)
@@ -134,7 +136,7 @@ def run(out_dir, quick: bool = False) -> str:
                             "b_model_ms", "b_error"]], ".3f")]
     if not quick:
         cf = cross_family(ms)
-        cf.to_csv(out / "cross_family.csv", index=False)
+        write_csv(cf, out / "cross_family.csv")
         parts += ["", "## Cross-family hold-out (refit on two families, test on the third)", "",
                   markdown(cf, ".3f"), "",
                   "A family left out of the fit has kernels the fit never saw priced (T5's eager RMSNorm, OPT's "
@@ -144,7 +146,7 @@ def run(out_dir, quick: bool = False) -> str:
               "kernel; nothing depends on clocks, power or caches between kernels. The constants are fp32 SIMT "
               "on one V100 host: fp16 tensor cores and other GPUs are not calibrated by these files."]
     report = "\n".join(parts)
-    (out / "report.md").write_text(report + "\n")
+    write_output(out / "report.md", report + "\n", "report")
     return report
 
 

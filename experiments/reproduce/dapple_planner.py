@@ -35,11 +35,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from planner import Topology, plan_training
-from planner.clusters import gpus_on_servers, resolve_cluster
-from planner.choose import data_parallel_plan, pipedream_plan, with_simulation
+from cost_models.files import write_output
 from cost_models.pipedream_workload import profile_workload
+from planner import Topology, plan_training
+from planner.choose import data_parallel_plan, pipedream_plan, with_simulation
+from planner.clusters import gpus_on_servers, resolve_cluster
 
+from ..common import write_csv
 from ..progress import phase
 from ..tables import markdown
 
@@ -122,6 +124,7 @@ def network_probe(model: str, config: str, cost_model: str, factors=(1, 2, 100))
     """The DAPPLE plan of one row re-estimated and re-simulated with the inter-server network (and
     the links inside a server) ``factor`` x faster: how much of the analytical/simulated gap is the network."""
     import dataclasses
+
     from planner import evaluate_plan
     plan = _PLANS[(model, config, cost_model)]
     base = resolve_cluster(CLUSTERS[config])
@@ -279,10 +282,10 @@ def run(out_dir, quick: bool = False) -> str:
     out.mkdir(parents=True, exist_ok=True)
     phase("dapple-planner: DAPPLE vs PipeDream vs data parallel")
     t = planner_table(quick)
-    t.to_csv(out / "planner_comparison.csv", index=False)
+    write_csv(t, out / "planner_comparison.csv")
     phase("dapple-planner: scaling on 25 GbE")
     sc = scaling_table(quick)
-    sc.to_csv(out / "scaling_25gbe.csv", index=False)
+    write_csv(sc, out / "scaling_25gbe.csv")
     plot(t, sc, out / "dapple_planner.png")
     short = t[["model", "config", "cost_model", "dapple_M", "dapple_s", "dapple_est_s", "pipedream_m_p_s",
                "pipedream_best_m_s",
@@ -313,5 +316,5 @@ def run(out_dir, quick: bool = False) -> str:
              "2-8 GPUs sit in one server (NVLink); 16 and 32 span 2 and 4 servers with one 25 Gb/s NIC each, "
              "where data parallelism's gradient all-reduce crosses Ethernet."]
     report = "\n".join(parts)
-    (out / "report.md").write_text(report + "\n")
+    write_output(out / "report.md", report + "\n", "report")
     return report

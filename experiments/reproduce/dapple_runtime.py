@@ -21,8 +21,10 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models import Job, Layout
+from cost_models.files import write_output
 from sim import simulate_job
 
+from ..common import write_csv
 from ..progress import phase
 
 PAPER = {"speedup": 1.6, "memory_saving": 0.12}
@@ -77,8 +79,8 @@ def run(out_dir, quick: bool = False) -> str:
                                  "memory_saving": 1 - d["peak_memory_GiB"] / g["peak_memory_GiB"],
                                  "both_fit": g["fits"] and d["fits"]})
     lim = pd.DataFrame(limited_rows)
-    same.to_csv(out / "same_settings.csv", index=False)
-    lim.to_csv(out / "memory_limited.csv", index=False)
+    write_csv(same, out / "same_settings.csv")
+    write_csv(lim, out / "memory_limited.csv")
     _plot(lim, out / "dapple_vs_gpipe.png")
     best = lim[lim.both_fit]
     nan3 = (float("nan"),) * 3
@@ -99,7 +101,7 @@ def run(out_dir, quick: bool = False) -> str:
         "costed by FLOP formulas, so the speed-up is bounded by (F+B+recompute)/(F+B); the memory saving "
         "compares a recomputing GPipe against a non-recomputing DAPPLE, so it can be small or negative "
         "while throughput rises."])
-    (out / "report.md").write_text(report + "\n")
+    write_output(out / "report.md", report + "\n", "report")
     return report
 
 

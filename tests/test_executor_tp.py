@@ -1,0 +1,269 @@
+"""Tensor parallelism in the executor (gloo on the CPU) against the single-process reference.
+
+Two spawns run the matrix (processes reused across jobs): 4 processes hold every schedule family
+at T = 2 x D = 2 (plus recomputation and split-backward runs, and a tiny Llama: GQA, SwiGLU,
+RMSNorm, rotary, untied head), 8 processes dapple and zb-v at
+T = 2 x D = 2 x R = 2. A small GPT (4 blocks, 4 heads) trains 3 SGD steps (2 with R = 2): every per-step loss
+equals the reference's within 1e-5 (relative), every final parameter -- gathered from its shards
+-- within 1e-5 of the reference's, and the TP ranks of a group end with bit-identical replicated
+weights. Placement follows Megatron's order (TP, then DP, then PP). A third spawn (D = 2 x R = 2)
+trains with ZeRO-1 (``--zero 1``): the same losses and weights, the optimizer memory per rank cut by R.
+"""
+import os
+
+import pytest
+import torch
+
+from cost_models import load_model
+from cost_models.job import Job, Layout
+from executor.config import RunConfig, lowered_schedule
+from executor.launch import run, run_many
+from executor.mesh import Mesh, placement
+from executor.model import stage_module
+from executor.reference import run_reference
+from executor.tensor_parallel import TensorParallel, gather, shard, split_of
+from schedules import ScheduleError, names
+from tests.helpers import assert_losses_equal, params_by_name, torchrun_cli
+
+SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, vocab=64)
+# a tiny Llama: grouped-query attention (2 KV heads for 4 query heads), SwiGLU, RMSNorm, rotary, untied
+LLAMA = SPEC.replace(name="tiny-llama", kind="llama", kv_heads=2, ffn_hidden=48)
+BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0, model=SPEC, tp=2,
+            device_map="megatron")
+
+
+def _cases_world4():
+    cases = {}
+    for name in names():
+        cfg = RunConfig(schedule=name, devices=2, microbatches=4, **BASE)
+        try:
+            lowered_schedule(cfg)
+        except (ScheduleError, ValueError):
+            continue
+        cases[f"{name}-T2D2"] = cfg
+    for name, mode in (("dapple", "full"), ("zb-v", "selective"), ("zb-h1", "full")):
+        cases[f"{name}-recompute-{mode}-T2D2"] = RunConfig(schedule=name, devices=2, microbatches=4,
+                                                           recompute=mode, **BASE)
+    for name, mode in (("dapple", "none"), ("interleaved", "none"), ("zb-v", "none"), ("zb-v", "full")):
+        cases[f"llama-{name}-recompute-{mode}-T2D2"] = RunConfig(schedule=name, devices=2, microbatches=4,
+                                                                 recompute=mode, **dict(BASE, model=LLAMA))
+    return cases
+
+
+CASES = {4: _cases_world4(),
+         8: {f"{s}-T2D2R2": RunConfig(schedule=s, devices=2, microbatches=2, replicas=2, **dict(BASE, steps=2))
+             for s in ("dapple", "zb-v")}}
+CASES[8]["zb-v-zero-T2D2R2"] = CASES[8]["zb-v-T2D2R2"].with_(zero=1)
+ZBASE = dict(BASE, tp=1, device_map="sequential")
+CASES["zero"] = {"dapple-zero-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
+                                               **ZBASE),
+                 "zb-v-zero-D2R2": RunConfig(schedule="zb-v", devices=2, microbatches=4, replicas=2, zero=1, **ZBASE),
+                 "dapple-adam-zero-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
+                                                    **dict(ZBASE, optimizer="adam", lr=1e-3)),
+                 "dapple-adam-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2,
+                                               **dict(ZBASE, optimizer="adam", lr=1e-3))}
+IDS = [(w, k) for w, cases in CASES.items() for k in cases if "adam" not in k]
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(cfg):
+        key = cfg.with_(schedule="", recompute="none", tp=1)
+        if key not in cache:
+            cache[key] = run_reference(key)
+        return cache[key]
+    return get
+
+
+def test_every_family_is_in_the_matrix():
+    fams = {k.rsplit("-T2D2", 1)[0] for k in CASES[4] if not k.startswith("llama")}
+    assert {"gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb-h1", "zb-v", "dualpipe-v"} <= fams
+
+
+@pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
+def test_losses_and_parameters_equal_reference(runs, references, world, case):
+    cfg, sched, res = runs(world)[case]
+    ref = references(cfg)
+    assert_losses_equal(res, ref)
+    by_name = params_by_name(res)
+    assert set(by_name) == set(ref.params)
+    for name, tensors in by_name.items():
+        assert len(tensors) == sched.num_copies * sched.replicas
+        want = ref.params[name]
+        assert tensors[0].shape == want.shape, name
+        for t in tensors:
+            assert float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= 1e-5, name
+    # the replicated weights (norms, biases, position embedding) of a TP group never drift apart
+    assert cfg.tp == 1 or res.extra["tp_replica_drift"] == 0.0
+    if cfg.zero:    # ZeRO-1: every replica ends with the same weights
+        assert all(torch.equal(t, ts[0]) for ts in by_name.values() for t in ts)
+
+
+@pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
+def test_trace_has_one_row_per_op_of_each_pipeline_rank(runs, world, case):
+    """TP rank 0 stands for its group in the trace (as one simulated rank does): one row per op of
+    every pipeline rank, activation memory back to 0 at every OPTIM."""
+    cfg, sched, res = runs(world)[case]
+    t = res.trace
+    for rank in range(sched.num_ranks):
+        assert (t["device"] == rank).sum() == len(sched.program(rank)) * cfg.steps
+    last = t.sort_values("seq").groupby(["device", "step"]).tail(1)
+    assert (last["kind"] == "OPTIM").all() and (last["act_mem"] == 0).all()
+    assert len(res.per_device) == sched.num_ranks
+
+
+def test_zero1_shards_the_optimizer_state_over_the_replicas(runs, references):
+    """ZeRO-1 with Adam at R = 2: the losses equal the unsharded run's (and the reference's), the
+    replicas end with identical weights, and each rank's optimizer memory (Adam's two moments and
+    the fp32 master copy of its shard) is 1/R of the unsharded Adam state plus one master shard:
+    3 x 4 bytes x n / 2 against 2 x 4 bytes x n, per rank holding n parameters."""
+    _, _, plain = runs("zero")["dapple-adam-D2R2"]
+    cfg, sched, zero = runs("zero")["dapple-adam-zero-D2R2"]
+    ref = references(cfg)
+    for a, b, r in zip(zero.losses, plain.losses, ref.losses):
+        assert abs(a - b) <= 1e-6 * abs(b) and abs(a - r) <= 1e-5 * abs(r)
+    assert zero.losses[-1] < zero.losses[0]
+    for key, value in zero.params.items():
+        assert torch.allclose(value, plain.params[key], rtol=0, atol=1e-6), key
+    by_name = params_by_name(zero)
+    assert all(torch.equal(v[0], v[1]) for v in by_name.values())
+    for zd, pd in zip(zero.per_device, plain.per_device):
+        n = sum(v.numel() for k, v in zero.params.items() if k.startswith("r0.") and
+                _rank_of(sched, k) == zd["device"] % sched.num_devices)
+        weights_and_grads = 2 * 4 * n
+        assert pd["static_bytes"] - weights_and_grads == 2 * 4 * n            # Adam: m and v
+        shard = -(-n // 2)
+        assert zd["static_bytes"] - weights_and_grads == 3 * 4 * shard         # m, v and master of n / R
+
+
+def _rank_of(sched, key):
+    """The pipeline device holding the stage of parameter ``key`` (``r0.c0/blocks.3.fc.weight``)."""
+    from cost_models.partition import block_ranges
+    name = key.split("/", 1)[1]
+    ranges = block_ranges(SPEC.layers, sched.num_stages)
+    if name.startswith("embed."):
+        stage = 0
+    elif name.startswith(("norm.", "head.")):
+        stage = sched.num_stages - 1
+    else:
+        stage = next(s for s, r in enumerate(ranges) if int(name.split(".")[1]) in r)
+    return sched.placement[0][stage]
+
+
+def test_placement_is_megatrons_order(runs):
+    """Pipeline rank p = r * D + d, TP rank t runs on device (d * R + r) * T + t."""
+    cfg, sched, res = runs(8)["dapple-T2D2R2"]
+    D, R, T = 2, 2, 2
+    got = {(p["rank"], p["tp"]): p["device"] for p in res.extra["placement"]}
+    assert got == {(r * D + d, t): (d * R + r) * T + t for d in range(D) for r in range(R) for t in range(T)}
+
+
+def test_shard_and_gather_are_inverse_and_qkv_is_split_per_head():
+    full = torch.arange(3 * 8 * 2, dtype=torch.float32).reshape(24, 2)
+    parts = [shard(full, t, 2, 0, 3) for t in range(2)]
+    assert torch.equal(parts[0][:4], full[:4]) and torch.equal(parts[0][4:8], full[8:12])   # q_0, k_0
+    assert torch.equal(parts[1][8:], full[20:])                                               # v_1
+    assert torch.equal(gather(parts, 0, 3), full)
+    assert split_of("blocks.3.attn.qkv.weight") == (0, 3) and split_of("blocks.3.ln1.weight") is None
+
+
+def test_stage_shards_are_the_whole_stages_weights():
+    """Each TP rank's stage holds exactly its shards of the reference's initial weights."""
+    whole = stage_module(SPEC, 2, 1, seed=3).state_dict()
+    shards = [stage_module(SPEC, 2, 1, seed=3, tp=TensorParallel(2, t)).state_dict() for t in range(2)]
+    assert set(shards[0]) == set(whole) and set(shards[1]) < set(whole)   # row-parallel biases on rank 0
+    for name, value in whole.items():
+        split = split_of(name)
+        if split is None:
+            assert torch.equal(shards[0][name], value), name
+        else:
+            assert torch.equal(gather([s[name] for s in shards], *split), value), name
+            assert shards[0][name].numel() * 2 == value.numel()
+
+
+def test_llama_shards_split_query_and_kv_heads():
+    """T = 2 of the tiny Llama: 2 of 4 query heads and 1 of 2 KV heads per rank, half of SwiGLU's
+    inner size; no biases, so nothing is held by TP rank 0 alone."""
+    shards = [stage_module(LLAMA, 1, 0, tp=TensorParallel(2, t)).state_dict() for t in range(2)]
+    whole = stage_module(LLAMA, 1, 0).state_dict()
+    assert set(shards[0]) == set(shards[1]) == set(whole)
+    assert shards[0]["blocks.0.attn.q.weight"].shape == (16, 32)
+    assert shards[0]["blocks.0.attn.k.weight"].shape == (8, 32)
+    assert shards[1]["blocks.0.mlp.down.weight"].shape == (32, 24)
+    assert not any(k.endswith("pos.weight") for k in whole)     # rotary positions: no table
+    for name, value in whole.items():
+        split = split_of(name)
+        got = shards[0][name] if split is None else gather([s[name] for s in shards], *split)
+        assert torch.equal(got, value), name
+
+
+def test_mesh_ranks():
+    mesh = Mesh(2, 4)
+    assert mesh.world == 8 and mesh.coords(5) == (2, 1) and mesh.tp_group(3) == (6, 7)
+    assert mesh.lift((0, 2), 1) == (1, 5)
+
+
+def test_tp_not_dividing_heads_is_refused():
+    with pytest.raises(ValueError, match=r"--tp 3 does not divide heads \(4\)"):
+        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=3))
+    with pytest.raises(ValueError, match=r"--tp 4 does not divide kv_heads \(2\)"):
+        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=LLAMA, tp=4))
+    with pytest.raises(ValueError, match=r"--tp 8 does not divide the vocabulary \(36\)"):
+        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4,
+                                   model=SPEC.replace(vocab=36, heads=8, hidden=64), tp=8))
+
+
+def test_world_not_t_x_d_x_r_is_refused(monkeypatch):
+    """Under torchrun the world must be T x D x R: refused before any process group starts."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("PIPETWIN_WORKDIR", raising=False)
+    cfg = RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, model=SPEC, tp=2)
+    with pytest.raises(ValueError, match=r"torchrun started 4 processes but the run needs T x D x R = 2 x 2 x 2 = 8"):
+        run(cfg)
+
+
+def test_placement_refuses_a_tp_group_across_nodes():
+    sched = lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=2))
+    with pytest.raises(ValueError, match="--tp 2 does not divide the 3 processes per node"):
+        placement("megatron", sched, 2, 0, 0, 2, 3)
+    assert placement("megatron", sched, 2, 1, 1, 2, 2) == (3, 3)
+
+
+def test_a_job_with_tp_runs_and_sp_zero_are_refused():
+    lay = Layout(schedule="dapple", devices=2, microbatches=4, tp=2, replicas=2)
+    cfg = RunConfig.from_job(Job(layout=lay, model="tiny"), steps=1)
+    assert cfg.tp == 2 and cfg.device_map == "megatron"
+    for extra, flag in ((dict(sequence_parallel=True), "--sequence-parallel"), (dict(tp_overlap=True), "--tp-overlap")):
+        with pytest.raises(ValueError, match=f"{flag}.*simulated only"):
+            RunConfig.from_job(Job(layout=lay, model="tiny", **extra), steps=1)
+    assert RunConfig.from_job(Job(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
+    assert RunConfig.from_job(Job(layout=lay, model="tiny", zero=1), steps=1).zero == 1
+    with pytest.raises(ValueError, match="--zero 1 shards the optimizer state over the data-parallel replicas"):
+        RunConfig(schedule="dapple", devices=2, microbatches=4, zero=1)
+
+
+def test_run_many_needs_one_world():
+    a = RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=2)
+    with pytest.raises(ValueError, match=r"one world size \(T x D x R\)"):
+        run_many([a, a.with_(tp=1)])
+    assert os.environ.get("RANK") is None
+
+
+def test_torchrun_runs_the_mesh_placed_by_the_device_map():
+    """Under torchrun (its environment variables, 2 nodes x 2 processes, gloo) each process runs
+    the mesh rank its device holds: T = 2 x D = 2 with Megatron's order puts pipeline rank d on
+    node d, TP rank t on local rank t. Losses equal the reference's."""
+    import json
+    outs = torchrun_cli(["-s", "dapple", "-D", "2", "-N", "2", "--tp", "2", "--steps", "2", "--device", "cpu",
+                         "--optimizer", "sgd", "--lr", "0.05", "--timeout", "60", "--json"], timeout=120)
+    assert [i for i, o in enumerate(outs) if o.strip()] == [0]
+    res = json.loads(outs[0])
+    assert res["tp"] == 2
+    assert [(p["rank"], p["tp"], p["node"], p["local_rank"]) for p in res["placement"]] == \
+        [(0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 1, 1)]
+    ref = run_reference(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=2, optimizer="sgd", lr=0.05))
+    for a, b in zip(res["losses"], ref.losses):
+        assert abs(a - b) <= 1e-5 * abs(b)

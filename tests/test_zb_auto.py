@@ -1,0 +1,93 @@
+"""zb-auto, the automatic zero-bubble scheduler: valid orders for D = 2..16 and N <= 4D, within its
+memory limit, never a bubble above ZB-H1's (1p) or ZB-H2's (2p) at that memory, and the job's own
+stage costs reaching it through bind."""
+from dataclasses import replace
+
+import pytest
+
+from cost_models import Job, Layout
+from schedules import ScheduleError, build, lower, validate
+from schedules.analysis import activation_peaks, unit_summary
+from schedules.zb_auto import AutoCosts, auto_orders, makespan
+from sim import simulate_job
+
+TABLE9_15B = "stages:\n  - {f: 0.018522, b: 0.018086, w: 0.009337}\nmessage: 0.000601\n"
+
+
+@pytest.mark.parametrize("D", [2, 3, 4, 5, 8, 12, 16])
+def test_valid_within_memory_and_never_above_the_handcrafted(D):
+    for N in sorted({1, max(1, D // 2), D - 1 or 1, D, 2 * D, 3 * D, 4 * D}):
+        for variant, hand, k in (("1p", "zb-h1", 1), ("2p", "zb-h2", 2)):
+            s = build("zb-auto", D, N, variant=variant)
+            validate(lower(s))
+            assert max(activation_peaks(s).fw_chunks) <= k * D, (D, N, variant)
+            mk = unit_summary(s)["makespan"]
+            assert mk <= unit_summary(build(hand, D, N))["makespan"], (D, N, variant)
+            assert mk <= unit_summary(build("zb-h1", D, N))["makespan"]
+            assert mk == 3 * N + D - 1 + max(0, D - N)       # the staggered start is all that is left
+
+
+def test_a_tight_limit_is_kept_and_costs_more():
+    D, N = 4, 12
+    tight = AutoCosts((1.0,) * D, (1.0,) * D, (1.0,) * D, 0.0, (1.0,) * D, (2.0,) * D)
+    orders = auto_orders(D, N, tight)
+    t = makespan(orders, tight)
+    assert t is not None and t > 3 * N + D - 1
+    loose = AutoCosts.unit(D, "1p")
+    assert makespan(auto_orders(D, N, loose), loose) == 3 * N + D - 1
+    with pytest.raises(ScheduleError, match="below one micro-batch"):
+        auto_orders(D, N, AutoCosts((1.0,) * D, (1.0,) * D, (1.0,) * D, 0.0, (1.0,) * D, (0.5,) * D))
+
+
+def test_variant_checked():
+    with pytest.raises(ScheduleError, match="variant must be one of 1p, 2p"):
+        build("zb-auto", 4, 8, variant="3p")
+
+
+def _sim(path, schedule, D, N, variant=None):
+    return simulate_job(Job(layout=Layout(schedule=schedule, devices=D, microbatches=N, variant=variant),
+                            stage_costs=path)).result
+
+
+def test_stage_costs_reach_the_scheduler(tmp_path):
+    path = tmp_path / "t9.yaml"
+    path.write_text(TABLE9_15B)
+    h1 = _sim(str(path), "zb-h1", 8, 24).metrics().bubble_ratio
+    h2 = _sim(str(path), "zb-h2", 8, 24).metrics().bubble_ratio
+    p1 = _sim(str(path), "zb-auto", 8, 24, "1p")
+    p2 = _sim(str(path), "zb-auto", 8, 24, "2p")
+    assert p1.metrics().bubble_ratio <= h1 + 1e-9 and p1.metrics().bubble_ratio == pytest.approx(0.1585, abs=0.002)
+    assert p2.metrics().bubble_ratio <= h2 + 1e-9 < h1
+    assert max(p1.peak_activation) <= 8 and max(p2.peak_activation) <= 16
+
+
+def test_uneven_stages_get_their_own_order():
+    """A slow last stage: the scheduler's order differs from the unit-cost one and is no slower than ZB-H1's."""
+    D, N = 4, 8
+    c = AutoCosts((1.0, 1.0, 1.0, 2.0), (1.0, 1.0, 1.0, 2.0), (1.0, 1.0, 1.0, 2.0), 0.1, (1.0,) * D, (4.0,) * D)
+    from schedules.zb_h1 import zbh1_device_order
+    orders = auto_orders(D, N, c)
+    assert makespan(orders, c) <= makespan([zbh1_device_order(D, d, N) for d in range(D)], c)
+
+
+def test_memory_limit_in_ma_and_bytes():
+    """--memory-limit: 2D Ma is ZB-2p's order; a byte limit keeps the peak under it; other schedules refuse it."""
+    D, N = 4, 12
+    lim = Layout(schedule="zb-auto", devices=D, microbatches=N, memory_limit=(8.0, "Ma"))
+    two_p = Layout(schedule="zb-auto", devices=D, microbatches=N, variant="2p")
+    assert simulate_job(Job(layout=lim, unit_costs=True)).result.metrics().iteration_time == \
+        simulate_job(Job(layout=two_p, unit_costs=True)).result.metrics().iteration_time == 3 * N + D - 1
+    tight = simulate_job(Job(layout=replace(lim, memory_limit=(2.0, "Ma")), unit_costs=True)).result
+    assert max(tight.peak_activation) <= 2 and tight.metrics().iteration_time > 3 * N + D - 1
+    gib = 2 ** 30
+    for limit in (25 * gib, 40 * gib):
+        job = Job(layout=replace(lim, memory_limit=(float(limit), "B")), model="gpt3-1.3b")
+        bound, res = simulate_job(job)
+        peak = max(p.peak_memory for p in res.metrics().per_device)
+        assert peak <= limit and peak > limit - 8 * gib, (limit, peak / gib)
+    with pytest.raises(ValueError, match="--memory-limit applies to zb-auto only"):
+        Layout(schedule="dapple", devices=D, microbatches=N, memory_limit=(8.0, "Ma"))
+    with pytest.raises(ValueError, match="drop --variant"):
+        replace(two_p, memory_limit=(8.0, "Ma"))
+    with pytest.raises(ValueError, match="activation bytes"):
+        simulate_job(Job(layout=replace(lim, memory_limit=(1e9, "B")), unit_costs=True))
