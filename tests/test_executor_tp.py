@@ -267,3 +267,18 @@ def test_torchrun_runs_the_mesh_placed_by_the_device_map():
     ref = run_reference(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=2, optimizer="sgd", lr=0.05))
     for a, b in zip(res["losses"], ref.losses):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_a_hugging_face_config_trains_at_t2_as_the_reference():
+    """``--model config.json`` builds the same Llama in the executor (GQA, SwiGLU, RMSNorm, rotary,
+    untied), at T = 2 x D = 2: per-step losses equal to one process."""
+    from pathlib import Path
+
+    from cost_models.job import Job, Layout
+    from executor import RunConfig, run, run_reference
+    cfg_path = Path(__file__).parent / "data" / "hf" / "tiny-llama" / "config.json"
+    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model=str(cfg_path))
+    cfg = RunConfig.from_job(job, steps=2)
+    got, want = run(cfg).losses, run_reference(cfg).losses
+    assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    assert got[1] < got[0]
