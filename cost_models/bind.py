@@ -32,9 +32,8 @@ from dataclasses import dataclass, field, replace
 
 from schedules import Schedule
 
-from .base import PerLayerCostModel, StageCosts, UnitCostModel, with_peak_floor
+from .base import PerLayerCostModel, StageCosts, UnitCostModel
 from .calibration import CalibrationProfile, load_profile, scaled_layer_costs
-from ._spec import SpecError
 from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
 from .kernels import COST_MODELS
@@ -228,24 +227,16 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
 
 def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:
     """A model spec's formulas on a cluster, T x D x R: every rank a tensor-parallel group of T
-    GPUs (:func:`cost_models.cluster.tensor_parallel_groups`), its collectives on the group's links."""
+    GPUs (:func:`cost_models.cluster.tensor_parallel_groups`), its collectives on the group's links.
+    The cluster's size was checked before the build (:func:`cost_models.job.check_run_size`, with T)."""
     tp = job.layout.tp
-    try:
-        model.check_tensor_parallel(tp)
-        groups = tensor_parallel_groups(cluster, tp)
-    except SpecError as e:
-        raise ValueError(str(e)) from None
-    _check_fits(low, groups, tp)
     cost_model = cost_model_for(job.cost_model, cluster.device, False)
     group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
     tcm = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
                                partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
                                tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas)
-    layers = tcm.layers()
-    costs = with_peak_floor(tcm.bind(low), low, [x.flops_f for x in layers],
-                            [x.flops_b_input + x.flops_recompute for x in layers], [x.flops_w for x in layers],
-                            tcm.partition_for(low.num_stages), cluster.device.peak(tcm.resolved_precision()))
-    return Bound(low, costs, groups.place(low, job.mapping), {
+    costs = tcm.bind(low)
+    return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
         "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": job.sequence_parallel, "zero": job.zero,
@@ -253,12 +244,10 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
         "memory_reserve": job.memory_reserve})
 
 
-def _check_fits(low: Schedule, cluster: Cluster, tp: int = 1) -> None:
+def _check_fits(low: Schedule, cluster: Cluster) -> None:
     if low.num_ranks > cluster.num_devices:
-        what = f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas})" if tp == 1 else \
-            f"{low.num_ranks * tp:,} GPUs (T={tp} x D={low.num_devices} x R={low.replicas})"
-        raise ValueError(f"{what} do not fit on cluster {cluster.name} with {cluster.num_devices * tp:,} devices; "
-                         f"pick a bigger --cluster")
+        raise ValueError(f"{low.num_ranks} ranks (D={low.num_devices} x R={low.replicas}) do not fit on cluster "
+                         f"{cluster.name} with {cluster.num_devices} devices; pick a bigger --cluster")
 
 
 def _layer_profile_costs(job: Job, low: Schedule, cluster: Cluster, cost_model: str):

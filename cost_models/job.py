@@ -38,7 +38,7 @@ from .cluster import FABRICS, MAPPINGS, Cluster, load_cluster, with_fabric, with
 from .kernels import COST_MODELS
 from .model_spec import ModelSpec
 from .stack import is_model_ref
-from .transformer import RECOMPUTE
+from .transformer import RECOMPUTE, ZERO_STAGES
 
 if TYPE_CHECKING:   # pragma: no cover - types only
     from .bind import Bound
@@ -306,7 +306,7 @@ class Job:
     def _check_parallel(self) -> None:
         """Tensor parallelism and ZeRO: options that only act together, and only on the formulas."""
         tp = self.layout.tp
-        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
             raise ValueError(f"--zero must be 0 or 1 (ZeRO-1: the optimizer state sharded over --dp); "
                              f"got {self.zero!r}")
         if self.zero and self.layout.replicas == 1:

@@ -333,8 +333,8 @@ class BlockShape:
         if self.arch not in ARCHS:
             raise SpecError(f"unknown block arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
         if (self.tp > 1 or self.kv_heads is not None or self.attention != "flash") and self.arch not in TP_ARCHS:
-            raise SpecError(f"tensor parallelism, kv_heads and eager attention are priced for "
-                            f"{' and '.join(TP_ARCHS)} blocks, not {self.arch}; use --cost-model linear")
+            raise SpecError(f"tensor parallelism (--tp with --cost-model kernels), kv_heads and eager attention are "
+                            f"priced for {' and '.join(TP_ARCHS)} blocks, not {self.arch}; use --cost-model linear")
         for f in ("hidden", "heads", "seq", "ffn", "dtype_bytes", "micro_batch"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -533,12 +533,9 @@ def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None
     ``llama`` for llama; its attention the model's unless given."""
     arch = arch or ("bert" if spec.kind == "bert" else "llama" if spec.kind == "llama" else "gpt")
     extra = {} if arch not in TP_ARCHS else dict(kv_heads=None if spec.kv == spec.heads else spec.kv,
-                                                 attention=attention or spec.attention_kind, tp=tp, sp=sp)
-    if tp > 1 and arch not in TP_ARCHS:
-        raise SpecError(f"--tp with --cost-model kernels prices {' and '.join(TP_ARCHS)} blocks, not {arch}; "
-                        f"use --cost-model linear")
+                                                 attention=attention or spec.attention_kind)
     return BlockShape(arch, spec.hidden, spec.heads, spec.seq_len, spec.ffn, spec.dtype_bytes,
-                      spec.micro_batch, dropout, **extra)
+                      spec.micro_batch, dropout, tp=tp, sp=sp, **extra)
 
 
 def embedding_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kernel]:

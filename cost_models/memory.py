@@ -22,8 +22,8 @@ A peak within :data:`NEAR_LIMIT` of the memory left is called near the limit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from schedules.ir import COMPUTE_KINDS, activation_change
@@ -86,13 +86,12 @@ def memory_verdict(static: float, activation: float, capacity: float, *, transie
     need = peak + transient
     fits = need <= usable
     near = fits and need > NEAR_LIMIT * usable
-    gib = fmt_bytes
     on = f" on {where}" if where else ""
-    parts = f"peak {gib(peak)}{on} (static {gib(static)} + activations {gib(activation)})"
+    parts = f"peak {fmt_bytes(peak)}{on} (static {fmt_bytes(static)} + activations {fmt_bytes(activation)})"
     if transient:
-        parts += f" + transients {gib(transient)} (the recomputed layer, send and receive buffers)"
+        parts += f" + transients {fmt_bytes(transient)} (the recomputed layer, send and receive buffers)"
     head = "OUT OF MEMORY" if not fits else "fits, near the limit" if near else "fits"
-    text = f"{head}: {parts} vs {gib(usable)} usable of {gib(capacity)} ({gib(reserve)} reserved)"
+    text = f"{head}: {parts} vs {fmt_bytes(usable)} usable of {fmt_bytes(capacity)} ({fmt_bytes(reserve)} reserved)"
     return Verdict(fits, near, text)
 
 

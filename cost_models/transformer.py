@@ -75,7 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import LayerCosts, PerLayerCostModel, StageCosts
+from .base import LayerCosts, PerLayerCostModel, StageCosts, with_peak_floor
 from .cluster import Cluster
 from .comm import allreduce_time
 from .device import DeviceSpec
@@ -466,8 +466,9 @@ class TransformerCostModel:
         """Per layer: seconds of its tensor-parallel collectives in F and in B."""
         if self.tp == 1:
             return [(0.0, 0.0)] * (self.model.layers + 2)
-        g = self.tp_group
-        return [(g.phase_time(c.forward), g.phase_time(c.backward)) for c in self.collectives()]
+        g, cols = self.tp_group, self.collectives()
+        times = {c: (g.phase_time(c.forward), g.phase_time(c.backward)) for c in set(cols)}   # blocks alike
+        return [times[c] for c in cols]
 
     def layer_costs(self) -> LayerCosts:
         """Per-layer seconds and bytes (the input of :class:`PerLayerCostModel` and of planners)."""
@@ -532,7 +533,13 @@ class TransformerCostModel:
         return layer + 2 * boundary_bytes(m) / tp
 
     def bind(self, sched) -> StageCosts:
-        costs = self.per_layer_model(sched.num_stages).bind(sched)
+        """The costs of ``sched``, with their floor: every op's FLOPs at the device's peak
+        (:func:`cost_models.base.with_peak_floor`, the simulator's invariant)."""
+        layers = self.layers()
+        costs = with_peak_floor(self.per_layer_model(sched.num_stages).bind(sched), sched,
+                                [x.flops_f for x in layers], [x.flops_b_input + x.flops_recompute for x in layers],
+                                [x.flops_w for x in layers], self.partition_for(sched.num_stages),
+                                self.device.peak(self.resolved_precision()))
         costs.meta.update(model="transformer", cost_model=self.compute, model_name=self.model.name,
                           device=self.device.name,
                           precision=self.resolved_precision(), recompute=self.recompute,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
 from cost_models.kernels import COST_MODELS
+from cost_models.transformer import ZERO_STAGES
 from schedules import families, get, names
 
 from .checks import byte_size, factor_pair, memory_limit, float_in, input_file, nonneg_float, nonneg_int, positive_int
@@ -145,7 +146,7 @@ def add_cost_args(p, *, per_run: bool = True):
     p.add_argument("--tp-overlap", action="store_true",
                    help="with --tp: the tensor-parallel collectives overlap the layer's compute (default: on the "
                         "critical path, Megatron's default)")
-    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
+    p.add_argument("--zero", type=int, choices=list(ZERO_STAGES), default=0,
                    help="1: ZeRO-1, the optimizer state sharded over the --dp replicas (reduce-scatter + "
                         "all-gather in place of the gradient all-reduce)")
     if per_run:
