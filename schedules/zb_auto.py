@@ -232,8 +232,9 @@ def greedy(D: int, N: int, c: AutoCosts, delay_first_b: bool, b_first: bool, fil
                 break
             m, t, extra[d] = m + c.act[d], t + c.f[d], extra[d] + 1
         back = max(t, arrive) + c.b[d]
-    for d in range(1, D):
-        while extra[d] > 0 and extra[d] >= extra[d - 1] and nf[d] + extra[d] < N:
+    for d in range(1, D):          # fewer on each later device (as many where all N are done)
+        extra[d] = min(extra[d], extra[d - 1])
+        if 0 < extra[d] == extra[d - 1] and nf[d] + extra[d] < N:
             extra[d] -= 1
     for d in range(D):
         for _ in range(extra[d]):
@@ -293,7 +294,7 @@ def refine(orders: list[Order], c: AutoCosts, budget: int = REFINE_OPS) -> tuple
     improved = True
     while improved and budget >= per:
         improved = False
-        for d in _by_span(orders, c):
+        for d in _busiest_first(orders, c):
             o = orders[d]
             for i in range(len(o) - 1):
                 if budget < per:
@@ -304,15 +305,20 @@ def refine(orders: list[Order], c: AutoCosts, budget: int = REFINE_OPS) -> tuple
                 o[i], o[i + 1] = b, a
                 t = timing(orders, c)
                 budget -= per
-                if t is not None and t < (best[0] - _EPS, best[1]):
+                if t is not None and _better(t, best):
                     best, improved = t, True
                 else:
                     o[i], o[i + 1] = a, b
     return orders, best
 
 
-def _by_span(orders: list[Order], c: AutoCosts) -> list[int]:
-    """Devices, the one with the most ops' worth of time first (the likeliest to set the cost)."""
+def _better(t: tuple[float, float], than: tuple[float, float]) -> bool:
+    """A lower cost, or the same cost and a lower makespan."""
+    return t[0] < than[0] - _EPS or (t[0] <= than[0] + _EPS and t[1] < than[1] - _EPS)
+
+
+def _busiest_first(orders: list[Order], c: AutoCosts) -> list[int]:
+    """Devices, the one with the most compute first (the likeliest to set the cost)."""
     work = [sum(c.f[d] if k == F else c.b[d] if k == B else c.w[d] for k, _ in orders[d]) for d in range(len(orders))]
     return sorted(range(len(orders)), key=lambda d: -work[d])
 

@@ -143,3 +143,24 @@ def test_d32_n256_within_the_refinement_budget():
         za.timing = real
     assert len(calls) <= 1 + za.REFINE_OPS // (3 * N * D)
     assert timing(orders, c) is not None
+
+
+def test_valid_under_uneven_costs_limits_and_w_shares():
+    """Seeded random stage costs, message times, limits of 1 to 2.5D micro-batches and W shares of
+    0 to all: every order is valid (lowered and validated) and within each device's limit."""
+    import random
+
+    from schedules.ir import make_schedule
+    rng = random.Random(7)
+    for _ in range(60):
+        D, N = rng.randint(1, 12), rng.randint(1, 48)
+        draw = lambda n: tuple(rng.uniform(0.2, 3) for _ in range(n))  # noqa: E731
+        act = draw(D)
+        c = AutoCosts(draw(D), draw(D), draw(D), rng.choice([0.0, 0.1, 1.0]), act,
+                      tuple(a * rng.uniform(1, 2.5 * D) for a in act),
+                      tuple(a * rng.choice([0.0, 0.3, 1.0, rng.random()]) for a in act))
+        orders = auto_orders(D, N, c)
+        assert timing(orders, c) is not None, (D, N)        # None: deadlock or a broken limit
+        s = make_schedule("zb-auto", D, N, [list(range(D))],
+                          [[(k, m, 0, d) for k, m in orders[d]] for d in range(D)], split_backward=True)
+        validate(lower(s))
