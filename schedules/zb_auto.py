@@ -167,8 +167,10 @@ def makespan(orders: list[Order], c: AutoCosts) -> float | None:
     return None if t is None else t[1]
 
 
-def greedy(D: int, N: int, c: AutoCosts, delay_first_b: bool, b_first: bool, fill_gaps: bool) -> list[Order] | None:
-    """The heuristic of the module docstring under one setting of its three knobs; None where it
+def greedy(D: int, N: int, c: AutoCosts, delay_first_b: bool, b_first: bool,
+           fill_gaps: bool) -> tuple[list[Order], tuple[float, float]] | None:
+    """The heuristic of the module docstring under one setting of its three knobs: the orders and
+    their (cost, makespan), the times it placed the ops at being :func:`timing`'s; None where it
     cannot keep the limit."""
     kept = c.kept()
     msg = c.message
@@ -177,7 +179,8 @@ def greedy(D: int, N: int, c: AutoCosts, delay_first_b: bool, b_first: bool, fil
     nf, nb, nw = n[F], n[B], n[W]
     fend: list[list[float]] = [[] for _ in range(D)]
     bend: list[list[float]] = [[] for _ in range(D)]
-    e, mem, idle = [0.0] * D, [0.0] * D, [0.0] * D
+    e, mem, idle, first = [0.0] * D, [0.0] * D, [0.0] * D, [0.0] * D
+    worst = [0.0]                   # the largest idle time of any device so far
     orders: list[Order] = [[] for _ in range(D)]
 
     def put(d: int, kind: str) -> None:
@@ -191,6 +194,10 @@ def greedy(D: int, N: int, c: AutoCosts, delay_first_b: bool, b_first: bool, fil
         start = max(e[d], ready)
         if nf[d]:
             idle[d] += start - e[d]
+            if idle[d] > worst[0]:
+                worst[0] = idle[d]
+        else:
+            first[d] = start
         e[d] = start + dur[kind][d]
         if kind == F:
             fend[d].append(e[d])
@@ -217,7 +224,7 @@ def greedy(D: int, N: int, c: AutoCosts, delay_first_b: bool, b_first: bool, fil
         while nw[d] < nb[d] and e[d] + c.w[d] <= ready + _EPS:
             put(d, W)
         if nw[d] < nb[d] and e[d] < ready - _EPS:
-            if ready - e[d] > max(idle) - idle[d] or fill_gaps:
+            if ready - e[d] > worst[0] - idle[d] or fill_gaps:
                 put(d, W)
 
     # round 0: micro-batch 0's F everywhere, extra F's before the first B's gradient comes back
@@ -254,7 +261,7 @@ def greedy(D: int, N: int, c: AutoCosts, delay_first_b: bool, b_first: bool, fil
             m, wt, k = mem[d] + c.act[d], 0.0, 0
             while m > c.limit[d] + _EPS and nw[d] + k < nb[d]:
                 wt, m, k = wt + c.w[d], m - kept[d], k + 1
-            if e[d] + c.f[d] + wt > grad and grad - e[d] <= max(idle) - idle[d]:
+            if e[d] + c.f[d] + wt > grad and grad - e[d] <= worst[0] - idle[d]:
                 want[d] = False
         for d in range(D - 2, -1, -1):
             want[d] = want[d] and want[d + 1]
@@ -282,7 +289,7 @@ def greedy(D: int, N: int, c: AutoCosts, delay_first_b: bool, b_first: bool, fil
             return None
         while nw[d] < N:
             put(d, W)
-    return orders
+    return orders, (max(e[d] - first[d] for d in range(D)), max(e))
 
 
 def refine(orders: list[Order], c: AutoCosts, budget: int = REFINE_OPS) -> tuple[list[Order], tuple[float, float]]:
@@ -323,17 +330,21 @@ def _busiest_first(orders: list[Order], c: AutoCosts) -> list[int]:
     return sorted(range(len(orders)), key=lambda d: -work[d])
 
 
-def candidates(D: int, N: int, c: AutoCosts) -> list[list[Order]]:
-    """The heuristic's orders under every knob setting, then ZB-H1's and ZB-H2's."""
-    out = [o for k in KNOBS if (o := greedy(D, N, c, *k)) is not None]
-    out += [[hand(D, d, N) for d in range(D)] for hand in (zbh1_device_order, zbh2_device_order)]
+def candidates(D: int, N: int, c: AutoCosts) -> list[tuple[tuple[float, float], list[Order]]]:
+    """((cost, makespan), orders) of the heuristic under every knob setting, then of ZB-H1 and ZB-H2
+    where they keep the limit."""
+    out = [(g[1], g[0]) for k in KNOBS if (g := greedy(D, N, c, *k)) is not None]
+    for hand in (zbh1_device_order, zbh2_device_order):
+        orders = [hand(D, d, N) for d in range(D)]
+        if (t := timing(orders, c)) is not None:
+            out.append((t, orders))
     return out
 
 
 def auto_orders(D: int, N: int, c: AutoCosts) -> list[Order]:
     """The chosen per-device order (module docstring: heuristic, then refinement)."""
     c.check(D)
-    timed = [(t, o) for o in candidates(D, N, c) if (t := timing(o, c)) is not None]
+    timed = candidates(D, N, c)
     if not timed:
         raise ScheduleError(f"{NAME}: no device can proceed under the memory limit; raise the limit")
     timed.sort(key=lambda x: x[0])

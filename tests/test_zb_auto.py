@@ -10,7 +10,7 @@ import pytest
 from cost_models import Job, Layout
 from schedules import ScheduleError, build, lower, validate
 from schedules.analysis import activation_peaks, unit_summary
-from schedules.zb_auto import AutoCosts, auto_orders, makespan, timing
+from schedules.zb_auto import AutoCosts, auto_orders, candidates, makespan, timing
 from sim import simulate_job
 
 TABLE9_15B = "stages:\n  - {f: 0.018522, b: 0.018086, w: 0.009337}\nmessage: 0.000601\n"
@@ -136,9 +136,10 @@ def test_d32_n256_within_the_refinement_budget():
     calls = []
     import schedules.zb_auto as za
     real = za.timing
+    start = za.candidates(D, N, c)[0][1]
     try:
         za.timing = lambda o, cc: calls.append(1) or real(o, cc)
-        orders = za.refine(za.candidates(D, N, c)[0], c)[0]
+        orders = za.refine(start, c)[0]
     finally:
         za.timing = real
     assert len(calls) <= 1 + za.REFINE_OPS // (3 * N * D)
@@ -161,6 +162,8 @@ def test_valid_under_uneven_costs_limits_and_w_shares():
                       tuple(a * rng.choice([0.0, 0.3, 1.0, rng.random()]) for a in act))
         orders = auto_orders(D, N, c)
         assert timing(orders, c) is not None, (D, N)        # None: deadlock or a broken limit
+        for cost, cand in candidates(D, N, c):              # the heuristic's own times are timing's
+            assert timing(cand, c) == pytest.approx(cost), (D, N)
         s = make_schedule("zb-auto", D, N, [list(range(D))],
                           [[(k, m, 0, d) for k, m in orders[d]] for d in range(D)], split_backward=True)
         validate(lower(s))
