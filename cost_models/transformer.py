@@ -398,7 +398,7 @@ class TransformerCostModel:
             raise SpecError(f"bytes_per_param must be > 0; got {self.bytes_per_param}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise SpecError(f"--tp must be an integer >= 1; got {self.tp!r}")
-        self.model.check_tensor_parallel(self.tp)
+        self.model.check_tensor_parallel(self.tp, sequence_parallel=self.sequence_parallel)
         if self.tp > 1 and (self.tp_group is None or self.tp_group.size != self.tp):
             raise SpecError(f"tensor parallel {self.tp} needs the group's links (tp_group of size {self.tp})")
         if (self.sequence_parallel or self.tp_overlap) and self.tp == 1:

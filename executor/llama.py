@@ -7,7 +7,8 @@ With tensor parallelism (:mod:`executor.tensor_parallel`) the query heads and th
 are split over the TP group (T divides both: query head i of rank t uses its rank's key/value head
 ``i // (heads / kv_heads)``, the same pairing as the whole model's), gate and up are column-parallel,
 proj and down row-parallel. The normalised input is handed to Q, K, V (and to gate, up) through one
-``copy``, so its gradient is all-reduced once per sub-layer.
+``copy``, so its gradient is all-reduced once per sub-layer (with sequence parallelism: one gather,
+its gradient reduce-scattered once; rotary positions are those of the gathered, whole sequence).
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ class GroupedQueryAttention(nn.Module):
         self.proj = RowParallelLinear(spec.hidden, spec.hidden, tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy(x, self.tp)     # the whole sequence (gathered with sequence parallelism)
         b, s, _ = x.shape
-        x = copy(x, self.tp)
         q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)

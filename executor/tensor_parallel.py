@@ -33,6 +33,23 @@ nodes without parameters, the split backward (:mod:`executor.backward`) runs the
 recomputed block (:mod:`executor.recompute`) runs its forward all-reduces again in B; every TP
 rank runs the same program, so the collectives of a group always meet.
 
+Sequence parallelism (``--sequence-parallel``, ``TensorParallel.sequence``; Megatron-LM's variant,
+Korthikanti et al. 2022): outside the column/row-parallel pairs the activations are split over the
+TP group along the sequence (dim 1 of [b, s, h]: rank t holds positions ``[t s/T, (t+1) s/T)``), so
+the norms, residual additions and the stage boundaries (:func:`executor.model.boundary_shape`) hold
+1/T of the sequence. ``copy`` in front of a column-parallel linear becomes ``gather`` (all-gather of
+the sequence forward, reduce-scatter of the gradient backward) and the ``reduce`` after a
+row-parallel linear or the vocabulary-parallel embedding becomes ``scatter`` (reduce-scatter
+forward, all-gather backward): the same sums, one all-reduce split into its two halves. The head's
+input is gathered the same way, so the loss sees the whole sequence; attention runs on the gathered
+sequence, so rotary positions are the whole sequence's, and the GPT's position table is read at the
+rank's own positions. A replicated parameter applied to 1/T of the sequence (norm weights, the
+position table: :func:`sequence_partial`) then gets 1/T of its gradient on each rank; the runtime
+sums those over the TP group at OPTIM, where it synchronises every other gradient
+(:class:`executor.runtime.PipelineRuntime`). The linear layers keep their gathered input for the
+weight gradient (the whole sequence; Megatron keeps the rank's slice and gathers it again in the
+backward).
+
 Parameters keep their global names; :func:`shard` and :func:`gather` map between a whole
 parameter and its T shards (:data:`SPLITS` says which are split and how), so weights are
 initialised as the whole model's and a run's parameters compare with the reference's.
@@ -46,6 +63,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as Fn
 
+# replicated parameters that only TP rank 0 holds (the row-parallel biases, see above)
+RANK0_ONLY = ("attn.proj.bias", ".out.bias")
+
 # parameter name suffix -> (dim, parts): split along ``dim`` of each of ``parts`` equal blocks
 SPLITS = {"attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3), "attn.proj.weight": (1, 1),
           "fc.weight": (0, 1), "fc.bias": (0, 1), "out.weight": (1, 1),
@@ -57,11 +77,13 @@ SPLITS = {"attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3), "attn.proj.weight"
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in its TP group: ``size`` T, ``rank`` t, ``group`` (None when T = 1)."""
+    """This process's place in its TP group: ``size`` T, ``rank`` t, ``group`` (None when T = 1);
+    ``sequence``: sequence parallelism (see the module docstring)."""
 
     size: int = 1
     rank: int = 0
     group: object = None
+    sequence: bool = False
 
     @property
     def on(self) -> bool:
@@ -74,6 +96,12 @@ SINGLE = TensorParallel()
 def split_of(name: str) -> tuple[int, int] | None:
     """(dim, parts) of a split parameter (global name), None for a replicated one."""
     return next((v for k, v in SPLITS.items() if name.endswith(k)), None)
+
+
+def sequence_partial(name: str) -> bool:
+    """A parameter every TP rank holds whose gradient sequence parallelism splits over the ranks
+    (norm weights and biases, the position table): each rank's covers its part of the sequence."""
+    return split_of(name) is None and not name.endswith(RANK0_ONLY)
 
 
 def shard(full: torch.Tensor, rank: int, size: int, dim: int, parts: int = 1) -> torch.Tensor:
@@ -116,12 +144,61 @@ class _Reduce(torch.autograd.Function):
         return g, None
 
 
+def _all_gather_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [c.contiguous() for c in x.chunk(size, 1)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _Gather(torch.autograd.Function):
+    """Sequence parallel, in front of a column-parallel linear: all-gather of the sequence forward,
+    reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _all_gather_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_seq(g, ctx.group, ctx.size), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """Sequence parallel, after a row-parallel linear: reduce-scatter of the partial sums over the
+    sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _reduce_scatter_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g, ctx.group, ctx.size), None, None
+
+
 def copy(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _Copy.apply(x, tp.group) if tp.on else x
+    """The input of column-parallel layers: whole on every rank (``copy``, Megatron's f), or with
+    sequence parallelism gathered from the ranks' slices of the sequence."""
+    if not tp.on:
+        return x
+    return _Gather.apply(x, tp.group, tp.size) if tp.sequence else _Copy.apply(x, tp.group)
 
 
 def reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _Reduce.apply(x, tp.group) if tp.on else x
+    """The sum of the ranks' partial outputs: whole on every rank (``reduce``, Megatron's g), or
+    with sequence parallelism each rank's slice of the sequence."""
+    if not tp.on:
+        return x
+    return _Scatter.apply(x, tp.group, tp.size) if tp.sequence else _Reduce.apply(x, tp.group)
 
 
 class _VocabParallelCE(torch.autograd.Function):

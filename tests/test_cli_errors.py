@@ -66,6 +66,13 @@ CASES = [
     ("zero-without-dp", SIM + ["--zero", "1"], ["--zero 1", "--dp"]),
     ("tp-with-unit-costs", UNIT + ["--tp", "2"], ["--tp", "--unit-costs"]),
     ("tp-in-a-run-not-dividing-heads", RUN + ["--tp", "3"], ["--tp 3", "heads (4)"]),
+    ("sp-in-a-run-without-tp", RUN + ["--sequence-parallel"], ["--sequence-parallel", "--tp > 1"]),
+    ("sp-in-a-run-not-dividing-seq", RUN + ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
+     ["--tp 2", "sequence length", "(15)"]),
+    ("sp-not-dividing-seq", SIM + ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
+     ["--tp 2", "sequence length", "(15)"]),
+    ("sp-with-run-plan", ["run", "--plan", "{plan}", "--sequence-parallel"], ["--plan", "--sequence-parallel"]),
+    ("zero-in-a-run-without-dp", RUN + ["--zero", "1"], ["--zero 1", "--dp"]),
     ("hf-config-unknown-arch", SIM + ["-m", "{hf_bert}"], ["BertForMaskedLM", "LlamaForCausalLM"]),
     ("hf-config-folder", SIM + ["-m", "{dir}/x.json"], ["x.json"]),
     # silent wrong results
@@ -529,3 +536,16 @@ def test_calibrate_keeps_its_measurement_when_the_final_write_fails(tmp_path):
     assert "/dev/full" in msg and "No space left" in msg and "\n" not in msg
     kept = Path(msg.rsplit("kept in ", 1)[1].split(" (copy")[0])
     assert load_profile(kept) == prof
+
+
+def test_zero_without_replicas_is_one_refusal_in_simulate_and_run(capsys):
+    """``--zero 1`` with R = 1 shards nothing: simulate and run refuse it alike, with the same one line
+    (exit 2), with and without tensor parallelism."""
+    for extra in ([], ["--tp", "2"]):
+        lines = []
+        for argv in (["simulate", "-s", "dapple", "-D", "2", "-N", "4", "-m", "tiny"], RUN):
+            capsys.readouterr()
+            assert main(argv + extra + ["--zero", "1"]) == 2
+            lines.append(capsys.readouterr().err.strip())
+        assert lines[0] == lines[1] == ("pipetwin: error: --zero 1 shards the optimizer state over the data-parallel "
+                                        "replicas; give --dp > 1")

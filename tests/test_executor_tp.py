@@ -32,6 +32,10 @@ BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0
             device_map="megatron")
 
 
+SP_RECOMPUTE = ("zb-v-recompute-selective-T2D2", "zb-h1-recompute-full-T2D2", "llama-dapple-recompute-none-T2D2",
+                "llama-zb-v-recompute-full-T2D2")
+
+
 def _cases_world4():
     cases = {}
     for name in names():
@@ -47,6 +51,10 @@ def _cases_world4():
     for name, mode in (("dapple", "none"), ("interleaved", "none"), ("zb-v", "none"), ("zb-v", "full")):
         cases[f"llama-{name}-recompute-{mode}-T2D2"] = RunConfig(schedule=name, devices=2, microbatches=4,
                                                                  recompute=mode, **dict(BASE, model=LLAMA))
+    # sequence parallelism: every family, with recomputation and split backward, and the Llama
+    for key, cfg in list(cases.items()):
+        if "recompute" not in key or key in SP_RECOMPUTE:
+            cases[f"sp-{key}"] = cfg.with_(sequence_parallel=True)
     return cases
 
 
@@ -54,6 +62,9 @@ CASES = {4: _cases_world4(),
          8: {f"{s}-T2D2R2": RunConfig(schedule=s, devices=2, microbatches=2, replicas=2, **dict(BASE, steps=2))
              for s in ("dapple", "zb-v")}}
 CASES[8]["zb-v-zero-T2D2R2"] = CASES[8]["zb-v-T2D2R2"].with_(zero=1)
+for _s in ("dapple", "zb-v"):
+    CASES[8][f"sp-{_s}-zero-T2D2R2"] = CASES[8][f"{_s}-T2D2R2"].with_(zero=1, sequence_parallel=True)
+CASES[8]["sp-zb-v-recompute-full-T2D2R2"] = CASES[8]["zb-v-T2D2R2"].with_(sequence_parallel=True, recompute="full")
 ZBASE = dict(BASE, tp=1, device_map="sequential")
 CASES["zero"] = {"dapple-zero-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
                                                **ZBASE),
@@ -70,7 +81,7 @@ def references():
     cache = {}
 
     def get(cfg):
-        key = cfg.with_(schedule="", recompute="none", tp=1)
+        key = cfg.with_(schedule="", recompute="none", tp=1, sequence_parallel=False, zero=0)
         if key not in cache:
             cache[key] = run_reference(key)
         return cache[key]
@@ -79,7 +90,9 @@ def references():
 
 def test_every_family_is_in_the_matrix():
     fams = {k.rsplit("-T2D2", 1)[0] for k in CASES[4] if not k.startswith("llama")}
-    assert {"gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb-h1", "zb-v", "dualpipe-v"} <= fams
+    every = {"gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb-h1", "zb-v", "dualpipe-v"}
+    assert every <= fams and {f"sp-{f}" for f in every} <= fams
+    assert all(c.sequence_parallel for k, c in CASES[4].items() if k.startswith("sp-"))
 
 
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
@@ -112,6 +125,10 @@ def test_trace_has_one_row_per_op_of_each_pipeline_rank(runs, world, case):
     last = t.sort_values("seq").groupby(["device", "step"]).tail(1)
     assert (last["kind"] == "OPTIM").all() and (last["act_mem"] == 0).all()
     assert len(res.per_device) == sched.num_ranks
+    # a stage boundary carries the TP rank's activations: 1/T of the sequence with sequence parallelism
+    spec = cfg.spec()
+    tokens = spec.seq_len // cfg.tp if cfg.sequence_parallel else spec.seq_len
+    assert (t[t["kind"].isin(["SEND", "RECV"])]["bytes"] == spec.micro_batch * tokens * spec.hidden * 4).all()
 
 
 def test_zero1_shards_the_optimizer_state_over_the_replicas(runs, references):
@@ -232,13 +249,20 @@ def test_placement_refuses_a_tp_group_across_nodes():
     assert placement("megatron", sched, 2, 1, 1, 2, 2) == (3, 3)
 
 
-def test_a_job_with_tp_runs_and_sp_zero_are_refused():
+def test_a_job_with_tp_and_sp_runs_and_tp_overlap_is_refused():
     lay = Layout(schedule="dapple", devices=2, microbatches=4, tp=2, replicas=2)
     cfg = RunConfig.from_job(Job(layout=lay, model="tiny"), steps=1)
-    assert cfg.tp == 2 and cfg.device_map == "megatron"
-    for extra, flag in ((dict(sequence_parallel=True), "--sequence-parallel"), (dict(tp_overlap=True), "--tp-overlap")):
-        with pytest.raises(ValueError, match=f"{flag}.*simulated only"):
-            RunConfig.from_job(Job(layout=lay, model="tiny", **extra), steps=1)
+    assert cfg.tp == 2 and cfg.device_map == "megatron" and not cfg.sequence_parallel
+    assert RunConfig.from_job(Job(layout=lay, model="tiny", sequence_parallel=True), steps=1).sequence_parallel
+    with pytest.raises(ValueError, match="--tp-overlap.*simulated only"):
+        RunConfig.from_job(Job(layout=lay, model="tiny", tp_overlap=True), steps=1)
+    with pytest.raises(ValueError, match="--sequence-parallel acts on a tensor-parallel group; give --tp > 1"):
+        RunConfig(schedule="dapple", devices=2, microbatches=4, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"--tp 2 does not divide the sequence length \(--sequence-parallel\) "
+                                         r"\(15\)"):
+        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15),
+                                   tp=2, sequence_parallel=True))
+    lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15), tp=2))
     assert RunConfig.from_job(Job(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
     assert RunConfig.from_job(Job(layout=lay, model="tiny", zero=1), steps=1).zero == 1
     with pytest.raises(ValueError, match="--zero 1 shards the optimizer state over the data-parallel replicas"):
