@@ -231,7 +231,6 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         p.grad = torch.zeros_like(p)
     mailbox = Mailbox(rank, sched.program(rank), groups.p2p, buffer, timeout=cfg.timeout,
                       lookahead=cfg.recv_lookahead, to_rank=lambda p: mesh.rank(p, tp_rank))
-    meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
     groups.warm_up_p2p(sched, global_rank, ctx.device, mesh)
     stage_groups = groups.for_stages(sched, global_rank, ctx.device, mesh)
     if cfg.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
@@ -240,6 +239,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                                       for s, m in built.items()], cfg.optimizer, cfg.lr)
     else:
         optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
+    # after the optimizer: ZeRO-1 moves the weights into one buffer, the meter must know where they live
+    meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
     tied = None
     if stack is not None:       # parameters shared across stages: one group per set of ranks, all ranks alike
         tied = TiedGradients(rank, [(ranks, groups.for_ranks(ranks, rank, ctx.device) if len(ranks) > 1 else None,

@@ -254,7 +254,8 @@ def _write_outputs(result, args) -> None:
 def _print_human(result, args) -> None:
     c = result.config
     where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
-    tp = f"T={c.tp} " if c.tp > 1 and result.engine == "executor" else ""
+    tp = f"T={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} " \
+        if c.tp > 1 and result.engine == "executor" else ""
     print(f"{result.engine} {c.schedule}: {tp}D={c.devices} N={c.microbatches} R={c.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
     steps = [{"step": i, "loss": l, "iteration_s": t}
