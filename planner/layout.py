@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from cost_models.bind import CostInputs, bind, transformer_cost_model
 from cost_models.cluster import Cluster
@@ -90,7 +90,8 @@ class Candidate:
 @dataclass(frozen=True)
 class Confirmed:
     """A candidate simulated: its job, iteration time, bubble ratio, worst rank's peak memory
-    (static + activations, as ``simulate`` reports it) and the memory verdict's line."""
+    (static + activations, as ``simulate`` reports it), the memory verdict's line, its time bound
+    and ``memory_need`` (the worst peak plus the transients: what the verdict compares)."""
 
     job: Job
     iteration_time: float
@@ -98,6 +99,7 @@ class Confirmed:
     peak_memory: float
     verdict: str
     time_bound: float
+    memory_need: float = 0.0
 
     def record(self, global_batch: int, model: ModelSpec, peak_flops: float) -> dict:
         """The JSON record of ``pipetwin plan --tp``: tp, devices, dp, schedule, chunks, variant,
@@ -284,7 +286,8 @@ def confirm(job: Job, inputs: CostInputs, capacity: float, reserve: float | None
         return "oom", rep.peak[worst] + rep.transient
     res = run(bound.lowered, bound.costs, bound.network, job_options(job, bound))
     m = res.metrics()
-    return Confirmed(job, res.iteration_time, m.bubble_ratio, rep.max_peak, rep.summary(), time_bound)
+    return Confirmed(job, res.iteration_time, m.bubble_ratio, rep.max_peak, rep.summary(), time_bound,
+                     rep.max_peak + rep.transient)
 
 
 class NoPlanFits(ValueError):
@@ -312,10 +315,7 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
         raise ValueError(f"-G {global_batch} is not divisible by R x micro-batch of any layout of {gpus:,} GPUs "
                          f"(R replicas, micro-batches {', '.join(map(str, space.micro_batches))}); use a multiple "
                          f"of {least:,}")
-    capacity = cluster.device.memory_bytes
-    reserve = 0.0 if memory_limit is not None else memory_reserve
-    if memory_limit is not None:
-        capacity = memory_limit
+    capacity, reserve = memory_budget(cluster, memory_limit, memory_reserve)
     usable = usable_memory(capacity, reserve)
     bounds = _Bounds(model, cluster)
     cands = sorted((Candidate(j, bounds.time(j), bounds.memory(j)) for j in jobs),
@@ -344,13 +344,20 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
         result.simulated += 1
         result.confirmed.append(got)
         top.append(got)
-        top.sort(key=lambda x: (x.iteration_time, _order(x.job)))
-        del top[top_k:]
+        top = ranked(top)[:top_k]
     result.seconds = time.perf_counter() - t0
     if not top:
         raise NoPlanFits(_no_fit(misses, bounds, capacity, reserve, usable))
     result.top = top
     return result
+
+
+def memory_budget(cluster: Cluster, memory_limit: float | None, memory_reserve: float | None):
+    """(capacity, reserve) of a GPU's verdict: ``memory_limit`` whole (no reserve), else the
+    device's memory less ``memory_reserve`` (None: the default reserve), as ``simulate`` judges."""
+    if memory_limit is not None:
+        return memory_limit, 0.0
+    return cluster.device.memory_bytes, memory_reserve
 
 
 def _precision(model: ModelSpec, cluster: Cluster) -> str:
@@ -376,19 +383,19 @@ def _no_fit(misses, bounds: _Bounds, capacity: float, reserve: float | None, usa
 
 
 def brute_force(model: ModelSpec, cluster: Cluster, global_batch: int, space: LayoutSpace = LayoutSpace(), *,
-                memory_reserve: float | None = None) -> list[Confirmed]:
-    """Every candidate of the space bound, judged by the ledger and, when it fits, simulated:
-    the reference the search must equal (sorted as :func:`plan_layouts` ranks)."""
-    out = []
+                memory_limit: float | None = None, memory_reserve: float | None = None,
+                cost_model: str | None = None) -> list[tuple[Candidate, object]]:
+    """Every candidate of the space with what :func:`confirm` makes of it (bound, judged by the
+    ledger and, when it fits, simulated): the reference the search must equal."""
     bounds = _Bounds(model, cluster)
-    capacity = cluster.device.memory_bytes
-    for j in candidates(model, cluster, global_batch, space, memory_reserve=memory_reserve):
-        got = confirm(j, bounds.inputs(j), capacity, memory_reserve, bounds.time(j))
-        if not isinstance(got, tuple):
-            out.append(got)
-    return sorted(out, key=lambda x: (x.iteration_time, _order(x.job)))
+    capacity, reserve = memory_budget(cluster, memory_limit, memory_reserve)
+    out = []
+    for j in candidates(model, cluster, global_batch, space, memory_reserve=memory_reserve, cost_model=cost_model):
+        c = Candidate(j, bounds.time(j), bounds.memory(j))
+        out.append((c, confirm(j, bounds.inputs(j), capacity, reserve, c.time_bound)))
+    return out
 
 
-def job_of(best: Confirmed) -> Job:
-    """The confirmed job (for a plan file)."""
-    return replace(best.job)
+def ranked(confirmed: list[Confirmed]) -> list[Confirmed]:
+    """Confirmed candidates in the search's order: time, then the layout's fields."""
+    return sorted(confirmed, key=lambda x: (x.iteration_time, _order(x.job)))

@@ -217,6 +217,7 @@ def _layout_plan(rec: dict, source: str) -> LayoutPlan:
         raise ValueError(f"{source}: field 'layout' must have exactly {', '.join(LAYOUT_FIELDS)}")
     try:
         layout = Layout(**lay)
+        spec.check_tensor_parallel(layout.tp)
         fields = {"layout": layout, "micro_batch": rec["micro_batch"], "recompute": rec["recompute"],
                   "zero": rec["zero"], "sequence_parallel": rec["sequence_parallel"],
                   "cost_model": rec.get("cost_model"), "memory_reserve": rec.get("memory_reserve")}
