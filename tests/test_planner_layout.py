@@ -177,3 +177,76 @@ def test_no_plan_fits_says_by_how_much():
     with pytest.raises(NoPlanFits, match=r"no plan fits: the smallest needs .* per GPU, .* more than the .* usable"):
         plan_layouts(SMALL, cl, 4, space, memory_limit=least / 2)
     assert usable_memory(64 * GiB, 0.0) == 64 * GiB
+
+
+CLUSTER_YAML = """name: h100-2x4
+nodes: 2
+devices_per_node: 4
+device: h100
+intra: nvlink4
+inter: ib-ndr
+nics_per_node: 4
+"""
+
+
+def test_cli_top_json_out_plot_and_simulate_plan(tmp_path, capsys):
+    """plan --tp: --json records with the documented keys, best first; --out simulates (simulate
+    --plan --json) to the planner's time; --plot writes the figure; the table fits 120 columns."""
+    from experiments.cli import main
+    cl = tmp_path / "h100-2x4.yaml"
+    cl.write_text(CLUSTER_YAML)
+    model = tmp_path / "small.yaml"
+    import yaml
+    model.write_text(yaml.safe_dump(SMALL.to_dict()))
+    base = ["plan", "-m", str(model), "-c", str(cl), "-G", "16", "--tp", "auto", "--schedules", "dapple,zb-v",
+            "--micro-batches", "1,2", "--top", "4", "--no-progress"]
+    assert main(base + ["--json", "--out", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    top = out["top"]
+    assert len(top) == 4
+    for r in top:
+        for k in ("tp", "devices", "dp", "schedule", "chunks", "micro_batch", "recompute", "zero", "iteration_time",
+                  "mfu", "peak_memory", "tokens_per_s", "bubble_ratio"):
+            assert k in r, k
+        assert r["tp"] * r["devices"] * r["dp"] == 8
+        assert 0 < r["mfu"] < 1 and r["peak_memory"] <= out["usable_memory"]
+    assert [r["iteration_time"] for r in top] == sorted(r["iteration_time"] for r in top)
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert main(["simulate", "--plan", str(tmp_path / "p.json"), "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["iteration_time"] == top[0]["iteration_time"] and sim["tp"] == top[0]["tp"]
+    assert sim["out_of_memory"] is False
+    assert main(base) == 0
+    text = capsys.readouterr().out
+    assert max(map(len, text.splitlines())) <= 120
+    assert "step_s" in text and "mfu" in text and "search:" in text
+
+
+def test_run_plan_trains_a_tp2_plan_with_the_references_losses(tmp_path):
+    """A plan with T = 2 (ZeRO-1 where R > 1) for the tiny GPT runs on gloo with the reference's
+    losses; a plan with sequence parallelism is refused for a run with one line."""
+    from executor.launch import run_many
+    from executor.reference import run_reference
+    from experiments.plan_files import config_from_plan
+    from dataclasses import replace
+    tiny = load_model("tiny")
+    cl = replace(_small_h100(2), name="h100-2x2")
+    res = plan_layouts(tiny, cl, 8, LayoutSpace(tp=(2,), schedules=("dapple",), micro_batches=(1, 2),
+                                                 recompute=("none",), sequence_parallel=(False,)),
+                       top_k=1, cost_model="linear")
+    best = res.best.job
+    assert best.layout.tp == 2
+    path = tmp_path / "tp2.json"
+    path.write_text(json.dumps(layout_plan_record(best, cl, 8)))
+    cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05, timeout=30.0)
+    assert (cfg.tp, cfg.devices, cfg.replicas, cfg.zero) == (2, best.layout.devices, best.layout.replicas, best.zero)
+    assert cfg.global_microbatches * cfg.spec().micro_batch == 8
+    [got] = run_many([(cfg, low)])
+    ref = run_reference(cfg)
+    assert len(got.losses) == len(ref.losses) == 3
+    for a, b in zip(got.losses, ref.losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (got.losses, ref.losses)
+    sp = tmp_path / "sp.json"
+    sp.write_text(json.dumps(layout_plan_record(replace(best, sequence_parallel=True), cl, 8)))
+    with pytest.raises(ValueError, match="--sequence-parallel"):
+        config_from_plan(sp, steps=1)
