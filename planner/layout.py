@@ -23,6 +23,7 @@ So the best K equal those of simulating every candidate (:func:`brute_force`, th
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from cost_models.memory import fmt_bytes, memory_report, usable_memory
 from cost_models.model_spec import ModelSpec
 from cost_models.transformer import RECOMPUTE, megatron_flops
 from schedules import registry
-from schedules.ir import ScheduleError
+from schedules.ir import COMPUTE_KINDS, ScheduleError
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_CHUNKS = (2, 4)
@@ -104,7 +105,8 @@ class Confirmed:
     def record(self, global_batch: int, model: ModelSpec, peak_flops: float) -> dict:
         """The JSON record of ``pipetwin plan --tp``: tp, devices, dp, schedule, chunks, variant,
         micro_batch, microbatches, recompute, zero, sequence_parallel, iteration_time,
-        tokens_per_s, mfu (:func:`layout_mfu`), peak_memory (bytes), bubble_ratio, time_bound."""
+        tokens_per_s, mfu (:func:`layout_mfu`), peak_memory (bytes: the worst GPU's static +
+        activations), memory_need (with the transients), bubble_ratio, time_bound, memory_verdict."""
         lay, j = self.job.layout, self.job
         return {"tp": lay.tp, "devices": lay.devices, "dp": lay.replicas, "gpus": lay.gpus,
                 "schedule": lay.schedule, "chunks": lay.chunks if registry.get(lay.schedule).takes_chunks else 1,
@@ -113,7 +115,7 @@ class Confirmed:
                 "iteration_time": self.iteration_time,
                 "tokens_per_s": global_batch * model.seq_len / self.iteration_time,
                 "mfu": layout_mfu(model, global_batch, self.iteration_time, lay.gpus, peak_flops),
-                "peak_memory": self.peak_memory, "bubble_ratio": self.bubble_ratio,
+                "peak_memory": self.peak_memory, "memory_need": self.memory_need, "bubble_ratio": self.bubble_ratio,
                 "time_bound": self.time_bound, "memory_verdict": self.verdict}
 
 
@@ -240,6 +242,7 @@ class _Bounds:
         self.model, self.cluster = model, cluster
         self._work: dict = {}
         self._mem: dict = {}
+        self._shapes: dict = {}
 
     def inputs(self, job: Job) -> CostInputs:
         return CostInputs("transformer", model=self.model.replace(micro_batch=job.micro_batch), cluster=self.cluster)
@@ -253,6 +256,49 @@ class _Bounds:
             self._work[key] = (sum(c.f) + sum(c.b_input) + sum(c.w), sum(c.f) + sum(c.b_input))
         work, path = self._work[key]
         return max(lay.microbatches * work / lay.devices, path)
+
+    def shape(self, job: Job):
+        """The family's compute-only schedule of the job's (schedule, D, N, chunks, variant), built
+        once and shared by every (T, micro-batch, recompute, ZeRO, SP) on it; a ScheduleError or
+        ValueError (requirements not met) is kept and returned."""
+        lay = job.layout
+        key = (lay.schedule, lay.devices, lay.microbatches, lay.chunks, lay.variant)
+        if key not in self._shapes:
+            from schedules import build
+            try:
+                self._shapes[key] = build(lay.schedule, lay.devices, lay.microbatches, **lay.family_options())
+            except (ScheduleError, ValueError) as e:
+                self._shapes[key] = e
+        return self._shapes[key]
+
+    def refine(self, job: Job, capacity: float, reserve: float | None):
+        """The second bound, from the job's costs on its built (not lowered) schedule: ``(time,
+        need, fits)``: time = max over ranks of (its busy time, every compute op of its program,
+        plus the forwards of the stages before the first stage it holds, which must run before its
+        first op can start); need and fits: the ledger's verdict (:func:`memory_report`, the same
+        walk as on the lowered schedule: the walk counts compute ops only). None for families that
+        order their ops from their own costs (zb-auto: bound and judged when confirmed); a string
+        when the family refuses the shape."""
+        if registry.get(job.layout.schedule).takes_memory_limit:
+            return None
+        sched = self.shape(job)
+        if isinstance(sched, Exception):
+            return str(sched)
+        tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+        try:
+            costs = tcm.bind(sched)
+        except ValueError as e:
+            return str(e)
+        rep = memory_report(sched, costs, capacity, reserve)
+        f = costs.f
+        best = 0.0
+        for d in range(sched.num_devices):
+            held = sched.stages_on(d)
+            start = min(sum(f[c][:s]) for c, s in held)
+            busy = sum(costs.compute_time(op.kind, op.copy, op.stage) for op in sched.programs[d]
+                       if op.kind in COMPUTE_KINDS)
+            best = max(best, start + busy)
+        return best, rep.max_peak + rep.transient, not rep.oom
 
     def memory(self, job: Job) -> float:
         lay = job.layout
@@ -323,17 +369,40 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
     result = LayoutResult([], [], model, cluster, global_batch, usable, candidates=len(cands),
                           peak_flops=cluster.device.peak(_precision(model, cluster)))
     top: list[Confirmed] = []
-    misses: list[tuple[float, Candidate]] = []
-    for i, c in enumerate(cands):
-        if len(top) >= top_k and c.time_bound >= top[-1].iteration_time:
+    misses: list[tuple[float, Candidate | None]] = []
+    # (bound, order, index, refined): a candidate comes up first on its cheap bound, then again on
+    # its refined one (memory judged by the ledger in between), then it is confirmed
+    heap = [(c.time_bound, _order(c.job), i, False) for i, c in enumerate(cands)]
+    heapq.heapify(heap)
+    refined: dict[int, float] = {}
+    seen = 0
+    while heap:
+        tb, order, i, done = heapq.heappop(heap)
+        if len(top) >= top_k and tb >= top[-1].iteration_time:
             break
-        if progress is not None:
-            progress(i, len(cands))
-        if c.memory_bound > usable:
-            result.memory_pruned += 1
-            misses.append((c.memory_bound, c))
+        c = cands[i]
+        if not done:
+            seen += 1
+            if progress is not None:
+                progress(seen, len(cands))
+            if c.memory_bound > usable:
+                result.memory_pruned += 1
+                misses.append((c.memory_bound, c))
+                continue
+            ref = bounds.refine(c.job, capacity, reserve)
+            if isinstance(ref, str):
+                result.refused += 1
+                continue
+            if ref is not None:
+                t2, need, fits = ref
+                if not fits:
+                    result.out_of_memory += 1
+                    misses.append((need, None))
+                    continue
+                tb = refined[i] = max(tb, t2)
+            heapq.heappush(heap, (tb, order, i, True))
             continue
-        got = confirm(c.job, bounds.inputs(c.job), capacity, reserve, c.time_bound)
+        got = confirm(c.job, bounds.inputs(c.job), capacity, reserve, refined.get(i, c.time_bound))
         if isinstance(got, tuple):
             if got[0] == "oom":
                 result.out_of_memory += 1
@@ -343,8 +412,7 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
             continue
         result.simulated += 1
         result.confirmed.append(got)
-        top.append(got)
-        top = ranked(top)[:top_k]
+        top = ranked(top + [got])[:top_k]
     result.seconds = time.perf_counter() - t0
     if not top:
         raise NoPlanFits(_no_fit(misses, bounds, capacity, reserve, usable))
@@ -391,8 +459,15 @@ def brute_force(model: ModelSpec, cluster: Cluster, global_batch: int, space: La
     capacity, reserve = memory_budget(cluster, memory_limit, memory_reserve)
     out = []
     for j in candidates(model, cluster, global_batch, space, memory_reserve=memory_reserve, cost_model=cost_model):
-        c = Candidate(j, bounds.time(j), bounds.memory(j))
-        out.append((c, confirm(j, bounds.inputs(j), capacity, reserve, c.time_bound)))
+        ref = bounds.refine(j, capacity, reserve)
+        tb = bounds.time(j)
+        if isinstance(ref, tuple):
+            tb = max(tb, ref[0])
+        c = Candidate(j, tb, bounds.memory(j))
+        got = confirm(j, bounds.inputs(j), capacity, reserve, tb)
+        if isinstance(ref, tuple):     # the refined verdict is the ledger's
+            assert ref[2] == (not isinstance(got, tuple)), (j, ref, got)
+        out.append((c, got))
     return out
 
 
