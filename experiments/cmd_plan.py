@@ -1,4 +1,5 @@
-"""``pipetwin plan``: the DAPPLE planner: the fastest data x pipeline plan that fits, and its baselines.
+"""``pipetwin plan``: the DAPPLE planner: the fastest data x pipeline plan that fits, and its baselines;
+with ``--tp auto|T,...`` the whole-layout search (:mod:`experiments.plan_layout`).
 
 Searches stages, partition, per-stage replicas, placement (fresh-first / append-first /
 scatter-first) and micro-batch count exactly under DAPPLE's latency model, re-simulates the best
@@ -24,7 +25,7 @@ from .jobs import add_cluster_shape_args, add_cost_model_args, cluster_from_args
 from .tables import byte_unit, fmt_bytes, fmt_table, printable, wrap_cell
 
 NAME = "plan"
-HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner)"
+HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner; --tp: the whole layout)"
 
 
 def add_arguments(p):

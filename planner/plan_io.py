@@ -24,6 +24,16 @@ A plan file is JSON::
       "estimate": {...planner.cost.Estimate.to_dict()...}, "simulated": {...} or null
     }
 
+A whole-layout plan (``pipetwin plan --tp``, :mod:`planner.layout`) is a job instead::
+
+    {"format": "pipetwin-plan", "version": 1, "kind": "layout",
+     "model": {"kind": "transformer", "name", "spec": {...}}, "cluster": {...},
+     "layout": {"schedule", "devices" (D), "microbatches" (N), "replicas" (R), "chunks", "variant", "tp" (T)},
+     "micro_batch", "recompute", "zero", "sequence_parallel", "cost_model", "memory_reserve", "memory_limit",
+     "global_batch", "simulated": {...the planner's record...}}
+
+read back as a :class:`LayoutPlan` (its :meth:`LayoutPlan.job` is the job the planner simulated).
+
 Layers are global indices of the model's layer stack (for a transformer: 0 = embedding,
 1..L = blocks, L + 1 = head). Device ids are ``node * devices_per_node + local``.
 
