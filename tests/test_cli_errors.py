@@ -15,6 +15,7 @@ from tests.test_cost_models_specs import PROFILE
 SIM = ["simulate", "-s", "dapple", "-D", "4", "-N", "8"]
 UNIT = SIM + ["--unit-costs"]
 RUN = ["run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1"]
+LAYOUT = ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--tp", "auto", "--no-progress"]
 SWEEP = ["sweep", "-s", "dapple", "-D", "2", "-N", "2", "--no-figures", "--no-progress", "--workers", "1"]
 
 
@@ -153,6 +154,26 @@ CASES = [
     ("plan-memory-limit-above-the-device", ["plan", "-m", "gpt3-1.3b", "-c", "dgx-a100-4x8-ib", "-G", "64",
                                             "--memory-limit", "10 TiB", "--no-progress"],
      ["--memory-limit 10 TiB", "a100's 80 GiB", "--force"]),
+    # the whole-layout planner (plan --tp)
+    ("plan-layout-no-plan-fits", LAYOUT + ["-m", "llama3-405b", "-c", "dgx-h100-ib:1", "-G", "8", "--schedules",
+                                           "dapple", "--micro-batches", "1", "--recompute", "full"],
+     ["no plan fits: the smallest needs", "per GPU", "more than the", "usable"]),
+    ("plan-layout-devices-not-multiple", LAYOUT + ["--devices", "12"], ["--devices 12", "multiple of the 8 GPUs"]),
+    ("plan-layout-batch-not-divisible", LAYOUT + ["-G", "7", "--micro-batches", "2"],
+     ["-G 7 is not divisible", "use a multiple of 2"]),
+    ("plan-tp-not-dividing-node", LAYOUT + ["--tp", "3"], ["--tp 3", "does not divide the 8 GPUs of a node"]),
+    ("plan-tp-not-dividing-model", LAYOUT + ["-m", "tiny", "--tp", "8"], ["--tp 8", "heads (4)"]),
+    ("plan-tp-zero", LAYOUT + ["--tp", "0"], ["--tp", "integers >= 1", "'0'"]),
+    ("plan-tp-nan", LAYOUT + ["--tp", "nan"], ["--tp", "integers >= 1", "'nan'"]),
+    ("plan-micro-batches-negative", LAYOUT + ["--micro-batches", "-2"], ["--micro-batches", "integers >= 1"]),
+    ("plan-micro-batches-inf", LAYOUT + ["--micro-batches", "inf"], ["--micro-batches", "'inf'"]),
+    ("plan-layout-memory-limit-nan", LAYOUT + ["--memory-limit", "nan"], ["--memory-limit"]),
+    ("plan-layout-dapple-option", LAYOUT + ["--uniform"], ["--uniform", "DAPPLE planner", "--tp"]),
+    ("plan-plot-without-tp", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--plot", "{dir}/p.png"],
+     ["--plot", "--tp auto"]),
+    ("plan-plot-under-file", LAYOUT + ["--plot", "{file}/p.png"], ["--plot", "is a file"]),
+    ("plan-plot-is-folder", LAYOUT + ["--plot", "{dir}"], ["--plot", "folder"]),
+    ("plan-layout-out-under-file", LAYOUT + ["--out", "{file}/p.json"], ["--out", "is a file"]),
     # control characters in names are printed escaped
     ("model-name-escape", SIM + ["-m", "bad\x1b[31m"], ["model preset", "bad\\x1b[31m"]),
     ("schedule-name-escape", ["simulate", "-s", "zz\x07", "-D", "4", "-N", "8"], ["zz\\x07"]),
