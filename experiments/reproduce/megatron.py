@@ -8,7 +8,9 @@ with the row's chunks, the gradient all-reduce after the pipeline's flush (``eag
 Megatron-LM's training step runs it). Each is a :class:`cost_models.Job` simulated by :func:`sim.simulate_job`
 with the ``a100`` preset's kernel model; TFLOP/s per GPU is the paper's Eq. (3),
 F = 96 B s l h^2 (1 + s/6h + V/16lh), over the predicted iteration time and the GPUs. Nothing is
-fitted on these rows (``cost_models/presets/measurements/megatron/README.md`` names the source).
+fitted on these rows (``cost_models/presets/measurements/megatron/README.md`` names the source):
+the preset's two fitted constants come from Zero Bubble Table 9 alone
+(:mod:`cost_models.stage_time_fit`), and the report says so above its table.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pandas as pd
 
 from cost_models import Job, Layout
 from cost_models.model_spec import ModelSpec
+from cost_models.stage_time_fit import fit_note
 from sim import simulate_job
 
 from ..progress import phase
@@ -133,10 +136,12 @@ def run(out_dir, quick: bool = False) -> str:
                 "measured_tflops_per_gpu", "error"]].rename(columns={
                     "predicted_tflops_per_gpu": "TFLOP/s predicted", "measured_tflops_per_gpu": "measured"})
     shown["error"] = shown.error.map(percent)
+    shown.insert(0, "row", "held out")
     report = "\n".join([
         "# Megatron-LM SC'21 Table 1, predicted (held out: nothing fitted on it)", "",
         "TFLOP/s per GPU by the paper's Eq. (3) over the simulated iteration time; DGX A100 80 GB nodes "
         f"({CLUSTER}:NODES), full recomputation, the `a100` preset's kernel model (figure: megatron.png).", "",
+        fit_note(), "",
         markdown(shown, floatfmt=".4g"), "",
         summary(df) + ".",
         f"Slowest row to simulate: {df.sim_wall_s.max():.1f} s (simulated replicas: "
