@@ -234,7 +234,8 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
     tcm = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
                                partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
-                               tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas)
+                               tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas,
+                               grad_accumulation=job.grad_accumulation)
     costs = tcm.bind(low)
     return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),

@@ -93,6 +93,10 @@ TP_ARCHS = ("gpt", "llama")        # the blocks priced split over a tensor-paral
 CONTAINERS = {"bert": 6, "gpt": 2, "opt": 2, "t5": 5, "llama": 2}
 PHASES = ("F", "B", "W")
 COST_MODELS = ("kernels", "linear")
+# how Megatron-LM's gpt block accumulates weight gradients over micro-batches: ``fused`` (gradient-
+# accumulation fusion: the weight-gradient GEMM adds into the fp32 main gradient) or ``main-grad``
+# (its earlier local DDP: the GEMM writes a 16-bit gradient, a hook adds it into the fp32 main one)
+GRAD_ACCUMULATION = ("fused", "main-grad")
 
 
 @dataclass(frozen=True)
@@ -336,10 +340,17 @@ class BlockShape:
     attention: str = "flash"
     tp: int = 1
     sp: bool = False
+    grad_accumulation: str = "fused"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise SpecError(f"unknown block arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
+        if self.grad_accumulation not in GRAD_ACCUMULATION:
+            raise SpecError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
+                            f"got {self.grad_accumulation!r}")
+        if self.grad_accumulation != "fused" and self.arch != "gpt":
+            raise SpecError(f"grad_accumulation {self.grad_accumulation!r} is Megatron-LM's, priced for gpt "
+                            f"blocks, not {self.arch}")
         if (self.tp > 1 or self.kv_heads is not None or self.attention != "flash") and self.arch not in TP_ARCHS:
             raise SpecError(f"tensor parallelism (--tp with --cost-model kernels), kv_heads and eager attention are "
                             f"priced for {' and '.join(TP_ARCHS)} blocks, not {self.arch}; use --cost-model linear")
@@ -378,11 +389,11 @@ def _norm(name, phase, arch, n, d, T):
             memory(f"{name}.dgb.sum", "W", small)]
 
 
-def _linear(name, T, n_out, n_in, d, bias, input_grad=True, fused_accum=False):
-    """(forward kernels, backward kernels) of a linear layer over T rows. ``fused_accum``
-    (Megatron-LM's gradient-accumulation fusion): the weight-gradient GEMM adds into the fp32 main
-    gradient (its result read and written in fp32) and the bias gradient is reduced in B; W is the
-    weight-gradient GEMM alone (what Zero Bubble's W pass defers)."""
+def _linear(name, T, n_out, n_in, d, bias, input_grad=True, megatron=False, fused_accum=False):
+    """(forward kernels, backward kernels) of a linear layer over T rows. ``megatron``: the bias
+    gradient is reduced in B (Megatron-LM's W is the weight-gradient GEMM alone, what Zero Bubble's
+    W pass defers); ``fused_accum`` (its gradient-accumulation fusion): that GEMM adds into the fp32
+    main gradient (its result read and written in fp32)."""
     fwd = [gemm(name, "F", T, n_out, n_in, d, modules=1)]
     bwd = []
     if input_grad:
@@ -392,7 +403,7 @@ def _linear(name, T, n_out, n_in, d, bias, input_grad=True, fused_accum=False):
         dw = replace(dw, bytes=dw.bytes + (8 - d) * n_out * n_in)
     bwd.append(dw)
     if bias:
-        bwd.append(memory(f"{name}.db", "B" if fused_accum else "W", T * n_out * d + n_out * 4))
+        bwd.append(memory(f"{name}.db", "B" if megatron else "W", T * n_out * d + n_out * 4))
     return fwd, bwd
 
 
@@ -439,18 +450,16 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
             attn_f.extend(fwd)
 
     def lin(name, n_out, n_in, dx=True):
-        fw, bw = _linear(name, T, n_out, n_in, d, bias, dx, fused_accum=megatron)
+        fw, bw = _linear(name, T, n_out, n_in, d, bias, dx, megatron, megatron and sh.grad_accumulation == "fused")
         step(fw, bw)
-        if not megatron:
-            params.extend([n_out * n_in] + ([n_out] if bias else []))
+        params.extend([n_out * n_in] + ([n_out] if bias else []))
 
     def norm(name):
         bw = _norm(name, "B", a, Te * h, d, Te)
         if megatron:        # the fused LayerNorm's gamma/beta gradients come with its input gradient
             bw = [replace(k, phase="B") for k in bw]
         step(_norm(name, "F", a, Te * h, d, Te), bw)
-        if not megatron:
-            params.extend([h] if a in ("t5", "llama") else [h, h])
+        params.extend([h] if a in ("t5", "llama") else [h, h])
 
     def residual(name):
         """The residual add closing a sub-block; Megatron's fused bias-dropout-add with dropout
@@ -558,20 +567,23 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
         back = [replace(k, phase="B", name=k.name + ".re") for k in attn_f] + back
     elif recompute != "none":
         raise SpecError(f"recompute must be one of none, selective, full; got {recompute!r}")
-    if accumulate_grads:
+    if megatron:        # fused: nothing more; main-grad: read the 16-bit gradient, add into the fp32 one
+        if sh.grad_accumulation == "main-grad":
+            back += [memory(f"main_grad.add{i}", "W", (d + 8) * p) for i, p in enumerate(params)]
+    elif accumulate_grads:
         back += [memory(f"grad.accum{i}", "W", 3 * p * d) for i, p in enumerate(params)]
     return tuple(Fk + back)
 
 
 def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None, tp: int = 1,
-                sp: bool = False, attention: str | None = None) -> BlockShape:
-    """The block of a model spec: ``bert`` for kind bert, ``gpt`` (the executor's block) for gpt,
+                sp: bool = False, attention: str | None = None, grad_accumulation: str = "fused") -> BlockShape:
+    """The block of a model spec: ``bert`` for kind bert, ``gpt`` (Megatron-LM's layer) for gpt,
     ``llama`` for llama; its attention the model's unless given."""
     arch = arch or ("bert" if spec.kind == "bert" else "llama" if spec.kind == "llama" else "gpt")
     extra = {} if arch not in TP_ARCHS else dict(kv_heads=None if spec.kv == spec.heads else spec.kv,
                                                  attention=attention or spec.attention_kind)
     return BlockShape(arch, spec.hidden, spec.heads, spec.seq_len, spec.ffn, spec.dtype_bytes,
-                      spec.micro_batch, dropout, tp=tp, sp=sp, **extra)
+                      spec.micro_batch, dropout, tp=tp, sp=sp, grad_accumulation=grad_accumulation, **extra)
 
 
 def embedding_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kernel]:
@@ -608,12 +620,13 @@ def head_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kerne
 
 def transformer_layer_times(spec: "ModelSpec", device: "DeviceSpec", precision: str, recompute: str = "none",
                             dropout: bool = True, constants: GpuConstants | None = None, tp: int = 1,
-                            sp: bool = False) -> list[tuple[float, float, float]]:
+                            sp: bool = False, grad_accumulation: str = "fused") -> list[tuple[float, float, float]]:
     """(F, B, W) seconds of every layer of the stack [embedding, blocks, head] for one micro-batch
     of ``spec.micro_batch`` sequences on one of ``tp`` GPUs, each phase a long-run kernel stream
     (see :func:`stream_time`); the tensor-parallel collectives are not in them."""
     rates = DeviceRates.of(device, precision, constants)
-    block = rates.phases(block_kernels(block_shape(spec, dropout, tp=tp, sp=sp), recompute=recompute))
+    shape = block_shape(spec, dropout, tp=tp, sp=sp, grad_accumulation=grad_accumulation)
+    block = rates.phases(block_kernels(shape, recompute=recompute))
     return [rates.phases(embedding_kernels(spec, tp, sp)), *([block] * spec.layers),
             rates.phases(head_kernels(spec, tp, sp))]
 
