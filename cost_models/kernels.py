@@ -66,7 +66,9 @@ sub-block (it writes the mask; its backward passes the gradient through it) and,
 attention, a dropout on the attention probabilities (read, write, mask; the same backward);
 gradient-accumulation fusion: each weight-gradient GEMM adds into the fp32 main gradient (its result
 read and written in fp32), the bias and LayerNorm-parameter gradients are reduced in B, so W is the
-four weight-gradient GEMMs alone, what Zero Bubble's W pass defers.
+four weight-gradient GEMMs alone, what Zero Bubble's W pass defers. Megatron-LM's earlier local DDP
+(``grad_accumulation="main-grad"``) had no such fusion: each GEMM writes a 16-bit gradient and a hook
+adds every parameter tensor into its fp32 main gradient (2 + 8 bytes per parameter, in W).
 """
 from __future__ import annotations
 
