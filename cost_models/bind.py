@@ -235,7 +235,8 @@ def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> Tran
     return TransformerCostModel(model, cluster.device, recompute=job.recompute,
                                 compute=cost_model_for(job.cost_model, cluster.device, False),
                                 partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
-                                tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas)
+                                tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas,
+                                grad_accumulation=job.grad_accumulation)
 
 
 def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:

@@ -267,7 +267,8 @@ def run(out_dir, quick: bool = False) -> str:
         "everything else (1F1B-I, ZB-1p, ZB-2p, Table 6's ZB-V and 1F1B rows, bubbles, memory). Sources: "
         "`profiled` = Table 9's stage times through `--stage-costs` (Table 6's configurations: scaled from "
         "Table 9 by layers per stage and micro-batch); `kernels` = Table 3's dimensions on the a100 kernel "
-        "model, first and last stages one layer shorter. Bubble and iteration cost as the paper defines them "
+        "model (its GEMM and memory efficiencies fitted on Table 9's stage times, `cost_models.stage_time_fit`), "
+        "first and last stages one layer shorter. Bubble and iteration cost as the paper defines them "
         "(the longest stage span). Memory: kernels only, GB = 1e9 bytes (the paper's unit unstated).", "",
         markdown(headline(df), floatfmt=".3f"), "",
         "## Fitted factors", "", markdown(fit), "",
