@@ -173,7 +173,7 @@ def costed_family(job: Job, inputs: CostInputs) -> dict | None:
     else:
         links = net.path(0, 1)
         message = sum(ln.latency for ln in links) + c.act_bytes[0][0] / min(ln.bandwidth for ln in links)
-    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], auto_limit(job.layout, c))}
+    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], auto_limit(job.layout, c), c.act_w[0])}
 
 
 def auto_limit(layout, c: StageCosts) -> tuple[float, ...]:

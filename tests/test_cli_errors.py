@@ -99,6 +99,13 @@ CASES = [
     ("profile-folder", SIM + ["--profile", "{dir}"], ["calibration profile", "folder"]),
     ("stage-costs-empty", SIM + ["--stage-costs", "{empty}"], ["--stage-costs", "empty"]),
     ("stage-costs-and-model", SIM + ["--stage-costs", "{file}", "-m", "tiny"], ["--stage-costs", "--model"]),
+    ("stage-costs-activation-w-nan", SIM + ["--stage-costs", "{sc_actw_nan}"],
+     ["sc_actw_nan.yaml", "'activation_w' must be"]),
+    ("stage-costs-activation-w-inf", SIM + ["--stage-costs", "{sc_actw_inf}"],
+     ["sc_actw_inf.yaml", "'activation_w' must be"]),
+    ("stage-costs-activation-w-neg", SIM + ["--stage-costs", "{sc_actw_neg}"],
+     ["sc_actw_neg.yaml", "'activation_w' must be"]),
+    ("stage-costs-blocking-not-bool", SIM + ["--stage-costs", "{sc_blocking}"], ["sc_blocking.yaml", "true or false"]),
     ("memory-limit-fixed-order", UNIT + ["--memory-limit", "8"], ["--memory-limit", "zb-auto only"]),
     ("memory-limit-bad", UNIT + ["--memory-limit", "lots"], ["--memory-limit"]),
     ("memory-limit-run", ["run", "-s", "zb-auto", "-D", "2", "-N", "2", "--memory-limit", "4"],
@@ -233,7 +240,12 @@ def files(tmp_path):
     (tmp_path / "cutprofile.yaml").write_text(_measured_profile_text(tmp_path).rsplit("precision:", 1)[0])
     (tmp_path / "model.py").write_text(MODEL_FILE)
     (tmp_path / "bert.json").write_text('{"architectures": ["BertForMaskedLM"], "hidden_size": 768}')
-    names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile")
+    sc = "stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 100\n"
+    for name, extra in (("sc_actw_nan", "activation_w: .nan\n"), ("sc_actw_inf", "activation_w: .inf\n"),
+                        ("sc_actw_neg", "activation_w: -1\n"), ("sc_blocking", "blocking_sends: 1\n")):
+        (tmp_path / f"{name}.yaml").write_text(sc + extra)
+    names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile", "sc_actw_nan",
+             "sc_actw_inf", "sc_actw_neg", "sc_blocking")
     made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
             "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
             **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
