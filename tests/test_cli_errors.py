@@ -74,6 +74,29 @@ CASES = [
      ["--tp 2", "sequence length", "(15)"]),
     ("sp-with-run-plan", ["run", "--plan", "{plan}", "--sequence-parallel"], ["--plan", "--sequence-parallel"]),
     ("zero-in-a-run-without-dp", RUN + ["--zero", "1"], ["--zero 1", "--dp"]),
+    # calibrate / validate with tensor parallelism: refused before any measurement
+    ("calibrate-tp-not-dividing-heads", ["calibrate", "--tp", "3", "--out", "{dir}/c.yaml"], ["--tp 3", "heads (4)"]),
+    ("calibrate-tp-zero", ["calibrate", "--tp", "0"], ["--tp"]),
+    ("calibrate-tp-model-file", ["calibrate", "-m", "{model}:in_place", "--tp", "2", "--out", "{dir}/c.yaml"],
+     ["--tp 2", "model file", "--tp 1"]),
+    ("validate-tp-not-dividing-heads", ["validate", "--tp", "3", "--plot", "{dir}/v.png"], ["--tp 3", "heads (4)"]),
+    ("validate-tp-model-file", ["validate", "-m", "{model}:in_place", "--tp", "2", "--plot", "{dir}/v.png"],
+     ["--tp 2", "model file"]),
+    ("validate-tp-with-a-profile-of-t1", ["validate", "--tp", "2", "--profile", "{tp1profile}"],
+     ["measured at --tp 1, not --tp 2", "calibrate with --tp 2"]),
+    ("validate-t1-with-a-profile-of-tp2", ["validate", "--tp", "1", "--profile", "{tp2profile}"],
+     ["measured at --tp 2, not --tp 1"]),
+    ("validate-tp2-profile-more-processes-than-cores", ["validate", "-D", "4", "--profile", "{tp2profile}"],
+     ["8 processes (4 ranks x T=2) on 2 cores", "--ranks 4"]),
+    ("simulate-tp2-profile-at-t1", SIM + ["--profile", "{tp2profile}"], ["measured at --tp 2, not --tp 1"]),
+    ("simulate-tp2-profile-on-a-cluster", SIM + ["--tp", "2", "--profile", "{tp2profile}", "-c", "dgx-a100-1x8"],
+     ["--tp 2", "--cluster dgx-a100-1x8", "--tp 1"]),
+    ("profile-tp-nan", SIM + ["--profile", "{tpnan}"], ["tpnan.yaml", "'tp'"]),
+    ("profile-tp-zero", SIM + ["--profile", "{tpzero}"], ["tpzero.yaml", "'tp'", ">= 1"]),
+    ("profile-tp-without-allreduce", SIM + ["--profile", "{tpnoar}"], ["tpnoar.yaml", "tp_allreduce"]),
+    ("profile-tp-allreduce-inf", SIM + ["--tp", "2", "--profile", "{tparinf}"],
+     ["tparinf.yaml", "tp_allreduce.bandwidth"]),
+    ("profile-tp-not-dividing-heads", SIM + ["--tp", "3", "--profile", "{tp3}"], ["tp3.yaml", "tp 3", "heads (4)"]),
     ("hf-config-unknown-arch", SIM + ["-m", "{hf_bert}"], ["BertForMaskedLM", "LlamaForCausalLM"]),
     ("hf-config-folder", SIM + ["-m", "{dir}/x.json"], ["x.json"]),
     # silent wrong results
@@ -244,8 +267,18 @@ def files(tmp_path):
     for name, extra in (("sc_actw_nan", "activation_w: .nan\n"), ("sc_actw_inf", "activation_w: .inf\n"),
                         ("sc_actw_neg", "activation_w: -1\n"), ("sc_blocking", "blocking_sends: 1\n")):
         (tmp_path / f"{name}.yaml").write_text(sc + extra)
+    measured = _measured_profile_text(tmp_path)
+    tp_ar = "tp_allreduce: {latency: 30 us, bandwidth: 1 GB/s}\n"
+    (tmp_path / "tp1profile.yaml").write_text(measured)
+    (tmp_path / "tp2profile.yaml").write_text(measured + "tp: 2\n" + tp_ar)
+    (tmp_path / "tpnan.yaml").write_text(measured + "tp: .nan\n" + tp_ar)
+    (tmp_path / "tpzero.yaml").write_text(measured + "tp: 0\n")
+    (tmp_path / "tpnoar.yaml").write_text(measured + "tp: 2\n")
+    (tmp_path / "tparinf.yaml").write_text(measured + "tp: 2\ntp_allreduce: {latency: 30 us, bandwidth: .inf}\n")
+    (tmp_path / "tp3.yaml").write_text(measured + "tp: 3\n" + tp_ar)
     names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile", "sc_actw_nan",
-             "sc_actw_inf", "sc_actw_neg", "sc_blocking")
+             "sc_actw_inf", "sc_actw_neg", "sc_blocking", "tp1profile", "tp2profile", "tpnan", "tpzero", "tpnoar",
+             "tparinf", "tp3")
     made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
             "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
             **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
