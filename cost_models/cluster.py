@@ -55,7 +55,7 @@ Units: bandwidth bytes/s per direction, latency seconds.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -156,6 +156,8 @@ class Cluster:
     nodes_per_leaf: int = DEFAULT_NODES_PER_LEAF
     nodes_per_pod: int | None = None
     pod_oversubscription: float = 1.0
+    # the links made so far, by what names them (a path of a 131,072-GPU job is looked up, not built)
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         for f in ("nodes", "devices_per_node", "nics_per_node", "nodes_per_leaf", "nodes_per_pod"):
@@ -224,10 +226,24 @@ class Cluster:
 
     # ------------------------------------------------------------------ network
     def _intra(self, node: int, local: int, direction: str, latency: float) -> Link:
-        return Link(f"n{node}.g{local}.{direction}", self.intra.bandwidth, latency)
+        key = ("g", node, local, direction)
+        ln = self._memo.get(key)
+        if ln is None:
+            ln = self._memo[key] = Link(f"n{node}.g{local}.{direction}", self.intra.bandwidth, latency)
+        return ln
 
     def _nic(self, node: int, nic: int, direction: str, latency: float) -> Link:
-        return Link(f"n{node}.nic{nic}.{direction}", self.inter.bandwidth, latency)
+        key = ("nic", node, nic, direction)
+        ln = self._memo.get(key)
+        if ln is None:
+            ln = self._memo[key] = Link(f"n{node}.nic{nic}.{direction}", self.inter.bandwidth, latency)
+        return ln
+
+    def _fabric_link(self, name: str, bandwidth: float) -> Link:
+        ln = self._memo.get(name)
+        if ln is None:
+            ln = self._memo[name] = Link(name, bandwidth, 0.0)
+        return ln
 
     def _leaf_nodes(self, leaf: int) -> int:
         """Nodes under leaf (or rail group) ``leaf``: ``nodes_per_leaf``, fewer in the last one."""
@@ -245,9 +261,9 @@ class Cluster:
             return self._leaf_links(na, ka, nb, kb)
         pa, pb = na // pod, nb // pod
         bw = self.inter.bandwidth * self.nics_per_node / self.pod_oversubscription
-        up, down = self._leaf_links(na, ka, nb, kb)[:1], self._leaf_links(na, ka, nb, kb)[1:]
-        return [*up, Link(f"pod{pa}.up", bw * self._pod_nodes(pa), 0.0),
-                Link(f"pod{pb}.down", bw * self._pod_nodes(pb), 0.0), *down]
+        leaf = self._leaf_links(na, ka, nb, kb)
+        return [*leaf[:1], self._fabric_link(f"pod{pa}.up", bw * self._pod_nodes(pa)),
+                self._fabric_link(f"pod{pb}.down", bw * self._pod_nodes(pb)), *leaf[1:]]
 
     def _leaf_links(self, na: int, ka: int, nb: int, kb: int) -> list[Link]:
         """The leaf (fat-tree) or rail-group uplink and downlink between two NICs, if any."""
@@ -260,13 +276,13 @@ class Cluster:
             if ga == gb:
                 return []
             nic = self.inter.bandwidth * self.nics_per_node
-            return [Link(f"leaf{ga}.up", nic * self._leaf_nodes(ga) / over, 0.0),
-                    Link(f"leaf{gb}.down", nic * self._leaf_nodes(gb) / over, 0.0)]
+            return [self._fabric_link(f"leaf{ga}.up", nic * self._leaf_nodes(ga) / over),
+                    self._fabric_link(f"leaf{gb}.down", nic * self._leaf_nodes(gb) / over)]
         if ga == gb and ka == kb:
             return []
         bw = self.inter.bandwidth
-        return [Link(f"g{ga}.rail{ka}.up", bw * self._leaf_nodes(ga) / over, 0.0),
-                Link(f"g{gb}.rail{kb}.down", bw * self._leaf_nodes(gb) / over, 0.0)]
+        return [self._fabric_link(f"g{ga}.rail{ka}.up", bw * self._leaf_nodes(ga) / over),
+                self._fabric_link(f"g{gb}.rail{kb}.down", bw * self._leaf_nodes(gb) / over)]
 
     def path(self, src: int, dst: int) -> list[Link]:
         """Links a message from rank ``src`` to rank ``dst`` occupies ([] on the same device)."""

@@ -122,9 +122,9 @@ class Topology:
     def translation_period(self, policy: str) -> int | None:
         """Slots by which every stage of a plan can move along the allocation order without any
         communication cost changing (None: no such shift): whole nodes (whole leaves on a fat-tree or
-        rail fabric, whole pods on a spine) for the node-major orders; one device of every node for scatter-first on a flat
-        fabric whose NICs are one per node or one per device. The search uses it to compare suffixes
-        of different sizes (:mod:`planner.search`)."""
+        rail fabric, whole pods on a spine) for the node-major orders; one device of every node for
+        scatter-first on a flat fabric whose NICs are one per node or one per device. The search uses
+        it to compare suffixes of different sizes (:mod:`planner.search`)."""
         c = self.cluster
         if c.nodes_per_pod is not None and c.nodes > c.nodes_per_pod:     # whole pods (on a spine)
             if c.nodes % c.nodes_per_pod:

@@ -414,6 +414,45 @@ def test_pods_on_an_oversubscribed_spine_equal_the_full_simulation(tmp_path, pod
     assert free.simulated_replicas == 1 and got.iteration_time > free.iteration_time * 1.001
 
 
+@pytest.mark.parametrize("case", ["dapple-R8", "megatron-pods", "chimera-R4"])
+def test_all_reduce_steps_run_alone_equal_one_event_per_step(tmp_path, monkeypatch, case):
+    """A ring's steps whose flow has its links to itself and end before anything else happens run
+    as one timeout (sim.engine._solo_steps): the iteration time and every rank's busy time and
+    memory are those of one event per step, and far fewer events are processed."""
+    from sim import simulate_job
+    from sim.engine import _Engine
+
+    def go():
+        if case == "megatron-pods":
+            return simulate_job(_megatron_job(tmp_path, pod=16, R=16)).result
+        name, D, R = ("dapple", 4, 8) if case == "dapple-R8" else ("chimera", 4, 4)
+        low, costs, net = _placed(name, D, 8, R)
+        return run(low, costs, net)
+
+    steps = []
+    real_step = simpy.Environment.step
+    monkeypatch.setattr(simpy.Environment, "step", lambda env: (steps.append(1), real_step(env))[1])
+    fast = go()
+    fast_events = len(steps)
+    monkeypatch.setattr(_Engine, "_solo_steps", lambda self, lat, flows, left: (0, self.env.now))
+    steps.clear()
+    slow = go()
+    assert fast.iteration_time == pytest.approx(slow.iteration_time, rel=1e-12)
+    a, b = fast.metrics(), slow.metrics()
+    assert [p.busy for p in a.per_device] == pytest.approx([p.busy for p in b.per_device], rel=1e-12)
+    assert [p.peak_memory for p in a.per_device] == [p.peak_memory for p in b.per_device]
+    assert fast_events < len(steps) * (0.5 if case == "megatron-pods" else 0.95)
+
+
+def test_solo_duration_is_none_on_a_busy_link():
+    env = simpy.Environment()
+    fs = FairShare(env)
+    assert fs.solo_duration(100.0, [("l", 10.0), ("m", (40.0, 2.0))]) == pytest.approx(10.0)
+    fs.start(100.0, [("m", 40.0)])
+    assert fs.solo_duration(100.0, [("l", 10.0), ("m", (40.0, 2.0))]) is None
+    assert fs.solo_duration(100.0, [("l", 10.0)]) == pytest.approx(10.0)
+
+
 def test_run_refuses_a_full_simulation_beyond_max_ops():
     low, costs, net = _placed("dapple", 3, 6, 4)          # replicas differ: every one is simulated
     with pytest.raises(ValueError, match=r"replicas are simulated one by one \(replica 1's .*beyond the limit of 100"):
