@@ -119,6 +119,10 @@ CASES = [
     ("model-file-empty", SIM + ["-m", "{empty}"], ["model file", "empty"]),
     ("model-yaml-nan", SIM + ["-m", "{nanmodel}"], ["nanmodel.yaml", "hidden"]),
     ("cluster-yaml-inf", SIM + ["-c", "{infcluster}"], ["infcluster.yaml", "bandwidth"]),
+    ("cluster-pod-over-nan", SIM + ["-c", "{podnan}"], ["podnan.yaml", "pod_oversubscription", "nan"]),
+    ("cluster-pod-over-below-1", SIM + ["-c", "{podhalf}"], ["podhalf.yaml", "pod_oversubscription", ">= 1"]),
+    ("cluster-pod-zero", SIM + ["-c", "{podzero}"], ["podzero.yaml", "nodes_per_pod", ">= 1"]),
+    ("cluster-pod-not-whole-leaves", SIM + ["-c", "{podleaf}"], ["podleaf", "nodes_per_pod (3)", "nodes_per_leaf (2)"]),
     ("profile-folder", SIM + ["--profile", "{dir}"], ["calibration profile", "folder"]),
     ("stage-costs-empty", SIM + ["--stage-costs", "{empty}"], ["--stage-costs", "empty"]),
     ("stage-costs-and-model", SIM + ["--stage-costs", "{file}", "-m", "tiny"], ["--stage-costs", "--model"]),
@@ -255,6 +259,12 @@ def files(tmp_path):
     (tmp_path / "nanmodel.yaml").write_text("layers: 4\nhidden: .nan\nheads: 4\nseq_len: 8\nvocab: 16\n")
     (tmp_path / "infcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: .inf}\ninter: ib-hdr\n")
+    pods = ("nodes: 4\ndevices_per_node: 8\ndevice: a100\nintra: nvlink3\ninter: ib-hdr\nfabric: rail\n"
+            "nodes_per_leaf: 2\n")
+    for name, extra in (("podnan", "nodes_per_pod: 2\npod_oversubscription: .nan\n"),
+                        ("podhalf", "nodes_per_pod: 2\npod_oversubscription: 0.5\n"),
+                        ("podzero", "nodes_per_pod: 0\n"), ("podleaf", "nodes_per_pod: 3\n")):
+        (tmp_path / f"{name}.yaml").write_text(pods + extra)
     (tmp_path / "dupmodel.yaml").write_text("layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nhidden: 32\n")
     (tmp_path / "dupcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: 300 GB/s, bandwidth: 3 GB/s}\n"
@@ -278,7 +288,7 @@ def files(tmp_path):
     (tmp_path / "tp3.yaml").write_text(measured + "tp: 3\n" + tp_ar)
     names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile", "sc_actw_nan",
              "sc_actw_inf", "sc_actw_neg", "sc_blocking", "tp1profile", "tp2profile", "tpnan", "tpzero", "tpnoar",
-             "tparinf", "tp3")
+             "tparinf", "tp3", "podnan", "podhalf", "podzero", "podleaf")
     made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
             "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
             **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
