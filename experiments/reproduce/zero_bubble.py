@@ -350,7 +350,8 @@ def run(out_dir, quick: bool = False) -> str:
         "5as^2b per layer of which W keeps 32sbh, throughput with blocking sends and the bubble with posted "
         "ones as the paper's scheduler assumes (Table 6's configurations: Table 9's times times the kernel "
         "model's stage-time ratio, " + ", ".join(f"{m} {x:.3f}" for m, x in scales.items()) + "); `kernels` = "
-        "Table 3's dimensions on the a100 kernel model, first and last stages one layer shorter. Bubble and "
+        "Table 3's dimensions on the a100 kernel model (its GEMM and memory efficiencies fitted on Table 9's "
+        "stage times, `cost_models.stage_time_fit`), first and last stages one layer shorter. Bubble and "
         "iteration cost as the paper defines them (the longest stage span). Memory: kernels only, GB = 1e9 "
         "bytes (the paper's unit unstated).", "",
         markdown(headline(df), floatfmt=".3f"), "",
