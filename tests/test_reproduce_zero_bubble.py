@@ -90,7 +90,7 @@ def test_configs_and_paper_cost():
     # same depth per stage, twice the micro-batch: Table 9's times times the kernel model's ratio of a
     # full stage's time, below the linear 2 (a bigger micro-batch runs the GPU more efficiently)
     assert t6.scale == pytest.approx(kernel_stage_time(t6) / kernel_stage_time(t4))
-    assert 1.5 < t6.scale < 1.95
+    assert 1.5 < t6.scale < 2.0
     assert t6.profile[:3] == pytest.approx(tuple(t6.scale * x for x in t4.profile[:3]))
     assert t6.profile[3] == pytest.approx(2 * t4.profile[3])     # the message: twice the bytes
     assert t4.chunks("1F1B-I") == 2 and t4.chunks("ZB-1p") == 2

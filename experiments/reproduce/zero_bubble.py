@@ -20,8 +20,8 @@ each costed twice (``source``):
   (``dgx-a100-4x8-ib``, ranks in order, one per GPU); the embedding and the loss head count as a
   layer each, so the first and last stages hold one transformer layer fewer, as in the paper. ZB-1p
   and ZB-2p are ordered as the paper's runtime orders them: ``zb-auto`` given the median stage's F,
-  B, W, activation and limit for every stage (:func:`paper_zb_auto`), then simulated with each
-  stage's own costs.
+  B and W times for every stage and each stage's own memory (:func:`paper_zb_auto`), then simulated
+  with each stage's own times.
 
 Iteration time and bubble are the paper's: the cost of an iteration is the longest time any
 stage takes from its own first op to its own last (the stages' starts are staggered and the next
@@ -198,16 +198,15 @@ def simulate(c: Config, label: str, source: str, folder: Path) -> dict:
 
 
 def paper_zb_auto(job: Job):
-    """Simulate a zb-auto ``job`` whose order is built, as the paper's runtime builds it, from the median
-    stage's costs for every stage (its F, B, W, activation, the part W keeps and the limit); the
-    simulation then runs each stage's own costs. Returns the traced :class:`sim.SimResult`."""
+    """Simulate a zb-auto ``job`` whose order is built as the paper's runtime builds it: the median
+    stage's F, B and W times for every stage, each stage's own memory (activation, the part W keeps,
+    limit); the simulation then runs each stage's own times. Returns the traced :class:`sim.SimResult`."""
     inputs = load_inputs(job)
     c = costed_family(job, inputs)["costs"]
 
     def median(t):
         return (sorted(t)[len(t) // 2],) * len(t)
-    uniform = dc_replace(c, f=median(c.f), b=median(c.b), w=median(c.w), act=median(c.act), limit=median(c.limit),
-                         act_w=median(c.kept()))
+    uniform = dc_replace(c, f=median(c.f), b=median(c.b), w=median(c.w))
     bound = bind_lowered(job, inputs, job.layout.build(eager=job.eager, family={"costs": uniform}, **inputs.limits()))
     return sim_run(bound.lowered, bound.costs, bound.network, job_options(job, bound), trace=True)
 
