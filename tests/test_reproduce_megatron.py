@@ -45,6 +45,10 @@ def test_megatron_quick(megatron_csv):
     t = pd.read_csv(megatron_csv / "megatron.csv")
     assert list(t.columns) == megatron.COLUMNS
     assert (megatron_csv / "report.md").exists() and (megatron_csv / "megatron.png").exists()
+    report = (megatron_csv / "report.md").read_text()
+    # what was fitted on what: the a100 constants on Table 9 (its four models shown), every row held out
+    assert "Fitted (in sample)" in report and "## The fit set (in sample): Zero Bubble Table 9" in report
+    assert report.count("| held out |") == 5 and "| 28.3B | 2 | 1 |" in report
     assert list(t.gpus) == [32, 64, 128, 256, 1024] and list(t.tp) == [1, 2, 4, 8, 8]
     assert list(t.schedule) == ["dapple"] * 4 + ["interleaved"]
     assert list(t.measured_tflops_per_gpu) == [137, 138, 142, 135, 140]

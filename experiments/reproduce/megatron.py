@@ -22,7 +22,7 @@ import pandas as pd
 
 from cost_models import Job, Layout
 from cost_models.model_spec import ModelSpec
-from cost_models.stage_time_fit import fit_note
+from cost_models.stage_time_fit import fit_note, table9_errors
 from sim import simulate_job
 
 from ..progress import phase
@@ -64,6 +64,15 @@ def model_flops(global_batch: int, layers: int, hidden: int) -> float:
     """The paper's Eq. (3): FLOPs of one iteration with full recomputation."""
     s, l, h, V = SEQ, layers, hidden, VOCAB
     return 96 * global_batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def fit_table() -> pd.DataFrame:
+    """The ``a100`` constants' fit set beside the preset's times (:func:`cost_models.stage_time_fit.table9_errors`),
+    errors as signed percentages."""
+    df = pd.DataFrame(table9_errors())
+    for c in [c for c in df.columns if c.startswith("error")]:
+        df[c] = df[c].map(percent)
+    return df
 
 
 def error(predicted: float, measured: float) -> float:
@@ -158,6 +167,8 @@ def run(out_dir, quick: bool = False) -> str:
         markdown(shown, floatfmt=".4g"), "",
         summary(df) + ".",
         f"Slowest row to simulate: {df.sim_wall_s.max():.1f} s (simulated replicas: "
-        f"{', '.join(str(int(x)) for x in df.simulated_replicas)})."])
+        f"{', '.join(str(int(x)) for x in df.simulated_replicas)}).", "",
+        "## The fit set (in sample): Zero Bubble Table 9, one middle stage, ms", "",
+        markdown(fit_table(), floatfmt=".3g")])
     (out / "report.md").write_text(report + "\n")
     return report
