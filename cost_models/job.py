@@ -324,7 +324,8 @@ class Job:
                 raise ValueError(f"{flag} is a switch (true or false); got {on!r}")
             if on and tp == 1:
                 raise ValueError(f"{flag} acts on a tensor-parallel group; give --tp > 1")
-        given = [f for f, v in (("--tp", tp > 1), ("--zero", self.zero), ("--seq-len", self.seq_len)) if v]
+        given = [f for f, v in (("--tp", tp > 1 and self.source != "profile"), ("--zero", self.zero),
+                                ("--seq-len", self.seq_len)) if v]
         if given and self.source != "transformer":
             raise ValueError(f"{' and '.join(given)} act on a model's formulas: use --model/--cluster costs "
                              f"(not --unit-costs, --profile or a FILE.txt profile)")

@@ -262,6 +262,17 @@ def model_flops(spec: ModelSpec, recompute: str = "none") -> float:
     return sum(l.flops_total for l in transformer_layers(spec, recompute))
 
 
+def megatron_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, *,
+                   recompute: bool = True) -> float:
+    """FLOPs of one iteration by Narayanan et al. (SC'21), Eq. (3): with full recomputation (the
+    blocks' forward run twice) 96 B s l h^2 (1 + s/6h + V/16lh); without (``recompute`` False: the
+    model FLOPs of MFU, every pass once) 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    B, s, l, h, V = global_batch, seq_len, layers, hidden, vocab
+    if recompute:
+        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
 # ---------------------------------------------------------------------------- tensor-parallel collectives
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -408,7 +419,7 @@ class TransformerCostModel:
             raise SpecError(f"bytes_per_param must be > 0; got {self.bytes_per_param}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise SpecError(f"--tp must be an integer >= 1; got {self.tp!r}")
-        self.model.check_tensor_parallel(self.tp)
+        self.model.check_tensor_parallel(self.tp, sequence_parallel=self.sequence_parallel)
         if self.tp > 1 and (self.tp_group is None or self.tp_group.size != self.tp):
             raise SpecError(f"tensor parallel {self.tp} needs the group's links (tp_group of size {self.tp})")
         if (self.sequence_parallel or self.tp_overlap) and self.tp == 1:

@@ -23,6 +23,7 @@ import pandas as pd
 from cost_models import Job, Layout
 from cost_models.model_spec import ModelSpec
 from cost_models.stage_time_fit import fit_note, table9_errors
+from cost_models.transformer import megatron_flops
 from sim import simulate_job
 
 from ..progress import phase
@@ -62,8 +63,7 @@ def megatron_job(spec: ModelSpec, *, tp: int, pp: int, dp: int, microbatches: in
 
 def model_flops(global_batch: int, layers: int, hidden: int) -> float:
     """The paper's Eq. (3): FLOPs of one iteration with full recomputation."""
-    s, l, h, V = SEQ, layers, hidden, VOCAB
-    return 96 * global_batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return megatron_flops(global_batch, SEQ, layers, hidden, VOCAB)
 
 
 def fit_table() -> pd.DataFrame:
