@@ -17,7 +17,7 @@ disturbs it (:class:`Faults`). The cost source is exactly one of
 * ``stage_costs``: a user's per-stage times, FILE.yaml (:mod:`cost_models.stage_costs`).
 
 ``grad_accumulation`` (no command-line option; the reproductions of published runs set it) says how
-Megatron-LM's gpt block adds weight gradients into its fp32 main gradients in the kernel model
+Megatron-LM's gpt block accumulates weight gradients over micro-batches in the kernel model
 (:data:`cost_models.kernels.GRAD_ACCUMULATION`).
 
 Constructing a job checks it: a value out of range or two cost sources that exclude each other

@@ -66,9 +66,9 @@ sub-block (it writes the mask; its backward passes the gradient through it) and,
 attention, a dropout on the attention probabilities (read, write, mask; the same backward);
 gradient-accumulation fusion: each weight-gradient GEMM adds into the fp32 main gradient (its result
 read and written in fp32), the bias and LayerNorm-parameter gradients are reduced in B, so W is the
-four weight-gradient GEMMs alone, what Zero Bubble's W pass defers. Megatron-LM's earlier local DDP
-(``grad_accumulation="main-grad"``) had no such fusion: each GEMM writes a 16-bit gradient and a hook
-adds every parameter tensor into its fp32 main gradient (2 + 8 bytes per parameter, in W).
+four weight-gradient GEMMs alone, what Zero Bubble's W pass defers. Megatron-LM's code before that
+fusion, at its default settings (``grad_accumulation="autograd"``), let autograd add each GEMM's
+16-bit gradient into the parameter's 16-bit ``.grad`` (3 x 2 bytes per parameter, in W).
 """
 from __future__ import annotations
 
@@ -96,9 +96,10 @@ CONTAINERS = {"bert": 6, "gpt": 2, "opt": 2, "t5": 5, "llama": 2}
 PHASES = ("F", "B", "W")
 COST_MODELS = ("kernels", "linear")
 # how Megatron-LM's gpt block accumulates weight gradients over micro-batches: ``fused`` (gradient-
-# accumulation fusion: the weight-gradient GEMM adds into the fp32 main gradient) or ``main-grad``
-# (its earlier local DDP: the GEMM writes a 16-bit gradient, a hook adds it into the fp32 main one)
-GRAD_ACCUMULATION = ("fused", "main-grad")
+# accumulation fusion: the weight-gradient GEMM adds into the fp32 main gradient) or ``autograd``
+# (its code before that fusion, with its defaults: the GEMM writes a 16-bit gradient that autograd
+# adds into the parameter's 16-bit ``.grad``)
+GRAD_ACCUMULATION = ("fused", "autograd")
 
 
 @dataclass(frozen=True)
@@ -569,9 +570,8 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
         back = [replace(k, phase="B", name=k.name + ".re") for k in attn_f] + back
     elif recompute != "none":
         raise SpecError(f"recompute must be one of none, selective, full; got {recompute!r}")
-    if megatron:        # fused: nothing more; main-grad: read the 16-bit gradient, add into the fp32 one
-        if sh.grad_accumulation == "main-grad":
-            back += [memory(f"main_grad.add{i}", "W", (d + 8) * p) for i, p in enumerate(params)]
+    if megatron and sh.grad_accumulation == "fused":
+        pass            # accumulated inside the weight-gradient GEMMs
     elif accumulate_grads:
         back += [memory(f"grad.accum{i}", "W", 3 * p * d) for i, p in enumerate(params)]
     return tuple(Fk + back)

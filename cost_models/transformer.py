@@ -376,8 +376,8 @@ class TransformerCostModel:
     and B, or with ``tp_overlap`` hidden behind the layer's compute (the phase takes
     max(compute, collectives): perfect overlap, the bound of what overlapping can gain).
     ``grad_accumulation`` (kernel model, gpt blocks): how Megatron-LM adds each micro-batch's weight
-    gradients into the fp32 main gradients, ``fused`` into the weight-gradient GEMM or ``main-grad``
-    by a hook after it (:data:`cost_models.kernels.GRAD_ACCUMULATION`).
+    gradients over micro-batches, ``fused`` into the weight-gradient GEMM (fp32 main gradients) or
+    ``autograd`` into the 16-bit ``.grad`` (:data:`cost_models.kernels.GRAD_ACCUMULATION`).
     ``zero`` 1 with ``replicas`` R: the optimizer state (master weights and moments) is sharded
     over the R data-parallel replicas (each GPU keeps 1/R of it and updates 1/R of the parameters),
     and the gradient all-reduce becomes a reduce-scatter of the gradients plus an all-gather of

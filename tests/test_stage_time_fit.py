@@ -64,32 +64,32 @@ def test_megatron_block_kernels():
     assert not [k for k in nd if "dropout" in k.name]
 
 
-def test_main_grad_accumulation_adds_into_fp32_after_the_gemm():
-    """Megatron-LM's local DDP (no gradient-accumulation fusion): the weight-gradient GEMM writes a
-    16-bit gradient and a hook adds it into the fp32 main gradient: (2 + 8) bytes per parameter in W."""
+def test_autograd_accumulation_adds_16_bit_gradients_after_the_gemm():
+    """Megatron-LM before gradient-accumulation fusion, at its defaults: the weight-gradient GEMM
+    writes a 16-bit gradient and autograd adds it into ``.grad``: 3 x 2 bytes per parameter in W."""
     from cost_models import ModelSpec, TransformerCostModel
     from cost_models.job import Job
     from cost_models.kernels import BlockShape
     from cost_models.transformer import block_params
     spec = table9_points()[0].spec
     fused = block_kernels(block_shape(spec))
-    hook = block_kernels(block_shape(spec, grad_accumulation="main-grad"))
-    adds = [k for k in hook if k.name.startswith("main_grad.add")]
-    assert sum(k.bytes for k in adds) == 10 * block_params(spec)
+    auto = block_kernels(block_shape(spec, grad_accumulation="autograd"))
+    adds = [k for k in auto if k.name.startswith("grad.accum")]
+    assert sum(k.bytes for k in adds) == 6 * block_params(spec)
     assert all(k.phase == "W" for k in adds)
     gf = {k.name: k.bytes for k in fused if k.gemm}
-    gh = {k.name: k.bytes for k in hook if k.gemm}
+    ga = {k.name: k.bytes for k in auto if k.gemm}
     h = spec.hidden
-    assert gf["proj.dw"] - gh["proj.dw"] == 6 * h * h          # fused: the fp32 result read and written
-    assert [k.name for k in hook if not k.name.startswith("main_grad")] == [k.name for k in fused]
+    assert gf["proj.dw"] - ga["proj.dw"] == 6 * h * h          # fused: the fp32 result read and written
+    assert [k.name for k in auto if not k.name.startswith("grad.accum")] == [k.name for k in fused]
     with pytest.raises(ValueError, match="grad_accumulation must be one of"):
         BlockShape("gpt", 64, 4, 16, 256, 2, 1, grad_accumulation="hook")
     with pytest.raises(ValueError, match="Megatron-LM's, priced for gpt"):
-        BlockShape("llama", 64, 4, 16, 256, 2, 1, grad_accumulation="main-grad")
+        BlockShape("llama", 64, 4, 16, 256, 2, 1, grad_accumulation="autograd")
     with pytest.raises(ValueError, match="in the kernel model"):
-        TransformerCostModel(spec, A100, grad_accumulation="main-grad")           # linear cost model
+        TransformerCostModel(spec, A100, grad_accumulation="autograd")           # linear cost model
     llama = ModelSpec(name="l", kind="llama", layers=2, hidden=256, heads=4, seq_len=64, vocab=100)
     with pytest.raises(ValueError, match="llama model"):
-        TransformerCostModel(llama, A100, compute="kernels", grad_accumulation="main-grad")
+        TransformerCostModel(llama, A100, compute="kernels", grad_accumulation="autograd")
     with pytest.raises(ValueError, match="Job.grad_accumulation must be one of"):
         Job(model=spec, grad_accumulation="fp32")

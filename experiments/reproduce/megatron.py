@@ -1,7 +1,7 @@
 """Megatron-LM SC'21 Table 1 (Narayanan et al.), predicted from its configurations: held out.
 
 Each row is a GPT model (vocabulary 51,200, sequence 2048, eager attention, dropout, 16-bit
-weights and activations, fp32 main gradients accumulated as :func:`grad_accumulation` says) on DGX
+weights and activations, weight gradients accumulated as :func:`grad_accumulation` says) on DGX
 A100 80 GB nodes, 8 x 200 Gb/s HDR InfiniBand per node (``dgx-a100-ib`` sized ``NAME:NODES``),
 tensor parallel T inside a node, pipeline parallel D, data parallel R, full activation
 recomputation, 1F1B (``dapple``) or the interleaved schedule with the row's chunks, the gradient
@@ -22,7 +22,7 @@ import pandas as pd
 
 from cost_models import Job, Layout
 from cost_models.model_spec import ModelSpec
-from cost_models.stage_time_fit import fit_note
+from cost_models.stage_time_fit import fit_note, table9_errors
 from cost_models.transformer import megatron_flops
 from sim import simulate_job
 
@@ -66,6 +66,15 @@ def model_flops(global_batch: int, layers: int, hidden: int) -> float:
     return megatron_flops(global_batch, SEQ, layers, hidden, VOCAB)
 
 
+def fit_table() -> pd.DataFrame:
+    """The ``a100`` constants' fit set beside the preset's times (:func:`cost_models.stage_time_fit.table9_errors`),
+    errors as signed percentages."""
+    df = pd.DataFrame(table9_errors())
+    for c in [c for c in df.columns if c.startswith("error")]:
+        df[c] = df[c].map(percent)
+    return df
+
+
 def error(predicted: float, measured: float) -> float:
     """Relative error of a prediction, signed (positive: predicted above measured)."""
     return predicted / measured - 1
@@ -76,12 +85,14 @@ def percent(e: float) -> str:
 
 
 def grad_accumulation(pp: int) -> str:
-    """How a Table 1 run accumulated its weight gradients: the launch script runs Megatron-LM's
-    local DDP (``DDP=local``) exactly where pp > 1, whose hook adds every micro-batch's 16-bit
-    gradients into the fp32 main gradients (``main-grad``: the 2021 code had no
-    gradient-accumulation fusion); PyTorch DDP where pp = 1 (one micro-batch per replica, or 4 for
-    the 18.4B row, whose autograd accumulation, < 1% of its step, is not priced: ``fused``)."""
-    return "main-grad" if pp > 1 else "fused"
+    """How a Table 1 run accumulated its weight gradients over micro-batches: the launch scripts
+    (``examples/sc21``, August 2021) run Megatron-LM from before its gradient-accumulation fusion
+    (February 2022) without ``--use-contiguous-buffers-in-ddp`` or
+    ``--accumulate-allreduce-grads-in-fp32``, so with either DDP (``local`` where pp > 1, ``torch``
+    where pp = 1) autograd adds each micro-batch's 16-bit weight gradients into ``.grad``
+    (``autograd``; charged to every micro-batch, the first too: at most 1/m of the step's
+    accumulation, nothing beside its compute for the pp = 1 rows of one micro-batch)."""
+    return "autograd"
 
 
 def predict_row(r) -> dict:
@@ -158,6 +169,8 @@ def run(out_dir, quick: bool = False) -> str:
         markdown(shown, floatfmt=".4g"), "",
         summary(df) + ".",
         f"Slowest row to simulate: {df.sim_wall_s.max():.1f} s (simulated replicas: "
-        f"{', '.join(str(int(x)) for x in df.simulated_replicas)})."])
+        f"{', '.join(str(int(x)) for x in df.simulated_replicas)}).", "",
+        "## The fit set (in sample): Zero Bubble Table 9, one middle stage, ms", "",
+        markdown(fit_table(), floatfmt=".3g")])
     (out / "report.md").write_text(report + "\n")
     return report

@@ -20,8 +20,8 @@ each costed twice (``source``):
   (``dgx-a100-4x8-ib``, ranks in order, one per GPU); the embedding and the loss head count as a
   layer each, so the first and last stages hold one transformer layer fewer, as in the paper. ZB-1p
   and ZB-2p are ordered as the paper's runtime orders them: ``zb-auto`` given the median stage's F,
-  B and W times for every stage and each stage's own memory (:func:`paper_zb_auto`), then simulated
-  with each stage's own times.
+  B, W for every stage and each stage's own activation, W-kept part and limit (:func:`paper_zb_auto`),
+  then simulated with each stage's own costs.
 
 Iteration time and bubble are the paper's: the cost of an iteration is the longest time any
 stage takes from its own first op to its own last (the stages' starts are staggered and the next
@@ -198,9 +198,11 @@ def simulate(c: Config, label: str, source: str, folder: Path) -> dict:
 
 
 def paper_zb_auto(job: Job):
-    """Simulate a zb-auto ``job`` whose order is built as the paper's runtime builds it: the median
-    stage's F, B and W times for every stage, each stage's own memory (activation, the part W keeps,
-    limit); the simulation then runs each stage's own times. Returns the traced :class:`sim.SimResult`."""
+    """Simulate a zb-auto ``job`` whose order is built, as the paper's runtime builds it, from the median
+    stage's F, B and W for every stage and each stage's own memory (its activation, the part W keeps
+    and its limit: the runtime estimates each rank's memory from that rank's own profile, and the last
+    stage's W keeps the loss head's logits); the simulation then runs each stage's own costs. Returns
+    the traced :class:`sim.SimResult`."""
     inputs = load_inputs(job)
     c = costed_family(job, inputs)["costs"]
 
