@@ -13,8 +13,10 @@ each costed twice (``source``):
   compared with Table 5 from the same file with posted sends, as the paper's scheduler assumes.
   Table 6's configurations (other depths and micro-batches) have no profile: their times are Table
   9's for the same model at its first micro-batch count, times the kernel model's ratio of a full
-  stage's F + B + W between the two configurations (:func:`table6_scale`; the message by the
-  micro-batch size). Memory: the file has no weights, so none is predicted.
+  stage's F + B + W between the two configurations (:func:`table6_scale`); the message is a latency
+  plus the bytes over a bandwidth, both fitted on Table 9's twelve ``T_comm`` times
+  (:func:`message_fit`: a message twice as large does not take twice as long). Memory: the file
+  has no weights, so none is predicted.
 * ``kernels``: the model's dimensions alone (Table 3, sequence 1024, GPT-2's vocabulary of 50,257;
   fp16 activations and weights) through the kernel cost model on the ``a100`` preset
   (``dgx-a100-4x8-ib``, ranks in order, one per GPU); the embedding and the loss head count as a
@@ -33,7 +35,12 @@ none) ends the span.
 Fitted: one number per model and source, a factor on the simulated iteration time (what a run
 adds to its profiled ops: launches, synchronisation, the optimizer for the profiled times),
 fitted on Table 4's 1F1B column of that model (its three micro-batch counts, the mean of
-measured / simulated); the CSV's ``role`` says ``fitted`` for those cells. Everything else is a
+measured / simulated); the CSV's ``role`` says ``fitted`` for those cells. What the factor adds is
+a time per micro-batch that does not grow with the ops' work: on Table 4's configurations
+(f - 1) x (T_F + T_B + T_W) is 2.1 to 3.3 ms for all four models, whose ops take 28 to 79 ms (as a
+share it is twice as large, 8%, for the two models at micro-batch 1). Table 6's configurations
+keep that time while their ops take ``scale`` times as long, so their factor is
+``1 + (f - 1) / scale`` (:func:`transferred_factor`). Everything else is a
 prediction: the other three schedules, Table 6's rows (its 1F1B too), the bubbles and the memory.
 Throughput is samples per GPU per second, ``N * micro_batch / (iteration time * GPUs)``.
 
@@ -108,6 +115,10 @@ class Config:
         return ModelSpec(name=f"zb-{self.model}", layers=self.layers, hidden=self.hidden, heads=self.heads,
                          seq_len=SEQ, vocab=VOCAB, micro_batch=self.micro_batch)
 
+    def message_bytes(self) -> float:
+        """Bytes of one stage-to-stage message: one micro-batch's fp16 activation, ``b s h`` x 2."""
+        return 2.0 * self.micro_batch * SEQ * self.hidden
+
     def layers_per_stage(self) -> int:
         """Layers of a full (middle) stage, the embedding and the head counted as layers."""
         return (self.layers + 2) // self.gpus
@@ -128,6 +139,7 @@ def load_configs() -> list[Config]:
     with resources.files("cost_models").joinpath(MEASUREMENTS).open() as f:
         rows = list(csv.DictReader(f))
     out, first = [], {}
+    latency, bandwidth = message_fit(rows)
     for r in rows:
         prof = tuple(float(r[f"T_{k}_ms"]) / 1e3 for k in ("F", "B", "W", "comm"))
         measured = {label: (float(r[tp]), float(r[mem]), float(r[bub]))
@@ -140,8 +152,8 @@ def load_configs() -> list[Config]:
         t4 = first[model]
         like = Config(model, t4.layers, t4.heads, t4.hidden, gpus, mb, ms[0], t4.profile, {}, table=6)
         scale = table6_scale(t4, like)
-        f, b, w, msg = t4.profile
-        prof = (f * scale, b * scale, w * scale, msg * mb / t4.micro_batch)
+        f, b, w, _ = t4.profile
+        prof = (f * scale, b * scale, w * scale, latency + like.message_bytes() / bandwidth)
         for N, v, one in zip(ms, zbv, base):
             out.append(Config(model, t4.layers, t4.heads, t4.hidden, gpus, mb, N, prof,
                               {"ZB-V": (v, None, None), "1F1B": (one, None, None)}, table=6, scale=scale))
@@ -154,6 +166,24 @@ def kernel_stage_time(c: Config) -> float:
     costs = bind(job).costs
     mid = c.gpus // 2
     return costs.f[0][mid] + costs.b[0][mid] + costs.w[0][mid]
+
+
+def message_fit(rows: list[dict]) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of ``T_comm = latency + bytes / bandwidth``, least squares over Table
+    9's rows (bytes: one fp16 activation, ``b s h`` x 2): 0.24 ms and 72 GB/s, rms error 7% over the
+    rows (max 17%), where the best time proportional to the bytes has 23% (max 33%)."""
+    xs = [2.0 * int(r["micro_batch"]) * SEQ * int(r["hidden"]) for r in rows]
+    ys = [float(r["T_comm_ms"]) / 1e3 for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, 1.0 / slope
+
+
+def transferred_factor(factor: float, c: Config) -> float:
+    """The fitted factor of ``c``'s model applied to ``c``: itself on Table 4's configurations; on Table
+    6's, whose ops take ``c.scale`` times as long, the same added time per micro-batch (module
+    docstring): ``1 + (factor - 1) / c.scale``."""
+    return factor if c.table == 4 else 1.0 + (factor - 1.0) / c.scale
 
 
 def table6_scale(profiled: Config, target: Config) -> float:
@@ -170,7 +200,8 @@ def stage_costs_file(c: Config, folder: Path, blocking: bool = True) -> Path:
     act, act_w = c.activation()
     path = folder / f"{c.model}-{c.gpus}gpus-b{c.micro_batch}-m{c.N}{'' if blocking else '-posted'}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    src = "Table 9" if c.table == 4 else f"Table 9 x {c.scale:.4g} (the kernel model's stage-time ratio)"
+    src = "Table 9" if c.table == 4 else (f"Table 9 x {c.scale:.4g} (the kernel model's stage-time ratio), "
+                                          f"message latency + bytes / bandwidth fitted on Table 9")
     path.write_text(f"# Zero Bubble (Qi et al. 2024) {src}: {c.model} on {c.gpus} stages, micro-batch "
                     f"{c.micro_batch}; activation 34sbh + 5as^2b per layer, W keeps 32sbh\nstages:\n"
                     f"  - {{f: {f:.6g}, b: {b:.6g}, w: {w:.6g}}}\nmessage: {msg:.6g}\nactivation: {act:.6g}\n"
@@ -238,7 +269,7 @@ def table(configs: list[Config], folder: Path) -> pd.DataFrame:
     rows = []
     for r in raw:
         c = r["c"]
-        pred = c.N * c.micro_batch / (r["cost"] * factors[(c.model, r["source"])] * c.gpus)
+        pred = c.N * c.micro_batch / (r["cost"] * transferred_factor(factors[(c.model, r["source"])], c) * c.gpus)
         rows.append({"table": c.table, "model": c.model, "gpus": c.gpus, "micro_batch": c.micro_batch,
                      "microbatches": c.N, "schedule": r["label"],
                      "source": r["source"], "role": role(c, r["label"]), "predicted_samples_per_gpu_s": pred,
@@ -346,11 +377,13 @@ def run(out_dir, quick: bool = False) -> str:
         "# Zero Bubble (Qi et al., ICLR 2024) on A100s, simulated", "",
         "Fitted: one factor per model and source on the simulated iteration time, fitted on Table 4's 1F1B "
         "column of that model (mean of measured / simulated over its three micro-batch counts; `role` = fitted "
-        "in the CSV). Predicted: everything else (1F1B-I, ZB-1p, ZB-2p, Table 6's ZB-V and 1F1B rows, bubbles, "
+        "in the CSV); on Table 6's configurations it adds the same time per micro-batch, 1 + (factor - 1) / "
+        "stage-time ratio. Predicted: everything else (1F1B-I, ZB-1p, ZB-2p, Table 6's ZB-V and 1F1B rows, bubbles, "
         "memory). Sources: `profiled` = Table 9's stage times through `--stage-costs`, activation 34sbh + "
         "5as^2b per layer of which W keeps 32sbh, throughput with blocking sends and the bubble with posted "
         "ones as the paper's scheduler assumes (Table 6's configurations: Table 9's times times the kernel "
-        "model's stage-time ratio, " + ", ".join(f"{m} {x:.3f}" for m, x in scales.items()) + "); `kernels` = "
+        "model's stage-time ratio, " + ", ".join(f"{m} {x:.3f}" for m, x in scales.items()) + ", the message "
+        "a latency plus bytes over a bandwidth fitted on Table 9's message times); `kernels` = "
         "Table 3's dimensions on the a100 kernel model (its GEMM and memory efficiencies fitted on Table 9's "
         "stage times, `cost_models.stage_time_fit`), first and last stages one layer shorter. Bubble and "
         "iteration cost as the paper defines them (the longest stage span). Memory: kernels only, GB = 1e9 "
