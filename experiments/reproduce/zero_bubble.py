@@ -38,10 +38,10 @@ fitted on Table 4's 1F1B column of that model (its three micro-batch counts, the
 measured / simulated); the CSV's ``role`` says ``fitted`` for those cells. What the factor adds is
 a time per micro-batch that does not grow with the ops' work: on Table 4's configurations
 (f - 1) x (T_F + T_B + T_W) is 2.1 to 3.3 ms for all four models, whose ops take 28 to 79 ms (as a
-share it is twice as large, 8%, for the two models at micro-batch 1). Table 6's configurations
-keep that time while their ops take ``scale`` times as long, so their factor is
-``1 + (f - 1) / scale`` (:func:`transferred_factor`). Everything else is a
-prediction: the other three schedules, Table 6's rows (its 1F1B too), the bubbles and the memory.
+share: 4.2% and 4.6% for the two models at micro-batch 3 and 6, 7.6% and 8.2% for the two at 1).
+Table 6's configurations keep that time while their ops take ``scale`` times as long, so their
+factor is ``1 + (f - 1) / scale`` (:func:`transferred_factor`). Everything else is a prediction:
+the other three schedules, Table 6's rows (its 1F1B too), the bubbles and the memory.
 Throughput is samples per GPU per second, ``N * micro_batch / (iteration time * GPUs)``.
 
 The aims (:func:`aims_line`): bubbles within 0.01 of Table 5; throughput within 5% (profiled) or
