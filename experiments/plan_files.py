@@ -65,7 +65,7 @@ def _layout_config(loaded: LayoutPlan, eager: bool, options: dict) -> tuple[RunC
     """A whole-layout plan (``pipetwin plan --tp``) as a run: its job (T x D x R, schedule,
     micro-batch, recompute, ZeRO; sequence parallelism refused with one line where the executor
     has none) through :meth:`RunConfig.from_job`; ``options['device_map']`` overrides the job's
-    placement (Megatron's order at T > 1)."""
+    placement (the plan's own otherwise)."""
     device_map = options.pop("device_map", None)
     job = loaded.run_job(eager=eager, device_map=device_map if isinstance(device_map, str) else None)
     cfg = RunConfig.from_job(job, **options)

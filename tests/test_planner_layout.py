@@ -137,7 +137,8 @@ def test_plan_file_round_trips_and_simulates_to_the_planners_time(tmp_path):
     loaded = load_plan(path)
     assert isinstance(loaded, LayoutPlan)
     job = loaded.job()
-    for f in ("layout", "micro_batch", "recompute", "zero", "sequence_parallel", "cost_model", "memory_reserve"):
+    for f in ("layout", "micro_batch", "recompute", "zero", "sequence_parallel", "device_map", "cost_model",
+              "memory_reserve"):
         assert getattr(job, f) == getattr(best.job, f), f
     assert loaded.model == SMALL.replace(micro_batch=best.job.micro_batch)
     _, sim = simulate_job(Job(plan=loaded))
