@@ -9,7 +9,7 @@ import pytest
 
 from cost_models import load_cluster, with_nodes
 from cost_models.job import Job, Layout
-from cost_models.memory import memory_report, usable_memory
+from cost_models.memory import fmt_bytes, memory_report, usable_memory
 from cost_models.model_spec import ModelSpec, load_model
 from cost_models.transformer import megatron_flops
 from experiments.common import metrics_record
@@ -173,10 +173,15 @@ def test_no_plan_fits_says_by_how_much():
     """The smallest need of the space, exact, against the usable memory."""
     cl = _small_h100(2)
     space = LayoutSpace(schedules=("dapple",), micro_batches=(1,), recompute=("full",))
-    fits = [got for _, got in brute_force(SMALL, cl, 4, space, memory_limit=64 * GiB) if isinstance(got, Confirmed)]
-    least = min(x.peak_memory for x in fits)
-    with pytest.raises(NoPlanFits, match=r"no plan fits: the smallest needs .* per GPU, .* more than the .* usable"):
+    needs = [got.memory_need if isinstance(got, Confirmed) else got[1]
+             for _, got in brute_force(SMALL, cl, 4, space, memory_limit=64 * GiB)
+             if isinstance(got, Confirmed) or got[0] != "refused"]
+    least = min(needs)
+    with pytest.raises(NoPlanFits) as e:
         plan_layouts(SMALL, cl, 4, space, memory_limit=least / 2)
+    assert str(e.value) == (f"no plan fits: the smallest needs {fmt_bytes(least)} per GPU, {fmt_bytes(least / 2)} "
+                            f"more than the {fmt_bytes(least / 2)} usable of {fmt_bytes(least / 2)}; use more GPUs "
+                            f"(nodes), a smaller model or a device with more memory")
     assert usable_memory(64 * GiB, 0.0) == 64 * GiB
 
 
