@@ -24,6 +24,7 @@ So the best K equal those of simulating every candidate (:func:`brute_force`, th
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class LayoutSpace:
     the registry's, less :data:`EXCLUDED_BY_DEFAULT`), each with every variant and, for those that
     take chunks, ``chunks``; ``micro_batches``; ``recompute``; ``zero`` (ZeRO-1 only when R > 1);
     ``sequence_parallel`` (only when T > 1); ``max_stages``: at most this many pipeline devices D;
-    ``gpus``: the GPUs used (None: the cluster's; a multiple of its node size); ``device_map``: how
+    ``gpus``: the GPUs used (None: the cluster's; a multiple of its node size); ``device_maps``: how
     ranks are placed (default ``sequential``: Llama 3's order [TP, PP, DP], a tensor-parallel group
     on consecutive GPUs of a node, a pipeline on consecutive groups; its replicas are alike, so the
     simulator runs one for all, where Megatron's [TP, DP, PP] on a rail fabric tells up to 32 kinds
@@ -64,7 +65,7 @@ class LayoutSpace:
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_stages: int | None = None
     gpus: int | None = None
-    device_map: str = "sequential"
+    device_maps: tuple[str, ...] = ("sequential",)
 
     def __post_init__(self):
         for r in self.recompute:
@@ -77,6 +78,10 @@ class LayoutSpace:
                     raise ValueError(f"{name} values must be integers >= 1; got {v!r}")
         for n in self.schedules or ():
             registry.get(n)
+        from cost_models.cluster import MAPPINGS
+        for m in self.device_maps:
+            if m not in MAPPINGS:
+                raise ValueError(f"--device-map must be among {', '.join(MAPPINGS)}; got {m!r}")
 
     def families(self) -> list[str]:
         return list(self.schedules) if self.schedules is not None else \
@@ -230,13 +235,12 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                                 continue
                             lay = Layout(schedule=name, devices=D, microbatches=N, replicas=R, chunks=chunks,
                                          variant=variant, tp=tp)
-                            for rc in space.recompute:
-                                for zero in (space.zero if R > 1 else (0,)):
-                                    for sp in (space.sequence_parallel if tp > 1 else (False,)):
-                                        out.append(Job(layout=lay, model=model, cluster=choice, micro_batch=mb,
-                                                       recompute=rc, zero=zero, sequence_parallel=sp,
-                                                       cost_model=cost_model, memory_reserve=memory_reserve,
-                                                       device_map=space.device_map))
+                            for rc, zero, sp, dmap in itertools.product(
+                                    space.recompute, space.zero if R > 1 else (0,),
+                                    space.sequence_parallel if tp > 1 else (False,), space.device_maps):
+                                out.append(Job(layout=lay, model=model, cluster=choice, micro_batch=mb,
+                                               recompute=rc, zero=zero, sequence_parallel=sp, cost_model=cost_model,
+                                               memory_reserve=memory_reserve, device_map=dmap))
     return out
 
 
@@ -336,7 +340,7 @@ class _Bounds:
 def _order(job: Job) -> tuple:
     lay = job.layout
     return (lay.tp, lay.devices, lay.schedule, lay.variant or "", lay.chunks, job.micro_batch,
-            RECOMPUTE.index(job.recompute), job.zero, job.sequence_parallel)
+            RECOMPUTE.index(job.recompute), job.zero, job.sequence_parallel, job.mapping)
 
 
 def confirm(job: Job, inputs: CostInputs, capacity: float, reserve: float | None, time_bound: float = 0.0,

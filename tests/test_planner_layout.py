@@ -38,7 +38,8 @@ CASES = [
     (4, 16, 3.2, LayoutSpace(schedules=("dapple", "interleaved", "zb-v"), micro_batches=(1, 2),
                              recompute=("none", "full"))),
     (2, 8, 2.4, LayoutSpace(schedules=("gpipe", "chimera", "zb-h1"), micro_batches=(1, 2, 4),
-                            recompute=("none", "selective"), sequence_parallel=(False, True))),
+                            recompute=("none", "selective"), sequence_parallel=(False, True),
+                            device_maps=("sequential", "megatron"))),
     (4, 32, None, LayoutSpace(schedules=("dapple", "bitpipe", "dualpipe-v"), micro_batches=(2, 4),
                               recompute=("none",))),
 ]
