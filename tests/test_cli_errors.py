@@ -67,6 +67,36 @@ CASES = [
     ("zero-without-dp", SIM + ["--zero", "1"], ["--zero 1", "--dp"]),
     ("tp-with-unit-costs", UNIT + ["--tp", "2"], ["--tp", "--unit-costs"]),
     ("tp-in-a-run-not-dividing-heads", RUN + ["--tp", "3"], ["--tp 3", "heads (4)"]),
+    ("sp-in-a-run-without-tp", RUN + ["--sequence-parallel"], ["--sequence-parallel", "--tp > 1"]),
+    ("sp-in-a-run-not-dividing-seq", RUN + ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
+     ["--tp 2", "sequence length", "(15)"]),
+    ("sp-not-dividing-seq", SIM + ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
+     ["--tp 2", "sequence length", "(15)"]),
+    ("sp-with-run-plan", ["run", "--plan", "{plan}", "--sequence-parallel"], ["--plan", "--sequence-parallel"]),
+    ("zero-in-a-run-without-dp", RUN + ["--zero", "1"], ["--zero 1", "--dp"]),
+    # calibrate / validate with tensor parallelism: refused before any measurement
+    ("calibrate-tp-not-dividing-heads", ["calibrate", "--tp", "3", "--out", "{dir}/c.yaml"], ["--tp 3", "heads (4)"]),
+    ("calibrate-tp-zero", ["calibrate", "--tp", "0"], ["--tp"]),
+    ("calibrate-tp-model-file", ["calibrate", "-m", "{model}:in_place", "--tp", "2", "--out", "{dir}/c.yaml"],
+     ["--tp 2", "model file", "--tp 1"]),
+    ("validate-tp-not-dividing-heads", ["validate", "--tp", "3", "--plot", "{dir}/v.png"], ["--tp 3", "heads (4)"]),
+    ("validate-tp-model-file", ["validate", "-m", "{model}:in_place", "--tp", "2", "--plot", "{dir}/v.png"],
+     ["--tp 2", "model file"]),
+    ("validate-tp-with-a-profile-of-t1", ["validate", "--tp", "2", "--profile", "{tp1profile}"],
+     ["measured at --tp 1, not --tp 2", "calibrate with --tp 2"]),
+    ("validate-t1-with-a-profile-of-tp2", ["validate", "--tp", "1", "--profile", "{tp2profile}"],
+     ["measured at --tp 2, not --tp 1"]),
+    ("validate-tp2-profile-more-processes-than-cores", ["validate", "-D", "4", "--profile", "{tp2profile}"],
+     ["8 processes (4 ranks x T=2) on 2 cores", "--ranks 4"]),
+    ("simulate-tp2-profile-at-t1", SIM + ["--profile", "{tp2profile}"], ["measured at --tp 2, not --tp 1"]),
+    ("simulate-tp2-profile-on-a-cluster", SIM + ["--tp", "2", "--profile", "{tp2profile}", "-c", "dgx-a100-1x8"],
+     ["--tp 2", "--cluster dgx-a100-1x8", "--tp 1"]),
+    ("profile-tp-nan", SIM + ["--profile", "{tpnan}"], ["tpnan.yaml", "'tp'"]),
+    ("profile-tp-zero", SIM + ["--profile", "{tpzero}"], ["tpzero.yaml", "'tp'", ">= 1"]),
+    ("profile-tp-without-allreduce", SIM + ["--profile", "{tpnoar}"], ["tpnoar.yaml", "tp_allreduce"]),
+    ("profile-tp-allreduce-inf", SIM + ["--tp", "2", "--profile", "{tparinf}"],
+     ["tparinf.yaml", "tp_allreduce.bandwidth"]),
+    ("profile-tp-not-dividing-heads", SIM + ["--tp", "3", "--profile", "{tp3}"], ["tp3.yaml", "tp 3", "heads (4)"]),
     ("hf-config-unknown-arch", SIM + ["-m", "{hf_bert}"], ["BertForMaskedLM", "LlamaForCausalLM"]),
     ("hf-config-folder", SIM + ["-m", "{dir}/x.json"], ["x.json"]),
     # silent wrong results
@@ -89,9 +119,20 @@ CASES = [
     ("model-file-empty", SIM + ["-m", "{empty}"], ["model file", "empty"]),
     ("model-yaml-nan", SIM + ["-m", "{nanmodel}"], ["nanmodel.yaml", "hidden"]),
     ("cluster-yaml-inf", SIM + ["-c", "{infcluster}"], ["infcluster.yaml", "bandwidth"]),
+    ("cluster-pod-over-nan", SIM + ["-c", "{podnan}"], ["podnan.yaml", "pod_oversubscription", "nan"]),
+    ("cluster-pod-over-below-1", SIM + ["-c", "{podhalf}"], ["podhalf.yaml", "pod_oversubscription", ">= 1"]),
+    ("cluster-pod-zero", SIM + ["-c", "{podzero}"], ["podzero.yaml", "nodes_per_pod", ">= 1"]),
+    ("cluster-pod-not-whole-leaves", SIM + ["-c", "{podleaf}"], ["podleaf", "nodes_per_pod (3)", "nodes_per_leaf (2)"]),
     ("profile-folder", SIM + ["--profile", "{dir}"], ["calibration profile", "folder"]),
     ("stage-costs-empty", SIM + ["--stage-costs", "{empty}"], ["--stage-costs", "empty"]),
     ("stage-costs-and-model", SIM + ["--stage-costs", "{file}", "-m", "tiny"], ["--stage-costs", "--model"]),
+    ("stage-costs-activation-w-nan", SIM + ["--stage-costs", "{sc_actw_nan}"],
+     ["sc_actw_nan.yaml", "'activation_w' must be"]),
+    ("stage-costs-activation-w-inf", SIM + ["--stage-costs", "{sc_actw_inf}"],
+     ["sc_actw_inf.yaml", "'activation_w' must be"]),
+    ("stage-costs-activation-w-neg", SIM + ["--stage-costs", "{sc_actw_neg}"],
+     ["sc_actw_neg.yaml", "'activation_w' must be"]),
+    ("stage-costs-blocking-not-bool", SIM + ["--stage-costs", "{sc_blocking}"], ["sc_blocking.yaml", "true or false"]),
     ("memory-limit-fixed-order", UNIT + ["--memory-limit", "8"], ["--memory-limit", "zb-auto only"]),
     ("memory-limit-bad", UNIT + ["--memory-limit", "lots"], ["--memory-limit"]),
     ("memory-limit-run", ["run", "-s", "zb-auto", "-D", "2", "-N", "2", "--memory-limit", "4"],
@@ -221,6 +262,12 @@ def files(tmp_path):
     (tmp_path / "nanmodel.yaml").write_text("layers: 4\nhidden: .nan\nheads: 4\nseq_len: 8\nvocab: 16\n")
     (tmp_path / "infcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: .inf}\ninter: ib-hdr\n")
+    pods = ("nodes: 4\ndevices_per_node: 8\ndevice: a100\nintra: nvlink3\ninter: ib-hdr\nfabric: rail\n"
+            "nodes_per_leaf: 2\n")
+    for name, extra in (("podnan", "nodes_per_pod: 2\npod_oversubscription: .nan\n"),
+                        ("podhalf", "nodes_per_pod: 2\npod_oversubscription: 0.5\n"),
+                        ("podzero", "nodes_per_pod: 0\n"), ("podleaf", "nodes_per_pod: 3\n")):
+        (tmp_path / f"{name}.yaml").write_text(pods + extra)
     (tmp_path / "dupmodel.yaml").write_text("layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nhidden: 32\n")
     (tmp_path / "dupcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: 300 GB/s, bandwidth: 3 GB/s}\n"
@@ -229,7 +276,22 @@ def files(tmp_path):
     (tmp_path / "cutprofile.yaml").write_text(_measured_profile_text(tmp_path).rsplit("precision:", 1)[0])
     (tmp_path / "model.py").write_text(MODEL_FILE)
     (tmp_path / "bert.json").write_text('{"architectures": ["BertForMaskedLM"], "hidden_size": 768}')
-    names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile")
+    sc = "stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 100\n"
+    for name, extra in (("sc_actw_nan", "activation_w: .nan\n"), ("sc_actw_inf", "activation_w: .inf\n"),
+                        ("sc_actw_neg", "activation_w: -1\n"), ("sc_blocking", "blocking_sends: 1\n")):
+        (tmp_path / f"{name}.yaml").write_text(sc + extra)
+    measured = _measured_profile_text(tmp_path)
+    tp_ar = "tp_allreduce: {latency: 30 us, bandwidth: 1 GB/s}\n"
+    (tmp_path / "tp1profile.yaml").write_text(measured)
+    (tmp_path / "tp2profile.yaml").write_text(measured + "tp: 2\n" + tp_ar)
+    (tmp_path / "tpnan.yaml").write_text(measured + "tp: .nan\n" + tp_ar)
+    (tmp_path / "tpzero.yaml").write_text(measured + "tp: 0\n")
+    (tmp_path / "tpnoar.yaml").write_text(measured + "tp: 2\n")
+    (tmp_path / "tparinf.yaml").write_text(measured + "tp: 2\ntp_allreduce: {latency: 30 us, bandwidth: .inf}\n")
+    (tmp_path / "tp3.yaml").write_text(measured + "tp: 3\n" + tp_ar)
+    names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile", "sc_actw_nan",
+             "sc_actw_inf", "sc_actw_neg", "sc_blocking", "tp1profile", "tp2profile", "tpnan", "tpzero", "tpnoar",
+             "tparinf", "tp3", "podnan", "podhalf", "podzero", "podleaf")
     made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
             "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
             **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
@@ -553,3 +615,16 @@ def test_calibrate_keeps_its_measurement_when_the_final_write_fails(tmp_path):
     assert "/dev/full" in msg and "No space left" in msg and "\n" not in msg
     kept = Path(msg.rsplit("kept in ", 1)[1].split(" (copy")[0])
     assert load_profile(kept) == prof
+
+
+def test_zero_without_replicas_is_one_refusal_in_simulate_and_run(capsys):
+    """``--zero 1`` with R = 1 shards nothing: simulate and run refuse it alike, with the same one line
+    (exit 2), with and without tensor parallelism."""
+    for extra in ([], ["--tp", "2"]):
+        lines = []
+        for argv in (["simulate", "-s", "dapple", "-D", "2", "-N", "4", "-m", "tiny"], RUN):
+            capsys.readouterr()
+            assert main(argv + extra + ["--zero", "1"]) == 2
+            lines.append(capsys.readouterr().err.strip())
+        assert lines[0] == lines[1] == ("pipetwin: error: --zero 1 shards the optimizer state over the data-parallel "
+                                        "replicas; give --dp > 1")

@@ -229,9 +229,9 @@ def test_cli_top_json_out_plot_and_simulate_plan(tmp_path, capsys):
     assert "step_s" in text and "mfu" in text and "search:" in text
 
 
-def test_run_plan_trains_a_tp2_plan_with_the_references_losses(tmp_path):
-    """A plan with T = 2 (ZeRO-1 where R > 1) for the tiny GPT runs on gloo with the reference's
-    losses; a plan with sequence parallelism is refused for a run with one line."""
+def test_run_plan_trains_tp2_plans_with_the_references_losses(tmp_path):
+    """The planner's best T = 2 plan for the tiny GPT (ZeRO-1 where R > 1), and the same with
+    sequence parallelism, run on gloo from their plan files with the reference's losses."""
     from executor.launch import run_many
     from executor.reference import run_reference
     from experiments.plan_files import config_from_plan
@@ -243,17 +243,17 @@ def test_run_plan_trains_a_tp2_plan_with_the_references_losses(tmp_path):
                        top_k=1, cost_model="linear")
     best = res.best.job
     assert best.layout.tp == 2
-    path = tmp_path / "tp2.json"
-    path.write_text(json.dumps(layout_plan_record(best, cl, 8)))
-    cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05, timeout=30.0)
-    assert (cfg.tp, cfg.devices, cfg.replicas, cfg.zero) == (2, best.layout.devices, best.layout.replicas, best.zero)
-    assert cfg.global_microbatches * cfg.spec().micro_batch == 8
-    [got] = run_many([(cfg, low)])
-    ref = run_reference(cfg)
-    assert len(got.losses) == len(ref.losses) == 3
-    for a, b in zip(got.losses, ref.losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (got.losses, ref.losses)
-    sp = tmp_path / "sp.json"
-    sp.write_text(json.dumps(layout_plan_record(replace(best, sequence_parallel=True), cl, 8)))
-    with pytest.raises(ValueError, match="--sequence-parallel"):
-        config_from_plan(sp, steps=1)
+    runs = []
+    for name, job in (("tp2", best), ("tp2-sp", replace(best, sequence_parallel=True))):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(layout_plan_record(job, cl, 8)))
+        cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05, timeout=30.0)
+        assert (cfg.tp, cfg.devices, cfg.replicas, cfg.zero, cfg.sequence_parallel) == (
+            2, job.layout.devices, job.layout.replicas, job.zero, job.sequence_parallel)
+        assert cfg.global_microbatches * cfg.spec().micro_batch == 8
+        runs.append((cfg, low))
+    for (cfg, _), got in zip(runs, run_many(runs)):
+        ref = run_reference(cfg)
+        assert len(got.losses) == len(ref.losses) == 3
+        for a, b in zip(got.losses, ref.losses):
+            assert abs(a - b) <= 1e-5 * abs(b), (cfg.sequence_parallel, got.losses, ref.losses)
