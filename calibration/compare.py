@@ -184,12 +184,12 @@ def calibrate_and_compare(jobs: list[Job], *, steps: int = 20, repeats: int = 20
     report = progress or (lambda msg: None)
     first = jobs[0]
     model = first.model or "tiny"
-    world = first.layout.devices * first.layout.replicas
-    if any(j.layout.devices * j.layout.replicas != world for j in jobs):
-        raise ValueError("calibrating in the sitting measures one rank count: give every job the same D x R")
+    world, tp = first.layout.devices * first.layout.replicas, first.layout.tp
+    if any((j.layout.devices * j.layout.replicas, j.layout.tp) != (world, tp) for j in jobs):
+        raise ValueError("calibrating in the sitting measures one rank count: give every job the same T, D x R")
     host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"),
-                        micro_batch=first.micro_batch, dtype=dtype)
-    fit_base = host.runtime_configs(fit_ranks(world), steps)
+                        micro_batch=first.micro_batch, dtype=dtype, tp=tp)
+    fit_base = host.runtime_configs(fit_ranks(world, tp), steps)
     val = _runs(jobs, steps=steps, model=model, micro_batch=host.micro_batch, dtype=dtype)
     every = list(dict.fromkeys(val + fit_base))
     report(f"runs: {len(val)} schedules and {len(every) - len(val)} more calibration runs, interleaved")

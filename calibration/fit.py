@@ -79,12 +79,13 @@ def fit_allreduce(sizes, times, n: int) -> tuple[float, float]:
     return lat / (2 * (n - 1)), bw * 2 * (n - 1) / n
 
 
-def fit_ranks(ranks: int) -> int:
-    """Ranks of the runs the runtime is fitted on for runs of ``ranks`` ranks on this host: as many
-    when they outnumber the cores (what time slicing costs shows only there), else no more than
-    the cores (at least 2: the runs pass messages)."""
+def fit_ranks(ranks: int, tp: int = 1) -> int:
+    """Ranks of the runs the runtime is fitted on for runs of ``ranks`` ranks (each a TP group of
+    ``tp`` processes) on this host: as many when their processes outnumber the cores (what time
+    slicing costs shows only there), else no more than the cores hold (at least 2: the runs pass
+    messages)."""
     cores = os.cpu_count() or 1
-    return ranks if ranks > cores else max(2, min(ranks, cores))
+    return ranks if ranks * tp > cores else max(2, min(ranks, cores // tp))
 
 
 def probe_seconds(series: list[RunSeries]) -> float | None:
@@ -125,16 +126,16 @@ def measured_run(job: Job, steps: int, dtype: str = "fp32") -> RunConfig:
 
 
 def runtime_configs(model: str, ranks: int, steps: int = 20, micro_batch: int | None = None,
-                    dtype: str = "fp32") -> list[RunConfig]:
+                    dtype: str = "fp32", tp: int = 1) -> list[RunConfig]:
     """The traced runs the runtime is fitted on: the jobs of :data:`RUNTIME_SCHEDULES` at
-    D = ``ranks``, N = 2D, as :func:`measured_run` runs them; run them in a sitting
+    D = ``ranks``, N = 2D, T = ``tp``, as :func:`measured_run` runs them; run them in a sitting
     (:func:`calibration.sitting.run_series`), alone (calibration) or beside the runs to predict
     (validation: then both meet the same host; the ones equal to a validation's config are
     shared). Schedules with more stages than a model file has layers are left out (at least one
     must fit)."""
     cfgs, refused = [], []
     for s in RUNTIME_SCHEDULES:
-        job = Job(layout=Layout(schedule=s, devices=ranks, microbatches=2 * ranks), model=model,
+        job = Job(layout=Layout(schedule=s, devices=ranks, microbatches=2 * ranks, tp=tp), model=model,
                   micro_batch=micro_batch)
         cfg = measured_run(job, steps, dtype)
         try:

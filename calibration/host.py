@@ -73,7 +73,8 @@ from executor.precision import Precision
 
 from .fit import (fit_allreduce, fit_communication, fit_latency_bandwidth, fit_ranks, fit_runtime, fit_time_slice,
                   probe_seconds, runtime_configs, scale_layer)
-from .measure import measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers
+from .measure import (measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers,
+                      measure_tp_layers)
 from .sitting import RunSeries, SittingRules, run_series, sitting_record
 
 
@@ -120,6 +121,7 @@ class HostMeasurements:
     threads: int
     per: list               # per layer of the model (embedding, blocks, head; a model file's layers): times
     dtype: str              # precision of the runs to predict: fp32 | bf16 (executor.precision)
+    tp: int = 1             # tensor-parallel size: ``per`` are one TP rank's shards, ``comm`` has the group's
     kept: dict              # measured activation bytes: the profile's act_bytes, act_w_bytes (and a
                             # GPT's act_bytes_recompute): :func:`kept_bytes`
     optimizer: float        # seconds per parameter of an Adam step
@@ -132,16 +134,22 @@ class HostMeasurements:
         the all-reduce ring's latency + bandwidth."""
         lat, bw = fit_latency_bandwidth(*zip(*self.comm["p2p"]))
         ar_lat, ar_bw = fit_allreduce(*zip(*self.comm["allreduce"]), n=max(2, self.ranks))
-        return {"p2p_latency": lat, "p2p_bandwidth": bw, "allreduce_latency": ar_lat, "allreduce_bandwidth": ar_bw}
+        out = {"p2p_latency": lat, "p2p_bandwidth": bw, "allreduce_latency": ar_lat, "allreduce_bandwidth": ar_bw}
+        if self.tp > 1:
+            out["tp_allreduce_latency"], out["tp_allreduce_bandwidth"] = fit_allreduce(
+                *zip(*self.comm["tp_allreduce"]), n=self.tp)
+        return out
 
     def runtime_configs(self, ranks: int, steps: int = 20) -> list:
         """The traced runs the runtime is fitted on, at ``ranks`` (:func:`calibration.fit.runtime_configs`)."""
-        return runtime_configs(self.model, ranks, steps, micro_batch=self.micro_batch, dtype=self.dtype)
+        return runtime_configs(self.model, ranks, steps, micro_batch=self.micro_batch, dtype=self.dtype, tp=self.tp)
 
 
 def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
-                 micro_batch: int | None = None, dtype: str = "fp32") -> HostMeasurements:
-    """Layers, optimizer, data and communication of this machine, for ``ranks`` ranks on it.
+                 micro_batch: int | None = None, dtype: str = "fp32", tp: int = 1) -> HostMeasurements:
+    """Layers, optimizer, data and communication of this machine, for ``ranks`` ranks on it, each
+    a tensor-parallel group of ``tp`` processes (its layers measured as one TP rank's shards, the
+    group's all-reduce measured; a GPT spec only).
     ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
     ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`). ``dtype``
     the precision of the runs to be predicted (fp32 | bf16; a model file: fp32)."""
@@ -154,10 +162,16 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
         if micro_batch is not None:
             spec = spec.replace(micro_batch=int(micro_batch))
         spec = spec.replace(dtype_bytes=precision.dtype_bytes)
+        if tp > 1:
+            from executor.config import check_tensor_parallel
+            check_tensor_parallel(spec, tp)
+    elif tp > 1:
+        raise ValueError(f"--tp {tp} splits the built-in GPT's layers; a model file's layers are not split "
+                         f"(calibrate {stack_ref} with --tp 1)")
     elif precision.mixed:
         raise ValueError(f"calibrate --dtype {dtype} measures the GPT presets; calibrate model file {stack_ref} "
                          f"with --dtype fp32")
-    threads = cpu_threads(ranks)
+    threads = cpu_threads(ranks * tp)
     report = progress or (lambda msg: None)
     report("layers")
     if stack_ref is not None:
@@ -169,7 +183,12 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
         label, run_mb = Path(stack_ref.rsplit(":", 1)[0]).stem, mb
         kept = {"act_bytes": act, "act_w_bytes": act_w}
     else:
-        layers = measure_layers(spec, threads, repeats, progress=report, precision=precision)
+        if tp > 1:
+            layers = measure_tp_layers(spec, tp, threads, repeats, precision=precision)
+            for kind in layers:
+                report(f"layer {kind}")
+        else:
+            layers = measure_layers(spec, threads, repeats, progress=report, precision=precision)
         per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
         model_spec, kept = spec, kept_bytes(per)
         opt_model, data = spec, measure_data(spec)
@@ -177,9 +196,9 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
     report("optimizer")
     opt = measure_optimizer(opt_model, threads)
     report("communication")
-    comm = measure_comm(opt_model, max(2, ranks), max(12, repeats))
+    comm = measure_comm(opt_model, max(2, ranks), max(12, repeats), tp=tp)
     return HostMeasurements(model=model, label=label, model_spec=model_spec, micro_batch=run_mb, ranks=ranks,
-                            threads=threads, per=per, dtype=dtype, kept=kept,
+                            threads=threads, per=per, dtype=dtype, kept=kept, tp=tp,
                             optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm)
 
 
@@ -195,8 +214,11 @@ def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: di
     lat, bw, ar_lat, ar_bw = (fits[k] for k in ("p2p_latency", "p2p_bandwidth", "allreduce_latency",
                                                 "allreduce_bandwidth"))
     timing = [scale_layer(x, scale) for x in host.per]
+    tp_ar = LinkSpec("calibrated-tp-allreduce", fits["tp_allreduce_bandwidth"], fits["tp_allreduce_latency"]) \
+        if host.tp > 1 else None
     return CalibrationProfile(
-        name=f"{platform.node() or 'host'}-{host.label}", model=host.model_spec,
+        name=f"{platform.node() or 'host'}-{host.label}" + (f"-tp{host.tp}" if host.tp > 1 else ""),
+        model=host.model_spec, tp=host.tp, tp_allreduce=tp_ar,
         layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
         p2p=LinkSpec("calibrated-p2p", bw, lat + p2p_extra),
         allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_slowdown, ar_lat * ar_slowdown),
@@ -213,7 +235,7 @@ def speed_yardstick(profile: CalibrationProfile) -> Callable[[RunConfig], object
     config of a sitting): ``yardstick(config)`` is the config's compute op costs as measured alone
     (``StageCosts``), the profile's layer times divided by the scale its runtime fit applied
     (``meta["runtime_scale"]``), no per-op overheads; None where the config's ranks outnumber the
-    profile's cores (an op's duration then includes its waits for a core)."""
+    profile's cores (an op's duration then includes its waits for a core; a rank is ``tp`` processes)."""
     sc = profile.meta.get("runtime_scale") or {}
     alone = replace(profile, overhead=(), layers=tuple(
         LayerTiming(t.f / sc.get("F", 1.0), t.b_input / sc.get("Bi", 1.0), t.w / sc.get("W", 1.0),
@@ -222,7 +244,7 @@ def speed_yardstick(profile: CalibrationProfile) -> Callable[[RunConfig], object
 
     def of(config: RunConfig):
         low = lowered_schedule(config)
-        if low.num_ranks > cores:
+        if low.num_ranks * profile.tp > cores:
             return None
         return alone.cost_model(low.num_stages, config.stage_layers, recompute=config.recompute).bind(low)
     return of
@@ -235,13 +257,15 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationPro
     fitted with the rest (:func:`calibration.fit.fit_time_slice`)."""
     ranks, comm = host.ranks, host.comm
     cores = os.cpu_count() or 1
-    base_ranks = fit_ranks(ranks)
+    base_ranks = fit_ranks(ranks, host.tp)
     probes = {str(base_ranks): probe_seconds(base)}
     sitting = {str(base_ranks): sitting_record(base)}
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": host.threads,
             "ranks": ranks, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "p2p_samples": [list(x) for x in comm["p2p"]], "allreduce_samples": [list(x) for x in comm["allreduce"]],
             "runtime_schedules": [x.config.schedule for x in base]}
+    if host.tp > 1:
+        meta["tp_allreduce_samples"] = [list(x) for x in comm["tp_allreduce"]]
 
     def make_profile(scale: dict, overhead: dict, time_slice: float | None = None, p2p_extra: float = 0.0,
                      ar_slowdown: float = 1.0) -> CalibrationProfile:
@@ -255,7 +279,7 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationPro
         p2p_extra, ar_slowdown = fit_communication(base, lambda p, a: make_profile(scale, overhead, time_slice, p, a))
         return make_profile(scale, overhead, time_slice, p2p_extra, ar_slowdown)
 
-    if base_ranks > cores:
+    if base_ranks * host.tp > cores:
         return fit_time_slice(base, fit)[1]
     return fit(None)
 
@@ -271,7 +295,7 @@ def runtime_rules(runtime_steps: int = 20, runtime_repeats: int = 3) -> SittingR
 
 def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
               runtime_steps: int = 20, runtime_repeats: int = 3, rules: SittingRules | None = None,
-              dtype: str = "fp32") -> CalibrationProfile:
+              dtype: str = "fp32", tp: int = 1) -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
     predicted put on this host (it sets the thread count per rank, like the executor does).
     ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
@@ -280,12 +304,13 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     quiet runs per config at least: :func:`runtime_rules`); ``rules`` replaces those rules
     (:class:`calibration.sitting.SittingRules`). All traced runs share one sitting (interleaved
     rounds, both world sizes). ``dtype``: the precision of the runs to be predicted (fp32 | bf16; a
-    model file: fp32)."""
+    model file: fp32). ``tp``: each rank a tensor-parallel group of that many processes (the
+    profile's layers are one TP rank's shards; its ``tp_allreduce`` the group's all-reduce)."""
     rules = rules or runtime_rules(runtime_steps, runtime_repeats)
     report = progress or (lambda msg: None)
     host = measure_host(model, ranks=ranks, repeats=repeats, progress=report, micro_batch=micro_batch,
-                        dtype=dtype)
+                        dtype=dtype, tp=tp)
     report("runtime (traced runs)")
-    series = run_series(host.runtime_configs(fit_ranks(ranks), runtime_steps), rules, progress=report,
+    series = run_series(host.runtime_configs(fit_ranks(ranks, tp), runtime_steps), rules, progress=report,
                         yardstick=speed_yardstick(host_profile(host)))
     return fit_profile(host, series)

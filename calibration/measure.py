@@ -19,10 +19,18 @@ are summarised by ``torch.utils.benchmark.Measurement`` (its median); a layer's 
 B_input and its W take turns run by run (:func:`fresh_state_medians`), so that their ratio is not
 the host's drift between three separate loops.
 
+With tensor parallelism (T > 1) the layers measured are TP rank 0's shards, the executor's own
+layers at 1/T (:mod:`executor.tensor_parallel`: column- and row-parallel linears, the
+vocabulary-parallel embedding and loss), in a spawned process that is a process group of its own
+(:func:`measure_tp_layers`): their collectives run over that one process (a copy), the group's
+all-reduces are measured apart.
+
 Communication runs on spawned gloo ranks (:func:`executor.launch.launch`): one-way P2P times by
 ping-pong over message sizes (25th percentile), all-reduces as the runtime launches them (fresh
 flat buffer, own group, asynchronous; the median), and, with every rank doing it at once, the
-Adam step per parameter and the gradient flatten + write-back per byte.
+Adam step per parameter and the gradient flatten + write-back per byte. With T > 1, the first T
+ranks also all-reduce tensors over a TP group as a layer does (:func:`executor.tensor_parallel.reduce`,
+synchronous, over :data:`TP_SIZES`; the median).
 """
 from __future__ import annotations
 
@@ -36,12 +44,15 @@ from torch.utils.benchmark import Measurement, TaskSpec, Timer
 from cost_models.model_spec import ModelSpec
 from executor.backward import SplitBackward, full_backward, weight_backward
 from executor.device import SavedTensorMeter, clock
-from executor.model import Block, Embedding, full_model, init_parameters, make_optimizer
+from executor.model import Block, Embedding, final_norm, full_model, init_parameters, make_optimizer
 from executor.precision import Precision
 from executor.recompute import MODES, Recompute
+from executor.tensor_parallel import SINGLE, ColumnParallelLinear, TensorParallel, vocab_parallel_cross_entropy
 
 P2P_SIZES = (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 AR_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+# a TP group's all-reduces: the loss's statistics (a few KiB) up to the activations of larger models
+TP_SIZES = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
 CPU = torch.device("cpu")
 MIN_RUN_TIME = 0.05   # seconds Timer.blocked_autorange spends per statement (at least)
 
@@ -55,6 +66,20 @@ class _Head(torch.nn.Module):
     def forward(self, x, targets):
         logits = self.head(self.norm(x))
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _TPHead(torch.nn.Module):
+    """The last stage's head as the executor runs it on a TP rank (:class:`executor.model.StageModule`):
+    the final norm, the column-parallel projection onto its vocabulary slice, the vocabulary-parallel loss."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.norm = final_norm(spec)
+        self.head = ColumnParallelLinear(spec.hidden, spec.vocab, tp, bias=False)
+
+    def forward(self, x, targets):
+        return vocab_parallel_cross_entropy(self.head(self.norm(x)), targets, self.tp)
 
 
 def timer_median(fn: Callable[[], object], label: str) -> float:
@@ -185,16 +210,19 @@ def _full(state, grad_out) -> None:
 
 def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None,
                    precision: Precision | None = None, bytes_only: bool = False, device: torch.device = CPU,
-                   kinds: tuple[str, ...] = ("embedding", "block", "head")) -> dict[str, dict]:
+                   kinds: tuple[str, ...] = ("embedding", "block", "head"),
+                   tp: TensorParallel = SINGLE) -> dict[str, dict]:
     """Per kind (embedding, block, head; ``kinds`` of them): times and kept bytes for one
     micro-batch (a block's kept bytes also under each recomputation mode: blocks are what the
-    executor recomputes), computed on ``device`` (a GPU: times wait for its queued kernels)."""
+    executor recomputes), computed on ``device`` (a GPU: times wait for its queued kernels).
+    ``tp``: this process's place in a TP group; its shards of the layers are measured (see
+    :func:`measure_tp_layers`)."""
     torch.set_num_threads(threads)
     b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
     targets = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
-    emb, blk, head = Embedding(spec), Block(spec), _Head(spec)
+    emb, blk, head = Embedding(spec, tp), Block(spec, tp), (_TPHead(spec, tp) if tp.on else _Head(spec))
     for m in (emb, blk, head):
         init_parameters(m, 0, spec.layers)
         m.to(device)
@@ -216,6 +244,31 @@ def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=No
         out[kind] = measure_layer(mod, mk, kind, repeats, precision=precision,
                                   recompute=MODES if kind == "block" else ("none",), bytes_only=bytes_only)
     return out
+
+
+def tp_layers_worker(payload, rank, world, local_rank, local_world) -> dict[str, dict]:
+    """Spawned process, a process group of its own: TP rank 0's layers of a group of T (their
+    collectives over this one process) measured by :func:`measure_layers`."""
+    import torch.distributed as dist
+
+    from executor.worker import init_world
+    init_world("cpu", rank, world, local_rank, local_world)
+    try:
+        return measure_layers(payload["spec"], payload["threads"], payload["repeats"], precision=payload["precision"],
+                              tp=TensorParallel(payload["tp"], 0, dist.group.WORLD))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_tp_layers(spec: ModelSpec, tp: int, threads: int, repeats: int = 20,
+                      precision: Precision | None = None) -> dict[str, dict]:
+    """:func:`measure_layers` of TP rank 0 of a group of ``tp``: the executor's TP layers at 1/T,
+    exactly as a TP run builds them (its kept bytes are the run's), in a spawned process whose
+    process group is itself alone, so that their collectives (over that one process: the copies
+    they make) meet no partner; the group's all-reduces are timed apart (:func:`comm_worker`)."""
+    from executor.launch import launch
+    return launch("calibration.measure:tp_layers_worker",
+                  {"spec": spec, "tp": tp, "threads": threads, "repeats": repeats, "precision": precision}, 1)
 
 
 class _WithLoss(torch.nn.Module):
@@ -344,6 +397,7 @@ def comm_worker(payload, rank, world, local_rank, local_world):
     import torch.distributed as dist
 
     from executor.runtime import flatten, unflatten_into
+    from executor.tensor_parallel import reduce
     from executor.worker import init_world
     init_world("cpu", rank, world, local_rank, local_world)
     repeats = payload["repeats"]
@@ -389,10 +443,24 @@ def comm_worker(payload, rank, world, local_rank, local_world):
     nparams = sum(p.numel() for p in params)
     t_opt = timed(opt.step)
     t_flat = timed(lambda: unflatten_into(flatten(grads), grads))
+    # a TP group's all-reduce as a layer does it (executor.tensor_parallel.reduce): ranks 0..T-1
+    T = payload.get("tp", 1)
+    tp_ar = []
+    if T > 1:
+        tgroup = dist.new_group(list(range(T)))     # every rank creates it; its members use it
+        me = TensorParallel(T, rank, tgroup) if rank < T else None
+        if me is not None:      # the group's first collectives set up its connections: untimed
+            for size in payload["tp_sizes"]:
+                reduce(torch.ones(size // 4), me)
+        for size in payload["tp_sizes"]:
+            x = torch.ones(size // 4)
+            t = timed((lambda x=x: reduce(x, me)) if me is not None else (lambda: None), quantile=0.5,
+                      reps=2 * repeats)
+            tp_ar.append((size, t))
     dist.barrier()
     dist.destroy_process_group()
     return {"p2p": p2p, "allreduce": ar, "optimizer_per_param": t_opt / nparams,
-            "grad_copy_per_byte": t_flat / (4 * nparams)}
+            "grad_copy_per_byte": t_flat / (4 * nparams), "tp_allreduce": tp_ar}
 
 
 def model_parameters(model: ModelSpec | str) -> list[torch.nn.Parameter]:
@@ -403,11 +471,13 @@ def model_parameters(model: ModelSpec | str) -> list[torch.nn.Parameter]:
     return unique_parameters(build_stack(model, 0).layers)
 
 
-def measure_comm(model: ModelSpec | str, ranks: int, repeats: int = 10) -> dict:
-    """``model``: a GPT spec or a model file reference (its parameters time the optimizer step)."""
+def measure_comm(model: ModelSpec | str, ranks: int, repeats: int = 10, tp: int = 1) -> dict:
+    """``model``: a GPT spec or a model file reference (its parameters time the optimizer step);
+    ``tp`` > 1: a TP group's all-reduces too (``"tp_allreduce"``: (bytes, seconds) per size)."""
     from executor.launch import launch
     return launch("calibration.measure:comm_worker",
-                  {"repeats": repeats, "p2p_sizes": P2P_SIZES, "ar_sizes": AR_SIZES, "model": model}, ranks)
+                  {"repeats": repeats, "p2p_sizes": P2P_SIZES, "ar_sizes": AR_SIZES, "model": model, "tp": tp,
+                   "tp_sizes": TP_SIZES}, max(ranks, tp))
 
 
 def measure_data(spec: ModelSpec | None, stack=None, micro_batch: int = 1) -> float:

@@ -29,6 +29,8 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
     grad_copy_per_byte: 2.0e-10    # flattening a stage's gradients for its all-reduce, and back
     copy_time: 0.0                 # seconds of a local hand-off (optional)
     memory: 16 GiB                 # memory one rank may use (optional; no OOM verdict without it)
+    tp: 2                          # optional (default 1): the tensor-parallel size T measured at
+    tp_allreduce: {latency: 30 us, bandwidth: 1.5 GB/s}  # with tp > 1: the TP group's all-reduce (ring fit)
     meta: {host: ..., torch: ..., threads: 1, date: ...}   # free-form, kept as is
 
 A profile of a user's layer stack (``pipetwin calibrate --model PATH.py:FUNC``) has a ``model``
@@ -38,6 +40,17 @@ start, FLOPs), ``per_layer`` timings (one per layer of the stack, required) and
 ``act_bytes_per_layer`` / ``act_w_bytes_per_layer`` (what each layer adds after the one before
 it; required). Its default partition is :func:`cost_models.partition.stack_partition` (the
 executor's), recomputation is not modelled.
+
+A profile measured with tensor parallelism (``pipetwin calibrate --tp T``, T > 1) describes one TP
+rank of a group of T processes: ``per_layer`` are the times of its layers at 1/T (the executor's
+column- and row-parallel shards, :mod:`executor.tensor_parallel`) without their collectives, the
+kept bytes those of its shards, and ``tp_allreduce`` the fit of the group's all-reduce (the
+executor's own, over T gloo processes: ``2(T-1)`` steps of latency + ``2(T-1)/T S / bandwidth``).
+The collectives of each layer (:func:`cost_models.transformer.layer_collectives`) are priced on it
+and added to the layer's F and input backward (:meth:`CalibrationProfile.layer_costs`). A simulated
+rank is the whole group: T processes that need T cores, so the host has ``cores // T`` of them
+(:meth:`CalibrationProfile.host_cores`). A profile without ``tp`` is one of T = 1, and is only used
+at T = 1.
 
 On another device (``pipetwin simulate --profile FILE --cluster PRESET``),
 :func:`scaled_layer_costs` scales the measured times by one factor: the FLOP rate this host reached
@@ -62,7 +75,7 @@ from .files import FileError, read_text, write_output
 from .model_spec import ModelSpec, load_model, spec_from_dict
 from .partition import balanced_counts, default_partition, stack_partition
 from .stack import StackSpec, stack_from_dict
-from .transformer import _check_recompute, transformer_layers
+from .transformer import TensorParallelGroup, _check_recompute, layer_collectives, transformer_layers
 
 FORMAT = "pipetwin-calibration/1"
 KINDS = ("embedding", "block", "head")
@@ -108,6 +121,8 @@ class CalibrationProfile:
     # measured bytes kept F -> B per layer under each recomputation mode ((mode, per-layer bytes), ...)
     act_bytes_recompute: tuple[tuple[str, tuple[float, ...]], ...] = ()
     precision: str = "fp32"                       # the executor's --dtype when measured
+    tp: int = 1                                   # tensor-parallel size T: layers are one TP rank's (1/T)
+    tp_allreduce: LinkSpec | None = None          # with tp > 1: the TP group's all-reduce, one ring step
 
     def __post_init__(self):
         # one canonical order of the per-op overheads (the file's), so equal profiles compare equal
@@ -116,6 +131,19 @@ class CalibrationProfile:
         if self.is_stack and (self.act_bytes is None or len(self.layers) != self.model.num_layers):
             raise SpecError(f"profile {self.name}: a layer-stack profile needs one timing and measured activation "
                             f"bytes per layer ({self.model.num_layers} layers)")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise SpecError(f"profile {self.name}: field 'tp' must be an integer >= 1; got {self.tp!r}")
+        if self.tp > 1:
+            if self.is_stack:
+                raise SpecError(f"profile {self.name}: tensor parallelism splits the built-in GPT's layers, not a "
+                                f"layer stack's; tp must be 1")
+            if self.tp_allreduce is None:
+                raise SpecError(f"profile {self.name}: tp {self.tp} needs field 'tp_allreduce' (the group's "
+                                f"all-reduce); calibrate with --tp {self.tp}")
+            try:
+                self.model.check_tensor_parallel(self.tp, "tp")
+            except ValueError as e:
+                raise SpecError(f"profile {self.name}: {e}") from None
 
     @property
     def is_stack(self) -> bool:
@@ -150,7 +178,8 @@ class CalibrationProfile:
         _check_recompute(recompute)
         if self.is_stack:
             return self._stack_costs(recompute, bytes_per_param, grad_bytes_per_param)
-        formula = transformer_layers(self.model, recompute, dropout)
+        formula = transformer_layers(self.model, recompute, dropout, tp=self.tp)
+        comm = self.collective_times(recompute)
         measured = self.act_bytes if recompute == "none" else dict(self.act_bytes_recompute).get(recompute)
         act = [m if measured is not None else l.act_bytes
                for l, m in zip(formula, measured or [None] * len(formula))]
@@ -160,13 +189,13 @@ class CalibrationProfile:
         act_w = [m if mw is not None else l.act_w_bytes for l, m in zip(formula, mw or [None] * len(formula))]
         full = None
         if all(t.b is not None for t in self.layers):
-            full = tuple(t.b + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0)
-                         for t, l in zip(self.layers, formula))
+            full = tuple(t.b + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0) + cb
+                         for t, l, (_, cb) in zip(self.layers, formula, comm))
         grad = float(FP32_GRAD_BYTES if grad_bytes_per_param is None else grad_bytes_per_param)
         return LayerCosts(
-            f=tuple(t.f for t in self.layers),
-            b_input=tuple(t.b_input + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0)
-                          for t, l in zip(self.layers, formula)),
+            f=tuple(t.f + cf for t, (cf, _) in zip(self.layers, comm)),
+            b_input=tuple(t.b_input + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0) + cb
+                          for t, l, (_, cb) in zip(self.layers, formula, comm)),
             w=tuple(t.w for t in self.layers),
             act=tuple(float(a) for a in act),
             act_w=tuple(float(a) for a in act_w),
@@ -182,6 +211,20 @@ class CalibrationProfile:
             first_stage_all_in_w=self.first_stage_all_in_w,
             grad_copy_per_byte=self.grad_copy_per_byte,
         )
+
+    def collective_times(self, recompute: str = "none") -> list[tuple[float, float]]:
+        """Per layer: seconds of its tensor-parallel collectives in F and in the input backward
+        (:func:`cost_models.transformer.layer_collectives` priced on ``tp_allreduce``, a ring of the
+        group's T processes); zeros at T = 1."""
+        n = len(self.layers)
+        if self.tp == 1:
+            return [(0.0, 0.0)] * n
+        link = self.tp_allreduce
+        one = Cluster(name=f"{self.name}-tp", nodes=1, devices_per_node=self.tp, device=self.device(), intra=link,
+                      inter=link, collective=link)
+        group = TensorParallelGroup(one, self.tp)
+        return [(group.phase_time(c.forward), group.phase_time(c.backward))
+                for c in layer_collectives(self.model, recompute, self.tp)]
 
     def _stack_costs(self, recompute: str, bytes_per_param: float, grad_bytes_per_param: float | None) -> LayerCosts:
         if recompute != "none":
@@ -225,10 +268,11 @@ class CalibrationProfile:
 
     def host_cores(self) -> dict | None:
         """How the ranks share the calibrated host (the fields of :class:`sim.host.HostCores`;
-        None when the profile names no core count)."""
+        None when the profile names no core count). With T > 1 a rank is a TP group of T processes
+        that needs T cores: the host has ``cores // T`` (at least 1)."""
         if not self.cores:
             return None
-        return {"cores": self.cores, "time_slice": self.time_slice,
+        return {"cores": max(1, self.cores // self.tp), "time_slice": self.time_slice,
                 "oversubscribed_slowdown": self.oversubscribed_slowdown}
 
     def to_dict(self) -> dict:
@@ -260,13 +304,16 @@ class CalibrationProfile:
         if self.act_bytes_recompute:
             d["act_bytes_recompute_per_layer"] = {m: list(v) for m, v in self.act_bytes_recompute}
         d["precision"] = self.precision
+        if self.tp > 1:
+            d["tp"] = self.tp
+            d["tp_allreduce"] = {"latency": self.tp_allreduce.latency, "bandwidth": self.tp_allreduce.bandwidth}
         return d
 
 
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
            "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores",
            "data_time", "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown",
-           "act_bytes_recompute_per_layer", "precision", "time_slice")
+           "act_bytes_recompute_per_layer", "precision", "time_slice", "tp", "tp_allreduce")
 OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
 # a profile that ``pipetwin calibrate`` measured has this key in its meta (calibration.host.host_profile) ...
 MEASURED = "runtime_scale"
@@ -371,6 +418,21 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     over = d.get("oversubscribed_slowdown", 1.0)
     if isinstance(over, bool) or not isinstance(over, (int, float)) or not 1 <= over <= 10:
         raise SpecError(f"{source}: field 'oversubscribed_slowdown' must be a number in [1, 10]; got {over!r}")
+    tp = d.get("tp", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise SpecError(f"{source}: field 'tp' must be an integer >= 1; got {tp!r}")
+    if (tp > 1) != ("tp_allreduce" in d):
+        raise SpecError(f"{source}: fields 'tp' > 1 and 'tp_allreduce' go together (calibrate --tp T writes both); "
+                        f"got tp {tp}" + (" with" if "tp_allreduce" in d else " without") + " tp_allreduce")
+    tp_ar = _fit(d["tp_allreduce"], source, "tp_allreduce", "calibrated-tp-allreduce") if tp > 1 else None
+    if tp > 1 and stack:
+        raise SpecError(f"{source}: field 'tp' {tp}: tensor parallelism splits the built-in GPT's layers, not a layer "
+                        f"stack's; tp must be 1")
+    if tp > 1:
+        try:
+            model.check_tensor_parallel(tp, "tp")
+        except ValueError as e:
+            raise SpecError(f"{source}: field 'tp': {e}") from None
     time_slice = d.get("time_slice")
     if time_slice is not None:
         time_slice = _spec.seconds(time_slice, source, "time_slice", allow_zero=False)
@@ -387,7 +449,7 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         first_stage_all_in_w=bool(d.get("first_stage_all_in_w", True)),
         grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"),
         oversubscribed_slowdown=float(over), act_bytes_recompute=act_rec, precision=precision,
-        time_slice=time_slice)
+        time_slice=time_slice, tp=tp, tp_allreduce=tp_ar)
 
 
 def load_profile(path: str | Path) -> CalibrationProfile:

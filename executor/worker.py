@@ -385,8 +385,9 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     if probes:
         extra["probe_seconds"] = noise_free(probes)
         extra["probe_samples"] = probes
-    windows = [rep["cpu"] for rep in reports if rep.get("cpu") is not None]
-    if windows and len(windows) == len(reports):
+    # every process's CPU (a TP group's other ranks are the run's, not other processes' load)
+    windows = [rep["cpu"] for rep in everyone if rep.get("cpu") is not None]
+    if windows and len(windows) == len(everyone):
         extra["foreign_cores"] = foreign_cores(windows)
         extra["rank_cpu_seconds"] = [w.own for w in windows]
         extra["wall_seconds"] = sorted(w.wall for w in windows)[len(windows) // 2]

@@ -26,6 +26,16 @@ preset / YAML.
 
     python -m experiments.bench_executor [--model tiny|wide|FILE.yaml] [-N 8] [--rounds 15] [--json]
 
+The TP case (``--schedules`` name ``tp``) compares the blocks of tensor parallelism at T = 2 (the
+same 2 ranks, gloo): the model's L transformer blocks built by pipetwin with its TP group
+(:mod:`executor.tensor_parallel`, Megatron-style autograd functions) against the same blocks under
+PyTorch's own tensor-parallel API (``parallelize_module`` with ``ColwiseParallel`` on the QKV and
+MLP input, ``RowwiseParallel`` on the output projections, on a ``DeviceMesh``; DTensor weights and
+gradients), same weights (the fused QKV rows put in per-head order first, so that both shard the
+heads alike), same input: a step is N micro-batches of forward, backward of the mean square of
+the output, then the SGD step. Its ratio is per round as for the pipelines (no metering variant:
+the blocks run bare on both sides).
+
 ``--profile-step SCHEDULE`` instead runs cProfile over the steps of one pipetwin schedule and one
 torch schedule on both ranks and prints where the time goes. ``--profile-ops SCHEDULE`` compares the
 two at the level of torch's operators, per rank: ``--rounds`` steps of each, alternating, each between
@@ -55,6 +65,7 @@ import torch.distributed as dist
 PAIRS = [("dapple", "Schedule1F1B", 1, False), ("interleaved", "ScheduleInterleaved1F1B", 2, False),
          ("zb-h1", "ScheduleInterleavedZeroBubble", 1, False), ("zb-v", "ScheduleZBVZeroBubble", 2, True),
          ("dualpipe-v", "ScheduleDualPipeV", 2, True)]
+TP = ("tp", "parallelize_module", 2)    # (name, torch's API, T): the tensor-parallel blocks' pair
 WIDE = {"name": "bench-wide", "kind": "gpt", "layers": 8, "hidden": 256, "heads": 8, "seq_len": 128,
         "vocab": 512, "micro_batch": 4, "dtype_bytes": 4}
 
@@ -102,6 +113,78 @@ def _torch(cfg, schedule_cls: str, chunks: int, v_shape: bool, rank, world, ctx)
     return step
 
 
+def _tp_blocks(spec, tp, seed: int) -> torch.nn.Module:
+    """The spec's L transformer blocks (``executor.model.Block``) on one TP rank (``tp``: its place in
+    the group; SINGLE: whole), initialised as the executor does (the whole model's weights, sharded)."""
+    from executor.model import Block, init_parameters
+    blocks = torch.nn.Sequential(*[Block(spec, tp) for _ in range(spec.layers)])
+    init_parameters(blocks, seed, spec.layers, tp)
+    return blocks
+
+
+def _tp_step(blocks, spec, optimizer, microbatches: int, seed: int):
+    """One step of a TP stack: ``microbatches`` forward + backward passes of the mean square of the
+    output on the same replicated inputs on every rank, then the optimizer step; returns the loss sum."""
+    def step(k):
+        total = 0.0
+        for g in range(microbatches):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + k * 1009 + g)
+            x = torch.randn(spec.micro_batch, spec.seq_len, spec.hidden, generator=gen)
+            loss = blocks(x).pow(2).mean()
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        return total
+    return step
+
+
+def tp_variants(cfg, rank, world, groups) -> dict:
+    """The TP pair's two steps (see the module docstring) on ``world`` = T ranks: pipetwin's blocks on
+    its TP group and torch's blocks under ``parallelize_module`` on a 1-D ``DeviceMesh``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from executor.model import make_optimizer
+    from executor.tensor_parallel import TensorParallel
+    spec, T = cfg.spec(), world
+    spec.check_tensor_parallel(T)
+    ours = _tp_blocks(spec, TensorParallel(T, rank, groups.for_ranks(range(T), rank, "cpu")), cfg.seed)
+    theirs = _tp_blocks(spec, TensorParallel(), cfg.seed)
+    mesh = init_device_mesh("cpu", (T,))
+    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(), "fc": ColwiseParallel(),
+            "out": RowwiseParallel()}
+    with torch.no_grad():
+        for blk in theirs:
+            # rows [Q; K; V] -> [q0; k0; v0; q1; ...]: a contiguous shard holds whole heads of each
+            for p in (blk.attn.qkv.weight, blk.attn.qkv.bias):
+                p.copy_(p.reshape(3, T, -1, *p.shape[1:]).transpose(0, 1).reshape(p.shape))
+            parallelize_module(blk, mesh, plan)
+            blk.attn.heads = spec.heads // T       # the attention computes this rank's heads
+    name = f"pipetwin TP block (T={T})"
+    return {name: _tp_step(ours, spec, make_optimizer(list(ours.parameters()), cfg.optimizer, cfg.lr),
+                           cfg.microbatches, cfg.seed),
+            f"torch {TP[1]} (T={T})": _tp_step(theirs, spec, make_optimizer(list(theirs.parameters()),
+                                                                              cfg.optimizer, cfg.lr),
+                                               cfg.microbatches, cfg.seed)}
+
+
+def tp_pair_names(T: int = TP[2]) -> list[str]:
+    return [f"pipetwin TP block (T={T})", f"torch {TP[1]} (T={T})"]
+
+
+def tp_check_rank(payload, rank, world, local_rank, local_world):
+    """Target for the test: both TP variants' losses over ``steps`` steps (rank 0)."""
+    from executor.worker import ProcessGroups, init_world
+    cfg = payload["config"]
+    ctx = init_world("cpu", rank, world, local_rank, local_world, cfg.timeout)
+    variants = tp_variants(cfg, rank, world, ProcessGroups(world, ctx.backend))
+    losses = {name: [step(k) for k in range(payload["steps"])] for name, step in variants.items()}
+    dist.barrier()
+    dist.destroy_process_group()
+    return losses if rank == 0 else None
+
+
 def _variants(base, rank, world, ctx, groups, pairs):
     out = {}
     for ours, theirs, chunks, v_shape in pairs:
@@ -147,12 +230,15 @@ def bench_rank(payload, rank, world, local_rank, local_world):
     ctx = init_world("cpu", rank, world, local_rank, local_world, base.timeout)
     groups = ProcessGroups(world, ctx.backend)
     variants = _variants(base, rank, world, ctx, groups, pairs)
+    blocks = [_pair_names(ours, theirs) for ours, theirs, _, _ in pairs]
+    if TP[0] in payload["schedules"]:
+        variants |= tp_variants(base, rank, world, groups)
+        blocks.append(tp_pair_names(world))
     for step in variants.values():
         for k in range(warmup):
             step(k)
     times: dict[str, list[float]] = {k: [] for k in variants}
     windows: dict[str, list] = {k: [] for k in variants}
-    blocks = [_pair_names(ours, theirs) for ours, theirs, _, _ in pairs]
     for r in range(rounds):
         for name in round_order(blocks, r):
             seconds, window = _timed(variants[name], steps, start=warmup + r * steps)
@@ -302,8 +388,9 @@ def print_ops(report: list[dict], steps: int, rounds: int, top: int) -> None:
 
 
 def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str, list] | None = None,
-              max_foreign: float = 0.15, cpu: dict[str, list[float]] | None = None) -> list[dict]:
-    """Per pair: medians and spreads of throughput and of the per-round ratios; with ``foreign``
+              max_foreign: float = 0.15, cpu: dict[str, list[float]] | None = None, tp: bool = False) -> list[dict]:
+    """Per pair (and with ``tp`` the TP pair, whose variants ``times`` holds, last): medians and
+    spreads of throughput and of the per-round ratios; with ``foreign``
     (cores' worth of other processes' CPU per variant and round) also the median ratio over the
     quiet rounds, where both runs of the pair saw at most ``max_foreign`` of it; with ``cpu`` (the
     ranks' own CPU seconds per variant and round) the per-round ratio of CPU used, torch's over
@@ -333,6 +420,23 @@ def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str
             row.update({"cpu_ratio": statistics.median([y / x for x, y in zip(ca, cb)]),
                         "metering_cpu": statistics.median([x / z - 1.0 for x, z in zip(ca, cc)])})
         rows.append(row)
+    if tp and all(n in times for n in tp_pair_names()):
+        na, nb = tp_pair_names()
+        a, b = times[na], times[nb]
+        ratio = [tb / ta for ta, tb in zip(a, b)]
+        row = {"pair": f"{TP[0]} vs {TP[1]}", "pipetwin_seq_per_s": seqs / statistics.median(a),
+               "torch_seq_per_s": seqs / statistics.median(b), "ratio": statistics.median(ratio),
+               "ratio_min": min(ratio), "ratio_max": max(ratio), "ratio_nomem": None, "metering_cost": None,
+               "spread_pipetwin": max(a) / min(a) - 1.0, "spread_torch": max(b) / min(b) - 1.0}
+        if foreign is not None:
+            load = [max(x or 0.0, y or 0.0) for x, y in zip(foreign[na], foreign[nb])]
+            quiet = [q for q, f in zip(ratio, load) if f <= max_foreign]
+            row.update({"foreign_cores": statistics.median(load), "quiet_rounds": len(quiet),
+                        "ratio_quiet": statistics.median(quiet) if quiet else None})
+        if cpu is not None:
+            row.update({"cpu_ratio": statistics.median([y / x for x, y in zip(cpu[na], cpu[nb])]),
+                        "metering_cpu": None})
+        rows.append(row)
     return rows
 
 
@@ -344,7 +448,9 @@ def print_table(rows: list[dict], spec, *, microbatches: int, rounds: int, steps
           f"pipetwin / torch throughput per round (median, min-max); spread = slowest / fastest round - 1; "
           f"foreign = other processes' CPU (cores, median); quiet = median ratio over the rounds with at most "
           f"{max_foreign:g} cores of it (how many); cpu_ratio = torch / pipetwin CPU seconds of both ranks "
-          f"per round (median), metering_cpu = the metering's CPU cost")
+          f"per round (median), metering_cpu = the metering's CPU cost"
+          + (f"; {TP[0]} = the {spec.layers} transformer blocks at T={TP[2]} on the same ranks (no pipeline)"
+             if any(r["pair"].startswith(f"{TP[0]} vs") for r in rows) else ""))
     rows = [dict(r) for r in rows]
     for row in rows:
         row["quiet"] = "-" if row["ratio_quiet"] is None else f"{row['ratio_quiet']:.2f} ({row['quiet_rounds']})"
@@ -366,7 +472,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     p.add_argument("--max-foreign", type=float, default=0.15,
                    help="cores' worth of other processes' CPU a quiet round may see (default 0.15)")
-    p.add_argument("--schedules", default=",".join(x[0] for x in PAIRS), help="pipetwin schedules to compare")
+    p.add_argument("--schedules", default=",".join([x[0] for x in PAIRS] + [TP[0]]),
+                   help=f"pipetwin schedules to compare, and {TP[0]} for the tensor-parallel blocks (default all)")
     p.add_argument("--profile-step", metavar="SCHEDULE", help="cProfile one pipetwin schedule and its torch pair")
     p.add_argument("--profile-ops", metavar="SCHEDULE",
                    help="per-step CPU and page faults over --rounds paired steps, then torch.profiler's operators "
@@ -382,7 +489,7 @@ def main(argv=None) -> int:
     from executor.config import RunConfig
     from executor.launch import launch
     wanted = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    unknown = sorted(set(wanted) - {x[0] for x in PAIRS})
+    unknown = sorted(set(wanted) - {x[0] for x in PAIRS} - {TP[0]})
     unknown += [s for s in (args.profile_step, args.profile_ops) if s and s not in {x[0] for x in PAIRS}]
     if unknown:
         raise SystemExit(f"bench_executor: error: no torch pair for {', '.join(unknown)}; choose from "
@@ -415,7 +522,8 @@ def main(argv=None) -> int:
                        {"config": cfg, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
                         "schedules": wanted}, 2)
     seqs = args.steps * args.microbatches * spec.micro_batch
-    rows = summarize(out["seconds"], seqs, pairs, out["foreign_cores"], args.max_foreign, out["cpu_seconds"])
+    rows = summarize(out["seconds"], seqs, pairs, out["foreign_cores"], args.max_foreign, out["cpu_seconds"],
+                     tp=TP[0] in wanted)
     if args.json:
         json.dump({"model": spec.name, "devices": 2, "microbatches": args.microbatches, "backend": "gloo",
                    "steps": args.steps, "rounds": args.rounds, "results": rows, "raw_seconds": out["seconds"],

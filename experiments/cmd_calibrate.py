@@ -24,6 +24,9 @@ def add_arguments(p):
                    help="samples per micro-batch to measure at (default: a model file's 4, a GPT spec's micro_batch)")
     p.add_argument("--ranks", type=positive_int, default=2,
                    help="ranks the predicted runs put on this host (default 2)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel size T of the runs to predict (default 1): each rank a group of T processes; "
+                        "the layers are measured as one TP rank's shards (1/T), the group's all-reduce over gloo")
     p.add_argument("--repeats", type=positive_int, default=20, help="timings per measurement (median, >= 3)")
     p.add_argument("--runtime-steps", type=int_in(3, 1000), default=20,
                    help="steps of each traced run the runtime is fitted on (default 20; the first 2 are dropped)")
@@ -37,7 +40,7 @@ def add_arguments(p):
 
 
 def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_batch: int | None = None,
-                            runtime_steps: int = 20, runtime_repeats: int = 3, dtype: str = "fp32"):
+                            runtime_steps: int = 20, runtime_repeats: int = 3, dtype: str = "fp32", tp: int = 1):
     """:func:`calibration.calibrate` with a progress bar on stderr (one tick per stage). A bad
     ``--model`` (preset, YAML file or model file) fails here, before any measurement."""
     from tqdm import tqdm
@@ -46,11 +49,17 @@ def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_
     from cost_models import is_model_ref, load_model
 
     if is_model_ref(model):
+        if tp > 1:
+            raise ValueError(f"--tp {tp} splits the built-in GPT's layers; a model file's layers are not split "
+                             f"(calibrate {model} with --tp 1)")
         from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
         n = stack_layout(model, 1, micro_batch=micro_batch or DEFAULT_MICRO_BATCH).num_layers
         layers = [f"layer {i}" for i in range(n)]
     else:
-        load_model(model)
+        spec = load_model(model)
+        if tp > 1:
+            from executor.config import check_tensor_parallel
+            check_tensor_parallel(spec, tp)
         layers = ["layer embedding", "layer block", "layer head"]
     stages = ["layers", *layers, "optimizer", "communication", "runtime (traced runs)"]
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
@@ -59,7 +68,7 @@ def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_
             if msg in stages:   # the traced runs' rounds report too: they do not advance the bar
                 bar.update(1)
         return calibrate(model, ranks=ranks, repeats=repeats, progress=progress, micro_batch=micro_batch,
-                         runtime_steps=runtime_steps, runtime_repeats=runtime_repeats, dtype=dtype)
+                         runtime_steps=runtime_steps, runtime_repeats=runtime_repeats, dtype=dtype, tp=tp)
 
 
 def save_measured(prof, out: Path) -> Path:
@@ -87,7 +96,7 @@ def main(args) -> int:
         raise ValueError(f"--repeats must be >= 3; got {args.repeats}")
     prof = calibrate_with_progress(args.model, args.ranks, args.repeats, micro_batch=args.micro_batch,
                                    runtime_steps=args.runtime_steps, runtime_repeats=args.runtime_repeats,
-                                   dtype=args.dtype)
+                                   dtype=args.dtype, tp=args.tp)
     out = Path(args.out)
     save_measured(prof, out)
     if prof.is_stack:
@@ -103,6 +112,8 @@ def main(args) -> int:
           f"{prof.p2p.bandwidth / 1e9:.2f} GB/s; all-reduce step {prof.allreduce.latency * 1e6:.0f} us + "
           f"{prof.allreduce.bandwidth / 1e9:.2f} GB/s; overheads "
           + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in prof.overhead) + f"; {prof.cores} cores"
+          + (f"; T={prof.tp}: layers per TP rank, TP all-reduce step {prof.tp_allreduce.latency * 1e6:.0f} us + "
+             f"{prof.tp_allreduce.bandwidth / 1e9:.2f} GB/s" if prof.tp > 1 else "")
           + (f", compute {prof.oversubscribed_slowdown:.2f}x slower with more ranks than cores"
              if prof.oversubscribed_slowdown > 1 else "")
           + (f", time-sliced in {prof.time_slice * 1e3:.0f} ms slices with more ranks than cores"

@@ -215,13 +215,17 @@ def _announce_plan(cfg, sched, info, args) -> None:
     out = sys.stderr if args.json else sys.stdout
     what = "reference (one process) for" if args.reference else f"{sched.num_ranks} ranks:"
     print(f"plan {printable(args.plan)}: {info['plan']}", file=out)
-    split = (f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
+    split = ("the default split of the blocks" if cfg.partition is None else
+             f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
              f"blocks per stage {list(cfg.partition)} (layers {info['partition_layers']} with embedding and head)")
     print(f"running {what} {info['layout']}; global batch {info['global_batch']} = {cfg.global_microbatches} "
           f"micro-batches of {cfg.samples_per_microbatch}; {split}; schedule {cfg.schedule}", file=out)
     if args.reference:
         return
     dmap = info["device_map"]
+    if isinstance(dmap, str):       # a whole-layout plan: placed by a mapping's rule (Megatron's at T > 1)
+        print(f"placement: --device-map {dmap}", file=out)
+        return
     pairs = ", ".join(f"{r}->{d}" for r, d in enumerate(dmap))
     if under_torchrun():
         print(f"placement: rank -> device {pairs} (device = node * {info['devices_per_node']} + local rank)"

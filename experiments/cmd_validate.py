@@ -39,6 +39,9 @@ def add_arguments(p):
     p.add_argument("--devices", "-D", type=positive_int, default=2)
     p.add_argument("--microbatches", "-N", type=positive_int, default=None, help="default 2D")
     p.add_argument("--dp", type=positive_int, default=1)
+    p.add_argument("--tp", type=positive_int, default=None,
+                   help="tensor-parallel size T: each pipeline rank a group of T processes that split every layer "
+                        "(default: the profile's, else 1); a profile must have been calibrated at this --tp")
     p.add_argument("--chunks", "-v", type=positive_int, default=None,
                    help="chunks per device for the schedules that take them (default 2)")
     p.add_argument("--steps", type=positive_int, default=20, help="executor steps per run (default 20)")
@@ -106,7 +109,7 @@ def main(args) -> int:
     from cost_models.files import check_output_path
     from schedules import ScheduleError, build
 
-    from cost_models.bind import check_profile_model
+    from cost_models.bind import check_profile_model, check_profile_tp
 
     t_start = time.perf_counter()
     record = SittingRecord(started=time.time(), command=command_line(args), host=host_facts(), load_start=_load())
@@ -125,24 +128,34 @@ def main(args) -> int:
     if args.profile:
         prof = load_profile(args.profile)
         check_profile_model(prof, args.model)
+        check_profile_tp(prof, args.tp or prof.tp)
         if args.dtype is not None and args.dtype != prof.precision:
             raise ValueError(f"profile {args.profile} was measured in {prof.precision}, not {args.dtype}; "
                              f"calibrate with --dtype {args.dtype} (or drop --dtype)")
         if args.micro_batch is not None and args.micro_batch != prof.micro_batch:
             raise ValueError(f"profile {args.profile} was measured at micro-batch {prof.micro_batch}; drop "
                              f"--micro-batch or calibrate at {args.micro_batch}")
-        if prof.cores and D * R > prof.cores and prof.time_slice is None and prof.oversubscribed_slowdown == 1.0:
-            raise ValueError(f"profile {args.profile} does not model {D * R} ranks on {prof.cores} cores (calibrated "
-                             f"for {prof.meta.get('ranks', '?')} ranks, no time slice): calibrate with --ranks "
-                             f"{D * R}, or drop --profile")
+        if prof.cores and D * R * prof.tp > prof.cores and prof.time_slice is None and \
+                prof.oversubscribed_slowdown == 1.0:
+            what = f"{D * R} ranks" if prof.tp == 1 else f"{D * R * prof.tp} processes ({D * R} ranks x T={prof.tp})"
+            raise ValueError(f"profile {args.profile} does not model {what} on {prof.cores} cores (calibrated for "
+                             f"{prof.meta.get('ranks', '?')} ranks, no time slice): calibrate with --ranks {D * R}, "
+                             f"or drop --profile")
     model = args.model or (prof.model_name if prof is not None else "tiny")
+    T = args.tp or (prof.tp if prof is not None else 1)
     if is_model_ref(model):     # the model's own checks now, and its layer count for the schedules' stages
+        if T > 1:
+            raise ValueError(f"--tp {T} splits the built-in GPT's layers; a model file's layers are not split "
+                             f"(use --tp 1 with {model})")
         from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
         mb = prof.micro_batch if prof is not None else args.micro_batch or DEFAULT_MICRO_BATCH
         layers, name = stack_layout(model, 1, micro_batch=mb).num_layers, model
     else:
         spec = load_model(model)
         layers, name = spec.layers, spec.name
+        if T > 1:
+            from executor.config import check_tensor_parallel
+            check_tensor_parallel(spec, T)
     check_run_size(devices=D, microbatches=N, replicas=R, chunks=chunks, layers=layers, model_name=name)
     profile_out = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
     if not args.profile:
@@ -160,12 +173,13 @@ def main(args) -> int:
         names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
-    base = job_from_args(args, layout=layout_from_args(args, schedules=names, schedule=names[0], microbatches=N),
+    base = job_from_args(args, layout=layout_from_args(args, schedules=names, schedule=names[0], microbatches=N,
+                                                       tp=T),
                          model=model,
                          micro_batch=args.micro_batch)
     jobs = [base.with_layout(schedule=n) for n in names]
     progress = lambda m: _say(f"  {m}")   # noqa: E731
-    record.setting, record.skipped = f"D={D} N={N} R={R}, model {model}", skipped
+    record.setting, record.skipped = (f"{f'T={T} ' if T > 1 else ''}D={D} N={N} R={R}, model {model}", skipped)
     if prof is not None:
         record.profile, record.profile_file = prof, args.profile
         busy = profile_refusals(prof)

@@ -2,7 +2,7 @@
 quiet-round ratio (the timing itself is a benchmark, not a test)."""
 import pytest
 
-from experiments.bench_executor import PAIRS, op_rows, round_order, summarize, usage_rows
+from experiments.bench_executor import PAIRS, op_rows, round_order, summarize, tp_pair_names, usage_rows
 
 
 def _blocks(n):
@@ -68,3 +68,30 @@ def test_op_rows_per_step_largest_first_and_ops_one_side_lacks():
     assert [r["op"] for r in rows] == ["aten::mm", "aten::div_", "aten::fill_"]
     assert rows[0] == {"op": "aten::mm", "pipetwin_ms": 4.5, "torch_ms": 4.0, "pipetwin_calls": 256, "torch_calls": 256}
     assert (rows[1]["pipetwin_ms"], rows[1]["torch_calls"]) == (0.0, 50)
+
+
+def test_summarize_the_tp_pair_per_round():
+    """The TP pair has no metering variant: its ratio is torch's time over pipetwin's per round."""
+    na, nb = tp_pair_names()
+    times = {na: [1.0, 2.0, 1.0], nb: [2.0, 2.0, 1.5]}
+    foreign = {na: [0.0, 0.5, 0.0], nb: [0.1, 0.0, 0.0]}
+    cpu = {na: [2.0, 2.0, 2.0], nb: [3.0, 4.0, 2.0]}
+    row, = summarize(times, 10, [], foreign, max_foreign=0.15, cpu=cpu, tp=True)
+    assert row["pair"] == "tp vs parallelize_module"
+    assert (row["ratio"], row["ratio_min"], row["ratio_max"]) == (1.5, 1.0, 2.0)     # ratios 2, 1, 1.5
+    assert row["ratio_nomem"] is None and row["metering_cost"] is None
+    assert row["quiet_rounds"] == 2 and row["ratio_quiet"] == pytest.approx(1.75)     # round 1: pipetwin busy
+    assert row["cpu_ratio"] == 1.5 and row["pipetwin_seq_per_s"] == 10.0
+
+
+def test_tp_pair_trains_the_same_blocks_on_both_sides():
+    """pipetwin's TP blocks and torch's parallelize_module blocks (QKV rows in per-head order) give
+    the same losses step after step (SGD at a large rate: the updates must agree too)."""
+    from executor.config import RunConfig
+    from executor.launch import launch
+    cfg = RunConfig(schedule="dapple", devices=2, microbatches=2, model="tiny", steps=3, optimizer="sgd", lr=0.5,
+                    device="cpu", timeout=120.0)
+    out = launch("experiments.bench_executor:tp_check_rank", {"config": cfg, "steps": 3}, 2)
+    ours, theirs = (out[n] for n in tp_pair_names())
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=0)
+    assert len(set(ours)) == 3
