@@ -327,8 +327,10 @@ class Job:
                 raise ValueError(f"{flag} is a switch (true or false); got {on!r}")
             if on and tp == 1:
                 raise ValueError(f"{flag} acts on a tensor-parallel group; give --tp > 1")
+        # a profile's TP layers were measured without sequence parallelism or overlap (all-reduces on F and B)
         given = [f for f, v in (("--tp", tp > 1 and self.source != "profile"), ("--zero", self.zero),
-                                ("--seq-len", self.seq_len)) if v]
+                                ("--seq-len", self.seq_len), ("--sequence-parallel", self.sequence_parallel),
+                                ("--tp-overlap", self.tp_overlap)) if v]
         if given and self.source != "transformer":
             raise ValueError(f"{' and '.join(given)} act on a model's formulas: use --model/--cluster costs "
                              f"(not --unit-costs, --profile or a FILE.txt profile)")

@@ -74,6 +74,8 @@ CASES = [
      ["--tp 2", "sequence length", "(15)"]),
     ("sp-with-run-plan", ["run", "--plan", "{plan}", "--sequence-parallel"], ["--plan", "--sequence-parallel"]),
     ("zero-in-a-run-without-dp", RUN + ["--zero", "1"], ["--zero 1", "--dp"]),
+    ("sp-with-a-profile", SIM + ["--profile", "{file}", "--tp", "2", "--sequence-parallel"],
+     ["--sequence-parallel", "--profile"]),
     # calibrate / validate with tensor parallelism: refused before any measurement
     ("calibrate-tp-not-dividing-heads", ["calibrate", "--tp", "3", "--out", "{dir}/c.yaml"], ["--tp 3", "heads (4)"]),
     ("calibrate-tp-zero", ["calibrate", "--tp", "0"], ["--tp"]),
