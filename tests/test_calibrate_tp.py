@@ -113,18 +113,18 @@ def test_calibrated_tp_profile_round_trips(tp_sitting):
     assert prof.meta["runtime_fit_ranks"] == 2 and set(prof.meta["sitting"]) == {"2"}
 
 
-def test_short_validate_at_tp2_memory_exact_and_time_within_a_half(tp_sitting):
+def test_short_validate_at_tp2_memory_exact_and_time_within_a_third(tp_sitting):
     """Peak activation bytes of each TP rank 0 equal the simulator's from the measured shards;
-    each rank ran its program's op order; the step time is predicted within a half in these
+    each rank ran its program's op order; the step time is predicted within a third in these
     one-run, 7-step sittings on a shared host (a model that ignored the collectives and gave each
-    process a core of its own misses by more: the test below)."""
+    process a core of its own misses by more than a half: the test below)."""
     _, prof, comps = tp_sitting
     g, d = comps
     assert (g.schedule, g.fitted, d.schedule, d.fitted) == ("gpipe", False, "dapple", True)
     for c in comps:
         assert c.order_identical, c.schedule
         assert c.measured_peak_activation_bytes == c.simulated_peak_activation_bytes, c.schedule
-        assert abs(c.error) < 1 / 2, (c.schedule, c.error)
+        assert abs(c.error) < 1 / 3, (c.schedule, c.error)
 
 
 def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
