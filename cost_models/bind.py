@@ -185,7 +185,7 @@ def costed_family(job: Job, inputs: CostInputs) -> dict | None:
     else:
         links = net.path(0, 1)
         message = sum(ln.latency for ln in links) + c.act_bytes[0][0] / min(ln.bandwidth for ln in links)
-    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], auto_limit(job.layout, c))}
+    return {"costs": AutoCosts(c.f[0], c.b[0], c.w[0], message, c.act[0], auto_limit(job.layout, c), c.act_w[0])}
 
 
 def auto_limit(layout, c: StageCosts) -> tuple[float, ...]:
@@ -237,16 +237,27 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
     raise AssertionError(f"unhandled cost source {inputs.kind}")   # pragma: no cover
 
 
+def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> TransformerCostModel:
+    """The cost model of a job on the model x cluster formulas (``model``: its spec at the job's
+    micro-batch, :func:`load_inputs`): its recompute, cost model, partition, T (the group's links
+    on ``cluster``), sequence parallelism, overlap, ZeRO and replicas. The planner costs a layout
+    without building its schedule from the same object."""
+    tp = job.layout.tp
+    group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
+    return TransformerCostModel(model, cluster.device, recompute=job.recompute,
+                                compute=cost_model_for(job.cost_model, cluster.device, False),
+                                partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
+                                tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas,
+                                grad_accumulation=job.grad_accumulation)
+
+
 def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:
     """A model spec's formulas on a cluster, T x D x R: every rank a tensor-parallel group of T
     GPUs (:func:`cost_models.cluster.tensor_parallel_groups`), its collectives on the group's links.
     The cluster's size was checked before the build (:func:`cost_models.job.check_run_size`, with T)."""
     tp = job.layout.tp
-    cost_model = cost_model_for(job.cost_model, cluster.device, False)
-    group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
-    tcm = TransformerCostModel(model, cluster.device, recompute=job.recompute, compute=cost_model,
-                               partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
-                               tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas)
+    tcm = transformer_cost_model(job, model, cluster)
+    cost_model = tcm.compute
     costs = tcm.bind(low)
     return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),

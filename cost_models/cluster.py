@@ -17,6 +17,13 @@ A :class:`Cluster` implements the :class:`~cost_models.network.Network` protocol
   one rail switch, so a message between the same rail of one group stays there, and any other
   (another rail, another group) crosses ``g<x>.rail<k>.up`` and ``g<y>.rail<l>.down`` (the rail
   switch's ports divided by ``oversubscription``).
+* Pods (``nodes_per_pod``, optional, a multiple of ``nodes_per_leaf`` on a fat-tree or rail
+  fabric): the fabric above is one pod of that many nodes, and pods meet in a spine whose links
+  are ``pod_oversubscription`` times narrower than the NICs under them. A message between pods
+  also crosses its pod's uplink ``pod<p>.up`` and the other pod's downlink ``pod<q>.down``, each
+  carrying the pod's NIC bandwidth divided by ``pod_oversubscription`` (after the leaf or rail
+  uplinks of its two ends). The ``h100-pods`` preset: pods of 8,192 H100s (1,024 nodes, full
+  bisection inside) joined 7:1 (the ratio between Llama 3's pods, Llama 3 paper section 3.3.1).
 * Each link carries its latency on the first link of a path only, so a lone message of S bytes
   takes ``sum(latencies) + S / min(bandwidths)`` (:func:`cost_models.comm.p2p_time`); the
   simulator shares a link's bandwidth between the transfers crossing it.
@@ -39,6 +46,8 @@ A cluster YAML file (presets in ``cost_models/presets/clusters``)::
     fabric: flat                  # flat | fat-tree | rail (optional)
     oversubscription: 1           # fat-tree / rail: down / up bandwidth of a leaf (optional)
     nodes_per_leaf: 32            # fat-tree / rail: nodes under one leaf switch (optional)
+    nodes_per_pod: 1024           # pods of that many nodes joined by a spine (optional; none: one pod)
+    pod_oversubscription: 7       # the spine: NIC bandwidth of a pod / its uplink (optional, 1)
 
 Sizes: ``load_cluster("dgx-h100-ib:128")`` (or :func:`with_nodes`) is the preset with 128 nodes.
 
@@ -46,7 +55,7 @@ Units: bandwidth bytes/s per direction, latency seconds.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -145,19 +154,30 @@ class Cluster:
     fabric: str = "flat"
     oversubscription: float = 1.0
     nodes_per_leaf: int = DEFAULT_NODES_PER_LEAF
+    nodes_per_pod: int | None = None
+    pod_oversubscription: float = 1.0
+    # the links made so far, by what names them (a path of a 131,072-GPU job is looked up, not built)
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
-        for f in ("nodes", "devices_per_node", "nics_per_node", "nodes_per_leaf"):
+        for f in ("nodes", "devices_per_node", "nics_per_node", "nodes_per_leaf", "nodes_per_pod"):
             v = getattr(self, f)
+            if v is None and f == "nodes_per_pod":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(f"cluster {self.name!r}: field {f!r} must be an integer >= 1; got {v!r}")
         if self.fabric not in FABRICS:
             raise SpecError(f"cluster {self.name!r}: unknown fabric {self.fabric!r}; "
                             f"choose one of {', '.join(FABRICS)}")
-        o = self.oversubscription
-        if isinstance(o, bool) or not isinstance(o, (int, float)) or not (1.0 <= o < float("inf")):
-            raise SpecError(f"cluster {self.name!r}: oversubscription must be a finite number >= 1 "
-                            f"(1 = non-blocking); got {o!r}")
+        for f in ("oversubscription", "pod_oversubscription"):
+            o = getattr(self, f)
+            if isinstance(o, bool) or not isinstance(o, (int, float)) or not (1.0 <= o < float("inf")):
+                raise SpecError(f"cluster {self.name!r}: {f} must be a finite number >= 1 "
+                                f"(1 = non-blocking); got {o!r}")
+        pod = self.nodes_per_pod
+        if pod is not None and self.fabric != "flat" and pod % self.nodes_per_leaf:
+            raise SpecError(f"cluster {self.name!r}: nodes_per_pod ({pod}) must be a multiple of nodes_per_leaf "
+                            f"({self.nodes_per_leaf}): a pod holds whole leaves")
         if self.device_map is not None:
             m = self.device_map
             bad = [g for g in m if not (isinstance(g, int) and 0 <= g < self.num_devices)]
@@ -206,18 +226,47 @@ class Cluster:
 
     # ------------------------------------------------------------------ network
     def _intra(self, node: int, local: int, direction: str, latency: float) -> Link:
-        return Link(f"n{node}.g{local}.{direction}", self.intra.bandwidth, latency)
+        key = ("g", node, local, direction)
+        ln = self._memo.get(key)
+        if ln is None:
+            ln = self._memo[key] = Link(f"n{node}.g{local}.{direction}", self.intra.bandwidth, latency)
+        return ln
 
     def _nic(self, node: int, nic: int, direction: str, latency: float) -> Link:
-        return Link(f"n{node}.nic{nic}.{direction}", self.inter.bandwidth, latency)
+        key = ("nic", node, nic, direction)
+        ln = self._memo.get(key)
+        if ln is None:
+            ln = self._memo[key] = Link(f"n{node}.nic{nic}.{direction}", self.inter.bandwidth, latency)
+        return ln
+
+    def _fabric_link(self, name: str, bandwidth: float) -> Link:
+        ln = self._memo.get(name)
+        if ln is None:
+            ln = self._memo[name] = Link(name, bandwidth, 0.0)
+        return ln
 
     def _leaf_nodes(self, leaf: int) -> int:
         """Nodes under leaf (or rail group) ``leaf``: ``nodes_per_leaf``, fewer in the last one."""
         return min(self.nodes_per_leaf, self.nodes - leaf * self.nodes_per_leaf)
 
+    def _pod_nodes(self, pod: int) -> int:
+        """Nodes in pod ``pod``: ``nodes_per_pod``, fewer in the last one."""
+        return min(self.nodes_per_pod, self.nodes - pod * self.nodes_per_pod)
+
     def _uplinks(self, na: int, ka: int, nb: int, kb: int) -> list[Link]:
         """The fabric links between NIC ka of node na and NIC kb of node nb (none on a flat fabric,
-        inside one leaf, or on one rail of one group)."""
+        inside one leaf, or on one rail of one group), the spine's between two pods included."""
+        pod = self.nodes_per_pod
+        if pod is None or na // pod == nb // pod:
+            return self._leaf_links(na, ka, nb, kb)
+        pa, pb = na // pod, nb // pod
+        bw = self.inter.bandwidth * self.nics_per_node / self.pod_oversubscription
+        leaf = self._leaf_links(na, ka, nb, kb)
+        return [*leaf[:1], self._fabric_link(f"pod{pa}.up", bw * self._pod_nodes(pa)),
+                self._fabric_link(f"pod{pb}.down", bw * self._pod_nodes(pb)), *leaf[1:]]
+
+    def _leaf_links(self, na: int, ka: int, nb: int, kb: int) -> list[Link]:
+        """The leaf (fat-tree) or rail-group uplink and downlink between two NICs, if any."""
         if self.fabric == "flat":
             return []
         per = self.nodes_per_leaf
@@ -227,13 +276,13 @@ class Cluster:
             if ga == gb:
                 return []
             nic = self.inter.bandwidth * self.nics_per_node
-            return [Link(f"leaf{ga}.up", nic * self._leaf_nodes(ga) / over, 0.0),
-                    Link(f"leaf{gb}.down", nic * self._leaf_nodes(gb) / over, 0.0)]
+            return [self._fabric_link(f"leaf{ga}.up", nic * self._leaf_nodes(ga) / over),
+                    self._fabric_link(f"leaf{gb}.down", nic * self._leaf_nodes(gb) / over)]
         if ga == gb and ka == kb:
             return []
         bw = self.inter.bandwidth
-        return [Link(f"g{ga}.rail{ka}.up", bw * self._leaf_nodes(ga) / over, 0.0),
-                Link(f"g{gb}.rail{kb}.down", bw * self._leaf_nodes(gb) / over, 0.0)]
+        return [self._fabric_link(f"g{ga}.rail{ka}.up", bw * self._leaf_nodes(ga) / over),
+                self._fabric_link(f"g{gb}.rail{kb}.down", bw * self._leaf_nodes(gb) / over)]
 
     def path(self, src: int, dst: int) -> list[Link]:
         """Links a message from rank ``src`` to rank ``dst`` occupies ([] on the same device)."""
@@ -268,6 +317,12 @@ class Cluster:
                         k2 = (k + 1) % self.nics_per_node
                         out += [ln for ln in self._uplinks(lead, k, lead, k2) + self._uplinks(lead, k2, lead, k)
                                 if ln.name.startswith(f"g{g}.rail{k}.")]
+        pod = self.nodes_per_pod
+        if pod is not None and self.nodes > pod:
+            for p in range(-(-self.nodes // pod)):
+                lead, other = p * pod, (0 if p else pod)
+                out += [ln for ln in self._uplinks(lead, 0, other, 0) + self._uplinks(other, 0, lead, 0)
+                        if ln.name.startswith(f"pod{p}.")]
         seen, uniq = set(), []
         for ln in out:
             if ln.name not in seen:
@@ -284,6 +339,8 @@ class Cluster:
             d["collective"] = self.collective.to_dict()
         if self.fabric != "flat":
             d.update(fabric=self.fabric, oversubscription=self.oversubscription, nodes_per_leaf=self.nodes_per_leaf)
+        if self.nodes_per_pod is not None:
+            d.update(nodes_per_pod=self.nodes_per_pod, pod_oversubscription=self.pod_oversubscription)
         return d
 
     def describe(self) -> str:
@@ -291,6 +348,8 @@ class Cluster:
         fab = "" if self.fabric == "flat" else (
             f", {self.fabric}" + (f" {per}/leaf" if per != DEFAULT_NODES_PER_LEAF else "")
             + (f" {self.oversubscription:g}:1" if self.oversubscription != 1 else ""))
+        if self.nodes_per_pod is not None:
+            fab += f", pods of {self.nodes_per_pod} node(s) {self.pod_oversubscription:g}:1"
         return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {self.device.name}, "
                 f"intra {self.intra.kind} {self.intra.bandwidth / 1e9:g} GB/s, "
                 f"inter {self.inter.kind} {self.inter.bandwidth * 8 / 1e9:g} Gb/s x {self.nics_per_node} NIC(s)/node"
@@ -314,7 +373,7 @@ def with_fabric(cluster: Cluster, fabric: str | None = None, oversubscription: f
 
 
 _FIELDS = ("name", "description", "nodes", "devices_per_node", "device", "intra", "inter", "nics_per_node",
-           "collective", "fabric", "oversubscription", "nodes_per_leaf")
+           "collective", "fabric", "oversubscription", "nodes_per_leaf", "nodes_per_pod", "pod_oversubscription")
 
 
 def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
@@ -350,9 +409,13 @@ def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
     if not 1.0 <= over < float("inf"):
         raise SpecError(f"{source}: field 'oversubscription' must be a finite number >= 1; got {over!r}")
     per = _spec.integer(d.get("nodes_per_leaf", DEFAULT_NODES_PER_LEAF), source, "nodes_per_leaf")
+    pod = _spec.integer(d["nodes_per_pod"], source, "nodes_per_pod") if d.get("nodes_per_pod") is not None else None
+    pod_over = _spec.number(d.get("pod_oversubscription", 1.0), source, "pod_oversubscription")
+    if not 1.0 <= pod_over < float("inf"):
+        raise SpecError(f"{source}: field 'pod_oversubscription' must be a finite number >= 1; got {pod_over!r}")
     return Cluster(name=name, nodes=nodes, devices_per_node=dpn, device=device, intra=intra, inter=inter,
                    nics_per_node=nics, collective=coll, description=desc, fabric=fabric, oversubscription=over,
-                   nodes_per_leaf=per)
+                   nodes_per_leaf=per, nodes_per_pod=pod, pod_oversubscription=pod_over)
 
 
 def cluster_presets() -> list[str]:
@@ -464,7 +527,8 @@ def tensor_parallel_groups(cluster: Cluster, tp: int) -> Cluster:
     span = tp // dpn
     return replace(cluster, nodes=cluster.nodes // span, devices_per_node=1, nics_per_node=1, device_map=None,
                    inter=replace(cluster.inter, bandwidth=cluster.inter.bandwidth * cluster.nics_per_node * span),
-                   nodes_per_leaf=max(1, cluster.nodes_per_leaf // span), collective=None)
+                   nodes_per_leaf=max(1, cluster.nodes_per_leaf // span), collective=None,
+                   nodes_per_pod=None if cluster.nodes_per_pod is None else max(1, cluster.nodes_per_pod // span))
 
 
 def map_copies_same_node(sched: "Schedule", cluster: Cluster, *, include_replicas: bool = False) -> tuple[int, ...]:

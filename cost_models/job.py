@@ -16,6 +16,10 @@ disturbs it (:class:`Faults`). The cost source is exactly one of
   cluster and costs;
 * ``stage_costs``: a user's per-stage times, FILE.yaml (:mod:`cost_models.stage_costs`).
 
+``grad_accumulation`` (no command-line option; the reproductions of published runs set it) says how
+Megatron-LM's gpt block accumulates weight gradients over micro-batches in the kernel model
+(:data:`cost_models.kernels.GRAD_ACCUMULATION`).
+
 Constructing a job checks it: a value out of range or two cost sources that exclude each other
 raise one ValueError whose message names the command-line option of the field (``--micro-batch``
 for ``micro_batch``), so the command line reports it as it is. Checks that need a file read (a
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 from schedules import registry
 
 from .cluster import FABRICS, MAPPINGS, Cluster, load_cluster, with_fabric, with_nodes
-from .kernels import COST_MODELS
+from .kernels import COST_MODELS, GRAD_ACCUMULATION
 from .model_spec import ModelSpec
 from .stack import is_model_ref
 from .transformer import RECOMPUTE, ZERO_STAGES
@@ -265,6 +269,7 @@ class Job:
     sequence_parallel: bool = False
     tp_overlap: bool = False
     zero: int = 0
+    grad_accumulation: str = "fused"
     memory_reserve: float | None = None
     faults: Faults = field(default_factory=Faults)
     exact: bool = False
@@ -280,6 +285,9 @@ class Job:
             _finite(self.memory_reserve, "--memory-reserve", positive=False)
         if self.profile_batch is not None:
             _whole(self.profile_batch, "--profile-batch")
+        if self.grad_accumulation not in GRAD_ACCUMULATION:
+            raise ValueError(f"Job.grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
+                             f"got {self.grad_accumulation!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
         if self.device_map is not None and self.device_map not in MAPPINGS:

@@ -52,13 +52,23 @@ datasheet; the efficiencies, the latency and the host times fitted to measuremen
 ``kernels:`` block of a device preset (:class:`GpuConstants`); ``pipetwin reproduce cost-curves``
 fits them and reports the error on held-out files.
 
-Layers priced here: transformer blocks of four families (:data:`ARCHS`: ``bert`` = Hugging Face
-BertLayer, ``gpt`` = the executor's pre-norm block with fused attention, ``opt`` = OPT decoder
-layer, ``t5`` = T5 encoder block), the embedding lookup and the output head with its loss
+Layers priced here: transformer blocks of five families (:data:`ARCHS`: ``bert`` = Hugging Face
+BertLayer, ``gpt`` = Megatron-LM's pre-norm GPT layer, ``opt`` = OPT decoder layer, ``t5`` = T5
+encoder block, ``llama``), the embedding lookup and the output head with its loss
 (:func:`transformer_layer_times`); the planner builds its CNN/RNN layers from :func:`gemm`,
 :func:`conv2d` and :func:`memory` (:mod:`cost_models.paper_kernels`). Phases: ``F`` forward, ``B``
 input gradient (with the element-wise backward), ``W`` weight gradient (GEMMs, bias reductions,
 gradient accumulation): B + W is the full backward, and the split is what zero-bubble schedules use.
+
+The ``gpt`` block launches what Megatron-LM launches: a fused bias-GeLU; with dropout (the model's
+``dropout``, whose 1-byte masks the memory ledger counts) a fused bias-dropout-add closing each
+sub-block (it writes the mask; its backward passes the gradient through it) and, with eager
+attention, a dropout on the attention probabilities (read, write, mask; the same backward);
+gradient-accumulation fusion: each weight-gradient GEMM adds into the fp32 main gradient (its result
+read and written in fp32), the bias and LayerNorm-parameter gradients are reduced in B, so W is the
+four weight-gradient GEMMs alone, what Zero Bubble's W pass defers. Megatron-LM's code before that
+fusion, at its default settings (``grad_accumulation="autograd"``), let autograd add each GEMM's
+16-bit gradient into the parameter's 16-bit ``.grad`` (3 x 2 bytes per parameter, in W).
 """
 from __future__ import annotations
 
@@ -85,6 +95,11 @@ TP_ARCHS = ("gpt", "llama")        # the blocks priced split over a tensor-paral
 CONTAINERS = {"bert": 6, "gpt": 2, "opt": 2, "t5": 5, "llama": 2}
 PHASES = ("F", "B", "W")
 COST_MODELS = ("kernels", "linear")
+# how Megatron-LM's gpt block accumulates weight gradients over micro-batches: ``fused`` (gradient-
+# accumulation fusion: the weight-gradient GEMM adds into the fp32 main gradient) or ``autograd``
+# (its code before that fusion, with its defaults: the GEMM writes a 16-bit gradient that autograd
+# adds into the parameter's 16-bit ``.grad``)
+GRAD_ACCUMULATION = ("fused", "autograd")
 
 
 @dataclass(frozen=True)
@@ -328,10 +343,17 @@ class BlockShape:
     attention: str = "flash"
     tp: int = 1
     sp: bool = False
+    grad_accumulation: str = "fused"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise SpecError(f"unknown block arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
+        if self.grad_accumulation not in GRAD_ACCUMULATION:
+            raise SpecError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
+                            f"got {self.grad_accumulation!r}")
+        if self.grad_accumulation != "fused" and self.arch != "gpt":
+            raise SpecError(f"grad_accumulation {self.grad_accumulation!r} is Megatron-LM's, priced for gpt "
+                            f"blocks, not {self.arch}")
         if (self.tp > 1 or self.kv_heads is not None or self.attention != "flash") and self.arch not in TP_ARCHS:
             raise SpecError(f"tensor parallelism (--tp with --cost-model kernels), kv_heads and eager attention are "
                             f"priced for {' and '.join(TP_ARCHS)} blocks, not {self.arch}; use --cost-model linear")
@@ -370,15 +392,21 @@ def _norm(name, phase, arch, n, d, T):
             memory(f"{name}.dgb.sum", "W", small)]
 
 
-def _linear(name, T, n_out, n_in, d, bias, input_grad=True):
-    """(forward kernels, backward kernels) of a linear layer over T rows."""
+def _linear(name, T, n_out, n_in, d, bias, input_grad=True, megatron=False, fused_accum=False):
+    """(forward kernels, backward kernels) of a linear layer over T rows. ``megatron``: the bias
+    gradient is reduced in B (Megatron-LM's W is the weight-gradient GEMM alone, what Zero Bubble's
+    W pass defers); ``fused_accum`` (its gradient-accumulation fusion): that GEMM adds into the fp32
+    main gradient (its result read and written in fp32)."""
     fwd = [gemm(name, "F", T, n_out, n_in, d, modules=1)]
     bwd = []
     if input_grad:
         bwd.append(gemm(f"{name}.dx", "B", T, n_in, n_out, d))
-    bwd.append(gemm(f"{name}.dw", "W", n_out, n_in, T, d))
+    dw = gemm(f"{name}.dw", "W", n_out, n_in, T, d)
+    if fused_accum:     # the fp32 result read and written instead of a 16-bit one written
+        dw = replace(dw, bytes=dw.bytes + (8 - d) * n_out * n_in)
+    bwd.append(dw)
     if bias:
-        bwd.append(memory(f"{name}.db", "W", T * n_out * d + n_out * 4))
+        bwd.append(memory(f"{name}.db", "B" if megatron else "W", T * n_out * d + n_out * 4))
     return fwd, bwd
 
 
@@ -408,6 +436,8 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
     sc = n_sc * d
     bias = a in ("bert", "gpt", "opt")
     drop = sh.dropout and a not in TP_ARCHS
+    megatron = a == "gpt"                # Megatron-LM's layer: fused kernels, fp32 main gradients
+    mdrop = sh.dropout and megatron      # its dropouts: fused bias-dropout-add, attention-probs dropout
     pre = sh.pre_norm if sh.pre_norm is not None else a in ("gpt", "t5", "llama")
     mask = 1 if drop else 0              # bytes per element of a dropout mask
     Fk: list[Kernel] = []
@@ -423,13 +453,25 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
             attn_f.extend(fwd)
 
     def lin(name, n_out, n_in, dx=True):
-        fw, bw = _linear(name, T, n_out, n_in, d, bias, dx)
+        fw, bw = _linear(name, T, n_out, n_in, d, bias, dx, megatron, megatron and sh.grad_accumulation == "fused")
         step(fw, bw)
         params.extend([n_out * n_in] + ([n_out] if bias else []))
 
     def norm(name):
-        step(_norm(name, "F", a, Te * h, d, Te), _norm(name, "B", a, Te * h, d, Te))
+        bw = _norm(name, "B", a, Te * h, d, Te)
+        if megatron:        # the fused LayerNorm's gamma/beta gradients come with its input gradient
+            bw = [replace(k, phase="B") for k in bw]
+        step(_norm(name, "F", a, Te * h, d, Te), bw)
         params.extend([h] if a in ("t5", "llama") else [h, h])
+
+    def residual(name):
+        """The residual add closing a sub-block; Megatron's fused bias-dropout-add with dropout
+        (writes the 1-byte mask; its backward passes the gradient through the mask)."""
+        if mdrop:
+            step([memory(name, "F", 3 * th + Te * h)],
+                 [memory(f"{name}.accum", "B", 3 * th), memory(f"{name}.dropout.bwd", "B", 2 * th + Te * h)])
+        else:
+            step([memory(name, "F", 3 * th)], [memory(f"{name}.accum", "B", 3 * th)] if input_grad or pre else [])
 
     def dropout(name, nbytes, elems, modules=1):
         if drop:
@@ -452,6 +494,9 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
                  [gemm("qk.dq", "B", s, Dh, s, d, batch=b * A), gemm("qk.dk", "B", s, Dh, s, d, batch=b * A)],
                  core=True)
             step([memory("softmax", "F", 2 * sc)], [memory("softmax.bwd", "B", 3 * sc)], core=True)
+            if mdrop:       # torch dropout on the probabilities: 1-byte mask written, read back in B
+                step([memory("attn.dropout", "F", 2 * sc + n_sc, modules=1)],
+                     [memory("attn.dropout.bwd", "B", 2 * sc + n_sc)], core=True)
             step([gemm("pv", "F", s, Dh, s, d, batch=b * A)],
                  [gemm("pv.dp", "B", s, s, Dh, d, batch=b * A), gemm("pv.dv", "B", s, Dh, s, d, batch=b * A)],
                  core=True)
@@ -493,7 +538,7 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
         step([memory("ctx.copy", "F", 2 * th)], [memory("ctx.copy.bwd", "B", 2 * th)], core=True)
     lin("o" if a not in TP_ARCHS else "proj", h, h // tp if a in TP_ARCHS else h)
     dropout("o.dropout", th, T * h)
-    step([memory("residual1", "F", 3 * th)], [memory("residual1.accum", "B", 3 * th)] if input_grad or pre else [])
+    residual("residual1")
     if not pre:
         norm("ln1")
     # ---- MLP sub-block
@@ -511,7 +556,10 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
         dropout("act.dropout", T * f * d, T * f)
     lin("fc2", h, ft)
     dropout("fc2.dropout", th, T * h)
-    step([memory("residual2", "F", 3 * th)], [memory("residual2.accum", "B", 3 * th)])
+    if mdrop:
+        residual("residual2")
+    else:
+        step([memory("residual2", "F", 3 * th)], [memory("residual2.accum", "B", 3 * th)])
     if not pre:
         norm("ln2")
     Fk[0] = replace(Fk[0], modules=Fk[0].modules + CONTAINERS[a])
@@ -522,20 +570,22 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
         back = [replace(k, phase="B", name=k.name + ".re") for k in attn_f] + back
     elif recompute != "none":
         raise SpecError(f"recompute must be one of none, selective, full; got {recompute!r}")
-    if accumulate_grads:
+    if megatron and sh.grad_accumulation == "fused":
+        pass            # accumulated inside the weight-gradient GEMMs
+    elif accumulate_grads:
         back += [memory(f"grad.accum{i}", "W", 3 * p * d) for i, p in enumerate(params)]
     return tuple(Fk + back)
 
 
 def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None, tp: int = 1,
-                sp: bool = False, attention: str | None = None) -> BlockShape:
-    """The block of a model spec: ``bert`` for kind bert, ``gpt`` (the executor's block) for gpt,
+                sp: bool = False, attention: str | None = None, grad_accumulation: str = "fused") -> BlockShape:
+    """The block of a model spec: ``bert`` for kind bert, ``gpt`` (Megatron-LM's layer) for gpt,
     ``llama`` for llama; its attention the model's unless given."""
     arch = arch or ("bert" if spec.kind == "bert" else "llama" if spec.kind == "llama" else "gpt")
     extra = {} if arch not in TP_ARCHS else dict(kv_heads=None if spec.kv == spec.heads else spec.kv,
                                                  attention=attention or spec.attention_kind)
     return BlockShape(arch, spec.hidden, spec.heads, spec.seq_len, spec.ffn, spec.dtype_bytes,
-                      spec.micro_batch, dropout, tp=tp, sp=sp, **extra)
+                      spec.micro_batch, dropout, tp=tp, sp=sp, grad_accumulation=grad_accumulation, **extra)
 
 
 def embedding_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kernel]:
@@ -572,12 +622,13 @@ def head_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kerne
 
 def transformer_layer_times(spec: "ModelSpec", device: "DeviceSpec", precision: str, recompute: str = "none",
                             dropout: bool = True, constants: GpuConstants | None = None, tp: int = 1,
-                            sp: bool = False) -> list[tuple[float, float, float]]:
+                            sp: bool = False, grad_accumulation: str = "fused") -> list[tuple[float, float, float]]:
     """(F, B, W) seconds of every layer of the stack [embedding, blocks, head] for one micro-batch
     of ``spec.micro_batch`` sequences on one of ``tp`` GPUs, each phase a long-run kernel stream
     (see :func:`stream_time`); the tensor-parallel collectives are not in them."""
     rates = DeviceRates.of(device, precision, constants)
-    block = rates.phases(block_kernels(block_shape(spec, dropout, tp=tp, sp=sp), recompute=recompute))
+    shape = block_shape(spec, dropout, tp=tp, sp=sp, grad_accumulation=grad_accumulation)
+    block = rates.phases(block_kernels(shape, recompute=recompute))
     return [rates.phases(embedding_kernels(spec, tp, sp)), *([block] * spec.layers),
             rates.phases(head_kernels(spec, tp, sp))]
 

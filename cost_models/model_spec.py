@@ -113,10 +113,14 @@ class ModelSpec:
     def attention_kind(self) -> str:
         return ("flash" if self.kind == "llama" else "eager") if self.attention is None else self.attention
 
-    def check_tensor_parallel(self, tp: int, option: str = "--tp") -> None:
-        """Refuse a tensor-parallel size that does not split the heads, the key/value heads and the
-        MLP's inner size evenly (one line naming the first that does not)."""
-        for what, n in (("heads", self.heads), ("kv_heads", self.kv), ("the FFN size", self.ffn)):
+    def check_tensor_parallel(self, tp: int, option: str = "--tp", sequence_parallel: bool = False) -> None:
+        """Refuse a tensor-parallel size that does not split the heads, the key/value heads, the
+        MLP's inner size and, with sequence parallelism, the sequence evenly (one line naming the
+        first that does not)."""
+        parts = (("heads", self.heads), ("kv_heads", self.kv), ("the FFN size", self.ffn))
+        if sequence_parallel:
+            parts += (("the sequence length (--sequence-parallel)", self.seq_len),)
+        for what, n in parts:
             if n % tp:
                 raise ValueError(f"{option} {tp} does not divide {what} ({n}) of model {self.name}; "
                                  f"pick a {option} that divides {n}")

@@ -6,6 +6,8 @@ The format::
       - {f: 0.0185, b: 0.0181, w: 0.0093}   # b = input-gradient backward, w = weight-gradient
     message: 0.0006    # one activation or gradient transfer between adjacent stages, seconds
     activation: 1.0e9  # optional: bytes one stage keeps per micro-batch (memory in bytes, else in Ma)
+    activation_w: 0.4e9  # optional: of those, the bytes W still needs after B (split schedules; else all)
+    blocking_sends: true # optional: a send holds its sender for the message time (else it is posted)
 
 Times are seconds (plain numbers or e.g. ``18.5 ms``); ``activation`` bytes (or e.g. ``1 GiB``).
 A pipeline stage is one device's share of the model (D entries for D devices, as a profiler of a
@@ -15,8 +17,12 @@ evenly over its chunks); a single entry stands for every device. A
 schedule with a full backward (1F1B, GPipe, ...) runs B = b + w; a split one runs b and w.
 
 Messages: each activation or gradient message takes ``message`` seconds (a fixed latency, no
-bandwidth shared). Memory: a micro-batch keeps ``activation`` (else 1 Ma) per full stage from F
-until its W (until B without a split), as the unit cost model does; weights are not counted (the
+bandwidth shared). A send is posted and the sender goes on (``blocking_sends: false``, the default,
+what the Zero Bubble paper's scheduler assumes), or it holds the sender for those seconds
+(``blocking_sends: true``: a synchronous send, as a run that waits on each of its P2P calls). Memory:
+a micro-batch keeps ``activation`` (else 1 Ma) per full stage from F until its B frees all but
+``activation_w`` (default: all of it), which its W frees (without a split B frees it all), as the
+unit cost model does; weights are not counted (the
 file does not give them) and gradient all-reduces are not modelled, so data-parallel replicas
 (``--dp`` > 1) are refused.
 """
@@ -30,7 +36,7 @@ from ._spec import SpecError, check_fields, mapping, read_yaml, seconds, size_by
 from .base import StageCosts, _table
 from .network import PortNetwork
 
-FIELDS = ("stages", "message", "activation")
+FIELDS = ("stages", "message", "activation", "activation_w", "blocking_sends")
 STAGE_FIELDS = ("f", "b", "w")
 _NO_BANDWIDTH_LIMIT = 1e30     # messages carry no bytes here: their time is the latency alone
 
@@ -39,13 +45,17 @@ _NO_BANDWIDTH_LIMIT = 1e30     # messages carry no bytes here: their time is the
 class StageTimes:
     """A stage-costs file, read: per pipeline stage ``f``, ``b`` (input-gradient backward), ``w``
     (weight-gradient) in seconds (one entry: every stage), ``message`` seconds, ``activation``
-    bytes per stage and micro-batch (None: memory in Ma), ``source`` the file."""
+    bytes per stage and micro-batch (None: memory in Ma), ``activation_w`` the bytes of it W keeps
+    after B (None: all), ``blocking_sends`` whether a send holds its sender for ``message``,
+    ``source`` the file."""
 
     f: tuple[float, ...]
     b: tuple[float, ...]
     w: tuple[float, ...]
     message: float
     activation: float | None = None
+    activation_w: float | None = None
+    blocking_sends: bool = False
     source: str = "stage costs"
 
     @property
@@ -80,18 +90,21 @@ class StageTimes:
             b, w = [[(r[1] + r[2]) * scale for r in row] for row in rows], [[0.0] * S] * C
         act_unit = self.activation if self.activation is not None else 1.0
         act = [act_unit * scale] * S
-        act_w = act if sched.split_backward else [0.0] * S
+        kept = act_unit if self.activation_w is None else self.activation_w
+        act_w = [kept * scale] * S if sched.split_backward else [0.0] * S
         zeros = [0.0] * S
         t = lambda v: _table([v] * C)  # noqa: E731
         return StageCosts(time_unit="s", mem_unit="B" if self.activation is not None else "Ma",
                           f=_table(f), b=_table(b), w=_table(w), act=t(act), act_w=t(act_w), act_bytes=t(zeros),
                           grad_bytes=t(zeros), param_bytes=t(zeros), static_mem=tuple([0.0] * sched.num_ranks),
                           optim_time=tuple([0.0] * sched.num_ranks),
+                          send_time=self.message if self.blocking_sends else 0.0,
                           meta={"model": f"stage costs {self.source}"})
 
     def network(self) -> PortNetwork:
-        """Every message takes ``message`` seconds."""
-        return PortNetwork(bandwidth=_NO_BANDWIDTH_LIMIT, latency=self.message)
+        """Every message takes ``message`` seconds: on the wire, or in its sender with blocking sends
+        (then it arrives as the send returns)."""
+        return PortNetwork(bandwidth=_NO_BANDWIDTH_LIMIT, latency=0.0 if self.blocking_sends else self.message)
 
 
 def load_stage_costs(path) -> StageTimes:
@@ -114,4 +127,16 @@ def load_stage_costs(path) -> StageTimes:
     msg = seconds(data["message"], source, "message", allow_zero=True)
     act = data.get("activation")
     act = None if act is None else size_bytes(act, source, "activation")
-    return StageTimes(tuple(f), tuple(b), tuple(w), msg, act, source)
+    act_w = data.get("activation_w")
+    if act_w is not None:
+        if act is None:
+            raise SpecError(f"{source}: field 'activation_w' needs 'activation' (the bytes it is a part of); add "
+                            f"'activation:' or drop 'activation_w:'")
+        act_w = size_bytes(act_w, source, "activation_w", allow_zero=True)
+        if act_w > act:
+            raise SpecError(f"{source}: field 'activation_w' ({act_w:g} bytes) must be at most 'activation' "
+                            f"({act:g} bytes), the part of it W keeps; got {data['activation_w']!r}")
+    blocking = data.get("blocking_sends", False)
+    if not isinstance(blocking, bool):
+        raise SpecError(f"{source}: field 'blocking_sends' must be true or false; got {blocking!r}")
+    return StageTimes(tuple(f), tuple(b), tuple(w), msg, act, act_w, blocking, source)

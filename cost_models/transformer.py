@@ -79,7 +79,7 @@ from .base import LayerCosts, PerLayerCostModel, StageCosts, with_peak_floor
 from .cluster import Cluster
 from .comm import allreduce_time
 from .device import DeviceSpec
-from .kernels import COST_MODELS, DeviceRates, transformer_layer_times
+from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
 from .partition import default_partition, layer_ranges
@@ -262,6 +262,17 @@ def model_flops(spec: ModelSpec, recompute: str = "none") -> float:
     return sum(l.flops_total for l in transformer_layers(spec, recompute))
 
 
+def megatron_flops(global_batch: int, seq_len: int, layers: int, hidden: int, vocab: int, *,
+                   recompute: bool = True) -> float:
+    """FLOPs of one iteration by Narayanan et al. (SC'21), Eq. (3): with full recomputation (the
+    blocks' forward run twice) 96 B s l h^2 (1 + s/6h + V/16lh); without (``recompute`` False: the
+    model FLOPs of MFU, every pass once) 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    B, s, l, h, V = global_batch, seq_len, layers, hidden, vocab
+    if recompute:
+        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
 # ---------------------------------------------------------------------------- tensor-parallel collectives
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -364,6 +375,9 @@ class TransformerCostModel:
     costed on ``tp_group`` (:class:`TensorParallelGroup`, required for ``tp`` > 1) and added to F
     and B, or with ``tp_overlap`` hidden behind the layer's compute (the phase takes
     max(compute, collectives): perfect overlap, the bound of what overlapping can gain).
+    ``grad_accumulation`` (kernel model, gpt blocks): how Megatron-LM adds each micro-batch's weight
+    gradients over micro-batches, ``fused`` into the weight-gradient GEMM (fp32 main gradients) or
+    ``autograd`` into the 16-bit ``.grad`` (:data:`cost_models.kernels.GRAD_ACCUMULATION`).
     ``zero`` 1 with ``replicas`` R: the optimizer state (master weights and moments) is sharded
     over the R data-parallel replicas (each GPU keeps 1/R of it and updates 1/R of the parameters),
     and the gradient all-reduce becomes a reduce-scatter of the gradients plus an all-gather of
@@ -387,9 +401,16 @@ class TransformerCostModel:
     tp_group: TensorParallelGroup | None = None
     zero: int = 0
     replicas: int = 1
+    grad_accumulation: str = "fused"
 
     def __post_init__(self):
         _check_recompute(self.recompute)
+        if self.grad_accumulation not in GRAD_ACCUMULATION:
+            raise SpecError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
+                            f"got {self.grad_accumulation!r}")
+        if self.grad_accumulation != "fused" and (self.compute != "kernels" or self.model.kind != "gpt"):
+            raise SpecError(f"grad_accumulation {self.grad_accumulation!r} prices Megatron-LM's gpt block in the "
+                            f"kernel model; this is a {self.model.kind} model with the {self.compute} cost model")
         if self.compute not in COST_MODELS:
             raise SpecError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.compute!r}")
         if self.compute == "kernels":
@@ -398,7 +419,7 @@ class TransformerCostModel:
             raise SpecError(f"bytes_per_param must be > 0; got {self.bytes_per_param}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise SpecError(f"--tp must be an integer >= 1; got {self.tp!r}")
-        self.model.check_tensor_parallel(self.tp)
+        self.model.check_tensor_parallel(self.tp, sequence_parallel=self.sequence_parallel)
         if self.tp > 1 and (self.tp_group is None or self.tp_group.size != self.tp):
             raise SpecError(f"tensor parallel {self.tp} needs the group's links (tp_group of size {self.tp})")
         if (self.sequence_parallel or self.tp_overlap) and self.tp == 1:
@@ -475,7 +496,8 @@ class TransformerCostModel:
         L = self.layers()
         if self.compute == "kernels":
             t = transformer_layer_times(self.model, self.device, self.resolved_precision(), self.recompute,
-                                        self.uses_dropout, tp=self.tp, sp=self.sequence_parallel)
+                                        self.uses_dropout, tp=self.tp, sp=self.sequence_parallel,
+                                        grad_accumulation=self.grad_accumulation)
             f, b_in, w = (tuple(x[i] for x in t) for i in range(3))
         else:
             rate = self.flop_rate()

@@ -28,7 +28,10 @@ and start W at those nodes. What differs, and why:
   an autocast copy) and whose kind is ``addmm`` / ``mm`` / ``native_layer_norm`` / ``convolution`` gets its weight
   gradient from the node's saved inputs and the recorded gradient directly -- the same kernels
   the engine would run (``mm`` of the saved input and the gradient, the bias's sum), accumulated
-  in place. Any other parameterised node falls back
+  in place. So does the node of an autograd function that says how (``saved_for_weight(node)``
+  and ``weight_grads(saved, grads)``, e.g. the sequence-parallel linears of
+  :mod:`executor.tensor_parallel`, whose backward computes only what the running backward asks
+  for). Any other parameterised node falls back
   to the engine, as in PyTorch: one call per group of nodes sharing a parameter, the nodes as
   ``GradientEdge`` roots and their parameters as the only inputs, so the engine runs only their
   parameter side; within a group, node pre-hooks clamp each node's incoming gradient to the one
@@ -92,7 +95,7 @@ def _grad(out: torch.Tensor, inputs: tuple, grad: torch.Tensor | None, *, retain
 
 
 # ---------------------------------------------------------------------------- recorded ops
-_ADDMM, _MM, _LN, _CONV = "addmm", "mm", "layer_norm", "convolution"
+_ADDMM, _MM, _LN, _CONV, _CUSTOM = "addmm", "mm", "layer_norm", "convolution", "custom"
 _FAST_KIND = {"AddmmBackward0": _ADDMM, "MmBackward0": _MM, "NativeLayerNormBackward0": _LN,
               "ConvolutionBackward0": _CONV}
 _PASS_THROUGH = {"TBackward0": True, "ToCopyBackward0": False}   # param-side nodes: name -> transposes
@@ -273,7 +276,10 @@ def weight_backward(pending: PendingWeightGrad) -> None:
     ops = pending.ops
     with torch.no_grad():
         for op, _, grads, saved in ops:
-            if saved is not None and grads and grads[0] is not None:
+            if saved is not None and op.fast[0] == _CUSTOM:
+                for p, g in op.fast[1].weight_grads(saved, grads):
+                    _accumulate(p, g)
+            elif saved is not None and grads and grads[0] is not None:
                 _direct(op.fast, saved, grads[0])
     for grp in pending.groups:
         roots, seeds, inputs = [], [], {}
@@ -418,6 +424,9 @@ def _param_chain(node):
 
 def _fast_recipe(node):
     """How W gets this node's parameter gradients directly, or None (the engine does it)."""
+    custom = getattr(type(node), "_forward_cls", None)
+    if custom is not None and hasattr(custom, "weight_grads"):   # an autograd function that says how
+        return (_CUSTOM, custom, False, None)
     kind = _FAST_KIND.get(type(node).__name__)
     if kind is None:
         return None
@@ -471,6 +480,8 @@ def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
 def _fetch(op: _Op, node) -> tuple:
     """The saved inputs of ``node`` that its direct recipe uses, detached (no history kept)."""
     kind = op.fast[0]
+    if kind == _CUSTOM:
+        return op.fast[1].saved_for_weight(node)
     if kind == _CONV:   # the input, and the geometry convolution_backward needs (not tensors)
         return (node._saved_input.detach(), node._saved_stride, node._saved_padding, node._saved_dilation,
                 node._saved_transposed, node._saved_output_padding, node._saved_groups)

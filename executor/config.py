@@ -74,6 +74,7 @@ class RunConfig:
     pin_cores: bool = False         # pin each rank to a core of its own where the host has one per rank
                                     # (executor.host.pin_to_core; otherwise the ranks float)
     tp: int = 1                     # T processes per pipeline rank split every layer (executor.tensor_parallel)
+    sequence_parallel: bool = False  # with tp > 1: norms and stage boundaries on 1/T of the sequence
     seq_len: int | None = None      # training sequence length (None: the model's)
     zero: int = 0                   # 1: ZeRO-1, the optimizer state sharded over a stage's ranks (executor.zero)
 
@@ -99,6 +100,10 @@ class RunConfig:
         if self.tp > 1 and self.is_model_file:
             raise ValueError(f"--tp {self.tp} splits the built-in GPT's layers; a model file's layers are not split "
                              f"(use --tp 1 with {self.model})")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"--sequence-parallel is a switch (true or false); got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel acts on a tensor-parallel group; give --tp > 1")
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"--zero must be 0 or 1; got {self.zero!r}")
         if self.zero and self.replicas == 1:
@@ -138,11 +143,9 @@ class RunConfig:
                                    ("faults", job.faults != Faults())) if v] + job.cluster.given()
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
-        split = [f for f, v in (("--sequence-parallel", job.sequence_parallel),
-                                ("--tp-overlap", job.tp_overlap)) if v]
-        if split:
-            raise ValueError(f"the executor trains T x D x R layouts without {', '.join(split)}: simulated only "
-                             f"(pipetwin simulate); drop them to run")
+        if job.tp_overlap:
+            raise ValueError("the executor trains T x D x R layouts without --tp-overlap: simulated only "
+                             "(pipetwin simulate); drop it to run")
         if job.partition == "time":
             raise ValueError("partition 'time' is resolved from a calibration profile before the run "
                              "(cost_models.bind.profile_partition)")
@@ -161,7 +164,8 @@ class RunConfig:
         return cls(schedule=lay.schedule, devices=lay.devices, microbatches=lay.microbatches, chunks=lay.chunks,
                    variant=lay.variant, replicas=lay.replicas, model=model, micro_batch=job.micro_batch,
                    partition=partition, recompute=job.recompute, eager_allreduce=job.eager,
-                   device_map=job.mapping, tp=lay.tp, seq_len=job.seq_len, zero=job.zero, **options)
+                   device_map=job.mapping, tp=lay.tp, sequence_parallel=job.sequence_parallel, seq_len=job.seq_len,
+                   zero=job.zero, **options)
 
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)
@@ -229,7 +233,7 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     if spec is not None and spec.kind not in KINDS:
         raise ValueError(f"the executor trains GPT and Llama decoders; model {spec.name!r} is of kind {spec.kind!r}")
     if spec is not None and config.tp > 1:
-        check_tensor_parallel(spec, config.tp)
+        check_tensor_parallel(spec, config.tp, config.sequence_parallel)
     check_device(config.device)
     if stack and config.data is not None:
         raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
@@ -262,10 +266,11 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     return low
 
 
-def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
-    """Refuse a T that does not split the heads, KV heads, FFN size (the simulator's check) or the
-    vocabulary (the executor's vocabulary-parallel embedding and loss) evenly, with one line."""
-    spec.check_tensor_parallel(tp)
+def check_tensor_parallel(spec: ModelSpec, tp: int, sequence_parallel: bool = False) -> None:
+    """Refuse a T that does not split the heads, KV heads, FFN size, the sequence with sequence
+    parallelism (the simulator's check) or the vocabulary (the executor's vocabulary-parallel
+    embedding and loss) evenly, with one line."""
+    spec.check_tensor_parallel(tp, sequence_parallel=sequence_parallel)
     if spec.vocab % tp:
         raise ValueError(f"--tp {tp} does not divide the vocabulary ({spec.vocab}) of model {spec.name}; "
                          f"pick a --tp that divides {spec.vocab}")
@@ -298,7 +303,8 @@ class RunResult:
     def to_dict(self) -> dict:
         c = self.config
         return {"engine": self.engine, "schedule": c.schedule, "variant": c.variant, "devices": c.devices,
-                "microbatches": c.microbatches, "replicas": c.replicas, "tp": c.tp, "zero": c.zero,
+                "microbatches": c.microbatches, "replicas": c.replicas, "tp": c.tp,
+                "sequence_parallel": c.sequence_parallel, "zero": c.zero,
                 "model": c.model_name,
                 "micro_batch": c.samples_per_microbatch,
                 "partition": list(c.partition) if c.partition is not None else None,

@@ -7,7 +7,8 @@ With tensor parallelism (:mod:`executor.tensor_parallel`) the query heads and th
 are split over the TP group (T divides both: query head i of rank t uses its rank's key/value head
 ``i // (heads / kv_heads)``, the same pairing as the whole model's), gate and up are column-parallel,
 proj and down row-parallel. The normalised input is handed to Q, K, V (and to gate, up) through one
-``copy``, so its gradient is all-reduced once per sub-layer.
+``copy``, so its gradient is all-reduced once per sub-layer (with sequence parallelism: gathered
+once, :func:`executor.tensor_parallel.gather_linears`; rotary positions are those of the whole sequence).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn.functional as Fn
 
 from cost_models.model_spec import ModelSpec
 
-from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, copy
+from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, copy, gather_linears
 
 ROPE_THETA = 10000.0
 
@@ -44,11 +45,15 @@ class GroupedQueryAttention(nn.Module):
         self.proj = RowParallelLinear(spec.hidden, spec.hidden, tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        x = copy(x, self.tp)
-        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.tp.sequence:     # the whole sequence, gathered from the ranks' slices
+            q, k, v = gather_linears(x, self.tp, [(m.weight, m.bias) for m in (self.q, self.k, self.v)])
+        else:
+            x = copy(x, self.tp)
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        b, s, _ = q.shape
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotary(q), rotary(k)
         group = self.heads // self.kv_heads
         if group > 1:
@@ -66,8 +71,12 @@ class SwiGLU(nn.Module):
         self.down = RowParallelLinear(spec.ffn, spec.hidden, tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy(x, self.tp)
-        return self.down(Fn.silu(self.gate(x)) * self.up(x))
+        if self.tp.sequence:
+            gate, up = gather_linears(x, self.tp, [(self.gate.weight, None), (self.up.weight, None)])
+        else:
+            x = copy(x, self.tp)
+            gate, up = self.gate(x), self.up(x)
+        return self.down(Fn.silu(gate) * up)
 
 
 class LlamaBlock(nn.Module):

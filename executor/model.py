@@ -45,9 +45,10 @@ class CausalSelfAttention(nn.Module):
         self.proj = RowParallelLinear(spec.hidden, spec.hidden, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
         h = self.heads * self.head_dim
-        q, k, v = self.qkv(x).split(h, dim=2)
+        qkv = self.qkv(x)               # the whole sequence (gathered with sequence parallelism)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
@@ -72,7 +73,8 @@ class Block(nn.Module):
 
 class Embedding(nn.Module):
     """Token + position embedding (token only for the Llama kind: its positions are rotary); with
-    tensor parallelism the token table is split over the vocabulary."""
+    tensor parallelism the token table is split over the vocabulary, with sequence parallelism the
+    output is the rank's slice of the sequence (the position table read at its positions)."""
 
     def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -84,7 +86,9 @@ class Embedding(nn.Module):
         tok = vocab_parallel_embedding(tokens, self.tok.weight, self.tp) if self.tp.on else self.tok(tokens)
         if self.pos is None:
             return tok
-        return tok + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        n = tok.shape[1]                  # tokens.shape[1] / T with sequence parallelism
+        first = self.tp.rank * n if self.tp.sequence else 0
+        return tok + self.pos(torch.arange(first, first + n, device=tokens.device))
 
 
 KINDS = ("gpt", "llama")   # the model kinds the executor builds
@@ -185,9 +189,10 @@ def full_model(spec: ModelSpec, *, seed: int = 0) -> StageModule:
     return stage_module(spec, 1, 0, seed=seed)
 
 
-def boundary_shape(spec: ModelSpec) -> tuple[int, int, int]:
-    """Shape of the activation (and of its gradient) passed between two stages."""
-    return (spec.micro_batch, spec.seq_len, spec.hidden)
+def boundary_shape(spec: ModelSpec, tp: TensorParallel = SINGLE) -> tuple[int, int, int]:
+    """Shape of the activation (and of its gradient) passed between two stages (a TP rank's slice
+    of the sequence with sequence parallelism)."""
+    return (spec.micro_batch, spec.seq_len // tp.size if tp.sequence else spec.seq_len, spec.hidden)
 
 
 def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:

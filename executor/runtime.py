@@ -95,7 +95,8 @@ class PipelineRuntime:
     ``precision`` the numeric precision, ``recompute`` the activation recomputation
     (``none|selective|full``, installed on the modules here). ``tied`` (a layer stack's parameters
     shared across stages, :class:`executor.user_model.TiedGradients`): those are left out of the
-    stages' all-reduces and summed over their ranks at OPTIM.
+    stages' all-reduces and summed over their ranks at OPTIM; with sequence parallelism the same
+    object sums the norms' gradients over the TP group there (after the stages' all-reduces).
     """
 
     def __init__(self, sched: Schedule, rank: int, *, modules: dict, optimizer: torch.optim.Optimizer,

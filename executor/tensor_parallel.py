@@ -33,6 +33,25 @@ nodes without parameters, the split backward (:mod:`executor.backward`) runs the
 recomputed block (:mod:`executor.recompute`) runs its forward all-reduces again in B; every TP
 rank runs the same program, so the collectives of a group always meet.
 
+Sequence parallelism (``--sequence-parallel``, ``TensorParallel.sequence``; Megatron-LM's variant,
+Korthikanti et al. 2022): outside the column/row-parallel pairs the activations are split over the
+TP group along the sequence (dim 1 of [b, s, h]: rank t holds positions ``[t s/T, (t+1) s/T)``), so
+the norms, residual additions and the stage boundaries (:func:`executor.model.boundary_shape`) hold
+1/T of the sequence. ``copy`` in front of column-parallel linears becomes a gather
+(:func:`gather_linears`: all-gather of the sequence forward, reduce-scatter of the input gradient
+backward) and the ``reduce`` after a row-parallel linear or the vocabulary-parallel embedding becomes
+a scatter (reduce-scatter forward, all-gather backward): the same sums, one all-reduce split into
+its two halves. The head's
+input is gathered the same way, so the loss sees the whole sequence; attention runs on the gathered
+sequence, so rotary positions are the whole sequence's, and the GPT's position table is read at the
+rank's own positions. A replicated parameter applied to 1/T of the sequence (norm weights, the
+position table: :func:`sequence_partial`) then gets 1/T of its gradient on each rank; the runtime
+sums those over the TP group at OPTIM, where it synchronises every other gradient
+(:class:`executor.runtime.PipelineRuntime`). As in Megatron, the column-parallel linears keep
+their input's slice for the backward and gather it again there, so every activation a block keeps
+outside the attention and the MLP's inner size is 1/T of the sequence (the simulator's ledger,
+:func:`cost_models.transformer.block_activation_bytes` with ``sp``).
+
 Parameters keep their global names; :func:`shard` and :func:`gather` map between a whole
 parameter and its T shards (:data:`SPLITS` says which are split and how), so weights are
 initialised as the whole model's and a run's parameters compare with the reference's.
@@ -46,6 +65,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as Fn
 
+# replicated parameters that only TP rank 0 holds (the row-parallel biases, see above)
+RANK0_ONLY = ("attn.proj.bias", ".out.bias")
+
 # parameter name suffix -> (dim, parts): split along ``dim`` of each of ``parts`` equal blocks
 SPLITS = {"attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3), "attn.proj.weight": (1, 1),
           "fc.weight": (0, 1), "fc.bias": (0, 1), "out.weight": (1, 1),
@@ -57,11 +79,13 @@ SPLITS = {"attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3), "attn.proj.weight"
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in its TP group: ``size`` T, ``rank`` t, ``group`` (None when T = 1)."""
+    """This process's place in its TP group: ``size`` T, ``rank`` t, ``group`` (None when T = 1);
+    ``sequence``: sequence parallelism (see the module docstring)."""
 
     size: int = 1
     rank: int = 0
     group: object = None
+    sequence: bool = False
 
     @property
     def on(self) -> bool:
@@ -74,6 +98,12 @@ SINGLE = TensorParallel()
 def split_of(name: str) -> tuple[int, int] | None:
     """(dim, parts) of a split parameter (global name), None for a replicated one."""
     return next((v for k, v in SPLITS.items() if name.endswith(k)), None)
+
+
+def sequence_partial(name: str) -> bool:
+    """A parameter every TP rank holds whose gradient sequence parallelism splits over the ranks
+    (norm weights and biases, the position table): each rank's covers its part of the sequence."""
+    return split_of(name) is None and not name.endswith(RANK0_ONLY)
 
 
 def shard(full: torch.Tensor, rank: int, size: int, dim: int, parts: int = 1) -> torch.Tensor:
@@ -116,12 +146,118 @@ class _Reduce(torch.autograd.Function):
         return g, None
 
 
+def _all_gather_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [c.contiguous() for c in x.chunk(size, 1)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+def _will_run(ctx, first: int, last: int | None = None) -> bool:
+    """Whether the running backward needs the gradient of any of the tensor inputs ``first..last``
+    of the node ``ctx`` (a split backward's B asks for the input's gradient only, its W for the
+    weights' only)."""
+    return any(n is not None and torch._C._will_engine_execute_node(n) for n, _ in ctx.next_functions[first:last])
+
+
+class _GatherLinears(torch.autograd.Function):
+    """Sequence parallel: the column-parallel linears of one input, ``y_i = gather(x) W_i^T + b_i``
+    (params: ``W_1, b_1, W_2, b_2, ...``, a bias may be None), as Megatron-LM's sequence-parallel
+    linear layer: the forward all-gathers the sequence; the backward keeps only ``x`` (this rank's
+    slice, 1/T of the sequence) and gathers it again for the weight gradients; the input gradient
+    ``sum_i g_i W_i`` is reduce-scattered. A split backward (:mod:`executor.backward`) computes the
+    input gradient in B and the weight gradients in W (:meth:`weight_grads`)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, *params):
+        full = _all_gather_seq(x, group, size)
+        ctx.group, ctx.size, ctx.params = group, size, params
+        ctx.save_for_backward(x)
+        out = tuple(Fn.linear(full, params[i], params[i + 1]) for i in range(0, len(params), 2))
+        return out if len(out) > 1 else out[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (x,) = ctx.saved_tensors
+        params = ctx.params
+        gx = None
+        if _will_run(ctx, 0, 1):
+            total = sum(g.matmul(params[2 * i].to(g.dtype)) for i, g in enumerate(grads))
+            gx = _reduce_scatter_seq(total, ctx.group, ctx.size).to(x.dtype)
+        out = [None] * len(params)
+        if _will_run(ctx, 1):
+            out = [g if g is None else g.to(p.dtype) for p, g in
+                   zip(params, _param_grads(_all_gather_seq(x, ctx.group, ctx.size), grads, params))]
+        return (gx, None, None, *out)
+
+    # the split backward's protocol (executor.backward): what W keeps, and W's gradients from it
+    @staticmethod
+    def saved_for_weight(node) -> tuple:
+        return (node.saved_tensors[0].detach(), (node.group, node.size, node.params))
+
+    @staticmethod
+    def weight_grads(saved: tuple, grads) -> list:
+        """[(parameter, gradient)] of the linears from this rank's input slice (gathered again)
+        and the gradients ``grads`` of their outputs."""
+        x, (group, size, params) = saved
+        grads = _param_grads(_all_gather_seq(x, group, size), grads, params)
+        return [(p, g) for p, g in zip(params, grads) if g is not None]
+
+
+def _param_grads(full: torch.Tensor, grads, params) -> list:
+    """Per entry of ``params`` (W_1, b_1, ...) its gradient (None for an absent bias or output
+    gradient) from the gathered input ``full`` and the output gradients ``grads``."""
+    full = full.reshape(-1, full.shape[-1])
+    out = [None] * len(params)
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        g2 = g.reshape(-1, g.shape[-1])
+        out[2 * i] = g2.t().mm(full.to(g.dtype))
+        if params[2 * i + 1] is not None:
+            out[2 * i + 1] = g2.sum(0)
+    return out
+
+
+def gather_linears(x: torch.Tensor, tp: TensorParallel, linears) -> tuple[torch.Tensor, ...]:
+    """``(gather(x) W^T + b for each (W, b) of linears)`` with sequence parallelism (:class:`_GatherLinears`)."""
+    flat = [t for wb in linears for t in wb]
+    out = _GatherLinears.apply(x, tp.group, tp.size, *flat)
+    return out if isinstance(out, tuple) else (out,)
+
+
+class _Scatter(torch.autograd.Function):
+    """Sequence parallel, after a row-parallel linear: reduce-scatter of the partial sums over the
+    sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _reduce_scatter_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g, ctx.group, ctx.size), None, None
+
+
 def copy(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The input of column-parallel layers without sequence parallelism (Megatron's f; with it,
+    :func:`gather_linears` gathers the input)."""
     return _Copy.apply(x, tp.group) if tp.on else x
 
 
 def reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return _Reduce.apply(x, tp.group) if tp.on else x
+    """The sum of the ranks' partial outputs: whole on every rank (``reduce``, Megatron's g), or
+    with sequence parallelism each rank's slice of the sequence."""
+    if not tp.on:
+        return x
+    return _Scatter.apply(x, tp.group, tp.size) if tp.sequence else _Reduce.apply(x, tp.group)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -181,6 +317,8 @@ class ColumnParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sequence:
+            return gather_linears(x, self.tp, [(self.weight, self.bias)])[0]
         return Fn.linear(copy(x, self.tp), self.weight, self.bias)
 
 

@@ -572,11 +572,12 @@ def tie_groups(layout: StackLayout, sched: Schedule) -> list[tuple[tuple[int, ..
 class TiedGradients:
     """Sums the gradients of parameters shared across stages over the ranks that hold them, once
     per step before the optimizer (see the module docstring). ``excluded``: ids of this rank's
-    copies of those parameters, which the stages' own all-reduces leave out."""
+    copies of those parameters, which the stages' own all-reduces leave out. (The GPT's sequence-
+    parallel norm gradients are summed over their TP group by this too: ``what`` names them.)"""
 
     def __init__(self, rank: int, groups: list[tuple[tuple[int, ...], object, list[nn.Parameter]]],
-                 excluded: set[int]):
-        self.rank = rank
+                 excluded: set[int], what: str = "shared parameters"):
+        self.rank, self.what = rank, what
         self.groups = [(ranks, pg, params) for ranks, pg, params in groups if rank in ranks and len(ranks) > 1]
         self.excluded = frozenset(excluded)
 
@@ -589,7 +590,7 @@ class TiedGradients:
             flat = flatten(grads)
             pending.append((ranks, grads, flat, dist.all_reduce(flat, group=pg, async_op=True)))
         for ranks, grads, flat, work in pending:
-            wait_work(work, timeout, f"rank {self.rank} step {step}: all-reduce of shared parameters over ranks "
+            wait_work(work, timeout, f"rank {self.rank} step {step}: all-reduce of {self.what} over ranks "
                                      f"{list(ranks)}")
             unflatten_into(flat, grads)
 

@@ -58,7 +58,7 @@ from .mesh import Mesh, placement
 from .model import block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
-from .tensor_parallel import TensorParallel, gather, split_of
+from .tensor_parallel import TensorParallel, gather, sequence_partial, split_of
 from .zero import ShardedOptimizer
 
 
@@ -203,7 +203,7 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                          f"{mesh.world} processes; {world} were started")
     tp_group = groups.for_tensor_parallel(mesh, rank, ctx.device) if mesh.tp > 1 else None
     pipe_rank, tp_rank = mesh.coords(rank)
-    tp = TensorParallel(mesh.tp, tp_rank, tp_group)
+    tp = TensorParallel(mesh.tp, tp_rank, tp_group, cfg.sequence_parallel)
     global_rank, rank = rank, pipe_rank     # from here on: the pipeline rank, as the program names it
     stack = None
     if job.layout is not None:      # a model file: executor.user_model builds this rank's stages
@@ -225,13 +225,12 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)
-        shape, wire = boundary_shape(spec), cfg.precision.wire_dtype
+        shape, wire = boundary_shape(spec, tp), cfg.precision.wire_dtype
         buffer = lambda op: torch.empty(shape, dtype=wire, device=ctx.device)  # noqa: E731
     for p in params:
         p.grad = torch.zeros_like(p)
     mailbox = Mailbox(rank, sched.program(rank), groups.p2p, buffer, timeout=cfg.timeout,
                       lookahead=cfg.recv_lookahead, to_rank=lambda p: mesh.rank(p, tp_rank))
-    meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
     groups.warm_up_p2p(sched, global_rank, ctx.device, mesh)
     stage_groups = groups.for_stages(sched, global_rank, ctx.device, mesh)
     if cfg.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
@@ -240,10 +239,17 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                                       for s, m in built.items()], cfg.optimizer, cfg.lr)
     else:
         optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
+    # after the optimizer: ZeRO-1 moves the weights into one buffer, the meter must know where they live
+    meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
     tied = None
     if stack is not None:       # parameters shared across stages: one group per set of ranks, all ranks alike
         tied = TiedGradients(rank, [(ranks, groups.for_ranks(ranks, rank, ctx.device) if len(ranks) > 1 else None,
                                      ps) for ranks, ps in stack.tie_groups], stack.excluded)
+    elif tp.sequence:           # norms on 1/T of the sequence: their gradients summed over the TP group
+        from .user_model import TiedGradients
+        partial = [p for m in built.values() for n, p in m.named_parameters() if sequence_partial(n)]
+        tied = TiedGradients(global_rank, [(mesh.tp_group(rank), tp_group, partial)], set(),
+                             what="the sequence-parallel norm gradients")
     runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer, data=data, ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,

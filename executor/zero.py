@@ -28,8 +28,11 @@ class _Shard:
         self.params, self.group, self.index, self.size = params, group, index, size
         self.numel = sum(p.numel() for p in params)
         self.per = math.ceil(self.numel / size)
-        flat = self._padded([p.detach() for p in params])
-        self.master = torch.nn.Parameter(flat[index * self.per:(index + 1) * self.per].clone())
+        self.flat = self._padded([p.detach() for p in params])
+        with torch.no_grad():      # the parameters live in the flat buffer from here on
+            for p, part in zip(params, torch.split(self.flat[:self.numel], [p.numel() for p in params])):
+                p.data = part.view_as(p)
+        self.master = torch.nn.Parameter(self.flat[index * self.per:(index + 1) * self.per])   # a view
 
     def _padded(self, tensors) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -43,12 +46,10 @@ class _Shard:
     def put_weights(self) -> None:
         if self.size > 1:
             parts = [torch.empty_like(self.master) for _ in range(self.size)]
-            dist.all_gather(parts, self.master.detach().contiguous(), group=self.group)
-            flat = torch.cat(parts)
-        else:
-            flat = self.master.detach()
-        for p, part in zip(self.params, torch.split(flat[:self.numel], [p.numel() for p in self.params])):
-            p.copy_(part.view_as(p))
+            dist.all_gather(parts, self.master.detach(), group=self.group)
+            for k, part in enumerate(parts):
+                if k != self.index:
+                    self.flat[k * self.per:(k + 1) * self.per].copy_(part)
 
 
 class ShardedOptimizer:
@@ -61,8 +62,9 @@ class ShardedOptimizer:
 
     @property
     def state(self) -> dict:
-        """Per shard: its optimizer state and its master copy (what the optimizer keeps per rank)."""
-        return {s.master: {**self.inner.state.get(s.master, {}), "master": s.master.detach()} for s in self.shards}
+        """Per shard: its optimizer state (what the optimizer keeps per rank; the shard itself is a
+        view of the weights)."""
+        return {s.master: dict(self.inner.state.get(s.master, {})) for s in self.shards}
 
     def step(self) -> None:
         for s in self.shards:

@@ -1,6 +1,13 @@
-"""Planner speed: the exact DAPPLE search for GPT-96 (98 layers with embedding and head) on 64 A100s.
+"""Planner speed: the exact DAPPLE search for GPT-96 (98 layers with embedding and head) on 64 A100s,
+and (``--layout``) the whole-layout search at the frontier.
 
-Run: ``python -m experiments.bench_planner [--global-batch 128 512 1024] [--model gpt-96]``.
+Run: ``python -m experiments.bench_planner [--global-batch 128 512 1024] [--model gpt-96]``, or
+``python -m experiments.bench_planner --layout [--repeat 1]``: ``plan --tp auto`` (T x D x R,
+schedule family, chunks, variant, micro-batch, recompute, ZeRO-1, SP; :func:`planner.layout.plan_layouts`)
+for Llama-3-70B on 1,024 H100s (G = 1,024 sequences of 8,192) and Llama-3-405B on 16,384 H100s
+(G = 2,048, Llama 3's batch), aims <= 30 s and <= 60 s; each case's best wall and CPU seconds
+over the repeats, also as a ratio to a bare SimPy loop of 100,000 timeouts timed beside it (the
+method of :mod:`experiments.bench_sim`), with the search's counts and the plan it found.
 The cluster is 8 DGX A100 nodes of 8 GPUs (NVLink 3 inside, 8 x 200 Gb/s InfiniBand per node). For
 each global batch it prints the search time, how many stage placements (partial plans) the search
 evaluated, how many complete plans it reached, how many partial plans it kept, the number of
@@ -44,12 +51,58 @@ def space_size(L: int, topo: Topology, G: int, space: SearchSpace) -> int:
     return total
 
 
+LAYOUT_CASES = (("llama3-70b", "dgx-h100-ib:128", 1024, 30.0), ("llama3-405b", "dgx-h100-ib:2048", 2048, 60.0))
+
+
+def bare_loop_100k() -> float:
+    """Seconds of a bare SimPy loop of 100,000 timeouts (one process)."""
+    import simpy
+    env = simpy.Environment()
+
+    def dev():
+        for _ in range(100_000):
+            yield env.timeout(1.0)
+
+    env.process(dev())
+    t = time.perf_counter()
+    env.run()
+    return time.perf_counter() - t
+
+
+def layout_cases(repeat: int = 1) -> int:
+    """The whole-layout search's frontier cases (module docstring)."""
+    from cost_models import load_model
+    from planner.layout import plan_layouts
+    print(f"{'case':<42}  {'wall_s':>7}  {'cpu_s':>6}  {'ratio':>8}  {'aim':>7}  candidates  simulated  best")
+    for model, cluster, G, aim in LAYOUT_CASES:
+        cl = resolve_cluster(cluster)
+        walls, cpus, loops = [], [], []
+        for _ in range(repeat):
+            loops.append(bare_loop_100k())
+            w, c = time.perf_counter(), time.process_time()
+            res = plan_layouts(load_model(model), cl, G, top_k=1)
+            walls.append(time.perf_counter() - w)
+            cpus.append(time.process_time() - c)
+        b = res.records()[0]
+        best = (f"{b['schedule']} T={b['tp']} D={b['devices']} R={b['dp']} b={b['micro_batch']} {b['recompute']} "
+                f"ZeRO-{b['zero']}{' SP' if b['sequence_parallel'] else ''} {b['iteration_time']:.4g} s "
+                f"MFU {b['mfu']:.1%}")
+        name = f"plan {model} G={G} on {cl.num_devices:,} H100s"
+        print(f"{name:<42}  {min(walls):7.2f}  {min(cpus):6.2f}  {min(walls) / min(loops):7.1f}x  "
+              f"{f'<= {aim:g} s':>7}  {res.candidates:>10,}  {res.simulated:>9,}  {best}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt-96")
     p.add_argument("--cluster", default="a100-8x8-ib")
     p.add_argument("--global-batch", type=int, nargs="+", default=[128, 512, 1024])
+    p.add_argument("--layout", action="store_true", help="the whole-layout search's frontier cases instead")
+    p.add_argument("--repeat", type=int, default=1, help="with --layout: runs per case (the best counts)")
     a = p.parse_args(argv)
+    if a.layout:
+        return layout_cases(a.repeat)
     cl = resolve_cluster(a.cluster)
     work = load_workload(a.model, cl.device)
     topo = Topology(cl)

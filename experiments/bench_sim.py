@@ -1,7 +1,8 @@
 """Simulator speed, as ratios to a bare SimPy loop measured in the same run.
 
-Run: ``python -m experiments.bench_sim [--repeat 3] [--no-planner]``. Cases (each end to end:
-build, lower, validate, bind the costs, place on the cluster, simulate, metrics; no per-op trace):
+Run: ``python -m experiments.bench_sim [--repeat 3] [--no-planner] [--no-scaling] [--figure PNG]``.
+Cases (each end to end: build, lower, validate, bind the costs, place on the cluster, simulate,
+metrics; no per-op trace):
 
 * ``bitpipe D=32 N=256`` (unit costs) against a bare SimPy loop with as many events (one
   process per device, one timeout per op of its program): aim <= 4x;
@@ -9,22 +10,36 @@ build, lower, validate, bind the costs, place on the cluster, simulate, metrics;
   SimPy loop of 100,000 timeouts: aim <= 10x;
 * a 10,240-GPU job, the same at R=640 on ``dgx-a100-ib:1280``: aim <= 50x;
 * a 16,384-GPU tensor-parallel job, Llama-3-405B at TP 8 x PP 16 x DP 128 (interleaved, 2 chunks,
-  N=16: Llama 3's 2,048 sequences per step, full recompute) on ``dgx-h100-ib:2048`` in Llama 3's
-  rank order [TP, PP, DP] (``--device-map sequential``: a pipeline inside one rail group), through
-  the typed job (:func:`sim.simulate_job`): aim <= 20x. (In Megatron's order [TP, DP, PP], the
-  default, the data-parallel rings' hops between rail groups tell 32 kinds of replicas apart,
-  and 32 replicas are simulated.)
+  N=16: Llama 3's 2,048 sequences per step, full recompute) on ``dgx-h100-ib:2048`` in Megatron's
+  rank order [TP, DP, PP] (the default with T > 1: a stage's 128 replicas on 128 neighbouring
+  nodes, 4 rail groups, so pipeline hops and ring hops cross the rail uplinks), through the typed
+  job (:func:`sim.simulate_job`): aim <= 20x. The uplinks are non-blocking, so they never limit a
+  rate and one replica is simulated (:mod:`sim.symmetry`);
+* a 131,072-GPU job, the same at DP 1,024 on ``h100-pods:16384`` (pods of 1,024 nodes on a spine
+  oversubscribed 7:1: every pipeline hop crosses it, alike for every replica): aim <= 50x.
 * (unless ``--no-planner``) ``plan -m gpt-96 -G 1024`` on ``dgx-a100-ib:128`` (search, re-simulation
   and baselines): aim <= 10 s, shown also as a ratio to the 100k loop (run once: it takes minutes).
 
 Each case runs ``--repeat`` times, interleaved with the bare loops so they share the machine's
 noise; the best time of each counts and ``spread`` (slowest / fastest - 1) is the noise of the
 sitting. ``peak MiB`` is the largest Python allocation of one run (tracemalloc, a separate
-untimed run): bounded, since identical replicas keep no per-op records.
+untimed run): bounded, since identical replicas keep no per-op records. The peak RSS of the
+131,072-GPU case is measured in a process of its own (``resource.getrusage``: the process's
+high-water mark, and what the run added to the process after its imports).
+
+Unless ``--no-scaling``: how the time and the memory (tracemalloc peak) of the Llama-3-405B job
+grow with GPUs (DP 64 .. 1,024 on ``h100-pods``), stages (PP 4 .. 32 at DP 128, N=32) and
+micro-batches (N 16 .. 128 at PP 16, DP 128), one run per point, with the log-log slope of each
+series, drawn in ``--figure`` (default ``out/bench_sim.png``).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import resource
+import subprocess
+import sys
 import time
 import tracemalloc
 
@@ -66,15 +81,102 @@ def cluster_case(R: int, D: int = 16, N: int = 128, model: str = "gpt-96", clust
     return res.metrics(), None
 
 
-def tensor_parallel_case(R: int = 128):
+def tensor_parallel_case(R: int = 128, D: int = 16, N: int = 16, cluster: str = "dgx-h100-ib"):
+    """Llama-3-405B at TP 8 x PP D x DP R, interleaved (2 chunks), N micro-batches, full recompute, in
+    Megatron's rank order (the default) on ``cluster`` sized to 8 D R GPUs."""
     from cost_models.job import Job, Layout
     from sim import simulate_job
-    job = Job(layout=Layout(schedule="interleaved", devices=16, microbatches=16, replicas=R, tp=8),
-              model="llama3-405b", cluster=f"dgx-h100-ib:{16 * R}", recompute="full", device_map="sequential")
-    _, res = simulate_job(job)
+    job = Job(layout=Layout(schedule="interleaved", devices=D, microbatches=N, replicas=R, tp=8),
+              model="llama3-405b", cluster=f"{cluster}:{D * R}", recompute="full")
+    _, res = simulate_job(job, max_ops=None)
     if res.simulated_replicas != 1:
         raise RuntimeError(f"R={R}: replicas were not simulated as one ({res.full_reason})")
     return res.metrics(), None
+
+
+def pods_case():
+    return tensor_parallel_case(1024, cluster="h100-pods")
+
+
+def rss_of_pods_case() -> dict:
+    """Peak RSS of the 131,072-GPU case run alone in a fresh process (MiB): the process's high-water
+    mark, and the same after the imports (what the run itself added)."""
+    out = subprocess.run([sys.executable, "-m", "experiments.bench_sim", "--rss-child"], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _rss_mib() -> float:
+    """The process's peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 2 ** 20 if sys.platform == "darwin" else r / 2 ** 10
+
+
+def _resident_mib() -> float:
+    """The process's RSS now (Linux /proc; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * resource.getpagesize() / 2 ** 20
+    except OSError:
+        return _rss_mib()
+
+
+def _rss_child() -> int:
+    import cost_models.job  # noqa: F401  (the imports the run needs, before the mark)
+    import sim  # noqa: F401
+    before = _resident_mib()
+    pods_case()
+    print(json.dumps({"import_MiB": before, "peak_MiB": _rss_mib()}))
+    return 0
+
+
+# the growth series: (name, x label, [(x, kwargs of tensor_parallel_case)])
+SCALING = [
+    ("GPUs (DP 64..1,024, PP 16, N 16, h100-pods)", "GPUs",
+     [(8 * 16 * r, dict(R=r, cluster="h100-pods")) for r in (64, 128, 256, 512, 1024)]),
+    ("stages (PP 4..32, DP 128, N 32)", "pipeline stages", [(d, dict(D=d, N=32)) for d in (4, 8, 16, 32)]),
+    ("micro-batches (N 16..128, PP 16, DP 128)", "micro-batches", [(n, dict(N=n)) for n in (16, 32, 64, 128)]),
+]
+
+
+def slope(xs, ys) -> float:
+    """Least-squares slope of log(y) on log(x): y grows as x^slope."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def scaling(series=SCALING) -> list[dict]:
+    """One record per point: series, x, seconds (one run), peak_MiB (tracemalloc, a second run)."""
+    rows = []
+    for name, _, points in series:
+        for x, kw in points:
+            dt, _ = _timed(lambda kw=kw: tensor_parallel_case(**kw))
+            rows.append({"series": name, "x": x, "seconds": dt,
+                         "peak_MiB": _peak_mib(lambda kw=kw: tensor_parallel_case(**kw))})
+    return rows
+
+
+def scaling_figure(rows: list[dict], path, series=SCALING) -> None:
+    """Log-log: seconds (left) and tracemalloc peak (right) against each series' x, one line per series
+    (its own x axis scale: GPUs, stages or micro-batches), the slope in the legend."""
+    from .plots import plt, save_figure, series_style
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, col, what in ((axes[0], "seconds", "time of one run (s)"),
+                          (axes[1], "peak_MiB", "peak Python memory (MiB)")):
+        for i, (name, xlabel, _) in enumerate(series):
+            pts = [r for r in rows if r["series"] == name]
+            if len(pts) < 2:
+                continue
+            xs, ys = [p["x"] for p in pts], [p[col] for p in pts]
+            rel = [x / xs[0] for x in xs]
+            ax.loglog(rel, ys, label=f"{xlabel} (slope {slope(xs, ys):.2f})", **series_style(i))
+        ax.set_xlabel("size / smallest size of the series")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("bench_sim: Llama-3-405B, TP 8, interleaved, Megatron's rank order")
+    save_figure(fig, path)
 
 
 def planner_case(G: int = 1024, cluster: str = "dgx-a100-ib:128"):
@@ -103,16 +205,29 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-planner", action="store_true", help="leave the planner case out")
-    p.add_argument("--no-memory", action="store_true", help="leave the tracemalloc pass out")
+    p.add_argument("--no-memory", action="store_true", help="leave the tracemalloc pass and the RSS run out")
+    p.add_argument("--no-scaling", action="store_true", help="leave the growth series and their figure out")
+    p.add_argument("--figure", default="out/bench_sim.png", help="the growth figure (default out/bench_sim.png)")
+    p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.rss_child:
+        return _rss_child()
     if a.repeat < 1:
         raise SystemExit("bench_sim: --repeat must be >= 1")
+    if not a.no_scaling:
+        from cost_models.files import FileError, check_output_path
+        try:
+            check_output_path(a.figure, "--figure")
+        except FileError as e:
+            print(f"bench_sim: {e}", file=sys.stderr)
+            return 2
     cases = [("bitpipe D=32 N=256 (unit costs)", bitpipe_case, "events", 4.0),
              ("1,024 GPUs: dapple D=16 R=64 N=128, gpt-96, dgx-a100-ib:128", lambda: cluster_case(64), "100k", 10.0),
              ("10,240 GPUs: dapple D=16 R=640 N=128, gpt-96, dgx-a100-ib:1280", lambda: cluster_case(640), "100k",
               50.0),
              ("16,384 GPUs: T=8 D=16 R=128 N=16, llama3-405b, dgx-h100-ib:2048",
-              tensor_parallel_case, "100k", 20.0)]
+              tensor_parallel_case, "100k", 20.0),
+             ("131,072 GPUs: T=8 D=16 R=1024 N=16, llama3-405b, h100-pods:16384", pods_case, "100k", 50.0)]
     if not a.no_planner:
         cases.append(("plan gpt-96 G=1024 on 1,024 A100s (dgx-a100-ib:128)", planner_case, "100k", None))
     _, per_dev = bitpipe_case()
@@ -151,6 +266,22 @@ def main(argv=None) -> int:
         elif hasattr(out, "search"):
             print(f"  {name}: search {out.search.seconds:.2f} s, baselines {out.baseline_seconds:.2f} s; best "
                   f"{out.best.plan.describe()} ({out.best.time:.4g} s simulated)")
+    if not a.no_memory:
+        rss = rss_of_pods_case()
+        print(f"peak RSS of the 131,072-GPU case alone (resource.getrusage, its own process): {rss['peak_MiB']:.0f} "
+              f"MiB, {rss['peak_MiB'] - rss['import_MiB']:.0f} MiB above the {rss['import_MiB']:.0f} MiB resident "
+              f"after the imports")
+    if not a.no_scaling:
+        rows = scaling()
+        print("growth (one run per point; peak_MiB: tracemalloc; slope: d log y / d log x):")
+        print(fmt_table(rows, ["series", "x", "seconds", "peak_MiB"], {"seconds": "{:.3f}", "peak_MiB": "{:.1f}"}))
+        for name, _, _ in SCALING:
+            pts = [r for r in rows if r["series"] == name]
+            xs = [r["x"] for r in pts]
+            print(f"  {name}: time ~ x^{slope(xs, [r['seconds'] for r in pts]):.2f}, "
+                  f"memory ~ x^{slope(xs, [r['peak_MiB'] for r in pts]):.2f}")
+        scaling_figure(rows, a.figure)
+        print(f"figure: {a.figure}")
     return 0
 
 

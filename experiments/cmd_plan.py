@@ -1,4 +1,5 @@
-"""``pipetwin plan``: the DAPPLE planner: the fastest data x pipeline plan that fits, and its baselines.
+"""``pipetwin plan``: the DAPPLE planner: the fastest data x pipeline plan that fits, and its baselines;
+with ``--tp auto|T,...`` the whole-layout search (:mod:`experiments.plan_layout`).
 
 Searches stages, partition, per-stage replicas, placement (fresh-first / append-first /
 scatter-first) and micro-batch count exactly under DAPPLE's latency model, re-simulates the best
@@ -24,7 +25,7 @@ from .jobs import add_cluster_shape_args, add_cost_model_args, cluster_from_args
 from .tables import byte_unit, fmt_bytes, fmt_table, printable, wrap_cell
 
 NAME = "plan"
-HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner)"
+HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner; --tp: the whole layout)"
 
 
 def add_arguments(p):
@@ -44,10 +45,19 @@ def add_arguments(p):
     p.add_argument("--memory-limit", metavar="BYTES",
                    help="memory per device, e.g. '16 GiB' (default: the device's memory; above it only with --force)")
     p.add_argument("--force", action="store_true", help="plan for a --memory-limit above the device's memory")
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                   help="activation recomputation (transformers)")
-    p.add_argument("--schedules", default="dapple",
-                   help="schedules to try on uniform plans, comma-separated (default dapple; e.g. dapple,gpipe,zb-h1)")
+    p.add_argument("--recompute", default=None, choices=["none", "selective", "full"],
+                   help="activation recomputation (transformers; default none, and with --tp all three searched)")
+    p.add_argument("--schedules", default=None,
+                   help="schedules to try on uniform plans, comma-separated or 'all' (default dapple; with --tp "
+                        "every family but zb-auto)")
+    p.add_argument("--tp", default=None, metavar="auto|T,T,...",
+                   help="search the whole layout: tensor-parallel sizes T (auto: every divisor of the node size "
+                        "the model splits), with pipeline D, data-parallel R, schedule family, chunks, variant, "
+                        "micro-batch, recompute, ZeRO-1 and sequence parallelism (default: the DAPPLE planner, T=1)")
+    p.add_argument("--micro-batches", default=None, metavar="B,B,...",
+                   help="with --tp: micro-batch sizes searched (default 1,2,4,8)")
+    p.add_argument("--plot", metavar="FILE.png", type=output_file,
+                   help="with --tp: the simulated candidates, step time vs memory per GPU, the chosen plan marked")
     p.add_argument("--top", type=positive_int, default=6, help="candidates re-simulated (default 6)")
     p.add_argument("--devices", type=positive_int, help="use at most this many of the cluster's devices")
     p.add_argument("--max-stages", type=positive_int, help="at most this many pipeline stages")
@@ -84,6 +94,14 @@ def main(args) -> int:
         raise ValueError(f"--global-batch must be >= 1; got {args.global_batch}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1; got {args.top}")
+    if args.tp is not None:
+        from .plan_layout import main_layout
+        return main_layout(args, _parse_limit(args.memory_limit), check_limit)
+    for flag, given in (("--micro-batches", args.micro_batches), ("--plot", args.plot)):
+        if given is not None:
+            raise ValueError(f"{flag} applies to the whole-layout search; give --tp auto (or a list of T)")
+    args.recompute = args.recompute or "none"
+    args.schedules = args.schedules or "dapple"
     scheds = parse_schedules(args.schedules)
     model, cost_model = args.model, None
     if args.profile:

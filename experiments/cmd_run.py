@@ -69,6 +69,9 @@ def add_arguments(p):
                    help="under torchrun (and with --tp): which (node, GPU) runs which rank (default: the plan's map, "
                         "else megatron with --tp: TP, then DP, then PP; else sequential = torchrun's order); "
                         "copies-same-node is BitPipe's")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: norms and stage boundaries on 1/T of the sequence, reduce-scatter + all-gather "
+                        "in place of the tensor-parallel all-reduces (Megatron's sequence parallelism)")
     p.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="1: ZeRO-1, the optimizer state sharded over the --dp replicas of each stage")
     p.add_argument("--seq-len", type=positive_int, default=None, help="training sequence length (default: the model's)")
@@ -103,7 +106,8 @@ def job_of_run(args):
         layout.check_size(one_replica=False, layers=spec.layers, model_name=spec.name)   # before anything is built
     return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
                          partition=run_partition(args, model, layout), recompute=args.recompute or "none",
-                         device_map=args.device_map, zero=args.zero, seq_len=args.seq_len)
+                         device_map=args.device_map, sequence_parallel=args.sequence_parallel, zero=args.zero,
+                         seq_len=args.seq_len)
 
 
 def config_from_args(args):
@@ -137,6 +141,10 @@ def plan_config_from_args(args):
     """``(config, lowered schedule, info)`` for ``--plan`` (:func:`experiments.plan_files.config_from_plan`)."""
     from .plan_files import config_from_plan
     check_plan_args(args, also_fixed=("model", "micro_batch", "partition", "recompute"))
+    unused = [f for f, v in (("--sequence-parallel", args.sequence_parallel), ("--zero", args.zero),
+                             ("--seq-len", args.seq_len)) if v]
+    if unused:      # a plan's layout has no tensor-parallel group, replicas' ZeRO or other sequence length
+        raise ValueError(f"--plan fixes the layout and the model; drop {', '.join(unused)}")
     options = _common_options(args)
     if args.device_map is not None:
         options["device_map"] = args.device_map
@@ -207,13 +215,17 @@ def _announce_plan(cfg, sched, info, args) -> None:
     out = sys.stderr if args.json else sys.stdout
     what = "reference (one process) for" if args.reference else f"{sched.num_ranks} ranks:"
     print(f"plan {printable(args.plan)}: {info['plan']}", file=out)
-    split = (f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
+    split = ("the default split of the blocks" if cfg.partition is None else
+             f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
              f"blocks per stage {list(cfg.partition)} (layers {info['partition_layers']} with embedding and head)")
     print(f"running {what} {info['layout']}; global batch {info['global_batch']} = {cfg.global_microbatches} "
           f"micro-batches of {cfg.samples_per_microbatch}; {split}; schedule {cfg.schedule}", file=out)
     if args.reference:
         return
     dmap = info["device_map"]
+    if isinstance(dmap, str):       # a whole-layout plan: placed by a mapping's rule (Megatron's at T > 1)
+        print(f"placement: --device-map {dmap}", file=out)
+        return
     pairs = ", ".join(f"{r}->{d}" for r, d in enumerate(dmap))
     if under_torchrun():
         print(f"placement: rank -> device {pairs} (device = node * {info['devices_per_node']} + local rank)"
@@ -246,7 +258,8 @@ def _write_outputs(result, args) -> None:
 def _print_human(result, args) -> None:
     c = result.config
     where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
-    tp = f"T={c.tp} " if c.tp > 1 and result.engine == "executor" else ""
+    tp = f"T={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} " \
+        if c.tp > 1 and result.engine == "executor" else ""
     print(f"{result.engine} {c.schedule}: {tp}D={c.devices} N={c.microbatches} R={c.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
     steps = [{"step": i, "loss": l, "iteration_s": t}

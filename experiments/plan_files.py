@@ -9,7 +9,7 @@ from __future__ import annotations
 from cost_models.model_spec import spec_from_dict
 from cost_models.partition import blocks_from_layers
 from executor.config import RunConfig, lowered_schedule
-from planner.plan_io import LoadedPlan, load_plan
+from planner.plan_io import LayoutPlan, LoadedPlan, load_plan
 from schedules import Schedule
 
 # the fields of a run a plan fixes (its schedule, layout and model)
@@ -30,7 +30,9 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
     bad = set(options) & set(PLAN_FIXES)
     if bad:
         raise ValueError(f"the plan fixes {', '.join(sorted(bad))}; do not pass them with a plan")
-    loaded = source if isinstance(source, LoadedPlan) else load_plan(source)
+    loaded = source if isinstance(source, (LoadedPlan, LayoutPlan)) else load_plan(source)
+    if isinstance(loaded, LayoutPlan):
+        return _layout_config(loaded, eager, options)
     ex = loaded.for_executor(eager=eager)
     low: Schedule = ex["schedule"]
     info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
@@ -56,4 +58,23 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
                     chunks=loaded.plan.chunks, replicas=low.replicas, model=spec, micro_batch=ex["micro_batch"],
                     partition=tuple(blocks), eager_allreduce=eager, **options)
     lowered_schedule(cfg, low)
+    return cfg, low, info
+
+
+def _layout_config(loaded: LayoutPlan, eager: bool, options: dict) -> tuple[RunConfig, Schedule, dict]:
+    """A whole-layout plan (``pipetwin plan --tp``) as a run: its job (T x D x R, schedule,
+    micro-batch, recompute, ZeRO; sequence parallelism refused with one line where the executor
+    has none) through :meth:`RunConfig.from_job`; ``options['device_map']`` overrides the job's
+    placement (Megatron's order at T > 1)."""
+    device_map = options.pop("device_map", None)
+    job = loaded.run_job(eager=eager, device_map=device_map if isinstance(device_map, str) else None)
+    cfg = RunConfig.from_job(job, **options)
+    low = lowered_schedule(cfg)
+    lay = job.layout
+    info = {"layout": f"T={lay.tp} x D={lay.devices} x R={lay.replicas}, {lay.microbatches} micro-batches of "
+                      f"{job.micro_batch} per replica", "device_map": cfg.device_map,
+            "partition_layers": None, "devices_per_node": loaded.cluster.devices_per_node,
+            "global_batch": loaded.record.get("global_batch"), "model": loaded.model.name,
+            "plan": f"{lay.schedule} T={lay.tp} D={lay.devices} R={lay.replicas} N={lay.microbatches} "
+                    f"micro-batch {job.micro_batch}, recompute {job.recompute}, ZeRO-{job.zero}"}
     return cfg, low, info

@@ -182,3 +182,28 @@ def save_figure(fig, path, *, layout: bool = True) -> None:
             fig.savefig(fh, dpi=DPI, format=Path(path).suffix[1:] or None)
     finally:
         plt.close(fig)
+
+
+def plot_layouts(points, limit: float, chosen, path, *, title: str | None = None) -> None:
+    """The whole-layout planner's simulated candidates (``points``: dicts with ``schedule``,
+    ``iteration_time`` in seconds, ``memory_need`` in bytes: the worst GPU's peak with the
+    transients, what the verdict compares with the usable memory): step time against memory per GPU,
+    one colour and marker per schedule family, the usable memory ``limit`` as a vertical line and
+    the ``chosen`` record ringed."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fams = sorted({p["schedule"] for p in points})
+    for i, fam in enumerate(fams):
+        mine = [p for p in points if p["schedule"] == fam]
+        ax.scatter([p["memory_need"] / 2**30 for p in mine], [p["iteration_time"] for p in mine], s=18,
+                   marker=SERIES_MARKERS[i % len(SERIES_MARKERS)], color=plt.cm.tab10(i % 10), alpha=0.8,
+                   label=fam)
+    ax.axvline(limit / 2**30, color="black", linestyle="--", linewidth=1, label="usable memory per GPU")
+    ax.scatter([chosen["memory_need"] / 2**30], [chosen["iteration_time"]], s=160, facecolors="none",
+               edgecolors="red", linewidths=2, label="chosen", zorder=5)
+    ax.set_xlabel("memory per GPU (GiB; peak + transients)")
+    ax.set_ylabel("simulated step time (s)")
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    save_figure(fig, path)

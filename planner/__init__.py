@@ -19,6 +19,8 @@ scatter-first), the micro-batch count and the schedule.
 * :mod:`planner.plan`: the plan record (:class:`Plan`: stages, replicas, devices, batching);
 * :mod:`planner.choose`: choosing a plan: search + re-simulation + baselines (what ``pipetwin
   plan`` runs);
+* :mod:`planner.layout`: the whole-layout search (T x D x R, schedule family, micro-batch,
+  recompute, ZeRO-1, sequence parallelism; every candidate a :class:`cost_models.job.Job`);
 * :mod:`planner.plan_io`: plan files, written and read back (:func:`save_plan`, :func:`load_plan`).
 """
 from .choose import Evaluated, PlanningResult, evaluate_plan, plan_training

@@ -122,11 +122,15 @@ class Topology:
     def translation_period(self, policy: str) -> int | None:
         """Slots by which every stage of a plan can move along the allocation order without any
         communication cost changing (None: no such shift): whole nodes (whole leaves on a fat-tree or
-        rail fabric) for the node-major orders; one device of every node for scatter-first on a flat
-        fabric whose NICs are one per node or one per device. The search uses it to compare suffixes
-        of different sizes (:mod:`planner.search`)."""
+        rail fabric, whole pods on a spine) for the node-major orders; one device of every node for
+        scatter-first on a flat fabric whose NICs are one per node or one per device. The search uses
+        it to compare suffixes of different sizes (:mod:`planner.search`)."""
         c = self.cluster
-        if c.fabric != "flat":
+        if c.nodes_per_pod is not None and c.nodes > c.nodes_per_pod:     # whole pods (on a spine)
+            if c.nodes % c.nodes_per_pod:
+                return None
+            step = c.nodes_per_pod
+        elif c.fabric != "flat":
             if c.nodes % c.nodes_per_leaf:
                 return None
             step = c.nodes_per_leaf
@@ -238,10 +242,11 @@ class Topology:
         ``nodes_per_leaf`` first, then nodes inside a group), local device indices kept: a renaming
         that maps every link onto one of the same bandwidth and latency (all nodes alike; on a
         fat-tree or rail fabric whole groups alike, so only when the groups are all full), hence the
-        same transfer costs. Unchanged when the fabric's groups are not all alike."""
+        same transfer costs. Unchanged when the fabric's groups are not all alike, or pods on a spine
+        group the groups."""
         c = self.cluster
         per = c.nodes if c.fabric == "flat" else c.nodes_per_leaf
-        if c.nodes % per:
+        if c.nodes % per or (c.nodes_per_pod is not None and c.nodes > c.nodes_per_pod):
             return src, dst
         d = self.dpn
         groups: dict[int, int] = {}

@@ -24,6 +24,16 @@ A plan file is JSON::
       "estimate": {...planner.cost.Estimate.to_dict()...}, "simulated": {...} or null
     }
 
+A whole-layout plan (``pipetwin plan --tp``, :mod:`planner.layout`) is a job instead::
+
+    {"format": "pipetwin-plan", "version": 1, "kind": "layout",
+     "model": {"kind": "transformer", "name", "spec": {...}}, "cluster": {...},
+     "layout": {"schedule", "devices" (D), "microbatches" (N), "replicas" (R), "chunks", "variant", "tp" (T)},
+     "micro_batch", "recompute", "zero", "sequence_parallel", "cost_model", "memory_reserve", "memory_limit",
+     "global_batch", "simulated": {...the planner's record...}}
+
+read back as a :class:`LayoutPlan` (its :meth:`LayoutPlan.job` is the job the planner simulated).
+
 Layers are global indices of the model's layer stack (for a transformer: 0 = embedding,
 1..L = blocks, L + 1 = head). Device ids are ``node * devices_per_node + local``.
 
@@ -145,11 +155,99 @@ class LoadedPlan:
                 "global_batch": plan.global_batch}
 
 
-def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:
+LAYOUT_FIELDS = ("schedule", "devices", "microbatches", "replicas", "chunks", "variant", "tp")
+
+
+def layout_plan_record(job, cluster: Cluster, global_batch: int, *, memory_limit: float | None = None,
+                       simulated: dict | None = None) -> dict:
+    """The plan file of a whole-layout plan (:mod:`planner.layout`): ``"kind": "layout"``, the job's
+    ``layout`` (schedule, devices D, microbatches N, replicas R, chunks, variant, tp T), the model's
+    spec, the cluster, ``micro_batch``, ``recompute``, ``zero``, ``sequence_parallel``,
+    ``cost_model``, ``memory_reserve``, ``memory_limit``, ``global_batch`` and what the planner
+    simulated (``simulated``: its record)."""
+    lay = job.layout
+    spec = job.model
+    return {"format": FORMAT, "version": VERSION, "kind": "layout",
+            "model": {"kind": "transformer", "name": spec.name, "spec": spec.to_dict()},
+            "cluster": cluster.to_dict(), "layout": {k: getattr(lay, k) for k in LAYOUT_FIELDS},
+            "micro_batch": job.micro_batch, "recompute": job.recompute, "zero": job.zero,
+            "sequence_parallel": job.sequence_parallel, "cost_model": job.cost_model,
+            "memory_reserve": job.memory_reserve, "memory_limit": memory_limit, "global_batch": global_batch,
+            "simulated": simulated}
+
+
+@dataclass
+class LayoutPlan:
+    """A whole-layout plan file read back: a T x D x R job on the model x cluster formulas.
+    ``simulate --plan`` binds it (:meth:`bind`: the job the planner simulated), ``run --plan``
+    trains :meth:`run_job`."""
+
+    job_fields: dict
+    model: object       # ModelSpec, at the plan's micro-batch
+    cluster: Cluster
+    record: dict
+    path: str = "plan"
+
+    def job(self, *, eager: bool = True):
+        """The planner's job (its cluster named by the plan's; its costs from :meth:`inputs`)."""
+        from cost_models.job import ClusterChoice, Job
+        return Job(model=self.model, cluster=ClusterChoice(name=self.cluster.name), eager=eager, **self.job_fields)
+
+    def run_job(self, *, eager: bool = True, device_map: str | None = None):
+        """The job a training run takes: layout, model, micro-batch, recompute, ZeRO, sequence
+        parallelism (no cluster or cost model: a run has its own)."""
+        from cost_models.job import Job
+        f = {k: v for k, v in self.job_fields.items() if k not in ("cost_model", "memory_reserve")}
+        return Job(model=self.model, eager=eager, device_map=device_map, **f)
+
+    def inputs(self):
+        from cost_models.bind import CostInputs
+        return CostInputs("transformer", model=self.model, cluster=self.cluster)
+
+    def bind(self, job) -> Bound:
+        """The plan as a bound job (:class:`cost_models.job.PlanSource`), ``job.eager`` kept."""
+        from cost_models.bind import bind
+        b = bind(self.job(eager=job.eager), self.inputs())
+        return Bound(b.lowered, b.costs, b.network, {**b.report, "plan_file": str(self.path)})
+
+
+def _layout_plan(rec: dict, source: str) -> LayoutPlan:
+    from cost_models.job import Layout
+    from cost_models.model_spec import spec_from_dict
+    for k in ("layout", "micro_batch", "recompute", "zero", "sequence_parallel"):
+        if k not in rec:
+            raise ValueError(f"{source}: missing field {k!r}")
+    cluster = cluster_from_dict(dict(rec["cluster"]), f"{source} (field 'cluster')")
+    model = rec["model"]
+    if not isinstance(model, dict) or not isinstance(model.get("spec"), dict):
+        raise ValueError(f"{source}: field 'model' must hold the model's 'spec'")
+    spec = spec_from_dict(dict(model["spec"]), f"{source} (field 'model')")
+    lay = rec["layout"]
+    if not isinstance(lay, dict) or set(lay) != set(LAYOUT_FIELDS):
+        raise ValueError(f"{source}: field 'layout' must have exactly {', '.join(LAYOUT_FIELDS)}")
+    try:
+        layout = Layout(**lay)
+        spec.check_tensor_parallel(layout.tp)
+        fields = {"layout": layout, "micro_batch": rec["micro_batch"], "recompute": rec["recompute"],
+                  "zero": rec["zero"], "sequence_parallel": rec["sequence_parallel"],
+                  "cost_model": rec.get("cost_model"), "memory_reserve": rec.get("memory_reserve")}
+        spec = spec.replace(micro_batch=rec["micro_batch"])
+        plan = LayoutPlan(fields, spec, cluster, rec, source)
+        plan.job()      # every field checked as a job's
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {one_line(e)}") from None
+    if layout.gpus > cluster.num_devices:
+        raise ValueError(f"{source}: the layout uses {layout.gpus:,} GPUs, the cluster has {cluster.num_devices:,}")
+    return plan
+
+
+def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan:
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise ValueError(f"{source}: not a pipetwin plan file (expected \"format\": \"{FORMAT}\")")
     if rec.get("version") != VERSION:
         raise ValueError(f"{source}: plan file version {rec.get('version')!r}; this pipetwin reads version {VERSION}")
+    if rec.get("kind") == "layout":
+        return _layout_plan(rec, source)
     for k in ("model", "cluster", "plan"):
         if k not in rec:
             raise ValueError(f"{source}: missing field {k!r}")
@@ -170,7 +268,7 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan:
     return LoadedPlan(plan, work, cluster, lim, rec, source)
 
 
-def load_plan(path) -> LoadedPlan:
+def load_plan(path) -> LoadedPlan | LayoutPlan:
     """Read a plan file written by ``pipetwin plan --out`` (see the module docstring)."""
     p = Path(path)
     text = read_text(p, "plan file")

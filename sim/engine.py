@@ -429,12 +429,40 @@ class _Engine:
             yield from self.host.fitted_allreduce(full, t, lat)
         elif self.net is not None and nbytes > 0 and len(full) > 1:
             for repeat, lat, flows in self._ar_phases(stage, full, nbytes):
-                for _ in range(repeat):
+                left = repeat
+                while left:
+                    k, t = self._solo_steps(lat, flows, left)
+                    if k:
+                        yield env.timeout(t - env.now)
+                        left -= k
+                        continue
                     if lat > 0:
                         yield env.timeout(lat)
                     yield env.all_of([self.flows.start(b, res, share=sh) for res, b, sh in flows])
+                    left -= 1
         self.ar_end[key] = env.now
         self.ar_done[key].succeed(env.now)
+
+    def _solo_steps(self, lat: float, flows: list, left: int) -> tuple[int, float]:
+        """(k, t): the next k of ``left`` steps of an all-reduce phase of one flow end by time t
+        before anything else happens (SimPy's next event), with the flow's links to itself: each
+        takes its latency and its flow's time alone, as one event per step would give them, so they
+        are run as one timeout. (0, now) when the phase has several flows, a link of its flow
+        carries another flow, or its first step would not end before the next event."""
+        env = self.env
+        if len(flows) != 1 or flows[0][2] != 1.0:
+            return 0, env.now
+        res, b, _ = flows[0]
+        d = self.flows.solo_duration(b, res)
+        if d is None:
+            return 0, env.now
+        nxt, t, k = env.peek(), env.now, 0
+        while k < left:
+            end = (t + lat if lat > 0 else t) + d
+            if not end < nxt:
+                break
+            t, k = end, k + 1
+        return k, t
 
     def _ar_phases(self, stage: int, full: list[int], nbytes: float):
         """[(repeat, latency, [(resources, bytes, share)])] of a stage's all-reduce."""

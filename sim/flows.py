@@ -127,6 +127,25 @@ class FairShare:
         self._arm()
         return ev
 
+    def solo_duration(self, amount: float, resources: list[tuple]) -> float | None:
+        """Seconds a flow of ``amount`` over ``resources`` (as :meth:`start` takes them, share 1)
+        would take if started now, when none of its resources carries a flow and it has them alone
+        until it ends; None when one of them is in use (its rate would depend on the others')."""
+        users = self._users
+        names, weights = [], []
+        for name, spec in resources:
+            if users.get(name, 0):
+                return None
+            cap_r, w = spec if isinstance(spec, tuple) else (spec, 1.0)
+            names.append(name)
+            weights.append(w)
+        if amount <= EPS or not names:
+            return None
+        f = _Flow(amount, tuple(names), tuple(weights), math.inf, 1.0, None)
+        cap = {n: (spec[0] if isinstance(spec, tuple) else spec) for n, spec in resources}
+        max_min_rates((f,), {n: self.capacity.get(n, c) for n, c in cap.items()})
+        return f.remaining / f.rate
+
     @property
     def active(self) -> int:
         return len(self._flows)

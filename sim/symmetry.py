@@ -68,22 +68,39 @@ def symmetry_blocker(sched, costs, opts) -> str | None:
 
 def _drop_idle_links(paths: list[tuple[tuple[str, ...], float]], cap: dict[str, float]):
     """Paths without the links that can never limit a rate: a link inside paths (never a path's
-    first or last link) whose capacity covers every copy crossing it running at the smaller
-    capacity of its path's two end links (which stay, so no copy ever runs faster than that). A
-    fabric uplink wide enough for all its traffic is such a link; without it, copies that differ
-    only in crossing it (a ring's hop between leaves) are alike."""
+    first or last link) that can carry everything its traffic can bring, either
+
+    * because its capacity covers every copy crossing it running at the smaller capacity of its
+      path's two end links (which stay, so no copy ever runs faster than that), or
+    * because its capacity covers the sum of the capacities of the distinct first links (or of
+      the distinct last links) of the paths crossing it: what crosses it first crossed one of
+      those, so its constraint is implied by theirs. Max-min fair rates depend only on the set of
+      feasible rates, which dropping an implied constraint leaves as it was, so every rate is the
+      same with or without it. A non-blocking uplink (the ports of the NICs below it) is such a
+      link however many copies cross it.
+
+    Without it, copies that differ only in crossing it (a ring's hop between leaves) are alike."""
     ends = set()
     for names, _ in paths:
         if names:
             ends.add(names[0])
             ends.add(names[-1])
     demand: dict[str, float] = {}
+    firsts: dict[str, set[str]] = {}
+    lasts: dict[str, set[str]] = {}
     for names, _ in paths:
         if len(names) > 2:
             bound = min(cap[names[0]], cap[names[-1]])
             for n in names[1:-1]:
                 demand[n] = demand.get(n, 0.0) + bound
-    idle = {n for n, d in demand.items() if n not in ends and d <= cap[n]}
+                firsts.setdefault(n, set()).add(names[0])
+                lasts.setdefault(n, set()).add(names[-1])
+
+    def fed(n: str) -> float:
+        return min(sum(cap[f] for f in firsts[n]), sum(cap[f] for f in lasts[n]))
+
+    # a relative 1e-12: a link as wide as its ports (32 x 400 Gb/s summed or multiplied) is implied
+    idle = {n for n, d in demand.items() if n not in ends and min(d, fed(n)) <= cap[n] * (1 + 1e-12)}
     if not idle:
         return paths
     return [(tuple(n for n in names if n not in idle), lat) for names, lat in paths]

@@ -3,9 +3,9 @@
 - any folder: a working directory holding its own ``executor/``, ``schedules/``, ``experiments/``,
   ``sim/`` and ``cost_models/`` packages (whose import fails) cannot shadow pipetwin, neither for
   spawned workers (``pipetwin run``) nor under ``torchrun --no-python pipetwin run`` (the README's
-  cluster line);
-- kill: SIGKILL of rank 1 in the middle of a run ends it within 30 s with an error naming rank 1
-  and the signal (what the OOM killer does);
+  cluster line; also with ``--tp 2 --sequence-parallel``);
+- kill: SIGKILL of rank 1 in the middle of a run (and of a rank of a tensor-parallel group) ends it
+  within 30 s with an error naming the rank and the signal (what the OOM killer does);
 - nothing left running: SIGTERM, SIGHUP or SIGKILL of the main process of ``run``, ``sweep`` and
   ``validate`` leaves no rank, pool worker or resource tracker running 8 s later (SIGTERM and
   SIGHUP: exit status 128 + signal and one line, as Ctrl-C); the parent-pid watch (where there
@@ -50,12 +50,14 @@ def test_run_from_a_folder_with_packages_of_the_same_names(shadowing_folder):
 
 
 @pytest.mark.skipif(not (PIPETWIN.exists() and TORCHRUN.exists()), reason="needs pipetwin and torchrun scripts")
-def test_torchrun_console_script_from_a_shadowing_folder(shadowing_folder):
-    p = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--no-python", str(PIPETWIN), "run",
-                        "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1", "--device", "cpu", "--json"],
-                       cwd=shadowing_folder, env=_env(), capture_output=True, text=True, timeout=180)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_torchrun_console_script_from_a_shadowing_folder(shadowing_folder, tp):
+    extra = ["--tp", "2", "--sequence-parallel"] if tp > 1 else []
+    p = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", str(2 * tp), "--no-python", str(PIPETWIN),
+                        "run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1", "--device", "cpu", "--json",
+                        *extra], cwd=shadowing_folder, env=_env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert '"losses"' in p.stdout
+    assert '"losses"' in p.stdout and f'"tp": {tp}' in p.stdout
 
 
 def _workers_of(launcher_pid: int) -> dict[int, int]:
@@ -78,23 +80,27 @@ def _workers_of(launcher_pid: int) -> dict[int, int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through /proc")
-def test_rank_killed_from_outside_is_named():
+@pytest.mark.parametrize("extra,victim", [([], 1), (["--tp", "2", "--sequence-parallel"], 3)],
+                         ids=["D2", "T2D2-tp-rank-1-of-stage-1"])
+def test_rank_killed_from_outside_is_named(extra, victim):
+    """SIGKILL of a rank mid-run (with tensor parallelism: TP rank 1 of pipeline rank 1, whose TP
+    peer then waits in a collective) ends the run within 30 s naming the rank and the signal."""
     p = subprocess.Popen([sys.executable, "-c", "import sys; from experiments.cli import main; sys.exit(main())",
-                          "run", "-s", "dapple", "-D", "2", "-N", "4", "--steps", "100000"],
+                          "run", "-s", "dapple", "-D", "2", "-N", "4", "--steps", "100000", *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         workers, work = {}, None
         while time.monotonic() < deadline and p.poll() is None:    # wait until rank 0 finished a step
             workers = _workers_of(p.pid)
-            if 1 in workers:
-                env = (Path("/proc") / str(workers[1]) / "environ").read_bytes().decode(errors="replace")
+            if victim in workers:
+                env = (Path("/proc") / str(workers[victim]) / "environ").read_bytes().decode(errors="replace")
                 work = next(kv.split("=", 1)[1] for kv in env.split("\0") if kv.startswith("PIPETWIN_WORKDIR="))
                 if (Path(work) / "progress").exists():
                     break
             time.sleep(0.1)
         assert work and (Path(work) / "progress").exists(), "the run did not get going"
-        os.kill(workers[1], signal.SIGKILL)
+        os.kill(workers[victim], signal.SIGKILL)
         t0 = time.monotonic()
         _, err = p.communicate(timeout=30)
         assert time.monotonic() - t0 < 30
@@ -104,7 +110,7 @@ def test_rank_killed_from_outside_is_named():
             p.communicate()
     assert p.returncode != 0
     first = err.strip().splitlines()[0]
-    assert "rank 1 was killed by SIGKILL (9)" in first, err[-2000:]
+    assert f"rank {victim} was killed by SIGKILL (9)" in first, err[-2000:]
 
 
 # ---------------------------------------------------------------------- nothing left running

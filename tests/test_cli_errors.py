@@ -15,6 +15,7 @@ from tests.test_cost_models_specs import PROFILE
 SIM = ["simulate", "-s", "dapple", "-D", "4", "-N", "8"]
 UNIT = SIM + ["--unit-costs"]
 RUN = ["run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1"]
+LAYOUT = ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--tp", "auto", "--no-progress"]
 SWEEP = ["sweep", "-s", "dapple", "-D", "2", "-N", "2", "--no-figures", "--no-progress", "--workers", "1"]
 
 
@@ -66,6 +67,13 @@ CASES = [
     ("zero-without-dp", SIM + ["--zero", "1"], ["--zero 1", "--dp"]),
     ("tp-with-unit-costs", UNIT + ["--tp", "2"], ["--tp", "--unit-costs"]),
     ("tp-in-a-run-not-dividing-heads", RUN + ["--tp", "3"], ["--tp 3", "heads (4)"]),
+    ("sp-in-a-run-without-tp", RUN + ["--sequence-parallel"], ["--sequence-parallel", "--tp > 1"]),
+    ("sp-in-a-run-not-dividing-seq", RUN + ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
+     ["--tp 2", "sequence length", "(15)"]),
+    ("sp-not-dividing-seq", SIM + ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
+     ["--tp 2", "sequence length", "(15)"]),
+    ("sp-with-run-plan", ["run", "--plan", "{plan}", "--sequence-parallel"], ["--plan", "--sequence-parallel"]),
+    ("zero-in-a-run-without-dp", RUN + ["--zero", "1"], ["--zero 1", "--dp"]),
     # calibrate / validate with tensor parallelism: refused before any measurement
     ("calibrate-tp-not-dividing-heads", ["calibrate", "--tp", "3", "--out", "{dir}/c.yaml"], ["--tp 3", "heads (4)"]),
     ("calibrate-tp-zero", ["calibrate", "--tp", "0"], ["--tp"]),
@@ -111,9 +119,20 @@ CASES = [
     ("model-file-empty", SIM + ["-m", "{empty}"], ["model file", "empty"]),
     ("model-yaml-nan", SIM + ["-m", "{nanmodel}"], ["nanmodel.yaml", "hidden"]),
     ("cluster-yaml-inf", SIM + ["-c", "{infcluster}"], ["infcluster.yaml", "bandwidth"]),
+    ("cluster-pod-over-nan", SIM + ["-c", "{podnan}"], ["podnan.yaml", "pod_oversubscription", "nan"]),
+    ("cluster-pod-over-below-1", SIM + ["-c", "{podhalf}"], ["podhalf.yaml", "pod_oversubscription", ">= 1"]),
+    ("cluster-pod-zero", SIM + ["-c", "{podzero}"], ["podzero.yaml", "nodes_per_pod", ">= 1"]),
+    ("cluster-pod-not-whole-leaves", SIM + ["-c", "{podleaf}"], ["podleaf", "nodes_per_pod (3)", "nodes_per_leaf (2)"]),
     ("profile-folder", SIM + ["--profile", "{dir}"], ["calibration profile", "folder"]),
     ("stage-costs-empty", SIM + ["--stage-costs", "{empty}"], ["--stage-costs", "empty"]),
     ("stage-costs-and-model", SIM + ["--stage-costs", "{file}", "-m", "tiny"], ["--stage-costs", "--model"]),
+    ("stage-costs-activation-w-nan", SIM + ["--stage-costs", "{sc_actw_nan}"],
+     ["sc_actw_nan.yaml", "'activation_w' must be"]),
+    ("stage-costs-activation-w-inf", SIM + ["--stage-costs", "{sc_actw_inf}"],
+     ["sc_actw_inf.yaml", "'activation_w' must be"]),
+    ("stage-costs-activation-w-neg", SIM + ["--stage-costs", "{sc_actw_neg}"],
+     ["sc_actw_neg.yaml", "'activation_w' must be"]),
+    ("stage-costs-blocking-not-bool", SIM + ["--stage-costs", "{sc_blocking}"], ["sc_blocking.yaml", "true or false"]),
     ("memory-limit-fixed-order", UNIT + ["--memory-limit", "8"], ["--memory-limit", "zb-auto only"]),
     ("memory-limit-bad", UNIT + ["--memory-limit", "lots"], ["--memory-limit"]),
     ("memory-limit-run", ["run", "-s", "zb-auto", "-D", "2", "-N", "2", "--memory-limit", "4"],
@@ -169,6 +188,26 @@ CASES = [
     ("plan-memory-limit-above-the-device", ["plan", "-m", "gpt3-1.3b", "-c", "dgx-a100-4x8-ib", "-G", "64",
                                             "--memory-limit", "10 TiB", "--no-progress"],
      ["--memory-limit 10 TiB", "a100's 80 GiB", "--force"]),
+    # the whole-layout planner (plan --tp)
+    ("plan-layout-no-plan-fits", LAYOUT + ["-m", "llama3-405b", "-c", "dgx-h100-ib:1", "-G", "8", "--schedules",
+                                           "dapple", "--micro-batches", "1", "--recompute", "full"],
+     ["no plan fits: the smallest needs", "per GPU", "more than the", "usable"]),
+    ("plan-layout-devices-not-multiple", LAYOUT + ["--devices", "12"], ["--devices 12", "multiple of the 8 GPUs"]),
+    ("plan-layout-batch-not-divisible", LAYOUT + ["-G", "7", "--micro-batches", "2"],
+     ["-G 7 is not divisible", "use a multiple of 2"]),
+    ("plan-tp-not-dividing-node", LAYOUT + ["--tp", "3"], ["--tp 3", "does not divide the 8 GPUs of a node"]),
+    ("plan-tp-not-dividing-model", LAYOUT + ["-m", "tiny", "--tp", "8"], ["--tp 8", "heads (4)"]),
+    ("plan-tp-zero", LAYOUT + ["--tp", "0"], ["--tp", "integers >= 1", "'0'"]),
+    ("plan-tp-nan", LAYOUT + ["--tp", "nan"], ["--tp", "integers >= 1", "'nan'"]),
+    ("plan-micro-batches-negative", LAYOUT + ["--micro-batches", "-2"], ["--micro-batches", "integers >= 1"]),
+    ("plan-micro-batches-inf", LAYOUT + ["--micro-batches", "inf"], ["--micro-batches", "'inf'"]),
+    ("plan-layout-memory-limit-nan", LAYOUT + ["--memory-limit", "nan"], ["--memory-limit"]),
+    ("plan-layout-dapple-option", LAYOUT + ["--uniform"], ["--uniform", "DAPPLE planner", "--tp"]),
+    ("plan-plot-without-tp", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--plot", "{dir}/p.png"],
+     ["--plot", "--tp auto"]),
+    ("plan-plot-under-file", LAYOUT + ["--plot", "{file}/p.png"], ["--plot", "is a file"]),
+    ("plan-plot-is-folder", LAYOUT + ["--plot", "{dir}"], ["--plot", "folder"]),
+    ("plan-layout-out-under-file", LAYOUT + ["--out", "{file}/p.json"], ["--out", "is a file"]),
     # control characters in names are printed escaped
     ("model-name-escape", SIM + ["-m", "bad\x1b[31m"], ["model preset", "bad\\x1b[31m"]),
     ("schedule-name-escape", ["simulate", "-s", "zz\x07", "-D", "4", "-N", "8"], ["zz\\x07"]),
@@ -220,6 +259,12 @@ def files(tmp_path):
     (tmp_path / "nanmodel.yaml").write_text("layers: 4\nhidden: .nan\nheads: 4\nseq_len: 8\nvocab: 16\n")
     (tmp_path / "infcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: .inf}\ninter: ib-hdr\n")
+    pods = ("nodes: 4\ndevices_per_node: 8\ndevice: a100\nintra: nvlink3\ninter: ib-hdr\nfabric: rail\n"
+            "nodes_per_leaf: 2\n")
+    for name, extra in (("podnan", "nodes_per_pod: 2\npod_oversubscription: .nan\n"),
+                        ("podhalf", "nodes_per_pod: 2\npod_oversubscription: 0.5\n"),
+                        ("podzero", "nodes_per_pod: 0\n"), ("podleaf", "nodes_per_pod: 3\n")):
+        (tmp_path / f"{name}.yaml").write_text(pods + extra)
     (tmp_path / "dupmodel.yaml").write_text("layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nhidden: 32\n")
     (tmp_path / "dupcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: 300 GB/s, bandwidth: 3 GB/s}\n"
@@ -228,6 +273,10 @@ def files(tmp_path):
     (tmp_path / "cutprofile.yaml").write_text(_measured_profile_text(tmp_path).rsplit("precision:", 1)[0])
     (tmp_path / "model.py").write_text(MODEL_FILE)
     (tmp_path / "bert.json").write_text('{"architectures": ["BertForMaskedLM"], "hidden_size": 768}')
+    sc = "stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 100\n"
+    for name, extra in (("sc_actw_nan", "activation_w: .nan\n"), ("sc_actw_inf", "activation_w: .inf\n"),
+                        ("sc_actw_neg", "activation_w: -1\n"), ("sc_blocking", "blocking_sends: 1\n")):
+        (tmp_path / f"{name}.yaml").write_text(sc + extra)
     measured = _measured_profile_text(tmp_path)
     tp_ar = "tp_allreduce: {latency: 30 us, bandwidth: 1 GB/s}\n"
     (tmp_path / "tp1profile.yaml").write_text(measured)
@@ -237,8 +286,9 @@ def files(tmp_path):
     (tmp_path / "tpnoar.yaml").write_text(measured + "tp: 2\n")
     (tmp_path / "tparinf.yaml").write_text(measured + "tp: 2\ntp_allreduce: {latency: 30 us, bandwidth: .inf}\n")
     (tmp_path / "tp3.yaml").write_text(measured + "tp: 3\n" + tp_ar)
-    names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile", "tp1profile",
-             "tp2profile", "tpnan", "tpzero", "tpnoar", "tparinf", "tp3")
+    names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile", "sc_actw_nan",
+             "sc_actw_inf", "sc_actw_neg", "sc_blocking", "tp1profile", "tp2profile", "tpnan", "tpzero", "tpnoar",
+             "tparinf", "tp3", "podnan", "podhalf", "podzero", "podleaf")
     made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
             "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
             **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
@@ -562,3 +612,16 @@ def test_calibrate_keeps_its_measurement_when_the_final_write_fails(tmp_path):
     assert "/dev/full" in msg and "No space left" in msg and "\n" not in msg
     kept = Path(msg.rsplit("kept in ", 1)[1].split(" (copy")[0])
     assert load_profile(kept) == prof
+
+
+def test_zero_without_replicas_is_one_refusal_in_simulate_and_run(capsys):
+    """``--zero 1`` with R = 1 shards nothing: simulate and run refuse it alike, with the same one line
+    (exit 2), with and without tensor parallelism."""
+    for extra in ([], ["--tp", "2"]):
+        lines = []
+        for argv in (["simulate", "-s", "dapple", "-D", "2", "-N", "4", "-m", "tiny"], RUN):
+            capsys.readouterr()
+            assert main(argv + extra + ["--zero", "1"]) == 2
+            lines.append(capsys.readouterr().err.strip())
+        assert lines[0] == lines[1] == ("pipetwin: error: --zero 1 shards the optimizer state over the data-parallel "
+                                        "replicas; give --dp > 1")

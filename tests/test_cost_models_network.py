@@ -198,3 +198,29 @@ def test_rail_paths():
     assert [l.name for l in c.path(1, 9)] == ["n0.nic1.out", "g0.rail1.up", "g1.rail1.down", "n2.nic1.in"]
     names = {l.name for l in c.links()}
     assert {"g0.rail3.up", "g1.rail0.down"} <= names and len(names) == len(c.links())
+
+
+def test_pod_paths_cross_the_spine():
+    # 8 nodes of 4 GPUs and 4 NICs, rail groups of 2 nodes, pods of 4 nodes joined 7:1
+    c = small_cluster(nodes=8, dpn=4, nics=4, fabric="rail", nodes_per_leaf=2, nodes_per_pod=4,
+                      pod_oversubscription=7.0)
+    # inside a pod: as without pods (one rail of one group; another group of the pod)
+    assert [l.name for l in c.path(1, 5)] == ["n0.nic1.out", "n1.nic1.in"]
+    assert [l.name for l in c.path(1, 9)] == ["n0.nic1.out", "g0.rail1.up", "g1.rail1.down", "n2.nic1.in"]
+    # pod 0 -> pod 1: up the rail group, up the pod, down the other pod, down its rail group
+    p = c.path(1, 16 + 2)
+    assert [l.name for l in p] == ["n0.nic1.out", "g0.rail1.up", "pod0.up", "pod1.down", "g2.rail2.down",
+                                   "n4.nic2.in"]
+    # a pod's uplink: its 4 nodes x 4 NICs x 10 GB/s / 7
+    assert p[2].bandwidth == pytest.approx(4 * 4 * 10e9 / 7) and p[3].bandwidth == p[2].bandwidth
+    assert {"pod0.up", "pod0.down", "pod1.up", "pod1.down"} <= {l.name for l in c.links()}
+    # the last pod may hold fewer nodes: its links are that much narrower
+    c6 = cm.with_nodes(c, 6)
+    assert c6.path(16, 0)[2].name == "pod1.up" and c6.path(16, 0)[2].bandwidth == pytest.approx(2 * 4 * 10e9 / 7)
+    with pytest.raises(cm.SpecError, match=r"nodes_per_pod \(3\) must be a multiple of nodes_per_leaf \(2\)"):
+        small_cluster(nodes=8, fabric="rail", nodes_per_leaf=2, nodes_per_pod=3)
+    # the preset: Llama 3's spine ratio, pods of 1,024 nodes; round trip through a dict
+    h = cm.load_cluster("h100-pods:16384")
+    assert (h.nodes_per_pod, h.pod_oversubscription, h.num_devices) == (1024, 7.0, 131072)
+    assert cm.cluster_from_dict(h.to_dict()) == h
+    assert "pods of 1024 node(s) 7:1" in h.describe()

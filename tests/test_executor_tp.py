@@ -8,6 +8,13 @@ equals the reference's within 1e-5 (relative), every final parameter -- gathered
 -- within 1e-5 of the reference's, and the TP ranks of a group end with bit-identical replicated
 weights. Placement follows Megatron's order (TP, then DP, then PP). A third spawn (D = 2 x R = 2)
 trains with ZeRO-1 (``--zero 1``): the same losses and weights, the optimizer memory per rank cut by R.
+
+Sequence parallelism (``sp-`` cases, in the same spawns): every family at T = 2 x D = 2, with
+selective and full recomputation, split backward, the Llama, and dapple and zb-v at T2 D2 R2 with
+ZeRO-1, to the same bounds; stage boundaries carry 1/T of the sequence. Memory (``mem-`` cases, a
+wider model, Adam, one step): the measured peak activation bytes per rank within 1% of the
+simulator's ledger at T = 2 with and without sequence parallelism and recomputation, and at
+T2 D2 R2 with ZeRO-1; weights, gradients and optimizer state per rank equal to the ledger's.
 """
 import os
 
@@ -32,6 +39,10 @@ BASE = dict(steps=3, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0
             device_map="megatron")
 
 
+SP_RECOMPUTE = ("zb-v-recompute-selective-T2D2", "zb-h1-recompute-full-T2D2", "llama-dapple-recompute-none-T2D2",
+                "llama-zb-v-recompute-full-T2D2")
+
+
 def _cases_world4():
     cases = {}
     for name in names():
@@ -47,6 +58,10 @@ def _cases_world4():
     for name, mode in (("dapple", "none"), ("interleaved", "none"), ("zb-v", "none"), ("zb-v", "full")):
         cases[f"llama-{name}-recompute-{mode}-T2D2"] = RunConfig(schedule=name, devices=2, microbatches=4,
                                                                  recompute=mode, **dict(BASE, model=LLAMA))
+    # sequence parallelism: every family, with recomputation and split backward, and the Llama
+    for key, cfg in list(cases.items()):
+        if "recompute" not in key or key in SP_RECOMPUTE:
+            cases[f"sp-{key}"] = cfg.with_(sequence_parallel=True)
     return cases
 
 
@@ -54,6 +69,20 @@ CASES = {4: _cases_world4(),
          8: {f"{s}-T2D2R2": RunConfig(schedule=s, devices=2, microbatches=2, replicas=2, **dict(BASE, steps=2))
              for s in ("dapple", "zb-v")}}
 CASES[8]["zb-v-zero-T2D2R2"] = CASES[8]["zb-v-T2D2R2"].with_(zero=1)
+for _s in ("dapple", "zb-v"):
+    CASES[8][f"sp-{_s}-zero-T2D2R2"] = CASES[8][f"{_s}-T2D2R2"].with_(zero=1, sequence_parallel=True)
+CASES[8]["sp-zb-v-recompute-full-T2D2R2"] = CASES[8]["zb-v-T2D2R2"].with_(sequence_parallel=True, recompute="full")
+# memory against the simulator's ledger: a wider model (the bytes the ledger leaves out, a norm's
+# statistics and the loss's target indices, are ~0.5% of a rank's peak), no dropout and fused
+# attention as the executor's model; Adam (the ledger's 16 bytes per fp32 parameter)
+MEM_SPEC = SPEC.replace(hidden=256, dropout=False, attention="flash")
+MEM = dict(BASE, model=MEM_SPEC, optimizer="adam", lr=1e-3, steps=1, collect_params=False)
+for _sp in (False, True):
+    for _rc in ("none", "selective", "full"):
+        CASES[4][f"mem-adam-{'sp' if _sp else 'tp'}-{_rc}-T2D2"] = RunConfig(
+            schedule="dapple", devices=2, microbatches=4, sequence_parallel=_sp, recompute=_rc, **MEM)
+CASES[8]["mem-adam-sp-zero-T2D2R2"] = RunConfig(schedule="dapple", devices=2, microbatches=2, replicas=2, zero=1,
+                                                sequence_parallel=True, **MEM)
 ZBASE = dict(BASE, tp=1, device_map="sequential")
 CASES["zero"] = {"dapple-zero-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
                                                **ZBASE),
@@ -70,7 +99,7 @@ def references():
     cache = {}
 
     def get(cfg):
-        key = cfg.with_(schedule="", recompute="none", tp=1)
+        key = cfg.with_(schedule="", recompute="none", tp=1, sequence_parallel=False, zero=0)
         if key not in cache:
             cache[key] = run_reference(key)
         return cache[key]
@@ -79,7 +108,9 @@ def references():
 
 def test_every_family_is_in_the_matrix():
     fams = {k.rsplit("-T2D2", 1)[0] for k in CASES[4] if not k.startswith("llama")}
-    assert {"gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb-h1", "zb-v", "dualpipe-v"} <= fams
+    every = {"gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb-h1", "zb-v", "dualpipe-v"}
+    assert every <= fams and {f"sp-{f}" for f in every} <= fams
+    assert all(c.sequence_parallel for k, c in CASES[4].items() if k.startswith("sp-"))
 
 
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
@@ -112,13 +143,17 @@ def test_trace_has_one_row_per_op_of_each_pipeline_rank(runs, world, case):
     last = t.sort_values("seq").groupby(["device", "step"]).tail(1)
     assert (last["kind"] == "OPTIM").all() and (last["act_mem"] == 0).all()
     assert len(res.per_device) == sched.num_ranks
+    # a stage boundary carries the TP rank's activations: 1/T of the sequence with sequence parallelism
+    spec = cfg.spec()
+    tokens = spec.seq_len // cfg.tp if cfg.sequence_parallel else spec.seq_len
+    assert (t[t["kind"].isin(["SEND", "RECV"])]["bytes"] == spec.micro_batch * tokens * spec.hidden * 4).all()
 
 
 def test_zero1_shards_the_optimizer_state_over_the_replicas(runs, references):
     """ZeRO-1 with Adam at R = 2: the losses equal the unsharded run's (and the reference's), the
-    replicas end with identical weights, and each rank's optimizer memory (Adam's two moments and
-    the fp32 master copy of its shard) is 1/R of the unsharded Adam state plus one master shard:
-    3 x 4 bytes x n / 2 against 2 x 4 bytes x n, per rank holding n parameters."""
+    replicas end with identical weights, and each rank's optimizer memory (Adam's two moments of
+    its shard; the shard is a view of the fp32 weights, no master copy) is 1/R of the unsharded
+    Adam state: 2 x 4 bytes x n / 2 against 2 x 4 bytes x n, per rank holding n parameters."""
     _, _, plain = runs("zero")["dapple-adam-D2R2"]
     cfg, sched, zero = runs("zero")["dapple-adam-zero-D2R2"]
     ref = references(cfg)
@@ -135,7 +170,46 @@ def test_zero1_shards_the_optimizer_state_over_the_replicas(runs, references):
         weights_and_grads = 2 * 4 * n
         assert pd["static_bytes"] - weights_and_grads == 2 * 4 * n            # Adam: m and v
         shard = -(-n // 2)
-        assert zd["static_bytes"] - weights_and_grads == 3 * 4 * shard         # m, v and master of n / R
+        assert zd["static_bytes"] - weights_and_grads == 2 * 4 * shard         # m and v of n / R
+
+
+MEMORY_IDS = [(4, k) for k in CASES[4] if k.startswith("mem-")] + [(8, "mem-adam-sp-zero-T2D2R2"),
+                                                                    ("zero", "dapple-adam-zero-D2R2")]
+
+
+@pytest.mark.parametrize("world,case", MEMORY_IDS, ids=[k for _, k in MEMORY_IDS])
+def test_memory_per_rank_equals_the_simulators_ledger(runs, world, case):
+    """Measured peak activation bytes per rank (the saved-tensor meter of TP rank 0, which stands
+    for its group) within 1% of the simulator's ledger (the Korthikanti et al. closed forms of
+    :mod:`cost_models.transformer` walked along the rank's program), with and without sequence
+    parallelism and recomputation; the weights, gradients and optimizer state per rank equal the
+    ledger's exactly, ZeRO-1 at R = 2 included (Adam's state halved, no master copy)."""
+    from cost_models.bind import bind
+    from cost_models.memory import peak_activation
+    cfg, sched, res = runs(world)[case]
+    job = Job(layout=Layout(schedule=cfg.schedule, devices=cfg.devices, microbatches=cfg.microbatches, tp=cfg.tp,
+                            replicas=cfg.replicas), model=cfg.spec(), cluster="dgx-a100-1x8", recompute=cfg.recompute,
+              sequence_parallel=cfg.sequence_parallel, zero=cfg.zero)
+    ledger = bind(job)
+    assert [op for prog in ledger.lowered.programs for op in prog] == [op for prog in sched.programs for op in prog]
+    act = peak_activation(ledger.lowered, ledger.costs)
+    measured = [d["peak_activation_bytes"] for d in res.per_device]
+    assert len(measured) == len(act) == sched.num_ranks
+    if cfg.model is MEM_SPEC:       # (the T = 1 ZeRO run trains the tiny model with the ledger's dropout)
+        for m, want in zip(measured, act):
+            assert abs(m - want) <= 0.01 * want, (measured, act)
+    assert [d["static_bytes"] for d in res.per_device] == [int(x) for x in ledger.costs.static_mem]
+
+
+def test_sequence_parallelism_and_recomputation_cut_the_measured_memory(runs):
+    """What the ledger's forms say, measured: sequence parallelism keeps less per rank than tensor
+    parallelism alone, selective recomputation less than none, full recomputation least."""
+    peak = {k: [d["peak_activation_bytes"] for d in runs(4)[k][2].per_device] for k in CASES[4] if k.startswith("mem-")}
+    for rc in ("none", "selective", "full"):
+        assert all(s < t for s, t in zip(peak[f"mem-adam-sp-{rc}-T2D2"], peak[f"mem-adam-tp-{rc}-T2D2"]))
+    for mode in ("tp", "sp"):
+        none, sel, full = (peak[f"mem-adam-{mode}-{rc}-T2D2"] for rc in ("none", "selective", "full"))
+        assert all(f < s < n for f, s, n in zip(full, sel, none))
 
 
 def _rank_of(sched, key):
@@ -232,13 +306,20 @@ def test_placement_refuses_a_tp_group_across_nodes():
     assert placement("megatron", sched, 2, 1, 1, 2, 2) == (3, 3)
 
 
-def test_a_job_with_tp_runs_and_sp_zero_are_refused():
+def test_a_job_with_tp_and_sp_runs_and_tp_overlap_is_refused():
     lay = Layout(schedule="dapple", devices=2, microbatches=4, tp=2, replicas=2)
     cfg = RunConfig.from_job(Job(layout=lay, model="tiny"), steps=1)
-    assert cfg.tp == 2 and cfg.device_map == "megatron"
-    for extra, flag in ((dict(sequence_parallel=True), "--sequence-parallel"), (dict(tp_overlap=True), "--tp-overlap")):
-        with pytest.raises(ValueError, match=f"{flag}.*simulated only"):
-            RunConfig.from_job(Job(layout=lay, model="tiny", **extra), steps=1)
+    assert cfg.tp == 2 and cfg.device_map == "megatron" and not cfg.sequence_parallel
+    assert RunConfig.from_job(Job(layout=lay, model="tiny", sequence_parallel=True), steps=1).sequence_parallel
+    with pytest.raises(ValueError, match="--tp-overlap.*simulated only"):
+        RunConfig.from_job(Job(layout=lay, model="tiny", tp_overlap=True), steps=1)
+    with pytest.raises(ValueError, match="--sequence-parallel acts on a tensor-parallel group; give --tp > 1"):
+        RunConfig(schedule="dapple", devices=2, microbatches=4, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"--tp 2 does not divide the sequence length \(--sequence-parallel\) "
+                                         r"\(15\)"):
+        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15),
+                                   tp=2, sequence_parallel=True))
+    lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15), tp=2))
     assert RunConfig.from_job(Job(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
     assert RunConfig.from_job(Job(layout=lay, model="tiny", zero=1), steps=1).zero == 1
     with pytest.raises(ValueError, match="--zero 1 shards the optimizer state over the data-parallel replicas"):

@@ -1,9 +1,10 @@
 """``pipetwin reproduce megatron`` and ``pipetwin reproduce korthikanti`` in quick mode, end to end.
 
-Both are held out (nothing is fitted on the published numbers), so the tolerances below are what
-the ``a100`` preset reaches today, not the issue's aims (10% and 5% / 15% / 10%): its kernel
-constants are the V100 fit, and predict these A100 runs 15-26% fast (Megatron's TFLOP/s high,
-Korthikanti's times low). Memory is the ledger's closed forms and lands within 5%."""
+Both are held out (nothing is fitted on the published numbers; the ``a100`` preset's two fitted
+kernel constants come from Zero Bubble Table 9 alone), so the tolerances below are what the preset
+reaches: Megatron's rows within 2.5% but the interleaved 76.1B one, 9.9% fast (aim 10%);
+Korthikanti's layer within 12.5% and iteration times within 7% (aims 15% and 10%). Memory is the
+ledger's closed forms and lands within 5%."""
 from __future__ import annotations
 
 import pandas as pd
@@ -44,12 +45,18 @@ def test_megatron_quick(megatron_csv):
     t = pd.read_csv(megatron_csv / "megatron.csv")
     assert list(t.columns) == megatron.COLUMNS
     assert (megatron_csv / "report.md").exists() and (megatron_csv / "megatron.png").exists()
+    report = (megatron_csv / "report.md").read_text()
+    # what was fitted on what: the a100 constants on Table 9 (its four models shown), every row held out
+    assert "Fitted (in sample)" in report and "## The fit set (in sample): Zero Bubble Table 9" in report
+    assert report.count("| held out |") == 5 and "| 28.3B | 2 | 1 |" in report
     assert list(t.gpus) == [32, 64, 128, 256, 1024] and list(t.tp) == [1, 2, 4, 8, 8]
     assert list(t.schedule) == ["dapple"] * 4 + ["interleaved"]
     assert list(t.measured_tflops_per_gpu) == [137, 138, 142, 135, 140]
-    # the a100 preset today: 172, 170, 168, 158, 176 TFLOP/s per GPU, 17-26% above the measurement
-    assert list(t.predicted_tflops_per_gpu) == pytest.approx([171.6, 169.6, 168.2, 158.4, 175.7], rel=0.01)
-    assert t.error.between(0.15, 0.27).all()
+    # Megatron-LM of 2021 at the scripts' settings: autograd adds each micro-batch's 16-bit gradients
+    assert list(t.grad_accumulation) == ["autograd"] * 5
+    # the a100 preset: 139, 140.5, 144, 138 TFLOP/s per GPU for 1F1B, 154 interleaved (measured 135-142)
+    assert list(t.predicted_tflops_per_gpu) == pytest.approx([139.0, 140.5, 144.3, 138.4, 153.9], rel=0.005)
+    assert t.error.iloc[:4].between(0.0, 0.03).all() and t.error.iloc[4] == pytest.approx(0.099, abs=0.005)
     assert list(t.error) == pytest.approx(list(t.predicted_tflops_per_gpu / t.measured_tflops_per_gpu - 1))
     # one replica stands for all 32 (replica symmetry), so each row simulates in well under a second
     assert (t.simulated_replicas == 1).all() and (t.sim_wall_s < 5).all()
@@ -68,15 +75,15 @@ def test_korthikanti_quick(korthikanti_csv):
         12.40, abs=0.02)
     fwd, bwd = by["layer forward"], by["layer backward"]
     assert len(fwd) == len(bwd) == 5
-    assert fwd.error.between(-0.19, -0.14).all()                   # forward 15-19% fast
-    assert bwd.error.abs().max() < 0.12                            # backward 0.3-11%
+    assert fwd.error.between(-0.05, 0.0).all()                     # forward 1-4.5% fast
+    assert bwd.error.between(0.0, 0.13).all()                      # backward 1.3-12.5% slow
     b = bwd.set_index("setting").predicted
     assert b["full recompute"] - b["baseline no recompute"] == pytest.approx(
         fwd.set_index("setting").predicted["full recompute"], rel=0.02)   # full recompute re-runs F
     it = by["iteration time"]
-    assert len(it) == 4 and it.error.between(-0.20, -0.08).all()   # 8.5-19% fast
+    assert len(it) == 4 and it.error.abs().max() < 0.07            # 0.5-6.9%
     s = it.set_index(["model", "setting"]).predicted
-    assert s["175B", "full recompute"] == pytest.approx(16.6, rel=0.01)
+    assert s["175B", "full recompute"] == pytest.approx(18.02, rel=0.01)
     assert s["22B", "sp + selective"] < s["22B", "full recompute"]
 
 

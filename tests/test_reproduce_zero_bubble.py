@@ -1,10 +1,13 @@
 """``pipetwin reproduce zero-bubble --quick``: the Zero Bubble paper's 8-GPU rows from Table 9's stage
-times and from the model's dimensions, held against Tables 4 and 5 with the tolerances reached."""
+times and from the model's dimensions, held against Tables 4 and 5 with the issue's aims: bubbles
+within 0.01 of Table 5, throughput within 5% (profiled) / 10% (kernels), the schedules ranked as
+measured."""
 import pandas as pd
 import pytest
 
 from experiments.cli import main
-from experiments.reproduce.zero_bubble import COLUMNS, load_configs, paper_cost
+from cost_models.stage_costs import load_stage_costs
+from experiments.reproduce.zero_bubble import COLUMNS, kernel_stage_time, load_configs, paper_cost, rankings
 
 
 @pytest.fixture(scope="module")
@@ -18,38 +21,57 @@ def quick(tmp_path_factory):
 def test_files_and_columns(quick):
     folder, df = quick
     assert list(df.columns) == COLUMNS
-    for f in ("zero-bubble.png", "report.md", "stage-costs/1.5B-8gpus-b6-m24.yaml"):
+    for f in ("zero-bubble.png", "report.md", "stage-costs/1.5B-8gpus-b6-m24.yaml",
+              "stage-costs/1.5B-8gpus-b6-m24-posted.yaml"):
         assert (folder / f).exists(), f
     # 2 models x 3 m x 4 schedules + one Table 6 config x 2 schedules, each from both sources
     assert len(df) == 2 * (24 + 2) and set(df.source) == {"profiled", "kernels"}
     assert "fitted on Table 4's 1F1B" in (folder / "report.md").read_text()
+    # the fitted cells are Table 4's 1F1B column, every other cell a prediction
+    fitted = (df.table == 4) & (df.schedule == "1F1B")
+    assert (df.role[fitted] == "fitted").all() and (df.role[~fitted] == "predicted").all()
+    # the profiled file: 1.5B, 3 layers a stage, b = 6: 34sbh + 5as^2b per layer, W keeping 32sbh
+    st = load_stage_costs(folder / "stage-costs/1.5B-8gpus-b6-m24.yaml")
+    s, b, h, a = 1024, 6, 2304, 24
+    assert st.activation == pytest.approx(3 * (34 * s * b * h + 5 * a * s * s * b), rel=1e-5)
+    assert st.activation_w == pytest.approx(3 * 32 * s * b * h, rel=1e-5)
+    posted = load_stage_costs(folder / "stage-costs/1.5B-8gpus-b6-m24-posted.yaml")
+    assert st.blocking_sends and not posted.blocking_sends and posted.f == st.f
+    assert st.f == (0.018522,) and st.message == pytest.approx(0.000601)
 
 
 def test_bubbles_match_table5_from_the_profiled_times(quick):
     df = quick[1]
     p = df[(df.source == "profiled") & df.paper_bubble.notna()].set_index(["model", "microbatches", "schedule"])
+    assert len(p) == 24
     gap = (p.predicted_bubble - p.paper_bubble).abs()
-    # 1F1B and ZB-1p (= ZB-H1) as Table 5 to 1e-4; 1F1B-I within 0.004 (its extra chunk messages)
-    assert gap.xs("1F1B", level="schedule").max() < 1e-4
-    assert gap.xs("ZB-1p", level="schedule").max() < 1e-4
+    assert gap.max() < 0.01                       # the aim, every cell
+    # 1F1B, ZB-1p (= ZB-H1 in Table 5) and ZB-2p as Table 5 to 1e-3; 1F1B-I within 0.004 (its chunks' messages)
+    for label in ("1F1B", "ZB-1p", "ZB-2p"):
+        assert gap.xs(label, level="schedule").max() < 1e-3, label
     assert gap.xs("1F1B-I", level="schedule").max() < 0.004
-    # ZB-2p: our automatic scheduler leaves 0.04 - 0.10 where the paper's reaches 0.001 - 0.04
-    zb2 = p.xs("ZB-2p", level="schedule")
-    assert (zb2.predicted_bubble < p.xs("ZB-1p", level="schedule").predicted_bubble).all()
-    assert zb2.predicted_bubble.loc[("1.5B", 24)] == pytest.approx(0.1015, abs=0.002)
+    zb2 = p.xs("ZB-2p", level="schedule").predicted_bubble
+    assert zb2.loc[("1.5B", 24)] == pytest.approx(0.0433, abs=0.001)
+    assert zb2.loc[("6.2B", 64)] == pytest.approx(0.0010, abs=0.001)
 
 
 def test_throughput_against_table4(quick):
     df = quick[1]
     prof, ker = df[df.source == "profiled"], df[df.source == "kernels"]
-    fit = prof[(prof.schedule == "1F1B") & (prof.table == 4)]
-    assert fit.error.abs().max() < 0.01          # the fitted column
-    assert prof.error.abs().max() < 0.07         # 1F1B-I the worst: predicted ~6% too fast
-    assert (prof[prof.schedule != "1F1B-I"].error.abs() < 0.05).all()
-    assert ker.error.abs().max() < 0.10
-    # the 1.5B model at m = 24: 1F1B-I beats ZB-1p, as measured
-    r = prof[(prof.model == "1.5B") & (prof.microbatches == 24)].set_index("schedule").predicted_samples_per_gpu_s
-    assert r["ZB-2p"] > r["1F1B-I"] > r["ZB-1p"] > r["1F1B"]
+    fit = prof[prof.role == "fitted"]
+    assert len(fit) == 6 and fit.error.abs().max() < 0.01          # the fitted column
+    aimed = prof[(prof.table == 4) | (prof.schedule == "ZB-V")]
+    assert aimed.error.abs().max() < 0.05                           # the aim, every cell (1F1B-I included)
+    assert prof[prof.schedule == "1F1B-I"].error.abs().max() < 0.025   # blocking sends: its chunks' messages
+    assert ker[(ker.table == 4) | (ker.schedule == "ZB-V")].error.abs().max() < 0.10
+    # the schedules ranked as measured in every Table 4 row: 1F1B-I beats ZB-1p at m = 24 for 1.5B,
+    # loses at m = 64
+    rk = rankings(df)
+    assert rk[rk.source == "profiled"].same.all() and len(rk[rk.source == "profiled"]) == 6
+    r = prof[prof.model == "1.5B"].set_index(["microbatches", "schedule"]).predicted_samples_per_gpu_s
+    assert r[24, "ZB-2p"] > r[24, "1F1B-I"] > r[24, "ZB-1p"] > r[24, "1F1B"]
+    assert r[64, "ZB-2p"] > r[64, "ZB-1p"] > r[64, "1F1B-I"] > r[64, "1F1B"]
+    assert "ranked as measured (profiled): 6 of 6 rows" in (quick[0] / "report.md").read_text()
 
 
 def test_memory_from_the_model_within_10_percent(quick):
@@ -65,7 +87,12 @@ def test_configs_and_paper_cost():
     assert len(cs) == 12 + 9
     t6 = [c for c in cs if c.table == 6 and c.model == "28.3B"][0]
     t4 = [c for c in cs if c.table == 4 and c.model == "28.3B"][0]
-    assert t6.profile[0] == pytest.approx(2 * t4.profile[0])     # same depth per stage, twice the micro-batch
+    # same depth per stage, twice the micro-batch: Table 9's times times the kernel model's ratio of a
+    # full stage's time, below the linear 2 (a bigger micro-batch runs the GPU more efficiently)
+    assert t6.scale == pytest.approx(kernel_stage_time(t6) / kernel_stage_time(t4))
+    assert 1.5 < t6.scale < 2.0
+    assert t6.profile[:3] == pytest.approx(tuple(t6.scale * x for x in t4.profile[:3]))
+    assert t6.profile[3] == pytest.approx(2 * t4.profile[3])     # the message: twice the bytes
     assert t4.chunks("1F1B-I") == 2 and t4.chunks("ZB-1p") == 2
     # two devices, staggered: the cost is the longest own span (4), not the makespan (5)
     tr = pd.DataFrame({"device": [0, 0, 1, 1], "kind": ["F", "B", "F", "B"], "start": [0, 2, 1, 3],

@@ -356,6 +356,103 @@ def test_kinds_that_share_a_class_of_transfers_fall_back_to_every_replica():
     assert run(low, costs, net).simulated_replicas == 1    # without the slow link: one replica, as before
 
 
+def _megatron_job(tmp_path, exact=False, *, per=2, pod=None, over=1.0, pod_over=7.0, R=8, D=4):
+    """llama3-8b at T=8 x D x R (interleaved, N=8) in Megatron's rank order (the default with T > 1)
+    on D x R DGX H100 nodes in rail groups of ``per`` nodes (``over``:1 above them), in pods of
+    ``pod`` nodes joined ``pod_over``:1 (None: one pod): stage d's R replicas sit on nodes
+    d*R .. d*R+R-1, so every pipeline hop and the rings' hops between groups cross rail uplinks."""
+    import yaml
+
+    from cost_models.job import Job, Layout
+    spec = dict(name="megatron-order", nodes=D * R, devices_per_node=8, device="h100", intra="nvlink4",
+                inter="ib-ndr", nics_per_node=8, fabric="rail", nodes_per_leaf=per, oversubscription=over)
+    if pod is not None:
+        spec.update(nodes_per_pod=pod, pod_oversubscription=pod_over)
+    path = tmp_path / f"c{per}-{pod}-{over}-{pod_over}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return Job(layout=Layout(schedule="interleaved", devices=D, microbatches=8, replicas=R, tp=8),
+               model="llama3-8b", cluster=str(path), recompute="full", exact=exact)
+
+
+@pytest.mark.parametrize("R", [8, 6])
+def test_non_blocking_rail_uplinks_leave_one_replica_in_megatron_order(tmp_path, R):
+    """Rail groups of 2 nodes, non-blocking above (1:1): the data-parallel rings hop between groups
+    at some replicas and not others, yet an uplink carries at most what its group's NICs send, so it
+    never limits a rate; one replica is simulated and the iteration time is the full simulation's
+    to the bit. Oversubscribed 2:1, the uplinks bind and the replicas differ: odd ones send their ring hop
+    out of their group, even ones do not (2 kinds)."""
+    from cost_models.comm import links_used
+    from sim import simulate_job
+    full = simulate_job(_megatron_job(tmp_path, exact=True, R=R))
+    one = simulate_job(_megatron_job(tmp_path, R=R)).result
+    assert "g0.rail0.up" in links_used(full.bound.lowered, full.bound.network)
+    assert full.result.simulated_replicas == R and one.simulated_replicas == 1 and one.full_reason is None
+    assert one.iteration_time == pytest.approx(full.result.iteration_time, rel=1e-12)
+    peak = [p.peak_memory for p in full.result.metrics().per_device]
+    assert [p.peak_memory for p in one.metrics().per_device] == peak
+    if R == 8:
+        over = simulate_job(_megatron_job(tmp_path, over=2.0)).result
+        assert over.simulated_replicas == 2 and over.rep_of == [0, 1] * 4
+        assert over.iteration_time == pytest.approx(simulate_job(_megatron_job(tmp_path, True, over=2.0))
+                                                    .result.iteration_time, rel=1e-12)
+        assert over.iteration_time > one.iteration_time * 1.001
+
+
+@pytest.mark.parametrize("pod,kinds", [(8, 1), (16, 1), (4, 4), (12, None)])
+def test_pods_on_an_oversubscribed_spine_equal_the_full_simulation(tmp_path, pod, kinds):
+    """Pods joined 7:1: pods of 8 nodes hold one stage each (every pipeline hop crosses the spine,
+    alike for all replicas: one simulated); pods of 16 hold two stages; pods of 4 split a stage's
+    ring at replicas 3 -> 4 and 7 -> 0, so replicas differ by their place in the ring (4 kinds); pods
+    of 12 (a stage and a half) leave every replica a kind of its own. Each is the full
+    simulation's iteration time to the bit, and the spine costs time against a non-blocking one."""
+    from sim import simulate_job
+    got = simulate_job(_megatron_job(tmp_path, pod=pod)).result
+    full = simulate_job(_megatron_job(tmp_path, True, pod=pod)).result
+    assert got.simulated_replicas == (kinds or 8) and full.simulated_replicas == 8
+    assert got.iteration_time == pytest.approx(full.iteration_time, rel=1e-12)
+    free = simulate_job(_megatron_job(tmp_path, pod=pod, pod_over=1.0)).result
+    assert free.simulated_replicas == 1 and got.iteration_time > free.iteration_time * 1.001
+
+
+@pytest.mark.parametrize("case", ["dapple-R8", "megatron-pods", "chimera-R4"])
+def test_all_reduce_steps_run_alone_equal_one_event_per_step(tmp_path, monkeypatch, case):
+    """A ring's steps whose flow has its links to itself and end before anything else happens run
+    as one timeout (sim.engine._solo_steps): the iteration time and every rank's busy time and
+    memory are those of one event per step, and far fewer events are processed."""
+    from sim import simulate_job
+    from sim.engine import _Engine
+
+    def go():
+        if case == "megatron-pods":
+            return simulate_job(_megatron_job(tmp_path, pod=16, R=16)).result
+        name, D, R = ("dapple", 4, 8) if case == "dapple-R8" else ("chimera", 4, 4)
+        low, costs, net = _placed(name, D, 8, R)
+        return run(low, costs, net)
+
+    steps = []
+    real_step = simpy.Environment.step
+    monkeypatch.setattr(simpy.Environment, "step", lambda env: (steps.append(1), real_step(env))[1])
+    fast = go()
+    fast_events = len(steps)
+    monkeypatch.setattr(_Engine, "_solo_steps", lambda self, lat, flows, left: (0, self.env.now))
+    steps.clear()
+    slow = go()
+    assert fast.iteration_time == pytest.approx(slow.iteration_time, rel=1e-12)
+    a, b = fast.metrics(), slow.metrics()
+    assert [p.busy for p in a.per_device] == pytest.approx([p.busy for p in b.per_device], rel=1e-12)
+    assert [p.peak_memory for p in a.per_device] == [p.peak_memory for p in b.per_device]
+    assert fast_events < len(steps) * (0.5 if case == "megatron-pods" else 0.95)
+
+
+def test_solo_duration_is_none_on_a_busy_link():
+    env = simpy.Environment()
+    fs = FairShare(env)
+    assert fs.solo_duration(100.0, [("l", 10.0), ("m", (40.0, 2.0))]) == pytest.approx(10.0)
+    fs.start(100.0, [("m", 40.0)])
+    assert fs.solo_duration(100.0, [("l", 10.0), ("m", (40.0, 2.0))]) is None
+    assert fs.solo_duration(100.0, [("l", 10.0)]) == pytest.approx(10.0)
+
+
 def test_run_refuses_a_full_simulation_beyond_max_ops():
     low, costs, net = _placed("dapple", 3, 6, 4)          # replicas differ: every one is simulated
     with pytest.raises(ValueError, match=r"replicas are simulated one by one \(replica 1's .*beyond the limit of 100"):

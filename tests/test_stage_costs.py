@@ -56,6 +56,45 @@ def test_per_stage_entries_and_chunks(tmp_path):
     assert _sim(path, "zb-h1", 2, 2).bound.costs.mem_unit == "B"
 
 
+def test_activation_w_is_what_w_keeps(tmp_path):
+    """B frees all but activation_w, W frees that; a full backward frees it all at B."""
+    path = _file(tmp_path, "stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 100\nactivation_w: 30\n")
+    st = load_stage_costs(path)
+    assert st.activation == 100 and st.activation_w == 30 and st.blocking_sends is False
+    c = _sim(path, "zb-h1", 2, 2).bound.costs
+    assert c.act[0] == (100.0, 100.0) and c.act_w[0] == (30.0, 30.0)
+    assert _sim(path, "dapple", 2, 2).bound.costs.act_w[0] == (0.0, 0.0)     # no split: B frees it all
+    assert _sim(path, "interleaved", 2, 4, chunks=2).bound.costs.act_w[0] == (0.0,) * 4
+    # without activation_w W keeps all of it
+    assert _sim(_file(tmp_path, "stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 100\n", "a.yaml"),
+                "zb-h1", 2, 2).bound.costs.act_w[0] == (100.0, 100.0)
+    # zb-auto is told: under 150 bytes, W's that keep 30 may wait while the next F runs (130 kept);
+    # W's that keep all 100 may not (one micro-batch at a time, 5 each: 30)
+    whole = _file(tmp_path, "stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 100\n", "w.yaml")
+    lim = Layout(schedule="zb-auto", devices=2, microbatches=6, memory_limit=(150.0, "B"))
+    part, full = (simulate_job(Job(layout=lim, stage_costs=p)).result for p in (path, whole))
+    assert part.iteration_time == 25 and part.peak_activation == [130, 100]
+    assert full.iteration_time == 30 and full.peak_activation == [100, 100]
+
+
+def test_blocking_sends_hold_the_sender(tmp_path):
+    """1F1B D=2 N=2, f=1, b+w=2, message 0.25: posted, device 1's second F starts as its first B ends
+    (9.5); blocking, device 1 waits 0.25 after that B's send, so everything after it is 0.25 later
+    (9.75). A blocking SEND lasts the message time in the trace, a posted one no time."""
+    text = "stages:\n  - {f: 1, b: 1.5, w: 0.5}\nmessage: 0.25\n"
+    runs = {}
+    for name, extra in (("posted", ""), ("held", "blocking_sends: true\n")):
+        job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=2),
+                  stage_costs=_file(tmp_path, text + extra, f"{name}.yaml"))
+        runs[name] = simulate_job(job, trace=True).result
+    assert runs["posted"].iteration_time == pytest.approx(9.5) and runs["held"].iteration_time == pytest.approx(9.75)
+    for name, took in (("posted", 0.0), ("held", 0.25)):
+        t = runs[name].trace()
+        sends = t[t.kind == "SEND"]
+        assert list(sends.end - sends.start) == pytest.approx([took] * 4), name
+    assert load_stage_costs(_file(tmp_path, text + "blocking_sends: false\n", "f.yaml")).blocking_sends is False
+
+
 def test_memory_in_ma_without_activation(tmp_path):
     res = _sim(_file(tmp_path, ONE), "dapple", 4, 8).result
     assert res.peak_activation == [4, 3, 2, 1]
@@ -91,6 +130,12 @@ def test_bubbles_match_the_papers_table5(tmp_path, row):
     ("stages:\n  - {f: 1, b: 1, w: 1}\n", ["missing field", "message"]),
     ("stages:\n  - {f: 1, b: 1, w: 1}\nmessage: fast\n", ["'message'", "seconds"]),
     ("stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 0\n", ["'activation'"]),
+    ("stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation_w: 5\n", ["'activation_w'", "needs 'activation'"]),
+    ("stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 4\nactivation_w: 5\n", ["'activation_w'", "at most"]),
+    ("stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 4\nactivation_w: .nan\n", ["'activation_w' must be"]),
+    ("stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 4\nactivation_w: -1\n", ["'activation_w' must be"]),
+    ("stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nblocking_sends: yes please\n",
+     ["'blocking_sends'", "true or false"]),
     ("stages:\n  - {f: 1, b: 1, w: 1}\n  - {f: 1, b: 1, w: 1}\nmessage: 0\n", ["2 stage entries", "-D 4"]),
     ("stages: {f: 1}\nmessage: 0\n", ["'stages'", "list"]),
     ("[1, 2]\n", ["mapping"]),

@@ -277,10 +277,11 @@ def test_parallel_option_refusals(kw, message):
 
 def test_executor_refuses_what_it_does_not_train_yet():
     from executor.config import RunConfig
-    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model="tiny", sequence_parallel=True)
-    with pytest.raises(ValueError, match="--sequence-parallel: simulated only"):
+    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model="tiny", tp_overlap=True)
+    with pytest.raises(ValueError, match="--tp-overlap: simulated only"):
         RunConfig.from_job(job)
-    assert RunConfig.from_job(replace(job, sequence_parallel=False)).tp == 2
+    cfg = RunConfig.from_job(replace(job, tp_overlap=False, sequence_parallel=True))
+    assert cfg.tp == 2 and cfg.sequence_parallel
 
 
 # ---------------------------------------------------------------------------- memory verdicts

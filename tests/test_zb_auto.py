@@ -1,14 +1,16 @@
 """zb-auto, the automatic zero-bubble scheduler: valid orders for D = 2..16 and N <= 4D, within its
 memory limit, never a bubble above ZB-H1's (1p) or ZB-H2's (2p) at that memory, and the job's own
 stage costs reaching it through bind."""
+import csv
 from dataclasses import replace
+from importlib import resources
 
 import pytest
 
 from cost_models import Job, Layout
 from schedules import ScheduleError, build, lower, validate
 from schedules.analysis import activation_peaks, unit_summary
-from schedules.zb_auto import AutoCosts, auto_orders, makespan
+from schedules.zb_auto import AutoCosts, auto_orders, candidates, makespan, timing
 from sim import simulate_job
 
 TABLE9_15B = "stages:\n  - {f: 0.018522, b: 0.018086, w: 0.009337}\nmessage: 0.000601\n"
@@ -91,3 +93,77 @@ def test_memory_limit_in_ma_and_bytes():
         replace(two_p, memory_limit=(8.0, "Ma"))
     with pytest.raises(ValueError, match="activation bytes"):
         simulate_job(Job(layout=replace(lim, memory_limit=(1e9, "B")), unit_costs=True))
+
+
+def test_w_keeping_less_lets_more_micro_batches_wait():
+    """act_w: B frees all a micro-batch keeps but what W needs. Under a limit of 1.5 micro-batches, a W
+    that keeps all of it must run before the next F (one micro-batch at a time, 9 each: 108); W's
+    that keep 0.3 can wait while the next F runs (97)."""
+    D, N = 4, 12
+    base = dict(f=(1.0,) * D, b=(1.0,) * D, w=(1.0,) * D, message=0.0, act=(1.0,) * D, limit=(1.5,) * D)
+    whole, part = AutoCosts(**base), AutoCosts(**base, act_w=(0.3,) * D)
+    assert timing(auto_orders(D, N, whole), whole)[1] == 108
+    assert timing(auto_orders(D, N, part), part)[1] == 97
+    with pytest.raises(ScheduleError, match="act_w"):
+        auto_orders(D, N, AutoCosts(**base, act_w=(1.5,) * D))
+
+
+def _table9_rows():
+    with resources.files("cost_models").joinpath("presets/measurements/zero-bubble/zero-bubble.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("row", _table9_rows(), ids=lambda r: f"{r['model']}-m{r['microbatches']}")
+def test_table5_bubbles_of_zb1p_and_zb2p(row):
+    """The paper's scheduler on its Table 9 stage times (posted messages, activation 34sbh + 5as^2b of
+    which W keeps 32sbh, limits D and 2D micro-batches): Table 5's ZB-1p (= ZB-H1's) and ZB-2p bubble,
+    (cost - N (F + B + W)) / cost with cost the longest device span, to 1e-3."""
+    D, N = int(row["pipeline_stages"]), int(row["microbatches"])
+    f, b, w, msg = (float(row[f"T_{k}_ms"]) for k in ("F", "B", "W", "comm"))
+    s, h, a = 1024, int(row["hidden"]), int(row["heads"])
+    kept = 32 * s * h / (34 * s * h + 5 * a * s * s)
+    for k, col in ((1, "bubble_zbh1"), (2, "bubble_zb2p")):
+        c = AutoCosts((f,) * D, (b,) * D, (w,) * D, msg, (1.0,) * D, (k * D,) * D, (kept,) * D)
+        span = timing(auto_orders(D, N, c), c)[0]
+        assert 1 - N * (f + b + w) / span == pytest.approx(float(row[col]), abs=1e-3), (k, col)
+
+
+def test_d32_n256_within_the_refinement_budget():
+    """The refinement stops at REFINE_OPS timed ops: at D = 32, N = 256 (24,576 ops a timing) it may
+    time at most 16 orders."""
+    D, N = 32, 256
+    c = AutoCosts((1.0,) * D, (1.0,) * D, (1.0,) * D, 0.05, (1.0,) * D, (2.0 * D,) * D, (0.4,) * D)
+    calls = []
+    import schedules.zb_auto as za
+    real = za.timing
+    start = za.candidates(D, N, c)[0][1]
+    try:
+        za.timing = lambda o, cc: calls.append(1) or real(o, cc)
+        orders = za.refine(start, c)[0]
+    finally:
+        za.timing = real
+    assert len(calls) <= 1 + za.REFINE_OPS // (3 * N * D)
+    assert timing(orders, c) is not None
+
+
+def test_valid_under_uneven_costs_limits_and_w_shares():
+    """Seeded random stage costs, message times, limits of 1 to 2.5D micro-batches and W shares of
+    0 to all: every order is valid (lowered and validated) and within each device's limit."""
+    import random
+
+    from schedules.ir import make_schedule
+    rng = random.Random(7)
+    for _ in range(60):
+        D, N = rng.randint(1, 12), rng.randint(1, 48)
+        draw = lambda n: tuple(rng.uniform(0.2, 3) for _ in range(n))  # noqa: E731
+        act = draw(D)
+        c = AutoCosts(draw(D), draw(D), draw(D), rng.choice([0.0, 0.1, 1.0]), act,
+                      tuple(a * rng.uniform(1, 2.5 * D) for a in act),
+                      tuple(a * rng.choice([0.0, 0.3, 1.0, rng.random()]) for a in act))
+        orders = auto_orders(D, N, c)
+        assert timing(orders, c) is not None, (D, N)        # None: deadlock or a broken limit
+        for cost, cand in candidates(D, N, c):              # the heuristic's own times are timing's
+            assert timing(cand, c) == pytest.approx(cost), (D, N)
+        s = make_schedule("zb-auto", D, N, [list(range(D))],
+                          [[(k, m, 0, d) for k, m in orders[d]] for d in range(D)], split_backward=True)
+        validate(lower(s))

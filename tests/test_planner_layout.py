@@ -1,0 +1,252 @@
+"""The whole-layout planner (``pipetwin plan --tp``): equal to the brute force over the same space,
+never worse than a grid simulated one by one, its bounds below the truth, memory verdicts equal to
+the ledger's and to ``simulate``'s, plan files round-trip and simulate to the planner's time."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cost_models import load_cluster, with_nodes
+from cost_models.job import Job, Layout
+from cost_models.memory import memory_report, usable_memory
+from cost_models.model_spec import ModelSpec, load_model
+from cost_models.transformer import megatron_flops
+from experiments.common import metrics_record
+from planner.layout import (Confirmed, LayoutSpace, NoPlanFits, brute_force, candidates, layout_mfu,
+                            plan_layouts, ranked)
+from planner.plan_io import LayoutPlan, layout_plan_record, load_plan
+from sim import simulate_job
+
+GiB = 2 ** 30
+SMALL = ModelSpec(name="small-llama", kind="llama", layers=8, hidden=1024, heads=16, kv_heads=4, ffn_hidden=2816,
+                  seq_len=1024, vocab=32000, micro_batch=1, dtype_bytes=2)
+
+
+def _h100(nodes):
+    return with_nodes(load_cluster("dgx-h100-ib"), nodes)
+
+
+def _small_h100(per_node):
+    """H100 nodes of ``per_node`` GPUs (2 nodes): a small space."""
+    from dataclasses import replace
+    return replace(_h100(2), devices_per_node=per_node, nics_per_node=per_node)
+
+
+# (cluster GPUs per node, global batch, memory limit in GiB or None, space)
+CASES = [
+    (4, 16, 3.2, LayoutSpace(schedules=("dapple", "interleaved", "zb-v"), micro_batches=(1, 2),
+                             recompute=("none", "full"))),
+    (2, 8, 2.4, LayoutSpace(schedules=("gpipe", "chimera", "zb-h1"), micro_batches=(1, 2, 4),
+                            recompute=("none", "selective"), sequence_parallel=(False, True))),
+    (4, 32, None, LayoutSpace(schedules=("dapple", "bitpipe", "dualpipe-v"), micro_batches=(2, 4),
+                              recompute=("none",))),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_search_equals_brute_force(case):
+    """Every candidate of a small space bound, judged by the ledger and simulated: the search's
+    top 3 are the brute force's best 3 (same jobs, same times); every bound is below its truth
+    (time: the simulated iteration; memory: the worst GPU's need by the ledger)."""
+    per, G, limit, space = CASES[case]
+    cl = _small_h100(per)
+    lim = None if limit is None else limit * GiB
+    brute = brute_force(SMALL, cl, G, space, memory_limit=lim)
+    fits = ranked([got for _, got in brute if isinstance(got, Confirmed)])
+    ooms = [(c, got) for c, got in brute if isinstance(got, tuple) and got[0] == "oom"]
+    assert len(fits) >= 3 and (limit is None or ooms), (len(fits), len(ooms))
+    for c, got in brute:
+        if isinstance(got, Confirmed):
+            assert got.iteration_time >= c.time_bound * (1 - 1e-12)
+            assert got.memory_need >= c.memory_bound * (1 - 1e-12)
+        elif got[0] == "oom":
+            assert got[1] >= c.memory_bound * (1 - 1e-12)
+    res = plan_layouts(SMALL, cl, G, space, top_k=3, memory_limit=lim)
+    assert [x.job for x in res.top] == [x.job for x in fits[:3]]
+    assert [x.iteration_time for x in res.top] == pytest.approx([x.iteration_time for x in fits[:3]], rel=1e-12)
+    assert res.simulated < len(fits)     # the bounds spared simulations
+    assert res.candidates == len(brute)
+
+
+def test_memory_bound_and_verdicts_equal_the_ledger_and_simulate():
+    """The memory bound never exceeds the ledger's need; a candidate the search calls out of memory
+    is out of memory by ``simulate``'s verdict, one it confirms fits there, with the same peak."""
+    per, G, limit, space = CASES[0]
+    cl = _small_h100(per)
+    from cost_models.bind import CostInputs, bind
+    seen = {"oom": 0, "fits": 0}
+    for c, got in brute_force(SMALL, cl, G, space, memory_limit=limit * GiB)[::7]:
+        if isinstance(got, tuple) and got[0] == "refused":
+            continue
+        job = c.job
+        inputs = CostInputs("transformer", model=SMALL.replace(micro_batch=job.micro_batch), cluster=cl)
+        b = bind(job, inputs)
+        rep = memory_report(b.lowered, b.costs, limit * GiB, 0.0)
+        need = rep.max_peak + rep.transient
+        assert c.memory_bound <= need * (1 + 1e-12)
+        assert (need > limit * GiB) == isinstance(got, tuple)
+        bound, res = simulate_job(job, inputs=inputs)
+        rec = metrics_record(res, **{**bound.report, "memory_capacity": limit * GiB, "memory_reserve": 0.0})
+        assert rec["out_of_memory"] == isinstance(got, tuple)
+        if isinstance(got, Confirmed):
+            assert got.peak_memory == max(p["peak_memory"] for p in rec["per_device"])
+            assert got.iteration_time == res.iteration_time
+            seen["fits"] += 1
+        else:
+            assert got[1] == pytest.approx(need, rel=1e-12)
+            seen["oom"] += 1
+    assert seen["oom"] and seen["fits"]
+
+
+def test_never_worse_than_a_grid_simulated_one_by_one():
+    """Llama 3 8B on 32 H100s: the search's best is no slower than the best point of a grid over
+    (T, D, schedule, micro-batch), each simulated by ``simulate``'s path and kept when it fits."""
+    model, cl, G = load_model("llama3-8b"), _h100(4), 64
+    res = plan_layouts(model, cl, G, LayoutSpace(), top_k=1)
+    grid = []
+    for tp in (1, 2, 4, 8):
+        for D in (1, 2, 4):
+            for sched in ("dapple", "interleaved", "zb-v"):
+                for mb in (1, 2):
+                    R = 32 // (tp * D)
+                    if G % (R * mb):
+                        continue
+                    job = Job(layout=Layout(schedule=sched, devices=D, microbatches=G // (R * mb), replicas=R, tp=tp),
+                              model="llama3-8b", cluster="dgx-h100-ib:4", micro_batch=mb)
+                    try:
+                        bound, r = simulate_job(job)
+                    except ValueError:
+                        continue
+                    if not metrics_record(r, **bound.report)["out_of_memory"]:
+                        grid.append(r.iteration_time)
+    assert len(grid) >= 10
+    assert res.best.iteration_time <= min(grid) * (1 + 1e-12)
+
+
+def test_plan_file_round_trips_and_simulates_to_the_planners_time(tmp_path):
+    """T, ZeRO, recompute and sequence parallelism survive the plan file; ``simulate --plan`` gives
+    the planner's confirmed iteration time."""
+    cl = _small_h100(4)
+    res = plan_layouts(SMALL, cl, 16, LayoutSpace(tp=(2,), zero=(1,), recompute=("selective",),
+                                                   sequence_parallel=(True,), schedules=("interleaved",)), top_k=1)
+    best = res.best
+    assert best.job.layout.tp == 2 and best.job.zero == 1 and best.job.sequence_parallel
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(layout_plan_record(best.job, cl, 16, simulated=res.records()[0])))
+    loaded = load_plan(path)
+    assert isinstance(loaded, LayoutPlan)
+    job = loaded.job()
+    for f in ("layout", "micro_batch", "recompute", "zero", "sequence_parallel", "cost_model", "memory_reserve"):
+        assert getattr(job, f) == getattr(best.job, f), f
+    assert loaded.model == SMALL.replace(micro_batch=best.job.micro_batch)
+    _, sim = simulate_job(Job(plan=loaded))
+    assert sim.iteration_time == best.iteration_time
+    rec = json.loads(path.read_text())
+    rec["layout"]["tp"] = 3
+    path.write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match="--tp 3 does not divide heads"):
+        load_plan(path)
+
+
+def test_mfu_is_megatrons_formula_and_candidates_respect_the_rules():
+    """MFU = 72 B s l h^2 (1 + s/6h + V/12lh) / (time x GPUs x peak); the SC'21 Eq. (3) with
+    recomputation is 96 ... V/16lh. T divides the node and the model's heads, KV heads and FFN;
+    ZeRO only with R > 1, SP only with T > 1."""
+    B, s, l, h, V = 8, 2048, 24, 2048, 51200
+    assert megatron_flops(B, s, l, h, V) == 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert megatron_flops(B, s, l, h, V, recompute=False) == pytest.approx(
+        (24 * B * s * l * h * h + 4 * B * s * s * l * h) * 3 + 6 * B * s * h * V, rel=1e-12)
+    m = SMALL
+    assert layout_mfu(m, 4, 2.0, 8, 1e15) == pytest.approx(
+        megatron_flops(4, m.seq_len, m.layers, m.hidden, m.vocab, recompute=False) / (2.0 * 8 * 1e15))
+    jobs = candidates(SMALL, _small_h100(4), 16, LayoutSpace(schedules=("dapple",)))
+    assert {j.layout.tp for j in jobs} == {1, 2, 4}
+    assert all(j.layout.gpus == 8 and 16 % (j.layout.replicas * j.micro_batch) == 0 for j in jobs)
+    assert not [j for j in jobs if j.zero and j.layout.replicas == 1]
+    assert not [j for j in jobs if j.sequence_parallel and j.layout.tp == 1]
+    assert {j.recompute for j in jobs} == {"none", "selective", "full"}
+
+
+def test_no_plan_fits_says_by_how_much():
+    """The smallest need of the space, exact, against the usable memory."""
+    cl = _small_h100(2)
+    space = LayoutSpace(schedules=("dapple",), micro_batches=(1,), recompute=("full",))
+    fits = [got for _, got in brute_force(SMALL, cl, 4, space, memory_limit=64 * GiB) if isinstance(got, Confirmed)]
+    least = min(x.peak_memory for x in fits)
+    with pytest.raises(NoPlanFits, match=r"no plan fits: the smallest needs .* per GPU, .* more than the .* usable"):
+        plan_layouts(SMALL, cl, 4, space, memory_limit=least / 2)
+    assert usable_memory(64 * GiB, 0.0) == 64 * GiB
+
+
+CLUSTER_YAML = """name: h100-2x4
+nodes: 2
+devices_per_node: 4
+device: h100
+intra: nvlink4
+inter: ib-ndr
+nics_per_node: 4
+"""
+
+
+def test_cli_top_json_out_plot_and_simulate_plan(tmp_path, capsys):
+    """plan --tp: --json records with the documented keys, best first; --out simulates (simulate
+    --plan --json) to the planner's time; --plot writes the figure; the table fits 120 columns."""
+    from experiments.cli import main
+    cl = tmp_path / "h100-2x4.yaml"
+    cl.write_text(CLUSTER_YAML)
+    model = tmp_path / "small.yaml"
+    import yaml
+    model.write_text(yaml.safe_dump(SMALL.to_dict()))
+    base = ["plan", "-m", str(model), "-c", str(cl), "-G", "16", "--tp", "auto", "--schedules", "dapple,zb-v",
+            "--micro-batches", "1,2", "--top", "4", "--no-progress"]
+    assert main(base + ["--json", "--out", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    top = out["top"]
+    assert len(top) == 4
+    for r in top:
+        for k in ("tp", "devices", "dp", "schedule", "chunks", "micro_batch", "recompute", "zero", "iteration_time",
+                  "mfu", "peak_memory", "tokens_per_s", "bubble_ratio"):
+            assert k in r, k
+        assert r["tp"] * r["devices"] * r["dp"] == 8
+        assert 0 < r["mfu"] < 1 and r["peak_memory"] <= out["usable_memory"]
+    assert [r["iteration_time"] for r in top] == sorted(r["iteration_time"] for r in top)
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert main(["simulate", "--plan", str(tmp_path / "p.json"), "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["iteration_time"] == top[0]["iteration_time"] and sim["tp"] == top[0]["tp"]
+    assert sim["out_of_memory"] is False
+    assert main(base) == 0
+    text = capsys.readouterr().out
+    assert max(map(len, text.splitlines())) <= 120
+    assert "step_s" in text and "mfu" in text and "search:" in text
+
+
+def test_run_plan_trains_a_tp2_plan_with_the_references_losses(tmp_path):
+    """A plan with T = 2 (ZeRO-1 where R > 1) for the tiny GPT runs on gloo with the reference's
+    losses; a plan with sequence parallelism is refused for a run with one line."""
+    from executor.launch import run_many
+    from executor.reference import run_reference
+    from experiments.plan_files import config_from_plan
+    from dataclasses import replace
+    tiny = load_model("tiny")
+    cl = replace(_small_h100(2), name="h100-2x2")
+    res = plan_layouts(tiny, cl, 8, LayoutSpace(tp=(2,), schedules=("dapple",), micro_batches=(1, 2),
+                                                 recompute=("none",), sequence_parallel=(False,)),
+                       top_k=1, cost_model="linear")
+    best = res.best.job
+    assert best.layout.tp == 2
+    path = tmp_path / "tp2.json"
+    path.write_text(json.dumps(layout_plan_record(best, cl, 8)))
+    cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05, timeout=30.0)
+    assert (cfg.tp, cfg.devices, cfg.replicas, cfg.zero) == (2, best.layout.devices, best.layout.replicas, best.zero)
+    assert cfg.global_microbatches * cfg.spec().micro_batch == 8
+    [got] = run_many([(cfg, low)])
+    ref = run_reference(cfg)
+    assert len(got.losses) == len(ref.losses) == 3
+    for a, b in zip(got.losses, ref.losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (got.losses, ref.losses)
+    sp = tmp_path / "sp.json"
+    sp.write_text(json.dumps(layout_plan_record(replace(best, sequence_parallel=True), cl, 8)))
+    with pytest.raises(ValueError, match="--sequence-parallel"):
+        config_from_plan(sp, steps=1)
