@@ -140,3 +140,21 @@ def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
         low = lowered_schedule(RunConfig(schedule=c.schedule, devices=2, microbatches=4, steps=1, model="tiny", tp=2))
         t = noise_free(step_metrics(simulate_with_profile(low, bare, steps=3)).iteration_times[1:])
         assert t / c.measured_iteration_time - 1 < -1 / 2, (c.schedule, t, c.measured_iteration_time)
+
+
+def test_calibrate_tp_on_the_command_line(tmp_path, capsys):
+    """``pipetwin calibrate --tp 2`` in its quickest form (3 repeats per measurement, one round of
+    4-step traced runs at T = 2): a profile of T = 2 whose layers are a TP rank's, said in its line."""
+    from experiments.cli import main
+    out = tmp_path / "tp2.yaml"
+    assert main(["calibrate", "--tp", "2", "--repeats", "3", "--runtime-steps", "4", "--runtime-repeats", "1",
+                 "--out", str(out)]) == 0
+    line = capsys.readouterr().out
+    prof = load_profile(out)
+    assert prof.tp == 2 and prof.meta["runtime_schedules"] == ["dapple", "interleaved", "zb-v", "zb-h1", "bitpipe"]
+    assert f"T=2: layers per TP rank, TP all-reduce step {prof.tp_allreduce.latency * 1e6:.0f} us" in line
+    # the profile prices a block's four all-reduces of its 16 KiB activations on the fitted ring
+    f_comm, b_comm = prof.collective_times()[1]
+    ring = ring_allreduce_time(OUT, 2, prof.tp_allreduce.bandwidth, prof.tp_allreduce.latency)
+    assert (f_comm, b_comm) == (pytest.approx(2 * ring, rel=1e-12), pytest.approx(2 * ring, rel=1e-12))
+    assert prof.layer_costs().f[1] == pytest.approx(prof.layers[1].f + 2 * ring, rel=1e-12)
