@@ -24,12 +24,12 @@ Each case runs ``--repeat`` times, interleaved with the bare loops so they share
 noise; the best time of each counts and ``spread`` (slowest / fastest - 1) is the noise of the
 sitting. ``peak MiB`` is the largest Python allocation of one run (tracemalloc, a separate
 untimed run): bounded, since identical replicas keep no per-op records. The peak RSS of the
-131,072-GPU case is measured in a process of its own (``resource.getrusage``: the process's
-high-water mark, and what the run added to the process after its imports).
+131,072-GPU case is measured in a process of its own (its high-water mark: ``VmHWM`` on Linux,
+``resource.getrusage`` elsewhere, and what the run added to the process after its imports).
 
 Unless ``--no-scaling``: how the time and the memory (tracemalloc peak) of the Llama-3-405B job
 grow with GPUs (DP 64 .. 1,024 on ``h100-pods``), stages (PP 4 .. 32 at DP 128, N=32) and
-micro-batches (N 16 .. 128 at PP 16, DP 128), one run per point, with the log-log slope of each
+micro-batches (N 16 .. 128 at PP 16, DP 128), the best of ``--repeat`` runs per point, with the log-log slope of each
 series, drawn in ``--figure`` (default ``out/bench_sim.png``).
 """
 from __future__ import annotations
@@ -107,7 +107,15 @@ def rss_of_pods_case() -> dict:
 
 
 def _rss_mib() -> float:
-    """The process's peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """The process's peak RSS so far: Linux's VmHWM (its own memory's high-water mark; ru_maxrss
+    would also count the parent's before the exec), elsewhere ru_maxrss (bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2 ** 10
+    except OSError:
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r / 2 ** 20 if sys.platform == "darwin" else r / 2 ** 10
 
@@ -146,12 +154,13 @@ def slope(xs, ys) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
-def scaling(series=SCALING) -> list[dict]:
-    """One record per point: series, x, seconds (one run), peak_MiB (tracemalloc, a second run)."""
+def scaling(series=SCALING, repeat: int = 1) -> list[dict]:
+    """One record per point: series, x, seconds (the best of ``repeat`` runs), peak_MiB (tracemalloc,
+    one more run)."""
     rows = []
     for name, _, points in series:
         for x, kw in points:
-            dt, _ = _timed(lambda kw=kw: tensor_parallel_case(**kw))
+            dt = min(_timed(lambda kw=kw: tensor_parallel_case(**kw))[0] for _ in range(repeat))
             rows.append({"series": name, "x": x, "seconds": dt,
                          "peak_MiB": _peak_mib(lambda kw=kw: tensor_parallel_case(**kw))})
     return rows
@@ -268,12 +277,12 @@ def main(argv=None) -> int:
                   f"{out.best.plan.describe()} ({out.best.time:.4g} s simulated)")
     if not a.no_memory:
         rss = rss_of_pods_case()
-        print(f"peak RSS of the 131,072-GPU case alone (resource.getrusage, its own process): {rss['peak_MiB']:.0f} "
+        print(f"peak RSS of the 131,072-GPU case alone (VmHWM of its own process): {rss['peak_MiB']:.0f} "
               f"MiB, {rss['peak_MiB'] - rss['import_MiB']:.0f} MiB above the {rss['import_MiB']:.0f} MiB resident "
               f"after the imports")
     if not a.no_scaling:
-        rows = scaling()
-        print("growth (one run per point; peak_MiB: tracemalloc; slope: d log y / d log x):")
+        rows = scaling(repeat=a.repeat)
+        print(f"growth (best of {a.repeat} run(s) per point; peak_MiB: tracemalloc; slope: d log y / d log x):")
         print(fmt_table(rows, ["series", "x", "seconds", "peak_MiB"], {"seconds": "{:.3f}", "peak_MiB": "{:.1f}"}))
         for name, _, _ in SCALING:
             pts = [r for r in rows if r["series"] == name]
