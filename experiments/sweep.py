@@ -335,8 +335,9 @@ def _ray(todo, address, on_done):
         raise ValueError("--ray needs Ray: pip install 'pipetwin[ray]'") from None
     started = not ray.is_initialized()
     if started:
+        import logging
         ray.init(address=None if address in (None, "", "local") else address, ignore_reinit_error=True,
-                 log_to_driver=False, include_dashboard=False)
+                 log_to_driver=False, include_dashboard=False, logging_level=logging.ERROR)
     try:
         remote = ray.remote(run_point)
         pending = [remote.remote(job) for job in todo]
