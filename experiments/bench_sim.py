@@ -27,10 +27,11 @@ untimed run): bounded, since identical replicas keep no per-op records. The peak
 131,072-GPU case is measured in a process of its own (its high-water mark: ``VmHWM`` on Linux,
 ``resource.getrusage`` elsewhere, and what the run added to the process after its imports).
 
-Unless ``--no-scaling``: how the time and the memory (tracemalloc peak) of the Llama-3-405B job
-grow with GPUs (DP 64 .. 1,024 on ``h100-pods``), stages (PP 4 .. 32 at DP 128, N=32) and
-micro-batches (N 16 .. 128 at PP 16, DP 128), the best of ``--repeat`` runs per point, with the log-log slope of each
-series, drawn in ``--figure`` (default ``out/bench_sim.png``).
+Unless ``--no-scaling``: how the time (as a ratio to a bare loop of 100,000 timeouts timed just
+before it) and the memory (tracemalloc peak) of the Llama-3-405B job grow with GPUs (DP 64 .. 1,024
+on ``h100-pods``), stages (PP 4 .. 32 at DP 128, N=32) and micro-batches (N 16 .. 128 at PP 16,
+DP 128), the best of ``--repeat`` runs per point, with the log-log slope of each series, drawn in
+``--figure`` (default ``out/bench_sim.png``).
 """
 from __future__ import annotations
 
@@ -155,23 +156,27 @@ def slope(xs, ys) -> float:
 
 
 def scaling(series=SCALING, repeat: int = 1) -> list[dict]:
-    """One record per point: series, x, seconds (the best of ``repeat`` runs), peak_MiB (tracemalloc,
-    one more run)."""
+    """One record per point: series, x, seconds and ratio (to a bare loop of 100,000 timeouts timed
+    just before it; the best of ``repeat`` runs each), peak_MiB (tracemalloc, one more run)."""
     rows = []
     for name, _, points in series:
         for x, kw in points:
-            dt = min(_timed(lambda kw=kw: tensor_parallel_case(**kw))[0] for _ in range(repeat))
-            rows.append({"series": name, "x": x, "seconds": dt,
+            runs = []
+            for _ in range(repeat):
+                base = bare_loop([100_000])
+                runs.append((_timed(lambda kw=kw: tensor_parallel_case(**kw))[0], base))
+            rows.append({"series": name, "x": x, "seconds": min(t for t, _ in runs),
+                         "ratio": min(t / b for t, b in runs),
                          "peak_MiB": _peak_mib(lambda kw=kw: tensor_parallel_case(**kw))})
     return rows
 
 
 def scaling_figure(rows: list[dict], path, series=SCALING) -> None:
-    """Log-log: seconds (left) and tracemalloc peak (right) against each series' x, one line per series
-    (its own x axis scale: GPUs, stages or micro-batches), the slope in the legend."""
+    """Log-log: time as a ratio to the bare 100k loop (left) and tracemalloc peak (right) against each
+    series' x over its smallest, one line per series, the slope in the legend."""
     from .plots import plt, save_figure, series_style
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, col, what in ((axes[0], "seconds", "time of one run (s)"),
+    for ax, col, what in ((axes[0], "ratio", "time of one run / bare loop of 100k timeouts"),
                           (axes[1], "peak_MiB", "peak Python memory (MiB)")):
         for i, (name, xlabel, _) in enumerate(series):
             pts = [r for r in rows if r["series"] == name]
@@ -282,12 +287,14 @@ def main(argv=None) -> int:
               f"after the imports")
     if not a.no_scaling:
         rows = scaling(repeat=a.repeat)
-        print(f"growth (best of {a.repeat} run(s) per point; peak_MiB: tracemalloc; slope: d log y / d log x):")
-        print(fmt_table(rows, ["series", "x", "seconds", "peak_MiB"], {"seconds": "{:.3f}", "peak_MiB": "{:.1f}"}))
+        print(f"growth (best of {a.repeat} run(s) per point, ratio to a 100k loop timed before each; peak_MiB: "
+              f"tracemalloc; slope: d log y / d log x):")
+        print(fmt_table(rows, ["series", "x", "seconds", "ratio", "peak_MiB"],
+                        {"seconds": "{:.3f}", "ratio": "{:.2f}x", "peak_MiB": "{:.1f}"}))
         for name, _, _ in SCALING:
             pts = [r for r in rows if r["series"] == name]
             xs = [r["x"] for r in pts]
-            print(f"  {name}: time ~ x^{slope(xs, [r['seconds'] for r in pts]):.2f}, "
+            print(f"  {name}: time (ratio) ~ x^{slope(xs, [r['ratio'] for r in pts]):.2f}, "
                   f"memory ~ x^{slope(xs, [r['peak_MiB'] for r in pts]):.2f}")
         scaling_figure(rows, a.figure)
         print(f"figure: {a.figure}")

@@ -11,7 +11,7 @@ def test_slope_is_the_log_log_exponent():
 
 
 def test_scaling_figure_and_rows(tmp_path):
-    rows = [{"series": name, "x": x, "seconds": 0.1 * (i + 1) * x, "peak_MiB": 2.0 * x}
+    rows = [{"series": name, "x": x, "seconds": 0.1 * (i + 1) * x, "ratio": (i + 1) * x, "peak_MiB": 2.0 * x}
             for i, (name, _, points) in enumerate(bench_sim.SCALING) for x, _ in points]
     bench_sim.scaling_figure(rows, tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
