@@ -237,8 +237,11 @@ CASES = [
     # silent wrong results: a sweep folder holds one experiment
     ("sweep-other-model", SWEEP + ["-m", "gpt3-1.3b", "--out", "{sweep}"],
      ["--out", "model 'tiny' there, 'gpt3-1.3b'"]),
-    ("sweep-other-recompute", SWEEP + ["-m", "tiny", "--recompute", "full", "--out", "{sweep}"],
-     ["--out", "recompute 'none' there, 'full' here", "another --out"]),
+    ("sweep-other-memory-reserve", SWEEP + ["-m", "tiny", "--memory-reserve", "2 GiB", "--out", "{sweep}"],
+     ["--out", "memory_reserve None there, 2147483648.0 here", "another --out"]),
+    ("sweep-zero-2", SWEEP + ["-m", "tiny", "--zero", "0,2", "--out", "{dir}/z"], ["--zero", "out of 0, 1", "'0,2'"]),
+    ("sweep-recompute-unknown", SWEEP + ["-m", "tiny", "--recompute", "nan", "--out", "{dir}/r"],
+     ["--recompute", "none, selective, full", "'nan'"]),
     ("sweep-other-fabric", SWEEP + ["-m", "tiny", "--fabric", "fat-tree", "--out", "{sweep}"],
      ["cluster.fabric None there, 'fat-tree' here"]),
     ("sweep-other-cost-model", SWEEP + ["-m", "tiny", "--cost-model", "linear", "--out", "{sweep}"],
