@@ -49,33 +49,38 @@ PROBE = 20   # host speed probe repeats in traced runs (executor.worker.speed_pr
 COMPUTE_KINDS = ("F", "B", "Bi", "W")
 
 
-def fit_latency_bandwidth(sizes, times) -> tuple[float, float]:
+def fit_latency_bandwidth(sizes, times, relative: bool = False) -> tuple[float, float]:
     """Least-squares fit of ``time = latency + bytes / bandwidth``; returns (latency s, bandwidth B/s).
+    ``relative``: of the relative residuals (each time weighs by 1 / time^2), so that the small
+    messages' latency counts as much as the large ones' bytes.
 
     The latency is clamped at 0 (a negative intercept is noise); raises SpecError when the times
     do not grow with the size (no bandwidth can be fitted)."""
     xs, ys = [float(x) for x in sizes], [float(y) for y in times]
     if len(xs) != len(ys) or len(set(xs)) < 2:
         raise SpecError("need timings at two or more message sizes to fit latency and bandwidth")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if relative and min(ys) <= 0:
+        raise SpecError("a relative fit needs times > 0")
+    w = [1.0 / (y * y) if relative else 1.0 for y in ys]
+    total = sum(w)
+    mx, my = sum(a * x for a, x in zip(w, xs)) / total, sum(a * y for a, y in zip(w, ys)) / total
+    sxx = sum(a * (x - mx) ** 2 for a, x in zip(w, xs))
+    slope = sum(a * (x - mx) * (y - my) for a, x, y in zip(w, xs, ys)) / sxx
     if slope <= 0:
         raise SpecError("message times do not grow with size; cannot fit a bandwidth (measure larger messages)")
     lat = my - slope * mx
     if lat < 0:  # refit through the origin
-        slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        slope = sum(a * x * y for a, x, y in zip(w, xs, ys)) / sum(a * x * x for a, x in zip(w, xs))
         lat = 0.0
     return lat, 1.0 / slope
 
 
-def fit_allreduce(sizes, times, n: int) -> tuple[float, float]:
-    """Fit a ring all-reduce over n ranks, ``time = 2(n-1) latency + 2(n-1)/n bytes / bandwidth``;
-    returns (latency, bandwidth) of one ring step."""
+def fit_allreduce(sizes, times, n: int, relative: bool = False) -> tuple[float, float]:
+    """Fit a ring all-reduce over n ranks, ``time = 2(n-1) latency + 2(n-1)/n bytes / bandwidth``
+    (``relative``: see :func:`fit_latency_bandwidth`); returns (latency, bandwidth) of one ring step."""
     if n < 2:
         raise SpecError("an all-reduce fit needs at least 2 ranks")
-    lat, bw = fit_latency_bandwidth(sizes, times)
+    lat, bw = fit_latency_bandwidth(sizes, times, relative)
     return lat / (2 * (n - 1)), bw * 2 * (n - 1) / n
 
 

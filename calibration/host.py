@@ -42,6 +42,14 @@ What is measured, and how:
    and the slice is chosen with the fit (:func:`calibration.fit.fit_time_slice`: the profile's
    ``time_slice``).
 
+With tensor parallelism (``tp`` T > 1, a GPT spec) every rank of the runs to predict is a TP
+group of T processes: 1. measures TP rank 0's layers at 1/T as the executor builds them
+(:func:`calibration.measure.measure_tp_layers`), 2. also the group's all-reduce over T gloo
+processes (fitted as a ring: the profile's ``tp_allreduce``, priced on every layer's collectives,
+:meth:`cost_models.calibration.CalibrationProfile.collective_times`), 3. traces runs at T, and a
+simulated rank is the group on T cores (the profile's host has ``cores // T`` of them), so 4.
+applies once the processes outnumber the cores.
+
 :func:`calibrate` is :func:`measure_host` (1-2), the traced runs, then :func:`fit_profile`
 (3-4); validation can run the traced runs beside its own
 (:func:`calibration.compare.calibrate_and_compare`).
@@ -136,8 +144,9 @@ class HostMeasurements:
         ar_lat, ar_bw = fit_allreduce(*zip(*self.comm["allreduce"]), n=max(2, self.ranks))
         out = {"p2p_latency": lat, "p2p_bandwidth": bw, "allreduce_latency": ar_lat, "allreduce_bandwidth": ar_bw}
         if self.tp > 1:
+            # relative residuals: a layer's all-reduces are small (latency-bound), the fit must hold there
             out["tp_allreduce_latency"], out["tp_allreduce_bandwidth"] = fit_allreduce(
-                *zip(*self.comm["tp_allreduce"]), n=self.tp)
+                *zip(*self.comm["tp_allreduce"]), n=self.tp, relative=True)
         return out
 
     def runtime_configs(self, ranks: int, steps: int = 20) -> list:

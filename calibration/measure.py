@@ -51,8 +51,9 @@ from executor.tensor_parallel import SINGLE, ColumnParallelLinear, TensorParalle
 
 P2P_SIZES = (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 AR_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
-# a TP group's all-reduces: the loss's statistics (a few KiB) up to the activations of larger models
-TP_SIZES = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
+# a TP group's all-reduces: the loss's statistics (a few KiB) up to the activations of larger models;
+# the largest (as AR_SIZES') make the bytes' time stand out of the wake-up noise of the small ones
+TP_SIZES = (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
 CPU = torch.device("cpu")
 MIN_RUN_TIME = 0.05   # seconds Timer.blocked_autorange spends per statement (at least)
 

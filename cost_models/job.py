@@ -123,14 +123,17 @@ class Layout:
         check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
                        chunks=self.chunks, one_replica=one_replica, tp=self.tp, **limits)
 
-    def build(self, *, eager: bool = True, family: dict | None = None, **limits):
+    def build(self, *, eager: bool = True, family: dict | None = None, built=None, **limits):
         """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
         (ScheduleError, a ValueError, names what to change) after :meth:`check_size` with
-        ``limits``; ``family``: more keyword arguments of the family (zb-auto's ``costs``)."""
+        ``limits``; ``family``: more keyword arguments of the family (zb-auto's ``costs``);
+        ``built``: this layout's compute-only schedule when the caller built it already (the
+        planner shares one among the candidates of a shape)."""
         from schedules import build, lower, validate
         self.check_size(**limits)
-        low = lower(build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {})),
-                    replicas=self.replicas, eager=eager)
+        if built is None:
+            built = build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {}))
+        low = lower(built, replicas=self.replicas, eager=eager)
         validate(low)
         return low
 
@@ -324,8 +327,10 @@ class Job:
                 raise ValueError(f"{flag} is a switch (true or false); got {on!r}")
             if on and tp == 1:
                 raise ValueError(f"{flag} acts on a tensor-parallel group; give --tp > 1")
+        # a profile's TP layers were measured without sequence parallelism or overlap (all-reduces on F and B)
         given = [f for f, v in (("--tp", tp > 1 and self.source != "profile"), ("--zero", self.zero),
-                                ("--seq-len", self.seq_len)) if v]
+                                ("--seq-len", self.seq_len), ("--sequence-parallel", self.sequence_parallel),
+                                ("--tp-overlap", self.tp_overlap)) if v]
         if given and self.source != "transformer":
             raise ValueError(f"{' and '.join(given)} act on a model's formulas: use --model/--cluster costs "
                              f"(not --unit-costs, --profile or a FILE.txt profile)")

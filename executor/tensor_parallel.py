@@ -50,7 +50,9 @@ sums those over the TP group at OPTIM, where it synchronises every other gradien
 (:class:`executor.runtime.PipelineRuntime`). As in Megatron, the column-parallel linears keep
 their input's slice for the backward and gather it again there, so every activation a block keeps
 outside the attention and the MLP's inner size is 1/T of the sequence (the simulator's ledger,
-:func:`cost_models.transformer.block_activation_bytes` with ``sp``).
+:func:`cost_models.transformer.block_activation_bytes` with ``sp``); under a split backward the
+row-parallel linears likewise keep their output gradient's slice for W and gather it there
+(:func:`cost_models.transformer.block_weight_grad_bytes` with ``sp``).
 
 Parameters keep their global names; :func:`shard` and :func:`gather` map between a whole
 parameter and its T shards (:data:`SPLITS` says which are split and how), so weights are
@@ -225,6 +227,44 @@ def _param_grads(full: torch.Tensor, grads, params) -> list:
     return out
 
 
+class _LinearScatter(torch.autograd.Function):
+    """Sequence parallel: a row-parallel linear, ``scatter(x W^T + b)`` (the reduce-scatter of the
+    partial sums over the sequence). The backward all-gathers the output gradient (this rank's
+    slice) for the input gradient and the weight gradient; a split backward keeps the slice for W
+    and gathers it again there (:meth:`weight_grads`), so what waits for W is 1/T of the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, weight, bias):
+        ctx.group, ctx.size, ctx.params = group, size, (weight, bias)
+        ctx.save_for_backward(x)
+        return _reduce_scatter_seq(Fn.linear(x, weight, bias), group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.params
+        need_x, need_w = _will_run(ctx, 0, 1), _will_run(ctx, 1)
+        full = _all_gather_seq(g, ctx.group, ctx.size) if need_x or need_w else None
+        gx = full.matmul(weight.to(full.dtype)).to(x.dtype) if need_x else None
+        gw = gb = None
+        if need_w:
+            gw, gb = _param_grads(x, [full], ctx.params)
+            gw, gb = gw.to(weight.dtype), (None if gb is None else gb.to(bias.dtype))
+        return gx, None, None, gw, gb
+
+    @staticmethod
+    def saved_for_weight(node) -> tuple:
+        return (node.saved_tensors[0].detach(), (node.group, node.size, node.params))
+
+    @staticmethod
+    def weight_grads(saved: tuple, grads) -> list:
+        """[(parameter, gradient)] from the kept input and this rank's slice of the output
+        gradient (gathered again)."""
+        x, (group, size, params) = saved
+        grads = _param_grads(x, [_all_gather_seq(grads[0], group, size)], params)
+        return [(p, g) for p, g in zip(params, grads) if g is not None]
+
+
 def gather_linears(x: torch.Tensor, tp: TensorParallel, linears) -> tuple[torch.Tensor, ...]:
     """``(gather(x) W^T + b for each (W, b) of linears)`` with sequence parallelism (:class:`_GatherLinears`)."""
     flat = [t for wb in linears for t in wb]
@@ -331,4 +371,6 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sequence:
+            return _LinearScatter.apply(x, self.tp.group, self.tp.size, self.weight, self.bias)
         return reduce(Fn.linear(x, self.weight, self.bias), self.tp)

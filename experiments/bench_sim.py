@@ -24,13 +24,14 @@ Each case runs ``--repeat`` times, interleaved with the bare loops so they share
 noise; the best time of each counts and ``spread`` (slowest / fastest - 1) is the noise of the
 sitting. ``peak MiB`` is the largest Python allocation of one run (tracemalloc, a separate
 untimed run): bounded, since identical replicas keep no per-op records. The peak RSS of the
-131,072-GPU case is measured in a process of its own (``resource.getrusage``: the process's
-high-water mark, and what the run added to the process after its imports).
+131,072-GPU case is measured in a process of its own (its high-water mark: ``VmHWM`` on Linux,
+``resource.getrusage`` elsewhere, and what the run added to the process after its imports).
 
-Unless ``--no-scaling``: how the time and the memory (tracemalloc peak) of the Llama-3-405B job
-grow with GPUs (DP 64 .. 1,024 on ``h100-pods``), stages (PP 4 .. 32 at DP 128, N=32) and
-micro-batches (N 16 .. 128 at PP 16, DP 128), one run per point, with the log-log slope of each
-series, drawn in ``--figure`` (default ``out/bench_sim.png``).
+Unless ``--no-scaling``: how the time (as a ratio to a bare loop of 100,000 timeouts timed just
+before it) and the memory (tracemalloc peak) of the Llama-3-405B job grow with GPUs (DP 64 .. 1,024
+on ``h100-pods``), stages (PP 4 .. 32 at DP 128, N=32) and micro-batches (N 16 .. 128 at PP 16,
+DP 128), the best of ``--repeat`` runs per point, with the log-log slope of each series, drawn in
+``--figure`` (default ``out/bench_sim.png``).
 """
 from __future__ import annotations
 
@@ -107,7 +108,15 @@ def rss_of_pods_case() -> dict:
 
 
 def _rss_mib() -> float:
-    """The process's peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """The process's peak RSS so far: Linux's VmHWM (its own memory's high-water mark; ru_maxrss
+    would also count the parent's before the exec), elsewhere ru_maxrss (bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2 ** 10
+    except OSError:
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r / 2 ** 20 if sys.platform == "darwin" else r / 2 ** 10
 
@@ -146,23 +155,28 @@ def slope(xs, ys) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
-def scaling(series=SCALING) -> list[dict]:
-    """One record per point: series, x, seconds (one run), peak_MiB (tracemalloc, a second run)."""
+def scaling(series=SCALING, repeat: int = 1) -> list[dict]:
+    """One record per point: series, x, seconds and ratio (to a bare loop of 100,000 timeouts timed
+    just before it; the best of ``repeat`` runs each), peak_MiB (tracemalloc, one more run)."""
     rows = []
     for name, _, points in series:
         for x, kw in points:
-            dt, _ = _timed(lambda kw=kw: tensor_parallel_case(**kw))
-            rows.append({"series": name, "x": x, "seconds": dt,
+            runs = []
+            for _ in range(repeat):
+                base = bare_loop([100_000])
+                runs.append((_timed(lambda kw=kw: tensor_parallel_case(**kw))[0], base))
+            rows.append({"series": name, "x": x, "seconds": min(t for t, _ in runs),
+                         "ratio": min(t / b for t, b in runs),
                          "peak_MiB": _peak_mib(lambda kw=kw: tensor_parallel_case(**kw))})
     return rows
 
 
 def scaling_figure(rows: list[dict], path, series=SCALING) -> None:
-    """Log-log: seconds (left) and tracemalloc peak (right) against each series' x, one line per series
-    (its own x axis scale: GPUs, stages or micro-batches), the slope in the legend."""
+    """Log-log: time as a ratio to the bare 100k loop (left) and tracemalloc peak (right) against each
+    series' x over its smallest, one line per series, the slope in the legend."""
     from .plots import plt, save_figure, series_style
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, col, what in ((axes[0], "seconds", "time of one run (s)"),
+    for ax, col, what in ((axes[0], "ratio", "time of one run / bare loop of 100k timeouts"),
                           (axes[1], "peak_MiB", "peak Python memory (MiB)")):
         for i, (name, xlabel, _) in enumerate(series):
             pts = [r for r in rows if r["series"] == name]
@@ -268,17 +282,19 @@ def main(argv=None) -> int:
                   f"{out.best.plan.describe()} ({out.best.time:.4g} s simulated)")
     if not a.no_memory:
         rss = rss_of_pods_case()
-        print(f"peak RSS of the 131,072-GPU case alone (resource.getrusage, its own process): {rss['peak_MiB']:.0f} "
+        print(f"peak RSS of the 131,072-GPU case alone (VmHWM of its own process): {rss['peak_MiB']:.0f} "
               f"MiB, {rss['peak_MiB'] - rss['import_MiB']:.0f} MiB above the {rss['import_MiB']:.0f} MiB resident "
               f"after the imports")
     if not a.no_scaling:
-        rows = scaling()
-        print("growth (one run per point; peak_MiB: tracemalloc; slope: d log y / d log x):")
-        print(fmt_table(rows, ["series", "x", "seconds", "peak_MiB"], {"seconds": "{:.3f}", "peak_MiB": "{:.1f}"}))
+        rows = scaling(repeat=a.repeat)
+        print(f"growth (best of {a.repeat} run(s) per point, ratio to a 100k loop timed before each; peak_MiB: "
+              f"tracemalloc; slope: d log y / d log x):")
+        print(fmt_table(rows, ["series", "x", "seconds", "ratio", "peak_MiB"],
+                        {"seconds": "{:.3f}", "ratio": "{:.2f}x", "peak_MiB": "{:.1f}"}))
         for name, _, _ in SCALING:
             pts = [r for r in rows if r["series"] == name]
             xs = [r["x"] for r in pts]
-            print(f"  {name}: time ~ x^{slope(xs, [r['seconds'] for r in pts]):.2f}, "
+            print(f"  {name}: time (ratio) ~ x^{slope(xs, [r['ratio'] for r in pts]):.2f}, "
                   f"memory ~ x^{slope(xs, [r['peak_MiB'] for r in pts]):.2f}")
         scaling_figure(rows, a.figure)
         print(f"figure: {a.figure}")

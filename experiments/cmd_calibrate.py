@@ -23,7 +23,7 @@ def add_arguments(p):
     p.add_argument("--micro-batch", type=positive_int, default=None,
                    help="samples per micro-batch to measure at (default: a model file's 4, a GPT spec's micro_batch)")
     p.add_argument("--ranks", type=positive_int, default=2,
-                   help="ranks the predicted runs put on this host (default 2)")
+                   help="ranks the predicted runs put on this host (default 2; with --tp T, each is T processes)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size T of the runs to predict (default 1): each rank a group of T processes; "
                         "the layers are measured as one TP rank's shards (1/T), the group's all-reduce over gloo")

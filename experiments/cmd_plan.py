@@ -56,6 +56,9 @@ def add_arguments(p):
                         "micro-batch, recompute, ZeRO-1 and sequence parallelism (default: the DAPPLE planner, T=1)")
     p.add_argument("--micro-batches", default=None, metavar="B,B,...",
                    help="with --tp: micro-batch sizes searched (default 1,2,4,8)")
+    p.add_argument("--device-map", default=None, metavar="MAP,...",
+                   help="with --tp: rank placements searched (default sequential: Llama 3's order [TP, PP, DP]; "
+                        "megatron: [TP, DP, PP]; copies-same-node)")
     p.add_argument("--plot", metavar="FILE.png", type=output_file,
                    help="with --tp: the simulated candidates, step time vs memory per GPU, the chosen plan marked")
     p.add_argument("--top", type=positive_int, default=6, help="candidates re-simulated (default 6)")
@@ -97,7 +100,8 @@ def main(args) -> int:
     if args.tp is not None:
         from .plan_layout import main_layout
         return main_layout(args, _parse_limit(args.memory_limit), check_limit)
-    for flag, given in (("--micro-batches", args.micro_batches), ("--plot", args.plot)):
+    for flag, given in (("--micro-batches", args.micro_batches), ("--plot", args.plot),
+                        ("--device-map", args.device_map)):
         if given is not None:
             raise ValueError(f"{flag} applies to the whole-layout search; give --tp auto (or a list of T)")
     args.recompute = args.recompute or "none"

@@ -1,5 +1,10 @@
-"""``pipetwin presets``: the model, cluster and device presets, one line each (the names -m/-c take)."""
+"""``pipetwin presets``: the model, cluster and device presets, one line each (the names -m/-c take;
+a long one wraps under itself within 120 columns)."""
 from __future__ import annotations
+
+import textwrap
+
+from .tables import WIDTH
 
 NAME = "presets"
 HELP = "list the model, cluster and device presets (the names --model / --cluster take), one line each"
@@ -66,6 +71,10 @@ def main(args) -> int:
         own = "or a YAML file of your own" + (" or a Hugging Face config.json; h hidden, s sequence, V vocabulary, "
                                            "b micro-batch" if kind == "models" else "")
         print(f"{kind} ({own}):")
-        for name, what in rows:
-            print(f"  {name.ljust(width)}  {what}")
+        indent = width + 4
+        for name, what in rows:       # a long description goes on under itself, within WIDTH columns
+            lines = textwrap.wrap(what, WIDTH - indent) or [""]
+            print(f"  {name.ljust(width)}  {lines[0]}")
+            for more in lines[1:]:
+                print(" " * indent + more)
     return 0

@@ -1,9 +1,10 @@
 """``pipetwin sweep``: simulate a grid of configurations on local workers or a Ray cluster.
 
-Every point is ``pipetwin simulate --json`` of one job (a schedule, D, N, R and micro-batch over
-the options the grid does not vary); rows go to ``DIR/sweep.csv`` as they finish (points already
-there are skipped: rerun to resume; a folder of another experiment is refused), the full records to
-``DIR/sweep.jsonl``, figures to ``DIR/throughput.png`` and ``DIR/pareto.png``. See :mod:`experiments.sweep`.
+Every point is ``pipetwin simulate --json`` of one job (a schedule, D, N, R, T, ZeRO stage,
+recomputation and micro-batch over the options the grid does not vary); rows go to ``DIR/sweep.csv``
+as they finish (points already there are skipped: rerun to resume; a folder of another experiment
+is refused), the full records to ``DIR/sweep.jsonl``, figures to ``DIR/throughput.png`` and
+``DIR/pareto.png``. See :mod:`experiments.sweep`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from .jobs import add_cost_args, job_from_args, layout_from_args
 from .tables import fmt_table, printable
 
 NAME = "sweep"
-HELP = "simulate a grid of schedules x devices x micro-batches x replicas x micro-batch sizes"
+HELP = ("simulate a grid of schedules x devices x micro-batches x replicas x tensor-parallel sizes x ZeRO x recompute "
+        "x micro-batch sizes")
 
 
 def add_arguments(p):
@@ -41,10 +43,13 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from .sweep import Grid, parse_ints, run_sweep
+    from cost_models.transformer import RECOMPUTE, ZERO_STAGES
+
+    from .sweep import Grid, parse_choices, parse_ints, run_sweep
     grid = Grid(schedules=tuple(parse_schedules(args.schedules)), devices=parse_ints(args.devices, "--devices"),
                 microbatches=parse_ints(args.microbatches, "--microbatches"), dp=parse_ints(args.dp, "--dp"),
-                tp=parse_ints(args.tp, "--tp"),
+                tp=parse_ints(args.tp, "--tp"), zero=parse_choices(args.zero, "--zero", ZERO_STAGES),
+                recompute=parse_choices(args.recompute, "--recompute", RECOMPUTE),
                 micro_batch=(None,) if args.micro_batch is None else parse_ints(args.micro_batch, "--micro-batch"))
     if args.unit_costs and args.micro_batch is not None:
         raise ValueError("--micro-batch has no meaning with --unit-costs; drop one")
@@ -53,24 +58,30 @@ def main(args) -> int:
     base = job_from_args(args, layout=layout_from_args(args, schedule=grid.schedules[0], devices=grid.devices[0],
                                                        microbatches=grid.microbatches[0], replicas=grid.dp[0],
                                                        tp=grid.tp[0], schedules=grid.schedules),
-                         micro_batch=grid.micro_batch[0], eager=not args.no_eager, exact=args.exact)
+                         micro_batch=grid.micro_batch[0], zero=grid.zero[0], recompute=grid.recompute[0],
+                         eager=not args.no_eager, exact=args.exact)
     rows = run_sweep(grid, base, args.out, workers=args.workers, use_ray=args.ray is not None,
                      ray_address=args.ray, progress=not args.no_progress and sys.stderr.isatty(),
                      figures=not args.no_figures)
     ran = [r for r in rows if not r["error"]]
     print(f"sweep: {len(rows)} points ({len(ran)} ran, {len(rows) - len(ran)} impossible) -> "
           f"{printable(args.out)}/sweep.csv")
-    show = [{**r, **{k: float(r[k]) for k in ("iteration_time", "throughput", "bubble_ratio")}}
+    short = {"devices": "D", "microbatches": "N", "dp": "R", "tp": "T"}
+    show = [{**{short.get(k, k): v for k, v in r.items()},
+             **{k: float(r[k]) for k in ("iteration_time", "throughput", "bubble_ratio")}}
             for r in sorted(ran, key=lambda r: -float(r["throughput"]))[:10]]
     if show:
-        print("fastest points (throughput in samples per time unit):")
-        print(fmt_table(show, ["schedule", "devices", "microbatches", "dp", "tp", "micro_batch", "iteration_time",
+        print("fastest points (throughput in samples per time unit; D x N x R x T: devices, micro-batches, data- and "
+              "tensor-parallel sizes):")
+        print(fmt_table(show, ["schedule", "D", "N", "R", "T", "zero", "recompute", "micro_batch", "iteration_time",
                                "throughput", "bubble_ratio", "out_of_memory"],
                         {"iteration_time": "{:.6g}", "throughput": "{:.6g}", "bubble_ratio": "{:.4f}"}))
     for r in rows:
         if r["error"]:
             b = f" b={r['micro_batch']}" if r["micro_batch"] else ""
-            print(f"impossible: {r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}{b}: {r['error']}")
+            more = f" T={r['tp']} zero={r['zero']} recompute={r['recompute']}"
+            print(f"impossible: {r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}{more}{b}: "
+                  f"{r['error']}")
     if not args.no_figures:
         out = printable(args.out)
         print(f"wrote figures: {out}/throughput.png, {out}/pareto.png")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
 from cost_models.kernels import COST_MODELS
-from cost_models.transformer import ZERO_STAGES
+from cost_models.transformer import RECOMPUTE, ZERO_STAGES
 from schedules import families, get, names
 
 from .checks import byte_size, factor_pair, memory_limit, float_in, input_file, nonneg_float, nonneg_int, positive_int
@@ -136,19 +136,29 @@ def add_cost_args(p, *, per_run: bool = True):
     p.add_argument("--device-map", default=None, choices=sorted(MAPPINGS),
                    help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping; "
                         "megatron: TP, then DP, then PP; default megatron with --tp > 1, else sequential)")
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                   help="activation recomputation: none keeps every activation; selective re-runs the attention "
-                        "core in the backward (keeps no score matrix); full keeps only each block's input and "
-                        "re-runs its forward")
+    if per_run:
+        p.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
+                       help="activation recomputation: none keeps every activation; selective re-runs the attention "
+                            "core in the backward (keeps no score matrix); full keeps only each block's input and "
+                            "re-runs its forward")
+    else:
+        p.add_argument("--recompute", default="none", metavar="LIST",
+                       help="activation recomputations, comma-separated out of none, selective, full (default none; "
+                            "see pipetwin simulate --help)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: norms and dropouts on 1/T of the sequence, reduce-scatter + all-gather in place "
                         "of the all-reduces (Korthikanti et al.)")
     p.add_argument("--tp-overlap", action="store_true",
                    help="with --tp: the tensor-parallel collectives overlap the layer's compute (default: on the "
                         "critical path, Megatron's default)")
-    p.add_argument("--zero", type=int, choices=list(ZERO_STAGES), default=0,
-                   help="1: ZeRO-1, the optimizer state sharded over the --dp replicas (reduce-scatter + "
-                        "all-gather in place of the gradient all-reduce)")
+    if per_run:
+        p.add_argument("--zero", type=int, choices=list(ZERO_STAGES), default=0,
+                       help="1: ZeRO-1, the optimizer state sharded over the --dp replicas (reduce-scatter + "
+                            "all-gather in place of the gradient all-reduce)")
+    else:
+        p.add_argument("--zero", default="0", metavar="LIST",
+                       help="ZeRO stages, comma-separated out of 0, 1 (default 0; 1: the optimizer state sharded "
+                            "over the replicas)")
     if per_run:
         p.add_argument("--micro-batch", type=positive_int, help="micro-batch size (default: the model spec's)")
     p.add_argument("--memory-reserve", type=byte_size("--memory-reserve"), metavar="BYTES",

@@ -63,9 +63,8 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
 
 def _layout_config(loaded: LayoutPlan, eager: bool, options: dict) -> tuple[RunConfig, Schedule, dict]:
     """A whole-layout plan (``pipetwin plan --tp``) as a run: its job (T x D x R, schedule,
-    micro-batch, recompute, ZeRO; sequence parallelism refused with one line where the executor
-    has none) through :meth:`RunConfig.from_job`; ``options['device_map']`` overrides the job's
-    placement (Megatron's order at T > 1)."""
+    micro-batch, recompute, ZeRO-1, sequence parallelism) through :meth:`RunConfig.from_job`;
+    ``options['device_map']`` overrides the job's placement (the plan's own otherwise)."""
     device_map = options.pop("device_map", None)
     job = loaded.run_job(eager=eager, device_map=device_map if isinstance(device_map, str) else None)
     cfg = RunConfig.from_job(job, **options)
@@ -76,5 +75,6 @@ def _layout_config(loaded: LayoutPlan, eager: bool, options: dict) -> tuple[RunC
             "partition_layers": None, "devices_per_node": loaded.cluster.devices_per_node,
             "global_batch": loaded.record.get("global_batch"), "model": loaded.model.name,
             "plan": f"{lay.schedule} T={lay.tp} D={lay.devices} R={lay.replicas} N={lay.microbatches} "
-                    f"micro-batch {job.micro_batch}, recompute {job.recompute}, ZeRO-{job.zero}"}
+                    f"micro-batch {job.micro_batch}, recompute {job.recompute}, ZeRO-{job.zero}"
+                    + (", sequence parallel" if job.sequence_parallel else "")}
     return cfg, low, info

@@ -45,7 +45,9 @@ def space_from_args(args):
     scheds = None if args.schedules is None else tuple(parse_schedules(args.schedules))
     return LayoutSpace(tp=tp, schedules=scheds, micro_batches=mbs,
                        recompute=RECOMPUTE if args.recompute is None else (args.recompute,),
-                       max_stages=args.max_stages, gpus=args.devices)
+                       max_stages=args.max_stages, gpus=args.devices,
+                       device_maps=("sequential",) if args.device_map is None else
+                       tuple(m.strip() for m in args.device_map.split(",")))
 
 
 def main_layout(args, limit: float | None, check_limit) -> int:
@@ -99,6 +101,11 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     return 0
 
 
+def res_maps(args) -> list[str]:
+    """The device maps searched."""
+    return ["sequential"] if args.device_map is None else [m.strip() for m in args.device_map.split(",")]
+
+
 def search_stats(res) -> dict:
     return {"seconds": res.seconds, "candidates": res.candidates, "memory_pruned": res.memory_pruned,
             "refused": res.refused, "out_of_memory": res.out_of_memory, "simulated": res.simulated}
@@ -111,9 +118,10 @@ def _print_human(res, recs, stats, args) -> None:
     rows = [{"tp": r["tp"], "devices": r["devices"], "dp": r["dp"], "schedule": r["schedule"] +
              (f"/{r['variant']}" if r["variant"] else ""), "chunks": r["chunks"], "micro_batch": r["micro_batch"],
              "recompute": r["recompute"], "zero": r["zero"], "sp": "yes" if r["sequence_parallel"] else "no",
-             "step_s": r["iteration_time"], "tokens/s": r["tokens_per_s"], "mfu": r["mfu"],
+             "map": r["device_map"], "step_s": r["iteration_time"], "tokens/s": r["tokens_per_s"], "mfu": r["mfu"],
              "mem_GiB": r["peak_memory"] / 2**30, "bubble": r["bubble_ratio"]} for r in recs]
-    print(fmt_table(rows, COLUMNS, {"step_s": "{:.4g}", "tokens/s": "{:,.0f}", "mfu": "{:.1%}",
+    cols = COLUMNS if len(res_maps(args)) == 1 else COLUMNS[:9] + ["map"] + COLUMNS[9:]
+    print(fmt_table(rows, cols, {"step_s": "{:.4g}", "tokens/s": "{:,.0f}", "mfu": "{:.1%}",
                                     "mem_GiB": "{:.1f}", "bubble": "{:.3f}"}))
     for line in wrap_cell(f"best: {recs[0]['memory_verdict']}", 116):
         print("  " + line)

@@ -1,7 +1,8 @@
 """Parameter sweeps: a grid of simulations, run on local worker processes or a Ray cluster.
 
 A grid is the product of schedules x devices x micro-batches x data-parallel replicas x
-micro-batch sizes (:class:`Grid`) laid over one job (the options the grid does not vary); each
+tensor-parallel sizes x ZeRO stages x recomputations x micro-batch sizes (:class:`Grid`) laid over
+one job (the options the grid does not vary); each
 point is a :class:`cost_models.job.Job` of its own (:meth:`Grid.jobs`), simulated exactly as
 ``pipetwin simulate --json`` simulates it (:func:`sim.simulate_job` and
 :func:`experiments.common.metrics_record`), so a point's record *is* that JSON object.
@@ -37,21 +38,38 @@ from cost_models.bind import CostInputs, cost_model_for, load_inputs
 from cost_models.files import FileError, read_text, write_output
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, Job
 
-COLUMNS = ["schedule", "devices", "microbatches", "dp", "tp", "micro_batch", "iteration_time", "throughput",
-           "bubble_ratio", "peak_memory", "out_of_memory", "error"]
-KEY = ("schedule", "devices", "microbatches", "dp", "tp", "micro_batch")
+COLUMNS = ["schedule", "devices", "microbatches", "dp", "tp", "zero", "recompute", "micro_batch", "iteration_time",
+           "throughput", "bubble_ratio", "peak_memory", "out_of_memory", "error"]
+KEY = ("schedule", "devices", "microbatches", "dp", "tp", "zero", "recompute", "micro_batch")
 
 
-def point_key(job: Job) -> tuple[str, ...]:
+def _key(schedule, devices, microbatches, dp, tp, zero, recompute, micro_batch) -> tuple[str, ...]:
+    return (schedule, str(devices), str(microbatches), str(dp), str(tp), str(zero), recompute,
+            "" if micro_batch is None else str(micro_batch))
+
+
+@dataclass(frozen=True)
+class Impossible:
+    """A point of the grid whose job cannot be made (its axes exclude each other, e.g. ZeRO-1 at
+    R = 1): a row with ``error``, as a point that cannot run."""
+
+    key: tuple[str, ...]
+    error: str
+
+
+def point_key(job: "Job | Impossible") -> tuple[str, ...]:
     """The CSV's key of a point (the grid's axes, as text)."""
+    if isinstance(job, Impossible):
+        return job.key
     lay = job.layout
-    return (lay.schedule, str(lay.devices), str(lay.microbatches), str(lay.replicas), str(lay.tp),
-            "" if job.micro_batch is None else str(job.micro_batch))
+    return _key(lay.schedule, lay.devices, lay.microbatches, lay.replicas, lay.tp, job.zero, job.recompute,
+                job.micro_batch)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Grid:
-    """The axes of a sweep; ``micro_batch`` None: the model's own (or unit costs)."""
+    """The axes of a sweep; ``micro_batch`` None: the model's own (or unit costs); ``zero``: ZeRO
+    stages (0, 1); ``recompute``: none, selective, full."""
 
     schedules: tuple[str, ...]
     devices: tuple[int, ...]
@@ -59,12 +77,22 @@ class Grid:
     dp: tuple[int, ...]
     micro_batch: tuple[int | None, ...] = (None,)
     tp: tuple[int, ...] = (1,)
+    zero: tuple[int, ...] = (0,)
+    recompute: tuple[str, ...] = ("none",)
 
-    def jobs(self, base: Job) -> list[Job]:
-        """One job per point: ``base`` with the point's layout and micro-batch size."""
-        return [replace(base.with_layout(schedule=s, devices=d, microbatches=n, replicas=r, tp=t), micro_batch=b)
-                for s, d, n, r, t, b in itertools.product(self.schedules, self.devices, self.microbatches, self.dp,
-                                                          self.tp, self.micro_batch)]
+    def jobs(self, base: Job) -> "list[Job | Impossible]":
+        """One job per point: ``base`` with the point's layout, ZeRO stage, recomputation and micro-batch
+        size (:class:`Impossible` where these exclude each other)."""
+        out: list[Job | Impossible] = []
+        for point in itertools.product(self.schedules, self.devices, self.microbatches, self.dp, self.tp, self.zero,
+                                       self.recompute, self.micro_batch):
+            s, d, n, r, t, z, c, b = point
+            try:
+                out.append(replace(base.with_layout(schedule=s, devices=d, microbatches=n, replicas=r, tp=t), zero=z,
+                                   recompute=c, micro_batch=b))
+            except ValueError as e:
+                out.append(Impossible(_key(*point), str(e).splitlines()[0] if str(e) else type(e).__name__))
+        return out
 
 
 def parse_ints(text: str, option: str) -> tuple[int, ...]:
@@ -75,7 +103,18 @@ def parse_ints(text: str, option: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(p) for p in parts))
 
 
-def run_point(job: Job) -> dict:
+def parse_choices(text: str, option: str, choices) -> tuple:
+    """``"none,full"`` -> ("none", "full"): each one of ``choices`` (ints when they are), one-line
+    error otherwise."""
+    known = {str(c): c for c in choices}
+    parts = [t.strip() for t in str(text).split(",")]
+    bad = [p for p in parts if p not in known]
+    if bad:
+        raise ValueError(f"{option}: expected comma-separated values out of {', '.join(known)}; got {text!r}")
+    return tuple(dict.fromkeys(known[p] for p in parts))
+
+
+def run_point(job: "Job | Impossible") -> dict:
     """Simulate one point: ``{"row": CSV row, "record": simulate --json object or None}``. A point
     that cannot run is a row with its ``error`` (never an exception)."""
     from sim import simulate_job
@@ -83,6 +122,8 @@ def run_point(job: Job) -> dict:
     from .common import metrics_record
     row = dict(zip(KEY, point_key(job)))
     try:
+        if isinstance(job, Impossible):
+            raise ValueError(job.error)
         bound, res = simulate_job(job)
         rec = metrics_record(res, **bound.report)
     except (ValueError, FileNotFoundError) as e:       # what `pipetwin simulate` reports as a user error
@@ -110,9 +151,10 @@ def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
     if inputs.cluster is not None and base.source != "profile":
         job["cluster"]["name"] = job["cluster"]["name"] or DEFAULT_CLUSTER
         job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile")
-    job.pop("micro_batch")
+    for axis in ("micro_batch", "zero", "recompute"):
+        job.pop(axis)
     job["layout"] = {k: v for k, v in job["layout"].items() if k not in ("schedule", "devices", "microbatches",
-                                                                         "replicas")}
+                                                                         "replicas", "tp")}
     for name in ("model", "profile"):
         job[name] = _absolute(job[name])
     job["cluster"]["name"] = _absolute(job["cluster"]["name"])
@@ -293,8 +335,9 @@ def _ray(todo, address, on_done):
         raise ValueError("--ray needs Ray: pip install 'pipetwin[ray]'") from None
     started = not ray.is_initialized()
     if started:
+        import logging
         ray.init(address=None if address in (None, "", "local") else address, ignore_reinit_error=True,
-                 log_to_driver=False, include_dashboard=False)
+                 log_to_driver=False, include_dashboard=False, logging_level=logging.ERROR)
     try:
         remote = ray.remote(run_point)
         pending = [remote.remote(job) for job in todo]
@@ -394,6 +437,9 @@ def plot_sweep(rows: list[dict], out: Path, *, unit_costs: bool = False) -> None
     from .plots import plt, save_figure
     ok = [r for r in rows if not r["error"] and _num(r["throughput"]) is not None]
     label = lambda r: (f"{r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}"  # noqa: E731
+                       + (f" T={r['tp']}" if r["tp"] != "1" else "")
+                       + (f" ZeRO-{r['zero']}" if r["zero"] != "0" else "")
+                       + (f" {r['recompute']}" if r["recompute"] != "none" else "")
                        + (f" b={r['micro_batch']}" if r["micro_batch"] else ""))
     ok.sort(key=lambda r: -float(r["throughput"]))
     fig, ax = plt.subplots(figsize=(8, 0.3 * max(4, len(ok)) + 1))
@@ -421,4 +467,5 @@ def plot_sweep(rows: list[dict], out: Path, *, unit_costs: bool = False) -> None
     save_figure(fig, out / "pareto.png")
 
 
-__all__ = ["COLUMNS", "Grid", "point_key", "run_point", "run_sweep", "read_done", "pareto_front", "parse_ints"]
+__all__ = ["COLUMNS", "Grid", "Impossible", "point_key", "run_point", "run_sweep", "read_done", "pareto_front",
+           "parse_ints", "parse_choices"]

@@ -24,14 +24,15 @@ So the best K equal those of simulating every candidate (:func:`brute_force`, th
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
 
-from cost_models.bind import CostInputs, bind, transformer_cost_model
+from cost_models.bind import CostInputs, bind, bind_lowered, transformer_cost_model
 from cost_models.cluster import Cluster
 from cost_models.job import ClusterChoice, Job, Layout
-from cost_models.memory import fmt_bytes, memory_report, usable_memory
+from cost_models.memory import MemoryReport, fmt_bytes, memory_report, peak_activation, usable_memory
 from cost_models.model_spec import ModelSpec
 from cost_models.transformer import RECOMPUTE, megatron_flops
 from schedules import registry
@@ -49,7 +50,11 @@ class LayoutSpace:
     the registry's, less :data:`EXCLUDED_BY_DEFAULT`), each with every variant and, for those that
     take chunks, ``chunks``; ``micro_batches``; ``recompute``; ``zero`` (ZeRO-1 only when R > 1);
     ``sequence_parallel`` (only when T > 1); ``max_stages``: at most this many pipeline devices D;
-    ``gpus``: the GPUs used (None: the cluster's; a multiple of its node size)."""
+    ``gpus``: the GPUs used (None: the cluster's; a multiple of its node size); ``device_maps``: how
+    ranks are placed (default ``sequential``: Llama 3's order [TP, PP, DP], a tensor-parallel group
+    on consecutive GPUs of a node, a pipeline on consecutive groups; its replicas are alike, so the
+    simulator runs one for all, where Megatron's [TP, DP, PP] on a rail fabric tells up to 32 kinds
+    apart)."""
 
     tp: tuple[int, ...] | None = None
     schedules: tuple[str, ...] | None = None
@@ -60,6 +65,7 @@ class LayoutSpace:
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_stages: int | None = None
     gpus: int | None = None
+    device_maps: tuple[str, ...] = ("sequential",)
 
     def __post_init__(self):
         for r in self.recompute:
@@ -72,6 +78,10 @@ class LayoutSpace:
                     raise ValueError(f"{name} values must be integers >= 1; got {v!r}")
         for n in self.schedules or ():
             registry.get(n)
+        from cost_models.cluster import MAPPINGS
+        for m in self.device_maps:
+            if m not in MAPPINGS:
+                raise ValueError(f"--device-map must be among {', '.join(MAPPINGS)}; got {m!r}")
 
     def families(self) -> list[str]:
         return list(self.schedules) if self.schedules is not None else \
@@ -112,7 +122,7 @@ class Confirmed:
                 "schedule": lay.schedule, "chunks": lay.chunks if registry.get(lay.schedule).takes_chunks else 1,
                 "variant": lay.variant, "micro_batch": j.micro_batch, "microbatches": lay.microbatches,
                 "recompute": j.recompute, "zero": j.zero, "sequence_parallel": j.sequence_parallel,
-                "iteration_time": self.iteration_time,
+                "device_map": j.mapping, "iteration_time": self.iteration_time,
                 "tokens_per_s": global_batch * model.seq_len / self.iteration_time,
                 "mfu": layout_mfu(model, global_batch, self.iteration_time, lay.gpus, peak_flops),
                 "peak_memory": self.peak_memory, "memory_need": self.memory_need, "bubble_ratio": self.bubble_ratio,
@@ -225,12 +235,12 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                                 continue
                             lay = Layout(schedule=name, devices=D, microbatches=N, replicas=R, chunks=chunks,
                                          variant=variant, tp=tp)
-                            for rc in space.recompute:
-                                for zero in (space.zero if R > 1 else (0,)):
-                                    for sp in (space.sequence_parallel if tp > 1 else (False,)):
-                                        out.append(Job(layout=lay, model=model, cluster=choice, micro_batch=mb,
-                                                       recompute=rc, zero=zero, sequence_parallel=sp,
-                                                       cost_model=cost_model, memory_reserve=memory_reserve))
+                            for rc, zero, sp, dmap in itertools.product(
+                                    space.recompute, space.zero if R > 1 else (0,),
+                                    space.sequence_parallel if tp > 1 else (False,), space.device_maps):
+                                out.append(Job(layout=lay, model=model, cluster=choice, micro_batch=mb,
+                                               recompute=rc, zero=zero, sequence_parallel=sp, cost_model=cost_model,
+                                               memory_reserve=memory_reserve, device_map=dmap))
     return out
 
 
@@ -243,6 +253,8 @@ class _Bounds:
         self._work: dict = {}
         self._mem: dict = {}
         self._shapes: dict = {}
+        self._counts: dict = {}
+        self._acts: dict = {}
 
     def inputs(self, job: Job) -> CostInputs:
         return CostInputs("transformer", model=self.model.replace(micro_batch=job.micro_batch), cluster=self.cluster)
@@ -275,10 +287,10 @@ class _Bounds:
         """The second bound, from the job's costs on its built (not lowered) schedule: ``(time,
         need, fits)``: time = max over ranks of (its busy time, every compute op of its program,
         plus the forwards of the stages before the first stage it holds, which must run before its
-        first op can start); need and fits: the ledger's verdict (:func:`memory_report`, the same
-        walk as on the lowered schedule: the walk counts compute ops only). None for families that
-        order their ops from their own costs (zb-auto: bound and judged when confirmed); a string
-        when the family refuses the shape."""
+        first op can start); need and fits: the ledger's verdict (the :class:`MemoryReport` of
+        :func:`memory_report`, the same walk as on the lowered schedule: it counts compute ops
+        only). None for families that order their ops from their own costs (zb-auto: bound and
+        judged when confirmed); a string when the family refuses the shape."""
         if registry.get(job.layout.schedule).takes_memory_limit:
             return None
         sched = self.shape(job)
@@ -289,16 +301,30 @@ class _Bounds:
             costs = tcm.bind(sched)
         except ValueError as e:
             return str(e)
-        rep = memory_report(sched, costs, capacity, reserve)
+        lay = job.layout
+        akey = (id(sched), job.micro_batch, lay.tp, job.sequence_parallel, job.recompute)
+        if akey not in self._acts:       # ZeRO changes the static bytes only: one walk for both
+            self._acts[akey] = peak_activation(sched, costs)
+        rep = MemoryReport(tuple(costs.static_mem), self._acts[akey], capacity, costs.mem_unit,
+                           float(costs.meta.get("memory_transient") or 0.0), reserve)
         f = costs.f
         best = 0.0
-        for d in range(sched.num_devices):
-            held = sched.stages_on(d)
+        for held, counts in self._work_of(sched):
             start = min(sum(f[c][:s]) for c, s in held)
-            busy = sum(costs.compute_time(op.kind, op.copy, op.stage) for op in sched.programs[d]
-                       if op.kind in COMPUTE_KINDS)
+            busy = sum(n * costs.compute_time(k, c, s) for (k, c, s), n in counts.items())
             best = max(best, start + busy)
         return best, rep.max_peak + rep.transient, not rep.oom
+
+    def _work_of(self, sched) -> list:
+        """Per device of a built schedule: the (copy, stage) it holds and how many compute ops of
+        each (kind, copy, stage) its program runs (kept with the shape)."""
+        key = id(sched)
+        if key not in self._counts:
+            from collections import Counter
+            self._counts[key] = [(sched.stages_on(d), Counter((op.kind, op.copy, op.stage) for op in sched.programs[d]
+                                                               if op.kind in COMPUTE_KINDS))
+                                 for d in range(sched.num_devices)]
+        return self._counts[key]
 
     def memory(self, job: Job) -> float:
         lay = job.layout
@@ -314,16 +340,21 @@ class _Bounds:
 def _order(job: Job) -> tuple:
     lay = job.layout
     return (lay.tp, lay.devices, lay.schedule, lay.variant or "", lay.chunks, job.micro_batch,
-            RECOMPUTE.index(job.recompute), job.zero, job.sequence_parallel)
+            RECOMPUTE.index(job.recompute), job.zero, job.sequence_parallel, job.mapping)
 
 
-def confirm(job: Job, inputs: CostInputs, capacity: float, reserve: float | None, time_bound: float = 0.0):
+def confirm(job: Job, inputs: CostInputs, capacity: float, reserve: float | None, time_bound: float = 0.0,
+            built=None):
     """Bind ``job`` and judge its memory by the ledger (``capacity`` bytes less ``reserve``, None:
-    the default); simulate it when it fits. Returns a
+    the default); simulate it when it fits. ``built``: its compute-only schedule, built already
+    (then lowered, validated and costed as :func:`cost_models.bind.bind` does). Returns a
     :class:`Confirmed`, ``("oom", need)`` (bytes the worst GPU needs) or ``("refused", why)``."""
     from sim import job_options, run
     try:
-        bound = bind(job, inputs)
+        if built is None or isinstance(built, Exception):
+            bound = bind(job, inputs)
+        else:
+            bound = bind_lowered(job, inputs, job.layout.build(eager=job.eager, built=built, **inputs.limits()))
     except (ScheduleError, ValueError) as e:
         return "refused", str(e)
     rep = memory_report(bound.lowered, bound.costs, capacity, reserve)
@@ -402,7 +433,8 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
                 tb = refined[i] = max(tb, t2)
             heapq.heappush(heap, (tb, order, i, True))
             continue
-        got = confirm(c.job, bounds.inputs(c.job), capacity, reserve, refined.get(i, c.time_bound))
+        got = confirm(c.job, bounds.inputs(c.job), capacity, reserve, refined.get(i, c.time_bound),
+                      built=bounds.shape(c.job) if i in refined else None)
         if isinstance(got, tuple):
             if got[0] == "oom":
                 result.out_of_memory += 1

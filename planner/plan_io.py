@@ -29,7 +29,8 @@ A whole-layout plan (``pipetwin plan --tp``, :mod:`planner.layout`) is a job ins
     {"format": "pipetwin-plan", "version": 1, "kind": "layout",
      "model": {"kind": "transformer", "name", "spec": {...}}, "cluster": {...},
      "layout": {"schedule", "devices" (D), "microbatches" (N), "replicas" (R), "chunks", "variant", "tp" (T)},
-     "micro_batch", "recompute", "zero", "sequence_parallel", "cost_model", "memory_reserve", "memory_limit",
+     "micro_batch", "recompute", "zero", "sequence_parallel", "device_map", "cost_model", "memory_reserve",
+     "memory_limit",
      "global_batch", "simulated": {...the planner's record...}}
 
 read back as a :class:`LayoutPlan` (its :meth:`LayoutPlan.job` is the job the planner simulated).
@@ -163,7 +164,7 @@ def layout_plan_record(job, cluster: Cluster, global_batch: int, *, memory_limit
     """The plan file of a whole-layout plan (:mod:`planner.layout`): ``"kind": "layout"``, the job's
     ``layout`` (schedule, devices D, microbatches N, replicas R, chunks, variant, tp T), the model's
     spec, the cluster, ``micro_batch``, ``recompute``, ``zero``, ``sequence_parallel``,
-    ``cost_model``, ``memory_reserve``, ``memory_limit``, ``global_batch`` and what the planner
+    ``device_map``, ``cost_model``, ``memory_reserve``, ``memory_limit``, ``global_batch`` and what the planner
     simulated (``simulated``: its record)."""
     lay = job.layout
     spec = job.model
@@ -171,7 +172,7 @@ def layout_plan_record(job, cluster: Cluster, global_batch: int, *, memory_limit
             "model": {"kind": "transformer", "name": spec.name, "spec": spec.to_dict()},
             "cluster": cluster.to_dict(), "layout": {k: getattr(lay, k) for k in LAYOUT_FIELDS},
             "micro_batch": job.micro_batch, "recompute": job.recompute, "zero": job.zero,
-            "sequence_parallel": job.sequence_parallel, "cost_model": job.cost_model,
+            "sequence_parallel": job.sequence_parallel, "device_map": job.mapping, "cost_model": job.cost_model,
             "memory_reserve": job.memory_reserve, "memory_limit": memory_limit, "global_batch": global_batch,
             "simulated": simulated}
 
@@ -198,7 +199,9 @@ class LayoutPlan:
         parallelism (no cluster or cost model: a run has its own)."""
         from cost_models.job import Job
         f = {k: v for k, v in self.job_fields.items() if k not in ("cost_model", "memory_reserve")}
-        return Job(model=self.model, eager=eager, device_map=device_map, **f)
+        if device_map is not None:
+            f["device_map"] = device_map
+        return Job(model=self.model, eager=eager, **f)
 
     def inputs(self):
         from cost_models.bind import CostInputs
@@ -230,7 +233,8 @@ def _layout_plan(rec: dict, source: str) -> LayoutPlan:
         spec.check_tensor_parallel(layout.tp)
         fields = {"layout": layout, "micro_batch": rec["micro_batch"], "recompute": rec["recompute"],
                   "zero": rec["zero"], "sequence_parallel": rec["sequence_parallel"],
-                  "cost_model": rec.get("cost_model"), "memory_reserve": rec.get("memory_reserve")}
+                  "device_map": rec.get("device_map"), "cost_model": rec.get("cost_model"),
+                  "memory_reserve": rec.get("memory_reserve")}
         spec = spec.replace(micro_batch=rec["micro_batch"])
         plan = LayoutPlan(fields, spec, cluster, rec, source)
         plan.job()      # every field checked as a job's

@@ -18,8 +18,9 @@ One SimPy process per rank walks its program:
 - ALLREDUCE starts once every member of the stage's group has reached it; it runs the phases of
   a ring all-reduce (hierarchical when the group spans nodes, :func:`cost_models.comm.allreduce_phases`)
   as flows over the same links as P2P traffic, while the ranks go on (on a network with a measured
-  all-reduce fit, its ring time, spent as the host model says); OPTIM waits for the rank's
-  all-reduces, then does its CPU work.
+  all-reduce fit, its ring time, spent as the host model says); steps of one flow whose links carry
+  nothing else and that end before SimPy's next event run as one timeout, at the times one event
+  per step gives. OPTIM waits for the rank's all-reduces, then does its CPU work.
 - Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
   F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
 

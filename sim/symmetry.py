@@ -14,7 +14,8 @@ equitable partition. Then, whatever subset of classes is active, max-min fair sh
 copy of a class the same rate (progressive filling raises them together and they meet the same
 saturations), so a class is one flow over one resource per kind of link it crosses, with a weight
 equal to the copies of the class on such a link. Links that can never limit a rate (a fabric uplink
-wide enough for everything that may cross it) are left out first. If the SENDs of some device pair split, a
+wide enough for everything that may cross it, or for all the NICs below it can send) are left out
+first. If the SENDs of some device pair split, a
 replica meets other links or contention than replica 0: the placement is not symmetric. Replicas
 whose SENDs fall in the same classes, pair by pair, are still alike (a *kind*): every class of
 SENDs is then one device pair of one kind, so one replica of each kind is simulated (each of its

@@ -99,7 +99,7 @@ def tp_sitting(tmp_path_factory):
     jobs = [Job(layout=Layout(schedule=s, devices=2, microbatches=4, tp=2)) for s in ("gpipe", "dapple")]
     # short runs on a shared host: the figures are what is checked, not whether the host was quiet
     rules = SittingRules(runs=1, max_runs=1, warmup=1, max_foreign=100.0, max_spread=10.0)
-    prof, comps = calibrate_and_compare(jobs, steps=5, repeats=3, rules=rules)
+    prof, comps = calibrate_and_compare(jobs, steps=7, repeats=3, rules=rules)
     path = save_profile(prof, tmp_path_factory.mktemp("tp") / "calibration.yaml")
     return prof, load_profile(path), comps
 
@@ -116,8 +116,8 @@ def test_calibrated_tp_profile_round_trips(tp_sitting):
 def test_short_validate_at_tp2_memory_exact_and_time_within_a_third(tp_sitting):
     """Peak activation bytes of each TP rank 0 equal the simulator's from the measured shards;
     each rank ran its program's op order; the step time is predicted within a third in these
-    5-step runs (a model that ignored the collectives or gave each rank a core of its own misses
-    by more: the test below)."""
+    one-run, 7-step sittings on a shared host (a model that ignored the collectives and gave each
+    process a core of its own misses by more than a half: the test below)."""
     _, prof, comps = tp_sitting
     g, d = comps
     assert (g.schedule, g.fitted, d.schedule, d.fitted) == ("gpipe", False, "dapple", True)
@@ -129,7 +129,7 @@ def test_short_validate_at_tp2_memory_exact_and_time_within_a_third(tp_sitting):
 
 def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
     """The same runs simulated without the collectives and with a core per process (the profile
-    read as one of T = 1) come out more than a third short: the tolerance above could fail."""
+    read as one of T = 1) come out more than half short: the tolerance above could fail."""
     from calibration import simulate_with_profile
     from executor.config import RunConfig, lowered_schedule
     from schedules.trace import noise_free, step_metrics
@@ -139,4 +139,22 @@ def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
     for c in comps:
         low = lowered_schedule(RunConfig(schedule=c.schedule, devices=2, microbatches=4, steps=1, model="tiny", tp=2))
         t = noise_free(step_metrics(simulate_with_profile(low, bare, steps=3)).iteration_times[1:])
-        assert t / c.measured_iteration_time - 1 < -1 / 3, (c.schedule, t, c.measured_iteration_time)
+        assert t / c.measured_iteration_time - 1 < -1 / 2, (c.schedule, t, c.measured_iteration_time)
+
+
+def test_calibrate_tp_on_the_command_line(tmp_path, capsys):
+    """``pipetwin calibrate --tp 2`` in its quickest form (3 repeats per measurement, one round of
+    4-step traced runs at T = 2): a profile of T = 2 whose layers are a TP rank's, said in its line."""
+    from experiments.cli import main
+    out = tmp_path / "tp2.yaml"
+    assert main(["calibrate", "--tp", "2", "--repeats", "3", "--runtime-steps", "4", "--runtime-repeats", "1",
+                 "--out", str(out)]) == 0
+    line = capsys.readouterr().out
+    prof = load_profile(out)
+    assert prof.tp == 2 and prof.meta["runtime_schedules"] == ["dapple", "interleaved", "zb-v", "zb-h1", "bitpipe"]
+    assert f"T=2: layers per TP rank, TP all-reduce step {prof.tp_allreduce.latency * 1e6:.0f} us" in line
+    # the profile prices a block's four all-reduces of its 16 KiB activations on the fitted ring
+    f_comm, b_comm = prof.collective_times()[1]
+    ring = ring_allreduce_time(OUT, 2, prof.tp_allreduce.bandwidth, prof.tp_allreduce.latency)
+    assert (f_comm, b_comm) == (pytest.approx(2 * ring, rel=1e-12), pytest.approx(2 * ring, rel=1e-12))
+    assert prof.layer_costs().f[1] == pytest.approx(prof.layers[1].f + 2 * ring, rel=1e-12)

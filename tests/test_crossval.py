@@ -25,6 +25,23 @@ def test_fit_allreduce_recovers_ring_parameters():
     assert f_lat == pytest.approx(lat, rel=1e-9) and f_bw == pytest.approx(bw, rel=1e-9)
 
 
+def test_relative_allreduce_fit_holds_the_small_sizes():
+    """Exact ring times are recovered either way; with the largest size 40% slow (a noisy
+    measurement), the plain fit misses the small, latency-bound sizes by more than 20% and the
+    relative one (TP all-reduces) keeps them within 5%."""
+    lat, bw, n = 90e-6, 1.5e9, 2
+    sizes = [1 << k for k in range(10, 23, 2)]
+    times = [2 * (n - 1) * lat + 2 * (n - 1) / n * s / bw for s in sizes]
+    assert fit_allreduce(sizes, times, n, relative=True) == (pytest.approx(lat, rel=1e-9), pytest.approx(bw, rel=1e-9))
+    noisy = times[:-1] + [times[-1] * 1.4]
+    small = times[:3]
+    for relative, worst in ((False, 0.2), (True, 0.05)):
+        f_lat, f_bw = fit_allreduce(sizes, noisy, n, relative=relative)
+        fitted = [2 * f_lat + s / f_bw for s in sizes[:3]]
+        miss = max(abs(f / t - 1) for f, t in zip(fitted, small))
+        assert (miss > worst) if not relative else (miss < worst), (relative, miss)
+
+
 def test_fit_refuses_flat_timings():
     with pytest.raises(SpecError, match="do not grow"):
         fit_latency_bandwidth([1, 2, 3], [5.0, 4.0, 3.0])

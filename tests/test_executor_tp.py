@@ -13,8 +13,9 @@ Sequence parallelism (``sp-`` cases, in the same spawns): every family at T = 2 
 selective and full recomputation, split backward, the Llama, and dapple and zb-v at T2 D2 R2 with
 ZeRO-1, to the same bounds; stage boundaries carry 1/T of the sequence. Memory (``mem-`` cases, a
 wider model, Adam, one step): the measured peak activation bytes per rank within 1% of the
-simulator's ledger at T = 2 with and without sequence parallelism and recomputation, and at
-T2 D2 R2 with ZeRO-1; weights, gradients and optimizer state per rank equal to the ledger's.
+simulator's ledger at T = 2 with and without sequence parallelism and recomputation (dapple, and
+zb-v's split backward), and at T2 D2 R2 with ZeRO-1; weights, gradients and optimizer state per
+rank equal to the ledger's.
 """
 import os
 
@@ -81,6 +82,9 @@ for _sp in (False, True):
     for _rc in ("none", "selective", "full"):
         CASES[4][f"mem-adam-{'sp' if _sp else 'tp'}-{_rc}-T2D2"] = RunConfig(
             schedule="dapple", devices=2, microbatches=4, sequence_parallel=_sp, recompute=_rc, **MEM)
+for _sp, _rc in ((False, "none"), (True, "none"), (True, "full")):     # split backward: what waits for W
+    CASES[4][f"mem-adam-{'sp' if _sp else 'tp'}-{_rc}-zb-v-T2D2"] = RunConfig(
+        schedule="zb-v", devices=2, microbatches=4, sequence_parallel=_sp, recompute=_rc, **MEM)
 CASES[8]["mem-adam-sp-zero-T2D2R2"] = RunConfig(schedule="dapple", devices=2, microbatches=2, replicas=2, zero=1,
                                                 sequence_parallel=True, **MEM)
 ZBASE = dict(BASE, tp=1, device_map="sequential")
@@ -182,8 +186,9 @@ def test_memory_per_rank_equals_the_simulators_ledger(runs, world, case):
     """Measured peak activation bytes per rank (the saved-tensor meter of TP rank 0, which stands
     for its group) within 1% of the simulator's ledger (the Korthikanti et al. closed forms of
     :mod:`cost_models.transformer` walked along the rank's program), with and without sequence
-    parallelism and recomputation; the weights, gradients and optimizer state per rank equal the
-    ledger's exactly, ZeRO-1 at R = 2 included (Adam's state halved, no master copy)."""
+    parallelism and recomputation, and with a split backward (zb-v: what waits from B to W); the
+    weights, gradients and optimizer state per rank equal the ledger's exactly, ZeRO-1 at R = 2
+    included (Adam's state halved, no master copy)."""
     from cost_models.bind import bind
     from cost_models.memory import peak_activation
     cfg, sched, res = runs(world)[case]

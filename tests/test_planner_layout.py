@@ -9,7 +9,7 @@ import pytest
 
 from cost_models import load_cluster, with_nodes
 from cost_models.job import Job, Layout
-from cost_models.memory import memory_report, usable_memory
+from cost_models.memory import fmt_bytes, memory_report, usable_memory
 from cost_models.model_spec import ModelSpec, load_model
 from cost_models.transformer import megatron_flops
 from experiments.common import metrics_record
@@ -38,7 +38,8 @@ CASES = [
     (4, 16, 3.2, LayoutSpace(schedules=("dapple", "interleaved", "zb-v"), micro_batches=(1, 2),
                              recompute=("none", "full"))),
     (2, 8, 2.4, LayoutSpace(schedules=("gpipe", "chimera", "zb-h1"), micro_batches=(1, 2, 4),
-                            recompute=("none", "selective"), sequence_parallel=(False, True))),
+                            recompute=("none", "selective"), sequence_parallel=(False, True),
+                            device_maps=("sequential", "megatron"))),
     (4, 32, None, LayoutSpace(schedules=("dapple", "bitpipe", "dualpipe-v"), micro_batches=(2, 4),
                               recompute=("none",))),
 ]
@@ -137,7 +138,8 @@ def test_plan_file_round_trips_and_simulates_to_the_planners_time(tmp_path):
     loaded = load_plan(path)
     assert isinstance(loaded, LayoutPlan)
     job = loaded.job()
-    for f in ("layout", "micro_batch", "recompute", "zero", "sequence_parallel", "cost_model", "memory_reserve"):
+    for f in ("layout", "micro_batch", "recompute", "zero", "sequence_parallel", "device_map", "cost_model",
+              "memory_reserve"):
         assert getattr(job, f) == getattr(best.job, f), f
     assert loaded.model == SMALL.replace(micro_batch=best.job.micro_batch)
     _, sim = simulate_job(Job(plan=loaded))
@@ -172,10 +174,15 @@ def test_no_plan_fits_says_by_how_much():
     """The smallest need of the space, exact, against the usable memory."""
     cl = _small_h100(2)
     space = LayoutSpace(schedules=("dapple",), micro_batches=(1,), recompute=("full",))
-    fits = [got for _, got in brute_force(SMALL, cl, 4, space, memory_limit=64 * GiB) if isinstance(got, Confirmed)]
-    least = min(x.peak_memory for x in fits)
-    with pytest.raises(NoPlanFits, match=r"no plan fits: the smallest needs .* per GPU, .* more than the .* usable"):
+    needs = [got.memory_need if isinstance(got, Confirmed) else got[1]
+             for _, got in brute_force(SMALL, cl, 4, space, memory_limit=64 * GiB)
+             if isinstance(got, Confirmed) or got[0] != "refused"]
+    least = min(needs)
+    with pytest.raises(NoPlanFits) as e:
         plan_layouts(SMALL, cl, 4, space, memory_limit=least / 2)
+    assert str(e.value) == (f"no plan fits: the smallest needs {fmt_bytes(least)} per GPU, {fmt_bytes(least / 2)} "
+                            f"more than the {fmt_bytes(least / 2)} usable of {fmt_bytes(least / 2)}; use more GPUs "
+                            f"(nodes), a smaller model or a device with more memory")
     assert usable_memory(64 * GiB, 0.0) == 64 * GiB
 
 
@@ -222,9 +229,9 @@ def test_cli_top_json_out_plot_and_simulate_plan(tmp_path, capsys):
     assert "step_s" in text and "mfu" in text and "search:" in text
 
 
-def test_run_plan_trains_a_tp2_plan_with_the_references_losses(tmp_path):
-    """A plan with T = 2 (ZeRO-1 where R > 1) for the tiny GPT runs on gloo with the reference's
-    losses; a plan with sequence parallelism is refused for a run with one line."""
+def test_run_plan_trains_tp2_plans_with_the_references_losses(tmp_path):
+    """The planner's best T = 2 plan for the tiny GPT (ZeRO-1 where R > 1), and the same with
+    sequence parallelism, run on gloo from their plan files with the reference's losses."""
     from executor.launch import run_many
     from executor.reference import run_reference
     from experiments.plan_files import config_from_plan
@@ -236,17 +243,17 @@ def test_run_plan_trains_a_tp2_plan_with_the_references_losses(tmp_path):
                        top_k=1, cost_model="linear")
     best = res.best.job
     assert best.layout.tp == 2
-    path = tmp_path / "tp2.json"
-    path.write_text(json.dumps(layout_plan_record(best, cl, 8)))
-    cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05, timeout=30.0)
-    assert (cfg.tp, cfg.devices, cfg.replicas, cfg.zero) == (2, best.layout.devices, best.layout.replicas, best.zero)
-    assert cfg.global_microbatches * cfg.spec().micro_batch == 8
-    [got] = run_many([(cfg, low)])
-    ref = run_reference(cfg)
-    assert len(got.losses) == len(ref.losses) == 3
-    for a, b in zip(got.losses, ref.losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (got.losses, ref.losses)
-    sp = tmp_path / "sp.json"
-    sp.write_text(json.dumps(layout_plan_record(replace(best, sequence_parallel=True), cl, 8)))
-    with pytest.raises(ValueError, match="--sequence-parallel"):
-        config_from_plan(sp, steps=1)
+    runs = []
+    for name, job in (("tp2", best), ("tp2-sp", replace(best, sequence_parallel=True))):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(layout_plan_record(job, cl, 8)))
+        cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05, timeout=30.0)
+        assert (cfg.tp, cfg.devices, cfg.replicas, cfg.zero, cfg.sequence_parallel) == (
+            2, job.layout.devices, job.layout.replicas, job.zero, job.sequence_parallel)
+        assert cfg.global_microbatches * cfg.spec().micro_batch == 8
+        runs.append((cfg, low))
+    for (cfg, _), got in zip(runs, run_many(runs)):
+        ref = run_reference(cfg)
+        assert len(got.losses) == len(ref.losses) == 3
+        for a, b in zip(got.losses, ref.losses):
+            assert abs(a - b) <= 1e-5 * abs(b), (cfg.sequence_parallel, got.losses, ref.losses)

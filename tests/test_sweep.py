@@ -1,4 +1,5 @@
 """pipetwin sweep: grid rows equal simulate --json, resume, workers, impossible points, Ray."""
+import contextlib
 import csv
 import json
 import os
@@ -36,10 +37,10 @@ def test_sweep_rows_equal_simulate_json(capsys, tmp_path):
     assert bad[0]["error"] == "bitpipe needs an even number of devices; got 3" and bad[0]["iteration_time"] == ""
     records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     assert len(records) == 12
-    for point in ({"schedule": "bitpipe", "devices": "2", "microbatches": "4", "dp": "2", "tp": "1",
-                   "micro_batch": "2"},
-                  {"schedule": "dapple", "devices": "3", "microbatches": "4", "dp": "1", "tp": "1",
-                   "micro_batch": "1"}):
+    for point in ({"schedule": "bitpipe", "devices": "2", "microbatches": "4", "dp": "2", "tp": "1", "zero": "0",
+                   "recompute": "none", "micro_batch": "2"},
+                  {"schedule": "dapple", "devices": "3", "microbatches": "4", "dp": "1", "tp": "1", "zero": "0",
+                   "recompute": "none", "micro_batch": "1"}):
         rc, js, _ = run_cli(capsys, "simulate", "-s", point["schedule"], "-D", point["devices"], "-N", "4",
                             "--dp", point["dp"], "--micro-batch", point["micro_batch"], "-m", "gpt3-1.3b", "--json")
         want = json.loads(js)
@@ -51,6 +52,38 @@ def test_sweep_rows_equal_simulate_json(capsys, tmp_path):
         assert row["out_of_memory"] == str(want["out_of_memory"])
         samples = 4 * int(point["dp"]) * int(point["micro_batch"])
         assert float(row["throughput"]) == pytest.approx(samples / want["iteration_time"])
+
+
+def test_sweep_axes_tp_zero_recompute_equal_simulate_json(capsys, tmp_path):
+    """T, ZeRO and recompute are axes: 2 x 2 x 3 points of interleaved D=2 N=4 R=2, each row and record
+    that of `simulate --json` with the same options; ZeRO-1 shrinks the memory, full recompute more."""
+    out = tmp_path / "sw"
+    rc, text, _ = run_cli(capsys, "sweep", "-s", "interleaved", "-D", "2", "-N", "4", "--dp", "2", "--tp", "1,2",
+                          "--zero", "0,1", "--recompute", "none,selective,full", "-m", "gpt3-1.3b",
+                          "-c", "dgx-a100-4x8-ib", "--no-figures", "--workers", "2", "--out", str(out))
+    assert rc == 0 and "12 points (12 ran, 0 impossible)" in text
+    rows = read_rows(out / "sweep.csv")
+    assert [(r["tp"], r["zero"], r["recompute"]) for r in rows] == [
+        (t, z, c) for t in ("1", "2") for z in ("0", "1") for c in ("none", "selective", "full")]
+    records = {tuple(r["point"][k] for k in ("tp", "zero", "recompute")): r["record"]
+               for r in map(json.loads, (out / "sweep.jsonl").read_text().splitlines())}
+    for t, z, c in (("2", "1", "full"), ("1", "1", "selective"), ("2", "0", "none")):
+        rc, js, _ = run_cli(capsys, "simulate", "-s", "interleaved", "-D", "2", "-N", "4", "--dp", "2", "--tp", t,
+                            "--zero", z, "--recompute", c, "-m", "gpt3-1.3b", "-c", "dgx-a100-4x8-ib", "--json")
+        want = json.loads(js)
+        assert rc == 0 and records[(t, z, c)] == want
+        row = next(r for r in rows if (r["tp"], r["zero"], r["recompute"]) == (t, z, c))
+        assert float(row["iteration_time"]) == want["iteration_time"]
+        assert float(row["peak_memory"]) == max(p["peak_memory"] for p in want["per_device"])
+    peak = {(r["tp"], r["zero"], r["recompute"]): float(r["peak_memory"]) for r in rows}
+    assert peak[("1", "1", "none")] < peak[("1", "0", "none")]
+    assert peak[("1", "0", "full")] < peak[("1", "0", "selective")] < peak[("1", "0", "none")]
+    # ZeRO-1 without replicas: an impossible point (a row with the reason), the others run
+    rc, text, _ = run_cli(capsys, "sweep", "-s", "dapple", "-D", "2", "-N", "4", "--dp", "1,2", "--zero", "0,1",
+                          "-m", "tiny", "--no-figures", "--workers", "1", "--out", str(tmp_path / "z"))
+    assert rc == 0 and "4 points (3 ran, 1 impossible)" in text
+    bad = [r for r in read_rows(tmp_path / "z" / "sweep.csv") if r["error"]]
+    assert [(r["dp"], r["zero"]) for r in bad] == [("1", "1")] and "give --dp > 1" in bad[0]["error"]
 
 
 def test_sweep_resumes_and_workers_agree(capsys, tmp_path):
@@ -95,6 +128,9 @@ def test_sweep_figures_and_pareto(tmp_path):
     (("--nodes", "-2"), "argument --nodes: must be an integer >= 1"),
     (("--oversubscription", "nan"), "argument --oversubscription: must be a number in [1, 1e+06]"),
     (("--schedules", "nope"), "unknown schedule 'nope'"),
+    (("--zero", "0,2"), "--zero: expected comma-separated values out of 0, 1; got '0,2'"),
+    (("--recompute", "none,most"), "--recompute: expected comma-separated values out of none, selective, full"),
+    (("--tp", "1,0"), "--tp: expected comma-separated whole numbers >= 1"),
 ])
 def test_sweep_user_errors(capsys, tmp_path, argv, msg):
     args = {"--devices": "4", "--microbatches": "8", "--out": str(tmp_path / "o")}
@@ -123,6 +159,66 @@ def test_sweep_on_a_local_ray(tmp_path):
         ray.shutdown()
     local = run_sweep(grid, common, tmp_path / "local", workers=1, figures=False)
     assert on_ray == local and len(on_ray) == 8 and sum(bool(r["error"]) for r in on_ray) == 2
+
+
+def test_ray_missing_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "ray", None)       # import ray -> ImportError, as without it installed
+    rc, _, err = run_cli(capsys, "sweep", "-s", "dapple", "-D", "2", "-N", "2", "-m", "tiny", "--ray",
+                         "--no-figures", "--out", str(tmp_path / "sw"))
+    assert rc == 2 and err.strip() == "pipetwin: error: --ray needs Ray: pip install 'pipetwin[ray]'"
+
+
+@pytest.mark.long
+def test_sweep_on_ray_resumes_after_a_kill(tmp_path):
+    """A sweep on a local Ray killed (SIGKILL of its main process) once some rows are in: Ray's
+    processes end after it (its workers at once, its agents once they see their raylet gone: about
+    a minute here), a rerun on Ray completes the folder, and the table and records are those of a
+    sweep run whole on one local process."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_any_folder_and_kill import MAIN, _descendants, _survivors
+    pytest.importorskip("ray")
+    grid = ["sweep", "-s", "dapple,gpipe,zb-h1", "-D", "2,4", "-N", "8,16,32", "--dp", "1,2", "--zero", "0,1",
+            "-m", "gpt3-1.3b", "-c", "dgx-a100-4x8-ib", "--no-figures", "--no-progress"]
+    out = tmp_path / "ray"
+    p = subprocess.Popen([sys.executable, "-c", MAIN, *grid, "--ray", "--out", str(out)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    below: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 180
+        table = out / "sweep.csv"
+        while time.monotonic() < deadline and p.poll() is None:
+            if table.exists() and table.read_text().count("\n") >= 4:
+                break
+            time.sleep(0.1)
+        below = _descendants(p.pid)
+        assert p.poll() is None, "the sweep ended before it could be killed"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=15)
+        deadline = time.monotonic() + 120
+        while (left := _survivors(below)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == [], f"left running after SIGKILL of the sweep: {left}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)        # nothing of a failed test left behind
+    before = read_rows(out / "sweep.csv")
+    assert 3 <= len(before) < 72
+    rc = subprocess.run([sys.executable, "-c", MAIN, *grid, "--ray", "--out", str(out)], capture_output=True,
+                        text=True, timeout=600)
+    assert rc.returncode == 0, rc.stderr
+    assert "sweep: 72 points" in rc.stdout
+    ref = tmp_path / "ref"
+    assert main(grid + ["--workers", "1", "--out", str(ref)]) == 0
+    assert read_rows(out / "sweep.csv") == read_rows(ref / "sweep.csv")
+    assert _records(out / "sweep.jsonl") == _records(ref / "sweep.jsonl")
 
 
 SMALL = ("sweep", "-s", "dapple,gpipe", "-D", "2", "-N", "2,4", "-m", "tiny", "--no-figures", "--workers", "1")
@@ -166,8 +262,8 @@ def test_sweep_drops_a_half_written_row_and_reruns_it(capsys, tmp_path):
     table, jsonl = out / "sweep.csv", out / "sweep.jsonl"
     text = table.read_text()
     last = text.rstrip("\r\n").rsplit("\n", 1)[1]
-    assert last.startswith("bitpipe,3,2,1,1,,,,,,,bitpipe needs")   # the impossible point comes last
-    table.write_text(text[:len(text) - len(last) // 2 - 2])         # cut in its error: all 12 fields there
+    assert last.startswith("bitpipe,3,2,1,1,0,none,,,,,,,bitpipe needs")   # the impossible point comes last
+    table.write_text(text[:len(text) - len(last) // 2 - 2])         # cut in its error: all 14 fields there
     lines = jsonl.read_text().splitlines()
     jsonl.write_text("\n".join(lines) + "\n" + lines[-1][:50])      # a record repeated and cut
     rc, out_text, err = run_cli(capsys, *grid, "--out", str(out))
