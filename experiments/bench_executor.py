@@ -411,10 +411,7 @@ def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str
                "metering_cost": statistics.median(metering),
                "spread_pipetwin": max(a) / min(a) - 1.0, "spread_torch": max(b) / min(b) - 1.0}
         if foreign is not None:
-            load = [max(x or 0.0, y or 0.0) for x, y in zip(foreign[na], foreign[nb])]
-            quiet = [q for q, f in zip(ratio, load) if f <= max_foreign]
-            row.update({"foreign_cores": statistics.median(load), "quiet_rounds": len(quiet),
-                        "ratio_quiet": statistics.median(quiet) if quiet else None})
+            row.update(_quiet_rounds(ratio, foreign[na], foreign[nb], max_foreign))
         if cpu is not None:
             ca, cc, cb = cpu[na], cpu[nc], cpu[nb]
             row.update({"cpu_ratio": statistics.median([y / x for x, y in zip(ca, cb)]),
@@ -429,15 +426,21 @@ def summarize(times: dict[str, list[float]], seqs: int, pairs, foreign: dict[str
                "ratio_min": min(ratio), "ratio_max": max(ratio), "ratio_nomem": None, "metering_cost": None,
                "spread_pipetwin": max(a) / min(a) - 1.0, "spread_torch": max(b) / min(b) - 1.0}
         if foreign is not None:
-            load = [max(x or 0.0, y or 0.0) for x, y in zip(foreign[na], foreign[nb])]
-            quiet = [q for q, f in zip(ratio, load) if f <= max_foreign]
-            row.update({"foreign_cores": statistics.median(load), "quiet_rounds": len(quiet),
-                        "ratio_quiet": statistics.median(quiet) if quiet else None})
+            row.update(_quiet_rounds(ratio, foreign[na], foreign[nb], max_foreign))
         if cpu is not None:
             row.update({"cpu_ratio": statistics.median([y / x for x, y in zip(cpu[na], cpu[nb])]),
                         "metering_cpu": None})
         rows.append(row)
     return rows
+
+
+def _quiet_rounds(ratio: list[float], load_a: list, load_b: list, max_foreign: float) -> dict:
+    """The other processes' cores in each round (the larger of the pair's two runs) and the ratio over the
+    rounds where that stayed within ``max_foreign``."""
+    load = [max(x or 0.0, y or 0.0) for x, y in zip(load_a, load_b)]
+    quiet = [q for q, f in zip(ratio, load) if f <= max_foreign]
+    return {"foreign_cores": statistics.median(load), "quiet_rounds": len(quiet),
+            "ratio_quiet": statistics.median(quiet) if quiet else None}
 
 
 def print_table(rows: list[dict], spec, *, microbatches: int, rounds: int, steps: int, max_foreign: float) -> None:
