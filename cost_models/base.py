@@ -99,8 +99,9 @@ class LayerCosts:
     b_full: tuple[float, ...] | None = None  # measured full backward (else b_input + w)
     op_overhead: tuple[tuple[str, float], ...] = ()  # seconds added per op: (("F", s), ("SEND", s), ...)
     data_time: float = 0.0   # producing one micro-batch's inputs/targets, paid by the first F needing it
-    # a split backward of the first stage has no input gradient to produce: B does nothing and W
-    # the whole backward (what an implementation without per-layer gradient hooks does)
+    # a split backward whose first stage (no input gradient to produce) runs nothing in B and the
+    # whole backward in W (an implementation that does not end B at the first parameterised ops;
+    # the executor's B ends there, see executor.backward)
     first_stage_all_in_w: bool = False
     grad_copy_per_byte: float = 0.0   # CPU s/byte to flatten gradients for an all-reduce (and back)
     # bytes a layer keeps (and keeps until W) when it is the first layer of a stage, where act / act_w

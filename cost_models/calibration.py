@@ -22,7 +22,7 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
     optimizer: {seconds_per_param: 3.0e-9}            # optimizer step time per parameter
     overhead: {F: 5.0e-5, B: 4.0e-5, W: 4.0e-5, SEND: 9.0e-5, RECV: 3.0e-5, OPTIM: 2.0e-4}  # per op (optional)
     data_time: 4.0e-4              # making one micro-batch's tokens (first / last stage F pays it)
-    first_stage_all_in_w: true     # split backward: stage 0's B does nothing, its W everything
+    first_stage_all_in_w: false    # true: a split backward whose stage 0 B does nothing, its W everything
     cores: 2                       # the host's cores, shared by the ranks (processor sharing)
     time_slice: 4 ms               # with more ranks than cores: the OS's time slice (sim.slicing)
     oversubscribed_slowdown: 1.0   # compute this much slower then (profiles of earlier versions)
@@ -114,7 +114,7 @@ class CalibrationProfile:
     overhead: tuple[tuple[str, float], ...] = ()  # per-op runtime overhead (s): F, B, W, SEND, RECV, OPTIM
     cores: int | None = None                      # cores of the host the ranks share
     data_time: float = 0.0                        # seconds to produce one micro-batch's tokens
-    first_stage_all_in_w: bool = True             # the executor's split backward (see LayerCosts)
+    first_stage_all_in_w: bool = False            # stage 0's B does nothing, W all (see LayerCosts)
     grad_copy_per_byte: float = 0.0               # flattening gradients for an all-reduce and back
     oversubscribed_slowdown: float = 1.0          # compute slowdown while the ranks outnumber the cores
     time_slice: float | None = None               # s: the OS's slice while the ranks outnumber the cores
@@ -446,7 +446,7 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         act_bytes=act, meta=dict(meta), act_w_bytes=_per_layer_bytes(d, "act_w_bytes_per_layer", n, source),
         overhead=overhead, cores=cores,
         data_time=_spec.seconds(d.get("data_time", 0.0), source, "data_time"),
-        first_stage_all_in_w=bool(d.get("first_stage_all_in_w", True)),
+        first_stage_all_in_w=bool(d.get("first_stage_all_in_w", False)),
         grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"),
         oversubscribed_slowdown=float(over), act_bytes_recompute=act_rec, precision=precision,
         time_slice=time_slice, tp=tp, tp_allreduce=tp_ar)

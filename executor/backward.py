@@ -53,9 +53,21 @@ recipes use -- a linear layer's input -- then runs without
 ``retain_graph``: the graph is freed as B goes, as in a full backward, and only those inputs and
 the recorded gradients wait for W (the zero-bubble paper's M_W: the inputs of the linear layers
 and the gradients of their outputs). Only when some op needs the engine in W is the graph kept
-(``retain_graph``) until W. When no input needs a gradient (the first stage: token ids) B does
-nothing and W is the whole backward. Gradients equal the full backward's up to the order of
+(``retain_graph``) until W. Gradients equal the full backward's up to the order of
 floating-point sums.
+
+*The first stage* (its input, token ids, needs no gradient; ``x`` None): the analysis roots at
+the stage's first parameterised ops instead, the *sources* -- nodes none of whose inputs is an
+activation and that are not a parameter seen through transposes and casts: the token and
+position lookups (``EmbeddingBackward0``), a first linear layer or convolution of a float input.
+B runs the backward down to the sources' outputs (every intermediate activation's gradient, the
+blocks' recorded ops as on any stage) and takes the gradients arriving there as extra engine
+inputs; the graph is freed as on any stage. W computes each source's parameter gradients like
+another recorded op: a lookup's from its saved indices and the recorded output gradient
+(``embedding_dense_backward``, the kernel of the full backward), other kinds by their recipe or
+the engine. What waits for W is then the blocks' M_W plus the lookups' indices and output
+gradients, as :func:`cost_models.transformer.embedding_layer` counts it. A stage whose output
+depends on no parameter (``out.grad_fn`` None) has nothing to do in either.
 """
 from __future__ import annotations
 
@@ -95,9 +107,9 @@ def _grad(out: torch.Tensor, inputs: tuple, grad: torch.Tensor | None, *, retain
 
 
 # ---------------------------------------------------------------------------- recorded ops
-_ADDMM, _MM, _LN, _CONV, _CUSTOM = "addmm", "mm", "layer_norm", "convolution", "custom"
+_ADDMM, _MM, _LN, _CONV, _EMB, _CUSTOM = "addmm", "mm", "layer_norm", "convolution", "embedding", "custom"
 _FAST_KIND = {"AddmmBackward0": _ADDMM, "MmBackward0": _MM, "NativeLayerNormBackward0": _LN,
-              "ConvolutionBackward0": _CONV}
+              "ConvolutionBackward0": _CONV, "EmbeddingBackward0": _EMB}
 _PASS_THROUGH = {"TBackward0": True, "ToCopyBackward0": False}   # param-side nodes: name -> transposes
 
 
@@ -112,6 +124,7 @@ class _Op:
     params: dict                        # id(param) -> param, those its parameter side reaches
     fast: tuple | None                  # direct weight-gradient recipe, or None (engine)
     in_b: bool = False                  # a norm: its (per-channel) parameter gradients come with B
+    source: bool = False                # a first parameterised op of a first stage: B ends at it
 
 
 @dataclass
@@ -147,8 +160,8 @@ class SplitBackward:
         self.params = list(params)
         self.lazy = lazy
         self._ids = {id(p) for p in self.params}
-        self._template = None        # (root type, replay program, ops, engine groups, norm params) of the
-                                     # last analysed graph
+        self._template = None        # ((first stage?, root type), replay program, ops, engine groups,
+                                     # norm params) of the last analysed graph
         self.analyses = 0            # how often the graph was walked in full (tests, diagnostics)
 
     # ------------------------------------------------------------------ B
@@ -157,9 +170,9 @@ class SplitBackward:
         """B: the gradient w.r.t. ``x`` (None when ``x`` needs none) and what W needs."""
         if out.grad_fn is None:    # nothing before it trains (a first stage of parameter-free layers)
             return None, PendingWeightGrad()
-        if x is None or not x.requires_grad:
-            return None, PendingWeightGrad(full=(out, grad))
-        nodes = self._replay(out.grad_fn) if self._template is not None else None
+        if x is not None and not x.requires_grad:
+            x = None                # token ids: the analysis roots at the first parameterised ops
+        nodes = self._replay(out.grad_fn, x is None) if self._template is not None else None
         if nodes is None:
             return self._analyse_and_run(out, x, grad)
         _, _, ops, groups, in_b = self._template
@@ -167,9 +180,10 @@ class SplitBackward:
             return self._run_hooked(out, x, grad, ops, nodes, groups, in_b)
         kept = _keep_for_w(ops, nodes, groups)
         edges = [GradientEdge(n, k) for op, n in zip(ops, nodes) if not op.in_b for k in range(op.arity)]
-        got = _grad(out, (x, *edges, *in_b), grad, retain=bool(groups))
-        _add_grads(in_b, got[1 + len(edges):])
-        gx, i = got[0], 1
+        xs = () if x is None else (x,)
+        got = _grad(out, (*xs, *edges, *in_b), grad, retain=bool(groups))
+        _add_grads(in_b, got[len(xs) + len(edges):])
+        gx, i = (got[0] if xs else None), len(xs)
         recorded = []           # one entry per op (engine groups index them); a norm's is empty
         for op, (node, saved) in zip(ops, kept):
             if op.in_b:
@@ -182,13 +196,13 @@ class SplitBackward:
     def _analyse_and_run(self, out, x, grad):
         self.analyses += 1
         found = _analyse(out.grad_fn, x, self._ids)
-        if found is None:       # out does not depend on x: W is the whole backward
-            return torch.zeros_like(x), PendingWeightGrad(full=(out, grad))
-        paths, raw = found
+        if found is None:       # out does not depend on x (or on a first parameterised op): W is all of it
+            return _input_grad(None, x), PendingWeightGrad(full=(out, grad))
+        paths, raw, sources = found
         root_seq = out.grad_fn._sequence_nr()
         program, regs = _program([paths[n] for n, _ in raw])
-        ops = [_Op(type(node), reg, root_seq - node._sequence_nr(), 0, params, _fast_recipe(node))
-               for (node, params), reg in zip(raw, regs)]
+        ops = [_Op(type(node), reg, root_seq - node._sequence_nr(), 0, params, _fast_recipe(node),
+                   source=node in sources) for (node, params), reg in zip(raw, regs)]
         groups = _engine_groups(ops)
         in_engine = {i for grp in groups for i in grp}
         in_b = {}
@@ -200,7 +214,7 @@ class SplitBackward:
         gx, pending = self._run_hooked(out, x, grad, ops, [node for node, _ in raw], groups, in_b)
         for op, (_, _, grads, _) in zip(ops, pending.ops):
             op.arity = len(grads)
-        self._template = (type(out.grad_fn), program, ops, groups, in_b)
+        self._template = ((x is None, type(out.grad_fn)), program, ops, groups, in_b)
         return gx, pending
 
     def _run_hooked(self, out, x, grad, ops, nodes, groups, in_b):
@@ -218,16 +232,26 @@ class SplitBackward:
                 if fetch:
                     saved_at[i] = _fetch(op, node)
             return pre
+        # the first parameterised ops of a first stage (``x`` None) are where B ends: the engine
+        # does not run them, so their incoming gradients are taken as extra inputs, not by hooks
+        ends = [(i, k) for i, op in enumerate(ops) if op.source and not op.in_b
+                for k in range(len(nodes[i]._input_metadata))] if x is None else []
+        edges = [GradientEdge(nodes[i], k) for i, k in ends]
+        xs = () if x is None else (x,)
         try:
             for i, (op, node) in enumerate(zip(ops, nodes)):
-                if not op.in_b:
+                if not op.in_b and not (x is None and op.source):
                     fetch = self.lazy and op.fast is not None and i not in in_engine
                     handles.append(node.register_prehook(hook(i, op, node, fetch)))
-            got = _grad(out, (x, *in_b), grad, retain=bool(groups))
+            got = _grad(out, (*xs, *edges, *in_b), grad, retain=bool(groups))
         finally:
             for h in handles:
                 h.remove()
-        _add_grads(in_b, got[1:])
+        for j, (i, k) in enumerate(ends):
+            grads_at[i] = (*grads_at[i], got[len(xs) + j])
+            if k == 0 and self.lazy and ops[i].fast is not None and i not in in_engine:
+                saved_at[i] = _fetch(ops[i], nodes[i])     # not run by B: its saved inputs are intact
+        _add_grads(in_b, got[len(xs) + len(edges):])
         recorded = []
         for i, (op, node) in enumerate(zip(ops, nodes)):
             if op.in_b:
@@ -237,12 +261,12 @@ class SplitBackward:
             else:
                 engine = i in in_engine or op.fast is None
                 recorded.append((op, node if engine else None, tuple(grads_at[i] or ()), saved_at[i]))
-        return _input_grad(got[0], x), PendingWeightGrad(recorded, groups)
+        return _input_grad(got[0] if xs else None, x), PendingWeightGrad(recorded, groups)
 
-    def _replay(self, root) -> list | None:
+    def _replay(self, root, first: bool) -> list | None:
         """The template's nodes in this graph, following the recorded paths; None on a mismatch."""
-        root_type, program, ops, _, _ = self._template
-        if type(root) is not root_type:
+        (was_first, root_type), program, ops, _, _ = self._template
+        if type(root) is not root_type or was_first != first:
             return None
         regs = [root]
         push = regs.append
@@ -306,15 +330,24 @@ def weight_backward(pending: PendingWeightGrad) -> None:
 
 
 def _input_grad(gx, x):
+    if x is None:
+        return None
     return torch.zeros_like(x) if gx is None else gx
 
 
 # ---------------------------------------------------------------------------- analysis
-def _analyse(root, x: torch.Tensor, param_ids: set):
+def _analyse(root, x: torch.Tensor | None, param_ids: set):
     """Walk the graph below ``root``: the nodes that depend on ``x`` and have a child that does not
     and leads to parameters (``[(node, {id: param})]`` in post-order), with a path from the root
-    to each node (child slots). None when ``root`` does not depend on ``x``."""
-    input_node = x.grad_fn
+    to each node (child slots), and the set of *sources*. None when ``root`` does not depend on ``x``.
+
+    ``x`` None (a first stage: its input needs no gradient): the activations start at the sources,
+    the nodes none of whose children depends on an activation and that are not a parameter seen
+    through transposes and casts (an embedding lookup, a first linear layer of a float input). A
+    source is recorded like a parameterised op and counts as depending on the input: B's gradients
+    end at it, W computes its parameters' gradients."""
+    input_node = x.grad_fn if x is not None else None
+    sources = set()
     dep: dict = {}       # node -> depends on x
     reach: dict = {}     # node not depending on x -> {id(param): param} below it
     parent: dict = {root: None}   # node -> (parent node, slot) of its first discovery
@@ -335,22 +368,28 @@ def _analyse(root, x: torch.Tensor, param_ids: set):
                 if below:
                     ops.append((node, below))
             else:
-                dep[node] = False
                 below = {}
                 for k, _ in kids:
                     below.update(reach[k])
-                reach[node] = below
+                source = x is None and not (type(node).__name__ in _PASS_THROUGH and len(kids) == 1)
+                dep[node] = source
+                if source:
+                    sources.add(node)
+                    if below:
+                        ops.append((node, below))
+                else:
+                    reach[node] = below
             continue
         if item in dep or item in kids_of:
             continue
-        if item is input_node:
+        if input_node is not None and item is input_node:
             dep[item] = True
             continue
         kids = [(c, slot) for slot, (c, _) in enumerate(item.next_functions) if c is not None]
         if not kids:                                 # a leaf: x, a parameter or another leaf
             var = getattr(item, "variable", None)
-            dep[item] = var is x
-            if var is not x:
+            dep[item] = x is not None and var is x
+            if not dep[item]:
                 reach[item] = {id(var): var} if id(var) in param_ids else {}
             continue
         kids_of[item] = kids
@@ -369,7 +408,7 @@ def _analyse(root, x: torch.Tensor, param_ids: set):
             n, slot = parent[n]
             path.append(slot)
         paths[node] = path[::-1]
-    return paths, ops
+    return paths, ops, sources
 
 
 def _program(paths: list[list[int]]) -> tuple[tuple, list[int]]:
@@ -439,6 +478,9 @@ def _fast_recipe(node):
         if w is None or b is None or b[1] or (b[0] is not None and b[0].dim() != 1):
             return None
         return (_ADDMM, w[0], w[1], b[0])
+    if kind == _EMB:      # a dense lookup of a plain parameter (a sparse gradient goes to the engine)
+        w = _param_chain(nf[0]) if nf[0] is not None else None
+        return None if w is None or w[1] or node._saved_sparse else (_EMB, w[0], False, None)
     if kind == _MM:
         w = _param_chain(nf[1]) if nf[1] is not None else None
         return None if w is None else (_MM, w[0], w[1], None)
@@ -482,6 +524,10 @@ def _fetch(op: _Op, node) -> tuple:
     kind = op.fast[0]
     if kind == _CUSTOM:
         return op.fast[1].saved_for_weight(node)
+    if kind == _EMB:    # the indices, and what embedding_backward needs besides (not tensors)
+        pad = node._saved_padding_idx      # -1 (none) reads back as its unsigned 64-bit value
+        return (node._saved_indices.detach(), node._saved_weight_sym_argsize_0,
+                pad - (1 << 64) if pad >= 1 << 63 else pad, node._saved_scale_grad_by_freq)
     if kind == _CONV:   # the input, and the geometry convolution_backward needs (not tensors)
         return (node._saved_input.detach(), node._saved_stride, node._saved_padding, node._saved_dilation,
                 node._saved_transposed, node._saved_output_padding, node._saved_groups)
@@ -519,6 +565,10 @@ def _direct(recipe, saved: tuple, g: torch.Tensor) -> None:
     kind, w, transposed, b = recipe
     if kind == _CONV:
         _direct_conv(w, b, saved, g)
+        return
+    if kind == _EMB:      # the kernel of autograd's EmbeddingBackward0 (a dense table's gradient)
+        indices, rows, padding_idx, by_freq = saved
+        _accumulate(w, torch.ops.aten.embedding_dense_backward(g, indices, rows, padding_idx, by_freq))
         return
     (mat1,) = saved
     # out = mat1 @ mat2 -> d(mat2) = mat1^T g; the parameter is mat2, or mat2^T when transposed

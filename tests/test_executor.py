@@ -198,6 +198,67 @@ def test_split_backward_of_convolutions_frees_the_graph_and_w_runs_only_weight_g
     assert fc_w.get_total_flops() == 2 * (2 * 8 * 8 * 8) * (3 * 9) + 2 * (2 * 4 * 4 * 4) * (8 * 9)
 
 
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_split_backward_of_the_first_stage_ends_b_at_the_lookups(mode):
+    """The first stage (token ids in: no input gradient): B runs the blocks' input backward down
+    to the two lookups and frees the graph, W the weight gradients, the embedding tables' included.
+    Gradients equal the full backward's; B's FLOPs equal the blocks' input-gradient FLOPs (as on a
+    later stage) and W's their weight-gradient FLOPs, with no attention, GeLU or norm backward in W
+    and both lookups' table gradients (embedding_dense_backward) in W only; what waits from B to W
+    is the blocks' (8 + 2m) sbh x 4 bytes plus the embedding's ledger bytes (ids and the lookups'
+    output gradients: 8bs + bsh 4 + s(8 + h 4)), with and without full recomputation."""
+    from cost_models.transformer import embedding_layer
+    torch.manual_seed(0)
+    stage = stage_module(SPEC, 2, 0, seed=0)
+    params = list(stage.parameters())
+    b, s, h = SPEC.micro_batch, SPEC.seq_len, SPEC.hidden
+    tok = torch.randint(0, SPEC.vocab, (b, s), generator=torch.Generator().manual_seed(1))
+    out = stage(tok)
+    g = torch.randn_like(out)
+    full_backward(out, g)
+    ref = [p.grad.clone() for p in params]
+    meter = SavedTensorMeter(params)
+    Recompute(mode, meter, params).install(stage)
+    split = SplitBackward(params, lazy=mode != "none")
+    blocks = len(stage.blocks)
+    _, _, flops_w = block_flops(SPEC)
+    want_held = blocks * (8 + 2 * SPEC.ffn_mult) * b * s * h * 4 + embedding_layer(SPEC).act_w_bytes
+    assert embedding_layer(SPEC).act_w_bytes == 8 * b * s + b * s * h * 4 + s * (8 + h * 4)
+    x = stage.embed(tok).detach().requires_grad_()
+    y = x
+    for block in stage.blocks.values():
+        y = block(y)
+    with FlopCounterMode(display=False) as fc_dx:     # the blocks' input backward, as torch counts it
+        torch.autograd.grad(y, (x,), g)
+    want_b = fc_dx.get_total_flops()                  # (with full recomputation B re-runs F: counted too)
+    del x, y
+    for _ in range(3):
+        stage.zero_grad(set_to_none=True)
+        with meter.capture():
+            out = stage(tok)
+        with FlopCounterMode(display=False) as fc_b, _AtenCounter() as in_b:
+            gx, pending = split.input(out, None, g)
+        assert gx is None and pending.full is None and all(node is None for _, node, _, _ in pending.ops)
+        norms = _norm_params(stage)
+        assert all((p.grad is None) != (id(p) in norms) for p in params), "B computed a weight gradient"
+        held = meter.hold(pending.tensors())
+        del out
+        assert meter.current() == want_held
+        with FlopCounterMode(display=False) as fc_w, _AtenCounter() as in_w:
+            weight_backward(pending)
+        del pending, held
+        assert meter.current() == 0
+        for p, r in zip(params, ref):
+            assert torch.allclose(p.grad, r, rtol=1e-6, atol=1e-9)
+        assert fc_w.get_total_flops() == blocks * flops_w
+        assert in_b.ops["embedding_dense_backward"] == 0 and in_w.ops["embedding_dense_backward"] == 2
+        for kernel in ("_scaled_dot_product_flash_attention_for_cpu_backward", "gelu_backward",
+                       "native_layer_norm_backward"):
+            assert in_w.ops[kernel] == 0 and in_b.ops[kernel] > 0, kernel
+        assert fc_b.get_total_flops() == want_b
+    assert split.analyses == 1
+
+
 class _Shared(torch.nn.Module):
     """One block applied twice, a linear layer used twice and a scale used twice in elementwise
     products (an op without a direct recipe: W falls back to the engine for that group)."""

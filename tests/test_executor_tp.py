@@ -85,6 +85,10 @@ for _sp in (False, True):
 for _sp, _rc in ((False, "none"), (True, "none"), (True, "full")):     # split backward: what waits for W
     CASES[4][f"mem-adam-{'sp' if _sp else 'tp'}-{_rc}-zb-v-T2D2"] = RunConfig(
         schedule="zb-v", devices=2, microbatches=4, sequence_parallel=_sp, recompute=_rc, **MEM)
+for _s in ("zb-h1", "zb-h2"):    # split backward on the first stage: B ends at the embedding lookups
+    for _rc in ("none", "full"):
+        CASES[4][f"mem-adam-tp-{_rc}-{_s}-T2D2"] = RunConfig(schedule=_s, devices=2, microbatches=4, recompute=_rc,
+                                                             **MEM)
 CASES[8]["mem-adam-sp-zero-T2D2R2"] = RunConfig(schedule="dapple", devices=2, microbatches=2, replicas=2, zero=1,
                                                 sequence_parallel=True, **MEM)
 ZBASE = dict(BASE, tp=1, device_map="sequential")
@@ -95,6 +99,9 @@ CASES["zero"] = {"dapple-zero-D2R2": RunConfig(schedule="dapple", devices=2, mic
                                                     **dict(ZBASE, optimizer="adam", lr=1e-3)),
                  "dapple-adam-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2,
                                                **dict(ZBASE, optimizer="adam", lr=1e-3))}
+CASES["t1"] = {f"mem-adam-{_rc}-{_s}-D2": RunConfig(schedule=_s, devices=2, microbatches=4, recompute=_rc,
+                                                     **dict(MEM, tp=1, device_map="sequential"))
+               for _s in ("zb-h1", "zb-h2") for _rc in ("none", "full")}
 IDS = [(w, k) for w, cases in CASES.items() for k in cases if "adam" not in k]
 
 
@@ -178,7 +185,8 @@ def test_zero1_shards_the_optimizer_state_over_the_replicas(runs, references):
 
 
 MEMORY_IDS = [(4, k) for k in CASES[4] if k.startswith("mem-")] + [(8, "mem-adam-sp-zero-T2D2R2"),
-                                                                    ("zero", "dapple-adam-zero-D2R2")]
+                                                                    ("zero", "dapple-adam-zero-D2R2")] + \
+    [("t1", k) for k in CASES["t1"]]
 
 
 @pytest.mark.parametrize("world,case", MEMORY_IDS, ids=[k for _, k in MEMORY_IDS])
