@@ -153,6 +153,8 @@ def measure_layer(module: torch.nn.Module, make_input: Callable, kind: str, repe
                 _, pending = split.input(out, x if needs_input_grad else None, grad_out(out))
                 held = meter.hold(pending.tensors())
                 graph_kept[0] = pending.full is not None or any(node is not None for _, node, _, _ in pending.ops)
+                out = None                  # and lets go of the output: what B did not run (a first layer's
+                                            # lookups) is freed unless W needs it (then pending holds it)
             n = meter.current()
             del x, out, held
             return n

@@ -52,9 +52,9 @@ t GPUs send 1/t each over their own links; :func:`cost_models.cluster.tensor_par
 
 Embedding (layer 0): token table Vh/t (vocabulary-parallel) + learned positions sh (gpt, bert:
 + 2 token types + LayerNorm; llama: rotary, no table), no matmul FLOPs (a lookup; its backward is
-a scatter-add). It keeps the int64 ids (8bs, and 8s/t' position ids; t' = t with SP, else 1) and,
-in a split backward, from B to W also the gradients arriving at the two lookups: bsh d for the
-tokens (with SP too: the reduce-scatter's backward all-gathers it) and sh d / t' for the positions.
+a scatter-add). It keeps the int64 token ids (8bs); a split backward computes the tables'
+gradients in B (no FLOPs to defer; deferring them would keep the lookups' output gradients, bsh d,
+until W), so nothing of it waits for W.
 Output head (last layer): a final norm and the V x h projection (BERT: the MLM
 transform h x h + LayerNorm before it), with F = B = W = 2bshV / t; it keeps the fp32 logits
 (4 bsV / t bytes) for the loss. In pipeline training the head holds its own copy of the (possibly
@@ -216,13 +216,9 @@ def embedding_layer(spec: ModelSpec, dropout: bool | None = None, tp: int = 1, s
     positions = 0 if spec.kind == "llama" else s * h                  # llama: rotary, no table
     params = _vocab_share(spec, tp) * h + positions + (4 * h if spec.kind == "bert" else 0)
     ids = 8 * b * s                                                    # int64 token ids
-    rows = 0 if spec.kind == "llama" else s / _sp_div(tp, sp)         # position rows this GPU reads
-    act = ids + 8 * rows + b * s * h * ((d if spec.kind == "bert" else 0) + mask) / _sp_div(tp, sp)
-    # until W: the ids and the output gradient of both lookups (the token lookup's is the whole
-    # sequence's, all-gathered back with SP; the position lookup's summed over the micro-batch)
-    act_w = ids + b * s * h * d + rows * (8 + h * d)
-    return Layer("embedding", "embedding", 0.0, 0.0, 0.0, 0.0, params, float(act), float(act_w),
-                 boundary_bytes(spec))
+    act = ids + b * s * h * ((d if spec.kind == "bert" else 0) + mask) / _sp_div(tp, sp)
+    # a split backward computes the tables' gradients in B (a scatter-add, no FLOPs to defer): none waits for W
+    return Layer("embedding", "embedding", 0.0, 0.0, 0.0, 0.0, params, float(act), 0.0, boundary_bytes(spec))
 
 
 def head_layer(spec: ModelSpec, tp: int = 1, sp: bool = False) -> Layer:

@@ -61,13 +61,15 @@ the stage's first parameterised ops instead, the *sources* -- nodes none of whos
 activation and that are not a parameter seen through transposes and casts: the token and
 position lookups (``EmbeddingBackward0``), a first linear layer or convolution of a float input.
 B runs the backward down to the sources' outputs (every intermediate activation's gradient, the
-blocks' recorded ops as on any stage) and takes the gradients arriving there as extra engine
-inputs; the graph is freed as on any stage. W computes each source's parameter gradients like
-another recorded op: a lookup's from its saved indices and the recorded output gradient
-(``embedding_dense_backward``, the kernel of the full backward), other kinds by their recipe or
-the engine. What waits for W is then the blocks' M_W plus the lookups' indices and output
-gradients, as :func:`cost_models.transformer.embedding_layer` counts it. A stage whose output
-depends on no parameter (``out.grad_fn`` None) has nothing to do in either.
+blocks' recorded ops as on any stage), takes the gradients arriving there as extra engine inputs
+and frees the graph as on any stage. A lookup's table gradient is computed in B right then, from
+that gradient and its saved indices (``embedding_dense_backward``, the kernel of the full
+backward), as zero-bubble runtimes leave the embedding in their backward: it has no FLOPs worth
+deferring, and deferring it would keep the lookups' output gradients (bsh d) until W. Other
+sources are recorded ops like any (W: a first linear layer's ``dW = g^T x``). So what waits for W
+on the first stage is its blocks' M_W, as on any stage (:func:`cost_models.transformer.embedding_layer`
+keeps nothing for W). A stage whose output depends on no parameter (``out.grad_fn`` None) has
+nothing to do in either.
 """
 from __future__ import annotations
 
@@ -125,6 +127,7 @@ class _Op:
     fast: tuple | None                  # direct weight-gradient recipe, or None (engine)
     in_b: bool = False                  # a norm: its (per-channel) parameter gradients come with B
     source: bool = False                # a first parameterised op of a first stage: B ends at it
+    now: bool = False                   # a lookup there: its table gradient comes with B (see module doc)
 
 
 @dataclass
@@ -191,7 +194,7 @@ class SplitBackward:
             else:
                 recorded.append((op, node, got[i:i + op.arity], saved))
                 i += op.arity
-        return _input_grad(gx, x), PendingWeightGrad(recorded, groups)
+        return _input_grad(gx, x), PendingWeightGrad(_lookups_now(recorded), groups)
 
     def _analyse_and_run(self, out, x, grad):
         self.analyses += 1
@@ -210,10 +213,11 @@ class SplitBackward:
             if op.fast is not None and op.fast[0] == _LN and i not in in_engine:
                 op.in_b = True
                 in_b.update({id(p): p for p in (op.fast[1], op.fast[3]) if p is not None})
+            op.now = op.source and op.fast is not None and op.fast[0] == _EMB and i not in in_engine
         in_b = tuple(in_b.values())
         gx, pending = self._run_hooked(out, x, grad, ops, [node for node, _ in raw], groups, in_b)
-        for op, (_, _, grads, _) in zip(ops, pending.ops):
-            op.arity = len(grads)
+        for op, (node, _), (_, _, grads, _) in zip(ops, raw, pending.ops):
+            op.arity = len(node._input_metadata) if op.now else len(grads)    # (a lookup's record is empty)
         self._template = ((x is None, type(out.grad_fn)), program, ops, groups, in_b)
         return gx, pending
 
@@ -261,7 +265,7 @@ class SplitBackward:
             else:
                 engine = i in in_engine or op.fast is None
                 recorded.append((op, node if engine else None, tuple(grads_at[i] or ()), saved_at[i]))
-        return _input_grad(got[0] if xs else None, x), PendingWeightGrad(recorded, groups)
+        return _input_grad(got[0] if xs else None, x), PendingWeightGrad(_lookups_now(recorded), groups)
 
     def _replay(self, root, first: bool) -> list | None:
         """The template's nodes in this graph, following the recorded paths; None on a mismatch."""
@@ -327,6 +331,21 @@ def weight_backward(pending: PendingWeightGrad) -> None:
             for h in handles:
                 h.remove()
     pending.ops, pending.groups = [], []
+
+
+def _lookups_now(recorded: list) -> list:
+    """B's records with the lookups' table gradients computed now (from the gradient captured at
+    each lookup and its saved indices: the kernel of the full backward) and nothing of them kept."""
+    out = []
+    with torch.no_grad():
+        for op, node, grads, saved in recorded:
+            if op.now:
+                if grads and grads[0] is not None:
+                    _direct(op.fast, saved, grads[0])
+                out.append((op, None, (), None))
+            else:
+                out.append((op, node, grads, saved))
+    return out
 
 
 def _input_grad(gx, x):
