@@ -33,6 +33,12 @@ from cost_models.comm import allreduce_phases
 from schedules.ir import SEND
 
 
+REFINE_WORK = 4_000_000
+"""Transfer signatures the refinement of :func:`replica_classes` computes at most (passes x
+transfers) before it gives up on symmetry and every replica is simulated (the simulator's op limit
+then refuses a run too big for that at once)."""
+
+
 @dataclass
 class Symmetry:
     """Flows of a run of one replica per kind: ``p2p[(a, b)]`` = (resources, latency) of a transfer
@@ -151,6 +157,7 @@ def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str |
     paths = _drop_idle_links(paths, cap)
     cls = [c for c, _, _ in copies]
     count = len(kinds)
+    passes = 0
     while True:
         load: dict[str, dict[int, int]] = {}
         for c, (names, _) in zip(cls, paths):
@@ -166,6 +173,13 @@ def replica_classes(sched, costs, network, opts) -> tuple[Symmetry | None, str |
                for c, (names, lat) in zip(cls, paths)]
         if len(sigs) == count:
             break
+        passes += 1
+        if passes * len(cls) > REFINE_WORK:
+            # a split that travels around rings one hop per pass (pods that cut the rings where the
+            # pipeline's stages do not line up with them) ends with every replica of its own kind:
+            # no use waiting for it
+            return None, (f"the transfer classes still split after {passes} passes over {len(cls):,} transfers "
+                          f"(replicas alike in few kinds or none)")
         count, cls = len(sigs), new
     # replicas whose transfers are in the same classes, pair by pair, are of one kind: one of each
     # kind is simulated (every class of SENDs is then one device pair of one simulated replica)

@@ -398,6 +398,19 @@ def test_non_blocking_rail_uplinks_leave_one_replica_in_megatron_order(tmp_path,
         assert over.iteration_time > one.iteration_time * 1.001
 
 
+def test_refinement_that_keeps_splitting_gives_up_for_the_full_simulation(tmp_path, monkeypatch):
+    """Beyond REFINE_WORK signatures the refinement stops and every replica is simulated (a split
+    travelling around the rings one hop per pass would end there anyway): the same iteration time."""
+    import sim.symmetry
+    from sim import simulate_job
+    kinds = simulate_job(_megatron_job(tmp_path, pod=4, R=16)).result
+    assert kinds.simulated_replicas == 4
+    monkeypatch.setattr(sim.symmetry, "REFINE_WORK", 100)
+    full = simulate_job(_megatron_job(tmp_path, pod=4, R=16)).result
+    assert full.simulated_replicas == 16 and full.full_reason.startswith("the transfer classes still split after 1 ")
+    assert full.iteration_time == pytest.approx(kinds.iteration_time, rel=1e-12)
+
+
 @pytest.mark.parametrize("pod,kinds", [(8, 1), (16, 1), (4, 4), (12, None)])
 def test_pods_on_an_oversubscribed_spine_equal_the_full_simulation(tmp_path, pod, kinds):
     """Pods joined 7:1: pods of 8 nodes hold one stage each (every pipeline hop crosses the spine,
