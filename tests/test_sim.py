@@ -659,7 +659,7 @@ PINNED = {
     # calibrated CPU hosts: shared cores (a core per rank), time slices (more ranks than cores)
     "profile-dapple-D2-shared": lambda: _pinned_profile("dapple", 2, 4),
     "profile-gpipe-D2-R2-sliced": lambda: _pinned_profile("gpipe", 2, 4, R=2),
-    "profile-zb-h1-D4-sliced": lambda: _pinned_profile("zb-h1", 4, 8),
+    "profile-zb-h1-D4-sliced": lambda: _pinned_profile("zb-h1", 4, 8, first_stage_all_in_w=True),  # older profiles
     "profile-chimera-D4-shared-oversubscribed": lambda: _pinned_profile("chimera", 4, 4, time_slice=None),
     "profile-dapple-D2-R2-shared-4cores": lambda: _pinned_profile("dapple", 2, 4, R=2, cores=4),
 }
