@@ -19,8 +19,18 @@ writes ``--out`` (default ``out/gpu-check``):
    same model and data on D = ``--devices`` ranks, one GPU each (NCCL wants a GPU per rank; the
    default is 1 .. the GPUs at hand), in ``--dtype``: losses side by side (bf16 runs should stay
    within 1e-2 of the reference) and the median step time after the first step.
+4. **Zero Bubble layer** (``zb-layer.csv``): one block of a Zero Bubble model (``--zb-model``,
+   Table 3's dimensions: sequence 1024, GPT-2's vocabulary, at Table 4's micro-batch), measured as
+   in part 1 beside the kernel model of ``--gpu``; ``none`` skips it.
+5. **Llama runs** (``llama-runs.csv``): ``--llama`` (a preset or a Hugging Face config.json; default
+   ``llama3-8b`` cut to ``--llama-layers`` blocks at ``--llama-seq-len``) trained by the executor's
+   tensor-parallel stage at T = ``--llama-tp`` (default: 1 and every power of two up to the GPUs
+   at hand that divides the heads; the largest T again with sequence parallelism), one pipeline
+   rank, against the single-process reference of the same model and data: losses side by side
+   and the median step time. T = 1 runs the Llama block (RMSNorm, rotary, grouped-query
+   attention, SwiGLU) through the executor in ``--dtype``; T > 1 adds the f/g collectives.
 
-``report.md`` holds the three tables. Without a GPU, ``--device cpu`` runs the same code (the
+``report.md`` holds the tables. Without a GPU, ``--device cpu`` runs the same code (the
 tests do, on the tiny model); the GPU preset's prediction is then not a statement about the CPU.
 """
 from __future__ import annotations
@@ -121,14 +131,68 @@ def run_pair(model: str, devices: int, dtype: str, device: str, steps: int, micr
     ref = run_reference(cfg)
     res = run(cfg)
     diff = max(abs(a - b) for a, b in zip(ref.losses, res.losses))
-
-    def step(times):
-        later = times[1:] or times
-        return statistics.median(later) * 1e3
-
     return {"devices": devices, "schedule": "dapple", "microbatches": microbatches, "dtype": dtype,
             "loss_reference": ref.losses[-1], "loss_run": res.losses[-1], "max_loss_difference": diff,
-            "step_ms_reference": step(ref.iteration_times), "step_ms_run": step(res.iteration_times)}
+            "step_ms_reference": _step_ms(ref.iteration_times), "step_ms_run": _step_ms(res.iteration_times)}
+
+
+def zb_spec(model: str):
+    """The Zero Bubble paper's ``model`` (1.5B, 6.2B, 14.6B or 28.3B) at Table 4's micro-batch."""
+    from experiments.reproduce.zero_bubble import load_configs
+    configs = {c.model: c for c in reversed(load_configs()) if c.table == 4}
+    if model not in configs:
+        raise ValueError(f"--zb-model {model!r}: the Zero Bubble models are {', '.join(sorted(configs, key=float_b))}"
+                         " (or none)")
+    return configs[model].spec()
+
+
+def float_b(name: str) -> float:
+    return float(name.rstrip("B"))
+
+
+def llama_tps(spec, n_gpus: int, device: str) -> tuple[int, ...]:
+    """T = 1 and the powers of two up to the ranks at hand (GPUs; 2 on the CPU) that divide the
+    heads, KV heads and FFN."""
+    most = n_gpus if device == "cuda" else 2
+    return tuple(t for t in (1 << k for k in range(most.bit_length())) if t <= most and _splits(spec, t))
+
+
+def _splits(spec, t: int) -> bool:
+    try:
+        spec.check_tensor_parallel(t)
+    except ValueError:
+        return False
+    return True
+
+
+def llama_runs(spec, tps, dtype: str, device: str, steps: int, progress=print) -> list[dict]:
+    """Per T (and the largest T > 1 again with sequence parallelism): the executor's run of ``spec``
+    on one pipeline rank of T processes beside the single-process reference."""
+    from executor.config import RunConfig
+    from executor.launch import run
+    from executor.reference import run_reference
+    cases = [(t, False) for t in tps] + ([(max(tps), True)] if max(tps) > 1 else [])
+    rows = []
+    for t, sp in cases:
+        t0 = time.perf_counter()
+        cfg = RunConfig(schedule="dapple", devices=1, microbatches=2, model=spec, steps=steps, dtype=dtype,
+                        device=device, tp=t, sequence_parallel=sp)
+        ref, res = run_reference(cfg), run(cfg)
+        row = {"tp": t, "sequence_parallel": sp, "dtype": dtype, "loss_reference": ref.losses[-1],
+               "loss_run": res.losses[-1],
+               "max_loss_difference": max(abs(a - b) for a, b in zip(ref.losses, res.losses)),
+               "step_ms_reference": _step_ms(ref.iteration_times), "step_ms_run": _step_ms(res.iteration_times)}
+        rows.append(row)
+        progress(f"llama: T={t}{' SP' if sp else ''}: loss {row['loss_run']:.4f} vs reference "
+                 f"{row['loss_reference']:.4f} (max difference {row['max_loss_difference']:.2e}), step "
+                 f"{row['step_ms_run']:.1f} ms vs {row['step_ms_reference']:.1f} ms ({time.perf_counter() - t0:.1f} s)")
+    return rows
+
+
+def _step_ms(times) -> float:
+    """The median step time after the first (warm-up) step, milliseconds."""
+    later = times[1:] or times
+    return statistics.median(later) * 1e3
 
 
 def _write_csv(rows: list[dict], path: Path) -> None:
@@ -152,20 +216,41 @@ def main(argv=None) -> int:
     p.add_argument("--run-layers", type=int_in(1, 100000), default=None,
                    help="blocks of the model in the runs (default: the model's; fewer for a shorter check)")
     p.add_argument("--steps", type=int_in(2, 1000), default=4, help="steps per run (default 4)")
+    p.add_argument("--zb-model", default="1.5B",
+                   help="Zero Bubble model whose block is measured: 1.5B, 6.2B, 14.6B, 28.3B or none (default 1.5B)")
+    p.add_argument("--llama", default="llama3-8b",
+                   help="Llama preset or Hugging Face config.json of the Llama runs, or none (default llama3-8b)")
+    p.add_argument("--llama-tp", default=None,
+                   help="T of the Llama runs, comma-separated (default: 1 and the powers of two up to the GPUs)")
+    p.add_argument("--llama-layers", type=int_in(1, 100000), default=2,
+                   help="blocks of the Llama model in its runs (default 2)")
+    p.add_argument("--llama-seq-len", type=int_in(1, 1 << 20), default=None,
+                   help="sequence of the Llama runs (default: 2048, or the model's if shorter)")
     p.add_argument("--out", type=output_dir, default="out/gpu-check")
     args = p.parse_args(argv)
     try:
         mbs = parse_ints(args.micro_batches, "--micro-batches")
         devices = parse_ints(args.devices, "--devices") if args.devices is not None else None
+        zb = None if args.zb_model == "none" else zb_spec(args.zb_model)
+        llama = None if args.llama == "none" else _llama_spec(args.llama, args.llama_layers, args.llama_seq_len)
+        llama_tp = parse_ints(args.llama_tp, "--llama-tp") if args.llama_tp is not None else None
         return _main(args.device, args.model, args.gpu, args.dtype, mbs, args.repeats, devices,
-                     args.run_layers, args.steps, Path(args.out))
+                     args.run_layers, args.steps, Path(args.out), zb=zb, llama=llama, llama_tp=llama_tp)
     except ValueError as e:
         print(f"gpu_check: error: {e}", file=sys.stderr)
         return 2
 
 
+def _llama_spec(model: str, layers: int, seq_len: int | None):
+    from cost_models import load_model
+    spec = load_model(model)
+    if spec.kind != "llama":
+        raise ValueError(f"--llama {model!r} is a {spec.kind} model; give a Llama preset or config.json")
+    return replace(spec, layers=layers, seq_len=seq_len or min(spec.seq_len, 2048))
+
+
 def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int, devices, run_layers, steps: int,
-          out: Path) -> int:
+          out: Path, zb=None, llama=None, llama_tp=None) -> int:
     import torch
 
     from cost_models import load_device, load_model
@@ -185,6 +270,12 @@ def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int,
     layers = run_layers or spec.layers
     if layers < max(devices):
         raise ValueError(f"--devices {max(devices)}: the run has {layers} blocks, at least one per rank is needed")
+    if llama is not None:
+        llama_tp = tuple(llama_tp or llama_tps(llama, n_gpus, device))
+        if device == "cuda" and max(llama_tp) > n_gpus:
+            raise ValueError(f"--llama-tp {max(llama_tp)}: only {n_gpus} GPU(s) here, and NCCL needs one per rank")
+        for t in llama_tp:                                # T divides the heads, KV heads, FFN (and the sequence)
+            llama.check_tensor_parallel(t, "--llama-tp", sequence_parallel=t == max(llama_tp) > 1)
     out.mkdir(parents=True, exist_ok=True)
     dev = select_device(device).device                   # the executor's one device choice (cuda:0 here)
     print(f"gpu_check: {spec.name} block, {dtype}, on {torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}"
@@ -229,8 +320,27 @@ def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int,
     _write_csv(runs, out / "runs.csv")
     text += ["", f"## Runs: pipetwin (dapple) vs the single-process reference, {layers} blocks", "",
              markdown(_rounded(runs, list(runs[0])))]
+    wrote = ["report.md", "layers.csv", "runs.csv", "fitted-constants.yaml", "measurements/"]
+
+    if zb is not None:
+        print(f"zero bubble: {zb.name} block at micro-batch {zb.micro_batch}, sequence {zb.seq_len}")
+        zb_rows = layer_table(zb, measure_block(zb, [zb.micro_batch], dev, dtype, repeats), gpu, dtype)
+        _write_csv(zb_rows, out / "zb-layer.csv")
+        print(fmt_table(_rounded(zb_rows, cols).to_dict("records"), cols))
+        text += ["", f"## Zero Bubble layer: {zb.name} block (h {zb.hidden}, {zb.heads} heads, s {zb.seq_len}), "
+                 f"measured vs kernel model of {gpu.name}", "", markdown(_rounded(zb_rows, cols))]
+        wrote.append("zb-layer.csv")
+
+    if llama is not None:
+        print(f"llama: {llama.name}, {llama.layers} blocks, sequence {llama.seq_len}, T = "
+              + ", ".join(map(str, llama_tp)))
+        lrows = llama_runs(llama, llama_tp, dtype, device, steps)
+        _write_csv(lrows, out / "llama-runs.csv")
+        text += ["", f"## Llama runs: the tensor-parallel stage vs the single-process reference, {llama.name}, "
+                 f"{llama.layers} blocks, sequence {llama.seq_len}", "", markdown(_rounded(lrows, list(lrows[0])))]
+        wrote.append("llama-runs.csv")
     write_output(out / "report.md", "\n".join(text) + "\n", "report")
-    print(f"wrote {out}/report.md, layers.csv, runs.csv, fitted-constants.yaml, measurements/")
+    print(f"wrote {out}/: " + ", ".join(wrote))
     return 0
 
 

@@ -2,6 +2,7 @@
 import csv
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,9 @@ from cost_models import load_device, load_model
 from cost_models.kernels import transformer_layer_times
 from cost_models.layer_measurements import error_table, load_measurements
 from experiments import gpu_check
+
+
+TINY_LLAMA = str(Path(__file__).parent / "data" / "hf" / "tiny-llama" / "config.json")
 
 
 def _rows(path):
@@ -21,7 +25,8 @@ def checked(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
     rc = gpu_check.main(["--device", "cpu", "--model", "tiny", "--gpu", "v100", "--dtype", "fp32",
                          "--micro-batches", "1,2", "--repeats", "3", "--devices", "1,2", "--run-layers", "2",
-                         "--steps", "2", "--out", str(out)])
+                         "--steps", "2", "--zb-model", "none", "--llama", TINY_LLAMA, "--llama-layers", "2",
+                         "--out", str(out)])
     return rc, out
 
 
@@ -92,7 +97,52 @@ def test_runs_equal_the_reference(checked):
     assert "## Runs" in (out / "report.md").read_text()
 
 
+def test_llama_runs_at_each_tp_equal_the_reference(checked):
+    """The tiny Llama config (GQA, SwiGLU, RMSNorm, rotary, untied) at T = 1 and 2 (the CPU's
+    default: 2 ranks) and T = 2 with sequence parallelism, in fp32: each run's losses are the
+    reference's."""
+    rc, out = checked
+    rows = _rows(out / "llama-runs.csv")
+    assert [(int(r["tp"]), r["sequence_parallel"]) for r in rows] == [(1, "False"), (2, "False"), (2, "True")]
+    for r in rows:
+        assert float(r["max_loss_difference"]) <= 1e-5
+        assert float(r["loss_run"]) == pytest.approx(float(r["loss_reference"]), abs=1e-5)
+        assert float(r["step_ms_run"]) > 0
+    report = (out / "report.md").read_text()
+    assert "## Llama runs" in report and "tiny-llama, 2 blocks, sequence 16" in report
+    assert not (out / "zb-layer.csv").exists()       # --zb-model none
+
+
+def test_zero_bubble_models_are_table_3_at_table_4_micro_batches():
+    dims = {m: (s.layers, s.hidden, s.heads, s.seq_len, s.micro_batch)
+            for m in ("1.5B", "6.2B", "14.6B", "28.3B") for s in [gpu_check.zb_spec(m)]}
+    assert dims == {"1.5B": (22, 2304, 24, 1024, 6), "6.2B": (30, 4096, 32, 1024, 3),
+                    "14.6B": (46, 5120, 40, 1024, 1), "28.3B": (62, 6144, 48, 1024, 1)}
+
+
+def test_zero_bubble_layer_is_measured_beside_the_kernel_model(monkeypatch, tmp_path):
+    """The part's wiring, on a Zero Bubble model cut to CPU size (the 1.5B block takes minutes on
+    this CPU): one row at the model's micro-batch, the kernel model of --gpu beside it."""
+    small = gpu_check.zb_spec("1.5B").replace(hidden=48, heads=4, seq_len=32, micro_batch=3)
+    monkeypatch.setattr(gpu_check, "zb_spec", lambda model: small)
+    rc = gpu_check.main(["--device", "cpu", "--model", "tiny", "--gpu", "a100", "--dtype", "fp32",
+                         "--micro-batches", "1", "--repeats", "3", "--devices", "1", "--run-layers", "1",
+                         "--steps", "2", "--llama", "none", "--out", str(tmp_path)])
+    assert rc == 0
+    [row] = _rows(tmp_path / "zb-layer.csv")
+    assert int(row["micro_batch"]) == 3
+    f, b_input, w = transformer_layer_times(small, load_device("a100"), "fp32", dropout=False)[1]
+    assert float(row["f_model_ms"]) == pytest.approx(f * 1e3, rel=1e-9)
+    assert float(row["w_model_ms"]) == pytest.approx(w * 1e3, rel=1e-9)
+    assert float(row["b_error"]) == pytest.approx((b_input + w) * 1e3 / float(row["b_measured_ms"]) - 1, rel=1e-9)
+    assert "## Zero Bubble layer" in (tmp_path / "report.md").read_text()
+    assert not (tmp_path / "llama-runs.csv").exists()
+
+
 @pytest.mark.parametrize("argv, words", [
+    (["--device", "cpu", "--zb-model", "2B"], "1.5B, 6.2B, 14.6B, 28.3B"),
+    (["--device", "cpu", "--llama", "gpt3-1.3b"], "is a gpt model"),
+    (["--device", "cpu", "--model", "tiny", "--llama", TINY_LLAMA, "--llama-tp", "3"], "--llama-tp 3 does not divide"),
     (["--device", "cpu", "--micro-batches", "1,x"], "--micro-batches"),
     (["--device", "cpu", "--gpu", "cpu"], "no datasheet"),
     (["--device", "cpu", "--model", "tiny", "--devices", "3", "--run-layers", "2"], "at least one per rank"),
