@@ -117,7 +117,7 @@ def test_short_validate_at_tp2_memory_exact_and_time_within_a_third(tp_sitting):
     """Peak activation bytes of each TP rank 0 equal the simulator's from the measured shards;
     each rank ran its program's op order; the step time is predicted within a third in these
     one-run, 7-step sittings on a shared host (a model that ignored the collectives and gave each
-    process a core of its own misses by more than a half: the test below)."""
+    process a core of its own misses by more than a third: the test below)."""
     _, prof, comps = tp_sitting
     g, d = comps
     assert (g.schedule, g.fitted, d.schedule, d.fitted) == ("gpipe", False, "dapple", True)
@@ -129,7 +129,8 @@ def test_short_validate_at_tp2_memory_exact_and_time_within_a_third(tp_sitting):
 
 def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
     """The same runs simulated without the collectives and with a core per process (the profile
-    read as one of T = 1) come out more than half short: the tolerance above could fail."""
+    read as one of T = 1) come out more than a third short (about half on a quiet host): the
+    tolerance above would fail without the TP model."""
     from calibration import simulate_with_profile
     from executor.config import RunConfig, lowered_schedule
     from schedules.trace import noise_free, step_metrics
@@ -139,7 +140,7 @@ def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
     for c in comps:
         low = lowered_schedule(RunConfig(schedule=c.schedule, devices=2, microbatches=4, steps=1, model="tiny", tp=2))
         t = noise_free(step_metrics(simulate_with_profile(low, bare, steps=3)).iteration_times[1:])
-        assert t / c.measured_iteration_time - 1 < -1 / 2, (c.schedule, t, c.measured_iteration_time)
+        assert t / c.measured_iteration_time - 1 < -1 / 3, (c.schedule, t, c.measured_iteration_time)
 
 
 def test_calibrate_tp_on_the_command_line(tmp_path, capsys):
