@@ -28,6 +28,8 @@ ALLREDUCE  sum the stage's parameter gradients over ``schedule.stage_group(stage
       local copies of the stage on this rank are summed into it first (copies that share one module
       have accumulated into the same gradients already). On gloo its trace row ends when the sum
       is ready (the future's completion), as in the simulator; on NCCL when it was launched.
+      Under ZeRO-1 it is a reduce-scatter: this rank receives the sum of its shard only
+      (:mod:`executor.zero`).
 OPTIM wait for the step's all-reduces, write the sums back to every local copy, step the
       optimizer and zero the gradients. Every copy of a stage then holds the same weights.
 
@@ -266,14 +268,22 @@ class PipelineRuntime:
         mods = {id(m): m for m in (self.modules[(c, stage)] for c in self.local_copies[stage])}
         return [[p.grad for p in m.parameters() if id(p) not in self._skip] for m in mods.values()]
 
+    def _stage_params(self, stage: int) -> list:
+        """The parameters of ``stage``'s module on this rank (copies of a stage share one)."""
+        return list(self.modules[(self.local_copies[stage][0], stage)].parameters())
+
     def _allreduce(self, op: Op) -> int:
         flat = self._summed_local_grads(op.stage)
         group = self.stage_groups.get(op.stage)
-        work = dist.all_reduce(flat, group=group, async_op=True) if group is not None and flat.numel() else None
-        self._state.allreduces.append((op, flat, work))
+        scatter = getattr(self.optimizer, "reduce_scatter", None)   # ZeRO-1: each rank receives its slice
+        scattered, work = scatter(self._stage_params(op.stage), flat) if scatter is not None else (False, None)
+        if not scattered:
+            work = dist.all_reduce(flat, group=group, async_op=True) if group is not None and flat.numel() else None
+        self._state.allreduces.append((op, None if scattered else flat, work))
         done = [None]
-        if work is not None and self.ctx.host_collectives:
-            # the transport's thread completes the future: its clock is when the sum was ready
+        if work is not None and self.ctx.host_collectives and not scattered:
+            # the transport's thread completes the future: its clock is when the sum was ready (gloo's
+            # reduce-scatter has no future: its row spans the launch, as on NCCL)
             work.get_future().then(lambda _f, box=done: box.__setitem__(0, time.perf_counter()))
         self._state.ar_done.append(done)
         return flat.numel() * flat.element_size()
@@ -284,7 +294,8 @@ class PipelineRuntime:
             if work is not None:
                 wait_work(work, self.timeout, f"rank {self.rank} step {self.step_index}: {ar} over ranks "
                                               f"{self.sched.stage_group(ar.stage)}")
-            self._write_back(ar.stage, flat)
+            if flat is not None:          # all-reduced: the sums go back into the gradients
+                self._write_back(ar.stage, flat)
             done.add(ar.stage)
         self._state.allreduces = []
         for stage in self.local_copies:

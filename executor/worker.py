@@ -233,15 +233,7 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                       lookahead=cfg.recv_lookahead, to_rank=lambda p: mesh.rank(p, tp_rank))
     groups.warm_up_p2p(sched, global_rank, ctx.device, mesh)
     stage_groups = groups.for_stages(sched, global_rank, ctx.device, mesh)
-    if cfg.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
-        optimizer = ShardedOptimizer([(list(m.parameters()), stage_groups.get(s),
-                                       sched.stage_group(s).index(rank), len(sched.stage_group(s)))
-                                      for s, m in built.items()], cfg.optimizer, cfg.lr)
-    else:
-        optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
-    # after the optimizer: ZeRO-1 moves the weights into one buffer, the meter must know where they live
-    meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
-    tied = None
+    tied = partial = None
     if stack is not None:       # parameters shared across stages: one group per set of ranks, all ranks alike
         tied = TiedGradients(rank, [(ranks, groups.for_ranks(ranks, rank, ctx.device) if len(ranks) > 1 else None,
                                      ps) for ranks, ps in stack.tie_groups], stack.excluded)
@@ -250,6 +242,16 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         partial = [p for m in built.values() for n, p in m.named_parameters() if sequence_partial(n)]
         tied = TiedGradients(global_rank, [(mesh.tp_group(rank), tp_group, partial)], set(),
                              what="the sequence-parallel norm gradients")
+    if cfg.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
+        optimizer = ShardedOptimizer([(list(m.parameters()), stage_groups.get(s),
+                                       sched.stage_group(s).index(rank), len(sched.stage_group(s)))
+                                      for s, m in built.items()], cfg.optimizer, cfg.lr,
+                                     partial=(partial, tp_group) if partial else None,
+                                     timeout=cfg.timeout, rank=global_rank)
+    else:
+        optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
+    # after the optimizer: ZeRO-1 moves the weights into one buffer, the meter must know where they live
+    meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
     runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer, data=data, ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
