@@ -238,8 +238,9 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         tied = TiedGradients(rank, [(ranks, groups.for_ranks(ranks, rank, ctx.device) if len(ranks) > 1 else None,
                                      ps) for ranks, ps in stack.tie_groups], stack.excluded)
     elif tp.sequence:           # norms on 1/T of the sequence: their gradients summed over the TP group
-        from .user_model import TiedGradients
         partial = [p for m in built.values() for n, p in m.named_parameters() if sequence_partial(n)]
+    if partial and not cfg.zero:    # ZeRO-1 sums them on its shard instead (executor.zero)
+        from .user_model import TiedGradients
         tied = TiedGradients(global_rank, [(mesh.tp_group(rank), tp_group, partial)], set(),
                              what="the sequence-parallel norm gradients")
     if cfg.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)

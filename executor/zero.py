@@ -10,8 +10,9 @@ The runtime's ALLREDUCE of such a stage is a reduce-scatter (:meth:`ShardedOptim
 each rank receives the sum of its own slice only, half the bytes of an all-reduce, as Megatron
 does. At OPTIM the updated shards are all-gathered over the group into the weights: every rank
 ends the step with the same weights, each element computed once. With sequence parallelism the
-norms' gradients are partial sums over the TP group as well: their elements of the received
-slice are summed over it before the step (TP ranks of a stage hold the same flat layout).
+norms' gradients are partial sums over the TP group as well: their elements of this rank's
+slice are summed over it before the step (TP ranks of a stage hold the same flat layout), once,
+on the slice rather than on the whole gradients.
 
 The optimizers are element-wise, so stepping slices of a flat vector gives exactly the updates
 of stepping the whole parameters (tests: losses and weights equal to the reference's).
@@ -116,9 +117,8 @@ class ShardedOptimizer:
         from .p2p import wait_work
         pending = []
         for s in self.shards:
-            scattered = s.received is not None
             s.take_grad()
-            if scattered and self.tp_group is not None and s.partial.numel():
+            if self.tp_group is not None and s.partial.numel():
                 part = s.master.grad[s.partial]
                 pending.append((s, part, dist.all_reduce(part, group=self.tp_group, async_op=True)))
         for s, part, work in pending:
