@@ -188,40 +188,17 @@ def _loss(ms: MeasurementSet, c: GpuConstants, layers) -> float:
 
 
 def _nelder_mead(fun, x0, step=0.3, iters=400, tol=1e-7):
+    """``scipy.optimize.minimize`` by Nelder-Mead from a simplex of ``x0`` and ``x0 + step`` along
+    each axis, until the simplex's values agree within ``tol`` (or ``iters`` iterations): the fits
+    here are a few constants whose loss clamps them to bounds, so no gradient is at hand. Returns
+    (x, value)."""
     import numpy as np
-    n = len(x0)
-    pts = [np.array(x0, float)]
-    for i in range(n):
-        p = np.array(x0, float)
-        p[i] += step
-        pts.append(p)
-    vals = [fun(p) for p in pts]
-    for _ in range(iters):
-        order = np.argsort(vals)
-        pts = [pts[i] for i in order]
-        vals = [vals[i] for i in order]
-        if abs(vals[-1] - vals[0]) < tol:
-            break
-        c = np.mean(pts[:-1], axis=0)
-        xr = c + (c - pts[-1])
-        fr = fun(xr)
-        if fr < vals[0]:
-            xe = c + 2 * (c - pts[-1])
-            fe = fun(xe)
-            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
-        elif fr < vals[-2]:
-            pts[-1], vals[-1] = xr, fr
-        else:
-            xc = c + 0.5 * (pts[-1] - c)
-            fc = fun(xc)
-            if fc < vals[-1]:
-                pts[-1], vals[-1] = xc, fc
-            else:
-                for i in range(1, n + 1):
-                    pts[i] = pts[0] + 0.5 * (pts[i] - pts[0])
-                    vals[i] = fun(pts[i])
-    i = int(np.argmin(vals))
-    return pts[i], vals[i]
+    from scipy.optimize import minimize
+    x0 = np.asarray(x0, float)
+    simplex = np.vstack([x0, x0 + step * np.eye(len(x0))])
+    r = minimize(fun, x0, method="Nelder-Mead",
+                 options={"initial_simplex": simplex, "maxiter": iters, "fatol": tol, "xatol": np.inf})
+    return r.x, float(r.fun)
 
 
 def fit_constants(ms: MeasurementSet, layers=None, start: GpuConstants | None = None,
