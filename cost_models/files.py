@@ -95,7 +95,8 @@ def one_line(message) -> str:
 
 def check_output_path(path, what: str = "output file") -> Path:
     """A file that is about to be written: not a folder, and its folder exists or can be created
-    (no part of the path is an existing file) and is writable. Creates nothing."""
+    (no part of the path is an existing file) and is writable: an empty file is created there and
+    removed at once (:func:`_probe`); nothing else is created."""
     p = _short_names(path, what)
     if str(path) == "" or p.is_dir():
         raise FileError(f"{what} {p} is a folder; give a file name")
@@ -103,8 +104,15 @@ def check_output_path(path, what: str = "output file") -> Path:
         if not os.access(p, os.W_OK):
             raise FileError(f"{what} {p} cannot be written (permission denied)")
         return p
-    parent = p.parent if str(p.parent) else Path(".")
-    ancestor = parent
+    if p.exists() and not os.access(p, os.W_OK):
+        raise FileError(f"{what} {p} cannot be overwritten (permission denied)")
+    _creatable(p, what)
+    return p
+
+
+def _creatable(p: Path, what: str) -> None:
+    """``p``'s nearest existing folder is a folder in which a file can be created."""
+    ancestor = p.parent if str(p.parent) else Path(".")
     while not ancestor.exists():
         if ancestor.is_symlink():
             raise FileError(f"{what} {p}: {ancestor} is a broken link")
@@ -113,9 +121,19 @@ def check_output_path(path, what: str = "output file") -> Path:
         raise FileError(f"{what} {p} cannot be written: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise FileError(f"{what} {p} cannot be written: folder {ancestor} is not writable")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise FileError(f"{what} {p} cannot be overwritten (permission denied)")
-    return p
+    _probe(ancestor, p, what)
+
+
+def _probe(folder: Path, p: Path, what: str) -> None:
+    """Create and remove an empty file in ``folder``: the permission bits do not tell (root may
+    write anywhere they allow, yet not in /proc or on a read-only mount)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".pipetwin-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise FileError(f"{what} {p} cannot be written: a file cannot be created in {folder} "
+                        f"({e.strerror or e})") from None
 
 
 def check_output_dir(path, what: str = "output folder") -> Path:
@@ -126,8 +144,9 @@ def check_output_dir(path, what: str = "output folder") -> Path:
     if p.is_dir():
         if not os.access(p, os.W_OK | os.X_OK):
             raise FileError(f"{what} {p} is not writable")
+        _probe(p, p, what)
         return p
-    check_output_path(p / "x", what)
+    _creatable(p, what)
     return p
 
 

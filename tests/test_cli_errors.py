@@ -149,6 +149,14 @@ CASES = [
     ("validate-report-under-file", ["validate", "--report", "{file}/reports"], ["--report", "is a file"]),
     ("compare-out-is-file", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", "{file}"], ["--out", "file"]),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "file"]),
+    # a folder whose permission bits allow writing (to root) where no file can be created: /proc
+    ("plan-out-in-proc", LAYOUT + ["--out", "/proc/pipetwin-plan.json"], ["--out", "/proc", "cannot be written"]),
+    ("chrome-trace-in-proc", SIM + ["--chrome-trace", "/proc/pipetwin.json"],
+     ["--chrome-trace", "/proc", "cannot be written"]),
+    ("run-trace-in-proc", RUN + ["--trace", "/proc/pipetwin.csv"], ["--trace", "/proc", "cannot be written"]),
+    ("demo-out-in-proc", ["demo", "--out", "/proc/pipetwin-demo"], ["--out", "/proc", "cannot be written"]),
+    ("reproduce-out-in-proc", ["reproduce", "zero-bubble", "--quick", "--out", "/proc/pipetwin-zb"],
+     ["--out", "/proc", "cannot be written"]),
     ("reproduce-unknown", ["reproduce", "nope"], ["target", "nope"]),
     # options that do nothing where they are given
     ("recompute-with-plan", ["simulate", "--plan", "{plan}", "--recompute", "full"], ["--plan", "--recompute"]),
