@@ -13,8 +13,9 @@ its weight-gradient half (W) for zero-bubble schedules. One implementation, used
   accumulated into ``p.grad``. The activation-gradient chain is not run again.
 
 Norms are the exception, as in the zero-bubble paper's implementation: a layer norm's two
-per-channel parameters get their gradients in B, from the same fused kernel that computes its
-input gradient (one kernel instead of two, and nothing of it waits for W).
+per-channel parameters (an autograd function marked ``norm``, such as the Llama's RMS norm, alike)
+get their gradients in B, from the same fused kernel that computes its input gradient (one kernel
+instead of two, and nothing of it waits for W).
 
 This is the technique of ``torch.distributed.pipelining``'s ``stage_backward_input`` /
 ``stage_backward_weight`` (``torch/distributed/pipelining/_backward.py``): find the nodes where
@@ -486,6 +487,8 @@ def _fast_recipe(node):
     if custom is not None and hasattr(custom, "weight_grads"):   # an autograd function that says how
         return (_CUSTOM, custom, False, None)
     kind = _FAST_KIND.get(type(node).__name__)
+    if kind is None and getattr(custom, "norm", False):    # a norm written as an autograd function
+        kind = _LN
     if kind is None:
         return None
     nf = [c for c, _ in node.next_functions]
@@ -517,7 +520,7 @@ def _fast_recipe(node):
             wb.append(c.variable)
         else:
             return None
-    return (_LN, wb[0], False, wb[1])
+    return (_LN, wb[0], False, wb[1] if len(wb) > 1 else None)     # (a norm without a bias)
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:

@@ -9,6 +9,14 @@ are split over the TP group (T divides both: query head i of rank t uses its ran
 proj and down row-parallel. The normalised input is handed to Q, K, V (and to gate, up) through one
 ``copy``, so its gradient is all-reduced once per sub-layer (with sequence parallelism: gathered
 once, :func:`executor.tensor_parallel.gather_linears`; rotary positions are those of the whole sequence).
+
+What the block keeps for its backward is what the fused kernels of Megatron-LM / Transformer Engine
+keep, and what the simulator's ledger counts (:func:`cost_models.transformer.block_activation_bytes`):
+the RMS norm keeps its input and one statistic per token (:class:`RMSNorm`; eager ``nn.RMSNorm``
+would also keep the normalised input), rotary keeps nothing (:func:`rotary`; eager, its cos and sin
+tables), SwiGLU keeps gate and up (:func:`swiglu`; eager, also silu(gate)), and attention keeps the
+key/value heads unrepeated (``enable_gqa``, PyTorch >= 2.5; before, the repeated heads). Each is an
+autograd function whose backward recomputes the cheap element-wise part: the same gradients.
 """
 from __future__ import annotations
 
@@ -23,14 +31,95 @@ from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, copy, ga
 ROPE_THETA = 10000.0
 
 
+def _cos_sin(s: int, d: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, device=like.device, dtype=torch.float32) / d))
+    ang = torch.outer(torch.arange(s, device=like.device, dtype=torch.float32), inv)
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(like.dtype), ang.sin().to(like.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
+    """x cos + sign * rot(x) sin, rot(x) = [-x2, x1]: sign 1 rotates, sign -1 is its transpose."""
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1] if sign > 0 else [x2, -x1], -1) * sin
+
+
+class _Rotary(torch.autograd.Function):
+    """Rotary embedding that keeps nothing for its backward (the rotation's transpose, the tables
+    made again)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        cos, sin = _cos_sin(x.shape[-2], x.shape[-1], x)
+        return _rotate(x, cos, sin, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = _cos_sin(g.shape[-2], g.shape[-1], g)
+        return _rotate(g, cos, sin, -1)
+
+
 def rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of ``x`` [b, heads, s, d] (half-split pairs, as Hugging Face's Llama)."""
-    d, s = x.shape[-1], x.shape[-2]
-    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)
-    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return _Rotary.apply(x)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up (silu and its derivative made again in the backward)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return Fn.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        return g * up * (sig * (1 + gate * (1 - sig))), g * (gate * sig)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _SwiGLU.apply(gate, up)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 when narrower (bf16, fp16), else as it is."""
+    return t.float() if t.element_size() < 4 else t
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = x / rms(x) * w over the last dimension (in fp32 at least), keeping x and 1/rms; the
+    weight's gradient comes with the input's (a norm: :mod:`executor.backward` runs it in B)."""
+
+    norm = True
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = _wide(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * _wide(weight)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = _wide(x) * rstd
+        gf = _wide(g)
+        gw = gf * _wide(weight)
+        gx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (gf * xhat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return gx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (same parameter, same numbers) that keeps only its input and 1/rms."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFn.apply(x, self.weight, self.eps)
+
+
+_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)   # SDPA's enable_gqa
 
 
 class GroupedQueryAttention(nn.Module):
@@ -56,9 +145,12 @@ class GroupedQueryAttention(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotary(q), rotary(k)
         group = self.heads // self.kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if group > 1 and _GQA:
+            y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -76,7 +168,7 @@ class SwiGLU(nn.Module):
         else:
             x = copy(x, self.tp)
             gate, up = self.gate(x), self.up(x)
-        return self.down(Fn.silu(gate) * up)
+        return self.down(swiglu(gate, up))
 
 
 class LlamaBlock(nn.Module):
@@ -84,9 +176,9 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.ln1 = nn.RMSNorm(spec.hidden, eps=1e-5)
+        self.ln1 = RMSNorm(spec.hidden, eps=1e-5)
         self.attn = GroupedQueryAttention(spec, tp)
-        self.ln2 = nn.RMSNorm(spec.hidden, eps=1e-5)
+        self.ln2 = RMSNorm(spec.hidden, eps=1e-5)
         self.mlp = SwiGLU(spec, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

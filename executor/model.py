@@ -103,7 +103,10 @@ def block(spec: ModelSpec, tp: TensorParallel = SINGLE) -> nn.Module:
 
 
 def final_norm(spec: ModelSpec) -> nn.Module:
-    return nn.RMSNorm(spec.hidden, eps=1e-5) if spec.kind == "llama" else nn.LayerNorm(spec.hidden)
+    if spec.kind == "llama":
+        from .llama import RMSNorm
+        return RMSNorm(spec.hidden, eps=1e-5)
+    return nn.LayerNorm(spec.hidden)
 
 
 class StageModule(nn.Module):

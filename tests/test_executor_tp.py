@@ -89,6 +89,17 @@ for _s in ("zb-h1", "zb-h2"):    # split backward on the first stage: B ends at 
     for _rc in ("none", "full"):
         CASES[4][f"mem-adam-tp-{_rc}-{_s}-T2D2"] = RunConfig(schedule=_s, devices=2, microbatches=4, recompute=_rc,
                                                              **MEM)
+# the Llama block keeps what the ledger counts (RMS norm: input and 1/rms; rotary: nothing; SwiGLU:
+# gate and up; attention: the key/value heads unrepeated)
+MEM_LLAMA = MEM_SPEC.replace(name="mem-llama", kind="llama", kv_heads=2, ffn_hidden=384)
+for _sp in (False, True):
+    for _rc in ("none", "full"):
+        CASES[4][f"mem-adam-llama-{'sp' if _sp else 'tp'}-{_rc}-T2D2"] = RunConfig(
+            schedule="dapple", devices=2, microbatches=4, sequence_parallel=_sp, recompute=_rc,
+            **dict(MEM, model=MEM_LLAMA))
+for _s, _sp in (("zb-v", True), ("zb-h1", False)):
+    CASES[4][f"mem-adam-llama-{'sp' if _sp else 'tp'}-none-{_s}-T2D2"] = RunConfig(
+        schedule=_s, devices=2, microbatches=4, sequence_parallel=_sp, **dict(MEM, model=MEM_LLAMA))
 CASES[8]["mem-adam-sp-zero-T2D2R2"] = RunConfig(schedule="dapple", devices=2, microbatches=2, replicas=2, zero=1,
                                                 sequence_parallel=True, **MEM)
 ZBASE = dict(BASE, tp=1, device_map="sequential")
@@ -208,7 +219,7 @@ def test_memory_per_rank_equals_the_simulators_ledger(runs, world, case):
     act = peak_activation(ledger.lowered, ledger.costs)
     measured = [d["peak_activation_bytes"] for d in res.per_device]
     assert len(measured) == len(act) == sched.num_ranks
-    if cfg.model is MEM_SPEC:       # (the T = 1 ZeRO run trains the tiny model with the ledger's dropout)
+    if cfg.model in (MEM_SPEC, MEM_LLAMA):   # (the T = 1 ZeRO run trains the tiny model with the ledger's dropout)
         for m, want in zip(measured, act):
             assert abs(m - want) <= 0.01 * want, (measured, act)
     assert [d["static_bytes"] for d in res.per_device] == [int(x) for x in ledger.costs.static_mem]
@@ -376,3 +387,63 @@ def test_a_hugging_face_config_trains_at_t2_as_the_reference():
     got, want = run(cfg).losses, run_reference(cfg).losses
     assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
     assert got[1] < got[0]
+
+
+def test_llama_block_keeps_the_ledgers_bytes_with_eager_gradients():
+    """One Llama block (GQA 4:2, SwiGLU, RMS norm, rotary) saves for its backward exactly the bytes
+    of the ledger's block (eager modules would keep 1.48x: the normalised inputs, rotary's tables,
+    silu(gate), the repeated key/value heads), and its gradients are the eager block's."""
+    import torch.nn as nn
+    import torch.nn.functional as Fn
+
+    from cost_models.transformer import block_activation_bytes
+    from executor.llama import _GQA, LlamaBlock
+    spec = MEM_LLAMA.replace(micro_batch=1)
+    torch.manual_seed(0)
+    block = LlamaBlock(spec)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    kept = {}
+
+    def pack(t):
+        ptr = t.data_ptr() - t.storage_offset() * t.element_size()
+        if ptr not in params:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randn(1, spec.seq_len, spec.hidden, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x)
+    want = block_activation_bytes(spec)
+    extra = 0 if _GQA else 2 * spec.seq_len * spec.hidden * 4 * (1 - spec.kv / spec.heads)   # repeated K, V
+    assert abs(sum(kept.values()) - want - extra) <= 0.001 * want, (sum(kept.values()), want)
+
+    def eager(blk, x):     # the same block in plain modules and ops
+        def rms(m, t):
+            return Fn.rms_norm(t, (spec.hidden,), m.weight, m.eps)
+
+        def rot(t):
+            d, s = t.shape[-1], t.shape[-2]
+            inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+            ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+            ang = torch.cat([ang, ang], -1)
+            return t * ang.cos() + torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1) * ang.sin()
+        a = blk.attn
+        hN = rms(blk.ln1, x)
+        b, s, _ = hN.shape
+        q = a.q(hN).view(b, s, a.heads, a.head_dim).transpose(1, 2)
+        k = a.k(hN).view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
+        v = a.v(hN).view(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
+        g = a.heads // a.kv_heads
+        o = Fn.scaled_dot_product_attention(rot(q), rot(k).repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                            is_causal=True)
+        x = x + nn.functional.linear(o.transpose(1, 2).reshape(b, s, -1), a.proj.weight)
+        h2 = rms(blk.ln2, x)
+        m = blk.mlp
+        return x + nn.functional.linear(Fn.silu(m.gate(h2)) * m.up(h2), m.down.weight)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = eager(block, x2)
+    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-6)
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *block.parameters()], gy)
+    ref = torch.autograd.grad(y2, [x2, *block.parameters()], gy)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
