@@ -262,6 +262,11 @@ def _print_human(result, args) -> None:
         if c.tp > 1 and result.engine == "executor" else ""
     print(f"{result.engine} {c.schedule}: {tp}D={c.devices} N={c.microbatches} R={c.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
+    if not c.is_model_file and result.engine == "executor":
+        spec = c.spec()
+        if spec.has_dropout or spec.attention_kind == "eager":
+            print("note: trained without dropout, with fused attention (the spec's dropout and eager attention "
+                  "are simulated only)")
     steps = [{"step": i, "loss": l, "iteration_s": t}
              for i, (l, t) in enumerate(zip(result.losses, result.iteration_times))]
     print(fmt_table(steps, ["step", "loss", "iteration_s"], {"loss": "{:.6f}", "iteration_s": "{:.4f}"}))

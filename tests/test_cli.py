@@ -166,3 +166,16 @@ def test_simulate_thousands_of_replicas_as_one(capsys):
                          "-c", "dgx-a100-ib:300", "--json")
     rec = json.loads(out)
     assert rc == 0 and rec["simulated_replicas"] == 1 and len(rec["per_device"]) == 2400
+
+
+def test_run_says_when_the_spec_has_what_the_executor_does_not_train(tmp_path, capsys):
+    """The executor's GPT blocks have no dropout and fused attention: a spec with dropout (the gpt
+    default) is told so in one line; the tiny preset says what the executor trains, and is not."""
+    spec = tmp_path / "gpt-dropout.yaml"
+    spec.write_text("name: gd\nkind: gpt\nlayers: 2\nhidden: 32\nheads: 4\nseq_len: 8\nvocab: 64\nmicro_batch: 2\n"
+                    "dtype_bytes: 4\n")
+    note = "note: trained without dropout, with fused attention"
+    assert main(["run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1", "-m", str(spec)]) == 0
+    assert note in capsys.readouterr().out
+    assert main(["run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1"]) == 0
+    assert note not in capsys.readouterr().out

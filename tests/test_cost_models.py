@@ -54,9 +54,11 @@ def test_activation_bytes_korthikanti():
     assert cm.block_weight_grad_bytes(GPT96) == 32 * sbh
     assert cm.boundary_bytes(GPT96) == 2 * sbh == 6_291_456
     # fp32 (the tiny model): 4-byte elements, 1-byte masks
-    t = cm.load_model("tiny")
+    t = cm.load_model("tiny").replace(dropout=True, attention="eager")
     sbh_t = 32 * 2 * 64
     assert cm.block_activation_bytes(t) == sbh_t * (16 * 4 + 2) + 4 * 32 ** 2 * 2 * 9
+    # the tiny preset as the executor trains it: no dropout, fused attention (its log-sum-exp, 4asb)
+    assert cm.block_activation_bytes(cm.load_model("tiny")) == sbh_t * 16 * 4 + 4 * 4 * 32 * 2
 
 
 def test_recompute_flops():

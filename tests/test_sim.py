@@ -689,11 +689,11 @@ PINNED_FINGERPRINTS = {
     'port-dapple-R2-sliced': '44c6f55b100e56ac1c6b94a5ed84cfc7',   # iteration 57.15999999999998
     'port-zb-h1-R2-sliced-comm': '142f6abd2b55c991e7b39c0e69f2b81b',   # iteration 27.919999999999984
     'port-zb-v-R2-exact': '2b81a68b560d53fddb2d6b5b8fc068ff',   # iteration 33.60000000000001
-    'profile-chimera-D4-shared-oversubscribed': '62c2313a57e1df49b4393cf4ad076622',   # iteration 0.02796741440000002
-    'profile-dapple-D2-R2-shared-4cores': '9798a43bc71b5c0fb01649ca7737b2db',   # iteration 0.03177876480000001
-    'profile-dapple-D2-shared': '076474af8e8ddf6d1aa444aaae1f02eb',   # iteration 0.030385152000000006
-    'profile-gpipe-D2-R2-sliced': 'c32b491e8a3c072c0cb0cf72a0f1f33b',   # iteration 0.04744419840000004
-    'profile-zb-h1-D4-sliced': 'a8338dfed086faeec1955738e998d4be',   # iteration 0.05180508800000009
+    'profile-chimera-D4-shared-oversubscribed': '41f06b2568fc5190bc29ec906da3ebcd',   # iteration 0.02796741440000002
+    'profile-dapple-D2-R2-shared-4cores': '114ec9c95e91857e1d3656b7eac19e3f',   # iteration 0.03177876480000001
+    'profile-dapple-D2-shared': '1417b1a0bec2d9f2dd4eb813f9b0c3b9',   # iteration 0.030385152000000006
+    'profile-gpipe-D2-R2-sliced': 'a2bf20735cd344ec8b737152dc7848dc',   # iteration 0.04744419840000004
+    'profile-zb-h1-D4-sliced': '5de2d0fb52f26e1e9c777e32acf79f6a',   # iteration 0.05180508800000009
     'unit-bitpipe-R2': '0f90add6a7a384443fb329cccf4190cf',   # iteration 27.0
     'unit-bitpipe-zb': '7cc4a2a9c77438f313831b84d17992c9',   # iteration 24.5
     'unit-chimera-slow': '36fe46d76ef6f967dc80ef8a32fc8961',   # iteration 39.0

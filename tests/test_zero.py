@@ -30,6 +30,7 @@ def _rank(rank: int, folder: str) -> None:
         torch.save({"received": received, "sum": total, "scattered": scattered,
                     "excluded": not_scattered, "w0": w0, "w": flatten([p.detach() for p in params])},
                    f"{folder}/r{rank}.pt")
+        dist.barrier()       # neither rank closes its connections while the other still reads from them
     finally:
         dist.destroy_process_group()
 
