@@ -262,7 +262,8 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
-        "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": job.sequence_parallel, "zero": job.zero,
+        "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": job.sequence_parallel, "tp_overlap": job.tp_overlap,
+        "zero": job.zero, **job.cluster.shape_report(),
         "memory_capacity": costs.meta.get("memory_capacity"), "memory_transient": costs.meta["memory_transient"],
         "memory_reserve": job.memory_reserve})
 

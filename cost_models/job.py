@@ -174,6 +174,11 @@ class ClusterChoice:
                                ("--oversubscription", self.oversubscription),
                                ("--nodes-per-leaf", self.nodes_per_leaf)) if v is not None]
 
+    def shape_report(self) -> dict:
+        """The shaping options given, as a report's fields (``fabric``, ...)."""
+        return {k: getattr(self, k) for k in ("nodes", "fabric", "oversubscription", "nodes_per_leaf")
+                if getattr(self, k) is not None}
+
     def given(self) -> list[str]:
         """Every option given (``--cluster`` first), for messages."""
         return (["--cluster"] if self.name is not None else []) + self.shape_options()

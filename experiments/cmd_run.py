@@ -72,8 +72,8 @@ def add_arguments(p):
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: norms and stage boundaries on 1/T of the sequence, reduce-scatter + all-gather "
                         "in place of the tensor-parallel all-reduces (Megatron's sequence parallelism)")
-    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
-                   help="1: ZeRO-1, the optimizer state sharded over the --dp replicas of each stage")
+    p.add_argument("--zero", type=int, choices=[0, 1], default=None,     # None: not given (a --plan's own)
+                   help="1: ZeRO-1, the optimizer state sharded over the --dp replicas of each stage (default 0)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="training sequence length (default: the model's)")
     p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -106,7 +106,7 @@ def job_of_run(args):
         layout.check_size(one_replica=False, layers=spec.layers, model_name=spec.name)   # before anything is built
     return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
                          partition=run_partition(args, model, layout), recompute=args.recompute or "none",
-                         device_map=args.device_map, sequence_parallel=args.sequence_parallel, zero=args.zero,
+                         device_map=args.device_map, sequence_parallel=args.sequence_parallel, zero=args.zero or 0,
                          seq_len=args.seq_len)
 
 
@@ -138,17 +138,16 @@ def run_partition(args, model: str, layout):
 
 
 def plan_config_from_args(args):
-    """``(config, lowered schedule, info)`` for ``--plan`` (:func:`experiments.plan_files.config_from_plan`)."""
+    """``(config, lowered schedule, info)`` for ``--plan`` (:func:`experiments.plan_files.config_from_plan`):
+    the options the plan fixes refused (:func:`experiments.jobs.check_plan_args`), but ``--device-map``,
+    which only says which torchrun process runs which of the plan's ranks (the losses are the same),
+    for a torchrun whose nodes are not the plan's cluster's."""
     from .plan_files import config_from_plan
-    check_plan_args(args, also_fixed=("model", "micro_batch", "partition", "recompute"))
-    unused = [f for f, v in (("--sequence-parallel", args.sequence_parallel), ("--zero", args.zero),
-                             ("--seq-len", args.seq_len)) if v]
-    if unused:      # a plan's layout has no tensor-parallel group, replicas' ZeRO or other sequence length
-        raise ValueError(f"--plan fixes the layout and the model; drop {', '.join(unused)}")
+    plan = check_plan_args(args, applied=("device_map",))
     options = _common_options(args)
     if args.device_map is not None:
         options["device_map"] = args.device_map
-    return config_from_plan(args.plan, eager=not args.no_eager, **options)
+    return config_from_plan(plan, eager=not args.no_eager, **options)
 
 
 def main(args) -> int:

@@ -5,7 +5,7 @@ from sim import simulate_job
 
 from .checks import output_file
 from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
-from .jobs import add_cost_args, add_fault_args, add_layout_args, check_plan_args, job_from_args, load_plan_arg
+from .jobs import add_cost_args, add_fault_args, add_layout_args, check_plan_args, job_from_args
 from .tables import WIDTH, fmt_table, group_rows, printable, wrap_cell
 
 NAME = "simulate"
@@ -13,8 +13,10 @@ HELP = "simulate one training iteration of a schedule"
 
 
 def add_arguments(p):
-    add_layout_args(p, plan="simulate a plan written by 'pipetwin plan --out' (replaces -s/-D/-N/--chunks/"
-                             "--dp/--model/--cluster/--micro-batch/--device-map)")
+    add_layout_args(p, plan="simulate a plan written by 'pipetwin plan --out' (it fixes the layout, model and "
+                             "cluster: -s/-D/-N/--dp/--tp/--model/--cluster/--micro-batch/--zero/--device-map ... "
+                             "are refused; --tp-overlap, --fabric, --cost-model, --memory-reserve and the faults "
+                             "apply to it)")
     add_cost_args(p)
     add_fault_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -24,8 +26,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    check_plan_args(args)
-    job = job_from_args(args, plan=load_plan_arg(args))
+    job = job_from_args(args, plan=check_plan_args(args))
     want_trace = bool(args.plot or args.chrome_trace or args.trace)
     bound, res = simulate_job(job, trace=want_trace)
     extra = bound.report

@@ -9,6 +9,8 @@ values while parsing.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
 from cost_models.kernels import COST_MODELS
@@ -18,8 +20,24 @@ from schedules import families, get, names
 from .checks import byte_size, factor_pair, memory_limit, float_in, input_file, nonneg_float, nonneg_int, positive_int
 
 SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}     # chunks: for the families that take them (check_chunks)
-# what a --plan file brings
-PLAN_OPTIONS = ("schedule", "devices", "microbatches", "chunks", "variant", "dp", "tp", "memory_limit")
+# What a --plan file fixes: these options describe the layout the planner chose (or the model and
+# cluster it chose it for), so with a plan they are refused (check_plan_args), never dropped: (the
+# option's dest, what it fixes). --tp-overlap and --cost-model are what-ifs a whole-layout plan takes
+# (its job rebound with them); a plan without a tensor-parallel group, and a DAPPLE plan's layer
+# costs, fix them (plan_facts names them only then). The other options of simulate / run are applied
+# to the plan: --no-eager, --fabric / --oversubscription / --nodes-per-leaf and --memory-reserve (the
+# plan's bind, planner.plan_io), the faults and --exact (sim.job_options), run's training options and
+# run's --device-map (which torchrun process runs which of the plan's ranks, see cmd_run).
+PLAN_FIXES = (
+    ("schedule", "the schedule"), ("devices", "the pipeline devices"), ("microbatches", "the micro-batches"),
+    ("chunks", "the chunks"), ("variant", "the schedule's variant"), ("dp", "the data-parallel replicas"),
+    ("tp", "tensor parallelism"), ("memory_limit", "the memory limit"), ("model", "the model"),
+    ("seq_len", "the sequence length"), ("cluster", "the cluster"), ("nodes", "the cluster's size"),
+    ("unit_costs", "the costs"), ("profile", "the costs and the layer partition"), ("stage_costs", "the costs"),
+    ("profile_batch", "the costs"), ("micro_batch", "the micro-batch size"), ("partition", "the layer partition"),
+    ("recompute", "recomputation"), ("zero", "ZeRO"), ("sequence_parallel", "sequence parallelism"),
+    ("device_map", "the device map"), ("tp_overlap", "tensor parallelism"), ("cost_model", "the layer costs"),
+)
 
 
 # ---------------------------------------------------------------------- option groups
@@ -54,22 +72,73 @@ def add_layout_args(p, *, schedule=True, many=False, plan: str | None = None):
     _declare(p, "layout")
 
 
-def check_plan_args(args, also_fixed: tuple[str, ...] = ()) -> None:
-    """For commands with ``--plan``: a plan and -s/-D/-N/--chunks/--dp (and the options named in
-    ``also_fixed``) exclude each other; without a plan -s/-D/-N are required and --chunks/--dp take
-    their defaults (set on ``args``)."""
-    if args.plan:
-        given = [f"--{d.replace('_', '-')}" for d in PLAN_OPTIONS + also_fixed if vars(args).get(d) is not None]
+def check_plan_args(args, *, applied: tuple[str, ...] = ()):
+    """For commands with ``--plan``: the plan file, loaded (None without ``--plan``). With a plan
+    every option it fixes (:data:`PLAN_FIXES`, less the dests in ``applied``, which the command
+    applies itself) is refused, one line naming the first given, the plan's value and every such
+    option to drop; without one -s/-D/-N are required and --dp/--tp take their defaults (set on
+    ``args``)."""
+    plan = load_plan_arg(args)
+    if plan is not None:
+        o, facts = vars(args), plan_facts(plan)
+        given = [(d, what) for d, what in PLAN_FIXES
+                 if d in facts and d not in applied and o.get(d) is not None and o.get(d) is not False]
         if given:
-            what = "the schedule, layout and model" if "model" in also_fixed else "the schedule and layout"
-            raise ValueError(f"--plan fixes {what}; drop {', '.join(given)}")
-        return
+            (dest, what), name = given[0], Path(args.plan).name
+            drop = ", ".join(_flag(d) for d, _ in given)
+            raise ValueError(f"{_flag(dest)}: the plan file fixes {what} ({facts[dest]} in {name}); "
+                             f"drop {drop} or plan again")
+        return plan
     missing = [f"--{d}" for d in ("schedule", "devices", "microbatches") if vars(args).get(d, 0) is None]
     if missing:
         raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json)")
     for dest in ("dp", "tp"):
         if vars(args).get(dest) is None:
             setattr(args, dest, SCHEDULE_DEFAULTS[dest])
+    return None
+
+
+def _flag(dest: str) -> str:
+    return f"--{dest.replace('_', '-')}"
+
+
+def plan_facts(plan) -> dict[str, str]:
+    """What a loaded plan file fixes, by option dest (:data:`PLAN_FIXES`), as a short phrase with
+    its value: a whole-layout plan (:class:`planner.plan_io.LayoutPlan`, a job) or a DAPPLE plan
+    (:class:`planner.plan_io.LoadedPlan`)."""
+    from cost_models.memory import fmt_bytes
+    from planner.plan_io import LayoutPlan
+    costs = f"{plan.model.name if isinstance(plan, LayoutPlan) else plan.workload.name} on {plan.cluster.name}"
+    facts = {"cluster": f"cluster {plan.cluster.name}", "nodes": f"{plan.cluster.nodes} nodes",
+             "unit_costs": costs, "profile": costs, "stage_costs": costs, "profile_batch": costs}
+    if isinstance(plan, LayoutPlan):
+        f, lay = plan.job_fields, plan.job_fields["layout"]
+        limit = lay.memory_limit
+        facts.update(schedule=f"schedule {lay.schedule}", devices=f"D {lay.devices}",
+                     microbatches=f"N {lay.microbatches}", chunks=f"chunks {lay.chunks}",
+                     variant=f"variant {lay.variant or 'default'}", dp=f"R {lay.replicas}", tp=f"T {lay.tp}",
+                     memory_limit="memory limit " + ("none" if limit is None else f"{limit[0]:g} {limit[1]}"),
+                     model=f"model {plan.model.name}", seq_len=f"sequence length {plan.model.seq_len}",
+                     micro_batch=f"micro-batch {f['micro_batch']}", partition="the default split",
+                     recompute=f"recompute {f['recompute']}", zero=f"zero {f['zero']}",
+                     sequence_parallel="sequence parallel " + ("on" if f["sequence_parallel"] else "off"),
+                     device_map=f"device map {f['device_map']}")
+        if lay.tp == 1:
+            facts["tp_overlap"] = "T 1"
+        return facts
+    p, src, spec = plan.plan, plan.workload.source, plan.workload.spec
+    facts.update(schedule=f"schedule {p.schedule}", devices=f"{p.num_stages} stages",
+                 microbatches=f"M {p.microbatches}", chunks=f"chunks {p.chunks}", variant="the schedule's default",
+                 dp=f"R {p.dp}" if p.uniform else "stage replicas " + ":".join(map(str, p.replicas)),
+                 tp="T 1", memory_limit="memory limit " + ("the device's" if plan.memory_limit is None else
+                                                           fmt_bytes(plan.memory_limit)),
+                 model=f"model {plan.workload.name}", micro_batch=f"micro-batch {p.micro_batch}",
+                 partition="layers " + "|".join(map(str, p.schedule_partition)),
+                 recompute=f"recompute {src.get('recompute', 'none')}", zero="zero 0",
+                 sequence_parallel="sequence parallel off", device_map="the planner's placement",
+                 tp_overlap="T 1", cost_model=f"cost model {src.get('cost_model', 'linear')}")
+    facts["seq_len"] = f"sequence length {spec.seq_len}" if spec is not None else facts["model"]
+    return facts
 
 
 def chunked() -> list[str]:
@@ -137,8 +206,9 @@ def add_cost_args(p, *, per_run: bool = True):
                    help="how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping; "
                         "megatron: TP, then DP, then PP; default megatron with --tp > 1, else sequential)")
     if per_run:
-        p.add_argument("--recompute", default="none", choices=list(RECOMPUTE),
-                       help="activation recomputation: none keeps every activation; selective re-runs the attention "
+        p.add_argument("--recompute", default=None, choices=list(RECOMPUTE),   # None: not given (a --plan's own)
+                       help="activation recomputation (default none): none keeps every activation; selective re-runs "
+                            "the attention "
                             "core in the backward (keeps no score matrix); full keeps only each block's input and "
                             "re-runs its forward")
     else:
@@ -152,9 +222,9 @@ def add_cost_args(p, *, per_run: bool = True):
                    help="with --tp: the tensor-parallel collectives overlap the layer's compute (default: on the "
                         "critical path, Megatron's default)")
     if per_run:
-        p.add_argument("--zero", type=int, choices=list(ZERO_STAGES), default=0,
+        p.add_argument("--zero", type=int, choices=list(ZERO_STAGES), default=None,   # None: not given
                        help="1: ZeRO-1, the optimizer state sharded over the --dp replicas (reduce-scatter + "
-                            "all-gather in place of the gradient all-reduce)")
+                            "all-gather in place of the gradient all-reduce; default 0)")
     else:
         p.add_argument("--zero", default="0", metavar="LIST",
                        help="ZeRO stages, comma-separated out of 0, 1 (default 0; 1: the optimizer state sharded "
@@ -237,8 +307,9 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
         fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
                       profile=o["profile"], stage_costs=o["stage_costs"],
                       cost_model=o["cost_model"], profile_batch=o["profile_batch"],
-                      recompute=o["recompute"], device_map=o["device_map"],
-                      sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"], zero=o["zero"],
+                      recompute=o["recompute"] or "none", device_map=o["device_map"],
+                      sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"],
+                      zero=0 if o["zero"] is None else o["zero"],
                       seq_len=o["seq_len"], memory_reserve=o["memory_reserve"])
         if "partition" in o:
             fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])

@@ -23,8 +23,8 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
     its layer partition (converted to blocks per stage) and its layout, uniform (R x D: the named
     schedule with ``replicas`` R) or not (stage s on r_s devices: the planner's model-copy schedule,
     run as a custom schedule). ``options``: other RunConfig fields (steps, seed, lr, ...).
-    ``info``: ``layout``, ``device_map`` (rank -> the plan cluster's device id; also the config's
-    ``device_map``, applied under torchrun), ``devices_per_node`` (of the plan's cluster),
+    ``info``: ``layout``, ``device_map`` (the config's, applied under torchrun: rank -> the plan
+    cluster's device id, or the mapping named in ``options``), ``devices_per_node`` (of the plan's cluster),
     ``partition_layers`` (layers per stage as the plan counts them), ``global_batch`` and ``plan``
     (a one-line summary)."""
     bad = set(options) & set(PLAN_FIXES)
@@ -39,6 +39,7 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
             "devices_per_node": loaded.cluster.devices_per_node,
             "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
     options.setdefault("device_map", tuple(ex["device_map"]))
+    info["device_map"] = options["device_map"]      # the plan's, or the --device-map run passes
     options["recompute"] = loaded.workload.source.get("recompute", "none")   # what the plan's memory assumed
     if "model_file" in ex:      # a profile's layer stack: the partition is over its layers
         cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],

@@ -45,7 +45,7 @@ the lowered schedule the simulator runs and how to feed it; :mod:`experiments.pl
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cost_models import Cluster, cluster_from_dict
@@ -106,9 +106,18 @@ class LoadedPlan:
     def bind(self, job) -> Bound:
         """The plan as a bound job (:class:`cost_models.job.PlanSource`): its lowered schedule
         (gradients all-reduced eagerly as ``job.eager`` says), costs and placed cluster, with the
-        report fields of :func:`build_plan` and the plan file."""
-        bound = PlanInMemory(self.plan, self.workload, self.cluster, self.capacity, path=self.path).bind(job)
-        return Bound(bound.lowered, bound.costs, bound.network, {**bound.report, "plan_file": str(self.path)})
+        report fields of :func:`build_plan` and the plan file. What-ifs on the same plan: the
+        cluster rewired as ``job.cluster`` says (``--fabric`` ...) and ``job.memory_reserve``; its
+        layer costs were planned with their cost model and it has no tensor-parallel group, so
+        ``job.cost_model`` and ``job.tp_overlap`` are refused."""
+        if job.cost_model is not None or job.tp_overlap:
+            raise ValueError(f"{'--cost-model' if job.cost_model is not None else '--tp-overlap'}: a DAPPLE plan "
+                             f"fixes its layer costs and has T 1 ({self.path}); plan again")
+        cluster = job.cluster.shape(self.cluster)
+        bound = PlanInMemory(self.plan, self.workload, cluster, self.capacity, path=self.path).bind(job)
+        return Bound(bound.lowered, bound.costs, bound.network,
+                     {**bound.report, **job.cluster.shape_report(), "memory_reserve": job.memory_reserve,
+                      "plan_file": str(self.path)})
 
     def simulate(self, faults=None) -> SimOutcome:
         """The plan simulated as :func:`planner.simulate.simulate_plan` does (``faults``: a
@@ -208,9 +217,18 @@ class LayoutPlan:
         return CostInputs("transformer", model=self.model, cluster=self.cluster)
 
     def bind(self, job) -> Bound:
-        """The plan as a bound job (:class:`cost_models.job.PlanSource`), ``job.eager`` kept."""
-        from cost_models.bind import bind
-        b = bind(self.job(eager=job.eager), self.inputs())
+        """The plan as a bound job (:class:`cost_models.job.PlanSource`): the planner's job with
+        ``job.eager`` and the what-ifs ``job`` asks on the same layout: ``tp_overlap``, ``cost_model``
+        and ``memory_reserve`` (where given) and the cluster rewired as ``job.cluster`` says
+        (``--fabric`` ...). The options that would change the layout are the plan's
+        (:func:`experiments.jobs.check_plan_args` refuses them)."""
+        from cost_models.bind import CostInputs, bind
+        changes = {"tp_overlap": job.tp_overlap, "cluster": replace(job.cluster, name=self.cluster.name)}
+        for k in ("cost_model", "memory_reserve"):
+            if getattr(job, k) is not None:
+                changes[k] = getattr(job, k)
+        mine = replace(self.job(eager=job.eager), **changes)     # checked again: --tp-overlap needs T > 1
+        b = bind(mine, CostInputs("transformer", model=self.model, cluster=job.cluster.shape(self.cluster)))
         return Bound(b.lowered, b.costs, b.network, {**b.report, "plan_file": str(self.path)})
 
 

@@ -32,8 +32,23 @@ def _plan(tmp_path: Path, **changes) -> str:
     return str(bad)
 
 
+def _layout_plan(tmp_path: Path, tp: int) -> str:
+    """A whole-layout plan file (as pipetwin plan --tp writes it) of the tiny GPT on one DGX H100:
+    T x D=2 x R=2, micro-batch 1, ZeRO-1, sequence parallelism where T > 1."""
+    from cost_models import load_cluster, load_model, with_nodes
+    from cost_models.job import Job, Layout
+    from planner.plan_io import layout_plan_record
+    path = tmp_path / f"layout-t{tp}.json"
+    if not path.exists():
+        job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, replicas=2, tp=tp),
+                  model=load_model("tiny"), micro_batch=1, zero=1, sequence_parallel=tp > 1)
+        path.write_text(json.dumps(layout_plan_record(job, with_nodes(load_cluster("dgx-h100-ib"), 1), 8)))
+    return str(path)
+
+
 # (id, argv (with {file} = an existing file, {dir} = an existing folder, {empty} = an empty file, {plan0} /
-#  {plan_nostages} = plan files with a bad field), words the one line must contain)
+#  {plan_nostages} = plan files with a bad field, {plan} = a DAPPLE plan, {layout} / {layout_t1} = whole-layout
+#  plans at T = 2 / 1), words the one line must contain)
 CASES = [
     # hangs: NaN / inf / out-of-range numbers in every float option
     ("slowdown-nan", SIM + ["--slowdown", "2=nan"], ["--slowdown", "nan"]),
@@ -72,7 +87,8 @@ CASES = [
      ["--tp 2", "sequence length", "(15)"]),
     ("sp-not-dividing-seq", SIM + ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
      ["--tp 2", "sequence length", "(15)"]),
-    ("sp-with-run-plan", ["run", "--plan", "{plan}", "--sequence-parallel"], ["--plan", "--sequence-parallel"]),
+    ("sp-with-run-plan", ["run", "--plan", "{plan}", "--sequence-parallel"],
+     ["--sequence-parallel: the plan file fixes sequence parallelism", "off in bad.json"]),
     ("zero-in-a-run-without-dp", RUN + ["--zero", "1"], ["--zero 1", "--dp"]),
     ("sp-with-a-profile", SIM + ["--profile", "{file}", "--tp", "2", "--sequence-parallel"],
      ["--sequence-parallel", "--profile"]),
@@ -159,8 +175,39 @@ CASES = [
      ["--out", "/proc", "cannot be written"]),
     ("reproduce-unknown", ["reproduce", "nope"], ["target", "nope"]),
     # options that do nothing where they are given
-    ("recompute-with-plan", ["simulate", "--plan", "{plan}", "--recompute", "full"], ["--plan", "--recompute"]),
-    ("run-recompute-with-plan", ["run", "--plan", "{plan}", "--recompute", "full"], ["--plan", "--recompute"]),
+    ("recompute-with-plan", ["simulate", "--plan", "{plan}", "--recompute", "full"],
+     ["--recompute: the plan file fixes recomputation", "recompute none in bad.json"]),
+    ("run-recompute-with-plan", ["run", "--plan", "{plan}", "--recompute", "full"], ["--recompute", "plan file fixes"]),
+    # a plan file fixes the layout, model and cluster: the options that would change them are refused,
+    # even when given at their defaults (the what-ifs it takes are applied: test_planner_layout.py)
+    ("plan-zero-default", ["simulate", "--plan", "{layout}", "--zero", "0"],
+     ["--zero: the plan file fixes ZeRO (zero 1 in layout-t2.json); drop --zero or plan again"]),
+    ("plan-zero-dapple", ["simulate", "--plan", "{plan}", "--zero", "1"], ["--zero", "zero 0 in bad.json"]),
+    ("plan-device-map", ["simulate", "--plan", "{layout}", "--device-map", "sequential"],
+     ["--device-map: the plan file fixes the device map", "device map megatron in layout-t2.json"]),
+    ("plan-device-map-dapple", ["simulate", "--plan", "{plan}", "--device-map", "sequential"],
+     ["--device-map", "the planner's placement"]),
+    ("plan-sequence-parallel", ["simulate", "--plan", "{layout}", "--sequence-parallel"],
+     ["--sequence-parallel", "sequence parallel on"]),
+    ("plan-recompute-default", ["simulate", "--plan", "{layout}", "--recompute", "none"],
+     ["--recompute", "recompute none in layout-t2.json"]),
+    ("plan-micro-batch", ["simulate", "--plan", "{layout}", "--micro-batch", "2"], ["--micro-batch", "micro-batch 1"]),
+    ("plan-partition", ["simulate", "--plan", "{plan}", "--partition", "5,5"], ["--partition", "the layer partition"]),
+    ("plan-seq-len", ["simulate", "--plan", "{layout}", "--seq-len", "16"], ["--seq-len", "sequence length 32"]),
+    ("plan-nodes", ["simulate", "--plan", "{layout}", "--nodes", "2"], ["--nodes", "the cluster's size (1 nodes"]),
+    ("plan-cluster-and-tp", ["simulate", "--plan", "{layout}", "--tp", "2", "-c", "dgx-h100-ib"],
+     ["--tp: the plan file fixes tensor parallelism (T 2", "drop --tp, --cluster or plan again"]),
+    ("plan-unit-costs", ["simulate", "--plan", "{layout}", "--unit-costs"], ["--unit-costs", "the costs"]),
+    ("plan-profile-batch", ["simulate", "--plan", "{plan}", "--profile-batch", "4"], ["--profile-batch", "the costs"]),
+    ("plan-tp-overlap-t1", ["simulate", "--plan", "{layout_t1}", "--tp-overlap"],
+     ["--tp-overlap: the plan file fixes tensor parallelism (T 1 in layout-t1.json)"]),
+    ("plan-tp-overlap-dapple", ["simulate", "--plan", "{plan}", "--tp-overlap"], ["--tp-overlap", "T 1 in bad.json"]),
+    ("plan-cost-model-dapple", ["simulate", "--plan", "{plan}", "--cost-model", "linear"],
+     ["--cost-model: the plan file fixes the layer costs"]),
+    ("run-plan-zero-default", ["run", "--plan", "{layout}", "--zero", "0"], ["--zero", "zero 1 in layout-t2.json"]),
+    ("run-plan-seq-len", ["run", "--plan", "{plan}", "--seq-len", "16"], ["--seq-len", "plan file fixes"]),
+    ("run-plan-micro-batch", ["run", "--plan", "{layout}", "--micro-batch", "2"], ["--micro-batch", "micro-batch 1"]),
+    ("run-plan-profile", ["run", "--plan", "{plan}", "--profile", "{file}"], ["--profile", "the layer partition"]),
     ("chunks-without-chunks", ["simulate", "-s", "zb-v", "-D", "4", "-N", "8", "--unit-costs", "--chunks", "3"],
      ["--chunks", "interleaved", "zb-v"]),
     ("chunks-compare-none-chunked", ["compare", "-D", "4", "-N", "8", "--unit-costs", "--schedules", "dapple,gpipe",
@@ -395,6 +442,8 @@ def _fill(argv, files):
             a = _plan(files["tmp"], stages=[])
         elif a == "{plan}":
             a = _plan(files["tmp"])
+        elif a in ("{layout}", "{layout_t1}"):
+            a = _layout_plan(files["tmp"], 2 if a == "{layout}" else 1)
         elif a == "{sweep}":        # a finished sweep of model tiny on the default cluster
             a = str(files["tmp"] / "sweep")
             assert main(SWEEP + ["-m", "tiny", "--out", a]) == 0

@@ -61,7 +61,7 @@ def test_bound_costs_equal_the_hand_built_ones():
     assert bound.report == {"cost_model": "linear", "model": "gpt3-1.3b", "micro_batch": 1,
                             "cluster": "dgx-a100-4x8-ib", "device_map": "copies-same-node",
                             "memory_capacity": cl.device.memory_bytes, "parameters": 1_315_723_264, "gpus": 8,
-                            "tp": 1, "sequence_parallel": False, "zero": 0, "memory_reserve": None,
+                            "tp": 1, "sequence_parallel": False, "tp_overlap": False, "zero": 0, "memory_reserve": None,
                             "memory_transient": tm.transient_bytes()}
 
 

@@ -229,6 +229,42 @@ def test_cli_top_json_out_plot_and_simulate_plan(tmp_path, capsys):
     assert "step_s" in text and "mfu" in text and "search:" in text
 
 
+def test_simulate_plan_applies_what_ifs_as_the_same_layout_by_hand(tmp_path, capsys):
+    """The what-ifs ``simulate --plan`` takes on the plan's layout (--tp-overlap, --fabric with
+    --oversubscription and --nodes-per-leaf, --cost-model, --memory-reserve) give what the same
+    layout given by hand with them gives, change the result, and show in --json."""
+    from experiments.cli import main
+    import yaml
+    cl, model, path = tmp_path / "h100-2x4.yaml", tmp_path / "small.yaml", tmp_path / "p.json"
+    cl.write_text(CLUSTER_YAML)
+    model.write_text(yaml.safe_dump(SMALL.to_dict()))
+    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, replicas=2, tp=2), model=SMALL,
+              micro_batch=1, zero=1, sequence_parallel=True, device_map="sequential")
+    path.write_text(json.dumps(layout_plan_record(job, load_cluster(str(cl)), 8)))
+    by_hand = ["-s", "dapple", "-D", "2", "-N", "4", "--dp", "2", "--tp", "2", "-m", str(model), "-c", str(cl),
+               "--micro-batch", "1", "--zero", "1", "--sequence-parallel", "--device-map", "sequential"]
+
+    def sim(argv):
+        assert main(["simulate", *argv, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    base = sim(["--plan", str(path)])
+    assert base["iteration_time"] == sim(by_hand)["iteration_time"]
+    assert base["tp_overlap"] is False and "fabric" not in base
+    for extra, shown in ((["--tp-overlap"], {"tp_overlap": True}),
+                         (["--fabric", "fat-tree", "--oversubscription", "8", "--nodes-per-leaf", "1"],
+                          {"fabric": "fat-tree", "oversubscription": 8.0, "nodes_per_leaf": 1}),
+                         (["--cost-model", "linear"], {"cost_model": "linear"}),
+                         (["--memory-reserve", "40 GiB"], {"memory_reserve": 40 * GiB})):
+        got, want = sim(["--plan", str(path), *extra]), sim(by_hand + extra)
+        assert (got["iteration_time"], got["memory_verdict"]) == (want["iteration_time"], want["memory_verdict"])
+        assert {k: got[k] for k in shown} == shown, extra
+        if extra[0] == "--memory-reserve":
+            assert got["memory_verdict"] != base["memory_verdict"] and "40 GiB reserved" in got["memory_verdict"]
+        else:
+            assert got["iteration_time"] != base["iteration_time"], extra
+
+
 def test_run_plan_trains_tp2_plans_with_the_references_losses(tmp_path):
     """The planner's best T = 2 plan for the tiny GPT (ZeRO-1 where R > 1), and the same with
     sequence parallelism, run on gloo from their plan files with the reference's losses."""
