@@ -65,6 +65,11 @@ def _finite(value, option: str, *, positive: bool) -> None:
         raise ValueError(f"{option} must be a finite number {'> 0' if positive else '>= 0'}; got {value!r}")
 
 
+
+# how the user gave each cost source that is not the model's formulas (for refusals)
+_SOURCE_FLAGS = {"unit": "--unit-costs", "profile": "--profile", "stage-costs": "--stage-costs",
+                 "layer-profile": "a FILE.txt layer profile", "plan": "--plan"}
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """Which schedule runs on which T x D x R layout: ``schedule`` (a family name,
@@ -337,8 +342,9 @@ class Job:
                                 ("--seq-len", self.seq_len), ("--sequence-parallel", self.sequence_parallel),
                                 ("--tp-overlap", self.tp_overlap)) if v]
         if given and self.source != "transformer":
-            raise ValueError(f"{' and '.join(given)} act on a model's formulas: use --model/--cluster costs "
-                             f"(not --unit-costs, --profile or a FILE.txt profile)")
+            verb = "acts" if len(given) == 1 else "act"
+            raise ValueError(f"{' and '.join(given)} {verb} on a model's formulas: use --model/--cluster costs "
+                             f"(not {_SOURCE_FLAGS.get(self.source, self.source)})")
 
     # ------------------------------------------------------------------ the cost source
     @property

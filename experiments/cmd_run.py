@@ -212,7 +212,7 @@ def _announce_plan(cfg, sched, info, args) -> None:
     if under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
         return
     out = sys.stderr if args.json else sys.stdout
-    what = "reference (one process) for" if args.reference else f"{sched.num_ranks} ranks:"
+    what = "reference (one process) for" if args.reference else f"{sched.num_ranks * cfg.tp} processes:"
     print(f"plan {printable(args.plan)}: {info['plan']}", file=out)
     split = ("the default split of the blocks" if cfg.partition is None else
              f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else

@@ -82,6 +82,9 @@ def main(args) -> int:
             more = f" T={r['tp']} zero={r['zero']} recompute={r['recompute']}"
             print(f"impossible: {r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}{more}{b}: "
                   f"{r['error']}")
+    if not ran:
+        raise ValueError(f"none of the {len(rows)} points can run (each is listed above with its reason); "
+                         "change the grid")
     if not args.no_figures:
         out = printable(args.out)
         print(f"wrote figures: {out}/throughput.png, {out}/pareto.png")

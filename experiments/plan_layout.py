@@ -66,6 +66,10 @@ def main_layout(args, limit: float | None, check_limit) -> int:
         raise ValueError(f"{', '.join(given)} belong to the DAPPLE planner (T=1); drop them with --tp")
     if args.model is None or args.cluster is None:
         raise ValueError("give --model and --cluster (NAME:NODES) with --tp")
+    from cost_models.paper_models import PAPER_MODELS
+    if args.model in PAPER_MODELS:
+        raise ValueError(f"--tp: {args.model} is a layer-profile workload of the DAPPLE paper, not a transformer "
+                         f"whose layers can be split; plan it without --tp, or give a gpt/llama model")
     model = load_model(args.model)
     choice = cluster_from_args(args)
     cluster = choice.load(resolve_cluster)
@@ -128,8 +132,14 @@ def _print_human(res, recs, stats, args) -> None:
     print(f"search: {stats['seconds']:.2f} s, {stats['candidates']:,} candidates; {stats['memory_pruned']:,} over "
           f"the memory bound, {stats['refused']:,} refused by their schedule's requirements,")
     print(f"  {stats['out_of_memory']:,} out of memory by the ledger, {stats['simulated']:,} simulated; the rest "
-          f"bounded above the {'best' if args.top == 1 else f'{args.top}th best'} simulated time")
+          f"bounded above the {'best' if args.top == 1 else f'{_ordinal(args.top)} best'} simulated time")
     if args.out:
         print(f"wrote plan file: {printable(args.out)}")
     if args.plot:
         print(f"wrote figure: {printable(args.plot)}")
+
+
+def _ordinal(k: int) -> str:
+    """2 -> 2nd, 3 -> 3rd, 11 -> 11th, 21 -> 21st."""
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"

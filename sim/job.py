@@ -27,7 +27,8 @@ def check_slow_links(links: dict, network, low, *, crossed: bool = True) -> None
     if not links:
         return
     if network is None or not hasattr(network, "links"):
-        raise ValueError("--slow-link needs a cluster (not --unit-costs)")
+        raise ValueError("--slow-link slows a link of a cluster: use --model/--cluster costs (not --unit-costs or "
+                         "--stage-costs, which have no links)")
     known = {ln.name for ln in network.links()}
     for name in links:
         if name not in known:

@@ -120,6 +120,7 @@ CASES = [
     # silent wrong results
     ("slow-link-unused", SIM + ["--slow-link", "n1.nic0.out=4"], ["--slow-link", "never crosses"]),
     ("slow-link-unknown", SIM + ["--slow-link", "nope=4"], ["--slow-link", "nope"]),
+    ("slow-link-unit-costs", UNIT + ["--slow-link", "n0.nic0.out=4"], ["--slow-link", "--unit-costs", "no links"]),
     ("profile-and-model", SIM + ["--profile", "{file}", "-m", "tiny"], ["--profile", "--model"]),
     ("unit-and-cluster", UNIT + ["-c", "dgx-a100-1x8"], ["--unit-costs", "--cluster"]),
     ("fault-unknown-token", RUN + ["--inject-fault", "1:F9.s1"], ["--inject-fault", "F9.s1"]),
@@ -166,6 +167,8 @@ CASES = [
     ("compare-out-is-file", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", "{file}"], ["--out", "file"]),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "file"]),
     # a folder whose permission bits allow writing (to root) where no file can be created: /proc
+    ("plan-tp-of-a-layer-profile", ["plan", "-m", "vgg-19", "-c", "dgx-h100-ib:4", "-G", "64", "--tp", "auto"],
+     ["--tp", "vgg-19", "without --tp"]),
     ("plan-out-in-proc", LAYOUT + ["--out", "/proc/pipetwin-plan.json"], ["--out", "/proc", "cannot be written"]),
     ("chrome-trace-in-proc", SIM + ["--chrome-trace", "/proc/pipetwin.json"],
      ["--chrome-trace", "/proc", "cannot be written"]),

@@ -293,3 +293,9 @@ def test_run_plan_trains_tp2_plans_with_the_references_losses(tmp_path):
         assert len(got.losses) == len(ref.losses) == 3
         for a, b in zip(got.losses, ref.losses):
             assert abs(a - b) <= 1e-5 * abs(b), (cfg.sequence_parallel, got.losses, ref.losses)
+
+
+def test_the_footer_counts_in_english():
+    from experiments.plan_layout import _ordinal
+    assert [_ordinal(k) for k in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th"]

@@ -159,7 +159,7 @@ def test_cli_run_and_reference_with_plan(plan_files, capsys):
     out = json.loads(io.out)
     assert out["engine"] == "executor" and len(out["per_device"]) == 4
     assert out["losses"] == pytest.approx(ref.losses[:2], rel=1e-5)
-    assert "running 4 ranks" in io.err and "device map" in io.err and "ignored on the CPU" in io.err
+    assert "running 4 processes" in io.err and "device map" in io.err and "ignored on the CPU" in io.err
 
 
 def test_bad_plan_and_flags_are_one_line_errors(plan_files, tmp_path, capsys):

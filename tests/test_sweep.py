@@ -286,3 +286,14 @@ def test_a_second_sweep_on_the_same_folder_is_refused(capsys, tmp_path):
         assert not (out / "sweep.csv").exists()
     rc, text, _ = run_cli(capsys, *SMALL, "--out", str(out))
     assert rc == 0 and len(read_rows(out / "sweep.csv")) == 4 and len(_records(out / "sweep.jsonl")) == 4
+
+
+def test_a_sweep_of_impossible_points_only_exits_2(tmp_path, capsys):
+    """Every point impossible (T = 16 does not divide tiny's 4 heads): the reasons, then one error
+    line and exit status 2, and no figures claimed."""
+    rc = main(["sweep", "-s", "dapple", "-D", "2", "-N", "2", "--tp", "16", "-c", "dgx-a100-4x8-ib", "-m", "tiny",
+               "--out", str(tmp_path / "sw"), "--no-progress", "--workers", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "impossible: dapple D=2 N=2" in out and "wrote figures" not in out
+    assert err.strip().splitlines() == ["pipetwin: error: none of the 1 points can run (each is listed above with its "
+                                        "reason); change the grid"]
