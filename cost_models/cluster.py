@@ -369,6 +369,11 @@ def with_fabric(cluster: Cluster, fabric: str | None = None, oversubscription: f
     """``cluster`` with another inter-node fabric (None keeps a field; checked by :class:`Cluster`)."""
     kw = {k: v for k, v in (("fabric", fabric), ("oversubscription", oversubscription),
                             ("nodes_per_leaf", nodes_per_leaf)) if v is not None}
+    leaf = [f"--{k.replace('_', '-')}" for k in ("oversubscription", "nodes_per_leaf") if k in kw]
+    if leaf and kw.get("fabric", cluster.fabric) == "flat":
+        verb = "shape" if len(leaf) > 1 else "shapes"
+        raise ValueError(f"{' and '.join(leaf)} {verb} the leaves of a fat-tree or rail fabric; cluster "
+                         f"{cluster.name} is flat: add --fabric fat-tree (or rail)")
     return replace(cluster, **kw) if kw else cluster
 
 

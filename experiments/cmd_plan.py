@@ -34,6 +34,9 @@ def add_arguments(p):
                         "(vgg-19, gnmt-16, amoebanet-36, xlnet-36), a per-layer profile in PipeDream's graph "
                         "format (FILE.txt, e.g. DAPPLE's released profiles), or a model file PATH.py:FUNC with its "
                         "--profile")
+    p.add_argument("--seq-len", type=positive_int, default=None, metavar="S",
+                   help="with --tp: plan the model at sequence length S (default the model's; a Hugging Face "
+                        "config's max_position_embeddings)")
     add_cost_model_args(p)
     p.add_argument("--cluster", "-c", default=None,
                    help="cluster preset or YAML file, optionally sized NAME:NODES (also v100-4x8-25gbe, "
@@ -101,7 +104,7 @@ def main(args) -> int:
         from .plan_layout import main_layout
         return main_layout(args, _parse_limit(args.memory_limit), check_limit)
     for flag, given in (("--micro-batches", args.micro_batches), ("--plot", args.plot),
-                        ("--device-map", args.device_map)):
+                        ("--device-map", args.device_map), ("--seq-len", args.seq_len)):
         if given is not None:
             raise ValueError(f"{flag} applies to the whole-layout search; give --tp auto (or a list of T)")
     args.recompute = args.recompute or "none"

@@ -71,6 +71,8 @@ def main_layout(args, limit: float | None, check_limit) -> int:
         raise ValueError(f"--tp: {args.model} is a layer-profile workload of the DAPPLE paper, not a transformer "
                          f"whose layers can be split; plan it without --tp, or give a gpt/llama model")
     model = load_model(args.model)
+    if args.seq_len is not None:
+        model = model.replace(seq_len=args.seq_len)
     choice = cluster_from_args(args)
     cluster = choice.load(resolve_cluster)
     check_limit(limit, cluster.device, args.force)

@@ -120,6 +120,8 @@ CASES = [
     # silent wrong results
     ("slow-link-unused", SIM + ["--slow-link", "n1.nic0.out=4"], ["--slow-link", "never crosses"]),
     ("slow-link-unknown", SIM + ["--slow-link", "nope=4"], ["--slow-link", "nope"]),
+    ("oversubscription-on-flat", SIM + ["-c", "dgx-a100-4x8-ib", "--oversubscription", "4"],
+     ["--oversubscription", "flat", "--fabric fat-tree"]),
     ("slow-link-unit-costs", UNIT + ["--slow-link", "n0.nic0.out=4"], ["--slow-link", "--unit-costs", "no links"]),
     ("profile-and-model", SIM + ["--profile", "{file}", "-m", "tiny"], ["--profile", "--model"]),
     ("unit-and-cluster", UNIT + ["-c", "dgx-a100-1x8"], ["--unit-costs", "--cluster"]),

@@ -299,3 +299,21 @@ def test_the_footer_counts_in_english():
     from experiments.plan_layout import _ordinal
     assert [_ordinal(k) for k in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th"]
+
+
+def test_plan_at_another_sequence_length(tmp_path, capsys):
+    """--seq-len plans the model at that length: the plan file's model has it, tokens per second
+    count it, and simulate --plan gives the planner's time; without --tp it is refused."""
+    from experiments.cli import main as cli_main
+    out = tmp_path / "p.json"
+    argv = ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--tp", "2", "--top", "1",
+            "--no-progress", "--json", "--out", str(out)]
+    assert cli_main(argv + ["--seq-len", "2048"]) == 0
+    best = json.loads(capsys.readouterr().out)["top"][0]
+    assert best["tokens_per_s"] == pytest.approx(64 * 2048 / best["iteration_time"], rel=1e-12)
+    rec = json.loads(out.read_text())
+    assert rec["model"]["spec"]["seq_len"] == 2048
+    assert cli_main(["simulate", "--plan", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_time"] == pytest.approx(best["iteration_time"], rel=1e-9)
+    assert cli_main(["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--seq-len", "2048"]) == 2
+    assert "--seq-len applies to the whole-layout search" in capsys.readouterr().err
