@@ -237,11 +237,22 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                                          variant=variant, tp=tp)
                             for rc, zero, sp, dmap in itertools.product(
                                     space.recompute, space.zero if R > 1 else (0,),
-                                    space.sequence_parallel if tp > 1 else (False,), space.device_maps):
+                                    space.sequence_parallel if tp > 1 else (False,), _distinct_maps(space, D, R)):
                                 out.append(Job(layout=lay, model=model, cluster=choice, micro_batch=mb,
                                                recompute=rc, zero=zero, sequence_parallel=sp, cost_model=cost_model,
                                                memory_reserve=memory_reserve, device_map=dmap))
     return out
+
+
+def _distinct_maps(space: LayoutSpace, D: int, R: int) -> tuple[str, ...]:
+    """The device maps of ``space`` that place a D x R layout differently: with one pipeline device
+    or one replica, Llama 3's [TP, PP, DP] and Megatron's [TP, DP, PP] are the same placement (the
+    first named is kept), so their candidates would be the same job twice."""
+    if D > 1 and R > 1:
+        return space.device_maps
+    same = {"sequential", "megatron"}
+    kept = next((m for m in space.device_maps if m in same), None)
+    return tuple(m for m in space.device_maps if m not in same or m == kept)
 
 
 class _Bounds:

@@ -317,3 +317,22 @@ def test_plan_at_another_sequence_length(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["iteration_time"] == pytest.approx(best["iteration_time"], rel=1e-9)
     assert cli_main(["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--seq-len", "2048"]) == 2
     assert "--seq-len applies to the whole-layout search" in capsys.readouterr().err
+
+
+def test_device_maps_that_place_alike_are_one_candidate():
+    """With one pipeline device or one replica, Llama 3's and Megatron's orders are one placement
+    (the same simulated time): the search keeps one candidate for them, and both where D, R > 1."""
+    from dataclasses import replace
+    tiny = load_model("tiny")
+    cl = _small_h100(4)          # 8 GPUs: T = 2 x (D, R) in (1, 4), (2, 2), (4, 1)
+    space = LayoutSpace(tp=(2,), schedules=("dapple",), micro_batches=(1,), recompute=("none",),
+                        sequence_parallel=(False,), zero=(0,), device_maps=("sequential", "megatron"))
+    cands = candidates(tiny, cl, 8, space, cost_model="linear")
+    by_shape = {}
+    for j in cands:
+        by_shape.setdefault((j.layout.devices, j.layout.replicas), []).append(j.mapping)
+    assert by_shape == {(1, 4): ["sequential"], (2, 2): ["sequential", "megatron"], (4, 1): ["sequential"]}
+    for D, R in ((1, 4), (4, 1)):
+        job = next(j for j in cands if (j.layout.devices, j.layout.replicas) == (D, R))
+        times = {simulate_job(replace(job, device_map=m)).result.iteration_time for m in ("sequential", "megatron")}
+        assert len(times) == 1, (D, R, times)
