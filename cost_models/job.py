@@ -65,10 +65,10 @@ def _finite(value, option: str, *, positive: bool) -> None:
         raise ValueError(f"{option} must be a finite number {'> 0' if positive else '>= 0'}; got {value!r}")
 
 
-
 # how the user gave each cost source that is not the model's formulas (for refusals)
 _SOURCE_FLAGS = {"unit": "--unit-costs", "profile": "--profile", "stage-costs": "--stage-costs",
                  "layer-profile": "a FILE.txt layer profile", "plan": "--plan"}
+
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
