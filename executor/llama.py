@@ -116,7 +116,8 @@ class RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` (same parameter, same numbers) that keeps only its input and 1/rms."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFn.apply(x, self.weight, self.eps)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps     # nn.RMSNorm's default
+        return _RMSNormFn.apply(x, self.weight, eps)
 
 
 _GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)   # SDPA's enable_gqa
