@@ -169,6 +169,10 @@ CASES = [
     ("compare-out-is-file", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", "{file}"], ["--out", "file"]),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "file"]),
     # a folder whose permission bits allow writing (to root) where no file can be created: /proc
+    ("plan-seq-len-zero", LAYOUT + ["--seq-len", "0"], ["--seq-len", "0"]),
+    ("plan-seq-len-nan", LAYOUT + ["--seq-len", "nan"], ["--seq-len", "nan"]),
+    ("plan-seq-len-without-tp", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--seq-len", "64"],
+     ["--seq-len", "--tp"]),
     ("plan-tp-of-a-layer-profile", ["plan", "-m", "vgg-19", "-c", "dgx-h100-ib:4", "-G", "64", "--tp", "auto"],
      ["--tp", "vgg-19", "without --tp"]),
     ("plan-out-in-proc", LAYOUT + ["--out", "/proc/pipetwin-plan.json"], ["--out", "/proc", "cannot be written"]),
