@@ -17,19 +17,17 @@ Its modules:
 
 This module only re-exports.
 """
-from .compare import (HOST_SPEED, UNSETTLED_PROFILE, Comparison, Refusal, calibrate_and_compare, compare_series,
-                      profile_refusals, refusals, run_and_compare)
-from .fit import (PROBE, RUNTIME_SCHEDULES, fit_allreduce, fit_communication, fit_latency_bandwidth, fit_ranks,
-                  fit_runtime, fit_time_slice, runtime_configs)
-from .host import (HostMeasurements, calibrate, fit_profile, host_profile, kept_bytes, measure_host, measure_stack,
-                   runtime_rules, speed_yardstick)
-from .simulate import simulate_with_profile
-from .sitting import (BUSY_CORES, HOST_BUSY, NOISY_RUNS, RunSeries, SittingRules, run_series, sitting_problems,
-                      sitting_record)
+from schedules._face import lazy_face
 
-__all__ = ["BUSY_CORES", "HOST_BUSY", "HOST_SPEED", "NOISY_RUNS", "PROBE", "RUNTIME_SCHEDULES", "UNSETTLED_PROFILE",
-           "Comparison", "Refusal", "profile_refusals", "HostMeasurements", "RunSeries", "SittingRules", "calibrate",
-           "calibrate_and_compare", "compare_series", "fit_allreduce", "fit_communication", "fit_latency_bandwidth",
-           "fit_profile", "fit_ranks", "fit_runtime", "fit_time_slice", "host_profile", "kept_bytes", "measure_host",
-           "measure_stack", "refusals", "run_and_compare", "run_series", "runtime_configs", "runtime_rules",
-           "simulate_with_profile", "sitting_problems", "sitting_record", "speed_yardstick"]
+# module -> the names this package exports from it, imported on first use (schedules._face)
+__all__, __getattr__, __dir__ = lazy_face(__name__, {
+    "compare": ("HOST_SPEED", "UNSETTLED_PROFILE", "Comparison", "Refusal", "calibrate_and_compare",
+                "compare_series", "profile_refusals", "refusals", "run_and_compare"),
+    "fit": ("PROBE", "RUNTIME_SCHEDULES", "fit_allreduce", "fit_communication", "fit_latency_bandwidth", "fit_ranks",
+            "fit_runtime", "fit_time_slice", "runtime_configs"),
+    "host": ("HostMeasurements", "calibrate", "fit_profile", "host_profile", "kept_bytes", "measure_host",
+             "measure_stack", "runtime_rules", "speed_yardstick"),
+    "simulate": ("simulate_with_profile",),
+    "sitting": ("BUSY_CORES", "HOST_BUSY", "NOISY_RUNS", "RunSeries", "SittingRules", "run_series",
+                "sitting_problems", "sitting_record"),
+})

@@ -25,30 +25,36 @@ Entry points (all units SI: seconds, bytes, bytes/s, FLOP/s):
 * a user's layer stack (``PATH.py:FUNC``): :class:`StackSpec` (measured, in its profile),
   :func:`is_model_ref`, :func:`stack_partition` (its default split).
 """
-from ._spec import SpecError
-from .base import LayerCosts, PerLayerCostModel, StageCosts, UnitCostModel
-from .calibration import (CalibrationProfile, LayerTiming, host_flop_rate, load_profile, profile_from_dict,
-                          save_profile, scaled_layer_costs)
-from .cluster import (FABRICS, LINK_TYPES, MAPPINGS, Cluster, LinkSpec, cluster_from_dict, cluster_presets, link_types,
-                      load_cluster, map_copies_same_node, sequential_map, stage_sharing_groups, with_fabric, with_nodes)
-from .comm import (all_gather_time, allreduce_kind, allreduce_phases, allreduce_steps, allreduce_time, p2p_time,
-                   path_time, reduce_scatter_time, ring_allreduce_time, step_time, steps_time)
-from .device import DeviceSpec, device_from_dict, device_presets, load_device
-from .kernels import COST_MODELS, GpuConstants
-from .layer_measurements import load_measurements
-from .pipedream_profile import PipeDreamProfile, ProfileError, load_pipedream_profile
-from .memory import (MemoryReport, OutOfMemory, StaticMemory, activation_walk, check_memory, memory_report,
-                     peak_activation, static_memory)
-from .model_spec import ModelSpec, load_model, model_presets, spec_from_dict
-from .network import Link, Network, PortNetwork
-from .partition import (balanced_counts, balanced_edges, block_ranges, blocks_from_layers, default_partition,
-                        even_counts, layer_ranges, layers_from_blocks, stack_partition)
-from .stack import StackSpec, is_model_ref, stack_from_dict
-from .job import ClusterChoice, Faults, Job, Layout, check_run_size
-from .bind import Bound, bind
-from .workload import Workload
-from .workload_sources import load_workload, workload_from_source
-from .paper_models import paper_models
-from .transformer import (RECOMPUTE, Layer, TransformerCostModel, block_activation_bytes, block_flops, block_params,
-                          block_weight_grad_bytes, boundary_bytes, model_flops, model_params, recompute_flops,
-                          transformer_layers)
+from schedules._face import lazy_face
+
+# module -> the names this package exports from it, imported on first use (schedules._face)
+__all__, __getattr__, __dir__ = lazy_face(__name__, {
+    "_spec": ("SpecError",),
+    "base": ("LayerCosts", "PerLayerCostModel", "StageCosts", "UnitCostModel"),
+    "calibration": ("CalibrationProfile", "LayerTiming", "host_flop_rate", "load_profile", "profile_from_dict",
+                    "save_profile", "scaled_layer_costs"),
+    "cluster": ("FABRICS", "LINK_TYPES", "MAPPINGS", "Cluster", "LinkSpec", "cluster_from_dict", "cluster_presets",
+                "link_types", "load_cluster", "map_copies_same_node", "sequential_map", "stage_sharing_groups",
+                "with_fabric", "with_nodes"),
+    "comm": ("all_gather_time", "allreduce_kind", "allreduce_phases", "allreduce_steps", "allreduce_time",
+             "p2p_time", "path_time", "reduce_scatter_time", "ring_allreduce_time", "step_time", "steps_time"),
+    "device": ("DeviceSpec", "device_from_dict", "device_presets", "load_device"),
+    "kernels": ("COST_MODELS", "GpuConstants"),
+    "layer_measurements": ("load_measurements",),
+    "pipedream_profile": ("PipeDreamProfile", "ProfileError", "load_pipedream_profile"),
+    "memory": ("MemoryReport", "OutOfMemory", "StaticMemory", "activation_walk", "check_memory", "memory_report",
+               "peak_activation", "static_memory"),
+    "model_spec": ("ModelSpec", "load_model", "model_presets", "spec_from_dict"),
+    "network": ("Link", "Network", "PortNetwork"),
+    "partition": ("balanced_counts", "balanced_edges", "block_ranges", "blocks_from_layers", "default_partition",
+                  "even_counts", "layer_ranges", "layers_from_blocks", "stack_partition"),
+    "stack": ("StackSpec", "is_model_ref", "stack_from_dict"),
+    "job": ("ClusterChoice", "Faults", "Job", "Layout", "check_run_size"),
+    "bind": ("Bound", "bind"),
+    "workload": ("Workload",),
+    "workload_sources": ("load_workload", "workload_from_source"),
+    "paper_models": ("paper_models",),
+    "transformer": ("RECOMPUTE", "Layer", "TransformerCostModel", "block_activation_bytes", "block_flops",
+                    "block_params", "block_weight_grad_bytes", "boundary_bytes", "model_flops", "model_params",
+                    "recompute_flops", "transformer_layers"),
+})

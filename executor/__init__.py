@@ -9,8 +9,11 @@ model on the same batches in one process. Modules: ``model`` (GPT and its split 
 ``data``, ``device`` (the CPU/GPU choice and memory meters), ``p2p`` (messages), ``runtime`` (the
 interpreter), ``faults`` (fault injection), ``worker`` (one rank), ``launch`` (processes), ``reference``.
 """
-from .config import RunConfig, RunResult, lowered_schedule
-from .launch import LaunchError, run, run_many
-from .reference import run_reference
+from schedules._face import lazy_face
 
-__all__ = ["RunConfig", "RunResult", "lowered_schedule", "LaunchError", "run", "run_many", "run_reference"]
+# module -> the names this package exports from it, imported on first use (schedules._face)
+__all__, __getattr__, __dir__ = lazy_face(__name__, {
+    "config": ("RunConfig", "RunResult", "lowered_schedule"),
+    "launch": ("LaunchError", "run", "run_many"),
+    "reference": ("run_reference",),
+})

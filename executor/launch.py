@@ -60,15 +60,14 @@ from .worker import Job, local_env, topology
 _WORKDIR_ENV = "PIPETWIN_WORKDIR"
 _REPO = str(Path(__file__).resolve().parent.parent)
 _PARENT_ENV = "PIPETWIN_PARENT"     # the launcher's pid: a rank ends when it does
-# a worker's first code: end with the launcher (cost_models/lifeline.py loaded by its path, before
-# the seconds of importing torch: the package would import pandas first), the working directory
-# ('' or '.') off sys.path, pipetwin's folder first
-WORKER_BOOT = ("import importlib.util as u, os, sys; "
-               f"s = u.spec_from_file_location('_pipetwin_lifeline', {_REPO!r} + '/cost_models/lifeline.py'); "
-               "m = u.module_from_spec(s); s.loader.exec_module(m); "
-               f"m.die_with_parent(int(os.environ[{_PARENT_ENV!r}])); "
+# a worker's first code: the working directory ('' or '.') off sys.path, pipetwin's folder first, then
+# end with the launcher (cost_models.lifeline: standard library only, the package's face is lazy;
+# before the seconds of importing torch)
+WORKER_BOOT = ("import os, sys; "
                "sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
                f"sys.path.insert(0, {_REPO!r}); "
+               "from cost_models.lifeline import die_with_parent; "
+               f"die_with_parent(int(os.environ[{_PARENT_ENV!r}])); "
                "from executor.launch import _worker_main; _worker_main()")
 
 

@@ -23,15 +23,15 @@ scatter-first), the micro-batch count and the schedule.
   recompute, ZeRO-1, sequence parallelism; every candidate a :class:`cost_models.job.Job`);
 * :mod:`planner.plan_io`: plan files, written and read back (:func:`save_plan`, :func:`load_plan`).
 """
-from .choose import Evaluated, PlanningResult, evaluate_plan, plan_training
-from .cost import Estimate, estimate
-from .placement import POLICIES, Topology
-from .plan import Plan, StagePlan
-from .plan_io import LoadedPlan, load_plan, plan_record, save_plan
-from .search import PlanError, SearchResult, SearchSpace, exhaustive, search_plans
-from .simulate import build_plan, replicated_schedule, simulate_plan
+from schedules._face import lazy_face
 
-__all__ = ["Estimate", "estimate", "POLICIES", "Topology", "Plan", "StagePlan", "LoadedPlan",
-           "load_plan", "plan_record", "save_plan", "Evaluated", "PlanningResult", "evaluate_plan",
-           "plan_training", "PlanError", "SearchResult", "SearchSpace", "exhaustive", "search_plans",
-           "build_plan", "replicated_schedule", "simulate_plan"]
+# module -> the names this package exports from it, imported on first use (schedules._face)
+__all__, __getattr__, __dir__ = lazy_face(__name__, {
+    "choose": ("Evaluated", "PlanningResult", "evaluate_plan", "plan_training"),
+    "cost": ("Estimate", "estimate"),
+    "placement": ("POLICIES", "Topology"),
+    "plan": ("Plan", "StagePlan"),
+    "plan_io": ("LoadedPlan", "load_plan", "plan_record", "save_plan"),
+    "search": ("PlanError", "SearchResult", "SearchSpace", "exhaustive", "search_plans"),
+    "simulate": ("build_plan", "replicated_schedule", "simulate_plan"),
+})

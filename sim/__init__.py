@@ -1,9 +1,11 @@
 """The SimPy engine: devices, links with max-min fair bandwidth sharing, collectives, memory tracking,
 hosts' cores (shared or time-sliced), replica symmetry; :func:`simulate_job` simulates a
 :class:`cost_models.job.Job`."""
-from .engine import SimOptions, SimResult, SimulationError, run, simulate
-from .flows import FairShare
-from .job import JobSimulation, job_options, simulate_job
+from schedules._face import lazy_face
 
-__all__ = ["SimOptions", "SimResult", "SimulationError", "run", "simulate", "FairShare", "JobSimulation",
-           "job_options", "simulate_job"]
+# module -> the names this package exports from it, imported on first use (schedules._face)
+__all__, __getattr__, __dir__ = lazy_face(__name__, {
+    "engine": ("SimOptions", "SimResult", "SimulationError", "run", "simulate"),
+    "flows": ("FairShare",),
+    "job": ("JobSimulation", "job_options", "simulate_job"),
+})
