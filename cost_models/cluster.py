@@ -29,7 +29,9 @@ A :class:`Cluster` implements the :class:`~cost_models.network.Network` protocol
   simulator shares a link's bandwidth between the transfers crossing it.
 
 Ranks of a schedule are placed on physical devices by ``device_map`` (rank -> global device
-index ``node * devices_per_node + local``; None = identity). :func:`sequential_map` keeps rank
+index ``node * devices_per_node + local``; None = identity). The mappings (:data:`MAPPINGS`) read
+only where devices sit, a :class:`DeviceGrid` of nodes x devices per node (a cluster's
+:attr:`Cluster.grid`, or the executor's torchrun nodes x processes per node). :func:`sequential_map` keeps rank
 order; :func:`map_copies_same_node` puts the devices that hold copies of the same stage (the two
 pipelines of Chimera / BitPipe, optionally data-parallel replicas too) on one node, so the stage
 gradient all-reduce stays on NVLink (BitPipe's mapping).
@@ -132,6 +134,27 @@ def link_from_value(value, source: str, field: str) -> LinkSpec:
     return LinkSpec(kind, bw, lat)
 
 
+@dataclass(frozen=True)
+class DeviceGrid:
+    """Where ranks can sit: ``nodes`` x ``devices_per_node`` devices, global device ``node *
+    devices_per_node + local``; what the rank -> device mappings of :data:`MAPPINGS` read (``name``
+    names it in their errors: a cluster's name, or ``torchrun NODESxPER_NODE``)."""
+
+    nodes: int
+    devices_per_node: int
+    name: str = "device grid"
+
+    def __post_init__(self):
+        for f in ("nodes", "devices_per_node"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"{self.name}: field {f!r} must be an integer >= 1; got {v!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """``nodes`` x ``devices_per_node`` devices; see the module docstring for the link model.
@@ -194,6 +217,11 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
     @property
+    def grid(self) -> DeviceGrid:
+        """Where this cluster's devices sit, as the rank -> device mappings read it."""
+        return DeviceGrid(self.nodes, self.devices_per_node, f"cluster {self.name!r}")
+
+    @property
     def num_ranks(self) -> int:
         """Ranks this cluster places: len(device_map), or every device without a map."""
         return self.num_devices if self.device_map is None else len(self.device_map)
@@ -222,7 +250,7 @@ class Cluster:
         """This cluster with the ranks of ``sched`` placed by a named mapping (see :data:`MAPPINGS`)."""
         if mapping not in MAPPINGS:
             raise SpecError(f"unknown device mapping {mapping!r}; choose one of {', '.join(MAPPINGS)}")
-        return self.with_device_map(MAPPINGS[mapping](sched, self, **kw))
+        return self.with_device_map(MAPPINGS[mapping](sched, self.grid, **kw))
 
     # ------------------------------------------------------------------ network
     def _intra(self, node: int, local: int, direction: str, latency: float) -> Link:
@@ -448,15 +476,21 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
 
 
 # ---------------------------------------------------------------------- rank -> device mappings
-def _check_fits(sched: "Schedule", cluster: Cluster) -> None:
-    if sched.num_ranks > cluster.num_devices:
+def _fitting_grid(sched: "Schedule", where: DeviceGrid | Cluster) -> DeviceGrid:
+    """The grid a mapping lays ``sched``'s ranks over (a cluster's own), refusing one too small."""
+    if isinstance(where, Cluster):
+        where = where.grid
+    elif not isinstance(where, DeviceGrid):
+        raise TypeError(f"a rank -> device mapping takes a DeviceGrid or a Cluster; got {type(where).__name__}")
+    if sched.num_ranks > where.num_devices:
         raise SpecError(f"schedule {sched.name!r} needs {sched.num_ranks} ranks ({sched.num_devices} devices x "
-                        f"{sched.replicas} replicas) but cluster {cluster.name!r} has {cluster.num_devices} devices")
+                        f"{sched.replicas} replicas) but {where.name} has {where.num_devices} devices")
+    return where
 
 
-def sequential_map(sched: "Schedule", cluster: Cluster) -> tuple[int, ...]:
+def sequential_map(sched: "Schedule", where: DeviceGrid | Cluster) -> tuple[int, ...]:
     """Rank r on physical device r: pipeline neighbours share a node, copies of a stage may not."""
-    _check_fits(sched, cluster)
+    _fitting_grid(sched, where)
     return tuple(range(sched.num_ranks))
 
 
@@ -488,12 +522,12 @@ def stage_sharing_groups(sched: "Schedule", include_replicas: bool = False) -> l
     return sorted(comps.values(), key=lambda g: g[0])
 
 
-def megatron_map(sched: "Schedule", cluster: Cluster) -> tuple[int, ...]:
+def megatron_map(sched: "Schedule", where: DeviceGrid | Cluster) -> tuple[int, ...]:
     """Megatron-LM's rank order: tensor-parallel ranks fastest (inside one simulated rank: see
     :func:`tensor_parallel_groups`), then the data-parallel replicas, then the pipeline stages.
     Rank (replica r, pipeline device d) sits on slot d * R + r: the replicas of a stage are
     neighbours (their gradient all-reduce stays as local as it can), a pipeline spans the cluster."""
-    _check_fits(sched, cluster)
+    _fitting_grid(sched, where)
     D, R = sched.num_devices, sched.replicas
     return tuple((r % D) * R + r // D for r in range(sched.num_ranks))
 
@@ -536,7 +570,8 @@ def tensor_parallel_groups(cluster: Cluster, tp: int) -> Cluster:
                    nodes_per_pod=None if cluster.nodes_per_pod is None else max(1, cluster.nodes_per_pod // span))
 
 
-def map_copies_same_node(sched: "Schedule", cluster: Cluster, *, include_replicas: bool = False) -> tuple[int, ...]:
+def map_copies_same_node(sched: "Schedule", where: DeviceGrid | Cluster, *,
+                         include_replicas: bool = False) -> tuple[int, ...]:
     """BitPipe's mapping: devices holding copies of one stage share a node.
 
     Groups of :func:`stage_sharing_groups` (for Chimera / BitPipe: devices d and D-1-d) are packed
@@ -544,13 +579,13 @@ def map_copies_same_node(sched: "Schedule", cluster: Cluster, *, include_replica
     spills over in rank order. For single-copy schedules every group is one rank and the result is
     the sequential mapping.
     """
-    _check_fits(sched, cluster)
-    dpn = cluster.devices_per_node
-    slots: list[list[int]] = [[] for _ in range(cluster.nodes)]
+    grid = _fitting_grid(sched, where)
+    dpn = grid.devices_per_node
+    slots: list[list[int]] = [[] for _ in range(grid.nodes)]
     for g in stage_sharing_groups(sched, include_replicas):
-        target = next((n for n in range(cluster.nodes) if dpn - len(slots[n]) >= len(g)), None)
+        target = next((n for n in range(grid.nodes) if dpn - len(slots[n]) >= len(g)), None)
         for r in g:
-            n = target if target is not None else next(n for n in range(cluster.nodes) if len(slots[n]) < dpn)
+            n = target if target is not None else next(n for n in range(grid.nodes) if len(slots[n]) < dpn)
             slots[n].append(r)
     dm = [0] * sched.num_ranks
     for n, ranks in enumerate(slots):

@@ -50,20 +50,18 @@ class Mesh:
 
 def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tuple[int, ...]:
     """Pipeline rank -> global device (slot) on ``nodes`` x ``per_node`` of them: ``device_map`` is a
-    mapping name (:data:`cost_models.cluster.MAPPINGS`) or an explicit map (a plan's)."""
-    from types import SimpleNamespace
-
-    from cost_models.cluster import MAPPINGS
+    mapping name (:data:`cost_models.cluster.MAPPINGS`, laid over that
+    :class:`~cost_models.cluster.DeviceGrid`) or an explicit map (a plan's)."""
+    from cost_models.cluster import MAPPINGS, DeviceGrid
     n = sched.num_ranks
+    grid = DeviceGrid(nodes, per_node, f"torchrun {nodes}x{per_node}")
     if isinstance(device_map, str):
         if device_map not in MAPPINGS:
             raise ValueError(f"unknown device map {device_map!r}; choose one of {', '.join(MAPPINGS)}")
-        where = SimpleNamespace(name=f"torchrun {nodes}x{per_node}", nodes=nodes, devices_per_node=per_node,
-                                num_devices=nodes * per_node)
-        dm = tuple(MAPPINGS[device_map](sched, where))
+        dm = tuple(MAPPINGS[device_map](sched, grid))
     else:
         dm = tuple(int(d) for d in device_map)
-    if len(dm) != n or sorted(dm) != sorted(set(dm)) or any(not 0 <= d < nodes * per_node for d in dm):
+    if len(dm) != n or sorted(dm) != sorted(set(dm)) or any(not 0 <= d < grid.num_devices for d in dm):
         raise ValueError(f"device map {list(dm)} must give each of the {n} ranks its own device among the "
                          f"{nodes} x {per_node} devices torchrun started")
     return dm

@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -308,14 +307,13 @@ def test_torchrun_placement_follows_the_device_map(tmp_path):
     gloo on the CPU), BitPipe D = 4 with copies-same-node (both copies of a stage on one node).
     The map is [0, 2, 3, 1]: the process at node 0 / local rank 1 (torchrun rank 1) runs pipeline
     rank 3. Losses equal the single-process reference."""
-    from cost_models.cluster import map_copies_same_node
+    from cost_models.cluster import DeviceGrid, map_copies_same_node
     from executor.launch import device_map_for
     args = ["-s", "bitpipe", "-D", "4", "-N", "4", "--steps", "2", "--device", "cpu", "--optimizer", "sgd",
             "--lr", "0.05", "--device-map", "copies-same-node", "--timeout", "60", "--json"]
     low = lowered_schedule(RunConfig(schedule="bitpipe", devices=4, microbatches=4))
     want = device_map_for("copies-same-node", low, 2, 2)
-    assert want == (0, 2, 3, 1) == map_copies_same_node(low, types.SimpleNamespace(
-        name="2x2", nodes=2, devices_per_node=2, num_devices=4))
+    assert want == (0, 2, 3, 1) == map_copies_same_node(low, DeviceGrid(2, 2))
     outs = torchrun_cli(args)
     printed = [i for i, o in enumerate(outs) if o.strip()]
     assert printed == [0]                     # torchrun rank 0 sits on device 0 = pipeline rank 0's
