@@ -1,5 +1,5 @@
 """Calibration: everything about measuring this machine, with the executor's own code, and the
-profile :mod:`cost_models.calibration` loads.
+profile :mod:`cost_models.profile` loads.
 
 It sits above both engines (it runs the executor and the simulator; neither knows about it).
 Its modules:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
-from cost_models.calibration import CalibrationProfile
+from cost_models.profile import CalibrationProfile
 from cost_models.job import Job
 from executor.config import RunConfig, lowered_schedule
 from schedules.trace import noise_free, op_orders, step_metrics

@@ -5,7 +5,7 @@ the simulated op totals equal the measured ones).
 The lone measurements (:func:`calibration.measure.measure_comm`: ping-pong P2P times and
 all-reduce times over message sizes) are fitted as latency + bytes / bandwidth
 (:func:`fit_latency_bandwidth`) and as a ring (:func:`fit_allreduce`); the profile keeps the
-results (:mod:`cost_models.calibration` is its format).
+results (:mod:`cost_models.profile` is its format).
 
 Inside a run ops cost more than the layers alone (ranks share memory bandwidth and caches) and
 every op pays a fixed cost (Python dispatch, hooks, the runtime's bookkeeping), while ranks that
@@ -30,7 +30,7 @@ import numpy as np
 from scipy.optimize import least_squares, lsq_linear
 
 from cost_models import SpecError
-from cost_models.calibration import CalibrationProfile
+from cost_models.profile import CalibrationProfile
 from cost_models.job import Job, Layout
 from executor.config import RunConfig, lowered_schedule
 from schedules.ir import ALLREDUCE

@@ -1,6 +1,6 @@
 """Measuring this host: the layers, the communication and the runtime of this machine, measured
 with the executor's own code and fitted through the simulator into the profile
-:mod:`cost_models.calibration` loads.
+:mod:`cost_models.profile` loads.
 
 What is measured, and how:
 
@@ -46,7 +46,7 @@ With tensor parallelism (``tp`` T > 1, a GPT spec) every rank of the runs to pre
 group of T processes: 1. measures TP rank 0's layers at 1/T as the executor builds them
 (:func:`calibration.measure.measure_tp_layers`), 2. also the group's all-reduce over T gloo
 processes (fitted as a ring: the profile's ``tp_allreduce``, priced on every layer's collectives,
-:meth:`cost_models.calibration.CalibrationProfile.collective_times`), 3. traces runs at T, and a
+:meth:`cost_models.profile.CalibrationProfile.collective_times`), 3. traces runs at T, and a
 simulated rank is the group on T cores (the profile's host has ``cores // T`` of them), so 4.
 applies once the processes outnumber the cores.
 
@@ -71,7 +71,7 @@ from typing import Callable
 
 import torch
 
-from cost_models.calibration import CalibrationProfile, LayerTiming
+from cost_models.profile import CalibrationProfile, LayerTiming
 from cost_models.cluster import LinkSpec
 from cost_models.model_spec import load_model
 from cost_models.stack import StackSpec, is_model_ref

@@ -4,8 +4,8 @@ traced runs and what validation compares with measured ones.
 Every rank of a profile was measured on one host: the simulator puts them all there, sharing its
 cores (:class:`sim.host.HostCores`, :func:`sim.host.on_one_host`: processor sharing while every
 rank has a core, the profile's OS time slice beyond), with the profile's per-layer costs and its
-P2P and all-reduce fits (:meth:`cost_models.calibration.CalibrationProfile.cost_model`,
-:meth:`~cost_models.calibration.CalibrationProfile.cluster`).
+P2P and all-reduce fits (:meth:`cost_models.profile.CalibrationProfile.cost_model`,
+:meth:`~cost_models.profile.CalibrationProfile.cluster`).
 """
 from __future__ import annotations
 

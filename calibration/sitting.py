@@ -20,7 +20,7 @@ median of its runs' times, and a sitting is only usable if it shows that time re
   ``max_runs`` rounds;
 - what is left unsettled says why (:attr:`RunSeries.problem`) and whose doing it is
   (:attr:`RunSeries.cause`): :data:`HOST_BUSY` only where too few runs had other processes at or
-  below ``max_foreign`` (default :data:`cost_models.calibration.BUSY_CORES`, 0.5 cores, measured),
+  below ``max_foreign`` (default :data:`cost_models.profile.BUSY_CORES`, 0.5 cores, measured),
   else :data:`NOISY_RUNS` (quiet runs that disagree: a small model's own noise, or a host state no
   counter of this VM sees); the caller refuses to report a time from it.
 
@@ -56,7 +56,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from cost_models.calibration import BUSY_CORES, CalibrationProfile
+from cost_models.profile import BUSY_CORES, CalibrationProfile
 from executor import launch
 from executor.config import RunConfig, RunResult
 from schedules.ir import B, F, W

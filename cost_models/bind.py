@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from schedules import Schedule
 
 from .base import PerLayerCostModel, StageCosts, UnitCostModel
-from .calibration import CalibrationProfile, load_profile, scaled_layer_costs
+from .profile import CalibrationProfile, load_profile, scaled_layer_costs
 from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
 from .kernels import COST_MODELS
@@ -278,7 +278,7 @@ def _layer_profile_costs(job: Job, low: Schedule, cluster: Cluster, cost_model: 
     """StageCosts of a PipeDream/DAPPLE profile: its workload at the micro-batch (default the
     profile batch), a work-balanced contiguous partition over the schedule's stages."""
     from .partition import balanced_edges
-    from .workload_sources import load_workload
+    from .workloads.workload_sources import load_workload
     work = load_workload(job.model, cluster.device, recompute=job.recompute, cost_model=cost_model,
                          profile_batch=job.profile_batch)
     mb = job.micro_batch if job.micro_batch is not None else work.source["profile_batch"]

@@ -13,7 +13,7 @@ A device YAML file (presets in ``cost_models/presets/devices``)::
        dispatch_forward: 2 us, dispatch_backward: 25.3 us, module_overhead: 81.4 us}
 
 A ``calibrated: true`` device (the ``cpu`` preset) has no datasheet peak: its layer times come
-from a calibration profile measured on the machine (:mod:`cost_models.calibration`).
+from a calibration profile measured on the machine (:mod:`cost_models.profile`).
 
 Units: FLOP/s, bytes, bytes/s; ``efficiency`` is a fraction in (0, 1].
 """
@@ -49,7 +49,7 @@ class DeviceSpec:
                 return v
         if self.calibrated:
             raise SpecError(f"device {self.name!r} has no datasheet FLOP/s: its costs come from a calibration "
-                            f"profile (cost_models.calibration.load_profile)")
+                            f"profile (cost_models.profile.load_profile)")
         have = ", ".join(p for p, _ in self.peak_flops) or "none"
         raise SpecError(f"device {self.name!r} has no peak for precision {precision!r} (has: {have})")
 

@@ -56,7 +56,7 @@ Layers priced here: transformer blocks of five families (:data:`ARCHS`: ``bert``
 BertLayer, ``gpt`` = Megatron-LM's pre-norm GPT layer, ``opt`` = OPT decoder layer, ``t5`` = T5
 encoder block, ``llama``), the embedding lookup and the output head with its loss
 (:func:`transformer_layer_times`); the planner builds its CNN/RNN layers from :func:`gemm`,
-:func:`conv2d` and :func:`memory` (:mod:`cost_models.paper_kernels`). Phases: ``F`` forward, ``B``
+:func:`conv2d` and :func:`memory` (:mod:`cost_models.workloads.paper_kernels`). Phases: ``F`` forward, ``B``
 input gradient (with the element-wise backward), ``W`` weight gradient (GEMMs, bias reductions,
 gradient accumulation): B + W is the full backward, and the split is what zero-bubble schedules use.
 

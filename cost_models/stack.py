@@ -18,7 +18,7 @@ per-layer facts that are not times (those are the profile's ``per_layer`` timing
   stage [a, b) keeps ``act_first[a] + sum(act[a+1:b])`` (:class:`cost_models.base.PerLayerCostModel`);
 - ``flops``: per layer ``(f, b, b_input, w)`` FLOPs counted by ``torch.utils.flop_counter`` on the
   very calls that were timed (needed only to scale the times onto another device:
-  :func:`cost_models.calibration.scaled_layer_costs`).
+  :func:`cost_models.profile.scaled_layer_costs`).
 
 The micro-batch is the one measured; ``dtype_bytes`` the bytes per parameter element of the
 gradients that are all-reduced (4: the executor trains in fp32).

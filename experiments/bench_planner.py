@@ -22,7 +22,7 @@ import time
 
 from planner import SearchSpace, Topology, search_plans
 from planner.clusters import resolve_cluster
-from cost_models.workload_sources import load_workload
+from cost_models.workloads.workload_sources import load_workload
 from planner.search import _policies, _rep_values, divisors
 
 

@@ -195,7 +195,7 @@ def _calibrated_model(args):
     """(cluster, workload) of ``--profile``: this machine as calibrated, or scaled onto ``--cluster``."""
     from cost_models import load_profile
     from planner.clusters import resolve_cluster
-    from cost_models.paper_models import calibrated_workload
+    from cost_models.workloads.paper_models import calibrated_workload
 
     from cost_models.bind import check_profile_model
     if args.cost_model is not None or args.profile_batch is not None:

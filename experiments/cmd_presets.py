@@ -29,7 +29,7 @@ def _model_lines() -> list[tuple[str, str]]:
         out.append((name, f"{m.kind}, {m.layers} layers, h {m.hidden}, {heads}{ffn}, s {m.seq_len}, V {m.vocab}, "
                           f"b {m.micro_batch}: {_count(model_params(m))} parameters"))
     try:   # the planner's layer-cost models (pipetwin plan only)
-        from cost_models.paper_models import paper_models
+        from cost_models.workloads.paper_models import paper_models
         for name in paper_models():
             out.append((name, "DAPPLE paper model (layer costs): pipetwin plan only"))
     except ImportError:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cost_models.calibration import BUSY_CORES
+from cost_models.profile import BUSY_CORES
 from cost_models.job import check_run_size
 
 from .checks import float_in, input_file, int_in, nonneg_int, output_dir, output_file, positive_int

@@ -66,7 +66,7 @@ def main_layout(args, limit: float | None, check_limit) -> int:
         raise ValueError(f"{', '.join(given)} belong to the DAPPLE planner (T=1); drop them with --tp")
     if args.model is None or args.cluster is None:
         raise ValueError("give --model and --cluster (NAME:NODES) with --tp")
-    from cost_models.paper_models import PAPER_MODELS
+    from cost_models.workloads.paper_models import PAPER_MODELS
     if args.model in PAPER_MODELS:
         raise ValueError(f"--tp: {args.model} is a layer-profile workload of the DAPPLE paper, not a transformer "
                          f"whose layers can be split; plan it without --tp, or give a gpt/llama model")

@@ -5,8 +5,8 @@ memory: the number of stages, a contiguous partition of the layers, the replicas
 (data parallelism inside a stage), where every replica sits (fresh-first / append-first /
 scatter-first), the micro-batch count and the schedule.
 
-* what it plans for is a :class:`cost_models.workload.Workload` (per-layer, per-sample costs:
-  transformers, the DAPPLE paper's CNN/RNN models of :mod:`cost_models.paper_models`, measured
+* what it plans for is a :class:`cost_models.workloads.workload.Workload` (per-layer, per-sample costs:
+  transformers, the DAPPLE paper's CNN/RNN models of :mod:`cost_models.workloads.paper_models`, measured
   profiles in PipeDream's graph format; :func:`cost_models.load_workload` resolves a name); with the
   kernel cost model the per-sample times depend on the micro-batch, which makes the micro-batch
   count a real choice;

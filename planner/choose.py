@@ -28,16 +28,16 @@ from tqdm import tqdm
 from cost_models import Cluster
 from cost_models.bind import cost_model_for
 from cost_models.memory import usable_memory
-from cost_models.workload import is_profile_path
+from cost_models.workloads.workload import is_profile_path
 from schedules import ScheduleError, build
 
 from .cost import Estimate, estimate
-from cost_models.workload_sources import load_workload
+from cost_models.workloads.workload_sources import load_workload
 from .placement import Topology
 from .plan import Plan, StagePlan
 from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search_plans
 from .simulate import SimOutcome, simulate_plan, split_candidates
-from cost_models.workload import Workload
+from cost_models.workloads.workload import Workload
 
 
 

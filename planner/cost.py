@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from .placement import Topology
 from .plan import Plan
-from cost_models.workload import Workload
+from cost_models.workloads.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,10 @@ from cost_models._spec import size_bytes
 from cost_models.files import one_line, read_text, write_output
 from cost_models.stack import absolute_model_ref
 
-from cost_models.workload_sources import workload_from_source
+from cost_models.workloads.workload_sources import workload_from_source
 from .plan import Plan
 from .simulate import Built, PlanInMemory, SimOutcome, build_plan, simulate_plan
-from cost_models.workload import Workload
+from cost_models.workloads.workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 1
 

@@ -95,7 +95,7 @@ from cost_models.partition import balanced_edges
 from .cost import Estimate, estimate
 from .placement import POLICIES, Topology, check_policy
 from .plan import Plan, StagePlan
-from cost_models.workload import Workload
+from cost_models.workloads.workload import Workload
 
 OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")

@@ -39,7 +39,7 @@ from cost_models import Cluster, PerLayerCostModel, StageCosts
 from cost_models.bind import Bound
 from cost_models.job import Faults, Job
 from cost_models.partition import balanced_edges
-from cost_models.workload import Workload
+from cost_models.workloads.workload import Workload
 from schedules import Schedule, build, lower, make_schedule, validate
 from schedules.dapple import one_f_one_b
 from schedules.ir import B, F

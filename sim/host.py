@@ -1,6 +1,6 @@
 """Ranks of one CPU host, as a calibration profile describes them.
 
-A profile (:mod:`cost_models.calibration`) is measured with every rank on one host: the ranks
+A profile (:mod:`cost_models.profile`) is measured with every rank on one host: the ranks
 share its cores, and the transport's threads (gloo) keep cores busy while they move or reduce
 bytes. With no more ranks than cores each rank has a core of its own (pinned) and the sharing is
 processor sharing; with more ranks than cores the OS time-slices them (:mod:`sim.slicing`), the

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from cost_models import SpecError, load_profile, save_profile
-from cost_models.calibration import CalibrationProfile, LayerTiming
+from cost_models.profile import CalibrationProfile, LayerTiming
 from cost_models.cluster import LinkSpec
 from cost_models.comm import ring_allreduce_time
 from cost_models.model_spec import load_model

@@ -141,7 +141,7 @@ def _toy_profile(scale=None, overhead=(), slowdown=1.0, cores=2):
     from dataclasses import replace
 
     from cost_models import CalibrationProfile
-    from cost_models.calibration import LayerTiming
+    from cost_models.profile import LayerTiming
     from cost_models.cluster import LinkSpec
     from cost_models.model_spec import load_model
     sc = {"F": 1.0, "B": 1.0, "Bi": 1.0, "W": 1.0, "OPTIM": 1.0, **(scale or {})}

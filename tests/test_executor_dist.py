@@ -194,7 +194,7 @@ def _bytes_profile(spec, dtype: str):
     the simulated memory: a device's activation memory follows its own program order)."""
     from calibration import kept_bytes
     from calibration.measure import measure_layers
-    from cost_models.calibration import CalibrationProfile, LayerTiming
+    from cost_models.profile import CalibrationProfile, LayerTiming
     from cost_models.cluster import LinkSpec
     from executor.precision import Precision
     if dtype not in _BYTES:

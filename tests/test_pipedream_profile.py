@@ -5,10 +5,10 @@ from importlib import resources
 import pytest
 
 from cost_models import load_device
-from cost_models.pipedream_profile import ProfileError, load_pipedream_profile, profile_batch_from_name
+from cost_models.workloads.pipedream_profile import ProfileError, load_pipedream_profile, profile_batch_from_name
 from experiments.cli import main
-from cost_models.pipedream_workload import profile_workload
-from cost_models.workload_sources import load_workload
+from cost_models.workloads.pipedream_workload import profile_workload
+from cost_models.workloads.workload_sources import load_workload
 
 DIR = resources.files("cost_models") / "presets" / "profiles" / "dapple-v100"
 V100 = load_device("v100")

@@ -9,12 +9,12 @@ import pytest
 from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_cluster, load_device
 from planner import (Plan, PlanError, SearchSpace, StagePlan, Topology, estimate, exhaustive, load_plan,
                      replicated_schedule, save_plan, search_plans, simulate_plan)
-from cost_models.workload_sources import load_workload
-from cost_models.paper_models import paper_workload
+from cost_models.workloads.workload_sources import load_workload
+from cost_models.workloads.paper_models import paper_workload
 from planner.plan import Plan as _Plan
 from planner.search import all_plans
 from planner.simulate import build_plan
-from cost_models.workload import from_layer_costs
+from cost_models.workloads.workload import from_layer_costs
 from schedules import lower, validate
 
 V100 = load_device("v100")

@@ -22,7 +22,7 @@ from dataclasses import replace
 import pytest
 
 from cost_models import load_cluster
-from cost_models.workload_sources import load_workload
+from cost_models.workloads.workload_sources import load_workload
 from planner import Topology, search_plans
 
 CASES = [("gpt-96", "dgx-a100-ib:4", 64, "flat"), ("bert-48", "v100-2x8-25gbe", 64, "flat"),

@@ -9,8 +9,8 @@ import pytest
 from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_device
 from experiments.cli import main
 from planner import PlanError, SearchSpace, Topology, estimate, exhaustive, search_plans, simulate_plan
-from cost_models.workload_sources import load_workload
-from cost_models.workload import from_layer_costs
+from cost_models.workloads.workload_sources import load_workload
+from cost_models.workloads.workload import from_layer_costs
 from tests.test_planner import rand_work
 
 V100 = load_device("v100")

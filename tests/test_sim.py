@@ -618,7 +618,7 @@ def _pinned_placed(name, D, N, R, *, opts=None, **kw):
 def _pinned_profile(name, D, N, R=1, steps=2, **profile):
     """A calibrated CPU host (``sim.host.on_one_host``): D * R ranks on the profile's 2 cores, time-sliced
     when they outnumber them (unless ``time_slice`` is None), processor sharing otherwise."""
-    from cost_models.calibration import profile_from_dict
+    from cost_models.profile import profile_from_dict
     from sim.host import HostCores, on_one_host
     prof = profile_from_dict({**PINNED_PROFILE, **profile}, "pinned")
     low = lower(build(name, D, N), replicas=R)

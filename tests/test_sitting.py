@@ -233,7 +233,7 @@ def _profile(meta):
     from dataclasses import replace
 
     from cost_models import CalibrationProfile
-    from cost_models.calibration import LayerTiming
+    from cost_models.profile import LayerTiming
     from cost_models.cluster import LinkSpec
     from cost_models.model_spec import load_model
     spec = load_model("tiny")
@@ -387,7 +387,7 @@ def test_speed_yardstick_is_the_alone_cost_of_each_op_and_skips_oversubscribed_c
     from dataclasses import replace
 
     from calibration import speed_yardstick
-    from cost_models.calibration import LayerTiming
+    from cost_models.profile import LayerTiming
     base = _profile({})
     n = len(base.layers)
     layers = tuple(LayerTiming(1e-4 * (i + 1), 3e-4 * (i + 1), 5e-5, 4e-4 * (i + 1)) for i in range(n))

@@ -325,7 +325,7 @@ def test_readme_compare_examples_run_as_printed(tied_lm_profile, capsys):
 def test_plan_from_a_profile_runs_and_equals_the_reference(tied_lm_profile, tmp_path):
     from experiments.plan_files import config_from_plan
     from planner import plan_training, save_plan
-    from cost_models.paper_models import calibrated_workload
+    from cost_models.workloads.paper_models import calibrated_workload
     prof, _ = tied_lm_profile
     res = plan_training(calibrated_workload(prof), prof.cluster(2), 8, baselines=False, top_k=2)
     path = tmp_path / "plan.json"

@@ -1,8 +1,8 @@
 """Reproduce the DAPPLE planner's evaluation (Fan et al., PPoPP 2021) on DAPPLE's own profiles.
 
 DAPPLE's released V100 profiles (``cost_models/presets/profiles/dapple-v100``: VGG-19, GNMT-16,
-BERT-48, XLNet-36, AmoebaNet-36 in PipeDream's graph format, :mod:`cost_models.pipedream_workload`) are planned
-on the paper's two kinds of 16-GPU cluster: config A, two servers of 8 V100 with NVLink and one
+BERT-48, XLNet-36, AmoebaNet-36 in PipeDream's graph format, :mod:`cost_models.workloads.pipedream_workload`)
+are planned on the paper's two kinds of 16-GPU cluster: config A, two servers of 8 V100 with NVLink and one
 25 Gb/s Ethernet NIC each (``v100-2x8-25gbe``: DAPPLE's hierarchical device set ``[8, 16]``), and
 config B, sixteen single-V100 servers on 25 Gb/s Ethernet (``v100-16x1-25gbe``: its flat set), at
 the paper's global batch of 128 (its data-parallel comparisons are at GBS 128 for every model).
@@ -36,7 +36,7 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models.files import write_output
-from cost_models.pipedream_workload import profile_workload
+from cost_models.workloads.pipedream_workload import profile_workload
 from planner import Topology, plan_training
 from planner.choose import data_parallel_plan, pipedream_plan, with_simulation
 from planner.clusters import gpus_on_servers, resolve_cluster

@@ -1,8 +1,8 @@
-"""The kernels of the DAPPLE paper's CNN/RNN models (:mod:`cost_models.paper_models`) at a micro-batch, for
+"""The kernels of the DAPPLE paper's CNN/RNN models (:mod:`cost_models.workloads.paper_models`) at a micro-batch, for
 the kernel cost model (:mod:`cost_models.kernels`).
 
 Each function returns, for ``q`` samples, one kernel list per layer of the matching ``*_rows``
-function of :mod:`cost_models.paper_models` (same order, same count), fp32 as those models train:
+function of :mod:`cost_models.workloads.paper_models` (same order, same count), fp32 as those models train:
 
 * **VGG-19**: a 3x3 convolution as cuDNN's implicit GEMM (forward ``[q h w x c_out]`` of depth
   ``9 c_in``, data gradient ``[q h w x c_in]`` of depth ``9 c_out`` (not for the first layer: the
@@ -16,7 +16,7 @@ function of :mod:`cost_models.paper_models` (same order, same count), fp32 as th
   are a lookup and a scatter into the table's gradient; the softmax layer is the ``[q T x V]``
   projection and the log-softmax loss.
 * **AmoebaNet-36**: a cell as 12 point-wise (1 x 1) convolutions of its F channels (its 12 F^2
-  parameters, the same FLOPs as :func:`cost_models.paper_models.amoebanet36_rows`), 4 depth-wise
+  parameters, the same FLOPs as :func:`cost_models.workloads.paper_models.amoebanet36_rows`), 4 depth-wise
   convolutions and 12 batch-norm / ReLU / add passes over its feature maps; reduction cells the
   same at half the resolution with twice the channels; the stem's two convolutions; the classifier.
 
@@ -25,7 +25,7 @@ as every micro-batch after the first does.
 """
 from __future__ import annotations
 
-from .kernels import Kernel, conv2d, gemm, memory
+from ..kernels import Kernel, conv2d, gemm, memory
 
 D = 4          # fp32
 

@@ -1,9 +1,9 @@
 """Workloads from measured per-layer profiles in PipeDream's graph format (DAPPLE's released profiles).
 
-:func:`profile_workload` reads a file with :func:`cost_models.pipedream_profile.load_pipedream_profile`
+:func:`profile_workload` reads a file with :func:`cost_models.workloads.pipedream_profile.load_pipedream_profile`
 (a DAG put in topological order, one layer per node; see there), merges the nodes without compute
-or parameters into a neighbour (:meth:`~cost_models.pipedream_profile.PipeDreamProfile.merged`) and
-turns it into a per-sample :class:`cost_models.workload.Workload`:
+or parameters into a neighbour (:meth:`~cost_models.workloads.pipedream_profile.PipeDreamProfile.merged`) and
+turns it into a per-sample :class:`cost_models.workloads.workload.Workload`:
 
 * ``cost_model="linear"`` (the default for profiles): times, activations and boundary bytes are the
   profile's divided by the profile batch, and a replica of q samples costs q x those, as DAPPLE's
@@ -12,7 +12,7 @@ turns it into a per-sample :class:`cost_models.workload.Workload`:
   forward (backward) time of every layer at q samples is the profiled one times
   ``T(q) / T(pbs)``, the ratio of the kernel model's per-sample forward (backward) time of the same
   kind of model at q and at the profile batch (:data:`FAMILIES`: BERT and XLNet as a BERT-large
-  block at sequence 512, VGG-19, GNMT-16 and AmoebaNet-36 as in :mod:`cost_models.paper_kernels`; all
+  block at sequence 512, VGG-19, GNMT-16 and AmoebaNet-36 as in :mod:`cost_models.workloads.paper_kernels`; all
   fp32, as the profiles are). The kind is told by the file name (``bert-48-pbs-2.txt`` -> bert);
   another name has no such curve and is refused for the kernel model.
 
@@ -28,8 +28,8 @@ import dataclasses
 from functools import lru_cache
 from pathlib import Path
 
-from .device import DeviceSpec
-from .kernels import BlockShape, DeviceRates, block_kernels
+from ..device import DeviceSpec
+from ..kernels import BlockShape, DeviceRates, block_kernels
 from .pipedream_profile import ProfileError, load_pipedream_profile
 
 from .workload import Workload, check_cost_model, from_layer_costs

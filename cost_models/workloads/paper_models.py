@@ -1,5 +1,5 @@
 """The DAPPLE paper's models as workloads, approximated from their published layer sizes (names are
-resolved, with the transformer presets, by :func:`cost_models.workload_sources.load_workload`).
+resolved, with the transformer presets, by :func:`cost_models.workloads.workload_sources.load_workload`).
 
 DAPPLE (Fan et al., PPoPP 2021) evaluates its planner on VGG-19, GNMT-16, BERT-48, XLNet-36 and
 AmoebaNet-36. The transformers come from :mod:`cost_models.transformer` (BERT-48 is the
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import LayerCosts
-from .calibration import scaled_layer_costs
-from .device import DeviceSpec
-from .model_spec import ModelSpec
+from ..base import LayerCosts
+from ..profile import scaled_layer_costs
+from ..device import DeviceSpec
+from ..model_spec import ModelSpec
 
 from .workload import WORKLOAD_FIELDS, Workload, from_layer_costs, transformer_workload
 
@@ -124,7 +124,7 @@ def paper_models() -> list[str]:
 
 def paper_workload(name: str, device: DeviceSpec, recompute: str = "none", cost_model: str = "linear") -> Workload:
     """One of :data:`PAPER_MODELS` on ``device`` (per sample). ``cost_model="kernels"``: the
-    per-sample times at each micro-batch from the kernels of :mod:`cost_models.paper_kernels`."""
+    per-sample times at each micro-batch from the kernels of :mod:`cost_models.workloads.paper_kernels`."""
     src = {"kind": "paper", "name": name, "recompute": recompute, "cost_model": cost_model}
     if name == "xlnet-36":
         return transformer_workload(XLNET_36, device, recompute, source=src, cost_model=cost_model)
@@ -143,7 +143,7 @@ def paper_workload(name: str, device: DeviceSpec, recompute: str = "none", cost_
 
 def kernel_curve(name: str, device: DeviceSpec, precision: str = "fp32"):
     """q -> per-sample (f, b_input, w) per layer of a CNN/RNN paper model under the kernel model."""
-    from .kernels import DeviceRates
+    from ..kernels import DeviceRates
 
     from .paper_kernels import KERNELS
     rates = DeviceRates.of(device, precision)

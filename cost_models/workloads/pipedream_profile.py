@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .base import LayerCosts
+from ..base import LayerCosts
 
 PARAM_BYTES = 4.0           # the profiles are fp32: bytes per parameter
 _FIELD = re.compile(r"\s*(forward_compute_time|backward_compute_time|activation_size|parameter_size)\s*=\s*"

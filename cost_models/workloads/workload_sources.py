@@ -1,11 +1,11 @@
-"""Workloads by name: what ``--model`` means to the planner. A paper model (:mod:`cost_models.paper_models`),
+"""Workloads by name: what ``--model`` means to the planner. A paper model (:mod:`cost_models.workloads.paper_models`),
 a cost_models transformer preset, YAML path or :class:`ModelSpec`, or a profile file in PipeDream's
-graph format (:mod:`cost_models.pipedream_workload`); and the inverse, a workload rebuilt from the ``source``
+graph format (:mod:`cost_models.workloads.pipedream_workload`); and the inverse, a workload rebuilt from the ``source``
 record a plan file stores."""
 from __future__ import annotations
 
-from .device import DeviceSpec
-from .model_spec import ModelSpec, load_model, spec_from_dict
+from ..device import DeviceSpec
+from ..model_spec import ModelSpec, load_model, spec_from_dict
 
 from .paper_models import PAPER_MODELS, calibrated_from_source, paper_workload
 from .pipedream_workload import profile_workload
@@ -14,8 +14,8 @@ from .workload import Workload, check_cost_model, is_profile_path, transformer_w
 
 def load_workload(model, device: DeviceSpec, recompute: str = "none", cost_model: str = "linear",
                   profile_batch: int | None = None) -> Workload:
-    """``model``: a planner paper model name (see :func:`cost_models.paper_models.paper_models`), a cost_models
-    model preset or YAML path, a :class:`ModelSpec`, or a profile file (``*.txt``, PipeDream's graph
+    """``model``: a planner paper model name (see :func:`cost_models.workloads.paper_models.paper_models`),
+    a cost_models model preset or YAML path, a :class:`ModelSpec`, or a profile file (``*.txt``, PipeDream's graph
     format; ``profile_batch``: the batch it was profiled at, default from its name).
     ``cost_model``: ``linear`` or ``kernels`` (see the module docstring)."""
     check_cost_model(cost_model)

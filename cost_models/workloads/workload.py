@@ -17,10 +17,10 @@ bounds); activations, boundary bytes and parameters stay linear.
 :class:`cost_models.TransformerCostModel` at exactly that micro-batch, so a plan simulated through
 the planner and through ``pipetwin simulate`` sees the same numbers.
 
-:func:`cost_models.workload_sources.load_workload` resolves a model name: a paper model of
-DAPPLE's (:mod:`cost_models.paper_models`: vgg-19, gnmt-16, amoebanet-36, xlnet-36), a cost_models
+:func:`cost_models.workloads.workload_sources.load_workload` resolves a model name: a paper model of
+DAPPLE's (:mod:`cost_models.workloads.paper_models`: vgg-19, gnmt-16, amoebanet-36, xlnet-36), a cost_models
 preset (gpt-96, bert-48, ...) or a YAML path, or a profile in PipeDream's graph format (DAPPLE's
-released profiles, ``*.txt``: :mod:`cost_models.pipedream_workload`), on a device spec.
+released profiles, ``*.txt``: :mod:`cost_models.workloads.pipedream_workload`), on a device spec.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Callable
 
-from .base import LayerCosts
-from .device import DeviceSpec
-from .model_spec import ModelSpec
-from .transformer import TransformerCostModel
+from ..base import LayerCosts
+from ..device import DeviceSpec
+from ..model_spec import ModelSpec
+from ..transformer import TransformerCostModel
 
 
 @dataclass(frozen=True)
