@@ -19,11 +19,13 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/pipetwin demo --out out
 
-# the house rules: ruff (pyflakes, pycodestyle, bugbear) and the import contracts of
-# setup.cfg [importlinter] (the layers, lazy imports included)
+# the house rules: ruff (pyflakes, pycodestyle, bugbear), the import contracts of
+# setup.cfg [importlinter] (the layers, lazy imports included), and no docstring reference
+# (:func:`...`, :class:`...`, ...) that names nothing (experiments/check_refs.py)
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/python -m experiments.check_refs
 
 test: lint
 	$(BIN)/python -m pytest -q -m "not long" tests

@@ -6,7 +6,7 @@ malformed config) print one line ``pipetwin: error: ...`` and exit 2; no traceba
 do too (:class:`experiments.checks.Parser`): give every new option a checked type from
 :mod:`experiments.checks` (``positive_float``, ``positive_int``, ``input_file``, ``output_file``,
 ...) so a bad value is refused while parsing, and run the cheap feasibility checks
-(:func:`experiments.checks.check_run_size`) before building anything.
+(:func:`cost_models.job.check_run_size`) before building anything.
 """
 from __future__ import annotations
 

@@ -102,7 +102,8 @@ def measurement_set(spec, measured: list[dict], gpu, dtype: str):
 
 
 def write_measurement_set(ms, folder: Path) -> None:
-    """``layers.yaml`` + ``block.csv`` in the format :func:`load_measurements` reads (milliseconds)."""
+    """``layers.yaml`` + ``block.csv`` in the format
+    :func:`cost_models.layer_measurements.load_measurements` reads (milliseconds)."""
     folder.mkdir(parents=True, exist_ok=True)
     layer = ms.layers[0]
     sh = layer.shape

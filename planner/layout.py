@@ -9,7 +9,7 @@ by two bounds that never exceed the truth:
 
 * time: an iteration is at least the mean compute of a pipeline device, N x (F + B + W of the
   whole model at T) / D, and at least one micro-batch's forward and backward through every layer;
-  both come from the cost model's per-layer costs (:meth:`TransformerCostModel.layer_costs`), one
+  both come from the cost model's per-layer costs (:meth:`cost_models.TransformerCostModel.layer_costs`), one
   set per (micro-batch, T, sequence parallel, recompute), without building a schedule;
 * memory: a GPU needs at least its mean static bytes (weights, gradients, optimizer state, ZeRO-1
   sharded), params x bytes / D, plus the transients every verdict counts; above the usable memory

@@ -263,7 +263,7 @@ class Schedule:
         return [[o for o in p if o.kind in _COMPUTE_SET] for p in self.programs]
 
     def to_text(self) -> str:
-        """One line per device: ``d: tok tok ...`` (see :func:`schedules.io.from_text`)."""
+        """One line per device: ``d: tok tok ...``, each token as :func:`schedules.ir.parse_op` reads it."""
         return "\n".join(f"{d}: " + " ".join(map(str, p)) for d, p in enumerate(self.programs))
 
     def with_programs(self, programs: Sequence[Iterable[Op]], **changes) -> "Schedule":
