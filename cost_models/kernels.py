@@ -54,11 +54,13 @@ fits them and reports the error on held-out files.
 
 Layers priced here: transformer blocks of five families (:data:`ARCHS`: ``bert`` = Hugging Face
 BertLayer, ``gpt`` = Megatron-LM's pre-norm GPT layer, ``opt`` = OPT decoder layer, ``t5`` = T5
-encoder block, ``llama``), the embedding lookup and the output head with its loss
-(:func:`transformer_layer_times`); the planner builds its CNN/RNN layers from :func:`gemm`,
-:func:`conv2d` and :func:`memory` (:mod:`cost_models.workloads.paper_kernels`). Phases: ``F`` forward, ``B``
-input gradient (with the element-wise backward), ``W`` weight gradient (GEMMs, bias reductions,
-gradient accumulation): B + W is the full backward, and the split is what zero-bubble schedules use.
+encoder block, ``llama``; each a :class:`Family`, its slots in forward order: norms, the
+attention's projections and core, the MLP, dropouts, residuals, in :data:`FAMILIES`), the
+embedding lookup and the output head with its loss (:func:`transformer_layer_times`); the planner
+builds its CNN/RNN layers from :func:`gemm`, :func:`conv2d` and :func:`memory`
+(:mod:`cost_models.workloads.paper_kernels`). Phases: ``F`` forward, ``B`` input gradient (with
+the element-wise backward), ``W`` weight gradient (GEMMs, bias reductions, gradient accumulation):
+B + W is the full backward, and the split is what zero-bubble schedules use.
 
 The ``gpt`` block launches what Megatron-LM launches: a fused bias-GeLU; with dropout (the model's
 ``dropout``, whose 1-byte masks the memory ledger counts) a fused bias-dropout-add closing each
@@ -86,13 +88,7 @@ if TYPE_CHECKING:  # pragma: no cover
 TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64),
                                       (64, 32), (32, 64), (32, 32))
 SPLIT_K = (1, 2, 4, 8, 16)
-ARCHS = ("bert", "gpt", "opt", "t5", "llama")
-TP_ARCHS = ("gpt", "llama")        # the blocks priced split over a tensor-parallel group
-# nn.Module calls of a block that launch no kernel of their own (the block and its sub-block containers):
-# BertLayer, BertAttention, BertSelfAttention, BertSelfOutput, BertIntermediate, BertOutput; the
-# executor's Block and CausalSelfAttention; OPTDecoderLayer, OPTAttention; T5Block,
-# T5LayerSelfAttention, T5Attention, T5LayerFF, T5DenseActDense
-CONTAINERS = {"bert": 6, "gpt": 2, "opt": 2, "t5": 5, "llama": 2}
+# ARCHS, TP_ARCHS, CONTAINERS: from the block families (FAMILIES, below)
 PHASES = ("F", "B", "W")
 COST_MODELS = ("kernels", "linear")
 # how Megatron-LM's gpt block accumulates weight gradients over micro-batches: ``fused`` (gradient-
@@ -321,7 +317,7 @@ class DeviceRates:
 # ---------------------------------------------------------------------------- transformer blocks
 @dataclass(frozen=True)
 class BlockShape:
-    """One transformer block: ``arch`` (:data:`ARCHS`), hidden h, heads a, sequence s, MLP width
+    """One transformer block: ``arch`` (a family of :data:`FAMILIES`), hidden h, heads a, sequence s, MLP width
     ffn, bytes per element, micro-batch b. ``pre_norm`` (opt: the norm before each sub-block) and
     ``dropout`` (masks and their kernels) follow the arch unless given. ``gpt`` and ``llama``
     blocks also take ``kv_heads`` (grouped-query attention), ``attention`` (``flash``: one fused
@@ -346,17 +342,19 @@ class BlockShape:
     grad_accumulation: str = "fused"
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise SpecError(f"unknown block arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
+        fam = FAMILIES.get(self.arch)
+        if fam is None:
+            raise SpecError(f"unknown block arch {self.arch!r}; choose one of {', '.join(FAMILIES)}")
         if self.grad_accumulation not in GRAD_ACCUMULATION:
             raise SpecError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
                             f"got {self.grad_accumulation!r}")
-        if self.grad_accumulation != "fused" and self.arch != "gpt":
-            raise SpecError(f"grad_accumulation {self.grad_accumulation!r} is Megatron-LM's, priced for gpt "
-                            f"blocks, not {self.arch}")
-        if (self.tp > 1 or self.kv_heads is not None or self.attention != "flash") and self.arch not in TP_ARCHS:
+        if self.grad_accumulation != "fused" and not fam.megatron:
+            raise SpecError(f"grad_accumulation {self.grad_accumulation!r} is Megatron-LM's, priced for "
+                            f"{' and '.join(a for a, f in FAMILIES.items() if f.megatron)} blocks, not {self.arch}")
+        if (self.tp > 1 or self.kv_heads is not None or self.attention != "flash") and not fam.tensor_parallel:
+            tps = " and ".join(a for a, f in FAMILIES.items() if f.tensor_parallel)
             raise SpecError(f"tensor parallelism (--tp with --cost-model kernels), kv_heads and eager attention are "
-                            f"priced for {' and '.join(TP_ARCHS)} blocks, not {self.arch}; use --cost-model linear")
+                            f"priced for {tps} blocks, not {self.arch}; use --cost-model linear")
         for f in ("hidden", "heads", "seq", "ffn", "dtype_bytes", "micro_batch"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -371,12 +369,12 @@ class BlockShape:
         return self.heads if self.kv_heads is None else self.kv_heads
 
 
-def _norm(name, phase, arch, n, d, T):
-    """Kernels of a norm over n elements (T rows): LayerNorm one kernel forward, three backward
-    (input gradient; partial and final gamma/beta sums); T5's eager RMSNorm six forward (pow, mean,
-    add eps, rsqrt, scale, weight) and eight backward."""
+def _norm(name, phase, kind, n, d, T):
+    """Kernels of a norm (``kind``, see :class:`Family`) over n elements (T rows): LayerNorm (and a
+    fused RMSNorm) one kernel forward, three backward (input gradient; partial and final gamma/beta
+    sums); T5's eager RMSNorm six forward (pow, mean, add eps, rsqrt, scale, weight) and eight backward."""
     small = 4 * T
-    if arch == "t5":
+    if kind == "rmsnorm-eager":
         if phase == "F":
             return [memory(f"{name}.pow", "F", 2 * n * d, modules=1), memory(f"{name}.mean", "F", n * d + small),
                     memory(f"{name}.eps", "F", 2 * small), memory(f"{name}.rsqrt", "F", 2 * small),
@@ -410,10 +408,310 @@ def _linear(name, T, n_out, n_in, d, bias, input_grad=True, megatron=False, fuse
     return fwd, bwd
 
 
+# ---------------------------------------------------------------------------- a block, slot by slot
+class _Block:
+    """One block's kernels being laid down slot by slot (see :class:`Family`): the forward in order,
+    the backward kernels of each forward step, the attention core (what selective recomputation
+    re-runs) and the parameter tensors (gradient accumulation), with the sizes the slots share."""
+
+    def __init__(self, sh: BlockShape, fam: "Family", input_grad: bool):
+        self.sh, self.fam, self.input_grad = sh, fam, input_grad
+        tp, d = sh.tp, sh.dtype_bytes
+        self.A, self.Dh = sh.heads // tp, sh.head_dim     # heads on one GPU of the tensor-parallel group
+        self.T = sh.micro_batch * sh.seq
+        self.Te = self.T // tp if sh.sp else self.T       # rows of the element-wise kernels (sequence parallel: 1/t)
+        self.th = self.Te * sh.hidden * d                 # bytes of one [T x h] tensor
+        self.n_sc = sh.micro_batch * self.A * sh.seq * sh.seq   # attention score elements
+        self.sc = self.n_sc * d
+        self.ft = sh.ffn // tp                            # MLP width on one GPU
+        self.pre = sh.pre_norm if sh.pre_norm is not None else fam.pre_norm
+        self.drop = sh.dropout and fam.module_dropouts    # nn.Dropout modules (1-byte masks)
+        self.mdrop = sh.dropout and fam.megatron          # Megatron's: fused bias-dropout-add, attention probs
+        self.qkv_dx = input_grad or self.pre              # the Q/K/V inputs need a gradient
+        self.fwd: list[Kernel] = []
+        self.groups: list[list[Kernel]] = []              # backward kernels of each forward step, in forward order
+        self.core: list[Kernel] = []
+        self.params: list[int] = []
+
+    def step(self, fwd, bwd, core=False):
+        self.fwd.extend(fwd)
+        self.groups.append(list(bwd))
+        if core:
+            self.core.extend(fwd)
+
+    def linear(self, name, n_out, n_in, dx=True):
+        fam, sh = self.fam, self.sh
+        fw, bw = _linear(name, self.T, n_out, n_in, sh.dtype_bytes, fam.bias, dx, fam.megatron,
+                         fam.megatron and sh.grad_accumulation == "fused")
+        self.step(fw, bw)
+        self.params.extend([n_out * n_in] + ([n_out] if fam.bias else []))
+
+    def norm(self, name):
+        fam, h, d = self.fam, self.sh.hidden, self.sh.dtype_bytes
+        bw = _norm(name, "B", fam.norm, self.Te * h, d, self.Te)
+        if fam.megatron:    # the fused LayerNorm's gamma/beta gradients come with its input gradient
+            bw = [replace(k, phase="B") for k in bw]
+        self.step(_norm(name, "F", fam.norm, self.Te * h, d, self.Te), bw)
+        self.params.extend([h, h] if fam.norm == "layernorm" else [h])
+
+    def residual(self, name, grad: bool):
+        """The residual add closing a sub-block (``grad``: its gradient is summed in B); Megatron's
+        fused bias-dropout-add with dropout (writes the 1-byte mask; its backward passes the
+        gradient through the mask)."""
+        th, te = self.th, self.Te * self.sh.hidden
+        if self.mdrop:
+            self.step([memory(name, "F", 3 * th + te)],
+                      [memory(f"{name}.accum", "B", 3 * th), memory(f"{name}.dropout.bwd", "B", 2 * th + te)])
+        else:
+            self.step([memory(name, "F", 3 * th)], [memory(f"{name}.accum", "B", 3 * th)] if grad else [])
+
+    def dropout(self, name, nbytes, elems):
+        if self.drop:
+            self.step([memory(name, "F", 2 * nbytes + elems, modules=1)],
+                      [memory(f"{name}.bwd", "B", 2 * nbytes + elems)])
+
+    def kernels(self, accumulate_grads: bool, recompute: str) -> tuple[Kernel, ...]:
+        """Forward, then the backward in backward order (B and W interleaved, as autograd runs
+        them), the recomputation first, the gradient accumulation last."""
+        fwd = list(self.fwd)
+        fwd[0] = replace(fwd[0], modules=fwd[0].modules + self.fam.containers)
+        back = [k for g in reversed(self.groups) for k in g]
+        if recompute == "full":
+            back = [replace(k, phase="B", name=k.name + ".re") for k in fwd] + back
+        elif recompute == "selective":
+            back = [replace(k, phase="B", name=k.name + ".re") for k in self.core] + back
+        elif recompute != "none":
+            raise SpecError(f"recompute must be one of none, selective, full; got {recompute!r}")
+        if self.fam.megatron and self.sh.grad_accumulation == "fused":
+            pass            # accumulated inside the weight-gradient GEMMs
+        elif accumulate_grads:
+            d = self.sh.dtype_bytes
+            back += [memory(f"grad.accum{i}", "W", 3 * p * d) for i, p in enumerate(self.params)]
+        return tuple(fwd + back)
+
+
+# the slots: each lays down one part of a block (a no-op where the block's shape has no such part)
+def _norm_before(name):
+    def norm_before(k: _Block):
+        if k.pre:
+            k.norm(name)
+    return norm_before
+
+
+def _norm_after(name):
+    def norm_after(k: _Block):
+        if not k.pre:
+            k.norm(name)
+    return norm_after
+
+
+def _qkv_fused(k: _Block):
+    """Q, K and V in one GEMM (grouped-query: ``kv`` heads for K and V), split over the TP group."""
+    sh = k.sh
+    k.linear("qkv", (sh.heads + 2 * sh.kv) * k.Dh // sh.tp, sh.hidden, k.qkv_dx)
+
+
+def _qkv_separate(k: _Block):
+    """Three h x h projections; their three input gradients are summed."""
+    if k.qkv_dx:
+        k.step([], [memory(f"qkv.dx.sum{i}", "B", 3 * k.th) for i in range(2)])
+    for nm in ("q", "k", "v"):
+        k.linear(nm, k.sh.hidden, k.sh.hidden, k.qkv_dx)
+
+
+def _q_scale(k: _Block):
+    k.step([memory("q.scale", "F", 2 * k.th)], [memory("q.scale.bwd", "B", 2 * k.th)])
+
+
+def _rotary(k: _Block):
+    """Rotary embeddings on Q and K."""
+    qk = k.T * (k.A + k.sh.kv // k.sh.tp) * k.Dh * k.sh.dtype_bytes
+    k.step([memory("rotary", "F", 2 * qk)], [memory("rotary.bwd", "B", 2 * qk)], core=True)
+
+
+def _qk_copies(k: _Block):
+    """Permuted views of Q and K copied to contiguous tensors for the batched matmuls."""
+    k.step([memory("q.copy", "F", 2 * k.th), memory("k.copy", "F", 2 * k.th)],
+           [memory("q.copy.bwd", "B", 2 * k.th), memory("k.copy.bwd", "B", 2 * k.th)], core=True)
+
+
+def _scores(k: _Block):
+    """QK^T over the batch x heads."""
+    s, Dh, d, n = k.sh.seq, k.Dh, k.sh.dtype_bytes, k.sh.micro_batch * k.A
+    k.step([gemm("qk", "F", s, s, Dh, d, batch=n)],
+           [gemm("qk.dq", "B", s, Dh, s, d, batch=n), gemm("qk.dk", "B", s, Dh, s, d, batch=n)], core=True)
+
+
+def _scale_mask(k: _Block):
+    """BERT: the scores scaled, then the attention mask added."""
+    k.step([memory("scale", "F", 2 * k.sc)], [memory("scale.bwd", "B", 2 * k.sc)], core=True)
+    k.step([memory("mask", "F", 2 * k.sc)], [], core=True)
+
+
+def _mask_clamp(k: _Block):
+    """OPT: the causal mask added, then torch.max(scores, finfo.min), whose backward is where(eq,
+    grad / 2, grad) then masked_fill(lt): five passes over the scores (two writing bool masks)."""
+    sc, bm, s = k.sc, k.n_sc, k.sh.seq
+    k.step([memory("mask", "F", 2 * sc + k.sh.micro_batch * s * s * k.sh.dtype_bytes)], [], core=True)
+    k.step([memory("clamp", "F", 2 * sc)],
+           [memory("clamp.eq", "B", sc + bm), memory("clamp.half", "B", 2 * sc),
+            memory("clamp.where", "B", 3 * sc + bm), memory("clamp.lt", "B", sc + bm),
+            memory("clamp.fill", "B", 2 * sc + bm)], core=True)
+
+
+def _position_bias(k: _Block):
+    """T5: a position bias (zeros + mask) added to the scores in place."""
+    pb = k.A * k.sh.seq * k.sh.seq * k.sh.dtype_bytes
+    k.step([memory("bias.zeros", "F", pb), memory("bias.mask", "F", 2 * pb),
+            memory("bias.add", "F", 2 * k.sc + pb)], [], core=True)
+
+
+def _softmax(k: _Block):
+    k.step([memory("softmax", "F", 2 * k.sc)], [memory("softmax.bwd", "B", 3 * k.sc)], core=True)
+
+
+def _probs_dropout(k: _Block):
+    """Dropout on the attention probabilities: a 1-byte mask written, read back in B."""
+    if k.drop or k.mdrop:
+        k.step([memory("attn.dropout", "F", 2 * k.sc + k.n_sc, modules=1)],
+               [memory("attn.dropout.bwd", "B", 2 * k.sc + k.n_sc)], core=True)
+
+
+def _v_copy(k: _Block):
+    k.step([memory("v.copy", "F", 2 * k.th)], [memory("v.copy.bwd", "B", 2 * k.th)], core=True)
+
+
+def _context(k: _Block):
+    """PV over the batch x heads."""
+    s, Dh, d, n = k.sh.seq, k.Dh, k.sh.dtype_bytes, k.sh.micro_batch * k.A
+    k.step([gemm("pv", "F", s, Dh, s, d, batch=n)],
+           [gemm("pv.dp", "B", s, s, Dh, d, batch=n), gemm("pv.dv", "B", s, Dh, s, d, batch=n)], core=True)
+
+
+def _ctx_copy(k: _Block):
+    k.step([memory("ctx.copy", "F", 2 * k.th)], [memory("ctx.copy.bwd", "B", 2 * k.th)], core=True)
+
+
+def _attention_core(k: _Block):
+    """``flash``: one fused kernel; ``eager``: Megatron's QK^T, fused scale-mask-softmax, PV."""
+    sh = k.sh
+    if sh.attention == "flash":
+        b, s, d = sh.micro_batch, sh.seq, sh.dtype_bytes
+        k.step([fused_attention("attn", "F", b, k.A, s, k.Dh, d)],
+               [fused_attention("attn.bwd", "B", b, k.A, s, k.Dh, d, backward=True)], core=True)
+    else:
+        for slot in (_scores, _softmax, _probs_dropout, _context):
+            slot(k)
+
+
+def _out_projection(name):
+    def out_projection(k: _Block):
+        k.linear(name, k.sh.hidden, k.sh.hidden // k.sh.tp)
+    return out_projection
+
+
+def _out_dropout(k: _Block):
+    k.dropout("o.dropout", k.th, k.T * k.sh.hidden)
+
+
+def _residual1(k: _Block):
+    k.residual("residual1", k.input_grad or k.pre)
+
+
+def _mlp_gelu(k: _Block):
+    """fc1 and the activation (Megatron's bias-GeLU fused into no module call of its own)."""
+    k.linear("fc1", k.ft, k.sh.hidden)
+    k.step([memory("act", "F", 2 * k.T * k.ft * k.sh.dtype_bytes, modules=0 if k.fam.megatron else 1)],
+           [memory("act.bwd", "B", 3 * k.T * k.ft * k.sh.dtype_bytes)])
+
+
+def _mlp_swiglu(k: _Block):
+    """SwiGLU: gate and up in one GEMM, silu(gate) * up."""
+    k.linear("fc1", 2 * k.ft, k.sh.hidden)
+    k.step([memory("swiglu", "F", 3 * k.T * k.ft * k.sh.dtype_bytes)],
+           [memory("swiglu.bwd", "B", 5 * k.T * k.ft * k.sh.dtype_bytes)])
+
+
+def _act_dropout(k: _Block):
+    k.dropout("act.dropout", k.T * k.sh.ffn * k.sh.dtype_bytes, k.T * k.sh.ffn)
+
+
+def _fc2(k: _Block):
+    k.linear("fc2", k.sh.hidden, k.ft)
+
+
+def _fc2_dropout(k: _Block):
+    k.dropout("fc2.dropout", k.th, k.T * k.sh.hidden)
+
+
+def _residual2(k: _Block):
+    k.residual("residual2", True)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A block family: its ``slots`` in forward order (each lays down one part of the block; a new
+    kind of attention or MLP is a new slot in a family's list, not a branch in the others) and how
+    its parts are made: ``pre_norm`` (unless the shape says), ``norm`` (``layernorm``: one kernel,
+    gamma and beta; ``rmsnorm``: one kernel, a weight; ``rmsnorm-eager``: T5's six kernels),
+    ``bias`` on the linear layers, ``module_dropouts`` (``nn.Dropout`` modules), ``megatron``
+    (Megatron-LM's layer: fused kernels, bias and norm gradients in B, its dropouts, fp32 main
+    gradients), ``tensor_parallel`` (priced split over a TP group) and ``containers`` (the block's
+    ``nn.Module`` calls that launch no kernel of their own)."""
+
+    slots: tuple
+    pre_norm: bool
+    norm: str
+    bias: bool
+    module_dropouts: bool
+    megatron: bool
+    tensor_parallel: bool
+    containers: int
+
+
+_HF_ATTENTION_OUT = (_v_copy, _context, _ctx_copy, _out_projection("o"), _out_dropout, _residual1, _norm_after("ln1"))
+FAMILIES = {
+    # Hugging Face BertLayer (containers: BertLayer, BertAttention, BertSelfAttention, BertSelfOutput,
+    # BertIntermediate, BertOutput)
+    "bert": Family((_norm_before("ln1"), _qkv_separate, _qk_copies, _scores, _scale_mask, _softmax, _probs_dropout,
+                    *_HF_ATTENTION_OUT, _norm_before("ln2"), _mlp_gelu, _fc2, _fc2_dropout, _residual2,
+                    _norm_after("ln2")),
+                   pre_norm=False, norm="layernorm", bias=True, module_dropouts=True, megatron=False,
+                   tensor_parallel=False, containers=6),
+    # Megatron-LM's pre-norm GPT layer (containers: the executor's Block and CausalSelfAttention)
+    "gpt": Family((_norm_before("ln1"), _qkv_fused, _attention_core, _out_projection("proj"), _residual1,
+                   _norm_after("ln1"), _norm_before("ln2"), _mlp_gelu, _fc2, _residual2, _norm_after("ln2")),
+                  pre_norm=True, norm="layernorm", bias=True, module_dropouts=False, megatron=True,
+                  tensor_parallel=True, containers=2),
+    # OPT decoder layer (containers: OPTDecoderLayer, OPTAttention)
+    "opt": Family((_norm_before("ln1"), _qkv_separate, _q_scale, _qk_copies, _scores, _mask_clamp, _softmax,
+                   *_HF_ATTENTION_OUT, _norm_before("ln2"), _mlp_gelu, _fc2, _fc2_dropout, _residual2,
+                   _norm_after("ln2")),
+                  pre_norm=False, norm="layernorm", bias=True, module_dropouts=True, megatron=False,
+                  tensor_parallel=False, containers=2),
+    # T5 encoder block (containers: T5Block, T5LayerSelfAttention, T5Attention, T5LayerFF, T5DenseActDense)
+    "t5": Family((_norm_before("ln1"), _qkv_separate, _qk_copies, _scores, _position_bias, _softmax, _probs_dropout,
+                  *_HF_ATTENTION_OUT, _norm_before("ln2"), _mlp_gelu, _act_dropout, _fc2, _fc2_dropout, _residual2,
+                  _norm_after("ln2")),
+                 pre_norm=True, norm="rmsnorm-eager", bias=False, module_dropouts=True, megatron=False,
+                 tensor_parallel=False, containers=5),
+    # Llama decoder layer: RMSNorm, rotary embeddings, SwiGLU, no biases, no dropout (containers: the
+    # executor's Block and CausalSelfAttention)
+    "llama": Family((_norm_before("ln1"), _qkv_fused, _rotary, _attention_core, _out_projection("proj"), _residual1,
+                     _norm_after("ln1"), _norm_before("ln2"), _mlp_swiglu, _fc2, _residual2, _norm_after("ln2")),
+                    pre_norm=True, norm="rmsnorm", bias=False, module_dropouts=False, megatron=False,
+                    tensor_parallel=True, containers=2),
+}
+ARCHS = tuple(FAMILIES)
+TP_ARCHS = tuple(a for a, f in FAMILIES.items() if f.tensor_parallel)   # the blocks priced split over a TP group
+CONTAINERS = {a: f.containers for a, f in FAMILIES.items()}
+
+
 def block_kernels(sh: BlockShape, *, input_grad: bool = True, accumulate_grads: bool = True,
                   recompute: str = "none") -> list[Kernel]:
     """Every kernel one block launches for one micro-batch: forward (F, in order), then the input
-    gradient with the element-wise backward (B) and the weight gradients (W), in backward order.
+    gradient with the element-wise backward (B) and the weight gradients (W), in backward order;
+    the block is its family's slots (:data:`FAMILIES`).
 
     input_grad: the block's input needs a gradient (False for a benchmark that feeds a leaf tensor:
     with a post-norm block the Q/K/V input-gradient GEMMs, their sum and the first residual's
@@ -426,155 +724,11 @@ def block_kernels(sh: BlockShape, *, input_grad: bool = True, accumulate_grads: 
 @lru_cache(maxsize=4096)
 def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, recompute: str) -> tuple[Kernel, ...]:
     """The kernels of :func:`block_kernels` as a tuple (cached per distinct block)."""
-    a, s, h, f, d, b = sh.arch, sh.seq, sh.hidden, sh.ffn, sh.dtype_bytes, sh.micro_batch
-    tp = sh.tp
-    A, Dh = sh.heads // tp, sh.head_dim  # heads on one GPU of the tensor-parallel group
-    T = b * s
-    Te = T // tp if sh.sp else T         # rows of the element-wise kernels (sequence parallel: 1/t)
-    th = Te * h * d                      # bytes of one [T x h] tensor
-    n_sc = b * A * s * s                 # attention score elements
-    sc = n_sc * d
-    bias = a in ("bert", "gpt", "opt")
-    drop = sh.dropout and a not in TP_ARCHS
-    megatron = a == "gpt"                # Megatron-LM's layer: fused kernels, fp32 main gradients
-    mdrop = sh.dropout and megatron      # its dropouts: fused bias-dropout-add, attention-probs dropout
-    pre = sh.pre_norm if sh.pre_norm is not None else a in ("gpt", "t5", "llama")
-    mask = 1 if drop else 0              # bytes per element of a dropout mask
-    Fk: list[Kernel] = []
-    groups: list[list[Kernel]] = []      # backward kernels of each forward step, in forward order
-    attn_f: list[Kernel] = []            # the attention core (selective recomputation re-runs it)
-    params: list[int] = []               # parameter tensors (gradient accumulation)
-    qkv_dx = input_grad or pre           # the Q/K/V inputs need a gradient
-
-    def step(fwd, bwd, core=False):
-        Fk.extend(fwd)
-        groups.append(list(bwd))
-        if core:
-            attn_f.extend(fwd)
-
-    def lin(name, n_out, n_in, dx=True):
-        fw, bw = _linear(name, T, n_out, n_in, d, bias, dx, megatron, megatron and sh.grad_accumulation == "fused")
-        step(fw, bw)
-        params.extend([n_out * n_in] + ([n_out] if bias else []))
-
-    def norm(name):
-        bw = _norm(name, "B", a, Te * h, d, Te)
-        if megatron:        # the fused LayerNorm's gamma/beta gradients come with its input gradient
-            bw = [replace(k, phase="B") for k in bw]
-        step(_norm(name, "F", a, Te * h, d, Te), bw)
-        params.extend([h] if a in ("t5", "llama") else [h, h])
-
-    def residual(name):
-        """The residual add closing a sub-block; Megatron's fused bias-dropout-add with dropout
-        (writes the 1-byte mask; its backward passes the gradient through the mask)."""
-        if mdrop:
-            step([memory(name, "F", 3 * th + Te * h)],
-                 [memory(f"{name}.accum", "B", 3 * th), memory(f"{name}.dropout.bwd", "B", 2 * th + Te * h)])
-        else:
-            step([memory(name, "F", 3 * th)], [memory(f"{name}.accum", "B", 3 * th)] if input_grad or pre else [])
-
-    def dropout(name, nbytes, elems, modules=1):
-        if drop:
-            step([memory(name, "F", 2 * nbytes + elems * mask, modules=modules)],
-                 [memory(f"{name}.bwd", "B", 2 * nbytes + elems * mask)])
-
-    # ---- attention sub-block
-    if pre:
-        norm("ln1")
-    if a in TP_ARCHS:
-        lin("qkv", (sh.heads + 2 * sh.kv) * Dh // tp, h, qkv_dx)
-        if a == "llama":    # rotary embeddings on Q and K
-            qk = T * (A + sh.kv // tp) * Dh * d
-            step([memory("rotary", "F", 2 * qk)], [memory("rotary.bwd", "B", 2 * qk)], core=True)
-        if sh.attention == "flash":
-            step([fused_attention("attn", "F", b, A, s, Dh, d)],
-                 [fused_attention("attn.bwd", "B", b, A, s, Dh, d, backward=True)], core=True)
-        else:               # Megatron's eager core: QK^T, a fused scale-mask-softmax, PV
-            step([gemm("qk", "F", s, s, Dh, d, batch=b * A)],
-                 [gemm("qk.dq", "B", s, Dh, s, d, batch=b * A), gemm("qk.dk", "B", s, Dh, s, d, batch=b * A)],
-                 core=True)
-            step([memory("softmax", "F", 2 * sc)], [memory("softmax.bwd", "B", 3 * sc)], core=True)
-            if mdrop:       # torch dropout on the probabilities: 1-byte mask written, read back in B
-                step([memory("attn.dropout", "F", 2 * sc + n_sc, modules=1)],
-                     [memory("attn.dropout.bwd", "B", 2 * sc + n_sc)], core=True)
-            step([gemm("pv", "F", s, Dh, s, d, batch=b * A)],
-                 [gemm("pv.dp", "B", s, s, Dh, d, batch=b * A), gemm("pv.dv", "B", s, Dh, s, d, batch=b * A)],
-                 core=True)
-    else:
-        if qkv_dx:      # the three input gradients are summed
-            step([], [memory(f"qkv.dx.sum{i}", "B", 3 * th) for i in range(2)])
-        for nm in ("q", "k", "v"):
-            lin(nm, h, h, qkv_dx)
-        if a == "opt":
-            step([memory("q.scale", "F", 2 * th)], [memory("q.scale.bwd", "B", 2 * th)])
-        # permuted views are copied to contiguous tensors for the batched matmuls
-        step([memory("q.copy", "F", 2 * th), memory("k.copy", "F", 2 * th)],
-             [memory("q.copy.bwd", "B", 2 * th), memory("k.copy.bwd", "B", 2 * th)], core=True)
-        step([gemm("qk", "F", s, s, Dh, d, batch=b * A)],
-             [gemm("qk.dq", "B", s, Dh, s, d, batch=b * A), gemm("qk.dk", "B", s, Dh, s, d, batch=b * A)], core=True)
-        if a == "bert":
-            step([memory("scale", "F", 2 * sc)], [memory("scale.bwd", "B", 2 * sc)], core=True)
-            step([memory("mask", "F", 2 * sc)], [], core=True)
-        elif a == "opt":
-            step([memory("mask", "F", 2 * sc + b * s * s * d)], [], core=True)
-            # torch.max(scores, finfo.min): its backward is where(eq, grad / 2, grad) then
-            # masked_fill(lt): five passes over the scores (two of them writing bool masks)
-            bm = n_sc
-            step([memory("clamp", "F", 2 * sc)],
-                 [memory("clamp.eq", "B", sc + bm), memory("clamp.half", "B", 2 * sc),
-                  memory("clamp.where", "B", 3 * sc + bm), memory("clamp.lt", "B", sc + bm),
-                  memory("clamp.fill", "B", 2 * sc + bm)], core=True)
-        else:   # t5: a position bias (zeros + mask) added to the scores in place
-            pb = A * s * s * d
-            step([memory("bias.zeros", "F", pb), memory("bias.mask", "F", 2 * pb),
-                  memory("bias.add", "F", 2 * sc + pb)], [], core=True)
-        step([memory("softmax", "F", 2 * sc)], [memory("softmax.bwd", "B", 3 * sc)], core=True)
-        if drop and a in ("bert", "t5"):
-            step([memory("attn.dropout", "F", 2 * sc + n_sc * mask, modules=1)],
-                 [memory("attn.dropout.bwd", "B", 2 * sc + n_sc * mask)], core=True)
-        step([memory("v.copy", "F", 2 * th)], [memory("v.copy.bwd", "B", 2 * th)], core=True)
-        step([gemm("pv", "F", s, Dh, s, d, batch=b * A)],
-             [gemm("pv.dp", "B", s, s, Dh, d, batch=b * A), gemm("pv.dv", "B", s, Dh, s, d, batch=b * A)], core=True)
-        step([memory("ctx.copy", "F", 2 * th)], [memory("ctx.copy.bwd", "B", 2 * th)], core=True)
-    lin("o" if a not in TP_ARCHS else "proj", h, h // tp if a in TP_ARCHS else h)
-    dropout("o.dropout", th, T * h)
-    residual("residual1")
-    if not pre:
-        norm("ln1")
-    # ---- MLP sub-block
-    if pre:
-        norm("ln2")
-    ft = f // tp
-    if a == "llama":        # SwiGLU: gate and up in one GEMM, silu(gate) * up, then down
-        lin("fc1", 2 * ft, h)
-        step([memory("swiglu", "F", 3 * T * ft * d)], [memory("swiglu.bwd", "B", 5 * T * ft * d)])
-    else:
-        lin("fc1", ft, h)
-        step([memory("act", "F", 2 * T * ft * d, modules=0 if a == "gpt" else 1)],
-             [memory("act.bwd", "B", 3 * T * ft * d)])
-    if a == "t5":
-        dropout("act.dropout", T * f * d, T * f)
-    lin("fc2", h, ft)
-    dropout("fc2.dropout", th, T * h)
-    if mdrop:
-        residual("residual2")
-    else:
-        step([memory("residual2", "F", 3 * th)], [memory("residual2.accum", "B", 3 * th)])
-    if not pre:
-        norm("ln2")
-    Fk[0] = replace(Fk[0], modules=Fk[0].modules + CONTAINERS[a])
-    back = [k for g in reversed(groups) for k in g]      # B and W interleaved, as autograd runs them
-    if recompute == "full":
-        back = [replace(k, phase="B", name=k.name + ".re") for k in Fk] + back
-    elif recompute == "selective":
-        back = [replace(k, phase="B", name=k.name + ".re") for k in attn_f] + back
-    elif recompute != "none":
-        raise SpecError(f"recompute must be one of none, selective, full; got {recompute!r}")
-    if megatron and sh.grad_accumulation == "fused":
-        pass            # accumulated inside the weight-gradient GEMMs
-    elif accumulate_grads:
-        back += [memory(f"grad.accum{i}", "W", 3 * p * d) for i, p in enumerate(params)]
-    return tuple(Fk + back)
+    fam = FAMILIES[sh.arch]
+    k = _Block(sh, fam, input_grad)
+    for slot in fam.slots:
+        slot(k)
+    return k.kernels(accumulate_grads, recompute)
 
 
 def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None, tp: int = 1,

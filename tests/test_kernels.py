@@ -201,3 +201,28 @@ def test_reproduce_cost_curves_quick(tmp_path):
     held = e[e.set == "held-out"]
     assert pd.concat([held.f_error, held.b_error]).abs().median() <= 0.035
     assert "aim: median <= 15%: met" in report and "(aim <= 30%: met)" in report
+
+
+def test_a_block_is_its_familys_slots_and_a_new_part_is_a_new_slot(monkeypatch):
+    """A family is its slots: llama with a router slot before its MLP (what an MoE family adds)
+    launches llama's kernels, in llama's order, plus the router's forward just before fc1 and its
+    backward just after fc1's; no other family's kernels move."""
+    from dataclasses import replace
+
+    from cost_models.kernels import FAMILIES, _mlp_swiglu, memory
+
+    def router(k):
+        k.step([memory("router", "F", 10.0)], [memory("router.bwd", "B", 10.0)])
+
+    llama = FAMILIES["llama"]
+    i = llama.slots.index(_mlp_swiglu)
+    monkeypatch.setitem(FAMILIES, "llama-router", replace(llama, slots=(*llama.slots[:i], router, *llama.slots[i:])))
+    sh = BlockShape("llama", 64, 8, 32, 256, 2, 2, tp=2, kv_heads=2)
+    base = block_kernels(sh, recompute="selective")
+    got = block_kernels(replace(sh, arch="llama-router"), recompute="selective")
+    assert [k for k in got if not k.name.startswith("router")] == base
+    names = [k.name for k in got]
+    r, rb = names.index("router"), names.index("router.bwd")
+    assert names[r - 1:r + 2] == ["ln2", "router", "fc1"]
+    assert names[rb - 1:rb + 2] == ["fc1.dw", "router.bwd", "ln2.dx"]
+    assert len(got) == len(base) + 2
