@@ -157,10 +157,13 @@ def parse_schedule_file(text: str, path: str) -> ScheduleFile:
     fmt, how = pick_format(text, path)
     try:
         if fmt == "torch-csv":
-            body = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+            body = "\n".join(ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#"))
             sched = from_torch_text(body, name=name)
         else:
             sched = from_text(text, name=name)
+        idle = [d for d, prog in enumerate(sched.programs) if not prog]
+        if idle:
+            raise ScheduleError(f"device {idle[0]} runs no op; every device (row) must hold a stage")
         check_size(sched.num_devices, sched.num_microbatches, 1, sched.max_chunks)
         validate(sched)
     except ScheduleError as e:

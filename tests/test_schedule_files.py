@@ -123,6 +123,10 @@ def test_format_by_name_or_content():
     assert parse_schedule_file(csv, "a.sched").format == "torch-csv"
     txt = export_text(build("zb-h1", 2, 4), "text")
     assert (parse_schedule_file(txt, "a.sched").format, parse_schedule_file(txt, "a").how) == ("text", "by its content")
+    assert parse_schedule_file("# mine\n0F0,0B0\n\n1F0,1B0\n", "gap.csv").schedule.programs == \
+        build("dapple", 2, 1).programs                          # comments and blank lines skipped
+    with pytest.raises(ScheduleError, match=r"^idle.txt \(pipetwin text, by its content\): device 2 runs no op"):
+        parse_schedule_file("0: F0.s0 B0.s0\n1: F0.s1 B0.s1\n2:\n", "idle.txt")
     with pytest.raises(ScheduleError, match=r"^a.csv \(torch.distributed.pipelining CSV, by its .csv name\): rank 0: "
                                             r"cannot parse PyTorch action 'F0.s0'"):
         parse_schedule_file(txt, "a.csv")
