@@ -13,7 +13,7 @@ from cost_models.files import load_schedule_file
 from cost_models.job import Job, Layout
 from experiments.cli import main
 from schedules import ScheduleError, build, families, names
-from schedules.io import ScheduleFile, export_text, from_text, parse_schedule_file
+from schedules.io import FORMATS, ScheduleFile, export_text, from_text, parse_schedule_file
 from schedules.registry import ALIASES, get
 from sim import simulate_job
 
@@ -53,11 +53,9 @@ def test_the_two_copy_families_are_the_ones_with_two_copies():
         assert (build(name, 2, 4).num_copies == 2) == (name in TWO_COPY), name
 
 
-@pytest.mark.parametrize("fmt", ["torch-csv", "text"])
-@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("name,fmt", [(n, f) for f in FORMATS for n in names()
+                                      if f == "text" or n not in TWO_COPY])    # refused: see below
 def test_export_import_same_programs_and_unit_time(tmp_path, name, fmt):
-    if fmt == "torch-csv" and name in TWO_COPY:
-        pytest.skip("refused: test_torch_csv_refuses_two_copies")
     cases = shapes(name)
     assert len(cases) >= 2, name
     for D, N, kw, sched in cases:
