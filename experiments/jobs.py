@@ -301,10 +301,10 @@ def layout_from_args(args, *, schedules=None, **overrides) -> Layout:
     if sf is not None:      # compare: the named schedules at the file's D and N unless given
         fields.update(devices=fields["devices"] or sf.schedule.num_devices,
                       microbatches=fields["microbatches"] or sf.schedule.num_microbatches)
+    fields.update(overrides)
     missing = [f for f, d in (("--devices", "devices"), ("--microbatches", "microbatches")) if fields[d] is None]
     if missing:
         raise ValueError(f"give {', '.join(missing)} (or a --schedule-file FILE)")
-    fields.update(overrides)
     layout = Layout(**fields)
     check_chunks(o.get("chunks"), schedules or [layout.schedule])
     return layout
