@@ -165,14 +165,17 @@ def bind(job: Job, inputs: CostInputs | None = None) -> Bound:
         return job.plan.bind(job)
     inputs = inputs or load_inputs(job)
     low = job.layout.build(eager=job.eager, family=costed_family(job, inputs), **inputs.limits())
-    return bind_lowered(job, inputs, low)
+    bound = bind_lowered(job, inputs, low)
+    if job.layout.schedule_file is not None:
+        bound.report["schedule_file"] = job.layout.schedule_file.describe()
+    return bound
 
 
 def costed_family(job: Job, inputs: CostInputs) -> dict | None:
     """The keyword arguments a family that orders its ops from the job's costs takes (zb-auto:
     ``costs``, from the same layout costed as ZB-H1, which has its stages and split backward; the
     message time is one activation over the path from rank 0 to rank 1), else None."""
-    if job.layout.schedule != "zb-auto":
+    if job.layout.schedule != "zb-auto" or job.layout.schedule_file is not None:
         return None
     from schedules.zb_auto import AutoCosts
     probe = bind_lowered(job, inputs, replace(job.layout, schedule="zb-h1", variant=None, memory_limit=None).build(

@@ -212,3 +212,10 @@ def write_output(path, data: str | bytes, what: str = "output file") -> Path:
     with output_file(path, what, "wb") as fh:
         fh.write(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
+
+
+def load_schedule_file(path):
+    """A schedule file (:mod:`schedules.io`: torch.distributed.pipelining's CSV or pipetwin's text
+    form), read, checked and validated: a :class:`schedules.io.ScheduleFile`; one-line errors."""
+    from schedules.io import parse_schedule_file
+    return parse_schedule_file(read_text(path, "schedule file"), str(path))

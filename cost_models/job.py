@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from schedules import registry
+from schedules.io import ScheduleFile
 
 from .cluster import FABRICS, MAPPINGS, Cluster, load_cluster, with_fabric, with_nodes
 from .kernels import COST_MODELS, GRAD_ACCUMULATION
@@ -79,7 +81,9 @@ class Layout:
     pipeline device that split every layer (tensor parallel): T x D x R GPUs in all;
     ``memory_limit`` (value, ``"Ma"`` or ``"B"``) for the families that order their ops under one
     (zb-auto): each device's activation limit in Ma, or its whole memory in bytes (the costs' static
-    memory, weights and optimizer state, taken off), in place of the variant's."""
+    memory, weights and optimizer state, taken off), in place of the variant's. ``schedule_file``: a
+    schedule read from a file (:meth:`of_file`) in place of a family: it fixes the name, D, N and the
+    chunks, and :meth:`build` lowers it."""
 
     schedule: str
     devices: int
@@ -89,14 +93,46 @@ class Layout:
     variant: str | None = None
     tp: int = 1
     memory_limit: tuple[float, str] | None = None
+    schedule_file: ScheduleFile | None = None
 
     def __post_init__(self):
+        if self.schedule_file is not None:
+            self._check_file()
+            return
         fam = registry.get(self.schedule)    # an unknown name: the registry's one line, with the names
+        object.__setattr__(self, "schedule", fam.name)      # an upstream name (1f1b) -> the family's (dapple)
         for value, option in ((self.devices, "--devices"), (self.microbatches, "--microbatches"),
                               (self.replicas, "--dp"), (self.chunks, "--chunks"), (self.tp, "--tp")):
             _whole(value, option)
         if self.memory_limit is not None:
             self._check_memory_limit(fam)
+
+    @classmethod
+    def of_file(cls, sf: ScheduleFile, **fields) -> "Layout":
+        """The layout of a schedule file (:func:`cost_models.files.load_schedule_file`): its name, D, N
+        and chunks; ``fields``: the others (replicas, tp), or D/N/chunks given again (checked)."""
+        s = sf.schedule
+        return cls(**{"schedule": sf.name, "devices": s.num_devices, "microbatches": s.num_microbatches,
+                      "chunks": sf.chunks, **fields, "schedule_file": sf})
+
+    def _check_file(self) -> None:
+        """A schedule file fixes the schedule, D, N and the chunks; it has no variant or memory limit."""
+        sf = self.schedule_file
+        s, fname = sf.schedule, Path(sf.path).name
+        for value, option in ((self.replicas, "--dp"), (self.tp, "--tp")):
+            _whole(value, option)
+        for option, value, want, what in (("-D", self.devices, s.num_devices, "devices"),
+                                          ("-N", self.microbatches, s.num_microbatches, "micro-batches"),
+                                          ("--chunks", self.chunks, sf.chunks, "chunks on a device")):
+            if value != want:
+                raise ValueError(f"{option} {value} disagrees with schedule file {fname}, which has {want} {what}; "
+                                 f"drop {option} (the file fixes it)")
+        for option, value in (("--variant", self.variant), ("--memory-limit", self.memory_limit)):
+            if value is not None:
+                raise ValueError(f"{option} picks a family's order; schedule file {fname} gives its own "
+                                 f"(drop {option})")
+        if self.schedule != sf.name:
+            raise ValueError(f"a schedule file's layout is named after it ({sf.name!r}); got {self.schedule!r}")
 
     def _check_memory_limit(self, fam) -> None:
         value, unit = self.memory_limit
@@ -136,6 +172,8 @@ class Layout:
         planner shares one among the candidates of a shape)."""
         from schedules import build, lower, validate
         self.check_size(**limits)
+        if built is None and self.schedule_file is not None:
+            built = self.schedule_file.schedule
         if built is None:
             built = build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {}))
         low = lower(built, replicas=self.replicas, eager=eager)
@@ -144,6 +182,8 @@ class Layout:
 
     def num_stages(self) -> int:
         """Stages of one model copy of the schedule (built, not lowered)."""
+        if self.schedule_file is not None:
+            return self.schedule_file.schedule.num_stages
         from schedules import build
         return build(self.schedule, self.devices, self.microbatches, **self.family_options()).num_stages
 
@@ -428,6 +468,8 @@ class Job:
         def plain(v):
             if isinstance(v, ModelSpec):
                 return v.to_dict()
+            if isinstance(v, ScheduleFile):
+                return v.path
             if isinstance(v, tuple):
                 return [plain(x) for x in v]
             return v

@@ -77,6 +77,7 @@ class RunConfig:
     sequence_parallel: bool = False  # with tp > 1: norms and stage boundaries on 1/T of the sequence
     seq_len: int | None = None      # training sequence length (None: the model's)
     zero: int = 0                   # 1: ZeRO-1, the optimizer state sharded over a stage's ranks (executor.zero)
+    schedule_file: Any = None       # a schedules.io.ScheduleFile: its schedule in place of the named one
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -165,7 +166,7 @@ class RunConfig:
                    variant=lay.variant, replicas=lay.replicas, model=model, micro_batch=job.micro_batch,
                    partition=partition, recompute=job.recompute, eager_allreduce=job.eager,
                    device_map=job.mapping, tp=lay.tp, sequence_parallel=job.sequence_parallel, seq_len=job.seq_len,
-                   zero=job.zero, **options)
+                   zero=job.zero, schedule_file=lay.schedule_file, **options)
 
     def with_(self, **changes) -> "RunConfig":
         return replace(self, **changes)
@@ -239,6 +240,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
     if config.data is not None:
         check_input(config.data, "data file", min_bytes=spec.seq_len + 2)
+    if schedule is None and config.schedule_file is not None:
+        schedule = config.schedule_file.schedule
     if schedule is None:
         check_size(config.devices, config.microbatches, config.replicas, config.chunks)
         if spec is not None and config.partition is None and spec.layers < config.devices:

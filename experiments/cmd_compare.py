@@ -6,7 +6,8 @@ from pathlib import Path
 from .checks import output_dir, output_file
 from .common import parse_schedules
 from .compare import compare_schedules, report
-from .jobs import add_cost_args, add_fault_args, add_layout_args, job_from_args, layout_from_args
+from .jobs import (add_cost_args, add_fault_args, add_layout_args, file_layout, job_from_args, layout_from_args,
+                   schedule_file_arg)
 
 NAME = "compare"
 HELP = "compare schedules at the same D and N: table + stacked timelines"
@@ -25,6 +26,11 @@ def add_arguments(p):
 def main(args) -> int:
     names = parse_schedules(args.schedules)
     job = job_from_args(args, layout=layout_from_args(args, schedule=names[0], schedules=names))
+    sf = schedule_file_arg(args)
+    if sf is not None:      # one more schedule beside the named ones, at their D and N (checked)
+        names = [*names, file_layout(args, sf, chunks=False)]
+        if not args.json:
+            print(f"schedule file {sf.describe()}")
     out = Path(args.out) if args.out else None
     plot = args.plot or (str(out / "compare.png") if out else None)
     comp = compare_schedules(job, names, traces=bool(plot or out))

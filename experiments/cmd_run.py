@@ -190,6 +190,8 @@ def _main(args) -> int:
         return 1
     if info is not None:
         result.extra["plan"] = {"file": str(args.plan), **info}
+    if cfg.schedule_file is not None:
+        result.extra["schedule_file"] = cfg.schedule_file.describe()
     _write_outputs(result, args)
     if args.json:
         print_json(result.to_dict())
@@ -261,6 +263,8 @@ def _print_human(result, args) -> None:
         if c.tp > 1 and result.engine == "executor" else ""
     print(f"{result.engine} {c.schedule}: {tp}D={c.devices} N={c.microbatches} R={c.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
+    if c.schedule_file is not None:
+        print(f"  schedule file {printable(c.schedule_file.describe())}")
     if not c.is_model_file and result.engine == "executor":
         spec = c.spec()
         if spec.has_dropout or spec.attention_kind == "eager":

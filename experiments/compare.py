@@ -2,11 +2,11 @@
 ``pipetwin demo``), and the table, traces and figure written from it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cost_models.bind import load_inputs
-from cost_models.job import Job
+from cost_models.job import Job, Layout
 from schedules import ScheduleError
 from sim import simulate_job
 from sim.job import crossed_links
@@ -26,8 +26,9 @@ class Comparison:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def compare_schedules(job: Job, names: list[str], *, traces: bool = False) -> Comparison:
-    """Simulate ``job`` under each schedule of ``names`` (its layout's other fields kept).
+def compare_schedules(job: Job, names: list, *, traces: bool = False) -> Comparison:
+    """Simulate ``job`` under each schedule of ``names`` (its layout's other fields kept; an item
+    that is a :class:`cost_models.job.Layout` replaces the layout: a schedule file's).
     Schedules whose requirements the layout does not meet, or with more stages than the model has
     layers, are listed as skipped; a slow link that no schedule crosses is refused, one that some
     do not cross is noted among the skipped."""
@@ -36,9 +37,10 @@ def compare_schedules(job: Job, names: list[str], *, traces: bool = False) -> Co
     job.layout.check_size(**limits)   # before building any schedule
     out = Comparison(rows=[])
     crossing: dict[str, list[str]] = {}
-    for name in names:
+    for item in names:
+        name = item.schedule if isinstance(item, Layout) else item
         try:
-            one = job.with_layout(schedule=name)
+            one = replace(job, layout=item) if isinstance(item, Layout) else job.with_layout(schedule=name)
             stages = one.layout.num_stages()
             if limits.get("layers") is not None and stages > limits["layers"]:
                 out.skipped[name] = (f"{name} has {stages} stages at D={one.layout.devices}; model "

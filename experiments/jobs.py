@@ -16,6 +16,7 @@ from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Fault
 from cost_models.kernels import COST_MODELS
 from cost_models.transformer import RECOMPUTE, ZERO_STAGES
 from schedules import families, get, names
+from schedules.registry import ALIASES
 
 from .checks import byte_size, factor_pair, memory_limit, float_in, input_file, nonneg_float, nonneg_int, positive_int
 
@@ -29,7 +30,8 @@ SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}     # chunks: for the famili
 # plan's bind, planner.plan_io), the faults and --exact (sim.job_options), run's training options and
 # run's --device-map (which torchrun process runs which of the plan's ranks, see cmd_run).
 PLAN_FIXES = (
-    ("schedule", "the schedule"), ("devices", "the pipeline devices"), ("microbatches", "the micro-batches"),
+    ("schedule", "the schedule"), ("schedule_file", "the schedule"), ("devices", "the pipeline devices"),
+    ("microbatches", "the micro-batches"),
     ("chunks", "the chunks"), ("variant", "the schedule's variant"), ("dp", "the data-parallel replicas"),
     ("tp", "tensor parallelism"), ("memory_limit", "the memory limit"), ("model", "the model"),
     ("seq_len", "the sequence length"), ("cluster", "the cluster"), ("nodes", "the cluster's size"),
@@ -48,11 +50,17 @@ def add_layout_args(p, *, schedule=True, many=False, plan: str | None = None):
     given. ``many``: ``--schedules`` (a list) instead of ``-s``."""
     required = plan is None
     if schedule:
-        p.add_argument("--schedule", "-s", required=required, help=f"one of: {', '.join(names())}")
+        p.add_argument("--schedule", "-s", required=False, help=f"one of: {', '.join(names())} (or an upstream name: "
+                       f"{', '.join(f'{a} = {n}' for a, n in ALIASES.items())})")
     if many:
         p.add_argument("--schedules", default="all", help="comma-separated schedule names, or 'all'")
-    p.add_argument("--devices", "-D", type=positive_int, required=required, help="pipeline devices D")
-    p.add_argument("--microbatches", "-N", type=positive_int, required=required, help="micro-batches N per iteration")
+    p.add_argument("--schedule-file", metavar="FILE", type=input_file,
+                   help="a schedule written as a file: torch.distributed.pipelining's CSV (FILE.csv, compute actions "
+                        "0F1 1I0 1W0 1B0) or pipetwin's text form (one line 'd: F0.s0 B0.s0 ...' per device; "
+                        "'pipetwin schedules --export' writes both); it fixes D and N and is checked for deadlocks "
+                        "before anything runs" + ("; compared beside --schedules" if many else ""))
+    p.add_argument("--devices", "-D", type=positive_int, help="pipeline devices D")
+    p.add_argument("--microbatches", "-N", type=positive_int, help="micro-batches N per iteration")
     p.add_argument("--chunks", "-v", type=positive_int, default=None,
                    help=f"chunks per device for the schedules that take them ({', '.join(chunked())}; default 2)")
     p.add_argument("--variant", default=None,
@@ -81,6 +89,7 @@ def check_plan_args(args, *, applied: tuple[str, ...] = ()):
     plan = load_plan_arg(args)
     if plan is not None:
         o, facts = vars(args), plan_facts(plan)
+        facts.setdefault("schedule_file", facts["schedule"])
         given = [(d, what) for d, what in PLAN_FIXES
                  if d in facts and d not in applied and o.get(d) is not None and o.get(d) is not False]
         if given:
@@ -90,8 +99,8 @@ def check_plan_args(args, *, applied: tuple[str, ...] = ()):
                              f"drop {drop} or plan again")
         return plan
     missing = [f"--{d}" for d in ("schedule", "devices", "microbatches") if vars(args).get(d, 0) is None]
-    if missing:
-        raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json)")
+    if missing and not vars(args).get("schedule_file"):
+        raise ValueError(f"give {', '.join(missing)} (or --plan PLAN.json), or a --schedule-file FILE")
     for dest in ("dp", "tp"):
         if vars(args).get(dest) is None:
             setattr(args, dest, SCHEDULE_DEFAULTS[dest])
@@ -282,14 +291,50 @@ def layout_from_args(args, *, schedules=None, **overrides) -> Layout:
     options give a list where the layout has one value: ``compare``'s schedules, a sweep's axes;
     ``schedules``: the names a ``--chunks`` applies to, default the layout's one)."""
     o = vars(args)
+    sf = schedule_file_arg(args)
+    if sf is not None and "schedule" not in overrides:
+        return file_layout(args, sf)
     fields = dict(schedule=o.get("schedule"), devices=o.get("devices"), microbatches=o.get("microbatches"),
                   replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
                   chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"),
                   tp=o.get("tp") or 1, memory_limit=o.get("memory_limit"))
+    if sf is not None:      # compare: the named schedules at the file's D and N unless given
+        fields.update(devices=fields["devices"] or sf.schedule.num_devices,
+                      microbatches=fields["microbatches"] or sf.schedule.num_microbatches)
     fields.update(overrides)
+    missing = [f for f, d in (("--devices", "devices"), ("--microbatches", "microbatches")) if fields[d] is None]
+    if missing:
+        raise ValueError(f"give {', '.join(missing)} (or a --schedule-file FILE)")
     layout = Layout(**fields)
     check_chunks(o.get("chunks"), schedules or [layout.schedule])
     return layout
+
+
+def schedule_file_arg(args):
+    """The ``--schedule-file``, read and validated once (:func:`cost_models.files.load_schedule_file`),
+    or None."""
+    path = vars(args).get("schedule_file")
+    if not path:
+        return None
+    if vars(args).get("_schedule_file") is None:
+        from cost_models.files import load_schedule_file
+        args._schedule_file = load_schedule_file(path)
+    return args._schedule_file
+
+
+def file_layout(args, sf, *, chunks: bool = True) -> Layout:
+    """The layout of schedule file ``sf``: -D/-N (and ``chunks``: --chunks) given must agree with
+    it, --dp and --tp apply; with --schedule too, refused."""
+    o = vars(args)
+    if o.get("schedule"):
+        raise ValueError(f"give --schedule or --schedule-file, not both (the file {Path(sf.path).name} is the "
+                         f"schedule)")
+    given = {k: o.get(dest) for k, dest in (("devices", "devices"), ("microbatches", "microbatches"),
+                                            ("variant", "variant"), ("memory_limit", "memory_limit"))}
+    if chunks:
+        given["chunks"] = o.get("chunks")
+    return Layout.of_file(sf, replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"], tp=o.get("tp") or 1,
+                          **{k: v for k, v in given.items() if v is not None})
 
 
 def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides) -> Job:

@@ -20,6 +20,9 @@ MAX_RANKS = 2048
 MAX_OPS = 4_000_000
 OPS_PER_MICROBATCH = 7      # per chunk and rank, after lowering (F, B, W, SEND/RECV of both directions)
 
+# upstream names (torch.distributed.pipelining, Megatron-LM, DeepSeek) -> our family names
+ALIASES = {"1f1b": "dapple", "interleaved-1f1b": "interleaved", "zbv": "zb-v", "dualpipev": "dualpipe-v"}
+
 _MODULES = ["gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb_h1", "zb_h2", "zb_auto", "zb_v", "dualpipe_v",
             "bitpipe_zb"]
 
@@ -50,11 +53,19 @@ def names() -> list[str]:
     return list(families())
 
 
+def aliases_of(name: str) -> list[str]:
+    """The upstream names of family ``name`` (:data:`ALIASES`)."""
+    return [a for a, n in ALIASES.items() if n == name]
+
+
 def get(name: str) -> Family:
+    """The family of ``name``: one of :func:`names`, or an upstream name of one (:data:`ALIASES`)."""
     fams = families()
-    if name not in fams:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(fams)}")
-    return fams[name]
+    fam = fams.get(ALIASES.get(name, name))
+    if fam is None:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(fams)} (or an upstream name: "
+                            f"{', '.join(f'{a} = {n}' for a, n in ALIASES.items())})")
+    return fam
 
 
 def estimated_ops(num_devices: int, num_microbatches: int, replicas: int = 1, chunks: int = 1) -> int:
