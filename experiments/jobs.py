@@ -14,7 +14,7 @@ from pathlib import Path
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
 from cost_models.kernels import COST_MODELS
-from cost_models.transformer import RECOMPUTE, ZERO_STAGES
+from cost_models.parallel import RECOMPUTE, ZERO_STAGES, Parallel
 from schedules import families, get, names
 
 from .checks import byte_size, factor_pair, memory_limit, float_in, input_file, nonneg_float, nonneg_int, positive_int
@@ -285,7 +285,7 @@ def layout_from_args(args, *, schedules=None, **overrides) -> Layout:
     fields = dict(schedule=o.get("schedule"), devices=o.get("devices"), microbatches=o.get("microbatches"),
                   replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
                   chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"),
-                  tp=o.get("tp") or 1, memory_limit=o.get("memory_limit"))
+                  memory_limit=o.get("memory_limit"))
     fields.update(overrides)
     layout = Layout(**fields)
     check_chunks(o.get("chunks"), schedules or [layout.schedule])
@@ -301,18 +301,21 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
     fields: dict = {"plan": plan}
     if plan is None:
         fields["layout"] = layout if layout is not None else layout_from_args(args)
+    par: dict = {}
     if "layout" in groups:
         fields["eager"] = not o["no_eager"]
+        par["tp"] = o.get("tp") or SCHEDULE_DEFAULTS["tp"]
     if "costs" in groups:
         fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
                       profile=o["profile"], stage_costs=o["stage_costs"],
                       cost_model=o["cost_model"], profile_batch=o["profile_batch"],
-                      recompute=o["recompute"] or "none", device_map=o["device_map"],
-                      sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"],
-                      zero=0 if o["zero"] is None else o["zero"],
-                      seq_len=o["seq_len"], memory_reserve=o["memory_reserve"])
+                      device_map=o["device_map"], memory_reserve=o["memory_reserve"])
+        par.update(recompute=o["recompute"] or "none", sequence_parallel=o["sequence_parallel"],
+                   tp_overlap=o["tp_overlap"], zero=0 if o["zero"] is None else o["zero"], seq_len=o["seq_len"])
         if "partition" in o:
-            fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])
+            fields.update(partition=parse_partition(o["partition"]))
+            par.update(micro_batch=o["micro_batch"])
+    fields["parallel"] = Parallel(**par)
     if "faults" in groups:
         fields.update(exact=o["exact"], faults=Faults(slowdown=tuple(o["slowdown"]), slow_links=tuple(o["slow_link"]),
                                                       jitter=o["jitter"], seed=o["seed"]))

@@ -31,7 +31,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cost_models.bind import CostInputs, cost_model_for, load_inputs
@@ -88,8 +88,8 @@ class Grid:
                                        self.recompute, self.micro_batch):
             s, d, n, r, t, z, c, b = point
             try:
-                out.append(replace(base.with_layout(schedule=s, devices=d, microbatches=n, replicas=r, tp=t), zero=z,
-                                   recompute=c, micro_batch=b))
+                out.append(base.with_(schedule=s, devices=d, microbatches=n, replicas=r, tp=t, zero=z,
+                                      recompute=c, micro_batch=b))
             except ValueError as e:
                 out.append(Impossible(_key(*point), str(e).splitlines()[0] if str(e) else type(e).__name__))
         return out

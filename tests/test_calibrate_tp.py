@@ -62,7 +62,7 @@ def test_a_simulated_rank_is_a_tp_group_on_t_cores():
     from calibration import simulate_with_profile
     from executor.config import RunConfig, lowered_schedule
     from schedules.trace import step_metrics
-    low = lowered_schedule(RunConfig(schedule="gpipe", devices=2, microbatches=4, steps=1, model="tiny", tp=2))
+    low = lowered_schedule(RunConfig.of(schedule="gpipe", devices=2, microbatches=4, steps=1, model="tiny", tp=2))
     prof = _tp_profile(time_slice=1e-3)
     c = prof.layer_costs()
     work = 4 * sum(f + b for f, b in zip(c.f, c.b_full))
@@ -138,7 +138,8 @@ def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
     bare = replace(prof, tp=1, tp_allreduce=None)
     assert bare.host_cores()["cores"] == 2 * prof.host_cores()["cores"]
     for c in comps:
-        low = lowered_schedule(RunConfig(schedule=c.schedule, devices=2, microbatches=4, steps=1, model="tiny", tp=2))
+        low = lowered_schedule(RunConfig.of(schedule=c.schedule, devices=2, microbatches=4, steps=1, model="tiny",
+                                            tp=2))
         t = noise_free(step_metrics(simulate_with_profile(low, bare, steps=3)).iteration_times[1:])
         assert t / c.measured_iteration_time - 1 < -1 / 3, (c.schedule, t, c.measured_iteration_time)
 

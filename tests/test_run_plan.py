@@ -129,11 +129,11 @@ def test_partition_conversion_and_checks():
         with pytest.raises(ValueError, match=msg):
             block_ranges(8, 3, bad)
     with pytest.raises(ValueError, match="partition"):
-        lowered_schedule(RunConfig(devices=2, microbatches=2, partition=(4, 3)))
+        lowered_schedule(RunConfig.of(devices=2, microbatches=2, partition=(4, 3)))
     with pytest.raises(ValueError, match="micro_batch"):
-        RunConfig(micro_batch=0)
+        RunConfig.of(micro_batch=0)
     # identical initial weights for any split
-    spec = RunConfig(micro_batch=1).spec()
+    spec = RunConfig.of(micro_batch=1).spec()
     assert spec.micro_batch == 1
     full = dict(full_model(spec, seed=5).named_parameters())
     for part in ([5, 3], [0, 8, 0], [1, 2, 3, 2]):

@@ -33,32 +33,33 @@ def _cases_world2():
     cases = {}
     for model, tag in ((CNN, "cnn"), (LM, "lm")):
         for s in names():       # every schedule family
-            cfg = RunConfig(model=model, schedule=s, devices=2, microbatches=4, **BASE)
+            cfg = RunConfig.of(model=model, schedule=s, devices=2, microbatches=4, **BASE)
             try:
                 lowered_schedule(cfg)
             except ScheduleError:
                 continue
             cases[f"{tag}-{s}-D2"] = cfg
     # a stage without parameters (ReLU + pooling) held by both ranks: an empty all-reduce
-    cases["cnn-bitpipe-paramfree-stage-D2"] = RunConfig(model=CNN, schedule="bitpipe", devices=2, microbatches=4,
+    cases["cnn-bitpipe-paramfree-stage-D2"] = RunConfig.of(model=CNN, schedule="bitpipe", devices=2, microbatches=4,
                                                         partition=(1, 2, 3, 4), **BASE)
-    cases["lm-zb-h1-adam-mb3-D2"] = RunConfig(model=LM, schedule="zb-h1", devices=2, microbatches=4, micro_batch=3,
+    cases["lm-zb-h1-adam-mb3-D2"] = RunConfig.of(model=LM, schedule="zb-h1", devices=2, microbatches=4, micro_batch=3,
                                               **dict(BASE, optimizer="adam", lr=1e-3))
     return cases
 
 
 def _cases_world3():
-    cases = {f"{tag}-{s}-D3": RunConfig(model=m, schedule=s, devices=3, microbatches=6, **BASE)
+    cases = {f"{tag}-{s}-D3": RunConfig.of(model=m, schedule=s, devices=3, microbatches=6, **BASE)
              for m, tag in ((CNN, "cnn"), (LM, "lm")) for s in ("dapple", "zb-v")}
     # the rank in the middle holds a ReLU and a pooling layer only: no parameters, no optimizer state
-    cases["cnn-dapple-paramfree-rank-D3"] = RunConfig(model=CNN, schedule="dapple", devices=3, microbatches=3,
+    cases["cnn-dapple-paramfree-rank-D3"] = RunConfig.of(model=CNN, schedule="dapple", devices=3, microbatches=3,
                                                       partition=(1, 2, 7), **BASE)
     return cases
 
 
 def _cases_world4():
     # two model copies x two replicas: the tied table's gradient is summed over all four ranks
-    return {"lm-chimera-D2R2": RunConfig(model=LM, schedule="chimera", devices=2, microbatches=4, replicas=2, **BASE)}
+    return {"lm-chimera-D2R2": RunConfig.of(model=LM, schedule="chimera", devices=2, microbatches=4, replicas=2,
+                                            **BASE)}
 
 
 CASES = {2: _cases_world2(), 3: _cases_world3(), 4: _cases_world4()}
