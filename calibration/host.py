@@ -255,7 +255,7 @@ def speed_yardstick(profile: CalibrationProfile) -> Callable[[RunConfig], object
         low = lowered_schedule(config)
         if low.num_ranks * profile.tp > cores:
             return None
-        return alone.cost_model(low.num_stages, config.stage_layers, recompute=config.recompute).bind(low)
+        return alone.cost_model(low.num_stages, config.stage_layers, recompute=config.parallel.recompute).bind(low)
     return of
 
 

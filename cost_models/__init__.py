@@ -45,6 +45,7 @@ from .partition import (balanced_counts, balanced_edges, block_ranges, blocks_fr
                         even_counts, layer_ranges, layers_from_blocks, stack_partition)
 from .stack import StackSpec, is_model_ref, stack_from_dict
 from .job import ClusterChoice, Faults, Job, Layout, check_run_size
+from .parallel import Parallel
 from .bind import Bound, bind
 from .workload import Workload
 from .workload_sources import load_workload, workload_from_source

@@ -42,7 +42,7 @@ from .cluster import FABRICS, MAPPINGS, Cluster, load_cluster, with_fabric, with
 from .kernels import COST_MODELS, GRAD_ACCUMULATION
 from .model_spec import ModelSpec
 from .stack import is_model_ref
-from .parallel import Parallel
+from .parallel import Parallel, option_name
 
 if TYPE_CHECKING:   # pragma: no cover - types only
     from .bind import Bound
@@ -249,9 +249,10 @@ def _pairs(items, option: str, key_type) -> tuple:
 
 class PlanSource(Protocol):
     """A loaded plan file (:class:`planner.plan_io.LoadedPlan`): it brings the layout, model,
-    cluster and costs of a job, and binds them itself."""
+    cluster and costs of a job, and binds them itself; ``parallel`` is the plan's record."""
 
     path: str
+    parallel: Parallel
 
     def bind(self, job: "Job") -> "Bound":   # pragma: no cover - a protocol
         ...
@@ -297,6 +298,8 @@ class Job:
         if self.cost_model is not None and self.cost_model not in COST_MODELS:
             raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
         object.__setattr__(self, "partition", _partition(self.partition))
+        if self.plan is not None and self.parallel == Parallel():
+            object.__setattr__(self, "parallel", self.plan.parallel)     # the plan's own, unless given
         if self.plan is not None:
             self._check_plan()
         else:
@@ -401,10 +404,12 @@ class Job:
         given = [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
                                 ("--stage-costs", self.stage_costs),
                                 ("--model", self.model), ("--cluster", self.cluster.name),
-                                ("--micro-batch", self.parallel.micro_batch), ("--partition", self.partition),
-                                ("--recompute", self.parallel.recompute != "none")) if v]
+                                ("--partition", self.partition)) if v]
+        # the plan's parallel record, less the what-if a plan takes (--tp-overlap)
+        mine, planned = replace(self.parallel, tp_overlap=False), replace(self.plan.parallel, tp_overlap=False)
+        given += [option_name(f) for f, v in mine.record().items() if v != getattr(planned, f)]
         if given:
-            raise ValueError(f"--plan brings its own model, cluster, costs and recompute; drop {', '.join(given)}")
+            raise ValueError(f"--plan brings its own model, cluster, costs and parallelism; drop {', '.join(given)}")
 
     # ------------------------------------------------------------------ derived jobs
     def with_layout(self, **changes) -> "Job":
@@ -424,7 +429,7 @@ class Job:
         """A job from flat fields: those of :class:`Layout` build its layout, those of
         :class:`Parallel` its parallel record, the rest are the job's (``Job.of(schedule="zb-v",
         devices=4, microbatches=8, tp=2, model="tiny")``); an unknown name is one line."""
-        layout, parallel, own = _route(fields)
+        layout, parallel, own = route_fields(fields)
         if layout:
             own["layout"] = Layout(**layout)
         if parallel:
@@ -433,7 +438,7 @@ class Job:
 
     def with_(self, **changes) -> "Job":
         """This job with flat changes, routed to its records as :meth:`of` routes them."""
-        layout, parallel, own = _route(changes)
+        layout, parallel, own = route_fields(changes)
         if layout:
             own["layout"] = replace(self.layout, **layout)
         if parallel:
@@ -463,7 +468,7 @@ class Job:
         return out
 
 
-def _route(fields: dict) -> tuple[dict, dict, dict]:
+def route_fields(fields: dict) -> tuple[dict, dict, dict]:
     """Flat fields split into (the layout's, the parallel record's, the job's own); the three
     records' field names are distinct."""
     from dataclasses import fields as fields_of

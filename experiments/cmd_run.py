@@ -212,13 +212,13 @@ def _announce_plan(cfg, sched, info, args) -> None:
     if under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
         return
     out = sys.stderr if args.json else sys.stdout
-    what = "reference (one process) for" if args.reference else f"{sched.num_ranks * cfg.tp} processes:"
+    what = "reference (one process) for" if args.reference else f"{sched.num_ranks * cfg.parallel.tp} processes:"
     print(f"plan {printable(args.plan)}: {info['plan']}", file=out)
-    split = ("the default split of the blocks" if cfg.partition is None else
-             f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
-             f"blocks per stage {list(cfg.partition)} (layers {info['partition_layers']} with embedding and head)")
+    split = ("the default split of the blocks" if cfg.blocks is None else
+             f"layers per stage {list(cfg.blocks)}" if cfg.is_model_file else
+             f"blocks per stage {list(cfg.blocks)} (layers {info['partition_layers']} with embedding and head)")
     print(f"running {what} {info['layout']}; global batch {info['global_batch']} = {cfg.global_microbatches} "
-          f"micro-batches of {cfg.samples_per_microbatch}; {split}; schedule {cfg.schedule}", file=out)
+          f"micro-batches of {cfg.samples_per_microbatch}; {split}; schedule {sched.name}", file=out)
     if args.reference:
         return
     dmap = info["device_map"]
@@ -257,9 +257,10 @@ def _write_outputs(result, args) -> None:
 def _print_human(result, args) -> None:
     c = result.config
     where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
-    tp = f"T={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} " \
-        if c.tp > 1 and result.engine == "executor" else ""
-    print(f"{result.engine} {c.schedule}: {tp}D={c.devices} N={c.microbatches} R={c.replicas}  "
+    lay, par = c.layout, c.parallel
+    tp = f"T={par.tp}{' (sequence parallel)' if par.sequence_parallel else ''} " \
+        if par.tp > 1 and result.engine == "executor" else ""
+    print(f"{result.engine} {lay.schedule}: {tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
     if not c.is_model_file and result.engine == "executor":
         spec = c.spec()

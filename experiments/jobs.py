@@ -9,10 +9,11 @@ values while parsing.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from cost_models import FABRICS, MAPPINGS
-from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
+from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout, route_fields
 from cost_models.kernels import COST_MODELS
 from cost_models.parallel import RECOMPUTE, ZERO_STAGES, Parallel
 from schedules import families, get, names
@@ -112,18 +113,18 @@ def plan_facts(plan) -> dict[str, str]:
     facts = {"cluster": f"cluster {plan.cluster.name}", "nodes": f"{plan.cluster.nodes} nodes",
              "unit_costs": costs, "profile": costs, "stage_costs": costs, "profile_batch": costs}
     if isinstance(plan, LayoutPlan):
-        f, lay = plan.job_fields, plan.job_fields["layout"]
+        f, lay, par = plan.job_fields, plan.job_fields["layout"], plan.job_fields["parallel"]
         limit = lay.memory_limit
         facts.update(schedule=f"schedule {lay.schedule}", devices=f"D {lay.devices}",
                      microbatches=f"N {lay.microbatches}", chunks=f"chunks {lay.chunks}",
-                     variant=f"variant {lay.variant or 'default'}", dp=f"R {lay.replicas}", tp=f"T {lay.tp}",
+                     variant=f"variant {lay.variant or 'default'}", dp=f"R {lay.replicas}", tp=f"T {par.tp}",
                      memory_limit="memory limit " + ("none" if limit is None else f"{limit[0]:g} {limit[1]}"),
                      model=f"model {plan.model.name}", seq_len=f"sequence length {plan.model.seq_len}",
-                     micro_batch=f"micro-batch {f['micro_batch']}", partition="the default split",
-                     recompute=f"recompute {f['recompute']}", zero=f"zero {f['zero']}",
-                     sequence_parallel="sequence parallel " + ("on" if f["sequence_parallel"] else "off"),
+                     micro_batch=f"micro-batch {par.micro_batch}", partition="the default split",
+                     recompute=f"recompute {par.recompute}", zero=f"zero {par.zero}",
+                     sequence_parallel="sequence parallel " + ("on" if par.sequence_parallel else "off"),
                      device_map=f"device map {f['device_map']}")
-        if lay.tp == 1:
+        if par.tp == 1:
             facts["tp_overlap"] = "T 1"
         return facts
     p, src, spec = plan.plan, plan.workload.source, plan.workload.spec
@@ -315,11 +316,16 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
         if "partition" in o:
             fields.update(partition=parse_partition(o["partition"]))
             par.update(micro_batch=o["micro_batch"])
-    fields["parallel"] = Parallel(**par)
     if "faults" in groups:
         fields.update(exact=o["exact"], faults=Faults(slowdown=tuple(o["slowdown"]), slow_links=tuple(o["slow_link"]),
                                                       jitter=o["jitter"], seed=o["seed"]))
-    fields.update(overrides)
+    layout_over, par_over, own = route_fields(overrides)
+    if layout_over:
+        fields["layout"] = replace(fields["layout"], **layout_over)
+    if plan is not None:     # the plan's record, with the what-if it takes (the options it fixes were refused)
+        par = {**plan.parallel.record(), **({"tp_overlap": True} if o.get("tp_overlap") else {})}
+    fields["parallel"] = Parallel(**{**par, **par_over})
+    fields.update(own)
     return Job(**fields)
 
 

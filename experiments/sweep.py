@@ -61,9 +61,9 @@ def point_key(job: "Job | Impossible") -> tuple[str, ...]:
     """The CSV's key of a point (the grid's axes, as text)."""
     if isinstance(job, Impossible):
         return job.key
-    lay = job.layout
-    return _key(lay.schedule, lay.devices, lay.microbatches, lay.replicas, lay.tp, job.zero, job.recompute,
-                job.micro_batch)
+    lay, par = job.layout, job.parallel
+    return _key(lay.schedule, lay.devices, lay.microbatches, lay.replicas, par.tp, par.zero, par.recompute,
+                par.micro_batch)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,10 +151,9 @@ def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
     if inputs.cluster is not None and base.source != "profile":
         job["cluster"]["name"] = job["cluster"]["name"] or DEFAULT_CLUSTER
         job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile")
-    for axis in ("micro_batch", "zero", "recompute"):
-        job.pop(axis)
+    job["parallel"] = {k: v for k, v in job["parallel"].items() if k not in ("micro_batch", "zero", "recompute", "tp")}
     job["layout"] = {k: v for k, v in job["layout"].items() if k not in ("schedule", "devices", "microbatches",
-                                                                         "replicas", "tp")}
+                                                                         "replicas")}
     for name in ("model", "profile"):
         job[name] = _absolute(job[name])
     job["cluster"]["name"] = _absolute(job["cluster"]["name"])

@@ -57,7 +57,7 @@ from cost_models.stack import absolute_model_ref
 
 from cost_models.workload_sources import workload_from_source
 from .plan import Plan
-from .simulate import Built, PlanInMemory, SimOutcome, build_plan, simulate_plan
+from .simulate import Built, PlanInMemory, SimOutcome, build_plan, plan_parallel, simulate_plan
 from cost_models.workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 1
@@ -110,7 +110,7 @@ class LoadedPlan:
         report fields of :func:`build_plan` and the plan file. What-ifs on the same plan: the
         cluster rewired as ``job.cluster`` says (``--fabric`` ...) and ``job.memory_reserve``; its
         layer costs were planned with their cost model and it has no tensor-parallel group, so
-        ``job.cost_model`` and ``job.tp_overlap`` are refused."""
+        ``job.cost_model`` and ``job.parallel.tp_overlap`` are refused."""
         if job.cost_model is not None or job.parallel.tp_overlap:
             raise ValueError(f"{'--cost-model' if job.cost_model is not None else '--tp-overlap'}: a DAPPLE plan "
                              f"fixes its layer costs and has T 1 ({self.path}); plan again")
@@ -119,6 +119,11 @@ class LoadedPlan:
         return Bound(bound.lowered, bound.costs, bound.network,
                      {**bound.report, **job.cluster.shape_report(), "memory_reserve": job.memory_reserve,
                       "plan_file": str(self.path)})
+
+    @property
+    def parallel(self) -> Parallel:
+        """The plan's parallel record: T 1 and the recomputation its memory assumed."""
+        return plan_parallel(self.workload)
 
     def simulate(self, faults=None) -> SimOutcome:
         """The plan simulated as :func:`planner.simulate.simulate_plan` does (``faults``: a
@@ -199,6 +204,11 @@ class LayoutPlan:
     record: dict
     path: str = "plan"
 
+    @property
+    def parallel(self) -> Parallel:
+        """The plan's parallel record (its T, ZeRO, sequence parallelism, recompute, micro-batch)."""
+        return self.job_fields["parallel"]
+
     def job(self, *, eager: bool = True):
         """The planner's job (its cluster named by the plan's; its costs from :meth:`inputs`)."""
         from cost_models.job import ClusterChoice, Job
@@ -225,8 +235,7 @@ class LayoutPlan:
         (:func:`experiments.jobs.check_plan_args` refuses them)."""
         from cost_models.bind import CostInputs, bind
         planned = self.job(eager=job.eager)
-        changes = {"parallel": replace(planned.parallel, tp_overlap=job.parallel.tp_overlap),
-                   "cluster": replace(job.cluster, name=self.cluster.name)}
+        changes = {"parallel": job.parallel, "cluster": replace(job.cluster, name=self.cluster.name)}
         for k in ("cost_model", "memory_reserve"):
             if getattr(job, k) is not None:
                 changes[k] = getattr(job, k)

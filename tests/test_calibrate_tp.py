@@ -95,8 +95,8 @@ def tp_sitting(tmp_path_factory):
     """The tiny GPT at T = 2 x D = 2 calibrated and validated in one short sitting (4 processes
     on this host's cores; GPipe a prediction, DAPPLE among the runs fitted on), its profile saved."""
     from calibration import SittingRules, calibrate_and_compare
-    from cost_models.job import Job, Layout
-    jobs = [Job(layout=Layout(schedule=s, devices=2, microbatches=4, tp=2)) for s in ("gpipe", "dapple")]
+    from cost_models.job import Job
+    jobs = [Job.of(schedule=s, devices=2, microbatches=4, tp=2) for s in ("gpipe", "dapple")]
     # short runs on a shared host: the figures are what is checked, not whether the host was quiet
     rules = SittingRules(runs=1, max_runs=1, warmup=1, max_foreign=100.0, max_spread=10.0)
     prof, comps = calibrate_and_compare(jobs, steps=7, repeats=3, rules=rules)

@@ -236,16 +236,16 @@ def test_peak_activation_memory_equals_the_simulators(runs, name, kind):
     from calibration import simulate_with_profile
     cfg, low, res = runs(2)[f"{name}-{kind}D2"]
     prof = _bytes_profile(cfg.spec(), cfg.dtype)
-    sim = step_metrics(simulate_with_profile(low, prof, recompute=cfg.recompute)).per_device
+    sim = step_metrics(simulate_with_profile(low, prof, recompute=cfg.parallel.recompute)).per_device
     measured = [d["peak_activation_bytes"] for d in res.per_device]
     for m, s_ in zip(measured, (p.peak_activation for p in sim)):
         assert abs(s_ - m) <= 0.01 * m, (measured, [p.peak_activation for p in sim])
-    if cfg.recompute != "none":
+    if cfg.parallel.recompute != "none":
         _, _, base = runs(2)[f"{name}-D2"]
         assert res.ma_bytes < base.ma_bytes              # kept F -> B per micro-batch
         peaks = [d["peak_activation_bytes"] for d in base.per_device]
         assert all(m <= b for m, b in zip(measured, peaks)) and sum(measured) < sum(peaks)
-        if cfg.recompute == "full" and not low.split_backward:
+        if cfg.parallel.recompute == "full" and not low.split_backward:
             assert all(m < 0.2 * b for m, b in zip(measured, peaks))
 
 

@@ -150,8 +150,8 @@ def test_losses_and_parameters_equal_reference(runs, references, world, case):
         for t in tensors:
             assert float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= 1e-5, name
     # the replicated weights (norms, biases, position embedding) of a TP group never drift apart
-    assert cfg.tp == 1 or res.extra["tp_replica_drift"] == 0.0
-    if cfg.zero:    # ZeRO-1: every replica ends with the same weights
+    assert cfg.parallel.tp == 1 or res.extra["tp_replica_drift"] == 0.0
+    if cfg.parallel.zero:    # ZeRO-1: every replica ends with the same weights
         assert all(torch.equal(t, ts[0]) for ts in by_name.values() for t in ts)
 
 
@@ -168,7 +168,7 @@ def test_trace_has_one_row_per_op_of_each_pipeline_rank(runs, world, case):
     assert len(res.per_device) == sched.num_ranks
     # a stage boundary carries the TP rank's activations: 1/T of the sequence with sequence parallelism
     spec = cfg.spec()
-    tokens = spec.seq_len // cfg.tp if cfg.sequence_parallel else spec.seq_len
+    tokens = spec.seq_len // cfg.parallel.tp if cfg.parallel.sequence_parallel else spec.seq_len
     assert (t[t["kind"].isin(["SEND", "RECV"])]["bytes"] == spec.micro_batch * tokens * spec.hidden * 4).all()
 
 
@@ -212,9 +212,7 @@ def test_memory_per_rank_equals_the_simulators_ledger(runs, world, case):
     from cost_models.bind import bind
     from cost_models.memory import peak_activation
     cfg, sched, res = runs(world)[case]
-    job = Job(layout=Layout(schedule=cfg.schedule, devices=cfg.devices, microbatches=cfg.microbatches, tp=cfg.tp,
-                            replicas=cfg.replicas), model=cfg.spec(), cluster="dgx-a100-1x8", recompute=cfg.recompute,
-              sequence_parallel=cfg.sequence_parallel, zero=cfg.zero)
+    job = Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8")
     ledger = bind(job)
     assert [op for prog in ledger.lowered.programs for op in prog] == [op for prog in sched.programs for op in prog]
     act = peak_activation(ledger.lowered, ledger.costs)
@@ -332,12 +330,12 @@ def test_placement_refuses_a_tp_group_across_nodes():
 
 
 def test_a_job_with_tp_and_sp_runs_and_tp_overlap_is_refused():
-    lay = Layout(schedule="dapple", devices=2, microbatches=4, tp=2, replicas=2)
-    cfg = RunConfig.from_job(Job(layout=lay, model="tiny"), steps=1)
-    assert cfg.tp == 2 and cfg.device_map == "megatron" and not cfg.sequence_parallel
-    assert RunConfig.from_job(Job(layout=lay, model="tiny", sequence_parallel=True), steps=1).sequence_parallel
+    lay = Layout(schedule="dapple", devices=2, microbatches=4, replicas=2)
+    cfg = RunConfig.from_job(Job.of(layout=lay, model="tiny", tp=2), steps=1)
+    assert cfg.parallel.tp == 2 and cfg.device_map == "megatron" and not cfg.parallel.sequence_parallel
+    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", sequence_parallel=True), steps=1).sequence_parallel
     with pytest.raises(ValueError, match="--tp-overlap.*simulated only"):
-        RunConfig.from_job(Job(layout=lay, model="tiny", tp_overlap=True), steps=1)
+        RunConfig.from_job(Job.of(layout=lay, model="tiny", tp_overlap=True), steps=1)
     with pytest.raises(ValueError, match="--sequence-parallel acts on a tensor-parallel group; give --tp > 1"):
         RunConfig.of(schedule="dapple", devices=2, microbatches=4, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"--tp 2 does not divide the sequence length \(--sequence-parallel\) "
@@ -345,8 +343,8 @@ def test_a_job_with_tp_and_sp_runs_and_tp_overlap_is_refused():
         lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15),
                                    tp=2, sequence_parallel=True))
     lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15), tp=2))
-    assert RunConfig.from_job(Job(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
-    assert RunConfig.from_job(Job(layout=lay, model="tiny", zero=1), steps=1).zero == 1
+    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
+    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", zero=1), steps=1).zero == 1
     with pytest.raises(ValueError, match="--zero 1 shards the optimizer state over the data-parallel replicas"):
         RunConfig.of(schedule="dapple", devices=2, microbatches=4, zero=1)
 
@@ -380,10 +378,10 @@ def test_a_hugging_face_config_trains_at_t2_as_the_reference():
     untied), at T = 2 x D = 2: per-step losses equal to one process."""
     from pathlib import Path
 
-    from cost_models.job import Job, Layout
+    from cost_models.job import Job
     from executor import RunConfig, run, run_reference
     cfg_path = Path(__file__).parent / "data" / "hf" / "tiny-llama" / "config.json"
-    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model=str(cfg_path))
+    job = Job.of(schedule="dapple", devices=2, microbatches=4, tp=2, model=str(cfg_path))
     cfg = RunConfig.from_job(job, steps=2)
     got, want = run(cfg).losses, run_reference(cfg).losses
     assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5

@@ -400,7 +400,7 @@ def test_speed_yardstick_is_the_alone_cost_of_each_op_and_skips_oversubscribed_c
     assert d.compute_time("F", 0, 0) == pytest.approx(sum(1e-4 * (i + 1) for i in range(5)) / 2.0 + 3e-4)
     assert d.compute_time("F", 0, 1) == pytest.approx(sum(1e-4 * (i + 1) for i in range(5, 10)) / 2.0 + 3e-4)
     assert d.compute_time("B", 0, 1) == pytest.approx(sum(4e-4 * (i + 1) for i in range(5, 10)) / 4.0)
-    split = yard(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model="tiny", partition=(3, 5)))
+    split = yard(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model="tiny", partition=(4, 6)))  # layers: 3 | 5 blocks
     assert split.compute_time("F", 0, 0) == pytest.approx(sum(1e-4 * (i + 1) for i in range(4)) / 2.0 + 3e-4)
     zb = yard(RunConfig.of(schedule="zb-h1", devices=2, microbatches=4, model="tiny"))
     assert zb.compute_time("B", 0, 1) == pytest.approx(sum(3e-4 * (i + 1) for i in range(5, 10)) / 3.0)

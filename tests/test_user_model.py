@@ -248,7 +248,7 @@ def test_simulated_activation_memory_equals_measured(runs, stack_profiles, case)
     from calibration import simulate_with_profile
     cfg = CASES[2][case]
     _, low, res = runs(2)[case]
-    sim = simulate_with_profile(low, stack_profiles[cfg.model], partition=cfg.partition)
+    sim = simulate_with_profile(low, stack_profiles[cfg.model], partition=cfg.blocks)
     from schedules.trace import step_metrics
     assert [p.peak_activation for p in step_metrics(sim).per_device] == \
         [float(p["peak_activation_bytes"]) for p in res.per_device]
@@ -332,7 +332,7 @@ def test_plan_from_a_profile_runs_and_equals_the_reference(tied_lm_profile, tmp_
     path = tmp_path / "plan.json"
     save_plan(path, res.best.plan, res.workload, prof.cluster(2))
     cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05)
-    assert cfg.model == LM and sum(cfg.partition) == 6 and cfg.global_microbatches * cfg.samples_per_microbatch == 8
+    assert cfg.model == LM and sum(cfg.blocks) == 6 and cfg.global_microbatches * cfg.samples_per_microbatch == 8
     (got,), want = run_many([(cfg, low)]), _reference(cfg)
     for a, b in zip(got.losses, want.losses):
         assert abs(a - b) <= 1e-5 * abs(b)
