@@ -86,7 +86,7 @@ def _cases_world4():
     cases.update({f"{s}-D2R2": (RunConfig.of(schedule=s, devices=2, microbatches=4, replicas=2, **BASE), None)
                   for s in PAPER})
     cases["chimera-noeager-D2R2"] = (RunConfig.of(schedule="chimera", devices=2, microbatches=4, replicas=2,
-                                               eager_allreduce=False, **BASE), None)
+                                               eager=False, **BASE), None)
     for name, variant in (("chimera", "forward-doubling"), ("bitpipe", "greedy")):   # the non-default orders
         cases[f"{name}-{variant}-D4"] = (RunConfig.of(schedule=name, devices=4, microbatches=8, **BASE),
                                          build(name, 4, 8, variant=variant))
@@ -103,7 +103,7 @@ def references():
 
     def get(cfg):
         # no effect on the reference: the schedule, all-reduce placement, receives, recomputation
-        key = cfg.with_(schedule="", eager_allreduce=True, recv_lookahead=None, recompute="none")
+        key = cfg.with_(schedule="gpipe", eager=True, recv_lookahead=None, recompute="none")
         if key not in cache:
             cache[key] = run_reference(cfg)
         return cache[key]

@@ -122,7 +122,7 @@ def references():
     cache = {}
 
     def get(cfg):
-        key = cfg.with_(schedule="", recompute="none", tp=1, sequence_parallel=False, zero=0)
+        key = cfg.with_(schedule="gpipe", recompute="none", tp=1, sequence_parallel=False, zero=0)
         if key not in cache:
             cache[key] = run_reference(key)
         return cache[key]
@@ -133,7 +133,7 @@ def test_every_family_is_in_the_matrix():
     fams = {k.rsplit("-T2D2", 1)[0] for k in CASES[4] if not k.startswith("llama")}
     every = {"gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb-h1", "zb-v", "dualpipe-v"}
     assert every <= fams and {f"sp-{f}" for f in every} <= fams
-    assert all(c.sequence_parallel for k, c in CASES[4].items() if k.startswith("sp-"))
+    assert all(c.parallel.sequence_parallel for k, c in CASES[4].items() if k.startswith("sp-"))
 
 
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
@@ -333,9 +333,10 @@ def test_a_job_with_tp_and_sp_runs_and_tp_overlap_is_refused():
     lay = Layout(schedule="dapple", devices=2, microbatches=4, replicas=2)
     cfg = RunConfig.from_job(Job.of(layout=lay, model="tiny", tp=2), steps=1)
     assert cfg.parallel.tp == 2 and cfg.device_map == "megatron" and not cfg.parallel.sequence_parallel
-    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", sequence_parallel=True), steps=1).sequence_parallel
+    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", tp=2, sequence_parallel=True),
+                              steps=1).parallel.sequence_parallel
     with pytest.raises(ValueError, match="--tp-overlap.*simulated only"):
-        RunConfig.from_job(Job.of(layout=lay, model="tiny", tp_overlap=True), steps=1)
+        RunConfig.from_job(Job.of(layout=lay, model="tiny", tp=2, tp_overlap=True), steps=1)
     with pytest.raises(ValueError, match="--sequence-parallel acts on a tensor-parallel group; give --tp > 1"):
         RunConfig.of(schedule="dapple", devices=2, microbatches=4, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"--tp 2 does not divide the sequence length \(--sequence-parallel\) "
@@ -344,7 +345,7 @@ def test_a_job_with_tp_and_sp_runs_and_tp_overlap_is_refused():
                                    tp=2, sequence_parallel=True))
     lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15), tp=2))
     assert RunConfig.from_job(Job.of(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
-    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", zero=1), steps=1).zero == 1
+    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", zero=1), steps=1).parallel.zero == 1
     with pytest.raises(ValueError, match="--zero 1 shards the optimizer state over the data-parallel replicas"):
         RunConfig.of(schedule="dapple", devices=2, microbatches=4, zero=1)
 

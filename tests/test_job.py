@@ -116,7 +116,8 @@ def test_run_config_from_job():
     job = Job.of(layout=Layout(schedule="interleaved", devices=2, microbatches=4, replicas=2, chunks=2), model="tiny",
               partition=(3, 2, 2, 3), recompute="selective", eager=False)
     cfg = RunConfig.from_job(job, steps=2, lr=0.01)
-    assert (cfg.layout.schedule, cfg.layout.devices, cfg.layout.microbatches, cfg.layout.replicas, cfg.layout.chunks) == ("interleaved", 2, 4, 2, 2)
+    lay = cfg.layout
+    assert (lay.schedule, lay.devices, lay.microbatches, lay.replicas, lay.chunks) == ("interleaved", 2, 4, 2, 2)
     assert cfg.blocks == (2, 2, 2, 2)         # layers (embedding and head included) -> blocks of tiny
     assert cfg.stage_layers == (3, 2, 2, 3) and cfg.parallel.recompute == "selective" and not cfg.job.eager
     assert (cfg.steps, cfg.lr) == (2, 0.01)

@@ -76,7 +76,8 @@ def test_printed_command_runs_as_printed(zbv, capsys, tmp_path):
     cfg, low, _ = config_from_plan(str(zbv), steps=1)
     # the printed command trains what run --plan trains: schedule, layout, micro-batch, split
     assert (rec["schedule"], rec["devices"], rec["microbatches"], rec["replicas"], rec["micro_batch"]) == \
-        (cfg.layout.schedule, cfg.layout.devices, cfg.layout.microbatches, cfg.layout.replicas, cfg.parallel.micro_batch) == ("zb-v", 2, 1, 1, 8)
+        (cfg.layout.schedule, cfg.layout.devices, cfg.layout.microbatches, cfg.layout.replicas,
+         cfg.parallel.micro_batch) == ("zb-v", 2, 1, 1, 8)
     assert rec["partition"] == list(cfg.blocks) == [2, 2, 2, 2]
     assert len(rec["losses"]) == 1 and 0 < rec["losses"][0] < 10, shlex.join(cmd)
 

@@ -145,8 +145,8 @@ def test_run_series_repeats_unsettled_configs_and_rotates_the_order(monkeypatch)
     rounds = []
 
     def fake_run_many(cfgs):
-        rounds.append([c.schedule for c in cfgs])
-        return [_run([1.0, 1.0] + [next(script[c.schedule])] * 5, schedule=c.schedule) for c in cfgs]
+        rounds.append([c.layout.schedule for c in cfgs])
+        return [_run([1.0, 1.0] + [next(script[c.layout.schedule])] * 5, schedule=c.layout.schedule) for c in cfgs]
 
     monkeypatch.setattr(launch, "run_many", fake_run_many)
     msgs = []
@@ -166,8 +166,8 @@ def test_run_series_runs_each_world_size_in_every_round(monkeypatch):
     worlds = []
 
     def fake_run_many(cfgs):
-        worlds.append(sorted({c.devices for c in cfgs}))
-        return [_run([1.0, 1.0, 5.0, 5.0], schedule=c.schedule) for c in cfgs]
+        worlds.append(sorted({c.layout.devices for c in cfgs}))
+        return [_run([1.0, 1.0, 5.0, 5.0], schedule=c.layout.schedule) for c in cfgs]
 
     monkeypatch.setattr(launch, "run_many", fake_run_many)
     cfgs = [RunConfig.of(schedule="dapple", devices=2), RunConfig.of(schedule="dapple", devices=4, microbatches=8)]
@@ -364,9 +364,9 @@ def test_run_series_shares_the_fast_state_and_waits_for_a_config_to_meet_it(monk
     def fake_run_many(cfgs):
         out = []
         for c in cfgs:
-            calls[c.schedule] += 1
-            h = 1.0 if c.schedule == "dapple" or calls["gpipe"] > 3 else 1.6
-            out.append(_traced_run([h] * 12, [10e-3 * h] * 12, schedule=c.schedule))
+            calls[c.layout.schedule] += 1
+            h = 1.0 if c.layout.schedule == "dapple" or calls["gpipe"] > 3 else 1.6
+            out.append(_traced_run([h] * 12, [10e-3 * h] * 12, schedule=c.layout.schedule))
         return out
 
     monkeypatch.setattr(launch, "run_many", fake_run_many)
@@ -400,7 +400,8 @@ def test_speed_yardstick_is_the_alone_cost_of_each_op_and_skips_oversubscribed_c
     assert d.compute_time("F", 0, 0) == pytest.approx(sum(1e-4 * (i + 1) for i in range(5)) / 2.0 + 3e-4)
     assert d.compute_time("F", 0, 1) == pytest.approx(sum(1e-4 * (i + 1) for i in range(5, 10)) / 2.0 + 3e-4)
     assert d.compute_time("B", 0, 1) == pytest.approx(sum(4e-4 * (i + 1) for i in range(5, 10)) / 4.0)
-    split = yard(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model="tiny", partition=(4, 6)))  # layers: 3 | 5 blocks
+    split = yard(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model="tiny",
+                               partition=(4, 6)))      # layers: embedding + 3 blocks | 5 blocks + head
     assert split.compute_time("F", 0, 0) == pytest.approx(sum(1e-4 * (i + 1) for i in range(4)) / 2.0 + 3e-4)
     zb = yard(RunConfig.of(schedule="zb-h1", devices=2, microbatches=4, model="tiny"))
     assert zb.compute_time("B", 0, 1) == pytest.approx(sum(3e-4 * (i + 1) for i in range(5, 10)) / 3.0)

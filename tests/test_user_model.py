@@ -240,7 +240,7 @@ def stack_profiles():
     return {CNN: _stack_profile(CNN), LM: _stack_profile(LM)}
 
 
-@pytest.mark.parametrize("case", [k for k, c in CASES[2].items() if c.micro_batch is None])
+@pytest.mark.parametrize("case", [k for k, c in CASES[2].items() if c.parallel.micro_batch is None])
 def test_simulated_activation_memory_equals_measured(runs, stack_profiles, case):
     """Every rank's peak activation bytes, measured by the runtime's saved-tensor meter, equal the
     simulator's from the profile's per-layer bytes (alone at a stage's start, added after the
