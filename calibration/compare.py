@@ -18,7 +18,7 @@ calibration); ``pipetwin validate`` then prints the reasons instead of an error 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pandas as pd
 
@@ -115,7 +115,7 @@ def compare_series(series: list, profile: CalibrationProfile, fitted: frozenset 
         res, step = ser.representative()
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile, steps=warmup + 2, partition=part, recompute=cfg.recompute)
+        str_ = simulate_with_profile(low, profile, steps=warmup + 2, partition=part, recompute=cfg.parallel.recompute)
         sim_times = step_metrics(str_).iteration_times
         sim_t = noise_free(sim_times[warmup:])
         sim_step = min(range(warmup, len(sim_times)), key=lambda k: abs(sim_times[k] - sim_t))
@@ -124,8 +124,9 @@ def compare_series(series: list, profile: CalibrationProfile, fitted: frozenset 
         identical = all(orders.get(r) == [str(o) for o in low.program(r)] for r in range(low.num_ranks))
         identical &= all(op_orders(run.trace, s) == orders for run in ser.runs
                          for s in sorted(run.trace["step"].unique()))
-        out.append(Comparison(schedule=cfg.schedule, devices=cfg.devices, microbatches=cfg.microbatches,
-                              replicas=cfg.replicas, measured_iteration_time=ser.step_time,
+        out.append(Comparison(schedule=cfg.layout.schedule, devices=cfg.layout.devices,
+                              microbatches=cfg.layout.microbatches, replicas=cfg.layout.replicas,
+                              measured_iteration_time=ser.step_time,
                               simulated_iteration_time=sim_t, measured_iteration_times=list(res.iteration_times),
                               measured_peak_activation_bytes=[float(p["peak_activation_bytes"])
                                                               for p in res.per_device],
@@ -149,10 +150,11 @@ def _runs(jobs: list[Job], *, steps: int, model, micro_batch: int | None, dtype:
     micro-batch is refused (measured costs are not extrapolated)."""
     out = []
     for job in jobs:
-        if job.micro_batch is not None and micro_batch is not None and job.micro_batch != micro_batch:
-            raise ValueError(f"job {job.layout.schedule}: micro-batch {job.micro_batch}, but the sitting measures "
+        mine = job.parallel.micro_batch
+        if mine is not None and micro_batch is not None and mine != micro_batch:
+            raise ValueError(f"job {job.layout.schedule}: micro-batch {mine}, but the sitting measures "
                              f"{micro_batch}")
-        filled = replace(job, model=job.model or model, micro_batch=job.micro_batch or micro_batch)
+        filled = job.with_(model=job.model or model, micro_batch=mine or micro_batch)
         out.append(measured_run(filled, steps, dtype))
     return out
 
@@ -184,11 +186,11 @@ def calibrate_and_compare(jobs: list[Job], *, steps: int = 20, repeats: int = 20
     report = progress or (lambda msg: None)
     first = jobs[0]
     model = first.model or "tiny"
-    world, tp = first.layout.devices * first.layout.replicas, first.layout.tp
-    if any((j.layout.devices * j.layout.replicas, j.layout.tp) != (world, tp) for j in jobs):
+    world, tp = first.layout.devices * first.layout.replicas, first.parallel.tp
+    if any((j.layout.devices * j.layout.replicas, j.parallel.tp) != (world, tp) for j in jobs):
         raise ValueError("calibrating in the sitting measures one rank count: give every job the same T, D x R")
     host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"),
-                        micro_batch=first.micro_batch, dtype=dtype, tp=tp)
+                        micro_batch=first.parallel.micro_batch, dtype=dtype, tp=tp)
     fit_base = host.runtime_configs(fit_ranks(world, tp), steps)
     val = _runs(jobs, steps=steps, model=model, micro_batch=host.micro_batch, dtype=dtype)
     every = list(dict.fromkeys(val + fit_base))

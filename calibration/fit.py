@@ -32,6 +32,7 @@ from scipy.optimize import least_squares, lsq_linear
 from cost_models import SpecError
 from cost_models.profile import CalibrationProfile
 from cost_models.job import Job, Layout
+from cost_models.parallel import Parallel
 from executor.config import RunConfig, lowered_schedule
 from schedules.ir import ALLREDUCE
 from schedules.trace import noise_free, step_metrics
@@ -140,8 +141,8 @@ def runtime_configs(model: str, ranks: int, steps: int = 20, micro_batch: int | 
     must fit)."""
     cfgs, refused = [], []
     for s in RUNTIME_SCHEDULES:
-        job = Job(layout=Layout(schedule=s, devices=ranks, microbatches=2 * ranks, tp=tp), model=model,
-                  micro_batch=micro_batch)
+        job = Job(layout=Layout(schedule=s, devices=ranks, microbatches=2 * ranks), model=model,
+                  parallel=Parallel(tp=tp, micro_batch=micro_batch))
         cfg = measured_run(job, steps, dtype)
         try:
             lowered_schedule(cfg)

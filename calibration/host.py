@@ -255,7 +255,7 @@ def speed_yardstick(profile: CalibrationProfile) -> Callable[[RunConfig], object
         low = lowered_schedule(config)
         if low.num_ranks * profile.tp > cores:
             return None
-        return alone.cost_model(low.num_stages, config.stage_layers, recompute=config.recompute).bind(low)
+        return alone.cost_model(low.num_stages, config.stage_layers, recompute=config.parallel.recompute).bind(low)
     return of
 
 
@@ -272,7 +272,7 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationPro
     meta = {"host": platform.node(), "torch": str(torch.__version__), "threads_per_rank": host.threads,
             "ranks": ranks, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "p2p_samples": [list(x) for x in comm["p2p"]], "allreduce_samples": [list(x) for x in comm["allreduce"]],
-            "runtime_schedules": [x.config.schedule for x in base]}
+            "runtime_schedules": [x.config.layout.schedule for x in base]}
     if host.tp > 1:
         meta["tp_allreduce_samples"] = [list(x) for x in comm["tp_allreduce"]]
 

@@ -335,8 +335,8 @@ def run_series(configs: Sequence[RunConfig], rules: SittingRules = SittingRules(
         k = rnd % len(todo)
         order = todo[k:] + todo[:k]
         t0 = time.perf_counter()
-        for world in sorted({s.config.devices * s.config.replicas for s in order}):
-            group = [s for s in order if s.config.devices * s.config.replicas == world]
+        for world in sorted({s.config.layout.devices * s.config.layout.replicas for s in order}):
+            group = [s for s in order if s.config.layout.devices * s.config.layout.replicas == world]
             for s, res in zip(group, launch.run_many([s.config for s in group])):
                 s.runs.append(res)
         cut = fast_state_cut(series, rules)
@@ -348,7 +348,7 @@ def run_series(configs: Sequence[RunConfig], rules: SittingRules = SittingRules(
         report(f"round {rnd + 1}: {len(order)} run(s) in {time.perf_counter() - t0:.1f} s"
                + (f", other processes {_span(loads, '{:.2f}')} cores" if loads else "")
                + (f", fast state: ops at <= {cut:.2f}x their alone time" if cut is not None else "")
-               + ("; not settled: " + ", ".join(f"{s.config.schedule} ({s.brief})" for s in unsettled)
+               + ("; not settled: " + ", ".join(f"{s.config.layout.schedule} ({s.brief})" for s in unsettled)
                   if unsettled else ""))
     return series
 
@@ -363,8 +363,8 @@ def sitting_record(series: list[RunSeries]) -> dict:
     cuts = [x.cut for x in series if x.judges_state]
     return {"spread_max": max(spreads) if spreads else None, "foreign_cores_max": max(loads) if loads else None,
             "fast_state_cut": cuts[0] if cuts else None,
-            "runs": {x.config.schedule: len(x.runs) for x in series},
-            "problems": [f"{x.config.schedule}: {x.problem}" for x in series if x.problem]}
+            "runs": {x.config.layout.schedule: len(x.runs) for x in series},
+            "problems": [f"{x.config.layout.schedule}: {x.problem}" for x in series if x.problem]}
 
 
 def sitting_problems(profile: CalibrationProfile) -> list[str]:

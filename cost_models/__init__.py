@@ -50,11 +50,12 @@ __all__, __getattr__, __dir__ = lazy_face(__name__, {
                   "even_counts", "layer_ranges", "layers_from_blocks", "stack_partition"),
     "stack": ("StackSpec", "is_model_ref", "stack_from_dict"),
     "job": ("ClusterChoice", "Faults", "Job", "Layout", "check_run_size"),
+    "parallel": ("RECOMPUTE", "ZERO_STAGES", "Parallel"),
     "bind": ("Bound", "bind"),
     "workloads.workload": ("Workload",),
     "workloads.workload_sources": ("load_workload", "workload_from_source"),
     "workloads.paper_models": ("paper_models",),
-    "transformer": ("RECOMPUTE", "Layer", "TransformerCostModel", "block_activation_bytes", "block_flops",
+    "transformer": ("Layer", "TransformerCostModel", "block_activation_bytes", "block_flops",
                     "block_params", "block_weight_grad_bytes", "boundary_bytes", "model_flops", "model_params",
                     "recompute_flops", "transformer_layers"),
 })

@@ -28,7 +28,7 @@ building any schedule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from schedules import Schedule
 
@@ -137,13 +137,14 @@ def load_inputs(job: Job) -> CostInputs:
     if kind == "profile":
         prof = load_profile(job.profile)
         check_profile_model(prof, job.model)
-        check_profile_tp(prof, job.layout.tp if job.layout is not None else 1)
+        check_profile_tp(prof, job.parallel.tp)
         if prof.tp > 1 and job.cluster.name:
             raise ValueError(f"--profile {prof.name} was measured at --tp {prof.tp} on this host; scaling it onto "
                              f"--cluster {job.cluster.name} is modelled for profiles of --tp 1")
-        if job.micro_batch is not None and job.micro_batch != prof.micro_batch:
+        mb = job.parallel.micro_batch
+        if mb is not None and mb != prof.micro_batch:
             raise ValueError(f"profile {job.profile} was measured at micro-batch {prof.micro_batch}; calibrate "
-                             f"again with --micro-batch {job.micro_batch} (measured costs are not extrapolated)")
+                             f"again with --micro-batch {mb} (measured costs are not extrapolated)")
         return CostInputs("profile", profile=prof, cluster=job.cluster.load() if job.cluster.name else None)
     if kind == "plan":
         raise ValueError("a plan job binds through its plan (cost_models.bind.bind)")
@@ -151,11 +152,9 @@ def load_inputs(job: Job) -> CostInputs:
     if kind == "layer-profile":
         return CostInputs(kind, cluster=cluster)
     model = job.model if isinstance(job.model, ModelSpec) else load_model(job.model or DEFAULT_MODEL)
-    if job.micro_batch is not None:
-        model = model.replace(micro_batch=job.micro_batch)
-    if job.seq_len is not None:
-        model = model.replace(seq_len=job.seq_len)
-    return CostInputs(kind, model=model, cluster=cluster)
+    sized = {k: v for k, v in (("micro_batch", job.parallel.micro_batch), ("seq_len", job.parallel.seq_len))
+             if v is not None}
+    return CostInputs(kind, model=model.replace(**sized) if sized else model, cluster=cluster)
 
 
 def bind(job: Job, inputs: CostInputs | None = None) -> Bound:
@@ -164,7 +163,7 @@ def bind(job: Job, inputs: CostInputs | None = None) -> Bound:
     if job.plan is not None:
         return job.plan.bind(job)
     inputs = inputs or load_inputs(job)
-    low = job.layout.build(eager=job.eager, family=costed_family(job, inputs), **inputs.limits())
+    low = job.build(family=costed_family(job, inputs), **inputs.limits())
     bound = bind_lowered(job, inputs, low)
     if job.layout.schedule_file is not None:
         bound.report["schedule_file"] = job.layout.schedule_file.describe()
@@ -178,8 +177,8 @@ def costed_family(job: Job, inputs: CostInputs) -> dict | None:
     if job.layout.schedule != "zb-auto" or job.layout.schedule_file is not None:
         return None
     from schedules.zb_auto import AutoCosts
-    probe = bind_lowered(job, inputs, replace(job.layout, schedule="zb-h1", variant=None, memory_limit=None).build(
-        eager=job.eager, **inputs.limits()))
+    probe_job = job.with_layout(schedule="zb-h1", variant=None, memory_limit=None)
+    probe = bind_lowered(probe_job, inputs, probe_job.build(**inputs.limits()))
     c, net = probe.costs, probe.network
     if inputs.kind == "stage-costs":
         message = inputs.stage_times.message
@@ -222,7 +221,7 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
         return Bound(low, times.bind(low), times.network(), {"cost_model": f"stage costs {times.source}"})
     if inputs.kind == "profile":
         return calibrated(inputs.profile, low, cluster=inputs.cluster, device_map=job.mapping,
-                          partition=job.partition, recompute=job.recompute, label=f"profile {job.profile}")
+                          partition=job.partition, recompute=job.parallel.recompute, label=f"profile {job.profile}")
     cluster = inputs.cluster
     if inputs.kind == "transformer":
         return _transformer(job, inputs.model, cluster, low)
@@ -245,12 +244,11 @@ def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> Tran
     micro-batch, :func:`load_inputs`): its recompute, cost model, partition, T (the group's links
     on ``cluster``), sequence parallelism, overlap, ZeRO and replicas. The planner costs a layout
     without building its schedule from the same object."""
-    tp = job.layout.tp
+    tp = job.parallel.tp
     group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
-    return TransformerCostModel(model, cluster.device, recompute=job.recompute,
+    return TransformerCostModel(model, cluster.device, parallel=job.parallel,
                                 compute=cost_model_for(job.cost_model, cluster.device, False),
-                                partition=job.partition, tp=tp, sequence_parallel=job.sequence_parallel,
-                                tp_overlap=job.tp_overlap, tp_group=group, zero=job.zero, replicas=job.layout.replicas,
+                                partition=job.partition, tp_group=group, replicas=job.layout.replicas,
                                 grad_accumulation=job.grad_accumulation)
 
 
@@ -258,15 +256,16 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     """A model spec's formulas on a cluster, T x D x R: every rank a tensor-parallel group of T
     GPUs (:func:`cost_models.cluster.tensor_parallel_groups`), its collectives on the group's links.
     The cluster's size was checked before the build (:func:`cost_models.job.check_run_size`, with T)."""
-    tp = job.layout.tp
+    par = job.parallel
+    tp = par.tp
     tcm = transformer_cost_model(job, model, cluster)
     cost_model = tcm.compute
     costs = tcm.bind(low)
     return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
-        "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": job.sequence_parallel, "tp_overlap": job.tp_overlap,
-        "zero": job.zero, **job.cluster.shape_report(),
+        "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": par.sequence_parallel, "tp_overlap": par.tp_overlap,
+        "zero": par.zero, **job.cluster.shape_report(),
         "memory_capacity": costs.meta.get("memory_capacity"), "memory_transient": costs.meta["memory_transient"],
         "memory_reserve": job.memory_reserve})
 
@@ -282,9 +281,9 @@ def _layer_profile_costs(job: Job, low: Schedule, cluster: Cluster, cost_model: 
     profile batch), a work-balanced contiguous partition over the schedule's stages."""
     from .partition import balanced_edges
     from .workloads.workload_sources import load_workload
-    work = load_workload(job.model, cluster.device, recompute=job.recompute, cost_model=cost_model,
+    work = load_workload(job.model, cluster.device, recompute=job.parallel.recompute, cost_model=cost_model,
                          profile_batch=job.profile_batch)
-    mb = job.micro_batch if job.micro_batch is not None else work.source["profile_batch"]
+    mb = job.parallel.micro_batch if job.parallel.micro_batch is not None else work.source["profile_batch"]
     S = low.num_stages
     if S > work.num_layers:
         raise ValueError(f"{S} stages but the profile has {work.num_layers} layers; use fewer devices/chunks")

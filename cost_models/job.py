@@ -8,7 +8,7 @@ disturbs it (:class:`Faults`). The cost source is exactly one of
 * the model x cluster formulas (the default): ``model`` (a preset, a YAML file, a
   :class:`~cost_models.model_spec.ModelSpec`, or a per-layer profile in PipeDream's graph format
   ``FILE.txt``) on ``cluster`` (:class:`ClusterChoice`: a preset or YAML file, resized and
-  rewired), with ``cost_model``, ``micro_batch``, ``recompute``, ``partition``, ``device_map``;
+  rewired), with ``cost_model``, ``partition``, ``device_map``;
 * ``unit_costs``: the closed-form unit costs (F = 1, B = 2, no communication, memory in Ma);
 * ``profile``: a calibration profile (``pipetwin calibrate``): measured costs on its own host, or
   scaled onto ``cluster`` when one is named;
@@ -44,7 +44,7 @@ from .cluster import FABRICS, MAPPINGS, Cluster, load_cluster, with_fabric, with
 from .kernels import COST_MODELS, GRAD_ACCUMULATION
 from .model_spec import ModelSpec
 from .stack import is_model_ref
-from .transformer import RECOMPUTE, ZERO_STAGES
+from .parallel import Parallel, option_name
 
 if TYPE_CHECKING:   # pragma: no cover - types only
     from .bind import Bound
@@ -77,13 +77,12 @@ class Layout:
     """Which schedule runs on which T x D x R layout: ``schedule`` (a family name,
     :func:`schedules.names`) on ``devices`` D pipeline devices with ``microbatches`` N per
     iteration, ``replicas`` R data-parallel copies of the pipeline, ``chunks`` per device for the
-    families that take it and the family's ``variant`` (None: its first); ``tp`` T GPUs per
-    pipeline device that split every layer (tensor parallel): T x D x R GPUs in all;
-    ``memory_limit`` (value, ``"Ma"`` or ``"B"``) for the families that order their ops under one
-    (zb-auto): each device's activation limit in Ma, or its whole memory in bytes (the costs' static
-    memory, weights and optimizer state, taken off), in place of the variant's. ``schedule_file``: a
-    schedule read from a file (:meth:`of_file`) in place of a family: it fixes the name, D, N and the
-    chunks, and :meth:`build` lowers it."""
+    families that take it and the family's ``variant`` (None: its first) (the T of T x D x R is
+    the job's ``parallel.tp``); ``memory_limit`` (value, ``"Ma"`` or ``"B"``) for the families
+    that order their ops under one (zb-auto): each device's activation limit in Ma, or its whole
+    memory in bytes (the costs' static memory, weights and optimizer state, taken off), in place
+    of the variant's. ``schedule_file``: a schedule read from a file (:meth:`of_file`) in place of
+    a family: it fixes the name, D, N and the chunks, and :meth:`build` lowers it."""
 
     schedule: str
     devices: int
@@ -91,7 +90,6 @@ class Layout:
     replicas: int = 1
     chunks: int = 2
     variant: str | None = None
-    tp: int = 1
     memory_limit: tuple[float, str] | None = None
     schedule_file: ScheduleFile | None = None
 
@@ -102,7 +100,7 @@ class Layout:
         fam = registry.get(self.schedule)    # an unknown name: the registry's one line, with the names
         object.__setattr__(self, "schedule", fam.name)      # an upstream name (1f1b) -> the family's (dapple)
         for value, option in ((self.devices, "--devices"), (self.microbatches, "--microbatches"),
-                              (self.replicas, "--dp"), (self.chunks, "--chunks"), (self.tp, "--tp")):
+                              (self.replicas, "--dp"), (self.chunks, "--chunks")):
             _whole(value, option)
         if self.memory_limit is not None:
             self._check_memory_limit(fam)
@@ -119,8 +117,7 @@ class Layout:
         """A schedule file fixes the schedule, D, N and the chunks; it has no variant or memory limit."""
         sf = self.schedule_file
         s, fname = sf.schedule, Path(sf.path).name
-        for value, option in ((self.replicas, "--dp"), (self.tp, "--tp")):
-            _whole(value, option)
+        _whole(self.replicas, "--dp")
         for option, value, want, what in (("-D", self.devices, s.num_devices, "devices"),
                                           ("-N", self.microbatches, s.num_microbatches, "micro-batches"),
                                           ("--chunks", self.chunks, sf.chunks, "chunks on a device")):
@@ -145,10 +142,6 @@ class Layout:
         _finite(value, "--memory-limit", positive=True)
         if self.variant is not None:
             raise ValueError(f"--memory-limit replaces {self.schedule}'s variant (its limit); drop --variant")
-    @property
-    def gpus(self) -> int:
-        """T x D x R."""
-        return self.tp * self.devices * self.replicas
 
     def family_options(self) -> dict:
         """The keyword arguments of :func:`schedules.build` (every family takes ``chunks``)."""
@@ -158,26 +151,29 @@ class Layout:
         return out
 
     def check_size(self, *, one_replica: bool = True, **limits) -> None:
-        """:func:`check_run_size` of this layout (``limits``: cluster_devices, cluster_name,
+        """:func:`check_run_size` of this layout (``limits``: tp, cluster_devices, cluster_name,
         layers, model_name; ``one_replica``: as the simulator builds it, one replica standing for
         all, else as the executor runs every rank)."""
         check_run_size(devices=self.devices, microbatches=self.microbatches, replicas=self.replicas,
-                       chunks=self.chunks, one_replica=one_replica, tp=self.tp, **limits)
+                       chunks=self.chunks, one_replica=one_replica, **limits)
 
-    def build(self, *, eager: bool = True, family: dict | None = None, built=None, **limits):
+    def build(self, *, eager: bool = True, family: dict | None = None, built=None, one_replica: bool = True,
+              check: bool = True, **limits):
         """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
         (ScheduleError, a ValueError, names what to change) after :meth:`check_size` with
         ``limits``; ``family``: more keyword arguments of the family (zb-auto's ``costs``);
         ``built``: this layout's compute-only schedule when the caller built it already (the
-        planner shares one among the candidates of a shape)."""
+        planner shares one among the candidates of a shape); ``check=False``: not validated (the
+        executor validates after its own checks of the model)."""
         from schedules import build, lower, validate
-        self.check_size(**limits)
+        self.check_size(one_replica=one_replica, **limits)
         if built is None and self.schedule_file is not None:
             built = self.schedule_file.schedule
         if built is None:
             built = build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {}))
         low = lower(built, replicas=self.replicas, eager=eager)
-        validate(low)
+        if check:
+            validate(low)
         return low
 
     def num_stages(self) -> int:
@@ -291,9 +287,10 @@ def _pairs(items, option: str, key_type) -> tuple:
 
 class PlanSource(Protocol):
     """A loaded plan file (:class:`planner.plan_io.LoadedPlan`): it brings the layout, model,
-    cluster and costs of a job, and binds them itself."""
+    cluster and costs of a job, and binds them itself; ``parallel`` is the plan's record."""
 
     path: str
+    parallel: Parallel
 
     def bind(self, job: "Job") -> "Bound":   # pragma: no cover - a protocol
         ...
@@ -313,15 +310,10 @@ class Job:
     stage_costs: str | None = None
     cost_model: str | None = None
     profile_batch: int | None = None
-    micro_batch: int | None = None
-    seq_len: int | None = None
-    recompute: str = "none"
+    parallel: Parallel = field(default_factory=Parallel)
     partition: tuple[int, ...] | str | None = None
     device_map: str | None = None
     eager: bool = True
-    sequence_parallel: bool = False
-    tp_overlap: bool = False
-    zero: int = 0
     grad_accumulation: str = "fused"
     memory_reserve: float | None = None
     faults: Faults = field(default_factory=Faults)
@@ -330,10 +322,8 @@ class Job:
     def __post_init__(self):
         if isinstance(self.cluster, str):
             object.__setattr__(self, "cluster", ClusterChoice(name=self.cluster))
-        if self.micro_batch is not None:
-            _whole(self.micro_batch, "--micro-batch")
-        if self.seq_len is not None:
-            _whole(self.seq_len, "--seq-len")
+        if not isinstance(self.parallel, Parallel):
+            raise ValueError(f"Job.parallel must be a cost_models.parallel.Parallel; got {self.parallel!r}")
         if self.memory_reserve is not None:
             _finite(self.memory_reserve, "--memory-reserve", positive=False)
         if self.profile_batch is not None:
@@ -341,13 +331,13 @@ class Job:
         if self.grad_accumulation not in GRAD_ACCUMULATION:
             raise ValueError(f"Job.grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
                              f"got {self.grad_accumulation!r}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
         if self.device_map is not None and self.device_map not in MAPPINGS:
             raise ValueError(f"--device-map must be one of {', '.join(sorted(MAPPINGS))}; got {self.device_map!r}")
         if self.cost_model is not None and self.cost_model not in COST_MODELS:
             raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
         object.__setattr__(self, "partition", _partition(self.partition))
+        if self.plan is not None and self.parallel == Parallel():
+            object.__setattr__(self, "parallel", self.plan.parallel)     # the plan's own, unless given
         if self.plan is not None:
             self._check_plan()
         else:
@@ -362,25 +352,24 @@ class Job:
         tensor parallelism and the sequential order (a pipeline on consecutive devices) without."""
         if self.device_map is not None:
             return self.device_map
-        return "megatron" if self.layout is not None and self.layout.tp > 1 else "sequential"
+        return "megatron" if self.parallel.tp > 1 else "sequential"
+
+    @property
+    def gpus(self) -> int:
+        """T x D x R."""
+        return self.parallel.tp * self.layout.devices * self.layout.replicas
 
     def _check_parallel(self) -> None:
-        """Tensor parallelism and ZeRO: options that only act together, and only on the formulas."""
-        tp = self.layout.tp
-        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ValueError(f"--zero must be 0 or 1 (ZeRO-1: the optimizer state sharded over --dp); "
-                             f"got {self.zero!r}")
-        if self.zero and self.layout.replicas == 1:
+        """The parallelism knobs against the layout and the cost source (each knob's own rules are
+        :class:`Parallel`'s): ZeRO needs replicas; T, ZeRO, the sequence length, sequence
+        parallelism and overlap act on a model's formulas only."""
+        par = self.parallel
+        if par.zero and self.layout.replicas == 1:
             raise ValueError("--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1")
-        for flag, on in (("--sequence-parallel", self.sequence_parallel), ("--tp-overlap", self.tp_overlap)):
-            if not isinstance(on, bool):
-                raise ValueError(f"{flag} is a switch (true or false); got {on!r}")
-            if on and tp == 1:
-                raise ValueError(f"{flag} acts on a tensor-parallel group; give --tp > 1")
         # a profile's TP layers were measured without sequence parallelism or overlap (all-reduces on F and B)
-        given = [f for f, v in (("--tp", tp > 1 and self.source != "profile"), ("--zero", self.zero),
-                                ("--seq-len", self.seq_len), ("--sequence-parallel", self.sequence_parallel),
-                                ("--tp-overlap", self.tp_overlap)) if v]
+        given = [f for f, v in (("--tp", par.tp > 1 and self.source != "profile"), ("--zero", par.zero),
+                                ("--seq-len", par.seq_len), ("--sequence-parallel", par.sequence_parallel),
+                                ("--tp-overlap", par.tp_overlap)) if v]
         if given and self.source != "transformer":
             verb = "acts" if len(given) == 1 else "act"
             raise ValueError(f"{' and '.join(given)} {verb} on a model's formulas: use --model/--cluster costs "
@@ -404,7 +393,7 @@ class Job:
     def _formula_options(self) -> list[str]:
         """The options of the model x cluster formulas that are given, in the order they are named."""
         return [f for f, v in (("--model", self.model), ("--cluster", self.cluster.name),
-                               ("--micro-batch", self.micro_batch), ("--cost-model", self.cost_model),
+                               ("--micro-batch", self.parallel.micro_batch), ("--cost-model", self.cost_model),
                                ("--profile-batch", self.profile_batch)) if v is not None] + \
             self.cluster.shape_options()
 
@@ -415,7 +404,7 @@ class Job:
         if self.stage_costs is not None:
             other = given + [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
                                             ("--partition", self.partition),
-                                            ("--recompute", self.recompute != "none")) if v]
+                                            ("--recompute", self.parallel.recompute != "none")) if v]
             if other:
                 raise ValueError(f"--stage-costs gives every stage's times; drop {', '.join(other)}")
             return
@@ -425,7 +414,7 @@ class Job:
             if self.partition is not None:
                 raise ValueError("--partition splits a model's layers; unit costs have none (F = 1 per full "
                                  "stage): drop --partition or --unit-costs")
-            if self.recompute != "none":
+            if self.parallel.recompute != "none":
                 raise ValueError("--recompute changes a model's costs; unit costs have none: drop --recompute "
                                  "or --unit-costs")
             return
@@ -453,15 +442,50 @@ class Job:
         given = [f for f, v in (("--unit-costs", self.unit_costs), ("--profile", self.profile),
                                 ("--stage-costs", self.stage_costs),
                                 ("--model", self.model), ("--cluster", self.cluster.name),
-                                ("--micro-batch", self.micro_batch), ("--partition", self.partition),
-                                ("--recompute", self.recompute != "none")) if v]
+                                ("--partition", self.partition)) if v]
+        # the plan's parallel record, less the what-if a plan takes (--tp-overlap)
+        mine, planned = replace(self.parallel, tp_overlap=False), replace(self.plan.parallel, tp_overlap=False)
+        given += [option_name(f) for f, v in mine.record().items() if v != getattr(planned, f)]
         if given:
-            raise ValueError(f"--plan brings its own model, cluster, costs and recompute; drop {', '.join(given)}")
+            raise ValueError(f"--plan brings its own model, cluster, costs and parallelism; drop {', '.join(given)}")
 
     # ------------------------------------------------------------------ derived jobs
     def with_layout(self, **changes) -> "Job":
         """This job on another layout (``schedule=``, ``devices=``, ...: the :class:`Layout` fields)."""
         return replace(self, layout=replace(self.layout, **changes))
+
+    def build(self, *, family: dict | None = None, built=None, one_replica: bool = True, check: bool = True,
+              **limits):
+        """The job's lowered, validated schedule (:meth:`Layout.build` with the job's eager
+        all-reduce and T x D x R size checks); the simulator (:func:`cost_models.bind.bind`), the
+        planner and the executor's run all lower through here."""
+        return self.layout.build(eager=self.eager, family=family, built=built, one_replica=one_replica,
+                                 check=check, tp=self.parallel.tp, **limits)
+
+    @classmethod
+    def of(cls, **fields) -> "Job":
+        """A job from flat fields: those of :class:`Layout` build its layout, those of
+        :class:`Parallel` its parallel record, the rest are the job's (``Job.of(schedule="zb-v",
+        devices=4, microbatches=8, tp=2, model="tiny")``); an unknown name is one line."""
+        layout, parallel, own = route_fields(fields)
+        if layout:
+            own["layout"] = Layout(**layout)
+        if parallel:
+            own["parallel"] = Parallel(**parallel)
+        return cls(**own)
+
+    def with_(self, **changes) -> "Job":
+        """This job with flat changes, routed to its records as :meth:`of` routes them."""
+        layout, parallel, own = route_fields(changes)
+        if layout:
+            own["layout"] = replace(self.layout, **layout)
+        if parallel:
+            own["parallel"] = replace(self.parallel, **parallel)
+        return replace(self, **own)
+
+    def with_parallel(self, **changes) -> "Job":
+        """This job with other parallelism knobs (``tp=``, ``zero=``, ...: the :class:`Parallel` fields)."""
+        return replace(self, parallel=replace(self.parallel, **changes))
 
     def record(self) -> dict:
         """The job as plain data (JSON): what identifies the experiment."""
@@ -478,10 +502,25 @@ class Job:
             v = getattr(self, name)
             if name == "plan":
                 v = None if v is None else str(v.path)
-            elif isinstance(v, (Layout, ClusterChoice, Faults)):
+            elif isinstance(v, (Layout, ClusterChoice, Faults, Parallel)):
                 v = {k: plain(getattr(v, k)) for k in v.__dataclass_fields__}
             out[name] = plain(v)
         return out
+
+
+def route_fields(fields: dict) -> tuple[dict, dict, dict]:
+    """Flat fields split into (the layout's, the parallel record's, the job's own); the three
+    records' field names are distinct."""
+    from dataclasses import fields as fields_of
+    names = [{f.name for f in fields_of(r)} for r in (Layout, Parallel, Job)]
+    out: tuple[dict, dict, dict] = ({}, {}, {})
+    for k, v in fields.items():
+        where = next((i for i, n in enumerate(names) if k in n), None)
+        if where is None:
+            raise ValueError(f"unknown job field {k!r}: a field of Layout, Parallel or Job "
+                             f"({', '.join(sorted(set().union(*names)))})")
+        out[where][k] = v
+    return out
 
 
 def _partition(value):

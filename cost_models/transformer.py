@@ -76,7 +76,7 @@ collectives' time is added to F and B (Megatron's default: on the critical path)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .base import LayerCosts, PerLayerCostModel, StageCosts, with_peak_floor
 from .cluster import Cluster
@@ -85,9 +85,9 @@ from .device import DeviceSpec
 from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
+from .parallel import RECOMPUTE, Parallel
 from .partition import default_partition, layer_ranges
 
-RECOMPUTE = ("none", "selective", "full")
 LOGIT_BYTES = 4          # the loss keeps fp32 logits / softmax
 
 
@@ -349,9 +349,6 @@ def mixed_precision_bytes(dtype_bytes: int) -> tuple[float, float, float]:
     return float(dtype_bytes), float(dtype_bytes), 2.0 * dtype_bytes
 
 
-ZERO_STAGES = (0, 1)
-
-
 @dataclass(frozen=True)
 class TransformerCostModel:
     """Seconds and bytes for a transformer on a device, from the formulas above, per GPU of a
@@ -359,7 +356,9 @@ class TransformerCostModel:
 
     ``bind(schedule)`` gives :class:`StageCosts` in seconds ("s") and bytes ("B").
 
-    recompute: none | selective | full (activation recomputation of the blocks).
+    parallel: the job's knobs (:class:`cost_models.parallel.Parallel`): ``recompute`` of the
+      blocks, ``tp``, ``sequence_parallel``, ``tp_overlap``, ``zero``; its ``micro_batch`` and
+      ``seq_len``, when given, are applied to ``model``.
     bytes_per_param: static bytes per parameter (weights + gradients + optimizer state); default
       :func:`mixed_precision_bytes` (18 for a 16-bit model). grad_bytes_per_param: bytes all-reduced
       per parameter (default the model's dtype_bytes: gradients reduced in 16 bits, then
@@ -390,7 +389,7 @@ class TransformerCostModel:
 
     model: ModelSpec
     device: DeviceSpec
-    recompute: str = "none"
+    parallel: Parallel = field(default_factory=Parallel)
     bytes_per_param: float | None = None
     grad_bytes_per_param: float | None = None
     precision: str | None = None
@@ -398,16 +397,17 @@ class TransformerCostModel:
     partition: tuple[int, ...] | None = None
     optimizer_bytes_touched: float | None = None
     compute: str = "linear"
-    tp: int = 1
-    sequence_parallel: bool = False
-    tp_overlap: bool = False
     tp_group: TensorParallelGroup | None = None
-    zero: int = 0
     replicas: int = 1
     grad_accumulation: str = "fused"
 
     def __post_init__(self):
-        _check_recompute(self.recompute)
+        if not isinstance(self.parallel, Parallel):
+            raise SpecError(f"parallel must be a cost_models.parallel.Parallel; got {self.parallel!r}")
+        sized = {k: v for k, v in (("micro_batch", self.parallel.micro_batch), ("seq_len", self.parallel.seq_len))
+                 if v is not None and getattr(self.model, k) != v}
+        if sized:       # the job's micro-batch and sequence length, applied to the model once
+            object.__setattr__(self, "model", self.model.replace(**sized))
         if self.grad_accumulation not in GRAD_ACCUMULATION:
             raise SpecError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
                             f"got {self.grad_accumulation!r}")
@@ -420,16 +420,10 @@ class TransformerCostModel:
             DeviceRates.of(self.device, self.resolved_precision())   # fail fast: constants present
         if self.bytes_per_param is not None and self.bytes_per_param <= 0:
             raise SpecError(f"bytes_per_param must be > 0; got {self.bytes_per_param}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise SpecError(f"--tp must be an integer >= 1; got {self.tp!r}")
-        self.model.check_tensor_parallel(self.tp, sequence_parallel=self.sequence_parallel)
-        if self.tp > 1 and (self.tp_group is None or self.tp_group.size != self.tp):
-            raise SpecError(f"tensor parallel {self.tp} needs the group's links (tp_group of size {self.tp})")
-        if (self.sequence_parallel or self.tp_overlap) and self.tp == 1:
-            raise SpecError("--sequence-parallel and --tp-overlap split a layer over a tensor-parallel group; "
-                            "give --tp > 1")
-        if self.zero not in ZERO_STAGES:
-            raise SpecError(f"--zero must be one of {', '.join(map(str, ZERO_STAGES))}; got {self.zero!r}")
+        self.model.check_tensor_parallel(self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel)
+        if self.parallel.tp > 1 and (self.tp_group is None or self.tp_group.size != self.parallel.tp):
+            raise SpecError(f"tensor parallel {self.parallel.tp} needs the group's links "
+                            f"(tp_group of size {self.parallel.tp})")
         self.flop_rate()   # fail fast on a device without a peak (e.g. cpu: use a calibration profile)
 
     @property
@@ -437,7 +431,7 @@ class TransformerCostModel:
         """Bytes all-reduced per parameter (ZeRO-1: the all-reduce equal to its reduce-scatter and
         all-gather)."""
         g = float(self.model.dtype_bytes if self.grad_bytes_per_param is None else self.grad_bytes_per_param)
-        return (g + self.model.dtype_bytes) / 2 if self.zero else g
+        return (g + self.model.dtype_bytes) / 2 if self.parallel.zero else g
 
     @property
     def uses_dropout(self) -> bool:
@@ -458,7 +452,8 @@ class TransformerCostModel:
         return self.device.achievable_flops(self.resolved_precision())
 
     def layers(self) -> list[Layer]:
-        return transformer_layers(self.model, self.recompute, self.uses_dropout, self.tp, self.sequence_parallel)
+        par = self.parallel
+        return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel)
 
     def static_split(self) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per parameter held on one GPU (ZeRO-1: the
@@ -467,13 +462,13 @@ class TransformerCostModel:
             w, g, o = mixed_precision_bytes(self.model.dtype_bytes)
         else:
             w, g, o = static_bytes_split(self.model.dtype_bytes, self.model.dtype_bytes, self.bytes_per_param)
-        return w, g, o / self.replicas if self.zero else o
+        return w, g, o / self.replicas if self.parallel.zero else o
 
     def optim_time_per_param(self) -> float:
         if not self.device.memory_bandwidth:
             return 0.0
         w, g, o = self.static_split()
-        shard = self.replicas if self.zero else 1
+        shard = self.replicas if self.parallel.zero else 1
         touched = self.optimizer_bytes_touched / shard if self.optimizer_bytes_touched is not None else \
             (g + w) / shard + 2 * o
         return touched / self.device.memory_bandwidth
@@ -484,11 +479,11 @@ class TransformerCostModel:
         return 2 * boundary_bytes(self.model) / self.device.memory_bandwidth
 
     def collectives(self) -> list[Collectives]:
-        return layer_collectives(self.model, self.recompute, self.tp, self.sequence_parallel)
+        return layer_collectives(self.model, self.parallel.recompute, self.parallel.tp, self.parallel.sequence_parallel)
 
     def collective_times(self) -> list[tuple[float, float]]:
         """Per layer: seconds of its tensor-parallel collectives in F and in B."""
-        if self.tp == 1:
+        if self.parallel.tp == 1:
             return [(0.0, 0.0)] * (self.model.layers + 2)
         g, cols = self.tp_group, self.collectives()
         times = {c: (g.phase_time(c.forward), g.phase_time(c.backward)) for c in set(cols)}   # blocks alike
@@ -498,8 +493,8 @@ class TransformerCostModel:
         """Per-layer seconds and bytes (the input of :class:`PerLayerCostModel` and of planners)."""
         L = self.layers()
         if self.compute == "kernels":
-            t = transformer_layer_times(self.model, self.device, self.resolved_precision(), self.recompute,
-                                        self.uses_dropout, tp=self.tp, sp=self.sequence_parallel,
+            t = transformer_layer_times(self.model, self.device, self.resolved_precision(), self.parallel.recompute,
+                                        self.uses_dropout, tp=self.parallel.tp, sp=self.parallel.sequence_parallel,
                                         grad_accumulation=self.grad_accumulation)
             f, b_in, w = (tuple(x[i] for x in t) for i in range(3))
         else:
@@ -507,9 +502,9 @@ class TransformerCostModel:
             f = tuple(l.flops_f / rate for l in L)
             b_in = tuple((l.flops_b_input + l.flops_recompute) / rate for l in L)
             w = tuple(l.flops_w / rate for l in L)
-        if self.tp > 1:
+        if self.parallel.tp > 1:
             comm = self.collective_times()
-            join = max if self.tp_overlap else (lambda x, y: x + y)
+            join = max if self.parallel.tp_overlap else (lambda x, y: x + y)
             f = tuple(join(x, c) for x, (c, _) in zip(f, comm))
             b_in = tuple(join(x, c) for x, (_, c) in zip(b_in, comm))
         w_b, g_b, o_b = self.static_split()
@@ -522,7 +517,7 @@ class TransformerCostModel:
             out_bytes=tuple(l.out_bytes for l in L),
             params=tuple(float(l.params) for l in L),
             bytes_per_param_static=w_b + g_b + o_b,
-            grad_bytes_per_param=self.grad_bytes * self.tp,
+            grad_bytes_per_param=self.grad_bytes * self.parallel.tp,
             optim_time_per_param=self.optim_time_per_param(),
             copy_time=self.copy_time(),
         )
@@ -550,11 +545,11 @@ class TransformerCostModel:
         :mod:`cost_models.memory`): the layer being recomputed (full: all its activations from
         the re-run forward to its backward; selective: its attention scores) and the staging
         buffers of one send and one receive (bsh d / t each)."""
-        m, tp, sp = self.model, self.tp, self.sequence_parallel
+        m, tp, sp = self.model, self.parallel.tp, self.parallel.sequence_parallel
         layer = 0.0
-        if self.recompute != "none" and m.layers:
+        if self.parallel.recompute != "none" and m.layers:
             layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp) - \
-                block_activation_bytes(m, self.recompute, self.uses_dropout, tp, sp)
+                block_activation_bytes(m, self.parallel.recompute, self.uses_dropout, tp, sp)
         return layer + 2 * boundary_bytes(m) / tp
 
     def bind(self, sched) -> StageCosts:
@@ -567,8 +562,9 @@ class TransformerCostModel:
                                 self.device.peak(self.resolved_precision()))
         costs.meta.update(model="transformer", cost_model=self.compute, model_name=self.model.name,
                           device=self.device.name,
-                          precision=self.resolved_precision(), recompute=self.recompute,
+                          precision=self.resolved_precision(), recompute=self.parallel.recompute,
                           bytes_per_param=sum(self.static_split()), memory_capacity=self.device.memory_bytes,
-                          tp=self.tp, sequence_parallel=self.sequence_parallel, zero=self.zero,
+                          tp=self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel,
+                          zero=self.parallel.zero,
                           memory_transient=self.transient_bytes())
         return costs

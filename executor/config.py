@@ -8,6 +8,7 @@ layer, :mod:`experiments.plan_files`.)
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -15,10 +16,9 @@ import torch
 
 from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
-from cost_models.partition import block_ranges, blocks_from_layers, layers_from_blocks
+from cost_models.partition import block_ranges, blocks_from_layers
 from cost_models.stack import is_model_ref
-from schedules import Schedule, build, lower, validate
-from schedules.registry import check_size
+from schedules import Schedule, lower, validate
 
 from .device import check_device
 from .faults import check_fault, parse_fault
@@ -29,27 +29,36 @@ from .recompute import check_mode
 OPTIMIZERS = ("sgd", "adam")
 
 
-@dataclass(frozen=True)
+# what a run takes when the flat constructor (:meth:`RunConfig.of`) is not told: the tiny GPT,
+# DAPPLE on 2 pipeline devices with 4 micro-batches
+RUN_DEFAULTS = {"schedule": "dapple", "devices": 2, "microbatches": 4, "model": "tiny"}
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """One training run. ``replicas`` R copies the whole pipeline (ranks r*D + d); each step
-    trains on R*N micro-batches of ``spec.micro_batch`` sequences; the loss is their mean.
+    """One training run: a :class:`cost_models.job.Job` (what is trained, on which layout, with
+    which parallelism: ``job.layout``, ``job.parallel``, ``job.model``, ``job.partition``,
+    ``job.eager``, ``job.device_map``) plus the training options below. ``replicas`` R copies the
+    whole pipeline (ranks r*D + d); each step trains on R*N micro-batches of ``spec().micro_batch``
+    sequences; the loss is their mean.
 
-    ``model`` is a preset name, a YAML path or a ModelSpec of the built-in GPT, or a model file
-    ``PATH.py:FUNC`` / ``package.module:FUNC`` (a layer stack: :mod:`executor.user_model`);
-    ``micro_batch`` overrides the spec's sequences per micro-batch (a model file's samples per
-    micro-batch; default :data:`executor.user_model.DEFAULT_MICRO_BATCH`); ``partition`` gives, per
-    stage of a model copy, the GPT's transformer blocks (embedding in stage 0, head in the last;
-    default: the even split of :func:`cost_models.partition.block_ranges`) or a model file's layers
-    (default: :func:`cost_models.partition.stack_partition`). The reference uses the same model and
-    G = R * N, so its global batch is the run's."""
+    The job's ``model`` is a preset name, a YAML path or a ModelSpec of the built-in GPT / Llama,
+    or a model file ``PATH.py:FUNC`` / ``package.module:FUNC`` (a layer stack:
+    :mod:`executor.user_model`; None: :data:`RUN_DEFAULTS`' tiny); ``parallel.micro_batch``
+    overrides the spec's sequences per micro-batch (a model file's samples per micro-batch;
+    default :data:`executor.user_model.DEFAULT_MICRO_BATCH`); ``job.partition`` gives the layers
+    per stage of a model copy as everywhere a job's partition does (a GPT's embedding and head
+    count as layers; :attr:`blocks` is the GPT's transformer blocks per stage; default: the even
+    split of :func:`cost_models.partition.block_ranges`, a model file's
+    :func:`cost_models.partition.stack_partition`). The simulator's parts of a job (a cost source,
+    a cluster, faults) would do nothing in a run: they are refused. The reference uses the same
+    model and G = R * N, so its global batch is the run's.
 
-    schedule: str = "dapple"
-    devices: int = 2
-    microbatches: int = 4
-    chunks: int = 2                 # chunks per device for schedules that take it (interleaved)
-    variant: str | None = None      # the schedule family's variant (None: its default)
-    replicas: int = 1
-    model: str | ModelSpec = "tiny"  # preset name, YAML path, ModelSpec, or a model file PATH.py:FUNC
+    ``placement``: an explicit rank -> global device map under torchrun (a DAPPLE plan's); None:
+    the job's mapping (:attr:`cost_models.job.Job.mapping`). :meth:`of` builds a config from
+    flat fields of the job's records and this one (``RunConfig.of(schedule="zb-v", tp=2, steps=5)``)."""
+
+    job: Any = None
     steps: int = 3
     seed: int = 0
     lr: float = 1e-3
@@ -57,34 +66,49 @@ class RunConfig:
     timeout: float = 60.0           # seconds a receive / all-reduce may wait before the run fails
     data: str | None = None         # text file of byte tokens; None = synthetic stream
     device: str = "auto"            # auto | cpu | cuda (see executor.device)
-    eager_allreduce: bool = True    # all-reduce in the bubbles (lowering's eager placement)
     recv_lookahead: int | None = None  # receives posted ahead per peer (None = all at step start)
     measure_memory: bool = True     # saved-tensor hooks on the CPU (allocator counters on CUDA)
     meter_every_forward: bool = False  # CPU: meter every forward, not one per stage and run (executor.device)
     collect_params: bool = False    # return the final parameters (tests)
     fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (executor.faults)
-    micro_batch: int | None = None  # sequences per micro-batch (None: the spec's micro_batch)
-    partition: tuple[int, ...] | None = None  # blocks (GPT) or layers (model file) per stage of a model copy
     probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
                                     # and after the steps on every rank at once (0: off); see worker
     dtype: str = "fp32"             # fp32 | bf16 (autocast, fp32 master weights): executor.precision
-    recompute: str = "none"         # none | selective | full activation recomputation: executor.recompute
-    device_map: str | tuple[int, ...] = "sequential"  # under torchrun: a mapping name (cost_models MAPPINGS)
-                                    # or an explicit rank -> global device map; see executor.launch
     pin_cores: bool = False         # pin each rank to a core of its own where the host has one per rank
                                     # (executor.host.pin_to_core; otherwise the ranks float)
-    tp: int = 1                     # T processes per pipeline rank split every layer (executor.tensor_parallel)
-    sequence_parallel: bool = False  # with tp > 1: norms and stage boundaries on 1/T of the sequence
-    seq_len: int | None = None      # training sequence length (None: the model's)
-    zero: int = 0                   # 1: ZeRO-1, the optimizer state sharded over a stage's ranks (executor.zero)
-    schedule_file: Any = None       # a schedules.io.ScheduleFile: its schedule in place of the named one
+    placement: tuple[int, ...] | None = None  # under torchrun: rank -> global device (a plan's); None: the job's
 
     def __post_init__(self):
+        from cost_models.job import Faults, Job
+        if self.job is None:
+            object.__setattr__(self, "job", Job.of(**RUN_DEFAULTS))
+        job = self.job
+        if not isinstance(job, Job):
+            raise ValueError(f"RunConfig.job must be a cost_models.job.Job; got {job!r}")
+        if job.plan is None and job.model is None:
+            object.__setattr__(self, "job", replace(job, model=RUN_DEFAULTS["model"]))
+            job = self.job
+        sim_only = [f for f, v in (("--unit-costs", job.unit_costs), ("--profile", job.profile),
+                                   ("--stage-costs", job.stage_costs),
+                                   ("--plan", job.plan), ("--cost-model", job.cost_model),
+                                   ("--profile-batch", job.profile_batch), ("--exact", job.exact),
+                                   ("faults", job.faults != Faults())) if v] + job.cluster.given()
+        if sim_only:
+            raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
+        par, lay = job.parallel, job.layout
+        if par.tp_overlap:
+            raise ValueError("the executor trains T x D x R layouts without --tp-overlap: simulated only "
+                             "(pipetwin simulate); drop it to run")
+        if job.partition == "time":
+            raise ValueError("partition 'time' is resolved from a calibration profile before the run "
+                             "(cost_models.bind.profile_partition)")
+        if lay.memory_limit is not None:
+            raise ValueError("--memory-limit orders zb-auto from simulated costs; the executor runs a --variant's "
+                             "order (drop --memory-limit)")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
-        for name in ("devices", "microbatches", "replicas", "steps", "chunks", "tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be >= 1; got {self.steps!r}")
         for name in ("timeout", "lr"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -93,83 +117,83 @@ class RunConfig:
             parse_fault(self.fault)
         if self.recv_lookahead is not None and self.recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1 or None; got {self.recv_lookahead}")
-        if self.micro_batch is not None and (isinstance(self.micro_batch, bool) or int(self.micro_batch) < 1
-                                             or int(self.micro_batch) != self.micro_batch):
-            raise ValueError(f"micro_batch must be a positive integer or None; got {self.micro_batch!r}")
         Precision(self.dtype)
-        check_mode(self.recompute)
-        if self.tp > 1 and self.is_model_file:
-            raise ValueError(f"--tp {self.tp} splits the built-in GPT's layers; a model file's layers are not split "
-                             f"(use --tp 1 with {self.model})")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"--sequence-parallel is a switch (true or false); got {self.sequence_parallel!r}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("--sequence-parallel acts on a tensor-parallel group; give --tp > 1")
-        if self.zero not in (0, 1) or isinstance(self.zero, bool):
-            raise ValueError(f"--zero must be 0 or 1; got {self.zero!r}")
-        if self.zero and self.replicas == 1:
-            raise ValueError("--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1")
-        if self.zero and self.is_model_file:
-            raise ValueError(f"--zero 1 shards the built-in GPT's optimizer state; not a model file's ({self.model})")
-        if self.seq_len is not None and self.is_model_file:
-            raise ValueError(f"--seq-len sets the built-in GPT's sequence length; model {self.model} brings its own")
-        if self.recompute != "none" and self.is_model_file:
-            raise ValueError(f"--recompute {self.recompute} recomputes the GPT's transformer blocks; a model file's "
-                             f"layers are not recomputed (use --recompute none with {self.model})")
-        if not isinstance(self.device_map, str):
-            object.__setattr__(self, "device_map", tuple(int(d) for d in self.device_map))
-        if self.partition is not None:
-            try:
-                part = tuple(self.partition)
-            except TypeError:
-                raise ValueError(f"partition must be a list of block counts per stage; got {self.partition!r}") \
-                    from None
-            object.__setattr__(self, "partition", part)
+        check_mode(par.recompute)
+        if self.is_model_file:
+            self._check_model_file()
+        if self.placement is not None:
+            object.__setattr__(self, "placement", tuple(int(d) for d in self.placement))
+
+    def _check_model_file(self) -> None:
+        """What the executor does to the built-in GPT only: a model file's layers are not split,
+        sharded, recomputed or resized."""
+        par, model = self.job.parallel, self.job.model
+        if par.tp > 1:
+            raise ValueError(f"--tp {par.tp} splits the built-in GPT's layers; a model file's layers are not split "
+                             f"(use --tp 1 with {model})")
+        if par.zero:
+            raise ValueError(f"--zero 1 shards the built-in GPT's optimizer state; not a model file's ({model})")
+        if par.seq_len is not None:
+            raise ValueError(f"--seq-len sets the built-in GPT's sequence length; model {model} brings its own")
+        if par.recompute != "none":
+            raise ValueError(f"--recompute {par.recompute} recomputes the GPT's transformer blocks; a model file's "
+                             f"layers are not recomputed (use --recompute none with {model})")
+
+    @classmethod
+    def of(cls, **fields) -> "RunConfig":
+        """A run from flat fields: those of :class:`cost_models.job.Layout`, :class:`cost_models.parallel.Parallel`
+        and :class:`cost_models.job.Job` build the job (:meth:`cost_models.job.Job.of`, with
+        :data:`RUN_DEFAULTS` for the layout and model), the rest are this record's."""
+        from cost_models.job import Job
+        own = {f.name for f in dataclasses.fields(cls)} - {"job"}
+        mine = {k: v for k, v in fields.items() if k in own}
+        job_fields = {**RUN_DEFAULTS, **{k: v for k, v in fields.items() if k not in own}}
+        return cls(job=Job.of(**job_fields), **mine)
 
     @classmethod
     def from_job(cls, job, **options) -> "RunConfig":
-        """The run of a :class:`cost_models.job.Job`: its layout, its model (default ``tiny``), its
-        micro-batch size, recompute, eager all-reduce and device map, and its partition in layers
-        per stage (a GPT's embedding and head count as layers, as everywhere a job's partition
-        does; converted here to the blocks per stage a GPT run takes). ``options``: the training
-        fields (steps, seed, lr, ...). The simulator's parts of a job (a cost source, a cluster,
-        faults) would do nothing in a run: they are refused, as is a plan (its run comes from
-        :func:`experiments.plan_files.config_from_plan`) and ``partition="time"`` (resolve it with
-        the profile first: :func:`cost_models.bind.profile_partition`)."""
-        from cost_models.job import Faults
-        sim_only = [f for f, v in (("--unit-costs", job.unit_costs), ("--profile", job.profile),
-                                   ("--stage-costs", job.stage_costs),
-                                   ("--plan", job.plan), ("--cost-model", job.cost_model),
-                                   ("--profile-batch", job.profile_batch), ("--exact", job.exact),
-                                   ("faults", job.faults != Faults())) if v] + job.cluster.given()
-        if sim_only:
-            raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
-        if job.tp_overlap:
-            raise ValueError("the executor trains T x D x R layouts without --tp-overlap: simulated only "
-                             "(pipetwin simulate); drop it to run")
-        if job.partition == "time":
-            raise ValueError("partition 'time' is resolved from a calibration profile before the run "
-                             "(cost_models.bind.profile_partition)")
-        lay = job.layout
-        if lay.memory_limit is not None:
-            raise ValueError("--memory-limit orders zb-auto from simulated costs; the executor runs a --variant's "
-                             "order (drop --memory-limit)")
-        model = job.model or "tiny"
-        partition = job.partition
-        if partition is not None and not is_model_ref(model):
-            spec = model if isinstance(model, ModelSpec) else load_model(model)
-            try:
-                partition = tuple(blocks_from_layers(partition, spec.layers))
-            except ValueError as e:
-                raise ValueError(f"--partition: {e}") from None
-        return cls(schedule=lay.schedule, devices=lay.devices, microbatches=lay.microbatches, chunks=lay.chunks,
-                   variant=lay.variant, replicas=lay.replicas, model=model, micro_batch=job.micro_batch,
-                   partition=partition, recompute=job.recompute, eager_allreduce=job.eager,
-                   device_map=job.mapping, tp=lay.tp, sequence_parallel=job.sequence_parallel, seq_len=job.seq_len,
-                   zero=job.zero, schedule_file=lay.schedule_file, **options)
+        """The run of a :class:`cost_models.job.Job` (its model None: the tiny GPT); ``options``:
+        the training fields (steps, seed, lr, ...)."""
+        return cls(job=job, **options)
 
     def with_(self, **changes) -> "RunConfig":
-        return replace(self, **changes)
+        """This run with flat changes, routed as :meth:`of` routes them (``tp=``, ``steps=``, ``schedule=`` ...)."""
+        own = {f.name for f in dataclasses.fields(self)} - {"job"}
+        mine = {k: v for k, v in changes.items() if k in own}
+        rest = {k: v for k, v in changes.items() if k not in own}
+        return replace(self, job=self.job.with_(**rest) if rest else self.job, **mine)
+
+    @property
+    def layout(self):
+        """The job's :class:`cost_models.job.Layout`."""
+        return self.job.layout
+
+    @property
+    def parallel(self):
+        """The job's :class:`cost_models.parallel.Parallel`."""
+        return self.job.parallel
+
+    @property
+    def model(self) -> str | ModelSpec:
+        return self.job.model
+
+    @property
+    def device_map(self) -> str | tuple[int, ...]:
+        """Where torchrun's processes run the ranks: :attr:`placement`, else the job's mapping name."""
+        return self.placement if self.placement is not None else self.job.mapping
+
+    @property
+    def blocks(self) -> tuple[int, ...] | None:
+        """The job's partition as the executor splits the model: a GPT's transformer blocks per
+        stage (its embedding and head, counted as layers by the job, taken off), a model file's
+        layers as given; None: the default split."""
+        part = self.job.partition
+        if part is None or self.is_model_file:
+            return part
+        try:
+            return tuple(blocks_from_layers(part, self.spec().layers))
+        except ValueError as e:
+            raise ValueError(f"--partition: {e}") from None
 
     @property
     def is_model_file(self) -> bool:
@@ -180,19 +204,19 @@ class RunConfig:
     def stage_layers(self) -> tuple[int, ...] | None:
         """The run's split as the cost models take it: layers per stage (a GPT's blocks plus its
         embedding and head; a model file's layers as given); None: the default split."""
-        if self.partition is None:
-            return None
-        return tuple(self.partition) if self.is_model_file else tuple(layers_from_blocks(self.partition))
+        part = self.job.partition
+        return None if part is None else tuple(part)
 
     def spec(self) -> ModelSpec:
         """The model as this run trains it: ``micro_batch`` applied, ``dtype_bytes`` that of the
         run's precision (2 for bf16: the activations and messages the cost model counts)."""
         spec = self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
         changes = {"dtype_bytes": self.precision.dtype_bytes}
-        if self.micro_batch is not None:
-            changes["micro_batch"] = int(self.micro_batch)
-        if self.seq_len is not None:
-            changes["seq_len"] = int(self.seq_len)
+        par = self.parallel
+        if par.micro_batch is not None:
+            changes["micro_batch"] = par.micro_batch
+        if par.seq_len is not None:
+            changes["seq_len"] = par.seq_len
         return spec.replace(**changes) if any(getattr(spec, k) != v for k, v in changes.items()) else spec
 
     @property
@@ -204,14 +228,14 @@ class RunConfig:
         """Sequences (GPT) or samples (model file) per micro-batch."""
         if self.is_model_file:
             from .user_model import DEFAULT_MICRO_BATCH
-            return int(self.micro_batch or DEFAULT_MICRO_BATCH)
+            return int(self.parallel.micro_batch or DEFAULT_MICRO_BATCH)
         return self.spec().micro_batch
 
     def stack_layout(self, num_stages: int):
         """A model file's checked layout over ``num_stages`` stages (:func:`executor.user_model.stack_layout`)."""
         from .user_model import stack_layout
         return stack_layout(str(self.model), num_stages, micro_batch=self.samples_per_microbatch, seed=self.seed,
-                            partition=self.partition)
+                            partition=self.blocks)
 
     @property
     def model_name(self) -> str:
@@ -219,7 +243,7 @@ class RunConfig:
 
     @property
     def global_microbatches(self) -> int:
-        return self.replicas * self.microbatches
+        return self.layout.replicas * self.layout.microbatches
 
 
 def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, check: bool = True) -> Schedule:
@@ -233,36 +257,31 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     spec = None if stack else config.spec()
     if spec is not None and spec.kind not in KINDS:
         raise ValueError(f"the executor trains GPT and Llama decoders; model {spec.name!r} is of kind {spec.kind!r}")
-    if spec is not None and config.tp > 1:
-        check_tensor_parallel(spec, config.tp, config.sequence_parallel)
+    lay, par = config.layout, config.parallel
+    if spec is not None and par.tp > 1:
+        check_tensor_parallel(spec, par.tp, par.sequence_parallel)
     check_device(config.device)
     if stack and config.data is not None:
         raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
     if config.data is not None:
         check_input(config.data, "data file", min_bytes=spec.seq_len + 2)
-    if schedule is None and config.schedule_file is not None:
-        schedule = config.schedule_file.schedule
     if schedule is None:
-        check_size(config.devices, config.microbatches, config.replicas, config.chunks)
-        if spec is not None and config.partition is None and spec.layers < config.devices:
-            block_ranges(spec.layers, config.devices)   # every schedule has >= D stages: its error, before building
-        kw = {} if config.variant is None else {"variant": config.variant}
-        sched = build(config.schedule, config.devices, config.microbatches, chunks=config.chunks, **kw)
-        low = lower(sched, replicas=config.replicas, eager=config.eager_allreduce)
+        if spec is not None and config.job.partition is None and spec.layers < lay.devices:
+            block_ranges(spec.layers, lay.devices)   # every schedule has >= D stages: its error, before building
+        low = config.job.build(one_replica=False, check=False)     # validated below, after the model's checks
     else:
-        low = schedule if schedule.lowered else lower(schedule, replicas=config.replicas,
-                                                      eager=config.eager_allreduce)
+        low = schedule if schedule.lowered else lower(schedule, replicas=lay.replicas, eager=config.job.eager)
         G = low.replicas * low.num_microbatches
         if G != config.global_microbatches:
             raise ValueError(f"schedule {low.name} runs {low.replicas} x {low.num_microbatches} micro-batches per "
-                             f"step but the config says replicas={config.replicas} x microbatches="
-                             f"{config.microbatches}; they must agree (the reference trains on the config's)")
+                             f"step but the config says replicas={lay.replicas} x microbatches="
+                             f"{lay.microbatches}; they must agree (the reference trains on the config's)")
     if stack:
         from .user_model import check_stack_fits
         check_stack_fits(config, low)           # counted on the meta device: too big is refused before building
         config.stack_layout(low.num_stages)     # imports, builds and checks the model: user errors here
     else:
-        block_ranges(spec.layers, low.num_stages, config.partition)
+        block_ranges(spec.layers, low.num_stages, config.blocks)
     if check:
         validate(low)
     check_fault(config.fault, low, config.steps)
@@ -305,14 +324,15 @@ class RunResult:
 
     def to_dict(self) -> dict:
         c = self.config
-        return {"engine": self.engine, "schedule": c.schedule, "variant": c.variant, "devices": c.devices,
-                "microbatches": c.microbatches, "replicas": c.replicas, "tp": c.tp,
-                "sequence_parallel": c.sequence_parallel, "zero": c.zero,
+        lay, par = c.layout, c.parallel
+        return {"engine": self.engine, "schedule": lay.schedule, "variant": lay.variant, "devices": lay.devices,
+                "microbatches": lay.microbatches, "replicas": lay.replicas, "tp": par.tp,
+                "sequence_parallel": par.sequence_parallel, "zero": par.zero,
                 "model": c.model_name,
                 "micro_batch": c.samples_per_microbatch,
-                "partition": list(c.partition) if c.partition is not None else None,
+                "partition": list(c.blocks) if c.blocks is not None else None,
                 "steps": c.steps, "optimizer": c.optimizer, "lr": c.lr, "seed": c.seed, "dtype": c.dtype,
-                "recompute": c.recompute,
+                "recompute": par.recompute,
                 "losses": self.losses, "iteration_times": self.iteration_times,
                 "throughput_seq_per_s": self.throughput, "ma_bytes": self.ma_bytes,
                 "per_device": self.per_device, **self.extra}

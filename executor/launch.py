@@ -91,7 +91,7 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
     for job in jobs:
         cfg, sched = job if isinstance(job, tuple) else (job, None)
         planned.append(Job(cfg, lowered_schedule(cfg, sched, check=check)))
-    worlds = {(j.config.tp, j.schedule.num_ranks) for j in planned}
+    worlds = {(j.config.parallel.tp, j.schedule.num_ranks) for j in planned}
     if len(worlds) != 1:
         raise ValueError(f"run_many needs one world size (T x D x R) for all jobs; got "
                          f"{sorted(t * n for t, n in worlds)}")
@@ -127,9 +127,10 @@ def estimated_host_bytes(job: Job) -> float:
     spec = cfg.spec()
     fp32 = 4 / spec.dtype_bytes
     static = 16.0 * model_params(spec) * low.num_copies * low.replicas
-    inflight = min(low.num_microbatches, low.num_devices) * low.replicas * cfg.tp   # TP ranks keep whole inputs
+    # TP ranks keep whole inputs
+    inflight = min(low.num_microbatches, low.num_devices) * low.replicas * cfg.parallel.tp
     acts = inflight * spec.layers * block_activation_bytes(spec) * fp32
-    return low.num_ranks * cfg.tp * PROCESS_BYTES + static + acts
+    return low.num_ranks * cfg.parallel.tp * PROCESS_BYTES + static + acts
 
 
 def check_host_memory(jobs: Sequence[Job], world: int) -> None:

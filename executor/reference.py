@@ -11,7 +11,7 @@ executor must reproduce its losses and
 final parameters; its peak activation memory is that of one micro-batch through the whole model,
 measured with the same meter as the executor (so Ma = that / D).
 
-It reads the model, the micro-batch size (``config.micro_batch`` overrides the spec's) and G from
+It reads the model, the micro-batch size (``config.parallel.micro_batch`` overrides the spec's) and G from
 the config exactly as the executor does, so a run of a planner plan (R x D or stage replicas
 r_s, with an explicit partition: see :func:`experiments.plan_files.config_from_plan`) and its reference
 train on the same global batch, cut into the same micro-batches; the partition does not matter here
@@ -58,7 +58,7 @@ def run_reference(config: RunConfig) -> RunResult:
                 loss = model.loss(model(x), y)
                 scaled = loss / G
             if step == 0 and g == 0:
-                ma = (meter.current() - before) / config.devices
+                ma = (meter.current() - before) / config.layout.devices
             scaled.backward()
             loss_sum = loss_sum + loss.detach()
         optimizer.step()

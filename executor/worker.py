@@ -146,7 +146,7 @@ def run_spawned(jobs: list[Job], rank: int, world: int, local_rank: int, local_w
     """A spawned local rank (one node of ``world`` processes): with tensor parallelism the mesh rank
     its device runs (:func:`executor.mesh.placement`, the function torchrun's processes use);
     without, the launch order."""
-    tp = jobs[0].config.tp
+    tp = jobs[0].config.parallel.tp
     if tp == 1:
         return run_jobs(jobs, rank, world, local_rank, local_world)
     mesh_rank, _ = placement(jobs[0].config.device_map, jobs[0].schedule, tp, 0, rank, 1, world)
@@ -197,13 +197,13 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     """Steps 1-3 of the module docstring: stages, optimizer, groups, mailbox, aligned clock. ``rank``
     is the process-group rank: pipeline rank ``rank // T``, TP rank ``rank % T`` (:mod:`executor.mesh`)."""
     cfg, sched = job.config, job.schedule
-    mesh = Mesh(cfg.tp, sched.num_ranks)
+    mesh = Mesh(cfg.parallel.tp, sched.num_ranks)
     if mesh.world != world:
-        raise ValueError(f"{sched.name} with T={cfg.tp}, D={sched.num_devices}, R={sched.replicas} needs "
+        raise ValueError(f"{sched.name} with T={cfg.parallel.tp}, D={sched.num_devices}, R={sched.replicas} needs "
                          f"{mesh.world} processes; {world} were started")
     tp_group = groups.for_tensor_parallel(mesh, rank, ctx.device) if mesh.tp > 1 else None
     pipe_rank, tp_rank = mesh.coords(rank)
-    tp = TensorParallel(mesh.tp, tp_rank, tp_group, cfg.sequence_parallel)
+    tp = TensorParallel(mesh.tp, tp_rank, tp_group, cfg.parallel.sequence_parallel)
     global_rank, rank = rank, pipe_rank     # from here on: the pipeline rank, as the program names it
     stack = None
     if job.layout is not None:      # a model file: executor.user_model builds this rank's stages
@@ -221,7 +221,7 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
             if s not in built:
                 built[s] = stage_module(spec, sched.num_stages, s, seed=cfg.seed,
-                                        partition=cfg.partition, tp=tp).to(ctx.device)
+                                        partition=cfg.blocks, tp=tp).to(ctx.device)
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)
@@ -239,11 +239,11 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                                      ps) for ranks, ps in stack.tie_groups], stack.excluded)
     elif tp.sequence:           # norms on 1/T of the sequence: their gradients summed over the TP group
         partial = [p for m in built.values() for n, p in m.named_parameters() if sequence_partial(n)]
-    if partial and not cfg.zero:    # ZeRO-1 sums them on its shard instead (executor.zero)
+    if partial and not cfg.parallel.zero:    # ZeRO-1 sums them on its shard instead (executor.zero)
         from .user_model import TiedGradients
         tied = TiedGradients(global_rank, [(mesh.tp_group(rank), tp_group, partial)], set(),
                              what="the sequence-parallel norm gradients")
-    if cfg.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
+    if cfg.parallel.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
         optimizer = ShardedOptimizer([(list(m.parameters()), stage_groups.get(s),
                                        sched.stage_group(s).index(rank), len(sched.stage_group(s)))
                                       for s, m in built.items()], cfg.optimizer, cfg.lr,
@@ -256,7 +256,7 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer, data=data, ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
-                              recompute=cfg.recompute, meter_every_forward=cfg.meter_every_forward, tied=tied)
+                              recompute=cfg.parallel.recompute, meter_every_forward=cfg.meter_every_forward, tied=tied)
     return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None, tp_rank)
 
 
@@ -294,7 +294,7 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     if probe_host:
         probe += probe_host()
     node, local, _, per_node = topology()
-    pipe_rank = rank // cfg.tp
+    pipe_rank = rank // cfg.parallel.tp
     report = {"rank": pipe_rank, "tp": rs.tp_rank, "rows": rows, "losses": losses, "peak": peak,
               "fwd_bytes": rs.runtime.fwd_bytes,
               "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe, "cpu": window, "core": core,
@@ -381,7 +381,7 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
                                    if rep["rank"] == r] for r in range(sched.num_ranks)) \
         if cfg.collect_params else (None, None)
-    extra = {} if drift is None or cfg.tp == 1 else {"tp_replica_drift": drift}
+    extra = {} if drift is None or cfg.parallel.tp == 1 else {"tp_replica_drift": drift}
     extra |= {"placement": [dict(rep["placement"], rank=rep["rank"], tp=rep["tp"])
                            for rep in sorted(everyone, key=lambda r: (r["rank"], r["tp"]))]}
     probes = sorted(t for rep in reports for t in rep["probe"])

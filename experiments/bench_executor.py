@@ -503,7 +503,7 @@ def main(argv=None) -> int:
         if model == "wide":
             model = str(Path(tmp) / "bench-wide.yaml")
             Path(model).write_text(json.dumps(WIDE))  # JSON is YAML
-        cfg = RunConfig(schedule="dapple", devices=2, microbatches=args.microbatches, model=model, steps=args.steps,
+        cfg = RunConfig.of(schedule="dapple", devices=2, microbatches=args.microbatches, model=model, steps=args.steps,
                         optimizer="sgd", lr=1e-3, device="cpu", timeout=300.0)
         spec = cfg.spec()
         if args.profile_step:

@@ -86,9 +86,10 @@ def tensor_parallel_case(R: int = 128, D: int = 16, N: int = 16, cluster: str = 
     """Llama-3-405B at TP 8 x PP D x DP R, interleaved (2 chunks), N micro-batches, full recompute, in
     Megatron's rank order (the default) on ``cluster`` sized to 8 D R GPUs."""
     from cost_models.job import Job, Layout
+    from cost_models.parallel import Parallel
     from sim import simulate_job
-    job = Job(layout=Layout(schedule="interleaved", devices=D, microbatches=N, replicas=R, tp=8),
-              model="llama3-405b", cluster=f"{cluster}:{D * R}", recompute="full")
+    job = Job(layout=Layout(schedule="interleaved", devices=D, microbatches=N, replicas=R),
+              parallel=Parallel(tp=8, recompute="full"), model="llama3-405b", cluster=f"{cluster}:{D * R}")
     _, res = simulate_job(job, max_ops=None)
     if res.simulated_replicas != 1:
         raise RuntimeError(f"R={R}: replicas were not simulated as one ({res.full_reason})")

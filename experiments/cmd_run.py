@@ -190,8 +190,8 @@ def _main(args) -> int:
         return 1
     if info is not None:
         result.extra["plan"] = {"file": str(args.plan), **info}
-    if cfg.schedule_file is not None:
-        result.extra["schedule_file"] = cfg.schedule_file.describe()
+    if cfg.layout.schedule_file is not None:
+        result.extra["schedule_file"] = cfg.layout.schedule_file.describe()
     _write_outputs(result, args)
     if args.json:
         print_json(result.to_dict())
@@ -214,13 +214,13 @@ def _announce_plan(cfg, sched, info, args) -> None:
     if under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
         return
     out = sys.stderr if args.json else sys.stdout
-    what = "reference (one process) for" if args.reference else f"{sched.num_ranks * cfg.tp} processes:"
+    what = "reference (one process) for" if args.reference else f"{sched.num_ranks * cfg.parallel.tp} processes:"
     print(f"plan {printable(args.plan)}: {info['plan']}", file=out)
-    split = ("the default split of the blocks" if cfg.partition is None else
-             f"layers per stage {list(cfg.partition)}" if cfg.is_model_file else
-             f"blocks per stage {list(cfg.partition)} (layers {info['partition_layers']} with embedding and head)")
+    split = ("the default split of the blocks" if cfg.blocks is None else
+             f"layers per stage {list(cfg.blocks)}" if cfg.is_model_file else
+             f"blocks per stage {list(cfg.blocks)} (layers {info['partition_layers']} with embedding and head)")
     print(f"running {what} {info['layout']}; global batch {info['global_batch']} = {cfg.global_microbatches} "
-          f"micro-batches of {cfg.samples_per_microbatch}; {split}; schedule {cfg.schedule}", file=out)
+          f"micro-batches of {cfg.samples_per_microbatch}; {split}; schedule {sched.name}", file=out)
     if args.reference:
         return
     dmap = info["device_map"]
@@ -259,12 +259,13 @@ def _write_outputs(result, args) -> None:
 def _print_human(result, args) -> None:
     c = result.config
     where = result.trace.attrs.get("backend", "") if result.trace is not None else "one process"
-    tp = f"T={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} " \
-        if c.tp > 1 and result.engine == "executor" else ""
-    print(f"{result.engine} {c.schedule}: {tp}D={c.devices} N={c.microbatches} R={c.replicas}  "
+    lay, par = c.layout, c.parallel
+    tp = f"T={par.tp}{' (sequence parallel)' if par.sequence_parallel else ''} " \
+        if par.tp > 1 and result.engine == "executor" else ""
+    print(f"{result.engine} {lay.schedule}: {tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
-    if c.schedule_file is not None:
-        print(f"  schedule file {printable(c.schedule_file.describe())}")
+    if c.layout.schedule_file is not None:
+        print(f"  schedule file {printable(c.layout.schedule_file.describe())}")
     if not c.is_model_file and result.engine == "executor":
         spec = c.spec()
         if spec.has_dropout or spec.attention_kind == "eager":

@@ -43,7 +43,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    from cost_models.transformer import RECOMPUTE, ZERO_STAGES
+    from cost_models.parallel import RECOMPUTE, ZERO_STAGES
 
     from .sweep import Grid, parse_choices, parse_ints, run_sweep
     grid = Grid(schedules=tuple(parse_schedules(args.schedules)), devices=parse_ints(args.devices, "--devices"),
@@ -57,8 +57,9 @@ def main(args) -> int:
         raise ValueError("--workers is for local processes; Ray places the points itself (drop one)")
     base = job_from_args(args, layout=layout_from_args(args, schedule=grid.schedules[0], devices=grid.devices[0],
                                                        microbatches=grid.microbatches[0], replicas=grid.dp[0],
-                                                       tp=grid.tp[0], schedules=grid.schedules),
-                         micro_batch=grid.micro_batch[0], zero=grid.zero[0], recompute=grid.recompute[0],
+                                                       schedules=grid.schedules),
+                         tp=grid.tp[0], micro_batch=grid.micro_batch[0], zero=grid.zero[0],
+                         recompute=grid.recompute[0],
                          eager=not args.no_eager, exact=args.exact)
     rows = run_sweep(grid, base, args.out, workers=args.workers, use_ray=args.ray is not None,
                      ray_address=args.ray, progress=not args.no_progress and sys.stderr.isatty(),

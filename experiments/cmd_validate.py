@@ -173,10 +173,8 @@ def main(args) -> int:
         names.append(n)
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
-    base = job_from_args(args, layout=layout_from_args(args, schedules=names, schedule=names[0], microbatches=N,
-                                                       tp=T),
-                         model=model,
-                         micro_batch=args.micro_batch)
+    base = job_from_args(args, layout=layout_from_args(args, schedules=names, schedule=names[0], microbatches=N),
+                         model=model, tp=T, micro_batch=args.micro_batch)
     jobs = [base.with_layout(schedule=n) for n in names]
     progress = lambda m: _say(f"  {m}")   # noqa: E731
     record.setting, record.skipped = (f"{f'T={T} ' if T > 1 else ''}D={D} N={N} R={R}, model {model}", skipped)

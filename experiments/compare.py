@@ -95,7 +95,7 @@ def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = Fal
     lay = job.layout
     unit, mem = rows[0]["time_unit"], rows[0]["memory_unit"]
     shown_rows, shown = human_rows(rows, mem)
-    tp = f"T={lay.tp} " if lay.tp > 1 else ""
+    tp = f"T={job.parallel.tp} " if job.parallel.tp > 1 else ""
     print(f"{tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  {units_note(unit, mem, shown)}")
     cols = ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"]
     if any("out_of_memory" in r for r in rows):

@@ -127,7 +127,7 @@ def run_pair(model: str, devices: int, dtype: str, device: str, steps: int, micr
     from executor.config import RunConfig
     from executor.launch import run
     from executor.reference import run_reference
-    cfg = RunConfig(schedule="dapple", devices=devices, microbatches=microbatches, model=model, steps=steps,
+    cfg = RunConfig.of(schedule="dapple", devices=devices, microbatches=microbatches, model=model, steps=steps,
                     dtype=dtype, device=device)
     ref = run_reference(cfg)
     res = run(cfg)
@@ -176,7 +176,7 @@ def llama_runs(spec, tps, dtype: str, device: str, steps: int, progress=print) -
     rows = []
     for t, sp in cases:
         t0 = time.perf_counter()
-        cfg = RunConfig(schedule="dapple", devices=1, microbatches=2, model=spec, steps=steps, dtype=dtype,
+        cfg = RunConfig.of(schedule="dapple", devices=1, microbatches=2, model=spec, steps=steps, dtype=dtype,
                         device=device, tp=t, sequence_parallel=sp)
         ref, res = run_reference(cfg), run(cfg)
         row = {"tp": t, "sequence_parallel": sp, "dtype": dtype, "loss_reference": ref.losses[-1],

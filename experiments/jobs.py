@@ -9,12 +9,13 @@ values while parsing.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from cost_models import FABRICS, MAPPINGS
-from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout
+from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, ClusterChoice, Faults, Job, Layout, route_fields
 from cost_models.kernels import COST_MODELS
-from cost_models.transformer import RECOMPUTE, ZERO_STAGES
+from cost_models.parallel import RECOMPUTE, ZERO_STAGES, Parallel
 from schedules import families, get, names
 from schedules.registry import ALIASES
 
@@ -121,18 +122,18 @@ def plan_facts(plan) -> dict[str, str]:
     facts = {"cluster": f"cluster {plan.cluster.name}", "nodes": f"{plan.cluster.nodes} nodes",
              "unit_costs": costs, "profile": costs, "stage_costs": costs, "profile_batch": costs}
     if isinstance(plan, LayoutPlan):
-        f, lay = plan.job_fields, plan.job_fields["layout"]
+        f, lay, par = plan.job_fields, plan.job_fields["layout"], plan.job_fields["parallel"]
         limit = lay.memory_limit
         facts.update(schedule=f"schedule {lay.schedule}", devices=f"D {lay.devices}",
                      microbatches=f"N {lay.microbatches}", chunks=f"chunks {lay.chunks}",
-                     variant=f"variant {lay.variant or 'default'}", dp=f"R {lay.replicas}", tp=f"T {lay.tp}",
+                     variant=f"variant {lay.variant or 'default'}", dp=f"R {lay.replicas}", tp=f"T {par.tp}",
                      memory_limit="memory limit " + ("none" if limit is None else f"{limit[0]:g} {limit[1]}"),
                      model=f"model {plan.model.name}", seq_len=f"sequence length {plan.model.seq_len}",
-                     micro_batch=f"micro-batch {f['micro_batch']}", partition="the default split",
-                     recompute=f"recompute {f['recompute']}", zero=f"zero {f['zero']}",
-                     sequence_parallel="sequence parallel " + ("on" if f["sequence_parallel"] else "off"),
+                     micro_batch=f"micro-batch {par.micro_batch}", partition="the default split",
+                     recompute=f"recompute {par.recompute}", zero=f"zero {par.zero}",
+                     sequence_parallel="sequence parallel " + ("on" if par.sequence_parallel else "off"),
                      device_map=f"device map {f['device_map']}")
-        if lay.tp == 1:
+        if par.tp == 1:
             facts["tp_overlap"] = "T 1"
         return facts
     p, src, spec = plan.plan, plan.workload.source, plan.workload.spec
@@ -297,7 +298,7 @@ def layout_from_args(args, *, schedules=None, **overrides) -> Layout:
     fields = dict(schedule=o.get("schedule"), devices=o.get("devices"), microbatches=o.get("microbatches"),
                   replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
                   chunks=o.get("chunks") or SCHEDULE_DEFAULTS["chunks"], variant=o.get("variant"),
-                  tp=o.get("tp") or 1, memory_limit=o.get("memory_limit"))
+                  memory_limit=o.get("memory_limit"))
     if sf is not None:      # compare: the named schedules at the file's D and N unless given
         fields.update(devices=fields["devices"] or sf.schedule.num_devices,
                       microbatches=fields["microbatches"] or sf.schedule.num_microbatches)
@@ -333,7 +334,7 @@ def file_layout(args, sf, *, chunks: bool = True) -> Layout:
                                             ("variant", "variant"), ("memory_limit", "memory_limit"))}
     if chunks:
         given["chunks"] = o.get("chunks")
-    return Layout.of_file(sf, replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"], tp=o.get("tp") or 1,
+    return Layout.of_file(sf, replicas=o.get("dp") or SCHEDULE_DEFAULTS["dp"],
                           **{k: v for k, v in given.items() if v is not None})
 
 
@@ -346,22 +347,30 @@ def job_from_args(args, *, layout: Layout | None = None, plan=None, **overrides)
     fields: dict = {"plan": plan}
     if plan is None:
         fields["layout"] = layout if layout is not None else layout_from_args(args)
+    par: dict = {}
     if "layout" in groups:
         fields["eager"] = not o["no_eager"]
+        par["tp"] = o.get("tp") or SCHEDULE_DEFAULTS["tp"]
     if "costs" in groups:
         fields.update(model=o["model"], cluster=cluster_from_args(args), unit_costs=o["unit_costs"],
                       profile=o["profile"], stage_costs=o["stage_costs"],
                       cost_model=o["cost_model"], profile_batch=o["profile_batch"],
-                      recompute=o["recompute"] or "none", device_map=o["device_map"],
-                      sequence_parallel=o["sequence_parallel"], tp_overlap=o["tp_overlap"],
-                      zero=0 if o["zero"] is None else o["zero"],
-                      seq_len=o["seq_len"], memory_reserve=o["memory_reserve"])
+                      device_map=o["device_map"], memory_reserve=o["memory_reserve"])
+        par.update(recompute=o["recompute"] or "none", sequence_parallel=o["sequence_parallel"],
+                   tp_overlap=o["tp_overlap"], zero=0 if o["zero"] is None else o["zero"], seq_len=o["seq_len"])
         if "partition" in o:
-            fields.update(partition=parse_partition(o["partition"]), micro_batch=o["micro_batch"])
+            fields.update(partition=parse_partition(o["partition"]))
+            par.update(micro_batch=o["micro_batch"])
     if "faults" in groups:
         fields.update(exact=o["exact"], faults=Faults(slowdown=tuple(o["slowdown"]), slow_links=tuple(o["slow_link"]),
                                                       jitter=o["jitter"], seed=o["seed"]))
-    fields.update(overrides)
+    layout_over, par_over, own = route_fields(overrides)
+    if layout_over:
+        fields["layout"] = replace(fields["layout"], **layout_over)
+    if plan is not None:     # the plan's record, with the what-if it takes (the options it fixes were refused)
+        par = {**plan.parallel.record(), **({"tp_overlap": True} if o.get("tp_overlap") else {})}
+    fields["parallel"] = Parallel(**{**par, **par_over})
+    fields.update(own)
     return Job(**fields)
 
 

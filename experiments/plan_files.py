@@ -10,11 +10,12 @@ from cost_models.model_spec import spec_from_dict
 from cost_models.partition import blocks_from_layers
 from executor.config import RunConfig, lowered_schedule
 from planner.plan_io import LayoutPlan, LoadedPlan, load_plan
+from planner.simulate import REPLICATED
 from schedules import Schedule
 
 # the fields of a run a plan fixes (its schedule, layout and model)
-PLAN_FIXES = ("schedule", "devices", "microbatches", "replicas", "model", "micro_batch", "partition",
-              "eager_allreduce", "recompute")
+PLAN_FIXES = ("job", "schedule", "devices", "microbatches", "replicas", "model", "micro_batch", "partition",
+              "eager", "recompute")
 
 
 def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfig, Schedule, dict]:
@@ -38,26 +39,29 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
     info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
             "devices_per_node": loaded.cluster.devices_per_node,
             "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
-    options.setdefault("device_map", tuple(ex["device_map"]))
-    info["device_map"] = options["device_map"]      # the plan's, or the --device-map run passes
-    options["recompute"] = loaded.workload.source.get("recompute", "none")   # what the plan's memory assumed
+    mapping = options.pop("device_map", None)     # a --device-map name run passes, else the plan's placement
+    if mapping is None:
+        options["placement"] = tuple(ex["device_map"])
+    recompute = loaded.workload.source.get("recompute", "none")   # what the plan's memory assumed
+    # a non-uniform plan runs the planner's replicated 1F1B (the lowered schedule given to the run)
+    run = dict(schedule="dapple" if low.name == REPLICATED else low.name, devices=low.num_devices,
+               microbatches=ex["microbatches"], chunks=loaded.plan.chunks, replicas=low.replicas,
+               micro_batch=ex["micro_batch"], partition=tuple(ex["partition"]), eager=eager, recompute=recompute,
+               device_map=mapping)
     if "model_file" in ex:      # a profile's layer stack: the partition is over its layers
-        cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],
-                        chunks=loaded.plan.chunks, replicas=low.replicas, model=ex["model_file"],
-                        micro_batch=ex["micro_batch"], partition=tuple(ex["partition"]), eager_allreduce=eager,
-                        **options)
+        cfg = RunConfig.of(model=ex["model_file"], **run, **options)
+        info["device_map"] = cfg.device_map
         lowered_schedule(cfg, low)
         return cfg, low, info
     spec = spec_from_dict(dict(ex["model_spec"]), f"plan model {ex['model']}")
     if spec.kind != "gpt":
         raise ValueError(f"the executor trains GPT decoders; the plan's model {spec.name!r} is of kind {spec.kind!r}")
     try:
-        blocks = blocks_from_layers(ex["partition"], spec.layers)
+        blocks_from_layers(ex["partition"], spec.layers)
     except ValueError as e:
         raise ValueError(f"plan partition: {e}") from None
-    cfg = RunConfig(schedule=low.name, devices=low.num_devices, microbatches=ex["microbatches"],
-                    chunks=loaded.plan.chunks, replicas=low.replicas, model=spec, micro_batch=ex["micro_batch"],
-                    partition=tuple(blocks), eager_allreduce=eager, **options)
+    cfg = RunConfig.of(model=spec, **run, **options)
+    info["device_map"] = cfg.device_map
     lowered_schedule(cfg, low)
     return cfg, low, info
 
@@ -70,12 +74,12 @@ def _layout_config(loaded: LayoutPlan, eager: bool, options: dict) -> tuple[RunC
     job = loaded.run_job(eager=eager, device_map=device_map if isinstance(device_map, str) else None)
     cfg = RunConfig.from_job(job, **options)
     low = lowered_schedule(cfg)
-    lay = job.layout
-    info = {"layout": f"T={lay.tp} x D={lay.devices} x R={lay.replicas}, {lay.microbatches} micro-batches of "
-                      f"{job.micro_batch} per replica", "device_map": cfg.device_map,
+    lay, par = job.layout, job.parallel
+    info = {"layout": f"T={par.tp} x D={lay.devices} x R={lay.replicas}, {lay.microbatches} micro-batches of "
+                      f"{par.micro_batch} per replica", "device_map": cfg.device_map,
             "partition_layers": None, "devices_per_node": loaded.cluster.devices_per_node,
             "global_batch": loaded.record.get("global_batch"), "model": loaded.model.name,
-            "plan": f"{lay.schedule} T={lay.tp} D={lay.devices} R={lay.replicas} N={lay.microbatches} "
-                    f"micro-batch {job.micro_batch}, recompute {job.recompute}, ZeRO-{job.zero}"
-                    + (", sequence parallel" if job.sequence_parallel else "")}
+            "plan": f"{lay.schedule} T={par.tp} D={lay.devices} R={lay.replicas} N={lay.microbatches} "
+                    f"micro-batch {par.micro_batch}, recompute {par.recompute}, ZeRO-{par.zero}"
+                    + (", sequence parallel" if par.sequence_parallel else "")}
     return cfg, low, info

@@ -39,7 +39,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 def space_from_args(args):
     """The :class:`planner.layout.LayoutSpace` the options ask for."""
     from planner.layout import DEFAULT_MICRO_BATCHES, LayoutSpace
-    from cost_models.transformer import RECOMPUTE
+    from cost_models.parallel import RECOMPUTE
     tp = None if args.tp.strip() == "auto" else _ints(args.tp, "--tp")
     mbs = DEFAULT_MICRO_BATCHES if args.micro_batches is None else _ints(args.micro_batches, "--micro-batches")
     scheds = None if args.schedules is None else tuple(parse_schedules(args.schedules))

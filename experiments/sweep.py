@@ -31,7 +31,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cost_models.bind import CostInputs, cost_model_for, load_inputs
@@ -61,9 +61,9 @@ def point_key(job: "Job | Impossible") -> tuple[str, ...]:
     """The CSV's key of a point (the grid's axes, as text)."""
     if isinstance(job, Impossible):
         return job.key
-    lay = job.layout
-    return _key(lay.schedule, lay.devices, lay.microbatches, lay.replicas, lay.tp, job.zero, job.recompute,
-                job.micro_batch)
+    lay, par = job.layout, job.parallel
+    return _key(lay.schedule, lay.devices, lay.microbatches, lay.replicas, par.tp, par.zero, par.recompute,
+                par.micro_batch)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +88,8 @@ class Grid:
                                        self.recompute, self.micro_batch):
             s, d, n, r, t, z, c, b = point
             try:
-                out.append(replace(base.with_layout(schedule=s, devices=d, microbatches=n, replicas=r, tp=t), zero=z,
-                                   recompute=c, micro_batch=b))
+                out.append(base.with_(schedule=s, devices=d, microbatches=n, replicas=r, tp=t, zero=z,
+                                      recompute=c, micro_batch=b))
             except ValueError as e:
                 out.append(Impossible(_key(*point), str(e).splitlines()[0] if str(e) else type(e).__name__))
         return out
@@ -151,10 +151,9 @@ def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
     if inputs.cluster is not None and base.source != "profile":
         job["cluster"]["name"] = job["cluster"]["name"] or DEFAULT_CLUSTER
         job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile")
-    for axis in ("micro_batch", "zero", "recompute"):
-        job.pop(axis)
+    job["parallel"] = {k: v for k, v in job["parallel"].items() if k not in ("micro_batch", "zero", "recompute", "tp")}
     job["layout"] = {k: v for k, v in job["layout"].items() if k not in ("schedule", "devices", "microbatches",
-                                                                         "replicas", "tp")}
+                                                                         "replicas")}
     for name in ("model", "profile"):
         job[name] = _absolute(job[name])
     job["cluster"]["name"] = _absolute(job["cluster"]["name"])

@@ -34,7 +34,8 @@ from cost_models.cluster import Cluster
 from cost_models.job import ClusterChoice, Job, Layout
 from cost_models.memory import MemoryReport, fmt_bytes, memory_report, peak_activation, usable_memory
 from cost_models.model_spec import ModelSpec
-from cost_models.transformer import RECOMPUTE, megatron_flops
+from cost_models.parallel import RECOMPUTE, Parallel
+from cost_models.transformer import megatron_flops
 from schedules import registry
 from schedules.ir import COMPUTE_KINDS, ScheduleError
 
@@ -117,14 +118,14 @@ class Confirmed:
         micro_batch, microbatches, recompute, zero, sequence_parallel, iteration_time,
         tokens_per_s, mfu (:func:`layout_mfu`), peak_memory (bytes: the worst GPU's static +
         activations), memory_need (with the transients), bubble_ratio, time_bound, memory_verdict."""
-        lay, j = self.job.layout, self.job
-        return {"tp": lay.tp, "devices": lay.devices, "dp": lay.replicas, "gpus": lay.gpus,
+        lay, j, par = self.job.layout, self.job, self.job.parallel
+        return {"tp": par.tp, "devices": lay.devices, "dp": lay.replicas, "gpus": j.gpus,
                 "schedule": lay.schedule, "chunks": lay.chunks if registry.get(lay.schedule).takes_chunks else 1,
-                "variant": lay.variant, "micro_batch": j.micro_batch, "microbatches": lay.microbatches,
-                "recompute": j.recompute, "zero": j.zero, "sequence_parallel": j.sequence_parallel,
+                "variant": lay.variant, "micro_batch": par.micro_batch, "microbatches": lay.microbatches,
+                "recompute": par.recompute, "zero": par.zero, "sequence_parallel": par.sequence_parallel,
                 "device_map": j.mapping, "iteration_time": self.iteration_time,
                 "tokens_per_s": global_batch * model.seq_len / self.iteration_time,
-                "mfu": layout_mfu(model, global_batch, self.iteration_time, lay.gpus, peak_flops),
+                "mfu": layout_mfu(model, global_batch, self.iteration_time, j.gpus, peak_flops),
                 "peak_memory": self.peak_memory, "memory_need": self.memory_need, "bubble_ratio": self.bubble_ratio,
                 "time_bound": self.time_bound, "memory_verdict": self.verdict}
 
@@ -234,13 +235,13 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                             if D * (chunks if fam.takes_chunks else 1) > model.layers:
                                 continue
                             lay = Layout(schedule=name, devices=D, microbatches=N, replicas=R, chunks=chunks,
-                                         variant=variant, tp=tp)
+                                         variant=variant)
                             for rc, zero, sp, dmap in itertools.product(
                                     space.recompute, space.zero if R > 1 else (0,),
                                     space.sequence_parallel if tp > 1 else (False,), _distinct_maps(space, D, R)):
-                                out.append(Job(layout=lay, model=model, cluster=choice, micro_batch=mb,
-                                               recompute=rc, zero=zero, sequence_parallel=sp, cost_model=cost_model,
-                                               memory_reserve=memory_reserve, device_map=dmap))
+                                par = Parallel(tp=tp, micro_batch=mb, recompute=rc, zero=zero, sequence_parallel=sp)
+                                out.append(Job(layout=lay, model=model, cluster=choice, parallel=par,
+                                               cost_model=cost_model, memory_reserve=memory_reserve, device_map=dmap))
     return out
 
 
@@ -268,11 +269,12 @@ class _Bounds:
         self._acts: dict = {}
 
     def inputs(self, job: Job) -> CostInputs:
-        return CostInputs("transformer", model=self.model.replace(micro_batch=job.micro_batch), cluster=self.cluster)
+        return CostInputs("transformer", model=self.model.replace(micro_batch=job.parallel.micro_batch),
+                          cluster=self.cluster)
 
     def time(self, job: Job) -> float:
-        lay = job.layout
-        key = (job.micro_batch, lay.tp, job.sequence_parallel, job.recompute)
+        lay, par = job.layout, job.parallel
+        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute)
         if key not in self._work:
             tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
             c = tcm.layer_costs()
@@ -312,8 +314,8 @@ class _Bounds:
             costs = tcm.bind(sched)
         except ValueError as e:
             return str(e)
-        lay = job.layout
-        akey = (id(sched), job.micro_batch, lay.tp, job.sequence_parallel, job.recompute)
+        par = job.parallel
+        akey = (id(sched), par.micro_batch, par.tp, par.sequence_parallel, par.recompute)
         if akey not in self._acts:       # ZeRO changes the static bytes only: one walk for both
             self._acts[akey] = peak_activation(sched, costs)
         rep = MemoryReport(tuple(costs.static_mem), self._acts[akey], capacity, costs.mem_unit,
@@ -338,8 +340,8 @@ class _Bounds:
         return self._counts[key]
 
     def memory(self, job: Job) -> float:
-        lay = job.layout
-        key = (job.micro_batch, lay.tp, job.sequence_parallel, job.recompute, job.zero, lay.replicas)
+        lay, par = job.layout, job.parallel
+        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas)
         if key not in self._mem:
             tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
             params = sum(float(x.params) for x in tcm.layers())
@@ -349,9 +351,9 @@ class _Bounds:
 
 
 def _order(job: Job) -> tuple:
-    lay = job.layout
-    return (lay.tp, lay.devices, lay.schedule, lay.variant or "", lay.chunks, job.micro_batch,
-            RECOMPUTE.index(job.recompute), job.zero, job.sequence_parallel, job.mapping)
+    lay, par = job.layout, job.parallel
+    return (par.tp, lay.devices, lay.schedule, lay.variant or "", lay.chunks, par.micro_batch,
+            RECOMPUTE.index(par.recompute), par.zero, par.sequence_parallel, job.mapping)
 
 
 def confirm(job: Job, inputs: CostInputs, capacity: float, reserve: float | None, time_bound: float = 0.0,
@@ -365,7 +367,7 @@ def confirm(job: Job, inputs: CostInputs, capacity: float, reserve: float | None
         if built is None or isinstance(built, Exception):
             bound = bind(job, inputs)
         else:
-            bound = bind_lowered(job, inputs, job.layout.build(eager=job.eager, built=built, **inputs.limits()))
+            bound = bind_lowered(job, inputs, job.build(built=built, **inputs.limits()))
     except (ScheduleError, ValueError) as e:
         return "refused", str(e)
     rep = memory_report(bound.lowered, bound.costs, capacity, reserve)

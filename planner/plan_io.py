@@ -52,11 +52,12 @@ from cost_models import Cluster, cluster_from_dict
 from cost_models.bind import Bound
 from cost_models._spec import size_bytes
 from cost_models.files import one_line, read_text, write_output
+from cost_models.parallel import Parallel
 from cost_models.stack import absolute_model_ref
 
 from cost_models.workloads.workload_sources import workload_from_source
 from .plan import Plan
-from .simulate import Built, PlanInMemory, SimOutcome, build_plan, simulate_plan
+from .simulate import Built, PlanInMemory, SimOutcome, build_plan, plan_parallel, simulate_plan
 from cost_models.workloads.workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 1
@@ -109,8 +110,8 @@ class LoadedPlan:
         report fields of :func:`build_plan` and the plan file. What-ifs on the same plan: the
         cluster rewired as ``job.cluster`` says (``--fabric`` ...) and ``job.memory_reserve``; its
         layer costs were planned with their cost model and it has no tensor-parallel group, so
-        ``job.cost_model`` and ``job.tp_overlap`` are refused."""
-        if job.cost_model is not None or job.tp_overlap:
+        ``job.cost_model`` and ``job.parallel.tp_overlap`` are refused."""
+        if job.cost_model is not None or job.parallel.tp_overlap:
             raise ValueError(f"{'--cost-model' if job.cost_model is not None else '--tp-overlap'}: a DAPPLE plan "
                              f"fixes its layer costs and has T 1 ({self.path}); plan again")
         cluster = job.cluster.shape(self.cluster)
@@ -118,6 +119,11 @@ class LoadedPlan:
         return Bound(bound.lowered, bound.costs, bound.network,
                      {**bound.report, **job.cluster.shape_report(), "memory_reserve": job.memory_reserve,
                       "plan_file": str(self.path)})
+
+    @property
+    def parallel(self) -> Parallel:
+        """The plan's parallel record: T 1 and the recomputation its memory assumed."""
+        return plan_parallel(self.workload)
 
     def simulate(self, faults=None) -> SimOutcome:
         """The plan simulated as :func:`planner.simulate.simulate_plan` does (``faults``: a
@@ -175,13 +181,13 @@ def layout_plan_record(job, cluster: Cluster, global_batch: int, *, memory_limit
     spec, the cluster, ``micro_batch``, ``recompute``, ``zero``, ``sequence_parallel``,
     ``device_map``, ``cost_model``, ``memory_reserve``, ``memory_limit``, ``global_batch`` and what the planner
     simulated (``simulated``: its record)."""
-    lay = job.layout
+    lay, par = job.layout, job.parallel
     spec = job.model
     return {"format": FORMAT, "version": VERSION, "kind": "layout",
             "model": {"kind": "transformer", "name": spec.name, "spec": spec.to_dict()},
-            "cluster": cluster.to_dict(), "layout": {k: getattr(lay, k) for k in LAYOUT_FIELDS},
-            "micro_batch": job.micro_batch, "recompute": job.recompute, "zero": job.zero,
-            "sequence_parallel": job.sequence_parallel, "device_map": job.mapping, "cost_model": job.cost_model,
+            "cluster": cluster.to_dict(), "layout": {k: getattr(par if k == "tp" else lay, k) for k in LAYOUT_FIELDS},
+            "micro_batch": par.micro_batch, "recompute": par.recompute, "zero": par.zero,
+            "sequence_parallel": par.sequence_parallel, "device_map": job.mapping, "cost_model": job.cost_model,
             "memory_reserve": job.memory_reserve, "memory_limit": memory_limit, "global_batch": global_batch,
             "simulated": simulated}
 
@@ -197,6 +203,11 @@ class LayoutPlan:
     cluster: Cluster
     record: dict
     path: str = "plan"
+
+    @property
+    def parallel(self) -> Parallel:
+        """The plan's parallel record (its T, ZeRO, sequence parallelism, recompute, micro-batch)."""
+        return self.job_fields["parallel"]
 
     def job(self, *, eager: bool = True):
         """The planner's job (its cluster named by the plan's; its costs from :meth:`inputs`)."""
@@ -223,11 +234,12 @@ class LayoutPlan:
         (``--fabric`` ...). The options that would change the layout are the plan's
         (:func:`experiments.jobs.check_plan_args` refuses them)."""
         from cost_models.bind import CostInputs, bind
-        changes = {"tp_overlap": job.tp_overlap, "cluster": replace(job.cluster, name=self.cluster.name)}
+        planned = self.job(eager=job.eager)
+        changes = {"parallel": job.parallel, "cluster": replace(job.cluster, name=self.cluster.name)}
         for k in ("cost_model", "memory_reserve"):
             if getattr(job, k) is not None:
                 changes[k] = getattr(job, k)
-        mine = replace(self.job(eager=job.eager), **changes)     # checked again: --tp-overlap needs T > 1
+        mine = replace(planned, **changes)     # checked again: --tp-overlap needs T > 1
         b = bind(mine, CostInputs("transformer", model=self.model, cluster=job.cluster.shape(self.cluster)))
         return Bound(b.lowered, b.costs, b.network, {**b.report, "plan_file": str(self.path)})
 
@@ -247,10 +259,12 @@ def _layout_plan(rec: dict, source: str) -> LayoutPlan:
     if not isinstance(lay, dict) or set(lay) != set(LAYOUT_FIELDS):
         raise ValueError(f"{source}: field 'layout' must have exactly {', '.join(LAYOUT_FIELDS)}")
     try:
+        lay = dict(lay)
+        par = Parallel(tp=lay.pop("tp"), micro_batch=rec["micro_batch"], recompute=rec["recompute"],
+                       zero=rec["zero"], sequence_parallel=rec["sequence_parallel"])
         layout = Layout(**lay)
-        spec.check_tensor_parallel(layout.tp)
-        fields = {"layout": layout, "micro_batch": rec["micro_batch"], "recompute": rec["recompute"],
-                  "zero": rec["zero"], "sequence_parallel": rec["sequence_parallel"],
+        spec.check_tensor_parallel(par.tp)
+        fields = {"layout": layout, "parallel": par,
                   "device_map": rec.get("device_map"), "cost_model": rec.get("cost_model"),
                   "memory_reserve": rec.get("memory_reserve")}
         spec = spec.replace(micro_batch=rec["micro_batch"])
@@ -258,8 +272,9 @@ def _layout_plan(rec: dict, source: str) -> LayoutPlan:
         plan.job()      # every field checked as a job's
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {one_line(e)}") from None
-    if layout.gpus > cluster.num_devices:
-        raise ValueError(f"{source}: the layout uses {layout.gpus:,} GPUs, the cluster has {cluster.num_devices:,}")
+    gpus = plan.job().gpus
+    if gpus > cluster.num_devices:
+        raise ValueError(f"{source}: the layout uses {gpus:,} GPUs, the cluster has {cluster.num_devices:,}")
     return plan
 
 

@@ -38,6 +38,7 @@ from math import gcd
 from cost_models import Cluster, PerLayerCostModel, StageCosts
 from cost_models.bind import Bound
 from cost_models.job import Faults, Job
+from cost_models.parallel import Parallel
 from cost_models.partition import balanced_edges
 from cost_models.workloads.workload import Workload
 from schedules import Schedule, build, lower, make_schedule, validate
@@ -228,6 +229,12 @@ class SimOutcome:
                 "peak_memory": self.peak_memory, "out_of_memory": self.oom}
 
 
+def plan_parallel(work: Workload) -> Parallel:
+    """A DAPPLE plan's parallel record: T 1 and the recomputation its workload (and so its memory)
+    assumed."""
+    return Parallel(recompute=work.source.get("recompute", "none"))
+
+
 @dataclass(frozen=True)
 class PlanInMemory:
     """A plan, its workload and its cluster as a job's cost source
@@ -242,6 +249,10 @@ class PlanInMemory:
     split: bool = False
     check: bool = True
     path: str = "plan (in memory)"
+
+    @property
+    def parallel(self) -> Parallel:
+        return plan_parallel(self.workload)
 
     def bind(self, job) -> Bound:
         bt = build_plan(self.plan, self.workload, self.cluster, self.capacity, eager=job.eager, check=self.check,

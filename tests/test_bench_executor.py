@@ -89,7 +89,7 @@ def test_tp_pair_trains_the_same_blocks_on_both_sides():
     the same losses step after step (SGD at a large rate: the updates must agree too)."""
     from executor.config import RunConfig
     from executor.launch import launch
-    cfg = RunConfig(schedule="dapple", devices=2, microbatches=2, model="tiny", steps=3, optimizer="sgd", lr=0.5,
+    cfg = RunConfig.of(schedule="dapple", devices=2, microbatches=2, model="tiny", steps=3, optimizer="sgd", lr=0.5,
                     device="cpu", timeout=120.0)
     out = launch("experiments.bench_executor:tp_check_rank", {"config": cfg, "steps": 3}, 2)
     ours, theirs = (out[n] for n in tp_pair_names())

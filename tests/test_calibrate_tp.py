@@ -62,7 +62,7 @@ def test_a_simulated_rank_is_a_tp_group_on_t_cores():
     from calibration import simulate_with_profile
     from executor.config import RunConfig, lowered_schedule
     from schedules.trace import step_metrics
-    low = lowered_schedule(RunConfig(schedule="gpipe", devices=2, microbatches=4, steps=1, model="tiny", tp=2))
+    low = lowered_schedule(RunConfig.of(schedule="gpipe", devices=2, microbatches=4, steps=1, model="tiny", tp=2))
     prof = _tp_profile(time_slice=1e-3)
     c = prof.layer_costs()
     work = 4 * sum(f + b for f, b in zip(c.f, c.b_full))
@@ -95,8 +95,8 @@ def tp_sitting(tmp_path_factory):
     """The tiny GPT at T = 2 x D = 2 calibrated and validated in one short sitting (4 processes
     on this host's cores; GPipe a prediction, DAPPLE among the runs fitted on), its profile saved."""
     from calibration import SittingRules, calibrate_and_compare
-    from cost_models.job import Job, Layout
-    jobs = [Job(layout=Layout(schedule=s, devices=2, microbatches=4, tp=2)) for s in ("gpipe", "dapple")]
+    from cost_models.job import Job
+    jobs = [Job.of(schedule=s, devices=2, microbatches=4, tp=2) for s in ("gpipe", "dapple")]
     # short runs on a shared host: the figures are what is checked, not whether the host was quiet
     rules = SittingRules(runs=1, max_runs=1, warmup=1, max_foreign=100.0, max_spread=10.0)
     prof, comps = calibrate_and_compare(jobs, steps=7, repeats=3, rules=rules)
@@ -138,7 +138,8 @@ def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
     bare = replace(prof, tp=1, tp_allreduce=None)
     assert bare.host_cores()["cores"] == 2 * prof.host_cores()["cores"]
     for c in comps:
-        low = lowered_schedule(RunConfig(schedule=c.schedule, devices=2, microbatches=4, steps=1, model="tiny", tp=2))
+        low = lowered_schedule(RunConfig.of(schedule=c.schedule, devices=2, microbatches=4, steps=1, model="tiny",
+                                            tp=2))
         t = noise_free(step_metrics(simulate_with_profile(low, bare, steps=3)).iteration_times[1:])
         assert t / c.measured_iteration_time - 1 < -1 / 3, (c.schedule, t, c.measured_iteration_time)
 

@@ -40,8 +40,8 @@ def _layout_plan(tmp_path: Path, tp: int) -> str:
     from planner.plan_io import layout_plan_record
     path = tmp_path / f"layout-t{tp}.json"
     if not path.exists():
-        job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, replicas=2, tp=tp),
-                  model=load_model("tiny"), micro_batch=1, zero=1, sequence_parallel=tp > 1)
+        job = Job.of(layout=Layout(schedule="dapple", devices=2, microbatches=4, replicas=2), tp=tp,
+                     model=load_model("tiny"), micro_batch=1, zero=1, sequence_parallel=tp > 1)
         path.write_text(json.dumps(layout_plan_record(job, with_nodes(load_cluster("dgx-h100-ib"), 1), 8)))
     return str(path)
 

@@ -131,7 +131,7 @@ def test_layer_seconds():
     assert lc.b_input[1] == pytest.approx(257_698_037_760 / rate)
     assert lc.w[1] == pytest.approx(231_928_233_984 / rate)
     assert cm.TransformerCostModel(GPT96, cm.load_device("v100")).resolved_precision() == "fp16"
-    full = cm.TransformerCostModel(GPT96, A100, recompute="full").layer_costs()
+    full = cm.TransformerCostModel(GPT96, A100, parallel=cm.Parallel(recompute="full")).layer_costs()
     assert full.b_input[1] == pytest.approx(lc.b_input[1] + lc.f[1])
     assert full.act[1] == 2 * 1024 * 3072
     # Adam at 16 B/param touches 28 B/param at 2039 GB/s

@@ -123,7 +123,7 @@ def _synthetic_runs(profile, schedules, D, steps=5, disturbed=()):
     from calibration import simulate_with_profile
     out = []
     for s in schedules:
-        cfg = RunConfig(schedule=s, devices=D, microbatches=2 * D, steps=steps, model="tiny")
+        cfg = RunConfig.of(schedule=s, devices=D, microbatches=2 * D, steps=steps, model="tiny")
         tr = simulate_with_profile(lowered_schedule(cfg), profile, steps=steps)
         times = list(step_metrics(tr).iteration_times)
         for k in disturbed:
@@ -242,7 +242,7 @@ def test_executor_allreduce_rows_end_when_the_sum_is_ready():
     have the sum before the last member launched it, and OPT waits for it."""
     from executor.config import RunConfig
     from executor.launch import run
-    tr = run(RunConfig(schedule="chimera", devices=2, microbatches=2, steps=2, model="tiny")).trace
+    tr = run(RunConfig.of(schedule="chimera", devices=2, microbatches=2, steps=2, model="tiny")).trace
     ars = tr[tr["kind"] == "ALLREDUCE"]
     assert len(ars) == 2 * 2 * 2   # 2 steps x 2 stages x 2 members
     for (step, stage), g in ars.groupby(["step", "stage"]):

@@ -342,12 +342,13 @@ def test_recompute_keeps_less_and_changes_no_gradient(mode, split):
 
 def test_plan_validates_before_anything_starts():
     with pytest.raises(ScheduleError, match="even number of devices"):
-        lowered_schedule(RunConfig(schedule="chimera", devices=3, microbatches=3))
+        lowered_schedule(RunConfig.of(schedule="chimera", devices=3, microbatches=3))
     with pytest.raises(ValueError, match="layers"):
-        lowered_schedule(RunConfig(schedule="interleaved", devices=4, microbatches=4, chunks=4))  # 16 stages > 8 layers
+        # 16 stages > 8 layers
+        lowered_schedule(RunConfig.of(schedule="interleaved", devices=4, microbatches=4, chunks=4))
     with pytest.raises(ValueError, match="optimizer"):
-        RunConfig(optimizer="lamb")
-    low = lowered_schedule(RunConfig(schedule="bitpipe", devices=2, microbatches=4, replicas=2))
+        RunConfig.of(optimizer="lamb")
+    low = lowered_schedule(RunConfig.of(schedule="bitpipe", devices=2, microbatches=4, replicas=2))
     assert low.lowered and low.num_ranks == 4
 
 

@@ -51,28 +51,28 @@ def split_variant(name: str, D: int, N: int, *, defer: bool):
 
 
 def _cases_world2():
-    cases = {f"{s}-D2": (RunConfig(schedule=s, devices=2, microbatches=4, **BASE), None) for s in PAPER}
+    cases = {f"{s}-D2": (RunConfig.of(schedule=s, devices=2, microbatches=4, **BASE), None) for s in PAPER}
     for extra in names():  # schedules added later by other families run here too
         if extra in PAPER:
             continue
         try:
-            cfg = RunConfig(schedule=extra, devices=2, microbatches=4, **BASE)
+            cfg = RunConfig.of(schedule=extra, devices=2, microbatches=4, **BASE)
             lowered_schedule(cfg)
         except (ScheduleError, ValueError):
             continue
         cases[f"{extra}-D2"] = (cfg, None)
-    cfg = RunConfig(schedule="dapple", devices=2, microbatches=4, **BASE)
+    cfg = RunConfig.of(schedule="dapple", devices=2, microbatches=4, **BASE)
     cases["dapple-split-D2"] = (cfg, split_variant("dapple", 2, 4, defer=False))
     cases["bitpipe-split-deferred-D2"] = (cfg, split_variant("bitpipe", 2, 4, defer=True))
     text = str(Path(__file__).resolve().parent.parent / "schedules" / "ir.py")
-    cases["gpipe-textdata-lookahead1-D2"] = (RunConfig(schedule="gpipe", devices=2, microbatches=4, data=text,
+    cases["gpipe-textdata-lookahead1-D2"] = (RunConfig.of(schedule="gpipe", devices=2, microbatches=4, data=text,
                                                       recv_lookahead=1, **BASE), None)
-    cases["bitpipe-adam-D2"] = (RunConfig(schedule="bitpipe", devices=2, microbatches=4,
+    cases["bitpipe-adam-D2"] = (RunConfig.of(schedule="bitpipe", devices=2, microbatches=4,
                                           **dict(BASE, optimizer="adam", lr=1e-3)), None)
     for name in PRECISION_SCHEDULES:
-        cases[f"{name}-bf16-D2"] = (RunConfig(schedule=name, devices=2, microbatches=4, dtype="bf16", **BASE), None)
+        cases[f"{name}-bf16-D2"] = (RunConfig.of(schedule=name, devices=2, microbatches=4, dtype="bf16", **BASE), None)
         for mode in ("selective", "full"):
-            cases[f"{name}-recompute-{mode}-D2"] = (RunConfig(schedule=name, devices=2, microbatches=4,
+            cases[f"{name}-recompute-{mode}-D2"] = (RunConfig.of(schedule=name, devices=2, microbatches=4,
                                                               recompute=mode, **BASE), None)
     for key in METER_TWINS:   # the same runs metered at every forward (executor.device)
         cfg, sched = cases[key]
@@ -81,13 +81,13 @@ def _cases_world2():
 
 
 def _cases_world4():
-    cases = {f"{s}-D4": (RunConfig(schedule=s, devices=4, microbatches=8, **BASE), None) for s in PAPER + SPLIT}
-    cases.update({f"{s}-D2R2": (RunConfig(schedule=s, devices=2, microbatches=4, replicas=2, **BASE), None)
+    cases = {f"{s}-D4": (RunConfig.of(schedule=s, devices=4, microbatches=8, **BASE), None) for s in PAPER + SPLIT}
+    cases.update({f"{s}-D2R2": (RunConfig.of(schedule=s, devices=2, microbatches=4, replicas=2, **BASE), None)
                   for s in PAPER})
-    cases["chimera-noeager-D2R2"] = (RunConfig(schedule="chimera", devices=2, microbatches=4, replicas=2,
-                                               eager_allreduce=False, **BASE), None)
+    cases["chimera-noeager-D2R2"] = (RunConfig.of(schedule="chimera", devices=2, microbatches=4, replicas=2,
+                                               eager=False, **BASE), None)
     for name, variant in (("chimera", "forward-doubling"), ("bitpipe", "greedy")):   # the non-default orders
-        cases[f"{name}-{variant}-D4"] = (RunConfig(schedule=name, devices=4, microbatches=8, **BASE),
+        cases[f"{name}-{variant}-D4"] = (RunConfig.of(schedule=name, devices=4, microbatches=8, **BASE),
                                          build(name, 4, 8, variant=variant))
     return cases
 
@@ -102,7 +102,7 @@ def references():
 
     def get(cfg):
         # no effect on the reference: the schedule, all-reduce placement, receives, recomputation
-        key = cfg.with_(schedule="", eager_allreduce=True, recv_lookahead=None, recompute="none")
+        key = cfg.with_(schedule="gpipe", eager=True, recv_lookahead=None, recompute="none")
         if key not in cache:
             cache[key] = run_reference(cfg)
         return cache[key]
@@ -235,16 +235,16 @@ def test_peak_activation_memory_equals_the_simulators(runs, name, kind):
     from calibration import simulate_with_profile
     cfg, low, res = runs(2)[f"{name}-{kind}D2"]
     prof = _bytes_profile(cfg.spec(), cfg.dtype)
-    sim = step_metrics(simulate_with_profile(low, prof, recompute=cfg.recompute)).per_device
+    sim = step_metrics(simulate_with_profile(low, prof, recompute=cfg.parallel.recompute)).per_device
     measured = [d["peak_activation_bytes"] for d in res.per_device]
     for m, s_ in zip(measured, (p.peak_activation for p in sim)):
         assert abs(s_ - m) <= 0.01 * m, (measured, [p.peak_activation for p in sim])
-    if cfg.recompute != "none":
+    if cfg.parallel.recompute != "none":
         _, _, base = runs(2)[f"{name}-D2"]
         assert res.ma_bytes < base.ma_bytes              # kept F -> B per micro-batch
         peaks = [d["peak_activation_bytes"] for d in base.per_device]
         assert all(m <= b for m, b in zip(measured, peaks)) and sum(measured) < sum(peaks)
-        if cfg.recompute == "full" and not low.split_backward:
+        if cfg.parallel.recompute == "full" and not low.split_backward:
             assert all(m < 0.2 * b for m, b in zip(measured, peaks))
 
 
@@ -254,7 +254,7 @@ def test_recv_timeout_names_rank_op_and_peer():
     progs = [list(p) for p in low.programs]
     progs[0].remove(parse_op("SA1.s0>1"))
     broken = low.with_programs(progs)
-    cfg = RunConfig(schedule="gpipe", devices=2, microbatches=2, steps=1, timeout=2.0)
+    cfg = RunConfig.of(schedule="gpipe", devices=2, microbatches=2, steps=1, timeout=2.0)
     with pytest.raises(ScheduleError):
         lowered_schedule(cfg, broken)  # validation catches it before anything starts
     t0 = time.monotonic()
@@ -311,7 +311,7 @@ def test_torchrun_placement_follows_the_device_map(tmp_path):
     from executor.launch import device_map_for
     args = ["-s", "bitpipe", "-D", "4", "-N", "4", "--steps", "2", "--device", "cpu", "--optimizer", "sgd",
             "--lr", "0.05", "--device-map", "copies-same-node", "--timeout", "60", "--json"]
-    low = lowered_schedule(RunConfig(schedule="bitpipe", devices=4, microbatches=4))
+    low = lowered_schedule(RunConfig.of(schedule="bitpipe", devices=4, microbatches=4))
     want = device_map_for("copies-same-node", low, 2, 2)
     assert want == (0, 2, 3, 1) == map_copies_same_node(low, DeviceGrid(2, 2))
     outs = torchrun_cli(args)
@@ -321,6 +321,6 @@ def test_torchrun_placement_follows_the_device_map(tmp_path):
     placement = res["placement"]
     assert [p["device"] for p in placement] == list(want)
     assert [(p["node"], p["local_rank"]) for p in placement] == [divmod(d, 2) for d in want]
-    ref = run_reference(RunConfig(schedule="bitpipe", devices=4, microbatches=4, steps=2, optimizer="sgd", lr=0.05))
+    ref = run_reference(RunConfig.of(schedule="bitpipe", devices=4, microbatches=4, steps=2, optimizer="sgd", lr=0.05))
     for a, b in zip(res["losses"], ref.losses):
         assert abs(a - b) <= 1e-5 * abs(b)

@@ -47,17 +47,17 @@ SP_RECOMPUTE = ("zb-v-recompute-selective-T2D2", "zb-h1-recompute-full-T2D2", "l
 def _cases_world4():
     cases = {}
     for name in names():
-        cfg = RunConfig(schedule=name, devices=2, microbatches=4, **BASE)
+        cfg = RunConfig.of(schedule=name, devices=2, microbatches=4, **BASE)
         try:
             lowered_schedule(cfg)
         except (ScheduleError, ValueError):
             continue
         cases[f"{name}-T2D2"] = cfg
     for name, mode in (("dapple", "full"), ("zb-v", "selective"), ("zb-h1", "full")):
-        cases[f"{name}-recompute-{mode}-T2D2"] = RunConfig(schedule=name, devices=2, microbatches=4,
+        cases[f"{name}-recompute-{mode}-T2D2"] = RunConfig.of(schedule=name, devices=2, microbatches=4,
                                                            recompute=mode, **BASE)
     for name, mode in (("dapple", "none"), ("interleaved", "none"), ("zb-v", "none"), ("zb-v", "full")):
-        cases[f"llama-{name}-recompute-{mode}-T2D2"] = RunConfig(schedule=name, devices=2, microbatches=4,
+        cases[f"llama-{name}-recompute-{mode}-T2D2"] = RunConfig.of(schedule=name, devices=2, microbatches=4,
                                                                  recompute=mode, **dict(BASE, model=LLAMA))
     # sequence parallelism: every family, with recomputation and split backward, and the Llama
     for key, cfg in list(cases.items()):
@@ -67,7 +67,7 @@ def _cases_world4():
 
 
 CASES = {4: _cases_world4(),
-         8: {f"{s}-T2D2R2": RunConfig(schedule=s, devices=2, microbatches=2, replicas=2, **dict(BASE, steps=2))
+         8: {f"{s}-T2D2R2": RunConfig.of(schedule=s, devices=2, microbatches=2, replicas=2, **dict(BASE, steps=2))
              for s in ("dapple", "zb-v")}}
 CASES[8]["zb-v-zero-T2D2R2"] = CASES[8]["zb-v-T2D2R2"].with_(zero=1)
 for _s in ("dapple", "zb-v"):
@@ -80,37 +80,38 @@ MEM_SPEC = SPEC.replace(hidden=256, dropout=False, attention="flash")
 MEM = dict(BASE, model=MEM_SPEC, optimizer="adam", lr=1e-3, steps=1, collect_params=False)
 for _sp in (False, True):
     for _rc in ("none", "selective", "full"):
-        CASES[4][f"mem-adam-{'sp' if _sp else 'tp'}-{_rc}-T2D2"] = RunConfig(
+        CASES[4][f"mem-adam-{'sp' if _sp else 'tp'}-{_rc}-T2D2"] = RunConfig.of(
             schedule="dapple", devices=2, microbatches=4, sequence_parallel=_sp, recompute=_rc, **MEM)
 for _sp, _rc in ((False, "none"), (True, "none"), (True, "full")):     # split backward: what waits for W
-    CASES[4][f"mem-adam-{'sp' if _sp else 'tp'}-{_rc}-zb-v-T2D2"] = RunConfig(
+    CASES[4][f"mem-adam-{'sp' if _sp else 'tp'}-{_rc}-zb-v-T2D2"] = RunConfig.of(
         schedule="zb-v", devices=2, microbatches=4, sequence_parallel=_sp, recompute=_rc, **MEM)
 for _s in ("zb-h1", "zb-h2"):    # split backward on the first stage: B ends at the embedding lookups
     for _rc in ("none", "full"):
-        CASES[4][f"mem-adam-tp-{_rc}-{_s}-T2D2"] = RunConfig(schedule=_s, devices=2, microbatches=4, recompute=_rc,
+        CASES[4][f"mem-adam-tp-{_rc}-{_s}-T2D2"] = RunConfig.of(schedule=_s, devices=2, microbatches=4, recompute=_rc,
                                                              **MEM)
 # the Llama block keeps what the ledger counts (RMS norm: input and 1/rms; rotary: nothing; SwiGLU:
 # gate and up; attention: the key/value heads unrepeated)
 MEM_LLAMA = MEM_SPEC.replace(name="mem-llama", kind="llama", kv_heads=2, ffn_hidden=384)
 for _sp in (False, True):
     for _rc in ("none", "full"):
-        CASES[4][f"mem-adam-llama-{'sp' if _sp else 'tp'}-{_rc}-T2D2"] = RunConfig(
+        CASES[4][f"mem-adam-llama-{'sp' if _sp else 'tp'}-{_rc}-T2D2"] = RunConfig.of(
             schedule="dapple", devices=2, microbatches=4, sequence_parallel=_sp, recompute=_rc,
             **dict(MEM, model=MEM_LLAMA))
 for _s, _sp in (("zb-v", True), ("zb-h1", False)):
-    CASES[4][f"mem-adam-llama-{'sp' if _sp else 'tp'}-none-{_s}-T2D2"] = RunConfig(
+    CASES[4][f"mem-adam-llama-{'sp' if _sp else 'tp'}-none-{_s}-T2D2"] = RunConfig.of(
         schedule=_s, devices=2, microbatches=4, sequence_parallel=_sp, **dict(MEM, model=MEM_LLAMA))
-CASES[8]["mem-adam-sp-zero-T2D2R2"] = RunConfig(schedule="dapple", devices=2, microbatches=2, replicas=2, zero=1,
+CASES[8]["mem-adam-sp-zero-T2D2R2"] = RunConfig.of(schedule="dapple", devices=2, microbatches=2, replicas=2, zero=1,
                                                 sequence_parallel=True, **MEM)
 ZBASE = dict(BASE, tp=1, device_map="sequential")
-CASES["zero"] = {"dapple-zero-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
+CASES["zero"] = {"dapple-zero-D2R2": RunConfig.of(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
                                                **ZBASE),
-                 "zb-v-zero-D2R2": RunConfig(schedule="zb-v", devices=2, microbatches=4, replicas=2, zero=1, **ZBASE),
-                 "dapple-adam-zero-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
+                 "zb-v-zero-D2R2": RunConfig.of(schedule="zb-v", devices=2, microbatches=4, replicas=2, zero=1,
+                                                **ZBASE),
+                 "dapple-adam-zero-D2R2": RunConfig.of(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=1,
                                                     **dict(ZBASE, optimizer="adam", lr=1e-3)),
-                 "dapple-adam-D2R2": RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2,
+                 "dapple-adam-D2R2": RunConfig.of(schedule="dapple", devices=2, microbatches=4, replicas=2,
                                                **dict(ZBASE, optimizer="adam", lr=1e-3))}
-CASES["t1"] = {f"mem-adam-{_rc}-{_s}-D2": RunConfig(schedule=_s, devices=2, microbatches=4, recompute=_rc,
+CASES["t1"] = {f"mem-adam-{_rc}-{_s}-D2": RunConfig.of(schedule=_s, devices=2, microbatches=4, recompute=_rc,
                                                      **dict(MEM, tp=1, device_map="sequential"))
                for _s in ("zb-h1", "zb-h2") for _rc in ("none", "full")}
 IDS = [(w, k) for w, cases in CASES.items() for k in cases if "adam" not in k]
@@ -121,7 +122,7 @@ def references():
     cache = {}
 
     def get(cfg):
-        key = cfg.with_(schedule="", recompute="none", tp=1, sequence_parallel=False, zero=0)
+        key = cfg.with_(schedule="gpipe", recompute="none", tp=1, sequence_parallel=False, zero=0)
         if key not in cache:
             cache[key] = run_reference(key)
         return cache[key]
@@ -132,7 +133,7 @@ def test_every_family_is_in_the_matrix():
     fams = {k.rsplit("-T2D2", 1)[0] for k in CASES[4] if not k.startswith("llama")}
     every = {"gpipe", "dapple", "interleaved", "chimera", "bitpipe", "zb-h1", "zb-v", "dualpipe-v"}
     assert every <= fams and {f"sp-{f}" for f in every} <= fams
-    assert all(c.sequence_parallel for k, c in CASES[4].items() if k.startswith("sp-"))
+    assert all(c.parallel.sequence_parallel for k, c in CASES[4].items() if k.startswith("sp-"))
 
 
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
@@ -149,8 +150,8 @@ def test_losses_and_parameters_equal_reference(runs, references, world, case):
         for t in tensors:
             assert float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= 1e-5, name
     # the replicated weights (norms, biases, position embedding) of a TP group never drift apart
-    assert cfg.tp == 1 or res.extra["tp_replica_drift"] == 0.0
-    if cfg.zero:    # ZeRO-1: every replica ends with the same weights
+    assert cfg.parallel.tp == 1 or res.extra["tp_replica_drift"] == 0.0
+    if cfg.parallel.zero:    # ZeRO-1: every replica ends with the same weights
         assert all(torch.equal(t, ts[0]) for ts in by_name.values() for t in ts)
 
 
@@ -167,7 +168,7 @@ def test_trace_has_one_row_per_op_of_each_pipeline_rank(runs, world, case):
     assert len(res.per_device) == sched.num_ranks
     # a stage boundary carries the TP rank's activations: 1/T of the sequence with sequence parallelism
     spec = cfg.spec()
-    tokens = spec.seq_len // cfg.tp if cfg.sequence_parallel else spec.seq_len
+    tokens = spec.seq_len // cfg.parallel.tp if cfg.parallel.sequence_parallel else spec.seq_len
     assert (t[t["kind"].isin(["SEND", "RECV"])]["bytes"] == spec.micro_batch * tokens * spec.hidden * 4).all()
 
 
@@ -211,9 +212,7 @@ def test_memory_per_rank_equals_the_simulators_ledger(runs, world, case):
     from cost_models.bind import bind
     from cost_models.memory import peak_activation
     cfg, sched, res = runs(world)[case]
-    job = Job(layout=Layout(schedule=cfg.schedule, devices=cfg.devices, microbatches=cfg.microbatches, tp=cfg.tp,
-                            replicas=cfg.replicas), model=cfg.spec(), cluster="dgx-a100-1x8", recompute=cfg.recompute,
-              sequence_parallel=cfg.sequence_parallel, zero=cfg.zero)
+    job = Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8")
     ledger = bind(job)
     assert [op for prog in ledger.lowered.programs for op in prog] == [op for prog in sched.programs for op in prog]
     act = peak_activation(ledger.lowered, ledger.costs)
@@ -305,11 +304,11 @@ def test_mesh_ranks():
 
 def test_tp_not_dividing_heads_is_refused():
     with pytest.raises(ValueError, match=r"--tp 3 does not divide heads \(4\)"):
-        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=3))
+        lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=3))
     with pytest.raises(ValueError, match=r"--tp 4 does not divide kv_heads \(2\)"):
-        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=LLAMA, tp=4))
+        lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=LLAMA, tp=4))
     with pytest.raises(ValueError, match=r"--tp 8 does not divide the vocabulary \(36\)"):
-        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4,
+        lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4,
                                    model=SPEC.replace(vocab=36, heads=8, hidden=64), tp=8))
 
 
@@ -318,40 +317,41 @@ def test_world_not_t_x_d_x_r_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.delenv("PIPETWIN_WORKDIR", raising=False)
-    cfg = RunConfig(schedule="dapple", devices=2, microbatches=4, replicas=2, model=SPEC, tp=2)
+    cfg = RunConfig.of(schedule="dapple", devices=2, microbatches=4, replicas=2, model=SPEC, tp=2)
     with pytest.raises(ValueError, match=r"torchrun started 4 processes but the run needs T x D x R = 2 x 2 x 2 = 8"):
         run(cfg)
 
 
 def test_placement_refuses_a_tp_group_across_nodes():
-    sched = lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=2))
+    sched = lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=2))
     with pytest.raises(ValueError, match="--tp 2 does not divide the 3 processes per node"):
         placement("megatron", sched, 2, 0, 0, 2, 3)
     assert placement("megatron", sched, 2, 1, 1, 2, 2) == (3, 3)
 
 
 def test_a_job_with_tp_and_sp_runs_and_tp_overlap_is_refused():
-    lay = Layout(schedule="dapple", devices=2, microbatches=4, tp=2, replicas=2)
-    cfg = RunConfig.from_job(Job(layout=lay, model="tiny"), steps=1)
-    assert cfg.tp == 2 and cfg.device_map == "megatron" and not cfg.sequence_parallel
-    assert RunConfig.from_job(Job(layout=lay, model="tiny", sequence_parallel=True), steps=1).sequence_parallel
+    lay = Layout(schedule="dapple", devices=2, microbatches=4, replicas=2)
+    cfg = RunConfig.from_job(Job.of(layout=lay, model="tiny", tp=2), steps=1)
+    assert cfg.parallel.tp == 2 and cfg.device_map == "megatron" and not cfg.parallel.sequence_parallel
+    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", tp=2, sequence_parallel=True),
+                              steps=1).parallel.sequence_parallel
     with pytest.raises(ValueError, match="--tp-overlap.*simulated only"):
-        RunConfig.from_job(Job(layout=lay, model="tiny", tp_overlap=True), steps=1)
+        RunConfig.from_job(Job.of(layout=lay, model="tiny", tp=2, tp_overlap=True), steps=1)
     with pytest.raises(ValueError, match="--sequence-parallel acts on a tensor-parallel group; give --tp > 1"):
-        RunConfig(schedule="dapple", devices=2, microbatches=4, sequence_parallel=True)
+        RunConfig.of(schedule="dapple", devices=2, microbatches=4, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"--tp 2 does not divide the sequence length \(--sequence-parallel\) "
                                          r"\(15\)"):
-        lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15),
+        lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15),
                                    tp=2, sequence_parallel=True))
-    lowered_schedule(RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15), tp=2))
-    assert RunConfig.from_job(Job(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
-    assert RunConfig.from_job(Job(layout=lay, model="tiny", zero=1), steps=1).zero == 1
+    lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC.replace(seq_len=15), tp=2))
+    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", seq_len=16), steps=1).spec().seq_len == 16
+    assert RunConfig.from_job(Job.of(layout=lay, model="tiny", zero=1), steps=1).parallel.zero == 1
     with pytest.raises(ValueError, match="--zero 1 shards the optimizer state over the data-parallel replicas"):
-        RunConfig(schedule="dapple", devices=2, microbatches=4, zero=1)
+        RunConfig.of(schedule="dapple", devices=2, microbatches=4, zero=1)
 
 
 def test_run_many_needs_one_world():
-    a = RunConfig(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=2)
+    a = RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=2)
     with pytest.raises(ValueError, match=r"one world size \(T x D x R\)"):
         run_many([a, a.with_(tp=1)])
     assert os.environ.get("RANK") is None
@@ -369,7 +369,7 @@ def test_torchrun_runs_the_mesh_placed_by_the_device_map():
     assert res["tp"] == 2
     assert [(p["rank"], p["tp"], p["node"], p["local_rank"]) for p in res["placement"]] == \
         [(0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 1, 1)]
-    ref = run_reference(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=2, optimizer="sgd", lr=0.05))
+    ref = run_reference(RunConfig.of(schedule="dapple", devices=2, microbatches=2, steps=2, optimizer="sgd", lr=0.05))
     for a, b in zip(res["losses"], ref.losses):
         assert abs(a - b) <= 1e-5 * abs(b)
 
@@ -379,10 +379,10 @@ def test_a_hugging_face_config_trains_at_t2_as_the_reference():
     untied), at T = 2 x D = 2: per-step losses equal to one process."""
     from pathlib import Path
 
-    from cost_models.job import Job, Layout
+    from cost_models.job import Job
     from executor import RunConfig, run, run_reference
     cfg_path = Path(__file__).parent / "data" / "hf" / "tiny-llama" / "config.json"
-    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model=str(cfg_path))
+    job = Job.of(schedule="dapple", devices=2, microbatches=4, tp=2, model=str(cfg_path))
     cfg = RunConfig.from_job(job, steps=2)
     got, want = run(cfg).losses, run_reference(cfg).losses
     assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from cost_models.parallel import Parallel
 from cost_models import TransformerCostModel, UnitCostModel, load_cluster, load_model
 from cost_models.bind import bind, load_inputs
 from cost_models.job import ClusterChoice, Faults, Job, Layout
@@ -29,8 +30,8 @@ LAY = Layout(schedule="dapple", devices=4, microbatches=8)
     (lambda: Job(layout=LAY, partition="time"), ["--partition time", "--profile"]),
     (lambda: Job(layout=LAY, partition=(2, -1)), ["--partition", ">= 0"]),
     (lambda: Job(layout=LAY, model="tiny", profile_batch=2), ["--profile-batch", "FILE.txt"]),
-    (lambda: Job(layout=LAY, micro_batch=0), ["--micro-batch", ">= 1"]),
-    (lambda: Job(layout=LAY, recompute="some"), ["--recompute", "selective"]),
+    (lambda: Job.of(layout=LAY, micro_batch=0), ["--micro-batch", ">= 1"]),
+    (lambda: Job.of(layout=LAY, recompute="some"), ["--recompute", "selective"]),
     (lambda: Job(layout=LAY, device_map="random"), ["--device-map", "copies-same-node"]),
     (lambda: Job(layout=LAY, faults=Faults(slowdown=((1, 2.0), (1, 3.0)))), ["--slowdown names 1 twice"]),
     (lambda: Job(layout=LAY, faults=Faults(slowdown=((1, float("nan")),))), ["--slowdown", "finite"]),
@@ -47,12 +48,13 @@ def test_a_bad_field_is_one_line_naming_its_option(make, words):
 
 def test_bound_costs_equal_the_hand_built_ones():
     """A model x cluster job binds exactly the costs and placement one writes by hand."""
-    job = Job(layout=Layout(schedule="bitpipe", devices=4, microbatches=8, replicas=2), model="gpt3-1.3b",
+    job = Job.of(layout=Layout(schedule="bitpipe", devices=4, microbatches=8, replicas=2), model="gpt3-1.3b",
               cluster="dgx-a100-4x8-ib", device_map="copies-same-node", cost_model="linear", recompute="full")
     bound = bind(job)
     low = lower(build("bitpipe", 4, 8), replicas=2)
     cl = load_cluster("dgx-a100-4x8-ib")
-    tm = TransformerCostModel(load_model("gpt3-1.3b"), cl.device, recompute="full", compute="linear")
+    tm = TransformerCostModel(load_model("gpt3-1.3b"), cl.device, parallel=Parallel(recompute="full"),
+                              compute="linear")
     costs = tm.bind(low)
     by_hand = step_metrics(simulate(low, costs, cl.place(low, "copies-same-node")))
     got = run(bound.lowered, bound.costs, bound.network, SimOptions()).metrics()
@@ -111,12 +113,13 @@ def test_inputs_are_checked_before_any_schedule_is_built():
 
 def test_run_config_from_job():
     from executor.config import RunConfig
-    job = Job(layout=Layout(schedule="interleaved", devices=2, microbatches=4, replicas=2, chunks=2), model="tiny",
+    job = Job.of(layout=Layout(schedule="interleaved", devices=2, microbatches=4, replicas=2, chunks=2), model="tiny",
               partition=(3, 2, 2, 3), recompute="selective", eager=False)
     cfg = RunConfig.from_job(job, steps=2, lr=0.01)
-    assert (cfg.schedule, cfg.devices, cfg.microbatches, cfg.replicas, cfg.chunks) == ("interleaved", 2, 4, 2, 2)
-    assert cfg.partition == (2, 2, 2, 2)         # layers (embedding and head included) -> blocks of tiny
-    assert cfg.stage_layers == (3, 2, 2, 3) and cfg.recompute == "selective" and not cfg.eager_allreduce
+    lay = cfg.layout
+    assert (lay.schedule, lay.devices, lay.microbatches, lay.replicas, lay.chunks) == ("interleaved", 2, 4, 2, 2)
+    assert cfg.blocks == (2, 2, 2, 2)         # layers (embedding and head included) -> blocks of tiny
+    assert cfg.stage_layers == (3, 2, 2, 3) and cfg.parallel.recompute == "selective" and not cfg.job.eager
     assert (cfg.steps, cfg.lr) == (2, 0.01)
     for sim_only in (replace(job, cost_model="linear"), replace(job, cluster=ClusterChoice(name="dgx-a100-1x8")),
                      replace(job, faults=Faults(jitter=0.1))):

@@ -45,7 +45,7 @@ def test_zbv_plan_split_is_the_simulated_and_run_split(zbv, capsys):
     sim = json.loads(_cli(capsys, "simulate", "--plan", str(zbv), "--json"))
     assert sim["partition"] == [3, 2, 2, 3] and "3|2|2|3" in sim["plan"]
     cfg, low, info = config_from_plan(str(zbv), steps=1)
-    assert low.num_stages == 4 and list(cfg.partition) == blocks_from_layers([3, 2, 2, 3], 8)
+    assert low.num_stages == 4 and list(cfg.blocks) == blocks_from_layers([3, 2, 2, 3], 8)
     assert info["partition_layers"] == [3, 2, 2, 3]
     # the plan's simulated time is the plain simulate of the same job with the same split
     plain = json.loads(_cli(capsys, "simulate", "-s", "zb-v", "-D", "2", "-N", "1", "-m", "tiny", "-c",
@@ -76,8 +76,9 @@ def test_printed_command_runs_as_printed(zbv, capsys, tmp_path):
     cfg, low, _ = config_from_plan(str(zbv), steps=1)
     # the printed command trains what run --plan trains: schedule, layout, micro-batch, split
     assert (rec["schedule"], rec["devices"], rec["microbatches"], rec["replicas"], rec["micro_batch"]) == \
-        (cfg.schedule, cfg.devices, cfg.microbatches, cfg.replicas, cfg.micro_batch) == ("zb-v", 2, 1, 1, 8)
-    assert rec["partition"] == list(cfg.partition) == [2, 2, 2, 2]
+        (cfg.layout.schedule, cfg.layout.devices, cfg.layout.microbatches, cfg.layout.replicas,
+         cfg.parallel.micro_batch) == ("zb-v", 2, 1, 1, 8)
+    assert rec["partition"] == list(cfg.blocks) == [2, 2, 2, 2]
     assert len(rec["losses"]) == 1 and 0 < rec["losses"][0] < 10, shlex.join(cmd)
 
 

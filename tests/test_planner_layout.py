@@ -81,7 +81,7 @@ def test_memory_bound_and_verdicts_equal_the_ledger_and_simulate():
         if isinstance(got, tuple) and got[0] == "refused":
             continue
         job = c.job
-        inputs = CostInputs("transformer", model=SMALL.replace(micro_batch=job.micro_batch), cluster=cl)
+        inputs = CostInputs("transformer", model=SMALL.replace(micro_batch=job.parallel.micro_batch), cluster=cl)
         b = bind(job, inputs)
         rep = memory_report(b.lowered, b.costs, limit * GiB, 0.0)
         need = rep.max_peak + rep.transient
@@ -113,8 +113,8 @@ def test_never_worse_than_a_grid_simulated_one_by_one():
                     R = 32 // (tp * D)
                     if G % (R * mb):
                         continue
-                    job = Job(layout=Layout(schedule=sched, devices=D, microbatches=G // (R * mb), replicas=R, tp=tp),
-                              model="llama3-8b", cluster="dgx-h100-ib:4", micro_batch=mb)
+                    job = Job.of(layout=Layout(schedule=sched, devices=D, microbatches=G // (R * mb), replicas=R),
+                                 tp=tp, model="llama3-8b", cluster="dgx-h100-ib:4", micro_batch=mb)
                     try:
                         bound, r = simulate_job(job)
                     except ValueError:
@@ -132,16 +132,15 @@ def test_plan_file_round_trips_and_simulates_to_the_planners_time(tmp_path):
     res = plan_layouts(SMALL, cl, 16, LayoutSpace(tp=(2,), zero=(1,), recompute=("selective",),
                                                    sequence_parallel=(True,), schedules=("interleaved",)), top_k=1)
     best = res.best
-    assert best.job.layout.tp == 2 and best.job.zero == 1 and best.job.sequence_parallel
+    assert best.job.parallel.tp == 2 and best.job.parallel.zero == 1 and best.job.parallel.sequence_parallel
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(layout_plan_record(best.job, cl, 16, simulated=res.records()[0])))
     loaded = load_plan(path)
     assert isinstance(loaded, LayoutPlan)
     job = loaded.job()
-    for f in ("layout", "micro_batch", "recompute", "zero", "sequence_parallel", "device_map", "cost_model",
-              "memory_reserve"):
+    for f in ("layout", "parallel", "device_map", "cost_model", "memory_reserve"):
         assert getattr(job, f) == getattr(best.job, f), f
-    assert loaded.model == SMALL.replace(micro_batch=best.job.micro_batch)
+    assert loaded.model == SMALL.replace(micro_batch=best.job.parallel.micro_batch)
     _, sim = simulate_job(Job(plan=loaded))
     assert sim.iteration_time == best.iteration_time
     rec = json.loads(path.read_text())
@@ -163,11 +162,11 @@ def test_mfu_is_megatrons_formula_and_candidates_respect_the_rules():
     assert layout_mfu(m, 4, 2.0, 8, 1e15) == pytest.approx(
         megatron_flops(4, m.seq_len, m.layers, m.hidden, m.vocab, recompute=False) / (2.0 * 8 * 1e15))
     jobs = candidates(SMALL, _small_h100(4), 16, LayoutSpace(schedules=("dapple",)))
-    assert {j.layout.tp for j in jobs} == {1, 2, 4}
-    assert all(j.layout.gpus == 8 and 16 % (j.layout.replicas * j.micro_batch) == 0 for j in jobs)
-    assert not [j for j in jobs if j.zero and j.layout.replicas == 1]
-    assert not [j for j in jobs if j.sequence_parallel and j.layout.tp == 1]
-    assert {j.recompute for j in jobs} == {"none", "selective", "full"}
+    assert {j.parallel.tp for j in jobs} == {1, 2, 4}
+    assert all(j.gpus == 8 and 16 % (j.layout.replicas * j.parallel.micro_batch) == 0 for j in jobs)
+    assert not [j for j in jobs if j.parallel.zero and j.layout.replicas == 1]
+    assert not [j for j in jobs if j.parallel.sequence_parallel and j.parallel.tp == 1]
+    assert {j.parallel.recompute for j in jobs} == {"none", "selective", "full"}
 
 
 def test_no_plan_fits_says_by_how_much():
@@ -238,8 +237,8 @@ def test_simulate_plan_applies_what_ifs_as_the_same_layout_by_hand(tmp_path, cap
     cl, model, path = tmp_path / "h100-2x4.yaml", tmp_path / "small.yaml", tmp_path / "p.json"
     cl.write_text(CLUSTER_YAML)
     model.write_text(yaml.safe_dump(SMALL.to_dict()))
-    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, replicas=2, tp=2), model=SMALL,
-              micro_batch=1, zero=1, sequence_parallel=True, device_map="sequential")
+    job = Job.of(layout=Layout(schedule="dapple", devices=2, microbatches=4, replicas=2), tp=2, model=SMALL,
+                 micro_batch=1, zero=1, sequence_parallel=True, device_map="sequential")
     path.write_text(json.dumps(layout_plan_record(job, load_cluster(str(cl)), 8)))
     by_hand = ["-s", "dapple", "-D", "2", "-N", "4", "--dp", "2", "--tp", "2", "-m", str(model), "-c", str(cl),
                "--micro-batch", "1", "--zero", "1", "--sequence-parallel", "--device-map", "sequential"]
@@ -278,21 +277,20 @@ def test_run_plan_trains_tp2_plans_with_the_references_losses(tmp_path):
                                                  recompute=("none",), sequence_parallel=(False,)),
                        top_k=1, cost_model="linear")
     best = res.best.job
-    assert best.layout.tp == 2
+    assert best.parallel.tp == 2
     runs = []
-    for name, job in (("tp2", best), ("tp2-sp", replace(best, sequence_parallel=True))):
+    for name, job in (("tp2", best), ("tp2-sp", best.with_(sequence_parallel=True))):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(layout_plan_record(job, cl, 8)))
         cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05, timeout=30.0)
-        assert (cfg.tp, cfg.devices, cfg.replicas, cfg.zero, cfg.sequence_parallel) == (
-            2, job.layout.devices, job.layout.replicas, job.zero, job.sequence_parallel)
+        assert cfg.parallel == job.parallel and cfg.parallel.tp == 2 and cfg.layout == job.layout
         assert cfg.global_microbatches * cfg.spec().micro_batch == 8
         runs.append((cfg, low))
     for (cfg, _), got in zip(runs, run_many(runs)):
         ref = run_reference(cfg)
         assert len(got.losses) == len(ref.losses) == 3
         for a, b in zip(got.losses, ref.losses):
-            assert abs(a - b) <= 1e-5 * abs(b), (cfg.sequence_parallel, got.losses, ref.losses)
+            assert abs(a - b) <= 1e-5 * abs(b), (cfg.parallel.sequence_parallel, got.losses, ref.losses)
 
 
 def test_the_footer_counts_in_english():

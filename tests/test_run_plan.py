@@ -89,13 +89,13 @@ def test_plan_run_equals_reference(plan_runs, name):
     assert low.replicas * low.num_microbatches == cfg.global_microbatches
     reps = [s["replicas"] for s in rec["plan"]["stages"]]
     if name == "uniform":
-        assert reps == [2, 2] and cfg.replicas == 2 and len(set(cfg.partition)) > 1
-        assert list(cfg.partition) == blocks_from_layers([b - a for a, b in (s["layers"] for s in
+        assert reps == [2, 2] and cfg.layout.replicas == 2 and len(set(cfg.blocks)) > 1
+        assert list(cfg.blocks) == blocks_from_layers([b - a for a, b in (s["layers"] for s in
                                                                               rec["plan"]["stages"])], 8)
     if name == "nonuniform":
         assert len(set(reps)) > 1 and low.num_copies > 1 and low.num_ranks == sum(reps)
     if name == "interleaved":
-        assert low.num_stages == 4 and len(cfg.partition) == 4
+        assert low.num_stages == 4 and len(cfg.blocks) == 4
     assert len(res.losses) == len(ref.losses) == 3
     for got, want in zip(res.losses, ref.losses):
         assert abs(got - want) <= 1e-5 * abs(want), (res.losses, ref.losses)
@@ -112,7 +112,7 @@ def test_plan_run_equals_reference(plan_runs, name):
     for dev in res.per_device:
         r = dev["device"]
         n = sum(p.numel() for s in {s for _, s in low.stages_on(low.rank_device(r))}
-                for p in stage_module(spec, low.num_stages, s, partition=cfg.partition).parameters())
+                for p in stage_module(spec, low.num_stages, s, partition=cfg.blocks).parameters())
         assert dev["static_bytes"] == 12 * n, (name, r)
 
 
@@ -129,11 +129,11 @@ def test_partition_conversion_and_checks():
         with pytest.raises(ValueError, match=msg):
             block_ranges(8, 3, bad)
     with pytest.raises(ValueError, match="partition"):
-        lowered_schedule(RunConfig(devices=2, microbatches=2, partition=(4, 3)))
-    with pytest.raises(ValueError, match="micro_batch"):
-        RunConfig(micro_batch=0)
+        lowered_schedule(RunConfig.of(devices=2, microbatches=2, partition=(4, 3)))
+    with pytest.raises(ValueError, match="--micro-batch must be an integer >= 1; got 0"):
+        RunConfig.of(micro_batch=0)
     # identical initial weights for any split
-    spec = RunConfig(micro_batch=1).spec()
+    spec = RunConfig.of(micro_batch=1).spec()
     assert spec.micro_batch == 1
     full = dict(full_model(spec, seed=5).named_parameters())
     for part in ([5, 3], [0, 8, 0], [1, 2, 3, 2]):
@@ -152,7 +152,7 @@ def test_cli_run_and_reference_with_plan(plan_files, capsys):
     io = capsys.readouterr()
     out = json.loads(io.out)
     assert out["losses"] == pytest.approx(ref.losses, rel=1e-6)
-    assert out["plan"]["global_batch"] == 8 and out["partition"] == list(cfg.partition)
+    assert out["plan"]["global_batch"] == 8 and out["partition"] == list(cfg.blocks)
     assert "stage replicas 1:2:1" in io.err and "running reference" in io.err
     assert cli_main(common + ["--steps", "2"]) == 0
     io = capsys.readouterr()

@@ -202,7 +202,7 @@ def test_run_of_an_exported_csv_gives_the_losses_of_the_run_by_name(tmp_path):
     by_file = RunConfig.from_job(Job(layout=Layout.of_file(sf), model="tiny"), steps=2)
     by_name = RunConfig.from_job(Job(layout=Layout(schedule="zb-h1", devices=2, microbatches=4), model="tiny"),
                                  steps=2)
-    assert by_file.schedule == "zbh1.csv" and by_file.schedule_file is sf
+    assert by_file.layout.schedule == "zbh1.csv" and by_file.layout.schedule_file is sf
     got, want = run_many([by_file, by_name])
     assert got.losses == want.losses and len(got.losses) == 2
     ops = lambda r: sorted(zip(r.trace.device, r.trace.kind, r.trace.microbatch, r.trace.stage))  # noqa: E731
@@ -216,7 +216,7 @@ def test_a_job_with_a_schedule_file_is_plain_data_and_picklable(tmp_path):
     job = Job(layout=Layout.of_file(load_schedule_file(path), replicas=2), unit_costs=True)
     lay = json.loads(json.dumps(job.record()))["layout"]
     assert lay == {"schedule": "mine.txt", "devices": 2, "microbatches": 4, "replicas": 2, "chunks": 2,
-                   "variant": None, "tp": 1, "memory_limit": None, "schedule_file": str(path)}
+                   "variant": None, "memory_limit": None, "schedule_file": str(path)}
     back = pickle.loads(pickle.dumps(job))
     assert back == job and back.layout.schedule_file.schedule.programs == build("interleaved", 2, 4).programs
     assert back.layout.build().replicas == 2 and back.layout.num_stages() == 4

@@ -370,8 +370,8 @@ def _megatron_job(tmp_path, exact=False, *, per=2, pod=None, over=1.0, pod_over=
         spec.update(nodes_per_pod=pod, pod_oversubscription=pod_over)
     path = tmp_path / f"c{per}-{pod}-{over}-{pod_over}.yaml"
     path.write_text(yaml.safe_dump(spec))
-    return Job(layout=Layout(schedule="interleaved", devices=D, microbatches=8, replicas=R, tp=8),
-               model="llama3-8b", cluster=str(path), recompute="full", exact=exact)
+    return Job.of(layout=Layout(schedule="interleaved", devices=D, microbatches=8, replicas=R), tp=8,
+                  model="llama3-8b", cluster=str(path), recompute="full", exact=exact)
 
 
 @pytest.mark.parametrize("R", [8, 6])

@@ -18,7 +18,7 @@ def _run(times, foreign=0.0, probe=None, schedule="dapple"):
     extra = {"foreign_cores": foreign}
     if probe is not None:
         extra["probe_seconds"] = probe
-    return SimpleNamespace(config=RunConfig(schedule=schedule), iteration_times=list(times), extra=extra, trace=None)
+    return SimpleNamespace(config=RunConfig.of(schedule=schedule), iteration_times=list(times), extra=extra, trace=None)
 
 
 def _times(base, n=12, seed=0, warm=(3.0, 2.0)):
@@ -72,13 +72,13 @@ def test_series_refuses_a_spread_or_a_busy_host_with_the_figures():
     rules = SittingRules(runs=3, max_spread=0.05, max_foreign=0.15)
     # three runs at 10, 12 and 14.7: leaving out the fast one moves the median of the other two to
     # 13.35, the slow one to 11: 13.35 / 11 - 1 = 21%
-    spread = RunSeries(config=RunConfig(), rules=rules,
+    spread = RunSeries(config=RunConfig.of(), rules=rules,
                        runs=[_run([1, 1] + [10.0] * 8), _run([1, 1] + [12.0] * 8), _run([1, 1] + [14.7] * 8)]).settle()
     assert not spread.settled and spread.kept == [] and spread.spread == pytest.approx(13.35 / 11.0 - 1)
     assert spread.problem == ("run-to-run spread 21% (the step time with any one of 3 quiet runs left out; at most 5% "
                               "allowed), other processes at 0.00 cores (the runs' own noise)")
     assert spread.brief == "spread 21%" and spread.cause == "noisy runs"
-    busy = RunSeries(config=RunConfig(), rules=rules,
+    busy = RunSeries(config=RunConfig.of(), rules=rules,
                      runs=[_run([1, 1] + [10.0] * 8, foreign=f) for f in (0.05, 0.9, 1.3)]).settle()
     assert busy.problem == "1 of 3 runs quiet, 3 needed: other processes kept 0.90-1.30 cores busy in 2 (at most 0.15)"
     assert busy.brief == "1/3 runs quiet"
@@ -91,16 +91,16 @@ def test_host_busy_is_other_processes_cpu_measured_and_a_quiet_hosts_spread_is_t
     from calibration import BUSY_CORES, HOST_BUSY, NOISY_RUNS
     rules = SittingRules(runs=3)
     assert rules.max_foreign == BUSY_CORES == 0.5
-    agree = RunSeries(config=RunConfig(), rules=rules,
+    agree = RunSeries(config=RunConfig.of(), rules=rules,
                       runs=[_run([1, 1] + [10.0] * 8, foreign=f) for f in (0.0, 0.41, 0.2)]).settle()
     assert agree.settled and agree.kept == [0, 1, 2] and agree.cause is None and agree.step_time == 10.0
-    noisy = RunSeries(config=RunConfig(), rules=rules,
+    noisy = RunSeries(config=RunConfig.of(), rules=rules,
                       runs=[_run([1, 1] + [t] * 8, foreign=f) for t, f in ((10.0, 0.0), (12.0, 0.41), (14.7, 0.2))])
     noisy.settle()
     assert not noisy.settled and noisy.cause == NOISY_RUNS and noisy.spread == pytest.approx(13.35 / 11.0 - 1)
     assert noisy.problem == ("run-to-run spread 21% (the step time with any one of 3 quiet runs left out; at most 5% "
                              "allowed), other processes at 0.00-0.41 cores (the runs' own noise)")
-    busy = RunSeries(config=RunConfig(), rules=rules,
+    busy = RunSeries(config=RunConfig.of(), rules=rules,
                      runs=[_run([1, 1] + [10.0] * 8, foreign=f) for f in (0.41, 0.6, 1.3)]).settle()
     assert busy.cause == HOST_BUSY and busy.problem == ("1 of 3 runs quiet, 3 needed: other processes kept 0.60-1.30 "
                                                         "cores busy in 2 (at most 0.5)")
@@ -129,7 +129,7 @@ def test_probe_of_a_series_pools_its_runs_samples():
     runs = [_run([1, 1, 5], probe=9.0), _run([1, 1, 5], probe=9.0)]
     runs[0].extra["probe_samples"] = [1.0, 1.1, 1.6, 1.7]
     runs[1].extra["probe_samples"] = [1.05, 1.65, 1.6]
-    s = RunSeries(config=RunConfig(), runs=runs, rules=SittingRules(runs=2)).settle()
+    s = RunSeries(config=RunConfig.of(), runs=runs, rules=SittingRules(runs=2)).settle()
     assert s.probe_seconds == pytest.approx(noise_free([1.0, 1.1, 1.6, 1.7, 1.05, 1.65, 1.6])) == pytest.approx(1.05)
 
 
@@ -145,12 +145,12 @@ def test_run_series_repeats_unsettled_configs_and_rotates_the_order(monkeypatch)
     rounds = []
 
     def fake_run_many(cfgs):
-        rounds.append([c.schedule for c in cfgs])
-        return [_run([1.0, 1.0] + [next(script[c.schedule])] * 5, schedule=c.schedule) for c in cfgs]
+        rounds.append([c.layout.schedule for c in cfgs])
+        return [_run([1.0, 1.0] + [next(script[c.layout.schedule])] * 5, schedule=c.layout.schedule) for c in cfgs]
 
     monkeypatch.setattr(launch, "run_many", fake_run_many)
     msgs = []
-    cfgs = [RunConfig(schedule=s) for s in ("dapple", "gpipe", "zb-v")]
+    cfgs = [RunConfig.of(schedule=s) for s in ("dapple", "gpipe", "zb-v")]
     out = run_series(cfgs, SittingRules(runs=3, max_runs=5), progress=msgs.append)
     assert rounds == [["dapple", "gpipe", "zb-v"], ["gpipe", "zb-v", "dapple"], ["zb-v", "dapple", "gpipe"],
                       ["gpipe", "dapple"], ["gpipe"]]
@@ -166,11 +166,11 @@ def test_run_series_runs_each_world_size_in_every_round(monkeypatch):
     worlds = []
 
     def fake_run_many(cfgs):
-        worlds.append(sorted({c.devices for c in cfgs}))
-        return [_run([1.0, 1.0, 5.0, 5.0], schedule=c.schedule) for c in cfgs]
+        worlds.append(sorted({c.layout.devices for c in cfgs}))
+        return [_run([1.0, 1.0, 5.0, 5.0], schedule=c.layout.schedule) for c in cfgs]
 
     monkeypatch.setattr(launch, "run_many", fake_run_many)
-    cfgs = [RunConfig(schedule="dapple", devices=2), RunConfig(schedule="dapple", devices=4, microbatches=8)]
+    cfgs = [RunConfig.of(schedule="dapple", devices=2), RunConfig.of(schedule="dapple", devices=4, microbatches=8)]
     run_series(cfgs, SittingRules(runs=2, max_runs=2))
     assert worlds == [[2], [4], [2], [4]]
 
@@ -221,11 +221,11 @@ print('ok')
 
 def test_a_probed_pinned_run_reports_its_host():
     from executor.launch import run
-    res = run(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=2, model="tiny", probe=2,
+    res = run(RunConfig.of(schedule="dapple", devices=2, microbatches=2, steps=2, model="tiny", probe=2,
                         pin_cores=True))
     assert res.extra["probe_seconds"] > 0 and res.extra["foreign_cores"] >= 0.0
     assert res.extra["pinned"] is (len(os.sched_getaffinity(0)) >= 2)
-    assert "foreign_cores" not in run(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=1,
+    assert "foreign_cores" not in run(RunConfig.of(schedule="dapple", devices=2, microbatches=2, steps=1,
                                                 model="tiny")).extra
 
 
@@ -310,7 +310,7 @@ def _traced_run(speeds, times, schedule="dapple", foreign=0.0):
                 rows.append({"device": dev, "step": k, "kind": kind, "copy": 0, "stage": dev, "start": clock,
                              "end": clock + d})
                 clock += d
-    return SimpleNamespace(config=RunConfig(schedule=schedule), iteration_times=list(times),
+    return SimpleNamespace(config=RunConfig.of(schedule=schedule), iteration_times=list(times),
                            extra={"foreign_cores": foreign}, trace=pd.DataFrame(rows))
 
 
@@ -342,7 +342,7 @@ def test_one_host_state_for_every_config_from_the_ops_speed():
     res, step = g.representative()
     assert step in (2, 3, 4, 5)
     # a config that never met the fast state is not settled, and says so
-    late = RunSeries(config=RunConfig(schedule="zb-v"), rules=rules, yardstick=_Yard(),
+    late = RunSeries(config=RunConfig.of(schedule="zb-v"), rules=rules, yardstick=_Yard(),
                      runs=[_traced_run([slow] * 20, [15e-3] * 20, schedule="zb-v") for _ in range(3)])
     fast_state_cut([d, g, late], rules)
     assert not late.settle().settled and late.brief == "0/3 runs fast"
@@ -364,14 +364,15 @@ def test_run_series_shares_the_fast_state_and_waits_for_a_config_to_meet_it(monk
     def fake_run_many(cfgs):
         out = []
         for c in cfgs:
-            calls[c.schedule] += 1
-            h = 1.0 if c.schedule == "dapple" or calls["gpipe"] > 3 else 1.6
-            out.append(_traced_run([h] * 12, [10e-3 * h] * 12, schedule=c.schedule))
+            calls[c.layout.schedule] += 1
+            h = 1.0 if c.layout.schedule == "dapple" or calls["gpipe"] > 3 else 1.6
+            out.append(_traced_run([h] * 12, [10e-3 * h] * 12, schedule=c.layout.schedule))
         return out
 
     monkeypatch.setattr(launch, "run_many", fake_run_many)
     msgs = []
-    d, g = run_series([RunConfig(schedule="dapple"), RunConfig(schedule="gpipe")], SittingRules(runs=3, max_runs=8),
+    d, g = run_series([RunConfig.of(schedule="dapple"), RunConfig.of(schedule="gpipe")],
+                      SittingRules(runs=3, max_runs=8),
                       progress=msgs.append, yardstick=lambda cfg: _Yard())
     assert len(d.runs) == 3 and d.settled and d.step_time == pytest.approx(10e-3)
     assert len(g.runs) == 6 and g.settled and g.kept == [3, 4, 5] and g.step_time == pytest.approx(10e-3)
@@ -394,14 +395,15 @@ def test_speed_yardstick_is_the_alone_cost_of_each_op_and_skips_oversubscribed_c
     prof = replace(base, layers=layers, overhead=(("F", 1e-3), ("B", 1e-3)),
                    meta={"runtime_scale": {"F": 2.0, "B": 4.0, "Bi": 3.0, "W": 0.5}})
     yard = speed_yardstick(prof)
-    d = yard(RunConfig(schedule="dapple", devices=2, microbatches=4, model="tiny"))
+    d = yard(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model="tiny"))
     # tiny: embedding + 8 blocks + head; dapple's even split: embedding + 4 blocks | 4 blocks + head
     assert d.compute_time("F", 0, 0) == pytest.approx(sum(1e-4 * (i + 1) for i in range(5)) / 2.0 + 3e-4)
     assert d.compute_time("F", 0, 1) == pytest.approx(sum(1e-4 * (i + 1) for i in range(5, 10)) / 2.0 + 3e-4)
     assert d.compute_time("B", 0, 1) == pytest.approx(sum(4e-4 * (i + 1) for i in range(5, 10)) / 4.0)
-    split = yard(RunConfig(schedule="dapple", devices=2, microbatches=4, model="tiny", partition=(3, 5)))
+    split = yard(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model="tiny",
+                               partition=(4, 6)))      # layers: embedding + 3 blocks | 5 blocks + head
     assert split.compute_time("F", 0, 0) == pytest.approx(sum(1e-4 * (i + 1) for i in range(4)) / 2.0 + 3e-4)
-    zb = yard(RunConfig(schedule="zb-h1", devices=2, microbatches=4, model="tiny"))
+    zb = yard(RunConfig.of(schedule="zb-h1", devices=2, microbatches=4, model="tiny"))
     assert zb.compute_time("B", 0, 1) == pytest.approx(sum(3e-4 * (i + 1) for i in range(5, 10)) / 3.0)
     assert zb.compute_time("W", 0, 1) == pytest.approx(5 * 5e-5 / 0.5)
-    assert yard(RunConfig(schedule="dapple", devices=4, microbatches=8, model="tiny")) is None   # 4 ranks, 2 cores
+    assert yard(RunConfig.of(schedule="dapple", devices=4, microbatches=8, model="tiny")) is None   # 4 ranks, 2 cores

@@ -5,12 +5,12 @@ Hugging Face reader, the TP network and the refusals."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import cost_models as cm
+from cost_models.parallel import Parallel
 from cost_models.bind import bind
 from cost_models.cluster import megatron_map, tensor_parallel_groups
 from cost_models.comm import reduce_scatter_time, ring_allreduce_time
@@ -61,8 +61,8 @@ def test_korthikanti_first_stage_gpt3_175b_tp8_pp8_interleaved():
     12 x 12h^2 / 8 parameters x 18 bytes = 45.6 GiB."""
     got = {}
     for sp, rc in ((False, "none"), (True, "selective")):
-        job = Job(layout=Layout(schedule="interleaved", devices=8, microbatches=64, chunks=3, tp=8),
-                  model="gpt3-175b", cluster="dgx-a100-ib:8", sequence_parallel=sp, recompute=rc)
+        job = Job.of(layout=Layout(schedule="interleaved", devices=8, microbatches=64, chunks=3), tp=8,
+                     model="gpt3-175b", cluster="dgx-a100-ib:8", sequence_parallel=sp, recompute=rc)
         b = bind(job)
         got[sp] = memory_report(b.lowered, b.costs)
     s, h, a = GPT3.seq_len, GPT3.hidden, GPT3.heads
@@ -133,13 +133,13 @@ def test_layer_times_add_the_collectives_on_the_group_links():
     assert group.time("all-reduce", out) == pytest.approx(ar)
     assert group.time("reduce-scatter", out) == pytest.approx(reduce_scatter_time(out, 8, c.intra.bandwidth,
                                                                                   c.intra.latency))
-    tm = TransformerCostModel(GPT3, c.device, tp=8, tp_group=group)
+    tm = TransformerCostModel(GPT3, c.device, parallel=Parallel(tp=8), tp_group=group)
     lc = tm.layer_costs()
     rate = tm.flop_rate()
     f, bi, _ = block_flops(GPT3, 8)
     assert lc.f[1] == pytest.approx(f / rate + 2 * ar)
     assert lc.b_input[1] == pytest.approx(bi / rate + 2 * ar)
-    over = TransformerCostModel(GPT3, c.device, tp=8, tp_group=group, tp_overlap=True).layer_costs()
+    over = TransformerCostModel(GPT3, c.device, parallel=Parallel(tp=8, tp_overlap=True), tp_group=group).layer_costs()
     assert over.f[1] == pytest.approx(max(f / rate, 2 * ar))
 
 
@@ -163,7 +163,7 @@ def test_zero1_shards_the_optimizer_state():
     dev = cm.load_device("a100")
     spec = cm.load_model("gpt3-1.3b")
     plain = TransformerCostModel(spec, dev)
-    zero = TransformerCostModel(spec, dev, zero=1, replicas=8)
+    zero = TransformerCostModel(spec, dev, parallel=Parallel(zero=1), replicas=8)
     assert plain.static_split() == (2.0, 4.0, 12.0)
     assert zero.static_split() == (2.0, 4.0, 1.5)
     # reduce-scatter of 16-bit gradients + all-gather of 16-bit weights = an all-reduce of 2 bytes
@@ -191,7 +191,7 @@ def test_megatron_rank_order():
     sched = lower(build("dapple", 4, 8), replicas=2)
     # rank = replica * D + device; slot = device * R + replica
     assert megatron_map(sched, cm.load_cluster("dgx-a100-4x8-ib")) == (0, 2, 4, 6, 1, 3, 5, 7)
-    job = Job(layout=Layout(schedule="dapple", devices=4, microbatches=8, replicas=2, tp=4), model="gpt3-1.3b")
+    job = Job.of(schedule="dapple", devices=4, microbatches=8, replicas=2, tp=4, model="gpt3-1.3b")
     assert job.mapping == "megatron"
     assert Job(layout=Layout(schedule="dapple", devices=4, microbatches=8)).mapping == "sequential"
 
@@ -256,10 +256,9 @@ def test_hf_config_bad_files(tmp_path):
                                                            "dgx-a100-4x8-ib with 32 devices"),
 ])
 def test_tp_refusals(kw, message):
-    lay = dict(schedule="dapple", devices=kw.pop("devices", 4), microbatches=8, replicas=kw.pop("replicas", 1),
-               tp=kw.pop("tp"))
+    lay = dict(schedule="dapple", devices=kw.pop("devices", 4), microbatches=8, replicas=kw.pop("replicas", 1))
     with pytest.raises(ValueError) as e:
-        bind(Job(layout=Layout(**lay), **kw))
+        bind(Job.of(layout=Layout(**lay), **kw))
     assert message in str(e.value)
 
 
@@ -274,16 +273,16 @@ def test_tp_refusals(kw, message):
 def test_parallel_option_refusals(kw, message):
     tp = kw.pop("tp", 1)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
-        Job(layout=Layout(schedule="dapple", devices=4, microbatches=8, tp=tp), **kw)
+        Job.of(layout=Layout(schedule="dapple", devices=4, microbatches=8), tp=tp, **kw)
 
 
 def test_executor_refuses_what_it_does_not_train_yet():
     from executor.config import RunConfig
-    job = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4, tp=2), model="tiny", tp_overlap=True)
+    job = Job.of(layout=Layout(schedule="dapple", devices=2, microbatches=4), tp=2, model="tiny", tp_overlap=True)
     with pytest.raises(ValueError, match="--tp-overlap: simulated only"):
         RunConfig.from_job(job)
-    cfg = RunConfig.from_job(replace(job, tp_overlap=False, sequence_parallel=True))
-    assert cfg.tp == 2 and cfg.sequence_parallel
+    cfg = RunConfig.from_job(job.with_(tp_overlap=False, sequence_parallel=True))
+    assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel
 
 
 # ---------------------------------------------------------------------------- memory verdicts
@@ -303,9 +302,9 @@ def test_transients_of_recomputation():
     c = cm.load_cluster("dgx-a100-ib:8")
     group = TensorParallelGroup(c, 8)
     out = GPT3.seq_len * GPT3.hidden * 2
-    full = TransformerCostModel(GPT3, c.device, tp=8, tp_group=group, recompute="full")
+    full = TransformerCostModel(GPT3, c.device, parallel=Parallel(tp=8, recompute="full"), tp_group=group)
     assert full.transient_bytes() == pytest.approx(block_activation_bytes(GPT3, tp=8) - out + 2 * out / 8)
-    none = TransformerCostModel(GPT3, c.device, tp=8, tp_group=group)
+    none = TransformerCostModel(GPT3, c.device, parallel=Parallel(tp=8), tp_group=group)
     assert none.transient_bytes() == 2 * out / 8
 
 

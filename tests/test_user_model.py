@@ -33,32 +33,33 @@ def _cases_world2():
     cases = {}
     for model, tag in ((CNN, "cnn"), (LM, "lm")):
         for s in names():       # every schedule family
-            cfg = RunConfig(model=model, schedule=s, devices=2, microbatches=4, **BASE)
+            cfg = RunConfig.of(model=model, schedule=s, devices=2, microbatches=4, **BASE)
             try:
                 lowered_schedule(cfg)
             except ScheduleError:
                 continue
             cases[f"{tag}-{s}-D2"] = cfg
     # a stage without parameters (ReLU + pooling) held by both ranks: an empty all-reduce
-    cases["cnn-bitpipe-paramfree-stage-D2"] = RunConfig(model=CNN, schedule="bitpipe", devices=2, microbatches=4,
+    cases["cnn-bitpipe-paramfree-stage-D2"] = RunConfig.of(model=CNN, schedule="bitpipe", devices=2, microbatches=4,
                                                         partition=(1, 2, 3, 4), **BASE)
-    cases["lm-zb-h1-adam-mb3-D2"] = RunConfig(model=LM, schedule="zb-h1", devices=2, microbatches=4, micro_batch=3,
+    cases["lm-zb-h1-adam-mb3-D2"] = RunConfig.of(model=LM, schedule="zb-h1", devices=2, microbatches=4, micro_batch=3,
                                               **dict(BASE, optimizer="adam", lr=1e-3))
     return cases
 
 
 def _cases_world3():
-    cases = {f"{tag}-{s}-D3": RunConfig(model=m, schedule=s, devices=3, microbatches=6, **BASE)
+    cases = {f"{tag}-{s}-D3": RunConfig.of(model=m, schedule=s, devices=3, microbatches=6, **BASE)
              for m, tag in ((CNN, "cnn"), (LM, "lm")) for s in ("dapple", "zb-v")}
     # the rank in the middle holds a ReLU and a pooling layer only: no parameters, no optimizer state
-    cases["cnn-dapple-paramfree-rank-D3"] = RunConfig(model=CNN, schedule="dapple", devices=3, microbatches=3,
+    cases["cnn-dapple-paramfree-rank-D3"] = RunConfig.of(model=CNN, schedule="dapple", devices=3, microbatches=3,
                                                       partition=(1, 2, 7), **BASE)
     return cases
 
 
 def _cases_world4():
     # two model copies x two replicas: the tied table's gradient is summed over all four ranks
-    return {"lm-chimera-D2R2": RunConfig(model=LM, schedule="chimera", devices=2, microbatches=4, replicas=2, **BASE)}
+    return {"lm-chimera-D2R2": RunConfig.of(model=LM, schedule="chimera", devices=2, microbatches=4, replicas=2,
+                                            **BASE)}
 
 
 CASES = {2: _cases_world2(), 3: _cases_world3(), 4: _cases_world4()}
@@ -239,7 +240,7 @@ def stack_profiles():
     return {CNN: _stack_profile(CNN), LM: _stack_profile(LM)}
 
 
-@pytest.mark.parametrize("case", [k for k, c in CASES[2].items() if c.micro_batch is None])
+@pytest.mark.parametrize("case", [k for k, c in CASES[2].items() if c.parallel.micro_batch is None])
 def test_simulated_activation_memory_equals_measured(runs, stack_profiles, case):
     """Every rank's peak activation bytes, measured by the runtime's saved-tensor meter, equal the
     simulator's from the profile's per-layer bytes (alone at a stage's start, added after the
@@ -247,7 +248,7 @@ def test_simulated_activation_memory_equals_measured(runs, stack_profiles, case)
     from calibration import simulate_with_profile
     cfg = CASES[2][case]
     _, low, res = runs(2)[case]
-    sim = simulate_with_profile(low, stack_profiles[cfg.model], partition=cfg.partition)
+    sim = simulate_with_profile(low, stack_profiles[cfg.model], partition=cfg.blocks)
     from schedules.trace import step_metrics
     assert [p.peak_activation for p in step_metrics(sim).per_device] == \
         [float(p["peak_activation_bytes"]) for p in res.per_device]
@@ -331,7 +332,7 @@ def test_plan_from_a_profile_runs_and_equals_the_reference(tied_lm_profile, tmp_
     path = tmp_path / "plan.json"
     save_plan(path, res.best.plan, res.workload, prof.cluster(2))
     cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05)
-    assert cfg.model == LM and sum(cfg.partition) == 6 and cfg.global_microbatches * cfg.samples_per_microbatch == 8
+    assert cfg.model == LM and sum(cfg.blocks) == 6 and cfg.global_microbatches * cfg.samples_per_microbatch == 8
     (got,), want = run_many([(cfg, low)]), _reference(cfg)
     for a, b in zip(got.losses, want.losses):
         assert abs(a - b) <= 1e-5 * abs(b)

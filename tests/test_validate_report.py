@@ -131,7 +131,7 @@ def test_validate_report_writes_the_sitting(monkeypatch, tmp_path, capsys, probl
     from cost_models import save_profile
     from executor.config import RunConfig, lowered_schedule
     prof = _profile()
-    traces = {s: simulate_with_profile(lowered_schedule(RunConfig(schedule=s, devices=2, microbatches=4)), prof)
+    traces = {s: simulate_with_profile(lowered_schedule(RunConfig.of(schedule=s, devices=2, microbatches=4)), prof)
               for s in ("gpipe", "dapple")}
     monkeypatch.setattr(calibration, "run_and_compare", lambda *a, **k: _comps(problem, traces))
     path = save_profile(prof, tmp_path / "p.yaml")
@@ -177,7 +177,7 @@ def test_overlay_figure_holds_every_op_and_no_label_covers_another():
     from executor.config import RunConfig, lowered_schedule
     from experiments.plots import overlay_figure
     prof = _profile()
-    traces = {s: simulate_with_profile(lowered_schedule(RunConfig(schedule=s, devices=2, microbatches=4)), prof)
+    traces = {s: simulate_with_profile(lowered_schedule(RunConfig.of(schedule=s, devices=2, microbatches=4)), prof)
               for s in ("gpipe", "dapple")}
     comps = _comps(None, traces)
     slow = comps[1].measured_trace.copy()

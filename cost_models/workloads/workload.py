@@ -32,6 +32,7 @@ from typing import Callable
 from ..base import LayerCosts
 from ..device import DeviceSpec
 from ..model_spec import ModelSpec
+from ..parallel import Parallel
 from ..transformer import TransformerCostModel
 
 
@@ -160,7 +161,7 @@ class Workload:
         """Per-layer costs at ``micro_batch`` samples per micro-batch."""
         if self.spec is not None and self.device is not None:
             tm = TransformerCostModel(self.spec.replace(micro_batch=int(micro_batch)), self.device,
-                                      recompute=self.recompute, compute=self.cost_model)
+                                      parallel=Parallel(recompute=self.recompute), compute=self.cost_model)
             return tm.layer_costs()
         q = float(micro_batch)
         t = self.at(int(micro_batch)) if self.varies else self
@@ -184,14 +185,15 @@ def from_layer_costs(name: str, lc: LayerCosts, *, per: int = 1, layer_names=Non
 def transformer_workload(spec: ModelSpec, device: DeviceSpec, recompute: str = "none",
                          source: dict | None = None, cost_model: str = "linear") -> Workload:
     """A transformer (cost_models formulas, or the kernel model) at one sequence per sample."""
-    tm = TransformerCostModel(spec.replace(micro_batch=1), device, recompute=recompute, compute=cost_model)
+    tm = TransformerCostModel(spec.replace(micro_batch=1), device, parallel=Parallel(recompute=recompute),
+                              compute=cost_model)
     names = tuple(l.name for l in tm.layers())
     src = dict(source or {"kind": "transformer", "name": spec.name, "spec": spec.to_dict(), "recompute": recompute})
     src["cost_model"] = cost_model
     wl = from_layer_costs(spec.name, tm.layer_costs(), layer_names=names, memory_capacity=device.memory_bytes,
                           source=src)
     def curve(q: int):
-        lc = TransformerCostModel(spec.replace(micro_batch=q), device, recompute=recompute,
+        lc = TransformerCostModel(spec.replace(micro_batch=q), device, parallel=Parallel(recompute=recompute),
                                   compute="kernels").layer_costs()
         return tuple(x / q for x in lc.f), tuple(x / q for x in lc.b_input), tuple(x / q for x in lc.w)
     return Workload(**{**{f: getattr(wl, f) for f in _FIELDS}, "spec": spec, "device": device,

@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models import Job, Layout
+from cost_models.parallel import Parallel
 from cost_models.files import write_output
 from schedules import ScheduleError
 from schedules.trace import step_metrics
@@ -169,8 +170,8 @@ def _mapping_section(out: Path) -> str:
                 # FLOP formulas at the device's fixed efficiency, as in the throughput part (a V100 has
                 # kernel constants, which a job would otherwise be costed with)
                 job = Job(layout=Layout(schedule=name, devices=16, microbatches=16), model="bert-48",
-                          micro_batch=4, cluster="v100-2x8-25gbe", cost_model=COST_MODEL, device_map=mapping,
-                          eager=eager)
+                          parallel=Parallel(micro_batch=4), cluster="v100-2x8-25gbe", cost_model=COST_MODEL,
+                          device_map=mapping, eager=eager)
                 tr = simulate_job(job, trace=True).result.trace()
                 m = step_metrics(tr)
                 ar = tr[tr.kind == "ALLREDUCE"]

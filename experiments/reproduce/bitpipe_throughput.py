@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models import Job, Layout
+from cost_models.parallel import Parallel
 from schedules.trace import step_metrics
 from sim import simulate_job
 
@@ -36,7 +37,7 @@ def run_config(model_name: str, G: int, schedule: str, *, D: int = 8, N: int = 8
     R = G // D
     mapping = "copies-same-node" if schedule in TWO_COPIES else "sequential"
     job = Job(layout=Layout(schedule=schedule, devices=D, microbatches=N, replicas=R), model=model_name,
-              micro_batch=micro_batch, cluster=cluster, cost_model=COST_MODEL, device_map=mapping)
+              parallel=Parallel(micro_batch=micro_batch), cluster=cluster, cost_model=COST_MODEL, device_map=mapping)
     bound, res = simulate_job(job, trace=True)
     m = step_metrics(res.trace())       # the bubble from the ops in the trace, as every table here computes it
     cap = bound.report.get("memory_capacity")

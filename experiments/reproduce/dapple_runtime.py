@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models import Job, Layout
+from cost_models.parallel import Parallel
 from cost_models.files import write_output
 from sim import simulate_job
 
@@ -32,8 +33,9 @@ PAPER = {"speedup": 1.6, "memory_saving": 0.12}
 
 def sim(model: str, schedule: str, D: int, N: int, micro_batch: int, recompute: str, cluster: str) -> dict:
     """One simulated point: throughput and the peak memory against the device's capacity."""
-    job = Job(layout=Layout(schedule=schedule, devices=D, microbatches=N), model=model, micro_batch=micro_batch,
-              recompute=recompute, cluster=cluster, cost_model="linear", device_map="sequential")
+    job = Job(layout=Layout(schedule=schedule, devices=D, microbatches=N), model=model,
+              parallel=Parallel(micro_batch=micro_batch, recompute=recompute), cluster=cluster, cost_model="linear",
+              device_map="sequential")
     bound, res = simulate_job(job)
     m = res.metrics()
     peak = max(p.peak_memory for p in m.per_device)

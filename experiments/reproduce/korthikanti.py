@@ -26,6 +26,7 @@ import pandas as pd
 from cost_models import load_cluster
 from cost_models.bind import bind
 from cost_models.memory import memory_report
+from cost_models.parallel import Parallel
 from cost_models.stage_time_fit import fit_note
 from cost_models.transformer import TensorParallelGroup, TransformerCostModel
 from sim import simulate_job
@@ -83,8 +84,8 @@ def layer_rows(r) -> list[dict]:
     out = []
     for _, x in table("korthikanti-2022-layer-22b.csv").iterrows():
         rc, sp = LAYER_EXPERIMENTS[x.experiment]
-        lc = TransformerCostModel(_spec(r), cluster.device, recompute=rc, compute="kernels", tp=int(r.tp),
-                                  sequence_parallel=sp, tp_group=group).layer_costs()
+        lc = TransformerCostModel(_spec(r), cluster.device, compute="kernels", tp_group=group,
+                                  parallel=Parallel(tp=int(r.tp), recompute=rc, sequence_parallel=sp)).layer_costs()
         fwd, bwd = lc.f[1] * 1e3, (lc.b_input[1] + lc.w[1]) * 1e3
         out.append(_row("layer forward", r.model, x.experiment, "ms", fwd, float(x.forward_ms)))
         out.append(_row("layer backward", r.model, x.experiment, "ms", bwd, float(x.backward_ms)))

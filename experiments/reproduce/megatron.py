@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models import Job, Layout
+from cost_models.parallel import Parallel
 from cost_models.model_spec import ModelSpec
 from cost_models.stage_time_fit import fit_note, table9_errors
 from cost_models.transformer import megatron_flops
@@ -54,11 +55,12 @@ def megatron_job(spec: ModelSpec, *, tp: int, pp: int, dp: int, microbatches: in
                  recompute: str, sequence_parallel: bool = False, grad_accumulation: str = "fused") -> Job:
     """One measured run as a job: 1F1B, or interleaved with ``chunks`` > 1, on T x D x R GPUs."""
     schedule = "interleaved" if chunks > 1 else "dapple"
-    layout = Layout(schedule=schedule, devices=pp, microbatches=microbatches, replicas=dp, tp=tp,
+    layout = Layout(schedule=schedule, devices=pp, microbatches=microbatches, replicas=dp,
                     chunks=chunks if chunks > 1 else 2)
-    nodes = -(-layout.gpus // GPUS_PER_NODE)
-    return Job(layout=layout, model=spec, cluster=f"{CLUSTER}:{nodes}", recompute=recompute, eager=False,
-               sequence_parallel=sequence_parallel, grad_accumulation=grad_accumulation)
+    nodes = -(-(tp * pp * dp) // GPUS_PER_NODE)
+    return Job(layout=layout, model=spec, cluster=f"{CLUSTER}:{nodes}", eager=False,
+               parallel=Parallel(tp=tp, recompute=recompute, sequence_parallel=sequence_parallel),
+               grad_accumulation=grad_accumulation)
 
 
 def model_flops(global_batch: int, layers: int, hidden: int) -> float:

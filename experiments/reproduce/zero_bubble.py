@@ -240,7 +240,7 @@ def paper_zb_auto(job: Job):
     def median(t):
         return (sorted(t)[len(t) // 2],) * len(t)
     uniform = dc_replace(c, f=median(c.f), b=median(c.b), w=median(c.w))
-    bound = bind_lowered(job, inputs, job.layout.build(eager=job.eager, family={"costs": uniform}, **inputs.limits()))
+    bound = bind_lowered(job, inputs, job.build(family={"costs": uniform}, **inputs.limits()))
     return sim_run(bound.lowered, bound.costs, bound.network, job_options(job, bound), trace=True)
 
 

@@ -1,0 +1,84 @@
+"""How a job splits and keeps each pipeline device's work: :class:`Parallel`, one checked record.
+
+Every parallelism, precision and memory knob of a job is a field of this one record, and each
+rule about a field alone is checked here, once: the command line (``--tp``, ``--zero``, ...),
+the job (:class:`cost_models.job.Job`), the cost model (:class:`cost_models.transformer.TransformerCostModel`),
+the layout search (:class:`planner.layout.LayoutSpace` yields jobs with one), the sweep grid,
+plan files and the executor's run all carry the same record. Rules that join a field with
+another record (ZeRO needs data-parallel replicas; tensor parallelism acts on a model's formulas,
+not on a measured profile) are the job's (:class:`cost_models.job.Job`).
+
+A message names the command-line option of the field (``--micro-batch`` for ``micro_batch``),
+so the command line reports it as it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+RECOMPUTE = ("none", "selective", "full")    # activation recomputation of the transformer blocks
+ZERO_STAGES = (0, 1)                         # 1: ZeRO-1, the optimizer state sharded over the replicas
+
+
+def _whole(value, option: str, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{option} must be an integer >= {low}; got {value!r}")
+
+
+def option_name(field_name: str) -> str:
+    """The command-line option of a field (``micro_batch`` -> ``--micro-batch``)."""
+    return "--" + field_name.replace("_", "-")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """The parallelism and memory knobs of a job.
+
+    ``tp``: T GPUs per pipeline device that split every layer (tensor parallel, Megatron-style):
+    a layout is T x D x R GPUs. ``sequence_parallel``: with T > 1, norms, dropout and the stage
+    boundaries on 1/T of the sequence. ``tp_overlap``: with T > 1, the group's collectives hidden
+    behind the layer's compute (simulated only). ``zero``: 1 shards the optimizer state over the
+    data-parallel replicas (ZeRO-1). ``recompute``: none | selective | full activation
+    recomputation. ``micro_batch``: sequences (samples) per micro-batch; ``seq_len``: the
+    training sequence length (None: the model's own, for both)."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    tp_overlap: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    micro_batch: int | None = None
+    seq_len: int | None = None
+
+    def __post_init__(self):
+        _whole(self.tp, "--tp")
+        for name in ("sequence_parallel", "tp_overlap"):
+            on = getattr(self, name)
+            if not isinstance(on, bool):
+                raise ValueError(f"{option_name(name)} is a switch (true or false); got {on!r}")
+            if on and self.tp == 1:
+                raise ValueError(f"{option_name(name)} acts on a tensor-parallel group; give --tp > 1")
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise ValueError(f"--zero must be 0 or 1 (ZeRO-1: the optimizer state sharded over --dp); "
+                             f"got {self.zero!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
+        for name in ("micro_batch", "seq_len"):
+            if getattr(self, name) is not None:
+                _whole(getattr(self, name), option_name(name))
+
+    def given(self) -> list[str]:
+        """The options whose value is not the default, in field order (for messages)."""
+        return [option_name(f.name) for f in fields(self) if getattr(self, f.name) != f.default]
+
+    def record(self) -> dict:
+        """The record as plain data (JSON)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_record(cls, data: dict, where: str = "parallel") -> "Parallel":
+        """The record read back from :meth:`record`'s data; an unknown field is one line naming it."""
+        known = {f.name for f in fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise ValueError(f"{where}: unknown field {extra[0]!r} (fields: {', '.join(sorted(known))})")
+        return cls(**data)
