@@ -82,7 +82,10 @@ class Layout:
     that order their ops under one (zb-auto): each device's activation limit in Ma, or its whole
     memory in bytes (the costs' static memory, weights and optimizer state, taken off), in place
     of the variant's. ``schedule_file``: a schedule read from a file (:meth:`of_file`) in place of
-    a family: it fixes the name, D, N and the chunks, and :meth:`build` lowers it."""
+    a family: it fixes the name, D, N and the chunks, and :meth:`build` lowers it.
+    ``stage_replicas``: DAPPLE's non-uniform replication, stage s of the ``dapple`` pipeline on r_s
+    of its D = sum(r_s) devices (:mod:`schedules.dapple_replicated`); ``microbatches`` then counts
+    the sub-batches, M x lcm(r_s)."""
 
     schedule: str
     devices: int
@@ -92,6 +95,7 @@ class Layout:
     variant: str | None = None
     memory_limit: tuple[float, str] | None = None
     schedule_file: ScheduleFile | None = None
+    stage_replicas: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.schedule_file is not None:
@@ -104,6 +108,25 @@ class Layout:
             _whole(value, option)
         if self.memory_limit is not None:
             self._check_memory_limit(fam)
+        if self.stage_replicas is not None:
+            self._check_stage_replicas()
+
+    def _check_stage_replicas(self) -> None:
+        from schedules.dapple_replicated import sub_batches
+        reps = tuple(self.stage_replicas)
+        object.__setattr__(self, "stage_replicas", reps)
+        for r in reps:
+            _whole(r, "stage_replicas")
+        if self.schedule != "dapple" or self.variant is not None:
+            raise ValueError(f"stage replicas {':'.join(map(str, reps))} run DAPPLE's schedule (dapple) only; "
+                             f"got {self.schedule}" + (f" {self.variant}" if self.variant else ""))
+        if sum(reps) != self.devices:
+            raise ValueError(f"stage replicas {':'.join(map(str, reps))} occupy {sum(reps)} devices; -D is "
+                             f"{self.devices}")
+        C = sub_batches(reps)
+        if self.microbatches % C:
+            raise ValueError(f"stage replicas {':'.join(map(str, reps))} cut a micro-batch into {C} sub-batches; "
+                             f"-N {self.microbatches} (sub-batches) is not a multiple of {C}")
 
     @classmethod
     def of_file(cls, sf: ScheduleFile, **fields) -> "Layout":
@@ -169,6 +192,9 @@ class Layout:
         self.check_size(one_replica=one_replica, **limits)
         if built is None and self.schedule_file is not None:
             built = self.schedule_file.schedule
+        if built is None and self.stage_replicas is not None:
+            from schedules.dapple_replicated import replicated_schedule, sub_batches
+            built = replicated_schedule(self.stage_replicas, self.microbatches // sub_batches(self.stage_replicas))
         if built is None:
             built = build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {}))
         low = lower(built, replicas=self.replicas, eager=eager)
@@ -180,6 +206,8 @@ class Layout:
         """Stages of one model copy of the schedule (built, not lowered)."""
         if self.schedule_file is not None:
             return self.schedule_file.schedule.num_stages
+        if self.stage_replicas is not None:
+            return len(self.stage_replicas)
         from schedules import build
         return build(self.schedule, self.devices, self.microbatches, **self.family_options()).num_stages
 

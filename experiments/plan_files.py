@@ -6,11 +6,8 @@ executor's :class:`executor.config.RunConfig` with the lowered schedule to run.
 """
 from __future__ import annotations
 
-from cost_models.model_spec import spec_from_dict
-from cost_models.partition import blocks_from_layers
 from executor.config import RunConfig, lowered_schedule
 from planner.plan_io import LayoutPlan, LoadedPlan, load_plan
-from planner.simulate import REPLICATED
 from schedules import Schedule
 
 # the fields of a run a plan fixes (its schedule, layout and model)
@@ -35,35 +32,19 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
     if isinstance(loaded, LayoutPlan):
         return _layout_config(loaded, eager, options)
     ex = loaded.for_executor(eager=eager)
-    low: Schedule = ex["schedule"]
     info = {"layout": ex["layout"], "device_map": ex["device_map"], "partition_layers": list(ex["partition"]),
             "devices_per_node": loaded.cluster.devices_per_node,
             "global_batch": ex["global_batch"], "plan": loaded.plan.describe(), "model": ex["model"]}
     mapping = options.pop("device_map", None)     # a --device-map name run passes, else the plan's placement
+    job = loaded.run_job(eager=eager, device_map=mapping)
     if mapping is None:
         options["placement"] = tuple(ex["device_map"])
-    recompute = loaded.workload.source.get("recompute", "none")   # what the plan's memory assumed
-    # a non-uniform plan runs the planner's replicated 1F1B (the lowered schedule given to the run)
-    run = dict(schedule="dapple" if low.name == REPLICATED else low.name, devices=low.num_devices,
-               microbatches=ex["microbatches"], chunks=loaded.plan.chunks, replicas=low.replicas,
-               micro_batch=ex["micro_batch"], partition=tuple(ex["partition"]), eager=eager, recompute=recompute,
-               device_map=mapping)
-    if "model_file" in ex:      # a profile's layer stack: the partition is over its layers
-        cfg = RunConfig.of(model=ex["model_file"], **run, **options)
-        info["device_map"] = cfg.device_map
-        lowered_schedule(cfg, low)
-        return cfg, low, info
-    spec = spec_from_dict(dict(ex["model_spec"]), f"plan model {ex['model']}")
-    if spec.kind != "gpt":
-        raise ValueError(f"the executor trains GPT decoders; the plan's model {spec.name!r} is of kind {spec.kind!r}")
-    try:
-        blocks_from_layers(ex["partition"], spec.layers)
-    except ValueError as e:
-        raise ValueError(f"plan partition: {e}") from None
-    cfg = RunConfig.of(model=spec, **run, **options)
+    if not isinstance(job.model, str) and job.model.kind != "gpt":
+        raise ValueError(f"the executor trains GPT decoders; the plan's model {job.model.name!r} is of kind "
+                         f"{job.model.kind!r}")
+    cfg = RunConfig(job=job, **options)
     info["device_map"] = cfg.device_map
-    lowered_schedule(cfg, low)
-    return cfg, low, info
+    return cfg, lowered_schedule(cfg), info
 
 
 def _layout_config(loaded: LayoutPlan, eager: bool, options: dict) -> tuple[RunConfig, Schedule, dict]:

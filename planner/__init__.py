@@ -33,5 +33,5 @@ __all__, __getattr__, __dir__ = lazy_face(__name__, {
     "plan": ("Plan", "StagePlan"),
     "plan_io": ("LoadedPlan", "load_plan", "plan_record", "save_plan"),
     "search": ("PlanError", "SearchResult", "SearchSpace", "exhaustive", "search_plans"),
-    "simulate": ("build_plan", "replicated_schedule", "simulate_plan"),
+    "simulate": ("build_plan", "simulate_plan"),
 })

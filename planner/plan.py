@@ -7,7 +7,7 @@ stage; the stage's gradients are all-reduced over its r_s devices once per itera
 A plan is **uniform** when every stage has the same number of replicas R: it is then R copies of a
 D-stage pipeline, which the IR expresses directly (``lower(build(schedule, D, M), replicas=R)``,
 per-replica micro-batch b / R, rank ``i * D + s`` = replica i of stage s). A non-uniform plan is
-simulated through :func:`planner.simulate.replicated_schedule` (see there).
+simulated through :func:`schedules.dapple_replicated.replicated_schedule` (see there).
 """
 from __future__ import annotations
 

@@ -130,6 +130,35 @@ class LoadedPlan:
         :class:`cost_models.job.Faults`)."""
         return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, faults)
 
+    def run_job(self, *, eager: bool = True, device_map: str | None = None):
+        """The job a training run of the plan takes (:class:`cost_models.job.Job`, for
+        ``executor.RunConfig(job=..., placement=plan.placement)``): the very schedule the simulator
+        runs (a uniform plan: its family on D = stages with R replicas; a non-uniform one: DAPPLE's
+        ``stage_replicas`` with the sub-batches as micro-batches), the model (a transformer spec or
+        the profile's model file), the samples per IR micro-batch, the IR stages' layers as the
+        partition and the recomputation the plan's memory assumed; ``device_map``: a mapping name
+        in place of the plan's placement. Raises ValueError for the paper's layer-cost models."""
+        from cost_models.job import Job, Layout
+        from cost_models.model_spec import spec_from_dict
+        ex = self.for_executor(eager=eager)
+        low, plan = ex["schedule"], self.plan
+        if plan.uniform:
+            layout = Layout(schedule=plan.schedule, devices=plan.num_stages, microbatches=ex["microbatches"],
+                            replicas=plan.dp, chunks=plan.chunks)
+        else:
+            layout = Layout(schedule="dapple", devices=low.num_devices, microbatches=ex["microbatches"],
+                            stage_replicas=tuple(plan.replicas))
+        model = ex["model_file"] if "model_file" in ex else spec_from_dict(dict(ex["model_spec"]),
+                                                                          f"plan model {ex['model']}")
+        par = replace(self.parallel, micro_batch=ex["micro_batch"])
+        return Job(layout=layout, model=model, parallel=par, partition=tuple(ex["partition"]), eager=eager,
+                   device_map=device_map)
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Rank -> the plan cluster's device id: where the plan puts each rank of :meth:`run_job`."""
+        return tuple(self.for_executor()["device_map"])
+
     def for_executor(self, *, eager: bool = True) -> dict:
         """What ``pipetwin run --plan`` runs, for uniform and non-uniform transformer plans: the very
         lowered schedule the simulator runs (:func:`planner.simulate.build_plan`; its IR form is

@@ -41,42 +41,11 @@ from cost_models.job import Faults, Job
 from cost_models.parallel import Parallel
 from cost_models.partition import balanced_edges
 from cost_models.workloads.workload import Workload
-from schedules import Schedule, build, lower, make_schedule, validate
-from schedules.dapple import one_f_one_b
-from schedules.ir import B, F
+from schedules import Schedule, build, lower, validate
+from schedules.dapple_replicated import REPLICATED, replicated_schedule
 from sim import simulate_job
 
-from .placement import lcm
 from .plan import Plan
-
-REPLICATED = "dapple-replicated"
-
-
-def replicated_schedule(replicas, microbatches: int) -> Schedule:
-    """DAPPLE's early-backward schedule for stage s on ``replicas[s]`` devices (see the module docstring).
-
-    Device ids: stage 0's replicas first (0..r_0-1), then stage 1's, ... IR micro-batch ``m * C + c``
-    is sub-batch c of micro-batch m; copy c of stage s sits on device ``offset_s + c mod r_s``.
-    Each device runs min(S - s - 1, M) warm-up micro-batches (all its copies of each), then
-    alternates one micro-batch forward and one backward, then drains.
-    """
-    reps = [int(r) for r in replicas]
-    if not reps or min(reps) < 1:
-        raise ValueError(f"replicas must be positive; got {reps}")
-    S, M = len(reps), int(microbatches)
-    C = reduce(lcm, reps, 1)
-    offsets = [sum(reps[:s]) for s in range(S)]
-    placement = [[offsets[s] + c % reps[s] for s in range(S)] for c in range(C)]
-    order = []
-    for s in range(S):
-        for i in range(reps[s]):
-            mine = [c for c in range(C) if c % reps[s] == i]
-            fwd = lambda m, s=s, mine=mine: [(F, m * C + c, c, s) for c in mine]  # noqa: E731
-            bwd = lambda m, s=s, mine=mine: [(B, m * C + c, c, s) for c in mine]  # noqa: E731
-            order.append([op for group in one_f_one_b(M, S - s - 1, fwd, bwd) for op in group])
-    return make_schedule(REPLICATED, sum(reps), M * C, placement, order,
-                         meta={"replicas": reps, "microbatches": M, "sub_batches": C})
-
 
 @dataclass
 class Built:

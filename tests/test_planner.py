@@ -7,8 +7,9 @@ import random
 import pytest
 
 from cost_models import LINK_TYPES, Cluster, LayerCosts, LinkSpec, load_cluster, load_device
+from schedules.dapple_replicated import replicated_schedule
 from planner import (Plan, PlanError, SearchSpace, StagePlan, Topology, estimate, exhaustive, load_plan,
-                     replicated_schedule, save_plan, search_plans, simulate_plan)
+                     save_plan, search_plans, simulate_plan)
 from cost_models.workloads.workload_sources import load_workload
 from cost_models.workloads.paper_models import paper_workload
 from planner.plan import Plan as _Plan

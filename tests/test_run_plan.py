@@ -220,3 +220,39 @@ def test_run_plan_from_another_folder(tmp_path, monkeypatch, capsys):
         assert cli_main(["run", "--plan", str(plan), "--steps", "1", "--json"]) == 0, capsys.readouterr().err
         losses = json.loads(capsys.readouterr().out)["losses"]
         assert len(losses) == 1 and 0 < losses[0] < 10
+
+
+@pytest.mark.parametrize("name", ["uniform", "nonuniform", "interleaved"])
+def test_a_plan_is_a_job_the_library_runs_without_the_command_layer(plan_files, name):
+    """``LoadedPlan.run_job`` + ``placement`` are all ``RunConfig`` needs: the job lowers (through
+    ``Job.build``) to the very programs the planner simulates, with the plan's device of every rank;
+    a non-uniform plan is a layout field, DAPPLE's ``stage_replicas``."""
+    from planner import load_plan
+    loaded = load_plan(plan_files[name])
+    ex = loaded.for_executor()
+    cfg = RunConfig(job=loaded.run_job(), placement=loaded.placement, steps=1)
+    low = lowered_schedule(cfg)
+    assert [list(map(str, p)) for p in low.programs] == [list(map(str, p)) for p in ex["schedule"].programs]
+    assert cfg.device_map == tuple(ex["device_map"]) and cfg.job.partition == tuple(ex["partition"])
+    reps = tuple(s.replicas for s in loaded.plan.stages)
+    if name == "nonuniform":
+        assert cfg.layout.stage_replicas == reps == (1, 2, 1) and cfg.layout.devices == 4
+        assert cfg.layout.microbatches == loaded.plan.microbatches * 2      # C = lcm(1, 2, 1) sub-batches
+    else:
+        assert cfg.layout.stage_replicas is None and cfg.layout.replicas == 2
+
+
+def test_stage_replicas_are_checked_in_one_line():
+    from cost_models.job import Layout
+    for kw, msg in ((dict(schedule="gpipe", devices=4, microbatches=8, stage_replicas=(1, 2, 1)),
+                     "stage replicas 1:2:1 run DAPPLE's schedule (dapple) only; got gpipe"),
+                    (dict(schedule="dapple", devices=3, microbatches=8, stage_replicas=(1, 2, 1)),
+                     "stage replicas 1:2:1 occupy 4 devices; -D is 3"),
+                    (dict(schedule="dapple", devices=5, microbatches=4, stage_replicas=(2, 3)),
+                     "stage replicas 2:3 cut a micro-batch into 6 sub-batches; -N 4 (sub-batches) is not a "
+                     "multiple of 6"),
+                    (dict(schedule="dapple", devices=2, microbatches=4, stage_replicas=(2, 0)),
+                     "stage_replicas must be an integer >= 1; got 0")):
+        with pytest.raises(ValueError) as e:
+            Layout(**kw)
+        assert str(e.value) == msg
