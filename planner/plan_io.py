@@ -1,57 +1,56 @@
-"""Plan files: everything needed to rebuild a plan, for ``pipetwin simulate --plan`` and ``pipetwin run --plan``.
+"""Plan files: a job record plus the planner's facts, for ``pipetwin simulate --plan`` and ``pipetwin run --plan``.
 
-A plan file is JSON::
+A plan file (version 2) is JSON. Both planners write the same head: the format, the version, which
+planner wrote it and the **job** it plans, as the job's own records (:class:`cost_models.job.Layout`,
+:class:`cost_models.parallel.Parallel`), beside the model and the cluster it was planned for::
 
     {
-      "format": "pipetwin-plan", "version": 1,
-      "model":   {"kind": "transformer", "name": "bert-48", "spec": {...ModelSpec fields...}, "recompute": "none"}
-                 or {"kind": "paper", "name": "vgg-19", "recompute": "none"}
-                 or {"kind": "calibrated", "name": "my.py:build" (or a preset), "profile": ..., "stack": true,
-                     "workload": {...the per-sample Workload fields...}, "spec": {...} (a transformer's)},
+      "format": "pipetwin-plan", "version": 2, "planner": "layout" | "dapple",
+      "job": {"layout": {"schedule", "devices" (D), "microbatches" (N), "replicas" (R), "chunks", "variant",
+                         "memory_limit", "stage_replicas" (DAPPLE's r_s per stage, or null)},
+              "parallel": {"tp", "sequence_parallel", "tp_overlap", "zero", "recompute", "micro_batch", "seq_len"},
+              "partition": layers per stage of the schedule (null: the default split),
+              "device_map": a mapping name or null, "placement": rank -> device id (a DAPPLE plan's) or null,
+              "cost_model", "memory_reserve"},
+      "model": {"kind": "transformer", "name", "spec": {...ModelSpec fields...}, ...}
+               or a DAPPLE workload's source ({"kind": "paper", "name": "vgg-19", ...}, {"kind": "calibrated", ...}),
       "cluster": {...Cluster.to_dict(): nodes, devices_per_node, device, intra, inter, nics_per_node...},
       "memory_limit": bytes per device (null: the device's memory),
-      "plan":    {"global_batch", "microbatches" (M), "micro_batch" (b = G / M), "policy", "schedule", "chunks",
-                  "split" (layers per stage of a schedule with other stages than the plan's, e.g. zb-v's 2 D;
-                  [] = the stages' own layers),
-                  "stages": [{"layers": [start, stop], "replicas": r, "devices": [physical ids]}, ...]},
-      "uniform": true | false,
-      "run":     for a uniform plan, the executor's view (null otherwise):
-                 {"schedule", "devices" (D = stages), "microbatches" (M), "dp" (R), "chunks",
-                  "micro_batch" (b / R per pipeline replica), "partition" (layers per stage of the schedule:
-                  the plan's "split" where set; over the L + 2 layers of a transformer: embedding and head
-                  included), "device_map"
-                  (rank i * D + s -> physical device of replica i of stage s)},
-      "estimate": {...planner.cost.Estimate.to_dict()...}, "simulated": {...} or null
+      ... the planner's facts
     }
 
-A whole-layout plan (``pipetwin plan --tp``, :mod:`planner.layout`) is a job instead::
+The facts of the whole-layout search (``pipetwin plan --tp``, :mod:`planner.layout`):
+``"global_batch"`` and ``"simulated"`` (the planner's record of the layout). The facts of the
+DAPPLE planner: ``"plan"`` ({"global_batch", "microbatches" (M), "micro_batch" (b = G / M),
+"policy", "schedule", "chunks", "split" (layers per stage of a schedule with other stages than
+the plan's, [] = the stages' own), "stages": [{"layers": [start, stop], "replicas": r, "devices":
+[physical ids]}, ...]}), ``"uniform"``, ``"run"`` (a uniform plan's flat view for other tools:
+schedule, devices, microbatches, dp, chunks, micro_batch per replica, partition, device_map; null
+otherwise), ``"estimate"`` and ``"simulated"``. A DAPPLE plan's job is what its facts give
+(:meth:`LoadedPlan.run_job`): a non-uniform plan is DAPPLE's ``stage_replicas`` with M x lcm(r_s)
+sub-batches; reading checks that the two agree.
 
-    {"format": "pipetwin-plan", "version": 1, "kind": "layout",
-     "model": {"kind": "transformer", "name", "spec": {...}}, "cluster": {...},
-     "layout": {"schedule", "devices" (D), "microbatches" (N), "replicas" (R), "chunks", "variant", "tp" (T)},
-     "micro_batch", "recompute", "zero", "sequence_parallel", "device_map", "cost_model", "memory_reserve",
-     "memory_limit",
-     "global_batch", "simulated": {...the planner's record...}}
-
-read back as a :class:`LayoutPlan` (its :meth:`LayoutPlan.job` is the job the planner simulated).
+Version 1 files (the same facts; a whole-layout plan's ``"kind": "layout"`` with a flat
+``"layout"`` including ``"tp"`` and the parallel fields beside it) are still read.
 
 Layers are global indices of the model's layer stack (for a transformer: 0 = embedding,
 1..L = blocks, L + 1 = head). Device ids are ``node * devices_per_node + local``.
 
-``pipetwin run --plan`` reads :meth:`LoadedPlan.for_executor` (any transformer plan, uniform or not:
-the lowered schedule the simulator runs and how to feed it; :mod:`experiments.plan_files`). The
-``run`` record is the flat view of a uniform plan for other tools.
+``simulate --plan`` binds a plan (:meth:`LoadedPlan.bind`, :meth:`LayoutPlan.bind`); a training run
+takes its job: ``executor.RunConfig(job=plan.run_job(), placement=plan.placement)`` for a DAPPLE
+plan, ``RunConfig(job=plan.run_job())`` for a whole-layout one.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from cost_models import Cluster, cluster_from_dict
 from cost_models.bind import Bound
 from cost_models._spec import size_bytes
 from cost_models.files import one_line, read_text, write_output
+from cost_models.model_spec import spec_from_dict
 from cost_models.parallel import Parallel
 from cost_models.stack import absolute_model_ref
 
@@ -60,7 +59,25 @@ from .plan import Plan
 from .simulate import Built, PlanInMemory, SimOutcome, build_plan, plan_parallel, simulate_plan
 from cost_models.workloads.workload import Workload
 
-FORMAT, VERSION = "pipetwin-plan", 1
+FORMAT, VERSION = "pipetwin-plan", 2
+READS = (1, 2)      # the versions this pipetwin reads
+
+
+def job_record(job, placement=None) -> dict:
+    """A plan file's ``"job"``: the job's layout and parallel records, its partition, device map or
+    explicit ``placement`` (rank -> device id), cost model and memory reserve (the model and the
+    cluster are the file's own fields)."""
+    lay = {f.name: getattr(job.layout, f.name) for f in fields(job.layout) if f.name != "schedule_file"}
+    plain = lambda v: list(v) if isinstance(v, tuple) else v   # noqa: E731
+    return {"layout": {k: plain(v) for k, v in lay.items()}, "parallel": job.parallel.record(),
+            "partition": plain(job.partition), "device_map": job.device_map,
+            "placement": None if placement is None else list(placement),
+            "cost_model": job.cost_model, "memory_reserve": job.memory_reserve}
+
+
+def plan_placement(plan: Plan) -> tuple[int, ...]:
+    """Rank -> device id of a DAPPLE plan as its job runs it (the IR form: stage 0's replicas first)."""
+    return tuple(d for st in plan.stages for d in st.devices) if not plan.uniform else tuple(plan.device_map())
 
 
 def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,
@@ -71,7 +88,9 @@ def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: floa
         run = {"schedule": plan.schedule, "devices": plan.num_stages, "microbatches": plan.microbatches,
                "dp": R, "chunks": plan.chunks, "micro_batch": plan.micro_batch // R,
                "partition": list(plan.schedule_partition), "device_map": list(plan.device_map())}
-    return {"format": FORMAT, "version": VERSION, "model": dict(work.source), "cluster": cluster.to_dict(),
+    job = LoadedPlan(plan, work, cluster, memory_limit, {}).planned_job()
+    return {"format": FORMAT, "version": VERSION, "planner": "dapple", "job": job_record(job, plan_placement(plan)),
+            "model": dict(work.source), "cluster": cluster.to_dict(),
             "memory_limit": memory_limit, "plan": plan.to_dict(), "uniform": plan.uniform, "run": run,
             "estimate": est.to_dict() if est is not None else None,
             "simulated": sim.to_dict() if sim is not None else None}
@@ -130,34 +149,41 @@ class LoadedPlan:
         :class:`cost_models.job.Faults`)."""
         return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, faults)
 
-    def run_job(self, *, eager: bool = True, device_map: str | None = None):
-        """The job a training run of the plan takes (:class:`cost_models.job.Job`, for
-        ``executor.RunConfig(job=..., placement=plan.placement)``): the very schedule the simulator
-        runs (a uniform plan: its family on D = stages with R replicas; a non-uniform one: DAPPLE's
-        ``stage_replicas`` with the sub-batches as micro-batches), the model (a transformer spec or
-        the profile's model file), the samples per IR micro-batch, the IR stages' layers as the
-        partition and the recomputation the plan's memory assumed; ``device_map``: a mapping name
-        in place of the plan's placement. Raises ValueError for the paper's layer-cost models."""
+    def planned_job(self, *, eager: bool = True, device_map: str | None = None, model=None):
+        """The plan as a job (:class:`cost_models.job.Job`): the very schedule the simulator runs (a
+        uniform plan: its family on D = stages with R replicas; a non-uniform one: DAPPLE's
+        ``stage_replicas`` with the M x C sub-batches as micro-batches), the samples per IR
+        micro-batch, the IR stages' layers as the partition and the recomputation the plan's
+        memory assumed; ``model``: what it trains (None: left open)."""
         from cost_models.job import Job, Layout
-        from cost_models.model_spec import spec_from_dict
-        ex = self.for_executor(eager=eager)
-        low, plan = ex["schedule"], self.plan
+        bt = self.build(eager=eager, check=False)
+        plan = self.plan
         if plan.uniform:
-            layout = Layout(schedule=plan.schedule, devices=plan.num_stages, microbatches=ex["microbatches"],
-                            replicas=plan.dp, chunks=plan.chunks)
+            per, layout = plan.micro_batch // plan.dp, Layout(
+                schedule=plan.schedule, devices=plan.num_stages, microbatches=plan.microbatches, replicas=plan.dp,
+                chunks=plan.chunks)
         else:
-            layout = Layout(schedule="dapple", devices=low.num_devices, microbatches=ex["microbatches"],
-                            stage_replicas=tuple(plan.replicas))
+            C = bt.extra["sub_batches"]
+            per, layout = plan.micro_batch // C, Layout(
+                schedule="dapple", devices=bt.lowered.num_devices, microbatches=plan.microbatches * C,
+                stage_replicas=tuple(plan.replicas))
+        return Job(layout=layout, model=model, parallel=replace(self.parallel, micro_batch=per),
+                   partition=tuple(bt.costs.meta["partition"]), eager=eager, device_map=device_map)
+
+    def run_job(self, *, eager: bool = True, device_map: str | None = None):
+        """The job a training run of the plan takes (:meth:`planned_job` with the model:
+        ``executor.RunConfig(job=..., placement=plan.placement)``): a transformer spec or the
+        profile's model file; ``device_map``: a mapping name in place of the plan's placement.
+        Raises ValueError for the paper's layer-cost models."""
+        ex = self.for_executor(eager=eager)
         model = ex["model_file"] if "model_file" in ex else spec_from_dict(dict(ex["model_spec"]),
                                                                           f"plan model {ex['model']}")
-        par = replace(self.parallel, micro_batch=ex["micro_batch"])
-        return Job(layout=layout, model=model, parallel=par, partition=tuple(ex["partition"]), eager=eager,
-                   device_map=device_map)
+        return self.planned_job(eager=eager, device_map=device_map, model=model)
 
     @property
     def placement(self) -> tuple[int, ...]:
         """Rank -> the plan cluster's device id: where the plan puts each rank of :meth:`run_job`."""
-        return tuple(self.for_executor()["device_map"])
+        return plan_placement(self.plan)
 
     def for_executor(self, *, eager: bool = True) -> dict:
         """What ``pipetwin run --plan`` runs, for uniform and non-uniform transformer plans: the very
@@ -200,24 +226,20 @@ class LoadedPlan:
                 "global_batch": plan.global_batch}
 
 
-LAYOUT_FIELDS = ("schedule", "devices", "microbatches", "replicas", "chunks", "variant", "tp")
+V1_LAYOUT_FIELDS = ("schedule", "devices", "microbatches", "replicas", "chunks", "variant", "tp")
 
 
 def layout_plan_record(job, cluster: Cluster, global_batch: int, *, memory_limit: float | None = None,
                        simulated: dict | None = None) -> dict:
-    """The plan file of a whole-layout plan (:mod:`planner.layout`): ``"kind": "layout"``, the job's
-    ``layout`` (schedule, devices D, microbatches N, replicas R, chunks, variant, tp T), the model's
-    spec, the cluster, ``micro_batch``, ``recompute``, ``zero``, ``sequence_parallel``,
-    ``device_map``, ``cost_model``, ``memory_reserve``, ``memory_limit``, ``global_batch`` and what the planner
-    simulated (``simulated``: its record)."""
-    lay, par = job.layout, job.parallel
+    """The plan file of a whole-layout plan (:mod:`planner.layout`; the module docstring): the
+    planner and the job (:func:`job_record`, its device map resolved: Megatron's order at T > 1),
+    the model's spec, the cluster, the memory limit and the facts, ``global_batch`` and what the
+    planner simulated (``simulated``: its record)."""
     spec = job.model
-    return {"format": FORMAT, "version": VERSION, "kind": "layout",
+    return {"format": FORMAT, "version": VERSION, "planner": "layout",
+            "job": job_record(replace(job, device_map=job.mapping)),
             "model": {"kind": "transformer", "name": spec.name, "spec": spec.to_dict()},
-            "cluster": cluster.to_dict(), "layout": {k: getattr(par if k == "tp" else lay, k) for k in LAYOUT_FIELDS},
-            "micro_batch": par.micro_batch, "recompute": par.recompute, "zero": par.zero,
-            "sequence_parallel": par.sequence_parallel, "device_map": job.mapping, "cost_model": job.cost_model,
-            "memory_reserve": job.memory_reserve, "memory_limit": memory_limit, "global_batch": global_batch,
+            "cluster": cluster.to_dict(), "memory_limit": memory_limit, "global_batch": global_batch,
             "simulated": simulated}
 
 
@@ -273,31 +295,50 @@ class LayoutPlan:
         return Bound(b.lowered, b.costs, b.network, {**b.report, "plan_file": str(self.path)})
 
 
-def _layout_plan(rec: dict, source: str) -> LayoutPlan:
-    from cost_models.job import Layout
-    from cost_models.model_spec import spec_from_dict
+def _v1_job(rec: dict, source: str) -> dict:
+    """A version 1 whole-layout plan's job fields: a flat ``layout`` with ``tp``, the parallel
+    fields beside it."""
     for k in ("layout", "micro_batch", "recompute", "zero", "sequence_parallel"):
         if k not in rec:
             raise ValueError(f"{source}: missing field {k!r}")
+    lay = rec["layout"]
+    if not isinstance(lay, dict) or set(lay) != set(V1_LAYOUT_FIELDS):
+        raise ValueError(f"{source}: field 'layout' must have exactly {', '.join(V1_LAYOUT_FIELDS)}")
+    lay = dict(lay)
+    par = {"tp": lay.pop("tp"), **{k: rec[k] for k in ("micro_batch", "recompute", "zero", "sequence_parallel")}}
+    return {"layout": lay, "parallel": par, **{k: rec.get(k) for k in ("device_map", "cost_model", "memory_reserve")}}
+
+
+def _job_fields(job: dict, source: str) -> dict:
+    """A plan file's ``"job"`` (:func:`job_record`) as the fields of a :class:`cost_models.job.Job`
+    (its records checked as a job's: one line naming the field)."""
+    from cost_models.job import Layout
+    if not isinstance(job, dict) or not isinstance(job.get("layout"), dict) or \
+            not isinstance(job.get("parallel"), dict):
+        raise ValueError(f"{source}: field 'job' must hold the job's 'layout' and 'parallel'")
+    lay = {k: tuple(v) if isinstance(v, list) else v for k, v in job["layout"].items()}
+    known = {f.name for f in fields(Layout)} - {"schedule_file"}
+    if set(lay) - known:
+        raise ValueError(f"{source}: unknown layout field {sorted(set(lay) - known)[0]!r}")
+    out = {"layout": Layout(**lay), "parallel": Parallel.from_record(job["parallel"], f"{source} (job.parallel)")}
+    for k in ("partition", "device_map", "cost_model", "memory_reserve"):
+        v = job.get(k)
+        if v is not None:
+            out[k] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def _layout_plan(rec: dict, source: str) -> LayoutPlan:
     cluster = cluster_from_dict(dict(rec["cluster"]), f"{source} (field 'cluster')")
     model = rec["model"]
     if not isinstance(model, dict) or not isinstance(model.get("spec"), dict):
         raise ValueError(f"{source}: field 'model' must hold the model's 'spec'")
     spec = spec_from_dict(dict(model["spec"]), f"{source} (field 'model')")
-    lay = rec["layout"]
-    if not isinstance(lay, dict) or set(lay) != set(LAYOUT_FIELDS):
-        raise ValueError(f"{source}: field 'layout' must have exactly {', '.join(LAYOUT_FIELDS)}")
     try:
-        lay = dict(lay)
-        par = Parallel(tp=lay.pop("tp"), micro_batch=rec["micro_batch"], recompute=rec["recompute"],
-                       zero=rec["zero"], sequence_parallel=rec["sequence_parallel"])
-        layout = Layout(**lay)
-        spec.check_tensor_parallel(par.tp)
-        fields = {"layout": layout, "parallel": par,
-                  "device_map": rec.get("device_map"), "cost_model": rec.get("cost_model"),
-                  "memory_reserve": rec.get("memory_reserve")}
-        spec = spec.replace(micro_batch=rec["micro_batch"])
-        plan = LayoutPlan(fields, spec, cluster, rec, source)
+        f = _job_fields(_v1_job(rec, source) if rec["version"] == 1 else rec.get("job"), source)
+        spec.check_tensor_parallel(f["parallel"].tp)
+        spec = spec.replace(micro_batch=f["parallel"].micro_batch)
+        plan = LayoutPlan(f, spec, cluster, rec, source)
         plan.job()      # every field checked as a job's
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {one_line(e)}") from None
@@ -310,9 +351,13 @@ def _layout_plan(rec: dict, source: str) -> LayoutPlan:
 def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan:
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise ValueError(f"{source}: not a pipetwin plan file (expected \"format\": \"{FORMAT}\")")
-    if rec.get("version") != VERSION:
-        raise ValueError(f"{source}: plan file version {rec.get('version')!r}; this pipetwin reads version {VERSION}")
-    if rec.get("kind") == "layout":
+    if rec.get("version") not in READS:
+        raise ValueError(f"{source}: plan file version {rec.get('version')!r}; this pipetwin reads versions "
+                         f"{', '.join(map(str, READS))}")
+    kind = rec.get("kind") if rec["version"] == 1 else rec.get("planner")
+    if rec["version"] > 1 and kind not in ("layout", "dapple"):
+        raise ValueError(f"{source}: field 'planner' must be 'layout' or 'dapple'; got {kind!r}")
+    if kind == "layout":
         return _layout_plan(rec, source)
     for k in ("model", "cluster", "plan"):
         if k not in rec:
@@ -331,7 +376,11 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan
     lim = rec.get("memory_limit")
     if lim is not None:
         lim = size_bytes(lim, source, "memory_limit")
-    return LoadedPlan(plan, work, cluster, lim, rec, source)
+    loaded = LoadedPlan(plan, work, cluster, lim, rec, source)
+    if rec["version"] > 1 and rec.get("job") != job_record(loaded.planned_job(), loaded.placement):
+        raise ValueError(f"{source}: field 'job' disagrees with the plan's stages and micro-batches (edited by "
+                         f"hand?); plan again")
+    return loaded
 
 
 def load_plan(path) -> LoadedPlan | LayoutPlan:

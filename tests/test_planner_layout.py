@@ -144,9 +144,23 @@ def test_plan_file_round_trips_and_simulates_to_the_planners_time(tmp_path):
     _, sim = simulate_job(Job(plan=loaded))
     assert sim.iteration_time == best.iteration_time
     rec = json.loads(path.read_text())
-    rec["layout"]["tp"] = 3
+    assert (rec["version"], rec["planner"], rec["job"]["parallel"]) == (2, "layout", best.job.parallel.record())
+    # the same plan written as version 1 (flat: "kind", the layout with tp, the parallel fields beside it)
+    j = rec["job"]
+    v1 = {**{k: v for k, v in rec.items() if k not in ("job", "planner")}, "version": 1, "kind": "layout",
+          "layout": {**{k: j["layout"][k] for k in ("schedule", "devices", "microbatches", "replicas", "chunks",
+                                                    "variant")}, "tp": j["parallel"]["tp"]},
+          **{k: j["parallel"][k] for k in ("micro_batch", "recompute", "zero", "sequence_parallel")},
+          **{k: j[k] for k in ("device_map", "cost_model", "memory_reserve")}}
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    assert load_plan(tmp_path / "v1.json").job() == job
+    rec["job"]["parallel"]["tp"] = 3
     path.write_text(json.dumps(rec))
     with pytest.raises(ValueError, match="--tp 3 does not divide heads"):
+        load_plan(path)
+    rec["job"]["parallel"]["pp"] = 2
+    path.write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match=r"plan.json \(job.parallel\): unknown field 'pp'"):
         load_plan(path)
 
 

@@ -256,3 +256,22 @@ def test_stage_replicas_are_checked_in_one_line():
         with pytest.raises(ValueError) as e:
             Layout(**kw)
         assert str(e.value) == msg
+
+
+def test_dapple_plan_files_are_version_2_with_their_job_and_version_1_still_reads(plan_files, tmp_path):
+    from planner import load_plan
+    rec = json.loads(plan_files["nonuniform"].read_text())
+    job = rec["job"]
+    assert (rec["version"], rec["planner"]) == (2, "dapple")
+    assert job["layout"]["stage_replicas"] == [1, 2, 1] and job["layout"]["devices"] == 4
+    assert job["layout"]["microbatches"] == 2 * rec["plan"]["microbatches"]          # C = 2 sub-batches
+    assert job["parallel"]["micro_batch"] == rec["plan"]["micro_batch"] // 2
+    assert job["placement"] == [d for s in rec["plan"]["stages"] for d in s["devices"]]
+    v1 = {k: v for k, v in rec.items() if k not in ("planner", "job")} | {"version": 1}
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    assert load_plan(tmp_path / "v1.json").planned_job() == load_plan(plan_files["nonuniform"]).planned_job()
+    job["layout"]["microbatches"] += 2
+    (tmp_path / "edited.json").write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match="edited.json: field 'job' disagrees with the plan's stages and "
+                                         "micro-batches"):
+        load_plan(tmp_path / "edited.json")
