@@ -86,7 +86,7 @@ def _torch(cfg, schedule_cls: str, chunks: int, v_shape: bool, rank, world, ctx)
     from executor.data import TokenSource
     from executor.model import lm_loss, make_optimizer, stage_module
     spec = cfg.spec()
-    D, N = world, cfg.microbatches
+    D, N = world, cfg.layout.microbatches
     S = D * chunks
     stage_ids = [rank, S - 1 - rank] if v_shape else [rank + D * k for k in range(chunks)]
     modules = [stage_module(spec, S, s, seed=cfg.seed).to(ctx.device) for s in stage_ids]
@@ -163,10 +163,10 @@ def tp_variants(cfg, rank, world, groups) -> dict:
             blk.attn.heads = spec.heads // T       # the attention computes this rank's heads
     name = f"pipetwin TP block (T={T})"
     return {name: _tp_step(ours, spec, make_optimizer(list(ours.parameters()), cfg.optimizer, cfg.lr),
-                           cfg.microbatches, cfg.seed),
+                           cfg.layout.microbatches, cfg.seed),
             f"torch {TP[1]} (T={T})": _tp_step(theirs, spec, make_optimizer(list(theirs.parameters()),
                                                                               cfg.optimizer, cfg.lr),
-                                               cfg.microbatches, cfg.seed)}
+                                               cfg.layout.microbatches, cfg.seed)}
 
 
 def tp_pair_names(T: int = TP[2]) -> list[str]:

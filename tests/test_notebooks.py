@@ -32,7 +32,7 @@ def _your_model(ns: dict, out: Path) -> None:
     """The plan file written and trained (the model's six layers split over the ranks), the
     comparison drawn."""
     plan = json.loads((out / "plan.json").read_text())
-    assert plan and ns["cfg"].model == ns["MODEL"] and sum(ns["cfg"].partition) == 6
+    assert plan and ns["cfg"].model == ns["MODEL"] and sum(ns["cfg"].blocks) == 6
     assert [c.schedule for c in ns["comps"]] == ["dapple", "zb-v"]
     _figure(out / "your_model_overlay.png")
 
