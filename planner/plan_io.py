@@ -56,7 +56,7 @@ from cost_models.stack import absolute_model_ref
 
 from cost_models.workloads.workload_sources import workload_from_source
 from .plan import Plan
-from .simulate import Built, PlanInMemory, SimOutcome, build_plan, plan_parallel, simulate_plan
+from .simulate import Built, PlanInMemory, SimOutcome, build_plan, plan_parallel, plan_placement, simulate_plan
 from cost_models.workloads.workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 2
@@ -73,11 +73,6 @@ def job_record(job, placement=None) -> dict:
             "partition": plain(job.partition), "device_map": job.device_map,
             "placement": None if placement is None else list(placement),
             "cost_model": job.cost_model, "memory_reserve": job.memory_reserve}
-
-
-def plan_placement(plan: Plan) -> tuple[int, ...]:
-    """Rank -> device id of a DAPPLE plan as its job runs it (the IR form: stage 0's replicas first)."""
-    return tuple(d for st in plan.stages for d in st.devices) if not plan.uniform else tuple(plan.device_map())
 
 
 def plan_record(plan: Plan, work: Workload, cluster: Cluster, memory_limit: float | None = None,

@@ -117,6 +117,16 @@ def replica_groups(plan: Plan) -> int:
     return reduce(gcd, plan.replicas, 0)
 
 
+def plan_placement(plan: Plan, g: int = 1) -> tuple[int, ...]:
+    """Rank -> device id of a plan's lowered form: a uniform plan's ``device_map``; a non-uniform
+    one's IR form (stage 0's replicas first), or with ``g`` > 1 its split into g replicas (rank
+    ``j D' + offset'_s + i'`` on ``devices_s[i' g + j]``, see :func:`build_plan`)."""
+    if plan.uniform:
+        return tuple(plan.device_map())
+    sub = [r // g for r in plan.replicas]
+    return tuple(st.devices[i * g + j] for j in range(g) for st, r in zip(plan.stages, sub) for i in range(r))
+
+
 def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | None = None, *,
                eager: bool = True, check: bool = True, split: bool = False) -> Built:
     """Lower a plan, bind its costs and place it (see the module docstring).
@@ -147,7 +157,7 @@ def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | N
         low = lower(sched, replicas=R, eager=eager)
         part = ir_partition(plan, work, low.num_stages)
         costs = PerLayerCostModel(work.layer_costs(b // R), part).bind(low)
-        dmap = plan.device_map()
+        dmap = plan_placement(plan)
         extra = {"layout": f"{R} x {D}-stage pipeline", "micro_batch_per_replica": b // R}
     else:
         if plan.schedule not in ("dapple", REPLICATED):
@@ -167,7 +177,7 @@ def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | N
                                                 for r in range(low.num_ranks)),
                         optim_time=tuple(params[stage_of[r % D]] * work.optim_time_per_param
                                          for r in range(low.num_ranks)))
-        dmap = tuple(st.devices[i * g + j] for j in range(g) for st, r in zip(plan.stages, sub) for i in range(r))
+        dmap = plan_placement(plan, g)
         extra = {"layout": "replicas " + ":".join(map(str, plan.replicas)), "sub_batches": C,
                  "micro_batch_per_sub_batch": b // C}
         if g > 1:
