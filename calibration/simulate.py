@@ -4,11 +4,12 @@ traced runs and what validation compares with measured ones.
 Every rank of a profile was measured on one host: the simulator puts them all there, sharing its
 cores (:class:`sim.host.HostCores`, :func:`sim.host.on_one_host`: processor sharing while every
 rank has a core, the profile's OS time slice beyond), with the profile's per-layer costs and its
-P2P and all-reduce fits (:meth:`cost_models.profile.CalibrationProfile.cost_model`,
-:meth:`~cost_models.profile.CalibrationProfile.cluster`).
+P2P and all-reduce fits, bound as every job with a profile is (:func:`cost_models.bind.calibrated`,
+the one path from a profile to costs: ``simulate --profile``, validation and calibration alike).
 """
 from __future__ import annotations
 
+from cost_models.bind import calibrated
 from sim.engine import SimOptions, simulate
 from sim.host import HostCores, on_one_host
 
@@ -18,7 +19,6 @@ def simulate_with_profile(low, profile, steps: int = 1, partition=None, recomput
     calibration ``profile`` (under activation recomputation ``recompute``), on one host whose
     cores the ranks share (``partition``: layers per stage; default the executor's split for the
     profile's model)."""
-    costs = profile.cost_model(low.num_stages, partition, recompute=recompute).bind(low)
-    net = profile.cluster(low.num_ranks)
+    bound = calibrated(profile, low, partition=partition, recompute=recompute)
     host = HostCores.of(profile) or HostCores(cores=1)
-    return simulate(low, costs, net, on_one_host(SimOptions(steps=steps), low.num_ranks, host))
+    return simulate(low, bound.costs, bound.network, on_one_host(SimOptions(steps=steps), low.num_ranks, host))
