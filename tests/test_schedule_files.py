@@ -216,7 +216,7 @@ def test_a_job_with_a_schedule_file_is_plain_data_and_picklable(tmp_path):
     job = Job(layout=Layout.of_file(load_schedule_file(path), replicas=2), unit_costs=True)
     lay = json.loads(json.dumps(job.record()))["layout"]
     assert lay == {"schedule": "mine.txt", "devices": 2, "microbatches": 4, "replicas": 2, "chunks": 2,
-                   "variant": None, "memory_limit": None, "schedule_file": str(path)}
+                   "variant": None, "memory_limit": None, "schedule_file": str(path), "stage_replicas": None}
     back = pickle.loads(pickle.dumps(job))
     assert back == job and back.layout.schedule_file.schedule.programs == build("interleaved", 2, 4).programs
     assert back.layout.build().replicas == 2 and back.layout.num_stages() == 4
