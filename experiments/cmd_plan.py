@@ -72,9 +72,15 @@ def search_of(args) -> str:
     if args.search is not None:
         return args.search
     o = vars(args)
-    if any(o.get(d) is not None for _, d in LAYOUT_ONLY):
+    layout = [f for f, d in LAYOUT_ONLY if o.get(d) is not None]
+    dapple = [f for f, d in DAPPLE_ONLY if o.get(d)] + (["--policies"] if args.policies != DEFAULT_POLICIES else [])
+    if layout and dapple:
+        budget = "; the GPU budget is --gpus N, -D the pipeline's D" if "--devices" in layout else ""
+        raise ValueError(f"{', '.join(layout)} belong to the whole-layout search and {', '.join(dapple)} to the "
+                         f"DAPPLE planner (T=1): drop one or the other, or give --search{budget}")
+    if layout:
         return "layout"
-    if any(o.get(d) for _, d in DAPPLE_ONLY) or args.policies != DEFAULT_POLICIES:
+    if dapple:
         return "dapple"
     m = args.model
     if m is None or is_profile_path(m) or m in PAPER_MODELS or is_model_ref(m):

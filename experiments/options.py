@@ -355,17 +355,20 @@ def _list_type(opt: Option, auto: bool):
     """``"4,8"`` -> (4, 8), each value checked as the row's scalar is (``auto``: ``"auto"`` stays
     :data:`AUTO_VALUE`, told apart from an option not given, None; :func:`auto_values` reads both)."""
     what = f"values out of {', '.join(map(str, opt.choices))}" if opt.choices else \
-        "whole numbers >= 1 (e.g. 4,8)" if opt.type is positive_int else "values"
+        "integers >= 1 (e.g. 4,8)" if opt.type is positive_int else "values"
 
     def parse(text: str):
         if auto and text.strip() == AUTO_VALUE:
             return AUTO_VALUE
         parts = [t.strip() for t in str(text).split(",")]
-        try:
-            vals = [opt.scalar(t) for t in parts]
-        except (argparse.ArgumentTypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"expected {'auto or ' if auto else ''}comma-separated {what}; "
-                                             f"got {text!r}") from None
+        vals = []
+        for t in parts:
+            try:
+                vals.append(opt.scalar(t))
+            except (argparse.ArgumentTypeError, ValueError):
+                which = f" ({t!r} is not)" if len(parts) > 1 else ""
+                raise argparse.ArgumentTypeError(f"expected {'auto or ' if auto else ''}comma-separated {what}; "
+                                                 f"got {text!r}{which}") from None
         return tuple(dict.fromkeys(vals))
     parse.__name__ = "auto_or_list" if auto else "list"
     return parse

@@ -400,6 +400,8 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
     t0 = time.perf_counter()
     if global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1; got {global_batch}")
+    from .choose import check_global_batch
+    check_global_batch(global_batch)
     jobs = candidates(model, cluster, global_batch, space, cluster_choice=cluster_choice, cost_model=cost_model,
                       memory_reserve=memory_reserve)
     gpus = check_gpus(cluster, space.gpus)
