@@ -30,21 +30,28 @@ def add_arguments(p):
     p.add_argument("--no-figures", action="store_true", help="skip the figures")
 
 
-def main(args) -> int:
-    from .sweep import Grid, run_sweep
-    # the axes come parsed and checked, as lists (the option table's list grammar)
+def grid_of(args):
+    """The sweep's (grid, base job): the axes come parsed and checked, as lists (the option table's
+    list grammar); the base job is the grid's first point over the options the grid does not vary."""
+    from .sweep import Grid
     grid = Grid(schedules=tuple(parse_schedules(args.schedules)), devices=args.devices,
                 microbatches=args.microbatches, dp=args.dp, tp=args.tp, zero=args.zero, recompute=args.recompute,
                 micro_batch=(None,) if args.micro_batch is None else args.micro_batch)
-    if args.unit_costs and args.micro_batch is not None:
-        raise ValueError("--micro-batch has no meaning with --unit-costs; drop one")
-    if args.workers is not None and args.ray is not None:
-        raise ValueError("--workers is for local processes; Ray places the points itself (drop one)")
     base = job_from_args(args, layout=layout_from_args(args, schedule=grid.schedules[0], devices=grid.devices[0],
                                                        microbatches=grid.microbatches[0], replicas=grid.dp[0],
                                                        schedules=grid.schedules),
                          tp=grid.tp[0], micro_batch=grid.micro_batch[0], zero=grid.zero[0],
                          recompute=grid.recompute[0])
+    return grid, base
+
+
+def main(args) -> int:
+    from .sweep import run_sweep
+    if args.unit_costs and args.micro_batch is not None:
+        raise ValueError("--micro-batch has no meaning with --unit-costs; drop one")
+    if args.workers is not None and args.ray is not None:
+        raise ValueError("--workers is for local processes; Ray places the points itself (drop one)")
+    grid, base = grid_of(args)
     rows = run_sweep(grid, base, args.out, workers=args.workers, use_ray=args.ray is not None,
                      ray_address=args.ray, progress=not args.no_progress and sys.stderr.isatty(),
                      figures=not args.no_figures)
