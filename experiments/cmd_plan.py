@@ -76,7 +76,8 @@ def search_of(args) -> str:
     dapple = [f for f, d in DAPPLE_ONLY if o.get(d)] + (["--policies"] if args.policies != DEFAULT_POLICIES else [])
     if layout and dapple:
         budget = "; the GPU budget is --gpus N, -D the pipeline's D" if "--devices" in layout else ""
-        raise ValueError(f"{', '.join(layout)} belong to the whole-layout search and {', '.join(dapple)} to the "
+        verb = "belongs" if len(layout) == 1 else "belong"
+        raise ValueError(f"{', '.join(layout)} {verb} to the whole-layout search and {', '.join(dapple)} to the "
                          f"DAPPLE planner (T=1): drop one or the other, or give --search{budget}")
     if layout:
         return "layout"

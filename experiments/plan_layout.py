@@ -52,7 +52,8 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     if args.policies != DEFAULT_POLICIES:
         given.append("--policies")
     if given:
-        raise ValueError(f"{', '.join(given)} belong to the DAPPLE planner (--search dapple, T=1); drop them for "
+        verb, them = ("belongs", "it") if len(given) == 1 else ("belong", "them")
+        raise ValueError(f"{', '.join(given)} {verb} to the DAPPLE planner (--search dapple, T=1); drop {them} for "
                          f"the whole-layout search (--search layout, --tp ...)")
     if args.model is None or args.cluster is None:
         raise ValueError("give --model and --cluster (NAME:NODES) for the whole-layout search")
