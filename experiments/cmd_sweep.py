@@ -33,15 +33,13 @@ def add_arguments(p):
 def grid_of(args):
     """The sweep's (grid, base job): the axes come parsed and checked, as lists (the option table's
     list grammar); the base job is the grid's first point over the options the grid does not vary."""
-    from .sweep import Grid
-    grid = Grid(schedules=tuple(parse_schedules(args.schedules)), devices=args.devices,
-                microbatches=args.microbatches, dp=args.dp, tp=args.tp, zero=args.zero, recompute=args.recompute,
-                micro_batch=(None,) if args.micro_batch is None else args.micro_batch)
-    base = job_from_args(args, layout=layout_from_args(args, schedule=grid.schedules[0], devices=grid.devices[0],
-                                                       microbatches=grid.microbatches[0], replicas=grid.dp[0],
-                                                       schedules=grid.schedules),
-                         tp=grid.tp[0], micro_batch=grid.micro_batch[0], zero=grid.zero[0],
-                         recompute=grid.recompute[0])
+    from .sweep import AXES, Grid
+    axes = {axis: getattr(args, axis) for _, axis, _ in AXES[1:]}
+    axes["micro_batch"] = axes["micro_batch"] or (None,)        # None: the model's own
+    grid = Grid(schedules=tuple(parse_schedules(args.schedules)), **axes)
+    first = {f: getattr(grid, axis)[0] for _, axis, f in AXES}
+    layout_first = {k: first.pop(k) for k in ("schedule", "devices", "microbatches", "replicas")}
+    base = job_from_args(args, layout=layout_from_args(args, schedules=grid.schedules, **layout_first), **first)
     return grid, base
 
 
