@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checks import int_in, output_file, positive_int
 from .options import add_options
 
 NAME = "calibrate"
@@ -19,16 +18,6 @@ HELP = "measure per-layer, P2P, all-reduce and runtime costs here; write a profi
 
 def add_arguments(p):
     add_options(p, NAME)
-    p.add_argument("--ranks", type=positive_int, default=2,
-                   help="ranks the predicted runs put on this host (default 2; with --tp T, each is T processes)")
-    p.add_argument("--repeats", type=positive_int, default=20, help="timings per measurement (median, >= 3)")
-    p.add_argument("--runtime-steps", type=int_in(3, 1000), default=20,
-                   help="steps of each traced run the runtime is fitted on (default 20; the first 2 are dropped)")
-    p.add_argument("--runtime-repeats", type=int_in(1, 100), default=3,
-                   help="quiet traced runs per schedule at least, in interleaved rounds (twice as many at most; "
-                        "default 3): the fit uses the noise-free steps of their pooled steps")
-    p.add_argument("--out", default="out/calibration.yaml", type=output_file,
-                   help="profile file (default out/calibration.yaml)")
 
 
 def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_batch: int | None = None,

@@ -22,7 +22,6 @@ import sys
 
 from cost_models._spec import size_bytes
 
-from .checks import positive_int
 from .common import parse_schedules, print_json
 from .jobs import cluster_from_args
 from .options import AUTO_VALUE, add_options, auto_values
@@ -32,33 +31,9 @@ from .tables import byte_unit, fmt_bytes, fmt_table, printable, wrap_cell
 NAME = "plan"
 HELP = ("find the fastest layout for a model on a cluster: the whole layout (T x D x R, schedule, micro-batch, "
         "recompute, ZeRO, SP), or --search dapple: DAPPLE's data x pipeline planner")
-SEARCHES = ("layout", "dapple")
 
 def add_arguments(p):
-    p.add_argument("--search", choices=SEARCHES, default=None,
-                   help="layout: the whole-layout search (tensor-parallel T, pipeline D, data-parallel R, schedule "
-                        "family, chunks, variant, micro-batch, recompute, ZeRO-1, sequence parallelism; the default "
-                        "for transformer presets, YAML files and configs); dapple: DAPPLE's data x pipeline planner "
-                        "(stages, partition, per-stage replicas, placement; T=1; the default for layer profiles "
-                        "FILE.txt, the DAPPLE paper's models (bert, vgg-19, gnmt-16, amoebanet-36, xlnet-36), a "
-                        "--profile, and where an option only it takes is given: --uniform, --policies, "
-                        "--no-simulate, --no-baselines, --profile-batch)")
     add_options(p, NAME)
-    p.add_argument("--global-batch", "-G", type=positive_int, required=True, help="samples (sequences) per iteration")
-    p.add_argument("--gpus", type=positive_int, metavar="N",
-                   help="the GPU budget: use at most N of the cluster's GPUs (the whole-layout search: a multiple of "
-                        "the node size)")
-    p.add_argument("--memory-limit", metavar="BYTES",
-                   help="memory per device, e.g. '16 GiB' (default: the device's memory; above it only with --force)")
-    p.add_argument("--force", action="store_true", help="plan for a --memory-limit above the device's memory")
-    p.add_argument("--top", type=positive_int, default=6, help="candidates re-simulated (default 6)")
-    p.add_argument("--max-stages", type=positive_int, help="at most this many pipeline stages")
-    p.add_argument("--uniform", action="store_true", help="DAPPLE search: only R x D plans (every stage on R devices)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help="DAPPLE search: placement policies to search (comma-separated)")
-    p.add_argument("--no-simulate", action="store_true", help="DAPPLE search: rank by the analytical model only")
-    p.add_argument("--no-baselines", action="store_true",
-                   help="DAPPLE search: skip the PipeDream and data-parallel baselines")
 
 
 def search_of(args) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 
-from .checks import positive_int
 from .common import parse_schedules
 from .jobs import job_from_args, layout_from_args
 from .options import add_options
@@ -23,11 +22,6 @@ HELP = ("simulate a grid of schedules x devices x micro-batches x replicas x ten
 
 def add_arguments(p):
     add_options(p, NAME)
-    p.add_argument("--workers", type=positive_int, default=None, help="local worker processes (default: all cores)")
-    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                   help="run the points on a Ray cluster (ADDRESS, e.g. 'auto'; alone: a local Ray); "
-                        "needs pip install 'pipetwin[ray]'")
-    p.add_argument("--no-figures", action="store_true", help="skip the figures")
 
 
 def grid_of(args):

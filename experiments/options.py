@@ -26,10 +26,11 @@ from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
 from cost_models.kernels import COST_MODELS
 from cost_models.parallel import RECOMPUTE, ZERO_STAGES
+from cost_models.profile import BUSY_CORES
 from schedules import families, names
 from schedules.registry import ALIASES
 
-from .checks import (byte_size, factor_pair, float_in, input_file, memory_limit, nonneg_float, nonneg_int,
+from .checks import (byte_size, factor_pair, float_in, input_file, int_in, memory_limit, nonneg_float, nonneg_int,
                      output_dir, output_file, positive_float, positive_int)
 
 SCALAR, LIST, AUTO = "scalar", "list", "auto"
@@ -38,13 +39,16 @@ AUTO_VALUE = "auto"     # an auto-or-list option given as 'auto' (None: not give
 DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adam", "sgd")
 RUN_DEVICES = ("auto", "cpu", "cuda")
+PLAN_SEARCHES = ("layout", "dapple")
+DEFAULT_POLICIES = "fresh-first,append-first,scatter-first"
 
 
 @dataclass(frozen=True)
 class Option:
     """One row: ``flags`` (the first is the name), ``field`` (``Record.name`` it fills, None: the
     command's own), ``type`` (a checked argparse type), ``choices`` (each value one of them),
-    ``help``, ``metavar``, ``default``, ``action`` (``store_true`` / ``append``), ``dest`` (default:
+    ``help``, ``metavar``, ``default``, ``action`` (``store_true`` / ``append``, or ``(nargs, const)``
+    for a flag whose value is optional), ``dest`` (default:
     the flag's name), ``invert`` (a ``--no-x`` flag filling ``x`` with its negation)."""
 
     flags: tuple[str, ...]
@@ -236,11 +240,65 @@ def _rows() -> dict[str, Option]:
         ("out_file", O(("--out",), None, "the file written", type=output_file, dest="out")),
         ("no_progress", O(("--no-progress",), None, "no progress bar", action="store_true")),
         ("reference", O(("--reference",), None, "run the single-process reference instead", action="store_true")),
-        ("run_profile", O(("--profile",), None, "calibration profile for --partition time", type=input_file,
-                          metavar="FILE.yaml", dest="profile")),
-        ("planner_profile", O(("--profile",), None, "a calibration profile (pipetwin calibrate --model ...): measured "
-                              "per-layer costs (the DAPPLE search)", type=input_file, metavar="FILE.yaml",
-                              dest="profile")),
+        ("calibration_profile", O(("--profile",), None, "a calibration profile (pipetwin calibrate)", type=input_file,
+                                  metavar="FILE.yaml", dest="profile")),
+        # ---- plan's own
+        ("search", O(("--search",), None,
+                     "layout: the whole-layout search (tensor-parallel T, pipeline D, data-parallel R, schedule "
+                     "family, chunks, variant, micro-batch, recompute, ZeRO-1, sequence parallelism; the default for "
+                     "transformer presets, YAML files and configs); dapple: DAPPLE's data x pipeline planner (stages, "
+                     "partition, per-stage replicas, placement; T=1; the default for layer profiles FILE.txt, the "
+                     "DAPPLE paper's models (bert, vgg-19, gnmt-16, amoebanet-36, xlnet-36), a --profile, and where "
+                     "an option only it takes is given: --uniform, --policies, --no-simulate, --no-baselines, "
+                     "--profile-batch)", choices=PLAN_SEARCHES)),
+        ("global_batch", O(("--global-batch", "-G"), None, "samples (sequences) per iteration", type=positive_int)),
+        ("gpus", O(("--gpus",), None, "the GPU budget: use at most N of the cluster's GPUs (the whole-layout search: "
+                   "a multiple of the node size)", type=positive_int, metavar="N")),
+        ("device_memory", O(("--memory-limit",), None, "memory per device, e.g. '16 GiB' (default: the device's "
+                            "memory; above it only with --force)", metavar="BYTES", dest="memory_limit")),
+        ("force", O(("--force",), None, "plan for a --memory-limit above the device's memory", action="store_true")),
+        ("top", O(("--top",), None, "candidates re-simulated (default 6)", type=positive_int, default=6)),
+        ("max_stages", O(("--max-stages",), None, "at most this many pipeline stages", type=positive_int)),
+        ("uniform", O(("--uniform",), None, "DAPPLE search: only R x D plans (every stage on R devices)",
+                      action="store_true")),
+        ("policies", O(("--policies",), None, "DAPPLE search: placement policies to search (comma-separated)",
+                       default=DEFAULT_POLICIES)),
+        ("no_simulate", O(("--no-simulate",), None, "DAPPLE search: rank by the analytical model only",
+                          action="store_true")),
+        ("no_baselines", O(("--no-baselines",), None, "DAPPLE search: skip the PipeDream and data-parallel "
+                           "baselines", action="store_true")),
+        # ---- sweep's own
+        ("workers", O(("--workers",), None, "local worker processes (default: all cores)", type=positive_int)),
+        ("ray", O(("--ray",), None, "run the points on a Ray cluster (ADDRESS, e.g. 'auto'; alone: a local Ray); "
+                  "needs pip install 'pipetwin[ray]'", metavar="ADDRESS", action=("?", "local"))),
+        ("no_figures", O(("--no-figures",), None, "skip the figures", action="store_true")),
+        # ---- validate's own (a sitting of runs)
+        ("warmup", O(("--warmup",), None, "steps dropped at the start of every run (default 2)", type=nonneg_int,
+                     default=2)),
+        ("quiet_runs", O(("--repeats",), None, "quiet runs per schedule at least (default 3); the step time is the "
+                         "median of the runs' noise-free times (each the median of its fast steps)",
+                         type=int_in(1, 100), default=3, dest="repeats")),
+        ("max_runs", O(("--max-runs",), None, "runs per schedule at most before the sitting is refused (default 12)",
+                       type=int_in(1, 100), default=12)),
+        ("max_spread", O(("--max-spread",), None, "largest run-to-run spread allowed: the step time with any one "
+                         "run left out (default 0.05)", type=float_in(0.0, 10.0), default=0.05)),
+        ("max_foreign", O(("--max-foreign",), None, f"cores' worth of other processes' CPU a run may see and still "
+                          f"count (default {BUSY_CORES:g}); a sitting is refused as 'host busy' only where runs saw "
+                          f"more", type=float_in(0.0, 10.0), default=BUSY_CORES)),
+        ("max_drift", O(("--max-drift",), None, "with --profile: largest change of the host speed probe since "
+                        "calibration (default 0.05)", type=float_in(0.0, 10.0), default=0.05)),
+        ("report", O(("--report",), None, "write a dated markdown record of the sitting into DIR "
+                     "(validate-YYYY-MM-DD-HHMM.md)", type=output_dir, metavar="DIR")),
+        # ---- calibrate's own (measurements)
+        ("ranks", O(("--ranks",), None, "ranks the predicted runs put on this host (default 2; with --tp T, each is "
+                    "T processes)", type=positive_int, default=2)),
+        ("timings", O(("--repeats",), None, "timings per measurement (median, >= 3)", type=positive_int, default=20,
+                      dest="repeats")),
+        ("runtime_steps", O(("--runtime-steps",), None, "steps of each traced run the runtime is fitted on (default "
+                            "20; the first 2 are dropped)", type=int_in(3, 1000), default=20)),
+        ("runtime_repeats", O(("--runtime-repeats",), None, "quiet traced runs per schedule at least, in interleaved "
+                              "rounds (twice as many at most; default 3): the fit uses the noise-free steps of their "
+                              "pooled steps", type=int_in(1, 100), default=3)),
     ]
     return dict(rows)
 
@@ -268,6 +326,7 @@ class Use:
     required: bool = False
     note: str = ""
     help: str | None = None
+    metavar: str | None = None
     extra_flags: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -301,7 +360,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
     "run": (use("schedule"), *map(use, _LAYOUT), use("plan", help=None, note="; " + RUN_PLAN_HELP),
             use("model", note="; default tiny (no FILE.txt: the executor trains GPTs and model files)"),
             use("micro_batch"), use("partition", note="; 'time' reads --profile"),
-            use("run_profile"), use("steps"), use("run_seed"), use("lr"), use("optimizer"), use("data"),
+            use("calibration_profile", help="calibration profile for --partition time"), use("steps"),
+            use("run_seed"), use("lr"), use("optimizer"), use("data"),
             use("device"), use("timeout"), use("recv_lookahead"), use("no_memory"),
             use("dtype", note=" (default fp32)"),
             use("recompute", note="; a --plan brings its own"),
@@ -315,11 +375,13 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
               *(use(k, LIST, default=d) for k, d in (("zero", (0,)), ("recompute", ("none",)))),
               *(u for u in _costs() if u.key not in ("partition", "micro_batch", "zero", "recompute")),
               use("exact"), use("out_dir", required=True, help="folder for sweep.csv, sweep.jsonl and the figures"),
-              use("no_progress")),
-    "plan": (use("model", note="; also the DAPPLE paper's models vgg-19, gnmt-16, amoebanet-36, xlnet-36"),
+              use("workers"), use("ray"), use("no_progress"), use("no_figures")),
+    "plan": (use("search"),
+             use("model", note="; also the DAPPLE paper's models vgg-19, gnmt-16, amoebanet-36, xlnet-36"),
              use("seq_len", note="; whole-layout search"), use("cost_model"), use("profile_batch"),
              use("cluster"), use("nodes"), use("fabric"), use("oversubscription"), use("nodes_per_leaf"),
-             use("planner_profile"),
+             use("calibration_profile", help="a calibration profile (pipetwin calibrate --model ...): measured "
+                 "per-layer costs (the DAPPLE search)"),
              use("schedules", default=None, note=" (default: dapple for the DAPPLE search; every family but "
                  "zb-auto for the whole layout)"),
              use("tp", AUTO, note=" (whole-layout search: auto = every divisor of the node size the model splits, "
@@ -332,18 +394,27 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
              use("device_map", AUTO, note=" (whole-layout search: default sequential, Llama 3's order [TP, PP, DP])"),
              use("plot", help="whole-layout search: the simulated candidates, step time vs memory per GPU, the "
                  "chosen plan marked"),
-             use("no_progress"), use("json"), use("out_file", help="write the plan file")),
+             use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json"),
+             use("global_batch", required=True), use("gpus"), use("device_memory"), use("force"), use("top"),
+             use("max_stages"), use("uniform"), use("policies"), use("no_simulate"), use("no_baselines")),
     "validate": (use("schedules"), use("devices", default=2, note=" (default 2)"),
                  use("microbatches", note=" (default 2D)"), use("dp", default=1),
                  use("tp", note="; default: the profile's, else 1 (a profile must have been calibrated at it)"),
                  use("chunks"), use("steps", default=20),
                  use("model", note="; default: the profile's, else tiny"), use("micro_batch"),
                  use("dtype", default=None, note="; default: the profile's, else fp32; calibrates in it"),
-                 use("json")),
+                 use("warmup"), use("quiet_runs"), use("max_runs"), use("max_spread"), use("max_foreign"),
+                 use("max_drift"),
+                 use("calibration_profile", help="calibration profile; default: calibrate now, in the same sitting as "
+                     "the runs, and write it beside --plot"),
+                 use("plot", default="out/validate.png", help="overlay figure (default out/validate.png)"),
+                 use("json"), use("report")),
     "calibrate": (use("model", default="tiny", note="; default tiny; a model file's every layer is measured"),
                   use("micro_batch"), use("tp", default=1, note="; the layers are measured as one TP rank's shards "
                                           "(1/T), the group's all-reduce over gloo"),
-                  use("dtype", note=" (default fp32)")),
+                  use("ranks"), use("timings"), use("runtime_steps"), use("runtime_repeats"),
+                  use("dtype", note=" (default fp32)"),
+                  use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")),
 }
 
 
@@ -388,12 +459,14 @@ def add_options(p, command: str, *, only: tuple[str, ...] | None = None) -> None
         kw: dict = {"dest": opt.name, "default": default, "help": help_text}
         if u.required:
             kw["required"] = True
-        if opt.action is not None:
+        if isinstance(opt.action, tuple):        # an optional value: (nargs, the value when the flag is alone)
+            kw.update(nargs=opt.action[0], const=opt.action[1], metavar=opt.metavar)
+        elif opt.action is not None:
             kw["action"] = opt.action
             if opt.action == "append":
                 kw.update(type=opt.type, metavar=opt.metavar)
         elif u.grammar == SCALAR:
-            kw.update(type=opt.type, metavar=opt.metavar)
+            kw.update(type=opt.type, metavar=u.metavar or opt.metavar)
             if opt.choices is not None:
                 kw["choices"] = list(opt.choices)
         else:

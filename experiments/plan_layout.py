@@ -14,7 +14,7 @@ import sys
 
 from .common import parse_schedules, print_json
 from .jobs import cluster_from_args
-from .options import auto_values
+from .options import DEFAULT_POLICIES, auto_values
 from .tables import fmt_bytes, fmt_table, printable, wrap_cell
 
 # the options only the DAPPLE search takes (given, they choose it) and only the whole-layout search takes
@@ -22,7 +22,6 @@ DAPPLE_ONLY = (("--profile", "profile"), ("--profile-batch", "profile_batch"), (
                ("--no-simulate", "no_simulate"), ("--no-baselines", "no_baselines"))
 LAYOUT_ONLY = (("--tp", "tp"), ("--devices", "devices"), ("--micro-batch", "micro_batch"),
                ("--device-map", "device_map"), ("--plot", "plot"), ("--seq-len", "seq_len"))
-DEFAULT_POLICIES = "fresh-first,append-first,scatter-first"
 
 COLUMNS = ["tp", "devices", "dp", "schedule", "chunks", "micro_batch", "recompute", "zero", "sp", "step_s",
            "tokens/s", "mfu", "mem_GiB", "bubble"]
