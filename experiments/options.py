@@ -1,4 +1,4 @@
-"""The one table of the command line's options: :data:`OPTIONS`, one :class:`Option` per row.
+"""The one table of the command line's options: :func:`table`, one :class:`Option` per row.
 
 A row says which flags set it, which record field it fills (``"Layout.devices"``,
 ``"Parallel.tp"``, ``"Job.model"``, ``"ClusterChoice.nodes"``, ``"Faults.jitter"``,
@@ -307,7 +307,7 @@ _TABLE: dict[str, Option] | None = None
 
 
 def table() -> dict[str, Option]:
-    """The rows by key (:data:`OPTIONS` is this, built once)."""
+    """The rows by key (built once, on first use)."""
     global _TABLE
     if _TABLE is None:
         _TABLE = _rows()
