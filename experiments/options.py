@@ -8,7 +8,7 @@ constants) and its help. :data:`COMMANDS` says which rows each command takes and
 
 * ``scalar`` -- one value (simulate, compare, run, validate, calibrate; ``--tp 2``);
 * ``list`` -- a comma-separated list, each value checked as the scalar is (sweep's axes: ``--tp 1,2``);
-* ``auto`` -- ``auto`` (None: the search chooses) or such a list (plan's search axes: ``--tp auto``,
+* ``auto`` -- ``auto`` (the search chooses) or such a list (plan's search axes: ``--tp auto``,
   ``--tp 2,4``).
 
 :func:`add_options` generates a command's parser from its entry; :func:`fields_of` reads the parsed
