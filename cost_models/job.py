@@ -253,8 +253,8 @@ class ClusterChoice:
         return (["--cluster"] if self.name is not None else []) + self.shape_options()
 
     def load(self, loader=load_cluster, default: str = DEFAULT_CLUSTER) -> Cluster:
-        """The cluster, shaped (``loader``: a name -> Cluster function; the planner passes its own,
-        which knows more names)."""
+        """The cluster, shaped (``loader``: a name -> Cluster function, default the presets' and
+        YAML files' :func:`cost_models.load_cluster`, which every command uses)."""
         return self.shape(loader(self.name or default))
 
     def shape(self, cluster: Cluster) -> Cluster:

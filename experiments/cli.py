@@ -1,11 +1,13 @@
 """``pipetwin``: the command line.
 
 Each subcommand lives in its own module ``experiments/cmd_<name>.py`` with ``NAME``, ``HELP``,
-``add_arguments(parser)`` and ``main(args) -> int``. User errors (bad schedule, impossible D/N,
-malformed config) print one line ``pipetwin: error: ...`` and exit 2; no traceback. Parse errors
-do too (:class:`experiments.checks.Parser`): give every new option a checked type from
-:mod:`experiments.checks` (``positive_float``, ``positive_int``, ``input_file``, ``output_file``,
-...) so a bad value is refused while parsing, and run the cheap feasibility checks
+``add_arguments(parser)`` and ``main(args) -> int``; the parsers of simulate, compare, run, sweep,
+plan, validate and calibrate are generated from the option table (:mod:`experiments.options`). User
+errors (bad schedule, impossible D/N, malformed config) print one line ``pipetwin: error: ...`` and
+exit 2; no traceback. Parse errors do too (:class:`experiments.checks.Parser`): give every new
+option (a row of the table) a checked type from :mod:`experiments.checks` (``positive_float``,
+``positive_int``, ``input_file``, ``output_file``, ...) so a bad value is refused while parsing,
+and run the cheap feasibility checks
 (:func:`cost_models.job.check_run_size`) before building anything.
 """
 from __future__ import annotations

@@ -10,33 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checks import int_in, output_file, positive_int
+from .options import add_options
 
 NAME = "calibrate"
 HELP = "measure per-layer, P2P, all-reduce and runtime costs here; write a profile the simulator loads"
 
 
 def add_arguments(p):
-    p.add_argument("--model", "-m", default="tiny",
-                   help="model preset or YAML file (default tiny), or a model file PATH.py:FUNC (each of its layers "
-                        "is measured)")
-    p.add_argument("--micro-batch", type=positive_int, default=None,
-                   help="samples per micro-batch to measure at (default: a model file's 4, a GPT spec's micro_batch)")
-    p.add_argument("--ranks", type=positive_int, default=2,
-                   help="ranks the predicted runs put on this host (default 2; with --tp T, each is T processes)")
-    p.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel size T of the runs to predict (default 1): each rank a group of T processes; "
-                        "the layers are measured as one TP rank's shards (1/T), the group's all-reduce over gloo")
-    p.add_argument("--repeats", type=positive_int, default=20, help="timings per measurement (median, >= 3)")
-    p.add_argument("--runtime-steps", type=int_in(3, 1000), default=20,
-                   help="steps of each traced run the runtime is fitted on (default 20; the first 2 are dropped)")
-    p.add_argument("--runtime-repeats", type=int_in(1, 100), default=3,
-                   help="quiet traced runs per schedule at least, in interleaved rounds (twice as many at most; "
-                        "default 3): the fit uses the noise-free steps of their pooled steps")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="precision of the runs to predict (bf16: autocast, as pipetwin run --dtype bf16)")
-    p.add_argument("--out", default="out/calibration.yaml", type=output_file,
-                   help="profile file (default out/calibration.yaml)")
+    add_options(p, NAME)
 
 
 def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_batch: int | None = None,

@@ -3,24 +3,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checks import output_dir, output_file
 from .common import parse_schedules
 from .compare import compare_schedules, report
-from .jobs import (add_cost_args, add_fault_args, add_layout_args, file_layout, job_from_args, layout_from_args,
-                   schedule_file_arg)
+from .jobs import file_layout, job_from_args, layout_from_args, schedule_file_arg
+from .options import add_options
 
 NAME = "compare"
 HELP = "compare schedules at the same D and N: table + stacked timelines"
 
 
 def add_arguments(p):
-    add_layout_args(p, schedule=False, many=True)
-    add_cost_args(p)
-    add_fault_args(p)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", metavar="FILE.png", type=output_file, help="stacked timelines of all schedules")
-    p.add_argument("--out", metavar="DIR", type=output_dir,
-                   help="also write table.csv, one Chrome trace per schedule and the figure here")
+    add_options(p, NAME)
 
 
 def main(args) -> int:

@@ -1,5 +1,8 @@
-"""``pipetwin plan``: the DAPPLE planner: the fastest data x pipeline plan that fits, and its baselines;
-with ``--tp auto|T,...`` the whole-layout search (:mod:`experiments.plan_layout`).
+"""``pipetwin plan``: the fastest layout of a model on a cluster. Two searches (:func:`search_of`):
+the whole-layout search (:mod:`experiments.plan_layout`; the default for transformers) and, with
+``--search dapple`` (the default for layer profiles and the DAPPLE paper's models), the DAPPLE
+planner: the fastest data x pipeline plan that fits, and its baselines. The rest of this note is
+the DAPPLE search's.
 
 Searches stages, partition, per-stage replicas, placement (fresh-first / append-first /
 scatter-first) and micro-batch count exactly under DAPPLE's latency model, re-simulates the best
@@ -10,7 +13,7 @@ one object (the plan file's content plus ``baselines`` and ``search``).
 
 ``--profile FILE`` (``pipetwin calibrate``) plans with measured per-layer costs instead of the
 formulas: the only way to plan a model file ``--model PATH.py:FUNC``. Without ``--cluster`` the plan
-is for this machine as calibrated (``--devices`` CPU ranks, default the profile's), with one it is
+is for this machine as calibrated (``--gpus`` CPU ranks, default the profile's), with one it is
 for that cluster, the measured times scaled onto its devices (:func:`cost_models.scaled_layer_costs`).
 """
 from __future__ import annotations
@@ -19,62 +22,46 @@ import sys
 
 from cost_models._spec import size_bytes
 
-from .checks import input_file, output_file, positive_int
 from .common import parse_schedules, print_json
-from .jobs import add_cluster_shape_args, add_cost_model_args, cluster_from_args
+from .jobs import cluster_from_args
+from .options import AUTO_VALUE, add_options, auto_values
+from .plan_layout import DAPPLE_ONLY, DEFAULT_POLICIES, LAYOUT_ONLY
 from .tables import byte_unit, fmt_bytes, fmt_table, printable, wrap_cell
 
 NAME = "plan"
-HELP = "find the fastest data x pipeline plan for a model on a cluster (DAPPLE planner; --tp: the whole layout)"
-
+HELP = ("find the fastest layout for a model on a cluster: the whole layout (T x D x R, schedule, micro-batch, "
+        "recompute, ZeRO, SP), or --search dapple: DAPPLE's data x pipeline planner")
 
 def add_arguments(p):
-    p.add_argument("--model", "-m", default=None,
-                   help="model: a cost_models preset (gpt-96, bert-48, ...), a YAML file, a DAPPLE paper model "
-                        "(vgg-19, gnmt-16, amoebanet-36, xlnet-36), a per-layer profile in PipeDream's graph "
-                        "format (FILE.txt, e.g. DAPPLE's released profiles), or a model file PATH.py:FUNC with its "
-                        "--profile")
-    p.add_argument("--seq-len", type=positive_int, default=None, metavar="S",
-                   help="with --tp: plan the model at sequence length S (default the model's; a Hugging Face "
-                        "config's max_position_embeddings)")
-    add_cost_model_args(p)
-    p.add_argument("--cluster", "-c", default=None,
-                   help="cluster preset or YAML file, optionally sized NAME:NODES (also v100-4x8-25gbe, "
-                        "a100-8x8-ib); with --profile optional (default: this machine as calibrated)")
-    add_cluster_shape_args(p)
-    p.add_argument("--profile", metavar="FILE.yaml", type=input_file,
-                   help="a calibration profile (pipetwin calibrate --model ...): measured per-layer costs")
-    p.add_argument("--global-batch", "-G", type=positive_int, required=True, help="samples (sequences) per iteration")
-    p.add_argument("--memory-limit", metavar="BYTES",
-                   help="memory per device, e.g. '16 GiB' (default: the device's memory; above it only with --force)")
-    p.add_argument("--force", action="store_true", help="plan for a --memory-limit above the device's memory")
-    p.add_argument("--recompute", default=None, choices=["none", "selective", "full"],
-                   help="activation recomputation (transformers; default none, and with --tp all three searched)")
-    p.add_argument("--schedules", default=None,
-                   help="schedules to try on uniform plans, comma-separated or 'all' (default dapple; with --tp "
-                        "every family but zb-auto)")
-    p.add_argument("--tp", default=None, metavar="auto|T,T,...",
-                   help="search the whole layout: tensor-parallel sizes T (auto: every divisor of the node size "
-                        "the model splits), with pipeline D, data-parallel R, schedule family, chunks, variant, "
-                        "micro-batch, recompute, ZeRO-1 and sequence parallelism (default: the DAPPLE planner, T=1)")
-    p.add_argument("--micro-batches", default=None, metavar="B,B,...",
-                   help="with --tp: micro-batch sizes searched (default 1,2,4,8)")
-    p.add_argument("--device-map", default=None, metavar="MAP,...",
-                   help="with --tp: rank placements searched (default sequential: Llama 3's order [TP, PP, DP]; "
-                        "megatron: [TP, DP, PP]; copies-same-node)")
-    p.add_argument("--plot", metavar="FILE.png", type=output_file,
-                   help="with --tp: the simulated candidates, step time vs memory per GPU, the chosen plan marked")
-    p.add_argument("--top", type=positive_int, default=6, help="candidates re-simulated (default 6)")
-    p.add_argument("--devices", type=positive_int, help="use at most this many of the cluster's devices")
-    p.add_argument("--max-stages", type=positive_int, help="at most this many pipeline stages")
-    p.add_argument("--uniform", action="store_true", help="only R x D plans (every stage on R devices)")
-    p.add_argument("--policies", default="fresh-first,append-first,scatter-first",
-                   help="placement policies to search (comma-separated)")
-    p.add_argument("--no-simulate", action="store_true", help="rank by the analytical model only")
-    p.add_argument("--no-baselines", action="store_true", help="skip the PipeDream and data-parallel baselines")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", metavar="PLAN.json", type=output_file, help="write the plan file")
+    add_options(p, NAME)
+
+
+def search_of(args) -> str:
+    """Which search the options ask for: ``--search``, else the DAPPLE search where it is the only
+    one that applies (a layer profile FILE.txt, a DAPPLE paper model, a BERT, a model file, a
+    ``--profile``) or an option only it takes is given (and none only the whole-layout search
+    takes), else the whole-layout search."""
+    from cost_models import is_model_ref, load_model
+    from cost_models.workloads.paper_models import PAPER_MODELS
+    from cost_models.workloads.workload import is_profile_path
+    if args.search is not None:
+        return args.search
+    o = vars(args)
+    layout = [f for f, d in LAYOUT_ONLY if o.get(d) is not None]
+    dapple = [f for f, d in DAPPLE_ONLY if o.get(d)] + (["--policies"] if args.policies != DEFAULT_POLICIES else [])
+    if layout and dapple:
+        budget = "; the GPU budget is --gpus N, -D the pipeline's D" if "--devices" in layout else ""
+        verb = "belongs" if len(layout) == 1 else "belong"
+        raise ValueError(f"{', '.join(layout)} {verb} to the whole-layout search and {', '.join(dapple)} to the "
+                         f"DAPPLE planner (T=1): drop one or the other, or give --search{budget}")
+    if layout:
+        return "layout"
+    if dapple:
+        return "dapple"
+    m = args.model
+    if m is None or is_profile_path(m) or m in PAPER_MODELS or is_model_ref(m):
+        return "dapple"
+    return "layout" if load_model(m).kind != "bert" else "dapple"
 
 
 def _parse_limit(text):
@@ -94,20 +81,26 @@ def check_limit(limit: float | None, device, force: bool) -> None:
 
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
-    from planner.clusters import resolve_cluster
 
     if args.global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1; got {args.global_batch}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1; got {args.top}")
-    if args.tp is not None:
+    if search_of(args) == "layout":
         from .plan_layout import main_layout
         return main_layout(args, _parse_limit(args.memory_limit), check_limit)
-    for flag, given in (("--micro-batches", args.micro_batches), ("--plot", args.plot),
-                        ("--device-map", args.device_map), ("--seq-len", args.seq_len)):
-        if given is not None:
-            raise ValueError(f"{flag} applies to the whole-layout search; give --tp auto (or a list of T)")
-    args.recompute = args.recompute or "none"
+    for flag, dest in LAYOUT_ONLY:
+        if vars(args).get(dest) is not None:
+            if dest == "devices":
+                raise ValueError("--devices is the pipeline's devices D, searched by the whole-layout search; the "
+                                 "DAPPLE search picks its stages itself: give its GPU budget as --gpus N (and at most "
+                                 "S stages as --max-stages S)")
+            raise ValueError(f"{flag} applies to the whole-layout search; drop --search dapple (or give a gpt/llama "
+                             f"model)")
+    if args.recompute is not None and args.recompute != AUTO_VALUE and len(args.recompute) > 1:
+        raise ValueError(f"--recompute: the DAPPLE search plans one recomputation; got "
+                         f"{','.join(args.recompute)} (search several with the whole-layout search)")
+    args.recompute = (auto_values(args.recompute) or ("none",))[0]
     args.schedules = args.schedules or "dapple"
     scheds = parse_schedules(args.schedules)
     model, cost_model = args.model, None
@@ -117,12 +110,12 @@ def main(args) -> int:
         raise ValueError("give --model and --cluster (or --profile FILE.yaml, which brings the model and, without "
                          "--cluster, this machine)")
     else:
-        cluster = cluster_from_args(args).load(resolve_cluster)
+        cluster = cluster_from_args(args).load()
         cost_model = args.cost_model      # None: plan_training's default, every command's
     limit = _parse_limit(args.memory_limit)
     check_limit(limit, cluster.device, args.force)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
-                        max_stages=args.max_stages, uniform=args.uniform, devices=args.devices)
+                        max_stages=args.max_stages, uniform=args.uniform, devices=args.gpus)
     res = plan_training(model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
                         schedules=scheds, top_k=args.top, simulate=not args.no_simulate,
                         baselines=not args.no_baselines, progress=not args.no_progress and sys.stderr.isatty(),
@@ -194,7 +187,6 @@ def run_command(rec: dict, work, model: str | None, recompute: str = "none") -> 
 def _calibrated_model(args):
     """(cluster, workload) of ``--profile``: this machine as calibrated, or scaled onto ``--cluster``."""
     from cost_models import load_profile
-    from planner.clusters import resolve_cluster
     from cost_models.workloads.paper_models import calibrated_workload
 
     from cost_models.bind import check_profile_model
@@ -205,9 +197,9 @@ def _calibrated_model(args):
     prof = load_profile(args.profile)
     check_profile_model(prof, args.model)
     if args.cluster is None:
-        n = args.devices or int(prof.meta.get("ranks", 2))
+        n = args.gpus or int(prof.meta.get("ranks", 2))
         return prof.cluster(n), calibrated_workload(prof)
-    cluster = cluster_from_args(args).load(resolve_cluster)
+    cluster = cluster_from_args(args).load()
     return cluster, calibrated_workload(prof, cluster.device)
 
 

@@ -27,9 +27,9 @@ import math
 import sys
 
 
-from .checks import input_file, nonneg_int, output_file, positive_float, positive_int
 from .common import print_json, write_chrome, write_csv
-from .jobs import add_layout_args, check_plan_args, job_from_args, layout_from_args
+from .jobs import check_plan_args, job_from_args, layout_from_args
+from .options import add_options, fields_of
 from .tables import byte_unit, fmt_bytes, fmt_table, printable
 
 NAME = "run"
@@ -37,59 +37,15 @@ HELP = "train a model with a schedule on torch.distributed (or --reference: in o
 
 
 def add_arguments(p):
-    add_layout_args(p, plan="run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)")
-    p.add_argument("--model", "-m", default=None,
-                   help="model preset name or YAML file (default: tiny), or a model file PATH.py:FUNC / "
-                        "package.module:FUNC whose FUNC() returns layers, loss and sample (executor/user_model.py)")
-    p.add_argument("--micro-batch", type=positive_int, default=None,
-                   help="samples per micro-batch (default: a model file's 4, a GPT spec's micro_batch)")
-    p.add_argument("--partition", metavar="COUNTS|time",
-                   help="layers per stage of a model copy, e.g. 3,2,2,3 (a GPT's embedding and head count as layers), "
-                        "or 'time': balanced by the measured layer times of --profile (default: a model file's "
-                        "layers balanced by parameters, a GPT's blocks evenly)")
-    p.add_argument("--profile", metavar="FILE.yaml", type=input_file, help="calibration profile for --partition time")
-    p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps (default 3)")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the weights and the synthetic data")
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam, or sgd with momentum 0.9")
-    p.add_argument("--data", metavar="FILE", type=input_file,
-                   help="train on the bytes of a text file (default: synthetic tokens)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: cuda:LOCAL_RANK + NCCL under torchrun when CUDA exists, else CPU + gloo")
-    p.add_argument("--timeout", type=positive_float, default=60.0,
-                   help="seconds a receive or all-reduce may wait (default 60)")
-    p.add_argument("--recv-lookahead", type=nonneg_int, default=0,
-                   help="receives posted ahead per peer, each holding a buffer (default 0 = all at step start)")
-    p.add_argument("--no-memory", action="store_true", help="do not measure activation memory")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: autocast mixed precision with fp32 master weights and optimizer state (default fp32)")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
-                   help="activation recomputation per transformer block (default none; a --plan brings its own)")
-    p.add_argument("--device-map", choices=["sequential", "copies-same-node", "megatron"], default=None,
-                   help="under torchrun (and with --tp): which (node, GPU) runs which rank (default: the plan's map, "
-                        "else megatron with --tp: TP, then DP, then PP; else sequential = torchrun's order); "
-                        "copies-same-node is BitPipe's")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tp: norms and stage boundaries on 1/T of the sequence, reduce-scatter + all-gather "
-                        "in place of the tensor-parallel all-reduces (Megatron's sequence parallelism)")
-    p.add_argument("--zero", type=int, choices=[0, 1], default=None,     # None: not given (a --plan's own)
-                   help="1: ZeRO-1, the optimizer state sharded over the --dp replicas of each stage (default 0)")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="training sequence length (default: the model's)")
-    p.add_argument("--reference", action="store_true", help="run the single-process reference instead")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the merged trace as CSV")
-    p.add_argument("--chrome-trace", metavar="FILE.json", type=output_file, help="write a Chrome/Perfetto trace")
-    p.add_argument("--plot", metavar="FILE.png", type=output_file, help="write the timeline figure")
-    p.add_argument("--inject-fault", metavar="RANK:TOKEN[:STEP]",
-                   help="make RANK raise at the op TOKEN of its program (e.g. 1:F2.s1, 0:RG1.s0<1:2 in step 2) to "
-                        "check that a failure ends the run; the token must be in that rank's program")
+    add_options(p, NAME)
 
 
 def _common_options(args) -> dict:
-    """The training options of a run (the RunConfig fields a job does not carry)."""
-    return dict(steps=args.steps, seed=args.seed, lr=args.lr, optimizer=args.optimizer, timeout=args.timeout,
-                data=args.data, device=args.device, recv_lookahead=args.recv_lookahead or None,
-                measure_memory=not args.no_memory, fault=args.inject_fault, dtype=args.dtype)
+    """The training options of a run (the RunConfig fields a job does not carry), read through the
+    option table; --recv-lookahead 0 is None (all receives posted at the step's start)."""
+    opts = fields_of(args, "RunConfig")
+    opts["recv_lookahead"] = opts.get("recv_lookahead") or None
+    return opts
 
 
 def job_of_run(args):
@@ -104,10 +60,7 @@ def job_of_run(args):
     if not is_model_ref(model):     # a model file is checked (built) with the schedule: lowered_schedule
         spec = load_model(model)
         layout.check_size(one_replica=False, layers=spec.layers, model_name=spec.name)   # before anything is built
-    return job_from_args(args, layout=layout, model=model, micro_batch=args.micro_batch,
-                         partition=run_partition(args, model, layout), recompute=args.recompute or "none",
-                         device_map=args.device_map, sequence_parallel=args.sequence_parallel, zero=args.zero or 0,
-                         seq_len=args.seq_len)
+    return job_from_args(args, layout=layout, model=model, partition=run_partition(args, model, layout))
 
 
 def config_from_args(args):

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from sim import simulate_job
 
-from .checks import output_file
 from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
-from .jobs import add_cost_args, add_fault_args, add_layout_args, check_plan_args, job_from_args
+from .jobs import check_plan_args, job_from_args
+from .options import add_options
 from .tables import WIDTH, fmt_table, group_rows, printable, wrap_cell
 
 NAME = "simulate"
@@ -13,16 +13,7 @@ HELP = "simulate one training iteration of a schedule"
 
 
 def add_arguments(p):
-    add_layout_args(p, plan="simulate a plan written by 'pipetwin plan --out' (it fixes the layout, model and "
-                             "cluster: -s/-D/-N/--dp/--tp/--model/--cluster/--micro-batch/--zero/--device-map ... "
-                             "are refused; --tp-overlap, --fabric, --cost-model, --memory-reserve and the faults "
-                             "apply to it)")
-    add_cost_args(p)
-    add_fault_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", type=output_file, help="write the timeline figure")
-    p.add_argument("--chrome-trace", metavar="FILE.json", type=output_file, help="write a Chrome/Perfetto trace")
-    p.add_argument("--trace", metavar="FILE.csv", type=output_file, help="write the trace as CSV")
+    add_options(p, NAME)
 
 
 def main(args) -> int:

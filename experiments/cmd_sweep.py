@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from .checks import output_dir, positive_int
 from .common import parse_schedules
-from .jobs import add_cost_args, job_from_args, layout_from_args
+from .jobs import job_from_args, layout_from_args
+from .options import add_options
 from .tables import fmt_table, printable
 
 NAME = "sweep"
@@ -21,46 +21,29 @@ HELP = ("simulate a grid of schedules x devices x micro-batches x replicas x ten
 
 
 def add_arguments(p):
-    p.add_argument("--schedules", "-s", default="all", help="comma-separated schedule names, or 'all'")
-    p.add_argument("--devices", "-D", required=True, help="pipeline devices, comma-separated (e.g. 4,8)")
-    p.add_argument("--microbatches", "-N", required=True, help="micro-batches per iteration, comma-separated")
-    p.add_argument("--dp", default="1", help="data-parallel replicas, comma-separated (default 1)")
-    p.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (default 1)")
-    p.add_argument("--micro-batch", help="micro-batch sizes, comma-separated (default: the model spec's)")
-    p.add_argument("--chunks", "-v", type=positive_int, default=None,
-                   help="chunks per device for the schedules that take them (default 2)")
-    p.add_argument("--no-eager", action="store_true", help="all-reduce gradients at the end")
-    add_cost_args(p, per_run=False)
-    p.add_argument("--exact", action="store_true", help="simulate every replica even when they are identical")
-    p.add_argument("--out", required=True, metavar="DIR", type=output_dir,
-                   help="folder for sweep.csv, sweep.jsonl and the figures")
-    p.add_argument("--workers", type=positive_int, default=None, help="local worker processes (default: all cores)")
-    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                   help="run the points on a Ray cluster (ADDRESS, e.g. 'auto'; alone: a local Ray); "
-                        "needs pip install 'pipetwin[ray]'")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-figures", action="store_true", help="skip the figures")
+    add_options(p, NAME)
+
+
+def grid_of(args):
+    """The sweep's (grid, base job): the axes come parsed and checked, as lists (the option table's
+    list grammar); the base job is the grid's first point over the options the grid does not vary."""
+    from .sweep import AXES, Grid
+    axes = {axis: getattr(args, axis) for _, axis, _ in AXES[1:]}
+    axes["micro_batch"] = axes["micro_batch"] or (None,)        # None: the model's own
+    grid = Grid(schedules=tuple(parse_schedules(args.schedules)), **axes)
+    first = {f: getattr(grid, axis)[0] for _, axis, f in AXES}
+    layout_first = {k: first.pop(k) for k in ("schedule", "devices", "microbatches", "replicas")}
+    base = job_from_args(args, layout=layout_from_args(args, schedules=grid.schedules, **layout_first), **first)
+    return grid, base
 
 
 def main(args) -> int:
-    from cost_models.parallel import RECOMPUTE, ZERO_STAGES
-
-    from .sweep import Grid, parse_choices, parse_ints, run_sweep
-    grid = Grid(schedules=tuple(parse_schedules(args.schedules)), devices=parse_ints(args.devices, "--devices"),
-                microbatches=parse_ints(args.microbatches, "--microbatches"), dp=parse_ints(args.dp, "--dp"),
-                tp=parse_ints(args.tp, "--tp"), zero=parse_choices(args.zero, "--zero", ZERO_STAGES),
-                recompute=parse_choices(args.recompute, "--recompute", RECOMPUTE),
-                micro_batch=(None,) if args.micro_batch is None else parse_ints(args.micro_batch, "--micro-batch"))
+    from .sweep import run_sweep
     if args.unit_costs and args.micro_batch is not None:
         raise ValueError("--micro-batch has no meaning with --unit-costs; drop one")
     if args.workers is not None and args.ray is not None:
         raise ValueError("--workers is for local processes; Ray places the points itself (drop one)")
-    base = job_from_args(args, layout=layout_from_args(args, schedule=grid.schedules[0], devices=grid.devices[0],
-                                                       microbatches=grid.microbatches[0], replicas=grid.dp[0],
-                                                       schedules=grid.schedules),
-                         tp=grid.tp[0], micro_batch=grid.micro_batch[0], zero=grid.zero[0],
-                         recompute=grid.recompute[0],
-                         eager=not args.no_eager, exact=args.exact)
+    grid, base = grid_of(args)
     rows = run_sweep(grid, base, args.out, workers=args.workers, use_ray=args.ray is not None,
                      ray_address=args.ray, progress=not args.no_progress and sys.stderr.isatty(),
                      figures=not args.no_figures)

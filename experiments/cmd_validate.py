@@ -22,12 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cost_models.profile import BUSY_CORES
 from cost_models.job import check_run_size
 
-from .checks import float_in, input_file, int_in, nonneg_int, output_dir, output_file, positive_int
 from .common import parse_schedules, print_json
 from .jobs import job_from_args, layout_from_args
+from .options import add_options
 from .tables import byte_unit, fmt_table
 
 NAME = "validate"
@@ -35,43 +34,7 @@ HELP = "run each schedule for real and in the simulator (calibrated profile); co
 
 
 def add_arguments(p):
-    p.add_argument("--schedules", default="all", help="comma-separated names or 'all'")
-    p.add_argument("--devices", "-D", type=positive_int, default=2)
-    p.add_argument("--microbatches", "-N", type=positive_int, default=None, help="default 2D")
-    p.add_argument("--dp", type=positive_int, default=1)
-    p.add_argument("--tp", type=positive_int, default=None,
-                   help="tensor-parallel size T: each pipeline rank a group of T processes that split every layer "
-                        "(default: the profile's, else 1); a profile must have been calibrated at this --tp")
-    p.add_argument("--chunks", "-v", type=positive_int, default=None,
-                   help="chunks per device for the schedules that take them (default 2)")
-    p.add_argument("--steps", type=positive_int, default=20, help="executor steps per run (default 20)")
-    p.add_argument("--warmup", type=nonneg_int, default=2, help="steps dropped at the start of every run (default 2)")
-    p.add_argument("--repeats", type=int_in(1, 100), default=3,
-                   help="quiet runs per schedule at least (default 3); the step time is the median of the runs' "
-                        "noise-free times (each the median of its fast steps)")
-    p.add_argument("--max-runs", type=int_in(1, 100), default=12,
-                   help="runs per schedule at most before the sitting is refused (default 12)")
-    p.add_argument("--max-spread", type=float_in(0.0, 10.0), default=0.05,
-                   help="largest run-to-run spread allowed: the step time with any one run left out (default 0.05)")
-    p.add_argument("--max-foreign", type=float_in(0.0, 10.0), default=BUSY_CORES,
-                   help=f"cores' worth of other processes' CPU a run may see and still count (default {BUSY_CORES:g}); "
-                        f"a sitting is refused as 'host busy' only where runs saw more")
-    p.add_argument("--max-drift", type=float_in(0.0, 10.0), default=0.05,
-                   help="with --profile: largest change of the host speed probe since calibration (default 0.05)")
-    p.add_argument("--profile", type=input_file,
-                   help="calibration profile; default: calibrate now, in the same sitting as the runs, and write "
-                        "it beside --plot")
-    p.add_argument("--model", "-m", default=None,
-                   help="model preset / YAML file or a model file PATH.py:FUNC (default: the profile's, else tiny)")
-    p.add_argument("--micro-batch", type=positive_int, default=None,
-                   help="samples per micro-batch when calibrating now (default: a model file's 4, a GPT spec's)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
-                   help="precision of the runs (default: the profile's, else fp32); calibrates in it")
-    p.add_argument("--plot", default="out/validate.png", type=output_file,
-                   help="overlay figure (default out/validate.png)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--report", metavar="DIR", type=output_dir, default=None,
-                   help="write a dated markdown record of the sitting into DIR (validate-YYYY-MM-DD-HHMM.md)")
+    add_options(p, NAME)
 
 
 REFUSED = 3   # exit status of a sitting refused for a busy host (not a user error: try again later)

@@ -1,4 +1,6 @@
-"""``pipetwin plan --tp auto|T,...``: the whole-layout search (:mod:`planner.layout`).
+"""``pipetwin plan``'s whole-layout search (:mod:`planner.layout`; ``--search layout``, the default for
+transformers). Its axes take ``auto`` or a comma-separated list (the option table's auto-or-list
+grammar): ``--tp``, ``--devices`` (pipeline D), ``--micro-batch``, ``--recompute``, ``--device-map``.
 
 T x D x R, schedule family (chunks, variants), micro-batch, recompute, ZeRO-1 and sequence
 parallelism for a transformer preset, YAML or config on a cluster, under each GPU's memory; the
@@ -12,49 +14,35 @@ import sys
 
 from .common import parse_schedules, print_json
 from .jobs import cluster_from_args
+from .options import DEFAULT_POLICIES, auto_values
 from .tables import fmt_bytes, fmt_table, printable, wrap_cell
 
-# the DAPPLE planner's options that the whole-layout search has no use for
-DAPPLE_ONLY = (("--profile", "profile"), ("--uniform", "uniform"), ("--no-simulate", "no_simulate"),
-               ("--no-baselines", "no_baselines"), ("--profile-batch", "profile_batch"))
-DEFAULT_POLICIES = "fresh-first,append-first,scatter-first"
+# the options only the DAPPLE search takes (given, they choose it) and only the whole-layout search takes
+DAPPLE_ONLY = (("--profile", "profile"), ("--profile-batch", "profile_batch"), ("--uniform", "uniform"),
+               ("--no-simulate", "no_simulate"), ("--no-baselines", "no_baselines"))
+LAYOUT_ONLY = (("--tp", "tp"), ("--devices", "devices"), ("--micro-batch", "micro_batch"),
+               ("--device-map", "device_map"), ("--plot", "plot"), ("--seq-len", "seq_len"))
+
 COLUMNS = ["tp", "devices", "dp", "schedule", "chunks", "micro_batch", "recompute", "zero", "sp", "step_s",
            "tokens/s", "mfu", "mem_GiB", "bubble"]
-
-
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    out = []
-    for t in text.split(","):
-        t = t.strip()
-        try:
-            v = int(t)
-        except ValueError:
-            raise ValueError(f"{option} takes comma-separated integers >= 1; got {text!r}") from None
-        if v < 1:
-            raise ValueError(f"{option} takes comma-separated integers >= 1; got {text!r}")
-        out.append(v)
-    return tuple(out)
 
 
 def space_from_args(args):
     """The :class:`planner.layout.LayoutSpace` the options ask for."""
     from planner.layout import DEFAULT_MICRO_BATCHES, LayoutSpace
     from cost_models.parallel import RECOMPUTE
-    tp = None if args.tp.strip() == "auto" else _ints(args.tp, "--tp")
-    mbs = DEFAULT_MICRO_BATCHES if args.micro_batches is None else _ints(args.micro_batches, "--micro-batches")
     scheds = None if args.schedules is None else tuple(parse_schedules(args.schedules))
-    return LayoutSpace(tp=tp, schedules=scheds, micro_batches=mbs,
-                       recompute=RECOMPUTE if args.recompute is None else (args.recompute,),
-                       max_stages=args.max_stages, gpus=args.devices,
-                       device_maps=("sequential",) if args.device_map is None else
-                       tuple(m.strip() for m in args.device_map.split(",")))
+    maps = auto_values(args.device_map)
+    return LayoutSpace(tp=auto_values(args.tp), devices=auto_values(args.devices), schedules=scheds,
+                       micro_batches=auto_values(args.micro_batch) or DEFAULT_MICRO_BATCHES,
+                       recompute=auto_values(args.recompute) or RECOMPUTE, max_stages=args.max_stages, gpus=args.gpus,
+                       device_maps=maps or ("sequential",))
 
 
 def main_layout(args, limit: float | None, check_limit) -> int:
     """The search of the options ``args`` with ``--memory-limit`` parsed (``limit``), refused above
     the device's memory by ``check_limit`` (:func:`experiments.cmd_plan.check_limit`)."""
     from cost_models import load_model
-    from planner.clusters import resolve_cluster
     from planner.layout import plan_layouts
     from planner.plan_io import layout_plan_record
     from cost_models.files import write_output
@@ -63,20 +51,29 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     if args.policies != DEFAULT_POLICIES:
         given.append("--policies")
     if given:
-        raise ValueError(f"{', '.join(given)} belong to the DAPPLE planner (T=1); drop them with --tp")
+        verb, them = ("belongs", "it") if len(given) == 1 else ("belong", "them")
+        raise ValueError(f"{', '.join(given)} {verb} to the DAPPLE planner (--search dapple, T=1); drop {them} for "
+                         f"the whole-layout search (--search layout, --tp ...)")
     if args.model is None or args.cluster is None:
-        raise ValueError("give --model and --cluster (NAME:NODES) with --tp")
+        raise ValueError("give --model and --cluster (NAME:NODES) for the whole-layout search")
     from cost_models.workloads.paper_models import PAPER_MODELS
     if args.model in PAPER_MODELS:
         raise ValueError(f"--tp: {args.model} is a layer-profile workload of the DAPPLE paper, not a transformer "
-                         f"whose layers can be split; plan it without --tp, or give a gpt/llama model")
+                         f"whose layers can be split; plan it without --tp (--search dapple), or give a gpt/llama "
+                         f"model")
     model = load_model(args.model)
     if args.seq_len is not None:
         model = model.replace(seq_len=args.seq_len)
     choice = cluster_from_args(args)
-    cluster = choice.load(resolve_cluster)
+    cluster = choice.load()
     check_limit(limit, cluster.device, args.force)
     space = space_from_args(args)
+    most = min(model.layers, cluster.num_devices)
+    for D in space.devices or ():
+        if D > most:
+            raise ValueError(f"--devices {D}: -D is the pipeline's devices D (at most {most}: {model.name} has "
+                             f"{model.layers} layers, {cluster.name} {cluster.num_devices} GPUs); the GPU budget is "
+                             f"--gpus N")
     show = not args.no_progress and sys.stderr.isatty()
 
     def progress(i, n):
@@ -109,7 +106,7 @@ def main_layout(args, limit: float | None, check_limit) -> int:
 
 def res_maps(args) -> list[str]:
     """The device maps searched."""
-    return ["sequential"] if args.device_map is None else [m.strip() for m in args.device_map.split(",")]
+    return list(auto_values(args.device_map) or ("sequential",))
 
 
 def search_stats(res) -> dict:

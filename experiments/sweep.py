@@ -40,12 +40,18 @@ from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, Job
 
 COLUMNS = ["schedule", "devices", "microbatches", "dp", "tp", "zero", "recompute", "micro_batch", "iteration_time",
            "throughput", "bubble_ratio", "peak_memory", "out_of_memory", "error"]
-KEY = ("schedule", "devices", "microbatches", "dp", "tp", "zero", "recompute", "micro_batch")
+# The grid's axes: (CSV column, Grid field, the job's flat field: Job.with_'s name); the CSV key of a
+# point is its values in this order. A new axis is a row here and a Grid field (and the option table's
+# row in sweep's list grammar, experiments.options.COMMANDS).
+AXES = (("schedule", "schedules", "schedule"), ("devices", "devices", "devices"),
+        ("microbatches", "microbatches", "microbatches"), ("dp", "dp", "replicas"), ("tp", "tp", "tp"),
+        ("zero", "zero", "zero"), ("recompute", "recompute", "recompute"),
+        ("micro_batch", "micro_batch", "micro_batch"))
+KEY = tuple(col for col, _, _ in AXES)
 
 
-def _key(schedule, devices, microbatches, dp, tp, zero, recompute, micro_batch) -> tuple[str, ...]:
-    return (schedule, str(devices), str(microbatches), str(dp), str(tp), str(zero), recompute,
-            "" if micro_batch is None else str(micro_batch))
+def _key(*values) -> tuple[str, ...]:
+    return tuple("" if v is None else str(v) for v in values)
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,7 @@ def point_key(job: "Job | Impossible") -> tuple[str, ...]:
     if isinstance(job, Impossible):
         return job.key
     lay, par = job.layout, job.parallel
-    return _key(lay.schedule, lay.devices, lay.microbatches, lay.replicas, par.tp, par.zero, par.recompute,
-                par.micro_batch)
+    return _key(*(getattr(lay if hasattr(lay, f) else par, f) for _, _, f in AXES))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,12 +89,9 @@ class Grid:
         """One job per point: ``base`` with the point's layout, ZeRO stage, recomputation and micro-batch
         size (:class:`Impossible` where these exclude each other)."""
         out: list[Job | Impossible] = []
-        for point in itertools.product(self.schedules, self.devices, self.microbatches, self.dp, self.tp, self.zero,
-                                       self.recompute, self.micro_batch):
-            s, d, n, r, t, z, c, b = point
+        for point in itertools.product(*(getattr(self, axis) for _, axis, _ in AXES)):
             try:
-                out.append(base.with_(schedule=s, devices=d, microbatches=n, replicas=r, tp=t, zero=z,
-                                      recompute=c, micro_batch=b))
+                out.append(base.with_(**{f: v for (_, _, f), v in zip(AXES, point)}))
             except ValueError as e:
                 out.append(Impossible(_key(*point), str(e).splitlines()[0] if str(e) else type(e).__name__))
         return out

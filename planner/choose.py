@@ -101,6 +101,14 @@ def with_simulation(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Eva
 MAX_GLOBAL_BATCH = 1 << 16     # samples per iteration the planner searches (65,536: tens of seconds at most)
 
 
+def check_global_batch(global_batch: int) -> None:
+    """Both planners' bound on the global batch: at most :data:`MAX_GLOBAL_BATCH` samples."""
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise ValueError(f"--global-batch {global_batch:,} is beyond the planner's limit of {MAX_GLOBAL_BATCH:,} "
+                         f"samples (planner.choose.MAX_GLOBAL_BATCH: every divisor is a micro-batch count to search "
+                         f"and simulate); plan a smaller global batch and accumulate gradients over iterations")
+
+
 def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: float | None = None,
                   recompute: str = "none", schedules=("dapple",), top_k: int = 6, simulate: bool = True,
                   baselines: bool = True, progress: bool = False, space: SearchSpace | None = None,
@@ -111,10 +119,7 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
     ``cost_model`` / ``profile_batch``: see :func:`cost_models.load_workload` (ignored for a Workload);
     ``cost_model`` None: the default of every command (:func:`cost_models.bind.cost_model_for`: kernels
     where the device has kernel constants, linear for profiles ``*.txt`` and other devices)."""
-    if global_batch > MAX_GLOBAL_BATCH:
-        raise ValueError(f"--global-batch {global_batch:,} is beyond the planner's limit of {MAX_GLOBAL_BATCH:,} "
-                         f"samples (planner.choose.MAX_GLOBAL_BATCH: every divisor is a micro-batch count to search "
-                         f"and simulate); plan a smaller global batch and accumulate gradients over iterations")
+    check_global_batch(global_batch)
     if not isinstance(model, Workload):
         cost_model = cost_model_for(cost_model, cluster.device, isinstance(model, str) and is_profile_path(model))
     work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute, cost_model,

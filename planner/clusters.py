@@ -1,45 +1,24 @@
-"""Clusters the planner's experiments need that cost_models has no preset for.
+"""Cluster helpers of the planner's experiments.
 
-* ``v100-4x8-25gbe``: four servers of 8 V100 32GB (NVLink 2) with one 25 Gb/s Ethernet NIC each,
-  the 32-GPU end of DAPPLE's scaling experiment (the ``v100-2x8-25gbe`` preset, twice as many servers);
-* ``a100-8x8-ib``: eight DGX A100 nodes (64 GPUs, 8 HDR InfiniBand NICs per node), the size of the
-  planner's speed benchmark;
+Every cluster name is a cost_models preset (``v100-4x8-25gbe`` and ``a100-8x8-ib``, which the
+planner's experiments use, are presets too), so every command resolves the same names:
+:func:`resolve_cluster` is :func:`cost_models.load_cluster` (a preset or YAML path, optionally
+sized ``NAME:NODES``), kept for the planner's callers.
+
 * :func:`gpus_on_servers`: the first n GPUs of a cluster's server type as a cluster of their own
   (n <= devices per server: one server with n GPUs; otherwise n / devices-per-server servers).
-
-:func:`resolve_cluster` takes one of these names, a cost_models preset or a YAML path.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models import Cluster, load_cluster, with_nodes
-from cost_models.cluster import split_size
-
-
-def _v100_4x8() -> Cluster:
-    c = load_cluster("v100-2x8-25gbe")
-    return replace(c, name="v100-4x8-25gbe", nodes=4,
-                   description="4 x 8 V100 32GB (NVLink 2), 25 Gb/s Ethernet between servers")
-
-
-def _a100_8x8() -> Cluster:
-    c = load_cluster("dgx-a100-4x8-ib")
-    return replace(c, name="a100-8x8-ib", nodes=8,
-                   description="8 x DGX A100 (8 x A100 80GB, NVLink 3), 8 x InfiniBand HDR 200 Gb/s per node")
-
-
-CLUSTERS = {"v100-4x8-25gbe": _v100_4x8, "a100-8x8-ib": _a100_8x8}
+from cost_models import Cluster, load_cluster
 
 
 def resolve_cluster(name_or_path) -> Cluster:
-    """A planner cluster name or a cost_models preset / YAML path, optionally sized ``NAME:NODES``."""
+    """A cluster (returned as is), or a cost_models preset / YAML path, optionally sized ``NAME:NODES``."""
     if isinstance(name_or_path, Cluster):
         return name_or_path
-    base, nodes = split_size(name_or_path)
-    if base in CLUSTERS:
-        c = CLUSTERS[base]()
-        return c if nodes is None else with_nodes(c, nodes)
     return load_cluster(name_or_path)
 
 

@@ -51,7 +51,8 @@ class LayoutSpace:
     the registry's, less :data:`EXCLUDED_BY_DEFAULT`), each with every variant and, for those that
     take chunks, ``chunks``; ``micro_batches``; ``recompute``; ``zero`` (ZeRO-1 only when R > 1);
     ``sequence_parallel`` (only when T > 1); ``max_stages``: at most this many pipeline devices D;
-    ``gpus``: the GPUs used (None: the cluster's; a multiple of its node size); ``device_maps``: how
+    ``devices``: only these D (None: every D that divides the GPUs); ``gpus``: the GPUs used
+    (None: the cluster's; a multiple of its node size); ``device_maps``: how
     ranks are placed (default ``sequential``: Llama 3's order [TP, PP, DP], a tensor-parallel group
     on consecutive GPUs of a node, a pipeline on consecutive groups; its replicas are alike, so the
     simulator runs one for all, where Megatron's [TP, DP, PP] on a rail fabric tells up to 32 kinds
@@ -65,6 +66,7 @@ class LayoutSpace:
     zero: tuple[int, ...] = (0, 1)
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_stages: int | None = None
+    devices: tuple[int, ...] | None = None
     gpus: int | None = None
     device_maps: tuple[str, ...] = ("sequential",)
 
@@ -72,7 +74,8 @@ class LayoutSpace:
         for r in self.recompute:
             if r not in RECOMPUTE:
                 raise ValueError(f"--recompute must be among {', '.join(RECOMPUTE)}; got {r!r}")
-        for name, values in (("--tp", self.tp or ()), ("--micro-batches", self.micro_batches),
+        for name, values in (("--tp", self.tp or ()), ("--devices", self.devices or ()),
+                             ("--micro-batch", self.micro_batches),
                              ("--chunks", self.chunks)):
             for v in values:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -199,10 +202,10 @@ def check_gpus(cluster: Cluster, gpus: int | None) -> int:
         return cluster.num_devices
     per = cluster.devices_per_node
     if gpus % per:
-        raise ValueError(f"--devices {gpus} is not a multiple of the {per} GPUs of a node of {cluster.name}; "
+        raise ValueError(f"--gpus {gpus} is not a multiple of the {per} GPUs of a node of {cluster.name}; "
                          f"use a multiple of {per}")
     if gpus > cluster.num_devices:
-        raise ValueError(f"--devices {gpus} is more than the {cluster.num_devices} GPUs of {cluster.name}")
+        raise ValueError(f"--gpus {gpus} is more than the {cluster.num_devices} GPUs of {cluster.name}")
     return gpus
 
 
@@ -223,6 +226,8 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
         for D in _divisors(gpus // tp):
             if D > most:
                 break
+            if space.devices is not None and D not in space.devices:
+                continue
             R = gpus // (tp * D)
             for mb in space.micro_batches:
                 if global_batch % (R * mb):
@@ -395,6 +400,8 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
     t0 = time.perf_counter()
     if global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1; got {global_batch}")
+    from .choose import check_global_batch
+    check_global_batch(global_batch)
     jobs = candidates(model, cluster, global_batch, space, cluster_choice=cluster_choice, cost_model=cost_model,
                       memory_reserve=memory_reserve)
     gpus = check_gpus(cluster, space.gpus)

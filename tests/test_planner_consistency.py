@@ -31,7 +31,7 @@ def _cli(capsys, *argv):
 @pytest.fixture(scope="module")
 def zbv(tmp_path_factory):
     path = tmp_path_factory.mktemp("zbv") / "zbv.json"
-    rc = main(["plan", "-m", "tiny", "-c", "dgx-a100-ib:1", "-G", "8", "--schedules", "zb-v", "--devices", "4",
+    rc = main(["plan", "-m", "tiny", "-c", "dgx-a100-ib:1", "-G", "8", "--schedules", "zb-v", "--gpus", "4",
                "--no-progress", "--no-baselines", "--out", str(path)])
     assert rc == 0
     return path
@@ -55,7 +55,7 @@ def test_zbv_plan_split_is_the_simulated_and_run_split(zbv, capsys):
 
 
 def test_printed_command_runs_as_printed(zbv, capsys, tmp_path):
-    main(["plan", "-m", "tiny", "-c", "dgx-a100-ib:1", "-G", "8", "--schedules", "zb-v", "--devices", "4",
+    main(["plan", "-m", "tiny", "-c", "dgx-a100-ib:1", "-G", "8", "--schedules", "zb-v", "--gpus", "4",
           "--no-progress", "--no-baselines"])
     out = capsys.readouterr().out
     lines = out.splitlines()

@@ -327,7 +327,8 @@ def test_plan_at_another_sequence_length(tmp_path, capsys):
     assert rec["model"]["spec"]["seq_len"] == 2048
     assert cli_main(["simulate", "--plan", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["iteration_time"] == pytest.approx(best["iteration_time"], rel=1e-9)
-    assert cli_main(["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--seq-len", "2048"]) == 2
+    assert cli_main(["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--seq-len", "2048",
+                     "--search", "dapple"]) == 2
     assert "--seq-len applies to the whole-layout search" in capsys.readouterr().err
 
 

@@ -207,7 +207,7 @@ def test_run_plan_from_another_folder(tmp_path, monkeypatch, capsys):
         "per_layer": [{"f": 1e-3, "b_input": 1e-3, "w": 1e-3, "b": 2e-3}] * n, "act_bytes_per_layer": [1024.0] * n,
         "p2p": {"latency": 1e-5, "bandwidth": 1e9}, "allreduce": {"latency": 1e-5, "bandwidth": 1e9}, "cores": 2}))
     monkeypatch.chdir(work)
-    assert cli_main(["plan", "--profile", "prof.yaml", "-G", "8", "--devices", "2", "--no-progress",
+    assert cli_main(["plan", "--profile", "prof.yaml", "-G", "8", "--gpus", "2", "--no-progress",
                      "--no-baselines", "--out", "plan.json"]) == 0
     rec = json.loads((work / "plan.json").read_text())
     assert rec["model"]["name"] == f"{work / 'cnn.py'}:build"

@@ -121,8 +121,8 @@ def test_sweep_figures_and_pareto(tmp_path):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (("--devices", "4,x"), "--devices: expected comma-separated whole numbers >= 1"),
-    (("--devices", "0"), "--devices: expected comma-separated whole numbers >= 1"),
+    (("--devices", "4,x"), "--devices/-D: expected comma-separated integers >= 1"),
+    (("--devices", "0"), "--devices/-D: expected comma-separated integers >= 1"),
     (("--workers", "0"), "argument --workers: must be an integer >= 1"),
     (("-c", "dgx-a100-ib:0"), "whole number >= 1"),
     (("--nodes", "-2"), "argument --nodes: must be an integer >= 1"),
@@ -130,7 +130,7 @@ def test_sweep_figures_and_pareto(tmp_path):
     (("--schedules", "nope"), "unknown schedule 'nope'"),
     (("--zero", "0,2"), "--zero: expected comma-separated values out of 0, 1; got '0,2'"),
     (("--recompute", "none,most"), "--recompute: expected comma-separated values out of none, selective, full"),
-    (("--tp", "1,0"), "--tp: expected comma-separated whole numbers >= 1"),
+    (("--tp", "1,0"), "--tp: expected comma-separated integers >= 1"),
 ])
 def test_sweep_user_errors(capsys, tmp_path, argv, msg):
     args = {"--devices": "4", "--microbatches": "8", "--out": str(tmp_path / "o")}
