@@ -116,7 +116,7 @@ def test_plan_with_no_other_option_searches_the_whole_layout(capsys, tmp_path):
     assert printed[0].startswith("whole-layout plan for llama3-8b on dgx-h100-ib:2 (16 x h100), global batch 64")
     assert printed[1].split()[:4] == ["tp", "devices", "dp", "schedule"]
     rec = json.loads(out.read_text())
-    assert rec["kind"] == "layout"          # a whole-layout plan file (a job), not a DAPPLE plan
+    assert rec["planner"] == "layout"       # a whole-layout plan file (a job), not a DAPPLE plan
     # the same search as --search layout and as --tp auto: the same best layout and time
     assert main(["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--no-progress", "--top", "1",
                  "--tp", "auto", "--json"]) == 0
