@@ -60,3 +60,15 @@ def runs(request):
                             for (k, (cfg, sched)), res in zip(jobs.items(), results)}
         return cache[world]
     return get
+
+
+@pytest.fixture()
+def no_ranks(monkeypatch):
+    """Fails the test if anything starts ranks (:func:`executor.launch.launch`, which every run,
+    calibration and benchmark goes through): for refusals that must come before any process starts,
+    said without a time bound (the host is shared)."""
+    import executor.launch
+
+    def refuse(target, payload, world):
+        raise AssertionError(f"{world} ranks were started ({target}) before the refusal")
+    monkeypatch.setattr(executor.launch, "launch", refuse)

@@ -268,14 +268,13 @@ def test_refusals_name_calibration_unsettled_runs_and_probe_drift():
         [Refusal("noisy runs", "zb-v: run-to-run spread 31% (...)")]
 
 
-def test_validate_refuses_a_profile_calibrated_on_a_busy_host(capsys, tmp_path):
-    """No runs, no error figure: one line saying why, exit status 3."""
+def test_validate_refuses_a_profile_calibrated_on_a_busy_host(capsys, tmp_path, no_ranks):
+    """No runs (no_ranks), no error figure: one line saying why, exit status 3."""
     from cost_models import save_profile
     from experiments.cli import main
     path = tmp_path / "busy.yaml"
     save_profile(_profile({"sitting": {"2": {"problems": ["dapple: other processes kept 0.90-1.10 cores busy"]}}}),
                  path)
-    t0 = time.perf_counter()
     assert main(["validate", "--profile", str(path), "--plot", str(tmp_path / "v.png")]) == 3
     assert not (tmp_path / "v.png").exists()
     out = capsys.readouterr().out
@@ -286,7 +285,6 @@ def test_validate_refuses_a_profile_calibrated_on_a_busy_host(capsys, tmp_path):
         "when the host is quiet (pipetwin calibrate --out FILE), or drop --profile to calibrate in this sitting"]
     assert "--max-runs" not in out
     assert "error" not in out.replace("no time or error figure", "") and "%" not in out
-    assert time.perf_counter() - t0 < 5.0
 
 
 
