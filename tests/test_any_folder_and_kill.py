@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow      # real processes started, killed and orphaned
+
 BIN = Path(sys.executable).parent
 PIPETWIN = BIN / "pipetwin"
 TORCHRUN = BIN / "torchrun"

@@ -104,6 +104,7 @@ def tp_sitting(tmp_path_factory):
     return prof, load_profile(path), comps
 
 
+@pytest.mark.slow
 def test_calibrated_tp_profile_round_trips(tp_sitting):
     from calibration.measure import TP_SIZES
     measured, prof, _ = tp_sitting
@@ -113,6 +114,7 @@ def test_calibrated_tp_profile_round_trips(tp_sitting):
     assert prof.meta["runtime_fit_ranks"] == 2 and set(prof.meta["sitting"]) == {"2"}
 
 
+@pytest.mark.slow
 def test_short_validate_at_tp2_memory_exact_and_time_within_a_third(tp_sitting):
     """Peak activation bytes of each TP rank 0 equal the simulator's from the measured shards;
     each rank ran its program's op order; the step time is predicted within a third in these
@@ -127,6 +129,7 @@ def test_short_validate_at_tp2_memory_exact_and_time_within_a_third(tp_sitting):
         assert abs(c.error) < 1 / 3, (c.schedule, c.error)
 
 
+@pytest.mark.slow
 def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
     """The same runs simulated without the collectives and with a core per process (the profile
     read as one of T = 1) come out more than a third short (about half on a quiet host): the
@@ -143,6 +146,7 @@ def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
         assert t / c.measured_iteration_time - 1 < -1 / 3, (c.schedule, t, c.measured_iteration_time)
 
 
+@pytest.mark.slow
 def test_calibrate_tp_on_the_command_line(tmp_path, capsys):
     """``pipetwin calibrate --tp 2`` in its quickest form (3 repeats per measurement, one round of
     4-step traced runs at T = 2): a profile of T = 2 whose layers are a TP rank's, said in its line."""

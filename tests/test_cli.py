@@ -81,6 +81,7 @@ def test_demo_writes_every_schedule_at_its_closed_form(capsys, tmp_path):
         [(n, 9.0, 3.0 * n + 9.0) for n in (4, 8, 12, 16)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,msg", [
     (["simulate", "-s", "bitpipe", "-D", "5", "-N", "10", "--unit-costs"],
      "bitpipe needs an even number of devices; got 5"),
@@ -220,6 +221,7 @@ def test_simulate_thousands_of_replicas_as_one(capsys):
     assert rc == 0 and rec["simulated_replicas"] == 1 and len(rec["per_device"]) == 2400
 
 
+@pytest.mark.slow
 def test_run_says_when_the_spec_has_what_the_executor_does_not_train(tmp_path, capsys):
     """The executor's GPT blocks have no dropout and fused attention: a spec with dropout (the gpt
     default) is told so in one line; the tiny preset says what the executor trains, and is not."""

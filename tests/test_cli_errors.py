@@ -474,7 +474,8 @@ def _fill(argv, files):
 RUNS_FIRST = {"run-trace-disk-full"}     # refused when writing what the run made: its ranks start first
 
 
-@pytest.mark.parametrize("argv,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("argv,words", [pytest.param(*c[1:], id=c[0], marks=[pytest.mark.slow] * (c[0] in RUNS_FIRST))
+                                        for c in CASES])
 def test_bad_input_exits_2_with_one_line(capsys, files, request, argv, words):
     if request.node.callspec.id not in RUNS_FIRST:
         request.getfixturevalue("no_ranks")     # refused before any rank starts
@@ -512,6 +513,7 @@ def test_hanging_model_file_times_out(capsys, files, monkeypatch):
     assert rc == 2 and len(err) == 1 and "hangs() did not finish in 1 s" in err[0], err
 
 
+@pytest.mark.slow
 def test_nan_loss_is_a_failed_run(capsys, files):
     """A loss that is NaN: exit status 1, one line naming the step, for the pipeline and the reference."""
     for extra in ([], ["--reference"]):
@@ -542,6 +544,7 @@ def test_plan_names_the_schedule_it_answers(capsys):
     assert json.loads(capsys.readouterr().out)["plan"]["schedule"] == "gpipe"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,word", [
     (["simulate", "-s", "dapple", "-D", "4", "-N", "8", "--slowdown", "2=nan"], "--slowdown"),
     (["run", "-s", "dapple", "-D", "100000", "-N", "8"], "-D"),

@@ -203,6 +203,7 @@ def test_rates_phases_split_is_the_closed_form_of_each_phase():
     assert sorted(k.name for k in ks if k.phase == "W") == ["fc1.dw", "fc2.dw", "proj.dw", "qkv.dw"]
 
 
+@pytest.mark.slow
 def test_reproduce_cost_curves_quick(tmp_path):
     from experiments.reproduce import run
     import pandas as pd

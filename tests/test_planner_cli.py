@@ -71,6 +71,7 @@ def test_errors_are_one_line(capsys, argv, msg):
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_reproduce_quick(tmp_path, capsys):
     rc, out, _ = run_cli(capsys, "reproduce", "dapple-planner", "--quick", "--out", str(tmp_path))
     assert rc == 0 and "up to 3.23x" in out

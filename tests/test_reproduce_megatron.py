@@ -41,6 +41,7 @@ def test_eq3_is_four_forward_passes_of_the_blocks_plus_the_logits():
                                                           + 6 * B * 2048 * h * 51200, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_megatron_quick(megatron_csv):
     t = pd.read_csv(megatron_csv / "megatron.csv")
     assert list(t.columns) == megatron.COLUMNS
@@ -62,6 +63,7 @@ def test_megatron_quick(megatron_csv):
     assert (t.simulated_replicas == 1).all()
 
 
+@pytest.mark.slow
 def test_korthikanti_quick(korthikanti_csv):
     t = pd.read_csv(korthikanti_csv / "korthikanti.csv")
     assert list(t.columns) == korthikanti.COLUMNS

@@ -183,6 +183,7 @@ def test_foreign_cores_subtracts_the_ranks_own_cpu():
     assert foreign_cores([CpuWindow(host="a", wall=1.0, host_busy=None, own=0.5)]) is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(host_busy_seconds() is None, reason="no /proc/stat")
 def test_host_counters_see_this_process_and_a_busy_child():
     # this process spins 0.3 s of CPU: the host's busy time grows by at least that much
@@ -200,6 +201,7 @@ def test_host_counters_see_this_process_and_a_busy_child():
     assert foreign_cores([win]) >= 0.5 * min(1.0, 2.0 / max(1.0, os.getloadavg()[0]))
 
 
+@pytest.mark.slow
 def test_pin_to_core_pins_every_thread_and_declines_without_a_core_per_rank():
     code = """
 import os, threading
@@ -219,6 +221,7 @@ print('ok')
     assert out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.slow
 def test_a_probed_pinned_run_reports_its_host():
     from executor.launch import run
     res = run(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=2, model="tiny", probe=2,

@@ -147,6 +147,7 @@ def test_sweep_out_must_be_writable(capsys, tmp_path):
     assert rc == 2 and "argument --out" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_sweep_on_a_local_ray(tmp_path):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

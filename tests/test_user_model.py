@@ -88,6 +88,7 @@ def _reference(cfg):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
 def test_losses_and_parameters_equal_reference(runs, references, world, case):
     cfg = CASES[world][case]
@@ -107,6 +108,7 @@ def test_losses_and_parameters_equal_reference(runs, references, world, case):
         assert res.losses[-1] < res.losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", [x for x in IDS if x[1].startswith("lm-")],
                          ids=[k for _, k in IDS if k.startswith("lm-")])
 def test_tied_weights_stay_equal_on_every_rank(runs, world, case):
@@ -239,6 +241,7 @@ def stack_profiles():
     return {CNN: _stack_profile(CNN), LM: _stack_profile(LM)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [k for k, c in CASES[2].items() if c.micro_batch is None])
 def test_simulated_activation_memory_equals_measured(runs, stack_profiles, case):
     """Every rank's peak activation bytes, measured by the runtime's saved-tensor meter, equal the
@@ -253,6 +256,7 @@ def test_simulated_activation_memory_equals_measured(runs, stack_profiles, case)
         [float(p["peak_activation_bytes"]) for p in res.per_device]
 
 
+@pytest.mark.slow
 def test_measured_layer_facts(stack_profiles):
     """Parameters, output bytes, FLOPs (2 per multiply-accumulate) and kept bytes of the CNN at a
     micro-batch of 4, against closed forms."""
@@ -270,6 +274,7 @@ def test_measured_layer_facts(stack_profiles):
     assert stack_profiles[CNN].act_bytes[2] == 4 * 8 * 36 * 8    # after the ReLU only the indices are new
 
 
+@pytest.mark.slow
 def test_calibrate_then_simulate(tied_lm_profile, capsys):
     import json
 
@@ -297,6 +302,7 @@ def test_calibrate_then_simulate(tied_lm_profile, capsys):
     assert "simulated with profile" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_readme_compare_examples_run_as_printed(tied_lm_profile, capsys):
     """The README's ``compare --profile out/lm.yaml`` lines, word for word but the profile's path: at
     D = 4 the 6-layer model has too few layers for the 8-stage schedules, which are skipped with why."""
@@ -322,6 +328,7 @@ def test_readme_compare_examples_run_as_printed(tied_lm_profile, capsys):
     assert all(r["iteration_time"] > 0 for r in there["schedules"])
 
 
+@pytest.mark.slow
 def test_plan_from_a_profile_runs_and_equals_the_reference(tied_lm_profile, tmp_path):
     from experiments.plan_files import config_from_plan
     from planner import plan_training, save_plan
@@ -337,6 +344,7 @@ def test_plan_from_a_profile_runs_and_equals_the_reference(tied_lm_profile, tmp_
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
+@pytest.mark.slow
 def test_model_file_costs_need_its_profile(tied_lm_profile, capsys):
     _, path = tied_lm_profile
     assert cli_main(["simulate", "--model", CNN, "-s", "dapple", "-D", "2", "-N", "4"]) == 2
@@ -371,6 +379,7 @@ def test_stack_profile_file_and_stage_bytes():
         prof.layer_costs(recompute="selective")
 
 
+@pytest.mark.slow
 def test_sweep_a_model_file_with_its_profile(tied_lm_profile, capsys, tmp_path):
     import csv
     import json
