@@ -147,15 +147,29 @@ def test_the_tp_model_is_what_makes_the_prediction(tp_sitting):
 
 
 @pytest.mark.slow
-def test_calibrate_tp_on_the_command_line(tmp_path, capsys):
+def test_calibrate_tp_on_the_command_line(tp_sitting, tmp_path, capsys, monkeypatch):
     """``pipetwin calibrate --tp 2`` in its quickest form (3 repeats per measurement, one round of
-    4-step traced runs at T = 2): a profile of T = 2 whose layers are a TP rank's, said in its line."""
+    4-step traced runs at T = 2): the options reach the calibration as given, and the profile it
+    returns is written and said in its line: a profile of T = 2 whose layers are a TP rank's. The
+    profile is the sitting's above, measured by the same steps (measure_host, the traced runs of
+    the runtime schedules, fit_profile), shared instead of measured a second time."""
+    import calibration
     from experiments.cli import main
+    measured = tp_sitting[0]
+    asked = []
+
+    def calibrate(model, **kw):
+        asked.append((model, {k: v for k, v in kw.items() if k != "progress"}))
+        return measured
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
     out = tmp_path / "tp2.yaml"
     assert main(["calibrate", "--tp", "2", "--repeats", "3", "--runtime-steps", "4", "--runtime-repeats", "1",
                  "--out", str(out)]) == 0
+    assert asked == [("tiny", {"ranks": 2, "repeats": 3, "micro_batch": None, "runtime_steps": 4,
+                               "runtime_repeats": 1, "dtype": "fp32", "tp": 2})]
     line = capsys.readouterr().out
     prof = load_profile(out)
+    assert prof == measured
     assert prof.tp == 2 and prof.meta["runtime_schedules"] == ["dapple", "interleaved", "zb-v", "zb-h1", "bitpipe"]
     assert f"T=2: layers per TP rank, TP all-reduce step {prof.tp_allreduce.latency * 1e6:.0f} us" in line
     # the profile prices a block's four all-reduces of its 16 KiB activations on the fitted ring

@@ -11,8 +11,6 @@ to the bf16 reference (within 1e-2); measured peak activation bytes, with and wi
 recomputation and in bf16, to the simulator's with a profile of the measured per-layer bytes.
 """
 import json
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -300,11 +298,6 @@ def test_recv_timeout_names_rank_op_and_peer():
         run(cfg, broken, check=False)
 
 
-def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "experiments", "run", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @pytest.mark.slow
 def test_cli_run_json_trace_and_reference(tmp_path, capfd):
     """``pipetwin run --json`` (in this process; its ranks spawned as always): the JSON alone on
@@ -332,11 +325,13 @@ def test_cli_run_json_trace_and_reference(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_cli_crashed_rank_ends_the_run_with_its_traceback():
-    p = _cli("-s", "dapple", "-D", "2", "-N", "4", "--steps", "2", "--timeout", "20", "--inject-fault", "1:B1.s1:1")
-    assert p.returncode == 1
-    assert "rank 1 failed: RuntimeError: injected fault: rank 1 step 1 at B1.s1" in p.stderr
-    assert "Traceback" in p.stderr and "runtime.py" in p.stderr
+def test_cli_crashed_rank_ends_the_run_with_its_traceback(capsys):
+    from experiments.cli import main
+    assert main(["run", "-s", "dapple", "-D", "2", "-N", "4", "--steps", "2", "--timeout", "20",
+                 "--inject-fault", "1:B1.s1:1"]) == 1
+    err = capsys.readouterr().err
+    assert "rank 1 failed: RuntimeError: injected fault: rank 1 step 1 at B1.s1" in err
+    assert "Traceback" in err and "runtime.py" in err
 
 
 def test_cli_bad_schedule_is_a_user_error(capsys, no_ranks):

@@ -223,13 +223,17 @@ print('ok')
 
 @pytest.mark.slow
 def test_a_probed_pinned_run_reports_its_host():
-    from executor.launch import run
-    res = run(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=2, model="tiny", probe=2,
-                        pin_cores=True))
-    assert res.extra["probe_seconds"] > 0 and res.extra["foreign_cores"] >= 0.0
-    assert res.extra["pinned"] is (len(os.sched_getaffinity(0)) >= 2)
-    assert "foreign_cores" not in run(RunConfig(schedule="dapple", devices=2, microbatches=2, steps=1,
-                                                model="tiny")).extra
+    """Two jobs on one launch of 2 pinned ranks: probed 2 times before and 2 after its steps, the
+    run reports each rank's 4 probe samples (8), their noise-free time, the other processes' cores
+    and each rank's CPU seconds; without a probe, none of that."""
+    from executor.launch import run_many
+    base = RunConfig(schedule="dapple", devices=2, microbatches=2, steps=2, model="tiny", pin_cores=True)
+    res, plain = run_many([base.with_(probe=2), base.with_(steps=1)])
+    samples = res.extra["probe_samples"]
+    assert len(samples) == 2 * (2 + 2) and res.extra["probe_seconds"] == noise_free(samples)
+    assert res.extra["foreign_cores"] >= 0.0 and len(res.extra["rank_cpu_seconds"]) == 2
+    assert res.extra["pinned"] is plain.extra["pinned"] is (len(os.sched_getaffinity(0)) >= 2)
+    assert not {"probe_seconds", "probe_samples", "foreign_cores", "rank_cpu_seconds"} & set(plain.extra)
 
 
 def _profile(meta):
