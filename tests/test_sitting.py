@@ -107,22 +107,29 @@ def test_host_busy_is_other_processes_cpu_measured_and_a_quiet_hosts_spread_is_t
 
 
 def test_validate_advice_follows_the_cause_with_the_options_as_given():
+    """One remedy per cause, in the order the causes first appear; each names the options that act
+    on its cause with the values given (two settings: no value is written into the text); the
+    remedies of an unsettled profile and of a host at another speed name none of validate's run
+    options (they do not help) and send the user to calibrate again."""
+    import re
     from argparse import Namespace
 
     from calibration import Refusal
     from experiments.cmd_validate import advice
-    args = Namespace(steps=20, max_runs=12, max_spread=0.05, max_foreign=0.5)
     reasons = [Refusal("noisy runs", "gpipe: spread"), Refusal("host busy", "dapple: 1 of 3"),
                Refusal("noisy runs", "zb-v: spread")]
-    assert advice(reasons, args) == [
-        "the runs were quiet but do not agree: longer runs (--steps, now 20) or more rounds (--max-runs, now 12) may "
-        "settle them; --max-spread (now 0.05) allows more",
-        "other processes used the ranks' cores: run it when they are idle (a run counts with up to --max-foreign 0.5 "
-        "cores of theirs)"]
-    assert advice([Refusal("unsettled profile", "D=2: x"), Refusal("host speed", "0.80")], args)[1] == (
-        "the host runs at another speed than when the profile was calibrated: calibrate again, or drop --profile to "
-        "calibrate in this sitting")
-    assert all("--max-runs" not in a for a in advice([Refusal("unsettled profile", "D=2: x")], args))
+    runs_options = {"--steps", "--max-runs", "--max-spread", "--max-foreign"}
+    for steps, max_runs, spread, foreign in ((20, 12, 0.05, 0.5), (7, 3, 0.2, 1.5)):
+        args = Namespace(steps=steps, max_runs=max_runs, max_spread=spread, max_foreign=foreign)
+        noisy, busy = advice(reasons, args)
+        assert set(re.findall(r"--[a-z-]+", noisy)) == {"--steps", "--max-runs", "--max-spread"}
+        assert f"--steps, now {steps})" in noisy and f"--max-runs, now {max_runs})" in noisy
+        assert f"--max-spread (now {spread:g})" in noisy
+        assert set(re.findall(r"--[a-z-]+", busy)) == {"--max-foreign"} and f"--max-foreign {foreign:g} " in busy
+        later = advice([Refusal("unsettled profile", "D=2: x"), Refusal("host speed", "0.80"),
+                        Refusal("unsettled profile", "D=4: y")], args)
+        assert len(later) == 2 and all("calibrate again" in a for a in later)
+        assert not runs_options & {w for a in later for w in re.findall(r"--[a-z-]+", a)}
 
 
 def test_probe_of_a_series_pools_its_runs_samples():
