@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-long bench gpu-check clean
+.PHONY: setup demo lint check test test-long bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m experiments.check_refs
+
+# the suite in tiers (pytest.ini's markers): `make check` the logic (IR, costs, simulator, planner,
+# CLI errors, one world-2 run per family) for everyday work; `make test` (CI) all of it, lint first
+check: setup
+	$(BIN)/python -m pytest -q -m "not slow and not long" tests
 
 test: lint
 	$(BIN)/python -m pytest -q -m "not long" tests

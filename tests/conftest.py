@@ -1,5 +1,11 @@
-"""Fixtures shared by the test modules: the calibrations of this machine and the lazy runs of a
-module's cases.
+"""Fixtures shared by the test modules: the calibrations of this machine, the lazy runs of a
+module's cases, and a guard that no rank starts (for refusals).
+
+The suite has two tiers (pytest.ini's markers): ``make check`` leaves out the tests marked
+``slow`` (processes beyond one world-2 run per family, real calibrations, notebooks, paper
+reproductions); ``make test`` runs everything but ``long``. Share what a test needs through the
+fixtures here (or a module's ``CASES`` and ``runs``) rather than launching ranks or calibrating
+again: every launch costs seconds of process start-up on this 2-core host.
 
 A real calibration takes 15-25 s on two cores, so each kind is made once per test session and
 shared: the tiny GPT's (calibrated and validated in one sitting) by the cross-validation tests
@@ -60,3 +66,15 @@ def runs(request):
                             for (k, (cfg, sched)), res in zip(jobs.items(), results)}
         return cache[world]
     return get
+
+
+@pytest.fixture()
+def no_ranks(monkeypatch):
+    """Fails the test if anything starts ranks (:func:`executor.launch.launch`, which every run,
+    calibration and benchmark goes through): for refusals that must come before any process starts,
+    said without a time bound (the host is shared)."""
+    import executor.launch
+
+    def refuse(target, payload, world):
+        raise AssertionError(f"{world} ranks were started ({target}) before the refusal")
+    monkeypatch.setattr(executor.launch, "launch", refuse)

@@ -28,6 +28,7 @@ def test_bad_input_exits_2_with_one_line(argv, says, capsys):
     assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_short_run_prints_every_case(capsys):
     assert main(["--rounds", "3", "--bytes", "4096", "--compute-ms", "0.5"]) == 0
     out = capsys.readouterr().out

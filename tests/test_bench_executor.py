@@ -84,6 +84,7 @@ def test_summarize_the_tp_pair_per_round():
     assert row["cpu_ratio"] == 1.5 and row["pipetwin_seq_per_s"] == 10.0
 
 
+@pytest.mark.slow
 def test_tp_pair_trains_the_same_blocks_on_both_sides():
     """pipetwin's TP blocks and torch's parallelize_module blocks (QKV rows in per-head order) give
     the same losses step after step (SGD at a large rate: the updates must agree too)."""

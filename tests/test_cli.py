@@ -48,13 +48,40 @@ def test_compare_skips_inadmissible(capsys):
     assert rc == 0 and "skipped bitpipe: bitpipe needs an even number of devices; got 3" in out
 
 
-def test_demo_writes_everything(capsys, tmp_path):
-    rc, out, _ = run_cli(capsys, "demo", "--out", str(tmp_path))
+def test_demo_writes_every_schedule_at_its_closed_form(capsys, tmp_path):
+    """``pipetwin demo`` (D = 4, N = 8, unit costs F = 1, B = 2 = B + W): its table holds every
+    family, GPipe and 1F1B at (N + D - 1)(F + B) = 33 (bubble (D - 1) / (N + D - 1) = 3/11) with
+    peak activations N and D, the interleaved 1F1B at 3N + 3(D - 1)/2 = 28.5 and ZB-H1 at
+    3N + (D - 1)(F + B - W) = 27; each schedule's Chrome trace holds one F and one B per stage and
+    micro-batch (and one W with a split backward) and two messages per micro-batch and stage
+    boundary between devices; the bubble table is GPipe's (D - 1)(F + B) = 9 at every N."""
+    import csv
+    from schedules import names
+    rc, _, _ = run_cli(capsys, "demo", "--out", str(tmp_path))
     assert rc == 0
-    names = {p.name for p in tmp_path.iterdir()}
-    assert {"compare.png", "table.csv", "bitpipe.chrome.json", "gpipe.chrome.json"} <= names
+    with open(tmp_path / "table.csv", newline="") as fh:
+        rows = {r["schedule"]: r for r in csv.DictReader(fh)}
+    assert list(rows) == names()
+    D, N = 4, 8
+    for name, time, peak in (("gpipe", 33.0, N), ("dapple", 33.0, D), ("interleaved", 28.5, None), ("zb-h1", 27.0, D)):
+        assert float(rows[name]["iteration_time"]) == time, name
+        assert float(rows[name]["bubble_ratio"]) == pytest.approx(1 - 3 * N / time, abs=1e-12), name
+        if peak is not None:
+            assert float(rows[name]["peak_activation_max"]) == peak, name
+    for name, stages, local, split in (("gpipe", D, 0, False), ("interleaved", 2 * D, 0, False),
+                                       ("zb-v", 2 * D, 1, True)):
+        events = json.loads((tmp_path / f"{name}.chrome.json").read_text())["traceEvents"]
+        count = {k: sum(e.get("cat") == k for e in events) for k in ("F", "B", "W", "SEND", "RECV", "COPY")}
+        boundaries = stages - 1 - local
+        assert count == {"F": stages * N, "B": stages * N, "W": stages * N if split else 0,
+                         "SEND": 2 * N * boundaries, "RECV": 2 * N * boundaries, "COPY": 2 * N * local}, name
+    with open(tmp_path / "bubbles.csv", newline="") as fh:
+        gpipe = [r for r in csv.DictReader(fh) if r["schedule"] == "gpipe"]
+    assert [(int(r["N"]), float(r["bubble"]), float(r["makespan"])) for r in gpipe] == \
+        [(n, 9.0, 3.0 * n + 9.0) for n in (4, 8, 12, 16)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,msg", [
     (["simulate", "-s", "bitpipe", "-D", "5", "-N", "10", "--unit-costs"],
      "bitpipe needs an even number of devices; got 5"),
@@ -69,10 +96,36 @@ def test_user_errors_exit_nonzero_one_line(argv, msg):
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_schedules_lists_requirements(capsys):
+def test_schedules_lists_the_requirements_build_enforces(capsys):
+    """Every family is listed once, in order, with its requirement on D and N; for D in 1..6 and N
+    in 1..12 a family builds exactly where its listed requirement holds (D even, N a multiple of
+    D, N >= 2D; a parenthesis is a remark)."""
+    import re
+
+    from schedules import ScheduleError, build, names
     rc, out, _ = run_cli(capsys, "schedules")
     assert rc == 0
-    assert "bitpipe" in out and "D even, N multiple of D" in out
+    listed = {}
+    for line in out.splitlines():
+        m = re.match(r"^(\S+)\s+(.*?)\s{2,}", line)
+        if m and m.group(1) in names():
+            listed[m.group(1)] = m.group(2)
+    assert list(listed) == names()
+    rules = {"D even": lambda D, N: D % 2 == 0, "N multiple of D": lambda D, N: N % D == 0,
+             "N >= 2D": lambda D, N: N >= 2 * D, "D >= 1": lambda D, N: True, "N >= 1": lambda D, N: True,
+             "chunks v >= 1": lambda D, N: True}
+    assert listed["chimera"] == listed["bitpipe"] == "D even, N multiple of D"
+    for name, req in listed.items():
+        clauses = [c.strip() for c in re.sub(r"\(.*?\)", "", req).split(",")]
+        assert set(clauses) <= set(rules), (name, req)
+        for D in range(1, 7):
+            for N in range(1, 13):
+                try:
+                    build(name, D, N)
+                    built = True
+                except ScheduleError:
+                    built = False
+                assert built == all(rules[c](D, N) for c in clauses), (name, req, D, N)
 
 
 def test_simulate_real_costs_reports_out_of_memory(capsys):
@@ -168,6 +221,7 @@ def test_simulate_thousands_of_replicas_as_one(capsys):
     assert rc == 0 and rec["simulated_replicas"] == 1 and len(rec["per_device"]) == 2400
 
 
+@pytest.mark.slow
 def test_run_says_when_the_spec_has_what_the_executor_does_not_train(tmp_path, capsys):
     """The executor's GPT blocks have no dropout and fused attention: a spec with dropout (the gpt
     default) is told so in one line; the tiny preset says what the executor trains, and is not."""

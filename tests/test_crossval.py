@@ -59,6 +59,7 @@ def profile(calibrated):
     return calibrated[1]
 
 
+@pytest.mark.slow
 def test_calibrated_profile_round_trips(calibrated):
     measured, profile = calibrated
     # every field (meta aside, free-form) comes back from the YAML file exactly
@@ -82,6 +83,7 @@ def test_calibrated_profile_round_trips(calibrated):
     assert sit["foreign_cores_max"] >= 0
 
 
+@pytest.mark.slow
 def test_one_sitting_shares_runs_between_calibration_and_validation(tiny_sitting):
     """dapple's runs are the calibration's too (in-sample, marked), gpipe is a prediction; the
     memory and op order checks hold whatever the host's load."""
@@ -94,6 +96,7 @@ def test_one_sitting_shares_runs_between_calibration_and_validation(tiny_sitting
         assert c.simulated_iteration_time > 0 and c.measured_iteration_time > 0
 
 
+@pytest.mark.slow
 def test_short_validate_run_memory_is_exact(profile):
     from calibration.sitting import SittingRules
     from calibration import run_and_compare
@@ -235,18 +238,3 @@ def test_time_slice_is_recovered_from_runs_with_more_ranks_than_cores():
     for order in ((1e-3, 6e-3, 30e-3), (30e-3, 6e-3, 1e-3)):
         q, prof = fit_time_slice(runs, lambda s: replace(truth, time_slice=s), slices=order)
         assert q == 6e-3 and prof.time_slice == 6e-3
-
-
-def test_executor_allreduce_rows_end_when_the_sum_is_ready():
-    """On gloo an ALLREDUCE row spans launch to completion, like the simulator's: no member can
-    have the sum before the last member launched it, and OPT waits for it."""
-    from executor.config import RunConfig
-    from executor.launch import run
-    tr = run(RunConfig.of(schedule="chimera", devices=2, microbatches=2, steps=2, model="tiny")).trace
-    ars = tr[tr["kind"] == "ALLREDUCE"]
-    assert len(ars) == 2 * 2 * 2   # 2 steps x 2 stages x 2 members
-    for (step, stage), g in ars.groupby(["step", "stage"]):
-        assert (g["end"] >= g["start"].max()).all(), (step, stage)
-        for row in g.itertuples():
-            opt = tr[(tr["kind"] == "OPTIM") & (tr["device"] == row.device) & (tr["step"] == step)]
-            assert row.end <= float(opt["end"].iloc[0])

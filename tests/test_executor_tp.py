@@ -136,6 +136,7 @@ def test_every_family_is_in_the_matrix():
     assert all(c.parallel.sequence_parallel for k, c in CASES[4].items() if k.startswith("sp-"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
 def test_losses_and_parameters_equal_reference(runs, references, world, case):
     cfg, sched, res = runs(world)[case]
@@ -155,6 +156,7 @@ def test_losses_and_parameters_equal_reference(runs, references, world, case):
         assert all(torch.equal(t, ts[0]) for ts in by_name.values() for t in ts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", IDS, ids=[k for _, k in IDS])
 def test_trace_has_one_row_per_op_of_each_pipeline_rank(runs, world, case):
     """TP rank 0 stands for its group in the trace (as one simulated rank does): one row per op of
@@ -172,6 +174,7 @@ def test_trace_has_one_row_per_op_of_each_pipeline_rank(runs, world, case):
     assert (t[t["kind"].isin(["SEND", "RECV"])]["bytes"] == spec.micro_batch * tokens * spec.hidden * 4).all()
 
 
+@pytest.mark.slow
 def test_zero1_shards_the_optimizer_state_over_the_replicas(runs, references):
     """ZeRO-1 with Adam at R = 2: the losses equal the unsharded run's (and the reference's), the
     replicas end with identical weights, and each rank's optimizer memory (Adam's two moments of
@@ -201,6 +204,7 @@ MEMORY_IDS = [(4, k) for k in CASES[4] if k.startswith("mem-")] + [(8, "mem-adam
     [("t1", k) for k in CASES["t1"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", MEMORY_IDS, ids=[k for _, k in MEMORY_IDS])
 def test_memory_per_rank_equals_the_simulators_ledger(runs, world, case):
     """Measured peak activation bytes per rank (the saved-tensor meter of TP rank 0, which stands
@@ -224,6 +228,7 @@ def test_memory_per_rank_equals_the_simulators_ledger(runs, world, case):
     assert [d["static_bytes"] for d in res.per_device] == [int(x) for x in ledger.costs.static_mem]
 
 
+@pytest.mark.slow
 def test_sequence_parallelism_and_recomputation_cut_the_measured_memory(runs):
     """What the ledger's forms say, measured: sequence parallelism keeps less per rank than tensor
     parallelism alone, selective recomputation less than none, full recomputation least."""
@@ -249,6 +254,7 @@ def _rank_of(sched, key):
     return sched.placement[0][stage]
 
 
+@pytest.mark.slow
 def test_placement_is_megatrons_order(runs):
     """Pipeline rank p = r * D + d, TP rank t runs on device (d * R + r) * T + t."""
     cfg, sched, res = runs(8)["dapple-T2D2R2"]
@@ -357,6 +363,7 @@ def test_run_many_needs_one_world():
     assert os.environ.get("RANK") is None
 
 
+@pytest.mark.slow
 def test_torchrun_runs_the_mesh_placed_by_the_device_map():
     """Under torchrun (its environment variables, 2 nodes x 2 processes, gloo) each process runs
     the mesh rank its device holds: T = 2 x D = 2 with Megatron's order puts pipeline rank d on
@@ -374,6 +381,7 @@ def test_torchrun_runs_the_mesh_placed_by_the_device_map():
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_config_trains_at_t2_as_the_reference():
     """``--model config.json`` builds the same Llama in the executor (GQA, SwiGLU, RMSNorm, rotary,
     untied), at T = 2 x D = 2: per-step losses equal to one process."""

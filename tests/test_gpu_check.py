@@ -30,6 +30,7 @@ def checked(tmp_path_factory):
     return rc, out
 
 
+@pytest.mark.slow
 def test_layers_measured_beside_the_kernel_model(checked):
     rc, out = checked
     assert rc == 0
@@ -70,6 +71,7 @@ def test_each_micro_batch_is_priced_at_its_own_size():
     assert rows[0]["f_model_ms"] < rows[1]["f_model_ms"] < 8 * rows[0]["f_model_ms"]
 
 
+@pytest.mark.slow
 def test_measurement_set_round_trips_and_the_fit_is_no_worse_than_the_preset(checked):
     rc, out = checked
     rows = _rows(out / "layers.csv")
@@ -87,6 +89,7 @@ def test_measurement_set_round_trips_and_the_fit_is_no_worse_than_the_preset(che
     assert fitted_rms <= preset_rms + 1e-3
 
 
+@pytest.mark.slow
 def test_runs_equal_the_reference(checked):
     rc, out = checked
     runs = _rows(out / "runs.csv")
@@ -97,6 +100,7 @@ def test_runs_equal_the_reference(checked):
     assert "## Runs" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_llama_runs_at_each_tp_equal_the_reference(checked):
     """The tiny Llama config (GQA, SwiGLU, RMSNorm, rotary, untied) at T = 1 and 2 (the CPU's
     default: 2 ranks) and T = 2 with sequence parallelism, in fp32: each run's losses are the
@@ -120,6 +124,7 @@ def test_zero_bubble_models_are_table_3_at_table_4_micro_batches():
                     "14.6B": (46, 5120, 40, 1024, 1), "28.3B": (62, 6144, 48, 1024, 1)}
 
 
+@pytest.mark.slow
 def test_zero_bubble_layer_is_measured_beside_the_kernel_model(monkeypatch, tmp_path):
     """The part's wiring, on a Zero Bubble model cut to CPU size (the 1.5B block takes minutes on
     this CPU): one row at the model's micro-batch, the kernel model of --gpu beside it."""

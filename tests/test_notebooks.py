@@ -13,6 +13,8 @@ import pytest
 
 from cost_models import load_profile
 
+pytestmark = pytest.mark.slow      # the notebooks calibrate (shared fixtures), train and compare
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 PNG = b"\x89PNG\r\n\x1a\n"
 

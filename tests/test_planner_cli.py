@@ -43,12 +43,27 @@ def test_plan_json_and_file(plan_file, capsys):
 
 
 def test_plan_human_output(capsys):
-    rc, out, _ = run_cli(capsys, "plan", "-m", "vgg-19", "-c", "v100-16x1-25gbe", "-G", "32", "--top", "2",
-                         "--no-progress", "--schedules", "dapple,gpipe")
+    """The human output says what --json says: each stage's layers and replicas, the simulated
+    iteration and G / iteration samples per second, each baseline's time and DAPPLE's speedup over it."""
+    argv = ["plan", "-m", "vgg-19", "-c", "v100-16x1-25gbe", "-G", "32", "--top", "2", "--no-progress",
+            "--schedules", "dapple,gpipe"]
+    rc, out, _ = run_cli(capsys, *argv)
     assert rc == 0
-    for want in ("DAPPLE plan for vgg-19", "analytical: L =", "simulated: iteration", "PipeDream planner",
-                 "data parallel", "search:"):
-        assert want in out
+    rc, js, _ = run_cli(capsys, *argv, "--json")
+    rec = json.loads(js)
+    stages = rec["plan"]["stages"]
+    lines = out.splitlines()
+    head = lines.index(next(x for x in lines if x.startswith("stage ")))
+    for k, st in enumerate(stages):      # a row per stage: index, first-last layer, (names,) replicas
+        row = lines[head + 2 + k].split()
+        assert [row[0], row[1], row[3]] == [str(k), f"{st['layers'][0]}-{st['layers'][1] - 1}", str(st["replicas"])]
+    t = rec["simulated"]["iteration_time"]
+    assert f"simulated: iteration {t:.3g} s ({32 / t:.1f} samples/s)" in out
+    names = {"dapple": "DAPPLE planner", "pipedream": "PipeDream planner", "data_parallel": "data parallel"}
+    for key, name in names.items():
+        b = rec["baselines"][key]
+        row = next(x for x in lines if x.startswith(name + " ") and x.endswith("x"))
+        assert row.split()[-2:] == [f"{b['iteration_time']:.4g}", f"{b['speedup_of_dapple']:.2f}x"], row
 
 
 def test_simulate_plan(plan_file, capsys):
@@ -71,6 +86,7 @@ def test_errors_are_one_line(capsys, argv, msg):
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_reproduce_quick(tmp_path, capsys):
     rc, out, _ = run_cli(capsys, "reproduce", "dapple-planner", "--quick", "--out", str(tmp_path))
     assert rc == 0 and "up to 3.23x" in out

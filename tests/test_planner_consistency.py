@@ -54,6 +54,7 @@ def test_zbv_plan_split_is_the_simulated_and_run_split(zbv, capsys):
     assert plan.record["simulated"]["iteration_time"] == pytest.approx(sim["iteration_time"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_printed_command_runs_as_printed(zbv, capsys, tmp_path):
     main(["plan", "-m", "tiny", "-c", "dgx-a100-ib:1", "-G", "8", "--schedules", "zb-v", "--gpus", "4",
           "--no-progress", "--no-baselines"])

@@ -278,6 +278,7 @@ def test_simulate_plan_applies_what_ifs_as_the_same_layout_by_hand(tmp_path, cap
             assert got["iteration_time"] != base["iteration_time"], extra
 
 
+@pytest.mark.slow
 def test_run_plan_trains_tp2_plans_with_the_references_losses(tmp_path):
     """The planner's best T = 2 plan for the tiny GPT (ZeRO-1 where R > 1), and the same with
     sequence parallelism, run on gloo from their plan files with the reference's losses."""

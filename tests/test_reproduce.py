@@ -16,6 +16,7 @@ def test_bitpipe_table_matches_closed_forms():
     assert closed_form("bitpipe", 4, 4)["bubble"] == pytest.approx(2 / 14)
 
 
+@pytest.mark.slow
 def test_reproduce_bitpipe_quick(tmp_path):
     report = run("bitpipe", tmp_path, quick=True)
     for f in ("table_d4_n4.csv", "bubble_scaling.png", "throughput.csv", "throughput.png", "mapping_eager.csv",
@@ -39,6 +40,7 @@ def test_reproduce_bitpipe_quick(tmp_path):
         assert bubble[(name, N)] == pytest.approx(want, abs=1e-12), (name, N)
 
 
+@pytest.mark.slow
 def test_reproduce_dapple_runtime_quick(tmp_path):
     report = run("dapple-runtime", tmp_path, quick=True)
     same = pd.read_csv(tmp_path / "same_settings.csv")

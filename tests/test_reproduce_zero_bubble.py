@@ -19,6 +19,7 @@ def quick(tmp_path_factory):
     return folder, pd.read_csv(folder / "zero-bubble.csv")
 
 
+@pytest.mark.slow
 def test_files_and_columns(quick):
     folder, df = quick
     assert list(df.columns) == COLUMNS
@@ -41,6 +42,7 @@ def test_files_and_columns(quick):
     assert st.f == (0.018522,) and st.message == pytest.approx(0.000601)
 
 
+@pytest.mark.slow
 def test_bubbles_match_table5_from_the_profiled_times(quick):
     df = quick[1]
     p = df[(df.source == "profiled") & df.paper_bubble.notna()].set_index(["model", "microbatches", "schedule"])
@@ -56,6 +58,7 @@ def test_bubbles_match_table5_from_the_profiled_times(quick):
     assert zb2.loc[("6.2B", 64)] == pytest.approx(0.0010, abs=0.001)
 
 
+@pytest.mark.slow
 def test_throughput_against_table4(quick):
     df = quick[1]
     prof, ker = df[df.source == "profiled"], df[df.source == "kernels"]
@@ -75,6 +78,7 @@ def test_throughput_against_table4(quick):
     assert "ranked as measured (profiled): 6 of 6 rows" in (quick[0] / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_memory_from_the_model_within_10_percent(quick):
     df = quick[1]
     k = df[(df.source == "kernels") & df.measured_memory_gb.notna()]
@@ -148,6 +152,7 @@ def test_transferred_factor():
     assert t6.scale * (transferred_factor(1.08, t6) - 1) == pytest.approx(1.08 - 1)
 
 
+@pytest.mark.slow
 def test_table6_zbv_rows(tmp_path):
     """Table 6's ZB-V rows (and the Table 4 1F1B rows their factors are fitted on), both sources:
     the kernel model within 5% in every cell; from Table 9's profiled times within the 5% aim in 8

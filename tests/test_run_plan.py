@@ -79,6 +79,7 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["uniform", "nonuniform", "interleaved"])
 def test_plan_run_equals_reference(plan_runs, name):
     path, cfg, low, res, ref = plan_runs[name]
@@ -142,6 +143,7 @@ def test_partition_conversion_and_checks():
                 assert torch.equal(p, full[n]), (part, n)
 
 
+@pytest.mark.slow
 def test_cli_run_and_reference_with_plan(plan_files, capsys):
     """``pipetwin run --plan`` end to end (4 spawned ranks, 2 steps) and with ``--reference``."""
     path = plan_files["nonuniform"]
@@ -186,6 +188,7 @@ def test_bad_plan_and_flags_are_one_line_errors(plan_files, tmp_path, capsys):
         assert err.startswith("pipetwin: error: ") and "\n" not in err and msg in err, err
 
 
+@pytest.mark.slow
 def test_run_plan_from_another_folder(tmp_path, monkeypatch, capsys):
     """A profile and a plan made in one folder, the model file named relative to it (cnn.py:build),
     run from any other folder: both store the model file's path absolute; a plan moved together

@@ -119,7 +119,9 @@ def test_every_admissible_config_validates_and_simulates(name):
                     assert m.iteration_time == pytest.approx(want["makespan"], abs=1e-9), (D, N, R)
                     assert [p.busy for p in m.per_device] == pytest.approx(want["busy"] * R, abs=1e-9)
                 count += 1
-    assert count > 0
+    # every N in 1..4D for GPipe and 1F1B, the multiples of D for the others; two replica counts up to D = 4
+    per_d = {D: (4 * D if name in ("gpipe", "dapple") else 4) * (2 if D <= 4 else 1) for D in (2, 4, 6, 8, 16)}
+    assert count == sum(per_d.values())
 
 
 def test_timing_matches_simulator_under_unit_costs():

@@ -114,8 +114,15 @@ def test_sweep_figures_and_pareto(tmp_path):
     rows = run_sweep(Grid(schedules=("dapple", "zb-v"), devices=(2, 4), microbatches=(4,), dp=(1,)),
                      Job(layout=Layout(schedule="dapple", devices=2, microbatches=4), unit_costs=True), tmp_path,
                      workers=1)
-    assert len(rows) == 4 and not any(r["error"] for r in rows)
-    assert (tmp_path / "throughput.png").stat().st_size > 0 and (tmp_path / "pareto.png").stat().st_size > 0
+    # each point's time is the dependency timing of its schedule under unit costs (schedules.analysis)
+    from schedules import build
+    from schedules.analysis import unit_summary
+    assert [(r["schedule"], int(r["devices"]), float(r["iteration_time"])) for r in rows] == [
+        (s, D, unit_summary(build(s, D, 4))["makespan"]) for s in ("dapple", "zb-v") for D in (2, 4)]
+    assert not any(r["error"] for r in rows)
+    for fig in ("throughput.png", "pareto.png"):      # drawn figures, not empty files
+        data = (tmp_path / fig).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, fig
     # (time, memory): b and c are on the front, a is beaten by b in both, d ties c's time with more memory
     assert pareto_front([(2.0, 5.0), (1.0, 4.0), (3.0, 1.0), (3.0, 2.0)]) == [1, 2]
 
@@ -147,6 +154,7 @@ def test_sweep_out_must_be_writable(capsys, tmp_path):
     assert rc == 2 and "argument --out" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_sweep_on_a_local_ray(tmp_path):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -154,15 +154,13 @@ def test_validate_report_writes_the_sitting(monkeypatch, tmp_path, capsys, probl
         assert next(x for x in plain if x.startswith("|error|")) in md
 
 
-def test_report_folder_is_refused_before_anything_runs(tmp_path, capsys):
+def test_report_folder_is_refused_before_anything_runs(tmp_path, capsys, no_ranks):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    t0 = time.perf_counter()
     for target, why in ((blocker, "is a file, not a folder"), (blocker / "sub", "is a file, not a folder")):
         assert cli_main(["validate", "--report", str(target)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("pipetwin: error: argument --report: ") and why in err, err
-    assert time.perf_counter() - t0 < 5      # refused while parsing: no calibration, no run
 
 
 def _overlaps(boxes) -> list:

@@ -1,6 +1,7 @@
 """executor.zero on two gloo processes: the ALLREDUCE of a ZeRO-1 stage is a reduce-scatter (each
 rank receives the summed slice it steps, nothing else), and the all-gather puts the same weights
 on both ranks."""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -35,6 +36,7 @@ def _rank(rank: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_zero1_reduce_scatters_the_gradients_and_all_gathers_the_weights(tmp_path):
     mp.spawn(_rank, args=(str(tmp_path),), nprocs=2, join=True)
     out = [torch.load(tmp_path / f"r{r}.pt") for r in (0, 1)]
