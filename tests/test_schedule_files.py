@@ -209,6 +209,27 @@ def test_run_of_an_exported_csv_gives_the_losses_of_the_run_by_name(tmp_path):
     assert ops(got) == ops(want)
 
 
+@pytest.mark.slow
+def test_every_family_exported_and_run_from_its_file_trains_the_losses_of_the_run_by_name(tmp_path):
+    """Every single-copy family through torch's CSV and every family through the text form, D = 2,
+    N = 4, 2 steps of the tiny GPT, all in one launch: each file's run has exactly the losses of the
+    family run by name (the same ops on the same ranks)."""
+    from executor.config import RunConfig
+    from executor.launch import run_many
+    cases = [(n, "torch-csv") for n in SINGLE_COPY] + [(n, "text") for n in names()]
+    cfgs = []
+    for fmt in FORMATS:
+        (tmp_path / fmt).mkdir()
+    for name, fmt in cases:
+        sf = round_trip(tmp_path / fmt, build(name, 2, 4), fmt)
+        cfgs += [RunConfig(job=Job(layout=Layout.of_file(sf), model="tiny"), steps=2),
+                 RunConfig(job=Job(layout=Layout(schedule=name, devices=2, microbatches=4), model="tiny"), steps=2)]
+    results = run_many(cfgs)
+    assert len(results) == 2 * len(cases) == 2 * (8 + 11)
+    for (name, fmt), got, want in zip(cases, results[::2], results[1::2]):
+        assert got.losses == want.losses and len(got.losses) == 2, (name, fmt)
+
+
 def test_a_job_with_a_schedule_file_is_plain_data_and_picklable(tmp_path):
     import pickle
     path = tmp_path / "mine.txt"
