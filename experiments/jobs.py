@@ -9,11 +9,11 @@ values while parsing.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from cost_models.job import ClusterChoice, Faults, Job, Layout, route_fields
-from cost_models.parallel import Parallel
+from cost_models.parallel import Parallel, option_name
 from schedules import families, get
 
 from .options import fields_of
@@ -38,6 +38,9 @@ PLAN_FIXES = (
     ("recompute", "recomputation"), ("zero", "ZeRO"), ("sequence_parallel", "sequence parallelism"),
     ("device_map", "the device map"), ("tp_overlap", "tensor parallelism"), ("cost_model", "the layer costs"),
 )
+# every knob of the parallel record is the plan's too: one not named above is fixed as itself
+PLAN_FIXES += tuple((f.name, f"its {option_name(f.name)}") for f in fields(Parallel)
+                    if f.name not in dict(PLAN_FIXES))
 
 
 def check_plan_args(args, *, applied: tuple[str, ...] = ()):
@@ -94,7 +97,7 @@ def plan_facts(plan) -> dict[str, str]:
                      device_map=f"device map {f['device_map']}")
         if par.tp == 1:
             facts["tp_overlap"] = "T 1"
-        return facts
+        return _parallel_facts(plan, facts, takes=("tp_overlap",))
     p, src, spec = plan.plan, plan.workload.source, plan.workload.spec
     facts.update(schedule=f"schedule {p.schedule}", devices=f"{p.num_stages} stages",
                  microbatches=f"M {p.microbatches}", chunks=f"chunks {p.chunks}", variant="the schedule's default",
@@ -107,6 +110,15 @@ def plan_facts(plan) -> dict[str, str]:
                  sequence_parallel="sequence parallel off", device_map="the planner's placement",
                  tp_overlap="T 1", cost_model=f"cost model {src.get('cost_model', 'linear')}")
     facts["seq_len"] = f"sequence length {spec.seq_len}" if spec is not None else facts["model"]
+    return _parallel_facts(plan, facts)
+
+
+def _parallel_facts(plan, facts: dict[str, str], takes: tuple[str, ...] = ()) -> dict[str, str]:
+    """``facts`` with every knob of the plan's parallel record not phrased above, as ``--knob value``
+    (``takes``: the what-ifs the plan applies instead, unless phrased above)."""
+    for f in fields(Parallel):
+        if f.name not in takes:
+            facts.setdefault(f.name, f"{option_name(f.name)} {getattr(plan.parallel, f.name)}")
     return facts
 
 

@@ -147,3 +147,22 @@ def test_clusters_are_one_namespace(capsys):
                      *c]) == 0
         times.append(json.loads(capsys.readouterr().out)["iteration_time"])
     assert times[0] == times[1]
+
+
+def test_every_parallel_knob_is_fixed_by_a_plan_without_a_line_of_its_own():
+    """A knob added to Parallel is refused with --plan (the plan fixes it) with no edit of
+    PLAN_FIXES or plan_facts: both take the record's fields; a whole-layout plan at T > 1 still
+    takes the --tp-overlap what-if."""
+    from dataclasses import fields
+    from cost_models import load_model
+    from experiments.jobs import PLAN_FIXES, plan_facts
+    from planner.plan_io import LayoutPlan
+    knobs = {f.name for f in fields(Parallel)}
+    assert knobs <= {d for d, _ in PLAN_FIXES}
+    par = Parallel(tp=2, micro_batch=1, zero=1)
+    lay = Job.of(schedule="dapple", devices=2, microbatches=4, replicas=2).layout
+    plan = LayoutPlan({"layout": lay, "parallel": par, "device_map": "megatron"}, load_model("tiny"),
+                      load_cluster("dgx-h100-ib:1"), {})
+    facts = plan_facts(plan)
+    assert knobs - set(facts) == {"tp_overlap"}
+    assert (facts["tp"], facts["zero"], facts["micro_batch"]) == ("T 2", "zero 1", "micro-batch 1")
