@@ -1,7 +1,7 @@
 """The torch.distributed executor: trains a GPT, or a user's layer stack (``--model PATH.py:FUNC``,
 :mod:`executor.user_model`), with any lowered schedule of the IR.
 
-``run(RunConfig.of(...))`` validates the schedule, starts D x R ranks (CPU + gloo, or one rank per
+``run(RunConfig(job=..., steps=...))`` validates the schedule, starts T x D x R ranks (CPU + gloo, or one rank per
 process under ``torchrun`` with NCCL) and returns a :class:`~executor.config.RunResult` (losses,
 iteration times, per-rank activation memory, the merged trace); ``run_reference`` trains the same
 model on the same batches in one process. Modules: ``model`` (GPT and its split into stages),

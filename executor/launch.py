@@ -11,16 +11,16 @@ come out as ValueError before anything starts), then:
           --no-python pipetwin run --schedule bitpipe --devices 8 --microbatches 16 --dp 2 \\
           --model gpt3-1.3b --steps 20 --trace run.csv
 
-  (D x R = 16 processes; every node runs the same command.) *Placement*: each process is the
+  (T x D x R = 1 x 8 x 2 = 16 processes; every node runs the same command.) *Placement*: each process is the
   device (node ``GROUP_RANK``, GPU ``LOCAL_RANK``) = global device ``node * LOCAL_WORLD_SIZE +
   LOCAL_RANK``; it runs the pipeline rank that ``config.device_map`` puts on that device (a
   mapping name of :data:`cost_models.cluster.MAPPINGS`, e.g. BitPipe's ``copies-same-node``, laid
   over torchrun's nodes x processes per node; or an explicit rank -> device map from a plan),
-  not the rank torchrun gave it (:func:`torchrun_placement`). The default ``sequential`` is
-  torchrun's own order. The process group is joined with the pipeline rank (the rendezvous store
+  not the rank torchrun gave it (:func:`torchrun_placement`). The default (``sequential``,
+  Megatron's order at T > 1) is the job's mapping. The process group is joined with the pipeline rank (the rendezvous store
   still comes from torchrun's rank 0).
 - otherwise: checks that the ranks fit in this host's memory (:func:`check_host_memory`), then
-  spawns D x R worker processes on 127.0.0.1 with a free port and env:// rendezvous, i.e. the very
+  spawns T x D x R worker processes on 127.0.0.1 with a free port and env:// rendezvous, i.e. the very
   code path torchrun uses, and watches them. Workers import pipetwin's own code whatever the
   working directory holds (a folder with its own ``executor/`` or ``schedules/`` package cannot
   shadow it: the cwd is taken off ``sys.path``, see :data:`WORKER_BOOT`). A worker that raises
@@ -86,7 +86,7 @@ def run(config: RunConfig, schedule: Schedule | None = None, *, check: bool = Tr
 
 
 def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, check: bool = True) -> list:
-    """Run several configs (all with the same D x R) one after the other on one set of ranks."""
+    """Run several configs (all with the same T x D x R) one after the other on one set of ranks."""
     planned = []
     for job in jobs:
         cfg, sched = job if isinstance(job, tuple) else (job, None)

@@ -196,7 +196,7 @@ def scaling_figure(rows: list[dict], path, series=SCALING) -> None:
 
 def planner_case(G: int = 1024, cluster: str = "dgx-a100-ib:128"):
     from planner import plan_training
-    # FLOP-rate costs, as the README's bench table was measured
+    # FLOP-rate costs, as the figures in out/bench_sim.png are measured
     res = plan_training("gpt-96", load_cluster(cluster), G, progress=False, cost_model="linear")
     return res, None
 
