@@ -18,8 +18,7 @@ come out as ValueError before anything starts), then:
   over torchrun's nodes x processes per node; or an explicit rank -> device map from a plan),
   not the rank torchrun gave it (:func:`torchrun_placement`). The default (``sequential``,
   Megatron's order at T > 1) is the job's mapping. The process group is joined with the pipeline
-  rank (the rendezvous store
-  still comes from torchrun's rank 0).
+  rank (the rendezvous store still comes from torchrun's rank 0).
 - otherwise: checks that the ranks fit in this host's memory (:func:`check_host_memory`), then
   spawns T x D x R worker processes on 127.0.0.1 with a free port and env:// rendezvous, i.e. the very
   code path torchrun uses, and watches them. Workers import pipetwin's own code whatever the
