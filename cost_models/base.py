@@ -59,6 +59,14 @@ class StageCosts:
         return table[copy][stage]
 
 
+def held_stages(sched: Schedule, rank: int) -> list[int]:
+    """The stage of every set of weights rank ``rank`` keeps: one per (copy, stage) it holds, or one
+    per stage where the schedule's copies share their weights on a device (``meta["shared_copies"]``:
+    DAPPLE's replicated stages, :mod:`schedules.dapple_replicated`)."""
+    held = [s for _, s in sched.stages_on(sched.rank_device(rank))]
+    return sorted(set(held)) if sched.meta.get("shared_copies") else held
+
+
 @dataclass(frozen=True)
 class UnitCostModel:
     """The closed-form model: a full stage (L/D layers) has F = 1, B = 2 (split: B = 1, W = 1), a
@@ -74,7 +82,7 @@ class UnitCostModel:
         w = ones if sched.split_backward else zeros
         static = [0.0] * sched.num_ranks
         for r in range(sched.num_ranks):
-            static[r] = f * len(sched.stages_on(sched.rank_device(r)))
+            static[r] = f * len(held_stages(sched, r))
         return StageCosts(time_unit="F", mem_unit="Ma", f=_table(ones), b=_table(b), w=_table(w), act=_table(ones),
                           act_w=_table(ones if sched.split_backward else zeros), act_bytes=_table(zeros),
                           grad_bytes=_table(zeros), param_bytes=_table(zeros), static_mem=tuple(static),
@@ -160,8 +168,7 @@ class PerLayerCostModel:
         params = per_stage(L.params)
         static, optim = [], []
         for r in range(sched.num_ranks):
-            held = sched.stages_on(sched.rank_device(r))
-            p = sum(params[s] for _, s in held)
+            p = sum(params[s] for s in held_stages(sched, r))
             static.append(p * L.bytes_per_param_static)
             optim.append(p * L.optim_time_per_param + ovh.get("OPTIM", 0.0))
         rows = lambda v: _table([v] * C)  # noqa: E731

@@ -15,8 +15,8 @@ gradient all-reduce covers exactly the r_s devices of the stage (with micro-batc
 sub-batch is priced at the per-sample times of the stage's share b / r_s, see
 :func:`_sub_batch_costs`). Programs follow 1F1B over whole
 micro-batches (:func:`replicated_schedule`). The static memory of such a device counts the stage's
-weights once (the copies of a stage on one device are one set of weights); the IR form would count
-them per copy, so the planner overrides it.
+weights once (the copies of a stage on one device are one set of weights: the schedule says so,
+``meta["shared_copies"]``, and every cost model counts them once, :func:`cost_models.base.held_stages`).
 
 The executor runs such plans (``pipetwin run --plan``): the copies of one stage on a rank share
 one module (one set of weights, gradients and optimizer state), their gradients are summed
@@ -169,14 +169,7 @@ def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | N
         low = lower(sched, replicas=g, eager=eager)
         C = g * sched.meta["sub_batches"]
         part = plan.partition
-        costs = PerLayerCostModel(_sub_batch_costs(plan, work, C), part).bind(low)
-        stage_of = [s for s, r in enumerate(sub) for _ in range(r)]
-        params = [work.param_count(st.start, st.stop) for st in plan.stages]
-        D = low.num_devices
-        costs = replace(costs, static_mem=tuple(params[stage_of[r % D]] * work.bytes_per_param_static
-                                                for r in range(low.num_ranks)),
-                        optim_time=tuple(params[stage_of[r % D]] * work.optim_time_per_param
-                                         for r in range(low.num_ranks)))
+        costs = PerLayerCostModel(_sub_batch_costs(plan, work, C), part).bind(low)   # weights once per device
         dmap = plan_placement(plan, g)
         extra = {"layout": "replicas " + ":".join(map(str, plan.replicas)), "sub_batches": C,
                  "micro_batch_per_sub_batch": b // C}

@@ -2,7 +2,8 @@
 
 Stage s runs on r_s devices. With C = lcm(r_s), every micro-batch is cut into C sub-batches,
 sub-batch c runs on model copy c, and copy c of stage s is placed on replica ``c mod r_s`` of that
-stage: a device of stage s holds C / r_s copies of the stage (one set of weights in the engines)
+stage: a device of stage s holds C / r_s copies of the stage (one set of weights: the schedule's
+``meta["shared_copies"]``, which the cost models and the executor honour)
 and runs them one after the other. Programs follow 1F1B over whole micro-batches: each device runs
 min(S - s - 1, M) warm-up micro-batches (all its copies of each), then alternates one micro-batch
 forward and one backward, then drains. A layout names it with ``stage_replicas``
@@ -52,6 +53,6 @@ def replicated_schedule(replicas, microbatches: int) -> Schedule:
             bwd = lambda m, s=s, mine=mine: [(B, m * C + c, c, s) for c in mine]  # noqa: E731
             order.append([op for group in one_f_one_b(M, S - s - 1, fwd, bwd) for op in group])
     return make_schedule(REPLICATED, sum(reps), M * C, placement, order,
-                         meta={"replicas": reps, "microbatches": M, "sub_batches": C})
+                         meta={"replicas": reps, "microbatches": M, "sub_batches": C, "shared_copies": True})
 
 

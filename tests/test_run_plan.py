@@ -278,3 +278,18 @@ def test_dapple_plan_files_are_version_2_with_their_job_and_version_1_still_read
     with pytest.raises(ValueError, match="edited.json: field 'job' disagrees with the plan's stages and "
                                          "micro-batches"):
         load_plan(tmp_path / "edited.json")
+
+
+def test_a_stage_replicas_job_keeps_one_set_of_weights_per_device():
+    """Copies of a stage on one device share its weights (the executor keeps one module): unit costs
+    give every device of (1, 2, 1) one stage's weights, f = D / S = 4/3 Mw, not one per copy; the
+    model's formulas the same weights on every device of a stage."""
+    from cost_models.job import Job, Layout
+    from sim import simulate_job
+    lay = Layout(schedule="dapple", devices=4, microbatches=4, stage_replicas=(1, 2, 1))
+    bound, _ = simulate_job(Job(layout=lay, unit_costs=True))
+    assert bound.costs.static_mem == pytest.approx((4 / 3,) * 4, rel=1e-12)
+    bound, _ = simulate_job(Job(layout=lay, model="gpt3-1.3b", cluster="dgx-a100-1x8", partition=(9, 8, 9)))
+    one = simulate_job(Job(layout=Layout(schedule="dapple", devices=3, microbatches=4), model="gpt3-1.3b",
+                           cluster="dgx-a100-1x8", partition=(9, 8, 9)))[0].costs.static_mem
+    assert bound.costs.static_mem == (one[0], one[1], one[1], one[2])
