@@ -111,6 +111,14 @@ class Layout:
         if self.stage_replicas is not None:
             self._check_stage_replicas()
 
+    @property
+    def label(self) -> str:
+        """The schedule's name as reports print it (DAPPLE's stage replicas: ``dapple-replicated``)."""
+        if self.stage_replicas is not None:
+            from schedules.dapple_replicated import REPLICATED
+            return REPLICATED
+        return self.schedule
+
     def _check_stage_replicas(self) -> None:
         from schedules.dapple_replicated import sub_batches
         reps = tuple(self.stage_replicas)
@@ -319,6 +327,7 @@ class PlanSource(Protocol):
 
     path: str
     parallel: Parallel
+    gpus: int
 
     def bind(self, job: "Job") -> "Bound":   # pragma: no cover - a protocol
         ...
@@ -380,11 +389,15 @@ class Job:
         tensor parallelism and the sequential order (a pipeline on consecutive devices) without."""
         if self.device_map is not None:
             return self.device_map
+        if self.plan is not None:       # the plan's own (a DAPPLE plan places its ranks itself)
+            return getattr(self.plan, "mapping", "sequential")
         return "megatron" if self.parallel.tp > 1 else "sequential"
 
     @property
     def gpus(self) -> int:
-        """T x D x R."""
+        """T x D x R (a plan's: the GPUs it uses)."""
+        if self.layout is None:
+            return self.plan.gpus
         return self.parallel.tp * self.layout.devices * self.layout.replicas
 
     def _check_parallel(self) -> None:
@@ -496,19 +509,21 @@ class Job:
         :class:`Parallel` its parallel record, the rest are the job's (``Job.of(schedule="zb-v",
         devices=4, microbatches=8, tp=2, model="tiny")``); an unknown name is one line."""
         layout, parallel, own = route_fields(fields)
-        if layout:
-            own["layout"] = Layout(**layout)
+        if layout:      # on top of a given layout record, else a new one
+            own["layout"] = replace(own["layout"], **layout) if "layout" in own else Layout(**layout)
         if parallel:
-            own["parallel"] = Parallel(**parallel)
+            own["parallel"] = replace(own["parallel"], **parallel) if "parallel" in own else Parallel(**parallel)
         return cls(**own)
 
     def with_(self, **changes) -> "Job":
         """This job with flat changes, routed to its records as :meth:`of` routes them."""
         layout, parallel, own = route_fields(changes)
+        if layout and self.layout is None:
+            raise ValueError(f"the plan fixes the layout ({self.plan.path}); {', '.join(layout)} cannot change")
         if layout:
-            own["layout"] = replace(self.layout, **layout)
+            own["layout"] = replace(own.get("layout", self.layout), **layout)
         if parallel:
-            own["parallel"] = replace(self.parallel, **parallel)
+            own["parallel"] = replace(own.get("parallel", self.parallel), **parallel)
         return replace(self, **own)
 
     def with_parallel(self, **changes) -> "Job":

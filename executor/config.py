@@ -147,8 +147,10 @@ class RunConfig:
         from cost_models.job import Job
         own = {f.name for f in dataclasses.fields(cls)} - {"job"}
         mine = {k: v for k, v in fields.items() if k in own}
-        job_fields = {**RUN_DEFAULTS, **{k: v for k, v in fields.items() if k not in own}}
-        return cls(job=Job.of(**job_fields), **mine)
+        job_fields = {k: v for k, v in fields.items() if k not in own}
+        defaults = {k: v for k, v in RUN_DEFAULTS.items() if k not in job_fields
+                    and not (k != "model" and "layout" in job_fields)}     # a given layout is whole
+        return cls(job=Job.of(**defaults, **job_fields), **mine)
 
     @classmethod
     def from_job(cls, job, **options) -> "RunConfig":
@@ -325,7 +327,7 @@ class RunResult:
     def to_dict(self) -> dict:
         c = self.config
         lay, par = c.layout, c.parallel
-        return {"engine": self.engine, "schedule": lay.schedule, "variant": lay.variant, "devices": lay.devices,
+        return {"engine": self.engine, "schedule": lay.label, "variant": lay.variant, "devices": lay.devices,
                 "microbatches": lay.microbatches, "replicas": lay.replicas, "tp": par.tp,
                 "sequence_parallel": par.sequence_parallel, "zero": par.zero,
                 "model": c.model_name,

@@ -215,7 +215,7 @@ def _print_human(result, args) -> None:
     lay, par = c.layout, c.parallel
     tp = f"T={par.tp}{' (sequence parallel)' if par.sequence_parallel else ''} " \
         if par.tp > 1 and result.engine == "executor" else ""
-    print(f"{result.engine} {lay.schedule}: {tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  "
+    print(f"{result.engine} {lay.label}: {tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
     if c.layout.schedule_file is not None:
         print(f"  schedule file {printable(c.layout.schedule_file.describe())}")

@@ -1,18 +1,21 @@
 """Planner plan files in ``pipetwin run --plan``.
 
 A plan file (:mod:`planner.plan_io`) holds a plan, the model's workload and the cluster. The
-simulator takes it as a job's plan (:meth:`planner.plan_io.LoadedPlan.bind`); here it becomes the
-executor's :class:`executor.config.RunConfig` with the lowered schedule to run.
+simulator takes it as a job's plan (:meth:`planner.plan_io.LoadedPlan.bind`); a run takes its job
+(``RunConfig(job=plan.run_job(), placement=plan.placement)`` in the library); here the command
+line's run of it, with what the command prints about it.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from executor.config import RunConfig, lowered_schedule
 from planner.plan_io import LayoutPlan, LoadedPlan, load_plan
 from schedules import Schedule
 
-# the fields of a run a plan fixes (its schedule, layout and model)
-PLAN_FIXES = ("job", "schedule", "devices", "microbatches", "replicas", "model", "micro_batch", "partition",
-              "eager", "recompute")
+# what a plan's run takes besides the plan: the training options (a RunConfig's own fields, less its
+# job, which the plan is) and a mapping name for torchrun (``device_map``)
+TAKES = frozenset(f.name for f in dataclasses.fields(RunConfig)) - {"job"} | {"device_map"}
 
 
 def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfig, Schedule, dict]:
@@ -25,9 +28,12 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
     cluster's device id, or the mapping named in ``options``), ``devices_per_node`` (of the plan's cluster),
     ``partition_layers`` (layers per stage as the plan counts them), ``global_batch`` and ``plan``
     (a one-line summary)."""
-    bad = set(options) & set(PLAN_FIXES)
+    bad = set(options) - TAKES
     if bad:
-        raise ValueError(f"the plan fixes {', '.join(sorted(bad))}; do not pass them with a plan")
+        raise ValueError(f"the plan fixes {', '.join(sorted(bad))}; do not pass them with a plan (a run of a "
+                         f"plan takes {', '.join(sorted(TAKES))})")
+    if options.get("placement") is not None and options.get("device_map") is not None:
+        raise ValueError("give a plan's run a placement or a device map, not both")
     loaded = source if isinstance(source, (LoadedPlan, LayoutPlan)) else load_plan(source)
     if isinstance(loaded, LayoutPlan):
         return _layout_config(loaded, eager, options)
@@ -38,7 +44,7 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
     mapping = options.pop("device_map", None)     # a --device-map name run passes, else the plan's placement
     job = loaded.run_job(eager=eager, device_map=mapping)
     if mapping is None:
-        options["placement"] = tuple(ex["device_map"])
+        options.setdefault("placement", tuple(ex["device_map"]))    # the plan's, unless one is given
     if not isinstance(job.model, str) and job.model.kind != "gpt":
         raise ValueError(f"the executor trains GPT decoders; the plan's model {job.model.name!r} is of kind "
                          f"{job.model.kind!r}")
@@ -48,7 +54,7 @@ def config_from_plan(source, *, eager: bool = True, **options) -> tuple[RunConfi
 
 
 def _layout_config(loaded: LayoutPlan, eager: bool, options: dict) -> tuple[RunConfig, Schedule, dict]:
-    """A whole-layout plan (``pipetwin plan --tp``) as a run: its job (T x D x R, schedule,
+    """A whole-layout plan (``pipetwin plan``'s layout search) as a run: its job (T x D x R, schedule,
     micro-batch, recompute, ZeRO-1, sequence parallelism) through :meth:`RunConfig.from_job`;
     ``options['device_map']`` overrides the job's placement (the plan's own otherwise)."""
     device_map = options.pop("device_map", None)

@@ -139,6 +139,10 @@ class LoadedPlan:
         """The plan's parallel record: T 1 and the recomputation its memory assumed."""
         return plan_parallel(self.workload)
 
+    @property
+    def gpus(self) -> int:
+        return self.plan.devices_used
+
     def simulate(self, faults=None) -> SimOutcome:
         """The plan simulated as :func:`planner.simulate.simulate_plan` does (``faults``: a
         :class:`cost_models.job.Faults`)."""
@@ -254,6 +258,15 @@ class LayoutPlan:
     def parallel(self) -> Parallel:
         """The plan's parallel record (its T, ZeRO, sequence parallelism, recompute, micro-batch)."""
         return self.job_fields["parallel"]
+
+    @property
+    def mapping(self) -> str:
+        """How the plan places its ranks (a mapping name)."""
+        return self.job().mapping
+
+    @property
+    def gpus(self) -> int:
+        return self.job().gpus
 
     def job(self, *, eager: bool = True):
         """The planner's job (its cluster named by the plan's; its costs from :meth:`inputs`)."""

@@ -226,6 +226,10 @@ class PlanInMemory:
     def parallel(self) -> Parallel:
         return plan_parallel(self.workload)
 
+    @property
+    def gpus(self) -> int:
+        return self.plan.devices_used
+
     def bind(self, job) -> Bound:
         bt = build_plan(self.plan, self.workload, self.cluster, self.capacity, eager=job.eager, check=self.check,
                         split=self.split)
