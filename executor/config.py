@@ -2,8 +2,8 @@
 
 :func:`lowered_schedule` turns a config into a lowered, validated schedule and checks that the
 model can be split into its stages; it runs in the launching process, so every user error is
-reported before any worker process starts. (Planner plan files become configs in the command
-layer, :mod:`experiments.plan_files`.)
+reported before any worker process starts. A planner's plan file is a job too:
+``RunConfig(job=plan.run_job(), placement=plan.placement)`` (:mod:`planner.plan_io`).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ measured with the same meter as the executor (so Ma = that / D).
 
 It reads the model, the micro-batch size (``config.parallel.micro_batch`` overrides the spec's) and G from
 the config exactly as the executor does, so a run of a planner plan (R x D or stage replicas
-r_s, with an explicit partition: see :func:`experiments.plan_files.config_from_plan`) and its reference
+r_s, with an explicit partition: :meth:`planner.plan_io.LoadedPlan.run_job`) and its reference
 train on the same global batch, cut into the same micro-batches; the partition does not matter here
 (weights are seeded by global parameter name, so every split starts from the same values).
 """

@@ -19,7 +19,7 @@ planner wrote it and the **job** it plans, as the job's own records (:class:`cos
       ... the planner's facts
     }
 
-The facts of the whole-layout search (``pipetwin plan --tp``, :mod:`planner.layout`):
+The facts of the whole-layout search (``pipetwin plan``'s default for GPT and Llama, :mod:`planner.layout`):
 ``"global_batch"`` and ``"simulated"`` (the planner's record of the layout). The facts of the
 DAPPLE planner: ``"plan"`` ({"global_batch", "microbatches" (M), "micro_batch" (b = G / M),
 "policy", "schedule", "chunks", "split" (layers per stage of a schedule with other stages than
