@@ -63,6 +63,9 @@ FORMAT, VERSION = "pipetwin-plan", 2
 READS = (1, 2)      # the versions this pipetwin reads
 
 
+JOB_FIELDS = ("layout", "parallel", "partition", "device_map", "placement", "cost_model", "memory_reserve")
+
+
 def job_record(job, placement=None) -> dict:
     """A plan file's ``"job"``: the job's layout and parallel records, its partition, device map or
     explicit ``placement`` (rank -> device id), cost model and memory reserve (the model and the
@@ -317,18 +320,24 @@ def _v1_job(rec: dict, source: str) -> dict:
     return {"layout": lay, "parallel": par, **{k: rec.get(k) for k in ("device_map", "cost_model", "memory_reserve")}}
 
 
-def _job_fields(job: dict, source: str) -> dict:
+def _job_fields(job: dict) -> dict:
     """A plan file's ``"job"`` (:func:`job_record`) as the fields of a :class:`cost_models.job.Job`
-    (its records checked as a job's: one line naming the field)."""
+    (its records checked as a job's: one line naming the field; the caller names the file)."""
     from cost_models.job import Layout
     if not isinstance(job, dict) or not isinstance(job.get("layout"), dict) or \
             not isinstance(job.get("parallel"), dict):
-        raise ValueError(f"{source}: field 'job' must hold the job's 'layout' and 'parallel'")
+        raise ValueError("field 'job' must hold the job's 'layout' and 'parallel'")
+    extra = sorted(set(job) - set(JOB_FIELDS))
+    if extra:
+        raise ValueError(f"unknown job field {extra[0]!r} (fields: {', '.join(JOB_FIELDS)})")
     lay = {k: tuple(v) if isinstance(v, list) else v for k, v in job["layout"].items()}
     known = {f.name for f in fields(Layout)} - {"schedule_file"}
     if set(lay) - known:
-        raise ValueError(f"{source}: unknown layout field {sorted(set(lay) - known)[0]!r}")
-    out = {"layout": Layout(**lay), "parallel": Parallel.from_record(job["parallel"], f"{source} (job.parallel)")}
+        raise ValueError(f"unknown layout field {sorted(set(lay) - known)[0]!r}")
+    missing = [k for k in ("schedule", "devices", "microbatches") if k not in lay]
+    if missing:
+        raise ValueError(f"the job's layout has no {', '.join(missing)}")
+    out = {"layout": Layout(**lay), "parallel": Parallel.from_record(job["parallel"], "job.parallel")}
     for k in ("partition", "device_map", "cost_model", "memory_reserve"):
         v = job.get(k)
         if v is not None:
@@ -337,13 +346,16 @@ def _job_fields(job: dict, source: str) -> dict:
 
 
 def _layout_plan(rec: dict, source: str) -> LayoutPlan:
+    for k in ("model", "cluster"):
+        if k not in rec:
+            raise ValueError(f"{source}: missing field {k!r}")
     cluster = cluster_from_dict(dict(rec["cluster"]), f"{source} (field 'cluster')")
     model = rec["model"]
     if not isinstance(model, dict) or not isinstance(model.get("spec"), dict):
         raise ValueError(f"{source}: field 'model' must hold the model's 'spec'")
     spec = spec_from_dict(dict(model["spec"]), f"{source} (field 'model')")
     try:
-        f = _job_fields(_v1_job(rec, source) if rec["version"] == 1 else rec.get("job"), source)
+        f = _job_fields(_v1_job(rec, source) if rec["version"] == 1 else rec.get("job"))
         spec.check_tensor_parallel(f["parallel"].tp)
         spec = spec.replace(micro_batch=f["parallel"].micro_batch)
         plan = LayoutPlan(f, spec, cluster, rec, source)

@@ -160,8 +160,18 @@ def test_plan_file_round_trips_and_simulates_to_the_planners_time(tmp_path):
         load_plan(path)
     rec["job"]["parallel"]["pp"] = 2
     path.write_text(json.dumps(rec))
-    with pytest.raises(ValueError, match=r"plan.json \(job.parallel\): unknown field 'pp'"):
+    with pytest.raises(ValueError, match=r"plan.json: job.parallel: unknown field 'pp'"):
         load_plan(path)
+    del rec["job"]["parallel"]["pp"]
+    for change, msg in ((lambda r: r["job"].update(pp=2), "plan.json: unknown job field 'pp'"),
+                        (lambda r: r["job"]["layout"].pop("devices"), "plan.json: the job's layout has no devices"),
+                        (lambda r: r.pop("cluster"), "plan.json: missing field 'cluster'")):
+        bad = json.loads(json.dumps(rec))
+        change(bad)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError) as e:
+            load_plan(path)
+        assert str(e.value).startswith(f"{path.parent}/{msg}"), str(e.value)
 
 
 def test_mfu_is_megatrons_formula_and_candidates_respect_the_rules():
