@@ -155,7 +155,8 @@ class Layout:
             if value != want:
                 raise ValueError(f"{option} {value} disagrees with schedule file {fname}, which has {want} {what}; "
                                  f"drop {option} (the file fixes it)")
-        for option, value in (("--variant", self.variant), ("--memory-limit", self.memory_limit)):
+        for option, value in (("--variant", self.variant), ("--memory-limit", self.memory_limit),
+                              ("stage_replicas", self.stage_replicas)):
             if value is not None:
                 raise ValueError(f"{option} picks a family's order; schedule file {fname} gives its own "
                                  f"(drop {option})")
@@ -484,11 +485,15 @@ class Job:
                                 ("--stage-costs", self.stage_costs),
                                 ("--model", self.model), ("--cluster", self.cluster.name),
                                 ("--partition", self.partition)) if v]
+        if given:
+            raise ValueError(f"--plan brings its own model, cluster and costs; drop {', '.join(given)}")
         # the plan's parallel record, less the what-if a plan takes (--tp-overlap)
         mine, planned = replace(self.parallel, tp_overlap=False), replace(self.plan.parallel, tp_overlap=False)
-        given += [option_name(f) for f, v in mine.record().items() if v != getattr(planned, f)]
-        if given:
-            raise ValueError(f"--plan brings its own model, cluster, costs and parallelism; drop {', '.join(given)}")
+        differ = [f"{option_name(f)} {getattr(planned, f)}" for f, v in mine.record().items()
+                  if v != getattr(planned, f)]
+        if differ:
+            raise ValueError(f"--plan fixes the parallel record ({', '.join(differ)} in {self.plan.path}); give the "
+                             f"plan's (Job(plan=p) or dataclasses.replace(p.parallel, tp_overlap=True)) or plan again")
 
     # ------------------------------------------------------------------ derived jobs
     def with_layout(self, **changes) -> "Job":

@@ -24,7 +24,6 @@ from .device import check_device
 from .faults import check_fault, parse_fault
 from .model import KINDS
 from .precision import Precision
-from .recompute import check_mode
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -118,7 +117,6 @@ class RunConfig:
         if self.recv_lookahead is not None and self.recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1 or None; got {self.recv_lookahead}")
         Precision(self.dtype)
-        check_mode(par.recompute)
         if self.is_model_file:
             self._check_model_file()
         if self.placement is not None:

@@ -39,7 +39,7 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MODES = ("none", "selective", "full")
+from cost_models.parallel import RECOMPUTE as MODES      # the job's recompute modes, one list
 
 _aten = torch.ops.aten
 _CORE = {getattr(_aten, name).default for name in (
