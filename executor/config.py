@@ -20,12 +20,12 @@ from cost_models.partition import block_ranges, blocks_from_layers
 from cost_models.stack import is_model_ref
 from schedules import Schedule, lower, validate
 
+from .choices import OPTIMIZERS
 from .device import check_device
 from .faults import check_fault, parse_fault
 from .model import KINDS
 from .precision import Precision
 
-OPTIMIZERS = ("sgd", "adam")
 
 
 # what a run takes when the flat constructor (:meth:`RunConfig.of`) is not told: the tiny GPT,

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .choices import DEVICES
+
 
 @dataclass(frozen=True)
 class DeviceContext:
@@ -62,8 +64,8 @@ class DeviceContext:
 
 def check_device(kind: str) -> None:
     """Refuse a device choice this machine cannot honour (before any process starts)."""
-    if kind not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {kind!r}")
+    if kind not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {kind!r}")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but CUDA is not available on this machine "
                          "(use --device cpu or auto)")

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = ("fp32", "bf16")
+from .choices import DTYPES
+
 GRAD_BYTES = 4      # parameter gradients (and all-reduces) are fp32 in every precision: master weights
 
 

@@ -28,6 +28,7 @@ from cost_models.kernels import COST_MODELS
 from cost_models.parallel import RECOMPUTE, ZERO_STAGES
 from cost_models.profile import BUSY_CORES
 from schedules import families, names
+from executor.choices import DEVICES, DTYPES, OPTIMIZERS
 from schedules.registry import ALIASES
 
 from .checks import (byte_size, factor_pair, float_in, input_file, int_in, memory_limit, nonneg_float, nonneg_int,
@@ -36,9 +37,6 @@ from .checks import (byte_size, factor_pair, float_in, input_file, int_in, memor
 SCALAR, LIST, AUTO = "scalar", "list", "auto"
 GRAMMARS = (SCALAR, LIST, AUTO)
 AUTO_VALUE = "auto"     # an auto-or-list option given as 'auto' (None: not given; both: the search chooses)
-DTYPES = ("fp32", "bf16")
-OPTIMIZERS = ("adam", "sgd")
-RUN_DEVICES = ("auto", "cpu", "cuda")
 PLAN_SEARCHES = ("layout", "dapple")
 DEFAULT_POLICIES = "fresh-first,append-first,scatter-first"
 
@@ -215,7 +213,7 @@ def _rows() -> dict[str, Option]:
                    type=input_file, metavar="FILE")),
         ("device", O(("--device",), "RunConfig.device",
                      "auto: cuda:LOCAL_RANK + NCCL under torchrun when CUDA exists, else CPU + gloo",
-                     choices=RUN_DEVICES, default="auto")),
+                     choices=DEVICES, default="auto")),
         ("timeout", O(("--timeout",), "RunConfig.timeout", "seconds a receive or all-reduce may wait (default 60)",
                       type=positive_float, default=60.0)),
         ("recv_lookahead", O(("--recv-lookahead",), "RunConfig.recv_lookahead",
