@@ -151,12 +151,8 @@ class LoadedPlan:
         :class:`cost_models.job.Faults`)."""
         return simulate_plan(self.plan, self.workload, self.cluster, self.capacity, faults)
 
-    def planned_job(self, *, eager: bool = True, device_map: str | None = None, model=None):
-        """The plan as a job (:class:`cost_models.job.Job`): the very schedule the simulator runs (a
-        uniform plan: its family on D = stages with R replicas; a non-uniform one: DAPPLE's
-        ``stage_replicas`` with the M x C sub-batches as micro-batches), the samples per IR
-        micro-batch, the IR stages' layers as the partition and the recomputation the plan's
-        memory assumed; ``model``: what it trains (None: left open)."""
+    def _planned(self, eager: bool) -> tuple:
+        """(the plan as a job with its model left open, the plan built): one build for both."""
         from cost_models.job import Job, Layout
         bt = self.build(eager=eager, check=False)
         plan = self.plan
@@ -169,18 +165,36 @@ class LoadedPlan:
             per, layout = plan.micro_batch // C, Layout(
                 schedule="dapple", devices=bt.lowered.num_devices, microbatches=plan.microbatches * C,
                 stage_replicas=tuple(plan.replicas))
-        return Job(layout=layout, model=model, parallel=replace(self.parallel, micro_batch=per),
-                   partition=tuple(bt.costs.meta["partition"]), eager=eager, device_map=device_map)
+        job = Job(layout=layout, parallel=replace(self.parallel, micro_batch=per),
+                  partition=tuple(bt.costs.meta["partition"]), eager=eager)
+        return job, bt
+
+    def planned_job(self, *, eager: bool = True, device_map: str | None = None, model=None):
+        """The plan as a job (:class:`cost_models.job.Job`): the very schedule the simulator runs (a
+        uniform plan: its family on D = stages with R replicas; a non-uniform one: DAPPLE's
+        ``stage_replicas`` with the M x C sub-batches as micro-batches), the samples per IR
+        micro-batch, the IR stages' layers as the partition and the recomputation the plan's
+        memory assumed; ``model``: what it trains (None: left open)."""
+        return replace(self._planned(eager)[0], model=model, device_map=device_map)
+
+    def trained_model(self):
+        """What a run of the plan trains: the transformer's spec, or the profile's model file
+        ``PATH.py:FUNC`` (written absolute; an older or hand-moved plan's relative path is taken
+        beside the plan file). Raises ValueError for the paper's layer-cost models."""
+        src = self.workload.source
+        if src.get("kind") == "calibrated" and src.get("stack"):
+            return absolute_model_ref(src["name"], Path(self.path).parent)
+        spec = self.workload.spec.to_dict() if self.workload.spec is not None else src.get("spec")
+        if spec is None:
+            raise ValueError(f"the executor trains transformer models and model files; {self.workload.name} is a "
+                             f"layer-cost model (the plan can be simulated, not run)")
+        return spec_from_dict(dict(spec), f"plan model {src.get('name', self.workload.name)}")
 
     def run_job(self, *, eager: bool = True, device_map: str | None = None):
-        """The job a training run of the plan takes (:meth:`planned_job` with the model:
-        ``executor.RunConfig(job=..., placement=plan.placement)``): a transformer spec or the
-        profile's model file; ``device_map``: a mapping name in place of the plan's placement.
-        Raises ValueError for the paper's layer-cost models."""
-        ex = self.for_executor(eager=eager)
-        model = ex["model_file"] if "model_file" in ex else spec_from_dict(dict(ex["model_spec"]),
-                                                                          f"plan model {ex['model']}")
-        return self.planned_job(eager=eager, device_map=device_map, model=model)
+        """The job a training run of the plan takes (:meth:`planned_job` with :meth:`trained_model`:
+        ``executor.RunConfig(job=..., placement=plan.placement)``); ``device_map``: a mapping name in
+        place of the plan's placement."""
+        return self.planned_job(eager=eager, device_map=device_map, model=self.trained_model())
 
     @property
     def placement(self) -> tuple[int, ...]:
@@ -188,44 +202,32 @@ class LoadedPlan:
         return plan_placement(self.plan)
 
     def for_executor(self, *, eager: bool = True) -> dict:
-        """What ``pipetwin run --plan`` runs, for uniform and non-uniform transformer plans: the very
-        lowered schedule the simulator runs (:func:`planner.simulate.build_plan`; its IR form is
-        described there) and how to feed it:
+        """How ``pipetwin run --plan`` describes the run of a transformer or model-file plan: the
+        very lowered schedule the simulator runs (:func:`planner.simulate.build_plan`; its IR form is
+        described there) and how it is fed:
 
-        ``schedule`` (lowered Schedule), ``model`` (name), ``model_spec`` (ModelSpec fields),
-        ``microbatches`` (IR micro-batches per pipeline replica: M for a uniform plan, M x C
-        sub-batches for a non-uniform one), ``replicas`` (the IR's R; 1 for non-uniform plans),
-        ``micro_batch`` (samples per IR micro-batch: b / R, or b / C), ``partition`` (layers of each
-        of the schedule's stages per model copy, over the L + 2 layers embedding, blocks, head),
+        ``schedule`` (lowered Schedule), ``model`` (name), ``microbatches`` (IR micro-batches per
+        pipeline replica: M for a uniform plan, M x C sub-batches for a non-uniform one),
+        ``replicas`` (the IR's R; 1 for non-uniform plans), ``micro_batch`` (samples per IR
+        micro-batch: b / R, or b / C), ``partition`` (layers of each of the schedule's stages per
+        model copy: over the L + 2 layers embedding, blocks, head, or a model file's layers),
         ``device_map`` (rank -> physical device id of the plan's cluster), ``layout`` (a line) and
-        ``global_batch``; for a profile's layer stack ``model_file`` (``PATH.py:FUNC``) instead of
-        ``model_spec`` and a partition over its layers. Raises ValueError for models the executor
-        cannot train (the paper's layer-cost models)."""
-        src = self.workload.source
-        stack = src.get("kind") == "calibrated" and src.get("stack")
-        spec = self.workload.spec.to_dict() if self.workload.spec is not None else src.get("spec")
-        if not stack and spec is None:
-            raise ValueError(f"the executor trains transformer models and model files; {self.workload.name} is a "
-                             f"layer-cost model (the plan can be simulated, not run)")
+        ``global_batch``. Raises ValueError for models the executor cannot train."""
+        self.trained_model()
         plan = self.plan
-        bt = self.build(eager=eager, check=False)
-        low = bt.lowered
+        job, bt = self._planned(eager)
+        low, lay, per = bt.lowered, job.layout, job.parallel.micro_batch
         if plan.uniform:
-            per, mbs = plan.micro_batch // plan.dp, plan.microbatches
-            layout = f"{plan.dp} x {plan.num_stages}-stage pipeline, {mbs} micro-batches of {per} per replica"
+            layout = (f"{plan.dp} x {plan.num_stages}-stage pipeline, {lay.microbatches} micro-batches of {per} "
+                      f"per replica")
         else:
-            C = bt.extra["sub_batches"]
-            per, mbs = plan.micro_batch // C, plan.microbatches * C
             layout = (f"stage replicas {':'.join(map(str, plan.replicas))}, {plan.microbatches} micro-batches of "
-                      f"{plan.micro_batch} cut into {C} sub-batches of {per} (model copies)")
-        # written absolute; an older or hand-moved plan's relative PATH.py: beside the plan file first
-        out = ({"model_file": absolute_model_ref(src["name"], Path(self.path).parent)} if stack
-               else {"model_spec": spec})
-        return {**out, "schedule": low, "model": src.get("name", self.workload.name),
-                "microbatches": mbs, "replicas": low.replicas,
-                "micro_batch": per, "partition": list(bt.costs.meta["partition"]),
-                "device_map": list(bt.network.device_map or range(low.num_ranks)), "layout": layout,
-                "global_batch": plan.global_batch}
+                      f"{plan.micro_batch} cut into {lay.microbatches // plan.microbatches} sub-batches of {per} "
+                      f"(model copies)")
+        return {"schedule": low, "model": self.workload.source.get("name", self.workload.name),
+                "microbatches": lay.microbatches, "replicas": low.replicas, "micro_batch": per,
+                "partition": list(job.partition), "device_map": list(bt.network.device_map or range(low.num_ranks)),
+                "layout": layout, "global_batch": plan.global_batch}
 
 
 V1_LAYOUT_FIELDS = ("schedule", "devices", "microbatches", "replicas", "chunks", "variant", "tp")
