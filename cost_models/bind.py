@@ -152,9 +152,7 @@ def load_inputs(job: Job) -> CostInputs:
     if kind == "layer-profile":
         return CostInputs(kind, cluster=cluster)
     model = job.model if isinstance(job.model, ModelSpec) else load_model(job.model or DEFAULT_MODEL)
-    sized = {k: v for k, v in (("micro_batch", job.parallel.micro_batch), ("seq_len", job.parallel.seq_len))
-             if v is not None}
-    return CostInputs(kind, model=model.replace(**sized) if sized else model, cluster=cluster)
+    return CostInputs(kind, model=job.parallel.sized(model), cluster=cluster)
 
 
 def bind(job: Job, inputs: CostInputs | None = None) -> Bound:

@@ -531,10 +531,6 @@ class Job:
             own["parallel"] = replace(own.get("parallel", self.parallel), **parallel)
         return replace(self, **own)
 
-    def with_parallel(self, **changes) -> "Job":
-        """This job with other parallelism knobs (``tp=``, ``zero=``, ...: the :class:`Parallel` fields)."""
-        return replace(self, parallel=replace(self.parallel, **changes))
-
     def record(self) -> dict:
         """The job as plain data (JSON): what identifies the experiment."""
         def plain(v):

@@ -66,6 +66,13 @@ class Parallel:
             if getattr(self, name) is not None:
                 _whole(getattr(self, name), option_name(name))
 
+    def sized(self, model):
+        """``model`` (a :class:`cost_models.model_spec.ModelSpec`) at this record's micro-batch and
+        sequence length where they are given (the one place a job's sizes reach a model)."""
+        changes = {k: v for k, v in (("micro_batch", self.micro_batch), ("seq_len", self.seq_len))
+                   if v is not None and getattr(model, k) != v}
+        return model.replace(**changes) if changes else model
+
     def given(self) -> list[str]:
         """The options whose value is not the default, in field order (for messages)."""
         return [option_name(f.name) for f in fields(self) if getattr(self, f.name) != f.default]

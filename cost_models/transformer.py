@@ -404,10 +404,8 @@ class TransformerCostModel:
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
             raise SpecError(f"parallel must be a cost_models.parallel.Parallel; got {self.parallel!r}")
-        sized = {k: v for k, v in (("micro_batch", self.parallel.micro_batch), ("seq_len", self.parallel.seq_len))
-                 if v is not None and getattr(self.model, k) != v}
-        if sized:       # the job's micro-batch and sequence length, applied to the model once
-            object.__setattr__(self, "model", self.model.replace(**sized))
+        # the job's micro-batch and sequence length, applied to the model once
+        object.__setattr__(self, "model", self.parallel.sized(self.model))
         if self.grad_accumulation not in GRAD_ACCUMULATION:
             raise SpecError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
                             f"got {self.grad_accumulation!r}")

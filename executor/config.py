@@ -210,14 +210,9 @@ class RunConfig:
     def spec(self) -> ModelSpec:
         """The model as this run trains it: ``micro_batch`` applied, ``dtype_bytes`` that of the
         run's precision (2 for bf16: the activations and messages the cost model counts)."""
-        spec = self.model if isinstance(self.model, ModelSpec) else load_model(self.model)
-        changes = {"dtype_bytes": self.precision.dtype_bytes}
-        par = self.parallel
-        if par.micro_batch is not None:
-            changes["micro_batch"] = par.micro_batch
-        if par.seq_len is not None:
-            changes["seq_len"] = par.seq_len
-        return spec.replace(**changes) if any(getattr(spec, k) != v for k, v in changes.items()) else spec
+        spec = self.parallel.sized(self.model if isinstance(self.model, ModelSpec) else load_model(self.model))
+        d = self.precision.dtype_bytes
+        return spec if spec.dtype_bytes == d else spec.replace(dtype_bytes=d)
 
     @property
     def precision(self) -> Precision:

@@ -274,8 +274,7 @@ class _Bounds:
         self._acts: dict = {}
 
     def inputs(self, job: Job) -> CostInputs:
-        return CostInputs("transformer", model=self.model.replace(micro_batch=job.parallel.micro_batch),
-                          cluster=self.cluster)
+        return CostInputs("transformer", model=job.parallel.sized(self.model), cluster=self.cluster)
 
     def time(self, job: Job) -> float:
         lay, par = job.layout, job.parallel

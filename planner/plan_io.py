@@ -56,7 +56,8 @@ from cost_models.stack import absolute_model_ref
 
 from cost_models.workloads.workload_sources import workload_from_source
 from .plan import Plan
-from .simulate import Built, PlanInMemory, SimOutcome, build_plan, plan_parallel, plan_placement, simulate_plan
+from .simulate import (Built, DapplePlanFacts, PlanInMemory, SimOutcome, build_plan, plan_placement,
+                       simulate_plan)
 from cost_models.workloads.workload import Workload
 
 FORMAT, VERSION = "pipetwin-plan", 2
@@ -102,7 +103,7 @@ def save_plan(path, plan: Plan, work: Workload, cluster: Cluster, memory_limit: 
 
 
 @dataclass
-class LoadedPlan:
+class LoadedPlan(DapplePlanFacts):
     """A plan file read back: the plan, the model's workload, the cluster and the memory limit."""
 
     plan: Plan
@@ -136,15 +137,6 @@ class LoadedPlan:
         return Bound(bound.lowered, bound.costs, bound.network,
                      {**bound.report, **job.cluster.shape_report(), "memory_reserve": job.memory_reserve,
                       "plan_file": str(self.path)})
-
-    @property
-    def parallel(self) -> Parallel:
-        """The plan's parallel record: T 1 and the recomputation its memory assumed."""
-        return plan_parallel(self.workload)
-
-    @property
-    def gpus(self) -> int:
-        return self.plan.devices_used
 
     def simulate(self, faults=None) -> SimOutcome:
         """The plan simulated as :func:`planner.simulate.simulate_plan` does (``faults``: a
@@ -359,7 +351,7 @@ def _layout_plan(rec: dict, source: str) -> LayoutPlan:
     try:
         f = _job_fields(_v1_job(rec, source) if rec["version"] == 1 else rec.get("job"))
         spec.check_tensor_parallel(f["parallel"].tp)
-        spec = spec.replace(micro_batch=f["parallel"].micro_batch)
+        spec = f["parallel"].sized(spec)
         plan = LayoutPlan(f, spec, cluster, rec, source)
         plan.job()      # every field checked as a job's
     except (TypeError, ValueError) as e:

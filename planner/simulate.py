@@ -201,14 +201,23 @@ class SimOutcome:
                 "peak_memory": self.peak_memory, "out_of_memory": self.oom}
 
 
-def plan_parallel(work: Workload) -> Parallel:
-    """A DAPPLE plan's parallel record: T 1 and the recomputation its workload (and so its memory)
-    assumed."""
-    return Parallel(recompute=work.source.get("recompute", "none"))
+class DapplePlanFacts:
+    """What a DAPPLE plan held with its workload (``self.plan``, ``self.workload``) says of its job,
+    for :class:`PlanInMemory` and :class:`planner.plan_io.LoadedPlan` alike."""
+
+    @property
+    def parallel(self) -> Parallel:
+        """The plan's parallel record: T 1 and the recomputation its workload (and so its memory) assumed."""
+        return Parallel(recompute=self.workload.source.get("recompute", "none"))
+
+    @property
+    def gpus(self) -> int:
+        """The devices the plan uses."""
+        return self.plan.devices_used
 
 
 @dataclass(frozen=True)
-class PlanInMemory:
+class PlanInMemory(DapplePlanFacts):
     """A plan, its workload and its cluster as a job's cost source
     (:class:`cost_models.job.PlanSource`): binding it builds the plan (:func:`build_plan`; ``split``
     and ``check`` as there), so a plan the planner confirms is simulated as a job, the same path as
@@ -221,14 +230,6 @@ class PlanInMemory:
     split: bool = False
     check: bool = True
     path: str = "plan (in memory)"
-
-    @property
-    def parallel(self) -> Parallel:
-        return plan_parallel(self.workload)
-
-    @property
-    def gpus(self) -> int:
-        return self.plan.devices_used
 
     def bind(self, job) -> Bound:
         bt = build_plan(self.plan, self.workload, self.cluster, self.capacity, eager=job.eager, check=self.check,
