@@ -7,8 +7,8 @@ reported before any worker process starts. A planner's plan file is a job too:
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,8 +25,6 @@ from .device import check_device
 from .faults import check_fault, parse_fault
 from .model import KINDS
 from .precision import Precision
-
-
 
 # what a run takes when the flat constructor (:meth:`RunConfig.of`) is not told: the tiny GPT,
 # DAPPLE on 2 pipeline devices with 4 micro-batches
@@ -84,7 +82,7 @@ class RunConfig:
         job = self.job
         if not isinstance(job, Job):
             raise ValueError(f"RunConfig.job must be a cost_models.job.Job; got {job!r}")
-        if job.plan is None and job.model is None:
+        if job.model is None and job.plan is None:      # a plan is refused below
             object.__setattr__(self, "job", replace(job, model=RUN_DEFAULTS["model"]))
             job = self.job
         sim_only = [f for f, v in (("--unit-costs", job.unit_costs), ("--profile", job.profile),

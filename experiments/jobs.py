@@ -18,7 +18,10 @@ from schedules import families, get
 
 from .options import fields_of
 
-SCHEDULE_DEFAULTS = {"chunks": 2, "dp": 1, "tp": 1}     # chunks: for the families that take them (check_chunks)
+# the layout options' defaults, by dest: the records' own (chunks: for the families that take them, check_chunks)
+SCHEDULE_DEFAULTS = {dest: next(f.default for f in fields(record) if f.name == name)
+                     for dest, record, name in (("chunks", Layout, "chunks"), ("dp", Layout, "replicas"),
+                                                ("tp", Parallel, "tp"))}
 # What a --plan file fixes: these options describe the layout the planner chose (or the model and
 # cluster it chose it for), so with a plan they are refused (check_plan_args), never dropped: (the
 # option's dest, what it fixes). --tp-overlap and --cost-model are what-ifs a whole-layout plan takes

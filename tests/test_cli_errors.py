@@ -258,6 +258,9 @@ CASES = [
                                            "dapple", "--micro-batches", "1", "--recompute", "full"],
      ["no plan fits: the smallest needs", "per GPU", "more than the", "usable"]),
     ("plan-layout-gpus-not-multiple", LAYOUT + ["--gpus", "12"], ["--gpus 12", "multiple of the 8 GPUs"]),
+    ("plan-gpus-zero", LAYOUT + ["--gpus", "0"], ["argument --gpus: must be an integer >= 1; got '0'"]),
+    ("plan-gpus-nan", LAYOUT + ["--gpus", "nan"], ["argument --gpus: must be an integer >= 1; got 'nan'"]),
+    ("plan-gpus-negative", LAYOUT + ["--gpus", "-8"], ["argument --gpus: must be an integer >= 1; got '-8'"]),
     # -D is the pipeline's D everywhere: the GPU budget of old (plan --devices N) is refused, naming --gpus
     ("plan-devices-as-a-gpu-budget", LAYOUT + ["--devices", "512"],
      ["--devices 512", "pipeline's devices D", "--gpus N"]),

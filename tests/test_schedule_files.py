@@ -183,12 +183,22 @@ def test_cli_export_then_simulate_and_compare(tmp_path, capsys):
      "bitpipe runs 2 model copies"),
     (["schedules", "--export", "dapple", "-D", "2"], "--export dapple needs -N, --format"),
     (["schedules", "-D", "2"], "-D apply to --export NAME; give it (or drop them)"),
+    (["simulate", "--schedule-file", "{tmp}", "--unit-costs"], "argument --schedule-file: file {tmp} is a folder"),
+    (["schedules", "--export", "dapple", "-D", "2", "-N", "4", "--format", "text", "--out", "{tmp}"],
+     "argument --out: file {tmp} is a folder; give a file name"),
+    (["schedules", "--export", "dapple", "-D", "2", "-N", "4", "--format", "text", "--out", "/proc/x.txt"],
+     "argument --out: file /proc/x.txt cannot be written"),
+    (["schedules", "--export", "dapple", "-D", "0", "-N", "4", "--format", "text"],
+     "argument --devices/-D: must be an integer >= 1; got '0'"),
+    (["schedules", "--export", "dapple", "-D", "2", "-N", "nan", "--format", "text"],
+     "argument --microbatches/-N: must be an integer >= 1; got 'nan'"),
 ])
 def test_cli_errors_one_line(tmp_path, capsys, argv, msg):
     (tmp_path / "bad.txt").write_text("0: F0.s0 B0.s0\n1: F1.s1x\n")
     (tmp_path / "ok.csv").write_text(export_text(build("dapple", 2, 4), "torch-csv"))
     (tmp_path / "dead.csv").write_text("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n")
     rc, _, err = cli(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    msg = msg.replace("{tmp}", str(tmp_path))
     assert rc == 2 and err.startswith("pipetwin: error: ") and msg in err and len(err.strip().splitlines()) == 1, err
 
 
