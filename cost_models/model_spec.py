@@ -20,6 +20,21 @@ activation / weight element: 2 for fp16/bf16, 4 for fp32), and the fields that d
   ``flash`` (a fused kernel keeping only its output and the row statistics: llama, and every
   Hugging Face config). Time and memory both follow it.
 
+Mixture-of-experts and attention-slot fields (llama kind only; all default to a dense block):
+
+* ``head_size`` (the width of one attention head when it is no ``hidden / heads``: Qwen3's 128;
+  with MLA the non-rotary query/key head size), ``qk_norm`` (Qwen3's RMSNorm of each query and key
+  head),
+* ``experts`` E routed experts per MoE block (0: dense), ``top_k`` k experts per token,
+  ``expert_ffn`` each routed expert's SwiGLU inner size (default ``ffn``), ``shared_ffn`` the
+  inner size of the shared expert(s) every token passes (DeepSeek-V3: 1 x 2048; 0: none),
+  ``shared_gate`` (Qwen2-MoE's sigmoid gate on the shared expert), ``dense_layers`` the first
+  blocks whose MLP is dense (``ffn`` wide; DeepSeek-V3: 3), ``router`` softmax | sigmoid scores
+  (sigmoid carries DeepSeek's per-expert bias),
+* multi-head latent attention (DeepSeek): ``kv_lora_rank`` > 0 turns it on, with
+  ``q_lora_rank`` (0: a full query projection), ``rope_head_dim`` (the decoupled rotary part of
+  each query/key head) and ``v_head_size`` (default ``head_size``).
+
 The kinds: ``gpt`` (pre-LayerNorm, GeLU MLP of two matrices, learned positions, biases), ``bert``
 (post-LayerNorm encoder, token types), ``llama`` (RMSNorm, SwiGLU MLP of three matrices, rotary
 positions: no position table, no biases). Mistral and Qwen2 configs are llama blocks (Qwen2 adds
@@ -37,6 +52,10 @@ from .stack import is_model_ref, model_ref_help
 
 KINDS = ("gpt", "bert", "llama")
 ATTENTION = ("eager", "flash")
+ROUTERS = ("softmax", "sigmoid")
+# the fields of a mixture-of-experts or multi-head-latent-attention block (llama kind only)
+MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_ffn", "shared_gate", "dense_layers", "router")
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_size")
 
 
 @dataclass(frozen=True)
@@ -57,25 +76,42 @@ class ModelSpec:
     dropout: bool | None = None         # None: by kind
     attention: str | None = None        # eager | flash; None: by kind
     qkv_bias: bool = False              # llama kind only: biases on Q, K, V (Qwen2)
+    head_size: int | None = None        # None: hidden / heads
+    qk_norm: bool = False               # RMSNorm of each query and key head (Qwen3)
+    experts: int = 0                    # routed experts per MoE block; 0: a dense model
+    top_k: int = 0                      # experts per token (required with experts)
+    expert_ffn: int | None = None       # a routed expert's inner size; None: ffn
+    shared_ffn: int = 0                 # inner size of the shared expert(s); 0: none
+    shared_gate: bool = False           # a sigmoid gate on the shared expert (Qwen2-MoE)
+    dense_layers: int = 0               # the first blocks keep a dense MLP (DeepSeek-V3: 3)
+    router: str = "softmax"             # softmax | sigmoid scores
+    kv_lora_rank: int = 0               # > 0: multi-head latent attention (DeepSeek)
+    q_lora_rank: int = 0                # MLA: the query's low rank; 0: a full query projection
+    rope_head_dim: int = 0              # MLA: the decoupled rotary part of a query/key head
+    v_head_size: int | None = None      # MLA: a value head's size; None: head_size
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch", "ffn_mult", "dtype_bytes"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(f"model {self.name!r}: field {f!r} must be a positive integer; got {v!r}")
-        if self.hidden % self.heads:
+        if self.head_size is None and self.hidden % self.heads:
             raise SpecError(f"model {self.name!r}: field 'heads': hidden ({self.hidden}) must be divisible "
-                            f"by heads ({self.heads})")
+                            f"by heads ({self.heads}), or give head_size")
         if self.kind not in KINDS:
             raise SpecError(f"model {self.name!r}: field 'kind' must be one of {', '.join(KINDS)}; got {self.kind!r}")
-        for f in ("kv_heads", "ffn_hidden"):
+        for f in ("kv_heads", "ffn_hidden", "head_size", "expert_ffn", "v_head_size"):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise SpecError(f"model {self.name!r}: field {f!r} must be a positive integer; got {v!r}")
         if self.heads % self.kv:
             raise SpecError(f"model {self.name!r}: field 'kv_heads': heads ({self.heads}) must be a multiple of "
                             f"kv_heads ({self.kv})")
-        for f in ("tied_embeddings", "dropout", "qkv_bias"):
+        for f in ("shared_ffn", "dense_layers", "experts", "top_k", "kv_lora_rank", "q_lora_rank", "rope_head_dim"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise SpecError(f"model {self.name!r}: field {f!r} must be an integer >= 0; got {v!r}")
+        for f in ("tied_embeddings", "dropout", "qkv_bias", "qk_norm", "shared_gate"):
             v = getattr(self, f)
             if v is not None and not isinstance(v, bool):
                 raise SpecError(f"model {self.name!r}: field {f!r} must be true or false; got {v!r}")
@@ -85,6 +121,31 @@ class ModelSpec:
         if self.kind != "llama" and (self.kv != self.heads or self.qkv_bias):
             raise SpecError(f"model {self.name!r}: grouped-query attention (kv_heads) and qkv_bias are llama-kind "
                             f"fields; set kind: llama")
+        if self.router not in ROUTERS:
+            raise SpecError(f"model {self.name!r}: field 'router' must be one of {', '.join(ROUTERS)}; "
+                            f"got {self.router!r}")
+        dense = ModelSpec.__dataclass_fields__
+        given = [f for f in MOE_FIELDS + MLA_FIELDS + ("head_size", "qk_norm")
+                 if getattr(self, f) != dense[f].default]
+        if self.kind != "llama" and given:
+            raise SpecError(f"model {self.name!r}: field {given[0]!r} belongs to a llama-kind block (mixture of "
+                            f"experts, latent attention, head size); set kind: llama")
+        if self.experts:
+            if not 1 <= self.top_k <= self.experts:
+                raise SpecError(f"model {self.name!r}: field 'top_k' must be 1..experts ({self.experts}) with "
+                                f"routed experts; got {self.top_k!r}")
+            if self.dense_layers >= self.layers:
+                raise SpecError(f"model {self.name!r}: field 'dense_layers' ({self.dense_layers}) leaves no MoE "
+                                f"block of {self.layers}; give fewer, or experts: 0")
+        else:
+            moe = [f for f in MOE_FIELDS if f != "experts" and getattr(self, f) != dense[f].default]
+            if moe:
+                raise SpecError(f"model {self.name!r}: field {moe[0]!r} needs routed experts; give experts > 0")
+        if not self.kv_lora_rank:
+            mla = [f for f in MLA_FIELDS if getattr(self, f) != dense[f].default]
+            if mla:
+                raise SpecError(f"model {self.name!r}: field {mla[0]!r} is multi-head latent attention's; "
+                                f"give kv_lora_rank > 0")
 
     # ---------------------------------------------------------------- fields by kind
     @property
@@ -99,7 +160,31 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """The width of one query/key head (with MLA: its non-rotary part)."""
+        return self.hidden // self.heads if self.head_size is None else self.head_size
+
+    @property
+    def v_head_dim(self) -> int:
+        """The width of one value head."""
+        return self.head_dim if self.v_head_size is None else self.v_head_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts (the last ``layers - dense_layers``)."""
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def expert_width(self) -> int:
+        """A routed expert's inner size."""
+        return self.ffn if self.expert_ffn is None else self.expert_ffn
 
     @property
     def tied(self) -> bool:
