@@ -85,6 +85,7 @@ from .device import DeviceSpec
 from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
+from .moe import moe_mlp_active_params, moe_mlp_params, moe_share
 from .parallel import RECOMPUTE, Parallel
 from .partition import default_partition, layer_ranges
 
@@ -103,8 +104,8 @@ def _mlp_matrices(spec: ModelSpec) -> int:
 
 
 def _qkv_width(spec: ModelSpec) -> int:
-    """Output width of the fused Q, K, V projection: h + 2ke."""
-    return spec.hidden + 2 * spec.kv * spec.head_dim
+    """Output width of the fused Q, K, V projection: a e + 2 k e (= h + 2ke when e = h / a)."""
+    return (spec.heads + 2 * spec.kv) * spec.head_dim
 
 
 def _sp_div(tp: int, sp: bool) -> int:
@@ -112,42 +113,111 @@ def _sp_div(tp: int, sp: bool) -> int:
     return tp if sp else 1
 
 
-def block_params(spec: ModelSpec, tp: int = 1) -> int:
+def _qk_dim(spec: ModelSpec) -> int:
+    """Width of one query/key head (MLA: its non-rotary and rotary parts)."""
+    return spec.head_dim + spec.rope_head_dim
+
+
+def attention_matrices(spec: ModelSpec) -> int:
+    """Weights of the attention's linear layers (split over t with the heads).
+
+    Standard (grouped-query): h(a e + 2 k e) + a e h (= h(h + 2ke) + h^2 when e = h/a).
+    Multi-head latent attention (DeepSeek; q_r, kv_r the ranks, r the rotary head size, v the value
+    head size): Q h q_r + q_r a (e + r) (or h a (e + r) without a query rank), KV h (kv_r + r) +
+    kv_r a (e + v), output a v h."""
+    h, a = spec.hidden, spec.heads
+    if not spec.is_mla:
+        return h * _qkv_width(spec) + a * spec.head_dim * h
+    qk, v, qr, kr = _qk_dim(spec), spec.v_head_dim, spec.q_lora_rank, spec.kv_lora_rank
+    q = h * qr + qr * a * qk if qr else h * a * qk
+    return q + h * (kr + spec.rope_head_dim) + kr * a * (spec.head_dim + v) + a * v * h
+
+
+def _attention_norms(spec: ModelSpec) -> int:
+    """Norms inside the attention (whole on every GPU): Qwen3's per-head q/k RMSNorm (2e), MLA's
+    latent RMSNorms (q_r + kv_r)."""
+    return (2 * spec.head_dim if spec.qk_norm else 0) + (spec.q_lora_rank + spec.kv_lora_rank)
+
+
+def _attention_core_flops(spec: ModelSpec) -> float:
+    """FLOPs of QK^T and attention x V for one micro-batch: 2bs^2 a (e_qk + v) (= 4bs^2h)."""
+    return 2.0 * spec.micro_batch * spec.seq_len ** 2 * spec.heads * (_qk_dim(spec) + spec.v_head_dim)
+
+
+def is_moe_block(spec: ModelSpec, i: int) -> bool:
+    """Block ``i`` has a mixture-of-experts MLP (the first ``dense_layers`` keep a dense one)."""
+    return spec.is_moe and i >= spec.dense_layers
+
+
+def _moe_par(tp: int, sp: bool, parallel: Parallel | None) -> Parallel:
+    return parallel if parallel is not None else Parallel(tp=tp, sequence_parallel=sp)
+
+
+def block_params(spec: ModelSpec, tp: int = 1, moe: bool = False, parallel: Parallel | None = None) -> int:
     """Parameters of one transformer block on one of ``tp`` GPUs: the matrices and the
     column-parallel biases split, the norms and the row-parallel biases whole (``tp`` = 1:
-    (4 + 2m)h^2 + (9 + m)h = 12h^2 + 13h for GPT)."""
+    (4 + 2m)h^2 + (9 + m)h = 12h^2 + 13h for GPT). ``moe``: its MLP is a mixture of experts,
+    held as ``parallel`` says (:func:`cost_models.moe.moe_share`; default EP = ETP = 1)."""
     h, f, qkv = spec.hidden, spec.ffn, _qkv_width(spec)
-    mats = h * qkv + h * h + _mlp_matrices(spec) * h * f
+    if moe:
+        share = moe_share(spec, _moe_par(tp, False, parallel))
+        mlp = share.params_dense + share.params_expert
+    else:
+        mlp = _mlp_matrices(spec) * h * f // tp
+    mats = attention_matrices(spec)
     if spec.kind == "llama":
-        col_bias, row_bias, norms = (qkv if spec.qkv_bias else 0), 0, 2 * h
+        col_bias, row_bias, norms = (qkv if spec.qkv_bias else 0), 0, 2 * h + _attention_norms(spec)
     else:
         col_bias, row_bias, norms = qkv + f, 2 * h, 4 * h
-    return (mats + col_bias) // tp + row_bias + norms
+        mats += _mlp_matrices(spec) * h * f
+        mlp = 0
+    return (mats + col_bias) // tp + mlp + row_bias + norms
 
 
-def block_flops(spec: ModelSpec, tp: int = 1) -> tuple[float, float, float]:
+def block_flops(spec: ModelSpec, tp: int = 1, moe: bool = False,
+                parallel: Parallel | None = None) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) FLOPs of one block for one micro-batch on one of
-    ``tp`` GPUs (the module docstring's P, F, B, W)."""
+    ``tp`` GPUs (the module docstring's P, F, B, W; a MoE block's MLP from
+    :func:`cost_models.moe.moe_share`)."""
     b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
-    lin = 2 * b * s * (h * _qkv_width(spec) + h * h + _mlp_matrices(spec) * h * spec.ffn)
-    att = 4 * b * s * s * h
-    return float(lin + att) / tp, float(lin + 2 * att) / tp, float(lin) / tp
+    lin = 2 * b * s * attention_matrices(spec) / tp
+    if moe:
+        share = moe_share(spec, _moe_par(tp, True, parallel))
+        lin += share.flops_dense + share.flops_expert
+    else:
+        lin += 2 * b * s * _mlp_matrices(spec) * h * spec.ffn / tp
+    att = _attention_core_flops(spec) / tp
+    return float(lin + att), float(lin + 2 * att), float(lin)
 
 
-def recompute_flops(spec: ModelSpec, recompute: str = "none", tp: int = 1) -> float:
+def recompute_flops(spec: ModelSpec, recompute: str = "none", tp: int = 1, moe: bool = False,
+                    parallel: Parallel | None = None) -> float:
     """Extra forward FLOPs the input backward of one block re-runs: 0, 4bs^2h/t (selective) or F (full)."""
     _check_recompute(recompute)
     if recompute == "none":
         return 0.0
     if recompute == "selective":
-        return float(4 * spec.micro_batch * spec.seq_len ** 2 * spec.hidden) / tp
-    return block_flops(spec, tp)[0]
+        return _attention_core_flops(spec) / tp
+    return block_flops(spec, tp, moe, parallel)[0]
+
+
+def _attention_split_bytes(spec: ModelSpec) -> float:
+    """Attention tensors kept and split over t, per micro-batch: Q (a e_qk), K (k e_qk), V (k v), the
+    output projection's input (a v) (= 2sbh + 2sbke when e = h / a), and MLA's latents
+    (q_r + kv_r + r)."""
+    sb, a, k = spec.seq_len * spec.micro_batch, spec.heads, spec.kv
+    qk, v = _qk_dim(spec), spec.v_head_dim
+    width = a * qk + k * qk + k * v + a * v
+    if spec.is_mla:
+        width += spec.q_lora_rank + spec.kv_lora_rank + spec.rope_head_dim
+    return float(sb * width * spec.dtype_bytes)
 
 
 def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bool | None = None, tp: int = 1,
-                           sp: bool = False) -> float:
+                           sp: bool = False, moe: bool = False, parallel: Parallel | None = None) -> float:
     """Bytes one block keeps from F to B for one micro-batch on one of ``tp`` GPUs (``sp``:
-    sequence parallel; ``dropout`` None: the model's; see the module docstring)."""
+    sequence parallel; ``dropout`` None: the model's; see the module docstring; a MoE block's MLP
+    from :func:`cost_models.moe.moe_share`)."""
     _check_recompute(recompute)
     b, s, h, a, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.heads, spec.dtype_bytes
     mask = 1 if (spec.has_dropout if dropout is None else dropout) else 0
@@ -155,26 +225,35 @@ def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bo
     if recompute == "full":
         return float(sbh * d) / _sp_div(tp, sp)
     replicated = sbh * (4 * d + 2 * mask)
-    split = 2 * sbh * d + 2 * s * b * spec.kv * spec.head_dim * d + (_mlp_matrices(spec)) * s * b * spec.ffn * d
+    split = _attention_split_bytes(spec)
+    mlp = moe_share(spec, _moe_par(tp, sp, parallel)).act if moe else \
+        _mlp_matrices(spec) * s * b * spec.ffn * d / tp
     if spec.attention_kind == "eager":
         scores = a * s * s * b * (d + mask + mask * d)
     else:
         scores = 4 * a * s * b
-    kept = replicated / _sp_div(tp, sp) + split / tp
+    kept = replicated / _sp_div(tp, sp) + split / tp + mlp
     if recompute == "selective":
         return float(kept)
     return float(kept + scores / tp)
 
 
-def block_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sp: bool = False) -> float:
+def block_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sp: bool = False, moe: bool = False,
+                            parallel: Parallel | None = None) -> float:
     """Bytes alive between a block's input backward and its weight backward on one of ``tp`` GPUs:
-    the linear layers' inputs and output gradients ((8 + 2m) sbh d for GPT at t = 1)."""
+    the linear layers' inputs and output gradients ((8 + 2m) sbh d for GPT at t = 1; a MoE MLP
+    keeps what its experts' weight gradients read: its kept activations)."""
     s, b, h, f, d = spec.seq_len, spec.micro_batch, spec.hidden, spec.ffn, spec.dtype_bytes
     sb = s * b
     whole = 4 * sb * h                     # QKV and fc1 inputs, o and fc2 output gradients
     up = 2 if spec.kind == "llama" else 1  # SwiGLU: gate and up outputs
-    split = sb * h + sb * f + sb * _qkv_width(spec) + up * sb * f
-    return float(whole * d) / _sp_div(tp, sp) + float(split * d) / tp
+    if moe:
+        mlp = moe_share(spec, _moe_par(tp, sp, parallel)).act
+        split = sb * h + sb * _qkv_width(spec)
+    else:
+        mlp = 0.0
+        split = sb * h + sb * f + sb * _qkv_width(spec) + up * sb * f
+    return float(whole * d) / _sp_div(tp, sp) + float(split * d) / tp + mlp
 
 
 def boundary_bytes(spec: ModelSpec) -> float:
@@ -240,13 +319,18 @@ def head_layer(spec: ModelSpec, tp: int = 1, sp: bool = False) -> Layer:
 
 
 def transformer_layers(spec: ModelSpec, recompute: str = "none", dropout: bool | None = None, tp: int = 1,
-                       sp: bool = False) -> list[Layer]:
-    """[embedding, block0, ..., block(L-1), head]: L + 2 layers, per GPU of a ``tp`` group."""
-    f, bi, w = block_flops(spec, tp)
-    block = dict(flops_f=f, flops_b_input=bi, flops_w=w, flops_recompute=recompute_flops(spec, recompute, tp),
-                 params=block_params(spec, tp), act_bytes=block_activation_bytes(spec, recompute, dropout, tp, sp),
-                 act_w_bytes=block_weight_grad_bytes(spec, tp, sp), out_bytes=boundary_bytes(spec))
-    blocks = [Layer(f"block{i}", "block", **block) for i in range(spec.layers)]
+                       sp: bool = False, parallel: Parallel | None = None) -> list[Layer]:
+    """[embedding, block0, ..., block(L-1), head]: L + 2 layers, per GPU of a ``tp`` group (a MoE
+    model's experts as ``parallel`` holds them: EP, ETP, imbalance; default EP = ETP = 1)."""
+    def block(moe: bool) -> dict:
+        f, bi, w = block_flops(spec, tp, moe, parallel)
+        return dict(flops_f=f, flops_b_input=bi, flops_w=w,
+                    flops_recompute=recompute_flops(spec, recompute, tp, moe, parallel),
+                    params=block_params(spec, tp, moe, parallel),
+                    act_bytes=block_activation_bytes(spec, recompute, dropout, tp, sp, moe, parallel),
+                    act_w_bytes=block_weight_grad_bytes(spec, tp, sp, moe, parallel), out_bytes=boundary_bytes(spec))
+    kinds = {moe: block(moe) for moe in {is_moe_block(spec, i) for i in range(spec.layers)}}
+    blocks = [Layer(f"block{i}", "block", **kinds[is_moe_block(spec, i)]) for i in range(spec.layers)]
     return [embedding_layer(spec, dropout, tp, sp), *blocks, head_layer(spec, tp, sp)]
 
 
@@ -258,6 +342,12 @@ def model_params(spec: ModelSpec, tied_embeddings: bool | None = None) -> int:
     if spec.tied if tied_embeddings is None else tied_embeddings:
         total -= spec.vocab * spec.hidden
     return total
+
+
+def active_params(spec: ModelSpec, tied_embeddings: bool | None = None) -> int:
+    """Parameters one token passes through: :func:`model_params` less, in every MoE block, the
+    routed experts it is not sent to (E - k of them); = :func:`model_params` for a dense model."""
+    return model_params(spec, tied_embeddings) - spec.moe_layers * (moe_mlp_params(spec) - moe_mlp_active_params(spec))
 
 
 def model_flops(spec: ModelSpec, recompute: str = "none") -> float:
