@@ -83,6 +83,44 @@ def moe_mlp_active_params(spec: ModelSpec) -> int:
     return router_params(spec) + spec.top_k * expert_params(spec) + shared_params(spec)
 
 
+# the Parallel fields that act on a mixture of experts only
+MOE_KNOBS = ("ep", "etp", "expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hierarchical", "route_nodes",
+             "overlap_fb")
+
+
+def moe_knobs_given(par: Parallel) -> list[str]:
+    """The MoE options of ``par`` that differ from their defaults (as command-line options)."""
+    return [o for o in par.given() if o.lstrip("-").replace("-", "_") in MOE_KNOBS]
+
+
+def check_expert_parallel(spec: ModelSpec, par: Parallel, replicas: int) -> None:
+    """The rules that join the MoE knobs with the model and the layout (module docstring), one
+    line naming the option to change."""
+    given = moe_knobs_given(par)
+    if not spec.is_moe:
+        if given:
+            raise ValueError(f"{given[0]} acts on a mixture of experts; model {spec.name} is dense "
+                             f"(e.g. --model mixtral-8x7b)")
+        return
+    fold = par.tp * replicas
+    if fold % (par.ep * par.etp):
+        raise ValueError(f"--ep {par.ep} x --etp {par.etp} must divide the stage's T x R = {par.tp} x {replicas} GPUs "
+                         f"the experts fold onto; pick --ep/--etp that divide {fold}, or more --dp")
+    if spec.experts % par.ep:
+        raise ValueError(f"--ep {par.ep} does not divide the {spec.experts} experts of {spec.name}; pick a divisor")
+    if spec.expert_width % par.etp:
+        raise ValueError(f"--etp {par.etp} does not divide the expert width {spec.expert_width} of {spec.name}; "
+                         f"pick a divisor")
+    if par.route_nodes and par.route_nodes > spec.top_k:
+        raise ValueError(f"--route-nodes {par.route_nodes} exceeds the {spec.top_k} experts a token goes to; "
+                         f"give at most {spec.top_k}")
+
+
+def expert_data_parallel(par: Parallel, replicas: int) -> int:
+    """EDP: the GPUs holding the same experts (T x R / (EP x ETP)), which all-reduce their gradients."""
+    return par.tp * replicas // (par.ep * par.etp)
+
+
 def effective_imbalance(par: Parallel) -> float:
     """Tokens on the busiest EP rank / the mean: the given imbalance, capped by a capacity factor
     (dropping) when one is given."""

@@ -85,7 +85,8 @@ from .device import DeviceSpec
 from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
-from .moe import moe_mlp_active_params, moe_mlp_params, moe_share
+from .moe import (ExpertGroup, check_expert_parallel, expert_data_parallel, moe_mlp_active_params, moe_mlp_params,
+                  moe_share)
 from .parallel import RECOMPUTE, Parallel
 from .partition import default_partition, layer_ranges
 
@@ -150,7 +151,7 @@ def is_moe_block(spec: ModelSpec, i: int) -> bool:
 
 
 def _moe_par(tp: int, sp: bool, parallel: Parallel | None) -> Parallel:
-    return parallel if parallel is not None else Parallel(tp=tp, sequence_parallel=sp)
+    return parallel if parallel is not None else Parallel(tp=tp, sequence_parallel=sp and tp > 1)
 
 
 def block_params(spec: ModelSpec, tp: int = 1, moe: bool = False, parallel: Parallel | None = None) -> int:
@@ -490,6 +491,7 @@ class TransformerCostModel:
     tp_group: TensorParallelGroup | None = None
     replicas: int = 1
     grad_accumulation: str = "fused"
+    expert_group: ExpertGroup | None = None
 
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
@@ -512,6 +514,15 @@ class TransformerCostModel:
         if self.parallel.tp > 1 and (self.tp_group is None or self.tp_group.size != self.parallel.tp):
             raise SpecError(f"tensor parallel {self.parallel.tp} needs the group's links "
                             f"(tp_group of size {self.parallel.tp})")
+        check_expert_parallel(self.model, self.parallel, self.replicas)
+        edp = expert_data_parallel(self.parallel, self.replicas) if self.model.is_moe else 1
+        group = self.expert_group
+        if (self.parallel.ep > 1 or edp > 1) and (group is None or group.ep != self.parallel.ep):
+            raise SpecError(f"expert parallel {self.parallel.ep} (EDP {edp}) needs the group's links "
+                            f"(expert_group of {self.parallel.ep})")
+        if self.compute == "kernels" and (self.model.is_moe or self.model.is_mla):
+            raise SpecError(f"the kernel cost model prices dense gpt and llama blocks; {self.model.name} has "
+                            f"{'experts' if self.model.is_moe else 'latent attention'}: use --cost-model linear")
         self.flop_rate()   # fail fast on a device without a peak (e.g. cpu: use a calibration profile)
 
     @property
@@ -541,7 +552,7 @@ class TransformerCostModel:
 
     def layers(self) -> list[Layer]:
         par = self.parallel
-        return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel)
+        return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel, par)
 
     def static_split(self) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per parameter held on one GPU (ZeRO-1: the
@@ -596,6 +607,12 @@ class TransformerCostModel:
             f = tuple(join(x, c) for x, (c, _) in zip(f, comm))
             b_in = tuple(join(x, c) for x, (_, c) in zip(b_in, comm))
         w_b, g_b, o_b = self.static_split()
+        moe = {}
+        if self.model.is_moe:
+            a2a_f, a2a_b = self.all_to_all_times()
+            f = tuple(x + y for x, y in zip(f, a2a_f))
+            b_in = tuple(x + y for x, y in zip(b_in, a2a_b))
+            moe = self._expert_memory(L)
         return LayerCosts(
             f=f,
             b_input=b_in,
@@ -608,7 +625,57 @@ class TransformerCostModel:
             grad_bytes_per_param=self.grad_bytes * self.parallel.tp,
             optim_time_per_param=self.optim_time_per_param(),
             copy_time=self.copy_time(),
+            **moe,
         )
+
+    # ------------------------------------------------------------------ mixtures of experts
+    def moe_share(self):
+        """One GPU's share of a MoE block's MLP (:func:`cost_models.moe.moe_share`)."""
+        return moe_share(self.model, self.parallel)
+
+    def a2a_times(self) -> tuple[float, float]:
+        """Seconds of one MoE block's dispatch and combine all-to-alls on the expert group (0 with
+        EP = 1: the experts are local)."""
+        if self.expert_group is None:
+            return 0.0, 0.0
+        share = self.moe_share()
+        return self.expert_group.time(share.dispatch_bytes), self.expert_group.time(share.combine_bytes)
+
+    def all_to_all_times(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per layer, the all-to-all seconds in F (dispatch + combine) and in the input backward (their
+        gradients, and the forward's again under full recomputation): 0 but in MoE blocks."""
+        disp, comb = self.a2a_times()
+        one = disp + comb
+        back = one * (2 if self.parallel.recompute == "full" else 1)
+        moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
+        return tuple(one if m else 0.0 for m in moe), tuple(back if m else 0.0 for m in moe)
+
+    def _expert_memory(self, L: list[Layer]) -> dict:
+        """The LayerCosts fields of a MoE model's unlike parameters: its routed experts' optimizer
+        state sharded over EDP with ZeRO-1 (the dense part's over R), their gradients all-reduced
+        over EDP at the step's end (its ring time and the optimizer's share), and the pipeline's
+        all-reduce of the dense part only."""
+        par, R = self.parallel, self.replicas
+        w, g, o = self.static_split()
+        o_full = o * R if par.zero else o
+        edp = expert_data_parallel(par, R)
+        o_exp = o_full / edp if par.zero else o_full
+        expert = self.moe_share().params_expert
+        moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
+        mine = [expert if m else 0 for m in moe]
+        static = tuple((l.params - e) * (w + g + o) + e * (w + g + o_exp) for l, e in zip(L, mine))
+        per_param = self.optim_time_per_param()
+        shard = edp if par.zero else 1
+        touched = self.optimizer_bytes_touched / shard if self.optimizer_bytes_touched is not None else \
+            (g + w) / shard + 2 * o_exp
+        exp_rate = touched / self.device.memory_bandwidth if self.device.memory_bandwidth else 0.0
+        reduce = 0.0
+        if edp > 1 and self.expert_group is not None:
+            group = range(0, edp * par.ep * par.etp, par.ep * par.etp)
+            reduce = allreduce_time(self.expert_group.cluster, group, expert * self.grad_bytes)
+        optim = tuple((l.params - e) * per_param + e * exp_rate + (reduce if e else 0.0) for l, e in zip(L, mine))
+        return dict(static_bytes=static, optim_time=optim,
+                    reduced_params=tuple(float(l.params - e) for l, e in zip(L, mine)))
 
     def partition_for(self, num_stages: int) -> tuple[int, ...]:
         return self.partition if self.partition is not None else default_partition(self.model.layers, num_stages)
@@ -638,7 +705,8 @@ class TransformerCostModel:
         if self.parallel.recompute != "none" and m.layers:
             layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp) - \
                 block_activation_bytes(m, self.parallel.recompute, self.uses_dropout, tp, sp)
-        return layer + 2 * boundary_bytes(m) / tp
+        buffers = 2 * self.moe_share().dispatch_bytes if m.is_moe and self.parallel.ep > 1 else 0.0
+        return layer + 2 * boundary_bytes(m) / tp + buffers
 
     def bind(self, sched) -> StageCosts:
         """The costs of ``sched``, with their floor: every op's FLOPs at the device's peak
