@@ -25,7 +25,7 @@ from cost_models._spec import size_bytes
 from .common import parse_schedules, print_json
 from .jobs import cluster_from_args
 from .options import AUTO_VALUE, add_options, auto_values
-from .plan_layout import DAPPLE_ONLY, DEFAULT_POLICIES, LAYOUT_ONLY
+from .plan_layout import DAPPLE_ONLY, DEFAULT_POLICIES, LAYOUT_ONLY, given
 from .tables import byte_unit, fmt_bytes, fmt_table, printable, wrap_cell
 
 NAME = "plan"
@@ -47,7 +47,7 @@ def search_of(args) -> str:
     if args.search is not None:
         return args.search
     o = vars(args)
-    layout = [f for f, d in LAYOUT_ONLY if o.get(d) is not None]
+    layout = [f for f, d in LAYOUT_ONLY if given(args, d)]
     dapple = [f for f, d in DAPPLE_ONLY if o.get(d)] + (["--policies"] if args.policies != DEFAULT_POLICIES else [])
     if layout and dapple:
         budget = "; the GPU budget is --gpus N, -D the pipeline's D" if "--devices" in layout else ""
@@ -90,7 +90,7 @@ def main(args) -> int:
         from .plan_layout import main_layout
         return main_layout(args, _parse_limit(args.memory_limit), check_limit)
     for flag, dest in LAYOUT_ONLY:
-        if vars(args).get(dest) is not None:
+        if given(args, dest):
             if dest == "devices":
                 raise ValueError("--devices is the pipeline's devices D, searched by the whole-layout search; the "
                                  "DAPPLE search picks its stages itself: give its GPU budget as --gpus N (and at most "

@@ -421,7 +421,17 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                  note=" (whole-layout search; auto = 1,2,4,8, the default)"),
              use("recompute", AUTO, note=" (whole-layout search: auto = all three, the default; the DAPPLE search "
                  "takes one, default none)"),
-             use("device_map", AUTO, note=" (whole-layout search: default sequential, Llama 3's order [TP, PP, DP])"),
+             use("device_map", AUTO, note=" (whole-layout search: default sequential, Llama 3's order [TP, PP, DP]; "
+                 "Megatron's [TP, DP, PP] where EP > 1)"),
+             use("ep", AUTO, note=" (whole-layout search of a mixture of experts: auto = every divisor of the experts "
+                 "that folds onto the layout's T x R, the default)"),
+             use("etp", AUTO, note=" (whole-layout search: auto = every divisor of the node size that folds; "
+                 "default 1)"),
+             use("overlap_fb", help="whole-layout search of a mixture of experts: search the forward/backward overlap "
+                 "on every schedule's F and B pairs (without it: on dualpipe-v's own pairs only)"),
+             *(use(k, note=" (whole-layout search: every candidate's)") for k in
+               ("expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hierarchical", "route_nodes",
+                "overlap_sm_share")),
              use("plot", help="whole-layout search: the simulated candidates, step time vs memory per GPU, the "
                  "chosen plan marked"),
              use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json"),

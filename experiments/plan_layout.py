@@ -14,29 +14,47 @@ import sys
 
 from .common import parse_schedules, print_json
 from .jobs import cluster_from_args
-from .options import DEFAULT_POLICIES, auto_values
+from .options import DEFAULT_POLICIES, auto_values, fields_of
 from .tables import fmt_bytes, fmt_table, printable, wrap_cell
 
 # the options only the DAPPLE search takes (given, they choose it) and only the whole-layout search takes
 DAPPLE_ONLY = (("--profile", "profile"), ("--profile-batch", "profile_batch"), ("--uniform", "uniform"),
                ("--no-simulate", "no_simulate"), ("--no-baselines", "no_baselines"))
 LAYOUT_ONLY = (("--tp", "tp"), ("--devices", "devices"), ("--micro-batch", "micro_batch"),
-               ("--device-map", "device_map"), ("--plot", "plot"), ("--seq-len", "seq_len"))
+               ("--device-map", "device_map"), ("--plot", "plot"), ("--seq-len", "seq_len"), ("--ep", "ep"),
+               ("--etp", "etp"), ("--overlap-fb", "overlap_fb"), ("--expert-imbalance", "expert_imbalance"),
+               ("--capacity-factor", "capacity_factor"), ("--fp8-dispatch", "fp8_dispatch"),
+               ("--a2a-hierarchical", "a2a_hierarchical"), ("--route-nodes", "route_nodes"),
+               ("--overlap-sm-share", "overlap_sm_share"))
+
+
+def given(args, dest: str) -> bool:
+    """Whether option ``dest`` was given (a switch: set)."""
+    return vars(args).get(dest) not in (None, False)
 
 COLUMNS = ["tp", "devices", "dp", "schedule", "chunks", "micro_batch", "recompute", "zero", "sp", "step_s",
            "tokens/s", "mfu", "mem_GiB", "bubble"]
 
 
-def space_from_args(args):
-    """The :class:`planner.layout.LayoutSpace` the options ask for."""
-    from planner.layout import DEFAULT_MICRO_BATCHES, LayoutSpace
-    from cost_models.parallel import RECOMPUTE
+def space_from_args(args, cluster=None):
+    """The :class:`planner.layout.LayoutSpace` the options ask for (``cluster``: ``--etp auto``'s
+    node size)."""
+    from planner.layout import DEFAULT_MICRO_BATCHES, FIXED_KNOBS, LayoutSpace, node_divisors
+    from cost_models.parallel import RECOMPUTE, Parallel
     scheds = None if args.schedules is None else tuple(parse_schedules(args.schedules))
-    maps = auto_values(args.device_map)
+    etp = (1,) if args.etp is None else auto_values(args.etp) or tuple(node_divisors(cluster))
+    knobs = Parallel(**{k: v for k, v in fields_of(args, "Parallel").items() if k in FIXED_KNOBS})
     return LayoutSpace(tp=auto_values(args.tp), devices=auto_values(args.devices), schedules=scheds,
                        micro_batches=auto_values(args.micro_batch) or DEFAULT_MICRO_BATCHES,
                        recompute=auto_values(args.recompute) or RECOMPUTE, max_stages=args.max_stages, gpus=args.gpus,
-                       device_maps=maps or ("sequential",))
+                       device_maps=auto_values(args.device_map), ep=auto_values(args.ep), etp=etp,
+                       overlap_schedules=None if not args.overlap_fb else scheds or tuple(registry_names()),
+                       knobs=knobs)
+
+
+def registry_names() -> list[str]:
+    from schedules import registry
+    return registry.names()
 
 
 def main_layout(args, limit: float | None, check_limit) -> int:
@@ -67,7 +85,7 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     choice = cluster_from_args(args)
     cluster = choice.load()
     check_limit(limit, cluster.device, args.force)
-    space = space_from_args(args)
+    space = space_from_args(args, cluster)
     most = min(model.layers, cluster.num_devices)
     for D in space.devices or ():
         if D > most:

@@ -1,5 +1,6 @@
 """The whole-layout planner: T x D x R, schedule family, micro-batch, recompute, ZeRO-1 and sequence
-parallelism for a transformer on a cluster, the fastest that fits each GPU's memory.
+parallelism for a transformer on a cluster, and for a mixture of experts its expert-parallel EP
+(and ETP) and the forward/backward overlap, the fastest that fits each GPU's memory.
 
 Every candidate is a :class:`cost_models.job.Job` (uniform layouts: R replicas of a D-stage
 pipeline, each stage a tensor-parallel group of T GPUs, T x D x R = the GPUs used); it is costed
@@ -20,9 +21,22 @@ the others are bound (schedule built, costs) and judged by the ledger
 (:func:`cost_models.memory.memory_report`, the reserve of ``simulate``); those that fit are
 simulated; the search stops when the next bound is no better than the K-th best simulated time.
 So the best K equal those of simulating every candidate (:func:`brute_force`, the tests' reference).
+
+Mixtures of experts (:mod:`cost_models.moe`): EP takes every divisor of the model's experts (or the
+values asked) that :func:`cost_models.moe.check_expert_parallel` accepts on the layout's T x R
+GPUs (the rule is its own: the search asks it), ETP the values asked (default 1). With EP > 1 a
+candidate is placed in Megatron's order [TP, DP, PP] unless device maps are asked: an expert group
+is consecutive GPUs of a stage, as its all-to-all is costed. ``overlap_fb`` takes False and True on
+the schedules that place overlapped F and B pairs (:data:`PAIRED_FAMILIES`; every family with
+``overlap_schedules``), where EP > 1 gives it all-to-alls to hide. The bounds follow: the time
+bound of a candidate whose all-to-alls may be overlapped counts its compute without them (an
+overlapped pair's compute never runs faster than alone), and the memory bound counts the experts'
+weights, gradients and optimizer state per GPU as the cost model holds them (1 / (EP x ETP), the
+optimizer state sharded over EDP with ZeRO-1).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -34,6 +48,7 @@ from cost_models.cluster import Cluster
 from cost_models.job import ClusterChoice, Job, Layout
 from cost_models.memory import MemoryReport, fmt_bytes, memory_report, peak_activation, usable_memory
 from cost_models.model_spec import ModelSpec
+from cost_models.moe import check_expert_parallel
 from cost_models.parallel import RECOMPUTE, Parallel
 from cost_models.transformer import megatron_flops
 from schedules import registry
@@ -42,6 +57,10 @@ from schedules.ir import COMPUTE_KINDS, ScheduleError
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 DEFAULT_CHUNKS = (2, 4)
 EXCLUDED_BY_DEFAULT = ("zb-auto",)    # orders its ops under a limit from its own costs: give it with --schedules
+PAIRED_FAMILIES = ("dualpipe-v",)     # families whose schedule places overlapped F and B pairs itself
+# the Parallel fields a LayoutSpace's ``knobs`` may set: the MoE knobs the search does not vary
+FIXED_KNOBS = ("expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hierarchical", "route_nodes",
+               "overlap_sm_share")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +75,14 @@ class LayoutSpace:
     ranks are placed (default ``sequential``: Llama 3's order [TP, PP, DP], a tensor-parallel group
     on consecutive GPUs of a node, a pipeline on consecutive groups; its replicas are alike, so the
     simulator runs one for all, where Megatron's [TP, DP, PP] on a rail fabric tells up to 32 kinds
-    apart)."""
+    apart; None: ``sequential``, and Megatron's for EP > 1).
+
+    Mixtures of experts (ignored for a dense model): ``ep`` (None: every divisor of the experts
+    that :func:`cost_models.moe.check_expert_parallel` folds onto the layout's T x R), ``etp``;
+    ``overlap_fb`` values on ``overlap_schedules`` (None: :data:`PAIRED_FAMILIES`) where EP > 1;
+    ``knobs``: a :class:`Parallel` whose :data:`FIXED_KNOBS` every candidate takes (imbalance,
+    capacity factor, fp8 dispatch, hierarchical all-to-all, node-limited routing, the overlap's
+    SM share)."""
 
     tp: tuple[int, ...] | None = None
     schedules: tuple[str, ...] | None = None
@@ -68,7 +94,12 @@ class LayoutSpace:
     max_stages: int | None = None
     devices: tuple[int, ...] | None = None
     gpus: int | None = None
-    device_maps: tuple[str, ...] = ("sequential",)
+    device_maps: tuple[str, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    etp: tuple[int, ...] = (1,)
+    overlap_fb: tuple[bool, ...] = (False, True)
+    overlap_schedules: tuple[str, ...] | None = None
+    knobs: Parallel = Parallel()
 
     def __post_init__(self):
         for r in self.recompute:
@@ -76,20 +107,40 @@ class LayoutSpace:
                 raise ValueError(f"--recompute must be among {', '.join(RECOMPUTE)}; got {r!r}")
         for name, values in (("--tp", self.tp or ()), ("--devices", self.devices or ()),
                              ("--micro-batch", self.micro_batches),
-                             ("--chunks", self.chunks)):
+                             ("--chunks", self.chunks), ("--ep", self.ep or ()), ("--etp", self.etp)):
             for v in values:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"{name} values must be integers >= 1; got {v!r}")
-        for n in self.schedules or ():
+        for n in (*(self.schedules or ()), *(self.overlap_schedules or ())):
             registry.get(n)
+        for v in self.overlap_fb:
+            if not isinstance(v, bool):
+                raise ValueError(f"--overlap-fb values must be true or false; got {v!r}")
+        if not isinstance(self.knobs, Parallel):
+            raise ValueError(f"knobs must be a cost_models.parallel.Parallel; got {self.knobs!r}")
+        base = Parallel()
+        moved = [f for f in self.knobs.record() if f not in FIXED_KNOBS and getattr(self.knobs, f) != getattr(base, f)]
+        if moved:
+            raise ValueError(f"knobs: {', '.join(moved)} is an axis of the search, not a fixed knob "
+                             f"(fixed: {', '.join(FIXED_KNOBS)})")
         from cost_models.cluster import MAPPINGS
-        for m in self.device_maps:
+        for m in self.device_maps or ():
             if m not in MAPPINGS:
                 raise ValueError(f"--device-map must be among {', '.join(MAPPINGS)}; got {m!r}")
 
     def families(self) -> list[str]:
         return list(self.schedules) if self.schedules is not None else \
             [n for n in registry.names() if n not in EXCLUDED_BY_DEFAULT]
+
+    def overlaps(self, family: str) -> bool:
+        """Whether ``overlap_fb`` is searched on ``family`` (with EP > 1)."""
+        return family in (PAIRED_FAMILIES if self.overlap_schedules is None else self.overlap_schedules)
+
+    def maps(self, ep: int) -> tuple[str, ...]:
+        """The device maps of a candidate with expert parallelism ``ep``."""
+        if self.device_maps is not None:
+            return self.device_maps
+        return ("megatron",) if ep > 1 else ("sequential",)
 
 
 @dataclass(frozen=True)
@@ -118,7 +169,7 @@ class Confirmed:
 
     def record(self, global_batch: int, model: ModelSpec, peak_flops: float) -> dict:
         """The JSON record of ``pipetwin plan --tp``: tp, devices, dp, schedule, chunks, variant,
-        micro_batch, microbatches, recompute, zero, sequence_parallel, iteration_time,
+        micro_batch, microbatches, recompute, zero, sequence_parallel, ep, etp, overlap_fb, iteration_time,
         tokens_per_s, mfu (:func:`layout_mfu`), peak_memory (bytes: the worst GPU's static +
         activations), memory_need (with the transients), bubble_ratio, time_bound, memory_verdict."""
         lay, j, par = self.job.layout, self.job, self.job.parallel
@@ -126,7 +177,8 @@ class Confirmed:
                 "schedule": lay.schedule, "chunks": lay.chunks if registry.get(lay.schedule).takes_chunks else 1,
                 "variant": lay.variant, "micro_batch": par.micro_batch, "microbatches": lay.microbatches,
                 "recompute": par.recompute, "zero": par.zero, "sequence_parallel": par.sequence_parallel,
-                "device_map": j.mapping, "iteration_time": self.iteration_time,
+                "ep": par.ep, "etp": par.etp, "overlap_fb": par.overlap_fb, "device_map": j.mapping,
+                "iteration_time": self.iteration_time,
                 "tokens_per_s": global_batch * model.seq_len / self.iteration_time,
                 "mfu": layout_mfu(model, global_batch, self.iteration_time, j.gpus, peak_flops),
                 "peak_memory": self.peak_memory, "memory_need": self.memory_need, "bubble_ratio": self.bubble_ratio,
@@ -191,6 +243,11 @@ def tensor_parallel_sizes(model: ModelSpec, cluster: Cluster, asked: tuple[int, 
     return sorted(set(asked))
 
 
+def node_divisors(cluster: Cluster) -> list[int]:
+    """Every divisor of the cluster's node size (the group sizes that stay inside a node)."""
+    return _divisors(cluster.devices_per_node)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -213,12 +270,14 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                cluster_choice: ClusterChoice | None = None, cost_model: str | None = None,
                memory_reserve: float | None = None) -> list[Job]:
     """Every job of the space on ``cluster`` at ``global_batch`` (R x micro-batch divides it; the
-    family's own requirements are checked when it is built). ``cluster_choice``: how the jobs name
-    the cluster (their costs come from ``cluster`` itself, :func:`plan_layouts`)."""
+    family's own requirements are checked when it is built; a mixture of experts' EP x ETP as
+    :func:`cost_models.moe.check_expert_parallel` allows on the layout). ``cluster_choice``: how the
+    jobs name the cluster (their costs come from ``cluster`` itself, :func:`plan_layouts`)."""
     gpus = check_gpus(cluster, space.gpus)
     choice = cluster_choice or ClusterChoice(name=cluster.name)
     tps = tensor_parallel_sizes(model, cluster, space.tp)
     most = min(model.layers, space.max_stages or model.layers, registry.MAX_RANKS)
+    experts = _ExpertAxes(model, space)
     out = []
     for tp in tps:
         if gpus % tp:
@@ -241,24 +300,80 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                                 continue
                             lay = Layout(schedule=name, devices=D, microbatches=N, replicas=R, chunks=chunks,
                                          variant=variant)
-                            for rc, zero, sp, dmap in itertools.product(
+                            for rc, zero, sp in itertools.product(
                                     space.recompute, space.zero if R > 1 else (0,),
-                                    space.sequence_parallel if tp > 1 else (False,), _distinct_maps(space, D, R)):
-                                par = Parallel(tp=tp, micro_batch=mb, recompute=rc, zero=zero, sequence_parallel=sp)
-                                out.append(Job(layout=lay, model=model, cluster=choice, parallel=par,
-                                               cost_model=cost_model, memory_reserve=memory_reserve, device_map=dmap))
+                                    space.sequence_parallel if tp > 1 else (False,)):
+                                for par in experts.records(tp, R, mb, rc, zero, sp, space.overlaps(name)):
+                                    for dmap in _distinct_maps(space.maps(par.ep), D, R):
+                                        out.append(Job(layout=lay, model=model, cluster=choice, parallel=par,
+                                                       cost_model=cost_model, memory_reserve=memory_reserve,
+                                                       device_map=dmap))
+    experts.check_asked()
     return out
 
 
-def _distinct_maps(space: LayoutSpace, D: int, R: int) -> tuple[str, ...]:
-    """The device maps of ``space`` that place a D x R layout differently: with one pipeline device
+class _ExpertAxes:
+    """The parallel records of a layout: one per (EP, ETP, overlap) the model and the layout allow
+    (a dense model: the one record without them). EP x ETP is checked by
+    :func:`cost_models.moe.check_expert_parallel` (once per T, R, SP, EP, ETP); an EP or ETP value
+    asked that no layout of the space folds is one line (the check's own)."""
+
+    def __init__(self, model: ModelSpec, space: LayoutSpace):
+        self.model, self.space = model, space
+        if model.is_moe:
+            self.eps = space.ep if space.ep is not None else tuple(_divisors(model.experts))
+            self.etps = space.etp
+        else:       # a dense model: an MoE option given is the check's line
+            check_expert_parallel(model, dataclasses.replace(space.knobs, ep=max(space.ep or (1,)),
+                                                             etp=max(space.etp)), 1)
+            self.eps, self.etps = (1,), (1,)
+        self.fixed = {f: getattr(space.knobs, f) for f in FIXED_KNOBS}
+        self._ok: dict = {}
+        self._why: dict = {}
+        self._used: set = set()
+
+    def records(self, tp: int, R: int, mb: int, rc: str, zero: int, sp: bool, overlaps: bool) -> list[Parallel]:
+        out = []
+        for ep, etp in itertools.product(self.eps, self.etps):
+            for ofb in (self.space.overlap_fb if overlaps and ep > 1 else (False,)):
+                par = Parallel(tp=tp, micro_batch=mb, recompute=rc, zero=zero, sequence_parallel=sp, ep=ep, etp=etp,
+                               overlap_fb=ofb, **(self.fixed if self.model.is_moe else {}))
+                if self._fits(par, R):
+                    out.append(par)
+        return out
+
+    def _fits(self, par: Parallel, R: int) -> bool:
+        key = (par.tp, par.sequence_parallel, R, par.ep, par.etp, par.overlap_fb)
+        if key not in self._ok:
+            try:
+                check_expert_parallel(self.model, par, R)
+                self._ok[key] = True
+                self._used.update({("ep", par.ep), ("etp", par.etp)})
+            except ValueError as e:
+                self._ok[key] = False
+                for name, v in (("ep", par.ep), ("etp", par.etp)):
+                    self._why.setdefault((name, v), str(e))
+        return self._ok[key]
+
+    def check_asked(self) -> None:
+        """An EP or ETP value asked (``--ep 3``) that no layout folds: the check's line for it."""
+        if not self.model.is_moe:
+            return
+        for name, values in (("ep", self.space.ep or ()), ("etp", self.space.etp)):
+            for v in values:
+                if (name, v) not in self._used and (name, v) in self._why:
+                    raise ValueError(f"--{name} {v} fits no layout of the space: {self._why[(name, v)]}")
+
+
+def _distinct_maps(maps: tuple[str, ...], D: int, R: int) -> tuple[str, ...]:
+    """The device maps of ``maps`` that place a D x R layout differently: with one pipeline device
     or one replica, Llama 3's [TP, PP, DP] and Megatron's [TP, DP, PP] are the same placement (the
     first named is kept), so their candidates would be the same job twice."""
     if D > 1 and R > 1:
-        return space.device_maps
+        return maps
     same = {"sequential", "megatron"}
-    kept = next((m for m in space.device_maps if m in same), None)
-    return tuple(m for m in space.device_maps if m not in same or m == kept)
+    kept = next((m for m in maps if m in same), None)
+    return tuple(m for m in maps if m not in same or m == kept)
 
 
 class _Bounds:
@@ -268,6 +383,7 @@ class _Bounds:
     def __init__(self, model: ModelSpec, cluster: Cluster):
         self.model, self.cluster = model, cluster
         self._work: dict = {}
+        self._optim: dict = {}
         self._mem: dict = {}
         self._shapes: dict = {}
         self._counts: dict = {}
@@ -278,13 +394,38 @@ class _Bounds:
 
     def time(self, job: Job) -> float:
         lay, par = job.layout, job.parallel
-        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute)
+        hidden = may_overlap(job)
+        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.ep, par.etp, hidden)
         if key not in self._work:
-            tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
-            c = tcm.layer_costs()
-            self._work[key] = (sum(c.f) + sum(c.b_input) + sum(c.w), sum(c.f) + sum(c.b_input))
+            c, a2a = self._layer_costs(job, hidden)
+            work = sum(c.f) + sum(c.b_input) + sum(c.w)
+            self._work[key] = (max(work, a2a), sum(c.f) + sum(c.b_input))
         work, path = self._work[key]
-        return max(lay.microbatches * work / lay.devices, path)
+        return max((lay.microbatches * work + self.optim(job)) / lay.devices, path)
+
+    def optim(self, job: Job) -> float:
+        """Seconds of the optimizer steps of every layer (with a mixture of experts' EDP all-reduce):
+        each rank's OPTIM runs after its last compute op."""
+        par = job.parallel
+        key = (par.tp, par.ep, par.etp, par.zero, job.layout.replicas)
+        if key not in self._optim:
+            c = transformer_cost_model(job, self.inputs(job).model, self.cluster).layer_costs()
+            self._optim[key] = sum(c.optim_time) if c.optim_time is not None else \
+                sum(c.params) * c.optim_time_per_param
+        return self._optim[key]
+
+    def _layer_costs(self, job: Job, hidden: bool):
+        """(the job's per-layer costs, 0); ``hidden``: (its costs without the expert all-to-alls,
+        the all-to-alls' seconds of one micro-batch). An overlapped F and B may hide one's all-to-alls
+        behind the other's compute, which runs no faster for it, but a GPU's all-to-alls run one
+        after the other: its time is at least the larger of its compute and its all-to-alls."""
+        tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+        c = tcm.layer_costs()
+        if not hidden:
+            return c, 0.0
+        a2a_f, a2a_b = tcm.all_to_all_times()
+        return dataclasses.replace(c, f=tuple(x - y for x, y in zip(c.f, a2a_f)),
+                                   b_input=tuple(x - y for x, y in zip(c.b_input, a2a_b))), sum(a2a_f) + sum(a2a_b)
 
     def shape(self, job: Job):
         """The family's compute-only schedule of the job's (schedule, D, N, chunks, variant), built
@@ -319,17 +460,23 @@ class _Bounds:
         except ValueError as e:
             return str(e)
         par = job.parallel
-        akey = (id(sched), par.micro_batch, par.tp, par.sequence_parallel, par.recompute)
+        akey = (id(sched), par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.ep, par.etp)
         if akey not in self._acts:       # ZeRO changes the static bytes only: one walk for both
             self._acts[akey] = peak_activation(sched, costs)
         rep = MemoryReport(tuple(costs.static_mem), self._acts[akey], capacity, costs.mem_unit,
                            float(costs.meta.get("memory_transient") or 0.0), reserve)
-        f = costs.f
+        whole = costs
+        if may_overlap(job):        # the ops' compute alone, and their all-to-alls (see _layer_costs)
+            from cost_models.base import PerLayerCostModel
+            costs = PerLayerCostModel(self._layer_costs(job, True)[0], tcm.partition_for(sched.num_stages)).bind(sched)
+        f, optim = costs.f, costs.optim_time
         best = 0.0
-        for held, counts in self._work_of(sched):
+        for d, (held, counts) in enumerate(self._work_of(sched)):
             start = min(sum(f[c][:s]) for c, s in held)
             busy = sum(n * costs.compute_time(k, c, s) for (k, c, s), n in counts.items())
-            best = max(best, start + busy)
+            if costs is not whole:
+                busy = max(busy, sum(n * whole.compute_time(k, c, s) for (k, c, s), n in counts.items()) - busy)
+            best = max(best, start + busy + optim[d])
         return best, rep.max_peak + rep.transient, not rep.oom
 
     def _work_of(self, sched) -> list:
@@ -345,19 +492,30 @@ class _Bounds:
 
     def memory(self, job: Job) -> float:
         lay, par = job.layout, job.parallel
-        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas)
+        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas, par.ep, par.etp)
         if key not in self._mem:
             tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
-            params = sum(float(x.params) for x in tcm.layers())
-            self._mem[key] = (params * sum(tcm.static_split()), tcm.transient_bytes())
+            if self.model.is_moe:       # the experts held and sharded as the cost model holds them
+                static = sum(tcm.layer_costs().static_bytes)
+            else:
+                static = sum(float(x.params) for x in tcm.layers()) * sum(tcm.static_split())
+            self._mem[key] = (static, tcm.transient_bytes())
         static, transient = self._mem[key]
         return static / lay.devices + transient
+
+
+def may_overlap(job: Job) -> bool:
+    """Whether the job's expert all-to-alls may hide behind compute: EP > 1 and ``overlap_fb`` (on
+    the pairs its schedule places, :data:`PAIRED_FAMILIES`, or pairs an F with the B right after it)."""
+    par = job.parallel
+    return par.ep > 1 and par.overlap_fb
 
 
 def _order(job: Job) -> tuple:
     lay, par = job.layout, job.parallel
     return (par.tp, lay.devices, lay.schedule, lay.variant or "", lay.chunks, par.micro_batch,
-            RECOMPUTE.index(par.recompute), par.zero, par.sequence_parallel, job.mapping)
+            RECOMPUTE.index(par.recompute), par.zero, par.sequence_parallel, job.mapping, par.ep, par.etp,
+            par.overlap_fb)
 
 
 def confirm(job: Job, inputs: CostInputs, capacity: float, reserve: float | None, time_bound: float = 0.0,
