@@ -1,7 +1,7 @@
 """``pipetwin sweep``: simulate a grid of configurations on local workers or a Ray cluster.
 
 Every point is ``pipetwin simulate --json`` of one job (a schedule, D, N, R, T, ZeRO stage,
-recomputation and micro-batch over the options the grid does not vary); rows go to ``DIR/sweep.csv``
+recomputation, micro-batch and EP over the options the grid does not vary); rows go to ``DIR/sweep.csv``
 as they finish (points already there are skipped: rerun to resume; a folder of another experiment
 is refused), the full records to ``DIR/sweep.jsonl``, figures to ``DIR/throughput.png`` and
 ``DIR/pareto.png``. See :mod:`experiments.sweep`.
@@ -17,7 +17,7 @@ from .tables import fmt_table, printable
 
 NAME = "sweep"
 HELP = ("simulate a grid of schedules x devices x micro-batches x replicas x tensor-parallel sizes x ZeRO x recompute "
-        "x micro-batch sizes")
+        "x micro-batch sizes x expert-parallel sizes")
 
 
 def add_arguments(p):
@@ -57,13 +57,15 @@ def main(args) -> int:
     if show:
         print("fastest points (throughput in samples per time unit; D x N x R x T: devices, micro-batches, data- and "
               "tensor-parallel sizes):")
-        print(fmt_table(show, ["schedule", "D", "N", "R", "T", "zero", "recompute", "micro_batch", "iteration_time",
-                               "throughput", "bubble_ratio", "out_of_memory"],
+        experts = ["ep"] if any(r["ep"] != "1" for r in rows) else []
+        print(fmt_table(show, ["schedule", "D", "N", "R", "T", "zero", "recompute", "micro_batch", *experts,
+                               "iteration_time", "throughput", "bubble_ratio", "out_of_memory"],
                         {"iteration_time": "{:.6g}", "throughput": "{:.6g}", "bubble_ratio": "{:.4f}"}))
     for r in rows:
         if r["error"]:
             b = f" b={r['micro_batch']}" if r["micro_batch"] else ""
-            more = f" T={r['tp']} zero={r['zero']} recompute={r['recompute']}"
+            more = f" T={r['tp']} zero={r['zero']} recompute={r['recompute']}" + \
+                (f" EP={r['ep']}" if r["ep"] != "1" else "")
             print(f"impossible: {r['schedule']} D={r['devices']} N={r['microbatches']} R={r['dp']}{more}{b}: "
                   f"{r['error']}")
     if not ran:

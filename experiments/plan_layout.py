@@ -1,6 +1,8 @@
 """``pipetwin plan``'s whole-layout search (:mod:`planner.layout`; ``--search layout``, the default for
 transformers). Its axes take ``auto`` or a comma-separated list (the option table's auto-or-list
-grammar): ``--tp``, ``--devices`` (pipeline D), ``--micro-batch``, ``--recompute``, ``--device-map``.
+grammar): ``--tp``, ``--devices`` (pipeline D), ``--micro-batch``, ``--recompute``, ``--device-map``,
+and for a mixture of experts ``--ep`` and ``--etp`` (``--overlap-fb``: the overlap searched on every
+schedule, not only dualpipe-v; the routing knobs, ``--expert-imbalance`` ..., are every candidate's).
 
 T x D x R, schedule family (chunks, variants), micro-batch, recompute, ZeRO-1 and sequence
 parallelism for a transformer preset, YAML or config on a cluster, under each GPU's memory; the
@@ -139,9 +141,12 @@ def _print_human(res, recs, stats, args) -> None:
     rows = [{"tp": r["tp"], "devices": r["devices"], "dp": r["dp"], "schedule": r["schedule"] +
              (f"/{r['variant']}" if r["variant"] else ""), "chunks": r["chunks"], "micro_batch": r["micro_batch"],
              "recompute": r["recompute"], "zero": r["zero"], "sp": "yes" if r["sequence_parallel"] else "no",
+             "ep": r["ep"], "etp": r["etp"], "overlap": "yes" if r["overlap_fb"] else "no",
              "map": r["device_map"], "step_s": r["iteration_time"], "tokens/s": r["tokens_per_s"], "mfu": r["mfu"],
              "mem_GiB": r["peak_memory"] / 2**30, "bubble": r["bubble_ratio"]} for r in recs]
-    cols = COLUMNS if len(res_maps(args)) == 1 else COLUMNS[:9] + ["map"] + COLUMNS[9:]
+    experts = (["ep"] + (["etp"] if any(r["etp"] != 1 for r in recs) else []) + ["overlap"]) if m.is_moe else []
+    maps = ["map"] if len(res_maps(args)) > 1 or (m.is_moe and len({r["device_map"] for r in recs}) > 1) else []
+    cols = COLUMNS[:9] + experts + maps + COLUMNS[9:]
     print(fmt_table(rows, cols, {"step_s": "{:.4g}", "tokens/s": "{:,.0f}", "mfu": "{:.1%}",
                                     "mem_GiB": "{:.1f}", "bubble": "{:.3f}"}))
     for line in wrap_cell(f"best: {recs[0]['memory_verdict']}", 116):

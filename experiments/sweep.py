@@ -1,7 +1,8 @@
 """Parameter sweeps: a grid of simulations, run on local worker processes or a Ray cluster.
 
 A grid is the product of schedules x devices x micro-batches x data-parallel replicas x
-tensor-parallel sizes x ZeRO stages x recomputations x micro-batch sizes (:class:`Grid`) laid over
+tensor-parallel sizes x ZeRO stages x recomputations x micro-batch sizes x expert-parallel sizes
+(:class:`Grid`) laid over
 one job (the options the grid does not vary); each
 point is a :class:`cost_models.job.Job` of its own (:meth:`Grid.jobs`), simulated exactly as
 ``pipetwin simulate --json`` simulates it (:func:`sim.simulate_job` and
@@ -38,15 +39,15 @@ from cost_models.bind import CostInputs, cost_model_for, load_inputs
 from cost_models.files import FileError, read_text, write_output
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, Job
 
-COLUMNS = ["schedule", "devices", "microbatches", "dp", "tp", "zero", "recompute", "micro_batch", "iteration_time",
-           "throughput", "bubble_ratio", "peak_memory", "out_of_memory", "error"]
+COLUMNS = ["schedule", "devices", "microbatches", "dp", "tp", "zero", "recompute", "micro_batch", "ep",
+           "iteration_time", "throughput", "bubble_ratio", "peak_memory", "out_of_memory", "error"]
 # The grid's axes: (CSV column, Grid field, the job's flat field: Job.with_'s name); the CSV key of a
 # point is its values in this order. A new axis is a row here and a Grid field (and the option table's
 # row in sweep's list grammar, experiments.options.COMMANDS).
 AXES = (("schedule", "schedules", "schedule"), ("devices", "devices", "devices"),
         ("microbatches", "microbatches", "microbatches"), ("dp", "dp", "replicas"), ("tp", "tp", "tp"),
         ("zero", "zero", "zero"), ("recompute", "recompute", "recompute"),
-        ("micro_batch", "micro_batch", "micro_batch"))
+        ("micro_batch", "micro_batch", "micro_batch"), ("ep", "ep", "ep"))
 KEY = tuple(col for col, _, _ in AXES)
 
 
@@ -74,7 +75,8 @@ def point_key(job: "Job | Impossible") -> tuple[str, ...]:
 @dataclass(frozen=True, kw_only=True)
 class Grid:
     """The axes of a sweep; ``micro_batch`` None: the model's own (or unit costs); ``zero``: ZeRO
-    stages (0, 1); ``recompute``: none, selective, full."""
+    stages (0, 1); ``recompute``: none, selective, full; ``ep``: expert-parallel sizes of a mixture
+    of experts (a size that does not fold onto a point's T x R is that point's error)."""
 
     schedules: tuple[str, ...]
     devices: tuple[int, ...]
@@ -84,6 +86,7 @@ class Grid:
     tp: tuple[int, ...] = (1,)
     zero: tuple[int, ...] = (0,)
     recompute: tuple[str, ...] = ("none",)
+    ep: tuple[int, ...] = (1,)
 
     def jobs(self, base: Job) -> "list[Job | Impossible]":
         """One job per point: ``base`` with the point's layout, ZeRO stage, recomputation and micro-batch
@@ -153,7 +156,8 @@ def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
     if inputs.cluster is not None and base.source != "profile":
         job["cluster"]["name"] = job["cluster"]["name"] or DEFAULT_CLUSTER
         job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile")
-    job["parallel"] = {k: v for k, v in job["parallel"].items() if k not in ("micro_batch", "zero", "recompute", "tp")}
+    job["parallel"] = {k: v for k, v in job["parallel"].items() if k not in ("micro_batch", "zero", "recompute", "tp",
+                                                                              "ep")}
     job["layout"] = {k: v for k, v in job["layout"].items() if k not in ("schedule", "devices", "microbatches",
                                                                          "replicas")}
     for name in ("model", "profile"):
@@ -189,10 +193,15 @@ def check_experiment(out: Path, record: dict) -> None:
     meta, table = out / "sweep.json", out / "sweep.csv"
     if meta.exists():
         try:
-            old = json.loads(read_text(meta, "sweep record"))["job"]
+            held = json.loads(read_text(meta, "sweep record"))
+            old, axes = held["job"], set(held["grid"])
         except (ValueError, KeyError, TypeError) as e:
             raise FileError(f"sweep record {meta} is not a sweep's ({' '.join(str(e).split())}); "
                             f"choose another --out") from None
+        if axes != set(record["grid"]):
+            raise ValueError(f"--out {out} holds a sweep whose grid has other axes ({', '.join(sorted(axes))}; this "
+                             f"pipetwin's: {', '.join(sorted(record['grid']))}), written by another version of "
+                             f"pipetwin; give another --out")
         diff = _differences(old, record["job"])
         if diff:
             raise ValueError(f"--out {out} holds the results of another experiment ({'; '.join(diff)}); give "
@@ -441,7 +450,8 @@ def plot_sweep(rows: list[dict], out: Path, *, unit_costs: bool = False) -> None
                        + (f" T={r['tp']}" if r["tp"] != "1" else "")
                        + (f" ZeRO-{r['zero']}" if r["zero"] != "0" else "")
                        + (f" {r['recompute']}" if r["recompute"] != "none" else "")
-                       + (f" b={r['micro_batch']}" if r["micro_batch"] else ""))
+                       + (f" b={r['micro_batch']}" if r["micro_batch"] else "")
+                       + (f" EP={r['ep']}" if r["ep"] != "1" else ""))
     ok.sort(key=lambda r: -float(r["throughput"]))
     fig, ax = plt.subplots(figsize=(8, 0.3 * max(4, len(ok)) + 1))
     colours = ["tab:red" if str(r["out_of_memory"]) == "True" else "tab:blue" for r in ok]

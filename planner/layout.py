@@ -50,7 +50,7 @@ from cost_models.memory import MemoryReport, fmt_bytes, memory_report, peak_acti
 from cost_models.model_spec import ModelSpec
 from cost_models.moe import check_expert_parallel
 from cost_models.parallel import RECOMPUTE, Parallel
-from cost_models.transformer import megatron_flops
+from cost_models.transformer import megatron_flops, transformer_layers
 from schedules import registry
 from schedules.ir import COMPUTE_KINDS, ScheduleError
 
@@ -216,8 +216,14 @@ class LayoutResult:
 
 def layout_mfu(model: ModelSpec, global_batch: int, seconds: float, gpus: int, peak_flops: float) -> float:
     """Model FLOPs utilisation: the model FLOPs of an iteration without recomputation
-    (:func:`cost_models.transformer.megatron_flops`) / (time x GPUs x each GPU's peak)."""
-    flops = megatron_flops(global_batch, model.seq_len, model.layers, model.hidden, model.vocab, recompute=False)
+    (:func:`cost_models.transformer.megatron_flops`; a mixture of experts: the formulas' forward and
+    backward FLOPs of every layer for one sequence, its k experts a token, x the global batch) /
+    (time x GPUs x each GPU's peak)."""
+    if model.is_moe:
+        one = transformer_layers(model.replace(micro_batch=1))
+        flops = global_batch * sum(x.flops_f + x.flops_b_input + x.flops_w for x in one)
+    else:
+        flops = megatron_flops(global_batch, model.seq_len, model.layers, model.hidden, model.vocab, recompute=False)
     return flops / (seconds * gpus * peak_flops)
 
 

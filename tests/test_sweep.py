@@ -38,9 +38,9 @@ def test_sweep_rows_equal_simulate_json(capsys, tmp_path):
     records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     assert len(records) == 12
     for point in ({"schedule": "bitpipe", "devices": "2", "microbatches": "4", "dp": "2", "tp": "1", "zero": "0",
-                   "recompute": "none", "micro_batch": "2"},
+                   "recompute": "none", "micro_batch": "2", "ep": "1"},
                   {"schedule": "dapple", "devices": "3", "microbatches": "4", "dp": "1", "tp": "1", "zero": "0",
-                   "recompute": "none", "micro_batch": "1"}):
+                   "recompute": "none", "micro_batch": "1", "ep": "1"}):
         rc, js, _ = run_cli(capsys, "simulate", "-s", point["schedule"], "-D", point["devices"], "-N", "4",
                             "--dp", point["dp"], "--micro-batch", point["micro_batch"], "-m", "gpt3-1.3b", "--json")
         want = json.loads(js)
@@ -305,3 +305,54 @@ def test_a_sweep_of_impossible_points_only_exits_2(tmp_path, capsys):
     assert rc == 2 and "impossible: dapple D=2 N=2" in out and "wrote figures" not in out
     assert err.strip().splitlines() == ["pipetwin: error: none of the 1 points can run (each is listed above with its "
                                         "reason); change the grid"]
+
+
+def _moe_yaml(tmp_path):
+    from tests.test_planner_moe import MOE
+    path = tmp_path / "moe.yaml"
+    path.write_text("\n".join(f"{k}: {v}" for k, v in MOE.__dict__.items() if v is not None and v is not False)
+                    + "\n")
+    return str(path)
+
+
+def test_sweep_ep_axis_equals_simulate_json(capsys, tmp_path):
+    """EP is an axis (CSV column ep): each point's record is `simulate --json --ep E`; an EP that does
+    not fold onto the point's T x R is that point's error."""
+    out, model = tmp_path / "sw", _moe_yaml(tmp_path)
+    rc, text, _ = run_cli(capsys, "sweep", "-s", "dapple", "-D", "2", "-N", "4", "--dp", "2", "--ep", "1,2,4",
+                          "-m", model, "-c", "dgx-h100-ib:1", "--no-figures", "--workers", "1", "--out", str(out))
+    assert rc == 0 and "3 points (2 ran, 1 impossible)" in text
+    rows = read_rows(out / "sweep.csv")
+    assert list(rows[0]) == COLUMNS and [r["ep"] for r in rows] == ["1", "2", "4"]
+    assert rows[2]["error"] == ("--ep 4 x --etp 1 must divide the stage's T x R = 1 x 2 GPUs the experts fold onto; "
+                                "pick --ep/--etp that divide 2, or more --dp")
+    assert "impossible: dapple D=2 N=4 R=2 T=1 zero=0 recompute=none EP=4: --ep 4 x --etp 1" in text
+    rec = next(json.loads(line)["record"] for line in (out / "sweep.jsonl").read_text().splitlines()
+               if json.loads(line)["point"]["ep"] == "2")
+    rc, js, _ = run_cli(capsys, "simulate", "-s", "dapple", "-D", "2", "-N", "4", "--dp", "2", "--ep", "2",
+                        "-m", model, "-c", "dgx-h100-ib:1", "--json")
+    assert rc == 0 and rec == json.loads(js) and rec["ep"] == 2
+    assert float(rows[1]["iteration_time"]) == rec["iteration_time"]
+
+
+def test_a_sweep_folder_of_an_older_grid_is_refused(capsys, tmp_path):
+    """A folder written before EP was an axis (its grid without ep, its table without the column) is
+    refused with one line, and left as it was."""
+    out = tmp_path / "sw"
+    assert run_cli(capsys, *SMALL, "--out", str(out))[0] == 0
+    meta = json.loads((out / "sweep.json").read_text())
+    del meta["grid"]["ep"]
+    (out / "sweep.json").write_text(json.dumps(meta))
+    rows = read_rows(out / "sweep.csv")
+    with open(out / "sweep.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, [c for c in COLUMNS if c != "ep"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rc, _, err = run_cli(capsys, *SMALL, "--out", str(out))
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"pipetwin: error: --out {out} holds a sweep whose grid has other axes (devices, dp, "
+                          f"micro_batch, microbatches, recompute, schedules, tp, zero; this pipetwin's: devices, dp, "
+                          f"ep, micro_batch, microbatches, recompute, schedules, tp, zero), written by another "
+                          f"version of pipetwin; give another --out"), err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

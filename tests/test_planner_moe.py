@@ -1,0 +1,180 @@
+"""The whole-layout search of a mixture of experts: EP (and ETP) and the forward/backward overlap
+as axes, the brute-force twin on a small MoE, EP winning where unsharded experts do not fit, the
+bounds with experts, the plan file and the command line."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from cost_models import ModelSpec
+from cost_models.cluster import load_cluster, with_nodes
+from cost_models.job import Job
+from cost_models.moe import expert_params
+from cost_models.transformer import model_params
+from planner.layout import (PAIRED_FAMILIES, Confirmed, LayoutSpace, NoPlanFits, _Bounds, brute_force, candidates,
+                            plan_layouts, ranked)
+from planner.plan_io import LayoutPlan, layout_plan_record, load_plan
+from sim import simulate_job
+from experiments.cli import main
+
+GiB = 2 ** 30
+# 4 llama blocks whose MLP is 8 experts of width 1024, top-2: small enough to simulate every layout
+MOE = ModelSpec(name="small-moe", kind="llama", layers=4, hidden=1024, heads=16, kv_heads=4, ffn_hidden=2816,
+                seq_len=1024, vocab=32000, micro_batch=1, dtype_bytes=2, experts=8, top_k=2, expert_ffn=1024)
+DENSE = replace(MOE, name="small-dense", experts=0, top_k=0, expert_ffn=None)
+SPACE = LayoutSpace(schedules=("dapple", "dualpipe-v"), micro_batches=(1, 2), recompute=("none",), tp=(1, 2),
+                    sequence_parallel=(True,))
+
+
+def _cluster():
+    """2 H100 nodes of 4 GPUs (8 GPUs: EP up to 8 spans both nodes)."""
+    return replace(with_nodes(load_cluster("dgx-h100-ib"), 2), devices_per_node=4, nics_per_node=4)
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_ep_takes_every_divisor_of_the_experts_that_folds_and_overlap_only_where_pairs_hide_all_to_alls():
+    """EP: the divisors of the 8 experts that divide T x R (cost_models.moe's rule); overlap_fb True only
+    on dualpipe-v with EP > 1; EP > 1 in Megatron's order, EP 1 in the sequential one."""
+    jobs = candidates(MOE, _cluster(), 16, SPACE)
+    assert len(jobs) == 182
+    by_layout = {}
+    for j in jobs:
+        par, lay = j.parallel, j.layout
+        by_layout.setdefault((par.tp, lay.replicas), set()).add(par.ep)
+        assert j.device_map == ("megatron" if par.ep > 1 else "sequential")
+        assert par.overlap_fb <= (lay.schedule in PAIRED_FAMILIES and par.ep > 1)
+    assert by_layout == {(t, r): {e for e in _divisors(8) if (t * r) % e == 0} for t, r in by_layout}
+    assert by_layout[(1, 8)] == {1, 2, 4, 8} and by_layout[(2, 1)] == {1, 2} and by_layout[(1, 2)] == {1, 2}
+    paired = [j for j in jobs if j.layout.schedule == "dualpipe-v" and j.parallel.ep > 1]
+    assert sum(j.parallel.overlap_fb for j in jobs) == len(paired) // 2 == 46
+    # --overlap-fb: every schedule's pairs; no overlap asked at all: none
+    every = candidates(MOE, _cluster(), 16, replace(SPACE, overlap_schedules=("dapple", "dualpipe-v")))
+    assert sum(j.parallel.overlap_fb for j in every) == sum(j.parallel.ep > 1 for j in jobs
+                                                            if not j.parallel.overlap_fb) == 92
+    assert not any(j.parallel.overlap_fb for j in candidates(MOE, _cluster(), 16, replace(SPACE, overlap_fb=(False,))))
+
+
+def test_a_dense_model_has_no_expert_axes():
+    """A dense model's space is T x D x R x ... alone: EP 1, no overlap, the sequential order; an MoE
+    option given for it is the check's line."""
+    jobs = candidates(DENSE, _cluster(), 16, SPACE)
+    assert len(jobs) == 44 == sum(j.parallel.ep == 1 for j in candidates(MOE, _cluster(), 16, SPACE))
+    assert {(j.parallel.ep, j.parallel.etp, j.parallel.overlap_fb, j.device_map) for j in jobs} == \
+        {(1, 1, False, "sequential")}
+    with pytest.raises(ValueError, match="^--ep acts on a mixture of experts; model small-dense is dense"):
+        candidates(DENSE, _cluster(), 16, replace(SPACE, ep=(2,)))
+    with pytest.raises(ValueError, match="^--fp8-dispatch acts on a mixture of experts"):
+        candidates(DENSE, _cluster(), 16, replace(SPACE, knobs=replace(SPACE.knobs, fp8_dispatch=True)))
+
+
+def test_an_ep_that_folds_onto_no_layout_is_the_checks_line():
+    with pytest.raises(ValueError, match=r"^--ep 3 fits no layout of the space: --ep 3 x --etp 1 must divide"):
+        candidates(MOE, _cluster(), 16, replace(SPACE, ep=(3,)))
+    with pytest.raises(ValueError, match=r"^--ep 16 fits no layout of the space: --ep 16 x --etp 1 must divide"):
+        candidates(MOE, _cluster(), 16, replace(SPACE, ep=(4, 16)))
+    with pytest.raises(ValueError, match="knobs: ep is an axis of the search"):
+        LayoutSpace(knobs=replace(SPACE.knobs, ep=2))
+
+
+def test_search_equals_brute_force_on_a_small_moe():
+    """Every candidate bound, judged by the ledger and simulated: the search's top 3 are the brute
+    force's best 3; every bound is below its truth; EP 4 wins (each GPU all-reduces the gradients of
+    2 experts over EDP 1 instead of 8 over 8)."""
+    cl = _cluster()
+    brute = brute_force(MOE, cl, 16, SPACE)
+    fits = ranked([got for _, got in brute if isinstance(got, Confirmed)])
+    assert len(fits) == 140      # 42 refused: dualpipe-v needs 2D micro-batches
+    for c, got in brute:
+        if isinstance(got, Confirmed):
+            assert got.iteration_time >= c.time_bound * (1 - 1e-12)
+            assert got.memory_need >= c.memory_bound * (1 - 1e-12)
+    res = plan_layouts(MOE, cl, 16, SPACE, top_k=3)
+    assert [x.job for x in res.top] == [x.job for x in fits[:3]]
+    assert [x.iteration_time for x in res.top] == pytest.approx([x.iteration_time for x in fits[:3]], rel=1e-12)
+    assert res.simulated < len(fits) and res.candidates == len(brute) == 182
+    best = res.best.job
+    assert (best.layout.schedule, best.parallel.tp, best.layout.devices, best.layout.replicas,
+            best.parallel.micro_batch, best.parallel.zero, best.parallel.ep) == ("dualpipe-v", 1, 2, 4, 1, 1, 4)
+    ep1 = min(x.iteration_time for x in fits if x.job.parallel.ep == 1)
+    assert res.best.iteration_time < ep1
+
+
+def test_memory_bound_holds_the_experts_as_the_cost_model_does():
+    """Static bytes per GPU of T=1, D=2, R=4, ZeRO-1, EP 4 (16-bit weights, fp32 gradients, 12 bytes
+    of Adam state a parameter): the dense parameters with their optimizer state over R = 4, the 2
+    experts a GPU holds per block with theirs over EDP = T R / EP = 1; plus the transients (a send and
+    a receive buffer of the boundary, b s h d each, and of the dispatch, b s k h d each)."""
+    job = next(j for j in candidates(MOE, _cluster(), 16, SPACE)
+               if (j.layout.schedule, j.layout.devices, j.layout.replicas, j.parallel.tp, j.parallel.zero,
+                   j.parallel.ep, j.parallel.micro_batch) == ("dapple", 2, 4, 1, 1, 4, 1))
+    experts = 4 * 8 * expert_params(MOE)
+    assert expert_params(MOE) == 3 * 1024 * 1024
+    dense = model_params(MOE) - experts
+    static = dense * (2 + 4 + 12 / 4) + experts / 4 * (2 + 4 + 12 / 1)
+    assert (dense, static) == (76_063_744, 1_137_558_528)
+    transient = 2 * 1024 * 1024 * 2 + 2 * 1024 * 2 * 1024 * 2
+    assert _Bounds(MOE, _cluster()).memory(job) == pytest.approx(static / 2 + transient, rel=1e-12)
+
+
+def test_ep_wins_where_unsharded_experts_do_not_fit():
+    """Under 0.7 GiB a GPU, no layout with every expert on every GPU fits (the smallest needs 749 MiB:
+    dapple T=2, D=2, R=2, ZeRO-1); the search finds an EP > 1 layout that does."""
+    cl, lim = _cluster(), 0.7 * GiB
+    with pytest.raises(NoPlanFits, match=r"no plan fits: the smallest needs 749 MiB per GPU"):
+        plan_layouts(MOE, cl, 16, replace(SPACE, ep=(1,)), memory_limit=lim)
+    res = plan_layouts(MOE, cl, 16, SPACE, memory_limit=lim)
+    best = res.best
+    assert best.memory_need <= lim
+    assert (best.job.layout.schedule, best.job.parallel.tp, best.job.layout.devices, best.job.layout.replicas,
+            best.job.parallel.zero, best.job.parallel.ep) == ("dapple", 2, 2, 2, 1, 4)
+
+
+def test_an_ep_plan_round_trips_and_simulates_to_the_planners_time(tmp_path):
+    cl = _cluster()
+    res = plan_layouts(MOE, cl, 16, replace(SPACE, schedules=("dualpipe-v",), ep=(4,), overlap_fb=(True,)))
+    best = res.best
+    assert (best.job.parallel.ep, best.job.parallel.overlap_fb, best.job.device_map) == (4, True, "megatron")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(layout_plan_record(best.job, cl, 16, simulated=res.records()[0])))
+    loaded = load_plan(path)
+    assert isinstance(loaded, LayoutPlan)
+    job = loaded.job()
+    assert (job.layout, job.parallel, job.device_map) == (best.job.layout, best.job.parallel, best.job.device_map)
+    _, sim = simulate_job(Job(plan=loaded))
+    assert sim.iteration_time == best.iteration_time
+    assert json.loads(path.read_text())["job"]["parallel"]["ep"] == 4
+
+
+def run_cli(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_cli_searches_ep_and_shows_it(tmp_path, capsys):
+    """``plan --ep auto`` (the default) prints the ep and overlap columns; --json has ep, etp,
+    overlap_fb; --ep 3 is one line."""
+    model = tmp_path / "moe.yaml"
+    model.write_text("\n".join(f"{k}: {v}" for k, v in MOE.__dict__.items() if v is not None and v is not False)
+                     + "\n")
+    args = ["plan", "--model", str(model), "--cluster", "dgx-h100-ib:1", "-G", "16", "--schedules",
+            "dapple,dualpipe-v", "--micro-batch", "1", "--recompute", "none", "--tp", "1", "--no-progress"]
+    rc, out, err = run_cli(capsys, *args, "--ep", "auto", "--json")
+    assert rc == 0, err
+    top = json.loads(out)["top"][0]
+    assert (top["schedule"], top["devices"], top["dp"], top["ep"], top["etp"], top["device_map"]) == \
+        ("dualpipe-v", 1, 8, 8, 1, "megatron")
+    assert top["overlap_fb"] in (False, True)
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    head = [line for line in out.splitlines() if line.lstrip().startswith("tp")][0].split()
+    assert head[:11] == ["tp", "devices", "dp", "schedule", "chunks", "micro_batch", "recompute", "zero", "sp", "ep",
+                         "overlap"]
+    rc, out, err = run_cli(capsys, *args, "--ep", "3")
+    assert rc == 2
+    assert err.strip().splitlines()[-1].startswith("pipetwin: error: --ep 3 fits no layout of the space")
