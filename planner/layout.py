@@ -13,8 +13,10 @@ by two bounds that never exceed the truth:
   both come from the cost model's per-layer costs (:meth:`cost_models.TransformerCostModel.layer_costs`), one
   set per (micro-batch, T, sequence parallel, recompute), without building a schedule;
 * memory: a GPU needs at least its mean static bytes (weights, gradients, optimizer state, ZeRO-1
-  sharded), params x bytes / D, plus the transients every verdict counts; above the usable memory
-  no schedule of that layout fits.
+  sharded), params x bytes / D, plus the mean over the devices of one micro-batch's activations of
+  the stages each holds (a device runs the forwards of micro-batch 0 through all its stages before
+  any of their backwards, which need the whole pipeline's forward), the whole model's / D, plus
+  the transients every verdict counts; above the usable memory no schedule of that layout fits.
 
 Candidates are taken in order of their time bound; one whose memory bound is over is skipped,
 the others are bound (schedule built, costs) and judged by the ledger
@@ -465,9 +467,8 @@ class _Bounds:
             costs = tcm.bind(sched)
         except ValueError as e:
             return str(e)
-        par = job.parallel
-        akey = (id(sched), par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.ep, par.etp)
-        if akey not in self._acts:       # ZeRO changes the static bytes only: one walk for both
+        akey = (id(sched), costs.act, costs.act_w)
+        if akey not in self._acts:       # one walk for the layouts that keep the same activations
             self._acts[akey] = peak_activation(sched, costs)
         rep = MemoryReport(tuple(costs.static_mem), self._acts[akey], capacity, costs.mem_unit,
                            float(costs.meta.get("memory_transient") or 0.0), reserve)
@@ -501,13 +502,14 @@ class _Bounds:
         key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas, par.ep, par.etp)
         if key not in self._mem:
             tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+            c = tcm.layer_costs()
             if self.model.is_moe:       # the experts held and sharded as the cost model holds them
-                static = sum(tcm.layer_costs().static_bytes)
+                static = sum(c.static_bytes)
             else:
                 static = sum(float(x.params) for x in tcm.layers()) * sum(tcm.static_split())
-            self._mem[key] = (static, tcm.transient_bytes())
-        static, transient = self._mem[key]
-        return static / lay.devices + transient
+            self._mem[key] = (static + sum(c.act), tcm.transient_bytes())
+        held, transient = self._mem[key]
+        return held / lay.devices + transient
 
 
 def may_overlap(job: Job) -> bool:

@@ -12,7 +12,7 @@ from cost_models import ModelSpec
 from cost_models.cluster import load_cluster, with_nodes
 from cost_models.job import Job
 from cost_models.moe import expert_params
-from cost_models.transformer import model_params
+from cost_models.transformer import model_params, transformer_layers
 from planner.layout import (PAIRED_FAMILIES, Confirmed, LayoutSpace, NoPlanFits, _Bounds, brute_force, candidates,
                             plan_layouts, ranked)
 from planner.plan_io import LayoutPlan, layout_plan_record, load_plan
@@ -108,7 +108,9 @@ def test_memory_bound_holds_the_experts_as_the_cost_model_does():
     """Static bytes per GPU of T=1, D=2, R=4, ZeRO-1, EP 4 (16-bit weights, fp32 gradients, 12 bytes
     of Adam state a parameter): the dense parameters with their optimizer state over R = 4, the 2
     experts a GPU holds per block with theirs over EDP = T R / EP = 1; plus the transients (a send and
-    a receive buffer of the boundary, b s h d each, and of the dispatch, b s k h d each)."""
+    a receive buffer of the boundary, b s h d each, and of the dispatch, b s k h d each) and the mean
+    over the 2 devices of micro-batch 0's activations, which a device keeps from its forwards until its
+    first backward."""
     job = next(j for j in candidates(MOE, _cluster(), 16, SPACE)
                if (j.layout.schedule, j.layout.devices, j.layout.replicas, j.parallel.tp, j.parallel.zero,
                    j.parallel.ep, j.parallel.micro_batch) == ("dapple", 2, 4, 1, 1, 4, 1))
@@ -118,7 +120,9 @@ def test_memory_bound_holds_the_experts_as_the_cost_model_does():
     static = dense * (2 + 4 + 12 / 4) + experts / 4 * (2 + 4 + 12 / 1)
     assert (dense, static) == (76_063_744, 1_137_558_528)
     transient = 2 * 1024 * 1024 * 2 + 2 * 1024 * 2 * 1024 * 2
-    assert _Bounds(MOE, _cluster()).memory(job) == pytest.approx(static / 2 + transient, rel=1e-12)
+    acts = sum(x.act_bytes for x in transformer_layers(MOE))      # one micro-batch through the model
+    assert acts == 274_079_744
+    assert _Bounds(MOE, _cluster()).memory(job) == pytest.approx((static + acts) / 2 + transient, rel=1e-12)
 
 
 def test_ep_wins_where_unsharded_experts_do_not_fit():
