@@ -395,6 +395,7 @@ class _Bounds:
         self._mem: dict = {}
         self._shapes: dict = {}
         self._counts: dict = {}
+        self._paths: dict = {}
         self._acts: dict = {}
 
     def inputs(self, job: Job) -> CostInputs:
@@ -407,7 +408,7 @@ class _Bounds:
         if key not in self._work:
             c, a2a = self._layer_costs(job, hidden)
             work = sum(c.f) + sum(c.b_input) + sum(c.w)
-            self._work[key] = (max(work, a2a), sum(c.f) + sum(c.b_input))
+            self._work[key] = (overlapped(work, a2a, par.overlap_sm_share), sum(c.f) + sum(c.b_input))
         work, path = self._work[key]
         return max((lay.microbatches * work + self.optim(job)) / lay.devices, path)
 
@@ -424,9 +425,7 @@ class _Bounds:
 
     def _layer_costs(self, job: Job, hidden: bool):
         """(the job's per-layer costs, 0); ``hidden``: (its costs without the expert all-to-alls,
-        the all-to-alls' seconds of one micro-batch). An overlapped F and B may hide one's all-to-alls
-        behind the other's compute, which runs no faster for it, but a GPU's all-to-alls run one
-        after the other: its time is at least the larger of its compute and its all-to-alls."""
+        the all-to-alls' seconds of one micro-batch), for :func:`overlapped`."""
         tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
         c = tcm.layer_costs()
         if not hidden:
@@ -472,28 +471,66 @@ class _Bounds:
             self._acts[akey] = peak_activation(sched, costs)
         rep = MemoryReport(tuple(costs.static_mem), self._acts[akey], capacity, costs.mem_unit,
                            float(costs.meta.get("memory_transient") or 0.0), reserve)
-        whole = costs
-        if may_overlap(job):        # the ops' compute alone, and their all-to-alls (see _layer_costs)
+        hidden = may_overlap(job)
+        alone = costs
+        if hidden:        # the ops' compute alone, and their all-to-alls (see overlapped)
             from cost_models.base import PerLayerCostModel
-            costs = PerLayerCostModel(self._layer_costs(job, True)[0], tcm.partition_for(sched.num_stages)).bind(sched)
-        f, optim = costs.f, costs.optim_time
+            alone = PerLayerCostModel(self._layer_costs(job, True)[0], tcm.partition_for(sched.num_stages)).bind(sched)
+        f, optim, share = alone.f, costs.optim_time, job.parallel.overlap_sm_share
         best = 0.0
-        for d, (held, counts) in enumerate(self._work_of(sched)):
+        for d, (held, counts) in enumerate(self._work_of(sched, hidden)):
             start = min(sum(f[c][:s]) for c, s in held)
-            busy = sum(n * costs.compute_time(k, c, s) for (k, c, s), n in counts.items())
-            if costs is not whole:
-                busy = max(busy, sum(n * whole.compute_time(k, c, s) for (k, c, s), n in counts.items()) - busy)
-            best = max(best, start + busy + optim[d])
+            serial = compute = a2a = 0.0
+            for (k, c, s, paired), n in counts.items():
+                whole = costs.compute_time(k, c, s)
+                if paired:
+                    mine = alone.compute_time(k, c, s)
+                    compute += n * mine
+                    a2a += n * (whole - mine)
+                else:
+                    serial += n * whole
+            best = max(best, start + serial + overlapped(compute, a2a, share) + optim[d])
         return best, rep.max_peak + rep.transient, not rep.oom
 
-    def _work_of(self, sched) -> list:
+    def critical_path(self, job: Job) -> float:
+        """The third bound, for a candidate whose refined bound is below the best so far: its built
+        schedule timed with its compute costs and no communication (each device runs its program
+        in order, an op starts when its inputs exist: :func:`schedules.timing.time_programs`), the
+        pipeline's bubbles included, each device's optimizer step after its last op; with the
+        overlap, each op's compute alone."""
+        from schedules.timing import time_programs
+        sched = self.shape(job)
+        tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+        costs = tcm.bind(sched)
+        optim = costs.optim_time
+        if may_overlap(job):
+            from cost_models.base import PerLayerCostModel
+            costs = PerLayerCostModel(self._layer_costs(job, True)[0], tcm.partition_for(sched.num_stages)).bind(sched)
+        key = (id(sched), costs.f, costs.b, costs.w)
+        if key not in self._paths:
+            times = time_programs(sched.programs, sched.num_stages,
+                                  lambda op: costs.compute_time(op.kind, op.copy, op.stage))
+            ends = [0.0] * sched.num_devices
+            for d, _, end in times.values():
+                ends[d] = max(ends[d], end)
+            self._paths[key] = ends
+        return max(end + optim[d] for d, end in enumerate(self._paths[key]))
+
+    def _work_of(self, sched, hidden: bool = False) -> list:
         """Per device of a built schedule: the (copy, stage) it holds and how many compute ops of
-        each (kind, copy, stage) its program runs (kept with the shape)."""
-        key = id(sched)
+        each (kind, copy, stage, paired) its program runs (kept with the shape); ``hidden``: paired
+        marks the ops that may run overlapped (the halves of the schedule's own pairs,
+        ``meta["overlapped"]``; without them every F and B), else none."""
+        pairs = {tuple(k) for p in sched.meta.get("overlapped", ()) for k in p} if hidden else set()
+        mode = "off" if not hidden else "pairs" if pairs else "all"
+        key = (id(sched), mode)
         if key not in self._counts:
             from collections import Counter
-            self._counts[key] = [(sched.stages_on(d), Counter((op.kind, op.copy, op.stage) for op in sched.programs[d]
-                                                               if op.kind in COMPUTE_KINDS))
+
+            def paired(op) -> bool:
+                return mode == "all" and op.kind in ("F", "B") or (op.kind, op.stage, op.mb) in pairs
+            self._counts[key] = [(sched.stages_on(d), Counter((op.kind, op.copy, op.stage, paired(op))
+                                                               for op in sched.programs[d] if op.kind in COMPUTE_KINDS))
                                  for d in range(sched.num_devices)]
         return self._counts[key]
 
@@ -510,6 +547,14 @@ class _Bounds:
             self._mem[key] = (static + sum(c.act), tcm.transient_bytes())
         held, transient = self._mem[key]
         return held / lay.devices + transient
+
+
+def overlapped(compute: float, a2a: float, share: float) -> float:
+    """The least time of ops whose ``compute`` seconds and all-to-all seconds ``a2a`` may overlap,
+    the communication kernels taking ``share`` of the GPU while they run: the all-to-alls run one
+    after the other (at least ``a2a``), and while they run the compute goes at 1 - share, so at most
+    (1 - share) a2a of it hides: at least max(a2a, compute + share x a2a)."""
+    return max(a2a, compute + share * a2a)
 
 
 def may_overlap(job: Job) -> bool:
@@ -586,18 +631,23 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
                           peak_flops=cluster.device.peak(_precision(model, cluster)))
     top: list[Confirmed] = []
     misses: list[tuple[float, Candidate | None]] = []
-    # (bound, order, index, refined): a candidate comes up first on its cheap bound, then again on
-    # its refined one (memory judged by the ledger in between), then it is confirmed
-    heap = [(c.time_bound, _order(c.job), i, False) for i, c in enumerate(cands)]
+    # (bound, order, index, level): a candidate comes up first on its cheap bound (level 0), then
+    # again on its refined one (1; memory judged by the ledger in between), then on its critical
+    # path (2), then it is confirmed
+    heap = [(c.time_bound, _order(c.job), i, 0) for i, c in enumerate(cands)]
     heapq.heapify(heap)
     refined: dict[int, float] = {}
     seen = 0
     while heap:
-        tb, order, i, done = heapq.heappop(heap)
+        tb, order, i, level = heapq.heappop(heap)
         if len(top) >= top_k and tb >= top[-1].iteration_time:
             break
         c = cands[i]
-        if not done:
+        if level == 1:
+            tb = refined[i] = max(tb, bounds.critical_path(c.job))
+            heapq.heappush(heap, (tb, order, i, 2))
+            continue
+        if level == 0:
             seen += 1
             if progress is not None:
                 progress(seen, len(cands))
@@ -616,7 +666,7 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
                     misses.append((need, None))
                     continue
                 tb = refined[i] = max(tb, t2)
-            heapq.heappush(heap, (tb, order, i, True))
+            heapq.heappush(heap, (tb, order, i, 1 if ref is not None else 2))
             continue
         got = confirm(c.job, bounds.inputs(c.job), capacity, reserve, refined.get(i, c.time_bound),
                       built=bounds.shape(c.job) if i in refined else None)
@@ -679,7 +729,7 @@ def brute_force(model: ModelSpec, cluster: Cluster, global_batch: int, space: La
         ref = bounds.refine(j, capacity, reserve)
         tb = bounds.time(j)
         if isinstance(ref, tuple):
-            tb = max(tb, ref[0])
+            tb = max(tb, ref[0], bounds.critical_path(j))
         c = Candidate(j, tb, bounds.memory(j))
         got = confirm(j, bounds.inputs(j), capacity, reserve, tb)
         if isinstance(ref, tuple):     # the refined verdict is the ledger's
