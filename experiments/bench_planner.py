@@ -5,7 +5,9 @@ Run: ``python -m experiments.bench_planner [--global-batch 128 512 1024] [--mode
 ``python -m experiments.bench_planner --layout [--repeat 1]``: ``plan --tp auto`` (T x D x R,
 schedule family, chunks, variant, micro-batch, recompute, ZeRO-1, SP; :func:`planner.layout.plan_layouts`)
 for Llama-3-70B on 1,024 H100s (G = 1,024 sequences of 8,192) and Llama-3-405B on 16,384 H100s
-(G = 2,048, Llama 3's batch), aims <= 30 s and <= 60 s; each case's best wall and CPU seconds
+(G = 2,048, Llama 3's batch), aims <= 30 s and <= 60 s, and the mixtures of experts DeepSeek-V3 on
+2,048 H100s (G = 15,360 of 4,096) and Qwen3-235B-A22B on 1,024 (G = 2,048), EP and the overlap
+searched, aims <= 60 s; each case's best wall and CPU seconds
 over the repeats, also as a ratio to a bare SimPy loop of 100,000 timeouts timed beside it (the
 method of :mod:`experiments.bench_sim`), with the search's counts and the plan it found.
 The cluster is 8 DGX A100 nodes of 8 GPUs (NVLink 3 inside, 8 x 200 Gb/s InfiniBand per node). For
@@ -51,7 +53,12 @@ def space_size(L: int, topo: Topology, G: int, space: SearchSpace) -> int:
     return total
 
 
-LAYOUT_CASES = (("llama3-70b", "dgx-h100-ib:128", 1024, 30.0), ("llama3-405b", "dgx-h100-ib:2048", 2048, 60.0))
+_MOE = __import__("pathlib").Path(__file__).resolve().parents[1] / "tests" / "data" / "moe"
+# the mixtures of experts (issue 41): DeepSeek-V3 on 2,048 H100s at the batch that ended its ramp (15,360
+# sequences of 4,096) and Qwen3-235B-A22B on 1,024 (stand-ins of the presets, exact parameter counts)
+LAYOUT_CASES = (("llama3-70b", "dgx-h100-ib:128", 1024, 30.0), ("llama3-405b", "dgx-h100-ib:2048", 2048, 60.0),
+                (str(_MOE / "deepseek-v3-like.yaml"), "dgx-h100-ib:256", 15360, 60.0),
+                (str(_MOE / "qwen3-235b-like.yaml"), "dgx-h100-ib:128", 2048, 60.0))
 
 
 def bare_loop_100k() -> float:
@@ -77,17 +84,20 @@ def layout_cases(repeat: int = 1) -> int:
     for model, cluster, G, aim in LAYOUT_CASES:
         cl = resolve_cluster(cluster)
         walls, cpus, loops = [], [], []
+        spec = load_model(model)
         for _ in range(repeat):
             loops.append(bare_loop_100k())
             w, c = time.perf_counter(), time.process_time()
-            res = plan_layouts(load_model(model), cl, G, top_k=1)
+            res = plan_layouts(spec, cl, G, top_k=1)
             walls.append(time.perf_counter() - w)
             cpus.append(time.process_time() - c)
         b = res.records()[0]
+        ep = f" EP={b['ep']}" if spec.is_moe else ""
         best = (f"{b['schedule']} T={b['tp']} D={b['devices']} R={b['dp']} b={b['micro_batch']} {b['recompute']} "
-                f"ZeRO-{b['zero']}{' SP' if b['sequence_parallel'] else ''} {b['iteration_time']:.4g} s "
-                f"MFU {b['mfu']:.1%}")
-        name = f"plan {model} G={G} on {cl.num_devices:,} H100s"
+                f"ZeRO-{b['zero']}{' SP' if b['sequence_parallel'] else ''}"
+                f"{ep}{' overlap' if b['overlap_fb'] else ''} "
+                f"{b['iteration_time']:.4g} s MFU {b['mfu']:.1%}")
+        name = f"plan {spec.name} G={G} on {cl.num_devices:,} H100s"
         print(f"{name:<42}  {min(walls):7.2f}  {min(cpus):6.2f}  {min(walls) / min(loops):7.1f}x  "
               f"{f'<= {aim:g} s':>7}  {res.candidates:>10,}  {res.simulated:>9,}  {best}")
     return 0

@@ -6,12 +6,16 @@ Every candidate is a :class:`cost_models.job.Job` (uniform layouts: R replicas o
 pipeline, each stage a tensor-parallel group of T GPUs, T x D x R = the GPUs used); it is costed
 by :func:`cost_models.bind.bind` and simulated by the SimPy engine (one replica standing for all),
 exactly as ``pipetwin simulate`` would. The search is exact over its space (:class:`LayoutSpace`),
-by two bounds that never exceed the truth:
+by bounds that never exceed the truth:
 
 * time: an iteration is at least the mean compute of a pipeline device, N x (F + B + W of the
-  whole model at T) / D, and at least one micro-batch's forward and backward through every layer;
-  both come from the cost model's per-layer costs (:meth:`cost_models.TransformerCostModel.layer_costs`), one
-  set per (micro-batch, T, sequence parallel, recompute), without building a schedule;
+  whole model at T) / D, with the mean of the optimizer steps each device runs after its last op
+  (a mixture of experts' EDP all-reduce among them), and at least one micro-batch's forward and
+  backward through every layer; both come from the cost model's per-layer costs
+  (:meth:`cost_models.TransformerCostModel.layer_costs`), without building a schedule. Refined on the
+  built schedule: each device's compute ops, after the forwards of the stages before its first,
+  then its optimizer step; and, before a candidate is simulated, the built schedule timed with its
+  compute costs and no communication (its bubbles: :meth:`_Bounds.critical_path`);
 * memory: a GPU needs at least its mean static bytes (weights, gradients, optimizer state, ZeRO-1
   sharded), params x bytes / D, plus the mean over the devices of one micro-batch's activations of
   the stages each holds (a device runs the forwards of micro-batch 0 through all its stages before
@@ -30,11 +34,12 @@ GPUs (the rule is its own: the search asks it), ETP the values asked (default 1)
 candidate is placed in Megatron's order [TP, DP, PP] unless device maps are asked: an expert group
 is consecutive GPUs of a stage, as its all-to-all is costed. ``overlap_fb`` takes False and True on
 the schedules that place overlapped F and B pairs (:data:`PAIRED_FAMILIES`; every family with
-``overlap_schedules``), where EP > 1 gives it all-to-alls to hide. The bounds follow: the time
-bound of a candidate whose all-to-alls may be overlapped counts its compute without them (an
-overlapped pair's compute never runs faster than alone), and the memory bound counts the experts'
-weights, gradients and optimizer state per GPU as the cost model holds them (1 / (EP x ETP), the
-optimizer state sharded over EDP with ZeRO-1).
+``overlap_schedules``), where EP > 1 gives it all-to-alls to hide. The bounds follow: where a
+candidate's all-to-alls may be overlapped, the ops that may pair take at least
+max(all-to-alls, compute + SM share x all-to-alls) (:func:`overlapped`: the all-to-alls run one after
+the other, and the compute under them at 1 - share), the others their whole time; the memory
+bound counts the experts' weights, gradients and optimizer state per GPU as the cost model holds
+them (1 / (EP x ETP), the optimizer state sharded over EDP with ZeRO-1).
 """
 from __future__ import annotations
 

@@ -182,3 +182,12 @@ def test_plan_cli_searches_ep_and_shows_it(tmp_path, capsys):
     rc, out, err = run_cli(capsys, *args, "--ep", "3")
     assert rc == 2
     assert err.strip().splitlines()[-1].startswith("pipetwin: error: --ep 3 fits no layout of the space")
+
+
+def test_overlapped_ops_take_at_least_their_all_to_alls_and_their_slowed_compute():
+    """max(a2a, compute + share x a2a): 10 s of compute under 4 s of all-to-alls at share 1/4 take 11 s
+    (3 s of compute hide, at 3/4 speed, behind the 4 s); 2 s of compute take the 4 s of all-to-alls."""
+    from planner.layout import overlapped
+    assert overlapped(10.0, 4.0, 0.25) == 11.0
+    assert overlapped(2.0, 4.0, 0.25) == 4.0
+    assert overlapped(7.0, 0.0, 0.25) == 7.0
