@@ -569,6 +569,23 @@ def may_overlap(job: Job) -> bool:
     return par.ep > 1 and par.overlap_fb
 
 
+_ZERO, _OVERLAP = 7, 12       # the places of ZeRO and overlap_fb in _order
+
+
+def _leaner(order: tuple) -> list[tuple]:
+    """The orders of the candidates that need no more memory than ``order``'s on any GPU: with
+    ZeRO 0, the same with ZeRO-1 (it only shards the optimizer state: the same activations and
+    transients, less static memory on every GPU); with the overlap, the same without it (it
+    changes the times, not what a GPU keeps). The ledger's out of memory for one of them is the
+    candidate's."""
+    out = []
+    if order[_ZERO] == 0:
+        out.append(order[:_ZERO] + (1,) + order[_ZERO + 1:])
+    if order[_OVERLAP]:
+        out.append(order[:_OVERLAP] + (False,) + order[_OVERLAP + 1:])
+    return out
+
+
 def _order(job: Job) -> tuple:
     lay, par = job.layout, job.parallel
     return (par.tp, lay.devices, lay.schedule, lay.variant or "", lay.chunks, par.micro_batch,
@@ -642,6 +659,7 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
     heap = [(c.time_bound, _order(c.job), i, 0) for i, c in enumerate(cands)]
     heapq.heapify(heap)
     refined: dict[int, float] = {}
+    over: set = set()       # the orders of candidates the ledger found out of memory
     seen = 0
     while heap:
         tb, order, i, level = heapq.heappop(heap)
@@ -660,6 +678,9 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
                 result.memory_pruned += 1
                 misses.append((c.memory_bound, c))
                 continue
+            if any(t in over for t in _leaner(order)):
+                result.out_of_memory += 1       # a leaner twin is over already (its need is in misses)
+                continue
             ref = bounds.refine(c.job, capacity, reserve)
             if isinstance(ref, str):
                 result.refused += 1
@@ -669,6 +690,7 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
                 if not fits:
                     result.out_of_memory += 1
                     misses.append((need, None))
+                    over.add(order)
                     continue
                 tb = refined[i] = max(tb, t2)
             heapq.heappush(heap, (tb, order, i, 1 if ref is not None else 2))
