@@ -428,8 +428,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                  "that folds onto the layout's T x R, the default)"),
              use("etp", AUTO, note=" (whole-layout search: auto = every divisor of the node size that folds; "
                  "default 1)"),
-             use("overlap_fb", help="whole-layout search of a mixture of experts: search the forward/backward overlap "
-                 "on every schedule's F and B pairs (without it: on dualpipe-v's own pairs only)"),
+             use("overlap_fb", note=" (whole-layout search of a mixture of experts: the overlap searched, on and off, "
+                 "on every schedule; without it on dualpipe-v's own pairs only)"),
              *(use(k, note=" (whole-layout search: every candidate's)") for k in
                ("expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hierarchical", "route_nodes",
                 "overlap_sm_share")),

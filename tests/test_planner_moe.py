@@ -179,6 +179,11 @@ def test_plan_cli_searches_ep_and_shows_it(tmp_path, capsys):
     head = [line for line in out.splitlines() if line.lstrip().startswith("tp")][0].split()
     assert head[:11] == ["tp", "devices", "dp", "schedule", "chunks", "micro_batch", "recompute", "zero", "sp", "ep",
                          "overlap"]
+    rc, out, err = run_cli(capsys, *args, "--overlap-fb", "--top", "40", "--json")     # every schedule's pairs
+    recs = json.loads(out)["top"]
+    assert rc == 0 and {(r["schedule"], r["overlap_fb"]) for r in recs if r["ep"] > 1} == \
+        {("dapple", False), ("dapple", True), ("dualpipe-v", False), ("dualpipe-v", True)}
+    assert not any(r["overlap_fb"] for r in recs if r["ep"] == 1)
     rc, out, err = run_cli(capsys, *args, "--ep", "3")
     assert rc == 2
     assert err.strip().splitlines()[-1].startswith("pipetwin: error: --ep 3 fits no layout of the space")
