@@ -116,6 +116,14 @@ class LayerCosts:
     # are what it adds after the layer before it (a measured layer stack: cost_models.stack); None: act
     act_first: tuple[float, ...] | None = None
     act_w_first: tuple[float, ...] | None = None
+    # per layer, where its parameters are not all alike (a mixture of experts: the experts' optimizer
+    # state sharded over another group, their gradients reduced over it at the step's end): the
+    # static bytes a GPU holds, the seconds the step's end spends on it, and the parameters in the
+    # pipeline's data-parallel all-reduce; None: params x bytes_per_param_static,
+    # params x optim_time_per_param, params
+    static_bytes: tuple[float, ...] | None = None
+    optim_time: tuple[float, ...] | None = None
+    reduced_params: tuple[float, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -166,15 +174,20 @@ class PerLayerCostModel:
         # the gradient a stage sends upstream has the shape of its input = previous stage's output
         grad = [0.0] + out[:-1]
         params = per_stage(L.params)
+        static_of = per_stage(L.static_bytes) if L.static_bytes is not None else None
+        optim_of = per_stage(L.optim_time) if L.optim_time is not None else None
+        reduced = per_stage(L.reduced_params) if L.reduced_params is not None else params
         static, optim = [], []
         for r in range(sched.num_ranks):
-            p = sum(params[s] for s in held_stages(sched, r))
-            static.append(p * L.bytes_per_param_static)
-            optim.append(p * L.optim_time_per_param + ovh.get("OPTIM", 0.0))
+            held = held_stages(sched, r)
+            p = sum(params[s] for s in held)
+            static.append(p * L.bytes_per_param_static if static_of is None else sum(static_of[s] for s in held))
+            optim.append((p * L.optim_time_per_param if optim_of is None else sum(optim_of[s] for s in held))
+                         + ovh.get("OPTIM", 0.0))
         rows = lambda v: _table([v] * C)  # noqa: E731
         return StageCosts(time_unit="s", mem_unit="B", f=_table(f_copy), b=rows(b), w=rows(w), act=rows(act),
                           act_w=rows(act_w), act_bytes=rows(out), grad_bytes=rows(grad),
-                          param_bytes=rows([p * L.grad_bytes_per_param for p in params]), static_mem=tuple(static),
+                          param_bytes=rows([p * L.grad_bytes_per_param for p in reduced]), static_mem=tuple(static),
                           optim_time=tuple(optim), copy_time=L.copy_time,
                           meta={"model": "per-layer", "partition": [len(r) for r in parts]},
                           send_time=ovh.get("SEND", 0.0), recv_time=ovh.get("RECV", 0.0),

@@ -40,7 +40,8 @@ from .kernels import COST_MODELS
 from .model_spec import ModelSpec, load_model
 from .stage_costs import StageTimes, load_stage_costs
 from .stack import is_model_ref, same_model_ref
-from .transformer import TensorParallelGroup, TransformerCostModel, model_params
+from .moe import ExpertGroup
+from .transformer import TensorParallelGroup, TransformerCostModel, active_params, model_params
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,10 @@ class CostInputs:
         return size
 
 
-def cost_model_for(choice: str | None, device, profile: bool) -> str:
-    """The cost model to use: the one asked for, else linear for profiles and for devices without
-    kernel constants, kernels otherwise."""
+def cost_model_for(choice: str | None, device, profile: bool, model: ModelSpec | None = None) -> str:
+    """The cost model to use: the one asked for, else linear for profiles, for devices without
+    kernel constants and for blocks the kernel model does not price (experts, latent attention:
+    ``model``), kernels otherwise."""
     if choice is not None:
         if choice not in COST_MODELS:
             raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {choice!r}")
@@ -89,7 +91,7 @@ def cost_model_for(choice: str | None, device, profile: bool) -> str:
             raise ValueError(f"--cost-model kernels needs the device's kernel constants; {device.name} has none "
                              f"(add a 'kernels:' block to its YAML, or use --cost-model linear)")
         return choice
-    if profile or device.kernels is None:
+    if profile or device.kernels is None or (model is not None and (model.is_moe or model.is_mla)):
         return "linear"
     return "kernels"
 
@@ -242,12 +244,15 @@ def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> Tran
     micro-batch, :func:`load_inputs`): its recompute, cost model, partition, T (the group's links
     on ``cluster``), sequence parallelism, overlap, ZeRO and replicas. The planner costs a layout
     without building its schedule from the same object."""
-    tp = job.parallel.tp
-    group = TensorParallelGroup(cluster.with_device_map(None), tp) if tp > 1 else None
-    return TransformerCostModel(model, cluster.device, parallel=job.parallel,
-                                compute=cost_model_for(job.cost_model, cluster.device, False),
+    par = job.parallel
+    tp, unplaced = par.tp, cluster.with_device_map(None)
+    group = TensorParallelGroup(unplaced, tp) if tp > 1 else None
+    experts = ExpertGroup(unplaced, par.ep, par.etp, par.a2a_hierarchical, par.route_nodes,
+                          model.top_k) if model.is_moe else None
+    return TransformerCostModel(model, cluster.device, parallel=par,
+                                compute=cost_model_for(job.cost_model, cluster.device, False, model),
                                 partition=job.partition, tp_group=group, replicas=job.layout.replicas,
-                                grad_accumulation=job.grad_accumulation)
+                                grad_accumulation=job.grad_accumulation, expert_group=experts)
 
 
 def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:
@@ -261,6 +266,8 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     costs = tcm.bind(low)
     return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
+        **({"active_parameters": active_params(model), "ep": par.ep, "etp": par.etp,
+            "a2a_per_moe_layer": sum(tcm.a2a_times())} if model.is_moe else {}),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
         "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": par.sequence_parallel, "tp_overlap": par.tp_overlap,
         "zero": par.zero, **job.cluster.shape_report(),

@@ -43,6 +43,7 @@ from schedules.io import ScheduleFile
 from .cluster import FABRICS, MAPPINGS, Cluster, load_cluster, with_fabric, with_nodes
 from .kernels import COST_MODELS, GRAD_ACCUMULATION
 from .model_spec import ModelSpec
+from .moe import moe_knobs_given
 from .stack import is_model_ref
 from .parallel import Parallel, option_name
 
@@ -387,12 +388,14 @@ class Job:
     @property
     def mapping(self) -> str:
         """How ranks are placed: ``device_map``, else Megatron's order (TP, then DP, then PP) with
-        tensor parallelism and the sequential order (a pipeline on consecutive devices) without."""
+        tensor or expert parallelism (an expert group is consecutive GPUs of a stage, as its
+        all-to-all is costed: :class:`cost_models.moe.ExpertGroup`) and the sequential order (a
+        pipeline on consecutive devices) without."""
         if self.device_map is not None:
             return self.device_map
         if self.plan is not None:       # the plan's own (a DAPPLE plan places its ranks itself)
             return getattr(self.plan, "mapping", "sequential")
-        return "megatron" if self.parallel.tp > 1 else "sequential"
+        return "megatron" if self.parallel.tp > 1 or self.parallel.ep > 1 else "sequential"
 
     @property
     def gpus(self) -> int:
@@ -411,7 +414,7 @@ class Job:
         # a profile's TP layers were measured without sequence parallelism or overlap (all-reduces on F and B)
         given = [f for f, v in (("--tp", par.tp > 1 and self.source != "profile"), ("--zero", par.zero),
                                 ("--seq-len", par.seq_len), ("--sequence-parallel", par.sequence_parallel),
-                                ("--tp-overlap", par.tp_overlap)) if v]
+                                ("--tp-overlap", par.tp_overlap)) if v] + moe_knobs_given(par)
         if given and self.source != "transformer":
             verb = "acts" if len(given) == 1 else "act"
             raise ValueError(f"{' and '.join(given)} {verb} on a model's formulas: use --model/--cluster costs "

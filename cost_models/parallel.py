@@ -13,6 +13,7 @@ so the command line reports it as it is.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 RECOMPUTE = ("none", "selective", "full")    # activation recomputation of the transformer blocks
@@ -39,7 +40,17 @@ class Parallel:
     behind the layer's compute (simulated only). ``zero``: 1 shards the optimizer state over the
     data-parallel replicas (ZeRO-1). ``recompute``: none | selective | full activation
     recomputation. ``micro_batch``: sequences (samples) per micro-batch; ``seq_len``: the
-    training sequence length (None: the model's own, for both)."""
+    training sequence length (None: the model's own, for both).
+
+    Mixtures of experts (:mod:`cost_models.moe`): ``ep`` E GPUs split each MoE block's experts
+    and ``etp`` split each expert (folded onto the stage's T x R GPUs); ``expert_imbalance`` the
+    busiest EP rank's tokens over the mean (1: balanced); ``capacity_factor`` > 0 drops the tokens
+    beyond that many times the mean (0: dropless); ``fp8_dispatch`` sends the dispatch in 1-byte
+    elements; ``a2a_hierarchical`` runs the all-to-all as DeepEP does (once per remote node, then
+    NVLink), with ``route_nodes`` M > 0 DeepSeek-V3's node-limited routing (at most M nodes per
+    token). ``overlap_fb``: an F and the B of another micro-batch placed back to back on a device
+    run overlapped, each one's all-to-alls behind the other's compute (DualPipe's overlap), the
+    communication kernels taking ``overlap_sm_share`` of the GPU (DeepSeek: 20 of 132 SMs)."""
 
     tp: int = 1
     sequence_parallel: bool = False
@@ -48,6 +59,15 @@ class Parallel:
     recompute: str = "none"
     micro_batch: int | None = None
     seq_len: int | None = None
+    ep: int = 1
+    etp: int = 1
+    expert_imbalance: float = 1.0
+    capacity_factor: float = 0.0
+    fp8_dispatch: bool = False
+    a2a_hierarchical: bool = False
+    route_nodes: int = 0
+    overlap_fb: bool = False
+    overlap_sm_share: float = 20 / 132
 
     def __post_init__(self):
         _whole(self.tp, "--tp")
@@ -65,6 +85,25 @@ class Parallel:
         for name in ("micro_batch", "seq_len"):
             if getattr(self, name) is not None:
                 _whole(getattr(self, name), option_name(name))
+        _whole(self.ep, "--ep")
+        _whole(self.etp, "--etp")
+        _whole(self.route_nodes, "--route-nodes", 0)
+        for name in ("fp8_dispatch", "a2a_hierarchical", "overlap_fb"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{option_name(name)} is a switch (true or false); got {getattr(self, name)!r}")
+        if self.route_nodes and not self.a2a_hierarchical:
+            raise ValueError("--route-nodes limits the nodes of a hierarchical all-to-all; give --a2a-hierarchical")
+        for name, low, what in (("expert_imbalance", 1.0, "a ratio >= 1 (the busiest expert rank's tokens / the "
+                                 "mean; 1 balanced)"),
+                                ("capacity_factor", 0.0, "0 (dropless) or a factor >= 1")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < low:
+                raise ValueError(f"{option_name(name)} must be {what}; got {v!r}")
+        if 0 < self.capacity_factor < 1:
+            raise ValueError(f"--capacity-factor must be 0 (dropless) or a factor >= 1; got {self.capacity_factor!r}")
+        v = self.overlap_sm_share
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1):
+            raise ValueError(f"--overlap-sm-share must be a share of the GPU in [0, 1); got {v!r}")
 
     def sized(self, model):
         """``model`` (a :class:`cost_models.model_spec.ModelSpec`) at this record's micro-batch and

@@ -85,6 +85,8 @@ from .device import DeviceSpec
 from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
+from .moe import (ExpertGroup, check_expert_parallel, expert_data_parallel, moe_mlp_active_params, moe_mlp_params,
+                  moe_share)
 from .parallel import RECOMPUTE, Parallel
 from .partition import default_partition, layer_ranges
 
@@ -103,8 +105,8 @@ def _mlp_matrices(spec: ModelSpec) -> int:
 
 
 def _qkv_width(spec: ModelSpec) -> int:
-    """Output width of the fused Q, K, V projection: h + 2ke."""
-    return spec.hidden + 2 * spec.kv * spec.head_dim
+    """Output width of the fused Q, K, V projection: a e + 2 k e (= h + 2ke when e = h / a)."""
+    return (spec.heads + 2 * spec.kv) * spec.head_dim
 
 
 def _sp_div(tp: int, sp: bool) -> int:
@@ -112,42 +114,111 @@ def _sp_div(tp: int, sp: bool) -> int:
     return tp if sp else 1
 
 
-def block_params(spec: ModelSpec, tp: int = 1) -> int:
+def _qk_dim(spec: ModelSpec) -> int:
+    """Width of one query/key head (MLA: its non-rotary and rotary parts)."""
+    return spec.head_dim + spec.rope_head_dim
+
+
+def attention_matrices(spec: ModelSpec) -> int:
+    """Weights of the attention's linear layers (split over t with the heads).
+
+    Standard (grouped-query): h(a e + 2 k e) + a e h (= h(h + 2ke) + h^2 when e = h/a).
+    Multi-head latent attention (DeepSeek; q_r, kv_r the ranks, r the rotary head size, v the value
+    head size): Q h q_r + q_r a (e + r) (or h a (e + r) without a query rank), KV h (kv_r + r) +
+    kv_r a (e + v), output a v h."""
+    h, a = spec.hidden, spec.heads
+    if not spec.is_mla:
+        return h * _qkv_width(spec) + a * spec.head_dim * h
+    qk, v, qr, kr = _qk_dim(spec), spec.v_head_dim, spec.q_lora_rank, spec.kv_lora_rank
+    q = h * qr + qr * a * qk if qr else h * a * qk
+    return q + h * (kr + spec.rope_head_dim) + kr * a * (spec.head_dim + v) + a * v * h
+
+
+def _attention_norms(spec: ModelSpec) -> int:
+    """Norms inside the attention (whole on every GPU): Qwen3's per-head q/k RMSNorm (2e), MLA's
+    latent RMSNorms (q_r + kv_r)."""
+    return (2 * spec.head_dim if spec.qk_norm else 0) + (spec.q_lora_rank + spec.kv_lora_rank)
+
+
+def _attention_core_flops(spec: ModelSpec) -> float:
+    """FLOPs of QK^T and attention x V for one micro-batch: 2bs^2 a (e_qk + v) (= 4bs^2h)."""
+    return 2.0 * spec.micro_batch * spec.seq_len ** 2 * spec.heads * (_qk_dim(spec) + spec.v_head_dim)
+
+
+def is_moe_block(spec: ModelSpec, i: int) -> bool:
+    """Block ``i`` has a mixture-of-experts MLP (the first ``dense_layers`` keep a dense one)."""
+    return spec.is_moe and i >= spec.dense_layers
+
+
+def _moe_par(tp: int, sp: bool, parallel: Parallel | None) -> Parallel:
+    return parallel if parallel is not None else Parallel(tp=tp, sequence_parallel=sp and tp > 1)
+
+
+def block_params(spec: ModelSpec, tp: int = 1, moe: bool = False, parallel: Parallel | None = None) -> int:
     """Parameters of one transformer block on one of ``tp`` GPUs: the matrices and the
     column-parallel biases split, the norms and the row-parallel biases whole (``tp`` = 1:
-    (4 + 2m)h^2 + (9 + m)h = 12h^2 + 13h for GPT)."""
+    (4 + 2m)h^2 + (9 + m)h = 12h^2 + 13h for GPT). ``moe``: its MLP is a mixture of experts,
+    held as ``parallel`` says (:func:`cost_models.moe.moe_share`; default EP = ETP = 1)."""
     h, f, qkv = spec.hidden, spec.ffn, _qkv_width(spec)
-    mats = h * qkv + h * h + _mlp_matrices(spec) * h * f
+    if moe:
+        share = moe_share(spec, _moe_par(tp, False, parallel))
+        mlp = share.params_dense + share.params_expert
+    else:
+        mlp = _mlp_matrices(spec) * h * f // tp
+    mats = attention_matrices(spec)
     if spec.kind == "llama":
-        col_bias, row_bias, norms = (qkv if spec.qkv_bias else 0), 0, 2 * h
+        col_bias, row_bias, norms = (qkv if spec.qkv_bias else 0), 0, 2 * h + _attention_norms(spec)
     else:
         col_bias, row_bias, norms = qkv + f, 2 * h, 4 * h
-    return (mats + col_bias) // tp + row_bias + norms
+        mats += _mlp_matrices(spec) * h * f
+        mlp = 0
+    return (mats + col_bias) // tp + mlp + row_bias + norms
 
 
-def block_flops(spec: ModelSpec, tp: int = 1) -> tuple[float, float, float]:
+def block_flops(spec: ModelSpec, tp: int = 1, moe: bool = False,
+                parallel: Parallel | None = None) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) FLOPs of one block for one micro-batch on one of
-    ``tp`` GPUs (the module docstring's P, F, B, W)."""
+    ``tp`` GPUs (the module docstring's P, F, B, W; a MoE block's MLP from
+    :func:`cost_models.moe.moe_share`)."""
     b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
-    lin = 2 * b * s * (h * _qkv_width(spec) + h * h + _mlp_matrices(spec) * h * spec.ffn)
-    att = 4 * b * s * s * h
-    return float(lin + att) / tp, float(lin + 2 * att) / tp, float(lin) / tp
+    lin = 2 * b * s * attention_matrices(spec) / tp
+    if moe:
+        share = moe_share(spec, _moe_par(tp, True, parallel))
+        lin += share.flops_dense + share.flops_expert
+    else:
+        lin += 2 * b * s * _mlp_matrices(spec) * h * spec.ffn / tp
+    att = _attention_core_flops(spec) / tp
+    return float(lin + att), float(lin + 2 * att), float(lin)
 
 
-def recompute_flops(spec: ModelSpec, recompute: str = "none", tp: int = 1) -> float:
+def recompute_flops(spec: ModelSpec, recompute: str = "none", tp: int = 1, moe: bool = False,
+                    parallel: Parallel | None = None) -> float:
     """Extra forward FLOPs the input backward of one block re-runs: 0, 4bs^2h/t (selective) or F (full)."""
     _check_recompute(recompute)
     if recompute == "none":
         return 0.0
     if recompute == "selective":
-        return float(4 * spec.micro_batch * spec.seq_len ** 2 * spec.hidden) / tp
-    return block_flops(spec, tp)[0]
+        return _attention_core_flops(spec) / tp
+    return block_flops(spec, tp, moe, parallel)[0]
+
+
+def _attention_split_bytes(spec: ModelSpec) -> float:
+    """Attention tensors kept and split over t, per micro-batch: Q (a e_qk), K (k e_qk), V (k v), the
+    output projection's input (a v) (= 2sbh + 2sbke when e = h / a), and MLA's latents
+    (q_r + kv_r + r)."""
+    sb, a, k = spec.seq_len * spec.micro_batch, spec.heads, spec.kv
+    qk, v = _qk_dim(spec), spec.v_head_dim
+    width = a * qk + k * qk + k * v + a * v
+    if spec.is_mla:
+        width += spec.q_lora_rank + spec.kv_lora_rank + spec.rope_head_dim
+    return float(sb * width * spec.dtype_bytes)
 
 
 def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bool | None = None, tp: int = 1,
-                           sp: bool = False) -> float:
+                           sp: bool = False, moe: bool = False, parallel: Parallel | None = None) -> float:
     """Bytes one block keeps from F to B for one micro-batch on one of ``tp`` GPUs (``sp``:
-    sequence parallel; ``dropout`` None: the model's; see the module docstring)."""
+    sequence parallel; ``dropout`` None: the model's; see the module docstring; a MoE block's MLP
+    from :func:`cost_models.moe.moe_share`)."""
     _check_recompute(recompute)
     b, s, h, a, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.heads, spec.dtype_bytes
     mask = 1 if (spec.has_dropout if dropout is None else dropout) else 0
@@ -155,26 +226,35 @@ def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bo
     if recompute == "full":
         return float(sbh * d) / _sp_div(tp, sp)
     replicated = sbh * (4 * d + 2 * mask)
-    split = 2 * sbh * d + 2 * s * b * spec.kv * spec.head_dim * d + (_mlp_matrices(spec)) * s * b * spec.ffn * d
+    split = _attention_split_bytes(spec)
+    mlp = moe_share(spec, _moe_par(tp, sp, parallel)).act if moe else \
+        _mlp_matrices(spec) * s * b * spec.ffn * d / tp
     if spec.attention_kind == "eager":
         scores = a * s * s * b * (d + mask + mask * d)
     else:
         scores = 4 * a * s * b
-    kept = replicated / _sp_div(tp, sp) + split / tp
+    kept = replicated / _sp_div(tp, sp) + split / tp + mlp
     if recompute == "selective":
         return float(kept)
     return float(kept + scores / tp)
 
 
-def block_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sp: bool = False) -> float:
+def block_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sp: bool = False, moe: bool = False,
+                            parallel: Parallel | None = None) -> float:
     """Bytes alive between a block's input backward and its weight backward on one of ``tp`` GPUs:
-    the linear layers' inputs and output gradients ((8 + 2m) sbh d for GPT at t = 1)."""
+    the linear layers' inputs and output gradients ((8 + 2m) sbh d for GPT at t = 1; a MoE MLP
+    keeps what its experts' weight gradients read: its kept activations)."""
     s, b, h, f, d = spec.seq_len, spec.micro_batch, spec.hidden, spec.ffn, spec.dtype_bytes
     sb = s * b
     whole = 4 * sb * h                     # QKV and fc1 inputs, o and fc2 output gradients
     up = 2 if spec.kind == "llama" else 1  # SwiGLU: gate and up outputs
-    split = sb * h + sb * f + sb * _qkv_width(spec) + up * sb * f
-    return float(whole * d) / _sp_div(tp, sp) + float(split * d) / tp
+    if moe:
+        mlp = moe_share(spec, _moe_par(tp, sp, parallel)).act
+        split = sb * h + sb * _qkv_width(spec)
+    else:
+        mlp = 0.0
+        split = sb * h + sb * f + sb * _qkv_width(spec) + up * sb * f
+    return float(whole * d) / _sp_div(tp, sp) + float(split * d) / tp + mlp
 
 
 def boundary_bytes(spec: ModelSpec) -> float:
@@ -240,13 +320,18 @@ def head_layer(spec: ModelSpec, tp: int = 1, sp: bool = False) -> Layer:
 
 
 def transformer_layers(spec: ModelSpec, recompute: str = "none", dropout: bool | None = None, tp: int = 1,
-                       sp: bool = False) -> list[Layer]:
-    """[embedding, block0, ..., block(L-1), head]: L + 2 layers, per GPU of a ``tp`` group."""
-    f, bi, w = block_flops(spec, tp)
-    block = dict(flops_f=f, flops_b_input=bi, flops_w=w, flops_recompute=recompute_flops(spec, recompute, tp),
-                 params=block_params(spec, tp), act_bytes=block_activation_bytes(spec, recompute, dropout, tp, sp),
-                 act_w_bytes=block_weight_grad_bytes(spec, tp, sp), out_bytes=boundary_bytes(spec))
-    blocks = [Layer(f"block{i}", "block", **block) for i in range(spec.layers)]
+                       sp: bool = False, parallel: Parallel | None = None) -> list[Layer]:
+    """[embedding, block0, ..., block(L-1), head]: L + 2 layers, per GPU of a ``tp`` group (a MoE
+    model's experts as ``parallel`` holds them: EP, ETP, imbalance; default EP = ETP = 1)."""
+    def block(moe: bool) -> dict:
+        f, bi, w = block_flops(spec, tp, moe, parallel)
+        return dict(flops_f=f, flops_b_input=bi, flops_w=w,
+                    flops_recompute=recompute_flops(spec, recompute, tp, moe, parallel),
+                    params=block_params(spec, tp, moe, parallel),
+                    act_bytes=block_activation_bytes(spec, recompute, dropout, tp, sp, moe, parallel),
+                    act_w_bytes=block_weight_grad_bytes(spec, tp, sp, moe, parallel), out_bytes=boundary_bytes(spec))
+    kinds = {moe: block(moe) for moe in {is_moe_block(spec, i) for i in range(spec.layers)}}
+    blocks = [Layer(f"block{i}", "block", **kinds[is_moe_block(spec, i)]) for i in range(spec.layers)]
     return [embedding_layer(spec, dropout, tp, sp), *blocks, head_layer(spec, tp, sp)]
 
 
@@ -258,6 +343,12 @@ def model_params(spec: ModelSpec, tied_embeddings: bool | None = None) -> int:
     if spec.tied if tied_embeddings is None else tied_embeddings:
         total -= spec.vocab * spec.hidden
     return total
+
+
+def active_params(spec: ModelSpec, tied_embeddings: bool | None = None) -> int:
+    """Parameters one token passes through: :func:`model_params` less, in every MoE block, the
+    routed experts it is not sent to (E - k of them); = :func:`model_params` for a dense model."""
+    return model_params(spec, tied_embeddings) - spec.moe_layers * (moe_mlp_params(spec) - moe_mlp_active_params(spec))
 
 
 def model_flops(spec: ModelSpec, recompute: str = "none") -> float:
@@ -400,6 +491,7 @@ class TransformerCostModel:
     tp_group: TensorParallelGroup | None = None
     replicas: int = 1
     grad_accumulation: str = "fused"
+    expert_group: ExpertGroup | None = None
 
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
@@ -422,6 +514,15 @@ class TransformerCostModel:
         if self.parallel.tp > 1 and (self.tp_group is None or self.tp_group.size != self.parallel.tp):
             raise SpecError(f"tensor parallel {self.parallel.tp} needs the group's links "
                             f"(tp_group of size {self.parallel.tp})")
+        check_expert_parallel(self.model, self.parallel, self.replicas)
+        edp = expert_data_parallel(self.parallel, self.replicas) if self.model.is_moe else 1
+        group = self.expert_group
+        if (self.parallel.ep > 1 or edp > 1) and (group is None or group.ep != self.parallel.ep):
+            raise SpecError(f"expert parallel {self.parallel.ep} (EDP {edp}) needs the group's links "
+                            f"(expert_group of {self.parallel.ep})")
+        if self.compute == "kernels" and (self.model.is_moe or self.model.is_mla):
+            raise SpecError(f"the kernel cost model prices dense gpt and llama blocks; {self.model.name} has "
+                            f"{'experts' if self.model.is_moe else 'latent attention'}: use --cost-model linear")
         self.flop_rate()   # fail fast on a device without a peak (e.g. cpu: use a calibration profile)
 
     @property
@@ -451,7 +552,7 @@ class TransformerCostModel:
 
     def layers(self) -> list[Layer]:
         par = self.parallel
-        return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel)
+        return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel, par)
 
     def static_split(self) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per parameter held on one GPU (ZeRO-1: the
@@ -506,6 +607,12 @@ class TransformerCostModel:
             f = tuple(join(x, c) for x, (c, _) in zip(f, comm))
             b_in = tuple(join(x, c) for x, (_, c) in zip(b_in, comm))
         w_b, g_b, o_b = self.static_split()
+        moe = {}
+        if self.model.is_moe:
+            a2a_f, a2a_b = self.all_to_all_times()
+            f = tuple(x + y for x, y in zip(f, a2a_f))
+            b_in = tuple(x + y for x, y in zip(b_in, a2a_b))
+            moe = self._expert_memory(L)
         return LayerCosts(
             f=f,
             b_input=b_in,
@@ -518,7 +625,57 @@ class TransformerCostModel:
             grad_bytes_per_param=self.grad_bytes * self.parallel.tp,
             optim_time_per_param=self.optim_time_per_param(),
             copy_time=self.copy_time(),
+            **moe,
         )
+
+    # ------------------------------------------------------------------ mixtures of experts
+    def moe_share(self):
+        """One GPU's share of a MoE block's MLP (:func:`cost_models.moe.moe_share`)."""
+        return moe_share(self.model, self.parallel)
+
+    def a2a_times(self) -> tuple[float, float]:
+        """Seconds of one MoE block's dispatch and combine all-to-alls on the expert group (0 with
+        EP = 1: the experts are local)."""
+        if self.expert_group is None:
+            return 0.0, 0.0
+        share = self.moe_share()
+        return self.expert_group.time(share.dispatch_bytes), self.expert_group.time(share.combine_bytes)
+
+    def all_to_all_times(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per layer, the all-to-all seconds in F (dispatch + combine) and in the input backward (their
+        gradients, and the forward's again under full recomputation): 0 but in MoE blocks."""
+        disp, comb = self.a2a_times()
+        one = disp + comb
+        back = one * (2 if self.parallel.recompute == "full" else 1)
+        moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
+        return tuple(one if m else 0.0 for m in moe), tuple(back if m else 0.0 for m in moe)
+
+    def _expert_memory(self, L: list[Layer]) -> dict:
+        """The LayerCosts fields of a MoE model's unlike parameters: its routed experts' optimizer
+        state sharded over EDP with ZeRO-1 (the dense part's over R), their gradients all-reduced
+        over EDP at the step's end (its ring time and the optimizer's share), and the pipeline's
+        all-reduce of the dense part only."""
+        par, R = self.parallel, self.replicas
+        w, g, o = self.static_split()
+        o_full = o * R if par.zero else o
+        edp = expert_data_parallel(par, R)
+        o_exp = o_full / edp if par.zero else o_full
+        expert = self.moe_share().params_expert
+        moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
+        mine = [expert if m else 0 for m in moe]
+        static = tuple((l.params - e) * (w + g + o) + e * (w + g + o_exp) for l, e in zip(L, mine))
+        per_param = self.optim_time_per_param()
+        shard = edp if par.zero else 1
+        touched = self.optimizer_bytes_touched / shard if self.optimizer_bytes_touched is not None else \
+            (g + w) / shard + 2 * o_exp
+        exp_rate = touched / self.device.memory_bandwidth if self.device.memory_bandwidth else 0.0
+        reduce = 0.0
+        if edp > 1 and self.expert_group is not None:
+            group = range(0, edp * par.ep * par.etp, par.ep * par.etp)
+            reduce = allreduce_time(self.expert_group.cluster, group, expert * self.grad_bytes)
+        optim = tuple((l.params - e) * per_param + e * exp_rate + (reduce if e else 0.0) for l, e in zip(L, mine))
+        return dict(static_bytes=static, optim_time=optim,
+                    reduced_params=tuple(float(l.params - e) for l, e in zip(L, mine)))
 
     def partition_for(self, num_stages: int) -> tuple[int, ...]:
         return self.partition if self.partition is not None else default_partition(self.model.layers, num_stages)
@@ -548,7 +705,8 @@ class TransformerCostModel:
         if self.parallel.recompute != "none" and m.layers:
             layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp) - \
                 block_activation_bytes(m, self.parallel.recompute, self.uses_dropout, tp, sp)
-        return layer + 2 * boundary_bytes(m) / tp
+        buffers = 2 * self.moe_share().dispatch_bytes if m.is_moe and self.parallel.ep > 1 else 0.0
+        return layer + 2 * boundary_bytes(m) / tp + buffers
 
     def bind(self, sched) -> StageCosts:
         """The costs of ``sched``, with their floor: every op's FLOPs at the device's peak

@@ -137,6 +137,36 @@ def _rows() -> dict[str, Option]:
                           type=positive_int)),
         ("seq_len", O(("--seq-len",), "Parallel.seq_len", "training sequence length (default: the model's; a "
                       "Hugging Face config's max_position_embeddings)", type=positive_int, metavar="S")),
+        # ---- Parallel: mixtures of experts (cost_models.moe)
+        ("ep", O(("--ep",), "Parallel.ep", "expert-parallel size E: GPUs that split each MoE block's experts, folded "
+                 "onto the stage's T x R GPUs as Megatron-LM does (E x ETP divides T x R; default 1)",
+                 type=positive_int)),
+        ("etp", O(("--etp",), "Parallel.etp", "expert tensor-parallel size: GPUs that split each expert (default 1)",
+                  type=positive_int)),
+        ("expert_imbalance", O(("--expert-imbalance",), "Parallel.expert_imbalance",
+                               "tokens on the busiest expert-parallel rank / the mean (default 1: balanced); it "
+                               "sets the pace of the experts' GEMMs and all-to-alls", type=float_in(1.0, 1e6),
+                               metavar="RATIO")),
+        ("capacity_factor", O(("--capacity-factor",), "Parallel.capacity_factor",
+                              "drop the tokens beyond this many times an expert rank's mean (default 0: dropless)",
+                              type=nonneg_float, metavar="C")),
+        ("fp8_dispatch", O(("--fp8-dispatch",), "Parallel.fp8_dispatch",
+                           "the all-to-all dispatch in 1-byte fp8 (the combine stays 16-bit)", action="store_true")),
+        ("a2a_hierarchical", O(("--a2a-hierarchical",), "Parallel.a2a_hierarchical",
+                               "the expert all-to-all as DeepEP runs it: a token crosses the fabric once per remote "
+                               "node holding one of its experts, then fans out on NVLink", action="store_true")),
+        ("route_nodes", O(("--route-nodes",), "Parallel.route_nodes",
+                          "with --a2a-hierarchical: node-limited routing, each token to experts on at most M nodes "
+                          "(DeepSeek-V3: 4; default 0: any)", type=nonneg_int, metavar="M")),
+        ("overlap_fb", O(("--overlap-fb",), "Parallel.overlap_fb",
+                         "an F and the B of another micro-batch placed back to back on a device run overlapped, "
+                         "each one's expert all-to-alls behind the other's compute (DualPipe's overlap; dualpipe-v "
+                         "places such pairs, any other schedule pairs an F with the B right after it)",
+                         action="store_true")),
+        ("overlap_sm_share", O(("--overlap-sm-share",), "Parallel.overlap_sm_share",
+                               "with --overlap-fb: the share of the GPU the communication kernels take while they "
+                               "run (default 20/132, DeepSeek's 20 of 132 SMs)", type=float_in(0.0, 0.99),
+                               metavar="SHARE")),
         # ---- Job: the model, the cluster and where the costs come from
         ("model", O(("--model", "-m"), "Job.model",
                     "model preset, YAML file or Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2; 'pipetwin "
@@ -332,10 +362,12 @@ def use(key: str, grammar: str = SCALAR, **kw) -> Use:
     return Use(key, grammar, **kw)
 
 
+MOE_OPTIONS = ("ep", "etp", "expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hierarchical", "route_nodes",
+               "overlap_fb", "overlap_sm_share")
 _LAYOUT = ("schedule_file", "devices", "microbatches", "chunks", "variant", "dp", "tp", "memory_limit", "no_eager")
 _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "nodes", "fabric", "oversubscription",
           "nodes_per_leaf", "profile", "stage_costs", "partition", "device_map", "recompute", "sequence_parallel",
-          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len")
+          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len", *MOE_OPTIONS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "
