@@ -36,7 +36,7 @@ from .base import PerLayerCostModel, StageCosts, UnitCostModel
 from .profile import CalibrationProfile, load_profile, scaled_layer_costs
 from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
-from .kernels import COST_MODELS
+from .kernels import COST_MODELS, check_priced, unpriced
 from .model_spec import ModelSpec, load_model
 from .stage_costs import StageTimes, load_stage_costs
 from .stack import is_model_ref, same_model_ref
@@ -82,16 +82,19 @@ class CostInputs:
 
 def cost_model_for(choice: str | None, device, profile: bool, model: ModelSpec | None = None) -> str:
     """The cost model to use: the one asked for, else linear for profiles, for devices without
-    kernel constants and for blocks the kernel model does not price (experts, latent attention:
-    ``model``), kernels otherwise."""
+    kernel constants and for blocks the kernel model does not price (``model``:
+    :func:`cost_models.kernels.unpriced`: experts, latent attention, other head sizes), kernels
+    otherwise. Kernels asked for such a block are refused in one line."""
     if choice is not None:
         if choice not in COST_MODELS:
             raise ValueError(f"--cost-model must be one of {', '.join(COST_MODELS)}; got {choice!r}")
         if choice == "kernels" and device.kernels is None:
             raise ValueError(f"--cost-model kernels needs the device's kernel constants; {device.name} has none "
                              f"(add a 'kernels:' block to its YAML, or use --cost-model linear)")
+        if choice == "kernels" and model is not None:
+            check_priced(model)
         return choice
-    if profile or device.kernels is None or (model is not None and (model.is_moe or model.is_mla)):
+    if profile or device.kernels is None or (model is not None and unpriced(model) is not None):
         return "linear"
     return "kernels"
 

@@ -152,7 +152,8 @@ def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
         job["model"] = DEFAULT_MODEL
     if inputs.cluster is not None and base.source != "profile":
         job["cluster"]["name"] = job["cluster"]["name"] or DEFAULT_CLUSTER
-        job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile")
+        job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile",
+                                           inputs.model if inputs.kind == "transformer" else None)
     job["parallel"] = {k: v for k, v in job["parallel"].items() if k not in ("micro_batch", "zero", "recompute", "tp")}
     job["layout"] = {k: v for k, v in job["layout"].items() if k not in ("schedule", "devices", "microbatches",
                                                                          "replicas")}

@@ -218,3 +218,43 @@ def test_presets_report_total_and_active(capsys):
     assert set(rec) == {"models", "paper_models"} and "vgg-19" in rec["paper_models"]
     assert dataclasses.asdict(cm.load_model("deepseek-v3")) == \
         {k: v for k, v in models["deepseek-v3"].items() if k not in ("parameters", "active_parameters")}
+
+
+# ---------------------------------------------------------------------------- the kernel cost model
+@pytest.mark.parametrize("model,why", [
+    ("mixtral-8x7b", "experts"), ("deepseek-v3", "experts"),
+    (str(HF / "Qwen3-32B" / "config.json"), "heads of 128 (not hidden / heads = 80)"),
+])
+def test_kernel_model_refuses_blocks_it_does_not_price(model, why):
+    """The kernel model prices dense blocks of hidden / heads wide heads: MoE, MLA and Qwen3's heads
+    default to the linear model and refuse --cost-model kernels in one line."""
+    from cost_models.bind import cost_model_for
+    from cost_models.kernels import block_shape, unpriced
+    spec = cm.load_model(model)
+    h100 = cm.load_device("h100")
+    assert h100.kernels is not None and unpriced(spec) == why
+    assert cost_model_for(None, h100, False, spec) == "linear"
+    assert cost_model_for(None, h100, False, cm.load_model("llama3-8b")) == "kernels"
+    message = (f"--cost-model kernels prices dense gpt, bert and llama blocks; model {spec.name} has {why}: use "
+               f"--cost-model linear (the default for it)")
+    for refuse in (lambda: cost_model_for("kernels", h100, False, spec), lambda: block_shape(spec)):
+        with pytest.raises(ValueError) as e:
+            refuse()
+        assert str(e.value) == message
+    assert unpriced(cm.load_model("qwen3-30b-a3b").replace(experts=0, top_k=0, expert_ffn=None)) == \
+        "heads of 128 (not hidden / heads = 64)"
+    assert unpriced(cm.load_model(str(HF / "Qwen3-32B" / "config.json")).replace(head_size=80)) == "query/key norms"
+
+
+def test_cli_cost_model_default_and_refusal(capsys):
+    """simulate and plan --search dapple take the linear model for a MoE preset by default, and
+    refuse --cost-model kernels with one line."""
+    rc = main(["simulate", "-s", "1f1b", "-D", "4", "-N", "8", "-m", "qwen3-30b-a3b", "--cluster", "dgx-h100-4x8-ib",
+               "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["cost_model"] == "linear"
+    for cmd in (["simulate", "-s", "1f1b", "-D", "4", "-N", "8"], ["plan", "--search", "dapple", "--global-batch", "32",
+                                                                  "--no-progress"]):
+        assert main([*cmd, "-m", "qwen3-30b-a3b", "--cluster", "dgx-h100-4x8-ib", "--cost-model", "kernels"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == ("pipetwin: error: --cost-model kernels prices dense gpt, bert and llama blocks; model "
+                       "qwen3-30b-a3b has experts: use --cost-model linear (the default for it)")
