@@ -733,19 +733,11 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
 
 def unpriced(spec: "ModelSpec") -> str | None:
     """What of ``spec``'s block this model does not price, in words (None: it prices the whole
-    block). Its families are dense blocks whose heads are hidden / heads wide: a mixture of experts,
-    multi-head latent attention, another head size or Qwen3's per-head query/key norms are not
-    among their slots (the linear model, :class:`cost_models.transformer.TransformerCostModel`,
-    prices them)."""
-    if spec.is_moe:
-        return "experts"
-    if spec.is_mla:
-        return "latent attention"
-    if spec.head_dim * spec.heads != spec.hidden:
-        return f"heads of {spec.head_dim} (not hidden / heads = {spec.hidden / spec.heads:g})"
-    if spec.qk_norm:
-        return "query/key norms"
-    return None
+    block): its families are plain dense blocks, so the first of
+    :attr:`cost_models.model_spec.ModelSpec.beyond_dense` (experts, latent attention, another head
+    size, q/k norms; the linear model, :class:`cost_models.transformer.TransformerCostModel`, prices
+    them)."""
+    return spec.beyond_dense[0] if spec.beyond_dense else None
 
 
 def check_priced(spec: "ModelSpec") -> None:
