@@ -496,6 +496,12 @@ class TransformerCostModel:
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
             raise SpecError(f"parallel must be a cost_models.parallel.Parallel; got {self.parallel!r}")
+        if self.parallel.precision is not None:       # the job's, where this model was not given one
+            if self.precision not in (None, self.parallel.precision):
+                raise SpecError(f"precision {self.precision!r} differs from the job's --precision "
+                                f"{self.parallel.precision}; give one")
+            object.__setattr__(self, "precision", self.parallel.precision)
+            self.device.peak(self.precision)            # one line naming the device's precisions
         # the job's micro-batch and sequence length, applied to the model once
         object.__setattr__(self, "model", self.parallel.sized(self.model))
         if self.grad_accumulation not in GRAD_ACCUMULATION:
@@ -545,6 +551,17 @@ class TransformerCostModel:
             return "fp32"
         raise SpecError(f"model {self.model.name!r}: no default precision for dtype_bytes "
                         f"{self.model.dtype_bytes}; pass precision=")
+
+    def _attention_in_16_bits(self, L: list[Layer], f, b_in, rate: float):
+        """fp8 runs the linear layers' GEMMs in 8 bits; the attention core (QK^T, x V) stays in 16
+        (DeepSeek-V3, Transformer Engine): each block's core FLOPs at the 16-bit rate instead."""
+        slow = self.device.achievable_flops("bf16" if self.device.has("bf16") else "fp16")
+        core = _attention_core_flops(self.model) / self.parallel.tp
+        extra = core * (1 / slow - 1 / rate)
+        again = {"none": 0, "selective": 1, "full": 1}[self.parallel.recompute]
+        blocks = [l.kind == "block" for l in L]
+        return (tuple(x + extra if blk else x for x, blk in zip(f, blocks)),
+                tuple(x + (2 + again) * extra if blk else x for x, blk in zip(b_in, blocks)))
 
     def flop_rate(self) -> float:
         """Achievable FLOP/s: the device's peak at the precision times its efficiency."""
@@ -601,6 +618,8 @@ class TransformerCostModel:
             f = tuple(l.flops_f / rate for l in L)
             b_in = tuple((l.flops_b_input + l.flops_recompute) / rate for l in L)
             w = tuple(l.flops_w / rate for l in L)
+            if self.resolved_precision() == "fp8":
+                f, b_in = self._attention_in_16_bits(L, f, b_in, rate)
         if self.parallel.tp > 1:
             comm = self.collective_times()
             join = max if self.parallel.tp_overlap else (lambda x, y: x + y)

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
 from cost_models.kernels import COST_MODELS
-from cost_models.parallel import RECOMPUTE, ZERO_STAGES
+from cost_models.parallel import PRECISIONS, RECOMPUTE, ZERO_STAGES
 from cost_models.profile import BUSY_CORES
 from schedules import families, names
 from executor.choices import DEVICES, DTYPES, OPTIMIZERS
@@ -137,6 +137,10 @@ def _rows() -> dict[str, Option]:
                           type=positive_int)),
         ("seq_len", O(("--seq-len",), "Parallel.seq_len", "training sequence length (default: the model's; a "
                       "Hugging Face config's max_position_embeddings)", type=positive_int, metavar="S")),
+        ("precision", O(("--precision",), "Parallel.precision",
+                        "the GEMMs' number format (default: the model's, bf16 for 16-bit models); fp8 runs the "
+                        "linear layers at the device's fp8 peak, the attention core in 16 bits",
+                        choices=tuple(PRECISIONS))),
         # ---- Parallel: mixtures of experts (cost_models.moe)
         ("ep", O(("--ep",), "Parallel.ep", "expert-parallel size E: GPUs that split each MoE block's experts, folded "
                  "onto the stage's T x R GPUs as Megatron-LM does (E x ETP divides T x R; default 1)",
@@ -367,7 +371,7 @@ MOE_OPTIONS = ("ep", "etp", "expert_imbalance", "capacity_factor", "fp8_dispatch
 _LAYOUT = ("schedule_file", "devices", "microbatches", "chunks", "variant", "dp", "tp", "memory_limit", "no_eager")
 _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "nodes", "fabric", "oversubscription",
           "nodes_per_leaf", "profile", "stage_costs", "partition", "device_map", "recompute", "sequence_parallel",
-          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len", *MOE_OPTIONS)
+          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len", "precision", *MOE_OPTIONS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "

@@ -164,3 +164,20 @@ def test_expert_parallel_across_nodes_costs_more_than_inside(tmp_path):
     across = _simulate(16, 4, str(f))
     assert across.bound.report["a2a_per_moe_layer"] > 2 * inside.bound.report["a2a_per_moe_layer"]
     assert across.result.iteration_time > inside.result.iteration_time
+
+
+def test_fp8_runs_the_linear_layers_at_the_fp8_peak_and_the_attention_core_in_16_bits():
+    from cost_models.transformer import _attention_core_flops, transformer_layers
+    c = load_cluster("dgx-h100-ib:1")
+    m = ModelSpec(name="d", kind="llama", layers=2, hidden=1024, heads=8, vocab=1000, seq_len=2048)
+    fp8 = TransformerCostModel(m, c.device, parallel=Parallel(precision="fp8"))
+    r8, r16 = c.device.achievable_flops("fp8"), c.device.achievable_flops("bf16")
+    blk = transformer_layers(m)[1]
+    core = _attention_core_flops(m)
+    lc = fp8.layer_costs()
+    assert lc.f[1] == pytest.approx((blk.flops_f - core) / r8 + core / r16, rel=1e-12)
+    assert lc.b_input[1] == pytest.approx((blk.flops_b_input - 2 * core) / r8 + 2 * core / r16, rel=1e-12)
+    assert lc.w[1] == pytest.approx(blk.flops_w / r8, rel=1e-12)
+    assert lc.f[-1] == pytest.approx(transformer_layers(m)[-1].flops_f / r8, rel=1e-12)   # the head: a GEMM
+    with pytest.raises(ValueError, match="--precision must be one of"):
+        Parallel(precision="int4")
