@@ -49,7 +49,9 @@ class Parallel:
     beyond that many times the mean (0: dropless); ``fp8_dispatch`` sends the dispatch in 1-byte
     elements; ``a2a_hierarchical`` runs the all-to-all as DeepEP does (once per remote node, then
     NVLink), with ``route_nodes`` M > 0 DeepSeek-V3's node-limited routing (at most M nodes per
-    token). ``overlap_fb``: an F and the B of another micro-batch placed back to back on a device
+    token). ``expert_load``: tokens routed to each expert (a measured histogram, in place of
+    ``expert_imbalance``: the busiest rank's share follows from which experts each EP rank holds).
+    ``overlap_fb``: an F and the B of another micro-batch placed back to back on a device
     run overlapped, each one's all-to-alls behind the other's compute (DualPipe's overlap), the
     communication kernels taking ``overlap_sm_share`` of the GPU (DeepSeek: 20 of 132 SMs).
 
@@ -74,6 +76,7 @@ class Parallel:
     overlap_fb: bool = False
     overlap_sm_share: float = 20 / 132
     precision: str | None = None
+    expert_load: tuple[float, ...] | None = None
 
     def __post_init__(self):
         _whole(self.tp, "--tp")
@@ -107,6 +110,17 @@ class Parallel:
                 raise ValueError(f"{option_name(name)} must be {what}; got {v!r}")
         if 0 < self.capacity_factor < 1:
             raise ValueError(f"--capacity-factor must be 0 (dropless) or a factor >= 1; got {self.capacity_factor!r}")
+        if self.expert_load is not None:
+            load = self.expert_load
+            if isinstance(load, (str, bytes)) or not hasattr(load, "__iter__"):
+                raise ValueError(f"--expert-load must be tokens per expert (a list of numbers); got {load!r}")
+            load = tuple(load)
+            if not load or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                               or v < 0 for v in load) or not sum(load):
+                raise ValueError("--expert-load must list tokens per expert: numbers >= 0, not all 0")
+            if self.expert_imbalance != 1.0:
+                raise ValueError("give --expert-imbalance or --expert-load, not both (the load sets the imbalance)")
+            object.__setattr__(self, "expert_load", tuple(float(v) for v in load))
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         v = self.overlap_sm_share
