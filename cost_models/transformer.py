@@ -669,6 +669,34 @@ class TransformerCostModel:
         moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
         return tuple(one if m else 0.0 for m in moe), tuple(back if m else 0.0 for m in moe)
 
+    def layer_segments(self, lc: LayerCosts) -> tuple[list[list[tuple[str, float]]], list[list[tuple[str, float]]]]:
+        """Per layer, its F and its input backward as segments in order, ("compute" | "comm",
+        seconds), summing to ``lc.f`` / ``lc.b_input``: a MoE block's F is the attention and the
+        router, the dispatch, the experts (routed and shared), the combine; its B the combine's
+        gradient, the experts' input gradients, the dispatch's gradient, the attention's (after
+        the re-run forward's four under full recomputation); any other layer one compute segment.
+        (The split DualPipe overlaps, :class:`cost_models.base.OpPhases`.)"""
+        disp, comb = self.a2a_times()
+        share = self.moe_share() if self.model.is_moe else None
+        experts = 0.0
+        if share is not None:
+            experts = (share.flops_expert + 2.0 * self.model.micro_batch * self.model.seq_len / self.parallel.tp
+                       * 3 * self.model.hidden * self.model.shared_ffn) / self.flop_rate()
+        full = self.parallel.recompute == "full"
+        fs, bs = [], []
+        for i, (f, b) in enumerate(zip(lc.f, lc.b_input)):
+            if not (0 < i <= self.model.layers and is_moe_block(self.model, i - 1)):
+                fs.append([("compute", f)])
+                bs.append([("compute", b)])
+                continue
+            pre = f - disp - comb - experts
+            fwd = [("compute", pre), ("comm", disp), ("compute", experts), ("comm", comb)]
+            rest = b - (disp + comb) - experts - (f if full else 0.0)
+            bs.append((fwd if full else []) + [("comm", comb), ("compute", experts), ("comm", disp),
+                                              ("compute", rest)])
+            fs.append(fwd)
+        return fs, bs
+
     def _expert_memory(self, L: list[Layer]) -> dict:
         """The LayerCosts fields of a MoE model's unlike parameters: its routed experts' optimizer
         state sharded over EDP with ZeRO-1 (the dense part's over R), their gradients all-reduced
@@ -722,8 +750,9 @@ class TransformerCostModel:
         m, tp, sp = self.model, self.parallel.tp, self.parallel.sequence_parallel
         layer = 0.0
         if self.parallel.recompute != "none" and m.layers:
-            layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp) - \
-                block_activation_bytes(m, self.parallel.recompute, self.uses_dropout, tp, sp)
+            moe, par = is_moe_block(m, m.layers - 1), self.parallel
+            layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp, moe, par) - \
+                block_activation_bytes(m, par.recompute, self.uses_dropout, tp, sp, moe, par)
         buffers = 2 * self.moe_share().dispatch_bytes if m.is_moe and self.parallel.ep > 1 else 0.0
         return layer + 2 * boundary_bytes(m) / tp + buffers
 
