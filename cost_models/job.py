@@ -414,7 +414,8 @@ class Job:
         # a profile's TP layers were measured without sequence parallelism or overlap (all-reduces on F and B)
         given = [f for f, v in (("--tp", par.tp > 1 and self.source != "profile"), ("--zero", par.zero),
                                 ("--seq-len", par.seq_len), ("--sequence-parallel", par.sequence_parallel),
-                                ("--tp-overlap", par.tp_overlap)) if v] + moe_knobs_given(par)
+                                ("--tp-overlap", par.tp_overlap), ("--precision", par.precision)) if v] + \
+            moe_knobs_given(par)
         if given and self.source != "transformer":
             verb = "acts" if len(given) == 1 else "act"
             raise ValueError(f"{' and '.join(given)} {verb} on a model's formulas: use --model/--cluster costs "

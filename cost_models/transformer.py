@@ -496,6 +496,12 @@ class TransformerCostModel:
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
             raise SpecError(f"parallel must be a cost_models.parallel.Parallel; got {self.parallel!r}")
+        if self.parallel.precision is not None:       # the job's, where this model was not given one
+            if self.precision not in (None, self.parallel.precision):
+                raise SpecError(f"precision {self.precision!r} differs from the job's --precision "
+                                f"{self.parallel.precision}; give one")
+            object.__setattr__(self, "precision", self.parallel.precision)
+            self.device.peak(self.precision)            # one line naming the device's precisions
         # the job's micro-batch and sequence length, applied to the model once
         object.__setattr__(self, "model", self.parallel.sized(self.model))
         if self.grad_accumulation not in GRAD_ACCUMULATION:
@@ -545,6 +551,17 @@ class TransformerCostModel:
             return "fp32"
         raise SpecError(f"model {self.model.name!r}: no default precision for dtype_bytes "
                         f"{self.model.dtype_bytes}; pass precision=")
+
+    def _attention_in_16_bits(self, L: list[Layer], f, b_in, rate: float):
+        """fp8 runs the linear layers' GEMMs in 8 bits; the attention core (QK^T, x V) stays in 16
+        (DeepSeek-V3, Transformer Engine): each block's core FLOPs at the 16-bit rate instead."""
+        slow = self.device.achievable_flops("bf16" if self.device.has("bf16") else "fp16")
+        core = _attention_core_flops(self.model) / self.parallel.tp
+        extra = core * (1 / slow - 1 / rate)
+        again = {"none": 0, "selective": 1, "full": 1}[self.parallel.recompute]
+        blocks = [l.kind == "block" for l in L]
+        return (tuple(x + extra if blk else x for x, blk in zip(f, blocks)),
+                tuple(x + (2 + again) * extra if blk else x for x, blk in zip(b_in, blocks)))
 
     def flop_rate(self) -> float:
         """Achievable FLOP/s: the device's peak at the precision times its efficiency."""
@@ -601,6 +618,8 @@ class TransformerCostModel:
             f = tuple(l.flops_f / rate for l in L)
             b_in = tuple((l.flops_b_input + l.flops_recompute) / rate for l in L)
             w = tuple(l.flops_w / rate for l in L)
+            if self.resolved_precision() == "fp8":
+                f, b_in = self._attention_in_16_bits(L, f, b_in, rate)
         if self.parallel.tp > 1:
             comm = self.collective_times()
             join = max if self.parallel.tp_overlap else (lambda x, y: x + y)
@@ -649,6 +668,34 @@ class TransformerCostModel:
         back = one * (2 if self.parallel.recompute == "full" else 1)
         moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
         return tuple(one if m else 0.0 for m in moe), tuple(back if m else 0.0 for m in moe)
+
+    def layer_segments(self, lc: LayerCosts) -> tuple[list[list[tuple[str, float]]], list[list[tuple[str, float]]]]:
+        """Per layer, its F and its input backward as segments in order, ("compute" | "comm",
+        seconds), summing to ``lc.f`` / ``lc.b_input``: a MoE block's F is the attention and the
+        router, the dispatch, the experts (routed and shared), the combine; its B the combine's
+        gradient, the experts' input gradients, the dispatch's gradient, the attention's (after
+        the re-run forward's four under full recomputation); any other layer one compute segment.
+        (The split DualPipe overlaps, :class:`cost_models.base.OpPhases`.)"""
+        disp, comb = self.a2a_times()
+        share = self.moe_share() if self.model.is_moe else None
+        experts = 0.0
+        if share is not None:
+            experts = (share.flops_expert + 2.0 * self.model.micro_batch * self.model.seq_len / self.parallel.tp
+                       * 3 * self.model.hidden * self.model.shared_ffn) / self.flop_rate()
+        full = self.parallel.recompute == "full"
+        fs, bs = [], []
+        for i, (f, b) in enumerate(zip(lc.f, lc.b_input)):
+            if not (0 < i <= self.model.layers and is_moe_block(self.model, i - 1)):
+                fs.append([("compute", f)])
+                bs.append([("compute", b)])
+                continue
+            pre = f - disp - comb - experts
+            fwd = [("compute", pre), ("comm", disp), ("compute", experts), ("comm", comb)]
+            rest = b - (disp + comb) - experts - (f if full else 0.0)
+            bs.append((fwd if full else []) + [("comm", comb), ("compute", experts), ("comm", disp),
+                                              ("compute", rest)])
+            fs.append(fwd)
+        return fs, bs
 
     def _expert_memory(self, L: list[Layer]) -> dict:
         """The LayerCosts fields of a MoE model's unlike parameters: its routed experts' optimizer
@@ -703,8 +750,9 @@ class TransformerCostModel:
         m, tp, sp = self.model, self.parallel.tp, self.parallel.sequence_parallel
         layer = 0.0
         if self.parallel.recompute != "none" and m.layers:
-            layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp) - \
-                block_activation_bytes(m, self.parallel.recompute, self.uses_dropout, tp, sp)
+            moe, par = is_moe_block(m, m.layers - 1), self.parallel
+            layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp, moe, par) - \
+                block_activation_bytes(m, par.recompute, self.uses_dropout, tp, sp, moe, par)
         buffers = 2 * self.moe_share().dispatch_bytes if m.is_moe and self.parallel.ep > 1 else 0.0
         return layer + 2 * boundary_bytes(m) / tp + buffers
 

@@ -140,6 +140,16 @@ def _outdir(text: str):
 
 
 input_file = _file_type(_input)      # exists, is a file, is readable and not empty
+
+
+def expert_load_file(text: str) -> tuple[float, ...]:
+    """``--expert-load FILE``: the file's tokens per expert (:func:`cost_models.moe.read_expert_load`)."""
+    from cost_models.files import FileError
+    from cost_models.moe import read_expert_load
+    try:
+        return read_expert_load(input_file(text))
+    except FileError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 output_file = _file_type(_output)    # can be written (checked at parse time; created at write time)
 output_dir = _file_type(_outdir)     # can be created / written into
 

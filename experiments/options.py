@@ -25,14 +25,15 @@ from typing import Any, Callable
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
 from cost_models.kernels import COST_MODELS
-from cost_models.parallel import RECOMPUTE, ZERO_STAGES
+from cost_models.moe import MOE_KNOBS
+from cost_models.parallel import PRECISIONS, RECOMPUTE, ZERO_STAGES
 from cost_models.profile import BUSY_CORES
 from schedules import families, names
 from executor.choices import DEVICES, DTYPES, OPTIMIZERS
 from schedules.registry import ALIASES
 
-from .checks import (byte_size, factor_pair, float_in, input_file, int_in, memory_limit, nonneg_float, nonneg_int,
-                     output_dir, output_file, positive_float, positive_int)
+from .checks import (byte_size, expert_load_file, factor_pair, float_in, input_file, int_in, memory_limit,
+                     nonneg_float, nonneg_int, output_dir, output_file, positive_float, positive_int)
 
 SCALAR, LIST, AUTO = "scalar", "list", "auto"
 GRAMMARS = (SCALAR, LIST, AUTO)
@@ -137,6 +138,10 @@ def _rows() -> dict[str, Option]:
                           type=positive_int)),
         ("seq_len", O(("--seq-len",), "Parallel.seq_len", "training sequence length (default: the model's; a "
                       "Hugging Face config's max_position_embeddings)", type=positive_int, metavar="S")),
+        ("precision", O(("--precision",), "Parallel.precision",
+                        "the GEMMs' number format (default: the model's, bf16 for 16-bit models); fp8 runs the "
+                        "linear layers at the device's fp8 peak, the attention core in 16 bits",
+                        choices=tuple(PRECISIONS))),
         # ---- Parallel: mixtures of experts (cost_models.moe)
         ("ep", O(("--ep",), "Parallel.ep", "expert-parallel size E: GPUs that split each MoE block's experts, folded "
                  "onto the stage's T x R GPUs as Megatron-LM does (E x ETP divides T x R; default 1)",
@@ -147,6 +152,10 @@ def _rows() -> dict[str, Option]:
                                "tokens on the busiest expert-parallel rank / the mean (default 1: balanced); it "
                                "sets the pace of the experts' GEMMs and all-to-alls", type=float_in(1.0, 1e6),
                                metavar="RATIO")),
+        ("expert_load", O(("--expert-load",), "Parallel.expert_load",
+                          "a file of tokens routed to each expert (numbers separated by commas or spaces: a measured "
+                          "histogram), in place of --expert-imbalance: each EP rank's load is that of the experts it "
+                          "holds", type=expert_load_file, metavar="FILE")),
         ("capacity_factor", O(("--capacity-factor",), "Parallel.capacity_factor",
                               "drop the tokens beyond this many times an expert rank's mean (default 0: dropless)",
                               type=nonneg_float, metavar="C")),
@@ -362,12 +371,10 @@ def use(key: str, grammar: str = SCALAR, **kw) -> Use:
     return Use(key, grammar, **kw)
 
 
-MOE_OPTIONS = ("ep", "etp", "expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hierarchical", "route_nodes",
-               "overlap_fb", "overlap_sm_share")
 _LAYOUT = ("schedule_file", "devices", "microbatches", "chunks", "variant", "dp", "tp", "memory_limit", "no_eager")
 _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "nodes", "fabric", "oversubscription",
           "nodes_per_leaf", "profile", "stage_costs", "partition", "device_map", "recompute", "sequence_parallel",
-          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len", *MOE_OPTIONS)
+          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len", "precision", *MOE_KNOBS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "
