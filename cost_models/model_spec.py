@@ -179,9 +179,8 @@ class ModelSpec:
     @property
     def beyond_dense(self) -> tuple[str, ...]:
         """What the block has beyond a dense block of ``hidden / heads`` wide heads, in words:
-        experts, latent attention, another head size, q/k norms (empty for a plain block). The
-        kernel cost model (:func:`cost_models.kernels.unpriced`) and the executor build only plain
-        blocks."""
+        experts, latent attention, another head size, q/k norms (empty for a plain block): what the
+        kernel cost model does not price (:func:`cost_models.kernels.unpriced`)."""
         out = ("experts",) if self.is_moe else ()
         out += ("latent attention",) if self.is_mla else ()
         if self.head_dim * self.heads != self.hidden:

@@ -258,9 +258,6 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     spec = None if stack else config.spec()
     if spec is not None and spec.kind not in KINDS:
         raise ValueError(f"the executor trains GPT and Llama decoders; model {spec.name!r} is of kind {spec.kind!r}")
-    if spec is not None and spec.beyond_dense:
-        raise ValueError(f"the executor trains dense GPT and Llama blocks; model {spec.name!r} has "
-                         f"{', '.join(spec.beyond_dense)}: simulate or plan it instead")
     lay, par = config.layout, config.parallel
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)

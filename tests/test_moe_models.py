@@ -259,17 +259,3 @@ def test_cli_cost_model_default_and_refusal(capsys):
         assert err == ("pipetwin: error: --cost-model kernels prices dense gpt, bert and llama blocks; model "
                        "qwen3-30b-a3b has experts: use --cost-model linear (the default for it)")
 
-
-def test_executor_refuses_what_it_does_not_build(tmp_path, capsys):
-    """pipetwin run builds plain dense blocks: a MoE model (here a tiny one) or Qwen3's heads are
-    refused in one line instead of training a dense stand-in."""
-    tiny = dict(name="tinymoe", kind="llama", layers=4, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, seq_len=16,
-                vocab=64, dtype_bytes=4)
-    for extra, has in (({"experts": 4, "top_k": 2}, "experts"),
-                       ({"head_size": 16, "qk_norm": True}, "heads of 16 (not hidden / heads = 8), query/key norms")):
-        p = tmp_path / "m.yaml"
-        p.write_text(json.dumps({**tiny, **extra}))
-        assert cm.load_model(str(p)).beyond_dense == tuple(has.split(", "))
-        assert main(["run", "-s", "1f1b", "-D", "2", "-N", "4", "-m", str(p), "--steps", "1"]) == 2
-        assert capsys.readouterr().err.strip() == (f"pipetwin: error: the executor trains dense GPT and Llama blocks; "
-                                                   f"model 'tinymoe' has {has}: simulate or plan it instead")
