@@ -191,6 +191,10 @@ def test_config_expressible_layouts(tmp_path):
     full = model_params(cm.load_model(str(_write(tmp_path, "Qwen3-30B-A3B", {}))))
     dense_block = 3 * 2048 * 6144 - (128 * 3 * 2048 * 768 + 2048 * 128)      # dense MLP less the MoE MLP
     assert model_params(spec) == full + 2 * dense_block
+    data = json.loads((HF / "Qwen3-30B-A3B" / "config.json").read_text())
+    data["num_local_experts"] = data.pop("num_experts")     # newer transformers saves Qwen3-MoE's under this name
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert cm.load_model(str(tmp_path / "config.json")).experts == 128
     ds = cm.load_model(str(_write(tmp_path, "DeepSeek-V3", {"q_lora_rank": None, "v_head_dim": 128})))
     assert (ds.q_lora_rank, ds.v_head_size) == (0, None)
     # the query projection h x a(e + r) instead of h q_r + q_r (its norm) + q_r a(e + r), in each of 61 blocks
