@@ -30,6 +30,11 @@ these):
     (``num_nextn_predict_layers``) is not part of the main model and is not modelled: DeepSeek-V3
     is its 671 B-parameter main model. ``attention_bias`` true is refused.
 
+  The sizes are required (``first_k_dense_replace`` 0, ``n_shared_experts`` and
+  ``shared_expert_intermediate_size`` null or 0: none); ``decoder_sparse_step`` (1),
+  ``mlp_only_layers`` ([]), ``moe_layer_freq`` (1) and ``scoring_func`` (sigmoid) default as in
+  transformers.
+
   Both Qwen MoEs place their MoE blocks with ``decoder_sparse_step`` s (block i is a MoE when
   (i + 1) % s = 0) and ``mlp_only_layers`` (blocks kept dense, ``intermediate_size`` wide);
   pipetwin models the dense blocks as the first ``dense_layers``, so any other pattern (s = 2,
@@ -188,16 +193,23 @@ def _foreign_fields(data: dict, source: str, arch: str) -> None:
                             f"it: remove it or fix 'architectures'")
 
 
-def _whole(data: dict, source: str, name: str, default: int) -> int:
-    """An integer >= 0 (``default`` when absent or null)."""
-    v = data.get(name)
+def _whole(data: dict, source: str, name: str) -> int:
+    """A required integer >= 0; null is 0 (none: no shared expert, a full query projection)."""
+    if name not in data:
+        raise SpecError(f"{source}: missing field {name!r}")
+    v = data[name]
     if v is None:
-        return default
+        return 0
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise SpecError(f"{source}: field {name!r} must be a whole number >= 0; got {v!r}")
     return v
+
+
+def _interleaved(what: str) -> SpecError:
+    return SpecError(f"{what}; pipetwin models only leading dense blocks (the first dense_layers), so this MoE "
+                     f"layout cannot be expressed")
 
 
 def _qwen_dense_layers(data: dict, source: str, layers: int) -> int:
@@ -211,11 +223,9 @@ def _qwen_dense_layers(data: dict, source: str, layers: int) -> int:
                         f"got {only!r}")
     dense = sorted(set(only) | {i for i in range(layers) if (i + 1) % step})
     if dense != list(range(len(dense))):
-        why = (f"decoder_sparse_step {step} makes every {step}th block a MoE" if step > 1 else
-               f"mlp_only_layers {only} keeps block {next(i for i, j in enumerate(dense) if i != j)} MoE "
-               f"between dense ones")
-        raise SpecError(f"{source}: {why}; pipetwin models only leading dense blocks (the first dense_layers), "
-                        f"so this MoE layout cannot be expressed")
+        raise _interleaved(f"{source}: decoder_sparse_step {step} makes a MoE of block i only when (i + 1) % {step} "
+                           f"= 0" if step > 1 else f"{source}: mlp_only_layers {only} keeps block "
+                           f"{next(i for i, j in enumerate(dense) if i != j)} a MoE between dense ones")
     return len(dense)
 
 
@@ -252,7 +262,7 @@ def _llama_fields(data: dict, source: str, arch: str, seq_len: int | None) -> di
                       expert_ffn=_int(data, source, "moe_intermediate_size"),
                       dense_layers=_qwen_dense_layers(data, source, layers))
         if arch == "Qwen2MoeForCausalLM":
-            shared = _whole(data, source, "shared_expert_intermediate_size", 0)
+            shared = _whole(data, source, "shared_expert_intermediate_size")
             fields.update(shared_ffn=shared, shared_gate=shared > 0)
     return fields
 
@@ -267,14 +277,13 @@ def _deepseek_fields(data: dict, source: str) -> dict:
                         f"a per-expert bias to sigmoid scores); got {scoring!r}")
     freq = _int(data, source, "moe_layer_freq", default=1)
     if freq != 1:
-        raise SpecError(f"{source}: moe_layer_freq {freq} makes every {freq}th block a MoE; pipetwin models only "
-                        f"leading dense blocks (the first dense_layers), so this MoE layout cannot be expressed")
+        raise _interleaved(f"{source}: moe_layer_freq {freq} makes a MoE of one block in {freq} after the dense ones")
     width = _int(data, source, "moe_intermediate_size")
     nope = _int(data, source, "qk_nope_head_dim")
     v = _int(data, source, "v_head_dim")
     return dict(experts=_int(data, source, "n_routed_experts"), top_k=_int(data, source, "num_experts_per_tok"),
-                expert_ffn=width, shared_ffn=_whole(data, source, "n_shared_experts", 0) * width,
-                dense_layers=_whole(data, source, "first_k_dense_replace", 0), router="sigmoid",
-                kv_lora_rank=_int(data, source, "kv_lora_rank"), q_lora_rank=_whole(data, source, "q_lora_rank", 0),
+                expert_ffn=width, shared_ffn=_whole(data, source, "n_shared_experts") * width,
+                dense_layers=_whole(data, source, "first_k_dense_replace"), router="sigmoid",
+                kv_lora_rank=_int(data, source, "kv_lora_rank"), q_lora_rank=_whole(data, source, "q_lora_rank"),
                 rope_head_dim=_int(data, source, "qk_rope_head_dim"), head_size=nope,
                 v_head_size=None if v == nope else v)

@@ -146,9 +146,13 @@ def test_config_fields_mapped():
         (8, 2, 14336, 0, None, False)
 
 
+ABSENT = object()      # a field taken out of the config
+
+
 def _write(tmp_path, folder, change) -> Path:
     data = json.loads((HF / folder / "config.json").read_text())
     data.update(change)
+    data = {k: v for k, v in data.items() if v is not ABSENT}
     p = tmp_path / "config.json"
     p.write_text(json.dumps(data))
     return p
@@ -161,15 +165,19 @@ def _write(tmp_path, folder, change) -> Path:
     ("gpt2", {"n_routed_experts": 64}, "field 'n_routed_experts' is not read for GPT2LMHeadModel"),
     ("Mixtral-8x7B-v0.1", {"kv_lora_rank": 512}, "field 'kv_lora_rank' is not read for MixtralForCausalLM (it is "
                                                  "DeepseekV3ForCausalLM's)"),
-    ("Qwen3-30B-A3B", {"decoder_sparse_step": 2}, "decoder_sparse_step 2 makes every 2th block a MoE; pipetwin "
-                                                  "models only leading dense blocks (the first dense_layers), so "
-                                                  "this MoE layout cannot be expressed"),
-    ("Qwen3-30B-A3B", {"mlp_only_layers": [0, 2]}, "mlp_only_layers [0, 2] keeps block 1 MoE between dense ones"),
+    ("Qwen3-30B-A3B", {"decoder_sparse_step": 2}, "decoder_sparse_step 2 makes a MoE of block i only when (i + 1) "
+                                                  "% 2 = 0; pipetwin models only leading dense blocks (the first "
+                                                  "dense_layers), so this MoE layout cannot be expressed"),
+    ("Qwen3-30B-A3B", {"mlp_only_layers": [0, 2]}, "mlp_only_layers [0, 2] keeps block 1 a MoE between dense ones"),
     ("Qwen3-30B-A3B", {"mlp_only_layers": [48]}, "field 'mlp_only_layers' must be a list of block indices 0..47"),
     ("Qwen3-30B-A3B", {"num_experts_per_tok": None}, "missing field 'num_experts_per_tok'"),
     ("Qwen3-30B-A3B", {"num_experts_per_tok": 129}, "field 'top_k' must be 1..experts (128)"),
     ("DeepSeek-V3", {"scoring_func": "softmax"}, "field 'scoring_func' must be sigmoid for DeepseekV3ForCausalLM"),
-    ("DeepSeek-V3", {"moe_layer_freq": 2}, "moe_layer_freq 2 makes every 2th block a MoE"),
+    ("DeepSeek-V3", {"moe_layer_freq": 2}, "moe_layer_freq 2 makes a MoE of one block in 2 after the dense ones; "
+                                           "pipetwin models only leading dense blocks"),
+    ("DeepSeek-V3", {"first_k_dense_replace": ABSENT}, "missing field 'first_k_dense_replace'"),
+    ("Qwen1.5-MoE-A2.7B", {"shared_expert_intermediate_size": ABSENT}, "missing field "
+                                                                       "'shared_expert_intermediate_size'"),
     ("DeepSeek-V3", {"attention_bias": True}, "field 'attention_bias' true (biases on the latent projections) is "
                                               "not modelled"),
     ("DeepSeek-V3", {"n_shared_experts": -1}, "field 'n_shared_experts' must be a whole number >= 0; got -1"),
