@@ -40,10 +40,11 @@ these):
   pipetwin models the dense blocks as the first ``dense_layers``, so any other pattern (s = 2,
   or a dense block after a MoE) is refused with one line.
 
-A mixture-of-experts or latent-attention field of another architecture (e.g. ``num_local_experts``
-on a ``LlamaForCausalLM``, any of them on ``GPT2LMHeadModel``) is refused with one line, not ignored.
 * ``GPT2LMHeadModel`` -> kind ``gpt`` (``n_layer``, ``n_embd``, ``n_head``, ``n_inner`` or 4h,
   ``n_positions``), dropout when any of its dropout probabilities is above zero.
+
+A mixture-of-experts or latent-attention field of another architecture (e.g. ``num_local_experts``
+on a ``LlamaForCausalLM``, any of them on ``GPT2LMHeadModel``) is refused with one line, not ignored.
 
 Every config model trains with flash attention (``attention: flash``). The training sequence is
 ``seq_len`` when given (``--seq-len``), else the config's ``max_position_embeddings`` (GPT-2:
