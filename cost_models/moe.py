@@ -8,7 +8,7 @@ f_s; Qwen2-MoE gates it with a sigmoid, h parameters) (:class:`cost_models.model
 
 Expert parallelism folds the GPUs of a pipeline stage, as Megatron-LM does ("parallel folding"):
 the attention runs on T (tensor) x R (data) GPUs, the experts on ETP x EP x EDP = T x R GPUs of
-the same stage. Rules (:meth:`cost_models.job.Job.check`): EP x ETP divides T x R, EP divides E,
+the same stage. Rules (:func:`check_expert_parallel`): EP x ETP divides T x R, EP divides E,
 ETP divides f_e; with T > 1 sequence parallelism is on (Megatron-LM requires it with MoE).
 
 Per GPU and micro-batch (b sequences of s tokens, t = T; n = bs / t tokens a GPU owns)::
@@ -26,7 +26,7 @@ Per GPU and micro-batch (b sequences of s tokens, t = T; n = bs / t tokens a GPU
 The backward has the same GEMM FLOPs again for the inputs and again for the weights, and the same
 two all-to-alls (the combine's gradient is a dispatch and the other way round).
 
-The all-to-all of an EP group (:func:`all_to_all_time`): the group's GPUs are EP consecutive
+The all-to-all of an EP group (:class:`ExpertGroup`): the group's GPUs are EP consecutive
 members at stride ETP of the stage's T x R GPUs (Megatron's order: ETP innermost), so they span
 m = ceil(EP ETP / G) nodes of G GPUs, g = EP / m on each. A GPU sends a fraction (g - 1) / EP of
 its bytes over NVLink and (EP - g) / EP through its node's NICs (each GPU's share of them: the

@@ -82,7 +82,7 @@ from .base import LayerCosts, PerLayerCostModel, StageCosts, with_peak_floor
 from .cluster import Cluster
 from .comm import allreduce_time
 from .device import DeviceSpec
-from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, transformer_layer_times
+from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, check_priced, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
 from .moe import (ExpertGroup, check_expert_parallel, expert_data_parallel, moe_mlp_active_params, moe_mlp_params,
@@ -526,9 +526,8 @@ class TransformerCostModel:
         if (self.parallel.ep > 1 or edp > 1) and (group is None or group.ep != self.parallel.ep):
             raise SpecError(f"expert parallel {self.parallel.ep} (EDP {edp}) needs the group's links "
                             f"(expert_group of {self.parallel.ep})")
-        if self.compute == "kernels" and (self.model.is_moe or self.model.is_mla):
-            raise SpecError(f"the kernel cost model prices dense gpt and llama blocks; {self.model.name} has "
-                            f"{'experts' if self.model.is_moe else 'latent attention'}: use --cost-model linear")
+        if self.compute == "kernels":
+            check_priced(self.model)
         self.flop_rate()   # fail fast on a device without a peak (e.g. cpu: use a calibration profile)
 
     @property
@@ -675,7 +674,7 @@ class TransformerCostModel:
         router, the dispatch, the experts (routed and shared), the combine; its B the combine's
         gradient, the experts' input gradients, the dispatch's gradient, the attention's (after
         the re-run forward's four under full recomputation); any other layer one compute segment.
-        (The split DualPipe overlaps, :class:`cost_models.base.OpPhases`.)"""
+        (The split DualPipe overlaps: the simulator's op phases.)"""
         disp, comb = self.a2a_times()
         share = self.moe_share() if self.model.is_moe else None
         experts = 0.0

@@ -213,10 +213,9 @@ class RunConfig:
         """The model as this run trains it: ``micro_batch`` applied, ``dtype_bytes`` that of the
         run's precision (2 for bf16: the activations and messages the cost model counts)."""
         spec = self.parallel.sized(self.model if isinstance(self.model, ModelSpec) else load_model(self.model))
-        if spec.is_moe or spec.is_mla or spec.head_size is not None or spec.qk_norm:
-            what = "routed experts" if spec.is_moe else "latent attention" if spec.is_mla else "a head size of its own"
-            raise ValueError(f"model {spec.name} has {what}: the executor trains dense gpt and llama blocks "
-                             f"(heads of hidden / heads); pipetwin simulate and plan price it")
+        if spec.beyond_dense:
+            raise ValueError(f"model {spec.name} has {spec.beyond_dense[0]}: the executor trains dense gpt and llama "
+                             f"blocks (heads of hidden / heads); pipetwin simulate and plan price it")
         d = self.precision.dtype_bytes
         return spec if spec.dtype_bytes == d else spec.replace(dtype_bytes=d)
 

@@ -178,9 +178,10 @@ def _rows() -> dict[str, Option]:
                                metavar="SHARE")),
         # ---- Job: the model, the cluster and where the costs come from
         ("model", O(("--model", "-m"), "Job.model",
-                    "model preset, YAML file or Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2; 'pipetwin "
-                    "presets' lists them), a per-layer profile in PipeDream's graph format (FILE.txt, e.g. "
-                    "DAPPLE's profiles), or a model file PATH.py:FUNC (executor/user_model.py) with its --profile")),
+                    "model preset, YAML file or Hugging Face config.json (Llama, Mistral, Qwen2/3, Mixtral, "
+                    "Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-2; 'pipetwin presets' lists them), a per-layer "
+                    "profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles), or a model file "
+                    "PATH.py:FUNC (executor/user_model.py) with its --profile")),
         ("cost_model", O(("--cost-model",), "Job.cost_model",
                          "layer times: 'kernels' (GEMM tiles and waves, memory-bound kernels, launch overhead: "
                          "costs depend on the micro-batch; default where the device has the constants) or 'linear' "
