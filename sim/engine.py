@@ -68,6 +68,7 @@ from schedules.trace import COLUMNS, DeviceMetrics, Metrics, TraceRow, make_trac
 
 from .cores import host_model
 from .flows import FairShare
+from .overlap import overlapped_pair
 from .symmetry import Symmetry, replica_classes, symmetry_blocker
 
 
@@ -143,6 +144,11 @@ class SimResult:
     _rows: list | None = field(default=None, repr=False)
     _trace: pd.DataFrame | None = field(default=None, repr=False)
     rep_of: list | None = field(default=None, repr=False)   # replica -> the simulated one standing for it
+    # per rank, last step, in the costs' time unit: the all-to-all seconds of its F / B ops that have
+    # phases (StageCosts.phases_f / phases_b), and of those the seconds that ran under compute in an
+    # overlapped F&B pair (sim.overlap.PairTime.hidden); all zero without phases
+    a2a_time: list = field(default_factory=list)
+    a2a_hidden: list = field(default_factory=list)
 
     @property
     def iteration_time(self) -> float:
@@ -356,6 +362,10 @@ class _Engine:
         self.finished = [False] * R
         self.busy = [0.0] * R
         self.peak = [0.0] * R
+        self.a2a = [0.0] * R           # per rank: all-to-all seconds of a step (static: from _compile)
+        self.a2a_hidden = [0.0] * R
+        self.order: dict[int, list[int]] = {}   # rank -> program index of each plan position, where reordered
+        self._pairs: dict = {}                  # (F copy, stage, B copy, stage) -> PairTime
         self.step_first = [float("inf")] * opts.steps
         self.step_last = [float("-inf")] * opts.steps
         self.groups = {}
@@ -537,6 +547,73 @@ class _Engine:
             if k == ALLREDUCE and p.cpu is not None:
                 copy_back += p.cpu
             append(p)
+        if self.costs.has_phases:
+            plan, messages, heads = self._overlap(r, program, plan, messages, heads, slow)
+        return plan, messages, heads
+
+    def _overlap(self, r: int, program, plan: list, messages: list, heads: list | None, slow: float):
+        """Rank r's plan with every overlapped pair of the schedule (``meta["overlapped"]``: an F and
+        the B right after it in the rank's compute order) whose F and B both have phases run as one
+        block of :func:`sim.overlap.overlapped_pair` time, as DualPipe runs its F&B chunk: first the
+        RECVs the lowered program places between the F and the B (in their order, so each pair of
+        ranks' FIFO numbering is unchanged), then the F, which takes the whole block, then the B, of
+        zero length at the block's end (busy time counts the block once; F's activations are
+        allocated and B's freed at the block's end), then the other ops that were between them (F's
+        SEND / COPY: the block's outputs exist at its end). The trace's ``seq`` is the position in
+        this order. Also sets the rank's all-to-all seconds and the hidden part of them (times the
+        rank's slowdown, which stretches a whole op, its all-to-alls included)."""
+        c = self.costs
+        pf, pb = c.phases_f, c.phases_b
+        pairs = {tuple(a): tuple(b) for a, b in self.sched.meta.get("overlapped", ())}
+        compute = (F, B, W)
+        a2a = hidden = 0.0
+        for op in program:
+            table = pf if op.kind == F else pb if op.kind == B else None
+            ph = table[op.copy][op.stage] if table is not None else None
+            if ph is not None:
+                a2a += ph.comm_total
+        perm: list[int] = []
+        n, i = len(program), 0
+        while i < n:
+            op = program[i]
+            want = pairs.get((op.kind, op.stage, op.mb)) if op.kind == F else None
+            if want is None or pf is None or pb is None or pf[op.copy][op.stage] is None:
+                perm.append(i)
+                i += 1
+                continue
+            j = i + 1
+            while j < n and program[j].kind not in compute:
+                j += 1
+            nb = program[j] if j < n else None
+            if nb is None or (nb.kind, nb.stage, nb.mb) != want:
+                raise ScheduleError(f"rank {r}: overlapped pair {op} & {want[0]}{want[2]}.s{want[1]} is not "
+                                    f"back to back in its compute order (next compute op: {nb})")
+            if pb[nb.copy][nb.stage] is None:
+                perm.append(i)
+                i += 1
+                continue
+            key = (op.copy, op.stage, nb.copy, nb.stage)
+            pt = self._pairs.get(key)
+            if pt is None:
+                pt = self._pairs[key] = overlapped_pair(pf[op.copy][op.stage], pb[nb.copy][nb.stage],
+                                                        c.comm_sm_share)
+            hidden += pt.hidden
+            between = range(i + 1, j)
+            perm += [k for k in between if program[k].kind == RECV]
+            perm += [i, j]
+            perm += [k for k in between if program[k].kind != RECV]
+            plan[i] = plan[i]._replace(cpu=pt.time * slow)
+            plan[j] = plan[j]._replace(cpu=0.0)
+            i = j + 1
+        self.a2a[r] = a2a * slow
+        self.a2a_hidden[r] = hidden * slow
+        if perm == list(range(n)):
+            return plan, messages, heads
+        self.order[r] = perm
+        plan = [plan[k] for k in perm]
+        messages = [messages[k] for k in perm]
+        if heads is not None:
+            heads = [heads[k][:2] + (pos,) + heads[k][3:] for pos, k in enumerate(perm)]
         return plan, messages, heads
 
     def _plan(self, r: int, op, split: bool, slow: float) -> _Planned:
@@ -684,7 +761,7 @@ class _Engine:
             self.env.run()
         stuck = [r for r in self.active if not self.finished[r]]
         if stuck:
-            desc = "; ".join(f"rank {r} at {self.sched.program(r)[self.pc[r]]}" for r in stuck)
+            desc = "; ".join(f"rank {r} at {self._op_at(r)}" for r in stuck)
             raise SimulationError(f"simulation deadlocked: {desc}")
         s, c = self.sched, self.costs
         R = s.num_ranks
@@ -695,5 +772,11 @@ class _Engine:
         busy = [self.busy[x] for x in self.rep]
         peak = [self.peak[x] for x in self.rep]
         rows = [row for row in self.rows if row is not None] if self.record else None
-        return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=self.rep_of)
+        return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=self.rep_of,
+                         a2a_time=[self.a2a[x] for x in self.rep], a2a_hidden=[self.a2a_hidden[x] for x in self.rep])
+
+    def _op_at(self, r: int):
+        """The op of rank r's program at its plan position ``pc[r]`` (the plan may be reordered)."""
+        pc, order = self.pc[r], self.order.get(r)
+        return self.sched.program(r)[order[pc] if order is not None else pc]
 
