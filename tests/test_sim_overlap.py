@@ -218,3 +218,23 @@ def test_a_pair_that_needs_its_own_output_deadlocks_with_ranks_named():
     pf, pb = OpPhases((0.6,), (0.4,)), OpPhases((1.2,), (0.8,))
     with pytest.raises(SimulationError, match=r"simulation deadlocked: rank 0 at RG3.s0<1; rank 1 at RA3.s1<0"):
         run(low, replace(c, phases_f=((pf, pf),), phases_b=((pb, pb),)))
+
+
+def test_overlap_fb_on_gpipe_hides_the_last_devices_pair():
+    # --overlap-fb on GPipe D=4 N=8 keeps one pair, F7&B0 on the last device (schedules.overlap).
+    # F = [c 0.6, x 0.4], B = [x 0.8, c 1.2] (unit costs F = 1, B = 2), share 0.15, by hand:
+    # t=0: F.c under B.x: 0.6 / 0.85 = 0.70588 < 0.8, ends 0.70588; B.x ends 0.8
+    # t=0.8: F.x [0.8, 1.2]; B.c under it for 0.4 s does 0.34, the remaining 0.86 alone: ends 2.06
+    # pair 2.06 instead of 3; hidden 0.6 / 0.85 + 0.4. The last device is the critical path and no
+    # wait changes (its pair's inputs are there): 33 - 0.94.
+    from schedules.overlap import pair_forward_backward
+    s = pair_forward_backward(build("gpipe", 4, 8))
+    low = lower(s)
+    c = UnitCostModel().bind(low)
+    pf = tuple(tuple(OpPhases((0.6 * x,), (0.4 * x,)) for x in row) for row in c.f)
+    pb = tuple(tuple(OpPhases((0.0, 0.6 * x), (0.4 * x,)) for x in row) for row in c.b)
+    assert run(low, c).iteration_time == 33.0
+    r = run(low, replace(c, phases_f=pf, phases_b=pb, comm_sm_share=0.15))
+    assert r.iteration_time == pytest.approx(33.0 - 0.94)
+    assert r.a2a_hidden == pytest.approx([0.0, 0.0, 0.0, 0.6 / 0.85 + 0.4])
+    assert r.a2a_time == pytest.approx([8 * 0.4 + 8 * 0.8] * 4)
