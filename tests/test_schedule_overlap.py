@@ -46,3 +46,34 @@ def test_a_schedule_that_deadlocks_alone_is_refused():
     with pytest.raises(ScheduleError, match=r"dapple: the compute orders deadlock without any overlapped pair "
                                             r"\(device 0 at B0.s0, device 1 at B1.s1\)"):
         pair_forward_backward(bad)
+
+
+@pytest.mark.parametrize("D,N,v", [(2, 4, 2), (4, 8, 2), (4, 8, 1), (3, 9, 2), (4, 8, 3)])
+def test_interleaved_a2a_overlap_variant(D, N, v):
+    """Megatron-LM's combined 1F1B: one more warm-up chunk-forward per device, every steady F paired
+    with the B right after it; without phases the step takes as long as Megatron's order; one more
+    chunk-activation on every device: min(Nv, 2(D-1-d) + (v-1)D + 2)/v Ma."""
+    from cost_models import UnitCostModel
+    from sim import run
+
+    base = build("interleaved", D, N, chunks=v)
+    s = build("interleaved", D, N, chunks=v, variant="a2a-overlap")
+    assert "overlapped" not in base.meta
+    warm = [2 * (D - 1 - d) + (v - 1) * D + 1 for d in range(D)]
+    # the steady phase: N v - warm-up pairs per device, each F followed at once by its B
+    assert len(s.meta["overlapped"]) == sum(N * v - w for w in warm)
+    for d, prog in enumerate(s.compute_programs()):
+        first = next(i for i, o in enumerate(prog) if o.kind == "B")
+        assert first == warm[d] + 1          # warm-up forwards, then the first pair's F
+        assert all(((a.kind, a.stage, a.mb), (b.kind, b.stage, b.mb)) in s.meta["overlapped"]
+                   for a, b in zip(prog[first - 1::2], prog[first::2]) if a.kind == "F" and b.kind == "B")
+    lb, ls = lower(base), lower(s)
+    rb, rs = run(lb, UnitCostModel().bind(lb)), run(ls, UnitCostModel().bind(ls))
+    assert rs.iteration_time == pytest.approx(rb.iteration_time)
+    assert rs.peak_activation == pytest.approx([min(N * v, w + 1) / v for w in warm])
+    assert rb.peak_activation == pytest.approx([min(N * v, w) / v for w in warm])
+
+
+def test_interleaved_variant_is_checked():
+    with pytest.raises(ScheduleError, match=r"interleaved has no variant 'a2a'; choose one of megatron, a2a-overlap"):
+        build("interleaved", 2, 4, variant="a2a")

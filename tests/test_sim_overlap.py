@@ -238,3 +238,39 @@ def test_overlap_fb_on_gpipe_hides_the_last_devices_pair():
     assert r.iteration_time == pytest.approx(33.0 - 0.94)
     assert r.a2a_hidden == pytest.approx([0.0, 0.0, 0.0, 0.6 / 0.85 + 0.4])
     assert r.a2a_time == pytest.approx([8 * 0.4 + 8 * 0.8] * 4)
+
+
+@pytest.mark.parametrize("D,N,v", [(2, 4, 2), (4, 8, 2), (4, 8, 1), (4, 8, 3)])
+def test_interleaved_a2a_overlap_matches_fused_timing(D, N, v):
+    """Megatron's combined 1F1B (interleaved variant a2a-overlap) with phased costs: the engine's step
+    equals fused_overlap_timing's with F&B = the pair's time (no W: a full backward)."""
+    s = build("interleaved", D, N, chunks=v, variant="a2a-overlap")
+    low = lower(s)
+    c = UnitCostModel().bind(low)
+    f, b = c.f[0][0], c.b[0][0]
+    pf = OpPhases((0.3 * f, 0.3 * f), (0.2 * f, 0.2 * f))
+    pb = OpPhases((0.0, 0.3 * b, 0.3 * b), (0.2 * b, 0.2 * b))
+    r = run(low, uniform(c, pf, pb, 0.15))
+    fz = fused_overlap_timing(s, f, b, 0.0, overlapped_pair(pf, pb, 0.15).time)
+    assert r.iteration_time == pytest.approx(fz["makespan"], rel=1e-12)
+
+
+def test_interleaved_a2a_overlap_d4_n8_v2_numbers():
+    # F = 1/2 per chunk, B = 1: 40 % all-to-all; SM share 0.15. Megatron's order runs serially
+    # (28.5 = (D - 1 + vN) x 3/2, its unit step); the combined 1F1B hides 17.69 s of 38.4 and takes 23.33
+    low = lower(build("interleaved", 4, 8, chunks=2, variant="a2a-overlap"))
+    c = UnitCostModel().bind(low)
+    pf, pb = OpPhases((0.15, 0.15), (0.1, 0.1)), OpPhases((0.0, 0.3, 0.3), (0.2, 0.2))
+    meg = lower(build("interleaved", 4, 8, chunks=2))
+    cm = UnitCostModel().bind(meg)
+    assert run(meg, uniform(cm, pf, pb, 0.15)).iteration_time == 28.5
+    r = run(low, uniform(c, pf, pb, 0.15))
+    assert r.iteration_time == pytest.approx(23.33)
+    assert sum(r.a2a_time) == pytest.approx(4 * 16 * 0.6)
+    # a pair by hand: F.c 0.15 under B.x 0.2 ends 0.15/0.85; B.c 0.3 from 0.2 under F.x [0.2, 0.3]
+    # ends 0.3 + 0.215 = 0.515; F.c under B.x [0.515, 0.715] ends 0.515 + 0.15/0.85; B.c from 0.715
+    # under F.x [0.715, 0.815] ends 1.03: hidden 2 (0.15/0.85 + 0.1), 1.5 - 0.85 hidden = 1.03
+    pt = overlapped_pair(pf, pb, 0.15)
+    assert pt.time == pytest.approx(1.03) and pt.hidden == pytest.approx(2 * (0.15 / 0.85 + 0.1))
+    # 32 pairs (N v - warm-up on each device: 5 + 7 + 9 + 11)
+    assert sum(r.a2a_hidden) == pytest.approx(32 * 2 * (0.15 / 0.85 + 0.1))
