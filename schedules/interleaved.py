@@ -30,6 +30,7 @@ TAKES_CHUNKS = True     # the family's size depends on ``chunks`` (every other f
 VARIANTS = {"megatron": "Megatron-LM's interleaved 1F1B (default)",
             "a2a-overlap": "Megatron-LM's combined 1F1B (--overlap-moe-expert-parallel-comm): one more warm-up "
                            "chunk-forward, each steady forward overlapped with the backward after it"}
+OVERLAP_VARIANTS = ("a2a-overlap",)     # pays only where phased costs have all-to-alls to hide
 
 
 def build(num_devices: int, num_microbatches: int, chunks: int = 2, variant: str | None = None, **_):
