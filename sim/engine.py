@@ -365,7 +365,8 @@ class _Engine:
         self.a2a = [0.0] * R           # per rank: all-to-all seconds of a step (static: from _compile)
         self.a2a_hidden = [0.0] * R
         self.order: dict[int, list[int]] = {}   # rank -> program index of each plan position, where reordered
-        self._pairs: dict = {}                  # (F copy, stage, B copy, stage) -> PairTime
+        self._pair_of: dict | None = None       # meta["overlapped"]: F key -> B key
+        self._blocks: dict = {}                 # (F copy, stage, B copy, stage, plans, slowdown) -> block records
         self.step_first = [float("inf")] * opts.steps
         self.step_last = [float("-inf")] * opts.steps
         self.groups = {}
@@ -564,25 +565,34 @@ class _Engine:
         rank's slowdown, which stretches a whole op, its all-to-alls included)."""
         c = self.costs
         pf, pb = c.phases_f, c.phases_b
-        pairs = {tuple(a): tuple(b) for a, b in self.sched.meta.get("overlapped", ())}
-        compute = (F, B, W)
+        if self._pair_of is None:
+            self._pair_of = {tuple(a): tuple(b) for a, b in self.sched.meta.get("overlapped", ())}
+        pairs = self._pair_of
+        blocks = self._blocks
         a2a = hidden = 0.0
-        for op in program:
-            table = pf if op.kind == F else pb if op.kind == B else None
-            ph = table[op.copy][op.stage] if table is not None else None
-            if ph is not None:
-                a2a += ph.comm_total
         perm: list[int] = []
         n, i = len(program), 0
         while i < n:
             op = program[i]
-            want = pairs.get((op.kind, op.stage, op.mb)) if op.kind == F else None
-            if want is None or pf is None or pb is None or pf[op.copy][op.stage] is None:
+            k = op.kind
+            if k != F:
+                if k == B and pb is not None:
+                    ph = pb[op.copy][op.stage]
+                    if ph is not None:
+                        a2a += ph.comm_total
+                perm.append(i)
+                i += 1
+                continue
+            ph = pf[op.copy][op.stage] if pf is not None else None
+            if ph is not None:
+                a2a += ph.comm_total
+            want = pairs.get((k, op.stage, op.mb)) if ph is not None and pb is not None else None
+            if want is None:
                 perm.append(i)
                 i += 1
                 continue
             j = i + 1
-            while j < n and program[j].kind not in compute:
+            while j < n and program[j].kind not in (F, B, W):
                 j += 1
             nb = program[j] if j < n else None
             if nb is None or (nb.kind, nb.stage, nb.mb) != want:
@@ -592,18 +602,22 @@ class _Engine:
                 perm.append(i)
                 i += 1
                 continue
-            key = (op.copy, op.stage, nb.copy, nb.stage)
-            pt = self._pairs.get(key)
-            if pt is None:
-                pt = self._pairs[key] = overlapped_pair(pf[op.copy][op.stage], pb[nb.copy][nb.stage],
-                                                        c.comm_sm_share)
-            hidden += pt.hidden
-            between = range(i + 1, j)
-            perm += [k for k in between if program[k].kind == RECV]
-            perm += [i, j]
-            perm += [k for k in between if program[k].kind != RECV]
-            plan[i] = plan[i]._replace(cpu=pt.time * slow)
-            plan[j] = plan[j]._replace(cpu=0.0)
+            key = (op.copy, op.stage, nb.copy, nb.stage, plan[i], plan[j], slow)
+            got = blocks.get(key)
+            if got is None:
+                pt = overlapped_pair(ph, pb[nb.copy][nb.stage], c.comm_sm_share)
+                got = blocks[key] = (plan[i]._replace(cpu=pt.time * slow), plan[j]._replace(cpu=0.0), pt.hidden,
+                                     pb[nb.copy][nb.stage].comm_total)
+            plan[i], plan[j] = got[0], got[1]
+            hidden += got[2]
+            a2a += got[3]
+            if j == i + 1:
+                perm += (i, j)
+            else:
+                between = range(i + 1, j)
+                perm += [x for x in between if program[x].kind == RECV]
+                perm += (i, j)
+                perm += [x for x in between if program[x].kind != RECV]
             i = j + 1
         self.a2a[r] = a2a * slow
         self.a2a_hidden[r] = hidden * slow
