@@ -23,6 +23,13 @@ One SimPy process per rank walks its program:
   per step gives. OPTIM waits for the rank's all-reduces, then does its CPU work.
 - Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
   F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
+- Overlapped pairs: where the costs split F and B into compute and all-to-all phases
+  (``StageCosts.phases_f`` / ``phases_b``) and the schedule lists F&B pairs (``meta["overlapped"]``:
+  DualPipe-V, :func:`schedules.overlap.pair_forward_backward`, interleaved ``a2a-overlap``), a rank
+  runs each pair as one block of :func:`sim.overlap.overlapped_pair` time: the pair's RECVs first,
+  the F row spanning the block, the B row zero-length at its end, the F's SEND / COPY after
+  (``_Engine._overlap``). ``SimResult.a2a_time`` / ``a2a_hidden``: per rank, the all-to-all seconds
+  and the part of them hidden under compute.
 
 A rank keeps its own clock and runs ahead of SimPy's while it touches nothing shared (compute on
 its own device, a message already delivered, no network); it synchronises (a timeout to its
