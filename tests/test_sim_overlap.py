@@ -104,6 +104,9 @@ def test_engine_runs_dualpipe_v_pairs_as_blocks():
     assert pt.hidden == pytest.approx(0.4) and pt.time == pytest.approx(1 - (1 - share) * 0.4)
     saving = 3 * (1.0 - pt.time)
     assert r.busy == pytest.approx([b - saving for b in serial.busy])
+    # and no wait changes here: the step is the serial one (3N + (D-1)/2 = 12.5) less one device's savings
+    assert serial.iteration_time == 12.5
+    assert r.iteration_time == pytest.approx(12.5 - saving)
     # all-to-all seconds: 8 F and 8 B per device, 0.2 each; hidden: 3 pairs x 0.4
     assert r.a2a_time == pytest.approx([3.2, 3.2]) and r.a2a_hidden == pytest.approx([1.2, 1.2])
     # the metrics of the trace agree (the block counted once: B's row is zero-length at its end)
