@@ -45,6 +45,35 @@ class OpPhases:
         object.__setattr__(self, "compute", tuple(float(v) for v in c))
         object.__setattr__(self, "comm", tuple(float(v) for v in x))
 
+    @classmethod
+    def from_segments(cls, segments) -> "OpPhases":
+        """The phases of an op that runs ``segments`` in order: ("compute" | "comm", seconds) pairs,
+        e.g. a stage's layers' segments one after the other (a backward's in reverse layer order).
+        Zero-length segments are dropped and neighbours of one kind merged (a comm segment followed
+        by one more is one wait); a first comm segment gets ``compute[0] = 0``."""
+        compute: list[float] = []
+        comm: list[float] = []
+        last = None
+        for kind, t in segments:
+            if kind not in ("compute", "comm"):
+                raise ValueError(f"an op segment is 'compute' or 'comm'; got {kind!r}")
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"OpPhases.{kind} segments must be finite numbers >= 0; got {t!r}")
+            if t == 0:
+                continue
+            if kind == last:
+                (compute if kind == "compute" else comm)[-1] += t
+            elif kind == "compute":
+                compute.append(float(t))
+            else:
+                if not compute:
+                    compute.append(0.0)
+                comm.append(float(t))
+            last = kind
+        if not compute:
+            compute.append(0.0)
+        return cls(tuple(compute), tuple(comm))
+
     @property
     def total(self) -> float:
         """The op's serial time: every segment one after the other."""

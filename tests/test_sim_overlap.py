@@ -30,6 +30,17 @@ def test_op_phases_rules():
         OpPhases((float("nan"),), ())
 
 
+def test_op_phases_from_segments():
+    # a stage of two MoE blocks: zero segments dropped, neighbours of one kind merged
+    seg = [("compute", 2), ("comm", 1), ("compute", 0), ("comm", 1), ("compute", 3), ("compute", 1)]
+    assert OpPhases.from_segments(seg) == OpPhases((2.0, 4.0), (2.0,))
+    # a backward starting with the combine's gradient
+    assert OpPhases.from_segments([("comm", 1), ("compute", 2), ("comm", 1), ("compute", 2)]) == PB
+    assert OpPhases.from_segments([]) == OpPhases((0.0,), ())
+    with pytest.raises(ValueError, match="an op segment is 'compute' or 'comm'; got 'a2a'"):
+        OpPhases.from_segments([("a2a", 1.0)])
+
+
 def test_pair_worked_by_hand_without_sm_share():
     # s = 0. Zero-length segments take no stream, so B starts with its all-to-all at once.
     # t=0: F.c 2 on compute [0,2], B.x 1 on comm [0,1]          both busy 1
