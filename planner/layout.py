@@ -48,7 +48,8 @@ EXCLUDED_BY_DEFAULT = ("zb-auto",)    # orders its ops under a limit from its ow
 class LayoutSpace:
     """What the search varies. ``tp``: tensor-parallel sizes (None: every divisor of the node size
     that the model splits, :meth:`ModelSpec.check_tensor_parallel`); ``schedules``: families (None:
-    the registry's, less :data:`EXCLUDED_BY_DEFAULT`), each with every variant and, for those that
+    the registry's, less :data:`EXCLUDED_BY_DEFAULT`), each with every variant (but a family's
+    ``overlap_variants``, for phased MoE costs) and, for those that
     take chunks, ``chunks``; ``micro_batches``; ``recompute``; ``zero`` (ZeRO-1 only when R > 1);
     ``sequence_parallel`` (only when T > 1); ``max_stages``: at most this many pipeline devices D;
     ``devices``: only these D (None: every D that divides the GPUs); ``gpus``: the GPUs used
@@ -235,7 +236,7 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                 N = global_batch // (R * mb)
                 for name in space.families():
                     fam = registry.get(name)
-                    for variant in fam.variants or (None,):
+                    for variant in [v for v in fam.variants if v not in fam.overlap_variants] or (None,):
                         for chunks in (space.chunks if fam.takes_chunks else (2,)):
                             if D * (chunks if fam.takes_chunks else 1) > model.layers:
                                 continue
