@@ -76,9 +76,9 @@ collectives' time is added to F and B (Megatron's default: on the critical path)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .base import LayerCosts, PerLayerCostModel, StageCosts, with_peak_floor
+from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, with_peak_floor
 from .cluster import Cluster
 from .comm import allreduce_time
 from .device import DeviceSpec
@@ -770,4 +770,29 @@ class TransformerCostModel:
                           tp=self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel,
                           zero=self.parallel.zero,
                           memory_transient=self.transient_bytes())
+        if self.parallel.overlap_fb and self.model.is_moe:
+            costs = self._with_phases(costs, sched)
         return costs
+
+    def _with_phases(self, costs: StageCosts, sched) -> StageCosts:
+        """``costs`` with each op's F and B split into compute and all-to-all phases (the layers'
+        :meth:`layer_segments` over the stage, a backward's layers last to first; the F's data
+        time and per-op overheads in its first compute phase) and the communication's share of the
+        GPU, for the simulator to overlap the schedule's F&B pairs (:mod:`sim.overlap`)."""
+        lc = self.layer_costs()
+        fs, bs = self.layer_segments(lc)
+        if not sched.split_backward:       # a full backward: each layer's weight gradient after its input's
+            bs = [segs + [("compute", w)] for segs, w in zip(bs, lc.w)]
+        parts = layer_ranges(len(lc.f), sched.num_stages, self.partition_for(sched.num_stages))
+
+        def phases(segs, total):
+            segs = [("compute", total - sum(x for _, x in segs))] + segs    # what the stage adds to its layers
+            # the differences above are exact but for rounding: a -1e-18 is a 0
+            return OpPhases.from_segments([(k, x if x > 0 or x < -1e-9 * total else 0.0) for k, x in segs])
+
+        f = [[phases([x for i in r for x in fs[i]], costs.f[c][s]) for s, r in enumerate(parts)]
+             for c in range(sched.num_copies)]
+        b = [[phases([x for i in reversed(r) for x in bs[i]], costs.b[c][s]) for s, r in enumerate(parts)]
+             for c in range(sched.num_copies)]
+        return replace(costs, phases_f=tuple(map(tuple, f)), phases_b=tuple(map(tuple, b)),
+                       comm_sm_share=self.parallel.overlap_sm_share)

@@ -44,6 +44,10 @@ def main(args) -> int:
     for k, v in extra.items():
         if not isinstance(v, (dict, list)) and not k.startswith("memory_") and v is not None:
             print(f"  {k}: {printable(v)}")
+    if "a2a_time" in rec:
+        print(f"  all-to-all: {rec['a2a_time']:.6g} {unit} per device in the step, {rec['a2a_hidden']:.6g} {unit} "
+              f"({rec['a2a_hidden'] / rec['a2a_time']:.0%}) hidden behind the other op's compute in overlapped F&B "
+              f"pairs")
     if "memory_verdict" in rec:
         lines = wrap_cell(f"memory: {rec['memory_verdict']}", WIDTH - 4)
         print("\n".join(("  " if i == 0 else "    ") + ln for i, ln in enumerate(lines)))

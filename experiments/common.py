@@ -53,6 +53,11 @@ def metrics_record(result, **extra) -> dict:
                           "peak_activation": p.peak_activation, "peak_memory": p.peak_memory,
                           "static_memory": p.static_memory}
                          for p in m.per_device]
+    a2a, hidden = getattr(result, "a2a_time", None), getattr(result, "a2a_hidden", None)
+    if a2a and any(a2a):      # phased costs (--overlap-fb): the expert all-to-alls of a step, and what hid
+        rec["a2a_time"], rec["a2a_hidden"] = sum(a2a) / len(a2a), sum(hidden) / len(hidden)
+        for row, t, h in zip(rec["per_device"], a2a, hidden):
+            row.update(a2a_time=t, a2a_hidden=h)
     return rec
 
 
