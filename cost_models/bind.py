@@ -269,8 +269,7 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     costs = tcm.bind(low)
     return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
-        "active_parameters": active_params(model),
-        **({"ep": par.ep, "etp": par.etp,
+        **({"active_parameters": active_params(model), "ep": par.ep, "etp": par.etp,
             "a2a_per_moe_layer": sum(tcm.a2a_times())} if model.is_moe else {}),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
         "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": par.sequence_parallel, "tp_overlap": par.tp_overlap,

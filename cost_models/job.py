@@ -416,11 +416,6 @@ class Job:
         par = self.parallel
         if par.zero and self.layout.replicas == 1:
             raise ValueError("--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1")
-        lay = self.layout
-        if lay.variant is not None and lay.schedule is not None and not par.overlap_fb and \
-                lay.variant in registry.get(lay.schedule).overlap_variants:
-            raise ValueError(f"--variant {lay.variant} pairs forwards with backwards to overlap expert all-to-alls; "
-                             f"give --overlap-fb (with a mixture-of-experts model)")
         # a profile's TP layers were measured without sequence parallelism or overlap (all-reduces on F and B)
         given = [f for f, v in (("--tp", par.tp > 1 and self.source != "profile"), ("--zero", par.zero),
                                 ("--seq-len", par.seq_len), ("--sequence-parallel", par.sequence_parallel),

@@ -43,13 +43,17 @@ def test_overlap_pays_across_nodes_and_less_inside_nvlink():
     assert gain[32] > 2 * gain[8]
 
 
-def test_overlap_fb_pairs_other_schedules_and_the_variant_needs_it():
+def test_overlap_fb_pairs_other_schedules_and_combined_1f1b_overlaps_its_own():
     job = Job.of(schedule="1f1b", devices=2, microbatches=4, overlap_fb=True, ep=2, replicas=2,
                  model="qwen3-30b-a3b", cluster="dgx-h100-ib:1")
     pairs = job.build().meta["overlapped"]
     assert pairs and all(f[0] == "F" and b[0] == "B" and f[2] != b[2] for f, b in pairs)
-    with pytest.raises(ValueError, match="--variant a2a-overlap pairs forwards with backwards.*give --overlap-fb"):
-        Job.of(schedule="interleaved", devices=2, microbatches=4, variant="a2a-overlap", model="qwen3-30b-a3b")
+    # Megatron's combined 1F1B: its own pairs, overlapped only with --overlap-fb (serial otherwise)
+    comb = dict(schedule="interleaved", devices=2, microbatches=8, variant="a2a-overlap", ep=2, replicas=2,
+                model="qwen3-30b-a3b", cluster="dgx-h100-ib:1")
+    serial, overlapped = simulate_job(Job.of(**comb)), simulate_job(Job.of(**comb, overlap_fb=True))
+    assert serial.bound.lowered.meta["overlapped"] == overlapped.bound.lowered.meta["overlapped"]
+    assert overlapped.result.iteration_time < serial.result.iteration_time and sum(overlapped.result.a2a_hidden)
 
 
 def test_simulate_prints_what_was_hidden(capsys):
