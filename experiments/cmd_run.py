@@ -114,9 +114,10 @@ def main(args) -> int:
 
 def _main(args) -> int:
     from executor.config import lowered_schedule
-    from executor.launch import LaunchError, run
+    from executor.launch import LaunchError, check_launch_env, run
     from executor.reference import run_reference
 
+    check_launch_env()      # leftover RANK / WORLD_SIZE / MASTER_*: refused before any work
     sched, info = None, None
     if args.reference and args.inject_fault:
         raise ValueError("--inject-fault makes a rank of the pipeline raise; --reference runs no ranks (drop one)")

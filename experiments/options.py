@@ -32,8 +32,9 @@ from schedules import families, names
 from executor.choices import DEVICES, DTYPES, OPTIMIZERS
 from schedules.registry import ALIASES
 
-from .checks import (byte_size, expert_load_file, factor_pair, float_in, input_file, int_in, memory_limit,
-                     nonneg_float, nonneg_int, output_dir, output_file, positive_float, positive_int)
+from .checks import (byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
+                     input_file, int_in, memory_limit, nonneg_float, nonneg_int, output_dir, output_file,
+                     positive_float, positive_int)
 
 SCALAR, LIST, AUTO = "scalar", "list", "auto"
 GRAMMARS = (SCALAR, LIST, AUTO)
@@ -269,10 +270,10 @@ def _rows() -> dict[str, Option]:
                            metavar="RANK:TOKEN[:STEP]")),
         # ---- the commands' own: what they print and write
         ("json", O(("--json",), None, "print one JSON object", action="store_true")),
-        ("plot", O(("--plot",), None, "write the figure", type=output_file, metavar="FILE.png")),
-        ("chrome_trace", O(("--chrome-trace",), None, "write a Chrome/Perfetto trace", type=output_file,
+        ("plot", O(("--plot",), None, "write the figure", type=figure_file, metavar="FILE.png")),
+        ("chrome_trace", O(("--chrome-trace",), None, "write a Chrome/Perfetto trace", type=chrome_file,
                            metavar="FILE.json")),
-        ("trace", O(("--trace",), None, "write the trace as CSV", type=output_file, metavar="FILE.csv")),
+        ("trace", O(("--trace",), None, "write the trace as CSV", type=csv_file, metavar="FILE.csv")),
         ("out_dir", O(("--out",), None, "folder for the files written", type=output_dir, metavar="DIR",
                       dest="out")),
         ("out_file", O(("--out",), None, "the file written", type=output_file, dest="out")),
@@ -454,6 +455,54 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                   use("dtype", note=" (default fp32)"),
                   use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")),
 }
+
+
+# options whose value is a preset's name or a file (a path, or PATH:NODES / PATH.py:FUNC): read by
+# the command when it is a file. The other inputs and outputs say so by their type's ``role``
+# (:mod:`experiments.checks`).
+NAMED_INPUTS = ("model", "cluster", "profile", "plan")
+
+
+def file_roles(parser) -> dict[str, tuple[str, str]]:
+    """A command parser's files: dest -> (flag, role ``"in"`` / ``"out"``), from the options'
+    checked types (their ``role``) and :data:`NAMED_INPUTS`."""
+    out = {}
+    for a in parser._actions:
+        role = getattr(a.type, "role", None) or ("in" if a.dest in NAMED_INPUTS else None)
+        if role in ("in", "out") and a.option_strings:
+            out[a.dest] = (max(a.option_strings, key=len), role)
+    return out
+
+
+def _input_paths(dest: str, value: str) -> list[str]:
+    """The existing files an input option's value names (``PATH:NODES`` / ``PATH.py:FUNC`` too)."""
+    import os
+    names = [value] + ([value.rsplit(":", 1)[0]] if dest in NAMED_INPUTS and ":" in value else [])
+    return [n for n in names if os.path.isfile(n)]
+
+
+def check_files_apart(args) -> None:
+    """Refuse (one ValueError line, before any work) an output file that is one of the command's
+    inputs (``--trace`` onto the ``--cluster`` YAML just read) or another of its outputs. Devices
+    and this process's descriptors (``/dev/null``, ``/dev/stdout``) may be named by several."""
+    import os
+    roles = vars(args).get("_files") or {}
+    given = [(flag, role, dest, v) for dest, (flag, role) in roles.items()
+             if isinstance(v := vars(args).get(dest), str) and v]
+    inputs = [(flag, p) for flag, role, dest, v in given if role == "in" for p in _input_paths(dest, v)]
+    seen: list[tuple[str, str]] = []
+    for flag, role, _, v in given:
+        if role != "out" or (os.path.exists(v) and not os.path.isfile(v)):
+            continue
+        for in_flag, path in inputs:
+            if os.path.exists(v) and os.path.samefile(v, path):
+                raise ValueError(f"{flag} {v} is the file {in_flag} reads ({path}); writing it would overwrite that "
+                                 f"input: give {flag} another path")
+        real = os.path.realpath(v)
+        for other_flag, other in seen:
+            if other == real:
+                raise ValueError(f"{other_flag} and {flag} both write {v}; give each its own file")
+        seen.append((flag, real))
 
 
 def row(key: str) -> Option:
