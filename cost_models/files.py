@@ -21,6 +21,7 @@ import contextlib
 import os
 import re
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -108,8 +109,9 @@ def check_output_path(path, what: str = "output file", formats: tuple[str, ...] 
     p = _short_names(path, what)
     if str(path) == "" or p.is_dir():
         raise FileError(f"{what} {p} is a folder; give a file name")
-    if p.exists() and not p.is_file():      # a device (/dev/null) or this process's descriptor: in place
-        kind = None if own_descriptor(path) else _unwritable_kind(p)
+    mine = own_descriptor(path) is not None
+    if mine or (p.exists() and not p.is_file()):   # a device (/dev/null), /dev/stdout: written in place
+        kind = None if mine else _unwritable_kind(p)
         if kind is not None:
             raise FileError(f"{what} {p} is {kind}; give a regular file (or /dev/stdout, /dev/null)")
         if not os.access(p, os.W_OK):
@@ -138,18 +140,20 @@ def check_format(path, what: str, formats: tuple[str, ...]) -> None:
 _OWN_FD = re.compile(r"/dev/(stdout|stderr|fd/(\d+))|/proc/self/fd/(\d+)")
 
 
-def own_descriptor(path) -> bool:
-    """``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N`` or ``/proc/self/fd/N`` naming a descriptor
-    this process holds open (whatever it is: a pipe there has its reader, writing does not wait)."""
+def own_descriptor(path) -> int | None:
+    """The descriptor ``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N`` or ``/proc/self/fd/N`` names
+    when this process holds it open (whatever it is: a pipe there has its reader, writing does not
+    wait), else None."""
     m = _OWN_FD.fullmatch(os.fspath(path))
     if m is None:
-        return False
-    fd = {"stdout": 1, "stderr": 2}.get(m.group(1) or "") or int(m.group(2) or m.group(3))
+        return None
+    fd = {"stdout": 1, "stderr": 2}.get(m.group(1) or "")
+    fd = int(m.group(2) or m.group(3)) if fd is None else fd
     try:
         os.fstat(fd)
     except OSError:
-        return False
-    return True
+        return None
+    return fd
 
 
 def _unwritable_kind(p: Path) -> str | None:
@@ -230,9 +234,19 @@ def output_file(path, what: str = "output file", mode: str = "w", **open_args):
     was). ``mode`` "w" or "wb"; an OSError, in the block or in the write itself, becomes one
     :class:`FileError` line naming ``path``."""
     p = prepare_output(path, what)
+    fd = own_descriptor(path)
+    if fd is not None:      # /dev/stdout & co.: written through the descriptor itself, after what is
+        _flush_std(fd)      # printed there already (opening the path would truncate a file there)
+        try:
+            with os.fdopen(os.dup(fd), mode, **open_args) as fh:
+                yield fh
+            _flush_std(fd)
+        except OSError as e:
+            raise _write_error(p, what, e) from None
+        return
     if p.is_symlink() and p.exists():       # write the file the link names; the link stays
         p = p.resolve()
-    if p.exists() and not p.is_file():      # a device or pipe: no folder entry to replace
+    if p.exists() and not p.is_file():      # a device: no folder entry to replace
         try:
             with open(p, mode, **open_args) as fh:
                 yield fh
@@ -258,6 +272,12 @@ def output_file(path, what: str = "output file", mode: str = "w", **open_args):
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _flush_std(fd: int) -> None:
+    stream = {1: sys.stdout, 2: sys.stderr}.get(fd)
+    if stream is not None:
+        stream.flush()
 
 
 def _umask() -> int:
