@@ -326,6 +326,17 @@ CASES = [
     ("sweep-folder-of-unknown-experiment", SWEEP + ["-m", "tiny", "--out", "{unrecorded}"],
      ["--out", "sweep.csv but no sweep.json"]),
     ("model-name-too-long", SIM + ["-m", "{dir}/" + "m" * 300 + ".yaml"], ["model file", "305 bytes"]),
+    # output paths (issue 47): every format checked while parsing, no output onto an input
+    ("plot-format-unknown", UNIT + ["--plot", "{dir}/t.bmp"], ["argument --plot", "'.bmp'", ".png, .pdf, .svg"]),
+    ("plot-no-extension", UNIT + ["--plot", "{dir}/timeline"], ["argument --plot", "it has no extension"]),
+    ("trace-not-csv", UNIT + ["--trace", "{dir}/t.tsv"], ["argument --trace", "'.tsv'", "written as .csv"]),
+    ("chrome-trace-not-json", UNIT + ["--chrome-trace", "{dir}/t.csv"], ["--chrome-trace", "written as .json"]),
+    ("run-plot-format", RUN + ["--plot", "{dir}/t.gif"], ["argument --plot", "'.gif'"]),
+    ("plan-plot-format", LAYOUT + ["--plot", "{dir}/l.txt"], ["argument --plot", "'.txt'"]),
+    ("chrome-trace-onto-model", SIM + ["-m", "{hf_bert}", "--chrome-trace", "{hf_bert}"],
+     ["--chrome-trace", "is the file --model reads", "give --chrome-trace another path"]),
+    ("plan-out-onto-cluster", ["plan", "-m", "tiny", "-c", "{infcluster}:1", "-G", "16", "--out", "{infcluster}"],
+     ["--out", "is the file --cluster reads", "overwrite that input"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
