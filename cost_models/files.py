@@ -133,8 +133,7 @@ def check_format(path, what: str, formats: tuple[str, ...]) -> None:
         return
     listed = ", ".join("." + f for f in formats)
     got = f"its extension is {p.suffix!r}" if p.suffix else "it has no extension"
-    raise FileError(f"{what} {p}: {got}; a {what} is written as {listed}"
-                    + ("" if len(formats) == 1 else " (the extension picks the format)"))
+    raise FileError(f"{what} {p}: {got}; a {what} is written as {listed}")
 
 
 _OWN_FD = re.compile(r"/dev/(stdout|stderr|fd/(\d+))|/proc/self/fd/(\d+)")

@@ -33,8 +33,8 @@ from executor.choices import DEVICES, DTYPES, OPTIMIZERS
 from schedules.registry import ALIASES
 
 from .checks import (byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
-                     input_file, int_in, memory_limit, nonneg_float, nonneg_int, output_dir, output_file,
-                     positive_float, positive_int)
+                     input_file, int_in, memory_limit, nonneg_float, nonneg_int, output_as, output_dir,
+                     output_file, positive_float, positive_int)
 
 SCALAR, LIST, AUTO = "scalar", "list", "auto"
 GRAMMARS = (SCALAR, LIST, AUTO)
@@ -357,7 +357,8 @@ def table() -> dict[str, Option]:
 class Use:
     """A command's use of a row: its ``grammar``, and where the command differs from the row: its
     ``default`` (``...``: the row's), ``required``, ``note`` (appended to the help: this command's
-    default or reading) or ``help`` (only for rows without a field: the command's own)."""
+    default or reading), ``help`` (only for rows without a field: the command's own) or ``type``
+    (a scalar's checked type: e.g. the format of the file ``--out`` writes)."""
 
     key: str
     grammar: str = SCALAR
@@ -367,6 +368,7 @@ class Use:
     help: str | None = None
     metavar: str | None = None
     extra_flags: tuple[str, ...] = field(default_factory=tuple)
+    type: Callable | None = None    # this command's checked type in place of the row's (an output's format)
 
 
 def use(key: str, grammar: str = SCALAR, **kw) -> Use:
@@ -433,7 +435,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
              use("device_map", AUTO, note=" (whole-layout search: default sequential, Llama 3's order [TP, PP, DP])"),
              use("plot", help="whole-layout search: the simulated candidates, step time vs memory per GPU, the "
                  "chosen plan marked"),
-             use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json"),
+             use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json",
+                                                           type=output_as("plan file", ("json",))),
              use("global_batch", required=True), use("gpus"), use("device_memory"), use("force"), use("top"),
              use("max_stages"), use("uniform"), use("policies"), use("no_simulate"), use("no_baselines")),
     "validate": (use("schedules"), use("devices", default=2, note=" (default 2)"),
@@ -453,7 +456,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                                           "(1/T), the group's all-reduce over gloo"),
                   use("ranks"), use("timings"), use("runtime_steps"), use("runtime_repeats"),
                   use("dtype", note=" (default fp32)"),
-                  use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")),
+                  use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)",
+                      type=output_as("calibration profile", ("yaml", "yml")))),
 }
 
 
@@ -553,7 +557,7 @@ def add_options(p, command: str, *, only: tuple[str, ...] | None = None) -> None
             if opt.action == "append":
                 kw.update(type=opt.type, metavar=opt.metavar)
         elif u.grammar == SCALAR:
-            kw.update(type=opt.type, metavar=u.metavar or opt.metavar)
+            kw.update(type=u.type or opt.type, metavar=u.metavar or opt.metavar)
             if opt.choices is not None:
                 kw["choices"] = list(opt.choices)
         else:

@@ -335,8 +335,10 @@ CASES = [
     ("plan-plot-format", LAYOUT + ["--plot", "{dir}/l.txt"], ["argument --plot", "'.txt'"]),
     ("chrome-trace-onto-model", SIM + ["-m", "{hf_bert}", "--chrome-trace", "{hf_bert}"],
      ["--chrome-trace", "is the file --model reads", "give --chrome-trace another path"]),
-    ("plan-out-onto-cluster", ["plan", "-m", "tiny", "-c", "{infcluster}:1", "-G", "16", "--out", "{infcluster}"],
-     ["--out", "is the file --cluster reads", "overwrite that input"]),
+    ("calibrate-out-onto-model", ["calibrate", "-m", "{nanmodel}", "--out", "{nanmodel}"],
+     ["--out", "is the file --model reads", "overwrite that input"]),
+    ("plan-out-not-json", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--out", "{dir}/p.yaml"],
+     ["argument --out", "plan file", "written as .json"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))

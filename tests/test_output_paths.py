@@ -77,10 +77,8 @@ def test_a_folder_is_refused(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flag,name,line", [
-    ("--plot", "x.bmp", "figure {p}: its extension is '.bmp'; a figure is written as " + FIGURES +
-     " (the extension picks the format)"),
-    ("--plot", "x", "figure {p}: it has no extension; a figure is written as " + FIGURES +
-     " (the extension picks the format)"),
+    ("--plot", "x.bmp", "figure {p}: its extension is '.bmp'; a figure is written as " + FIGURES),
+    ("--plot", "x", "figure {p}: it has no extension; a figure is written as " + FIGURES),
     ("--trace", "x.tsv", "trace {p}: its extension is '.tsv'; a trace is written as .csv"),
     ("--chrome-trace", "x.csv", "Chrome trace {p}: its extension is '.csv'; a Chrome trace is written as .json"),
     ("--chrome-trace", "x.json.gz", "Chrome trace {p}: its extension is '.gz'; a Chrome trace is written as .json"),
@@ -92,6 +90,18 @@ def test_the_format_is_checked_while_parsing(capsys, tmp_path, no_ranks, flag, n
         got = _one_line(capsys, argv + [flag, str(p)])
         assert got == f"pipetwin: error: argument {flag}: {line.format(p=p)} (see pipetwin {argv[0]} --help)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_and_calibrate_files_are_checked(capsys, tmp_path):
+    """plan --out writes JSON, calibrate --out YAML: another extension is refused while parsing."""
+    bad = tmp_path / "plan.yaml"
+    assert _one_line(capsys, ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--out", str(bad)]) == (
+        f"pipetwin: error: argument --out: plan file {bad}: its extension is '.yaml'; a plan file is written as .json "
+        f"(see pipetwin plan --help)")
+    bad = tmp_path / "profile.json"
+    assert _one_line(capsys, ["calibrate", "--out", str(bad)]) == (
+        f"pipetwin: error: argument --out: calibration profile {bad}: its extension is '.json'; a calibration "
+        f"profile is written as .yaml, .yml (see pipetwin calibrate --help)")
 
 
 def test_plan_and_bubbles_plots_are_checked_too(capsys, tmp_path):
@@ -149,15 +159,15 @@ def test_dev_stdout_is_written_through_the_descriptor(tmp_path):
 
 
 def test_an_output_onto_an_input_is_refused_before_any_work(capsys, tmp_path, no_ranks):
-    """The schedule file, a Hugging Face config, a plan file, a cluster YAML (as NAME:NODES), a data file:
+    """The schedule file (named through a link too), a Hugging Face config, a model YAML, a data file:
     each refused as the output of the command that reads it, in one line, the file unchanged."""
     sched = tmp_path / "s.csv"
     assert main(["schedules", "--export", "dapple", "-D", "2", "-N", "4", "--format", "torch-csv",
                  "--out", str(sched)]) == 0
     hf = tmp_path / "config.json"
     hf.write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}')
-    cluster = tmp_path / "c.yaml"
-    cluster.write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\nintra: nvlink3\ninter: ib-hdr\n")
+    model = tmp_path / "m.yaml"
+    model.write_text("layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\n")
     data = tmp_path / "d.csv"
     data.write_text("some text to train on\n" * 10)
     (tmp_path / "alias.csv").symlink_to(sched)
@@ -168,8 +178,8 @@ def test_an_output_onto_an_input_is_refused_before_any_work(capsys, tmp_path, no
          "--trace", tmp_path / "alias.csv", "--schedule-file", sched),
         (["simulate", "-s", "dapple", "-D", "2", "-N", "4", "-m", str(hf), "--chrome-trace", str(hf)],
          "--chrome-trace", hf, "--model", hf),
-        (["plan", "-m", "tiny", "-c", f"{cluster}:1", "-G", "16", "--out", str(cluster)], "--out", cluster,
-         "--cluster", cluster),
+        (["plan", "-m", str(hf), "-c", "dgx-h100-ib:1", "-G", "16", "--out", str(hf)], "--out", hf, "--model", hf),
+        (["calibrate", "-m", str(model), "--out", str(model)], "--out", model, "--model", model),
         (["run", "-s", "dapple", "-D", "2", "-N", "2", "--data", str(data), "--trace", str(data)], "--trace", data,
          "--data", data),
     ]
