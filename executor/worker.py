@@ -235,8 +235,12 @@ def init_world(device: str, rank: int, world: int, local_rank: int, local_world:
     wait = rendezvous_seconds(timeout)
     store = rendezvous(rank if launch_rank is None else launch_rank, world, wait)
     bound = datetime.timedelta(seconds=wait)
-    dist.init_process_group(ctx.backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                            timeout=bound, device_id=ctx.device if ctx.is_cuda else None)
+    try:
+        dist.init_process_group(ctx.backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                                timeout=bound, device_id=ctx.device if ctx.is_cuda else None)
+    except RuntimeError as e:      # every rank checked in, then one went (or its network) before the group formed
+        raise RendezvousError(f"rank {rank}: the {ctx.backend} process group of {world} ranks did not form within "
+                              f"{wait:g} s after every rank had joined: {_first_line(e)}") from None
     return ctx
 
 
