@@ -32,6 +32,28 @@ def _one_line(capsys, argv) -> str:
     return err[0]
 
 
+def test_a_named_pipe_is_refused_in_process_within_a_bound(capsys, tmp_path):
+    """In this process, watched: were the FIFO opened, the test would open its reading end after the
+    bound (unblocking the writer) and fail, not hang."""
+    import threading
+    fifo = tmp_path / "t.csv"
+    os.mkfifo(fifo)
+    got = {}
+    worker = threading.Thread(target=lambda: got.setdefault("rc", main(SIM + ["--trace", str(fifo)])), daemon=True)
+    worker.start()
+    worker.join(30)
+    if worker.is_alive():
+        with open(fifo, "rb") as f:
+            f.read()
+        worker.join(30)
+        pytest.fail("the write to the FIFO blocked")
+    assert got["rc"] == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pipetwin: error: argument --trace: trace {fifo} is a named pipe (FIFO): writing it waits for a reader, "
+        f"maybe forever; give a regular file (or /dev/stdout, /dev/null) (see pipetwin simulate --help)"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,name,what", [("--trace", "t.csv", "trace"), ("--chrome-trace", "c.json", "Chrome trace"),
                                             ("--plot", "p.png", "figure")])
 def test_a_named_pipe_is_refused_without_blocking(tmp_path, flag, name, what):
@@ -142,6 +164,7 @@ def test_every_figure_format_is_one_matplotlib_writes(tmp_path):
         assert (tmp_path / f"f.{fmt}").read_bytes().startswith(magic[fmt]), fmt
 
 
+@pytest.mark.slow
 def test_dev_stdout_is_written_through_the_descriptor(tmp_path):
     """--trace /dev/stdout with standard output a pipe or a file: the CSV (header and 18 ops of D=2
     N=2 dapple: 2 x (4 compute + 4 messages + OPT) rows), then the summary, neither truncating the
