@@ -202,7 +202,8 @@ def check_output_dir(path, what: str = "output folder") -> Path:
     """A folder that is about to be written into (created if needed): see :func:`check_output_path`."""
     p = _short_names(path, what)
     if p.exists() and not p.is_dir():
-        raise FileError(f"{what} {p} is a file, not a folder")
+        kind = "a file" if p.is_file() else _unwritable_kind(p) or "a device"
+        raise FileError(f"{what} {p} is {kind.split(':')[0]}, not a folder")
     if p.is_dir():
         if not os.access(p, os.W_OK | os.X_OK):
             raise FileError(f"{what} {p} is not writable")

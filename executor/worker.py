@@ -157,10 +157,12 @@ def rendezvous(launch_rank: int, world: int, wait: float):
                               timeout=datetime.timedelta(seconds=max(1.0, wait - (time.monotonic() - t0))),
                               multi_tenant=True)
     except (RuntimeError, OSError) as e:     # DistNetworkError, DistStoreError: RuntimeErrors
-        what = f"could not reach the rendezvous ({host} at {where}) within {wait:g} s" if not hosting else \
-            f"could not host the rendezvous at {where}"
-        raise RendezvousError(f"rank {launch_rank} {what}: {_first_line(e)}; start rank 0 with the same "
-                              f"MASTER_ADDR and MASTER_PORT on every rank (and a free port)") from None
+        if hosting:
+            raise RendezvousError(f"rank 0 could not host the rendezvous at {where}: {_first_line(e)}; give "
+                                  f"MASTER_PORT a free port (the same on every rank)") from None
+        raise RendezvousError(f"rank {launch_rank} could not reach the rendezvous ({host} at {where}) within "
+                              f"{wait:g} s: {_first_line(e)}; start rank 0 with the same MASTER_ADDR and MASTER_PORT "
+                              f"on every rank") from None
     store = dist.PrefixStore(f"pipetwin/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     try:
         _check_in(store, launch_rank, world, wait, t0, where, hosting)

@@ -165,7 +165,31 @@ def test_a_rank_without_its_store_says_so_within_the_bound():
     assert p.stderr.splitlines() == [
         f"pipetwin: run failed: rank 1 could not reach the rendezvous (rank 0's store at MASTER_ADDR=127.0.0.1 "
         f"MASTER_PORT={port}) within 3 s: nothing listens there (Connection refused); start rank 0 with the same "
-        f"MASTER_ADDR and MASTER_PORT on every rank (and a free port)"]
+        f"MASTER_ADDR and MASTER_PORT on every rank"]
+
+
+@pytest.mark.slow
+def test_a_store_port_in_use_is_named():
+    """torchrun's rank 0 (no agent store) hosting on a port another process holds: one line at once."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p, took = _bounded(PIPETWIN_NO_FLOOR + RUN + ["--timeout", "3"], _torchrun_env(0, 2, port), 30)
+    assert p.returncode == 1 and took < 30, p.stderr
+    [line] = p.stderr.splitlines()
+    assert line.startswith(f"pipetwin: run failed: rank 0 could not host the rendezvous at MASTER_ADDR=127.0.0.1 "
+                           f"MASTER_PORT={port}: ") and "EADDRINUSE" in line, line
+    assert line.endswith("; give MASTER_PORT a free port (the same on every rank)"), line
+
+
+def test_a_folder_output_that_is_a_pipe_says_so(capsys, tmp_path):
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    assert main(["compare", "-D", "2", "-N", "2", "--unit-costs", "--out", str(fifo)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pipetwin: error: argument --out: folder {fifo} is a named pipe (FIFO), not a folder "
+        f"(see pipetwin compare --help)"]
 
 
 RENDEZVOUS = ("import sys, time, executor.worker as w\n"
