@@ -278,6 +278,9 @@ def _rows() -> dict[str, Option]:
         ("out_file", O(("--out",), None, "the file written", type=output_file, dest="out")),
         ("no_progress", O(("--no-progress",), None, "no progress bar", action="store_true")),
         ("reference", O(("--reference",), None, "run the single-process reference instead", action="store_true")),
+        ("check", O(("--check",), None, "also train the single-process reference (--reference) and compare the "
+                    "losses step by step: exit status 1 at the first step that differs by more than 1e-5 relative "
+                    "in fp32 (1e-3 in bf16), printing it and the difference", action="store_true")),
         ("calibration_profile", O(("--profile",), None, "a calibration profile (pipetwin calibrate)", type=input_file,
                                   metavar="FILE.yaml", dest="profile")),
         # ---- plan's own
@@ -405,7 +408,7 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("seq_len"),
-            use("reference"), use("json"), use("trace"), use("chrome_trace"),
+            use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
             use("plot", help="write the timeline figure"), use("inject_fault")),
     "sweep": (use("schedules"), use("devices", LIST, required=True), use("microbatches", LIST, required=True),
               use("dp", LIST, default=(1,)), use("tp", LIST, default=(1,)), use("micro_batch", LIST),

@@ -9,10 +9,15 @@ take or refuse well.
   refused before step 0 with one line naming the rank and the first layer (exit status 2).
 - The model file's folder is importable (``beside/model.py`` imports ``widths.py``) while its code
   runs, and its printing goes to standard error: ``run --json`` still parses.
+- ``run --check`` trains the reference beside the run: one line "losses equal the reference's
+  within 1e-5 ..." and exit 0, or ``pipetwin: check failed:`` with the first step (dropout: each
+  rank draws its own masks) and exit 1.
 """
 import hashlib
 import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,13 +25,13 @@ import torch
 from torch import nn
 
 from executor.config import RunConfig
-from executor.reference import run_reference
+from executor.reference import CHECK_TOLERANCE, LossCheck, run_reference
 from executor.user_model import build_stack, layer_digests, stack_layout, user_code
 from experiments.cli import main as cli_main
 
 MODELS = Path(__file__).resolve().parent / "data" / "models"
 FREE, IDENTITY = f"{MODELS / 'param_free.py'}:build", f"{MODELS / 'param_free.py'}:build_identity"
-PID, BESIDE = (f"{MODELS / n}:build" for n in ("pid_seeded.py", "beside/model.py"))
+PID, DROPOUT, BESIDE = (f"{MODELS / n}:build" for n in ("pid_seeded.py", "dropout.py", "beside/model.py"))
 BASE = dict(steps=3, optimizer="sgd", lr=0.1, timeout=30.0)
 
 CASES = {2: {
@@ -66,9 +71,10 @@ def test_parameter_free_first_stage_trains_as_the_reference(runs, case):
 
 
 def test_a_build_seeded_from_the_pid_is_refused_before_step_0(capsys):
+    t0 = time.monotonic()
     rc = cli_main(["run", "--model", PID, "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1"])
     err = capsys.readouterr().err
-    assert rc == 2
+    assert rc == 2 and time.monotonic() - t0 < 60      # at the ranks' start, no timeout waited out
     assert err == (f"pipetwin: error: model {PID}: rank 1 built other weights than rank 0 (first at layer 0, Linear); "
                    f"does build() seed from the process id or the time? pipetwin seeds every rank's build alike "
                    f"(--seed): leave the seeding to it\n")
@@ -115,3 +121,63 @@ def test_user_code_puts_the_folder_first_and_stdout_on_stderr(tmp_path, capsys):
     assert str(tmp_path) not in sys.path
     print("from pipetwin")
     assert capsys.readouterr() == ("from pipetwin\n", "from the model\n")
+
+
+# ---------------------------------------------------------------------------- run --check
+def test_loss_check_numbers_and_lines():
+    ok = LossCheck((2.0, 1.0), (2.0, 1.0 + 5e-6))
+    assert ok.tolerance == 1e-5 == CHECK_TOLERANCE["fp32"] and ok.equal and ok.first_step is None
+    assert ok.differences == (0.0, pytest.approx(5e-6 / (1 + 5e-6), rel=1e-9))
+    assert ok.line() == "losses equal the reference's within 1e-5 (relative, fp32): largest difference 5.0e-06 at " \
+                        "step 1 of 2"
+    assert LossCheck((1.0, 1.0), (1.0, 1.0)).line() == \
+        "losses equal the reference's within 1e-5 (relative, fp32): identical at all 2 steps"
+    bad = LossCheck((1.5, 1.25, 1.0), (1.5, 1.2, 1.1))
+    assert bad.first_step == 1 and not bad.equal
+    assert bad.line() == ("losses differ from the reference's at step 1: 1.250000 vs 1.200000, a difference of "
+                          "4.2e-02 > 1e-5 (relative, fp32)")
+    assert bad.to_dict() == {"reference_losses": [1.5, 1.2, 1.1], "tolerance": 1e-5, "dtype": "fp32",
+                             "relative_differences": list(bad.differences), "first_step_beyond": 1, "equal": False}
+    assert LossCheck((1.0005,), (1.0,), "bf16").equal and not LossCheck((1.002,), (1.0,), "bf16").equal
+    assert LossCheck((float("nan"),), (1.0,)).first_step == 0
+    assert LossCheck((0.0,), (0.0,)).equal
+    with pytest.raises(ValueError, match="the run has 1 losses, the reference 2"):
+        LossCheck((1.0,), (1.0, 1.0))
+
+
+def test_check_help_states_the_tolerances():
+    from experiments.options import row
+    help_text = row("check").help
+    fp32, bf16 = (LossCheck((), (), d).tolerance_text for d in ("fp32", "bf16"))
+    assert (fp32, bf16) == ("1e-5", "1e-3") and tuple(CHECK_TOLERANCE.values()) == (1e-5, 1e-3)
+    assert f"{fp32} relative in fp32 ({bf16} in bf16)" in help_text
+    assert "exit status 1" in help_text
+
+
+def test_check_with_reference_is_refused(capsys, no_ranks):
+    assert cli_main(["run", "--model", FREE, "-D", "2", "-N", "2", "--check", "--reference"]) == 2
+    assert capsys.readouterr().err == ("pipetwin: error: --check trains the reference beside the run; --reference "
+                                       "trains only the reference (drop one)\n")
+
+
+@pytest.mark.slow
+def test_check_passes_for_a_parameter_free_first_stage(capsys):
+    assert cli_main(["run", "--model", FREE, "-s", "dapple", "-D", "2", "-N", "4", "--partition", "2,3", "--steps",
+                     "3", "--check"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"losses equal the reference's within 1e-5 \(relative, fp32\): (identical at all 3 steps|"
+                        r"largest difference \d\.\de-\d\d at step \d of 3)", out[-1]), out[-1]
+
+
+@pytest.mark.slow
+def test_check_fails_with_the_first_step_for_dropout(capsys):
+    rc = cli_main(["run", "--model", DROPOUT, "-s", "dapple", "-D", "2", "-N", "4", "--steps", "3", "--check",
+                   "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    check = json.loads(out)["check"]
+    assert check["equal"] is False and check["tolerance"] == 1e-5 and len(check["reference_losses"]) == 3
+    k = check["first_step_beyond"]
+    assert k == 0     # each rank draws its own masks from the first micro-batch on
+    assert re.fullmatch(r"pipetwin: check failed: losses differ from the reference's at step 0: \d\.\d{6} vs "
+                        r"\d\.\d{6}, a difference of \d\.\de[-+]\d\d > 1e-5 \(relative, fp32\)\n", err), err
