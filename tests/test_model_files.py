@@ -2,9 +2,10 @@
 take or refuse well.
 
 - A first stage without parameters (a reshape and a ReLU, or an ``nn.Identity`` whose output is the
-  input tensor itself) trains: its B has nothing to do. Losses equal the single-process reference's
-  within 1e-6 (relative) at D = 2 under 1F1B, GPipe, ZB-H1 and ZB-V (split backward), in one launch
-  with the built-in GPT beside them (its ranks pass the same launch).
+  input tensor itself) trains: its B has nothing to do; a middle stage of one ``nn.Identity`` passes
+  the gradient on. Losses equal the single-process reference's within 1e-6 (relative) at D = 2 under
+  1F1B, GPipe, ZB-H1, interleaved and ZB-V (split backward), in one launch with the built-in GPT
+  beside them (its ranks pass the same launch).
 - Ranks check that they built the same weights: a ``build()`` that seeds from ``os.getpid()`` is
   refused before step 0 with one line naming the rank and the first layer (exit status 2).
 - The model file's folder is importable (``beside/model.py`` imports ``widths.py``) while its code
@@ -30,7 +31,7 @@ from executor.user_model import build_stack, layer_digests, stack_layout, user_c
 from experiments.cli import main as cli_main
 
 MODELS = Path(__file__).resolve().parent / "data" / "models"
-FREE, IDENTITY = f"{MODELS / 'param_free.py'}:build", f"{MODELS / 'param_free.py'}:build_identity"
+FREE, IDENTITY, PASS = (f"{MODELS / 'param_free.py'}:{f}" for f in ("build", "build_identity", "build_pass"))
 PID, DROPOUT, BESIDE = (f"{MODELS / n}:build" for n in ("pid_seeded.py", "dropout.py", "beside/model.py"))
 BASE = dict(steps=3, optimizer="sgd", lr=0.1, timeout=30.0)
 
@@ -43,6 +44,10 @@ CASES = {2: {
                               **BASE),
     "identity-dapple": RunConfig.of(model=IDENTITY, schedule="dapple", devices=2, microbatches=4, partition=(1, 4),
                                     **BASE),
+    # a middle stage of one nn.Identity: its output is the received tensor itself (full and split backward)
+    "pass-interleaved": RunConfig.of(model=PASS, schedule="interleaved", devices=2, microbatches=4,
+                                     partition=(1, 1, 1, 2), **BASE),
+    "pass-zb-v": RunConfig.of(model=PASS, schedule="zb-v", devices=2, microbatches=4, partition=(1, 1, 1, 2), **BASE),
     "gpt-dapple": RunConfig.of(model="tiny", schedule="dapple", devices=2, microbatches=4, **BASE),
 }}
 
@@ -64,7 +69,7 @@ def test_parameter_free_first_stage_trains_as_the_reference(runs, case):
     assert len(res.losses) == 3 == len(ref.losses)
     for got, want in zip(res.losses, ref.losses):
         assert abs(got - want) <= 1e-6 * abs(want), (case, res.losses, ref.losses)
-    if case.startswith(("free", "identity")):
+    if case.startswith(("free", "identity", "pass")):
         assert res.losses[-1] < res.losses[0]          # it trained
         layout = stack_layout(cfg.model, low.num_stages, partition=cfg.blocks)
         assert sum(layout.params[i] for i in layout.stage_ranges()[0]) == 0     # the first stage holds none

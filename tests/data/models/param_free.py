@@ -1,7 +1,9 @@
 """Model files whose first stage has no parameters (tests/test_model_files.py).
 
 ``build``: a reshape and a ReLU before the first linear layer (``--partition 2,3`` puts both in
-stage 0); ``build_identity``: an ``nn.Identity`` first (its output is the very input tensor).
+stage 0); ``build_identity``: an ``nn.Identity`` first (its output is the very input tensor);
+``build_pass``: a reshape, then an ``nn.Identity`` (``--partition 1,1,1,2``: a stage in the middle
+whose output is its received input itself).
 The task: the sign of the sum of the first four inputs, 4 classes of noise around it.
 """
 import types
@@ -29,4 +31,9 @@ def build():
 
 def build_identity():
     layers = [nn.Identity(), Flat(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
+    return types.SimpleNamespace(layers=layers, loss=nn.functional.cross_entropy, sample=sample)
+
+
+def build_pass():
+    layers = [Flat(), nn.Identity(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
     return types.SimpleNamespace(layers=layers, loss=nn.functional.cross_entropy, sample=sample)
