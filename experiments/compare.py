@@ -11,7 +11,7 @@ from schedules import ScheduleError
 from sim import simulate_job
 from sim.job import crossed_links
 
-from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
+from .common import human_rows, metrics_record, print_json, stated_lines, units_note, write_chrome, write_csv
 from .tables import fmt_table, printable
 
 
@@ -97,6 +97,7 @@ def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = Fal
     shown_rows, shown = human_rows(rows, mem)
     tp = f"T={job.parallel.tp} " if job.parallel.tp > 1 else ""
     print(f"{tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  {units_note(unit, mem, shown)}")
+    print("\n".join(stated_lines(rows[0])))        # every schedule's job assumes the same
     cols = ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"]
     if any("out_of_memory" in r for r in rows):
         cols.append("out_of_memory")
