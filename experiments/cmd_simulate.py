@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from sim import simulate_job
 
-from .common import STATED, human_rows, metrics_record, print_json, stated_lines, units_note, write_chrome, write_csv
+from .common import (STATED, check_all_replicas, human_rows, metrics_record, print_json, stated_lines, units_note,
+                     write_chrome, write_csv)
 from .jobs import check_plan_args, job_from_args
 from .options import add_options
 from .tables import WIDTH, fmt_table, group_rows, printable, wrap_cell
@@ -17,6 +18,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
+    check_all_replicas(args, args.plot)
     job = job_from_args(args, plan=check_plan_args(args))
     want_trace = bool(args.plot or args.chrome_trace or args.trace)
     bound, res = simulate_job(job, trace=want_trace)
@@ -25,7 +27,7 @@ def main(args) -> int:
     trace = res.trace() if want_trace else None
     if args.plot:
         from .plots import plot_timeline
-        plot_timeline(trace, args.plot)
+        plot_timeline(trace, args.plot, all_replicas=args.all_replicas)
     if args.chrome_trace:
         write_chrome(trace, args.chrome_trace)
     if args.trace:

@@ -84,6 +84,12 @@ def stated_lines(rec: dict, indent: str = "  ") -> list[str]:
     return out
 
 
+def check_all_replicas(args, plot) -> None:
+    """``--all-replicas`` chooses what a timeline draws: refused without one (``plot``: the figure's path)."""
+    if getattr(args, "all_replicas", False) and not plot:
+        raise ValueError("--all-replicas chooses the rows of the --plot timeline; give --plot FILE.png (or drop it)")
+
+
 def write_csv(frame, path, what: str = "CSV file") -> None:
     """A DataFrame as CSV, written atomically (:func:`cost_models.files.output_file`)."""
     with output_file(path, what, newline="") as fh:

@@ -71,8 +71,9 @@ def compare_schedules(job: Job, names: list, *, traces: bool = False) -> Compari
     return out
 
 
-def write_comparison(comp: Comparison, out: Path | None, plot: str | None) -> None:
-    """``out``: table.csv and one Chrome trace per schedule there; ``plot``: the stacked timelines."""
+def write_comparison(comp: Comparison, out: Path | None, plot: str | None, all_replicas: bool = False) -> None:
+    """``out``: table.csv and one Chrome trace per schedule there; ``plot``: the stacked timelines
+    (one data-parallel replica each unless ``all_replicas``)."""
     if out:
         out.mkdir(parents=True, exist_ok=True)
         import pandas as pd
@@ -82,13 +83,13 @@ def write_comparison(comp: Comparison, out: Path | None, plot: str | None) -> No
             write_chrome(t, out / f"{name}.chrome.json")
     if plot:
         from .plots import plot_stacked
-        plot_stacked(comp.traces, plot)
+        plot_stacked(comp.traces, plot, all_replicas=all_replicas)
 
 
-def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = False) -> int:
+def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = False, all_replicas: bool = False) -> int:
     """Write the comparison's files and print its table (or one JSON object)."""
     rows, skipped = comp.rows, comp.skipped
-    write_comparison(comp, out, plot)
+    write_comparison(comp, out, plot, all_replicas)
     if as_json:
         print_json({"schedules": rows, "skipped": skipped})
         return 0
