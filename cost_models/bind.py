@@ -267,7 +267,9 @@ def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
     and ``assumptions`` (one line per approximation of a Hugging Face config,
     :func:`cost_models.hf_config.config_notes`; ``model_ref``: the config's path where the job holds
     the spec); ``device_fitted`` (where the device's constants come from) wherever a cluster's
-    device prices the work. Empty for unit costs, a stage-costs file and a profile on its own host."""
+    device prices the work, and one line per datasheet field the device leaves out
+    (:meth:`cost_models.device.DeviceSpec.notes`). Empty for unit costs, a stage-costs file and a
+    profile on its own host."""
     if inputs.kind == "transformer":      # none of these depends on the layout (a sweep's grid varies it)
         dev, model = inputs.cluster.device, job.parallel.sized(inputs.model)
         tcm = TransformerCostModel(model, dev, parallel=Parallel(precision=job.parallel.precision),
@@ -289,7 +291,7 @@ def stated_fields(model: ModelSpec, device, cost_model: str, precision: str, mod
     notes = config_notes(model_ref, seq_len, precision_given) \
         if isinstance(model_ref, str) and is_hf_config(model_ref) else ()
     return {"seq_len": model.seq_len, "precision": precision, "cost_model": cost_model,
-            "device_fitted": device.provenance(), "assumptions": list(notes)}
+            "device_fitted": device.provenance(), "assumptions": [*notes, *device.notes()]}
 
 
 def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:

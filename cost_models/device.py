@@ -75,6 +75,15 @@ class DeviceSpec:
                             f"YAML{other}")
         return peak * self.efficiency
 
+    def notes(self) -> tuple[str, ...]:
+        """One line per datasheet field left out whose absence changes a number (for the reports)."""
+        if self.calibrated:
+            return ()
+        return tuple(line for missing, line in (
+            (self.memory_bytes is None, f"device {self.name!r} gives no 'memory': nothing is out of memory"),
+            (self.memory_bandwidth is None, f"device {self.name!r} gives no 'memory_bandwidth': the optimizer step "
+                                            f"and local copies cost 0")) if missing)
+
     def provenance(self) -> str:
         """One line: where this device's constants come from (its ``fitted`` field)."""
         return f"{self.name}: " + (self.fitted or "its file does not say where its constants come from (field fitted)")

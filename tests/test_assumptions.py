@@ -241,3 +241,13 @@ def test_a_reproduction_keeps_its_old_csv_when_a_write_fails(tmp_path, monkeypat
     with pytest.raises(Exception, match="No space left"):
         megatron.save(tmp_path, "x", pd.DataFrame({"a": [3], "b": [4]}), lambda df, path: None)
     assert (tmp_path / "x.csv").read_text() == old and sorted(p.name for p in tmp_path.iterdir()) == ["x.csv"]
+
+
+def test_a_device_without_memory_or_bandwidth_says_what_that_prices(capsys):
+    """Optional datasheet fields left out change numbers (no out-of-memory verdict, a free optimizer
+    step): each is one stated line."""
+    rec = as_json(capsys, *SIM, "-m", "gpt3-1.3b", "-c", str(MINE / "bare-device.yaml"))
+    assert rec["assumptions"] == ["device 'bare' gives no 'memory': nothing is out of memory",
+                                  "device 'bare' gives no 'memory_bandwidth': the optimizer step and local copies "
+                                  "cost 0"]
+    assert "out_of_memory" not in rec and rec["cost_model"] == "linear"
