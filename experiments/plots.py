@@ -64,8 +64,9 @@ def draw_timeline(ax, trace, *, step=None, title=None, label_ops=True, all_repli
     m = step_metrics(trace, step)
     unit = trace.attrs.get("time_unit", "s")
     name = title or f"{trace.attrs.get('schedule', '')}"
-    ax.set_title(f"{name}: iteration {m.iteration_time:.4g} {unit}, bubble {m.bubble_ratio:.3f}"
-                 + (f"; {which}" if which else ""), fontsize=9)
+    ax.set_title(f"{name}: iteration {m.iteration_time:.4g} {unit}, bubble {m.bubble_ratio:.3f}", fontsize=9)
+    if which:       # at the left, clear of the centred title and of the key at the right
+        ax.set_title(which, loc="left", fontsize=7)
     ax.set_yticks(range(len(devices)), [f"dev {d}" for d in devices], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({'units of F' if unit == 'F' else unit})", fontsize=8)

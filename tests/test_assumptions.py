@@ -202,7 +202,8 @@ def test_a_data_parallel_timeline_draws_one_replica(capsys):
     fig, ax = plt.subplots()
     draw_timeline(ax, t)
     assert [x.get_text() for x in ax.get_yticklabels()] == ["dev 0", "dev 1", "dev 2", "dev 3"]
-    assert ax.get_title() == "dapple: iteration 21 F, bubble 0.429; replica 0 of 8 drawn (--all-replicas: all)"
+    assert ax.get_title() == "dapple: iteration 21 F, bubble 0.429"
+    assert ax.get_title(loc="left") == "replica 0 of 8 drawn (--all-replicas: all)"
     plt.close(fig)
     # replica 1 slowed (its rank 6 at half speed): the replica that sets the iteration is drawn
     slow = _trace(capsys, ("replicas", 2), ("faults", Faults(slowdown=((6, 2.0),))))
