@@ -210,8 +210,8 @@ def config_notes(path, seq_len: int | None = None, precision: str | None = None)
         out.append(f"sequence {seq:,} tokens from the config's {field} (the longest it takes, not its training "
                    f"length): give --seq-len S")
     if data.get("torch_dtype") == "float32" and precision is None:
-        out.append("fp32 from the config's torch_dtype float32 (fp32 GEMMs, 4-byte elements); training in bf16 "
-                   "would be --precision bf16")
+        out.append("fp32 from the config's torch_dtype float32 (fp32 GEMMs, 4-byte weights and activations); for "
+                   "bf16 mixed precision set torch_dtype to bfloat16 (--precision bf16 changes the GEMMs only)")
     window = None if gpt2 else _sliding_window(data, source)
     if window is not None and window < seq:
         out.append(f"sliding_window {window:,}: attention priced as full attention over the {seq:,}-token "

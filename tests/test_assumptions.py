@@ -35,8 +35,8 @@ FITTED = {
 }
 SEQ_NOTE = ("sequence {:,} tokens from the config's {} (the longest it takes, not its training length): give "
             "--seq-len S")
-FP32_NOTE = ("fp32 from the config's torch_dtype float32 (fp32 GEMMs, 4-byte elements); training in bf16 would be "
-             "--precision bf16")
+FP32_NOTE = ("fp32 from the config's torch_dtype float32 (fp32 GEMMs, 4-byte weights and activations); for bf16 "
+             "mixed precision set torch_dtype to bfloat16 (--precision bf16 changes the GEMMs only)")
 WINDOW_NOTE = ("sliding_window 4,096: attention priced as full attention over the {:,}-token sequence, an upper "
                "bound (a token attends to at most 4,096)")
 SIM = ["simulate", "-s", "dapple", "-D", "2", "-N", "2"]
