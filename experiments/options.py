@@ -270,6 +270,9 @@ def _rows() -> dict[str, Option]:
         # ---- the commands' own: what they print and write
         ("json", O(("--json",), None, "print one JSON object", action="store_true")),
         ("plot", O(("--plot",), None, "write the figure", type=output_file, metavar="FILE.png")),
+        ("all_replicas", O(("--all-replicas",), None, "--plot draws every data-parallel replica's ranks (default: "
+                           "one replica, the one that ends last: replicas run the same program)",
+                           action="store_true")),
         ("chrome_trace", O(("--chrome-trace",), None, "write a Chrome/Perfetto trace", type=output_file,
                            metavar="FILE.json")),
         ("trace", O(("--trace",), None, "write the trace as CSV", type=output_file, metavar="FILE.csv")),
@@ -392,11 +395,11 @@ def _costs() -> tuple[Use, ...]:
 # Which rows each command takes, in which grammar (the order is --help's).
 COMMANDS: dict[str, tuple[Use, ...]] = {
     "simulate": (use("schedule"), *map(use, _LAYOUT), use("plan", note=_PLAN_NOTE), *_costs(),
-                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"),
+                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"), use("all_replicas"),
                  use("chrome_trace"), use("trace")),
     "compare": (use("schedules"), *(use(k, note="; compared beside --schedules" if k == "schedule_file" else "")
                                  for k in _LAYOUT), *_costs(), *map(use, _FAULTS), use("json"),
-                use("plot", help="stacked timelines of all schedules"),
+                use("plot", help="stacked timelines of all schedules"), use("all_replicas"),
                 use("out_dir", help="also write table.csv, one Chrome trace per schedule and the figure here")),
     "run": (use("schedule"), *map(use, _LAYOUT), use("plan", help=None, note="; " + RUN_PLAN_HELP),
             use("model", note="; default tiny (no FILE.txt: the executor trains GPTs and model files)"),
@@ -409,7 +412,7 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("seq_len"),
             use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
-            use("plot", help="write the timeline figure"), use("inject_fault")),
+            use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
     "sweep": (use("schedules"), use("devices", LIST, required=True), use("microbatches", LIST, required=True),
               use("dp", LIST, default=(1,)), use("tp", LIST, default=(1,)), use("micro_batch", LIST),
               use("chunks"), use("no_eager"),
