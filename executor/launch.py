@@ -33,7 +33,9 @@ come out as ValueError before anything starts), then:
   writes its traceback; a worker killed from outside (``kill -9``, the kernel's out-of-memory
   killer) is named with its signal; either way the launcher then stops all workers at once
   (SIGTERM, then SIGKILL) and raises :class:`LaunchError` naming the root cause first (the
-  failures it caused in other ranks are listed after it). Every worker dies with the launcher,
+  failures it caused in other ranks are listed after it); a user error the ranks find themselves
+  (a model file's ranks that built different weights) is a ValueError of one line instead. Every
+  worker dies with the launcher,
   ``kill -9`` of it included (:mod:`cost_models.lifeline`). A worker blocked on a message that
   never comes fails on its receive timeout with rank, op and peer. Nothing hangs. Rank 0 reports
   each finished step; on a terminal the launcher shows it as a progress bar on stderr.
@@ -256,6 +258,9 @@ def _watch(procs: list[subprocess.Popen], work: Path) -> None:
                 time.sleep(0.1)   # let the other deaths of the same cause land before judging
                 died = {r: p.poll() for r, p in enumerate(procs) if p.poll() not in (None, 0)}
                 _stop(procs)
+                refusal = _refusal(work, len(procs), died)
+                if refusal is not None:
+                    raise ValueError(refusal)
                 raise LaunchError(_failure_report(procs, work, died))
             bar.update()
             time.sleep(0.02)
@@ -310,6 +315,18 @@ def _signal_name(code: int) -> str:
         return f"{signal.Signals(-code).name} ({-code})"
     except ValueError:
         return f"signal {-code}"
+
+
+def _refusal(work: Path, world: int, died: dict[int, int]) -> str | None:
+    """The one line of a user error the ranks found themselves (an exception with ``refusal = True``,
+    e.g. :class:`executor.user_model.RanksDisagree`) when it is the first error and no rank was
+    killed from outside; else None (a failure, reported in full)."""
+    if any(c < 0 for c in died.values()):
+        return None
+    first = min(((float(f.read_text().split("\n", 1)[0]), r) for r in range(world)
+                 if (f := work / f"error.{r}").exists()), default=None)
+    line = work / f"refusal.{first[1]}" if first is not None else None
+    return line.read_text() if line is not None and line.exists() else None
 
 
 def _failure_report(procs: list[subprocess.Popen], work: Path, died: dict[int, int] | None = None) -> str:
@@ -377,6 +394,8 @@ def _worker_main() -> None:
             tmp.rename(work / "result.pkl")
     except BaseException as e:  # noqa: BLE001 - everything must reach the launcher
         from .worker import RendezvousError
+        if getattr(e, "refusal", False):    # a user error the ranks found: one line (see _refusal)
+            (work / f"refusal.{rank}").write_text(str(e))
         what = f"{e}\n" if isinstance(e, RendezvousError) else traceback.format_exc()
         (work / f"error.{rank}").write_text(f"{time.time()!r}\n{what}")
         sys.stdout.flush()

@@ -8,7 +8,8 @@ schedules per spawn). Per job every rank:
 1. builds the stage modules its device holds (``schedule.stages_on``) with the seed's weights
    (several model copies of one stage on a device, as in a planner plan with stage replicas, share
    one module: one set of weights, gradients and optimizer state), pre-allocates their gradients
-   and makes the optimizer;
+   and makes the optimizer; a model file's ranks first check that they built the same weights (a
+   checksum per layer against rank 0's, :func:`executor.user_model.check_same_weights`);
 2. creates the all-reduce subgroups ``schedule.stage_group(s)`` (every rank calls ``new_group``
    for every distinct group in stage order, as torch.distributed requires; groups are cached)
    and warms every communicator the program will use (one tiny message per pair and direction,
@@ -311,8 +312,9 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     global_rank, rank = rank, pipe_rank     # from here on: the pipeline rank, as the program names it
     stack = None
     if job.layout is not None:      # a model file: executor.user_model builds this rank's stages
-        from .user_model import NoOptimizer, TiedGradients, build_rank
+        from .user_model import NoOptimizer, TiedGradients, build_rank, check_same_weights
         stack = build_rank(job.layout, sched, rank, seed=cfg.seed, device=ctx.device, probe=bool(cfg.probe))
+        check_same_weights(stack.digests, job.layout, world)     # every rank, before step 0
         modules, params, data = stack.modules, stack.params, stack.data
         layout, precision = job.layout, cfg.precision
 

@@ -271,6 +271,9 @@ def _rows() -> dict[str, Option]:
         # ---- the commands' own: what they print and write
         ("json", O(("--json",), None, "print one JSON object", action="store_true")),
         ("plot", O(("--plot",), None, "write the figure", type=figure_file, metavar="FILE.png")),
+        ("all_replicas", O(("--all-replicas",), None, "--plot draws every data-parallel replica's ranks (default: "
+                           "one replica, the one that ends last: replicas run the same program)",
+                           action="store_true")),
         ("chrome_trace", O(("--chrome-trace",), None, "write a Chrome/Perfetto trace", type=chrome_file,
                            metavar="FILE.json")),
         ("trace", O(("--trace",), None, "write the trace as CSV", type=csv_file, metavar="FILE.csv")),
@@ -279,6 +282,9 @@ def _rows() -> dict[str, Option]:
         ("out_file", O(("--out",), None, "the file written", type=output_file, dest="out")),
         ("no_progress", O(("--no-progress",), None, "no progress bar", action="store_true")),
         ("reference", O(("--reference",), None, "run the single-process reference instead", action="store_true")),
+        ("check", O(("--check",), None, "also train the single-process reference (--reference) and compare the "
+                    "losses step by step: exit status 1 at the first step that differs by more than 1e-5 relative "
+                    "in fp32 (1e-3 in bf16), printing it and the difference", action="store_true")),
         ("calibration_profile", O(("--profile",), None, "a calibration profile (pipetwin calibrate)", type=input_file,
                                   metavar="FILE.yaml", dest="profile")),
         # ---- plan's own
@@ -392,11 +398,11 @@ def _costs() -> tuple[Use, ...]:
 # Which rows each command takes, in which grammar (the order is --help's).
 COMMANDS: dict[str, tuple[Use, ...]] = {
     "simulate": (use("schedule"), *map(use, _LAYOUT), use("plan", note=_PLAN_NOTE), *_costs(),
-                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"),
+                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"), use("all_replicas"),
                  use("chrome_trace"), use("trace")),
     "compare": (use("schedules"), *(use(k, note="; compared beside --schedules" if k == "schedule_file" else "")
                                  for k in _LAYOUT), *_costs(), *map(use, _FAULTS), use("json"),
-                use("plot", help="stacked timelines of all schedules"),
+                use("plot", help="stacked timelines of all schedules"), use("all_replicas"),
                 use("out_dir", help="also write table.csv, one Chrome trace per schedule and the figure here")),
     "run": (use("schedule"), *map(use, _LAYOUT), use("plan", help=None, note="; " + RUN_PLAN_HELP),
             use("model", note="; default tiny (no FILE.txt: the executor trains GPTs and model files)"),
@@ -408,8 +414,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("seq_len"),
-            use("reference"), use("json"), use("trace"), use("chrome_trace"),
-            use("plot", help="write the timeline figure"), use("inject_fault")),
+            use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
+            use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
     "sweep": (use("schedules"), use("devices", LIST, required=True), use("microbatches", LIST, required=True),
               use("dp", LIST, default=(1,)), use("tp", LIST, default=(1,)), use("micro_batch", LIST),
               use("chunks"), use("no_eager"),

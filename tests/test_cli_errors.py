@@ -342,6 +342,25 @@ CASES = [
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
+# issue 47 item 1: a file field the command line would refuse is refused in the file, by the same check; a
+# device without the field its cost model reads; item 7: --all-replicas without a timeline
+_A47 = str(Path(__file__).parent / "data" / "assumptions")
+CASES += [
+    ("cluster-file-flat-oversubscription", SIM + ["-m", "gpt3-1.3b", "-c", f"{_A47}/flat-oversubscribed.yaml"],
+     ["flat-oversubscribed.yaml", "field 'oversubscription'", "fat-tree"]),
+    ("cluster-file-flat-leaves", SIM + ["-m", "gpt3-1.3b", "-c", f"{_A47}/flat-leaves.yaml"],
+     ["field 'oversubscription' and field 'nodes_per_leaf'", "fabric is flat"]),
+    ("device-no-efficiency-linear", SIM + ["-m", "gpt3-1.3b", "-c", f"{_A47}/no-efficiency.yaml"],
+     ["device 'noeff'", "field 'efficiency'", "linear cost model"]),
+    ("device-no-efficiency-asked-linear", SIM + ["-m", "gpt3-1.3b", "-c", f"{_A47}/kernels-no-efficiency.yaml",
+                                                 "--cost-model", "linear"],
+     ["field 'efficiency'", "--cost-model kernels"]),
+    ("hf-sliding-window-not-a-number", SIM + ["-m", f"{_A47}/bad-window.json"], ["bad-window.json",
+                                                                                  "'sliding_window'", "'1k'"]),
+    ("all-replicas-without-plot", UNIT + ["--dp", "2", "--all-replicas"], ["--all-replicas", "--plot"]),
+    ("compare-all-replicas-without-plot", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--all-replicas"],
+     ["--all-replicas", "--plot"]),
+]
 
 
 @pytest.fixture()
