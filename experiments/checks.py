@@ -159,14 +159,26 @@ def output_as(what: str, formats: tuple[str, ...]):
 input_file = _file_type(_input, "in")      # exists, is a file, is readable and not empty
 
 
+class FileValues(tuple):
+    """Values read from a file while parsing, with the file's ``path``: the file still counts as one
+    of the command's inputs (no output may overwrite it)."""
+
+    path: str = ""
+
+
 def expert_load_file(text: str) -> tuple[float, ...]:
     """``--expert-load FILE``: the file's tokens per expert (:func:`cost_models.moe.read_expert_load`)."""
     from cost_models.files import FileError
     from cost_models.moe import read_expert_load
     try:
-        return read_expert_load(input_file(text))
+        values = FileValues(read_expert_load(input_file(text)))
     except FileError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    values.path = text
+    return values
+
+
+expert_load_file.role = "in"
 output_file = _file_type(_output, "out")    # can be written (checked at parse time; created at write time)
 output_dir = _file_type(_outdir, "dir")     # can be created / written into
 figure_file = output_as("figure", FIGURE_FORMATS)

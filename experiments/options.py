@@ -497,8 +497,12 @@ def check_files_apart(args) -> None:
     and this process's descriptors (``/dev/null``, ``/dev/stdout``) may be named by several."""
     import os
     roles = vars(args).get("_files") or {}
-    given = [(flag, role, dest, v) for dest, (flag, role) in roles.items()
-             if isinstance(v := vars(args).get(dest), str) and v]
+    given = []
+    for dest, (flag, role) in roles.items():
+        v = vars(args).get(dest)
+        v = v if isinstance(v, str) else getattr(v, "path", None)     # values read while parsing: their file
+        if v:
+            given.append((flag, role, dest, v))
     inputs = [(flag, p) for flag, role, dest, v in given if role == "in" for p in _input_paths(dest, v)]
     seen: list[tuple[str, str]] = []
     for flag, role, _, v in given:

@@ -182,13 +182,16 @@ def test_dev_stdout_is_written_through_the_descriptor(tmp_path):
 
 
 def test_an_output_onto_an_input_is_refused_before_any_work(capsys, tmp_path, no_ranks):
-    """The schedule file (named through a link too), a Hugging Face config, a model YAML, a data file:
+    """The schedule file (named through a link too), a Hugging Face config, a model YAML, a data file,
+    an expert-load histogram (read while parsing):
     each refused as the output of the command that reads it, in one line, the file unchanged."""
     sched = tmp_path / "s.csv"
     assert main(["schedules", "--export", "dapple", "-D", "2", "-N", "4", "--format", "torch-csv",
                  "--out", str(sched)]) == 0
     hf = tmp_path / "config.json"
     hf.write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}')
+    load = tmp_path / "load.csv"
+    load.write_text("10, 12, 9, 11, 30, 8, 10, 10\n")
     model = tmp_path / "m.yaml"
     model.write_text("layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\n")
     data = tmp_path / "d.csv"
@@ -203,6 +206,8 @@ def test_an_output_onto_an_input_is_refused_before_any_work(capsys, tmp_path, no
          "--chrome-trace", hf, "--model", hf),
         (["plan", "-m", str(hf), "-c", "dgx-h100-ib:1", "-G", "16", "--out", str(hf)], "--out", hf, "--model", hf),
         (["calibrate", "-m", str(model), "--out", str(model)], "--out", model, "--model", model),
+        (["simulate", "-s", "dapple", "-D", "2", "-N", "4", "-m", "mixtral-8x7b", "-c", "dgx-h100-ib:1",
+          "--expert-load", str(load), "--trace", str(load)], "--trace", load, "--expert-load", load),
         (["run", "-s", "dapple", "-D", "2", "-N", "2", "--data", str(data), "--trace", str(data)], "--trace", data,
          "--data", data),
     ]
