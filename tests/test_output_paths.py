@@ -126,6 +126,16 @@ def test_plan_and_calibrate_files_are_checked(capsys, tmp_path):
         f"profile is written as .yaml, .yml (see pipetwin calibrate --help)")
 
 
+def test_a_text_schedule_is_not_written_under_a_csv_name(capsys, tmp_path):
+    """--schedule-file reads a .csv name as torch's CSV: the text form written there would not read back."""
+    out = tmp_path / "s.csv"
+    assert _one_line(capsys, ["schedules", "--export", "dapple", "-D", "2", "-N", "4", "--format", "text",
+                              "--out", str(out)]) == (
+        f"pipetwin: error: --out {out}: a .csv name is read back as torch.distributed.pipelining CSV; write "
+        f"--format text under another name (e.g. .txt) or use --format torch-csv")
+    assert not out.exists()
+
+
 def test_plan_and_bubbles_plots_are_checked_too(capsys, tmp_path):
     bad = tmp_path / "layouts.txt"
     assert _one_line(capsys, ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--plot", str(bad)]).startswith(
