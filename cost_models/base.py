@@ -6,6 +6,7 @@ numbers came from (unit costs, formulas, a calibration profile).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from schedules.ir import Schedule
@@ -17,6 +18,73 @@ Table = tuple[tuple[float, ...], ...]
 
 def _table(rows) -> Table:
     return tuple(tuple(float(x) for x in r) for r in rows)
+
+
+@dataclass(frozen=True)
+class OpPhases:
+    """One compute op's time as alternating segments, in the costs' time unit: ``compute[0]``,
+    ``comm[0]``, ``compute[1]``, ``comm[1]``, ... The op starts with a compute segment (0 where it
+    starts with communication) and ends with either: ``len(compute) == len(comm)`` (it ends with
+    a comm segment) or ``len(compute) == len(comm) + 1`` (it ends with compute). The comm segments
+    are the expert all-to-alls (dispatch, combine) that the op waits for serially when it is not
+    overlapped, so the op alone takes ``total``; an overlapped forward/backward pair runs two of
+    them on a GPU's compute and communication streams (:func:`sim.overlap.overlapped_pair`)."""
+
+    compute: tuple[float, ...]
+    comm: tuple[float, ...]
+
+    def __post_init__(self):
+        c, x = tuple(self.compute), tuple(self.comm)
+        if not (len(c) == len(x) or len(c) == len(x) + 1) or not c:
+            raise ValueError(f"OpPhases needs len(compute) == len(comm) or len(comm) + 1 (segments alternate, "
+                             f"compute first); got {len(c)} compute and {len(x)} comm segments")
+        for what, seg in (("compute", c), ("comm", x)):
+            for v in seg:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                    raise ValueError(f"OpPhases.{what} segments must be finite numbers >= 0; got {v!r}")
+        object.__setattr__(self, "compute", tuple(float(v) for v in c))
+        object.__setattr__(self, "comm", tuple(float(v) for v in x))
+
+    @classmethod
+    def from_segments(cls, segments) -> "OpPhases":
+        """The phases of an op that runs ``segments`` in order: ("compute" | "comm", seconds) pairs,
+        e.g. a stage's layers' segments one after the other (a backward's in reverse layer order).
+        Zero-length segments are dropped and neighbours of one kind merged (a comm segment followed
+        by one more is one wait); a first comm segment gets ``compute[0] = 0``."""
+        compute: list[float] = []
+        comm: list[float] = []
+        last = None
+        for kind, t in segments:
+            if kind not in ("compute", "comm"):
+                raise ValueError(f"an op segment is 'compute' or 'comm'; got {kind!r}")
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"OpPhases.{kind} segments must be finite numbers >= 0; got {t!r}")
+            if t == 0:
+                continue
+            if kind == last:
+                (compute if kind == "compute" else comm)[-1] += t
+            elif kind == "compute":
+                compute.append(float(t))
+            else:
+                if not compute:
+                    compute.append(0.0)
+                comm.append(float(t))
+            last = kind
+        if not compute:
+            compute.append(0.0)
+        return cls(tuple(compute), tuple(comm))
+
+    @property
+    def total(self) -> float:
+        """The op's serial time: every segment one after the other."""
+        return float(sum(self.compute) + sum(self.comm))
+
+    @property
+    def comm_total(self) -> float:
+        return float(sum(self.comm))
+
+
+PhaseTable = tuple[tuple["OpPhases | None", ...], ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +102,14 @@ class StageCosts:
       (host overheads measured by calibration; 0 for GPUs, where the copy engines do the work).
     grad_copy_per_byte: CPU time per gradient byte a rank spends flattening a stage's gradients
       at its ALLREDUCE and writing the result back at OPTIM (per local copy of the stage).
+    phases_f / phases_b: optional tables ``[copy][stage]`` of :class:`OpPhases` (None, or a None
+      entry: that op has no phases), the compute / all-to-all segments of F and of B (the
+      input-gradient backward where the schedule splits it, the full backward otherwise); each
+      entry's ``total`` equals its ``f`` / ``b`` entry (relative 1e-9). The simulator overlaps the
+      schedule's paired F and B (``meta["overlapped"]``) from them, see :mod:`sim.overlap`.
+    comm_sm_share: the share of the GPU's SMs (0 <= share < 1) the communication kernels take while
+      they run: overlapped compute runs at rate 1 - share then (DeepSeek-V3 kept 20 of 132 SMs
+      for communication: 20/132).
     """
 
     time_unit: str
@@ -53,6 +129,33 @@ class StageCosts:
     send_time: float = 0.0
     recv_time: float = 0.0
     grad_copy_per_byte: float = 0.0
+    phases_f: PhaseTable | None = None
+    phases_b: PhaseTable | None = None
+    comm_sm_share: float = 0.0
+
+    def __post_init__(self):
+        s = self.comm_sm_share
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and 0 <= s < 1):
+            raise ValueError(f"StageCosts.comm_sm_share must be a number in [0, 1); got {s!r}")
+        for name, phases, table in (("phases_f", self.phases_f, self.f), ("phases_b", self.phases_b, self.b)):
+            if phases is None:
+                continue
+            if len(phases) != len(table) or any(len(p) != len(t) for p, t in zip(phases, table)):
+                raise ValueError(f"StageCosts.{name} must be a [copy][stage] table shaped like "
+                                 f"{name[-1]} ({len(table)} x {len(table[0]) if table else 0})")
+            for c, (prow, trow) in enumerate(zip(phases, table)):
+                for st, (ph, t) in enumerate(zip(prow, trow)):
+                    if ph is None:
+                        continue
+                    if not isinstance(ph, OpPhases):
+                        raise ValueError(f"StageCosts.{name}[{c}][{st}] must be OpPhases or None; got {ph!r}")
+                    if not math.isclose(ph.total, t, rel_tol=1e-9):
+                        raise ValueError(f"StageCosts.{name}[{c}][{st}] sums to {ph.total!r}, not "
+                                         f"{name[-1]}[{c}][{st}] = {t!r}: the phases must split the op's time")
+
+    @property
+    def has_phases(self) -> bool:
+        return self.phases_f is not None or self.phases_b is not None
 
     def compute_time(self, kind: str, copy: int, stage: int) -> float:
         table = self.f if kind == "F" else self.b if kind == "B" else self.w

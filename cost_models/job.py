@@ -191,13 +191,15 @@ class Layout:
                        chunks=self.chunks, one_replica=one_replica, **limits)
 
     def build(self, *, eager: bool = True, family: dict | None = None, built=None, one_replica: bool = True,
-              check: bool = True, **limits):
+              check: bool = True, overlap_fb: bool = False, **limits):
         """Build, lower (``eager``: gradient all-reduces in the bubbles) and validate the schedule
         (ScheduleError, a ValueError, names what to change) after :meth:`check_size` with
         ``limits``; ``family``: more keyword arguments of the family (zb-auto's ``costs``);
         ``built``: this layout's compute-only schedule when the caller built it already (the
         planner shares one among the candidates of a shape); ``check=False``: not validated (the
-        executor validates after its own checks of the model)."""
+        executor validates after its own checks of the model); ``overlap_fb``: a schedule that
+        lists no overlapped pairs of its own gets every F followed at once by a B of another
+        micro-batch as one (:func:`schedules.overlap.pair_forward_backward`)."""
         from schedules import build, lower, validate
         self.check_size(one_replica=one_replica, **limits)
         if built is None and self.schedule_file is not None:
@@ -207,6 +209,9 @@ class Layout:
             built = replicated_schedule(self.stage_replicas, self.microbatches // sub_batches(self.stage_replicas))
         if built is None:
             built = build(self.schedule, self.devices, self.microbatches, **self.family_options(), **(family or {}))
+        if overlap_fb and not built.meta.get("overlapped"):
+            from schedules.overlap import pair_forward_backward
+            built = pair_forward_backward(built)
         low = lower(built, replicas=self.replicas, eager=eager)
         if check:
             validate(low)
@@ -414,7 +419,8 @@ class Job:
         # a profile's TP layers were measured without sequence parallelism or overlap (all-reduces on F and B)
         given = [f for f, v in (("--tp", par.tp > 1 and self.source != "profile"), ("--zero", par.zero),
                                 ("--seq-len", par.seq_len), ("--sequence-parallel", par.sequence_parallel),
-                                ("--tp-overlap", par.tp_overlap)) if v] + moe_knobs_given(par)
+                                ("--tp-overlap", par.tp_overlap), ("--precision", par.precision)) if v] + \
+            moe_knobs_given(par)
         if given and self.source != "transformer":
             verb = "acts" if len(given) == 1 else "act"
             raise ValueError(f"{' and '.join(given)} {verb} on a model's formulas: use --model/--cluster costs "
@@ -509,7 +515,7 @@ class Job:
         all-reduce and T x D x R size checks); the simulator (:func:`cost_models.bind.bind`), the
         planner and the executor's run all lower through here."""
         return self.layout.build(eager=self.eager, family=family, built=built, one_replica=one_replica,
-                                 check=check, tp=self.parallel.tp, **limits)
+                                 check=check, overlap_fb=self.parallel.overlap_fb, tp=self.parallel.tp, **limits)
 
     @classmethod
     def of(cls, **fields) -> "Job":

@@ -731,10 +731,29 @@ def _block_kernels(sh: BlockShape, input_grad: bool, accumulate_grads: bool, rec
     return k.kernels(accumulate_grads, recompute)
 
 
+def unpriced(spec: "ModelSpec") -> str | None:
+    """What of ``spec``'s block this model does not price, in words (None: it prices the whole
+    block): its families are plain dense blocks, so the first of
+    :attr:`cost_models.model_spec.ModelSpec.beyond_dense` (experts, latent attention, another head
+    size, q/k norms; the linear model, :class:`cost_models.transformer.TransformerCostModel`, prices
+    them)."""
+    return spec.beyond_dense[0] if spec.beyond_dense else None
+
+
+def check_priced(spec: "ModelSpec") -> None:
+    """Refuse, in one line, a spec :func:`unpriced` says this model does not price."""
+    why = unpriced(spec)
+    if why is not None:
+        raise ValueError(f"--cost-model kernels prices dense gpt, bert and llama blocks; model {spec.name} has {why}: "
+                         f"use --cost-model linear (the default for it)")
+
+
 def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None, tp: int = 1,
                 sp: bool = False, attention: str | None = None, grad_accumulation: str = "fused") -> BlockShape:
     """The block of a model spec: ``bert`` for kind bert, ``gpt`` (Megatron-LM's layer) for gpt,
-    ``llama`` for llama; its attention the model's unless given."""
+    ``llama`` for llama; its attention the model's unless given (a block :func:`unpriced` names
+    is refused)."""
+    check_priced(spec)
     arch = arch or ("bert" if spec.kind == "bert" else "llama" if spec.kind == "llama" else "gpt")
     extra = {} if arch not in TP_ARCHS else dict(kv_heads=None if spec.kv == spec.heads else spec.kv,
                                                  attention=attention or spec.attention_kind)

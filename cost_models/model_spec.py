@@ -177,6 +177,17 @@ class ModelSpec:
         return self.kv_lora_rank > 0
 
     @property
+    def beyond_dense(self) -> tuple[str, ...]:
+        """What the block has beyond a dense block of ``hidden / heads`` wide heads, in words:
+        experts, latent attention, another head size, q/k norms (empty for a plain block): what the
+        kernel cost model does not price (:func:`cost_models.kernels.unpriced`)."""
+        out = ("experts",) if self.is_moe else ()
+        out += ("latent attention",) if self.is_mla else ()
+        if self.head_dim * self.heads != self.hidden:
+            out += (f"heads of {self.head_dim} (not hidden / heads = {self.hidden / self.heads:g})",)
+        return out + (("query/key norms",) if self.qk_norm else ())
+
+    @property
     def moe_layers(self) -> int:
         """Blocks whose MLP is a mixture of experts (the last ``layers - dense_layers``)."""
         return self.layers - self.dense_layers if self.experts else 0

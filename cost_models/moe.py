@@ -8,7 +8,7 @@ f_s; Qwen2-MoE gates it with a sigmoid, h parameters) (:class:`cost_models.model
 
 Expert parallelism folds the GPUs of a pipeline stage, as Megatron-LM does ("parallel folding"):
 the attention runs on T (tensor) x R (data) GPUs, the experts on ETP x EP x EDP = T x R GPUs of
-the same stage. Rules (:meth:`cost_models.job.Job.check`): EP x ETP divides T x R, EP divides E,
+the same stage. Rules (:func:`check_expert_parallel`): EP x ETP divides T x R, EP divides E,
 ETP divides f_e; with T > 1 sequence parallelism is on (Megatron-LM requires it with MoE).
 
 Per GPU and micro-batch (b sequences of s tokens, t = T; n = bs / t tokens a GPU owns)::
@@ -26,7 +26,7 @@ Per GPU and micro-batch (b sequences of s tokens, t = T; n = bs / t tokens a GPU
 The backward has the same GEMM FLOPs again for the inputs and again for the weights, and the same
 two all-to-alls (the combine's gradient is a dispatch and the other way round).
 
-The all-to-all of an EP group (:func:`all_to_all_time`): the group's GPUs are EP consecutive
+The all-to-all of an EP group (:class:`ExpertGroup`): the group's GPUs are EP consecutive
 members at stride ETP of the stage's T x R GPUs (Megatron's order: ETP innermost), so they span
 m = ceil(EP ETP / G) nodes of G GPUs, g = EP / m on each. A GPU sends a fraction (g - 1) / EP of
 its bytes over NVLink and (EP - g) / EP through its node's NICs (each GPU's share of them: the
@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass
 
 from .cluster import Cluster
+from .files import FileError, read_text
 from .model_spec import ModelSpec
 from .parallel import Parallel
 
@@ -84,8 +85,8 @@ def moe_mlp_active_params(spec: ModelSpec) -> int:
 
 
 # the Parallel fields that act on a mixture of experts only
-MOE_KNOBS = ("ep", "etp", "expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hierarchical", "route_nodes",
-             "overlap_fb")
+MOE_KNOBS = ("ep", "etp", "expert_imbalance", "expert_load", "capacity_factor", "fp8_dispatch", "a2a_hierarchical",
+             "route_nodes", "overlap_fb", "overlap_sm_share")
 
 
 def moe_knobs_given(par: Parallel) -> list[str]:
@@ -111,6 +112,9 @@ def check_expert_parallel(spec: ModelSpec, par: Parallel, replicas: int) -> None
     if spec.expert_width % par.etp:
         raise ValueError(f"--etp {par.etp} does not divide the expert width {spec.expert_width} of {spec.name}; "
                          f"pick a divisor")
+    if par.expert_load is not None and len(par.expert_load) != spec.experts:
+        raise ValueError(f"--expert-load lists {len(par.expert_load)} experts; {spec.name} has {spec.experts} per "
+                         f"block")
     if par.route_nodes and par.route_nodes > spec.top_k:
         raise ValueError(f"--route-nodes {par.route_nodes} exceeds the {spec.top_k} experts a token goes to; "
                          f"give at most {spec.top_k}")
@@ -121,11 +125,39 @@ def expert_data_parallel(par: Parallel, replicas: int) -> int:
     return par.tp * replicas // (par.ep * par.etp)
 
 
-def effective_imbalance(par: Parallel) -> float:
-    """Tokens on the busiest EP rank / the mean: the given imbalance, capped by a capacity factor
-    (dropping) when one is given."""
-    imb = par.expert_imbalance
-    return min(imb, par.capacity_factor) if par.capacity_factor else imb
+def effective_imbalance(spec: ModelSpec, par: Parallel) -> float:
+    """Token-expert pairs on the busiest EP rank / the mean. From ``expert_load`` (tokens per
+    expert; rank r holds experts r E/EP .. (r+1) E/EP - 1, Megatron's contiguous split): with a
+    capacity factor c each expert keeps at most c x the mean per expert (the rest dropped), then
+    the busiest rank's sum over the mean rank's. Else ``expert_imbalance``, capped at c."""
+    c = par.capacity_factor
+    if par.expert_load is None:
+        return min(par.expert_imbalance, c) if c else par.expert_imbalance
+    load = par.expert_load
+    mean = sum(load) / len(load)
+    kept = [min(x, c * mean) for x in load] if c else list(load)
+    per = len(load) // par.ep
+    ranks = [sum(kept[r * per:(r + 1) * per]) for r in range(par.ep)]
+    return max(ranks) / (sum(load) / par.ep)
+
+
+def read_expert_load(path) -> tuple[float, ...]:
+    """Tokens per expert from a file: numbers separated by commas, spaces or new lines (a JSON
+    list reads the same); one line naming the file and the first bad entry otherwise."""
+    text = read_text(path, "expert load file")
+    items = [t for t in text.replace("[", " ").replace("]", " ").replace(",", " ").split() if t]
+    out = []
+    for t in items:
+        try:
+            v = float(t)
+        except ValueError:
+            raise FileError(f"{path}: {t!r} is not a number; list tokens per expert, e.g. 812, 640, 1033") from None
+        if not math.isfinite(v) or v < 0:
+            raise FileError(f"{path}: {t!r} is not a token count >= 0")
+        out.append(v)
+    if not out or not sum(out):
+        raise FileError(f"{path}: no tokens; list tokens per expert, e.g. 812, 640, 1033")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -150,7 +182,7 @@ def moe_share(spec: ModelSpec, par: Parallel) -> MoeShare:
     """A GPU's share of one MoE block's MLP (``spec`` at the job's micro-batch and sequence)."""
     t = par.tp
     n = spec.micro_batch * spec.seq_len / t
-    imb = effective_imbalance(par)
+    imb = effective_imbalance(spec, par)
     h, k, fe, d = spec.hidden, spec.top_k, spec.expert_width, spec.dtype_bytes
     pairs = n * k * imb                                  # token-expert pairs the GPU computes
     flops_expert = 2.0 * pairs * SWIGLU * h * fe

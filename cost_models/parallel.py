@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 RECOMPUTE = ("none", "selective", "full")    # activation recomputation of the transformer blocks
 ZERO_STAGES = (0, 1)                         # 1: ZeRO-1, the optimizer state sharded over the replicas
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")   # the GEMMs' number format (a device's peak_flops keys)
 
 
 def _whole(value, option: str, low: int = 1) -> None:
@@ -48,9 +49,15 @@ class Parallel:
     beyond that many times the mean (0: dropless); ``fp8_dispatch`` sends the dispatch in 1-byte
     elements; ``a2a_hierarchical`` runs the all-to-all as DeepEP does (once per remote node, then
     NVLink), with ``route_nodes`` M > 0 DeepSeek-V3's node-limited routing (at most M nodes per
-    token). ``overlap_fb``: an F and the B of another micro-batch placed back to back on a device
+    token). ``expert_load``: tokens routed to each expert (a measured histogram, in place of
+    ``expert_imbalance``: the busiest rank's share follows from which experts each EP rank holds).
+    ``overlap_fb``: an F and the B of another micro-batch placed back to back on a device
     run overlapped, each one's all-to-alls behind the other's compute (DualPipe's overlap), the
-    communication kernels taking ``overlap_sm_share`` of the GPU (DeepSeek: 20 of 132 SMs)."""
+    communication kernels taking ``overlap_sm_share`` of the GPU (DeepSeek: 20 of 132 SMs).
+
+    ``precision``: the GEMMs' format (None: the model's, bf16 for a 16-bit model where the device has
+    it); fp8 runs the linear layers at the device's fp8 peak and the attention core in 16 bits
+    (weights, gradients, optimizer state and activations are counted as in 16 bits)."""
 
     tp: int = 1
     sequence_parallel: bool = False
@@ -68,6 +75,8 @@ class Parallel:
     route_nodes: int = 0
     overlap_fb: bool = False
     overlap_sm_share: float = 20 / 132
+    precision: str | None = None
+    expert_load: tuple[float, ...] | None = None
 
     def __post_init__(self):
         _whole(self.tp, "--tp")
@@ -101,6 +110,19 @@ class Parallel:
                 raise ValueError(f"{option_name(name)} must be {what}; got {v!r}")
         if 0 < self.capacity_factor < 1:
             raise ValueError(f"--capacity-factor must be 0 (dropless) or a factor >= 1; got {self.capacity_factor!r}")
+        if self.expert_load is not None:
+            load = self.expert_load
+            if isinstance(load, (str, bytes)) or not hasattr(load, "__iter__"):
+                raise ValueError(f"--expert-load must be tokens per expert (a list of numbers); got {load!r}")
+            load = tuple(load)
+            if not load or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                               or v < 0 for v in load) or not sum(load):
+                raise ValueError("--expert-load must list tokens per expert: numbers >= 0, not all 0")
+            if self.expert_imbalance != 1.0:
+                raise ValueError("give --expert-imbalance or --expert-load, not both (the load sets the imbalance)")
+            object.__setattr__(self, "expert_load", tuple(float(v) for v in load))
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         v = self.overlap_sm_share
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1):
             raise ValueError(f"--overlap-sm-share must be a share of the GPU in [0, 1); got {v!r}")

@@ -76,13 +76,13 @@ collectives' time is added to F and B (Megatron's default: on the critical path)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .base import LayerCosts, PerLayerCostModel, StageCosts, with_peak_floor
+from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, with_peak_floor
 from .cluster import Cluster
 from .comm import allreduce_time
 from .device import DeviceSpec
-from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, transformer_layer_times
+from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, check_priced, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
 from .moe import (ExpertGroup, check_expert_parallel, expert_data_parallel, moe_mlp_active_params, moe_mlp_params,
@@ -496,6 +496,12 @@ class TransformerCostModel:
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
             raise SpecError(f"parallel must be a cost_models.parallel.Parallel; got {self.parallel!r}")
+        if self.parallel.precision is not None:       # the job's, where this model was not given one
+            if self.precision not in (None, self.parallel.precision):
+                raise SpecError(f"precision {self.precision!r} differs from the job's --precision "
+                                f"{self.parallel.precision}; give one")
+            object.__setattr__(self, "precision", self.parallel.precision)
+            self.device.peak(self.precision)            # one line naming the device's precisions
         # the job's micro-batch and sequence length, applied to the model once
         object.__setattr__(self, "model", self.parallel.sized(self.model))
         if self.grad_accumulation not in GRAD_ACCUMULATION:
@@ -520,10 +526,14 @@ class TransformerCostModel:
         if (self.parallel.ep > 1 or edp > 1) and (group is None or group.ep != self.parallel.ep):
             raise SpecError(f"expert parallel {self.parallel.ep} (EDP {edp}) needs the group's links "
                             f"(expert_group of {self.parallel.ep})")
-        if self.compute == "kernels" and (self.model.is_moe or self.model.is_mla):
-            raise SpecError(f"the kernel cost model prices dense gpt and llama blocks; {self.model.name} has "
-                            f"{'experts' if self.model.is_moe else 'latent attention'}: use --cost-model linear")
-        self.flop_rate()   # fail fast on a device without a peak (e.g. cpu: use a calibration profile)
+        if self.compute == "kernels":
+            check_priced(self.model)
+        # fail fast on a device without a peak (e.g. cpu: use a calibration profile), and, for the
+        # linear model, without an efficiency (the kernel model reads its constants instead)
+        if self.compute == "kernels":
+            self.device.peak(self.resolved_precision())
+        else:
+            self.flop_rate()
 
     @property
     def grad_bytes(self) -> float:
@@ -545,6 +555,17 @@ class TransformerCostModel:
             return "fp32"
         raise SpecError(f"model {self.model.name!r}: no default precision for dtype_bytes "
                         f"{self.model.dtype_bytes}; pass precision=")
+
+    def _attention_in_16_bits(self, L: list[Layer], f, b_in, rate: float):
+        """fp8 runs the linear layers' GEMMs in 8 bits; the attention core (QK^T, x V) stays in 16
+        (DeepSeek-V3, Transformer Engine): each block's core FLOPs at the 16-bit rate instead."""
+        slow = self.device.achievable_flops("bf16" if self.device.has("bf16") else "fp16")
+        core = _attention_core_flops(self.model) / self.parallel.tp
+        extra = core * (1 / slow - 1 / rate)
+        again = {"none": 0, "selective": 1, "full": 1}[self.parallel.recompute]
+        blocks = [l.kind == "block" for l in L]
+        return (tuple(x + extra if blk else x for x, blk in zip(f, blocks)),
+                tuple(x + (2 + again) * extra if blk else x for x, blk in zip(b_in, blocks)))
 
     def flop_rate(self) -> float:
         """Achievable FLOP/s: the device's peak at the precision times its efficiency."""
@@ -601,6 +622,8 @@ class TransformerCostModel:
             f = tuple(l.flops_f / rate for l in L)
             b_in = tuple((l.flops_b_input + l.flops_recompute) / rate for l in L)
             w = tuple(l.flops_w / rate for l in L)
+            if self.resolved_precision() == "fp8":
+                f, b_in = self._attention_in_16_bits(L, f, b_in, rate)
         if self.parallel.tp > 1:
             comm = self.collective_times()
             join = max if self.parallel.tp_overlap else (lambda x, y: x + y)
@@ -649,6 +672,34 @@ class TransformerCostModel:
         back = one * (2 if self.parallel.recompute == "full" else 1)
         moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
         return tuple(one if m else 0.0 for m in moe), tuple(back if m else 0.0 for m in moe)
+
+    def layer_segments(self, lc: LayerCosts) -> tuple[list[list[tuple[str, float]]], list[list[tuple[str, float]]]]:
+        """Per layer, its F and its input backward as segments in order, ("compute" | "comm",
+        seconds), summing to ``lc.f`` / ``lc.b_input``: a MoE block's F is the attention and the
+        router, the dispatch, the experts (routed and shared), the combine; its B the combine's
+        gradient, the experts' input gradients, the dispatch's gradient, the attention's (after
+        the re-run forward's four under full recomputation); any other layer one compute segment.
+        (The split DualPipe overlaps: the simulator's op phases.)"""
+        disp, comb = self.a2a_times()
+        share = self.moe_share() if self.model.is_moe else None
+        experts = 0.0
+        if share is not None:
+            experts = (share.flops_expert + 2.0 * self.model.micro_batch * self.model.seq_len / self.parallel.tp
+                       * 3 * self.model.hidden * self.model.shared_ffn) / self.flop_rate()
+        full = self.parallel.recompute == "full"
+        fs, bs = [], []
+        for i, (f, b) in enumerate(zip(lc.f, lc.b_input)):
+            if not (0 < i <= self.model.layers and is_moe_block(self.model, i - 1)):
+                fs.append([("compute", f)])
+                bs.append([("compute", b)])
+                continue
+            pre = f - disp - comb - experts
+            fwd = [("compute", pre), ("comm", disp), ("compute", experts), ("comm", comb)]
+            rest = b - (disp + comb) - experts - (f if full else 0.0)
+            bs.append((fwd if full else []) + [("comm", comb), ("compute", experts), ("comm", disp),
+                                              ("compute", rest)])
+            fs.append(fwd)
+        return fs, bs
 
     def _expert_memory(self, L: list[Layer]) -> dict:
         """The LayerCosts fields of a MoE model's unlike parameters: its routed experts' optimizer
@@ -703,8 +754,9 @@ class TransformerCostModel:
         m, tp, sp = self.model, self.parallel.tp, self.parallel.sequence_parallel
         layer = 0.0
         if self.parallel.recompute != "none" and m.layers:
-            layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp) - \
-                block_activation_bytes(m, self.parallel.recompute, self.uses_dropout, tp, sp)
+            moe, par = is_moe_block(m, m.layers - 1), self.parallel
+            layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp, moe, par) - \
+                block_activation_bytes(m, par.recompute, self.uses_dropout, tp, sp, moe, par)
         buffers = 2 * self.moe_share().dispatch_bytes if m.is_moe and self.parallel.ep > 1 else 0.0
         return layer + 2 * boundary_bytes(m) / tp + buffers
 
@@ -723,4 +775,29 @@ class TransformerCostModel:
                           tp=self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel,
                           zero=self.parallel.zero,
                           memory_transient=self.transient_bytes())
+        if self.parallel.overlap_fb and self.model.is_moe:
+            costs = self._with_phases(costs, sched)
         return costs
+
+    def _with_phases(self, costs: StageCosts, sched) -> StageCosts:
+        """``costs`` with each op's F and B split into compute and all-to-all phases (the layers'
+        :meth:`layer_segments` over the stage, a backward's layers last to first; the F's data
+        time and per-op overheads in its first compute phase) and the communication's share of the
+        GPU, for the simulator to overlap the schedule's F&B pairs (:mod:`sim.overlap`)."""
+        lc = self.layer_costs()
+        fs, bs = self.layer_segments(lc)
+        if not sched.split_backward:       # a full backward: each layer's weight gradient after its input's
+            bs = [segs + [("compute", w)] for segs, w in zip(bs, lc.w)]
+        parts = layer_ranges(len(lc.f), sched.num_stages, self.partition_for(sched.num_stages))
+
+        def phases(segs, total):
+            segs = [("compute", total - sum(x for _, x in segs))] + segs    # what the stage adds to its layers
+            # the differences above are exact but for rounding: a -1e-18 is a 0
+            return OpPhases.from_segments([(k, x if x > 0 or x < -1e-9 * total else 0.0) for k, x in segs])
+
+        f = [[phases([x for i in r for x in fs[i]], costs.f[c][s]) for s, r in enumerate(parts)]
+             for c in range(sched.num_copies)]
+        b = [[phases([x for i in reversed(r) for x in bs[i]], costs.b[c][s]) for s, r in enumerate(parts)]
+             for c in range(sched.num_copies)]
+        return replace(costs, phases_f=tuple(map(tuple, f)), phases_b=tuple(map(tuple, b)),
+                       comm_sm_share=self.parallel.overlap_sm_share)

@@ -70,7 +70,8 @@ deferring, and deferring it would keep the lookups' output gradients (bsh d) unt
 sources are recorded ops like any (W: a first linear layer's ``dW = g^T x``). So what waits for W
 on the first stage is its blocks' M_W, as on any stage (:func:`cost_models.transformer.embedding_layer`
 keeps nothing for W). A stage whose output depends on no parameter (``out.grad_fn`` None) has
-nothing to do in either.
+nothing to do in either; one whose output is its input itself (a stage of ``nn.Identity``) passes
+the gradient it was given on as its input's.
 """
 from __future__ import annotations
 
@@ -172,8 +173,9 @@ class SplitBackward:
     def input(self, out: torch.Tensor, x: torch.Tensor | None,
               grad: torch.Tensor | None) -> tuple[torch.Tensor | None, PendingWeightGrad]:
         """B: the gradient w.r.t. ``x`` (None when ``x`` needs none) and what W needs."""
-        if out.grad_fn is None:    # nothing before it trains (a first stage of parameter-free layers)
-            return None, PendingWeightGrad()
+        if out.grad_fn is None:    # nothing before it trains (a first stage of parameter-free layers), or
+            # the stage returns its input itself (an nn.Identity): the gradient passes through
+            return (_seed(out, grad) if x is not None and out is x else None), PendingWeightGrad()
         if x is not None and not x.requires_grad:
             x = None                # token ids: the analysis roots at the first parameterised ops
         nodes = self._replay(out.grad_fn, x is None) if self._template is not None else None

@@ -16,6 +16,7 @@ import torch
 
 from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
+from cost_models.moe import moe_knobs_given
 from cost_models.partition import block_ranges, blocks_from_layers
 from cost_models.stack import is_model_ref
 from schedules import Schedule, lower, validate
@@ -89,7 +90,10 @@ class RunConfig:
                                    ("--stage-costs", job.stage_costs),
                                    ("--plan", job.plan), ("--cost-model", job.cost_model),
                                    ("--profile-batch", job.profile_batch), ("--exact", job.exact),
-                                   ("faults", job.faults != Faults())) if v] + job.cluster.given()
+                                   ("faults", job.faults != Faults()),
+                                   ("--precision (the run's is --dtype)", job.parallel.precision)) if v] + \
+            job.cluster.given() + \
+            moe_knobs_given(job.parallel)
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
         par, lay = job.parallel, job.layout
@@ -209,6 +213,9 @@ class RunConfig:
         """The model as this run trains it: ``micro_batch`` applied, ``dtype_bytes`` that of the
         run's precision (2 for bf16: the activations and messages the cost model counts)."""
         spec = self.parallel.sized(self.model if isinstance(self.model, ModelSpec) else load_model(self.model))
+        if spec.beyond_dense:
+            raise ValueError(f"model {spec.name} has {spec.beyond_dense[0]}: the executor trains dense gpt and llama "
+                             f"blocks (heads of hidden / heads); pipetwin simulate and plan price it")
         d = self.precision.dtype_bytes
         return spec if spec.dtype_bytes == d else spec.replace(dtype_bytes=d)
 

@@ -15,7 +15,8 @@ B     backward of that chunk for that micro-batch, given the output gradient a R
       produces the input gradient. In a split-backward schedule B computes only the input gradient
       and records what W needs, W later only the parameter gradients (:mod:`executor.backward`,
       one :class:`~executor.backward.SplitBackward` per stage module); the gradients B recorded
-      count as activation memory until W.
+      count as activation memory until W. A first stage whose output depends on no parameter (a
+      layer stack's ReLU, reshape or Identity: its input needs no gradient) has nothing to do in B.
 W     weight-gradient half of a split backward (see B); frees the graph.
 SEND  ``isend`` of the message produced by the F/B before it (see :mod:`executor.p2p`).
 RECV  wait for the message posted ahead by the mailbox; activations become (fp32) leaves that
@@ -226,7 +227,8 @@ class PipelineRuntime:
             if pending.full is None:     # the graph is gone; what waits for W is held exactly
                 self.accounted -= st.accounted.pop(key, 0)
         else:
-            full_backward(out, grad)
+            if out.requires_grad:   # else a first stage without parameters: nothing before it trains
+                full_backward(out, grad)
             gx = x.grad if op.stage > 0 else None
             self.accounted -= st.accounted.pop(key, 0)
         if op.stage > 0:

@@ -27,18 +27,28 @@ A ``types.SimpleNamespace`` is enough; :class:`LayerStack` is the same as a data
 
 How the executor uses it (:func:`build_rank`, :func:`reference_model`):
 
+- **The model file** runs as a script would: its folder is first on ``sys.path`` while its code
+  runs (importing it, ``FUNC()``, ``sample``, the layers' forward, the loss), so it imports the
+  modules beside it (``from helpers import Block``); a ``package.module:FUNC`` is found on Python's
+  own path. Its printing goes to standard error, so standard output holds pipetwin's results only
+  (``--json``'s object parses); on spawned ranks it goes to the rank's log (:func:`user_code`).
 - **Weights.** Every rank calls ``FUNC()`` after ``torch.manual_seed(seed)`` (on the CPU, the
   global generator restored afterwards) and keeps the layers of its stages, moved to its device;
   the single-process reference does the same and keeps all of them, so every rank's initial
   weights equal the reference's as long as ``FUNC()`` draws its random numbers from torch's
-  global generator (``nn.Module`` initialisation does). Each rank builds the whole model once.
+  global generator (``nn.Module`` initialisation does). Each rank builds the whole model once and,
+  before step 0, checks its build against rank 0's (a checksum per layer of the parameters and
+  buffers, :func:`check_same_weights`): a ``FUNC()`` that seeds from the process id or the time is
+  refused with one line naming the rank and the first layer that differs.
 - **Data.** The micro-batch of global index g in step k is ``sample(generator, b)`` with a fresh
   ``torch.Generator`` seeded from (seed, k, g) (:func:`executor.data.mix_seed`): the ranks that
   need it (first stage: the input, last stage: the target) draw it themselves, and a run and its
   ``--reference`` see the same batches. ``b`` is ``--micro-batch`` (default
   :data:`DEFAULT_MICRO_BATCH`). Every micro-batch must have the same shapes.
 - **Stages.** A stage is consecutive layers (:class:`LayerStage`); the last one also computes
-  the loss. The default split balances the layers' parameter counts
+  the loss. A stage may hold no parameter (activations, pooling, a reshape), the first one too:
+  a first stage's input needs no gradient, so its backward has nothing to do
+  (:mod:`executor.runtime`). The default split balances the layers' parameter counts
   (:func:`cost_models.partition.stack_partition`: the lightest heaviest stage); ``--partition
   2,3,3,2`` gives layers per stage; balancing by measured time comes from a calibration profile
   (``pipetwin run --partition time --profile FILE``), a plan file brings the planner's.
@@ -72,7 +82,7 @@ import signal
 import sys
 import threading
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -113,6 +123,7 @@ class Stack:
     layers: list[nn.Module]
     loss: Callable
     sample: Callable
+    folder: str | None = None       # a model file's folder (see user_code)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -122,6 +133,25 @@ class Stack:
 # ---------------------------------------------------------------------------- loading
 class _Timeout(BaseException):
     """Raised by :func:`time_limit`'s alarm (a BaseException: the user's ``except Exception`` lets it by)."""
+
+
+@contextmanager
+def user_code(folder: str | None = None):
+    """Around every call into a model's own code (importing it, ``FUNC()``, ``sample``, the layers'
+    forward, the loss): its printing goes to standard error, so standard output holds pipetwin's
+    results only (``--json``'s object parses), and ``folder`` (a model file's) is first on
+    ``sys.path``, as Python puts a script's folder, so the file imports the modules beside it (then
+    and later, from ``FUNC()`` or a forward). Only while the model's code runs: pipetwin's own imports
+    never see the user's folder (a module there named like one of pipetwin's packages cannot shadow it)."""
+    added = folder is not None and (not sys.path or sys.path[0] != folder)
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
 
 
 @contextmanager
@@ -166,7 +196,8 @@ _MODULES: dict[tuple, Any] = {}
 
 def load_function(ref: str) -> tuple[Callable, str | None]:
     """The model function ``ref`` names (``PATH.py:FUNC`` or ``package.module:FUNC``) and the file
-    it is defined in. A file is imported once per process (again when it changed)."""
+    it is defined in. A file is imported once per process (again when it changed), its folder first
+    on ``sys.path`` (:func:`user_code`)."""
     m = MODEL_REF.fullmatch(ref.strip())
     if m is None:
         raise ValueError(f"--model {ref!r}: a model file is PATH.py:FUNC or package.module:FUNC")
@@ -183,7 +214,7 @@ def load_function(ref: str) -> tuple[Callable, str | None]:
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             try:
-                with time_limit(BUILD_SECONDS, f"model {ref}: importing {target}"):
+                with time_limit(BUILD_SECONDS, f"model {ref}: importing {target}"), user_code(str(path.parent)):
                     spec.loader.exec_module(module)
             except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code: one line, not a traceback
                 del sys.modules[name]
@@ -193,7 +224,8 @@ def load_function(ref: str) -> tuple[Callable, str | None]:
         where = str(path)
     else:
         try:
-            module = importlib.import_module(target)
+            with user_code():
+                module = importlib.import_module(target)
         except ModuleNotFoundError as e:
             if e.name and (target == e.name or target.startswith(e.name + ".")):
                 raise ValueError(f"model {ref}: no module named {e.name!r} (a package.module on the Python path, "
@@ -210,7 +242,13 @@ def load_function(ref: str) -> tuple[Callable, str | None]:
     return fn, where
 
 
-def check_stack(obj, ref: str) -> Stack:
+def _folder(ref: str, where: str | None) -> str | None:
+    """The folder a model file's code runs with first on ``sys.path`` (None for a package.module,
+    which Python finds on its own path)."""
+    return str(Path(where).parent) if where and ref.strip().rsplit(":", 1)[0].endswith(".py") else None
+
+
+def check_stack(obj, ref: str, folder: str | None = None) -> Stack:
     """The interface's checks on a model function's result (one ValueError line each)."""
     func = ref.rsplit(":", 1)[-1]
     missing = [a for a in ("layers", "loss", "sample") if not hasattr(obj, a)]
@@ -233,7 +271,7 @@ def check_stack(obj, ref: str) -> Stack:
     for a, sig in (("loss", "loss(output, target)"), ("sample", "sample(generator, batch_size)")):
         if not callable(getattr(obj, a)):
             raise ValueError(f"model {ref}: '{a}' must be a function {sig}; got a {type(getattr(obj, a)).__name__}")
-    return Stack(ref.strip(), layers, obj.loss, obj.sample)
+    return Stack(ref.strip(), layers, obj.loss, obj.sample, folder)
 
 
 def build_stack(ref: str, seed: int = 0) -> Stack:
@@ -241,17 +279,18 @@ def build_stack(ref: str, seed: int = 0) -> Stack:
     afterwards) and check its result."""
     fn, where = load_function(ref)
     func = ref.rsplit(":", 1)[-1]
+    folder = _folder(ref, where)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            with time_limit(BUILD_SECONDS, f"model {ref}: {func}()"):
+            with time_limit(BUILD_SECONDS, f"model {ref}: {func}()"), user_code(folder):
                 obj = fn()
         except SystemExit as e:   # sys.exit() in the user's code ends nothing but the build
             raise ValueError(f"model {ref}: {func}() called sys.exit({e.code!r}){_where(e, where)}; it must "
                              f"return the model") from None
         except Exception as e:  # noqa: BLE001 - the user's code
             raise ValueError(f"model {ref}: {func}() failed{_where(e, where)}: {_first_line(e)}") from None
-    return check_stack(obj, ref)
+    return check_stack(obj, ref, folder)
 
 
 def meta_params(ref: str, seed: int = 0) -> tuple[tuple[int, ...], float] | None:
@@ -259,11 +298,12 @@ def meta_params(ref: str, seed: int = 0) -> tuple[tuple[int, ...], float] | None
     tensor the model function makes is a shape without memory, so a model of any size is counted
     in the time its Python takes. None where it cannot be built there (it reads a tensor's values
     while building, or fails): the real build then checks it."""
-    fn, _ = load_function(ref)
+    fn, where = load_function(ref)
     func = ref.rsplit(":", 1)[-1]
+    folder = _folder(ref, where)
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"), \
-                time_limit(BUILD_SECONDS, f"model {ref}: {func}() on the meta device"):
+                time_limit(BUILD_SECONDS, f"model {ref}: {func}() on the meta device"), user_code(folder):
             stack = check_stack(fn(), ref)
     except (Exception, SystemExit):  # noqa: BLE001 - the user's code; the real build says what is wrong
         return None
@@ -362,6 +402,11 @@ class StackLayout:
 def probe_forward(stack: Stack, micro_batch: int):
     """One micro-batch through every layer and the loss, with one-line errors; returns (input,
     target, outputs of every layer, loss)."""
+    with user_code(stack.folder):
+        return _probe_forward(stack, micro_batch)
+
+
+def _probe_forward(stack: Stack, micro_batch: int):
     ref = stack.ref
 
     def draw():
@@ -422,6 +467,11 @@ def check_gradient_flow(stack: Stack, outs: list[torch.Tensor], counts: tuple[in
     run each such stage as a rank does, from a received leaf tensor that requires grad, and require
     every layer's output to depend on its input (a layer that returns an integer tensor, a constant or
     a detached one cuts the gradient; one that changes its input in place is refused by autograd)."""
+    with user_code(stack.folder):
+        _check_gradient_flow(stack, outs, counts)
+
+
+def _check_gradient_flow(stack: Stack, outs: list[torch.Tensor], counts: tuple[int, ...]) -> None:
     ref = stack.ref
     for s, rng in enumerate(ranges(counts)):
         if s == 0 or not outs[rng[0] - 1].is_floating_point():     # integer boundaries: stack_layout's check
@@ -499,18 +549,21 @@ class LayerStage(nn.Module):
     """Consecutive layers of the stack (``layers.<global index>``, so parameter names are the
     same wherever a layer lives); the last stage also has the loss."""
 
-    def __init__(self, layers: dict[int, nn.Module], loss: Callable | None = None):
+    def __init__(self, layers: dict[int, nn.Module], loss: Callable | None = None, folder: str | None = None):
         super().__init__()
         self.layers = nn.ModuleDict({str(i): m for i, m in layers.items()})
         self._loss = (loss,)     # a tuple: a loss that is an nn.Module must not become a submodule
+        self.folder = folder     # the model file's (user_code)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers.values():
-            x = layer(x)
+        with user_code(self.folder):
+            for layer in self.layers.values():
+                x = layer(x)
         return x
 
     def loss(self, output: torch.Tensor, target) -> torch.Tensor:
-        return self._loss[0](output, target)
+        with user_code(self.folder):
+            return self._loss[0](output, target)
 
 
 class StackData:
@@ -522,7 +575,8 @@ class StackData:
 
     def batch(self, step: int, index: int, groups: int):
         g = torch.Generator().manual_seed(mix_seed(self.seed, step, index))
-        x, y = self.stack.sample(g, self.micro_batch)
+        with user_code(self.stack.folder):
+            x, y = self.stack.sample(g, self.micro_batch)
         if self.input_shape is not None and tuple(x.shape) != self.input_shape:
             raise ValueError(f"model {self.stack.ref}: sample() returned an input of shape {list(x.shape)} for "
                              f"micro-batch {index} of step {step}, the first was {list(self.input_shape)}; every "
@@ -595,6 +649,45 @@ class TiedGradients:
             unflatten_into(flat, grads)
 
 
+# ---------------------------------------------------------------------------- the same weights everywhere
+class RanksDisagree(ValueError):
+    """A user error found on the ranks, every rank alike (they all raise it): the launcher reports it
+    as one line (``refusal``: :mod:`executor.launch`), the command line as ``pipetwin: error:``."""
+
+    refusal = True
+
+
+def layer_digests(layers: list[nn.Module]) -> tuple[str, ...]:
+    """A checksum per layer: a hash of the names, dtypes, shapes and bytes of its parameters and
+    buffers, in order (bit-equal weights give equal checksums; any other difference, another)."""
+    out = []
+    for layer in layers:
+        h = hashlib.blake2b(digest_size=16)
+        for name, t in (*layer.named_parameters(), *layer.named_buffers()):
+            t = t.detach()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        out.append(h.hexdigest())
+    return tuple(out)
+
+
+def check_same_weights(digests: tuple[str, ...], layout: StackLayout, world: int) -> None:
+    """Every rank built the same weights (:func:`layer_digests` of its whole build against rank 0's,
+    gathered on the default group; every rank calls this after building and before step 0): where
+    not, every rank raises the same :class:`RanksDisagree` naming the first rank and layer that
+    differ. Each rank builds the whole model after ``torch.manual_seed(seed)``, so a build that
+    differs draws from something else: a seed from the process id or the time, most likely."""
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, digests)
+    for r, theirs in enumerate(everyone[1:], 1):
+        i = next((i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b), None)
+        if i is not None:
+            func = layout.ref.rsplit(":", 1)[-1]
+            raise RanksDisagree(f"model {layout.ref}: rank {r} built other weights than rank 0 (first at layer {i}, "
+                                f"{layout.names[i]}); does {func}() seed from the process id or the time? pipetwin "
+                                f"seeds every rank's build alike (--seed): leave the seeding to it")
+
+
 # ---------------------------------------------------------------------------- one rank
 @dataclass
 class RankModel:
@@ -609,6 +702,7 @@ class RankModel:
     tie_groups: list[tuple[tuple[int, ...], list[nn.Parameter]]]
     excluded: set[int]
     probe: Callable[[], None] | None = None
+    digests: tuple[str, ...] = ()       # layer_digests of this rank's whole build (check_same_weights)
 
 
 def build_rank(layout: StackLayout, sched: Schedule, rank: int, *, seed: int, device, probe: bool = False
@@ -619,6 +713,7 @@ def build_rank(layout: StackLayout, sched: Schedule, rank: int, *, seed: int, de
         raise RuntimeError(f"rank {rank}: model {layout.ref} built layers {list(stack.names)} here but "
                            f"{list(layout.names)} in the launching process; FUNC() must build the same model "
                            f"every time")
+    digests = layer_digests(stack.layers)      # as built, before anything moves or trains
     work = _probe_work(stack, layout, device) if probe else None
     last = sched.num_stages - 1
     built: dict[int, LayerStage] = {}
@@ -626,7 +721,8 @@ def build_rank(layout: StackLayout, sched: Schedule, rank: int, *, seed: int, de
     rngs = layout.stage_ranges()
     for c, s in sched.stages_on(sched.rank_device(rank)):
         if s not in built:
-            built[s] = LayerStage({i: stack.layers[i] for i in rngs[s]}, stack.loss if s == last else None).to(device)
+            built[s] = LayerStage({i: stack.layers[i] for i in rngs[s]}, stack.loss if s == last else None,
+                                  stack.folder).to(device)
         modules[(c, s)] = built[s]
     stage_of = layout.stage_of_layer()
     groups, excluded = [], set()
@@ -641,21 +737,25 @@ def build_rank(layout: StackLayout, sched: Schedule, rank: int, *, seed: int, de
                 excluded.add(id(p))
         groups.append((ranks, params))
     return RankModel(built, modules, unique_parameters(built.values()),
-                     StackData(stack, layout.micro_batch, seed, layout.input_shape), groups, excluded, work)
+                     StackData(stack, layout.micro_batch, seed, layout.input_shape), groups, excluded, work,
+                     digests)
 
 
 def _probe_work(stack: Stack, layout: StackLayout, device) -> Callable[[], None]:
     """Forward + backward of the whole model on one micro-batch, on a copy of it (the host speed
     probe of calibration and validation runs: every rank does the same work)."""
     layers = copy.deepcopy(nn.ModuleList(stack.layers)).to(device)
-    x, y = stack.sample(torch.Generator().manual_seed(1234), layout.micro_batch)
+    with user_code(stack.folder):
+        x, y = stack.sample(torch.Generator().manual_seed(1234), layout.micro_batch)
     x, y = x.to(device), y.to(device)
 
     def work() -> None:
-        h = x
-        for layer in layers:
-            h = layer(h)
-        stack.loss(h, y).backward()
+        with user_code(stack.folder):
+            h = x
+            for layer in layers:
+                h = layer(h)
+            loss = stack.loss(h, y)
+        loss.backward()
     return work
 
 
@@ -663,5 +763,5 @@ def reference_model(ref: str, *, seed: int, micro_batch: int) -> tuple[LayerStag
     """The whole stack as one stage (the single-process reference) and its data source."""
     layout = stack_layout(ref, 1, micro_batch=micro_batch, seed=seed)
     stack = build_stack(ref, seed)
-    model = LayerStage(dict(enumerate(stack.layers)), stack.loss)
+    model = LayerStage(dict(enumerate(stack.layers)), stack.loss, stack.folder)
     return model, StackData(stack, micro_batch, seed, layout.input_shape)

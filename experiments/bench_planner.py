@@ -53,12 +53,10 @@ def space_size(L: int, topo: Topology, G: int, space: SearchSpace) -> int:
     return total
 
 
-_MOE = __import__("pathlib").Path(__file__).resolve().parents[1] / "tests" / "data" / "moe"
 # the mixtures of experts (issue 41): DeepSeek-V3 on 2,048 H100s at the batch that ended its ramp (15,360
-# sequences of 4,096) and Qwen3-235B-A22B on 1,024 (stand-ins of the presets, exact parameter counts)
+# sequences of 4,096) and Qwen3-235B-A22B on 1,024
 LAYOUT_CASES = (("llama3-70b", "dgx-h100-ib:128", 1024, 30.0), ("llama3-405b", "dgx-h100-ib:2048", 2048, 60.0),
-                (str(_MOE / "deepseek-v3-like.yaml"), "dgx-h100-ib:256", 15360, 60.0),
-                (str(_MOE / "qwen3-235b-like.yaml"), "dgx-h100-ib:128", 2048, 60.0))
+                ("deepseek-v3", "dgx-h100-ib:256", 15360, 60.0), ("qwen3-235b-a22b", "dgx-h100-ib:128", 2048, 60.0))
 
 
 def bare_loop_100k() -> float:

@@ -17,6 +17,9 @@ metrics; no per-op trace):
   rate and one replica is simulated (:mod:`sim.symmetry`);
 * a 131,072-GPU job, the same at DP 1,024 on ``h100-pods:16384`` (pods of 1,024 nodes on a spine
   oversubscribed 7:1: every pipeline hop crosses it, alike for every replica): aim <= 50x.
+* a 2,048-GPU mixture of experts, DeepSeek-V3 as its report states the layout (DualPipe-V D=16
+  N=120 R=128, EP 64, FP8, the F&B overlap: every overlapped pair a two-stream block) on
+  ``h800-ib:256``: aim <= 20x.
 * (unless ``--no-planner``) ``plan -m gpt-96 -G 1024`` on ``dgx-a100-ib:128`` (search, re-simulation
   and baselines): aim <= 10 s, shown also as a ratio to the 100k loop (run once: it takes minutes).
 
@@ -93,6 +96,20 @@ def tensor_parallel_case(R: int = 128, D: int = 16, N: int = 16, cluster: str = 
     _, res = simulate_job(job, max_ops=None)
     if res.simulated_replicas != 1:
         raise RuntimeError(f"R={R}: replicas were not simulated as one ({res.full_reason})")
+    return res.metrics(), None
+
+
+def deepseek_case():
+    """DeepSeek-V3 on 2,048 H800s as its report states the layout (:mod:`experiments.reproduce.deepseek_v3`):
+    DualPipe-V D=16 N=120 R=128, EP 64, ZeRO-1, FP8, hierarchical FP8 dispatch, the F&B overlap (phased
+    costs: each pair one block of two streams), through the typed job."""
+    from cost_models.job import Job
+    from sim import simulate_job
+
+    from .reproduce.deepseek_v3 import STATED
+    _, res = simulate_job(Job.of(**STATED), max_ops=None)
+    if res.simulated_replicas != 1:
+        raise RuntimeError(f"deepseek-v3: replicas were not simulated as one ({res.full_reason})")
     return res.metrics(), None
 
 
@@ -242,7 +259,9 @@ def main(argv=None) -> int:
               50.0),
              ("16,384 GPUs: T=8 D=16 R=128 N=16, llama3-405b, dgx-h100-ib:2048",
               tensor_parallel_case, "100k", 20.0),
-             ("131,072 GPUs: T=8 D=16 R=1024 N=16, llama3-405b, h100-pods:16384", pods_case, "100k", 50.0)]
+             ("131,072 GPUs: T=8 D=16 R=1024 N=16, llama3-405b, h100-pods:16384", pods_case, "100k", 50.0),
+             ("2,048 GPUs: deepseek-v3 dualpipe-v D=16 R=128 N=120, EP 64, F&B overlap, h800-ib:256", deepseek_case,
+              "100k", 20.0)]
     if not a.no_planner:
         cases.append(("plan gpt-96 G=1024 on 1,024 A100s (dgx-a100-ib:128)", planner_case, "100k", None))
     _, per_dev = bitpipe_case()

@@ -2,7 +2,11 @@
 
 Spawns D x R ranks (CPU + gloo) or, under ``torchrun``, runs as one of its ranks (NCCL on
 ``cuda:LOCAL_RANK``; only rank 0 prints). ``--reference`` instead trains the same model on the
-same batches in this one process. ``--dtype bf16`` trains in bf16 mixed precision (autocast, fp32
+same batches in this one process; ``--check`` trains both, the run then the reference (on the device
+the run trained on), and compares their losses step by step (:class:`executor.reference.LossCheck`:
+within 1e-5 relative in fp32, 1e-3 in bf16): one line says they are equal (stdout; stderr with
+``--json``, whose object has them under ``check``), or ``pipetwin: check failed:`` names the first
+step beyond and its difference (stderr, exit status 1). ``--dtype bf16`` trains in bf16 mixed precision (autocast, fp32
 master weights and optimizer state; :mod:`executor.precision`), ``--recompute selective|full``
 recomputes activations in the backward (:mod:`executor.recompute`). Both print the same fields; ``--json`` prints
 ``losses`` (one per step), ``iteration_times`` (s) and ``per_device`` with
@@ -27,7 +31,7 @@ import math
 import sys
 
 
-from .common import print_json, write_chrome, write_csv
+from .common import check_all_replicas, print_json, write_chrome, write_csv
 from .jobs import check_plan_args, job_from_args, layout_from_args
 from .options import add_options, fields_of
 from .tables import byte_unit, fmt_bytes, fmt_table, printable
@@ -114,12 +118,17 @@ def main(args) -> int:
 
 def _main(args) -> int:
     from executor.config import lowered_schedule
-    from executor.launch import LaunchError, run
+    from executor.launch import LaunchError, check_launch_env, run
     from executor.reference import run_reference
 
+    check_launch_env()      # leftover RANK / WORLD_SIZE / MASTER_*: refused before any work
+    check_all_replicas(args, args.plot)
     sched, info = None, None
     if args.reference and args.inject_fault:
         raise ValueError("--inject-fault makes a rank of the pipeline raise; --reference runs no ranks (drop one)")
+    if args.reference and args.check:
+        raise ValueError("--check trains the reference beside the run; --reference trains only the reference "
+                         "(drop one)")
     if args.plan:
         cfg, sched, info = plan_config_from_args(args)
         _announce_plan(cfg, sched, info, args)
@@ -141,6 +150,13 @@ def _main(args) -> int:
         print(f"pipetwin: run failed: the loss is {result.losses[bad]} at step {bad} (model "
               f"{result.config.model_name}); lower --lr or check the model's loss", file=sys.stderr)
         return 1
+    check = None
+    if args.check:      # the reference beside the run (this process: rank 0 under torchrun)
+        from executor.reference import LossCheck
+        on_gpu = result.trace is not None and result.trace.attrs.get("backend") == "nccl"
+        ref = run_reference(cfg.with_(device="cuda") if on_gpu else cfg)    # the same kernels as the run's
+        check = LossCheck(tuple(result.losses), tuple(ref.losses), cfg.dtype)
+        result.extra["check"] = check.to_dict()
     if info is not None:
         result.extra["plan"] = {"file": str(args.plan), **info}
     if cfg.layout.schedule_file is not None:
@@ -148,8 +164,13 @@ def _main(args) -> int:
     _write_outputs(result, args)
     if args.json:
         print_json(result.to_dict())
-        return 0
-    _print_human(result, args)
+    else:
+        _print_human(result, args)
+    if check is not None and not check.equal:
+        print(f"pipetwin: check failed: {check.line()}", file=sys.stderr)
+        return 1
+    if check is not None:
+        print(check.line(), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -206,7 +227,7 @@ def _write_outputs(result, args) -> None:
         write_chrome(trace, args.chrome_trace)
     if args.plot:
         from .plots import plot_timeline
-        plot_timeline(trace, args.plot)
+        plot_timeline(trace, args.plot, all_replicas=args.all_replicas)
 
 
 def _print_human(result, args) -> None:

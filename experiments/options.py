@@ -25,14 +25,16 @@ from typing import Any, Callable
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
 from cost_models.kernels import COST_MODELS
-from cost_models.parallel import RECOMPUTE, ZERO_STAGES
+from cost_models.moe import MOE_KNOBS
+from cost_models.parallel import PRECISIONS, RECOMPUTE, ZERO_STAGES
 from cost_models.profile import BUSY_CORES
 from schedules import families, names
 from executor.choices import DEVICES, DTYPES, OPTIMIZERS
 from schedules.registry import ALIASES
 
-from .checks import (byte_size, factor_pair, float_in, input_file, int_in, memory_limit, nonneg_float, nonneg_int,
-                     output_dir, output_file, positive_float, positive_int)
+from .checks import (byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
+                     input_file, int_in, memory_limit, nonneg_float, nonneg_int, output_as, output_dir,
+                     output_file, positive_float, positive_int)
 
 SCALAR, LIST, AUTO = "scalar", "list", "auto"
 GRAMMARS = (SCALAR, LIST, AUTO)
@@ -137,6 +139,10 @@ def _rows() -> dict[str, Option]:
                           type=positive_int)),
         ("seq_len", O(("--seq-len",), "Parallel.seq_len", "training sequence length (default: the model's; a "
                       "Hugging Face config's max_position_embeddings)", type=positive_int, metavar="S")),
+        ("precision", O(("--precision",), "Parallel.precision",
+                        "the GEMMs' number format (default: the model's, bf16 for 16-bit models); fp8 runs the "
+                        "linear layers at the device's fp8 peak, the attention core in 16 bits",
+                        choices=tuple(PRECISIONS))),
         # ---- Parallel: mixtures of experts (cost_models.moe)
         ("ep", O(("--ep",), "Parallel.ep", "expert-parallel size E: GPUs that split each MoE block's experts, folded "
                  "onto the stage's T x R GPUs as Megatron-LM does (E x ETP divides T x R; default 1)",
@@ -147,6 +153,10 @@ def _rows() -> dict[str, Option]:
                                "tokens on the busiest expert-parallel rank / the mean (default 1: balanced); it "
                                "sets the pace of the experts' GEMMs and all-to-alls", type=float_in(1.0, 1e6),
                                metavar="RATIO")),
+        ("expert_load", O(("--expert-load",), "Parallel.expert_load",
+                          "a file of tokens routed to each expert (numbers separated by commas or spaces: a measured "
+                          "histogram), in place of --expert-imbalance: each EP rank's load is that of the experts it "
+                          "holds", type=expert_load_file, metavar="FILE")),
         ("capacity_factor", O(("--capacity-factor",), "Parallel.capacity_factor",
                               "drop the tokens beyond this many times an expert rank's mean (default 0: dropless)",
                               type=nonneg_float, metavar="C")),
@@ -169,9 +179,10 @@ def _rows() -> dict[str, Option]:
                                metavar="SHARE")),
         # ---- Job: the model, the cluster and where the costs come from
         ("model", O(("--model", "-m"), "Job.model",
-                    "model preset, YAML file or Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2; 'pipetwin "
-                    "presets' lists them), a per-layer profile in PipeDream's graph format (FILE.txt, e.g. "
-                    "DAPPLE's profiles), or a model file PATH.py:FUNC (executor/user_model.py) with its --profile")),
+                    "model preset, YAML file or Hugging Face config.json (Llama, Mistral, Qwen2/3, Mixtral, "
+                    "Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-2; 'pipetwin presets' lists them), a per-layer "
+                    "profile in PipeDream's graph format (FILE.txt, e.g. DAPPLE's profiles), or a model file "
+                    "PATH.py:FUNC (executor/user_model.py) with its --profile")),
         ("cost_model", O(("--cost-model",), "Job.cost_model",
                          "layer times: 'kernels' (GEMM tiles and waves, memory-bound kernels, launch overhead: "
                          "costs depend on the micro-batch; default where the device has the constants) or 'linear' "
@@ -259,15 +270,21 @@ def _rows() -> dict[str, Option]:
                            metavar="RANK:TOKEN[:STEP]")),
         # ---- the commands' own: what they print and write
         ("json", O(("--json",), None, "print one JSON object", action="store_true")),
-        ("plot", O(("--plot",), None, "write the figure", type=output_file, metavar="FILE.png")),
-        ("chrome_trace", O(("--chrome-trace",), None, "write a Chrome/Perfetto trace", type=output_file,
+        ("plot", O(("--plot",), None, "write the figure", type=figure_file, metavar="FILE.png")),
+        ("all_replicas", O(("--all-replicas",), None, "--plot draws every data-parallel replica's ranks (default: "
+                           "one replica, the one that ends last: replicas run the same program)",
+                           action="store_true")),
+        ("chrome_trace", O(("--chrome-trace",), None, "write a Chrome/Perfetto trace", type=chrome_file,
                            metavar="FILE.json")),
-        ("trace", O(("--trace",), None, "write the trace as CSV", type=output_file, metavar="FILE.csv")),
+        ("trace", O(("--trace",), None, "write the trace as CSV", type=csv_file, metavar="FILE.csv")),
         ("out_dir", O(("--out",), None, "folder for the files written", type=output_dir, metavar="DIR",
                       dest="out")),
         ("out_file", O(("--out",), None, "the file written", type=output_file, dest="out")),
         ("no_progress", O(("--no-progress",), None, "no progress bar", action="store_true")),
         ("reference", O(("--reference",), None, "run the single-process reference instead", action="store_true")),
+        ("check", O(("--check",), None, "also train the single-process reference (--reference) and compare the "
+                    "losses step by step: exit status 1 at the first step that differs by more than 1e-5 relative "
+                    "in fp32 (1e-3 in bf16), printing it and the difference", action="store_true")),
         ("calibration_profile", O(("--profile",), None, "a calibration profile (pipetwin calibrate)", type=input_file,
                                   metavar="FILE.yaml", dest="profile")),
         # ---- plan's own
@@ -346,7 +363,8 @@ def table() -> dict[str, Option]:
 class Use:
     """A command's use of a row: its ``grammar``, and where the command differs from the row: its
     ``default`` (``...``: the row's), ``required``, ``note`` (appended to the help: this command's
-    default or reading) or ``help`` (only for rows without a field: the command's own)."""
+    default or reading), ``help`` (only for rows without a field: the command's own) or ``type``
+    (a scalar's checked type: e.g. the format of the file ``--out`` writes)."""
 
     key: str
     grammar: str = SCALAR
@@ -356,18 +374,17 @@ class Use:
     help: str | None = None
     metavar: str | None = None
     extra_flags: tuple[str, ...] = field(default_factory=tuple)
+    type: Callable | None = None    # this command's checked type in place of the row's (an output's format)
 
 
 def use(key: str, grammar: str = SCALAR, **kw) -> Use:
     return Use(key, grammar, **kw)
 
 
-MOE_OPTIONS = ("ep", "etp", "expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hierarchical", "route_nodes",
-               "overlap_fb", "overlap_sm_share")
 _LAYOUT = ("schedule_file", "devices", "microbatches", "chunks", "variant", "dp", "tp", "memory_limit", "no_eager")
 _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "nodes", "fabric", "oversubscription",
           "nodes_per_leaf", "profile", "stage_costs", "partition", "device_map", "recompute", "sequence_parallel",
-          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len", *MOE_OPTIONS)
+          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len", "precision", *MOE_KNOBS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "
@@ -381,11 +398,11 @@ def _costs() -> tuple[Use, ...]:
 # Which rows each command takes, in which grammar (the order is --help's).
 COMMANDS: dict[str, tuple[Use, ...]] = {
     "simulate": (use("schedule"), *map(use, _LAYOUT), use("plan", note=_PLAN_NOTE), *_costs(),
-                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"),
+                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"), use("all_replicas"),
                  use("chrome_trace"), use("trace")),
     "compare": (use("schedules"), *(use(k, note="; compared beside --schedules" if k == "schedule_file" else "")
                                  for k in _LAYOUT), *_costs(), *map(use, _FAULTS), use("json"),
-                use("plot", help="stacked timelines of all schedules"),
+                use("plot", help="stacked timelines of all schedules"), use("all_replicas"),
                 use("out_dir", help="also write table.csv, one Chrome trace per schedule and the figure here")),
     "run": (use("schedule"), *map(use, _LAYOUT), use("plan", help=None, note="; " + RUN_PLAN_HELP),
             use("model", note="; default tiny (no FILE.txt: the executor trains GPTs and model files)"),
@@ -397,8 +414,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("seq_len"),
-            use("reference"), use("json"), use("trace"), use("chrome_trace"),
-            use("plot", help="write the timeline figure"), use("inject_fault")),
+            use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
+            use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
     "sweep": (use("schedules"), use("devices", LIST, required=True), use("microbatches", LIST, required=True),
               use("dp", LIST, default=(1,)), use("tp", LIST, default=(1,)), use("micro_batch", LIST),
               use("chunks"), use("no_eager"),
@@ -435,7 +452,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                 "overlap_sm_share")),
              use("plot", help="whole-layout search: the simulated candidates, step time vs memory per GPU, the "
                  "chosen plan marked"),
-             use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json"),
+             use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json",
+                                                           type=output_as("plan file", ("json",))),
              use("global_batch", required=True), use("gpus"), use("device_memory"), use("force"), use("top"),
              use("max_stages"), use("uniform"), use("policies"), use("no_simulate"), use("no_baselines")),
     "validate": (use("schedules"), use("devices", default=2, note=" (default 2)"),
@@ -455,8 +473,61 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                                           "(1/T), the group's all-reduce over gloo"),
                   use("ranks"), use("timings"), use("runtime_steps"), use("runtime_repeats"),
                   use("dtype", note=" (default fp32)"),
-                  use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")),
+                  use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)",
+                      type=output_as("calibration profile", ("yaml", "yml")))),
 }
+
+
+# options whose value is a preset's name or a file (a path, or PATH:NODES / PATH.py:FUNC): read by
+# the command when it is a file. The other inputs and outputs say so by their type's ``role``
+# (:mod:`experiments.checks`).
+NAMED_INPUTS = ("model", "cluster", "profile", "plan")
+
+
+def file_roles(parser) -> dict[str, tuple[str, str]]:
+    """A command parser's files: dest -> (flag, role ``"in"`` / ``"out"``), from the options'
+    checked types (their ``role``) and :data:`NAMED_INPUTS`."""
+    out = {}
+    for a in parser._actions:
+        role = getattr(a.type, "role", None) or ("in" if a.dest in NAMED_INPUTS else None)
+        if role in ("in", "out") and a.option_strings:
+            out[a.dest] = (max(a.option_strings, key=len), role)
+    return out
+
+
+def _input_paths(dest: str, value: str) -> list[str]:
+    """The existing files an input option's value names (``PATH:NODES`` / ``PATH.py:FUNC`` too)."""
+    import os
+    names = [value] + ([value.rsplit(":", 1)[0]] if dest in NAMED_INPUTS and ":" in value else [])
+    return [n for n in names if os.path.isfile(n)]
+
+
+def check_files_apart(args) -> None:
+    """Refuse (one ValueError line, before any work) an output file that is one of the command's
+    inputs (``--trace`` onto the ``--cluster`` YAML just read) or another of its outputs. Devices
+    and this process's descriptors (``/dev/null``, ``/dev/stdout``) may be named by several."""
+    import os
+    roles = vars(args).get("_files") or {}
+    given = []
+    for dest, (flag, role) in roles.items():
+        v = vars(args).get(dest)
+        v = v if isinstance(v, str) else getattr(v, "path", None)     # values read while parsing: their file
+        if v:
+            given.append((flag, role, dest, v))
+    inputs = [(flag, p) for flag, role, dest, v in given if role == "in" for p in _input_paths(dest, v)]
+    seen: list[tuple[str, str]] = []
+    for flag, role, _, v in given:
+        if role != "out" or (os.path.exists(v) and not os.path.isfile(v)):
+            continue
+        for in_flag, path in inputs:
+            if os.path.exists(v) and os.path.samefile(v, path):
+                raise ValueError(f"{flag} {v} is the file {in_flag} reads ({path}); writing it would overwrite that "
+                                 f"input: give {flag} another path")
+        real = os.path.realpath(v)
+        for other_flag, other in seen:
+            if other == real:
+                raise ValueError(f"{other_flag} and {flag} both write {v}; give each its own file")
+        seen.append((flag, real))
 
 
 def row(key: str) -> Option:
@@ -507,7 +578,7 @@ def add_options(p, command: str, *, only: tuple[str, ...] | None = None) -> None
             if opt.action == "append":
                 kw.update(type=opt.type, metavar=opt.metavar)
         elif u.grammar == SCALAR:
-            kw.update(type=opt.type, metavar=u.metavar or opt.metavar)
+            kw.update(type=u.type or opt.type, metavar=u.metavar or opt.metavar)
             if opt.choices is not None:
                 kw["choices"] = list(opt.choices)
         else:

@@ -35,7 +35,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cost_models.bind import CostInputs, cost_model_for, load_inputs
+from cost_models.bind import CostInputs, cost_model_for, load_inputs, stated
 from cost_models.files import FileError, read_text, write_output
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, Job
 
@@ -148,14 +148,16 @@ def run_point(job: "Job | Impossible") -> dict:
 def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
     """What ``DIR/sweep.json`` holds: the job every point shares (the base job without the grid's
     axes, its defaults resolved with ``inputs`` (:func:`cost_models.bind.load_inputs`): the model,
-    the cluster and the cost model that bind; model, cluster and profile files as absolute paths)
-    and the grid."""
+    the cluster and the cost model that bind; model, cluster and profile files as absolute paths),
+    the grid, and what every point assumes (``stated``: :func:`cost_models.bind.stated`, shown
+    beside the table as in each point's JSONL record)."""
     job = base.record()
     if base.source == "transformer" and base.model is None:
         job["model"] = DEFAULT_MODEL
     if inputs.cluster is not None and base.source != "profile":
         job["cluster"]["name"] = job["cluster"]["name"] or DEFAULT_CLUSTER
-        job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile")
+        job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile",
+                                           inputs.model if inputs.kind == "transformer" else None)
     job["parallel"] = {k: v for k, v in job["parallel"].items() if k not in ("micro_batch", "zero", "recompute", "tp",
                                                                               "ep")}
     job["layout"] = {k: v for k, v in job["layout"].items() if k not in ("schedule", "devices", "microbatches",
@@ -163,7 +165,7 @@ def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
     for name in ("model", "profile"):
         job[name] = _absolute(job[name])
     job["cluster"]["name"] = _absolute(job["cluster"]["name"])
-    return {"job": job, "grid": {k: list(v) for k, v in asdict(grid).items()}}
+    return {"job": job, "grid": {k: list(v) for k, v in asdict(grid).items()}, "stated": stated(base, inputs)}
 
 
 def _absolute(ref):

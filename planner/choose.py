@@ -32,7 +32,7 @@ from cost_models.workloads.workload import is_profile_path
 from schedules import ScheduleError, build
 
 from .cost import Estimate, estimate
-from cost_models.workloads.workload_sources import load_workload
+from cost_models.workloads.workload_sources import load_workload, workload_spec
 from .placement import Topology
 from .plan import Plan, StagePlan
 from .search import PlanError, SearchResult, SearchSpace, divisors, latency_floor, search_plans
@@ -118,10 +118,12 @@ def plan_training(model, cluster: Cluster, global_batch: int, *, memory_limit: f
     cost_models preset or YAML path, profile ``*.txt``), a ModelSpec or a :class:`Workload`;
     ``cost_model`` / ``profile_batch``: see :func:`cost_models.load_workload` (ignored for a Workload);
     ``cost_model`` None: the default of every command (:func:`cost_models.bind.cost_model_for`: kernels
-    where the device has kernel constants, linear for profiles ``*.txt`` and other devices)."""
+    where the device has kernel constants, linear for profiles ``*.txt``, other devices and blocks
+    the kernel model does not price)."""
     check_global_batch(global_batch)
     if not isinstance(model, Workload):
-        cost_model = cost_model_for(cost_model, cluster.device, isinstance(model, str) and is_profile_path(model))
+        cost_model = cost_model_for(cost_model, cluster.device, isinstance(model, str) and is_profile_path(model),
+                                    workload_spec(model))
     work = model if isinstance(model, Workload) else load_workload(model, cluster.device, recompute, cost_model,
                                                                    profile_batch)
     name = model_name or (model if isinstance(model, str) else work.name)

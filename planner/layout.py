@@ -74,7 +74,9 @@ FIXED_KNOBS = ("expert_imbalance", "capacity_factor", "fp8_dispatch", "a2a_hiera
 class LayoutSpace:
     """What the search varies. ``tp``: tensor-parallel sizes (None: every divisor of the node size
     that the model splits, :meth:`ModelSpec.check_tensor_parallel`); ``schedules``: families (None:
-    the registry's, less :data:`EXCLUDED_BY_DEFAULT`), each with every variant and, for those that
+    the registry's, less :data:`EXCLUDED_BY_DEFAULT`), each with every variant (a family's
+    ``overlap_variants``, for phased MoE costs, only for a mixture of experts, with the overlap
+    on) and, for those that
     take chunks, ``chunks``; ``micro_batches``; ``recompute``; ``zero`` (ZeRO-1 only when R > 1);
     ``sequence_parallel`` (only when T > 1); ``max_stages``: at most this many pipeline devices D;
     ``devices``: only these D (None: every D that divides the GPUs); ``gpus``: the GPUs used
@@ -307,7 +309,7 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                 N = global_batch // (R * mb)
                 for name in space.families():
                     fam = registry.get(name)
-                    for variant in fam.variants or (None,):
+                    for variant in _variants(fam, model, space):
                         for chunks in (space.chunks if fam.takes_chunks else (2,)):
                             if D * (chunks if fam.takes_chunks else 1) > model.layers:
                                 continue
@@ -316,7 +318,9 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                             for rc, zero, sp in itertools.product(
                                     space.recompute, space.zero if R > 1 else (0,),
                                     space.sequence_parallel if tp > 1 else (False,)):
-                                for par in experts.records(tp, R, mb, rc, zero, sp, space.overlaps(name)):
+                                overlap = "only" if variant in fam.overlap_variants else \
+                                    "both" if space.overlaps(name) else "off"
+                                for par in experts.records(tp, R, mb, rc, zero, sp, overlap):
                                     for dmap in _distinct_maps(space.maps(par.ep), D, R):
                                         out.append(Job(layout=lay, model=model, cluster=choice, parallel=par,
                                                        cost_model=cost_model, memory_reserve=memory_reserve,
@@ -345,10 +349,16 @@ class _ExpertAxes:
         self._why: dict = {}
         self._used: set = set()
 
-    def records(self, tp: int, R: int, mb: int, rc: str, zero: int, sp: bool, overlaps: bool) -> list[Parallel]:
+    def records(self, tp: int, R: int, mb: int, rc: str, zero: int, sp: bool, overlap: str) -> list[Parallel]:
+        """``overlap``: "off" (overlap_fb False), "both" (the space's values where EP > 1), "only"
+        (a variant that pays only overlapped: True, where EP > 1)."""
         out = []
         for ep, etp in itertools.product(self.eps, self.etps):
-            for ofb in (self.space.overlap_fb if overlaps and ep > 1 else (False,)):
+            if overlap == "only":
+                ofbs = (True,) if ep > 1 and True in self.space.overlap_fb else ()
+            else:
+                ofbs = self.space.overlap_fb if overlap == "both" and ep > 1 else (False,)
+            for ofb in ofbs:
                 par = Parallel(tp=tp, micro_batch=mb, recompute=rc, zero=zero, sequence_parallel=sp, ep=ep, etp=etp,
                                overlap_fb=ofb, **(self.fixed if self.model.is_moe else {}))
                 if self._fits(par, R):
@@ -376,6 +386,14 @@ class _ExpertAxes:
             for v in values:
                 if (name, v) not in self._used and (name, v) in self._why:
                     raise ValueError(f"--{name} {v} fits no layout of the space: {self._why[(name, v)]}")
+
+
+def _variants(fam, model: ModelSpec, space: LayoutSpace) -> list:
+    """A family's variants in the search: all but its ``overlap_variants`` (they pay only where
+    overlapped pairs hide all-to-alls: Megatron's combined 1F1B), which a mixture of experts searches
+    with the overlap on."""
+    keep = [v for v in fam.variants if v not in fam.overlap_variants or (model.is_moe and True in space.overlap_fb)]
+    return keep or [None]
 
 
 def _distinct_maps(maps: tuple[str, ...], D: int, R: int) -> tuple[str, ...]:

@@ -36,13 +36,17 @@ class Family:
     variants: tuple[str, ...] = ()      # the first is the default; () = the family has none
     takes_chunks: bool = False          # ``chunks`` per device changes it (a module's TAKES_CHUNKS)
     takes_memory_limit: bool = False    # it orders its ops under a memory limit (a module's TAKES_MEMORY_LIMIT)
+    # variants that pay only when overlapped pairs hide all-to-alls (phased MoE costs; a module's
+    # OVERLAP_VARIANTS): a dense layout search leaves them out
+    overlap_variants: tuple[str, ...] = ()
 
 
 def _load(mod: str) -> Family:
     m = importlib.import_module(f"schedules.{mod}")
     doc = (m.__doc__ or "").strip()
     return Family(m.NAME, m.REQUIRES, doc, m.build, tuple(getattr(m, "VARIANTS", ())),
-                  bool(getattr(m, "TAKES_CHUNKS", False)), bool(getattr(m, "TAKES_MEMORY_LIMIT", False)))
+                  bool(getattr(m, "TAKES_CHUNKS", False)), bool(getattr(m, "TAKES_MEMORY_LIMIT", False)),
+                  tuple(getattr(m, "OVERLAP_VARIANTS", ())))
 
 
 def families() -> dict[str, Family]:

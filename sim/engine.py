@@ -23,6 +23,13 @@ One SimPy process per rank walks its program:
   per step gives. OPTIM waits for the rank's all-reduces, then does its CPU work.
 - Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
   F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
+- Overlapped pairs: where the costs split F and B into compute and all-to-all phases
+  (``StageCosts.phases_f`` / ``phases_b``) and the schedule lists F&B pairs (``meta["overlapped"]``:
+  DualPipe-V, :func:`schedules.overlap.pair_forward_backward`, interleaved ``a2a-overlap``), a rank
+  runs each pair as one block of :func:`sim.overlap.overlapped_pair` time: the pair's RECVs first,
+  the F row spanning the block, the B row zero-length at its end, the F's SEND / COPY after
+  (``_Engine._overlap``). ``SimResult.a2a_time`` / ``a2a_hidden``: per rank, the all-to-all seconds
+  and the part of them hidden under compute.
 
 A rank keeps its own clock and runs ahead of SimPy's while it touches nothing shared (compute on
 its own device, a message already delivered, no network); it synchronises (a timeout to its
@@ -68,6 +75,7 @@ from schedules.trace import COLUMNS, DeviceMetrics, Metrics, TraceRow, make_trac
 
 from .cores import host_model
 from .flows import FairShare
+from .overlap import overlapped_pair
 from .symmetry import Symmetry, replica_classes, symmetry_blocker
 
 
@@ -143,6 +151,11 @@ class SimResult:
     _rows: list | None = field(default=None, repr=False)
     _trace: pd.DataFrame | None = field(default=None, repr=False)
     rep_of: list | None = field(default=None, repr=False)   # replica -> the simulated one standing for it
+    # per rank, last step, in the costs' time unit: the all-to-all seconds of its F / B ops that have
+    # phases (StageCosts.phases_f / phases_b), and of those the seconds that ran under compute in an
+    # overlapped F&B pair (sim.overlap.PairTime.hidden); all zero without phases
+    a2a_time: list = field(default_factory=list)
+    a2a_hidden: list = field(default_factory=list)
 
     @property
     def iteration_time(self) -> float:
@@ -356,6 +369,11 @@ class _Engine:
         self.finished = [False] * R
         self.busy = [0.0] * R
         self.peak = [0.0] * R
+        self.a2a = [0.0] * R           # per rank: all-to-all seconds of a step (static: from _compile)
+        self.a2a_hidden = [0.0] * R
+        self.order: dict[int, list[int]] = {}   # rank -> program index of each plan position, where reordered
+        self._pair_of: dict | None = None       # meta["overlapped"]: F key -> B key
+        self._blocks: dict = {}                 # (F copy, stage, B copy, stage, plans, slowdown) -> block records
         self.step_first = [float("inf")] * opts.steps
         self.step_last = [float("-inf")] * opts.steps
         self.groups = {}
@@ -537,6 +555,86 @@ class _Engine:
             if k == ALLREDUCE and p.cpu is not None:
                 copy_back += p.cpu
             append(p)
+        if self.costs.has_phases:
+            plan, messages, heads = self._overlap(r, program, plan, messages, heads, slow)
+        return plan, messages, heads
+
+    def _overlap(self, r: int, program, plan: list, messages: list, heads: list | None, slow: float):
+        """Rank r's plan with every overlapped pair of the schedule (``meta["overlapped"]``: an F and
+        the B right after it in the rank's compute order) whose F and B both have phases run as one
+        block of :func:`sim.overlap.overlapped_pair` time, as DualPipe runs its F&B chunk: first the
+        RECVs the lowered program places between the F and the B (in their order, so each pair of
+        ranks' FIFO numbering is unchanged), then the F, which takes the whole block, then the B, of
+        zero length at the block's end (busy time counts the block once; F's activations are
+        allocated and B's freed at the block's end), then the other ops that were between them (F's
+        SEND / COPY: the block's outputs exist at its end). The trace's ``seq`` is the position in
+        this order. Also sets the rank's all-to-all seconds and the hidden part of them (times the
+        rank's slowdown, which stretches a whole op, its all-to-alls included)."""
+        c = self.costs
+        pf, pb = c.phases_f, c.phases_b
+        if self._pair_of is None:
+            self._pair_of = {tuple(a): tuple(b) for a, b in self.sched.meta.get("overlapped", ())}
+        pairs = self._pair_of
+        blocks = self._blocks
+        a2a = hidden = 0.0
+        perm: list[int] = []
+        n, i = len(program), 0
+        while i < n:
+            op = program[i]
+            k = op.kind
+            if k != F:
+                if k == B and pb is not None:
+                    ph = pb[op.copy][op.stage]
+                    if ph is not None:
+                        a2a += ph.comm_total
+                perm.append(i)
+                i += 1
+                continue
+            ph = pf[op.copy][op.stage] if pf is not None else None
+            if ph is not None:
+                a2a += ph.comm_total
+            want = pairs.get((k, op.stage, op.mb)) if ph is not None and pb is not None else None
+            if want is None:
+                perm.append(i)
+                i += 1
+                continue
+            j = i + 1
+            while j < n and program[j].kind not in (F, B, W):
+                j += 1
+            nb = program[j] if j < n else None
+            if nb is None or (nb.kind, nb.stage, nb.mb) != want:
+                raise ScheduleError(f"rank {r}: overlapped pair {op} & {want[0]}{want[2]}.s{want[1]} is not "
+                                    f"back to back in its compute order (next compute op: {nb})")
+            if pb[nb.copy][nb.stage] is None:
+                perm.append(i)
+                i += 1
+                continue
+            key = (op.copy, op.stage, nb.copy, nb.stage, plan[i], plan[j], slow)
+            got = blocks.get(key)
+            if got is None:
+                pt = overlapped_pair(ph, pb[nb.copy][nb.stage], c.comm_sm_share)
+                got = blocks[key] = (plan[i]._replace(cpu=pt.time * slow), plan[j]._replace(cpu=0.0), pt.hidden,
+                                     pb[nb.copy][nb.stage].comm_total)
+            plan[i], plan[j] = got[0], got[1]
+            hidden += got[2]
+            a2a += got[3]
+            if j == i + 1:
+                perm += (i, j)
+            else:
+                between = range(i + 1, j)
+                perm += [x for x in between if program[x].kind == RECV]
+                perm += (i, j)
+                perm += [x for x in between if program[x].kind != RECV]
+            i = j + 1
+        self.a2a[r] = a2a * slow
+        self.a2a_hidden[r] = hidden * slow
+        if perm == list(range(n)):
+            return plan, messages, heads
+        self.order[r] = perm
+        plan = [plan[k] for k in perm]
+        messages = [messages[k] for k in perm]
+        if heads is not None:
+            heads = [heads[k][:2] + (pos,) + heads[k][3:] for pos, k in enumerate(perm)]
         return plan, messages, heads
 
     def _plan(self, r: int, op, split: bool, slow: float) -> _Planned:
@@ -684,7 +782,7 @@ class _Engine:
             self.env.run()
         stuck = [r for r in self.active if not self.finished[r]]
         if stuck:
-            desc = "; ".join(f"rank {r} at {self.sched.program(r)[self.pc[r]]}" for r in stuck)
+            desc = "; ".join(f"rank {r} at {self._op_at(r)}" for r in stuck)
             raise SimulationError(f"simulation deadlocked: {desc}")
         s, c = self.sched, self.costs
         R = s.num_ranks
@@ -695,5 +793,11 @@ class _Engine:
         busy = [self.busy[x] for x in self.rep]
         peak = [self.peak[x] for x in self.rep]
         rows = [row for row in self.rows if row is not None] if self.record else None
-        return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=self.rep_of)
+        return SimResult(attrs, its, busy, peak, self.simulated_replicas, self.full_reason, rows, rep_of=self.rep_of,
+                         a2a_time=[self.a2a[x] for x in self.rep], a2a_hidden=[self.a2a_hidden[x] for x in self.rep])
+
+    def _op_at(self, r: int):
+        """The op of rank r's program at its plan position ``pc[r]`` (the plan may be reordered)."""
+        pc, order = self.pc[r], self.order.get(r)
+        return self.sched.program(r)[order[pc] if order is not None else pc]
 

@@ -219,7 +219,7 @@ def test_chimera_activation_peaks_and_memory_costs(D):
     ("chimera", 4, 12, {"variant": "backward-halving"}, r"multiple of 2D \(8\); got 12 \(try 16\)$"),
     ("gpipe", 4, 8, {"variant": "greedy"},
      r"^gpipe has no variants \(got 'greedy'\); leave the variant out "
-     r"\(schedules with variants: chimera, bitpipe, zb-auto\)$"),
+     r"\(schedules with variants: interleaved, chimera, bitpipe, zb-auto\)$"),
     ("bitpipe", 4, 6, {"variant": "greedy"}, "multiple of the number of devices"),
 ])
 def test_bad_variants_fail_with_one_line(name, D, N, kw, msg):

@@ -164,3 +164,57 @@ def test_expert_parallel_across_nodes_costs_more_than_inside(tmp_path):
     across = _simulate(16, 4, str(f))
     assert across.bound.report["a2a_per_moe_layer"] > 2 * inside.bound.report["a2a_per_moe_layer"]
     assert across.result.iteration_time > inside.result.iteration_time
+
+
+def test_fp8_runs_the_linear_layers_at_the_fp8_peak_and_the_attention_core_in_16_bits():
+    from cost_models.transformer import _attention_core_flops, transformer_layers
+    c = load_cluster("dgx-h100-ib:1")
+    m = ModelSpec(name="d", kind="llama", layers=2, hidden=1024, heads=8, vocab=1000, seq_len=2048)
+    fp8 = TransformerCostModel(m, c.device, parallel=Parallel(precision="fp8"))
+    r8, r16 = c.device.achievable_flops("fp8"), c.device.achievable_flops("bf16")
+    blk = transformer_layers(m)[1]
+    core = _attention_core_flops(m)
+    lc = fp8.layer_costs()
+    assert lc.f[1] == pytest.approx((blk.flops_f - core) / r8 + core / r16, rel=1e-12)
+    assert lc.b_input[1] == pytest.approx((blk.flops_b_input - 2 * core) / r8 + 2 * core / r16, rel=1e-12)
+    assert lc.w[1] == pytest.approx(blk.flops_w / r8, rel=1e-12)
+    assert lc.f[-1] == pytest.approx(transformer_layers(m)[-1].flops_f / r8, rel=1e-12)   # the head: a GEMM
+    with pytest.raises(ValueError, match="--precision must be one of"):
+        Parallel(precision="int4")
+
+
+def test_expert_load_sets_the_imbalance_from_the_experts_each_rank_holds(tmp_path):
+    from cost_models.moe import effective_imbalance, read_expert_load
+    m = spec(TINY)
+    load = (100, 100, 100, 100, 300, 100, 100, 100)
+    # EP 4: ranks hold experts (0,1) (2,3) (4,5) (6,7): 200 200 400 200 over a mean of 250
+    assert effective_imbalance(m, Parallel(ep=4, expert_load=load)) == 1.6
+    # EP 2: 400 600 over 500
+    assert effective_imbalance(m, Parallel(ep=2, expert_load=load)) == 1.2
+    # a capacity factor of 2 keeps at most 2 x the mean per expert (250): rank 2 holds 350 of 1000 / 4
+    assert effective_imbalance(m, Parallel(ep=4, expert_load=load, capacity_factor=2)) == 350 / 250
+    assert moe_share(m, Parallel(ep=4, expert_load=load)) == moe_share(m, Parallel(ep=4, expert_imbalance=1.6))
+    f = tmp_path / "load.txt"
+    f.write_text("[100, 100, 100,\n100 300 100 100 100]")
+    assert read_expert_load(f) == tuple(float(x) for x in load)
+    f.write_text("1, 2, many")
+    with pytest.raises(ValueError, match=r"'many' is not a number; list tokens per expert"):
+        read_expert_load(f)
+    with pytest.raises(ValueError, match="lists 3 experts; tiny-moe has 8 per block"):
+        check_expert_parallel(m, Parallel(expert_load=(1, 2, 3)), replicas=1)
+    with pytest.raises(ValueError, match="give --expert-imbalance or --expert-load, not both"):
+        Parallel(expert_load=load, expert_imbalance=2.0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ep", "2", "--dp", "2"], "--ep acts on a mixture of experts; model gpt-96 is dense"),
+    (["--overlap-fb"], "--overlap-fb acts on a mixture of experts"),
+    (["--expert-imbalance", "0.5"], "argument --expert-imbalance: must be a number in [1, 1e+06]"),
+    (["--precision", "fp4"], "argument --precision: invalid choice"),
+    (["--route-nodes", "4"], "--route-nodes limits the nodes of a hierarchical all-to-all"),
+])
+def test_cli_refuses_moe_knobs_in_one_line(capsys, argv, message):
+    from experiments.cli import main
+    assert main(["simulate", "-s", "1f1b", "-D", "2", "-N", "4", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

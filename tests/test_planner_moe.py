@@ -84,7 +84,8 @@ def test_an_ep_that_folds_onto_no_layout_is_the_checks_line():
 def test_search_equals_brute_force_on_a_small_moe():
     """Every candidate bound, judged by the ledger and simulated: the search's top 3 are the brute
     force's best 3; every bound is below its truth; EP 4 wins (each GPU all-reduces the gradients of
-    2 experts over EDP 1 instead of 8 over 8)."""
+    2 experts over EDP 1 instead of 8 over 8), with the overlap on (its all-to-alls behind the paired
+    op's compute), ahead of the same layout without it."""
     cl = _cluster()
     brute = brute_force(MOE, cl, 16, SPACE)
     fits = ranked([got for _, got in brute if isinstance(got, Confirmed)])
@@ -99,9 +100,11 @@ def test_search_equals_brute_force_on_a_small_moe():
     assert res.simulated < len(fits) and res.candidates == len(brute) == 182
     best = res.best.job
     assert (best.layout.schedule, best.parallel.tp, best.layout.devices, best.layout.replicas,
-            best.parallel.micro_batch, best.parallel.zero, best.parallel.ep) == ("dualpipe-v", 1, 2, 4, 1, 1, 4)
+            best.parallel.micro_batch, best.parallel.zero, best.parallel.ep, best.parallel.overlap_fb) == \
+        ("dualpipe-v", 1, 2, 4, 1, 1, 4, True)
     ep1 = min(x.iteration_time for x in fits if x.job.parallel.ep == 1)
-    assert res.best.iteration_time < ep1
+    serial = next(x for x in fits if x.job == best.with_(overlap_fb=False))
+    assert res.best.iteration_time < serial.iteration_time < ep1
 
 
 def test_memory_bound_holds_the_experts_as_the_cost_model_does():
@@ -135,7 +138,8 @@ def test_ep_wins_where_unsharded_experts_do_not_fit():
     best = res.best
     assert best.memory_need <= lim
     assert (best.job.layout.schedule, best.job.parallel.tp, best.job.layout.devices, best.job.layout.replicas,
-            best.job.parallel.zero, best.job.parallel.ep) == ("dapple", 2, 2, 2, 1, 4)
+            best.job.parallel.zero, best.job.parallel.ep, best.job.parallel.overlap_fb) == \
+        ("dualpipe-v", 2, 1, 4, 1, 8, True)
 
 
 def test_an_ep_plan_round_trips_and_simulates_to_the_planners_time(tmp_path):

@@ -12,6 +12,17 @@ from .pipedream_workload import profile_workload
 from .workload import Workload, check_cost_model, is_profile_path, transformer_workload
 
 
+def workload_spec(model) -> ModelSpec | None:
+    """The transformer spec :func:`load_workload` builds ``model``'s workload from (None for a
+    profile file, a paper model or a ready :class:`Workload`): what picks its default cost model
+    (:func:`cost_models.bind.cost_model_for`)."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Workload) or is_profile_path(model) or (isinstance(model, str) and model in PAPER_MODELS):
+        return None
+    return load_model(model)
+
+
 def load_workload(model, device: DeviceSpec, recompute: str = "none", cost_model: str = "linear",
                   profile_batch: int | None = None) -> Workload:
     """``model``: a planner paper model name (see :func:`cost_models.workloads.paper_models.paper_models`),

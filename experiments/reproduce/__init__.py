@@ -12,6 +12,7 @@ TARGETS = {
     "megatron": "experiments.reproduce.megatron",
     "korthikanti": "experiments.reproduce.korthikanti",
     "zero-bubble": "experiments.reproduce.zero_bubble",
+    "deepseek-v3": "experiments.reproduce.deepseek_v3",
 }
 
 
