@@ -270,8 +270,8 @@ def test_sweep_drops_a_half_written_row_and_reruns_it(capsys, tmp_path):
     table, jsonl = out / "sweep.csv", out / "sweep.jsonl"
     text = table.read_text()
     last = text.rstrip("\r\n").rsplit("\n", 1)[1]
-    assert last.startswith("bitpipe,3,2,1,1,0,none,,,,,,,bitpipe needs")   # the impossible point comes last
-    table.write_text(text[:len(text) - len(last) // 2 - 2])         # cut in its error: all 14 fields there
+    assert last.startswith("bitpipe,3,2,1,1,0,none,,1,,,,,,bitpipe needs")   # the impossible point comes last
+    table.write_text(text[:len(text) - len(last) // 2 - 2])         # cut in its error: all 15 fields there
     lines = jsonl.read_text().splitlines()
     jsonl.write_text("\n".join(lines) + "\n" + lines[-1][:50])      # a record repeated and cut
     rc, out_text, err = run_cli(capsys, *grid, "--out", str(out))
