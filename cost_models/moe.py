@@ -103,6 +103,9 @@ def check_expert_parallel(spec: ModelSpec, par: Parallel, replicas: int) -> None
             raise ValueError(f"{given[0]} acts on a mixture of experts; model {spec.name} is dense "
                              f"(e.g. --model mixtral-8x7b)")
         return
+    if par.tp > 1 and not par.sequence_parallel:
+        raise ValueError(f"a mixture of experts at --tp {par.tp} needs --sequence-parallel (Megatron-LM requires it: "
+                         f"each GPU routes its 1/T of the tokens)")
     fold = par.tp * replicas
     if fold % (par.ep * par.etp):
         raise ValueError(f"--ep {par.ep} x --etp {par.etp} must divide the stage's T x R = {par.tp} x {replicas} GPUs "

@@ -98,7 +98,9 @@ def test_all_to_all_time_closed_forms():
 
 def test_rules_joining_the_knobs_with_model_and_layout():
     m = spec(TINY)
-    check_expert_parallel(m, Parallel(ep=4, tp=2), replicas=2)
+    check_expert_parallel(m, Parallel(ep=4, tp=2, sequence_parallel=True), replicas=2)
+    with pytest.raises(ValueError, match=r"a mixture of experts at --tp 2 needs --sequence-parallel"):
+        check_expert_parallel(m, Parallel(ep=4, tp=2), replicas=2)
     with pytest.raises(ValueError, match=r"--ep 4 x --etp 1 must divide the stage's T x R = 1 x 2"):
         check_expert_parallel(m, Parallel(ep=4), replicas=2)
     with pytest.raises(ValueError, match=r"--ep 3 does not divide the 8 experts"):
