@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from .files import FileError, one_line, read_text
+from .files import FileError, check_kind, one_line, read_text
 
 
 class SpecError(ValueError):
@@ -167,6 +167,12 @@ def parse_yaml(text: str, source: str) -> Any:
         raise SpecError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{source}: not valid YAML ({one_line(e)})") from None
+    except RecursionError:
+        raise SpecError(f"{source}: not a usable YAML file: nested deeper than the YAML reader allows "
+                        f"(about 1,000 levels); no pipetwin file nests more than a few") from None
+
+
+_KINDS = {"models": "model", "clusters": "cluster", "stage-costs": "stage-costs"}   # preset folder -> file kind
 
 
 def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]:
@@ -182,6 +188,13 @@ def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]
             text, source = read_text(p, f"{what} file"), str(p)
         except FileError as e:   # a spec error like any other of the file
             raise SpecError(str(e)) from None
+        data = parse_yaml(text, source)
+        if kind in _KINDS:
+            try:
+                check_kind(data, source, _KINDS[kind])
+            except FileError as e:
+                raise SpecError(str(e)) from None
+        return data, source
     else:
         f = preset_dir(kind) / f"{name_or_path}.yaml"
         if not f.is_file():

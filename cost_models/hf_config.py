@@ -55,12 +55,11 @@ is a folder or no JSON raise one :class:`~cost_models._spec.SpecError` naming th
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from ._spec import SpecError
-from .files import FileError, read_text
+from .files import FileError, check_kind, parse_json, read_text
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
@@ -86,19 +85,6 @@ def is_hf_config(ref) -> bool:
     return str(ref).endswith(".json")
 
 
-def _no_duplicates(pairs):
-    seen = {}
-    for k, v in pairs:
-        if k in seen:
-            raise SpecError(f"duplicate key {k!r}")
-        seen[k] = v
-    return seen
-
-
-def _reject_constant(name):
-    raise SpecError(f"{name} is not a number")
-
-
 def read_config(path) -> dict:
     """The config's mapping (one-line errors: not a file, not JSON, duplicate keys, NaN)."""
     p = Path(path)
@@ -109,11 +95,10 @@ def read_config(path) -> dict:
     except FileError as e:
         raise SpecError(str(e)) from None
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except SpecError as e:
-        raise SpecError(f"{p}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        data = parse_json(text, str(p))
+        check_kind(data, str(p), "hf-config")
+    except FileError as e:
+        raise SpecError(str(e)) from None
     if not isinstance(data, dict):
         raise SpecError(f"{p}: a Hugging Face config is a JSON object of fields")
     return data

@@ -49,7 +49,7 @@ from pathlib import Path
 from cost_models import Cluster, cluster_from_dict
 from cost_models.bind import Bound
 from cost_models._spec import size_bytes
-from cost_models.files import one_line, read_text, write_output
+from cost_models.files import FileError, check_kind, data_or_none, one_line, parse_json, read_text, write_output
 from cost_models.model_spec import spec_from_dict
 from cost_models.parallel import Parallel
 from cost_models.stack import absolute_model_ref
@@ -364,6 +364,7 @@ def _layout_plan(rec: dict, source: str) -> LayoutPlan:
 
 def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan:
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        check_kind(rec, source, "plan")
         raise ValueError(f"{source}: not a pipetwin plan file (expected \"format\": \"{FORMAT}\")")
     if rec.get("version") not in READS:
         raise ValueError(f"{source}: plan file version {rec.get('version')!r}; this pipetwin reads versions "
@@ -402,7 +403,8 @@ def load_plan(path) -> LoadedPlan | LayoutPlan:
     p = Path(path)
     text = read_text(p, "plan file")
     try:
-        rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({one_line(e)})") from None
+        rec = parse_json(text, str(p))
+    except FileError:
+        check_kind(data_or_none(text), str(p), "plan")   # YAML of another kind: named as such
+        raise
     return plan_from_record(rec, str(p))

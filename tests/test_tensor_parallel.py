@@ -239,8 +239,8 @@ def test_hf_config_refusals(tmp_path, change, message):
 
 def test_hf_config_bad_files(tmp_path):
     text = (HF / "gpt2" / "config.json").read_text()
-    for bad, message in ((text.replace('"n_embd": 768', '"n_embd": NaN'), "NaN is not a number"),
-                         (text.replace('"n_head": 12', '"n_head": 12, "n_head": 16'), "duplicate key 'n_head'"),
+    for bad, message in ((text.replace('"n_embd": 768', '"n_embd": NaN'), "field 'n_embd' is NaN, not a number"),
+                         (text.replace('"n_head": 12', '"n_head": 12, "n_head": 16'), "key 'n_head' is given twice"),
                          ("{ not json", "not valid JSON")):
         with pytest.raises(cm.SpecError, match=message):
             cm.load_model(str(_write(tmp_path, bad)))
