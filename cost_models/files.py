@@ -116,14 +116,20 @@ def one_line(message) -> str:
     return " ".join(str(message).split())
 
 
-def short_list(items, head: int = 6, tail: int = 2, sep: str = ", ") -> str:
+def short_list(items, head: int = 6, tail: int = 2, sep: str = ", ", bare: bool = False) -> str:
     """``items`` for a message: all of them when there are at most ``head + tail + 1``, else the
     first ``head``, ``...``, the last ``tail`` and how many (``[3, 3, 3, 3, 3, 3, ..., 3, 3] (4,000
-    entries)``): a list in a refusal never makes the line longer than a screen."""
+    entries)``; ``bare``: without the brackets): a list in a refusal never makes the line longer than a
+    screen. Anything that is
+    not a list, tuple or range (a string, a number, a mapping) is its ``repr``, cut at 80 characters."""
+    if not isinstance(items, (list, tuple, range)):
+        text = repr(items)
+        return text if len(text) <= 80 else text[:77] + "..."
     items = list(items)
+    a, b = ("", "") if bare else ("[", "]")
     if len(items) <= head + tail + 1:
-        return "[" + sep.join(map(str, items)) + "]"
-    return (f"[{sep.join(map(str, items[:head]))}{sep}...{sep}{sep.join(map(str, items[-tail:]))}] "
+        return a + sep.join(map(str, items)) + b
+    return (f"{a}{sep.join(map(str, items[:head]))}{sep}...{sep}{sep.join(map(str, items[-tail:]))}{b} "
             f"({len(items):,} entries)")
 
 
