@@ -64,6 +64,8 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     model = load_model(args.model)
     if args.seq_len is not None:
         model = model.replace(seq_len=args.seq_len)
+    from planner.choose import batch_in_sequences
+    args.global_batch = batch_in_sequences(args.global_batch, args.global_tokens, model.seq_len)
     choice = cluster_from_args(args)
     cluster = choice.load()
     check_limit(limit, cluster.device, args.force)

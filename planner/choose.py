@@ -101,6 +101,47 @@ def with_simulation(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Eva
 MAX_GLOBAL_BATCH = 1 << 16     # samples per iteration the planner searches (65,536: tens of seconds at most)
 
 
+# tokens per iteration beyond any published training run (Llama 3 405B: 16M; DeepSeek-V3: 15,360 x
+# 4,096 = 63M): a -G this large times the sequence length is almost surely tokens typed as sequences
+MAX_TOKENS_PER_STEP = 64 << 20
+
+
+def batch_in_sequences(global_batch: int | None, global_tokens: int | None, seq_len: int | None) -> int:
+    """The global batch in sequences from ``-G`` (sequences) or ``--global-tokens`` (tokens, a whole
+    number of ``seq_len``-token sequences; the unit given explicitly, any size is taken). A ``-G``
+    whose tokens (G x ``seq_len``) exceed :data:`MAX_TOKENS_PER_STEP` is refused naming
+    ``--global-tokens``: it looks like tokens typed as sequences. One line each."""
+    if (global_batch is None) == (global_tokens is None):
+        raise ValueError("give the global batch as -G SEQUENCES or as --global-tokens TOKENS (e.g. 4M), one of "
+                         "the two" + ("" if global_batch is None else "; not both"))
+    if global_tokens is not None:
+        if seq_len is None:
+            raise ValueError("--global-tokens needs the model's sequence length; this model (a layer profile) has "
+                             "none: give -G in samples")
+        n, rest = divmod(global_tokens, seq_len)
+        if rest:
+            near = sorted({max(1, n), n + 1}, key=lambda k: abs(k * seq_len - global_tokens))[0]
+            raise ValueError(f"--global-tokens {global_tokens:,} is not a whole number of {seq_len:,}-token "
+                             f"sequences; the nearest is {near * seq_len:,} tokens (-G {near:,})")
+        return n
+    if global_batch < 1:
+        raise ValueError(f"--global-batch must be >= 1; got {global_batch}")
+    if seq_len and global_batch * seq_len > MAX_TOKENS_PER_STEP:
+        raise ValueError(f"-G {global_batch:,} sequences of {seq_len:,} tokens is {global_batch * seq_len:,} tokens "
+                         f"per step, more than any published run (Llama 3 405B 16M, DeepSeek-V3 63M): -G counts "
+                         f"sequences; to give tokens, use --global-tokens {_tokens(global_batch)}"
+                         + (f" (= -G {global_batch // seq_len:,})" if global_batch % seq_len == 0 else ""))
+    return global_batch
+
+
+def _tokens(n: int) -> str:
+    """``n`` tokens as --global-tokens spells it: 4194304 -> 4M."""
+    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
+        if n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
 def check_global_batch(global_batch: int) -> None:
     """Both planners' bound on the global batch: at most :data:`MAX_GLOBAL_BATCH` samples."""
     if global_batch > MAX_GLOBAL_BATCH:
