@@ -85,6 +85,12 @@ def is_hf_config(ref) -> bool:
     return str(ref).endswith(".json")
 
 
+def _supported() -> str:
+    """The supported architectures, short: ``Llama, Mistral, ... ForCausalLM, GPT2LMHeadModel``."""
+    causal = [a.removesuffix("ForCausalLM") for a in ARCHITECTURES if a.endswith("ForCausalLM")]
+    return f"{', '.join(causal)} ForCausalLM, " + ", ".join(a for a in ARCHITECTURES if not a.endswith("ForCausalLM"))
+
+
 def read_config(path) -> dict:
     """The config's mapping (one-line errors: not a file, not JSON, duplicate keys, NaN)."""
     p = Path(path)
@@ -145,10 +151,10 @@ def hf_fields(path, seq_len: int | None = None, micro_batch: int = 1) -> dict:
     archs = data.get("architectures")
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
         raise SpecError(f"{source}: missing field 'architectures' (a list naming the model class, one of "
-                        f"{', '.join(ARCHITECTURES)})")
+                        f"{_supported()})")
     arch = archs[0]
     if arch not in ARCHITECTURES:
-        raise SpecError(f"{source}: architecture {arch} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        raise SpecError(f"{source}: field 'architectures': {arch} is not supported; supported: {_supported()}")
     name = p.parent.name if p.name == "config.json" and p.parent.name else p.stem
     dtype = data.get("torch_dtype", "bfloat16")
     if dtype is not None and not isinstance(dtype, str):
