@@ -129,8 +129,8 @@ def short_list(items, head: int = 6, tail: int = 2, sep: str = ", ", bare: bool 
     a, b = ("", "") if bare else ("[", "]")
     if len(items) <= head + tail + 1:
         return a + sep.join(map(str, items)) + b
-    return (f"{a}{sep.join(map(str, items[:head]))}{sep}...{sep}{sep.join(map(str, items[-tail:]))}{b} "
-            f"({len(items):,} entries)")
+    last = "".join(sep + str(x) for x in items[len(items) - tail:])
+    return f"{a}{sep.join(map(str, items[:head]))}{sep}...{last}{b} ({len(items):,} entries)"
 
 
 class _NonFinite(float):

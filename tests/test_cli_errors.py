@@ -376,6 +376,10 @@ CASES = [
     ("hf-config-nested-200000-deep", SIM + ["-m", "{deepjson}"], ["deep.json", "nested deeper"]),
     ("plan-file-symlink-loop", ["simulate", "--plan", "{loop}"], ["plan file", "loop.json", "symbolic link loop"]),
     ("model-symlink-loop", SIM + ["-m", "{loop}"], ["loop.json", "symbolic link loop"]),
+    ("device-map-of-6000-characters", SIM + ["--device-map", ",".join(["0"] * 3000)],
+     ["--device-map", "'0,0,0,", "...' (5,999 characters)", "megatron"]),
+    ("model-unknown-field-of-many", SIM + ["-m", "{unknownfield}"], ["unknown field 'ffn'", "did you mean",
+                                                                     "ffn_hidden", "(29 entries)"]),
     ("plan-file-broken-link", ["simulate", "--plan", "{broken}"],
      ["plan file", "broken.json", "broken link", "nowhere.json"]),
 ]
@@ -433,6 +437,8 @@ def files(tmp_path):
 def _issue47_file(tmp_path: Path, key: str) -> str:
     """Issue 47's bad files, made when a row asks for one: a Hugging Face config with a NaN field,
     JSON and YAML nested 200,000 deep, a symbolic link loop and a broken link."""
+    if key == "unknownfield":
+        return str(_write(tmp_path / "m.yaml", "layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nffn: 128\n"))
     if key == "hfnan":
         hf = json.loads((Path(__file__).parent / "data" / "hf" / "Meta-Llama-3-8B" / "config.json").read_text())
         hf["rope_theta"] = float("nan")
@@ -449,7 +455,7 @@ def _issue47_file(tmp_path: Path, key: str) -> str:
     return str(link)
 
 
-ISSUE47_FILES = ("hfnan", "deepjson", "deepyaml", "loop", "broken")
+ISSUE47_FILES = ("unknownfield", "hfnan", "deepjson", "deepyaml", "loop", "broken")
 
 
 MODEL_FILE = """\

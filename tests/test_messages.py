@@ -43,6 +43,25 @@ def test_a_4000_entry_partition_is_one_short_line():
                             "schedule has 4 stages per model copy")
 
 
+def test_an_echoed_value_of_thousands_of_characters_is_cut():
+    from experiments.tables import one_line_message
+    value = ",".join(["0"] * 3000)
+    assert one_line_message(f"argument --device-map: invalid choice: '{value}' (choose from 'megatron')") == \
+        f"argument --device-map: invalid choice: '{value[:60]}...' (5,999 characters) (choose from 'megatron')"
+    short = "x" * 80
+    assert one_line_message(f"got '{short}'\n  and more") == f"got '{short}' and more"
+
+
+def test_unknown_field_among_many_names_the_nearest():
+    from cost_models._spec import known_fields
+    assert known_fields("x", ("a", "b")) == "known: a, b"
+    many = [f"field_{i:02d}" for i in range(30)]
+    # equal scores: difflib's order, the last name first
+    assert known_fields("field_7", many) == ("did you mean 'field_27' or 'field_17' or 'field_07'? known: field_00, "
+                                             "field_01, field_02, field_03, field_04, field_05, field_06, field_07, "
+                                             "... (30 entries)")
+
+
 # ----------------------------------------------------------------------------- JSON
 
 def test_parse_json_names_the_field_of_nan_and_infinity():
