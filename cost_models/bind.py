@@ -38,9 +38,11 @@ from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
 from .kernels import COST_MODELS, check_priced, unpriced
 from .model_spec import ModelSpec, load_model
+from .hf_config import config_notes, is_hf_config
 from .stage_costs import StageTimes, load_stage_costs
 from .stack import is_model_ref, same_model_ref
 from .moe import ExpertGroup
+from .parallel import Parallel
 from .memory import check_reserve
 from .transformer import TensorParallelGroup, TransformerCostModel, active_params, model_params
 
@@ -240,7 +242,8 @@ def bind_lowered(job: Job, inputs: CostInputs, low: Schedule) -> Bound:
             raise ValueError("--partition does not apply to a --model FILE.txt profile (it is split by work)")
         cost_model = cost_model_for(job.cost_model, cluster.device, True)
         costs, mb, part = _layer_profile_costs(job, low, cluster, cost_model)
-        return Bound(low, costs, placed, {"cost_model": cost_model, "model": str(job.model), "micro_batch": mb,
+        return Bound(low, costs, placed, {"cost_model": cost_model, "model": str(job.model),
+                                          "device_fitted": cluster.device.provenance(), "micro_batch": mb,
                                           "partition": list(part), "cluster": cluster.name,
                                           "device_map": job.mapping,
                                           "memory_capacity": costs.meta.get("memory_capacity")})
@@ -263,6 +266,39 @@ def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> Tran
                                 grad_accumulation=job.grad_accumulation, expert_group=experts)
 
 
+def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
+    """What the job's numbers assume, as report fields (simulate, compare, sweep and plan show them):
+    for a model's formulas ``seq_len``, ``precision`` (the cost model's resolved one), ``cost_model``
+    and ``assumptions`` (one line per approximation of a Hugging Face config,
+    :func:`cost_models.hf_config.config_notes`; ``model_ref``: the config's path where the job holds
+    the spec); ``device_fitted`` (where the device's constants come from) wherever a cluster's
+    device prices the work, and one line per datasheet field the device leaves out
+    (:meth:`cost_models.device.DeviceSpec.notes`). Empty for unit costs, a stage-costs file and a
+    profile on its own host."""
+    if inputs.kind == "transformer":      # none of these depends on the layout (a sweep's grid varies it)
+        dev, model = inputs.cluster.device, job.parallel.sized(inputs.model)
+        tcm = TransformerCostModel(model, dev, parallel=Parallel(precision=job.parallel.precision),
+                                   compute=cost_model_for(job.cost_model, dev, False, model))
+        return _stated(job, model, dev, tcm, model_ref)
+    return {"device_fitted": inputs.cluster.device.provenance()} if inputs.cluster is not None else {}
+
+
+def _stated(job: Job, model: ModelSpec, device, tcm: TransformerCostModel, model_ref=None) -> dict:
+    return stated_fields(model, device, tcm.compute, tcm.resolved_precision(),
+                         job.model if model_ref is None else model_ref, job.parallel.seq_len, job.parallel.precision)
+
+
+def stated_fields(model: ModelSpec, device, cost_model: str, precision: str, model_ref=None,
+                  seq_len: int | None = None, precision_given: str | None = None) -> dict:
+    """The fields of :func:`stated` from their parts (a planner that prices a spec without a job
+    uses it too): ``model`` as priced, its resolved ``precision``; ``model_ref`` the name or path
+    the user gave, with the ``--seq-len`` and ``--precision`` given (None: not given)."""
+    notes = config_notes(model_ref, seq_len, precision_given) \
+        if isinstance(model_ref, str) and is_hf_config(model_ref) else ()
+    return {"seq_len": model.seq_len, "precision": precision, "cost_model": cost_model,
+            "device_fitted": device.provenance(), "assumptions": [*notes, *device.notes()]}
+
+
 def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:
     """A model spec's formulas on a cluster, T x D x R: every rank a tensor-parallel group of T
     GPUs (:func:`cost_models.cluster.tensor_parallel_groups`), its collectives on the group's links.
@@ -273,7 +309,8 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     cost_model = tcm.compute
     costs = tcm.bind(low)
     return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
-        "cost_model": cost_model, "model": model.name, "parameters": model_params(model),
+        "cost_model": cost_model, "model": model.name, **_stated(job, model, cluster.device, tcm),
+        "parameters": model_params(model),
         **({"active_parameters": active_params(model), "ep": par.ep, "etp": par.etp,
             "a2a_per_moe_layer": sum(tcm.a2a_times())} if model.is_moe else {}),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
@@ -330,5 +367,6 @@ def calibrated(prof: CalibrationProfile, low: Schedule, *, cluster: Cluster | No
     return Bound(low, costs, cluster.place(low, device_map), {
         "cost_model": f"{label} scaled onto {cluster.device.name} (measured times x {factor:.3g}: this host's FLOP "
                       f"rate / the device's achievable fp32 rate)",
-        "cluster": cluster.name, "micro_batch": prof.micro_batch, "device_map": device_map,
+        "device_fitted": cluster.device.provenance(), "cluster": cluster.name, "micro_batch": prof.micro_batch,
+        "device_map": device_map,
         "memory_capacity": cluster.device.memory_bytes})

@@ -397,12 +397,24 @@ def with_fabric(cluster: Cluster, fabric: str | None = None, oversubscription: f
     """``cluster`` with another inter-node fabric (None keeps a field; checked by :class:`Cluster`)."""
     kw = {k: v for k, v in (("fabric", fabric), ("oversubscription", oversubscription),
                             ("nodes_per_leaf", nodes_per_leaf)) if v is not None}
-    leaf = [f"--{k.replace('_', '-')}" for k in ("oversubscription", "nodes_per_leaf") if k in kw]
-    if leaf and kw.get("fabric", cluster.fabric) == "flat":
-        verb = "shape" if len(leaf) > 1 else "shapes"
-        raise ValueError(f"{' and '.join(leaf)} {verb} the leaves of a fat-tree or rail fabric; cluster "
-                         f"{cluster.name} is flat: add --fabric fat-tree (or rail)")
+    check_leaf_fields(kw.get("fabric", cluster.fabric), kw, f"cluster {cluster.name} is flat: add --fabric fat-tree "
+                      f"(or rail)", lambda f: f"--{f.replace('_', '-')}")
     return replace(cluster, **kw) if kw else cluster
+
+
+LEAF_FIELDS = ("oversubscription", "nodes_per_leaf")
+
+
+def check_leaf_fields(fabric: str, given, fix: str, name=lambda f: f"field {f!r}", where: str = "") -> None:
+    """The one rule for the leaf fields (``oversubscription``, ``nodes_per_leaf``): they shape the
+    leaves of a fat-tree or rail fabric, so one given on a flat fabric (which has no leaves) is
+    refused, not ignored, on the command line (:func:`with_fabric`) and in a cluster file
+    (:func:`cluster_from_dict`) alike. ``given``: the names given; ``name`` spells one (an option or
+    a field); ``fix``: what to do, after the semicolon; ``where``: the message's start (a file)."""
+    leaf = [name(f) for f in LEAF_FIELDS if f in given]
+    if leaf and fabric == "flat":
+        verb = "shape" if len(leaf) > 1 else "shapes"
+        raise SpecError(f"{where}{' and '.join(leaf)} {verb} the leaves of a fat-tree or rail fabric; {fix}")
 
 
 _FIELDS = ("name", "description", "nodes", "devices_per_node", "device", "intra", "inter", "nics_per_node",
@@ -438,6 +450,8 @@ def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
     fabric = d.get("fabric", "flat")
     if fabric not in FABRICS:
         raise SpecError(f"{source}: field 'fabric' must be one of {', '.join(FABRICS)}; got {fabric!r}")
+    check_leaf_fields(fabric, [f for f in LEAF_FIELDS if d.get(f) is not None],
+                      "the file's fabric is flat: add 'fabric: fat-tree' (or rail), or remove it", where=f"{source}: ")
     over = _spec.number(d.get("oversubscription", 1.0), source, "oversubscription")
     if not 1.0 <= over < float("inf"):
         raise SpecError(f"{source}: field 'oversubscription' must be a finite number >= 1; got {over!r}")

@@ -12,8 +12,12 @@ nesting too deep for Python's parser are one line each).
 refuses a name component over :data:`NAME_MAX` bytes); :func:`write_output` / :func:`output_file`
 write one atomically (a temporary file in the same folder, then ``os.replace``: a reader, a crash
 or a full disk never leaves a truncated file) and turn an ``OSError`` into one :class:`FileError`
-line naming the path. An existing device or pipe (``/dev/null``, ``/dev/stdout``) is written in
-place: it cannot be replaced.
+line naming the path. A character device (``/dev/null``, a terminal) and this process's own
+descriptors (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``: a pipe there already has its reader)
+are written in place: they cannot be replaced; a named pipe (FIFO: opening it waits for a reader,
+maybe forever), a socket, a block device (a disk) or a folder is refused before any work, and so is
+an output whose extension is not a format written there (``formats``: a figure's ``.png``, a
+trace's ``.csv``).
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ import errno
 import json
 import math
 import os
+import re
+import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -186,21 +193,76 @@ def parse_json(text: str, source: str):
     return data
 
 
-def check_output_path(path, what: str = "output file") -> Path:
-    """A file that is about to be written: not a folder, and its folder exists or can be created
-    (no part of the path is an existing file) and is writable: an empty file is created there and
-    removed at once (:func:`_probe`); nothing else is created."""
+def check_output_path(path, what: str = "output file", formats: tuple[str, ...] | None = None) -> Path:
+    """A file that is about to be written: not a folder, a pipe, a socket or a disk (see the module
+    docstring), its extension one of ``formats`` (lower case, without the dot; None: any) unless it
+    is a device, and its folder exists or can be created (no part of the path is an existing file)
+    and is writable: an empty file is created there and removed at once (:func:`_probe`); nothing
+    else is created."""
     p = _short_names(path, what)
     if str(path) == "" or p.is_dir():
         raise FileError(f"{what} {p} is a folder; give a file name")
-    if p.exists() and not p.is_file():      # a device or pipe (/dev/null): written in place
+    mine = own_descriptor(path) is not None
+    if mine or (p.exists() and not p.is_file()):   # a device (/dev/null), /dev/stdout: written in place
+        kind = None if mine else _unwritable_kind(p)
+        if kind is not None:
+            raise FileError(f"{what} {p} is {kind}; give a regular file (or /dev/stdout, /dev/null)")
         if not os.access(p, os.W_OK):
             raise FileError(f"{what} {p} cannot be written (permission denied)")
         return p
+    if formats:
+        check_format(p, what, formats)
     if p.exists() and not os.access(p, os.W_OK):
         raise FileError(f"{what} {p} cannot be overwritten (permission denied)")
     _creatable(p, what)
     return p
+
+
+def check_format(path, what: str, formats: tuple[str, ...]) -> None:
+    """``path``'s extension names one of ``formats`` (case aside), else one :class:`FileError` line."""
+    p = Path(path)
+    ext = p.suffix.lower().lstrip(".")
+    if ext in formats:
+        return
+    listed = ", ".join("." + f for f in formats)
+    got = f"its extension is {p.suffix!r}" if p.suffix else "it has no extension"
+    raise FileError(f"{what} {p}: {got}; a {what} is written as {listed}")
+
+
+_OWN_FD = re.compile(r"/dev/(stdout|stderr|fd/(\d+))|/proc/self/fd/(\d+)")
+
+
+def own_descriptor(path) -> int | None:
+    """The descriptor ``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N`` or ``/proc/self/fd/N`` names
+    when this process holds it open (whatever it is: a pipe there has its reader, writing does not
+    wait), else None."""
+    m = _OWN_FD.fullmatch(os.fspath(path))
+    if m is None:
+        return None
+    fd = {"stdout": 1, "stderr": 2}.get(m.group(1) or "")
+    fd = int(m.group(2) or m.group(3)) if fd is None else fd
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return fd
+
+
+def _unwritable_kind(p: Path) -> str | None:
+    """What ``p`` is when it is no file pipetwin may write (None: a character device, e.g. /dev/null)."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO): writing it waits for a reader, maybe forever"
+    if stat.S_ISSOCK(mode):
+        return "a socket, not a file"
+    if stat.S_ISBLK(mode):
+        return "a block device (a disk)"
+    if stat.S_ISCHR(mode):
+        return None
+    return "not a regular file"
 
 
 def _creatable(p: Path, what: str) -> None:
@@ -233,7 +295,8 @@ def check_output_dir(path, what: str = "output folder") -> Path:
     """A folder that is about to be written into (created if needed): see :func:`check_output_path`."""
     p = _short_names(path, what)
     if p.exists() and not p.is_dir():
-        raise FileError(f"{what} {p} is a file, not a folder")
+        kind = "a file" if p.is_file() else _unwritable_kind(p) or "a device"
+        raise FileError(f"{what} {p} is {kind.split(':')[0]}, not a folder")
     if p.is_dir():
         if not os.access(p, os.W_OK | os.X_OK):
             raise FileError(f"{what} {p} is not writable")
@@ -264,9 +327,19 @@ def output_file(path, what: str = "output file", mode: str = "w", **open_args):
     was). ``mode`` "w" or "wb"; an OSError, in the block or in the write itself, becomes one
     :class:`FileError` line naming ``path``."""
     p = prepare_output(path, what)
+    fd = own_descriptor(path)
+    if fd is not None:      # /dev/stdout & co.: written through the descriptor itself, after what is
+        _flush_std(fd)      # printed there already (opening the path would truncate a file there)
+        try:
+            with os.fdopen(os.dup(fd), mode, **open_args) as fh:
+                yield fh
+            _flush_std(fd)
+        except OSError as e:
+            raise _write_error(p, what, e) from None
+        return
     if p.is_symlink() and p.exists():       # write the file the link names; the link stays
         p = p.resolve()
-    if p.exists() and not p.is_file():      # a device or pipe: no folder entry to replace
+    if p.exists() and not p.is_file():      # a device: no folder entry to replace
         try:
             with open(p, mode, **open_args) as fh:
                 yield fh
@@ -292,6 +365,12 @@ def output_file(path, what: str = "output file", mode: str = "w", **open_args):
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _flush_std(fd: int) -> None:
+    stream = {1: sys.stdout, 2: sys.stderr}.get(fd)
+    if stream is not None:
+        stream.flush()
 
 
 def _umask() -> int:

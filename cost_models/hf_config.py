@@ -49,6 +49,9 @@ on a ``LlamaForCausalLM``, any of them on ``GPT2LMHeadModel``) is refused with o
 Every config model trains with flash attention (``attention: flash``). The training sequence is
 ``seq_len`` when given (``--seq-len``), else the config's ``max_position_embeddings`` (GPT-2:
 ``n_positions``). ``torch_dtype`` float32 gives 4-byte elements, anything else 2 (mixed precision).
+These choices change the numbers, so :func:`config_notes` states each in one line for the reports
+(the sequence taken from ``max_position_embeddings``, fp32 from ``torch_dtype``, a
+``sliding_window`` shorter than the sequence priced as full attention).
 ``tie_word_embeddings`` says whether the head shares the token table (default: False for the
 llama family, True for GPT-2). A missing or malformed field, an unknown architecture, a path that
 is a folder or no JSON raise one :class:`~cost_models._spec.SpecError` naming the file and field.
@@ -163,6 +166,7 @@ def hf_fields(path, seq_len: int | None = None, micro_batch: int = 1) -> dict:
                   attention="flash")
     _foreign_fields(data, source, arch)
     if arch != "GPT2LMHeadModel":
+        _sliding_window(data, source)       # a malformed window: one line now, not in the report
         fields.update(_llama_fields(data, source, arch, seq_len))
     else:
         hidden = _int(data, source, "n_embd")
@@ -173,6 +177,37 @@ def hf_fields(path, seq_len: int | None = None, micro_batch: int = 1) -> dict:
                       tied_embeddings=_bool(data, source, "tie_word_embeddings", True),
                       dropout=_dropout(data, source, ("resid_pdrop", "embd_pdrop", "attn_pdrop")))
     return fields
+
+
+def _sliding_window(data: dict, source: str) -> int | None:
+    """The attention window a config uses (Mistral's ``sliding_window``; Qwen's only with
+    ``use_sliding_window`` true), None when it attends to the whole sequence."""
+    if data.get("sliding_window") is None or not _bool(data, source, "use_sliding_window", True):
+        return None
+    return _int(data, source, "sliding_window")
+
+
+def config_notes(path, seq_len: int | None = None, precision: str | None = None) -> tuple[str, ...]:
+    """One line per assumption reading the config at ``path`` makes that changes a number, for the
+    reports: the sequence taken from ``max_position_embeddings`` (``seq_len`` None: not given), fp32
+    from ``torch_dtype`` (``precision`` None: not given), a ``sliding_window`` shorter than the
+    sequence priced as full attention."""
+    data, source = read_config(path), str(path)
+    gpt2 = (data.get("architectures") or [None])[0] == "GPT2LMHeadModel"
+    field = "n_positions" if gpt2 and "n_positions" in data else "n_ctx" if gpt2 else "max_position_embeddings"
+    seq = seq_len or _int(data, source, field)
+    out = []
+    if seq_len is None:
+        out.append(f"sequence {seq:,} tokens from the config's {field} (the longest it takes, not its training "
+                   f"length): give --seq-len S")
+    if data.get("torch_dtype") == "float32" and precision is None:
+        out.append("fp32 from the config's torch_dtype float32 (fp32 GEMMs, 4-byte weights and activations); for "
+                   "bf16 mixed precision set torch_dtype to bfloat16 (--precision bf16 changes the GEMMs only)")
+    window = None if gpt2 else _sliding_window(data, source)
+    if window is not None and window < seq:
+        out.append(f"sliding_window {window:,}: attention priced as full attention over the {seq:,}-token "
+                   f"sequence, an upper bound (a token attends to at most {window:,})")
+    return tuple(out)
 
 
 def _foreign_fields(data: dict, source: str, arch: str) -> None:

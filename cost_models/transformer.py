@@ -528,7 +528,12 @@ class TransformerCostModel:
                             f"(expert_group of {self.parallel.ep})")
         if self.compute == "kernels":
             check_priced(self.model)
-        self.flop_rate()   # fail fast on a device without a peak (e.g. cpu: use a calibration profile)
+        # fail fast on a device without a peak (e.g. cpu: use a calibration profile), and, for the
+        # linear model, without an efficiency (the kernel model reads its constants instead)
+        if self.compute == "kernels":
+            self.device.peak(self.resolved_precision())
+        else:
+            self.flop_rate()
 
     @property
     def grad_bytes(self) -> float:

@@ -4,7 +4,8 @@ between a CPU run (gloo) and a GPU run (NCCL). Everything else in the executor t
 
 Choice (:func:`select_device`): ``cpu`` gives CPU + gloo; ``cuda`` gives ``cuda:LOCAL_RANK`` +
 NCCL (an error without CUDA); ``auto`` picks CUDA when it is available and the process was
-started by ``torchrun`` (``LOCAL_RANK`` is set), else the CPU.
+started by ``torchrun`` (``TORCHELASTIC_RUN_ID`` is set: a ``LOCAL_RANK`` left in a shell decides
+nothing, see :func:`executor.launch.check_launch_env`), else the CPU.
 
 Activation memory (bytes alive that backward needs):
 
@@ -90,7 +91,8 @@ def select_device(kind: str = "auto", local_rank: int | None = None) -> DeviceCo
     check_device(kind)
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    want_cuda = kind == "cuda" or (kind == "auto" and "LOCAL_RANK" in os.environ and torch.cuda.is_available())
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "PIPETWIN_WORKDIR" not in os.environ
+    want_cuda = kind == "cuda" or (kind == "auto" and torchrun and torch.cuda.is_available())
     if not want_cuda:
         return DeviceContext(torch.device("cpu"), "gloo")
     count = torch.cuda.device_count()

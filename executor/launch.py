@@ -3,7 +3,9 @@
 ``run(config)`` validates the schedule and the model split in the calling process (user errors
 come out as ValueError before anything starts), then:
 
-- under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set by it): runs this process's rank in place;
+- under ``torchrun`` (``TORCHELASTIC_RUN_ID`` set by it, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, checked by :func:`check_launch_env`):
+  runs this process's rank in place;
   the device is ``cuda:LOCAL_RANK`` with NCCL when CUDA is available (see
   :mod:`executor.device`); rank 0 returns the result, the other ranks return None. On a cluster::
 
@@ -18,7 +20,11 @@ come out as ValueError before anything starts), then:
   over torchrun's nodes x processes per node; or an explicit rank -> device map from a plan),
   not the rank torchrun gave it (:func:`torchrun_placement`). The default (``sequential``,
   Megatron's order at T > 1) is the job's mapping. The process group is joined with the pipeline
-  rank (the rendezvous store still comes from torchrun's rank 0).
+  rank (the rendezvous store still comes from torchrun's rank 0); the rendezvous waits at most
+  ``--timeout`` (at least 30 s) and ends naming the ranks that did not come
+  (:func:`executor.worker.rendezvous`). Launcher variables without ``TORCHELASTIC_RUN_ID`` (left in a
+  shell after a torchrun or SLURM session) are refused by ``pipetwin run`` at once, naming them
+  (:func:`check_launch_env`); spawned workers never inherit them.
 - otherwise: checks that the ranks fit in this host's memory (:func:`check_host_memory`), then
   spawns T x D x R worker processes on 127.0.0.1 with a free port and env:// rendezvous, i.e. the very
   code path torchrun uses, and watches them. Workers import pipetwin's own code whatever the
@@ -77,8 +83,55 @@ class LaunchError(RuntimeError):
     """A rank failed; the message holds its error and traceback."""
 
 
+# what torchrun (torch.distributed.elastic's agent) sets in every process it starts; the run id is
+# the one variable only it sets, so it alone decides
+TORCHRUN_MARK = "TORCHELASTIC_RUN_ID"
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = (*TORCHRUN_VARS, "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                 TORCHRUN_MARK, "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE")
+# the ones pipetwin reads (executor.worker.local_env / topology, executor.device): a leftover one would act
+_READ_VARS = (*TORCHRUN_VARS, "GROUP_RANK")
+
+
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and _WORKDIR_ENV not in os.environ
+    """This process is a rank torchrun started (not a worker pipetwin spawned)."""
+    return TORCHRUN_MARK in os.environ and _WORKDIR_ENV not in os.environ
+
+
+def check_launch_env() -> None:
+    """Refuse, in one line, an environment that does not say unambiguously how this run starts:
+    under torchrun, its variables missing or inconsistent; outside it, launcher variables left set
+    (after a torchrun or SLURM session): they would make this process a rank of a world that does
+    not exist. Spawned workers are not checked (the launcher sets their variables)."""
+    env = os.environ
+    if _WORKDIR_ENV in env:
+        return
+    if not under_torchrun():
+        stray = [v for v in _READ_VARS if v in env]
+        if stray:
+            shown = " ".join(f"{v}={env[v][:20]}" for v in stray)
+            slurm = " (in SLURM: srun torchrun ... --no-python pipetwin run ...)" \
+                if "SLURM_PROCID" in env or "SLURM_JOB_ID" in env else ""
+            raise ValueError(f"{shown} set, but not by torchrun (no {TORCHRUN_MARK}): 'unset {' '.join(stray)}' "
+                             f"to train on spawned local ranks, or start pipetwin with torchrun{slurm}")
+        return
+    missing = [v for v in TORCHRUN_VARS if not env.get(v)]
+    if missing:
+        raise ValueError(f"{TORCHRUN_MARK} is set (a torchrun process) but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not; start pipetwin with torchrun itself")
+    try:
+        rank, world, local, local_world, port = (int(env[v]) for v in
+                                                 ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                  "MASTER_PORT"))
+    except ValueError:
+        bad = next(v for v in TORCHRUN_VARS[:4] + ("MASTER_PORT",) if not env[v].strip().isdigit())
+        raise ValueError(f"torchrun's {bad}={env[bad][:40]!r} is not a whole number >= 0") from None
+    if not (0 <= rank < world and 0 <= local < local_world <= world and world % local_world == 0
+            and 0 < port < 65536):
+        raise ValueError(f"torchrun's variables disagree: RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local} "
+                         f"LOCAL_WORLD_SIZE={local_world} MASTER_PORT={port} (0 <= RANK < WORLD_SIZE, "
+                         f"0 <= LOCAL_RANK < LOCAL_WORLD_SIZE, which divides WORLD_SIZE, a port in 1..65535)")
 
 
 def run(config: RunConfig, schedule: Schedule | None = None, *, check: bool = True) -> RunResult | None:
@@ -99,6 +152,8 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
                          f"{sorted(t * n for t, n in worlds)}")
     tp, ranks = worlds.pop()
     world = tp * ranks
+    if under_torchrun():
+        check_launch_env()
     maps = {j.config.device_map for j in planned}
     if len(maps) != 1 and (tp > 1 or under_torchrun()):
         raise ValueError(f"run_many needs one device map for all jobs; got {sorted(map(str, maps))}")
@@ -109,8 +164,12 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
                              f"{tp} x {lay.num_devices} x {lay.replicas} = {world}")
         rank, device = torchrun_placement(planned[0].config.device_map, planned[0].schedule, tp)
         launch_rank, world, local_rank, local_world = local_env()
-        from .worker import run_jobs
-        return run_jobs(planned, rank, world, local_rank, local_world, launch_rank=launch_rank) or [None] * len(planned)
+        from .worker import RendezvousError, run_jobs
+        try:
+            return run_jobs(planned, rank, world, local_rank, local_world, launch_rank=launch_rank) \
+                or [None] * len(planned)
+        except RendezvousError as e:
+            raise LaunchError(str(e)) from None
     if any(j.config.device == "auto" for j in planned):
         planned = [Job(j.config.with_(device="cpu") if j.config.device == "auto" else j.config, j.schedule)
                    for j in planned]
@@ -171,7 +230,8 @@ def launch(target: str, payload: Any, world: int) -> Any:
         procs = []
         try:
             for rank in range(world):
-                env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}   # none left over
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                            WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                            OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
                            PYTHONPATH=os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
@@ -286,10 +346,15 @@ def _failure_report(procs: list[subprocess.Popen], work: Path, died: dict[int, i
         _, rank, text = errors[0]
         summary = text.strip().splitlines()[-1]
         lines.append(f"rank {rank} failed: {summary}")
-        lines.append(f"--- traceback of rank {rank} ---")
-        lines.append(text.rstrip())
+        if text.startswith("Traceback"):        # a RendezvousError is its line alone (_worker_main)
+            lines.append(f"--- traceback of rank {rank} ---")
+            lines.append(text.rstrip())
+        told = {summary}
         for _, r, t in errors[1:]:
-            lines.append(f"(then rank {r} failed: {t.strip().splitlines()[-1]})")
+            last = t.strip().splitlines()[-1]
+            if last not in told:     # the same rendezvous line from every rank: once
+                told.add(last)
+                lines.append(f"(then rank {r} failed: {last})")
     for rank, p in enumerate(procs):
         code = died.get(rank, p.returncode)
         if any(r == rank for _, r, _ in errors) or code in (0, None) or code < 0:
@@ -328,9 +393,11 @@ def _worker_main() -> None:
             tmp.write_bytes(pickle.dumps(result))
             tmp.rename(work / "result.pkl")
     except BaseException as e:  # noqa: BLE001 - everything must reach the launcher
+        from .worker import RendezvousError
         if getattr(e, "refusal", False):    # a user error the ranks found: one line (see _refusal)
             (work / f"refusal.{rank}").write_text(str(e))
-        (work / f"error.{rank}").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+        what = f"{e}\n" if isinstance(e, RendezvousError) else traceback.format_exc()
+        (work / f"error.{rank}").write_text(f"{time.time()!r}\n{what}")
         sys.stdout.flush()
         os._exit(1)
     sys.stdout.flush()

@@ -125,21 +125,125 @@ class ProcessGroups:
         self.p2p.warm_up(rank, pairs, device)
 
 
+RENDEZVOUS_MIN_SECONDS = 30.0   # the rendezvous waits at least this long: ranks start seconds apart (torch's import)
+_ANNOUNCE_SECONDS = 5.0          # a rendezvous still waiting after this long says for whom (stderr)
+
+
+class RendezvousError(RuntimeError):
+    """The ranks did not all meet within the rendezvous bound; the one-line message names the
+    missing ranks where they are known."""
+
+
+def rendezvous_seconds(timeout: float) -> float:
+    """How long a rank waits for the others to join: ``--timeout``, at least :data:`RENDEZVOUS_MIN_SECONDS`."""
+    return max(timeout, RENDEZVOUS_MIN_SECONDS)
+
+
+def rendezvous(launch_rank: int, world: int, wait: float):
+    """The env:// rendezvous (MASTER_ADDR, MASTER_PORT; under torchrun with its agent's store, else
+    launch rank 0 hosts it), bounded: every rank checks in under its launch rank and waits until
+    all ``world`` have, at most ``wait`` seconds; past it :class:`RendezvousError` names the ranks
+    that never came (the store's host tells the others the same line), or the address that could
+    not be reached. Returns the store."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosting = not agent and launch_rank == 0
+    where = f"MASTER_ADDR={addr} MASTER_PORT={port}"
+    host = "torchrun's store" if agent else "rank 0's store"
+    t0 = time.monotonic()
+    try:
+        if not hosting:
+            _reachable(addr, port, t0 + wait)
+        store = dist.TCPStore(addr, port, world_size=world, is_master=hosting, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=max(1.0, wait - (time.monotonic() - t0))),
+                              multi_tenant=True)
+    except (RuntimeError, OSError) as e:     # DistNetworkError, DistStoreError: RuntimeErrors
+        if hosting:
+            raise RendezvousError(f"rank 0 could not host the rendezvous at {where}: {_first_line(e)}; give "
+                                  f"MASTER_PORT a free port (the same on every rank)") from None
+        raise RendezvousError(f"rank {launch_rank} could not reach the rendezvous ({host} at {where}) within "
+                              f"{wait:g} s: {_first_line(e)}; start rank 0 with the same MASTER_ADDR and MASTER_PORT "
+                              f"on every rank") from None
+    store = dist.PrefixStore(f"pipetwin/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    try:
+        _check_in(store, launch_rank, world, wait, t0, where, hosting)
+    except RuntimeError as e:
+        if isinstance(e, RendezvousError):
+            raise
+        raise RendezvousError(f"rank {launch_rank} lost the rendezvous ({host} at {where}) while waiting for "
+                              f"the other ranks: {_first_line(e)}") from None
+    return store
+
+
+def _reachable(addr: str, port: int, deadline: float) -> None:
+    """Wait until something listens at ``addr:port`` (the store's host), at most until ``deadline``."""
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise OSError(f"nothing listens there ({e.strerror or e})") from None
+            time.sleep(0.1)
+
+
+def _check_in(store, launch_rank: int, world: int, wait: float, t0: float, where: str, hosting: bool) -> None:
+    store.set(f"joined/{launch_rank}", "1")
+    joined, announced = store.add("joined", 1), False
+    while joined < world:
+        waited = time.monotonic() - t0
+        if store.check(["abort"]):
+            raise RendezvousError(store.get("abort").decode())
+        if waited >= wait or (not announced and waited >= _ANNOUNCE_SECONDS):
+            missing = [r for r in range(world) if not store.check([f"joined/{r}"])]
+            if waited >= wait:
+                line = (f"rank {launch_rank} waited {wait:g} s (the rendezvous bound: --timeout, at least "
+                        f"{RENDEZVOUS_MIN_SECONDS:g} s) for {_ranks(missing)} of WORLD_SIZE {world} to join at "
+                        f"{where}; start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
+                if hosting:     # the others read the same line before the store goes away with this process
+                    store.set("abort", line)
+                    time.sleep(0.5)
+                raise RendezvousError(line)
+            if launch_rank == 0:
+                print(f"pipetwin: rank 0 is waiting for {_ranks(missing)} of {world} to join at {where} (at most "
+                      f"{wait:g} s)", file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(0.05)
+        joined = store.add("joined", 0)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:160] if text else type(e).__name__
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` / ``ranks 1, 2, 5`` / ``ranks 1, 2, ... (12 in all)``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"ranks {shown}" + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
+
+
 def init_world(device: str, rank: int, world: int, local_rank: int, local_world: int,
                timeout: float = 60.0, launch_rank: int | None = None) -> DeviceContext:
     """Pick the device (``local_rank``'s), size the CPU thread pool and join the default process
-    group as ``rank``. The rendezvous (env://: MASTER_ADDR, MASTER_PORT) is made as the launcher's
-    rank ``launch_rank`` (default ``rank``): under torchrun a process may run another pipeline
-    rank than the one torchrun gave it (placement, :func:`executor.launch.torchrun_placement`)."""
+    group as ``rank``. The rendezvous (env://: MASTER_ADDR, MASTER_PORT; :func:`rendezvous`, which
+    waits at most :func:`rendezvous_seconds`) is made as the launcher's rank ``launch_rank``
+    (default ``rank``): under torchrun a process may run another pipeline rank than the one
+    torchrun gave it (placement, :func:`executor.launch.torchrun_placement`)."""
     ctx = select_device(device, local_rank)
     if not ctx.is_cuda:
         torch.set_num_threads(cpu_threads(local_world))
-    wait = datetime.timedelta(seconds=max(timeout, 30.0))
-    store, _, _ = next(dist.rendezvous("env://", rank=rank if launch_rank is None else launch_rank,
-                                       world_size=world, timeout=wait))
-    store.set_timeout(wait)
-    dist.init_process_group(ctx.backend, store=dist.PrefixStore("pipetwin", store), rank=rank, world_size=world,
-                            timeout=wait, device_id=ctx.device if ctx.is_cuda else None)
+    wait = rendezvous_seconds(timeout)
+    store = rendezvous(rank if launch_rank is None else launch_rank, world, wait)
+    bound = datetime.timedelta(seconds=wait)
+    try:
+        dist.init_process_group(ctx.backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                                timeout=bound, device_id=ctx.device if ctx.is_cuda else None)
+    except RuntimeError as e:      # every rank checked in, then one went (or its network) before the group formed
+        raise RendezvousError(f"rank {rank}: the {ctx.backend} process group of {world} ranks did not form within "
+                              f"{wait:g} s after every rank had joined: {_first_line(e)}") from None
     return ctx
 
 

@@ -13,9 +13,13 @@ is built, run or written, with one line that names the option (the parser prints
 Numbers: ``finite_float`` (any finite), ``positive_float`` (> 0), ``nonneg_float`` (>= 0),
 ``positive_int`` (>= 1), ``nonneg_int`` (>= 0), ``int_in(lo, hi)``, ``float_in(lo, hi)``. NaN and inf
 are refused everywhere. Files: ``input_file`` (exists, a file, not empty), ``output_file`` (its folder
-exists or can be created, nothing in the way), ``output_dir``; the file checks themselves live in
-:mod:`cost_models.files` (library code uses them too). Pairs: ``factor_pair(label, key)`` for
-``KEY=FACTOR`` with a finite factor > 0.
+exists or can be created, nothing in the way; no pipe, socket or folder), ``output_dir``, and the
+outputs whose extension names their format: ``figure_file`` (:data:`FIGURE_FORMATS`),
+``csv_file``, ``chrome_file`` (``.json``); the file checks themselves live in
+:mod:`cost_models.files` (library code uses them too). Each file type carries its ``role``
+(``"in"``, ``"out"``, ``"dir"``): the command line refuses an output that is one of the command's
+inputs, or another output, before any work (:func:`experiments.options.check_files_apart`).
+Pairs: ``factor_pair(label, key)`` for ``KEY=FACTOR`` with a finite factor > 0.
 
 :func:`cost_models.job.check_run_size` is the cheap feasibility check (ranks, program size,
 cluster size, layers >= stages) that commands run before a schedule is built (building and
@@ -134,7 +138,7 @@ def float_in(lo: float, hi: float):
     return check
 
 
-def _file_type(check):
+def _file_type(check, role: str):
     def convert(text: str) -> str:
         try:
             check(text)
@@ -142,6 +146,7 @@ def _file_type(check):
             raise argparse.ArgumentTypeError(str(e)) from None
         return text
     convert.__name__ = check.__name__
+    convert.role = role
     return convert
 
 
@@ -157,7 +162,26 @@ def _outdir(text: str):
     check_output_dir(text, "folder")
 
 
-input_file = _file_type(_input)      # exists, is a file, is readable and not empty
+# the formats matplotlib writes by the extension alone (pgf needs LaTeX, raw / rgba are bare pixels)
+FIGURE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
+def output_as(what: str, formats: tuple[str, ...]):
+    """An output file whose extension is one of ``formats`` (checked while parsing, not after the work)."""
+    def check(text: str):
+        check_output_path(text, what, formats)
+    check.__name__ = f"{what.replace(' ', '_')}_file"
+    return _file_type(check, "out")
+
+
+input_file = _file_type(_input, "in")      # exists, is a file, is readable and not empty
+
+
+class FileValues(tuple):
+    """Values read from a file while parsing, with the file's ``path``: the file still counts as one
+    of the command's inputs (no output may overwrite it)."""
+
+    path: str = ""
 
 
 def expert_load_file(text: str) -> tuple[float, ...]:
@@ -165,11 +189,19 @@ def expert_load_file(text: str) -> tuple[float, ...]:
     from cost_models.files import FileError
     from cost_models.moe import read_expert_load
     try:
-        return read_expert_load(input_file(text))
+        values = FileValues(read_expert_load(input_file(text)))
     except FileError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-output_file = _file_type(_output)    # can be written (checked at parse time; created at write time)
-output_dir = _file_type(_outdir)     # can be created / written into
+    values.path = text
+    return values
+
+
+expert_load_file.role = "in"
+output_file = _file_type(_output, "out")    # can be written (checked at parse time; created at write time)
+output_dir = _file_type(_outdir, "dir")     # can be created / written into
+figure_file = output_as("figure", FIGURE_FORMATS)
+csv_file = output_as("trace", ("csv",))
+chrome_file = output_as("Chrome trace", ("json",))
 
 
 def factor_pair(label: str = "RANK", key=int, example: str = "3=1.5"):

@@ -13,7 +13,9 @@ and run the cheap feasibility checks
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -21,6 +23,7 @@ import experiments
 from cost_models.lifeline import Terminated, interrupt_on_termination
 
 from .checks import Parser
+from .options import check_files_apart, file_roles
 from .tables import one_line_message
 
 # what a user can cause and fix: bad values (ScheduleError, SpecError, OutOfMemory are ValueErrors)
@@ -48,6 +51,57 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class StdoutError(OSError):
+    """Standard output could not be written (closed, a pipe whose reader left, a full disk)."""
+
+
+class GuardedStdout:
+    """``sys.stdout`` while the command runs: a write or flush that fails raises :class:`StdoutError`
+    (so a lost output is an error exit, not status 0 having printed nothing); a closed descriptor
+    (``>&-``: Python then has no ``sys.stdout``) fails at the first write."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _call(self, name, *a):
+        if self.stream is None:
+            raise StdoutError(errno.EBADF, "it is closed")
+        try:
+            return getattr(self.stream, name)(*a)
+        except OSError as e:
+            raise StdoutError(e.errno, "its reader has gone (broken pipe)" if isinstance(e, BrokenPipeError)
+                              else e.strerror or str(e)) from None
+
+    def write(self, text):
+        return self._call("write", text)
+
+    def writelines(self, lines):
+        return self._call("writelines", lines)
+
+    def flush(self):
+        return self._call("flush")
+
+    def isatty(self):
+        return self.stream is not None and self.stream.isatty()
+
+    def __getattr__(self, name):
+        if self.stream is None:
+            raise StdoutError(errno.EBADF, "it is closed")
+        return getattr(self.stream, name)
+
+
+def _drop_stdout(stream) -> None:
+    """After a failed write: point descriptor 1 at /dev/null, so the interpreter's last flush of
+    what is still buffered does not fail again (a second message) as it exits."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="pipetwin", description="Pipeline-parallel training lab: "
                "one schedule IR, a SimPy simulator and a torch.distributed executor.",
@@ -59,28 +113,48 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in _commands():
         sp = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(sp)
-        sp.set_defaults(_main=mod.main)
+        sp.set_defaults(_main=mod.main, _files=file_roles(sp))
     return p
 
 
 def main(argv=None) -> int:
+    real = sys.stdout
+    sys.stdout = GuardedStdout(real)
+    try:
+        return _main(argv)
+    except StdoutError as e:
+        print(f"pipetwin: error: standard output cannot be written: {e.strerror}; the output is lost",
+              file=sys.stderr)
+        _drop_stdout(real)
+        return 2
+    finally:
+        if isinstance(sys.stdout, GuardedStdout):
+            sys.stdout = real
+
+
+def _main(argv) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:   # a bad option (one line printed), --help or --version
+        sys.stdout.flush()
         return e.code if isinstance(e.code, int) else 2
     try:
         with interrupt_on_termination():        # SIGTERM / SIGHUP clean up as Ctrl-C does
-            return int(args._main(args) or 0)
+            check_files_apart(args)
+            code = int(args._main(args) or 0)
+            sys.stdout.flush()      # a full disk or a closed pipe shows here at the latest: an error
+            return code
+    except StdoutError:
+        raise
     except USER_ERRORS as e:
         print(f"pipetwin: error: {one_line_message(e)}", file=sys.stderr)
         return 2
     except MemoryError:
         print("pipetwin: error: out of memory on this host; use a smaller -D/-N/--dp or model", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # output piped into head & co.
-        sys.stderr.close()
-        return 0
+    except BrokenPipeError:  # standard error's reader has gone: nothing can be said
+        return 2
     except Terminated as e:
         print(f"pipetwin: stopped by {e}", file=sys.stderr)
         return 128 + e.signum

@@ -12,7 +12,7 @@ from schedules.registry import MAX_OPS, estimated_ops
 
 from cost_models.job import check_run_size
 
-from .checks import input_file, output_file, positive_int
+from .checks import figure_file, input_file, positive_int
 from .common import parse_schedules, print_json
 from .tables import fmt_table, printable
 
@@ -26,7 +26,7 @@ def add_arguments(p):
     p.add_argument("--schedules", default="all")
     p.add_argument("--chunks", "-v", type=positive_int, default=None,
                    help="chunks per device for the schedules that take them (default 2)")
-    p.add_argument("--plot", metavar="FILE.png", type=output_file)
+    p.add_argument("--plot", metavar="FILE.png", type=figure_file)
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", metavar="FILE.yaml", type=input_file,
                    help="simulate with a calibration profile's measured costs")

@@ -22,7 +22,7 @@ import sys
 
 from cost_models._spec import size_bytes
 
-from .common import parse_schedules, print_json
+from .common import parse_schedules, print_json, stated_lines
 from .jobs import cluster_from_args
 from .options import AUTO_VALUE, add_options, auto_values
 from .plan_layout import DAPPLE_ONLY, DEFAULT_POLICIES, LAYOUT_ONLY
@@ -139,10 +139,11 @@ def main(args) -> int:
              "partial_plans_kept": s.labels, "configurations": s.configurations,
              "baseline_seconds": res.baseline_seconds,
              "candidates": [c.to_dict() for c in res.candidates]}
+    said = dapple_stated(res.workload, cluster, None if args.profile else args.model)
     if args.json:
-        print_json({**rec, "baselines": base, "search": stats})
+        print_json({**rec, **said, "baselines": base, "search": stats})
         return 0
-    _print_human(res, rec, base, stats, args)
+    _print_human(res, rec, base, stats, args, said)
     return 0
 
 
@@ -154,6 +155,17 @@ def _sequences(args, model) -> int:
     from planner.choose import batch_in_sequences
     spec = None if isinstance(model, str) and is_model_ref(model) else workload_spec(model)
     return batch_in_sequences(args.global_batch, args.global_tokens, getattr(spec, "seq_len", None))
+
+
+def dapple_stated(work, cluster, model_ref) -> dict:
+    """What the DAPPLE search's numbers assume (:func:`cost_models.bind.stated_fields`): a transformer's
+    sequence, precision, cost model and Hugging Face approximations; any workload's device provenance."""
+    if work.spec is None:       # a layer profile, a paper model, measured costs: no formulas' assumptions
+        return {"device_fitted": cluster.device.provenance()}
+    from cost_models.bind import stated_fields
+    from cost_models.transformer import TransformerCostModel
+    return stated_fields(work.spec, cluster.device, work.cost_model,
+                         TransformerCostModel(work.spec, cluster.device).resolved_precision(), model_ref)
 
 
 def _layers_held(plan, work) -> list[str]:
@@ -225,12 +237,13 @@ def _say(text: str, width: int = 120) -> None:
           if len(text) > width else text)
 
 
-def _print_human(res, rec, base, stats, args) -> None:
+def _print_human(res, rec, base, stats, args, said: dict) -> None:
     best, cl, work = res.best, res.cluster, res.workload
     plan, est = best.plan, best.estimate
     costs = f"measured costs from {args.profile}" if args.profile else f"{work.cost_model} cost model"
     _say(f"DAPPLE plan for {args.model or work.name} on {cl.name} ({cl.num_devices} x {cl.device.name}), global "
          f"batch {plan.global_batch}, {costs}")
+    print("\n".join(stated_lines(said)))
     print(f"  {plan.describe()}")
     per = "" if not plan.uniform else f" ({plan.micro_batch // plan.dp} per pipeline replica)"
     print(f"  {plan.microbatches} micro-batches of {plan.micro_batch} samples{per}; devices in use "

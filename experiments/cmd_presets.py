@@ -94,7 +94,9 @@ def _device_lines() -> list[tuple[str, str]]:
         flops = (f"{'/'.join(shown)} {'/'.join(f'{peaks[p] / 1e12:g}' for p in shown)} TFLOP/s" if shown
                  else "no datasheet FLOP/s")
         mem = fmt_bytes(d.memory_bytes) if d.memory_bytes else "memory unknown"
-        out.append((name, f"{mem}, {flops}, efficiency {d.efficiency:g}"))
+        eff = "" if d.calibrated else ", no efficiency (kernel model only)" if d.efficiency is None else \
+            f", efficiency {d.efficiency:g}"
+        out.append((name, f"{mem}, {flops}{eff}" + (f"; {d.fitted}" if d.fitted else "")))
     return out
 
 

@@ -31,7 +31,7 @@ import math
 import sys
 
 
-from .common import print_json, write_chrome, write_csv
+from .common import check_all_replicas, print_json, write_chrome, write_csv
 from .jobs import check_plan_args, job_from_args, layout_from_args
 from .options import add_options, fields_of
 from .tables import byte_unit, fmt_bytes, fmt_table, printable
@@ -118,9 +118,11 @@ def main(args) -> int:
 
 def _main(args) -> int:
     from executor.config import lowered_schedule
-    from executor.launch import LaunchError, run
+    from executor.launch import LaunchError, check_launch_env, run
     from executor.reference import run_reference
 
+    check_launch_env()      # leftover RANK / WORLD_SIZE / MASTER_*: refused before any work
+    check_all_replicas(args, args.plot)
     sched, info = None, None
     if args.reference and args.inject_fault:
         raise ValueError("--inject-fault makes a rank of the pipeline raise; --reference runs no ranks (drop one)")
@@ -225,7 +227,7 @@ def _write_outputs(result, args) -> None:
         write_chrome(trace, args.chrome_trace)
     if args.plot:
         from .plots import plot_timeline
-        plot_timeline(trace, args.plot)
+        plot_timeline(trace, args.plot, all_replicas=args.all_replicas)
 
 
 def _print_human(result, args) -> None:

@@ -50,6 +50,9 @@ def export(args) -> int:
     if missing:
         raise ValueError(f"--export {args.export} needs {', '.join(missing)}")
     check_chunks(args.chunks, [args.export])
+    if args.out is not None and args.format == "text" and str(args.out).lower().endswith(".csv"):
+        raise ValueError(f"--out {args.out}: a .csv name is read back as torch.distributed.pipelining CSV; "
+                         f"write --format text under another name (e.g. .txt) or use --format torch-csv")
     kw = {k: v for k, v in (("chunks", args.chunks), ("variant", args.variant)) if v is not None}
     text = export_text(build(args.export, args.devices, args.microbatches, **kw), args.format)
     if args.out is None:

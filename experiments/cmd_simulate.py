@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from sim import simulate_job
 
-from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
+from .common import (STATED, check_all_replicas, human_rows, metrics_record, print_json, stated_lines, units_note,
+                     write_chrome, write_csv)
 from .jobs import check_plan_args, job_from_args
 from .options import add_options
 from .tables import WIDTH, fmt_table, group_rows, printable, wrap_cell
@@ -17,6 +18,7 @@ def add_arguments(p):
 
 
 def main(args) -> int:
+    check_all_replicas(args, args.plot)
     job = job_from_args(args, plan=check_plan_args(args))
     want_trace = bool(args.plot or args.chrome_trace or args.trace)
     bound, res = simulate_job(job, trace=want_trace)
@@ -25,7 +27,7 @@ def main(args) -> int:
     trace = res.trace() if want_trace else None
     if args.plot:
         from .plots import plot_timeline
-        plot_timeline(trace, args.plot)
+        plot_timeline(trace, args.plot, all_replicas=args.all_replicas)
     if args.chrome_trace:
         write_chrome(trace, args.chrome_trace)
     if args.trace:
@@ -37,12 +39,13 @@ def main(args) -> int:
     tp = f"T={rec['tp']} " if rec.get("tp", 1) > 1 else ""
     print(f"{rec['schedule']}: {tp}D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
           f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
+    print("\n".join(stated_lines(rec)))
     if rec["replicas"] > 1:
         k, R = rec["simulated_replicas"], rec["replicas"]
         print("  replicas: " + ("identical, one simulated for all" if k == 1 else
                                 f"{'all' if k == R else f'{k} of'} {R} simulated ({rec.get('full_simulation')})"))
     for k, v in extra.items():
-        if not isinstance(v, (dict, list)) and not k.startswith("memory_") and v is not None:
+        if not isinstance(v, (dict, list)) and not k.startswith("memory_") and v is not None and k not in STATED:
             print(f"  {k}: {printable(v)}")
     if "a2a_time" in rec:
         print(f"  all-to-all: {rec['a2a_time']:.6g} {unit} per device in the step, {rec['a2a_hidden']:.6g} {unit} "

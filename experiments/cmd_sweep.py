@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import parse_schedules
+from .common import parse_schedules, stated_lines
 from .jobs import job_from_args, layout_from_args
 from .options import add_options
 from .tables import fmt_table, printable
@@ -50,6 +50,8 @@ def main(args) -> int:
     ran = [r for r in rows if not r["error"]]
     print(f"sweep: {len(rows)} points ({len(ran)} ran, {len(rows) - len(ran)} impossible) -> "
           f"{printable(args.out)}/sweep.csv")
+    from cost_models.bind import load_inputs, stated
+    print("\n".join(stated_lines(stated(base, load_inputs(base)))))    # what every point assumes (sweep.json)
     short = {"devices": "D", "microbatches": "N", "dp": "R", "tp": "T"}
     show = [{**{short.get(k, k): v for k, v in r.items()},
              **{k: float(r[k]) for k in ("iteration_time", "throughput", "bubble_ratio")}}

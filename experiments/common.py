@@ -9,7 +9,7 @@ from cost_models.memory import memory_verdict
 from schedules import get, names
 from schedules.trace import step_metrics, to_chrome
 
-from .tables import byte_unit
+from .tables import WIDTH, byte_unit, printable, wrap_cell
 
 def parse_schedules(text: str) -> list[str]:
     """Schedule names from a comma-separated list (or 'all'); an unknown one is the registry's error."""
@@ -59,6 +59,35 @@ def metrics_record(result, **extra) -> dict:
         for row, t, h in zip(rec["per_device"], a2a, hidden):
             row.update(a2a_time=t, a2a_hidden=h)
     return rec
+
+
+# the report fields that state what the numbers assume (cost_models.bind.stated), printed by stated_lines
+STATED = ("cost_model", "seq_len", "precision", "device_fitted", "assumptions")
+
+
+def stated_lines(rec: dict, indent: str = "  ") -> list[str]:
+    """The lines under a summary that state what its numbers assume (``rec``: a report with the
+    fields of :func:`cost_models.bind.stated`): ``assumed:`` the sequence, the precision and the
+    cost model; where the device's constants come from; one ``note:`` per approximation. Each
+    wrapped within :data:`~experiments.tables.WIDTH` columns (continuations indented twice)."""
+    parts = [f"sequence {rec['seq_len']:,} tokens" if rec.get("seq_len") else None,
+             f"precision {rec['precision']}" if rec.get("precision") else None,
+             f"cost model {rec['cost_model']}" if rec.get("cost_model") else None]
+    said = [f"assumed: {', '.join(p for p in parts if p)}"] if any(parts) else []
+    if rec.get("device_fitted"):
+        said.append(f"device {rec['device_fitted']}")
+    said += [f"note: {a}" for a in rec.get("assumptions") or ()]
+    out = []
+    for text in said:
+        lines = wrap_cell(printable(text), WIDTH - 2 * len(indent))
+        out += [indent + lines[0]] + [2 * indent + ln for ln in lines[1:]]
+    return out
+
+
+def check_all_replicas(args, plot) -> None:
+    """``--all-replicas`` chooses what a timeline draws: refused without one (``plot``: the figure's path)."""
+    if getattr(args, "all_replicas", False) and not plot:
+        raise ValueError("--all-replicas chooses the rows of the --plot timeline; give --plot FILE.png (or drop it)")
 
 
 def write_csv(frame, path, what: str = "CSV file") -> None:

@@ -11,7 +11,7 @@ from schedules import ScheduleError
 from sim import simulate_job
 from sim.job import crossed_links
 
-from .common import human_rows, metrics_record, print_json, units_note, write_chrome, write_csv
+from .common import human_rows, metrics_record, print_json, stated_lines, units_note, write_chrome, write_csv
 from .tables import fmt_table, printable
 
 
@@ -71,8 +71,9 @@ def compare_schedules(job: Job, names: list, *, traces: bool = False) -> Compari
     return out
 
 
-def write_comparison(comp: Comparison, out: Path | None, plot: str | None) -> None:
-    """``out``: table.csv and one Chrome trace per schedule there; ``plot``: the stacked timelines."""
+def write_comparison(comp: Comparison, out: Path | None, plot: str | None, all_replicas: bool = False) -> None:
+    """``out``: table.csv and one Chrome trace per schedule there; ``plot``: the stacked timelines
+    (one data-parallel replica each unless ``all_replicas``)."""
     if out:
         out.mkdir(parents=True, exist_ok=True)
         import pandas as pd
@@ -82,13 +83,13 @@ def write_comparison(comp: Comparison, out: Path | None, plot: str | None) -> No
             write_chrome(t, out / f"{name}.chrome.json")
     if plot:
         from .plots import plot_stacked
-        plot_stacked(comp.traces, plot)
+        plot_stacked(comp.traces, plot, all_replicas=all_replicas)
 
 
-def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = False) -> int:
+def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = False, all_replicas: bool = False) -> int:
     """Write the comparison's files and print its table (or one JSON object)."""
     rows, skipped = comp.rows, comp.skipped
-    write_comparison(comp, out, plot)
+    write_comparison(comp, out, plot, all_replicas)
     if as_json:
         print_json({"schedules": rows, "skipped": skipped})
         return 0
@@ -97,6 +98,7 @@ def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = Fal
     shown_rows, shown = human_rows(rows, mem)
     tp = f"T={job.parallel.tp} " if job.parallel.tp > 1 else ""
     print(f"{tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  {units_note(unit, mem, shown)}")
+    print("\n".join(stated_lines(rows[0])))        # every schedule's job assumes the same
     cols = ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"]
     if any("out_of_memory" in r for r in rows):
         cols.append("out_of_memory")

@@ -32,8 +32,9 @@ from schedules import families, names
 from executor.choices import DEVICES, DTYPES, OPTIMIZERS
 from schedules.registry import ALIASES
 
-from .checks import (byte_size, expert_load_file, factor_pair, float_in, input_file, int_in, memory_limit,
-                     nonneg_float, nonneg_int, output_dir, output_file, positive_float, positive_int, token_count)
+from .checks import (byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
+                     input_file, int_in, memory_limit, nonneg_float, nonneg_int, output_as, output_dir,
+                     output_file, positive_float, positive_int, token_count)
 
 SCALAR, LIST, AUTO = "scalar", "list", "auto"
 GRAMMARS = (SCALAR, LIST, AUTO)
@@ -269,10 +270,13 @@ def _rows() -> dict[str, Option]:
                            metavar="RANK:TOKEN[:STEP]")),
         # ---- the commands' own: what they print and write
         ("json", O(("--json",), None, "print one JSON object", action="store_true")),
-        ("plot", O(("--plot",), None, "write the figure", type=output_file, metavar="FILE.png")),
-        ("chrome_trace", O(("--chrome-trace",), None, "write a Chrome/Perfetto trace", type=output_file,
+        ("plot", O(("--plot",), None, "write the figure", type=figure_file, metavar="FILE.png")),
+        ("all_replicas", O(("--all-replicas",), None, "--plot draws every data-parallel replica's ranks (default: "
+                           "one replica, the one that ends last: replicas run the same program)",
+                           action="store_true")),
+        ("chrome_trace", O(("--chrome-trace",), None, "write a Chrome/Perfetto trace", type=chrome_file,
                            metavar="FILE.json")),
-        ("trace", O(("--trace",), None, "write the trace as CSV", type=output_file, metavar="FILE.csv")),
+        ("trace", O(("--trace",), None, "write the trace as CSV", type=csv_file, metavar="FILE.csv")),
         ("out_dir", O(("--out",), None, "folder for the files written", type=output_dir, metavar="DIR",
                       dest="out")),
         ("out_file", O(("--out",), None, "the file written", type=output_file, dest="out")),
@@ -362,7 +366,8 @@ def table() -> dict[str, Option]:
 class Use:
     """A command's use of a row: its ``grammar``, and where the command differs from the row: its
     ``default`` (``...``: the row's), ``required``, ``note`` (appended to the help: this command's
-    default or reading) or ``help`` (only for rows without a field: the command's own)."""
+    default or reading), ``help`` (only for rows without a field: the command's own) or ``type``
+    (a scalar's checked type: e.g. the format of the file ``--out`` writes)."""
 
     key: str
     grammar: str = SCALAR
@@ -372,6 +377,7 @@ class Use:
     help: str | None = None
     metavar: str | None = None
     extra_flags: tuple[str, ...] = field(default_factory=tuple)
+    type: Callable | None = None    # this command's checked type in place of the row's (an output's format)
 
 
 def use(key: str, grammar: str = SCALAR, **kw) -> Use:
@@ -395,11 +401,11 @@ def _costs() -> tuple[Use, ...]:
 # Which rows each command takes, in which grammar (the order is --help's).
 COMMANDS: dict[str, tuple[Use, ...]] = {
     "simulate": (use("schedule"), *map(use, _LAYOUT), use("plan", note=_PLAN_NOTE), *_costs(),
-                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"),
+                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"), use("all_replicas"),
                  use("chrome_trace"), use("trace")),
     "compare": (use("schedules"), *(use(k, note="; compared beside --schedules" if k == "schedule_file" else "")
                                  for k in _LAYOUT), *_costs(), *map(use, _FAULTS), use("json"),
-                use("plot", help="stacked timelines of all schedules"),
+                use("plot", help="stacked timelines of all schedules"), use("all_replicas"),
                 use("out_dir", help="also write table.csv, one Chrome trace per schedule and the figure here")),
     "run": (use("schedule"), *map(use, _LAYOUT), use("plan", help=None, note="; " + RUN_PLAN_HELP),
             use("model", note="; default tiny (no FILE.txt: the executor trains GPTs and model files)"),
@@ -412,7 +418,7 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("seq_len"),
             use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
-            use("plot", help="write the timeline figure"), use("inject_fault")),
+            use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
     "sweep": (use("schedules"), use("devices", LIST, required=True), use("microbatches", LIST, required=True),
               use("dp", LIST, default=(1,)), use("tp", LIST, default=(1,)), use("micro_batch", LIST),
               use("chunks"), use("no_eager"),
@@ -438,7 +444,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
              use("device_map", AUTO, note=" (whole-layout search: default sequential, Llama 3's order [TP, PP, DP])"),
              use("plot", help="whole-layout search: the simulated candidates, step time vs memory per GPU, the "
                  "chosen plan marked"),
-             use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json"),
+             use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json",
+                                                           type=output_as("plan file", ("json",))),
              use("global_batch", note=" (or --global-tokens)"), use("global_tokens"), use("gpus"),
              use("device_memory"), use("force"), use("top"),
              use("max_stages"), use("uniform"), use("policies"), use("no_simulate"), use("no_baselines")),
@@ -459,8 +466,61 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                                           "(1/T), the group's all-reduce over gloo"),
                   use("ranks"), use("timings"), use("runtime_steps"), use("runtime_repeats"),
                   use("dtype", note=" (default fp32)"),
-                  use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)")),
+                  use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)",
+                      type=output_as("calibration profile", ("yaml", "yml")))),
 }
+
+
+# options whose value is a preset's name or a file (a path, or PATH:NODES / PATH.py:FUNC): read by
+# the command when it is a file. The other inputs and outputs say so by their type's ``role``
+# (:mod:`experiments.checks`).
+NAMED_INPUTS = ("model", "cluster", "profile", "plan")
+
+
+def file_roles(parser) -> dict[str, tuple[str, str]]:
+    """A command parser's files: dest -> (flag, role ``"in"`` / ``"out"``), from the options'
+    checked types (their ``role``) and :data:`NAMED_INPUTS`."""
+    out = {}
+    for a in parser._actions:
+        role = getattr(a.type, "role", None) or ("in" if a.dest in NAMED_INPUTS else None)
+        if role in ("in", "out") and a.option_strings:
+            out[a.dest] = (max(a.option_strings, key=len), role)
+    return out
+
+
+def _input_paths(dest: str, value: str) -> list[str]:
+    """The existing files an input option's value names (``PATH:NODES`` / ``PATH.py:FUNC`` too)."""
+    import os
+    names = [value] + ([value.rsplit(":", 1)[0]] if dest in NAMED_INPUTS and ":" in value else [])
+    return [n for n in names if os.path.isfile(n)]
+
+
+def check_files_apart(args) -> None:
+    """Refuse (one ValueError line, before any work) an output file that is one of the command's
+    inputs (``--trace`` onto the ``--cluster`` YAML just read) or another of its outputs. Devices
+    and this process's descriptors (``/dev/null``, ``/dev/stdout``) may be named by several."""
+    import os
+    roles = vars(args).get("_files") or {}
+    given = []
+    for dest, (flag, role) in roles.items():
+        v = vars(args).get(dest)
+        v = v if isinstance(v, str) else getattr(v, "path", None)     # values read while parsing: their file
+        if v:
+            given.append((flag, role, dest, v))
+    inputs = [(flag, p) for flag, role, dest, v in given if role == "in" for p in _input_paths(dest, v)]
+    seen: list[tuple[str, str]] = []
+    for flag, role, _, v in given:
+        if role != "out" or (os.path.exists(v) and not os.path.isfile(v)):
+            continue
+        for in_flag, path in inputs:
+            if os.path.exists(v) and os.path.samefile(v, path):
+                raise ValueError(f"{flag} {v} is the file {in_flag} reads ({path}); writing it would overwrite that "
+                                 f"input: give {flag} another path")
+        real = os.path.realpath(v)
+        for other_flag, other in seen:
+            if other == real:
+                raise ValueError(f"{other_flag} and {flag} both write {v}; give each its own file")
+        seen.append((flag, real))
 
 
 def row(key: str) -> Option:
@@ -511,7 +571,7 @@ def add_options(p, command: str, *, only: tuple[str, ...] | None = None) -> None
             if opt.action == "append":
                 kw.update(type=opt.type, metavar=opt.metavar)
         elif u.grammar == SCALAR:
-            kw.update(type=opt.type, metavar=u.metavar or opt.metavar)
+            kw.update(type=u.type or opt.type, metavar=u.metavar or opt.metavar)
             if opt.choices is not None:
                 kw["choices"] = list(opt.choices)
         else:

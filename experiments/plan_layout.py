@@ -10,7 +10,7 @@ candidate.
 """
 from __future__ import annotations
 
-from .common import parse_schedules, print_json
+from .common import parse_schedules, print_json, stated_lines
 from .jobs import cluster_from_args
 from .options import DEFAULT_POLICIES, auto_values
 from .tables import fmt_bytes, fmt_table, printable, wrap_cell
@@ -93,11 +93,15 @@ def main_layout(args, limit: float | None, check_limit) -> int:
                      title=f"{model.name} on {cluster.num_devices:,} x {cluster.device.name}, global batch "
                            f"{args.global_batch}")
     stats = search_stats(res)
+    from cost_models.bind import CostInputs, stated
+    best = res.best.job if args.seq_len is None else res.best.job.with_(seq_len=args.seq_len)
+    said = stated(best, CostInputs("transformer", model=model, cluster=cluster), model_ref=args.model)
     if args.json:
         print_json({"model": model.name, "cluster": cluster.name, "gpus": cluster.num_devices,
-                    "global_batch": args.global_batch, "usable_memory": res.usable, "top": recs, "search": stats})
+                    "global_batch": args.global_batch, "usable_memory": res.usable, **said, "top": recs,
+                    "search": stats})
         return 0
-    _print_human(res, recs, stats, args)
+    _print_human(res, recs, stats, args, said)
     return 0
 
 
@@ -111,10 +115,11 @@ def search_stats(res) -> dict:
             "refused": res.refused, "out_of_memory": res.out_of_memory, "simulated": res.simulated}
 
 
-def _print_human(res, recs, stats, args) -> None:
+def _print_human(res, recs, stats, args, said: dict) -> None:
     cl, m = res.cluster, res.model
     print(printable(f"whole-layout plan for {m.name} on {cl.name} ({cl.num_devices:,} x {cl.device.name}), "
                     f"global batch {args.global_batch} x {m.seq_len} tokens; {fmt_bytes(res.usable)} usable per GPU"))
+    print("\n".join(stated_lines(said)))
     rows = [{"tp": r["tp"], "devices": r["devices"], "dp": r["dp"], "schedule": r["schedule"] +
              (f"/{r['variant']}" if r["variant"] else ""), "chunks": r["chunks"], "micro_batch": r["micro_batch"],
              "recompute": r["recompute"], "zero": r["zero"], "sp": "yes" if r["sequence_parallel"] else "no",

@@ -22,16 +22,33 @@ DPI = 110      # the resolution of pipetwin's figures (save_figure)
 KIND_STYLE = {"F": dict(alpha=0.45), "B": dict(alpha=1.0), "W": dict(alpha=0.75, hatch="..")}
 
 
-def draw_timeline(ax, trace, *, step=None, title=None, label_ops=True):
+def shown_replica(trace, all_replicas: bool = False) -> tuple[list, str]:
+    """The ranks a timeline draws and what the title says of them: with R > 1 data-parallel
+    replicas, one replica (its D ranks: rank = replica x D + device), the one whose last compute op
+    ends last (replica 0 when they end together, as identical replicas do), since replicas run the
+    same program and R identical rows add nothing; ``all_replicas``: every rank."""
+    ranks = sorted(trace["device"].unique())
+    D, R = int(trace.attrs.get("devices") or 0), int(trace.attrs.get("replicas") or 1)
+    if all_replicas or R <= 1 or D < 1 or len(ranks) != D * R:
+        return ranks, ""
+    comp = trace[trace["kind"].isin(["F", "B", "W"])]
+    ends = comp.groupby(comp["device"] // D)["end"].max()
+    k = int(ends.index[ends.to_numpy().argmax()])       # the first of the latest
+    return [r for r in ranks if r // D == k], f"replica {k} of {R} drawn (--all-replicas: all)"
+
+
+def draw_timeline(ax, trace, *, step=None, title=None, label_ops=True, all_replicas=False):
     """One row per device: F light, B solid, W dotted; colour = micro-batch; the up copy of a
-    bidirectional schedule has a hatched edge. Title carries the bubble ratio."""
+    bidirectional schedule has a hatched edge. Title carries the bubble ratio (of every rank). With
+    data-parallel replicas, one replica's rows unless ``all_replicas`` (:func:`shown_replica`)."""
     steps = sorted(trace["step"].unique())
     step = steps[-1] if step is None else step
-    t = trace[(trace["step"] == step) & trace["kind"].isin(["F", "B", "W"])]
+    drawn, which = shown_replica(trace, all_replicas)
+    t = trace[(trace["step"] == step) & trace["kind"].isin(["F", "B", "W"]) & trace["device"].isin(drawn)]
     t0 = trace[trace["step"] == step]["start"].min()
     N = int(trace.attrs.get("microbatches", max(1, int(t["microbatch"].max()) + 1)))
     cmap = plt.get_cmap("tab20" if N > 10 else "tab10")
-    devices = sorted(trace[trace["step"] == step]["device"].unique())
+    devices = sorted(set(trace[trace["step"] == step]["device"].unique()) & set(drawn))
     for row in t.itertuples(index=False):
         y = devices.index(row.device)
         style = dict(KIND_STYLE[row.kind])
@@ -48,6 +65,8 @@ def draw_timeline(ax, trace, *, step=None, title=None, label_ops=True):
     unit = trace.attrs.get("time_unit", "s")
     name = title or f"{trace.attrs.get('schedule', '')}"
     ax.set_title(f"{name}: iteration {m.iteration_time:.4g} {unit}, bubble {m.bubble_ratio:.3f}", fontsize=9)
+    if which:       # at the left, clear of the centred title and of the key at the right
+        ax.set_title(which, loc="left", fontsize=7)
     ax.set_yticks(range(len(devices)), [f"dev {d}" for d in devices], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({'units of F' if unit == 'F' else unit})", fontsize=8)
@@ -70,22 +89,23 @@ def add_legend(ax, extra=()) -> None:
               title_fontsize=7)
 
 
-def plot_timeline(trace, path, *, title=None):
-    devices = trace["device"].nunique()
+def plot_timeline(trace, path, *, title=None, all_replicas=False):
+    """One timeline (``all_replicas``: every data-parallel replica's rows, else one replica's)."""
+    devices = len(shown_replica(trace, all_replicas)[0])
     fig, ax = plt.subplots(figsize=(12, 0.45 * devices + 1.4))
-    draw_timeline(ax, trace, title=title)
+    draw_timeline(ax, trace, title=title, all_replicas=all_replicas)
     add_legend(ax)
     save_figure(fig, path)
 
 
-def plot_stacked(traces: dict, path, *, sharex=True):
-    """Timelines of several schedules stacked, same time axis."""
+def plot_stacked(traces: dict, path, *, sharex=True, all_replicas=False):
+    """Timelines of several schedules stacked, same time axis (one replica each unless ``all_replicas``)."""
     n = len(traces)
-    heights = [0.4 * t["device"].nunique() + 0.9 for t in traces.values()]
+    heights = [0.4 * len(shown_replica(t, all_replicas)[0]) + 0.9 for t in traces.values()]
     fig, axes = plt.subplots(n, 1, figsize=(12, sum(heights) + 0.5), sharex=sharex,
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, (name, t) in zip(axes[:, 0], traces.items()):
-        draw_timeline(ax, t, title=name, label_ops=t.attrs.get("microbatches", 0) <= 16)
+        draw_timeline(ax, t, title=name, label_ops=t.attrs.get("microbatches", 0) <= 16, all_replicas=all_replicas)
     add_legend(axes[0, 0])
     save_figure(fig, path)
 

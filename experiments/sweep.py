@@ -34,7 +34,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cost_models.bind import CostInputs, cost_model_for, load_inputs
+from cost_models.bind import CostInputs, cost_model_for, load_inputs, stated
 from cost_models.files import FileError, read_text, write_output
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, Job
 
@@ -145,8 +145,9 @@ def run_point(job: "Job | Impossible") -> dict:
 def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
     """What ``DIR/sweep.json`` holds: the job every point shares (the base job without the grid's
     axes, its defaults resolved with ``inputs`` (:func:`cost_models.bind.load_inputs`): the model,
-    the cluster and the cost model that bind; model, cluster and profile files as absolute paths)
-    and the grid."""
+    the cluster and the cost model that bind; model, cluster and profile files as absolute paths),
+    the grid, and what every point assumes (``stated``: :func:`cost_models.bind.stated`, shown
+    beside the table as in each point's JSONL record)."""
     job = base.record()
     if base.source == "transformer" and base.model is None:
         job["model"] = DEFAULT_MODEL
@@ -160,7 +161,7 @@ def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
     for name in ("model", "profile"):
         job[name] = _absolute(job[name])
     job["cluster"]["name"] = _absolute(job["cluster"]["name"])
-    return {"job": job, "grid": {k: list(v) for k, v in asdict(grid).items()}}
+    return {"job": job, "grid": {k: list(v) for k, v in asdict(grid).items()}, "stated": stated(base, inputs)}
 
 
 def _absolute(ref):

@@ -26,7 +26,7 @@ def torchrun_cli(args, *, nodes: int = 2, per_node: int = 2, timeout: float = 24
         node, local = divmod(launch_rank, per_node)
         env = dict(os.environ, RANK=str(launch_rank), WORLD_SIZE=str(nodes * per_node), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(node), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID="pipetwin-test")
         env.pop("PIPETWIN_WORKDIR", None)
         procs.append(subprocess.Popen([sys.executable, "-m", "experiments", "run", *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -327,6 +327,19 @@ CASES = [
     ("sweep-folder-of-unknown-experiment", SWEEP + ["-m", "tiny", "--out", "{unrecorded}"],
      ["--out", "sweep.csv but no sweep.json"]),
     ("model-name-too-long", SIM + ["-m", "{dir}/" + "m" * 300 + ".yaml"], ["model file", "305 bytes"]),
+    # output paths (issue 47): every format checked while parsing, no output onto an input
+    ("plot-format-unknown", UNIT + ["--plot", "{dir}/t.bmp"], ["argument --plot", "'.bmp'", ".png, .pdf, .svg"]),
+    ("plot-no-extension", UNIT + ["--plot", "{dir}/timeline"], ["argument --plot", "it has no extension"]),
+    ("trace-not-csv", UNIT + ["--trace", "{dir}/t.tsv"], ["argument --trace", "'.tsv'", "written as .csv"]),
+    ("chrome-trace-not-json", UNIT + ["--chrome-trace", "{dir}/t.csv"], ["--chrome-trace", "written as .json"]),
+    ("run-plot-format", RUN + ["--plot", "{dir}/t.gif"], ["argument --plot", "'.gif'"]),
+    ("plan-plot-format", LAYOUT + ["--plot", "{dir}/l.txt"], ["argument --plot", "'.txt'"]),
+    ("chrome-trace-onto-model", SIM + ["-m", "{hf_bert}", "--chrome-trace", "{hf_bert}"],
+     ["--chrome-trace", "is the file --model reads", "give --chrome-trace another path"]),
+    ("calibrate-out-onto-model", ["calibrate", "-m", "{nanmodel}", "--out", "{nanmodel}"],
+     ["--out", "is the file --model reads", "overwrite that input"]),
+    ("plan-out-not-json", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--out", "{dir}/p.yaml"],
+     ["argument --out", "plan file", "written as .json"]),
     # issue 47 (2): sizes checked before anything is built; a -G that looks like tokens
     ("plan-G-looks-like-tokens", ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:4", "-G", "4194304"],
      ["-G 4,194,304 sequences of 8,192 tokens", "34,359,738,368 tokens per step", "--global-tokens 4M (= -G 512)"]),
@@ -385,6 +398,25 @@ CASES = [
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
+# issue 47 item 1: a file field the command line would refuse is refused in the file, by the same check; a
+# device without the field its cost model reads; item 7: --all-replicas without a timeline
+_A47 = str(Path(__file__).parent / "data" / "assumptions")
+CASES += [
+    ("cluster-file-flat-oversubscription", SIM + ["-m", "gpt3-1.3b", "-c", f"{_A47}/flat-oversubscribed.yaml"],
+     ["flat-oversubscribed.yaml", "field 'oversubscription'", "fat-tree"]),
+    ("cluster-file-flat-leaves", SIM + ["-m", "gpt3-1.3b", "-c", f"{_A47}/flat-leaves.yaml"],
+     ["field 'oversubscription' and field 'nodes_per_leaf'", "fabric is flat"]),
+    ("device-no-efficiency-linear", SIM + ["-m", "gpt3-1.3b", "-c", f"{_A47}/no-efficiency.yaml"],
+     ["device 'noeff'", "field 'efficiency'", "linear cost model"]),
+    ("device-no-efficiency-asked-linear", SIM + ["-m", "gpt3-1.3b", "-c", f"{_A47}/kernels-no-efficiency.yaml",
+                                                 "--cost-model", "linear"],
+     ["field 'efficiency'", "--cost-model kernels"]),
+    ("hf-sliding-window-not-a-number", SIM + ["-m", f"{_A47}/bad-window.json"], ["bad-window.json",
+                                                                                  "'sliding_window'", "'1k'"]),
+    ("all-replicas-without-plot", UNIT + ["--dp", "2", "--all-replicas"], ["--all-replicas", "--plot"]),
+    ("compare-all-replicas-without-plot", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--all-replicas"],
+     ["--all-replicas", "--plot"]),
+]
 
 
 @pytest.fixture()

@@ -320,8 +320,9 @@ def test_tp_not_dividing_heads_is_refused():
 
 def test_world_not_t_x_d_x_r_is_refused(monkeypatch):
     """Under torchrun the world must be T x D x R: refused before any process group starts."""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    for var, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT="29500", TORCHELASTIC_RUN_ID="test").items():
+        monkeypatch.setenv(var, value)
     monkeypatch.delenv("PIPETWIN_WORKDIR", raising=False)
     cfg = RunConfig.of(schedule="dapple", devices=2, microbatches=4, replicas=2, model=SPEC, tp=2)
     with pytest.raises(ValueError, match=r"torchrun started 4 processes but the run needs T x D x R = 2 x 2 x 2 = 8"):

@@ -64,7 +64,8 @@ def test_bound_costs_equal_the_hand_built_ones():
                             "cluster": "dgx-a100-4x8-ib", "device_map": "copies-same-node",
                             "memory_capacity": cl.device.memory_bytes, "parameters": 1_315_723_264, "gpus": 8,
                             "tp": 1, "sequence_parallel": False, "tp_overlap": False, "zero": 0, "memory_reserve": None,
-                            "memory_transient": tm.transient_bytes()}
+                            "memory_transient": tm.transient_bytes(), "seq_len": 2048, "precision": "bf16",
+                            "device_fitted": "a100: " + cl.device.fitted, "assumptions": []}
 
 
 def test_unit_job_is_the_closed_form():

@@ -114,7 +114,8 @@ def test_plan_with_no_other_option_searches_the_whole_layout(capsys, tmp_path):
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("whole-layout plan for llama3-8b on dgx-h100-ib:2 (16 x h100), global batch 64")
-    assert printed[1].split()[:4] == ["tp", "devices", "dp", "schedule"]
+    assert printed[1] == "  assumed: sequence 8,192 tokens, precision bf16, cost model kernels"   # then the device
+    assert printed[4].split()[:4] == ["tp", "devices", "dp", "schedule"]
     rec = json.loads(out.read_text())
     assert rec["planner"] == "layout"       # a whole-layout plan file (a job), not a DAPPLE plan
     # the same search as --search layout and as --tp auto: the same best layout and time

@@ -31,6 +31,7 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models import Job
+from cost_models.files import write_output
 from cost_models.memory import memory_verdict
 from sim import simulate_job
 
@@ -98,11 +99,13 @@ def plot(df: pd.DataFrame, path: Path) -> None:
 
 def run(out_dir, quick: bool = False) -> str:
     df = predictions(quick)
-    save(out_dir, "deepseek_v3", df, plot)
+    out = save(out_dir, "deepseek_v3", df, plot)
     shown = df.assign(error=df.error.map(percent), fits=df.fits.map({True: "yes", False: "no"}))
-    return ("# DeepSeek-V3 on 2,048 H800s (in sample: the layout and cluster the report states; nothing "
-            "fitted)\n\n" + markdown(shown, floatfmt=".4g") +
-            f"\n\npublished: {PUBLISHED_TOKENS_PER_GPU_S:.0f} tokens per GPU per second (180 K H800 GPU hours per "
-            f"trillion tokens). DualPipe-V stands for DualPipe; the h800 preset's efficiency (0.4 of peak) is the "
-            f"h100's, fitted on no H100 run; routed activations are kept in 16 bits (DeepSeek: FP8 and "
-            f"recomputation), so the stated layout does not fit here without recomputation.\n")
+    report = ("# DeepSeek-V3 on 2,048 H800s (in sample: the layout and cluster the report states; nothing "
+              "fitted)\n\n" + markdown(shown, floatfmt=".4g") +
+              f"\n\npublished: {PUBLISHED_TOKENS_PER_GPU_S:.0f} tokens per GPU per second (180 K H800 GPU hours per "
+              f"trillion tokens). DualPipe-V stands for DualPipe; the h800 preset's efficiency (0.4 of peak) is the "
+              f"h100's, fitted on no H100 run; routed activations are kept in 16 bits (DeepSeek: FP8 and "
+              f"recomputation), so the stated layout does not fit here without recomputation.\n")
+    write_output(out / "report.md", report, "report")       # whole or not at all, as its CSV and figure
+    return report

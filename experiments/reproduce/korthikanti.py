@@ -25,6 +25,7 @@ import pandas as pd
 
 from cost_models import load_cluster
 from cost_models.bind import bind
+from cost_models.files import write_output
 from cost_models.memory import memory_report
 from cost_models.parallel import Parallel
 from cost_models.stage_time_fit import fit_note
@@ -160,5 +161,5 @@ def run(out_dir, quick: bool = False) -> str:
              "korthikanti.png).", "", fit_note(), "", markdown(shown, floatfmt=".4g"), "", "## Summary", "",
              markdown(summary_table(df)), "", layer_line(df)]
     report = "\n".join(lines)
-    (out / "report.md").write_text(report + "\n")
+    write_output(out / "report.md", report + "\n", "report")
     return report

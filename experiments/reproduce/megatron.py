@@ -27,6 +27,9 @@ from cost_models.stage_time_fit import fit_note, table9_errors
 from cost_models.transformer import megatron_flops
 from sim import simulate_job
 
+from cost_models.files import write_output
+
+from ..common import write_csv
 from ..progress import phase
 from ..tables import markdown
 
@@ -147,10 +150,11 @@ def summary(df: pd.DataFrame, col: str = "error") -> str:
 
 
 def save(out_dir, name: str, df: pd.DataFrame, draw) -> Path:
-    """Write DIR/NAME.csv and the figure ``draw(df, path)`` to DIR/NAME.png; return DIR."""
+    """Write DIR/NAME.csv and the figure ``draw(df, path)`` to DIR/NAME.png, each whole or not at all
+    (:func:`cost_models.files.output_file`: a temporary file renamed when complete); return DIR."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / f"{name}.csv", index=False)
+    write_csv(df, out / f"{name}.csv")
     draw(df, out / f"{name}.png")
     return out
 
@@ -174,5 +178,5 @@ def run(out_dir, quick: bool = False) -> str:
         f"{', '.join(str(int(x)) for x in df.simulated_replicas)}).", "",
         "## The fit set (in sample): Zero Bubble Table 9, one middle stage, ms", "",
         markdown(fit_table(), floatfmt=".3g")])
-    (out / "report.md").write_text(report + "\n")
+    write_output(out / "report.md", report + "\n", "report")
     return report

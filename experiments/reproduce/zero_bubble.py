@@ -61,11 +61,13 @@ import pandas as pd
 
 from cost_models import Job, Layout, bind
 from cost_models.bind import bind_lowered, costed_family, load_inputs
+from cost_models.files import write_output
 from cost_models.model_spec import ModelSpec
 from sim import simulate_job
 from sim.engine import run as sim_run
 from sim.job import job_options
 
+from ..common import write_csv
 from ..progress import phase
 from ..tables import markdown
 
@@ -202,10 +204,11 @@ def stage_costs_file(c: Config, folder: Path, blocking: bool = True) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     src = "Table 9" if c.table == 4 else (f"Table 9 x {c.scale:.4g} (the kernel model's stage-time ratio), "
                                           f"message latency + bytes / bandwidth fitted on Table 9")
-    path.write_text(f"# Zero Bubble (Qi et al. 2024) {src}: {c.model} on {c.gpus} stages, micro-batch "
-                    f"{c.micro_batch}; activation 34sbh + 5as^2b per layer, W keeps 32sbh\nstages:\n"
-                    f"  - {{f: {f:.6g}, b: {b:.6g}, w: {w:.6g}}}\nmessage: {msg:.6g}\nactivation: {act:.6g}\n"
-                    f"activation_w: {act_w:.6g}\nblocking_sends: {'true' if blocking else 'false'}\n")
+    write_output(path, f"# Zero Bubble (Qi et al. 2024) {src}: {c.model} on {c.gpus} stages, micro-batch "
+                 f"{c.micro_batch}; activation 34sbh + 5as^2b per layer, W keeps 32sbh\nstages:\n"
+                 f"  - {{f: {f:.6g}, b: {b:.6g}, w: {w:.6g}}}\nmessage: {msg:.6g}\nactivation: {act:.6g}\n"
+                 f"activation_w: {act_w:.6g}\nblocking_sends: {'true' if blocking else 'false'}\n",
+                 "stage-costs file")
     return path
 
 
@@ -368,7 +371,7 @@ def run(out_dir, quick: bool = False) -> str:
             [c for c in configs if c.table == 6 and c.model == "6.2B"][:1]
     phase(f"zero-bubble: {len(configs)} configurations x schedules x 2 sources")
     df, factors = table(configs, out / "stage-costs")
-    df.to_csv(out / "zero-bubble.csv", index=False)
+    write_csv(df, out / "zero-bubble.csv")
     plot(df, out / "zero-bubble.png")
     rk, sm = rankings(df), summary(df)
     fit = pd.DataFrame([{"model": m, "source": s, "factor": v} for (m, s), v in factors.items()])
@@ -395,7 +398,7 @@ def run(out_dir, quick: bool = False) -> str:
         markdown(sm), "", aims_line(df), "",
         "## Rankings (Table 4 rows, fastest first)", "", markdown(rk), "",
         "## Every row (figure: zero-bubble.png)", "", markdown(df, floatfmt=".3g")])
-    (out / "report.md").write_text(report + "\n")
+    write_output(out / "report.md", report + "\n", "report")
     return report
 
 
