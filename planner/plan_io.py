@@ -53,6 +53,8 @@ from cost_models.files import FileError, check_kind, data_or_none, one_line, par
 from cost_models.model_spec import spec_from_dict
 from cost_models.parallel import Parallel
 from cost_models.stack import absolute_model_ref
+from schedules import ScheduleError
+from schedules.registry import MAX_OPS
 
 from cost_models.workloads.workload_sources import workload_from_source
 from .plan import Plan
@@ -392,7 +394,15 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan
     if lim is not None:
         lim = size_bytes(lim, source, "memory_limit")
     loaded = LoadedPlan(plan, work, cluster, lim, rec, source)
-    if rec["version"] > 1 and rec.get("job") != job_record(loaded.planned_job(), loaded.placement):
+    try:
+        job = loaded.planned_job()      # sizes checked before the schedule is built
+    except ScheduleError as e:
+        if "MAX_OPS" in str(e):
+            raise ValueError(f"{source}: field 'plan.microbatches' {plan.microbatches:,} makes an iteration beyond "
+                             f"pipetwin's limit of {MAX_OPS:,} ops (schedules.registry.MAX_OPS); plan again with a "
+                             f"smaller global batch") from None
+        raise ValueError(f"{source}: {e}") from None
+    if rec["version"] > 1 and rec.get("job") != job_record(job, loaded.placement):
         raise ValueError(f"{source}: field 'job' disagrees with the plan's stages and micro-batches (edited by "
                          f"hand?); plan again")
     return loaded

@@ -43,6 +43,8 @@ def replicated_schedule(replicas, microbatches: int) -> Schedule:
         raise ValueError(f"replicas must be positive; got {reps}")
     S, M = len(reps), int(microbatches)
     C = sub_batches(reps)
+    from .registry import check_size
+    check_size(sum(reps), M * C)      # before anything is built (a plan file's micro-batches edited by hand)
     offsets = [sum(reps[:s]) for s in range(S)]
     placement = [[offsets[s] + c % reps[s] for s in range(S)] for c in range(C)]
     order = []

@@ -358,6 +358,8 @@ CASES = [
                                   "64k"], ["-G", "--global-tokens", "not both"]),
     ("simulate-ops-beyond-limit", ["simulate", "-s", "dapple", "-D", "64", "-N", "100000", "-m", "gpt3-175b", "-c",
                                    "a100-8x8-ib"], ["-N 100000", "89,600,000 ops", "4,000,000", "-N 4,464"]),
+    ("plan-file-ops-beyond-limit", ["simulate", "--plan", "{plan_huge}"],
+     ["bad.json: field 'plan.microbatches' 10,000,000", "beyond pipetwin's limit of 4,000,000 ops"]),
     ("compare-ops-beyond-limit", ["compare", "--schedules", "dapple,gpipe", "-D", "64", "-N", "100000", "-m",
                                   "gpt3-175b", "-c", "a100-8x8-ib"], ["-N 100000", "4,000,000", "-N 4,464"]),
     # issue 47 (6): messages: one short line naming the field or option
@@ -572,6 +574,8 @@ def _fill(argv, files):
             a = _plan(files["tmp"], stages=[])
         elif a == "{plan}":
             a = _plan(files["tmp"])
+        elif a == "{plan_huge}":   # a DAPPLE plan's micro-batches edited far beyond the op limit
+            a = _plan(files["tmp"], microbatches=10_000_000, global_batch=160_000_000)
         elif a.strip("{}") in ISSUE47_FILES and a.startswith("{"):
             a = _issue47_file(files["tmp"], a.strip("{}"))
         elif a in ("{layout}", "{layout_t1}"):
