@@ -181,7 +181,7 @@ def parse_yaml(text: str, source: str) -> Any:
         raise SpecError(f"{source}: not valid YAML ({one_line(e)})") from None
     except RecursionError:
         raise SpecError(f"{source}: not a usable YAML file: nested deeper than the YAML reader allows "
-                        f"(about 1,000 levels); no pipetwin file nests more than a few") from None
+                        f"(about 1,000 levels)") from None
 
 
 _KINDS = {"models": "model", "clusters": "cluster", "stage-costs": "stage-costs"}   # preset folder -> file kind

@@ -186,7 +186,7 @@ def parse_json(text: str, source: str):
         raise FileError(f"{source}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
         raise FileError(f"{source}: not a usable JSON file: nested deeper than Python's parser allows "
-                        f"(about 1,000 levels); no pipetwin file nests more than a few") from None
+                        f"(about 1,000 levels)") from None
     bad = _first_nonfinite(data)
     if bad:
         raise FileError(f"{source}: field {bad[0]!r} is {bad[1]}, not a number; give a finite number")

@@ -395,6 +395,8 @@ CASES = [
      ["--device-map", "'0,0,0,", "...' (5,999 characters)", "megatron"]),
     ("model-unknown-field-of-many", SIM + ["-m", "{unknownfield}"], ["unknown field 'ffn'", "did you mean",
                                                                      "ffn_hidden", "(29 entries)"]),
+    ("sweep-record-nested-200000-deep", SWEEP + ["-m", "tiny", "--out", "{deepsweep}"],
+     ["sweep record", "sweep.json", "nested deeper", "another --out"]),
     ("plan-file-broken-link", ["simulate", "--plan", "{broken}"],
      ["plan file", "broken.json", "broken link", "nowhere.json"]),
 ]
@@ -471,6 +473,10 @@ def files(tmp_path):
 def _issue47_file(tmp_path: Path, key: str) -> str:
     """Issue 47's bad files, made when a row asks for one: a Hugging Face config with a NaN field,
     JSON and YAML nested 200,000 deep, a symbolic link loop and a broken link."""
+    if key == "deepsweep":
+        (tmp_path / "deepsweep").mkdir()
+        _write(tmp_path / "deepsweep" / "sweep.json", '{"job": ' + "[" * 200_000 + "]" * 200_000 + "}")
+        return str(tmp_path / "deepsweep")
     if key == "unknownfield":
         return str(_write(tmp_path / "m.yaml", "layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nffn: 128\n"))
     if key == "hfnan":
@@ -489,7 +495,7 @@ def _issue47_file(tmp_path: Path, key: str) -> str:
     return str(link)
 
 
-ISSUE47_FILES = ("unknownfield", "hfnan", "deepjson", "deepyaml", "loop", "broken")
+ISSUE47_FILES = ("deepsweep", "unknownfield", "hfnan", "deepjson", "deepyaml", "loop", "broken")
 
 
 MODEL_FILE = """\

@@ -101,7 +101,7 @@ def test_yaml_nested_200000_deep_is_one_line(tmp_path):
     with pytest.raises(SpecError) as e:
         load_model(str(p))
     assert str(e.value) == (f"{p}: not a usable YAML file: nested deeper than the YAML reader allows (about 1,000 "
-                            f"levels); no pipetwin file nests more than a few")
+                            f"levels)")
 
 
 # ----------------------------------------------------------------------------- links
