@@ -418,6 +418,8 @@ def file_kind(data) -> str | None:
         return "hf-config"
     if "layers" in data and "hidden" in data and "heads" in data:
         return "model"
+    if data and list(data) == list(range(len(data))) and all(isinstance(v, str) for v in data.values()):
+        return "schedule"       # pipetwin's text form, 'DEVICE: OPS' per line, read as YAML
     return None
 
 

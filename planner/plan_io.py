@@ -411,6 +411,9 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan
 def load_plan(path) -> LoadedPlan | LayoutPlan:
     """Read a plan file written by ``pipetwin plan --out`` (see the module docstring)."""
     p = Path(path)
+    if p.suffix == ".py":
+        raise ValueError(f"plan file {p} is a Python file; a model file is given as --model {p}:FUNC, a plan as "
+                         f"--plan PLAN.json (pipetwin plan --out)")
     text = read_text(p, "plan file")
     try:
         rec = parse_json(text, str(p))

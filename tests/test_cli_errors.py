@@ -397,6 +397,10 @@ CASES = [
                                                                      "ffn_hidden", "(29 entries)"]),
     ("sweep-record-nested-200000-deep", SWEEP + ["-m", "tiny", "--out", "{deepsweep}"],
      ["sweep record", "sweep.json", "nested deeper", "another --out"]),
+    ("schedule-file-as-plan", ["simulate", "--plan", "{schedtext}"], ["is a schedule file",
+                                                                     "give it as --schedule-file"]),
+    ("model-file-as-plan", ["simulate", "--plan", "{model}"], ["plan file", "model.py is a Python file",
+                                                               "--model", "model.py:FUNC"]),
     ("plan-file-broken-link", ["simulate", "--plan", "{broken}"],
      ["plan file", "broken.json", "broken link", "nowhere.json"]),
 ]
@@ -473,6 +477,8 @@ def files(tmp_path):
 def _issue47_file(tmp_path: Path, key: str) -> str:
     """Issue 47's bad files, made when a row asks for one: a Hugging Face config with a NaN field,
     JSON and YAML nested 200,000 deep, a symbolic link loop and a broken link."""
+    if key == "schedtext":
+        return str(_write(tmp_path / "s.txt", "0: F0.s0 B0.s0\n1: F0.s1 B0.s1\n"))
     if key == "deepsweep":
         (tmp_path / "deepsweep").mkdir()
         _write(tmp_path / "deepsweep" / "sweep.json", '{"job": ' + "[" * 200_000 + "]" * 200_000 + "}")
@@ -495,7 +501,7 @@ def _issue47_file(tmp_path: Path, key: str) -> str:
     return str(link)
 
 
-ISSUE47_FILES = ("deepsweep", "unknownfield", "hfnan", "deepjson", "deepyaml", "loop", "broken")
+ISSUE47_FILES = ("schedtext", "deepsweep", "unknownfield", "hfnan", "deepjson", "deepyaml", "loop", "broken")
 
 
 MODEL_FILE = """\

@@ -143,6 +143,7 @@ def test_file_kind_tells_each_kind_by_its_keys(tmp_path):
              "cluster": yaml.safe_load((preset_dir("clusters") / "dgx-h100-ib.yaml").read_text()),
              "model": yaml.safe_load((preset_dir("models") / "llama3-8b.yaml").read_text()), "hf-config": hf}
     assert {k: file_kind(d) for k, d in kinds.items()} == {k: k for k in kinds}
+    assert file_kind(yaml.safe_load("0: F0.s0 B0.s0\n1: F0.s1 B0.s1\n")) == "schedule"   # the text form
     assert file_kind([1, 2]) is None and file_kind({"x": 1}) is None and file_kind(None) is None
     check_kind(hf, "c.json", "model")                  # a HF config where a model is wanted: the same option
     check_kind({"x": 1}, "x.yaml", "plan")            # unknown: left to the loader's own message
