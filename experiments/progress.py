@@ -27,11 +27,21 @@ def bar(iterable, what: str, total: int | None = None):
 
 
 class _Counter:
-    """``counter``'s callable: ``tick(i, n)`` says the i-th of n is under way."""
+    """``counter``'s callable: ``tick(i, n)`` says the i-th of n is under way. While it is shown, a
+    thread redraws the bar every second, so its clock runs while one item takes long (a candidate
+    simulated for seconds) and the screen never stands still."""
 
     def __init__(self, what: str, show: bool):
+        import threading
         from tqdm import tqdm
         self._bar = tqdm(total=0, desc=what, disable=not show, leave=False, file=sys.stderr)
+        self._done = threading.Event()
+        if show:
+            threading.Thread(target=self._redraw, daemon=True).start()
+
+    def _redraw(self) -> None:
+        while not self._done.wait(1.0):
+            self._bar.refresh()
 
     def __call__(self, i: int, n: int) -> None:
         if self._bar.total != n:
@@ -40,6 +50,7 @@ class _Counter:
         self._bar.update(i - self._bar.n)
 
     def close(self) -> None:
+        self._done.set()
         self._bar.close()
 
 

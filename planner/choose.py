@@ -312,11 +312,42 @@ def data_parallel_plan(work: Workload, topo: Topology, G: int, *, space: SearchS
 def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, simulate, progress) -> None:
     import time
     t0 = time.perf_counter()
+    bar = tqdm(total=2, desc="baselines: PipeDream's plan, data parallelism", disable=not progress, leave=False)
+    with _clock(bar):
+        _baseline_plans(out, work, topo, cluster, G, cap, space, name, simulate, bar)
+    bar.close()
+    out.baseline_seconds = time.perf_counter() - t0
+
+
+def _clock(bar):
+    """A context in which a shown tqdm ``bar`` is redrawn every second (its clock runs while one
+    long step, PipeDream's search, has no tick to give)."""
+    import contextlib
+    import threading
+    done = threading.Event()
+
+    def redraw():
+        while not done.wait(1.0):
+            bar.refresh()
+
+    @contextlib.contextmanager
+    def ctx():
+        if not bar.disable:
+            threading.Thread(target=redraw, daemon=True).start()
+        try:
+            yield
+        finally:
+            done.set()
+    return ctx()
+
+
+def _baseline_plans(out: PlanningResult, work, topo, cluster, G, cap, space, name, simulate, bar) -> None:
     ev = pipedream_plan(work, topo, G, space=space, capacity=cap, model=name)
     if ev is None:
         out.baseline_notes["pipedream"] = "no plan fits"
     else:
         out.pipedream = with_simulation(ev, work, cluster, cap) if simulate else ev
+    bar.update(1)
     try:
         ev = data_parallel_plan(work, topo, G, space=space, capacity=cap, model=name)
         out.data_parallel = with_simulation(ev, work, cluster, cap) if simulate else ev
@@ -330,7 +361,7 @@ def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, si
                 f"gradients and optimizer state plus activations, > {cap / gib:.1f} GiB")
         else:
             out.baseline_notes["data_parallel"] = "does not fit: " + str(e).split(": ", 1)[-1]
-    out.baseline_seconds = time.perf_counter() - t0
+    bar.update(1)
 
 
 def evaluate_plan(plan: Plan, work: Workload, cluster: Cluster, capacity=None, simulate: bool = True) -> Evaluated:

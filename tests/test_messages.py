@@ -262,3 +262,18 @@ def test_counter_draws_on_a_terminal_only(monkeypatch):
         text = err.getvalue()
         assert ("layouts judged" in text and "0/10 [" in text) == drawn, (tty, show, text)   # the bar, its total
         assert drawn or text == ""
+
+
+def test_counter_clock_runs_while_one_item_takes_long(monkeypatch):
+    """No tick for 2.5 s (one candidate simulated for seconds): the bar is still redrawn each second."""
+    import time
+    from experiments.progress import counter
+    err = _Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    tick = counter("layouts judged")
+    tick(1, 10)
+    drawn = err.getvalue().count("\r")
+    time.sleep(2.5)
+    redrawn = err.getvalue().count("\r") - drawn
+    tick.close()
+    assert redrawn >= 2 and "[00:02<" in err.getvalue(), err.getvalue()
