@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from .files import FileError, one_line, read_text
+from .files import FileError, check_kind, one_line, read_text, short_list
 
 
 class SpecError(ValueError):
@@ -116,13 +116,25 @@ def mapping(value: Any, source: str, field: str | None = None) -> dict:
     return value
 
 
+def known_fields(key: str, known) -> str:
+    """The known fields for an unknown-field message: all of them when few, else the nearest names
+    to ``key`` and how many there are (the line stays short)."""
+    names = sorted(known)
+    if len(", ".join(names)) <= 120:
+        return f"known: {', '.join(names)}"
+    import difflib
+    near = difflib.get_close_matches(key, names, n=3, cutoff=0.4)
+    first = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+    return f"{first}known: {short_list(names, head=8, tail=0, bare=True)}"
+
+
 def check_fields(d: dict, source: str, known: Iterable[str], required: Iterable[str] = (),
                  prefix: str = "") -> None:
     """Unknown fields and missing required fields are errors naming the field."""
     known = set(known)
     for k in d:
         if k not in known:
-            raise SpecError(f"{source}: unknown field {prefix + str(k)!r} (known: {', '.join(sorted(known))})")
+            raise SpecError(f"{source}: unknown field {prefix + str(k)!r} ({known_fields(str(k), known)})")
     for k in required:
         if k not in d:
             raise SpecError(f"{source}: missing field {prefix + k!r}")
@@ -167,6 +179,12 @@ def parse_yaml(text: str, source: str) -> Any:
         raise SpecError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{source}: not valid YAML ({one_line(e)})") from None
+    except RecursionError:
+        raise SpecError(f"{source}: not a usable YAML file: nested deeper than the YAML reader allows "
+                        f"(about 1,000 levels)") from None
+
+
+_KINDS = {"models": "model", "clusters": "cluster", "stage-costs": "stage-costs"}   # preset folder -> file kind
 
 
 def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]:
@@ -182,6 +200,13 @@ def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]
             text, source = read_text(p, f"{what} file"), str(p)
         except FileError as e:   # a spec error like any other of the file
             raise SpecError(str(e)) from None
+        data = parse_yaml(text, source)
+        if kind in _KINDS:
+            try:
+                check_kind(data, source, _KINDS[kind])
+            except FileError as e:
+                raise SpecError(str(e)) from None
+        return data, source
     else:
         f = preset_dir(kind) / f"{name_or_path}.yaml"
         if not f.is_file():

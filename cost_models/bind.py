@@ -43,6 +43,7 @@ from .stage_costs import StageTimes, load_stage_costs
 from .stack import is_model_ref, same_model_ref
 from .moe import ExpertGroup
 from .parallel import Parallel
+from .memory import check_reserve
 from .transformer import TensorParallelGroup, TransformerCostModel, active_params, model_params
 
 
@@ -152,10 +153,14 @@ def load_inputs(job: Job) -> CostInputs:
         if mb is not None and mb != prof.micro_batch:
             raise ValueError(f"profile {job.profile} was measured at micro-batch {prof.micro_batch}; calibrate "
                              f"again with --micro-batch {mb} (measured costs are not extrapolated)")
-        return CostInputs("profile", profile=prof, cluster=job.cluster.load() if job.cluster.name else None)
+        cluster = job.cluster.load() if job.cluster.name else None
+        if cluster is not None:
+            check_reserve(job.memory_reserve, cluster.device.memory_bytes, cluster.device.name)
+        return CostInputs("profile", profile=prof, cluster=cluster)
     if kind == "plan":
         raise ValueError("a plan job binds through its plan (cost_models.bind.bind)")
     cluster = job.cluster.load()
+    check_reserve(job.memory_reserve, cluster.device.memory_bytes, cluster.device.name)   # before any build
     if kind == "layer-profile":
         return CostInputs(kind, cluster=cluster)
     model = job.model if isinstance(job.model, ModelSpec) else load_model(job.model or DEFAULT_MODEL)

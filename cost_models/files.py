@@ -2,8 +2,12 @@
 
 :func:`read_bytes` / :func:`read_text` raise :class:`FileError` (a ValueError, so the CLI prints
 ``pipetwin: error: ...`` and exits 2) when the path does not exist, is a folder, cannot be read,
-is empty (unless ``allow_empty``) or, for text, is not UTF-8. :func:`one_line` turns a parser's
-multi-line message (YAML's carets, JSON's positions) into one line for such errors.
+is empty (unless ``allow_empty``), is a symbolic link loop or a broken link, or, for text, is not
+UTF-8. :func:`one_line` turns a parser's multi-line message (YAML's carets, JSON's positions) into
+one line for such errors, :func:`short_list` shows a list in a message (a 4,000-entry partition is
+its first and last entries and its length, not 12 KB), and :func:`parse_json` is the one JSON
+reader of users' files (a syntax error, a key given twice, NaN or Infinity (naming the field) and
+nesting too deep for Python's parser are one line each).
 :func:`check_output_path` is the same for a file to be written (run it before long work: it also
 refuses a name component over :data:`NAME_MAX` bytes); :func:`write_output` / :func:`output_file`
 write one atomically (a temporary file in the same folder, then ``os.replace``: a reader, a crash
@@ -18,6 +22,9 @@ trace's ``.csv``).
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
+import math
 import os
 import re
 import stat
@@ -47,9 +54,25 @@ def _short_names(path, what: str) -> Path:
     return p
 
 
+def _link_problem(p: Path) -> str | None:
+    """Why the symbolic link ``p`` (or a link on its path) leads nowhere: a loop or a broken link;
+    None when ``p`` can be reached."""
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symbolic link loop (the links lead back to themselves); give the file itself"
+        if p.is_symlink():
+            return f"is a broken link (to {os.readlink(p)}, which does not exist)"
+    return None
+
+
 def _checked(path, what: str) -> Path:
     p = _short_names(path, what)
     if not p.exists():
+        why = _link_problem(p)
+        if why:
+            raise MissingFileError(f"{what} {p} {why}")
         raise MissingFileError(f"{what} {p} does not exist")
     if p.is_dir():
         raise FileError(f"{what} {p} is a folder, not a file")
@@ -98,6 +121,76 @@ def read_text(path, what: str = "file", *, allow_empty: bool = False) -> str:
 def one_line(message) -> str:
     """A parser's error message on one line (whitespace runs collapsed)."""
     return " ".join(str(message).split())
+
+
+def short_list(items, head: int = 6, tail: int = 2, sep: str = ", ", bare: bool = False) -> str:
+    """``items`` for a message: all of them when there are at most ``head + tail + 1``, else the
+    first ``head``, ``...``, the last ``tail`` and how many (``[3, 3, 3, 3, 3, 3, ..., 3, 3] (4,000
+    entries)``; ``bare``: without the brackets): a list in a refusal never makes the line longer than a
+    screen. Anything that is
+    not a list, tuple or range (a string, a number, a mapping) is its ``repr``, cut at 80 characters."""
+    if not isinstance(items, (list, tuple, range)):
+        text = repr(items)
+        return text if len(text) <= 80 else text[:77] + "..."
+    items = list(items)
+    a, b = ("", "") if bare else ("[", "]")
+    if len(items) <= head + tail + 1:
+        return a + sep.join(map(str, items)) + b
+    last = "".join(sep + str(x) for x in items[len(items) - tail:])
+    return f"{a}{sep.join(map(str, items[:head]))}{sep}...{last}{b} ({len(items):,} entries)"
+
+
+class _NonFinite(float):
+    """NaN or Infinity as JSON spells it (Python's parser accepts them): found after parsing, to
+    name the field that holds it."""
+
+    def __new__(cls, name: str):
+        v = super().__new__(cls, {"NaN": math.nan, "Infinity": math.inf}.get(name, -math.inf))
+        v.name = name
+        return v
+
+
+def _unique_keys(pairs):
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise FileError(f"key {k!r} is given twice; keep one")
+        seen[k] = v
+    return seen
+
+
+def _first_nonfinite(data, path: str = ""):
+    """(dotted field, spelling) of the first NaN or Infinity in ``data``, else None (iterative:
+    any depth)."""
+    stack = [(path, data)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, _NonFinite):
+            return where or "(top level)", v.name
+        if isinstance(v, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def parse_json(text: str, source: str):
+    """The data of JSON ``text`` read from ``source`` (the one JSON reader of users' files): a
+    syntax error, a key given twice, NaN / Infinity (naming the field that holds it) and nesting
+    deeper than Python's parser goes are each one :class:`FileError` line naming ``source``."""
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_NonFinite)
+    except FileError as e:
+        raise FileError(f"{source}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise FileError(f"{source}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise FileError(f"{source}: not a usable JSON file: nested deeper than Python's parser allows "
+                        f"(about 1,000 levels)") from None
+    bad = _first_nonfinite(data)
+    if bad:
+        raise FileError(f"{source}: field {bad[0]!r} is {bad[1]}, not a number; give a finite number")
+    return data
 
 
 def check_output_path(path, what: str = "output file", formats: tuple[str, ...] | None = None) -> Path:
@@ -293,8 +386,71 @@ def write_output(path, data: str | bytes, what: str = "output file") -> Path:
     return Path(path)
 
 
+# A user's file of the wrong kind is named for what it is. What each kind is called and the option
+# that takes it; :func:`file_kind` tells them apart by their top-level keys (cheap: the data is parsed
+# already).
+FILE_KINDS = {
+    "plan": ("a pipetwin plan file (pipetwin plan --out)", "--plan"),
+    "profile": ("a calibration profile (pipetwin calibrate)", "--profile"),
+    "stage-costs": ("a stage-costs file", "--stage-costs"),
+    "cluster": ("a cluster spec", "--cluster"),
+    "model": ("a model spec", "--model"),
+    "hf-config": ("a Hugging Face config", "--model"),
+    "schedule": ("a schedule file", "--schedule-file"),
+}
+_SAME = ({"model", "hf-config"},)       # kinds one option takes alike
+
+
+def file_kind(data) -> str | None:
+    """Which kind of :data:`FILE_KINDS` parsed file ``data`` is, by its top-level keys (None: none)."""
+    if not isinstance(data, dict):
+        return None
+    fmt = str(data.get("format", ""))
+    if fmt == "pipetwin-plan":
+        return "plan"
+    if fmt.startswith("pipetwin-calibration") or ("p2p" in data and "allreduce" in data):
+        return "profile"
+    if "stages" in data and "message" in data:
+        return "stage-costs"
+    if "devices_per_node" in data:
+        return "cluster"
+    if "architectures" in data or "model_type" in data:
+        return "hf-config"
+    if "layers" in data and "hidden" in data and "heads" in data:
+        return "model"
+    if data and list(data) == list(range(len(data))) and all(isinstance(v, str) for v in data.values()):
+        return "schedule"       # pipetwin's text form, 'DEVICE: OPS' per line, read as YAML
+    return None
+
+
+def check_kind(data, source, expected: str) -> None:
+    """Refuse file ``source`` (parsed as ``data``) where a file of kind ``expected`` is wanted but
+    ``data`` is recognisably another kind: one line naming what it is and the option that takes it."""
+    got = file_kind(data)
+    if got is None or got == expected or any({got, expected} <= s for s in _SAME):
+        return
+    words, option = FILE_KINDS[got]
+    want = FILE_KINDS[expected][0]
+    raise FileError(f"{source} is {words}, not {want}; give it as {option} {source}")
+
+
 def load_schedule_file(path):
     """A schedule file (:mod:`schedules.io`: torch.distributed.pipelining's CSV or pipetwin's text
-    form), read, checked and validated: a :class:`schedules.io.ScheduleFile`; one-line errors."""
+    form), read, checked and validated: a :class:`schedules.io.ScheduleFile`; one-line errors (a
+    plan, profile or spec given instead is named as one, :func:`check_kind`)."""
     from schedules.io import parse_schedule_file
-    return parse_schedule_file(read_text(path, "schedule file"), str(path))
+    text = read_text(path, "schedule file")
+    try:
+        return parse_schedule_file(text, str(path))
+    except ValueError:
+        check_kind(data_or_none(text), str(path), "schedule")
+        raise
+
+
+def data_or_none(text: str):
+    """``text`` parsed as YAML (JSON is YAML), or None when it is not."""
+    import yaml
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError):
+        return None

@@ -58,12 +58,11 @@ is a folder or no JSON raise one :class:`~cost_models._spec.SpecError` naming th
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from ._spec import SpecError
-from .files import FileError, read_text
+from .files import FileError, check_kind, parse_json, read_text
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
@@ -89,17 +88,10 @@ def is_hf_config(ref) -> bool:
     return str(ref).endswith(".json")
 
 
-def _no_duplicates(pairs):
-    seen = {}
-    for k, v in pairs:
-        if k in seen:
-            raise SpecError(f"duplicate key {k!r}")
-        seen[k] = v
-    return seen
-
-
-def _reject_constant(name):
-    raise SpecError(f"{name} is not a number")
+def _supported() -> str:
+    """The supported architectures, short: ``Llama, Mistral, ... ForCausalLM, GPT2LMHeadModel``."""
+    causal = [a.removesuffix("ForCausalLM") for a in ARCHITECTURES if a.endswith("ForCausalLM")]
+    return f"{', '.join(causal)} ForCausalLM, " + ", ".join(a for a in ARCHITECTURES if not a.endswith("ForCausalLM"))
 
 
 def read_config(path) -> dict:
@@ -112,11 +104,10 @@ def read_config(path) -> dict:
     except FileError as e:
         raise SpecError(str(e)) from None
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except SpecError as e:
-        raise SpecError(f"{p}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        data = parse_json(text, str(p))
+        check_kind(data, str(p), "hf-config")
+    except FileError as e:
+        raise SpecError(str(e)) from None
     if not isinstance(data, dict):
         raise SpecError(f"{p}: a Hugging Face config is a JSON object of fields")
     return data
@@ -163,10 +154,10 @@ def hf_fields(path, seq_len: int | None = None, micro_batch: int = 1) -> dict:
     archs = data.get("architectures")
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
         raise SpecError(f"{source}: missing field 'architectures' (a list naming the model class, one of "
-                        f"{', '.join(ARCHITECTURES)})")
+                        f"{_supported()})")
     arch = archs[0]
     if arch not in ARCHITECTURES:
-        raise SpecError(f"{source}: architecture {arch} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        raise SpecError(f"{source}: field 'architectures': {arch} is not supported; supported: {_supported()}")
     name = p.parent.name if p.name == "config.json" and p.parent.name else p.stem
     dtype = data.get("torch_dtype", "bfloat16")
     if dtype is not None and not isinstance(dtype, str):

@@ -46,6 +46,7 @@ from .model_spec import ModelSpec
 from .moe import moe_knobs_given
 from .stack import is_model_ref
 from .parallel import Parallel, option_name
+from .files import short_list
 
 if TYPE_CHECKING:   # pragma: no cover - types only
     from .bind import Bound
@@ -127,15 +128,15 @@ class Layout:
         for r in reps:
             _whole(r, "stage_replicas")
         if self.schedule != "dapple" or self.variant is not None:
-            raise ValueError(f"stage replicas {':'.join(map(str, reps))} run DAPPLE's schedule (dapple) only; "
-                             f"got {self.schedule}" + (f" {self.variant}" if self.variant else ""))
+            raise ValueError(f"stage replicas {short_list(reps, sep=':', bare=True)} run DAPPLE's schedule (dapple) "
+                             f"only; got {self.schedule}" + (f" {self.variant}" if self.variant else ""))
         if sum(reps) != self.devices:
-            raise ValueError(f"stage replicas {':'.join(map(str, reps))} occupy {sum(reps)} devices; -D is "
+            raise ValueError(f"stage replicas {short_list(reps, sep=':', bare=True)} occupy {sum(reps)} devices; -D is "
                              f"{self.devices}")
         C = sub_batches(reps)
         if self.microbatches % C:
-            raise ValueError(f"stage replicas {':'.join(map(str, reps))} cut a micro-batch into {C} sub-batches; "
-                             f"-N {self.microbatches} (sub-batches) is not a multiple of {C}")
+            raise ValueError(f"stage replicas {short_list(reps, sep=':', bare=True)} cut a micro-batch into {C} "
+                             f"sub-batches; -N {self.microbatches} (sub-batches) is not a multiple of {C}")
 
     @classmethod
     def of_file(cls, sf: ScheduleFile, **fields) -> "Layout":

@@ -60,8 +60,19 @@ def default_reserve(capacity: float) -> float:
     return RESERVE_BYTES + RESERVE_FRACTION * capacity
 
 
+def check_reserve(reserve: float | None, capacity: float, device: str = "") -> None:
+    """A ``--memory-reserve`` of ``reserve`` bytes must leave something of a device of ``capacity``
+    bytes (``device``: its name, for the message): at or above it, nothing would be usable."""
+    if reserve is not None and capacity and reserve >= capacity:
+        whose = f"the {device}'s" if device else "the device's"
+        raise ValueError(f"--memory-reserve {fmt_bytes(reserve)} is not below {whose} {fmt_bytes(capacity)} of "
+                         f"memory: nothing would be usable; give less (default {fmt_bytes(default_reserve(capacity))})")
+
+
 def usable_memory(capacity: float, reserve: float | None = None) -> float:
-    """What a plan may use of a device of ``capacity`` bytes: less ``reserve`` (None: the default)."""
+    """What a plan may use of a device of ``capacity`` bytes: less ``reserve`` (None: the default;
+    one at or above ``capacity`` is refused, :func:`check_reserve`)."""
+    check_reserve(reserve, capacity)
     return capacity - (default_reserve(capacity) if reserve is None else reserve)
 
 

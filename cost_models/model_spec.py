@@ -46,7 +46,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ._spec import SpecError, presets, read_yaml
+from ._spec import SpecError, known_fields, presets, read_yaml
 from .hf_config import hf_fields, is_hf_config
 from .stack import is_model_ref, model_ref_help
 
@@ -239,7 +239,7 @@ def spec_from_dict(d: dict, source: str = "<dict>") -> ModelSpec:
     known = {f.name for f in fields(ModelSpec)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise SpecError(f"{source}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        raise SpecError(f"{source}: unknown field {unknown[0]!r} ({known_fields(str(unknown[0]), known)})")
     for f in ("layers", "hidden", "heads", "seq_len", "vocab"):
         if f not in d:
             raise SpecError(f"{source}: missing field {f!r}")

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .files import short_list
+
 
 def ranges(counts: Sequence[int]) -> list[range]:
     """Consecutive index ranges of the given sizes."""
@@ -53,21 +55,21 @@ def check_counts(counts, total: int, parts: int, *, what: str = "layer", empty_e
         items = list(counts)
         out = [int(b) for b in items]
     except (TypeError, ValueError):
-        raise ValueError(f"a partition is a list of {what} counts per stage; got {counts!r}") from None
+        raise ValueError(f"a partition is a list of {what} counts per stage; got {short_list(counts)}") from None
     if any(isinstance(b, bool) or c != b for b, c in zip(items, out)):
-        raise ValueError(f"a partition is a list of whole {what} counts per stage; got {items}")
+        raise ValueError(f"a partition is a list of whole {what} counts per stage; got {short_list(items)}")
     if len(out) != parts:
-        raise ValueError(f"the partition {out} has {len(out)} stage(s); the schedule has {parts} stages per "
-                         f"model copy")
+        raise ValueError(f"the partition {short_list(out)} has {len(out)} stage(s); the schedule has {parts} "
+                         f"stages per model copy")
     if sum(out) != total:
-        raise ValueError(f"the partition {out} covers {sum(out)} {what}s; the model has {total}")
+        raise ValueError(f"the partition {short_list(out)} covers {sum(out)} {what}s; the model has {total}")
     if any(c < 0 for c in out):
-        raise ValueError(f"the partition {out} has a negative {what} count")
+        raise ValueError(f"the partition {short_list(out)} has a negative {what} count")
     empty = [s for s, c in enumerate(out) if c == 0 and not (empty_ends and parts > 1 and s in (0, parts - 1))]
     if empty:
         ends = (" (only the first stage, with the embedding, and the last, with the head, may hold no block)"
                 if empty_ends else "")
-        raise ValueError(f"the partition {out} leaves stage {empty[0]} without layers{ends}")
+        raise ValueError(f"the partition {short_list(out)} leaves stage {empty[0]} without layers{ends}")
     return out
 
 
@@ -124,14 +126,14 @@ def blocks_from_layers(layers, num_blocks: int) -> list[int]:
     try:
         counts = [int(c) for c in layers]
     except (TypeError, ValueError):
-        raise ValueError(f"a layer partition is a list of layer counts per stage; got {layers!r}") from None
+        raise ValueError(f"a layer partition is a list of layer counts per stage; got {short_list(layers)}") from None
     if not counts:
         raise ValueError("the layer partition is empty")
     if sum(counts) != num_blocks + 2:
-        raise ValueError(f"the layer partition {counts} covers {sum(counts)} layers; the model has {num_blocks + 2} "
-                         f"({num_blocks} blocks + embedding + head)")
+        raise ValueError(f"the layer partition {short_list(counts)} covers {sum(counts)} layers; the model has "
+                         f"{num_blocks + 2} ({num_blocks} blocks + embedding + head)")
     if any(c < 1 for c in counts):
-        raise ValueError(f"the layer partition {counts} has a stage without layers")
+        raise ValueError(f"the layer partition {short_list(counts)} has a stage without layers")
     out = list(counts)
     out[0] -= 1
     out[-1] -= 1
@@ -168,7 +170,7 @@ def balanced_counts(weights: Sequence[float], parts: int) -> list[int]:
         raise ValueError(f"cannot split {n} layers into {parts} stages; use fewer devices/chunks or a deeper model")
     w = [float(x) for x in weights]
     if any(x < 0 or x != x or x == float("inf") for x in w):
-        raise ValueError(f"layer weights must be finite and >= 0; got {weights!r}")
+        raise ValueError(f"layer weights must be finite and >= 0; got {short_list(weights)}")
 
     prefix = [0.0]
     for x in w:

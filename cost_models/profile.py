@@ -71,7 +71,7 @@ from ._spec import SpecError
 from .base import LayerCosts, PerLayerCostModel
 from .cluster import Cluster, LinkSpec
 from .device import DeviceSpec
-from .files import FileError, read_text, write_output
+from .files import FileError, check_kind, read_text, write_output
 from .model_spec import ModelSpec, load_model, spec_from_dict
 from .partition import balanced_counts, default_partition, stack_partition
 from .stack import StackSpec, stack_from_dict
@@ -459,7 +459,12 @@ def load_profile(path: str | Path) -> CalibrationProfile:
         text = read_text(p, "calibration profile")
     except FileError as e:
         raise SpecError(str(e)) from None
-    return profile_from_dict(_spec.parse_yaml(text, str(p)), str(p))
+    data = _spec.parse_yaml(text, str(p))
+    try:
+        check_kind(data, str(p), "profile")
+    except FileError as e:
+        raise SpecError(str(e)) from None
+    return profile_from_dict(data, str(p))
 
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> Path:

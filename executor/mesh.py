@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schedules import Schedule
+from cost_models.files import short_list
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tu
     else:
         dm = tuple(int(d) for d in device_map)
     if len(dm) != n or sorted(dm) != sorted(set(dm)) or any(not 0 <= d < grid.num_devices for d in dm):
-        raise ValueError(f"device map {list(dm)} must give each of the {n} ranks its own device among the "
+        raise ValueError(f"device map {short_list(dm)} must give each of the {n} ranks its own device among the "
                          f"{nodes} x {per_node} devices torchrun started")
     return dm
 
@@ -78,5 +79,6 @@ def placement(device_map, sched: Schedule, tp: int, node: int, local: int, nodes
     slot, t = divmod(device, tp)
     dm = device_map_for(device_map, sched, nodes, per_node // tp)
     if slot not in dm:
-        raise ValueError(f"device {device} (node {node}, local rank {local}) holds no rank of device map {list(dm)}")
+        raise ValueError(f"device {device} (node {node}, local rank {local}) holds no rank of device map "
+                         f"{short_list(dm)}")
     return Mesh(tp, sched.num_ranks).rank(dm.index(slot), t), device

@@ -91,6 +91,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from cost_models.files import short_list
 from cost_models.partition import ranges, stack_partition
 from cost_models.stack import MODEL_REF
 from schedules.ir import ACT, Op, Schedule, source_stage
@@ -493,9 +494,8 @@ def _check_gradient_flow(stack: Stack, outs: list[torch.Tensor], counts: tuple[i
                 what = (f"returns an integer tensor ({dtype})" if not out.is_floating_point()
                         else "returns a tensor that does not depend on its input")
                 raise ValueError(f"model {ref}: layer {i} ({name}) {what}, so stage {s} (layers {rng[0]}-{rng[-1]}) "
-                                 f"cannot send a gradient back to stage {s - 1}; choose a partition that puts it in "
-                                 f"the first stage (--partition; layers per stage now {list(counts)}) or make it "
-                                 f"differentiable")
+                                 f"cannot send a gradient to stage {s - 1}; put it in the first stage (--partition, "
+                                 f"now {short_list(counts)}) or make it differentiable")
             h = out.detach().requires_grad_(True)
 
 

@@ -96,6 +96,24 @@ def nonneg_int(text: str) -> int:
     return v
 
 
+_TOKEN_UNITS = {"": 1, "k": 1 << 10, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def token_count(text: str) -> int:
+    """A whole count >= 1 with an optional suffix k, M, G or T, powers of 1,024 as token budgets are
+    counted (``4M`` = 4,194,304 = 512 x 8,192; ``Mi`` reads the same): ``--global-tokens``."""
+    what = "a token count >= 1, e.g. 4194304 or 4M (k, M, G: powers of 1,024)"
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKMGT]?)i?\s*", str(text))
+    if not m:
+        raise _fail(what, text)
+    from fractions import Fraction
+    v = Fraction(m.group(1)) * _TOKEN_UNITS[m.group(2)]
+    if v.denominator != 1 or v < 1:
+        raise _fail(what, text)
+    return int(v)
+
+
 def int_in(lo: int, hi: int):
     what = f"an integer in {lo}..{hi}"
 

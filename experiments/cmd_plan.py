@@ -82,8 +82,9 @@ def check_limit(limit: float | None, device, force: bool) -> None:
 def main(args) -> int:
     from planner import SearchSpace, plan_record, plan_training, save_plan
 
-    if args.global_batch < 1:
-        raise ValueError(f"--global-batch must be >= 1; got {args.global_batch}")
+    if (args.global_batch is None) == (args.global_tokens is None):
+        from planner.choose import batch_in_sequences
+        batch_in_sequences(args.global_batch, args.global_tokens, None)     # refuses: neither, or both
     if args.top < 1:
         raise ValueError(f"--top must be >= 1; got {args.top}")
     if search_of(args) == "layout":
@@ -112,6 +113,7 @@ def main(args) -> int:
     else:
         cluster = cluster_from_args(args).load()
         cost_model = args.cost_model      # None: plan_training's default, every command's
+    args.global_batch = _sequences(args, model)
     limit = _parse_limit(args.memory_limit)
     check_limit(limit, cluster.device, args.force)
     space = SearchSpace(policies=tuple(x.strip() for x in args.policies.split(",") if x.strip()),
@@ -143,6 +145,16 @@ def main(args) -> int:
         return 0
     _print_human(res, rec, base, stats, args, said)
     return 0
+
+
+def _sequences(args, model) -> int:
+    """The global batch in sequences (-G, or --global-tokens at the model's sequence length; a layer
+    profile or paper model has none): :func:`planner.choose.batch_in_sequences`."""
+    from cost_models import is_model_ref
+    from cost_models.workloads.workload_sources import workload_spec
+    from planner.choose import batch_in_sequences
+    spec = None if isinstance(model, str) and is_model_ref(model) else workload_spec(model)
+    return batch_in_sequences(args.global_batch, args.global_tokens, getattr(spec, "seq_len", None))
 
 
 def dapple_stated(work, cluster, model_ref) -> dict:

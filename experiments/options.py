@@ -34,7 +34,7 @@ from schedules.registry import ALIASES
 
 from .checks import (byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
                      input_file, int_in, memory_limit, nonneg_float, nonneg_int, output_as, output_dir,
-                     output_file, positive_float, positive_int)
+                     output_file, positive_float, positive_int, token_count)
 
 SCALAR, LIST, AUTO = "scalar", "list", "auto"
 GRAMMARS = (SCALAR, LIST, AUTO)
@@ -297,6 +297,9 @@ def _rows() -> dict[str, Option]:
                      "an option only it takes is given: --uniform, --policies, --no-simulate, --no-baselines, "
                      "--profile-batch)", choices=PLAN_SEARCHES)),
         ("global_batch", O(("--global-batch", "-G"), None, "samples (sequences) per iteration", type=positive_int)),
+        ("global_tokens", O(("--global-tokens",), None, "the global batch in tokens per iteration instead of -G, e.g. "
+                            "4M (k, M, G: powers of 1,024): a whole number of the model's sequences", type=token_count,
+                            metavar="TOKENS")),
         ("gpus", O(("--gpus",), None, "the GPU budget: use at most N of the cluster's GPUs (the whole-layout search: "
                    "a multiple of the node size)", type=positive_int, metavar="N")),
         ("device_memory", O(("--memory-limit",), None, "memory per device, e.g. '16 GiB' (default: the device's "
@@ -454,7 +457,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                  "chosen plan marked"),
              use("no_progress"), use("json"), use("out_file", help="write the plan file", metavar="PLAN.json",
                                                            type=output_as("plan file", ("json",))),
-             use("global_batch", required=True), use("gpus"), use("device_memory"), use("force"), use("top"),
+             use("global_batch", note=" (or --global-tokens)"), use("global_tokens"), use("gpus"),
+             use("device_memory"), use("force"), use("top"),
              use("max_stages"), use("uniform"), use("policies"), use("no_simulate"), use("no_baselines")),
     "validate": (use("schedules"), use("devices", default=2, note=" (default 2)"),
                  use("microbatches", note=" (default 2D)"), use("dp", default=1),

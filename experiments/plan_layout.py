@@ -12,8 +12,6 @@ candidate.
 """
 from __future__ import annotations
 
-import sys
-
 from .common import parse_schedules, print_json, stated_lines
 from .jobs import cluster_from_args
 from .options import DEFAULT_POLICIES, auto_values, fields_of
@@ -84,6 +82,8 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     model = load_model(args.model)
     if args.seq_len is not None:
         model = model.replace(seq_len=args.seq_len)
+    from planner.choose import batch_in_sequences
+    args.global_batch = batch_in_sequences(args.global_batch, args.global_tokens, model.seq_len)
     choice = cluster_from_args(args)
     cluster = choice.load()
     check_limit(limit, cluster.device, args.force)
@@ -94,16 +94,13 @@ def main_layout(args, limit: float | None, check_limit) -> int:
             raise ValueError(f"--devices {D}: -D is the pipeline's devices D (at most {most}: {model.name} has "
                              f"{model.layers} layers, {cluster.name} {cluster.num_devices} GPUs); the GPU budget is "
                              f"--gpus N")
-    show = not args.no_progress and sys.stderr.isatty()
-
-    def progress(i, n):
-        if show and i % 200 == 0:
-            print(f"\rcandidates {i:,} of {n:,} ...", end="", file=sys.stderr, flush=True)
-
-    res = plan_layouts(model, cluster, args.global_batch, space, top_k=args.top, cluster_choice=choice,
-                       cost_model=args.cost_model, memory_limit=limit, progress=progress)
-    if show:
-        print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+    from .progress import counter
+    tick = counter("layouts judged", show=not args.no_progress)    # a terminal only
+    try:
+        res = plan_layouts(model, cluster, args.global_batch, space, top_k=args.top, cluster_choice=choice,
+                           cost_model=args.cost_model, memory_limit=limit, progress=tick)
+    finally:
+        tick.close()
     recs = res.records()
     if args.out:
         rec = layout_plan_record(res.best.job, cluster, args.global_batch, memory_limit=limit, simulated=recs[0])

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cost_models.bind import CostInputs, cost_model_for, load_inputs, stated
-from cost_models.files import FileError, read_text, write_output
+from cost_models.files import FileError, parse_json, read_text, write_output
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, Job
 
 COLUMNS = ["schedule", "devices", "microbatches", "dp", "tp", "zero", "recompute", "micro_batch", "ep",
@@ -195,7 +195,7 @@ def check_experiment(out: Path, record: dict) -> None:
     meta, table = out / "sweep.json", out / "sweep.csv"
     if meta.exists():
         try:
-            held = json.loads(read_text(meta, "sweep record"))
+            held = parse_json(read_text(meta, "sweep record"), meta.name)
             old, axes = held["job"], set(held["grid"])
         except (ValueError, KeyError, TypeError) as e:
             raise FileError(f"sweep record {meta} is not a sweep's ({' '.join(str(e).split())}); "
@@ -270,7 +270,7 @@ def read_records(jsonl: Path, done: dict[tuple, dict]) -> dict[tuple, str]:
         try:
             point = json.loads(line)["point"]
             key = tuple(point[k] for k in KEY)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):    # not a point's line: dropped
             continue
         if key in done:
             out.setdefault(key, line)

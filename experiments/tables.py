@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Mapping, Sequence
 
 from cost_models.memory import BYTE_UNITS, byte_unit, fmt_bytes  # noqa: F401  (one home: the ledger's)
@@ -19,8 +20,13 @@ def printable(text) -> str:
 
 def one_line_message(text) -> str:
     """An error message as the one line ``pipetwin: error: ...`` prints: newlines and runs of spaces
-    as one space, unprintable characters escaped."""
-    return " ".join(x for x in printable(text).split(" ") if x)
+    as one space, unprintable characters escaped, and a quoted value (no spaces) of more than 80
+    characters (a 6,000-character --device-map echoed back) cut to its first 60 and its length."""
+    line = " ".join(x for x in printable(text).split(" ") if x)
+    return _LONG_QUOTE.sub(lambda m: f"{m[1]}{m[2][:60]}...{m[1]} ({len(m[2]):,} characters)", line)
+
+
+_LONG_QUOTE = re.compile(r"""(?<![\w'"])(['"])([^'"\s]{81,})\1(?![\w'"])""")   # one quoted word: a value, not prose
 
 
 def _cell(value, fmt: str | None) -> str:

@@ -101,6 +101,47 @@ def with_simulation(ev: Evaluated, work: Workload, cluster: Cluster, cap) -> Eva
 MAX_GLOBAL_BATCH = 1 << 16     # samples per iteration the planner searches (65,536: tens of seconds at most)
 
 
+# tokens per iteration beyond any published training run (Llama 3 405B: 16M; DeepSeek-V3: 15,360 x
+# 4,096 = 63M): a -G this large times the sequence length is almost surely tokens typed as sequences
+MAX_TOKENS_PER_STEP = 64 << 20
+
+
+def batch_in_sequences(global_batch: int | None, global_tokens: int | None, seq_len: int | None) -> int:
+    """The global batch in sequences from ``-G`` (sequences) or ``--global-tokens`` (tokens, a whole
+    number of ``seq_len``-token sequences; the unit given explicitly, any size is taken). A ``-G``
+    whose tokens (G x ``seq_len``) exceed :data:`MAX_TOKENS_PER_STEP` is refused naming
+    ``--global-tokens``: it looks like tokens typed as sequences. One line each."""
+    if (global_batch is None) == (global_tokens is None):
+        raise ValueError("give the global batch as -G SEQUENCES or as --global-tokens TOKENS (e.g. 4M), one of "
+                         "the two" + ("" if global_batch is None else "; not both"))
+    if global_tokens is not None:
+        if seq_len is None:
+            raise ValueError("--global-tokens needs the model's sequence length; this model (a layer profile) has "
+                             "none: give -G in samples")
+        n, rest = divmod(global_tokens, seq_len)
+        if rest:
+            near = sorted({max(1, n), n + 1}, key=lambda k: abs(k * seq_len - global_tokens))[0]
+            raise ValueError(f"--global-tokens {global_tokens:,} is not a whole number of {seq_len:,}-token "
+                             f"sequences; the nearest is {near * seq_len:,} tokens (-G {near:,})")
+        return n
+    if global_batch < 1:
+        raise ValueError(f"--global-batch must be >= 1; got {global_batch}")
+    if seq_len and global_batch * seq_len > MAX_TOKENS_PER_STEP:
+        raise ValueError(f"-G {global_batch:,} sequences of {seq_len:,} tokens is {global_batch * seq_len:,} tokens "
+                         f"per step, more than any published run (Llama 3 405B 16M, DeepSeek-V3 63M): -G counts "
+                         f"sequences; to give tokens, use --global-tokens {_tokens(global_batch)}"
+                         + (f" (= -G {global_batch // seq_len:,})" if global_batch % seq_len == 0 else ""))
+    return global_batch
+
+
+def _tokens(n: int) -> str:
+    """``n`` tokens as --global-tokens spells it: 4194304 -> 4M."""
+    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
+        if n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
 def check_global_batch(global_batch: int) -> None:
     """Both planners' bound on the global batch: at most :data:`MAX_GLOBAL_BATCH` samples."""
     if global_batch > MAX_GLOBAL_BATCH:
@@ -271,11 +312,42 @@ def data_parallel_plan(work: Workload, topo: Topology, G: int, *, space: SearchS
 def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, simulate, progress) -> None:
     import time
     t0 = time.perf_counter()
+    bar = tqdm(total=2, desc="baselines: PipeDream's plan, data parallelism", disable=not progress, leave=False)
+    with _clock(bar):
+        _baseline_plans(out, work, topo, cluster, G, cap, space, name, simulate, bar)
+    bar.close()
+    out.baseline_seconds = time.perf_counter() - t0
+
+
+def _clock(bar):
+    """A context in which a shown tqdm ``bar`` is redrawn every second (its clock runs while one
+    long step, PipeDream's search, has no tick to give)."""
+    import contextlib
+    import threading
+    done = threading.Event()
+
+    def redraw():
+        while not done.wait(1.0):
+            bar.refresh()
+
+    @contextlib.contextmanager
+    def ctx():
+        if not bar.disable:
+            threading.Thread(target=redraw, daemon=True).start()
+        try:
+            yield
+        finally:
+            done.set()
+    return ctx()
+
+
+def _baseline_plans(out: PlanningResult, work, topo, cluster, G, cap, space, name, simulate, bar) -> None:
     ev = pipedream_plan(work, topo, G, space=space, capacity=cap, model=name)
     if ev is None:
         out.baseline_notes["pipedream"] = "no plan fits"
     else:
         out.pipedream = with_simulation(ev, work, cluster, cap) if simulate else ev
+    bar.update(1)
     try:
         ev = data_parallel_plan(work, topo, G, space=space, capacity=cap, model=name)
         out.data_parallel = with_simulation(ev, work, cluster, cap) if simulate else ev
@@ -289,7 +361,7 @@ def _baselines(out: PlanningResult, work, topo, cluster, G, cap, space, name, si
                 f"gradients and optimizer state plus activations, > {cap / gib:.1f} GiB")
         else:
             out.baseline_notes["data_parallel"] = "does not fit: " + str(e).split(": ", 1)[-1]
-    out.baseline_seconds = time.perf_counter() - t0
+    bar.update(1)
 
 
 def evaluate_plan(plan: Plan, work: Workload, cluster: Cluster, capacity=None, simulate: bool = True) -> Evaluated:

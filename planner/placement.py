@@ -35,6 +35,7 @@ from collections import Counter
 from math import gcd
 
 from cost_models import Cluster, allreduce_time
+from cost_models.files import short_list
 
 POLICIES = ("fresh-first", "append-first", "scatter-first")
 
@@ -110,7 +111,7 @@ class Topology:
         """Devices of every stage of a replication vector (packed against the end of the order)."""
         sl = [self.slots(policy, r) for r in replicas]
         if sum(sl) > self.num_devices:
-            raise ValueError(f"{policy}: replicas {list(replicas)} take {sum(sl)} slots; the cluster has "
+            raise ValueError(f"{policy}: replicas {short_list(replicas)} take {sum(sl)} slots; the cluster has "
                              f"{self.num_devices} devices")
         off = self.num_devices - sum(sl)
         out = []

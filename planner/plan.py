@@ -12,6 +12,7 @@ simulated through :func:`schedules.dapple_replicated.replicated_schedule` (see t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from cost_models.files import short_list
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ class Plan:
             if a.stop != c.start:
                 raise ValueError(f"stages must be contiguous: one ends at layer {a.stop}, the next starts at {c.start}")
         if self.split and (sum(self.split) != self.num_layers or min(self.split) < 1):
-            raise ValueError(f"plan: field 'split' {list(self.split)} must give each schedule stage >= 1 layer and "
-                             f"cover the plan's {self.num_layers} layers")
+            raise ValueError(f"plan: field 'split' {short_list(self.split)} must give each schedule stage >= 1 "
+                             f"layer and cover the plan's {self.num_layers} layers")
         devs = [d for st in self.stages for d in st.devices]
         if len(set(devs)) != len(devs):
             raise ValueError("two stages share a device")
@@ -111,7 +112,7 @@ class Plan:
     def dp(self) -> int:
         """R for a uniform plan (replicas of every stage)."""
         if not self.uniform:
-            raise ValueError(f"plan with replicas {list(self.replicas)} is not uniform")
+            raise ValueError(f"plan with replicas {short_list(self.replicas)} is not uniform")
         return self.stages[0].replicas
 
     def device_map(self) -> tuple[int, ...]:

@@ -49,10 +49,12 @@ from pathlib import Path
 from cost_models import Cluster, cluster_from_dict
 from cost_models.bind import Bound
 from cost_models._spec import size_bytes
-from cost_models.files import one_line, read_text, write_output
+from cost_models.files import FileError, check_kind, data_or_none, one_line, parse_json, read_text, write_output
 from cost_models.model_spec import spec_from_dict
 from cost_models.parallel import Parallel
 from cost_models.stack import absolute_model_ref
+from schedules import ScheduleError
+from schedules.registry import MAX_OPS
 
 from cost_models.workloads.workload_sources import workload_from_source
 from .plan import Plan
@@ -364,6 +366,7 @@ def _layout_plan(rec: dict, source: str) -> LayoutPlan:
 
 def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan:
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        check_kind(rec, source, "plan")
         raise ValueError(f"{source}: not a pipetwin plan file (expected \"format\": \"{FORMAT}\")")
     if rec.get("version") not in READS:
         raise ValueError(f"{source}: plan file version {rec.get('version')!r}; this pipetwin reads versions "
@@ -391,7 +394,15 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan
     if lim is not None:
         lim = size_bytes(lim, source, "memory_limit")
     loaded = LoadedPlan(plan, work, cluster, lim, rec, source)
-    if rec["version"] > 1 and rec.get("job") != job_record(loaded.planned_job(), loaded.placement):
+    try:
+        job = loaded.planned_job()      # sizes checked before the schedule is built
+    except ScheduleError as e:
+        if "MAX_OPS" in str(e):
+            raise ValueError(f"{source}: field 'plan.microbatches' {plan.microbatches:,} makes an iteration beyond "
+                             f"pipetwin's limit of {MAX_OPS:,} ops (schedules.registry.MAX_OPS); plan again with a "
+                             f"smaller global batch") from None
+        raise ValueError(f"{source}: {e}") from None
+    if rec["version"] > 1 and rec.get("job") != job_record(job, loaded.placement):
         raise ValueError(f"{source}: field 'job' disagrees with the plan's stages and micro-batches (edited by "
                          f"hand?); plan again")
     return loaded
@@ -400,9 +411,13 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan
 def load_plan(path) -> LoadedPlan | LayoutPlan:
     """Read a plan file written by ``pipetwin plan --out`` (see the module docstring)."""
     p = Path(path)
+    if p.suffix == ".py":
+        raise ValueError(f"plan file {p} is a Python file; a model file is given as --model {p}:FUNC, a plan as "
+                         f"--plan PLAN.json (pipetwin plan --out)")
     text = read_text(p, "plan file")
     try:
-        rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({one_line(e)})") from None
+        rec = parse_json(text, str(p))
+    except FileError:
+        check_kind(data_or_none(text), str(p), "plan")   # YAML of another kind: named as such
+        raise
     return plan_from_record(rec, str(p))

@@ -96,6 +96,7 @@ from .cost import Estimate, estimate
 from .placement import POLICIES, Topology, check_policy
 from .plan import Plan, StagePlan
 from cost_models.workloads.workload import Workload
+from cost_models.files import short_list
 
 OBJECTIVES = ("dapple", "pipedream", "dapple-rt")
 INF = float("inf")
@@ -1095,7 +1096,7 @@ def search_plans(work: Workload, topo: Topology, global_batch: int, *, objective
                model or work.name, cluster or topo.cluster.name, P, budget=budget)
     Ms = [m for m in divisors(global_batch) if space.microbatches is None or m in space.microbatches]
     if not Ms:
-        raise PlanError(f"no micro-batch count in {list(space.microbatches or [])} divides the global batch "
+        raise PlanError(f"no micro-batch count in {short_list(space.microbatches or [])} divides the global batch "
                         f"{global_batch}")
     pols = _policies(topo, space.policies)
     t0 = time.perf_counter()

@@ -46,6 +46,7 @@ from schedules.dapple_replicated import REPLICATED, replicated_schedule
 from sim import simulate_job
 
 from .plan import Plan
+from cost_models.files import short_list
 
 @dataclass
 class Built:
@@ -66,8 +67,8 @@ def ir_partition(plan: Plan, work: Workload, num_stages: int) -> tuple[int, ...]
     schedule with other stages than the plan (a plan file without one: the work-balanced split)."""
     if plan.split:
         if len(plan.split) != num_stages:
-            raise ValueError(f"the plan's split {'|'.join(map(str, plan.split))} has {len(plan.split)} stage(s); "
-                             f"schedule {plan.schedule} has {num_stages}")
+            raise ValueError(f"the plan's split {short_list(plan.split, sep='|', bare=True)} has {len(plan.split)} "
+                             f"stage(s); schedule {plan.schedule} has {num_stages}")
         return plan.split
     if num_stages == plan.num_stages:
         return plan.partition
@@ -161,8 +162,8 @@ def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | N
         extra = {"layout": f"{R} x {D}-stage pipeline", "micro_batch_per_replica": b // R}
     else:
         if plan.schedule not in ("dapple", REPLICATED):
-            raise ValueError(f"a plan with replicas {list(plan.replicas)} per stage runs the DAPPLE schedule only; "
-                             f"got {plan.schedule!r}")
+            raise ValueError(f"a plan with replicas {short_list(plan.replicas)} per stage runs the DAPPLE schedule "
+                             f"only; got {plan.schedule!r}")
         g = replica_groups(plan) if split else 1
         sub = [r // g for r in plan.replicas]
         sched = replicated_schedule(sub, M)

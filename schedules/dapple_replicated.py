@@ -43,6 +43,10 @@ def replicated_schedule(replicas, microbatches: int) -> Schedule:
         raise ValueError(f"replicas must be positive; got {reps}")
     S, M = len(reps), int(microbatches)
     C = sub_batches(reps)
+    from .registry import check_size
+    # before anything is built (a plan file's micro-batches edited by hand): each stage runs each of
+    # the M x C sub-batches once, on one of its replicas: the ops of an S-stage pipeline of M x C
+    check_size(S, M * C)
     offsets = [sum(reps[:s]) for s in range(S)]
     placement = [[offsets[s] + c % reps[s] for s in range(S)] for c in range(C)]
     order = []

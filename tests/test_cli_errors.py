@@ -3,6 +3,7 @@ stderr that names the option (or file) to change, fast, with no traceback; nothi
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ CASES = [
     ("profile-tp-allreduce-inf", SIM + ["--tp", "2", "--profile", "{tparinf}"],
      ["tparinf.yaml", "tp_allreduce.bandwidth"]),
     ("profile-tp-not-dividing-heads", SIM + ["--tp", "3", "--profile", "{tp3}"], ["tp3.yaml", "tp 3", "heads (4)"]),
-    ("hf-config-unknown-arch", SIM + ["-m", "{hf_bert}"], ["BertForMaskedLM", "LlamaForCausalLM"]),
+    ("hf-config-unknown-arch", SIM + ["-m", "{hf_bert}"], ["'architectures'", "BertForMaskedLM", "Llama, Mistral"]),
     ("hf-config-folder", SIM + ["-m", "{dir}/x.json"], ["x.json"]),
     # silent wrong results
     ("slow-link-unused", SIM + ["--slow-link", "n1.nic0.out=4"], ["--slow-link", "never crosses"]),
@@ -294,7 +295,7 @@ CASES = [
     ("bubbles-max-k-huge", ["bubbles", "--max-k", "1000"],
      ["--max-k 1000", "ops, beyond the table's limit", "use --max-k <="]),
     ("plan-global-batch-huge", ["plan", "-m", "gpt-96", "-c", "dgx-a100-ib:4", "-G", "100000000"],
-     ["--global-batch 100,000,000", "65,536"]),
+     ["-G 100,000,000", "102,400,000,000 tokens per step", "--global-tokens"]),
     # tracebacks and truncated files: a full disk (ENOSPC) is one line naming the path
     ("chrome-trace-disk-full", UNIT + ["--chrome-trace", "/dev/full"], ["Chrome trace /dev/full", "No space left"]),
     ("trace-disk-full", UNIT + ["--trace", "/dev/full"], ["trace /dev/full", "No space left"]),
@@ -339,6 +340,69 @@ CASES = [
      ["--out", "is the file --model reads", "overwrite that input"]),
     ("plan-out-not-json", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--out", "{dir}/p.yaml"],
      ["argument --out", "plan file", "written as .json"]),
+    # issue 47 (2): sizes checked before anything is built; a -G that looks like tokens
+    ("plan-G-looks-like-tokens", ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:4", "-G", "4194304"],
+     ["-G 4,194,304 sequences of 8,192 tokens", "34,359,738,368 tokens per step", "--global-tokens 4M (= -G 512)"]),
+    ("plan-G-looks-like-tokens-dapple", ["plan", "-m", "gpt3-1.3b", "-c", "dgx-a100-1x8", "--search", "dapple",
+                                         "-G", "65536"], ["-G 65,536", "--global-tokens 64k (= -G 32)"]),
+    ("plan-global-tokens-not-whole", ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--global-tokens", "4000000"],
+     ["--global-tokens 4,000,000", "8,192-token", "nearest is 3,997,696 tokens (-G 488)"]),
+    ("plan-global-tokens-bad", ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--global-tokens", "4.5x"],
+     ["--global-tokens", "'4.5x'", "4M"]),
+    ("plan-global-tokens-zero", ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--global-tokens", "0"],
+     ["--global-tokens", "'0'"]),
+    ("plan-global-tokens-layer-profile", ["plan", "-m", "vgg-19", "-c", "dgx-a100-1x8", "--global-tokens", "64k"],
+     ["--global-tokens", "sequence length", "-G"]),
+    ("plan-no-global-batch", ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:4"], ["-G", "--global-tokens"]),
+    ("plan-G-and-global-tokens", ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:4", "-G", "8", "--global-tokens",
+                                  "64k"], ["-G", "--global-tokens", "not both"]),
+    ("simulate-ops-beyond-limit", ["simulate", "-s", "dapple", "-D", "64", "-N", "100000", "-m", "gpt3-175b", "-c",
+                                   "a100-8x8-ib"], ["-N 100000", "89,600,000 ops", "4,000,000", "-N 4,464"]),
+    ("plan-file-ops-beyond-limit", ["simulate", "--plan", "{plan_huge}"],
+     ["bad.json: field 'plan.microbatches' 10,000,000", "beyond pipetwin's limit of 4,000,000 ops"]),
+    ("compare-ops-beyond-limit", ["compare", "--schedules", "dapple,gpipe", "-D", "64", "-N", "100000", "-m",
+                                  "gpt3-175b", "-c", "a100-8x8-ib"], ["-N 100000", "4,000,000", "-N 4,464"]),
+    # issue 47 (6): messages: one short line naming the field or option
+    ("partition-of-4000-entries", SIM + ["-m", "gpt3-1.3b", "--partition", ",".join(["1"] * 4000)],
+     ["partition [1, 1, 1, 1, 1, 1, ..., 1, 1] (4,000 entries)", "4000 stage(s)"]),
+    ("memory-reserve-above-device", SIM + ["-m", "gpt3-1.3b", "-c", "dgx-a100-1x8", "--memory-reserve", "100GiB"],
+     ["--memory-reserve 100 GiB", "a100's 80 GiB", "nothing would be usable"]),
+    ("memory-reserve-equal-to-device-compare", ["compare", "-D", "2", "-N", "2", "-m", "tiny", "-c", "dgx-a100-1x8",
+                                                "--memory-reserve", "80GiB"], ["--memory-reserve 80 GiB"]),
+    ("memory-reserve-above-device-plan-file", ["simulate", "--plan", "{layout}", "--memory-reserve", "1TiB"],
+     ["--memory-reserve 1 TiB", "80 GiB"]),
+    ("plan-file-as-model", SIM + ["-m", "{plan}"], ["is a pipetwin plan file", "not a Hugging Face config",
+                                                    "give it as --plan"]),
+    ("layout-plan-file-as-model", SIM + ["-m", "{layout}"], ["is a pipetwin plan file", "give it as --plan"]),
+    ("plan-file-as-stage-costs", SIM + ["--stage-costs", "{plan}"], ["not a stage-costs file", "give it as --plan"]),
+    ("plan-file-as-profile", SIM + ["--profile", "{plan}"], ["not a calibration profile", "give it as --plan"]),
+    ("plan-file-as-cluster", SIM + ["-m", "tiny", "-c", "{layout}"], ["not a cluster spec", "give it as --plan"]),
+    ("plan-file-as-schedule-file", SIM + ["--schedule-file", "{plan}"], ["not a schedule file", "give it as --plan"]),
+    ("stage-costs-as-plan", ["simulate", "--plan", "{sc_blocking}"], ["is a stage-costs file",
+                                                                     "give it as --stage-costs"]),
+    ("model-spec-as-plan", ["simulate", "--plan", "{nanmodel}"], ["is a model spec", "give it as --model"]),
+    ("profile-as-plan", ["simulate", "--plan", "{tp1profile}"], ["is a calibration profile", "give it as --profile"]),
+    ("profile-as-model", SIM + ["-m", "{tp1profile}"], ["is a calibration profile", "give it as --profile"]),
+    ("stage-costs-as-profile", SIM + ["--profile", "{sc_blocking}"], ["is a stage-costs file",
+                                                                      "give it as --stage-costs"]),
+    ("hf-config-nan-field", SIM + ["-m", "{hfnan}"], ["field 'rope_theta' is NaN, not a number"]),
+    ("plan-json-nested-200000-deep", ["simulate", "--plan", "{deepjson}"], ["deep.json", "nested deeper"]),
+    ("model-yaml-nested-200000-deep", SIM + ["-m", "{deepyaml}"], ["deep.yaml", "nested deeper"]),
+    ("hf-config-nested-200000-deep", SIM + ["-m", "{deepjson}"], ["deep.json", "nested deeper"]),
+    ("plan-file-symlink-loop", ["simulate", "--plan", "{loop}"], ["plan file", "loop.json", "symbolic link loop"]),
+    ("model-symlink-loop", SIM + ["-m", "{loop}"], ["loop.json", "symbolic link loop"]),
+    ("device-map-of-6000-characters", SIM + ["--device-map", ",".join(["0"] * 3000)],
+     ["--device-map", "'0,0,0,", "...' (5,999 characters)", "megatron"]),
+    ("model-unknown-field-of-many", SIM + ["-m", "{unknownfield}"], ["unknown field 'ffn'", "did you mean",
+                                                                     "ffn_hidden", "(29 entries)"]),
+    ("sweep-record-nested-200000-deep", SWEEP + ["-m", "tiny", "--out", "{deepsweep}"],
+     ["sweep record", "sweep.json", "nested deeper", "another --out"]),
+    ("schedule-file-as-plan", ["simulate", "--plan", "{schedtext}"], ["is a schedule file",
+                                                                     "give it as --schedule-file"]),
+    ("model-file-as-plan", ["simulate", "--plan", "{model}"], ["plan file", "model.py is a Python file",
+                                                               "--model", "model.py:FUNC"]),
+    ("plan-file-broken-link", ["simulate", "--plan", "{broken}"],
+     ["plan file", "broken.json", "broken link", "nowhere.json"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
@@ -408,6 +472,36 @@ def files(tmp_path):
     yield made
     if "tmp_held" in made:
         made["tmp_held"].close()
+
+
+def _issue47_file(tmp_path: Path, key: str) -> str:
+    """Issue 47's bad files, made when a row asks for one: a Hugging Face config with a NaN field,
+    JSON and YAML nested 200,000 deep, a symbolic link loop and a broken link."""
+    if key == "schedtext":
+        return str(_write(tmp_path / "s.txt", "0: F0.s0 B0.s0\n1: F0.s1 B0.s1\n"))
+    if key == "deepsweep":
+        (tmp_path / "deepsweep").mkdir()
+        _write(tmp_path / "deepsweep" / "sweep.json", '{"job": ' + "[" * 200_000 + "]" * 200_000 + "}")
+        return str(tmp_path / "deepsweep")
+    if key == "unknownfield":
+        return str(_write(tmp_path / "m.yaml", "layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nffn: 128\n"))
+    if key == "hfnan":
+        hf = json.loads((Path(__file__).parent / "data" / "hf" / "Meta-Llama-3-8B" / "config.json").read_text())
+        hf["rope_theta"] = float("nan")
+        return str(_write(tmp_path / "hfnan.json", json.dumps(hf)))
+    if key in ("deepjson", "deepyaml"):
+        return str(_write(tmp_path / ("deep.json" if key == "deepjson" else "deep.yaml"),
+                          "[" * 200_000 + "]" * 200_000))
+    link = tmp_path / f"{key}.json"
+    if key == "loop":
+        (tmp_path / "loop2.json").symlink_to(link)
+        link.symlink_to(tmp_path / "loop2.json")
+    else:
+        link.symlink_to(tmp_path / "nowhere.json")
+    return str(link)
+
+
+ISSUE47_FILES = ("schedtext", "deepsweep", "unknownfield", "hfnan", "deepjson", "deepyaml", "loop", "broken")
 
 
 MODEL_FILE = """\
@@ -492,6 +586,10 @@ def _fill(argv, files):
             a = _plan(files["tmp"], stages=[])
         elif a == "{plan}":
             a = _plan(files["tmp"])
+        elif a == "{plan_huge}":   # a DAPPLE plan's micro-batches edited far beyond the op limit
+            a = _plan(files["tmp"], microbatches=10_000_000, global_batch=160_000_000)
+        elif a.strip("{}") in ISSUE47_FILES and a.startswith("{"):
+            a = _issue47_file(files["tmp"], a.strip("{}"))
         elif a in ("{layout}", "{layout_t1}"):
             a = _layout_plan(files["tmp"], 2 if a == "{layout}" else 1)
         elif a == "{sweep}":        # a finished sweep of model tiny on the default cluster
@@ -523,7 +621,9 @@ def test_bad_input_exits_2_with_one_line(capsys, files, request, argv, words):
         request.getfixturevalue("no_ranks")     # refused before any rank starts
     argv = _fill(argv, files)
     capsys.readouterr()
+    t0 = time.monotonic()
     rc = main(argv)
+    took = time.monotonic() - t0
     _, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert rc == 2, err
@@ -532,6 +632,12 @@ def test_bad_input_exits_2_with_one_line(capsys, files, request, argv, words):
     for w in words:
         assert w in lines[0], (w, lines[0])
     assert lines[0].isprintable(), lines[0]
+    assert len(lines[0]) <= MAX_LINE, (len(lines[0]), lines[0])
+    assert request.node.callspec.id in RUNS_FIRST or took < REFUSED_WITHIN_S, (took, lines[0])
+
+
+MAX_LINE = 300           # characters of a refusal (issue 47: one line a terminal shows whole)
+REFUSED_WITHIN_S = 30.0  # a refusal comes before any long work (generous: the test machine is shared)
 
 
 def test_measured_profile_reads_back_whole_and_not_cut(tmp_path):

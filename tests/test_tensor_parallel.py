@@ -220,10 +220,9 @@ def _write(tmp_path, data, name="config.json") -> Path:
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"architectures": ["BertForMaskedLM"]}, "architecture BertForMaskedLM is not supported; supported: "
-                                             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                             "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-                                             "Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, GPT2LMHeadModel"),
+    ({"architectures": ["BertForMaskedLM"]}, "field 'architectures': BertForMaskedLM is not supported; supported: "
+                                             "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2Moe, Qwen3Moe, "
+                                             "DeepseekV3 ForCausalLM, GPT2LMHeadModel"),
     ({"hidden_size": None}, "missing field 'hidden_size'"),
     ({"num_hidden_layers": 0}, "field 'num_hidden_layers' must be a positive whole number"),
     ({"num_key_value_heads": 5}, "heads (32) must be a multiple of kv_heads (5)"),
@@ -239,8 +238,8 @@ def test_hf_config_refusals(tmp_path, change, message):
 
 def test_hf_config_bad_files(tmp_path):
     text = (HF / "gpt2" / "config.json").read_text()
-    for bad, message in ((text.replace('"n_embd": 768', '"n_embd": NaN'), "NaN is not a number"),
-                         (text.replace('"n_head": 12', '"n_head": 12, "n_head": 16'), "duplicate key 'n_head'"),
+    for bad, message in ((text.replace('"n_embd": 768', '"n_embd": NaN'), "field 'n_embd' is NaN, not a number"),
+                         (text.replace('"n_head": 12', '"n_head": 12, "n_head": 16'), "key 'n_head' is given twice"),
                          ("{ not json", "not valid JSON")):
         with pytest.raises(cm.SpecError, match=message):
             cm.load_model(str(_write(tmp_path, bad)))
