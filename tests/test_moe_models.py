@@ -182,8 +182,9 @@ def _write(tmp_path, folder, change) -> Path:
                                               "not modelled"),
     ("DeepSeek-V3", {"n_shared_experts": -1}, "field 'n_shared_experts' must be a whole number >= 0; got -1"),
     ("Qwen3-32B", {"head_dim": 0}, "field 'head_dim' must be a positive whole number; got 0"),
-    ("Mixtral-8x7B-v0.1", {"architectures": ["GptOssForCausalLM"]}, "architecture GptOssForCausalLM is not "
-                                                                    "supported; supported: LlamaForCausalLM"),
+    ("Mixtral-8x7B-v0.1", {"architectures": ["GptOssForCausalLM"]},
+     "field 'architectures': GptOssForCausalLM is not supported; supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, "
+     "Qwen2Moe, Qwen3Moe, DeepseekV3 ForCausalLM, GPT2LMHeadModel"),
 ])
 def test_config_refusals(tmp_path, folder, change, message):
     with pytest.raises(cm.SpecError) as e:
