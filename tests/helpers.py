@@ -51,3 +51,17 @@ def params_by_name(res) -> dict:
     for key, tensor in res.params.items():
         out.setdefault(key.split("/", 1)[1], []).append(tensor)
     return out
+
+
+def reference_one_thread(cfg):
+    """The single-process reference of ``cfg`` on one thread: on a busy 2-core host two spinning
+    threads make it 10-50x slower."""
+    import torch
+
+    from executor.reference import run_reference
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_reference(cfg)
+    finally:
+        torch.set_num_threads(threads)

@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from executor.config import RunConfig
-from executor.reference import CHECK_TOLERANCE, LossCheck, run_reference
+from executor.reference import CHECK_TOLERANCE, LossCheck
 from executor.user_model import build_stack, layer_digests, stack_layout, user_code
 from experiments.cli import main as cli_main
+from tests.helpers import reference_one_thread
 
 MODELS = Path(__file__).resolve().parent / "data" / "models"
 FREE, IDENTITY, PASS = (f"{MODELS / 'param_free.py'}:{f}" for f in ("build", "build_identity", "build_pass"))
@@ -52,20 +53,11 @@ CASES = {2: {
 }}
 
 
-def _reference(cfg):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run_reference(cfg)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES[2]))
 def test_parameter_free_first_stage_trains_as_the_reference(runs, case):
     cfg, low, res = runs(2)[case]
-    ref = _reference(cfg)
+    ref = reference_one_thread(cfg)
     assert len(res.losses) == 3 == len(ref.losses)
     for got, want in zip(res.losses, ref.losses):
         assert abs(got - want) <= 1e-6 * abs(want), (case, res.losses, ref.losses)

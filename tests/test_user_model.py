@@ -18,10 +18,10 @@ import torch
 from cost_models.partition import balanced_counts, stack_partition
 from executor.config import RunConfig, lowered_schedule
 from executor.launch import run_many
-from executor.reference import run_reference
 from executor.user_model import StackLayout, build_stack, find_ties, stack_layout, tie_groups
 from experiments.cli import main as cli_main
 from schedules import ScheduleError, build, lower, names
+from tests.helpers import reference_one_thread
 
 MODELS = Path(__file__).resolve().parent.parent / "notebooks" / "models"
 CNN, LM = f"{MODELS / 'cnn.py'}:build", f"{MODELS / 'tied_lm.py'}:build"
@@ -74,19 +74,9 @@ def references():
         key = cfg.with_(schedule="dapple", devices=1, replicas=1, microbatches=cfg.global_microbatches,
                         partition=None)   # the reference sees only the model, the global batch and the optimizer
         if key not in cache:
-            cache[key] = _reference(key)
+            cache[key] = reference_one_thread(key)
         return cache[key]
     return get
-
-
-def _reference(cfg):
-    """The reference on one thread: on a busy 2-core host two spinning threads make it 10-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run_reference(cfg)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
@@ -345,7 +335,7 @@ def test_plan_from_a_profile_runs_and_equals_the_reference(tied_lm_profile, tmp_
     save_plan(path, res.best.plan, res.workload, prof.cluster(2))
     cfg, low, info = config_from_plan(path, steps=3, optimizer="sgd", lr=0.05)
     assert cfg.model == LM and sum(cfg.blocks) == 6 and cfg.global_microbatches * cfg.samples_per_microbatch == 8
-    (got,), want = run_many([(cfg, low)]), _reference(cfg)
+    (got,), want = run_many([(cfg, low)]), reference_one_thread(cfg)
     for a, b in zip(got.losses, want.losses):
         assert abs(a - b) <= 1e-5 * abs(b)
 
