@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from .cluster import Cluster
 from .files import FileError, read_text
 from .model_spec import ModelSpec
-from .parallel import Parallel
+from .parallel import Parallel, option_name
 
 SWIGLU = 3          # matrices of a SwiGLU expert (gate, up, down)
 SCORE_BYTES = 4     # the router keeps fp32 scores
@@ -91,7 +91,7 @@ MOE_KNOBS = ("ep", "etp", "expert_imbalance", "expert_load", "capacity_factor", 
 
 def moe_knobs_given(par: Parallel) -> list[str]:
     """The MoE options of ``par`` that differ from their defaults (as command-line options)."""
-    return [o for o in par.given() if o.lstrip("-").replace("-", "_") in MOE_KNOBS]
+    return [option_name(f) for f in par.changed() if f in MOE_KNOBS]
 
 
 def check_expert_parallel(spec: ModelSpec, par: Parallel, replicas: int) -> None:
@@ -167,18 +167,24 @@ def read_expert_load(path) -> tuple[float, ...]:
 class MoeShare:
     """One GPU's share of a MoE block's MLP for one micro-batch (see the module docstring).
 
-    flops_dense / flops_expert: forward FLOPs of the router + shared expert / of the routed
-    experts (the input and weight gradients repeat each). params_dense / params_expert: the
-    parameters held. act: bytes kept from F to B. dispatch_bytes / combine_bytes: bytes the GPU
-    sends in each all-to-all."""
+    flops_router / flops_shared / flops_expert: forward FLOPs of the router, the shared expert
+    and the routed experts (the input and weight gradients repeat each). params_dense /
+    params_expert: the parameters held. act: bytes kept from F to B. dispatch_bytes /
+    combine_bytes: bytes the GPU sends in each all-to-all."""
 
-    flops_dense: float
+    flops_router: float
+    flops_shared: float
     flops_expert: float
     params_dense: int
     params_expert: int
     act: float
     dispatch_bytes: float
     combine_bytes: float
+
+    @property
+    def flops_dense(self) -> float:
+        """Forward FLOPs of the router and the shared expert (on the GPU's own tokens)."""
+        return self.flops_router + self.flops_shared
 
 
 def moe_share(spec: ModelSpec, par: Parallel) -> MoeShare:
@@ -189,12 +195,12 @@ def moe_share(spec: ModelSpec, par: Parallel) -> MoeShare:
     h, k, fe, d = spec.hidden, spec.top_k, spec.expert_width, spec.dtype_bytes
     pairs = n * k * imb                                  # token-expert pairs the GPU computes
     flops_expert = 2.0 * pairs * SWIGLU * h * fe
-    flops_dense = 2.0 * n * spec.experts * h + 2.0 * n * shared_params(spec)
+    flops_router, flops_shared = 2.0 * n * spec.experts * h, 2.0 * n * shared_params(spec)
     params_expert = spec.experts // par.ep * expert_params(spec) // par.etp
     params_dense = router_params(spec) + shared_params(spec) // t
     act = n * SCORE_BYTES * spec.experts + pairs * (2 * h + SWIGLU * fe) * d + n * SWIGLU * spec.shared_ffn * d
     dispatch = pairs * h * (1 if par.fp8_dispatch else d)
-    return MoeShare(flops_dense, flops_expert, params_dense, params_expert, float(act), float(dispatch),
+    return MoeShare(flops_router, flops_shared, flops_expert, params_dense, params_expert, float(act), float(dispatch),
                     float(pairs * h * d))
 
 

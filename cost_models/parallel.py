@@ -134,9 +134,13 @@ class Parallel:
                    if v is not None and getattr(model, k) != v}
         return model.replace(**changes) if changes else model
 
+    def changed(self) -> list[str]:
+        """The fields whose value is not the default, in field order."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+
     def given(self) -> list[str]:
         """The options whose value is not the default, in field order (for messages)."""
-        return [option_name(f.name) for f in fields(self) if getattr(self, f.name) != f.default]
+        return [option_name(f) for f in self.changed()]
 
     def record(self) -> dict:
         """The record as plain data (JSON)."""

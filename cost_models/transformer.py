@@ -150,8 +150,9 @@ def is_moe_block(spec: ModelSpec, i: int) -> bool:
     return spec.is_moe and i >= spec.dense_layers
 
 
-def _moe_par(tp: int, sp: bool, parallel: Parallel | None) -> Parallel:
-    return parallel if parallel is not None else Parallel(tp=tp, sequence_parallel=sp and tp > 1)
+def _moe_par(tp: int, parallel: Parallel | None) -> Parallel:
+    """What holds a MoE block's experts: ``parallel``, else T alone (EP = ETP = 1)."""
+    return parallel if parallel is not None else Parallel(tp=tp)
 
 
 def block_params(spec: ModelSpec, tp: int = 1, moe: bool = False, parallel: Parallel | None = None) -> int:
@@ -161,7 +162,7 @@ def block_params(spec: ModelSpec, tp: int = 1, moe: bool = False, parallel: Para
     held as ``parallel`` says (:func:`cost_models.moe.moe_share`; default EP = ETP = 1)."""
     h, f, qkv = spec.hidden, spec.ffn, _qkv_width(spec)
     if moe:
-        share = moe_share(spec, _moe_par(tp, False, parallel))
+        share = moe_share(spec, _moe_par(tp, parallel))
         mlp = share.params_dense + share.params_expert
     else:
         mlp = _mlp_matrices(spec) * h * f // tp
@@ -183,7 +184,7 @@ def block_flops(spec: ModelSpec, tp: int = 1, moe: bool = False,
     b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
     lin = 2 * b * s * attention_matrices(spec) / tp
     if moe:
-        share = moe_share(spec, _moe_par(tp, True, parallel))
+        share = moe_share(spec, _moe_par(tp, parallel))
         lin += share.flops_dense + share.flops_expert
     else:
         lin += 2 * b * s * _mlp_matrices(spec) * h * spec.ffn / tp
@@ -227,7 +228,7 @@ def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bo
         return float(sbh * d) / _sp_div(tp, sp)
     replicated = sbh * (4 * d + 2 * mask)
     split = _attention_split_bytes(spec)
-    mlp = moe_share(spec, _moe_par(tp, sp, parallel)).act if moe else \
+    mlp = moe_share(spec, _moe_par(tp, parallel)).act if moe else \
         _mlp_matrices(spec) * s * b * spec.ffn * d / tp
     if spec.attention_kind == "eager":
         scores = a * s * s * b * (d + mask + mask * d)
@@ -249,7 +250,7 @@ def block_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sp: bool = False, moe:
     whole = 4 * sb * h                     # QKV and fc1 inputs, o and fc2 output gradients
     up = 2 if spec.kind == "llama" else 1  # SwiGLU: gate and up outputs
     if moe:
-        mlp = moe_share(spec, _moe_par(tp, sp, parallel)).act
+        mlp = moe_share(spec, _moe_par(tp, parallel)).act
         split = sb * h + sb * _qkv_width(spec)
     else:
         mlp = 0.0
@@ -575,20 +576,27 @@ class TransformerCostModel:
         par = self.parallel
         return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel, par)
 
-    def static_split(self) -> tuple[float, float, float]:
+    def _zero_shard(self, group: int | None = None) -> int:
+        """The GPUs a parameter's optimizer state is sharded over: its data-parallel ``group``
+        (default the R replicas; a MoE block's experts: EDP) with ZeRO-1, else 1."""
+        return (self.replicas if group is None else group) if self.parallel.zero else 1
+
+    def static_split(self, group: int | None = None) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per parameter held on one GPU (ZeRO-1: the
-        optimizer state over the replicas)."""
+        optimizer state over the replicas, or over ``group``)."""
         if self.bytes_per_param is None:
             w, g, o = mixed_precision_bytes(self.model.dtype_bytes)
         else:
             w, g, o = static_bytes_split(self.model.dtype_bytes, self.model.dtype_bytes, self.bytes_per_param)
-        return w, g, o / self.replicas if self.parallel.zero else o
+        shard = self._zero_shard(group)
+        return w, g, o / shard if shard > 1 else o
 
-    def optim_time_per_param(self) -> float:
+    def optim_time_per_param(self, group: int | None = None) -> float:
+        """Seconds of the optimizer step per parameter (ZeRO-1: 1/shard of the parameters updated)."""
         if not self.device.memory_bandwidth:
             return 0.0
-        w, g, o = self.static_split()
-        shard = self.replicas if self.parallel.zero else 1
+        w, g, o = self.static_split(group)
+        shard = self._zero_shard(group)
         touched = self.optimizer_bytes_touched / shard if self.optimizer_bytes_touched is not None else \
             (g + w) / shard + 2 * o
         return touched / self.device.memory_bandwidth
@@ -664,13 +672,17 @@ class TransformerCostModel:
         share = self.moe_share()
         return self.expert_group.time(share.dispatch_bytes), self.expert_group.time(share.combine_bytes)
 
+    def moe_blocks(self) -> list[bool]:
+        """Per layer of :meth:`layers` (embedding, blocks, head): whether it is a MoE block."""
+        return [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
+
     def all_to_all_times(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per layer, the all-to-all seconds in F (dispatch + combine) and in the input backward (their
         gradients, and the forward's again under full recomputation): 0 but in MoE blocks."""
         disp, comb = self.a2a_times()
         one = disp + comb
         back = one * (2 if self.parallel.recompute == "full" else 1)
-        moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
+        moe = self.moe_blocks()
         return tuple(one if m else 0.0 for m in moe), tuple(back if m else 0.0 for m in moe)
 
     def layer_segments(self, lc: LayerCosts) -> tuple[list[list[tuple[str, float]]], list[list[tuple[str, float]]]]:
@@ -682,14 +694,11 @@ class TransformerCostModel:
         (The split DualPipe overlaps: the simulator's op phases.)"""
         disp, comb = self.a2a_times()
         share = self.moe_share() if self.model.is_moe else None
-        experts = 0.0
-        if share is not None:
-            experts = (share.flops_expert + 2.0 * self.model.micro_batch * self.model.seq_len / self.parallel.tp
-                       * 3 * self.model.hidden * self.model.shared_ffn) / self.flop_rate()
+        experts = (share.flops_expert + share.flops_shared) / self.flop_rate() if share is not None else 0.0
         full = self.parallel.recompute == "full"
         fs, bs = [], []
-        for i, (f, b) in enumerate(zip(lc.f, lc.b_input)):
-            if not (0 < i <= self.model.layers and is_moe_block(self.model, i - 1)):
+        for f, b, moe in zip(lc.f, lc.b_input, self.moe_blocks()):
+            if not moe:
                 fs.append([("compute", f)])
                 bs.append([("compute", b)])
                 continue
@@ -706,20 +715,13 @@ class TransformerCostModel:
         state sharded over EDP with ZeRO-1 (the dense part's over R), their gradients all-reduced
         over EDP at the step's end (its ring time and the optimizer's share), and the pipeline's
         all-reduce of the dense part only."""
-        par, R = self.parallel, self.replicas
-        w, g, o = self.static_split()
-        o_full = o * R if par.zero else o
-        edp = expert_data_parallel(par, R)
-        o_exp = o_full / edp if par.zero else o_full
+        par = self.parallel
+        edp = expert_data_parallel(par, self.replicas)
+        dense, experts = sum(self.static_split()), sum(self.static_split(edp))
         expert = self.moe_share().params_expert
-        moe = [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
-        mine = [expert if m else 0 for m in moe]
-        static = tuple((l.params - e) * (w + g + o) + e * (w + g + o_exp) for l, e in zip(L, mine))
-        per_param = self.optim_time_per_param()
-        shard = edp if par.zero else 1
-        touched = self.optimizer_bytes_touched / shard if self.optimizer_bytes_touched is not None else \
-            (g + w) / shard + 2 * o_exp
-        exp_rate = touched / self.device.memory_bandwidth if self.device.memory_bandwidth else 0.0
+        mine = [expert if m else 0 for m in self.moe_blocks()]
+        static = tuple((l.params - e) * dense + e * experts for l, e in zip(L, mine))
+        per_param, exp_rate = self.optim_time_per_param(), self.optim_time_per_param(edp)
         reduce = 0.0
         if edp > 1 and self.expert_group is not None:
             group = range(0, edp * par.ep * par.etp, par.ep * par.etp)
@@ -730,9 +732,6 @@ class TransformerCostModel:
 
     def partition_for(self, num_stages: int) -> tuple[int, ...]:
         return self.partition if self.partition is not None else default_partition(self.model.layers, num_stages)
-
-    def per_layer_model(self, num_stages: int) -> PerLayerCostModel:
-        return PerLayerCostModel(self.layer_costs(), self.partition_for(num_stages))
 
     def stage_params(self, num_stages: int) -> list[float]:
         """Parameter count of each stage on one GPU under :meth:`partition_for`."""
@@ -763,8 +762,8 @@ class TransformerCostModel:
     def bind(self, sched) -> StageCosts:
         """The costs of ``sched``, with their floor: every op's FLOPs at the device's peak
         (:func:`cost_models.base.with_peak_floor`, the simulator's invariant)."""
-        layers = self.layers()
-        costs = with_peak_floor(self.per_layer_model(sched.num_stages).bind(sched), sched,
+        layers, lc = self.layers(), self.layer_costs()
+        costs = with_peak_floor(PerLayerCostModel(lc, self.partition_for(sched.num_stages)).bind(sched), sched,
                                 [x.flops_f for x in layers], [x.flops_b_input + x.flops_recompute for x in layers],
                                 [x.flops_w for x in layers], self.partition_for(sched.num_stages),
                                 self.device.peak(self.resolved_precision()))
@@ -776,15 +775,15 @@ class TransformerCostModel:
                           zero=self.parallel.zero,
                           memory_transient=self.transient_bytes())
         if self.parallel.overlap_fb and self.model.is_moe:
-            costs = self._with_phases(costs, sched)
+            costs = self._with_phases(costs, sched, lc)
         return costs
 
-    def _with_phases(self, costs: StageCosts, sched) -> StageCosts:
+    def _with_phases(self, costs: StageCosts, sched, lc: LayerCosts) -> StageCosts:
         """``costs`` with each op's F and B split into compute and all-to-all phases (the layers'
         :meth:`layer_segments` over the stage, a backward's layers last to first; the F's data
         time and per-op overheads in its first compute phase) and the communication's share of the
-        GPU, for the simulator to overlap the schedule's F&B pairs (:mod:`sim.overlap`)."""
-        lc = self.layer_costs()
+        GPU, for the simulator to overlap the schedule's F&B pairs (:mod:`sim.overlap`); ``lc``: the
+        layer costs the stage costs were summed from."""
         fs, bs = self.layer_segments(lc)
         if not sched.split_backward:       # a full backward: each layer's weight gradient after its input's
             bs = [segs + [("compute", w)] for segs, w in zip(bs, lc.w)]
