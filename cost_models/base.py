@@ -232,6 +232,20 @@ class LayerCosts:
     def num_layers(self) -> int:
         return len(self.f)
 
+    def static_total(self) -> float:
+        """Static bytes of every layer on one GPU: ``static_bytes`` where given, else the
+        parameters x ``bytes_per_param_static``."""
+        if self.static_bytes is not None:
+            return sum(self.static_bytes)
+        return sum(self.params) * self.bytes_per_param_static
+
+    def optim_total(self) -> float:
+        """Seconds of every layer's optimizer step: ``optim_time`` where given, else the parameters x
+        ``optim_time_per_param``."""
+        if self.optim_time is not None:
+            return sum(self.optim_time)
+        return sum(self.params) * self.optim_time_per_param
+
 
 @dataclass(frozen=True)
 class PerLayerCostModel:

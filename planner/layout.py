@@ -442,8 +442,7 @@ class _Bounds:
         key = (par.tp, par.ep, par.etp, par.zero, job.layout.replicas)
         if key not in self._optim:
             c = transformer_cost_model(job, self.inputs(job).model, self.cluster).layer_costs()
-            self._optim[key] = sum(c.optim_time) if c.optim_time is not None else \
-                sum(c.params) * c.optim_time_per_param
+            self._optim[key] = c.optim_total()
         return self._optim[key]
 
     def _layer_costs(self, job: Job, hidden: bool):
@@ -562,12 +561,8 @@ class _Bounds:
         key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas, par.ep, par.etp)
         if key not in self._mem:
             tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
-            c = tcm.layer_costs()
-            if self.model.is_moe:       # the experts held and sharded as the cost model holds them
-                static = sum(c.static_bytes)
-            else:
-                static = sum(float(x.params) for x in tcm.layers()) * sum(tcm.static_split())
-            self._mem[key] = (static + sum(c.act), tcm.transient_bytes())
+            c = tcm.layer_costs()       # a mixture of experts' held and sharded as the cost model holds them
+            self._mem[key] = (c.static_total() + sum(c.act), tcm.transient_bytes())
         held, transient = self._mem[key]
         return held / lay.devices + transient
 
