@@ -16,6 +16,7 @@ SIM = ["simulate", "-s", "dapple", "-D", "4", "-N", "8"]
 UNIT = SIM + ["--unit-costs"]
 RUN = ["run", "-s", "dapple", "-D", "2", "-N", "2", "--steps", "1"]
 LAYOUT = ["plan", "-m", "llama3-8b", "-c", "dgx-h100-ib:2", "-G", "64", "--tp", "auto", "--no-progress"]
+MOE = SIM + ["-m", "mixtral-8x7b", "--seq-len", "4096", "--dp", "2", "-c", "dgx-h100-ib:1"]
 SWEEP = ["sweep", "-s", "dapple", "-D", "2", "-N", "2", "--no-figures", "--no-progress", "--workers", "1"]
 
 
@@ -403,6 +404,30 @@ CASES = [
                                                                "--model", "model.py:FUNC"]),
     ("plan-file-broken-link", ["simulate", "--plan", "{broken}"],
      ["plan file", "broken.json", "broken link", "nowhere.json"]),
+    # the mixture-of-experts options (issue 41): NaN, inf, zero, negative, out of range, a folder for a file
+    ("ep-zero", MOE + ["--ep", "0"], ["--ep", "0"]),
+    ("ep-nan", MOE + ["--ep", "nan"], ["--ep", "nan"]),
+    ("ep-not-folding", MOE + ["--ep", "4"], ["--ep 4 x --etp 1 must divide", "T x R = 1 x 2"]),
+    ("ep-not-dividing-experts", MOE + ["--dp", "3", "--ep", "3", "-c", "dgx-h100-ib:2"],
+     ["--ep 3 does not divide the 8 experts"]),
+    ("etp-negative", MOE + ["--etp", "-1"], ["--etp", "-1"]),
+    ("expert-imbalance-nan", MOE + ["--expert-imbalance", "nan"], ["--expert-imbalance", "nan"]),
+    ("expert-imbalance-inf", MOE + ["--expert-imbalance", "inf"], ["--expert-imbalance", "inf"]),
+    ("expert-imbalance-below-one", MOE + ["--expert-imbalance", "0.5"], ["--expert-imbalance", "0.5"]),
+    ("expert-load-folder", MOE + ["--expert-load", "{dir}"], ["--expert-load"]),
+    ("expert-load-empty", MOE + ["--expert-load", "{empty}"], ["--expert-load"]),
+    ("capacity-factor-nan", MOE + ["--capacity-factor", "nan"], ["--capacity-factor", "nan"]),
+    ("capacity-factor-negative", MOE + ["--capacity-factor", "-1"], ["--capacity-factor", "-1"]),
+    ("capacity-factor-below-one", MOE + ["--capacity-factor", "0.5"], ["--capacity-factor", "0 (dropless)"]),
+    ("route-nodes-negative", MOE + ["--route-nodes", "-1"], ["--route-nodes", "-1"]),
+    ("route-nodes-flat", MOE + ["--route-nodes", "2"], ["--route-nodes", "--a2a-hierarchical"]),
+    ("overlap-sm-share-nan", MOE + ["--overlap-sm-share", "nan"], ["--overlap-sm-share", "nan"]),
+    ("overlap-sm-share-one", MOE + ["--overlap-sm-share", "1"], ["--overlap-sm-share", "1"]),
+    ("precision-unknown", MOE + ["--precision", "fp4"], ["--precision", "fp4"]),
+    ("precision-not-on-device", SIM + ["--precision", "fp8", "-m", "gpt3-1.3b", "-c", "dgx-a100-ib:1"],
+     ["'a100'", "fp8"]),
+    ("moe-tp-without-sp", MOE + ["--dp", "1", "--tp", "2"], ["--tp 2 needs --sequence-parallel"]),
+    ("overlap-fb-dense", SIM + ["--overlap-fb", "-m", "gpt3-1.3b"], ["--overlap-fb acts on a mixture of experts"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
