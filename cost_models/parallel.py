@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from .device import PRECISIONS      # the GEMMs' number format: a device's peak_flops keys
+
 RECOMPUTE = ("none", "selective", "full")    # activation recomputation of the transformer blocks
 ZERO_STAGES = (0, 1)                         # 1: ZeRO-1, the optimizer state sharded over the replicas
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")   # the GEMMs' number format (a device's peak_flops keys)
 
 
 def _whole(value, option: str, low: int = 1) -> None:
