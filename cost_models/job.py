@@ -405,22 +405,29 @@ class Job:
 
     @property
     def gpus(self) -> int:
-        """T x D x R (a plan's: the GPUs it uses)."""
+        """T x C x D x R (a plan's: the GPUs it uses)."""
         if self.layout is None:
             return self.plan.gpus
-        return self.parallel.tp * self.layout.devices * self.layout.replicas
+        return self.parallel.tp * self.parallel.cp * self.layout.devices * self.layout.replicas
 
     def _check_parallel(self) -> None:
         """The parallelism knobs against the layout and the cost source (each knob's own rules are
         :class:`Parallel`'s): ZeRO needs replicas; T, ZeRO, the sequence length, sequence
         parallelism and overlap act on a model's formulas only."""
         par = self.parallel
-        if par.zero and self.layout.replicas == 1:
-            raise ValueError("--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1")
+        R = self.layout.replicas
+        if par.zero and R == 1:
+            raise ValueError(f"--zero {par.zero} shards over the data-parallel replicas; give --dp > 1")
+        if par.dp_shard and (par.dp_shard < 2 or R % par.dp_shard):
+            raise ValueError(f"--dp-shard {par.dp_shard} must divide --dp {R} and be at least 2 (0: shard over all "
+                             f"{R} replicas)")
         # a profile's TP layers were measured without sequence parallelism or overlap (all-reduces on F and B)
         given = [f for f, v in (("--tp", par.tp > 1 and self.source != "profile"), ("--zero", par.zero),
                                 ("--seq-len", par.seq_len), ("--sequence-parallel", par.sequence_parallel),
-                                ("--tp-overlap", par.tp_overlap), ("--precision", par.precision)) if v] + \
+                                ("--tp-overlap", par.tp_overlap), ("--precision", par.precision),
+                                ("--cp", par.cp > 1), ("--dp-shard", par.dp_shard),
+                                ("--reshard-after-forward", par.reshard_after_forward),
+                                ("--cp-comm", par.cp_comm != "ring")) if v] + \
             moe_knobs_given(par)
         if given and self.source != "transformer":
             verb = "acts" if len(given) == 1 else "act"

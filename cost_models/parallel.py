@@ -19,7 +19,8 @@ from dataclasses import dataclass, fields
 from .device import PRECISIONS      # the GEMMs' number format: a device's peak_flops keys
 
 RECOMPUTE = ("none", "selective", "full")    # activation recomputation of the transformer blocks
-ZERO_STAGES = (0, 1)                         # 1: ZeRO-1, the optimizer state sharded over the replicas
+ZERO_STAGES = (0, 1, 2, 3)   # sharded over the replicas: 1 the optimizer state, 2 + gradients, 3 + weights (FSDP)
+CP_COMMS = ("ring", "allgather")   # how context parallelism exchanges K/V: a ring of P2P steps, or one all-gather
 
 
 def _whole(value, option: str, low: int = 1) -> None:
@@ -39,8 +40,16 @@ class Parallel:
     ``tp``: T GPUs per pipeline device that split every layer (tensor parallel, Megatron-style):
     a layout is T x D x R GPUs. ``sequence_parallel``: with T > 1, norms, dropout and the stage
     boundaries on 1/T of the sequence. ``tp_overlap``: with T > 1, the group's collectives hidden
-    behind the layer's compute (simulated only). ``zero``: 1 shards the optimizer state over the
-    data-parallel replicas (ZeRO-1). ``recompute``: none | selective | full activation
+    behind the layer's compute (simulated only). ``zero``: the state sharded over the data-parallel
+    replicas: 1 the optimizer state (ZeRO-1), 2 also the gradients (ZeRO-2), 3 also the weights
+    (ZeRO-3, FSDP). ``dp_shard``: with ZeRO, the replicas a shard group spans (HSDP: R / dp_shard
+    groups replicate each other; 0: all R, plain FSDP). ``reshard_after_forward``: with ZeRO-3,
+    weights are gathered again for each micro-batch's F and B (torchtitan's
+    ``reshard_after_forward=True``); without it they are gathered once per step and kept until its
+    last backward (Llama 3, torchtitan under PP). ``cp``: C GPUs per pipeline device that split the
+    sequence (context parallel; 2C chunks for causal load balance; T x C x D x R GPUs), exchanging
+    K/V by ``cp_comm``: ``ring`` (C-1 P2P steps behind the attention compute) or ``allgather``
+    (Llama 3's all-gather of K/V before the attention). ``recompute``: none | selective | full activation
     recomputation. ``micro_batch``: sequences (samples) per micro-batch; ``seq_len``: the
     training sequence length (None: the model's own, for both).
 
@@ -64,6 +73,10 @@ class Parallel:
     sequence_parallel: bool = False
     tp_overlap: bool = False
     zero: int = 0
+    dp_shard: int = 0
+    reshard_after_forward: bool = False
+    cp: int = 1
+    cp_comm: str = "ring"
     recompute: str = "none"
     micro_batch: int | None = None
     seq_len: int | None = None
@@ -88,8 +101,18 @@ class Parallel:
             if on and self.tp == 1:
                 raise ValueError(f"{option_name(name)} acts on a tensor-parallel group; give --tp > 1")
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
-            raise ValueError(f"--zero must be 0 or 1 (ZeRO-1: the optimizer state sharded over --dp); "
-                             f"got {self.zero!r}")
+            raise ValueError(f"--zero must be 0, 1, 2 or 3 (sharded over --dp: 1 the optimizer state, 2 and the "
+                             f"gradients, 3 and the weights); got {self.zero!r}")
+        _whole(self.dp_shard, "--dp-shard", 0)
+        if self.dp_shard and not self.zero:
+            raise ValueError("--dp-shard sets the replicas a ZeRO shard spans; give --zero 1, 2 or 3")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"--reshard-after-forward is a switch (true or false); got {self.reshard_after_forward!r}")
+        if self.reshard_after_forward and self.zero != 3:
+            raise ValueError("--reshard-after-forward frees the weights ZeRO-3 gathers; give --zero 3")
+        _whole(self.cp, "--cp")
+        if self.cp_comm not in CP_COMMS:
+            raise ValueError(f"--cp-comm must be one of {', '.join(CP_COMMS)}; got {self.cp_comm!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
         for name in ("micro_batch", "seq_len"):

@@ -26,7 +26,7 @@ from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
 from cost_models.kernels import COST_MODELS
 from cost_models.moe import MOE_KNOBS
-from cost_models.parallel import PRECISIONS, RECOMPUTE, ZERO_STAGES
+from cost_models.parallel import CP_COMMS, PRECISIONS, RECOMPUTE, ZERO_STAGES
 from cost_models.profile import BUSY_CORES
 from schedules import families, names
 from executor.choices import DEVICES, DTYPES, OPTIMIZERS
@@ -127,9 +127,22 @@ def _rows() -> dict[str, Option]:
         ("tp_overlap", O(("--tp-overlap",), "Parallel.tp_overlap",
                          "with --tp: the tensor-parallel collectives overlap the layer's compute (default: on the "
                          "critical path, Megatron's default)", action="store_true")),
-        ("zero", O(("--zero",), "Parallel.zero", "ZeRO stage: 1 shards the optimizer state over the --dp replicas "
-                   "(reduce-scatter + all-gather in place of the gradient all-reduce; default 0)",
+        ("zero", O(("--zero",), "Parallel.zero", "ZeRO stage, sharded over the --dp replicas: 1 the optimizer "
+                   "state (reduce-scatter + all-gather in place of the gradient all-reduce), 2 and the gradients, "
+                   "3 and the weights (FSDP: all-gathered for the compute; default 0)",
                    type=int, choices=tuple(ZERO_STAGES))),
+        ("dp_shard", O(("--dp-shard",), "Parallel.dp_shard", "with --zero: the replicas one shard group spans "
+                       "(HSDP: --dp / this many groups replicate each other; default 0: all of --dp)",
+                       type=nonneg_int, metavar="S")),
+        ("reshard_after_forward", O(("--reshard-after-forward",), "Parallel.reshard_after_forward",
+                                    "with --zero 3: gather the weights again for every micro-batch's forward and "
+                                    "backward (default: gathered once per step and kept until its last backward, as "
+                                    "Llama 3 and torchtitan under pipelining do)", action="store_true")),
+        ("cp", O(("--cp",), "Parallel.cp", "context-parallel size C: GPUs per pipeline device that split the "
+                 "sequence (2C chunks, causally balanced; T x C x D x R GPUs; default 1)", type=positive_int)),
+        ("cp_comm", O(("--cp-comm",), "Parallel.cp_comm", "with --cp: how K/V are exchanged: ring (C-1 P2P steps "
+                      "behind the attention compute; default) or allgather (Llama 3's all-gather before attention)",
+                      choices=tuple(CP_COMMS))),
         ("recompute", O(("--recompute",), "Parallel.recompute",
                         "activation recomputation (default none): none keeps every activation; selective re-runs "
                         "the attention core in the backward (keeps no score matrix); full keeps only each block's "
@@ -387,7 +400,8 @@ def use(key: str, grammar: str = SCALAR, **kw) -> Use:
 _LAYOUT = ("schedule_file", "devices", "microbatches", "chunks", "variant", "dp", "tp", "memory_limit", "no_eager")
 _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "nodes", "fabric", "oversubscription",
           "nodes_per_leaf", "profile", "stage_costs", "partition", "device_map", "recompute", "sequence_parallel",
-          "tp_overlap", "zero", "micro_batch", "memory_reserve", "seq_len", "precision", *MOE_KNOBS)
+          "tp_overlap", "zero", "dp_shard", "reshard_after_forward", "cp", "cp_comm",
+          "micro_batch", "memory_reserve", "seq_len", "precision", *MOE_KNOBS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "

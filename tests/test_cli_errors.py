@@ -314,7 +314,7 @@ CASES = [
      ["--out", "model 'tiny' there, 'gpt3-1.3b'"]),
     ("sweep-other-memory-reserve", SWEEP + ["-m", "tiny", "--memory-reserve", "2 GiB", "--out", "{sweep}"],
      ["--out", "memory_reserve None there, 2147483648.0 here", "another --out"]),
-    ("sweep-zero-2", SWEEP + ["-m", "tiny", "--zero", "0,2", "--out", "{dir}/z"], ["--zero", "out of 0, 1", "'0,2'"]),
+    ("sweep-zero-4", SWEEP + ["-m", "tiny", "--zero", "0,4", "--out", "{dir}/z"], ["--zero", "out of 0, 1, 2, 3", "'0,4'"]),
     ("sweep-recompute-unknown", SWEEP + ["-m", "tiny", "--recompute", "nan", "--out", "{dir}/r"],
      ["--recompute", "none, selective, full", "'nan'"]),
     ("sweep-other-fabric", SWEEP + ["-m", "tiny", "--fabric", "fat-tree", "--out", "{sweep}"],
@@ -870,5 +870,5 @@ def test_zero_without_replicas_is_one_refusal_in_simulate_and_run(capsys):
             capsys.readouterr()
             assert main(argv + extra + ["--zero", "1"]) == 2
             lines.append(capsys.readouterr().err.strip())
-        assert lines[0] == lines[1] == ("pipetwin: error: --zero 1 shards the optimizer state over the data-parallel "
-                                        "replicas; give --dp > 1")
+        assert lines[0] == lines[1] == ("pipetwin: error: --zero 1 shards over the data-parallel replicas; give "
+                                        "--dp > 1")

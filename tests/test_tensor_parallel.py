@@ -266,7 +266,7 @@ def test_tp_refusals(kw, message):
 @pytest.mark.parametrize("kw,message", [
     (dict(sequence_parallel=True), "--sequence-parallel acts on a tensor-parallel group; give --tp > 1"),
     (dict(tp_overlap=True), "--tp-overlap acts on a tensor-parallel group"),
-    (dict(zero=1), "--zero 1 shards the optimizer state over the data-parallel replicas; give --dp > 1"),
+    (dict(zero=1), "--zero 1 shards over the data-parallel replicas; give --dp > 1"),
     (dict(unit_costs=True, tp=2), "--tp acts on a model's formulas: use --model/--cluster costs (not --unit-costs)"),
     (dict(stage_costs="s.yaml", tp=2), "--tp acts on a model's formulas: use --model/--cluster costs "
                                        "(not --stage-costs)"),
