@@ -824,13 +824,16 @@ class TransformerCostModel:
         return cp_local(self.model, self.parallel.cp)
 
     def _check_context_parallel(self) -> None:
-        """C > 1: the model splits (:meth:`ModelSpec.check_context_parallel`), the linear cost
-        model prices it (the kernel model's attention kernels are whole-sequence ones) and the CP
-        group's links are given."""
+        """C > 1: the model splits (:meth:`ModelSpec.check_context_parallel`), ZeRO at most 1 (its
+        shards over R x C), the linear cost model prices it (the kernel model's attention kernels
+        are whole-sequence ones) and the CP group's links are given."""
         par = self.parallel
         if par.cp == 1:
             return
         self.model.check_context_parallel(par.cp, par.tp, par.sequence_parallel)
+        if par.zero > 1:
+            raise SpecError(f"--zero {par.zero} with --cp {par.cp}: sharding gradients and weights over the R x C GPUs "
+                            f"is not priced yet; give --zero 1 (the optimizer state over R x C) or drop --cp")
         if self.compute == "kernels":
             raise SpecError(f"--cp {par.cp} is priced by --cost-model linear; the kernel model prices whole-sequence "
                             f"attention kernels (give --cost-model linear, the default with --cp)")
