@@ -1,4 +1,4 @@
-"""The whole-layout planner: T x D x R, schedule family, micro-batch, recompute, ZeRO-1 and sequence
+"""The whole-layout planner: T x C x D x R, schedule family, micro-batch, recompute, ZeRO-1 and sequence
 parallelism for a transformer on a cluster, and for a mixture of experts its expert-parallel EP
 (and ETP) and the forward/backward overlap, the fastest that fits each GPU's memory.
 
@@ -21,6 +21,14 @@ by bounds that never exceed the truth:
   the stages each holds (a device runs the forwards of micro-batch 0 through all its stages before
   any of their backwards, which need the whole pipeline's forward), the whole model's / D, plus
   the transients every verdict counts; above the usable memory no schedule of that layout fits.
+
+Context parallelism (C GPUs split each sequence, :func:`cost_models.transformer.context_parallel_layers`):
+a pipeline device is T x C GPUs placed whole (T x C divides a node or is a multiple of it that
+divides the nodes), so the GPUs used are T x C x D x R; by default C is 1 and every power of two
+that leaves each GPU at least :data:`MIN_CP_TOKENS` (8,192) tokens (:func:`context_parallel_sizes`:
+none at 8,192 tokens, so a short-sequence search is the same as before; 2 .. 16 at 131,072), each
+candidate's K/V exchange ``cp_comm``. The bounds read the cost model's per-layer costs, the
+exchange's exposed time and the gradient reduction over the CP group included.
 
 Candidates are taken in order of their time bound; one whose memory bound is over is skipped,
 the others are bound (schedule built, costs) and judged by the ledger
