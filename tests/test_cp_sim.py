@@ -202,6 +202,12 @@ def test_a_cp_job_places_t_c_d_r_gpus_and_prices_one_rank_per_pipeline_device():
     assert (x["f_bytes"], x["b_bytes"]) == (X, 2 * X)
     # the step's exchange on the busiest device: N F and N B of its 16 blocks (llama3-8b's 32 over D = 2)
     assert b.report["cp_time"] == pytest.approx(4 * 16 * (x["f_time"] + x["b_time"]), rel=1e-12)
+    # the replicas' all-reduce of a stage: T x a GPU's gradient bytes, on a port T x C GPUs wide (the
+    # node's 8 NICs shared by its 2 ranks: 4 x 50 GB/s): each GPU's 1/C shard over its own NIC
+    t = transformer_cost_model(job, job.parallel.sized(load_model("llama3-8b")), load_cluster("dgx-h100-ib:2"))
+    stage0 = sum(x.params for x in t.layers()[:17])
+    assert b.costs.param_bytes[0][0] == stage0 * 2 * 2
+    assert b.network.inter.bandwidth == 4 * NDR
     with pytest.raises(ValueError, match=r"32 GPUs \(T=2 x C=2 x D=4 x R=2\) do not fit on cluster dgx-h100-ib:2"):
         bind(job.with_(devices=4))
 
