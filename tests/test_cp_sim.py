@@ -232,3 +232,33 @@ def test_cp1_changes_nothing():
     assert one.layer_costs() == plain.layer_costs() and one.transient_bytes() == plain.transient_bytes()
     assert ContextParallelGroup(load_cluster("dgx-h100-ib:1"), 2, 4).ring_step(1e6) == pytest.approx(
         NVLAT + 1e6 / NVLINK4, rel=1e-12)
+
+
+def test_simulate_and_compare_name_c_and_the_exchange(capsys):
+    """simulate --json carries C, the exchange of a block (bytes, seconds, exposed) and the step's on the
+    busiest device with its hidden part; the summary says them in one line; compare's table has them."""
+    import json
+
+    from experiments.cli import main
+    argv = ["-D", "2", "-N", "4", "-m", "llama3-8b", "-c", "dgx-h100-ib:1", "--tp", "2", "--cp", "2",
+            "--seq-len", "16384"]
+    assert main(["simulate", "-s", "dapple", *argv, "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    job = Job.of(schedule="dapple", devices=2, microbatches=4, tp=2, cp=2, seq_len=16384, model="llama3-8b",
+                 cluster="dgx-h100-ib:1")
+    b = bind(job)
+    assert rec["cp"] == 2 and rec["cp_comm"] == "ring" and rec["gpus"] == 8
+    assert rec["cp_exchange_per_layer"] == b.report["cp_exchange_per_layer"]
+    x = b.report["cp_exchange_per_layer"]
+    hidden = (x["f_time"] - x["f_exposed"]) + (x["b_time"] - x["b_exposed"])
+    assert rec["cp_time"] == pytest.approx(4 * 16 * (x["f_time"] + x["b_time"]), rel=1e-12)
+    assert rec["cp_hidden"] == pytest.approx(4 * 16 * hidden, rel=1e-12)
+    assert main(["simulate", "-s", "dapple", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dapple: T=2 C=2 D=2 N=4 R=1")
+    line = " ".join(ln.strip() for ln in out.split("context parallel:")[1].split("\n")[:2])
+    assert f"C=2, a ring of P2P steps: {rec['cp_time']:.6g} s per device in the step" in line
+    assert f"{rec['cp_hidden']:.6g} s ({rec['cp_hidden'] / rec['cp_time']:.0%}) hidden" in line
+    assert main(["compare", "-s", "dapple,zb-v", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("T=2 C=2 (ring) D=2 N=4 R=1") and "cp_time" in out and "cp_hidden" in out
