@@ -331,12 +331,22 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                memory_reserve: float | None = None) -> list[Job]:
     """Every job of the space on ``cluster`` at ``global_batch`` (R x micro-batch divides it; the
     family's own requirements are checked when it is built; a mixture of experts' EP x ETP as
-    :func:`cost_models.moe.check_expert_parallel` allows on the layout). ``cluster_choice``: how the
+    :func:`cost_models.moe.check_expert_parallel` allows on the layout). Where the space has C > 1 and
+    no ``cost_model`` is asked, every candidate is priced by the linear model (the kernel model
+    does not price context parallelism), so they compare alike; ``kernels`` asked keeps C = 1 (and
+    refuses a C > 1 asked). ``cluster_choice``: how the
     jobs name the cluster (their costs come from ``cluster`` itself, :func:`plan_layouts`)."""
     gpus = check_gpus(cluster, space.gpus)
     choice = cluster_choice or ClusterChoice(name=cluster.name)
     tps = tensor_parallel_sizes(model, cluster, space.tp)
     cps = context_parallel_sizes(model, cluster, space.cp)
+    if cost_model == "kernels" and max(cps) > 1:
+        if space.cp is not None:
+            raise ValueError(f"--cp {max(cps)} is priced by --cost-model linear; the kernel model prices "
+                             f"whole-sequence attention kernels (drop --cost-model kernels or --cp)")
+        cps = [1]                 # the kernel model asked: its layouts have no CP
+    if cost_model is None and max(cps) > 1:
+        cost_model = "linear"     # the kernel model prices no CP: every candidate alike, by the formulas
     most = min(model.layers, space.max_stages or model.layers, registry.MAX_RANKS)
     experts = _ExpertAxes(model, space)
     out = []

@@ -383,6 +383,13 @@ def test_context_parallel_axis_auto_and_asked():
                                                               if t * c <= 8 and (t * c <= 4 or t * c % 4 == 0)}
     assert all(j.gpus == 8 for j in jobs)
     assert not [j for j in jobs if j.parallel.cp == 1 and j.parallel.cp_comm != "ring"]
+    long = SMALL.replace(seq_len=32768)          # auto C: 1, 2, 4; every candidate by the formulas
+    jobs = candidates(long, _small_h100(4), 16, LayoutSpace(schedules=("dapple",)))
+    assert {j.parallel.cp for j in jobs} == {1, 2, 4} and {j.cost_model for j in jobs} == {"linear"}
+    jobs = candidates(long, _small_h100(4), 16, LayoutSpace(schedules=("dapple",)), cost_model="kernels")
+    assert {j.parallel.cp for j in jobs} == {1}
+    with pytest.raises(ValueError, match="--cp 2 is priced by --cost-model linear"):
+        candidates(long, _small_h100(4), 16, LayoutSpace(schedules=("dapple",), cp=(1, 2)), cost_model="kernels")
     with pytest.raises(ValueError, match="--cp 16 fits no layout"):
         candidates(SMALL.replace(seq_len=4096), _small_h100(4), 16, LayoutSpace(schedules=("dapple",), cp=(16,)))
 
