@@ -331,6 +331,8 @@ def apply_framework_file(args) -> None:
         for k, v in fields.items():
             key = _IMPORT_ROWS.get(k, k)
             grammar = grammar_of(args, key)
+            if key == "schedule" and grammar_of(args, "schedules") is not None:
+                continue        # compare and sweep run the file's schedule among their --schedules
             if grammar is None:
                 from dataclasses import fields as fields_of_record
                 defaults = {f.name: f.default for r in (Layout, Parallel, Job) for f in fields_of_record(r)}
