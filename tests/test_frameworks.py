@@ -261,3 +261,21 @@ def test_plan_emit_searches_what_the_target_runs(capsys):
     rows = [ln.split() for ln in head.splitlines() if ln[:1].isdigit()]
     assert rows and all(r[3].startswith(("dapple", "interleaved")) for r in rows)
     assert "--num-layers 32 \\" in args and "--global-batch-size 16 \\" in args
+
+
+def test_a_gpt_block_with_query_groups():
+    """A Megatron GPT with 8 query groups and GeLU is a gpt block with kv_heads (h 4096, a 32, k 8,
+    e 128, f 16384): parameters h(h + 2ke) + h^2 + 2hf + biases (h + 2ke) + f + 2h + norms 4h;
+    a BERT block still refuses kv_heads; the executor's GPT refuses it (it has no such attention)."""
+    from cost_models.model_spec import ModelSpec, SpecError
+    from cost_models.transformer import block_params
+    from executor.config import RunConfig, lowered_schedule
+    m = _fixture().fields["model"]
+    h, k, e, f = 4096, 8, 128, 16384
+    assert block_params(m) == h * (h + 2 * k * e) + h * h + 2 * h * f + (h + 2 * k * e) + f + 2 * h + 4 * h
+    with pytest.raises(SpecError, match="grouped-query attention"):
+        ModelSpec(name="b", kind="bert", layers=2, hidden=64, heads=4, kv_heads=2, seq_len=8, vocab=16)
+    small = m.replace(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, seq_len=8, vocab=16)
+    cfg = RunConfig(job=Job.of(model=small, layout=Layout(schedule="dapple", devices=2, microbatches=2)))
+    with pytest.raises(ValueError, match="the executor's GPT has no grouped-query attention"):
+        lowered_schedule(cfg)
