@@ -117,6 +117,7 @@ class View:
     parallel: Parallel
     partition: tuple[int, ...] | None
     eager: bool = True
+    family: dict | None = None  # zb-auto's costs: it orders its ops from them (cost_models.bind.costed_family)
 
     @property
     def global_batch(self) -> int:
@@ -156,7 +157,12 @@ def job_view(job) -> View:
     part = job.partition
     if part == "time":
         raise _one_line("--partition time reads a profile's layer times; give the layer counts (e.g. 9,8,8,9)")
-    return View(spec=spec, layout=job.layout, parallel=job.parallel, partition=part, eager=job.eager)
+    family = None
+    if job.layout.schedule == "zb-auto" and job.layout.schedule_file is None:
+        from .bind import costed_family, load_inputs
+        family = costed_family(job, load_inputs(job))       # the order the simulator runs
+    return View(spec=spec, layout=job.layout, parallel=job.parallel, partition=part, eager=job.eager,
+                family=family)
 
 
 # ============================================================================ reading files of arguments
@@ -1371,11 +1377,7 @@ def _compute_schedule(view: View):
     if lay.stage_replicas is not None:
         from schedules.dapple_replicated import replicated_schedule, sub_batches
         return replicated_schedule(lay.stage_replicas, lay.microbatches // sub_batches(lay.stage_replicas))
-    try:
-        return build(lay.schedule, lay.devices, lay.microbatches, **lay.family_options())
-    except TypeError as e:
-        raise _one_line(f"{lay.schedule} orders its ops from the job's costs; export it after simulating it "
-                        f"(pipetwin schedules --export): {e}") from None
+    return build(lay.schedule, lay.devices, lay.microbatches, **lay.family_options(), **(view.family or {}))
 
 
 def torch_csv(view: View) -> str:

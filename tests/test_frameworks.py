@@ -151,10 +151,12 @@ def test_torchtitan_round_trip_same_job_and_time(name, tmp_path):
     assert _time(j0) == _time(job)
 
 
-@pytest.mark.parametrize("schedule,chunks", [("zb-h1", 2), ("zb-h2", 2), ("interleaved", 2), ("zb-v", 2),
-                                             ("dualpipe-v", 2), ("gpipe", 2), ("dapple", 2)])
+@pytest.mark.parametrize("schedule,chunks", [("zb-h1", 2), ("zb-h2", 2), ("zb-auto", 2), ("interleaved", 2),
+                                             ("interleaved", 4), ("zb-v", 2), ("dualpipe-v", 2), ("gpipe", 2),
+                                             ("dapple", 2)])
 def test_torch_csv_round_trip_same_time(schedule, chunks, tmp_path):
-    """torch-csv: the job's schedule read back as a schedule file simulates to the bit as the family."""
+    """torch-csv: the job's schedule read back as a schedule file simulates to the bit as the family
+    (zb-auto: the order it makes from the job's costs, as the simulator builds it)."""
     job = Job.of(model="gpt3-1.3b", cluster=H100, layout=Layout(schedule=schedule, devices=4, microbatches=8,
                                                                  chunks=chunks, replicas=2))
     path = tmp_path / "s.csv"
