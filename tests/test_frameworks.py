@@ -107,6 +107,9 @@ def _jobs():
                                          layout=Layout(schedule="interleaved", variant="a2a-overlap", devices=4,
                                                        microbatches=8, replicas=2, chunks=2),
                                          tp=2, sequence_parallel=True, ep=2, etp=1, zero=1, dp_shard=0),
+        "deepseek-mla-moe-fp8-overlap": Job.of(model="deepseek-v3", cluster="dgx-h100-ib:64", seq_len=4096,
+                                               layout=Layout(schedule="dapple", devices=8, microbatches=16, replicas=8),
+                                               ep=8, zero=1, precision="fp8", overlap_fb=True),
         "gpt-fp8": Job.of(model="gpt3-1.3b", cluster=H100, precision="fp8",
                           layout=Layout(schedule="dapple", devices=2, microbatches=4, replicas=4), zero=1, dp_shard=2),
     }
@@ -118,8 +121,9 @@ def test_megatron_round_trip_same_job_and_time(name):
     imported again it is the same record, and it simulates to the bit as the job it came from."""
     job = _jobs()[name]
     R = job.layout.replicas
-    j0 = read_megatron(export_job(job, "megatron").text, "a", replicas=R).job(cluster=H100)
-    j1 = read_megatron(export_job(j0, "megatron").text, "b", replicas=R).job(cluster=H100)
+    cluster = job.cluster.name
+    j0 = read_megatron(export_job(job, "megatron").text, "a", replicas=R).job(cluster=cluster)
+    j1 = read_megatron(export_job(j0, "megatron").text, "b", replicas=R).job(cluster=cluster)
     assert j1.record() == j0.record()
     assert _time(j0) == _time(job)
 
