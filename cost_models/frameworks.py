@@ -570,7 +570,7 @@ def _mg_moe_read(a: Args, out: dict):
     if not E:
         for f in ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
                   "--moe-layer-freq", "--moe-router-score-function", "--moe-shared-expert-gate",
-                  "--moe-expert-capacity-factor", "--expert-tensor-parallel-size"):
+                  "--moe-expert-capacity-factor", "--expert-tensor-parallel-size", "--moe-token-dispatcher-type"):
             a.has(f)
         return
     out["model.experts"] = E
@@ -586,6 +586,12 @@ def _mg_moe_read(a: Args, out: dict):
     cf = a.float("--moe-expert-capacity-factor")
     out["capacity_factor"] = 0.0 if cf is None else cf
     out["etp"] = a.int("--expert-tensor-parallel-size", out["tp"])
+    dispatcher = a.str("--moe-token-dispatcher-type", "allgather")
+    deepep = a.switch("--moe-enable-deepep") or (dispatcher == "flex" and a.str("--moe-flex-dispatcher-backend",
+                                                                                 "deepep") in ("deepep", "hybridep"))
+    out["a2a_hierarchical"] = deepep
+    if dispatcher == "allgather":
+        out.setdefault("_unmodelled", []).append("--moe-token-dispatcher-type allgather (priced as all-to-all)")
 
 
 def _dense_layers(freq: str, layers: int, where: str) -> int:
@@ -626,6 +632,10 @@ def _mg_moe_write(v: View):
     if p.capacity_factor:
         out.append(("--moe-expert-capacity-factor", p.capacity_factor))
     out.append(("--expert-tensor-parallel-size", p.etp))
+    if p.a2a_hierarchical:      # DeepEP: a token crosses the fabric once per remote node, then NVLink
+        out += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
+    else:                       # the all-to-all pipetwin prices (Megatron-LM's default is an all-gather)
+        out.append(("--moe-token-dispatcher-type", "alltoall"))
     return out
 
 
@@ -755,9 +765,12 @@ def _mg_pipe_write(v: View):
     if name == "interleaved" and v_ == 1:
         raise _one_line("interleaved with --chunks 1 is 1F1B: export --schedule dapple (Megatron-LM's 1F1B)")
     overlap = (name == "interleaved" and lay.variant == "a2a-overlap") or (name == "dapple" and v.parallel.overlap_fb)
-    if name == "interleaved" and v.parallel.overlap_fb and not overlap:
-        raise _one_line("Megatron-LM overlaps F and B only in its combined 1F1B: give interleaved --variant "
-                        "a2a-overlap (not --overlap-fb)")
+    if (name == "interleaved" and v.parallel.overlap_fb and not overlap) or (name == "dapple" and overlap):
+        raise _one_line("Megatron-LM overlaps F and B only in its combined 1F1B, with virtual stages when PP > 1: "
+                        "nearest --schedule interleaved --variant a2a-overlap (not --overlap-fb)")
+    if overlap and v.parallel.recompute == "full":
+        raise _one_line("Megatron-LM's combined 1F1B (--overlap-moe-expert-parallel-comm) refuses full "
+                        "recomputation: nearest --recompute selective")
     out = [("--pipeline-model-parallel-size", D)]
     from .partition import default_partition
     part = v.partition
@@ -949,7 +962,8 @@ MEGATRON: tuple[Row, ...] = (
     Row(("--expert-model-parallel-size",), "Parallel.ep", _mg_ep_read, _mg_ep_write),
     Row(("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
          "--moe-shared-expert-gate", "--moe-router-score-function", "--moe-layer-freq",
-         "--moe-expert-capacity-factor", "--expert-tensor-parallel-size"),
+         "--moe-expert-capacity-factor", "--expert-tensor-parallel-size", "--moe-token-dispatcher-type",
+         "--moe-enable-deepep", "--moe-flex-dispatcher-backend"),
         "ModelSpec.experts.., Parallel.etp, capacity_factor", _mg_moe_read, _mg_moe_write),
     Row(("--multi-latent-attention", "--kv-lora-rank", "--q-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
          "--v-head-dim"), "ModelSpec.kv_lora_rank..", _mg_mla_read, _mg_mla_write),
@@ -975,7 +989,7 @@ MEGATRON: tuple[Row, ...] = (
 # flags that change the cost of a run but that pipetwin does not model (listed, never dropped silently)
 MEGATRON_UNMODELLED = (
     "--overlap-param-gather", "--overlap-param-gather-with-optimizer-step",
-    "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
+    "--moe-grouped-gemm",
     "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-router-num-groups", "--moe-router-group-topk",
     "--fp8-recipe", "--fp8-param-gather", "--delay-wgrad-compute", "--microbatch-group-size-per-virtual-pipeline-stage",
     "--window-size", "--no-gradient-accumulation-fusion", "--transformer-impl", "--attention-softmax-in-fp32",
@@ -1037,11 +1051,25 @@ def read_megatron(text: str, where: str, *, replicas: int | None = None) -> Impo
     return Imported(f"Megatron-LM arguments {where}", out, gb, tuple(unmodelled), tuple(ignored))
 
 
+# the parallel record's fields each target has an argument for; the others (routing skew, fp8 dispatch,
+# node-limited routing, the overlap's SM share) are what-ifs of the simulation: an export names them
+MEGATRON_FIELDS = ("tp", "sequence_parallel", "tp_overlap", "zero", "dp_shard", "reshard_after_forward", "cp",
+                   "cp_comm", "recompute", "micro_batch", "seq_len", "ep", "etp", "capacity_factor", "overlap_fb",
+                   "precision", "a2a_hierarchical")
+TORCHTITAN_FIELDS = ("tp", "sequence_parallel", "zero", "dp_shard", "reshard_after_forward", "cp", "recompute",
+                     "micro_batch", "seq_len", "ep", "precision")
+
+
+def what_ifs(view: View, covered: tuple[str, ...], target: str) -> list[str]:
+    """The job's knobs ``target`` has no argument for, as notes."""
+    from .parallel import option_name
+    left = [f for f in view.parallel.changed() if f not in covered]
+    return [f"{option_name(f)} {getattr(view.parallel, f)!r} is a what-if of the simulation; {target} has no "
+            f"argument for it (not written)" for f in left]
+
+
 def megatron_args(view: View) -> list[tuple[str, Any]]:
     """The Megatron-LM arguments of a job (:data:`MEGATRON`'s rows, in order)."""
-    par = view.parallel
-    if par.expert_load is not None or par.expert_imbalance != 1.0:
-        pass       # a what-if of the simulation (routing skew), not a training flag
     out = []
     for r in MEGATRON:
         out += [(f, val) for f, val in r.write(view) if val is not None]
@@ -1417,7 +1445,7 @@ def export_job(job, target: str, out: str | None = None) -> Export:
     if target == "megatron":
         yaml = out is not None and str(out).lower().endswith((".yaml", ".yml"))
         pairs = megatron_args(view)
-        notes = tuple(v for f, v in pairs if f == NOTE)
+        notes = tuple(v for f, v in pairs if f == NOTE) + tuple(what_ifs(view, MEGATRON_FIELDS, "Megatron-LM"))
         return Export(format_megatron([(f, v) for f, v in pairs if f != NOTE], yaml=yaml), notes=notes)
     if view.layout.schedule_file is None and view.layout.schedule in TWO_COPIES:
         near = SINGLE_COPY_NEAREST[view.layout.schedule]
@@ -1433,7 +1461,8 @@ def export_job(job, target: str, out: str | None = None) -> Export:
         csv = str(Path(out).with_suffix("")) + ".schedule.csv"
         files[csv] = torch_csv(view)
         pairs = [(f, csv if v == CSV_BESIDE else v) for f, v in pairs]
-    return Export(format_torchtitan(pairs, view.spec.name), files)
+    return Export(format_torchtitan(pairs, view.spec.name), files,
+                  tuple(what_ifs(view, TORCHTITAN_FIELDS, "torchtitan")))
 
 
 def canonical_spec(spec: ModelSpec) -> ModelSpec:

@@ -108,8 +108,9 @@ def _jobs():
                                                        microbatches=8, replicas=2, chunks=2),
                                          tp=2, sequence_parallel=True, ep=2, etp=1, zero=1, dp_shard=0),
         "deepseek-mla-moe-fp8-overlap": Job.of(model="deepseek-v3", cluster="dgx-h100-ib:64", seq_len=4096,
-                                               layout=Layout(schedule="dapple", devices=8, microbatches=16, replicas=8),
-                                               ep=8, zero=1, precision="fp8", overlap_fb=True),
+                                               layout=Layout(schedule="interleaved", variant="a2a-overlap",
+                                                             devices=8, microbatches=16, replicas=8, chunks=2),
+                                               ep=8, zero=1, precision="fp8", a2a_hierarchical=True),
         "gpt-fp8": Job.of(model="gpt3-1.3b", cluster=H100, precision="fp8",
                           layout=Layout(schedule="dapple", devices=2, microbatches=4, replicas=4), zero=1, dp_shard=2),
     }
@@ -285,3 +286,15 @@ def test_a_gpt_block_with_query_groups():
     cfg = RunConfig(job=Job.of(model=small, layout=Layout(schedule="dapple", devices=2, microbatches=2)))
     with pytest.raises(ValueError, match="the executor's GPT has no grouped-query attention"):
         lowered_schedule(cfg)
+
+
+def test_what_ifs_of_the_simulation_are_named_not_written(capsys):
+    """--expert-imbalance is a what-if of the simulation (routing skew), no training argument: the
+    export writes the job without it and says so on standard error."""
+    assert main(["export", "--to", "megatron", "-s", "interleaved", "--variant", "a2a-overlap", "-D", "4", "-N", "8",
+                 "--dp", "2", "-m", "mixtral-8x7b", "--seq-len", "4096", "--ep", "2", "--expert-imbalance", "1.5",
+                 "-c", H100]) == 0
+    out, err = capsys.readouterr()
+    assert "imbalance" not in out and "--moe-token-dispatcher-type alltoall \\" in out
+    assert err == ("pipetwin: note: --expert-imbalance 1.5 is a what-if of the simulation; Megatron-LM has no "
+                   "argument for it (not written)\n")
