@@ -756,7 +756,7 @@ def _mg_pipe_write(v: View):
     name = lay.schedule
     if D == 1 and lay.schedule_file is None:        # one device: no pipeline, whatever the order of its chunks
         note = [] if name == "dapple" else [(NOTE, f"{name} on one device runs as Megatron-LM's PP 1 (no virtual "
-                                                    f"stages; imported back as dapple -D 1)")]
+                                                    f"stages; imported back as dapple -D 1 and simulated as that)")]
         return [("--pipeline-model-parallel-size", 1)] + note
     if name not in MEGATRON_RUNS:
         near, why = NEAREST[name]

@@ -81,6 +81,11 @@ def emit(args, job) -> None:
         print(f"wrote {printable(path)}: the schedule as torch.distributed.pipelining CSV")
 
 
+def _model_name(args) -> str | None:
+    """``--model`` as printed: its name, or the name of an imported spec (--from-megatron)."""
+    return getattr(args.model, "name", args.model)
+
+
 def _parse_limit(text):
     if text is None:
         return None
@@ -152,7 +157,8 @@ def main(args) -> int:
     res = plan_training(model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
                         schedules=scheds, top_k=args.top, simulate=not args.no_simulate,
                         baselines=not args.no_baselines, progress=not args.no_progress and sys.stderr.isatty(),
-                        space=space, model_name=args.model or getattr(model, "name", None), cost_model=cost_model,
+                        space=space, model_name=_model_name(args) or getattr(model, "name", None),
+                        cost_model=cost_model,
                         profile_batch=args.profile_batch)
     best = res.best
     rec = plan_record(best.plan, res.workload, cluster, limit, best.estimate, best.sim)
@@ -170,7 +176,7 @@ def main(args) -> int:
              "partial_plans_kept": s.labels, "configurations": s.configurations,
              "baseline_seconds": res.baseline_seconds,
              "candidates": [c.to_dict() for c in res.candidates]}
-    said = dapple_stated(res.workload, cluster, None if args.profile else args.model)
+    said = dapple_stated(res.workload, cluster, None if args.profile else _model_name(args))
     if args.json:
         print_json({**rec, **said, "baselines": base, "search": stats})
         return 0
@@ -272,7 +278,7 @@ def _print_human(res, rec, base, stats, args, said: dict) -> None:
     best, cl, work = res.best, res.cluster, res.workload
     plan, est = best.plan, best.estimate
     costs = f"measured costs from {args.profile}" if args.profile else f"{work.cost_model} cost model"
-    _say(f"DAPPLE plan for {args.model or work.name} on {cl.name} ({cl.num_devices} x {cl.device.name}), global "
+    _say(f"DAPPLE plan for {_model_name(args) or work.name} on {cl.name} ({cl.num_devices} x {cl.device.name}), global "
          f"batch {plan.global_batch}, {costs}")
     print("\n".join(stated_lines(said)))
     print(f"  {plan.describe()}")
@@ -327,7 +333,9 @@ def _print_human(res, rec, base, stats, args, said: dict) -> None:
           f"{stats['complete_plans']:,} complete plans, {stats['configurations']} (micro-batch count, policy) "
           f"configurations; {len(stats['candidates'])} candidates re-simulated; baselines "
           f"{stats['baseline_seconds']:.2f} s")
-    cmd, why = run_command(rec, work, args.model, args.recompute)
+    cmd, why = run_command(rec, work, _model_name(args), args.recompute)
+    if not isinstance(args.model, (str, type(None))):       # an imported spec: no name 'pipetwin run' reads
+        cmd, why = None, "the model is the --from-megatron file's: run the plan with 'pipetwin run --plan FILE'"
     if cmd is not None:     # runs as printed: lines continued with a backslash, as a shell reads them
         print("executor (or pipetwin run --plan FILE):")
         print("  " + " \\\n    ".join(wrap_cell(printable(cmd), 110)))
