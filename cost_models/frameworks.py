@@ -464,10 +464,8 @@ def _mg_kind_write(v: View):
 
 
 def _mg_heads_read(a: Args, out: dict):
-    if a.switch("--group-query-attention"):
-        out["model.kv_heads"] = a.int("--num-query-groups", 1)
-    else:
-        a.has("--num-query-groups")      # Megatron reads it only with --group-query-attention
+    if a.switch("--group-query-attention"):     # Megatron-LM reads --num-query-groups only with it (else:
+        out["model.kv_heads"] = a.int("--num-query-groups", 1)    # listed as ignored, as Megatron ignores it)
     kv_ch = a.int("--kv-channels")
     if kv_ch is not None:
         out["model.head_size"] = kv_ch
