@@ -328,6 +328,9 @@ def apply_framework_file(args) -> None:
             args.schedule_file, args._schedule_file = sf.path, sf
             fields.pop("schedule", None)
             fields.pop("chunks", None)
+        if _given(args, "schedule") and fields.get("schedule") != o.get("schedule"):
+            fields.pop("chunks", None)      # the file's chunks and variant are its schedule's, not the one given
+            fields.pop("variant", None)
         for k, v in fields.items():
             key = _IMPORT_ROWS.get(k, k)
             grammar = grammar_of(args, key)

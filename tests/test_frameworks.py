@@ -300,3 +300,13 @@ def test_what_ifs_of_the_simulation_are_named_not_written(capsys):
     assert "imbalance" not in out and "--moe-token-dispatcher-type alltoall \\" in out
     assert err == ("pipetwin: note: --expert-imbalance 1.5 is a what-if of the simulation; Megatron-LM has no "
                    "argument for it (not written)\n")
+
+
+def test_a_schedule_given_overrides_the_files(capsys):
+    """'What would ZB-V give me?': -s zb-v over the file's interleaved (its 8 chunks dropped with it),
+    the rest of the file's job kept: the same time as the job written out by hand."""
+    assert main(["simulate", "--json", "--from-megatron", str(FIXTURE), "-s", "zb-v", "-c", H100]) == 0
+    got = json.loads(capsys.readouterr().out)
+    job = _fixture().job(cluster=H100).with_(schedule="zb-v")
+    assert (got["schedule"], got["devices"], got["microbatches"], got["replicas"]) == ("zb-v", 4, 8, 2)
+    assert got["iteration_time"] == _time(job)
