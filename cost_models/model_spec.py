@@ -9,7 +9,8 @@ Fields: ``layers`` transformer blocks (embedding and output head come on top), `
 ``ffn_mult`` (MLP width = ffn_mult * h), ``kind`` gpt | bert | llama, ``dtype_bytes`` (bytes per
 activation / weight element: 2 for fp16/bf16, 4 for fp32), and the fields that default by kind:
 
-* ``kv_heads`` (grouped-query attention: heads sharing one key/value head; default ``heads``),
+* ``kv_heads`` (grouped-query attention: heads sharing one key/value head; default ``heads``; gpt and
+  llama kinds: a Megatron-LM GPT with ``--num-query-groups`` and a GeLU MLP is a gpt block with it),
 * ``ffn_hidden`` (the MLP's inner size, when it is no multiple of h: Llama's SwiGLU 14336 for
   h 4096; default ``ffn_mult * hidden``),
 * ``tied_embeddings`` (the output head reuses the token table, counted once in the model's size:
@@ -118,9 +119,10 @@ class ModelSpec:
         if self.attention is not None and self.attention not in ATTENTION:
             raise SpecError(f"model {self.name!r}: field 'attention' must be one of {', '.join(ATTENTION)}; "
                             f"got {self.attention!r}")
-        if self.kind != "llama" and (self.kv != self.heads or self.qkv_bias):
-            raise SpecError(f"model {self.name!r}: grouped-query attention (kv_heads) and qkv_bias are llama-kind "
-                            f"fields; set kind: llama")
+        if (self.kind == "bert" and self.kv != self.heads) or (self.kind != "llama" and self.qkv_bias):
+            what = "grouped-query attention (kv_heads)" if self.kind == "bert" and self.kv != self.heads else "qkv_bias"
+            raise SpecError(f"model {self.name!r}: {what} is a decoder's field (a gpt block takes kv_heads, a llama "
+                            f"block both); set kind: gpt or llama")
         if self.router not in ROUTERS:
             raise SpecError(f"model {self.name!r}: field 'router' must be one of {', '.join(ROUTERS)}; "
                             f"got {self.router!r}")
@@ -284,6 +286,8 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     """A preset name (see :func:`model_presets`), a path to a YAML file or to a Hugging Face
     ``config.json`` (:mod:`cost_models.hf_config`). (A Python model file, ``PATH.py:FUNC``, has no
     spec: its costs come from a calibration profile.)"""
+    if isinstance(name_or_path, ModelSpec):      # a spec already (an imported job's: cost_models.frameworks)
+        return name_or_path
     if is_model_ref(str(name_or_path)):
         raise SpecError(model_ref_help(str(name_or_path)))
     if is_hf_config(name_or_path):

@@ -105,6 +105,7 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     finally:
         tick.close()
     recs = res.records()
+    args._best_job = res.best.job       # plan --emit writes it for another framework (experiments.cmd_plan)
     if args.out:
         rec = layout_plan_record(res.best.job, cluster, args.global_batch, memory_limit=limit, simulated=recs[0])
         import json
