@@ -216,3 +216,29 @@ def test_a_deadlocked_csv_ends_naming_the_rank_and_action():
                                           r"waiting 3000ms for recv"):
         run_torch_many([job])
 
+
+
+@pytest.mark.slow
+def test_cli_runtime_torch_trains_a_csv_file_as_written(tmp_path, capfd):
+    """``pipetwin run --schedule-file zb-v.csv --runtime torch --check --json``: torch loads the file as written
+    (here with torch's communication actions), pipetwin's executor trains the schedule it reads from it;
+    the JSON holds both losses, equal within 1e-5, and the reference's beside them."""
+    import json
+
+    from experiments.cli import main
+    path = tmp_path / "zb-v.csv"
+    text = _comms_csv(build("zb-v", 2, 4))
+    path.write_text("# zb-v, D=2, N=4, with torch's own lowering\n" + text + "\n")
+    assert main(["run", "--schedule-file", str(path), "--runtime", "torch", "--steps", "2", "--check", "--json",
+                 "--optimizer", "sgd", "--lr", "0.05"]) == 0
+    out, err = capfd.readouterr()
+    rec = json.loads(out)
+    torch_rec = rec["torch"]
+    assert torch_rec["engine"] == ENGINE and torch_rec["format"] == "compute_comms"
+    assert torch_rec["csv"] == text + "\n" and torch_rec["csv_source"] == f"{path} as written"
+    assert len(torch_rec["losses"]) == len(rec["losses"]) == 2
+    for a, b, r in zip(torch_rec["losses"], rec["losses"], torch_rec["reference_check"]["reference_losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b) and abs(a - r) <= 1e-5 * abs(r)
+    assert torch_rec["check"]["equal"] and torch_rec["reference_check"]["equal"]
+    assert err.splitlines()[-2].startswith("torch.distributed.pipelining's losses equal pipetwin's executor's within "
+                                           "1e-5 (relative, fp32): ")
