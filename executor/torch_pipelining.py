@@ -26,6 +26,13 @@ runtime users train with, not by pipetwin's executor:
    every rank steps pipetwin's optimizer (:func:`executor.model.make_optimizer`) on its stages'
    parameters. The step's loss is the mean of the N micro-batch losses.
 
+Data parallelism (``--dp`` R, a plan's replicas): R pipelines of D ranks, each torch's runtime over
+a process group of its own (ranks r*D .. r*D+D-1, rows 0..D-1 of the CSV), replica r training the
+step's global micro-batches r*N .. r*N+N-1 of G = R*N (pipetwin's numbering); between ``step()``
+and the optimizer the replicas of a device average their gradients (one all-reduce over ranks d,
+D+d, ..., what DDP would do; torch's own DDP/FSDP wrapping is not used). ZeRO-1 shards only the
+optimizer state, not the update: torch's run keeps the state whole on every rank.
+
 So the run is pipetwin's run (model, weights, data, micro-batches, loss, optimizer) with only the
 pipeline runtime exchanged, and its losses must equal pipetwin's executor's and the one-process
 reference's within :data:`executor.reference.CHECK_TOLERANCE` (1e-5 relative in fp32): the
@@ -37,13 +44,12 @@ one line (:func:`check_torch_run`): several model copies (a torch action names a
 index and one rank holds it; the line names the nearest single-copy family,
 :func:`schedules.torch_interop.single_copy_refusal`), a last stage whose forwards do not run in
 micro-batch order (torch keeps the losses in the order they were computed and takes micro-batch
-m's backward from the m-th: it would differentiate another micro-batch's loss), data-parallel
-replicas, tensor parallelism, ZeRO, recomputation and bf16 (torch's stages run none of pipetwin's),
-model files. The ranks are spawned as pipetwin's are (:func:`executor.launch.launch`: CPU + gloo;
-or one rank per process under torchrun): a rank that fails, or a receive that never comes (after
-the process group's timeout, ``--timeout`` and at least 30 s), ends the run with
-:class:`executor.launch.LaunchError` naming the rank first, its error, and torch's print of the
-schedule at the failing action.
+m's backward from the m-th: it would differentiate another micro-batch's loss), tensor
+parallelism, ZeRO-2/3, recomputation and bf16 (torch's stages run none of pipetwin's), model
+files. The ranks are spawned as pipetwin's are (:func:`executor.launch.launch`: CPU + gloo; or one
+rank per process under torchrun): a rank that fails, or a receive that never comes (the pipeline's
+process groups wait ``--timeout``), ends the run with :class:`executor.launch.LaunchError` naming
+the rank, the step and the action torch was running first.
 """
 from __future__ import annotations
 
@@ -65,6 +71,7 @@ from schedules.torch_interop import single_copy_refusal, to_torch_text
 from .config import RunConfig, RunResult, lowered_schedule
 from .data import TokenSource
 from .model import lm_loss, make_optimizer, stage_module
+from .runtime import flatten, unflatten_into
 
 ENGINE = "torch.distributed.pipelining"
 FORMATS = ("compute_only", "compute_comms")   # the forms _PipelineScheduleRuntime._load_csv reads
@@ -123,18 +130,16 @@ def _split_cells(line: str) -> list[str]:
 def check_torch_run(config: RunConfig, schedule: Schedule | None = None) -> None:
     """Refuse, in one line, what torch's runtime would not train as pipetwin does (see the module
     docstring): the config's options, then (given) the run's lowered ``schedule``."""
-    par, lay = config.parallel, config.layout
+    par = config.parallel
     given = [what for what, on in (
-        (f"--dp {lay.replicas} (the CSV holds one pipeline; torch's data parallelism is FSDP or DDP around it)",
-         lay.replicas > 1),
         (f"--tp {par.tp}", par.tp > 1), ("--sequence-parallel", par.sequence_parallel),
-        (f"--zero {par.zero}", par.zero), (f"--recompute {par.recompute}", par.recompute != "none"),
+        (f"--zero {par.zero}", par.zero > 1), (f"--recompute {par.recompute}", par.recompute != "none"),
         (f"--dtype {config.dtype}", config.dtype != "fp32"),
         (f"--model {config.model_name} (a model file)", config.is_model_file),
         (f"--inject-fault {config.fault}", config.fault is not None)) if on]
     if given:
-        raise ValueError(f"torch.distributed.pipelining's runtime trains pipetwin's GPT or Llama stages in fp32, one "
-                         f"pipeline; drop {', '.join(given)}")
+        raise ValueError(f"torch.distributed.pipelining's runtime trains pipetwin's GPT or Llama stages in fp32, "
+                         f"replicated whole; drop {', '.join(given)}")
     if schedule is None:
         return
     refusal = single_copy_refusal(schedule)
@@ -255,13 +260,17 @@ def _run_rank(job: TorchJob, rank: int, world: int, ctx) -> RunResult | None:
 
     cfg, sched = job.config, job.schedule
     spec = cfg.spec()
-    S, N, dev = sched.num_stages, sched.num_microbatches, ctx.device
-    mine = sorted(s for _, s in sched.stages_on(rank))
+    S, N, D, R, dev = sched.num_stages, sched.num_microbatches, sched.num_devices, sched.replicas, ctx.device
+    replica, device = divmod(rank, D)
+    mine = sorted(s for _, s in sched.stages_on(device))
     modules = {s: stage_module(spec, S, s, seed=cfg.seed, partition=cfg.blocks).to(dev) for s in mine}
-    # the pipeline's messages in a group of their own whose waits end after --timeout (the world's
-    # default group waits as long as the rendezvous may: at least 30 s)
-    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=cfg.timeout))
-    runtime = _PipelineScheduleRuntime([_stage(modules[s], s, S, spec, dev, group) for s in mine], N,
+    # each replica's pipeline in a group of its own (torch's runtime and its CSV see ranks 0..D-1), the
+    # replicas of a device in another; their waits end after --timeout (the world's default group waits
+    # as long as the rendezvous may: at least 30 s). Every rank creates every group, in one order.
+    bound = datetime.timedelta(seconds=cfg.timeout)
+    pipes = [dist.new_group(list(range(r * D, (r + 1) * D)), timeout=bound) for r in range(R)]
+    across = [dist.new_group(list(range(d, D * R, D)), timeout=bound) for d in range(D)] if R > 1 else None
+    runtime = _PipelineScheduleRuntime([_stage(modules[s], s, S, spec, dev, pipes[replica]) for s in mine], N,
                                        loss_fn=lm_loss, scale_grads=True)
     with tempfile.TemporaryDirectory(prefix="pipetwin-torch-") as tmp:    # _load_csv reads a file
         path = os.path.join(tmp, "schedule.csv")
@@ -274,14 +283,20 @@ def _run_rank(job: TorchJob, rank: int, world: int, ctx) -> RunResult | None:
     optimizer = make_optimizer(params, cfg.optimizer, cfg.lr)
     data = TokenSource(spec, cfg.seed, cfg.data)
     first, last = 0 in modules, S - 1 in modules
-    losses, times = [], []
+    loss_sums, times = [], []
     for step in range(cfg.steps):
-        batches = [data.batch(step, g, N) for g in range(N)] if first or last else []
+        # replica r's micro-batch m is the step's global micro-batch r * N + m of G = R * N (executor.data)
+        batches = [data.batch(step, replica * N + m, R * N) for m in range(N)] if first or last else []
         args = (torch.cat([x for x, _ in batches]).to(dev),) if first else ()
         kw = {"target": torch.cat([y for _, y in batches]).to(dev), "losses": []} if last else {}
         t0 = time.perf_counter()
         with _named_failure(rank, step):
             runtime.step(*args, return_outputs=False, **kw)
+        if across is not None:      # the replicas' mean gradient: torch's step gave each replica's mean over N
+            grads = [p.grad for p in params]
+            flat = flatten(grads)
+            dist.all_reduce(flat, group=across[device])
+            unflatten_into(flat.div_(R), grads)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         ctx.synchronize()
@@ -290,17 +305,17 @@ def _run_rank(job: TorchJob, rank: int, world: int, ctx) -> RunResult | None:
             total = 0.0
             for loss in kw["losses"]:
                 total = total + loss.detach()
-            losses.append(float(total) / N)
-    report = {"rank": rank, "stages": mine, "losses": losses, "times": times,
-              "params": {f"r0.c0/{n}": p.detach().cpu().clone() for s in mine
+            loss_sums.append(float(total))
+    report = {"rank": rank, "stages": mine, "loss_sums": loss_sums, "times": times,
+              "params": {f"r{replica}.c0/{n}": p.detach().cpu().clone() for s in mine
                          for n, p in modules[s].named_parameters()} if cfg.collect_params else None}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(report, gathered, dst=0)
     if rank != 0:
         return None
+    losses = [sum(r["loss_sums"][k] for r in gathered if r["loss_sums"]) / (R * N) for k in range(cfg.steps)]
     per_device = [{"device": r["rank"], "stages": r["stages"]} for r in gathered]
     step_times = [max(r["times"][k] for r in gathered) for k in range(cfg.steps)]   # the slowest rank's
     params = {k: v for r in gathered for k, v in (r["params"] or {}).items()} if cfg.collect_params else None
-    return RunResult(cfg, next(r["losses"] for r in gathered if r["losses"]), step_times, per_device, float("nan"),
-                     ENGINE, params=params, extra={"backend": ctx.backend, "torch_csv": job.csv,
-                                                   "torch_format": job.format})
+    return RunResult(cfg, losses, step_times, per_device, float("nan"), ENGINE, params=params,
+                     extra={"backend": ctx.backend, "torch_csv": job.csv, "torch_format": job.format})

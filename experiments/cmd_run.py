@@ -133,6 +133,9 @@ def _main(args) -> int:
         _check_torch_args(args)
     if args.plan:
         cfg, sched, info = plan_config_from_args(args)
+        if args.runtime == "torch":     # refused before the plan is announced
+            from executor.torch_pipelining import check_torch_run
+            check_torch_run(cfg, sched)
         _announce_plan(cfg, sched, info, args)
     else:
         cfg = config_from_args(args)
@@ -225,9 +228,14 @@ def _main_torch(args, cfg, sched, info) -> int:
         print_json(ours.to_dict())
     else:
         lay = cfg.layout
-        print(f"{theirs.engine} beside pipetwin's executor, {lay.label}: D={lay.devices} N={lay.microbatches}  model "
-              f"{printable(cfg.model_name)}  {cfg.optimizer} lr={cfg.lr:g}  ({theirs.extra['backend']})")
+        print(f"{theirs.engine} beside pipetwin's executor, {lay.label}: D={lay.devices} N={lay.microbatches} "
+              f"R={lay.replicas}  model {printable(cfg.model_name)}  {cfg.optimizer} lr={cfg.lr:g}  "
+              f"({theirs.extra['backend']})")
         print(f"torch CSV: {printable(source)} ({form})")
+        if lay.replicas > 1:
+            print(f"replicas: {lay.replicas} pipelines under torch's runtime, their gradients averaged before the "
+                  f"optimizer" + ("; ZeRO-1 shards the optimizer state in pipetwin's run only (the same update)"
+                                  if cfg.parallel.zero else ""))
         rows = [{"step": k, "loss_torch": a, "loss_pipetwin": b, "difference": d, "torch_s": ta, "pipetwin_s": tb}
                 for k, (a, b, d, ta, tb) in enumerate(zip(theirs.losses, ours.losses, against.differences,
                                                            theirs.iteration_times, ours.iteration_times))]

@@ -182,14 +182,14 @@ def test_two_copy_families_are_refused_naming_the_nearest(no_ranks, name, neares
 
 
 @pytest.mark.parametrize("changes,words", [
-    (dict(replicas=2), "--dp 2"), (dict(tp=2), "--tp 2"), (dict(tp=2, sequence_parallel=True), "--sequence-parallel"),
-    (dict(replicas=2, zero=1), "--zero 1"), (dict(recompute="full"), "--recompute full"),
+    (dict(tp=2), "--tp 2"), (dict(tp=2, sequence_parallel=True), "--sequence-parallel"),
+    (dict(replicas=2, zero=2), "--zero 2"), (dict(recompute="full"), "--recompute full"),
     (dict(dtype="bf16"), "--dtype bf16"), (dict(fault="1:F0.s1"), "--inject-fault 1:F0.s1"),
 ])
 def test_what_torch_runtime_does_not_run_is_refused(no_ranks, changes, words):
     cfg = RunConfig.of(schedule="dapple", **{**BASE, **changes})
     with pytest.raises(ValueError, match="torch.distributed.pipelining's runtime trains pipetwin's GPT or Llama "
-                                         "stages in fp32, one pipeline; drop ") as e:
+                                         "stages in fp32, replicated whole; drop ") as e:
         torch_job(cfg)
     assert words in str(e.value)
 
@@ -242,3 +242,28 @@ def test_cli_runtime_torch_trains_a_csv_file_as_written(tmp_path, capfd):
     assert torch_rec["check"]["equal"] and torch_rec["reference_check"]["equal"]
     assert err.splitlines()[-2].startswith("torch.distributed.pipelining's losses equal pipetwin's executor's within "
                                            "1e-5 (relative, fp32): ")
+
+
+R2 = {"zb-v-D2R2": RunConfig.of(schedule="zb-v", **dict(BASE, microbatches=2, replicas=2)),
+      "interleaved-D2R2": RunConfig.of(schedule="interleaved", **dict(BASE, microbatches=2, replicas=2)),
+      "dapple-zero1-adam-D2R2": RunConfig.of(schedule="dapple", zero=1, **dict(BASE, microbatches=2, replicas=2,
+                                                                                optimizer="adam", lr=1e-3))}
+
+
+@pytest.mark.slow
+def test_replicas_average_their_gradients_as_pipetwin_does(references):
+    """R = 2 pipelines of D = 2 under torch's runtime (world 4), their gradients averaged between step() and the
+    optimizer: the losses equal pipetwin's executor's (which all-reduces in its bubbles, and shards Adam's state
+    under ZeRO-1) and the reference's on the same global batch; both replicas end with pipetwin's weights."""
+    jobs = [torch_job(cfg) for cfg in R2.values()]
+    theirs = run_torch_many(jobs)
+    ours = run_many(list(R2.values()))
+    for (key, cfg), t, o in zip(R2.items(), theirs, ours):
+        ref = references(cfg)
+        for a, b, r in zip(t.losses, o.losses, ref.losses):
+            assert abs(a - b) <= 1e-5 * abs(b) and abs(a - r) <= 1e-5 * abs(r), (key, t.losses, o.losses)
+        assert {k.split("/")[0] for k in t.params} == {"r0.c0", "r1.c0"}
+        for k, v in t.params.items():
+            assert _relative(v, o.params[k]) <= 1e-5, (key, k)
+        if key.startswith("zb-v"):     # each replica's V: rank r*D + d holds the stages of device d
+            assert [d["stages"] for d in t.per_device] == [[0, 3], [1, 2]] * 2
