@@ -5,3 +5,4 @@ the command line's option table (:mod:`experiments.options`) and checked by the 
 OPTIMIZERS = ("adam", "sgd")         # sgd: momentum 0.9
 DTYPES = ("fp32", "bf16")            # bf16: autocast with fp32 master weights
 DEVICES = ("auto", "cpu", "cuda")    # auto: cuda where available
+RUNTIMES = ("pipetwin", "torch")    # torch: torch.distributed.pipelining's runtime (executor.torch_pipelining)

@@ -30,7 +30,7 @@ from cost_models.moe import MOE_KNOBS
 from cost_models.parallel import CP_COMMS, PRECISIONS, RECOMPUTE, ZERO_STAGES
 from cost_models.profile import BUSY_CORES
 from schedules import families, names
-from executor.choices import DEVICES, DTYPES, OPTIMIZERS
+from executor.choices import DEVICES, DTYPES, OPTIMIZERS, RUNTIMES
 from schedules.registry import ALIASES
 
 from .checks import (byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
@@ -317,6 +317,11 @@ def _rows() -> dict[str, Option]:
         ("check", O(("--check",), None, "also train the single-process reference (--reference) and compare the "
                     "losses step by step: exit status 1 at the first step that differs by more than 1e-5 relative "
                     "in fp32 (1e-3 in bf16), printing it and the difference", action="store_true")),
+        ("runtime", O(("--runtime",), None,
+                      "pipetwin: its executor trains; torch: torch.distributed.pipelining's _PipelineScheduleRuntime "
+                      "trains from the schedule's torch CSV (a --schedule-file CSV as written, else the schedule's "
+                      "export) beside pipetwin's executor, the losses side by side: exit status 1 where they differ "
+                      "by more than 1e-5 relative (fp32)", choices=RUNTIMES, default="pipetwin")),
         ("calibration_profile", O(("--profile",), None, "a calibration profile (pipetwin calibrate)", type=input_file,
                                   metavar="FILE.yaml", dest="profile")),
         # ---- plan's own
@@ -451,7 +456,7 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("seq_len"),
-            use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
+            use("runtime"), use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
             use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
     "sweep": (use("schedules"), use("devices", LIST, note=" (required, unless --from-megatron/--from-torchtitan gives "
                                                        "it)"),
