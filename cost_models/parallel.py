@@ -71,7 +71,14 @@ class Parallel:
     (weights, gradients, optimizer state and activations are counted as in 16 bits, plus the fp8
     copies of the linear layers' weights; :mod:`cost_models.fp8`). ``fp8_recipe``: how fp8 casts
     are scaled (delayed | tensorwise | blockwise; None: delayed, Transformer Engine's default);
-    ``fp8_gather``: ZeRO-3's weight all-gathers carry fp8 (1 byte per parameter)."""
+    ``fp8_gather``: ZeRO-3's weight all-gathers carry fp8 (1 byte per parameter).
+
+    ``p2p_scatter_gather``: Megatron-LM's scatter-gather of the messages between pipeline stages
+    (on by default in its 2021 code, ``--no-scatter-gather-tensors-in-pipeline`` turns it off): with
+    T > 1 and no sequence parallelism, each of the T GPUs sends 1/T of the boundary tensor and the
+    receiver all-gathers it over its TP group on its compute stream before the stage runs (the
+    gather's time is each RECV's, :meth:`cost_models.transformer.TransformerCostModel.p2p_gather_time`);
+    without it the T GPUs' shards are taken to arrive ready (as with sequence parallelism)."""
 
     tp: int = 1
     sequence_parallel: bool = False
@@ -96,6 +103,7 @@ class Parallel:
     precision: str | None = None
     fp8_recipe: str | None = None
     fp8_gather: bool = False
+    p2p_scatter_gather: bool = False
     expert_load: tuple[float, ...] | None = None
 
     def __post_init__(self):
@@ -157,6 +165,11 @@ class Parallel:
             check_recipe(self.fp8_recipe)
             if self.precision != "fp8":
                 raise ValueError("--fp8-recipe sets how fp8 casts are scaled; give --precision fp8")
+        if not isinstance(self.p2p_scatter_gather, bool):
+            raise ValueError(f"--p2p-scatter-gather is a switch (true or false); got {self.p2p_scatter_gather!r}")
+        if self.p2p_scatter_gather and (self.tp == 1 or self.sequence_parallel):
+            raise ValueError("--p2p-scatter-gather splits a stage's message over its tensor-parallel group; give "
+                             "--tp > 1 without --sequence-parallel (whose messages are split already)")
         if not isinstance(self.fp8_gather, bool):
             raise ValueError(f"--fp8-gather is a switch (true or false); got {self.fp8_gather!r}")
         if self.fp8_gather and (self.precision != "fp8" or self.zero != 3):

@@ -510,7 +510,7 @@ class TransformerCostModel:
             raise SpecError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
                             f"got {self.grad_accumulation!r}")
         if self.grad_accumulation != "fused" and (self.compute != "kernels" or self.model.kind != "gpt"):
-            raise SpecError(f"grad_accumulation {self.grad_accumulation!r} prices Megatron-LM's gpt block in the "
+            raise SpecError(f"--grad-accumulation {self.grad_accumulation} prices Megatron-LM's gpt block in the "
                             f"kernel model; this is a {self.model.kind} model with the {self.compute} cost model")
         if self.compute not in COST_MODELS:
             raise SpecError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.compute!r}")
@@ -822,7 +822,18 @@ class TransformerCostModel:
                           memory_transient=self.transient_bytes())
         if self.parallel.overlap_fb and self.model.is_moe:
             costs = self._with_phases(costs, sched, lc)
+        if self.parallel.p2p_scatter_gather:
+            costs = replace(costs, recv_time=self.p2p_gather_time())
         return costs
+
+    def p2p_gather_time(self) -> float:
+        """Seconds a RECV holds its GPU under Megatron-LM's scatter-gather (``p2p_scatter_gather``):
+        the all-gather of the boundary tensor, bsh d, over the receiver's tensor-parallel group
+        (half a ring all-reduce on the group's links, :class:`TensorParallelGroup`), on the compute
+        stream before the stage runs; 0 without it."""
+        if not self.parallel.p2p_scatter_gather:
+            return 0.0
+        return self.tp_group.time("all-gather", boundary_bytes(self.model))
 
     def _with_phases(self, costs: StageCosts, sched, lc: LayerCosts) -> StageCosts:
         """``costs`` with each op's F and B split into compute and all-to-all phases (the layers'

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
 from cost_models.fp8 import FP8_RECIPES
-from cost_models.kernels import COST_MODELS
+from cost_models.kernels import COST_MODELS, GRAD_ACCUMULATION
 from cost_models.moe import MOE_KNOBS
 from cost_models.parallel import CP_COMMS, PRECISIONS, RECOMPUTE, ZERO_STAGES
 from cost_models.profile import BUSY_CORES
@@ -162,6 +162,15 @@ def _rows() -> dict[str, Option]:
                          "(per-tensor scale from the amax history; default), tensorwise (per-tensor scale from "
                          "the tensor: two reads per cast), blockwise (DeepSeek-V3's 1x128 / 128x128 block scales)",
                          choices=tuple(FP8_RECIPES))),
+        ("p2p_scatter_gather", O(("--p2p-scatter-gather",), "Parallel.p2p_scatter_gather",
+                                 "with --tp > 1: Megatron-LM's scatter-gather of the messages between stages (its "
+                                 "2021 default): each of the T GPUs sends 1/T, the receiver all-gathers them over "
+                                 "its TP group before the stage runs", action="store_true")),
+        ("grad_accumulation", O(("--grad-accumulation",), "Job.grad_accumulation",
+                                "kernel cost model, gpt blocks: how weight gradients add up over micro-batches, "
+                                "fused (Megatron-LM's gradient-accumulation fusion into fp32 main gradients; "
+                                "default) or autograd (its code before 2022: each micro-batch's 16-bit gradients "
+                                "added into .grad)", choices=tuple(GRAD_ACCUMULATION))),
         ("fp8_gather", O(("--fp8-gather",), "Parallel.fp8_gather",
                          "with --precision fp8 and --zero 3: the weight all-gathers carry fp8 (1 byte per "
                          "parameter)", action="store_true")),
@@ -411,7 +420,7 @@ _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "node
           "nodes_per_leaf", "profile", "stage_costs", "partition", "device_map", "recompute", "sequence_parallel",
           "tp_overlap", "zero", "dp_shard", "reshard_after_forward", "cp", "cp_comm",
           "micro_batch", "memory_reserve", "seq_len", "precision", "fp8_recipe", "fp8_gather",
-          *MOE_KNOBS)
+          "p2p_scatter_gather", "grad_accumulation", *MOE_KNOBS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "

@@ -430,6 +430,12 @@ CASES = [
      ["--fp8-recipe", "--precision fp8"]),
     ("fp8-gather-without-zero3", SIM + ["--precision", "fp8", "--fp8-gather", "-m", "gpt3-1.3b",
                                         "-c", "dgx-h100-ib:1"], ["--fp8-gather", "--zero 3"]),
+    ("p2p-scatter-gather-without-tp", SIM + ["--p2p-scatter-gather", "-m", "gpt3-1.3b"],
+     ["--p2p-scatter-gather", "--tp > 1"]),
+    ("grad-accumulation-llama", SIM + ["--grad-accumulation", "autograd", "-m", "llama3-8b", "-c", "dgx-h100-ib:1",
+                                       "--cost-model", "kernels"], ["--grad-accumulation autograd", "llama"]),
+    ("grad-accumulation-unit-costs", UNIT + ["--grad-accumulation", "autograd"],
+     ["--grad-accumulation", "model's formulas"]),
     ("moe-tp-without-sp", MOE + ["--dp", "1", "--tp", "2"], ["--tp 2 needs --sequence-parallel"]),
     ("overlap-fb-dense", SIM + ["--overlap-fb", "-m", "gpt3-1.3b"], ["--overlap-fb acts on a mixture of experts"]),
 ]
