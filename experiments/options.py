@@ -294,7 +294,8 @@ def _rows() -> dict[str, Option]:
         ("no_memory", O(("--no-memory",), "RunConfig.measure_memory", "do not measure activation memory",
                         action="store_true", invert=True)),
         ("dtype", O(("--dtype",), "RunConfig.dtype", "precision: bf16 is autocast mixed precision with fp32 master "
-                    "weights and optimizer state", choices=DTYPES, default="fp32")),
+                    "weights and optimizer state; fp8 is bf16 with the linear layers in fp8 through torchao "
+                    "(a GPU of compute capability 8.9 or newer, --tp 1)", choices=DTYPES, default="fp32")),
         ("inject_fault", O(("--inject-fault",), "RunConfig.fault",
                            "make RANK raise at the op TOKEN of its program (e.g. 1:F2.s1, 0:RG1.s0<1:2 in step 2) to "
                            "check that a failure ends the run; the token must be in that rank's program",

@@ -117,7 +117,7 @@ def test_simulate_reproduces_every_table1_row_within_10_percent(tmp_path):
         assert load_model(job.model) == spec
         want = megatron.megatron_job(spec, tp=int(r.tp), pp=int(r.pp), dp=int(r.dp), microbatches=int(r.microbatches),
                                      chunks=int(r.virtual_stages), recompute="full", grad_accumulation="autograd",
-                                     p2p_scatter_gather=int(r.tp) > 1 and int(r.pp) > 1)
+                                     p2p_scatter_gather=int(r.tp) > 1 and int(r.pp) > 1, precision="fp16")
         assert job == type(job)(**{**vars(want), "model": job.model})
         _, res = simulate_job(job)
         tflops = megatron.model_flops(int(r.global_batch), int(r.layers), int(r.hidden)) / res.iteration_time \

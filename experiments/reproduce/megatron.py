@@ -1,8 +1,9 @@
 """Megatron-LM SC'21 Table 1 (Narayanan et al.), predicted from its configurations: held out.
 
 Each row is a GPT model (vocabulary 51,200, sequence 2048, eager attention, dropout, 16-bit
-weights and activations) on DGX A100 80 GB nodes, 8 x 200 Gb/s HDR InfiniBand per node
-(``dgx-a100-ib`` sized ``NAME:NODES``), tensor parallel T inside a node, pipeline parallel D,
+weights and activations: ``--precision fp16`` as the runs' ``--fp16``, at the A100's 312 TFLOP/s
+like bf16) on DGX A100 80 GB nodes, 8 x 200 Gb/s HDR InfiniBand per node (``dgx-a100-ib`` sized
+``NAME:NODES``), tensor parallel T inside a node, pipeline parallel D,
 data parallel R, full activation recomputation, 1F1B (``dapple``) or the interleaved schedule with
 the row's chunks, the gradient all-reduce after the pipeline's flush (``--no-eager``, as
 Megatron-LM's training step runs it), with the ``a100`` preset's kernel model. Every row is the
@@ -11,7 +12,7 @@ the command's own parser and :func:`experiments.jobs.job_from_args`; the model a
 beside the report), e.g. the 76.1B row::
 
     pipetwin simulate -s interleaved -D 4 -N 28 --chunks 3 --dp 32 --tp 8 -m gpt-76.1b.yaml \\
-        -c dgx-a100-ib:128 --cost-model kernels --recompute full --no-eager \\
+        -c dgx-a100-ib:128 --cost-model kernels --precision fp16 --recompute full --no-eager \\
         --grad-accumulation autograd --p2p-scatter-gather
 
 TFLOP/s per GPU is the paper's Eq. (3), F = 96 B s l h^2 (1 + s/6h + V/16lh), over the predicted
@@ -103,7 +104,7 @@ def gpt(name: str, layers: int, hidden: int, heads: int, micro_batch: int) -> Mo
 
 def megatron_job(spec: ModelSpec, *, tp: int, pp: int, dp: int, microbatches: int, chunks: int,
                  recompute: str, sequence_parallel: bool = False, grad_accumulation: str = "fused",
-                 p2p_scatter_gather: bool = False) -> Job:
+                 p2p_scatter_gather: bool = False, precision: str | None = None) -> Job:
     """One measured run as a job: 1F1B, or interleaved with ``chunks`` > 1, on T x D x R GPUs."""
     schedule = "interleaved" if chunks > 1 else "dapple"
     layout = Layout(schedule=schedule, devices=pp, microbatches=microbatches, replicas=dp,
@@ -111,7 +112,7 @@ def megatron_job(spec: ModelSpec, *, tp: int, pp: int, dp: int, microbatches: in
     nodes = -(-(tp * pp * dp) // GPUS_PER_NODE)
     return Job(layout=layout, model=spec, cluster=f"{CLUSTER}:{nodes}", eager=False, cost_model="kernels",
                parallel=Parallel(tp=tp, recompute=recompute, sequence_parallel=sequence_parallel,
-                                 p2p_scatter_gather=p2p_scatter_gather),
+                                 p2p_scatter_gather=p2p_scatter_gather, precision=precision),
                grad_accumulation=grad_accumulation)
 
 
@@ -138,7 +139,7 @@ def simulate_argv(r, model_path) -> list[str]:
     argv = ["simulate", "-s", "interleaved" if v > 1 else "dapple", "-D", str(pp), "-N", str(int(r.microbatches))]
     argv += ["--chunks", str(v)] if v > 1 else []
     argv += ["--dp", str(dp), "--tp", str(tp), "-m", str(model_path), "-c", f"{CLUSTER}:{nodes}",
-             "--cost-model", "kernels", "--recompute", str(r.recompute), "--no-eager",
+             "--cost-model", "kernels", "--precision", "fp16", "--recompute", str(r.recompute), "--no-eager",
              "--grad-accumulation", grad_accumulation(pp)]
     return argv + (["--p2p-scatter-gather"] if tp > 1 and pp > 1 else [])
 
