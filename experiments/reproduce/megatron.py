@@ -54,12 +54,14 @@ do not, and how each is modelled (issue 44 item 4; mechanisms, no constant tuned
    priced.
 
 With 1 and 2 every row is within 10 % (max +9.6 %, the 76.1B row). What is left on the
-interleaved rows (+4-10 %) is not explained by the pipeline's mechanics above; the candidates are
-the tensor-parallel all-reduces, priced at NVLink's line rate (300 GB/s, a ring of 2(T-1)/T S / B)
-while NCCL's ring on an 8-GPU NVSwitch reaches a lower bus bandwidth at 64-130 MB messages, and
-the un-bucketed, un-overlapped gradient all-reduce of ``LocalDDP`` (one flattened buffer per model
-chunk after the flush: a copy in and out at memory bandwidth besides the ring). Neither has a
-measured constant in this project, so neither is priced.
+interleaved rows (+4.5-9.6 %) is not explained by the pipeline's mechanics above. Candidates: the
+tensor-parallel all-reduces, priced at NVLink's line rate (300 GB/s, a ring of 2(T-1)/T S / B)
+while NCCL's ring on an 8-GPU NVSwitch reaches a lower bus bandwidth; and the un-bucketed,
+un-overlapped gradient all-reduce of ``LocalDDP`` (one flattened buffer per model chunk after the
+flush: a copy in and out at memory bandwidth besides the ring). Neither has a measured constant in
+this project, so neither is priced. As a sensitivity only (a cluster file with ``collective:
+{bandwidth: 200 GB/s}``, not a fit), the T = 8 rows move 1.5-3 points slower, the 1F1B ones to
+within 1.1 % but the 76.1B row only to +7.4 %: its gap is not the all-reduce's bandwidth.
 """
 from __future__ import annotations
 
