@@ -126,3 +126,18 @@ def test_simulate_reproduces_every_table1_row_within_10_percent(tmp_path):
     assert max(abs(e) for e in errors) <= 0.10
     assert errors[5] == pytest.approx(0.096, abs=0.003)       # 76.1B, interleaved v = 3: the largest
     assert all(e > 0 for e in errors)                          # every row a little fast: see the module docstring
+
+
+@pytest.mark.parametrize("D,v,N", [(4, 3, 28), (8, 2, 48), (16, 2, 144), (35, 3, 280), (4, 2, 8), (4, 2, 4)])
+def test_megatron_2021_blocking_p2p_adds_no_bubble_to_the_interleaved_schedule(D, v, N):
+    """The event model of Megatron-LM's 2021 interleaved program (experiments/reproduce/megatron_p2p.py):
+    with rendezvous sends or without, its step is the ideal N(F + B) + (D-1)/v (F + B) (F = 1, B = 3),
+    Table 1's interleaved rows and two small cases (N = D: all forwards first); a per-call cost c adds
+    c per round on the critical path: at most a device's rounds (about 2vN) plus one per hop of the
+    fill (vD)."""
+    from experiments.reproduce.megatron_p2p import makespan, rounds
+    ideal = N * 4 + (D - 1) / v * 4
+    assert makespan(D, v, N) == pytest.approx(ideal, rel=1e-12)
+    assert makespan(D, v, N, rendezvous=False) == pytest.approx(ideal, rel=1e-12)
+    n_rounds = max(len(rounds(D, d, v, N)) for d in range(D))
+    assert ideal < makespan(D, v, N, comm=0.01) <= ideal + 0.01 * (n_rounds + v * D)

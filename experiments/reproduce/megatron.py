@@ -42,9 +42,9 @@ do not, and how each is modelled (issue 44 item 4; mechanisms, no constant tuned
 3. **Blocking, combined P2P** (``batch_isend_irecv`` + ``wait`` + ``torch.cuda.synchronize()``; in
    the interleaved steady state a chunk's forward output is sent only after the next backward, in
    one call with the gradient): the coupling is not modelled, on evidence. An event model of the
-   2021 program order with rendezvous sends (every send completes only when its receiver posts the
-   receive; ``forward_backward_pipelining_with_interleaving`` re-implemented op for op at unit
-   costs, B = 3F with recomputation) gives the same makespan as receive-only blocking and exactly
+   2021 program with rendezvous sends (:mod:`experiments.reproduce.megatron_p2p`: every send
+   completes only when its receiver posts the receive; ``forward_backward_pipelining_with_interleaving``
+   re-implemented op for op at unit costs, B = 3F with recomputation) gives the same makespan as receive-only blocking and exactly
    the ideal bubble (D-1)/v (F + B) for the interleaved rows' (D, v, N) = (4, 3, 28), (8, 2, 48),
    (16, 2, 144), (35, 3, 280): the warm-up's extra 2(D-1-d) forwards absorb the deferred sends, so
    neither the warm-up nor the coupling adds a bubble. What remains is the sender's hold for its
@@ -60,7 +60,7 @@ while NCCL's ring on an 8-GPU NVSwitch reaches a lower bus bandwidth; and the un
 un-overlapped gradient all-reduce of ``LocalDDP`` (one flattened buffer per model chunk after the
 flush: a copy in and out at memory bandwidth besides the ring). Neither has a measured constant in
 this project, so neither is priced. As a sensitivity only (a cluster file with ``collective:
-{bandwidth: 200 GB/s}``, not a fit), the T = 8 rows move 1.5-3 points slower, the 1F1B ones to
+{bandwidth: 200 GB/s}``, not a fit), the T = 8 rows move 2-3 points slower, their 1F1B ones to
 within 1.1 % but the 76.1B row only to +7.4 %: its gap is not the all-reduce's bandwidth.
 """
 from __future__ import annotations
