@@ -43,8 +43,9 @@ do not, and how each is modelled (issue 44 item 4; mechanisms, no constant tuned
    the interleaved steady state a chunk's forward output is sent only after the next backward, in
    one call with the gradient): the coupling is not modelled, on evidence. An event model of the
    2021 program with rendezvous sends (:mod:`experiments.reproduce.megatron_p2p`: every send
-   completes only when its receiver posts the receive; ``forward_backward_pipelining_with_interleaving``
-   re-implemented op for op at unit costs, B = 3F with recomputation) gives the same makespan as receive-only blocking and exactly
+   completes only when its receiver posts the receive;
+   ``forward_backward_pipelining_with_interleaving`` re-implemented op for op at unit costs, B = 3F
+   with recomputation) gives the same makespan as receive-only blocking and exactly
    the ideal bubble (D-1)/v (F + B) for the interleaved rows' (D, v, N) = (4, 3, 28), (8, 2, 48),
    (16, 2, 144), (35, 3, 280): the warm-up's extra 2(D-1-d) forwards absorb the deferred sends, so
    neither the warm-up nor the coupling adds a bubble. What remains is the sender's hold for its
