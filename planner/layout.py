@@ -1,5 +1,6 @@
-"""The whole-layout planner: T x D x R, schedule family, micro-batch, recompute, ZeRO-1 and sequence
-parallelism for a transformer on a cluster, and for a mixture of experts its expert-parallel EP
+"""The whole-layout planner: T x D x R, schedule family, micro-batch, recompute, ZeRO 0 to 3 (ZeRO-3
+as FSDP re-gathering per micro-batch, :func:`zero_record`) and sequence parallelism for a
+transformer on a cluster, and for a mixture of experts its expert-parallel EP
 (and ETP) and the forward/backward overlap, the fastest that fits each GPU's memory.
 
 Every candidate is a :class:`cost_models.job.Job` (uniform layouts: R replicas of a D-stage
@@ -16,8 +17,9 @@ by bounds that never exceed the truth:
   built schedule: each device's compute ops, after the forwards of the stages before its first,
   then its optimizer step; and, before a candidate is simulated, the built schedule timed with its
   compute costs and no communication (its bubbles: :meth:`_Bounds.critical_path`);
-* memory: a GPU needs at least its mean static bytes (weights, gradients, optimizer state, ZeRO-1
-  sharded), params x bytes / D, plus the mean over the devices of one micro-batch's activations of
+* memory: a GPU needs at least its mean static bytes (weights, gradients, optimizer state as its
+  ZeRO stage shards them; ZeRO-3's gathered weights where it keeps them through the step),
+  params x bytes / D, plus the mean over the devices of one micro-batch's activations of
   the stages each holds (a device runs the forwards of micro-batch 0 through all its stages before
   any of their backwards, which need the whole pipeline's forward), the whole model's / D, plus
   the transients every verdict counts; above the usable memory no schedule of that layout fits.
