@@ -740,7 +740,19 @@ class TransformerCostModel:
 
         so a GPU moves per step, on rings of S, (S-1)/S x p x [N g_r + w] (ZeRO-2, ZeRO-3 gathered
         once) or (S-1)/S x p x N (g_r + 2w) (reshard_after_forward), HSDP adding
-        2 (R/S - 1)/(R/S) x p g_r / S (:meth:`fsdp_step_bytes`)."""
+        2 (R/S - 1)/(R/S) x p g_r / S (:meth:`fsdp_step_bytes`).
+
+        Why per micro-batch: a GPU keeps only its 1/S of the gradients over a step of N
+        micro-batches only if each micro-batch's are reduce-scattered as its backward makes them
+        (DeepSpeed's ZeRO-2; Llama 3 shards optimizer state and gradients under its pipeline). The
+        other choice, torchtitan's under ``torch.distributed.pipelining`` (``stage.py``:
+        ``backward_maybe_with_nosync`` calls ``set_requires_gradient_sync(False)`` for every
+        micro-batch, ``perform_reduce_grad`` reduce-scatters once after the stage's last B/W),
+        sends 1/N of these bytes but holds the whole fp32 gradients through the step: ZeRO-1's
+        gradient memory. ZeRO-3 gathered once (no ``reshard_after_forward``) gathers at the
+        stage's first F and holds the weights to its last B; that gather is costed at the step's
+        end, the same place on a rank's timeline between two steps (after its optimizer, before
+        its next first F)."""
         if L is None:
             got = self._memo.get("fsdp")
             if got is None:
