@@ -272,15 +272,16 @@ def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> Tran
 
 
 def data_parallel_groups(job: Job, cluster: Cluster) -> dict:
-    """ZeRO-2/3's ``dp_group`` (the S replicas of a shard group) and, with HSDP, ``replicate_group``
-    (the R / S groups) of a job on ``cluster`` (unplaced): a replica is ``job.gpus / R`` consecutive
-    GPUs, a shard group S consecutive replicas (torch's device mesh (replicate, shard)); {} below ZeRO-2."""
+    """ZeRO-2/3's ``dp_group`` (the S replicas of a shard group, with context parallelism the C GPUs
+    of each, T apart, that hold the same weights) and, with HSDP, ``replicate_group`` (the R / S
+    groups) of a job on ``cluster`` (unplaced): a replica is ``job.gpus / R`` consecutive GPUs, a
+    shard group S consecutive replicas (torch's device mesh (replicate, shard)); {} below ZeRO-2."""
     par, R = job.parallel, job.layout.replicas
     if par.zero < 2:
         return {}
-    S = par.dp_shard or R
+    S, C = par.dp_shard or R, par.cp
     per_replica = job.gpus // R
-    return {"dp_group": DataParallelGroup(cluster, S, per_replica) if S > 1 else None,
+    return {"dp_group": DataParallelGroup(cluster, S, per_replica, C, par.tp) if S * C > 1 else None,
             "replicate_group": DataParallelGroup(cluster, R // S, per_replica * S) if R // S > 1 else None}
 
 

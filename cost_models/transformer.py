@@ -604,23 +604,34 @@ class DataParallelGroup:
     cluster: Cluster
     size: int
     stride: int
+    inner: int = 1
+    inner_stride: int = 1
+
+    @property
+    def members(self) -> int:
+        """GPUs in the group: ``size`` replicas x ``inner`` GPUs of each (with context parallelism
+        the C GPUs of a pipeline device, ``inner_stride`` = T apart, hold the same weights and
+        shard them too, as torchtitan's FSDP shards over dp_shard x cp)."""
+        return self.size * self.inner
 
     def time(self, kind: str, nbytes: float) -> float:
         if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective {kind!r}")
-        if self.size <= 1 or nbytes <= 0:
+        if self.members <= 1 or nbytes <= 0:
             return 0.0
-        fixed, per_byte = _allreduce_line(self.cluster, self.size, self.stride)
+        fixed, per_byte = _allreduce_line(self.cluster, self.size, self.stride, self.inner, self.inner_stride)
         t = fixed + per_byte * nbytes
         return t if kind == "all-reduce" else t / 2
 
 
 @lru_cache(maxsize=4096)
-def _allreduce_line(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
-    """(seconds, seconds per byte): :func:`cost_models.comm.allreduce_time` over ``size`` GPUs
-    ``stride`` apart is affine in the bytes (latencies + bytes over bandwidths, every form), so it
-    is found once per group (a group of hundreds of GPUs takes milliseconds to walk)."""
-    ranks = range(0, size * stride, stride)
+def _allreduce_line(cluster: Cluster, size: int, stride: int, inner: int = 1,
+                    inner_stride: int = 1) -> tuple[float, float]:
+    """(seconds, seconds per byte): :func:`cost_models.comm.allreduce_time` over ``size`` blocks
+    ``stride`` GPUs apart, ``inner`` GPUs ``inner_stride`` apart in each, is affine in the bytes
+    (latencies + bytes over bandwidths, every form), so it is found once per group (a group of
+    hundreds of GPUs takes milliseconds to walk)."""
+    ranks = sorted(r * stride + c * inner_stride for r in range(size) for c in range(inner))
     fixed = allreduce_time(cluster, ranks, 0.0)
     big = 2.0 ** 40
     return fixed, (allreduce_time(cluster, ranks, big) - fixed) / big
@@ -904,8 +915,10 @@ class TransformerCostModel:
         S, R = self.shard, self.replicas
         if R % S:
             raise SpecError(f"--dp-shard {S} must divide the {R} replicas")
-        if S > 1 and (self.dp_group is None or self.dp_group.size != S):
-            raise SpecError(f"ZeRO-{par.zero} over {S} replicas needs the shard group's links (dp_group of size {S})")
+        if S * par.cp > 1 and (self.dp_group is None or (self.dp_group.size, self.dp_group.inner) != (S, par.cp)):
+            times = f" x C={par.cp}" if par.cp > 1 else ""
+            raise SpecError(f"ZeRO-{par.zero} over {S} replicas{times} needs the shard group's links (dp_group of "
+                            f"size {S}{', inner ' + str(par.cp) if par.cp > 1 else ''})")
         if R // S > 1 and (self.replicate_group is None or self.replicate_group.size != R // S):
             raise SpecError(f"HSDP with {R // S} replicate groups needs their links (replicate_group of size "
                             f"{R // S})")
@@ -973,7 +986,7 @@ class TransformerCostModel:
             dense, expert = key
             gather = coll("all-gather", dense * w, expert * w)
             rs = coll("reduce-scatter", dense * r, expert * r)
-            hsdp = rep.time("all-reduce", dense * r / S) if rep is not None else 0.0
+            hsdp = rep.time("all-reduce", dense * r / (S * self.parallel.cp)) if rep is not None else 0.0
             times[key] = (gather if every else 0.0, gather if every else 0.0, rs, hsdp + (0.0 if every else gather))
         rows = [times[key] for key in self._dense_expert_params(L)]
         return tuple(tuple(x[k] for x in rows) for k in range(4))
@@ -984,15 +997,15 @@ class TransformerCostModel:
         reduce-scatter or all-gather sends (n-1)/n of the whole tensor, its all-reduce twice that):
         ``per_microbatch`` (the reduce-scatters, and with ``reshard_after_forward`` the two
         gathers, times N), ``step_end`` (the gather of the updated weights, the HSDP all-reduce)."""
-        zero, S, R = self.parallel.zero, self.shard, self.replicas
+        zero, S, R, C = self.parallel.zero, self.shard, self.replicas, self.parallel.cp
         if zero < 2:
             return {"per_microbatch": 0.0, "step_end": 0.0}
         w, r = self.bytes_split()[0], self.reduce_bytes
-        ring = (S - 1) / S
+        ring = (S * C - 1) / (S * C)
         every = zero == 3 and self.parallel.reshard_after_forward
         per_mb = ring * params * (r + (2 * w if every else 0.0))
         groups = R // S
-        hsdp = 2 * (groups - 1) / groups * params * r / S if groups > 1 else 0.0
+        hsdp = 2 * (groups - 1) / groups * params * r / (S * C) if groups > 1 else 0.0
         end = (0.0 if every else ring * params * w) + hsdp
         return {"per_microbatch": microbatches * per_mb, "step_end": end}
 
@@ -1132,9 +1145,6 @@ class TransformerCostModel:
         if par.cp == 1:
             return
         self.model.check_context_parallel(par.cp, par.tp, par.sequence_parallel)
-        if par.zero > 1:
-            raise SpecError(f"--zero {par.zero} with --cp {par.cp}: sharding gradients and weights over the R x C GPUs "
-                            f"is not priced yet; give --zero 1 (the optimizer state over R x C) or drop --cp")
         if self.compute == "kernels":
             raise SpecError(f"--cp {par.cp} is priced by --cost-model linear; the kernel model prices whole-sequence "
                             f"attention kernels (give --cost-model linear, the default with --cp)")
@@ -1201,6 +1211,8 @@ class TransformerCostModel:
         all-reduce of each GPU's 1/C shard across the R replicas, which is the engine's
         ALLREDUCE of the collapsed rank: T x the GPU's gradient bytes over a port T x C GPUs wide."""
         per, g = self.optim_time_per_param(), self.cp_group
+        if self.parallel.zero >= 2:       # the shard group's reduce-scatters span the C GPUs already
+            return dict(optim_time=tuple(l.params * per for l in L))
         times = {p: p * per + g.all_reduce(p * self.grad_bytes) for p in {l.params for l in L}}
         return dict(optim_time=tuple(times[l.params] for l in L))
 

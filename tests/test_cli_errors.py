@@ -90,8 +90,6 @@ CASES = [
      ["--cp 2", "--cost-model linear"]),
     ("cp-tp-not-dividing-node", SIM + ["-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--tp", "2", "--cp", "3",
                                        "--seq-len", "6144"], ["--tp 2 x --cp 3 = 6", "8 devices per node"]),
-    ("cp-with-zero-3", SIM + ["-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--cp", "2", "--dp", "2", "--zero", "3"],
-     ["--zero 3 with --cp 2", "--zero 1"]),
     ("cp-too-many-gpus", SIM + ["-m", "llama3-8b", "-c", "dgx-h100-ib:1", "--tp", "2", "--cp", "2"],
      ["16 GPUs (T=2 x C=2 x D=4 x R=1)", "do not fit", "--tp/--cp/-D/--dp"]),
     ("tp-in-a-run-not-dividing-heads", RUN + ["--tp", "3"], ["--tp 3", "heads (4)"]),

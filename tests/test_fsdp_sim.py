@@ -222,3 +222,31 @@ def test_search_equals_brute_force_on_a_small_moe_at_zero_2_and_3():
     res = plan_layouts(moe, cl, 16, space, top_k=3)
     assert [x.job for x in res.top] == [x.job for x in fits[:3]]
     assert [x.iteration_time for x in res.top] == pytest.approx([x.iteration_time for x in fits[:3]], rel=1e-12)
+
+
+def test_fsdp_with_context_parallelism_shards_over_s_times_c():
+    """ZeRO-2/3 with --cp C: the C GPUs of a pipeline device hold the same weights, so the shard
+    group is S replicas x C (torchtitan's dp_shard x cp): at R = 2, C = 2 every GPU keeps 1/4 of
+    the weights, gradients and optimizer state; the group's members are the C GPUs T apart in each
+    replica's T x C x D block and the same GPUs of the other replica; a ring of 4 sends 3/4 of each
+    tensor; the CP group's own gradient reduction is left to the shard group (only the optimizer's
+    pass at the step's end)."""
+    job = Job.of(schedule="1f1b", devices=2, microbatches=4, replicas=2, model=SMALL, cluster="dgx-h100-ib:1",
+                 zero=3, cp=2, cost_model="linear")
+    cl = load_cluster("dgx-h100-ib:1").with_device_map(None)
+    group = DataParallelGroup(cl, 2, 4, 2, 1)
+    assert data_parallel_groups(job, cl) == {"dp_group": group, "replicate_group": None}
+    assert group.members == 4
+    b = bind(job)
+    want = [STAGE[s] * (2 + 4 + 12) / 4 + 2 * STAGE[s] for s in (0, 1)] * 2
+    assert list(b.costs.static_mem) == pytest.approx(want, rel=1e-15)
+    tcm = _tcm(job)
+    assert tcm.fsdp_step_bytes(1000, 8) == {"per_microbatch": 0.75 * 1000 * 2 * 8, "step_end": 0.75 * 1000 * 2}
+    L = tcm.layers()
+    per = tcm.optim_time_per_param()
+    end = tcm.fsdp_layer_times()[3]         # the step end's gather, no CP-group all-reduce beside it
+    assert tcm.layer_costs().optim_time == pytest.approx(tuple(l.params * per + e for l, e in zip(L, end)), rel=1e-12)
+    # the members: GPUs 0 and 1 (C = 2 at T = 1) of replica 0, 4 and 5 of replica 1 (T x C x D = 4 apart)
+    from cost_models.transformer import _allreduce_line
+    fixed, per_byte = _allreduce_line(cl, 2, 4, 2, 1)
+    assert fixed + per_byte * 1e9 == pytest.approx(allreduce_time(cl, [0, 1, 4, 5], 1e9), rel=1e-12)
