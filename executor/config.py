@@ -22,6 +22,7 @@ from cost_models.stack import is_model_ref
 from schedules import Schedule, lower, validate
 
 from .choices import OPTIMIZERS
+from .context_parallel import check_context_parallel
 from .device import check_device
 from .faults import check_fault, parse_fault
 from .model import KINDS
@@ -138,6 +139,9 @@ class RunConfig:
         if par.recompute != "none":
             raise ValueError(f"--recompute {par.recompute} recomputes the GPT's transformer blocks; a model file's "
                              f"layers are not recomputed (use --recompute none with {model})")
+        if par.cp > 1:
+            raise ValueError(f"--cp {par.cp} splits the built-in GPT's sequence over its attention; a model file's "
+                             f"layers are not split (use --cp 1 with {model})")
 
     @classmethod
     def of(cls, **fields) -> "RunConfig":
@@ -260,6 +264,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     lay, par = config.layout, config.parallel
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
+    if spec is not None and par.cp > 1:
+        check_context_parallel(spec.seq_len, par.cp, par.tp, par.sequence_parallel)
     check_device(config.device)
     if stack and config.data is not None:
         raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
@@ -327,7 +333,7 @@ class RunResult:
         lay, par = c.layout, c.parallel
         return {"engine": self.engine, "schedule": lay.label, "variant": lay.variant, "devices": lay.devices,
                 "microbatches": lay.microbatches, "replicas": lay.replicas, "tp": par.tp,
-                "sequence_parallel": par.sequence_parallel, "zero": par.zero,
+                "sequence_parallel": par.sequence_parallel, "zero": par.zero, "cp": par.cp, "cp_comm": par.cp_comm,
                 "model": c.model_name,
                 "micro_batch": c.samples_per_microbatch,
                 "partition": list(c.blocks) if c.blocks is not None else None,
