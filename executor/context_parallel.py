@@ -19,13 +19,16 @@ kernel keeps: the ledger's S and 4as b at s/C tokens); the other ranks' K/V are 
 the backward instead of kept:
 
 - ``allgather`` (Llama 3): the forward all-gathers K and V over the CP group, computes, and drops
-  them; the backward all-gathers them again and reduce-scatters dK, dV to their owners. Bytes a
-  rank receives per block: forward and backward each (C-1)/C x 2 b s k e d (K and V of the
-  other ranks), plus the reduce-scatter of the same size in the backward.
+  them; the backward all-gathers them again and reduce-scatters dK, dV to their owners. On a ring
+  algorithm a rank sends (C-1) X per block and micro-batch in F (X below) and 2 (C-1) X in B.
 - ``ring``: C steps; at step r a rank holds the K/V block of rank i - r and, while it computes
-  with it, sends it to rank i + 1 and receives the next from rank i - 1 (C-1 sends of 2 b (s/C) k
-  e d bytes each). The backward circulates the blocks again (C-1 sends), each with the
-  accumulated dK, dV of the ranks it has visited (C sends: the last one returns it to its owner).
+  with it, sends it to rank i + 1 and receives the next from rank i - 1 (C-1 sends of
+  X = 2 b (s/C) k e d bytes each). The backward circulates the blocks again, the local one last:
+  at step r < C-1 rank i holds the block of rank i-1-r (C-1 sends of X) and the sum of the dK, dV
+  the ranks before it computed for that block, adds its own and sends the sum on (C-1 sends of X);
+  the sum of its own block arrives from rank i-1 at the last step. Per block and micro-batch a
+  rank sends (C-1) X in F and 2 (C-1) X in B, as the all-gather's ring algorithm does
+  (the cost model's closed forms, :meth:`cost_models.transformer.TransformerCostModel.cp_exchange`).
 
 Per (query chunk, key chunk) pair: a key chunk after the query chunk is skipped, the same chunk
 is causal, an earlier one is whole. The partial results are merged by their log-sum-exp (online
@@ -193,8 +196,10 @@ def _shift(cp: ContextParallel, tensors: list[torch.Tensor]):
 
 
 def _wait(reqs) -> None:
-    for r in reqs:
+    """Wait for the requests (once each: gloo's wait on a finished request blocks); returns None."""
+    for r in reqs or ():
         r.wait()
+    return None
 
 
 class _ContextAttention(torch.autograd.Function):
@@ -253,22 +258,24 @@ class _ContextAttention(torch.autograd.Function):
                     torch.empty_like(vg, memory_format=torch.contiguous_format)
                 dist.reduce_scatter(dk, [g[0].contiguous() for g in grads], group=cp.group)
                 dist.reduce_scatter(dv, [g[1].contiguous() for g in grads], group=cp.group)
-            else:
-                blocks, acc = [kg, vg], None
+            else:       # the other ranks' blocks first (from rank i-1 on), the local one last
+                received, reqs = _shift(cp, [kg, vg])
+                acc = None
                 for r in range(cp.size):
-                    reqs = None
                     if r < cp.size - 1:
-                        nxt, reqs = _shift(cp, blocks)
-                    dk, dv = _block_grads(cp, (cp.rank - r) % cp.size, qg, blocks[0], blocks[1], lse_g, dout,
-                                          delta, dq, scale)
+                        reqs = _wait(reqs)
+                        block, source = received, (cp.rank - 1 - r) % cp.size
+                        if r < cp.size - 2:          # passed on while this rank computes with it
+                            received, reqs = _shift(cp, block)
+                    else:
+                        block, source = [kg, vg], cp.rank
+                    dk, dv = _block_grads(cp, source, qg, block[0], block[1], lse_g, dout, delta, dq, scale)
                     if acc is not None:
                         dk, dv = dk + acc[0], dv + acc[1]
-                    if reqs is not None:
-                        _wait(reqs)
-                        blocks = nxt
-                    acc, reqs = _shift(cp, [dk, dv])       # the block's gradients follow it round the ring
-                    _wait(reqs)
-                dk, dv = acc                                 # after C hops: back with its owner
+                    if r < cp.size - 1:
+                        reqs = _wait(reqs)        # (the blocks' messages go first on the pair)
+                        acc, sums = _shift(cp, [dk, dv])    # the block's gradient sum follows it round the ring
+                        _wait(sums)
         return (dq.reshape(q.shape).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype), None, None)
 
 
