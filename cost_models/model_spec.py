@@ -9,7 +9,8 @@ Fields: ``layers`` transformer blocks (embedding and output head come on top), `
 ``ffn_mult`` (MLP width = ffn_mult * h), ``kind`` gpt | bert | llama, ``dtype_bytes`` (bytes per
 activation / weight element: 2 for fp16/bf16, 4 for fp32), and the fields that default by kind:
 
-* ``kv_heads`` (grouped-query attention: heads sharing one key/value head; default ``heads``),
+* ``kv_heads`` (grouped-query attention: heads sharing one key/value head; default ``heads``; gpt and
+  llama kinds: a Megatron-LM GPT with ``--num-query-groups`` and a GeLU MLP is a gpt block with it),
 * ``ffn_hidden`` (the MLP's inner size, when it is no multiple of h: Llama's SwiGLU 14336 for
   h 4096; default ``ffn_mult * hidden``),
 * ``tied_embeddings`` (the output head reuses the token table, counted once in the model's size:
@@ -118,9 +119,10 @@ class ModelSpec:
         if self.attention is not None and self.attention not in ATTENTION:
             raise SpecError(f"model {self.name!r}: field 'attention' must be one of {', '.join(ATTENTION)}; "
                             f"got {self.attention!r}")
-        if self.kind != "llama" and (self.kv != self.heads or self.qkv_bias):
-            raise SpecError(f"model {self.name!r}: grouped-query attention (kv_heads) and qkv_bias are llama-kind "
-                            f"fields; set kind: llama")
+        if (self.kind == "bert" and self.kv != self.heads) or (self.kind != "llama" and self.qkv_bias):
+            what = "grouped-query attention (kv_heads)" if self.kind == "bert" and self.kv != self.heads else "qkv_bias"
+            raise SpecError(f"model {self.name!r}: {what} is a decoder's field (a gpt block takes kv_heads, a llama "
+                            f"block both); set kind: gpt or llama")
         if self.router not in ROUTERS:
             raise SpecError(f"model {self.name!r}: field 'router' must be one of {', '.join(ROUTERS)}; "
                             f"got {self.router!r}")
@@ -221,6 +223,24 @@ class ModelSpec:
                 raise ValueError(f"{option} {tp} does not divide {what} ({n}) of model {self.name}; "
                                  f"pick a {option} that divides {n}")
 
+    def check_context_parallel(self, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+        """Refuse a context-parallel size C the formulas cannot price (one line): the sequence must
+        split into 2C equal chunks (causal load balance: chunks i and 2C-1-i on CP rank i), and with
+        sequence parallelism each GPU's s/C tokens into T; mixtures of experts (their folding over
+        the CP group) and latent attention (its compressed K/V exchange) are not priced with CP."""
+        if cp == 1:
+            return
+        if self.is_moe or self.is_mla:
+            what = "a mixture of experts" if self.is_moe else "latent attention (MLA)"
+            raise ValueError(f"--cp {cp}: context parallelism is priced for dense attention blocks; model {self.name} "
+                             f"has {what} (drop --cp)")
+        if self.seq_len % (2 * cp):
+            raise ValueError(f"--cp {cp} needs the sequence length ({self.seq_len}) divisible by 2 x {cp} = {2 * cp} "
+                             f"(2C chunks for causal load balance); pick a --cp or --seq-len that splits it")
+        if sequence_parallel and (self.seq_len // cp) % tp:
+            raise ValueError(f"--cp {cp} with --sequence-parallel needs each GPU's {self.seq_len // cp} tokens "
+                             f"divisible by --tp {tp}; pick a --cp or --seq-len that splits them")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -266,6 +286,8 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     """A preset name (see :func:`model_presets`), a path to a YAML file or to a Hugging Face
     ``config.json`` (:mod:`cost_models.hf_config`). (A Python model file, ``PATH.py:FUNC``, has no
     spec: its costs come from a calibration profile.)"""
+    if isinstance(name_or_path, ModelSpec):      # a spec already (an imported job's: cost_models.frameworks)
+        return name_or_path
     if is_model_ref(str(name_or_path)):
         raise SpecError(model_ref_help(str(name_or_path)))
     if is_hf_config(name_or_path):

@@ -261,6 +261,9 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     spec = None if stack else config.spec()
     if spec is not None and spec.kind not in KINDS:
         raise ValueError(f"the executor trains GPT and Llama decoders; model {spec.name!r} is of kind {spec.kind!r}")
+    if spec is not None and spec.kind == "gpt" and spec.kv != spec.heads:
+        raise ValueError(f"the executor's GPT has no grouped-query attention; model {spec.name!r} has {spec.kv} "
+                         f"key/value heads for {spec.heads} (simulate it, or train a llama-kind model)")
     lay, par = config.layout, config.parallel
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)

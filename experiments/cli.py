@@ -36,8 +36,8 @@ def _commands():
     for info in pkgutil.iter_modules(experiments.__path__):
         if info.name.startswith("cmd_"):
             mods.append(importlib.import_module(f"experiments.{info.name}"))
-    order = ["schedules", "presets", "simulate", "compare", "run", "calibrate", "validate", "plan", "reproduce",
-             "demo"]
+    order = ["schedules", "presets", "simulate", "compare", "run", "calibrate", "validate", "plan", "export",
+             "reproduce", "demo"]
     mods.sort(key=lambda m: (order.index(m.NAME) if m.NAME in order else len(order), m.NAME))
     return mods
 
@@ -142,6 +142,8 @@ def _main(argv) -> int:
     try:
         with interrupt_on_termination():        # SIGTERM / SIGHUP clean up as Ctrl-C does
             check_files_apart(args)
+            from .jobs import apply_framework_file
+            apply_framework_file(args)      # --from-megatron / --from-torchtitan: the file's job fills the options
             code = int(args._main(args) or 0)
             sys.stdout.flush()      # a full disk or a closed pipe shows here at the latest: an error
             return code

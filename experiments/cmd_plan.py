@@ -42,6 +42,7 @@ def search_of(args) -> str:
     ``--profile``) or an option only it takes is given (and none only the whole-layout search
     takes), else the whole-layout search."""
     from cost_models import is_model_ref, load_model
+    from cost_models.model_spec import ModelSpec
     from cost_models.workloads.paper_models import PAPER_MODELS
     from cost_models.workloads.workload import is_profile_path
     if args.search is not None:
@@ -59,9 +60,30 @@ def search_of(args) -> str:
     if dapple:
         return "dapple"
     m = args.model
+    if isinstance(m, ModelSpec):        # --from-megatron's model
+        return "layout" if m.kind != "bert" else "dapple"
     if m is None or is_profile_path(m) or m in PAPER_MODELS or is_model_ref(m):
         return "dapple"
     return "layout" if load_model(m).kind != "bert" else "dapple"
+
+
+def emit(args, job) -> None:
+    """``--emit TARGET``: the plan's job as ``pipetwin export --to TARGET`` writes it (standard output;
+    torchtitan's schedule CSV beside ``--out``, the plan file)."""
+    from cost_models.frameworks import export_job
+
+    from .cmd_export import write_export
+    ex = export_job(job, args.emit, args.out)
+    print(f"{args.emit} arguments of the plan:" if args.emit != "torch-csv" else "the plan's schedule as "
+          "torch.distributed.pipelining CSV:")
+    write_export(type(ex)(ex.text, ex.files, ex.notes), None, args.emit)
+    for path in ex.files:
+        print(f"wrote {printable(path)}: the schedule as torch.distributed.pipelining CSV")
+
+
+def _model_name(args) -> str | None:
+    """``--model`` as printed: its name, or the name of an imported spec (--from-megatron)."""
+    return getattr(args.model, "name", args.model)
 
 
 def _parse_limit(text):
@@ -87,9 +109,23 @@ def main(args) -> int:
         batch_in_sequences(args.global_batch, args.global_tokens, None)     # refuses: neither, or both
     if args.top < 1:
         raise ValueError(f"--top must be >= 1; got {args.top}")
-    if search_of(args) == "layout":
+    search = search_of(args)
+    if args.emit is not None and args.json:
+        raise ValueError("--emit prints the plan's job after the plan's text; with --json write the plan (--out "
+                         "PLAN.json) and run 'pipetwin export --to TARGET --plan PLAN.json'")
+    if args.emit is not None and search != "layout":
+        raise ValueError("--emit writes a whole-layout plan's job (T x D x R, schedule); the DAPPLE search's stage "
+                         "replicas run in pipetwin only (drop --search dapple)")
+    if args.emit is not None and args.schedules is None:     # search only what the target runs
+        from cost_models.frameworks import runs_on
+        from planner.layout import EXCLUDED_BY_DEFAULT
+        args.schedules = ",".join(n for n in runs_on(args.emit) if n not in EXCLUDED_BY_DEFAULT)
+    if search == "layout":
         from .plan_layout import main_layout
-        return main_layout(args, _parse_limit(args.memory_limit), check_limit)
+        code = main_layout(args, _parse_limit(args.memory_limit), check_limit)
+        if args.emit is not None:
+            emit(args, args._best_job)
+        return code
     for flag, dest in LAYOUT_ONLY:
         if given(args, dest):
             if dest == "devices":
@@ -121,7 +157,8 @@ def main(args) -> int:
     res = plan_training(model, cluster, args.global_batch, memory_limit=limit, recompute=args.recompute,
                         schedules=scheds, top_k=args.top, simulate=not args.no_simulate,
                         baselines=not args.no_baselines, progress=not args.no_progress and sys.stderr.isatty(),
-                        space=space, model_name=args.model or getattr(model, "name", None), cost_model=cost_model,
+                        space=space, model_name=_model_name(args) or getattr(model, "name", None),
+                        cost_model=cost_model,
                         profile_batch=args.profile_batch)
     best = res.best
     rec = plan_record(best.plan, res.workload, cluster, limit, best.estimate, best.sim)
@@ -139,7 +176,7 @@ def main(args) -> int:
              "partial_plans_kept": s.labels, "configurations": s.configurations,
              "baseline_seconds": res.baseline_seconds,
              "candidates": [c.to_dict() for c in res.candidates]}
-    said = dapple_stated(res.workload, cluster, None if args.profile else args.model)
+    said = dapple_stated(res.workload, cluster, None if args.profile else _model_name(args))
     if args.json:
         print_json({**rec, **said, "baselines": base, "search": stats})
         return 0
@@ -241,7 +278,7 @@ def _print_human(res, rec, base, stats, args, said: dict) -> None:
     best, cl, work = res.best, res.cluster, res.workload
     plan, est = best.plan, best.estimate
     costs = f"measured costs from {args.profile}" if args.profile else f"{work.cost_model} cost model"
-    _say(f"DAPPLE plan for {args.model or work.name} on {cl.name} ({cl.num_devices} x {cl.device.name}), global "
+    _say(f"DAPPLE plan for {_model_name(args) or work.name} on {cl.name} ({cl.num_devices} x {cl.device.name}), global "
          f"batch {plan.global_batch}, {costs}")
     print("\n".join(stated_lines(said)))
     print(f"  {plan.describe()}")
@@ -296,7 +333,9 @@ def _print_human(res, rec, base, stats, args, said: dict) -> None:
           f"{stats['complete_plans']:,} complete plans, {stats['configurations']} (micro-batch count, policy) "
           f"configurations; {len(stats['candidates'])} candidates re-simulated; baselines "
           f"{stats['baseline_seconds']:.2f} s")
-    cmd, why = run_command(rec, work, args.model, args.recompute)
+    cmd, why = run_command(rec, work, _model_name(args), args.recompute)
+    if not isinstance(args.model, (str, type(None))):       # an imported spec: no name 'pipetwin run' reads
+        cmd, why = None, "the model is the --from-megatron file's: run the plan with 'pipetwin run --plan FILE'"
     if cmd is not None:     # runs as printed: lines continued with a backslash, as a shell reads them
         print("executor (or pipetwin run --plan FILE):")
         print("  " + " \\\n    ".join(wrap_cell(printable(cmd), 110)))

@@ -102,6 +102,10 @@ def write_chrome(trace, path) -> None:
 
 
 def print_json(obj) -> None:
+    from .jobs import import_notes
+    notes = import_notes()      # --from-megatron / --from-torchtitan: what the file gave that is not modelled
+    if notes is not None and isinstance(obj, dict):
+        obj = {**obj, "imported": notes}
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
 

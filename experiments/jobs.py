@@ -242,3 +242,122 @@ def load_plan_arg(args):
         return None
     from planner.plan_io import load_plan
     return load_plan(args.plan)
+
+
+# ---------------------------------------------------------------------- another framework's file -> options
+IMPORT_FLAGS = (("--from-megatron", "from_megatron"), ("--from-torchtitan", "from_torchtitan"))
+# the imported job's flat fields (cost_models.frameworks.Imported.fields) -> the option rows they fill
+_IMPORT_ROWS = {"replicas": "dp", "eager": "no_eager"}
+_imported: list = []        # the notes of this process's import (print_json adds them to a --json record)
+
+
+def import_notes() -> dict | None:
+    """The current command's import notes (:meth:`cost_models.frameworks.Imported.notes`), or None."""
+    return _imported[-1] if _imported else None
+
+
+def _given(args, key: str) -> bool:
+    """Whether the option of row ``key`` was given (its value is not the command's default)."""
+    from .options import COMMANDS, row
+    o = vars(args)
+    opt = row(key)
+    v = o.get(opt.name)
+    use = next((u for u in COMMANDS.get(o.get("command"), ()) if u.key == key), None)
+    default = opt.default if use is None or use.default is ... else use.default
+    return v is not None and v is not False and v != default and v != [] and v != ()
+
+
+def apply_framework_file(args) -> None:
+    """``--from-megatron FILE`` / ``--from-torchtitan FILE``: the file's job
+    (:func:`cost_models.frameworks.read_megatron`, :func:`~cost_models.frameworks.read_torchtitan`)
+    fills the options the command takes and the user did not give (the options given override the
+    file's); ``plan`` takes the model, sequence, global batch and GPU budget (it searches the rest).
+    What changes the cost but is not modelled, and what no row reads, is one line each on standard
+    error (and ``imported`` in a --json record)."""
+    import sys
+    from cost_models.files import read_text
+    from cost_models.frameworks import read_megatron, read_torchtitan
+    from .options import grammar_of, SCALAR
+    _imported.clear()
+    o = vars(args)
+    command = o.get("command")
+    given_files = [(flag, o[dest]) for flag, dest in IMPORT_FLAGS if o.get(dest)]
+    if not given_files:
+        if command == "sweep" and (o.get("devices") is None or o.get("microbatches") is None):
+            raise ValueError("give --devices and --microbatches (or --from-megatron / --from-torchtitan FILE)")
+        return
+    if len(given_files) > 1:
+        raise ValueError("give --from-megatron or --from-torchtitan, not both (each brings a whole job)")
+    flag, path = given_files[0]
+    if o.get("plan"):
+        raise ValueError(f"{flag} and --plan both bring a job; give one")
+    if o.get("schedule_file") and flag == "--from-megatron":
+        raise ValueError("--from-megatron brings Megatron-LM's schedule; drop --schedule-file (or simulate the file "
+                         "with --schedule-file alone)")
+    dp = o.get("dp") if _given(args, "dp") else None
+    if isinstance(dp, tuple):
+        dp = dp[0]
+    text = read_text(path, f"{flag} file")
+    if flag == "--from-megatron":
+        if _given(args, "model"):
+            raise ValueError("--from-megatron brings the model (its --num-layers, --hidden-size, ...); drop --model")
+        imp = read_megatron(text, path, replicas=dp)
+    else:
+        if not _given(args, "model") and command != "plan":
+            raise ValueError("--from-torchtitan: torchtitan's model is its --module/--config recipe, not an override; "
+                             "give --model (a preset, YAML or config.json)")
+        if command == "plan" and o.get("model") is None:
+            raise ValueError("--from-torchtitan: torchtitan's model is its --module/--config recipe; give --model")
+        imp = read_torchtitan(text, path, o["model"], replicas=dp)
+    fields = dict(imp.fields)
+    left = []
+    if command == "plan":
+        spec = fields["model"]
+        if o.get("model") is None or flag == "--from-megatron":
+            args.model = spec
+        if o.get("seq_len") is None and flag == "--from-torchtitan":
+            args.seq_len = fields.get("seq_len")
+        if o.get("global_batch") is None and o.get("global_tokens") is None:
+            args.global_batch = imp.global_batch
+        if o.get("gpus") is None:
+            p = fields
+            args.gpus = p.get("tp", 1) * p.get("cp", 1) * p["devices"] * p["replicas"]
+    else:
+        sf = fields.pop("schedule_file", None)
+        if sf is not None and not o.get("schedule_file"):
+            args.schedule_file, args._schedule_file = sf.path, sf
+            fields.pop("schedule", None)
+            fields.pop("chunks", None)
+        if _given(args, "schedule") and fields.get("schedule") != o.get("schedule"):
+            fields.pop("chunks", None)      # the file's chunks and variant are its schedule's, not the one given
+            fields.pop("variant", None)
+        for k, v in fields.items():
+            key = _IMPORT_ROWS.get(k, k)
+            grammar = grammar_of(args, key)
+            if key == "schedule" and grammar_of(args, "schedules") is not None:
+                continue        # compare and sweep run the file's schedule among their --schedules
+            if grammar is None:
+                from dataclasses import fields as fields_of_record
+                defaults = {f.name: f.default for r in (Layout, Parallel, Job) for f in fields_of_record(r)}
+                if k in defaults and v != defaults[k] and v is not None:
+                    left.append(f"{k} {v}")
+                continue
+            if _given(args, key):
+                continue
+            from .options import row
+            opt = row(key)
+            if k == "partition":
+                v = None if v is None else ",".join(map(str, v))
+            if opt.invert:
+                v = not v
+            if v is None:
+                continue
+            setattr(args, opt.name, v if grammar == SCALAR else (v,))
+    notes = imp.notes()
+    if left:
+        notes["not_applied"] = left
+    _imported.append(notes)
+    for what, items in (("not modelled", imp.unmodelled), ("ignored", imp.ignored),
+                        (f"not taken by {command}", left)):
+        if items:
+            print(f"pipetwin: {flag} {path}: {what}: {', '.join(items)}", file=sys.stderr)

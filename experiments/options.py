@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cost_models import FABRICS, MAPPINGS
+from cost_models.frameworks import TARGETS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
 from cost_models.kernels import COST_MODELS
 from cost_models.moe import MOE_KNOBS
@@ -241,6 +242,24 @@ def _rows() -> dict[str, Option]:
                              type=byte_size("--memory-reserve"), metavar="BYTES")),
         ("plan", O(("--plan",), "Job.plan", "a plan written by 'pipetwin plan --out' (it fixes the layout, model "
                    "and cluster: the options that would change them are refused)", metavar="PLAN.json")),
+        # ---- another framework's job, in and out (cost_models.frameworks: one table for both ways)
+        ("from_megatron", O(("--from-megatron",), None,
+                            "the job of a Megatron-LM launch: its arguments as written on a command line (one or many "
+                            "lines, '\\' continuations, a torchrun prefix and environment assignments) or a YAML "
+                            "mapping of '--flag: value' (a functional test's MODEL_ARGS, with the recipe's nodes and "
+                            "gpus); the options given override the file's (flags that change the cost but are not "
+                            "modelled, and flags no row reads, are listed)", type=input_file, metavar="FILE")),
+        ("from_torchtitan", O(("--from-torchtitan",), None,
+                              "the job of torchtitan '--section.field value' overrides (parallelism, training, "
+                              "activation-checkpoint:MODE; NGPU= or torchrun for the GPUs); torchtitan's model is its "
+                              "recipe's: give --model", type=input_file, metavar="FILE")),
+        ("to", O(("--to",), None, "megatron: Megatron-LM's pretrain_gpt.py arguments (a .yaml --out: a MODEL_ARGS "
+                 "block); torchtitan: its --section.field overrides (a schedule torch has no name for is written as "
+                 "a CSV beside --out, pipeline_parallel_schedule_csv); torch-csv: the schedule as "
+                 "torch.distributed.pipelining's CSV", choices=TARGETS)),
+        ("emit", O(("--emit",), None, "after the plan, print its job for another framework (as 'pipetwin export "
+                   "--to' writes it; torchtitan's CSV beside --out); without --schedules the search takes the "
+                   "schedules that framework runs", choices=TARGETS)),
         # ---- Faults (simulated runs)
         ("slowdown", O(("--slowdown",), "Faults.slowdown",
                        "a straggler: compute on RANK takes FACTOR times longer (repeatable)",
@@ -404,6 +423,7 @@ _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "node
           "micro_batch", "memory_reserve", "seq_len", "precision", *MOE_KNOBS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
+_IMPORTS = ("from_megatron", "from_torchtitan")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "
               "cluster are refused, --tp-overlap, --fabric, --cost-model, --memory-reserve and the faults apply")
 RUN_PLAN_HELP = "run a plan written by 'pipetwin plan --out' (instead of -s/-D/-N/--dp/--chunks/--model)"
@@ -415,10 +435,10 @@ def _costs() -> tuple[Use, ...]:
 # Which rows each command takes, in which grammar (the order is --help's).
 COMMANDS: dict[str, tuple[Use, ...]] = {
     "simulate": (use("schedule"), *map(use, _LAYOUT), use("plan", note=_PLAN_NOTE), *_costs(),
-                 *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"), use("all_replicas"),
-                 use("chrome_trace"), use("trace")),
+                 *map(use, _IMPORTS), *map(use, _FAULTS), use("json"), use("plot", help="write the timeline figure"),
+                 use("all_replicas"), use("chrome_trace"), use("trace")),
     "compare": (use("schedules"), *(use(k, note="; compared beside --schedules" if k == "schedule_file" else "")
-                                 for k in _LAYOUT), *_costs(), *map(use, _FAULTS), use("json"),
+                                 for k in _LAYOUT), *_costs(), *map(use, _IMPORTS), *map(use, _FAULTS), use("json"),
                 use("plot", help="stacked timelines of all schedules"), use("all_replicas"),
                 use("out_dir", help="also write table.csv, one Chrome trace per schedule and the figure here")),
     "run": (use("schedule"), *map(use, _LAYOUT), use("plan", help=None, note="; " + RUN_PLAN_HELP),
@@ -433,13 +453,16 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("sequence_parallel"), use("zero"), use("seq_len"), use("cp"), use("cp_comm"),
             use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
             use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
-    "sweep": (use("schedules"), use("devices", LIST, required=True), use("microbatches", LIST, required=True),
+    "sweep": (use("schedules"), use("devices", LIST, note=" (required, unless --from-megatron/--from-torchtitan gives "
+                                                       "it)"),
+              use("microbatches", LIST, note=" (required, unless a --from-* file gives it)"),
               use("dp", LIST, default=(1,)), use("tp", LIST, default=(1,)), use("micro_batch", LIST),
               use("chunks"), use("no_eager"),
               *(use(k, LIST, default=d) for k, d in (("zero", (0,)), ("recompute", ("none",)))),
               use("ep", LIST, default=(1,), note=" (a list: one point each)"),
               *(u for u in _costs() if u.key not in ("partition", "micro_batch", "zero", "recompute", "ep")),
-              use("exact"), use("out_dir", required=True, help="folder for sweep.csv, sweep.jsonl and the figures"),
+              *map(use, _IMPORTS), use("exact"),
+              use("out_dir", required=True, help="folder for sweep.csv, sweep.jsonl and the figures"),
               use("workers"), use("ray"), use("no_progress"), use("no_figures")),
     "plan": (use("search"),
              use("model", note="; also the DAPPLE paper's models vgg-19, gnmt-16, amoebanet-36, xlnet-36"),
@@ -452,6 +475,9 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
              use("tp", AUTO, note=" (whole-layout search: auto = every divisor of the node size the model splits, "
                  "the default)"),
              use("devices", AUTO, note=" (whole-layout search: auto = every divisor, the default)"),
+             use("cp", AUTO, note=" (whole-layout search: auto = 1 and every power of two C that leaves each GPU at "
+                 "least 8,192 tokens, the default)"),
+             use("cp_comm", note=" (whole-layout search: every candidate's with C > 1; default ring)"),
              use("micro_batch", AUTO, extra_flags=("--micro-batches",),
                  note=" (whole-layout search; auto = 1,2,4,8, the default)"),
              use("recompute", AUTO, note=" (whole-layout search: auto = all three, the default; the DAPPLE search "
@@ -473,7 +499,13 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                                                            type=output_as("plan file", ("json",))),
              use("global_batch", note=" (or --global-tokens)"), use("global_tokens"), use("gpus"),
              use("device_memory"), use("force"), use("top"),
-             use("max_stages"), use("uniform"), use("policies"), use("no_simulate"), use("no_baselines")),
+             use("max_stages"), use("uniform"), use("policies"), use("no_simulate"), use("no_baselines"),
+             *(use(k, note="; the plan searches the layout: the file gives the model, sequence, global batch and GPU "
+                   "budget") for k in _IMPORTS),
+             use("emit")),
+    "export": (use("to", required=True), use("schedule"), *map(use, _LAYOUT), use("plan"), *_costs(),
+               *map(use, _IMPORTS), use("out_file", help="write here (default: standard output); torchtitan's "
+                                        "schedule CSV goes beside it")),
     "validate": (use("schedules"), use("devices", default=2, note=" (default 2)"),
                  use("microbatches", note=" (default 2D)"), use("dp", default=1),
                  use("tp", note="; default: the profile's, else 1 (a profile must have been calibrated at it)"),

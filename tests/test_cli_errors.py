@@ -82,6 +82,18 @@ CASES = [
     ("sp-without-tp", SIM + ["--sequence-parallel"], ["--sequence-parallel", "--tp"]),
     ("zero-without-dp", SIM + ["--zero", "1"], ["--zero 1", "--dp"]),
     ("tp-with-unit-costs", UNIT + ["--tp", "2"], ["--tp", "--unit-costs"]),
+    ("cp-not-dividing-sequence", SIM + ["-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--cp", "3"],
+     ["--cp 3", "divisible by 2 x 3 = 6", "2C chunks"]),
+    ("cp-with-experts", MOE + ["--cp", "2", "-c", "dgx-h100-ib:2"],
+     ["--cp 2", "mixtral-8x7b has a mixture of experts", "drop --cp"]),
+    ("cp-with-kernels", SIM + ["-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--cp", "2", "--cost-model", "kernels"],
+     ["--cp 2", "--cost-model linear"]),
+    ("cp-tp-not-dividing-node", SIM + ["-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--tp", "2", "--cp", "3",
+                                       "--seq-len", "6144"], ["--tp 2 x --cp 3 = 6", "8 devices per node"]),
+    ("cp-with-zero-3", SIM + ["-m", "llama3-8b", "-c", "dgx-h100-ib:4", "--cp", "2", "--dp", "2", "--zero", "3"],
+     ["--zero 3 with --cp 2", "--zero 1"]),
+    ("cp-too-many-gpus", SIM + ["-m", "llama3-8b", "-c", "dgx-h100-ib:1", "--tp", "2", "--cp", "2"],
+     ["16 GPUs (T=2 x C=2 x D=4 x R=1)", "do not fit", "--tp/--cp/-D/--dp"]),
     ("tp-in-a-run-not-dividing-heads", RUN + ["--tp", "3"], ["--tp 3", "heads (4)"]),
     ("sp-in-a-run-without-tp", RUN + ["--sequence-parallel"], ["--sequence-parallel", "--tp > 1"]),
     ("sp-in-a-run-not-dividing-seq", RUN + ["--tp", "2", "--sequence-parallel", "--seq-len", "15"],
@@ -314,7 +326,8 @@ CASES = [
      ["--out", "model 'tiny' there, 'gpt3-1.3b'"]),
     ("sweep-other-memory-reserve", SWEEP + ["-m", "tiny", "--memory-reserve", "2 GiB", "--out", "{sweep}"],
      ["--out", "memory_reserve None there, 2147483648.0 here", "another --out"]),
-    ("sweep-zero-4", SWEEP + ["-m", "tiny", "--zero", "0,4", "--out", "{dir}/z"], ["--zero", "out of 0, 1, 2, 3", "'0,4'"]),
+    ("sweep-zero-4", SWEEP + ["-m", "tiny", "--zero", "0,4", "--out", "{dir}/z"],
+     ["--zero", "out of 0, 1, 2, 3", "'0,4'"]),
     ("sweep-recompute-unknown", SWEEP + ["-m", "tiny", "--recompute", "nan", "--out", "{dir}/r"],
      ["--recompute", "none, selective, full", "'nan'"]),
     ("sweep-other-fabric", SWEEP + ["-m", "tiny", "--fabric", "fat-tree", "--out", "{sweep}"],
@@ -449,6 +462,98 @@ CASES += [
     ("all-replicas-without-plot", UNIT + ["--dp", "2", "--all-replicas"], ["--all-replicas", "--plot"]),
     ("compare-all-replicas-without-plot", ["compare", "-D", "2", "-N", "2", "--unit-costs", "--all-replicas"],
      ["--all-replicas", "--plot"]),
+]
+
+# issue 46: export to / import from Megatron-LM and torchtitan; every refusal one line (cost_models.frameworks)
+EXPORT = ["export", "-D", "4", "-N", "8", "-m", "gpt3-1.3b"]
+_MG = ("nodes: 1\ngpus: 8\nMODEL_ARGS:\n  --num-layers: 8\n  --hidden-size: 256\n  --num-attention-heads: 8\n"
+       "  --seq-length: 512\n  --micro-batch-size: 1\n  --global-batch-size: 16\n  --vocab-size: 1000\n"
+       "  --pipeline-model-parallel-size: 2\n  --bf16: true\n")
+FRAMEWORK_FILES = {
+    "mg_ok": _MG,
+    "mg_bf16_fp16": _MG + "  --fp16: true\n",
+    "mg_global": _MG.replace("--global-batch-size: 16", "--global-batch-size: 15"),
+    "mg_no_seq": _MG.replace("  --seq-length: 512\n", ""),
+    "mg_no_gpus": _MG.replace("nodes: 1\ngpus: 8\n", ""),
+    "mg_moe_freq": _MG + "  --num-experts: 4\n  --moe-layer-freq: '([0]+[1])*4'\n  --swiglu: true\n",
+    "mg_layout_mtp": _MG + "  --pipeline-model-parallel-layout: 'Et*4|t*4mL'\n",
+    "mg_twice": "--num-layers 8 --num-layers 4 --hidden-size 256\n",
+    "mg_fp8": _MG.replace("  --bf16: true\n", "  --fp8-format: hybrid\n"),
+    "mg_no_vocab": _MG.replace("  --vocab-size: 1000\n", "  --tokenizer-type: HuggingFaceTokenizer\n"),
+    "mg_two_vp": _MG + "  --num-layers-per-virtual-pipeline-stage: 2\n  --num-virtual-stages-per-pipeline-rank: 2\n",
+    "tt_ok": "NGPU=8 ./run_train.sh --module llama3 --config llama3_8b --parallelism.pipeline_parallel_degree 2\n",
+    "tt_tokens": "NGPU=8 --training.max_context_length 3000 --training.num_tokens_per_microbatch_per_dp_rank 4096\n",
+    "tt_accumulate": "NGPU=8 --parallelism.pipeline_parallel_degree 2 --parallelism.num_pp_microbatches 4 "
+                     "--training.num_tokens_per_microbatch_per_dp_rank 2048 --training.max_context_length 2048 "
+                     "--training.num_tokens_per_train_step 131072\n",
+    "tt_no_gpus": "--parallelism.pipeline_parallel_degree 2\n",
+}
+CASES += [
+    ("export-megatron-zb-v", EXPORT + ["--to", "megatron", "-s", "zb-v"],
+     ["Megatron-LM cannot run zb-v", "split backward", "nearest: --schedule interleaved --chunks 2"]),
+    ("export-megatron-bitpipe", EXPORT + ["--to", "megatron", "-s", "bitpipe"],
+     ["cannot run bitpipe", "no bidirectional pipelines", "nearest: --schedule interleaved"]),
+    ("export-megatron-gpipe", EXPORT + ["--to", "megatron", "-s", "gpipe"], ["no GPipe", "nearest: --schedule dapple"]),
+    ("export-megatron-interleaved-1", EXPORT + ["--to", "megatron", "-s", "interleaved", "--chunks", "1"],
+     ["--chunks 1 is 1F1B", "--schedule dapple"]),
+    ("export-megatron-schedule-file", ["export", "--to", "megatron", "--schedule-file", "{schedtext}", "-m",
+                                       "gpt3-1.3b"], ["not a schedule file", "torch-csv"]),
+    ("export-megatron-hsdp-fsdp", EXPORT + ["--to", "megatron", "-s", "dapple", "--dp", "4", "--zero", "3",
+                                            "--dp-shard", "2"], ["--dp-shard 2", "nearest --dp-shard 0"]),
+    ("export-megatron-tf32", EXPORT + ["--to", "megatron", "-s", "dapple", "--precision", "tf32"],
+     ["--precision tf32", "nearest --precision bf16"]),
+    ("export-torchtitan-chimera", EXPORT + ["--to", "torchtitan", "-s", "chimera"],
+     ["torchtitan cannot run chimera", "nearest: --schedule dapple"]),
+    ("export-torch-csv-bitpipe", EXPORT + ["--to", "torch-csv", "-s", "bitpipe"],
+     ["2 model copies", "nearest single-copy schedule: --schedule zb-v"]),
+    ("export-torchtitan-zero1", EXPORT + ["--to", "torchtitan", "-s", "dapple", "--dp", "2", "--zero", "1"],
+     ["FSDP2", "--zero 1", "nearest --zero 3"]),
+    ("export-torchtitan-fp8", EXPORT + ["--to", "torchtitan", "-s", "dapple", "--precision", "fp8", "-c",
+                                        "dgx-h100-ib"], ["float8", "nearest: --precision bf16"]),
+    ("export-torchtitan-csv-without-out", EXPORT + ["--to", "torchtitan", "-s", "zb-h1"],
+     ["no schedule named zb-h1", "give --out FILE"]),
+    ("export-torchtitan-partition", EXPORT + ["--to", "torchtitan", "-s", "dapple", "--partition", "7,5,8,6"],
+     ["cannot place --partition 7,5,8,6", "nearest: --partition 7,7,6,6"]),
+    ("export-unit-costs", ["export", "--to", "megatron", "-s", "dapple", "-D", "2", "-N", "2", "--unit-costs"],
+     ["--unit-costs has none", "give --model"]),
+    ("export-bert", EXPORT + ["--to", "megatron", "-s", "dapple", "-m", "bert-48"], ["BERT encoder"]),
+    ("export-megatron-overlap-without-virtual-stages", ["export", "--to", "megatron"] + MOE[1:] + ["--ep", "2",
+                                                                                            "--overlap-fb"],
+     ["combined 1F1B", "nearest --schedule interleaved --variant a2a-overlap"]),
+    ("export-megatron-overlap-full-recompute", ["export", "--to", "megatron", "-s", "interleaved", "--variant",
+                                                "a2a-overlap"] + MOE[3:] + ["--ep", "2", "--recompute", "full"],
+     ["refuses full recomputation", "nearest --recompute selective"]),
+    ("from-megatron-and-model", ["simulate", "--from-megatron", "{mg_ok}", "-m", "tiny"], ["drop --model"]),
+    ("from-megatron-and-torchtitan", ["simulate", "--from-megatron", "{mg_ok}", "--from-torchtitan", "{tt_ok}"],
+     ["--from-megatron or --from-torchtitan, not both"]),
+    ("from-megatron-and-plan", ["simulate", "--from-megatron", "{mg_ok}", "--plan", "{layout}"],
+     ["--plan both bring a job"]),
+    ("from-torchtitan-without-model", ["simulate", "--from-torchtitan", "{tt_ok}"], ["recipe", "give --model"]),
+    ("megatron-bf16-and-fp16", ["simulate", "--from-megatron", "{mg_bf16_fp16}"], ["--bf16 and --fp16"]),
+    ("megatron-global-batch", ["simulate", "--from-megatron", "{mg_global}"],
+     ["--global-batch-size 15 is no multiple of --micro-batch-size 1 x DP 4"]),
+    ("megatron-no-seq-length", ["simulate", "--from-megatron", "{mg_no_seq}"], ["--seq-length is missing"]),
+    ("megatron-no-gpus", ["simulate", "--from-megatron", "{mg_no_gpus}"], ["how many GPUs", "give --dp R"]),
+    ("megatron-moe-layer-freq", ["simulate", "--from-megatron", "{mg_moe_freq}"], ["mixes dense and MoE"]),
+    ("megatron-layout-mtp", ["simulate", "--from-megatron", "{mg_layout_mtp}"], ["MTP", "multi-token"]),
+    ("megatron-flag-twice", ["simulate", "--from-megatron", "{mg_twice}"], ["--num-layers is given twice"]),
+    ("megatron-fp8-alone", ["simulate", "--from-megatron", "{mg_fp8}"], ["--fp8-format hybrid", "add --bf16"]),
+    ("megatron-no-vocab", ["simulate", "--from-megatron", "{mg_no_vocab}"], ["HuggingFaceTokenizer",
+                                                                              "--vocab-size N"]),
+    ("megatron-two-virtual-flags", ["simulate", "--from-megatron", "{mg_two_vp}"],
+     ["--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank, not both"]),
+    ("torchtitan-tokens", ["simulate", "--from-torchtitan", "{tt_tokens}", "-m", "tiny"],
+     ["4096 is no multiple of max_context_length 3000"]),
+    ("torchtitan-accumulation", ["simulate", "--from-torchtitan", "{tt_accumulate}", "-m", "tiny"],
+     ["gradient accumulation", "num_pp_microbatches 16"]),
+    ("torchtitan-shard-without-gpus", ["simulate", "--from-torchtitan", "{tt_no_gpus}", "-m", "tiny"],
+     ["data_parallel_shard_degree -1", "give --dp R"]),
+    ("plan-emit-json", ["plan", "--from-megatron", "{mg_ok}", "-c", "dgx-h100-ib", "--emit", "megatron", "--json"],
+     ["--emit", "pipetwin export --to TARGET --plan PLAN.json"]),
+    ("plan-emit-dapple-search", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--search", "dapple",
+                                 "--emit", "megatron"], ["--emit", "drop --search dapple"]),
+    ("sweep-without-devices", ["sweep", "--no-figures", "--out", "{dir}/sw"],
+     ["give --devices and --microbatches", "--from-megatron"]),
 ]
 
 
@@ -613,6 +718,8 @@ def _fill(argv, files):
             a = _plan(files["tmp"])
         elif a == "{plan_huge}":   # a DAPPLE plan's micro-batches edited far beyond the op limit
             a = _plan(files["tmp"], microbatches=10_000_000, global_batch=160_000_000)
+        elif a.strip("{}") in FRAMEWORK_FILES and a.startswith("{"):
+            a = str(_write(files["tmp"] / f"{a.strip('{}')}.txt", FRAMEWORK_FILES[a.strip("{}")]))
         elif a.strip("{}") in ISSUE47_FILES and a.startswith("{"):
             a = _issue47_file(files["tmp"], a.strip("{}"))
         elif a in ("{layout}", "{layout_t1}"):
