@@ -22,7 +22,6 @@ from cost_models.stack import is_model_ref
 from schedules import Schedule, lower, validate
 
 from .choices import OPTIMIZERS
-from .context_parallel import check_context_parallel
 from .device import check_device
 from .faults import check_fault, parse_fault
 from .model import KINDS
@@ -267,8 +266,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     lay, par = config.layout, config.parallel
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
-    if spec is not None and par.cp > 1:
-        check_context_parallel(spec.seq_len, par.cp, par.tp, par.sequence_parallel)
+    if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)
+        spec.check_context_parallel(par.cp, par.tp, par.sequence_parallel)
     check_device(config.device)
     if stack and config.data is not None:
         raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")

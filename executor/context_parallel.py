@@ -93,18 +93,6 @@ class ContextParallel:
 SINGLE = ContextParallel()
 
 
-def check_context_parallel(seq_len: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
-    """Refuse, in one line, a sequence the C ranks cannot split into 2C equal chunks (and, with
-    sequence parallelism, a rank's s/C tokens the T ranks cannot split)."""
-    if cp > 1 and seq_len % (2 * cp):
-        raise ValueError(f"--cp {cp} splits the sequence into 2 x {cp} = {2 * cp} chunks (causal load balance) but "
-                         f"the sequence length {seq_len} is not a multiple of {2 * cp}; pick --seq-len or --cp so "
-                         f"that it is")
-    if cp > 1 and sequence_parallel and (seq_len // cp) % tp:
-        raise ValueError(f"--tp {tp} with --sequence-parallel splits each CP rank's {seq_len // cp} tokens "
-                         f"(--cp {cp}) over {tp} ranks; pick a --seq-len that is a multiple of {2 * cp * tp}")
-
-
 # ---------------------------------------------------------------------------- the attention core
 def _block(q, k, v, lse_or_none, scale, causal):
     """Scores of query chunk ``q`` [b, k, g, m, e] against key chunk ``k`` [b, k, 1, n, e]: with
