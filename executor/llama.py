@@ -15,7 +15,9 @@ keep, and what the simulator's ledger counts (:func:`cost_models.transformer.blo
 the RMS norm keeps its input and one statistic per token (:class:`RMSNorm`; eager ``nn.RMSNorm``
 would also keep the normalised input), rotary keeps nothing (:func:`rotary`; eager, its cos and sin
 tables), SwiGLU keeps gate and up (:func:`swiglu`; eager, also silu(gate)), and attention keeps the
-key/value heads unrepeated (``enable_gqa``, PyTorch >= 2.5; before, the repeated heads). Each is an
+key/value heads unrepeated (``enable_gqa``, PyTorch >= 2.5; before, the repeated heads). With
+context parallelism the rotary angles are those of the CP rank's positions and the attention is
+:func:`executor.context_parallel.attention` (GQA without repeating K/V). Each is an
 autograd function whose backward recomputes the cheap element-wise part: the same gradients.
 """
 from __future__ import annotations

@@ -296,3 +296,23 @@ def test_world_not_t_x_c_x_d_x_r_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"torchrun started 4 processes but the run needs T x C x D x R = "
                                          r"2 x 2 x 2 x 1 = 8"):
         run(cfg)
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_cp_mesh_placed_by_the_device_map():
+    """Under torchrun (its environment variables, 2 nodes x 2 processes, gloo) C = 2 x D = 2: each
+    node holds one pipeline rank's two CP ranks (local rank = CP rank); losses equal the reference's."""
+    import json
+
+    from tests.helpers import torchrun_cli
+    outs = torchrun_cli(["-s", "dapple", "-D", "2", "-N", "2", "--cp", "2", "--cp-comm", "allgather", "--steps", "2",
+                         "--device", "cpu", "--optimizer", "sgd", "--lr", "0.05", "--timeout", "60", "--json"],
+                        timeout=180)
+    assert [i for i, o in enumerate(outs) if o.strip()] == [0]
+    res = json.loads(outs[0])
+    assert res["cp"] == 2 and res["cp_comm"] == "allgather"
+    assert [(p["rank"], p["cp"], p["node"], p["local_rank"]) for p in res["placement"]] == \
+        [(0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 1, 1)]
+    ref = run_reference(RunConfig.of(schedule="dapple", devices=2, microbatches=2, steps=2, optimizer="sgd", lr=0.05))
+    for a, b in zip(res["losses"], ref.losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
