@@ -223,8 +223,19 @@ def _attention_rank(payload, rank, world, local_rank, local_world):
     import torch.distributed as dist
     import torch.nn.functional as Fn
 
+    import executor.context_parallel as cpm
     from executor.context_parallel import attention
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    sent, shift, gather = [0], cpm._shift, cpm._all_gather
+
+    def counted_shift(cp, tensors):      # bytes this rank sends to the next one
+        sent[0] += sum(t.numel() * t.element_size() for t in tensors)
+        return shift(cp, tensors)
+
+    def counted_gather(t, cp):           # an all-gather's ring sends C-1 blocks of each rank
+        sent[0] += (cp.size - 1) * t.numel() * t.element_size()
+        return gather(t, cp)
+    cpm._shift, cpm._all_gather = counted_shift, counted_gather
     try:
         out = {}
         for comm in ("ring", "allgather"):
@@ -238,8 +249,11 @@ def _attention_rank(payload, rank, world, local_rank, local_world):
             y.backward(gy)
             pos = cp.positions(s)
             mine = [t[:, :, pos].clone().requires_grad_() for t in (q, kk, v)]
+            sent[0] = 0
             ym = attention(*mine, cp)
+            out[comm + "-f-bytes"] = sent[0]
             ym.backward(gy[:, :, pos])
+            out[comm + "-b-bytes"] = sent[0] - out[comm + "-f-bytes"]
             out[comm] = [float((ym - y[:, :, pos]).abs().max())] + \
                 [float((m.grad - w.grad[:, :, pos]).abs().max()) for m, w in zip(mine, whole)]
             kept = {}
@@ -254,6 +268,7 @@ def _attention_rank(payload, rank, world, local_rank, local_world):
             out[comm + "-view"] = y32.transpose(1, 2).is_contiguous()
         return out
     finally:
+        cpm._shift, cpm._all_gather = shift, gather
         dist.destroy_process_group()
 
 
@@ -262,7 +277,10 @@ def test_attention_over_three_ranks_equals_the_whole_sequences():
     """C = 3 (6 chunks; GQA 4:2): both exchanges give the whole sequence's causal attention at each
     rank's positions, forward and backward, to fp64 rounding; each keeps exactly Q, K, V, the
     output and the fp32 log-sum-exp of its s/C tokens: 4 x (b a n e + 2 b k n e + b a n e) + 4 b a n
-    bytes (n = s/C), whatever C."""
+    bytes (n = s/C), whatever C. Bytes a rank sends per block, X = 2 b n k e d (its K and V): (C-1) X
+    in the forward and 2 (C-1) X in the backward, for the ring (its P2P steps; dK/dV sums in C-1
+    hops) and the all-gather (counted as a ring all-gather; the reduce-scatter of dK, dV is not
+    counted here, it sends as much again), the cost model's closed forms."""
     b, a, k, s, e = 2, 4, 2, 24, 8
     got = launch("tests.test_executor_cp:_attention_rank", (b, a, k, s, e), 3)
     n = s // 3
@@ -270,6 +288,9 @@ def test_attention_over_three_ranks_equals_the_whole_sequences():
         assert max(got[comm]) < 1e-12, got[comm]
         assert got[comm + "-kept"] == 4 * (b * a * n * e + 2 * b * k * n * e + b * a * n * e) + 4 * b * a * n
         assert got[comm + "-view"]      # the output projection's input is a view of the kept output
+    X = 2 * b * n * k * e * 8
+    assert (got["ring-f-bytes"], got["ring-b-bytes"]) == (2 * X, 4 * X)             # (C-1) X, 2 (C-1) X
+    assert (got["allgather-f-bytes"], got["allgather-b-bytes"]) == (2 * X, 2 * X)   # + the reduce-scatter's 2 X
 
 
 def test_context_parallel_refusals():
