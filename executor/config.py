@@ -100,6 +100,10 @@ class RunConfig:
         if par.tp_overlap:
             raise ValueError("the executor trains T x D x R layouts without --tp-overlap: simulated only "
                              "(pipetwin simulate); drop it to run")
+        if par.cp > 1 and par.zero > 1:    # ZeRO-1's shards span R x C (executor.worker); 2 and 3 do not yet
+            raise ValueError(f"--zero {par.zero} with --cp {par.cp}: the executor shards gradients and weights over "
+                             f"the R replicas only, not the R x C ranks that hold a stage; give --zero 1 (the "
+                             f"optimizer state over R x C) or drop --cp")
         if job.partition == "time":
             raise ValueError("partition 'time' is resolved from a calibration profile before the run "
                              "(cost_models.bind.profile_partition)")
