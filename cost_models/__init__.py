@@ -50,7 +50,7 @@ __all__, __getattr__, __dir__ = lazy_face(__name__, {
                   "even_counts", "layer_ranges", "layers_from_blocks", "stack_partition"),
     "stack": ("StackSpec", "is_model_ref", "stack_from_dict"),
     "job": ("ClusterChoice", "Faults", "Job", "Layout", "check_run_size"),
-    "parallel": ("CP_COMMS", "RECOMPUTE", "ZERO_STAGES", "Parallel"),
+    "parallel": ("RECOMPUTE", "ZERO_STAGES", "Parallel"),
     "bind": ("Bound", "bind"),
     "workloads.workload": ("Workload",),
     "workloads.workload_sources": ("load_workload", "workload_from_source"),

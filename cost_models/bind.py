@@ -36,6 +36,7 @@ from .base import PerLayerCostModel, StageCosts, UnitCostModel
 from .profile import CalibrationProfile, load_profile, scaled_layer_costs
 from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
+from .fp8 import precision_label
 from .kernels import COST_MODELS, check_priced, unpriced
 from .model_spec import ModelSpec, load_model
 from .hf_config import config_notes, is_hf_config
@@ -44,8 +45,8 @@ from .stack import is_model_ref, same_model_ref
 from .moe import ExpertGroup
 from .parallel import Parallel
 from .memory import check_reserve
-from .transformer import (ContextParallelGroup, TensorParallelGroup, TransformerCostModel, active_params,
-                          model_params)
+from .transformer import (ContextParallelGroup, DataParallelGroup, TensorParallelGroup, TransformerCostModel,
+                          active_params, model_params)
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,21 @@ def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> Tran
     return TransformerCostModel(model, cluster.device, parallel=par,
                                 compute=cost_model_for(job.cost_model, cluster.device, False, model, par.cp),
                                 partition=job.partition, tp_group=group, replicas=job.layout.replicas,
-                                grad_accumulation=job.grad_accumulation, expert_group=experts, cp_group=context)
+                                grad_accumulation=job.grad_accumulation, expert_group=experts, cp_group=context,
+                                **data_parallel_groups(job, unplaced))
+
+
+def data_parallel_groups(job: Job, cluster: Cluster) -> dict:
+    """ZeRO-2/3's ``dp_group`` (the S replicas of a shard group) and, with HSDP, ``replicate_group``
+    (the R / S groups) of a job on ``cluster`` (unplaced): a replica is ``job.gpus / R`` consecutive
+    GPUs, a shard group S consecutive replicas (torch's device mesh (replicate, shard)); {} below ZeRO-2."""
+    par, R = job.parallel, job.layout.replicas
+    if par.zero < 2:
+        return {}
+    S = par.dp_shard or R
+    per_replica = job.gpus // R
+    return {"dp_group": DataParallelGroup(cluster, S, per_replica) if S > 1 else None,
+            "replicate_group": DataParallelGroup(cluster, R // S, per_replica * S) if R // S > 1 else None}
 
 
 def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
@@ -280,14 +295,15 @@ def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
     profile on its own host."""
     if inputs.kind == "transformer":      # none of these depends on the layout (a sweep's grid varies it)
         dev, model = inputs.cluster.device, job.parallel.sized(inputs.model)
-        tcm = TransformerCostModel(model, dev, parallel=Parallel(precision=job.parallel.precision),
+        tcm = TransformerCostModel(model, dev, parallel=Parallel(precision=job.parallel.precision,
+                                                                 fp8_recipe=job.parallel.fp8_recipe),
                                    compute=cost_model_for(job.cost_model, dev, False, model, job.parallel.cp))
         return _stated(job, model, dev, tcm, model_ref)
     return {"device_fitted": inputs.cluster.device.provenance()} if inputs.cluster is not None else {}
 
 
 def _stated(job: Job, model: ModelSpec, device, tcm: TransformerCostModel, model_ref=None) -> dict:
-    return stated_fields(model, device, tcm.compute, tcm.resolved_precision(),
+    return stated_fields(model, device, tcm.compute, precision_label(tcm.resolved_precision(), tcm.fp8_recipe()),
                          job.model if model_ref is None else model_ref, job.parallel.seq_len, job.parallel.precision)
 
 
@@ -321,7 +337,7 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
         **(_cp_report(tcm, low) if cp > 1 else {}),
         "gpus": low.num_ranks * tp * cp, "tp": tp, "sequence_parallel": par.sequence_parallel,
         "tp_overlap": par.tp_overlap,
-        "zero": par.zero, **job.cluster.shape_report(),
+        "zero": par.zero, **fsdp_lines(costs.meta.get("fsdp")), **job.cluster.shape_report(),
         "memory_capacity": costs.meta.get("memory_capacity"), "memory_transient": costs.meta["memory_transient"],
         "memory_reserve": job.memory_reserve})
 
@@ -336,6 +352,24 @@ def _cp_report(tcm: TransformerCostModel, low: Schedule) -> dict:
             "cp_exchange_per_layer": {"f_bytes": x.f_bytes, "b_bytes": x.b_bytes, "f_time": x.f_time,
                                       "f_exposed": x.f_exposed, "b_time": x.b_time, "b_exposed": x.b_exposed},
             "cp_time": step, "cp_hidden": hidden}
+
+
+def fsdp_lines(fsdp: dict | None) -> dict:
+    """Report fields of ZeRO-2/3 (``StageCosts.meta["fsdp"]``): ``fsdp`` the per-stage record (JSON)
+    and ``fsdp_collectives``, one line for the stage that moves the most (its times per micro-batch and
+    at the step's end; a GPU holding several stages runs each one's)."""
+    if not fsdp:
+        return {}
+    from .memory import fmt_bytes
+    st = max(fsdp["stages"], key=lambda x: x["bytes_per_microbatch"] + x["bytes_step_end"])
+    i = fsdp["stages"].index(st)
+    S, G = fsdp["shard"], fsdp["replicate_groups"]
+    where = f"over {S} replicas" + (f", {G} replicate groups (HSDP)" if G > 1 else "")
+    gathers = f", all-gathers {st['f']:.3g} s in F and {st['b']:.3g} s in B" if fsdp["reshard_after_forward"] else ""
+    line = (f"ZeRO-{fsdp['zero']} {where}: per micro-batch reduce-scatter {st['w']:.3g} s in W{gathers} (behind the "
+            f"compute), step end {st['step_end']:.3g} s; stage {i}'s GPUs send {fmt_bytes(st['bytes_per_microbatch'])} "
+            f"+ {fmt_bytes(st['bytes_step_end'])} each a step (per micro-batch + step end)")
+    return {"fsdp": fsdp, "fsdp_collectives": line}
 
 
 def _check_fits(low: Schedule, cluster: Cluster) -> None:

@@ -68,6 +68,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from schedules.torch_interop import NEAREST_SINGLE_COPY, single_copy_refusal
+
 from .model_spec import ModelSpec
 from .parallel import Parallel
 
@@ -99,7 +101,6 @@ NEAREST = {   # family -> (Megatron-LM's nearest, why; a single-copy nearest for
     "bitpipe": ("interleaved", "Megatron-LM has no bidirectional pipelines"),
     "bitpipe-zb": ("interleaved", "Megatron-LM has no bidirectional pipelines"),
 }
-SINGLE_COPY_NEAREST = {"chimera": "dapple", "bitpipe": "zb-v", "bitpipe-zb": "zb-v"}
 
 
 def _one_line(msg: str) -> ValueError:
@@ -1410,13 +1411,10 @@ def torch_csv(view: View) -> str:
     """The job's schedule as torch.distributed.pipelining's CSV (:func:`schedules.io.export_text`);
     a schedule of two model copies is refused naming the nearest single-copy one."""
     from schedules.io import export_text
-    lay = view.layout
     sched = _compute_schedule(view)
-    if sched.num_copies != 1:
-        near = SINGLE_COPY_NEAREST.get(lay.schedule, "dapple")
-        raise _one_line(f"{sched.name} runs {sched.num_copies} model copies (bidirectional); torch.distributed."
-                        f"pipelining names a stage by its index on one rank: nearest single-copy schedule: "
-                        f"--schedule {near}")
+    refusal = single_copy_refusal(sched)
+    if refusal:
+        raise _one_line(refusal)
     return export_text(sched, "torch-csv")
 
 
@@ -1446,7 +1444,7 @@ def export_job(job, target: str, out: str | None = None) -> Export:
         notes = tuple(v for f, v in pairs if f == NOTE) + tuple(what_ifs(view, MEGATRON_FIELDS, "Megatron-LM"))
         return Export(format_megatron([(f, v) for f, v in pairs if f != NOTE], yaml=yaml), notes=notes)
     if view.layout.schedule_file is None and view.layout.schedule in TWO_COPIES:
-        near = SINGLE_COPY_NEAREST[view.layout.schedule]
+        near = NEAREST_SINGLE_COPY[view.layout.schedule]
         raise _one_line(f"torchtitan cannot run {view.layout.schedule}: it runs one model copy per pipeline (no "
                         f"bidirectional pipelines); nearest: --schedule {near}")
     pairs = torchtitan_args(view)

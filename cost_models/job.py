@@ -16,7 +16,7 @@ disturbs it (:class:`Faults`). The cost source is exactly one of
   cluster and costs;
 * ``stage_costs``: a user's per-stage times, FILE.yaml (:mod:`cost_models.stage_costs`).
 
-``grad_accumulation`` (no command-line option; the reproductions of published runs set it) says how
+``grad_accumulation`` (``--grad-accumulation``; the reproductions of published runs set it) says how
 Megatron-LM's gpt block accumulates weight gradients over micro-batches in the kernel model
 (:data:`cost_models.kernels.GRAD_ACCUMULATION`).
 
@@ -427,7 +427,8 @@ class Job:
                                 ("--tp-overlap", par.tp_overlap), ("--precision", par.precision),
                                 ("--cp", par.cp > 1), ("--dp-shard", par.dp_shard),
                                 ("--reshard-after-forward", par.reshard_after_forward),
-                                ("--cp-comm", par.cp_comm != "ring")) if v] + \
+                                ("--cp-comm", par.cp_comm != "ring"), ("--p2p-scatter-gather", par.p2p_scatter_gather),
+                                ("--grad-accumulation", self.grad_accumulation != "fused")) if v] + \
             moe_knobs_given(par)
         if given and self.source != "transformer":
             verb = "acts" if len(given) == 1 else "act"

@@ -87,11 +87,13 @@ collectives' time is added to F and B (Megatron's default: on the critical path)
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
-from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, with_peak_floor
+from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, held_stages, with_peak_floor
 from .cluster import Cluster, tensor_parallel_groups
 from .comm import allreduce_time, step_time
 from .device import DeviceSpec
+from .fp8 import DEFAULT_RECIPE, WEIGHT_COPY_BYTES, amax_bytes, amax_reductions, linear_cast_bytes
 from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, check_priced, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
@@ -352,6 +354,21 @@ def transformer_layers(spec: ModelSpec, recompute: str = "none", dropout: bool |
     return [embedding_layer(spec, dropout, tp, sp), *blocks, head_layer(spec, tp, sp)]
 
 
+@lru_cache(maxsize=1024)
+def _layers(spec: ModelSpec, recompute: str, dropout: bool, tp: int, sp: bool, parallel: Parallel | None):
+    """:func:`transformer_layers` once per argument set (its layers are frozen): the layout search
+    costs thousands of records whose layers differ in none of these."""
+    return tuple(transformer_layers(spec, recompute, dropout, tp, sp, parallel))
+
+
+@lru_cache(maxsize=1024)
+def _kernel_times(spec: ModelSpec, device: DeviceSpec, precision: str, recompute: str, dropout: bool, tp: int,
+                  sp: bool, grad_accumulation: str, fp8_recipe: str | None):
+    """:func:`cost_models.kernels.transformer_layer_times` once per argument set."""
+    return tuple(transformer_layer_times(spec, device, precision, recompute, dropout, tp=tp, sp=sp,
+                                         grad_accumulation=grad_accumulation, fp8_recipe=fp8_recipe))
+
+
 def model_params(spec: ModelSpec, tied_embeddings: bool | None = None) -> int:
     """Parameters of the whole model. ``tied_embeddings`` (default: the model's, True for gpt)
     counts the output projection once with the embedding table, as the papers' model sizes do."""
@@ -574,6 +591,41 @@ class CpExchange:
         return self.b_time - self.b_exposed
 
 
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """The links of one data-parallel group of ``size`` replicas on ``cluster`` (unplaced: replica k
+    is the k-th block of ``stride`` consecutive GPUs, T x C x D of them under the sequential map,
+    so the members of a stage's group sit ``stride`` GPUs apart): a ZeRO / FSDP shard group, or
+    with HSDP a replicate group (stride: the shard group's GPUs). Collective times as
+    :class:`TensorParallelGroup` gives them: :func:`cost_models.comm.allreduce_time` over the
+    members (a ring inside a node, hierarchical across nodes), a reduce-scatter or an all-gather
+    half an all-reduce of the same whole tensor; 0 for one member or no bytes."""
+
+    cluster: Cluster
+    size: int
+    stride: int
+
+    def time(self, kind: str, nbytes: float) -> float:
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}")
+        if self.size <= 1 or nbytes <= 0:
+            return 0.0
+        fixed, per_byte = _allreduce_line(self.cluster, self.size, self.stride)
+        t = fixed + per_byte * nbytes
+        return t if kind == "all-reduce" else t / 2
+
+
+@lru_cache(maxsize=4096)
+def _allreduce_line(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
+    """(seconds, seconds per byte): :func:`cost_models.comm.allreduce_time` over ``size`` GPUs
+    ``stride`` apart is affine in the bytes (latencies + bytes over bandwidths, every form), so it
+    is found once per group (a group of hundreds of GPUs takes milliseconds to walk)."""
+    ranks = range(0, size * stride, stride)
+    fixed = allreduce_time(cluster, ranks, 0.0)
+    big = 2.0 ** 40
+    return fixed, (allreduce_time(cluster, ranks, big) - fixed) / big
+
+
 def static_bytes_split(dtype_bytes: float, grad_bytes: float, bytes_per_param: float) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per parameter out of ``bytes_per_param`` in all."""
     w, g = float(dtype_bytes), float(grad_bytes)
@@ -625,6 +677,21 @@ class TransformerCostModel:
     and the gradient all-reduce becomes a reduce-scatter of the gradients plus an all-gather of
     the updated 16-bit weights: on a ring (R-1)/R (g + w) bytes per parameter, the bytes of an
     all-reduce of (g + w) / 2 per parameter, which is what the engines are given.
+
+    ZeRO-2 / ZeRO-3 (FSDP), :meth:`fsdp_layer_times`: the shard group is S = ``dp_shard`` or all R
+    replicas (``dp_group``, its links; HSDP: R / S groups replicate each other over
+    ``replicate_group``). Per GPU at rest (:meth:`static_split`): optimizer state o / S (ZeRO >= 1),
+    gradients g / S (ZeRO >= 2), weights w / S (ZeRO-3); a MoE block's routed experts over EDP the
+    same way. ZeRO-3 also holds *gathered* weights, w per parameter of the whole (unsharded)
+    tensor, counted in each rank's static memory (:meth:`gathered_bytes`). The gradients are
+    reduce-scattered in every micro-batch's backward (in W where the schedule splits it), so a
+    GPU never holds more than its 1/S of them: nothing is all-reduced by the engines at the step's
+    end (``grad_bytes`` 0); the step's end runs, per rank after its last op, the optimizer on 1/S of
+    the parameters, with HSDP first an all-reduce of the g_r / S shard over the replicate group,
+    and (ZeRO-2, and ZeRO-3 without ``reshard_after_forward``) the all-gather of the updated
+    weights, which a ZeRO-3 rank needs before its next step's first forward. The per-micro-batch
+    collectives run on their own stream behind the layer's compute (FSDP's prefetch): a layer's F,
+    input backward and W take max(compute, collectives).
     """
 
     model: ModelSpec
@@ -642,6 +709,10 @@ class TransformerCostModel:
     grad_accumulation: str = "fused"
     expert_group: ExpertGroup | None = None
     cp_group: ContextParallelGroup | None = None
+    dp_group: DataParallelGroup | None = None
+    replicate_group: DataParallelGroup | None = None
+    # layers() and layer_costs() once per record (it is frozen: they cannot change); not a field of its value
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
@@ -658,7 +729,7 @@ class TransformerCostModel:
             raise SpecError(f"grad_accumulation must be one of {', '.join(GRAD_ACCUMULATION)}; "
                             f"got {self.grad_accumulation!r}")
         if self.grad_accumulation != "fused" and (self.compute != "kernels" or self.model.kind != "gpt"):
-            raise SpecError(f"grad_accumulation {self.grad_accumulation!r} prices Megatron-LM's gpt block in the "
+            raise SpecError(f"--grad-accumulation {self.grad_accumulation} prices Megatron-LM's gpt block in the "
                             f"kernel model; this is a {self.model.kind} model with the {self.compute} cost model")
         if self.compute not in COST_MODELS:
             raise SpecError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.compute!r}")
@@ -677,6 +748,7 @@ class TransformerCostModel:
         if (self.parallel.ep > 1 or edp > 1) and (group is None or group.ep != self.parallel.ep):
             raise SpecError(f"expert parallel {self.parallel.ep} (EDP {edp}) needs the group's links "
                             f"(expert_group of {self.parallel.ep})")
+        self._check_fsdp_groups()
         if self.compute == "kernels":
             check_priced(self.model)
         # fail fast on a device without a peak (e.g. cpu: use a calibration profile), and, for the
@@ -688,10 +760,19 @@ class TransformerCostModel:
 
     @property
     def grad_bytes(self) -> float:
-        """Bytes all-reduced per parameter (ZeRO-1: the all-reduce equal to its reduce-scatter and
-        all-gather)."""
-        g = float(self.model.dtype_bytes if self.grad_bytes_per_param is None else self.grad_bytes_per_param)
+        """Bytes all-reduced per parameter by the engines at the step's end (ZeRO-1: the all-reduce
+        equal to its reduce-scatter and all-gather; ZeRO-2/3: none, their collectives are in the
+        layers' times and the step's end, :meth:`fsdp_layer_times`)."""
+        if self.parallel.zero >= 2:
+            return 0.0
+        g = self.reduce_bytes
         return (g + self.model.dtype_bytes) / 2 if self.parallel.zero else g
+
+    @property
+    def reduce_bytes(self) -> float:
+        """Bytes per parameter of the gradients as the data-parallel collectives move them (default the
+        model's dtype_bytes: reduced in 16 bits)."""
+        return float(self.model.dtype_bytes if self.grad_bytes_per_param is None else self.grad_bytes_per_param)
 
     @property
     def uses_dropout(self) -> bool:
@@ -718,42 +799,243 @@ class TransformerCostModel:
         return (tuple(x + extra if blk else x for x, blk in zip(f, blocks)),
                 tuple(x + (2 + again) * extra if blk else x for x, blk in zip(b_in, blocks)))
 
+    def fp8_recipe(self) -> str | None:
+        """The fp8 scaling recipe in force (None: not fp8)."""
+        return (self.parallel.fp8_recipe or DEFAULT_RECIPE) if self.resolved_precision() == "fp8" else None
+
+    def _fp8_overheads(self, L: list[Layer], f, b_in, w, rate: float | None):
+        """What fp8 adds (:mod:`cost_models.fp8`): for the linear model (``rate``: its fp8 FLOP/s; the
+        kernel model prices these as kernels) the output head back at the 16-bit rate (it is no
+        Transformer Engine layer) and each block's quantize kernels' bytes at the memory
+        bandwidth, the input casts in F and the output-gradient casts in B (the forward's again in
+        B under full recomputation); for both, the recipe's amax all-reduces on the
+        tensor-parallel group."""
+        m, par, recipe = self.model, self.parallel, self.fp8_recipe()
+        tp, d = par.tp, m.dtype_bytes
+        rows = m.micro_batch * m.seq_len
+        linears = [(_qkv_width(m) // tp, m.hidden), (m.hidden, m.heads * m.v_head_dim // tp)] + \
+            [(m.ffn * (2 if m.kind == "llama" else 1) // tp, m.hidden), (m.hidden, m.ffn // tp)]
+        cf = cb = 0.0
+        if rate is not None:
+            slow = 1 / self.device.achievable_flops("bf16" if self.device.has("bf16") else "fp16") - 1 / rate
+            head = L[-1]
+            f, b_in, w = (tuple(x[:-1]) + (x[-1] + fl * slow,) for x, fl in
+                          ((f, head.flops_f), (b_in, head.flops_b_input + head.flops_recompute), (w, head.flops_w)))
+        if rate is not None and self.device.memory_bandwidth:
+            for n_out, n_in in linears:
+                x, g = linear_cast_bytes(rows, n_out, n_in, recipe, d)
+                cf, cb = cf + x / self.device.memory_bandwidth, cb + g / self.device.memory_bandwidth
+            cb += cf if par.recompute == "full" else 0.0
+        nf, nb = amax_reductions(recipe, tp, par.sequence_parallel)
+        if nf or nb:
+            one = self.tp_group.time("all-reduce", amax_bytes(len(linears)))
+            cf, cb = cf + nf * one, cb + nb * one
+        blocks = [l.kind == "block" for l in L]
+        return (tuple(x + cf if blk else x for x, blk in zip(f, blocks)),
+                tuple(x + cb if blk else x for x, blk in zip(b_in, blocks)), w)
+
     def flop_rate(self) -> float:
         """Achievable FLOP/s: the device's peak at the precision times its efficiency."""
         return self.device.achievable_flops(self.resolved_precision())
 
     def layers(self) -> list[Layer]:
-        par = self.parallel
+        par = self.parallel       # a dense model's layers read none of the record but T, SP, recompute and C
         if par.cp > 1:
             return context_parallel_layers(self.model, par, self.uses_dropout)
-        return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel, par)
+        return list(_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel,
+                            par if self.model.is_moe else None))
+
+    @property
+    def shard(self) -> int:
+        """S: the replicas a ZeRO shard group spans (``dp_shard``, 0: all R)."""
+        return self.parallel.dp_shard or self.replicas
 
     def _zero_shard(self, group: int | None = None) -> int:
-        """The GPUs a parameter's optimizer state is sharded over: its data-parallel ``group``
-        (default the R x C GPUs that hold the same weights: the R replicas of each of the C
-        context-parallel ranks, as Megatron-LM's distributed optimizer shards over DP x CP; a MoE
-        block's experts: EDP) with ZeRO-1, else 1."""
-        return (self.replicas * self.parallel.cp if group is None else group) if self.parallel.zero else 1
+        """The GPUs a parameter's sharded state is split over: its data-parallel ``group`` (default
+        the shard group's S replicas of each of the C context-parallel ranks, which hold the same
+        weights, as Megatron-LM's distributed optimizer shards over DP x CP; a MoE block's experts:
+        EDP) with ZeRO, else 1."""
+        return (self.shard * self.parallel.cp if group is None else group) if self.parallel.zero else 1
 
-    def static_split(self, group: int | None = None) -> tuple[float, float, float]:
-        """(weights, gradients, optimizer state) bytes per parameter held on one GPU (ZeRO-1: the
-        optimizer state over the replicas, or over ``group``)."""
+    def bytes_split(self) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state) bytes per parameter, unsharded; the weights with the
+        fp8 copies fp8 keeps for the step (:meth:`_fp8_weight_copies`)."""
         if self.bytes_per_param is None:
             w, g, o = mixed_precision_bytes(self.model.dtype_bytes)
         else:
             w, g, o = static_bytes_split(self.model.dtype_bytes, self.model.dtype_bytes, self.bytes_per_param)
+        return w + self._fp8_weight_copies(), g, o
+
+    def static_split(self, group: int | None = None) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state) bytes per parameter held on one GPU at rest, over the
+        shard group S (or ``group``): ZeRO-1 the optimizer state / S, ZeRO-2 also the gradients / S,
+        ZeRO-3 also the weights / S (the weights ZeRO-3 gathers for the compute:
+        :meth:`gathered_bytes`)."""
+        w, g, o = self.bytes_split()
         shard = self._zero_shard(group)
-        return w, g, o / shard if shard > 1 else o
+        if shard == 1:
+            return w, g, o
+        zero = self.parallel.zero
+        return (w / shard if zero >= 3 else w), (g / shard if zero >= 2 else g), o / shard
+
+    def _fp8_weight_copies(self) -> float:
+        """Bytes per parameter of the fp8 weight copies fp8 keeps for the step (row-wise and
+        column-wise, :data:`cost_models.fp8.WEIGHT_COPY_BYTES`; counted on every parameter, the
+        16-bit embedding's and head's too: an upper bound), written by the optimizer's pass."""
+        return WEIGHT_COPY_BYTES if self.resolved_precision() == "fp8" else 0.0
 
     def optim_time_per_param(self, group: int | None = None) -> float:
-        """Seconds of the optimizer step per parameter (ZeRO-1: 1/shard of the parameters updated)."""
+        """Seconds of the optimizer step per parameter (ZeRO: 1/shard of the parameters updated: the
+        gradients and weights read, the state read and written, (g + w) / S + 2 o / S)."""
         if not self.device.memory_bandwidth:
             return 0.0
-        w, g, o = self.static_split(group)
+        w, g, _ = self.bytes_split()
+        o = self.static_split(group)[2]
         shard = self._zero_shard(group)
         touched = self.optimizer_bytes_touched / shard if self.optimizer_bytes_touched is not None else \
             (g + w) / shard + 2 * o
         return touched / self.device.memory_bandwidth
+
+    # ------------------------------------------------------------------ ZeRO-2 / ZeRO-3 (FSDP)
+    def _check_fsdp_groups(self) -> None:
+        par = self.parallel
+        if par.zero < 2:
+            return
+        S, R = self.shard, self.replicas
+        if R % S:
+            raise SpecError(f"--dp-shard {S} must divide the {R} replicas")
+        if S > 1 and (self.dp_group is None or self.dp_group.size != S):
+            raise SpecError(f"ZeRO-{par.zero} over {S} replicas needs the shard group's links (dp_group of size {S})")
+        if R // S > 1 and (self.replicate_group is None or self.replicate_group.size != R // S):
+            raise SpecError(f"HSDP with {R // S} replicate groups needs their links (replicate_group of size "
+                            f"{R // S})")
+
+    def _edp_time(self, kind: str, nbytes: float) -> float:
+        """A collective of ``nbytes`` (the whole tensor) over a MoE block's EDP group (as its ZeRO-1
+        all-reduce is costed: EP x ETP GPUs apart on the expert group's cluster)."""
+        par = self.parallel
+        edp = expert_data_parallel(par, self.replicas)
+        if edp <= 1 or nbytes <= 0 or self.expert_group is None:
+            return 0.0
+        return DataParallelGroup(self.expert_group.cluster, edp, par.ep * par.etp).time(kind, nbytes)
+
+    def _dense_expert_params(self, L: list[Layer]) -> list[tuple[float, float]]:
+        """Per layer: (parameters sharded over the shard group, routed experts' over EDP) on one GPU."""
+        expert = self.moe_share().params_expert if self.model.is_moe else 0
+        return [(float(l.params - (expert if m else 0)), float(expert if m else 0))
+                for l, m in zip(L, self.moe_blocks())]
+
+    def fsdp_layer_times(self, L: list[Layer] | None = None) -> tuple[tuple[float, ...], ...]:
+        """Per layer of :meth:`layers`, ZeRO-2/3's collective seconds ``(in F, in the input backward,
+        in W, at the step's end)`` (all 0 below ZeRO-2). With p a layer's parameters on one GPU
+        (T-sharded; a MoE block's routed experts over EDP instead of S), w its weight bytes and g_r
+        :attr:`reduce_bytes` per parameter, whole-tensor sizes of each collective:
+
+            every micro-batch:  reduce-scatter p g_r in W (the input backward's where unsplit)
+            ZeRO-3, reshard_after_forward:  all-gather p w in F and again in the input backward
+            step's end:  all-gather p w of the updated weights (ZeRO-2; ZeRO-3 without
+                         reshard_after_forward: the next step's one gather, kept to its last B)
+                         + HSDP: all-reduce p g_r / S over the R / S replicate groups
+
+        so a GPU moves per step, on rings of S, (S-1)/S x p x [N g_r + w] (ZeRO-2, ZeRO-3 gathered
+        once) or (S-1)/S x p x N (g_r + 2w) (reshard_after_forward), HSDP adding
+        2 (R/S - 1)/(R/S) x p g_r / S (:meth:`fsdp_step_bytes`).
+
+        Why per micro-batch: a GPU keeps only its 1/S of the gradients over a step of N
+        micro-batches only if each micro-batch's are reduce-scattered as its backward makes them
+        (DeepSpeed's ZeRO-2; Llama 3 shards optimizer state and gradients under its pipeline). The
+        other choice, torchtitan's under ``torch.distributed.pipelining`` (``stage.py``:
+        ``backward_maybe_with_nosync`` calls ``set_requires_gradient_sync(False)`` for every
+        micro-batch, ``perform_reduce_grad`` reduce-scatters once after the stage's last B/W),
+        sends 1/N of these bytes but holds the whole fp32 gradients through the step: ZeRO-1's
+        gradient memory. ZeRO-3 gathered once (no ``reshard_after_forward``) gathers at the
+        stage's first F and holds the weights to its last B; that gather is costed at the step's
+        end, the same place on a rank's timeline between two steps (after its optimizer, before
+        its next first F)."""
+        if L is None:
+            got = self._memo.get("fsdp")
+            if got is None:
+                got = self._memo["fsdp"] = self.fsdp_layer_times(self.layers())
+            return got
+        zero, n = self.parallel.zero, len(L)
+        if zero < 2:
+            return ((0.0,) * n,) * 4
+        w, r = self.bytes_split()[0], self.reduce_bytes
+        dp, rep, S = self.dp_group, self.replicate_group, self.shard
+
+        def coll(kind: str, dense: float, expert: float) -> float:
+            t = dp.time(kind, dense) if dp is not None else 0.0
+            return t + self._edp_time(kind, expert)
+
+        every = zero == 3 and self.parallel.reshard_after_forward
+        times = {}          # the blocks are alike: each size of layer costed once
+        for key in set(self._dense_expert_params(L)):
+            dense, expert = key
+            gather = coll("all-gather", dense * w, expert * w)
+            rs = coll("reduce-scatter", dense * r, expert * r)
+            hsdp = rep.time("all-reduce", dense * r / S) if rep is not None else 0.0
+            times[key] = (gather if every else 0.0, gather if every else 0.0, rs, hsdp + (0.0 if every else gather))
+        rows = [times[key] for key in self._dense_expert_params(L)]
+        return tuple(tuple(x[k] for x in rows) for k in range(4))
+
+    def fsdp_step_bytes(self, params: float, microbatches: int) -> dict:
+        """Bytes one GPU sends per step in ZeRO-2/3's collectives for ``params`` parameters held (a
+        stage's, T-sharded; dense), by collective and where it runs, on rings (a ring's
+        reduce-scatter or all-gather sends (n-1)/n of the whole tensor, its all-reduce twice that):
+        ``per_microbatch`` (the reduce-scatters, and with ``reshard_after_forward`` the two
+        gathers, times N), ``step_end`` (the gather of the updated weights, the HSDP all-reduce)."""
+        zero, S, R = self.parallel.zero, self.shard, self.replicas
+        if zero < 2:
+            return {"per_microbatch": 0.0, "step_end": 0.0}
+        w, r = self.bytes_split()[0], self.reduce_bytes
+        ring = (S - 1) / S
+        every = zero == 3 and self.parallel.reshard_after_forward
+        per_mb = ring * params * (r + (2 * w if every else 0.0))
+        groups = R // S
+        hsdp = 2 * (groups - 1) / groups * params * r / S if groups > 1 else 0.0
+        end = (0.0 if every else ring * params * w) + hsdp
+        return {"per_microbatch": microbatches * per_mb, "step_end": end}
+
+    def fsdp_report(self, sched) -> dict:
+        """What ZeRO-2/3's collectives cost on ``sched``, per stage: its parameters per GPU (dense
+        part), seconds per micro-batch in F, B and W (each behind the layer's compute) and at the
+        step's end, and bytes a GPU sends per step (:meth:`fsdp_step_bytes`); {} below ZeRO-2."""
+        if self.parallel.zero < 2:
+            return {}
+        L = self.layers()
+        fc, bc, wc, end = self.fsdp_layer_times()
+        dense = [d for d, _ in self._dense_expert_params(L)]
+        parts = layer_ranges(len(L), sched.num_stages, self.partition_for(sched.num_stages))
+        N = sched.num_microbatches
+        stages = []
+        for r in parts:
+            p = sum(dense[i] for i in r)
+            stages.append({"params": p, "f": sum(fc[i] for i in r), "b": sum(bc[i] for i in r),
+                           "w": sum(wc[i] for i in r), "step_end": sum(end[i] for i in r),
+                           **{f"bytes_{k}": v for k, v in self.fsdp_step_bytes(p, N).items()}})
+        return {"zero": self.parallel.zero, "shard": self.shard, "replicate_groups": self.replicas // self.shard,
+                "reshard_after_forward": self.parallel.reshard_after_forward, "stages": stages}
+
+    def gathered_bytes(self, sched) -> tuple[float, ...]:
+        """Per rank: the ZeRO-3 weights it holds gathered (whole tensors, w per parameter, beside
+        its 1/S shard) at the peak. Without ``reshard_after_forward`` every stage it holds, from its
+        first F to its last B (= the whole step's activations); with it, one layer at a time as
+        FSDP gathers per module, and the next one prefetched: its two largest layers. 0 below
+        ZeRO-3."""
+        if self.parallel.zero < 3:
+            return (0.0,) * sched.num_ranks
+        w = self.bytes_split()[0]
+        L = self.layers()
+        parts = layer_ranges(len(L), sched.num_stages, self.partition_for(sched.num_stages))
+        out = []
+        for r in range(sched.num_ranks):
+            held = held_stages(sched, r)
+            if not self.parallel.reshard_after_forward:
+                out.append(w * sum(L[i].params for s in held for i in parts[s]))
+            else:
+                sizes = sorted((L[i].params for s in set(held) for i in parts[s]), reverse=True)
+                out.append(w * sum(sizes[:2]))
+        return tuple(float(x) for x in out)
 
     def copy_time(self) -> float:
         if not self.device.memory_bandwidth:
@@ -774,12 +1056,20 @@ class TransformerCostModel:
 
     def layer_costs(self) -> LayerCosts:
         """Per-layer seconds and bytes (the input of :class:`PerLayerCostModel` and of planners)."""
+        got = self._memo.get("layer_costs")
+        if got is None:
+            got = self._memo["layer_costs"] = self._layer_costs()
+        return got
+
+    def _layer_costs(self) -> LayerCosts:
         L = self.layers()
         if self.compute == "kernels":
-            t = transformer_layer_times(self.model, self.device, self.resolved_precision(), self.parallel.recompute,
-                                        self.uses_dropout, tp=self.parallel.tp, sp=self.parallel.sequence_parallel,
-                                        grad_accumulation=self.grad_accumulation)
+            par = self.parallel
+            t = _kernel_times(self.model, self.device, self.resolved_precision(), par.recompute, self.uses_dropout,
+                              par.tp, par.sequence_parallel, self.grad_accumulation, par.fp8_recipe)
             f, b_in, w = (tuple(x[i] for x in t) for i in range(3))
+            if self.resolved_precision() == "fp8":
+                f, b_in, w = self._fp8_overheads(L, f, b_in, w, rate=None)   # the kernels hold the casts
         else:
             rate = self.flop_rate()
             f = tuple(l.flops_f / rate for l in L)
@@ -787,6 +1077,7 @@ class TransformerCostModel:
             w = tuple(l.flops_w / rate for l in L)
             if self.resolved_precision() == "fp8":
                 f, b_in = self._attention_in_16_bits(L, f, b_in, rate)
+                f, b_in, w = self._fp8_overheads(L, f, b_in, w, rate=rate)
         if self.parallel.tp > 1:
             comm = self.collective_times()
             join = max if self.parallel.tp_overlap else (lambda x, y: x + y)
@@ -801,6 +1092,16 @@ class TransformerCostModel:
             f = tuple(x + y for x, y in zip(f, a2a_f))
             b_in = tuple(x + y for x, y in zip(b_in, a2a_b))
             moe = self._expert_memory(L)
+        if self.parallel.zero >= 2:     # FSDP's collectives behind each layer's compute, and at the step's end
+            fc, bc, wc, end = self.fsdp_layer_times()
+            f = tuple(max(x, c) for x, c in zip(f, fc))
+            b_in = tuple(max(x, c) for x, c in zip(b_in, bc))
+            w = tuple(max(x, c) for x, c in zip(w, wc))
+            optim = moe.get("optim_time") or tuple(l.params * self.optim_time_per_param() for l in L)
+            moe["optim_time"] = tuple(x + e for x, e in zip(optim, end))
+            first = max((x for x, l in zip(fc, L) if l.kind == "block"), default=0.0)
+            if first:       # the op's first block waits for its gather (FSDP prefetches the rest)
+                moe["op_overhead"] = (("F", first), ("B", first))
         return LayerCosts(
             f=f,
             b_input=b_in,
@@ -1024,9 +1325,10 @@ class TransformerCostModel:
 
     def static_breakdown(self, sched) -> list[StaticMemory]:
         """Per rank (one GPU of its tensor-parallel group): parameters held and their weight /
-        gradient / optimizer bytes."""
+        gradient / optimizer bytes at rest (ZeRO shards), and the weights ZeRO-3 gathers."""
         w, g, o = self.static_split()
-        return static_memory(sched, self.stage_params(sched.num_stages), w, g, w + g + o)
+        rows = static_memory(sched, self.stage_params(sched.num_stages), w, g, w + g + o)
+        return [replace(m, gathered=x) for m, x in zip(rows, self.gathered_bytes(sched))]
 
     def transient_bytes(self) -> float:
         """What one GPU holds beyond the activation walk at its worst moment (see
@@ -1057,9 +1359,26 @@ class TransformerCostModel:
                           tp=self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel,
                           zero=self.parallel.zero, cp=self.parallel.cp,
                           memory_transient=self.transient_bytes())
+        if self.parallel.zero >= 3:     # the weights gathered for the compute, held at the peak
+            gathered = self.gathered_bytes(sched)
+            costs = replace(costs, static_mem=tuple(x + g for x, g in zip(costs.static_mem, gathered)))
+            costs.meta["memory_gathered"] = gathered
+        if self.parallel.zero >= 2:
+            costs.meta["fsdp"] = self.fsdp_report(sched)
         if self.parallel.overlap_fb and self.model.is_moe:
             costs = self._with_phases(costs, sched, lc)
+        if self.parallel.p2p_scatter_gather:
+            costs = replace(costs, recv_time=self.p2p_gather_time())
         return costs
+
+    def p2p_gather_time(self) -> float:
+        """Seconds a RECV holds its GPU under Megatron-LM's scatter-gather (``p2p_scatter_gather``):
+        the all-gather of the boundary tensor, bsh d, over the receiver's tensor-parallel group
+        (half a ring all-reduce on the group's links, :class:`TensorParallelGroup`), on the compute
+        stream before the stage runs; 0 without it."""
+        if not self.parallel.p2p_scatter_gather:
+            return 0.0
+        return self.tp_group.time("all-gather", boundary_bytes(self.model))
 
     def _with_phases(self, costs: StageCosts, sched, lc: LayerCosts) -> StageCosts:
         """``costs`` with each op's F and B split into compute and all-to-all phases (the layers'

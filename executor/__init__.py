@@ -8,7 +8,9 @@ model on the same batches in one process. Modules: ``model`` (GPT and its split 
 ``user_model`` (a model file: loading, checks, its stages, shared parameters), ``tensor_parallel`` and
 ``context_parallel`` (a stage over T x C processes), ``mesh`` (where each process sits),
 ``data``, ``device`` (the CPU/GPU choice and memory meters), ``p2p`` (messages), ``runtime`` (the
-interpreter), ``faults`` (fault injection), ``worker`` (one rank), ``launch`` (processes), ``reference``.
+interpreter), ``faults`` (fault injection), ``worker`` (one rank), ``launch`` (processes), ``reference``;
+``torch_pipelining`` trains the same stages under ``torch.distributed.pipelining``'s own runtime from
+a schedule's torch CSV (``run_torch``; ``pipetwin run --runtime torch``).
 """
 from schedules._face import lazy_face
 
@@ -17,4 +19,5 @@ __all__, __getattr__, __dir__ = lazy_face(__name__, {
     "config": ("RunConfig", "RunResult", "lowered_schedule"),
     "launch": ("LaunchError", "run", "run_many"),
     "reference": ("run_reference",),
+    "torch_pipelining": ("run_torch",),
 })

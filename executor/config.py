@@ -71,7 +71,7 @@ class RunConfig:
     fault: str | None = None        # fault injection: "RANK:TOKEN[:STEP]" raises there (executor.faults)
     probe: int = 0                  # host speed probe: timed F+B of one block, this many times before
                                     # and after the steps on every rank at once (0: off); see worker
-    dtype: str = "fp32"             # fp32 | bf16 (autocast, fp32 master weights): executor.precision
+    dtype: str = "fp32"             # fp32 | bf16 (autocast, fp32 master weights) | fp8 (GPU): executor.precision
     pin_cores: bool = False         # pin each rank to a core of its own where the host has one per rank
                                     # (executor.host.pin_to_core; otherwise the ranks float)
     placement: tuple[int, ...] | None = None  # under torchrun: rank -> global device (a plan's); None: the job's
@@ -273,6 +273,7 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)
         spec.check_context_parallel(par.cp, par.tp, par.sequence_parallel)
     check_device(config.device)
+    config.precision.check_run(config.device, tp=par.tp, model_file=stack)
     if stack and config.data is not None:
         raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
     if config.data is not None:

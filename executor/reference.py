@@ -45,7 +45,7 @@ def run_reference(config: RunConfig) -> RunResult:
         model = model.to(ctx.device)
     else:
         spec = config.spec()
-        model = full_model(spec, seed=config.seed).to(ctx.device)
+        model = config.precision.prepare(full_model(spec, seed=config.seed).to(ctx.device))   # fp8: its linears
         data = TokenSource(spec, config.seed, config.data)
     params = list(model.parameters())
     for p in params:
@@ -81,16 +81,21 @@ def run_reference(config: RunConfig) -> RunResult:
     return RunResult(config, losses, times, per_device, ma, "reference", params=params_out)
 
 
-CHECK_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}     # relative, per step (see the module docstring)
+# relative, per step (see the module docstring); fp8: bf16's boundaries plus per-tensor fp8 scales of
+# the same tensors on both sides (GPU only, not measured on this host)
+CHECK_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3, "fp8": 1e-2}
 
 
 @dataclass(frozen=True)
 class LossCheck:
-    """A run's per-step losses against the reference's, in ``dtype`` (see the module docstring)."""
+    """A run's per-step losses against the reference's, in ``dtype`` (see the module docstring);
+    ``against`` names the losses compared with in the line (another engine's: ``pipetwin run
+    --runtime torch`` holds torch's runtime against pipetwin's executor)."""
 
     losses: tuple[float, ...]
     reference: tuple[float, ...]
     dtype: str = "fp32"
+    against: str = "the reference's"
 
     def __post_init__(self):
         if len(self.losses) != len(self.reference):
@@ -132,8 +137,8 @@ class LossCheck:
             worst = max(range(len(d)), key=d.__getitem__)
             how = (f"identical at all {len(d)} steps" if d[worst] == 0 else
                    f"largest difference {d[worst]:.1e} at step {worst} of {len(d)}")
-            return f"losses equal the reference's within {self.tolerance_text} ({where}): {how}"
-        return (f"losses differ from the reference's at step {k}: {self.losses[k]:.6f} vs {self.reference[k]:.6f}, "
+            return f"losses equal {self.against} within {self.tolerance_text} ({where}): {how}"
+        return (f"losses differ from {self.against} at step {k}: {self.losses[k]:.6f} vs {self.reference[k]:.6f}, "
                 f"a difference of {d[k]:.1e} > {self.tolerance_text} ({where})")
 
     def to_dict(self) -> dict:

@@ -129,11 +129,18 @@ def _main(args) -> int:
     if args.reference and args.check:
         raise ValueError("--check trains the reference beside the run; --reference trains only the reference "
                          "(drop one)")
+    if args.runtime == "torch":
+        _check_torch_args(args)
     if args.plan:
         cfg, sched, info = plan_config_from_args(args)
+        if args.runtime == "torch":     # refused before the plan is announced
+            from executor.torch_pipelining import check_torch_run
+            check_torch_run(cfg, sched)
         _announce_plan(cfg, sched, info, args)
     else:
         cfg = config_from_args(args)
+    if args.runtime == "torch":
+        return _main_torch(args, cfg, sched, info)
     if args.reference:
         lowered_schedule(cfg, sched)  # same checks as an executor run
         result = run_reference(cfg)
@@ -171,6 +178,82 @@ def _main(args) -> int:
         return 1
     if check is not None:
         print(check.line(), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _check_torch_args(args) -> None:
+    """What ``--runtime torch`` cannot take from the command line (the job's own limits are
+    :func:`executor.torch_pipelining.check_torch_run`'s)."""
+    from executor.launch import under_torchrun
+    if args.reference:
+        raise ValueError("--runtime torch trains under torch.distributed.pipelining beside pipetwin's executor; "
+                         "--reference trains in one process instead (drop one)")
+    if under_torchrun():
+        raise ValueError("--runtime torch trains two worlds one after the other (torch's runtime, then pipetwin's "
+                         "executor), which one torchrun process cannot join; run it on spawned ranks (without "
+                         "torchrun)")
+
+
+def _main_torch(args, cfg, sched, info) -> int:
+    """``--runtime torch``: torch's runtime trains from the schedule's torch CSV, then pipetwin's executor the
+    same job (and with --check the reference); the losses side by side, checked."""
+    from executor.launch import LaunchError, run
+    from executor.reference import LossCheck, run_reference
+    from executor.torch_pipelining import csv_of_file, run_torch_many, torch_job
+
+    file = cfg.layout.schedule_file
+    job = torch_job(cfg, csv_of_file(file), schedule=sched)
+    try:
+        theirs = run_torch_many([job])[0]
+        ours = run(cfg, sched)
+    except LaunchError as e:
+        print(f"pipetwin: run failed: {e}", file=sys.stderr)
+        return 1
+    ref = run_reference(cfg) if args.check else None
+    against = LossCheck(tuple(theirs.losses), tuple(ours.losses), cfg.dtype, against="pipetwin's executor's")
+    checks = [against] + ([LossCheck(tuple(theirs.losses), tuple(ref.losses), cfg.dtype)] if ref else [])
+    source = (f"{file.path} as written" if file is not None and file.format == "torch-csv" else
+              f"the export of {job.schedule.name}")
+    form = ("compute-only, lowered by torch's _load_csv" if job.format == "compute_only" else
+            "with its communication, as written")
+    ours.extra["torch"] = {"engine": theirs.engine, "losses": theirs.losses,
+                           "iteration_times": theirs.iteration_times, "csv": job.csv, "csv_source": source,
+                           "format": job.format, "check": against.to_dict(),
+                           **({"reference_check": checks[1].to_dict()} if ref else {})}
+    if info is not None:
+        ours.extra["plan"] = {"file": str(args.plan), **info}
+    _write_outputs(ours, args)
+    out = sys.stderr if args.json else sys.stdout
+    if args.json:
+        print_json(ours.to_dict())
+    else:
+        lay = cfg.layout
+        print(f"{theirs.engine} beside pipetwin's executor, {lay.label}: D={lay.devices} N={lay.microbatches} "
+              f"R={lay.replicas}  model {printable(cfg.model_name)}  {cfg.optimizer} lr={cfg.lr:g}  "
+              f"({theirs.extra['backend']})")
+        print(f"torch CSV: {printable(source)} ({form})")
+        if lay.replicas > 1:
+            print(f"replicas: {lay.replicas} pipelines under torch's runtime, their gradients averaged before the "
+                  f"optimizer" + ("; ZeRO-1 shards the optimizer state in pipetwin's run only (the same update)"
+                                  if cfg.parallel.zero else ""))
+        rows = [{"step": k, "loss_torch": a, "loss_pipetwin": b, "difference": d, "torch_s": ta, "pipetwin_s": tb}
+                for k, (a, b, d, ta, tb) in enumerate(zip(theirs.losses, ours.losses, against.differences,
+                                                           theirs.iteration_times, ours.iteration_times))]
+        cols = ["step", "loss_torch", "loss_pipetwin", "difference", "torch_s", "pipetwin_s"]
+        fmt = {"loss_torch": "{:.6f}", "loss_pipetwin": "{:.6f}", "difference": "{:.1e}", "torch_s": "{:.4f}",
+               "pipetwin_s": "{:.4f}"}
+        if ref is not None:
+            for row, loss in zip(rows, ref.losses):
+                row["loss_reference"] = loss
+            cols.insert(3, "loss_reference")
+            fmt["loss_reference"] = "{:.6f}"
+        print(fmt_table(rows, cols, fmt))
+    failed = next((c for c in checks if not c.equal), None)
+    if failed is not None:
+        print(f"pipetwin: check failed: torch.distributed.pipelining's {failed.line()}", file=sys.stderr)
+        return 1
+    for c in checks:
+        print(f"torch.distributed.pipelining's {c.line()}", file=out)
     return 0
 
 

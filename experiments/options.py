@@ -25,12 +25,13 @@ from typing import Any, Callable
 from cost_models import FABRICS, MAPPINGS
 from cost_models.frameworks import TARGETS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
-from cost_models.kernels import COST_MODELS
+from cost_models.fp8 import FP8_RECIPES
+from cost_models.kernels import COST_MODELS, GRAD_ACCUMULATION
 from cost_models.moe import MOE_KNOBS
 from cost_models.parallel import CP_COMMS, PRECISIONS, RECOMPUTE, ZERO_STAGES
 from cost_models.profile import BUSY_CORES
 from schedules import families, names
-from executor.choices import DEVICES, DTYPES, OPTIMIZERS
+from executor.choices import DEVICES, DTYPES, OPTIMIZERS, RUNTIMES
 from schedules.registry import ALIASES
 
 from .checks import (byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
@@ -157,6 +158,23 @@ def _rows() -> dict[str, Option]:
                         "the GEMMs' number format (default: the model's, bf16 for 16-bit models); fp8 runs the "
                         "linear layers at the device's fp8 peak, the attention core in 16 bits",
                         choices=tuple(PRECISIONS))),
+        ("fp8_recipe", O(("--fp8-recipe",), "Parallel.fp8_recipe",
+                         "with --precision fp8: how the casts are scaled, as Transformer Engine's recipes: delayed "
+                         "(per-tensor scale from the amax history; default), tensorwise (per-tensor scale from "
+                         "the tensor: two reads per cast), blockwise (DeepSeek-V3's 1x128 / 128x128 block scales)",
+                         choices=tuple(FP8_RECIPES))),
+        ("p2p_scatter_gather", O(("--p2p-scatter-gather",), "Parallel.p2p_scatter_gather",
+                                 "with --tp > 1: Megatron-LM's scatter-gather of the messages between stages (its "
+                                 "2021 default): each of the T GPUs sends 1/T, the receiver all-gathers them over "
+                                 "its TP group before the stage runs", action="store_true")),
+        ("grad_accumulation", O(("--grad-accumulation",), "Job.grad_accumulation",
+                                "kernel cost model, gpt blocks: how weight gradients add up over micro-batches, "
+                                "fused (Megatron-LM's gradient-accumulation fusion into fp32 main gradients; "
+                                "default) or autograd (its code before 2022: each micro-batch's 16-bit gradients "
+                                "added into .grad)", choices=tuple(GRAD_ACCUMULATION))),
+        ("fp8_gather", O(("--fp8-gather",), "Parallel.fp8_gather",
+                         "with --precision fp8 and --zero 3: the weight all-gathers carry fp8 (1 byte per "
+                         "parameter)", action="store_true")),
         # ---- Parallel: mixtures of experts (cost_models.moe)
         ("ep", O(("--ep",), "Parallel.ep", "expert-parallel size E: GPUs that split each MoE block's experts, folded "
                  "onto the stage's T x R GPUs as Megatron-LM does (E x ETP divides T x R; default 1)",
@@ -295,7 +313,8 @@ def _rows() -> dict[str, Option]:
         ("no_memory", O(("--no-memory",), "RunConfig.measure_memory", "do not measure activation memory",
                         action="store_true", invert=True)),
         ("dtype", O(("--dtype",), "RunConfig.dtype", "precision: bf16 is autocast mixed precision with fp32 master "
-                    "weights and optimizer state", choices=DTYPES, default="fp32")),
+                    "weights and optimizer state; fp8 is bf16 with the linear layers in fp8 through torchao "
+                    "(a GPU of compute capability 8.9 or newer, --tp 1)", choices=DTYPES, default="fp32")),
         ("inject_fault", O(("--inject-fault",), "RunConfig.fault",
                            "make RANK raise at the op TOKEN of its program (e.g. 1:F2.s1, 0:RG1.s0<1:2 in step 2) to "
                            "check that a failure ends the run; the token must be in that rank's program",
@@ -317,6 +336,11 @@ def _rows() -> dict[str, Option]:
         ("check", O(("--check",), None, "also train the single-process reference (--reference) and compare the "
                     "losses step by step: exit status 1 at the first step that differs by more than 1e-5 relative "
                     "in fp32 (1e-3 in bf16), printing it and the difference", action="store_true")),
+        ("runtime", O(("--runtime",), None,
+                      "pipetwin: its executor trains; torch: torch.distributed.pipelining's _PipelineScheduleRuntime "
+                      "trains from the schedule's torch CSV (a --schedule-file CSV as written, else the schedule's "
+                      "export) beside pipetwin's executor, the losses side by side: exit status 1 where they differ "
+                      "by more than 1e-5 relative (fp32)", choices=RUNTIMES, default="pipetwin")),
         ("calibration_profile", O(("--profile",), None, "a calibration profile (pipetwin calibrate)", type=input_file,
                                   metavar="FILE.yaml", dest="profile")),
         # ---- plan's own
@@ -420,7 +444,8 @@ _LAYOUT = ("schedule_file", "devices", "microbatches", "chunks", "variant", "dp"
 _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "nodes", "fabric", "oversubscription",
           "nodes_per_leaf", "profile", "stage_costs", "partition", "device_map", "recompute", "sequence_parallel",
           "tp_overlap", "zero", "dp_shard", "reshard_after_forward", "cp", "cp_comm",
-          "micro_batch", "memory_reserve", "seq_len", "precision", *MOE_KNOBS)
+          "micro_batch", "memory_reserve", "seq_len", "precision", "fp8_recipe", "fp8_gather",
+          "p2p_scatter_gather", "grad_accumulation", *MOE_KNOBS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
 _IMPORTS = ("from_megatron", "from_torchtitan")
@@ -451,7 +476,7 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("seq_len"), use("cp"), use("cp_comm"),
-            use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
+            use("runtime"), use("reference"), use("check"), use("json"), use("trace"), use("chrome_trace"),
             use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
     "sweep": (use("schedules"), use("devices", LIST, note=" (required, unless --from-megatron/--from-torchtitan gives "
                                                        "it)"),

@@ -49,14 +49,29 @@ _TOKEN = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SE
 _OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
 _COMPUTE = {"F", "I", "B", "W"}
 
+# The single-copy family nearest to each multi-copy one, which torch's CSV can hold: each of
+# Chimera's two pipelines is a 1F1B (dapple); BitPipe's (and its zero-bubble form's) are V-shaped
+# with two chunks a device, as zb-v's one (torch's ScheduleZBVZeroBubble).
+NEAREST_SINGLE_COPY = {"chimera": "dapple", "bitpipe": "zb-v", "bitpipe-zb": "zb-v"}
+
+
+def single_copy_refusal(sched: Schedule) -> str | None:
+    """Why torch's pipeline order cannot hold ``sched`` and what it can run instead; None when it can."""
+    if sched.num_copies == 1:
+        return None
+    nearest = NEAREST_SINGLE_COPY.get(sched.name, "a single-copy schedule (dapple, interleaved, zb-v, ...)")
+    return (f"{sched.name} has {sched.num_copies} model copies; PyTorch's pipeline order can only express "
+            f"single-copy schedules (an action names a stage by its index, one rank holds it): the nearest it "
+            f"runs is {nearest}")
+
 
 # ---------------------------------------------------------------------------------------- export
 def to_torch_actions(sched: Schedule, *, merge_backward: bool | None = None,
                      overlap: bool = False) -> list[list[str]]:
     """Per rank, the compute action tokens PyTorch would print for ``sched``."""
-    if sched.num_copies != 1:
-        raise ScheduleError(f"{sched.name} has {sched.num_copies} model copies; PyTorch's pipeline order "
-                            f"can only express single-copy schedules (one rank per stage index)")
+    refusal = single_copy_refusal(sched)
+    if refusal is not None:
+        raise ScheduleError(refusal)
     full = {tuple(x) for x in sched.meta.get("full_backward", ())}
     pairs = {(tuple(a), tuple(b)) for a, b in sched.meta.get("overlapped", ())} if overlap else set()
     rows = []

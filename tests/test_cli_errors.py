@@ -240,6 +240,24 @@ CASES = [
     ("run-plan-seq-len", ["run", "--plan", "{plan}", "--seq-len", "16"], ["--seq-len", "plan file fixes"]),
     ("run-plan-micro-batch", ["run", "--plan", "{layout}", "--micro-batch", "2"], ["--micro-batch", "micro-batch 1"]),
     ("run-plan-profile", ["run", "--plan", "{plan}", "--profile", "{file}"], ["--profile", "the layer partition"]),
+    # --runtime torch: what torch.distributed.pipelining's runtime cannot train as pipetwin does
+    ("run-torch-unknown-runtime", RUN + ["--runtime", "megatron"], ["--runtime", "'megatron'", "'pipetwin', 'torch'"]),
+    ("run-torch-two-copies", RUN + ["-s", "chimera", "--runtime", "torch"],
+     ["chimera has 2 model copies", "the nearest it runs is dapple"]),
+    ("run-torch-bitpipe", RUN + ["-s", "bitpipe", "-N", "4", "--runtime", "torch"],
+     ["bitpipe has 2 model copies", "the nearest it runs is zb-v"]),
+    ("run-torch-reference", RUN + ["--runtime", "torch", "--reference"],
+     ["--runtime torch", "--reference", "drop one"]),
+    ("run-torch-zero", RUN + ["--runtime", "torch", "--dp", "2", "--zero", "2"], ["replicated whole", "drop --zero 2"]),
+    ("run-torch-tp", RUN + ["--runtime", "torch", "--tp", "2"], ["drop --tp 2"]),
+    ("run-torch-recompute", RUN + ["--runtime", "torch", "--recompute", "full"], ["drop --recompute full"]),
+    ("run-torch-bf16", RUN + ["--runtime", "torch", "--dtype", "bf16"], ["fp32", "drop --dtype bf16"]),
+    ("run-torch-model-file", RUN + ["--runtime", "torch", "-m", "{model}:in_place"], ["(a model file)"]),
+    ("run-torch-fault", RUN + ["--runtime", "torch", "--inject-fault", "1:F0.s1"], ["drop --inject-fault 1:F0.s1"]),
+    ("run-torch-csv-out-of-order", ["run", "--schedule-file", "{torch_swapped}", "--runtime", "torch"],
+     ["swapped.csv", "runs forward 0 after forward 1", "micro-batch order"]),
+    ("run-torch-csv-spaced", ["run", "--schedule-file", "{torch_spaced}", "--runtime", "torch"],
+     ["'0F0 0F1 0B0 0B1' is not one action as torch writes them", "comma-separated"]),
     ("chunks-without-chunks", ["simulate", "-s", "zb-v", "-D", "4", "-N", "8", "--unit-costs", "--chunks", "3"],
      ["--chunks", "interleaved", "zb-v"]),
     ("chunks-compare-none-chunked", ["compare", "-D", "4", "-N", "8", "--unit-costs", "--schedules", "dapple,gpipe",
@@ -449,6 +467,16 @@ CASES = [
     ("precision-unknown", MOE + ["--precision", "fp4"], ["--precision", "fp4"]),
     ("precision-not-on-device", SIM + ["--precision", "fp8", "-m", "gpt3-1.3b", "-c", "dgx-a100-ib:1"],
      ["'a100'", "fp8"]),
+    ("fp8-recipe-without-fp8", SIM + ["--fp8-recipe", "blockwise", "-m", "gpt3-1.3b", "-c", "dgx-h100-ib:1"],
+     ["--fp8-recipe", "--precision fp8"]),
+    ("fp8-gather-without-zero3", SIM + ["--precision", "fp8", "--fp8-gather", "-m", "gpt3-1.3b",
+                                        "-c", "dgx-h100-ib:1"], ["--fp8-gather", "--zero 3"]),
+    ("p2p-scatter-gather-without-tp", SIM + ["--p2p-scatter-gather", "-m", "gpt3-1.3b"],
+     ["--p2p-scatter-gather", "--tp > 1"]),
+    ("grad-accumulation-llama", SIM + ["--grad-accumulation", "autograd", "-m", "llama3-8b", "-c", "dgx-h100-ib:1",
+                                       "--cost-model", "kernels"], ["--grad-accumulation autograd", "llama"]),
+    ("grad-accumulation-unit-costs", UNIT + ["--grad-accumulation", "autograd"],
+     ["--grad-accumulation", "model's formulas"]),
     ("moe-tp-without-sp", MOE + ["--dp", "1", "--tp", "2"], ["--tp 2 needs --sequence-parallel"]),
     ("overlap-fb-dense", SIM + ["--overlap-fb", "-m", "gpt3-1.3b"], ["--overlap-fb acts on a mixture of experts"]),
 ]
@@ -515,7 +543,7 @@ CASES += [
     ("export-torchtitan-chimera", EXPORT + ["--to", "torchtitan", "-s", "chimera"],
      ["torchtitan cannot run chimera", "nearest: --schedule dapple"]),
     ("export-torch-csv-bitpipe", EXPORT + ["--to", "torch-csv", "-s", "bitpipe"],
-     ["2 model copies", "nearest single-copy schedule: --schedule zb-v"]),
+     ["2 model copies", "the nearest it runs is zb-v"]),
     ("export-torchtitan-zero1", EXPORT + ["--to", "torchtitan", "-s", "dapple", "--dp", "2", "--zero", "1"],
      ["FSDP2", "--zero 1", "nearest --zero 3"]),
     ("export-torchtitan-fp8", EXPORT + ["--to", "torchtitan", "-s", "dapple", "--precision", "fp8", "-c",
@@ -589,6 +617,8 @@ def files(tmp_path):
     (tmp_path / "dupprofile.yaml").write_text(PROFILE.replace("latency: 50 us", "latency: 50 us, latency: 5 us"))
     (tmp_path / "cutprofile.yaml").write_text(_measured_profile_text(tmp_path).rsplit("precision:", 1)[0])
     (tmp_path / "model.py").write_text(MODEL_FILE)
+    (tmp_path / "swapped.csv").write_text("0F1,0F0,0B0,0B1\n1F1,1F0,1B0,1B1\n")    # --runtime torch refuses both
+    (tmp_path / "spaced.csv").write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
     (tmp_path / "bert.json").write_text('{"architectures": ["BertForMaskedLM"], "hidden_size": 768}')
     sc = "stages:\n  - {f: 1, b: 1, w: 1}\nmessage: 0\nactivation: 100\n"
     for name, extra in (("sc_actw_nan", "activation_w: .nan\n"), ("sc_actw_inf", "activation_w: .inf\n"),
@@ -608,6 +638,7 @@ def files(tmp_path):
              "tparinf", "tp3", "podnan", "podhalf", "podzero", "podleaf")
     made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
             "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
+            "torch_swapped": str(tmp_path / "swapped.csv"), "torch_spaced": str(tmp_path / "spaced.csv"),
             **{n: str(next(tmp_path.glob(n + ".*"))) for n in names}}
     yield made
     if "tmp_held" in made:

@@ -12,7 +12,7 @@ from schedules._face import lazy_face
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("schedules", "cost_models", "sim", "executor", "planner", "calibration")
-EXPORTED = {"schedules": 27, "cost_models": 100, "sim": 9, "executor": 7, "planner": 21, "calibration": 36}
+EXPORTED = {"schedules": 27, "cost_models": 100, "sim": 9, "executor": 8, "planner": 21, "calibration": 36}
 
 
 def fresh(code: str) -> str:

@@ -2,7 +2,7 @@
 
 Both are held out (nothing is fitted on the published numbers; the ``a100`` preset's two fitted
 kernel constants come from Zero Bubble Table 9 alone), so the tolerances below are what the preset
-reaches: Megatron's rows within 2.5% but the interleaved 76.1B one, 9.9% fast (aim 10%);
+reaches: Megatron's rows within 2.5% but the interleaved 76.1B one, 9.6% fast (aim 10%);
 Korthikanti's layer within 12.5% and iteration times within 7% (aims 15% and 10%). Memory is the
 ledger's closed forms and lands within 5%."""
 from __future__ import annotations
@@ -55,9 +55,11 @@ def test_megatron_quick(megatron_csv):
     assert list(t.measured_tflops_per_gpu) == [137, 138, 142, 135, 140]
     # Megatron-LM of 2021 at the scripts' settings: autograd adds each micro-batch's 16-bit gradients
     assert list(t.grad_accumulation) == ["autograd"] * 5
-    # the a100 preset: 139, 140.5, 144, 138 TFLOP/s per GPU for 1F1B, 154 interleaved (measured 135-142)
-    assert list(t.predicted_tflops_per_gpu) == pytest.approx([139.0, 140.5, 144.3, 138.4, 153.9], rel=0.005)
-    assert t.error.iloc[:4].between(0.0, 0.03).all() and t.error.iloc[4] == pytest.approx(0.099, abs=0.005)
+    # and its scatter-gather of the pipeline's messages over the TP group (the one pipelined row here)
+    assert list(t.p2p_scatter_gather) == [False] * 4 + [True]
+    # the a100 preset: 139, 140.5, 144, 138 TFLOP/s per GPU for 1F1B, 153.5 interleaved (measured 135-142)
+    assert list(t.predicted_tflops_per_gpu) == pytest.approx([139.0, 140.5, 144.3, 138.4, 153.5], rel=0.005)
+    assert t.error.iloc[:4].between(0.0, 0.03).all() and t.error.iloc[4] == pytest.approx(0.096, abs=0.003)
     assert list(t.error) == pytest.approx(list(t.predicted_tflops_per_gpu / t.measured_tflops_per_gpu - 1))
     # one replica stands for all 32 (replica symmetry)
     assert (t.simulated_replicas == 1).all()
@@ -96,3 +98,46 @@ def test_bad_out_exits_2(tmp_path, capsys, target):
     assert main(["reproduce", target, "--quick", "--out", str(f)]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_simulate_reproduces_every_table1_row_within_10_percent(tmp_path):
+    """Issue 44 item 4: every row of Megatron-LM's Table 1 is the job ``pipetwin simulate`` builds from
+    options a user can give (its parser, then job_from_args), equal to the reproduction's own record
+    (megatron_job) but for the model, which the options name by file; each within 10 % of the
+    published TFLOP/s per GPU (held out: nothing fitted on it). Reached: 0.9-9.6 %, the 76.1B row last."""
+    from cost_models import load_model
+    from sim import simulate_job
+    rows = megatron.table("megatron-sc21-table1.csv")
+    errors = []
+    for _, r in rows.iterrows():
+        argv = megatron.simulate_argv(r, megatron.model_file(r, tmp_path))
+        job = megatron.simulate_job_of(argv)
+        spec = megatron.row_spec(r)
+        assert load_model(job.model) == spec
+        want = megatron.megatron_job(spec, tp=int(r.tp), pp=int(r.pp), dp=int(r.dp), microbatches=int(r.microbatches),
+                                     chunks=int(r.virtual_stages), recompute="full", grad_accumulation="autograd",
+                                     p2p_scatter_gather=int(r.tp) > 1 and int(r.pp) > 1, precision="fp16")
+        assert job == type(job)(**{**vars(want), "model": job.model})
+        _, res = simulate_job(job)
+        tflops = megatron.model_flops(int(r.global_batch), int(r.layers), int(r.hidden)) / res.iteration_time \
+            / int(r.gpus) / 1e12
+        errors.append(tflops / float(r.tflops_per_gpu) - 1)
+    assert max(abs(e) for e in errors) <= 0.10
+    assert errors[5] == pytest.approx(0.096, abs=0.003)       # 76.1B, interleaved v = 3: the largest
+    assert all(e > 0 for e in errors)                          # every row a little fast: see the module docstring
+
+
+@pytest.mark.parametrize("D,v,N", [(4, 3, 28), (8, 2, 48), (16, 2, 144), (35, 3, 280), (4, 2, 8), (4, 2, 4)])
+def test_megatron_2021_blocking_p2p_adds_no_bubble_to_the_interleaved_schedule(D, v, N):
+    """The event model of Megatron-LM's 2021 interleaved program (experiments/reproduce/megatron_p2p.py):
+    with rendezvous sends or without, its step is the ideal N(F + B) + (D-1)/v (F + B) (F = 1, B = 3),
+    Table 1's interleaved rows and two small cases (N = D: all forwards first); a per-call cost c adds
+    c per round on the critical path: at most a device's rounds (about 2vN) plus one per hop of the
+    fill (vD)."""
+    from experiments.reproduce.megatron_p2p import makespan, rounds
+    ideal = N * 4 + (D - 1) / v * 4
+    assert makespan(D, v, N) == pytest.approx(ideal, rel=1e-12)
+    assert makespan(D, v, N, rendezvous=False) == pytest.approx(ideal, rel=1e-12)
+    n_rounds = max(len(rounds(D, d, v, N)) for d in range(D))
+    assert ideal < makespan(D, v, N, comm=0.01) <= ideal + 0.01 * (n_rounds + v * D)
