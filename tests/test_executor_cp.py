@@ -225,7 +225,8 @@ def _attention_rank(payload, rank, world, local_rank, local_world):
 
     import executor.context_parallel as cpm
     from executor.context_parallel import attention
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from executor.worker import init_world
+    init_world("cpu", rank, world, local_rank, local_world, timeout=60.0)    # the runs' own rendezvous
     sent, shift, gather = [0], cpm._shift, cpm._all_gather
 
     def counted_shift(cp, tensors):      # bytes this rank sends to the next one
