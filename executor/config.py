@@ -100,6 +100,10 @@ class RunConfig:
         if par.tp_overlap:
             raise ValueError("the executor trains T x D x R layouts without --tp-overlap: simulated only "
                              "(pipetwin simulate); drop it to run")
+        if par.cp > 1 and par.zero > 1:    # ZeRO-1's shards span R x C (executor.worker); 2 and 3 do not yet
+            raise ValueError(f"--zero {par.zero} with --cp {par.cp}: the executor shards gradients and weights over "
+                             f"the R replicas only, not the R x C ranks that hold a stage; give --zero 1 (the "
+                             f"optimizer state over R x C) or drop --cp")
         if job.partition == "time":
             raise ValueError("partition 'time' is resolved from a calibration profile before the run "
                              "(cost_models.bind.profile_partition)")
@@ -138,6 +142,9 @@ class RunConfig:
         if par.recompute != "none":
             raise ValueError(f"--recompute {par.recompute} recomputes the GPT's transformer blocks; a model file's "
                              f"layers are not recomputed (use --recompute none with {model})")
+        if par.cp > 1:
+            raise ValueError(f"--cp {par.cp} splits the built-in GPT's sequence over its attention; a model file's "
+                             f"layers are not split (use --cp 1 with {model})")
 
     @classmethod
     def of(cls, **fields) -> "RunConfig":
@@ -263,6 +270,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     lay, par = config.layout, config.parallel
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
+    if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)
+        spec.check_context_parallel(par.cp, par.tp, par.sequence_parallel)
     check_device(config.device)
     config.precision.check_run(config.device, tp=par.tp, model_file=stack)
     if stack and config.data is not None:
@@ -331,7 +340,7 @@ class RunResult:
         lay, par = c.layout, c.parallel
         return {"engine": self.engine, "schedule": lay.label, "variant": lay.variant, "devices": lay.devices,
                 "microbatches": lay.microbatches, "replicas": lay.replicas, "tp": par.tp,
-                "sequence_parallel": par.sequence_parallel, "zero": par.zero,
+                "sequence_parallel": par.sequence_parallel, "zero": par.zero, "cp": par.cp, "cp_comm": par.cp_comm,
                 "model": c.model_name,
                 "micro_batch": c.samples_per_microbatch,
                 "partition": list(c.blocks) if c.blocks is not None else None,

@@ -13,7 +13,7 @@ come out as ValueError before anything starts), then:
           --no-python pipetwin run --schedule bitpipe --devices 8 --microbatches 16 --dp 2 \\
           --model gpt3-1.3b --steps 20 --trace run.csv
 
-  (T x D x R = 1 x 8 x 2 = 16 processes; every node runs the same command.) *Placement*: each process is the
+  (T x C x D x R = 1 x 1 x 8 x 2 = 16 processes; every node runs the same command.) *Placement*: each process is the
   device (node ``GROUP_RANK``, GPU ``LOCAL_RANK``) = global device ``node * LOCAL_WORLD_SIZE +
   LOCAL_RANK``; it runs the pipeline rank that ``config.device_map`` puts on that device (a
   mapping name of :data:`cost_models.cluster.MAPPINGS`, e.g. BitPipe's ``copies-same-node``, laid
@@ -26,7 +26,7 @@ come out as ValueError before anything starts), then:
   shell after a torchrun or SLURM session) are refused by ``pipetwin run`` at once, naming them
   (:func:`check_launch_env`); spawned workers never inherit them.
 - otherwise: checks that the ranks fit in this host's memory (:func:`check_host_memory`), then
-  spawns T x D x R worker processes on 127.0.0.1 with a free port and env:// rendezvous, i.e. the very
+  spawns T x C x D x R worker processes on 127.0.0.1 with a free port and env:// rendezvous, i.e. the very
   code path torchrun uses, and watches them. Workers import pipetwin's own code whatever the
   working directory holds (a folder with its own ``executor/`` or ``schedules/`` package cannot
   shadow it: the cwd is taken off ``sys.path``, see :data:`WORKER_BOOT`). A worker that raises
@@ -141,28 +141,28 @@ def run(config: RunConfig, schedule: Schedule | None = None, *, check: bool = Tr
 
 
 def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, check: bool = True) -> list:
-    """Run several configs (all with the same T x D x R) one after the other on one set of ranks."""
+    """Run several configs (all with the same T x C x D x R) one after the other on one set of ranks."""
     planned = []
     for job in jobs:
         cfg, sched = job if isinstance(job, tuple) else (job, None)
         planned.append(Job(cfg, lowered_schedule(cfg, sched, check=check)))
-    worlds = {(j.config.parallel.tp, j.schedule.num_ranks) for j in planned}
+    worlds = {(j.config.parallel.tp, j.config.parallel.cp, j.schedule.num_ranks) for j in planned}
     if len(worlds) != 1:
-        raise ValueError(f"run_many needs one world size (T x D x R) for all jobs; got "
-                         f"{sorted(t * n for t, n in worlds)}")
-    tp, ranks = worlds.pop()
-    world = tp * ranks
+        raise ValueError(f"run_many needs one world size (T x C x D x R) and one T and C for all jobs; got "
+                         f"{sorted(t * c * n for t, c, n in worlds)}")
+    tp, cp, ranks = worlds.pop()
+    world = tp * cp * ranks
     if under_torchrun():
         check_launch_env()
     maps = {j.config.device_map for j in planned}
-    if len(maps) != 1 and (tp > 1 or under_torchrun()):
+    if len(maps) != 1 and (tp * cp > 1 or under_torchrun()):
         raise ValueError(f"run_many needs one device map for all jobs; got {sorted(map(str, maps))}")
     if under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
             lay = planned[0].schedule
-            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the run needs T x D x R = "
-                             f"{tp} x {lay.num_devices} x {lay.replicas} = {world}")
-        rank, device = torchrun_placement(planned[0].config.device_map, planned[0].schedule, tp)
+            raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the run needs T x C x D x R "
+                             f"= {tp} x {cp} x {lay.num_devices} x {lay.replicas} = {world}")
+        rank, device = torchrun_placement(planned[0].config.device_map, planned[0].schedule, tp, cp)
         launch_rank, world, local_rank, local_world = local_env()
         from .worker import RendezvousError, run_jobs
         try:
@@ -179,19 +179,20 @@ def run_many(jobs: Sequence[RunConfig | tuple[RunConfig, Schedule | None]], *, c
 
 def estimated_host_bytes(job: Job) -> float:
     """Host memory a spawned CPU job needs at least: every rank's process, weights + gradients +
-    Adam state (16 B per fp32 parameter, per model copy and replica) and the activations of
-    min(N, D) micro-batches in flight per pipeline (1F1B's; GPipe keeps more)."""
+    Adam state (16 B per fp32 parameter, per model copy, replica and CP rank) and the activations of
+    min(N, D) micro-batches in flight per pipeline (1F1B's; GPipe keeps more; the C CP ranks keep
+    1/C each)."""
     from cost_models.transformer import block_activation_bytes, model_params
     cfg, low = job.config, job.schedule
     if job.layout is not None:      # a model file's layer stack (executor.user_model)
         return low.num_ranks * PROCESS_BYTES + job.layout.host_bytes(low)
     spec = cfg.spec()
     fp32 = 4 / spec.dtype_bytes
-    static = 16.0 * model_params(spec) * low.num_copies * low.replicas
+    static = 16.0 * model_params(spec) * low.num_copies * low.replicas * cfg.parallel.cp
     # TP ranks keep whole inputs
     inflight = min(low.num_microbatches, low.num_devices) * low.replicas * cfg.parallel.tp
     acts = inflight * spec.layers * block_activation_bytes(spec) * fp32
-    return low.num_ranks * cfg.parallel.tp * PROCESS_BYTES + static + acts
+    return low.num_ranks * cfg.parallel.tp * cfg.parallel.cp * PROCESS_BYTES + static + acts
 
 
 def check_host_memory(jobs: Sequence[Job], world: int) -> None:
@@ -209,10 +210,10 @@ def check_host_memory(jobs: Sequence[Job], world: int) -> None:
                          f"micro-batches or a smaller --model")
 
 
-def torchrun_placement(device_map, sched: Schedule, tp: int = 1) -> tuple[int, int]:
+def torchrun_placement(device_map, sched: Schedule, tp: int = 1, cp: int = 1) -> tuple[int, int]:
     """(process-group rank, global device) of this torchrun process (:func:`executor.mesh.placement`)."""
     node, local, nodes, per_node = topology()
-    return placement(device_map, sched, tp, node, local, nodes, per_node)
+    return placement(device_map, sched, tp, node, local, nodes, per_node, cp)
 
 
 def _in_place(target: str, payload):

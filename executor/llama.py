@@ -15,7 +15,9 @@ keep, and what the simulator's ledger counts (:func:`cost_models.transformer.blo
 the RMS norm keeps its input and one statistic per token (:class:`RMSNorm`; eager ``nn.RMSNorm``
 would also keep the normalised input), rotary keeps nothing (:func:`rotary`; eager, its cos and sin
 tables), SwiGLU keeps gate and up (:func:`swiglu`; eager, also silu(gate)), and attention keeps the
-key/value heads unrepeated (``enable_gqa``, PyTorch >= 2.5; before, the repeated heads). Each is an
+key/value heads unrepeated (``enable_gqa``, PyTorch >= 2.5; before, the repeated heads). With
+context parallelism the rotary angles are those of the CP rank's positions and the attention is
+:func:`executor.context_parallel.attention` (GQA without repeating K/V). Each is an
 autograd function whose backward recomputes the cheap element-wise part: the same gradients.
 """
 from __future__ import annotations
@@ -26,14 +28,17 @@ import torch.nn.functional as Fn
 
 from cost_models.model_spec import ModelSpec
 
+from .context_parallel import SINGLE as NO_CP, ContextParallel, attention as context_attention
 from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, copy, gather_linears
 
 ROPE_THETA = 10000.0
 
 
-def _cos_sin(s: int, d: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin(s: int, d: int, like: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
     inv = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, device=like.device, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(s, device=like.device, dtype=torch.float32), inv)
+    pos = torch.arange(s, device=like.device) if positions is None else positions
+    ang = torch.outer(pos.to(torch.float32), inv)
     ang = torch.cat([ang, ang], -1)
     return ang.cos().to(like.dtype), ang.sin().to(like.dtype)
 
@@ -46,22 +51,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
 
 class _Rotary(torch.autograd.Function):
     """Rotary embedding that keeps nothing for its backward (the rotation's transpose, the tables
-    made again)."""
+    made again; a context-parallel rank's positions are held as a plain attribute, s/C integers)."""
 
     @staticmethod
-    def forward(ctx, x):
-        cos, sin = _cos_sin(x.shape[-2], x.shape[-1], x)
+    def forward(ctx, x, positions):
+        ctx.positions = positions
+        cos, sin = _cos_sin(x.shape[-2], x.shape[-1], x, positions)
         return _rotate(x, cos, sin, 1)
 
     @staticmethod
     def backward(ctx, g):
-        cos, sin = _cos_sin(g.shape[-2], g.shape[-1], g)
-        return _rotate(g, cos, sin, -1)
+        cos, sin = _cos_sin(g.shape[-2], g.shape[-1], g, ctx.positions)
+        return _rotate(g, cos, sin, -1), None
 
 
-def rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` [b, heads, s, d] (half-split pairs, as Hugging Face's Llama)."""
-    return _Rotary.apply(x)
+def rotary(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding of ``x`` [b, heads, s, d] (half-split pairs, as Hugging Face's
+    Llama) at ``positions`` (default 0..s-1: a context-parallel rank's are its chunks')."""
+    return _Rotary.apply(x, positions)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -124,9 +131,9 @@ _GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)   # SDP
 
 
 class GroupedQueryAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.head_dim = spec.hidden // spec.heads
         self.heads, self.kv_heads = spec.heads // tp.size, spec.kv // tp.size
         self.q = nn.Linear(spec.hidden, self.heads * self.head_dim, bias=spec.qkv_bias)
@@ -144,8 +151,12 @@ class GroupedQueryAttention(nn.Module):
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rotary(q), rotary(k)
         group = self.heads // self.kv_heads
+        if self.cp.on:      # this CP rank's s/C tokens at their positions, over every rank's keys
+            pos = self.cp.positions(s * self.cp.size, q.device)
+            y = context_attention(rotary(q, pos), rotary(k, pos), v, self.cp)
+            return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        q, k = rotary(q), rotary(k)
         if group > 1 and _GQA:
             y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -175,10 +186,10 @@ class SwiGLU(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-norm block: x + attn(rms1(x)), then x + mlp(rms2(x))."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
         self.ln1 = RMSNorm(spec.hidden, eps=1e-5)
-        self.attn = GroupedQueryAttention(spec, tp)
+        self.attn = GroupedQueryAttention(spec, tp, cp)
         self.ln2 = RMSNorm(spec.hidden, eps=1e-5)
         self.mlp = SwiGLU(spec, tp)
 

@@ -1,16 +1,22 @@
-"""The processes of a run as a T x D x R mesh, and where each one sits.
+"""The processes of a run as a T x C x D x R mesh, and where each one sits.
 
 A lowered schedule has D x R *pipeline ranks* p = r * D + d (:mod:`schedules.ir`); with tensor
 parallelism each is a group of T processes, TP ranks t = 0..T-1, that split every layer
-(:mod:`executor.tensor_parallel`). A process's rank in the default process group is
-``p * T + t`` (:class:`Mesh`), whatever device it runs on; TP rank t of pipeline rank p talks to
-TP rank t of its pipeline peers (P2P, data-parallel all-reduce), so every t is one whole pipeline
-of shards and the T of them meet only in their TP group's collectives.
+(:mod:`executor.tensor_parallel`); with context parallelism each pipeline rank is C such groups,
+CP ranks c = 0..C-1, that split the sequence (:mod:`executor.context_parallel`). A process's rank
+in the default process group is ``(p * C + c) * T + t`` (:class:`Mesh`: TP fastest, then CP, then
+the pipeline ranks, Llama 3's order [TP, CP, PP, DP]), whatever device it runs on; process (c, t)
+of pipeline rank p talks to process (c, t) of its pipeline peers (P2P), so every (c, t) is one
+whole pipeline of shards of one part of the sequence; the T of a group meet in their TP
+collectives, the C of a pipeline rank in the attention's K/V exchange, and the data-parallel
+gradient sum of a stage spans its R replicas x C CP ranks (the same TP rank of each:
+:meth:`Mesh.stage_group`).
 
 *Placement* (:func:`placement`): the process on global device ``node * per_node + local`` runs the
-mesh rank whose pipeline rank the device map puts on device slot ``device // T`` and whose TP rank
-is ``device % T`` -- a TP group is T consecutive devices of one node, as in the simulator
-(:func:`cost_models.cluster.tensor_parallel_groups`). The device map is a mapping name of
+mesh rank whose pipeline rank the device map puts on device slot ``device // (T x C)``, whose CP
+rank is ``device // T % C`` and whose TP rank is ``device % T`` -- a TP group is T consecutive
+devices of one node, as in the simulator (:func:`cost_models.cluster.tensor_parallel_groups`), and
+a pipeline rank's T x C processes are consecutive devices of one node. The device map is a mapping name of
 :data:`cost_models.cluster.MAPPINGS` laid over the slots (Megatron's order by default with T > 1:
 TP fastest, then the data-parallel replicas, then the pipeline stages) or an explicit map. Under
 torchrun and for spawned local ranks (one node) this is the same function.
@@ -25,28 +31,42 @@ from cost_models.files import short_list
 
 @dataclass(frozen=True)
 class Mesh:
-    """``ranks`` pipeline ranks (D x R) of ``tp`` processes each; see the module docstring."""
+    """``ranks`` pipeline ranks (D x R) of ``cp`` x ``tp`` processes each; see the module docstring."""
 
     tp: int
     ranks: int
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.ranks
+        return self.tp * self.cp * self.ranks
 
-    def rank(self, pipeline_rank: int, tp_rank: int = 0) -> int:
-        return pipeline_rank * self.tp + tp_rank
+    def rank(self, pipeline_rank: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
+        return (pipeline_rank * self.cp + cp_rank) * self.tp + tp_rank
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(pipeline rank, TP rank) of a process-group rank."""
-        return divmod(rank, self.tp)
+        return rank // (self.tp * self.cp), rank % self.tp
 
-    def lift(self, pipeline_ranks, tp_rank: int) -> tuple[int, ...]:
-        """The process-group ranks of TP rank ``tp_rank`` of ``pipeline_ranks``."""
-        return tuple(self.rank(p, tp_rank) for p in pipeline_ranks)
+    def cp_rank(self, rank: int) -> int:
+        """The CP rank of a process-group rank."""
+        return rank // self.tp % self.cp
 
-    def tp_group(self, pipeline_rank: int) -> tuple[int, ...]:
-        return tuple(self.rank(pipeline_rank, t) for t in range(self.tp))
+    def lift(self, pipeline_ranks, tp_rank: int, cp_rank: int = 0) -> tuple[int, ...]:
+        """The process-group ranks of process (``cp_rank``, ``tp_rank``) of ``pipeline_ranks``."""
+        return tuple(self.rank(p, tp_rank, cp_rank) for p in pipeline_ranks)
+
+    def tp_group(self, pipeline_rank: int, cp_rank: int = 0) -> tuple[int, ...]:
+        return tuple(self.rank(pipeline_rank, t, cp_rank) for t in range(self.tp))
+
+    def cp_group(self, pipeline_rank: int, tp_rank: int = 0) -> tuple[int, ...]:
+        """The C processes of ``pipeline_rank`` with TP rank ``tp_rank``, in CP-rank order."""
+        return tuple(self.rank(pipeline_rank, tp_rank, c) for c in range(self.cp))
+
+    def stage_group(self, pipeline_ranks, tp_rank: int) -> tuple[int, ...]:
+        """The processes that hold the same weights as TP rank ``tp_rank`` of ``pipeline_ranks``
+        (a stage's group: its copies and replicas) and sum their gradients: every CP rank of each."""
+        return tuple(self.rank(p, tp_rank, c) for p in pipeline_ranks for c in range(self.cp))
 
 
 def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tuple[int, ...]:
@@ -69,16 +89,20 @@ def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tu
 
 
 def placement(device_map, sched: Schedule, tp: int, node: int, local: int, nodes: int,
-              per_node: int) -> tuple[int, int]:
+              per_node: int, cp: int = 1) -> tuple[int, int]:
     """(process-group rank, global device) of the process at (``node``, ``local``) of ``nodes`` x
     ``per_node`` processes (see the module docstring)."""
     if per_node % tp:
         raise ValueError(f"--tp {tp} does not divide the {per_node} processes per node; a tensor-parallel group "
                          f"is {tp} processes of one node")
+    if per_node % (tp * cp):
+        raise ValueError(f"--tp {tp} x --cp {cp} = {tp * cp} does not divide the {per_node} processes per node; a "
+                         f"pipeline rank's tensor- and context-parallel processes are {tp * cp} processes of one node")
     device = node * per_node + local
-    slot, t = divmod(device, tp)
-    dm = device_map_for(device_map, sched, nodes, per_node // tp)
+    slot, within = divmod(device, tp * cp)
+    c, t = divmod(within, tp)
+    dm = device_map_for(device_map, sched, nodes, per_node // (tp * cp))
     if slot not in dm:
         raise ValueError(f"device {device} (node {node}, local rank {local}) holds no rank of device map "
                          f"{short_list(dm)}")
-    return Mesh(tp, sched.num_ranks).rank(dm.index(slot), t), device
+    return Mesh(tp, sched.num_ranks, cp).rank(dm.index(slot), t, c), device

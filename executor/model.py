@@ -32,13 +32,15 @@ import torch.nn.functional as Fn
 from cost_models.model_spec import ModelSpec
 from cost_models.partition import block_ranges
 
+from .context_parallel import SINGLE as NO_CP, ContextParallel, attention as context_attention
 from .tensor_parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, shard, split_of, \
     vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
+        self.cp = cp
         self.heads = spec.heads // tp.size        # this rank's heads
         self.head_dim = spec.hidden // spec.heads
         self.qkv = ColumnParallelLinear(spec.hidden, 3 * spec.hidden, tp)
@@ -50,18 +52,22 @@ class CausalSelfAttention(nn.Module):
         b, s, _ = qkv.shape
         q, k, v = qkv.split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.cp.on:      # this CP rank's queries over every rank's keys (executor.context_parallel)
+            y = context_attention(q, k, v, self.cp)
+        else:
+            y = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); with tensor parallelism
-    (``tp``) the attention heads and the MLP's inner size are split over the TP group."""
+    (``tp``) the attention heads and the MLP's inner size are split over the TP group; with
+    context parallelism (``cp``) the attention exchanges keys and values over the CP group."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
         self.ln1 = nn.LayerNorm(spec.hidden)
-        self.attn = CausalSelfAttention(spec, tp)
+        self.attn = CausalSelfAttention(spec, tp, cp)
         self.ln2 = nn.LayerNorm(spec.hidden)
         self.fc = ColumnParallelLinear(spec.hidden, spec.ffn_mult * spec.hidden, tp)
         self.out = RowParallelLinear(spec.ffn_mult * spec.hidden, spec.hidden, tp)
@@ -74,11 +80,12 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     """Token + position embedding (token only for the Llama kind: its positions are rotary); with
     tensor parallelism the token table is split over the vocabulary, with sequence parallelism the
-    output is the rank's slice of the sequence (the position table read at its positions)."""
+    output is the rank's slice of the sequence (the position table read at its positions); with
+    context parallelism the tokens are the CP rank's (its two chunks, read at their positions)."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
         super().__init__()
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.tok = nn.Embedding(spec.vocab // tp.size, spec.hidden)
         self.pos = nn.Embedding(spec.seq_len, spec.hidden) if spec.kind == "gpt" else None
 
@@ -88,18 +95,21 @@ class Embedding(nn.Module):
             return tok
         n = tok.shape[1]                  # tokens.shape[1] / T with sequence parallelism
         first = self.tp.rank * n if self.tp.sequence else 0
+        if self.cp.on:                    # the CP rank's positions (tokens.shape[1] = s / C), its TP slice
+            whole = self.cp.positions(tokens.shape[1] * self.cp.size, tokens.device)
+            return tok + self.pos(whole[first:first + n])
         return tok + self.pos(torch.arange(first, first + n, device=tokens.device))
 
 
 KINDS = ("gpt", "llama")   # the model kinds the executor builds
 
 
-def block(spec: ModelSpec, tp: TensorParallel = SINGLE) -> nn.Module:
+def block(spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP) -> nn.Module:
     """One transformer block of the spec's kind: :class:`Block` (GPT) or :class:`executor.llama.LlamaBlock`."""
     if spec.kind == "llama":
         from .llama import LlamaBlock
-        return LlamaBlock(spec, tp)
-    return Block(spec, tp)
+        return LlamaBlock(spec, tp, cp)
+    return Block(spec, tp, cp)
 
 
 def final_norm(spec: ModelSpec) -> nn.Module:
@@ -114,22 +124,27 @@ class StageModule(nn.Module):
 
     ``forward`` maps token ids (first stage) or hidden states [b, s, h] to hidden states, or to
     logits [b, s, V] on the last stage; :meth:`loss` turns logits into the mean cross-entropy.
+    With context parallelism (``cp``) the first stage takes the whole sequence's token ids and
+    keeps its CP rank's s/C; hidden states and logits are the rank's s/C tokens, and the loss
+    (given the whole targets) is the mean over them divided by C: summed over the CP ranks, the
+    sequence's mean (:mod:`executor.context_parallel`).
     """
 
-    def __init__(self, spec: ModelSpec, blocks: range, *, first: bool, last: bool, tp: TensorParallel = SINGLE):
+    def __init__(self, spec: ModelSpec, blocks: range, *, first: bool, last: bool, tp: TensorParallel = SINGLE,
+                 cp: ContextParallel = NO_CP):
         super().__init__()
         self.spec = spec
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.block_range = blocks
         self.first, self.last = first, last
-        self.embed = Embedding(spec, tp) if first else None
-        self.blocks = nn.ModuleDict({str(i): block(spec, tp) for i in blocks})
+        self.embed = Embedding(spec, tp, cp) if first else None
+        self.blocks = nn.ModuleDict({str(i): block(spec, tp, cp) for i in blocks})
         self.norm = final_norm(spec) if last else None
         self.head = ColumnParallelLinear(spec.hidden, spec.vocab, tp, bias=False) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(self.cp.local(x))
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:
@@ -137,8 +152,12 @@ class StageModule(nn.Module):
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (with tensor parallelism: of the logits split over the vocabulary)."""
-        return vocab_parallel_cross_entropy(logits, targets, self.tp) if self.tp.on else lm_loss(logits, targets)
+        """Mean cross-entropy (with tensor parallelism: of the logits split over the vocabulary; with
+        context parallelism: of the CP rank's tokens, divided by C)."""
+        if self.cp.on:
+            targets = self.cp.local(targets)
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp) if self.tp.on else lm_loss(logits, targets)
+        return loss / self.cp.size if self.cp.on else loss
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -177,12 +196,13 @@ def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorPar
 
 
 def stage_module(spec: ModelSpec, num_stages: int, stage: int, *, seed: int = 0, partition=None,
-                 tp: TensorParallel = SINGLE) -> StageModule:
+                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP) -> StageModule:
     """Stage ``stage`` of ``num_stages`` (float32, on the CPU), initialised from ``seed``;
     ``partition``: blocks per stage (default: the even split of :func:`cost_models.partition.block_ranges`);
-    ``tp``: this rank's place in its tensor-parallel group (its shards of the stage)."""
+    ``tp``: this rank's place in its tensor-parallel group (its shards of the stage); ``cp``: in
+    its context-parallel group (the same weights, its tokens)."""
     ranges = block_ranges(spec.layers, num_stages, partition)
-    mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1, tp=tp)
+    mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1, tp=tp, cp=cp)
     init_parameters(mod, seed, spec.layers, tp)
     return mod
 
@@ -192,10 +212,11 @@ def full_model(spec: ModelSpec, *, seed: int = 0) -> StageModule:
     return stage_module(spec, 1, 0, seed=seed)
 
 
-def boundary_shape(spec: ModelSpec, tp: TensorParallel = SINGLE) -> tuple[int, int, int]:
-    """Shape of the activation (and of its gradient) passed between two stages (a TP rank's slice
-    of the sequence with sequence parallelism)."""
-    return (spec.micro_batch, spec.seq_len // tp.size if tp.sequence else spec.seq_len, spec.hidden)
+def boundary_shape(spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP) -> tuple[int, int, int]:
+    """Shape of the activation (and of its gradient) passed between two stages: a CP rank's s/C
+    tokens, of which a TP rank's slice with sequence parallelism."""
+    s = spec.seq_len // cp.size
+    return (spec.micro_batch, s // tp.size if tp.sequence else s, spec.hidden)
 
 
 def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:

@@ -56,6 +56,7 @@ from .data import TokenSource
 from .device import DeviceContext, NullMeter, cpu_threads, select_device
 from .host import CpuMeter, foreign_cores, pin_to_core
 from .mesh import Mesh, placement
+from .context_parallel import ContextParallel, GradientSums, warm_up as warm_up_ring
 from .model import block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
@@ -84,7 +85,8 @@ class ProcessGroups:
 
     def for_stages(self, sched: Schedule, rank: int, device, mesh: Mesh | None = None) -> dict[int, object]:
         """Stage -> all-reduce group (stages held by more than one rank; with tensor parallelism the
-        same TP rank of each, :class:`executor.mesh.Mesh`). A new group runs one tiny all-reduce
+        same TP rank of each, with context parallelism every CP rank of each: :meth:`executor.mesh.Mesh.stage_group`).
+        A new group runs one tiny all-reduce
         right away, so its (NCCL) communicator exists before the program needs it; all ranks create
         and warm groups in stage order (then TP rank order), which cannot deadlock."""
         mesh = mesh or Mesh(1, sched.num_ranks)
@@ -95,18 +97,29 @@ class ProcessGroups:
             if len(ranks) < 2:
                 continue
             for t in range(mesh.tp):
-                group = self.for_ranks(mesh.lift(ranks, t), rank, device)
+                group = self.for_ranks(mesh.stage_group(ranks, t), rank, device)
                 if t == mine:
                     out[s] = group
         return out
 
     def for_tensor_parallel(self, mesh: Mesh, rank: int, device) -> object:
-        """This rank's TP group (every TP group is created, by all ranks in pipeline-rank order)."""
+        """This rank's TP group (every TP group is created, by all ranks in pipeline-rank, then CP-rank order)."""
         mine = None
         for p in range(mesh.ranks):
-            group = self.for_ranks(mesh.tp_group(p), rank, device)
-            if rank in mesh.tp_group(p):
-                mine = group
+            for c in range(mesh.cp):
+                group = self.for_ranks(mesh.tp_group(p, c), rank, device)
+                if rank in mesh.tp_group(p, c):
+                    mine = group
+        return mine
+
+    def for_context_parallel(self, mesh: Mesh, rank: int, device) -> object:
+        """This rank's CP group (every CP group is created, by all ranks in pipeline-rank, then TP-rank order)."""
+        mine = None
+        for p in range(mesh.ranks):
+            for t in range(mesh.tp):
+                group = self.for_ranks(mesh.cp_group(p, t), rank, device)
+                if rank in mesh.cp_group(p, t):
+                    mine = group
         return mine
 
     def for_ranks(self, ranks, rank: int, device):
@@ -120,8 +133,8 @@ class ProcessGroups:
 
     def warm_up_p2p(self, sched: Schedule, rank: int, device, mesh: Mesh | None = None) -> None:
         mesh = mesh or Mesh(1, sched.num_ranks)
-        pairs = {tuple(sorted(mesh.lift((r, op.peer), t))) for r in range(sched.num_ranks) for op in sched.program(r)
-                 if op.peer >= 0 for t in range(mesh.tp)}
+        pairs = {tuple(sorted(mesh.lift((r, op.peer), t, c))) for r in range(sched.num_ranks)
+                 for op in sched.program(r) if op.peer >= 0 for t in range(mesh.tp) for c in range(mesh.cp)}
         self.p2p.warm_up(rank, pairs, device)
 
 
@@ -248,13 +261,13 @@ def init_world(device: str, rank: int, world: int, local_rank: int, local_world:
 
 
 def run_spawned(jobs: list[Job], rank: int, world: int, local_rank: int, local_world: int) -> list | None:
-    """A spawned local rank (one node of ``world`` processes): with tensor parallelism the mesh rank
-    its device runs (:func:`executor.mesh.placement`, the function torchrun's processes use);
-    without, the launch order."""
-    tp = jobs[0].config.parallel.tp
-    if tp == 1:
+    """A spawned local rank (one node of ``world`` processes): with tensor or context parallelism the
+    mesh rank its device runs (:func:`executor.mesh.placement`, the function torchrun's processes
+    use); without, the launch order."""
+    tp, cp = jobs[0].config.parallel.tp, jobs[0].config.parallel.cp
+    if tp * cp == 1:
         return run_jobs(jobs, rank, world, local_rank, local_world)
-    mesh_rank, _ = placement(jobs[0].config.device_map, jobs[0].schedule, tp, 0, rank, 1, world)
+    mesh_rank, _ = placement(jobs[0].config.device_map, jobs[0].schedule, tp, 0, rank, 1, world, cp)
     return run_jobs(jobs, mesh_rank, world, local_rank, local_world, launch_rank=rank)
 
 
@@ -296,19 +309,24 @@ class RankSetup:
     optimizer: torch.optim.Optimizer
     probe: object = None     # a layer stack's speed-probe work (None: the GPT block's)
     tp_rank: int = 0         # this process's rank in its tensor-parallel group
+    cp_rank: int = 0         # and in its context-parallel group
 
 
 def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RankSetup:
     """Steps 1-3 of the module docstring: stages, optimizer, groups, mailbox, aligned clock. ``rank``
-    is the process-group rank: pipeline rank ``rank // T``, TP rank ``rank % T`` (:mod:`executor.mesh`)."""
+    is the process-group rank: pipeline rank ``rank // (T C)``, CP rank ``rank // T % C``, TP rank
+    ``rank % T`` (:mod:`executor.mesh`)."""
     cfg, sched = job.config, job.schedule
-    mesh = Mesh(cfg.parallel.tp, sched.num_ranks)
+    mesh = Mesh(cfg.parallel.tp, sched.num_ranks, cfg.parallel.cp)
     if mesh.world != world:
-        raise ValueError(f"{sched.name} with T={cfg.parallel.tp}, D={sched.num_devices}, R={sched.replicas} needs "
-                         f"{mesh.world} processes; {world} were started")
+        raise ValueError(f"{sched.name} with T={cfg.parallel.tp}, C={cfg.parallel.cp}, D={sched.num_devices}, "
+                         f"R={sched.replicas} needs {mesh.world} processes; {world} were started")
     tp_group = groups.for_tensor_parallel(mesh, rank, ctx.device) if mesh.tp > 1 else None
+    cp_group = groups.for_context_parallel(mesh, rank, ctx.device) if mesh.cp > 1 else None
     pipe_rank, tp_rank = mesh.coords(rank)
+    cp_rank = mesh.cp_rank(rank)
     tp = TensorParallel(mesh.tp, tp_rank, tp_group, cfg.parallel.sequence_parallel)
+    cp = ContextParallel(mesh.cp, cp_rank, cp_group, mesh.cp_group(pipe_rank, tp_rank), cfg.parallel.cp_comm)
     global_rank, rank = rank, pipe_rank     # from here on: the pipeline rank, as the program names it
     stack = None
     if job.layout is not None:      # a model file: executor.user_model builds this rank's stages
@@ -327,17 +345,18 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
             if s not in built:
                 built[s] = cfg.precision.prepare(stage_module(spec, sched.num_stages, s, seed=cfg.seed,
-                                                              partition=cfg.blocks, tp=tp).to(ctx.device))
+                                                              partition=cfg.blocks, tp=tp, cp=cp).to(ctx.device))
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)
-        shape, wire = boundary_shape(spec, tp), cfg.precision.wire_dtype
+        shape, wire = boundary_shape(spec, tp, cp), cfg.precision.wire_dtype
         buffer = lambda op: torch.empty(shape, dtype=wire, device=ctx.device)  # noqa: E731
     for p in params:
         p.grad = torch.zeros_like(p)
     mailbox = Mailbox(rank, sched.program(rank), groups.p2p, buffer, timeout=cfg.timeout,
-                      lookahead=cfg.recv_lookahead, to_rank=lambda p: mesh.rank(p, tp_rank))
+                      lookahead=cfg.recv_lookahead, to_rank=lambda p: mesh.rank(p, tp_rank, cp_rank))
     groups.warm_up_p2p(sched, global_rank, ctx.device, mesh)
+    warm_up_ring(cp, ctx.device)
     stage_groups = groups.for_stages(sched, global_rank, ctx.device, mesh)
     tied = partial = None
     if stack is not None:       # parameters shared across stages: one group per set of ranks, all ranks alike
@@ -347,11 +366,18 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         partial = [p for m in built.values() for n, p in m.named_parameters() if sequence_partial(n)]
     if partial and not cfg.parallel.zero:    # ZeRO-1 sums them on its shard instead (executor.zero)
         from .user_model import TiedGradients
-        tied = TiedGradients(global_rank, [(mesh.tp_group(rank), tp_group, partial)], set(),
+        tied = TiedGradients(global_rank, [(mesh.tp_group(rank, cp_rank), tp_group, partial)], set(),
                              what="the sequence-parallel norm gradients")
-    if cfg.parallel.zero:     # ZeRO-1: each rank of a stage's group steps its shard (executor.zero)
+    if cp.on:       # the stages no ALLREDUCE sums (one pipeline rank holds them): over the CP ranks at OPTIM
+        from .user_model import TiedGradients
+        alone = [p for s, m in built.items() if len(sched.stage_group(s)) == 1 for p in m.parameters()]
+        over_cp = TiedGradients(global_rank, [(cp.ranks, cp_group, alone)], set(),
+                                what="the context-parallel ranks' gradients") if alone else None
+        tied = GradientSums([over_cp, tied])     # first over CP, then the norms' over TP
+    if cfg.parallel.zero:     # ZeRO-1: each rank of a stage's group (with CP, of its R x C) steps its shard
+        lifted = {s: mesh.stage_group(sched.stage_group(s), tp_rank) for s in built}
         optimizer = ShardedOptimizer([(list(m.parameters()), stage_groups.get(s),
-                                       sched.stage_group(s).index(rank), len(sched.stage_group(s)))
+                                       lifted[s].index(global_rank), len(lifted[s]))
                                       for s, m in built.items()], cfg.optimizer, cfg.lr,
                                      partial=(partial, tp_group) if partial else None,
                                      timeout=cfg.timeout, rank=global_rank)
@@ -363,7 +389,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
                               recompute=cfg.parallel.recompute, meter_every_forward=cfg.meter_every_forward, tied=tied)
-    return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None, tp_rank)
+    return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None, tp_rank,
+                     cp_rank)
 
 
 def report_progress(done: int, total: int, what: str, seconds: float) -> None:
@@ -400,8 +427,8 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     if probe_host:
         probe += probe_host()
     node, local, _, per_node = topology()
-    pipe_rank = rank // cfg.parallel.tp
-    report = {"rank": pipe_rank, "tp": rs.tp_rank, "rows": rows, "losses": losses, "peak": peak,
+    pipe_rank = rank // (cfg.parallel.tp * cfg.parallel.cp)
+    report = {"rank": pipe_rank, "tp": rs.tp_rank, "cp": rs.cp_rank, "rows": rows, "losses": losses, "peak": peak,
               "fwd_bytes": rs.runtime.fwd_bytes,
               "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe, "cpu": window, "core": core,
               "placement": {"node": node, "local_rank": local, "device": node * per_node + local,
@@ -458,10 +485,12 @@ def _static_bytes(params, optimizer) -> int:
 
 def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backend: str) -> RunResult:
     """Rank 0: one trace, the global loss per step, per-rank memory (bytes and Ma), per pipeline rank
-    (with tensor parallelism: TP rank 0 stands for its group, as one simulated rank does; every
-    process's placement is listed and the parameters are gathered from their shards)."""
+    (with tensor and context parallelism: TP rank 0 of CP rank 0 stands for its T x C processes, as
+    one simulated rank does; the loss sums the CP ranks' shares; every process's placement is
+    listed and the parameters are gathered from their shards)."""
     everyone = reports
-    reports = [rep for rep in everyone if rep.get("tp", 0) == 0]
+    losing = [rep for rep in everyone if rep.get("tp", 0) == 0]      # each CP rank's share of the loss
+    reports = [rep for rep in losing if rep.get("cp", 0) == 0]
     D, S = sched.num_devices, sched.num_stages
     fwd: dict[int, int] = {}
     for rep in reports:
@@ -473,7 +502,7 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
                        devices=D, microbatches=sched.num_microbatches, replicas=sched.replicas, time_unit="s",
                        mem_unit="B", static_mem=static, ma_bytes=ma, model=cfg.model_name, backend=backend)
     G = cfg.global_microbatches
-    losses = [sum(rep["losses"][k] for rep in reports) / G for k in range(cfg.steps)]
+    losses = [sum(rep["losses"][k] for rep in losing) / G for k in range(cfg.steps)]
     metrics = step_metrics(trace)
     per_metrics = {m.device: m for m in metrics.per_device}
     per_device = []
@@ -485,11 +514,13 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
                            "static_bytes": rep["static_bytes"],
                            "busy_s": m.busy if m else 0.0, "bubble_ratio": m.bubble_ratio if m else None})
     params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
-                                   if rep["rank"] == r] for r in range(sched.num_ranks)) \
+                                   if rep["rank"] == r and rep.get("cp", 0) == 0] for r in range(sched.num_ranks)) \
         if cfg.collect_params else (None, None)
     extra = {} if drift is None or cfg.parallel.tp == 1 else {"tp_replica_drift": drift}
-    extra |= {"placement": [dict(rep["placement"], rank=rep["rank"], tp=rep["tp"])
-                           for rep in sorted(everyone, key=lambda r: (r["rank"], r["tp"]))]}
+    if cfg.collect_params and cfg.parallel.cp > 1:    # the CP ranks of a pipeline rank hold the same weights
+        extra["cp_replica_drift"] = cp_drift(everyone)
+    extra |= {"placement": [dict(rep["placement"], rank=rep["rank"], tp=rep["tp"], cp=rep.get("cp", 0))
+                           for rep in sorted(everyone, key=lambda r: (r["rank"], r.get("cp", 0), r["tp"]))]}
     probes = sorted(t for rep in reports for t in rep["probe"])
     if probes:
         extra["probe_seconds"] = noise_free(probes)
@@ -522,6 +553,14 @@ def gather_params(per_rank) -> tuple[dict, float]:
                 if key in other:
                     drift = max(drift, float((other[key] - value).abs().max()))
     return out, drift
+
+
+def cp_drift(reports: list[dict]) -> float:
+    """The largest difference of a parameter between a process and CP rank 0 of its pipeline and TP
+    rank (0 when the CP ranks agree)."""
+    first = {(r["rank"], r["tp"]): r["params"] for r in reports if r.get("cp", 0) == 0}
+    return max((float((t - first[(r["rank"], r["tp"])][k]).abs().max()) for r in reports if r.get("cp", 0)
+                for k, t in r["params"].items()), default=0.0)
 
 
 def local_env() -> tuple[int, int, int, int]:

@@ -319,6 +319,8 @@ def _print_human(result, args) -> None:
     lay, par = c.layout, c.parallel
     tp = f"T={par.tp}{' (sequence parallel)' if par.sequence_parallel else ''} " \
         if par.tp > 1 and result.engine == "executor" else ""
+    if par.cp > 1 and result.engine == "executor":
+        tp += f"C={par.cp} ({par.cp_comm}) "
     print(f"{result.engine} {lay.label}: {tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  "
           f"model {printable(c.model_name)}  {c.optimizer} lr={c.lr:g}  ({where})")
     if c.layout.schedule_file is not None:

@@ -319,13 +319,14 @@ def test_tp_not_dividing_heads_is_refused():
 
 
 def test_world_not_t_x_d_x_r_is_refused(monkeypatch):
-    """Under torchrun the world must be T x D x R: refused before any process group starts."""
+    """Under torchrun the world must be T x C x D x R: refused before any process group starts."""
     for var, value in dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT="29500", TORCHELASTIC_RUN_ID="test").items():
         monkeypatch.setenv(var, value)
     monkeypatch.delenv("PIPETWIN_WORKDIR", raising=False)
     cfg = RunConfig.of(schedule="dapple", devices=2, microbatches=4, replicas=2, model=SPEC, tp=2)
-    with pytest.raises(ValueError, match=r"torchrun started 4 processes but the run needs T x D x R = 2 x 2 x 2 = 8"):
+    with pytest.raises(ValueError, match=r"torchrun started 4 processes but the run needs T x C x D x R = "
+                                         r"2 x 1 x 2 x 2 = 8"):
         run(cfg)
 
 
@@ -359,7 +360,7 @@ def test_a_job_with_tp_and_sp_runs_and_tp_overlap_is_refused():
 
 def test_run_many_needs_one_world():
     a = RunConfig.of(schedule="dapple", devices=2, microbatches=4, model=SPEC, tp=2)
-    with pytest.raises(ValueError, match=r"one world size \(T x D x R\)"):
+    with pytest.raises(ValueError, match=r"one world size \(T x C x D x R\)"):
         run_many([a, a.with_(tp=1)])
     assert os.environ.get("RANK") is None
 
