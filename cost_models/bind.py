@@ -44,7 +44,8 @@ from .stack import is_model_ref, same_model_ref
 from .moe import ExpertGroup
 from .parallel import Parallel
 from .memory import check_reserve
-from .transformer import DataParallelGroup, TensorParallelGroup, TransformerCostModel, active_params, model_params
+from .transformer import (ContextParallelGroup, DataParallelGroup, TensorParallelGroup, TransformerCostModel,
+                          active_params, model_params)
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,11 @@ class CostInputs:
         return size
 
 
-def cost_model_for(choice: str | None, device, profile: bool, model: ModelSpec | None = None) -> str:
+def cost_model_for(choice: str | None, device, profile: bool, model: ModelSpec | None = None, cp: int = 1) -> str:
     """The cost model to use: the one asked for, else linear for profiles, for devices without
-    kernel constants and for blocks the kernel model does not price (``model``:
-    :func:`cost_models.kernels.unpriced`: experts, latent attention, other head sizes), kernels
+    kernel constants, for blocks the kernel model does not price (``model``:
+    :func:`cost_models.kernels.unpriced`: experts, latent attention, other head sizes) and for
+    context parallelism (``cp`` > 1: its split attention is priced by the formulas), kernels
     otherwise. Kernels asked for such a block are refused in one line."""
     if choice is not None:
         if choice not in COST_MODELS:
@@ -97,7 +99,7 @@ def cost_model_for(choice: str | None, device, profile: bool, model: ModelSpec |
         if choice == "kernels" and model is not None:
             check_priced(model)
         return choice
-    if profile or device.kernels is None or (model is not None and unpriced(model) is not None):
+    if profile or device.kernels is None or cp > 1 or (model is not None and unpriced(model) is not None):
         return "linear"
     return "kernels"
 
@@ -260,10 +262,11 @@ def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> Tran
     group = TensorParallelGroup(unplaced, tp) if tp > 1 else None
     experts = ExpertGroup(unplaced, par.ep, par.etp, par.a2a_hierarchical, par.route_nodes,
                           model.top_k) if model.is_moe else None
+    context = ContextParallelGroup(unplaced, tp, par.cp) if par.cp > 1 else None
     return TransformerCostModel(model, cluster.device, parallel=par,
-                                compute=cost_model_for(job.cost_model, cluster.device, False, model),
+                                compute=cost_model_for(job.cost_model, cluster.device, False, model, par.cp),
                                 partition=job.partition, tp_group=group, replicas=job.layout.replicas,
-                                grad_accumulation=job.grad_accumulation, expert_group=experts,
+                                grad_accumulation=job.grad_accumulation, expert_group=experts, cp_group=context,
                                 **data_parallel_groups(job, unplaced))
 
 
@@ -292,7 +295,7 @@ def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
     if inputs.kind == "transformer":      # none of these depends on the layout (a sweep's grid varies it)
         dev, model = inputs.cluster.device, job.parallel.sized(inputs.model)
         tcm = TransformerCostModel(model, dev, parallel=Parallel(precision=job.parallel.precision),
-                                   compute=cost_model_for(job.cost_model, dev, False, model))
+                                   compute=cost_model_for(job.cost_model, dev, False, model, job.parallel.cp))
         return _stated(job, model, dev, tcm, model_ref)
     return {"device_fitted": inputs.cluster.device.provenance()} if inputs.cluster is not None else {}
 
@@ -314,21 +317,24 @@ def stated_fields(model: ModelSpec, device, cost_model: str, precision: str, mod
 
 
 def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:
-    """A model spec's formulas on a cluster, T x D x R: every rank a tensor-parallel group of T
-    GPUs (:func:`cost_models.cluster.tensor_parallel_groups`), its collectives on the group's links.
-    The cluster's size was checked before the build (:func:`cost_models.job.check_run_size`, with T)."""
+    """A model spec's formulas on a cluster, T x C x D x R: every rank a pipeline device of T
+    tensor-parallel x C context-parallel GPUs (:func:`cost_models.cluster.tensor_parallel_groups`),
+    its collectives and K/V exchanges on the groups' links. The cluster's size was checked before
+    the build (:func:`cost_models.job.check_run_size`, with T and C)."""
     par = job.parallel
-    tp = par.tp
+    tp, cp = par.tp, par.cp
     tcm = transformer_cost_model(job, model, cluster)
     cost_model = tcm.compute
     costs = tcm.bind(low)
-    return Bound(low, costs, tensor_parallel_groups(cluster, tp).place(low, job.mapping), {
+    return Bound(low, costs, tensor_parallel_groups(cluster, tp, cp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, **_stated(job, model, cluster.device, tcm),
         "parameters": model_params(model),
         **({"active_parameters": active_params(model), "ep": par.ep, "etp": par.etp,
             "a2a_per_moe_layer": sum(tcm.a2a_times())} if model.is_moe else {}),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
-        "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": par.sequence_parallel, "tp_overlap": par.tp_overlap,
+        **(_cp_report(tcm, low) if cp > 1 else {}),
+        "gpus": low.num_ranks * tp * cp, "tp": tp, "sequence_parallel": par.sequence_parallel,
+        "tp_overlap": par.tp_overlap,
         "zero": par.zero, **fsdp_lines(costs.meta.get("fsdp")), **job.cluster.shape_report(),
         "memory_capacity": costs.meta.get("memory_capacity"), "memory_transient": costs.meta["memory_transient"],
         "memory_reserve": job.memory_reserve})
@@ -349,6 +355,18 @@ def fsdp_lines(fsdp: dict | None) -> dict:
             f"compute), step end {st['step_end']:.3g} s; {fmt_bytes(st['bytes_per_microbatch'])} + "
             f"{fmt_bytes(st['bytes_step_end'])} sent per GPU per step (per micro-batch + step end, stage {i})")
     return {"fsdp": fsdp, "fsdp_collectives": line}
+
+
+def _cp_report(tcm: TransformerCostModel, low: Schedule) -> dict:
+    """The report fields of context parallelism: C, how K/V is exchanged, one block's exchange per
+    micro-batch on one GPU (bytes and seconds, F and B, exposed) and the step's on the busiest
+    pipeline device, with what of it hides behind the attention compute."""
+    x = tcm.cp_exchange()
+    step, hidden = tcm.cp_step_comm(low)
+    return {"cp": tcm.parallel.cp, "cp_comm": tcm.parallel.cp_comm,
+            "cp_exchange_per_layer": {"f_bytes": x.f_bytes, "b_bytes": x.b_bytes, "f_time": x.f_time,
+                                      "f_exposed": x.f_exposed, "b_time": x.b_time, "b_exposed": x.b_exposed},
+            "cp_time": step, "cp_hidden": hidden}
 
 
 def _check_fits(low: Schedule, cluster: Cluster) -> None:

@@ -537,8 +537,9 @@ def stage_sharing_groups(sched: "Schedule", include_replicas: bool = False) -> l
 
 
 def megatron_map(sched: "Schedule", where: DeviceGrid | Cluster) -> tuple[int, ...]:
-    """Megatron-LM's rank order: tensor-parallel ranks fastest (inside one simulated rank: see
-    :func:`tensor_parallel_groups`), then the data-parallel replicas, then the pipeline stages.
+    """Megatron-LM's rank order: tensor-parallel ranks fastest, then context-parallel ones (both
+    inside one simulated rank: see :func:`tensor_parallel_groups`), then the data-parallel replicas,
+    then the pipeline stages ([TP, CP, DP, PP]; :func:`sequential_map` is Llama 3's [TP, CP, PP, DP]).
     Rank (replica r, pipeline device d) sits on slot d * R + r: the replicas of a stage are
     neighbours (their gradient all-reduce stays as local as it can), a pipeline spans the cluster."""
     _fitting_grid(sched, where)
@@ -546,38 +547,41 @@ def megatron_map(sched: "Schedule", where: DeviceGrid | Cluster) -> tuple[int, .
     return tuple((r % D) * R + r // D for r in range(sched.num_ranks))
 
 
-def tensor_parallel_groups(cluster: Cluster, tp: int) -> Cluster:
-    """The cluster as the simulator sees it when every rank is a tensor-parallel group of ``tp``
-    consecutive GPUs (the GPUs of a group run in lockstep, so one rank stands for the group).
+def tensor_parallel_groups(cluster: Cluster, tp: int, cp: int = 1) -> Cluster:
+    """The cluster as the simulator sees it when every rank is a group of ``tp`` x ``cp``
+    consecutive GPUs (a pipeline device: T tensor-parallel GPUs fastest, then C context-parallel
+    ones; the GPUs of a group run in lockstep, so one rank stands for the group).
 
-    A group of t <= devices-per-node GPUs is one device of a node holding dpn / t of them; its t
-    GPUs' ports move their 1/t shares of a message side by side, so the group's port is t ports
-    wide (intra bandwidth x t), and the node's NICs are shared out among its groups (each group
+    A group of g = t c <= devices-per-node GPUs is one device of a node holding dpn / g of them; its
+    g GPUs' ports move their 1/g shares of a message side by side, so the group's port is g ports
+    wide (intra bandwidth x g), and the node's NICs are shared out among its groups (each group
     gets nics / groups of them, as one NIC of that many times the bandwidth; with fewer NICs than
-    groups, the groups share them as their GPUs would). A group of t > dpn GPUs spans t / dpn
+    groups, the groups share them as their GPUs would). A group of g > dpn GPUs spans g / dpn
     whole nodes: one device per (merged) node with all their NICs. Messages between groups are
-    whole tensors on these wider links. Refuses a t that does not divide a node (or is no multiple
+    whole tensors on these wider links. Refuses a g that does not divide a node (or is no multiple
     of it) with one line."""
-    if tp == 1:
+    g = tp * cp
+    if g == 1:
         return cluster
     dpn, name = cluster.devices_per_node, cluster.name
-    if tp <= dpn:
-        if dpn % tp:
-            raise SpecError(f"--tp {tp} does not divide the {dpn} devices per node of cluster {name}; pick a --tp "
-                            f"that divides {dpn} (or a multiple of it)")
-        groups = dpn // tp
+    what = f"--tp {tp}" if cp == 1 else f"--tp {tp} x --cp {cp} = {g}"
+    if g <= dpn:
+        if dpn % g:
+            raise SpecError(f"{what} does not divide the {dpn} devices per node of cluster {name}; pick a "
+                            f"{'--tp' if cp == 1 else '--tp x --cp'} that divides {dpn} (or a multiple of it)")
+        groups = dpn // g
         nics = cluster.nics_per_node
         nics_g, inter_bw = (groups, cluster.inter.bandwidth * nics / groups) if nics >= groups else \
             (nics, cluster.inter.bandwidth)
         coll = cluster.collective
         return replace(cluster, devices_per_node=groups, nics_per_node=nics_g, device_map=None,
-                       intra=replace(cluster.intra, bandwidth=cluster.intra.bandwidth * tp),
+                       intra=replace(cluster.intra, bandwidth=cluster.intra.bandwidth * g),
                        inter=replace(cluster.inter, bandwidth=inter_bw),
-                       collective=None if coll is None else replace(coll, bandwidth=coll.bandwidth * tp))
-    if tp % dpn or cluster.nodes % (tp // dpn):
-        raise SpecError(f"--tp {tp} spans nodes of {dpn} devices: it must be a multiple of {dpn} that divides the "
+                       collective=None if coll is None else replace(coll, bandwidth=coll.bandwidth * g))
+    if g % dpn or cluster.nodes % (g // dpn):
+        raise SpecError(f"{what} spans nodes of {dpn} devices: it must be a multiple of {dpn} that divides the "
                         f"cluster's {cluster.num_devices} devices into whole groups")
-    span = tp // dpn
+    span = g // dpn
     return replace(cluster, nodes=cluster.nodes // span, devices_per_node=1, nics_per_node=1, device_map=None,
                    inter=replace(cluster.inter, bandwidth=cluster.inter.bandwidth * cluster.nics_per_node * span),
                    nodes_per_leaf=max(1, cluster.nodes_per_leaf // span), collective=None,

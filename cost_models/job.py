@@ -523,7 +523,8 @@ class Job:
         all-reduce and T x D x R size checks); the simulator (:func:`cost_models.bind.bind`), the
         planner and the executor's run all lower through here."""
         return self.layout.build(eager=self.eager, family=family, built=built, one_replica=one_replica,
-                                 check=check, overlap_fb=self.parallel.overlap_fb, tp=self.parallel.tp, **limits)
+                                 check=check, overlap_fb=self.parallel.overlap_fb, tp=self.parallel.tp,
+                                 cp=self.parallel.cp, **limits)
 
     @classmethod
     def of(cls, **fields) -> "Job":
@@ -601,7 +602,7 @@ def _partition(value):
 
 def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks: int = 1,
                    cluster_devices: int | None = None, cluster_name: str = "", layers: int | None = None,
-                   model_name: str = "", one_replica: bool = False, tp: int = 1) -> None:
+                   model_name: str = "", one_replica: bool = False, tp: int = 1, cp: int = 1) -> None:
     """What can be refused without building a schedule: the size limits of the IR
     (:func:`schedules.registry.check_size`), a cluster too small for D x R ranks, a model with
     fewer layers than stages (every schedule has at least D stages per copy). One-line ValueErrors.
@@ -623,11 +624,13 @@ def check_run_size(*, devices: int, microbatches: int, replicas: int = 1, chunks
                          f"beyond pipetwin's limit of {registry.MAX_OPS:,} (memory and time grow with it); "
                          f"use -N {most:,} or fewer")
     ranks = devices * replicas
-    if cluster_devices is not None and ranks * tp > cluster_devices:
-        what = f"{ranks} ranks (D={devices} x R={replicas})" if tp == 1 else \
-            f"{ranks * tp:,} GPUs (T={tp} x D={devices} x R={replicas})"
+    if cluster_devices is not None and ranks * tp * cp > cluster_devices:
+        what = f"{ranks} ranks (D={devices} x R={replicas})" if tp * cp == 1 else \
+            f"{ranks * tp:,} GPUs (T={tp} x D={devices} x R={replicas})" if cp == 1 else \
+            f"{ranks * tp * cp:,} GPUs (T={tp} x C={cp} x D={devices} x R={replicas})"
+        smaller = "-D/--dp" if tp * cp == 1 else "--tp/-D/--dp" if cp == 1 else "--tp/--cp/-D/--dp"
         raise ValueError(f"{what} do not fit on cluster {cluster_name} with {cluster_devices:,} devices; pick a "
-                         f"bigger --cluster (or --nodes) or a smaller " + ("-D/--dp" if tp == 1 else "--tp/-D/--dp"))
+                         f"bigger --cluster (or --nodes) or a smaller " + smaller)
     if layers is not None and layers < devices:
         raise ValueError(f"model {model_name} has {layers} layers to split, fewer than the {devices} pipeline "
                          f"stages; lower -D or pick a deeper --model")

@@ -67,6 +67,16 @@ in the backward; with sequence parallelism each all-reduce is a reduce-scatter a
 all-reduces its input gradient (SP: all-gathers its input, reduce-scatters the gradient) and the
 loss three fp32 [b, s] statistics. A full recomputation runs the forward's collectives again in B.
 
+Context parallelism (``parallel.cp`` = c > 1, :func:`context_parallel_layers`): each of c GPUs
+holds s/c tokens of every sequence (chunks i and 2c-1-i of 2c), so every quantity above is the
+formula at s/c but the attention core's FLOPs and eager attention's scores, which pair the s/c local
+queries with all s keys: 1/c of the whole (4bs^2h / (tc) in F), exactly 1/c of the causal work on
+every GPU. The c GPUs exchange K and V (X = 2 (s/c) b k e d / t bytes a GPU) on the CP group's links
+(:class:`ContextParallelGroup`): ``ring``, c-1 P2P steps in F each hidden behind a step of the
+attention, 2(c-1) X in B (K,V and the dK,dV partial sums); ``allgather``, K,V all-gathered before
+the attention and dK,dV reduce-scattered in B, exposed (:meth:`TransformerCostModel.cp_exchange`).
+Per layer and micro-batch a GPU sends (c-1) X in F and 2(c-1) X in B (3(c-1) X with recomputation).
+
 Time of a layer: with ``compute="linear"`` FLOPs / (device peak at the precision x efficiency), the
 same per sample at every micro-batch; with ``compute="kernels"`` the kernels the layer launches at
 its micro-batch, priced by :mod:`cost_models.kernels` (GEMM tiles and waves, memory-bound
@@ -79,8 +89,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, held_stages, with_peak_floor
-from .cluster import Cluster
-from .comm import allreduce_time
+from .cluster import Cluster, tensor_parallel_groups
+from .comm import allreduce_time, step_time
 from .device import DeviceSpec
 from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, check_priced, transformer_layer_times
 from .memory import StaticMemory, static_memory
@@ -215,13 +225,22 @@ def _attention_split_bytes(spec: ModelSpec) -> float:
     return float(sb * width * spec.dtype_bytes)
 
 
+def _attention_score_bytes(spec: ModelSpec, mask: int) -> float:
+    """The attention core's kept bytes per micro-batch (the module docstring's A): eager
+    a s^2 b (d + mask + mask x d), flash 4 a s b."""
+    a, s, b, d = spec.heads, spec.seq_len, spec.micro_batch, spec.dtype_bytes
+    if spec.attention_kind == "eager":
+        return float(a * s * s * b * (d + mask + mask * d))
+    return float(4 * a * s * b)
+
+
 def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bool | None = None, tp: int = 1,
                            sp: bool = False, moe: bool = False, parallel: Parallel | None = None) -> float:
     """Bytes one block keeps from F to B for one micro-batch on one of ``tp`` GPUs (``sp``:
     sequence parallel; ``dropout`` None: the model's; see the module docstring; a MoE block's MLP
     from :func:`cost_models.moe.moe_share`)."""
     _check_recompute(recompute)
-    b, s, h, a, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.heads, spec.dtype_bytes
+    b, s, h, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.dtype_bytes
     mask = 1 if (spec.has_dropout if dropout is None else dropout) else 0
     sbh = s * b * h
     if recompute == "full":
@@ -230,10 +249,7 @@ def block_activation_bytes(spec: ModelSpec, recompute: str = "none", dropout: bo
     split = _attention_split_bytes(spec)
     mlp = moe_share(spec, _moe_par(tp, parallel)).act if moe else \
         _mlp_matrices(spec) * s * b * spec.ffn * d / tp
-    if spec.attention_kind == "eager":
-        scores = a * s * s * b * (d + mask + mask * d)
-    else:
-        scores = 4 * a * s * b
+    scores = _attention_score_bytes(spec, mask)
     kept = replicated / _sp_div(tp, sp) + split / tp + mlp
     if recompute == "selective":
         return float(kept)
@@ -449,6 +465,138 @@ class DataParallelGroup:
         return t if kind == "all-reduce" else t / 2
 
 
+# ---------------------------------------------------------------------------- context parallelism
+def cp_local(spec: ModelSpec, cp: int) -> ModelSpec:
+    """The model as one GPU of a context-parallel group of ``cp`` sees it: s/C tokens of each
+    sequence (every per-token quantity of the formulas above is the formula at s/C)."""
+    return spec if cp == 1 else spec.replace(seq_len=spec.seq_len // cp)
+
+
+def cp_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two of the sequence's 2C equal chunks CP rank ``rank`` holds: i and 2C-1-i (causal load
+    balance, :func:`context_parallel_layers`)."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"CP rank {rank} is not in 0..{cp - 1}")
+    return rank, 2 * cp - 1 - rank
+
+
+def cp_kv_block_bytes(spec: ModelSpec, cp: int, tp: int = 1) -> float:
+    """Bytes of one GPU's K and V block: its s/C tokens' keys and values over its k/t key/value
+    heads, (s/C) b (k/t) (e_qk + v) d (= 2 (s/C) b k e d / t when e_qk = v = e)."""
+    return float((spec.seq_len // cp) * spec.micro_batch * spec.kv * (_qk_dim(spec) + spec.v_head_dim)
+                 * spec.dtype_bytes) / tp
+
+
+def context_parallel_layers(spec: ModelSpec, parallel: Parallel, dropout: bool | None = None) -> list[Layer]:
+    """:func:`transformer_layers` on one GPU of a T x C group (``parallel.cp`` = C > 1).
+
+    Each GPU holds s/C tokens of every sequence: 2C chunks of s/(2C), chunks i and 2C-1-i on CP
+    rank i. Every per-token quantity is the formula at s/C (:func:`cp_local`): the linear layers'
+    FLOPs, the activations (Korthikanti's R, S, the flash row statistics), the bytes kept for W,
+    the stage boundary's bytes, the head's logits, the embedding's ids. Two terms pair each local
+    query with all s keys, so they are (s/C) x s = C (s/C)^2, 1/C of the whole, not 1/C^2: the
+    attention core's FLOPs (the formula's 4bs^2h, F; twice in B; re-run by selective or full
+    recomputation) and eager attention's kept scores. The parameters are the whole model's (CP splits no
+    weight; the learned position table stays whole). ``out_bytes`` stays the whole group's, bsh d, as
+    with T alone: the simulator's rank is the T x C GPUs, each sending its bsh d / (T C) over its own
+    link (:func:`cost_models.cluster.tensor_parallel_groups`), 1/C of a GPU's bytes without CP.
+
+    Why the core is exactly 1/C of the causal attention on every GPU: with m = s/(2C) tokens a chunk,
+    chunk q attends to chunks 0..q-1 whole (m^2 token pairs each) and to itself causally
+    (m(m+1)/2). CP rank i holds chunks i and 2C-1-i: i m^2 + (2C-1-i) m^2 + 2 m(m+1)/2 =
+    (2C-1) m^2 + m^2 + m = m (2Cm + 1) = s (s+1) / (2C), the same for every i and 1/C of the
+    s (s+1)/2 pairs of the causal whole (a contiguous split would give the last rank (2C-1)/C times
+    the mean). The formulas count the full square (Megatron's 4bs^2h convention), and there the
+    share is (s/C) x s / s^2 = 1/C as well. In the ring each of the C steps pairs the local
+    queries with one rank's K/V block and does the same work, 1/C of the GPU's core: the local
+    block (diagonal: two half chunks and one whole), a block of a lower rank (both local chunks
+    against its first chunk) or of a higher one (the local second chunk against both)."""
+    C, tp, sp = parallel.cp, parallel.tp, parallel.sequence_parallel
+    local = cp_local(spec, C)
+    mask = 1 if (spec.has_dropout if dropout is None else dropout) else 0
+    L = transformer_layers(local, parallel.recompute, dropout, tp, sp, replace(parallel, cp=1))
+    core = (_attention_core_flops(spec) / C - _attention_core_flops(local)) / tp       # (C - 1) x the local core
+    again = 0.0 if parallel.recompute == "none" else core
+    scores = (_attention_score_bytes(spec, mask) / C - _attention_score_bytes(local, mask)) / tp \
+        if parallel.recompute == "none" else 0.0
+    embed = embedding_layer(spec, dropout, tp, sp).params       # the whole position table
+    whole = boundary_bytes(spec)
+    out = [replace(L[0], params=embed, out_bytes=whole)]
+    out += [replace(x, flops_f=x.flops_f + core, flops_b_input=x.flops_b_input + 2 * core,
+                    flops_recompute=x.flops_recompute + again, act_bytes=x.act_bytes + scores, out_bytes=whole)
+            for x in L[1:-1]]
+    return out + [L[-1]]
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """The links of one context-parallel group: CP ranks 0..C-1 at stride T among T x C consecutive
+    GPUs of ``cluster`` (unplaced), TP fastest. Its T GPUs of a CP rank move their 1/t shares side
+    by side, so the group is priced as C consecutive devices of the cluster the tensor-parallel
+    groups make (:func:`cost_models.cluster.tensor_parallel_groups`: a device T ports wide, the
+    node's NICs shared out), each message T x the bytes of one GPU: inside a node when T x C <=
+    devices per node, else across nodes (hierarchical rings, :func:`cost_models.comm.allreduce_time`).
+
+    ``ring_step(nbytes)``: one step of the ring, every CP rank sending ``nbytes`` (per GPU) to the
+    next at once (:func:`cost_models.comm.step_time`: each link's bandwidth shared by the transfers
+    crossing it). ``all_gather(nbytes)``: an all-gather that leaves ``nbytes`` per GPU (a ring's
+    (C-1)/C of it sent), half a ring all-reduce; a reduce-scatter of ``nbytes`` takes as long.
+    ``all_reduce(nbytes)``: a ring (or hierarchical) all-reduce of ``nbytes`` per GPU."""
+
+    cluster: Cluster
+    tp: int
+    size: int
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def _net(self) -> Cluster:
+        net = self._memo.get("net")
+        if net is None:
+            net = self._memo["net"] = tensor_parallel_groups(self.cluster.with_device_map(None), self.tp)
+            if net.num_devices < self.size:
+                raise SpecError(f"--cp {self.size} needs {self.size * self.tp} GPUs per pipeline device; cluster "
+                                f"{self.cluster.name} has {self.cluster.num_devices}")
+        return net
+
+    def ring_step(self, nbytes: float) -> float:
+        key = ("ring", nbytes)
+        if key not in self._memo:
+            C = self.size
+            self._memo[key] = step_time(self._net(), [(i, (i + 1) % C, nbytes * self.tp) for i in range(C)])
+        return self._memo[key]
+
+    def all_reduce(self, nbytes: float) -> float:
+        key = ("ar", nbytes)
+        if key not in self._memo:
+            self._memo[key] = allreduce_time(self._net(), range(self.size), nbytes * self.tp)
+        return self._memo[key]
+
+    def all_gather(self, nbytes: float) -> float:
+        return self.all_reduce(nbytes) / 2
+
+
+@dataclass(frozen=True)
+class CpExchange:
+    """One attention block's K/V exchange on one GPU of a context-parallel group, per micro-batch:
+    bytes it sends and seconds, in F and in the input backward (B, with a recomputation's
+    forward exchange again), each split into ``*_exposed`` (added to the op) and hidden behind the
+    attention core. :meth:`TransformerCostModel.cp_exchange` gives the closed forms."""
+
+    f_bytes: float
+    b_bytes: float
+    f_time: float
+    f_exposed: float
+    b_time: float
+    b_exposed: float
+
+    @property
+    def f_hidden(self) -> float:
+        return self.f_time - self.f_exposed
+
+    @property
+    def b_hidden(self) -> float:
+        return self.b_time - self.b_exposed
+
+
 def static_bytes_split(dtype_bytes: float, grad_bytes: float, bytes_per_param: float) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per parameter out of ``bytes_per_param`` in all."""
     w, g = float(dtype_bytes), float(grad_bytes)
@@ -533,6 +681,7 @@ class TransformerCostModel:
     expert_group: ExpertGroup | None = None
     dp_group: DataParallelGroup | None = None
     replicate_group: DataParallelGroup | None = None
+    cp_group: ContextParallelGroup | None = None
 
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
@@ -562,6 +711,7 @@ class TransformerCostModel:
             raise SpecError(f"tensor parallel {self.parallel.tp} needs the group's links "
                             f"(tp_group of size {self.parallel.tp})")
         check_expert_parallel(self.model, self.parallel, self.replicas)
+        self._check_context_parallel()
         edp = expert_data_parallel(self.parallel, self.replicas) if self.model.is_moe else 1
         group = self.expert_group
         if (self.parallel.ep > 1 or edp > 1) and (group is None or group.ep != self.parallel.ep):
@@ -611,7 +761,7 @@ class TransformerCostModel:
         """fp8 runs the linear layers' GEMMs in 8 bits; the attention core (QK^T, x V) stays in 16
         (DeepSeek-V3, Transformer Engine): each block's core FLOPs at the 16-bit rate instead."""
         slow = self.device.achievable_flops("bf16" if self.device.has("bf16") else "fp16")
-        core = _attention_core_flops(self.model) / self.parallel.tp
+        core = _attention_core_flops(self.model) / (self.parallel.tp * self.parallel.cp)
         extra = core * (1 / slow - 1 / rate)
         again = {"none": 0, "selective": 1, "full": 1}[self.parallel.recompute]
         blocks = [l.kind == "block" for l in L]
@@ -624,6 +774,8 @@ class TransformerCostModel:
 
     def layers(self) -> list[Layer]:
         par = self.parallel
+        if par.cp > 1:
+            return context_parallel_layers(self.model, par, self.uses_dropout)
         return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel, par)
 
     @property
@@ -632,9 +784,11 @@ class TransformerCostModel:
         return self.parallel.dp_shard or self.replicas
 
     def _zero_shard(self, group: int | None = None) -> int:
-        """The GPUs a parameter's sharded state is split over: its data-parallel ``group``
-        (default the shard group S; a MoE block's experts: EDP) with ZeRO, else 1."""
-        return (self.shard if group is None else group) if self.parallel.zero else 1
+        """The GPUs a parameter's sharded state is split over: its data-parallel ``group`` (default
+        the shard group S of each of the C context-parallel ranks, S x C GPUs that hold the same
+        weights, as Megatron-LM's distributed optimizer shards over DP x CP; a MoE block's experts:
+        EDP) with ZeRO, else 1 (ZeRO-2/3 with C > 1 is refused: their shards span S alone)."""
+        return (self.shard * self.parallel.cp if group is None else group) if self.parallel.zero else 1
 
     def bytes_split(self) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per parameter, unsharded."""
@@ -796,10 +950,11 @@ class TransformerCostModel:
     def copy_time(self) -> float:
         if not self.device.memory_bandwidth:
             return 0.0
-        return 2 * boundary_bytes(self.model) / self.device.memory_bandwidth
+        return 2 * boundary_bytes(self.per_gpu_model) / self.device.memory_bandwidth
 
     def collectives(self) -> list[Collectives]:
-        return layer_collectives(self.model, self.parallel.recompute, self.parallel.tp, self.parallel.sequence_parallel)
+        return layer_collectives(self.per_gpu_model, self.parallel.recompute, self.parallel.tp,
+                                 self.parallel.sequence_parallel)
 
     def collective_times(self) -> list[tuple[float, float]]:
         """Per layer: seconds of its tensor-parallel collectives in F and in B."""
@@ -829,8 +984,10 @@ class TransformerCostModel:
             join = max if self.parallel.tp_overlap else (lambda x, y: x + y)
             f = tuple(join(x, c) for x, (c, _) in zip(f, comm))
             b_in = tuple(join(x, c) for x, (_, c) in zip(b_in, comm))
+        if self.parallel.cp > 1:
+            f, b_in = self._with_cp_exchange(L, f, b_in)
         w_b, g_b, o_b = self.static_split()
-        moe = {}
+        moe = self._cp_optim(L) if self.parallel.cp > 1 else {}
         if self.model.is_moe:
             a2a_f, a2a_b = self.all_to_all_times()
             f = tuple(x + y for x, y in zip(f, a2a_f))
@@ -860,6 +1017,132 @@ class TransformerCostModel:
             copy_time=self.copy_time(),
             **moe,
         )
+
+    # ------------------------------------------------------------------ context parallelism
+    @property
+    def per_gpu_model(self) -> ModelSpec:
+        """The model at the tokens one GPU holds: s/C of each sequence with context parallelism
+        (:func:`cp_local`), the model itself without."""
+        return cp_local(self.model, self.parallel.cp)
+
+    def _check_context_parallel(self) -> None:
+        """C > 1: the model splits (:meth:`ModelSpec.check_context_parallel`), ZeRO at most 1 (its
+        shards over R x C), the linear cost model prices it (the kernel model's attention kernels
+        are whole-sequence ones) and the CP group's links are given."""
+        par = self.parallel
+        if par.cp == 1:
+            return
+        self.model.check_context_parallel(par.cp, par.tp, par.sequence_parallel)
+        if par.zero > 1:
+            raise SpecError(f"--zero {par.zero} with --cp {par.cp}: sharding gradients and weights over the R x C GPUs "
+                            f"is not priced yet; give --zero 1 (the optimizer state over R x C) or drop --cp")
+        if self.compute == "kernels":
+            raise SpecError(f"--cp {par.cp} is priced by --cost-model linear; the kernel model prices whole-sequence "
+                            f"attention kernels (give --cost-model linear, the default with --cp)")
+        if self.cp_group is None or self.cp_group.size != par.cp or self.cp_group.tp != par.tp:
+            raise SpecError(f"context parallel {par.cp} needs the group's links (cp_group of size {par.cp} at "
+                            f"tp {par.tp})")
+
+    def _core_seconds(self) -> float:
+        """Seconds of one block's attention core forward on one GPU (1/(T C) of the formula's
+        4bs^2h, at the 16-bit rate where the linear layers run in fp8)."""
+        rate = self.flop_rate()
+        if self.resolved_precision() == "fp8":
+            rate = self.device.achievable_flops("bf16" if self.device.has("bf16") else "fp16")
+        return _attention_core_flops(self.model) / (self.parallel.tp * self.parallel.cp) / rate
+
+    def cp_exchange(self) -> CpExchange:
+        """One block's K/V exchange on one GPU per micro-batch (C > 1). With X = the GPU's K and V
+        block (:func:`cp_kv_block_bytes`, 2 (s/C) b k e d / t), a = its attention core forward / C
+        (the work of one ring step), p(n) = one ring step moving n bytes a GPU
+        (:meth:`ContextParallelGroup.ring_step`):
+
+        ``ring`` (C-1 steps, each hidden behind one step of attention compute):
+            F bytes (C-1) X;  F time (C-1) p(X), exposed (C-1) max(0, p(X) - a)
+            (the layer takes the first block's a + (C-1) max(a, p(X)) for its core);
+            B bytes 2 (C-1) X: K,V travel the C-1 hops again and each block's dK,dV partial sums C-1
+            hops home; C-2 steps move K,V and dK,dV together behind 2a (the core's backward is
+            twice its forward), one step K,V alone, and the last dK,dV hop follows the last step:
+            B time (C-2) p(2X) + 2 p(X), exposed (C-2) max(0, p(2X) - 2a) + max(0, p(X) - 2a) + p(X).
+        ``allgather`` (Llama 3's: K,V all-gathered before the attention, exposed):
+            F bytes (C-1) X, time AG(C X); B: K,V all-gathered again (only the local block is kept
+            from F) and dK,dV reduce-scattered, bytes 2 (C-1) X, time AG(C X) + RS(C X), exposed.
+        Selective or full recomputation re-runs the attention core in B with its exchange: B gains
+        F's bytes and times."""
+        par, g = self.parallel, self.cp_group
+        C, X = par.cp, cp_kv_block_bytes(self.model, par.cp, par.tp)
+        if par.cp_comm == "ring":
+            a = self._core_seconds() / C
+            p1, p2 = g.ring_step(X), g.ring_step(2 * X)
+            f_time, f_exp = (C - 1) * p1, (C - 1) * max(0.0, p1 - a)
+            b_time = (C - 2) * p2 + 2 * p1
+            b_exp = (C - 2) * max(0.0, p2 - 2 * a) + max(0.0, p1 - 2 * a) + p1
+        else:
+            f_time = f_exp = g.all_gather(C * X)
+            b_time = b_exp = 2 * g.all_gather(C * X)
+        f_bytes, b_bytes = (C - 1) * X, 2 * (C - 1) * X
+        if par.recompute != "none":
+            b_bytes, b_time, b_exp = b_bytes + f_bytes, b_time + f_time, b_exp + f_exp
+        return CpExchange(f_bytes, b_bytes, f_time, f_exp, b_time, b_exp)
+
+    def _with_cp_exchange(self, L: list[Layer], f, b_in):
+        """``f`` and ``b_in`` with each block's exposed K/V exchange added (:meth:`cp_exchange`)."""
+        x = self.cp_exchange()
+        blocks = [l.kind == "block" for l in L]
+        return (tuple(t + x.f_exposed if blk else t for t, blk in zip(f, blocks)),
+                tuple(t + x.b_exposed if blk else t for t, blk in zip(b_in, blocks)))
+
+    def _cp_optim(self, L: list[Layer]) -> dict:
+        """The LayerCosts field of the gradient reduction over the C GPUs of a pipeline device
+        that hold the same weights. The R x C GPUs of a stage are reduced as a hierarchy: a
+        reduce-scatter and an all-gather of each GPU's gradients inside the CP group (the ring time
+        of an all-reduce of params x grad bytes, :meth:`ContextParallelGroup.all_reduce`; with ZeRO-1
+        the gradients reduce-scattered and the 16-bit weights all-gathered, the same bytes as
+        :attr:`grad_bytes`), charged at the step's end with the optimizer, and between them the
+        all-reduce of each GPU's 1/C shard across the R replicas, which is the engine's
+        ALLREDUCE of the collapsed rank: T x the GPU's gradient bytes over a port T x C GPUs wide."""
+        per, g = self.optim_time_per_param(), self.cp_group
+        times = {p: p * per + g.all_reduce(p * self.grad_bytes) for p in {l.params for l in L}}
+        return dict(optim_time=tuple(times[l.params] for l in L))
+
+    def _cp_transient(self) -> float:
+        """The K/V exchange's buffers on one GPU (0 without CP): ``ring`` two buffers of a K,V
+        block and its dK,dV (one in use, one arriving), 4 X; ``allgather`` the gathered K,V and the
+        whole dK,dV before its reduce-scatter, 2 C X; with recomputation under eager attention,
+        the recomputed layer's scores beyond the local formula's ((s/C) x s of them, 1/C of the
+        whole)."""
+        par = self.parallel
+        if par.cp == 1:
+            return 0.0
+        X = cp_kv_block_bytes(self.model, par.cp, par.tp)
+        buffers = 4 * X if par.cp_comm == "ring" else 2 * par.cp * X
+        scores = 0.0
+        if par.recompute != "none":
+            mask = 1 if self.uses_dropout else 0
+            scores = (_attention_score_bytes(self.model, mask) / par.cp
+                      - _attention_score_bytes(self.per_gpu_model, mask)) / par.tp
+        return buffers + scores
+
+    def cp_step_comm(self, sched) -> tuple[float, float]:
+        """(exchange seconds, of which hidden) of the K/V exchange in one step on the busiest
+        pipeline device of a built or lowered schedule: each F and B op of a stage runs its blocks'
+        :meth:`cp_exchange`; (0, 0) without CP."""
+        if self.parallel.cp == 1:
+            return 0.0, 0.0
+        x = self.cp_exchange()
+        L = self.layers()
+        parts = layer_ranges(len(L), sched.num_stages, self.partition_for(sched.num_stages))
+        blocks = [sum(L[i].kind == "block" for i in r) for r in parts]
+        best = (0.0, 0.0)
+        for prog in sched.programs[:sched.num_devices]:
+            t = h = 0.0
+            for op in prog:
+                if op.kind == "F":
+                    t, h = t + blocks[op.stage] * x.f_time, h + blocks[op.stage] * x.f_hidden
+                elif op.kind == "B":
+                    t, h = t + blocks[op.stage] * x.b_time, h + blocks[op.stage] * x.b_hidden
+            best = max(best, (t, h))
+        return best
 
     # ------------------------------------------------------------------ mixtures of experts
     def moe_share(self):
@@ -953,14 +1236,14 @@ class TransformerCostModel:
         :mod:`cost_models.memory`): the layer being recomputed (full: all its activations from
         the re-run forward to its backward; selective: its attention scores) and the staging
         buffers of one send and one receive (bsh d / t each)."""
-        m, tp, sp = self.model, self.parallel.tp, self.parallel.sequence_parallel
+        m, tp, sp = self.per_gpu_model, self.parallel.tp, self.parallel.sequence_parallel
         layer = 0.0
         if self.parallel.recompute != "none" and m.layers:
             moe, par = is_moe_block(m, m.layers - 1), self.parallel
             layer = block_activation_bytes(m, "none", self.uses_dropout, tp, sp, moe, par) - \
                 block_activation_bytes(m, par.recompute, self.uses_dropout, tp, sp, moe, par)
         buffers = 2 * self.moe_share().dispatch_bytes if m.is_moe and self.parallel.ep > 1 else 0.0
-        return layer + 2 * boundary_bytes(m) / tp + buffers
+        return layer + 2 * boundary_bytes(m) / tp + buffers + self._cp_transient()
 
     def bind(self, sched) -> StageCosts:
         """The costs of ``sched``, with their floor: every op's FLOPs at the device's peak
@@ -975,7 +1258,7 @@ class TransformerCostModel:
                           precision=self.resolved_precision(), recompute=self.parallel.recompute,
                           bytes_per_param=sum(self.static_split()), memory_capacity=self.device.memory_bytes,
                           tp=self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel,
-                          zero=self.parallel.zero,
+                          zero=self.parallel.zero, cp=self.parallel.cp,
                           memory_transient=self.transient_bytes())
         if self.parallel.zero >= 3:     # the weights gathered for the compute, held at the peak
             gathered = self.gathered_bytes(sched)

@@ -15,6 +15,12 @@ metrics; no per-op trace):
   nodes, 4 rail groups, so pipeline hops and ring hops cross the rail uplinks), through the typed
   job (:func:`sim.simulate_job`): aim <= 20x. The uplinks are non-blocking, so they never limit a
   rate and one replica is simulated (:mod:`sim.symmetry`);
+* a 16,384-GPU long-context job, Llama-3-405B at TP 8 x CP 16 x PP 16 x DP 8 on 131,072-token
+  sequences (interleaved, 2 chunks, N=16: Llama 3's 16 M tokens a step, full recompute) on
+  ``dgx-h100-ib:2048`` in Llama 3's rank order [TP, CP, PP, DP] (``sequential``: a pipeline device is
+  128 GPUs on 16 nodes, its K/V ring across them; the replicas alike, one simulated), through the
+  typed job: aim <= 20x. (On ``h100-pods:2048`` the data-parallel ring crosses the spine between
+  replicas 3 and 4 and 7 and 0, so four kinds of replica would be simulated.);
 * a 131,072-GPU job, the same at DP 1,024 on ``h100-pods:16384`` (pods of 1,024 nodes on a spine
   oversubscribed 7:1: every pipeline hop crosses it, alike for every replica): aim <= 50x.
 * a 2,048-GPU mixture of experts, DeepSeek-V3 as its report states the layout (DualPipe-V D=16
@@ -93,6 +99,22 @@ def tensor_parallel_case(R: int = 128, D: int = 16, N: int = 16, cluster: str = 
     from sim import simulate_job
     job = Job(layout=Layout(schedule="interleaved", devices=D, microbatches=N, replicas=R),
               parallel=Parallel(tp=8, recompute="full"), model="llama3-405b", cluster=f"{cluster}:{D * R}")
+    _, res = simulate_job(job, max_ops=None)
+    if res.simulated_replicas != 1:
+        raise RuntimeError(f"R={R}: replicas were not simulated as one ({res.full_reason})")
+    return res.metrics(), None
+
+
+def context_parallel_case(R: int = 8, D: int = 16, N: int = 16, C: int = 16, cluster: str = "dgx-h100-ib"):
+    """Llama-3-405B at TP 8 x CP C x PP D x DP R on 131,072-token sequences, interleaved (2 chunks), N
+    micro-batches, full recompute, in Llama 3's order [TP, CP, PP, DP] on ``cluster`` sized to 8 C D R
+    GPUs."""
+    from cost_models.job import Job, Layout
+    from cost_models.parallel import Parallel
+    from sim import simulate_job
+    job = Job(layout=Layout(schedule="interleaved", devices=D, microbatches=N, replicas=R),
+              parallel=Parallel(tp=8, cp=C, recompute="full", seq_len=131072), model="llama3-405b",
+              cluster=f"{cluster}:{C * D * R}", device_map="sequential")
     _, res = simulate_job(job, max_ops=None)
     if res.simulated_replicas != 1:
         raise RuntimeError(f"R={R}: replicas were not simulated as one ({res.full_reason})")
@@ -259,6 +281,8 @@ def main(argv=None) -> int:
               50.0),
              ("16,384 GPUs: T=8 D=16 R=128 N=16, llama3-405b, dgx-h100-ib:2048",
               tensor_parallel_case, "100k", 20.0),
+             ("16,384 GPUs: T=8 C=16 D=16 R=8 N=16, llama3-405b 131k tokens, dgx-h100-ib:2048", context_parallel_case,
+              "100k", 20.0),
              ("131,072 GPUs: T=8 D=16 R=1024 N=16, llama3-405b, h100-pods:16384", pods_case, "100k", 50.0),
              ("2,048 GPUs: deepseek-v3 dualpipe-v D=16 R=128 N=120, EP 64, F&B overlap, h800-ib:256", deepseek_case,
               "100k", 20.0)]

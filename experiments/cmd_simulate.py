@@ -17,6 +17,16 @@ def add_arguments(p):
     add_options(p, NAME)
 
 
+def cp_line(rec: dict, unit: str) -> str:
+    """The summary's line of context parallelism: the K/V exchange of a step on the busiest pipeline
+    device, and what of it hides behind the attention compute (the rest adds to F and B)."""
+    t, hidden = rec["cp_time"], rec["cp_hidden"]
+    share = f" ({hidden / t:.0%})" if t else ""
+    how = "a ring of P2P steps" if rec["cp_comm"] == "ring" else "all-gathers of K/V and reduce-scatters of dK/dV"
+    return (f"context parallel: C={rec['cp']}, {how}: {t:.6g} {unit} per device in the step, {hidden:.6g} {unit}"
+            f"{share} hidden behind the attention compute, {t - hidden:.6g} {unit} exposed")
+
+
 def main(args) -> int:
     check_all_replicas(args, args.plot)
     job = job_from_args(args, plan=check_plan_args(args))
@@ -37,6 +47,7 @@ def main(args) -> int:
         return 0
     unit, mem = rec["time_unit"], rec["memory_unit"]
     tp = f"T={rec['tp']} " if rec.get("tp", 1) > 1 else ""
+    tp += f"C={rec['cp']} " if rec.get("cp", 1) > 1 else ""
     print(f"{rec['schedule']}: {tp}D={rec['devices']} N={rec['microbatches']} R={rec['replicas']}  "
           f"iteration {rec['iteration_time']:.6g} {unit}  bubble {rec['bubble_ratio']:.4f}")
     print("\n".join(stated_lines(rec)))
@@ -45,12 +56,16 @@ def main(args) -> int:
         print("  replicas: " + ("identical, one simulated for all" if k == 1 else
                                 f"{'all' if k == R else f'{k} of'} {R} simulated ({rec.get('full_simulation')})"))
     for k, v in extra.items():
-        if not isinstance(v, (dict, list)) and not k.startswith("memory_") and v is not None and k not in STATED:
+        if not isinstance(v, (dict, list)) and not k.startswith(("memory_", "cp_")) and v is not None \
+                and k not in STATED:
             print(f"  {k}: {printable(v)}")
     if "a2a_time" in rec:
         print(f"  all-to-all: {rec['a2a_time']:.6g} {unit} per device in the step, {rec['a2a_hidden']:.6g} {unit} "
               f"({rec['a2a_hidden'] / rec['a2a_time']:.0%}) hidden behind the other op's compute in overlapped F&B "
               f"pairs")
+    if rec.get("cp", 1) > 1:
+        lines = wrap_cell(cp_line(rec, unit), WIDTH - 4)
+        print("\n".join(("  " if i == 0 else "    ") + ln for i, ln in enumerate(lines)))
     if "memory_verdict" in rec:
         lines = wrap_cell(f"memory: {rec['memory_verdict']}", WIDTH - 4)
         print("\n".join(("  " if i == 0 else "    ") + ln for i, ln in enumerate(lines)))

@@ -97,14 +97,17 @@ def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = Fal
     unit, mem = rows[0]["time_unit"], rows[0]["memory_unit"]
     shown_rows, shown = human_rows(rows, mem)
     tp = f"T={job.parallel.tp} " if job.parallel.tp > 1 else ""
+    tp += f"C={job.parallel.cp} ({job.parallel.cp_comm}) " if job.parallel.cp > 1 else ""
     print(f"{tp}D={lay.devices} N={lay.microbatches} R={lay.replicas}  {units_note(unit, mem, shown)}")
     print("\n".join(stated_lines(rows[0])))        # every schedule's job assumes the same
     cols = ["schedule", "iteration_time", "bubble_ratio", "peak_activation_max", "peak_memory_max"]
+    if any("cp_time" in r for r in rows):          # the K/V exchange of a step on the busiest device
+        cols += ["cp_time", "cp_hidden"]
     if any("out_of_memory" in r for r in rows):
         cols.append("out_of_memory")
     print(fmt_table(shown_rows, cols,
                     {"iteration_time": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation_max": "{:.6g}",
-                     "peak_memory_max": "{:.6g}"}))
+                     "peak_memory_max": "{:.6g}", "cp_time": "{:.6g}", "cp_hidden": "{:.6g}"}))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if plot:

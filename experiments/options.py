@@ -452,6 +452,9 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
              use("tp", AUTO, note=" (whole-layout search: auto = every divisor of the node size the model splits, "
                  "the default)"),
              use("devices", AUTO, note=" (whole-layout search: auto = every divisor, the default)"),
+             use("cp", AUTO, note=" (whole-layout search: auto = 1 and every power of two C that leaves each GPU at "
+                 "least 8,192 tokens, the default)"),
+             use("cp_comm", note=" (whole-layout search: every candidate's with C > 1; default ring)"),
              use("micro_batch", AUTO, extra_flags=("--micro-batches",),
                  note=" (whole-layout search; auto = 1,2,4,8, the default)"),
              use("recompute", AUTO, note=" (whole-layout search: auto = all three, the default; the DAPPLE search "

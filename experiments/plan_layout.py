@@ -4,7 +4,8 @@ grammar): ``--tp``, ``--devices`` (pipeline D), ``--micro-batch``, ``--recompute
 and for a mixture of experts ``--ep`` and ``--etp`` (``--overlap-fb``: the overlap searched on every
 schedule, not only dualpipe-v; the routing knobs, ``--expert-imbalance`` ..., are every candidate's).
 
-T x D x R, schedule family (chunks, variants), micro-batch, recompute, ZeRO-1 and sequence
+T x C x D x R (``--cp``: context parallelism, auto where a GPU keeps at least 8,192 tokens), schedule
+family (chunks, variants), micro-batch, recompute, ZeRO-1 and sequence
 parallelism for a transformer preset, YAML or config on a cluster, under each GPU's memory; the
 best ``--top`` K are simulated and printed (``--json``: their records), ``--out`` writes the best
 as a plan file for ``simulate --plan`` and ``run --plan``, ``--plot`` draws every simulated
@@ -20,7 +21,8 @@ from .tables import fmt_bytes, fmt_table, printable, wrap_cell
 # the options only the DAPPLE search takes (given, they choose it) and only the whole-layout search takes
 DAPPLE_ONLY = (("--profile", "profile"), ("--profile-batch", "profile_batch"), ("--uniform", "uniform"),
                ("--no-simulate", "no_simulate"), ("--no-baselines", "no_baselines"))
-LAYOUT_ONLY = (("--tp", "tp"), ("--devices", "devices"), ("--micro-batch", "micro_batch"),
+LAYOUT_ONLY = (("--tp", "tp"), ("--cp", "cp"), ("--cp-comm", "cp_comm"), ("--devices", "devices"),
+               ("--micro-batch", "micro_batch"),
                ("--device-map", "device_map"), ("--plot", "plot"), ("--seq-len", "seq_len"), ("--ep", "ep"),
                ("--etp", "etp"), ("--overlap-fb", "overlap_fb"), ("--expert-imbalance", "expert_imbalance"),
                ("--capacity-factor", "capacity_factor"), ("--fp8-dispatch", "fp8_dispatch"),
@@ -48,6 +50,7 @@ def space_from_args(args, cluster=None):
                        micro_batches=auto_values(args.micro_batch) or DEFAULT_MICRO_BATCHES,
                        recompute=auto_values(args.recompute) or RECOMPUTE, max_stages=args.max_stages, gpus=args.gpus,
                        device_maps=auto_values(args.device_map), ep=auto_values(args.ep), etp=etp,
+                       cp=auto_values(args.cp), cp_comm=args.cp_comm or "ring",
                        overlap_schedules=None if not args.overlap_fb else scheds or tuple(registry_names()),
                        knobs=knobs)
 
@@ -140,7 +143,7 @@ def _print_human(res, recs, stats, args, said: dict) -> None:
     print(printable(f"whole-layout plan for {m.name} on {cl.name} ({cl.num_devices:,} x {cl.device.name}), "
                     f"global batch {args.global_batch} x {m.seq_len} tokens; {fmt_bytes(res.usable)} usable per GPU"))
     print("\n".join(stated_lines(said)))
-    rows = [{"tp": r["tp"], "devices": r["devices"], "dp": r["dp"], "schedule": r["schedule"] +
+    rows = [{"tp": r["tp"], "cp": r["cp"], "devices": r["devices"], "dp": r["dp"], "schedule": r["schedule"] +
              (f"/{r['variant']}" if r["variant"] else ""), "chunks": r["chunks"], "micro_batch": r["micro_batch"],
              "recompute": r["recompute"], "zero": r["zero"], "sp": "yes" if r["sequence_parallel"] else "no",
              "ep": r["ep"], "etp": r["etp"], "overlap": "yes" if r["overlap_fb"] else "no",
@@ -148,7 +151,8 @@ def _print_human(res, recs, stats, args, said: dict) -> None:
              "mem_GiB": r["peak_memory"] / 2**30, "bubble": r["bubble_ratio"]} for r in recs]
     experts = (["ep"] + (["etp"] if any(r["etp"] != 1 for r in recs) else []) + ["overlap"]) if m.is_moe else []
     maps = ["map"] if len(res_maps(args)) > 1 or (m.is_moe and len({r["device_map"] for r in recs}) > 1) else []
-    cols = COLUMNS[:9] + experts + maps + COLUMNS[9:]
+    cols = COLUMNS[:1] + (["cp"] if any(r["cp"] > 1 for r in recs) else []) + COLUMNS[1:9] + experts + maps + \
+        COLUMNS[9:]
     print(fmt_table(rows, cols, {"step_s": "{:.4g}", "tokens/s": "{:,.0f}", "mfu": "{:.1%}",
                                     "mem_GiB": "{:.1f}", "bubble": "{:.3f}"}))
     for line in wrap_cell(f"best: {recs[0]['memory_verdict']}", 116):

@@ -1,4 +1,4 @@
-"""The whole-layout planner: T x D x R, schedule family, micro-batch, recompute, ZeRO-1 and sequence
+"""The whole-layout planner: T x C x D x R, schedule family, micro-batch, recompute, ZeRO-1 and sequence
 parallelism for a transformer on a cluster, and for a mixture of experts its expert-parallel EP
 (and ETP) and the forward/backward overlap, the fastest that fits each GPU's memory.
 
@@ -21,6 +21,14 @@ by bounds that never exceed the truth:
   the stages each holds (a device runs the forwards of micro-batch 0 through all its stages before
   any of their backwards, which need the whole pipeline's forward), the whole model's / D, plus
   the transients every verdict counts; above the usable memory no schedule of that layout fits.
+
+Context parallelism (C GPUs split each sequence, :func:`cost_models.transformer.context_parallel_layers`):
+a pipeline device is T x C GPUs placed whole (T x C divides a node or is a multiple of it that
+divides the nodes), so the GPUs used are T x C x D x R; by default C is 1 and every power of two
+that leaves each GPU at least :data:`MIN_CP_TOKENS` (8,192) tokens (:func:`context_parallel_sizes`:
+none at 8,192 tokens, so a short-sequence search is the same as before; 2 .. 16 at 131,072), each
+candidate's K/V exchange ``cp_comm``. The bounds read the cost model's per-layer costs, the
+exchange's exposed time and the gradient reduction over the CP group included.
 
 Candidates are taken in order of their time bound; one whose memory bound is over is skipped,
 the others are bound (schedule built, costs) and judged by the ledger
@@ -62,6 +70,7 @@ from schedules import registry
 from schedules.ir import COMPUTE_KINDS, ScheduleError
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+MIN_CP_TOKENS = 8192      # auto context parallelism: C > 1 only where each GPU keeps at least this many tokens
 DEFAULT_CHUNKS = (2, 4)
 EXCLUDED_BY_DEFAULT = ("zb-auto",)    # orders its ops under a limit from its own costs: give it with --schedules
 PAIRED_FAMILIES = ("dualpipe-v",)     # families whose schedule places overlapped F and B pairs itself
@@ -84,7 +93,10 @@ class LayoutSpace:
     ranks are placed (default ``sequential``: Llama 3's order [TP, PP, DP], a tensor-parallel group
     on consecutive GPUs of a node, a pipeline on consecutive groups; its replicas are alike, so the
     simulator runs one for all, where Megatron's [TP, DP, PP] on a rail fabric tells up to 32 kinds
-    apart; None: ``sequential``, and Megatron's for EP > 1).
+    apart; None: ``sequential``, and Megatron's for EP > 1). ``cp``: context-parallel sizes C (None:
+    :func:`context_parallel_sizes`, 1 and every C that keeps at least :data:`MIN_CP_TOKENS` tokens
+    a GPU), each candidate's K/V exchange ``cp_comm``; a pipeline device is then T x C GPUs (T
+    fastest), placed whole: T x C divides a node or is a multiple of it.
 
     Mixtures of experts (ignored for a dense model): ``ep`` (None: every divisor of the experts
     that :func:`cost_models.moe.check_expert_parallel` folds onto the layout's T x R), ``etp``;
@@ -104,6 +116,8 @@ class LayoutSpace:
     devices: tuple[int, ...] | None = None
     gpus: int | None = None
     device_maps: tuple[str, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    cp_comm: str = "ring"
     ep: tuple[int, ...] | None = None
     etp: tuple[int, ...] = (1,)
     overlap_fb: tuple[bool, ...] = (False, True)
@@ -114,7 +128,10 @@ class LayoutSpace:
         for r in self.recompute:
             if r not in RECOMPUTE:
                 raise ValueError(f"--recompute must be among {', '.join(RECOMPUTE)}; got {r!r}")
-        for name, values in (("--tp", self.tp or ()), ("--devices", self.devices or ()),
+        from cost_models.parallel import CP_COMMS
+        if self.cp_comm not in CP_COMMS:
+            raise ValueError(f"--cp-comm must be one of {', '.join(CP_COMMS)}; got {self.cp_comm!r}")
+        for name, values in (("--tp", self.tp or ()), ("--devices", self.devices or ()), ("--cp", self.cp or ()),
                              ("--micro-batch", self.micro_batches),
                              ("--chunks", self.chunks), ("--ep", self.ep or ()), ("--etp", self.etp)):
             for v in values:
@@ -177,12 +194,13 @@ class Confirmed:
     memory_need: float = 0.0
 
     def record(self, global_batch: int, model: ModelSpec, peak_flops: float) -> dict:
-        """The JSON record of ``pipetwin plan --tp``: tp, devices, dp, schedule, chunks, variant,
+        """The JSON record of ``pipetwin plan --tp``: tp, cp, cp_comm, devices, dp, schedule, chunks, variant,
         micro_batch, microbatches, recompute, zero, sequence_parallel, ep, etp, overlap_fb, iteration_time,
         tokens_per_s, mfu (:func:`layout_mfu`), peak_memory (bytes: the worst GPU's static +
         activations), memory_need (with the transients), bubble_ratio, time_bound, memory_verdict."""
         lay, j, par = self.job.layout, self.job, self.job.parallel
-        return {"tp": par.tp, "devices": lay.devices, "dp": lay.replicas, "gpus": j.gpus,
+        return {"tp": par.tp, "cp": par.cp, "cp_comm": par.cp_comm, "devices": lay.devices, "dp": lay.replicas,
+                "gpus": j.gpus,
                 "schedule": lay.schedule, "chunks": lay.chunks if registry.get(lay.schedule).takes_chunks else 1,
                 "variant": lay.variant, "micro_batch": par.micro_batch, "microbatches": lay.microbatches,
                 "recompute": par.recompute, "zero": par.zero, "sequence_parallel": par.sequence_parallel,
@@ -258,6 +276,33 @@ def tensor_parallel_sizes(model: ModelSpec, cluster: Cluster, asked: tuple[int, 
     return sorted(set(asked))
 
 
+def context_parallel_sizes(model: ModelSpec, cluster: Cluster, asked: tuple[int, ...] | None) -> list[int]:
+    """C values: ``asked`` (each checked by :meth:`ModelSpec.check_context_parallel`: one line if
+    the model cannot take it), else 1 and, for a dense model, every power of two C that splits the
+    sequence into 2C chunks while each GPU keeps at least :data:`MIN_CP_TOKENS` tokens (Llama 3:
+    131,072 / 16 = 8,192) and whose groups fit the cluster (C x 1 GPUs divide a node, or C is a multiple of
+    it: :func:`_places`); a sequence of 8,192 tokens or fewer adds no C."""
+    if asked is not None:
+        for c in asked:
+            model.check_context_parallel(c)
+        return sorted(set(asked))
+    out = [1]
+    if model.is_moe or model.is_mla:
+        return out
+    c = 2
+    while model.seq_len % (2 * c) == 0 and model.seq_len // c >= MIN_CP_TOKENS and c <= cluster.num_devices:
+        out.append(c)
+        c *= 2
+    return out
+
+
+def _places(cluster: Cluster, g: int) -> bool:
+    """Whether a pipeline device of g GPUs sits whole on the cluster's nodes: g divides a node, or is
+    a multiple of it that divides the nodes (:func:`cost_models.cluster.tensor_parallel_groups`)."""
+    dpn = cluster.devices_per_node
+    return dpn % g == 0 if g <= dpn else g % dpn == 0 and cluster.nodes % (g // dpn) == 0
+
+
 def node_divisors(cluster: Cluster) -> list[int]:
     """Every divisor of the cluster's node size (the group sizes that stay inside a node)."""
     return _divisors(cluster.devices_per_node)
@@ -291,18 +336,22 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
     gpus = check_gpus(cluster, space.gpus)
     choice = cluster_choice or ClusterChoice(name=cluster.name)
     tps = tensor_parallel_sizes(model, cluster, space.tp)
+    cps = context_parallel_sizes(model, cluster, space.cp)
     most = min(model.layers, space.max_stages or model.layers, registry.MAX_RANKS)
     experts = _ExpertAxes(model, space)
     out = []
-    for tp in tps:
-        if gpus % tp:
-            continue
-        for D in _divisors(gpus // tp):
+    pairs = [(tp, cp) for tp in tps for cp in cps if gpus % (tp * cp) == 0 and _places(cluster, tp * cp)]
+    for c in space.cp or ():
+        if not any(cp == c for _, cp in pairs):
+            raise ValueError(f"--cp {c} fits no layout: T x {c} GPUs must divide the {gpus:,} GPUs and a node of "
+                             f"{cluster.devices_per_node} (or be a multiple of it) for some --tp")
+    for tp, cp in pairs:
+        for D in _divisors(gpus // (tp * cp)):
             if D > most:
                 break
             if space.devices is not None and D not in space.devices:
                 continue
-            R = gpus // (tp * D)
+            R = gpus // (tp * cp * D)
             for mb in space.micro_batches:
                 if global_batch % (R * mb):
                     continue
@@ -318,9 +367,11 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                             for rc, zero, sp in itertools.product(
                                     space.recompute, space.zero if R > 1 else (0,),
                                     space.sequence_parallel if tp > 1 else (False,)):
+                                if sp and cp > 1 and (model.seq_len // cp) % tp:
+                                    continue
                                 overlap = "only" if variant in fam.overlap_variants else \
                                     "both" if space.overlaps(name) else "off"
-                                for par in experts.records(tp, R, mb, rc, zero, sp, overlap):
+                                for par in experts.records(tp, R, mb, rc, zero, sp, overlap, cp):
                                     for dmap in _distinct_maps(space.maps(par.ep), D, R):
                                         out.append(Job(layout=lay, model=model, cluster=choice, parallel=par,
                                                        cost_model=cost_model, memory_reserve=memory_reserve,
@@ -349,7 +400,8 @@ class _ExpertAxes:
         self._why: dict = {}
         self._used: set = set()
 
-    def records(self, tp: int, R: int, mb: int, rc: str, zero: int, sp: bool, overlap: str) -> list[Parallel]:
+    def records(self, tp: int, R: int, mb: int, rc: str, zero: int, sp: bool, overlap: str,
+                cp: int = 1) -> list[Parallel]:
         """``overlap``: "off" (overlap_fb False), "both" (the space's values where EP > 1), "only"
         (a variant that pays only overlapped: True, where EP > 1)."""
         out = []
@@ -360,7 +412,8 @@ class _ExpertAxes:
                 ofbs = self.space.overlap_fb if overlap == "both" and ep > 1 else (False,)
             for ofb in ofbs:
                 par = Parallel(tp=tp, micro_batch=mb, recompute=rc, zero=zero, sequence_parallel=sp, ep=ep, etp=etp,
-                               overlap_fb=ofb, **(self.fixed if self.model.is_moe else {}))
+                               overlap_fb=ofb, cp=cp, cp_comm=self.space.cp_comm if cp > 1 else "ring",
+                               **(self.fixed if self.model.is_moe else {}))
                 if self._fits(par, R):
                     out.append(par)
         return out
@@ -427,7 +480,8 @@ class _Bounds:
     def time(self, job: Job) -> float:
         lay, par = job.layout, job.parallel
         hidden = may_overlap(job)
-        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.ep, par.etp, hidden)
+        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.ep, par.etp, hidden, par.cp,
+               par.cp_comm)
         if key not in self._work:
             c, a2a = self._layer_costs(job, hidden)
             work = sum(c.f) + sum(c.b_input) + sum(c.w)
@@ -439,7 +493,7 @@ class _Bounds:
         """Seconds of the optimizer steps of every layer (with a mixture of experts' EDP all-reduce):
         each rank's OPTIM runs after its last compute op."""
         par = job.parallel
-        key = (par.tp, par.ep, par.etp, par.zero, job.layout.replicas)
+        key = (par.tp, par.ep, par.etp, par.zero, job.layout.replicas, par.cp)
         if key not in self._optim:
             c = transformer_cost_model(job, self.inputs(job).model, self.cluster).layer_costs()
             self._optim[key] = c.optim_total()
@@ -558,7 +612,8 @@ class _Bounds:
 
     def memory(self, job: Job) -> float:
         lay, par = job.layout, job.parallel
-        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas, par.ep, par.etp)
+        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas, par.ep, par.etp,
+               par.cp, par.cp_comm)
         if key not in self._mem:
             tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
             c = tcm.layer_costs()       # a mixture of experts' held and sharded as the cost model holds them
@@ -603,7 +658,7 @@ def _order(job: Job) -> tuple:
     lay, par = job.layout, job.parallel
     return (par.tp, lay.devices, lay.schedule, lay.variant or "", lay.chunks, par.micro_batch,
             RECOMPUTE.index(par.recompute), par.zero, par.sequence_parallel, job.mapping, par.ep, par.etp,
-            par.overlap_fb)
+            par.overlap_fb, par.cp)
 
 
 def confirm(job: Job, inputs: CostInputs, capacity: float, reserve: float | None, time_bound: float = 0.0,

@@ -27,3 +27,28 @@ def test_a_figure_under_a_file_is_refused_before_any_case(tmp_path, capsys):
     assert bench_sim.main(["--figure", str(f / "b.png"), "--no-planner"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a file" in err[0]
+
+
+def test_context_parallel_case_is_llama3s_long_context_layout_within_its_aim():
+    """The 16,384-GPU long-context case: Llama-3-405B at TP 8 x CP 16 x PP 16 x DP 8 on 131,072-token
+    sequences in Llama 3's order, one replica simulated for all, the same iteration as ``pipetwin
+    simulate`` of the same options, and within its aim of 20x a bare SimPy loop of 100k timeouts (best
+    of two each; the case takes about 1x on this host)."""
+    import time
+
+    from cost_models.job import Job
+    from sim import simulate_job
+
+    job = Job.of(schedule="interleaved", devices=16, microbatches=16, replicas=8, tp=8, cp=16, recompute="full",
+                 seq_len=131072, model="llama3-405b", cluster="dgx-h100-ib:2048", device_map="sequential")
+    assert job.gpus == 16384
+    bound, res = simulate_job(job)
+    assert res.simulated_replicas == 1 and bound.report["gpus"] == 16384 and bound.report["cp"] == 16
+    runs, loops = [], []
+    for _ in range(2):
+        loops.append(bench_sim.bare_loop([100_000]))
+        t = time.perf_counter()
+        metrics, _ = bench_sim.context_parallel_case()
+        runs.append(time.perf_counter() - t)
+    assert metrics.iteration_time == res.iteration_time
+    assert min(runs) / min(loops) <= 20.0, (runs, loops)
