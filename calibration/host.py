@@ -163,6 +163,7 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
     ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`). ``dtype``
     the precision of the runs to be predicted (fp32 | bf16; a model file: fp32)."""
     precision = Precision(dtype)
+    precision.check_run("cpu")          # fp8 needs a GPU with fp8: refused in one line
     stack_ref = model if is_model_ref(model) else None
     if stack_ref is None:
         spec = load_model(model)

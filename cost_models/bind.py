@@ -36,6 +36,7 @@ from .base import PerLayerCostModel, StageCosts, UnitCostModel
 from .profile import CalibrationProfile, load_profile, scaled_layer_costs
 from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
+from .fp8 import precision_label
 from .kernels import COST_MODELS, check_priced, unpriced
 from .model_spec import ModelSpec, load_model
 from .hf_config import config_notes, is_hf_config
@@ -294,14 +295,16 @@ def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
     profile on its own host."""
     if inputs.kind == "transformer":      # none of these depends on the layout (a sweep's grid varies it)
         dev, model = inputs.cluster.device, job.parallel.sized(inputs.model)
-        tcm = TransformerCostModel(model, dev, parallel=Parallel(precision=job.parallel.precision),
-                                   compute=cost_model_for(job.cost_model, dev, False, model, job.parallel.cp))
+        tcm = TransformerCostModel(model, dev, parallel=Parallel(precision=job.parallel.precision,
+                                                                 fp8_recipe=job.parallel.fp8_recipe),
+                                   compute=cost_model_for(job.cost_model, dev, False, model,
+                                                          job.parallel.cp))
         return _stated(job, model, dev, tcm, model_ref)
     return {"device_fitted": inputs.cluster.device.provenance()} if inputs.cluster is not None else {}
 
 
 def _stated(job: Job, model: ModelSpec, device, tcm: TransformerCostModel, model_ref=None) -> dict:
-    return stated_fields(model, device, tcm.compute, tcm.resolved_precision(),
+    return stated_fields(model, device, tcm.compute, precision_label(tcm.resolved_precision(), tcm.fp8_recipe()),
                          job.model if model_ref is None else model_ref, job.parallel.seq_len, job.parallel.precision)
 
 

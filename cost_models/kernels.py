@@ -71,6 +71,12 @@ read and written in fp32), the bias and LayerNorm-parameter gradients are reduce
 four weight-gradient GEMMs alone, what Zero Bubble's W pass defers. Megatron-LM's code before that
 fusion, at its default settings (``grad_accumulation="autograd"``), let autograd add each GEMM's
 16-bit gradient into the parameter's 16-bit ``.grad`` (3 x 2 bytes per parameter, in W).
+
+**fp8** (``precision="fp8"``, :mod:`cost_models.fp8`): a block's linear layers run their three GEMMs
+on 1-byte operands (a 16-bit result) at the device's fp8 peak (``Kernel.fp8``,
+``DeviceRates.peak_fp8``), each after a memory-bound quantize kernel (its input in F, its output
+gradient in B; bytes by the scaling recipe, :func:`cost_models.fp8.quantize_bytes`); the attention
+core, the norms, the embedding and the head stay at the 16-bit peak.
 """
 from __future__ import annotations
 
@@ -80,6 +86,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ._spec import SpecError
+from .fp8 import DEFAULT_RECIPE, check_recipe, linear_cast_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .device import DeviceSpec
@@ -174,6 +181,7 @@ class Kernel:
     gemm: tuple[int, int, int, int] | None = None
     flops: float = 0.0          # fused attention: FLOPs priced at the GEMM efficiency of its tiles
     modules: int = 0
+    fp8: bool = False           # a GEMM of fp8 operands, at the device's fp8 peak (DeviceRates.peak_fp8)
 
 
 def gemm(name: str, phase: str, m: int, n: int, k: int, dtype_bytes: int, batch: int = 1, modules: int = 0) -> Kernel:
@@ -181,6 +189,12 @@ def gemm(name: str, phase: str, m: int, n: int, k: int, dtype_bytes: int, batch:
     m, n, k, batch = int(m), int(n), int(k), int(batch)
     return Kernel(name, phase, float(dtype_bytes * batch * (m * k + k * n + m * n)), (batch, m, n, k),
                   modules=modules)
+
+
+def gemm_fp8(name: str, phase: str, m: int, n: int, k: int, out_bytes: int, modules: int = 0) -> Kernel:
+    """An fp8 GEMM ``[m x k] x [k x n]``: 1-byte operands, an ``out_bytes`` result, at the fp8 peak."""
+    m, n, k = int(m), int(n), int(k)
+    return Kernel(name, phase, float(m * k + k * n + out_bytes * m * n), (1, m, n, k), modules=modules, fp8=True)
 
 
 def memory(name: str, phase: str, nbytes: float, modules: int = 0) -> Kernel:
@@ -250,7 +264,8 @@ def gemm_time(c: GpuConstants, peak: float, bandwidth: float, batch: int, m: int
 
 
 def kernel_time(k: Kernel, c: GpuConstants, peak: float, bandwidth: float) -> float:
-    """GPU seconds of one kernel: latency + max(compute, memory) for GEMMs, latency + bytes / BW else."""
+    """GPU seconds of one kernel: latency + max(compute, memory) for GEMMs, latency + bytes / BW else
+    (``peak``: the kernel's own, :meth:`DeviceRates.times`)."""
     if k.gemm is not None:
         t, _ = gemm_time(c, peak, bandwidth, *k.gemm, k.bytes, k.flops or None)
         return c.kernel_latency + t
@@ -278,11 +293,14 @@ def stream_time(gpu_times: Sequence[float], host_times: Sequence[float], repeats
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """What the timing needs from a device: kernel constants, peak FLOP/s at the precision, bandwidth."""
+    """What the timing needs from a device: kernel constants, peak FLOP/s at the precision, bandwidth.
+    At ``fp8`` the GEMMs of fp8 operands (``Kernel.fp8``: the linear layers) run at ``peak_fp8`` and
+    every other GEMM (the attention core, the head) at ``peak``, the device's 16-bit peak."""
 
     constants: GpuConstants
     peak: float
     bandwidth: float
+    peak_fp8: float | None = None
 
     @staticmethod
     def of(device: "DeviceSpec", precision: str, constants: GpuConstants | None = None) -> "DeviceRates":
@@ -292,10 +310,20 @@ class DeviceRates:
                             f"them to its YAML (see cost_models/kernels.py) or use --cost-model linear")
         if not device.memory_bandwidth:
             raise SpecError(f"device {device.name!r} needs 'memory_bandwidth' for the kernel cost model")
+        if precision == "fp8":      # the 8-bit GEMMs at the fp8 peak, the rest in 16 bits
+            sixteen = "bf16" if device.has("bf16") else "fp16"
+            return DeviceRates(c, device.peak(sixteen), device.memory_bandwidth, device.peak("fp8"))
         return DeviceRates(c, device.peak(precision), device.memory_bandwidth)
 
+    def peak_of(self, k: Kernel) -> float:
+        if k.fp8:
+            if self.peak_fp8 is None:
+                raise SpecError(f"kernel {k.name!r} is an fp8 GEMM; these rates have no fp8 peak (precision fp8)")
+            return self.peak_fp8
+        return self.peak
+
     def times(self, kernels: Iterable[Kernel]) -> list[float]:
-        return [kernel_time(k, self.constants, self.peak, self.bandwidth) for k in kernels]
+        return [kernel_time(k, self.constants, self.peak_of(k), self.bandwidth) for k in kernels]
 
     def host_times(self, kernels: Iterable[Kernel]) -> list[float]:
         """Host seconds to issue each kernel: dispatch (per phase) + module calls (forward)."""
@@ -340,8 +368,11 @@ class BlockShape:
     tp: int = 1
     sp: bool = False
     grad_accumulation: str = "fused"
+    fp8: str | None = None          # the linear layers' GEMMs in fp8 with this scaling recipe (cost_models.fp8)
 
     def __post_init__(self):
+        if self.fp8 is not None:
+            check_recipe(self.fp8)
         fam = FAMILIES.get(self.arch)
         if fam is None:
             raise SpecError(f"unknown block arch {self.arch!r}; choose one of {', '.join(FAMILIES)}")
@@ -390,16 +421,24 @@ def _norm(name, phase, kind, n, d, T):
             memory(f"{name}.dgb.sum", "W", small)]
 
 
-def _linear(name, T, n_out, n_in, d, bias, input_grad=True, megatron=False, fused_accum=False):
+def _linear(name, T, n_out, n_in, d, bias, input_grad=True, megatron=False, fused_accum=False, fp8=None):
     """(forward kernels, backward kernels) of a linear layer over T rows. ``megatron``: the bias
     gradient is reduced in B (Megatron-LM's W is the weight-gradient GEMM alone, what Zero Bubble's
     W pass defers); ``fused_accum`` (its gradient-accumulation fusion): that GEMM adds into the fp32
-    main gradient (its result read and written in fp32)."""
-    fwd = [gemm(name, "F", T, n_out, n_in, d, modules=1)]
+    main gradient (its result read and written in fp32). ``fp8`` (a recipe of :mod:`cost_models.fp8`):
+    the three GEMMs take fp8 operands at the fp8 peak, after a quantize kernel of the input in F and
+    of the output gradient in B (:func:`cost_models.fp8.linear_cast_bytes`; the weight's cast is
+    per step, in the optimizer's pass)."""
+    mm = gemm if fp8 is None else gemm_fp8      # the 16-bit GEMM's dtype_bytes is the fp8 one's result bytes
+    fwd = [mm(name, "F", T, n_out, n_in, d, modules=1)]
     bwd = []
+    if fp8 is not None:
+        cast_f, cast_b = linear_cast_bytes(T, n_out, n_in, fp8, d)
+        fwd.insert(0, memory(f"{name}.quantize", "F", cast_f))
+        bwd.append(memory(f"{name}.dy.quantize", "B", cast_b))
     if input_grad:
-        bwd.append(gemm(f"{name}.dx", "B", T, n_in, n_out, d))
-    dw = gemm(f"{name}.dw", "W", n_out, n_in, T, d)
+        bwd.append(mm(f"{name}.dx", "B", T, n_in, n_out, d))
+    dw = mm(f"{name}.dw", "W", n_out, n_in, T, d)
     if fused_accum:     # the fp32 result read and written instead of a 16-bit one written
         dw = replace(dw, bytes=dw.bytes + (8 - d) * n_out * n_in)
     bwd.append(dw)
@@ -442,7 +481,7 @@ class _Block:
     def linear(self, name, n_out, n_in, dx=True):
         fam, sh = self.fam, self.sh
         fw, bw = _linear(name, self.T, n_out, n_in, sh.dtype_bytes, fam.bias, dx, fam.megatron,
-                         fam.megatron and sh.grad_accumulation == "fused")
+                         fam.megatron and sh.grad_accumulation == "fused", sh.fp8)
         self.step(fw, bw)
         self.params.extend([n_out * n_in] + ([n_out] if fam.bias else []))
 
@@ -749,16 +788,17 @@ def check_priced(spec: "ModelSpec") -> None:
 
 
 def block_shape(spec: "ModelSpec", dropout: bool = True, arch: str | None = None, tp: int = 1,
-                sp: bool = False, attention: str | None = None, grad_accumulation: str = "fused") -> BlockShape:
+                sp: bool = False, attention: str | None = None, grad_accumulation: str = "fused",
+                fp8: str | None = None) -> BlockShape:
     """The block of a model spec: ``bert`` for kind bert, ``gpt`` (Megatron-LM's layer) for gpt,
     ``llama`` for llama; its attention the model's unless given (a block :func:`unpriced` names
-    is refused)."""
+    is refused); ``fp8``: its linear layers in fp8 with that recipe."""
     check_priced(spec)
     arch = arch or ("bert" if spec.kind == "bert" else "llama" if spec.kind == "llama" else "gpt")
     extra = {} if arch not in TP_ARCHS else dict(kv_heads=None if spec.kv == spec.heads else spec.kv,
                                                  attention=attention or spec.attention_kind)
     return BlockShape(arch, spec.hidden, spec.heads, spec.seq_len, spec.ffn, spec.dtype_bytes,
-                      spec.micro_batch, dropout, tp=tp, sp=sp, grad_accumulation=grad_accumulation, **extra)
+                      spec.micro_batch, dropout, tp=tp, sp=sp, grad_accumulation=grad_accumulation, fp8=fp8, **extra)
 
 
 def embedding_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kernel]:
@@ -795,12 +835,16 @@ def head_kernels(spec: "ModelSpec", tp: int = 1, sp: bool = False) -> list[Kerne
 
 def transformer_layer_times(spec: "ModelSpec", device: "DeviceSpec", precision: str, recompute: str = "none",
                             dropout: bool = True, constants: GpuConstants | None = None, tp: int = 1,
-                            sp: bool = False, grad_accumulation: str = "fused") -> list[tuple[float, float, float]]:
+                            sp: bool = False, grad_accumulation: str = "fused",
+                            fp8_recipe: str | None = None) -> list[tuple[float, float, float]]:
     """(F, B, W) seconds of every layer of the stack [embedding, blocks, head] for one micro-batch
     of ``spec.micro_batch`` sequences on one of ``tp`` GPUs, each phase a long-run kernel stream
-    (see :func:`stream_time`); the tensor-parallel collectives are not in them."""
+    (see :func:`stream_time`); the tensor-parallel collectives are not in them. At ``precision``
+    fp8 the blocks' linear layers run in fp8 with ``fp8_recipe`` (None: the default,
+    :data:`cost_models.fp8.DEFAULT_RECIPE`), the embedding, the head and the attention core in 16 bits."""
     rates = DeviceRates.of(device, precision, constants)
-    shape = block_shape(spec, dropout, tp=tp, sp=sp, grad_accumulation=grad_accumulation)
+    fp8 = (fp8_recipe or DEFAULT_RECIPE) if precision == "fp8" else None
+    shape = block_shape(spec, dropout, tp=tp, sp=sp, grad_accumulation=grad_accumulation, fp8=fp8)
     block = rates.phases(block_kernels(shape, recompute=recompute))
     return [rates.phases(embedding_kernels(spec, tp, sp)), *([block] * spec.layers),
             rates.phases(head_kernels(spec, tp, sp))]

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, fields
 
 from .device import PRECISIONS      # the GEMMs' number format: a device's peak_flops keys
+from .fp8 import DEFAULT_RECIPE, check_recipe
 
 RECOMPUTE = ("none", "selective", "full")    # activation recomputation of the transformer blocks
 ZERO_STAGES = (0, 1, 2, 3)   # sharded over the replicas: 1 the optimizer state, 2 + gradients, 3 + weights (FSDP)
@@ -67,7 +68,10 @@ class Parallel:
 
     ``precision``: the GEMMs' format (None: the model's, bf16 for a 16-bit model where the device has
     it); fp8 runs the linear layers at the device's fp8 peak and the attention core in 16 bits
-    (weights, gradients, optimizer state and activations are counted as in 16 bits)."""
+    (weights, gradients, optimizer state and activations are counted as in 16 bits, plus the fp8
+    copies of the linear layers' weights; :mod:`cost_models.fp8`). ``fp8_recipe``: how fp8 casts
+    are scaled (delayed | tensorwise | blockwise; None: delayed, Transformer Engine's default);
+    ``fp8_gather``: ZeRO-3's weight all-gathers carry fp8 (1 byte per parameter)."""
 
     tp: int = 1
     sequence_parallel: bool = False
@@ -90,6 +94,8 @@ class Parallel:
     overlap_fb: bool = False
     overlap_sm_share: float = 20 / 132
     precision: str | None = None
+    fp8_recipe: str | None = None
+    fp8_gather: bool = False
     expert_load: tuple[float, ...] | None = None
 
     def __post_init__(self):
@@ -147,9 +153,22 @@ class Parallel:
             object.__setattr__(self, "expert_load", tuple(float(v) for v in load))
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.fp8_recipe is not None:
+            check_recipe(self.fp8_recipe)
+            if self.precision != "fp8":
+                raise ValueError("--fp8-recipe sets how fp8 casts are scaled; give --precision fp8")
+        if not isinstance(self.fp8_gather, bool):
+            raise ValueError(f"--fp8-gather is a switch (true or false); got {self.fp8_gather!r}")
+        if self.fp8_gather and (self.precision != "fp8" or self.zero != 3):
+            raise ValueError("--fp8-gather all-gathers ZeRO-3's weights in fp8; give --precision fp8 and --zero 3")
         v = self.overlap_sm_share
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1):
             raise ValueError(f"--overlap-sm-share must be a share of the GPU in [0, 1); got {v!r}")
+
+    @property
+    def recipe(self) -> str | None:
+        """The fp8 scaling recipe in force (None: not fp8; :data:`cost_models.fp8.FP8_RECIPES`)."""
+        return (self.fp8_recipe or DEFAULT_RECIPE) if self.precision == "fp8" else None
 
     def sized(self, model):
         """``model`` (a :class:`cost_models.model_spec.ModelSpec`) at this record's micro-batch and

@@ -92,6 +92,7 @@ from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, held_stag
 from .cluster import Cluster, tensor_parallel_groups
 from .comm import allreduce_time, step_time
 from .device import DeviceSpec
+from .fp8 import DEFAULT_RECIPE, WEIGHT_COPY_BYTES, amax_bytes, amax_reductions, linear_cast_bytes
 from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, check_priced, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
@@ -768,6 +769,41 @@ class TransformerCostModel:
         return (tuple(x + extra if blk else x for x, blk in zip(f, blocks)),
                 tuple(x + (2 + again) * extra if blk else x for x, blk in zip(b_in, blocks)))
 
+    def fp8_recipe(self) -> str | None:
+        """The fp8 scaling recipe in force (None: not fp8)."""
+        return (self.parallel.fp8_recipe or DEFAULT_RECIPE) if self.resolved_precision() == "fp8" else None
+
+    def _fp8_overheads(self, L: list[Layer], f, b_in, w, rate: float | None):
+        """What fp8 adds (:mod:`cost_models.fp8`): for the linear model (``rate``: its fp8 FLOP/s; the
+        kernel model prices these as kernels) the output head back at the 16-bit rate (it is no
+        Transformer Engine layer) and each block's quantize kernels' bytes at the memory
+        bandwidth, the input casts in F and the output-gradient casts in B (the forward's again in
+        B under full recomputation); for both, the recipe's amax all-reduces on the
+        tensor-parallel group."""
+        m, par, recipe = self.model, self.parallel, self.fp8_recipe()
+        tp, d = par.tp, m.dtype_bytes
+        rows = m.micro_batch * m.seq_len
+        linears = [(_qkv_width(m) // tp, m.hidden), (m.hidden, m.heads * m.v_head_dim // tp)] + \
+            [(m.ffn * (2 if m.kind == "llama" else 1) // tp, m.hidden), (m.hidden, m.ffn // tp)]
+        cf = cb = 0.0
+        if rate is not None:
+            slow = 1 / self.device.achievable_flops("bf16" if self.device.has("bf16") else "fp16") - 1 / rate
+            head = L[-1]
+            f, b_in, w = (tuple(x[:-1]) + (x[-1] + fl * slow,) for x, fl in
+                          ((f, head.flops_f), (b_in, head.flops_b_input + head.flops_recompute), (w, head.flops_w)))
+        if rate is not None and self.device.memory_bandwidth:
+            for n_out, n_in in linears:
+                x, g = linear_cast_bytes(rows, n_out, n_in, recipe, d)
+                cf, cb = cf + x / self.device.memory_bandwidth, cb + g / self.device.memory_bandwidth
+            cb += cf if par.recompute == "full" else 0.0
+        nf, nb = amax_reductions(recipe, tp, par.sequence_parallel)
+        if nf or nb:
+            one = self.tp_group.time("all-reduce", amax_bytes(len(linears)))
+            cf, cb = cf + nf * one, cb + nb * one
+        blocks = [l.kind == "block" for l in L]
+        return (tuple(x + cf if blk else x for x, blk in zip(f, blocks)),
+                tuple(x + cb if blk else x for x, blk in zip(b_in, blocks)), w)
+
     def flop_rate(self) -> float:
         """Achievable FLOP/s: the device's peak at the precision times its efficiency."""
         return self.device.achievable_flops(self.resolved_precision())
@@ -803,10 +839,17 @@ class TransformerCostModel:
         :meth:`gathered_bytes`)."""
         w, g, o = self.bytes_split()
         shard = self._zero_shard(group)
+        fp8 = self._fp8_weight_copies()     # whole on every GPU (an upper bound under ZeRO-3 too)
         if shard == 1:
-            return w, g, o
+            return w + fp8, g, o
         zero = self.parallel.zero
-        return (w / shard if zero >= 3 else w), (g / shard if zero >= 2 else g), o / shard
+        return (w / shard if zero >= 3 else w) + fp8, (g / shard if zero >= 2 else g), o / shard
+
+    def _fp8_weight_copies(self) -> float:
+        """Bytes per parameter of the fp8 weight copies fp8 keeps for the step (row-wise and
+        column-wise, :data:`cost_models.fp8.WEIGHT_COPY_BYTES`; counted on every parameter, the
+        16-bit embedding's and head's too: an upper bound), written by the optimizer's pass."""
+        return WEIGHT_COPY_BYTES if self.resolved_precision() == "fp8" else 0.0
 
     def optim_time_per_param(self, group: int | None = None) -> float:
         """Seconds of the optimizer step per parameter (ZeRO: 1/shard of the parameters updated: the
@@ -970,8 +1013,10 @@ class TransformerCostModel:
         if self.compute == "kernels":
             t = transformer_layer_times(self.model, self.device, self.resolved_precision(), self.parallel.recompute,
                                         self.uses_dropout, tp=self.parallel.tp, sp=self.parallel.sequence_parallel,
-                                        grad_accumulation=self.grad_accumulation)
+                                        grad_accumulation=self.grad_accumulation, fp8_recipe=self.parallel.fp8_recipe)
             f, b_in, w = (tuple(x[i] for x in t) for i in range(3))
+            if self.resolved_precision() == "fp8":
+                f, b_in, w = self._fp8_overheads(L, f, b_in, w, rate=None)   # the kernels hold the casts
         else:
             rate = self.flop_rate()
             f = tuple(l.flops_f / rate for l in L)
@@ -979,6 +1024,7 @@ class TransformerCostModel:
             w = tuple(l.flops_w / rate for l in L)
             if self.resolved_precision() == "fp8":
                 f, b_in = self._attention_in_16_bits(L, f, b_in, rate)
+                f, b_in, w = self._fp8_overheads(L, f, b_in, w, rate=rate)
         if self.parallel.tp > 1:
             comm = self.collective_times()
             join = max if self.parallel.tp_overlap else (lambda x, y: x + y)

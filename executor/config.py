@@ -261,6 +261,7 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
     check_device(config.device)
+    config.precision.check_run(config.device, tp=par.tp, model_file=stack)
     if stack and config.data is not None:
         raise ValueError(f"--data feeds the built-in GPT; model {config.model} brings its own sample()")
     if config.data is not None:

@@ -326,8 +326,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         built, modules = {}, {}
         for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
             if s not in built:
-                built[s] = stage_module(spec, sched.num_stages, s, seed=cfg.seed,
-                                        partition=cfg.blocks, tp=tp).to(ctx.device)
+                built[s] = cfg.precision.prepare(stage_module(spec, sched.num_stages, s, seed=cfg.seed,
+                                                              partition=cfg.blocks, tp=tp).to(ctx.device))
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from cost_models import FABRICS, MAPPINGS
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL
+from cost_models.fp8 import FP8_RECIPES
 from cost_models.kernels import COST_MODELS
 from cost_models.moe import MOE_KNOBS
 from cost_models.parallel import CP_COMMS, PRECISIONS, RECOMPUTE, ZERO_STAGES
@@ -156,6 +157,14 @@ def _rows() -> dict[str, Option]:
                         "the GEMMs' number format (default: the model's, bf16 for 16-bit models); fp8 runs the "
                         "linear layers at the device's fp8 peak, the attention core in 16 bits",
                         choices=tuple(PRECISIONS))),
+        ("fp8_recipe", O(("--fp8-recipe",), "Parallel.fp8_recipe",
+                         "with --precision fp8: how the casts are scaled, as Transformer Engine's recipes: delayed "
+                         "(per-tensor scale from the amax history; default), tensorwise (per-tensor scale from "
+                         "the tensor: two reads per cast), blockwise (DeepSeek-V3's 1x128 / 128x128 block scales)",
+                         choices=tuple(FP8_RECIPES))),
+        ("fp8_gather", O(("--fp8-gather",), "Parallel.fp8_gather",
+                         "with --precision fp8 and --zero 3: the weight all-gathers carry fp8 (1 byte per "
+                         "parameter)", action="store_true")),
         # ---- Parallel: mixtures of experts (cost_models.moe)
         ("ep", O(("--ep",), "Parallel.ep", "expert-parallel size E: GPUs that split each MoE block's experts, folded "
                  "onto the stage's T x R GPUs as Megatron-LM does (E x ETP divides T x R; default 1)",
@@ -401,7 +410,8 @@ _LAYOUT = ("schedule_file", "devices", "microbatches", "chunks", "variant", "dp"
 _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "nodes", "fabric", "oversubscription",
           "nodes_per_leaf", "profile", "stage_costs", "partition", "device_map", "recompute", "sequence_parallel",
           "tp_overlap", "zero", "dp_shard", "reshard_after_forward", "cp", "cp_comm",
-          "micro_batch", "memory_reserve", "seq_len", "precision", *MOE_KNOBS)
+          "micro_batch", "memory_reserve", "seq_len", "precision", "fp8_recipe", "fp8_gather",
+          *MOE_KNOBS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
 _FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "

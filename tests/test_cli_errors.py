@@ -438,6 +438,10 @@ CASES = [
     ("precision-unknown", MOE + ["--precision", "fp4"], ["--precision", "fp4"]),
     ("precision-not-on-device", SIM + ["--precision", "fp8", "-m", "gpt3-1.3b", "-c", "dgx-a100-ib:1"],
      ["'a100'", "fp8"]),
+    ("fp8-recipe-without-fp8", SIM + ["--fp8-recipe", "blockwise", "-m", "gpt3-1.3b", "-c", "dgx-h100-ib:1"],
+     ["--fp8-recipe", "--precision fp8"]),
+    ("fp8-gather-without-zero3", SIM + ["--precision", "fp8", "--fp8-gather", "-m", "gpt3-1.3b",
+                                        "-c", "dgx-h100-ib:1"], ["--fp8-gather", "--zero 3"]),
     ("moe-tp-without-sp", MOE + ["--dp", "1", "--tp", "2"], ["--tp 2 needs --sequence-parallel"]),
     ("overlap-fb-dense", SIM + ["--overlap-fb", "-m", "gpt3-1.3b"], ["--overlap-fb acts on a mixture of experts"]),
 ]
