@@ -12,8 +12,10 @@ comes from and what was corrected against the paper):
   chunks on a device: the paper's balanced schedule leaves the first chunk the embedding alone
   and the last the output head and loss alone, as pipetwin's default partition does); DP as
   FSDP that shards gradients and optimizer state and keeps the weights gathered after the
-  forward (``zero 3`` without ``reshard_after_forward``: gathered once per step); CP 16 of the
-  131k row exchanges K/V by all-gather (the paper's); micro-batch one sequence, so N = the batch
+  forward (``zero 3`` without ``reshard_after_forward``: gathered once per step; the 131k row,
+  whose ZeRO-2/3 with CP the simulator refuses until their shards span R x C, as ZeRO-1 over
+  R x C: per step the same reduce-scatter and all-gather bytes, more memory); CP 16 of the 131k
+  row exchanges K/V by all-gather (the paper's); micro-batch one sequence, so N = the batch
   per DP group; no recomputation at 8k (the paper), none assumed at 131k.
 * ``torchtitan-bench``: torchtitan's H100 benchmark (December 2024) on Grand Teton hosts, H100
   with 96 GB HBM2e at 2.4 TB/s capped at 500 W (``grand-teton-h100`` cluster); FSDP2
@@ -24,7 +26,9 @@ comes from and what was corrected against the paper):
   scaling (``fp8_recipe tensorwise``).
 * ``megatron-bridge-25.11``: NVIDIA's Megatron-Bridge summary, DGX H100 (``dgx-h100-ib``), FP8
   with current scaling (``tensorwise``), micro-batch 1, the distributed optimizer (``zero 1``;
-  the 8B row's Megatron-FSDP: ``zero 3``), sequence parallelism with TP, CP by P2P ring.
+  the 8B row's Megatron-FSDP: ``zero 3``), sequence parallelism with TP and its communication
+  overlapped with the GEMMs (the H100 recipes' ``tp_comm_overlap`` with userbuffers:
+  ``tp_overlap``), CP by P2P ring.
 
 :func:`not_expressible` names what a row uses that pipetwin does not model (torch.compile's fused
 kernels, AsyncTP's overlapped collectives): such rows are listed, never fitted or predicted.
@@ -47,8 +51,9 @@ CLUSTERS = {"llama3-paper": "h100-pods", "torchtitan-bench": "grand-teton-h100",
             "megatron-bridge-25.11": "dgx-h100-ib"}
 GPUS_PER_NODE = 8
 # what a row's ``extras`` may hold that pipetwin does not model, and why
-UNMODELLED = {"torch.compile": "torch.compile (its fused kernels are not priced)",
-              "AsyncTP": "AsyncTP (TP collectives decomposed and overlapped with the matmuls)"}
+# (torch.compile: its fused kernels are not priced; AsyncTP: the TP collectives decomposed and
+# overlapped with the matmuls, which --tp-overlap's whole-collective overlap does not describe)
+UNMODELLED = {"torch.compile": "torch.compile", "AsyncTP": "AsyncTP"}
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ def job_of(run: PublishedRun) -> Job:
     """The row as a pipetwin job (module docstring: what each source's layout is taken to be)."""
     precision = "fp8" if run.precision.startswith("fp8") else run.precision
     fp8 = {"precision": "fp8", "fp8_recipe": "tensorwise"} if precision == "fp8" else {"precision": precision}
-    zero = 1 if run.source == "megatron-bridge-25.11" and run.fsdp == "" else 3
+    zero = 1 if run.cp > 1 or (run.source == "megatron-bridge-25.11" and run.fsdp == "") else 3
     fields_ = dict(schedule=schedule_of(run), devices=run.pp, microbatches=run.microbatches, replicas=run.dp,
                    model=MODELS[run.model], cluster=f"{CLUSTERS[run.source]}:{run.gpus // GPUS_PER_NODE}",
                    tp=run.tp, sequence_parallel=run.tp > 1, cp=run.cp, seq_len=run.seq_len,
@@ -182,4 +187,6 @@ def job_of(run: PublishedRun) -> Job:
         fields_["cp_comm"] = "allgather" if run.source == "llama3-paper" else "ring"
     if run.source == "llama3-paper":
         fields_["device_map"] = "sequential"        # [TP, CP, PP, DP]
+    if run.source == "megatron-bridge-25.11" and run.tp > 1:
+        fields_["tp_overlap"] = True                # the recipes' tp_comm_overlap (userbuffers)
     return Job.of(**fields_)

@@ -35,6 +35,7 @@ def run(out_dir, quick: bool = False) -> str:
         "activation checkpointing (per op: every second matmul recomputed) is priced as pipetwin's `selective` "
         "(the attention core re-run in the backward; at 8B and 8k, 8% of a layer's FLOPs added against per-op "
         "SAC's 9%). Memory: the worst GPU's peak here, the maximum over ranks there.", "",
-        markdown(shown(df), floatfmt=".4g"), "", aims_line(df), ""])
+        markdown(shown(df), floatfmt=".4g"), "", aims_line(df), "",
+        "`error_linear`: the linear cost model's error on the same job (the default is the kernel model).", ""])
     write_output(out / "report.md", report, "report")
     return report
