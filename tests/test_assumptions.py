@@ -103,7 +103,7 @@ def test_simulate_states_sequence_precision_cost_model_and_the_fit(capsys):
     rec = as_json(capsys, *SIM, "-m", "gpt3-1.3b", "-c", "dgx-h100-ib", "--precision", "fp8", "--seq-len", "1024",
                   "--cost-model", "linear")
     assert (rec["seq_len"], rec["precision"], rec["cost_model"], rec["device_fitted"], rec["assumptions"]) == \
-        (1024, "fp8", "linear", f"h100: {FITTED['h100']}", [])
+        (1024, "fp8 (delayed scaling)", "linear", f"h100: {FITTED['h100']}", [])
 
 
 def test_a_config_planned_at_max_position_embeddings_in_fp32_says_so(capsys):
