@@ -68,19 +68,20 @@ def aims_line(df: pd.DataFrame) -> str:
 
 
 def plot(df: pd.DataFrame, path: Path) -> None:
-    """Published against predicted tokens per GPU per second, one bar pair per simulated row."""
+    """Per simulated row, the error of the predicted throughput against the published one (orange:
+    fitted; the band: the 10% aim)."""
     from ..plots import plt, save_figure
     sim = df[df.predicted_tokens_per_gpu_s.notna()].reset_index(drop=True)
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * max(1, len(sim))))
-    y = range(len(sim))
-    ax.barh([i + 0.2 for i in y], sim.published_tokens_per_gpu_s, 0.4, color="0.7", label="published")
-    ax.barh([i - 0.2 for i in y], sim.predicted_tokens_per_gpu_s, 0.4,
-            color=["C1" if r == "fitted" else "C0" for r in sim.role], label="simulated (orange: fitted)")
-    ax.set_yticks(list(y), [r[:70] for r in sim.row], fontsize=6)
-    ax.set_xscale("log")
+    fig, ax = plt.subplots(figsize=(9, 0.8 + 0.4 * max(1, len(sim))))
+    y = list(range(len(sim)))
+    ax.axvspan(-AIM * 100, AIM * 100, color="0.9", label=f"within {AIM:.0%}")
+    ax.barh(y, sim.error * 100, 0.6, color=["C1" if r == "fitted" else "C0" for r in sim.role])
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(y, [r[:64] for r in sim.row], fontsize=6)
     ax.invert_yaxis()
-    ax.set_xlabel("tokens per GPU per second")
+    ax.set_xlabel("predicted / published tokens per GPU per second - 1 (%; orange: fitted)")
     ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
     save_figure(fig, path)
 
 
