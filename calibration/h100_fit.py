@@ -21,7 +21,7 @@ its fit set zero, by bisection; the time falls as the constant grows):
 * fp8: no constant of its own. fp8 GEMMs run at the fp8 peak with the same tile efficiency (and the
   linear model at the same share of the fp8 peak), so every fp8 row is a prediction. An fp8
   efficiency fitted on NVIDIA's fp8 rows would have to exceed the bf16 one (the kernel model comes
-  out 9-16% slow on them), which would make an fp8 GEMM more than 2x a bf16 one: no H100 does
+  out 5-6% slow on them), which would make an fp8 GEMM more than 2x a bf16 one: no H100 does
   that, so the gap is reported, not fitted away (the bf16 efficiency carries what Llama 3's run
   loses that NVIDIA's recipes do not, e.g. its TP collectives, exposed here).
 * ``FIT_POWER_CAP`` = torchtitan Table 1's FSDP row (Llama 3.1 8B, 8 GPUs, bf16, no compile): one

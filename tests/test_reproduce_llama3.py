@@ -47,7 +47,7 @@ def test_h100_preset_is_its_fit_on_the_8192_gpu_row():
     (run,) = runs_named(FIT_BF16)
     assert predict(run).error == pytest.approx(0.0, abs=1e-3)
     assert predict(run, cost_model="linear").error == pytest.approx(0.0, abs=1e-3)
-    assert (h100.kernels.gemm_efficiency, h100.efficiency) == (0.6726, 0.5945)
+    assert (h100.kernels.gemm_efficiency, h100.efficiency) == (0.63, 0.5945)
     assert [role(r) for r in TABLE4] == ["fitted", "predicted", "predicted"]
     h200 = load_device("h200")
     assert (h200.kernels, h200.efficiency) == (h100.kernels, h100.efficiency)
@@ -64,8 +64,8 @@ def test_quick_report(tmp_path):
     assert mb70.predicted_tokens_per_gpu_s == pytest.approx(128 * 8192 / (mb70.iteration_s * 64))
     assert mb70.error == pytest.approx(mb70.predicted_tokens_per_gpu_s / 1602 - 1)
     assert fitted.predicted_mfu == pytest.approx(fitted.predicted_tflops_per_gpu * 1e12 / 989.4e12)
-    # Megatron-Bridge's 70B in fp8, held out: the kernel model 8.9% slow, the linear one 4.8% fast
-    assert mb70.error == pytest.approx(-0.0894, abs=0.005)
+    # Megatron-Bridge's 70B in fp8, held out: the kernel model 5.0% slow, the linear one 4.8% fast
+    assert mb70.error == pytest.approx(-0.050, abs=0.005)
     assert mb70.error_linear == pytest.approx(0.0476, abs=0.005)
     assert abs(mb70.error) <= llama3.AIM
     assert "| fitted |" in report and "predicted rows within 10%" in report
