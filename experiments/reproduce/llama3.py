@@ -125,9 +125,9 @@ def run(out_dir, quick: bool = False) -> str:
         markdown(shown(df), floatfmt=".4g"), "", aims_line(df), "",
         "## Llama 3: how the attention is counted", "",
         "The paper gives TFLOP/s, not tokens, and no formula. `error` counts the attention core as the full "
-        "square (the formulas' convention, and what both cost models price); counted causally (half of it, what a "
-        "causal flash kernel computes) the published tokens are more, and the errors these (`attention_share`: the "
-        "core's share of the full-square FLOPs):", "",
+        "square (the formulas' convention, which the linear model prices; the kernel model prices a causal flash "
+        "kernel, about half of it); counted causally the published tokens are more, and the errors these "
+        "(`attention_share`: the core's share of the full-square FLOPs):", "",
         markdown(conventions(df), floatfmt=".4g"), "",
         "`error_linear`: the linear cost model's error on the same job (the default is the kernel model where it "
         "prices the block, the linear model with context parallelism).", ""])
