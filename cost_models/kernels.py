@@ -29,7 +29,9 @@ as the library's heuristic picks the fastest kernel. Tiles: :data:`TILES`; p in 
 **Attention** is priced as the batched GEMMs it is made of (eager attention: ``QK^T`` and ``PV``
 over ``batch x heads`` products, plus the element-wise passes over the ``b a s^2`` scores), or as
 one fused kernel (``gpt``: ``scaled_dot_product_attention``) of ``4 b s^2 h`` FLOPs at the GEMM
-efficiency of its tiles, reading Q, K, V and writing the output once.
+efficiency of its tiles, reading Q, K, V and writing the output once; causal, it skips the key
+blocks above the diagonal, ``(n + 1) / (2 n)`` of the square for ``n = s / 128`` query blocks
+(:func:`causal_share`: a decoder's flash kernel does about half the work the formulas count).
 
 **Element-wise and reduction kernels** (bias, GeLU, dropout, softmax, layer norm, residual adds,
 copies of permuted views, gradient accumulation) are memory-bound::
@@ -201,11 +203,24 @@ def memory(name: str, phase: str, nbytes: float, modules: int = 0) -> Kernel:
     return Kernel(name, phase, float(nbytes), modules=modules)
 
 
+CAUSAL_BLOCK = 128      # a flash kernel's block of queries and of keys (FlashAttention, cuDNN, TE)
+
+
+def causal_share(s: int, block: int = CAUSAL_BLOCK) -> float:
+    """The share of the s x s scores a causal flash kernel computes: of n = ceil(s / block) query
+    blocks, block i visits key blocks 0..i (the ones above the diagonal are skipped), n (n + 1) / 2
+    of n^2 blocks: (n + 1) / (2 n) (0.508 at s = 8,192; 1 for one block)."""
+    n = -(-s // block)
+    return (n + 1) / (2 * n)
+
+
 def fused_attention(name: str, phase: str, b: int, heads: int, s: int, head_dim: int, dtype_bytes: int,
-                    backward: bool = False) -> Kernel:
+                    backward: bool = False, causal: bool = True) -> Kernel:
     """One flash-style attention kernel: 4 b s^2 a d FLOPs forward (QK^T and PV), 2.5x that
-    backward (recomputing the scores); reads Q, K, V (and dO, O) and writes O (or dQ, dK, dV)."""
-    flops = 4.0 * b * heads * s * s * head_dim * (2.5 if backward else 1.0)
+    backward (recomputing the scores), times :func:`causal_share` for a causal mask (every block
+    priced with this kernel is a decoder's: gpt, llama); reads Q, K, V (and dO, O) and writes O (or
+    dQ, dK, dV)."""
+    flops = 4.0 * b * heads * s * s * head_dim * (2.5 if backward else 1.0) * (causal_share(s) if causal else 1.0)
     tensors = (7 if backward else 4) * b * s * heads * head_dim * dtype_bytes
     return Kernel(name, phase, float(tensors), (b * heads, s, head_dim, s), flops)
 

@@ -25,8 +25,10 @@ TABLE9 = ROOT / "cost_models/presets/measurements/zero-bubble/table9-1.5b.yaml"
 V100_FIT = "kernel constants: the V100 fit (Chimera's layers) with the {}'s SM count, not measured on an {}; " \
            "efficiency: not fitted"
 FITTED = {
-    "h100": V100_FIT.format("H100", "H100"),
-    "h200": V100_FIT.format("H200", "H200"),
+    "h100": "efficiency and kernels.gemm_efficiency fitted on Llama 3 Table 4's 8,192-GPU run only (bf16; fp8 at the "
+            "fp8 peak with the same efficiencies); other kernel constants the V100 fit",
+    "h200": "the h100 fit (efficiency and kernels.gemm_efficiency on Llama 3 Table 4's 8,192-GPU H100 run) with the "
+            "H200's datasheet memory and bandwidth; not measured on an H200",
     "h800": V100_FIT.format("H800", "H800"),
     "a100": "kernel constants: GEMM and memory efficiencies fitted on Zero Bubble Table 9, the rest the V100 fit; "
             "efficiency: not fitted",
@@ -101,7 +103,7 @@ def test_simulate_states_sequence_precision_cost_model_and_the_fit(capsys):
     rec = as_json(capsys, *SIM, "-m", "gpt3-1.3b", "-c", "dgx-h100-ib", "--precision", "fp8", "--seq-len", "1024",
                   "--cost-model", "linear")
     assert (rec["seq_len"], rec["precision"], rec["cost_model"], rec["device_fitted"], rec["assumptions"]) == \
-        (1024, "fp8", "linear", f"h100: {FITTED['h100']}", [])
+        (1024, "fp8 (delayed scaling)", "linear", f"h100: {FITTED['h100']}", [])
 
 
 def test_a_config_planned_at_max_position_embeddings_in_fp32_says_so(capsys):

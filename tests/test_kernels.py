@@ -4,7 +4,7 @@ fit to Chimera's V100 layers (held-out error within the reported bounds), transf
 import pytest
 
 import cost_models as cm
-from cost_models.kernels import (BlockShape, DeviceRates, GpuConstants, block_kernels, gemm_time,
+from cost_models.kernels import (BlockShape, DeviceRates, GpuConstants, block_kernels, causal_share, gemm_time,
                                  constants_from_dict, stream_time, tile_efficiency, tile_time)
 from cost_models.layer_measurements import _BOUNDS, FITTED, _loss, error_table, load_measurements, speedups
 
@@ -91,10 +91,11 @@ def test_block_kernels_phases_and_recompute():
     b = BlockShape("bert", 768, 12, 128, 3072, 4, 1)
     assert "q.dx" in {k.name for k in block_kernels(b)}
     assert "q.dx" not in {k.name for k in block_kernels(b, input_grad=False)}
-    # FLOPs of the forward GEMMs = the formula of cost_models.transformer (bias and softmax aside)
+    # FLOPs of the forward GEMMs = the formula of cost_models.transformer (bias and softmax aside;
+    # the formula counts the attention's full square, the causal flash kernel causal_share of it)
     spec = cm.ModelSpec(name="x", layers=1, hidden=1024, heads=16, seq_len=512, vocab=8, micro_batch=4)
     flops = sum(2.0 * g[0] * g[1] * g[2] * g[3] for g in (k.gemm for k in fwd if k.flops == 0 and k.gemm))
-    flops += sum(k.flops for k in fwd if k.flops)
+    flops += sum(k.flops / causal_share(512) for k in fwd if k.flops)
     assert flops == pytest.approx(cm.block_flops(spec)[0])
 
 
@@ -184,12 +185,15 @@ def test_rates_phases_split_is_the_closed_form_of_each_phase():
     unbounded bandwidth: each phase costs its FLOPs over the peak, the linear layers' 2T(4h^2 +
     2h ffn) in every phase (T = bs tokens), the fused attention's 4bs^2h in F and 2.5x that in B
     (its backward), none in W. Priced by the host alone (a dispatch per kernel), the phases count
-    their kernels and module calls: W is the four weight-gradient GEMMs, B the other 20 backward kernels."""
+    their kernels and module calls: W is the four weight-gradient GEMMs, B the other 20 backward kernels.
+    The attention is causal: of the 1024 / 128 = 8 query blocks, block i visits i + 1 key blocks, 36
+    of 64 (causal_share = 9/16 of the square)."""
     h, a, s, ffn, b = 2048, 16, 1024, 8192, 2
     ks = block_kernels(BlockShape("gpt", h, a, s, ffn, 2, b))
     peak = 1e14
     gpu = DeviceRates(consts(sms=1), peak, 1e30)
-    linear, attn = 2 * b * s * (4 * h * h + 2 * h * ffn), 4 * b * s * s * h
+    assert causal_share(s) == 9 / 16
+    linear, attn = 2 * b * s * (4 * h * h + 2 * h * ffn), 4 * b * s * s * h * 9 / 16
     f, bwd, w = gpu.phases(ks)
     assert f == pytest.approx((linear + attn) / peak, rel=1e-12)
     assert bwd == pytest.approx((linear + 2.5 * attn) / peak, rel=1e-12)

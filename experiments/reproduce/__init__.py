@@ -13,6 +13,8 @@ TARGETS = {
     "korthikanti": "experiments.reproduce.korthikanti",
     "zero-bubble": "experiments.reproduce.zero_bubble",
     "deepseek-v3": "experiments.reproduce.deepseek_v3",
+    "llama3": "experiments.reproduce.llama3",
+    "torchtitan": "experiments.reproduce.torchtitan",
 }
 
 
