@@ -27,6 +27,9 @@ from .faults import check_fault, parse_fault
 from .model import KINDS
 from .precision import Precision
 
+# what each ZeRO stage shards (executor.zero), for the refusal of a model file
+_ZERO_SHARDS = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
+
 # what a run takes when the flat constructor (:meth:`RunConfig.of`) is not told: the tiny GPT,
 # DAPPLE on 2 pipeline devices with 4 micro-batches
 RUN_DEFAULTS = {"schedule": "dapple", "devices": 2, "microbatches": 4, "model": "tiny"}
@@ -132,7 +135,8 @@ class RunConfig:
             raise ValueError(f"--tp {par.tp} splits the built-in GPT's layers; a model file's layers are not split "
                              f"(use --tp 1 with {model})")
         if par.zero:
-            raise ValueError(f"--zero 1 shards the built-in GPT's optimizer state; not a model file's ({model})")
+            raise ValueError(f"--zero {par.zero} shards the built-in GPT's {_ZERO_SHARDS[par.zero]}; not a model "
+                             f"file's ({model}: use --zero 0)")
         if par.seq_len is not None:
             raise ValueError(f"--seq-len sets the built-in GPT's sequence length; model {model} brings its own")
         if par.recompute != "none":
