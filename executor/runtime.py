@@ -32,8 +32,9 @@ ALLREDUCE  sum the stage's parameter gradients over ``schedule.stage_group(stage
       local copies of the stage on this rank are summed into it first (copies that share one module
       have accumulated into the same gradients already). On gloo its trace row ends when the sum
       is ready (the future's completion), as in the simulator; on NCCL when it was launched.
-      Under ZeRO (``--zero 1|2|3``) it is a reduce-scatter over the stage's shard group: this rank
-      receives the sum of its shard only; ZeRO 2 and 3 then drop the unsharded gradients
+      Under ZeRO-1 it is a reduce-scatter over the stage's shard group: this rank receives the sum
+      of its shard only. ZeRO 2 and 3 reduce-scatter each micro-batch's gradients as soon as its B
+      (W in a split backward) completes them, and drop them; ALLREDUCE sends what is left, nothing
       (:mod:`executor.zero`, with HSDP's all-reduce over the replicate group at OPTIM).
 OPTIM wait for the step's all-reduces, write the sums back to every local copy, step the
       optimizer and zero the gradients. Every copy of a stage then holds the same weights.
@@ -138,6 +139,8 @@ class PipelineRuntime:
         self._skip = tied.excluded if tied is not None else frozenset()
         # ZeRO 3 (executor.zero): the optimizer gathers a module's weights around its F and B
         self._weights = optimizer if getattr(optimizer, "zero", 0) == 3 else None
+        # ZeRO 2, 3: each micro-batch's gradients reduce-scattered once complete (after B, or W when split)
+        self._sharded = optimizer if getattr(optimizer, "zero", 0) >= 2 else None
         self._params = {key: list(m.parameters()) for key, m in distinct.items()}
         self._backwards: dict[int, int] = {}      # id(a module's first parameter) -> its B ops per step
         for op in self.program:
@@ -255,6 +258,8 @@ class PipelineRuntime:
             self.accounted -= st.accounted.pop(key, 0)
         if self._weights is not None:
             self._weights.after(params, B)
+        if self._sharded is not None and not self.sched.split_backward:
+            self._sharded.grads_ready(params)
         if op.stage > 0:
             st.produced[(GRAD, op.copy, op.mb, op.stage)] = self.precision.to_wire(gx)
         return 0
@@ -264,6 +269,8 @@ class PipelineRuntime:
         pending, _held = self._state.pending_w.pop(key)
         weight_backward(pending)
         self.accounted -= self._state.accounted.pop(key, 0)
+        if self._sharded is not None:
+            self._sharded.grads_ready(self._params[id(self.modules[(op.copy, op.stage)])])
         return 0
 
     # ------------------------------------------------------------------ messages
@@ -299,6 +306,10 @@ class PipelineRuntime:
         return list(self.modules[(self.local_copies[stage][0], stage)].parameters())
 
     def _allreduce(self, op: Op) -> int:
+        if self._sharded is not None:     # ZeRO 2, 3: reduce-scattered per micro-batch; what is left
+            self._state.allreduces.append((op, None, None))
+            self._state.ar_done.append([None])
+            return self._sharded.flush(self._stage_params(op.stage))
         flat = self._summed_local_grads(op.stage)
         group = self.stage_groups.get(op.stage)
         scatter = getattr(self.optimizer, "reduce_scatter", None)   # ZeRO-1: each rank receives its slice

@@ -13,32 +13,35 @@ copy with the optimizer state (Adam's two moments, SGD's momentum) of that slice
 
 What each stage keeps per rank, n parameters of 4 bytes (fp32), Adam:
 
-========  =====================  ===================  ============================  ==================
-ZeRO      weights at rest        gradients at rest    optimizer state               during the step
-========  =====================  ===================  ============================  ==================
-1         4 n (a flat buffer)    4 n                  8 per                         --
-2         4 n                    4 per (the slice)    8 per                         + 4 n unsharded
-                                                                                    gradients, from
-                                                                                    the stage's first
-                                                                                    backward to its
-                                                                                    ALLREDUCE
-3         4 per (the master)     4 per                8 per                         + the above, + 4
-                                                                                    S' per gathered
-                                                                                    weights (below)
-========  =====================  ===================  ============================  ==================
+========  =====================  ===================  ===============  ==============================
+ZeRO      weights at rest        gradients            optimizer state  transient
+========  =====================  ===================  ===============  ==============================
+1         4 n (a flat buffer)    4 n                  8 per            --
+2         4 n                    4 per (the slice)    8 per            4 n: one micro-batch's
+                                                                       unsharded gradients, from its
+                                                                       B to its reduce-scatter
+3         4 per (the master)     4 per                8 per            the above, and 4 S' per
+                                                                       gathered weights (below)
+========  =====================  ===================  ===============  ==============================
 
-(``RunResult.per_device``: ``static_bytes`` = the three "at rest" columns, ``grad_buffer_bytes`` and
-``gathered_bytes`` the peaks of the transient ones.)
+(``RunResult.per_device``: ``static_bytes`` = weights, gradients and optimizer state,
+``grad_buffer_bytes`` the largest unsharded gradient one reduce-scatter sent (a module's, n of it),
+``gathered_bytes`` the peak of the gathered weights.)
 
 The collectives, per step, per stage module of a rank (the op that issues them in brackets):
 
-- ALLREDUCE of the stage [ALLREDUCE]: a reduce-scatter of the summed gradients over the shard
-  group (each rank receives the sum of its slice: ``per`` elements of the S' ``per`` sent) in place
-  of the all-reduce, as Megatron's distributed optimizer does; ZeRO 2 and 3 then drop the unsharded
-  gradients. HSDP: at OPTIM the slice is all-reduced over the replicate group (R / S ranks).
-  One reduce-scatter (and, HSDP, one all-reduce) per step: the gradients of a pipeline's micro-
-  batches accumulate unsharded until the stage's last backward, as torchtitan's pipelined FSDP does
-  (``set_requires_gradient_sync(False)`` but for the last micro-batch).
+- ZeRO 1 [ALLREDUCE]: a reduce-scatter of the summed gradients over the shard group (each rank
+  receives the sum of its slice: ``per`` elements of the S' ``per`` sent) in place of the
+  all-reduce, as Megatron's distributed optimizer does.
+- ZeRO 2 and 3 [B, or W in a split backward]: each micro-batch's gradients of the module are
+  reduce-scattered as soon as its backward completes them, added into the rank's slice, and the
+  unsharded gradients dropped (DeepSpeed's ZeRO-2; the simulator's ledger counts the gradients at
+  1/S for it): N_m reduce-scatters per step, N_m the module's micro-batches (its B ops). The
+  reduce-scatter is started asynchronously and waited for when the next one starts or at OPTIM.
+  ALLREDUCE sends what is left: nothing. (torchtitan's pipelined FSDP instead accumulates the
+  unsharded gradients over the micro-batches and reduce-scatters once, after the last backward:
+  1/N_m of the traffic, 4 n bytes held through the step.)
+- HSDP [OPTIM]: the slice all-reduced over the replicate group (R / S ranks), once.
 - ZeRO 1 and 2 [OPTIM]: the updated slices all-gathered into the weights' flat buffer: one
   all-gather of S' ``per`` elements. ZeRO 3 has no weights to update there: the next step gathers
   them from the updated masters.
@@ -50,10 +53,10 @@ The collectives, per step, per stage module of a rank (the op that issues them i
   their own). The gathers run inside their F / B (the trace has one row per op of the lowered
   schedule, the gather's time inside the op's row) and are not overlapped with compute on gloo.
 
-So per step and module: reduce-scatters 1; all-gathers 1 (ZeRO 1, 2, and 3 default) or F_m + B_m
-(ZeRO 3 resharded); all-reduces 1 with HSDP (R > S), else 0. Bytes: an all-gather and a reduce-
-scatter each move S' ``per`` elements of 4 bytes through the group ((S' - 1) ``per`` per rank on a
-ring); the HSDP all-reduce ``per`` elements.
+So per step and module: reduce-scatters 1 (ZeRO 1) or N_m (ZeRO 2, 3); all-gathers 1 (ZeRO 1, 2, and
+3 default) or F_m + B_m = 2 N_m (ZeRO 3 resharded); all-reduces 1 with HSDP (R > S), else 0. Bytes:
+an all-gather and a reduce-scatter each move S' ``per`` elements of 4 bytes through the group ((S' -
+1) ``per`` per rank on a ring); the HSDP all-reduce ``per`` elements.
 
 *The gathered weights.* ZeRO 3 keeps every parameter as a view of its module's flat buffer (as ZeRO-1
 does) whose storage is resized to 0 when freed and back when gathered, so the tensors autograd
@@ -134,6 +137,7 @@ class _Shard:
         # ZeRO 1, 2: a view of the weights; ZeRO 3: the only copy of the slice kept at rest
         self.master = torch.nn.Parameter(piece.clone() if zero == 3 else piece)
         self.received: torch.Tensor | None = None     # this step's reduce-scattered slice of the gradients
+        self.outstanding = None     # ZeRO 2, 3: (work, slice) of the last micro-batch's reduce-scatter
         self.partial = torch.zeros(0, dtype=torch.long)   # positions in the slice of TP-partial gradients
         self.full_bytes = self.flat.numel() * self.flat.element_size()
         self.gathered = True
@@ -193,22 +197,53 @@ class _Shard:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
 
     def reduce_scatter(self, flat: torch.Tensor):
-        """Launch the sum over the shard group of ``flat`` (this rank's gradients in the parameters'
-        order), of which this rank receives its slice; the work (None on a group of one). ZeRO 2
-        and 3 drop the unsharded gradients (``flat`` is a copy)."""
-        padded = torch.nn.functional.pad(flat, (0, self.per * self.size - self.numel))
+        """ZeRO 1 at ALLREDUCE: launch the sum over the shard group of ``flat`` (this rank's gradients
+        in the parameters' order), of which this rank receives its slice; the work (None on a group
+        of one)."""
         self.received = torch.empty(self.per, dtype=flat.dtype, device=flat.device)
-        if self.zero >= 2:
-            for p in self.params:
-                p.grad = None
+        return self._launch(flat, self.received)
+
+    def _launch(self, flat: torch.Tensor, out: torch.Tensor):
+        padded = torch.nn.functional.pad(flat, (0, self.per * self.size - self.numel))
         if self.group is None or self.size == 1:
-            self.received.copy_(padded)
+            out.copy_(padded)
             return None
         self.counts["reduce_scatter"] += 1
         self.counts["reduce_scatter_bytes"] += padded.numel() * padded.element_size()
-        return dist.reduce_scatter(self.received, list(padded.split(self.per)), group=self.group, async_op=True)
+        return dist.reduce_scatter(out, list(padded.split(self.per)), group=self.group, async_op=True)
 
-    def take_grad(self) -> None:
+    def scatter_micro_batch(self, wait) -> int:
+        """ZeRO 2, 3, once a micro-batch's gradients of the module are complete (after its B, or its
+        W in a split backward): launch the reduce-scatter of the unsharded gradients and drop them;
+        the slice is added to this step's ``received`` when the next one starts or at the step
+        (``wait(work)``). Returns the bytes sent (0: no gradients)."""
+        grads = [p.grad for p in self.params]
+        if all(g is None for g in grads):
+            return 0
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                          for g, p in zip(grads, self.params)])
+        for p in self.params:
+            p.grad = None
+        self.settle(wait)
+        piece = torch.empty(self.per, dtype=flat.dtype, device=flat.device)
+        self.outstanding = (self._launch(flat, piece), piece)
+        return self.per * self.size * flat.element_size()
+
+    def settle(self, wait) -> None:
+        """Wait for the outstanding micro-batch reduce-scatter and add its slice to ``received``."""
+        if self.outstanding is None:
+            return
+        work, piece = self.outstanding
+        self.outstanding = None
+        if work is not None:
+            wait(work)
+        if self.received is None:
+            self.received = piece
+        else:
+            self.received.add_(piece)
+
+    def take_grad(self, wait=None) -> None:
+        self.settle(wait)
         if self.received is not None:      # reduce-scattered: the slice is already summed
             self.master.grad, self.received = self.received, None
         else:                              # all-reduced (or one rank): the slice of the summed gradients
@@ -304,15 +339,31 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ gradients and the step
     def reduce_scatter(self, params: list, flat: torch.Tensor):
-        """For the stage module whose parameters are ``params``: launch the reduce-scatter of its
-        gradients ``flat`` and return ``(True, work)``; ``(False, None)`` for a module without a
-        shard here (no parameters)."""
+        """ZeRO 1, at the stage's ALLREDUCE: for the stage module whose parameters are ``params``,
+        launch the reduce-scatter of its gradients ``flat`` and return ``(True, work)``; ``(False,
+        None)`` for a module without a shard here (no parameters)."""
         shard = self._shard(params)
         if shard is None:
             return False, None
-        if self.zero >= 2:
-            self.peak_grad_buffer = max(self.peak_grad_buffer, sum(s.grad_bytes() for s in self.shards))
         return True, shard.reduce_scatter(flat)
+
+    def _wait(self, work) -> None:
+        from .p2p import wait_work
+        wait_work(work, self.timeout, f"rank {self.rank}: reduce-scatter of a ZeRO-{self.zero} shard's gradients")
+
+    def grads_ready(self, params: list) -> None:
+        """ZeRO 2, 3: a micro-batch's gradients of the module whose parameters are ``params`` are
+        complete (after its B, or its W in a split backward): reduce-scatter them, drop them."""
+        shard = self._shard(params)
+        if shard is not None:
+            self.peak_grad_buffer = max(self.peak_grad_buffer, shard.grad_bytes())
+            shard.scatter_micro_batch(self._wait)
+
+    def flush(self, params: list) -> int:
+        """ZeRO 2, 3, at the stage's ALLREDUCE: reduce-scatter what gradients are left (none when every
+        backward reported :meth:`grads_ready`); the bytes sent."""
+        shard = self._shard(params)
+        return shard.scatter_micro_batch(self._wait) if shard is not None else 0
 
     @property
     def state(self) -> dict:
@@ -331,7 +382,7 @@ class ShardedOptimizer:
         from .p2p import wait_work
         pending = []
         for s in self.shards:
-            s.take_grad()
+            s.take_grad(self._wait)
             if self.tp_group is not None and s.partial.numel():
                 part = s.master.grad[s.partial]
                 pending.append((s, part, dist.all_reduce(part, group=self.tp_group, async_op=True)))
@@ -355,7 +406,7 @@ class ShardedOptimizer:
     def zero_grad(self, set_to_none: bool = False) -> None:
         for s in self.shards:
             s.master.grad = None
-            s.received = None
+            s.received = s.outstanding = None
             for p in s.params:
                 if self.zero >= 2:
                     p.grad = None

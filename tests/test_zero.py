@@ -75,7 +75,7 @@ def _rank3(rank: int, folder: str) -> None:
         opt.after(params, "B")
         freed = shard.flat.untyped_storage().nbytes()
         flat = flatten([p.grad for p in params])
-        opt.reduce_scatter(params, flat)[1].wait()
+        opt.grads_ready(params)                       # the micro-batch's reduce-scatter
         grads_dropped = all(p.grad is None for p in params)
         opt.step()
         opt.gather_all()
@@ -92,8 +92,8 @@ def test_zero3_keeps_a_slice_at_rest_and_gathers_the_weights_for_compute(tmp_pat
     """ZeRO-3 on two gloo processes, a Linear(3, 3) of n = 12 parameters: at rest a rank holds its
     master slice of 6 (24 bytes of weights + 24 of gradients; SGD's momentum not yet made) and the
     flat buffer's storage is 0 bytes; F gathers the 12 weights bit-equal to the initial ones, the
-    last B frees them (watchers told: gathered, freed, gathered again); the reduce-scatter drops the
-    unsharded gradients; after the step the gathered weights are w0 - the summed gradient."""
+    last B frees them (watchers told: gathered, freed, gathered again); the micro-batch's reduce-scatter
+    drops the unsharded gradients; after the step the gathered weights are w0 - the summed gradient."""
     mp.spawn(_rank3, args=(str(tmp_path),), nprocs=2, join=True)
     out = [torch.load(tmp_path / f"z3r{r}.pt") for r in (0, 1)]
     for o in out:
