@@ -196,3 +196,24 @@ def test_hsdp_groups_need_a_dp_shard_that_divides_dp():
                                   model=SPEC))
     with pytest.raises(ValueError, match="--dp-shard 3 must divide --dp 4"):
         RunConfig.of(schedule="dapple", devices=1, microbatches=2, replicas=4, zero=3, dp_shard=3, model=SPEC)
+
+
+@pytest.mark.slow
+def test_the_run_command_trains_zero3_resharded_as_the_reference(capsys):
+    """``pipetwin run --dp 2 --zero 3 --reshard-after-forward`` (zb-v, D = 2, the tiny GPT): per-step
+    losses equal to one process's; rank 0 issued 2 x (4 F + 4 B) x 2 chunks = 16 all-gathers and
+    4 x 2 = 8 reduce-scatters per step."""
+    import json
+
+    from experiments.cli import main
+    argv = ["run", "-s", "zb-v", "-D", "2", "-N", "4", "--dp", "2", "--zero", "3", "--reshard-after-forward",
+            "--steps", "2", "--optimizer", "sgd", "--lr", "0.05", "--timeout", "60", "--json"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["zero"] == 3
+    ref = run_reference(RunConfig.of(schedule="zb-v", devices=2, microbatches=4, replicas=2, steps=2,
+                                     optimizer="sgd", lr=0.05))
+    for got, want in zip(res["losses"], ref.losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    first = res["zero_collectives"][0]
+    assert (first["all_gather"], first["reduce_scatter"]) == (2 * 16, 2 * 8)
