@@ -44,7 +44,7 @@ from .stack import is_model_ref, same_model_ref
 from .moe import ExpertGroup
 from .parallel import Parallel
 from .memory import check_reserve
-from .transformer import TensorParallelGroup, TransformerCostModel, active_params, model_params
+from .transformer import DataParallelGroup, TensorParallelGroup, TransformerCostModel, active_params, model_params
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,21 @@ def transformer_cost_model(job: Job, model: ModelSpec, cluster: Cluster) -> Tran
     return TransformerCostModel(model, cluster.device, parallel=par,
                                 compute=cost_model_for(job.cost_model, cluster.device, False, model),
                                 partition=job.partition, tp_group=group, replicas=job.layout.replicas,
-                                grad_accumulation=job.grad_accumulation, expert_group=experts)
+                                grad_accumulation=job.grad_accumulation, expert_group=experts,
+                                **data_parallel_groups(job, unplaced))
+
+
+def data_parallel_groups(job: Job, cluster: Cluster) -> dict:
+    """ZeRO-2/3's ``dp_group`` (the S replicas of a shard group) and, with HSDP, ``replicate_group``
+    (the R / S groups) of a job on ``cluster`` (unplaced): a replica is ``job.gpus / R`` consecutive
+    GPUs, a shard group S consecutive replicas (torch's device mesh (replicate, shard)); {} below ZeRO-2."""
+    par, R = job.parallel, job.layout.replicas
+    if par.zero < 2:
+        return {}
+    S = par.dp_shard or R
+    per_replica = job.gpus // R
+    return {"dp_group": DataParallelGroup(cluster, S, per_replica) if S > 1 else None,
+            "replicate_group": DataParallelGroup(cluster, R // S, per_replica * S) if R // S > 1 else None}
 
 
 def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
@@ -315,9 +329,26 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
             "a2a_per_moe_layer": sum(tcm.a2a_times())} if model.is_moe else {}),
         "micro_batch": model.micro_batch, "cluster": cluster.name, "device_map": job.mapping,
         "gpus": low.num_ranks * tp, "tp": tp, "sequence_parallel": par.sequence_parallel, "tp_overlap": par.tp_overlap,
-        "zero": par.zero, **job.cluster.shape_report(),
+        "zero": par.zero, **fsdp_lines(costs.meta.get("fsdp")), **job.cluster.shape_report(),
         "memory_capacity": costs.meta.get("memory_capacity"), "memory_transient": costs.meta["memory_transient"],
         "memory_reserve": job.memory_reserve})
+
+
+def fsdp_lines(fsdp: dict | None) -> dict:
+    """Report fields of ZeRO-2/3 (``StageCosts.meta["fsdp"]``): ``fsdp`` the per-stage record (JSON)
+    and ``fsdp_collectives``, one line for the stage that moves the most."""
+    if not fsdp:
+        return {}
+    from .memory import fmt_bytes
+    st = max(fsdp["stages"], key=lambda x: x["bytes_per_microbatch"] + x["bytes_step_end"])
+    i = fsdp["stages"].index(st)
+    S, G = fsdp["shard"], fsdp["replicate_groups"]
+    where = f"over {S} replicas" + (f", {G} replicate groups (HSDP)" if G > 1 else "")
+    gathers = f", all-gathers {st['f']:.3g} s in F and {st['b']:.3g} s in B" if fsdp["reshard_after_forward"] else ""
+    line = (f"ZeRO-{fsdp['zero']} {where}: per micro-batch reduce-scatter {st['w']:.3g} s in W{gathers} (behind the "
+            f"compute), step end {st['step_end']:.3g} s; {fmt_bytes(st['bytes_per_microbatch'])} + "
+            f"{fmt_bytes(st['bytes_step_end'])} sent per GPU per step (per micro-batch + step end, stage {i})")
+    return {"fsdp": fsdp, "fsdp_collectives": line}
 
 
 def _check_fits(low: Schedule, cluster: Cluster) -> None:

@@ -2,7 +2,10 @@
 out-of-memory verdict.
 
 Static memory of a rank = parameters of every (copy, stage) it holds x bytes per parameter
-(weights + gradients + optimizer state; 16 for mixed-precision Adam). A bidirectional schedule
+(weights + gradients + optimizer state; 16 for mixed-precision Adam), each divided by the ZeRO
+shard group S where the stage shards it (1 optimizer state, 2 and gradients, 3 and weights), plus,
+with ZeRO-3, the whole weights it gathers for the compute (held across the activation peak:
+``StageCosts.meta['memory_gathered']``, per rank). A bidirectional schedule
 holds two copies of each stage, so its weights count twice: this follows from
 ``Schedule.stages_on`` and is already in ``StageCosts.static_mem``.
 
@@ -112,16 +115,19 @@ class OutOfMemory(ValueError):
 
 @dataclass(frozen=True)
 class StaticMemory:
-    """Static bytes of one rank, split by kind."""
+    """Static bytes of one rank, split by kind: ``weights``, ``grads``, ``optimizer`` as held at
+    rest (their ZeRO shards), and ``gathered``: the whole weights ZeRO-3 all-gathers for the
+    compute and holds at the peak (:meth:`cost_models.TransformerCostModel.gathered_bytes`)."""
 
     params: float
     weights: float
     grads: float
     optimizer: float
+    gathered: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.grads + self.optimizer + self.gathered
 
 
 def static_memory(sched, param_counts: Sequence[float], weight_bytes: float = 2.0, grad_bytes: float = 2.0,

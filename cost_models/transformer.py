@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, with_peak_floor
+from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, held_stages, with_peak_floor
 from .cluster import Cluster
 from .comm import allreduce_time
 from .device import DeviceSpec
@@ -426,6 +426,29 @@ class TensorParallelGroup:
         return sum(self.time(kind, nbytes) for kind, nbytes in ops)
 
 
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """The links of one data-parallel group of ``size`` replicas on ``cluster`` (unplaced: replica k
+    is the k-th block of ``stride`` consecutive GPUs, T x C x D of them under the sequential map,
+    so the members of a stage's group sit ``stride`` GPUs apart): a ZeRO / FSDP shard group, or
+    with HSDP a replicate group (stride: the shard group's GPUs). Collective times as
+    :class:`TensorParallelGroup` gives them: :func:`cost_models.comm.allreduce_time` over the
+    members (a ring inside a node, hierarchical across nodes), a reduce-scatter or an all-gather
+    half an all-reduce of the same whole tensor; 0 for one member or no bytes."""
+
+    cluster: Cluster
+    size: int
+    stride: int
+
+    def time(self, kind: str, nbytes: float) -> float:
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}")
+        if self.size <= 1 or nbytes <= 0:
+            return 0.0
+        t = allreduce_time(self.cluster, range(0, self.size * self.stride, self.stride), nbytes)
+        return t if kind == "all-reduce" else t / 2
+
+
 def static_bytes_split(dtype_bytes: float, grad_bytes: float, bytes_per_param: float) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per parameter out of ``bytes_per_param`` in all."""
     w, g = float(dtype_bytes), float(grad_bytes)
@@ -477,6 +500,21 @@ class TransformerCostModel:
     and the gradient all-reduce becomes a reduce-scatter of the gradients plus an all-gather of
     the updated 16-bit weights: on a ring (R-1)/R (g + w) bytes per parameter, the bytes of an
     all-reduce of (g + w) / 2 per parameter, which is what the engines are given.
+
+    ZeRO-2 / ZeRO-3 (FSDP), :meth:`fsdp_layer_times`: the shard group is S = ``dp_shard`` or all R
+    replicas (``dp_group``, its links; HSDP: R / S groups replicate each other over
+    ``replicate_group``). Per GPU at rest (:meth:`static_split`): optimizer state o / S (ZeRO >= 1),
+    gradients g / S (ZeRO >= 2), weights w / S (ZeRO-3); a MoE block's routed experts over EDP the
+    same way. ZeRO-3 also holds *gathered* weights, w per parameter of the whole (unsharded)
+    tensor, counted in each rank's static memory (:meth:`gathered_bytes`). The gradients are
+    reduce-scattered in every micro-batch's backward (in W where the schedule splits it), so a
+    GPU never holds more than its 1/S of them: nothing is all-reduced by the engines at the step's
+    end (``grad_bytes`` 0); the step's end runs, per rank after its last op, the optimizer on 1/S of
+    the parameters, with HSDP first an all-reduce of the g_r / S shard over the replicate group,
+    and (ZeRO-2, and ZeRO-3 without ``reshard_after_forward``) the all-gather of the updated
+    weights, which a ZeRO-3 rank needs before its next step's first forward. The per-micro-batch
+    collectives run on their own stream behind the layer's compute (FSDP's prefetch): a layer's F,
+    input backward and W take max(compute, collectives).
     """
 
     model: ModelSpec
@@ -493,6 +531,8 @@ class TransformerCostModel:
     replicas: int = 1
     grad_accumulation: str = "fused"
     expert_group: ExpertGroup | None = None
+    dp_group: DataParallelGroup | None = None
+    replicate_group: DataParallelGroup | None = None
 
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
@@ -527,6 +567,7 @@ class TransformerCostModel:
         if (self.parallel.ep > 1 or edp > 1) and (group is None or group.ep != self.parallel.ep):
             raise SpecError(f"expert parallel {self.parallel.ep} (EDP {edp}) needs the group's links "
                             f"(expert_group of {self.parallel.ep})")
+        self._check_fsdp_groups()
         if self.compute == "kernels":
             check_priced(self.model)
         # fail fast on a device without a peak (e.g. cpu: use a calibration profile), and, for the
@@ -538,10 +579,19 @@ class TransformerCostModel:
 
     @property
     def grad_bytes(self) -> float:
-        """Bytes all-reduced per parameter (ZeRO-1: the all-reduce equal to its reduce-scatter and
-        all-gather)."""
-        g = float(self.model.dtype_bytes if self.grad_bytes_per_param is None else self.grad_bytes_per_param)
+        """Bytes all-reduced per parameter by the engines at the step's end (ZeRO-1: the all-reduce
+        equal to its reduce-scatter and all-gather; ZeRO-2/3: none, their collectives are in the
+        layers' times and the step's end, :meth:`fsdp_layer_times`)."""
+        if self.parallel.zero >= 2:
+            return 0.0
+        g = self.reduce_bytes
         return (g + self.model.dtype_bytes) / 2 if self.parallel.zero else g
+
+    @property
+    def reduce_bytes(self) -> float:
+        """Bytes per parameter of the gradients as the data-parallel collectives move them (default the
+        model's dtype_bytes: reduced in 16 bits)."""
+        return float(self.model.dtype_bytes if self.grad_bytes_per_param is None else self.grad_bytes_per_param)
 
     @property
     def uses_dropout(self) -> bool:
@@ -576,30 +626,172 @@ class TransformerCostModel:
         par = self.parallel
         return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel, par)
 
+    @property
+    def shard(self) -> int:
+        """S: the replicas a ZeRO shard group spans (``dp_shard``, 0: all R)."""
+        return self.parallel.dp_shard or self.replicas
+
     def _zero_shard(self, group: int | None = None) -> int:
-        """The GPUs a parameter's optimizer state is sharded over: its data-parallel ``group``
-        (default the R replicas; a MoE block's experts: EDP) with ZeRO-1, else 1."""
-        return (self.replicas if group is None else group) if self.parallel.zero else 1
+        """The GPUs a parameter's sharded state is split over: its data-parallel ``group``
+        (default the shard group S; a MoE block's experts: EDP) with ZeRO, else 1."""
+        return (self.shard if group is None else group) if self.parallel.zero else 1
+
+    def bytes_split(self) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state) bytes per parameter, unsharded."""
+        if self.bytes_per_param is None:
+            return mixed_precision_bytes(self.model.dtype_bytes)
+        return static_bytes_split(self.model.dtype_bytes, self.model.dtype_bytes, self.bytes_per_param)
 
     def static_split(self, group: int | None = None) -> tuple[float, float, float]:
-        """(weights, gradients, optimizer state) bytes per parameter held on one GPU (ZeRO-1: the
-        optimizer state over the replicas, or over ``group``)."""
-        if self.bytes_per_param is None:
-            w, g, o = mixed_precision_bytes(self.model.dtype_bytes)
-        else:
-            w, g, o = static_bytes_split(self.model.dtype_bytes, self.model.dtype_bytes, self.bytes_per_param)
+        """(weights, gradients, optimizer state) bytes per parameter held on one GPU at rest, over the
+        shard group S (or ``group``): ZeRO-1 the optimizer state / S, ZeRO-2 also the gradients / S,
+        ZeRO-3 also the weights / S (the weights ZeRO-3 gathers for the compute:
+        :meth:`gathered_bytes`)."""
+        w, g, o = self.bytes_split()
         shard = self._zero_shard(group)
-        return w, g, o / shard if shard > 1 else o
+        if shard == 1:
+            return w, g, o
+        zero = self.parallel.zero
+        return (w / shard if zero >= 3 else w), (g / shard if zero >= 2 else g), o / shard
 
     def optim_time_per_param(self, group: int | None = None) -> float:
-        """Seconds of the optimizer step per parameter (ZeRO-1: 1/shard of the parameters updated)."""
+        """Seconds of the optimizer step per parameter (ZeRO: 1/shard of the parameters updated: the
+        gradients and weights read, the state read and written, (g + w) / S + 2 o / S)."""
         if not self.device.memory_bandwidth:
             return 0.0
-        w, g, o = self.static_split(group)
+        w, g, _ = self.bytes_split()
+        o = self.static_split(group)[2]
         shard = self._zero_shard(group)
         touched = self.optimizer_bytes_touched / shard if self.optimizer_bytes_touched is not None else \
             (g + w) / shard + 2 * o
         return touched / self.device.memory_bandwidth
+
+    # ------------------------------------------------------------------ ZeRO-2 / ZeRO-3 (FSDP)
+    def _check_fsdp_groups(self) -> None:
+        par = self.parallel
+        if par.zero < 2:
+            return
+        S, R = self.shard, self.replicas
+        if R % S:
+            raise SpecError(f"--dp-shard {S} must divide the {R} replicas")
+        if S > 1 and (self.dp_group is None or self.dp_group.size != S):
+            raise SpecError(f"ZeRO-{par.zero} over {S} replicas needs the shard group's links (dp_group of size {S})")
+        if R // S > 1 and (self.replicate_group is None or self.replicate_group.size != R // S):
+            raise SpecError(f"HSDP with {R // S} replicate groups needs their links (replicate_group of size "
+                            f"{R // S})")
+
+    def _edp_time(self, kind: str, nbytes: float) -> float:
+        """A collective of ``nbytes`` (the whole tensor) over a MoE block's EDP group (as its ZeRO-1
+        all-reduce is costed: EP x ETP GPUs apart on the expert group's cluster)."""
+        par = self.parallel
+        edp = expert_data_parallel(par, self.replicas)
+        if edp <= 1 or nbytes <= 0 or self.expert_group is None:
+            return 0.0
+        t = allreduce_time(self.expert_group.cluster, range(0, edp * par.ep * par.etp, par.ep * par.etp), nbytes)
+        return t if kind == "all-reduce" else t / 2
+
+    def _dense_expert_params(self, L: list[Layer]) -> list[tuple[float, float]]:
+        """Per layer: (parameters sharded over the shard group, routed experts' over EDP) on one GPU."""
+        expert = self.moe_share().params_expert if self.model.is_moe else 0
+        return [(float(l.params - (expert if m else 0)), float(expert if m else 0))
+                for l, m in zip(L, self.moe_blocks())]
+
+    def fsdp_layer_times(self, L: list[Layer] | None = None) -> tuple[tuple[float, ...], ...]:
+        """Per layer of :meth:`layers`, ZeRO-2/3's collective seconds ``(in F, in the input backward,
+        in W, at the step's end)`` (all 0 below ZeRO-2). With p a layer's parameters on one GPU
+        (T-sharded; a MoE block's routed experts over EDP instead of S), w its weight bytes and g_r
+        :attr:`reduce_bytes` per parameter, whole-tensor sizes of each collective:
+
+            every micro-batch:  reduce-scatter p g_r in W (the input backward's where unsplit)
+            ZeRO-3, reshard_after_forward:  all-gather p w in F and again in the input backward
+            step's end:  all-gather p w of the updated weights (ZeRO-2; ZeRO-3 without
+                         reshard_after_forward: the next step's one gather, kept to its last B)
+                         + HSDP: all-reduce p g_r / S over the R / S replicate groups
+
+        so a GPU moves per step, on rings of S, (S-1)/S x p x [N g_r + w] (ZeRO-2, ZeRO-3 gathered
+        once) or (S-1)/S x p x N (g_r + 2w) (reshard_after_forward), HSDP adding
+        2 (R/S - 1)/(R/S) x p g_r / S (:meth:`fsdp_step_bytes`)."""
+        L = self.layers() if L is None else L
+        zero, n = self.parallel.zero, len(L)
+        if zero < 2:
+            return ((0.0,) * n,) * 4
+        w, r = self.bytes_split()[0], self.reduce_bytes
+        dp, rep, S = self.dp_group, self.replicate_group, self.shard
+
+        def coll(kind: str, dense: float, expert: float) -> float:
+            t = dp.time(kind, dense) if dp is not None else 0.0
+            return t + self._edp_time(kind, expert)
+
+        every = zero == 3 and self.parallel.reshard_after_forward
+        f, b, wt, end = [], [], [], []
+        for dense, expert in self._dense_expert_params(L):
+            gather = coll("all-gather", dense * w, expert * w)
+            rs = coll("reduce-scatter", dense * r, expert * r)
+            hsdp = rep.time("all-reduce", dense * r / S) if rep is not None else 0.0
+            f.append(gather if every else 0.0)
+            b.append(gather if every else 0.0)
+            wt.append(rs)
+            end.append(hsdp + (0.0 if every else gather))
+        return tuple(f), tuple(b), tuple(wt), tuple(end)
+
+    def fsdp_step_bytes(self, params: float, microbatches: int) -> dict:
+        """Bytes one GPU sends per step in ZeRO-2/3's collectives for ``params`` parameters held (a
+        stage's, T-sharded; dense), by collective and where it runs, on rings (a ring's
+        reduce-scatter or all-gather sends (n-1)/n of the whole tensor, its all-reduce twice that):
+        ``per_microbatch`` (the reduce-scatters, and with ``reshard_after_forward`` the two
+        gathers, times N), ``step_end`` (the gather of the updated weights, the HSDP all-reduce)."""
+        zero, S, R = self.parallel.zero, self.shard, self.replicas
+        if zero < 2:
+            return {"per_microbatch": 0.0, "step_end": 0.0}
+        w, r = self.bytes_split()[0], self.reduce_bytes
+        ring = (S - 1) / S
+        every = zero == 3 and self.parallel.reshard_after_forward
+        per_mb = ring * params * (r + (2 * w if every else 0.0))
+        groups = R // S
+        hsdp = 2 * (groups - 1) / groups * params * r / S if groups > 1 else 0.0
+        end = (0.0 if every else ring * params * w) + hsdp
+        return {"per_microbatch": microbatches * per_mb, "step_end": end}
+
+    def fsdp_report(self, sched) -> dict:
+        """What ZeRO-2/3's collectives cost on ``sched``, per stage: its parameters per GPU (dense
+        part), seconds per micro-batch in F, B and W (each behind the layer's compute) and at the
+        step's end, and bytes a GPU sends per step (:meth:`fsdp_step_bytes`); {} below ZeRO-2."""
+        if self.parallel.zero < 2:
+            return {}
+        L = self.layers()
+        fc, bc, wc, end = self.fsdp_layer_times(L)
+        dense = [d for d, _ in self._dense_expert_params(L)]
+        parts = layer_ranges(len(L), sched.num_stages, self.partition_for(sched.num_stages))
+        N = sched.num_microbatches
+        stages = []
+        for r in parts:
+            p = sum(dense[i] for i in r)
+            stages.append({"params": p, "f": sum(fc[i] for i in r), "b": sum(bc[i] for i in r),
+                           "w": sum(wc[i] for i in r), "step_end": sum(end[i] for i in r),
+                           **{f"bytes_{k}": v for k, v in self.fsdp_step_bytes(p, N).items()}})
+        return {"zero": self.parallel.zero, "shard": self.shard, "replicate_groups": self.replicas // self.shard,
+                "reshard_after_forward": self.parallel.reshard_after_forward, "stages": stages}
+
+    def gathered_bytes(self, sched) -> tuple[float, ...]:
+        """Per rank: the ZeRO-3 weights it holds gathered (whole tensors, w per parameter, beside
+        its 1/S shard) at the peak. Without ``reshard_after_forward`` every stage it holds, from its
+        first F to its last B (= the whole step's activations); with it, one layer at a time as
+        FSDP gathers per module, and the next one prefetched: its two largest layers. 0 below
+        ZeRO-3."""
+        if self.parallel.zero < 3:
+            return (0.0,) * sched.num_ranks
+        w = self.bytes_split()[0]
+        L = self.layers()
+        parts = layer_ranges(len(L), sched.num_stages, self.partition_for(sched.num_stages))
+        out = []
+        for r in range(sched.num_ranks):
+            held = held_stages(sched, r)
+            if not self.parallel.reshard_after_forward:
+                out.append(w * sum(L[i].params for s in held for i in parts[s]))
+            else:
+                sizes = sorted((L[i].params for s in set(held) for i in parts[s]), reverse=True)
+                out.append(w * sum(sizes[:2]))
+        return tuple(float(x) for x in out)
 
     def copy_time(self) -> float:
         if not self.device.memory_bandwidth:
@@ -644,6 +836,16 @@ class TransformerCostModel:
             f = tuple(x + y for x, y in zip(f, a2a_f))
             b_in = tuple(x + y for x, y in zip(b_in, a2a_b))
             moe = self._expert_memory(L)
+        if self.parallel.zero >= 2:     # FSDP's collectives behind each layer's compute, and at the step's end
+            fc, bc, wc, end = self.fsdp_layer_times(L)
+            f = tuple(max(x, c) for x, c in zip(f, fc))
+            b_in = tuple(max(x, c) for x, c in zip(b_in, bc))
+            w = tuple(max(x, c) for x, c in zip(w, wc))
+            optim = moe.get("optim_time") or tuple(l.params * self.optim_time_per_param() for l in L)
+            moe["optim_time"] = tuple(x + e for x, e in zip(optim, end))
+            first = max((x for x, l in zip(fc, L) if l.kind == "block"), default=0.0)
+            if first:       # the op's first block waits for its gather (FSDP prefetches the rest)
+                moe["op_overhead"] = (("F", first), ("B", first))
         return LayerCosts(
             f=f,
             b_input=b_in,
@@ -741,9 +943,10 @@ class TransformerCostModel:
 
     def static_breakdown(self, sched) -> list[StaticMemory]:
         """Per rank (one GPU of its tensor-parallel group): parameters held and their weight /
-        gradient / optimizer bytes."""
+        gradient / optimizer bytes at rest (ZeRO shards), and the weights ZeRO-3 gathers."""
         w, g, o = self.static_split()
-        return static_memory(sched, self.stage_params(sched.num_stages), w, g, w + g + o)
+        rows = static_memory(sched, self.stage_params(sched.num_stages), w, g, w + g + o)
+        return [replace(m, gathered=x) for m, x in zip(rows, self.gathered_bytes(sched))]
 
     def transient_bytes(self) -> float:
         """What one GPU holds beyond the activation walk at its worst moment (see
@@ -774,6 +977,12 @@ class TransformerCostModel:
                           tp=self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel,
                           zero=self.parallel.zero,
                           memory_transient=self.transient_bytes())
+        if self.parallel.zero >= 3:     # the weights gathered for the compute, held at the peak
+            gathered = self.gathered_bytes(sched)
+            costs = replace(costs, static_mem=tuple(x + g for x, g in zip(costs.static_mem, gathered)))
+            costs.meta["memory_gathered"] = gathered
+        if self.parallel.zero >= 2:
+            costs.meta["fsdp"] = self.fsdp_report(sched)
         if self.parallel.overlap_fb and self.model.is_moe:
             costs = self._with_phases(costs, sched, lc)
         return costs
