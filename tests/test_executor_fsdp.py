@@ -30,6 +30,7 @@ SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, voca
 BASE = dict(steps=2, optimizer="sgd", lr=0.05, collect_params=True, timeout=60.0, model=SPEC,
             device_map="sequential")
 D2R2 = dict(devices=2, microbatches=4, replicas=2)
+MEM_SPEC = SPEC.replace(hidden=256, dropout=False, attention="flash")
 
 
 def _cases():
@@ -50,8 +51,9 @@ def _cases():
         cases[f"hsdp-zero{zero}{'-raf' if raf else ''}-D1R4S2"] = RunConfig.of(
             schedule="dapple", devices=1, microbatches=2, replicas=4, zero=zero, dp_shard=2,
             reshard_after_forward=raf, **BASE)
-    # memory: Adam (its two moments per element of the slice), one step, a wider model
-    mem = dict(BASE, model=SPEC.replace(hidden=64), optimizer="adam", lr=1e-3, steps=1, collect_params=False)
+    # memory: Adam (its two moments per element of the slice), one step, a wider model as the simulator's
+    # ledger counts it (no dropout, fused attention: see tests/test_executor_tp.py)
+    mem = dict(BASE, model=MEM_SPEC, optimizer="adam", lr=1e-3, steps=1, collect_params=False)
     for zero, raf in ((1, False), (2, False), (3, False), (3, True)):
         for s in ("dapple", "zb-v"):
             cases[f"mem-zero{zero}{'-raf' if raf else ''}-{s}-D2R2"] = RunConfig.of(
@@ -66,6 +68,7 @@ CASES = {4: {k: c for k, c in _ALL.items() if c.parallel.tp == 1}, "t2": {k: c f
 ALL = [(w, k) for w, cases in CASES.items() for k in cases]
 IDS = [(w, k) for w, k in ALL if not k.startswith("mem-")]
 MEM_IDS = [(w, k) for w, k in ALL if k.startswith("mem-")]
+LEDGER_IDS = [(w, k) for w, k in MEM_IDS if "-raf-" not in k]
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +184,31 @@ def test_bytes_per_rank_are_the_closed_form(runs, world, case):
         gathered = [4 * size[s] * per[s] for s in mods]
         want = 0 if par.zero < 3 else max(gathered) if par.reshard_after_forward else sum(gathered)
         assert dev["gathered_bytes"] == want, dev
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,case", LEDGER_IDS, ids=[k for _, k in LEDGER_IDS])
+def test_bytes_per_rank_equal_the_simulators_ledger(runs, world, case):
+    """The simulator's ledger (:func:`cost_models.bind.bind`, its ZeRO-2/3 static memory: weights,
+    gradients and optimizer state over the shard group, plus ZeRO-3's gathered weights, the whole
+    stages a rank holds when gathered once per step) equals the measured weights, gradients,
+    optimizer state and gathered weights per rank to the byte; the measured peak activation bytes
+    are within 1% of the ledger's walk (the gathered weights are parameters to the meter, not
+    activations). With ``--reshard-after-forward`` the two count different units (see the report of
+    issue 43 and :mod:`executor.zero`): the ledger two layers (FSDP's per-block units, the next one
+    prefetched), the executor one stage chunk: not compared here."""
+    from cost_models.bind import bind
+    from cost_models.job import Job
+    from cost_models.memory import peak_activation
+    cfg, sched, res = runs(world)[case]
+    ledger = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
+    assert [op for prog in ledger.lowered.programs for op in prog] == [op for prog in sched.programs for op in prog]
+    assert [d["static_bytes"] + d["gathered_bytes"] for d in res.per_device] == \
+        [int(x) for x in ledger.costs.static_mem]
+    act = peak_activation(ledger.lowered, ledger.costs)
+    for d, want in zip(res.per_device, act, strict=True):
+        assert abs(d["peak_activation_bytes"] - want) <= 0.01 * want, ([d["peak_activation_bytes"] for d in
+                                                                         res.per_device], act)
 
 
 def test_a_model_file_is_refused_at_every_zero_stage():
