@@ -1,17 +1,19 @@
-"""ZeRO 2, ZeRO 3 (FSDP) and HSDP in the executor (gloo on the CPU) against the single-process reference.
+"""ZeRO 2, ZeRO 3 (FSDP) and HSDP in the executor (gloo on the CPU) against the single-process
+reference.
 
-One spawn of 4 processes runs the matrix (processes reused across jobs): a small GPT (4 blocks, 4
+Two spawns of 4 processes (T = 1 and T = 2) run the matrix (processes reused across jobs): a small GPT (4 blocks, 4
 heads) trains 2 SGD steps at D = 2 x R = 2 with ZeRO 2, ZeRO 3 gathered once per step and ZeRO 3
-resharded after every forward (``--reshard-after-forward``), under dapple, under the split
-backward of zb-v and zb-h1, with full and selective recomputation; at T = 2 x D = 1 x R = 2
-(tensor parallel, Megatron's order) with ZeRO 3 under dapple and zb-v (its two chunks on one
-device); and HSDP at R = 4 (D = 1) with ``--dp-shard 2``: two shard groups of 2 replicas, each
-slice all-reduced over its replicate group. Every per-step loss equals the reference's within
-1e-5 (relative), every final parameter (gathered from its shards) within 1e-5; the trace's op
-order per rank is the lowered program's; the collectives each process issued equal the closed
-forms of :mod:`executor.zero`. ``mem-`` cases (a wider model, Adam, one step) give the bytes per
-rank: weights, gradients and optimizer state at rest, the unsharded gradients' and the gathered
-weights' peaks, each equal to its closed form.
+resharded after every forward (``--reshard-after-forward``), under dapple, under the split backward
+of zb-v and zb-h1, with full and selective recomputation; at T = 2 x D = 1 x R = 2 (tensor parallel,
+Megatron's order) with ZeRO 3 under dapple and zb-v (its two chunks on one device; with sequence
+parallelism and full recomputation too); and HSDP at R = 4 (D = 1) with ``--dp-shard 2``: two shard
+groups of 2 replicas, each slice all-reduced over its replicate group. Every per-step loss equals
+the reference's within 1e-5 (relative), every final parameter (gathered from its shards) within
+1e-5; the trace's op order per rank is the lowered program's; the collectives each process issued
+equal the closed forms of :mod:`executor.zero`. ``mem-`` cases (a wider model, Adam, one step) give
+the bytes per rank: weights, gradients and optimizer state at rest, the unsharded gradients' and the
+gathered weights' peaks, each equal to its closed form and (but for ``--reshard-after-forward``) to
+the simulator's ledger (``cost_models.bind.bind``), to the byte; peak activations within 1%.
 """
 import math
 
@@ -47,6 +49,9 @@ def _cases():
     for s, raf in (("dapple", False), ("zb-v", True)):
         cases[f"zero3{'-raf' if raf else ''}-{s}-T2D1R2"] = RunConfig.of(
             schedule=s, devices=1, microbatches=4, replicas=2, zero=3, reshard_after_forward=raf, **tp)
+    cases["sp-zero3-raf-zb-v-recompute-full-T2D1R2"] = RunConfig.of(
+        schedule="zb-v", devices=1, microbatches=4, replicas=2, zero=3, reshard_after_forward=True,
+        sequence_parallel=True, recompute="full", **tp)
     for zero, raf in ((2, False), (3, True)):
         cases[f"hsdp-zero{zero}{'-raf' if raf else ''}-D1R4S2"] = RunConfig.of(
             schedule="dapple", devices=1, microbatches=2, replicas=4, zero=zero, dp_shard=2,
@@ -76,8 +81,8 @@ def references():
     cache = {}
 
     def get(cfg):
-        key = cfg.with_(schedule="gpipe", recompute="none", tp=1, zero=0, dp_shard=0, reshard_after_forward=False,
-                        device_map="sequential")
+        key = cfg.with_(schedule="gpipe", recompute="none", tp=1, sequence_parallel=False, zero=0, dp_shard=0,
+                        reshard_after_forward=False, device_map="sequential")
         if key not in cache:
             cache[key] = run_reference(key)
         return cache[key]
