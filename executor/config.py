@@ -286,10 +286,25 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         config.stack_layout(low.num_stages)     # imports, builds and checks the model: user errors here
     else:
         block_ranges(spec.layers, low.num_stages, config.blocks)
+    if par.zero >= 2:
+        check_zero_placement(low, par.zero)
     if check:
         validate(low)
     check_fault(config.fault, low, config.steps)
     return low
+
+
+def check_zero_placement(low: Schedule, zero: int) -> None:
+    """ZeRO 2 and 3 issue a stage's collectives at every micro-batch's backward (and ZeRO 3 at its
+    forwards): the ranks of a shard group must reach them at the same points of their programs,
+    which holds for replicas (the same program) but not for a stage held on two devices of one
+    replica (chimera's, bitpipe's model copies, a DAPPLE plan's stage replicas): refused in one line."""
+    for s in range(low.num_stages):
+        m = len(low.stage_group(s)) // low.replicas
+        if m > 1:
+            raise ValueError(f"--zero {zero} shards a stage over its data-parallel replicas at every micro-batch; "
+                             f"{low.name} holds stage {s} on {m} devices of a replica, whose programs meet its "
+                             f"collectives at different points (use --zero 1)")
 
 
 def check_tensor_parallel(spec: ModelSpec, tp: int, sequence_parallel: bool = False) -> None:

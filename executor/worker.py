@@ -370,10 +370,12 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         from .user_model import TiedGradients
         tied = TiedGradients(global_rank, [(mesh.tp_group(rank), tp_group, partial)], set(),
                              what="the sequence-parallel norm gradients")
-    if par.zero:     # ZeRO 1, 2, 3: each rank of a stage's shard group steps its shard (executor.zero)
+    # ZeRO 1, 2, 3: each rank of a stage's shard group steps its shard (executor.zero); the shards in stage
+    # order on every rank, so that two stages over the same ranks (chimera) meet at OPTIM in one order
+    if par.zero:
         shards = groups.for_shards(sched, global_rank, ctx.device, mesh, par.dp_shard)
         optimizer = ShardedOptimizer([(list(m.parameters()), shards.get(s, ShardGroups(None, 0, 1)))
-                                      for s, m in built.items()], cfg.optimizer, cfg.lr, zero=par.zero,
+                                      for s, m in sorted(built.items())], cfg.optimizer, cfg.lr, zero=par.zero,
                                      reshard_after_forward=par.reshard_after_forward,
                                      partial=(partial, tp_group) if partial else None,
                                      timeout=cfg.timeout, rank=global_rank)

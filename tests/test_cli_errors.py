@@ -98,6 +98,8 @@ CASES = [
     ("dp-shard-in-a-run-not-dividing-dp", RUN + ["--dp", "4", "--zero", "3", "--dp-shard", "3"],
      ["--dp-shard 3", "--dp 4"]),
     ("dp-shard-in-a-run-without-zero", RUN + ["--dp", "4", "--dp-shard", "2"], ["--dp-shard", "--zero"]),
+    ("zero3-in-a-run-of-chimera", ["run", "-s", "chimera", "-D", "2", "-N", "2", "--dp", "2", "--zero", "3"],
+     ["--zero 3", "chimera holds stage 0 on 2 devices of a replica", "--zero 1"]),
     ("sp-with-a-profile", SIM + ["--profile", "{file}", "--tp", "2", "--sequence-parallel"],
      ["--sequence-parallel", "--profile"]),
     # calibrate / validate with tensor parallelism: refused before any measurement

@@ -4,7 +4,8 @@ reference.
 Two spawns of 4 processes (T = 1 and T = 2) run the matrix (processes reused across jobs): a small GPT (4 blocks, 4
 heads) trains 2 SGD steps at D = 2 x R = 2 with ZeRO 2, ZeRO 3 gathered once per step and ZeRO 3
 resharded after every forward (``--reshard-after-forward``), under dapple, under the split backward
-of zb-v and zb-h1, with full and selective recomputation; at T = 2 x D = 1 x R = 2 (tensor parallel,
+of zb-v and zb-h1, with full and selective recomputation (and chimera's two model copies at ZeRO 1:
+a stage's shard group spans both); at T = 2 x D = 1 x R = 2 (tensor parallel,
 Megatron's order) with ZeRO 3 under dapple and zb-v (its two chunks on one device; with sequence
 parallelism and full recomputation too); and HSDP at R = 4 (D = 1) with ``--dp-shard 2``: two shard
 groups of 2 replicas, each slice all-reduced over its replicate group. Every per-step loss equals
@@ -41,6 +42,8 @@ def _cases():
         z = f"zero{zero}{'-raf' if raf else ''}"
         for s in ("dapple", "zb-v"):
             cases[f"{z}-{s}-D2R2"] = RunConfig.of(schedule=s, zero=zero, reshard_after_forward=raf, **D2R2, **BASE)
+    # two model copies: a stage's shard group is S x 2 ranks, its modules on a rank in stage order
+    cases["zero1-chimera-D2R2"] = RunConfig.of(schedule="chimera", zero=1, **D2R2, **BASE)
     cases["zero3-raf-zb-h1-recompute-full-D2R2"] = RunConfig.of(schedule="zb-h1", zero=3, reshard_after_forward=True,
                                                              recompute="full", **D2R2, **BASE)
     cases["zero3-dapple-recompute-selective-D2R2"] = RunConfig.of(schedule="dapple", zero=3, recompute="selective",
@@ -222,6 +225,15 @@ def test_a_model_file_is_refused_at_every_zero_stage():
                        (3, "optimizer state, gradients and weights")):
         with pytest.raises(ValueError, match=rf"--zero {zero} shards the built-in GPT's {what}; not a model file's"):
             RunConfig.of(schedule="dapple", devices=2, microbatches=4, replicas=2, zero=zero, model=TIED_LM)
+
+
+def test_zero_2_and_3_refuse_a_stage_on_two_devices_of_a_replica():
+    """Chimera holds each stage on two devices of a replica, whose programs reach the stage's
+    per-micro-batch collectives at different points: refused in one line (ZeRO 1 runs it)."""
+    lowered_schedule(RunConfig.of(schedule="chimera", zero=1, **D2R2, model=SPEC))
+    for zero in (2, 3):
+        with pytest.raises(ValueError, match=rf"--zero {zero} .* chimera holds stage 0 on 2 devices of a replica"):
+            lowered_schedule(RunConfig.of(schedule="chimera", zero=zero, **D2R2, model=SPEC))
 
 
 def test_hsdp_groups_need_a_dp_shard_that_divides_dp():
