@@ -336,7 +336,8 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
 
 def fsdp_lines(fsdp: dict | None) -> dict:
     """Report fields of ZeRO-2/3 (``StageCosts.meta["fsdp"]``): ``fsdp`` the per-stage record (JSON)
-    and ``fsdp_collectives``, one line for the stage that moves the most."""
+    and ``fsdp_collectives``, one line for the stage that moves the most (its times per micro-batch and
+    at the step's end; a GPU holding several stages runs each one's)."""
     if not fsdp:
         return {}
     from .memory import fmt_bytes
@@ -346,8 +347,8 @@ def fsdp_lines(fsdp: dict | None) -> dict:
     where = f"over {S} replicas" + (f", {G} replicate groups (HSDP)" if G > 1 else "")
     gathers = f", all-gathers {st['f']:.3g} s in F and {st['b']:.3g} s in B" if fsdp["reshard_after_forward"] else ""
     line = (f"ZeRO-{fsdp['zero']} {where}: per micro-batch reduce-scatter {st['w']:.3g} s in W{gathers} (behind the "
-            f"compute), step end {st['step_end']:.3g} s; {fmt_bytes(st['bytes_per_microbatch'])} + "
-            f"{fmt_bytes(st['bytes_step_end'])} sent per GPU per step (per micro-batch + step end, stage {i})")
+            f"compute), step end {st['step_end']:.3g} s; stage {i}'s GPUs send {fmt_bytes(st['bytes_per_microbatch'])} "
+            f"+ {fmt_bytes(st['bytes_step_end'])} each a step (per micro-batch + step end)")
     return {"fsdp": fsdp, "fsdp_collectives": line}
 
 

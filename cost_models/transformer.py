@@ -77,6 +77,7 @@ collectives' time is added to F and B (Megatron's default: on the critical path)
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, held_stages, with_peak_floor
 from .cluster import Cluster
@@ -336,6 +337,21 @@ def transformer_layers(spec: ModelSpec, recompute: str = "none", dropout: bool |
     return [embedding_layer(spec, dropout, tp, sp), *blocks, head_layer(spec, tp, sp)]
 
 
+@lru_cache(maxsize=1024)
+def _layers(spec: ModelSpec, recompute: str, dropout: bool, tp: int, sp: bool, parallel: Parallel | None):
+    """:func:`transformer_layers` once per argument set (its layers are frozen): the layout search
+    costs thousands of records whose layers differ in none of these."""
+    return tuple(transformer_layers(spec, recompute, dropout, tp, sp, parallel))
+
+
+@lru_cache(maxsize=1024)
+def _kernel_times(spec: ModelSpec, device: DeviceSpec, precision: str, recompute: str, dropout: bool, tp: int,
+                  sp: bool, grad_accumulation: str):
+    """:func:`cost_models.kernels.transformer_layer_times` once per argument set."""
+    return tuple(transformer_layer_times(spec, device, precision, recompute, dropout, tp=tp, sp=sp,
+                                         grad_accumulation=grad_accumulation))
+
+
 def model_params(spec: ModelSpec, tied_embeddings: bool | None = None) -> int:
     """Parameters of the whole model. ``tied_embeddings`` (default: the model's, True for gpt)
     counts the output projection once with the embedding table, as the papers' model sizes do."""
@@ -445,8 +461,20 @@ class DataParallelGroup:
             raise ValueError(f"unknown collective {kind!r}")
         if self.size <= 1 or nbytes <= 0:
             return 0.0
-        t = allreduce_time(self.cluster, range(0, self.size * self.stride, self.stride), nbytes)
+        fixed, per_byte = _allreduce_line(self.cluster, self.size, self.stride)
+        t = fixed + per_byte * nbytes
         return t if kind == "all-reduce" else t / 2
+
+
+@lru_cache(maxsize=4096)
+def _allreduce_line(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
+    """(seconds, seconds per byte): :func:`cost_models.comm.allreduce_time` over ``size`` GPUs
+    ``stride`` apart is affine in the bytes (latencies + bytes over bandwidths, every form), so it
+    is found once per group (a group of hundreds of GPUs takes milliseconds to walk)."""
+    ranks = range(0, size * stride, stride)
+    fixed = allreduce_time(cluster, ranks, 0.0)
+    big = 2.0 ** 40
+    return fixed, (allreduce_time(cluster, ranks, big) - fixed) / big
 
 
 def static_bytes_split(dtype_bytes: float, grad_bytes: float, bytes_per_param: float) -> tuple[float, float, float]:
@@ -533,6 +561,8 @@ class TransformerCostModel:
     expert_group: ExpertGroup | None = None
     dp_group: DataParallelGroup | None = None
     replicate_group: DataParallelGroup | None = None
+    # layers() and layer_costs() once per record (it is frozen: they cannot change); not a field of its value
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):
@@ -623,8 +653,9 @@ class TransformerCostModel:
         return self.device.achievable_flops(self.resolved_precision())
 
     def layers(self) -> list[Layer]:
-        par = self.parallel
-        return transformer_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel, par)
+        par = self.parallel       # a dense model's layers read none of the record but T, SP and recompute
+        return list(_layers(self.model, par.recompute, self.uses_dropout, par.tp, par.sequence_parallel,
+                            par if self.model.is_moe else None))
 
     @property
     def shard(self) -> int:
@@ -687,8 +718,7 @@ class TransformerCostModel:
         edp = expert_data_parallel(par, self.replicas)
         if edp <= 1 or nbytes <= 0 or self.expert_group is None:
             return 0.0
-        t = allreduce_time(self.expert_group.cluster, range(0, edp * par.ep * par.etp, par.ep * par.etp), nbytes)
-        return t if kind == "all-reduce" else t / 2
+        return DataParallelGroup(self.expert_group.cluster, edp, par.ep * par.etp).time(kind, nbytes)
 
     def _dense_expert_params(self, L: list[Layer]) -> list[tuple[float, float]]:
         """Per layer: (parameters sharded over the shard group, routed experts' over EDP) on one GPU."""
@@ -710,8 +740,24 @@ class TransformerCostModel:
 
         so a GPU moves per step, on rings of S, (S-1)/S x p x [N g_r + w] (ZeRO-2, ZeRO-3 gathered
         once) or (S-1)/S x p x N (g_r + 2w) (reshard_after_forward), HSDP adding
-        2 (R/S - 1)/(R/S) x p g_r / S (:meth:`fsdp_step_bytes`)."""
-        L = self.layers() if L is None else L
+        2 (R/S - 1)/(R/S) x p g_r / S (:meth:`fsdp_step_bytes`).
+
+        Why per micro-batch: a GPU keeps only its 1/S of the gradients over a step of N
+        micro-batches only if each micro-batch's are reduce-scattered as its backward makes them
+        (DeepSpeed's ZeRO-2; Llama 3 shards optimizer state and gradients under its pipeline). The
+        other choice, torchtitan's under ``torch.distributed.pipelining`` (``stage.py``:
+        ``backward_maybe_with_nosync`` calls ``set_requires_gradient_sync(False)`` for every
+        micro-batch, ``perform_reduce_grad`` reduce-scatters once after the stage's last B/W),
+        sends 1/N of these bytes but holds the whole fp32 gradients through the step: ZeRO-1's
+        gradient memory. ZeRO-3 gathered once (no ``reshard_after_forward``) gathers at the
+        stage's first F and holds the weights to its last B; that gather is costed at the step's
+        end, the same place on a rank's timeline between two steps (after its optimizer, before
+        its next first F)."""
+        if L is None:
+            got = self._memo.get("fsdp")
+            if got is None:
+                got = self._memo["fsdp"] = self.fsdp_layer_times(self.layers())
+            return got
         zero, n = self.parallel.zero, len(L)
         if zero < 2:
             return ((0.0,) * n,) * 4
@@ -723,16 +769,15 @@ class TransformerCostModel:
             return t + self._edp_time(kind, expert)
 
         every = zero == 3 and self.parallel.reshard_after_forward
-        f, b, wt, end = [], [], [], []
-        for dense, expert in self._dense_expert_params(L):
+        times = {}          # the blocks are alike: each size of layer costed once
+        for key in set(self._dense_expert_params(L)):
+            dense, expert = key
             gather = coll("all-gather", dense * w, expert * w)
             rs = coll("reduce-scatter", dense * r, expert * r)
             hsdp = rep.time("all-reduce", dense * r / S) if rep is not None else 0.0
-            f.append(gather if every else 0.0)
-            b.append(gather if every else 0.0)
-            wt.append(rs)
-            end.append(hsdp + (0.0 if every else gather))
-        return tuple(f), tuple(b), tuple(wt), tuple(end)
+            times[key] = (gather if every else 0.0, gather if every else 0.0, rs, hsdp + (0.0 if every else gather))
+        rows = [times[key] for key in self._dense_expert_params(L)]
+        return tuple(tuple(x[k] for x in rows) for k in range(4))
 
     def fsdp_step_bytes(self, params: float, microbatches: int) -> dict:
         """Bytes one GPU sends per step in ZeRO-2/3's collectives for ``params`` parameters held (a
@@ -759,7 +804,7 @@ class TransformerCostModel:
         if self.parallel.zero < 2:
             return {}
         L = self.layers()
-        fc, bc, wc, end = self.fsdp_layer_times(L)
+        fc, bc, wc, end = self.fsdp_layer_times()
         dense = [d for d, _ in self._dense_expert_params(L)]
         parts = layer_ranges(len(L), sched.num_stages, self.partition_for(sched.num_stages))
         N = sched.num_microbatches
@@ -811,11 +856,17 @@ class TransformerCostModel:
 
     def layer_costs(self) -> LayerCosts:
         """Per-layer seconds and bytes (the input of :class:`PerLayerCostModel` and of planners)."""
+        got = self._memo.get("layer_costs")
+        if got is None:
+            got = self._memo["layer_costs"] = self._layer_costs()
+        return got
+
+    def _layer_costs(self) -> LayerCosts:
         L = self.layers()
         if self.compute == "kernels":
-            t = transformer_layer_times(self.model, self.device, self.resolved_precision(), self.parallel.recompute,
-                                        self.uses_dropout, tp=self.parallel.tp, sp=self.parallel.sequence_parallel,
-                                        grad_accumulation=self.grad_accumulation)
+            par = self.parallel
+            t = _kernel_times(self.model, self.device, self.resolved_precision(), par.recompute, self.uses_dropout,
+                              par.tp, par.sequence_parallel, self.grad_accumulation)
             f, b_in, w = (tuple(x[i] for x in t) for i in range(3))
         else:
             rate = self.flop_rate()
@@ -837,7 +888,7 @@ class TransformerCostModel:
             b_in = tuple(x + y for x, y in zip(b_in, a2a_b))
             moe = self._expert_memory(L)
         if self.parallel.zero >= 2:     # FSDP's collectives behind each layer's compute, and at the step's end
-            fc, bc, wc, end = self.fsdp_layer_times(L)
+            fc, bc, wc, end = self.fsdp_layer_times()
             f = tuple(max(x, c) for x, c in zip(f, fc))
             b_in = tuple(max(x, c) for x, c in zip(b_in, bc))
             w = tuple(max(x, c) for x, c in zip(w, wc))

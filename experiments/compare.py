@@ -105,6 +105,9 @@ def report(comp, job, *, out: Path | None, plot: str | None, as_json: bool = Fal
     print(fmt_table(shown_rows, cols,
                     {"iteration_time": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation_max": "{:.6g}",
                      "peak_memory_max": "{:.6g}"}))
+    for r in rows:        # ZeRO-2/3: what each schedule's collectives cost (their bytes differ with N)
+        if r.get("fsdp_collectives"):
+            print(f"{r['schedule']}: {printable(r['fsdp_collectives'])}")
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if plot:

@@ -1,5 +1,6 @@
-"""The whole-layout planner: T x D x R, schedule family, micro-batch, recompute, ZeRO-1 and sequence
-parallelism for a transformer on a cluster, and for a mixture of experts its expert-parallel EP
+"""The whole-layout planner: T x D x R, schedule family, micro-batch, recompute, ZeRO 0 to 3 (ZeRO-3
+as FSDP re-gathering per micro-batch, :func:`zero_record`) and sequence parallelism for a
+transformer on a cluster, and for a mixture of experts its expert-parallel EP
 (and ETP) and the forward/backward overlap, the fastest that fits each GPU's memory.
 
 Every candidate is a :class:`cost_models.job.Job` (uniform layouts: R replicas of a D-stage
@@ -16,8 +17,9 @@ by bounds that never exceed the truth:
   built schedule: each device's compute ops, after the forwards of the stages before its first,
   then its optimizer step; and, before a candidate is simulated, the built schedule timed with its
   compute costs and no communication (its bubbles: :meth:`_Bounds.critical_path`);
-* memory: a GPU needs at least its mean static bytes (weights, gradients, optimizer state, ZeRO-1
-  sharded), params x bytes / D, plus the mean over the devices of one micro-batch's activations of
+* memory: a GPU needs at least its mean static bytes (weights, gradients, optimizer state as its
+  ZeRO stage shards them; ZeRO-3's gathered weights where it keeps them through the step),
+  params x bytes / D, plus the mean over the devices of one micro-batch's activations of
   the stages each holds (a device runs the forwards of micro-batch 0 through all its stages before
   any of their backwards, which need the whole pipeline's forward), the whole model's / D, plus
   the transients every verdict counts; above the usable memory no schedule of that layout fits.
@@ -56,7 +58,7 @@ from cost_models.job import ClusterChoice, Job, Layout
 from cost_models.memory import MemoryReport, fmt_bytes, memory_report, peak_activation, usable_memory
 from cost_models.model_spec import ModelSpec
 from cost_models.moe import check_expert_parallel
-from cost_models.parallel import RECOMPUTE, Parallel
+from cost_models.parallel import RECOMPUTE, ZERO_STAGES, Parallel
 from cost_models.transformer import megatron_flops, transformer_layers
 from schedules import registry
 from schedules.ir import COMPUTE_KINDS, ScheduleError
@@ -77,7 +79,8 @@ class LayoutSpace:
     the registry's, less :data:`EXCLUDED_BY_DEFAULT`), each with every variant (a family's
     ``overlap_variants``, for phased MoE costs, only for a mixture of experts, with the overlap
     on) and, for those that
-    take chunks, ``chunks``; ``micro_batches``; ``recompute``; ``zero`` (ZeRO-1 only when R > 1);
+    take chunks, ``chunks``; ``micro_batches``; ``recompute``; ``zero`` (ZeRO 1, 2, 3 only when
+    R > 1; ZeRO-3 with ``reshard_after_forward``, :func:`zero_record`);
     ``sequence_parallel`` (only when T > 1); ``max_stages``: at most this many pipeline devices D;
     ``devices``: only these D (None: every D that divides the GPUs); ``gpus``: the GPUs used
     (None: the cluster's; a multiple of its node size); ``device_maps``: how
@@ -98,7 +101,7 @@ class LayoutSpace:
     chunks: tuple[int, ...] = DEFAULT_CHUNKS
     micro_batches: tuple[int, ...] = DEFAULT_MICRO_BATCHES
     recompute: tuple[str, ...] = RECOMPUTE
-    zero: tuple[int, ...] = (0, 1)
+    zero: tuple[int, ...] = ZERO_STAGES
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_stages: int | None = None
     devices: tuple[int, ...] | None = None
@@ -111,6 +114,9 @@ class LayoutSpace:
     knobs: Parallel = Parallel()
 
     def __post_init__(self):
+        for z in self.zero:
+            if isinstance(z, bool) or z not in ZERO_STAGES:
+                raise ValueError(f"--zero values must be among {', '.join(map(str, ZERO_STAGES))}; got {z!r}")
         for r in self.recompute:
             if r not in RECOMPUTE:
                 raise ValueError(f"--recompute must be among {', '.join(RECOMPUTE)}; got {r!r}")
@@ -359,8 +365,8 @@ class _ExpertAxes:
             else:
                 ofbs = self.space.overlap_fb if overlap == "both" and ep > 1 else (False,)
             for ofb in ofbs:
-                par = Parallel(tp=tp, micro_batch=mb, recompute=rc, zero=zero, sequence_parallel=sp, ep=ep, etp=etp,
-                               overlap_fb=ofb, **(self.fixed if self.model.is_moe else {}))
+                par = Parallel(tp=tp, micro_batch=mb, recompute=rc, **zero_record(zero), sequence_parallel=sp, ep=ep,
+                               etp=etp, overlap_fb=ofb, **(self.fixed if self.model.is_moe else {}))
                 if self._fits(par, R):
                     out.append(par)
         return out
@@ -386,6 +392,15 @@ class _ExpertAxes:
             for v in values:
                 if (name, v) not in self._used and (name, v) in self._why:
                     raise ValueError(f"--{name} {v} fits no layout of the space: {self._why[(name, v)]}")
+
+
+def zero_record(zero: int) -> dict:
+    """The :class:`Parallel` fields of ZeRO stage ``zero`` in the search: ZeRO-3 re-gathers the
+    weights for each micro-batch's F and B (``reshard_after_forward``): gathered once per step it
+    takes ZeRO-2's time (the same reduce-scatters per micro-batch, the same all-gather per step)
+    and more memory (the whole weights held through the step beside their shard), so it never
+    wins; HSDP (``dp_shard``) is not searched."""
+    return {"zero": zero, "reshard_after_forward": zero == 3}
 
 
 def _variants(fam, model: ModelSpec, space: LayoutSpace) -> list:
@@ -420,14 +435,27 @@ class _Bounds:
         self._counts: dict = {}
         self._paths: dict = {}
         self._acts: dict = {}
+        self._models: dict = {}
 
     def inputs(self, job: Job) -> CostInputs:
         return CostInputs("transformer", model=job.parallel.sized(self.model), cluster=self.cluster)
 
+    def cost_model(self, job: Job):
+        """The job's :func:`cost_models.bind.transformer_cost_model`, one per (parallel record, R, D,
+        cost model, partition): the candidates of other schedules, chunks and micro-batch counts
+        share it, and its layer costs (computed once per record)."""
+        lay = job.layout
+        key = (job.parallel, lay.replicas, lay.devices, job.cost_model, job.partition, job.grad_accumulation)
+        got = self._models.get(key)
+        if got is None:
+            got = self._models[key] = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+        return got
+
     def time(self, job: Job) -> float:
         lay, par = job.layout, job.parallel
         hidden = may_overlap(job)
-        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.ep, par.etp, hidden)
+        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.ep, par.etp, hidden,
+               *_fsdp_key(job))
         if key not in self._work:
             c, a2a = self._layer_costs(job, hidden)
             work = sum(c.f) + sum(c.b_input) + sum(c.w)
@@ -439,16 +467,16 @@ class _Bounds:
         """Seconds of the optimizer steps of every layer (with a mixture of experts' EDP all-reduce):
         each rank's OPTIM runs after its last compute op."""
         par = job.parallel
-        key = (par.tp, par.ep, par.etp, par.zero, job.layout.replicas)
+        key = (par.tp, par.ep, par.etp, par.zero, job.layout.replicas, *_fsdp_key(job))
         if key not in self._optim:
-            c = transformer_cost_model(job, self.inputs(job).model, self.cluster).layer_costs()
+            c = self.cost_model(job).layer_costs()
             self._optim[key] = c.optim_total()
         return self._optim[key]
 
     def _layer_costs(self, job: Job, hidden: bool):
         """(the job's per-layer costs, 0); ``hidden``: (its costs without the expert all-to-alls,
         the all-to-alls' seconds of one micro-batch), for :func:`overlapped`."""
-        tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+        tcm = self.cost_model(job)
         c = tcm.layer_costs()
         if not hidden:
             return c, 0.0
@@ -483,7 +511,7 @@ class _Bounds:
         sched = self.shape(job)
         if isinstance(sched, Exception):
             return str(sched)
-        tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+        tcm = self.cost_model(job)
         try:
             costs = tcm.bind(sched)
         except ValueError as e:
@@ -522,7 +550,7 @@ class _Bounds:
         overlap, each op's compute alone."""
         from schedules.timing import time_programs
         sched = self.shape(job)
-        tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+        tcm = self.cost_model(job)
         costs = tcm.bind(sched)
         optim = costs.optim_time
         if may_overlap(job):
@@ -558,13 +586,26 @@ class _Bounds:
 
     def memory(self, job: Job) -> float:
         lay, par = job.layout, job.parallel
-        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas, par.ep, par.etp)
+        key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas, par.ep, par.etp,
+               *_fsdp_key(job))
         if key not in self._mem:
-            tcm = transformer_cost_model(job, self.inputs(job).model, self.cluster)
+            tcm = self.cost_model(job)
             c = tcm.layer_costs()       # a mixture of experts' held and sharded as the cost model holds them
-            self._mem[key] = (c.static_total() + sum(c.act), tcm.transient_bytes())
+            # ZeRO-3 gathered once per step: every rank holds its stages' whole weights through the step
+            # (re-gathered per micro-batch: two layers at a time, at least 0)
+            gathered = sum(c.params) * tcm.bytes_split()[0] if par.zero == 3 and not par.reshard_after_forward else 0.0
+            self._mem[key] = (c.static_total() + gathered + sum(c.act), tcm.transient_bytes())
         held, transient = self._mem[key]
         return held / lay.devices + transient
+
+
+def _fsdp_key(job: Job) -> tuple:
+    """What ZeRO-2/3's costs add to a cache key of :class:`_Bounds` (their collectives depend on the
+    shard and replicate groups); () below ZeRO-2, whose layer times do not depend on them."""
+    par = job.parallel
+    if par.zero < 2:
+        return ()
+    return par.zero, job.layout.replicas, par.dp_shard, par.reshard_after_forward
 
 
 def overlapped(compute: float, a2a: float, share: float) -> float:
@@ -588,12 +629,14 @@ _ZERO, _OVERLAP = 7, 12       # the places of ZeRO and overlap_fb in _order
 def _leaner(order: tuple) -> list[tuple]:
     """The orders of the candidates that need no more memory than ``order``'s on any GPU: with
     ZeRO 0, the same with ZeRO-1 (it only shards the optimizer state: the same activations and
-    transients, less static memory on every GPU); with the overlap, the same without it (it
+    transients, less static memory on every GPU), and with ZeRO 0 or 1 the same with ZeRO-2 (which
+    also shards the gradients; not ZeRO-3, whose gathered layers may outweigh its weight shards on a
+    GPU that holds few); with the overlap, the same without it (it
     changes the times, not what a GPU keeps). The ledger's out of memory for one of them is the
     candidate's."""
     out = []
-    if order[_ZERO] == 0:
-        out.append(order[:_ZERO] + (1,) + order[_ZERO + 1:])
+    if order[_ZERO] in (0, 1):
+        out += [order[:_ZERO] + (z,) + order[_ZERO + 1:] for z in range(order[_ZERO] + 1, 3)]
     if order[_OVERLAP]:
         out.append(order[:_OVERLAP] + (False,) + order[_OVERLAP + 1:])
     return out

@@ -57,6 +57,11 @@ def test_search_equals_brute_force(case):
     fits = ranked([got for _, got in brute if isinstance(got, Confirmed)])
     ooms = [(c, got) for c, got in brute if isinstance(got, tuple) and got[0] == "oom"]
     assert len(fits) >= 3 and (limit is None or ooms), (len(fits), len(ooms))
+    # the ZeRO axis: 0 to 3 where R > 1, ZeRO-3 re-gathering per micro-batch (planner.layout.zero_record),
+    # ZeRO-2 and 3 simulated among the layouts that fit
+    assert {c.job.parallel.zero for c, _ in brute} == {0, 1, 2, 3}
+    assert all(c.job.parallel.reshard_after_forward == (c.job.parallel.zero == 3) for c, _ in brute)
+    assert {x.job.parallel.zero for x in fits} >= {2, 3}
     for c, got in brute:
         if isinstance(got, Confirmed):
             assert got.iteration_time >= c.time_bound * (1 - 1e-12)

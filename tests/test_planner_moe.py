@@ -24,8 +24,9 @@ GiB = 2 ** 30
 MOE = ModelSpec(name="small-moe", kind="llama", layers=4, hidden=1024, heads=16, kv_heads=4, ffn_hidden=2816,
                 seq_len=1024, vocab=32000, micro_batch=1, dtype_bytes=2, experts=8, top_k=2, expert_ffn=1024)
 DENSE = replace(MOE, name="small-dense", experts=0, top_k=0, expert_ffn=None)
+# ZeRO 0 and 1: the expert axes' counts and claims below (ZeRO-2/3 with experts: tests/test_fsdp_sim.py)
 SPACE = LayoutSpace(schedules=("dapple", "dualpipe-v"), micro_batches=(1, 2), recompute=("none",), tp=(1, 2),
-                    sequence_parallel=(True,))
+                    sequence_parallel=(True,), zero=(0, 1))
 
 
 def _cluster():
