@@ -562,7 +562,7 @@ class TransformerCostModel:
     dp_group: DataParallelGroup | None = None
     replicate_group: DataParallelGroup | None = None
     # layers() and layer_costs() once per record (it is frozen: they cannot change); not a field of its value
-    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.parallel, Parallel):

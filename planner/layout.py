@@ -354,10 +354,19 @@ class _ExpertAxes:
         self._ok: dict = {}
         self._why: dict = {}
         self._used: set = set()
+        self._records: dict = {}
 
     def records(self, tp: int, R: int, mb: int, rc: str, zero: int, sp: bool, overlap: str) -> list[Parallel]:
         """``overlap``: "off" (overlap_fb False), "both" (the space's values where EP > 1), "only"
-        (a variant that pays only overlapped: True, where EP > 1)."""
+        (a variant that pays only overlapped: True, where EP > 1). Once per argument set: the
+        layouts of every D, schedule and chunk count share the records."""
+        key = (tp, R, mb, rc, zero, sp, overlap)
+        got = self._records.get(key)
+        if got is None:
+            got = self._records[key] = self._new_records(tp, R, mb, rc, zero, sp, overlap)
+        return got
+
+    def _new_records(self, tp: int, R: int, mb: int, rc: str, zero: int, sp: bool, overlap: str) -> list[Parallel]:
         out = []
         for ep, etp in itertools.product(self.eps, self.etps):
             if overlap == "only":

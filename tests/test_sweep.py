@@ -135,7 +135,7 @@ def test_sweep_figures_and_pareto(tmp_path):
     (("--nodes", "-2"), "argument --nodes: must be an integer >= 1"),
     (("--oversubscription", "nan"), "argument --oversubscription: must be a number in [1, 1e+06]"),
     (("--schedules", "nope"), "unknown schedule 'nope'"),
-    (("--zero", "0,2"), "--zero: expected comma-separated values out of 0, 1; got '0,2'"),
+    (("--zero", "0,4"), "--zero: expected comma-separated values out of 0, 1, 2, 3; got '0,4'"),
     (("--recompute", "none,most"), "--recompute: expected comma-separated values out of none, selective, full"),
     (("--tp", "1,0"), "--tp: expected comma-separated integers >= 1"),
 ])
