@@ -27,6 +27,9 @@ from .faults import check_fault, parse_fault
 from .model import KINDS
 from .precision import Precision
 
+# what each ZeRO stage shards (executor.zero), for the refusal of a model file
+_ZERO_SHARDS = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
+
 # what a run takes when the flat constructor (:meth:`RunConfig.of`) is not told: the tiny GPT,
 # DAPPLE on 2 pipeline devices with 4 micro-batches
 RUN_DEFAULTS = {"schedule": "dapple", "devices": 2, "microbatches": 4, "model": "tiny"}
@@ -100,10 +103,6 @@ class RunConfig:
         if par.tp_overlap:
             raise ValueError("the executor trains T x D x R layouts without --tp-overlap: simulated only "
                              "(pipetwin simulate); drop it to run")
-        if par.cp > 1 and par.zero > 1:    # ZeRO-1's shards span R x C (executor.worker); 2 and 3 do not yet
-            raise ValueError(f"--zero {par.zero} with --cp {par.cp}: the executor shards gradients and weights over "
-                             f"the R replicas only, not the R x C ranks that hold a stage; give --zero 1 (the "
-                             f"optimizer state over R x C) or drop --cp")
         if job.partition == "time":
             raise ValueError("partition 'time' is resolved from a calibration profile before the run "
                              "(cost_models.bind.profile_partition)")
@@ -136,7 +135,8 @@ class RunConfig:
             raise ValueError(f"--tp {par.tp} splits the built-in GPT's layers; a model file's layers are not split "
                              f"(use --tp 1 with {model})")
         if par.zero:
-            raise ValueError(f"--zero 1 shards the built-in GPT's optimizer state; not a model file's ({model})")
+            raise ValueError(f"--zero {par.zero} shards the built-in GPT's {_ZERO_SHARDS[par.zero]}; not a model "
+                             f"file's ({model}: use --zero 0)")
         if par.seq_len is not None:
             raise ValueError(f"--seq-len sets the built-in GPT's sequence length; model {model} brings its own")
         if par.recompute != "none":
@@ -295,10 +295,25 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         config.stack_layout(low.num_stages)     # imports, builds and checks the model: user errors here
     else:
         block_ranges(spec.layers, low.num_stages, config.blocks)
+    if par.zero >= 2:
+        check_zero_placement(low, par.zero)
     if check:
         validate(low)
     check_fault(config.fault, low, config.steps)
     return low
+
+
+def check_zero_placement(low: Schedule, zero: int) -> None:
+    """ZeRO 2 and 3 issue a stage's collectives at every micro-batch's backward (and ZeRO 3 at its
+    forwards): the ranks of a shard group must reach them at the same points of their programs,
+    which holds for replicas (the same program) but not for a stage held on two devices of one
+    replica (chimera's, bitpipe's model copies, a DAPPLE plan's stage replicas): refused in one line."""
+    for s in range(low.num_stages):
+        m = len(low.stage_group(s)) // low.replicas
+        if m > 1:
+            raise ValueError(f"--zero {zero} shards a stage over its data-parallel replicas at every micro-batch; "
+                             f"{low.name} holds stage {s} on {m} devices of a replica, whose programs meet its "
+                             f"collectives at different points (use --zero 1)")
 
 
 def check_tensor_parallel(spec: ModelSpec, tp: int, sequence_parallel: bool = False) -> None:

@@ -25,7 +25,9 @@ Activation memory (bytes alive that backward needs):
 - CUDA, :class:`AllocatorMeter`: the caching allocator's ``memory_allocated`` minus its value at
   the start of the step (weights, gradients and optimizer state are allocated before), with the
   peak from ``max_memory_allocated`` (reset each step). It also counts received activation buffers
-  and temporaries, i.e. what the device really holds.
+  and temporaries, i.e. what the device really holds (under ZeRO 2 and 3 that includes the
+  unsharded gradients and the gathered weights, allocated during the step: :mod:`executor.zero`
+  reports their peaks apart).
 """
 from __future__ import annotations
 
@@ -139,6 +141,13 @@ class SavedTensorMeter:
         self._refs: dict[int, list] = {}  # storage address -> [references, bytes, meter, address]
         self.live = 0
         self.peak = 0
+
+    def param_storage_moved(self, old: int, new: int) -> None:
+        """A parameter storage moved from address ``old`` to ``new`` (0: freed): ZeRO 3's gathered
+        weights (:mod:`executor.zero`) are still parameters, not activations."""
+        self._param_storages.discard(old)
+        if new:
+            self._param_storages.add(new)
 
     def _pack(self, t: torch.Tensor):
         ptr = t.data_ptr() - t.storage_offset() * t.element_size()

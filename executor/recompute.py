@@ -111,6 +111,12 @@ class Recompute:
             entry[1].__exit__(None, None, None)
         entry[0].__exit__(None, None, None)
 
+    def param_storage_moved(self, old: int, new: int) -> None:
+        """A parameter storage moved (ZeRO 3's gathered weights, :mod:`executor.zero`; ``new`` 0: freed)."""
+        self._param_ptrs.discard(old)
+        if new:
+            self._param_ptrs.add(new)
+
     def is_param(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._param_ptrs
 

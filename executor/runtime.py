@@ -4,7 +4,10 @@ Per op kind (the IR's semantics, :mod:`schedules.ir` / :mod:`schedules.validate`
 
 F     forward of one chunk (a stage module) for one micro-batch, under the run's precision
       (:mod:`executor.precision`: fp32, or bf16 autocast) and with its layers' recomputation
-      hooks (:mod:`executor.recompute`). Its input is the token ids (stage 0) or the activation
+      hooks (:mod:`executor.recompute`); under ZeRO 3 after the module's weights are all-gathered
+      (at its first F of the step, or at every F and B with ``--reshard-after-forward``; freed
+      after its last B, or after each op: :mod:`executor.zero`). Its input is the token ids
+      (stage 0) or the activation
       a RECV or COPY delivered; the output is kept with the input for backward, and a detached
       copy (in the precision's wire dtype) is handed to the SEND/COPY that follows. On the last stage
       the output is the loss of the micro-batch divided by G = R * N (the number of
@@ -29,8 +32,10 @@ ALLREDUCE  sum the stage's parameter gradients over ``schedule.stage_group(stage
       local copies of the stage on this rank are summed into it first (copies that share one module
       have accumulated into the same gradients already). On gloo its trace row ends when the sum
       is ready (the future's completion), as in the simulator; on NCCL when it was launched.
-      Under ZeRO-1 it is a reduce-scatter: this rank receives the sum of its shard only
-      (:mod:`executor.zero`).
+      Under ZeRO-1 it is a reduce-scatter over the stage's shard group: this rank receives the sum
+      of its shard only. ZeRO 2 and 3 reduce-scatter each micro-batch's gradients as soon as its B
+      (W in a split backward) completes them, and drop them; ALLREDUCE sends what is left, nothing
+      (:mod:`executor.zero`, with HSDP's all-reduce over the replicate group at OPTIM).
 OPTIM wait for the step's all-reduces, write the sums back to every local copy, step the
       optimizer and zero the gradients. Every copy of a stage then holds the same weights.
 
@@ -132,6 +137,16 @@ class PipelineRuntime:
             self.recompute.install(m)
         self.tied = tied
         self._skip = tied.excluded if tied is not None else frozenset()
+        # ZeRO 3 (executor.zero): the optimizer gathers a module's weights around its F and B
+        self._weights = optimizer if getattr(optimizer, "zero", 0) == 3 else None
+        # ZeRO 2, 3: each micro-batch's gradients reduce-scattered once complete (after B, or W when split)
+        self._sharded = optimizer if getattr(optimizer, "zero", 0) >= 2 else None
+        self._params = {key: list(m.parameters()) for key, m in distinct.items()}
+        self._backwards: dict[int, int] = {}      # id(a module's first parameter) -> its B ops per step
+        for op in self.program:
+            ps = self._params[id(modules[(op.copy, op.stage)])] if op.kind == B else None
+            if ps:
+                self._backwards[id(ps[0])] = self._backwards.get(id(ps[0]), 0) + 1
         self.step_index = 0
         self._state = _StepState()
         self._handlers = {F: self._forward, B: self._backward, W: self._weight, SEND: self._send,
@@ -143,6 +158,8 @@ class PipelineRuntime:
         self._state = st = _StepState()
         self.meter.start_step()
         self.mailbox.start_step(step)
+        if self._weights is not None:
+            self._weights.plan_step(self._backwards)
         rows = []
         now = time.perf_counter
         peak = self.meter.current() + self.accounted
@@ -194,12 +211,17 @@ class PipelineRuntime:
             x = st.inbox.pop((ACT, op.copy, op.mb, op.stage - 1))
         where = (op.copy, op.stage)
         measure = not self.sample_memory or where not in self.stage_bytes
+        params = self._params[id(module)]
+        if self._weights is not None:
+            self._weights.before(params, F)
         before = self.meter.current()
         with self.meter.capture(measure), self.precision.autocast(self.ctx.device):
             out = module(x)
             if op.stage == self.last_stage:
                 loss = module.loss(out, self._batch(op.mb)[1])
                 out = loss / self.G
+        if self._weights is not None:
+            self._weights.after(params, F)
         if measure:
             self.stage_bytes[where] = self.meter.current() - before
         else:                    # the same module and shapes keep what its metered forward kept
@@ -220,6 +242,9 @@ class PipelineRuntime:
         key = (op.copy, op.stage, op.mb)
         out, x = st.outputs.pop(key), st.inputs.pop(key)
         grad = None if op.stage == self.last_stage else st.inbox.pop((GRAD, op.copy, op.mb, op.stage + 1))
+        params = self._params[id(self.modules[(op.copy, op.stage)])]
+        if self._weights is not None:
+            self._weights.before(params, B)
         if self.sched.split_backward:
             split = self.split[id(self.modules[(op.copy, op.stage)])]
             gx, pending = split.input(out, x if op.stage > 0 else None, grad)
@@ -231,6 +256,10 @@ class PipelineRuntime:
                 full_backward(out, grad)
             gx = x.grad if op.stage > 0 else None
             self.accounted -= st.accounted.pop(key, 0)
+        if self._weights is not None:
+            self._weights.after(params, B)
+        if self._sharded is not None and not self.sched.split_backward:
+            self._sharded.grads_ready(params)
         if op.stage > 0:
             st.produced[(GRAD, op.copy, op.mb, op.stage)] = self.precision.to_wire(gx)
         return 0
@@ -240,6 +269,8 @@ class PipelineRuntime:
         pending, _held = self._state.pending_w.pop(key)
         weight_backward(pending)
         self.accounted -= self._state.accounted.pop(key, 0)
+        if self._sharded is not None:
+            self._sharded.grads_ready(self._params[id(self.modules[(op.copy, op.stage)])])
         return 0
 
     # ------------------------------------------------------------------ messages
@@ -275,6 +306,10 @@ class PipelineRuntime:
         return list(self.modules[(self.local_copies[stage][0], stage)].parameters())
 
     def _allreduce(self, op: Op) -> int:
+        if self._sharded is not None:     # ZeRO 2, 3: reduce-scattered per micro-batch; what is left
+            self._state.allreduces.append((op, None, None))
+            self._state.ar_done.append([None])
+            return self._sharded.flush(self._stage_params(op.stage))
         flat = self._summed_local_grads(op.stage)
         group = self.stage_groups.get(op.stage)
         scatter = getattr(self.optimizer, "reduce_scatter", None)   # ZeRO-1: each rank receives its slice

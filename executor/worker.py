@@ -61,7 +61,7 @@ from .model import block, boundary_shape, make_optimizer, stage_module
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
 from .tensor_parallel import TensorParallel, gather, sequence_partial, split_of
-from .zero import ShardedOptimizer
+from .zero import ShardedOptimizer, ShardGroups, shard_groups
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,26 @@ class ProcessGroups:
                 group = self.for_ranks(mesh.stage_group(ranks, t), rank, device)
                 if t == mine:
                     out[s] = group
+        return out
+
+    def for_shards(self, sched: Schedule, rank: int, device, mesh: Mesh, dp_shard: int) -> dict[int, ShardGroups]:
+        """Stage -> this rank's ZeRO shard and HSDP replicate groups (:func:`executor.zero.shard_groups`
+        over the processes that hold the stage's weights: with tensor parallelism those of the same
+        TP rank, with context parallelism every CP rank of each, :meth:`Mesh.stage_group`, so a
+        shard group is S replicas x C). Every rank creates every group, in stage, TP rank, then
+        process order."""
+        out = {}
+        for s in range(sched.num_stages):
+            for t in range(mesh.tp):
+                procs = mesh.stage_group(sched.stage_group(s), t)
+                if len(procs) < 2:
+                    continue
+                for p in procs:
+                    shard, rep, i = shard_groups(procs, p, sched.replicas, dp_shard)
+                    g = self.for_ranks(shard, rank, device) if len(shard) > 1 else None
+                    r = self.for_ranks(rep, rank, device) if len(rep) > 1 else None
+                    if p == rank:
+                        out[s] = ShardGroups(g, i, len(shard), r, len(rep))
         return out
 
     def for_tensor_parallel(self, mesh: Mesh, rank: int, device) -> object:
@@ -351,8 +371,10 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         data = TokenSource(spec, cfg.seed, cfg.data)
         shape, wire = boundary_shape(spec, tp, cp), cfg.precision.wire_dtype
         buffer = lambda op: torch.empty(shape, dtype=wire, device=ctx.device)  # noqa: E731
-    for p in params:
-        p.grad = torch.zeros_like(p)
+    par = cfg.parallel
+    if par.zero < 2:     # ZeRO 2, 3: the unsharded gradients exist from a stage's first backward to its ALLREDUCE
+        for p in params:
+            p.grad = torch.zeros_like(p)
     mailbox = Mailbox(rank, sched.program(rank), groups.p2p, buffer, timeout=cfg.timeout,
                       lookahead=cfg.recv_lookahead, to_rank=lambda p: mesh.rank(p, tp_rank, cp_rank))
     groups.warm_up_p2p(sched, global_rank, ctx.device, mesh)
@@ -369,16 +391,20 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         tied = TiedGradients(global_rank, [(mesh.tp_group(rank, cp_rank), tp_group, partial)], set(),
                              what="the sequence-parallel norm gradients")
     if cp.on:       # the stages no ALLREDUCE sums (one pipeline rank holds them): over the CP ranks at OPTIM
+        # (with ZeRO their shard groups span the CP ranks: the reduce-scatter sums them)
         from .user_model import TiedGradients
-        alone = [p for s, m in built.items() if len(sched.stage_group(s)) == 1 for p in m.parameters()]
+        alone = [] if par.zero else \
+            [p for s, m in built.items() if len(sched.stage_group(s)) == 1 for p in m.parameters()]
         over_cp = TiedGradients(global_rank, [(cp.ranks, cp_group, alone)], set(),
                                 what="the context-parallel ranks' gradients") if alone else None
         tied = GradientSums([over_cp, tied])     # first over CP, then the norms' over TP
-    if cfg.parallel.zero:     # ZeRO-1: each rank of a stage's group (with CP, of its R x C) steps its shard
-        lifted = {s: mesh.stage_group(sched.stage_group(s), tp_rank) for s in built}
-        optimizer = ShardedOptimizer([(list(m.parameters()), stage_groups.get(s),
-                                       lifted[s].index(global_rank), len(lifted[s]))
-                                      for s, m in built.items()], cfg.optimizer, cfg.lr,
+    # ZeRO 1, 2, 3: each rank of a stage's shard group steps its shard (executor.zero); the shards in stage
+    # order on every rank, so that two stages over the same ranks (chimera) meet at OPTIM in one order
+    if par.zero:
+        shards = groups.for_shards(sched, global_rank, ctx.device, mesh, par.dp_shard)
+        optimizer = ShardedOptimizer([(list(m.parameters()), shards.get(s, ShardGroups(None, 0, 1)))
+                                      for s, m in sorted(built.items())], cfg.optimizer, cfg.lr, zero=par.zero,
+                                     reshard_after_forward=par.reshard_after_forward,
                                      partial=(partial, tp_group) if partial else None,
                                      timeout=cfg.timeout, rank=global_rank)
     else:
@@ -389,6 +415,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
                               recompute=cfg.parallel.recompute, meter_every_forward=cfg.meter_every_forward, tied=tied)
+    if par.zero:        # ZeRO 3's gathered weights move: the meter and the recomputation follow them
+        optimizer.watch(meter, runtime.recompute)
     return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None, tp_rank,
                      cp_rank)
 
@@ -424,6 +452,8 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)
     window = cpu.stop() if cpu else None
+    zero = rs.optimizer if isinstance(rs.optimizer, ShardedOptimizer) else None
+    collectives = dict(zero.counts) if zero is not None else {}     # the steps' (not the final gather's)
     if probe_host:
         probe += probe_host()
     node, local, _, per_node = topology()
@@ -431,9 +461,13 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     report = {"rank": pipe_rank, "tp": rs.tp_rank, "cp": rs.cp_rank, "rows": rows, "losses": losses, "peak": peak,
               "fwd_bytes": rs.runtime.fwd_bytes,
               "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe, "cpu": window, "core": core,
+              "gathered_bytes": zero.peak_gathered if zero is not None else 0,
+              "grad_buffer_bytes": zero.peak_grad_buffer if zero is not None else 0, "collectives": collectives,
               "placement": {"node": node, "local_rank": local, "device": node * per_node + local,
                             "host": socket.gethostname()}}
     if cfg.collect_params:
+        if zero is not None:      # ZeRO 3: the weights gathered from their shards
+            zero.gather_all()
         replica = pipe_rank // sched.num_devices
         report["params"] = {f"r{replica}.c{c}/{n}": p.detach().cpu().clone() for (c, _), m in rs.modules.items()
                             for n, p in m.named_parameters(remove_duplicate=False)}
@@ -477,6 +511,9 @@ def _aligned_clock(world: int) -> float:
 
 
 def _static_bytes(params, optimizer) -> int:
+    """Weights, gradients and optimizer state a rank keeps (ZeRO: at rest, :mod:`executor.zero`)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.static_bytes()
     n = sum(p.numel() * p.element_size() * 2 for p in params)  # weights + gradients
     for state in optimizer.state.values():
         n += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
@@ -511,7 +548,8 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
         m = per_metrics.get(r)
         per_device.append({"device": r, "peak_activation_bytes": rep["peak"],
                            "peak_activation_ma": rep["peak"] / ma if ma else None,
-                           "static_bytes": rep["static_bytes"],
+                           "static_bytes": rep["static_bytes"], "gathered_bytes": rep["gathered_bytes"],
+                           "grad_buffer_bytes": rep["grad_buffer_bytes"],
                            "busy_s": m.busy if m else 0.0, "bubble_ratio": m.bubble_ratio if m else None})
     params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
                                    if rep["rank"] == r and rep.get("cp", 0) == 0] for r in range(sched.num_ranks)) \
@@ -531,6 +569,9 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
         extra["foreign_cores"] = foreign_cores(windows)
         extra["rank_cpu_seconds"] = [w.own for w in windows]
         extra["wall_seconds"] = sorted(w.wall for w in windows)[len(windows) // 2]
+    if cfg.parallel.zero:    # ZeRO: the collectives each process issued over the steps (executor.zero)
+        extra["zero_collectives"] = [dict(rep["collectives"], rank=rep["rank"], tp=rep["tp"])
+                                     for rep in sorted(everyone, key=lambda r: (r["rank"], r["tp"]))]
     if cfg.pin_cores:
         extra["pinned"] = all(rep.get("core") is not None for rep in reports)
     return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,

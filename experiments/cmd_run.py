@@ -340,10 +340,27 @@ def _print_human(result, args) -> None:
     act = f"peak_activation_{unit}"
     rows = [{**d, act: d["peak_activation_bytes"] / div} for d in result.per_device]
     cols = ["device", act, "peak_activation_ma"]
+    fmts = {act: "{:.4g}", "peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}", "bubble_ratio": "{:.3f}"}
+    if par.zero and result.engine == "executor":     # the sharded state per rank (executor.zero)
+        for key, col in (("static_bytes", "state"), ("gathered_bytes", "gathered")):
+            if key == "static_bytes" or par.zero == 3:
+                name = f"{col}_{unit}"
+                rows = [{**r, name: r[key] / div} for r in rows]
+                cols.append(name)
+                fmts[name] = "{:.4g}"
     if result.trace is not None:
         cols += ["busy_s", "bubble_ratio"]
-    print(fmt_table(rows, cols, {act: "{:.4g}", "peak_activation_ma": "{:.2f}", "busy_s": "{:.4f}",
-                                 "bubble_ratio": "{:.3f}"}))
+    print(fmt_table(rows, cols, fmts))
+    if par.zero and result.engine == "executor":
+        first = result.extra["zero_collectives"][0]
+        counts = {k.replace("_", "-"): first[k] / c.steps for k in ("all_gather", "reduce_scatter", "all_reduce")
+                  if first.get(k)}
+        per = ", ".join(f"{n:g} {k}{'s' if n != 1 else ''}" for k, n in counts.items())
+        over = f"{par.dp_shard} of {lay.replicas} replicas (HSDP)" if par.dp_shard else f"{lay.replicas} replicas"
+        mode = ", resharded after forward" if par.reshard_after_forward else ""
+        print(f"ZeRO-{par.zero} over {over}{mode}; rank 0 per step: {per}")
+        print(f"(state: weights, gradients and optimizer state at rest"
+              f"{'; gathered: the weights gathered at the peak' if par.zero == 3 else ''})")
     for what, path in (("trace", args.trace), ("chrome trace", args.chrome_trace), ("figure", args.plot)):
         if path:
             print(f"wrote {what}: {printable(path)}")

@@ -56,9 +56,11 @@ CASES = {"C2D2": _c2d2(),
          "T2C2": {f"{m.kind}-{comm}-{'sp' if sp else 'tp'}-T2C2": RunConfig.of(
              schedule="dapple", devices=1, microbatches=2, tp=2, cp_comm=comm, sequence_parallel=sp,
              **dict(BASE, model=m)) for m in (SPEC, LLAMA) for comm in ("ring", "allgather") for sp in (False, True)},
-         "C2R2": {f"dapple-zero{z}-C2R2": RunConfig.of(schedule="dapple", devices=1, microbatches=2, replicas=2,
-                                                       zero=z, **BASE)
-                  for z in (0, 1)}}
+         "C2R2": {f"{s}-zero{z}{'-reshard' if r else ''}-C2R2": RunConfig.of(
+             schedule=s, devices=1, microbatches=2, replicas=2, zero=z, reshard_after_forward=r, **BASE)
+             # ZeRO 2 and 3 shard over the R x C = 4 ranks that hold a stage, as ZeRO-1 does
+             for s, z, r in (("dapple", 0, False), ("dapple", 1, False), ("dapple", 2, False),
+                             ("zb-v", 3, True))}}
 # memory against the simulator's ledger: the wider model of tests/test_executor_tp.py (flash
 # attention, no dropout, as the executor's model), Adam (16 bytes per fp32 parameter), one step
 MEM_SPEC = SPEC.replace(hidden=256, dropout=False, attention="flash")
@@ -80,7 +82,7 @@ def references():
 
     def get(cfg):
         key = cfg.with_(schedule="gpipe", recompute="none", tp=1, cp=1, cp_comm="ring", sequence_parallel=False,
-                        zero=0)
+                        zero=0, reshard_after_forward=False)
         if key not in cache:
             cache[key] = run_reference(key)
         return cache[key]
@@ -104,7 +106,7 @@ def test_losses_and_parameters_equal_reference(runs, references, world, case):
     # the C ranks of a pipeline rank start from the same weights and sum the same gradients
     assert res.extra["cp_replica_drift"] == 0.0
     assert cfg.parallel.tp == 1 or res.extra["tp_replica_drift"] == 0.0
-    if cfg.parallel.zero:    # ZeRO-1 over R x C: every replica ends with the same weights
+    if cfg.parallel.zero:    # ZeRO over R x C: every replica ends with the same weights
         assert all(torch.equal(t, ts[0]) for ts in by_name.values() for t in ts)
 
 
