@@ -372,7 +372,7 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                 if global_batch % (R * mb):
                     continue
                 N = global_batch // (R * mb)
-                for name in space.families():
+                for name in (space.families() if D > 1 or model.is_moe else _one_stage(space.families())):
                     fam = registry.get(name)
                     for variant in _variants(fam, model, space):
                         for chunks in (space.chunks if fam.takes_chunks else (2,)):
@@ -465,6 +465,16 @@ class _ExpertAxes:
             for v in values:
                 if (name, v) not in self._used and (name, v) in self._why:
                     raise ValueError(f"--{name} {v} fits no layout of the space: {self._why[(name, v)]}")
+
+
+def _one_stage(families) -> list[str]:
+    """The families searched for a dense model at D = 1: no pipeline, so every family runs a device's
+    F and B of its micro-batches one after another (gradient accumulation) in the same time; 1F1B's
+    order keeps one micro-batch's activations, the least, so ``dapple`` stands for them all where
+    it is searched (else the first family asked): a plan lists distinct layouts, not one under five
+    names. (A mixture of experts keeps them all: DualPipe-V's F&B pairs hide all-to-alls at D = 1 too.)"""
+    families = list(families)
+    return ["dapple"] if "dapple" in families else families[:1]
 
 
 def zero_record(zero: int) -> dict:

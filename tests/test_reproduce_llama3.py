@@ -21,9 +21,9 @@ def test_table4_rows_are_the_papers_layouts():
             for x in (a, b, c)] == [(8192, 8, 1, 16, 64, 32), (16384, 8, 1, 16, 128, 16), (16384, 8, 16, 16, 8, 16)]
     assert [r.tokens_per_step for r in TABLE4] == [2 ** 24] * 3
     # one layer per chunk: (126 + embedding + head) / 16 = 8 chunks; Llama 3's rank order; FSDP
-    # that keeps the weights gathered (ZeRO-3, gathered once a step), ZeRO-1 over R x C with CP
+    # that keeps the weights gathered (ZeRO-3, gathered once a step), over R x C with CP
     assert {x.layout.chunks for x in (a, b, c)} == {8} and {x.mapping for x in (a, b, c)} == {"sequential"}
-    assert (a.parallel.zero, a.parallel.reshard_after_forward, c.parallel.zero) == (3, False, 1)
+    assert (a.parallel.zero, a.parallel.reshard_after_forward, c.parallel.zero) == (3, False, 3)
     assert (c.parallel.seq_len, c.parallel.cp_comm, c.cluster.name) == (131072, "allgather", "h100-pods:2048")
 
 
