@@ -365,7 +365,9 @@ def fsdp_lines(fsdp: dict | None) -> dict:
     st = max(fsdp["stages"], key=lambda x: x["bytes_per_microbatch"] + x["bytes_step_end"])
     i = fsdp["stages"].index(st)
     S, G = fsdp["shard"], fsdp["replicate_groups"]
-    where = f"over {S} replicas" + (f", {G} replicate groups (HSDP)" if G > 1 else "")
+    C = fsdp.get("cp", 1)
+    where = f"over {S} replicas" + (f" x C={C} ({S * C} GPUs)" if C > 1 else "") + \
+        (f", {G} replicate groups (HSDP)" if G > 1 else "")
     gathers = f", all-gathers {st['f']:.3g} s in F and {st['b']:.3g} s in B" if fsdp["reshard_after_forward"] else ""
     line = (f"ZeRO-{fsdp['zero']} {where}: per micro-batch reduce-scatter {st['w']:.3g} s in W{gathers} (behind the "
             f"compute), step end {st['step_end']:.3g} s; stage {i}'s GPUs send {fmt_bytes(st['bytes_per_microbatch'])} "

@@ -1026,7 +1026,8 @@ class TransformerCostModel:
             stages.append({"params": p, "f": sum(fc[i] for i in r), "b": sum(bc[i] for i in r),
                            "w": sum(wc[i] for i in r), "step_end": sum(end[i] for i in r),
                            **{f"bytes_{k}": v for k, v in self.fsdp_step_bytes(p, N).items()}})
-        return {"zero": self.parallel.zero, "shard": self.shard, "replicate_groups": self.replicas // self.shard,
+        return {"zero": self.parallel.zero, "shard": self.shard, "cp": self.parallel.cp,
+                "replicate_groups": self.replicas // self.shard,
                 "reshard_after_forward": self.parallel.reshard_after_forward, "stages": stages}
 
     def gathered_bytes(self, sched) -> tuple[float, ...]:
