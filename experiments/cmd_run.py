@@ -357,6 +357,8 @@ def _print_human(result, args) -> None:
                   if first.get(k)}
         per = ", ".join(f"{n:g} {k}{'s' if n != 1 else ''}" for k, n in counts.items())
         over = f"{par.dp_shard} of {lay.replicas} replicas (HSDP)" if par.dp_shard else f"{lay.replicas} replicas"
+        if par.cp > 1:      # the C processes of a replica hold the same weights and shard them too
+            over += f" x C={par.cp}"
         mode = ", resharded after forward" if par.reshard_after_forward else ""
         print(f"ZeRO-{par.zero} over {over}{mode}; rank 0 per step: {per}")
         print(f"(state: weights, gradients and optimizer state at rest"
