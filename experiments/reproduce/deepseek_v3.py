@@ -104,8 +104,9 @@ def run(out_dir, quick: bool = False) -> str:
     report = ("# DeepSeek-V3 on 2,048 H800s (in sample: the layout and cluster the report states; nothing "
               "fitted)\n\n" + markdown(shown, floatfmt=".4g") +
               f"\n\npublished: {PUBLISHED_TOKENS_PER_GPU_S:.0f} tokens per GPU per second (180 K H800 GPU hours per "
-              f"trillion tokens). DualPipe-V stands for DualPipe; the h800 preset's efficiency (0.4 of peak) is the "
-              f"h100's, fitted on no H100 run; routed activations are kept in 16 bits (DeepSeek: FP8 and "
+              f"trillion tokens). DualPipe-V stands for DualPipe; the h800 preset's efficiency (0.4 of peak) is "
+              f"fitted on no run (the h100 fit, 0.5945 on Llama 3 Table 4, is not carried over); "
+              f"routed activations are kept in 16 bits (DeepSeek: FP8 and "
               f"recomputation), so the stated layout does not fit here without recomputation.\n")
     write_output(out / "report.md", report, "report")       # whole or not at all, as its CSV and figure
     return report
