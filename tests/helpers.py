@@ -53,6 +53,19 @@ def params_by_name(res) -> dict:
     return out
 
 
+def assert_params_equal_reference(res, ref, sched, rel: float = 1e-5) -> dict:
+    """Every copy and replica of every parameter of ``res`` within ``rel`` of the reference's (relative
+    to the tensor's largest magnitude); the parameters by name."""
+    by_name = params_by_name(res)
+    assert set(by_name) == set(ref.params)
+    for name, tensors in by_name.items():
+        assert len(tensors) == sched.num_copies * sched.replicas
+        want = ref.params[name]
+        for t in tensors:
+            assert float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= rel, name
+    return by_name
+
+
 def reference_one_thread(cfg):
     """The single-process reference of ``cfg`` on one thread: on a busy 2-core host two spinning
     threads make it 10-50x slower."""
