@@ -209,23 +209,20 @@ class Args:
         self.used.add(flag)
         return flag in self.values
 
-    def int(self, flag: str, default=None) -> int | None:
+    def _number(self, flag: str, default, cast, what: str):
         v = self.get(flag)
         if v is None or v is False:
             return default
         try:
-            return int(str(v))
+            return cast(str(v))
         except ValueError:
-            raise _one_line(f"{self.where}: {flag} takes a whole number; got {v!r}") from None
+            raise _one_line(f"{self.where}: {flag} takes {what}; got {v!r}") from None
+
+    def int(self, flag: str, default=None) -> int | None:
+        return self._number(flag, default, int, "a whole number")
 
     def float(self, flag: str, default=None) -> float | None:
-        v = self.get(flag)
-        if v is None or v is False:
-            return default
-        try:
-            return float(str(v))
-        except ValueError:
-            raise _one_line(f"{self.where}: {flag} takes a number; got {v!r}") from None
+        return self._number(flag, default, float, "a number")
 
     def switch(self, flag: str) -> bool:
         v = self.get(flag, False)

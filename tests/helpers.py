@@ -62,6 +62,7 @@ def assert_params_equal_reference(res, ref, sched, rel: float = 1e-5) -> dict:
         assert len(tensors) == sched.num_copies * sched.replicas
         want = ref.params[name]
         for t in tensors:
+            assert t.shape == want.shape, name
             assert float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= rel, name
     return by_name
 

@@ -31,7 +31,7 @@ from executor.model import stage_module
 from executor.reference import run_reference
 from executor.tensor_parallel import TensorParallel, gather, shard, split_of
 from schedules import ScheduleError, names
-from tests.helpers import assert_losses_equal, params_by_name, torchrun_cli
+from tests.helpers import assert_losses_equal, assert_params_equal_reference, params_by_name, torchrun_cli
 
 SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, vocab=64)
 # a tiny Llama: grouped-query attention (2 KV heads for 4 query heads), SwiGLU, RMSNorm, rotary, untied
@@ -142,14 +142,7 @@ def test_losses_and_parameters_equal_reference(runs, references, world, case):
     cfg, sched, res = runs(world)[case]
     ref = references(cfg)
     assert_losses_equal(res, ref)
-    by_name = params_by_name(res)
-    assert set(by_name) == set(ref.params)
-    for name, tensors in by_name.items():
-        assert len(tensors) == sched.num_copies * sched.replicas
-        want = ref.params[name]
-        assert tensors[0].shape == want.shape, name
-        for t in tensors:
-            assert float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= 1e-5, name
+    by_name = assert_params_equal_reference(res, ref, sched)
     # the replicated weights (norms, biases, position embedding) of a TP group never drift apart
     assert cfg.parallel.tp == 1 or res.extra["tp_replica_drift"] == 0.0
     if cfg.parallel.zero:    # ZeRO-1: every replica ends with the same weights
