@@ -103,7 +103,6 @@ CASES = [
      ["--cp 2 with --sequence-parallel", "18 tokens divisible by --tp 4"]),
     ("run-cp-comm-unknown", RUN + ["--cp", "2", "--cp-comm", "p2p"], ["--cp-comm", "'p2p'", "'ring', 'allgather'"]),
     ("run-cp-zero", RUN + ["--cp", "0"], ["--cp", "'0'"]),
-    ("run-cp-with-zero-2", RUN + ["--cp", "2", "--dp", "2", "--zero", "2"], ["--zero 2 with --cp 2", "--zero 1"]),
     ("run-cp-torch-runtime", RUN + ["--cp", "2", "--runtime", "torch"], ["pipelining's runtime", "drop --cp 2"]),
     ("run-cp-model-file", RUN + ["-m", "{model}:in_place", "--cp", "2"],
      ["--cp 2", "model file's layers are not split"]),
