@@ -1,4 +1,6 @@
 """Shared test helpers."""
+import pytest
+
 from schedules import ScheduleError, build
 
 
@@ -65,6 +67,43 @@ def assert_params_equal_reference(res, ref, sched, rel: float = 1e-5) -> dict:
             assert t.shape == want.shape, name
             assert float((t - want).abs().max() / want.abs().max().clamp_min(1e-12)) <= rel, name
     return by_name
+
+
+def reference_cache():
+    """``get(cfg)``: the single-process reference of a run's config, run once per distinct
+    reference (the knobs the reference does not read, schedule, T, C, ZeRO, recomputation and the
+    device map, set to their plainest for the cache's key)."""
+    from executor.reference import run_reference
+    cache: dict = {}
+
+    def get(cfg):
+        key = cfg.with_(schedule="gpipe", recompute="none", tp=1, sequence_parallel=False, cp=1, cp_comm="ring",
+                        zero=0, dp_shard=0, reshard_after_forward=False, device_map="sequential")
+        if key not in cache:
+            cache[key] = run_reference(key)
+        return cache[key]
+    return get
+
+
+def assert_search_is_the_brute_force(model, cluster, global_batch, space, *, memory_limit=None, top_k: int = 3):
+    """The layout search against its twin (:func:`planner.layout.brute_force`: every candidate bound,
+    judged by the ledger and, where it fits, simulated): every bound at or below its truth (the
+    simulated time; the ledger's need, of a candidate that fits or one out of memory) and the
+    search's top ``top_k`` the brute force's best, the same jobs and times. (brute, fits, result)
+    for the test's own claims."""
+    from planner.layout import Confirmed, brute_force, plan_layouts, ranked
+    brute = brute_force(model, cluster, global_batch, space, memory_limit=memory_limit)
+    fits = ranked([got for _, got in brute if isinstance(got, Confirmed)])
+    for c, got in brute:
+        if isinstance(got, Confirmed):
+            assert got.iteration_time >= c.time_bound * (1 - 1e-12)
+            assert got.memory_need >= c.memory_bound * (1 - 1e-12)
+        elif got[0] == "oom":
+            assert got[1] >= c.memory_bound * (1 - 1e-12)
+    res = plan_layouts(model, cluster, global_batch, space, top_k=top_k, memory_limit=memory_limit)
+    assert [x.job for x in res.top] == [x.job for x in fits[:top_k]]
+    assert [x.iteration_time for x in res.top] == pytest.approx([x.iteration_time for x in fits[:top_k]], rel=1e-12)
+    return brute, fits, res
 
 
 def reference_one_thread(cfg):

@@ -29,7 +29,7 @@ from executor.context_parallel import ContextParallel
 from executor.launch import launch, run
 from executor.mesh import Mesh, placement
 from executor.reference import run_reference
-from tests.helpers import assert_losses_equal, assert_params_equal_reference
+from tests.helpers import assert_losses_equal, assert_params_equal_reference, reference_cache
 
 SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, vocab=64)
 LLAMA = SPEC.replace(name="tiny-llama", kind="llama", kv_heads=2, ffn_hidden=48)
@@ -78,15 +78,7 @@ MEMORY_IDS = [("C2D2", k) for k in CASES["C2D2"] if k.startswith("mem-")]
 
 @pytest.fixture(scope="module")
 def references():
-    cache = {}
-
-    def get(cfg):
-        key = cfg.with_(schedule="gpipe", recompute="none", tp=1, cp=1, cp_comm="ring", sequence_parallel=False,
-                        zero=0, reshard_after_forward=False)
-        if key not in cache:
-            cache[key] = run_reference(key)
-        return cache[key]
-    return get
+    return reference_cache()
 
 
 @pytest.mark.slow

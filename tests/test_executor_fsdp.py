@@ -27,7 +27,7 @@ from executor.model import stage_module
 from executor.reference import run_reference
 from executor.tensor_parallel import TensorParallel
 from schedules.ir import B, F
-from tests.helpers import assert_losses_equal, assert_params_equal_reference
+from tests.helpers import assert_losses_equal, assert_params_equal_reference, reference_cache
 
 SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, vocab=64)
 BASE = dict(steps=2, optimizer="sgd", lr=0.05, collect_params=True, timeout=60.0, model=SPEC,
@@ -81,15 +81,7 @@ LEDGER_IDS = [(w, k) for w, k in MEM_IDS if "-raf-" not in k]
 
 @pytest.fixture(scope="module")
 def references():
-    cache = {}
-
-    def get(cfg):
-        key = cfg.with_(schedule="gpipe", recompute="none", tp=1, sequence_parallel=False, zero=0, dp_shard=0,
-                        reshard_after_forward=False, device_map="sequential")
-        if key not in cache:
-            cache[key] = run_reference(key)
-        return cache[key]
-    return get
+    return reference_cache()
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ from executor.model import stage_module
 from executor.reference import run_reference
 from executor.tensor_parallel import TensorParallel, gather, shard, split_of
 from schedules import ScheduleError, names
-from tests.helpers import assert_losses_equal, assert_params_equal_reference, params_by_name, torchrun_cli
+from tests.helpers import (assert_losses_equal, assert_params_equal_reference, params_by_name, reference_cache,
+                           torchrun_cli)
 
 SPEC = load_model("tiny").replace(layers=4, hidden=32, heads=4, seq_len=16, vocab=64)
 # a tiny Llama: grouped-query attention (2 KV heads for 4 query heads), SwiGLU, RMSNorm, rotary, untied
@@ -119,14 +120,7 @@ IDS = [(w, k) for w, cases in CASES.items() for k in cases if "adam" not in k]
 
 @pytest.fixture(scope="module")
 def references():
-    cache = {}
-
-    def get(cfg):
-        key = cfg.with_(schedule="gpipe", recompute="none", tp=1, sequence_parallel=False, zero=0)
-        if key not in cache:
-            cache[key] = run_reference(key)
-        return cache[key]
-    return get
+    return reference_cache()
 
 
 def test_every_family_is_in_the_matrix():

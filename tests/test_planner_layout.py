@@ -14,9 +14,10 @@ from cost_models.model_spec import ModelSpec, load_model
 from cost_models.transformer import megatron_flops
 from experiments.common import metrics_record
 from planner.layout import (Confirmed, LayoutSpace, NoPlanFits, brute_force, candidates, layout_mfu,
-                            plan_layouts, ranked)
+                            plan_layouts)
 from planner.plan_io import LayoutPlan, layout_plan_record, load_plan
 from sim import simulate_job
+from tests.helpers import assert_search_is_the_brute_force
 
 GiB = 2 ** 30
 SMALL = ModelSpec(name="small-llama", kind="llama", layers=8, hidden=1024, heads=16, kv_heads=4, ffn_hidden=2816,
@@ -58,8 +59,7 @@ def test_search_equals_brute_force(case):
     per, G, limit, space = CASES[case]
     cl = _small_h100(per)
     lim = None if limit is None else limit * GiB
-    brute = brute_force(SMALL, cl, G, space, memory_limit=lim)
-    fits = ranked([got for _, got in brute if isinstance(got, Confirmed)])
+    brute, fits, res = assert_search_is_the_brute_force(SMALL, cl, G, space, memory_limit=lim)
     ooms = [(c, got) for c, got in brute if isinstance(got, tuple) and got[0] == "oom"]
     assert len(fits) >= 3 and (limit is None or ooms), (len(fits), len(ooms))
     # the ZeRO axis: 0 to 3 where R > 1, ZeRO-3 re-gathering per micro-batch (planner.layout.zero_record),
@@ -67,15 +67,6 @@ def test_search_equals_brute_force(case):
     assert {c.job.parallel.zero for c, _ in brute} == {0, 1, 2, 3}
     assert all(c.job.parallel.reshard_after_forward == (c.job.parallel.zero == 3) for c, _ in brute)
     assert {x.job.parallel.zero for x in fits} >= {2, 3}
-    for c, got in brute:
-        if isinstance(got, Confirmed):
-            assert got.iteration_time >= c.time_bound * (1 - 1e-12)
-            assert got.memory_need >= c.memory_bound * (1 - 1e-12)
-        elif got[0] == "oom":
-            assert got[1] >= c.memory_bound * (1 - 1e-12)
-    res = plan_layouts(SMALL, cl, G, space, top_k=3, memory_limit=lim)
-    assert [x.job for x in res.top] == [x.job for x in fits[:3]]
-    assert [x.iteration_time for x in res.top] == pytest.approx([x.iteration_time for x in fits[:3]], rel=1e-12)
     assert res.simulated < len(fits)     # the bounds spared simulations
     assert res.candidates == len(brute)
 

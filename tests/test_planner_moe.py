@@ -13,11 +13,12 @@ from cost_models.cluster import load_cluster, with_nodes
 from cost_models.job import Job
 from cost_models.moe import expert_params
 from cost_models.transformer import model_params, transformer_layers
-from planner.layout import (PAIRED_FAMILIES, Confirmed, LayoutSpace, NoPlanFits, _Bounds, brute_force, candidates,
-                            plan_layouts, ranked)
+from planner.layout import (PAIRED_FAMILIES, LayoutSpace, NoPlanFits, _Bounds, candidates,
+                            plan_layouts)
 from planner.plan_io import LayoutPlan, layout_plan_record, load_plan
 from sim import simulate_job
 from experiments.cli import main
+from tests.helpers import assert_search_is_the_brute_force
 
 GiB = 2 ** 30
 # 4 llama blocks whose MLP is 8 experts of width 1024, top-2: small enough to simulate every layout
@@ -91,16 +92,8 @@ def test_search_equals_brute_force_on_a_small_moe():
     2 experts over EDP 1 instead of 8 over 8), with the overlap on (its all-to-alls behind the paired
     op's compute), ahead of the same layout without it."""
     cl = _cluster()
-    brute = brute_force(MOE, cl, 16, SPACE)
-    fits = ranked([got for _, got in brute if isinstance(got, Confirmed)])
+    brute, fits, res = assert_search_is_the_brute_force(MOE, cl, 16, SPACE)
     assert len(fits) == 140      # 42 refused: dualpipe-v needs 2D micro-batches
-    for c, got in brute:
-        if isinstance(got, Confirmed):
-            assert got.iteration_time >= c.time_bound * (1 - 1e-12)
-            assert got.memory_need >= c.memory_bound * (1 - 1e-12)
-    res = plan_layouts(MOE, cl, 16, SPACE, top_k=3)
-    assert [x.job for x in res.top] == [x.job for x in fits[:3]]
-    assert [x.iteration_time for x in res.top] == pytest.approx([x.iteration_time for x in fits[:3]], rel=1e-12)
     assert res.simulated < len(fits) and res.candidates == len(brute) == 182
     best = res.best.job
     assert (best.layout.schedule, best.parallel.tp, best.layout.devices, best.layout.replicas,
