@@ -221,6 +221,13 @@ class Args:
     def int(self, flag: str, default=None) -> int | None:
         return self._number(flag, default, int, "a whole number")
 
+    def required_int(self, flag: str, default=None) -> int:
+        """A whole number Megatron-LM requires (no default of its own): missing is one line."""
+        v = self.int(flag, default)
+        if v is None:
+            raise _one_line(f"{self.where}: {flag} is missing (Megatron-LM requires it)")
+        return v
+
     def float(self, flag: str, default=None) -> float | None:
         return self._number(flag, default, float, "a number")
 
@@ -393,10 +400,7 @@ class Row:
 def _model_int(flag: str, key: str, default=None, always=True):
     """A model dimension: ``--flag N`` <-> spec.key (required: Megatron-LM has no default)."""
     def read(a: Args, out: dict):
-        v = a.int(flag, default)
-        if v is None:
-            raise _one_line(f"{a.where}: {flag} is missing (Megatron-LM requires it)")
-        out["model." + key] = v
+        out["model." + key] = a.required_int(flag, default)
 
     def write(v: View):
         val = getattr(v.spec, key)
@@ -546,10 +550,7 @@ def _mg_tied_write(v: View):
 
 
 def _mg_seq_read(a: Args, out: dict):
-    s = a.int("--seq-length")
-    if s is None:
-        raise _one_line(f"{a.where}: --seq-length is missing (Megatron-LM requires it)")
-    out["model.seq_len"] = s
+    s = out["model.seq_len"] = a.required_int("--seq-length")
     mpe = a.int("--max-position-embeddings")
     if mpe is not None and mpe != s and out.get("model.kind") == "gpt":
         out.setdefault("_unmodelled", []).append(f"--max-position-embeddings {mpe} (the position table is priced at "
@@ -784,12 +785,8 @@ def _mg_pipe_write(v: View):
 
 # --- batch, data parallel, ZeRO
 def _mg_batch_read(a: Args, out: dict):
-    mb = a.int("--micro-batch-size")
-    if mb is None:
-        raise _one_line(f"{a.where}: --micro-batch-size is missing (Megatron-LM requires it)")
-    out["model.micro_batch"] = mb
-    gb = a.int("--global-batch-size")
-    out["_global"] = gb
+    out["model.micro_batch"] = a.required_int("--micro-batch-size")
+    out["_global"] = a.int("--global-batch-size")
 
 
 def _mg_batch_write(v: View):
