@@ -93,7 +93,8 @@ from .base import LayerCosts, OpPhases, PerLayerCostModel, StageCosts, held_stag
 from .cluster import Cluster, tensor_parallel_groups
 from .comm import allreduce_time, step_time
 from .device import DeviceSpec
-from .fp8 import DEFAULT_RECIPE, WEIGHT_COPY_BYTES, amax_bytes, amax_reductions, linear_cast_bytes
+from .fp8 import (DEFAULT_RECIPE, WEIGHT_COPY_BYTES, amax_bytes, amax_reductions, gathered_weight_bytes,
+                  linear_cast_bytes)
 from .kernels import COST_MODELS, GRAD_ACCUMULATION, DeviceRates, check_priced, transformer_layer_times
 from .memory import StaticMemory, static_memory
 from .model_spec import ModelSpec, SpecError
@@ -938,10 +939,17 @@ class TransformerCostModel:
         return [(float(l.params - (expert if m else 0)), float(expert if m else 0))
                 for l, m in zip(L, self.moe_blocks())]
 
+    @property
+    def gather_bytes(self) -> float:
+        """Bytes per parameter a ZeRO weight all-gather moves: the model's 16-bit (or 32-bit) weights,
+        1 with ``fp8_gather`` (:func:`cost_models.fp8.gathered_weight_bytes`); the fp8 copies are made
+        after the gather, not sent."""
+        return gathered_weight_bytes(self.parallel, self.model.dtype_bytes)
+
     def fsdp_layer_times(self, L: list[Layer] | None = None) -> tuple[tuple[float, ...], ...]:
         """Per layer of :meth:`layers`, ZeRO-2/3's collective seconds ``(in F, in the input backward,
         in W, at the step's end)`` (all 0 below ZeRO-2). With p a layer's parameters on one GPU
-        (T-sharded; a MoE block's routed experts over EDP instead of S), w its weight bytes and g_r
+        (T-sharded; a MoE block's routed experts over EDP instead of S), w :attr:`gather_bytes` and g_r
         :attr:`reduce_bytes` per parameter, whole-tensor sizes of each collective:
 
             every micro-batch:  reduce-scatter p g_r in W (the input backward's where unsplit)
@@ -973,7 +981,7 @@ class TransformerCostModel:
         zero, n = self.parallel.zero, len(L)
         if zero < 2:
             return ((0.0,) * n,) * 4
-        w, r = self.bytes_split()[0], self.reduce_bytes
+        w, r = self.gather_bytes, self.reduce_bytes
         dp, rep, S = self.dp_group, self.replicate_group, self.shard
 
         def coll(kind: str, dense: float, expert: float) -> float:
@@ -1000,7 +1008,7 @@ class TransformerCostModel:
         zero, S, R, C = self.parallel.zero, self.shard, self.replicas, self.parallel.cp
         if zero < 2:
             return {"per_microbatch": 0.0, "step_end": 0.0}
-        w, r = self.bytes_split()[0], self.reduce_bytes
+        w, r = self.gather_bytes, self.reduce_bytes
         ring = (S * C - 1) / (S * C)
         every = zero == 3 and self.parallel.reshard_after_forward
         per_mb = ring * params * (r + (2 * w if every else 0.0))

@@ -243,3 +243,18 @@ def test_fsdp_with_context_parallelism_shards_over_s_times_c():
     from cost_models.transformer import _allreduce_line
     fixed, per_byte = _allreduce_line(cl, 2, 4, 2, 1)
     assert fixed + per_byte * 1e9 == pytest.approx(allreduce_time(cl, [0, 1, 4, 5], 1e9), rel=1e-12)
+
+
+def test_fp8_gathers_send_one_byte_a_parameter():
+    """fp8 (two fp8 weight copies in the ledger) still gathers the 16-bit weights, w = 2 bytes a
+    parameter; --fp8-gather sends them in fp8, w = 1: on a ring of S = 4, ZeRO-3 re-gathering per
+    micro-batch sends 3/4 p N (g_r + 2w) a step, 3/4 x 1000 x 8 x (2 + 4) and (2 + 2)."""
+    fp8 = dict(precision="fp8", reshard_after_forward=True, cluster="dgx-h100-ib:1")
+    plain = _tcm(Job.of(schedule="1f1b", devices=2, microbatches=4, replicas=4, model=SMALL, zero=3, **fp8))
+    one = _tcm(Job.of(schedule="1f1b", devices=2, microbatches=4, replicas=4, model=SMALL, zero=3, fp8_gather=True,
+                      **fp8))
+    assert (plain.gather_bytes, one.gather_bytes) == (2.0, 1.0)
+    assert plain.fsdp_step_bytes(1000, 8) == {"per_microbatch": 0.75 * 1000 * 8 * (2 + 2 * 2), "step_end": 0.0}
+    assert one.fsdp_step_bytes(1000, 8) == {"per_microbatch": 0.75 * 1000 * 8 * (2 + 2 * 1), "step_end": 0.0}
+    f_plain, f_one = plain.fsdp_layer_times()[0], one.fsdp_layer_times()[0]
+    assert all(b < a for a, b in zip(f_plain, f_one))
