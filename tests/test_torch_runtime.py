@@ -205,17 +205,22 @@ def test_csv_format_and_unreadable_cells():
 
 @pytest.mark.slow
 def test_a_deadlocked_csv_ends_naming_the_rank_and_action():
-    """A compute_comms CSV in which rank 0 never sends its activation: rank 1's forward waits on
-    its RECV_F past --timeout (the pipeline's group), and the run ends naming rank 1, the action
-    and the wait, not the peer that saw the connection close."""
+    """A compute_comms CSV in which rank 0 never sends its activation: rank 1's forward waits on its
+    RECV_F, rank 0's backward on the gradient rank 1 never sends, both past --timeout (the pipeline's
+    group). The run ends naming the rank whose wait timed out first (which one is the hosts'
+    scheduling: rank 1 starts waiting first, rank 0 after its forward), with that rank's action, its
+    position and the wait, never a peer that only saw the connection close."""
+    import re
     text = "0F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0"
     cfg = RunConfig.of(**dict(BASE, microbatches=1, steps=1, timeout=3.0))
     job = torch_job(cfg, text, schedule=from_torch_text(text))
-    with pytest.raises(LaunchError, match=r"^rank 1 failed: RuntimeError: rank 1 step 0: torch's runtime failed at "
-                                          r"its action 1F0 \(position 1 of the rank's lowered order\): .*Timed out "
-                                          r"waiting 3000ms for recv"):
+    with pytest.raises(LaunchError) as err:
         run_torch_many([job])
-
+    got = re.match(r"rank (\d) failed: RuntimeError: rank \1 step 0: torch's runtime failed at its action (\w+) "
+                   r"\(position (\d) of the rank's lowered order\): .*Timed out waiting 3000ms for recv",
+                   str(err.value), re.S)
+    assert got, str(err.value)
+    assert (got[2], got[3]) == {"1": ("1F0", "1"), "0": ("0B0", "2")}[got[1]]
 
 
 @pytest.mark.slow
