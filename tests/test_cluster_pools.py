@@ -175,3 +175,21 @@ def test_simulate_shows_pools(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"pools: a100 x16 busy {a['busy']:.1%} bubble {a['bubble_ratio']:.1%} | h100 x16 busy " \
            f"{h['busy']:.1%}" in out
+
+
+def test_one_cost_model_for_every_pool(tmp_path):
+    """A mixed cluster is priced by one cost model: kernels where every pool's device has kernel
+    constants (a100-h100), linear where one has none (an A100 pool beside an RTX 3090 pool)."""
+    from cost_models.bind import cluster_cost_model
+    (tmp_path / "a100-3090.yaml").write_text(
+        "pools:\n  - {nodes: 1, device: a100, devices_per_node: 4, intra: nvlink3, inter: ib-hdr}\n"
+        "  - {nodes: 1, device: rtx-3090, devices_per_node: 4, intra: pcie4, inter: eth-25g}\nbetween: eth-25g\n")
+    model = cm.load_model("gpt3-1.3b")
+    assert cluster_cost_model(None, load_cluster("a100-h100"), False, model) == "kernels"
+    mixed = load_cluster(str(tmp_path / "a100-3090.yaml"))
+    assert cluster_cost_model(None, mixed, False, model) == "linear"
+    job = Job.of(layout=Layout(schedule="dapple", devices=2, microbatches=4), model="gpt3-1.3b",
+                 cluster=str(tmp_path / "a100-3090.yaml"), tp=4)
+    bound = simulate_job(job).bound
+    assert bound.report["cost_model"] == "linear" and [k.meta["cost_model"] for k in bound.costs.kinds] == \
+        ["linear", "linear"]
