@@ -460,7 +460,7 @@ class Cluster:
         """This cluster with the ranks of ``sched`` placed by a named mapping (see :data:`MAPPINGS`)."""
         if mapping not in MAPPINGS:
             raise SpecError(f"unknown device mapping {mapping!r}; choose one of {', '.join(MAPPINGS)}")
-        return self.with_device_map(MAPPINGS[mapping](sched, self.grid, **kw))
+        return self.with_device_map(MAPPINGS[mapping](sched, self, **kw))
 
     # ------------------------------------------------------------------ network
     def _intra(self, node: int, local: int, direction: str, latency: float) -> Link:
@@ -813,9 +813,17 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
 
 
 # ---------------------------------------------------------------------- rank -> device mappings
-def _fitting_grid(sched: "Schedule", where: DeviceGrid | Cluster) -> DeviceGrid:
-    """The grid a mapping lays ``sched``'s ranks over (a cluster's own), refusing one too small."""
-    if isinstance(where, Cluster):
+def _fitting_grid(sched: "Schedule", where: DeviceGrid | Cluster, nodes: bool = False) -> DeviceGrid:
+    """The grid a mapping lays ``sched``'s ranks over (a cluster's own), refusing one too small.
+    A mixed cluster whose pools' nodes differ in size has no grid: a mapping that reads only the
+    device count (``nodes`` False) gets its devices as one row; one that packs nodes is refused."""
+    if isinstance(where, Cluster) and where.is_mixed and len({p.devices_per_node for p in where.pools}) > 1:
+        if nodes:
+            sizes = " and ".join(sorted({str(p.devices_per_node) for p in where.pools}))
+            raise SpecError(f"cluster {where.name!r} has pools of {sizes} devices per node: the copies-same-node "
+                            f"mapping packs equal nodes; use --device-map sequential or megatron")
+        where = DeviceGrid(1, where.num_devices, f"cluster {where.name!r}")
+    elif isinstance(where, Cluster):
         where = where.grid
     elif not isinstance(where, DeviceGrid):
         raise TypeError(f"a rank -> device mapping takes a DeviceGrid or a Cluster; got {type(where).__name__}")
@@ -940,7 +948,7 @@ def map_copies_same_node(sched: "Schedule", where: DeviceGrid | Cluster, *,
     spills over in rank order. For single-copy schedules every group is one rank and the result is
     the sequential mapping.
     """
-    grid = _fitting_grid(sched, where)
+    grid = _fitting_grid(sched, where, nodes=True)
     dpn = grid.devices_per_node
     slots: list[list[int]] = [[] for _ in range(grid.nodes)]
     for g in stage_sharing_groups(sched, include_replicas):

@@ -193,3 +193,37 @@ def test_one_cost_model_for_every_pool(tmp_path):
     bound = simulate_job(job).bound
     assert bound.report["cost_model"] == "linear" and [k.meta["cost_model"] for k in bound.costs.kinds] == \
         ["linear", "linear"]
+
+
+def test_pools_of_unequal_nodes():
+    """tests/data/pools/uneven.yaml: one node of 8 A100s, then two nodes of 4 RTX 3090s: GPU 8 is local 0
+    of node 1, GPU 13 local 1 of node 2; T=4 gives the A100 node 2 groups and each 3090 node 1, so the
+    grouped cluster has 4 ranks, ranks 0-1 on the A100s. The A100 node has one NIC, which its two groups
+    share (as their GPUs would), so its port to the other pool stays one ``between`` (eth-25g: 25 Gb/s =
+    3.125 GB/s)."""
+    from pathlib import Path
+    c = load_cluster(str(Path(__file__).parent / "data" / "pools" / "uneven.yaml"))
+    assert (c.num_devices, c.nodes) == (16, 3)
+    assert [(c.node_of(g), c.local_of(g), c.device_of(g).name) for g in (7, 8, 13)] == \
+        [(0, 7, "a100"), (1, 0, "rtx-3090"), (2, 1, "rtx-3090")]
+    g = tensor_parallel_groups(c, 4)
+    assert [p.devices_per_node for p in g.pools] == [2, 1] and [g.pool_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert g.path(1, 2)[0].name == "n0.nic0.out" and g.path(1, 2)[1].bandwidth == 25e9 / 8
+    with pytest.raises(SpecError, match="no single devices_per_node"):
+        assert c.devices_per_node is None      # never reached: the property refuses
+
+
+def test_memory_judged_on_each_ranks_device():
+    """consumer-mix, T=4, D=3 (stage s on pool s): the 8 GiB RTX 2080 (rank 1) is judged against its
+    own 8 GiB less the default reserve (1 GiB + 5%), the 24 GiB cards against 24 GiB; the summary names
+    the fullest rank for its device, rank 1."""
+    from cost_models.memory import default_reserve, memory_report
+    job = Job.of(layout=Layout(schedule="dapple", devices=3, microbatches=8), model="gpt3-1.3b",
+                 cluster="consumer-mix", tp=4)
+    bound = simulate_job(job).bound
+    rep = memory_report(bound.lowered, bound.costs)
+    gib = 2**30
+    assert rep.capacities == (24 * gib, 8 * gib, 24 * gib)
+    usable = [c - default_reserve(c) for c in rep.capacities]
+    fullest = max(range(3), key=lambda r: (rep.peak[r] + rep.transient) / usable[r])
+    assert fullest == 1 and "on rank 1" in rep.summary() and f"of {8:g} GiB" in rep.summary()
