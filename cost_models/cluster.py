@@ -360,27 +360,33 @@ class Cluster:
     @property
     def nodes(self) -> int:
         """Nodes of every pool (node ids are global)."""
-        return sum(p.nodes for p in self.pools)
+        pools = self.pools
+        return pools[0].nodes if len(pools) == 1 else sum(p.nodes for p in pools)
 
     @property
     def devices_per_node(self) -> int:
-        return self._same("devices_per_node")
+        pools = self.pools
+        return pools[0].devices_per_node if len(pools) == 1 else self._same("devices_per_node")
 
     @property
     def device(self) -> DeviceSpec:
-        return self._same("device")
+        pools = self.pools
+        return pools[0].device if len(pools) == 1 else self._same("device")
 
     @property
     def intra(self) -> LinkSpec:
-        return self._same("intra")
+        pools = self.pools
+        return pools[0].intra if len(pools) == 1 else self._same("intra")
 
     @property
     def inter(self) -> LinkSpec:
-        return self._same("inter")
+        pools = self.pools
+        return pools[0].inter if len(pools) == 1 else self._same("inter")
 
     @property
     def nics_per_node(self) -> int:
-        return self._same("nics_per_node")
+        pools = self.pools
+        return pools[0].nics_per_node if len(pools) == 1 else self._same("nics_per_node")
 
     def pool_of_device(self, gpu: int) -> int:
         """The pool of global physical GPU ``gpu``."""
@@ -416,7 +422,7 @@ class Cluster:
     # ------------------------------------------------------------------ placement
     @property
     def num_devices(self) -> int:
-        return sum(p.num_devices for p in self.pools)
+        return self._memo["pool_gpu0"][-1]        # every pool's GPUs (counted once, in __post_init__)
 
     @property
     def grid(self) -> DeviceGrid:
@@ -431,6 +437,9 @@ class Cluster:
 
     def physical(self, rank: int) -> int:
         """Global physical device index of a rank."""
+        m = self.device_map
+        if m is not None and 0 <= rank < len(m):
+            return m[rank]
         if not 0 <= rank < self.num_ranks:
             raise SpecError(f"rank {rank} is not placed on cluster {self.name!r} "
                             f"({self.num_ranks} ranks on {self.num_devices} devices)")
@@ -438,14 +447,21 @@ class Cluster:
 
     def _where(self, gpu: int) -> tuple[Pool, int, int]:
         """(pool, global node, local index) of global GPU ``gpu``."""
-        i = self.pool_of_device(gpu) if len(self.pools) > 1 else 0
+        if len(self.pools) == 1:
+            p = self.pools[0]
+            return p, gpu // p.devices_per_node, gpu % p.devices_per_node
+        i = self.pool_of_device(gpu)
         p, off = self.pools[i], gpu - self._memo["pool_gpu0"][i]
         return p, self._memo["pool_node0"][i] + off // p.devices_per_node, off % p.devices_per_node
 
     def node_of(self, rank: int) -> int:
+        if len(self.pools) == 1:
+            return self.physical(rank) // self.pools[0].devices_per_node
         return self._where(self.physical(rank))[1]
 
     def local_of(self, rank: int) -> int:
+        if len(self.pools) == 1:
+            return self.physical(rank) % self.pools[0].devices_per_node
         return self._where(self.physical(rank))[2]
 
     def nic_of(self, rank: int) -> int:
