@@ -412,6 +412,11 @@ class Cluster:
         """The device a rank sits on."""
         return self.pools[self.pool_of(rank)].device
 
+    def pool_gpus(self, i: int) -> range:
+        """The global GPU numbers of pool ``i`` (pools in order, node-major)."""
+        g0 = self._memo["pool_gpu0"]
+        return range(g0[i], g0[i + 1])
+
     def pool_cluster(self, i: int) -> "Cluster":
         """Pool ``i`` alone, as a one-pool cluster (its links; no placement): what a stage on it is
         priced on."""

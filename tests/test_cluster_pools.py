@@ -52,6 +52,7 @@ def test_mixed_numbering_pools_in_order_node_major():
     c = load_cluster("a100-h100")
     assert c.is_mixed and c.num_devices == 32 and c.nodes == 4
     assert [c.pool_of(r) for r in (0, 15, 16, 31)] == [0, 0, 1, 1]
+    assert (c.pool_gpus(0), c.pool_gpus(1)) == (range(0, 16), range(16, 32))
     assert [c.device_of(r).name for r in (15, 16)] == ["a100", "h100"]
     assert [(c.node_of(r), c.local_of(r), c.nic_of(r)) for r in (9, 17, 31)] == [(1, 1, 1), (2, 1, 1), (3, 7, 7)]
     assert c.devices_per_node == 8      # the pools agree on it
