@@ -117,6 +117,14 @@ LINK_TYPES: dict[str, LinkSpec] = {
     "ib-edr": LinkSpec("ib-edr", 100e9 / 8, 5e-6),  # InfiniBand EDR 100 Gb/s
     "ib-hdr": LinkSpec("ib-hdr", 200e9 / 8, 5e-6),  # InfiniBand HDR 200 Gb/s
     "ib-ndr": LinkSpec("ib-ndr", 400e9 / 8, 5e-6),  # InfiniBand NDR 400 Gb/s
+    # NVLink bridges of two consumer / workstation cards (per direction: links x lanes): GA102 (RTX 3090)
+    # 4 x 14.0625 GB/s (112.5 GB/s both ways, the RTX 3090 datasheet); TU102 (Titan RTX, RTX 2080 Ti)
+    # 2 x 25 GB/s (100 GB/s both ways, the Titan RTX datasheet); TU104 (RTX 2080) 1 x 25 GB/s (50 GB/s
+    # both ways). A bridge joins two cards: a node of two bridged cards uses it as its intra link.
+    "nvlink-bridge-ga102": LinkSpec("nvlink-bridge-ga102", 56.25e9, 3e-6),
+    "nvlink-bridge-tu102": LinkSpec("nvlink-bridge-tu102", 50e9, 3e-6),
+    "nvlink-bridge-tu104": LinkSpec("nvlink-bridge-tu104", 25e9, 3e-6),
+    "eth-10g": LinkSpec("eth-10g", 10e9 / 8, 30e-6),    # 10 Gb/s Ethernet (TCP sockets)
     "eth-25g": LinkSpec("eth-25g", 25e9 / 8, 30e-6),    # 25 Gb/s Ethernet (TCP sockets)
     "eth-100g": LinkSpec("eth-100g", 100e9 / 8, 20e-6),  # 100 Gb/s Ethernet
 }
@@ -715,6 +723,15 @@ def _pool_from_dict(d: dict, source: str, prefix: str = "") -> Pool:
 
 def _mixed_from_dict(d: dict, source: str, name: str, desc: str) -> Cluster:
     """A cluster file with ``pools:`` (a list of pool mappings) and ``between:`` (a link)."""
+    fabric = [f for f in ("fabric", "oversubscription", "nodes_per_leaf", "nodes_per_pod", "pod_oversubscription",
+                          "collective") if f in d]
+    if fabric:
+        raise SpecError(f"{source}: field {fabric[0]!r} shapes a one-pool cluster; a file with 'pools' has a flat "
+                        f"fabric (each pool one switch, the pools joined by 'between'): remove it")
+    pool_level = [f for f in POOL_FIELDS if f in d]
+    if pool_level:
+        raise SpecError(f"{source}: field {pool_level[0]!r} is a pool's: with 'pools', give it inside each pool "
+                        f"(pools[i].{pool_level[0]})")
     _spec.check_fields(d, source, _MIXED_FIELDS, ("pools",))
     pools = d["pools"]
     if not isinstance(pools, list) or not pools:
