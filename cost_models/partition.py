@@ -286,7 +286,8 @@ def typed_split(times: Sequence[Sequence[float]], stages: int, limits: Sequence[
     t_k(i, j))``), then the least sum among the splits whose every stage is within B*
     (``C[s+1][n + e_k][j] = min_i C[s][n][i] + t_k(i, j)``, t_k <= B*). The stage count and the number of
     kinds are small (states: stages x kind-count vectors x L; each step an L x L minimum), so it runs
-    in O(S^K L^2) array work. With one kind of speed 1 it is :func:`balanced_counts`' bottleneck."""
+    in O(S^K L^2) array work. Stage times within a relative 1e-12 of B* count as B* (the same time
+    summed in another order rounds differently). With one kind of speed 1 it is :func:`balanced_counts`' bottleneck."""
     import numpy as np
     K = len(times)
     L = len(times[0]) if K else 0
@@ -369,7 +370,7 @@ def typed_split(times: Sequence[Sequence[float]], stages: int, limits: Sequence[
     if first is None:
         return None
     bottleneck = first[0]
-    second = run(np.add, bottleneck)
+    second = run(np.add, bottleneck * (1 + 1e-12))     # within rounding of B*: sums in another order tie
     assert second is not None      # the first pass's split is within its own bottleneck
     total, counts, kinds = second
     stage_times = [tabs[k][i, i + c] for k, i, c in zip(kinds, np.cumsum((0, *counts[:-1])), counts)]
