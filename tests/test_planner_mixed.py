@@ -213,3 +213,27 @@ def test_type_aware_gain_on_a100_h100_is_what_the_imbalance_predicts(model, G, M
         assert 0 < sim - closed < 0.10 * closed
     assert res.summary() == (f"type-aware {res.aware.time:.4g} s/step vs type-blind {res.blind.time:.4g} s/step: "
                              f"{res.blind.time / res.aware.time:.2f}x")
+
+
+def test_plan_command_on_a_mixed_cluster_reports_the_gain_and_writes_a_plan_that_simulates_as_planned(
+        tmp_path, capsys):
+    """``pipetwin plan -c a100-h100`` prints both plans and the gain line of :func:`plan_mixed`; its
+    plan file, read back (each stage's layers on its pool's device), simulates to the planned time;
+    ``--type-blind`` keeps the type-blind plan."""
+    from cost_models import load_cluster
+    from experiments.cli import main
+    from planner import load_plan
+    from planner.hetero import plan_mixed
+    from planner.simulate import simulate_plan
+    res = plan_mixed("gpt3-1.3b", load_cluster("a100-h100"), 64)
+    for blind in (False, True):
+        path = tmp_path / f"plan-{blind}.json"
+        assert main(["plan", "-m", "gpt3-1.3b", "-c", "a100-h100", "-G", "64", "--no-progress", "--out", str(path)]
+                    + (["--type-blind"] if blind else [])) == 0
+        out = capsys.readouterr().out
+        assert res.summary() in out.splitlines()
+        kept = res.blind if blind else res.aware
+        assert out.splitlines()[1] == f"  type-{'blind' if blind else 'aware'}: {kept.evaluated.plan.describe()}"
+        loaded = load_plan(path)
+        assert loaded.plan == kept.evaluated.plan
+        assert simulate_plan(loaded.plan, loaded.workload, loaded.cluster).iteration_time == kept.time
