@@ -124,7 +124,8 @@ def main(args) -> int:
         mixed = cluster_from_args(args).load()
         if mixed.is_mixed:          # pools of several devices: the type-aware planner (experiments.plan_mixed)
             from .plan_mixed import main_mixed
-            return main_mixed(args, mixed, _parse_limit(args.memory_limit))
+            return main_mixed(args, mixed, _parse_limit(args.memory_limit), _model_name(args),
+                              lambda: _sequences(args, args.model))
     if args.type_blind:
         raise ValueError("--type-blind compares plans on a mixed cluster (pools of several devices); "
                          + (f"cluster {args.cluster} has one kind" if args.cluster else "give one with --cluster"))

@@ -30,7 +30,9 @@ def check_mixed_args(args) -> None:
         raise ValueError("--recompute: the mixed-cluster planner plans one recomputation; give one")
 
 
-def main_mixed(args, cluster, limit: float | None) -> int:
+def main_mixed(args, cluster, limit: float | None, model_name: str | None, sequences) -> int:
+    """``sequences``: the command's reading of the global batch (-G, or --global-tokens), called once
+    the options are checked."""
     from planner import SearchSpace
     from planner.hetero import plan_mixed
     check_mixed_args(args)
@@ -38,12 +40,11 @@ def main_mixed(args, cluster, limit: float | None) -> int:
     if limit is not None and limit > have and not args.force:
         raise ValueError(f"--memory-limit {fmt_bytes(limit)} is above the smallest pool device's {fmt_bytes(have)} "
                          f"of memory: a plan within it would not fit (lower it, or pass --force)")
-    from .cmd_plan import _model_name, _sequences
     recompute = (auto_values(args.recompute) or ("none",))[0] if args.recompute is not None else "none"
-    args.global_batch = _sequences(args, args.model)
+    args.global_batch = sequences()
     space = SearchSpace(max_stages=args.max_stages, devices=args.gpus)
     res = plan_mixed(args.model, cluster, args.global_batch, memory_limit=limit, recompute=recompute, space=space,
-                     top_k=args.top, model_name=_model_name(args), cost_model=args.cost_model,
+                     top_k=args.top, model_name=model_name, cost_model=args.cost_model,
                      profile_batch=args.profile_batch)
     kept, other = (res.blind, res.aware) if args.type_blind else (res.aware, res.blind)
     if args.out:
@@ -58,7 +59,7 @@ def main_mixed(args, cluster, limit: float | None) -> int:
                     "seconds": res.seconds})
         return 0
     pools = " + ".join(f"{p.num_devices} x {p.device.name}" for p in cluster.pools)
-    print(f"DAPPLE plan for {_model_name(args)} on {cluster.name} ({pools}), global batch {res.global_batch}, "
+    print(f"DAPPLE plan for {model_name} on {cluster.name} ({pools}), global batch {res.global_batch}, "
           f"type-{'blind' if args.type_blind else 'aware'}")
     for c in (kept, other):
         plan, est = c.evaluated.plan, c.evaluated.estimate
