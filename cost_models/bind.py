@@ -105,6 +105,15 @@ def cost_model_for(choice: str | None, device, profile: bool, model: ModelSpec |
     return "kernels"
 
 
+def cluster_cost_model(choice: str | None, cluster: Cluster, profile: bool, model: ModelSpec | None = None,
+                       cp: int = 1) -> str:
+    """:func:`cost_model_for` on a cluster: its device's, and on a mixed cluster one cost model for
+    every pool (so their stage times compare): kernels only where every pool's device has kernel
+    constants (asked for on one that has none: that device's one line), linear otherwise."""
+    chosen = {cost_model_for(choice, p.device, profile, model, cp) for p in cluster.pools}
+    return chosen.pop() if len(chosen) == 1 else "linear"
+
+
 def check_profile_model(prof: CalibrationProfile, model, where: str = "--profile") -> None:
     """A model given with a calibration profile must be the profile's model."""
     if model is None:
@@ -323,6 +332,8 @@ def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
     (:meth:`cost_models.device.DeviceSpec.notes`). Empty for unit costs, a stage-costs file and a
     profile on its own host."""
     if inputs.kind == "transformer" and inputs.cluster.is_mixed:    # each pool's device, joined
+        job = replace(job, cost_model=cluster_cost_model(job.cost_model, inputs.cluster, False, inputs.model,
+                                                         job.parallel.cp))
         said = [stated(job, replace(inputs, cluster=inputs.cluster.pool_cluster(i)), model_ref)
                 for i in range(len(inputs.cluster.pools))]
         out = {k: " | ".join(dict.fromkeys(str(x[k]) for x in said)) for k in ("precision", "cost_model",
@@ -361,7 +372,8 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     par = job.parallel
     tp, cp = par.tp, par.cp
     if cluster.is_mixed:
-        return _mixed_transformer(job, model, cluster, low)
+        return _mixed_transformer(replace(job, cost_model=cluster_cost_model(job.cost_model, cluster, False, model,
+                                                                             cp)), model, cluster, low)
     tcm = transformer_cost_model(job, model, cluster)
     cost_model = tcm.compute
     costs = tcm.bind(low)

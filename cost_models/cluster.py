@@ -360,27 +360,33 @@ class Cluster:
     @property
     def nodes(self) -> int:
         """Nodes of every pool (node ids are global)."""
-        return sum(p.nodes for p in self.pools)
+        pools = self.pools
+        return pools[0].nodes if len(pools) == 1 else sum(p.nodes for p in pools)
 
     @property
     def devices_per_node(self) -> int:
-        return self._same("devices_per_node")
+        pools = self.pools
+        return pools[0].devices_per_node if len(pools) == 1 else self._same("devices_per_node")
 
     @property
     def device(self) -> DeviceSpec:
-        return self._same("device")
+        pools = self.pools
+        return pools[0].device if len(pools) == 1 else self._same("device")
 
     @property
     def intra(self) -> LinkSpec:
-        return self._same("intra")
+        pools = self.pools
+        return pools[0].intra if len(pools) == 1 else self._same("intra")
 
     @property
     def inter(self) -> LinkSpec:
-        return self._same("inter")
+        pools = self.pools
+        return pools[0].inter if len(pools) == 1 else self._same("inter")
 
     @property
     def nics_per_node(self) -> int:
-        return self._same("nics_per_node")
+        pools = self.pools
+        return pools[0].nics_per_node if len(pools) == 1 else self._same("nics_per_node")
 
     def pool_of_device(self, gpu: int) -> int:
         """The pool of global physical GPU ``gpu``."""
@@ -406,6 +412,11 @@ class Cluster:
         """The device a rank sits on."""
         return self.pools[self.pool_of(rank)].device
 
+    def pool_gpus(self, i: int) -> range:
+        """The global GPU numbers of pool ``i`` (pools in order, node-major)."""
+        g0 = self._memo["pool_gpu0"]
+        return range(g0[i], g0[i + 1])
+
     def pool_cluster(self, i: int) -> "Cluster":
         """Pool ``i`` alone, as a one-pool cluster (its links; no placement): what a stage on it is
         priced on."""
@@ -416,7 +427,7 @@ class Cluster:
     # ------------------------------------------------------------------ placement
     @property
     def num_devices(self) -> int:
-        return sum(p.num_devices for p in self.pools)
+        return self._memo["pool_gpu0"][-1]        # every pool's GPUs (counted once, in __post_init__)
 
     @property
     def grid(self) -> DeviceGrid:
@@ -431,6 +442,9 @@ class Cluster:
 
     def physical(self, rank: int) -> int:
         """Global physical device index of a rank."""
+        m = self.device_map
+        if m is not None and 0 <= rank < len(m):
+            return m[rank]
         if not 0 <= rank < self.num_ranks:
             raise SpecError(f"rank {rank} is not placed on cluster {self.name!r} "
                             f"({self.num_ranks} ranks on {self.num_devices} devices)")
@@ -438,14 +452,21 @@ class Cluster:
 
     def _where(self, gpu: int) -> tuple[Pool, int, int]:
         """(pool, global node, local index) of global GPU ``gpu``."""
-        i = self.pool_of_device(gpu) if len(self.pools) > 1 else 0
+        if len(self.pools) == 1:
+            p = self.pools[0]
+            return p, gpu // p.devices_per_node, gpu % p.devices_per_node
+        i = self.pool_of_device(gpu)
         p, off = self.pools[i], gpu - self._memo["pool_gpu0"][i]
         return p, self._memo["pool_node0"][i] + off // p.devices_per_node, off % p.devices_per_node
 
     def node_of(self, rank: int) -> int:
+        if len(self.pools) == 1:
+            return self.physical(rank) // self.pools[0].devices_per_node
         return self._where(self.physical(rank))[1]
 
     def local_of(self, rank: int) -> int:
+        if len(self.pools) == 1:
+            return self.physical(rank) % self.pools[0].devices_per_node
         return self._where(self.physical(rank))[2]
 
     def nic_of(self, rank: int) -> int:
@@ -460,7 +481,7 @@ class Cluster:
         """This cluster with the ranks of ``sched`` placed by a named mapping (see :data:`MAPPINGS`)."""
         if mapping not in MAPPINGS:
             raise SpecError(f"unknown device mapping {mapping!r}; choose one of {', '.join(MAPPINGS)}")
-        return self.with_device_map(MAPPINGS[mapping](sched, self.grid, **kw))
+        return self.with_device_map(MAPPINGS[mapping](sched, self, **kw))
 
     # ------------------------------------------------------------------ network
     def _intra(self, node: int, local: int, direction: str, latency: float) -> Link:
@@ -813,9 +834,17 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
 
 
 # ---------------------------------------------------------------------- rank -> device mappings
-def _fitting_grid(sched: "Schedule", where: DeviceGrid | Cluster) -> DeviceGrid:
-    """The grid a mapping lays ``sched``'s ranks over (a cluster's own), refusing one too small."""
-    if isinstance(where, Cluster):
+def _fitting_grid(sched: "Schedule", where: DeviceGrid | Cluster, nodes: bool = False) -> DeviceGrid:
+    """The grid a mapping lays ``sched``'s ranks over (a cluster's own), refusing one too small.
+    A mixed cluster whose pools' nodes differ in size has no grid: a mapping that reads only the
+    device count (``nodes`` False) gets its devices as one row; one that packs nodes is refused."""
+    if isinstance(where, Cluster) and where.is_mixed and len({p.devices_per_node for p in where.pools}) > 1:
+        if nodes:
+            sizes = " and ".join(sorted({str(p.devices_per_node) for p in where.pools}))
+            raise SpecError(f"cluster {where.name!r} has pools of {sizes} devices per node: the copies-same-node "
+                            f"mapping packs equal nodes; use --device-map sequential or megatron")
+        where = DeviceGrid(1, where.num_devices, f"cluster {where.name!r}")
+    elif isinstance(where, Cluster):
         where = where.grid
     elif not isinstance(where, DeviceGrid):
         raise TypeError(f"a rank -> device mapping takes a DeviceGrid or a Cluster; got {type(where).__name__}")
@@ -940,7 +969,7 @@ def map_copies_same_node(sched: "Schedule", where: DeviceGrid | Cluster, *,
     spills over in rank order. For single-copy schedules every group is one rank and the result is
     the sequential mapping.
     """
-    grid = _fitting_grid(sched, where)
+    grid = _fitting_grid(sched, where, nodes=True)
     dpn = grid.devices_per_node
     slots: list[list[int]] = [[] for _ in range(grid.nodes)]
     for g in stage_sharing_groups(sched, include_replicas):

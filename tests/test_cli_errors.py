@@ -528,6 +528,10 @@ CASES += [
     ("mixed-zero3", _MIXED + ["-c", "a100-h100", "--zero", "3", "--dp", "2"], ["--zero 3", "mixed cluster"]),
     ("mixed-moe", _MIXED + ["-c", "a100-h100", "-m", "mixtral-8x7b"], ["mixture of experts mixtral-8x7b",
                                                                         "mixed cluster"]),
+    ("mixed-uneven-copies-same-node", _MIXED + ["-c", f"{_POOLS}/uneven.yaml", "--device-map", "copies-same-node"],
+     ["pools of 4 and 8 devices per node", "--device-map sequential or megatron"]),
+    ("mixed-kernels-without-constants", _MIXED + ["-c", "consumer-mix", "--cost-model", "kernels", "-D", "3"],
+     ["--cost-model kernels", "rtx-3090 has none", "--cost-model linear"]),
     ("mixed-profile", ["simulate", "-s", "dapple", "-D", "2", "-N", "4", "--profile", "{tp1profile}", "-c",
                        "a100-h100"], ["scaled onto it", "one device kind", "a100, h100"]),
 ]

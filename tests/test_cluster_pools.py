@@ -52,6 +52,7 @@ def test_mixed_numbering_pools_in_order_node_major():
     c = load_cluster("a100-h100")
     assert c.is_mixed and c.num_devices == 32 and c.nodes == 4
     assert [c.pool_of(r) for r in (0, 15, 16, 31)] == [0, 0, 1, 1]
+    assert (c.pool_gpus(0), c.pool_gpus(1)) == (range(0, 16), range(16, 32))
     assert [c.device_of(r).name for r in (15, 16)] == ["a100", "h100"]
     assert [(c.node_of(r), c.local_of(r), c.nic_of(r)) for r in (9, 17, 31)] == [(1, 1, 1), (2, 1, 1), (3, 7, 7)]
     assert c.devices_per_node == 8      # the pools agree on it
@@ -175,3 +176,55 @@ def test_simulate_shows_pools(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"pools: a100 x16 busy {a['busy']:.1%} bubble {a['bubble_ratio']:.1%} | h100 x16 busy " \
            f"{h['busy']:.1%}" in out
+
+
+def test_one_cost_model_for_every_pool(tmp_path):
+    """A mixed cluster is priced by one cost model: kernels where every pool's device has kernel
+    constants (a100-h100), linear where one has none (an A100 pool beside an RTX 3090 pool)."""
+    from cost_models.bind import cluster_cost_model
+    (tmp_path / "a100-3090.yaml").write_text(
+        "pools:\n  - {nodes: 1, device: a100, devices_per_node: 4, intra: nvlink3, inter: ib-hdr}\n"
+        "  - {nodes: 1, device: rtx-3090, devices_per_node: 4, intra: pcie4, inter: eth-25g}\nbetween: eth-25g\n")
+    model = cm.load_model("gpt3-1.3b")
+    assert cluster_cost_model(None, load_cluster("a100-h100"), False, model) == "kernels"
+    mixed = load_cluster(str(tmp_path / "a100-3090.yaml"))
+    assert cluster_cost_model(None, mixed, False, model) == "linear"
+    job = Job.of(layout=Layout(schedule="dapple", devices=2, microbatches=4), model="gpt3-1.3b",
+                 cluster=str(tmp_path / "a100-3090.yaml"), tp=4)
+    bound = simulate_job(job).bound
+    assert bound.report["cost_model"] == "linear" and [k.meta["cost_model"] for k in bound.costs.kinds] == \
+        ["linear", "linear"]
+
+
+def test_pools_of_unequal_nodes():
+    """tests/data/pools/uneven.yaml: one node of 8 A100s, then two nodes of 4 RTX 3090s: GPU 8 is local 0
+    of node 1, GPU 13 local 1 of node 2; T=4 gives the A100 node 2 groups and each 3090 node 1, so the
+    grouped cluster has 4 ranks, ranks 0-1 on the A100s. The A100 node has one NIC, which its two groups
+    share (as their GPUs would), so its port to the other pool stays one ``between`` (eth-25g: 25 Gb/s =
+    3.125 GB/s)."""
+    from pathlib import Path
+    c = load_cluster(str(Path(__file__).parent / "data" / "pools" / "uneven.yaml"))
+    assert (c.num_devices, c.nodes) == (16, 3)
+    assert [(c.node_of(g), c.local_of(g), c.device_of(g).name) for g in (7, 8, 13)] == \
+        [(0, 7, "a100"), (1, 0, "rtx-3090"), (2, 1, "rtx-3090")]
+    g = tensor_parallel_groups(c, 4)
+    assert [p.devices_per_node for p in g.pools] == [2, 1] and [g.pool_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert g.path(1, 2)[0].name == "n0.nic0.out" and g.path(1, 2)[1].bandwidth == 25e9 / 8
+    with pytest.raises(SpecError, match="no single devices_per_node"):
+        assert c.devices_per_node is None      # never reached: the property refuses
+
+
+def test_memory_judged_on_each_ranks_device():
+    """consumer-mix, T=4, D=3 (stage s on pool s): the 8 GiB RTX 2080 (rank 1) is judged against its
+    own 8 GiB less the default reserve (1 GiB + 5%), the 24 GiB cards against 24 GiB; the summary names
+    the fullest rank for its device, rank 1."""
+    from cost_models.memory import default_reserve, memory_report
+    job = Job.of(layout=Layout(schedule="dapple", devices=3, microbatches=8), model="gpt3-1.3b",
+                 cluster="consumer-mix", tp=4)
+    bound = simulate_job(job).bound
+    rep = memory_report(bound.lowered, bound.costs)
+    gib = 2**30
+    assert rep.capacities == (24 * gib, 8 * gib, 24 * gib)
+    usable = [c - default_reserve(c) for c in rep.capacities]
+    fullest = max(range(3), key=lambda r: (rep.peak[r] + rep.transient) / usable[r])
+    assert fullest == 1 and "on rank 1" in rep.summary() and f"of {8:g} GiB" in rep.summary()
