@@ -653,6 +653,8 @@ _PLAN_MIXED = ["plan", "-m", "gpt3-1.3b", "-c", "a100-h100", "-G", "64", "--no-p
 CASES += [
     ("type-blind-one-pool", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--type-blind"],
      ["--type-blind", "mixed cluster", "v100-2x8-25gbe has one kind"]),
+    ("mixed-plan-layout-search", _PLAN_MIXED + ["--search", "layout"], ["--search layout", "one device kind",
+                                                                         "type-aware"]),
     ("mixed-plan-tp", _PLAN_MIXED + ["--tp", "2"], ["--tp", "mixed cluster", "type-aware", "drop it"]),
     ("mixed-plan-policies", _PLAN_MIXED + ["--policies", "fresh-first"], ["--policies", "by pool", "drop"]),
     ("mixed-plan-no-simulate", _PLAN_MIXED + ["--no-simulate"], ["--no-simulate", "by simulation"]),
