@@ -228,3 +228,23 @@ def test_memory_judged_on_each_ranks_device():
     usable = [c - default_reserve(c) for c in rep.capacities]
     fullest = max(range(3), key=lambda r: (rep.peak[r] + rep.transient) / usable[r])
     assert fullest == 1 and "on rank 1" in rep.summary() and f"of {8:g} GiB" in rep.summary()
+
+
+def test_presets_show_pools_and_consumer_cards(capsys):
+    """`pipetwin presets clusters` lists a mixed preset pool by pool; the consumer cards carry their
+    datasheet numbers (dense tensor FP16 with FP32 accumulate, memory, bandwidth), Turing without bf16."""
+    from experiments.cli import main
+    assert main(["presets", "clusters"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("a100-h100 2 node(s) x 8 a100 (intra nvlink3 300 GB/s, inter ib-hdr 200 Gb/s x 8 NIC(s)/node) + 2 node(s) "
+            "x 8 h100 (intra nvlink4 450 GB/s, inter ib-ndr 400 Gb/s x 8 NIC(s)/node); pools joined by ib-hdr 200 Gb/s "
+            "per NIC (32 devices)") in out
+    gib = 2**30
+    want = {"rtx-3090": (71e12, True, 24 * gib, 936e9), "rtx-2080": (42.4e12, False, 8 * gib, 448e9),
+            "rtx-2080-ti": (56.9e12, False, 11 * gib, 616e9), "titan-rtx": (130e12, False, 24 * gib, 672e9)}
+    for name, (fp16, bf16, mem, bw) in want.items():
+        d = load_device(name)
+        assert (d.peak("fp16"), d.has("bf16"), d.memory_bytes, d.memory_bandwidth) == (fp16, bf16, mem, bw)
+    c = load_cluster("consumer-mix")
+    assert [p.device.name for p in c.pools] == ["rtx-3090", "rtx-2080", "titan-rtx"] and c.between.kind == "eth-10g"
+    assert LINK_TYPES["nvlink-bridge-ga102"].bandwidth == 4 * 14.0625e9 and LINK_TYPES["eth-10g"].bandwidth == 1.25e9
