@@ -20,6 +20,7 @@ A partition is a list of counts, one per stage, of consecutive layers. Rules:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from .files import short_list
@@ -233,3 +234,144 @@ def stack_partition(params: Sequence[float], num_stages: int, counts: Sequence[i
     if counts is not None:
         return check_counts(counts, len(params), num_stages)
     return balanced_counts(params, num_stages)
+
+
+# ---------------------------------------------------------------------- stages on devices of several kinds
+INF = float("inf")
+
+
+def speed_counts(weights: Sequence[float], speeds: Sequence[float]) -> list[int]:
+    """Layer counts of the contiguous split of ``weights`` (seconds of each layer on a device of
+    relative throughput 1) over stages whose devices run at relative throughputs ``speeds`` (stage
+    s takes ``sum(weights of its layers) / speeds[s]``), each stage >= 1 layer, whose slowest stage
+    is fastest (among those, the least sum of stage times): :func:`typed_split` with stage s's own
+    kind. For L uniform layers of c seconds and two speeds s_a, s_h the continuous optimum gives
+    layers in proportion to speed, L_a / L_h = s_a / s_h (every stage then takes L c / sum(s));
+    this rounds it exactly."""
+    if len(speeds) < 1 or any(not (x > 0 and x != INF) for x in speeds):
+        raise ValueError(f"stage speeds must be finite and > 0; got {short_list(speeds)}")
+    S = len(speeds)
+    out = typed_split([[w / s for w in weights] for s in speeds], S, [1] * S, sequence=tuple(range(S)))
+    if out is None:
+        raise ValueError(f"cannot split {len(weights)} layers into {S} stages")
+    return list(out.counts)
+
+
+@dataclass(frozen=True)
+class TypedSplit:
+    """A contiguous split over stages of typed devices: ``counts`` layers per stage, ``kinds`` the
+    device kind of each stage, ``slowest`` the largest stage time, ``total`` the sum of stage times."""
+
+    counts: tuple[int, ...]
+    kinds: tuple[int, ...]
+    slowest: float
+    total: float
+
+
+def typed_split(times: Sequence[Sequence[float]], stages: int, limits: Sequence[int], *,
+                static: Sequence[float] | None = None, act: Sequence[float] | None = None,
+                inflight: Sequence[float] | None = None, caps: Sequence[float] | None = None,
+                sequence: Sequence[int] | None = None) -> TypedSplit | None:
+    """The split of L layers into ``stages`` contiguous stages (each >= 1 layer), each stage on one
+    device kind k (at most ``limits[k]`` stages of kind k; ``sequence``: the kinds given, stage by
+    stage), whose slowest stage is fastest and, among those, whose stage times sum least (the
+    lexicographic optimum of (max_s t_s, sum_s t_s)); None when no split fits.
+
+    ``times[k][l]``: seconds of layer l on kind k (a stage's time is the sum over its layers).
+    Memory (optional): stage s on kind k holds ``sum static[l] + inflight[s] * sum act[l]`` bytes over
+    its layers, within ``caps[k]``.
+
+    Exact, by two dynamic programmes over (stages placed, stages of each kind used, layers placed):
+    the least bottleneck B* = min over splits of max_s t_s (``B[s+1][n + e_k][j] = min_i max(B[s][n][i],
+    t_k(i, j))``), then the least sum among the splits whose every stage is within B*
+    (``C[s+1][n + e_k][j] = min_i C[s][n][i] + t_k(i, j)``, t_k <= B*). The stage count and the number of
+    kinds are small (states: stages x kind-count vectors x L; each step an L x L minimum), so it runs
+    in O(S^K L^2) array work. Stage times within a relative 1e-12 of B* count as B* (the same time
+    summed in another order rounds differently). With one kind of speed 1 it is :func:`balanced_counts`' bottleneck."""
+    import numpy as np
+    K = len(times)
+    L = len(times[0]) if K else 0
+    if K < 1 or any(len(t) != L for t in times):
+        raise ValueError("typed_split: times needs one list of per-layer seconds per kind, all of one length")
+    if stages < 1 or L < stages:
+        return None
+    if len(limits) != K:
+        raise ValueError(f"typed_split: {len(limits)} limits for {K} kinds")
+    if sequence is not None and (len(sequence) != stages or any(not 0 <= k < K for k in sequence)):
+        raise ValueError(f"typed_split: sequence {short_list(sequence)} must give each of {stages} stages a kind")
+    idx = np.arange(L + 1)
+    order = idx[:, None] < idx[None, :]                   # i < j: a stage [i, j) has a layer
+    tabs = []
+    for k in range(K):
+        pre = np.concatenate(([0.0], np.cumsum(np.asarray(times[k], dtype=float))))
+        tabs.append(np.where(order, pre[None, :] - pre[:, None], INF))
+    mem = None
+    if caps is not None:
+        ps = np.concatenate(([0.0], np.cumsum(np.asarray(static if static is not None else [0.0] * L, dtype=float))))
+        pa = np.concatenate(([0.0], np.cumsum(np.asarray(act if act is not None else [0.0] * L, dtype=float))))
+        st_run, act_run = ps[None, :] - ps[:, None], pa[None, :] - pa[:, None]
+        infl = list(inflight) if inflight is not None else [1.0] * stages
+        mem = lambda s, k: st_run + infl[s] * act_run <= caps[k]  # noqa: E731
+
+    def table(s: int, k: int, limit: float):
+        t = tabs[k]
+        if mem is not None:
+            t = np.where(mem(s, k), t, INF)
+        if limit < INF:
+            t = np.where(t <= limit, t, INF)
+        return t
+
+    def run(combine, limit: float):
+        start = np.full(L + 1, INF)
+        start[0] = 0.0
+        front = {(0,) * K: start}
+        back = []
+        for s in range(stages):
+            new, how = {}, {}
+            kinds = [sequence[s]] if sequence is not None else range(K)
+            cache = {}
+            for n, arr in front.items():
+                for k in kinds:
+                    if n[k] >= limits[k]:
+                        continue
+                    t = cache.get(k)
+                    if t is None:
+                        t = cache[k] = table(s, k, limit)
+                    vals = combine(arr[:, None], t)          # (i, j)
+                    arg = vals.argmin(axis=0)
+                    best = vals[arg, idx]
+                    n2 = tuple(c + (x == k) for x, c in enumerate(n))
+                    cur = new.get(n2)
+                    if cur is None:
+                        new[n2], how[n2] = best, (np.full(L + 1, k), arg, [n] * (L + 1))
+                    else:
+                        better = best < cur
+                        if better.any():
+                            new[n2] = np.where(better, best, cur)
+                            hk, ha, hn = how[n2]
+                            how[n2] = (np.where(better, k, hk), np.where(better, arg, ha),
+                                       [n if b else o for b, o in zip(better, hn)])
+            back.append(how)
+            front = new
+        finals = [(arr[L], n) for n, arr in front.items() if arr[L] < INF]
+        if not finals:
+            return None
+        val, n = min(finals, key=lambda x: x[0])
+        counts, kinds, j = [], [], L
+        for s in range(stages - 1, -1, -1):
+            hk, ha, hn = back[s][n]
+            k, i, n = int(hk[j]), int(ha[j]), hn[j]
+            counts.append(j - i)
+            kinds.append(k)
+            j = i
+        return val, tuple(counts[::-1]), tuple(kinds[::-1])
+
+    first = run(np.maximum, INF)
+    if first is None:
+        return None
+    bottleneck = first[0]
+    second = run(np.add, bottleneck * (1 + 1e-12))     # within rounding of B*: sums in another order tie
+    assert second is not None      # the first pass's split is within its own bottleneck
+    total, counts, kinds = second
+    stage_times = [tabs[k][i, i + c] for k, i, c in zip(kinds, np.cumsum((0, *counts[:-1])), counts)]
+    return TypedSplit(counts, kinds, float(max(stage_times)), float(total))

@@ -120,6 +120,15 @@ def main(args) -> int:
         from cost_models.frameworks import runs_on
         from planner.layout import EXCLUDED_BY_DEFAULT
         args.schedules = ",".join(n for n in runs_on(args.emit) if n not in EXCLUDED_BY_DEFAULT)
+    if args.cluster is not None and not args.profile:
+        mixed = cluster_from_args(args).load()
+        if mixed.is_mixed:          # pools of several devices: the type-aware planner (experiments.plan_mixed)
+            from .plan_mixed import main_mixed
+            return main_mixed(args, mixed, _parse_limit(args.memory_limit), _model_name(args),
+                              lambda: _sequences(args, args.model))
+    if args.type_blind:
+        raise ValueError("--type-blind compares plans on a mixed cluster (pools of several devices); "
+                         + (f"cluster {args.cluster} has one kind" if args.cluster else "give one with --cluster"))
     if search == "layout":
         from .plan_layout import main_layout
         code = main_layout(args, _parse_limit(args.memory_limit), check_limit)

@@ -371,6 +371,9 @@ def _rows() -> dict[str, Option]:
                           action="store_true")),
         ("no_baselines", O(("--no-baselines",), None, "DAPPLE search: skip the PipeDream and data-parallel "
                            "baselines", action="store_true")),
+        ("type_blind", O(("--type-blind",), None, "mixed cluster: keep (print first, write with --out) the type-blind "
+                         "plan, today's planner as if every GPU were the first pool's kind (default split, devices "
+                         "in order); the type-aware one and the gain are reported either way", action="store_true")),
         # ---- sweep's own
         ("workers", O(("--workers",), None, "local worker processes (default: all cores)", type=positive_int)),
         ("ray", O(("--ray",), None, "run the points on a Ray cluster (ADDRESS, e.g. 'auto'; alone: a local Ray); "
@@ -526,6 +529,7 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
              use("global_batch", note=" (or --global-tokens)"), use("global_tokens"), use("gpus"),
              use("device_memory"), use("force"), use("top"),
              use("max_stages"), use("uniform"), use("policies"), use("no_simulate"), use("no_baselines"),
+             use("type_blind"),
              *(use(k, note="; the plan searches the layout: the file gives the model, sequence, global batch and GPU "
                    "budget") for k in _IMPORTS),
              use("emit")),

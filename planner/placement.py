@@ -246,6 +246,8 @@ class Topology:
         same transfer costs. Unchanged when the fabric's groups are not all alike, or pods on a spine
         group the groups."""
         c = self.cluster
+        if c.is_mixed:      # nodes of two pools are not alike: no renaming keeps the links
+            return src, dst
         per = c.nodes if c.fabric == "flat" else c.nodes_per_leaf
         if c.nodes % per or (c.nodes_per_pod is not None and c.nodes > c.nodes_per_pod):
             return src, dst

@@ -380,11 +380,21 @@ def plan_from_record(rec: dict, source: str = "plan") -> LoadedPlan | LayoutPlan
         if k not in rec:
             raise ValueError(f"{source}: missing field {k!r}")
     cluster = cluster_from_dict(dict(rec["cluster"]), f"{source} (field 'cluster')")
-    work = workload_from_source(rec["model"], cluster.device)
     try:
         plan = Plan.from_dict(rec["plan"])
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+    if cluster.is_mixed:        # each stage's layers on its pool's device, the slowest of a stage's (planner.hetero)
+        from .hetero import plan_pools, stitched
+        if max(d for st in plan.stages for d in st.devices) >= cluster.num_devices:
+            raise ValueError(f"{source}: the plan uses devices beyond the cluster's {cluster.num_devices}")
+        works = [workload_from_source(rec["model"], p.device) for p in cluster.pools]
+        if plan.num_layers != works[0].num_layers:
+            raise ValueError(f"{source}: the plan covers layers {plan.stages[0].start}..{plan.stages[-1].stop}, "
+                             f"model {works[0].name} has {works[0].num_layers}")
+        work = stitched(works, plan_pools(plan, cluster))
+    else:
+        work = workload_from_source(rec["model"], cluster.device)
     if plan.num_layers != work.num_layers or plan.stages[0].start != 0:
         raise ValueError(f"{source}: the plan covers layers {plan.stages[0].start}..{plan.stages[-1].stop}, "
                          f"model {work.name} has {work.num_layers}")

@@ -181,7 +181,8 @@ def build_plan(plan: Plan, work: Workload, cluster: Cluster, capacity: float | N
     costs.meta.update(model=costs.meta.get("model", "per-layer"), model_name=work.name, memory_capacity=cap,
                       partition=list(part))
     extra.update(cost_model="planner", model=work.name, cluster=cluster.name, memory_capacity=cap,
-                 plan=plan.describe(), partition=list(part), device_fitted=cluster.device.provenance(),
+                 plan=plan.describe(), partition=list(part),
+                 device_fitted=" | ".join(dict.fromkeys(p.device.provenance() for p in cluster.pools)),
                  **({"seq_len": work.spec.seq_len} if work.spec is not None else {}))
     return Built(plan, low, costs, cluster.with_device_map(dmap), extra)
 

@@ -648,6 +648,22 @@ CASES += [
     ("sweep-without-devices", ["sweep", "--no-figures", "--out", "{dir}/sw"],
      ["give --devices and --microbatches", "--from-megatron"]),
 ]
+# issue 45 item 3: planning on a mixed cluster (the type-aware planner takes DAPPLE's space)
+_PLAN_MIXED = ["plan", "-m", "gpt3-1.3b", "-c", "a100-h100", "-G", "64", "--no-progress"]
+CASES += [
+    ("type-blind-one-pool", ["plan", "-m", "tiny", "-c", "v100-2x8-25gbe", "-G", "16", "--type-blind"],
+     ["--type-blind", "mixed cluster", "v100-2x8-25gbe has one kind"]),
+    ("mixed-plan-layout-search", _PLAN_MIXED + ["--search", "layout"], ["--search layout", "one device kind",
+                                                                         "type-aware"]),
+    ("mixed-plan-tp", _PLAN_MIXED + ["--tp", "2"], ["--tp", "mixed cluster", "type-aware", "drop it"]),
+    ("mixed-plan-policies", _PLAN_MIXED + ["--policies", "fresh-first"], ["--policies", "by pool", "drop"]),
+    ("mixed-plan-no-simulate", _PLAN_MIXED + ["--no-simulate"], ["--no-simulate", "by simulation"]),
+    ("mixed-plan-schedules", _PLAN_MIXED + ["--schedules", "1f1b"], ["--schedules 1f1b", "1F1B",
+                                                                     "pipetwin compare"]),
+    ("mixed-plan-memory-limit", _PLAN_MIXED + ["--memory-limit", "100 GiB"], ["--memory-limit", "smallest pool",
+                                                                               "--force"]),
+    ("mixed-plan-emit", _PLAN_MIXED + ["--emit", "megatron"], ["--emit", "pipetwin only"]),
+]
 
 
 @pytest.fixture()
