@@ -184,14 +184,23 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm block: x + attn(rms1(x)), then x + mlp(rms2(x))."""
+    """Pre-norm block: x + attn(rms1(x)), then x + mlp(rms2(x)). ``attn`` and ``mlp`` default to
+    grouped-query attention and the dense SwiGLU; :func:`executor.model.block` gives multi-head
+    latent attention (:class:`executor.mla.LatentAttention`) and the mixture-of-experts MLP
+    (:class:`executor.moe.MoeMLP`) where the spec has them."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP,
+                 attn: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
         self.ln1 = RMSNorm(spec.hidden, eps=1e-5)
-        self.attn = GroupedQueryAttention(spec, tp, cp)
+        self.attn = attn if attn is not None else GroupedQueryAttention(spec, tp, cp)
         self.ln2 = RMSNorm(spec.hidden, eps=1e-5)
-        self.mlp = SwiGLU(spec, tp)
+        self.mlp = mlp if mlp is not None else SwiGLU(spec, tp)
+
+    @property
+    def aux_value(self):
+        """alpha * the load-balancing loss of the last forward (detached; None: a dense MLP or alpha 0)."""
+        return getattr(self.mlp, "aux_value", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
