@@ -89,6 +89,10 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     args.global_batch = batch_in_sequences(args.global_batch, args.global_tokens, model.seq_len)
     choice = cluster_from_args(args)
     cluster = choice.load()
+    if cluster.is_mixed and args.emit is not None:
+        raise ValueError(f"--emit on the mixed cluster {cluster.name}: its plan places stages by pool with layers "
+                         f"split by type, which {args.emit}'s launch does not say; it runs in pipetwin only "
+                         f"(drop --emit)")
     check_limit(limit, min((p.device for p in cluster.pools), key=lambda d: d.memory_bytes or float("inf")),
                 args.force)
     space = space_from_args(args, cluster)
