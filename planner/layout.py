@@ -203,7 +203,8 @@ class Confirmed:
         """The JSON record of ``pipetwin plan --tp``: tp, cp, cp_comm, devices, dp, schedule, chunks, variant,
         micro_batch, microbatches, recompute, zero, sequence_parallel, ep, etp, overlap_fb, iteration_time,
         tokens_per_s, mfu (:func:`layout_mfu`), peak_memory (bytes: the worst GPU's static +
-        activations), memory_need (with the transients), bubble_ratio, time_bound, memory_verdict."""
+        activations), memory_need (with the transients), bubble_ratio, time_bound, memory_verdict; on a
+        mixed cluster partition (layers per stage)."""
         lay, j, par = self.job.layout, self.job, self.job.parallel
         return {"tp": par.tp, "cp": par.cp, "cp_comm": par.cp_comm, "devices": lay.devices, "dp": lay.replicas,
                 "gpus": j.gpus,
@@ -215,7 +216,8 @@ class Confirmed:
                 "tokens_per_s": global_batch * model.seq_len / self.iteration_time,
                 "mfu": layout_mfu(model, global_batch, self.iteration_time, j.gpus, peak_flops),
                 "peak_memory": self.peak_memory, "memory_need": self.memory_need, "bubble_ratio": self.bubble_ratio,
-                "time_bound": self.time_bound, "memory_verdict": self.verdict}
+                "time_bound": self.time_bound, "memory_verdict": self.verdict,
+                **({"partition": list(j.partition)} if j.partition is not None else {})}
 
 
 @dataclass
@@ -447,6 +449,21 @@ def stage_pools(sched, cluster: Cluster, group: int) -> tuple[int, ...]:
     return tuple(cluster.pool_of_device(sched.placement[0][s] * group) for s in range(sched.num_stages))
 
 
+def in_flight(sched) -> list[int]:
+    """Per stage of copy 0: the most micro-batches whose forward its device has run and whose
+    backward (B, or the input half B of a split one) it has not, at any point of its program: each
+    holds that stage's activations then."""
+    out = [0] * sched.num_stages
+    for prog in sched.programs:
+        held: dict = {}
+        for op in prog:
+            if op.copy != 0 or op.kind not in ("F", "B"):
+                continue
+            held[op.stage] = held.get(op.stage, 0) + (1 if op.kind == "F" else -1)
+            out[op.stage] = max(out[op.stage], held[op.stage])
+    return out
+
+
 def _optim_layers(c) -> tuple[float, ...]:
     """Seconds of each layer's optimizer step (:meth:`LayerCosts.optim_total`, layer by layer)."""
     if c.optim_time is not None:
@@ -458,8 +475,11 @@ class TypedPartition:
     """A mixed-cluster candidate's layers per stage: :func:`cost_models.partition.typed_split` over
     the schedule's stages with each stage's kind fixed by its pool (:func:`stage_pools`), a layer
     costing F + B + W on its pool's device (the job's own per-pool cost model: what the simulator
-    charges) and every stage's weights, gradients and optimizer state within its pool's usable
-    memory: more layers on the faster pool. Per (parallel record, R, D, schedule, chunks, variant)."""
+    charges) and every stage within its pool's usable memory as far as a stage alone needs it: its
+    weights, gradients and optimizer state and the activations of the most micro-batches its
+    device's program holds forward-done and backward-undone at once (:func:`in_flight`); where no
+    split meets it, the time-only split (the ledger then judges it). More layers on the faster pool.
+    Per (parallel record, R, D, schedule, chunks, variant, cost model)."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, memory_limit: float | None = None):
         self.model, self.cluster, self.limit = model, cluster, memory_limit
@@ -491,7 +511,7 @@ class TypedPartition:
                 usable_memory(self.cluster.pools[p].device.memory_bytes, job.memory_reserve) for p in used]
         seq = tuple(used.index(k) for k in kinds)
         S = len(kinds)
-        got = typed_split(times, S, [S] * len(used), static=static, act=[0.0] * len(static), inflight=[0] * S,
+        got = typed_split(times, S, [S] * len(used), static=static, act=list(c.act), inflight=in_flight(sched),
                           caps=caps, sequence=seq) or typed_split(times, S, [S] * len(used), sequence=seq)
         self._memo[key] = None if got is None else tuple(got.counts)
         return self._memo[key]

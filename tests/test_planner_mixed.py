@@ -391,3 +391,14 @@ def test_plan_search_layout_on_a_mixed_cluster_prints_the_type_blind_plan_and_th
     assert main(["simulate", "--plan", str(path), "--json"]) == 0
     import json
     assert json.loads(capsys.readouterr().out)["iteration_time"] == pytest.approx(res.best.iteration_time, rel=1e-12)
+
+
+def test_in_flight_counts_the_micro_batches_a_stage_holds():
+    """1F1B (dapple) holds min(D - s, N) micro-batches at stage s; GPipe all N; ZB-H1 the same as
+    1F1B (its W work runs after B, which frees the input's activations)."""
+    from planner.layout import in_flight
+    from schedules import build
+    assert in_flight(build("dapple", 4, 8)) == [4, 3, 2, 1]
+    assert in_flight(build("dapple", 4, 2)) == [2, 2, 2, 1]
+    assert in_flight(build("gpipe", 4, 8)) == [8, 8, 8, 8]
+    assert in_flight(build("zb-h1", 4, 8)) == [4, 3, 2, 1]
