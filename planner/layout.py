@@ -265,7 +265,7 @@ def layout_mfu(model: ModelSpec, global_batch: int, seconds: float, gpus: int, p
 def tensor_parallel_sizes(model: ModelSpec, cluster: Cluster, asked: tuple[int, ...] | None) -> list[int]:
     """T values: ``asked`` (each must divide the node size and split the model: one line if not),
     else every divisor of the node size that splits the model."""
-    per = cluster.devices_per_node
+    per = node_size(cluster)
     if asked is None:
         out = []
         for t in range(1, per + 1):
@@ -307,13 +307,21 @@ def context_parallel_sizes(model: ModelSpec, cluster: Cluster, asked: tuple[int,
 def _places(cluster: Cluster, g: int) -> bool:
     """Whether a pipeline device of g GPUs sits whole on the cluster's nodes: g divides a node, or is
     a multiple of it that divides the nodes (:func:`cost_models.cluster.tensor_parallel_groups`)."""
-    dpn = cluster.devices_per_node
+    dpn = node_size(cluster)
+    if cluster.is_mixed:        # inside a node of every pool (a group never spans two kinds)
+        return dpn % g == 0
     return dpn % g == 0 if g <= dpn else g % dpn == 0 and cluster.nodes % (g // dpn) == 0
+
+
+def node_size(cluster: Cluster) -> int:
+    """The GPUs of a node; on a mixed cluster the greatest common divisor of its pools' (a group of
+    that many GPUs sits inside a node of any pool)."""
+    return math.gcd(*(p.devices_per_node for p in cluster.pools))
 
 
 def node_divisors(cluster: Cluster) -> list[int]:
     """Every divisor of the cluster's node size (the group sizes that stay inside a node)."""
-    return _divisors(cluster.devices_per_node)
+    return _divisors(node_size(cluster))
 
 
 def _divisors(n: int) -> list[int]:
@@ -325,7 +333,7 @@ def check_gpus(cluster: Cluster, gpus: int | None) -> int:
     the cluster's)."""
     if gpus is None:
         return cluster.num_devices
-    per = cluster.devices_per_node
+    per = node_size(cluster)
     if gpus % per:
         raise ValueError(f"--gpus {gpus} is not a multiple of the {per} GPUs of a node of {cluster.name}; "
                          f"use a multiple of {per}")
@@ -367,7 +375,7 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
     for c in space.cp or ():
         if not any(cp == c for _, cp in pairs):
             raise ValueError(f"--cp {c} fits no layout: T x {c} GPUs must divide the {gpus:,} GPUs and a node of "
-                             f"{cluster.devices_per_node} (or be a multiple of it) for some --tp")
+                             f"{node_size(cluster)} (or be a multiple of it) for some --tp")
     for tp, cp in pairs:
         for D in _divisors(gpus // (tp * cp)):
             if D > most:
@@ -375,8 +383,6 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
             if space.devices is not None and D not in space.devices:
                 continue
             R = gpus // (tp * cp * D)
-            if mixed and not whole_stages(cluster, gpus, tp * R):
-                continue
             for mb in space.micro_batches:
                 if global_batch % (R * mb):
                     continue
@@ -412,7 +418,7 @@ def mixed_space(model: ModelSpec, cluster: Cluster, space: LayoutSpace) -> Layou
     """The space on a mixed cluster (several pools): what the simulator prices per pool
     (:func:`cost_models.bind.check_mixed_job`: a dense model, C = 1, ZeRO 0/1) placed whole stage by
     whole stage (Megatron's order [TP, DP, PP]: pipeline device d on GPUs d T R .. (d + 1) T R - 1,
-    pools in order, :func:`whole_stages`); an axis asked outside it is one line."""
+    pools in order, :func:`device_pools`); an axis asked outside it is one line."""
     name = cluster.name
     if model.is_moe:
         raise ValueError(f"--search layout on the mixed cluster {name}: the mixture of experts {model.name}'s "
@@ -430,23 +436,19 @@ def mixed_space(model: ModelSpec, cluster: Cluster, space: LayoutSpace) -> Layou
     return dataclasses.replace(space, zero=zero, cp=(1,), device_maps=("megatron",))
 
 
-def whole_stages(cluster: Cluster, gpus: int, group: int) -> bool:
-    """Whether pipeline devices of ``group`` = T x R GPUs (a stage's tensor-parallel groups and its
-    replicas, placed together) each sit on one pool: ``group`` divides every pool's GPUs among the
-    ``gpus`` used (the first pools first)."""
-    left = gpus
-    for p in cluster.pools:
-        use = min(p.num_devices, left)
-        if use % group:
-            return False
-        left -= use
-    return True
+def device_pools(cluster: Cluster, devices: int, tp: int, replicas: int) -> list[frozenset[int]]:
+    """The pools of each pipeline device's R replicas in Megatron's order [TP, DP, PP] (replica r of
+    pipeline device d on GPUs (d R + r) T ..): a stage's replicas are neighbours, on one pool
+    wherever T x R GPUs fit in one (two where they straddle a pool's end: the slower sets the pace)."""
+    R = replicas
+    return [frozenset(cluster.pool_of_device((d * R + r) * tp) for r in range(R)) for d in range(devices)]
 
 
-def stage_pools(sched, cluster: Cluster, group: int) -> tuple[int, ...]:
-    """The pool of each stage of copy 0 of a built schedule whose pipeline device d sits on GPUs
-    d x ``group`` .. (Megatron's order)."""
-    return tuple(cluster.pool_of_device(sched.placement[0][s] * group) for s in range(sched.num_stages))
+def replica_pools(cluster: Cluster, devices: int, tp: int, replicas: int) -> list[tuple[int, ...]]:
+    """The distinct pool vectors of the replicas (pipeline device d of replica r on the pool at d),
+    Megatron's order as :func:`device_pools`."""
+    R = replicas
+    return sorted({tuple(cluster.pool_of_device((d * R + r) * tp) for d in range(devices)) for r in range(R)})
 
 
 def in_flight(sched) -> list[int]:
@@ -473,11 +475,12 @@ def _optim_layers(c) -> tuple[float, ...]:
 
 class TypedPartition:
     """A mixed-cluster candidate's layers per stage: :func:`cost_models.partition.typed_split` over
-    the schedule's stages with each stage's kind fixed by its pool (:func:`stage_pools`), a layer
-    costing F + B + W on its pool's device (the job's own per-pool cost model: what the simulator
-    charges) and every stage within its pool's usable memory as far as a stage alone needs it: its
-    weights, gradients and optimizer state and the activations of the most micro-batches its
-    device's program holds forward-done and backward-undone at once (:func:`in_flight`); where no
+    the schedule's stages with each stage's kind fixed by the pools of its device's replicas
+    (:func:`device_pools`), a layer costing F + B + W on the slowest of them (the job's own per-pool
+    cost model: what the simulator charges) and every stage within its pools' usable memory as far
+    as a stage alone needs it: its weights, gradients and optimizer state and the activations of the
+    most micro-batches its device's program holds forward-done and backward-undone at once
+    (:func:`in_flight`); where no
     split meets it, the time-only split (the ledger then judges it). More layers on the faster pool.
     Per (parallel record, R, D, schedule, chunks, variant, cost model)."""
 
@@ -498,19 +501,23 @@ class TypedPartition:
         except (ScheduleError, ValueError):
             self._memo[key] = None       # refused when bound (its own line)
             return None
-        group = job.parallel.tp * lay.replicas
-        kinds = stage_pools(sched, self.cluster, group)
-        used = sorted(set(kinds))
+        where = device_pools(self.cluster, lay.devices, job.parallel.tp, lay.replicas)
+        stages = [where[sched.placement[0][s]] for s in range(sched.num_stages)]
+        kinds = list(dict.fromkeys(stages))
         model = job.parallel.sized(self.model)
-        costs = [transformer_cost_model(job, model, self.cluster.pool_cluster(p)).layer_costs() for p in used]
-        times = [[f + b + w for f, b, w in zip(c.f, c.b_input, c.w)] for c in costs]
-        c = costs[0]
+        pools = sorted(set().union(*kinds))
+        costs = {p: transformer_cost_model(job, model, self.cluster.pool_cluster(p)).layer_costs() for p in pools}
+        per = {p: [f + b + w for f, b, w in zip(c.f, c.b_input, c.w)] for p, c in costs.items()}
+        times = [[max(per[p][l] for p in k) for l in range(len(per[pools[0]]))] for k in kinds]   # the slowest
+        c = costs[pools[0]]
         static = list(c.static_bytes) if c.static_bytes is not None else \
             [p * c.bytes_per_param_static for p in c.params]
         caps = [self.limit if self.limit is not None else
-                usable_memory(self.cluster.pools[p].device.memory_bytes, job.memory_reserve) for p in used]
-        seq = tuple(used.index(k) for k in kinds)
-        S = len(kinds)
+                min(usable_memory(self.cluster.pools[p].device.memory_bytes, job.memory_reserve) for p in k)
+                for k in kinds]
+        used = kinds
+        seq = tuple(kinds.index(k) for k in stages)
+        S = len(stages)
         got = typed_split(times, S, [S] * len(used), static=static, act=list(c.act), inflight=in_flight(sched),
                           caps=caps, sequence=seq) or typed_split(times, S, [S] * len(used), sequence=seq)
         self._memo[key] = None if got is None else tuple(got.counts)
@@ -783,14 +790,17 @@ class _Bounds:
         from schedules.timing import time_programs
         sched = self.shape(job)
         if self.mixed:
-            costs, pools = self._pool_costs(job, sched)
-            on = lambda op: costs[pools[sched.placement[op.copy][op.stage]]]  # noqa: E731
-            times = time_programs(sched.programs, sched.num_stages,
-                                  lambda op: on(op).compute_time(op.kind, op.copy, op.stage))
-            ends = [0.0] * sched.num_devices
-            for d, _, end in times.values():
-                ends[d] = max(ends[d], end)
-            return max(end + costs[pools[d]].optim_time[d] for d, end in enumerate(ends))
+            costs, vectors = self._pool_costs(job, sched)
+            best = 0.0
+            for pools in vectors:       # each replica's pipeline, every op on its own device's pool
+                def cost(op, pools=pools):
+                    return costs[pools[sched.placement[op.copy][op.stage]]].compute_time(op.kind, op.copy, op.stage)
+                times = time_programs(sched.programs, sched.num_stages, cost)
+                ends = [0.0] * sched.num_devices
+                for d, _, end in times.values():
+                    ends[d] = max(ends[d], end)
+                best = max(best, max(end + costs[pools[d]].optim_time[d] for d, end in enumerate(ends)))
+            return best
         tcm = self.cost_model(job)
         costs = tcm.bind(sched)
         optim = costs.optim_time
@@ -809,35 +819,37 @@ class _Bounds:
 
     def _pool_costs(self, job: Job, sched):
         """A mixed-cluster job's built schedule costed on each pool it sits on (pool -> StageCosts) and
-        the pool of each pipeline device (:func:`stage_pools`' placement: device d on GPUs d T R ..)."""
-        group = job.parallel.tp * job.layout.replicas
-        pools = [self.cluster.pool_of_device(d * group) for d in range(sched.num_devices)]
+        the distinct pool vectors of its replicas (:func:`replica_pools`)."""
+        lay = job.layout
+        vectors = replica_pools(self.cluster, lay.devices, job.parallel.tp, lay.replicas)
         models = self.pool_models(job)
-        return {p: models[p].bind(sched) for p in sorted(set(pools))}, pools
+        return {p: models[p].bind(sched) for p in sorted(set().union(*vectors))}, vectors
 
     def _refine_mixed(self, job: Job, sched, capacity: float | None, reserve: float | None):
         """:meth:`refine` on a mixed cluster: each device's compute ops and optimizer step priced on its
-        own pool, after the forwards of the stages before its first (each on its own device's pool);
-        the ledger judging each device against its pool's memory (``capacity`` None) or ``capacity``."""
+        own pool, after the forwards of the stages before its first (each on its own device's pool),
+        for each replica's pools (:func:`replica_pools`); the ledger judging each device against the
+        least memory of its replicas' pools (``capacity`` None) or ``capacity`` (bytes alike on
+        every pool)."""
         try:
-            costs, pools = self._pool_costs(job, sched)
+            costs, vectors = self._pool_costs(job, sched)
         except ValueError as e:
             return str(e)
-        c0 = costs[pools[0]]
-        static = tuple(costs[pools[d]].static_mem[d] for d in range(sched.num_devices))
+        c0 = costs[vectors[0][0]]
         akey = (id(sched), c0.act, c0.act_w)
         if akey not in self._acts:
             self._acts[akey] = peak_activation(sched, c0)
         caps = None if capacity is not None else \
-            tuple(self.cluster.pools[p].device.memory_bytes for p in pools)
-        rep = MemoryReport(static, self._acts[akey], capacity, c0.mem_unit,
+            tuple(min(self.cluster.pools[v[d]].device.memory_bytes for v in vectors) for d in range(sched.num_devices))
+        rep = MemoryReport(tuple(c0.static_mem), self._acts[akey], capacity, c0.mem_unit,
                            float(c0.meta.get("memory_transient") or 0.0), reserve, caps)
         best = 0.0
-        for d, (held, counts) in enumerate(self._work_of(sched)):
-            start = min(sum(costs[pools[sched.placement[c][x]]].f[c][x] for x in range(s)) for c, s in held)
-            mine = costs[pools[d]]
-            busy = sum(n * mine.compute_time(k, c, s) for (k, c, s, _), n in counts.items())
-            best = max(best, start + busy + mine.optim_time[d])
+        for pools in vectors:
+            for d, (held, counts) in enumerate(self._work_of(sched)):
+                start = min(sum(costs[pools[sched.placement[c][x]]].f[c][x] for x in range(s)) for c, s in held)
+                mine = costs[pools[d]]
+                busy = sum(n * mine.compute_time(k, c, s) for (k, c, s, _), n in counts.items())
+                best = max(best, start + busy + mine.optim_time[d])
         return best, rep.max_peak + rep.transient, not rep.oom
 
     def _work_of(self, sched, hidden: bool = False) -> list:

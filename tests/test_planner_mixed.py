@@ -261,12 +261,14 @@ LAYOUT_CASES = [
 def test_layout_search_on_a_mixed_cluster_is_the_brute_force(case):
     """The whole-layout search on a mixed cluster against its twin (every candidate bound, judged by
     each pool's ledger and simulated on the mixed cluster): every bound at or below its truth, the
-    top 3 the brute force's. Every candidate places whole stages on one pool (Megatron's order:
-    pipeline device d on GPUs d T R .. (d + 1) T R - 1), C = 1 and ZeRO 0/1 (what a mixed cluster
-    prices), its layers :func:`typed_split`'s over the schedule's stages with each stage's pool."""
+    top 3 the brute force's. Every candidate is in Megatron's order (pipeline device d of replica r
+    on GPUs (d R + r) T ..: a stage's replicas neighbours, on one pool where T x R divides the 4
+    GPUs of a pool, else the D = 1 or 2 layouts of T x R = 8 straddle both), C = 1 and ZeRO 0/1
+    (what a mixed cluster prices), its layers :func:`typed_split`'s over the schedule's stages, each
+    stage's kind its replicas' pools at the slowest's pace."""
     from cost_models.bind import transformer_cost_model
     from cost_models.partition import typed_split
-    from planner.layout import LayoutSpace, stage_pools
+    from planner.layout import LayoutSpace, device_pools
     from schedules import build
     from tests.helpers import assert_search_is_the_brute_force
     limit, kw = LAYOUT_CASES[case]
@@ -279,16 +281,22 @@ def test_layout_search_on_a_mixed_cluster_is_the_brute_force(case):
     jobs = [c.job for c, _ in brute]
     assert {j.parallel.zero for j in jobs} == {0, 1} and {j.parallel.cp for j in jobs} == {1}
     assert {j.mapping for j in jobs} == {"megatron"}
-    uneven = 0
+    uneven = straddle = 0
+    cs = {}
     for j in jobs:
         lay, group = j.layout, j.parallel.tp * j.layout.replicas
         sched = build(lay.schedule, lay.devices, lay.microbatches, **lay.family_options())
-        for d in range(lay.devices):        # a pipeline device's T x R GPUs on one pool
-            assert len({cluster.pool_of_device(g) for g in range(d * group, (d + 1) * group)}) == 1
-        kinds = stage_pools(sched, cluster, group)
-        used = sorted(set(kinds))
-        cs = [transformer_cost_model(j, j.parallel.sized(model), cluster.pool_cluster(p)).layer_costs() for p in used]
-        times = [[f + b + w for f, b, w in zip(c.f, c.b_input, c.w)] for c in cs]
+        where = device_pools(cluster, lay.devices, j.parallel.tp, lay.replicas)
+        for d in range(lay.devices):        # a pipeline device's T x R GPUs: on one pool where they fit
+            assert where[d] == {cluster.pool_of_device(g) for g in range(d * group, (d + 1) * group)}
+            assert len(where[d]) == (1 if 4 % group == 0 else 2)
+        straddle += group == 8
+        kinds = [where[sched.placement[0][s]] for s in range(sched.num_stages)]
+        used = list(dict.fromkeys(kinds))
+        for p in range(2):
+            cs[p] = transformer_cost_model(j, j.parallel.sized(model), cluster.pool_cluster(p)).layer_costs()
+        per = [[f + b + w for f, b, w in zip(c.f, c.b_input, c.w)] for c in (cs[0], cs[1])]
+        times = [[max(per[p][l] for p in k) for l in range(len(per[0]))] for k in used]
         want = typed_split(times, len(kinds), [len(kinds)] * len(used), sequence=tuple(used.index(k) for k in kinds))
         if want is None:        # more stages than layers: no split (the candidate is refused when bound)
             assert j.partition is None
@@ -296,7 +304,7 @@ def test_layout_search_on_a_mixed_cluster_is_the_brute_force(case):
         if limit is None:       # no memory binds: the time-only split
             assert j.partition == want.counts
         uneven += len(set(j.partition)) > 1 and len(used) > 1
-    assert uneven
+    assert uneven and straddle
 
 
 def test_layout_search_gain_on_a100_h100_is_what_the_imbalance_predicts():
