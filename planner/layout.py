@@ -923,7 +923,8 @@ def _leaner(order: tuple) -> list[tuple]:
     also shards the gradients; not ZeRO-3, whose gathered layers may outweigh its weight shards on a
     GPU that holds few); with the overlap, the same without it (it
     changes the times, not what a GPU keeps). The ledger's out of memory for one of them is the
-    candidate's."""
+    candidate's. Not on a mixed cluster, where each ZeRO stage's layers are split under its own
+    memory (:class:`TypedPartition`): the twins hold different layers."""
     out = []
     if order[_ZERO] in (0, 1):
         out += [order[:_ZERO] + (z,) + order[_ZERO + 1:] for z in range(order[_ZERO] + 1, 3)]
@@ -1024,7 +1025,7 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
                 result.memory_pruned += 1
                 misses.append((c.memory_bound, c))
                 continue
-            if any(t in over for t in _leaner(order)):
+            if not bounds.mixed and any(t in over for t in _leaner(order)):   # (mixed: each its own split)
                 result.out_of_memory += 1       # a leaner twin is over already (its need is in misses)
                 continue
             ref = bounds.refine(c.job, capacity, reserve)
