@@ -50,6 +50,19 @@ max(all-to-alls, compute + SM share x all-to-alls) (:func:`overlapped`: the all-
 the other, and the compute under them at 1 - share), the others their whole time; the memory
 bound counts the experts' weights, gradients and optimizer state per GPU as the cost model holds
 them (1 / (EP x ETP), the optimizer state sharded over EDP with ZeRO-1).
+
+Mixed clusters (pools of several devices, issue 45): the space is what the simulator prices per
+pool (:func:`mixed_space`: a dense model, C = 1, ZeRO 0/1; T inside a node of every pool), placed
+in Megatron's order [TP, DP, PP] so a stage's replicas are neighbours, on one pool wherever its
+T x R GPUs fit in one (:func:`device_pools`; pools in order along the pipeline), and each
+candidate's layers split by type (:class:`TypedPartition`: :func:`cost_models.partition.typed_split`
+over the schedule's stages, more layers on the faster pool, within each pool's memory). The
+bounds stay below the truth: the cheap time bound takes each layer at its least cost over the
+pools, the memory bound is held against the roomiest pool's usable memory, and the refined bound
+and critical path price every device on its own pool, for each replica's pools
+(:func:`replica_pools`), the ledger judging each GPU against its own pool. Beside the search,
+:func:`plan_type_blind`: today's search as if every GPU were the first pool's (:func:`one_kind`),
+its plan simulated on the true costs, the gain :func:`planner.hetero.gain`.
 """
 from __future__ import annotations
 
