@@ -1097,6 +1097,8 @@ def usable_of(cluster: Cluster, capacity: float | None, reserve: float | None) -
 def mean_peak(model: ModelSpec, cluster: Cluster) -> float:
     """Peak FLOP/s per GPU at the model's precision: the device's, on a mixed cluster the mean over
     its GPUs (each pool's device's peak, weighted by its GPUs: MFU against the whole cluster's peak)."""
+    if not cluster.is_mixed:
+        return cluster.device.peak(_precision(model, cluster.device))
     return sum(p.num_devices * p.device.peak(_precision(model, p.device)) for p in cluster.pools) / \
         cluster.num_devices
 
