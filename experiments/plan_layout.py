@@ -136,6 +136,7 @@ def main_layout(args, limit: float | None, check_limit) -> int:
                     "global_batch": args.global_batch, "usable_memory": res.usable, **said, "top": recs,
                     "search": stats, **extra})
         return 0
+    args.memory_limit_bytes = limit
     _print_human(res, recs, stats, args, said, blind)
     return 0
 
@@ -168,9 +169,14 @@ def search_stats(res) -> dict:
 
 def _print_human(res, recs, stats, args, said: dict, blind=None) -> None:
     cl, m = res.cluster, res.model
-    usable = f"{fmt_bytes(res.usable)} usable per GPU" + (" (the roomiest pool's)" if cl.is_mixed else "")
+    usable = f"; {fmt_bytes(res.usable)} usable per GPU" if not cl.is_mixed else ""
     print(printable(f"whole-layout plan for {m.name} on {cl.name} ({gpus_of(cl)}), "
-                    f"global batch {args.global_batch} x {m.seq_len} tokens; {usable}"))
+                    f"global batch {args.global_batch} x {m.seq_len} tokens{usable}"))
+    if cl.is_mixed:
+        from cost_models.memory import usable_memory
+        each = [args.memory_limit_bytes if args.memory_limit_bytes is not None else
+                usable_memory(p.device.memory_bytes) for p in cl.pools]
+        print("  usable per GPU: " + ", ".join(f"{fmt_bytes(u)} on {p.name}" for u, p in zip(each, cl.pools)))
     print("\n".join(stated_lines(said)))
     rows = [{"tp": r["tp"], "cp": r["cp"], "devices": r["devices"], "dp": r["dp"], "schedule": r["schedule"] +
              (f"/{r['variant']}" if r["variant"] else ""), "chunks": r["chunks"], "micro_batch": r["micro_batch"],
@@ -193,9 +199,9 @@ def _print_human(res, recs, stats, args, said: dict, blind=None) -> None:
               f"more layers on the faster)")
         print(f"  type-blind: tp {j.parallel.tp}, D {j.layout.devices}, dp {j.layout.replicas}, {j.layout.schedule}, "
               f"micro-batch {j.parallel.micro_batch}, recompute {j.parallel.recompute}, zero {j.parallel.zero}, "
-              f"map {j.mapping}: believed {blind.believed:.4g} s/step (as if every GPU were the "
-              f"{cl.pools[0].device.name}), simulated {blind.iteration_time:.4g} s/step"
-              + ("" if blind.fits else " (over a pool's memory)"))
+              f"map {j.mapping}")
+        print(f"    believed {blind.believed:.4g} s/step (as if every GPU were the {cl.pools[0].device.name}), "
+              f"simulated {blind.iteration_time:.4g} s/step" + ("" if blind.fits else " (over a pool's memory)"))
         print(gain_line(res.best.iteration_time, blind.iteration_time))
     print(f"search: {stats['seconds']:.2f} s, {stats['candidates']:,} candidates; {stats['memory_pruned']:,} over "
           f"the memory bound, {stats['refused']:,} refused by their schedule's requirements,")

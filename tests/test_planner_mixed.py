@@ -394,8 +394,14 @@ def test_plan_search_layout_on_a_mixed_cluster_prints_the_type_blind_plan_and_th
     assert gain_line(res.best.iteration_time, blind.iteration_time) in lines
     assert f"  layers per stage: {','.join(map(str, res.best.job.partition))} (stages on pools in order, more " \
            f"layers on the faster)" in lines
-    assert any(x.startswith("  type-blind: ") and x.endswith(f"simulated {blind.iteration_time:.4g} s/step")
-               for x in lines)
+    j = blind.job
+    assert lines[1] == "  usable per GPU: 75 GiB on a100, 75 GiB on h100"
+    at = lines.index(f"  type-blind: tp {j.parallel.tp}, D {j.layout.devices}, dp {j.layout.replicas}, "
+                     f"{j.layout.schedule}, micro-batch {j.parallel.micro_batch}, recompute none, zero "
+                     f"{j.parallel.zero}, map {j.mapping}")
+    assert lines[at + 1] == (f"    believed {blind.believed:.4g} s/step (as if every GPU were the a100), simulated "
+                             f"{blind.iteration_time:.4g} s/step")
+    assert max(map(len, lines)) <= 120
     assert main(["simulate", "--plan", str(path), "--json"]) == 0
     import json
     assert json.loads(capsys.readouterr().out)["iteration_time"] == pytest.approx(res.best.iteration_time, rel=1e-12)
