@@ -629,6 +629,10 @@ class Cluster:
         if self.is_mixed:        # read back by cluster_from_dict (the pools' devices and links inline)
             return {"name": self.name, "description": self.description, "pools": [p.to_dict() for p in self.pools],
                     "between": self.between.to_dict()}
+        p = self.pools[0]
+        if p.name != p.device.name and self.fabric == "flat" and self.nodes_per_pod is None and \
+                self.collective is None:        # a one-pool file's 'pools:' list, its pool named
+            return {"name": self.name, "description": self.description, "pools": [p.to_dict()]}
         d = {"name": self.name, "description": self.description, "nodes": self.nodes,
              "devices_per_node": self.devices_per_node, "device": self.device.to_dict(),
              "intra": self.intra.to_dict(), "inter": self.inter.to_dict(), "nics_per_node": self.nics_per_node}

@@ -76,6 +76,9 @@ def test_pools_yaml_round_trip(tmp_path):
     assert [p.name for p in c.pools] == ["old", "a100"] and c.pools[0].device.peak("fp16") == 100e12
     assert c.pools[1].inter.latency == 2e-6 and c.between.bandwidth == 10e9 / 8
     assert cluster_from_dict(c.to_dict()) == c
+    one = cluster_from_dict({"name": "solo", "pools": [{"nodes": 2, "devices_per_node": 8, "device": "h100",
+                                                         "intra": "nvlink4", "inter": "ib-ndr", "name": "fast"}]})
+    assert not one.is_mixed and one.pools[0].name == "fast" and cluster_from_dict(one.to_dict()) == one
 
 
 def test_path_between_pools_uses_between():
