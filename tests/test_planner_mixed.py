@@ -265,10 +265,15 @@ def test_layout_search_on_a_mixed_cluster_is_the_brute_force(case):
     on GPUs (d R + r) T ..: a stage's replicas neighbours, on one pool where T x R divides the 4
     GPUs of a pool, else the D = 1 or 2 layouts of T x R = 8 straddle both), C = 1 and ZeRO 0/1
     (what a mixed cluster prices), its layers :func:`typed_split`'s over the schedule's stages, each
-    stage's kind its replicas' pools at the slowest's pace."""
+    stage's kind its replicas' pools at the slowest's pace. Under the 14 GiB limit the split keeps
+    each stage within memory: of the layouts that fit, the 38 whose layers memory moved (off the
+    H100 stages, the faster pool's) are out of memory with the time-only split."""
     from cost_models.bind import transformer_cost_model
     from cost_models.partition import typed_split
-    from planner.layout import LayoutSpace, device_pools
+    import dataclasses
+
+    from cost_models.bind import CostInputs
+    from planner.layout import Confirmed, LayoutSpace, confirm, device_pools
     from schedules import build
     from tests.helpers import assert_search_is_the_brute_force
     limit, kw = LAYOUT_CASES[case]
@@ -281,8 +286,9 @@ def test_layout_search_on_a_mixed_cluster_is_the_brute_force(case):
     jobs = [c.job for c, _ in brute]
     assert {j.parallel.zero for j in jobs} == {0, 1} and {j.parallel.cp for j in jobs} == {1}
     assert {j.mapping for j in jobs} == {"megatron"}
-    uneven = straddle = 0
+    uneven = straddle = moved = 0
     cs = {}
+    got_of = {c.job: got for c, got in brute}
     for j in jobs:
         lay, group = j.layout, j.parallel.tp * j.layout.replicas
         sched = build(lay.schedule, lay.devices, lay.microbatches, **lay.family_options())
@@ -303,8 +309,15 @@ def test_layout_search_on_a_mixed_cluster_is_the_brute_force(case):
             continue
         if limit is None:       # no memory binds: the time-only split
             assert j.partition == want.counts
+        elif j.partition != want.counts and isinstance(got_of[j], Confirmed):
+            # memory moved layers off the faster pool's stage: the time-only split is out of memory there
+            t = dataclasses.replace(j, partition=want.counts)
+            inputs = CostInputs("transformer", model=t.parallel.sized(model), cluster=cluster)
+            assert confirm(t, inputs, limit * 2 ** 30, None)[0] == "oom"
+            moved += 1
         uneven += len(set(j.partition)) > 1 and len(used) > 1
     assert uneven and straddle
+    assert moved == (0 if limit is None else 38)
 
 
 def test_layout_search_gain_on_a100_h100_is_what_the_imbalance_predicts():
