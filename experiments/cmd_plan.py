@@ -122,7 +122,7 @@ def main(args) -> int:
         args.schedules = ",".join(n for n in runs_on(args.emit) if n not in EXCLUDED_BY_DEFAULT)
     if args.cluster is not None and not args.profile:
         mixed = cluster_from_args(args).load()
-        if mixed.is_mixed:          # pools of several devices: the type-aware planner (experiments.plan_mixed)
+        if mixed.is_mixed and args.search != "layout":   # pools of several devices: DAPPLE's, type-aware
             from .plan_mixed import main_mixed
             return main_mixed(args, mixed, _parse_limit(args.memory_limit), _model_name(args),
                               lambda: _sequences(args, args.model))

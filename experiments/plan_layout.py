@@ -89,7 +89,12 @@ def main_layout(args, limit: float | None, check_limit) -> int:
     args.global_batch = batch_in_sequences(args.global_batch, args.global_tokens, model.seq_len)
     choice = cluster_from_args(args)
     cluster = choice.load()
-    check_limit(limit, cluster.device, args.force)
+    if cluster.is_mixed and args.emit is not None:
+        raise ValueError(f"--emit on the mixed cluster {cluster.name}: its plan places stages by pool with layers "
+                         f"split by type, which {args.emit}'s launch does not say; it runs in pipetwin only "
+                         f"(drop --emit)")
+    check_limit(limit, min((p.device for p in cluster.pools), key=lambda d: d.memory_bytes or float("inf")),
+                args.force)
     space = space_from_args(args, cluster)
     most = min(model.layers, cluster.num_devices)
     for D in space.devices or ():
@@ -104,6 +109,11 @@ def main_layout(args, limit: float | None, check_limit) -> int:
                            cost_model=args.cost_model, memory_limit=limit, progress=tick)
     finally:
         tick.close()
+    blind = None
+    if cluster.is_mixed:        # beside it, the plan made as if every GPU were the first pool's
+        from planner.layout import plan_type_blind
+        blind = plan_type_blind(model, cluster, args.global_batch, space, cluster_choice=choice,
+                                cost_model=args.cost_model, memory_limit=limit)
     recs = res.records()
     args._best_job = res.best.job       # plan --emit writes it for another framework (experiments.cmd_plan)
     if args.out:
@@ -114,19 +124,37 @@ def main_layout(args, limit: float | None, check_limit) -> int:
         from .plots import plot_layouts
         pts = [c.record(res.global_batch, model, res.peak_flops) for c in res.confirmed]
         plot_layouts(pts, res.usable, recs[0], args.plot,
-                     title=f"{model.name} on {cluster.num_devices:,} x {cluster.device.name}, global batch "
+                     title=f"{model.name} on {gpus_of(cluster)}, global batch "
                            f"{args.global_batch}")
     stats = search_stats(res)
     from cost_models.bind import CostInputs, stated
     best = res.best.job if args.seq_len is None else res.best.job.with_(seq_len=args.seq_len)
     said = stated(best, CostInputs("transformer", model=model, cluster=cluster), model_ref=args.model)
     if args.json:
+        extra = {} if blind is None else {"type_blind": blind_record(blind, res)}
         print_json({"model": model.name, "cluster": cluster.name, "gpus": cluster.num_devices,
                     "global_batch": args.global_batch, "usable_memory": res.usable, **said, "top": recs,
-                    "search": stats})
+                    "search": stats, **extra})
         return 0
-    _print_human(res, recs, stats, args, said)
+    args.memory_limit_bytes = limit
+    _print_human(res, recs, stats, args, said, blind)
     return 0
+
+
+def gpus_of(cluster) -> str:
+    """``32 x h100``; a mixed cluster pool by pool, ``16 x a100 + 16 x h100``."""
+    return " + ".join(f"{p.num_devices:,} x {p.device.name}" for p in cluster.pools)
+
+
+def blind_record(blind, res) -> dict:
+    """The type-blind plan of a mixed cluster beside the search's best, and the gain (one place:
+    :func:`planner.hetero.gain`)."""
+    from planner.hetero import gain
+    j = blind.job
+    return {"tp": j.parallel.tp, "devices": j.layout.devices, "dp": j.layout.replicas, "schedule": j.layout.schedule,
+            "micro_batch": j.parallel.micro_batch, "recompute": j.parallel.recompute, "zero": j.parallel.zero,
+            "device_map": j.mapping, "believed": blind.believed, "iteration_time": blind.iteration_time,
+            "fits": blind.fits, "gain": gain(res.best.iteration_time, blind.iteration_time)}
 
 
 def res_maps(args) -> list[str]:
@@ -139,10 +167,16 @@ def search_stats(res) -> dict:
             "refused": res.refused, "out_of_memory": res.out_of_memory, "simulated": res.simulated}
 
 
-def _print_human(res, recs, stats, args, said: dict) -> None:
+def _print_human(res, recs, stats, args, said: dict, blind=None) -> None:
     cl, m = res.cluster, res.model
-    print(printable(f"whole-layout plan for {m.name} on {cl.name} ({cl.num_devices:,} x {cl.device.name}), "
-                    f"global batch {args.global_batch} x {m.seq_len} tokens; {fmt_bytes(res.usable)} usable per GPU"))
+    usable = f"; {fmt_bytes(res.usable)} usable per GPU" if not cl.is_mixed else ""
+    print(printable(f"whole-layout plan for {m.name} on {cl.name} ({gpus_of(cl)}), "
+                    f"global batch {args.global_batch} x {m.seq_len} tokens{usable}"))
+    if cl.is_mixed:
+        from cost_models.memory import usable_memory
+        each = [args.memory_limit_bytes if args.memory_limit_bytes is not None else
+                usable_memory(p.device.memory_bytes) for p in cl.pools]
+        print("  usable per GPU: " + ", ".join(f"{fmt_bytes(u)} on {p.name}" for u, p in zip(each, cl.pools)))
     print("\n".join(stated_lines(said)))
     rows = [{"tp": r["tp"], "cp": r["cp"], "devices": r["devices"], "dp": r["dp"], "schedule": r["schedule"] +
              (f"/{r['variant']}" if r["variant"] else ""), "chunks": r["chunks"], "micro_batch": r["micro_batch"],
@@ -158,6 +192,17 @@ def _print_human(res, recs, stats, args, said: dict) -> None:
                                     "mem_GiB": "{:.1f}", "bubble": "{:.3f}"}))
     for line in wrap_cell(f"best: {recs[0]['memory_verdict']}", 116):
         print("  " + line)
+    if blind is not None:
+        from planner.hetero import gain_line
+        j, best = blind.job, res.best.job
+        print(f"  layers per stage: {','.join(map(str, best.partition or ()))} (stages on pools in order, "
+              f"more layers on the faster)")
+        print(f"  type-blind: tp {j.parallel.tp}, D {j.layout.devices}, dp {j.layout.replicas}, {j.layout.schedule}, "
+              f"micro-batch {j.parallel.micro_batch}, recompute {j.parallel.recompute}, zero {j.parallel.zero}, "
+              f"map {j.mapping}")
+        print(f"    believed {blind.believed:.4g} s/step (as if every GPU were the {cl.pools[0].device.name}), "
+              f"simulated {blind.iteration_time:.4g} s/step" + ("" if blind.fits else " (over a pool's memory)"))
+        print(gain_line(res.best.iteration_time, blind.iteration_time))
     print(f"search: {stats['seconds']:.2f} s, {stats['candidates']:,} candidates; {stats['memory_pruned']:,} over "
           f"the memory bound, {stats['refused']:,} refused by their schedule's requirements,")
     print(f"  {stats['out_of_memory']:,} out of memory by the ledger, {stats['simulated']:,} simulated; the rest "

@@ -12,13 +12,11 @@ from .tables import byte_unit, fmt_bytes, fmt_table, printable
 
 def check_mixed_args(args) -> None:
     """What the mixed-cluster planner does not take, refused in one line each."""
-    if args.search == "layout":
-        raise ValueError("--search layout: the whole-layout search prices one device kind; on a mixed cluster the "
-                         "planner is DAPPLE's, type-aware (drop --search, or plan one pool's cluster)")
     layout = [f for f, d in LAYOUT_ONLY if given(args, d)]
     if layout:
         raise ValueError(f"{', '.join(layout)}: on a mixed cluster the planner is DAPPLE's, type-aware (T=1, stages "
-                         f"and layers per pool); drop {'it' if len(layout) == 1 else 'them'}")
+                         f"and layers per pool); drop {'it' if len(layout) == 1 else 'them'}, or give --search layout "
+                         f"(the whole-layout search, type-aware)")
     if args.policies != DEFAULT_POLICIES:
         raise ValueError("--policies: on a mixed cluster stages are placed by pool (type-aware) or in device order "
                          "(type-blind); drop --policies")

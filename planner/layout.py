@@ -50,6 +50,19 @@ max(all-to-alls, compute + SM share x all-to-alls) (:func:`overlapped`: the all-
 the other, and the compute under them at 1 - share), the others their whole time; the memory
 bound counts the experts' weights, gradients and optimizer state per GPU as the cost model holds
 them (1 / (EP x ETP), the optimizer state sharded over EDP with ZeRO-1).
+
+Mixed clusters (pools of several devices, issue 45): the space is what the simulator prices per
+pool (:func:`mixed_space`: a dense model, C = 1, ZeRO 0/1; T inside a node of every pool), placed
+in Megatron's order [TP, DP, PP] so a stage's replicas are neighbours, on one pool wherever its
+T x R GPUs fit in one (:func:`device_pools`; pools in order along the pipeline), and each
+candidate's layers split by type (:class:`TypedPartition`: :func:`cost_models.partition.typed_split`
+over the schedule's stages, more layers on the faster pool, within each pool's memory). The
+bounds stay below the truth: the cheap time bound takes each layer at its least cost over the
+pools, the memory bound is held against the roomiest pool's usable memory, and the refined bound
+and critical path price every device on its own pool, for each replica's pools
+(:func:`replica_pools`), the ledger judging each GPU against its own pool. Beside the search,
+:func:`plan_type_blind`: today's search as if every GPU were the first pool's (:func:`one_kind`),
+its plan simulated on the true costs, the gain :func:`planner.hetero.gain`.
 """
 from __future__ import annotations
 
@@ -203,7 +216,8 @@ class Confirmed:
         """The JSON record of ``pipetwin plan --tp``: tp, cp, cp_comm, devices, dp, schedule, chunks, variant,
         micro_batch, microbatches, recompute, zero, sequence_parallel, ep, etp, overlap_fb, iteration_time,
         tokens_per_s, mfu (:func:`layout_mfu`), peak_memory (bytes: the worst GPU's static +
-        activations), memory_need (with the transients), bubble_ratio, time_bound, memory_verdict."""
+        activations), memory_need (with the transients), bubble_ratio, time_bound, memory_verdict; on a
+        mixed cluster partition (layers per stage)."""
         lay, j, par = self.job.layout, self.job, self.job.parallel
         return {"tp": par.tp, "cp": par.cp, "cp_comm": par.cp_comm, "devices": lay.devices, "dp": lay.replicas,
                 "gpus": j.gpus,
@@ -215,7 +229,8 @@ class Confirmed:
                 "tokens_per_s": global_batch * model.seq_len / self.iteration_time,
                 "mfu": layout_mfu(model, global_batch, self.iteration_time, j.gpus, peak_flops),
                 "peak_memory": self.peak_memory, "memory_need": self.memory_need, "bubble_ratio": self.bubble_ratio,
-                "time_bound": self.time_bound, "memory_verdict": self.verdict}
+                "time_bound": self.time_bound, "memory_verdict": self.verdict,
+                **({"partition": list(j.partition)} if j.partition is not None else {})}
 
 
 @dataclass
@@ -263,7 +278,7 @@ def layout_mfu(model: ModelSpec, global_batch: int, seconds: float, gpus: int, p
 def tensor_parallel_sizes(model: ModelSpec, cluster: Cluster, asked: tuple[int, ...] | None) -> list[int]:
     """T values: ``asked`` (each must divide the node size and split the model: one line if not),
     else every divisor of the node size that splits the model."""
-    per = cluster.devices_per_node
+    per = node_size(cluster)
     if asked is None:
         out = []
         for t in range(1, per + 1):
@@ -305,13 +320,21 @@ def context_parallel_sizes(model: ModelSpec, cluster: Cluster, asked: tuple[int,
 def _places(cluster: Cluster, g: int) -> bool:
     """Whether a pipeline device of g GPUs sits whole on the cluster's nodes: g divides a node, or is
     a multiple of it that divides the nodes (:func:`cost_models.cluster.tensor_parallel_groups`)."""
-    dpn = cluster.devices_per_node
+    dpn = node_size(cluster)
+    if cluster.is_mixed:        # inside a node of every pool (a group never spans two kinds)
+        return dpn % g == 0
     return dpn % g == 0 if g <= dpn else g % dpn == 0 and cluster.nodes % (g // dpn) == 0
+
+
+def node_size(cluster: Cluster) -> int:
+    """The GPUs of a node; on a mixed cluster the greatest common divisor of its pools' (a group of
+    that many GPUs sits inside a node of any pool)."""
+    return math.gcd(*(p.devices_per_node for p in cluster.pools))
 
 
 def node_divisors(cluster: Cluster) -> list[int]:
     """Every divisor of the cluster's node size (the group sizes that stay inside a node)."""
-    return _divisors(cluster.devices_per_node)
+    return _divisors(node_size(cluster))
 
 
 def _divisors(n: int) -> list[int]:
@@ -323,7 +346,7 @@ def check_gpus(cluster: Cluster, gpus: int | None) -> int:
     the cluster's)."""
     if gpus is None:
         return cluster.num_devices
-    per = cluster.devices_per_node
+    per = node_size(cluster)
     if gpus % per:
         raise ValueError(f"--gpus {gpus} is not a multiple of the {per} GPUs of a node of {cluster.name}; "
                          f"use a multiple of {per}")
@@ -334,18 +357,23 @@ def check_gpus(cluster: Cluster, gpus: int | None) -> int:
 
 def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: LayoutSpace = LayoutSpace(), *,
                cluster_choice: ClusterChoice | None = None, cost_model: str | None = None,
-               memory_reserve: float | None = None) -> list[Job]:
+               memory_reserve: float | None = None, memory_limit: float | None = None) -> list[Job]:
     """Every job of the space on ``cluster`` at ``global_batch`` (R x micro-batch divides it; the
     family's own requirements are checked when it is built; a mixture of experts' EP x ETP as
     :func:`cost_models.moe.check_expert_parallel` allows on the layout). Where the space has C > 1 and
     no ``cost_model`` is asked, every candidate is priced by the linear model (the kernel model
     does not price context parallelism), so they compare alike; ``kernels`` asked keeps C = 1 (and
     refuses a C > 1 asked). ``cluster_choice``: how the
-    jobs name the cluster (their costs come from ``cluster`` itself, :func:`plan_layouts`)."""
+    jobs name the cluster (their costs come from ``cluster`` itself, :func:`plan_layouts`). On a mixed
+    cluster: :func:`mixed_space`, whole stages on a pool, each job's partition :class:`TypedPartition`'s
+    (within ``memory_limit`` where given, else each pool's usable memory)."""
     gpus = check_gpus(cluster, space.gpus)
     choice = cluster_choice or ClusterChoice(name=cluster.name)
+    mixed = cluster.is_mixed
+    if mixed:
+        space = mixed_space(model, cluster, space)
     tps = tensor_parallel_sizes(model, cluster, space.tp)
-    cps = context_parallel_sizes(model, cluster, space.cp)
+    cps = context_parallel_sizes(model, cluster, space.cp) if not mixed else [1]
     if cost_model == "kernels" and max(cps) > 1:
         if space.cp is not None:
             raise ValueError(f"--cp {max(cps)} is priced by --cost-model linear; the kernel model prices "
@@ -360,7 +388,7 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
     for c in space.cp or ():
         if not any(cp == c for _, cp in pairs):
             raise ValueError(f"--cp {c} fits no layout: T x {c} GPUs must divide the {gpus:,} GPUs and a node of "
-                             f"{cluster.devices_per_node} (or be a multiple of it) for some --tp")
+                             f"{node_size(cluster)} (or be a multiple of it) for some --tp")
     for tp, cp in pairs:
         for D in _divisors(gpus // (tp * cp)):
             if D > most:
@@ -393,7 +421,120 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int, space: Lay
                                                        cost_model=cost_model, memory_reserve=memory_reserve,
                                                        device_map=dmap))
     experts.check_asked()
+    if mixed:
+        split = TypedPartition(model, cluster, memory_limit)
+        out = [dataclasses.replace(j, partition=split(j)) for j in out]
     return out
+
+
+def mixed_space(model: ModelSpec, cluster: Cluster, space: LayoutSpace) -> LayoutSpace:
+    """The space on a mixed cluster (several pools): what the simulator prices per pool
+    (:func:`cost_models.bind.check_mixed_job`: a dense model, C = 1, ZeRO 0/1) placed whole stage by
+    whole stage (Megatron's order [TP, DP, PP]: pipeline device d on GPUs d T R .. (d + 1) T R - 1,
+    pools in order, :func:`device_pools`); an axis asked outside it is one line."""
+    name = cluster.name
+    if model.is_moe:
+        raise ValueError(f"--search layout on the mixed cluster {name}: the mixture of experts {model.name}'s "
+                         f"all-to-alls are priced for one pool; plan a dense model or a one-pool --cluster")
+    if space.cp is not None and max(space.cp) > 1:
+        raise ValueError(f"--cp {max(space.cp)} on the mixed cluster {name}: the K/V exchange is priced for one "
+                         f"pool; drop --cp (C = 1) or plan a one-pool --cluster")
+    zero = tuple(z for z in space.zero if z < 2)
+    if not zero:
+        raise ValueError(f"--zero {','.join(map(str, space.zero))} on the mixed cluster {name}: ZeRO-2/3's shards "
+                         f"are priced for one pool; give --zero 0 or 1 (or plan a one-pool --cluster)")
+    if space.device_maps not in (None, ("megatron",)):
+        raise ValueError(f"--device-map {','.join(space.device_maps)} on the mixed cluster {name}: its stages are "
+                         f"placed whole on a pool (megatron's order, pools in order); drop --device-map")
+    return dataclasses.replace(space, zero=zero, cp=(1,), device_maps=("megatron",))
+
+
+def device_pools(cluster: Cluster, devices: int, tp: int, replicas: int) -> list[frozenset[int]]:
+    """The pools of each pipeline device's R replicas in Megatron's order [TP, DP, PP] (replica r of
+    pipeline device d on GPUs (d R + r) T ..): a stage's replicas are neighbours, on one pool
+    wherever T x R GPUs fit in one (two where they straddle a pool's end: the slower sets the pace)."""
+    R = replicas
+    return [frozenset(cluster.pool_of_device((d * R + r) * tp) for r in range(R)) for d in range(devices)]
+
+
+def replica_pools(cluster: Cluster, devices: int, tp: int, replicas: int) -> list[tuple[int, ...]]:
+    """The distinct pool vectors of the replicas (pipeline device d of replica r on the pool at d),
+    Megatron's order as :func:`device_pools`."""
+    R = replicas
+    return sorted({tuple(cluster.pool_of_device((d * R + r) * tp) for d in range(devices)) for r in range(R)})
+
+
+def in_flight(sched) -> list[int]:
+    """Per stage of copy 0: the most micro-batches whose forward its device has run and whose
+    backward (B, or the input half B of a split one) it has not, at any point of its program: each
+    holds that stage's activations then."""
+    out = [0] * sched.num_stages
+    for prog in sched.programs:
+        held: dict = {}
+        for op in prog:
+            if op.copy != 0 or op.kind not in ("F", "B"):
+                continue
+            held[op.stage] = held.get(op.stage, 0) + (1 if op.kind == "F" else -1)
+            out[op.stage] = max(out[op.stage], held[op.stage])
+    return out
+
+
+def _optim_layers(c) -> tuple[float, ...]:
+    """Seconds of each layer's optimizer step (:meth:`LayerCosts.optim_total`, layer by layer)."""
+    if c.optim_time is not None:
+        return tuple(c.optim_time)
+    return tuple(p * c.optim_time_per_param for p in c.params)
+
+
+class TypedPartition:
+    """A mixed-cluster candidate's layers per stage: :func:`cost_models.partition.typed_split` over
+    the schedule's stages with each stage's kind fixed by the pools of its device's replicas
+    (:func:`device_pools`), a layer costing F + B + W on the slowest of them (the job's own per-pool
+    cost model: what the simulator charges) and every stage within its pools' usable memory as far
+    as a stage alone needs it: its weights, gradients and optimizer state and the activations of the
+    most micro-batches its device's program holds forward-done and backward-undone at once
+    (:func:`in_flight`); where no
+    split meets it, the time-only split (the ledger then judges it). More layers on the faster pool.
+    Per (parallel record, R, D, schedule, chunks, variant, cost model)."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, memory_limit: float | None = None):
+        self.model, self.cluster, self.limit = model, cluster, memory_limit
+        self._memo: dict = {}
+
+    def __call__(self, job: Job) -> tuple[int, ...] | None:
+        from cost_models.partition import typed_split
+        from schedules import build
+        lay = job.layout
+        key = (job.parallel, lay.replicas, lay.devices, lay.microbatches, lay.schedule, lay.chunks, lay.variant,
+               job.cost_model)
+        if key in self._memo:
+            return self._memo[key]
+        try:
+            sched = build(lay.schedule, lay.devices, lay.microbatches, **lay.family_options())
+        except (ScheduleError, ValueError):
+            self._memo[key] = None       # refused when bound (its own line)
+            return None
+        where = device_pools(self.cluster, lay.devices, job.parallel.tp, lay.replicas)
+        stages = [where[sched.placement[0][s]] for s in range(sched.num_stages)]
+        kinds = list(dict.fromkeys(stages))
+        model = job.parallel.sized(self.model)
+        pools = sorted(set().union(*kinds))
+        costs = {p: transformer_cost_model(job, model, self.cluster.pool_cluster(p)).layer_costs() for p in pools}
+        per = {p: [f + b + w for f, b, w in zip(c.f, c.b_input, c.w)] for p, c in costs.items()}
+        times = [[max(per[p][l] for p in k) for l in range(len(per[pools[0]]))] for k in kinds]   # the slowest
+        c = costs[pools[0]]
+        static = list(c.static_bytes) if c.static_bytes is not None else \
+            [p * c.bytes_per_param_static for p in c.params]
+        caps = [self.limit if self.limit is not None else
+                min(usable_memory(self.cluster.pools[p].device.memory_bytes, job.memory_reserve) for p in k)
+                for k in kinds]
+        used = kinds
+        seq = tuple(kinds.index(k) for k in stages)
+        S = len(stages)
+        got = typed_split(times, S, [S] * len(used), static=static, act=list(c.act), inflight=in_flight(sched),
+                          caps=caps, sequence=seq) or typed_split(times, S, [S] * len(used), sequence=seq)
+        self._memo[key] = None if got is None else tuple(got.counts)
+        return self._memo[key]
 
 
 class _ExpertAxes:
@@ -511,6 +652,7 @@ class _Bounds:
 
     def __init__(self, model: ModelSpec, cluster: Cluster):
         self.model, self.cluster = model, cluster
+        self.mixed = cluster.is_mixed
         self._work: dict = {}
         self._optim: dict = {}
         self._mem: dict = {}
@@ -534,6 +676,28 @@ class _Bounds:
             got = self._models[key] = transformer_cost_model(job, self.inputs(job).model, self.cluster)
         return got
 
+    def pool_models(self, job: Job) -> list:
+        """On a mixed cluster: the job's cost model on each pool alone (its device, its links), as
+        :func:`cost_models.bind.bind` prices a rank on that pool; one per (parallel record, R, D, cost
+        model, partition)."""
+        lay = job.layout
+        key = ("pools", job.parallel, lay.replicas, lay.devices, job.cost_model, job.partition, job.grad_accumulation)
+        got = self._models.get(key)
+        if got is None:
+            model = self.inputs(job).model
+            got = self._models[key] = [transformer_cost_model(job, model, self.cluster.pool_cluster(p))
+                                       for p in range(len(self.cluster.pools))]
+        return got
+
+    def _least(self, job: Job):
+        """On a mixed cluster: each layer's costs at their least over the pools (the elementwise
+        minimum of F, B, W and the optimizer step; bytes alike on every pool): what the bounds read,
+        since a layer costs at least that on whichever pool holds it."""
+        cs = [t.layer_costs() for t in self.pool_models(job)]
+        least = lambda name: tuple(min(x) for x in zip(*(getattr(c, name) for c in cs)))  # noqa: E731
+        return dataclasses.replace(cs[0], f=least("f"), b_input=least("b_input"), w=least("w"),
+                                   optim_time=tuple(min(x) for x in zip(*(_optim_layers(c) for c in cs))))
+
     def time(self, job: Job) -> float:
         lay, par = job.layout, job.parallel
         hidden = may_overlap(job)
@@ -552,13 +716,16 @@ class _Bounds:
         par = job.parallel
         key = (par.tp, par.ep, par.etp, par.zero, job.layout.replicas, par.cp, *_fsdp_key(job))
         if key not in self._optim:
-            c = self.cost_model(job).layer_costs()
+            c = self._least(job) if self.mixed else self.cost_model(job).layer_costs()
             self._optim[key] = c.optim_total()
         return self._optim[key]
 
     def _layer_costs(self, job: Job, hidden: bool):
         """(the job's per-layer costs, 0); ``hidden``: (its costs without the expert all-to-alls,
-        the all-to-alls' seconds of one micro-batch), for :func:`overlapped`."""
+        the all-to-alls' seconds of one micro-batch), for :func:`overlapped`. On a mixed cluster each
+        layer's least over the pools (no all-to-alls there: dense models only)."""
+        if self.mixed:
+            return self._least(job), 0.0
         tcm = self.cost_model(job)
         c = tcm.layer_costs()
         if not hidden:
@@ -594,6 +761,8 @@ class _Bounds:
         sched = self.shape(job)
         if isinstance(sched, Exception):
             return str(sched)
+        if self.mixed:
+            return self._refine_mixed(job, sched, capacity, reserve)
         tcm = self.cost_model(job)
         try:
             costs = tcm.bind(sched)
@@ -633,6 +802,18 @@ class _Bounds:
         overlap, each op's compute alone."""
         from schedules.timing import time_programs
         sched = self.shape(job)
+        if self.mixed:
+            costs, vectors = self._pool_costs(job, sched)
+            best = 0.0
+            for pools in vectors:       # each replica's pipeline, every op on its own device's pool
+                def cost(op, pools=pools):
+                    return costs[pools[sched.placement[op.copy][op.stage]]].compute_time(op.kind, op.copy, op.stage)
+                times = time_programs(sched.programs, sched.num_stages, cost)
+                ends = [0.0] * sched.num_devices
+                for d, _, end in times.values():
+                    ends[d] = max(ends[d], end)
+                best = max(best, max(end + costs[pools[d]].optim_time[d] for d, end in enumerate(ends)))
+            return best
         tcm = self.cost_model(job)
         costs = tcm.bind(sched)
         optim = costs.optim_time
@@ -648,6 +829,41 @@ class _Bounds:
                 ends[d] = max(ends[d], end)
             self._paths[key] = ends
         return max(end + optim[d] for d, end in enumerate(self._paths[key]))
+
+    def _pool_costs(self, job: Job, sched):
+        """A mixed-cluster job's built schedule costed on each pool it sits on (pool -> StageCosts) and
+        the distinct pool vectors of its replicas (:func:`replica_pools`)."""
+        lay = job.layout
+        vectors = replica_pools(self.cluster, lay.devices, job.parallel.tp, lay.replicas)
+        models = self.pool_models(job)
+        return {p: models[p].bind(sched) for p in sorted(set().union(*vectors))}, vectors
+
+    def _refine_mixed(self, job: Job, sched, capacity: float | None, reserve: float | None):
+        """:meth:`refine` on a mixed cluster: each device's compute ops and optimizer step priced on its
+        own pool, after the forwards of the stages before its first (each on its own device's pool),
+        for each replica's pools (:func:`replica_pools`); the ledger judging each device against the
+        least memory of its replicas' pools (``capacity`` None) or ``capacity`` (bytes alike on
+        every pool)."""
+        try:
+            costs, vectors = self._pool_costs(job, sched)
+        except ValueError as e:
+            return str(e)
+        c0 = costs[vectors[0][0]]
+        akey = (id(sched), c0.act, c0.act_w)
+        if akey not in self._acts:
+            self._acts[akey] = peak_activation(sched, c0)
+        caps = None if capacity is not None else \
+            tuple(min(self.cluster.pools[v[d]].device.memory_bytes for v in vectors) for d in range(sched.num_devices))
+        rep = MemoryReport(tuple(c0.static_mem), self._acts[akey], capacity, c0.mem_unit,
+                           float(c0.meta.get("memory_transient") or 0.0), reserve, caps)
+        best = 0.0
+        for pools in vectors:
+            for d, (held, counts) in enumerate(self._work_of(sched)):
+                start = min(sum(costs[pools[sched.placement[c][x]]].f[c][x] for x in range(s)) for c, s in held)
+                mine = costs[pools[d]]
+                busy = sum(n * mine.compute_time(k, c, s) for (k, c, s, _), n in counts.items())
+                best = max(best, start + busy + mine.optim_time[d])
+        return best, rep.max_peak + rep.transient, not rep.oom
 
     def _work_of(self, sched, hidden: bool = False) -> list:
         """Per device of a built schedule: the (copy, stage) it holds and how many compute ops of
@@ -671,6 +887,10 @@ class _Bounds:
         lay, par = job.layout, job.parallel
         key = (par.micro_batch, par.tp, par.sequence_parallel, par.recompute, par.zero, lay.replicas, par.ep, par.etp,
                par.cp, par.cp_comm, *_fsdp_key(job))
+        if key not in self._mem and self.mixed:     # bytes alike on every pool; the least, to be safe
+            ts = self.pool_models(job)
+            self._mem[key] = (min(t.layer_costs().static_total() + sum(t.layer_costs().act) for t in ts),
+                              min(t.transient_bytes() for t in ts))
         if key not in self._mem:
             tcm = self.cost_model(job)
             c = tcm.layer_costs()       # a mixture of experts' held and sharded as the cost model holds them
@@ -716,7 +936,8 @@ def _leaner(order: tuple) -> list[tuple]:
     also shards the gradients; not ZeRO-3, whose gathered layers may outweigh its weight shards on a
     GPU that holds few); with the overlap, the same without it (it
     changes the times, not what a GPU keeps). The ledger's out of memory for one of them is the
-    candidate's."""
+    candidate's. Not on a mixed cluster, where each ZeRO stage's layers are split under its own
+    memory (:class:`TypedPartition`): the twins hold different layers."""
     out = []
     if order[_ZERO] in (0, 1):
         out += [order[:_ZERO] + (z,) + order[_ZERO + 1:] for z in range(order[_ZERO] + 1, 3)]
@@ -774,7 +995,7 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
     from .choose import check_global_batch
     check_global_batch(global_batch)
     jobs = candidates(model, cluster, global_batch, space, cluster_choice=cluster_choice, cost_model=cost_model,
-                      memory_reserve=memory_reserve)
+                      memory_reserve=memory_reserve, memory_limit=memory_limit)
     gpus = check_gpus(cluster, space.gpus)
     if not jobs:
         most = min(model.layers, space.max_stages or model.layers, registry.MAX_RANKS)
@@ -784,12 +1005,12 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
                          f"(R replicas, micro-batches {', '.join(map(str, space.micro_batches))}); use a multiple "
                          f"of {least:,}")
     capacity, reserve = memory_budget(cluster, memory_limit, memory_reserve)
-    usable = usable_memory(capacity, reserve)
+    usable = usable_of(cluster, capacity, reserve)
     bounds = _Bounds(model, cluster)
     cands = sorted((Candidate(j, bounds.time(j), bounds.memory(j)) for j in jobs),
                    key=lambda c: (c.time_bound, _order(c.job)))
     result = LayoutResult([], [], model, cluster, global_batch, usable, candidates=len(cands),
-                          peak_flops=cluster.device.peak(_precision(model, cluster)))
+                          peak_flops=mean_peak(model, cluster))
     top: list[Confirmed] = []
     misses: list[tuple[float, Candidate | None]] = []
     # (bound, order, index, level): a candidate comes up first on its cheap bound (level 0), then
@@ -817,7 +1038,7 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
                 result.memory_pruned += 1
                 misses.append((c.memory_bound, c))
                 continue
-            if any(t in over for t in _leaner(order)):
+            if not bounds.mixed and any(t in over for t in _leaner(order)):   # (mixed: each its own split)
                 result.out_of_memory += 1       # a leaner twin is over already (its need is in misses)
                 continue
             ref = bounds.refine(c.job, capacity, reserve)
@@ -855,15 +1076,36 @@ def plan_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, space: L
 
 def memory_budget(cluster: Cluster, memory_limit: float | None, memory_reserve: float | None):
     """(capacity, reserve) of a GPU's verdict: ``memory_limit`` whole (no reserve), else the
-    device's memory less ``memory_reserve`` (None: the default reserve), as ``simulate`` judges."""
+    device's memory less ``memory_reserve`` (None: the default reserve), as ``simulate`` judges; on
+    a mixed cluster capacity None: each GPU judged against its own pool's device."""
     if memory_limit is not None:
         return memory_limit, 0.0
+    if cluster.is_mixed:
+        return None, memory_reserve
     return cluster.device.memory_bytes, memory_reserve
 
 
-def _precision(model: ModelSpec, cluster: Cluster) -> str:
+def usable_of(cluster: Cluster, capacity: float | None, reserve: float | None) -> float:
+    """The bytes a GPU may use: of ``capacity``, or (None, a mixed cluster) of the roomiest pool's
+    device (what the memory bound is held against: a layout whose mean need is above it fits no GPU
+    of any pool)."""
+    if capacity is not None:
+        return usable_memory(capacity, reserve)
+    return max(usable_memory(p.device.memory_bytes, reserve) for p in cluster.pools)
+
+
+def mean_peak(model: ModelSpec, cluster: Cluster) -> float:
+    """Peak FLOP/s per GPU at the model's precision: the device's, on a mixed cluster the mean over
+    its GPUs (each pool's device's peak, weighted by its GPUs: MFU against the whole cluster's peak)."""
+    if not cluster.is_mixed:
+        return cluster.device.peak(_precision(model, cluster.device))
+    return sum(p.num_devices * p.device.peak(_precision(model, p.device)) for p in cluster.pools) / \
+        cluster.num_devices
+
+
+def _precision(model: ModelSpec, device) -> str:
     from cost_models.transformer import TransformerCostModel
-    return TransformerCostModel(model, cluster.device).resolved_precision()
+    return TransformerCostModel(model, device).resolved_precision()
 
 
 def _no_fit(misses, bounds: _Bounds, capacity: float, reserve: float | None, usable: float) -> str:
@@ -878,8 +1120,9 @@ def _no_fit(misses, bounds: _Bounds, capacity: float, reserve: float | None, usa
             best = min(best, got[1])
     if not math.isfinite(best):
         return "no layout of the space can be built (every schedule's requirements fail); widen --schedules or --tp"
+    of = f" of {fmt_bytes(capacity)}" if capacity is not None else " on the roomiest pool's GPU"
     return (f"no plan fits: the smallest needs {fmt_bytes(best)} per GPU, {fmt_bytes(best - usable)} more than the "
-            f"{fmt_bytes(usable)} usable of {fmt_bytes(capacity)}; use more GPUs (nodes), a smaller model or "
+            f"{fmt_bytes(usable)} usable{of}; use more GPUs (nodes), a smaller model or "
             f"a device with more memory")
 
 
@@ -891,7 +1134,8 @@ def brute_force(model: ModelSpec, cluster: Cluster, global_batch: int, space: La
     bounds = _Bounds(model, cluster)
     capacity, reserve = memory_budget(cluster, memory_limit, memory_reserve)
     out = []
-    for j in candidates(model, cluster, global_batch, space, memory_reserve=memory_reserve, cost_model=cost_model):
+    for j in candidates(model, cluster, global_batch, space, memory_reserve=memory_reserve, cost_model=cost_model,
+                        memory_limit=memory_limit):
         ref = bounds.refine(j, capacity, reserve)
         tb = bounds.time(j)
         if isinstance(ref, tuple):
@@ -902,6 +1146,52 @@ def brute_force(model: ModelSpec, cluster: Cluster, global_batch: int, space: La
             assert ref[2] == (not isinstance(got, tuple)), (j, ref, got)
         out.append((c, got))
     return out
+
+
+@dataclass(frozen=True)
+class TypeBlind:
+    """The whole-layout search's plan on a mixed cluster made as if every GPU were the first pool's
+    device (:func:`plan_type_blind`): ``job`` (its default partition and device map), ``believed``
+    (its simulated seconds on that one-kind cluster), ``iteration_time`` (simulated on the mixed
+    cluster's true per-pool costs) and ``fits`` (every GPU within its own pool's memory there)."""
+
+    job: Job
+    believed: float
+    iteration_time: float
+    fits: bool
+
+
+def one_kind(cluster: Cluster) -> Cluster:
+    """A mixed cluster seen by a type-blind planner: its GPUs all the first pool's (device, node
+    size, links), one pool of as many nodes."""
+    first = cluster.pools[0]
+    if cluster.num_devices % first.devices_per_node:
+        raise ValueError(f"the type-blind plan of {cluster.name} sees {cluster.num_devices} GPUs as {first.name}'s "
+                         f"nodes of {first.devices_per_node}: they do not divide evenly")
+    return Cluster(name=cluster.name, pools=(dataclasses.replace(first, nodes=cluster.num_devices //
+                                                                  first.devices_per_node),),
+                   description=f"{cluster.name} as if every GPU were a {first.device.name}")
+
+
+def plan_type_blind(model: ModelSpec, cluster: Cluster, global_batch: int, space: LayoutSpace = LayoutSpace(), *,
+                    cluster_choice: ClusterChoice | None = None, cost_model: str | None = None,
+                    memory_limit: float | None = None, memory_reserve: float | None = None) -> TypeBlind:
+    """The type-blind whole-layout plan of a mixed ``cluster``: today's search on :func:`one_kind`
+    (the space :func:`mixed_space` allows, device maps as asked: its replicas may span pools),
+    its best job then simulated on ``cluster`` itself (each rank on its own device, a stage's
+    replicas on two kinds at the slower's pace), judged against each pool's memory."""
+    from sim import job_options, run
+    blind = one_kind(cluster)
+    ms = mixed_space(model, cluster, space)
+    bspace = dataclasses.replace(ms, device_maps=space.device_maps)
+    res = plan_layouts(model, blind, global_batch, bspace, top_k=1, cluster_choice=cluster_choice,
+                       cost_model=cost_model, memory_limit=memory_limit, memory_reserve=memory_reserve)
+    job = res.best.job
+    bound = bind(job, CostInputs("transformer", model=job.parallel.sized(model), cluster=cluster))
+    capacity, reserve = memory_budget(cluster, memory_limit, memory_reserve)
+    rep = memory_report(bound.lowered, bound.costs, capacity, reserve)
+    sim = run(bound.lowered, bound.costs, bound.network, job_options(job, bound))
+    return TypeBlind(job, res.best.iteration_time, sim.iteration_time, not rep.oom)
 
 
 def ranked(confirmed: list[Confirmed]) -> list[Confirmed]:

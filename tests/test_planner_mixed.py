@@ -237,3 +237,195 @@ def test_plan_command_on_a_mixed_cluster_reports_the_gain_and_writes_a_plan_that
         loaded = load_plan(path)
         assert loaded.plan == kept.evaluated.plan
         assert simulate_plan(loaded.plan, loaded.workload, loaded.cluster).iteration_time == kept.time
+
+
+# ---------------------------------------------------------------- the whole-layout search, type-aware
+def _mid():
+    """A llama of 8 blocks wide enough (hidden 4,096) that an A100 and an H100 price a block apart
+    (the 1,024-wide test model is launch-bound: its blocks cost about the same on both)."""
+    from cost_models.model_spec import ModelSpec
+    return ModelSpec(name="mid-llama", kind="llama", layers=8, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+                     seq_len=2048, vocab=32000, micro_batch=1, dtype_bytes=2)
+
+
+# (GiB limit or None, space): two small spaces on 4 A100s + 4 H100s (small_mixed(..., 4)), global batch 16
+LAYOUT_CASES = [
+    (None, dict(schedules=("dapple", "zb-h1", "zb-v", "interleaved"), micro_batches=(1, 2),
+                recompute=("none", "full"))),
+    (14, dict(schedules=("dapple", "zb-h1", "gpipe"), micro_batches=(1, 2), recompute=("none", "selective"),
+              sequence_parallel=(False, True))),
+]
+
+
+@pytest.mark.parametrize("case", range(len(LAYOUT_CASES)))
+def test_layout_search_on_a_mixed_cluster_is_the_brute_force(case):
+    """The whole-layout search on a mixed cluster against its twin (every candidate bound, judged by
+    each pool's ledger and simulated on the mixed cluster): every bound at or below its truth, the
+    top 3 the brute force's. Every candidate is in Megatron's order (pipeline device d of replica r
+    on GPUs (d R + r) T ..: a stage's replicas neighbours, on one pool where T x R divides the 4
+    GPUs of a pool, else the D = 1 or 2 layouts of T x R = 8 straddle both), C = 1 and ZeRO 0/1
+    (what a mixed cluster prices), its layers :func:`typed_split`'s over the schedule's stages, each
+    stage's kind its replicas' pools at the slowest's pace. Under the 14 GiB limit the split keeps
+    each stage within memory: of the layouts that fit, the 38 whose layers memory moved (off the
+    H100 stages, the faster pool's) are out of memory with the time-only split."""
+    from cost_models.bind import transformer_cost_model
+    from cost_models.partition import typed_split
+    import dataclasses
+
+    from cost_models.bind import CostInputs
+    from planner.layout import Confirmed, LayoutSpace, confirm, device_pools
+    from schedules import build
+    from tests.helpers import assert_search_is_the_brute_force
+    limit, kw = LAYOUT_CASES[case]
+    cluster, model = small_mixed("a100", "h100", 4), _mid()
+    brute, fits, res = assert_search_is_the_brute_force(model, cluster, 16, LayoutSpace(**kw),
+                                                        memory_limit=None if limit is None else limit * 2 ** 30)
+    assert res.simulated < len(fits) and res.candidates == len(brute)
+    ooms = [c for c, got in brute if isinstance(got, tuple) and got[0] == "oom"]
+    assert (limit is None) == (not ooms)
+    jobs = [c.job for c, _ in brute]
+    assert {j.parallel.zero for j in jobs} == {0, 1} and {j.parallel.cp for j in jobs} == {1}
+    assert {j.mapping for j in jobs} == {"megatron"}
+    uneven = straddle = moved = 0
+    cs = {}
+    got_of = {c.job: got for c, got in brute}
+    for j in jobs:
+        lay, group = j.layout, j.parallel.tp * j.layout.replicas
+        sched = build(lay.schedule, lay.devices, lay.microbatches, **lay.family_options())
+        where = device_pools(cluster, lay.devices, j.parallel.tp, lay.replicas)
+        for d in range(lay.devices):        # a pipeline device's T x R GPUs: on one pool where they fit
+            assert where[d] == {cluster.pool_of_device(g) for g in range(d * group, (d + 1) * group)}
+            assert len(where[d]) == (1 if 4 % group == 0 else 2)
+        straddle += group == 8
+        kinds = [where[sched.placement[0][s]] for s in range(sched.num_stages)]
+        used = list(dict.fromkeys(kinds))
+        for p in range(2):
+            cs[p] = transformer_cost_model(j, j.parallel.sized(model), cluster.pool_cluster(p)).layer_costs()
+        per = [[f + b + w for f, b, w in zip(c.f, c.b_input, c.w)] for c in (cs[0], cs[1])]
+        times = [[max(per[p][l] for p in k) for l in range(len(per[0]))] for k in used]
+        want = typed_split(times, len(kinds), [len(kinds)] * len(used), sequence=tuple(used.index(k) for k in kinds))
+        if want is None:        # more stages than layers: no split (the candidate is refused when bound)
+            assert j.partition is None
+            continue
+        if limit is None:       # no memory binds: the time-only split
+            assert j.partition == want.counts
+        elif j.partition != want.counts and isinstance(got_of[j], Confirmed):
+            # memory moved layers off the faster pool's stage: the time-only split is out of memory there
+            t = dataclasses.replace(j, partition=want.counts)
+            inputs = CostInputs("transformer", model=t.parallel.sized(model), cluster=cluster)
+            assert confirm(t, inputs, limit * 2 ** 30, None)[0] == "oom"
+            moved += 1
+        uneven += len(set(j.partition)) > 1 and len(used) > 1
+    assert uneven and straddle
+    assert moved == (0 if limit is None else 38)
+
+
+def test_layout_search_gain_on_a100_h100_is_what_the_imbalance_predicts():
+    """llama3-8b on a100-h100 (16 A100 + 16 H100), the space narrowed to one layout shape (T = 1,
+    D = 4, R = 8, DAPPLE's 1F1B, micro-batch 1, so N = 64 / 8 = 8 micro-batches, ZeRO-1): the
+    type-aware search places stages 0-1 on the A100s and 2-3 on the H100s (Megatron's order) with
+    its layers split by type; the type-blind one (the same search as if every GPU were an A100)
+    keeps the default split and Llama 3's order, a replica's pipeline on 4 consecutive GPUs, so
+    replicas 0-3 run on A100s, 4-7 on H100s, and the A100 replicas set the step (the gradient
+    all-reduce waits for them).
+
+    Closed form, the pivot formula of 1F1B without communication, T = max_s (sum_{s' <= s} t_s' +
+    (N - 1) t_s), with c_a, c_h the seconds of a block's F + B + W on an A100 / H100, e the
+    embedding's on an A100, h_a, h_h the head's: type-blind t = (e + 8 c_a, 8 c_a, 8 c_a,
+    8 c_a + h_a) (32 blocks, 8 a stage, all on A100s); type-aware the best whole-block (a_1, a_2,
+    h_1, h_2), t = (e + a_1 c_a, a_2 c_a, h_1 c_h, h_2 c_h + h_h): (6, 6, 12, 8) blocks, a gain
+    T_blind / T_aware of 1.94 (rho = c_a / c_h = 2.34, and the 128k-vocabulary head moves to an
+    H100). The search's split is typed_split's, the least slowest stage, (5, 5, 12, 10) blocks:
+    its pivot T_typed is 4.8% above T_aware (the pivot formula weighs a stage by its place in the
+    fill, the least-slowest split does not), a predicted gain of 1.85. The simulated gain lies
+    between (1.88): both plans pay a few percent besides compute (boundary transfers, the
+    all-reduce sticking out of the drain, the optimizer step), the type-blind one's all-reduce
+    crossing the pools. Tolerance 5% of either prediction."""
+    from cost_models import load_cluster, load_model
+    from cost_models.bind import transformer_cost_model
+    from planner.hetero import gain, gain_line
+    from planner.layout import LayoutSpace, plan_layouts, plan_type_blind
+    cluster, model = load_cluster("a100-h100"), load_model("llama3-8b")
+    space = LayoutSpace(schedules=("dapple",), tp=(1,), devices=(4,), micro_batches=(1,), recompute=("none",),
+                        zero=(1,))
+    res = plan_layouts(model, cluster, 64, space)
+    blind = plan_type_blind(model, cluster, 64, space)
+    job = res.best.job
+    assert (job.layout.devices, job.layout.replicas, job.mapping) == (4, 8, "megatron")
+    assert (blind.job.layout.devices, blind.job.layout.replicas, blind.job.mapping) == (4, 8, "sequential")
+    assert blind.job.partition is None and blind.fits
+    N = job.layout.microbatches
+    assert N == 8
+    cs = [transformer_cost_model(job, job.parallel.sized(model), cluster.pool_cluster(p)).layer_costs()
+          for p in range(2)]
+    per = lambda c, l: c.f[l] + c.b_input[l] + c.w[l]  # noqa: E731
+    ca, ch, e, ha, hh = per(cs[0], 1), per(cs[1], 1), per(cs[0], 0), per(cs[0], -1), per(cs[1], -1)
+    B = model.layers
+    assert all(per(cs[0], l) == pytest.approx(ca) and per(cs[1], l) == pytest.approx(ch) for l in range(1, B + 1))
+
+    def pivot(ts):
+        return max(sum(ts[:s + 1]) + (N - 1) * ts[s] for s in range(len(ts)))
+    n = B // 4
+    t_blind = pivot([e + n * ca, n * ca, n * ca, n * ca + ha])
+    t_aware = min(pivot([e + a1 * ca, a2 * ca, h1 * ch, (B - a1 - a2 - h1) * ch + hh])
+                  for a1 in range(1, B) for a2 in range(1, B - a1) for h1 in range(1, B - a1 - a2))
+    predicted = t_blind / t_aware
+    assert 1.93 < predicted < 1.95
+    # the typed split: stages 0-1 (A100) hold the embedding and 10 blocks, 2-3 (H100) 22 blocks and the head
+    assert job.partition == (6, 5, 12, 11)
+    t_typed = pivot([e + 5 * ca, 5 * ca, 12 * ch, 10 * ch + hh])
+    assert t_typed == pytest.approx(1.048 * t_aware, rel=1e-3)
+    assert 1.84 < t_blind / t_typed < 1.86
+    assert blind.believed == pytest.approx(blind.iteration_time, rel=1e-4)     # the A100 replicas set the pace
+    got = gain(res.best.iteration_time, blind.iteration_time)
+    assert got == pytest.approx(predicted, rel=0.05) and got == pytest.approx(t_blind / t_typed, rel=0.05)
+    for sim, closed in ((res.best.iteration_time, t_typed), (blind.iteration_time, t_blind)):
+        assert 0 < sim - closed < 0.05 * closed
+    assert gain_line(res.best.iteration_time, blind.iteration_time) == (
+        f"type-aware {res.best.iteration_time:.4g} s/step vs type-blind {blind.iteration_time:.4g} s/step: "
+        f"{blind.iteration_time / res.best.iteration_time:.2f}x")
+
+
+def test_plan_search_layout_on_a_mixed_cluster_prints_the_type_blind_plan_and_the_gain(tmp_path, capsys):
+    """``pipetwin plan -c a100-h100 --search layout``: the search's table, the layers per stage, the
+    type-blind plan and the gain line of :func:`planner.hetero.gain_line` (the numbers of
+    :func:`plan_layouts` and :func:`plan_type_blind`); its plan file simulates to the planned time."""
+    from cost_models import load_cluster, load_model
+    from experiments.cli import main
+    from planner.hetero import gain_line
+    from planner.layout import LayoutSpace, plan_layouts, plan_type_blind
+    space = LayoutSpace(schedules=("dapple", "zb-h1"), micro_batches=(1,), recompute=("none",))
+    cluster, model = load_cluster("a100-h100"), load_model("gpt3-1.3b")
+    res = plan_layouts(model, cluster, 64, space)
+    blind = plan_type_blind(model, cluster, 64, space)
+    path = tmp_path / "plan.json"
+    assert main(["plan", "-m", "gpt3-1.3b", "-c", "a100-h100", "-G", "64", "--search", "layout", "--schedules",
+                 "dapple,zb-h1", "--micro-batch", "1", "--recompute", "none", "--top", "1", "--no-progress",
+                 "--out", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("whole-layout plan for gpt3-1.3b on a100-h100 (16 x a100 + 16 x h100)")
+    assert gain_line(res.best.iteration_time, blind.iteration_time) in lines
+    assert f"  layers per stage: {','.join(map(str, res.best.job.partition))} (stages on pools in order, more " \
+           f"layers on the faster)" in lines
+    j = blind.job
+    assert lines[1] == "  usable per GPU: 75 GiB on a100, 75 GiB on h100"
+    at = lines.index(f"  type-blind: tp {j.parallel.tp}, D {j.layout.devices}, dp {j.layout.replicas}, "
+                     f"{j.layout.schedule}, micro-batch {j.parallel.micro_batch}, recompute none, zero "
+                     f"{j.parallel.zero}, map {j.mapping}")
+    assert lines[at + 1] == (f"    believed {blind.believed:.4g} s/step (as if every GPU were the a100), simulated "
+                             f"{blind.iteration_time:.4g} s/step")
+    assert max(map(len, lines)) <= 120
+    assert main(["simulate", "--plan", str(path), "--json"]) == 0
+    import json
+    assert json.loads(capsys.readouterr().out)["iteration_time"] == pytest.approx(res.best.iteration_time, rel=1e-12)
+
+
+def test_in_flight_counts_the_micro_batches_a_stage_holds():
+    """1F1B (dapple) holds min(D - s, N) micro-batches at stage s; GPipe all N; ZB-H1 the same as
+    1F1B (its W work runs after B, which frees the input's activations)."""
+    from planner.layout import in_flight
+    from schedules import build
+    assert in_flight(build("dapple", 4, 8)) == [4, 3, 2, 1]
+    assert in_flight(build("dapple", 4, 2)) == [2, 2, 2, 1]
+    assert in_flight(build("gpipe", 4, 8)) == [8, 8, 8, 8]
+    assert in_flight(build("zb-h1", 4, 8)) == [4, 3, 2, 1]
