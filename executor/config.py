@@ -16,7 +16,7 @@ import torch
 
 from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
-from cost_models.moe import moe_knobs_given
+from cost_models.moe import check_expert_parallel, moe_knobs_given
 from cost_models.partition import block_ranges, blocks_from_layers
 from cost_models.stack import is_model_ref
 from schedules import Schedule, lower, validate
@@ -29,6 +29,9 @@ from .precision import Precision
 
 # what each ZeRO stage shards (executor.zero), for the refusal of a model file
 _ZERO_SHARDS = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
+
+# the MoE options a run takes (the others price a mixture of experts in the simulator)
+RUN_MOE_KNOBS = ("--ep", "--etp")
 
 # what a run takes when the flat constructor (:meth:`RunConfig.of`) is not told: the tiny GPT,
 # DAPPLE on 2 pipeline devices with 4 micro-batches
@@ -96,7 +99,7 @@ class RunConfig:
                                    ("faults", job.faults != Faults()),
                                    ("--precision (the run's is --dtype)", job.parallel.precision)) if v] + \
             job.cluster.given() + \
-            moe_knobs_given(job.parallel)
+            [k for k in moe_knobs_given(job.parallel) if k not in RUN_MOE_KNOBS]
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
         par, lay = job.parallel, job.layout
@@ -297,10 +300,41 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         block_ranges(spec.layers, low.num_stages, config.blocks)
     if par.zero >= 2:
         check_zero_placement(low, par.zero)
+    if par.ep * par.etp > 1:
+        check_expert_run(config, spec, low)
     if check:
         validate(low)
-    check_fault(config.fault, low, config.steps)
+    check_fault(config.fault, low, config.steps, ep=par.ep)
     return low
+
+
+def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -> None:
+    """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`):
+    the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts, EP
+    dividing the experts and folding onto the stage's T x R processes), then this executor's reach:
+    experts folded over the data-parallel replicas of a one-copy schedule (T = 1, C = 1, ETP = 1,
+    ZeRO 0 or 1). One line each."""
+    par = config.parallel
+    if spec is None:
+        raise ValueError(f"--ep {par.ep} splits a mixture of experts' routed experts; a model file's layers are not "
+                         f"split ({config.model}: use --ep 1)")
+    check_expert_parallel(spec, par, low.replicas)
+    if par.etp > 1:
+        raise ValueError(f"--etp {par.etp} splits each expert over {par.etp} processes: the executor runs whole "
+                         f"experts (--etp 1); pipetwin simulate prices it")
+    if par.tp > 1:
+        raise ValueError(f"--ep {par.ep} with --tp {par.tp}: the executor folds the experts over the data-parallel "
+                         f"replicas only (--tp 1, --dp a multiple of {par.ep}); pipetwin simulate prices the fold")
+    if par.cp > 1:
+        raise ValueError(f"--ep {par.ep} with --cp {par.cp}: the executor's expert parallelism does not split the "
+                         f"sequence; use --cp 1")
+    if par.zero >= 2:
+        raise ValueError(f"--ep {par.ep} with --zero {par.zero}: the executor shards the routed experts' optimizer "
+                         f"state over their EDP group (--zero 1), not their gradients or weights")
+    if low.num_copies > 1:
+        raise ValueError(f"--ep {par.ep} with {low.name}: a two-copy schedule holds each stage on two devices of one "
+                         f"pipeline, which would meet in one stage's all-to-all at different ops; use a one-copy "
+                         f"schedule (dapple, interleaved, zb-v, dualpipe-v ...)")
 
 
 def check_zero_placement(low: Schedule, zero: int) -> None:

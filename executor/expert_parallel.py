@@ -28,10 +28,32 @@ backward exchange runs synchronously inside autograd's backward of the node.
 """
 from __future__ import annotations
 
+import os
+import re
+import signal
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+_ROUTED = re.compile(r"(^|\.)experts\.\d+\.")   # a routed expert's parameter (global index), not a shared one's
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether parameter ``name`` belongs to a routed expert (``...mlp.experts.{j}.w1``): held by one EP
+    rank, its gradient summed over the EDP group (every other parameter: over the stage's replicas)."""
+    return _ROUTED.search(name) is not None
+
+
+_KILL = [False]     # an injected fault armed in this process (executor.faults.A2A)
+
+
+def arm_kill() -> None:
+    """Fault injection (``--inject-fault RANK:a2a``, :mod:`executor.faults`): this process is killed by
+    SIGKILL inside its next all-to-all over an EP group, after the row counts are exchanged, while
+    its peers wait there for its rows."""
+    _KILL[0] = True
 
 
 def _counts(send_counts, size: int) -> list[int]:
@@ -125,9 +147,24 @@ class ExpertParallel:
         if self.size == 1:
             return AllToAllHandle(x, send)
         recv = exchange_counts(send, self.group, x.device)
+        if _KILL[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
         pending = [] if async_op else None
         out = _AllToAll.apply(x, send, recv, self.group, pending)
         return AllToAllHandle(out, recv, pending[0] if pending else None)
 
 
 NO_EP = ExpertParallel()
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """One process's expert groups for one stage: ``ep`` (its EP group, handed to the stage's MoE
+    blocks) and its EDP group (``edp_ranks`` in EDP-rank order, this process at ``edp_index``;
+    ``edp_group`` the torch group, None with one member): the processes that hold the same experts
+    and sum their gradients."""
+
+    ep: ExpertParallel = NO_EP
+    edp_ranks: tuple[int, ...] = ()
+    edp_group: object = None
+    edp_index: int = 0
