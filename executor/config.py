@@ -37,6 +37,9 @@ RUN_MOE_KNOBS = ("--ep", "--etp")
 # DAPPLE on 2 pipeline devices with 4 micro-batches
 RUN_DEFAULTS = {"schedule": "dapple", "devices": 2, "microbatches": 4, "model": "tiny"}
 
+# the MoE options a training run acts on (executor.moe); the others are the simulator's
+RUN_MOE_KNOBS = ("--capacity-factor",)
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -223,11 +226,22 @@ class RunConfig:
         """The model as this run trains it: ``micro_batch`` applied, ``dtype_bytes`` that of the
         run's precision (2 for bf16: the activations and messages the cost model counts)."""
         spec = self.parallel.sized(self.model if isinstance(self.model, ModelSpec) else load_model(self.model))
-        if spec.beyond_dense:
-            raise ValueError(f"model {spec.name} has {spec.beyond_dense[0]}: the executor trains dense gpt and llama "
-                             f"blocks (heads of hidden / heads); pipetwin simulate and plan price it")
+        # experts (executor.moe) and latent attention (executor.mla, whose heads are of any size) are built
+        beyond = [w for w in spec.beyond_dense if w not in ("experts", "latent attention")
+                  and not (spec.is_mla and w.startswith("heads of"))]
+        if beyond:
+            raise ValueError(f"model {spec.name} has {beyond[0]}: the executor trains gpt and llama blocks (heads of "
+                             f"hidden / heads, or latent attention), with or without experts; pipetwin simulate and "
+                             f"plan price it")
         d = self.precision.dtype_bytes
         return spec if spec.dtype_bytes == d else spec.replace(dtype_bytes=d)
+
+    def moe_run(self, ep=None):
+        """How this run builds its MoE MLPs (:class:`executor.moe.MoeRun`): ``ep`` the rank's EP group
+        (None: EP 1), the job's capacity factor, the loss scale 1/G."""
+        from .moe import MoeRun
+        from .expert_parallel import NO_EP
+        return MoeRun(ep or NO_EP, float(self.parallel.capacity_factor), 1.0 / self.global_microbatches)
 
     @property
     def precision(self) -> Precision:
@@ -271,6 +285,12 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         raise ValueError(f"the executor's GPT has no grouped-query attention; model {spec.name!r} has {spec.kv} "
                          f"key/value heads for {spec.heads} (simulate it, or train a llama-kind model)")
     lay, par = config.layout, config.parallel
+    if spec is not None:
+        check_expert_parallel(spec, par, lay.replicas)
+    if spec is not None and par.tp > 1 and (spec.is_moe or spec.is_mla):
+        what = "a mixture of experts" if spec.is_moe else "latent attention (MLA)"
+        raise ValueError(f"--tp {par.tp}: the executor splits dense blocks over tensor-parallel ranks; model "
+                         f"{spec.name} has {what} (use --tp 1; pipetwin simulate prices it)")
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
     if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)

@@ -12,7 +12,9 @@ F     forward of one chunk (a stage module) for one micro-batch, under the run's
       copy (in the precision's wire dtype) is handed to the SEND/COPY that follows. On the last stage
       the output is the loss of the micro-batch divided by G = R * N (the number of
       micro-batches in the global batch), so that summing gradients over micro-batches, model
-      copies and replicas gives exactly the gradient of the mean loss of the global batch.
+      copies and replicas gives exactly the gradient of the mean loss of the global batch. A stage
+      with MoE blocks adds their load-balancing loss (already in its graph, :mod:`executor.moe`)
+      to the step's loss sum, on whichever stage it is.
 B     backward of that chunk for that micro-batch, given the output gradient a RECV or COPY
       delivered (none on the last stage). A full backward accumulates the parameter gradients and
       produces the input gradient. In a split-backward schedule B computes only the input gradient
@@ -232,6 +234,9 @@ class PipelineRuntime:
             self.accounted += n
         if op.stage not in self.fwd_bytes:
             self.fwd_bytes[op.stage] = self.stage_bytes[where]
+        aux = getattr(module, "aux_loss", None)     # a mixture of experts' balance loss (executor.moe)
+        if aux is not None:
+            st.loss_sum = st.loss_sum + aux
         if op.stage == self.last_stage:
             st.loss_sum = st.loss_sum + loss.detach()
         else:

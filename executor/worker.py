@@ -389,7 +389,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
             if s not in built:
                 built[s] = cfg.precision.prepare(stage_module(spec, sched.num_stages, s, seed=cfg.seed,
-                                                              partition=cfg.blocks, tp=tp, cp=cp).to(ctx.device))
+                                                              partition=cfg.blocks, tp=tp, cp=cp,
+                                                              moe=cfg.moe_run()).to(ctx.device))
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)
