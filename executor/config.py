@@ -35,7 +35,7 @@ _ZERO_SHARDS = {1: "optimizer state", 2: "optimizer state and gradients", 3: "op
 RUN_DEFAULTS = {"schedule": "dapple", "devices": 2, "microbatches": 4, "model": "tiny"}
 
 # the MoE options a training run acts on (executor.moe); the others are the simulator's
-RUN_MOE_KNOBS = ("--capacity-factor",)
+RUN_MOE_KNOBS = ("--capacity-factor", "--ep", "--etp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,10 +317,34 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         block_ranges(spec.layers, low.num_stages, config.blocks)
     if par.zero >= 2:
         check_zero_placement(low, par.zero)
+    if par.ep * par.etp > 1:
+        check_expert_run(config, spec, low)
     if check:
         validate(low)
-    check_fault(config.fault, low, config.steps)
+    check_fault(config.fault, low, config.steps, ep=par.ep)
     return low
+
+
+def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -> None:
+    """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`),
+    after the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts,
+    EP dividing the experts and folding onto the stage's T x R processes) and the MoE block's (T = 1):
+    experts folded over the data-parallel replicas of a one-copy schedule (ETP = 1, ZeRO 0 or 1;
+    C = 1 is the cost model's rule for a mixture of experts). One line each."""
+    par = config.parallel
+    if spec is None:
+        raise ValueError(f"--ep {par.ep} splits a mixture of experts' routed experts; a model file's layers are not "
+                         f"split ({config.model}: use --ep 1)")
+    if par.etp > 1:
+        raise ValueError(f"--etp {par.etp} splits each expert over {par.etp} processes: the executor runs whole "
+                         f"experts (--etp 1); pipetwin simulate prices it")
+    if par.zero >= 2:
+        raise ValueError(f"--ep {par.ep} with --zero {par.zero}: the executor shards the routed experts' optimizer "
+                         f"state over their EDP group (--zero 1), not their gradients or weights")
+    if low.num_copies > 1:
+        raise ValueError(f"--ep {par.ep} with {low.name}: a two-copy schedule runs a stage's copies on two devices at "
+                         f"different points of their programs, where their all-to-alls would not meet; use a "
+                         f"one-copy schedule (dapple, interleaved, zb-v, dualpipe-v ...)")
 
 
 def check_zero_placement(low: Schedule, zero: int) -> None:

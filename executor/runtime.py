@@ -59,7 +59,8 @@ from schedules.trace import TraceRow
 from .backward import SplitBackward, full_backward, weight_backward
 from .data import TokenSource
 from .device import DeviceContext
-from .faults import parse_fault
+from .expert_parallel import arm_kill
+from .faults import A2A, parse_fault
 from .p2p import CommError, Mailbox, wait_work
 from .precision import Precision
 from .recompute import Recompute
@@ -165,6 +166,8 @@ class PipelineRuntime:
         rows = []
         now = time.perf_counter
         peak = self.meter.current() + self.accounted
+        if self.fault is not None and self.fault[0] == A2A and self.fault[1] in (None, step):
+            arm_kill()      # killed inside this step's first expert all-to-all (executor.faults)
         for seq, op in enumerate(self.program):
             if self.fault is not None and self.fault[0] == str(op) and self.fault[1] in (None, step):
                 raise RuntimeError(f"injected fault: rank {self.rank} step {step} at {op}")
@@ -307,8 +310,9 @@ class PipelineRuntime:
         return [[p.grad for p in m.parameters() if id(p) not in self._skip] for m in mods.values()]
 
     def _stage_params(self, stage: int) -> list:
-        """The parameters of ``stage``'s module on this rank (copies of a stage share one)."""
-        return list(self.modules[(self.local_copies[stage][0], stage)].parameters())
+        """The parameters of ``stage``'s module on this rank (copies of a stage share one) that its
+        ALLREDUCE sums (not those ``tied`` sums at OPTIM: routed experts over their EDP group)."""
+        return [p for p in self.modules[(self.local_copies[stage][0], stage)].parameters() if id(p) not in self._skip]
 
     def _allreduce(self, op: Op) -> int:
         if self._sharded is not None:     # ZeRO 2, 3: reduce-scattered per micro-batch; what is left

@@ -53,6 +53,7 @@ from schedules.trace import make_trace, noise_free, step_metrics
 
 from .config import RunConfig, RunResult
 from .data import TokenSource
+from .expert_parallel import is_expert_param
 from .device import DeviceContext, NullMeter, cpu_threads, select_device
 from .host import CpuMeter, foreign_cores, pin_to_core
 from .mesh import Mesh, placement
@@ -120,6 +121,26 @@ class ProcessGroups:
                     r = self.for_ranks(rep, rank, device) if len(rep) > 1 else None
                     if p == rank:
                         out[s] = ShardGroups(g, i, len(shard), r, len(rep))
+        return out
+
+    def for_experts(self, sched: Schedule, rank: int, device, mesh: Mesh, ep: int, etp: int = 1) -> dict:
+        """Stage -> this rank's :class:`executor.expert_parallel.ExpertGroups` (its EP group and its EDP
+        group, :meth:`Mesh.expert_fold` of the stage's processes). Every rank creates every group, in
+        stage, then fold order; a group of one is None (stages on one device share their groups: the
+        same ranks, one cached group)."""
+        from .expert_parallel import ExpertGroups, ExpertParallel
+        out = {}
+        for s in range(sched.num_stages):
+            eps, edps = mesh.expert_fold(sorted(sched.stage_group(s)), ep, etp)
+            for ranks in eps + edps:
+                if len(ranks) > 1:
+                    self.for_ranks(ranks, rank, device)
+            mine_ep = next((g for g in eps if rank in g), None)
+            if mine_ep is None:
+                continue
+            mine_edp = next(g for g in edps if rank in g)
+            out[s] = ExpertGroups(ExpertParallel(ep, mine_ep.index(rank), self._stage.get(mine_ep), mine_ep),
+                                  mine_edp, self._stage.get(mine_edp), mine_edp.index(rank))
         return out
 
     def for_tensor_parallel(self, mesh: Mesh, rank: int, device) -> object:
@@ -330,6 +351,7 @@ class RankSetup:
     probe: object = None     # a layer stack's speed-probe work (None: the GPT block's)
     tp_rank: int = 0         # this process's rank in its tensor-parallel group
     cp_rank: int = 0         # and in its context-parallel group
+    experts: dict | None = None     # stage -> its ExpertGroups (expert parallelism)
 
 
 def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RankSetup:
@@ -343,6 +365,9 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                          f"R={sched.replicas} needs {mesh.world} processes; {world} were started")
     tp_group = groups.for_tensor_parallel(mesh, rank, ctx.device) if mesh.tp > 1 else None
     cp_group = groups.for_context_parallel(mesh, rank, ctx.device) if mesh.cp > 1 else None
+    par = cfg.parallel
+    # expert parallelism: the EP and EDP groups of each stage this process holds (executor.expert_parallel)
+    experts = groups.for_experts(sched, rank, ctx.device, mesh, par.ep, par.etp) if par.ep * par.etp > 1 else {}
     pipe_rank, tp_rank = mesh.coords(rank)
     cp_rank = mesh.cp_rank(rank)
     tp = TensorParallel(mesh.tp, tp_rank, tp_group, cfg.parallel.sequence_parallel)
@@ -366,13 +391,13 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
             if s not in built:
                 built[s] = cfg.precision.prepare(stage_module(spec, sched.num_stages, s, seed=cfg.seed,
                                                               partition=cfg.blocks, tp=tp, cp=cp,
-                                                              moe=cfg.moe_run()).to(ctx.device))
+                                                              moe=cfg.moe_run(experts[s].ep if s in experts
+                                                                              else None)).to(ctx.device))
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)
         shape, wire = boundary_shape(spec, tp, cp), cfg.precision.wire_dtype
         buffer = lambda op: torch.empty(shape, dtype=wire, device=ctx.device)  # noqa: E731
-    par = cfg.parallel
     if par.zero < 2:     # ZeRO 2, 3: the unsharded gradients exist from a stage's first backward to its ALLREDUCE
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -399,12 +424,29 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         over_cp = TiedGradients(global_rank, [(cp.ranks, cp_group, alone)], set(),
                                 what="the context-parallel ranks' gradients") if alone else None
         tied = GradientSums([over_cp, tied])     # first over CP, then the norms' over TP
+    # expert parallelism: a routed expert's gradients summed over its EDP group at OPTIM, left out of the
+    # stage's all-reduce over its replicas (and, with ZeRO-1, sharded over the EDP group: below)
+    routed = {s: [p for n, p in m.named_parameters() if is_expert_param(n)] for s, m in built.items()} \
+        if experts and stack is None else {}
+    if any(routed.values()):
+        from .user_model import TiedGradients
+        over_edp = TiedGradients(global_rank, [(experts[s].edp_ranks, experts[s].edp_group, ps)
+                                               for s, ps in sorted(routed.items()) if ps],
+                                 {id(p) for ps in routed.values() for p in ps},
+                                 what="the routed experts' gradients over their EDP group")
+        tied = GradientSums([tied, over_edp])
     # ZeRO 1, 2, 3: each rank of a stage's shard group steps its shard (executor.zero); the shards in stage
     # order on every rank, so that two stages over the same ranks (chimera) meet at OPTIM in one order
     if par.zero:
         shards = groups.for_shards(sched, global_rank, ctx.device, mesh, par.dp_shard)
-        optimizer = ShardedOptimizer([(list(m.parameters()), shards.get(s, ShardGroups(None, 0, 1)))
-                                      for s, m in sorted(built.items())], cfg.optimizer, cfg.lr, zero=par.zero,
+        mine = set().union(*({id(p) for p in ps} for ps in routed.values()))
+        entries = []
+        for s, m in sorted(built.items()):      # the dense parameters over the stage's shard group
+            entries.append(([p for p in m.parameters() if id(p) not in mine], shards.get(s, ShardGroups(None, 0, 1))))
+            if routed.get(s):                   # its routed experts over their EDP group
+                g = experts[s]
+                entries.append((routed[s], ShardGroups(g.edp_group, g.edp_index, len(g.edp_ranks))))
+        optimizer = ShardedOptimizer(entries, cfg.optimizer, cfg.lr, zero=par.zero,
                                      reshard_after_forward=par.reshard_after_forward,
                                      partial=(partial, tp_group) if partial else None,
                                      timeout=cfg.timeout, rank=global_rank)
@@ -412,14 +454,17 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
     # after the optimizer: ZeRO-1 moves the weights into one buffer, the meter must know where they live
     meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
+    # a mixture of experts keeps what its routing gives (rows per expert differ between micro-batches): every
+    # forward metered, none accounted from another's bytes (executor.device)
+    moe_metered = cfg.meter_every_forward or (stack is None and spec.is_moe)
     runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer, data=data, ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
-                              recompute=cfg.parallel.recompute, meter_every_forward=cfg.meter_every_forward, tied=tied)
+                              recompute=cfg.parallel.recompute, meter_every_forward=moe_metered, tied=tied)
     if par.zero:        # ZeRO 3's gathered weights move: the meter and the recomputation follow them
         optimizer.watch(meter, runtime.recompute)
     return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None, tp_rank,
-                     cp_rank)
+                     cp_rank, experts)
 
 
 def report_progress(done: int, total: int, what: str, seconds: float) -> None:
@@ -465,7 +510,8 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
               "gathered_bytes": zero.peak_gathered if zero is not None else 0,
               "grad_buffer_bytes": zero.peak_grad_buffer if zero is not None else 0, "collectives": collectives,
               "placement": {"node": node, "local_rank": local, "device": node * per_node + local,
-                            "host": socket.gethostname()}}
+                            "host": socket.gethostname()},
+              "ep_sent": {s: list(g.ep.sent) for s, g in (rs.experts or {}).items()}}
     if cfg.collect_params:
         if zero is not None:      # ZeRO 3: the weights gathered from their shards
             zero.gather_all()
@@ -555,6 +601,8 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
                                    if rep["rank"] == r and rep.get("cp", 0) == 0] for r in range(sched.num_ranks)) \
         if cfg.collect_params else (None, None)
+    if params is not None and cfg.parallel.ep > 1:
+        params = whole_experts(params)
     extra = {} if drift is None or cfg.parallel.tp == 1 else {"tp_replica_drift": drift}
     if cfg.collect_params and cfg.parallel.cp > 1:    # the CP ranks of a pipeline rank hold the same weights
         extra["cp_replica_drift"] = cp_drift(everyone)
@@ -573,6 +621,8 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     if cfg.parallel.zero:    # ZeRO: the collectives each process issued over the steps (executor.zero)
         extra["zero_collectives"] = [dict(rep["collectives"], rank=rep["rank"], tp=rep["tp"])
                                      for rep in sorted(everyone, key=lambda r: (r["rank"], r["tp"]))]
+    if cfg.parallel.ep > 1:     # each process's all-to-alls: stage -> the send counts of each exchange
+        extra["ep_sent"] = {rep["rank"]: rep["ep_sent"] for rep in everyone}
     if cfg.pin_cores:
         extra["pinned"] = all(rep.get("core") is not None for rep in reports)
     return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,
@@ -595,6 +645,24 @@ def gather_params(per_rank) -> tuple[dict, float]:
                 if key in other:
                     drift = max(drift, float((other[key] - value).abs().max()))
     return out, drift
+
+
+def whole_experts(params: dict) -> dict:
+    """``r{replica}.c{copy}/NAME`` parameters with every replica's model whole: a routed expert is held
+    by one EP rank (:mod:`executor.expert_parallel`), so each replica takes those its EP group's other
+    members hold (the same tensors: EDP copies agree after every step's sum)."""
+    held: dict = {}
+    for key, value in params.items():
+        where, name = key.split("/", 1)
+        if is_expert_param(name):
+            held.setdefault((where.split(".", 1)[1], name), value)
+    out = dict(params)
+    for where in {k.split("/", 1)[0] for k in params}:
+        copy = where.split(".", 1)[1]
+        for (c, name), value in held.items():
+            if c == copy:
+                out.setdefault(f"{where}/{name}", value)
+    return out
 
 
 def cp_drift(reports: list[dict]) -> float:

@@ -479,7 +479,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("dp_shard"), use("reshard_after_forward"), use("seq_len"),
-            use("cp"), use("cp_comm"),
+            use("cp"), use("cp_comm"), use("ep", note="; the executor: over the data-parallel replicas, T = 1"),
+            use("etp"),
             use("capacity_factor", note=" (the executor's MoE MLP: each expert keeps ceil(C x tokens x k / experts) "
                 "of a micro-batch's token-expert pairs, the highest-scored)"),
             use("runtime"), use("reference"), use("check"), use("json"), use("trace"),
