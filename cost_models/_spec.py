@@ -187,6 +187,18 @@ def parse_yaml(text: str, source: str) -> Any:
 _KINDS = {"models": "model", "clusters": "cluster", "stage-costs": "stage-costs"}   # preset folder -> file kind
 
 
+def _choices(name: str, kind: str, width: int = 200) -> str:
+    """What an unknown preset's line offers: every preset of ``kind`` while they fit in ``width``
+    characters, else the closest names and the command that lists them all (the line stays whole)."""
+    names = presets(kind)
+    if len(", ".join(names)) <= width:
+        return f"choose one of {', '.join(names)}"
+    import difflib
+    close = difflib.get_close_matches(name, names, n=4, cutoff=0.4)
+    near = f"nearest: {', '.join(close)}; " if close else ""
+    return f"{near}`pipetwin presets {kind}` lists all {len(names)},"
+
+
 def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]:
     """Load a preset (by name) or a user's YAML file (by path); returns (data, source) where source
     names the file for error messages. ``kind`` is the preset folder, ``what`` a word for errors."""
@@ -210,7 +222,7 @@ def read_yaml(name_or_path: str | Path, kind: str, what: str) -> tuple[Any, str]
     else:
         f = preset_dir(kind) / f"{name_or_path}.yaml"
         if not f.is_file():
-            raise SpecError(f"unknown {what} preset {str(name_or_path)!r}; choose one of "
-                            f"{', '.join(presets(kind))} or pass a YAML file")
+            raise SpecError(f"unknown {what} preset {str(name_or_path)!r}; {_choices(str(name_or_path), kind)} "
+                            f"or pass a YAML file")
         text, source = f.read_text(), f"{kind}/{name_or_path}.yaml"
     return parse_yaml(text, source), source

@@ -110,6 +110,12 @@ class StageCosts:
     comm_sm_share: the share of the GPU's SMs (0 <= share < 1) the communication kernels take while
       they run: overlapped compute runs at rate 1 - share then (DeepSeek-V3 kept 20 of 132 SMs
       for communication: 20/132).
+    kinds / rank_kinds: a mixed cluster's costs per device kind (:func:`cost_models.bind.bind` on a
+      cluster of several pools): ``kinds[k]`` is the whole schedule costed on kind k, and rank r's
+      ops take ``kinds[rank_kinds[r]]``'s (:meth:`for_rank`); the tables of this record are then,
+      per (copy, stage), those of the kind its replica-0 rank sits on (what a family that orders its
+      ops from per-stage costs reads), ``static_mem`` / ``optim_time`` each rank's own. None / ():
+      one kind, every rank takes these tables.
     """
 
     time_unit: str
@@ -132,8 +138,20 @@ class StageCosts:
     phases_f: PhaseTable | None = None
     phases_b: PhaseTable | None = None
     comm_sm_share: float = 0.0
+    kinds: tuple["StageCosts", ...] = ()
+    rank_kinds: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if self.rank_kinds is not None:
+            if len(self.rank_kinds) != len(self.static_mem) or \
+                    any(not 0 <= k < len(self.kinds) for k in self.rank_kinds):
+                raise ValueError(f"StageCosts.rank_kinds must give each of the {len(self.static_mem)} ranks a kind "
+                                 f"0..{len(self.kinds) - 1}; got {self.rank_kinds!r}")
+            for k in self.kinds:
+                if len(k.f) != len(self.f) or any(len(a) != len(b) for a, b in zip(k.f, self.f)):
+                    raise ValueError("StageCosts.kinds must cost the same schedule (tables shaped alike)")
+        elif self.kinds:
+            raise ValueError("StageCosts.kinds needs rank_kinds (each rank's kind)")
         s = self.comm_sm_share
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and 0 <= s < 1):
             raise ValueError(f"StageCosts.comm_sm_share must be a number in [0, 1); got {s!r}")
@@ -155,7 +173,11 @@ class StageCosts:
 
     @property
     def has_phases(self) -> bool:
-        return self.phases_f is not None or self.phases_b is not None
+        return self.phases_f is not None or self.phases_b is not None or any(k.has_phases for k in self.kinds)
+
+    def for_rank(self, rank: int) -> "StageCosts":
+        """The costs rank ``rank``'s ops take: its device kind's (``kinds``), or these."""
+        return self if self.rank_kinds is None else self.kinds[self.rank_kinds[rank]]
 
     def compute_time(self, kind: str, copy: int, stage: int) -> float:
         table = self.f if kind == "F" else self.b if kind == "B" else self.w

@@ -28,11 +28,11 @@ building any schedule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from schedules import Schedule
 
-from .base import PerLayerCostModel, StageCosts, UnitCostModel
+from .base import PEAK_FLOOR, PerLayerCostModel, StageCosts, UnitCostModel
 from .profile import CalibrationProfile, load_profile, scaled_layer_costs
 from .cluster import Cluster, tensor_parallel_groups
 from .job import DEFAULT_MODEL, Job
@@ -105,6 +105,15 @@ def cost_model_for(choice: str | None, device, profile: bool, model: ModelSpec |
     return "kernels"
 
 
+def cluster_cost_model(choice: str | None, cluster: Cluster, profile: bool, model: ModelSpec | None = None,
+                       cp: int = 1) -> str:
+    """:func:`cost_model_for` on a cluster: its device's, and on a mixed cluster one cost model for
+    every pool (so their stage times compare): kernels only where every pool's device has kernel
+    constants (asked for on one that has none: that device's one line), linear otherwise."""
+    chosen = {cost_model_for(choice, p.device, profile, model, cp) for p in cluster.pools}
+    return chosen.pop() if len(chosen) == 1 else "linear"
+
+
 def check_profile_model(prof: CalibrationProfile, model, where: str = "--profile") -> None:
     """A model given with a calibration profile must be the profile's model."""
     if model is None:
@@ -158,16 +167,44 @@ def load_inputs(job: Job) -> CostInputs:
                              f"again with --micro-batch {mb} (measured costs are not extrapolated)")
         cluster = job.cluster.load() if job.cluster.name else None
         if cluster is not None:
+            check_mixed(cluster, f"--profile {prof.name} scaled onto it")
             check_reserve(job.memory_reserve, cluster.device.memory_bytes, cluster.device.name)
         return CostInputs("profile", profile=prof, cluster=cluster)
     if kind == "plan":
         raise ValueError("a plan job binds through its plan (cost_models.bind.bind)")
     cluster = job.cluster.load()
-    check_reserve(job.memory_reserve, cluster.device.memory_bytes, cluster.device.name)   # before any build
+    for pool in cluster.pools:          # before any build; each pool's device (a mixed cluster's every kind)
+        check_reserve(job.memory_reserve, pool.device.memory_bytes, pool.device.name)
     if kind == "layer-profile":
+        check_mixed(cluster, f"a --model {job.model} layer profile")
         return CostInputs(kind, cluster=cluster)
     model = job.model if isinstance(job.model, ModelSpec) else load_model(job.model or DEFAULT_MODEL)
-    return CostInputs(kind, model=job.parallel.sized(model), cluster=cluster)
+    model = job.parallel.sized(model)
+    if cluster.is_mixed:
+        check_mixed_job(job, model, cluster)
+    return CostInputs(kind, model=model, cluster=cluster)
+
+
+def check_mixed(cluster: Cluster, what: str) -> None:
+    """A cost source priced on one device kind refuses a cluster of several pools in one line."""
+    if cluster.is_mixed:
+        raise ValueError(f"{what} is priced on one device kind, and cluster {cluster.name} has pools of "
+                         f"{', '.join(p.name for p in cluster.pools)}; use --model with a model spec (priced per pool) "
+                         f"or a one-pool --cluster")
+
+
+def check_mixed_job(job: Job, model: ModelSpec, cluster: Cluster) -> None:
+    """What a mixed cluster prices per pool: a dense model with T, D and R and ZeRO 0/1. The
+    collectives folded into an op's cost (context parallelism's K/V exchange, the expert all-to-alls,
+    ZeRO-2/3's per-micro-batch shards) run over groups that may join two pools, which those closed
+    forms do not model: refused in one line."""
+    par, name = job.parallel, cluster.name
+    for bad, what in ((par.cp > 1, f"--cp {par.cp}"), (model.is_moe, f"the mixture of experts {model.name}"),
+                      (par.zero >= 2, f"--zero {par.zero}")):
+        if bad:
+            raise ValueError(f"{what} on the mixed cluster {name}: its groups' collectives are priced for one pool; "
+                             f"a mixed cluster prices dense models with --tp, -D, --dp and --zero 0/1 (or use a "
+                             f"one-pool --cluster)")
 
 
 def bind(job: Job, inputs: CostInputs | None = None) -> Bound:
@@ -294,6 +331,14 @@ def stated(job: Job, inputs: CostInputs, model_ref=None) -> dict:
     device prices the work, and one line per datasheet field the device leaves out
     (:meth:`cost_models.device.DeviceSpec.notes`). Empty for unit costs, a stage-costs file and a
     profile on its own host."""
+    if inputs.kind == "transformer" and inputs.cluster.is_mixed:    # each pool's device, joined
+        job = replace(job, cost_model=cluster_cost_model(job.cost_model, inputs.cluster, False, inputs.model,
+                                                         job.parallel.cp))
+        said = [stated(job, replace(inputs, cluster=inputs.cluster.pool_cluster(i)), model_ref)
+                for i in range(len(inputs.cluster.pools))]
+        out = {k: " | ".join(dict.fromkeys(str(x[k]) for x in said)) for k in ("precision", "cost_model",
+                                                                                  "device_fitted")}
+        return {**said[0], **out, "assumptions": list(dict.fromkeys(a for x in said for a in x["assumptions"]))}
     if inputs.kind == "transformer":      # none of these depends on the layout (a sweep's grid varies it)
         dev, model = inputs.cluster.device, job.parallel.sized(inputs.model)
         tcm = TransformerCostModel(model, dev, parallel=Parallel(precision=job.parallel.precision,
@@ -326,6 +371,9 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
     the build (:func:`cost_models.job.check_run_size`, with T and C)."""
     par = job.parallel
     tp, cp = par.tp, par.cp
+    if cluster.is_mixed:
+        return _mixed_transformer(replace(job, cost_model=cluster_cost_model(job.cost_model, cluster, False, model,
+                                                                             cp)), model, cluster, low)
     tcm = transformer_cost_model(job, model, cluster)
     cost_model = tcm.compute
     costs = tcm.bind(low)
@@ -341,6 +389,64 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
         "zero": par.zero, **fsdp_lines(costs.meta.get("fsdp")), **job.cluster.shape_report(),
         "memory_capacity": costs.meta.get("memory_capacity"), "memory_transient": costs.meta["memory_transient"],
         "memory_reserve": job.memory_reserve})
+
+
+def mixed_costs(low: Schedule, per_pool: dict[int, StageCosts], rank_pool: tuple[int, ...]) -> StageCosts:
+    """One :class:`StageCosts` from the schedule costed on each pool's device (``per_pool``: pool ->
+    costs, ``rank_pool``: rank -> pool): every rank's ops priced on its own device
+    (``kinds`` / ``rank_kinds``), the tables per (copy, stage) those of the pool of the replica-0
+    rank holding it, static memory and optimizer time each rank's own. The memory capacity is
+    per rank (``meta["memory_capacity_by_rank"]``; ``memory_capacity`` the least of them)."""
+    used = sorted(per_pool)
+    index = {p: i for i, p in enumerate(used)}
+    kinds = tuple(per_pool[p] for p in used)
+    rank_kinds = tuple(index[p] for p in rank_pool)
+    kind_of = [[rank_kinds[low.placement[c][s]] for s in range(low.num_stages)] for c in range(low.num_copies)]
+
+    def table(name):
+        rows = [getattr(k, name) for k in kinds]
+        if rows[0] is None:
+            return None
+        return tuple(tuple(rows[kind_of[c][s]][c][s] for s in range(low.num_stages))
+                     for c in range(low.num_copies))
+    first = kinds[rank_kinds[0]]
+    caps = tuple(kinds[k].meta.get("memory_capacity") for k in rank_kinds)
+    meta = {k: v for k, v in first.meta.items() if k != PEAK_FLOOR}
+    meta.update(device=" + ".join(dict.fromkeys(k.meta.get("device", "") for k in kinds)),
+                memory_capacity_by_rank=caps, memory_capacity=min(caps) if all(caps) else None,
+                memory_transient=max(k.meta.get("memory_transient") or 0.0 for k in kinds))
+    return replace(first, f=table("f"), b=table("b"), w=table("w"), phases_f=table("phases_f"),
+                   phases_b=table("phases_b"),
+                   static_mem=tuple(kinds[k].static_mem[r] for r, k in enumerate(rank_kinds)),
+                   optim_time=tuple(kinds[k].optim_time[r] for r, k in enumerate(rank_kinds)),
+                   meta=meta, kinds=kinds, rank_kinds=rank_kinds)
+
+
+def _mixed_transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) -> Bound:
+    """A model spec's formulas on a cluster of several pools: the ranks placed (T x C GPUs a rank,
+    never across two pools: :func:`cost_models.cluster.tensor_parallel_groups`), the schedule costed
+    once per pool a rank sits on, on that pool alone (its device, its links for the TP collectives),
+    and each rank's ops priced by its own pool (:func:`mixed_costs`). The report states each pool's
+    device and ``pools`` (name, device, GPUs, ranks)."""
+    par = job.parallel
+    net = tensor_parallel_groups(cluster, par.tp, par.cp).place(low, job.mapping)
+    rank_pool = tuple(net.pool_of(r) for r in range(low.num_ranks))
+    tcms = {p: transformer_cost_model(job, model, cluster.pool_cluster(p)) for p in sorted(set(rank_pool))}
+    costs = mixed_costs(low, {p: t.bind(low) for p, t in tcms.items()}, rank_pool)
+    said = [_stated(job, model, cluster.pools[p].device, t) for p, t in tcms.items()]
+    stated_ = {k: " | ".join(dict.fromkeys(str(x[k]) for x in said)) for k in ("precision", "cost_model",
+                                                                                "device_fitted")}
+    stated_.update(seq_len=said[0]["seq_len"],
+                   assumptions=list(dict.fromkeys(a for x in said for a in x["assumptions"])))
+    pools = [{"name": p.name, "device": p.device.name, "gpus": p.num_devices,
+              "ranks": [r for r in range(low.num_ranks) if rank_pool[r] == i]} for i, p in enumerate(cluster.pools)]
+    return Bound(low, costs, net, {
+        "model": model.name, **stated_, "parameters": model_params(model), "micro_batch": model.micro_batch,
+        "cluster": cluster.name, "device_map": job.mapping, "gpus": low.num_ranks * par.tp * par.cp, "tp": par.tp,
+        "sequence_parallel": par.sequence_parallel, "tp_overlap": par.tp_overlap, "zero": par.zero,
+        **job.cluster.shape_report(), "memory_capacity": costs.meta["memory_capacity"],
+        "memory_capacity_by_rank": list(costs.meta["memory_capacity_by_rank"]),
+        "memory_transient": costs.meta["memory_transient"], "memory_reserve": job.memory_reserve, "pools": pools})
 
 
 def _cp_report(tcm: TransformerCostModel, low: Schedule) -> dict:

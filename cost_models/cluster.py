@@ -51,6 +51,26 @@ A cluster YAML file (presets in ``cost_models/presets/clusters``)::
     nodes_per_pod: 1024           # pods of that many nodes joined by a spine (optional; none: one pod)
     pod_oversubscription: 7       # the spine: NIC bandwidth of a pod / its uplink (optional, 1)
 
+Pools (a cluster of mixed devices): a file may list ``pools`` instead of the one pool's fields
+at the top level, each pool with its own nodes, devices per node, device (preset, YAML path or
+inline mapping), intra link, NICs and their link, and ``between``, the link that joins two pools::
+
+    name: a100-h100
+    pools:
+      - {nodes: 2, device: a100, devices_per_node: 8, intra: nvlink3, inter: ib-hdr, nics_per_node: 8}
+      - {nodes: 2, device: h100, devices_per_node: 8, intra: nvlink4, inter: ib-ndr, nics_per_node: 8}
+    between: ib-hdr               # how nodes of two pools reach each other
+
+Node ids and GPU numbers are global: pools in order, node-major (the a100 GPUs are 0..15, the
+h100 ones 16..31; nodes 0-1 and 2-3). A node's intra-node links are its pool's, its NICs its
+pool's ``inter``. The fabric of a mixed cluster is flat: each pool one non-blocking switch, and
+the pools' switches joined without contention at ``between``'s rate per NIC, so a message between
+nodes of two pools crosses ``n<a>.nic<k>.out`` (its pool's NIC), ``n<a>.nic<k>.bx.out`` and
+``n<b>.nic<l>.bx.in`` (that NIC's port to the other pools, ``between``'s bandwidth) and
+``n<b>.nic<l>.in``: latency the sender pool's ``inter`` plus ``between``'s, bandwidth the least of
+the two NICs and ``between``. Fat-tree, rail and pods are one-pool fabrics: refused with pools.
+Every single-kind cluster is a one-pool cluster (:class:`Pool`), with today's fields and links.
+
 Sizes: ``load_cluster("dgx-h100-ib:128")`` (or :func:`with_nodes`) is the preset with 128 nodes.
 
 Units: bandwidth bytes/s per direction, latency seconds.
@@ -97,6 +117,14 @@ LINK_TYPES: dict[str, LinkSpec] = {
     "ib-edr": LinkSpec("ib-edr", 100e9 / 8, 5e-6),  # InfiniBand EDR 100 Gb/s
     "ib-hdr": LinkSpec("ib-hdr", 200e9 / 8, 5e-6),  # InfiniBand HDR 200 Gb/s
     "ib-ndr": LinkSpec("ib-ndr", 400e9 / 8, 5e-6),  # InfiniBand NDR 400 Gb/s
+    # NVLink bridges of two consumer / workstation cards (per direction: links x lanes): GA102 (RTX 3090)
+    # 4 x 14.0625 GB/s (112.5 GB/s both ways, the RTX 3090 datasheet); TU102 (Titan RTX, RTX 2080 Ti)
+    # 2 x 25 GB/s (100 GB/s both ways, the Titan RTX datasheet); TU104 (RTX 2080) 1 x 25 GB/s (50 GB/s
+    # both ways). A bridge joins two cards: a node of two bridged cards uses it as its intra link.
+    "nvlink-bridge-ga102": LinkSpec("nvlink-bridge-ga102", 56.25e9, 3e-6),
+    "nvlink-bridge-tu102": LinkSpec("nvlink-bridge-tu102", 50e9, 3e-6),
+    "nvlink-bridge-tu104": LinkSpec("nvlink-bridge-tu104", 25e9, 3e-6),
+    "eth-10g": LinkSpec("eth-10g", 10e9 / 8, 30e-6),    # 10 Gb/s Ethernet (TCP sockets)
     "eth-25g": LinkSpec("eth-25g", 25e9 / 8, 30e-6),    # 25 Gb/s Ethernet (TCP sockets)
     "eth-100g": LinkSpec("eth-100g", 100e9 / 8, 20e-6),  # 100 Gb/s Ethernet
 }
@@ -155,22 +183,62 @@ class DeviceGrid:
         return self.nodes * self.devices_per_node
 
 
-@dataclass(frozen=True, kw_only=True)
-class Cluster:
-    """``nodes`` x ``devices_per_node`` devices; see the module docstring for the link model.
+POOL_FIELDS = ("nodes", "devices_per_node", "device", "intra", "inter", "nics_per_node")
 
-    ``collective``: an optional fitted (latency, bandwidth) of a ring all-reduce inside a node
-    (calibration profiles set it); :func:`cost_models.comm.allreduce_time` then uses it instead of
-    the intra links.
-    """
 
-    name: str
+@dataclass(frozen=True)
+class Pool:
+    """``nodes`` nodes of ``devices_per_node`` devices of one kind (``device``), joined inside a node
+    by ``intra`` and between its nodes by ``nics_per_node`` NICs of ``inter``; ``name`` names it in
+    the output (default: the device's name)."""
+
     nodes: int
     devices_per_node: int
     device: DeviceSpec
     intra: LinkSpec
     inter: LinkSpec
     nics_per_node: int = 1
+    name: str = ""
+    # NIC ports one of its NICs stands for (1; more in the view of tensor-parallel groups, whose NIC is
+    # several merged: :func:`tensor_parallel_groups`), so its port to other pools is as many ``between``s
+    nic_ports: float = field(default=1.0, repr=False)
+
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self.device.name)
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+                "device": self.device.to_dict(), "intra": self.intra.to_dict(), "inter": self.inter.to_dict(),
+                "nics_per_node": self.nics_per_node}
+
+
+@dataclass(frozen=True, kw_only=True, init=False)
+class Cluster:
+    """Pools of devices (:class:`Pool`); see the module docstring for the link model.
+
+    A one-pool cluster is built as before, ``Cluster(name=, nodes=, devices_per_node=, device=,
+    intra=, inter=, nics_per_node=)``, or with ``pools=(Pool(...),)``: the two are equal. Its
+    ``nodes``, ``devices_per_node``, ``device``, ``intra``, ``inter`` and ``nics_per_node`` are its
+    pool's, and ``dataclasses.replace`` with those names changes its pool. A mixed cluster
+    (``pools`` of several, ``between``: how nodes of two pools reach each other) has global node
+    ids and GPU numbers (pools in order, node-major); its ``nodes`` and ``num_devices`` are the
+    totals, and each of the per-pool fields answers only when every pool has the same value (else
+    a :class:`SpecError` says to ask per rank: :meth:`device_of`, :meth:`pool_of`), so no caller
+    silently prices a mixed cluster on one kind.
+
+    ``collective``: an optional fitted (latency, bandwidth) of a ring all-reduce inside a node
+    (calibration profiles set it, one-pool clusters only); :func:`cost_models.comm.allreduce_time`
+    then uses it instead of the intra links.
+    """
+
+    name: str
+    pools: tuple[Pool, ...]
+    between: LinkSpec | None = None
     device_map: tuple[int, ...] | None = None
     collective: LinkSpec | None = None
     description: str = ""
@@ -182,8 +250,61 @@ class Cluster:
     # the links made so far, by what names them (a path of a 131,072-GPU job is looked up, not built)
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
+    def __init__(self, *, name: str, pools: tuple[Pool, ...] | None = None, between: LinkSpec | None = None,
+                 device_map: tuple[int, ...] | None = None, collective: LinkSpec | None = None,
+                 description: str = "", fabric: str = "flat", oversubscription: float = 1.0,
+                 nodes_per_leaf: int = DEFAULT_NODES_PER_LEAF, nodes_per_pod: int | None = None,
+                 pod_oversubscription: float = 1.0, **pool_fields):
+        bad = sorted(set(pool_fields) - set(POOL_FIELDS))
+        if bad:
+            raise TypeError(f"Cluster() got unexpected keyword argument(s) {', '.join(bad)}")
+        if pools is None:
+            missing = [f for f in POOL_FIELDS if f not in pool_fields and f != "nics_per_node"]
+            if missing:
+                raise TypeError(f"Cluster() needs pools= or the one-pool fields; missing {', '.join(missing)}")
+            pools = (Pool(**pool_fields),)
+        else:
+            pools = tuple(pools)
+            if pool_fields:           # dataclasses.replace(one_pool_cluster, nodes=...): its pool changes
+                if len(pools) != 1:
+                    raise SpecError(f"cluster {name!r} has {len(pools)} pools: change {', '.join(sorted(pool_fields))} "
+                                    f"of one pool (dataclasses.replace(cluster.pools[i], ...)), not of the cluster")
+                pools = (replace(pools[0], **pool_fields),)
+        for k, v in (("name", name), ("pools", pools), ("between", between), ("device_map", device_map),
+                     ("collective", collective), ("description", description), ("fabric", fabric),
+                     ("oversubscription", oversubscription), ("nodes_per_leaf", nodes_per_leaf),
+                     ("nodes_per_pod", nodes_per_pod), ("pod_oversubscription", pod_oversubscription),
+                     ("_memo", {})):
+            object.__setattr__(self, k, v)
+        self.__post_init__()
+
     def __post_init__(self):
-        for f in ("nodes", "devices_per_node", "nics_per_node", "nodes_per_leaf", "nodes_per_pod"):
+        if not self.pools or not all(isinstance(p, Pool) for p in self.pools):
+            raise SpecError(f"cluster {self.name!r}: pools must be a non-empty tuple of Pool; got {self.pools!r}")
+        for i, p in enumerate(self.pools):
+            where = f"cluster {self.name!r}" if len(self.pools) == 1 else f"cluster {self.name!r} pool {i} ({p.name})"
+            for f in ("nodes", "devices_per_node", "nics_per_node"):
+                v = getattr(p, f)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise SpecError(f"{where}: field {f!r} must be an integer >= 1; got {v!r}")
+        names = [p.name for p in self.pools]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            i, j = [k for k, n in enumerate(names) if n == dup][:2]
+            raise SpecError(f"cluster {self.name!r}: pools {i} and {j} are both named {dup!r}; give one a 'name:'")
+        if self.is_mixed:
+            if self.between is None:
+                raise SpecError(f"cluster {self.name!r} has {len(self.pools)} pools but no 'between' link: say how "
+                                f"nodes of two pools reach each other (e.g. between: ib-hdr)")
+            if self.fabric != "flat" or self.nodes_per_pod is not None:
+                raise SpecError(f"cluster {self.name!r}: a cluster of several pools has a flat fabric (each pool "
+                                f"one switch, the pools joined by 'between'); remove fabric / nodes_per_pod")
+            if self.collective is not None:
+                raise SpecError(f"cluster {self.name!r}: 'collective' (a fitted all-reduce inside a node) is "
+                                f"for one-pool clusters; remove it")
+        elif self.between is not None:
+            raise SpecError(f"cluster {self.name!r} has one pool: 'between' joins pools; remove it")
+        for f in ("nodes_per_leaf", "nodes_per_pod"):
             v = getattr(self, f)
             if v is None and f == "nodes_per_pod":
                 continue
@@ -201,6 +322,12 @@ class Cluster:
         if pod is not None and self.fabric != "flat" and pod % self.nodes_per_leaf:
             raise SpecError(f"cluster {self.name!r}: nodes_per_pod ({pod}) must be a multiple of nodes_per_leaf "
                             f"({self.nodes_per_leaf}): a pod holds whole leaves")
+        # pool p's first node and first GPU (global ids: pools in order, node-major)
+        nodes0, gpus0 = [0], [0]
+        for p in self.pools:
+            nodes0.append(nodes0[-1] + p.nodes)
+            gpus0.append(gpus0[-1] + p.num_devices)
+        object.__setattr__(self, "_memo", {"pool_node0": tuple(nodes0), "pool_gpu0": tuple(gpus0)})
         if self.device_map is not None:
             m = self.device_map
             bad = [g for g in m if not (isinstance(g, int) and 0 <= g < self.num_devices)]
@@ -211,14 +338,101 @@ class Cluster:
                 dup = next(g for g in m if m.count(g) > 1)
                 raise SpecError(f"cluster {self.name!r}: device_map puts two ranks on device {dup}")
 
+    # ------------------------------------------------------------------ pools
+    @property
+    def is_mixed(self) -> bool:
+        """More than one pool (devices, links or both differ between them)."""
+        return len(self.pools) > 1
+
+    def _same(self, f: str):
+        """A per-pool field where every pool agrees on it (always on a one-pool cluster), else one line."""
+        first = getattr(self.pools[0], f)
+        if len(self.pools) == 1:
+            return first
+        if all(getattr(p, f) == first for p in self.pools[1:]):
+            return first
+        def shown(v):
+            return getattr(v, "name", None) or getattr(v, "kind", None) or v
+        values = ", ".join(f"pool {p.name}: {shown(getattr(p, f))}" for p in self.pools)
+        raise SpecError(f"cluster {self.name!r} is mixed ({values}): it has no single {f}; ask per rank "
+                        f"(cluster.device_of(rank), cluster.pool_of(rank)) or per pool (cluster.pools[i].{f})")
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of every pool (node ids are global)."""
+        pools = self.pools
+        return pools[0].nodes if len(pools) == 1 else sum(p.nodes for p in pools)
+
+    @property
+    def devices_per_node(self) -> int:
+        pools = self.pools
+        return pools[0].devices_per_node if len(pools) == 1 else self._same("devices_per_node")
+
+    @property
+    def device(self) -> DeviceSpec:
+        pools = self.pools
+        return pools[0].device if len(pools) == 1 else self._same("device")
+
+    @property
+    def intra(self) -> LinkSpec:
+        pools = self.pools
+        return pools[0].intra if len(pools) == 1 else self._same("intra")
+
+    @property
+    def inter(self) -> LinkSpec:
+        pools = self.pools
+        return pools[0].inter if len(pools) == 1 else self._same("inter")
+
+    @property
+    def nics_per_node(self) -> int:
+        pools = self.pools
+        return pools[0].nics_per_node if len(pools) == 1 else self._same("nics_per_node")
+
+    def pool_of_device(self, gpu: int) -> int:
+        """The pool of global physical GPU ``gpu``."""
+        g0 = self._memo["pool_gpu0"]
+        for i in range(len(self.pools)):
+            if gpu < g0[i + 1]:
+                return i
+        raise SpecError(f"device {gpu} is not on cluster {self.name!r} (devices 0..{self.num_devices - 1})")
+
+    def pool_of_node(self, node: int) -> int:
+        """The pool of global node ``node``."""
+        n0 = self._memo["pool_node0"]
+        for i in range(len(self.pools)):
+            if node < n0[i + 1]:
+                return i
+        raise SpecError(f"node {node} is not on cluster {self.name!r} (nodes 0..{self.nodes - 1})")
+
+    def pool_of(self, rank: int) -> int:
+        """The pool a rank sits on (its physical GPU's)."""
+        return self.pool_of_device(self.physical(rank))
+
+    def device_of(self, rank: int) -> DeviceSpec:
+        """The device a rank sits on."""
+        return self.pools[self.pool_of(rank)].device
+
+    def pool_gpus(self, i: int) -> range:
+        """The global GPU numbers of pool ``i`` (pools in order, node-major)."""
+        g0 = self._memo["pool_gpu0"]
+        return range(g0[i], g0[i + 1])
+
+    def pool_cluster(self, i: int) -> "Cluster":
+        """Pool ``i`` alone, as a one-pool cluster (its links; no placement): what a stage on it is
+        priced on."""
+        if len(self.pools) == 1:
+            return self.with_device_map(None)
+        return Cluster(name=f"{self.name}/{self.pools[i].name}", pools=(self.pools[i],))
+
     # ------------------------------------------------------------------ placement
     @property
     def num_devices(self) -> int:
-        return self.nodes * self.devices_per_node
+        return self._memo["pool_gpu0"][-1]        # every pool's GPUs (counted once, in __post_init__)
 
     @property
     def grid(self) -> DeviceGrid:
-        """Where this cluster's devices sit, as the rank -> device mappings read it."""
+        """Where this cluster's devices sit, as the rank -> device mappings read it (a mixed
+        cluster's pools must have one devices-per-node)."""
         return DeviceGrid(self.nodes, self.devices_per_node, f"cluster {self.name!r}")
 
     @property
@@ -228,20 +442,37 @@ class Cluster:
 
     def physical(self, rank: int) -> int:
         """Global physical device index of a rank."""
+        m = self.device_map
+        if m is not None and 0 <= rank < len(m):
+            return m[rank]
         if not 0 <= rank < self.num_ranks:
             raise SpecError(f"rank {rank} is not placed on cluster {self.name!r} "
                             f"({self.num_ranks} ranks on {self.num_devices} devices)")
         return rank if self.device_map is None else self.device_map[rank]
 
+    def _where(self, gpu: int) -> tuple[Pool, int, int]:
+        """(pool, global node, local index) of global GPU ``gpu``."""
+        if len(self.pools) == 1:
+            p = self.pools[0]
+            return p, gpu // p.devices_per_node, gpu % p.devices_per_node
+        i = self.pool_of_device(gpu)
+        p, off = self.pools[i], gpu - self._memo["pool_gpu0"][i]
+        return p, self._memo["pool_node0"][i] + off // p.devices_per_node, off % p.devices_per_node
+
     def node_of(self, rank: int) -> int:
-        return self.physical(rank) // self.devices_per_node
+        if len(self.pools) == 1:
+            return self.physical(rank) // self.pools[0].devices_per_node
+        return self._where(self.physical(rank))[1]
 
     def local_of(self, rank: int) -> int:
-        return self.physical(rank) % self.devices_per_node
+        if len(self.pools) == 1:
+            return self.physical(rank) % self.pools[0].devices_per_node
+        return self._where(self.physical(rank))[2]
 
     def nic_of(self, rank: int) -> int:
         """The NIC (0..nics_per_node-1 within its node) a rank's inter-node traffic uses."""
-        return self.local_of(rank) * self.nics_per_node // self.devices_per_node
+        p, _, local = self._where(self.physical(rank))
+        return local * p.nics_per_node // p.devices_per_node
 
     def with_device_map(self, device_map) -> "Cluster":
         return replace(self, device_map=None if device_map is None else tuple(int(g) for g in device_map))
@@ -250,21 +481,32 @@ class Cluster:
         """This cluster with the ranks of ``sched`` placed by a named mapping (see :data:`MAPPINGS`)."""
         if mapping not in MAPPINGS:
             raise SpecError(f"unknown device mapping {mapping!r}; choose one of {', '.join(MAPPINGS)}")
-        return self.with_device_map(MAPPINGS[mapping](sched, self.grid, **kw))
+        return self.with_device_map(MAPPINGS[mapping](sched, self, **kw))
 
     # ------------------------------------------------------------------ network
     def _intra(self, node: int, local: int, direction: str, latency: float) -> Link:
         key = ("g", node, local, direction)
         ln = self._memo.get(key)
         if ln is None:
-            ln = self._memo[key] = Link(f"n{node}.g{local}.{direction}", self.intra.bandwidth, latency)
+            bw = self.pools[self.pool_of_node(node)].intra.bandwidth
+            ln = self._memo[key] = Link(f"n{node}.g{local}.{direction}", bw, latency)
         return ln
 
     def _nic(self, node: int, nic: int, direction: str, latency: float) -> Link:
         key = ("nic", node, nic, direction)
         ln = self._memo.get(key)
         if ln is None:
-            ln = self._memo[key] = Link(f"n{node}.nic{nic}.{direction}", self.inter.bandwidth, latency)
+            bw = self.pools[self.pool_of_node(node)].inter.bandwidth
+            ln = self._memo[key] = Link(f"n{node}.nic{nic}.{direction}", bw, latency)
+        return ln
+
+    def _gateway(self, node: int, nic: int, direction: str, latency: float) -> Link:
+        """NIC ``nic`` of ``node``'s port to the other pools (``between``'s bandwidth)."""
+        key = ("bx", node, nic, direction)
+        ln = self._memo.get(key)
+        if ln is None:
+            bw = self.between.bandwidth * self.pools[self.pool_of_node(node)].nic_ports
+            ln = self._memo[key] = Link(f"n{node}.nic{nic}.bx.{direction}", bw, latency)
         return ln
 
     def _fabric_link(self, name: str, bandwidth: float) -> Link:
@@ -317,6 +559,8 @@ class Cluster:
         a, b = self.physical(src), self.physical(dst)
         if a == b:
             return []
+        if len(self.pools) > 1:
+            return self._mixed_path(a, b)
         dpn = self.devices_per_node
         na, nb, la, lb = a // dpn, b // dpn, a % dpn, b % dpn
         if na == nb:
@@ -325,8 +569,30 @@ class Cluster:
         return [self._nic(na, ka, "out", self.inter.latency), *self._uplinks(na, ka, nb, kb),
                 self._nic(nb, kb, "in", 0.0)]
 
+    def _mixed_path(self, a: int, b: int) -> list[Link]:
+        """A mixed cluster's path between GPUs ``a`` and ``b`` (flat fabric, the module docstring)."""
+        pa, na, la = self._where(a)
+        pb, nb, lb = self._where(b)
+        if na == nb:
+            return [self._intra(na, la, "out", pa.intra.latency), self._intra(nb, lb, "in", 0.0)]
+        ka, kb = la * pa.nics_per_node // pa.devices_per_node, lb * pb.nics_per_node // pb.devices_per_node
+        if pa is pb:
+            return [self._nic(na, ka, "out", pa.inter.latency), self._nic(nb, kb, "in", 0.0)]
+        return [self._nic(na, ka, "out", pa.inter.latency), self._gateway(na, ka, "out", self.between.latency),
+                self._gateway(nb, kb, "in", 0.0), self._nic(nb, kb, "in", 0.0)]
+
     def links(self) -> list[Link]:
         """Every link of the cluster (for engines that create links up front)."""
+        if len(self.pools) > 1:
+            out = []
+            for n in range(self.nodes):
+                p = self.pools[self.pool_of_node(n)]
+                for i in range(p.devices_per_node):
+                    out += [self._intra(n, i, "out", p.intra.latency), self._intra(n, i, "in", 0.0)]
+                for k in range(p.nics_per_node):
+                    out += [self._nic(n, k, "out", p.inter.latency), self._nic(n, k, "in", 0.0),
+                            self._gateway(n, k, "out", self.between.latency), self._gateway(n, k, "in", 0.0)]
+            return out
         out = []
         for n in range(self.nodes):
             for i in range(self.devices_per_node):
@@ -360,6 +626,13 @@ class Cluster:
 
     # ------------------------------------------------------------------ I/O
     def to_dict(self) -> dict:
+        if self.is_mixed:        # read back by cluster_from_dict (the pools' devices and links inline)
+            return {"name": self.name, "description": self.description, "pools": [p.to_dict() for p in self.pools],
+                    "between": self.between.to_dict()}
+        p = self.pools[0]
+        if p.name != p.device.name and self.fabric == "flat" and self.nodes_per_pod is None and \
+                self.collective is None:        # a one-pool file's 'pools:' list, its pool named
+            return {"name": self.name, "description": self.description, "pools": [p.to_dict()]}
         d = {"name": self.name, "description": self.description, "nodes": self.nodes,
              "devices_per_node": self.devices_per_node, "device": self.device.to_dict(),
              "intra": self.intra.to_dict(), "inter": self.inter.to_dict(), "nics_per_node": self.nics_per_node}
@@ -372,6 +645,10 @@ class Cluster:
         return d
 
     def describe(self) -> str:
+        if self.is_mixed:
+            b = self.between
+            return (f"{self.name}: " + " + ".join(_describe_pool(p) for p in self.pools)
+                    + f"; pools joined by {b.kind} {b.bandwidth * 8 / 1e9:g} Gb/s per NIC")
         per = self.nodes_per_leaf
         fab = "" if self.fabric == "flat" else (
             f", {self.fabric}" + (f" {per}/leaf" if per != DEFAULT_NODES_PER_LEAF else "")
@@ -384,10 +661,20 @@ class Cluster:
                 + fab)
 
 
+def _describe_pool(p: Pool) -> str:
+    return (f"{p.nodes} node(s) x {p.devices_per_node} {p.device.name} (intra {p.intra.kind} "
+            f"{p.intra.bandwidth / 1e9:g} GB/s, inter {p.inter.kind} {p.inter.bandwidth * 8 / 1e9:g} Gb/s x "
+            f"{p.nics_per_node} NIC(s)/node)")
+
+
 def with_nodes(cluster: Cluster, nodes) -> Cluster:
-    """``cluster`` with ``nodes`` nodes of its kind (named ``<name>:<nodes>``)."""
+    """``cluster`` with ``nodes`` nodes of its kind (named ``<name>:<nodes>``); one-pool clusters
+    only (a mixed cluster's pools are sized in its file)."""
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise SpecError(f"cluster {cluster.name!r}: the node count must be a whole number >= 1; got {nodes!r}")
+    if cluster.is_mixed:
+        raise SpecError(f"cluster {cluster.name!r} has {len(cluster.pools)} pools: size each pool's 'nodes' in a "
+                        f"cluster file, not with ':NODES' or --nodes")
     base = cluster.name.rsplit(":", 1)[0]
     return replace(cluster, nodes=nodes, name=f"{base}:{nodes}", device_map=None)
 
@@ -397,6 +684,9 @@ def with_fabric(cluster: Cluster, fabric: str | None = None, oversubscription: f
     """``cluster`` with another inter-node fabric (None keeps a field; checked by :class:`Cluster`)."""
     kw = {k: v for k, v in (("fabric", fabric), ("oversubscription", oversubscription),
                             ("nodes_per_leaf", nodes_per_leaf)) if v is not None}
+    if kw and cluster.is_mixed:
+        raise SpecError(f"cluster {cluster.name!r} has {len(cluster.pools)} pools: its fabric is flat (each pool one "
+                        f"switch, joined by 'between'); drop --fabric / --oversubscription / --nodes-per-leaf")
     check_leaf_fields(kw.get("fabric", cluster.fabric), kw, f"cluster {cluster.name} is flat: add --fabric fat-tree "
                       f"(or rail)", lambda f: f"--{f.replace('_', '-')}")
     return replace(cluster, **kw) if kw else cluster
@@ -419,34 +709,93 @@ def check_leaf_fields(fabric: str, given, fix: str, name=lambda f: f"field {f!r}
 
 _FIELDS = ("name", "description", "nodes", "devices_per_node", "device", "intra", "inter", "nics_per_node",
            "collective", "fabric", "oversubscription", "nodes_per_leaf", "nodes_per_pod", "pod_oversubscription")
+_MIXED_FIELDS = ("name", "description", "pools", "between")
+_POOL_KEYS = ("name", *POOL_FIELDS)
+
+
+def _device_value(dev, source: str, field: str) -> DeviceSpec:
+    """A cluster file's device: a preset name, a YAML path or an inline mapping."""
+    if isinstance(dev, str):
+        try:
+            return load_device(dev)
+        except SpecError as e:
+            raise SpecError(f"{source}: field {field!r}: {e}") from None
+    if isinstance(dev, dict):
+        return device_from_dict(dev, f"{source} (field {field!r})")
+    raise SpecError(f"{source}: field {field!r} must be a device preset name, a YAML path or a mapping; "
+                    f"got {dev!r}")
+
+
+def _pool_from_dict(d: dict, source: str, prefix: str = "") -> Pool:
+    """One pool's fields (``prefix``: ``pools[i].`` in a mixed cluster's file, so every bad field names
+    its pool)."""
+    def name(f):
+        return prefix + f
+    nodes = _spec.integer(d["nodes"], source, name("nodes"))
+    dpn = _spec.integer(d["devices_per_node"], source, name("devices_per_node"))
+    nics = _spec.integer(d.get("nics_per_node", 1), source, name("nics_per_node"))
+    device = _device_value(d["device"], source, name("device"))
+    if "intra" not in d and dpn > 1:
+        raise SpecError(f"{source}: missing field {name('intra')!r} (the link between devices of a node)")
+    intra = link_from_value(d.get("intra", "pcie4"), source, name("intra"))
+    inter = link_from_value(d["inter"], source, name("inter"))
+    pname = d.get("name", "") if prefix else ""      # a one-pool file's name is the cluster's
+    if not isinstance(pname, str):
+        raise SpecError(f"{source}: field {name('name')!r} must be a string; got {pname!r}")
+    return Pool(nodes=nodes, devices_per_node=dpn, device=device, intra=intra, inter=inter, nics_per_node=nics,
+                name=pname)
+
+
+def _mixed_from_dict(d: dict, source: str, name: str, desc: str) -> Cluster:
+    """A cluster file with ``pools:`` (a list of pool mappings) and ``between:`` (a link)."""
+    fabric = [f for f in ("fabric", "oversubscription", "nodes_per_leaf", "nodes_per_pod", "pod_oversubscription",
+                          "collective") if f in d]
+    if fabric:
+        raise SpecError(f"{source}: field {fabric[0]!r} shapes a one-pool cluster; a file with 'pools' has a flat "
+                        f"fabric (each pool one switch, the pools joined by 'between'): remove it")
+    pool_level = [f for f in POOL_FIELDS if f in d]
+    if pool_level:
+        raise SpecError(f"{source}: field {pool_level[0]!r} is a pool's: with 'pools', give it inside each pool "
+                        f"(pools[i].{pool_level[0]})")
+    _spec.check_fields(d, source, _MIXED_FIELDS, ("pools",))
+    pools = d["pools"]
+    if not isinstance(pools, list) or not pools:
+        raise SpecError(f"{source}: field 'pools' must be a list of pool mappings ({{nodes, devices_per_node, "
+                        f"device, intra, inter, nics_per_node, name}}); got {pools!r}")
+    out = []
+    for i, p in enumerate(pools):
+        where = f"pools[{i}]"
+        if not isinstance(p, dict):
+            raise SpecError(f"{source}: field {where!r} must be a mapping with nodes, devices_per_node, device, "
+                            f"intra, inter, nics_per_node (and optionally name); got {p!r}")
+        _spec.check_fields(p, source, _POOL_KEYS, ("nodes", "devices_per_node", "device", "inter"),
+                           prefix=where + ".")
+        out.append(_pool_from_dict(p, source, where + "."))
+    if len(out) > 1 and d.get("between") is None:
+        raise SpecError(f"{source}: {len(out)} pools need field 'between', the link that joins nodes of two pools "
+                        f"(e.g. between: ib-hdr)")
+    if len(out) == 1 and d.get("between") is not None:
+        raise SpecError(f"{source}: field 'between' joins pools, and this file has one; remove it")
+    between = link_from_value(d["between"], source, "between") if len(out) > 1 else None
+    try:
+        return Cluster(name=name, pools=tuple(out), between=between, description=desc)
+    except SpecError as e:
+        raise SpecError(f"{source}: {e}") from None
 
 
 def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
+    """A cluster file's mapping: one pool's fields at the top level (``nodes``, ``device``, ...), or
+    ``pools:`` and ``between:`` (the module docstring)."""
     d = _spec.mapping(d, source)
-    _spec.check_fields(d, source, _FIELDS, ("nodes", "devices_per_node", "device", "inter"))
-    nodes = _spec.integer(d["nodes"], source, "nodes")
-    dpn = _spec.integer(d["devices_per_node"], source, "devices_per_node")
-    nics = _spec.integer(d.get("nics_per_node", 1), source, "nics_per_node")
-    dev = d["device"]
-    if isinstance(dev, str):
-        try:
-            device = load_device(dev)
-        except SpecError as e:
-            raise SpecError(f"{source}: field 'device': {e}") from None
-    elif isinstance(dev, dict):
-        device = device_from_dict(dev, f"{source} (field 'device')")
-    else:
-        raise SpecError(f"{source}: field 'device' must be a device preset name, a YAML path or a mapping; "
-                        f"got {dev!r}")
-    if "intra" not in d and dpn > 1:
-        raise SpecError(f"{source}: missing field 'intra' (the link between devices of a node)")
-    intra = link_from_value(d.get("intra", "pcie4"), source, "intra")
-    inter = link_from_value(d["inter"], source, "inter")
-    coll = link_from_value(d["collective"], source, "collective") if d.get("collective") is not None else None
     name = d.get("name", Path(source).stem)
     desc = d.get("description", "")
     if not isinstance(name, str) or not isinstance(desc, str):
         raise SpecError(f"{source}: fields 'name' and 'description' must be strings")
+    if "pools" in d:
+        return _mixed_from_dict(d, source, name, desc)
+    _spec.check_fields(d, source, _FIELDS, ("nodes", "devices_per_node", "device", "inter"))
+    pool = _pool_from_dict(d, source)
+    coll = link_from_value(d["collective"], source, "collective") if d.get("collective") is not None else None
     fabric = d.get("fabric", "flat")
     if fabric not in FABRICS:
         raise SpecError(f"{source}: field 'fabric' must be one of {', '.join(FABRICS)}; got {fabric!r}")
@@ -460,8 +809,7 @@ def cluster_from_dict(d, source: str = "<dict>") -> Cluster:
     pod_over = _spec.number(d.get("pod_oversubscription", 1.0), source, "pod_oversubscription")
     if not 1.0 <= pod_over < float("inf"):
         raise SpecError(f"{source}: field 'pod_oversubscription' must be a finite number >= 1; got {pod_over!r}")
-    return Cluster(name=name, nodes=nodes, devices_per_node=dpn, device=device, intra=intra, inter=inter,
-                   nics_per_node=nics, collective=coll, description=desc, fabric=fabric, oversubscription=over,
+    return Cluster(name=name, pools=(pool,), collective=coll, description=desc, fabric=fabric, oversubscription=over,
                    nodes_per_leaf=per, nodes_per_pod=pod, pod_oversubscription=pod_over)
 
 
@@ -490,9 +838,17 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
 
 
 # ---------------------------------------------------------------------- rank -> device mappings
-def _fitting_grid(sched: "Schedule", where: DeviceGrid | Cluster) -> DeviceGrid:
-    """The grid a mapping lays ``sched``'s ranks over (a cluster's own), refusing one too small."""
-    if isinstance(where, Cluster):
+def _fitting_grid(sched: "Schedule", where: DeviceGrid | Cluster, nodes: bool = False) -> DeviceGrid:
+    """The grid a mapping lays ``sched``'s ranks over (a cluster's own), refusing one too small.
+    A mixed cluster whose pools' nodes differ in size has no grid: a mapping that reads only the
+    device count (``nodes`` False) gets its devices as one row; one that packs nodes is refused."""
+    if isinstance(where, Cluster) and where.is_mixed and len({p.devices_per_node for p in where.pools}) > 1:
+        if nodes:
+            sizes = " and ".join(sorted({str(p.devices_per_node) for p in where.pools}))
+            raise SpecError(f"cluster {where.name!r} has pools of {sizes} devices per node: the copies-same-node "
+                            f"mapping packs equal nodes; use --device-map sequential or megatron")
+        where = DeviceGrid(1, where.num_devices, f"cluster {where.name!r}")
+    elif isinstance(where, Cluster):
         where = where.grid
     elif not isinstance(where, DeviceGrid):
         raise TypeError(f"a rank -> device mapping takes a DeviceGrid or a Cluster; got {type(where).__name__}")
@@ -563,6 +919,8 @@ def tensor_parallel_groups(cluster: Cluster, tp: int, cp: int = 1) -> Cluster:
     g = tp * cp
     if g == 1:
         return cluster
+    if cluster.is_mixed:
+        return _mixed_groups(cluster, tp, cp)
     dpn, name = cluster.devices_per_node, cluster.name
     what = f"--tp {tp}" if cp == 1 else f"--tp {tp} x --cp {cp} = {g}"
     if g <= dpn:
@@ -588,6 +946,24 @@ def tensor_parallel_groups(cluster: Cluster, tp: int, cp: int = 1) -> Cluster:
                    nodes_per_pod=None if cluster.nodes_per_pod is None else max(1, cluster.nodes_per_pod // span))
 
 
+def _mixed_groups(cluster: Cluster, tp: int, cp: int) -> Cluster:
+    """:func:`tensor_parallel_groups` of a mixed cluster: each pool's groups as one pool's (its own
+    links), so a group never spans two pools (two kinds): a group that would is refused in one line
+    (its size must divide each pool's devices per node, or be a multiple that divides its nodes)."""
+    g = tp * cp
+    what = f"--tp {tp}" if cp == 1 else f"--tp {tp} x --cp {cp} = {g}"
+    pools = []
+    for i, p in enumerate(cluster.pools):
+        dpn = p.devices_per_node
+        if (g <= dpn and dpn % g) or (g > dpn and (g % dpn or p.nodes % (g // dpn))):
+            raise SpecError(f"{what} on cluster {cluster.name}: a group of {g} GPUs would span pool {i} ({p.name}, "
+                            f"{p.nodes} x {dpn}) and the next: a tensor-parallel group never spans two device kinds; "
+                            f"pick a size that divides {dpn} (or whole nodes of pool {i})")
+        q = tensor_parallel_groups(Cluster(name=f"{cluster.name}/{p.name}", pools=(p,)), tp, cp).pools[0]
+        pools.append(replace(q, nic_ports=p.nic_ports * q.inter.bandwidth / p.inter.bandwidth))
+    return Cluster(name=cluster.name, pools=tuple(pools), between=cluster.between, description=cluster.description)
+
+
 def map_copies_same_node(sched: "Schedule", where: DeviceGrid | Cluster, *,
                          include_replicas: bool = False) -> tuple[int, ...]:
     """BitPipe's mapping: devices holding copies of one stage share a node.
@@ -597,7 +973,7 @@ def map_copies_same_node(sched: "Schedule", where: DeviceGrid | Cluster, *,
     spills over in rank order. For single-copy schedules every group is one rank and the result is
     the sequential mapping.
     """
-    grid = _fitting_grid(sched, where)
+    grid = _fitting_grid(sched, where, nodes=True)
     dpn = grid.devices_per_node
     slots: list[list[int]] = [[] for _ in range(grid.nodes)]
     for g in stage_sharing_groups(sched, include_replicas):

@@ -119,6 +119,8 @@ def allreduce_time(network: Network, ranks: Sequence[int], nbytes: float) -> flo
     kind = allreduce_kind(network, ranks)
     if kind == "none":
         return 0.0
+    if isinstance(network, Cluster) and network.is_mixed:   # pools' own links: the phases' lone step times
+        return sum(k * step_time(network, step) for k, step in allreduce_phases(network, ranks, nbytes))
     if isinstance(network, Cluster):
         groups = _node_groups(network, ranks)
         inside = network.collective or network.intra

@@ -176,6 +176,7 @@ class MemoryReport:
     unit: str = "B"
     transient: float = 0.0
     reserve: float | None = None
+    capacities: tuple[float, ...] | None = None    # per rank, on a mixed cluster (then each rank's own)
 
     @property
     def peak(self) -> tuple[float, ...]:
@@ -191,9 +192,10 @@ class MemoryReport:
         return p.index(max(p))
 
     def _verdict(self, r: int) -> Verdict | None:
-        if self.capacity is None or self.unit != "B":
+        cap = self.capacity if self.capacities is None else self.capacities[r]
+        if cap is None or self.unit != "B":
             return None
-        return memory_verdict(self.static[r], self.activation[r], self.capacity, transient=self.transient,
+        return memory_verdict(self.static[r], self.activation[r], cap, transient=self.transient,
                               reserve=self.reserve, where=f"rank {r}")
 
     @property
@@ -205,7 +207,9 @@ class MemoryReport:
         return tuple(r for r in range(len(self.static)) if (v := self._verdict(r)) is not None and not v.fits)
 
     def summary(self) -> str:
-        r = self.worst_rank
+        r = self.worst_rank if self.capacities is None or self.unit != "B" else max(   # fullest for its device
+            range(len(self.static)), key=lambda i: (self.peak[i] + self.transient)
+            / usable_memory(self.capacities[i], self.reserve))
         v = self._verdict(r)
         if v is not None:
             return v.text + (f"; out of memory on rank(s) {', '.join(map(str, self.oom_ranks))}" if self.oom else "")
@@ -224,11 +228,15 @@ def memory_report(sched, costs: StageCosts, capacity: float | None = None,
                   reserve: float | None = None) -> MemoryReport:
     """Static + peak activation memory of each rank of ``sched`` under ``costs``. ``capacity``
     defaults to ``costs.meta['memory_capacity']`` (set by TransformerCostModel from the device),
-    the transients to ``costs.meta['memory_transient']``; ``reserve`` None: the default one."""
+    the transients to ``costs.meta['memory_transient']``; ``reserve`` None: the default one. On a
+    mixed cluster (``meta['memory_capacity_by_rank']``, no ``capacity`` given) each rank is judged
+    against its own device."""
+    by_rank = costs.meta.get("memory_capacity_by_rank") if capacity is None else None
     if capacity is None:
         capacity = costs.meta.get("memory_capacity")
     return MemoryReport(tuple(costs.static_mem), peak_activation(sched, costs), capacity, costs.mem_unit,
-                        float(costs.meta.get("memory_transient") or 0.0), reserve)
+                        float(costs.meta.get("memory_transient") or 0.0), reserve,
+                        None if by_rank is None else tuple(by_rank))
 
 
 def check_memory(sched, costs: StageCosts, capacity: float | None = None) -> MemoryReport:

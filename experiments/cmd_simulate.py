@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from sim import simulate_job
 
-from .common import (STATED, check_all_replicas, human_rows, metrics_record, print_json, stated_lines, units_note,
-                     write_chrome, write_csv)
+from .common import (STATED, check_all_replicas, human_rows, metrics_record, pools_line, print_json, stated_lines,
+                     units_note, write_chrome, write_csv)
 from .jobs import check_plan_args, job_from_args
 from .options import add_options
 from .tables import WIDTH, fmt_table, group_rows, printable, wrap_cell
@@ -59,6 +59,9 @@ def main(args) -> int:
         if not isinstance(v, (dict, list)) and not k.startswith(("memory_", "cp_")) and v is not None \
                 and k not in STATED:
             print(f"  {k}: {printable(v)}")
+    if rec.get("pools"):
+        lines = wrap_cell(pools_line(rec["pools"]), WIDTH - 4)
+        print("\n".join(("  " if i == 0 else "    ") + ln for i, ln in enumerate(lines)))
     if "a2a_time" in rec:
         print(f"  all-to-all: {rec['a2a_time']:.6g} {unit} per device in the step, {rec['a2a_hidden']:.6g} {unit} "
               f"({rec['a2a_hidden'] / rec['a2a_time']:.0%}) hidden behind the other op's compute in overlapped F&B "
@@ -69,7 +72,8 @@ def main(args) -> int:
     if "memory_verdict" in rec:
         lines = wrap_cell(f"memory: {rec['memory_verdict']}", WIDTH - 4)
         print("\n".join(("  " if i == 0 else "    ") + ln for i, ln in enumerate(lines)))
-    cols = ["device", "busy", "bubble_ratio", "peak_activation", "peak_memory"]
+    cols = ["device", *(["pool"] if rec.get("pools") else []), "busy", "bubble_ratio", "peak_activation",
+            "peak_memory"]
     fmts = {"busy": "{:.6g}", "bubble_ratio": "{:.4f}", "peak_activation": "{:.6g}", "peak_memory": "{:.6g}"}
     rows, shown = human_rows(rec["per_device"], mem)
     rows = group_rows(rows, "device", cols, fmts)      # identical replicas: one row each (--json keeps all)

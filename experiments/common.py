@@ -5,7 +5,7 @@ import json
 import sys
 
 from cost_models.files import output_file, write_output
-from cost_models.memory import memory_verdict
+from cost_models.memory import memory_verdict, usable_memory
 from schedules import get, names
 from schedules.trace import step_metrics, to_chrome
 
@@ -41,7 +41,19 @@ def metrics_record(result, **extra) -> dict:
         if result.full_reason is not None:
             rec["full_simulation"] = result.full_reason
     cap = extra.get("memory_capacity")
-    if cap:
+    caps = extra.get("memory_capacity_by_rank")       # a mixed cluster: each rank's own device
+    if caps and all(caps):
+        def verdict(p):
+            return memory_verdict(p.static_memory, p.peak_activation, caps[p.device],
+                                  transient=extra.get("memory_transient") or 0.0, reserve=extra.get("memory_reserve"),
+                                  where=f"device {p.device}")
+        worst = max(m.per_device, key=lambda p: (p.peak_memory + (extra.get("memory_transient") or 0.0))
+                    / usable_memory(caps[p.device], extra.get("memory_reserve")))
+        v = verdict(worst)
+        rec["out_of_memory"] = not v.fits
+        rec["near_memory_limit"] = v.near
+        rec["memory_verdict"] = v.text
+    elif cap:
         worst = max(m.per_device, key=lambda p: p.peak_memory)
         v = memory_verdict(worst.static_memory, worst.peak_activation, cap,
                            transient=extra.get("memory_transient") or 0.0, reserve=extra.get("memory_reserve"),
@@ -53,12 +65,43 @@ def metrics_record(result, **extra) -> dict:
                           "peak_activation": p.peak_activation, "peak_memory": p.peak_memory,
                           "static_memory": p.static_memory}
                          for p in m.per_device]
+    if extra.get("pools"):
+        rec["pools"] = pool_metrics(extra["pools"], m, extra.get("gpus", 0) // max(1, len(m.per_device)))
+        pool_of = {r: p["name"] for p in extra["pools"] for r in p["ranks"]}
+        for row in rec["per_device"]:
+            row["pool"] = pool_of.get(row["device"])
     a2a, hidden = getattr(result, "a2a_time", None), getattr(result, "a2a_hidden", None)
     if a2a and any(a2a):      # phased costs (--overlap-fb): the expert all-to-alls of a step, and what hid
         rec["a2a_time"], rec["a2a_hidden"] = sum(a2a) / len(a2a), sum(hidden) / len(hidden)
         for row, t, h in zip(rec["per_device"], a2a, hidden):
             row.update(a2a_time=t, a2a_hidden=h)
     return rec
+
+
+def pool_metrics(pools: list[dict], m, gpus_per_rank: int) -> list[dict]:
+    """Per pool of a mixed cluster (``pools``: the report's name, device, gpus, ranks): the GPUs the run
+    uses there, their mean busy share of the iteration (busy compute time / iteration time, a rank's T
+    GPUs run in lockstep) and its bubble (1 - that share: the schedule's bubble ratio over that pool's
+    devices alone)."""
+    busy = {p.device: p.busy for p in m.per_device}
+    out = []
+    for pool in pools:
+        ranks = [r for r in pool["ranks"] if r in busy]
+        share = sum(busy[r] for r in ranks) / len(ranks) / m.iteration_time if ranks and m.iteration_time else None
+        out.append({"name": pool["name"], "device": pool["device"], "gpus": pool["gpus"],
+                    "gpus_used": len(pool["ranks"]) * max(1, gpus_per_rank), "ranks": len(pool["ranks"]),
+                    "busy": share, "bubble_ratio": None if share is None else 1 - share})
+    return out
+
+
+def pools_line(pools: list[dict]) -> str:
+    """``pools: a100 x16 busy 71.2% bubble 28.8% | h100 x16 ...`` (x the GPUs the run uses in the pool)."""
+    def one(p):
+        if p["busy"] is None:
+            return f"{p['name']} x0 of {p['gpus']} (unused)"
+        of = f" of {p['gpus']}" if p["gpus_used"] != p["gpus"] else ""
+        return f"{p['name']} x{p['gpus_used']}{of} busy {p['busy']:.1%} bubble {p['bubble_ratio']:.1%}"
+    return "pools: " + " | ".join(one(p) for p in pools)
 
 
 # the report fields that state what the numbers assume (cost_models.bind.stated), printed by stated_lines

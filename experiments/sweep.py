@@ -35,7 +35,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cost_models.bind import CostInputs, cost_model_for, load_inputs, stated
+from cost_models.bind import CostInputs, cluster_cost_model, load_inputs, stated
 from cost_models.files import FileError, parse_json, read_text, write_output
 from cost_models.job import DEFAULT_CLUSTER, DEFAULT_MODEL, Job
 
@@ -156,8 +156,8 @@ def experiment_record(grid: Grid, base: Job, inputs: CostInputs) -> dict:
         job["model"] = DEFAULT_MODEL
     if inputs.cluster is not None and base.source != "profile":
         job["cluster"]["name"] = job["cluster"]["name"] or DEFAULT_CLUSTER
-        job["cost_model"] = cost_model_for(base.cost_model, inputs.cluster.device, base.source == "layer-profile",
-                                           inputs.model if inputs.kind == "transformer" else None)
+        job["cost_model"] = cluster_cost_model(base.cost_model, inputs.cluster, base.source == "layer-profile",
+                                               inputs.model if inputs.kind == "transformer" else None)
     job["parallel"] = {k: v for k, v in job["parallel"].items() if k not in ("micro_batch", "zero", "recompute", "tp",
                                                                               "ep")}
     job["layout"] = {k: v for k, v in job["layout"].items() if k not in ("schedule", "devices", "microbatches",

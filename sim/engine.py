@@ -290,6 +290,8 @@ def check_peak(sched: Schedule, costs: StageCosts, opts: SimOptions) -> None:
     :func:`cost_models.base.with_peak_floor`): no compute op, times its rank's slowdown, runs faster
     than its FLOPs at the device's peak. O(copies x stages + slowed ranks); a ValueError names the
     op. (Per-op jitter is noise of mean 1 around these times.)"""
+    for kind_costs in costs.kinds:        # a mixed cluster: each device kind's own tables and peak
+        check_peak(sched, kind_costs, opts)
     floor = costs.meta.get(PEAK_FLOOR)
     if not floor:
         return
@@ -570,7 +572,7 @@ class _Engine:
         SEND / COPY: the block's outputs exist at its end). The trace's ``seq`` is the position in
         this order. Also sets the rank's all-to-all seconds and the hidden part of them (times the
         rank's slowdown, which stretches a whole op, its all-to-alls included)."""
-        c = self.costs
+        c = self.costs.for_rank(r)
         pf, pb = c.phases_f, c.phases_b
         if self._pair_of is None:
             self._pair_of = {tuple(a): tuple(b) for a, b in self.sched.meta.get("overlapped", ())}
@@ -639,7 +641,7 @@ class _Engine:
 
     def _plan(self, r: int, op, split: bool, slow: float) -> _Planned:
         """The :class:`_Planned` record of op ``op`` of rank r (any kind but OPTIM)."""
-        c, s, k = self.costs, self.sched, op.kind
+        c, s, k = self.costs.for_rank(r), self.sched, op.kind
         if k in (F, B, W):
             alloc, free = activation_change(k, c.act[op.copy][op.stage],
                                             c.act_w[op.copy][op.stage] if split else 0.0, split)

@@ -66,6 +66,11 @@ def symmetry_blocker(sched, costs, opts) -> str | None:
         want = opts.slowdown.get(r % D, 1.0)
         if any(opts.slowdown.get(r % D + i * D, 1.0) != want for i in range(R)):
             return f"rank {r}'s slowdown differs from its replicas'"
+    kinds = costs.rank_kinds
+    if kinds is not None:
+        for r in range(D, R * D):
+            if kinds[r] != kinds[r % D]:
+                return f"rank {r} sits on another device kind than rank {r % D}"
     for what, vals in (("static memory", costs.static_mem), ("optimizer time", costs.optim_time)):
         for r in range(D, R * D):
             if vals[r] != vals[r % D]:

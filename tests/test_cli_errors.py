@@ -502,6 +502,39 @@ CASES = [
     ("moe-tp-without-sp", MOE + ["--dp", "1", "--tp", "2"], ["--tp 2 needs --sequence-parallel"]),
     ("overlap-fb-dense", SIM + ["--overlap-fb", "-m", "gpt3-1.3b"], ["--overlap-fb acts on a mixture of experts"]),
 ]
+# issue 45: clusters of mixed pools (files in tests/data/pools): every bad pool field names its pool
+_POOLS = str(Path(__file__).parent / "data" / "pools")
+_MIXED = ["simulate", "-s", "dapple", "-D", "2", "-N", "8", "-m", "gpt3-1.3b"]
+CASES += [
+    ("pools-missing-field", _MIXED + ["-c", f"{_POOLS}/missing-inter.yaml"], ["missing field 'pools[1].inter'"]),
+    ("pools-bad-device", _MIXED + ["-c", f"{_POOLS}/bad-device.yaml"], ["field 'pools[1].device'", "'h1000'",
+                                                                         "choose one of"]),
+    ("pools-bad-link", _MIXED + ["-c", f"{_POOLS}/bad-link.yaml"], ["field 'pools[1].intra'", "'nvlink9'", "known:"]),
+    ("pools-zero-nodes", _MIXED + ["-c", f"{_POOLS}/zero-nodes.yaml"], ["field 'pools[0].nodes'", "integer >= 1"]),
+    ("pools-unknown-field", _MIXED + ["-c", f"{_POOLS}/unknown-field.yaml"], ["unknown field 'pools[1].gpus'",
+                                                                               "known: device"]),
+    ("pools-not-a-list", _MIXED + ["-c", f"{_POOLS}/not-a-list.yaml"], ["field 'pools' must be a list"]),
+    ("pools-no-between", _MIXED + ["-c", f"{_POOLS}/no-between.yaml"], ["2 pools need field 'between'",
+                                                                         "between: ib-hdr"]),
+    ("pools-fat-tree", _MIXED + ["-c", f"{_POOLS}/fat-tree.yaml"], ["field 'fabric'", "flat fabric", "remove it"]),
+    ("pools-same-name", _MIXED + ["-c", f"{_POOLS}/same-name.yaml"], ["pools 0 and 1 are both named 'a100'",
+                                                                       "give one a 'name:'"]),
+    ("mixed-fabric-option", _MIXED + ["-c", "a100-h100", "--fabric", "fat-tree"], ["2 pools", "drop --fabric"]),
+    ("mixed-nodes-option", _MIXED + ["-c", "a100-h100", "--nodes", "4"], ["2 pools", "each pool's 'nodes'"]),
+    ("mixed-nodes-suffix", _MIXED + ["-c", "a100-h100:4"], ["2 pools", "each pool's 'nodes'"]),
+    ("mixed-tp-spans-two-kinds", _MIXED + ["-c", "consumer-mix", "--tp", "8", "-D", "1"],
+     ["--tp 8", "pool 0 (rtx-3090, 1 x 4)", "never spans two device kinds", "divides 4"]),
+    ("mixed-cp", _MIXED + ["-c", "a100-h100", "--cp", "2"], ["--cp 2", "mixed cluster a100-h100", "one-pool"]),
+    ("mixed-zero3", _MIXED + ["-c", "a100-h100", "--zero", "3", "--dp", "2"], ["--zero 3", "mixed cluster"]),
+    ("mixed-moe", _MIXED + ["-c", "a100-h100", "-m", "mixtral-8x7b"], ["mixture of experts mixtral-8x7b",
+                                                                        "mixed cluster"]),
+    ("mixed-uneven-copies-same-node", _MIXED + ["-c", f"{_POOLS}/uneven.yaml", "--device-map", "copies-same-node"],
+     ["pools of 4 and 8 devices per node", "--device-map sequential or megatron"]),
+    ("mixed-kernels-without-constants", _MIXED + ["-c", "consumer-mix", "--cost-model", "kernels", "-D", "3"],
+     ["--cost-model kernels", "rtx-3090 has none", "--cost-model linear"]),
+    ("mixed-profile", ["simulate", "-s", "dapple", "-D", "2", "-N", "4", "--profile", "{tp1profile}", "-c",
+                       "a100-h100"], ["scaled onto it", "one device kind", "a100, h100"]),
+]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", RUN + ["--device", "cuda"], ["--device cuda", "CUDA"]))
 # issue 47 item 1: a file field the command line would refuse is refused in the file, by the same check; a

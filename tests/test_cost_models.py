@@ -236,4 +236,6 @@ def test_device_presets_round_trip(name):
 def test_cluster_presets_round_trip(name):
     c = cm.load_cluster(name)
     assert cm.cluster_from_dict(c.to_dict()) == c
-    assert math.isfinite(c.inter.bandwidth) and c.num_devices == c.nodes * c.devices_per_node
+    for p in c.pools:       # a mixed preset's every pool (a one-pool preset's pool is its fields)
+        assert math.isfinite(p.inter.bandwidth) and p.num_devices == p.nodes * p.devices_per_node
+    assert c.num_devices == sum(p.num_devices for p in c.pools) and c.nodes == sum(p.nodes for p in c.pools)
