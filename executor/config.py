@@ -52,8 +52,9 @@ class RunConfig:
     count as layers; :attr:`blocks` is the GPT's transformer blocks per stage; default: the even
     split of :func:`cost_models.partition.block_ranges`, a model file's
     :func:`cost_models.partition.stack_partition`). The simulator's parts of a job (a cost source,
-    a cluster, faults) would do nothing in a run: they are refused. The reference uses the same
-    model and G = R * N, so its global batch is the run's.
+    a cluster, slow links, jitter) would do nothing in a run: they are refused; its stragglers
+    (``--slowdown RANK=FACTOR``) slow that rank's F, B and W down by sleeping (executor.runtime).
+    The reference uses the same model and G = R * N, so its global batch is the run's.
 
     ``placement``: an explicit rank -> global device map under torchrun (a DAPPLE plan's); None:
     the job's mapping (:attr:`cost_models.job.Job.mapping`). :meth:`of` builds a config from
@@ -93,13 +94,19 @@ class RunConfig:
                                    ("--stage-costs", job.stage_costs),
                                    ("--plan", job.plan), ("--cost-model", job.cost_model),
                                    ("--profile-batch", job.profile_batch), ("--exact", job.exact),
-                                   ("faults", job.faults != Faults()),
+                                   ("--slow-link, --jitter (simulated faults; a run takes --slowdown)",
+                                    replace(job.faults, slowdown=()) != Faults()),
                                    ("--precision (the run's is --dtype)", job.parallel.precision)) if v] + \
             job.cluster.given() + \
             moe_knobs_given(job.parallel)
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
         par, lay = job.parallel, job.layout
+        ranks = lay.devices * lay.replicas
+        for r, _ in job.faults.slowdown:
+            if not 0 <= r < ranks:
+                raise ValueError(f"--slowdown {r}=...: the run has ranks 0..{ranks - 1} (D x R = {lay.devices} x "
+                                 f"{lay.replicas}); a rank's T tensor-parallel processes slow down together")
         if par.tp_overlap:
             raise ValueError("the executor trains T x D x R layouts without --tp-overlap: simulated only "
                              "(pipetwin simulate); drop it to run")

@@ -103,6 +103,10 @@ CASES = [
      ["--cp 2 with --sequence-parallel", "18 tokens divisible by --tp 4"]),
     ("run-cp-comm-unknown", RUN + ["--cp", "2", "--cp-comm", "p2p"], ["--cp-comm", "'p2p'", "'ring', 'allgather'"]),
     ("run-cp-zero", RUN + ["--cp", "0"], ["--cp", "'0'"]),
+    ("run-slowdown-rank-outside", RUN + ["--slowdown", "9=2"], ["--slowdown 9=...", "the run has ranks 0..", "D x R"]),
+    ("run-slowdown-torch-runtime", RUN + ["--slowdown", "1=2", "--runtime", "torch"],
+     ["pipelining's runtime", "drop --slowdown"]),
+    ("run-slowdown-below-one", RUN + ["--slowdown", "1=0.5"], ["--slowdown 1=0.5", "a factor must be >= 1"]),
     ("run-cp-torch-runtime", RUN + ["--cp", "2", "--runtime", "torch"], ["pipelining's runtime", "drop --cp 2"]),
     # the knobs of issues 43 and 46 given NaN, inf, a negative number, a folder or no path at all
     ("dp-shard-nan", SIM + ["-m", "tiny", "--dp", "2", "--zero", "2", "--dp-shard", "nan"], ["--dp-shard", "'nan'"]),
