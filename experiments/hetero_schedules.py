@@ -14,7 +14,10 @@ Two settings, every number simulated at run time:
 
 zb-auto orders its ops from these per-stage costs (``schedules/zb_auto.py``), so the fast stages'
 idle time takes the slow stages' W's where the dependencies allow; the others keep their
-uniform-cost orders.
+uniform-cost orders. zb-auto minimises the Zero Bubble paper's cost, the longest device span from
+its first op (the staggered start is free), not the step time: with the slow pool first, ZB-H1's
+order is already its best on the stage costs, and on the cluster it picks an order 0.5 ms shorter
+in span and 2.5 ms longer in step (0.743 s against ZB-H1's 0.742 s at N = 8).
 """
 from __future__ import annotations
 
@@ -126,7 +129,8 @@ def plot(df: pd.DataFrame, path: Path) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(Ns))], [f"N = {n}" for n in Ns])
         ax.set_ylabel("step time (simulated)")
         ax.set_title(setting)
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.3 * float(sub.step_time.max()))       # room for the legend above the bars
+        ax.legend(fontsize=8, ncol=3, loc="upper left")
         ax = axes[1][col]
         last = sub[sub.N == Ns[-1]]
         for i, pool in enumerate(("a100", "h100")):
@@ -134,8 +138,8 @@ def plot(df: pd.DataFrame, path: Path) -> None:
                    [float(last[last.schedule == s][f"busy_{pool}"].iloc[0]) for s in SCHEDULES], 0.4, label=pool)
         ax.set_xticks([j + 0.2 for j in range(len(SCHEDULES))], list(SCHEDULES))
         ax.set_ylabel(f"busy share per pool, N = {Ns[-1]}")
-        ax.set_ylim(0, 1)
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.25)
+        ax.legend(fontsize=8, ncol=2, loc="upper left")
     save_figure(fig, path)
 
 
