@@ -106,6 +106,12 @@ CASES = [
     ("run-slowdown-rank-outside", RUN + ["--slowdown", "9=2"], ["--slowdown 9=...", "the run has ranks 0..", "D x R"]),
     ("run-slowdown-torch-runtime", RUN + ["--slowdown", "1=2", "--runtime", "torch"],
      ["pipelining's runtime", "drop --slowdown"]),
+    ("run-cluster-one-pool", RUN + ["--cluster", "dgx-a100-4x8-ib"], ["takes a job's layout and model only",
+                                                                      "drop --cluster"]),
+    ("run-cluster-mixed-and-slowdown", RUN + ["--cluster", "a100-h100", "--slowdown", "1=2"],
+     ["--cluster a100-h100 emulates its pools", "drop --slowdown"]),
+    ("run-cluster-mixed-one-pool-used", RUN + ["--cluster", "a100-h100"],
+     ["every rank of this run sits on one pool of a100-h100", "nothing to emulate"]),
     ("run-slowdown-below-one", RUN + ["--slowdown", "1=0.5"], ["--slowdown 1=0.5", "a factor must be >= 1"]),
     ("run-cp-torch-runtime", RUN + ["--cp", "2", "--runtime", "torch"], ["pipelining's runtime", "drop --cp 2"]),
     # the knobs of issues 43 and 46 given NaN, inf, a negative number, a folder or no path at all
