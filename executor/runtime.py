@@ -99,6 +99,14 @@ class StepOutcome:
     peak_activation: int
 
 
+def slow_down(factor: float, t0: float, clock=time.perf_counter, sleep=time.sleep) -> float:
+    """Sleep (factor - 1) x the time since ``t0`` (an op's start), so that the op ends ``factor`` times
+    as late as it would have; returns the seconds asked of ``sleep``."""
+    extra = (factor - 1.0) * (clock() - t0)
+    sleep(extra)
+    return extra
+
+
 class PipelineRuntime:
     """Runs one rank's lowered program (see the module docstring).
 
@@ -182,7 +190,7 @@ class PipelineRuntime:
             if op.kind in (F, B, W):
                 self.ctx.synchronize()
                 if self.slowdown != 1.0:
-                    time.sleep((self.slowdown - 1.0) * (now() - t0))
+                    slow_down(self.slowdown, t0)
             t1 = now()
             live = self.meter.current() + self.accounted
             if live > peak:

@@ -23,9 +23,10 @@ def _busy(trace, rank):
 def test_slowed_rank_takes_factor_times_and_trains_the_same():
     """D = 2, N = 4, zb-h1, rank 1 slowed 3x: the run's losses and parameters are the reference's (SGD,
     within 1e-6, as every split-backward run) and bit for bit the unslowed run's; rank 1's F, B and W
-    over rank 0's take 3x what they take in the unslowed run (each run's ranks share the host's
-    load, so the ratio of the ratios is what a slowdown changes; within 1: on two cores shared by
-    other work the same op varies by up to a third from run to run)."""
+    over rank 0's take 3x what they take in the unslowed run, within what this host allows: the
+    tiny model's ops last about a millisecond, and on two cores shared by other work that ratio of
+    ratios measured 1.74, 3.0 and 5.10 in three sittings (the bounds 1.5 and 6 are that spread; the
+    sleep itself is exact: :func:`test_slow_down_sleeps_the_factor_less_one_times_the_op`)."""
     cfg = RunConfig.of(**BASE, faults=Faults(slowdown=((1, 3.0),)))
     plain = run(RunConfig.of(**BASE))
     slow = run(cfg)
@@ -36,7 +37,15 @@ def test_slowed_rank_takes_factor_times_and_trains_the_same():
         assert max(float((t - ref.params[name]).abs().max()) for t in tensors) <= 1e-6, name
         assert all(torch.equal(t, p) for t, p in zip(tensors, params_by_name(plain)[name])), name
     ratio = (_busy(slow.trace, 1) / _busy(slow.trace, 0)) / (_busy(plain.trace, 1) / _busy(plain.trace, 0))
-    assert ratio == pytest.approx(3.0, abs=1.0)
+    assert 1.5 <= ratio <= 6.0, ratio
+
+
+def test_slow_down_sleeps_the_factor_less_one_times_the_op():
+    """An op started at 10.0 s and measured done at 10.25 s on a rank slowed 3x sleeps 2 x 0.25 = 0.5 s."""
+    from executor.runtime import slow_down
+    asked = []
+    assert slow_down(3.0, 10.0, clock=lambda: 10.25, sleep=asked.append) == 0.5
+    assert asked == [0.5]
 
 
 @pytest.mark.parametrize("faults,match", [
