@@ -531,3 +531,27 @@ def calibrated(prof: CalibrationProfile, low: Schedule, *, cluster: Cluster | No
         "device_fitted": cluster.device.provenance(), "cluster": cluster.name, "micro_batch": prof.micro_batch,
         "device_map": device_map,
         "memory_capacity": cluster.device.memory_bytes})
+
+
+EMULATED_MIN = 0.01     # pool_slowdowns: a rank less than 1 % slower than on the fastest pool is not slowed
+
+
+def pool_slowdowns(job: Job) -> tuple[tuple[int, float], ...]:
+    """What emulates a mixed cluster's pools in a run of ``job`` on one kind of device: per rank on a
+    slower pool, (rank, k) with k = its step's compute (every F, B and W of its program, priced on
+    its own device kind) over the same ops priced on the fastest kind for them; ranks within
+    :data:`EMULATED_MIN` of k = 1 are left out (a pool that prices this job alike is not emulated).
+    The pairs are :class:`cost_models.job.Faults`' ``slowdown`` (``--slowdown``), the straggler knob
+    both engines read. () on a one-pool cluster."""
+    bound = bind(job)
+    c, low = bound.costs, bound.lowered
+    if not c.kinds:
+        return ()
+    out = []
+    for r in range(low.num_ranks):
+        ops = [o for o in low.program(r) if o.kind in ("F", "B", "W")]
+        times = [sum(k.compute_time(o.kind, o.copy, o.stage) for o in ops) for k in c.kinds]
+        own, best = times[c.rank_kinds[r]], min(times)
+        if best > 0 and own > best * (1 + EMULATED_MIN):
+            out.append((r, own / best))
+    return tuple(out)

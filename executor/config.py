@@ -55,8 +55,9 @@ class RunConfig:
     count as layers; :attr:`blocks` is the GPT's transformer blocks per stage; default: the even
     split of :func:`cost_models.partition.block_ranges`, a model file's
     :func:`cost_models.partition.stack_partition`). The simulator's parts of a job (a cost source,
-    a cluster, faults) would do nothing in a run: they are refused. The reference uses the same
-    model and G = R * N, so its global batch is the run's.
+    a cluster, slow links, jitter) would do nothing in a run: they are refused; its stragglers
+    (``--slowdown RANK=FACTOR``) slow that rank's F, B and W down by sleeping (executor.runtime).
+    The reference uses the same model and G = R * N, so its global batch is the run's.
 
     ``placement``: an explicit rank -> global device map under torchrun (a DAPPLE plan's); None:
     the job's mapping (:attr:`cost_models.job.Job.mapping`). :meth:`of` builds a config from
@@ -92,17 +93,26 @@ class RunConfig:
         if job.model is None and job.plan is None:      # a plan is refused below
             object.__setattr__(self, "job", replace(job, model=RUN_DEFAULTS["model"]))
             job = self.job
+        mixed = job.cluster.name is not None and job.plan is None and job.cluster.load().is_mixed
         sim_only = [f for f, v in (("--unit-costs", job.unit_costs), ("--profile", job.profile),
                                    ("--stage-costs", job.stage_costs),
                                    ("--plan", job.plan), ("--cost-model", job.cost_model),
                                    ("--profile-batch", job.profile_batch), ("--exact", job.exact),
-                                   ("faults", job.faults != Faults()),
+                                   ("--slow-link, --jitter (simulated faults; a run takes --slowdown)",
+                                    replace(job.faults, slowdown=()) != Faults()),
                                    ("--precision (the run's is --dtype)", job.parallel.precision)) if v] + \
-            job.cluster.given() + \
+            (job.cluster.shape_options() if mixed else job.cluster.given()) + \
             [k for k in moe_knobs_given(job.parallel) if k not in RUN_MOE_KNOBS]
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
+        if mixed:
+            job = self._emulate_pools(job)
         par, lay = job.parallel, job.layout
+        ranks = lay.devices * lay.replicas
+        for r, _ in job.faults.slowdown:
+            if not 0 <= r < ranks:
+                raise ValueError(f"--slowdown {r}=...: the run has ranks 0..{ranks - 1} (D x R = {lay.devices} x "
+                                 f"{lay.replicas}); a rank's T tensor-parallel processes slow down together")
         if par.tp_overlap:
             raise ValueError("the executor trains T x D x R layouts without --tp-overlap: simulated only "
                              "(pipetwin simulate); drop it to run")
@@ -129,6 +139,25 @@ class RunConfig:
             self._check_model_file()
         if self.placement is not None:
             object.__setattr__(self, "placement", tuple(int(d) for d in self.placement))
+
+    def _emulate_pools(self, job):
+        """A mixed ``--cluster``: its pools emulated on this host, each rank on a slower pool slowed by
+        its compute's ratio to the fastest pool's (:func:`cost_models.bind.pool_slowdowns`, the
+        simulator's costs of this run's job), as ``--slowdown`` would; the job then runs without the
+        cluster. Returns that job."""
+        from cost_models.bind import pool_slowdowns
+        from cost_models.job import ClusterChoice, Faults
+        name = job.cluster.name
+        if job.faults.slowdown:
+            raise ValueError(f"--cluster {name} emulates its pools with the ranks' slowdowns; drop --slowdown (or "
+                             f"the cluster)")
+        slow = pool_slowdowns(job)
+        if not slow:
+            raise ValueError(f"every rank of this run sits on one pool of {name} (device map {job.mapping}), or its "
+                             f"pools price this job alike: nothing to emulate; drop --cluster")
+        job = replace(job, cluster=ClusterChoice(), faults=Faults(slowdown=slow))
+        object.__setattr__(self, "job", job)
+        return job
 
     def _check_model_file(self) -> None:
         """What the executor does to the built-in GPT only: a model file's layers are not split,

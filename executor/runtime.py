@@ -23,6 +23,11 @@ B     backward of that chunk for that micro-batch, given the output gradient a R
       count as activation memory until W. A first stage whose output depends on no parameter (a
       layer stack's ReLU, reshape or Identity: its input needs no gradient) has nothing to do in B.
 W     weight-gradient half of a split backward (see B); frees the graph.
+      A slowed rank (``slowdown`` k > 1: the job's ``--slowdown RANK=k``, the simulator's straggler,
+      e.g. a slower pool's GPU emulated on this host) sleeps (k - 1) x the F, B or W it just ran,
+      inside the op's trace row, so the op takes k times its measured time. A sleep, not a busy
+      wait: a slower device keeps its host core free, and on a shared CPU host a busy wait would
+      take cores from the other ranks and slow them too.
 SEND  ``isend`` of the message produced by the F/B before it (see :mod:`executor.p2p`).
 RECV  wait for the message posted ahead by the mailbox; activations become (fp32) leaves that
       require grad, so the following B yields their gradient.
@@ -97,6 +102,14 @@ class StepOutcome:
     peak_activation: int
 
 
+def slow_down(factor: float, t0: float, clock=time.perf_counter, sleep=time.sleep) -> float:
+    """Sleep (factor - 1) x the time since ``t0`` (an op's start), so that the op ends ``factor`` times
+    as late as it would have; returns the seconds asked of ``sleep``."""
+    extra = (factor - 1.0) * (clock() - t0)
+    sleep(extra)
+    return extra
+
+
 class PipelineRuntime:
     """Runs one rank's lowered program (see the module docstring).
 
@@ -113,8 +126,9 @@ class PipelineRuntime:
     def __init__(self, sched: Schedule, rank: int, *, modules: dict, optimizer: torch.optim.Optimizer,
                  data: TokenSource, ctx: DeviceContext, meter, mailbox: Mailbox, stage_groups: dict,
                  timeout: float, clock0: float, fault: str | None = None, precision: Precision | None = None,
-                 recompute: str = "none", meter_every_forward: bool = False, tied=None):
+                 recompute: str = "none", meter_every_forward: bool = False, tied=None, slowdown: float = 1.0):
         self.sched, self.rank = sched, rank
+        self.slowdown = slowdown
         self.program = sched.program(rank)
         self.modules, self.optimizer, self.data = modules, optimizer, data
         self.ctx, self.meter, self.mailbox = ctx, meter, mailbox
@@ -180,6 +194,8 @@ class PipelineRuntime:
                 raise RuntimeError(f"rank {self.rank} step {step}: {op} failed: {e}") from e
             if op.kind in (F, B, W):
                 self.ctx.synchronize()
+                if self.slowdown != 1.0:
+                    slow_down(self.slowdown, t0)
             t1 = now()
             live = self.meter.current() + self.accounted
             if live > peak:

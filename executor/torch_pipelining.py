@@ -139,7 +139,8 @@ def check_torch_run(config: RunConfig, schedule: Schedule | None = None) -> None
         (f"--model {config.model_name} (a model file)", config.is_model_file),
         (f"--inject-fault {config.fault}", config.fault is not None),
         (f"--model {config.model_name} (a mixture of experts: its balance loss is pipetwin's runtime's)",
-         not config.is_model_file and config.spec().is_moe)) if on]
+         not config.is_model_file and config.spec().is_moe),
+        ("--slowdown (pipetwin's runtime sleeps for it)", bool(config.job.faults.slowdown))) if on]
     if given:
         raise ValueError(f"torch.distributed.pipelining's runtime trains pipetwin's GPT or Llama stages in fp32, "
                          f"replicated whole; drop {', '.join(given)}")

@@ -460,7 +460,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer, data=data, ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
-                              recompute=cfg.parallel.recompute, meter_every_forward=moe_metered, tied=tied)
+                              recompute=cfg.parallel.recompute, meter_every_forward=moe_metered, tied=tied,
+                              slowdown=cfg.job.faults.slowdown_map.get(rank, 1.0))
     if par.zero:        # ZeRO 3's gathered weights move: the meter and the recomputation follow them
         optimizer.watch(meter, runtime.recompute)
     return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None, tp_rank,

@@ -168,11 +168,16 @@ def _main(args) -> int:
         result.extra["plan"] = {"file": str(args.plan), **info}
     if cfg.layout.schedule_file is not None:
         result.extra["schedule_file"] = cfg.layout.schedule_file.describe()
+    if cfg.job.faults.slowdown:     # --slowdown, or a mixed --cluster's slower pools (executor.config)
+        result.extra["slowdown"] = {str(r): k for r, k in cfg.job.faults.slowdown}
     _write_outputs(result, args)
     if args.json:
         print_json(result.to_dict())
     else:
         _print_human(result, args)
+        if cfg.job.faults.slowdown:
+            print("slowed (F, B and W sleep (k - 1) x their measured time): " +
+                  ", ".join(f"rank {r} x{k:.3f}" for r, k in cfg.job.faults.slowdown))
     if check is not None and not check.equal:
         print(f"pipetwin: check failed: {check.line()}", file=sys.stderr)
         return 1

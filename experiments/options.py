@@ -475,6 +475,9 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("calibration_profile", help="calibration profile for --partition time"), use("steps"),
             use("run_seed"), use("lr"), use("optimizer"), use("data"),
             use("device"), use("timeout"), use("recv_lookahead"), use("no_memory"),
+            use("slowdown", note="; the run sleeps (FACTOR - 1) x each F, B and W it measures on RANK"),
+            use("cluster", note="; a mixed cluster only: its slower pools' ranks are slowed by the simulated ratio "
+                                "of their compute to the fastest pool's (as --slowdown)"),
             use("dtype", note=" (default fp32)"),
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),

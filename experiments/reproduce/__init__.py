@@ -15,6 +15,7 @@ TARGETS = {
     "deepseek-v3": "experiments.reproduce.deepseek_v3",
     "llama3": "experiments.reproduce.llama3",
     "torchtitan": "experiments.reproduce.torchtitan",
+    "hetero-schedules": "experiments.hetero_schedules",
 }
 
 
