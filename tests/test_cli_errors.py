@@ -496,7 +496,7 @@ CASES = [
     ("device-map-of-6000-characters", SIM + ["--device-map", ",".join(["0"] * 3000)],
      ["--device-map", "'0,0,0,", "...' (5,999 characters)", "megatron"]),
     ("model-unknown-field-of-many", SIM + ["-m", "{unknownfield}"], ["unknown field 'ffn'", "did you mean",
-                                                                     "ffn_hidden", "(29 entries)"]),
+                                                                     "ffn_hidden", "(30 entries)"]),
     ("sweep-record-nested-200000-deep", SWEEP + ["-m", "tiny", "--out", "{deepsweep}"],
      ["sweep record", "sweep.json", "nested deeper", "another --out"]),
     ("schedule-file-as-plan", ["simulate", "--plan", "{schedtext}"], ["is a schedule file",
