@@ -96,7 +96,7 @@ class RunConfig:
                                    ("faults", job.faults != Faults()),
                                    ("--precision (the run's is --dtype)", job.parallel.precision)) if v] + \
             job.cluster.given() + \
-            moe_knobs_given(job.parallel)
+            [k for k in moe_knobs_given(job.parallel) if k != "--overlap-fb"]   # the runtime overlaps pairs
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
         par, lay = job.parallel, job.layout

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -143,11 +144,23 @@ class StageModule(nn.Module):
         self.head = ColumnParallelLinear(spec.hidden, spec.vocab, tp, bias=False) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
+        for step in self.steps():
+            x = step(x)
+        return x
+
+    def steps(self) -> list:
+        """The forward as consecutive steps, one per block (the embedding folded into the first,
+        the final norm and head into the last; a stage without blocks is one step): where the
+        overlapped F&B runtime cuts it (:mod:`executor.overlap`)."""
+        blocks = list(self.blocks.values()) or [None]
+        return [partial(self._step, b, i == 0, i == len(blocks) - 1) for i, b in enumerate(blocks)]
+
+    def _step(self, block: nn.Module | None, first: bool, last: bool, x: torch.Tensor) -> torch.Tensor:
+        if first and self.embed is not None:
             x = self.embed(self.cp.local(x))
-        for block in self.blocks.values():
+        if block is not None:
             x = block(x)
-        if self.head is not None:
+        if last and self.head is not None:
             x = self.head(self.norm(x))
         return x
 

@@ -104,6 +104,8 @@ CASES = [
     ("run-cp-comm-unknown", RUN + ["--cp", "2", "--cp-comm", "p2p"], ["--cp-comm", "'p2p'", "'ring', 'allgather'"]),
     ("run-cp-zero", RUN + ["--cp", "0"], ["--cp", "'0'"]),
     ("run-cp-torch-runtime", RUN + ["--cp", "2", "--runtime", "torch"], ["pipelining's runtime", "drop --cp 2"]),
+    ("run-overlap-torch-runtime", RUN + ["--overlap-fb", "--runtime", "torch"], ["pipelining's runtime",
+                                                                                 "drop --overlap-fb"]),
     # the knobs of issues 43 and 46 given NaN, inf, a negative number, a folder or no path at all
     ("dp-shard-nan", SIM + ["-m", "tiny", "--dp", "2", "--zero", "2", "--dp-shard", "nan"], ["--dp-shard", "'nan'"]),
     ("dp-shard-negative", SIM + ["-m", "tiny", "--dp", "2", "--zero", "2", "--dp-shard", "-1"], ["--dp-shard", "'-1'"]),
