@@ -31,7 +31,9 @@ Mixture-of-experts and attention-slot fields (llama kind only; all default to a 
   inner size of the shared expert(s) every token passes (DeepSeek-V3: 1 x 2048; 0: none),
   ``shared_gate`` (Qwen2-MoE's sigmoid gate on the shared expert), ``dense_layers`` the first
   blocks whose MLP is dense (``ffn`` wide; DeepSeek-V3: 3), ``router`` softmax | sigmoid scores
-  (sigmoid carries DeepSeek's per-expert bias),
+  (sigmoid carries DeepSeek's per-expert bias), ``aux_loss_coeff`` the weight of the load-balancing
+  auxiliary loss the executor adds to the training loss (:mod:`executor.moe`; 0: off; the cost
+  models do not read it: its FLOPs are the router's E per token),
 * multi-head latent attention (DeepSeek): ``kv_lora_rank`` > 0 turns it on, with
   ``q_lora_rank`` (0: a full query projection), ``rope_head_dim`` (the decoupled rotary part of
   each query/key head) and ``v_head_size`` (default ``head_size``).
@@ -44,6 +46,7 @@ biases to Q, K and V).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -55,7 +58,8 @@ KINDS = ("gpt", "bert", "llama")
 ATTENTION = ("eager", "flash")
 ROUTERS = ("softmax", "sigmoid")
 # the fields of a mixture-of-experts or multi-head-latent-attention block (llama kind only)
-MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_ffn", "shared_gate", "dense_layers", "router")
+MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_ffn", "shared_gate", "dense_layers", "router",
+              "aux_loss_coeff")
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_size")
 
 
@@ -90,6 +94,7 @@ class ModelSpec:
     q_lora_rank: int = 0                # MLA: the query's low rank; 0: a full query projection
     rope_head_dim: int = 0              # MLA: the decoupled rotary part of a query/key head
     v_head_size: int | None = None      # MLA: a value head's size; None: head_size
+    aux_loss_coeff: float = 0.0         # the load-balancing loss's weight in the training loss (executor); 0: off
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch", "ffn_mult", "dtype_bytes"):
@@ -123,6 +128,9 @@ class ModelSpec:
             what = "grouped-query attention (kv_heads)" if self.kind == "bert" and self.kv != self.heads else "qkv_bias"
             raise SpecError(f"model {self.name!r}: {what} is a decoder's field (a gpt block takes kv_heads, a llama "
                             f"block both); set kind: gpt or llama")
+        c = self.aux_loss_coeff
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise SpecError(f"model {self.name!r}: field 'aux_loss_coeff' must be a finite number >= 0; got {c!r}")
         if self.router not in ROUTERS:
             raise SpecError(f"model {self.name!r}: field 'router' must be one of {', '.join(ROUTERS)}; "
                             f"got {self.router!r}")

@@ -16,7 +16,7 @@ import torch
 
 from cost_models.files import check_input
 from cost_models.model_spec import ModelSpec, load_model
-from cost_models.moe import moe_knobs_given
+from cost_models.moe import check_expert_parallel, moe_knobs_given
 from cost_models.partition import block_ranges, blocks_from_layers
 from cost_models.stack import is_model_ref
 from schedules import Schedule, lower, validate
@@ -30,9 +30,14 @@ from .precision import Precision
 # what each ZeRO stage shards (executor.zero), for the refusal of a model file
 _ZERO_SHARDS = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
 
+
 # what a run takes when the flat constructor (:meth:`RunConfig.of`) is not told: the tiny GPT,
 # DAPPLE on 2 pipeline devices with 4 micro-batches
 RUN_DEFAULTS = {"schedule": "dapple", "devices": 2, "microbatches": 4, "model": "tiny"}
+
+# the MoE options a training run acts on (executor.moe, executor.expert_parallel, executor.overlap: the
+# F&B overlap on any model); the others price a mixture of experts in the simulator
+RUN_MOE_KNOBS = ("--ep", "--etp", "--capacity-factor", "--overlap-fb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +101,7 @@ class RunConfig:
                                    ("faults", job.faults != Faults()),
                                    ("--precision (the run's is --dtype)", job.parallel.precision)) if v] + \
             job.cluster.given() + \
-            [k for k in moe_knobs_given(job.parallel) if k != "--overlap-fb"]   # the runtime overlaps pairs
+            [k for k in moe_knobs_given(job.parallel) if k not in RUN_MOE_KNOBS]
         if sim_only:
             raise ValueError(f"a training run takes a job's layout and model only; drop {', '.join(sim_only)}")
         par, lay = job.parallel, job.layout
@@ -220,11 +225,22 @@ class RunConfig:
         """The model as this run trains it: ``micro_batch`` applied, ``dtype_bytes`` that of the
         run's precision (2 for bf16: the activations and messages the cost model counts)."""
         spec = self.parallel.sized(self.model if isinstance(self.model, ModelSpec) else load_model(self.model))
-        if spec.beyond_dense:
-            raise ValueError(f"model {spec.name} has {spec.beyond_dense[0]}: the executor trains dense gpt and llama "
-                             f"blocks (heads of hidden / heads); pipetwin simulate and plan price it")
+        # experts (executor.moe) and latent attention (executor.mla, whose heads are of any size) are built
+        beyond = [w for w in spec.beyond_dense if w not in ("experts", "latent attention")
+                  and not (spec.is_mla and w.startswith("heads of"))]
+        if beyond:
+            raise ValueError(f"model {spec.name} has {beyond[0]}: the executor trains gpt and llama blocks (heads of "
+                             f"hidden / heads, or latent attention), with or without experts; pipetwin simulate and "
+                             f"plan price it")
         d = self.precision.dtype_bytes
         return spec if spec.dtype_bytes == d else spec.replace(dtype_bytes=d)
+
+    def moe_run(self, ep=None):
+        """How this run builds its MoE MLPs (:class:`executor.moe.MoeRun`): ``ep`` the rank's EP group
+        (None: EP 1), the job's capacity factor, the loss scale 1/G."""
+        from .moe import MoeRun
+        from .expert_parallel import NO_EP
+        return MoeRun(ep or NO_EP, float(self.parallel.capacity_factor), 1.0 / self.global_microbatches)
 
     @property
     def precision(self) -> Precision:
@@ -268,6 +284,12 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         raise ValueError(f"the executor's GPT has no grouped-query attention; model {spec.name!r} has {spec.kv} "
                          f"key/value heads for {spec.heads} (simulate it, or train a llama-kind model)")
     lay, par = config.layout, config.parallel
+    if spec is not None:
+        check_expert_parallel(spec, par, lay.replicas)
+    if spec is not None and par.tp > 1 and (spec.is_moe or spec.is_mla):
+        what = "a mixture of experts" if spec.is_moe else "latent attention (MLA)"
+        raise ValueError(f"--tp {par.tp}: the executor splits dense blocks over tensor-parallel ranks; model "
+                         f"{spec.name} has {what} (use --tp 1; pipetwin simulate prices it)")
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
     if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)
@@ -297,10 +319,41 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         block_ranges(spec.layers, low.num_stages, config.blocks)
     if par.zero >= 2:
         check_zero_placement(low, par.zero)
+    if par.ep * par.etp > 1:
+        check_expert_run(config, spec, low)
     if check:
         validate(low)
-    check_fault(config.fault, low, config.steps)
+    check_fault(config.fault, low, config.steps, ep=par.ep)
     return low
+
+
+def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -> None:
+    """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`):
+    the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts, EP
+    dividing the experts and folding onto the stage's T x R processes), then this executor's reach:
+    experts folded over the data-parallel replicas of a one-copy schedule (T = 1, C = 1, ETP = 1,
+    ZeRO 0 or 1). One line each."""
+    par = config.parallel
+    if spec is None:
+        raise ValueError(f"--ep {par.ep} splits a mixture of experts' routed experts; a model file's layers are not "
+                         f"split ({config.model}: use --ep 1)")
+    check_expert_parallel(spec, par, low.replicas)
+    if par.etp > 1:
+        raise ValueError(f"--etp {par.etp} splits each expert over {par.etp} processes: the executor runs whole "
+                         f"experts (--etp 1); pipetwin simulate prices it")
+    if par.tp > 1:
+        raise ValueError(f"--ep {par.ep} with --tp {par.tp}: the executor folds the experts over the data-parallel "
+                         f"replicas only (--tp 1, --dp a multiple of {par.ep}); pipetwin simulate prices the fold")
+    if par.cp > 1:
+        raise ValueError(f"--ep {par.ep} with --cp {par.cp}: the executor's expert parallelism does not split the "
+                         f"sequence; use --cp 1")
+    if par.zero >= 2:
+        raise ValueError(f"--ep {par.ep} with --zero {par.zero}: the executor shards the routed experts' optimizer "
+                         f"state over their EDP group (--zero 1), not their gradients or weights")
+    if low.num_copies > 1:
+        raise ValueError(f"--ep {par.ep} with {low.name}: a two-copy schedule holds each stage on two devices of one "
+                         f"pipeline, which would meet in one stage's all-to-all at different ops; use a one-copy "
+                         f"schedule (dapple, interleaved, zb-v, dualpipe-v ...)")
 
 
 def check_zero_placement(low: Schedule, zero: int) -> None:

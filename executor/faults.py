@@ -5,7 +5,13 @@ A fault is written ``RANK:TOKEN[:STEP]`` (``--inject-fault``, ``RunConfig.fault`
 raises when it reaches the op printed as ``TOKEN`` (``F3.s1``, ``RA2.s1<0``; the IR's op tokens,
 :func:`schedules.parse_op`), in step ``STEP`` (default: the first time). :func:`parse_fault`
 checks the syntax where a config is made; :func:`check_fault` checks it against the lowered
-schedule before any rank starts, so an injected fault cannot silently never fire. This module
+schedule before any rank starts, so an injected fault cannot silently never fire.
+
+With expert parallelism the token may also be :data:`A2A` (``1:a2a``, ``1:a2a:2``): rank ``RANK``
+is killed by SIGKILL (as the out-of-memory killer would) inside its first expert all-to-all of
+step ``STEP`` (default the first step), after exchanging the row counts, while its EP peers wait in
+the same all-to-all for its rows (:func:`executor.expert_parallel.arm_kill`): the launcher names
+the killed rank (:mod:`executor.launch`). This module
 imports nothing of the executor: the config and the runtime both read faults through it.
 """
 from __future__ import annotations
@@ -13,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schedules import Schedule
+
+
+A2A = "a2a"     # the token of a rank killed inside an expert all-to-all (module docstring)
 
 
 class FaultError(ValueError):
@@ -43,17 +52,20 @@ def parse_fault(text: str) -> Fault:
     return Fault(rank, parts[1], step)
 
 
-def check_fault(fault: str | None, low: Schedule, steps: int) -> Fault | None:
+def check_fault(fault: str | None, low: Schedule, steps: int, ep: int = 1) -> Fault | None:
     """The fault ``fault`` of a run of lowered schedule ``low`` for ``steps`` steps, checked: its rank
-    exists, its token is an op of that rank's program and its step is one the run takes (None: no
-    fault)."""
+    exists, its token is an op of that rank's program (or :data:`A2A` in a run with expert
+    parallelism, ``ep`` > 1) and its step is one the run takes (None: no fault)."""
     if fault is None:
         return None
     f = parse_fault(fault)
     if f.rank >= low.num_ranks:
         raise FaultError(f"fault {fault!r}: the run has ranks 0..{low.num_ranks - 1}")
     tokens = [str(op) for op in low.program(f.rank)]
-    if f.token not in tokens:
+    if f.token == A2A and ep == 1:
+        raise FaultError(f"fault {fault!r}: {A2A} kills a rank inside an expert all-to-all; the run has none "
+                         f"(give --ep > 1)")
+    if f.token not in tokens and f.token != A2A:
         raise FaultError(f"fault {fault!r}: rank {f.rank} runs no op {f.token!r}; its program is "
                          f"{' '.join(tokens[:8])}{' ...' if len(tokens) > 8 else ''}")
     if f.step is not None and f.step >= steps:

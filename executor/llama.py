@@ -184,14 +184,32 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm block: x + attn(rms1(x)), then x + mlp(rms2(x))."""
+    """Pre-norm block: x + attn(rms1(x)), then x + mlp(rms2(x)). Block ``index`` of a spec with
+    experts and ``index >= dense_layers`` has the mixture-of-experts MLP (:class:`executor.moe.MoeMLP`,
+    built as ``moe`` says), else the dense SwiGLU; a spec with ``kv_lora_rank`` > 0 has multi-head
+    latent attention (:class:`executor.mla.LatentAttention`)."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP, index: int = 0,
+                 moe=None):
         super().__init__()
         self.ln1 = RMSNorm(spec.hidden, eps=1e-5)
-        self.attn = GroupedQueryAttention(spec, tp, cp)
+        if spec.is_mla:
+            from .mla import LatentAttention
+            self.attn = LatentAttention(spec)
+        else:
+            self.attn = GroupedQueryAttention(spec, tp, cp)
         self.ln2 = RMSNorm(spec.hidden, eps=1e-5)
-        self.mlp = SwiGLU(spec, tp)
+        if spec.is_moe and index >= spec.dense_layers:
+            from .moe import NO_MOE, MoeMLP
+            moe = moe or NO_MOE
+            self.mlp = MoeMLP(spec, moe.ep, moe.capacity_factor, moe.loss_scale)
+        else:
+            self.mlp = SwiGLU(spec, tp)
+
+    @property
+    def aux_value(self):
+        """alpha * the load-balancing loss of the last forward (detached; None: a dense MLP or alpha 0)."""
+        return getattr(self.mlp, "aux_value", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

@@ -12,6 +12,14 @@ collectives, the C of a pipeline rank in the attention's K/V exchange, and the d
 gradient sum of a stage spans its R replicas x C CP ranks (the same TP rank of each:
 :meth:`Mesh.stage_group`).
 
+*Expert parallelism* (:meth:`Mesh.expert_fold`, Megatron's parallel folding as
+:mod:`cost_models.moe` states it for the simulator): the T x R processes holding one stage (its TP
+ranks of each data-parallel replica, TP fastest) are folded into ETP x EP x EDP, ETP innermost:
+member i = (k EP + e) ETP + u of the stage's processes is EP rank e of the EP group (k, u) and EDP
+rank k of the EDP group (e, u). An EP group exchanges tokens (:mod:`executor.expert_parallel`); an
+EDP group holds the same experts and sums their gradients. EP folds over existing processes: the
+world stays T x C x D x R.
+
 *Placement* (:func:`placement`): the process on global device ``node * per_node + local`` runs the
 mesh rank whose pipeline rank the device map puts on device slot ``device // (T x C)``, whose CP
 rank is ``device // T % C`` and whose TP rank is ``device % T`` -- a TP group is T consecutive
@@ -67,6 +75,19 @@ class Mesh:
         """The processes that hold the same weights as TP rank ``tp_rank`` of ``pipeline_ranks``
         (a stage's group: its copies and replicas) and sum their gradients: every CP rank of each."""
         return tuple(self.rank(p, tp_rank, c) for p in pipeline_ranks for c in range(self.cp))
+
+    def expert_fold(self, pipeline_ranks, ep: int, etp: int = 1) -> tuple[tuple[tuple[int, ...], ...],
+                                                                         tuple[tuple[int, ...], ...]]:
+        """(EP groups, EDP groups) of the stage held by ``pipeline_ranks`` (its replicas, in replica
+        order): its T x R processes (TP fastest) folded into ETP x EP x EDP, ETP innermost (module
+        docstring). Each group lists process-group ranks in EP (EDP) rank order."""
+        procs = [self.rank(p, t) for p in pipeline_ranks for t in range(self.tp)]
+        if self.cp > 1 or len(procs) % (ep * etp):
+            raise ValueError(f"EP {ep} x ETP {etp} must fold onto the stage's T x R = {len(procs)} processes (C = 1)")
+        edp = len(procs) // (ep * etp)
+        eps = tuple(tuple(procs[(k * ep + e) * etp + u] for e in range(ep)) for k in range(edp) for u in range(etp))
+        edps = tuple(tuple(procs[(k * ep + e) * etp + u] for k in range(edp)) for e in range(ep) for u in range(etp))
+        return eps, edps
 
 
 def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tuple[int, ...]:

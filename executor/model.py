@@ -105,11 +105,14 @@ class Embedding(nn.Module):
 KINDS = ("gpt", "llama")   # the model kinds the executor builds
 
 
-def block(spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP) -> nn.Module:
-    """One transformer block of the spec's kind: :class:`Block` (GPT) or :class:`executor.llama.LlamaBlock`."""
+def block(spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP, index: int = 0,
+          moe=None) -> nn.Module:
+    """Transformer block ``index`` of the spec's kind: :class:`Block` (GPT) or
+    :class:`executor.llama.LlamaBlock` (a mixture of experts from ``dense_layers`` on, built as
+    ``moe``, an :class:`executor.moe.MoeRun`, says)."""
     if spec.kind == "llama":
         from .llama import LlamaBlock
-        return LlamaBlock(spec, tp, cp)
+        return LlamaBlock(spec, tp, cp, index, moe)
     return Block(spec, tp, cp)
 
 
@@ -129,17 +132,22 @@ class StageModule(nn.Module):
     keeps its CP rank's s/C; hidden states and logits are the rank's s/C tokens, and the loss
     (given the whole targets) is the mean over them divided by C: summed over the CP ranks, the
     sequence's mean (:mod:`executor.context_parallel`).
+
+    A mixture of experts (:mod:`executor.moe`): after each forward :attr:`aux_loss` holds the sum
+    of its MoE blocks' alpha * load-balancing loss (a detached scalar; None when it has none), which
+    the runtime and the reference add to the step's loss; its gradient is already in the graph.
     """
 
     def __init__(self, spec: ModelSpec, blocks: range, *, first: bool, last: bool, tp: TensorParallel = SINGLE,
-                 cp: ContextParallel = NO_CP):
+                 cp: ContextParallel = NO_CP, moe=None):
         super().__init__()
         self.spec = spec
         self.tp, self.cp = tp, cp
         self.block_range = blocks
         self.first, self.last = first, last
         self.embed = Embedding(spec, tp, cp) if first else None
-        self.blocks = nn.ModuleDict({str(i): block(spec, tp, cp) for i in blocks})
+        self.blocks = nn.ModuleDict({str(i): block(spec, tp, cp, i, moe) for i in blocks})
+        self.aux_loss: torch.Tensor | None = None
         self.norm = final_norm(spec) if last else None
         self.head = ColumnParallelLinear(spec.hidden, spec.vocab, tp, bias=False) if last else None
 
@@ -156,10 +164,15 @@ class StageModule(nn.Module):
         return [partial(self._step, b, i == 0, i == len(blocks) - 1) for i, b in enumerate(blocks)]
 
     def _step(self, block: nn.Module | None, first: bool, last: bool, x: torch.Tensor) -> torch.Tensor:
-        if first and self.embed is not None:
-            x = self.embed(self.cp.local(x))
+        if first:
+            self.aux_loss = None
+            if self.embed is not None:
+                x = self.embed(self.cp.local(x))
         if block is not None:
             x = block(x)
+            v = getattr(block, "aux_value", None)     # read at once: a recomputation rewrites it later
+            if v is not None:
+                self.aux_loss = v if self.aux_loss is None else self.aux_loss + v
         if last and self.head is not None:
             x = self.head(self.norm(x))
         return x
@@ -197,7 +210,7 @@ def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorPar
             p.fill_(1.0)
             continue
         std = 0.02
-        if name.endswith(("attn.proj.weight", ".out.weight", "mlp.down.weight")):
+        if name.endswith(("attn.proj.weight", ".out.weight", "mlp.down.weight", ".w2.weight")):
             std /= math.sqrt(2 * num_layers)
         g = torch.Generator().manual_seed(_param_seed(seed, name))
         split = split_of(name) if tp.on else None
@@ -209,20 +222,21 @@ def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorPar
 
 
 def stage_module(spec: ModelSpec, num_stages: int, stage: int, *, seed: int = 0, partition=None,
-                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP) -> StageModule:
+                 tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP, moe=None) -> StageModule:
     """Stage ``stage`` of ``num_stages`` (float32, on the CPU), initialised from ``seed``;
     ``partition``: blocks per stage (default: the even split of :func:`cost_models.partition.block_ranges`);
     ``tp``: this rank's place in its tensor-parallel group (its shards of the stage); ``cp``: in
-    its context-parallel group (the same weights, its tokens)."""
+    its context-parallel group (the same weights, its tokens); ``moe``: how its MoE MLPs are built
+    (:class:`executor.moe.MoeRun`: EP group, capacity factor, loss scale; None: EP 1, dropless, 1)."""
     ranges = block_ranges(spec.layers, num_stages, partition)
-    mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1, tp=tp, cp=cp)
+    mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1, tp=tp, cp=cp, moe=moe)
     init_parameters(mod, seed, spec.layers, tp)
     return mod
 
 
-def full_model(spec: ModelSpec, *, seed: int = 0) -> StageModule:
+def full_model(spec: ModelSpec, *, seed: int = 0, moe=None) -> StageModule:
     """The whole GPT as one module, with the same initial weights as any split of it."""
-    return stage_module(spec, 1, 0, seed=seed)
+    return stage_module(spec, 1, 0, seed=seed, moe=moe)
 
 
 def boundary_shape(spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP) -> tuple[int, int, int]:

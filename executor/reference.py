@@ -6,8 +6,9 @@ and, per step, runs forward and backward of each of the G = R * N global micro-b
 each loss divided by G so the accumulated gradient is that of the mean loss of the global batch,
 then steps the optimizer. In bf16 (``config.dtype``) the forward runs under the same autocast as
 the pipeline's stages (:mod:`executor.precision`); there are no stage boundaries, so no message is
-rounded. Recomputation does not change the arithmetic, so the reference does not recompute. The
-executor must reproduce its losses and
+rounded. A mixture of experts' load-balancing loss counts in the loss (:mod:`executor.moe`), each
+block's gradient scaled by 1/G as the cross-entropy's. Recomputation does not change the
+arithmetic, so the reference does not recompute. The executor must reproduce its losses and
 final parameters; its peak activation memory is that of one micro-batch through the whole model,
 measured with the same meter as the executor (so Ma = that / D).
 
@@ -45,7 +46,7 @@ def run_reference(config: RunConfig) -> RunResult:
         model = model.to(ctx.device)
     else:
         spec = config.spec()
-        model = config.precision.prepare(full_model(spec, seed=config.seed).to(ctx.device))   # fp8: its linears
+        model = config.precision.prepare(full_model(spec, seed=config.seed, moe=config.moe_run()).to(ctx.device))
         data = TokenSource(spec, config.seed, config.data)
     params = list(model.parameters())
     for p in params:
@@ -69,6 +70,8 @@ def run_reference(config: RunConfig) -> RunResult:
                 ma = (meter.current() - before) / config.layout.devices
             scaled.backward()
             loss_sum = loss_sum + loss.detach()
+            if getattr(model, "aux_loss", None) is not None:    # a mixture of experts' balance loss
+                loss_sum = loss_sum + model.aux_loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         ctx.synchronize()

@@ -12,7 +12,9 @@ F     forward of one chunk (a stage module) for one micro-batch, under the run's
       copy (in the precision's wire dtype) is handed to the SEND/COPY that follows. On the last stage
       the output is the loss of the micro-batch divided by G = R * N (the number of
       micro-batches in the global batch), so that summing gradients over micro-batches, model
-      copies and replicas gives exactly the gradient of the mean loss of the global batch.
+      copies and replicas gives exactly the gradient of the mean loss of the global batch. A stage
+      with MoE blocks adds their load-balancing loss (already in its graph, :mod:`executor.moe`)
+      to the step's loss sum, on whichever stage it is.
 B     backward of that chunk for that micro-batch, given the output gradient a RECV or COPY
       delivered (none on the last stage). A full backward accumulates the parameter gradients and
       produces the input gradient. In a split-backward schedule B computes only the input gradient
@@ -58,7 +60,8 @@ from schedules.trace import TraceRow
 from .backward import SplitBackward, full_backward, weight_backward
 from .data import TokenSource
 from .device import DeviceContext
-from .faults import parse_fault
+from .expert_parallel import arm_kill
+from .faults import A2A, parse_fault
 from .overlap import Segment, backward_segments, forward_segments, interleave, run_alone, steps_of
 from .p2p import CommError, Mailbox, wait_work
 from .precision import Precision
@@ -168,6 +171,8 @@ class PipelineRuntime:
         rows = []
         now = time.perf_counter
         peak = self.meter.current() + self.accounted
+        if self.fault is not None and self.fault[0] == A2A and self.fault[1] in (None, step):
+            arm_kill()      # killed inside this step's first expert all-to-all (executor.faults)
         phases: list = []
         for item in self.order:
             ops = [self.program[i] for i in item]
@@ -270,6 +275,9 @@ class PipelineRuntime:
             self.accounted += n
         if op.stage not in self.fwd_bytes:
             self.fwd_bytes[op.stage] = self.stage_bytes[where]
+        aux = getattr(module, "aux_loss", None)     # a mixture of experts' balance loss (executor.moe)
+        if aux is not None:
+            st.loss_sum = st.loss_sum + aux
         if op.stage == self.last_stage:
             st.loss_sum = st.loss_sum + losses[0].detach()
         else:
@@ -371,8 +379,9 @@ class PipelineRuntime:
         return [[p.grad for p in m.parameters() if id(p) not in self._skip] for m in mods.values()]
 
     def _stage_params(self, stage: int) -> list:
-        """The parameters of ``stage``'s module on this rank (copies of a stage share one)."""
-        return list(self.modules[(self.local_copies[stage][0], stage)].parameters())
+        """The parameters of ``stage``'s module on this rank (copies of a stage share one) that its
+        ALLREDUCE sums (not those ``tied`` sums at OPTIM: routed experts over their EDP group)."""
+        return [p for p in self.modules[(self.local_copies[stage][0], stage)].parameters() if id(p) not in self._skip]
 
     def _allreduce(self, op: Op) -> int:
         if self._sharded is not None:     # ZeRO 2, 3: reduce-scattered per micro-batch; what is left

@@ -133,6 +133,7 @@ def check_torch_run(config: RunConfig, schedule: Schedule | None = None) -> None
     par = config.parallel
     given = [what for what, on in (
         (f"--tp {par.tp}", par.tp > 1), ("--sequence-parallel", par.sequence_parallel), (f"--cp {par.cp}", par.cp > 1),
+        (f"--ep {par.ep}", par.ep > 1), (f"--etp {par.etp}", par.etp > 1),
         (f"--zero {par.zero}", par.zero > 1), (f"--recompute {par.recompute}", par.recompute != "none"),
         (f"--dtype {config.dtype}", config.dtype != "fp32"),
         (f"--model {config.model_name} (a model file)", config.is_model_file),

@@ -53,6 +53,7 @@ from schedules.trace import make_trace, noise_free, step_metrics
 
 from .config import RunConfig, RunResult
 from .data import TokenSource
+from .expert_parallel import is_expert_param
 from .device import DeviceContext, NullMeter, cpu_threads, select_device
 from .host import CpuMeter, foreign_cores, pin_to_core
 from .mesh import Mesh, placement
@@ -120,6 +121,26 @@ class ProcessGroups:
                     r = self.for_ranks(rep, rank, device) if len(rep) > 1 else None
                     if p == rank:
                         out[s] = ShardGroups(g, i, len(shard), r, len(rep))
+        return out
+
+    def for_experts(self, sched: Schedule, rank: int, device, mesh: Mesh, ep: int, etp: int = 1) -> dict:
+        """Stage -> this rank's :class:`executor.expert_parallel.ExpertGroups` (its EP group and its EDP
+        group, :meth:`Mesh.expert_fold` of the stage's processes). Every rank creates every group, in
+        stage, then fold order; a group of one is None (stages on one device share their groups: the
+        same ranks, one cached group)."""
+        from .expert_parallel import ExpertGroups, ExpertParallel
+        out = {}
+        for s in range(sched.num_stages):
+            eps, edps = mesh.expert_fold(sorted(sched.stage_group(s)), ep, etp)
+            for ranks in eps + edps:
+                if len(ranks) > 1:
+                    self.for_ranks(ranks, rank, device)
+            mine_ep = next((g for g in eps if rank in g), None)
+            if mine_ep is None:
+                continue
+            mine_edp = next(g for g in edps if rank in g)
+            out[s] = ExpertGroups(ExpertParallel(ep, mine_ep.index(rank), self._stage.get(mine_ep), mine_ep),
+                                  mine_edp, self._stage.get(mine_edp), mine_edp.index(rank))
         return out
 
     def for_tensor_parallel(self, mesh: Mesh, rank: int, device) -> object:
@@ -343,6 +364,9 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
                          f"R={sched.replicas} needs {mesh.world} processes; {world} were started")
     tp_group = groups.for_tensor_parallel(mesh, rank, ctx.device) if mesh.tp > 1 else None
     cp_group = groups.for_context_parallel(mesh, rank, ctx.device) if mesh.cp > 1 else None
+    par = cfg.parallel
+    # expert parallelism: the EP and EDP groups of each stage this process holds (executor.expert_parallel)
+    experts = groups.for_experts(sched, rank, ctx.device, mesh, par.ep, par.etp) if par.ep * par.etp > 1 else {}
     pipe_rank, tp_rank = mesh.coords(rank)
     cp_rank = mesh.cp_rank(rank)
     tp = TensorParallel(mesh.tp, tp_rank, tp_group, cfg.parallel.sequence_parallel)
@@ -365,13 +389,13 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         for c, s in sched.stages_on(sched.rank_device(rank)):   # copies of one stage share its module
             if s not in built:
                 built[s] = cfg.precision.prepare(stage_module(spec, sched.num_stages, s, seed=cfg.seed,
-                                                              partition=cfg.blocks, tp=tp, cp=cp).to(ctx.device))
+                                                              partition=cfg.blocks, tp=tp, cp=cp,
+                                                              moe=cfg.moe_run()).to(ctx.device))
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)
         shape, wire = boundary_shape(spec, tp, cp), cfg.precision.wire_dtype
         buffer = lambda op: torch.empty(shape, dtype=wire, device=ctx.device)  # noqa: E731
-    par = cfg.parallel
     if par.zero < 2:     # ZeRO 2, 3: the unsharded gradients exist from a stage's first backward to its ALLREDUCE
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -398,12 +422,29 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         over_cp = TiedGradients(global_rank, [(cp.ranks, cp_group, alone)], set(),
                                 what="the context-parallel ranks' gradients") if alone else None
         tied = GradientSums([over_cp, tied])     # first over CP, then the norms' over TP
+    # expert parallelism: a routed expert's gradients summed over its EDP group at OPTIM, left out of the
+    # stage's all-reduce over its replicas (and, with ZeRO-1, sharded over the EDP group: below)
+    routed = {s: [p for n, p in m.named_parameters() if is_expert_param(n)] for s, m in built.items()} \
+        if experts and stack is None else {}
+    if any(routed.values()):
+        from .user_model import TiedGradients
+        over_edp = TiedGradients(global_rank, [(experts[s].edp_ranks, experts[s].edp_group, ps)
+                                               for s, ps in sorted(routed.items()) if ps],
+                                 {id(p) for ps in routed.values() for p in ps},
+                                 what="the routed experts' gradients over their EDP group")
+        tied = GradientSums([tied, over_edp])
     # ZeRO 1, 2, 3: each rank of a stage's shard group steps its shard (executor.zero); the shards in stage
     # order on every rank, so that two stages over the same ranks (chimera) meet at OPTIM in one order
     if par.zero:
         shards = groups.for_shards(sched, global_rank, ctx.device, mesh, par.dp_shard)
-        optimizer = ShardedOptimizer([(list(m.parameters()), shards.get(s, ShardGroups(None, 0, 1)))
-                                      for s, m in sorted(built.items())], cfg.optimizer, cfg.lr, zero=par.zero,
+        mine = set().union(*({id(p) for p in ps} for ps in routed.values()))
+        entries = []
+        for s, m in sorted(built.items()):      # the dense parameters over the stage's shard group
+            entries.append(([p for p in m.parameters() if id(p) not in mine], shards.get(s, ShardGroups(None, 0, 1))))
+            if routed.get(s):                   # its routed experts over their EDP group
+                g = experts[s]
+                entries.append((routed[s], ShardGroups(g.edp_group, g.edp_index, len(g.edp_ranks))))
+        optimizer = ShardedOptimizer(entries, cfg.optimizer, cfg.lr, zero=par.zero,
                                      reshard_after_forward=par.reshard_after_forward,
                                      partial=(partial, tp_group) if partial else None,
                                      timeout=cfg.timeout, rank=global_rank)
@@ -556,6 +597,8 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
                                    if rep["rank"] == r and rep.get("cp", 0) == 0] for r in range(sched.num_ranks)) \
         if cfg.collect_params else (None, None)
+    if params is not None and cfg.parallel.ep > 1:
+        params = whole_experts(params)
     extra = {} if drift is None or cfg.parallel.tp == 1 else {"tp_replica_drift": drift}
     if cfg.collect_params and cfg.parallel.cp > 1:    # the CP ranks of a pipeline rank hold the same weights
         extra["cp_replica_drift"] = cp_drift(everyone)
@@ -601,6 +644,24 @@ def gather_params(per_rank) -> tuple[dict, float]:
                 if key in other:
                     drift = max(drift, float((other[key] - value).abs().max()))
     return out, drift
+
+
+def whole_experts(params: dict) -> dict:
+    """``r{replica}.c{copy}/NAME`` parameters with every replica's model whole: a routed expert is held
+    by one EP rank (:mod:`executor.expert_parallel`), so each replica takes those its EP group's other
+    members hold (the same tensors: EDP copies agree after every step's sum)."""
+    held: dict = {}
+    for key, value in params.items():
+        where, name = key.split("/", 1)
+        if is_expert_param(name):
+            held.setdefault((where.split(".", 1)[1], name), value)
+    out = dict(params)
+    for where in {k.split("/", 1)[0] for k in params}:
+        copy = where.split(".", 1)[1]
+        for (c, name), value in held.items():
+            if c == copy:
+                out.setdefault(f"{where}/{name}", value)
+    return out
 
 
 def cp_drift(reports: list[dict]) -> float:

@@ -1,0 +1,170 @@
+"""Expert parallelism: the EP group of a process and its differentiable, uneven all-to-all.
+
+Inside a pipeline stage the T x R processes holding one stage (its TP ranks of each data-parallel
+replica) are folded into ETP x EP x EDP (Megatron-LM's "parallel folding",
+:mod:`cost_models.moe`): an EP group is EP consecutive members at stride ETP of the stage's T x R
+processes, ETP innermost. EP rank e holds the routed experts ``[e E/EP, (e+1) E/EP)`` (Megatron's
+contiguous order) under the whole model's parameter names (``...mlp.experts.{j}.w1`` with global
+j), so a run's parameters compare with the single-process reference's by name.
+
+A MoE MLP sends every token-expert pair to the EP rank holding its expert (*dispatch*) and back
+(*combine*) with :meth:`ExpertParallel.all_to_all`: ``x`` [n, h] holds the rows sorted by
+destination EP rank, ``send_counts`` the EP row counts to each rank (routing makes them uneven,
+zeros included). The exchange is two ``torch.distributed.all_to_all_single`` calls: one of EP
+integers (each rank learns how many rows it receives from each) and one of the rows with those
+input/output split sizes; on gloo (CPU) and NCCL (GPU) alike. The result is the rows received
+concatenated in source-rank order, ``sum(recv_counts)`` of them: row block s of rank e's output is
+row block e of rank s's input. The backward is the reverse exchange of the gradient (input splits
+``recv_counts``, output splits ``send_counts``): the transpose of a permutation of rows is its
+inverse, so ``d x = a2a^T (d y)`` is exactly the gradient a concatenation done by hand would get.
+
+At size 1 (``NO_EP``) both calls return ``(x, send_counts)`` unchanged and issue nothing.
+
+:meth:`ExpertParallel.start_all_to_all` issues the same exchange with ``async_op=True`` and
+returns a handle whose ``wait()`` gives ``(y, recv_counts)``, so the overlap runtime can put compute
+between the issue and the wait. The count exchange is synchronous (the output's size depends on
+it; EP integers), the rows travel asynchronously; ``y`` is an autograd output of ``x``. The
+backward exchange runs synchronously inside autograd's backward of the node.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+_ROUTED = re.compile(r"(^|\.)experts\.\d+\.")   # a routed expert's parameter (global index), not a shared one's
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether parameter ``name`` belongs to a routed expert (``...mlp.experts.{j}.w1``): held by one EP
+    rank, its gradient summed over the EDP group (every other parameter: over the stage's replicas)."""
+    return _ROUTED.search(name) is not None
+
+
+_KILL = [False]     # an injected fault armed in this process (executor.faults.A2A)
+
+
+def arm_kill() -> None:
+    """Fault injection (``--inject-fault RANK:a2a``, :mod:`executor.faults`): this process is killed by
+    SIGKILL inside its next all-to-all over an EP group, after the row counts are exchanged, while
+    its peers wait there for its rows."""
+    _KILL[0] = True
+
+
+def _counts(send_counts, size: int) -> list[int]:
+    counts = [int(c) for c in send_counts]
+    if len(counts) != size or any(c < 0 for c in counts):
+        raise ValueError(f"an all-to-all over {size} EP ranks needs {size} row counts >= 0; got {counts}")
+    return counts
+
+
+def exchange_counts(send_counts: list[int], group, device) -> list[int]:
+    """Row counts each EP rank receives from each: the all-to-all of the EP integers ``send_counts``."""
+    send = torch.tensor(send_counts, dtype=torch.int64, device=device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return [int(c) for c in recv.tolist()]
+
+
+def _issue(x: torch.Tensor, send: list[int], recv: list[int], group, async_op: bool):
+    """Start the rows' exchange: (output buffer, work or None)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    work = dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                  async_op=async_op)
+    return out, work
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows ``x`` split by ``send`` out, split by ``recv`` in; backward the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group, pending):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out, work = _issue(x, send, recv, group, async_op=pending is not None)
+        if pending is not None:
+            pending.append(work)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, _ = _issue(grad, ctx.recv, ctx.send, ctx.group, async_op=False)
+        return out, None, None, None, None
+
+
+class AllToAllHandle:
+    """An all-to-all in flight (:meth:`ExpertParallel.start_all_to_all`): ``wait()`` -> (rows, recv_counts)."""
+
+    def __init__(self, out: torch.Tensor, recv_counts: list[int], work=None):
+        self._out, self._recv, self._work = out, recv_counts, work
+
+    def wait(self) -> tuple[torch.Tensor, list[int]]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._out, self._recv
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """A process's expert-parallel group: ``size`` EP ranks (``ranks``, global process-group ranks in
+    EP-rank order), this process being EP rank ``rank``; ``group`` the torch process group
+    (None at size 1)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"EP rank {self.rank} of an EP group of {self.size}")
+        if self.ranks and len(self.ranks) != self.size:
+            raise ValueError(f"an EP group of {self.size} lists {len(self.ranks)} ranks")
+
+    def experts(self, num_experts: int) -> range:
+        """The global indices of the routed experts this EP rank holds (contiguous, Megatron's order)."""
+        if num_experts % self.size:
+            raise ValueError(f"EP {self.size} does not divide the {num_experts} experts")
+        per = num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def all_to_all(self, x: torch.Tensor, send_counts) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``x`` (sorted by destination EP rank, ``send_counts[e]`` to rank e) exchanged: the rows
+        received in source-rank order and their counts (module docstring). Differentiable."""
+        return self.start_all_to_all(x, send_counts, async_op=False).wait()
+
+    def start_all_to_all(self, x: torch.Tensor, send_counts, async_op: bool = True) -> AllToAllHandle:
+        """:meth:`all_to_all` issued asynchronously: ``handle.wait()`` -> (rows, recv_counts)."""
+        send = _counts(send_counts, self.size)
+        if sum(send) != x.shape[0]:
+            raise ValueError(f"send counts {send} sum to {sum(send)}; the all-to-all was given {x.shape[0]} rows")
+        if self.size == 1:
+            return AllToAllHandle(x, send)
+        recv = exchange_counts(send, self.group, x.device)
+        if _KILL[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        pending = [] if async_op else None
+        out = _AllToAll.apply(x, send, recv, self.group, pending)
+        return AllToAllHandle(out, recv, pending[0] if pending else None)
+
+
+NO_EP = ExpertParallel()
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """One process's expert groups for one stage: ``ep`` (its EP group, handed to the stage's MoE
+    blocks) and its EDP group (``edp_ranks`` in EDP-rank order, this process at ``edp_index``;
+    ``edp_group`` the torch group, None with one member): the processes that hold the same experts
+    and sum their gradients."""
+
+    ep: ExpertParallel = NO_EP
+    edp_ranks: tuple[int, ...] = ()
+    edp_group: object = None
+    edp_index: int = 0

@@ -1,0 +1,67 @@
+"""Multi-head latent attention (DeepSeek-V2 and V3), as the executor's Llama block builds it for a
+spec with ``kv_lora_rank`` > 0 (:class:`cost_models.model_spec.ModelSpec`).
+
+With a heads, d_n = ``head_size`` (the non-rotary part of a query/key head), d_r = ``rope_head_dim``
+(the decoupled rotary part), d_v = ``v_head_size``, r_q = ``q_lora_rank``, r_kv = ``kv_lora_rank``::
+
+    queries   q = q_b(rms(q_a(x)))     q_a: h -> r_q, q_b: r_q -> a (d_n + d_r)   (r_q > 0)
+              q = q(x)                 q: h -> a (d_n + d_r)                       (r_q = 0)
+    latent    [c, k_r] = kv_a(x)       kv_a: h -> r_kv + d_r (the rotary key part, one for all heads)
+    keys      [k_n, v] = kv_b(rms(c))  kv_b: r_kv -> a (d_n + d_v)
+    heads     q_i = [q_n,i, rope(q_r,i)],  k_i = [k_n,i, rope(k_r)]  (k_r shared over the heads)
+    output    proj(softmax(q_i k_i^T / sqrt(d_n + d_r), causal) v_i),  proj: a d_v -> h
+
+Parameter names: ``attn.q_a / q_norm / q_b`` (or ``attn.q``), ``attn.kv_a / kv_norm / kv_b``,
+``attn.proj`` (its init scaled as every residual output projection's). The norms and rotary
+positions are the Llama block's (:class:`executor.llama.RMSNorm` keeps its input and 1/rms,
+:func:`executor.llama.rotary` keeps nothing); the attention is PyTorch's fused causal kernel (value
+heads may differ in width from query/key heads). Not split over tensor- or context-parallel ranks
+(the run refuses --tp and --cp with it: :func:`executor.config.lowered_schedule`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as Fn
+
+from cost_models.model_spec import ModelSpec
+
+from .llama import RMSNorm, rotary
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, a = spec.hidden, spec.heads
+        self.heads, self.d_n, self.d_r, self.d_v = a, spec.head_dim, spec.rope_head_dim, spec.v_head_dim
+        self.r_kv = spec.kv_lora_rank
+        d_qk = self.d_n + self.d_r
+        if spec.q_lora_rank:
+            self.q_a = nn.Linear(h, spec.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(spec.q_lora_rank, eps=1e-6)
+            self.q_b = nn.Linear(spec.q_lora_rank, a * d_qk, bias=False)
+        else:
+            self.q = nn.Linear(h, a * d_qk, bias=False)
+        self.kv_a = nn.Linear(h, self.r_kv + self.d_r, bias=False)
+        self.kv_norm = RMSNorm(self.r_kv, eps=1e-6)
+        self.kv_b = nn.Linear(self.r_kv, a * (self.d_n + self.d_v), bias=False)
+        self.proj = nn.Linear(a * self.d_v, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        a, d_n, d_r, d_v = self.heads, self.d_n, self.d_r, self.d_v
+        q = self.q_b(self.q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
+        q = q.view(b, s, a, d_n + d_r).transpose(1, 2)
+        c, k_r = self.kv_a(x).split([self.r_kv, d_r], dim=-1)
+        kv = self.kv_b(self.kv_norm(c)).view(b, s, a, d_n + d_v).transpose(1, 2)
+        k_n, v = kv.split([d_n, d_v], dim=-1)
+        q_n, q_r = q.split([d_n, d_r], dim=-1)
+        if d_r:
+            q_r = rotary(q_r.contiguous())
+            k_r = rotary(k_r.reshape(b, 1, s, d_r)).expand(b, a, s, d_r)
+            q = torch.cat([q_n, q_r], -1)
+            k = torch.cat([k_n, k_r], -1)
+        else:
+            q, k = q_n, k_n
+        y = Fn.scaled_dot_product_attention(q, k, v.contiguous(), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, a * d_v))

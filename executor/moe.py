@@ -1,0 +1,298 @@
+"""The executor's mixture-of-experts MLP: a router, E routed SwiGLU experts, shared experts.
+
+Built from the same :class:`cost_models.model_spec.ModelSpec` the simulator prices
+(:mod:`cost_models.moe`): ``experts`` E, ``top_k`` k, ``expert_ffn`` f_e, ``shared_ffn`` f_s,
+``shared_gate``, ``router`` softmax | sigmoid, ``aux_loss_coeff`` alpha. Parameter names are the
+whole model's: ``mlp.router.weight`` [E, h] (and ``mlp.router.bias`` [E] with sigmoid scores),
+``mlp.experts.{j}.w1 / w3 / w2.weight`` (gate, up, down of global expert j, Mixtral's names),
+``mlp.shared.w1 / w3 / w2.weight`` and ``mlp.shared_gate.weight`` [1, h] (Qwen2-MoE).
+
+Routing, per micro-batch over its n = b s tokens (:func:`route_tokens`):
+
+* logits = x W_r^T in fp32 (autocast off: the router's scores are fp32 in bf16 runs too, the 4 E
+  bytes per token the ledger counts); scores p = softmax(logits) (Mixtral, Qwen) or
+  sigmoid(logits) (DeepSeek-V3);
+* selection: the k experts of largest p + bias (the bias only with sigmoid scores: DeepSeek-V3's
+  per-expert correction bias acts on the choice, never on the weights; it receives no gradient:
+  zero at init, it stays as set); ties as ``torch.topk`` breaks them;
+* weights: the selected scores renormalised over the k, w = p_sel / sum(p_sel) (Mixtral's softmax
+  over the top-k logits; DeepSeek-V3's normalised sigmoid gates);
+* dropless by default; with ``Parallel.capacity_factor`` c > 0 each expert keeps at most
+  C = ceil(c n k / E) of its token-expert pairs: those of highest selection score (p + bias), ties
+  to the lower token index; the others are dropped (the token gets only its other experts, and
+  nothing if all its k are dropped: the residual carries it). With EP the capacity is per expert
+  over the tokens this rank routes (its own micro-batch: the reference routes the same tokens, so
+  it drops the same pairs).
+
+Load-balancing loss (Switch Transformer / Megatron-LM's ``switch_load_balancing_loss_func``)::
+
+    aux = E * sum_i f_i P_i,   f_i = (pairs routed to expert i, before dropping) / (n k),
+                               P_i = mean over the n tokens of p'_{t,i}
+
+with p' = p for softmax scores and p' = p / sum_i p (each token's sigmoid scores normalised, as
+DeepSeek-V3's balance loss) for sigmoid ones; f carries no gradient. A balanced router gives
+aux = 1. It is computed per micro-batch over the tokens the routing sees (a stage's micro-batch, the
+reference's same micro-batch) and enters the loss as alpha * aux per MoE block: the micro-batch's
+loss is cross-entropy + alpha * sum over the MoE blocks of aux.
+
+How it reaches the loss on any stage (not only the last): the MLP's output passes an identity
+autograd function (:class:`_AuxLossGrad`, Megatron-LM's ``MoEAuxLossAutoScaler``) whose backward
+returns, beside the output's gradient, ``loss_scale`` as the gradient of alpha * aux, where
+``loss_scale`` is the factor the driver scales a micro-batch's loss by (1/G: the runtime's and the
+reference's ``loss / G``), so its gradient flows into the router exactly as if alpha * aux / G had
+been added to the scaled loss. Its value is reported apart: the stage module sums its blocks'
+``aux_value`` after each forward (:attr:`executor.model.StageModule.aux_loss`), the runtime and
+the reference add it to the step's loss sum, so the reported loss is cross-entropy + aux terms on
+every layout. It works through full and split backward (the gradient enters at the node whatever
+runs it) and recomputation (the recomputed forward builds the same node; its value is not read).
+
+The forward is written as five steps the overlap runtime can cut between (each a method; the plain
+:meth:`MoeMLP.forward` calls them in order), carrying one micro-batch's tensors in a
+:class:`MoeState`:
+
+``route``      router, top-k, aux loss, capacity, the kept pairs permuted into expert order
+               (expert-major, token order within an expert) and gathered: rows [m, h];
+``dispatch``   the rows to the EP ranks holding their experts (``ep.all_to_all``; the per-expert
+               counts first, so the receiver knows which rows are whose);
+``experts``    each local expert's SwiGLU on its rows (rows from several sources grouped by expert
+               and put back in arrival order);
+``combine``    the rows back to the ranks they came from (``ep.all_to_all`` with the received counts);
+``unpermute``  the weighted sum back into token order (index_add of w * rows), plus the shared
+               expert (times Qwen2's sigmoid gate where the spec has one).
+
+At EP 1 (:data:`executor.expert_parallel.NO_EP`) dispatch and combine are identities. What autograd
+keeps per micro-batch (the saved-tensor meter's count): the router's fp32 scores (4 E per token),
+per kept pair the dispatched row and the combined row (2 h d) and the expert's gate, up and product
+(3 f_e d), the shared expert's 3 f_s d per token, and the routing's indices and weights (int64
+token and slot indices, the weights: :func:`cost_models.moe.routing_bytes`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as Fn
+
+from cost_models.model_spec import ModelSpec
+
+from .expert_parallel import NO_EP, ExpertParallel
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routing of n tokens to k of E experts (:func:`route_tokens`).
+
+    ``scores`` [n, E] the router's scores p (fp32, differentiable); ``topk`` [n, k] the selected
+    experts; ``expert``, ``token``, ``slot`` [m] the kept pairs in dispatch order (expert-major,
+    token order within an expert; ``slot`` the pair's place 0..k-1 among its token's); ``weight``
+    [m] their gate weights (differentiable); ``counts`` kept pairs per expert (E ints); ``aux`` the
+    load-balancing loss (differentiable, module docstring); ``dropped`` pairs over capacity."""
+
+    scores: torch.Tensor
+    topk: torch.Tensor
+    expert: torch.Tensor
+    token: torch.Tensor
+    slot: torch.Tensor
+    weight: torch.Tensor
+    counts: tuple[int, ...]
+    aux: torch.Tensor
+    dropped: int
+
+
+def capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int:
+    """Pairs an expert keeps: ceil(c n k / E) (0: no limit; c = 0 is dropless)."""
+    return math.ceil(capacity_factor * tokens * top_k / experts) if capacity_factor else 0
+
+
+def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch.Tensor | None = None,
+                 capacity_factor: float = 0.0) -> Routing:
+    """The routing of the module docstring for ``logits`` [n, E] (fp32)."""
+    n, E = logits.shape
+    scores = torch.softmax(logits, -1) if router == "softmax" else torch.sigmoid(logits)
+    choose = scores.detach() if bias is None else scores.detach() + bias.detach()
+    sel_score, topk = choose.topk(top_k, dim=-1)                      # [n, k]
+    picked = scores.gather(1, topk)
+    weights = picked / picked.sum(-1, keepdim=True)                   # [n, k]
+    expert = topk.reshape(-1)                                         # pairs token-major: t * k + slot
+    load = torch.bincount(expert, minlength=E)
+    probs = scores if router == "softmax" else scores / scores.sum(-1, keepdim=True)
+    aux = E * (load.to(probs.dtype) / (n * top_k) * probs.mean(0)).sum()
+    pair = torch.arange(n * top_k, device=logits.device)
+    cap = capacity(capacity_factor, n, top_k, E)
+    dropped = 0
+    if cap:
+        # highest selection score first, ties to the lower pair index (= lower token); then by expert
+        order = torch.argsort(-sel_score.reshape(-1), stable=True)
+        order = order[torch.argsort(expert[order], stable=True)]
+        start = torch.cumsum(load, 0) - load
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(n * top_k, device=logits.device) - start[expert[order]]
+        kept = rank < cap
+        dropped = int((~kept).sum())
+        pair = pair[kept]
+    pair = pair[torch.argsort(expert[pair], stable=True)]             # expert-major, token order within
+    counts = torch.bincount(expert[pair], minlength=E)
+    return Routing(scores, topk, expert[pair], pair // top_k, pair % top_k, weights.reshape(-1)[pair],
+                   tuple(int(c) for c in counts.tolist()), aux, dropped)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """y unchanged; backward: y's gradient and ``scale`` as the gradient of ``aux`` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full((), ctx.scale, dtype=torch.float32, device=g.device), None
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert of inner size ``ffn``: w2(silu(w1 x) * w3 x), no biases (Mixtral's names)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .llama import swiglu
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
+class Router(nn.Module):
+    """The gate W_r [E, h] and, with sigmoid scores, DeepSeek's per-expert selection bias [E]."""
+
+    def __init__(self, hidden: int, experts: int, sigmoid: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(experts)) if sigmoid else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [n, E] of rows ``x`` [n, h] (autocast off)."""
+        with torch.autocast(x.device.type, enabled=False):
+            return Fn.linear(x.float(), self.weight.float())
+
+
+class LocalExperts(nn.ModuleDict):
+    """This rank's routed experts by global index (``experts.{j}``); called on a :class:`MoeState`
+    it is the ``experts`` step: each local expert's SwiGLU on its rows, the rows of several EP
+    sources grouped by expert and the outputs put back in arrival order."""
+
+    def __init__(self, local: range, hidden: int, ffn: int):
+        super().__init__({str(j): Expert(hidden, ffn) for j in local})
+        self.local = local
+
+    def forward(self, st: "MoeState") -> "MoeState":
+        per = len(self.local)
+        sources = len(st.counts) // per
+        order = None
+        if sources > 1:
+            group = torch.arange(per, device=st.rows.device).repeat(sources)
+            owner = torch.repeat_interleave(group, torch.tensor(st.counts, device=st.rows.device))
+            order = torch.argsort(owner, stable=True)
+        rows = st.rows if order is None else st.rows.index_select(0, order)
+        per_expert = [sum(st.counts[s * per + j] for s in range(sources)) for j in range(per)]
+        out = torch.cat([self[str(j)](part) for j, part in zip(self.local, rows.split(per_expert))])
+        if order is not None:
+            out = out.index_select(0, torch.argsort(order))
+        st.rows = out
+        return st
+
+
+@dataclass
+class MoeState:
+    """One micro-batch between the MoE steps (mutable: each step fills its part). ``x`` the
+    block's input [b, s, h]; ``routing``; ``rows`` the rows the next step takes; ``counts`` the
+    per-expert counts of the rows received (EP sources x local experts); ``recv`` the row counts
+    received per EP rank."""
+
+    x: torch.Tensor
+    routing: Routing | None = None
+    rows: torch.Tensor | None = None
+    counts: list[int] | None = None
+    recv: list[int] | None = None
+
+
+class MoeMLP(nn.Module):
+    """The MoE MLP of one block (module docstring). ``ep``: this rank's expert-parallel group (it
+    holds experts ``ep.experts(E)`` only); ``capacity_factor``: 0 dropless, else c >= 1;
+    ``loss_scale``: the factor the driver scales each micro-batch's loss by (1/G)."""
+
+    def __init__(self, spec: ModelSpec, ep: ExpertParallel = NO_EP, capacity_factor: float = 0.0,
+                 loss_scale: float = 1.0):
+        super().__init__()
+        self.ep, self.capacity_factor, self.loss_scale = ep, capacity_factor, loss_scale
+        self.num_experts, self.top_k, self.router_kind = spec.experts, spec.top_k, spec.router
+        self.coeff = float(spec.aux_loss_coeff)
+        self.local = ep.experts(spec.experts)
+        self.router = Router(spec.hidden, spec.experts, spec.router == "sigmoid")
+        self.experts = LocalExperts(self.local, spec.hidden, spec.expert_width)
+        self.shared = Expert(spec.hidden, spec.shared_ffn) if spec.shared_ffn else None
+        self.shared_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_ffn and spec.shared_gate else None
+        self.aux_value: torch.Tensor | None = None    # alpha * aux of the last forward (detached)
+        self.last_routing: Routing | None = None
+
+    # ------------------------------------------------------------------ the steps
+    def route(self, x: torch.Tensor) -> MoeState:
+        """Router, top-k, aux loss, capacity; the kept pairs' rows gathered in expert order."""
+        flat = x.reshape(-1, x.shape[-1])
+        r = route_tokens(self.router(flat), self.top_k, self.router_kind, self.router.bias, self.capacity_factor)
+        self.last_routing = r
+        self.aux_value = (self.coeff * r.aux).detach() if self.coeff else None
+        return MoeState(x, r, flat.index_select(0, r.token))
+
+    def dispatch(self, st: MoeState) -> MoeState:
+        """The rows to the EP ranks of their experts; first each expert's count (so a receiver knows
+        which of its rows belong to which local expert)."""
+        E, ep = self.num_experts, self.ep
+        per = E // ep.size
+        counts = torch.tensor(st.routing.counts, dtype=torch.int64, device=st.rows.device).view(E, 1)
+        got, _ = ep.all_to_all(counts, [per] * ep.size)
+        send = [sum(st.routing.counts[e * per:(e + 1) * per]) for e in range(ep.size)]
+        st.rows, st.recv = ep.all_to_all(st.rows, send)
+        st.counts = [int(c) for c in got.view(-1).tolist()]           # source-major, local expert minor
+        return st
+
+    def combine(self, st: MoeState) -> MoeState:
+        """The expert outputs back to the ranks their rows came from."""
+        st.rows, _ = self.ep.all_to_all(st.rows, st.recv)
+        return st
+
+    def unpermute(self, st: MoeState) -> torch.Tensor:
+        """sum over a token's kept pairs of w * row, in token order; plus the shared expert."""
+        x, r = st.x, st.routing
+        flat = x.reshape(-1, x.shape[-1])
+        rows = st.rows
+        y = torch.zeros(flat.shape[0], rows.shape[-1], dtype=rows.dtype, device=rows.device)
+        y = y.index_add(0, r.token, rows * r.weight.to(rows.dtype).unsqueeze(-1))
+        if self.shared is not None:
+            s = self.shared(flat)
+            if self.shared_gate is not None:
+                s = s * torch.sigmoid(self.shared_gate(flat))
+            y = y + s
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        if self.coeff:
+            y = _AuxLossGrad.apply(y, self.coeff * r.aux, self.loss_scale)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.unpermute(self.combine(self.experts(self.dispatch(self.route(x)))))
+
+
+@dataclass(frozen=True)
+class MoeRun:
+    """How a run builds its MoE MLPs: the rank's expert-parallel group, the capacity factor
+    (``Parallel.capacity_factor``: 0 dropless) and the loss scale 1/G (module docstring)."""
+
+    ep: ExpertParallel = NO_EP
+    capacity_factor: float = 0.0
+    loss_scale: float = 1.0
+
+
+NO_MOE = MoeRun()
