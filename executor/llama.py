@@ -184,27 +184,18 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm block: x + attn(rms1(x)), then x + mlp(rms2(x)). Block ``index`` of a spec with
-    experts and ``index >= dense_layers`` has the mixture-of-experts MLP (:class:`executor.moe.MoeMLP`,
-    built as ``moe`` says), else the dense SwiGLU; a spec with ``kv_lora_rank`` > 0 has multi-head
-    latent attention (:class:`executor.mla.LatentAttention`)."""
+    """Pre-norm block: x + attn(rms1(x)), then x + mlp(rms2(x)). ``attn`` and ``mlp`` default to
+    grouped-query attention and the dense SwiGLU; :func:`executor.model.block` gives multi-head
+    latent attention (:class:`executor.mla.LatentAttention`) and the mixture-of-experts MLP
+    (:class:`executor.moe.MoeMLP`) where the spec has them."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP, index: int = 0,
-                 moe=None):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO_CP,
+                 attn: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
         self.ln1 = RMSNorm(spec.hidden, eps=1e-5)
-        if spec.is_mla:
-            from .mla import LatentAttention
-            self.attn = LatentAttention(spec)
-        else:
-            self.attn = GroupedQueryAttention(spec, tp, cp)
+        self.attn = attn if attn is not None else GroupedQueryAttention(spec, tp, cp)
         self.ln2 = RMSNorm(spec.hidden, eps=1e-5)
-        if spec.is_moe and index >= spec.dense_layers:
-            from .moe import NO_MOE, MoeMLP
-            moe = moe or NO_MOE
-            self.mlp = MoeMLP(spec, moe.ep, moe.capacity_factor, moe.loss_scale)
-        else:
-            self.mlp = SwiGLU(spec, tp)
+        self.mlp = mlp if mlp is not None else SwiGLU(spec, tp)
 
     @property
     def aux_value(self):

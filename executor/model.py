@@ -112,7 +112,15 @@ def block(spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO
     ``moe``, an :class:`executor.moe.MoeRun`, says)."""
     if spec.kind == "llama":
         from .llama import LlamaBlock
-        return LlamaBlock(spec, tp, cp, index, moe)
+        attn = mlp = None
+        if spec.is_mla:
+            from .mla import LatentAttention
+            attn = LatentAttention(spec)
+        if spec.is_moe and index >= spec.dense_layers:
+            from .moe import NO_MOE, MoeMLP
+            moe = moe or NO_MOE
+            mlp = MoeMLP(spec, moe.ep, moe.capacity_factor, moe.loss_scale)
+        return LlamaBlock(spec, tp, cp, attn, mlp)
     return Block(spec, tp, cp)
 
 
