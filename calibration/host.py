@@ -367,7 +367,7 @@ def runtime_rules(runtime_steps: int = 20, runtime_repeats: int = 3) -> SittingR
 
 def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
               runtime_steps: int = 20, runtime_repeats: int = 3, rules: SittingRules | None = None,
-              dtype: str = "fp32", tp: int = 1) -> CalibrationProfile:
+              dtype: str = "fp32", tp: int = 1, ep: int = 1) -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
     predicted put on this host (it sets the thread count per rank, like the executor does).
     ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
@@ -377,11 +377,13 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     (:class:`calibration.sitting.SittingRules`). All traced runs share one sitting (interleaved
     rounds, both world sizes). ``dtype``: the precision of the runs to be predicted (fp32 | bf16; a
     model file: fp32). ``tp``: each rank a tensor-parallel group of that many processes (the
-    profile's layers are one TP rank's shards; its ``tp_allreduce`` the group's all-reduce)."""
+    profile's layers are one TP rank's shards; its ``tp_allreduce`` the group's all-reduce). ``ep``:
+    a mixture of experts' expert-parallel size (its expert layers at E's routed counts, the EP
+    group's all-to-all; the traced runs stay at E = 1: the all-to-alls are priced on their fit)."""
     rules = rules or runtime_rules(runtime_steps, runtime_repeats)
     report = progress or (lambda msg: None)
     host = measure_host(model, ranks=ranks, repeats=repeats, progress=report, micro_batch=micro_batch,
-                        dtype=dtype, tp=tp)
+                        dtype=dtype, tp=tp, ep=ep)
     report("runtime (traced runs)")
     series = run_series(host.runtime_configs(fit_ranks(ranks, tp), runtime_steps), rules, progress=report,
                         yardstick=speed_yardstick(host_profile(host)))
