@@ -211,6 +211,28 @@ def _full(state, grad_out) -> None:
     full_backward(out, grad_out(out))
 
 
+def layer_inputs(spec: ModelSpec, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs :func:`measure_layers` feeds its layers (one generator, seed 0): token ids and
+    targets [b, s], hidden states [b, s, h] drawn from N(0, 1)."""
+    b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
+    targets = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
+    return tokens, targets, torch.randn(b, s, h, generator=g).to(device)
+
+
+def moe_block(spec: ModelSpec, device: torch.device = CPU) -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """The first MoE block as :func:`measure_layers` builds and measures it (EP 1, initialised as a
+    run does) and the pairs its router sends to each expert on the measured micro-batch
+    (:func:`layer_inputs`' hidden states; dropless: they sum to b s k)."""
+    blk = block(spec, index=moe_block_index(spec))
+    init_parameters(blk, 0, spec.layers)
+    blk.to(device)
+    with torch.no_grad():
+        blk(layer_inputs(spec, device)[2])
+    return blk, blk.mlp.last_routing.counts
+
+
 def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None,
                    precision: Precision | None = None, bytes_only: bool = False, device: torch.device = CPU,
                    kinds: tuple[str, ...] = ("embedding", "block", "head"),
@@ -224,17 +246,13 @@ def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=No
     ``tp``: this process's place in a TP group; its shards of the layers are measured (see
     :func:`measure_tp_layers`)."""
     torch.set_num_threads(threads)
-    b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
-    targets = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
+    tokens, targets, hidden = layer_inputs(spec, device)
     emb, blk, head = Embedding(spec, tp), block(spec, tp), (_TPHead(spec, tp) if tp.on else _Head(spec))
     moe = block(spec, tp, index=spec.dense_layers) if spec.is_moe and spec.dense_layers else None
     for m in (emb, blk, head, moe):
         if m is not None:
             init_parameters(m, 0, spec.layers)
             m.to(device)
-    hidden = torch.randn(b, s, h, generator=g).to(device)
     cases = {
         "embedding": (emb, lambda: (tokens, ())),
         "block": (blk, lambda: (hidden.clone().requires_grad_(True), ())),
