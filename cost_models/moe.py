@@ -40,10 +40,12 @@ Memory: the routed experts' weights, gradients and optimizer state on a GPU are 
 of the block's; with ZeRO-1 their optimizer state is sharded over EDP = T R / (EP ETP) (the dense
 part's over R). The expert gradients are all-reduced over EDP, separately from the dense ones'
 (charged at the step's end: :meth:`cost_models.transformer.TransformerCostModel.layer_costs`).
-Activations kept per token: the router's fp32 scores (4 E bytes), and for each of the k copies its
-dispatched input and combined output (2 h d) and the SwiGLU's gate, up and product (3 f_e d), times
-the imbalance; the shared expert's gate, up and product (3 f_s d / t). Dispatch buffers: one send
-and one receive buffer of the dispatched tokens (the transient bytes).
+Activations kept per token: the router's fp32 scores (4 E bytes) and its routing (the k int64
+expert indices, 8 k; per kept copy its int64 pair and token index and its gate weight, 16 + d:
+:func:`routing_bytes`), and for each of the k copies its dispatched input and combined output
+(2 h d) and the SwiGLU's gate, up and product (3 f_e d), times the imbalance; the shared expert's
+gate, up and product (3 f_s d / t), with Qwen2-MoE's gate also its output and the gate (h + 1) d.
+Dispatch buffers: one send and one receive buffer of the dispatched tokens (the transient bytes).
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from .parallel import Parallel, option_name
 
 SWIGLU = 3          # matrices of a SwiGLU expert (gate, up, down)
 SCORE_BYTES = 4     # the router keeps fp32 scores
+INDEX_BYTES = 8     # routing indices are int64
 
 
 def router_params(spec: ModelSpec) -> int:
@@ -72,6 +75,19 @@ def expert_params(spec: ModelSpec) -> int:
 def shared_params(spec: ModelSpec) -> int:
     """The shared expert(s): 3 h f_s, plus Qwen2-MoE's gate (h)."""
     return SWIGLU * spec.hidden * spec.shared_ffn + (spec.hidden if spec.shared_gate else 0)
+
+
+def routing_bytes(spec: ModelSpec, tokens: float, pairs: float) -> float:
+    """What a router keeps besides its scores, for ``tokens`` routed and ``pairs`` token-expert pairs
+    kept: each token's k selected experts (int64), and per kept pair its index and its token's
+    (int64, for the gather into expert order and the weighted sum back) and its gate weight (d):
+    n k 8 + pairs (16 + d), as the executor's MoE MLP keeps them (:mod:`executor.moe`)."""
+    return tokens * spec.top_k * INDEX_BYTES + pairs * (2 * INDEX_BYTES + spec.dtype_bytes)
+
+
+def shared_gate_bytes(spec: ModelSpec, tokens: float) -> float:
+    """Qwen2-MoE's gated shared expert also keeps the shared output and the gate, n (h + 1) d."""
+    return tokens * (spec.hidden + 1) * spec.dtype_bytes if spec.shared_ffn and spec.shared_gate else 0.0
 
 
 def moe_mlp_params(spec: ModelSpec) -> int:
@@ -198,7 +214,8 @@ def moe_share(spec: ModelSpec, par: Parallel) -> MoeShare:
     flops_router, flops_shared = 2.0 * n * spec.experts * h, 2.0 * n * shared_params(spec)
     params_expert = spec.experts // par.ep * expert_params(spec) // par.etp
     params_dense = router_params(spec) + shared_params(spec) // t
-    act = n * SCORE_BYTES * spec.experts + pairs * (2 * h + SWIGLU * fe) * d + n * SWIGLU * spec.shared_ffn * d
+    act = n * SCORE_BYTES * spec.experts + routing_bytes(spec, n, pairs) + pairs * (2 * h + SWIGLU * fe) * d + \
+        n * SWIGLU * spec.shared_ffn * d + shared_gate_bytes(spec, n)
     dispatch = pairs * h * (1 if par.fp8_dispatch else d)
     return MoeShare(flops_router, flops_shared, flops_expert, params_dense, params_expert, float(act), float(dispatch),
                     float(pairs * h * d))

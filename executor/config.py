@@ -30,7 +30,6 @@ from .precision import Precision
 # what each ZeRO stage shards (executor.zero), for the refusal of a model file
 _ZERO_SHARDS = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and weights"}
 
-
 # what a run takes when the flat constructor (:meth:`RunConfig.of`) is not told: the tiny GPT,
 # DAPPLE on 2 pipeline devices with 4 micro-batches
 RUN_DEFAULTS = {"schedule": "dapple", "devices": 2, "microbatches": 4, "model": "tiny"}
@@ -328,22 +327,18 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
 
 
 def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -> None:
-    """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`):
-    the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts, EP
-    dividing the experts and folding onto the stage's T x R processes), then this executor's reach:
-    experts folded over the data-parallel replicas of a one-copy schedule (T = 1, C = 1, ETP = 1,
-    ZeRO 0 or 1). One line each."""
+    """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`),
+    after the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts,
+    EP dividing the experts and folding onto the stage's T x R processes) and the MoE block's (T = 1):
+    experts folded over the data-parallel replicas of a one-copy schedule (C = 1, ETP = 1, ZeRO 0
+    or 1). One line each."""
     par = config.parallel
     if spec is None:
         raise ValueError(f"--ep {par.ep} splits a mixture of experts' routed experts; a model file's layers are not "
                          f"split ({config.model}: use --ep 1)")
-    check_expert_parallel(spec, par, low.replicas)
     if par.etp > 1:
         raise ValueError(f"--etp {par.etp} splits each expert over {par.etp} processes: the executor runs whole "
                          f"experts (--etp 1); pipetwin simulate prices it")
-    if par.tp > 1:
-        raise ValueError(f"--ep {par.ep} with --tp {par.tp}: the executor folds the experts over the data-parallel "
-                         f"replicas only (--tp 1, --dp a multiple of {par.ep}); pipetwin simulate prices the fold")
     if par.cp > 1:
         raise ValueError(f"--ep {par.ep} with --cp {par.cp}: the executor's expert parallelism does not split the "
                          f"sequence; use --cp 1")

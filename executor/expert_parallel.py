@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -114,12 +114,14 @@ class AllToAllHandle:
 class ExpertParallel:
     """A process's expert-parallel group: ``size`` EP ranks (``ranks``, global process-group ranks in
     EP-rank order), this process being EP rank ``rank``; ``group`` the torch process group
-    (None at size 1)."""
+    (None at size 1). ``sent``: the send counts of each exchange issued so far (what a run reports:
+    routing's uneven splits, :func:`executor.worker.merge_reports`)."""
 
     size: int = 1
     rank: int = 0
     group: object = None
     ranks: tuple[int, ...] = ()
+    sent: list = field(default_factory=list, compare=False, repr=False)   # each exchange's send counts
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -146,6 +148,7 @@ class ExpertParallel:
             raise ValueError(f"send counts {send} sum to {sum(send)}; the all-to-all was given {x.shape[0]} rows")
         if self.size == 1:
             return AllToAllHandle(x, send)
+        self.sent.append(tuple(send))
         recv = exchange_counts(send, self.group, x.device)
         if _KILL[0]:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -113,12 +113,10 @@ def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias
     scores = torch.softmax(logits, -1) if router == "softmax" else torch.sigmoid(logits)
     choose = scores.detach() if bias is None else scores.detach() + bias.detach()
     sel_score, topk = choose.topk(top_k, dim=-1)                      # [n, k]
-    picked = scores.gather(1, topk)
-    weights = picked / picked.sum(-1, keepdim=True)                   # [n, k]
+    weights = _Gates.apply(scores, topk)                              # [n, k]
     expert = topk.reshape(-1)                                         # pairs token-major: t * k + slot
     load = torch.bincount(expert, minlength=E)
-    probs = scores if router == "softmax" else scores / scores.sum(-1, keepdim=True)
-    aux = E * (load.to(probs.dtype) / (n * top_k) * probs.mean(0)).sum()
+    aux = _AuxLoss.apply(scores, load.to(scores.dtype) / (n * top_k), router == "sigmoid")
     pair = torch.arange(n * top_k, device=logits.device)
     cap = capacity(capacity_factor, n, top_k, E)
     dropped = 0
@@ -136,6 +134,48 @@ def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias
     counts = torch.bincount(expert[pair], minlength=E)
     return Routing(scores, topk, expert[pair], pair // top_k, pair % top_k, weights.reshape(-1)[pair],
                    tuple(int(c) for c in counts.tolist()), aux, dropped)
+
+
+class _Gates(torch.autograd.Function):
+    """w = p_sel / sum(p_sel) of each token's k selected scores; keeps the scores (autograd keeps
+    them for the softmax or sigmoid anyway) and the top-k indices, nothing else."""
+
+    @staticmethod
+    def forward(ctx, scores, topk):
+        ctx.save_for_backward(scores, topk)
+        picked = scores.gather(1, topk)
+        return picked / picked.sum(-1, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        scores, topk = ctx.saved_tensors
+        picked = scores.gather(1, topk)
+        total = picked.sum(-1, keepdim=True)
+        w = picked / total
+        gp = (g - (g * w).sum(-1, keepdim=True)) / total               # d(p / sum p) / dp
+        return torch.zeros_like(scores).scatter_add_(1, topk, gp), None
+
+
+class _AuxLoss(torch.autograd.Function):
+    """E sum_i f_i P_i (module docstring) of ``scores`` [n, E] and the load fractions ``f`` [E];
+    keeps the scores (kept anyway) and f."""
+
+    @staticmethod
+    def forward(ctx, scores, f, normalise):
+        ctx.normalise = normalise
+        ctx.save_for_backward(scores, f)
+        probs = scores / scores.sum(-1, keepdim=True) if normalise else scores
+        return scores.shape[1] * (f * probs.mean(0)).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        scores, f = ctx.saved_tensors
+        n, E = scores.shape
+        gs = (g * E / n) * f.expand(n, E)                               # d aux / d p'
+        if ctx.normalise:                                               # p' = s / S: (g_j - sum_i g_i p'_i) / S
+            total = scores.sum(-1, keepdim=True)
+            gs = (gs - (gs * scores / total).sum(-1, keepdim=True)) / total
+        return gs, None, None
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -250,14 +290,20 @@ class MoeMLP(nn.Module):
     def dispatch(self, st: MoeState) -> MoeState:
         """The rows to the EP ranks of their experts; first each expert's count (so a receiver knows
         which of its rows belong to which local expert)."""
+        send = self.dispatch_counts(st)
+        st.rows, st.recv = self.ep.all_to_all(st.rows, send)
+        return st
+
+    def dispatch_counts(self, st: MoeState) -> list[int]:
+        """The first half of :meth:`dispatch`: each expert's count exchanged (``st.counts``, source-major,
+        local expert minor); returns the rows to send to each EP rank (the overlap runtime sends
+        them asynchronously, :mod:`executor.overlap`)."""
         E, ep = self.num_experts, self.ep
         per = E // ep.size
         counts = torch.tensor(st.routing.counts, dtype=torch.int64, device=st.rows.device).view(E, 1)
         got, _ = ep.all_to_all(counts, [per] * ep.size)
-        send = [sum(st.routing.counts[e * per:(e + 1) * per]) for e in range(ep.size)]
-        st.rows, st.recv = ep.all_to_all(st.rows, send)
-        st.counts = [int(c) for c in got.view(-1).tolist()]           # source-major, local expert minor
-        return st
+        st.counts = [int(c) for c in got.view(-1).tolist()]
+        return [sum(st.routing.counts[e * per:(e + 1) * per]) for e in range(ep.size)]
 
     def combine(self, st: MoeState) -> MoeState:
         """The expert outputs back to the ranks their rows came from."""

@@ -62,7 +62,8 @@ from .data import TokenSource
 from .device import DeviceContext
 from .expert_parallel import arm_kill
 from .faults import A2A, parse_fault
-from .overlap import Segment, backward_segments, forward_segments, interleave, run_alone, steps_of
+from .overlap import RetainedWeightGrad, Segment, backward_segments, forward_segments, input_grads, interleave, \
+    is_tuple_segment, run_alone, steps_of, tuple_backward, tuple_input_backward
 from .p2p import CommError, Mailbox, wait_work
 from .precision import Precision
 from .recompute import Recompute
@@ -263,7 +264,7 @@ class PipelineRuntime:
             losses.append(module.loss(out, self._batch(op.mb)[1]))
             return losses[0] / self.G
 
-        segs = yield from forward_segments(steps_of(module) if segmented else [module], x, enter,
+        segs = yield from forward_segments(steps_of(module, self.recompute) if segmented else [module], x, enter,
                                            finish if op.stage == self.last_stage else None)
         out = segs[-1].out
         if self._weights is not None:
@@ -303,17 +304,19 @@ class PipelineRuntime:
 
         if self.sched.split_backward:
             def run(i, seg, g):
-                gx, pending = self._split_of(module, i, len(segs)).input(seg.out, inp(i, seg), g)
+                if is_tuple_segment(seg):
+                    gx, pending = tuple_input_backward(seg, g, inp(i, seg) is not None, params)
+                else:
+                    gx, pending = self._split_of(module, i, len(segs)).input(seg.out, inp(i, seg), g)
                 pendings.append(pending)
                 return gx
         else:
             def run(i, seg, g):
-                if seg.out.requires_grad:   # else a first stage without parameters: nothing before it trains
+                if is_tuple_segment(seg):
+                    tuple_backward(seg, g)
+                elif seg.out.requires_grad:   # else a first stage without parameters: nothing before it trains
                     full_backward(seg.out, g)
-                t = inp(i, seg)
-                if t is None:
-                    return None
-                return t.grad if t.grad is not None else torch.zeros_like(t)
+                return input_grads(seg, inp(i, seg) is not None)
 
         gx = yield from backward_segments(segs, grad, run)
         if self.sched.split_backward:
@@ -344,7 +347,10 @@ class PipelineRuntime:
         key = (op.copy, op.stage, op.mb)
         pendings, _held = self._state.pending_w.pop(key)
         for pending in pendings:
-            weight_backward(pending)
+            if isinstance(pending, RetainedWeightGrad):
+                pending.weight()
+            else:
+                weight_backward(pending)
         self.accounted -= self._state.accounted.pop(key, 0)
         if self._sharded is not None:
             self._sharded.grads_ready(self._params[id(self.modules[(op.copy, op.stage)])])

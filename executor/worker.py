@@ -351,6 +351,7 @@ class RankSetup:
     probe: object = None     # a layer stack's speed-probe work (None: the GPT block's)
     tp_rank: int = 0         # this process's rank in its tensor-parallel group
     cp_rank: int = 0         # and in its context-parallel group
+    experts: dict | None = None     # stage -> its ExpertGroups (expert parallelism)
 
 
 def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "ProcessGroups") -> RankSetup:
@@ -390,7 +391,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
             if s not in built:
                 built[s] = cfg.precision.prepare(stage_module(spec, sched.num_stages, s, seed=cfg.seed,
                                                               partition=cfg.blocks, tp=tp, cp=cp,
-                                                              moe=cfg.moe_run()).to(ctx.device))
+                                                              moe=cfg.moe_run(experts[s].ep if s in experts
+                                                                              else None)).to(ctx.device))
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
         data = TokenSource(spec, cfg.seed, cfg.data)
@@ -452,14 +454,17 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         optimizer = make_optimizer(params, cfg.optimizer, cfg.lr) if params else NoOptimizer()
     # after the optimizer: ZeRO-1 moves the weights into one buffer, the meter must know where they live
     meter = ctx.meter(params) if cfg.measure_memory else NullMeter()
+    # a mixture of experts keeps what its routing gives (rows per expert differ between micro-batches): every
+    # forward metered, none accounted from another's bytes (executor.device)
+    moe_metered = cfg.meter_every_forward or (stack is None and spec.is_moe)
     runtime = PipelineRuntime(sched, rank, modules=modules, optimizer=optimizer, data=data, ctx=ctx, meter=meter,
                               mailbox=mailbox, stage_groups=stage_groups, timeout=cfg.timeout,
                               clock0=_aligned_clock(world), fault=cfg.fault, precision=cfg.precision,
-                              recompute=cfg.parallel.recompute, meter_every_forward=cfg.meter_every_forward, tied=tied)
+                              recompute=cfg.parallel.recompute, meter_every_forward=moe_metered, tied=tied)
     if par.zero:        # ZeRO 3's gathered weights move: the meter and the recomputation follow them
         optimizer.watch(meter, runtime.recompute)
     return RankSetup(runtime, modules, params, optimizer, stack.probe if stack is not None else None, tp_rank,
-                     cp_rank)
+                     cp_rank, experts)
 
 
 def report_progress(done: int, total: int, what: str, seconds: float) -> None:
@@ -507,7 +512,8 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
               "gathered_bytes": zero.peak_gathered if zero is not None else 0,
               "grad_buffer_bytes": zero.peak_grad_buffer if zero is not None else 0, "collectives": collectives,
               "placement": {"node": node, "local_rank": local, "device": node * per_node + local,
-                            "host": socket.gethostname()}}
+                            "host": socket.gethostname()},
+              "ep_sent": {s: list(g.ep.sent) for s, g in (rs.experts or {}).items()}}
     if cfg.collect_params:
         if zero is not None:      # ZeRO 3: the weights gathered from their shards
             zero.gather_all()
@@ -622,6 +628,8 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     if cfg.parallel.zero:    # ZeRO: the collectives each process issued over the steps (executor.zero)
         extra["zero_collectives"] = [dict(rep["collectives"], rank=rep["rank"], tp=rep["tp"])
                                      for rep in sorted(everyone, key=lambda r: (r["rank"], r["tp"]))]
+    if cfg.parallel.ep > 1:     # each process's all-to-alls: stage -> the send counts of each exchange
+        extra["ep_sent"] = {rep["rank"]: rep["ep_sent"] for rep in everyone}
     if cfg.pin_cores:
         extra["pinned"] = all(rep.get("core") is not None for rep in reports)
     return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,

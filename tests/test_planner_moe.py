@@ -121,7 +121,8 @@ def test_memory_bound_holds_the_experts_as_the_cost_model_does():
     assert (dense, static) == (76_063_744, 1_137_558_528)
     transient = 2 * 1024 * 1024 * 2 + 2 * 1024 * 2 * 1024 * 2
     acts = sum(x.act_bytes for x in transformer_layers(MOE))      # one micro-batch through the model
-    assert acts == 274_079_744
+    # the routing's int64 indices and gate weights: 1024 tokens x k 2 x (8 + 16 + 2) bytes in each of 4 blocks
+    assert acts == 274_079_744 + 4 * 1024 * 2 * (8 + 16 + 2) == 274_292_736
     assert _Bounds(MOE, _cluster()).memory(job) == pytest.approx((static + acts) / 2 + transient, rel=1e-12)
 
 
