@@ -292,33 +292,36 @@ class CalibrationProfile:
         moe = self.moe_blocks()
         return tuple(f if m else 0.0 for m in moe), tuple(b if m else 0.0 for m in moe)
 
-    def layer_segments(self, lc: LayerCosts, recompute: str = "none"
+    def layer_segments(self, lc: LayerCosts, recompute: str = "none", split: bool = True
                        ) -> tuple[list[list[tuple[str, float]]], list[list[tuple[str, float]]]]:
-        """Per layer, its F and input backward as ("compute" | "comm", seconds) segments summing to
-        ``lc.f`` / ``lc.b_input`` (as :meth:`cost_models.transformer.TransformerCostModel.layer_segments`):
-        a MoE block's F is the attention and router, the counts and dispatch all-to-alls, the routed
-        and shared experts (``expert_layers``' ``experts`` + ``shared``, measured), the combine; its
-        input backward the combine's gradient, the experts' input gradients, the dispatch's gradient,
-        the rest (after the re-run forward's under full recomputation); any other layer one compute
-        segment."""
+        """Per layer, its F and its backward as ("compute" | "comm", seconds) segments (as
+        :meth:`cost_models.transformer.TransformerCostModel.layer_segments`): a MoE block's F is the
+        attention and router, the counts and dispatch all-to-alls, the routed and shared experts
+        (``expert_layers``' ``experts`` + ``shared``), the combine; its backward the combine's
+        gradient, the experts' input gradients, the dispatch's gradient, the rest (after the re-run
+        forward's under full recomputation); any other layer one compute segment. The segments of a
+        layer sum to its ``lc.f`` and to its input backward (``split``) or full backward (else: the
+        weight gradients in the last compute segment); the all-to-alls are the fit's, the compute
+        segments the measured alone times scaled to the rest (measured alone, the experts can take
+        longer than inside the block on a loaded host: never a negative segment)."""
         counts, disp, comb = self.a2a_times()
         parts = dict(self.expert_layers)
         ex = [parts[k] for k in ("experts", "shared") if k in parts]
         ex_f, ex_b = sum(t.f for t in ex), sum(t.b_input for t in ex)
         full = recompute == "full"
+        back_total = lc.b_input if split else (lc.b_full or tuple(b + w for b, w in zip(lc.b_input, lc.w)))
         fs, bs = [], []
-        for f, b, moe in zip(lc.f, lc.b_input, self.moe_blocks()):
+        for f, b, moe in zip(lc.f, back_total, self.moe_blocks()):
             if not moe or not ex:
                 fs.append([("compute", f)])
                 bs.append([("compute", b)])
                 continue
-            fwd = [("compute", max(0.0, f - counts - disp - comb - ex_f)), ("comm", counts + disp),
-                   ("compute", ex_f), ("comm", comb)]
-            fwd[0] = ("compute", f - sum(x for _, x in fwd[1:]))
-            back = [("comm", comb), ("compute", ex_b), ("comm", disp)]
-            rest = b - sum(x for _, x in back) - (f if full else 0.0)
-            bs.append((fwd if full else []) + back + [("compute", rest)])
+            fwd = _fitted([("compute", max(0.0, f - counts - disp - comb - ex_f)), ("comm", counts + disp),
+                           ("compute", ex_f), ("comm", comb)], f)
+            back = (fwd if full else []) + [("comm", comb), ("compute", ex_b), ("comm", disp)]
+            back.append(("compute", max(0.0, b - sum(x for _, x in back))))
             fs.append(fwd)
+            bs.append(_fitted(back, b))
         return fs, bs
 
     def _stack_costs(self, recompute: str, bytes_per_param: float, grad_bytes_per_param: float | None) -> LayerCosts:
@@ -356,8 +359,7 @@ class CalibrationProfile:
         part = partition or self.default_partition(num_stages)
         lc = self.layer_costs(**kw)
         if not self.is_stack and self.model.is_moe:
-            fs, bs = self.layer_segments(lc, kw.get("recompute", "none"))
-            return PhasedCostModel(lc, part, tuple(map(tuple, fs)), tuple(map(tuple, bs)))
+            return PhasedCostModel(lc, part, self, kw.get("recompute", "none"))
         return PerLayerCostModel(lc, part)
 
     def cluster(self, num_ranks: int) -> Cluster:
@@ -418,18 +420,30 @@ class CalibrationProfile:
         return d
 
 
+def _fitted(segs: list[tuple[str, float]], total: float) -> list[tuple[str, float]]:
+    """``segs`` with the compute segments scaled so that all sum to ``total`` (the comm kept; total
+    is at least their sum: a layer's time includes its all-to-alls)."""
+    comm = sum(x for k, x in segs if k == "comm")
+    compute = sum(x for k, x in segs if k == "compute")
+    k = max(0.0, total - comm) / compute if compute > 0 else 0.0
+    return [(kind, x * k if kind == "compute" else x) for kind, x in segs]
+
+
 @dataclass(frozen=True)
 class PhasedCostModel(PerLayerCostModel):
     """A per-layer cost model whose stage costs carry F / B phases from the layers' segments
     (:func:`cost_models.transformer.stage_phases`): a calibrated mixture of experts."""
 
-    f_segments: tuple = ()
-    b_segments: tuple = ()
+    profile: "CalibrationProfile | None" = None
+    recompute: str = "none"
 
     def bind(self, sched):
+        from dataclasses import replace
         costs = super().bind(sched)
-        return stage_phases(costs, sched, self.layers, [list(x) for x in self.f_segments],
-                            [list(x) for x in self.b_segments], self.partition)
+        fs, bs = self.profile.layer_segments(self.layers, self.recompute, sched.split_backward)
+        # a full backward's weight gradients are in its layers' segments already
+        lc = self.layers if sched.split_backward else replace(self.layers, w=tuple(0.0 for _ in self.layers.w))
+        return stage_phases(costs, sched, lc, fs, bs, self.partition)
 
 
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",

@@ -5,6 +5,8 @@ executor runs against the simulator's, with and without the overlapped F&B.
 
 Nothing here asserts a time: the fit is checked against its own points and stated residual, the
 prices against the closed forms of the fit, the orders exactly."""
+from dataclasses import replace
+
 import pytest
 
 from calibration.compare import compare_series
@@ -15,6 +17,7 @@ from calibration.simulate import simulate_with_profile
 from calibration.sitting import RunSeries, SittingRules
 from cost_models import load_model, load_profile, save_profile
 from cost_models.job import Job
+from cost_models.profile import LayerTiming
 from executor.config import lowered_schedule
 from executor.launch import run_many
 from schedules.trace import op_orders
@@ -79,6 +82,16 @@ def test_layer_costs_add_each_moe_blocks_all_to_alls_from_the_fit(profile):
         assert costs.phases_f[0][s].comm_total == pytest.approx(2 * (counts + 2 * rows), rel=1e-9)
         assert costs.phases_b[0][s].comm_total == pytest.approx(2 * 2 * rows, rel=1e-9)
         assert costs.phases_f[0][s].total == pytest.approx(costs.f[0][s], rel=1e-9)
+    # experts measured alone slower than the whole block (a loaded host's spell), under a full backward
+    # (dapple) and a split one (zb-v): the compute segments shrink to the rest, the all-to-alls stay
+    slow = replace(profile, expert_layers=(("experts", LayerTiming(1.0, 1.0, 1.0, 2.0)),))
+    for name in ("dapple", "zb-v"):
+        low = lowered_schedule(measured_run(_job(name), 3))
+        costs = slow.cost_model(low.num_stages).bind(low)
+        blocks = SPEC.layers // low.num_stages
+        for ph in (p for table in (costs.phases_f, costs.phases_b) for row in table for p in row):
+            assert min(ph.compute) >= 0.0
+        assert all(p.comm_total == pytest.approx(blocks * (counts + 2 * rows), rel=1e-9) for p in costs.phases_f[0])
 
 
 def _job(schedule: str, overlap: bool = False) -> Job:
