@@ -18,7 +18,8 @@ DeepSeek: MLA, a shared expert, a dense first block): each MoE block cut at its 
 none / selective / full, ZeRO-1 (the DeepSeek with none and full: its selective recomputation with a
 split backward misses the reference without the overlap too, 5.6e-4 in a parameter after 2 steps,
 the MoE/MLA side's to fix): losses and parameters within 1e-5 of the reference's; each pair's
-F has 3 compute phases per MoE block (1 per dense block) and 2 comm phases per MoE block.
+F has 3 compute phases per MoE block (1 per dense block) and 2 comm phases per MoE block. In the
+same spawn the dense GPT with ZeRO-3 (zb-v, D 2 x R 2), to the same bounds.
 """
 import pytest
 import torch
@@ -151,6 +152,8 @@ MOE = {f"{m}-{s}-{rc}": RunConfig.of(schedule=s, recompute=rc, model=m, **MOE_BA
                         ("tiny-mixtral", "zb-v", "selective"), ("tiny-mixtral", "zb-v", "full"),
                         ("tiny-deepseek", "dualpipe-v", "full"), ("tiny-deepseek", "zb-v", "none"))}
 MOE["tiny-mixtral-dualpipe-v-zero1"] = MOE["tiny-mixtral-dualpipe-v-none"].with_(zero=1)
+# dense at world 4 in the same spawn: ZeRO-3 (weights gathered around each op of a pair)
+MOE["dense-zb-v-zero3"] = RunConfig.of(schedule="zb-v", zero=3, **dict(BASE, replicas=2))
 
 
 @pytest.fixture(scope="module")
@@ -179,5 +182,5 @@ def test_overlapped_moe_runs_equal_the_reference(moe_results, case):
         row = tr[(tr.step == 0) & (tr.kind == kind) & (tr.stage == stage) & (tr.microbatch == mb)]
         for dev in row.device:
             mine = [p["kind"] for p in phases if p["device"] == dev and p["token"] == row.token.iloc[0]]
-            m = moe_blocks[stage]
+            m = moe_blocks[stage] if spec.is_moe else 0
             assert (mine.count(COMPUTE), mine.count("comm")) == (3 * m + per_stage - m, 2 * m)
