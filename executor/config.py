@@ -283,12 +283,12 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         raise ValueError(f"the executor's GPT has no grouped-query attention; model {spec.name!r} has {spec.kv} "
                          f"key/value heads for {spec.heads} (simulate it, or train a llama-kind model)")
     lay, par = config.layout, config.parallel
-    if spec is not None:    # the executor overlaps F&B pairs of dense models too (segments = blocks)
-        check_expert_parallel(spec, replace(par, overlap_fb=False), lay.replicas)
     if spec is not None and par.tp > 1 and (spec.is_moe or spec.is_mla):
         what = "a mixture of experts" if spec.is_moe else "latent attention (MLA)"
         raise ValueError(f"--tp {par.tp}: the executor splits dense blocks over tensor-parallel ranks; model "
                          f"{spec.name} has {what} (use --tp 1; pipetwin simulate prices it)")
+    if spec is not None:    # the executor overlaps F&B pairs of dense models too (segments = blocks)
+        check_expert_parallel(spec, replace(par, overlap_fb=False), lay.replicas)
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
     if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)
@@ -330,8 +330,8 @@ def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -
     """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`),
     after the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts,
     EP dividing the experts and folding onto the stage's T x R processes) and the MoE block's (T = 1):
-    experts folded over the data-parallel replicas of a one-copy schedule (C = 1, ETP = 1, ZeRO 0
-    or 1). One line each."""
+    experts folded over the data-parallel replicas of a one-copy schedule (ETP = 1, ZeRO 0 or 1;
+    C = 1 is the cost model's rule for a mixture of experts). One line each."""
     par = config.parallel
     if spec is None:
         raise ValueError(f"--ep {par.ep} splits a mixture of experts' routed experts; a model file's layers are not "
@@ -339,16 +339,13 @@ def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -
     if par.etp > 1:
         raise ValueError(f"--etp {par.etp} splits each expert over {par.etp} processes: the executor runs whole "
                          f"experts (--etp 1); pipetwin simulate prices it")
-    if par.cp > 1:
-        raise ValueError(f"--ep {par.ep} with --cp {par.cp}: the executor's expert parallelism does not split the "
-                         f"sequence; use --cp 1")
     if par.zero >= 2:
         raise ValueError(f"--ep {par.ep} with --zero {par.zero}: the executor shards the routed experts' optimizer "
                          f"state over their EDP group (--zero 1), not their gradients or weights")
     if low.num_copies > 1:
-        raise ValueError(f"--ep {par.ep} with {low.name}: a two-copy schedule holds each stage on two devices of one "
-                         f"pipeline, which would meet in one stage's all-to-all at different ops; use a one-copy "
-                         f"schedule (dapple, interleaved, zb-v, dualpipe-v ...)")
+        raise ValueError(f"--ep {par.ep} with {low.name}: a two-copy schedule runs a stage's copies on two devices at "
+                         f"different points of their programs, where their all-to-alls would not meet; use a "
+                         f"one-copy schedule (dapple, interleaved, zb-v, dualpipe-v ...)")
 
 
 def check_zero_placement(low: Schedule, zero: int) -> None:

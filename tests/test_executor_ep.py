@@ -119,8 +119,8 @@ def test_memory_per_rank_equals_the_ledger_at_ep2(runs, case):
     experts' over EDP = 1), and EP 1's run equals its ledger too; without ZeRO a rank at EP 2 holds
     16 bytes (weight, gradient, Adam's m and v, fp32) less per parameter of the E/2 experts of each
     of its MoE blocks. Peak activations: the ledger's per GPU at EP 2 is its EP 1's (imbalance 1:
-    the same token-expert pairs per GPU), and the measured peak at EP 2 is within 1 % of the measured
-    at EP 1 (balanced routing; what EP adds is the experts' row regrouping indices)."""
+    the same token-expert pairs per GPU), and the measured peak at EP 2 is within 1 % of it and of
+    the measured at EP 1 (balanced routing; what EP adds is the experts' row regrouping indices)."""
     import dataclasses
     from cost_models.bind import bind
     from cost_models.memory import peak_activation
@@ -142,5 +142,74 @@ def test_memory_per_rank_equals_the_ledger_at_ep2(runs, case):
             blocks = _moe_blocks_on(cfg, sched, r % sched.num_devices)
             assert b["static_bytes"] - a["static_bytes"] == 16 * blocks * spec.experts // 2 * expert_params(spec)
     assert ledger[2][1] == ledger[1][1]
-    for a, b in zip(res.per_device, one.per_device):
+    for a, b, want in zip(res.per_device, one.per_device, ledger[2][1]):
+        assert abs(a["peak_activation_bytes"] - want) <= 0.01 * want, (case, a["peak_activation_bytes"], want)
         assert abs(a["peak_activation_bytes"] - b["peak_activation_bytes"]) <= 0.01 * b["peak_activation_bytes"]
+
+
+# EDP > 1: one pipeline device, R = 4 replicas: EP 2 folds them into EP groups {0, 1}, {2, 3} and EDP groups
+# {0, 2}, {1, 3} (each expert held twice, its gradients summed over its EDP pair); EP 4: EDP 1
+R4 = dict(BASE, devices=1, replicas=4, microbatches=2)
+CASES["r4"] = {f"{m}-ep{e}{'-zero' if z else ''}-D1R4": RunConfig.of(schedule="dapple", model=m, zero=z,
+                                                                       **dict(R4, ep=e))
+               for m in ("tiny-mixtral", "tiny-deepseek") for e in (2, 4) for z in (0, 1)}
+R4_IDS = sorted(CASES["r4"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", R4_IDS)
+def test_expert_gradients_summed_over_their_edp_group(runs, references, case):
+    """At D 1 x R 4 with EP 2 each routed expert lives on two processes (EDP 2) whose gradients are
+    summed over that pair alone (the dense ones over all four); with ZeRO-1 the experts' Adam/SGD
+    state is sharded over the pair. Losses and every parameter equal the reference's, and the two
+    holders of an expert end bit-identical (at EP 4: one holder each)."""
+    cfg, sched, res = runs("r4")[case]
+    ref = references(cfg)
+    assert_losses_equal(res, ref)
+    by_name = assert_params_equal_reference(res, ref, sched)
+    assert all(torch.equal(t, ts[0]) for ts in by_name.values() for t in ts)
+    if cfg.parallel.zero:
+        zc = res.extra["zero_collectives"]
+        # one reduce-scatter and one all-gather per step for the dense shard (over R = 4), and at EP 2
+        # one all-gather for the experts' shard (over the EDP pair; their sum is an all-reduce at OPTIM)
+        ep = cfg.parallel.ep
+        assert all(c["all_gather"] == cfg.steps * (2 if ep == 2 else 1) for c in zc), zc
+        assert all(c["reduce_scatter"] == cfg.steps for c in zc), zc
+
+
+@pytest.mark.slow
+def test_rank_killed_inside_an_all_to_all_ends_the_run_naming_it():
+    """``--inject-fault 1:a2a:1``: rank 1 is SIGKILLed inside its first expert all-to-all of step 1,
+    after the counts went out, while rank 3 (its EP peer) waits there for its rows. The run ends
+    within 30 s of step 0's end (the kill follows it at once), exit status 1, its first line naming
+    rank 1 and the signal."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    from tests.test_any_folder_and_kill import _workers_of
+    p = subprocess.Popen([sys.executable, "-c", "import sys; from experiments.cli import main; sys.exit(main())",
+                          "run", "-s", "dapple", "-D", "2", "-N", "2", "--dp", "2", "--ep", "2", "--model",
+                          "tiny-mixtral", "--steps", "3", "--inject-fault", "1:a2a:1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, work, t_step = time.monotonic() + 90, None, None
+        while time.monotonic() < deadline and p.poll() is None and t_step is None:
+            for pid in _workers_of(p.pid).values():
+                env = (Path("/proc") / str(pid) / "environ").read_bytes().decode(errors="replace")
+                work = next(kv.split("=", 1)[1] for kv in env.split("\0") if kv.startswith("PIPETWIN_WORKDIR="))
+                break
+            if work and (Path(work) / "progress").exists():
+                t_step = time.monotonic()
+            time.sleep(0.05)
+        _, err = p.communicate(timeout=120)
+        t_end = time.monotonic()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert t_step is not None, err[-2000:]
+    assert p.returncode == 1
+    assert err.strip().splitlines()[0].startswith("pipetwin: run failed: rank 1 was killed by SIGKILL (9)"), err[-2000:]
+    assert t_end - t_step < 30.0
+    print(f"ended {t_end - t_step:.2f} s after step 0")
