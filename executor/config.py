@@ -283,12 +283,12 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         raise ValueError(f"the executor's GPT has no grouped-query attention; model {spec.name!r} has {spec.kv} "
                          f"key/value heads for {spec.heads} (simulate it, or train a llama-kind model)")
     lay, par = config.layout, config.parallel
-    if spec is not None:
-        check_expert_parallel(spec, par, lay.replicas)
     if spec is not None and par.tp > 1 and (spec.is_moe or spec.is_mla):
         what = "a mixture of experts" if spec.is_moe else "latent attention (MLA)"
         raise ValueError(f"--tp {par.tp}: the executor splits dense blocks over tensor-parallel ranks; model "
                          f"{spec.name} has {what} (use --tp 1; pipetwin simulate prices it)")
+    if spec is not None:    # the executor overlaps F&B pairs of dense models too (segments = blocks)
+        check_expert_parallel(spec, replace(par, overlap_fb=False), lay.replicas)
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
     if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)

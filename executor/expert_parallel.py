@@ -18,6 +18,15 @@ row block e of rank s's input. The backward is the reverse exchange of the gradi
 ``recv_counts``, output splits ``send_counts``): the transpose of a permutation of rows is its
 inverse, so ``d x = a2a^T (d y)`` is exactly the gradient a concatenation done by hand would get.
 
+Gradients (:func:`executor.worker.setup_rank`): every micro-batch's loss is scaled by 1/G (G = R N),
+as without EP. The gradient of routed expert j on its EP rank already holds what every token its
+EP group routed to j contributed (the backward exchange brings it back), so summing it over its EDP
+group (the processes holding the same experts: one per EP group) sums it over all G micro-batches,
+as the reference does; the routed experts are left out of the stage's all-reduce over its replicas
+(which sums the dense parameters as before) and summed over their EDP group at OPTIM. With ZeRO-1
+the dense parameters' state is sharded over the stage's shard group, the experts' over their EDP
+group.
+
 At size 1 (``NO_EP``) both calls return ``(x, send_counts)`` unchanged and issue nothing.
 
 :meth:`ExpertParallel.start_all_to_all` issues the same exchange with ``async_op=True`` and
@@ -46,6 +55,7 @@ def is_expert_param(name: str) -> bool:
     return _ROUTED.search(name) is not None
 
 
+SENT_KEPT = 1024    # exchanges whose send counts an ExpertParallel keeps (the first ones: a long run stays small)
 _KILL = [False]     # an injected fault armed in this process (executor.faults.A2A)
 
 
@@ -114,8 +124,8 @@ class AllToAllHandle:
 class ExpertParallel:
     """A process's expert-parallel group: ``size`` EP ranks (``ranks``, global process-group ranks in
     EP-rank order), this process being EP rank ``rank``; ``group`` the torch process group
-    (None at size 1). ``sent``: the send counts of each exchange issued so far (what a run reports:
-    routing's uneven splits, :func:`executor.worker.merge_reports`)."""
+    (None at size 1). ``sent``: the send counts of the first :data:`SENT_KEPT` exchanges issued (what
+    a run reports: routing's uneven splits, :func:`executor.worker.merge_reports`)."""
 
     size: int = 1
     rank: int = 0
@@ -148,7 +158,8 @@ class ExpertParallel:
             raise ValueError(f"send counts {send} sum to {sum(send)}; the all-to-all was given {x.shape[0]} rows")
         if self.size == 1:
             return AllToAllHandle(x, send)
-        self.sent.append(tuple(send))
+        if len(self.sent) < SENT_KEPT:
+            self.sent.append(tuple(send))
         recv = exchange_counts(send, self.group, x.device)
         if _KILL[0]:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -14,9 +14,16 @@ With a heads, d_n = ``head_size`` (the non-rotary part of a query/key head), d_r
 Parameter names: ``attn.q_a / q_norm / q_b`` (or ``attn.q``), ``attn.kv_a / kv_norm / kv_b``,
 ``attn.proj`` (its init scaled as every residual output projection's). The norms and rotary
 positions are the Llama block's (:class:`executor.llama.RMSNorm` keeps its input and 1/rms,
-:func:`executor.llama.rotary` keeps nothing); the attention is PyTorch's fused causal kernel (value
-heads may differ in width from query/key heads). Not split over tensor- or context-parallel ranks
-(the run refuses --tp and --cp with it: :func:`executor.config.lowered_schedule`).
+:func:`executor.llama.rotary` keeps nothing); the attention is PyTorch's fused causal kernel, which
+takes one head size: where d_v differs from d_n + d_r the narrower of queries/keys and values are
+zero-padded to the wider (the scores, with the scale 1/sqrt(d_n + d_r), and the values unchanged;
+what Hugging Face's DeepSeek-V3 does for FlashAttention-2). The padding is kept from F to B where
+the ledger (:func:`cost_models.transformer._attention_split_bytes`) counts d_v wide values and
+outputs, as a kernel with two head sizes (FlashMLA) keeps them. Without it PyTorch falls back to
+its unfused attention, under which the selective recomputation (:mod:`executor.recompute`, whose
+op list holds that path's bmm) gave losses 3e-5 off the reference's at the second step (not traced
+further). Not split over tensor- or context-parallel ranks (the run refuses --tp and --cp with it:
+:func:`executor.config.lowered_schedule`).
 """
 from __future__ import annotations
 
@@ -63,5 +70,9 @@ class LatentAttention(nn.Module):
             k = torch.cat([k_n, k_r], -1)
         else:
             q, k = q_n, k_n
-        y = Fn.scaled_dot_product_attention(q, k, v.contiguous(), is_causal=True)
+        d_qk, width = d_n + d_r, max(d_n + d_r, d_v)
+        if d_qk != d_v:     # one head size for the fused kernel: zero-padded (the scores and values unchanged)
+            q, k = (Fn.pad(t, (0, width - d_qk)) for t in (q, k))
+            v = Fn.pad(v, (0, width - d_v))
+        y = Fn.scaled_dot_product_attention(q, k, v.contiguous(), is_causal=True, scale=d_qk ** -0.5)[..., :d_v]
         return self.proj(y.transpose(1, 2).reshape(b, s, a * d_v))

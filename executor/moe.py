@@ -178,6 +178,23 @@ class _AuxLoss(torch.autograd.Function):
         return gs, None, None
 
 
+class _WeightedSum(torch.autograd.Function):
+    """y[t] = sum over the pairs p of token t of w_p rows_p (``index_add``); keeps the rows, the
+    weights and the token indices (autograd's ``index_add`` would also keep the weighted rows)."""
+
+    @staticmethod
+    def forward(ctx, rows, w, token, n):
+        ctx.save_for_backward(rows, w, token)
+        y = rows.new_zeros(n, rows.shape[-1])
+        return y.index_add_(0, token, rows * w.unsqueeze(-1))
+
+    @staticmethod
+    def backward(ctx, g):
+        rows, w, token = ctx.saved_tensors
+        gt = g.index_select(0, token)
+        return gt * w.unsqueeze(-1), (gt * rows).sum(-1), None, None
+
+
 class _AuxLossGrad(torch.autograd.Function):
     """y unchanged; backward: y's gradient and ``scale`` as the gradient of ``aux`` (module docstring)."""
 
@@ -215,8 +232,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, E] of rows ``x`` [n, h] (autocast off)."""
+        wide = (lambda t: t.float() if t.element_size() < 4 else t)      # fp32 at least
         with torch.autocast(x.device.type, enabled=False):
-            return Fn.linear(x.float(), self.weight.float())
+            return Fn.linear(wide(x), wide(self.weight))
 
 
 class LocalExperts(nn.ModuleDict):
@@ -238,7 +256,9 @@ class LocalExperts(nn.ModuleDict):
             order = torch.argsort(owner, stable=True)
         rows = st.rows if order is None else st.rows.index_select(0, order)
         per_expert = [sum(st.counts[s * per + j] for s in range(sources)) for j in range(per)]
-        out = torch.cat([self[str(j)](part) for j, part in zip(self.local, rows.split(per_expert))])
+        # an expert without rows is skipped (an empty input would be kept as a storage of its own)
+        outs = [self[str(j)](part) for j, part in zip(self.local, rows.split(per_expert)) if part.shape[0]]
+        out = torch.cat(outs) if outs else rows
         if order is not None:
             out = out.index_select(0, torch.argsort(order))
         st.rows = out
@@ -276,14 +296,12 @@ class MoeMLP(nn.Module):
         self.shared = Expert(spec.hidden, spec.shared_ffn) if spec.shared_ffn else None
         self.shared_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_ffn and spec.shared_gate else None
         self.aux_value: torch.Tensor | None = None    # alpha * aux of the last forward (detached)
-        self.last_routing: Routing | None = None
 
     # ------------------------------------------------------------------ the steps
     def route(self, x: torch.Tensor) -> MoeState:
         """Router, top-k, aux loss, capacity; the kept pairs' rows gathered in expert order."""
         flat = x.reshape(-1, x.shape[-1])
         r = route_tokens(self.router(flat), self.top_k, self.router_kind, self.router.bias, self.capacity_factor)
-        self.last_routing = r
         self.aux_value = (self.coeff * r.aux).detach() if self.coeff else None
         return MoeState(x, r, flat.index_select(0, r.token))
 
@@ -315,8 +333,7 @@ class MoeMLP(nn.Module):
         x, r = st.x, st.routing
         flat = x.reshape(-1, x.shape[-1])
         rows = st.rows
-        y = torch.zeros(flat.shape[0], rows.shape[-1], dtype=rows.dtype, device=rows.device)
-        y = y.index_add(0, r.token, rows * r.weight.to(rows.dtype).unsqueeze(-1))
+        y = _WeightedSum.apply(rows, r.weight.to(rows.dtype), r.token, flat.shape[0])
         if self.shared is not None:
             s = self.shared(flat)
             if self.shared_gate is not None:

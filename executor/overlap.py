@@ -29,10 +29,31 @@ SplitBackward per stage module and segment, so each keeps its graph template), i
 :class:`~executor.backward.PendingWeightGrad` kept; W runs every segment's pending weight
 gradients (:func:`weight_backward`).
 
+*Mixtures of experts* (:func:`block_steps`). A block whose MLP is :class:`executor.moe.MoeMLP` is cut
+at its two all-to-alls into three segments, by the MLP's own steps: (1) ``x1 = x + attn(ln1(x))``,
+``h = ln2(x1)``, ``route`` (gate, top-k, balance loss, rows in expert order); the dispatch:
+the experts' counts exchanged at once (a few ints, blocking), the rows started with
+``ep.start_all_to_all``; (2) ``experts`` on the rows received; the combine, started alike; (3)
+``unpermute`` (the weighted sum back into token order, the shared expert) and the residual. What
+crosses a cut is then a tuple: x1, h, the rows, the gate weights and the balance loss (tensors, made
+leaves) and the routing's record (indices and counts); a tensor a segment does not use passes
+through it as the same leaf. Backward exchanges the rows' gradient in reverse (the counts
+received go back as the counts sent). A dense block (no communication) stays one segment; TP
+blocks' row-parallel all-reduces are not cut (their collectives run inside the segment, blocking).
+
+*Split backward of a tuple segment.* :class:`executor.backward.SplitBackward`'s templates take one
+output and one input; a segment with a tuple input or output takes B as ``autograd.grad`` of its
+leaves with the graph kept, and W as ``autograd.backward`` with the parameters as the only inputs
+(:class:`RetainedWeightGrad`): the same sums, the chain between re-run in W, and the graph (not
+only the linear layers' inputs) alive from B to W for those segments.
+
 *Recompute.* The units of :mod:`executor.recompute` are the transformer blocks (a layer stack's
 layers), and cuts fall on unit boundaries: a recomputed unit lies inside one segment and its
 saved-tensor hooks re-run that unit only, from the leaf it was given, inside that segment's
-backward. Nothing is re-run across a cut, whatever the interleaving (torchtitan's threaded
+backward. A mixture-of-experts block cut at its all-to-alls is recomputed per segment
+(:meth:`executor.recompute.Recompute.run_unit` around each of its three steps): a recomputation
+re-runs that segment's compute from the leaves it was given, never an all-to-all. Nothing is
+re-run across a cut, whatever the interleaving (torchtitan's threaded
 DualPipeV recomputed across the other micro-batch's work and did not compose with checkpointing).
 
 Equality: per segment, the forward computes exactly what the unsegmented forward does (the same

@@ -137,7 +137,10 @@ def check_torch_run(config: RunConfig, schedule: Schedule | None = None) -> None
         (f"--zero {par.zero}", par.zero > 1), (f"--recompute {par.recompute}", par.recompute != "none"),
         (f"--dtype {config.dtype}", config.dtype != "fp32"),
         (f"--model {config.model_name} (a model file)", config.is_model_file),
-        (f"--inject-fault {config.fault}", config.fault is not None), ("--overlap-fb", par.overlap_fb)) if on]
+        (f"--inject-fault {config.fault}", config.fault is not None),
+        (f"--model {config.model_name} (a mixture of experts: its balance loss is pipetwin's runtime's)",
+         not config.is_model_file and config.spec().is_moe),
+        ("--overlap-fb", par.overlap_fb)) if on]
     if given:
         raise ValueError(f"torch.distributed.pipelining's runtime trains pipetwin's GPT or Llama stages in fp32, "
                          f"replicated whole; drop {', '.join(given)}")

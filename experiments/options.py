@@ -477,8 +477,11 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
             use("sequence_parallel"), use("zero"), use("dp_shard"), use("reshard_after_forward"), use("seq_len"),
             use("cp"), use("cp_comm"), use("ep", note="; the executor: over the data-parallel replicas, T = 1"),
-            use("etp"), use("overlap_fb", note=" (the executor runs each pair's F and B as interleaved segments, "
-                                            "executor.overlap)"),
+            use("etp"),
+            use("capacity_factor", note=" (the executor's MoE MLP: each expert keeps ceil(C x tokens x k / experts) "
+                "of a micro-batch's token-expert pairs, the highest-scored)"),
+            use("overlap_fb", note=" (the executor runs each pair's F and B as interleaved segments, "
+                                   "executor.overlap)"),
             use("runtime"), use("reference"), use("check"), use("json"), use("trace"),
             use("chrome_trace"),
             use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
