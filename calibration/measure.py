@@ -228,9 +228,15 @@ def moe_block(spec: ModelSpec, device: torch.device = CPU) -> tuple[torch.nn.Mod
     blk = block(spec, index=moe_block_index(spec))
     init_parameters(blk, 0, spec.layers)
     blk.to(device)
-    with torch.no_grad():
-        blk(layer_inputs(spec, device)[2])
-    return blk, blk.mlp.last_routing.counts
+    seen = []
+    hook = blk.mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            blk(layer_inputs(spec, device)[2])
+            counts = blk.mlp.route(seen[0]).routing.counts       # the MLP's own routing of what it was given
+    finally:
+        hook.remove()
+    return blk, counts
 
 
 def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None,
