@@ -10,7 +10,8 @@ step closest to it is the one compared op by op. The simulator runs the same low
 profile (per-layer times, runtime overheads, P2P / all-reduce fits) on one host whose cores the
 ranks share. Reported side by side: iteration time and its relative error, per-device bubble
 ratio, peak activation bytes (measured by saved-tensor hooks vs simulated from the profile's
-measured per-layer bytes) and whether each rank's executed op order equals the schedule's program.
+measured per-layer bytes) and whether each rank's executed op order equals the simulator's (the schedule's
+program, each overlapped F&B pair run as one block, RECVs first, as both engines run it).
 
 A time is only worth comparing from a usable sitting: :func:`refusals` says why one is not (a
 busy calibration, a schedule whose runs did not settle, a host whose speed moved since
@@ -25,6 +26,7 @@ import pandas as pd
 from cost_models.profile import CalibrationProfile
 from cost_models.job import Job
 from executor.config import RunConfig, lowered_schedule
+from schedules import build
 from schedules.trace import noise_free, op_orders, step_metrics
 
 from .fit import fit_ranks, measured_run
@@ -121,10 +123,16 @@ def compare_series(series: list, profile: CalibrationProfile, fitted: frozenset 
         sim_step = min(range(warmup, len(sim_times)), key=lambda k: abs(sim_times[k] - sim_t))
         sm = step_metrics(str_, sim_step)
         orders = op_orders(mtr, step)
-        identical = all(orders.get(r) == [str(o) for o in low.program(r)] for r in range(low.num_ranks))
+        # the simulator's own order (its trace's), which is the program's but where it runs an
+        # overlapped F&B pair as one block (RECVs first: sim.engine), as the executor does
+        sim_orders = op_orders(str_, sim_step)
+        identical = all(orders.get(r) == sim_orders.get(r) for r in range(low.num_ranks))
         identical &= all(op_orders(run.trace, s) == orders for run in ser.runs
                          for s in sorted(run.trace["step"].unique()))
-        out.append(Comparison(schedule=cfg.layout.schedule, devices=cfg.layout.devices,
+        own = bool(build(cfg.layout.schedule, cfg.layout.devices, cfg.layout.microbatches,
+                         chunks=cfg.layout.chunks).meta.get("overlapped")) if cfg.parallel.overlap_fb else True
+        label = cfg.layout.schedule + ("" if own else "+overlap")   # with --overlap-fb beside its plain run
+        out.append(Comparison(schedule=label, devices=cfg.layout.devices,
                               microbatches=cfg.layout.microbatches, replicas=cfg.layout.replicas,
                               measured_iteration_time=ser.step_time,
                               simulated_iteration_time=sim_t, measured_iteration_times=list(res.iteration_times),
@@ -189,8 +197,10 @@ def calibrate_and_compare(jobs: list[Job], *, steps: int = 20, repeats: int = 20
     world, tp = first.layout.devices * first.layout.replicas, first.parallel.tp
     if any((j.layout.devices * j.layout.replicas, j.parallel.tp) != (world, tp) for j in jobs):
         raise ValueError("calibrating in the sitting measures one rank count: give every job the same T, D x R")
+    if any(j.parallel.ep != first.parallel.ep for j in jobs):
+        raise ValueError("calibrating in the sitting measures one expert-parallel size: give every job the same EP")
     host = measure_host(model, ranks=world, repeats=repeats, progress=lambda m: report(f"calibrate: {m}"),
-                        micro_batch=first.parallel.micro_batch, dtype=dtype, tp=tp)
+                        micro_batch=first.parallel.micro_batch, dtype=dtype, tp=tp, ep=first.parallel.ep)
     fit_base = host.runtime_configs(fit_ranks(world, tp), steps)
     val = _runs(jobs, steps=steps, model=model, micro_batch=host.micro_batch, dtype=dtype)
     every = list(dict.fromkeys(val + fit_base))

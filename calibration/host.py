@@ -79,10 +79,10 @@ from executor.config import RunConfig, lowered_schedule
 from executor.device import cpu_threads
 from executor.precision import Precision
 
-from .fit import (fit_allreduce, fit_communication, fit_latency_bandwidth, fit_ranks, fit_runtime, fit_time_slice,
-                  probe_seconds, runtime_configs, scale_layer)
-from .measure import (measure_comm, measure_data, measure_layers, measure_optimizer, measure_stack_layers,
-                      measure_tp_layers)
+from .fit import (fit_all_to_all, fit_allreduce, fit_communication, fit_latency_bandwidth, fit_ranks, fit_runtime,
+                  fit_time_slice, probe_seconds, runtime_configs, scale_layer)
+from .measure import (measure_a2a, measure_comm, measure_data, measure_layers, measure_moe_layers, measure_optimizer,
+                      measure_stack_layers, measure_tp_layers)
 from .sitting import RunSeries, SittingRules, run_series, sitting_record
 
 
@@ -135,6 +135,9 @@ class HostMeasurements:
     optimizer: float        # seconds per parameter of an Adam step
     data: float             # seconds per micro-batch from the data stream
     comm: dict              # measure_comm's samples and per-byte costs
+    ep: int = 1             # expert-parallel size E of the runs to predict (a mixture of experts)
+    moe: dict | None = None  # a MoE model's expert layers measured alone (measure_moe_layers), else None
+    a2a: tuple = ()         # with E > 1: (bytes a rank sends, seconds) of the EP group's all-to-all
 
     @cached_property
     def link_fits(self) -> dict[str, float]:
@@ -147,6 +150,8 @@ class HostMeasurements:
             # relative residuals: a layer's all-reduces are small (latency-bound), the fit must hold there
             out["tp_allreduce_latency"], out["tp_allreduce_bandwidth"] = fit_allreduce(
                 *zip(*self.comm["tp_allreduce"]), n=self.tp, relative=True)
+        if self.a2a:
+            out["a2a_latency"], out["a2a_bandwidth"], out["a2a_residual"] = fit_all_to_all(*zip(*self.a2a))
         return out
 
     def runtime_configs(self, ranks: int, steps: int = 20) -> list:
@@ -155,20 +160,25 @@ class HostMeasurements:
 
 
 def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None,
-                 micro_batch: int | None = None, dtype: str = "fp32", tp: int = 1) -> HostMeasurements:
+                 micro_batch: int | None = None, dtype: str = "fp32", tp: int = 1, ep: int = 1) -> HostMeasurements:
     """Layers, optimizer, data and communication of this machine, for ``ranks`` ranks on it, each
     a tensor-parallel group of ``tp`` processes (its layers measured as one TP rank's shards, the
     group's all-reduce measured; a GPT spec only).
     ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
     ``micro_batch`` samples (default :data:`executor.user_model.DEFAULT_MICRO_BATCH`). ``dtype``
-    the precision of the runs to be predicted (fp32 | bf16; a model file: fp32)."""
+    the precision of the runs to be predicted (fp32 | bf16; a model file: fp32). A mixture of
+    experts (``tiny-mixtral``, ``tiny-deepseek``) also has its expert layers measured alone
+    (:func:`calibration.measure.measure_moe_layers`) and, at ``ep`` E > 1, the executor's
+    all-to-all over E gloo ranks (:func:`calibration.measure.measure_a2a`)."""
     precision = Precision(dtype)
     precision.check_run("cpu")          # fp8 needs a GPU with fp8: refused in one line
     stack_ref = model if is_model_ref(model) else None
     if stack_ref is None:
         spec = load_model(model)
-        if spec.kind != "gpt":
-            raise ValueError(f"calibration runs the executor's GPT; model {spec.name!r} is {spec.kind!r}")
+        if spec.kind not in ("gpt", "llama"):
+            raise ValueError(f"calibration runs the executor's GPT and Llama kinds; model {spec.name!r} is "
+                             f"{spec.kind!r}")
+        check_ep(spec, ep, tp)
         if micro_batch is not None:
             spec = spec.replace(micro_batch=int(micro_batch))
         spec = spec.replace(dtype_bytes=precision.dtype_bytes)
@@ -178,6 +188,9 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
     elif tp > 1:
         raise ValueError(f"--tp {tp} splits the built-in GPT's layers; a model file's layers are not split "
                          f"(calibrate {stack_ref} with --tp 1)")
+    elif ep > 1:
+        raise ValueError(f"--ep {ep} splits a mixture of experts' routed experts; a model file's layers are not "
+                         f"split (calibrate {stack_ref} with --ep 1)")
     elif precision.mixed:
         raise ValueError(f"calibrate --dtype {dtype} measures the GPT presets; calibrate model file {stack_ref} "
                          f"with --dtype fp32")
@@ -199,7 +212,12 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
                 report(f"layer {kind}")
         else:
             layers = measure_layers(spec, threads, repeats, progress=report, precision=precision)
-        per = [layers["embedding"]] + [layers["block"]] * spec.layers + [layers["head"]]
+        moe = measure_moe_layers(spec, ep, threads, repeats) if spec.is_moe else None
+        if moe is not None:
+            report("expert layers")
+        at_ep = block_at_ep(layers.get("moe_block", layers["block"]), moe, ep)
+        per = [layers["embedding"]] + [at_ep if spec.is_moe and i >= spec.dense_layers else layers["block"]
+                                       for i in range(spec.layers)] + [layers["head"]]
         model_spec, kept = spec, kept_bytes(per)
         opt_model, data = spec, measure_data(spec)
         label, run_mb = spec.name, micro_batch
@@ -207,9 +225,48 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
     opt = measure_optimizer(opt_model, threads)
     report("communication")
     comm = measure_comm(opt_model, max(2, ranks), max(12, repeats), tp=tp)
+    a2a = ()
+    if ep > 1:
+        report("all-to-all")
+        a2a = tuple(measure_a2a(model_spec, ep, max(12, repeats)))
     return HostMeasurements(model=model, label=label, model_spec=model_spec, micro_batch=run_mb, ranks=ranks,
                             threads=threads, per=per, dtype=dtype, kept=kept, tp=tp,
-                            optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm)
+                            optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm,
+                            ep=ep, moe=None if stack_ref is not None else moe, a2a=a2a)
+
+
+def block_at_ep(t: dict, moe: dict | None, ep: int) -> dict:
+    """A MoE block's times and kept bytes ``t`` (measured at EP 1: every expert local) as an EP rank
+    of ``ep`` runs it: its routed experts' part exchanged for EP rank 0's experts on the rows its
+    EP peers route to them (``moe["experts"]`` in place of ``moe["experts_ep1"]``, both measured
+    alone, :func:`calibration.measure.measure_moe_layers`), for F, B, B_input, W and the bytes kept
+    without recomputation and with selective recomputation (which keeps the MLP's tensors; full
+    recomputation keeps the block's input only: unchanged). The all-to-alls are priced apart (the
+    profile's ``all_to_all``). At EP 1 (or no ``moe``): ``t``."""
+    if moe is None or ep == 1:
+        return t
+    at, one = moe["experts"], moe["experts_ep1"]
+    out = dict(t, **{k: t[k] + at[k] - one[k] for k in ("f", "b", "b_input", "w")})
+    out["act"] = t["act"] + at["act"] - one["act"]
+    out["act_w"] = t["act_w"] + at["act_w"] - one["act_w"]
+    out["act_recompute"] = {m: v + (at["act"] - one["act"] if m in ("none", "selective") else 0)
+                            for m, v in t["act_recompute"].items()}
+    return out
+
+
+def check_ep(spec, ep: int, tp: int = 1) -> None:
+    """What calibrate / validate --ep can measure, one line each: a mixture of experts whose experts
+    E divides, at T = 1 (the executor folds the experts over the data-parallel replicas only)."""
+    if ep == 1:
+        return
+    if not spec.is_moe:
+        raise ValueError(f"--ep {ep} splits a mixture of experts' routed experts; model {spec.name} is dense "
+                         f"(e.g. --model tiny-mixtral)")
+    if spec.experts % ep:
+        raise ValueError(f"--ep {ep} does not divide the {spec.experts} experts of {spec.name}; pick a divisor")
+    if tp > 1:
+        raise ValueError(f"--ep {ep} with --tp {tp}: the executor folds the experts over the data-parallel "
+                         f"replicas only; calibrate with --tp 1")
 
 
 def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: dict | None = None, *,
@@ -226,16 +283,21 @@ def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: di
     timing = [scale_layer(x, scale) for x in host.per]
     tp_ar = LinkSpec("calibrated-tp-allreduce", fits["tp_allreduce_bandwidth"], fits["tp_allreduce_latency"]) \
         if host.tp > 1 else None
+    a2a = LinkSpec("calibrated-all-to-all", fits["a2a_bandwidth"], fits["a2a_latency"]) if host.a2a else None
+    experts = tuple((k, LayerTiming(v["f"], v["b_input"], v["w"], v["b"])) for k, v in (host.moe or {}).items())
+    a2a_meta = {"a2a_samples": [list(x) for x in host.a2a]} if host.a2a else {}
     return CalibrationProfile(
-        name=f"{platform.node() or 'host'}-{host.label}" + (f"-tp{host.tp}" if host.tp > 1 else ""),
-        model=host.model_spec, tp=host.tp, tp_allreduce=tp_ar,
+        name=f"{platform.node() or 'host'}-{host.label}" + (f"-tp{host.tp}" if host.tp > 1 else "")
+        + (f"-ep{host.ep}" if host.ep > 1 else ""),
+        model=host.model_spec, tp=host.tp, tp_allreduce=tp_ar, ep=host.ep, all_to_all=a2a,
+        a2a_residual=fits.get("a2a_residual"), expert_layers=experts,
         layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
         p2p=LinkSpec("calibrated-p2p", bw, lat + p2p_extra),
         allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_slowdown, ar_lat * ar_slowdown),
         optimizer_seconds_per_param=host.optimizer * scale.get("OPTIM", 1.0), copy_time=0.0, memory_bytes=None,
         overhead=tuple(sorted(overhead.items())), cores=os.cpu_count() or 1, data_time=host.data,
         grad_copy_per_byte=comm["grad_copy_per_byte"], time_slice=time_slice, precision=host.dtype, **host.kept,
-        meta=dict(meta or {}, runtime_scale=scale, alone={"p2p_latency": lat, "allreduce_latency": ar_lat,
+        meta=dict(meta or {}, **a2a_meta, runtime_scale=scale, alone={"p2p_latency": lat, "allreduce_latency": ar_lat,
                                                           "allreduce_bandwidth": ar_bw},
                   in_run={"p2p_latency_extra": p2p_extra, "allreduce_slowdown": ar_slowdown}))
 
@@ -305,7 +367,7 @@ def runtime_rules(runtime_steps: int = 20, runtime_repeats: int = 3) -> SittingR
 
 def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progress=None, micro_batch: int | None = None,
               runtime_steps: int = 20, runtime_repeats: int = 3, rules: SittingRules | None = None,
-              dtype: str = "fp32", tp: int = 1) -> CalibrationProfile:
+              dtype: str = "fp32", tp: int = 1, ep: int = 1) -> CalibrationProfile:
     """Measure this machine (see the module docstring); ``ranks`` is how many ranks the runs to be
     predicted put on this host (it sets the thread count per rank, like the executor does).
     ``model``: a GPT preset / YAML file, or a model file ``PATH.py:FUNC`` measured at
@@ -315,11 +377,13 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
     (:class:`calibration.sitting.SittingRules`). All traced runs share one sitting (interleaved
     rounds, both world sizes). ``dtype``: the precision of the runs to be predicted (fp32 | bf16; a
     model file: fp32). ``tp``: each rank a tensor-parallel group of that many processes (the
-    profile's layers are one TP rank's shards; its ``tp_allreduce`` the group's all-reduce)."""
+    profile's layers are one TP rank's shards; its ``tp_allreduce`` the group's all-reduce). ``ep``:
+    a mixture of experts' expert-parallel size (its expert layers at E's routed counts, the EP
+    group's all-to-all; the traced runs stay at E = 1: the all-to-alls are priced on their fit)."""
     rules = rules or runtime_rules(runtime_steps, runtime_repeats)
     report = progress or (lambda msg: None)
     host = measure_host(model, ranks=ranks, repeats=repeats, progress=report, micro_batch=micro_batch,
-                        dtype=dtype, tp=tp)
+                        dtype=dtype, tp=tp, ep=ep)
     report("runtime (traced runs)")
     series = run_series(host.runtime_configs(fit_ranks(ranks, tp), runtime_steps), rules, progress=report,
                         yardstick=speed_yardstick(host_profile(host)))

@@ -44,7 +44,7 @@ from torch.utils.benchmark import Measurement, TaskSpec, Timer
 from cost_models.model_spec import ModelSpec
 from executor.backward import SplitBackward, full_backward, weight_backward
 from executor.device import SavedTensorMeter, clock
-from executor.model import Block, Embedding, final_norm, full_model, init_parameters, make_optimizer
+from executor.model import Embedding, block, final_norm, full_model, init_parameters, make_optimizer
 from executor.precision import Precision
 from executor.recompute import MODES, Recompute
 from executor.tensor_parallel import SINGLE, ColumnParallelLinear, TensorParallel, vocab_parallel_cross_entropy
@@ -61,7 +61,7 @@ MIN_RUN_TIME = 0.05   # seconds Timer.blocked_autorange spends per statement (at
 class _Head(torch.nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.norm = torch.nn.LayerNorm(spec.hidden)
+        self.norm = final_norm(spec)       # LayerNorm (GPT), RMSNorm (the Llama kind), as the stage's
         self.head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False)
 
     def forward(self, x, targets):
@@ -211,6 +211,34 @@ def _full(state, grad_out) -> None:
     full_backward(out, grad_out(out))
 
 
+def layer_inputs(spec: ModelSpec, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs :func:`measure_layers` feeds its layers (one generator, seed 0): token ids and
+    targets [b, s], hidden states [b, s, h] drawn from N(0, 1)."""
+    b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
+    targets = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
+    return tokens, targets, torch.randn(b, s, h, generator=g).to(device)
+
+
+def moe_block(spec: ModelSpec, device: torch.device = CPU) -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """The first MoE block as :func:`measure_layers` builds and measures it (EP 1, initialised as a
+    run does) and the pairs its router sends to each expert on the measured micro-batch
+    (:func:`layer_inputs`' hidden states; dropless: they sum to b s k)."""
+    blk = block(spec, index=moe_block_index(spec))
+    init_parameters(blk, 0, spec.layers)
+    blk.to(device)
+    seen = []
+    hook = blk.mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            blk(layer_inputs(spec, device)[2])
+            counts = blk.mlp.route(seen[0]).routing.counts       # the MLP's own routing of what it was given
+    finally:
+        hook.remove()
+    return blk, counts
+
+
 def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=None,
                    precision: Precision | None = None, bytes_only: bool = False, device: torch.device = CPU,
                    kinds: tuple[str, ...] = ("embedding", "block", "head"),
@@ -218,23 +246,27 @@ def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=No
     """Per kind (embedding, block, head; ``kinds`` of them): times and kept bytes for one
     micro-batch (a block's kept bytes also under each recomputation mode: blocks are what the
     executor recomputes), computed on ``device`` (a GPU: times wait for its queued kernels).
+    ``block`` is the model's first block as the executor builds it (:func:`executor.model.block`:
+    GPT, Llama, a MoE block where the first is one); a mixture of experts with dense first layers
+    also has ``moe_block`` (its first MoE block, EP 1).
     ``tp``: this process's place in a TP group; its shards of the layers are measured (see
     :func:`measure_tp_layers`)."""
     torch.set_num_threads(threads)
-    b, s, h = spec.micro_batch, spec.seq_len, spec.hidden
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
-    targets = torch.randint(0, spec.vocab, (b, s), generator=g).to(device)
-    emb, blk, head = Embedding(spec, tp), Block(spec, tp), (_TPHead(spec, tp) if tp.on else _Head(spec))
-    for m in (emb, blk, head):
-        init_parameters(m, 0, spec.layers)
-        m.to(device)
-    hidden = torch.randn(b, s, h, generator=g).to(device)
+    tokens, targets, hidden = layer_inputs(spec, device)
+    emb, blk, head = Embedding(spec, tp), block(spec, tp), (_TPHead(spec, tp) if tp.on else _Head(spec))
+    moe = block(spec, tp, index=spec.dense_layers) if spec.is_moe and spec.dense_layers else None
+    for m in (emb, blk, head, moe):
+        if m is not None:
+            init_parameters(m, 0, spec.layers)
+            m.to(device)
     cases = {
         "embedding": (emb, lambda: (tokens, ())),
         "block": (blk, lambda: (hidden.clone().requires_grad_(True), ())),
         "head": (head, lambda: (hidden.clone().requires_grad_(True), (targets,))),
     }
+    if moe is not None:
+        cases["moe_block"] = (moe, lambda: (hidden.clone().requires_grad_(True), ()))
+        kinds = tuple(kinds) + (("moe_block",) if "block" in kinds else ())
     unknown = set(kinds) - set(cases)
     if unknown:
         raise ValueError(f"layer kinds are {', '.join(cases)}; got {', '.join(sorted(unknown))}")
@@ -245,7 +277,8 @@ def measure_layers(spec: ModelSpec, threads: int, repeats: int = 20, progress=No
         if progress:
             progress(f"layer {kind}")
         out[kind] = measure_layer(mod, mk, kind, repeats, precision=precision,
-                                  recompute=MODES if kind == "block" else ("none",), bytes_only=bytes_only)
+                                  recompute=MODES if kind in ("block", "moe_block") else ("none",),
+                                  bytes_only=bytes_only)
     return out
 
 
@@ -504,3 +537,159 @@ def measure_optimizer(model: ModelSpec | str, threads: int) -> float:
         p.grad = torch.randn_like(p) * 1e-3
     opt = make_optimizer(params, "adam", 1e-3)
     return timer_median(opt.step, "adam step") / sum(p.numel() for p in params)
+
+
+# ---------------------------------------------------------------------------- mixtures of experts
+# bytes one EP rank sends in one all-to-all: the routed rows of a tiny micro-batch (a few KiB) up
+# to a larger model's (a few MiB), so that the bytes' time stands out of the latency
+A2A_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+MOE_PARTS = ("router", "experts", "experts_ep1", "shared")   # the expert layers a profile keeps
+
+
+class _Rows(torch.nn.Module):
+    """The ``experts`` step of :class:`executor.moe.MoeMLP` on rows grouped as an EP rank receives
+    them: ``counts`` per (source EP rank, local expert), source-major (:class:`executor.moe.MoeState`)."""
+
+    def __init__(self, experts, counts: list[int]):
+        super().__init__()
+        self.experts, self.counts = experts, list(counts)
+
+    def forward(self, rows):
+        from executor.moe import MoeState
+        return self.experts(MoeState(x=rows, rows=rows, counts=list(self.counts))).rows
+
+
+def moe_block_index(spec: ModelSpec) -> int:
+    """The first MoE block of the spec (after its ``dense_layers``)."""
+    if not spec.is_moe:
+        raise ValueError(f"model {spec.name} is dense: it has no expert layers to measure (e.g. --model tiny-mixtral)")
+    return spec.dense_layers
+
+
+def routed_counts(spec: ModelSpec, ep: int, seed: int = 0) -> list[list[int]]:
+    """Pairs the first MoE block's router (the executor's, initialised as a run initialises it)
+    sends from each of ``ep`` EP ranks to each local expert of EP rank 0 (experts 0 .. E/EP-1):
+    ``out[source][j]``. Each source routes its own micro-batch (``spec.micro_batch`` x ``seq_len``
+    hidden states drawn from N(0, 1), seeded by ``seed`` + source: the EP peers of a run see other
+    data), dropless, as :func:`executor.moe.route_tokens` routes them."""
+    from executor.model import block
+    from executor.moe import route_tokens
+    i = moe_block_index(spec)
+    blk = block(spec, index=i)
+    init_parameters(blk, 0, spec.layers)
+    per = spec.experts // ep
+    out = []
+    for src in range(ep):
+        g = torch.Generator().manual_seed(seed + src)
+        x = torch.randn(spec.micro_batch * spec.seq_len, spec.hidden, generator=g)
+        with torch.no_grad():
+            r = route_tokens(blk.mlp.router(x), spec.top_k, spec.router, blk.mlp.router.bias)
+        out.append(list(r.counts[:per]))
+    return out
+
+
+def send_split(spec: ModelSpec, ep: int, seed: int = 0) -> list[float]:
+    """The share of its routed rows an EP rank (rank 0's micro-batch) sends to each EP rank, as
+    the router gives them (uneven: whatever the routing is): pairs for experts of rank e / all pairs."""
+    from executor.model import block
+    from executor.moe import route_tokens
+    blk = block(spec, index=moe_block_index(spec))
+    init_parameters(blk, 0, spec.layers)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(spec.micro_batch * spec.seq_len, spec.hidden, generator=g)
+    with torch.no_grad():
+        counts = route_tokens(blk.mlp.router(x), spec.top_k, spec.router, blk.mlp.router.bias).counts
+    per = spec.experts // ep
+    sums = [sum(counts[e * per:(e + 1) * per]) for e in range(ep)]
+    return [s / sum(sums) for s in sums]
+
+
+def split_rows(rows: int, shares: list[float]) -> list[int]:
+    """``rows`` split by ``shares`` (rounded down, the remainder to the largest share): the send
+    counts of one all-to-all."""
+    out = [int(rows * s) for s in shares]
+    out[max(range(len(shares)), key=lambda e: shares[e])] += rows - sum(out)
+    return out
+
+
+def measure_moe_layers(spec: ModelSpec, ep: int, threads: int, repeats: int = 20) -> dict[str, dict]:
+    """The expert layers of the first MoE block, each timed and metered as :func:`measure_layer`
+    times a layer (F, B, B_input, W; kept bytes): ``router`` (the gate on the micro-batch's
+    tokens), ``experts`` (EP rank 0's E/EP local experts on the rows its EP peers route to them,
+    :func:`routed_counts`: the real routed token counts at ``ep``), ``experts_ep1`` (all E experts
+    on the micro-batch's own routed rows: the experts inside the block measured at EP 1) and
+    ``shared`` (the shared expert on every token; absent without one). Each row also has
+    ``rows`` (the rows the step ran on). At EP 1 ``experts`` is ``experts_ep1``."""
+    from executor.model import block
+    from executor.moe import LocalExperts
+    torch.set_num_threads(threads)
+    i = moe_block_index(spec)
+    blk = block(spec, index=i)
+    init_parameters(blk, 0, spec.layers)
+    mlp = blk.mlp
+    n, h = spec.micro_batch * spec.seq_len, spec.hidden
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(n, h, generator=g)
+    out = {"router": dict(measure_layer(mlp.router, lambda: (tokens.clone().requires_grad_(True), ()),
+                                        "router", repeats), rows=n)}
+    counts = routed_counts(spec, ep)
+    per = spec.experts // ep
+    local = LocalExperts(range(per), h, spec.expert_width)
+    init_parameters(local, 0, spec.layers)
+    cases = {"experts": (local, [c for src in counts for c in src])}
+    own = routed_counts(spec, 1)[0]
+    cases["experts_ep1"] = (mlp.experts, own)
+    for name, (experts, flat) in cases.items():
+        rows = torch.randn(sum(flat), h, generator=g)
+        mod = _Rows(experts, flat)
+        out[name] = dict(measure_layer(mod, lambda r=rows: (r.clone().requires_grad_(True), ()), name, repeats),
+                         rows=sum(flat))
+    if mlp.shared is not None:
+        out["shared"] = dict(measure_layer(mlp.shared, lambda: (tokens.clone().requires_grad_(True), ()), "shared",
+                                           repeats), rows=n)
+    return out
+
+
+def a2a_worker(payload, rank, world, local_rank, local_world) -> dict:
+    """Spawned EP rank (``world`` of them, one EP group): the executor's all-to-all
+    (:meth:`executor.expert_parallel.ExpertParallel.all_to_all`: the row counts exchanged, then the
+    rows by ``all_to_all_single`` with uneven splits) timed per size, every rank sending
+    ``size`` bytes of rows of width h split as the router splits them (``payload["shares"]``,
+    rotated by the rank: each rank's own heaviest destination differs); the median of rank 0's
+    times after a barrier. Returns ``{"a2a": [(bytes sent per rank, seconds), ...]}``."""
+    import torch.distributed as dist
+
+    from executor.expert_parallel import ExpertParallel
+    from executor.worker import init_world
+    init_world("cpu", rank, world, local_rank, local_world)
+    group = dist.new_group(list(range(world)))
+    ep = ExpertParallel(world, rank, group, tuple(range(world)))
+    h, shares = payload["hidden"], payload["shares"]
+    mine = shares[-rank:] + shares[:-rank] if rank else list(shares)
+    samples = []
+    for size in payload["sizes"]:
+        rows = max(world, size // (4 * h))
+        x = torch.randn(rows, h)
+        send = split_rows(rows, mine)
+        ts = []
+        for i in range(payload["repeats"] + 3):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            ep.all_to_all(x, send)
+            if i >= 3:
+                ts.append(time.perf_counter() - t0)
+        ts.sort()
+        samples.append((rows * h * 4, ts[len(ts) // 2]))
+    dist.barrier(group)
+    dist.destroy_process_group()
+    return {"a2a": samples}
+
+
+def measure_a2a(spec: ModelSpec, ep: int, repeats: int = 20, sizes: tuple[int, ...] = A2A_SIZES) -> list:
+    """(bytes each EP rank sends, seconds) of the executor's all-to-all over ``ep`` gloo ranks on
+    this host, split unevenly as the spec's router splits a micro-batch (:func:`send_split`)."""
+    if ep < 2:
+        raise ValueError(f"an all-to-all needs an EP group of >= 2 ranks; got --ep {ep}")
+    from executor.launch import launch
+    return launch("calibration.measure:a2a_worker", {"hidden": spec.hidden, "shares": send_split(spec, ep),
+                                                     "sizes": sizes, "repeats": repeats}, ep)["a2a"]

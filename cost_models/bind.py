@@ -137,6 +137,14 @@ def check_profile_tp(prof: CalibrationProfile, tp: int, where: str = "--profile"
                          f"--tp {tp} (pipetwin calibrate --tp {tp}) or give --tp {prof.tp}")
 
 
+def check_profile_ep(prof: CalibrationProfile, ep: int, where: str = "--profile") -> None:
+    """The expert-parallel size asked for must be the one the profile was measured at (its MoE
+    blocks' experts at that E's routed counts, its all-to-all the EP group's)."""
+    if ep != prof.ep:
+        raise ValueError(f"{where} {prof.name} was measured at --ep {prof.ep}, not --ep {ep}; calibrate with "
+                         f"--ep {ep} (pipetwin calibrate --ep {ep}) or give --ep {prof.ep}")
+
+
 def profile_partition(prof: CalibrationProfile, choice, num_stages: int) -> tuple[int, ...] | None:
     """Layers per stage over a calibration profile's layers: the given counts, ``"time"`` (balanced
     by the measured layer times) or None (the executor's default split)."""
@@ -158,6 +166,7 @@ def load_inputs(job: Job) -> CostInputs:
         prof = load_profile(job.profile)
         check_profile_model(prof, job.model)
         check_profile_tp(prof, job.parallel.tp)
+        check_profile_ep(prof, job.parallel.ep)
         if prof.tp > 1 and job.cluster.name:
             raise ValueError(f"--profile {prof.name} was measured at --tp {prof.tp} on this host; scaling it onto "
                              f"--cluster {job.cluster.name} is modelled for profiles of --tp 1")

@@ -895,3 +895,87 @@ def measured_layer_times(sh: BlockShape, rates: DeviceRates, protocol: Protocol 
     gpu = f_g * n + b_g * (n - n_acc) + (b_g + a_g) * n_acc
     host = f_h * n + b_h * (n - n_acc) + (b_h + a_h) * n_acc
     return t_f / n, (stream_time(gpu, host, 1) - t_f) / n
+
+
+# ---------------------------------------------------------------------------- a mixture-of-experts block
+MLP_KERNELS = ("fc1", "swiglu", "fc2")     # the dense llama block's MLP: what a MoE block has in its place
+
+
+def moe_mlp_kernels(spec: "ModelSpec", counts: Sequence[int]) -> list[Kernel]:
+    """The kernels of the executor's MoE MLP (:class:`executor.moe.MoeMLP`, EP 1) on one micro-batch
+    of T = b s tokens whose routed pairs per expert are ``counts`` (m = their sum; T k dropless):
+
+    * router: the gate GEMM [T x h] x [h x E] in fp32 (4-byte operands: the executor keeps the router
+      in fp32), the softmax (or sigmoid) and top-k over [T, E] fp32 scores; backward the two GEMMs'
+      input and weight gradients and the scores' element-wise backward;
+    * dispatch: the m rows gathered (read and written, m h d), their gradient scattered back (3 m h d);
+    * each expert j with c_j > 0 rows: ``w1`` and ``w3`` [c_j x h] x [h x f_e], SwiGLU (3 c_j f_e d;
+      backward 5), ``w2`` [c_j x f_e] x [f_e x h] (Mixtral's three separate linears);
+    * combine: the weighted rows added into token order (rows, weights, output: 3 m h d; backward 2);
+    * the shared expert on all T tokens (f_s > 0), as an expert, and Qwen2's gate [T x h] x [h x 1];
+    * the weight gradients added into ``.grad`` (3 numel d per tensor, as the dense blocks').
+
+    2 FLOPs per multiply-accumulate, so the forward's GEMM FLOPs are 2 T E h + 6 m h f_e + 6 T h f_s
+    (+ 2 T h with the shared gate)."""
+    T, h, d, E, fe, fs = spec.micro_batch * spec.seq_len, spec.hidden, spec.dtype_bytes, spec.experts, \
+        spec.expert_width, spec.shared_ffn
+    if len(counts) != E:
+        raise ValueError(f"moe_mlp_kernels needs one row count per expert ({E}); got {len(counts)}")
+    m = int(sum(counts))
+    fwd, back, params = [], [], []
+
+    def linear(name, rows, n_out, n_in, dt=d):
+        f, b = _linear(name, rows, n_out, n_in, dt, bias=False)
+        fwd.extend(f)
+        back[:0] = b             # backward in reverse order
+        params.append((n_out * n_in, dt))
+
+    linear("router", T, E, h, 4)
+    fwd.append(memory("router.scores", "F", 2 * T * E * 4 + T * E * 4))
+    back.insert(0, memory("router.scores.bwd", "B", 3 * T * E * 4))
+    fwd.append(memory("moe.dispatch", "F", 2 * m * h * d))
+    back.insert(0, memory("moe.dispatch.bwd", "B", 3 * m * h * d))
+    for j, c in enumerate(counts):
+        if c <= 0:
+            continue
+        linear(f"expert{j}.w1", c, fe, h)
+        linear(f"expert{j}.w3", c, fe, h)
+        fwd.append(memory(f"expert{j}.swiglu", "F", 3 * c * fe * d))
+        back.insert(0, memory(f"expert{j}.swiglu.bwd", "B", 5 * c * fe * d))
+        linear(f"expert{j}.w2", c, h, fe)
+    fwd.append(memory("moe.combine", "F", 3 * m * h * d))
+    back.insert(0, memory("moe.combine.bwd", "B", 2 * m * h * d))
+    if fs:
+        linear("shared.w1", T, fs, h)
+        linear("shared.w3", T, fs, h)
+        fwd.append(memory("shared.swiglu", "F", 3 * T * fs * d))
+        back.insert(0, memory("shared.swiglu.bwd", "B", 5 * T * fs * d))
+        linear("shared.w2", T, h, fs)
+        if spec.shared_gate:
+            linear("shared.gate", T, 1, h)
+    accum = [memory(f"moe.grad.accum{i}", "W", 3 * p * dt) for i, (p, dt) in enumerate(params)]
+    return fwd + back + accum
+
+
+def moe_block_times(spec: "ModelSpec", device: "DeviceSpec", precision: str, counts: Sequence[int],
+                    constants: GpuConstants | None = None) -> tuple[float, float, float]:
+    """(F, B, W) seconds of one MoE block of ``spec`` (a llama-kind mixture of experts, EP 1) for
+    one micro-batch whose routed pairs per expert are ``counts``: the llama block's kernels
+    (:func:`block_kernels`, flash attention, no dropout) without its dense MLP (:data:`MLP_KERNELS`
+    and their two gradient accumulations) and with :func:`moe_mlp_kernels` in its place, each phase a
+    long-run stream (:func:`stream_time`)."""
+    if spec.kind != "llama" or not spec.is_moe:
+        raise ValueError(f"moe_block_times prices the llama kind's MoE block; model {spec.name} is "
+                         f"{'dense' if not spec.is_moe else spec.kind}")
+    if spec.is_mla:
+        raise ValueError(f"moe_block_times prices grouped-query attention; model {spec.name} has latent attention")
+    rates = DeviceRates.of(device, precision, constants)
+    from dataclasses import fields
+
+    from .model_spec import MOE_FIELDS
+    dense = spec.replace(**{f.name: f.default for f in fields(spec) if f.name in MOE_FIELDS},
+                         ffn_hidden=spec.expert_width)
+    attn = block_kernels(block_shape(dense, dropout=False))
+    mlp_params = {"grad.accum4", "grad.accum5"}     # fc1's and fc2's (the block's parameters in order)
+    attn = [k for k in attn if k.name.split(".")[0] not in MLP_KERNELS and k.name not in mlp_params]
+    return rates.phases(attn + moe_mlp_kernels(spec, counts))

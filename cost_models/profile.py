@@ -31,7 +31,26 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
     memory: 16 GiB                 # memory one rank may use (optional; no OOM verdict without it)
     tp: 2                          # optional (default 1): the tensor-parallel size T measured at
     tp_allreduce: {latency: 30 us, bandwidth: 1.5 GB/s}  # with tp > 1: the TP group's all-reduce (ring fit)
+    ep: 2                          # optional (default 1): the expert-parallel size E a MoE model was measured at
+    all_to_all: {latency: 900 us, bandwidth: 0.4 GB/s, residual: 0.3}  # with ep > 1: one executor all-to-all
+                                   # over the EP group, latency + bytes a rank sends / bandwidth (residual: the
+                                   # fit's largest relative miss on its own points, meta["a2a_samples"])
+    expert_layers: {router: {f:, b_input:, w:, b:}, experts: {...}, experts_ep1: {...}, shared: {...}}
+                                   # a MoE model's expert layers measured alone (calibration.measure.measure_moe_layers)
     meta: {host: ..., torch: ..., threads: 1, date: ...}   # free-form, kept as is
+
+A profile of a mixture of experts (``pipetwin calibrate --model tiny-mixtral --ep E``) keeps the
+expert layers of its first MoE block measured alone (``expert_layers``: the router, EP rank 0's
+routed experts at the row counts the EP peers' routing sends them, all experts at EP 1, the shared
+expert) and, with E > 1, the fit of the executor's all-to-all over E gloo ranks. A MoE block's
+``per_layer`` time is then the block at EP 1 with its experts' time exchanged for theirs at E (done
+when calibrating), and :meth:`CalibrationProfile.layer_costs` adds its all-to-alls from the fit:
+per MoE block, F runs three (the per-expert counts, E x 8 bytes; the dispatch and the combine, each
+``n k h d`` bytes per rank, :func:`cost_models.moe.moe_share`) and the input backward two (their
+gradients; the forward's three again under full recomputation) (:meth:`CalibrationProfile.a2a_times`).
+A MoE model's costs carry F / B phases (compute and all-to-all segments,
+:meth:`CalibrationProfile.layer_segments`), so that the simulator runs the schedule's overlapped
+F&B pairs as the executor does (:mod:`sim.overlap`). A profile is used at the E it was measured at only.
 
 A profile of a user's layer stack (``pipetwin calibrate --model PATH.py:FUNC``) has a ``model``
 mapping with ``file: PATH.py:FUNC`` and the measured per-layer facts of
@@ -75,7 +94,8 @@ from .files import FileError, check_kind, read_text, write_output
 from .model_spec import ModelSpec, load_model, spec_from_dict
 from .partition import balanced_counts, default_partition, stack_partition
 from .stack import StackSpec, stack_from_dict
-from .transformer import TensorParallelGroup, _check_recompute, layer_collectives, transformer_layers
+from .transformer import (TensorParallelGroup, _check_recompute, is_moe_block, layer_collectives, stage_phases,
+                          transformer_layers)
 
 FORMAT = "pipetwin-calibration/1"
 KINDS = ("embedding", "block", "head")
@@ -123,6 +143,10 @@ class CalibrationProfile:
     precision: str = "fp32"                       # the executor's --dtype when measured
     tp: int = 1                                   # tensor-parallel size T: layers are one TP rank's (1/T)
     tp_allreduce: LinkSpec | None = None          # with tp > 1: the TP group's all-reduce, one ring step
+    ep: int = 1                                   # expert-parallel size E a MoE model was measured at
+    all_to_all: LinkSpec | None = None            # with ep > 1: one executor all-to-all over the EP group
+    a2a_residual: float | None = None             # the all-to-all fit's largest relative miss on its points
+    expert_layers: tuple[tuple[str, LayerTiming], ...] = ()   # a MoE model's expert layers measured alone
 
     def __post_init__(self):
         # one canonical order of the per-op overheads (the file's), so equal profiles compare equal
@@ -144,6 +168,16 @@ class CalibrationProfile:
                 self.model.check_tensor_parallel(self.tp, "tp")
             except ValueError as e:
                 raise SpecError(f"profile {self.name}: {e}") from None
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise SpecError(f"profile {self.name}: field 'ep' must be an integer >= 1; got {self.ep!r}")
+        if self.ep > 1:
+            if self.is_stack or not self.model.is_moe or self.model.experts % self.ep:
+                raise SpecError(f"profile {self.name}: field 'ep' {self.ep} splits a mixture of experts' routed "
+                                f"experts; model {self.model_name} has "
+                                + (f"{self.model.experts}" if not self.is_stack and self.model.is_moe else "none"))
+            if self.all_to_all is None:
+                raise SpecError(f"profile {self.name}: ep {self.ep} needs field 'all_to_all' (the EP group's "
+                                f"all-to-all); calibrate with --ep {self.ep}")
 
     @property
     def is_stack(self) -> bool:
@@ -187,6 +221,8 @@ class CalibrationProfile:
         # B -> W keeps the same with or without recomputation: a split backward recomputes in B and
         # keeps the recomputed graph for W (executor.recompute)
         act_w = [m if mw is not None else l.act_w_bytes for l, m in zip(formula, mw or [None] * len(formula))]
+        a2a_f, a2a_b = self.all_to_all_times(recompute)
+        comm = [(cf + af, cb + ab) for (cf, cb), af, ab in zip(comm, a2a_f, a2a_b)]
         full = None
         if all(t.b is not None for t in self.layers):
             full = tuple(t.b + (t.f * l.flops_recompute / l.flops_f if l.flops_f else 0.0) + cb
@@ -226,6 +262,68 @@ class CalibrationProfile:
         return [(group.phase_time(c.forward), group.phase_time(c.backward))
                 for c in layer_collectives(self.model, recompute, self.tp)]
 
+    def moe_blocks(self) -> list[bool]:
+        """Per layer (embedding, blocks, head): whether it is a MoE block."""
+        if self.is_stack:
+            return [False] * len(self.layers)
+        return [False] + [is_moe_block(self.model, i) for i in range(self.model.layers)] + [False]
+
+    def a2a_times(self) -> tuple[float, float, float]:
+        """Seconds of one MoE block's three forward all-to-alls on the fit (``all_to_all``): the
+        per-expert counts (E int64 = 8 E bytes), the dispatch and the combine (n k h d bytes each per
+        rank, :func:`cost_models.moe.moe_share`); zeros at E = 1 (the executor's all-to-all is then
+        the identity)."""
+        if self.ep == 1 or self.all_to_all is None:
+            return 0.0, 0.0, 0.0
+        from .moe import moe_share
+        from .parallel import Parallel
+        share = moe_share(self.model, Parallel(ep=self.ep))
+        link = self.all_to_all
+        one = lambda nbytes: link.latency + nbytes / link.bandwidth  # noqa: E731
+        return one(8.0 * self.model.experts), one(share.dispatch_bytes), one(share.combine_bytes)
+
+    def all_to_all_times(self, recompute: str = "none") -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per layer, the all-to-all seconds in F (counts + dispatch + combine) and in the input
+        backward (the dispatch's and combine's gradients; under full recomputation the forward's
+        three again): 0 but in MoE blocks at E > 1."""
+        counts, disp, comb = self.a2a_times()
+        f = counts + disp + comb
+        b = disp + comb + (f if recompute == "full" else 0.0)
+        moe = self.moe_blocks()
+        return tuple(f if m else 0.0 for m in moe), tuple(b if m else 0.0 for m in moe)
+
+    def layer_segments(self, lc: LayerCosts, recompute: str = "none", split: bool = True
+                       ) -> tuple[list[list[tuple[str, float]]], list[list[tuple[str, float]]]]:
+        """Per layer, its F and its backward as ("compute" | "comm", seconds) segments (as
+        :meth:`cost_models.transformer.TransformerCostModel.layer_segments`): a MoE block's F is the
+        attention and router, the counts and dispatch all-to-alls, the routed and shared experts
+        (``expert_layers``' ``experts`` + ``shared``), the combine; its backward the combine's
+        gradient, the experts' input gradients, the dispatch's gradient, the rest (after the re-run
+        forward's under full recomputation); any other layer one compute segment. The segments of a
+        layer sum to its ``lc.f`` and to its input backward (``split``) or full backward (else: the
+        weight gradients in the last compute segment); the all-to-alls are the fit's, the compute
+        segments the measured alone times scaled to the rest (measured alone, the experts can take
+        longer than inside the block on a loaded host: never a negative segment)."""
+        counts, disp, comb = self.a2a_times()
+        parts = dict(self.expert_layers)
+        ex = [parts[k] for k in ("experts", "shared") if k in parts]
+        ex_f, ex_b = sum(t.f for t in ex), sum(t.b_input for t in ex)
+        full = recompute == "full"
+        back_total = lc.b_input if split else (lc.b_full or tuple(b + w for b, w in zip(lc.b_input, lc.w)))
+        fs, bs = [], []
+        for f, b, moe in zip(lc.f, back_total, self.moe_blocks()):
+            if not moe or not ex:
+                fs.append([("compute", f)])
+                bs.append([("compute", b)])
+                continue
+            fwd = _fitted([("compute", max(0.0, f - counts - disp - comb - ex_f)), ("comm", counts + disp),
+                           ("compute", ex_f), ("comm", comb)], f)
+            back = (fwd if full else []) + [("comm", comb), ("compute", ex_b), ("comm", disp)]
+            back.append(("compute", max(0.0, b - sum(x for _, x in back))))
+            fs.append(fwd)
+            bs.append(_fitted(back, b))
+        return fs, bs
+
     def _stack_costs(self, recompute: str, bytes_per_param: float, grad_bytes_per_param: float | None) -> LayerCosts:
         if recompute != "none":
             raise SpecError(f"profile {self.name}: recomputation is modelled for transformers; a layer-stack profile "
@@ -256,8 +354,13 @@ class CalibrationProfile:
                                      num_stages))
 
     def cost_model(self, num_stages: int, partition: tuple[int, ...] | None = None, **kw) -> PerLayerCostModel:
-        """A per-layer cost model (seconds, bytes); ``kw`` go to :meth:`layer_costs`."""
-        return PerLayerCostModel(self.layer_costs(**kw), partition or self.default_partition(num_stages))
+        """A per-layer cost model (seconds, bytes); ``kw`` go to :meth:`layer_costs`. A MoE model's
+        binds with F / B phases (:class:`PhasedCostModel`)."""
+        part = partition or self.default_partition(num_stages)
+        lc = self.layer_costs(**kw)
+        if not self.is_stack and self.model.is_moe:
+            return PhasedCostModel(lc, part, self, kw.get("recompute", "none"))
+        return PerLayerCostModel(lc, part)
 
     def cluster(self, num_ranks: int) -> Cluster:
         """``num_ranks`` cpu ranks on one host: the p2p fit is every rank's port, the all-reduce fit
@@ -307,14 +410,49 @@ class CalibrationProfile:
         if self.tp > 1:
             d["tp"] = self.tp
             d["tp_allreduce"] = {"latency": self.tp_allreduce.latency, "bandwidth": self.tp_allreduce.bandwidth}
+        if self.ep > 1:
+            d["ep"] = self.ep
+            d["all_to_all"] = {"latency": self.all_to_all.latency, "bandwidth": self.all_to_all.bandwidth,
+                               **({"residual": self.a2a_residual} if self.a2a_residual is not None else {})}
+        if self.expert_layers:
+            d["expert_layers"] = {k: {"f": t.f, "b_input": t.b_input, "w": t.w,
+                                      **({"b": t.b} if t.b is not None else {})} for k, t in self.expert_layers}
         return d
+
+
+def _fitted(segs: list[tuple[str, float]], total: float) -> list[tuple[str, float]]:
+    """``segs`` with the compute segments scaled so that all sum to ``total`` (the comm kept; total
+    is at least their sum: a layer's time includes its all-to-alls)."""
+    comm = sum(x for k, x in segs if k == "comm")
+    compute = sum(x for k, x in segs if k == "compute")
+    k = max(0.0, total - comm) / compute if compute > 0 else 0.0
+    return [(kind, x * k if kind == "compute" else x) for kind, x in segs]
+
+
+@dataclass(frozen=True)
+class PhasedCostModel(PerLayerCostModel):
+    """A per-layer cost model whose stage costs carry F / B phases from the layers' segments
+    (:func:`cost_models.transformer.stage_phases`): a calibrated mixture of experts."""
+
+    profile: "CalibrationProfile | None" = None
+    recompute: str = "none"
+
+    def bind(self, sched):
+        from dataclasses import replace
+        costs = super().bind(sched)
+        fs, bs = self.profile.layer_segments(self.layers, self.recompute, sched.split_backward)
+        # a full backward's weight gradients are in its layers' segments already
+        lc = self.layers if sched.split_backward else replace(self.layers, w=tuple(0.0 for _ in self.layers.w))
+        return stage_phases(costs, sched, lc, fs, bs, self.partition)
 
 
 _FIELDS = ("format", "name", "model", "layers", "per_layer", "act_bytes", "act_bytes_per_layer", "p2p",
            "allreduce", "optimizer", "copy_time", "memory", "meta", "act_w_bytes_per_layer", "overhead", "cores",
            "data_time", "first_stage_all_in_w", "grad_copy_per_byte", "oversubscribed_slowdown",
-           "act_bytes_recompute_per_layer", "precision", "time_slice", "tp", "tp_allreduce")
+           "act_bytes_recompute_per_layer", "precision", "time_slice", "tp", "tp_allreduce", "ep", "all_to_all",
+           "expert_layers")
 OVERHEAD_KINDS = ("F", "B", "W", "SEND", "RECV", "OPTIM")
+EXPERT_PARTS = ("router", "experts", "experts_ep1", "shared")   # calibration.measure.MOE_PARTS
 # a profile that ``pipetwin calibrate`` measured has this key in its meta (calibration.host.host_profile) ...
 MEASURED = "runtime_scale"
 # ... and every field it always writes: such a profile missing one was cut short (it would simulate
@@ -433,6 +571,25 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
             model.check_tensor_parallel(tp, "tp")
         except ValueError as e:
             raise SpecError(f"{source}: field 'tp': {e}") from None
+    ep = d.get("ep", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise SpecError(f"{source}: field 'ep' must be an integer >= 1; got {ep!r}")
+    if (ep > 1) != ("all_to_all" in d):
+        raise SpecError(f"{source}: fields 'ep' > 1 and 'all_to_all' go together (calibrate --ep E writes both); "
+                        f"got ep {ep}" + (" with" if "all_to_all" in d else " without") + " all_to_all")
+    a2a, a2a_res = None, None
+    if ep > 1:
+        v = _spec.mapping(d["all_to_all"], source, "all_to_all")
+        _spec.check_fields(v, source, ("latency", "bandwidth", "residual"), ("latency", "bandwidth"), "all_to_all.")
+        a2a = _fit({k: v[k] for k in ("latency", "bandwidth")}, source, "all_to_all", "calibrated-all-to-all")
+        if "residual" in v:
+            a2a_res = v["residual"]
+            if isinstance(a2a_res, bool) or not isinstance(a2a_res, (int, float)) or not 0 <= a2a_res < 1e6:
+                raise SpecError(f"{source}: field 'all_to_all.residual' must be a number >= 0; got {a2a_res!r}")
+            a2a_res = float(a2a_res)
+    ex = _spec.mapping(d.get("expert_layers", {}) or {}, source, "expert_layers")
+    _spec.check_fields(ex, source, EXPERT_PARTS, prefix="expert_layers.")
+    expert_layers = tuple((k, _timing(ex[k], source, f"expert_layers.{k}")) for k in EXPERT_PARTS if k in ex)
     time_slice = d.get("time_slice")
     if time_slice is not None:
         time_slice = _spec.seconds(time_slice, source, "time_slice", allow_zero=False)
@@ -449,7 +606,8 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         first_stage_all_in_w=bool(d.get("first_stage_all_in_w", False)),
         grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"),
         oversubscribed_slowdown=float(over), act_bytes_recompute=act_rec, precision=precision,
-        time_slice=time_slice, tp=tp, tp_allreduce=tp_ar)
+        time_slice=time_slice, tp=tp, tp_allreduce=tp_ar, ep=ep, all_to_all=a2a, a2a_residual=a2a_res,
+        expert_layers=expert_layers)
 
 
 def load_profile(path: str | Path) -> CalibrationProfile:

@@ -1408,18 +1408,29 @@ class TransformerCostModel:
         GPU, for the simulator to overlap the schedule's F&B pairs (:mod:`sim.overlap`); ``lc``: the
         layer costs the stage costs were summed from."""
         fs, bs = self.layer_segments(lc)
-        if not sched.split_backward:       # a full backward: each layer's weight gradient after its input's
-            bs = [segs + [("compute", w)] for segs, w in zip(bs, lc.w)]
-        parts = layer_ranges(len(lc.f), sched.num_stages, self.partition_for(sched.num_stages))
+        return stage_phases(costs, sched, lc, fs, bs, self.partition_for(sched.num_stages),
+                            self.parallel.overlap_sm_share)
 
-        def phases(segs, total):
-            segs = [("compute", total - sum(x for _, x in segs))] + segs    # what the stage adds to its layers
-            # the differences above are exact but for rounding: a -1e-18 is a 0
-            return OpPhases.from_segments([(k, x if x > 0 or x < -1e-9 * total else 0.0) for k, x in segs])
 
-        f = [[phases([x for i in r for x in fs[i]], costs.f[c][s]) for s, r in enumerate(parts)]
-             for c in range(sched.num_copies)]
-        b = [[phases([x for i in reversed(r) for x in bs[i]], costs.b[c][s]) for s, r in enumerate(parts)]
-             for c in range(sched.num_copies)]
-        return replace(costs, phases_f=tuple(map(tuple, f)), phases_b=tuple(map(tuple, b)),
-                       comm_sm_share=self.parallel.overlap_sm_share)
+def stage_phases(costs: StageCosts, sched, lc: LayerCosts, fs, bs, partition, sm_share: float = 0.0) -> StageCosts:
+    """``costs`` with each op's F and B split into compute and all-to-all phases from the layers'
+    segments ``fs`` / ``bs`` (per layer, ("compute" | "comm", seconds) in order, summing to ``lc.f``
+    / ``lc.b_input``: :meth:`TransformerCostModel.layer_segments`, or a calibration profile's
+    measured ones) over each stage (``partition``: layers per stage), a backward's layers last to
+    first, a full backward's weight gradient after each layer's input gradient; what the stage adds
+    to its layers (data time, per-op overheads) in its first compute phase; ``sm_share`` the
+    communication's share of the device while it runs (:mod:`sim.overlap`)."""
+    if not sched.split_backward:       # a full backward: each layer's weight gradient after its input's
+        bs = [segs + [("compute", w)] for segs, w in zip(bs, lc.w)]
+    parts = layer_ranges(len(lc.f), sched.num_stages, partition)
+
+    def phases(segs, total):
+        segs = [("compute", total - sum(x for _, x in segs))] + segs    # what the stage adds to its layers
+        # the differences above are exact but for rounding: a -1e-18 is a 0
+        return OpPhases.from_segments([(k, x if x > 0 or x < -1e-9 * total else 0.0) for k, x in segs])
+
+    f = [[phases([x for i in r for x in fs[i]], costs.f[c][s]) for s, r in enumerate(parts)]
+         for c in range(sched.num_copies)]
+    b = [[phases([x for i in reversed(r) for x in bs[i]], costs.b[c][s]) for s, r in enumerate(parts)]
+         for c in range(sched.num_copies)]
+    return replace(costs, phases_f=tuple(map(tuple, f)), phases_b=tuple(map(tuple, b)), comm_sm_share=sm_share)

@@ -34,8 +34,9 @@ _ZERO_SHARDS = {1: "optimizer state", 2: "optimizer state and gradients", 3: "op
 # DAPPLE on 2 pipeline devices with 4 micro-batches
 RUN_DEFAULTS = {"schedule": "dapple", "devices": 2, "microbatches": 4, "model": "tiny"}
 
-# the MoE options a training run acts on (executor.moe); the others are the simulator's
-RUN_MOE_KNOBS = ("--capacity-factor", "--ep", "--etp")
+# the MoE options a training run acts on (executor.moe, executor.expert_parallel, executor.overlap: the
+# F&B overlap on any model); the others price a mixture of experts in the simulator
+RUN_MOE_KNOBS = ("--ep", "--etp", "--capacity-factor", "--overlap-fb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,8 +316,8 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         what = "a mixture of experts" if spec.is_moe else "latent attention (MLA)"
         raise ValueError(f"--tp {par.tp}: the executor splits dense blocks over tensor-parallel ranks; model "
                          f"{spec.name} has {what} (use --tp 1; pipetwin simulate prices it)")
-    if spec is not None:
-        check_expert_parallel(spec, par, lay.replicas)
+    if spec is not None:    # the executor overlaps F&B pairs of dense models too (segments = blocks)
+        check_expert_parallel(spec, replace(par, overlap_fb=False), lay.replicas)
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
     if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)

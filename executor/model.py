@@ -159,18 +159,22 @@ class StageModule(nn.Module):
         self.head = ColumnParallelLinear(spec.hidden, spec.vocab, tp, bias=False) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(self.cp.local(x))
-        aux = None
-        for block in self.blocks.values():
-            x = block(x)
-            v = getattr(block, "aux_value", None)     # read at once: a recomputation rewrites it later
-            if v is not None:
-                aux = v if aux is None else aux + v
-        self.aux_loss = aux
-        if self.head is not None:
-            x = self.head(self.norm(x))
+        for step in self.steps():
+            x = step(x)
         return x
+
+    def steps(self, split=None) -> list:
+        """The forward as consecutive steps, one per block (the embedding folded into the first,
+        the final norm and head into the last; a stage without blocks is one step): where the
+        overlapped F&B runtime cuts it (:mod:`executor.overlap`). ``split(block)``: the block's own
+        steps (a mixture of experts cut at its all-to-alls), else the block is one."""
+        parts = []
+        for b in self.blocks.values():
+            subs = split(b) if split is not None else [b]
+            parts += [(sub, b if k == 0 else None) for k, sub in enumerate(subs)]
+        parts = parts or [(None, None)]
+        n = len(parts)
+        return [_StageStep(self, sub, owner, i == 0, i == n - 1) for i, (sub, owner) in enumerate(parts)]
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (with tensor parallelism: of the logits split over the vocabulary; with
@@ -179,6 +183,33 @@ class StageModule(nn.Module):
             targets = self.cp.local(targets)
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp) if self.tp.on else lm_loss(logits, targets)
         return loss / self.cp.size if self.cp.on else loss
+
+
+class _StageStep:
+    """One step of a stage's forward (:meth:`StageModule.steps`): the embedding first on the first
+    step, then ``sub`` (a block, or one of a block's steps: a callable or an
+    :class:`executor.overlap.Step`, whose ``exchange`` it shows), then the final norm and head on
+    the last. After the first step of a block (``aux_of``) the block's balance loss is added to
+    the stage's :attr:`StageModule.aux_loss` (read at once: a recomputation rewrites it later)."""
+
+    def __init__(self, stage: "StageModule", sub, aux_of, first: bool, last: bool):
+        self.stage, self.sub, self.aux_of, self.first, self.last = stage, sub, aux_of, first, last
+        self.exchange = getattr(sub, "exchange", None)
+
+    def __call__(self, x):
+        st = self.stage
+        if self.first:
+            st.aux_loss = None
+            if st.embed is not None:
+                x = st.embed(st.cp.local(x))
+        if self.sub is not None:
+            x = getattr(self.sub, "compute", self.sub)(x)
+        v = getattr(self.aux_of, "aux_value", None) if self.aux_of is not None else None
+        if v is not None:
+            st.aux_loss = v if st.aux_loss is None else st.aux_loss + v
+        if self.last and st.head is not None:
+            x = st.head(st.norm(x))
+        return x
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -308,14 +308,20 @@ class MoeMLP(nn.Module):
     def dispatch(self, st: MoeState) -> MoeState:
         """The rows to the EP ranks of their experts; first each expert's count (so a receiver knows
         which of its rows belong to which local expert)."""
+        send = self.dispatch_counts(st)
+        st.rows, st.recv = self.ep.all_to_all(st.rows, send)
+        return st
+
+    def dispatch_counts(self, st: MoeState) -> list[int]:
+        """The first half of :meth:`dispatch`: each expert's count exchanged (``st.counts``, source-major,
+        local expert minor); returns the rows to send to each EP rank (the overlap runtime sends
+        them asynchronously, :mod:`executor.overlap`)."""
         E, ep = self.num_experts, self.ep
         per = E // ep.size
         counts = torch.tensor(st.routing.counts, dtype=torch.int64, device=st.rows.device).view(E, 1)
         got, _ = ep.all_to_all(counts, [per] * ep.size)
-        send = [sum(st.routing.counts[e * per:(e + 1) * per]) for e in range(ep.size)]
-        st.rows, st.recv = ep.all_to_all(st.rows, send)
-        st.counts = [int(c) for c in got.view(-1).tolist()]           # source-major, local expert minor
-        return st
+        st.counts = [int(c) for c in got.view(-1).tolist()]
+        return [sum(st.routing.counts[e * per:(e + 1) * per]) for e in range(ep.size)]
 
     def combine(self, st: MoeState) -> MoeState:
         """The expert outputs back to the ranks their rows came from."""

@@ -86,6 +86,18 @@ class Recompute:
             handles.append(unit.register_forward_hook(self._exit))
         return handles
 
+    def run_unit(self, fn, *args):
+        """``fn(*args)`` recomputed as a unit of its own (a segment of a block the overlapped F&B
+        runtime cut at its all-to-alls, :mod:`executor.overlap`): a recomputation re-runs ``fn``
+        only, from the args it kept."""
+        if self.mode == "none":
+            return fn(*args)
+        self._enter(fn, args)
+        try:
+            return fn(*args)
+        finally:
+            self._exit(fn, args, None)
+
     # ------------------------------------------------------------------ forward hooks
     def _enter(self, unit, args):
         if self._recomputing or not torch.is_grad_enabled():

@@ -52,6 +52,7 @@ bytes moved for SEND/RECV/ALLREDUCE, and the activation bytes alive after the op
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -66,6 +67,8 @@ from .data import TokenSource
 from .device import DeviceContext
 from .expert_parallel import arm_kill
 from .faults import A2A, parse_fault
+from .overlap import RetainedWeightGrad, Segment, backward_segments, forward_segments, input_grads, interleave, \
+    is_tuple_segment, run_alone, steps_of, tuple_backward, tuple_input_backward
 from .p2p import CommError, Mailbox, wait_work
 from .precision import Precision
 from .recompute import Recompute
@@ -100,6 +103,7 @@ class StepOutcome:
     rows: list[TraceRow]
     loss_sum: float
     peak_activation: int
+    phases: list = field(default_factory=list)    # overlapped pairs' sub-phases (executor.overlap.Phase)
 
 
 def slow_down(factor: float, t0: float, clock=time.perf_counter, sleep=time.sleep) -> float:
@@ -166,6 +170,8 @@ class PipelineRuntime:
                 self._backwards[id(ps[0])] = self._backwards.get(id(ps[0]), 0) + 1
         self.step_index = 0
         self._state = _StepState()
+        self._seg_split: dict = {}    # (id(module), segment) -> SplitBackward of a segmented forward's segment
+        self.order = execution_order(self.program, sched.meta.get("overlapped", ()), rank)
         self._handlers = {F: self._forward, B: self._backward, W: self._weight, SEND: self._send,
                           RECV: self._recv, COPY: self._copy, ALLREDUCE: self._allreduce, OPTIM: self._optim}
 
@@ -182,17 +188,24 @@ class PipelineRuntime:
         peak = self.meter.current() + self.accounted
         if self.fault is not None and self.fault[0] == A2A and self.fault[1] in (None, step):
             arm_kill()      # killed inside this step's first expert all-to-all (executor.faults)
-        for seq, op in enumerate(self.program):
-            if self.fault is not None and self.fault[0] == str(op) and self.fault[1] in (None, step):
-                raise RuntimeError(f"injected fault: rank {self.rank} step {step} at {op}")
+        phases: list = []
+        for item in self.order:
+            ops = [self.program[i] for i in item]
+            for op in ops:
+                if self.fault is not None and self.fault[0] == str(op) and self.fault[1] in (None, step):
+                    raise RuntimeError(f"injected fault: rank {self.rank} step {step} at {op}")
             t0 = now()
             try:
-                nbytes = self._handlers[op.kind](op)
+                if len(ops) == 2:
+                    phases += self._pair(*ops)
+                    nbytes = 0
+                else:
+                    nbytes = self._handlers[ops[0].kind](ops[0])
             except CommError:
                 raise
             except Exception as e:
-                raise RuntimeError(f"rank {self.rank} step {step}: {op} failed: {e}") from e
-            if op.kind in (F, B, W):
+                raise RuntimeError(f"rank {self.rank} step {step}: {' & '.join(map(str, ops))} failed: {e}") from e
+            if ops[0].kind in (F, B, W):
                 self.ctx.synchronize()
                 if self.slowdown != 1.0:
                     slow_down(self.slowdown, t0)
@@ -200,8 +213,9 @@ class PipelineRuntime:
             live = self.meter.current() + self.accounted
             if live > peak:
                 peak = live
-            rows.append(TraceRow(self.rank, step, seq, op.kind, str(op), op.copy, op.stage, op.chunk, op.mb, op.peer,
-                                 t0 - self.clock0, t1 - self.clock0, float(nbytes), float(live)))
+            for op, (a, b) in zip(ops, ((t0, t1), (t1, t1))):   # a pair: F spans the block, B zero-length at its end
+                rows.append(TraceRow(self.rank, step, len(rows), op.kind, str(op), op.copy, op.stage, op.chunk, op.mb,
+                                     op.peer, a - self.clock0, b - self.clock0, float(nbytes), float(live)))
             self.mailbox.top_up()
         self.mailbox.finish_step()
         self._allreduce_ends(rows, st.ar_done)
@@ -211,7 +225,7 @@ class PipelineRuntime:
                                f"({'; '.join(left)}); every F needs its B (and W) and every message its consumer")
         loss = float(st.loss_sum)
         self._state = _StepState()
-        return StepOutcome(rows, loss, int(max(peak, self.meter.peak)))
+        return StepOutcome(rows, loss, int(max(peak, self.meter.peak)), phases)
 
     # ------------------------------------------------------------------ compute
     def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +237,23 @@ class PipelineRuntime:
         return b
 
     def _forward(self, op: Op) -> int:
+        run_alone(self._forward_gen(op, segmented=False))
+        return 0
+
+    def _backward(self, op: Op) -> int:
+        run_alone(self._backward_gen(op))
+        return 0
+
+    def _pair(self, f: Op, b: Op) -> list:
+        """An overlapped F&B pair (:mod:`executor.overlap`): F cut into segments, interleaved with B's
+        segments (B walks its F's segments); returns the sub-phases."""
+        _, _, phases = interleave(self._forward_gen(f, segmented=True), self._backward_gen(b), str(f), str(b),
+                                  lambda: time.perf_counter() - self.clock0, self.ctx.synchronize)
+        return phases
+
+    def _forward_gen(self, op: Op, *, segmented: bool):
+        """F as a generator (:func:`executor.overlap.forward_segments`): the stage module as one
+        segment, or (``segmented``, in a pair) cut at its steps."""
         st = self._state
         key = (op.copy, op.stage, op.mb)
         module = self.modules[(op.copy, op.stage)]
@@ -235,16 +266,27 @@ class PipelineRuntime:
         params = self._params[id(module)]
         if self._weights is not None:
             self._weights.before(params, F)
-        before = self.meter.current()
-        with self.meter.capture(measure), self.precision.autocast(self.ctx.device):
-            out = module(x)
-            if op.stage == self.last_stage:
-                loss = module.loss(out, self._batch(op.mb)[1])
-                out = loss / self.G
+        kept = [0]
+        losses = []
+
+        @contextlib.contextmanager
+        def enter():      # one segment's compute: metered (F's segments only), under the precision
+            before = self.meter.current()
+            with self.meter.capture(measure), self.precision.autocast(self.ctx.device):
+                yield
+            kept[0] += self.meter.current() - before
+
+        def finish(out):
+            losses.append(module.loss(out, self._batch(op.mb)[1]))
+            return losses[0] / self.G
+
+        segs = yield from forward_segments(steps_of(module, self.recompute) if segmented else [module], x, enter,
+                                           finish if op.stage == self.last_stage else None)
+        out = segs[-1].out
         if self._weights is not None:
             self._weights.after(params, F)
         if measure:
-            self.stage_bytes[where] = self.meter.current() - before
+            self.stage_bytes[where] = kept[0]
         else:                    # the same module and shapes keep what its metered forward kept
             n = st.accounted[key] = self.stage_bytes[where]
             self.accounted += n
@@ -254,31 +296,50 @@ class PipelineRuntime:
         if aux is not None:
             st.loss_sum = st.loss_sum + aux
         if op.stage == self.last_stage:
-            st.loss_sum = st.loss_sum + loss.detach()
+            st.loss_sum = st.loss_sum + losses[0].detach()
         else:
             st.produced[(ACT, op.copy, op.mb, op.stage)] = self.precision.to_wire(out)
         st.inputs[key] = x
-        st.outputs[key] = out
-        return 0
+        st.outputs[key] = segs
 
-    def _backward(self, op: Op) -> int:
+    def _backward_gen(self, op: Op):
+        """B as a generator over its F's segments (:func:`executor.overlap.backward_segments`)."""
         st = self._state
         key = (op.copy, op.stage, op.mb)
-        out, x = st.outputs.pop(key), st.inputs.pop(key)
+        segs = st.outputs.pop(key)
+        st.inputs.pop(key)
         grad = None if op.stage == self.last_stage else st.inbox.pop((GRAD, op.copy, op.mb, op.stage + 1))
-        params = self._params[id(self.modules[(op.copy, op.stage)])]
+        module = self.modules[(op.copy, op.stage)]
+        params = self._params[id(module)]
         if self._weights is not None:
             self._weights.before(params, B)
+        pendings = []
+
+        def inp(i: int, seg: Segment):     # the segment's input, None where it is the token ids
+            return seg.inp if i > 0 or op.stage > 0 else None
+
         if self.sched.split_backward:
-            split = self.split[id(self.modules[(op.copy, op.stage)])]
-            gx, pending = split.input(out, x if op.stage > 0 else None, grad)
-            st.pending_w[key] = (pending, self.meter.hold(pending.tensors()))
-            if pending.full is None:     # the graph is gone; what waits for W is held exactly
+            def run(i, seg, g):
+                if is_tuple_segment(seg):
+                    gx, pending = tuple_input_backward(seg, g, inp(i, seg) is not None, params)
+                else:
+                    gx, pending = self._split_of(module, i, len(segs)).input(seg.out, inp(i, seg), g)
+                pendings.append(pending)
+                return gx
+        else:
+            def run(i, seg, g):
+                if is_tuple_segment(seg):
+                    tuple_backward(seg, g)
+                elif seg.out.requires_grad:   # else a first stage without parameters: nothing before it trains
+                    full_backward(seg.out, g)
+                return input_grads(seg, inp(i, seg) is not None)
+
+        gx = yield from backward_segments(segs, grad, run)
+        if self.sched.split_backward:
+            st.pending_w[key] = (pendings, self.meter.hold([t for p in pendings for t in p.tensors()]))
+            if all(p.full is None for p in pendings):   # the graphs are gone; what waits for W is held exactly
                 self.accounted -= st.accounted.pop(key, 0)
         else:
-            if out.requires_grad:   # else a first stage without parameters: nothing before it trains
-                full_backward(out, grad)
-            gx = x.grad if op.stage > 0 else None
             self.accounted -= st.accounted.pop(key, 0)
         if self._weights is not None:
             self._weights.after(params, B)
@@ -286,12 +347,26 @@ class PipelineRuntime:
             self._sharded.grads_ready(params)
         if op.stage > 0:
             st.produced[(GRAD, op.copy, op.mb, op.stage)] = self.precision.to_wire(gx)
-        return 0
+
+    def _split_of(self, module, segment: int, segments: int) -> SplitBackward:
+        """The SplitBackward of a module (unsegmented forward) or of one segment of it (each keeps
+        its own graph template)."""
+        if segments == 1:
+            return self.split[id(module)]
+        k = (id(module), segment)
+        sb = self._seg_split.get(k)
+        if sb is None:
+            sb = self._seg_split[k] = SplitBackward(module.parameters(), lazy=self.recompute.mode != "none")
+        return sb
 
     def _weight(self, op: Op) -> int:
         key = (op.copy, op.stage, op.mb)
-        pending, _held = self._state.pending_w.pop(key)
-        weight_backward(pending)
+        pendings, _held = self._state.pending_w.pop(key)
+        for pending in pendings:
+            if isinstance(pending, RetainedWeightGrad):
+                pending.weight()
+            else:
+                weight_backward(pending)
         self.accounted -= self._state.accounted.pop(key, 0)
         if self._sharded is not None:
             self._sharded.grads_ready(self._params[id(self.modules[(op.copy, op.stage)])])
@@ -412,6 +487,37 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         return
     for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
         t.copy_(part.view_as(t))
+
+
+def execution_order(program: list[Op], overlapped, rank: int) -> list[tuple[int, ...]]:
+    """The order a rank runs its program in: one index per op, except that every overlapped pair
+    (``meta["overlapped"]``: an F and the B right after it in the compute order) runs as one block
+    ``(i, j)``, as the simulator runs it (:meth:`sim.engine._Engine._overlap`): the RECVs the
+    program places between the two first, then the block, then the other ops between them (F's
+    SEND / COPY: the block's outputs exist at its end)."""
+    pairs = {tuple(a): tuple(b) for a, b in overlapped}
+    out: list[tuple[int, ...]] = []
+    n, i = len(program), 0
+    while i < n:
+        op = program[i]
+        want = pairs.get((op.kind, op.stage, op.mb)) if op.kind == F else None
+        if want is None:
+            out.append((i,))
+            i += 1
+            continue
+        j = i + 1
+        while j < n and program[j].kind not in (F, B, W):
+            j += 1
+        nb = program[j] if j < n else None
+        if nb is None or (nb.kind, nb.stage, nb.mb) != want:
+            raise ValueError(f"rank {rank}: overlapped pair {op} & {want[0]}{want[2]}.s{want[1]} is not back to "
+                             f"back in its compute order (next compute op: {nb})")
+        between = range(i + 1, j)
+        out += [(x,) for x in between if program[x].kind == RECV]
+        out.append((i, j))
+        out += [(x,) for x in between if program[x].kind != RECV]
+        i = j + 1
+    return out
 
 
 def _parse_fault(fault: str | None, rank: int):

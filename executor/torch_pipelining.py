@@ -140,7 +140,8 @@ def check_torch_run(config: RunConfig, schedule: Schedule | None = None) -> None
         (f"--inject-fault {config.fault}", config.fault is not None),
         (f"--model {config.model_name} (a mixture of experts: its balance loss is pipetwin's runtime's)",
          not config.is_model_file and config.spec().is_moe),
-        ("--slowdown (pipetwin's runtime sleeps for it)", bool(config.job.faults.slowdown))) if on]
+        ("--slowdown (pipetwin's runtime sleeps for it)", bool(config.job.faults.slowdown)),
+        ("--overlap-fb", par.overlap_fb)) if on]
     if given:
         raise ValueError(f"torch.distributed.pipelining's runtime trains pipetwin's GPT or Llama stages in fp32, "
                          f"replicated whole; drop {', '.join(given)}")

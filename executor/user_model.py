@@ -84,6 +84,7 @@ import threading
 import traceback
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -560,6 +561,14 @@ class LayerStage(nn.Module):
             for layer in self.layers.values():
                 x = layer(x)
         return x
+
+    def steps(self) -> list:
+        """One step per layer (where the overlapped F&B runtime cuts the forward, :mod:`executor.overlap`)."""
+        return [partial(self._layer, layer) for layer in self.layers.values()] or [self]
+
+    def _layer(self, layer: nn.Module, x):
+        with user_code(self.folder):
+            return layer(x)
 
     def loss(self, output: torch.Tensor, target) -> torch.Tensor:
         with user_code(self.folder):

@@ -488,7 +488,7 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     probe_host = speed_probe(None if job.layout is not None else cfg.spec(), ctx, cfg.probe, rs.probe) \
         if cfg.probe else None
     probe = probe_host() if probe_host else []
-    rows, losses, peak = [], [], 0
+    rows, losses, peak, phases = [], [], 0, []
     cpu = CpuMeter() if cfg.probe else None
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -496,6 +496,7 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
         if on_step is not None:
             on_step(time.perf_counter() - t0)
         rows += out.rows
+        phases += [(step, *p) for p in out.phases]
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)
     window = cpu.stop() if cpu else None
@@ -506,6 +507,7 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     node, local, _, per_node = topology()
     pipe_rank = rank // (cfg.parallel.tp * cfg.parallel.cp)
     report = {"rank": pipe_rank, "tp": rs.tp_rank, "cp": rs.cp_rank, "rows": rows, "losses": losses, "peak": peak,
+              "phases": phases,
               "fwd_bytes": rs.runtime.fwd_bytes,
               "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe, "cpu": window, "core": core,
               "gathered_bytes": zero.peak_gathered if zero is not None else 0,
@@ -607,6 +609,11 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     extra = {} if drift is None or cfg.parallel.tp == 1 else {"tp_replica_drift": drift}
     if cfg.collect_params and cfg.parallel.cp > 1:    # the CP ranks of a pipeline rank hold the same weights
         extra["cp_replica_drift"] = cp_drift(everyone)
+    # the overlapped F&B pairs' sub-phases (executor.overlap.Phase), per rank and step
+    phases = [dict(zip(("device", "step", "token", "segment", "kind", "start", "end"), (rep["rank"], *p)))
+              for rep in reports for p in rep.get("phases", ())]
+    if phases:
+        extra["phases"] = phases
     extra |= {"placement": [dict(rep["placement"], rank=rep["rank"], tp=rep["tp"], cp=rep.get("cp", 0))
                            for rep in sorted(everyone, key=lambda r: (r["rank"], r.get("cp", 0), r["tp"]))]}
     probes = sorted(t for rep in reports for t in rep["probe"])

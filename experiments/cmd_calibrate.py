@@ -21,7 +21,8 @@ def add_arguments(p):
 
 
 def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_batch: int | None = None,
-                            runtime_steps: int = 20, runtime_repeats: int = 3, dtype: str = "fp32", tp: int = 1):
+                            runtime_steps: int = 20, runtime_repeats: int = 3, dtype: str = "fp32", tp: int = 1,
+                            ep: int = 1):
     """:func:`calibration.calibrate` with a progress bar on stderr (one tick per stage). A bad
     ``--model`` (preset, YAML file or model file) fails here, before any measurement."""
     from tqdm import tqdm
@@ -33,23 +34,29 @@ def calibrate_with_progress(model: str, ranks: int, repeats: int = 20, *, micro_
         if tp > 1:
             raise ValueError(f"--tp {tp} splits the built-in GPT's layers; a model file's layers are not split "
                              f"(calibrate {model} with --tp 1)")
+        if ep > 1:
+            raise ValueError(f"--ep {ep} splits a mixture of experts' routed experts; a model file's layers are not "
+                             f"split (calibrate {model} with --ep 1)")
         from executor.user_model import DEFAULT_MICRO_BATCH, stack_layout
         n = stack_layout(model, 1, micro_batch=micro_batch or DEFAULT_MICRO_BATCH).num_layers
         layers = [f"layer {i}" for i in range(n)]
     else:
+        from calibration.host import check_ep
         spec = load_model(model)
         if tp > 1:
             from executor.config import check_tensor_parallel
             check_tensor_parallel(spec, tp)
-        layers = ["layer embedding", "layer block", "layer head"]
-    stages = ["layers", *layers, "optimizer", "communication", "runtime (traced runs)"]
+        check_ep(spec, ep, tp)
+        layers = ["layer embedding", "layer block", "layer head"] + (["expert layers"] if spec.is_moe else [])
+    stages = ["layers", *layers, "optimizer", "communication", *(["all-to-all"] if ep > 1 else []),
+              "runtime (traced runs)"]
     with tqdm(total=len(stages), desc="calibrating", unit="step") as bar:
         def progress(msg):
             bar.set_postfix_str(msg)
             if msg in stages:   # the traced runs' rounds report too: they do not advance the bar
                 bar.update(1)
         return calibrate(model, ranks=ranks, repeats=repeats, progress=progress, micro_batch=micro_batch,
-                         runtime_steps=runtime_steps, runtime_repeats=runtime_repeats, dtype=dtype, tp=tp)
+                         runtime_steps=runtime_steps, runtime_repeats=runtime_repeats, dtype=dtype, tp=tp, ep=ep)
 
 
 def save_measured(prof, out: Path) -> Path:
@@ -77,7 +84,7 @@ def main(args) -> int:
         raise ValueError(f"--repeats must be >= 3; got {args.repeats}")
     prof = calibrate_with_progress(args.model, args.ranks, args.repeats, micro_batch=args.micro_batch,
                                    runtime_steps=args.runtime_steps, runtime_repeats=args.runtime_repeats,
-                                   dtype=args.dtype, tp=args.tp)
+                                   dtype=args.dtype, tp=args.tp, ep=args.ep)
     out = Path(args.out)
     save_measured(prof, out)
     if prof.is_stack:
@@ -99,10 +106,28 @@ def main(args) -> int:
              if prof.oversubscribed_slowdown > 1 else "")
           + (f", time-sliced in {prof.time_slice * 1e3:.0f} ms slices with more ranks than cores"
              if prof.time_slice else ""))
+    if prof.expert_layers:
+        print(moe_line(prof))
     print(f"wrote {out}")
     for p in sitting_problems(prof):
         print(f"warning: calibration runs did not settle ({p}); validate refuses this profile")
     return 0
+
+
+def moe_line(prof) -> str:
+    """The expert layers (F + B measured alone, ms) and, at E > 1, the all-to-all fit with its residual
+    and the points it was fitted on."""
+    ex = dict(prof.expert_layers)
+    parts = ", ".join(f"{k} {(t.f + (t.b if t.b is not None else t.b_input + t.w)) * 1e3:.3f} ms"
+                      for k, t in ex.items())
+    line = f"expert layers (F + B alone): {parts}"
+    if prof.ep > 1:
+        a = prof.all_to_all
+        pts = prof.meta.get("a2a_samples") or []
+        line += (f"; EP {prof.ep} all-to-all {a.latency * 1e6:.0f} us + {a.bandwidth / 1e9:.2f} GB/s (largest miss on "
+                 f"its {len(pts)} points {prof.a2a_residual:.1%}: "
+                 + ", ".join(f"{int(b) >> 10} KiB {t * 1e3:.2f} ms" for b, t in pts) + ")")
+    return line
 
 
 def _print_stack(prof) -> None:

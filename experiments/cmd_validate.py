@@ -1,5 +1,10 @@
 """``pipetwin validate``: executor vs simulator, schedule by schedule, with a calibrated profile.
 
+With ``--ep E`` the layout is a mixture of experts' (``--model tiny-mixtral``) with its routed
+experts split over E of the ``--dp`` replicas, and the profile one calibrated at E (its all-to-all
+fit prices the expert exchanges); ``--overlap-fb`` runs every schedule twice in the sitting,
+without and with its F&B pairs overlapped (rows ``NAME+overlap``; dualpipe-v pairs its own, once).
+
 The measured side is the noise-free step of every schedule (:mod:`calibration.sitting`: interleaved
 rounds of runs, ranks pinned to cores, runs disturbed by other processes left out, the
 run-to-run spread checked); a sitting whose runs do not settle is refused with its reasons, each
@@ -72,7 +77,8 @@ def main(args) -> int:
     from cost_models.files import check_output_path
     from schedules import ScheduleError, build
 
-    from cost_models.bind import check_profile_model, check_profile_tp
+    from calibration.host import check_ep
+    from cost_models.bind import check_profile_ep, check_profile_model, check_profile_tp
 
     t_start = time.perf_counter()
     record = SittingRecord(started=time.time(), command=command_line(args), host=host_facts(), load_start=_load())
@@ -92,6 +98,7 @@ def main(args) -> int:
         prof = load_profile(args.profile)
         check_profile_model(prof, args.model)
         check_profile_tp(prof, args.tp or prof.tp)
+        check_profile_ep(prof, args.ep or prof.ep)
         if args.dtype is not None and args.dtype != prof.precision:
             raise ValueError(f"profile {args.profile} was measured in {prof.precision}, not {args.dtype}; "
                              f"calibrate with --dtype {args.dtype} (or drop --dtype)")
@@ -106,6 +113,7 @@ def main(args) -> int:
                              f"or drop --profile")
     model = args.model or (prof.model_name if prof is not None else "tiny")
     T = args.tp or (prof.tp if prof is not None else 1)
+    E = args.ep or (prof.ep if prof is not None else 1)
     if is_model_ref(model):     # the model's own checks now, and its layer count for the schedules' stages
         if T > 1:
             raise ValueError(f"--tp {T} splits the built-in GPT's layers; a model file's layers are not split "
@@ -119,6 +127,10 @@ def main(args) -> int:
         if T > 1:
             from executor.config import check_tensor_parallel
             check_tensor_parallel(spec, T)
+        check_ep(spec, E, T)
+        if R % E:
+            raise ValueError(f"--ep {E} folds the experts over the {R} data-parallel replicas: give --dp a "
+                             f"multiple of {E}")
     check_run_size(devices=D, microbatches=N, replicas=R, chunks=chunks, layers=layers, model_name=name)
     profile_out = Path(args.plot or "out/validate.png").with_name("calibration.yaml")
     if not args.profile:
@@ -137,10 +149,15 @@ def main(args) -> int:
     if not names:
         raise ValueError("no schedule accepts these settings: " + "; ".join(skipped.values()))
     base = job_from_args(args, layout=layout_from_args(args, schedules=names, schedule=names[0], microbatches=N),
-                         model=model, tp=T, micro_batch=args.micro_batch)
-    jobs = [base.with_layout(schedule=n) for n in names]
+                         model=model, tp=T, micro_batch=args.micro_batch, ep=E)
+    jobs = [base.with_layout(schedule=n).with_(overlap_fb=False) for n in names]
+    if args.overlap_fb:     # beside each schedule, its overlapped run (dualpipe-v's pairs are its own: run once)
+        jobs = [x for n, j in zip(names, jobs) for x in
+                ((j,) if build(n, D, N, chunks=chunks).meta.get("overlapped") else (j, j.with_(overlap_fb=True)))]
     progress = lambda m: _say(f"  {m}")   # noqa: E731
-    record.setting, record.skipped = (f"{f'T={T} ' if T > 1 else ''}D={D} N={N} R={R}, model {model}", skipped)
+    record.setting, record.skipped = (f"{f'T={T} ' if T > 1 else ''}D={D} N={N} R={R}"
+                                      + (f" EP={E}" if E > 1 else "") + (" overlap-fb" if args.overlap_fb else "")
+                                      + f", model {model}", skipped)
     if prof is not None:
         record.profile, record.profile_file = prof, args.profile
         busy = profile_refusals(prof)

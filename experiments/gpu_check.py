@@ -29,6 +29,10 @@ writes ``--out`` (default ``out/gpu-check``):
    rank, against the single-process reference of the same model and data: losses side by side
    and the median step time. T = 1 runs the Llama block (RMSNorm, rotary, grouped-query
    attention, SwiGLU) through the executor in ``--dtype``; T > 1 adds the f/g collectives.
+6. **MoE layer** (``moe-layer.csv``): the first MoE block of ``--moe`` (default ``mixtral-8x7b``,
+   one block at ``--moe-seq-len``) at EP 1, every expert on the device, measured as in part 1 at
+   each micro-batch beside the kernel model's MoE block (:func:`cost_models.kernels.moe_block_times`)
+   at the rows its router sent each expert on that micro-batch; ``none`` skips it.
 
 ``report.md`` holds the tables. Without a GPU, ``--device cpu`` runs the same code (the
 tests do, on the tiny model); the GPU preset's prediction is then not a statement about the CPU.
@@ -68,6 +72,44 @@ def measure_block(spec, mbs, device, dtype: str, repeats: int, progress=print) -
     return rows
 
 
+def measure_moe_block(spec, mbs, device, dtype: str, repeats: int, progress=print) -> list[dict]:
+    """Per micro-batch: the executor's first MoE block (EP 1: every expert on this device)
+    measured on ``device`` as :func:`measure_block` measures a dense one (seconds), with the pairs
+    its router sent to each expert on the measured micro-batch (``counts``: what the kernel model
+    prices, :func:`model_moe_block`)."""
+    import torch
+
+    from calibration.measure import measure_layers, moe_block
+    from executor.precision import Precision
+    rows = []
+    for mb in mbs:
+        t0 = time.perf_counter()
+        sp = replace(spec, micro_batch=mb)
+        got = measure_layers(sp, torch.get_num_threads(), repeats, precision=Precision(dtype), device=device,
+                             kinds=("block",))
+        m = got.get("moe_block", got["block"])
+        counts = moe_block(sp, device)[1]
+        rows.append({"micro_batch": mb, **{k: float(m[k]) for k in KINDS}, "counts": counts})
+        progress(f"moe: micro-batch {mb}: F {m['f'] * 1e3:.3f} ms, B_input {m['b_input'] * 1e3:.3f} ms, "
+                 f"W {m['w'] * 1e3:.3f} ms, B {m['b'] * 1e3:.3f} ms, rows per expert {min(counts)}-{max(counts)} "
+                 f"({time.perf_counter() - t0:.1f} s)")
+    return rows
+
+
+def model_moe_block(spec, mb: int, gpu, dtype: str, counts, constants=None) -> dict:
+    """The kernel model's (F, B_input, W, full B) seconds of one MoE block at micro-batch ``mb`` with
+    ``counts`` routed pairs per expert (:func:`cost_models.kernels.moe_block_times`)."""
+    from cost_models.kernels import moe_block_times
+    f, b, w = moe_block_times(replace(spec, micro_batch=mb), gpu, dtype, counts, constants)
+    return {"f": f, "b_input": b, "w": w, "b": b + w}
+
+
+def moe_table(spec, measured: list[dict], gpu, dtype: str, constants=None) -> list[dict]:
+    """:func:`layer_table`'s rows for the MoE block (the kernel model at each row's routed counts)."""
+    return _table(measured, lambda row: model_moe_block(spec, row["micro_batch"], gpu, dtype, row["counts"],
+                                                        constants))
+
+
 def model_block(spec, mb: int, gpu, dtype: str, constants=None) -> dict:
     """The kernel model's (F, B_input, W, full B) seconds of one block at micro-batch ``mb``."""
     from cost_models.kernels import transformer_layer_times
@@ -77,9 +119,15 @@ def model_block(spec, mb: int, gpu, dtype: str, constants=None) -> dict:
 
 
 def layer_table(spec, measured: list[dict], gpu, dtype: str, constants=None) -> list[dict]:
+    return _table(measured, lambda row: model_block(spec, row["micro_batch"], gpu, dtype, constants))
+
+
+def _table(measured: list[dict], predict) -> list[dict]:
+    """Per measured row: measured and predicted (``predict(row)``) ms of each of :data:`KINDS` and the
+    relative error model / measured - 1."""
     out = []
     for row in measured:
-        pred = model_block(spec, row["micro_batch"], gpu, dtype, constants)
+        pred = predict(row)
         r = {"micro_batch": row["micro_batch"]}
         for k in KINDS:
             r[f"{k}_measured_ms"] = row[k] * 1e3
@@ -227,6 +275,11 @@ def main(argv=None) -> int:
                    help="blocks of the Llama model in its runs (default 2)")
     p.add_argument("--llama-seq-len", type=int_in(1, 1 << 20), default=None,
                    help="sequence of the Llama runs (default: 2048, or the model's if shorter)")
+    p.add_argument("--moe", default="mixtral-8x7b",
+                   help="mixture of experts whose MoE block is measured at EP 1 beside the kernel model, or none "
+                        "(default mixtral-8x7b at --moe-seq-len)")
+    p.add_argument("--moe-seq-len", type=int_in(1, 1 << 20), default=None,
+                   help="sequence of the MoE block (default: 2048, or the model's if shorter)")
     p.add_argument("--out", type=output_dir, default="out/gpu-check")
     args = p.parse_args(argv)
     try:
@@ -235,11 +288,26 @@ def main(argv=None) -> int:
         zb = None if args.zb_model == "none" else zb_spec(args.zb_model)
         llama = None if args.llama == "none" else _llama_spec(args.llama, args.llama_layers, args.llama_seq_len)
         llama_tp = parse_ints(args.llama_tp, "--llama-tp") if args.llama_tp is not None else None
+        moe = None if args.moe == "none" else moe_spec(args.moe, args.moe_seq_len)
         return _main(args.device, args.model, args.gpu, args.dtype, mbs, args.repeats, devices,
-                     args.run_layers, args.steps, Path(args.out), zb=zb, llama=llama, llama_tp=llama_tp)
+                     args.run_layers, args.steps, Path(args.out), zb=zb, llama=llama, llama_tp=llama_tp, moe=moe)
     except ValueError as e:
         print(f"gpu_check: error: {e}", file=sys.stderr)
         return 2
+
+
+def moe_spec(model: str, seq_len: int | None = None):
+    """``--moe``: a llama-kind mixture of experts (preset, YAML or config.json) at ``seq_len`` (default
+    2048, or the model's if shorter), refused in one line where the kernel model does not price its
+    block (:func:`cost_models.kernels.moe_block_times`: dense, latent attention)."""
+    from cost_models import load_model
+    spec = load_model(model)
+    if not spec.is_moe or spec.kind != "llama":
+        raise ValueError(f"--moe {model!r} is not a llama-kind mixture of experts (e.g. mixtral-8x7b, tiny-mixtral)")
+    if spec.is_mla:
+        raise ValueError(f"--moe {model!r} has latent attention, which the kernel model does not price; give a "
+                         f"grouped-query one (e.g. mixtral-8x7b)")
+    return replace(spec, layers=spec.dense_layers + 1, seq_len=seq_len or min(spec.seq_len, 2048))
 
 
 def _llama_spec(model: str, layers: int, seq_len: int | None):
@@ -251,7 +319,7 @@ def _llama_spec(model: str, layers: int, seq_len: int | None):
 
 
 def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int, devices, run_layers, steps: int,
-          out: Path, zb=None, llama=None, llama_tp=None) -> int:
+          out: Path, zb=None, llama=None, llama_tp=None, moe=None) -> int:
     import torch
 
     from cost_models import load_device, load_model
@@ -340,6 +408,16 @@ def _main(device: str, model: str, gpu_name: str, dtype: str, mbs, repeats: int,
         text += ["", f"## Llama runs: the tensor-parallel stage vs the single-process reference, {llama.name}, "
                  f"{llama.layers} blocks, sequence {llama.seq_len}", "", markdown(_rounded(lrows, list(lrows[0])))]
         wrote.append("llama-runs.csv")
+    if moe is not None:
+        print(f"moe: {moe.name} block (EP 1: {moe.experts} experts, top-{moe.top_k}) at micro-batch "
+              f"{', '.join(map(str, mbs))}, sequence {moe.seq_len}")
+        mrows = moe_table(moe, measure_moe_block(moe, mbs, dev, dtype, repeats), gpu, dtype)
+        _write_csv(mrows, out / "moe-layer.csv")
+        print(fmt_table(_rounded(mrows, cols).to_dict("records"), cols))
+        text += ["", f"## MoE layer: {moe.name} block at EP 1 ({moe.experts} experts, top-{moe.top_k}, s "
+                 f"{moe.seq_len}), measured vs kernel model of {gpu.name} at the routed rows per expert", "",
+                 markdown(_rounded(mrows, cols))]
+        wrote.append("moe-layer.csv")
     write_output(out / "report.md", "\n".join(text) + "\n", "report")
     print(f"wrote {out}/: " + ", ".join(wrote))
     return 0

@@ -486,6 +486,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("etp"),
             use("capacity_factor", note=" (the executor's MoE MLP: each expert keeps ceil(C x tokens x k / experts) "
                 "of a micro-batch's token-expert pairs, the highest-scored)"),
+            use("overlap_fb", note=" (the executor runs each pair's F and B as interleaved segments, "
+                                   "executor.overlap)"),
             use("runtime"), use("reference"), use("check"), use("json"), use("trace"),
             use("chrome_trace"),
             use("plot", help="write the timeline figure"), use("all_replicas"), use("inject_fault")),
@@ -551,6 +553,10 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                  use("dtype", default=None, note="; default: the profile's, else fp32; calibrates in it"),
                  use("warmup"), use("quiet_runs"), use("max_runs"), use("max_spread"), use("max_foreign"),
                  use("max_drift"),
+                 use("ep", note="; a mixture of experts over the data-parallel replicas (T = 1); default: the "
+                     "profile's, else 1 (a profile must have been calibrated at it)"),
+                 use("overlap_fb", note=" (the executor runs each pair's F and B as interleaved segments; "
+                     "dualpipe-v pairs its own without it)"),
                  use("calibration_profile", help="calibration profile; default: calibrate now, in the same sitting as "
                      "the runs, and write it beside --plot"),
                  use("plot", default="out/validate.png", help="overlay figure (default out/validate.png)"),
@@ -558,6 +564,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
     "calibrate": (use("model", default="tiny", note="; default tiny; a model file's every layer is measured"),
                   use("micro_batch"), use("tp", default=1, note="; the layers are measured as one TP rank's shards "
                                           "(1/T), the group's all-reduce over gloo"),
+                  use("ep", default=1, note="; a mixture of experts: its expert layers at the routed token counts "
+                      "of E EP ranks, the executor's all-to-all over E gloo ranks"),
                   use("ranks"), use("timings"), use("runtime_steps"), use("runtime_repeats"),
                   use("dtype", note=" (default fp32)"),
                   use("out_file", default="out/calibration.yaml", help="profile file (default out/calibration.yaml)",

@@ -78,7 +78,7 @@ def reference_cache():
 
     def get(cfg):
         key = cfg.with_(schedule="gpipe", recompute="none", tp=1, sequence_parallel=False, cp=1, cp_comm="ring",
-                        zero=0, dp_shard=0, reshard_after_forward=False, device_map="sequential")
+                        zero=0, dp_shard=0, reshard_after_forward=False, device_map="sequential", overlap_fb=False)
         if key not in cache:
             cache[key] = run_reference(key)
         return cache[key]

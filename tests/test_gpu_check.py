@@ -26,7 +26,7 @@ def checked(tmp_path_factory):
     rc = gpu_check.main(["--device", "cpu", "--model", "tiny", "--gpu", "v100", "--dtype", "fp32",
                          "--micro-batches", "1,2", "--repeats", "3", "--devices", "1,2", "--run-layers", "2",
                          "--steps", "2", "--zb-model", "none", "--llama", TINY_LLAMA, "--llama-layers", "2",
-                         "--out", str(out)])
+                         "--moe", "tiny-mixtral", "--out", str(out)])
     return rc, out
 
 
@@ -132,7 +132,7 @@ def test_zero_bubble_layer_is_measured_beside_the_kernel_model(monkeypatch, tmp_
     monkeypatch.setattr(gpu_check, "zb_spec", lambda model: small)
     rc = gpu_check.main(["--device", "cpu", "--model", "tiny", "--gpu", "a100", "--dtype", "fp32",
                          "--micro-batches", "1", "--repeats", "3", "--devices", "1", "--run-layers", "1",
-                         "--steps", "2", "--llama", "none", "--out", str(tmp_path)])
+                         "--steps", "2", "--llama", "none", "--moe", "none", "--out", str(tmp_path)])
     assert rc == 0
     [row] = _rows(tmp_path / "zb-layer.csv")
     assert int(row["micro_batch"]) == 3
@@ -144,11 +144,61 @@ def test_zero_bubble_layer_is_measured_beside_the_kernel_model(monkeypatch, tmp_
     assert not (tmp_path / "llama-runs.csv").exists()
 
 
+@pytest.mark.slow
+def test_moe_block_measured_beside_the_kernel_model(checked):
+    """The MoE row on the CPU: tiny-mixtral's block (EP 1) measured at each micro-batch beside the
+    kernel model of --gpu at the rows its router sent each expert on that micro-batch."""
+    from calibration.measure import moe_block
+    from cost_models.kernels import moe_block_times
+    rc, out = checked
+    assert rc == 0
+    rows = _rows(out / "moe-layer.csv")
+    assert [int(r["micro_batch"]) for r in rows] == [1, 2]
+    spec, gpu = gpu_check.moe_spec("tiny-mixtral"), load_device("v100")
+    assert (spec.layers, spec.seq_len) == (1, 16)
+    for r in rows:
+        sp = replace(spec, micro_batch=int(r["micro_batch"]))
+        counts = moe_block(sp)[1]
+        assert sum(counts) == sp.micro_batch * sp.seq_len * sp.top_k     # dropless
+        f, b_input, w = moe_block_times(sp, gpu, "fp32", counts)
+        for k, want in {"f": f, "b_input": b_input, "w": w, "b": b_input + w}.items():
+            assert float(r[f"{k}_model_ms"]) == pytest.approx(want * 1e3, rel=1e-9)
+            assert float(r[f"{k}_error"]) == pytest.approx(want * 1e3 / float(r[f"{k}_measured_ms"]) - 1, rel=1e-9)
+    assert "## MoE layer: tiny-mixtral block at EP 1" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("model", ["tiny-mixtral", "tiny-deepseek"])
+def test_the_moe_kernels_count_the_executors_flops(model):
+    """The kernel model's MoE MLP has the GEMMs the executor's runs: the forward's FLOPs as
+    ``torch.utils.flop_counter`` counts the executor's MoE MLP on the measured micro-batch equal
+    the F kernels' and the closed form 2 T E h + 6 m h f_e + 6 T h f_s (+ 2 T h for Qwen2's gate;
+    m = T k, dropless); the full backward's are twice that (each GEMM's input and weight
+    gradients), the B and W kernels' together."""
+    from calibration.measure import count_flops, layer_inputs, moe_block
+    from cost_models.kernels import moe_mlp_kernels
+    spec = load_model(model)
+    blk, counts = moe_block(spec)
+    hidden = layer_inputs(spec)[2]
+    f, b, _, _ = count_flops(blk.mlp, lambda: (hidden.clone().requires_grad_(True), ()), True)
+    T, h = spec.micro_batch * spec.seq_len, spec.hidden
+    closed = 2 * T * spec.experts * h + 6 * T * spec.top_k * h * spec.expert_width + 6 * T * h * spec.shared_ffn \
+        + (2 * T * h if spec.shared_gate else 0)
+    assert sum(counts) == T * spec.top_k
+    ks = moe_mlp_kernels(spec, counts)
+
+    def gemm_flops(phases):
+        return sum(2 * bt * m * n * k for x in ks if x.gemm and x.phase in phases for bt, m, n, k in [x.gemm])
+    assert f == gemm_flops("F") == closed
+    assert b == gemm_flops("BW") == 2 * closed
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--device", "cpu", "--zb-model", "2B"], "1.5B, 6.2B, 14.6B, 28.3B"),
     (["--device", "cpu", "--llama", "gpt3-1.3b"], "is a gpt model"),
     (["--device", "cpu", "--model", "tiny", "--llama", TINY_LLAMA, "--llama-tp", "3"], "--llama-tp 3 does not divide"),
     (["--device", "cpu", "--micro-batches", "1,x"], "--micro-batches"),
+    (["--device", "cpu", "--moe", "tiny"], "not a llama-kind mixture of experts"),
+    (["--device", "cpu", "--moe", "tiny-deepseek"], "latent attention"),
     (["--device", "cpu", "--gpu", "cpu"], "no datasheet"),
     (["--device", "cpu", "--model", "tiny", "--devices", "3", "--run-layers", "2"], "at least one per rank"),
 ])

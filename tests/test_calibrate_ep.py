@@ -1,0 +1,132 @@
+"""``pipetwin calibrate --ep`` and ``validate --ep``: a mixture of experts measured with the executor's
+own code (the expert layers at their routed row counts, the all-to-all over E gloo ranks), the
+profile's all-to-all fit and what the simulator prices with it, and the op order of an EP layout's
+executor runs against the simulator's, with and without the overlapped F&B.
+
+Nothing here asserts a time: the fit is checked against its own points and stated residual, the
+prices against the closed forms of the fit, the orders exactly."""
+from dataclasses import replace
+
+import pytest
+
+from calibration.compare import compare_series
+from calibration.fit import measured_run
+from calibration.host import host_profile, measure_host
+from calibration.measure import A2A_SIZES, routed_counts
+from calibration.simulate import simulate_with_profile
+from calibration.sitting import RunSeries, SittingRules
+from cost_models import load_model, load_profile, save_profile
+from cost_models.job import Job
+from cost_models.profile import LayerTiming
+from executor.config import lowered_schedule
+from executor.launch import run_many
+from schedules.trace import op_orders
+
+SPEC = load_model("tiny-mixtral")   # 4 MoE blocks, h 32, 8 experts top-2, micro-batch 2 x 16 tokens, fp32
+T = SPEC.micro_batch * SPEC.seq_len  # 32 tokens a micro-batch
+
+
+@pytest.fixture(scope="module")
+def host():
+    return measure_host("tiny-mixtral", ranks=4, repeats=3, ep=2)
+
+
+@pytest.fixture(scope="module")
+def profile(host, tmp_path_factory):
+    """The profile calibrate --ep 2 writes from these measurements (before its runtime fit, which
+    moves no all-to-all or expert field), read back from its file."""
+    path = save_profile(host_profile(host), tmp_path_factory.mktemp("ep") / "calibration.yaml")
+    return load_profile(path)
+
+
+@pytest.mark.slow
+def test_the_a2a_fit_reproduces_its_own_points_within_its_stated_residual(profile):
+    pts = profile.meta["a2a_samples"]
+    # one point per size: rows of width h = 32 fp32 (128 bytes), at least one per EP rank
+    assert [b for b, _ in pts] == [max(2, s // 128) * 128 for s in A2A_SIZES]
+    a = profile.all_to_all
+    misses = [abs((a.latency + b / a.bandwidth) / t - 1.0) for b, t in pts]
+    assert max(misses) == pytest.approx(profile.a2a_residual, rel=1e-9)
+    assert all(m <= profile.a2a_residual * (1 + 1e-9) for m in misses)
+    assert profile.ep == 2 and profile.name.endswith("-tiny-mixtral-ep2")
+
+
+@pytest.mark.slow
+def test_the_expert_layers_run_at_their_routed_row_counts(host):
+    assert set(host.moe) == {"router", "experts", "experts_ep1"}      # tiny-mixtral has no shared expert
+    assert host.moe["router"]["rows"] == T
+    assert host.moe["experts_ep1"]["rows"] == T * SPEC.top_k         # dropless: every token's k pairs
+    # EP rank 0's experts 0-3 get the pairs both EP ranks' micro-batches route to them
+    counts = routed_counts(SPEC, 2)
+    assert len(counts) == 2 and all(len(c) == SPEC.experts // 2 for c in counts)
+    assert host.moe["experts"]["rows"] == sum(map(sum, counts))
+
+
+@pytest.mark.slow
+def test_layer_costs_add_each_moe_blocks_all_to_alls_from_the_fit(profile):
+    a = profile.all_to_all
+    one = lambda nbytes: a.latency + nbytes / a.bandwidth  # noqa: E731
+    counts = one(8 * SPEC.experts)              # the per-expert counts: E int64
+    rows = one(T * SPEC.top_k * SPEC.hidden * 4)  # dispatch or combine: n k h d = 8192 bytes a rank
+    assert profile.a2a_times() == pytest.approx((counts, rows, rows), rel=1e-12)
+    lc = profile.layer_costs()
+    for i, t in enumerate(profile.layers):
+        moe = 1 <= i <= SPEC.layers
+        assert lc.f[i] == pytest.approx(t.f + (counts + 2 * rows if moe else 0.0), rel=1e-12)
+        assert lc.b_input[i] == pytest.approx(t.b_input + (2 * rows if moe else 0.0), rel=1e-12)
+        assert lc.w[i] == t.w
+    # the stages' F / B phases: per MoE block counts + dispatch, combine (F); the two gradients (B)
+    low = lowered_schedule(measured_run(_job("dapple"), 3))
+    costs = profile.cost_model(low.num_stages).bind(low)
+    for s in range(low.num_stages):          # 2 stages of 2 blocks
+        assert costs.phases_f[0][s].comm_total == pytest.approx(2 * (counts + 2 * rows), rel=1e-9)
+        assert costs.phases_b[0][s].comm_total == pytest.approx(2 * 2 * rows, rel=1e-9)
+        assert costs.phases_f[0][s].total == pytest.approx(costs.f[0][s], rel=1e-9)
+    # experts measured alone slower than the whole block (a loaded host's spell), under a full backward
+    # (dapple) and a split one (zb-v): the compute segments shrink to the rest, the all-to-alls stay
+    slow = replace(profile, expert_layers=(("experts", LayerTiming(1.0, 1.0, 1.0, 2.0)),))
+    for name in ("dapple", "zb-v"):
+        low = lowered_schedule(measured_run(_job(name), 3))
+        costs = slow.cost_model(low.num_stages).bind(low)
+        blocks = SPEC.layers // low.num_stages
+        for ph in (p for table in (costs.phases_f, costs.phases_b) for row in table for p in row):
+            assert min(ph.compute) >= 0.0
+        assert all(p.comm_total == pytest.approx(blocks * (counts + 2 * rows), rel=1e-9) for p in costs.phases_f[0])
+
+
+def _job(schedule: str, overlap: bool = False) -> Job:
+    return Job.of(schedule=schedule, devices=2, microbatches=4, replicas=2, ep=2, model="tiny-mixtral",
+                  overlap_fb=overlap)
+
+
+CASES = {"dapple": _job("dapple"), "dapple+overlap": _job("dapple", True), "dualpipe-v": _job("dualpipe-v"),
+         "zb-v+overlap": _job("zb-v", True)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cfgs = {k: measured_run(j, 3).with_(timeout=60.0) for k, j in CASES.items()}
+    return {k: (cfg, res) for (k, cfg), res in zip(cfgs.items(), run_many(list(cfgs.values())))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_validate_finds_the_executors_op_order_equal_to_the_simulators(runs, profile, case):
+    """D 2 x R 2, EP 2 (the experts over the two replicas of each stage): every rank's executed order,
+    every step, is the simulator's; where F&B pairs are overlapped (dapple with --overlap-fb, zb-v with
+    it, dualpipe-v's own pairs) that is not the program's order (a pair runs as one block, its RECVs
+    first), so the comparison is with the simulator's trace, as validate makes it."""
+    cfg, res = runs[case]
+    low = lowered_schedule(cfg)
+    sim = simulate_with_profile(low, profile, steps=3)
+    program = {r: [str(o) for o in low.program(r)] for r in range(low.num_ranks)}
+    for step in range(3):
+        got = op_orders(res.trace, step)
+        assert sorted(got) == [0, 1, 2, 3]          # the 2 x 2 ranks, each replica's in the trace
+        assert got == op_orders(sim, step)
+        assert (got == program) == (case == "dapple")
+    ser = RunSeries(config=cfg, runs=[res], rules=SittingRules(runs=1, max_runs=1, warmup=1, max_foreign=1e9))
+    ser.settle()
+    (comp,) = compare_series([ser], profile)
+    assert comp.order_identical
+    assert comp.schedule == {"dapple+overlap": "dapple+overlap", "zb-v+overlap": "zb-v+overlap"}.get(case, case)
