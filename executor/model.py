@@ -140,7 +140,7 @@ class StageModule(nn.Module):
     (given the whole targets) is the mean over them divided by C: summed over the CP ranks, the
     sequence's mean (:mod:`executor.context_parallel`).
 
-    A mixture of experts (:mod:`executor.moe`): after each forward :attr:`aux_loss` holds the sum
+    A mixture of experts (:mod:`executor.moe`): after each forward ``aux_loss`` holds the sum
     of its MoE blocks' alpha * load-balancing loss (a detached scalar; None when it has none), which
     the runtime and the reference add to the step's loss; its gradient is already in the graph.
     """
@@ -190,7 +190,7 @@ class _StageStep:
     step, then ``sub`` (a block, or one of a block's steps: a callable or an
     :class:`executor.overlap.Step`, whose ``exchange`` it shows), then the final norm and head on
     the last. After the first step of a block (``aux_of``) the block's balance loss is added to
-    the stage's :attr:`StageModule.aux_loss` (read at once: a recomputation rewrites it later)."""
+    the stage's ``StageModule.aux_loss`` (read at once: a recomputation rewrites it later)."""
 
     def __init__(self, stage: "StageModule", sub, aux_of, first: bool, last: bool):
         self.stage, self.sub, self.aux_of, self.first, self.last = stage, sub, aux_of, first, last

@@ -41,7 +41,7 @@ returns, beside the output's gradient, ``loss_scale`` as the gradient of alpha *
 ``loss_scale`` is the factor the driver scales a micro-batch's loss by (1/G: the runtime's and the
 reference's ``loss / G``), so its gradient flows into the router exactly as if alpha * aux / G had
 been added to the scaled loss. Its value is reported apart: the stage module sums its blocks'
-``aux_value`` after each forward (:attr:`executor.model.StageModule.aux_loss`), the runtime and
+``aux_value`` after each forward (``executor.model.StageModule.aux_loss``), the runtime and
 the reference add it to the step's loss sum, so the reported loss is cross-entropy + aux terms on
 every layout. It works through full and split backward (the gradient enters at the node whatever
 runs it) and recomputation (the recomputed forward builds the same node; its value is not read).

@@ -27,7 +27,7 @@ gradients accumulate), the leaf's ``.grad`` is the gradient of the segment befor
 W): the segment's B is :meth:`executor.backward.SplitBackward.input` on the segment's graph (one
 SplitBackward per stage module and segment, so each keeps its graph template), its
 :class:`~executor.backward.PendingWeightGrad` kept; W runs every segment's pending weight
-gradients (:func:`weight_backward`).
+gradients (:func:`executor.backward.weight_backward`).
 
 *Mixtures of experts* (:func:`block_steps`). A block whose MLP is :class:`executor.moe.MoeMLP` is cut
 at its two all-to-alls into three segments, by the MLP's own steps: (1) ``x1 = x + attn(ln1(x))``,

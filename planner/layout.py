@@ -480,7 +480,7 @@ def in_flight(sched) -> list[int]:
 
 
 def _optim_layers(c) -> tuple[float, ...]:
-    """Seconds of each layer's optimizer step (:meth:`LayerCosts.optim_total`, layer by layer)."""
+    """Seconds of each layer's optimizer step (:meth:`cost_models.base.LayerCosts.optim_total`, layer by layer)."""
     if c.optim_time is not None:
         return tuple(c.optim_time)
     return tuple(p * c.optim_time_per_param for p in c.params)
