@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .faults import note_injected_kill
+
 
 _ROUTED = re.compile(r"(^|\.)experts\.\d+\.")   # a routed expert's parameter (global index), not a shared one's
 
@@ -162,6 +164,7 @@ class ExpertParallel:
             self.sent.append(tuple(send))
         recv = exchange_counts(send, self.group, x.device)
         if _KILL[0]:
+            note_injected_kill("by --inject-fault (inside an expert all-to-all)")
             os.kill(os.getpid(), signal.SIGKILL)
         pending = [] if async_op else None
         out = _AllToAll.apply(x, send, recv, self.group, pending)

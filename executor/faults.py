@@ -16,12 +16,24 @@ imports nothing of the executor: the config and the runtime both read faults thr
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from schedules import Schedule
 
 
 A2A = "a2a"     # the token of a rank killed inside an expert all-to-all (module docstring)
+WORKDIR_ENV = "PIPETWIN_WORKDIR"    # a spawned rank's launcher folder (executor.launch)
+
+
+def note_injected_kill(what: str) -> None:
+    """Leave ``injected.RANK`` (saying ``what``) in a spawned rank's launcher folder before the rank
+    kills itself, so the launcher reports the kill as injected, not as one from outside the run
+    (kill -9, the out-of-memory killer). Under torchrun there is no such folder: nothing is left."""
+    work, rank = os.environ.get(WORKDIR_ENV), os.environ.get("RANK")
+    if work and rank is not None:
+        Path(work, f"injected.{rank}").write_text(what)
 
 
 class FaultError(ValueError):

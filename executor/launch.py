@@ -61,11 +61,12 @@ from typing import Any, Sequence
 from schedules import Schedule
 
 from .config import RunConfig, RunResult, lowered_schedule
+from .faults import WORKDIR_ENV
 from .host import PROCESS_BYTES, available_host_bytes
 from .mesh import device_map_for, placement  # noqa: F401 - device_map_for: launch's API
 from .worker import Job, local_env, topology
 
-_WORKDIR_ENV = "PIPETWIN_WORKDIR"
+_WORKDIR_ENV = WORKDIR_ENV
 _REPO = str(Path(__file__).resolve().parent.parent)
 _PARENT_ENV = "PIPETWIN_PARENT"     # the launcher's pid: a rank ends when it does
 # a worker's first code: the working directory ('' or '.') off sys.path, pipetwin's folder first, then
@@ -363,9 +364,13 @@ def _failure_report(procs: list[subprocess.Popen], work: Path, died: dict[int, i
         tail = (work / f"log.{rank}").read_text(errors="replace")[-2000:]
         lines.insert(0, f"rank {rank} exited with code {code} without a Python error; its output:\n{tail}")
     if killed:
-        head = "; ".join(f"rank {r} was killed by {_signal_name(c)}" for r, c in killed)
-        why = (" from outside the run (kill -9, or the kernel's out-of-memory killer: see dmesg)"
-               if any(-c == signal.SIGKILL for _, c in killed) else " from outside the run")
+        injected = {r: f.read_text() for r, _ in killed if (f := work / f"injected.{r}").exists()}
+        head = "; ".join(f"rank {r} was killed by {_signal_name(c)}" + (f" {injected[r]}" if r in injected else "")
+                         for r, c in killed)
+        outside = [c for r, c in killed if r not in injected]
+        why = ("" if not outside else
+               " from outside the run (kill -9, or the kernel's out-of-memory killer: see dmesg)"
+               if any(-c == signal.SIGKILL for c in outside) else " from outside the run")
         lines.insert(0, head + why + ("; the errors below followed from it" if lines else ""))
     return "\n".join(lines) if lines else "a rank exited abnormally"
 

@@ -210,6 +210,9 @@ def test_rank_killed_inside_an_all_to_all_ends_the_run_naming_it():
             p.communicate()
     assert t_step is not None, err[-2000:]
     assert p.returncode == 1
-    assert err.strip().splitlines()[0].startswith("pipetwin: run failed: rank 1 was killed by SIGKILL (9)"), err[-2000:]
+    first = err.strip().splitlines()[0]
+    assert first.startswith("pipetwin: run failed: rank 1 was killed by SIGKILL (9) by --inject-fault (inside an "
+                            "expert all-to-all)"), err[-2000:]
+    assert "from outside" not in first, first
     assert t_end - t_step < 30.0
     print(f"ended {t_end - t_step:.2f} s after step 0")
