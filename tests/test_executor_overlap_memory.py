@@ -129,3 +129,67 @@ def _pair_peak(s: list[int]) -> int:
     max_k (s_1 + .. + s_k - s_{n-k+2} - .. - s_n)."""
     n = len(s)
     return max(sum(s[:k]) - sum(s[n - k + 1:]) for k in range(1, n + 1))
+
+
+# ---------------------------------------------------------------------------- simulated and measured sub-phases
+CASES[4]["tiny-mixtral-dualpipe-v"] = RunConfig.of(schedule="dualpipe-v", model="tiny-mixtral", overlap_fb=True,
+                                                   **dict(BASE, ep=2))
+
+
+def _runs_of(seq: list[str]) -> list[str]:
+    """The kinds with consecutive repeats merged: the executor cuts a stage's forward at every block,
+    the simulator's phases only at its all-to-alls (two compute segments with no exchange between
+    them are one compute phase there)."""
+    return [k for i, k in enumerate(seq) if i == 0 or k != seq[i - 1]]
+
+
+@pytest.mark.slow
+def test_simulated_pair_sub_phases_equal_the_executors(runs):
+    """For every overlapped pair of a tiny-mixtral dualpipe-v run at EP 2 (D 2, N 4, R 2), on every
+    rank, the simulator's sub-phases of the pair (:func:`sim.overlap.overlapped_pair` on the bound
+    costs' phases of the pair's F and B stages) have, per op, the executor's measured kinds in the
+    executor's order: F and B each compute, comm (the dispatch, then the combine of each MoE block
+    of the stage), ..., compute; and both list the F's phases from the pair's first one. One
+    difference, the cost model's: a MoE block's F phases end at its combine
+    (``TransformerCostModel.layer_segments`` counts the weighted sum and the residual in the
+    compute before the dispatch), so where no layer follows the stage's last combine the
+    simulator's F ends on comm and the executor's with that compute. And the executor's: a paired B
+    whose own F ran unpaired (not cut) runs whole, one compute phase, its all-to-alls blocking
+    inside it, where the simulator overlaps them (left: cutting such an F changed the metered
+    peaks by a few hundred bytes, not yet understood)."""
+    from sim.overlap import overlapped_pair
+    cfg, sched, res = runs(4)["tiny-mixtral-dualpipe-v"]
+    b = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
+    costs = b.costs
+    spec = cfg.spec()
+    phases = [p for p in res.extra["phases"] if p["step"] == 0]
+    tr = res.trace
+    tr = tr[tr.step == 0]
+    checked = unsegmented = 0
+    paired_f = {("B", s, m) for (_, s, m), _ in sched.meta["overlapped"]}    # B whose own F ran paired
+    for (fk, fs, fm), (bk, bs, bm) in sched.meta["overlapped"]:
+        for dev in sorted(set(tr[(tr.kind == fk) & (tr.stage == fs) & (tr.microbatch == fm)].device)):
+            rows = tr[tr.device == dev]
+            f_tok = rows[(rows.kind == fk) & (rows.stage == fs) & (rows.microbatch == fm)]
+            b_tok = rows[(rows.kind == bk) & (rows.stage == bs) & (rows.microbatch == bm)]
+            f_row, b_row = f_tok.iloc[0], b_tok.iloc[0]
+            mine = [p for p in phases if p["device"] == dev and p["token"] in (f_row.token, b_row.token)]
+            pt = overlapped_pair(costs.phases_f[int(f_row["copy"])][fs], costs.phases_b[int(b_row["copy"])][bs],
+                                 costs.comm_sm_share)
+            for op, tok in (("F", f_row.token), ("B", b_row.token)):
+                measured = _runs_of([p["kind"] for p in mine if p["token"] == tok])
+                simulated = _runs_of([p.kind for p in pt.phases if p.op == op])
+                blocks = sum(1 for i in range(spec.layers) if i >= spec.dense_layers) // sched.num_stages
+                if op == "B" and (bk, bs, bm) not in paired_f:    # its F ran unpaired, whole: so does B
+                    assert measured == ["compute"]
+                    unsegmented += 1
+                    continue
+                assert measured == ["compute", "comm"] * (2 * blocks) + ["compute"]
+                if op == "F" and simulated[-1] == "comm":    # no layer after the stage's last combine
+                    simulated = simulated + ["compute"]
+                assert measured == simulated, (dev, op, tok, measured, simulated)
+            assert mine[0]["token"] == f_row.token and pt.phases[0].op == "F"
+            checked += 1
+    assert checked == len(sched.meta["overlapped"]) * sched.replicas
+    # D 2, N 4: every paired B's F ran in the warm-up, unpaired -- the B side stays the left divergence
+    assert unsegmented == checked
