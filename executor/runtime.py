@@ -86,7 +86,7 @@ class _StepState:
     batches: dict = field(default_factory=dict)    # global micro-batch -> (inputs, targets)
     allreduces: list = field(default_factory=list)
     ar_done: list = field(default_factory=list)     # per ALLREDUCE: [perf_counter at completion]
-    accounted: dict = field(default_factory=dict)   # (copy, stage, mb) -> bytes of an unmetered F
+    accounted: dict = field(default_factory=dict)   # (copy, stage, mb) -> per segment, bytes of an unmetered F
     loss_sum: torch.Tensor | float = 0.0
 
     def leftovers(self) -> list[str]:
@@ -153,7 +153,9 @@ class PipelineRuntime:
         self.recompute = Recompute(recompute, meter, [p for m in distinct.values() for p in m.parameters()])
         self.sample_memory = getattr(meter, "samples", False) and not meter_every_forward
         self.stage_bytes: dict = {}     # (copy, stage) -> bytes its metered forward (the run's first) kept
+        self.seg_bytes: dict = {}       # (copy, stage, segments) -> per segment, bytes its metered forward kept
         self.accounted = 0              # bytes of the live unmetered forwards (see executor.device)
+        self._peak = 0                  # the step's peak, sampled after each segment (see _sample)
         for m in distinct.values():
             self.recompute.install(m)
         self.tied = tied
@@ -185,7 +187,7 @@ class PipelineRuntime:
             self._weights.plan_step(self._backwards)
         rows = []
         now = time.perf_counter
-        peak = self.meter.current() + self.accounted
+        peak = self._peak = self.meter.current() + self.accounted
         if self.fault is not None and self.fault[0] == A2A and self.fault[1] in (None, step):
             arm_kill()      # killed inside this step's first expert all-to-all (executor.faults)
         phases: list = []
@@ -225,7 +227,7 @@ class PipelineRuntime:
                                f"({'; '.join(left)}); every F needs its B (and W) and every message its consumer")
         loss = float(st.loss_sum)
         self._state = _StepState()
-        return StepOutcome(rows, loss, int(max(peak, self.meter.peak)), phases)
+        return StepOutcome(rows, loss, int(max(peak, self._peak, self.meter.peak)), phases)
 
     # ------------------------------------------------------------------ compute
     def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,6 +237,13 @@ class PipelineRuntime:
             x, y = self.data.batch(self.step_index, g, self.G)
             b = self._state.batches[g] = (x.to(self.ctx.device), y.to(self.ctx.device))
         return b
+
+    def _sample(self) -> None:
+        """The step's peak after a segment of F or B: within an overlapped pair F's segments keep
+        and B's release memory in turn, so the peak can fall between two op ends."""
+        live = self.meter.current() + self.accounted
+        if live > self._peak:
+            self._peak = live
 
     def _forward(self, op: Op) -> int:
         run_alone(self._forward_gen(op, segmented=False))
@@ -262,11 +271,13 @@ class PipelineRuntime:
         else:
             x = st.inbox.pop((ACT, op.copy, op.mb, op.stage - 1))
         where = (op.copy, op.stage)
-        measure = not self.sample_memory or where not in self.stage_bytes
+        steps = steps_of(module, self.recompute) if segmented else [module]
+        cut = where + (len(steps),)
+        measure = not self.sample_memory or cut not in self.seg_bytes
         params = self._params[id(module)]
         if self._weights is not None:
             self._weights.before(params, F)
-        kept = [0]
+        kept: list[int] = []      # per segment: bytes metered, or (unmetered) accounted
         losses = []
 
         @contextlib.contextmanager
@@ -274,22 +285,27 @@ class PipelineRuntime:
             before = self.meter.current()
             with self.meter.capture(measure), self.precision.autocast(self.ctx.device):
                 yield
-            kept[0] += self.meter.current() - before
+            if measure:
+                kept.append(self.meter.current() - before)
+            else:         # the same segment of the same module and shapes keeps what the metered one kept
+                n = self.seg_bytes[cut][len(kept)]
+                kept.append(n)
+                self.accounted += n
+            self._sample()
 
         def finish(out):
             losses.append(module.loss(out, self._batch(op.mb)[1]))
             return losses[0] / self.G
 
-        segs = yield from forward_segments(steps_of(module, self.recompute) if segmented else [module], x, enter,
-                                           finish if op.stage == self.last_stage else None)
+        segs = yield from forward_segments(steps, x, enter, finish if op.stage == self.last_stage else None)
         out = segs[-1].out
         if self._weights is not None:
             self._weights.after(params, F)
         if measure:
-            self.stage_bytes[where] = kept[0]
-        else:                    # the same module and shapes keep what its metered forward kept
-            n = st.accounted[key] = self.stage_bytes[where]
-            self.accounted += n
+            self.seg_bytes[cut] = kept
+            self.stage_bytes.setdefault(where, sum(kept))
+        else:                    # released segment by segment by B (or W: see _backward_gen)
+            st.accounted[key] = kept
         if op.stage not in self.fwd_bytes:
             self.fwd_bytes[op.stage] = self.stage_bytes[where]
         aux = getattr(module, "aux_loss", None)     # a mixture of experts' balance loss (executor.moe)
@@ -314,6 +330,16 @@ class PipelineRuntime:
         if self._weights is not None:
             self._weights.before(params, B)
         pendings = []
+        acc = st.accounted.pop(key, None)     # an unmetered F's bytes per segment, released as B frees them
+
+        def release(i: int, pending=None):
+            # a full backward frees the segment's graph; a split one too, but for what it keeps for W
+            # (held exactly) -- unless it keeps the graph: a tuple segment's, or one B could not split
+            if acc is not None and not (isinstance(pending, RetainedWeightGrad) or
+                                        getattr(pending, "full", None) is not None):
+                self.accounted -= acc[i]
+                acc[i] = 0
+            self._sample()
 
         def inp(i: int, seg: Segment):     # the segment's input, None where it is the token ids
             return seg.inp if i > 0 or op.stage > 0 else None
@@ -325,6 +351,7 @@ class PipelineRuntime:
                 else:
                     gx, pending = self._split_of(module, i, len(segs)).input(seg.out, inp(i, seg), g)
                 pendings.append(pending)
+                release(i, pending)
                 return gx
         else:
             def run(i, seg, g):
@@ -332,15 +359,15 @@ class PipelineRuntime:
                     tuple_backward(seg, g)
                 elif seg.out.requires_grad:   # else a first stage without parameters: nothing before it trains
                     full_backward(seg.out, g)
-                return input_grads(seg, inp(i, seg) is not None)
+                gx = input_grads(seg, inp(i, seg) is not None)
+                release(i)
+                return gx
 
         gx = yield from backward_segments(segs, grad, run)
         if self.sched.split_backward:
             st.pending_w[key] = (pendings, self.meter.hold([t for p in pendings for t in p.tensors()]))
-            if all(p.full is None for p in pendings):   # the graphs are gone; what waits for W is held exactly
-                self.accounted -= st.accounted.pop(key, 0)
-        else:
-            self.accounted -= st.accounted.pop(key, 0)
+            if acc is not None and any(acc):     # the graphs B kept for W: released by W
+                st.accounted[key] = acc
         if self._weights is not None:
             self._weights.after(params, B)
         if self._sharded is not None and not self.sched.split_backward:
@@ -367,7 +394,8 @@ class PipelineRuntime:
                 pending.weight()
             else:
                 weight_backward(pending)
-        self.accounted -= self._state.accounted.pop(key, 0)
+        self.accounted -= sum(self._state.accounted.pop(key, ()))
+        self._sample()
         if self._sharded is not None:
             self._sharded.grads_ready(self._params[id(self.modules[(op.copy, op.stage)])])
         return 0

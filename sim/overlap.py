@@ -19,15 +19,35 @@ after ``c / (1 - s)`` if that is at most x, else after ``c + s x``; the two toge
 stream with a ready segment starts it), so with W the compute seconds, X the comm seconds and H
 the seconds both streams were busy (the comm seconds ``hidden`` under compute),
 ``time = W + X - (1 - s) H = serial - (1 - s) H``.
+
+Sub-phases. ``PairTime.phases`` lists every segment of both chains as it ran
+(:class:`PairPhase`: the op, F or B; its segment number within the op, counting the op's compute
+segments as the executor does, so a comm segment (the wait for an exchange) carries the number
+of the compute segment it precedes; the kind, compute or comm; start and end from the pair's
+start), ordered by start (ties: F first, then chain order), in the form of the executor's measured sub-phases
+(``RunResult.extra["phases"]``, :class:`executor.overlap.Phase`), so simulated and measured
+overlap can be compared phase by phase.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cost_models.base import OpPhases
 
 _COMPUTE, _COMM = 0, 1
+KINDS = ("compute", "comm")      # executor.overlap's COMPUTE, COMM
+
+
+class PairPhase(NamedTuple):
+    """One segment of an overlapped pair as the simulator ran it (module docstring)."""
+
+    op: str          # "F" or "B"
+    segment: int
+    kind: str        # "compute" or "comm"
+    start: float
+    end: float
 
 
 @dataclass(frozen=True)
@@ -40,6 +60,7 @@ class PairTime:
     serial: float
     comm: float
     hidden: float
+    phases: tuple = field(default=(), compare=False)     # PairPhase rows (module docstring)
 
 
 def _segments(p: OpPhases) -> list[tuple[int, float]]:
@@ -64,11 +85,13 @@ def overlapped_pair(f: OpPhases, b: OpPhases, sm_share: float) -> PairTime:
     running: list[list | None] = [None, None]
     t = hidden = 0.0
     slow = 1.0 - sm_share
+    began: dict = {}           # (chain, segment index) -> start
     while True:
         # zero-length segments end as they become ready, taking no stream
         for ch in (0, 1):
             seg = chains[ch]
             while nxt[ch] < len(seg) and seg[nxt[ch]][1] == 0.0 and not _runs(running, ch):
+                began[(ch, nxt[ch])] = (t, t)
                 nxt[ch] += 1
         # start what can start: per free stream, the ready segment that became ready first (ties to F)
         for stream in (_COMPUTE, _COMM):
@@ -82,6 +105,7 @@ def overlapped_pair(f: OpPhases, b: OpPhases, sm_share: float) -> PairTime:
                         best = ch
             if best is not None:
                 running[stream] = [best, chains[best][nxt[best]][1]]
+                began[(best, nxt[best])] = (t, None)
         if running[_COMPUTE] is None and running[_COMM] is None:
             break
         # advance to the next end: the stream(s) whose segment ends first end it exactly
@@ -102,12 +126,18 @@ def overlapped_pair(f: OpPhases, b: OpPhases, sm_share: float) -> PairTime:
             if ends[stream] == dt:
                 ch = run[0]
                 running[stream] = None
+                began[(ch, nxt[ch])] = (began[(ch, nxt[ch])][0], t)
                 nxt[ch] += 1
                 ready[ch] = t
             else:
                 run[1] -= dt * rate if stream == _COMPUTE else dt
     comm = f.comm_total + b.comm_total
-    return PairTime(time=t, serial=f.total + b.total, comm=comm, hidden=hidden)
+    rows = []
+    for (ch, i), (a, e) in began.items():
+        kind = chains[ch][i][0]
+        rows.append(PairPhase("FB"[ch], (i + 1) // 2, KINDS[kind], a, e))
+    rows.sort(key=lambda r: (r.start, r.op != "F"))
+    return PairTime(time=t, serial=f.total + b.total, comm=comm, hidden=hidden, phases=tuple(rows))
 
 
 def _runs(running, ch: int) -> bool:

@@ -1,0 +1,195 @@
+"""Activation memory of overlapped F&B pairs (``--overlap-fb``, DualPipe-V's own pairs): the runtime's
+sampled metering (one metered forward per stage, segment and segmentation; the others accounted
+segment by segment, released as B and W free them, :class:`executor.runtime.PipelineRuntime`)
+equals metering every forward, and the peaks against the non-overlapped runs and the simulator's
+ledger (:func:`cost_models.memory.peak_activation`)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cost_models import load_model
+from cost_models.bind import bind
+from cost_models.job import Job
+from cost_models.memory import peak_activation
+from executor.config import RunConfig
+
+DENSE = load_model("tiny").replace(layers=8, hidden=32, heads=4, seq_len=16, vocab=64)
+# routing balanced by construction (top-k = E), as tests/test_executor_ep.py's ledger test
+BALANCED = load_model("tiny-mixtral").replace(name="mem-mixtral", hidden=256, ffn_hidden=384, experts=4, top_k=4,
+                                              dropout=False, attention="flash")
+BASE = dict(steps=1, optimizer="sgd", lr=0.05, timeout=60.0, devices=2, microbatches=4, replicas=2)
+RUNS = [("dense", DENSE, {}), ("moe", BALANCED, {"ep": 2})]
+CASES = {4: {f"{name}-{s}-ov{int(ov)}-ev{int(ev)}": RunConfig.of(schedule=s, model=m, overlap_fb=ov,
+                                                                 meter_every_forward=ev, **dict(BASE, **kw))
+             for name, m, kw in RUNS for s in ("dapple", "zb-v", "dualpipe-v") for ov in (False, True)
+             for ev in (False, True) if not (ev and not ov)}}
+
+
+def _peaks(runs, case) -> list[int]:
+    return [d["peak_activation_bytes"] for d in runs(4)[case][2].per_device]
+
+
+def _ledger(cfg) -> list[int]:
+    par = cfg.parallel if cfg.spec().is_moe else dataclasses.replace(cfg.parallel, overlap_fb=False)
+    b = bind(Job(layout=cfg.layout, parallel=par, model=cfg.spec(), cluster="dgx-a100-1x8"))
+    return [int(x) for x in peak_activation(b.lowered, b.costs)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(k for k in CASES[4] if k.endswith("-ov1-ev0")))
+def test_sampled_metering_of_overlapped_pairs_equals_metering_every_forward(runs, case):
+    """Per rank, the peak with one metered forward per stage and segmentation (the others accounted
+    per segment: F adds a segment's bytes as it ends, B releases them as it frees the segment's
+    graph, W what a split B kept: a tuple segment's retained graph) equals the peak with every
+    forward metered, to the byte, and so do the bytes alive after every op. Before, an overlapped F
+    was accounted whole at the pair's end, after its B's release, and B released a retained graph
+    at B: dapple's stage 0 read half its peak."""
+    assert _peaks(runs, case) == _peaks(runs, case.replace("-ev0", "-ev1"))
+    cols = ["device", "step", "seq", "act_mem"]
+    a, b = (runs(4)[k][2].trace[cols].sort_values(cols[:3]).reset_index(drop=True)
+            for k in (case, case.replace("-ev0", "-ev1")))
+    assert a.equals(b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_overlapped_peaks_against_non_overlapped_and_the_ledger(runs, name):
+    """Closed forms per rank (D 2, N 4, R 2; ranks d and d + 2 alike; S = one micro-batch's stage-0
+    activations, half of dapple's non-overlapped peak 2 S on device 0).
+
+    - Non-overlapped runs (dapple, zb-v) and dualpipe-v (its own pairs) within 1 % of the ledger.
+    - dapple with overlap: device 0 runs F0, then the pairs (F1 & B0), (F2 & B1), (F3 & B2): F's
+      first segment (the first block with the embedding) runs before B0's last; B frees a block's
+      graph per segment as F keeps one, so the peak is S + s1 (s1: the first segment's bytes), not
+      the ledger's 2 S (the simulator allocates a pair's F at its end, before B frees). Device 1
+      (the last stage: F and B of one micro-batch, unpaired) equals the non-overlapped run.
+    - zb-v with overlap: dense, device 0 equals the non-overlapped peak; with MoE blocks device 1
+      keeps more than the ledger: a tuple segment's split B keeps its graph until W (B takes the
+      input gradients with ``retain_graph``, :class:`executor.overlap.RetainedWeightGrad`), where
+      the ledger keeps only ``act_w``."""
+    cases = runs(4)
+    led = {s: _ledger(cases[f"{name}-{s}-ov0-ev0"][0]) for s in ("dapple", "zb-v", "dualpipe-v")}
+    for s in ("dapple", "zb-v", "dualpipe-v"):
+        for ov in ((0, 1) if s == "dualpipe-v" else (0,)):
+            for got, want in zip(_peaks(runs, f"{name}-{s}-ov{ov}-ev0"), led[s]):
+                assert abs(got - want) <= 0.01 * want, (s, ov, got, want)
+    plain, ov = _peaks(runs, f"{name}-dapple-ov0-ev0"), _peaks(runs, f"{name}-dapple-ov1-ev0")
+    assert ov[1] == plain[1] and ov[3] == plain[3]
+    assert plain[0] % 2 == 0
+    seg = _segment_bytes(cases[f"{name}-dapple-ov1-ev0"][0])
+    want = plain[0] // 2 + _pair_peak(seg)
+    if name == "dense":
+        assert sum(seg) == plain[0] // 2
+        assert ov[0] == ov[2] == want, (ov, plain, seg)
+    else:     # EP 2 adds the experts' row regrouping indices (tests/test_executor_ep.py)
+        assert abs(sum(seg) - plain[0] // 2) <= 0.01 * sum(seg)
+        assert ov[0] == ov[2] and abs(ov[0] - want) <= 0.01 * want, (ov, plain, seg)
+    zp, zo = _peaks(runs, f"{name}-zb-v-ov0-ev0"), _peaks(runs, f"{name}-zb-v-ov1-ev0")
+    assert zo[0] == zp[0] and zo[2] == zp[2]
+    if name == "dense":
+        for got, want in zip(zo, led["zb-v"]):
+            assert abs(got - want) <= 0.01 * want, (zo, led["zb-v"])
+
+
+
+def _segment_bytes(cfg) -> list[int]:
+    """Bytes each segment of stage 0's paired forward keeps for backward (block 0 with the
+    embedding first; a MoE block's three: up to the dispatch, the experts, the combine's rest; at EP
+    1, with balanced routing the same rows per rank as at EP 2), metered in this process by the
+    runtime's meter, segment by segment as the runtime runs them."""
+    import contextlib
+
+    from executor.device import SavedTensorMeter
+    from executor.model import stage_module
+    from executor.overlap import forward_segments, run_alone, steps_of
+    spec = cfg.spec()
+    module = stage_module(spec, 2, 0)
+    meter = SavedTensorMeter(list(module.parameters()))
+    kept = []
+
+    @contextlib.contextmanager
+    def enter():
+        before = meter.current()
+        with meter.capture():
+            yield
+        kept.append(meter.current() - before)
+
+    x = torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq_len))
+    segs = run_alone(forward_segments(steps_of(module), x, enter))
+    assert len(segs) == len(kept)
+    return kept
+
+
+def _pair_peak(s: list[int]) -> int:
+    """The most a pair (F & B of a micro-batch whose F kept the same ``s``) adds over what was alive
+    before it: F's segment k runs after B's segments n .. n - k + 2 freed theirs,
+    max_k (s_1 + .. + s_k - s_{n-k+2} - .. - s_n)."""
+    n = len(s)
+    return max(sum(s[:k]) - sum(s[n - k + 1:]) for k in range(1, n + 1))
+
+
+# ---------------------------------------------------------------------------- simulated and measured sub-phases
+CASES[4]["tiny-mixtral-dualpipe-v"] = RunConfig.of(schedule="dualpipe-v", model="tiny-mixtral", overlap_fb=True,
+                                                   **dict(BASE, ep=2))
+
+
+def _runs_of(seq: list[str]) -> list[str]:
+    """The kinds with consecutive repeats merged: the executor cuts a stage's forward at every block,
+    the simulator's phases only at its all-to-alls (two compute segments with no exchange between
+    them are one compute phase there)."""
+    return [k for i, k in enumerate(seq) if i == 0 or k != seq[i - 1]]
+
+
+@pytest.mark.slow
+def test_simulated_pair_sub_phases_equal_the_executors(runs):
+    """For every overlapped pair of a tiny-mixtral dualpipe-v run at EP 2 (D 2, N 4, R 2), on every
+    rank, the simulator's sub-phases of the pair (:func:`sim.overlap.overlapped_pair` on the bound
+    costs' phases of the pair's F and B stages) have, per op, the executor's measured kinds in the
+    executor's order: F and B each compute, comm (the dispatch, then the combine of each MoE block
+    of the stage), ..., compute; and both list the F's phases from the pair's first one. One
+    difference, the cost model's: a MoE block's F phases end at its combine
+    (``TransformerCostModel.layer_segments`` counts the weighted sum and the residual in the
+    compute before the dispatch), so where no layer follows the stage's last combine the
+    simulator's F ends on comm and the executor's with that compute. And the executor's: a paired B
+    whose own F ran unpaired (not cut) runs whole, one compute phase, its all-to-alls blocking
+    inside it, where the simulator overlaps them (left: cutting such an F changed the metered
+    peaks by a few hundred bytes, not yet understood)."""
+    from sim.overlap import overlapped_pair
+    cfg, sched, res = runs(4)["tiny-mixtral-dualpipe-v"]
+    b = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
+    costs = b.costs
+    spec = cfg.spec()
+    phases = [p for p in res.extra["phases"] if p["step"] == 0]
+    tr = res.trace
+    tr = tr[tr.step == 0]
+    checked = unsegmented = 0
+    paired_f = {("B", s, m) for (_, s, m), _ in sched.meta["overlapped"]}    # B whose own F ran paired
+    for (fk, fs, fm), (bk, bs, bm) in sched.meta["overlapped"]:
+        for dev in sorted(set(tr[(tr.kind == fk) & (tr.stage == fs) & (tr.microbatch == fm)].device)):
+            rows = tr[tr.device == dev]
+            f_tok = rows[(rows.kind == fk) & (rows.stage == fs) & (rows.microbatch == fm)]
+            b_tok = rows[(rows.kind == bk) & (rows.stage == bs) & (rows.microbatch == bm)]
+            f_row, b_row = f_tok.iloc[0], b_tok.iloc[0]
+            mine = [p for p in phases if p["device"] == dev and p["token"] in (f_row.token, b_row.token)]
+            pt = overlapped_pair(costs.phases_f[int(f_row["copy"])][fs], costs.phases_b[int(b_row["copy"])][bs],
+                                 costs.comm_sm_share)
+            for op, tok in (("F", f_row.token), ("B", b_row.token)):
+                measured = _runs_of([p["kind"] for p in mine if p["token"] == tok])
+                simulated = _runs_of([p.kind for p in pt.phases if p.op == op])
+                blocks = sum(1 for i in range(spec.layers) if i >= spec.dense_layers) // sched.num_stages
+                if op == "B" and (bk, bs, bm) not in paired_f:    # its F ran unpaired, whole: so does B
+                    assert measured == ["compute"]
+                    unsegmented += 1
+                    continue
+                assert measured == ["compute", "comm"] * (2 * blocks) + ["compute"]
+                if op == "F" and simulated[-1] == "comm":    # no layer after the stage's last combine
+                    simulated = simulated + ["compute"]
+                assert measured == simulated, (dev, op, tok, measured, simulated)
+            assert mine[0]["token"] == f_row.token and pt.phases[0].op == "F"
+            checked += 1
+    assert checked == len(sched.meta["overlapped"]) * sched.replicas
+    # D 2, N 4: every paired B's F ran in the warm-up, unpaired -- the B side stays the left divergence
+    assert unsegmented == checked
