@@ -1,0 +1,100 @@
+"""A mixed cluster emulated in a real run (:func:`cost_models.bind.pool_slowdowns`): where the ranks
+sit, what ratio slows them and which partition they run, worked in closed form on a small cluster
+of two device kinds of speeds 1 and 3; the slowed run trains exactly as the reference."""
+from dataclasses import replace
+
+import pytest
+
+from cost_models import Job, Layout
+from cost_models.bind import pool_slowdowns
+from cost_models.cluster import by_pool_map, megatron_map, DeviceGrid
+from executor.config import RunConfig
+from executor.launch import run
+from executor.reference import run_reference
+from schedules import build
+from tests.helpers import assert_losses_equal
+
+# two pools of 2 devices: "slow" and "fast", every peak and the memory bandwidth 3x apart, one
+# efficiency, no kernel constants (so the linear model prices both: every op 3x on the slow kind)
+MIX = """name: two-speeds
+pools:
+  - nodes: 1
+    devices_per_node: 2
+    intra: pcie4
+    inter: eth-10g
+    device: {name: slow, peak_flops: {fp32: 10 TFLOP/s, tf32: 10 TFLOP/s, bf16: 20 TFLOP/s}, memory: 16 GiB,
+             memory_bandwidth: 500 GB/s, efficiency: 0.5}
+  - nodes: 1
+    devices_per_node: 2
+    intra: pcie4
+    inter: eth-10g
+    device: {name: fast, peak_flops: {fp32: 30 TFLOP/s, tf32: 30 TFLOP/s, bf16: 60 TFLOP/s}, memory: 16 GiB,
+             memory_bandwidth: 1500 GB/s, efficiency: 0.5}
+between: eth-10g
+"""
+
+
+@pytest.fixture
+def mix(tmp_path):
+    p = tmp_path / "two-speeds.yaml"
+    p.write_text(MIX)
+    return str(p)
+
+
+def _job(mix, D, R=1, **kw):
+    return Job(layout=Layout(schedule="1f1b", devices=D, microbatches=8, replicas=R), model="tiny", cluster=mix, **kw)
+
+
+def test_placement_factors_and_typed_split_in_closed_form(mix):
+    """The tiny GPT's layers: embedding (0 s in the linear model), 8 blocks of c each, a head of h
+    (~0.31 c) on the slow kind; a third of that on the fast one (every F, B and W 3x: k = 3).
+
+    D = 4: pipeline device d on pool 4 d // ... = d * 2 // 4: ranks 0, 1 slow, 2, 3 fast. Each slow
+    stage needs a block (a stage of the embedding alone leaves 2 blocks, 2 c, on the next), so the
+    least slowest stage is c + h / 3: (emb + 1, 1, 3, 3 + head) = (2, 1, 3, 4) (4 blocks on a fast
+    stage would be 4 c / 3 > c + h / 3). Ranks 0 and 1 slowed 3x.
+
+    D = 2, R = 2: device 0 (slow) takes GPUs 0, 1, device 1 (fast) GPUs 2, 3; rank r = replica
+    r // 2 of device r % 2, so ranks 0, 2 slow, 1, 3 fast. n blocks on the slow stage: max(n c,
+    (8 - n) c / 3 + h / 3) is 2 c + h / 3 at n = 2 and 3 c at n = 3: (emb + 2, 6 + head) = (3, 7)."""
+    e = pool_slowdowns(_job(mix, 4))
+    assert (e.mapping, e.cost_model, e.latency_bound, e.typed) == ("by-pool", "linear", False, True)
+    assert e.pools == (0, 0, 1, 1)
+    assert e.partition == (2, 1, 3, 4)
+    assert [r for r, _ in e.slowdown] == [0, 1]
+    assert [k for _, k in e.slowdown] == pytest.approx([3.0, 3.0], rel=1e-12)
+    e = pool_slowdowns(_job(mix, 2, 2))
+    assert e.pools == (0, 1, 0, 1)
+    assert e.partition == (3, 7)
+    assert [r for r, _ in e.slowdown] == [0, 2]
+    assert [k for _, k in e.slowdown] == pytest.approx([3.0, 3.0], rel=1e-12)
+    # a partition given is the run's (and prices the factors): still 3x, every op alike
+    e = pool_slowdowns(_job(mix, 2, partition=(5, 5)))
+    assert (e.partition, e.typed, [r for r, _ in e.slowdown]) == ((5, 5), False, [0])
+
+
+def test_by_pool_map_on_one_pool_is_megatrons_order():
+    """On a device grid (one pool) every pipeline device is on pool 0 and its R replicas on the next
+    R GPUs: rank (replica j, device d) on GPU d R + j, Megatron's [DP, PP] order."""
+    sched = replace(build("1f1b", 2, 4), replicas=2)
+    grid = DeviceGrid(1, 4, "grid")
+    assert by_pool_map(sched, grid) == megatron_map(sched, grid) == (0, 2, 1, 3)
+
+
+def test_a_tiny_model_on_a100_h100_is_priced_by_the_linear_model():
+    """The kernel model prices the tiny GPT's ops latency-bound (its layers' F + B + W within 1 % on
+    an A100 and an H100), so the ratios come from the linear model; D = 2 spans both pools."""
+    e = pool_slowdowns(Job(layout=Layout(schedule="1f1b", devices=2, microbatches=4), model="tiny",
+                           cluster="a100-h100"))
+    assert (e.cost_model, e.latency_bound, e.pools, [r for r, _ in e.slowdown]) == ("linear", True, (0, 1), [0])
+    assert "linear cost model (the kernel model prices this model's ops latency-bound" in e.line()
+
+
+def test_a_slowed_mixed_run_trains_as_the_reference(mix):
+    """run --cluster two-speeds, D = 2: rank 0 (slow pool) sleeps 2 x each op, the partition is
+    (3, 7); the losses equal the single-process reference's over the same partition."""
+    cfg = RunConfig.of(schedule="1f1b", devices=2, microbatches=4, steps=2, cluster=mix, timeout=30.0)
+    assert cfg.job.cluster.name is None and cfg.job.partition == (3, 7)
+    assert [r for r, _ in cfg.job.faults.slowdown] == [0]
+    res = run(cfg)
+    assert_losses_equal(res, run_reference(cfg))
