@@ -476,8 +476,9 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("run_seed"), use("lr"), use("optimizer"), use("data"),
             use("device"), use("timeout"), use("recv_lookahead"), use("no_memory"),
             use("slowdown", note="; the run sleeps (FACTOR - 1) x each F, B and W it measures on RANK"),
-            use("cluster", note="; a mixed cluster only: its slower pools' ranks are slowed by the simulated ratio "
-                                "of their compute to the fastest pool's (as --slowdown)"),
+            use("cluster", note="; a mixed cluster only: the stages spread over its pools in order (--device-map "
+                                "by-pool), the slower pools' ranks slowed by the simulated ratio of their compute to "
+                                "the fastest pool's (as --slowdown), the planner's typed split unless --partition"),
             use("dtype", note=" (default fp32)"),
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
@@ -551,6 +552,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                  use("dtype", default=None, note="; default: the profile's, else fp32; calibrates in it"),
                  use("warmup"), use("quiet_runs"), use("max_runs"), use("max_spread"), use("max_foreign"),
                  use("max_drift"),
+                 use("cluster", note="; a mixed cluster only: each schedule runs with the typed split and the uniform "
+                                     "one, the slower pools' ranks slowed on both sides (as run --cluster)"),
                  use("calibration_profile", help="calibration profile; default: calibrate now, in the same sitting as "
                      "the runs, and write it beside --plot"),
                  use("plot", default="out/validate.png", help="overlay figure (default out/validate.png)"),

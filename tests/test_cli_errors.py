@@ -110,8 +110,10 @@ CASES = [
                                                                       "drop --cluster"]),
     ("run-cluster-mixed-and-slowdown", RUN + ["--cluster", "a100-h100", "--slowdown", "1=2"],
      ["--cluster a100-h100 emulates its pools", "drop --slowdown"]),
-    ("run-cluster-mixed-one-pool-used", RUN + ["--cluster", "a100-h100"],
-     ["every rank of this run sits on one pool of a100-h100", "nothing to emulate"]),
+    ("run-cluster-mixed-one-pool-used", RUN + ["--cluster", "a100-h100", "--device-map", "sequential"],
+     ["the ranks of this run sit on pools [0, 0] of a100-h100 (device map sequential)", "nothing to emulate"]),
+    ("validate-cluster-one-pool", ["validate", "--cluster", "dgx-a100-4x8-ib", "--schedules", "1f1b"],
+     ["validate --cluster emulates a mixed cluster's pools", "dgx-a100-4x8-ib has one pool", "drop --cluster"]),
     ("run-slowdown-below-one", RUN + ["--slowdown", "1=0.5"], ["--slowdown 1=0.5", "a factor must be >= 1"]),
     ("run-cp-torch-runtime", RUN + ["--cp", "2", "--runtime", "torch"], ["pipelining's runtime", "drop --cp 2"]),
     # expert parallelism in a run (executor.expert_parallel): the simulator's rules, then the executor's reach

@@ -98,3 +98,46 @@ def test_a_slowed_mixed_run_trains_as_the_reference(mix):
     assert [r for r, _ in cfg.job.faults.slowdown] == [0]
     res = run(cfg)
     assert_losses_equal(res, run_reference(cfg))
+
+
+def test_the_simulated_side_slows_the_same_ranks_by_the_same_factor():
+    """validate's simulated side (simulate_with_profile, slowdown = the run's pairs): on a host of 4
+    cores (every rank has one), rank 0's F, B and W of a toy profile take exactly 3x their unslowed
+    time; rank 1's are unchanged."""
+    from calibration import simulate_with_profile
+    from executor.config import lowered_schedule
+    from tests.test_crossval import _toy_profile
+    prof = _toy_profile(cores=4)
+    low = lowered_schedule(RunConfig.of(schedule="1f1b", devices=2, microbatches=4))
+    plain = simulate_with_profile(low, prof, steps=1, partition=(3, 7))
+    slow = simulate_with_profile(low, prof, steps=1, partition=(3, 7), slowdown=((0, 3.0),))
+
+    def dur(tr, rank):
+        t = tr[(tr.device == rank) & tr.kind.isin(["F", "B", "W"])]
+        return list(t.end - t.start)
+
+    assert dur(slow, 0) == pytest.approx([3 * d for d in dur(plain, 0)], rel=1e-9)
+    assert dur(slow, 1) == pytest.approx(dur(plain, 1), rel=1e-9)
+
+
+def test_validate_on_a_mixed_cluster_keeps_op_orders_exact(mix):
+    """validate --cluster two-speeds at D = 2 (1F1B = dapple, ZB-H1): each schedule twice (the typed
+    split (3, 7) and the uniform (5, 5)), rank 0 slowed 3x on both sides; every rank's op order is the schedule's in the
+    executor and in the simulator, whatever the host's timing (one short run each)."""
+    from calibration import run_and_compare
+    from calibration.sitting import SittingRules
+    from experiments.cmd_validate import mixed_jobs
+    from tests.test_crossval import _toy_profile
+    base = Job(layout=Layout(schedule="dapple", devices=2, microbatches=4), model="tiny", cluster=mix)
+    jobs, lines = mixed_jobs([base, base.with_layout(schedule="zb-h1")], 8)
+    assert [j.partition for j in jobs] == [None, (5, 5), None, (5, 5)]
+    assert lines[0] == ("dapple: emulated two-speeds: ranks on pools [0, 1] (device map by-pool), slowdowns priced "
+                        "with the linear cost model; layers per stage [3, 7] (typed split of the planner); slowed "
+                        "rank 0 x3.000")
+    comps = run_and_compare(jobs, _toy_profile(), steps=3,
+                            rules=SittingRules(runs=1, max_runs=1, warmup=1, max_foreign=100.0, max_spread=10.0))
+    assert [(c.schedule, c.partition) for c in comps] == [("dapple", (3, 7)), ("dapple", (5, 5)),
+                                                         ("zb-h1", (3, 7)), ("zb-h1", (5, 5))]
+    for c in comps:
+        assert [r for r, _ in c.slowdown] == [0] and c.slowdown[0][1] == pytest.approx(3.0, rel=1e-12)
+        assert c.order_identical, (c.schedule, c.partition)
