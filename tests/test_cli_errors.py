@@ -112,6 +112,8 @@ CASES = [
      ["--cluster a100-h100 emulates its pools", "drop --slowdown"]),
     ("run-cluster-mixed-one-pool-used", RUN + ["--cluster", "a100-h100", "--device-map", "sequential"],
      ["the ranks of this run sit on pools [0, 0] of a100-h100 (device map sequential)", "nothing to emulate"]),
+    ("by-pool-map-pool-too-small", SIM + ["--dp", "3", "-c", "consumer-mix", "--device-map", "by-pool", "-m", "tiny"],
+     ["pool 0 has 4 devices", "stages [0, 1] on it need 6 (3 each)"]),
     ("validate-cluster-one-pool", ["validate", "--cluster", "dgx-a100-4x8-ib", "--schedules", "1f1b"],
      ["validate --cluster emulates a mixed cluster's pools", "dgx-a100-4x8-ib has one pool", "drop --cluster"]),
     ("run-slowdown-below-one", RUN + ["--slowdown", "1=0.5"], ["--slowdown 1=0.5", "a factor must be >= 1"]),
