@@ -144,8 +144,8 @@ def main(args) -> int:
     if base.cluster.name is not None:
         jobs, emulated = mixed_jobs(jobs, layers)
     progress = lambda m: _say(f"  {m}")   # noqa: E731
-    record.setting, record.skipped = (f"{f'T={T} ' if T > 1 else ''}D={D} N={N} R={R}, model {model}"
-                                      + "".join(f"\n{line}" for line in emulated), skipped)
+    record.setting, record.skipped = (f"{f'T={T} ' if T > 1 else ''}D={D} N={N} R={R}, model {model}", skipped)
+    record.emulated = emulated
     if prof is not None:
         record.profile, record.profile_file = prof, args.profile
         busy = profile_refusals(prof)
@@ -238,7 +238,8 @@ def mixed_jobs(jobs, layers: int) -> tuple[list, list[str]]:
 
 def _header(record: "SittingRecord") -> str:
     return (f"{record.setting} ({record.profile.precision}), profile {record.profile.name}"
-            + (" (calibrated in this sitting)" if record.calibrated_now else ""))
+            + (" (calibrated in this sitting)" if record.calibrated_now else "")
+            + "".join(f"\n{line}" for line in record.emulated))
 
 
 def _measured_line(comps, args, rules) -> str:
@@ -327,6 +328,8 @@ def _refuse(record: "SittingRecord", args) -> int:
         if args.report:
             _say(f"wrote report: {write_report(record, args.report)}")
         return REFUSED
+    for line in record.emulated:
+        print(line)
     print(f"refused: {reasons[0]}")
     for r in reasons[1:]:
         print(f"         {r}")
@@ -360,6 +363,7 @@ class SittingRecord:
     reasons: list = field(default_factory=list)   # why no error figure (calibration.compare.Refusal; empty: compared)
     remedies: list[str] = field(default_factory=list)  # what may settle it (advice)
     skipped: dict = field(default_factory=dict)      # schedule -> why it was not run
+    emulated: list[str] = field(default_factory=list)  # a mixed --cluster: how each job emulates it (mixed_jobs)
     measured: str | None = None     # how the measured side was taken
     figure: str | None = None       # the overlay figure written
     seconds: float = 0.0
@@ -407,7 +411,7 @@ def render_report(record: SittingRecord) -> str:
            f"- command: `{record.command}`",
            f"- host: {h['node']} ({h['platform']}), {h['cores']} cores; load average (1 / 5 / 15 min) "
            f"{load(record.load_start)} at the start, {load(record.load_end)} at the end",
-           f"- setting: {record.setting}"]
+           f"- setting: {record.setting}"] + [f"- {line}" for line in record.emulated]
     prof = record.profile
     if prof is not None:
         meta = prof.meta or {}
