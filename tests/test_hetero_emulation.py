@@ -83,10 +83,14 @@ def test_by_pool_map_on_one_pool_is_megatrons_order():
 
 def test_a_tiny_model_on_a100_h100_is_priced_by_the_linear_model():
     """The kernel model prices the tiny GPT's ops latency-bound (its layers' F + B + W within 1 % on
-    an A100 and an H100), so the ratios come from the linear model; D = 2 spans both pools."""
+    an A100 and an H100), so the ratios come from the linear model; D = 2 spans both pools, and the
+    A100 rank's factor is the ratio of the fp32 peaks at each preset's efficiency,
+    (66.9 x 0.5945) / (19.5 x 0.5) = 4.079 (its stage, the embedding and a block, is all GEMM FLOPs in
+    the linear model)."""
     e = pool_slowdowns(Job(layout=Layout(schedule="1f1b", devices=2, microbatches=4), model="tiny",
                            cluster="a100-h100"))
     assert (e.cost_model, e.latency_bound, e.pools, [r for r, _ in e.slowdown]) == ("linear", True, (0, 1), [0])
+    assert e.slowdown[0][1] == pytest.approx(66.9 * 0.5945 / (19.5 * 0.5), rel=1e-9)
     assert "linear cost model (the kernel model prices this model's ops latency-bound" in e.line()
 
 
