@@ -252,8 +252,9 @@ def _rows() -> dict[str, Option]:
                         "executor's split)", metavar="COUNTS|time")),
         ("device_map", O(("--device-map",), "Job.device_map",
                          "how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping; "
-                         "megatron: TP, then DP, then PP; sequential: rank order; default megatron with --tp > 1, "
-                         "else sequential)", choices=tuple(sorted(MAPPINGS)))),
+                         "megatron: TP, then DP, then PP; sequential: rank order; by-pool: the stages spread over "
+                         "a mixed cluster's pools in order, each stage's replicas on one pool; default megatron with "
+                         "--tp > 1, else sequential; run --cluster MIXED: by-pool)", choices=tuple(sorted(MAPPINGS)))),
         ("memory_reserve", O(("--memory-reserve",), "Job.memory_reserve",
                              "device memory kept back for the CUDA context, communicator buffers and fragmentation, "
                              "e.g. '4 GiB' (default 1 GiB + 5%% of the device's memory)",
