@@ -83,6 +83,12 @@ class Comparison:
         return self.profile_probe / self.measured_probe
 
     @property
+    def label(self) -> str:
+        """The schedule, with its layers per stage where its ranks were slowed (a mixed cluster's
+        typed and uniform splits are two rows of one schedule)."""
+        return self.schedule + (f" {list(self.partition)}" if self.slowdown and self.partition else "")
+
+    @property
     def memory_error(self) -> float:
         return max(abs(s / m - 1.0) if m else abs(s) for m, s in
                    zip(self.measured_peak_activation_bytes, self.simulated_peak_activation_bytes))
@@ -235,7 +241,7 @@ def refusals(comps: list[Comparison], profile: CalibrationProfile, *,
     runs did not settle, a schedule's runs did not settle (other processes busy, or the quiet
     runs' own noise), or (``max_drift``: for a profile calibrated in another sitting) the host
     speed probe moved by more than that since (the profile then describes another host state)."""
-    mine = [Refusal(c.cause or NOISY_RUNS, f"{c.schedule}: {c.problem}") for c in comps if c.problem]
+    mine = [Refusal(c.cause or NOISY_RUNS, f"{c.label}: {c.problem}") for c in comps if c.problem]
     # runs shared by calibration and validation (one sitting) are named once
     out = [r for r in profile_refusals(profile) if not any(r.text.endswith(": " + m.text) for m in mine)]
     out += mine

@@ -255,8 +255,7 @@ def _rows(comps) -> tuple[list[dict], dict, str]:
     """The rows of validate's two tables (one per schedule; ``*``: its runs were fitted on), their
     formats, and the byte unit of the memory columns."""
     unit, div = byte_unit([max(c.measured_peak_activation_bytes) for c in comps])
-    rows = [{"schedule": c.schedule + (f" {list(c.partition)}" if c.slowdown and c.partition else "")
-             + ("*" if c.fitted else ""), "measured_ms": c.measured_iteration_time * 1e3,
+    rows = [{"schedule": c.label + ("*" if c.fitted else ""), "measured_ms": c.measured_iteration_time * 1e3,
              "simulated_ms": c.simulated_iteration_time * 1e3, "error": c.error, "spread": c.spread,
              "runs": f"{c.kept_runs}/{len(c.run_times)}", "host_speed": c.host_speed,
              "bubble_meas": sum(c.measured_bubble) / len(c.measured_bubble),
