@@ -145,3 +145,28 @@ def test_validate_on_a_mixed_cluster_keeps_op_orders_exact(mix):
     for c in comps:
         assert [r for r, _ in c.slowdown] == [0] and c.slowdown[0][1] == pytest.approx(3.0, rel=1e-12)
         assert c.order_identical, (c.schedule, c.partition)
+
+
+def test_a_slowed_ranks_ops_are_judged_against_k_times_their_alone_time():
+    """The sitting's host state (calibration.sitting.RunSeries.speeds) on a run with rank 1 slowed
+    3x (its F and B rows include the sleep: 3 ms and 6 ms against a 1 ms and 2 ms yardstick): every
+    step's speed is 1.0, the same as rank 0's, so the slowed run can meet the fast state."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from calibration.sitting import RunSeries, SittingRules
+    from cost_models.job import Faults
+    from tests.test_sitting import _Yard
+    rows = []
+    for step in range(4):
+        for dev, k in ((0, 1.0), (1, 3.0)):
+            clock = 0.0
+            for kind, d in (("F", 1e-3 * k), ("B", 2e-3 * k)):
+                rows.append({"device": dev, "step": step, "kind": kind, "copy": 0, "stage": dev, "start": clock,
+                             "end": clock + d})
+                clock += d
+    cfg = RunConfig.of(schedule="dapple", faults=Faults(slowdown=((1, 3.0),)))
+    run_ = SimpleNamespace(config=cfg, iteration_times=[1e-2] * 4, extra={}, trace=pd.DataFrame(rows))
+    s = RunSeries(config=cfg, runs=[run_], rules=SittingRules(runs=1, warmup=1), yardstick=_Yard())
+    assert s.speeds(0) == {1: pytest.approx(1.0), 2: pytest.approx(1.0), 3: pytest.approx(1.0)}
