@@ -63,6 +63,8 @@ class Comparison:
     state_steps: tuple[int, int] | None = None   # (fast-state steps counted, steps of the quiet runs); None: not judged
     state_cut: float | None = None          # the sitting's fast state: ops at up to this x their alone time
     profile_probe: float | None = None      # the same probe when the profile was calibrated
+    partition: tuple[int, ...] | None = None    # the run's layers per stage (None: the executor's default split)
+    slowdown: tuple[tuple[int, float], ...] = ()  # (rank, k) both engines slowed (a mixed cluster's emulated pools)
     measured_trace: pd.DataFrame = field(repr=False, default=None)
     simulated_trace: pd.DataFrame = field(repr=False, default=None)
 
@@ -83,6 +85,12 @@ class Comparison:
         return self.profile_probe / self.measured_probe
 
     @property
+    def label(self) -> str:
+        """The schedule, with its layers per stage where its ranks were slowed (a mixed cluster's
+        typed and uniform splits are two rows of one schedule)."""
+        return self.schedule + (f" {list(self.partition)}" if self.slowdown and self.partition else "")
+
+    @property
     def memory_error(self) -> float:
         return max(abs(s / m - 1.0) if m else abs(s) for m, s in
                    zip(self.measured_peak_activation_bytes, self.simulated_peak_activation_bytes))
@@ -101,7 +109,9 @@ class Comparison:
                 "fast_state_steps": list(self.state_steps) if self.state_steps else None,
                 "fast_state_cut": self.state_cut,
                 "problem": self.problem,
-                "fitted": self.fitted}
+                "fitted": self.fitted,
+                "partition": None if self.partition is None else list(self.partition),
+                "slowdown": {str(r): k for r, k in self.slowdown}}
 
 
 def compare_series(series: list, profile: CalibrationProfile, fitted: frozenset = frozenset()) -> list[Comparison]:
@@ -117,7 +127,8 @@ def compare_series(series: list, profile: CalibrationProfile, fitted: frozenset 
         res, step = ser.representative()
         mtr = res.trace
         mm = step_metrics(mtr, step)
-        str_ = simulate_with_profile(low, profile, steps=warmup + 2, partition=part, recompute=cfg.parallel.recompute)
+        str_ = simulate_with_profile(low, profile, steps=warmup + 2, partition=part, recompute=cfg.parallel.recompute,
+                                     slowdown=cfg.job.faults.slowdown)
         sim_times = step_metrics(str_).iteration_times
         sim_t = noise_free(sim_times[warmup:])
         sim_step = min(range(warmup, len(sim_times)), key=lambda k: abs(sim_times[k] - sim_t))
@@ -147,6 +158,7 @@ def compare_series(series: list, profile: CalibrationProfile, fitted: frozenset 
                               cause=ser.cause,
                               spread=ser.spread, fitted=cfg in fitted,
                               state_steps=ser.state_share() if ser.judges_state else None, state_cut=ser.cut,
+                              partition=part, slowdown=tuple(cfg.job.faults.slowdown),
                               profile_probe=(profile.meta.get("probe_seconds") or {}).get(str(low.num_ranks)),
                               measured_trace=mtr[mtr["step"] == step], simulated_trace=str_[str_["step"] == sim_step]))
     return out
@@ -239,7 +251,7 @@ def refusals(comps: list[Comparison], profile: CalibrationProfile, *,
     runs did not settle, a schedule's runs did not settle (other processes busy, or the quiet
     runs' own noise), or (``max_drift``: for a profile calibrated in another sitting) the host
     speed probe moved by more than that since (the profile then describes another host state)."""
-    mine = [Refusal(c.cause or NOISY_RUNS, f"{c.schedule}: {c.problem}") for c in comps if c.problem]
+    mine = [Refusal(c.cause or NOISY_RUNS, f"{c.label}: {c.problem}") for c in comps if c.problem]
     # runs shared by calibration and validation (one sitting) are named once
     out = [r for r in profile_refusals(profile) if not any(r.text.endswith(": " + m.text) for m in mine)]
     out += mine

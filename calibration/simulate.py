@@ -14,11 +14,13 @@ from sim.engine import SimOptions, simulate
 from sim.host import HostCores, on_one_host
 
 
-def simulate_with_profile(low, profile, steps: int = 1, partition=None, recompute: str = "none"):
+def simulate_with_profile(low, profile, steps: int = 1, partition=None, recompute: str = "none", slowdown=()):
     """Simulate ``steps`` back-to-back iterations of lowered schedule ``low`` with the costs of
     calibration ``profile`` (under activation recomputation ``recompute``), on one host whose
     cores the ranks share (``partition``: layers per stage; default the executor's split for the
-    profile's model)."""
+    profile's model). ``slowdown``: (rank, k) pairs, each such rank's compute k x slower (the
+    run's ``--slowdown``, or a mixed cluster's emulated pools: :class:`cost_models.job.Faults`)."""
     bound = calibrated(profile, low, partition=partition, recompute=recompute)
     host = HostCores.of(profile) or HostCores(cores=1)
-    return simulate(low, bound.costs, bound.network, on_one_host(SimOptions(steps=steps), low.num_ranks, host))
+    opts = SimOptions(steps=steps, slowdown=dict(slowdown))
+    return simulate(low, bound.costs, bound.network, on_one_host(opts, low.num_ranks, host))

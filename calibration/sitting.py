@@ -130,7 +130,8 @@ class RunSeries:
 
     def speeds(self, i: int) -> dict[int, float]:
         """Run ``i``'s steps after the warm-up: {step: speed}, the median over the step's compute ops
-        (F, B, W; those the yardstick gives a time) of measured / yardstick time. Empty without a
+        (F, B, W; those the yardstick gives a time) of measured / yardstick time, the yardstick of a
+        rank slowed k x (``--slowdown``, a mixed cluster's emulated pools) k x its own. Empty without a
         yardstick or a trace."""
         while len(self._speeds) <= i:
             self._speeds.append(self._speeds_of(self.runs[len(self._speeds)]))
@@ -141,10 +142,11 @@ class RunSeries:
         if self.yardstick is None or t is None or not len(t):
             return {}
         t = t[(t["step"] >= self.rules.warmup) & t["kind"].isin((F, B, W))]
+        slow = dict(self.config.job.faults.slowdown)    # a slowed rank's op sleeps (k - 1) x its time inside it
         ratios: dict[int, list[float]] = {}
-        for step, kind, copy, stage, start, end in zip(t["step"], t["kind"], t["copy"], t["stage"], t["start"],
-                                                       t["end"]):
-            y = self.yardstick.compute_time(kind, int(copy), int(stage))
+        for step, kind, copy, stage, dev, start, end in zip(t["step"], t["kind"], t["copy"], t["stage"], t["device"],
+                                                            t["start"], t["end"]):
+            y = self.yardstick.compute_time(kind, int(copy), int(stage)) * slow.get(int(dev), 1.0)
             if y > 0:
                 ratios.setdefault(int(step), []).append((end - start) / y)
         return {k: float(np.median(v)) for k, v in ratios.items()}

@@ -543,24 +543,103 @@ def calibrated(prof: CalibrationProfile, low: Schedule, *, cluster: Cluster | No
 
 
 EMULATED_MIN = 0.01     # pool_slowdowns: a rank less than 1 % slower than on the fastest pool is not slowed
+EMULATED_MAP = "by-pool"   # pool_slowdowns: where a run's ranks sit on a mixed cluster unless --device-map says
 
 
-def pool_slowdowns(job: Job) -> tuple[tuple[int, float], ...]:
-    """What emulates a mixed cluster's pools in a run of ``job`` on one kind of device: per rank on a
-    slower pool, (rank, k) with k = its step's compute (every F, B and W of its program, priced on
-    its own device kind) over the same ops priced on the fastest kind for them; ranks within
-    :data:`EMULATED_MIN` of k = 1 are left out (a pool that prices this job alike is not emulated).
-    The pairs are :class:`cost_models.job.Faults`' ``slowdown`` (``--slowdown``), the straggler knob
-    both engines read. () on a one-pool cluster."""
+@dataclass(frozen=True)
+class PoolEmulation:
+    """How a run emulates a mixed cluster's pools on one kind of device (:func:`pool_slowdowns`):
+    ``slowdown`` the (rank, k) pairs (:class:`cost_models.job.Faults`' ``slowdown``), ``mapping`` the
+    device map that placed the ranks, ``cost_model`` what priced the ratios, ``partition`` the layers
+    per stage the ratios were priced for (the run's), ``pools`` each rank's pool, ``latency_bound``
+    whether the job's kernel model priced every pool within :data:`EMULATED_MIN` (then the linear
+    model priced them)."""
+
+    cluster: str
+    slowdown: tuple[tuple[int, float], ...]
+    mapping: str
+    cost_model: str
+    partition: tuple[int, ...]
+    pools: tuple[int, ...]
+    typed: bool
+    latency_bound: bool = False
+
+    def line(self) -> str:
+        """The run's output line: where the ranks sit, what priced their slowdowns, the partition."""
+        why = (" (the kernel model prices this model's ops latency-bound, alike on every pool: the linear "
+               "model's FLOPs at each device's efficiency instead)" if self.latency_bound else "")
+        part = "typed split of the planner" if self.typed else "--partition"
+        return (f"emulated {self.cluster}: ranks on pools {list(self.pools)} (device map {self.mapping}), slowdowns "
+                f"priced with the {self.cost_model} cost model{why}; layers per stage {list(self.partition)} ({part})")
+
+
+def _stage_pools(job: Job) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(each rank's pool, each stage's pool: its first rank's) of ``job`` placed on its cluster."""
+    bound = bind(job)
+    kinds, low = bound.costs.rank_kinds, bound.lowered
+    return tuple(kinds), tuple(kinds[min(low.stage_group(s))] for s in range(low.num_stages))
+
+
+def pool_slowdowns(job: Job) -> PoolEmulation | None:
+    """What emulates a mixed cluster's pools in a run of ``job`` on one kind of device; None on a
+    one-pool cluster. The rule, in one place:
+
+    * **placement**: the job's ``device_map``, else :data:`EMULATED_MAP` (pipeline device d of D on
+      pool ``d * P // D``, its replicas on that pool: :func:`cost_models.cluster.by_pool_map`, the
+      type-aware planner's placement), so a run spans the pools;
+    * **cost model**: the job's (:func:`cluster_cost_model`); when it was not asked for and the
+      kernel model prices the model's layers (F + B + W per micro-batch, summed) within
+      :data:`EMULATED_MIN` on every pool (a tiny model's ops are latency-bound), the linear model
+      (FLOPs at each device's fixed efficiency: the ratio of the devices' achievable peaks);
+    * **partition**: the job's, else the planner's typed split
+      (:func:`cost_models.partition.typed_split` with each stage's pool fixed: the slowest stage
+      fastest, more layers on the faster pool's stages);
+    * **factor**: rank r on a slower pool gets k = its step's compute (every F, B and W of its
+      program, priced on its own pool's device) over the same ops priced on the fastest pool's
+      device; ranks within :data:`EMULATED_MIN` of k = 1 are left out.
+
+    For a uniform-layer model of c seconds per layer on the fast kind and rho = the slow kind's time
+    over the fast kind's, a stage of n layers on the slow pool gets k = n rho c / (n c) = rho."""
+    from .partition import typed_split
+    from .workloads.workload_sources import load_workload
+    inputs = load_inputs(job)
+    cluster = inputs.cluster
+    if cluster is None or not cluster.is_mixed:
+        return None
+    mapping = job.device_map or EMULATED_MAP
+    job = replace(job, device_map=mapping)
+    cm = cluster_cost_model(job.cost_model, cluster, False, inputs.model, job.parallel.cp)
+    q = job.parallel.micro_batch or inputs.model.micro_batch
+
+    def layer_times(cost_model):
+        ats = [load_workload(inputs.model, p.device, job.parallel.recompute, cost_model, None).at(q)
+               for p in cluster.pools]
+        return [[(a.f[x] + a.b_input[x] + a.w[x]) * q for x in range(len(a.f))] for a in ats]
+
+    times = layer_times(cm)
+    totals = [sum(t) for t in times]
+    latency = job.cost_model is None and cm == "kernels" and max(totals) <= min(totals) * (1 + EMULATED_MIN)
+    if latency:
+        cm = "linear"
+        times = layer_times(cm)
+    job = replace(job, cost_model=cm)
+    pools, stage_pools = _stage_pools(job)
+    part, typed = job.partition, job.partition is None
+    if typed:
+        got = typed_split(times, len(stage_pools), [len(stage_pools)] * len(times), sequence=stage_pools)
+        if got is None:
+            raise ValueError(f"cannot split {len(times[0])} layers of {inputs.model.name} into {len(stage_pools)} "
+                             f"stages")
+        part = got.counts
+        job = replace(job, partition=part)
     bound = bind(job)
     c, low = bound.costs, bound.lowered
-    if not c.kinds:
-        return ()
     out = []
     for r in range(low.num_ranks):
         ops = [o for o in low.program(r) if o.kind in ("F", "B", "W")]
-        times = [sum(k.compute_time(o.kind, o.copy, o.stage) for o in ops) for k in c.kinds]
-        own, best = times[c.rank_kinds[r]], min(times)
+        t = [sum(k.compute_time(o.kind, o.copy, o.stage) for o in ops) for k in c.kinds]
+        own, best = t[c.rank_kinds[r]], min(t)
         if best > 0 and own > best * (1 + EMULATED_MIN):
             out.append((r, own / best))
-    return tuple(out)
+    return PoolEmulation(cluster=cluster.name, slowdown=tuple(out), mapping=mapping, cost_model=cm,
+                         partition=tuple(part), pools=pools, typed=typed, latency_bound=latency)

@@ -77,6 +77,7 @@ Units: bandwidth bytes/s per direction, latency seconds.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -988,4 +989,42 @@ def map_copies_same_node(sched: "Schedule", where: DeviceGrid | Cluster, *,
     return tuple(dm)
 
 
-MAPPINGS = {"sequential": sequential_map, "copies-same-node": map_copies_same_node, "megatron": megatron_map}
+def pool_devices(pool_gpus: Sequence[Sequence[int]], kinds: Sequence[int], replicas: int) -> list[tuple[int, ...]]:
+    """The devices of each stage placed by pool, as the type-aware planner places them
+    (:func:`planner.hetero.aware_candidates`): stage s on pool ``kinds[s]`` takes the next
+    ``replicas`` devices of that pool (``pool_gpus[k]``: its devices, in order); a pool with too
+    few is refused in one line."""
+    nxt = [0] * len(pool_gpus)
+    out = []
+    for k in kinds:
+        gpus = pool_gpus[k]
+        if nxt[k] + replicas > len(gpus):
+            raise SpecError(f"pool {k} has {len(gpus)} devices; stages {[i for i, x in enumerate(kinds) if x == k]} "
+                            f"on it need {replicas * sum(1 for x in kinds if x == k)} ({replicas} each)")
+        out.append(tuple(gpus[nxt[k] + j] for j in range(replicas)))
+        nxt[k] += replicas
+    return out
+
+
+def spread_kinds(stages: int, pools: int) -> tuple[int, ...]:
+    """Stages spread over pools in order, an equal share each: stage s on pool ``s * P // S``
+    (S = 4 stages on P = 2 pools: 0, 0, 1, 1; S = 3: 0, 0, 1)."""
+    return tuple(s * pools // stages for s in range(stages))
+
+
+def by_pool_map(sched: "Schedule", where: DeviceGrid | Cluster) -> tuple[int, ...]:
+    """Pipeline device d of D on pool ``d * P // D`` (:func:`spread_kinds`: the pools in order, an
+    equal share of the stages each, so a run spans every pool), its R replicas on the next R devices
+    of that pool (:func:`pool_devices`, the type-aware planner's placement); rank r = replica
+    r // D of device r % D. On one pool (or a device grid): device d's replicas on d R .. d R + R - 1
+    (:func:`megatron_map`'s order)."""
+    _fitting_grid(sched, where)
+    D, R = sched.num_devices, sched.replicas
+    gpus = ([list(where.pool_gpus(i)) for i in range(len(where.pools))] if isinstance(where, Cluster)
+            else [list(range(where.num_devices))])
+    devs = pool_devices(gpus, spread_kinds(D, len(gpus)), R)
+    return tuple(devs[r % D][r // D] for r in range(sched.num_ranks))
+
+
+MAPPINGS = {"sequential": sequential_map, "copies-same-node": map_copies_same_node, "megatron": megatron_map,
+            "by-pool": by_pool_map}

@@ -83,6 +83,8 @@ class RunConfig:
     pin_cores: bool = False         # pin each rank to a core of its own where the host has one per rank
                                     # (executor.host.pin_to_core; otherwise the ranks float)
     placement: tuple[int, ...] | None = None  # under torchrun: rank -> global device (a plan's); None: the job's
+    # a mixed --cluster emulated (set by __post_init__: cost_models.bind.PoolEmulation; the job then has none)
+    emulation: object = field(default=None, compare=False)
 
     def __post_init__(self):
         from cost_models.job import Faults, Job
@@ -142,22 +144,24 @@ class RunConfig:
             object.__setattr__(self, "placement", tuple(int(d) for d in self.placement))
 
     def _emulate_pools(self, job):
-        """A mixed ``--cluster``: its pools emulated on this host, each rank on a slower pool slowed by
-        its compute's ratio to the fastest pool's (:func:`cost_models.bind.pool_slowdowns`, the
-        simulator's costs of this run's job), as ``--slowdown`` would; the job then runs without the
-        cluster. Returns that job."""
+        """A mixed ``--cluster``: its pools emulated on this host by the ranks' slowdowns, placement
+        and partition of :func:`cost_models.bind.pool_slowdowns` (the rule is there), as ``--slowdown``
+        and ``--partition`` would; the job then runs without the cluster (:attr:`emulation` says how).
+        Returns that job."""
         from cost_models.bind import pool_slowdowns
         from cost_models.job import ClusterChoice, Faults
         name = job.cluster.name
         if job.faults.slowdown:
             raise ValueError(f"--cluster {name} emulates its pools with the ranks' slowdowns; drop --slowdown (or "
                              f"the cluster)")
-        slow = pool_slowdowns(job)
-        if not slow:
-            raise ValueError(f"every rank of this run sits on one pool of {name} (device map {job.mapping}), or its "
-                             f"pools price this job alike: nothing to emulate; drop --cluster")
-        job = replace(job, cluster=ClusterChoice(), faults=Faults(slowdown=slow))
+        emu = pool_slowdowns(job)
+        if not emu.slowdown:
+            raise ValueError(f"the ranks of this run sit on pools {list(emu.pools)} of {name} (device map "
+                             f"{emu.mapping}), which price its ops alike ({emu.cost_model} cost model): nothing to "
+                             f"emulate; drop --cluster")
+        job = replace(job, cluster=ClusterChoice(), faults=Faults(slowdown=emu.slowdown), partition=emu.partition)
         object.__setattr__(self, "job", job)
+        object.__setattr__(self, "emulation", emu)
         return job
 
     def _check_model_file(self) -> None:

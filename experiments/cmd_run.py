@@ -170,11 +170,15 @@ def _main(args) -> int:
         result.extra["schedule_file"] = cfg.layout.schedule_file.describe()
     if cfg.job.faults.slowdown:     # --slowdown, or a mixed --cluster's slower pools (executor.config)
         result.extra["slowdown"] = {str(r): k for r, k in cfg.job.faults.slowdown}
+    if cfg.emulation is not None:
+        result.extra["emulation"] = cfg.emulation.line()
     _write_outputs(result, args)
     if args.json:
         print_json(result.to_dict())
     else:
         _print_human(result, args)
+        if cfg.emulation is not None:
+            print(cfg.emulation.line())
         if cfg.job.faults.slowdown:
             print("slowed (F, B and W sleep (k - 1) x their measured time): " +
                   ", ".join(f"rank {r} x{k:.3f}" for r, k in cfg.job.faults.slowdown))

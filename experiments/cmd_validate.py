@@ -33,6 +33,7 @@ from .common import parse_schedules, print_json
 from .jobs import job_from_args, layout_from_args
 from .options import add_options
 from .tables import byte_unit, fmt_table
+from cost_models.stack import is_model_ref
 
 NAME = "validate"
 HELP = "run each schedule for real and in the simulator (calibrated profile); compare time, bubbles, memory"
@@ -154,10 +155,14 @@ def main(args) -> int:
     if args.overlap_fb:     # beside each schedule, its overlapped run (dualpipe-v's pairs are its own: run once)
         jobs = [x for n, j in zip(names, jobs) for x in
                 ((j,) if build(n, D, N, chunks=chunks).meta.get("overlapped") else (j, j.with_(overlap_fb=True)))]
+    emulated = []
+    if base.cluster.name is not None:
+        jobs, emulated = mixed_jobs(jobs, layers)
     progress = lambda m: _say(f"  {m}")   # noqa: E731
     record.setting, record.skipped = (f"{f'T={T} ' if T > 1 else ''}D={D} N={N} R={R}"
                                       + (f" EP={E}" if E > 1 else "") + (" overlap-fb" if args.overlap_fb else "")
                                       + f", model {model}", skipped)
+    record.emulated = emulated
     if prof is not None:
         record.profile, record.profile_file = prof, args.profile
         busy = profile_refusals(prof)
@@ -214,9 +219,44 @@ def main(args) -> int:
     return 0
 
 
+def mixed_jobs(jobs, layers: int) -> tuple[list, list[str]]:
+    """A mixed ``--cluster``: each schedule's job twice, with the planner's typed split and with the
+    executor's uniform split (:func:`cost_models.partition.default_partition`), both emulated as
+    ``run --cluster`` emulates it (:func:`cost_models.bind.pool_slowdowns`: the same slowdowns then
+    slow the simulated ranks, :func:`calibration.simulate.simulate_with_profile`); and one line per
+    job saying how. A one-pool cluster, a model file or a given profile of another model is refused
+    in one line."""
+    from dataclasses import replace
+
+    from cost_models.bind import pool_slowdowns
+    from cost_models.partition import default_partition
+    from schedules import build
+    job = jobs[0]
+    name = job.cluster.name
+    if not job.cluster.load().is_mixed:
+        raise ValueError(f"validate --cluster emulates a mixed cluster's pools; {name} has one pool: drop --cluster")
+    if not isinstance(job.model, str) or is_model_ref(job.model):
+        raise ValueError(f"validate --cluster {name} prices the model on each pool: give a built-in --model "
+                         f"(not the model file {job.model})")
+    out, lines = [], []
+    for j in jobs:
+        lay = j.layout
+        stages = build(lay.schedule, lay.devices, lay.microbatches, chunks=lay.chunks).num_stages
+        for part in (None, default_partition(layers, stages)):
+            emu = pool_slowdowns(replace(j, partition=part))
+            if not emu.slowdown:
+                raise ValueError(f"the ranks of {lay.schedule} sit on pools {list(emu.pools)} of {name}, which price "
+                                 f"its ops alike ({emu.cost_model} cost model): nothing to emulate; drop --cluster")
+            out.append(replace(j, partition=part))
+            lines.append(f"{lay.schedule}: {emu.line()}; slowed "
+                         + ", ".join(f"rank {r} x{k:.3f}" for r, k in emu.slowdown))
+    return out, lines
+
+
 def _header(record: "SittingRecord") -> str:
     return (f"{record.setting} ({record.profile.precision}), profile {record.profile.name}"
-            + (" (calibrated in this sitting)" if record.calibrated_now else ""))
+            + (" (calibrated in this sitting)" if record.calibrated_now else "")
+            + "".join(f"\n{line}" for line in record.emulated))
 
 
 def _measured_line(comps, args, rules) -> str:
@@ -232,7 +272,7 @@ def _rows(comps) -> tuple[list[dict], dict, str]:
     """The rows of validate's two tables (one per schedule; ``*``: its runs were fitted on), their
     formats, and the byte unit of the memory columns."""
     unit, div = byte_unit([max(c.measured_peak_activation_bytes) for c in comps])
-    rows = [{"schedule": c.schedule + ("*" if c.fitted else ""), "measured_ms": c.measured_iteration_time * 1e3,
+    rows = [{"schedule": c.label + ("*" if c.fitted else ""), "measured_ms": c.measured_iteration_time * 1e3,
              "simulated_ms": c.simulated_iteration_time * 1e3, "error": c.error, "spread": c.spread,
              "runs": f"{c.kept_runs}/{len(c.run_times)}", "host_speed": c.host_speed,
              "bubble_meas": sum(c.measured_bubble) / len(c.measured_bubble),
@@ -304,6 +344,8 @@ def _refuse(record: "SittingRecord", args) -> int:
         if args.report:
             _say(f"wrote report: {write_report(record, args.report)}")
         return REFUSED
+    for line in record.emulated:
+        print(line)
     print(f"refused: {reasons[0]}")
     for r in reasons[1:]:
         print(f"         {r}")
@@ -337,6 +379,7 @@ class SittingRecord:
     reasons: list = field(default_factory=list)   # why no error figure (calibration.compare.Refusal; empty: compared)
     remedies: list[str] = field(default_factory=list)  # what may settle it (advice)
     skipped: dict = field(default_factory=dict)      # schedule -> why it was not run
+    emulated: list[str] = field(default_factory=list)  # a mixed --cluster: how each job emulates it (mixed_jobs)
     measured: str | None = None     # how the measured side was taken
     figure: str | None = None       # the overlay figure written
     seconds: float = 0.0
@@ -384,7 +427,7 @@ def render_report(record: SittingRecord) -> str:
            f"- command: `{record.command}`",
            f"- host: {h['node']} ({h['platform']}), {h['cores']} cores; load average (1 / 5 / 15 min) "
            f"{load(record.load_start)} at the start, {load(record.load_end)} at the end",
-           f"- setting: {record.setting}"]
+           f"- setting: {record.setting}"] + [f"- {line}" for line in record.emulated]
     prof = record.profile
     if prof is not None:
         meta = prof.meta or {}

@@ -252,8 +252,9 @@ def _rows() -> dict[str, Option]:
                         "executor's split)", metavar="COUNTS|time")),
         ("device_map", O(("--device-map",), "Job.device_map",
                          "how ranks are placed on the cluster's devices (copies-same-node: BitPipe's mapping; "
-                         "megatron: TP, then DP, then PP; sequential: rank order; default megatron with --tp > 1, "
-                         "else sequential)", choices=tuple(sorted(MAPPINGS)))),
+                         "megatron: TP, then DP, then PP; sequential: rank order; by-pool: the stages spread over "
+                         "a mixed cluster's pools in order, each stage's replicas on one pool; default megatron with "
+                         "--tp > 1, else sequential; run --cluster MIXED: by-pool)", choices=tuple(sorted(MAPPINGS)))),
         ("memory_reserve", O(("--memory-reserve",), "Job.memory_reserve",
                              "device memory kept back for the CUDA context, communicator buffers and fragmentation, "
                              "e.g. '4 GiB' (default 1 GiB + 5%% of the device's memory)",
@@ -476,8 +477,9 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("run_seed"), use("lr"), use("optimizer"), use("data"),
             use("device"), use("timeout"), use("recv_lookahead"), use("no_memory"),
             use("slowdown", note="; the run sleeps (FACTOR - 1) x each F, B and W it measures on RANK"),
-            use("cluster", note="; a mixed cluster only: its slower pools' ranks are slowed by the simulated ratio "
-                                "of their compute to the fastest pool's (as --slowdown)"),
+            use("cluster", note="; a mixed cluster only: the stages spread over its pools in order (--device-map "
+                                "by-pool), the slower pools' ranks slowed by the simulated ratio of their compute to "
+                                "the fastest pool's (as --slowdown), the planner's typed split unless --partition"),
             use("dtype", note=" (default fp32)"),
             use("recompute", note="; a --plan brings its own"),
             use("device_map", note="; under torchrun: which (node, GPU) runs which rank (default the plan's map)"),
@@ -557,6 +559,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
                      "profile's, else 1 (a profile must have been calibrated at it)"),
                  use("overlap_fb", note=" (the executor runs each pair's F and B as interleaved segments; "
                      "dualpipe-v pairs its own without it)"),
+                 use("cluster", note="; a mixed cluster only: each schedule runs with the typed split and the uniform "
+                                     "one, the slower pools' ranks slowed on both sides (as run --cluster)"),
                  use("calibration_profile", help="calibration profile; default: calibrate now, in the same sitting as "
                      "the runs, and write it beside --plot"),
                  use("plot", default="out/validate.png", help="overlay figure (default out/validate.png)"),

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 
 from cost_models import Cluster
 from cost_models.bind import cost_model_for
+from cost_models.cluster import pool_devices
 from cost_models.memory import usable_memory
 from cost_models.partition import typed_split
 from cost_models.workloads.workload import Workload, is_profile_path
@@ -224,11 +225,7 @@ def aware_candidates(works: list[Workload], cluster: Cluster, G: int, M: int, D:
         left -= use
     got = typed_split(times, D, limits, **mem)
     if got is not None:
-        nxt = list(firsts)
-        devs = []
-        for k in got.kinds:
-            devs.append(tuple(range(nxt[k], nxt[k] + R)))
-            nxt[k] += R
+        devs = pool_devices([range(f, f + p.num_devices) for f, p in zip(firsts, pools)], got.kinds, R)
         out.append(_plan(name, cluster.name, G, M, got.counts, devs, AWARE))
     # devices in order, each stage at the pace of its slowest pool
     if D * R <= P:

@@ -59,18 +59,20 @@ def test_what_a_run_cannot_emulate_is_refused(faults, match):
 
 def test_a_mixed_cluster_becomes_the_slower_pools_slowdowns():
     """run --cluster a100-h100 (llama3-8b, T = 8, D = 4: ranks 0, 1 on the A100 pool, 2, 3 on the H100
-    pool): the job's faults are pool_slowdowns', each A100 rank's F + B + W on an A100 over the same
-    ops on an H100 (2.00 and 2.00, the kernel model's ratio for these stages; rank 0 holds the
-    embedding, which is memory-bound, so its ratio differs in the third digit), and the cluster is
-    gone; a one-pool cluster gives none."""
+    pool, the by-pool device map): the job's faults are pool_slowdowns', each A100 rank's F + B + W on
+    an A100 over the same ops on an H100 (2.00 and 2.00, the kernel model's ratio for these stages;
+    rank 0 holds the embedding, which is memory-bound, so its ratio differs in the third digit), its
+    partition the typed split (6, 5, 12, 11): about half the layers on each A100 stage, as the ratio
+    2 says), and the cluster is gone; a one-pool cluster gives none."""
     from cost_models import Job, Layout
     from cost_models.bind import pool_slowdowns
     from cost_models.parallel import Parallel
     cfg = RunConfig.of(schedule="dapple", devices=4, microbatches=8, model="llama3-8b", tp=8, cluster="a100-h100")
     slow = cfg.job.faults.slowdown
     assert [r for r, _ in slow] == [0, 1]
-    assert [round(k, 3) for _, k in slow] == [1.997, 2.003]
+    assert [round(k, 3) for _, k in slow] == [1.993, 2.003]
+    assert cfg.job.partition == (6, 5, 12, 11)
     assert cfg.job.cluster.name is None
     job = Job(layout=Layout(schedule="dapple", devices=4, microbatches=8), model="llama3-8b",
               cluster="dgx-a100-4x8-ib", parallel=Parallel(tp=8))
-    assert pool_slowdowns(job) == ()
+    assert pool_slowdowns(job) is None
