@@ -170,7 +170,7 @@ def test_calibrate_tp_on_the_command_line(tp_sitting, tmp_path, capsys, monkeypa
     assert main(["calibrate", "--tp", "2", "--repeats", "3", "--runtime-steps", "4", "--runtime-repeats", "1",
                  "--out", str(out)]) == 0
     assert asked == [("tiny", {"ranks": 2, "repeats": 3, "micro_batch": None, "runtime_steps": 4,
-                               "runtime_repeats": 1, "dtype": "fp32", "tp": 2})]
+                               "runtime_repeats": 1, "dtype": "fp32", "tp": 2, "ep": 1})]
     line = capsys.readouterr().out
     prof = load_profile(out)
     assert prof == measured
