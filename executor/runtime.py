@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from schedules.overlap import paired_backward
 from schedules.ir import ACT, ALLREDUCE, COPY, GRAD, OPTIM, RECV, SEND, B, F, Op, Schedule, W, message_key
 from schedules.trace import TraceRow
 
@@ -533,13 +534,7 @@ def execution_order(program: list[Op], overlapped, rank: int) -> list[tuple[int,
             out.append((i,))
             i += 1
             continue
-        j = i + 1
-        while j < n and program[j].kind not in (F, B, W):
-            j += 1
-        nb = program[j] if j < n else None
-        if nb is None or (nb.kind, nb.stage, nb.mb) != want:
-            raise ValueError(f"rank {rank}: overlapped pair {op} & {want[0]}{want[2]}.s{want[1]} is not back to "
-                             f"back in its compute order (next compute op: {nb})")
+        j = paired_backward(program, i, want, rank)
         between = range(i + 1, j)
         out += [(x,) for x in between if program[x].kind == RECV]
         out.append((i, j))

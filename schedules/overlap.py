@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .ir import B, F, Schedule, ScheduleError
+from .ir import B, F, Schedule, ScheduleError, W
 from .timing import compute_deps, key
 
 META_KEY = "overlapped"
@@ -49,6 +49,22 @@ def forward_backward_pairs(sched: Schedule) -> list[tuple[tuple, tuple]]:
                                             f"(kind, stage, micro-batch); overlapped pairs cannot name it")
                 pairs.append((_key(a), _key(b)))
     return pairs
+
+
+def paired_backward(program, i: int, want: tuple, rank: int) -> int:
+    """The index in ``program`` of the B that the overlapped F ``program[i]`` is paired with: the next
+    compute op (F, B or W) after it, which must be ``want`` ((kind, stage, micro-batch), as in
+    ``meta["overlapped"]``); else a ScheduleError naming the rank and the pair. The one rule both
+    engines' pair blocks follow (:meth:`sim.engine._Engine._overlap`,
+    :func:`executor.runtime.execution_order`)."""
+    n, j = len(program), i + 1
+    while j < n and program[j].kind not in (F, B, W):
+        j += 1
+    nb = program[j] if j < n else None
+    if nb is None or (nb.kind, nb.stage, nb.mb) != tuple(want):
+        raise ScheduleError(f"rank {rank}: overlapped pair {program[i]} & {want[0]}{want[2]}.s{want[1]} is not "
+                            f"back to back in its compute order (next compute op: {nb})")
+    return j
 
 
 def pair_forward_backward(sched: Schedule) -> Schedule:

@@ -71,6 +71,7 @@ from schedules.common import gc_paused
 from schedules.ir import (ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedule, ScheduleError, W, activation_change,
                           source_stage)
 from schedules.lower import lower
+from schedules.overlap import paired_backward
 from schedules.trace import COLUMNS, DeviceMetrics, Metrics, TraceRow, make_trace
 
 from .cores import host_model
@@ -600,13 +601,8 @@ class _Engine:
                 perm.append(i)
                 i += 1
                 continue
-            j = i + 1
-            while j < n and program[j].kind not in (F, B, W):
-                j += 1
-            nb = program[j] if j < n else None
-            if nb is None or (nb.kind, nb.stage, nb.mb) != want:
-                raise ScheduleError(f"rank {r}: overlapped pair {op} & {want[0]}{want[2]}.s{want[1]} is not "
-                                    f"back to back in its compute order (next compute op: {nb})")
+            j = paired_backward(program, i, want, r)
+            nb = program[j]
             if pb[nb.copy][nb.stage] is None:
                 perm.append(i)
                 i += 1
