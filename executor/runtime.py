@@ -157,6 +157,7 @@ class PipelineRuntime:
         self.seg_bytes: dict = {}       # (copy, stage, segments) -> per segment, bytes its metered forward kept
         self.accounted = 0              # bytes of the live unmetered forwards (see executor.device)
         self._peak = 0                  # the step's peak, sampled after each segment (see _sample)
+        self._block_peak = 0            # the same within the op or pair running now
         for m in distinct.values():
             self.recompute.install(m)
         self.tied = tied
@@ -198,6 +199,7 @@ class PipelineRuntime:
                 if self.fault is not None and self.fault[0] == str(op) and self.fault[1] in (None, step):
                     raise RuntimeError(f"injected fault: rank {self.rank} step {step} at {op}")
             t0 = now()
+            self._block_peak = 0
             try:
                 if len(ops) == 2:
                     phases += self._pair(*ops)
@@ -216,9 +218,12 @@ class PipelineRuntime:
             live = self.meter.current() + self.accounted
             if live > peak:
                 peak = live
-            for op, (a, b) in zip(ops, ((t0, t1), (t1, t1))):   # a pair: F spans the block, B zero-length at its end
+            # a pair: F spans the block and holds its peak (F's segments keep while B's free, so the block
+            # can peak between its ends, as the simulator's pair F holds its own), B zero-length at its end
+            mems = (max(self._block_peak, live), live) if len(ops) == 2 else (live,)
+            for op, (a, b), mem in zip(ops, ((t0, t1), (t1, t1)), mems):
                 rows.append(TraceRow(self.rank, step, len(rows), op.kind, str(op), op.copy, op.stage, op.chunk, op.mb,
-                                     op.peer, a - self.clock0, b - self.clock0, float(nbytes), float(live)))
+                                     op.peer, a - self.clock0, b - self.clock0, float(nbytes), float(mem)))
             self.mailbox.top_up()
         self.mailbox.finish_step()
         self._allreduce_ends(rows, st.ar_done)
@@ -243,6 +248,7 @@ class PipelineRuntime:
         """The step's peak after a segment of F or B: within an overlapped pair F's segments keep
         and B's release memory in turn, so the peak can fall between two op ends."""
         live = self.meter.current() + self.accounted
+        self._block_peak = max(self._block_peak, live)
         if live > self._peak:
             self._peak = live
 
