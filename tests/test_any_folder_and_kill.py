@@ -171,8 +171,10 @@ def _kill_when(argv, ready, sig, tmp_path, what: str):
     """Start ``pipetwin argv``, wait until ``ready(descendants)``, send ``sig`` to the main process
     only; return (its exit status, its stderr, the processes below it still running 8 s later)."""
     err = open(tmp_path / "stderr", "w+")
+    # SIGHUP as a terminal would send it: a suite run under nohup passes SIGHUP ignored to its children,
+    # and pipetwin keeps an ignored signal ignored (cost_models.lifeline.interrupt_on_termination)
     p = subprocess.Popen([sys.executable, "-c", MAIN, *argv], stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     below: dict[int, int] = {}
     try:
         deadline = time.monotonic() + 60

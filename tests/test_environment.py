@@ -205,7 +205,7 @@ RENDEZVOUS = ("import sys, time, executor.worker as w\n"
 def test_every_rank_that_came_names_the_one_that_did_not():
     """Ranks 0 and 2 of 3 meet, rank 1 never comes: after 3 s both end with one line naming it (rank
     0, the store's host, tells rank 2 its line before its store goes, unless rank 2's own bound
-    came first: then rank 2's own line)."""
+    came first: then rank 2's own line, after its own 3 s)."""
     port = _free_port()
     env = _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     procs = [subprocess.Popen([sys.executable, "-c", RENDEZVOUS, str(r)], env=env, stdout=subprocess.PIPE,
@@ -217,7 +217,10 @@ def test_every_rank_that_came_names_the_one_that_did_not():
     took, text = outs[0].split(" ", 1)
     assert text == line.format(0) and 2.9 <= float(took) < 10, outs
     took, text = outs[1].split(" ", 1)
-    assert text in (line.format(0), line.format(2)) and 2.9 <= float(took) < 10, outs
+    # rank 0's line is relayed when rank 0's bound passes, which began before rank 2 started (by the
+    # start of a Python process, under a second on a loaded host): rank 2 has waited less than 3 s
+    assert (text == line.format(0) and 2.0 <= float(took) < 10) or \
+        (text == line.format(2) and 2.9 <= float(took) < 10), outs
 
 
 def test_a_rendezvous_failure_is_its_line_alone(tmp_path):
