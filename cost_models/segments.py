@@ -19,12 +19,13 @@ Segments of block i (:func:`block_segments`), summing to
   dropout) runs at the start of the next segment; its mask is booked in this block's segment 2
   (at most ``sbh / t'`` bytes early, none without dropout).
 - MoE block: three, at its dispatch and combine all-to-alls (:func:`executor.overlap.block_steps`).
-  (1) attention + route: ``R / t' + S / t + A / t + 4 n E + 8 n k + 8 pairs`` (the attention as a
+  (1) attention + route: ``R / t' + S / t + A / t + 4 n E + 8 n k + 16 pairs`` (the attention as a
   dense block's, ln2's input and the router's input; the router's fp32 scores, each token's k
-  expert indices, each kept pair's index into the token order for the gather into expert order);
+  expert indices, each kept pair's two int64 indices, its place in expert order and its token's,
+  which the gather into expert order keeps);
   (2) experts: ``pairs (h + 3 f_e) d`` (each dispatched row, the SwiGLU's gate, up and product);
-  (3) unpermute + residual: ``pairs (h d + 8 + d) + 3 n f_s d + shared gate`` (each combined
-  row, its token index and gate weight for the weighted sum; the shared expert).
+  (3) unpermute + residual: ``pairs (h + 1) d + 3 n f_s d + shared gate`` (each combined row and
+  its gate weight for the weighted sum; the shared expert).
   Selective recomputation drops A (segment 1); full recomputation keeps only the block's input,
   ``sbh d / t'``, in the first segment (the others 0: each segment is recomputed from its leaves).
 
@@ -90,9 +91,9 @@ def block_segments(spec: ModelSpec, i: int, *, tp: int = 1, sp: bool = False, re
     n = b * s / tp
     pairs = n * spec.top_k * effective_imbalance(spec, par)
     first = sbh * (4 * d + 2 * mask) / div + attn + n * SCORE_BYTES * spec.experts + \
-        n * spec.top_k * INDEX_BYTES + pairs * INDEX_BYTES
+        n * spec.top_k * INDEX_BYTES + pairs * 2 * INDEX_BYTES
     experts = pairs * (h + SWIGLU * spec.expert_width) * d
-    out = pairs * (h * d + INDEX_BYTES + d) + n * SWIGLU * spec.shared_ffn * d + shared_gate_bytes(spec, n)
+    out = pairs * (h + 1) * d + n * SWIGLU * spec.shared_ffn * d + shared_gate_bytes(spec, n)
     return (float(first), float(experts), float(out))
 
 
