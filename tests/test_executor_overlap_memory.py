@@ -2,7 +2,8 @@
 sampled metering (one metered forward per stage, segment and segmentation; the others accounted
 segment by segment, released as B and W free them, :class:`executor.runtime.PipelineRuntime`)
 equals metering every forward, and the peaks against the non-overlapped runs and the simulator's
-ledger (:func:`cost_models.memory.peak_activation`)."""
+ledger (:func:`cost_models.memory.peak_activation`, overlapped pairs booked per segment), and the
+simulator's pair memory from :mod:`cost_models.segments` against the measured peaks."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,12 +65,14 @@ def test_overlapped_peaks_against_non_overlapped_and_the_ledger(runs, name):
     - dapple with overlap: device 0 runs F0, then the pairs (F1 & B0), (F2 & B1), (F3 & B2): F's
       first segment (the first block with the embedding) runs before B0's last; B frees a block's
       graph per segment as F keeps one, so the peak is S + s1 (s1: the first segment's bytes), not
-      the ledger's 2 S (the simulator allocates a pair's F at its end, before B frees). Device 1
+      2 S (what the simulator booked before it booked pairs per segment,
+      :func:`cost_models.memory.pair_memory`; test_simulated_pair_memory_equals_measured). Device 1
       (the last stage: F and B of one micro-batch, unpaired) equals the non-overlapped run.
     - zb-v with overlap: dense, device 0 equals the non-overlapped peak; with MoE blocks device 1
       keeps more than the ledger: a tuple segment's split B keeps its graph until W (B takes the
-      input gradients with ``retain_graph``, :class:`executor.overlap.RetainedWeightGrad`), where
-      the ledger keeps only ``act_w``."""
+      input gradients with ``retain_graph``, :class:`executor.overlap.RetainedWeightGrad`) and the
+      gradients of its outputs, where an uncut block keeps only ``act_w`` (the simulator books both:
+      :func:`cost_models.segments.segment_weight_grads`)."""
     cases = runs(4)
     led = {s: _ledger(cases[f"{name}-{s}-ov0-ev0"][0]) for s in ("dapple", "zb-v", "dualpipe-v")}
     for s in ("dapple", "zb-v", "dualpipe-v"):
