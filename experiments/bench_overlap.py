@@ -213,7 +213,7 @@ def main(argv=None) -> int:
                "predicted_waits_s_per_step": waits, "a2a_wire_Bps": args.a2a_wire,
                "profile": prof.name}
     write_csv(pd.DataFrame(rows + [summary]), out / "overlap.csv")
-    plot(out / "overlap.png", ratios, s_on / s_off, head)
+    plot(out / "overlap.png", ratios, s_on / s_off, head.replace(", gloo", "\ngloo", 1))
     print(f"wrote {out / 'overlap.csv'}, {out / 'overlap.png'}")
     return 0
 
