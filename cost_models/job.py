@@ -287,10 +287,10 @@ class Faults:
     bandwidth; the run must cross it), per-op compute noise (``jitter``: relative standard
     deviation in [0, :data:`MAX_JITTER`] of a mean-1 factor on each op, seeded by ``seed``), an
     emulated wire under the expert all-to-alls (``a2a_wire``: bytes/s, None = none; each exchange of
-    a MoE block's rows, dispatch, combine and their gradients, takes ``bytes / a2a_wire`` seconds
-    more, ``bytes`` what the rank puts into it, its own rows included, as the calibration's
-    all-to-all fit counts them: :meth:`cost_models.profile.CalibrationProfile.a2a_times` adds it, a
-    run sleeps it in the exchange's wait, :mod:`executor.expert_parallel`). A
+    a MoE block's rows, dispatch, combine and their gradients, ends no earlier than ``bytes /
+    a2a_wire`` after its start, ``bytes`` what the rank puts into it, its own rows included, as the
+    calibration's all-to-all fit counts them; :meth:`cost_models.profile.CalibrationProfile.a2a_times`
+    prices it, a run sleeps the rest in the exchange's wait, :mod:`executor.expert_parallel`). A
     factor below 1 would make a "straggler" faster than the device (the simulator refuses ops
     faster than their FLOPs at its peak). Pairs are kept as tuples (a job is hashable); give a
     rank or a link once."""

@@ -292,8 +292,8 @@ def _rows() -> dict[str, Option]:
         ("seed", O(("--seed",), "Faults.seed", "seed for --jitter", type=nonneg_int, default=0)),
         ("a2a_wire", O(("--a2a-wire",), "Faults.a2a_wire",
                        "an emulated wire under the expert all-to-alls: each exchange of a MoE block's rows (dispatch, "
-                       "combine, their gradients) takes its bytes / BANDWIDTH seconds more (e.g. '20 MB/s'); the "
-                       "simulator adds it to a calibrated profile's all-to-all (--profile at --ep E > 1)",
+                       "combine, their gradients) ends no earlier than its bytes / BANDWIDTH after it starts (e.g. "
+                       "'2 MB/s'); the simulator prices it so on a calibrated profile (--profile at --ep E > 1)",
                        type=bandwidth("--a2a-wire"), metavar="BANDWIDTH")),
         ("exact", O(("--exact",), "Job.exact",
                     "simulate every data-parallel replica op by op even when they are identical (by default one "
