@@ -157,6 +157,10 @@ def profile_partition(prof: CalibrationProfile, choice, num_stages: int) -> tupl
 def load_inputs(job: Job) -> CostInputs:
     """Load what the job's cost source names (a plan binds itself: not here)."""
     kind = job.source
+    wire = job.faults.a2a_wire
+    if wire is not None and (kind != "profile" or job.cluster.name):
+        raise ValueError("--a2a-wire emulates a slower wire under this host's expert all-to-alls: simulate it on "
+                         "the host's calibration (--profile of pipetwin calibrate --ep E), without --cluster")
     if kind == "unit":
         return CostInputs("unit")
     if kind == "stage-costs":
@@ -168,6 +172,11 @@ def load_inputs(job: Job) -> CostInputs:
         check_profile_model(prof, job.model)
         check_profile_tp(prof, job.parallel.tp)
         check_profile_ep(prof, job.parallel.ep)
+        if wire is not None:
+            if prof.ep == 1:
+                raise ValueError(f"--a2a-wire slows the expert all-to-alls down; profile {prof.name} has none "
+                                 f"(calibrate a mixture of experts with --ep E > 1)")
+            prof = replace(prof, a2a_wire=wire)
         if prof.tp > 1 and job.cluster.name:
             raise ValueError(f"--profile {prof.name} was measured at --tp {prof.tp} on this host; scaling it onto "
                              f"--cluster {job.cluster.name} is modelled for profiles of --tp 1")

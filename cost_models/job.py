@@ -285,7 +285,12 @@ class Faults:
     """What disturbs a simulated run: stragglers (``slowdown``: rank -> factor >= 1 on its compute
     time), slow links (``slow_links``: link name, e.g. ``n1.nic0.out``, -> factor >= 1 dividing its
     bandwidth; the run must cross it), per-op compute noise (``jitter``: relative standard
-    deviation in [0, :data:`MAX_JITTER`] of a mean-1 factor on each op, seeded by ``seed``). A
+    deviation in [0, :data:`MAX_JITTER`] of a mean-1 factor on each op, seeded by ``seed``), an
+    emulated wire under the expert all-to-alls (``a2a_wire``: bytes/s, None = none; each exchange of
+    a MoE block's rows, dispatch, combine and their gradients, ends no earlier than ``bytes /
+    a2a_wire`` after its start, ``bytes`` what the rank puts into it, its own rows included, as the
+    calibration's all-to-all fit counts them; :meth:`cost_models.profile.CalibrationProfile.a2a_times`
+    prices it, a run sleeps the rest in the exchange's wait, :mod:`executor.expert_parallel`). A
     factor below 1 would make a "straggler" faster than the device (the simulator refuses ops
     faster than their FLOPs at its peak). Pairs are kept as tuples (a job is hashable); give a
     rank or a link once."""
@@ -294,9 +299,12 @@ class Faults:
     slow_links: tuple[tuple[str, float], ...] = ()
     jitter: float = 0.0
     seed: int = 0
+    a2a_wire: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "slowdown", _pairs(self.slowdown, "--slowdown", int))
+        if self.a2a_wire is not None:
+            _finite(self.a2a_wire, "--a2a-wire", positive=True)
         object.__setattr__(self, "slow_links", _pairs(self.slow_links, "--slow-link", str))
         _finite(self.jitter, "--jitter", positive=False)
         if self.jitter > MAX_JITTER:
@@ -429,7 +437,8 @@ class Job:
                                 ("--reshard-after-forward", par.reshard_after_forward),
                                 ("--cp-comm", par.cp_comm != "ring"), ("--p2p-scatter-gather", par.p2p_scatter_gather),
                                 ("--grad-accumulation", self.grad_accumulation != "fused")) if v] + \
-            moe_knobs_given(par)
+            [k for k in moe_knobs_given(par)     # a profile measured at --ep E prices E and the F&B overlap
+             if not (self.source == "profile" and k in ("--ep", "--overlap-fb"))]
         if given and self.source != "transformer":
             verb = "acts" if len(given) == 1 else "act"
             raise ValueError(f"{' and '.join(given)} {verb} on a model's formulas: use --model/--cluster costs "

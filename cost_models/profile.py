@@ -147,6 +147,7 @@ class CalibrationProfile:
     all_to_all: LinkSpec | None = None            # with ep > 1: one executor all-to-all over the EP group
     a2a_residual: float | None = None             # the all-to-all fit's largest relative miss on its points
     expert_layers: tuple[tuple[str, LayerTiming], ...] = ()   # a MoE model's expert layers measured alone
+    a2a_wire: float | None = None                 # a job's emulated wire (--a2a-wire, bytes/s), not the file's
 
     def __post_init__(self):
         # one canonical order of the per-op overheads (the file's), so equal profiles compare equal
@@ -272,7 +273,10 @@ class CalibrationProfile:
         """Seconds of one MoE block's three forward all-to-alls on the fit (``all_to_all``): the
         per-expert counts (E int64 = 8 E bytes), the dispatch and the combine (n k h d bytes each per
         rank, :func:`cost_models.moe.moe_share`); zeros at E = 1 (the executor's all-to-all is then
-        the identity)."""
+        the identity). With an emulated wire (``a2a_wire``, the job's ``--a2a-wire`` W bytes/s) the
+        dispatch and the combine of S bytes take ``max(latency + S / bandwidth, S / W)``: the
+        executor's exchange ends no earlier than S / W after its start
+        (:func:`executor.expert_parallel.wire_wait`); the counts take no wire time."""
         if self.ep == 1 or self.all_to_all is None:
             return 0.0, 0.0, 0.0
         from .moe import moe_share
@@ -280,7 +284,8 @@ class CalibrationProfile:
         share = moe_share(self.model, Parallel(ep=self.ep))
         link = self.all_to_all
         one = lambda nbytes: link.latency + nbytes / link.bandwidth  # noqa: E731
-        return one(8.0 * self.model.experts), one(share.dispatch_bytes), one(share.combine_bytes)
+        wire = (lambda nbytes: max(one(nbytes), nbytes / self.a2a_wire)) if self.a2a_wire is not None else one
+        return one(8.0 * self.model.experts), wire(share.dispatch_bytes), wire(share.combine_bytes)
 
     def all_to_all_times(self, recompute: str = "none") -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per layer, the all-to-all seconds in F (counts + dispatch + combine) and in the input

@@ -101,8 +101,8 @@ class RunConfig:
                                    ("--stage-costs", job.stage_costs),
                                    ("--plan", job.plan), ("--cost-model", job.cost_model),
                                    ("--profile-batch", job.profile_batch), ("--exact", job.exact),
-                                   ("--slow-link, --jitter (simulated faults; a run takes --slowdown)",
-                                    replace(job.faults, slowdown=()) != Faults()),
+                                   ("--slow-link, --jitter (simulated faults; a run takes --slowdown, --a2a-wire)",
+                                    replace(job.faults, slowdown=(), a2a_wire=None) != Faults()),
                                    ("--precision (the run's is --dtype)", job.parallel.precision)) if v] + \
             (job.cluster.shape_options() if mixed else job.cluster.given()) + \
             [k for k in moe_knobs_given(job.parallel) if k not in RUN_MOE_KNOBS]
@@ -112,6 +112,9 @@ class RunConfig:
             job = self._emulate_pools(job)
         par, lay = job.parallel, job.layout
         ranks = lay.devices * lay.replicas
+        if job.faults.a2a_wire is not None and par.ep == 1:
+            raise ValueError("--a2a-wire slows the expert all-to-alls down; this run has none (give --ep E > 1 with "
+                             "a mixture of experts)")
         for r, _ in job.faults.slowdown:
             if not 0 <= r < ranks:
                 raise ValueError(f"--slowdown {r}=...: the run has ranks 0..{ranks - 1} (D x R = {lay.devices} x "
@@ -151,9 +154,9 @@ class RunConfig:
         from cost_models.bind import pool_slowdowns
         from cost_models.job import ClusterChoice, Faults
         name = job.cluster.name
-        if job.faults.slowdown:
-            raise ValueError(f"--cluster {name} emulates its pools with the ranks' slowdowns; drop --slowdown (or "
-                             f"the cluster)")
+        if job.faults.slowdown or job.faults.a2a_wire is not None:
+            raise ValueError(f"--cluster {name} emulates its pools with the ranks' slowdowns; drop --slowdown and "
+                             f"--a2a-wire (or the cluster)")
         emu = pool_slowdowns(job)
         if not emu.slowdown:
             raise ValueError(f"the ranks of this run sit on pools {list(emu.pools)} of {name} (device map "

@@ -34,12 +34,24 @@ returns a handle whose ``wait()`` gives ``(y, recv_counts)``, so the overlap run
 between the issue and the wait. The count exchange is synchronous (the output's size depends on
 it; EP integers), the rows travel asynchronously; ``y`` is an autograd output of ``x``. The
 backward exchange runs synchronously inside autograd's backward of the node.
+
+*An emulated wire* (``wire``, bytes/s: the job's ``--a2a-wire``, :class:`cost_models.job.Faults`).
+On a cluster an all-to-all is wire time the processor does not spend; over gloo on one host it is
+a CPU copy. With a wire, an exchange of rows of ``S`` bytes (what this rank puts into it, its own
+rows included: ``x``'s bytes, as the calibration's fit counts them) issued at ``t0`` ends no
+earlier than ``t0 + S / wire``: its wait (:func:`wire_wait`) sleeps what is left of that after
+the gloo exchange itself, so the core is free meanwhile; an exchange's seconds are
+``max(gloo, S / wire)``, the simulator's rule on a calibrated profile
+(:meth:`cost_models.profile.CalibrationProfile.a2a_times`). Under the F&B overlap the wait comes
+after the other micro-batch's compute segment (:mod:`executor.overlap`), which then hides it. The
+counts' exchange (a few integers) takes no wire time.
 """
 from __future__ import annotations
 
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +95,27 @@ def exchange_counts(send_counts: list[int], group, device) -> list[int]:
     return [int(c) for c in recv.tolist()]
 
 
+def wire_seconds(nbytes: float, wire: float | None) -> float:
+    """Seconds ``nbytes`` take on the emulated wire of ``wire`` bytes/s: ``nbytes / wire`` (0 without one)."""
+    return 0.0 if wire is None else nbytes / wire
+
+
+def wire_wait(due: float | None, clock=time.perf_counter, sleep=time.sleep) -> float:
+    """Sleep until ``due`` (an exchange's issue time + its wire seconds) where it is still ahead of
+    ``clock()``; returns the seconds asked of ``sleep`` (0 when the exchange already took longer)."""
+    if due is None:
+        return 0.0
+    left = due - clock()
+    if left <= 0:
+        return 0.0
+    sleep(left)
+    return left
+
+
+def _bytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
 def _issue(x: torch.Tensor, send: list[int], recv: list[int], group, async_op: bool):
     """Start the rows' exchange: (output buffer, work or None)."""
     x = x.contiguous()
@@ -96,8 +129,8 @@ class _AllToAll(torch.autograd.Function):
     """Rows ``x`` split by ``send`` out, split by ``recv`` in; backward the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, send, recv, group, pending):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(ctx, x, send, recv, group, pending, ep):
+        ctx.send, ctx.recv, ctx.group, ctx.ep = send, recv, group, ep
         out, work = _issue(x, send, recv, group, async_op=pending is not None)
         if pending is not None:
             pending.append(work)
@@ -105,20 +138,31 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        ep = ctx.ep
+        due = ep.wire_due(grad)
         out, _ = _issue(grad, ctx.recv, ctx.send, ctx.group, async_op=False)
-        return out, None, None, None, None
+        wire_wait(due, ep.clock, ep.sleep)
+        return out, None, None, None, None, None
 
 
 class AllToAllHandle:
-    """An all-to-all in flight (:meth:`ExpertParallel.start_all_to_all`): ``wait()`` -> (rows, recv_counts)."""
+    """An all-to-all in flight (:meth:`ExpertParallel.start_all_to_all`): ``wait()`` -> (rows,
+    recv_counts), after the gloo work ends and, with an emulated wire, not before ``due`` (the
+    issue time + the wire seconds of its rows, :func:`wire_wait` on ``clock`` / ``sleep``)."""
 
-    def __init__(self, out: torch.Tensor, recv_counts: list[int], work=None):
-        self._out, self._recv, self._work = out, recv_counts, work
+    def __init__(self, out: torch.Tensor, recv_counts: list[int], work=None, due: float | None = None,
+                 clock=time.perf_counter, sleep=time.sleep):
+        self._out, self._recv, self._work, self._due = out, recv_counts, work, due
+        self._clock, self._sleep = clock, sleep
+        self.slept = 0.0            # seconds the wire's wait asked of sleep
 
     def wait(self) -> tuple[torch.Tensor, list[int]]:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._due is not None:
+            self.slept += wire_wait(self._due, self._clock, self._sleep)
+            self._due = None
         return self._out, self._recv
 
 
@@ -127,19 +171,31 @@ class ExpertParallel:
     """A process's expert-parallel group: ``size`` EP ranks (``ranks``, global process-group ranks in
     EP-rank order), this process being EP rank ``rank``; ``group`` the torch process group
     (None at size 1). ``sent``: the send counts of the first :data:`SENT_KEPT` exchanges issued (what
-    a run reports: routing's uneven splits, :func:`executor.worker.merge_reports`)."""
+    a run reports: routing's uneven splits, :func:`executor.worker.merge_reports`). ``wire``: an
+    emulated wire's bytes/s under the rows' exchanges (module docstring; None: none); ``clock`` /
+    ``sleep`` its wait's (a test's fake clock)."""
 
     size: int = 1
     rank: int = 0
     group: object = None
     ranks: tuple[int, ...] = ()
     sent: list = field(default_factory=list, compare=False, repr=False)   # each exchange's send counts
+    wire: float | None = None
+    clock: object = field(default=time.perf_counter, compare=False, repr=False)
+    sleep: object = field(default=time.sleep, compare=False, repr=False)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"EP rank {self.rank} of an EP group of {self.size}")
         if self.ranks and len(self.ranks) != self.size:
             raise ValueError(f"an EP group of {self.size} lists {len(self.ranks)} ranks")
+        if self.wire is not None and not self.wire > 0:
+            raise ValueError(f"an emulated wire needs a bandwidth > 0 bytes/s; got {self.wire!r}")
+
+    def wire_due(self, x: torch.Tensor) -> float | None:
+        """When an exchange of rows ``x`` issued now may end on the emulated wire: ``clock()`` +
+        ``x``'s bytes / ``wire`` (None without a wire)."""
+        return None if self.wire is None else self.clock() + wire_seconds(_bytes(x), self.wire)
 
     def experts(self, num_experts: int) -> range:
         """The global indices of the routed experts this EP rank holds (contiguous, Megatron's order)."""
@@ -167,8 +223,9 @@ class ExpertParallel:
             note_injected_kill("by --inject-fault (inside an expert all-to-all)")
             os.kill(os.getpid(), signal.SIGKILL)
         pending = [] if async_op else None
-        out = _AllToAll.apply(x, send, recv, self.group, pending)
-        return AllToAllHandle(out, recv, pending[0] if pending else None)
+        due = self.wire_due(x)
+        out = _AllToAll.apply(x, send, recv, self.group, pending, self)
+        return AllToAllHandle(out, recv, pending[0] if pending else None, due, self.clock, self.sleep)
 
 
 NO_EP = ExpertParallel()

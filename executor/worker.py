@@ -123,11 +123,12 @@ class ProcessGroups:
                         out[s] = ShardGroups(g, i, len(shard), r, len(rep))
         return out
 
-    def for_experts(self, sched: Schedule, rank: int, device, mesh: Mesh, ep: int, etp: int = 1) -> dict:
+    def for_experts(self, sched: Schedule, rank: int, device, mesh: Mesh, ep: int, etp: int = 1,
+                    wire: float | None = None) -> dict:
         """Stage -> this rank's :class:`executor.expert_parallel.ExpertGroups` (its EP group and its EDP
         group, :meth:`Mesh.expert_fold` of the stage's processes). Every rank creates every group, in
         stage, then fold order; a group of one is None (stages on one device share their groups: the
-        same ranks, one cached group)."""
+        same ranks, one cached group). ``wire``: the emulated wire's bytes/s (``--a2a-wire``)."""
         from .expert_parallel import ExpertGroups, ExpertParallel
         out = {}
         for s in range(sched.num_stages):
@@ -139,7 +140,7 @@ class ProcessGroups:
             if mine_ep is None:
                 continue
             mine_edp = next(g for g in edps if rank in g)
-            out[s] = ExpertGroups(ExpertParallel(ep, mine_ep.index(rank), self._stage.get(mine_ep), mine_ep),
+            out[s] = ExpertGroups(ExpertParallel(ep, mine_ep.index(rank), self._stage.get(mine_ep), mine_ep, wire=wire),
                                   mine_edp, self._stage.get(mine_edp), mine_edp.index(rank))
         return out
 
@@ -367,7 +368,8 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     cp_group = groups.for_context_parallel(mesh, rank, ctx.device) if mesh.cp > 1 else None
     par = cfg.parallel
     # expert parallelism: the EP and EDP groups of each stage this process holds (executor.expert_parallel)
-    experts = groups.for_experts(sched, rank, ctx.device, mesh, par.ep, par.etp) if par.ep * par.etp > 1 else {}
+    experts = groups.for_experts(sched, rank, ctx.device, mesh, par.ep, par.etp, cfg.job.faults.a2a_wire) \
+        if par.ep * par.etp > 1 else {}
     pipe_rank, tp_rank = mesh.coords(rank)
     cp_rank = mesh.cp_rank(rank)
     tp = TensorParallel(mesh.tp, tp_rank, tp_group, cfg.parallel.sequence_parallel)

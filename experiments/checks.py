@@ -233,6 +233,18 @@ def memory_limit(text: str) -> tuple[float, str]:
     return (value, "Ma")
 
 
+def bandwidth(option: str):
+    """An argparse type: bytes per second as a number or with a unit (``20 MB/s``, ``1 Gb/s``), > 0."""
+    from cost_models._spec import SpecError, bandwidth as parse_rate
+
+    def parse(text: str) -> float:
+        try:
+            return parse_rate(text.strip(), option, option.lstrip("-"))
+        except SpecError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
 def byte_size(option: str):
     """An argparse type: bytes as a number or with a unit (``4 GiB``, ``80 GB``); 0 allowed."""
     from cost_models._spec import SpecError, size_bytes

@@ -34,7 +34,7 @@ from schedules import families, names
 from executor.choices import DEVICES, DTYPES, OPTIMIZERS, RUNTIMES
 from schedules.registry import ALIASES
 
-from .checks import (byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
+from .checks import (bandwidth, byte_size, chrome_file, csv_file, expert_load_file, factor_pair, figure_file, float_in,
                      input_file, int_in, memory_limit, nonneg_float, nonneg_int, output_as, output_dir,
                      output_file, positive_float, positive_int, token_count)
 
@@ -290,6 +290,11 @@ def _rows() -> dict[str, Option]:
         ("jitter", O(("--jitter",), "Faults.jitter", "relative std-dev of per-op compute noise",
                      type=nonneg_float, default=0.0)),
         ("seed", O(("--seed",), "Faults.seed", "seed for --jitter", type=nonneg_int, default=0)),
+        ("a2a_wire", O(("--a2a-wire",), "Faults.a2a_wire",
+                       "an emulated wire under the expert all-to-alls: each exchange of a MoE block's rows (dispatch, "
+                       "combine, their gradients) ends no earlier than its bytes / BANDWIDTH after it starts (e.g. "
+                       "'2 MB/s'); the simulator prices it so on a calibrated profile (--profile at --ep E > 1)",
+                       type=bandwidth("--a2a-wire"), metavar="BANDWIDTH")),
         ("exact", O(("--exact",), "Job.exact",
                     "simulate every data-parallel replica op by op even when they are identical (by default one "
                     "replica stands for all when nothing tells them apart)", action="store_true")),
@@ -451,7 +456,7 @@ _COSTS = ("unit_costs", "model", "cost_model", "profile_batch", "cluster", "node
           "micro_batch", "memory_reserve", "seq_len", "precision", "fp8_recipe", "fp8_gather",
           "p2p_scatter_gather", "grad_accumulation", *MOE_KNOBS)
 _NOTES = {"model": f"; default {DEFAULT_MODEL}"}
-_FAULTS = ("slowdown", "slow_link", "jitter", "seed", "exact")
+_FAULTS = ("slowdown", "slow_link", "jitter", "seed", "a2a_wire", "exact")
 _IMPORTS = ("from_megatron", "from_torchtitan")
 _PLAN_NOTE = ("; with --plan the plan brings it: the options that would change the plan's layout, model or "
               "cluster are refused, --tp-overlap, --fabric, --cost-model, --memory-reserve and the faults apply")
@@ -477,6 +482,8 @@ COMMANDS: dict[str, tuple[Use, ...]] = {
             use("run_seed"), use("lr"), use("optimizer"), use("data"),
             use("device"), use("timeout"), use("recv_lookahead"), use("no_memory"),
             use("slowdown", note="; the run sleeps (FACTOR - 1) x each F, B and W it measures on RANK"),
+            use("a2a_wire", note="; the run sleeps it in each exchange's wait, from the exchange's start (an "
+                                 "overlapped pair's other segment runs meanwhile)"),
             use("cluster", note="; a mixed cluster only: the stages spread over its pools in order (--device-map "
                                 "by-pool), the slower pools' ranks slowed by the simulated ratio of their compute to "
                                 "the fastest pool's (as --slowdown), the planner's typed split unless --partition"),

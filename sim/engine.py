@@ -248,6 +248,9 @@ class _Planned(NamedTuple):
     act_free: float      # activation bytes freed when it ends (B/W)
     stage: int
     peer: int
+    idle: float = 0.0    # of ``cpu``, the seconds that hold no core (F/B: waiting for its all-to-alls, an
+                         # overlapped pair's exposed ones): on a host its cores run ``cpu - idle``, then the
+                         # clock moves on ``idle``; without one (the GPU path) ``cpu`` as a whole
 
 
 # records from one tuple, without a Python-level call (the engine makes one per op)
@@ -619,7 +622,9 @@ class _Engine:
             got = blocks.get(key)
             if got is None:
                 pt = overlapped_pair(ph, pb[nb.copy][nb.stage], c.comm_sm_share)
-                got = blocks[key] = (plan[i]._replace(cpu=pt.time * slow), plan[j]._replace(cpu=0.0), pt.hidden,
+                busy_c = sum(ph.compute) + sum(pb[nb.copy][nb.stage].compute)
+                got = blocks[key] = (plan[i]._replace(cpu=pt.time * slow, idle=max(0.0, pt.time - busy_c) * slow),
+                                     plan[j]._replace(cpu=0.0, idle=0.0), pt.hidden,
                                      pb[nb.copy][nb.stage].comm_total)
             plan[i], plan[j] = got[0], got[1]
             hidden += got[2]
@@ -649,8 +654,10 @@ class _Engine:
         if k in (F, B, W):
             alloc, free = activation_change(k, c.act[op.copy][op.stage],
                                             c.act_w[op.copy][op.stage] if split else 0.0, split)
+            table = c.phases_f if k == F else c.phases_b if k == B else None
+            ph = table[op.copy][op.stage] if table is not None else None
             return _Planned(_NOTHING, c.compute_time(k, op.copy, op.stage) * slow, _COMPUTED, 0.0, alloc, free,
-                            op.stage, op.peer)
+                            op.stage, op.peer, ph.comm_total * slow if ph is not None else 0.0)
         if k in (SEND, RECV):
             table = c.act_bytes if op.payload == ACT else c.grad_bytes
             nbytes = table[op.copy][source_stage(op)]
@@ -691,7 +698,7 @@ class _Engine:
             act = peak = busy = 0.0
             my_ars: list[tuple[int, int]] = []
             step_start = clock
-            for i, (waits, cpu, then, nbytes, alloc, free, stage, peer) in enumerate(plan):
+            for i, (waits, cpu, then, nbytes, alloc, free, stage, peer, idle) in enumerate(plan):
                 start = clock
                 # 1. what the op waits for
                 if waits:
@@ -726,8 +733,8 @@ class _Engine:
                         pc[r] = i
                         if clock > env.now:
                             yield env.timeout(clock - env.now)
-                        yield work(cpu)
-                        clock = env.now
+                        yield work(cpu - idle if idle else cpu)
+                        clock = env.now + idle   # an all-to-all's wait: wall time, no core
                 # 3. what it does then
                 if then:
                     if then == _COMPUTED:

@@ -130,3 +130,45 @@ def test_validate_finds_the_executors_op_order_equal_to_the_simulators(runs, pro
     (comp,) = compare_series([ser], profile)
     assert comp.order_identical
     assert comp.schedule == {"dapple+overlap": "dapple+overlap", "zb-v+overlap": "zb-v+overlap"}.get(case, case)
+
+
+EP_PROFILE = """\
+format: pipetwin-calibration/1
+name: test-ep
+model: tiny-mixtral
+layers:
+  embedding: {f: 1.0e-5, b_input: 0.0, w: 2.0e-5}
+  block: {f: 4.0e-4, b_input: 4.5e-4, w: 3.5e-4}
+  head: {f: 1.0e-4, b_input: 1.0e-4, w: 1.0e-4}
+p2p: {latency: 50 us, bandwidth: 2 GB/s}
+allreduce: {latency: 80 us, bandwidth: 1 GB/s}
+optimizer: {seconds_per_param: 2.0e-9}
+ep: 2
+all_to_all: {latency: 900 us, bandwidth: 0.4 GB/s}
+expert_layers: {experts: {f: 1.0e-4, b_input: 1.0e-4, w: 1.0e-4, b: 2.0e-4}}
+cores: 2
+meta: {host: test, threads: 1}
+"""
+
+
+def test_an_emulated_wire_makes_each_row_exchange_take_its_bytes_over_the_wire(tmp_path):
+    """--a2a-wire W on a profile of EP 2: the dispatch and combine of S = n k h d = 32 x 2 x 32 x 4 =
+    8192 bytes a rank take max(900 us + S / 0.4 GB/s, S / W): 4.096 ms at W = 2 MB/s (the wire's),
+    the fit's 920.48 us at W = 1 GB/s (8.192 us on the wire: the gloo exchange is longer); the counts
+    (64 bytes) keep the fit's 900.16 us. A job with the knob binds its profile so: each stage of
+    dapple D 2 (2 MoE blocks) has 2 x (counts + 2 rows) all-to-all seconds in F, 2 x 2 rows in B."""
+    from cost_models.job import Faults
+    from sim.job import simulate_job
+    path = tmp_path / "ep.yaml"
+    path.write_text(EP_PROFILE)
+    prof = load_profile(path)
+    counts, fit = 900e-6 + 64 / 0.4e9, 900e-6 + 8192 / 0.4e9
+    assert prof.a2a_times() == pytest.approx((counts, fit, fit), rel=1e-12)
+    assert replace(prof, a2a_wire=2e6).a2a_times() == pytest.approx((counts, 8192 / 2e6, 8192 / 2e6), rel=1e-12)
+    assert replace(prof, a2a_wire=1e9).a2a_times() == pytest.approx((counts, fit, fit), rel=1e-12)
+    job = Job.of(schedule="dapple", devices=2, microbatches=4, replicas=2, ep=2, profile=str(path),
+                 faults=Faults(a2a_wire=2e6))
+    costs = simulate_job(job).bound.costs
+    for s in range(2):
+        assert costs.phases_f[0][s].comm_total == pytest.approx(2 * (counts + 2 * 8192 / 2e6), rel=1e-9)
+        assert costs.phases_b[0][s].comm_total == pytest.approx(2 * 2 * 8192 / 2e6, rel=1e-9)

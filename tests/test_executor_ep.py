@@ -216,3 +216,18 @@ def test_rank_killed_inside_an_all_to_all_ends_the_run_naming_it():
     assert "from outside" not in first, first
     assert t_end - t_step < 30.0
     print(f"ended {t_end - t_step:.2f} s after step 0")
+
+
+@pytest.mark.slow
+def test_an_emulated_wire_changes_no_number():
+    """``--a2a-wire 20 MB/s`` (interleaved, D 1 x R 2, EP 2, overlapped pairs and unpaired ops both):
+    the exchanges only wait longer (the sleep's size is exact with a fake clock,
+    tests/test_expert_parallel.py), so losses and parameters are bit for bit the run's without it."""
+    from cost_models.job import Faults
+    from executor.launch import run_many
+    base = dict(schedule="interleaved", devices=1, microbatches=4, replicas=2, ep=2, model="tiny-mixtral", steps=2,
+                overlap_fb=True, optimizer="sgd", lr=0.05, collect_params=True, timeout=60.0)
+    plain, wired = run_many([RunConfig.of(**base), RunConfig.of(**base, faults=Faults(a2a_wire=20e6))])
+    assert wired.losses == plain.losses
+    for name, tensors in params_by_name(wired).items():
+        assert all(torch.equal(t, p) for t, p in zip(tensors, params_by_name(plain)[name])), name

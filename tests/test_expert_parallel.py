@@ -1,7 +1,8 @@
 """The expert-parallel all-to-all (:mod:`executor.expert_parallel`) on 2-4 spawned gloo processes:
 uneven and zero row counts; the rows each rank receives equal the concatenation, in source-rank
 order, of block e of every rank's input done by hand; the gradients equal the same concatenation's
-gradients (the reverse exchange); the asynchronous issue gives the same rows and gradients."""
+gradients (the reverse exchange); the asynchronous issue gives the same rows and gradients. An
+emulated wire (``--a2a-wire``) changes nothing but the sleeps, which a fake clock states exactly."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from executor.expert_parallel import NO_EP, ExpertParallel
+from executor.expert_parallel import NO_EP, AllToAllHandle, ExpertParallel, wire_wait
 
 H = 3
 
@@ -38,11 +39,17 @@ def _weights(e: int, n: int) -> torch.Tensor:
     return torch.arange(n * H, dtype=torch.float32).reshape(n, H) * (e + 1) + 0.25
 
 
-def _worker(rank: int, world: int, path: str, async_op: bool):
+WIRE = 1.0e6      # bytes/s of the emulated wire
+NOW = 7.0         # the fake clock: the exchange is issued and waited for at the same instant
+
+
+def _worker(rank: int, world: int, path: str, async_op: bool, wire: float | None = None):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))
-        ep = ExpertParallel(world, rank, group, tuple(range(world)))
+        slept = []
+        ep = ExpertParallel(world, rank, group, tuple(range(world)), wire=wire, clock=lambda: NOW,
+                            sleep=slept.append)
         table = _table(world)
         x = _rows(rank, table[rank]).requires_grad_(True)
         if async_op:
@@ -62,15 +69,38 @@ def _worker(rank: int, world: int, path: str, async_op: bool):
             off = sum(table[s][e] for s in range(rank))
             grads.append(w[off:off + table[rank][e]])
         assert torch.equal(x.grad, torch.cat(grads)), (x.grad, grads)
+        # the wire: the forward sleeps the bytes rank sends (its rows, own included) / WIRE, the
+        # backward the bytes of its received rows' gradient / WIRE; the fake clock never advances,
+        # so each wait sleeps all of it (an exchange of 0 bytes, and the counts' exchange, nothing)
+        sent, got = sum(table[rank]) * H * 4, sum(recv) * H * 4
+        want = [b / WIRE for b in (sent, got) if b] if wire else []
+        assert slept == pytest.approx(want, abs=1e-12), (slept, sent, got)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,async_op", [(2, False), (3, True), (4, False), (4, True)])
-def test_uneven_all_to_all_rows_and_gradients(world, async_op):
+@pytest.mark.parametrize("world,async_op,wire", [(2, False, None), (3, True, None), (4, False, None),
+                                                (4, True, None), (2, True, WIRE), (3, False, WIRE)])
+def test_uneven_all_to_all_rows_and_gradients(world, async_op, wire):
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world, os.path.join(d, "store"), async_op), nprocs=world,
+        mp.start_processes(_worker, args=(world, os.path.join(d, "store"), async_op, wire), nprocs=world,
                            start_method="spawn")
+
+
+def test_the_wire_sleeps_what_is_left_of_its_time_after_the_exchange():
+    """An exchange issued at 10.0 s whose wire takes 0.5 s: waited for at 10.2 s (the other micro-batch's
+    segment ran meanwhile) it sleeps 0.3 s; at 10.7 s (the segment took longer) nothing; once only."""
+    asked = []
+    assert wire_wait(10.5, clock=lambda: 10.2, sleep=asked.append) == pytest.approx(0.3, abs=1e-15)
+    assert wire_wait(10.5, clock=lambda: 10.7, sleep=asked.append) == 0.0
+    assert wire_wait(None, clock=lambda: 0.0, sleep=asked.append) == 0.0
+    assert asked == [pytest.approx(0.3, abs=1e-15)]
+    x = torch.zeros(2, H)
+    h = AllToAllHandle(x, [2], None, due=10.5, clock=lambda: 10.25, sleep=asked.append)
+    assert h.wait() == (x, [2]) and h.wait() == (x, [2])
+    assert asked[1:] == [0.25] and h.slept == 0.25
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        ExpertParallel(2, 0, None, (0, 1), wire=0.0)
 
 
 def test_size_one_is_the_identity():

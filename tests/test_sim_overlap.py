@@ -288,3 +288,19 @@ def test_interleaved_a2a_overlap_d4_n8_v2_numbers():
     assert pt.time == pytest.approx(1.03) and pt.hidden == pytest.approx(2 * (0.15 / 0.85 + 0.1))
     # 32 pairs (N v - warm-up on each device: 5 + 7 + 9 + 11)
     assert sum(r.a2a_hidden) == pytest.approx(32 * 2 * (0.15 / 0.85 + 0.1))
+
+
+def test_an_all_to_all_wait_holds_no_core_of_a_shared_host():
+    """Two replicas of D = 1, N = 1 (F = 1, B = 2) on one host of 1 core, each op 40 % all-to-all
+    (F: 0.6 compute then 0.4 waiting; B: 1.2 then 0.8). The cores run the compute only: both ranks
+    share the core for F's 0.6 each (1.2 s), wait 0.4 (the core idle: the ranks are in step), share
+    it for B's 1.2 each (2.4 s), wait 0.8: 1.2 + 0.4 + 2.4 + 0.8 = 4.8 s, where the waits held the core
+    it took 2 x 3 = 6; without a host (the GPU path) both are the serial 3."""
+    low = lower(build("dapple", 1, 1), replicas=2)
+    c = UnitCostModel().bind(low)
+    ph = replace(c, phases_f=((OpPhases((0.6,), (0.4,)),),), phases_b=((OpPhases((1.2,), (0.8,)),),))
+    host = SimOptions(hosts=[0, 0], cores=1.0)
+    assert run(low, c, None, host).iteration_time == pytest.approx(6.0, rel=1e-12)
+    r = run(low, ph, None, host)
+    assert r.iteration_time == pytest.approx(4.8, rel=1e-12) and r.busy == pytest.approx([4.8, 4.8], rel=1e-12)
+    assert run(low, ph).iteration_time == run(low, c).iteration_time == 3.0
