@@ -363,8 +363,9 @@ def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -
     """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`),
     after the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts,
     EP dividing the experts and folding onto the stage's T x R processes) and the MoE block's (T = 1):
-    experts folded over the data-parallel replicas of a one-copy schedule (ETP = 1, ZeRO 0 or 1;
-    C = 1 is the cost model's rule for a mixture of experts). One line each."""
+    experts folded over the data-parallel replicas of a one-copy schedule (ETP = 1; with ZeRO the
+    routed experts' state shards over their EDP group, the dense over the stage's, :mod:`executor.zero`).
+    One line each."""
     par = config.parallel
     if spec is None:
         raise ValueError(f"--ep {par.ep} splits a mixture of experts' routed experts; a model file's layers are not "
@@ -372,9 +373,6 @@ def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -
     if par.etp > 1:
         raise ValueError(f"--etp {par.etp} splits each expert over {par.etp} processes: the executor runs whole "
                          f"experts (--etp 1); pipetwin simulate prices it")
-    if par.zero >= 2:
-        raise ValueError(f"--ep {par.ep} with --zero {par.zero}: the executor shards the routed experts' optimizer "
-                         f"state over their EDP group (--zero 1), not their gradients or weights")
     if low.num_copies > 1:
         raise ValueError(f"--ep {par.ep} with {low.name}: a two-copy schedule runs a stage's copies on two devices at "
                          f"different points of their programs, where their all-to-alls would not meet; use a "

@@ -430,8 +430,10 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         if experts and stack is None else {}
     if any(routed.values()):
         from .user_model import TiedGradients
-        over_edp = TiedGradients(global_rank, [(experts[s].edp_ranks, experts[s].edp_group, ps)
-                                               for s, ps in sorted(routed.items()) if ps],
+        # (ZeRO 2, 3 reduce-scatter them over the EDP group at each backward: left out of the sum here)
+        over_edp = TiedGradients(global_rank, [] if par.zero >= 2 else
+                                 [(experts[s].edp_ranks, experts[s].edp_group, ps)
+                                  for s, ps in sorted(routed.items()) if ps],
                                  {id(p) for ps in routed.values() for p in ps},
                                  what="the routed experts' gradients over their EDP group")
         tied = GradientSums([tied, over_edp])
@@ -442,10 +444,11 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         mine = set().union(*({id(p) for p in ps} for ps in routed.values()))
         entries = []
         for s, m in sorted(built.items()):      # the dense parameters over the stage's shard group
-            entries.append(([p for p in m.parameters() if id(p) not in mine], shards.get(s, ShardGroups(None, 0, 1))))
+            entries.append(([p for p in m.parameters() if id(p) not in mine], shards.get(s, ShardGroups(None, 0, 1)),
+                            s))
             if routed.get(s):                   # its routed experts over their EDP group
                 g = experts[s]
-                entries.append((routed[s], ShardGroups(g.edp_group, g.edp_index, len(g.edp_ranks))))
+                entries.append((routed[s], ShardGroups(g.edp_group, g.edp_index, len(g.edp_ranks)), s))
         optimizer = ShardedOptimizer(entries, cfg.optimizer, cfg.lr, zero=par.zero,
                                      reshard_after_forward=par.reshard_after_forward,
                                      partial=(partial, tp_group) if partial else None,
