@@ -324,8 +324,18 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         check_expert_parallel(spec, replace(par, overlap_fb=False), lay.replicas)
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
+    if spec is not None and par.cp > 1 and spec.is_mla:
+        raise ValueError(f"--cp {par.cp}: the executor's context-parallel attention takes one head width for Q, K and "
+                         f"V; model {spec.name}'s latent attention has {spec.head_dim + spec.rope_head_dim}-wide "
+                         f"query/key heads and {spec.v_head_dim}-wide value heads (nor does the simulator price MLA "
+                         f"with CP); drop --cp")
     if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)
         spec.check_context_parallel(par.cp, par.tp, par.sequence_parallel)
+        if spec.is_moe and par.capacity_factor:
+            raise ValueError(f"--capacity-factor {par.capacity_factor:g} with --cp {par.cp}: each CP rank routes its "
+                             f"s/C tokens and would drop over capacity among them, where the reference drops among "
+                             f"the whole sequence's; the executor runs a mixture of experts dropless with --cp "
+                             f"(--capacity-factor 0)")
     check_device(config.device)
     config.precision.check_run(config.device, tp=par.tp, model_file=stack)
     if stack and config.data is not None:

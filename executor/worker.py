@@ -419,8 +419,12 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     if cp.on:       # the stages no ALLREDUCE sums (one pipeline rank holds them): over the CP ranks at OPTIM
         # (with ZeRO their shard groups span the CP ranks: the reduce-scatter sums them)
         from .user_model import TiedGradients
+        # (a routed expert's holders are its EDP group, which with EP spans the CP ranks: summed there, below)
+        folded = {id(p) for m in built.values() for n, p in m.named_parameters() if is_expert_param(n)} \
+            if experts else set()
         alone = [] if par.zero else \
-            [p for s, m in built.items() if len(sched.stage_group(s)) == 1 for p in m.parameters()]
+            [p for s, m in built.items() if len(sched.stage_group(s)) == 1 for p in m.parameters()
+             if id(p) not in folded]
         over_cp = TiedGradients(global_rank, [(cp.ranks, cp_group, alone)], set(),
                                 what="the context-parallel ranks' gradients") if alone else None
         tied = GradientSums([over_cp, tied])     # first over CP, then the norms' over TP
@@ -607,6 +611,12 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
                                    if rep["rank"] == r and rep.get("cp", 0) == 0] for r in range(sched.num_ranks)) \
         if cfg.collect_params else (None, None)
+    if params is not None and cfg.parallel.ep > 1 and cfg.parallel.cp > 1:   # EP folds over the CP ranks: their
+        for rep in everyone:                                                # experts are other experts
+            if rep.get("cp", 0) and rep["tp"] == 0:
+                for key, value in rep["params"].items():
+                    if is_expert_param(key.split("/", 1)[1]):
+                        params.setdefault(key, value)
     if params is not None and cfg.parallel.ep > 1:
         params = whole_experts(params)
     extra = {} if drift is None or cfg.parallel.tp == 1 else {"tp_replica_drift": drift}
@@ -678,10 +688,11 @@ def whole_experts(params: dict) -> dict:
 
 def cp_drift(reports: list[dict]) -> float:
     """The largest difference of a parameter between a process and CP rank 0 of its pipeline and TP
-    rank (0 when the CP ranks agree)."""
+    rank (0 when the CP ranks agree), over the parameters both hold (with EP folded over the CP
+    ranks, each holds other routed experts)."""
     first = {(r["rank"], r["tp"]): r["params"] for r in reports if r.get("cp", 0) == 0}
     return max((float((t - first[(r["rank"], r["tp"])][k]).abs().max()) for r in reports if r.get("cp", 0)
-                for k, t in r["params"].items()), default=0.0)
+                for k, t in r["params"].items() if k in first[(r["rank"], r["tp"])]), default=0.0)
 
 
 def local_env() -> tuple[int, int, int, int]:

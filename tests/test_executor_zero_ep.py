@@ -86,3 +86,81 @@ def test_bytes_per_rank_equal_the_simulators_ledger(runs, case):
     act = peak_activation(ledger.lowered, ledger.costs)
     for d, want in zip(res.per_device, act, strict=True):
         assert abs(d["peak_activation_bytes"] - want) <= 0.01 * want, (case, d["peak_activation_bytes"], want)
+
+
+# ---------------------------------------------------------------------------- context parallelism with experts
+def test_expert_fold_spans_the_cp_ranks():
+    """Megatron's folding with C > 1 (executor.mesh): the stage's T x C x R processes in rank order
+    (TP fastest, then CP, then the replicas) are folded ETP x EP x EDP. C 2, one pipeline rank: the
+    EP 2 group is its two CP ranks, EDP 1; at EP 1 the two CP ranks are one EDP group. C 2 x R 2
+    (the stage on pipeline ranks 0 and 1, processes 0, 1 | 2, 3): EP 2 groups {0, 1}, {2, 3} (each
+    replica's CP ranks), EDP groups {0, 2}, {1, 3}; EP 4: one group of all four."""
+    from executor.mesh import Mesh
+    assert Mesh(1, 2, cp=2).expert_fold((0,), 2) == (((0, 1),), ((0,), (1,)))
+    assert Mesh(1, 2, cp=2).expert_fold((0,), 1) == (((0,), (1,)), ((0, 1),))
+    assert Mesh(1, 2, cp=2).expert_fold((0, 1), 2) == (((0, 1), (2, 3)), ((0, 2), (1, 3)))
+    assert Mesh(1, 2, cp=2).expert_fold((0, 1), 4) == (((0, 1, 2, 3),), ((0,), (1,), (2,), (3,)))
+    with pytest.raises(ValueError, match=r"EP 4 x ETP 1 must fold onto the stage's T x C x R = 2 processes"):
+        Mesh(1, 2, cp=2).expert_fold((0,), 4)
+
+
+def test_the_simulator_folds_the_experts_over_the_cp_ranks_too():
+    """cost_models.moe: EDP = T x C x R / (EP x ETP), and EP x ETP must divide T x C x R."""
+    from cost_models.moe import check_expert_parallel, expert_data_parallel
+    from cost_models.parallel import Parallel
+    spec = load_model("tiny-mixtral")
+    assert expert_data_parallel(Parallel(cp=2, ep=2), 2) == 2
+    assert expert_data_parallel(Parallel(cp=2, ep=4), 2) == 1
+    check_expert_parallel(spec, Parallel(cp=2, ep=2), 1)
+    with pytest.raises(ValueError, match=r"T x C x R = 1 x 2 x 1 GPUs"):
+        check_expert_parallel(spec, Parallel(cp=2, ep=4), 1)
+
+
+CP = dict(BASE, cp=2, device_map="sequential")     # one map per launch (zb-v and dapple differ by default)
+CASES["cp-D2R1"] = {"cp2-ep2-D2R1": RunConfig.of(**CP, devices=2, replicas=1, microbatches=4),
+                    "cp2-ep1-D2R1": RunConfig.of(**dict(CP, ep=1), devices=2, replicas=1, microbatches=4),
+                    "cp2-ep2-zb-v-D2R1": RunConfig.of(**dict(CP, schedule="zb-v"), devices=2, replicas=1,
+                                                      microbatches=4)}
+CASES["cp-D1R2"] = {"cp2-ep2-D1R2": RunConfig.of(**CP, devices=1, replicas=2, microbatches=2),
+                    "cp2-ep2-zero1-D1R2": RunConfig.of(**CP, zero=1, devices=1, replicas=2, microbatches=2)}
+CP_IDS = [(w, k) for w in ("cp-D2R1", "cp-D1R2") for k in sorted(CASES[w])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key,case", CP_IDS, ids=[k for _, k in CP_IDS])
+def test_cp_with_experts_equals_reference(runs, references, key, case):
+    """tiny Mixtral (aux loss 0.01, dropless) at C 2: each CP rank routes its s/C tokens, the aux loss
+    is each rank's share over the micro-batch's load summed over the CP group, the EP group folds
+    over the CP ranks first (EP 2 at R 1: the two CP ranks, EDP 1; at R 2 each replica's two CP
+    ranks, EDP 2 over the replicas; EP 1: the experts summed over the CP ranks). Every step's loss
+    within 1e-5 of the single-process reference's, every final parameter within 1e-5 relative (the
+    experts gathered from the CP ranks that hold them), the CP ranks' common weights bit-equal."""
+    cfg, sched, res = runs(key)[case]
+    ref = references(cfg)
+    assert_losses_equal(res, ref)
+    assert_params_equal_reference(res, ref, sched)
+    assert res.extra["cp_replica_drift"] == 0.0
+
+
+CASES["cp-D2R1"]["mem-cp2-ep2-D2R1"] = RunConfig.of(**dict(MEM, cp=2, device_map="sequential"), devices=2,
+                                                    replicas=1, microbatches=4)
+CASES["cp-D1R2"]["mem-cp2-ep2-zero1-D1R2"] = RunConfig.of(**dict(MEM, cp=2, device_map="sequential"), zero=1,
+                                                          devices=1, replicas=2, microbatches=2)
+CP_MEM_IDS = [("cp-D2R1", "mem-cp2-ep2-D2R1"), ("cp-D1R2", "mem-cp2-ep2-zero1-D1R2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key,case", CP_MEM_IDS, ids=[k for _, k in CP_MEM_IDS])
+def test_cp_with_experts_bytes_equal_the_ledger(runs, key, case):
+    """C 2, EP 2 (Adam, the balanced wide tiny Mixtral): each CP rank holds E/2 experts; the weights,
+    gradients and Adam state per rank equal the simulator's ledger (experts folded over T x C x R,
+    EDP = C R / EP; ZeRO-1's dense state over R x C, the experts' over EDP) to the byte; the peak
+    activations (s/C tokens a rank) within 1 % of the ledger's walk."""
+    from cost_models.bind import bind
+    from cost_models.memory import peak_activation
+    cfg, sched, res = runs(key)[case]
+    ledger = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
+    assert [d["static_bytes"] for d in res.per_device] == [int(x) for x in ledger.costs.static_mem]
+    act = peak_activation(ledger.lowered, ledger.costs)
+    for d, want in zip(res.per_device, act, strict=True):
+        assert abs(d["peak_activation_bytes"] - want) <= 0.01 * want, (case, d["peak_activation_bytes"], want)
