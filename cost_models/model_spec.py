@@ -234,14 +234,14 @@ class ModelSpec:
     def check_context_parallel(self, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
         """Refuse a context-parallel size C the formulas cannot price (one line): the sequence must
         split into 2C equal chunks (causal load balance: chunks i and 2C-1-i on CP rank i), and with
-        sequence parallelism each GPU's s/C tokens into T; mixtures of experts (their folding over
-        the CP group) and latent attention (its compressed K/V exchange) are not priced with CP."""
+        sequence parallelism each GPU's s/C tokens into T; latent attention (its compressed K/V
+        exchange) is not priced with CP. A mixture of experts is: each GPU routes its s/C tokens,
+        the experts fold over T x C x R (:mod:`cost_models.moe`)."""
         if cp == 1:
             return
-        if self.is_moe or self.is_mla:
-            what = "a mixture of experts" if self.is_moe else "latent attention (MLA)"
-            raise ValueError(f"--cp {cp}: context parallelism is priced for dense attention blocks; model {self.name} "
-                             f"has {what} (drop --cp)")
+        if self.is_mla:
+            raise ValueError(f"--cp {cp}: context parallelism is priced for multi-head attention; model {self.name} "
+                             f"has latent attention (MLA), whose compressed K/V exchange is not (drop --cp)")
         if self.seq_len % (2 * cp):
             raise ValueError(f"--cp {cp} needs the sequence length ({self.seq_len}) divisible by 2 x {cp} = {2 * cp} "
                              f"(2C chunks for causal load balance); pick a --cp or --seq-len that splits it")

@@ -7,9 +7,13 @@ of width f_e: 3 h f_e parameters), optionally shared experts every token passes 
 f_s; Qwen2-MoE gates it with a sigmoid, h parameters) (:class:`cost_models.model_spec.ModelSpec`).
 
 Expert parallelism folds the GPUs of a pipeline stage, as Megatron-LM does ("parallel folding"):
-the attention runs on T (tensor) x R (data) GPUs, the experts on ETP x EP x EDP = T x R GPUs of
-the same stage. Rules (:func:`check_expert_parallel`): EP x ETP divides T x R, EP divides E,
-ETP divides f_e; with T > 1 sequence parallelism is on (Megatron-LM requires it with MoE).
+the attention runs on T (tensor) x C (context) x R (data) GPUs, the experts on ETP x EP x EDP =
+T x C x R GPUs of the same stage (Megatron-LM's ``initialize_model_parallel``,
+megatron/core/parallel_state.py: the expert ``RankGenerator`` has cp=1 and EDP = world / (ETP EP
+PP), so its data-parallel axis is the attention's C x R; the same order 'tp-cp-ep-dp-pp', ETP
+innermost). Routing is per token: with C > 1 each GPU routes its s/C tokens of the sequence (n
+below is then b s / (t C)). Rules (:func:`check_expert_parallel`): EP x ETP divides T x C x R, EP
+divides E, ETP divides f_e; with T > 1 sequence parallelism is on (Megatron-LM requires it with MoE).
 
 Per GPU and micro-batch (b sequences of s tokens, t = T; n = bs / t tokens a GPU owns)::
 
@@ -122,9 +126,10 @@ def check_expert_parallel(spec: ModelSpec, par: Parallel, replicas: int) -> None
     if par.tp > 1 and not par.sequence_parallel:
         raise ValueError(f"a mixture of experts at --tp {par.tp} needs --sequence-parallel (Megatron-LM requires it: "
                          f"each GPU routes its 1/T of the tokens)")
-    fold = par.tp * replicas
+    fold = par.tp * par.cp * replicas
     if fold % (par.ep * par.etp):
-        raise ValueError(f"--ep {par.ep} x --etp {par.etp} must divide the stage's T x R = {par.tp} x {replicas} GPUs "
+        shape = f"T x C x R = {par.tp} x {par.cp} x {replicas}" if par.cp > 1 else f"T x R = {par.tp} x {replicas}"
+        raise ValueError(f"--ep {par.ep} x --etp {par.etp} must divide the stage's {shape} GPUs "
                          f"the experts fold onto; pick --ep/--etp that divide {fold}, or more --dp")
     if spec.experts % par.ep:
         raise ValueError(f"--ep {par.ep} does not divide the {spec.experts} experts of {spec.name}; pick a divisor")
@@ -140,8 +145,8 @@ def check_expert_parallel(spec: ModelSpec, par: Parallel, replicas: int) -> None
 
 
 def expert_data_parallel(par: Parallel, replicas: int) -> int:
-    """EDP: the GPUs holding the same experts (T x R / (EP x ETP)), which all-reduce their gradients."""
-    return par.tp * replicas // (par.ep * par.etp)
+    """EDP: the GPUs holding the same experts (T x C x R / (EP x ETP)), which all-reduce their gradients."""
+    return par.tp * par.cp * replicas // (par.ep * par.etp)
 
 
 def effective_imbalance(spec: ModelSpec, par: Parallel) -> float:

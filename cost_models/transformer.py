@@ -1113,7 +1113,7 @@ class TransformerCostModel:
             a2a_f, a2a_b = self.all_to_all_times()
             f = tuple(x + y for x, y in zip(f, a2a_f))
             b_in = tuple(x + y for x, y in zip(b_in, a2a_b))
-            moe = self._expert_memory(L)
+            moe = self._expert_memory(L, moe.get("optim_time"))
         if self.parallel.zero >= 2:     # FSDP's collectives behind each layer's compute, and at the step's end
             fc, bc, wc, end = self.fsdp_layer_times()
             f = tuple(max(x, c) for x, c in zip(f, fc))
@@ -1315,11 +1315,13 @@ class TransformerCostModel:
             fs.append(fwd)
         return fs, bs
 
-    def _expert_memory(self, L: list[Layer]) -> dict:
+    def _expert_memory(self, L: list[Layer], cp_optim: tuple[float, ...] | None = None) -> dict:
         """The LayerCosts fields of a MoE model's unlike parameters: its routed experts' optimizer
-        state sharded over EDP with ZeRO-1 (the dense part's over R), their gradients all-reduced
+        state sharded over EDP with ZeRO-1 (the dense part's over R x C), their gradients all-reduced
         over EDP at the step's end (its ring time and the optimizer's share), and the pipeline's
-        all-reduce of the dense part only."""
+        all-reduce of the dense part only. With C > 1 (``cp_optim``: :meth:`_cp_optim`'s per layer,
+        the whole layer's) the dense part's reduction inside the CP group is charged as there, on
+        the dense parameters alone (the experts' sum is EDP's, which spans the CP ranks)."""
         par = self.parallel
         edp = expert_data_parallel(par, self.replicas)
         dense, experts = sum(self.static_split()), sum(self.static_split(edp))
@@ -1332,6 +1334,9 @@ class TransformerCostModel:
             group = range(0, edp * par.ep * par.etp, par.ep * par.etp)
             reduce = allreduce_time(self.expert_group.cluster, group, expert * self.grad_bytes)
         optim = tuple((l.params - e) * per_param + e * exp_rate + (reduce if e else 0.0) for l, e in zip(L, mine))
+        if cp_optim is not None and par.zero < 2:      # the CP group's ring on the dense gradients
+            optim = tuple(o + self.cp_group.all_reduce((l.params - e) * self.grad_bytes)
+                          for o, l, e in zip(optim, L, mine))
         return dict(static_bytes=static, optim_time=optim,
                     reduced_params=tuple(float(l.params - e) for l, e in zip(L, mine)))
 

@@ -327,8 +327,18 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         check_expert_parallel(spec, replace(par, overlap_fb=False), lay.replicas)
     if spec is not None and par.tp > 1:
         check_tensor_parallel(spec, par.tp, par.sequence_parallel)
+    if spec is not None and par.cp > 1 and spec.is_mla:
+        raise ValueError(f"--cp {par.cp}: the executor's context-parallel attention takes one head width for Q, K and "
+                         f"V; model {spec.name}'s latent attention has {spec.head_dim + spec.rope_head_dim}-wide "
+                         f"query/key heads and {spec.v_head_dim}-wide value heads (nor does the simulator price MLA "
+                         f"with CP); drop --cp")
     if spec is not None and par.cp > 1:     # the cost model's rule: 2C chunks (and s/C split by T with SP)
         spec.check_context_parallel(par.cp, par.tp, par.sequence_parallel)
+        if spec.is_moe and par.capacity_factor:
+            raise ValueError(f"--capacity-factor {par.capacity_factor:g} with --cp {par.cp}: each CP rank routes its "
+                             f"s/C tokens and would drop over capacity among them, where the reference drops among "
+                             f"the whole sequence's; the executor runs a mixture of experts dropless with --cp "
+                             f"(--capacity-factor 0)")
     check_device(config.device)
     config.precision.check_run(config.device, tp=par.tp, model_file=stack)
     if stack and config.data is not None:
@@ -366,8 +376,9 @@ def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -
     """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`),
     after the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts,
     EP dividing the experts and folding onto the stage's T x R processes) and the MoE block's (T = 1):
-    experts folded over the data-parallel replicas of a one-copy schedule (ETP = 1, ZeRO 0 or 1;
-    C = 1 is the cost model's rule for a mixture of experts). One line each."""
+    experts folded over the data-parallel replicas of a one-copy schedule (ETP = 1; with ZeRO the
+    routed experts' state shards over their EDP group, the dense over the stage's, :mod:`executor.zero`).
+    One line each."""
     par = config.parallel
     if spec is None:
         raise ValueError(f"--ep {par.ep} splits a mixture of experts' routed experts; a model file's layers are not "
@@ -375,9 +386,6 @@ def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -
     if par.etp > 1:
         raise ValueError(f"--etp {par.etp} splits each expert over {par.etp} processes: the executor runs whole "
                          f"experts (--etp 1); pipetwin simulate prices it")
-    if par.zero >= 2:
-        raise ValueError(f"--ep {par.ep} with --zero {par.zero}: the executor shards the routed experts' optimizer "
-                         f"state over their EDP group (--zero 1), not their gradients or weights")
     if low.num_copies > 1:
         raise ValueError(f"--ep {par.ep} with {low.name}: a two-copy schedule runs a stage's copies on two devices at "
                          f"different points of their programs, where their all-to-alls would not meet; use a "

@@ -13,12 +13,19 @@ gradient sum of a stage spans its R replicas x C CP ranks (the same TP rank of e
 :meth:`Mesh.stage_group`).
 
 *Expert parallelism* (:meth:`Mesh.expert_fold`, Megatron's parallel folding as
-:mod:`cost_models.moe` states it for the simulator): the T x R processes holding one stage (its TP
-ranks of each data-parallel replica, TP fastest) are folded into ETP x EP x EDP, ETP innermost:
-member i = (k EP + e) ETP + u of the stage's processes is EP rank e of the EP group (k, u) and EDP
-rank k of the EDP group (e, u). An EP group exchanges tokens (:mod:`executor.expert_parallel`); an
-EDP group holds the same experts and sums their gradients. EP folds over existing processes: the
-world stays T x C x D x R.
+:mod:`cost_models.moe` states it for the simulator): the T x C x R processes holding one stage (its
+TP ranks of each CP rank of each data-parallel replica, in process-group rank order: TP fastest,
+then CP, then the replicas) are folded into ETP x EP x EDP, ETP innermost: member i = (k EP + e)
+ETP + u of the stage's processes is EP rank e of the EP group (k, u) and EDP rank k of the EDP
+group (e, u). An EP group exchanges tokens (:mod:`executor.expert_parallel`); an EDP group holds
+the same experts and sums their gradients. EP folds over existing processes: the world stays T x
+C x D x R. With C > 1 the CP ranks fold in as the data-parallel replicas do: Megatron-LM's
+``initialize_model_parallel`` (megatron/core/parallel_state.py) builds the expert ranks with a
+second ``RankGenerator(tp=ETP, ep=EP, dp=EDP, pp=PP, cp=1, order=order)`` beside the attention's
+``RankGenerator(tp=T, ep=1, dp=R, pp=PP, cp=C)``, EDP = world / (ETP x EP x PP), with the same
+order ('tp-cp-ep-dp-pp'): the expert side's ``dp`` axis is the attention side's C x R, so an EP
+group runs over consecutive CP ranks first. Routing is per token: each CP rank routes its s/C
+tokens and sends them to the EP group's holders like a replica's.
 
 *Placement* (:func:`placement`): the process on global device ``node * per_node + local`` runs the
 mesh rank whose pipeline rank the device map puts on device slot ``device // (T x C)``, whose CP
@@ -79,11 +86,12 @@ class Mesh:
     def expert_fold(self, pipeline_ranks, ep: int, etp: int = 1) -> tuple[tuple[tuple[int, ...], ...],
                                                                          tuple[tuple[int, ...], ...]]:
         """(EP groups, EDP groups) of the stage held by ``pipeline_ranks`` (its replicas, in replica
-        order): its T x R processes (TP fastest) folded into ETP x EP x EDP, ETP innermost (module
-        docstring). Each group lists process-group ranks in EP (EDP) rank order."""
-        procs = [self.rank(p, t) for p in pipeline_ranks for t in range(self.tp)]
-        if self.cp > 1 or len(procs) % (ep * etp):
-            raise ValueError(f"EP {ep} x ETP {etp} must fold onto the stage's T x R = {len(procs)} processes (C = 1)")
+        order): its T x C x R processes in process-group rank order (TP fastest, then CP, then the
+        replicas) folded into ETP x EP x EDP, ETP innermost (module docstring). Each group lists
+        process-group ranks in EP (EDP) rank order."""
+        procs = [self.rank(p, t, c) for p in pipeline_ranks for c in range(self.cp) for t in range(self.tp)]
+        if len(procs) % (ep * etp):
+            raise ValueError(f"EP {ep} x ETP {etp} must fold onto the stage's T x C x R = {len(procs)} processes")
         edp = len(procs) // (ep * etp)
         eps = tuple(tuple(procs[(k * ep + e) * etp + u] for e in range(ep)) for k in range(edp) for u in range(etp))
         edps = tuple(tuple(procs[(k * ep + e) * etp + u] for k in range(edp)) for e in range(ep) for u in range(etp))

@@ -118,7 +118,7 @@ def block(spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO
         if spec.is_moe and index >= spec.dense_layers:
             from .moe import NO_MOE, MoeMLP
             moe = moe or NO_MOE
-            mlp = MoeMLP(spec, moe.ep, moe.capacity_factor, moe.loss_scale)
+            mlp = MoeMLP(spec, moe.ep, moe.capacity_factor, moe.loss_scale, cp)
         return LlamaBlock(spec, tp, cp, attn, mlp)
     return Block(spec, tp, cp)
 

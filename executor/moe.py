@@ -72,6 +72,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as Fn
 
@@ -107,8 +108,14 @@ def capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> i
 
 
 def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch.Tensor | None = None,
-                 capacity_factor: float = 0.0) -> Routing:
-    """The routing of the module docstring for ``logits`` [n, E] (fp32)."""
+                 capacity_factor: float = 0.0, tokens=None) -> Routing:
+    """The routing of the module docstring for ``logits`` [n, E] (fp32). ``tokens``: the
+    :class:`executor.context_parallel.ContextParallel` group whose C ranks each route n of the
+    micro-batch's C n tokens (None, or C = 1: these are all of them); the aux loss is then this
+    rank's share of the micro-batch's, as Megatron-LM computes it over its TP x CP group: the load
+    summed over the C ranks (one all-reduce of E integers), f_i = load_i / (C n k), and the share
+    E sum_i f_i (sum over the local tokens of p'_i) / (C n), whose sum over the ranks is the
+    whole micro-batch's aux (P_i's mean over C n tokens) and whose gradient is its gradient."""
     n, E = logits.shape
     scores = torch.softmax(logits, -1) if router == "softmax" else torch.sigmoid(logits)
     choose = scores.detach() if bias is None else scores.detach() + bias.detach()
@@ -116,7 +123,13 @@ def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias
     weights = _Gates.apply(scores, topk)                              # [n, k]
     expert = topk.reshape(-1)                                         # pairs token-major: t * k + slot
     load = torch.bincount(expert, minlength=E)
-    aux = _AuxLoss.apply(scores, load.to(scores.dtype) / (n * top_k), router == "sigmoid")
+    if tokens is not None and tokens.on:       # the micro-batch's load over the C ranks' tokens
+        seen = load.clone()
+        dist.all_reduce(seen, group=tokens.group)
+        whole = n * tokens.size
+        aux = _AuxLoss.apply(scores, seen.to(scores.dtype) / (whole * top_k), router == "sigmoid") * (n / whole)
+    else:
+        aux = _AuxLoss.apply(scores, load.to(scores.dtype) / (n * top_k), router == "sigmoid")
     pair = torch.arange(n * top_k, device=logits.device)
     cap = capacity(capacity_factor, n, top_k, E)
     dropped = 0
@@ -282,12 +295,13 @@ class MoeState:
 class MoeMLP(nn.Module):
     """The MoE MLP of one block (module docstring). ``ep``: this rank's expert-parallel group (it
     holds experts ``ep.experts(E)`` only); ``capacity_factor``: 0 dropless, else c >= 1;
-    ``loss_scale``: the factor the driver scales each micro-batch's loss by (1/G)."""
+    ``loss_scale``: the factor the driver scales each micro-batch's loss by (1/G); ``cp``: the
+    context-parallel group whose ranks route the micro-batch's other tokens (:func:`route_tokens`)."""
 
     def __init__(self, spec: ModelSpec, ep: ExpertParallel = NO_EP, capacity_factor: float = 0.0,
-                 loss_scale: float = 1.0):
+                 loss_scale: float = 1.0, cp=None):
         super().__init__()
-        self.ep, self.capacity_factor, self.loss_scale = ep, capacity_factor, loss_scale
+        self.ep, self.capacity_factor, self.loss_scale, self.cp = ep, capacity_factor, loss_scale, cp
         self.num_experts, self.top_k, self.router_kind = spec.experts, spec.top_k, spec.router
         self.coeff = float(spec.aux_loss_coeff)
         self.local = ep.experts(spec.experts)
@@ -301,7 +315,8 @@ class MoeMLP(nn.Module):
     def route(self, x: torch.Tensor) -> MoeState:
         """Router, top-k, aux loss, capacity; the kept pairs' rows gathered in expert order."""
         flat = x.reshape(-1, x.shape[-1])
-        r = route_tokens(self.router(flat), self.top_k, self.router_kind, self.router.bias, self.capacity_factor)
+        r = route_tokens(self.router(flat), self.top_k, self.router_kind, self.router.bias, self.capacity_factor,
+                         self.cp)
         self.aux_value = (self.coeff * r.aux).detach() if self.coeff else None
         return MoeState(x, r, flat.index_select(0, r.token))
 

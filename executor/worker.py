@@ -421,8 +421,12 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
     if cp.on:       # the stages no ALLREDUCE sums (one pipeline rank holds them): over the CP ranks at OPTIM
         # (with ZeRO their shard groups span the CP ranks: the reduce-scatter sums them)
         from .user_model import TiedGradients
+        # (a routed expert's holders are its EDP group, which with EP spans the CP ranks: summed there, below)
+        folded = {id(p) for m in built.values() for n, p in m.named_parameters() if is_expert_param(n)} \
+            if experts else set()
         alone = [] if par.zero else \
-            [p for s, m in built.items() if len(sched.stage_group(s)) == 1 for p in m.parameters()]
+            [p for s, m in built.items() if len(sched.stage_group(s)) == 1 for p in m.parameters()
+             if id(p) not in folded]
         over_cp = TiedGradients(global_rank, [(cp.ranks, cp_group, alone)], set(),
                                 what="the context-parallel ranks' gradients") if alone else None
         tied = GradientSums([over_cp, tied])     # first over CP, then the norms' over TP
@@ -432,8 +436,10 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         if experts and stack is None else {}
     if any(routed.values()):
         from .user_model import TiedGradients
-        over_edp = TiedGradients(global_rank, [(experts[s].edp_ranks, experts[s].edp_group, ps)
-                                               for s, ps in sorted(routed.items()) if ps],
+        # (ZeRO 2, 3 reduce-scatter them over the EDP group at each backward: left out of the sum here)
+        over_edp = TiedGradients(global_rank, [] if par.zero >= 2 else
+                                 [(experts[s].edp_ranks, experts[s].edp_group, ps)
+                                  for s, ps in sorted(routed.items()) if ps],
                                  {id(p) for ps in routed.values() for p in ps},
                                  what="the routed experts' gradients over their EDP group")
         tied = GradientSums([tied, over_edp])
@@ -444,10 +450,11 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         mine = set().union(*({id(p) for p in ps} for ps in routed.values()))
         entries = []
         for s, m in sorted(built.items()):      # the dense parameters over the stage's shard group
-            entries.append(([p for p in m.parameters() if id(p) not in mine], shards.get(s, ShardGroups(None, 0, 1))))
+            entries.append(([p for p in m.parameters() if id(p) not in mine], shards.get(s, ShardGroups(None, 0, 1)),
+                            s))
             if routed.get(s):                   # its routed experts over their EDP group
                 g = experts[s]
-                entries.append((routed[s], ShardGroups(g.edp_group, g.edp_index, len(g.edp_ranks))))
+                entries.append((routed[s], ShardGroups(g.edp_group, g.edp_index, len(g.edp_ranks)), s))
         optimizer = ShardedOptimizer(entries, cfg.optimizer, cfg.lr, zero=par.zero,
                                      reshard_after_forward=par.reshard_after_forward,
                                      partial=(partial, tp_group) if partial else None,
@@ -606,6 +613,12 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
     params, drift = gather_params([rep["params"] for rep in sorted(everyone, key=lambda x: x["tp"])
                                    if rep["rank"] == r and rep.get("cp", 0) == 0] for r in range(sched.num_ranks)) \
         if cfg.collect_params else (None, None)
+    if params is not None and cfg.parallel.ep > 1 and cfg.parallel.cp > 1:   # EP folds over the CP ranks: their
+        for rep in everyone:                                                # experts are other experts
+            if rep.get("cp", 0) and rep["tp"] == 0:
+                for key, value in rep["params"].items():
+                    if is_expert_param(key.split("/", 1)[1]):
+                        params.setdefault(key, value)
     if params is not None and cfg.parallel.ep > 1:
         params = whole_experts(params)
     extra = {} if drift is None or cfg.parallel.tp == 1 else {"tp_replica_drift": drift}
@@ -677,10 +690,11 @@ def whole_experts(params: dict) -> dict:
 
 def cp_drift(reports: list[dict]) -> float:
     """The largest difference of a parameter between a process and CP rank 0 of its pipeline and TP
-    rank (0 when the CP ranks agree)."""
+    rank (0 when the CP ranks agree), over the parameters both hold (with EP folded over the CP
+    ranks, each holds other routed experts)."""
     first = {(r["rank"], r["tp"]): r["params"] for r in reports if r.get("cp", 0) == 0}
     return max((float((t - first[(r["rank"], r["tp"])][k]).abs().max()) for r in reports if r.get("cp", 0)
-                for k, t in r["params"].items()), default=0.0)
+                for k, t in r["params"].items() if k in first[(r["rank"], r["tp"])]), default=0.0)
 
 
 def local_env() -> tuple[int, int, int, int]:

@@ -124,8 +124,9 @@ def shard_groups(stage_group: list[int], rank: int, replicas: int, dp_shard: int
 
 
 class _Shard:
-    def __init__(self, params: list, groups: ShardGroups, zero: int, counts: Counter):
+    def __init__(self, params: list, groups: ShardGroups, zero: int, counts: Counter, module=None):
         self.params, self.groups, self.zero, self.counts = params, groups, zero, counts
+        self.module = module        # the stage module it shards (a module's dense and routed shards share it)
         self.group, self.index, self.size = groups.group, groups.index, groups.size
         self.numel = sum(p.numel() for p in params)
         self.per = math.ceil(self.numel / self.size)
@@ -165,10 +166,10 @@ class _Shard:
         self.gathered = True
         self._moved(old)
         target = self.flat.data      # its own version counter: not an in-place change of saved weights
-        if self.size == 1:
+        if self.size == 1:         # a group of one (EP's experts at EDP 1): a copy, no collective
             target.copy_(self.master.detach())
-        else:
-            dist.all_gather_into_tensor(target, self.master.detach(), group=self.group)
+            return
+        dist.all_gather_into_tensor(target, self.master.detach(), group=self.group)
         self.counts["all_gather"] += 1
         self.counts["all_gather_bytes"] += self.full_bytes
 
@@ -274,7 +275,10 @@ class _Shard:
 
 class ShardedOptimizer:
     """The optimizer ``name`` over the shards of ``stages``: ``[(params, ShardGroups)]``, one entry
-    per distinct stage module of this rank; ``zero`` 1, 2 or 3 (module docstring). ``partial``:
+    per distinct stage module of this rank, or ``[(params, ShardGroups, module)]`` where a module has
+    several shards (expert parallelism: its dense parameters over the stage's shard group, its routed
+    experts over their EDP group; ``module`` any key equal for a module's shards); ``zero`` 1, 2 or 3
+    (module docstring). ``partial``:
     (parameters, TP group) whose gradients are partial sums over the TP group.
     ``reshard_after_forward`` (ZeRO 3): gather the weights for each F and B."""
 
@@ -282,9 +286,12 @@ class ShardedOptimizer:
                  partial=None, timeout: float = 60.0, rank: int = 0):
         self.zero, self.reshard = zero, reshard_after_forward
         self.counts: Counter = Counter()      # collectives issued (and bytes through them), run so far
-        self.shards = [_Shard(p, g, zero, self.counts) for p, g in stages if p]
+        self.shards = [_Shard(e[0], e[1], zero, self.counts, e[2] if len(e) > 2 else k)
+                       for k, e in enumerate(stages) if e[0]]
         self.inner = make_optimizer([s.master for s in self.shards], name, lr)
-        self._by_param = {id(s.params[0]): s for s in self.shards}
+        # a parameter -> its shard: with expert parallelism a stage module has two (its dense parameters
+        # over the stage's shard group, its routed experts over their EDP group)
+        self._by_param = {id(p): s for s in self.shards for p in s.params}
         self.timeout, self.rank = timeout, rank
         self.tp_group = None
         self.peak_gathered = 0          # bytes of gathered weights alive at once, the run's peak
@@ -301,35 +308,54 @@ class ShardedOptimizer:
         for s in self.shards:
             s.watchers.extend(w for w in watchers if hasattr(w, "param_storage_moved"))
 
+    def _shards(self, params) -> list[_Shard]:
+        """The shards holding ``params`` (a module's parameters, or a stage's summed ones), in the
+        optimizer's order: the same on every rank of a group."""
+        mine = {id(s) for p in params if (s := self._by_param.get(id(p))) is not None}
+        return [s for s in self.shards if id(s) in mine]
+
     def _shard(self, params) -> _Shard | None:
+        """ZeRO 1's one shard of a stage's all-reduced parameters (the routed experts, summed at OPTIM,
+        are not among them)."""
         return self._by_param.get(id(params[0])) if params else None
 
     # ------------------------------------------------------------------ ZeRO-3: around F and B
     def plan_step(self, backwards: dict) -> None:
         """ZeRO 3 gathered once per step: ``backwards`` maps a module's first parameter's id to the
-        number of B ops of the step that run it (after its last, the weights are freed)."""
-        self._left = {s: backwards.get(id(s.params[0]), 0) for s in self.shards}
+        number of B ops of the step that run it (after its last, the weights are freed); a module's
+        shards (dense, routed experts) each count its B ops."""
+        self._left = {}
+        for first, n in backwards.items():
+            owner = self._by_param.get(first)
+            for s in self._module_shards(owner):
+                self._left[s] = n
+
+    def _module_shards(self, owner: _Shard | None) -> list[_Shard]:
+        """The shards of the module ``owner`` (the shard of its first parameter) belongs to."""
+        if owner is None:
+            return []
+        return [s for s in self.shards if s.module == owner.module]
 
     def before(self, params, kind: str) -> None:
         """Before an F or B of the module whose parameters are ``params``: gather its weights (ZeRO 3)."""
-        s = self._shard(params)
-        if s is None or self.zero != 3:
+        if self.zero != 3:
             return
-        s.gather()
+        for s in self._shards(params):
+            s.gather()
         live = sum(x.full_bytes for x in self.shards if x.gathered)
         self.peak_gathered = max(self.peak_gathered, live)
 
     def after(self, params, kind: str) -> None:
         """After an F or B: free the weights when resharded after each op, or after the last B."""
-        s = self._shard(params)
-        if s is None or self.zero != 3:
+        if self.zero != 3:
             return
-        if self.reshard:
-            s.free()
-        elif kind == "B":
-            self._left[s] -= 1
-            if self._left[s] <= 0:
+        for s in self._shards(params):
+            if self.reshard:
                 s.free()
+            elif kind == "B":
+                self._left[s] -= 1
+                if self._left[s] <= 0:
+                    s.free()
 
     def gather_all(self) -> None:
         """ZeRO 3: every module's weights gathered (to read the final parameters); no-op otherwise."""
@@ -354,16 +380,17 @@ class ShardedOptimizer:
     def grads_ready(self, params: list) -> None:
         """ZeRO 2, 3: a micro-batch's gradients of the module whose parameters are ``params`` are
         complete (after its B, or its W in a split backward): reduce-scatter them, drop them."""
-        shard = self._shard(params)
-        if shard is not None:
-            self.peak_grad_buffer = max(self.peak_grad_buffer, shard.grad_bytes())
+        shards = self._shards(params)
+        self.peak_grad_buffer = max(self.peak_grad_buffer, sum(s.grad_bytes() for s in shards))
+        for shard in shards:
             shard.scatter_micro_batch(self._wait)
 
     def flush(self, params: list) -> int:
         """ZeRO 2, 3, at the stage's ALLREDUCE: reduce-scatter what gradients are left (none when every
-        backward reported :meth:`grads_ready`); the bytes sent."""
-        shard = self._shard(params)
-        return shard.scatter_micro_batch(self._wait) if shard is not None else 0
+        backward reported :meth:`grads_ready`); the bytes sent. ``params``: the stage's all-reduced
+        parameters, so the routed experts' shard (reduce-scattered over its EDP group at each B) is
+        not flushed here but at the step (:meth:`step`)."""
+        return sum(s.scatter_micro_batch(self._wait) for s in self._shards(params))
 
     @property
     def state(self) -> dict:

@@ -586,7 +586,7 @@ class _ExpertAxes:
         return out
 
     def _fits(self, par: Parallel, R: int) -> bool:
-        key = (par.tp, par.sequence_parallel, R, par.ep, par.etp, par.overlap_fb)
+        key = (par.tp, par.cp, par.sequence_parallel, R, par.ep, par.etp, par.overlap_fb)   # the fold: T x C x R
         if key not in self._ok:
             try:
                 check_expert_parallel(self.model, par, R)

@@ -215,8 +215,8 @@ def test_a_cp_job_places_t_c_d_r_gpus_and_prices_one_rank_per_pipeline_device():
 
 @pytest.mark.parametrize("what,match", [
     (dict(cp=3, model="llama3-8b"), r"--cp 3 needs the sequence length \(8192\) divisible by 2 x 3 = 6"),
-    (dict(cp=2, model="mixtral-8x7b"), r"--cp 2: context parallelism is priced for dense attention blocks; model "
-                                       r"mixtral-8x7b has a mixture of experts"),
+    (dict(cp=2, model="deepseek-v3"), r"--cp 2: context parallelism is priced for multi-head attention; model "
+                                      r"deepseek-v3 has latent attention \(MLA\)"),
     (dict(cp=2, model="llama3-8b", cost_model="kernels"), r"--cp 2 is priced by --cost-model linear"),
     (dict(cp=4, tp=8, sequence_parallel=True, seq_len=8200, model="llama3-8b"), r"--cp 4 with --sequence-parallel "
                                                                                   r"needs each GPU's 2050 tokens"),

@@ -292,9 +292,9 @@ def test_context_parallel_refusals():
     with pytest.raises(ValueError, match=r"--cp 2 splits the built-in GPT's sequence"):
         RunConfig.of(schedule="dapple", devices=2, microbatches=4, cp=2,
                      model=os.path.join(os.path.dirname(__file__), "..", "notebooks", "models", "tied_lm.py:build"))
-    with pytest.raises(ValueError, match=r"--cp 2: context parallelism is priced for dense attention blocks; model "
-                                         r"mixtral-8x7b has a mixture of experts \(drop --cp\)"):
-        lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model="mixtral-8x7b", cp=2))
+    with pytest.raises(ValueError, match=r"--cp 2: the executor's context-parallel attention takes one head width for "
+                                         r"Q, K and V; model tiny-deepseek's latent attention has 12-wide"):
+        lowered_schedule(RunConfig.of(schedule="dapple", devices=2, microbatches=4, model="tiny-deepseek", cp=2))
 
 
 def test_world_not_t_x_c_x_d_x_r_is_refused(monkeypatch):
