@@ -16,6 +16,7 @@ Uneven routing: a run records the tokens it routed to each expert
 """
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -106,3 +107,68 @@ def test_mla_peaks_per_rank_equal_the_ledger(runs, world, case):
     assert len(measured) == len(want) == world
     for m, w in zip(measured, want):
         assert abs(m - w) <= 0.01 * w, (measured, want)
+
+
+# ----------------------------------------------------------------------------- uneven routing
+PAIR_BYTES = 2 * 32 * 4 + 3 * 16 * 4 + 2 * 8 + 2 * 8 + 4      # 2hd + 3 f_e d, routing 16 + d, regroup 16: 484
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_recorded_expert_load_prices_the_ledger(runs, schedule, tmp_path):
+    """tiny-deepseek (E 8, top-2, n = 32 tokens a micro-batch), D 2, N 4, R 2, EP 2, two steps, its
+    own (uneven) routing. Exactly:
+
+    - each process records, per stage holding MoE blocks and per step, the tokens routed to each
+      expert: ``n k N x (the stage's MoE blocks)`` = 256 per MoE block in all, unequal counts;
+    - written (:func:`cost_models.moe.write_expert_load`), the file reads back as the run's
+      total (:func:`executor.moe.run_expert_load`);
+    - given pipeline device d's load (its two EP ranks' stages, both steps), the simulator books
+      imbalance = the busiest EP rank's share (E/EP = 4 experts each) and every rank's MoE
+      activations at it: its ledger peak is the balanced one plus (imb - 1) n k x 484 B (2hd +
+      3 f_e d + the routing's 16 + d + the regrouping's 16) per MoE block-micro-batch kept at
+      the peak (a whole number of them, to the byte the ledger rounds to; dapple: stage 0 keeps
+      2 micro-batches of its 1 MoE block, stage 1 one of its 2).
+
+    The ledger books the busiest EP rank on every rank, and its imbalance is the run's mean: the
+    measured peak sees the worst micro-batches in flight. Measured (B, the busiest EP rank of
+    each device): dapple 326,976 and 201,508 against 321,061 and 196,546 priced with the load
+    (balanced: 319,488 and 189,952); zb-v 331,236 and 359,056 against 325,375 and 352,097
+    (balanced 322,048 and 347,136). Asserted: the load moves the ledger towards the busiest rank
+    and leaves it within 2.6 %."""
+    from cost_models.moe import effective_imbalance, read_expert_load, write_expert_load
+    from cost_models.partition import block_ranges
+    from executor.moe import run_expert_load
+    cfg, sched, res = runs(4)[f"uneven-{schedule}"]
+    spec, D, n, k, E = DEEPSEEK, 2, 32, 2, 8
+    ranges = block_ranges(spec.layers, sched.num_stages, cfg.blocks)
+    loads = res.extra["expert_load"]
+    uneven = False
+    for rank in range(4):
+        moe_stages = {s: sum(1 for i in ranges[s] if i >= spec.dense_layers) for _, s in sched.stages_on(rank % D)}
+        assert set(loads[rank]) == {s for s, m in moe_stages.items() if m}
+        for s, steps in loads[rank].items():
+            assert len(steps) == 2 and all(len(c) == E and sum(c) == n * k * 4 * moe_stages[s] for c in steps)
+            uneven |= any(len(set(c)) > 1 for c in steps)
+    assert uneven
+    f = tmp_path / "load.txt"
+    write_expert_load(f, run_expert_load(res.extra))
+    assert read_expert_load(f) == tuple(float(x) for x in run_expert_load(res.extra))
+    measured = [d["peak_activation_bytes"] for d in res.per_device]
+    balanced = _ledger(cfg)
+    for d in range(D):
+        load = [sum(col) for col in zip(*[c for r in (d, d + D) for per in loads[r].values() for c in per])]
+        write_expert_load(f, load)
+        par = dataclasses.replace(cfg.parallel, expert_load=read_expert_load(f))
+        imb = effective_imbalance(spec, par)
+        assert imb == max(sum(load[:4]), sum(load[4:])) / (sum(load) / 2)
+        priced = _ledger(cfg, par)
+        per = (imb - 1) * n * k * PAIR_BYTES
+        blocks = round((priced[d] - balanced[d]) / per)
+        assert blocks >= 1 and abs(priced[d] - balanced[d] - blocks * per) <= 1
+        if schedule == "dapple":
+            assert blocks == 2
+        assert priced[d] == priced[d + D] and balanced[d] == balanced[d + D]
+        busiest = max(measured[d], measured[d + D])
+        assert abs(busiest - priced[d]) < abs(busiest - balanced[d])
+        assert abs(busiest - priced[d]) <= 0.026 * priced[d], (measured, priced, balanced)
