@@ -64,7 +64,13 @@ At EP 1 (:data:`executor.expert_parallel.NO_EP`) dispatch and combine are identi
 keeps per micro-batch (the saved-tensor meter's count): the router's fp32 scores (4 E per token),
 per kept pair the dispatched row and the combined row (2 h d) and the expert's gate, up and product
 (3 f_e d), the shared expert's 3 f_s d per token, and the routing's indices and weights (int64
-token and slot indices, the weights: :func:`cost_models.moe.routing_bytes`).
+token and slot indices, the weights: :func:`cost_models.moe.routing_bytes`); with EP > 1 the
+experts' two int64 orders per received row (:func:`cost_models.moe.regroup_bytes`).
+
+Load: each MLP counts the tokens it routes to each expert (the top-k choices, before a capacity
+drop; not a recomputation's, which runs inside a backward); the worker takes the tallies after
+every step (:func:`take_expert_load`) and a run reports them (``RunResult.extra["expert_load"]``:
+pipeline rank -> stage -> per step); :func:`run_expert_load` totals them for ``--expert-load``.
 """
 from __future__ import annotations
 
