@@ -46,7 +46,8 @@ part's over R). The expert gradients are all-reduced over EDP, separately from t
 (charged at the step's end: :meth:`cost_models.transformer.TransformerCostModel.layer_costs`).
 Activations kept per token: the router's fp32 scores (4 E bytes) and its routing (the k int64
 expert indices, 8 k; per kept copy its int64 pair and token index and its gate weight, 16 + d:
-:func:`routing_bytes`), and for each of the k copies its dispatched input and combined output
+:func:`routing_bytes`; with EP > 1 two int64 orders per received pair to regroup them by local
+expert, :func:`regroup_bytes`), and for each of the k copies its dispatched input and combined output
 (2 h d) and the SwiGLU's gate, up and product (3 f_e d), times the imbalance; the shared expert's
 gate, up and product (3 f_s d / t), with Qwen2-MoE's gate also its output and the gate (h + 1) d.
 Dispatch buffers: one send and one receive buffer of the dispatched tokens (the transient bytes).
@@ -87,6 +88,14 @@ def routing_bytes(spec: ModelSpec, tokens: float, pairs: float) -> float:
     (int64, for the gather into expert order and the weighted sum back) and its gate weight (d):
     n k 8 + pairs (16 + d), as the executor's MoE MLP keeps them (:mod:`executor.moe`)."""
     return tokens * spec.top_k * INDEX_BYTES + pairs * (2 * INDEX_BYTES + spec.dtype_bytes)
+
+
+def regroup_bytes(par: Parallel, pairs: float) -> float:
+    """What an EP rank keeps to regroup the rows it receives (source-major as they arrive) by its
+    local experts and back: two int64 orders per received pair (the gather into expert order and
+    the one back into arrival order), ``16 pairs`` with EP > 1, none at EP 1 (the rows arrive in
+    expert order), as :class:`executor.moe.LocalExperts` keeps them."""
+    return pairs * 2 * INDEX_BYTES if par.ep > 1 else 0.0
 
 
 def shared_gate_bytes(spec: ModelSpec, tokens: float) -> float:
@@ -184,6 +193,13 @@ def read_expert_load(path) -> tuple[float, ...]:
     return tuple(out)
 
 
+def write_expert_load(path, load) -> None:
+    """Tokens per expert to ``path`` in the form :func:`read_expert_load` reads (one line, comma
+    separated), e.g. a run's recorded load (:func:`executor.moe.run_expert_load`)."""
+    from pathlib import Path
+    Path(path).write_text(", ".join(str(int(x)) if float(x).is_integer() else repr(float(x)) for x in load) + "\n")
+
+
 @dataclass(frozen=True)
 class MoeShare:
     """One GPU's share of a MoE block's MLP for one micro-batch (see the module docstring).
@@ -219,7 +235,8 @@ def moe_share(spec: ModelSpec, par: Parallel) -> MoeShare:
     flops_router, flops_shared = 2.0 * n * spec.experts * h, 2.0 * n * shared_params(spec)
     params_expert = spec.experts // par.ep * expert_params(spec) // par.etp
     params_dense = router_params(spec) + shared_params(spec) // t
-    act = n * SCORE_BYTES * spec.experts + routing_bytes(spec, n, pairs) + pairs * (2 * h + SWIGLU * fe) * d + \
+    act = n * SCORE_BYTES * spec.experts + routing_bytes(spec, n, pairs) + regroup_bytes(par, pairs) + \
+        pairs * (2 * h + SWIGLU * fe) * d + \
         n * SWIGLU * spec.shared_ffn * d + shared_gate_bytes(spec, n)
     dispatch = pairs * h * (1 if par.fp8_dispatch else d)
     return MoeShare(flops_router, flops_shared, flops_expert, params_dense, params_expert, float(act), float(dispatch),

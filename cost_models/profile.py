@@ -118,6 +118,33 @@ class LayerTiming:
     b: float | None = None
 
 
+# a profile's process-group sizes and the fitted collective each needs beyond 1: (field, its link, the
+# calibrate flag's letter, what the link is)
+_GROUPS = {"tp": ("tp_allreduce", "T", "the group's all-reduce"),
+           "ep": ("all_to_all", "E", "the EP group's all-to-all")}
+
+
+def _check_group_size(where: str, field: str, size, file: dict | None = None) -> int:
+    """``tp`` / ``ep`` of a profile: an integer >= 1 (one line naming ``where`` otherwise); read from
+    a profile ``file`` (its mapping), the size > 1 and its link field go together. Returns the size."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise SpecError(f"{where}: field '{field}' must be an integer >= 1; got {size!r}")
+    if file is not None:
+        link, letter, _ = _GROUPS[field]
+        if (size > 1) != (link in file):
+            given = "with" if link in file else "without"
+            raise SpecError(f"{where}: fields '{field}' > 1 and '{link}' go together (calibrate --{field} {letter} "
+                            f"writes both); got {field} {size} {given} {link}")
+    return size
+
+
+def _check_group_link(where: str, field: str, size: int, has_link: bool) -> None:
+    """A profile record with ``tp`` / ``ep`` ``size`` > 1 holds that group's fitted collective."""
+    link, _, what = _GROUPS[field]
+    if not has_link:
+        raise SpecError(f"{where}: {field} {size} needs field '{link}' ({what}); calibrate with --{field} {size}")
+
+
 @dataclass(frozen=True)
 class CalibrationProfile:
     name: str
@@ -156,29 +183,24 @@ class CalibrationProfile:
         if self.is_stack and (self.act_bytes is None or len(self.layers) != self.model.num_layers):
             raise SpecError(f"profile {self.name}: a layer-stack profile needs one timing and measured activation "
                             f"bytes per layer ({self.model.num_layers} layers)")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise SpecError(f"profile {self.name}: field 'tp' must be an integer >= 1; got {self.tp!r}")
+        where = f"profile {self.name}"
+        _check_group_size(where, "tp", self.tp)
         if self.tp > 1:
             if self.is_stack:
                 raise SpecError(f"profile {self.name}: tensor parallelism splits the built-in GPT's layers, not a "
                                 f"layer stack's; tp must be 1")
-            if self.tp_allreduce is None:
-                raise SpecError(f"profile {self.name}: tp {self.tp} needs field 'tp_allreduce' (the group's "
-                                f"all-reduce); calibrate with --tp {self.tp}")
+            _check_group_link(where, "tp", self.tp, self.tp_allreduce is not None)
             try:
                 self.model.check_tensor_parallel(self.tp, "tp")
             except ValueError as e:
                 raise SpecError(f"profile {self.name}: {e}") from None
-        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
-            raise SpecError(f"profile {self.name}: field 'ep' must be an integer >= 1; got {self.ep!r}")
+        _check_group_size(where, "ep", self.ep)
         if self.ep > 1:
             if self.is_stack or not self.model.is_moe or self.model.experts % self.ep:
                 raise SpecError(f"profile {self.name}: field 'ep' {self.ep} splits a mixture of experts' routed "
                                 f"experts; model {self.model_name} has "
                                 + (f"{self.model.experts}" if not self.is_stack and self.model.is_moe else "none"))
-            if self.all_to_all is None:
-                raise SpecError(f"profile {self.name}: ep {self.ep} needs field 'all_to_all' (the EP group's "
-                                f"all-to-all); calibrate with --ep {self.ep}")
+            _check_group_link(where, "ep", self.ep, self.all_to_all is not None)
 
     @property
     def is_stack(self) -> bool:
@@ -561,12 +583,7 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
     over = d.get("oversubscribed_slowdown", 1.0)
     if isinstance(over, bool) or not isinstance(over, (int, float)) or not 1 <= over <= 10:
         raise SpecError(f"{source}: field 'oversubscribed_slowdown' must be a number in [1, 10]; got {over!r}")
-    tp = d.get("tp", 1)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise SpecError(f"{source}: field 'tp' must be an integer >= 1; got {tp!r}")
-    if (tp > 1) != ("tp_allreduce" in d):
-        raise SpecError(f"{source}: fields 'tp' > 1 and 'tp_allreduce' go together (calibrate --tp T writes both); "
-                        f"got tp {tp}" + (" with" if "tp_allreduce" in d else " without") + " tp_allreduce")
+    tp = _check_group_size(source, "tp", d.get("tp", 1), file=d)
     tp_ar = _fit(d["tp_allreduce"], source, "tp_allreduce", "calibrated-tp-allreduce") if tp > 1 else None
     if tp > 1 and stack:
         raise SpecError(f"{source}: field 'tp' {tp}: tensor parallelism splits the built-in GPT's layers, not a layer "
@@ -576,12 +593,7 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
             model.check_tensor_parallel(tp, "tp")
         except ValueError as e:
             raise SpecError(f"{source}: field 'tp': {e}") from None
-    ep = d.get("ep", 1)
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise SpecError(f"{source}: field 'ep' must be an integer >= 1; got {ep!r}")
-    if (ep > 1) != ("all_to_all" in d):
-        raise SpecError(f"{source}: fields 'ep' > 1 and 'all_to_all' go together (calibrate --ep E writes both); "
-                        f"got ep {ep}" + (" with" if "all_to_all" in d else " without") + " all_to_all")
+    ep = _check_group_size(source, "ep", d.get("ep", 1), file=d)
     a2a, a2a_res = None, None
     if ep > 1:
         v = _spec.mapping(d["all_to_all"], source, "all_to_all")

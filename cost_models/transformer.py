@@ -218,13 +218,17 @@ def recompute_flops(spec: ModelSpec, recompute: str = "none", tp: int = 1, moe: 
 
 def _attention_split_bytes(spec: ModelSpec) -> float:
     """Attention tensors kept and split over t, per micro-batch: Q (a e_qk), K (k e_qk), V (k v), the
-    output projection's input (a v) (= 2sbh + 2sbke when e = h / a), and MLA's latents
-    (q_r + kv_r + r)."""
+    output projection's input (a v) (= 2sbh + 2sbke when e = h / a), and MLA's latents, each twice
+    as Megatron-LM's ``MLASelfAttention`` keeps them (its q/kv layernorm keeps its input, the up
+    projection the normalised latent): the query latent's norm input and output (2 q_r), the
+    down-projected key/value latent with its rotary part (kv_r + r, the KV norm's input is a view of
+    it) and the normalised key/value latent (kv_r): 2 q_r + 2 kv_r + r (the attention kernel takes
+    v at its own head size, unpadded: :class:`executor.mla.LatentAttention`)."""
     sb, a, k = spec.seq_len * spec.micro_batch, spec.heads, spec.kv
     qk, v = _qk_dim(spec), spec.v_head_dim
     width = a * qk + k * qk + k * v + a * v
     if spec.is_mla:
-        width += spec.q_lora_rank + spec.kv_lora_rank + spec.rope_head_dim
+        width += 2 * spec.q_lora_rank + 2 * spec.kv_lora_rank + spec.rope_head_dim
     return float(sb * width * spec.dtype_bytes)
 
 

@@ -14,15 +14,17 @@ With a heads, d_n = ``head_size`` (the non-rotary part of a query/key head), d_r
 Parameter names: ``attn.q_a / q_norm / q_b`` (or ``attn.q``), ``attn.kv_a / kv_norm / kv_b``,
 ``attn.proj`` (its init scaled as every residual output projection's). The norms and rotary
 positions are the Llama block's (:class:`executor.llama.RMSNorm` keeps its input and 1/rms,
-:func:`executor.llama.rotary` keeps nothing); the attention is PyTorch's fused causal kernel, which
-takes one head size: where d_v differs from d_n + d_r the narrower of queries/keys and values are
-zero-padded to the wider (the scores, with the scale 1/sqrt(d_n + d_r), and the values unchanged;
-what Hugging Face's DeepSeek-V3 does for FlashAttention-2). The padding is kept from F to B where
-the ledger (:func:`cost_models.transformer._attention_split_bytes`) counts d_v wide values and
-outputs, as a kernel with two head sizes (FlashMLA) keeps them. Without it PyTorch falls back to
-its unfused attention, under which the selective recomputation (:mod:`executor.recompute`, whose
-op list holds that path's bmm) gave losses 3e-5 off the reference's at the second step (not traced
-further). Not split over tensor- or context-parallel ranks (the run refuses --tp and --cp with it:
+:func:`executor.llama.rotary` keeps nothing); the attention is PyTorch's fused causal kernel. Where
+d_v differs from d_n + d_r: ``scaled_dot_product_attention`` takes the two head sizes only on its
+unfused (math) path, which keeps the a s^2 probabilities (torch 2.13, CPU: its flash path refuses,
+"Flash attention requires q,k,v to have the same last dimension"); so on the CPU
+:class:`_LatentCore` runs the flash kernel on zero-padded heads (the scores, with the scale
+1/sqrt(d_n + d_r), and the values unchanged; what Hugging Face's DeepSeek-V3 does for
+FlashAttention-2) and keeps what a kernel with two head sizes keeps (FlashMLA; Megatron-LM's MLA
+hands its core attention q, k and v unpadded): q, k, v at their own widths, the row statistics and
+the output (which is the output projection's input), as the ledger counts them
+(:func:`cost_models.transformer._attention_split_bytes`); off the CPU the padded tensors are kept.
+Not split over tensor- or context-parallel ranks (the run refuses --tp and --cp with it:
 :func:`executor.config.lowered_schedule`).
 """
 from __future__ import annotations
@@ -70,9 +72,55 @@ class LatentAttention(nn.Module):
             k = torch.cat([k_n, k_r], -1)
         else:
             q, k = q_n, k_n
-        d_qk, width = d_n + d_r, max(d_n + d_r, d_v)
+        d_qk = d_n + d_r
+        if d_qk != d_v and q.device.type == "cpu":     # FlashMLA's kept tensors on the CPU's flash kernel
+            return self.proj(_LatentCore.apply(q.contiguous(), k.contiguous(), v.contiguous(), d_qk ** -0.5))
+        width = max(d_qk, d_v)
         if d_qk != d_v:     # one head size for the fused kernel: zero-padded (the scores and values unchanged)
             q, k = (Fn.pad(t, (0, width - d_qk)) for t in (q, k))
             v = Fn.pad(v, (0, width - d_v))
         y = Fn.scaled_dot_product_attention(q, k, v.contiguous(), is_causal=True, scale=d_qk ** -0.5)[..., :d_v]
         return self.proj(y.transpose(1, 2).reshape(b, s, a * d_v))
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class _LatentCore(torch.autograd.Function):
+    """Causal attention with value heads (d_v) narrower or wider than the query/key heads (d_qk)
+    on PyTorch's CPU flash kernel, which takes one head size: it runs on the narrower of q/k and v
+    zero-padded to the wider (the scores and the values unchanged; the output's padded columns are
+    exactly 0), and keeps what a kernel with two head sizes keeps (FlashMLA; Megatron-LM's MLA passes
+    q, k of d_qk and v of d_v to its core attention unpadded): q, k (a d_qk each), v (a d_v), the
+    fp32 row statistics (a) and the output (a d_v, returned as the output projection's input
+    [b, s, a d_v], one storage with it). B pads v and the output again (transient) for the kernel's
+    backward and cuts the padding off the gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        b, a, s, d_qk = q.shape
+        d_v = v.shape[-1]
+        width = max(d_qk, d_v)
+        out, lse = _flash_cpu(*_pad_to(width, q, k, v), 0.0, True, scale=scale)
+        y = out[..., :d_v].transpose(1, 2).reshape(b, s, a * d_v)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, y, lse)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, y, lse = ctx.saved_tensors
+        b, a, s, d_qk = q.shape
+        d_v = v.shape[-1]
+        width = max(d_qk, d_v)
+        heads = lambda t: t.view(b, s, a, d_v).transpose(1, 2)      # noqa: E731
+        qp, kp, vp, yp, gp = _pad_to(width, q, k, v, heads(y), heads(g))
+        gq, gk, gv = _flash_cpu_backward(gp.contiguous(), qp, kp, vp, yp.contiguous(), lse, 0.0, True,
+                                         scale=ctx.scale)
+        return gq[..., :d_qk], gk[..., :d_qk], gv[..., :d_v], None
+
+
+def _pad_to(width: int, *ts: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor's last dimension zero-padded to ``width`` (unchanged where it is that wide)."""
+    return [t if t.shape[-1] == width else Fn.pad(t, (0, width - t.shape[-1])) for t in ts]

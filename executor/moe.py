@@ -64,7 +64,13 @@ At EP 1 (:data:`executor.expert_parallel.NO_EP`) dispatch and combine are identi
 keeps per micro-batch (the saved-tensor meter's count): the router's fp32 scores (4 E per token),
 per kept pair the dispatched row and the combined row (2 h d) and the expert's gate, up and product
 (3 f_e d), the shared expert's 3 f_s d per token, and the routing's indices and weights (int64
-token and slot indices, the weights: :func:`cost_models.moe.routing_bytes`).
+token and slot indices, the weights: :func:`cost_models.moe.routing_bytes`); with EP > 1 the
+experts' two int64 orders per received row (:func:`cost_models.moe.regroup_bytes`).
+
+Load: each MLP counts the tokens it routes to each expert (the top-k choices, before a capacity
+drop; not a recomputation's, which runs inside a backward); the worker takes the tallies after
+every step (:func:`take_expert_load`) and a run reports them (``RunResult.extra["expert_load"]``:
+pipeline rank -> stage -> per step); :func:`run_expert_load` totals them for ``--expert-load``.
 """
 from __future__ import annotations
 
@@ -310,6 +316,7 @@ class MoeMLP(nn.Module):
         self.shared = Expert(spec.hidden, spec.shared_ffn) if spec.shared_ffn else None
         self.shared_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_ffn and spec.shared_gate else None
         self.aux_value: torch.Tensor | None = None    # alpha * aux of the last forward (detached)
+        self.load = [0] * spec.experts      # tokens routed to each expert since the last take_expert_load
 
     # ------------------------------------------------------------------ the steps
     def route(self, x: torch.Tensor) -> MoeState:
@@ -318,6 +325,9 @@ class MoeMLP(nn.Module):
         r = route_tokens(self.router(flat), self.top_k, self.router_kind, self.router.bias, self.capacity_factor,
                          self.cp)
         self.aux_value = (self.coeff * r.aux).detach() if self.coeff else None
+        if torch._C._current_graph_task_id() == -1:     # a forward, not its recomputation inside a backward
+            self.load = [a + b for a, b in zip(self.load, torch.bincount(r.topk.reshape(-1), minlength=len(self.load))
+                                               .tolist())]
         return MoeState(x, r, flat.index_select(0, r.token))
 
     def dispatch(self, st: MoeState) -> MoeState:
@@ -361,6 +371,43 @@ class MoeMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.unpermute(self.combine(self.experts(self.dispatch(self.route(x)))))
+
+
+def take_expert_load(modules) -> list[int] | None:
+    """Tokens routed to each expert (before any capacity drop: the top-k choices) by the MoE MLPs
+    in ``modules`` since the last call, summed over them; their tallies restart at 0. None where
+    none holds a MoE MLP. What ``--expert-load`` reads (:func:`cost_models.moe.read_expert_load`):
+    a run's load summed over its processes and steps prices the simulator's imbalance."""
+    mlps = {id(m): m for mod in modules for m in mod.modules() if isinstance(m, MoeMLP)}
+    if not mlps:
+        return None
+    total = [0] * next(iter(mlps.values())).num_experts
+    for m in mlps.values():
+        total = [a + b for a, b in zip(total, m.load)]
+        m.load = [0] * len(m.load)
+    return total
+
+
+def expert_load_by_rank(reports) -> dict:
+    """The ranks' recorded loads (each process's ``expert_load``: stage -> per step, tokens per
+    expert) as a run reports them (``RunResult.extra["expert_load"]``): pipeline rank -> stage ->
+    per step, summed over the rank's processes (its TP / CP ranks route their own tokens, with TP
+    the sequence-parallel slices). Empty for a dense model."""
+    out: dict = {}
+    for rep in reports:
+        for st, steps in rep.get("expert_load", {}).items():
+            have = out.setdefault(rep["rank"], {}).setdefault(st, None)
+            out[rep["rank"]][st] = steps if have is None else \
+                [[a + b for a, b in zip(x, y)] for x, y in zip(have, steps)]
+    return out
+
+
+def run_expert_load(extra: dict) -> tuple[int, ...]:
+    """A run's tokens per expert (``RunResult.extra["expert_load"]``) summed over its ranks, stages,
+    steps and MoE blocks: the histogram ``pipetwin simulate --expert-load`` reads
+    (:func:`cost_models.moe.write_expert_load` writes it)."""
+    steps = [load for stages in extra["expert_load"].values() for per in stages.values() for load in per]
+    return tuple(sum(col) for col in zip(*steps))
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from .host import CpuMeter, foreign_cores, pin_to_core
 from .mesh import Mesh, placement
 from .context_parallel import ContextParallel, GradientSums, warm_up as warm_up_ring
 from .model import block, boundary_shape, make_optimizer, stage_module
+from .moe import expert_load_by_rank, take_expert_load
 from .p2p import DirectionalGroups, Mailbox
 from .runtime import PipelineRuntime
 from .tensor_parallel import TensorParallel, gather, sequence_partial, split_of
@@ -498,6 +499,7 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
         if cfg.probe else None
     probe = probe_host() if probe_host else []
     rows, losses, peak, phases = [], [], 0, []
+    load = {st: [] for _, st in rs.runtime.modules}     # stage -> tokens per expert, per step (MoE)
     cpu = CpuMeter() if cfg.probe else None
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -508,6 +510,8 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
         phases += [(step, *p) for p in out.phases]
         losses.append(out.loss_sum)
         peak = max(peak, out.peak_activation)
+        for st, steps in load.items():
+            steps.append(take_expert_load(m for (_, s), m in rs.runtime.modules.items() if s == st))
     window = cpu.stop() if cpu else None
     zero = rs.optimizer if isinstance(rs.optimizer, ShardedOptimizer) else None
     collectives = dict(zero.counts) if zero is not None else {}     # the steps' (not the final gather's)
@@ -523,7 +527,8 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
               "grad_buffer_bytes": zero.peak_grad_buffer if zero is not None else 0, "collectives": collectives,
               "placement": {"node": node, "local_rank": local, "device": node * per_node + local,
                             "host": socket.gethostname()},
-              "ep_sent": {s: list(g.ep.sent) for s, g in (rs.experts or {}).items()}}
+              "ep_sent": {s: list(g.ep.sent) for s, g in (rs.experts or {}).items()},
+              "expert_load": {st: steps for st, steps in load.items() if steps and steps[0] is not None}}
     if cfg.collect_params:
         if zero is not None:      # ZeRO 3: the weights gathered from their shards
             zero.gather_all()
@@ -646,6 +651,9 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
                                      for rep in sorted(everyone, key=lambda r: (r["rank"], r["tp"]))]
     if cfg.parallel.ep > 1:     # each process's all-to-alls: stage -> the send counts of each exchange
         extra["ep_sent"] = {rep["rank"]: rep["ep_sent"] for rep in everyone}
+    loads = expert_load_by_rank(everyone)
+    if loads:       # tokens routed to each expert: pipeline rank -> stage -> per step (its processes summed)
+        extra["expert_load"] = loads
     if cfg.pin_cores:
         extra["pinned"] = all(rep.get("core") is not None for rep in reports)
     return RunResult(cfg, losses, metrics.iteration_times, per_device, ma, "executor", trace=trace, params=params,
