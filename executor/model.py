@@ -172,6 +172,9 @@ class StageModule(nn.Module):
         for b in self.blocks.values():
             subs = split(b) if split is not None else [b]
             parts += [(sub, b if k == 0 else None) for k, sub in enumerate(subs)]
+        ex = getattr(parts[-1][0], "exchange", None) if parts else None
+        if ex is not None:      # a cut after the last block (a TP block's MLP reduction): the step after it
+            parts.append((ex.after, None))      # is the exchange's own (the block's last residual)
         parts = parts or [(None, None)]
         n = len(parts)
         return [_StageStep(self, sub, owner, i == 0, i == n - 1) for i, (sub, owner) in enumerate(parts)]

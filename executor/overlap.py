@@ -137,6 +137,13 @@ def _like(items: tuple, single: bool):
     return items[0] if single else items
 
 
+def _rebuilt(v, items: tuple):
+    """``items`` in the form of ``v``: a tensor, a tuple, or a named tuple of ``v``'s type."""
+    if not isinstance(v, tuple):
+        return items[0]
+    return type(v)(*items) if hasattr(v, "_fields") else items
+
+
 def differentiable(v) -> list[int]:
     """Positions of a crossing value (a tensor, or a tuple of tensors and other things) that carry a
     gradient."""
@@ -149,12 +156,12 @@ def _leaves(v, like):
     items, ref = _items(v), _items(like)
     out = tuple(t.detach().requires_grad_(True) if torch.is_tensor(r) and r.requires_grad else t
                 for t, r in zip(items, ref))
-    return _like(out, not isinstance(v, tuple))
+    return _rebuilt(v, out)
 
 
 def _detached(v):
     items = tuple(t.detach() if torch.is_tensor(t) else t for t in _items(v))
-    return _like(items, not isinstance(v, tuple))
+    return _rebuilt(v, items)
 
 
 def forward_segments(steps: list, x, enter: Callable, finish: Callable | None = None) -> Iterator:
@@ -333,11 +340,13 @@ def block_steps(block, recompute=None) -> list:
     block's forward, ``x + mlp(ln2(x + attn(ln1(x))))``, by the MoE MLP's own steps); any other
     block is one step. ``recompute``: each step is recomputed as a unit of its own, so a
     recomputation re-runs its segment only, never an all-to-all."""
-    if not is_moe_block(block):
-        return [block]
-    mlp = block.mlp
     run = recompute.run_unit if recompute is not None else (lambda fn, *a: fn(*a))
-    return [Step(lambda x: run(_moe_in, block, x), _Dispatch(mlp)),
+    if is_tp_block(block):
+        return tp_block_steps(block, run)
+    if not is_moe_block(block):
+        return [lambda v: block(resolved(v))]
+    mlp = block.mlp
+    return [Step(lambda x: run(_moe_in, block, resolved(x)), _Dispatch(mlp)),
             Step(lambda v: run(_moe_experts, block, v), _Combine(mlp)),
             lambda v: run(_moe_out, block, v)]
 
@@ -427,3 +436,108 @@ class _Combine:
 
     def start_back(self, g, crossed):
         return _Handle(g, self.mlp.ep.start_all_to_all(g[_ROWS], crossed[-1].send))
+
+
+# ---------------------------------------------------------------------------- dense tensor-parallel blocks
+def is_tp_block(block) -> bool:
+    """A dense pre-norm block at T > 1 whose attention and MLP are the executor's own (GPT:
+    :class:`executor.model.Block`; Llama: grouped-query attention and the SwiGLU): each ends in a
+    row-parallel linear whose reduction :func:`tp_block_steps` cuts. A mixture of experts or latent
+    attention keeps its TP collectives inside its segments (blocking)."""
+    from .llama import GroupedQueryAttention, LlamaBlock, SwiGLU
+    attn = getattr(block, "attn", None)
+    if isinstance(block, LlamaBlock):
+        ok = isinstance(attn, GroupedQueryAttention) and isinstance(block.mlp, SwiGLU)
+    else:     # the GPT's block (executor.model.Block: qkv, proj; fc, out), known by its parts
+        ok = all(hasattr(block, n) for n in ("ln1", "ln2", "fc", "out")) and \
+            all(hasattr(attn, n) for n in ("qkv", "proj", "heads"))
+    return ok and getattr(getattr(attn, "proj", None), "tp", None) is not None and attn.proj.tp.on
+
+
+class Pending(NamedTuple):
+    """What crosses the cut after a TP block's MLP: the residual stream ``x`` and the MLP's reduced
+    output ``o``; the next segment adds them first (:func:`resolved`), as the block's last residual."""
+
+    x: Any
+    o: Any
+
+
+def resolved(v):
+    """A segment's input with a pending residual (:class:`Pending`) added; anything else as it is."""
+    return v.x + v.o if isinstance(v, Pending) else v
+
+
+def tp_block_steps(block, run) -> list:
+    """A dense TP block (:func:`is_tp_block`) in two segments, cut at each row-parallel reduction
+    (the all-reduce; with sequence parallelism the reduce-scatter), each started asynchronously at
+    its cut (:func:`executor.tensor_parallel.start_reduction`):
+
+    1. ``x = resolved(v)`` (the previous TP block's last residual), ``p = attn(ln1(x))`` with the
+       output projection's partial sum; crossing ``(x, p)``, p reduced across the cut;
+    2. ``x1 = x + P``, ``o = mlp(ln2(x1))`` with the MLP's partial sum; crossing ``Pending(x1, o)``,
+       o reduced across the cut; the next segment adds ``x1 + O`` first.
+
+    Backward, across each cut the other way: with sequence parallelism the all-gather of the reduced
+    slice's gradient (:func:`executor.tensor_parallel.start_gather_grad`), started asynchronously;
+    without it none (an all-reduce's backward is the identity). ``run`` (a recomputation's
+    ``run_unit``): each segment's compute (not the residual add of ``resolved``) is a unit of its
+    own, so a recomputation re-runs that segment only, never a reduction across a cut."""
+    tp = block.attn.proj.tp
+    return [Step(lambda v: _tp_first(block, resolved(v), run), _Reduction(tp, tuple)),
+            Step(lambda v: run(_tp_mlp, block, v), _Reduction(tp, Pending))]
+
+
+def _tp_attention(block, x):
+    from .tensor_parallel import deferred_reduction
+    with deferred_reduction():
+        return block.attn(block.ln1(x))
+
+
+def _tp_first(block, x, run):
+    return (x, run(_tp_attention, block, x))
+
+
+def _tp_mlp(block, v):
+    from .tensor_parallel import deferred_reduction
+    x, p = v
+    x1 = x + p
+    with deferred_reduction():
+        h = block.ln2(x1)
+        o = block.mlp(h) if hasattr(block, "mlp") else block.out(torch.nn.functional.gelu(block.fc(h)))
+    return Pending(x1, o)
+
+
+class _TPHandle:
+    """A TP reduction (or its backward's gather) in flight across a cut: ``wait()`` gives the
+    crossing value with its second place replaced by the collective's result."""
+
+    def __init__(self, value, handle, make):
+        self.value, self.handle, self.make = value, handle, make
+
+    def wait(self):
+        return self.make(self.value[0], self.handle.wait())
+
+
+class _Reduction:
+    """The exchange at a TP block's cut (:func:`tp_block_steps`): forward the reduction of the
+    partial sum (second place of the crossing), backward the gather of its gradient's slice with
+    sequence parallelism (else none: the gradient crosses as it is). ``make``: the crossing's type."""
+
+    def __init__(self, tp, make):
+        self.tp = tp
+        self.make = make if make is not tuple else (lambda a, b: (a, b))
+
+    @staticmethod
+    def after(v):
+        """The step after a stage's last cut (:meth:`executor.model.StageModule.steps`: its last
+        block's residual, then the final norm and head folded in)."""
+        return resolved(v)
+
+    def start(self, v):
+        from .tensor_parallel import start_reduction
+        return _TPHandle(v, start_reduction(v[1], self.tp), self.make)
+
+    def start_back(self, g, crossed):
+        from .tensor_parallel import start_gather_grad
+        h = start_gather_grad(g[1], self.tp)
+        return None if h is None else _TPHandle(g, h, lambda a, b: (a, b))

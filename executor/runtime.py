@@ -176,6 +176,7 @@ class PipelineRuntime:
         self._state = _StepState()
         self._seg_split: dict = {}    # (id(module), segment) -> SplitBackward of a segmented forward's segment
         self.order = execution_order(self.program, sched.meta.get("overlapped", ()), rank)
+        self._paired_b = {(b[1], b[2]) for _, b in sched.meta.get("overlapped", ())}   # (stage, mb) of paired B's
         self._handlers = {F: self._forward, B: self._backward, W: self._weight, SEND: self._send,
                           RECV: self._recv, COPY: self._copy, ALLREDUCE: self._allreduce, OPTIM: self._optim}
 
@@ -253,7 +254,9 @@ class PipelineRuntime:
             self._peak = live
 
     def _forward(self, op: Op) -> int:
-        run_alone(self._forward_gen(op, segmented=False))
+        # an F whose B runs in a pair runs cut into its segments even alone, so that B can interleave
+        # them (a detach at a cut shares storage: the segments keep what the whole forward keeps)
+        run_alone(self._forward_gen(op, segmented=(op.stage, op.mb) in self._paired_b))
         return 0
 
     def _backward(self, op: Op) -> int:
