@@ -1,0 +1,169 @@
+"""Where an overlapped F&B pair cuts a block, and the activation bytes each segment keeps.
+
+The ONE statement of the memory rule of a segmented forward (:mod:`executor.overlap` cuts a stage's
+forward at these points; the simulator books an overlapped pair's memory from these bytes,
+:func:`pair_peak`). Notation of :mod:`cost_models.transformer` (b, s, h, d, t; R, S, A the
+replicated, split and score bytes of a block; ``mask`` 1 byte with dropout) and of
+:mod:`cost_models.moe` (n = bs / t tokens a GPU routes, k, E, f_e, f_s, ``pairs`` = n k x imbalance).
+
+Segments of block i (:func:`block_segments`), summing to
+:func:`cost_models.transformer.block_activation_bytes` of the block:
+
+- dense block, t = 1: one segment, the whole block.
+- dense block, t > 1: two, cut at the attention's row-parallel reduction (all-reduce; with SP a
+  reduce-scatter). Segment 1 = ln1, QKV, the attention core, the output projection:
+  ``sbh (2d) / t' + S_attn / t + A / t`` (ln1's input and QKV's input, t' = t with SP else 1;
+  Q, K, V and the output projection's input; the scores). Segment 2 = the residual, ln2, the MLP
+  up to its reduction: ``sbh (2d + 2 mask) / t' + n' sb f d / t`` (ln2's input, the MLP's input,
+  the two dropout masks; the MLP's kept tensors). The block's last residual add (and the MLP's
+  dropout) runs at the start of the next segment; its mask is booked in this block's segment 2
+  (at most ``sbh / t'`` bytes early, none without dropout).
+- MoE block: three, at its dispatch and combine all-to-alls (:func:`executor.overlap.block_steps`).
+  (1) attention + route: ``R / t' + S / t + A / t + 4 n E + 8 n k + 16 pairs`` (the attention as a
+  dense block's, ln2's input and the router's input; the router's fp32 scores, each token's k
+  expert indices, each kept pair's two int64 indices, its place in expert order and its token's,
+  which the gather into expert order keeps);
+  (2) experts: ``pairs (h + 3 f_e) d`` (each dispatched row, the SwiGLU's gate, up and product);
+  (3) unpermute + residual: ``pairs (h + 1) d + 3 n f_s d + shared gate`` (each combined row and
+  its gate weight for the weighted sum; the shared expert).
+  Selective recomputation drops A (segment 1); full recomputation keeps only the block's input,
+  ``sbh d / t'``, in the first segment (the others 0: each segment is recomputed from its leaves).
+
+The embedding and the head fold into the first and the last block's segments as
+:meth:`executor.model.StageModule.steps` folds them (:func:`stage_segments`).
+
+Split backward (B then W): what a segment's B keeps until W (:func:`segment_weight_grads`). A
+plain segment (a tensor in, a tensor out: a dense block) keeps the linear layers' inputs and output
+gradients, as the ledger books a block's ``act_w``
+(:func:`cost_models.transformer.block_weight_grad_bytes`); at t > 1 segment 1 keeps QKV's input and
+the output projection's output gradient ``2 sbh d / t'`` and ``(sbh + sb (a + 2k) e) d / t``,
+segment 2 fc1's input and fc2's output gradient ``2 sbh d / t'`` and ``(1 + up) sb f d / t``. A tuple
+segment (a MoE block's: a tuple crosses its cuts) keeps its whole graph until W
+(:class:`executor.overlap.RetainedWeightGrad`): its own activation bytes, folded ones included.
+
+Closed form of a pair (:func:`pair_peak`). The executor runs F's segment 1, B's last segment, F's
+segment 2, B's next-to-last, ...: with F's segments f_1..f_n (allocated as each runs), B's
+segments b_1..b_m (B walks them from b_m down; each frees ``b_j - w_j``, w_j what it keeps until W,
+0 with a full backward), the pair adds over what was alive before it at most
+
+    peak = max_{k=1..n} ( f_1 + .. + f_k - sum_{j=m-k+2..m} (b_j - w_j) )
+
+(k = 1: F's first segment before B frees anything), and leaves ``sum f - sum (b - w)``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .model_spec import ModelSpec
+from .moe import INDEX_BYTES, SCORE_BYTES, SWIGLU, effective_imbalance, shared_gate_bytes
+from .parallel import Parallel
+from .transformer import (_attention_score_bytes, _attention_split_bytes, _check_recompute, _mlp_matrices,
+                          _moe_par, _qkv_width, _sp_div, block_activation_bytes, block_weight_grad_bytes,
+                          embedding_layer, head_layer, is_moe_block)
+
+
+def _mask(spec: ModelSpec, dropout: bool | None) -> int:
+    return 1 if (spec.has_dropout if dropout is None else dropout) else 0
+
+
+def block_segments(spec: ModelSpec, i: int, *, tp: int = 1, sp: bool = False, recompute: str = "none",
+                   dropout: bool | None = None, parallel: Parallel | None = None) -> tuple[float, ...]:
+    """The activation bytes each segment of block ``i`` keeps until its backward, on one of ``tp``
+    GPUs (module docstring); they sum to :func:`cost_models.transformer.block_activation_bytes`."""
+    _check_recompute(recompute)
+    moe = is_moe_block(spec, i)
+    total = block_activation_bytes(spec, recompute, dropout, tp, sp, moe, parallel)
+    if not moe and tp == 1:
+        return (total,)
+    b, s, h, d = spec.micro_batch, spec.seq_len, spec.hidden, spec.dtype_bytes
+    sbh, div = s * b * h, _sp_div(tp, sp)
+    n_segs = 3 if moe else 2
+    if recompute == "full":
+        return (total,) + (0.0,) * (n_segs - 1)
+    mask = _mask(spec, dropout)
+    scores = _attention_score_bytes(spec, mask) / tp if recompute == "none" else 0.0
+    attn = _attention_split_bytes(spec) / tp + scores
+    if not moe:
+        first = sbh * 2 * d / div + attn
+        second = sbh * (2 * d + 2 * mask) / div + _mlp_matrices(spec) * s * b * spec.ffn * d / tp
+        return (float(first), float(second))
+    par = _moe_par(tp, parallel)
+    n = b * s / tp
+    pairs = n * spec.top_k * effective_imbalance(spec, par)
+    first = sbh * (4 * d + 2 * mask) / div + attn + n * SCORE_BYTES * spec.experts + \
+        n * spec.top_k * INDEX_BYTES + pairs * 2 * INDEX_BYTES
+    experts = pairs * (h + SWIGLU * spec.expert_width) * d
+    out = pairs * (h + 1) * d + n * SWIGLU * spec.shared_ffn * d + shared_gate_bytes(spec, n)
+    return (float(first), float(experts), float(out))
+
+
+def is_tuple_block(spec: ModelSpec, i: int) -> bool:
+    """Block ``i``'s segments pass tuples across their cuts (a MoE block's): a split B keeps their
+    whole graphs until W."""
+    return is_moe_block(spec, i)
+
+
+def segment_weight_grads(spec: ModelSpec, i: int, *, tp: int = 1, sp: bool = False, recompute: str = "none",
+                         dropout: bool | None = None, parallel: Parallel | None = None) -> tuple[float, ...]:
+    """What each segment of block ``i`` keeps from its split B until its W (module docstring): a
+    plain segment its linear layers' inputs and output gradients, a tuple segment its whole graph."""
+    segs = block_segments(spec, i, tp=tp, sp=sp, recompute=recompute, dropout=dropout, parallel=parallel)
+    if is_tuple_block(spec, i):
+        return segs
+    whole = block_weight_grad_bytes(spec, tp, sp)
+    if len(segs) == 1:
+        return (whole,)
+    b, s, h, d, f = spec.micro_batch, spec.seq_len, spec.hidden, spec.dtype_bytes, spec.ffn
+    sb, div = s * b, _sp_div(tp, sp)
+    up = 2 if spec.kind == "llama" else 1
+    first = 2 * sb * h * d / div + (sb * h + sb * _qkv_width(spec)) * d / tp
+    second = 2 * sb * h * d / div + (1 + up) * sb * f * d / tp
+    return (float(first), float(second))
+
+
+def stage_segments(spec: ModelSpec, blocks: Sequence[int], *, first: bool, last: bool, tp: int = 1,
+                   sp: bool = False, recompute: str = "none", dropout: bool | None = None,
+                   parallel: Parallel | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(the bytes each segment of a stage keeps until its backward, what each keeps from a split B
+    until W), the stage holding ``blocks`` (block indices, in order), with the embedding folded into
+    the first segment where ``first`` and the head into the last where ``last``
+    (:meth:`executor.model.StageModule.steps`; a stage without blocks is one segment). A tuple
+    segment's W keeps its folded parts too (one graph)."""
+    kw = dict(tp=tp, sp=sp, recompute=recompute, dropout=dropout, parallel=parallel)
+    acts: list[float] = []
+    ws: list[float] = []
+    tuples: list[bool] = []
+    for i in blocks:
+        acts += block_segments(spec, i, **kw)
+        ws += segment_weight_grads(spec, i, **kw)
+        tuples += [is_tuple_block(spec, i)] * (len(acts) - len(tuples))
+    if not acts:
+        acts, ws, tuples = [0.0], [0.0], [False]
+    if first:
+        e = embedding_layer(spec, dropout, tp, sp)
+        acts[0] += e.act_bytes
+        ws[0] += e.act_bytes if tuples[0] else e.act_w_bytes
+    if last:
+        hd = head_layer(spec, tp, sp)
+        acts[-1] += hd.act_bytes
+        ws[-1] += hd.act_bytes if tuples[-1] else hd.act_w_bytes
+    return tuple(acts), tuple(ws)
+
+
+def pair_peak(f: Sequence[float], b: Sequence[float], b_kept: Sequence[float] | None = None) -> tuple[float, float]:
+    """(the most an overlapped pair adds over what was alive before it, what it leaves): F's
+    segments ``f`` allocated one by one, interleaved with B's ``b`` walked last first, each freeing
+    ``b_j - b_kept_j`` (``b_kept``: what a split B keeps until W; None: nothing), module docstring's
+    closed form."""
+    kept = b_kept if b_kept is not None else (0.0,) * len(b)
+    if len(kept) != len(b):
+        raise ValueError(f"b_kept lists {len(kept)} segments; b has {len(b)}")
+    frees = [x - w for x, w in zip(b, kept)][::-1]        # in the order B frees them
+    level = peak = 0.0
+    for k, x in enumerate(f):
+        level += x
+        peak = max(peak, level) if k else level
+        if k < len(frees):
+            level -= frees[k]
+    level -= sum(frees[len(f):])
+    return peak, level
