@@ -18,9 +18,14 @@ leaf, its output, its exchange).
 *Coroutines.* :func:`forward_segments` and :func:`backward_segments` are generators: each runs one
 segment's compute, starts the segment's exchange (forward: the output; backward, walking the
 segments in reverse: the input leaf's gradient, the reverse exchange), yields, and on resuming
-waits for it. :func:`interleave` drives the pair: F's segment, B's segment, F's, ... (F first, as
-the simulator breaks ties), so each exchange's wait comes after the other op's next compute
-segment. Run alone (an unpaired op) a generator is simply run to its end.
+waits for it. :func:`interleave` drives the pair in turns: F's segment, B's segment, F's, ... (F
+first, as the simulator breaks ties), a turn being the wait for the op's last exchange (if it
+started one) and its next segment's compute, so each exchange's wait comes after the other op's
+next compute segment and the two ops alternate segment by segment whether a cut exchanges
+anything or not. Run alone (an unpaired op) a generator is simply run to its end. An F whose B
+will run in a pair is cut even when it runs alone (:class:`executor.runtime.PipelineRuntime`:
+a detach at a cut shares storage, the segments keep what the whole forward keeps), so that every
+paired B interleaves, as the simulator's pair overlaps it.
 
 *Backward per segment.* Full: ``autograd.backward(out, grad)`` on the segment's graph (parameter
 gradients accumulate), the leaf's ``.grad`` is the gradient of the segment before. Split (B then
@@ -38,8 +43,8 @@ the experts' counts exchanged at once (a few ints, blocking), the rows started w
 crosses a cut is then a tuple: x1, h, the rows, the gate weights and the balance loss (tensors, made
 leaves) and the routing's record (indices and counts); a tensor a segment does not use passes
 through it as the same leaf. Backward exchanges the rows' gradient in reverse (the counts
-received go back as the counts sent). A dense block (no communication) stays one segment; TP
-blocks' row-parallel all-reduces are not cut (their collectives run inside the segment, blocking).
+received go back as the counts sent). A dense block at T = 1 (no communication) stays one segment;
+a dense block at T > 1 is cut in two at its row-parallel reductions (:func:`tp_block_steps`).
 
 *Split backward of a tuple segment.* :class:`executor.backward.SplitBackward`'s templates take one
 output and one input; a segment with a tuple input or output takes B as ``autograd.grad`` of its
@@ -297,9 +302,13 @@ def run_alone(gen: Iterator):
 
 def interleave(f_gen: Iterator, b_gen: Iterator, f_token: str, b_token: str, clock: Callable[[], float],
                sync: Callable[[], None] = lambda: None) -> tuple[Any, Any, list[Phase]]:
-    """Drive an F and a B generator alternately (F first), one segment (or one wait) of each in
-    turn, until both end; returns their values and the :class:`Phase` rows (``clock`` the rank's
-    clock, ``sync`` the device synchronisation before a phase's end is read)."""
+    """Drive an F and a B generator alternately (F first), one turn of each in turn, until both
+    end: a turn is one segment's compute, preceded by the wait for the exchange the op started at
+    its previous cut (if any); so each exchange's wait comes after the other op's next compute
+    segment, and the pair alternates F's segment 1, B's last, F's segment 2, B's next-to-last, ...
+    whether or not a cut exchanges anything (:func:`cost_models.segments.pair_peak`'s order).
+    Returns their values and the :class:`Phase` rows (``clock`` the rank's clock, ``sync`` the
+    device synchronisation before a phase's end is read)."""
     gens = [f_gen, b_gen]
     tokens = (f_token, b_token)
     seg = [0, 0]
@@ -308,19 +317,19 @@ def interleave(f_gen: Iterator, b_gen: Iterator, f_token: str, b_token: str, clo
     phases = []
     while alive[0] or alive[1]:
         for k in (0, 1):
-            if not alive[k]:
-                continue
-            t0 = clock()
-            try:
-                kind = next(gens[k])
-            except StopIteration as stop:
-                values[k] = stop.value
-                alive[k] = False
-                kind = COMPUTE
-            sync()
-            phases.append(Phase(tokens[k], seg[k], kind, t0, clock()))
-            if kind == COMPUTE:
-                seg[k] += 1
+            kind = COMM
+            while alive[k] and kind == COMM:     # a turn: the wait for the op's exchange (if any), a segment
+                t0 = clock()
+                try:
+                    kind = next(gens[k])
+                except StopIteration as stop:
+                    values[k] = stop.value
+                    alive[k] = False
+                    kind = COMPUTE
+                sync()
+                phases.append(Phase(tokens[k], seg[k], kind, t0, clock()))
+                if kind == COMPUTE:
+                    seg[k] += 1
     return values[0], values[1], phases
 
 
