@@ -107,6 +107,10 @@ class StageCosts:
       input-gradient backward where the schedule splits it, the full backward otherwise); each
       entry's ``total`` equals its ``f`` / ``b`` entry (relative 1e-9). The simulator overlaps the
       schedule's paired F and B (``meta["overlapped"]``) from them, see :mod:`sim.overlap`.
+    act_segments / act_w_segments: optional tables ``[copy][stage]`` of the bytes each segment of
+      the stage's forward keeps (summing to ``act``) and what each keeps from a split B until W, where
+      an overlapped pair runs segment by segment (:mod:`cost_models.segments`); the simulator books
+      a pair's memory from them (:func:`cost_models.memory.pair_memory`); None: the pair books F whole.
     comm_sm_share: the share of the GPU's SMs (0 <= share < 1) the communication kernels take while
       they run: overlapped compute runs at rate 1 - share then (DeepSeek-V3 kept 20 of 132 SMs
       for communication: 20/132).
@@ -138,6 +142,8 @@ class StageCosts:
     phases_f: PhaseTable | None = None
     phases_b: PhaseTable | None = None
     comm_sm_share: float = 0.0
+    act_segments: tuple[tuple[tuple[float, ...], ...], ...] | None = None
+    act_w_segments: tuple[tuple[tuple[float, ...], ...], ...] | None = None
     kinds: tuple["StageCosts", ...] = ()
     rank_kinds: tuple[int, ...] | None = None
 
@@ -249,6 +255,14 @@ class LayerCosts:
     static_bytes: tuple[float, ...] | None = None
     optim_time: tuple[float, ...] | None = None
     reduced_params: tuple[float, ...] | None = None
+    # per layer, the bytes each of its segments keeps (an overlapped pair's F runs a stage's forward
+    # segment by segment, its B frees them last first: cost_models.segments) and of them what a split
+    # B keeps until W; ``folds[i]``: layer i (embedding, head) is one part folded into the segment
+    # next to it in its stage (the first layer's into the next, any other's into the one before).
+    # None: a measured layer stack's (``act_first`` given) is one segment per layer, else none known
+    act_segments: tuple[tuple[float, ...], ...] | None = None
+    act_w_segments: tuple[tuple[float, ...], ...] | None = None
+    folds: tuple[bool, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -309,6 +323,7 @@ class PerLayerCostModel:
         act_w = stage_sums(L.act_w, L.act_w_first, parts) if sched.split_backward else [0.0] * S
         if sched.split_backward and L.first_stage_all_in_w:
             act_w[0] = act[0]     # B does nothing there: what F kept waits for W as it is
+        segs = stage_segment_sums(L, parts, sched.split_backward)
         out = [L.out_bytes[rng[-1]] for rng in parts]
         # the gradient a stage sends upstream has the shape of its input = previous stage's output
         grad = [0.0] + out[:-1]
@@ -330,7 +345,49 @@ class PerLayerCostModel:
                           optim_time=tuple(optim), copy_time=L.copy_time,
                           meta={"model": "per-layer", "partition": [len(r) for r in parts]},
                           send_time=ovh.get("SEND", 0.0), recv_time=ovh.get("RECV", 0.0),
-                          grad_copy_per_byte=L.grad_copy_per_byte)
+                          grad_copy_per_byte=L.grad_copy_per_byte,
+                          act_segments=tuple(tuple(segs[0]) for _ in range(C)) if segs else None,
+                          act_w_segments=tuple(tuple(segs[1]) for _ in range(C)) if segs else None)
+
+
+def stage_segment_sums(L: "LayerCosts", parts: list[range], split: bool):
+    """(per stage the bytes each segment of its forward keeps, per stage what each keeps from a
+    split B until W (zeros without a split backward)) from the layers' segments (:class:`LayerCosts`
+    ``act_segments`` / ``folds``; a measured layer stack: one segment per layer, its first one
+    ``act_first``), or None where the layers give none. Each stage's segments sum to its ``act``."""
+    if L.act_segments is None and L.act_first is None:
+        return None
+    acts, ws = [], []
+    for rng in parts:
+        a: list[float] = []
+        w: list[float] = []
+        pending_a = pending_w = 0.0        # a folded layer before the stage's first segment
+        for k, i in enumerate(rng):
+            if L.act_segments is None:     # a layer stack: each layer one segment
+                first = k == 0
+                la = (L.act_first[i] if first else L.act[i],)
+                lw = ((L.act_w_first if first and L.act_w_first is not None else L.act_w)[i],)
+            else:
+                la, lw = L.act_segments[i], L.act_w_segments[i]
+            if L.folds is not None and L.folds[i]:
+                if a:
+                    a[-1] += sum(la)
+                    w[-1] += sum(lw)
+                else:
+                    pending_a += sum(la)
+                    pending_w += sum(lw)
+                continue
+            a += la
+            w += lw
+            if pending_a or pending_w:
+                a[-len(la)] += pending_a
+                w[-len(lw)] += pending_w
+                pending_a = pending_w = 0.0
+        if not a:
+            a, w = [pending_a], [pending_w]
+        acts.append(tuple(float(x) for x in a))
+        ws.append(tuple(float(x) for x in w) if split else (0.0,) * len(a))
+    return acts, ws
 
 
 def stage_sums(per_layer, first, parts: list[range]) -> list[float]:

@@ -42,6 +42,7 @@ from .model_spec import ModelSpec, load_model
 from .hf_config import config_notes, is_hf_config
 from .stage_costs import StageTimes, load_stage_costs
 from .stack import is_model_ref, same_model_ref
+from .segments import with_segments
 from .moe import ExpertGroup
 from .parallel import Parallel
 from .memory import check_reserve
@@ -385,7 +386,7 @@ def _transformer(job: Job, model: ModelSpec, cluster: Cluster, low: Schedule) ->
                                                                              cp)), model, cluster, low)
     tcm = transformer_cost_model(job, model, cluster)
     cost_model = tcm.compute
-    costs = tcm.bind(low)
+    costs = with_segments(tcm.bind(low), low, tcm)
     return Bound(low, costs, tensor_parallel_groups(cluster, tp, cp).place(low, job.mapping), {
         "cost_model": cost_model, "model": model.name, **_stated(job, model, cluster.device, tcm),
         "parameters": model_params(model),

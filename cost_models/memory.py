@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from schedules.ir import COMPUTE_KINDS, activation_change
+from schedules.ir import COMPUTE_KINDS, B, F, W, activation_change
 
 from .base import StageCosts
 
@@ -142,15 +142,19 @@ def static_memory(sched, param_counts: Sequence[float], weight_bytes: float = 2.
     return out
 
 
-def activation_walk(program: Iterable, costs: StageCosts, split_backward: bool) -> list[float]:
+def activation_walk(program: Iterable, costs: StageCosts, split_backward: bool,
+                    changes: dict | None = None) -> list[float]:
     """Activation memory after each compute op of a program (F / B / W ops; others skipped), by
-    the one activation rule :func:`schedules.ir.activation_change`."""
+    the one activation rule :func:`schedules.ir.activation_change`, but where ``changes`` (program
+    index -> (allocated, freed): :func:`pair_memory`) says otherwise."""
     level, out = 0.0, []
-    for op in program:
+    for i, op in enumerate(program):
         if op.kind not in COMPUTE_KINDS:
             continue
         act_w = costs.act_w[op.copy][op.stage] if split_backward else 0.0
         alloc, free = activation_change(op.kind, costs.act[op.copy][op.stage], act_w, split_backward)
+        if changes and i in changes:
+            alloc, free = changes[i]
         level += alloc - free
         out.append(level)
     return out
@@ -160,9 +164,85 @@ def peak_activation(sched, costs: StageCosts) -> tuple[float, ...]:
     """Peak activation memory of each rank over its program."""
     peaks = []
     for r in range(sched.num_ranks):
-        walk = activation_walk(sched.programs[sched.rank_device(r)], costs, sched.split_backward)
+        c = costs.for_rank(r)
+        walk = activation_walk(sched.programs[sched.rank_device(r)], c, sched.split_backward,
+                               pair_memory(sched, c, r))
         peaks.append(max([0.0, *walk]))
     return tuple(peaks)
+
+
+def pair_peak(f: Sequence[float], b: Sequence[float], b_kept: Sequence[float] | None = None) -> tuple[float, float]:
+    """(the most an overlapped pair adds over what was alive before it, what it leaves): F's
+    segments ``f`` allocated one by one, interleaved with B's ``b`` walked last first, each freeing
+    ``b_j - b_kept_j`` (``b_kept``: what a split B keeps until W; None: nothing), module docstring's
+    closed form."""
+    kept = b_kept if b_kept is not None else (0.0,) * len(b)
+    if len(kept) != len(b):
+        raise ValueError(f"b_kept lists {len(kept)} segments; b has {len(b)}")
+    frees = [x - w for x, w in zip(b, kept)][::-1]        # in the order B frees them
+    level = peak = 0.0
+    for k, x in enumerate(f):
+        level += x
+        peak = max(peak, level) if k else level
+        if k < len(frees):
+            level -= frees[k]
+    level -= sum(frees[len(f):])
+    return peak, level
+
+
+def pair_memory(sched, costs: StageCosts, rank: int) -> dict[int, tuple[float, float]]:
+    """Where an overlapped F&B pair runs segment by segment (the schedule's ``meta["overlapped"]``
+    pairs, with segments known: ``costs.act_segments``), (allocated, freed) per index of ``rank``'s
+    program for the ops it changes; empty otherwise (every op by :func:`schedules.ir.activation_change`).
+
+    As the executor runs it (:mod:`executor.overlap`): a paired F is cut into its stage's segments
+    f; the pair's B walks its own F's segments last first (b, each keeping w until W in a split
+    backward, :mod:`cost_models.segments`), or, when its F ran unpaired (not cut), is one segment
+    (act, keeping act_w). The pair's F allocates the pair's peak over what was alive before it,
+    ``max_k (f_1 + .. + f_k - sum_{j > m-k+1} (b_j - w_j))`` (:func:`pair_peak`),
+    and its B frees down to what the pair leaves, ``sum f - sum (b - w)``: the F's trace row holds
+    the block's peak, as the executor's does. A split B (paired or not) of a micro-batch whose F was
+    cut keeps ``sum w`` until its W, which frees that (a tuple segment keeps its whole graph: more
+    than ``act_w``). What a stage's ``act`` holds beyond its segments' sum is in its first segment."""
+    pairs = {tuple(a): tuple(b) for a, b in sched.meta.get("overlapped", ())}
+    if costs.act_segments is None or not pairs:
+        return {}
+    from schedules.overlap import paired_backward
+    split = sched.split_backward
+    program = sched.programs[sched.rank_device(rank)]
+
+    def segs(op) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        a = list(costs.act_segments[op.copy][op.stage])
+        a[0] += costs.act[op.copy][op.stage] - sum(a)
+        w = costs.act_w_segments[op.copy][op.stage] if split else (0.0,) * len(a)
+        return tuple(a), tuple(w)
+
+    cut: set = set()
+    out: dict[int, tuple[float, float]] = {}
+    for i, op in enumerate(program):
+        key = (op.copy, op.stage, op.mb)
+        if op.kind == F:
+            want = pairs.get((F, op.stage, op.mb))
+            if want is None:
+                continue
+            j = paired_backward(program, i, want, rank)
+            nb = program[j]
+            f, _ = segs(op)
+            if (nb.copy, nb.stage, nb.mb) in cut:
+                b, w = segs(nb)
+            else:
+                b = (costs.act[nb.copy][nb.stage],)
+                w = (costs.act_w[nb.copy][nb.stage] if split else 0.0,)
+            peak, left = pair_peak(f, b, w)
+            out[i] = (peak, 0.0)
+            out[j] = (0.0, peak - left)
+            cut.add(key)
+        elif op.kind == B and key in cut and i not in out and split:
+            a, w = segs(op)
+            out[i] = (0.0, sum(a) - sum(w))
+        elif op.kind == W and key in cut:
+            out[i] = (0.0, sum(segs(op)[1]))
+    return out
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,10 @@ gradients, as the ledger books a block's ``act_w``
 the output projection's output gradient ``2 sbh d / t'`` and ``(sbh + sb (a + 2k) e) d / t``,
 segment 2 fc1's input and fc2's output gradient ``2 sbh d / t'`` and ``(1 + up) sb f d / t``. A tuple
 segment (a MoE block's: a tuple crosses its cuts) keeps its whole graph until W
-(:class:`executor.overlap.RetainedWeightGrad`): its own activation bytes, folded ones included.
+(:class:`executor.overlap.RetainedWeightGrad`): its own activation bytes, folded ones included,
+and the gradients of the outputs it computed (:func:`segment_output_grads`).
 
-Closed form of a pair (:func:`pair_peak`). The executor runs F's segment 1, B's last segment, F's
+Closed form of a pair (:func:`cost_models.memory.pair_peak`). The executor runs F's segment 1, B's last segment, F's
 segment 2, B's next-to-last, ...: with F's segments f_1..f_n (allocated as each runs), B's
 segments b_1..b_m (B walks them from b_m down; each frees ``b_j - w_j``, w_j what it keeps until W,
 0 with a full backward), the pair adds over what was alive before it at most
@@ -52,11 +53,14 @@ segments b_1..b_m (B walks them from b_m down; each frees ``b_j - w_j``, w_j wha
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
+from .base import StageCosts, stage_segment_sums
 from .model_spec import ModelSpec
 from .moe import INDEX_BYTES, SCORE_BYTES, SWIGLU, effective_imbalance, shared_gate_bytes
 from .parallel import Parallel
+from .partition import layer_ranges
 from .transformer import (_attention_score_bytes, _attention_split_bytes, _check_recompute, _mlp_matrices,
                           _moe_par, _qkv_width, _sp_div, block_activation_bytes, block_weight_grad_bytes,
                           embedding_layer, head_layer, is_moe_block)
@@ -103,13 +107,43 @@ def is_tuple_block(spec: ModelSpec, i: int) -> bool:
     return is_moe_block(spec, i)
 
 
+def segment_output_grads(spec: ModelSpec, i: int, *, tp: int = 1, sp: bool = False,
+                         parallel: Parallel | None = None) -> tuple[float, ...]:
+    """The output gradients a tuple segment's split B hands to W with its graph
+    (:class:`executor.overlap.RetainedWeightGrad` keeps those of the outputs the segment computed;
+    one passed through is its input leaf, none): a MoE block's (1) x1, h (``2 n h d``), the rows in
+    expert order and the gate weights (``pairs (h + 1) d``), the balance loss (d); (2) the experts'
+    rows (``pairs h d``); (3) the block's output (``n h d``). A dense block's: none (0 each)."""
+    if not is_tuple_block(spec, i):
+        return (0.0,) * len(block_segments(spec, i, tp=tp, sp=sp, parallel=parallel))
+    h, d = spec.hidden, spec.dtype_bytes
+    n = spec.micro_batch * spec.seq_len / tp
+    pairs = n * spec.top_k * effective_imbalance(spec, _moe_par(tp, parallel))
+    return (float(2 * n * h * d + pairs * (h + 1) * d + d), float(pairs * h * d), float(n * h * d))
+
+
+def fold_weight_grads(spec: ModelSpec, kind: str, act: float, act_w: float, into_tuple: bool, *, tp: int = 1,
+                      sp: bool = False) -> float:
+    """What a split B keeps until W of a layer folded into a block's segment (``kind`` embedding or
+    head, keeping ``act`` and, unfolded, ``act_w``): into a plain segment ``act_w``; into a tuple
+    segment its whole ``act`` (one graph), and for the head the loss's gradient (d) in place of the
+    block output's (``n h d``: the segment's output is then the loss)."""
+    if not into_tuple:
+        return act_w
+    if kind == "head":
+        return act + spec.dtype_bytes - spec.micro_batch * spec.seq_len * spec.hidden * spec.dtype_bytes / tp
+    return act
+
+
 def segment_weight_grads(spec: ModelSpec, i: int, *, tp: int = 1, sp: bool = False, recompute: str = "none",
                          dropout: bool | None = None, parallel: Parallel | None = None) -> tuple[float, ...]:
     """What each segment of block ``i`` keeps from its split B until its W (module docstring): a
-    plain segment its linear layers' inputs and output gradients, a tuple segment its whole graph."""
+    plain segment its linear layers' inputs and output gradients, a tuple segment its whole graph
+    and its output gradients (:func:`segment_output_grads`)."""
     segs = block_segments(spec, i, tp=tp, sp=sp, recompute=recompute, dropout=dropout, parallel=parallel)
     if is_tuple_block(spec, i):
-        return segs
+        grads = segment_output_grads(spec, i, tp=tp, sp=sp, parallel=parallel)
+        return tuple(a + g for a, g in zip(segs, grads))
     whole = block_weight_grad_bytes(spec, tp, sp)
     if len(segs) == 1:
         return (whole,)
@@ -139,31 +173,40 @@ def stage_segments(spec: ModelSpec, blocks: Sequence[int], *, first: bool, last:
         tuples += [is_tuple_block(spec, i)] * (len(acts) - len(tuples))
     if not acts:
         acts, ws, tuples = [0.0], [0.0], [False]
-    if first:
-        e = embedding_layer(spec, dropout, tp, sp)
-        acts[0] += e.act_bytes
-        ws[0] += e.act_bytes if tuples[0] else e.act_w_bytes
-    if last:
-        hd = head_layer(spec, tp, sp)
-        acts[-1] += hd.act_bytes
-        ws[-1] += hd.act_bytes if tuples[-1] else hd.act_w_bytes
+    for on, lay, at in ((first, embedding_layer(spec, dropout, tp, sp), 0), (last, head_layer(spec, tp, sp), -1)):
+        if on:
+            acts[at] += lay.act_bytes
+            ws[at] += fold_weight_grads(spec, lay.kind, lay.act_bytes, lay.act_w_bytes, tuples[at], tp=tp, sp=sp)
     return tuple(acts), tuple(ws)
 
 
-def pair_peak(f: Sequence[float], b: Sequence[float], b_kept: Sequence[float] | None = None) -> tuple[float, float]:
-    """(the most an overlapped pair adds over what was alive before it, what it leaves): F's
-    segments ``f`` allocated one by one, interleaved with B's ``b`` walked last first, each freeing
-    ``b_j - b_kept_j`` (``b_kept``: what a split B keeps until W; None: nothing), module docstring's
-    closed form."""
-    kept = b_kept if b_kept is not None else (0.0,) * len(b)
-    if len(kept) != len(b):
-        raise ValueError(f"b_kept lists {len(kept)} segments; b has {len(b)}")
-    frees = [x - w for x, w in zip(b, kept)][::-1]        # in the order B frees them
-    level = peak = 0.0
-    for k, x in enumerate(f):
-        level += x
-        peak = max(peak, level) if k else level
-        if k < len(frees):
-            level -= frees[k]
-    level -= sum(frees[len(f):])
-    return peak, level
+def with_segments(costs: StageCosts, sched, tcm) -> StageCosts:
+    """``costs`` (bound by :class:`cost_models.transformer.TransformerCostModel` ``tcm`` for ``sched``)
+    with each stage's segments (``act_segments``, ``act_w_segments``): its blocks' (:func:`block_segments`,
+    :func:`segment_weight_grads`), the embedding and the head folded into the block next to them
+    (:func:`fold_weight_grads`); unchanged with context parallelism (its layers are not cut).
+    ``pair_peak`` (:func:`cost_models.memory.pair_peak`) is what the simulator books from them."""
+    par, spec = tcm.parallel, tcm.model
+    if par.cp > 1:
+        return costs
+    kw = dict(tp=par.tp, sp=par.sequence_parallel, recompute=par.recompute, dropout=tcm.uses_dropout,
+              parallel=par if spec.is_moe else None)
+    L = tcm.layers()
+    acts, ws = [], []
+    for k, lay in enumerate(L):
+        if lay.kind == "block":
+            acts.append(block_segments(spec, k - 1, **kw))
+            ws.append(segment_weight_grads(spec, k - 1, **kw))
+            continue
+        nxt = k if lay.kind == "embedding" else k - 2        # the block it folds into
+        tup = 0 <= nxt < spec.layers and is_tuple_block(spec, nxt)
+        acts.append((lay.act_bytes,))
+        ws.append((fold_weight_grads(spec, lay.kind, lay.act_bytes, lay.act_w_bytes, tup, tp=par.tp,
+                                     sp=par.sequence_parallel),))
+    lc = replace(tcm.layer_costs(), act_segments=tuple(acts), act_w_segments=tuple(ws),
+                 folds=tuple(lay.kind != "block" for lay in L))
+    parts = layer_ranges(len(L), sched.num_stages, tcm.partition_for(sched.num_stages))
+    got = stage_segment_sums(lc, parts, sched.split_backward)
+    C = sched.num_copies
+    return replace(costs, act_segments=tuple(tuple(got[0]) for _ in range(C)),
+                   act_w_segments=tuple(tuple(got[1]) for _ in range(C)))

@@ -22,7 +22,11 @@ One SimPy process per rank walks its program:
   nothing else and that end before SimPy's next event run as one timeout, at the times one event
   per step gives. OPTIM waits for the rank's all-reduces, then does its CPU work.
 - Memory: static memory per rank from the cost model; activation memory grows by ``act`` at each
-  F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W).
+  F and shrinks when the backward that frees it ends (split schedules keep ``act_w`` until W); an
+  overlapped pair (``meta["overlapped"]``) whose costs give the stages' segments
+  (``StageCosts.act_segments``) is booked as the executor interleaves it, segment by segment: the
+  F row holds the pair's peak (:func:`cost_models.memory.pair_memory`, closed form in
+  :mod:`cost_models.segments`), with or without phases.
 - Overlapped pairs: where the costs split F and B into compute and all-to-all phases
   (``StageCosts.phases_f`` / ``phases_b``) and the schedule lists F&B pairs (``meta["overlapped"]``:
   DualPipe-V, :func:`schedules.overlap.pair_forward_backward`, interleaved ``a2a-overlap``), a rank
@@ -66,6 +70,7 @@ import simpy
 
 from cost_models.base import PEAK_FLOOR, StageCosts
 from cost_models.comm import allreduce_phases, ring_allreduce_time
+from cost_models.memory import pair_memory
 from cost_models.network import Network
 from schedules.common import gc_paused
 from schedules.ir import (ACT, ALLREDUCE, COPY, OPTIM, RECV, SEND, B, F, Schedule, ScheduleError, W, activation_change,
@@ -558,6 +563,8 @@ class _Engine:
             if k == ALLREDUCE and p.cpu is not None:
                 copy_back += p.cpu
             append(p)
+        for i, (alloc, free) in pair_memory(sched, self.costs.for_rank(r), r).items():
+            plan[i] = plan[i]._replace(act_alloc=alloc, act_free=free)     # a segmented pair's memory
         if self.costs.has_phases:
             plan, messages, heads = self._overlap(r, program, plan, messages, heads, slow)
         return plan, messages, heads
@@ -568,8 +575,9 @@ class _Engine:
         block of :func:`sim.overlap.overlapped_pair` time, as DualPipe runs its F&B chunk: first the
         RECVs the lowered program places between the F and the B (in their order, so each pair of
         ranks' FIFO numbering is unchanged), then the F, which takes the whole block, then the B, of
-        zero length at the block's end (busy time counts the block once; F's activations are
-        allocated and B's freed at the block's end), then the other ops that were between them (F's
+        zero length at the block's end (busy time counts the block once; F's row books the pair's
+        memory peak and B's what the pair leaves, segment by segment where the costs give segments:
+        :func:`cost_models.memory.pair_memory`), then the other ops that were between them (F's
         SEND / COPY: the block's outputs exist at its end). The trace's ``seq`` is the position in
         this order. Also sets the rank's all-to-all seconds and the hidden part of them (times the
         rank's slowdown, which stretches a whole op, its all-to-alls included)."""
