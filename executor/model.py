@@ -166,15 +166,14 @@ class StageModule(nn.Module):
     def steps(self, split=None) -> list:
         """The forward as consecutive steps, one per block (the embedding folded into the first,
         the final norm and head into the last; a stage without blocks is one step): where the
-        overlapped F&B runtime cuts it (:mod:`executor.overlap`). ``split(block)``: the block's own
-        steps (a mixture of experts cut at its all-to-alls), else the block is one."""
+        overlapped F&B runtime cuts it (:mod:`executor.overlap`). ``split(block, last)``: the block's
+        own steps (a mixture of experts cut at its all-to-alls; ``last``: the stage's last block, whose
+        steps end with the block's output), else the block is one."""
         parts = []
-        for b in self.blocks.values():
-            subs = split(b) if split is not None else [b]
+        n_blocks = len(self.blocks)
+        for k, b in enumerate(self.blocks.values()):
+            subs = split(b, k == n_blocks - 1) if split is not None else [b]
             parts += [(sub, b if k == 0 else None) for k, sub in enumerate(subs)]
-        ex = getattr(parts[-1][0], "exchange", None) if parts else None
-        if ex is not None:      # a cut after the last block (a TP block's MLP reduction): the step after it
-            parts.append((ex.after, None))      # is the exchange's own (the block's last residual)
         parts = parts or [(None, None)]
         n = len(parts)
         return [_StageStep(self, sub, owner, i == 0, i == n - 1) for i, (sub, owner) in enumerate(parts)]

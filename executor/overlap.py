@@ -121,7 +121,7 @@ def steps_of(module, recompute=None) -> list:
     if not callable(steps):
         return [module]
     try:
-        return list(steps(split=lambda b: block_steps(b, recompute)))
+        return list(steps(split=lambda b, last=False: block_steps(b, recompute, last)))
     except TypeError:                       # a steps() without a split (a layer stack's)
         return list(steps())
 
@@ -342,7 +342,7 @@ def is_moe_block(block) -> bool:
         all(hasattr(mlp, n) for n in ("route", "dispatch_counts", "experts", "unpermute", "ep"))
 
 
-def block_steps(block, recompute=None) -> list:
+def block_steps(block, recompute=None, last: bool = False) -> list:
     """A block's steps: a mixture-of-experts block (:func:`is_moe_block`) in three, cut at its
     dispatch and combine all-to-alls (``x + attn(ln1(x))``, ``ln2`` and the routing; the local
     experts; the weighted sum back into token order, the shared expert and the residual: the
@@ -351,7 +351,7 @@ def block_steps(block, recompute=None) -> list:
     recomputation re-runs its segment only, never an all-to-all."""
     run = recompute.run_unit if recompute is not None else (lambda fn, *a: fn(*a))
     if is_tp_block(block):
-        return tp_block_steps(block, run)
+        return tp_block_steps(block, run, last)
     if not is_moe_block(block):
         return [lambda v: block(resolved(v))]
     mlp = block.mlp
@@ -476,7 +476,7 @@ def resolved(v):
     return v.x + v.o if isinstance(v, Pending) else v
 
 
-def tp_block_steps(block, run) -> list:
+def tp_block_steps(block, run, last: bool = False) -> list:
     """A dense TP block (:func:`is_tp_block`) in two segments, cut at each row-parallel reduction
     (the all-reduce; with sequence parallelism the reduce-scatter), each started asynchronously at
     its cut (:func:`executor.tensor_parallel.start_reduction`):
@@ -490,10 +490,22 @@ def tp_block_steps(block, run) -> list:
     slice's gradient (:func:`executor.tensor_parallel.start_gather_grad`), started asynchronously;
     without it none (an all-reduce's backward is the identity). ``run`` (a recomputation's
     ``run_unit``): each segment's compute (not the residual add of ``resolved``) is a unit of its
-    own, so a recomputation re-runs that segment only, never a reduction across a cut."""
+    own, so a recomputation re-runs that segment only, never a reduction across a cut.
+
+    The stage's last block (``last``) is not cut after its MLP: its segment 2 ends with the MLP's
+    reduction, blocking, and the block's last residual, so the stage's segments are two per block
+    with the head folded into the last (:func:`cost_models.segments.stage_segments`); that reduction
+    runs outside the recomputed unit too (a recomputation never re-runs it)."""
     tp = block.attn.proj.tp
-    return [Step(lambda v: _tp_first(block, resolved(v), run), _Reduction(tp, tuple)),
-            Step(lambda v: run(_tp_mlp, block, v), _Reduction(tp, Pending))]
+    first = Step(lambda v: _tp_first(block, resolved(v), run), _Reduction(tp, tuple))
+    if last:
+        return [first, lambda v: _tp_closed(run(_tp_mlp, block, v), tp)]
+    return [first, Step(lambda v: run(_tp_mlp, block, v), _Reduction(tp, Pending))]
+
+
+def _tp_closed(v: Pending, tp):
+    from .tensor_parallel import reduce
+    return v.x + reduce(v.o, tp)
 
 
 def _tp_attention(block, x):
@@ -535,12 +547,6 @@ class _Reduction:
     def __init__(self, tp, make):
         self.tp = tp
         self.make = make if make is not tuple else (lambda a, b: (a, b))
-
-    @staticmethod
-    def after(v):
-        """The step after a stage's last cut (:meth:`executor.model.StageModule.steps`: its last
-        block's residual, then the final norm and head folded in)."""
-        return resolved(v)
 
     def start(self, v):
         from .tensor_parallel import start_reduction
