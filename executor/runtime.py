@@ -333,6 +333,7 @@ class PipelineRuntime:
         st = self._state
         key = (op.copy, op.stage, op.mb)
         segs = st.outputs.pop(key)
+        n_segs = len(segs)
         st.inputs.pop(key)
         grad = None if op.stage == self.last_stage else st.inbox.pop((GRAD, op.copy, op.mb, op.stage + 1))
         module = self.modules[(op.copy, op.stage)]
@@ -359,7 +360,7 @@ class PipelineRuntime:
                 if is_tuple_segment(seg):
                     gx, pending = tuple_input_backward(seg, g, inp(i, seg) is not None, params)
                 else:
-                    gx, pending = self._split_of(module, i, len(segs)).input(seg.out, inp(i, seg), g)
+                    gx, pending = self._split_of(module, i, n_segs).input(seg.out, inp(i, seg), g)
                 pendings.append(pending)
                 release(i, pending)
                 return gx
@@ -374,8 +375,10 @@ class PipelineRuntime:
                 return gx
 
         gx = yield from backward_segments(segs, grad, run)
+        del segs    # the segments' graphs: what B did not free (a first stage's token ids) goes now, as accounted
         if self.sched.split_backward:
             st.pending_w[key] = (pendings, self.meter.hold([t for p in pendings for t in p.tensors()]))
+            self._sample()
             if acc is not None and any(acc):     # the graphs B kept for W: released by W
                 st.accounted[key] = acc
         if self._weights is not None:

@@ -66,10 +66,12 @@ def test_overlapped_peaks_against_non_overlapped_and_the_ledger(runs, name):
       graph per segment as F keeps one, so the peak is S + s1 (s1: the first segment's bytes), not
       the ledger's 2 S (the simulator allocates a pair's F at its end, before B frees). Device 1
       (the last stage: F and B of one micro-batch, unpaired) equals the non-overlapped run.
-    - zb-v with overlap: dense, device 0 equals the non-overlapped peak; with MoE blocks device 1
-      keeps more than the ledger: a tuple segment's split B keeps its graph until W (B takes the
-      input gradients with ``retain_graph``, :class:`executor.overlap.RetainedWeightGrad`), where
-      the ledger keeps only ``act_w``."""
+    - zb-v with overlap: dense, device 0 equals the non-overlapped peak; with MoE blocks every
+      paired B walks its F's segments (an F whose B is paired is cut even alone) and a tuple
+      segment's split B keeps its graph until W (B takes the input gradients with
+      ``retain_graph``, :class:`executor.overlap.RetainedWeightGrad`), so device 0 keeps more than
+      the non-overlapped run (4,682,308 B against 4,427,972): within 1 % of the simulator's pair
+      booking (:func:`cost_models.memory.pair_memory`, 4,705,796 B)."""
     cases = runs(4)
     led = {s: _ledger(cases[f"{name}-{s}-ov0-ev0"][0]) for s in ("dapple", "zb-v", "dualpipe-v")}
     for s in ("dapple", "zb-v", "dualpipe-v"):
@@ -88,10 +90,11 @@ def test_overlapped_peaks_against_non_overlapped_and_the_ledger(runs, name):
         assert abs(sum(seg) - plain[0] // 2) <= 0.01 * sum(seg)
         assert ov[0] == ov[2] and abs(ov[0] - want) <= 0.01 * want, (ov, plain, seg)
     zp, zo = _peaks(runs, f"{name}-zb-v-ov0-ev0"), _peaks(runs, f"{name}-zb-v-ov1-ev0")
-    assert zo[0] == zp[0] and zo[2] == zp[2]
     if name == "dense":
-        for got, want in zip(zo, led["zb-v"]):
-            assert abs(got - want) <= 0.01 * want, (zo, led["zb-v"])
+        assert zo[0] == zp[0] and zo[2] == zp[2]
+    led_ov = _ledger(cases[f"{name}-zb-v-ov1-ev0"][0])     # dense: booked without the pairs
+    for got, want in zip(zo, led_ov):
+        assert abs(got - want) <= 0.01 * want, (zo, led_ov)
 
 
 
