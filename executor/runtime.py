@@ -340,7 +340,7 @@ class PipelineRuntime:
         params = self._params[id(module)]
         if self._weights is not None:
             self._weights.before(params, B)
-        pendings = []
+        pendings, holds = [], []
         acc = st.accounted.pop(key, None)     # an unmetered F's bytes per segment, released as B frees them
 
         def release(i: int, pending=None):
@@ -362,6 +362,7 @@ class PipelineRuntime:
                 else:
                     gx, pending = self._split_of(module, i, n_segs).input(seg.out, inp(i, seg), g)
                 pendings.append(pending)
+                holds.append(self.meter.hold(pending.tensors()))    # what W keeps, from the segment's B on
                 release(i, pending)
                 return gx
         else:
@@ -377,7 +378,7 @@ class PipelineRuntime:
         gx = yield from backward_segments(segs, grad, run)
         del segs    # the segments' graphs: what B did not free (a first stage's token ids) goes now, as accounted
         if self.sched.split_backward:
-            st.pending_w[key] = (pendings, self.meter.hold([t for p in pendings for t in p.tensors()]))
+            st.pending_w[key] = (pendings, holds)
             self._sample()
             if acc is not None and any(acc):     # the graphs B kept for W: released by W
                 st.accounted[key] = acc
