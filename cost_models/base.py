@@ -383,8 +383,8 @@ def stage_segment_sums(L: "LayerCosts", parts: list[range], split: bool):
                 a[-len(la)] += pending_a
                 w[-len(lw)] += pending_w
                 pending_a = pending_w = 0.0
-        if not a:
-            a, w = [pending_a], [pending_w]
+        if not a:                          # no block to fold into: the stage is one plain segment
+            a, w = [sum(L.act[i] for i in rng)], [sum(L.act_w[i] for i in rng)]
         acts.append(tuple(float(x) for x in a))
         ws.append(tuple(float(x) for x in w) if split else (0.0,) * len(a))
     return acts, ws

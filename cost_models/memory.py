@@ -164,9 +164,8 @@ def peak_activation(sched, costs: StageCosts) -> tuple[float, ...]:
     """Peak activation memory of each rank over its program."""
     peaks = []
     for r in range(sched.num_ranks):
-        c = costs.for_rank(r)
-        walk = activation_walk(sched.programs[sched.rank_device(r)], c, sched.split_backward,
-                               pair_memory(sched, c, r))
+        walk = activation_walk(sched.programs[sched.rank_device(r)], costs, sched.split_backward,
+                               pair_memory(sched, costs, r))
         peaks.append(max([0.0, *walk]))
     return tuple(peaks)
 

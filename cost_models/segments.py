@@ -56,14 +56,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from .base import StageCosts, stage_segment_sums
+from .base import LayerCosts, StageCosts, stage_segment_sums
 from .model_spec import ModelSpec
 from .moe import INDEX_BYTES, SCORE_BYTES, SWIGLU, effective_imbalance, shared_gate_bytes
 from .parallel import Parallel
 from .partition import layer_ranges
 from .transformer import (_attention_score_bytes, _attention_split_bytes, _check_recompute, _mlp_matrices,
                           _moe_par, _qkv_width, _sp_div, block_activation_bytes, block_weight_grad_bytes,
-                          embedding_layer, head_layer, is_moe_block)
+                          is_moe_block, transformer_layers)
 
 
 def _mask(spec: ModelSpec, dropout: bool | None) -> int:
@@ -155,56 +155,61 @@ def segment_weight_grads(spec: ModelSpec, i: int, *, tp: int = 1, sp: bool = Fal
     return (float(first), float(second))
 
 
+def layer_segments(spec: ModelSpec, layers: Sequence, **kw) -> tuple[tuple, tuple, tuple]:
+    """(per layer its segments' bytes, what each keeps from a split B until W, whether it folds) for
+    ``layers`` (:class:`cost_models.transformer.Layer` of :func:`cost_models.transformer.transformer_layers`,
+    embedding first and head last, any contiguous run of them): a block's :func:`block_segments` and
+    :func:`segment_weight_grads`; the embedding and the head one part folded into the block next to
+    them (:func:`fold_weight_grads`), as :meth:`executor.model.StageModule.steps` folds them
+    (:func:`cost_models.base.stage_segment_sums` does the folding). ``kw``: tp, sp, recompute,
+    dropout, parallel."""
+    acts, ws, folds = [], [], []
+    for lay in layers:
+        if lay.kind == "block":
+            i = int(lay.name[len("block"):])
+            acts.append(block_segments(spec, i, **kw))
+            ws.append(segment_weight_grads(spec, i, **kw))
+            folds.append(False)
+            continue
+        nxt = 0 if lay.kind == "embedding" else spec.layers - 1       # the block it folds into
+        tup = spec.layers > 0 and is_tuple_block(spec, nxt)
+        acts.append((lay.act_bytes,))
+        ws.append((fold_weight_grads(spec, lay.kind, lay.act_bytes, lay.act_w_bytes, tup, tp=kw.get("tp", 1),
+                                     sp=kw.get("sp", False)),))
+        folds.append(True)
+    return tuple(acts), tuple(ws), tuple(folds)
+
+
 def stage_segments(spec: ModelSpec, blocks: Sequence[int], *, first: bool, last: bool, tp: int = 1,
                    sp: bool = False, recompute: str = "none", dropout: bool | None = None,
                    parallel: Parallel | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(the bytes each segment of a stage keeps until its backward, what each keeps from a split B
-    until W), the stage holding ``blocks`` (block indices, in order), with the embedding folded into
-    the first segment where ``first`` and the head into the last where ``last``
-    (:meth:`executor.model.StageModule.steps`; a stage without blocks is one segment). A tuple
-    segment's W keeps its folded parts too (one graph)."""
+    until W, a split backward's), the stage holding ``blocks`` (block indices, in order), with the
+    embedding folded into the first segment where ``first`` and the head into the last where
+    ``last`` (:func:`layer_segments`; a stage without blocks is one segment)."""
     kw = dict(tp=tp, sp=sp, recompute=recompute, dropout=dropout, parallel=parallel)
-    acts: list[float] = []
-    ws: list[float] = []
-    tuples: list[bool] = []
-    for i in blocks:
-        acts += block_segments(spec, i, **kw)
-        ws += segment_weight_grads(spec, i, **kw)
-        tuples += [is_tuple_block(spec, i)] * (len(acts) - len(tuples))
-    if not acts:
-        acts, ws, tuples = [0.0], [0.0], [False]
-    for on, lay, at in ((first, embedding_layer(spec, dropout, tp, sp), 0), (last, head_layer(spec, tp, sp), -1)):
-        if on:
-            acts[at] += lay.act_bytes
-            ws[at] += fold_weight_grads(spec, lay.kind, lay.act_bytes, lay.act_w_bytes, tuples[at], tp=tp, sp=sp)
-    return tuple(acts), tuple(ws)
+    every = transformer_layers(spec, recompute, dropout, tp, sp, parallel)
+    mine = [every[0]] * first + [every[i + 1] for i in blocks] + [every[-1]] * last
+    acts, ws, folds = layer_segments(spec, mine, **kw)
+    zeros = (0.0,) * len(mine)
+    lc = LayerCosts(f=zeros, b_input=zeros, w=zeros, act=tuple(x.act_bytes for x in mine),
+                    act_w=tuple(x.act_w_bytes for x in mine), out_bytes=zeros, params=zeros,
+                    act_segments=acts, act_w_segments=ws, folds=folds)
+    a, w = stage_segment_sums(lc, [range(len(mine))], True)
+    return a[0], w[0]
 
 
 def with_segments(costs: StageCosts, sched, tcm) -> StageCosts:
     """``costs`` (bound by :class:`cost_models.transformer.TransformerCostModel` ``tcm`` for ``sched``)
-    with each stage's segments (``act_segments``, ``act_w_segments``): its blocks' (:func:`block_segments`,
-    :func:`segment_weight_grads`), the embedding and the head folded into the block next to them
-    (:func:`fold_weight_grads`); unchanged with context parallelism (its layers are not cut).
-    ``pair_peak`` (:func:`cost_models.memory.pair_peak`) is what the simulator books from them."""
+    with each stage's segments (``act_segments``, ``act_w_segments``: :func:`layer_segments` folded
+    over the stage's layers); unchanged with context parallelism (its layers are not cut)."""
     par, spec = tcm.parallel, tcm.model
     if par.cp > 1:
         return costs
-    kw = dict(tp=par.tp, sp=par.sequence_parallel, recompute=par.recompute, dropout=tcm.uses_dropout,
-              parallel=par if spec.is_moe else None)
     L = tcm.layers()
-    acts, ws = [], []
-    for k, lay in enumerate(L):
-        if lay.kind == "block":
-            acts.append(block_segments(spec, k - 1, **kw))
-            ws.append(segment_weight_grads(spec, k - 1, **kw))
-            continue
-        nxt = k if lay.kind == "embedding" else k - 2        # the block it folds into
-        tup = 0 <= nxt < spec.layers and is_tuple_block(spec, nxt)
-        acts.append((lay.act_bytes,))
-        ws.append((fold_weight_grads(spec, lay.kind, lay.act_bytes, lay.act_w_bytes, tup, tp=par.tp,
-                                     sp=par.sequence_parallel),))
-    lc = replace(tcm.layer_costs(), act_segments=tuple(acts), act_w_segments=tuple(ws),
-                 folds=tuple(lay.kind != "block" for lay in L))
+    acts, ws, folds = layer_segments(spec, L, tp=par.tp, sp=par.sequence_parallel, recompute=par.recompute,
+                                     dropout=tcm.uses_dropout, parallel=par if spec.is_moe else None)
+    lc = replace(tcm.layer_costs(), act_segments=acts, act_w_segments=ws, folds=folds)
     parts = layer_ranges(len(L), sched.num_stages, tcm.partition_for(sched.num_stages))
     got = stage_segment_sums(lc, parts, sched.split_backward)
     C = sched.num_copies

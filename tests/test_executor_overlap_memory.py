@@ -2,7 +2,8 @@
 sampled metering (one metered forward per stage, segment and segmentation; the others accounted
 segment by segment, released as B and W free them, :class:`executor.runtime.PipelineRuntime`)
 equals metering every forward, and the peaks against the non-overlapped runs and the simulator's
-ledger (:func:`cost_models.memory.peak_activation`)."""
+ledger (:func:`cost_models.memory.peak_activation`, overlapped pairs booked per segment), and the
+simulator's pair memory from :mod:`cost_models.segments` against the measured peaks."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,7 +65,8 @@ def test_overlapped_peaks_against_non_overlapped_and_the_ledger(runs, name):
     - dapple with overlap: device 0 runs F0, then the pairs (F1 & B0), (F2 & B1), (F3 & B2): F's
       first segment (the first block with the embedding) runs before B0's last; B frees a block's
       graph per segment as F keeps one, so the peak is S + s1 (s1: the first segment's bytes), not
-      the ledger's 2 S (the simulator allocates a pair's F at its end, before B frees). Device 1
+      2 S (what the simulator booked before it booked pairs per segment,
+      :func:`cost_models.memory.pair_memory`; test_simulated_pair_memory_equals_measured). Device 1
       (the last stage: F and B of one micro-batch, unpaired) equals the non-overlapped run.
     - zb-v with overlap: dense, device 0 equals the non-overlapped peak; with MoE blocks every
       paired B walks its F's segments (an F whose B is paired is cut even alone) and a tuple
@@ -256,3 +258,23 @@ def test_simulated_pair_memory_equals_measured(runs, case):
     assert len(sim) == len(got)
     for g, s in zip(got, sim):
         assert abs(s - g) <= 0.01 * g, (case, got, sim)
+
+
+def test_simulated_pair_rows_hold_the_pair_peak():
+    """The simulator's trace of dapple --overlap-fb on BALANCED (D 2, N 4, EP 2), device 0, stage 0:
+    S = 2,172,160 (the stage's ledger bytes: two blocks of (233,472, 720,896, 131,584) and the
+    embedding's 256 in the first segment). F0 runs alone: S. Pair (F1 & B0): B0's F ran whole, so B0
+    is one segment; F1's first segment (233,728) runs before it frees S: the F1 row holds
+    S + 233,728 = 2,405,888, the B0 row S. Pair (F2 & B1): B1 walks F1's segments, freeing 131,584
+    after F2's first: S + 233,728 - 131,584 + 720,896 = 2,995,200 (the peak), then S again; F3 & B2
+    alike; B3 (alone) frees all: 0."""
+    from sim.engine import simulate
+    cfg = CASES[4]["moe-dapple-ov1-ev0"]
+    b = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
+    S = 2 * (233472 + 720896 + 131584) + 256
+    assert b.costs.act[0][0] == S
+    tr = simulate(b.lowered, b.costs, b.network)
+    rows = tr[(tr.device == 0) & tr.kind.isin(["F", "B"])].sort_values("seq")
+    got = [(k, int(m), int(a)) for k, m, a in zip(rows.kind, rows.microbatch, rows.act_mem)]
+    assert got == [("F", 0, S), ("F", 1, S + 233728), ("B", 0, S), ("F", 2, 2995200), ("B", 1, S),
+                   ("F", 3, 2995200), ("B", 2, S), ("B", 3, 0)]
