@@ -46,9 +46,12 @@ through it as the same leaf. Backward exchanges the rows' gradient in reverse (t
 received go back as the counts sent). A dense block at T = 1 (no communication) stays one segment;
 a dense block at T > 1 is cut in two at its row-parallel reductions (:func:`tp_block_steps`).
 
-*Split backward of a tuple segment.* :class:`executor.backward.SplitBackward`'s templates take one
-output and one input; a segment with a tuple input or output takes B as ``autograd.grad`` of its
-leaves with the graph kept, and W as ``autograd.backward`` with the parameters as the only inputs
+*Split backward of a tuple segment* (a MoE block's; a TP block's too: (x, p) and the pending
+residual cross its cuts, so under a split backward W keeps those segments' graphs, more than an
+uncut TP block's ``act_w``; and with full recomputation the retained graph's recomputed values go
+uncounted). :class:`executor.backward.SplitBackward`'s templates take one output and one input;
+a segment with a tuple input or output takes B as ``autograd.grad`` of its leaves with the graph
+kept, and W as ``autograd.backward`` with the parameters as the only inputs
 (:class:`RetainedWeightGrad`): the same sums, the chain between re-run in W, and the graph (not
 only the linear layers' inputs) alive from B to W for those segments.
 
@@ -57,8 +60,11 @@ layers), and cuts fall on unit boundaries: a recomputed unit lies inside one seg
 saved-tensor hooks re-run that unit only, from the leaf it was given, inside that segment's
 backward. A mixture-of-experts block cut at its all-to-alls is recomputed per segment
 (:meth:`executor.recompute.Recompute.run_unit` around each of its three steps): a recomputation
-re-runs that segment's compute from the leaves it was given, never an all-to-all. Nothing is
-re-run across a cut, whatever the interleaving (torchtitan's threaded
+re-runs that segment's compute from the leaves it was given, never an all-to-all; a dense TP block
+likewise per segment (:func:`tp_block_steps`), never a reduction at a cut (with sequence
+parallelism the all-gathers in front of the column-parallel linears lie inside the segments and a
+full recomputation runs them again in B, as an uncut block's does). Nothing is re-run across a cut,
+whatever the interleaving (torchtitan's threaded
 DualPipeV recomputed across the other micro-batch's work and did not compose with checkpointing).
 
 Equality: per segment, the forward computes exactly what the unsegmented forward does (the same
