@@ -196,8 +196,8 @@ def pair_memory(sched, costs: StageCosts, rank: int) -> dict[int, tuple[float, f
 
     As the executor runs it (:mod:`executor.overlap`): a paired F is cut into its stage's segments
     f; the pair's B walks its own F's segments last first (b, each keeping w until W in a split
-    backward, :mod:`cost_models.segments`), or, when its F ran unpaired (not cut), is one segment
-    (act, keeping act_w). The pair's F allocates the pair's peak over what was alive before it,
+    backward, :mod:`cost_models.segments`): its F was cut, paired or not (an F whose B is paired
+    runs cut even alone). The pair's F allocates the pair's peak over what was alive before it,
     ``max_k (f_1 + .. + f_k - sum_{j > m-k+1} (b_j - w_j))`` (:func:`pair_peak`),
     and its B frees down to what the pair leaves, ``sum f - sum (b - w)``: the F's trace row holds
     the block's peak, as the executor's does. A split B (paired or not) of a micro-batch whose F was
@@ -216,26 +216,22 @@ def pair_memory(sched, costs: StageCosts, rank: int) -> dict[int, tuple[float, f
         w = costs.act_w_segments[op.copy][op.stage] if split else (0.0,) * len(a)
         return tuple(a), tuple(w)
 
-    cut: set = set()
+    # the micro-batches (stage, mb) whose F is cut: a paired F, and an F whose B runs in a pair (cut
+    # even when it runs alone, so that its B interleaves: executor.runtime.PipelineRuntime)
+    cut = {(k[1], k[2]) for k in pairs} | {(b[1], b[2]) for b in pairs.values()}
     out: dict[int, tuple[float, float]] = {}
     for i, op in enumerate(program):
-        key = (op.copy, op.stage, op.mb)
+        key = (op.stage, op.mb)
         if op.kind == F:
             want = pairs.get((F, op.stage, op.mb))
             if want is None:
                 continue
             j = paired_backward(program, i, want, rank)
-            nb = program[j]
             f, _ = segs(op)
-            if (nb.copy, nb.stage, nb.mb) in cut:
-                b, w = segs(nb)
-            else:
-                b = (costs.act[nb.copy][nb.stage],)
-                w = (costs.act_w[nb.copy][nb.stage] if split else 0.0,)
+            b, w = segs(program[j])
             peak, left = pair_peak(f, b, w)
             out[i] = (peak, 0.0)
             out[j] = (0.0, peak - left)
-            cut.add(key)
         elif op.kind == B and key in cut and i not in out and split:
             a, w = segs(op)
             out[i] = (0.0, sum(a) - sum(w))

@@ -166,11 +166,13 @@ class StageModule(nn.Module):
     def steps(self, split=None) -> list:
         """The forward as consecutive steps, one per block (the embedding folded into the first,
         the final norm and head into the last; a stage without blocks is one step): where the
-        overlapped F&B runtime cuts it (:mod:`executor.overlap`). ``split(block)``: the block's own
-        steps (a mixture of experts cut at its all-to-alls), else the block is one."""
+        overlapped F&B runtime cuts it (:mod:`executor.overlap`). ``split(block, last)``: the block's
+        own steps (a mixture of experts cut at its all-to-alls; ``last``: the stage's last block, whose
+        steps end with the block's output), else the block is one."""
         parts = []
-        for b in self.blocks.values():
-            subs = split(b) if split is not None else [b]
+        n_blocks = len(self.blocks)
+        for k, b in enumerate(self.blocks.values()):
+            subs = split(b, k == n_blocks - 1) if split is not None else [b]
             parts += [(sub, b if k == 0 else None) for k, sub in enumerate(subs)]
         parts = parts or [(None, None)]
         n = len(parts)

@@ -18,9 +18,14 @@ leaf, its output, its exchange).
 *Coroutines.* :func:`forward_segments` and :func:`backward_segments` are generators: each runs one
 segment's compute, starts the segment's exchange (forward: the output; backward, walking the
 segments in reverse: the input leaf's gradient, the reverse exchange), yields, and on resuming
-waits for it. :func:`interleave` drives the pair: F's segment, B's segment, F's, ... (F first, as
-the simulator breaks ties), so each exchange's wait comes after the other op's next compute
-segment. Run alone (an unpaired op) a generator is simply run to its end.
+waits for it. :func:`interleave` drives the pair in turns: F's segment, B's segment, F's, ... (F
+first, as the simulator breaks ties), a turn being the wait for the op's last exchange (if it
+started one) and its next segment's compute, so each exchange's wait comes after the other op's
+next compute segment and the two ops alternate segment by segment whether a cut exchanges
+anything or not. Run alone (an unpaired op) a generator is simply run to its end. An F whose B
+will run in a pair is cut even when it runs alone (:class:`executor.runtime.PipelineRuntime`:
+a detach at a cut shares storage, the segments keep what the whole forward keeps), so that every
+paired B interleaves, as the simulator's pair overlaps it.
 
 *Backward per segment.* Full: ``autograd.backward(out, grad)`` on the segment's graph (parameter
 gradients accumulate), the leaf's ``.grad`` is the gradient of the segment before. Split (B then
@@ -38,12 +43,15 @@ the experts' counts exchanged at once (a few ints, blocking), the rows started w
 crosses a cut is then a tuple: x1, h, the rows, the gate weights and the balance loss (tensors, made
 leaves) and the routing's record (indices and counts); a tensor a segment does not use passes
 through it as the same leaf. Backward exchanges the rows' gradient in reverse (the counts
-received go back as the counts sent). A dense block (no communication) stays one segment; TP
-blocks' row-parallel all-reduces are not cut (their collectives run inside the segment, blocking).
+received go back as the counts sent). A dense block at T = 1 (no communication) stays one segment;
+a dense block at T > 1 is cut in two at its row-parallel reductions (:func:`tp_block_steps`).
 
-*Split backward of a tuple segment.* :class:`executor.backward.SplitBackward`'s templates take one
-output and one input; a segment with a tuple input or output takes B as ``autograd.grad`` of its
-leaves with the graph kept, and W as ``autograd.backward`` with the parameters as the only inputs
+*Split backward of a tuple segment* (a MoE block's; a TP block's too: (x, p) and the pending
+residual cross its cuts, so under a split backward W keeps those segments' graphs, more than an
+uncut TP block's ``act_w``; and with full recomputation the retained graph's recomputed values go
+uncounted). :class:`executor.backward.SplitBackward`'s templates take one output and one input;
+a segment with a tuple input or output takes B as ``autograd.grad`` of its leaves with the graph
+kept, and W as ``autograd.backward`` with the parameters as the only inputs
 (:class:`RetainedWeightGrad`): the same sums, the chain between re-run in W, and the graph (not
 only the linear layers' inputs) alive from B to W for those segments.
 
@@ -52,8 +60,11 @@ layers), and cuts fall on unit boundaries: a recomputed unit lies inside one seg
 saved-tensor hooks re-run that unit only, from the leaf it was given, inside that segment's
 backward. A mixture-of-experts block cut at its all-to-alls is recomputed per segment
 (:meth:`executor.recompute.Recompute.run_unit` around each of its three steps): a recomputation
-re-runs that segment's compute from the leaves it was given, never an all-to-all. Nothing is
-re-run across a cut, whatever the interleaving (torchtitan's threaded
+re-runs that segment's compute from the leaves it was given, never an all-to-all; a dense TP block
+likewise per segment (:func:`tp_block_steps`), never a reduction at a cut (with sequence
+parallelism the all-gathers in front of the column-parallel linears lie inside the segments and a
+full recomputation runs them again in B, as an uncut block's does). Nothing is re-run across a cut,
+whatever the interleaving (torchtitan's threaded
 DualPipeV recomputed across the other micro-batch's work and did not compose with checkpointing).
 
 Equality: per segment, the forward computes exactly what the unsegmented forward does (the same
@@ -116,7 +127,7 @@ def steps_of(module, recompute=None) -> list:
     if not callable(steps):
         return [module]
     try:
-        return list(steps(split=lambda b: block_steps(b, recompute)))
+        return list(steps(split=lambda b, last=False: block_steps(b, recompute, last)))
     except TypeError:                       # a steps() without a split (a layer stack's)
         return list(steps())
 
@@ -137,6 +148,13 @@ def _like(items: tuple, single: bool):
     return items[0] if single else items
 
 
+def _rebuilt(v, items: tuple):
+    """``items`` in the form of ``v``: a tensor, a tuple, or a named tuple of ``v``'s type."""
+    if not isinstance(v, tuple):
+        return items[0]
+    return type(v)(*items) if hasattr(v, "_fields") else items
+
+
 def differentiable(v) -> list[int]:
     """Positions of a crossing value (a tensor, or a tuple of tensors and other things) that carry a
     gradient."""
@@ -149,12 +167,12 @@ def _leaves(v, like):
     items, ref = _items(v), _items(like)
     out = tuple(t.detach().requires_grad_(True) if torch.is_tensor(r) and r.requires_grad else t
                 for t, r in zip(items, ref))
-    return _like(out, not isinstance(v, tuple))
+    return _rebuilt(v, out)
 
 
 def _detached(v):
     items = tuple(t.detach() if torch.is_tensor(t) else t for t in _items(v))
-    return _like(items, not isinstance(v, tuple))
+    return _rebuilt(v, items)
 
 
 def forward_segments(steps: list, x, enter: Callable, finish: Callable | None = None) -> Iterator:
@@ -290,9 +308,13 @@ def run_alone(gen: Iterator):
 
 def interleave(f_gen: Iterator, b_gen: Iterator, f_token: str, b_token: str, clock: Callable[[], float],
                sync: Callable[[], None] = lambda: None) -> tuple[Any, Any, list[Phase]]:
-    """Drive an F and a B generator alternately (F first), one segment (or one wait) of each in
-    turn, until both end; returns their values and the :class:`Phase` rows (``clock`` the rank's
-    clock, ``sync`` the device synchronisation before a phase's end is read)."""
+    """Drive an F and a B generator alternately (F first), one turn of each in turn, until both
+    end: a turn is one segment's compute, preceded by the wait for the exchange the op started at
+    its previous cut (if any); so each exchange's wait comes after the other op's next compute
+    segment, and the pair alternates F's segment 1, B's last, F's segment 2, B's next-to-last, ...
+    whether or not a cut exchanges anything (:func:`cost_models.segments.pair_peak`'s order).
+    Returns their values and the :class:`Phase` rows (``clock`` the rank's clock, ``sync`` the
+    device synchronisation before a phase's end is read)."""
     gens = [f_gen, b_gen]
     tokens = (f_token, b_token)
     seg = [0, 0]
@@ -301,19 +323,19 @@ def interleave(f_gen: Iterator, b_gen: Iterator, f_token: str, b_token: str, clo
     phases = []
     while alive[0] or alive[1]:
         for k in (0, 1):
-            if not alive[k]:
-                continue
-            t0 = clock()
-            try:
-                kind = next(gens[k])
-            except StopIteration as stop:
-                values[k] = stop.value
-                alive[k] = False
-                kind = COMPUTE
-            sync()
-            phases.append(Phase(tokens[k], seg[k], kind, t0, clock()))
-            if kind == COMPUTE:
-                seg[k] += 1
+            kind = COMM
+            while alive[k] and kind == COMM:     # a turn: the wait for the op's exchange (if any), a segment
+                t0 = clock()
+                try:
+                    kind = next(gens[k])
+                except StopIteration as stop:
+                    values[k] = stop.value
+                    alive[k] = False
+                    kind = COMPUTE
+                sync()
+                phases.append(Phase(tokens[k], seg[k], kind, t0, clock()))
+                if kind == COMPUTE:
+                    seg[k] += 1
     return values[0], values[1], phases
 
 
@@ -326,18 +348,20 @@ def is_moe_block(block) -> bool:
         all(hasattr(mlp, n) for n in ("route", "dispatch_counts", "experts", "unpermute", "ep"))
 
 
-def block_steps(block, recompute=None) -> list:
+def block_steps(block, recompute=None, last: bool = False) -> list:
     """A block's steps: a mixture-of-experts block (:func:`is_moe_block`) in three, cut at its
     dispatch and combine all-to-alls (``x + attn(ln1(x))``, ``ln2`` and the routing; the local
     experts; the weighted sum back into token order, the shared expert and the residual: the
     block's forward, ``x + mlp(ln2(x + attn(ln1(x))))``, by the MoE MLP's own steps); any other
     block is one step. ``recompute``: each step is recomputed as a unit of its own, so a
     recomputation re-runs its segment only, never an all-to-all."""
-    if not is_moe_block(block):
-        return [block]
-    mlp = block.mlp
     run = recompute.run_unit if recompute is not None else (lambda fn, *a: fn(*a))
-    return [Step(lambda x: run(_moe_in, block, x), _Dispatch(mlp)),
+    if is_tp_block(block):
+        return tp_block_steps(block, run, last)
+    if not is_moe_block(block):
+        return [lambda v: block(resolved(v))]
+    mlp = block.mlp
+    return [Step(lambda x: run(_moe_in, block, resolved(x)), _Dispatch(mlp)),
             Step(lambda v: run(_moe_experts, block, v), _Combine(mlp)),
             lambda v: run(_moe_out, block, v)]
 
@@ -427,3 +451,114 @@ class _Combine:
 
     def start_back(self, g, crossed):
         return _Handle(g, self.mlp.ep.start_all_to_all(g[_ROWS], crossed[-1].send))
+
+
+# ---------------------------------------------------------------------------- dense tensor-parallel blocks
+def is_tp_block(block) -> bool:
+    """A dense pre-norm block at T > 1 whose attention and MLP are the executor's own (GPT:
+    :class:`executor.model.Block`; Llama: grouped-query attention and the SwiGLU): each ends in a
+    row-parallel linear whose reduction :func:`tp_block_steps` cuts. A mixture of experts or latent
+    attention keeps its TP collectives inside its segments (blocking)."""
+    from .llama import GroupedQueryAttention, LlamaBlock, SwiGLU
+    attn = getattr(block, "attn", None)
+    if isinstance(block, LlamaBlock):
+        ok = isinstance(attn, GroupedQueryAttention) and isinstance(block.mlp, SwiGLU)
+    else:     # the GPT's block (executor.model.Block: qkv, proj; fc, out), known by its parts
+        ok = all(hasattr(block, n) for n in ("ln1", "ln2", "fc", "out")) and \
+            all(hasattr(attn, n) for n in ("qkv", "proj", "heads"))
+    return ok and getattr(getattr(attn, "proj", None), "tp", None) is not None and attn.proj.tp.on
+
+
+class Pending(NamedTuple):
+    """What crosses the cut after a TP block's MLP: the residual stream ``x`` and the MLP's reduced
+    output ``o``; the next segment adds them first (:func:`resolved`), as the block's last residual."""
+
+    x: Any
+    o: Any
+
+
+def resolved(v):
+    """A segment's input with a pending residual (:class:`Pending`) added; anything else as it is."""
+    return v.x + v.o if isinstance(v, Pending) else v
+
+
+def tp_block_steps(block, run, last: bool = False) -> list:
+    """A dense TP block (:func:`is_tp_block`) in two segments, cut at each row-parallel reduction
+    (the all-reduce; with sequence parallelism the reduce-scatter), each started asynchronously at
+    its cut (:func:`executor.tensor_parallel.start_reduction`):
+
+    1. ``x = resolved(v)`` (the previous TP block's last residual), ``p = attn(ln1(x))`` with the
+       output projection's partial sum; crossing ``(x, p)``, p reduced across the cut;
+    2. ``x1 = x + P``, ``o = mlp(ln2(x1))`` with the MLP's partial sum; crossing ``Pending(x1, o)``,
+       o reduced across the cut; the next segment adds ``x1 + O`` first.
+
+    Backward, across each cut the other way: with sequence parallelism the all-gather of the reduced
+    slice's gradient (:func:`executor.tensor_parallel.start_gather_grad`), started asynchronously;
+    without it none (an all-reduce's backward is the identity). ``run`` (a recomputation's
+    ``run_unit``): each segment's compute (not the residual add of ``resolved``) is a unit of its
+    own, so a recomputation re-runs that segment only, never a reduction across a cut.
+
+    The stage's last block (``last``) is not cut after its MLP: its segment 2 ends with the MLP's
+    reduction, blocking, and the block's last residual, so the stage's segments are two per block
+    with the head folded into the last (:func:`cost_models.segments.stage_segments`); that reduction
+    runs outside the recomputed unit too (a recomputation never re-runs it)."""
+    tp = block.attn.proj.tp
+    first = Step(lambda v: _tp_first(block, resolved(v), run), _Reduction(tp, tuple))
+    if last:
+        return [first, lambda v: _tp_closed(run(_tp_mlp, block, v), tp)]
+    return [first, Step(lambda v: run(_tp_mlp, block, v), _Reduction(tp, Pending))]
+
+
+def _tp_closed(v: Pending, tp):
+    from .tensor_parallel import reduce
+    return v.x + reduce(v.o, tp)
+
+
+def _tp_attention(block, x):
+    from .tensor_parallel import deferred_reduction
+    with deferred_reduction():
+        return block.attn(block.ln1(x))
+
+
+def _tp_first(block, x, run):
+    return (x, run(_tp_attention, block, x))
+
+
+def _tp_mlp(block, v):
+    from .tensor_parallel import deferred_reduction
+    x, p = v
+    x1 = x + p
+    with deferred_reduction():
+        h = block.ln2(x1)
+        o = block.mlp(h) if hasattr(block, "mlp") else block.out(torch.nn.functional.gelu(block.fc(h)))
+    return Pending(x1, o)
+
+
+class _TPHandle:
+    """A TP reduction (or its backward's gather) in flight across a cut: ``wait()`` gives the
+    crossing value with its second place replaced by the collective's result."""
+
+    def __init__(self, value, handle, make):
+        self.value, self.handle, self.make = value, handle, make
+
+    def wait(self):
+        return self.make(self.value[0], self.handle.wait())
+
+
+class _Reduction:
+    """The exchange at a TP block's cut (:func:`tp_block_steps`): forward the reduction of the
+    partial sum (second place of the crossing), backward the gather of its gradient's slice with
+    sequence parallelism (else none: the gradient crosses as it is). ``make``: the crossing's type."""
+
+    def __init__(self, tp, make):
+        self.tp = tp
+        self.make = make if make is not tuple else (lambda a, b: (a, b))
+
+    def start(self, v):
+        from .tensor_parallel import start_reduction
+        return _TPHandle(v, start_reduction(v[1], self.tp), self.make)
+
+    def start_back(self, g, crossed):
+        from .tensor_parallel import start_gather_grad
+        h = start_gather_grad(g[1], self.tp)
+        return None if h is None else _TPHandle(g, h, lambda a, b: (a, b))

@@ -176,6 +176,7 @@ class PipelineRuntime:
         self._state = _StepState()
         self._seg_split: dict = {}    # (id(module), segment) -> SplitBackward of a segmented forward's segment
         self.order = execution_order(self.program, sched.meta.get("overlapped", ()), rank)
+        self._paired_b = {(b[1], b[2]) for _, b in sched.meta.get("overlapped", ())}   # (stage, mb) of paired B's
         self._handlers = {F: self._forward, B: self._backward, W: self._weight, SEND: self._send,
                           RECV: self._recv, COPY: self._copy, ALLREDUCE: self._allreduce, OPTIM: self._optim}
 
@@ -253,7 +254,9 @@ class PipelineRuntime:
             self._peak = live
 
     def _forward(self, op: Op) -> int:
-        run_alone(self._forward_gen(op, segmented=False))
+        # an F whose B runs in a pair runs cut into its segments even alone, so that B can interleave
+        # them (a detach at a cut shares storage: the segments keep what the whole forward keeps)
+        run_alone(self._forward_gen(op, segmented=(op.stage, op.mb) in self._paired_b))
         return 0
 
     def _backward(self, op: Op) -> int:
@@ -330,13 +333,14 @@ class PipelineRuntime:
         st = self._state
         key = (op.copy, op.stage, op.mb)
         segs = st.outputs.pop(key)
+        n_segs = len(segs)
         st.inputs.pop(key)
         grad = None if op.stage == self.last_stage else st.inbox.pop((GRAD, op.copy, op.mb, op.stage + 1))
         module = self.modules[(op.copy, op.stage)]
         params = self._params[id(module)]
         if self._weights is not None:
             self._weights.before(params, B)
-        pendings = []
+        pendings, holds = [], []
         acc = st.accounted.pop(key, None)     # an unmetered F's bytes per segment, released as B frees them
 
         def release(i: int, pending=None):
@@ -356,8 +360,9 @@ class PipelineRuntime:
                 if is_tuple_segment(seg):
                     gx, pending = tuple_input_backward(seg, g, inp(i, seg) is not None, params)
                 else:
-                    gx, pending = self._split_of(module, i, len(segs)).input(seg.out, inp(i, seg), g)
+                    gx, pending = self._split_of(module, i, n_segs).input(seg.out, inp(i, seg), g)
                 pendings.append(pending)
+                holds.append(self.meter.hold(pending.tensors()))    # what W keeps, from the segment's B on
                 release(i, pending)
                 return gx
         else:
@@ -371,8 +376,10 @@ class PipelineRuntime:
                 return gx
 
         gx = yield from backward_segments(segs, grad, run)
+        del segs    # the segments' graphs: what B did not free (a first stage's token ids) goes now, as accounted
         if self.sched.split_backward:
-            st.pending_w[key] = (pendings, self.meter.hold([t for p in pendings for t in p.tensors()]))
+            st.pending_w[key] = (pendings, holds)
+            self._sample()
             if acc is not None and any(acc):     # the graphs B kept for W: released by W
                 st.accounted[key] = acc
         if self._weights is not None:

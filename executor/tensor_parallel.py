@@ -60,6 +60,7 @@ initialised as the whole model's and a run's parameters compare with the referen
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -371,6 +372,65 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _DEFER[0] and self.tp.on:        # the partial sum; the caller reduces it (start_reduction)
+            return Fn.linear(x, self.weight, self.bias)
         if self.tp.sequence:
             return _LinearScatter.apply(x, self.tp.group, self.tp.size, self.weight, self.bias)
         return reduce(Fn.linear(x, self.weight, self.bias), self.tp)
+
+
+# ---------------------------------------------------------------------------- the async form
+# An overlapped F&B pair (executor.overlap) cuts a dense TP block at its row-parallel reductions:
+# the segment before a cut computes the partial sum (deferred_reduction), the reduction runs
+# asynchronously across the cut (start_reduction), and the backward's matching collective (with
+# sequence parallelism the all-gather of the gradient's slice, start_gather_grad; without it the
+# reduction's backward is the identity) runs across the cut the other way.
+_DEFER = [0]
+
+
+@contextlib.contextmanager
+def deferred_reduction():
+    """Inside: every :class:`RowParallelLinear` with T > 1 returns its rank's partial sum
+    ``x W_t^T (+ b on TP rank 0)``, unreduced (the caller reduces it: :func:`start_reduction`)."""
+    _DEFER[0] += 1
+    try:
+        yield
+    finally:
+        _DEFER[0] -= 1
+
+
+class CollectiveHandle:
+    """A TP collective in flight: ``wait()`` gives its result."""
+
+    def __init__(self, work, result):
+        self.work, self.result = work, result
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.result()
+
+
+def start_reduction(partial: torch.Tensor, tp: TensorParallel) -> CollectiveHandle:
+    """The sum over the TP group of the ranks' partial sums ``partial`` [b, s, h], started
+    asynchronously: the whole sum (all-reduce), or with sequence parallelism this rank's slice of
+    the sequence (reduce-scatter) -- what :func:`reduce` computes, blocking."""
+    if tp.sequence:
+        parts = [c.contiguous() for c in partial.chunk(tp.size, 1)]
+        out = torch.empty_like(parts[0])
+        work = dist.reduce_scatter(out, parts, group=tp.group, async_op=True)
+        return CollectiveHandle(work, lambda: out)
+    y = partial.contiguous().clone()
+    work = dist.all_reduce(y, group=tp.group, async_op=True)
+    return CollectiveHandle(work, lambda: y)
+
+
+def start_gather_grad(g: torch.Tensor, tp: TensorParallel) -> CollectiveHandle | None:
+    """The backward of :func:`start_reduction` for the gradient ``g`` of its result: with sequence
+    parallelism the all-gather of the slices (started asynchronously), else None (the identity:
+    the gradient of an all-reduce's input is its output's)."""
+    if not tp.sequence:
+        return None
+    parts = [torch.empty_like(g, memory_format=torch.contiguous_format) for _ in range(tp.size)]
+    work = dist.all_gather(parts, g.contiguous(), group=tp.group, async_op=True)
+    return CollectiveHandle(work, lambda: torch.cat(parts, 1))

@@ -522,6 +522,7 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
     report = {"rank": pipe_rank, "tp": rs.tp_rank, "cp": rs.cp_rank, "rows": rows, "losses": losses, "peak": peak,
               "phases": phases,
               "fwd_bytes": rs.runtime.fwd_bytes,
+              "seg_bytes": [(c, st, list(b)) for (c, st, n), b in rs.runtime.seg_bytes.items() if n > 1],
               "static_bytes": _static_bytes(rs.params, rs.optimizer), "probe": probe, "cpu": window, "core": core,
               "gathered_bytes": zero.peak_gathered if zero is not None else 0,
               "grad_buffer_bytes": zero.peak_grad_buffer if zero is not None else 0, "collectives": collectives,
@@ -634,6 +635,9 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
               for rep in reports for p in rep.get("phases", ())]
     if phases:
         extra["phases"] = phases
+        # per rank (TP rank 0), copy and stage: the activation bytes each segment of a cut forward kept
+        extra["segment_bytes"] = [{"device": rep["rank"], "copy": c, "stage": st, "bytes": b}
+                                  for rep in reports for c, st, b in rep.get("seg_bytes", ())]
     extra |= {"placement": [dict(rep["placement"], rank=rep["rank"], tp=rep["tp"], cp=rep.get("cp", 0))
                            for rep in sorted(everyone, key=lambda r: (r["rank"], r.get("cp", 0), r["tp"]))]}
     probes = sorted(t for rep in reports for t in rep["probe"])
