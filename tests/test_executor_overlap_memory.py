@@ -262,18 +262,18 @@ def test_simulated_pair_memory_equals_measured(runs, case):
 
 def test_simulated_pair_rows_hold_the_pair_peak():
     """The simulator's trace of dapple --overlap-fb on BALANCED (D 2, N 4, EP 2), device 0, stage 0:
-    S = 2,172,160 (the stage's ledger bytes: two blocks of (233,472, 720,896, 131,584) and the
+    S = 2,176,256 (the stage's ledger bytes: two blocks of (233,472, 722,944, 131,584): the experts' 720,896 and 2,048 B of EP 2's regrouping orders; and the
     embedding's 256 in the first segment). F0 runs alone, cut (its B is paired): S. Pair (F1 & B0):
     B0 walks F0's segments, freeing 131,584 after F1's first (233,728):
-    S + 233,728 - 131,584 + 720,896 = 2,995,200 (the peak) in the F1 row, then S in the B0 row;
+    S + 233,728 - 131,584 + 722,944 = 3,001,344 (the peak) in the F1 row, then S in the B0 row;
     F2 & B1 and F3 & B2 alike; B3 (alone) frees all: 0."""
     from sim.engine import simulate
     cfg = CASES[4]["moe-dapple-ov1-ev0"]
     b = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
-    S = 2 * (233472 + 720896 + 131584) + 256
+    S = 2 * (233472 + 722944 + 131584) + 256
     assert b.costs.act[0][0] == S
     tr = simulate(b.lowered, b.costs, b.network)
     rows = tr[(tr.device == 0) & tr.kind.isin(["F", "B"])].sort_values("seq")
     got = [(k, int(m), int(a)) for k, m, a in zip(rows.kind, rows.microbatch, rows.act_mem)]
-    assert got == [("F", 0, S), ("F", 1, 2995200), ("B", 0, S), ("F", 2, 2995200), ("B", 1, S),
-                   ("F", 3, 2995200), ("B", 2, S), ("B", 3, 0)]
+    assert got == [("F", 0, S), ("F", 1, 3001344), ("B", 0, S), ("F", 2, 3001344), ("B", 1, S),
+                   ("F", 3, 3001344), ("B", 2, S), ("B", 3, 0)]
