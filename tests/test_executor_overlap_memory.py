@@ -264,7 +264,8 @@ def test_simulated_pair_rows_hold_the_pair_peak():
     """The simulator's trace of dapple --overlap-fb on BALANCED (D 2, N 4, EP 2), device 0, stage 0:
     S = 2,176,256 (the stage's ledger bytes: two blocks of (233,472, 722,944, 131,584), the experts'
     720,896 B and EP 2's regrouping orders' 2,048; the embedding's 256 in the first segment).
-    F0 runs alone, cut (its B is paired): S. Pair (F1 & B0): B0 walks F0's segments, freeing 131,584 after F1's first (233,728):
+    F0 runs alone, cut (its B is paired): S. Pair (F1 & B0):
+    B0 walks F0's segments, freeing 131,584 after F1's first (233,728):
     S + 233,728 - 131,584 + 722,944 = 3,001,344 (the peak) in the F1 row, then S in the B0 row;
     F2 & B1 and F3 & B2 alike; B3 (alone) frees all: 0."""
     from sim.engine import simulate
