@@ -73,11 +73,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as Fn
 
 from cost_models.model_spec import ModelSpec
 
-from .expert_parallel import NO_EP, ExpertParallel
+from .expert_parallel import NO_EP, NO_ETP, ExpertParallel, ExpertTensorParallel
+from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, gather_linears
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,12 @@ def capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> i
 
 
 def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch.Tensor | None = None,
-                 capacity_factor: float = 0.0) -> Routing:
-    """The routing of the module docstring for ``logits`` [n, E] (fp32)."""
+                 capacity_factor: float = 0.0, tp: TensorParallel = SINGLE) -> Routing:
+    """The routing of the module docstring for ``logits`` [n, E] (fp32). With TP (sequence parallel)
+    the n rows are this rank's 1/T of the micro-batch's tokens: the load f is all-reduced over the TP
+    group and P summed over the rank's tokens divided by the micro-batch's T n, so ``aux`` is this
+    rank's term of the micro-batch's (the terms sum to it; Megatron-LM all-reduces the load the same
+    way over its TP x CP group)."""
     n, E = logits.shape
     scores = torch.softmax(logits, -1) if router == "softmax" else torch.sigmoid(logits)
     choose = scores.detach() if bias is None else scores.detach() + bias.detach()
@@ -116,7 +122,11 @@ def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias
     weights = _Gates.apply(scores, topk)                              # [n, k]
     expert = topk.reshape(-1)                                         # pairs token-major: t * k + slot
     load = torch.bincount(expert, minlength=E)
-    aux = _AuxLoss.apply(scores, load.to(scores.dtype) / (n * top_k), router == "sigmoid")
+    every = load
+    if tp.on:
+        every = load.clone()
+        dist.all_reduce(every, group=tp.group)
+    aux = _AuxLoss.apply(scores, every.to(scores.dtype) / (n * tp.size * top_k), router == "sigmoid", tp.size)
     pair = torch.arange(n * top_k, device=logits.device)
     cap = capacity(capacity_factor, n, top_k, E)
     dropped = 0
@@ -158,24 +168,26 @@ class _Gates(torch.autograd.Function):
 
 class _AuxLoss(torch.autograd.Function):
     """E sum_i f_i P_i (module docstring) of ``scores`` [n, E] and the load fractions ``f`` [E];
-    keeps the scores (kept anyway) and f."""
+    keeps the scores (kept anyway) and f. ``parts`` T: the n rows are one TP rank's of T n tokens
+    (P_i summed over them / T n: this rank's term)."""
 
     @staticmethod
-    def forward(ctx, scores, f, normalise):
-        ctx.normalise = normalise
+    def forward(ctx, scores, f, normalise, parts=1):
+        ctx.normalise, ctx.parts = normalise, parts
         ctx.save_for_backward(scores, f)
         probs = scores / scores.sum(-1, keepdim=True) if normalise else scores
-        return scores.shape[1] * (f * probs.mean(0)).sum()
+        mean = probs.mean(0) if parts == 1 else probs.sum(0) / (scores.shape[0] * parts)
+        return scores.shape[1] * (f * mean).sum()
 
     @staticmethod
     def backward(ctx, g):
         scores, f = ctx.saved_tensors
         n, E = scores.shape
-        gs = (g * E / n) * f.expand(n, E)                               # d aux / d p'
+        gs = (g * E / (n * ctx.parts)) * f.expand(n, E)                 # d aux / d p'
         if ctx.normalise:                                               # p' = s / S: (g_j - sum_i g_i p'_i) / S
             total = scores.sum(-1, keepdim=True)
             gs = (gs - (gs * scores / total).sum(-1, keepdim=True)) / total
-        return gs, None, None
+        return gs, None, None, None
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -209,17 +221,40 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert of inner size ``ffn``: w2(silu(w1 x) * w3 x), no biases (Mixtral's names)."""
+    """One SwiGLU expert of inner size ``ffn``: w2(silu(w1 x) * w3 x), no biases (Mixtral's names).
+    ``parts`` > 1: this process's 1/parts of it (w1, w3 its output rows, w2 its input columns: a routed
+    expert under ETP, whose caller gathers and reduce-scatters the rows)."""
 
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, parts: int = 1):
         super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w1 = nn.Linear(hidden, ffn // parts, bias=False)
+        self.w3 = nn.Linear(hidden, ffn // parts, bias=False)
+        self.w2 = nn.Linear(ffn // parts, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .llama import swiglu
         return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
+class SharedExpert(nn.Module):
+    """The shared experts' SwiGLU, split over the TP group as a dense MLP (w1, w3 column-parallel, w2
+    row-parallel; with sequence parallelism the input gathered and the output reduce-scattered over
+    the sequence, :mod:`executor.tensor_parallel`); at T = 1 an :class:`Expert`. Takes [b, s', h]."""
+
+    def __init__(self, hidden: int, ffn: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.w1 = nn.Linear(hidden, ffn // tp.size, bias=False)
+        self.w3 = nn.Linear(hidden, ffn // tp.size, bias=False)
+        self.w2 = RowParallelLinear(ffn, hidden, tp, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .llama import swiglu
+        if self.tp.on:      # with sequence parallelism (a MoE run at T > 1 has it: executor.config)
+            gate, up = gather_linears(x, self.tp, [(self.w1.weight, None), (self.w3.weight, None)])
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(swiglu(gate, up))
 
 
 class Router(nn.Module):
@@ -242,11 +277,26 @@ class LocalExperts(nn.ModuleDict):
     it is the ``experts`` step: each local expert's SwiGLU on its rows, the rows of several EP
     sources grouped by expert and the outputs put back in arrival order."""
 
-    def __init__(self, local: range, hidden: int, ffn: int):
-        super().__init__({str(j): Expert(hidden, ffn) for j in local})
-        self.local = local
+    def __init__(self, local: range, hidden: int, ffn: int, etp: ExpertTensorParallel = NO_ETP):
+        super().__init__({str(j): Expert(hidden, ffn, etp.size) for j in local})
+        self.local, self.etp = local, etp
 
     def forward(self, st: "MoeState") -> "MoeState":
+        """With ETP the members' rows are gathered first (each member's counts beside its own, so the
+        sources are EP x ETP) and the partial outputs reduce-scattered back after (:class:`ExpertTensorParallel`)."""
+        etp = self.etp
+        if etp.size > 1:
+            every = etp.gather_counts(st.counts, st.rows.device)
+            rows_of = [sum(c) for c in every]
+            own = st.counts
+            st.counts = [c for cs in every for c in cs]
+            st.rows = etp.gather_rows(st.rows, rows_of)
+            st = self._compute(st)
+            st.rows, st.counts = etp.scatter_rows(st.rows, rows_of), own
+            return st
+        return self._compute(st)
+
+    def _compute(self, st: "MoeState") -> "MoeState":
         per = len(self.local)
         sources = len(st.counts) // per
         order = None
@@ -285,15 +335,16 @@ class MoeMLP(nn.Module):
     ``loss_scale``: the factor the driver scales each micro-batch's loss by (1/G)."""
 
     def __init__(self, spec: ModelSpec, ep: ExpertParallel = NO_EP, capacity_factor: float = 0.0,
-                 loss_scale: float = 1.0):
+                 loss_scale: float = 1.0, tp: TensorParallel = SINGLE, etp: ExpertTensorParallel = NO_ETP):
         super().__init__()
         self.ep, self.capacity_factor, self.loss_scale = ep, capacity_factor, loss_scale
+        self.tp = tp
         self.num_experts, self.top_k, self.router_kind = spec.experts, spec.top_k, spec.router
         self.coeff = float(spec.aux_loss_coeff)
         self.local = ep.experts(spec.experts)
         self.router = Router(spec.hidden, spec.experts, spec.router == "sigmoid")
-        self.experts = LocalExperts(self.local, spec.hidden, spec.expert_width)
-        self.shared = Expert(spec.hidden, spec.shared_ffn) if spec.shared_ffn else None
+        self.experts = LocalExperts(self.local, spec.hidden, spec.expert_width, etp)
+        self.shared = SharedExpert(spec.hidden, spec.shared_ffn, tp) if spec.shared_ffn else None
         self.shared_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_ffn and spec.shared_gate else None
         self.aux_value: torch.Tensor | None = None    # alpha * aux of the last forward (detached)
 
@@ -301,8 +352,13 @@ class MoeMLP(nn.Module):
     def route(self, x: torch.Tensor) -> MoeState:
         """Router, top-k, aux loss, capacity; the kept pairs' rows gathered in expert order."""
         flat = x.reshape(-1, x.shape[-1])
-        r = route_tokens(self.router(flat), self.top_k, self.router_kind, self.router.bias, self.capacity_factor)
-        self.aux_value = (self.coeff * r.aux).detach() if self.coeff else None
+        r = route_tokens(self.router(flat), self.top_k, self.router_kind, self.router.bias, self.capacity_factor,
+                         tp=self.tp)
+        aux = (self.coeff * r.aux).detach() if self.coeff else None
+        if aux is not None and self.tp.on:      # each TP rank's term of the micro-batch's aux: their sum
+            aux = aux.clone()
+            dist.all_reduce(aux, group=self.tp.group)
+        self.aux_value = aux
         return MoeState(x, r, flat.index_select(0, r.token))
 
     def dispatch(self, st: MoeState) -> MoeState:
@@ -335,7 +391,7 @@ class MoeMLP(nn.Module):
         rows = st.rows
         y = _WeightedSum.apply(rows, r.weight.to(rows.dtype), r.token, flat.shape[0])
         if self.shared is not None:
-            s = self.shared(flat)
+            s = self.shared(x).reshape(flat.shape)
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(self.shared_gate(flat))
             y = y + s
@@ -356,6 +412,7 @@ class MoeRun:
     ep: ExpertParallel = NO_EP
     capacity_factor: float = 0.0
     loss_scale: float = 1.0
+    etp: ExpertTensorParallel = NO_ETP      # the routed experts' ETP group
 
 
 NO_MOE = MoeRun()
