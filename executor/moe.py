@@ -251,6 +251,8 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .llama import swiglu
         if self.tp.on:      # with sequence parallelism (a MoE run at T > 1 has it: executor.config)
+            if x.is_leaf and x.requires_grad:   # a segment's input under --overlap-fb (executor.overlap): the
+                x = x.view_as(x)                # split backward asks autograd about the node after it, not a leaf
             gate, up = gather_linears(x, self.tp, [(self.w1.weight, None), (self.w3.weight, None)])
         else:
             gate, up = self.w1(x), self.w3(x)

@@ -7,7 +7,9 @@ EP 2 (the EP group folded from the stage's two TP ranks, ETP 1, EDP 1), with ETP
 expert's w1/w3 column- and w2 row-split over the two TP ranks), with EP 1 and ETP 1 (every expert
 whole on both TP ranks, its gradient summed over them: EDP 2), and ETP 2 under zb-v's split
 backward; tiny-deepseek (latent attention split over the heads, a dense first block, a shared expert
-split as a dense MLP, sigmoid routing) at T 2 x D 2 with EP 2 and with ETP 2; and tiny-mixtral at
+split as a dense MLP, sigmoid routing) at T 2 x D 2 with EP 2 and with ETP 2; dualpipe-v with
+--overlap-fb (tiny-mixtral EP 2, tiny-deepseek ETP 2: the TP and ETP collectives of a MoE block run
+blocking inside its segments); and tiny-mixtral at
 T 2 x D 1 x R 2 with EP 2 and ZeRO-1 (EDP 2: the experts' SGD state sharded over it). Every step's
 loss equals the reference's within 1e-5 (relative), every final parameter -- TP shards and ETP
 slices gathered, each routed expert from the process holding it -- within 1e-5, and the replicated
@@ -36,6 +38,10 @@ TRAIN = {
     "mixtral-zb-v-T2-ETP2": dict(model="tiny-mixtral", schedule="zb-v", etp=2),
     "deepseek-dapple-T2-EP2": dict(model="tiny-deepseek", schedule="dapple", ep=2),
     "deepseek-dapple-T2-ETP2": dict(model="tiny-deepseek", schedule="dapple", etp=2),
+    # --overlap-fb: the MoE block cut at its all-to-alls (executor.overlap), its TP/ETP collectives inside a segment
+    "mixtral-dualpipe-v-overlap-T2-EP2": dict(model="tiny-mixtral", schedule="dualpipe-v", ep=2, overlap_fb=True),
+    "deepseek-dualpipe-v-overlap-T2-ETP2": dict(model="tiny-deepseek", schedule="dualpipe-v", etp=2,
+                                                overlap_fb=True),
     "mixtral-dapple-T2-EP2-zero-D1R2": dict(model="tiny-mixtral", schedule="dapple", ep=2, zero=1, devices=1,
                                             replicas=2),
 }
