@@ -60,6 +60,20 @@ The forward is written as five steps the overlap runtime can cut between (each a
 ``unpermute``  the weighted sum back into token order (index_add of w * rows), plus the shared
                expert (times Qwen2's sigmoid gate where the spec has one).
 
+Tensor parallelism (``--tp T``, with sequence parallelism, Megatron-LM's rule for MoE): the block's
+input is the TP rank's 1/T of the sequence, and the MoE MLP works on those tokens alone: the
+router (replicated, its gradient summed over the TP group as a norm's) routes them, the EP group is
+folded from the stage's T x R processes (:meth:`executor.mesh.Mesh.expert_fold`), the shared expert
+is split over the TP group as a dense MLP (:class:`SharedExpert`). The load-balancing loss's load f
+is all-reduced over the TP group and each rank's P divided by the micro-batch's T n tokens
+(:func:`route_tokens`), so the ranks' terms sum to the micro-batch's aux; the reported value is
+that sum. Expert tensor parallelism (``--etp U``, :class:`executor.expert_parallel.ExpertTensorParallel`):
+each routed expert's w1/w3 column- and w2 row-split over the ETP group; after the dispatch the
+members' rows (and per-expert counts) are all-gathered over ETP, each member runs its slice on all
+of them, and the partial outputs are reduce-scattered back before the combine (Megatron's order),
+all inside the ``experts`` step. A capacity factor with T > 1 is refused (each rank would drop over
+its 1/T of the tokens, not the micro-batch's).
+
 At EP 1 (:data:`executor.expert_parallel.NO_EP`) dispatch and combine are identities. What autograd
 keeps per micro-batch (the saved-tensor meter's count): the router's fp32 scores (4 E per token),
 per kept pair the dispatched row and the combined row (2 h d) and the expert's gate, up and product
