@@ -54,6 +54,8 @@ MEM = dict(BASE, model=BALANCED, optimizer="adam", lr=1e-3, steps=1, collect_par
 for _k, _v in {"T2": {}, "T2-EP2": dict(ep=2), "T2-ETP2": dict(etp=2),
                "T2-EP2-zero-D1R2": dict(ep=2, zero=1, devices=1, replicas=2)}.items():
     CASES[4][f"mem-{_k}"] = RunConfig.of(**dict(MEM, **_v))
+# latent attention's weights and Adam state per rank (its activations against the ledger: mla-mem's tests)
+CASES[4]["deepseek-static-T2-EP2"] = RunConfig.of(**dict(MEM, model="tiny-deepseek", ep=2))
 IDS = sorted(TRAIN)
 MEM_IDS = sorted(k for k in CASES[4] if k.startswith("mem-"))
 
@@ -75,6 +77,28 @@ def test_losses_and_parameters_equal_reference(runs, references, case):
     by_name = assert_params_equal_reference(res, ref, sched)
     assert res.extra["tp_replica_drift"] == 0.0
     assert all(torch.equal(t, ts[0]) for ts in by_name.values() for t in ts)
+
+
+def test_mla_down_projections_are_whole_on_every_tp_rank():
+    """tiny-deepseek (h 32, a 4, e 8, r 4, v 8, q_r 24, kv_r 16, dense f 64): its attention's matrices are
+    Q 32 x 24 + 24 x 4 x 12 = 1920, KV 32 x 20 + 16 x 4 x 16 = 1664, output 4 x 8 x 32 = 1024, 4608 in all,
+    of which the down-projections 32 x (24 + 16 + 4) = 1408 stay whole at T 2 (Megatron-LM duplicates
+    them), so the dense block 0 holds (4608 - 1408) / 2 + 3 x 32 x 64 / 2 = 4672 parameters less at T 2."""
+    from cost_models.transformer import attention_matrices, block_params
+    spec = load_model("tiny-deepseek")
+    assert attention_matrices(spec) == 4608
+    assert block_params(spec, 1) - block_params(spec, 2) == 4672
+
+
+@pytest.mark.slow
+def test_latent_attention_weights_per_rank_equal_the_ledger(runs):
+    """tiny-deepseek at T 2 x D 2 with EP 2, Adam: weights, gradients and Adam state per rank equal the
+    ledger's to the byte (q_a, kv_a and the latent norms whole on each TP rank, q_b, kv_b column- and
+    proj row-split, the shared expert split as a dense MLP, E / 2 routed experts whole)."""
+    from cost_models.bind import bind
+    cfg, _, res = runs(4)["deepseek-static-T2-EP2"]
+    b = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
+    assert [d["static_bytes"] for d in res.per_device] == [int(x) for x in b.costs.static_mem]
 
 
 def _moe_blocks_on(cfg, sched, device: int) -> int:
