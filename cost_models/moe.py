@@ -41,15 +41,18 @@ capped by node-limited routing (``route_nodes`` M: DeepSeek-V3's at most 4 nodes
 remote share is (m - 1) / m of them.
 
 Memory: the routed experts' weights, gradients and optimizer state on a GPU are E / EP x 1 / ETP
-of the block's; with ZeRO-1 their optimizer state is sharded over EDP = T R / (EP ETP) (the dense
+of the block's; with ZeRO-1 their optimizer state is sharded over EDP = T C R / (EP ETP) (the dense
 part's over R). The expert gradients are all-reduced over EDP, separately from the dense ones'
 (charged at the step's end: :meth:`cost_models.transformer.TransformerCostModel.layer_costs`).
 Activations kept per token: the router's fp32 scores (4 E bytes) and its routing (the k int64
 expert indices, 8 k; per kept copy its int64 pair and token index and its gate weight, 16 + d:
 :func:`routing_bytes`; with EP > 1 two int64 orders per received pair to regroup them by local
 expert, :func:`regroup_bytes`), and for each of the k copies its dispatched input and combined output
-(2 h d) and the SwiGLU's gate, up and product (3 f_e d), times the imbalance; the shared expert's
-gate, up and product (3 f_s d / t), with Qwen2-MoE's gate also its output and the gate (h + 1) d.
+(2 h d) and the SwiGLU's gate, up and product (3 f_e d), times the imbalance; with ETP > 1 the
+experts' input is the ETP group's rows all-gathered after the dispatch (Megatron-LM's order; the
+first linear keeps it: ETP h d per copy instead of h d), each GPU's gate, up and product 1/ETP of
+the width on ETP times the rows (3 f_e d per copy again), the output reduce-scattered back (h d); the
+shared expert's gate, up and product (3 f_s d / t), with Qwen2-MoE's gate also its output and the gate (h + 1) d.
 Dispatch buffers: one send and one receive buffer of the dispatched tokens (the transient bytes).
 """
 from __future__ import annotations
@@ -236,7 +239,7 @@ def moe_share(spec: ModelSpec, par: Parallel) -> MoeShare:
     params_expert = spec.experts // par.ep * expert_params(spec) // par.etp
     params_dense = router_params(spec) + shared_params(spec) // t
     act = n * SCORE_BYTES * spec.experts + routing_bytes(spec, n, pairs) + regroup_bytes(par, pairs) + \
-        pairs * (2 * h + SWIGLU * fe) * d + \
+        pairs * ((1 + par.etp) * h + SWIGLU * fe) * d + \
         n * SWIGLU * spec.shared_ffn * d + shared_gate_bytes(spec, n)
     dispatch = pairs * h * (1 if par.fp8_dispatch else d)
     return MoeShare(flops_router, flops_shared, flops_expert, params_dense, params_expert, float(act), float(dispatch),

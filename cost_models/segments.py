@@ -23,8 +23,8 @@ Segments of block i (:func:`block_segments`), summing to
   dense block's, ln2's input and the router's input; the router's fp32 scores, each token's k
   expert indices, each kept pair's two int64 indices, its place in expert order and its token's,
   which the gather into expert order keeps);
-  (2) experts: ``pairs (h + 3 f_e) d`` (each dispatched row, the SwiGLU's gate, up and product)
-  plus, at EP > 1, the two int64 regrouping orders per pair (:func:`cost_models.moe.regroup_bytes`);
+  (2) experts: ``pairs (ETP h + 3 f_e) d`` (each dispatched row, all-gathered over ETP, the
+  SwiGLU's gate, up and product) plus, at EP > 1, the two int64 regrouping orders per pair (:func:`cost_models.moe.regroup_bytes`);
   (3) unpermute + residual: ``pairs (h + 1) d + 3 n f_s d + shared gate`` (each combined row and
   its gate weight for the weighted sum; the shared expert).
   Selective recomputation drops A (segment 1); full recomputation keeps only the block's input,
@@ -97,7 +97,7 @@ def block_segments(spec: ModelSpec, i: int, *, tp: int = 1, sp: bool = False, re
     pairs = n * spec.top_k * effective_imbalance(spec, par)
     first = sbh * (4 * d + 2 * mask) / div + attn + n * SCORE_BYTES * spec.experts + \
         n * spec.top_k * INDEX_BYTES + pairs * 2 * INDEX_BYTES
-    experts = pairs * (h + SWIGLU * spec.expert_width) * d + regroup_bytes(par, pairs)
+    experts = pairs * (par.etp * h + SWIGLU * spec.expert_width) * d + regroup_bytes(par, pairs)
     out = pairs * (h + 1) * d + n * SWIGLU * spec.shared_ffn * d + shared_gate_bytes(spec, n)
     return (float(first), float(experts), float(out))
 

@@ -147,6 +147,15 @@ def attention_matrices(spec: ModelSpec) -> int:
     return q + h * (kr + spec.rope_head_dim) + kr * a * (spec.head_dim + v) + a * v * h
 
 
+def _attention_replicated(spec: ModelSpec) -> int:
+    """Weights of the attention whole on every GPU of a TP group: MLA's down-projections h q_r + h (kv_r + r),
+    which Megatron-LM's ``MLASelfAttention`` duplicates (``parallel_mode="duplicated"``) and runs on each
+    GPU's 1/T of the sequence (the executor's :class:`executor.mla.LatentAttention` alike); 0 otherwise."""
+    if not spec.is_mla:
+        return 0
+    return spec.hidden * (spec.q_lora_rank + spec.kv_lora_rank + spec.rope_head_dim)
+
+
 def _attention_norms(spec: ModelSpec) -> int:
     """Norms inside the attention (whole on every GPU): Qwen3's per-head q/k RMSNorm (2e), MLA's
     latent RMSNorms (q_r + kv_r)."""
@@ -170,7 +179,8 @@ def _moe_par(tp: int, parallel: Parallel | None) -> Parallel:
 
 def block_params(spec: ModelSpec, tp: int = 1, moe: bool = False, parallel: Parallel | None = None) -> int:
     """Parameters of one transformer block on one of ``tp`` GPUs: the matrices and the
-    column-parallel biases split, the norms and the row-parallel biases whole (``tp`` = 1:
+    column-parallel biases split, the norms, the row-parallel biases and MLA's down-projections
+    (:func:`_attention_replicated`) whole (``tp`` = 1:
     (4 + 2m)h^2 + (9 + m)h = 12h^2 + 13h for GPT). ``moe``: its MLP is a mixture of experts,
     held as ``parallel`` says (:func:`cost_models.moe.moe_share`; default EP = ETP = 1)."""
     h, f, qkv = spec.hidden, spec.ffn, _qkv_width(spec)
@@ -186,7 +196,8 @@ def block_params(spec: ModelSpec, tp: int = 1, moe: bool = False, parallel: Para
         col_bias, row_bias, norms = qkv + f, 2 * h, 4 * h
         mats += _mlp_matrices(spec) * h * f
         mlp = 0
-    return (mats + col_bias) // tp + mlp + row_bias + norms
+    whole = _attention_replicated(spec)
+    return (mats - whole + col_bias) // tp + whole + mlp + row_bias + norms
 
 
 def block_flops(spec: ModelSpec, tp: int = 1, moe: bool = False,

@@ -270,12 +270,15 @@ class RunConfig:
         d = self.precision.dtype_bytes
         return spec if spec.dtype_bytes == d else spec.replace(dtype_bytes=d)
 
-    def moe_run(self, ep=None):
-        """How this run builds its MoE MLPs (:class:`executor.moe.MoeRun`): ``ep`` the rank's EP group
-        (None: EP 1), the job's capacity factor, the loss scale 1/G."""
+    def moe_run(self, groups=None):
+        """How this run builds its MoE MLPs (:class:`executor.moe.MoeRun`): ``groups`` the rank's
+        :class:`executor.expert_parallel.ExpertGroups` of the stage (None: EP 1, ETP 1), the job's
+        capacity factor, the loss scale 1/G."""
         from .moe import MoeRun
-        from .expert_parallel import NO_EP
-        return MoeRun(ep or NO_EP, float(self.parallel.capacity_factor), 1.0 / self.global_microbatches)
+        from .expert_parallel import NO_EP, NO_ETP
+        ep = groups.ep if groups is not None else NO_EP
+        etp = groups.etp if groups is not None and groups.etp is not None else NO_ETP
+        return MoeRun(ep, float(self.parallel.capacity_factor), 1.0 / self.global_microbatches, etp)
 
     @property
     def precision(self) -> Precision:
@@ -319,10 +322,17 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
         raise ValueError(f"the executor's GPT has no grouped-query attention; model {spec.name!r} has {spec.kv} "
                          f"key/value heads for {spec.heads} (simulate it, or train a llama-kind model)")
     lay, par = config.layout, config.parallel
-    if spec is not None and par.tp > 1 and (spec.is_moe or spec.is_mla):
-        what = "a mixture of experts" if spec.is_moe else "latent attention (MLA)"
-        raise ValueError(f"--tp {par.tp}: the executor splits dense blocks over tensor-parallel ranks; model "
-                         f"{spec.name} has {what} (use --tp 1; pipetwin simulate prices it)")
+    if spec is not None and par.tp > 1 and spec.is_mla and not spec.is_moe and not par.sequence_parallel:
+        raise ValueError(f"latent attention (MLA) at --tp {par.tp} needs --sequence-parallel: the executor runs "
+                         f"its replicated down-projections on each rank's 1/T of the tokens (Megatron-LM's layout)")
+    if spec is not None and par.tp > 1 and spec.is_moe and par.capacity_factor:
+        raise ValueError(f"--capacity-factor {par.capacity_factor} with --tp {par.tp}: each TP rank routes 1/T of a "
+                         f"micro-batch's tokens and would drop over those, not the micro-batch's as the reference; "
+                         f"drop --capacity-factor (dropless) or use --tp 1")
+    if spec is not None and spec.is_moe and par.tp > 1 and par.cp > 1:
+        raise ValueError(f"--tp {par.tp} with --cp {par.cp} for a mixture of experts: the executor routes the tokens "
+                         f"split over one of them (its balance loss sums the load over that group); use --tp 1 "
+                         f"or --cp 1")
     if spec is not None:    # the executor overlaps F&B pairs of dense models too (segments = blocks)
         check_expert_parallel(spec, replace(par, overlap_fb=False), lay.replicas)
     if spec is not None and par.tp > 1:
@@ -373,19 +383,17 @@ def lowered_schedule(config: RunConfig, schedule: Schedule | None = None, *, che
 
 
 def check_expert_run(config: RunConfig, spec: ModelSpec | None, low: Schedule) -> None:
-    """What the executor's expert parallelism trains (``--ep E``, :mod:`executor.expert_parallel`),
+    """What the executor's expert parallelism trains (``--ep E``, ``--etp U``: :mod:`executor.expert_parallel`),
     after the simulator's rules (:func:`cost_models.moe.check_expert_parallel`: a mixture of experts,
-    EP dividing the experts and folding onto the stage's T x R processes) and the MoE block's (T = 1):
-    experts folded over the data-parallel replicas of a one-copy schedule (ETP = 1; with ZeRO the
-    routed experts' state shards over their EDP group, the dense over the stage's, :mod:`executor.zero`).
-    One line each."""
+    EP x ETP dividing the experts and folding onto the stage's T x C x R processes, sequence
+    parallelism with T > 1): experts folded over the TP and CP ranks and replicas of a one-copy
+    schedule (with ZeRO the routed experts' state shards over their EDP group, the dense over the
+    stage's, :mod:`executor.zero`). One line each."""
     par = config.parallel
     if spec is None:
-        raise ValueError(f"--ep {par.ep} splits a mixture of experts' routed experts; a model file's layers are not "
-                         f"split ({config.model}: use --ep 1)")
-    if par.etp > 1:
-        raise ValueError(f"--etp {par.etp} splits each expert over {par.etp} processes: the executor runs whole "
-                         f"experts (--etp 1); pipetwin simulate prices it")
+        what = f"--ep {par.ep}" if par.ep > 1 else f"--etp {par.etp}"
+        raise ValueError(f"{what} splits a mixture of experts' routed experts; a model file's layers are not "
+                         f"split ({config.model}: use --ep 1 --etp 1)")
     if low.num_copies > 1:
         raise ValueError(f"--ep {par.ep} with {low.name}: a two-copy schedule runs a stage's copies on two devices at "
                          f"different points of their programs, where their all-to-alls would not meet; use a "
@@ -410,6 +418,9 @@ def check_tensor_parallel(spec: ModelSpec, tp: int, sequence_parallel: bool = Fa
     parallelism (the simulator's check) or the vocabulary (the executor's vocabulary-parallel
     embedding and loss) evenly, with one line."""
     spec.check_tensor_parallel(tp, sequence_parallel=sequence_parallel)
+    if spec.shared_ffn % tp:
+        raise ValueError(f"--tp {tp} does not divide the shared experts' width ({spec.shared_ffn}) of model "
+                         f"{spec.name}; pick a --tp that divides {spec.shared_ffn}")
     if spec.vocab % tp:
         raise ValueError(f"--tp {tp} does not divide the vocabulary ({spec.vocab}) of model {spec.name}; "
                          f"pick a --tp that divides {spec.vocab}")

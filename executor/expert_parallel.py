@@ -242,3 +242,105 @@ class ExpertGroups:
     edp_ranks: tuple[int, ...] = ()
     edp_group: object = None
     edp_index: int = 0
+    etp: "ExpertTensorParallel" = None      # its ETP group (None: ETP 1)
+
+
+def _gather_uneven(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """The rows of every member concatenated in member order (``counts[u]`` from member u): each pads
+    its rows to the largest count for one equal-size ``all_gather`` (gloo and NCCL alike)."""
+    top = max(counts)
+    pad = x.new_zeros((top,) + tuple(x.shape[1:]))
+    pad[:x.shape[0]] = x
+    parts = [torch.empty_like(pad) for _ in counts]
+    dist.all_gather(parts, pad, group=group)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+def _reduce_scatter_uneven(x: torch.Tensor, counts: list[int], rank: int, group) -> torch.Tensor:
+    """Member ``rank``'s block of rows (``counts[rank]`` of them, after the blocks of the members
+    before it) summed over the members: each block padded to the largest count, one ``reduce_scatter``."""
+    top = max(counts)
+    parts = []
+    for block in x.split(counts):
+        pad = x.new_zeros((top,) + tuple(x.shape[1:]))
+        pad[:block.shape[0]] = block
+        parts.append(pad)
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out[:counts[rank]]
+
+
+class _GatherRows(torch.autograd.Function):
+    """ETP all-gather of uneven row blocks forward, reduce-scatter of the gradient backward
+    (Megatron-LM's ``gather_from_sequence_parallel_region`` with output split sizes)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, rank, group):
+        ctx.counts, ctx.rank, ctx.group = counts, rank, group
+        return _gather_uneven(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_uneven(g, ctx.counts, ctx.rank, ctx.group), None, None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """ETP reduce-scatter of uneven row blocks forward (the partial sums of the row-split w2), all-gather
+    of the gradient backward (Megatron-LM's ``reduce_scatter_to_sequence_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, rank, group):
+        ctx.counts, ctx.group = counts, group
+        return _reduce_scatter_uneven(x, counts, rank, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_uneven(g, ctx.counts, ctx.group), None, None, None
+
+
+@dataclass(frozen=True)
+class ExpertTensorParallel:
+    """A process's expert-tensor-parallel group (``--etp``): ``size`` members (``ranks``, process-group
+    ranks in ETP-rank order: consecutive processes of the stage's fold, ETP innermost), this process at
+    ``rank``; ``group`` the torch group (None at size 1). Each member holds 1/ETP of every routed expert
+    of its EP rank: w1 and w3 split by output rows (column-parallel), w2 by input columns (row-parallel)
+    (:data:`ETP_SPLITS`). After the EP dispatch the members' rows are all-gathered (:meth:`gather_rows`),
+    every member runs its slice of each expert on all of them, and the partial outputs of w2 are
+    reduce-scattered back to the member whose rows they are (:meth:`scatter_rows`): Megatron-LM's order
+    (``MoEAlltoAllTokenDispatcher``: all-to-all over EP, then all-gather over ETP; combine: reduce-scatter
+    over ETP, then all-to-all)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None
+    ranks: tuple[int, ...] = ()
+
+    def gather_counts(self, counts: list[int], device) -> list[list[int]]:
+        """Every member's per-expert row counts (this member's ``counts`` among them), in member order."""
+        if self.size == 1:
+            return [list(counts)]
+        mine = torch.tensor(counts, dtype=torch.int64, device=device)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.group)
+        return [[int(c) for c in p.tolist()] for p in parts]
+
+    def gather_rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Rows ``x`` of every member (``rows[u]`` from member u) concatenated in member order; differentiable."""
+        return x if self.size == 1 else _GatherRows.apply(x, rows, self.rank, self.group)
+
+    def scatter_rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """This member's block of ``x`` (blocks of ``rows[u]`` rows) summed over the members; differentiable."""
+        return x if self.size == 1 else _ScatterRows.apply(x, rows, self.rank, self.group)
+
+
+NO_ETP = ExpertTensorParallel()
+
+# a routed expert's parameter -> (dim, parts) of its ETP split (executor.tensor_parallel.shard's)
+ETP_SPLITS = {"w1.weight": (0, 1), "w3.weight": (0, 1), "w2.weight": (1, 1)}
+
+
+def etp_split_of(name: str) -> tuple[int, int] | None:
+    """(dim, parts) of a routed expert's parameter under ETP (None: not a routed expert's)."""
+    if not is_expert_param(name):
+        return None
+    return next((v for k, v in ETP_SPLITS.items() if name.endswith(k)), None)

@@ -97,6 +97,14 @@ class Mesh:
         edps = tuple(tuple(procs[(k * ep + e) * etp + u] for k in range(edp)) for e in range(ep) for u in range(etp))
         return eps, edps
 
+    def expert_tp_groups(self, pipeline_ranks, ep: int, etp: int) -> tuple[tuple[int, ...], ...]:
+        """The ETP groups of the stage held by ``pipeline_ranks`` (:meth:`expert_fold`'s fold): ETP
+        consecutive processes of its T x C x R (TP fastest, then CP), member u of group (k, e) being
+        process (k EP + e) ETP + u."""
+        self.expert_fold(pipeline_ranks, ep, etp)       # its check
+        procs = [self.rank(p, t, c) for p in pipeline_ranks for c in range(self.cp) for t in range(self.tp)]
+        return tuple(tuple(procs[i:i + etp]) for i in range(0, len(procs), etp))
+
 
 def device_map_for(device_map, sched: Schedule, nodes: int, per_node: int) -> tuple[int, ...]:
     """Pipeline rank -> global device (slot) on ``nodes`` x ``per_node`` of them: ``device_map`` is a

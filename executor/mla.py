@@ -24,8 +24,17 @@ FlashAttention-2) and keeps what a kernel with two head sizes keeps (FlashMLA; M
 hands its core attention q, k and v unpadded): q, k, v at their own widths, the row statistics and
 the output (which is the output projection's input), as the ledger counts them
 (:func:`cost_models.transformer._attention_split_bytes`); off the CPU the padded tensors are kept.
-Not split over tensor- or context-parallel ranks (the run refuses --tp and --cp with it:
-:func:`executor.config.lowered_schedule`).
+
+Tensor parallelism (with sequence parallelism, which a run at T > 1 has: :mod:`executor.config`), as
+Megatron-LM's ``MLASelfAttention``: the down-projections ``q_a`` and ``kv_a`` and the norms are
+replicated and run on the rank's 1/T of the sequence (the latents kept are 1/T of the sequence;
+their weight gradients, each rank's tokens', are summed over the TP group at OPTIM as a norm's,
+:func:`executor.tensor_parallel.sequence_partial`); the up-projections ``q_b`` and ``kv_b`` (or
+``q``) are column-parallel over the heads (rank t its a/T heads), their input gathered over the
+sequence (:func:`executor.tensor_parallel.gather_linears`: the latent slice kept, gathered again in
+the backward); the rotary key part ``k_r``, one for all heads, is all-gathered (its gradient, each
+rank's heads' part, reduce-scattered); ``proj`` is row-parallel (reduce-scattered over the
+sequence). Not split over context-parallel ranks (the run refuses --cp with it).
 """
 from __future__ import annotations
 
@@ -36,12 +45,29 @@ import torch.nn.functional as Fn
 from cost_models.model_spec import ModelSpec
 
 from .llama import RMSNorm, rotary
+from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, _all_gather_seq, _reduce_scatter_seq, \
+    gather_linears
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Sequence parallel: all-gather over the sequence forward, reduce-scatter of the gradient backward
+    (Megatron-LM's ``gather_from_sequence_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _all_gather_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_seq(g, ctx.group, ctx.size), None, None
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = SINGLE):
         super().__init__()
-        h, a = spec.hidden, spec.heads
+        self.tp = tp
+        h, a = spec.hidden, spec.heads // tp.size      # this rank's heads
         self.heads, self.d_n, self.d_r, self.d_v = a, spec.head_dim, spec.rope_head_dim, spec.v_head_dim
         self.r_kv = spec.kv_lora_rank
         d_qk = self.d_n + self.d_r
@@ -54,15 +80,23 @@ class LatentAttention(nn.Module):
         self.kv_a = nn.Linear(h, self.r_kv + self.d_r, bias=False)
         self.kv_norm = RMSNorm(self.r_kv, eps=1e-6)
         self.kv_b = nn.Linear(self.r_kv, a * (self.d_n + self.d_v), bias=False)
-        self.proj = nn.Linear(a * self.d_v, h, bias=False)
+        self.proj = RowParallelLinear(spec.heads * self.d_v, h, tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
         a, d_n, d_r, d_v = self.heads, self.d_n, self.d_r, self.d_v
-        q = self.q_b(self.q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
-        q = q.view(b, s, a, d_n + d_r).transpose(1, 2)
         c, k_r = self.kv_a(x).split([self.r_kv, d_r], dim=-1)
-        kv = self.kv_b(self.kv_norm(c)).view(b, s, a, d_n + d_v).transpose(1, 2)
+        if self.tp.on:      # x is the rank's 1/T of the sequence (module docstring)
+            tp = self.tp
+            q = gather_linears(self.q_norm(self.q_a(x)), tp, [(self.q_b.weight, None)])[0] if hasattr(self, "q_a") \
+                else gather_linears(x, tp, [(self.q.weight, None)])[0]
+            kv = gather_linears(self.kv_norm(c), tp, [(self.kv_b.weight, None)])[0]
+            k_r = _GatherSeq.apply(k_r, tp.group, tp.size)
+        else:
+            q = self.q_b(self.q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
+            kv = self.kv_b(self.kv_norm(c))
+        b, s, _ = q.shape
+        q = q.view(b, s, a, d_n + d_r).transpose(1, 2)
+        kv = kv.view(b, s, a, d_n + d_v).transpose(1, 2)
         k_n, v = kv.split([d_n, d_v], dim=-1)
         q_n, q_r = q.split([d_n, d_r], dim=-1)
         if d_r:

@@ -33,6 +33,7 @@ from cost_models.model_spec import ModelSpec
 from cost_models.partition import block_ranges
 
 from .context_parallel import SINGLE as NO_CP, ContextParallel, attention as context_attention
+from .expert_parallel import NO_ETP, etp_split_of
 from .tensor_parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, shard, split_of, \
     vocab_parallel_cross_entropy, vocab_parallel_embedding
 
@@ -114,11 +115,11 @@ def block(spec: ModelSpec, tp: TensorParallel = SINGLE, cp: ContextParallel = NO
         attn = mlp = None
         if spec.is_mla:
             from .mla import LatentAttention
-            attn = LatentAttention(spec)
+            attn = LatentAttention(spec, tp)
         if spec.is_moe and index >= spec.dense_layers:
             from .moe import NO_MOE, MoeMLP
             moe = moe or NO_MOE
-            mlp = MoeMLP(spec, moe.ep, moe.capacity_factor, moe.loss_scale, cp)
+            mlp = MoeMLP(spec, moe.ep, moe.capacity_factor, moe.loss_scale, tp, moe.etp, cp)
         return LlamaBlock(spec, tp, cp, attn, mlp)
     return Block(spec, tp, cp)
 
@@ -224,11 +225,14 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorParallel = SINGLE) -> None:
+def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorParallel = SINGLE,
+                    etp=None) -> None:
     """GPT-2 style init from one generator per global parameter name: weights N(0, 0.02) (residual
     output projections scaled by 1/sqrt(2L)), biases 0, norm weights 1 (the Llama kind alike). A tensor-parallel
-    rank draws the whole parameter and keeps its shard (:func:`executor.tensor_parallel.shard`):
-    every layout starts from the reference's weights."""
+    rank draws the whole parameter and keeps its shard (:func:`executor.tensor_parallel.shard`), an
+    expert-tensor-parallel rank (``etp``) its slice of each routed expert
+    (:func:`executor.expert_parallel.etp_split_of`): every layout starts from the reference's weights."""
+    etp = etp or NO_ETP
     for name, p in module.named_parameters():
         if name.endswith(".bias"):
             p.zero_()
@@ -241,12 +245,14 @@ def init_parameters(module: nn.Module, seed: int, num_layers: int, tp: TensorPar
         if name.endswith(("attn.proj.weight", ".out.weight", "mlp.down.weight", ".w2.weight")):
             std /= math.sqrt(2 * num_layers)
         g = torch.Generator().manual_seed(_param_seed(seed, name))
-        split = split_of(name) if tp.on else None
+        split, size, rank = (split_of(name), tp.size, tp.rank) if tp.on else (None, 1, 0)
+        if etp.size > 1 and etp_split_of(name) is not None:     # a routed expert's ETP slice
+            split, size, rank = etp_split_of(name), etp.size, etp.rank
         shape = list(p.shape)
         if split is not None:
-            shape[split[0]] *= tp.size
+            shape[split[0]] *= size
         full = torch.randn(shape, generator=g, dtype=torch.float32) * std
-        p.copy_(full if split is None else shard(full, tp.rank, tp.size, *split))
+        p.copy_(full if split is None else shard(full, rank, size, *split))
 
 
 def stage_module(spec: ModelSpec, num_stages: int, stage: int, *, seed: int = 0, partition=None,
@@ -258,7 +264,7 @@ def stage_module(spec: ModelSpec, num_stages: int, stage: int, *, seed: int = 0,
     (:class:`executor.moe.MoeRun`: EP group, capacity factor, loss scale; None: EP 1, dropless, 1)."""
     ranges = block_ranges(spec.layers, num_stages, partition)
     mod = StageModule(spec, ranges[stage], first=stage == 0, last=stage == num_stages - 1, tp=tp, cp=cp, moe=moe)
-    init_parameters(mod, seed, spec.layers, tp)
+    init_parameters(mod, seed, spec.layers, tp, moe.etp if moe is not None else None)
     return mod
 
 

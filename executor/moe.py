@@ -60,6 +60,20 @@ The forward is written as five steps the overlap runtime can cut between (each a
 ``unpermute``  the weighted sum back into token order (index_add of w * rows), plus the shared
                expert (times Qwen2's sigmoid gate where the spec has one).
 
+Tensor parallelism (``--tp T``, with sequence parallelism, Megatron-LM's rule for MoE): the block's
+input is the TP rank's 1/T of the sequence, and the MoE MLP works on those tokens alone: the
+router (replicated, its gradient summed over the TP group as a norm's) routes them, the EP group is
+folded from the stage's T x R processes (:meth:`executor.mesh.Mesh.expert_fold`), the shared expert
+is split over the TP group as a dense MLP (:class:`SharedExpert`). The load-balancing loss's load f
+is all-reduced over the TP group and each rank's P divided by the micro-batch's T n tokens
+(:func:`route_tokens`), so the ranks' terms sum to the micro-batch's aux; the reported value is
+that sum. Expert tensor parallelism (``--etp U``, :class:`executor.expert_parallel.ExpertTensorParallel`):
+each routed expert's w1/w3 column- and w2 row-split over the ETP group; after the dispatch the
+members' rows (and per-expert counts) are all-gathered over ETP, each member runs its slice on all
+of them, and the partial outputs are reduce-scattered back before the combine (Megatron's order),
+all inside the ``experts`` step. A capacity factor with T > 1 is refused (each rank would drop over
+its 1/T of the tokens, not the micro-batch's).
+
 At EP 1 (:data:`executor.expert_parallel.NO_EP`) dispatch and combine are identities. What autograd
 keeps per micro-batch (the saved-tensor meter's count): the router's fp32 scores (4 E per token),
 per kept pair the dispatched row and the combined row (2 h d) and the expert's gate, up and product
@@ -84,7 +98,8 @@ import torch.nn.functional as Fn
 
 from cost_models.model_spec import ModelSpec
 
-from .expert_parallel import NO_EP, ExpertParallel
+from .expert_parallel import NO_EP, NO_ETP, ExpertParallel, ExpertTensorParallel
+from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, gather_linears
 
 
 @dataclass(frozen=True)
@@ -115,13 +130,13 @@ def capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> i
 
 def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias: torch.Tensor | None = None,
                  capacity_factor: float = 0.0, tokens=None) -> Routing:
-    """The routing of the module docstring for ``logits`` [n, E] (fp32). ``tokens``: the
-    :class:`executor.context_parallel.ContextParallel` group whose C ranks each route n of the
-    micro-batch's C n tokens (None, or C = 1: these are all of them); the aux loss is then this
-    rank's share of the micro-batch's, as Megatron-LM computes it over its TP x CP group: the load
-    summed over the C ranks (one all-reduce of E integers), f_i = load_i / (C n k), and the share
-    E sum_i f_i (sum over the local tokens of p'_i) / (C n), whose sum over the ranks is the
-    whole micro-batch's aux (P_i's mean over C n tokens) and whose gradient is its gradient."""
+    """The routing of the module docstring for ``logits`` [n, E] (fp32). ``tokens``: the group whose
+    ranks each route n of the micro-batch's tokens (the TP group with sequence parallelism, or the
+    :class:`executor.context_parallel.ContextParallel` group; None, or size 1: these n are all of
+    them). The aux loss is then this rank's term of the micro-batch's, as Megatron-LM computes it
+    over its TP x CP group: the load summed over the group (one all-reduce of E integers),
+    f_i = load_i / (P n k) for a group of P, and P_i summed over the rank's tokens / (P n), so the
+    ranks' terms (and their gradients) sum to the whole micro-batch's."""
     n, E = logits.shape
     scores = torch.softmax(logits, -1) if router == "softmax" else torch.sigmoid(logits)
     choose = scores.detach() if bias is None else scores.detach() + bias.detach()
@@ -129,13 +144,11 @@ def route_tokens(logits: torch.Tensor, top_k: int, router: str = "softmax", bias
     weights = _Gates.apply(scores, topk)                              # [n, k]
     expert = topk.reshape(-1)                                         # pairs token-major: t * k + slot
     load = torch.bincount(expert, minlength=E)
-    if tokens is not None and tokens.on:       # the micro-batch's load over the C ranks' tokens
-        seen = load.clone()
-        dist.all_reduce(seen, group=tokens.group)
-        whole = n * tokens.size
-        aux = _AuxLoss.apply(scores, seen.to(scores.dtype) / (whole * top_k), router == "sigmoid") * (n / whole)
-    else:
-        aux = _AuxLoss.apply(scores, load.to(scores.dtype) / (n * top_k), router == "sigmoid")
+    every, parts = load, 1
+    if tokens is not None and tokens.on:        # the micro-batch's load over the group's tokens
+        every, parts = load.clone(), tokens.size
+        dist.all_reduce(every, group=tokens.group)
+    aux = _AuxLoss.apply(scores, every.to(scores.dtype) / (n * parts * top_k), router == "sigmoid", parts)
     pair = torch.arange(n * top_k, device=logits.device)
     cap = capacity(capacity_factor, n, top_k, E)
     dropped = 0
@@ -177,24 +190,26 @@ class _Gates(torch.autograd.Function):
 
 class _AuxLoss(torch.autograd.Function):
     """E sum_i f_i P_i (module docstring) of ``scores`` [n, E] and the load fractions ``f`` [E];
-    keeps the scores (kept anyway) and f."""
+    keeps the scores (kept anyway) and f. ``parts`` T: the n rows are one TP rank's of T n tokens
+    (P_i summed over them / T n: this rank's term)."""
 
     @staticmethod
-    def forward(ctx, scores, f, normalise):
-        ctx.normalise = normalise
+    def forward(ctx, scores, f, normalise, parts=1):
+        ctx.normalise, ctx.parts = normalise, parts
         ctx.save_for_backward(scores, f)
         probs = scores / scores.sum(-1, keepdim=True) if normalise else scores
-        return scores.shape[1] * (f * probs.mean(0)).sum()
+        mean = probs.mean(0) if parts == 1 else probs.sum(0) / (scores.shape[0] * parts)
+        return scores.shape[1] * (f * mean).sum()
 
     @staticmethod
     def backward(ctx, g):
         scores, f = ctx.saved_tensors
         n, E = scores.shape
-        gs = (g * E / n) * f.expand(n, E)                               # d aux / d p'
+        gs = (g * E / (n * ctx.parts)) * f.expand(n, E)                 # d aux / d p'
         if ctx.normalise:                                               # p' = s / S: (g_j - sum_i g_i p'_i) / S
             total = scores.sum(-1, keepdim=True)
             gs = (gs - (gs * scores / total).sum(-1, keepdim=True)) / total
-        return gs, None, None
+        return gs, None, None, None
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -228,17 +243,42 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert of inner size ``ffn``: w2(silu(w1 x) * w3 x), no biases (Mixtral's names)."""
+    """One SwiGLU expert of inner size ``ffn``: w2(silu(w1 x) * w3 x), no biases (Mixtral's names).
+    ``parts`` > 1: this process's 1/parts of it (w1, w3 its output rows, w2 its input columns: a routed
+    expert under ETP, whose caller gathers and reduce-scatters the rows)."""
 
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, parts: int = 1):
         super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w1 = nn.Linear(hidden, ffn // parts, bias=False)
+        self.w3 = nn.Linear(hidden, ffn // parts, bias=False)
+        self.w2 = nn.Linear(ffn // parts, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .llama import swiglu
         return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
+class SharedExpert(nn.Module):
+    """The shared experts' SwiGLU, split over the TP group as a dense MLP (w1, w3 column-parallel, w2
+    row-parallel; with sequence parallelism the input gathered and the output reduce-scattered over
+    the sequence, :mod:`executor.tensor_parallel`); at T = 1 an :class:`Expert`. Takes [b, s', h]."""
+
+    def __init__(self, hidden: int, ffn: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.w1 = nn.Linear(hidden, ffn // tp.size, bias=False)
+        self.w3 = nn.Linear(hidden, ffn // tp.size, bias=False)
+        self.w2 = RowParallelLinear(ffn, hidden, tp, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .llama import swiglu
+        if self.tp.on:      # with sequence parallelism (a MoE run at T > 1 has it: executor.config)
+            if x.is_leaf and x.requires_grad:   # a segment's input under --overlap-fb (executor.overlap): the
+                x = x.view_as(x)                # split backward asks autograd about the node after it, not a leaf
+            gate, up = gather_linears(x, self.tp, [(self.w1.weight, None), (self.w3.weight, None)])
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(swiglu(gate, up))
 
 
 class Router(nn.Module):
@@ -261,11 +301,26 @@ class LocalExperts(nn.ModuleDict):
     it is the ``experts`` step: each local expert's SwiGLU on its rows, the rows of several EP
     sources grouped by expert and the outputs put back in arrival order."""
 
-    def __init__(self, local: range, hidden: int, ffn: int):
-        super().__init__({str(j): Expert(hidden, ffn) for j in local})
-        self.local = local
+    def __init__(self, local: range, hidden: int, ffn: int, etp: ExpertTensorParallel = NO_ETP):
+        super().__init__({str(j): Expert(hidden, ffn, etp.size) for j in local})
+        self.local, self.etp = local, etp
 
     def forward(self, st: "MoeState") -> "MoeState":
+        """With ETP the members' rows are gathered first (each member's counts beside its own, so the
+        sources are EP x ETP) and the partial outputs reduce-scattered back after (:class:`ExpertTensorParallel`)."""
+        etp = self.etp
+        if etp.size > 1:
+            every = etp.gather_counts(st.counts, st.rows.device)
+            rows_of = [sum(c) for c in every]
+            own = st.counts
+            st.counts = [c for cs in every for c in cs]
+            st.rows = etp.gather_rows(st.rows, rows_of)
+            st = self._compute(st)
+            st.rows, st.counts = etp.scatter_rows(st.rows, rows_of), own
+            return st
+        return self._compute(st)
+
+    def _compute(self, st: "MoeState") -> "MoeState":
         per = len(self.local)
         sources = len(st.counts) // per
         order = None
@@ -305,15 +360,18 @@ class MoeMLP(nn.Module):
     context-parallel group whose ranks route the micro-batch's other tokens (:func:`route_tokens`)."""
 
     def __init__(self, spec: ModelSpec, ep: ExpertParallel = NO_EP, capacity_factor: float = 0.0,
-                 loss_scale: float = 1.0, cp=None):
+                 loss_scale: float = 1.0, tp: TensorParallel = SINGLE, etp: ExpertTensorParallel = NO_ETP, cp=None):
         super().__init__()
-        self.ep, self.capacity_factor, self.loss_scale, self.cp = ep, capacity_factor, loss_scale, cp
+        self.ep, self.capacity_factor, self.loss_scale = ep, capacity_factor, loss_scale
+        self.tp, self.cp = tp, cp
+        # the group whose ranks split the micro-batch's tokens (TP with SP, or CP; both at once are refused)
+        self.tokens = cp if cp is not None and cp.on else (tp if tp.on else None)
         self.num_experts, self.top_k, self.router_kind = spec.experts, spec.top_k, spec.router
         self.coeff = float(spec.aux_loss_coeff)
         self.local = ep.experts(spec.experts)
         self.router = Router(spec.hidden, spec.experts, spec.router == "sigmoid")
-        self.experts = LocalExperts(self.local, spec.hidden, spec.expert_width)
-        self.shared = Expert(spec.hidden, spec.shared_ffn) if spec.shared_ffn else None
+        self.experts = LocalExperts(self.local, spec.hidden, spec.expert_width, etp)
+        self.shared = SharedExpert(spec.hidden, spec.shared_ffn, tp) if spec.shared_ffn else None
         self.shared_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_ffn and spec.shared_gate else None
         self.aux_value: torch.Tensor | None = None    # alpha * aux of the last forward (detached)
         self.load = [0] * spec.experts      # tokens routed to each expert since the last take_expert_load
@@ -323,8 +381,12 @@ class MoeMLP(nn.Module):
         """Router, top-k, aux loss, capacity; the kept pairs' rows gathered in expert order."""
         flat = x.reshape(-1, x.shape[-1])
         r = route_tokens(self.router(flat), self.top_k, self.router_kind, self.router.bias, self.capacity_factor,
-                         self.cp)
-        self.aux_value = (self.coeff * r.aux).detach() if self.coeff else None
+                         self.tokens)
+        aux = (self.coeff * r.aux).detach() if self.coeff else None
+        if aux is not None and self.tp.on:      # each TP rank's term of the micro-batch's aux: their sum
+            aux = aux.clone()
+            dist.all_reduce(aux, group=self.tp.group)
+        self.aux_value = aux
         if torch._C._current_graph_task_id() == -1:     # a forward, not its recomputation inside a backward
             self.load = [a + b for a, b in zip(self.load, torch.bincount(r.topk.reshape(-1), minlength=len(self.load))
                                                .tolist())]
@@ -360,7 +422,7 @@ class MoeMLP(nn.Module):
         rows = st.rows
         y = _WeightedSum.apply(rows, r.weight.to(rows.dtype), r.token, flat.shape[0])
         if self.shared is not None:
-            s = self.shared(flat)
+            s = self.shared(x).reshape(flat.shape)
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(self.shared_gate(flat))
             y = y + s
@@ -418,6 +480,7 @@ class MoeRun:
     ep: ExpertParallel = NO_EP
     capacity_factor: float = 0.0
     loss_scale: float = 1.0
+    etp: ExpertTensorParallel = NO_ETP      # the routed experts' ETP group
 
 
 NO_MOE = MoeRun()

@@ -77,7 +77,11 @@ SPLITS = {"attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3), "attn.proj.weight"
           "embed.tok.weight": (0, 1), "head.weight": (0, 1),
           # the Llama block (executor.llama)
           **{f"attn.{n}.{w}": (0, 1) for n in "qkv" for w in ("weight", "bias")},
-          "mlp.gate.weight": (0, 1), "mlp.up.weight": (0, 1), "mlp.down.weight": (1, 1)}
+          "mlp.gate.weight": (0, 1), "mlp.up.weight": (0, 1), "mlp.down.weight": (1, 1),
+          # a mixture of experts' shared experts (executor.moe.SharedExpert), latent attention's
+          # per-head up-projections (executor.mla; its q is the Llama block's attn.q)
+          "mlp.shared.w1.weight": (0, 1), "mlp.shared.w3.weight": (0, 1), "mlp.shared.w2.weight": (1, 1),
+          "attn.q_b.weight": (0, 1), "attn.kv_b.weight": (0, 1)}
 
 
 @dataclass(frozen=True)

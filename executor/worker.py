@@ -130,19 +130,23 @@ class ProcessGroups:
         group, :meth:`Mesh.expert_fold` of the stage's processes). Every rank creates every group, in
         stage, then fold order; a group of one is None (stages on one device share their groups: the
         same ranks, one cached group). ``wire``: the emulated wire's bytes/s (``--a2a-wire``)."""
-        from .expert_parallel import ExpertGroups, ExpertParallel
+        from .expert_parallel import ExpertGroups, ExpertParallel, ExpertTensorParallel
         out = {}
         for s in range(sched.num_stages):
             eps, edps = mesh.expert_fold(sorted(sched.stage_group(s)), ep, etp)
-            for ranks in eps + edps:
+            etps = mesh.expert_tp_groups(sorted(sched.stage_group(s)), ep, etp) if etp > 1 else ()
+            for ranks in eps + edps + etps:
                 if len(ranks) > 1:
                     self.for_ranks(ranks, rank, device)
             mine_ep = next((g for g in eps if rank in g), None)
             if mine_ep is None:
                 continue
             mine_edp = next(g for g in edps if rank in g)
+            mine_etp = next((g for g in etps if rank in g), None)
             out[s] = ExpertGroups(ExpertParallel(ep, mine_ep.index(rank), self._stage.get(mine_ep), mine_ep, wire=wire),
-                                  mine_edp, self._stage.get(mine_edp), mine_edp.index(rank))
+                                  mine_edp, self._stage.get(mine_edp), mine_edp.index(rank),
+                                  ExpertTensorParallel(etp, mine_etp.index(rank), self._stage.get(mine_etp), mine_etp)
+                                  if mine_etp else None)
         return out
 
     def for_tensor_parallel(self, mesh: Mesh, rank: int, device) -> object:
@@ -394,7 +398,7 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
             if s not in built:
                 built[s] = cfg.precision.prepare(stage_module(spec, sched.num_stages, s, seed=cfg.seed,
                                                               partition=cfg.blocks, tp=tp, cp=cp,
-                                                              moe=cfg.moe_run(experts[s].ep if s in experts
+                                                              moe=cfg.moe_run(experts[s] if s in experts
                                                                               else None)).to(ctx.device))
             modules[(c, s)] = built[s]
         params = [p for m in built.values() for p in m.parameters()]
@@ -414,7 +418,9 @@ def setup_rank(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Pro
         tied = TiedGradients(rank, [(ranks, groups.for_ranks(ranks, rank, ctx.device) if len(ranks) > 1 else None,
                                      ps) for ranks, ps in stack.tie_groups], stack.excluded)
     elif tp.sequence:           # norms on 1/T of the sequence: their gradients summed over the TP group
-        partial = [p for m in built.values() for n, p in m.named_parameters() if sequence_partial(n)]
+        # (routed experts held apart: summed over their EDP group below; at EP = ETP = 1 the TP ranks are in it)
+        partial = [p for m in built.values() for n, p in m.named_parameters() if sequence_partial(n)
+                   and not (experts and is_expert_param(n))]
     if partial and not cfg.parallel.zero:    # ZeRO-1 sums them on its shard instead (executor.zero)
         from .user_model import TiedGradients
         tied = TiedGradients(global_rank, [(mesh.tp_group(rank, cp_rank), tp_group, partial)], set(),
@@ -534,8 +540,8 @@ def run_job(job: Job, rank: int, world: int, ctx: DeviceContext, groups: "Proces
         if zero is not None:      # ZeRO 3: the weights gathered from their shards
             zero.gather_all()
         replica = pipe_rank // sched.num_devices
-        report["params"] = {f"r{replica}.c{c}/{n}": p.detach().cpu().clone() for (c, _), m in rs.modules.items()
-                            for n, p in m.named_parameters(remove_duplicate=False)}
+        report["params"] = {f"r{replica}.c{c}/{n}": _whole_expert(n, p, (rs.experts or {}).get(s)).cpu().clone()
+                            for (c, s), m in rs.modules.items() for n, p in m.named_parameters(remove_duplicate=False)}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(report, gathered, dst=0)
     return merge_reports(cfg, sched, gathered, backend=ctx.backend) if rank == 0 else None
@@ -664,13 +670,33 @@ def merge_reports(cfg: RunConfig, sched: Schedule, reports: list[dict], *, backe
                      extra=extra)
 
 
+def _whole_expert(name: str, p: torch.Tensor, groups) -> torch.Tensor:
+    """Parameter ``p`` whole: a routed expert's ETP slice all-gathered over its ETP group (every member
+    reads every parameter in one order, so the gathers meet); any other as it is."""
+    from .expert_parallel import etp_split_of
+    from .tensor_parallel import gather as gather_shards
+    etp = getattr(groups, "etp", None)
+    split = etp_split_of(name) if etp is not None and etp.size > 1 else None
+    if split is None:
+        return p.detach()
+    parts = [torch.empty_like(p) for _ in range(etp.size)]
+    dist.all_gather(parts, p.detach().contiguous(), group=etp.group)
+    return gather_shards(parts, *split)
+
+
 def gather_params(per_rank) -> tuple[dict, float]:
     """The whole parameters of every pipeline rank from its TP ranks' (in TP rank order): split ones
     concatenated (:func:`executor.tensor_parallel.gather`), replicated ones from TP rank 0; and the
     largest difference of a replicated parameter between the TP ranks holding it (0 when they agree)."""
     out, drift = {}, 0.0
     for shards in per_rank:
-        for key, value in shards[0].items():
+        keys = dict.fromkeys(k for s in shards for k in s)     # a routed expert: on the TP ranks of its EP rank
+        for key in keys:
+            holders = [s for s in shards if key in s]
+            if len(holders) < len(shards):      # routed experts (EP folded over the TP ranks): whole on each
+                out[key] = holders[0][key]
+                continue
+            value = shards[0][key]
             split = split_of(key) if len(shards) > 1 else None
             if split is not None:
                 out[key] = gather([s[key] for s in shards], *split)

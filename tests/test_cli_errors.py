@@ -138,8 +138,11 @@ CASES = [
                                                                             "T x R = 1 x 1", "more --dp"]),
     ("run-ep-not-dividing-experts", RUN + ["--ep", "3", "--dp", "3", "--model", "tiny-mixtral"],
      ["--ep 3 does not divide the 8 experts"]),
-    ("run-etp", RUN + ["--ep", "2", "--etp", "2", "--dp", "4", "--model", "tiny-mixtral"],
-     ["--etp 2 splits each expert", "--etp 1"]),
+    ("run-etp-model-file", RUN + ["--etp", "2", "--dp", "2", "--model",
+                                  f"{Path(__file__).parent}/data/models/dropout.py:build"],
+     ["--etp 2 splits a mixture of experts", "model file", "use --ep 1 --etp 1"]),
+    ("run-etp-not-dividing-width", RUN + ["--etp", "3", "--dp", "3", "--model", "tiny-deepseek"],
+     ["--etp 3 does not divide the expert width 16"]),
     ("run-ep-zero3-two-copies", ["run", "-s", "chimera", "-D", "2", "-N", "2", "--steps", "1", "--ep", "2", "--dp",
                                  "2", "--zero", "3", "--model", "tiny-mixtral"],
      ["--zero 3 shards a stage", "chimera holds stage 0 on 2 devices", "--zero 1"]),
@@ -175,10 +178,17 @@ CASES = [
      ["--capacity-factor 1.25 with --cp 2", "reference drops among the whole sequence's", "--capacity-factor 0"]),
     ("run-cp-ep-not-folding", RUN + ["-m", "tiny-mixtral", "--cp", "2", "--ep", "4"],
      ["--ep 4 x --etp 1 must divide", "T x C x R = 1 x 2 x 1", "more --dp"]),
-    ("run-tp-with-experts", RUN + ["-m", "tiny-mixtral", "--tp", "2"],
-     ["--tp 2", "tiny-mixtral has a mixture of experts", "use --tp 1"]),
-    ("run-tp-with-latent-attention", RUN + ["-m", "tiny-deepseek", "--tp", "2", "--sequence-parallel"],
-     ["--tp 2", "tiny-deepseek has a mixture of experts"]),
+    ("run-tp-with-experts-without-sp", RUN + ["-m", "tiny-mixtral", "--tp", "2"],
+     ["a mixture of experts at --tp 2 needs --sequence-parallel"]),
+    ("run-tp-with-latent-attention-without-sp", RUN + ["-m", "{mladense}", "--tp", "2"],
+     ["latent attention (MLA) at --tp 2 needs --sequence-parallel"]),
+    ("run-tp-with-capacity-factor", RUN + ["-m", "tiny-mixtral", "--tp", "2", "--sequence-parallel",
+                                           "--capacity-factor", "1.5"],
+     ["--capacity-factor 1.5 with --tp 2", "drop --capacity-factor"]),
+    ("run-tp-not-dividing-shared-expert", RUN + ["-m", "{oddshared}", "--tp", "2", "--sequence-parallel"],
+     ["--tp 2 does not divide the shared experts' width (15)"]),
+    ("run-tp-cp-with-experts", RUN + ["-m", "tiny-mixtral", "--tp", "2", "--sequence-parallel", "--cp", "2"],
+     ["--tp 2 with --cp 2 for a mixture of experts", "use --tp 1 or --cp 1"]),
     ("run-capacity-factor-dense", RUN + ["--capacity-factor", "1.5"], ["--capacity-factor acts on a mixture of experts",
                                                                        "model tiny is dense"]),
     ("run-torch-experts", RUN + ["-m", "tiny-mixtral", "--runtime", "torch"],
@@ -762,6 +772,13 @@ def files(tmp_path):
                         ("podhalf", "nodes_per_pod: 2\npod_oversubscription: 0.5\n"),
                         ("podzero", "nodes_per_pod: 0\n"), ("podleaf", "nodes_per_pod: 3\n")):
         (tmp_path / f"{name}.yaml").write_text(pods + extra)
+    (tmp_path / "mladense.yaml").write_text(     # tiny-deepseek's latent attention, a dense MLP
+        "name: mla-dense\nkind: llama\nlayers: 4\nhidden: 32\nheads: 4\nhead_size: 8\nkv_lora_rank: 16\n"
+        "q_lora_rank: 24\nrope_head_dim: 4\nv_head_size: 8\nffn_hidden: 64\nseq_len: 16\nvocab: 64\n"
+        "micro_batch: 2\ndtype_bytes: 4\n")
+    (tmp_path / "oddshared.yaml").write_text(   # tiny-deepseek's shape, a shared expert 15 wide
+        (Path(__file__).parents[1] / "cost_models/presets/models/tiny-deepseek.yaml").read_text()
+        .replace("name: tiny-deepseek", "name: odd-shared").replace("shared_ffn: 16", "shared_ffn: 15"))
     (tmp_path / "dupmodel.yaml").write_text("layers: 4\nhidden: 64\nheads: 4\nseq_len: 8\nvocab: 16\nhidden: 32\n")
     (tmp_path / "dupcluster.yaml").write_text("nodes: 1\ndevices_per_node: 8\ndevice: a100\n"
                                               "intra: {type: nvlink3, bandwidth: 300 GB/s, bandwidth: 3 GB/s}\n"
@@ -787,7 +804,7 @@ def files(tmp_path):
     (tmp_path / "tp3.yaml").write_text(measured + "tp: 3\n" + tp_ar)
     names = ("nanmodel", "infcluster", "dupmodel", "dupcluster", "dupprofile", "cutprofile", "sc_actw_nan",
              "sc_actw_inf", "sc_actw_neg", "sc_blocking", "tp1profile", "tp2profile", "tpnan", "tpzero", "tpnoar",
-             "tparinf", "tp3", "podnan", "podhalf", "podzero", "podleaf")
+             "tparinf", "tp3", "podnan", "podhalf", "podzero", "podleaf", "mladense", "oddshared")
     made = {"file": str(f), "dir": str(tmp_path), "empty": str(empty), "tmp": tmp_path,
             "model": str(tmp_path / "model.py"), "hf_bert": str(tmp_path / "bert.json"),
             "torch_swapped": str(tmp_path / "swapped.csv"), "torch_spaced": str(tmp_path / "spaced.csv"),
