@@ -94,11 +94,12 @@ def routing_bytes(spec: ModelSpec, tokens: float, pairs: float) -> float:
 
 
 def regroup_bytes(par: Parallel, pairs: float) -> float:
-    """What an EP rank keeps to regroup the rows it receives (source-major as they arrive) by its
-    local experts and back: two int64 orders per received pair (the gather into expert order and
-    the one back into arrival order), ``16 pairs`` with EP > 1, none at EP 1 (the rows arrive in
-    expert order), as :class:`executor.moe.LocalExperts` keeps them."""
-    return pairs * 2 * INDEX_BYTES if par.ep > 1 else 0.0
+    """What an expert rank keeps to regroup the rows it computes (source-major as they arrive: from
+    its EP peers, then gathered over its ETP group) by its local experts and back: two int64 orders
+    per row (the gather into expert order and the one back into arrival order), ``16 ETP pairs``
+    with EP x ETP > 1, none at EP = ETP = 1 (the rows arrive in expert order), as
+    :class:`executor.moe.LocalExperts` keeps them."""
+    return pairs * par.etp * 2 * INDEX_BYTES if par.ep * par.etp > 1 else 0.0
 
 
 def shared_gate_bytes(spec: ModelSpec, tokens: float) -> float:

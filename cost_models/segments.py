@@ -24,7 +24,7 @@ Segments of block i (:func:`block_segments`), summing to
   expert indices, each kept pair's two int64 indices, its place in expert order and its token's,
   which the gather into expert order keeps);
   (2) experts: ``pairs (ETP h + 3 f_e) d`` (each dispatched row, all-gathered over ETP, the
-  SwiGLU's gate, up and product) plus, at EP > 1, the two int64 regrouping orders per pair
+  SwiGLU's gate, up and product) plus, at EP x ETP > 1, the two int64 regrouping orders per row
   (:func:`cost_models.moe.regroup_bytes`);
   (3) unpermute + residual: ``pairs (h + 1) d + 3 n f_s d + shared gate`` (each combined row and
   its gate weight for the weighted sum; the shared expert).

@@ -136,10 +136,10 @@ def test_memory_per_rank_equals_the_ledger(runs, case):
 @pytest.mark.slow
 def test_etp_keeps_the_gathered_rows(runs):
     """ETP 2 keeps h d more per routed row than EP 2 (the expert input all-gathered over ETP): balanced
-    routing gives each rank n k = (b s / T) E = 64 rows per MoE block and micro-batch, so the ledger's
-    peaks differ by m x 2 blocks x 64 h d on a rank whose dapple peak holds m = D - r micro-batches.
-    Measured, the difference is that plus the experts' row regrouping (two int64 indices per row
-    grouped: 2 ETP n k at ETP 2, 2 n k at EP 2, where the EP sources are the rows' senders), to the byte."""
+    routing gives each rank n k = (b s / T) E = 64 rows per MoE block and micro-batch, so the peaks
+    differ by m x 2 blocks x (64 h d + the experts' row regrouping: two int64 indices per row grouped,
+    2 ETP n k at ETP 2, 2 n k at EP 2, :func:`cost_models.moe.regroup_bytes`) on a rank whose dapple
+    peak holds m = D - r micro-batches: measured and in the ledger, to the byte."""
     from cost_models.bind import bind
     from cost_models.memory import peak_activation
     peaks = {}
@@ -152,5 +152,5 @@ def test_etp_keeps_the_gathered_rows(runs):
     (ep, ep_led), (etp, etp_led) = peaks["mem-T2-EP2"], peaks["mem-T2-ETP2"]
     for r in range(2):
         m = 2 - r
-        assert etp_led[r] - ep_led[r] == m * 2 * rows * spec.hidden * spec.dtype_bytes
+        assert etp_led[r] - ep_led[r] == m * 2 * (rows * spec.hidden * spec.dtype_bytes + 2 * 8 * (2 * rows - rows))
         assert etp[r] - ep[r] == m * 2 * (rows * spec.hidden * spec.dtype_bytes + 2 * 8 * (2 * rows - rows))

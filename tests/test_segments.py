@@ -32,10 +32,10 @@ def test_segments_sum_to_the_ledgers_block(name):
 
 def test_the_experts_segment_keeps_etps_rows_and_eps_orders():
     """tiny-mixtral, block 0, T 1: pairs = n k = b s k; the experts segment is
-    pairs (ETP h + 3 f_e) d + 16 pairs at EP > 1 (two int64 orders a pair)."""
+    pairs (ETP h + 3 f_e) d + 16 ETP pairs at EP x ETP > 1 (two int64 orders a row computed)."""
     spec = load_model("tiny-mixtral")
     pairs = spec.micro_batch * spec.seq_len * spec.top_k
     h, fe, d = spec.hidden, spec.expert_width, spec.dtype_bytes
     for ep, etp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
         seg = block_segments(spec, 0, parallel=Parallel(ep=ep, etp=etp))[1]
-        assert seg == pairs * (etp * h + 3 * fe) * d + (16 * pairs if ep > 1 else 0)
+        assert seg == pairs * (etp * h + 3 * fe) * d + (16 * etp * pairs if ep * etp > 1 else 0)
