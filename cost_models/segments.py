@@ -2,7 +2,7 @@
 
 The ONE statement of the memory rule of a segmented forward (:mod:`executor.overlap` cuts a stage's
 forward at these points; the simulator books an overlapped pair's memory from these bytes,
-:func:`pair_peak`). Notation of :mod:`cost_models.transformer` (b, s, h, d, t; R, S, A the
+:func:`cost_models.memory.pair_peak`). Notation of :mod:`cost_models.transformer` (b, s, h, d, t; R, S, A the
 replicated, split and score bytes of a block; ``mask`` 1 byte with dropout) and of
 :mod:`cost_models.moe` (n = bs / t tokens a GPU routes, k, E, f_e, f_s, ``pairs`` = n k x imbalance).
 

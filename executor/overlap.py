@@ -312,7 +312,7 @@ def interleave(f_gen: Iterator, b_gen: Iterator, f_token: str, b_token: str, clo
     end: a turn is one segment's compute, preceded by the wait for the exchange the op started at
     its previous cut (if any); so each exchange's wait comes after the other op's next compute
     segment, and the pair alternates F's segment 1, B's last, F's segment 2, B's next-to-last, ...
-    whether or not a cut exchanges anything (:func:`cost_models.segments.pair_peak`'s order).
+    whether or not a cut exchanges anything (:func:`cost_models.memory.pair_peak`'s order).
     Returns their values and the :class:`Phase` rows (``clock`` the rank's clock, ``sync`` the
     device synchronisation before a phase's end is read)."""
     gens = [f_gen, b_gen]
