@@ -45,22 +45,7 @@ import torch.nn.functional as Fn
 from cost_models.model_spec import ModelSpec
 
 from .llama import RMSNorm, rotary
-from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, _all_gather_seq, _reduce_scatter_seq, \
-    gather_linears
-
-
-class _GatherSeq(torch.autograd.Function):
-    """Sequence parallel: all-gather over the sequence forward, reduce-scatter of the gradient backward
-    (Megatron-LM's ``gather_from_sequence_parallel_region``)."""
-
-    @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        return _all_gather_seq(x, group, size)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_seq(g, ctx.group, ctx.size), None, None
+from .tensor_parallel import SINGLE, RowParallelLinear, TensorParallel, gather_linears, gather_seq
 
 
 class LatentAttention(nn.Module):
@@ -90,7 +75,7 @@ class LatentAttention(nn.Module):
             q = gather_linears(self.q_norm(self.q_a(x)), tp, [(self.q_b.weight, None)])[0] if hasattr(self, "q_a") \
                 else gather_linears(x, tp, [(self.q.weight, None)])[0]
             kv = gather_linears(self.kv_norm(c), tp, [(self.kv_b.weight, None)])[0]
-            k_r = _GatherSeq.apply(k_r, tp.group, tp.size)
+            k_r = gather_seq(k_r, tp)
         else:
             q = self.q_b(self.q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
             kv = self.kv_b(self.kv_norm(c))

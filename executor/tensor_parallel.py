@@ -277,18 +277,25 @@ def gather_linears(x: torch.Tensor, tp: TensorParallel, linears) -> tuple[torch.
     return out if isinstance(out, tuple) else (out,)
 
 
-class _Scatter(torch.autograd.Function):
-    """Sequence parallel, after a row-parallel linear: reduce-scatter of the partial sums over the
-    sequence forward, all-gather of the gradient backward."""
+class _SeqExchange(torch.autograd.Function):
+    """Sequence parallel, one exchange and its transpose. ``gather`` False (after a row-parallel
+    linear): reduce-scatter of the partial sums over the sequence forward, all-gather of the gradient
+    backward (Megatron-LM's ``reduce_scatter_to_sequence_parallel_region``); True: all-gather
+    forward, reduce-scatter of the gradient backward (``gather_from_sequence_parallel_region``)."""
 
     @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        return _reduce_scatter_seq(x, group, size)
+    def forward(ctx, x, group, size, gather=False):
+        ctx.group, ctx.size, ctx.gather = group, size, gather
+        return (_all_gather_seq if gather else _reduce_scatter_seq)(x, group, size)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather_seq(g, ctx.group, ctx.size), None, None
+        return (_reduce_scatter_seq if ctx.gather else _all_gather_seq)(g, ctx.group, ctx.size), None, None, None
+
+
+def gather_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The whole sequence from each rank's 1/T (its gradient reduce-scattered back): :class:`_SeqExchange`."""
+    return _SeqExchange.apply(x, tp.group, tp.size, True)
 
 
 def copy(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -302,7 +309,7 @@ def reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     with sequence parallelism each rank's slice of the sequence."""
     if not tp.on:
         return x
-    return _Scatter.apply(x, tp.group, tp.size) if tp.sequence else _Reduce.apply(x, tp.group)
+    return _SeqExchange.apply(x, tp.group, tp.size) if tp.sequence else _Reduce.apply(x, tp.group)
 
 
 class _VocabParallelCE(torch.autograd.Function):

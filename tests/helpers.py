@@ -118,3 +118,11 @@ def reference_one_thread(cfg):
         return run_reference(cfg)
     finally:
         torch.set_num_threads(threads)
+
+
+def moe_blocks_on(cfg, sched, device: int) -> int:
+    """The MoE blocks (index >= the spec's dense layers) of the stages ``device`` holds."""
+    from cost_models.partition import block_ranges
+    spec = cfg.spec()
+    ranges = block_ranges(spec.layers, sched.num_stages, cfg.blocks)
+    return sum(1 for c, s in sched.stages_on(device) for i in ranges[s] if i >= spec.dense_layers)

@@ -9,7 +9,8 @@ from cost_models import load_model
 from cost_models.job import Job
 from executor.config import RunConfig
 from executor.mesh import Mesh
-from tests.helpers import assert_losses_equal, assert_params_equal_reference, params_by_name, reference_cache
+from tests.helpers import (assert_losses_equal, assert_params_equal_reference, moe_blocks_on, params_by_name,
+                           reference_cache)
 
 
 @pytest.mark.parametrize("tp,ep,etp,eps,edps", [
@@ -103,14 +104,6 @@ def test_routing_is_uneven_and_differs_between_ep_ranks(runs, case):
 MEM_IDS = sorted(k for k in CASES[4] if k.startswith("mem-") and not k.endswith("-ep1"))
 
 
-def _moe_blocks_on(cfg, sched, device: int) -> int:
-    """The MoE blocks (index >= the spec's dense layers) of the stages ``device`` holds."""
-    from cost_models.partition import block_ranges
-    spec = cfg.spec()
-    ranges = block_ranges(spec.layers, sched.num_stages, cfg.blocks)
-    return sum(1 for c, s in sched.stages_on(device) for i in ranges[s] if i >= spec.dense_layers)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", MEM_IDS)
 def test_memory_per_rank_equals_the_ledger_at_ep2(runs, case):
@@ -141,7 +134,7 @@ def test_memory_per_rank_equals_the_ledger_at_ep2(runs, case):
     spec = cfg.spec()
     if not cfg.parallel.zero:
         for r, (a, b) in enumerate(zip(res.per_device, one.per_device)):
-            blocks = _moe_blocks_on(cfg, sched, r % sched.num_devices)
+            blocks = moe_blocks_on(cfg, sched, r % sched.num_devices)
             assert b["static_bytes"] - a["static_bytes"] == 16 * blocks * spec.experts // 2 * expert_params(spec)
     per = regroup_bytes(cfg.parallel, spec.micro_batch * spec.seq_len * spec.top_k)
     assert per == 16 * 32 * 4

@@ -27,7 +27,7 @@ from cost_models import load_model
 from cost_models.job import Job
 from cost_models.moe import expert_params
 from executor.config import RunConfig
-from tests.helpers import assert_losses_equal, assert_params_equal_reference, reference_cache
+from tests.helpers import assert_losses_equal, assert_params_equal_reference, moe_blocks_on, reference_cache
 
 BASE = dict(steps=2, optimizer="sgd", lr=0.05, collect_params=True, timeout=30.0, devices=2, microbatches=4,
             tp=2, sequence_parallel=True)
@@ -101,13 +101,6 @@ def test_latent_attention_weights_per_rank_equal_the_ledger(runs):
     assert [d["static_bytes"] for d in res.per_device] == [int(x) for x in b.costs.static_mem]
 
 
-def _moe_blocks_on(cfg, sched, device: int) -> int:
-    from cost_models.partition import block_ranges
-    spec = cfg.spec()
-    ranges = block_ranges(spec.layers, sched.num_stages, cfg.blocks)
-    return sum(1 for c, s in sched.stages_on(device) for i in ranges[s] if i >= spec.dense_layers)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", MEM_IDS)
 def test_memory_per_rank_equals_the_ledger(runs, case):
@@ -129,7 +122,7 @@ def test_memory_per_rank_equals_the_ledger(runs, case):
         _, _, one = runs(4)["mem-T2"]
         spec = cfg.spec()
         for r, (a, w) in enumerate(zip(res.per_device, one.per_device)):
-            blocks = _moe_blocks_on(cfg, sched, r)
+            blocks = moe_blocks_on(cfg, sched, r)
             assert w["static_bytes"] - a["static_bytes"] == 16 * blocks * spec.experts // 2 * expert_params(spec)
 
 
