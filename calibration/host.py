@@ -138,6 +138,19 @@ class HostMeasurements:
     ep: int = 1             # expert-parallel size E of the runs to predict (a mixture of experts)
     moe: dict | None = None  # a MoE model's expert layers measured alone (measure_moe_layers), else None
     a2a: tuple = ()         # with E > 1: (bytes a rank sends, seconds) of the EP group's all-to-all
+    per_ep1: list | None = None  # with E > 1: ``per`` at E = 1 (every expert local), as the traced runs run
+
+    def traced(self) -> HostMeasurements:
+        """The host as calibration's traced runs meet it (:func:`runtime_configs`: E = 1, every expert
+        local, no all-to-all): ``per_ep1`` for ``per``, no EP group. The runtime fit simulates those
+        runs on this (:func:`fit_profile`): priced at E = 2 instead, each MoE block's F would carry
+        the counts', dispatch's and combine's fitted seconds and its B the two gradients' that the
+        runs never spend, and the fitted scales would shrink the compute to make room for them
+        (tiny-mixtral at E 2: F scaled 0.78 while its traced F ops ran about 3x their alone time,
+        so a run's step came out mostly all-to-all). Itself at E = 1."""
+        if self.ep == 1 or self.per_ep1 is None:
+            return self
+        return replace(self, per=list(self.per_ep1), kept=kept_bytes(self.per_ep1), ep=1, a2a=(), per_ep1=None)
 
     @cached_property
     def link_fits(self) -> dict[str, float]:
@@ -215,9 +228,12 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
         moe = measure_moe_layers(spec, ep, threads, repeats) if spec.is_moe else None
         if moe is not None:
             report("expert layers")
-        at_ep = block_at_ep(layers.get("moe_block", layers["block"]), moe, ep)
+        moe_block = layers.get("moe_block", layers["block"])
+        at_ep = block_at_ep(moe_block, moe, ep)
         per = [layers["embedding"]] + [at_ep if spec.is_moe and i >= spec.dense_layers else layers["block"]
                                        for i in range(spec.layers)] + [layers["head"]]
+        per_ep1 = [layers["embedding"]] + [moe_block if spec.is_moe and i >= spec.dense_layers else layers["block"]
+                                           for i in range(spec.layers)] + [layers["head"]] if ep > 1 else None
         model_spec, kept = spec, kept_bytes(per)
         opt_model, data = spec, measure_data(spec)
         label, run_mb = spec.name, micro_batch
@@ -232,7 +248,8 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
     return HostMeasurements(model=model, label=label, model_spec=model_spec, micro_batch=run_mb, ranks=ranks,
                             threads=threads, per=per, dtype=dtype, kept=kept, tp=tp,
                             optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm,
-                            ep=ep, moe=None if stack_ref is not None else moe, a2a=a2a)
+                            ep=ep, moe=None if stack_ref is not None else moe, a2a=a2a,
+                            per_ep1=None if stack_ref is not None else per_ep1)
 
 
 def block_at_ep(t: dict, moe: dict | None, ep: int) -> dict:
@@ -322,6 +339,14 @@ def speed_yardstick(profile: CalibrationProfile) -> Callable[[RunConfig], object
     return of
 
 
+def host_yardstick(host: HostMeasurements) -> Callable[[RunConfig], object | None]:
+    """:func:`speed_yardstick` before the runtime fit, for a sitting of ``host``'s traced runs (E = 1)
+    and runs at the host's E: each config on the host as it runs it (:meth:`HostMeasurements.traced`
+    at E = 1, else ``host``, the all-to-alls' fitted seconds in its MoE blocks' ops)."""
+    at_ep, traced = speed_yardstick(host_profile(host)), speed_yardstick(host_profile(host.traced()))
+    return lambda config: (traced if config.parallel.ep == 1 else at_ep)(config)
+
+
 def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationProfile:
     """The profile: ``host``'s measurements with the runtime fitted on the traced ``base`` runs
     (:func:`runtime_configs` at :func:`fit_ranks` ranks). When ``host.ranks`` outnumber the cores,
@@ -340,15 +365,18 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationPro
         meta["tp_allreduce_samples"] = [list(x) for x in comm["tp_allreduce"]]
 
     def make_profile(scale: dict, overhead: dict, time_slice: float | None = None, p2p_extra: float = 0.0,
-                     ar_slowdown: float = 1.0) -> CalibrationProfile:
-        return host_profile(host, scale, overhead, time_slice=time_slice, p2p_extra=p2p_extra, ar_slowdown=ar_slowdown,
+                     ar_slowdown: float = 1.0, of: HostMeasurements = host) -> CalibrationProfile:
+        return host_profile(of, scale, overhead, time_slice=time_slice, p2p_extra=p2p_extra, ar_slowdown=ar_slowdown,
                             meta=dict(meta, runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
                                       sitting=dict(sitting)))
 
+    traced = host.traced()      # what the traced runs run (E = 1): the fits simulate them on it
+
     def fit(time_slice: float | None) -> CalibrationProfile:
         # the op costs first (op totals), then the in-run communication on the step times
-        scale, overhead = fit_runtime(base, lambda sc, ov: make_profile(sc, ov, time_slice))
-        p2p_extra, ar_slowdown = fit_communication(base, lambda p, a: make_profile(scale, overhead, time_slice, p, a))
+        scale, overhead = fit_runtime(base, lambda sc, ov: make_profile(sc, ov, time_slice, of=traced))
+        p2p_extra, ar_slowdown = fit_communication(
+            base, lambda p, a: make_profile(scale, overhead, time_slice, p, a, of=traced))
         return make_profile(scale, overhead, time_slice, p2p_extra, ar_slowdown)
 
     if base_ranks * host.tp > cores:
@@ -386,5 +414,5 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
                         dtype=dtype, tp=tp, ep=ep)
     report("runtime (traced runs)")
     series = run_series(host.runtime_configs(fit_ranks(ranks, tp), runtime_steps), rules, progress=report,
-                        yardstick=speed_yardstick(host_profile(host)))
+                        yardstick=host_yardstick(host))
     return fit_profile(host, series)

@@ -172,3 +172,70 @@ def test_an_emulated_wire_makes_each_row_exchange_take_its_bytes_over_the_wire(t
     for s in range(2):
         assert costs.phases_f[0][s].comm_total == pytest.approx(2 * (counts + 2 * 8192 / 2e6), rel=1e-9)
         assert costs.phases_b[0][s].comm_total == pytest.approx(2 * 2 * 8192 / 2e6, rel=1e-9)
+
+
+def _layer(f: float, b_input: float, w: float) -> dict:
+    return {"f": f, "b_input": b_input, "w": w, "b": b_input + w, "act": 1000.0, "act_w": 500.0,
+            "act_recompute": {"selective": 800.0, "full": 100.0}}
+
+
+def _synthetic_host():
+    """A host of tiny-mixtral at E 2 with made-up alone times (ms): a MoE block 1.0 / 1.2 / 0.4 at
+    E 1, its experts 0.4 / 0.8 / 0.2 at E 1 and 0.3 / 0.5 / 0.1 at E 2 (so 0.9 / 0.9 / 0.3 at E 2:
+    :func:`calibration.host.block_at_ep`); an all-to-all of S bytes 1e-4 + S / 1e9 s exactly."""
+    from calibration.host import HostMeasurements, block_at_ep, kept_bytes
+    ms = 1e-3
+    moe = {"router": _layer(0.05 * ms, 0.1 * ms, 0.02 * ms), "experts": _layer(0.3 * ms, 0.5 * ms, 0.1 * ms),
+           "experts_ep1": _layer(0.4 * ms, 0.8 * ms, 0.2 * ms)}
+    block = _layer(1.0 * ms, 1.2 * ms, 0.4 * ms)
+    emb, head = _layer(0.01 * ms, 0.02 * ms, 0.01 * ms), _layer(0.07 * ms, 0.1 * ms, 0.05 * ms)
+    per1 = [emb] + [block] * SPEC.layers + [head]
+    per2 = [emb] + [block_at_ep(block, moe, 2)] * SPEC.layers + [head]
+    line = [(b, 1e-4 + b / 1e9) for b in (4096.0, 65536.0, 1048576.0)]
+    comm = {"p2p": line, "allreduce": line, "grad_copy_per_byte": 0.0}
+    return HostMeasurements(model="tiny-mixtral", label="tiny-mixtral", model_spec=SPEC, micro_batch=None, ranks=4,
+                            threads=1, per=per2, dtype="fp32", kept=kept_bytes(per2), optimizer=1e-9, data=0.0,
+                            comm=comm, ep=2, moe=moe, a2a=tuple(line), per_ep1=per1)
+
+
+def test_the_runtime_fit_prices_the_traced_runs_at_ep1_and_the_profile_at_its_ep(monkeypatch):
+    """Calibration's traced runs are E = 1 (every expert local, no all-to-all: runtime_configs), so the
+    runtime fit must simulate them so: priced at E 2, each MoE block's F carried counts + dispatch +
+    combine = 3 x 1e-4 + (64 + 2 x 8192) / 1e9 s and its B 2 x (1e-4 + 8192 / 1e9) s that those runs
+    never spent, and the fitted scales shrank the compute to make room (tiny-mixtral: F scaled 0.78
+    while its traced F ops ran ~3x their alone time). The fit's profile is the E 1 one; the profile
+    kept is at E 2 with the fitted scales on its own (E 2) layer times, all-to-alls on top."""
+    from calibration import host as H
+    h = _synthetic_host()
+    ms = 1e-3
+    traced = h.traced()
+    assert (traced.ep, traced.a2a, traced.per_ep1) == (1, (), None)
+    fit_prof = H.host_profile(traced)
+    assert fit_prof.ep == 1 and fit_prof.all_to_all is None and fit_prof.a2a_times() == (0.0, 0.0, 0.0)
+    lc = fit_prof.layer_costs()
+    assert lc.f[1:-1] == pytest.approx((1.0 * ms,) * SPEC.layers, rel=1e-12)        # the E 1 block, bare
+    assert lc.b_input[1:-1] == pytest.approx((1.2 * ms,) * SPEC.layers, rel=1e-12)
+    # at E 2: the block 1.0 + 0.3 - 0.4 = 0.9 ms, then counts (64 B) + dispatch + combine (8192 B each)
+    counts, rows = 1e-4 + 64 / 1e9, 1e-4 + 8192 / 1e9
+    lc2 = H.host_profile(h).layer_costs()
+    assert lc2.f[1:-1] == pytest.approx((0.9 * ms + counts + 2 * rows,) * SPEC.layers, rel=1e-9)
+    assert lc2.b_input[1:-1] == pytest.approx((0.9 * ms + 2 * rows,) * SPEC.layers, rel=1e-9)
+
+    # fit_profile: the fits see the E 1 profile; the kept one is E 2 with their scale
+    seen = []
+
+    def fit_runtime(base, make):
+        seen.append(make({"F": 1.0}, {}))
+        return {"F": 3.0, "B": 2.0, "Bi": 2.0, "W": 1.5, "OPTIM": 1.0}, {"F": 0.0, "B": 0.0, "W": 0.0}
+
+    def fit_communication(base, make):
+        seen.append(make(0.0, 1.0))
+        return 0.0, 1.0
+    monkeypatch.setattr(H, "fit_runtime", fit_runtime)
+    monkeypatch.setattr(H, "fit_communication", fit_communication)
+    monkeypatch.setattr(H, "fit_ranks", lambda ranks, tp: 2)
+    prof = H.fit_profile(h, [])
+    assert [(p.ep, p.all_to_all) for p in seen] == [(1, None), (1, None)]
+    assert seen[0].layer_costs().f[1] == pytest.approx(1.0 * ms, rel=1e-12)
+    assert prof.ep == 2 and prof.all_to_all is not None
+    assert prof.layer_costs().f[1] == pytest.approx(3.0 * 0.9 * ms + counts + 2 * rows, rel=1e-9)
