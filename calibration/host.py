@@ -292,7 +292,17 @@ def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: di
     """The profile of ``host``'s measurements on this host's cores: the layers' alone times times
     the runtime's ``scale`` per kind (F, B, Bi, W, OPTIM; default 1), ``overhead`` per op kind (s;
     default none), the OS ``time_slice``, and the in-run communication (extra P2P latency,
-    all-reduce slowdown over the lone fits). ``meta`` is kept, with the scale and the fits added."""
+    all-reduce slowdown over the lone fits). ``meta`` is kept, with the scale and the fits added.
+
+    With an EP group, one synchronous all-to-all round's in-run cost (``a2a_round``, what the
+    simulator prices each counts' round of a MoE block's F at, on the op's compute stream:
+    :meth:`cost_models.profile.CalibrationProfile.a2a_forward_parts`) is the in-run P2P message
+    latency (ping-pong latency + the fitted extra), not a fit of its own: an E = 2 traced run (the
+    one that would fit it, as the extra P2P latency is fitted on E = 1 runs) is not in the sitting
+    yet, and on tiny-mixtral D 1 N 8 E 2 under --dp 2 --ep 2 the segments holding such a round
+    carried 1.8-2.4 ms a round in the run against a 1.87 ms in-run P2P latency that sitting, while
+    the all-to-all fit (alone, after a barrier) allows ~0.4 ms: a gloo round in a run costs what a
+    message does, not what it costs alone."""
     scale, overhead, comm = dict(scale or {}), dict(overhead or {}), host.comm
     fits = host.link_fits
     lat, bw, ar_lat, ar_bw = (fits[k] for k in ("p2p_latency", "p2p_bandwidth", "allreduce_latency",
@@ -307,7 +317,7 @@ def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: di
         name=f"{platform.node() or 'host'}-{host.label}" + (f"-tp{host.tp}" if host.tp > 1 else "")
         + (f"-ep{host.ep}" if host.ep > 1 else ""),
         model=host.model_spec, tp=host.tp, tp_allreduce=tp_ar, ep=host.ep, all_to_all=a2a,
-        a2a_residual=fits.get("a2a_residual"), expert_layers=experts,
+        a2a_residual=fits.get("a2a_residual"), a2a_round=lat + p2p_extra if a2a else None, expert_layers=experts,
         layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
         p2p=LinkSpec("calibrated-p2p", bw, lat + p2p_extra),
         allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_slowdown, ar_lat * ar_slowdown),

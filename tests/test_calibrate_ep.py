@@ -69,17 +69,27 @@ def test_layer_costs_add_each_moe_blocks_all_to_alls_from_the_fit(profile):
     counts = one(8 * SPEC.experts)              # the per-expert counts: E int64
     rows = one(T * SPEC.top_k * SPEC.hidden * 4)  # dispatch or combine: n k h d = 8192 bytes a rank
     assert profile.a2a_times() == pytest.approx((counts, rows, rows), rel=1e-12)
+    # F: four synchronous rounds a block at the in-run round cost c (calibrate's: the in-run P2P
+    # latency, here without a runtime fit the ping-pong's), the counts' 8E bytes, the rows less the
+    # fit's own counts' round (latency / 2) twice
+    c = profile.a2a_round
+    assert c == profile.p2p.latency
+    part = a.latency / 2 + T * SPEC.top_k * SPEC.hidden * 4 / a.bandwidth
+    f_a2a = 4 * c + 8 * SPEC.experts / a.bandwidth + 2 * part
+    assert profile.a2a_forward_parts() == pytest.approx((3 * c + 8 * SPEC.experts / a.bandwidth, part, c, part),
+                                                        rel=1e-12)
     lc = profile.layer_costs()
     for i, t in enumerate(profile.layers):
         moe = 1 <= i <= SPEC.layers
-        assert lc.f[i] == pytest.approx(t.f + (counts + 2 * rows if moe else 0.0), rel=1e-12)
+        assert lc.f[i] == pytest.approx(t.f + (f_a2a if moe else 0.0), rel=1e-12)
         assert lc.b_input[i] == pytest.approx(t.b_input + (2 * rows if moe else 0.0), rel=1e-12)
         assert lc.w[i] == t.w
-    # the stages' F / B phases: per MoE block counts + dispatch, combine (F); the two gradients (B)
+    # the stages' F / B phases: per MoE block the dispatch's and combine's rows (F; the rounds are
+    # compute); the two gradients (B)
     low = lowered_schedule(measured_run(_job("dapple"), 3))
     costs = profile.cost_model(low.num_stages).bind(low)
     for s in range(low.num_stages):          # 2 stages of 2 blocks
-        assert costs.phases_f[0][s].comm_total == pytest.approx(2 * (counts + 2 * rows), rel=1e-9)
+        assert costs.phases_f[0][s].comm_total == pytest.approx(2 * 2 * part, rel=1e-9)
         assert costs.phases_b[0][s].comm_total == pytest.approx(2 * 2 * rows, rel=1e-9)
         assert costs.phases_f[0][s].total == pytest.approx(costs.f[0][s], rel=1e-9)
     # experts measured alone slower than the whole block (a loaded host's spell), under a full backward
@@ -91,7 +101,7 @@ def test_layer_costs_add_each_moe_blocks_all_to_alls_from_the_fit(profile):
         blocks = SPEC.layers // low.num_stages
         for ph in (p for table in (costs.phases_f, costs.phases_b) for row in table for p in row):
             assert min(ph.compute) >= 0.0
-        assert all(p.comm_total == pytest.approx(blocks * (counts + 2 * rows), rel=1e-9) for p in costs.phases_f[0])
+        assert all(p.comm_total == pytest.approx(blocks * 2 * part, rel=1e-9) for p in costs.phases_f[0])
 
 
 def _job(schedule: str, overlap: bool = False) -> Job:
@@ -151,12 +161,45 @@ meta: {host: test, threads: 1}
 """
 
 
+def test_a_moe_blocks_counts_rounds_are_compute_its_own_pair_cannot_hide(tmp_path):
+    """EP_PROFILE with ``all_to_all.round: 2 ms`` (c): one MoE block's F is its compute (0.4 ms: 0.3
+    before the dispatch, the experts' 0.1), the 4 synchronous rounds before the dispatch's rows (3c
+    and the counts' 64 bytes / 0.4 GB/s = 0.16 us) and before the combine's (c) as compute, and
+    the rows x = 450 us (the fit's 900 us less its own counts' round) + 8192 / 0.4 GB/s = 470.48 us
+    twice as comm: phases compute 6.30016, comm 0.47048, compute 2.1, comm 0.47048 (ms), 9.34112
+    in all. Its B (the fit's 920.48 us exchanges as comm, 0.1 ms experts, 0.35 ms rest) runs
+    beside it: B's comm 0.92048 under F's first compute, B's 0.1 ms compute at 6.30016 (while
+    F's rows run, ending 6.40016), B's second comm 6.77064 .. 7.69112 under F's 2.1 ms compute,
+    B's last 0.35 ms compute after it (8.87064 .. 9.22064) while F's last rows run to 9.34112.
+    The pair takes F's 9.34112 ms (sm_share 0): none of the 8.00016 ms of rounds is hidden; had
+    the rounds been comm (the old phases), the B's compute would have run under them."""
+    from cost_models.base import OpPhases
+    from sim.overlap import overlapped_pair
+    path = tmp_path / "ep.yaml"
+    path.write_text(EP_PROFILE.replace("all_to_all: {latency: 900 us, bandwidth: 0.4 GB/s}",
+                                       "all_to_all: {latency: 900 us, bandwidth: 0.4 GB/s, round: 2 ms}"))
+    prof = load_profile(path)
+    assert prof.a2a_round == pytest.approx(2e-3, rel=1e-12)
+    assert load_profile(save_profile(prof, tmp_path / "again.yaml")).a2a_round == prof.a2a_round
+    c, x = 2e-3, 450e-6 + 8192 / 0.4e9
+    fs, bs = prof.layer_segments(prof.layer_costs())
+    f, b = OpPhases.from_segments(fs[1]), OpPhases.from_segments(bs[1])
+    assert f.compute == pytest.approx((0.3e-3 + 3 * c + 64 / 0.4e9, 0.1e-3 + c), rel=1e-9)
+    assert f.comm == pytest.approx((x, x), rel=1e-9)
+    assert b.compute == pytest.approx((0.0, 0.1e-3, 0.35e-3), rel=1e-9, abs=1e-15)
+    assert b.comm == pytest.approx((920.48e-6, 920.48e-6), rel=1e-9)
+    pair = overlapped_pair(f, b, 0.0)
+    assert pair.time == pytest.approx(0.4e-3 + 4 * c + 64 / 0.4e9 + 2 * x, rel=1e-9)     # 9.34112 ms
+    assert pair.time == pytest.approx(9.34112e-3, rel=1e-6)
+
+
 def test_an_emulated_wire_makes_each_row_exchange_take_its_bytes_over_the_wire(tmp_path):
     """--a2a-wire W on a profile of EP 2: the dispatch and combine of S = n k h d = 32 x 2 x 32 x 4 =
     8192 bytes a rank take max(900 us + S / 0.4 GB/s, S / W): 4.096 ms at W = 2 MB/s (the wire's),
     the fit's 920.48 us at W = 1 GB/s (8.192 us on the wire: the gloo exchange is longer); the counts
     (64 bytes) keep the fit's 900.16 us. A job with the knob binds its profile so: each stage of
-    dapple D 2 (2 MoE blocks) has 2 x (counts + 2 rows) all-to-all seconds in F, 2 x 2 rows in B."""
+    dapple D 2 (2 MoE blocks) has 2 x 2 x (S / W - 450 us) comm seconds in F (the rows after each
+    exchange's counts' round, priced as compute at the fit's 450 us a round), 2 x 2 rows in B."""
     from cost_models.job import Faults
     from sim.job import simulate_job
     path = tmp_path / "ep.yaml"
@@ -170,7 +213,11 @@ def test_an_emulated_wire_makes_each_row_exchange_take_its_bytes_over_the_wire(t
                  faults=Faults(a2a_wire=2e6))
     costs = simulate_job(job).bound.costs
     for s in range(2):
-        assert costs.phases_f[0][s].comm_total == pytest.approx(2 * (counts + 2 * 8192 / 2e6), rel=1e-9)
+        # the rounds (4 a block at the fit's latency / 2 = 450 us, no a2a_round in the file) are
+        # compute; the rows' comm is what the wire leaves after the round: 4.096 ms - 450 us
+        assert costs.phases_f[0][s].comm_total == pytest.approx(2 * 2 * (8192 / 2e6 - 450e-6), rel=1e-9)
+        assert costs.phases_f[0][s].total - costs.phases_f[0][s].comm_total == pytest.approx(
+            costs.f[0][s] - 2 * 2 * (8192 / 2e6 - 450e-6), rel=1e-9)
         assert costs.phases_b[0][s].comm_total == pytest.approx(2 * 2 * 8192 / 2e6, rel=1e-9)
 
 
@@ -215,10 +262,13 @@ def test_the_runtime_fit_prices_the_traced_runs_at_ep1_and_the_profile_at_its_ep
     lc = fit_prof.layer_costs()
     assert lc.f[1:-1] == pytest.approx((1.0 * ms,) * SPEC.layers, rel=1e-12)        # the E 1 block, bare
     assert lc.b_input[1:-1] == pytest.approx((1.2 * ms,) * SPEC.layers, rel=1e-12)
-    # at E 2: the block 1.0 + 0.3 - 0.4 = 0.9 ms, then counts (64 B) + dispatch + combine (8192 B each)
-    counts, rows = 1e-4 + 64 / 1e9, 1e-4 + 8192 / 1e9
+    # at E 2: the block 1.0 + 0.3 - 0.4 = 0.9 ms, then the counts (64 B), dispatch, combine (8192 B each)
+    # F: 4 synchronous rounds at the in-run P2P latency c = 1e-4 (no extra fitted here) + the counts'
+    # 64 B + the rows less the fit's own counts' round (1e-4 / 2) twice; B: the fit's exchanges
+    rows, c = 1e-4 + 8192 / 1e9, 1e-4
+    f_a2a = 4 * c + 64 / 1e9 + 2 * (0.5e-4 + 8192 / 1e9)
     lc2 = H.host_profile(h).layer_costs()
-    assert lc2.f[1:-1] == pytest.approx((0.9 * ms + counts + 2 * rows,) * SPEC.layers, rel=1e-9)
+    assert lc2.f[1:-1] == pytest.approx((0.9 * ms + f_a2a,) * SPEC.layers, rel=1e-9)
     assert lc2.b_input[1:-1] == pytest.approx((0.9 * ms + 2 * rows,) * SPEC.layers, rel=1e-9)
 
     # fit_profile: the fits see the E 1 profile; the kept one is E 2 with their scale
@@ -238,4 +288,5 @@ def test_the_runtime_fit_prices_the_traced_runs_at_ep1_and_the_profile_at_its_ep
     assert [(p.ep, p.all_to_all) for p in seen] == [(1, None), (1, None)]
     assert seen[0].layer_costs().f[1] == pytest.approx(1.0 * ms, rel=1e-12)
     assert prof.ep == 2 and prof.all_to_all is not None
-    assert prof.layer_costs().f[1] == pytest.approx(3.0 * 0.9 * ms + counts + 2 * rows, rel=1e-9)
+    assert prof.layer_costs().f[1] == pytest.approx(3.0 * 0.9 * ms + f_a2a, rel=1e-9)
+    assert prof.a2a_round == pytest.approx(prof.p2p.latency, rel=1e-12)      # the in-run P2P latency
