@@ -171,8 +171,10 @@ def test_a_moe_blocks_counts_rounds_are_compute_its_own_pair_cannot_hide(tmp_pat
     beside it: B's comm 0.92048 under F's first compute, B's 0.1 ms compute at 6.30016 (while
     F's rows run, ending 6.40016), B's second comm 6.77064 .. 7.69112 under F's 2.1 ms compute,
     B's last 0.35 ms compute after it (8.87064 .. 9.22064) while F's last rows run to 9.34112.
-    The pair takes F's 9.34112 ms (sm_share 0): none of the 8.00016 ms of rounds is hidden; had
-    the rounds been comm (the old phases), the B's compute would have run under them."""
+    The pair takes F's 9.34112 ms (sm_share 0): none of the 8.00016 ms of rounds is hidden. Had
+    the rounds been comm (the old phases: compute 0.3, comm 6.47064, compute 0.1, comm 2.47048),
+    they would have held the one comm stream: B's first exchange 0 .. 0.92048, F's 0.92048 ..
+    7.39112, B's second to 8.3116, F's last to 10.78208 ms."""
     from cost_models.base import OpPhases
     from sim.overlap import overlapped_pair
     path = tmp_path / "ep.yaml"
@@ -191,6 +193,9 @@ def test_a_moe_blocks_counts_rounds_are_compute_its_own_pair_cannot_hide(tmp_pat
     pair = overlapped_pair(f, b, 0.0)
     assert pair.time == pytest.approx(0.4e-3 + 4 * c + 64 / 0.4e9 + 2 * x, rel=1e-9)     # 9.34112 ms
     assert pair.time == pytest.approx(9.34112e-3, rel=1e-6)
+    as_comm = OpPhases.from_segments([("compute", 0.3e-3), ("comm", 3 * c + 64 / 0.4e9 + x), ("compute", 0.1e-3),
+                                      ("comm", c + x)])
+    assert overlapped_pair(as_comm, b, 0.0).time == pytest.approx(10.78208e-3, rel=1e-6)
 
 
 def test_an_emulated_wire_makes_each_row_exchange_take_its_bytes_over_the_wire(tmp_path):
