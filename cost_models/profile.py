@@ -49,6 +49,9 @@ when calibrating), and :meth:`CalibrationProfile.layer_costs` adds its all-to-al
 per MoE block, F runs three (the per-expert counts, E x 8 bytes; the dispatch and the combine, each
 ``n k h d`` bytes per rank, :func:`cost_models.moe.moe_share`) and the input backward two (their
 gradients; the forward's three again under full recomputation) (:meth:`CalibrationProfile.a2a_times`).
+F's synchronous rounds (four a block: the counts exchange's two, the dispatch's and the combine's
+counts' rounds) are priced at one in-run round cost, ``all_to_all.round``
+(:meth:`CalibrationProfile.a2a_forward_parts`), as compute: the op's own stream waits on them.
 A MoE model's costs carry F / B phases (compute and all-to-all segments,
 :meth:`CalibrationProfile.layer_segments`), so that the simulator runs the schedule's overlapped
 F&B pairs as the executor does (:mod:`sim.overlap`). A profile is used at the E it was measured at only.
