@@ -16,6 +16,7 @@ from calibration.measure import A2A_SIZES, routed_counts
 from calibration.simulate import simulate_with_profile
 from calibration.sitting import RunSeries, SittingRules
 from cost_models import load_model, load_profile, save_profile
+from cost_models._spec import SpecError
 from cost_models.job import Job
 from cost_models.profile import LayerTiming
 from executor.config import lowered_schedule
@@ -183,6 +184,10 @@ def test_a_moe_blocks_counts_rounds_are_compute_its_own_pair_cannot_hide(tmp_pat
     prof = load_profile(path)
     assert prof.a2a_round == pytest.approx(2e-3, rel=1e-12)
     assert load_profile(save_profile(prof, tmp_path / "again.yaml")).a2a_round == prof.a2a_round
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EP_PROFILE.replace("bandwidth: 0.4 GB/s}", "bandwidth: 0.4 GB/s, round: -1 ms}"))
+    with pytest.raises(SpecError, match=r"all_to_all\.round"):
+        load_profile(bad)
     c, x = 2e-3, 450e-6 + 8192 / 0.4e9
     fs, bs = prof.layer_segments(prof.layer_costs())
     f, b = OpPhases.from_segments(fs[1]), OpPhases.from_segments(bs[1])
