@@ -30,7 +30,7 @@ from schedules import build
 from schedules.trace import noise_free, op_orders, step_metrics
 
 from .fit import fit_ranks, measured_run
-from .host import fit_profile, host_profile, measure_host, speed_yardstick
+from .host import fit_profile, host_yardstick, measure_host, speed_yardstick
 from .simulate import simulate_with_profile
 from .sitting import NOISY_RUNS, SittingRules, run_series, sitting_problems
 
@@ -218,7 +218,7 @@ def calibrate_and_compare(jobs: list[Job], *, steps: int = 20, repeats: int = 20
     every = list(dict.fromkeys(val + fit_base))
     report(f"runs: {len(val)} schedules and {len(every) - len(val)} more calibration runs, interleaved")
     by_cfg = dict(zip(every, run_series(every, rules or SittingRules(), progress=report,
-                                        yardstick=speed_yardstick(host_profile(host)))))
+                                        yardstick=host_yardstick(host))))
     profile = fit_profile(host, [by_cfg[c] for c in fit_base])
     return profile, compare_series([by_cfg[c] for c in val], profile, frozenset(fit_base))
 

@@ -138,6 +138,19 @@ class HostMeasurements:
     ep: int = 1             # expert-parallel size E of the runs to predict (a mixture of experts)
     moe: dict | None = None  # a MoE model's expert layers measured alone (measure_moe_layers), else None
     a2a: tuple = ()         # with E > 1: (bytes a rank sends, seconds) of the EP group's all-to-all
+    per_ep1: list | None = None  # with E > 1: ``per`` at E = 1 (every expert local), as the traced runs run
+
+    def traced(self) -> HostMeasurements:
+        """The host as calibration's traced runs meet it (:func:`runtime_configs`: E = 1, every expert
+        local, no all-to-all): ``per_ep1`` for ``per``, no EP group. The runtime fit simulates those
+        runs on this (:func:`fit_profile`): priced at E = 2 instead, each MoE block's F would carry
+        the counts', dispatch's and combine's fitted seconds and its B the two gradients' that the
+        runs never spend, and the fitted scales would shrink the compute to make room for them
+        (tiny-mixtral at E 2: F scaled 0.78 while its traced F ops ran about 3x their alone time,
+        so a run's step came out mostly all-to-all). Itself at E = 1."""
+        if self.ep == 1 or self.per_ep1 is None:
+            return self
+        return replace(self, per=list(self.per_ep1), kept=kept_bytes(self.per_ep1), ep=1, a2a=(), per_ep1=None)
 
     @cached_property
     def link_fits(self) -> dict[str, float]:
@@ -215,9 +228,12 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
         moe = measure_moe_layers(spec, ep, threads, repeats) if spec.is_moe else None
         if moe is not None:
             report("expert layers")
-        at_ep = block_at_ep(layers.get("moe_block", layers["block"]), moe, ep)
+        moe_block = layers.get("moe_block", layers["block"])
+        at_ep = block_at_ep(moe_block, moe, ep)
         per = [layers["embedding"]] + [at_ep if spec.is_moe and i >= spec.dense_layers else layers["block"]
                                        for i in range(spec.layers)] + [layers["head"]]
+        per_ep1 = [layers["embedding"]] + [moe_block if spec.is_moe and i >= spec.dense_layers else layers["block"]
+                                           for i in range(spec.layers)] + [layers["head"]] if ep > 1 else None
         model_spec, kept = spec, kept_bytes(per)
         opt_model, data = spec, measure_data(spec)
         label, run_mb = spec.name, micro_batch
@@ -232,7 +248,8 @@ def measure_host(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, prog
     return HostMeasurements(model=model, label=label, model_spec=model_spec, micro_batch=run_mb, ranks=ranks,
                             threads=threads, per=per, dtype=dtype, kept=kept, tp=tp,
                             optimizer=max(opt, comm["optimizer_per_param"]), data=data, comm=comm,
-                            ep=ep, moe=None if stack_ref is not None else moe, a2a=a2a)
+                            ep=ep, moe=None if stack_ref is not None else moe, a2a=a2a,
+                            per_ep1=None if stack_ref is not None else per_ep1)
 
 
 def block_at_ep(t: dict, moe: dict | None, ep: int) -> dict:
@@ -275,7 +292,17 @@ def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: di
     """The profile of ``host``'s measurements on this host's cores: the layers' alone times times
     the runtime's ``scale`` per kind (F, B, Bi, W, OPTIM; default 1), ``overhead`` per op kind (s;
     default none), the OS ``time_slice``, and the in-run communication (extra P2P latency,
-    all-reduce slowdown over the lone fits). ``meta`` is kept, with the scale and the fits added."""
+    all-reduce slowdown over the lone fits). ``meta`` is kept, with the scale and the fits added.
+
+    With an EP group, one synchronous all-to-all round's in-run cost (``a2a_round``, what the
+    simulator prices each counts' round of a MoE block's F at, on the op's compute stream:
+    :meth:`cost_models.profile.CalibrationProfile.a2a_forward_parts`) is the in-run P2P message
+    latency (ping-pong latency + the fitted extra), not a fit of its own: an E = 2 traced run (the
+    one that would fit it, as the extra P2P latency is fitted on E = 1 runs) is not in the sitting
+    yet, and on tiny-mixtral D 1 N 8 E 2 under --dp 2 --ep 2 the segments holding such a round
+    carried 1.8-2.4 ms a round in the run against a 1.87 ms in-run P2P latency that sitting, while
+    the all-to-all fit (alone, after a barrier) allows ~0.4 ms: a gloo round in a run costs what a
+    message does, not what it costs alone."""
     scale, overhead, comm = dict(scale or {}), dict(overhead or {}), host.comm
     fits = host.link_fits
     lat, bw, ar_lat, ar_bw = (fits[k] for k in ("p2p_latency", "p2p_bandwidth", "allreduce_latency",
@@ -290,7 +317,7 @@ def host_profile(host: HostMeasurements, scale: dict | None = None, overhead: di
         name=f"{platform.node() or 'host'}-{host.label}" + (f"-tp{host.tp}" if host.tp > 1 else "")
         + (f"-ep{host.ep}" if host.ep > 1 else ""),
         model=host.model_spec, tp=host.tp, tp_allreduce=tp_ar, ep=host.ep, all_to_all=a2a,
-        a2a_residual=fits.get("a2a_residual"), expert_layers=experts,
+        a2a_residual=fits.get("a2a_residual"), a2a_round=lat + p2p_extra if a2a else None, expert_layers=experts,
         layers=tuple(LayerTiming(x["f"], x["b_input"], x["w"], x["b"]) for x in timing),
         p2p=LinkSpec("calibrated-p2p", bw, lat + p2p_extra),
         allreduce=LinkSpec("calibrated-allreduce", ar_bw / ar_slowdown, ar_lat * ar_slowdown),
@@ -322,6 +349,14 @@ def speed_yardstick(profile: CalibrationProfile) -> Callable[[RunConfig], object
     return of
 
 
+def host_yardstick(host: HostMeasurements) -> Callable[[RunConfig], object | None]:
+    """:func:`speed_yardstick` before the runtime fit, for a sitting of ``host``'s traced runs (E = 1)
+    and runs at the host's E: each config on the host as it runs it (:meth:`HostMeasurements.traced`
+    at E = 1, else ``host``, the all-to-alls' fitted seconds in its MoE blocks' ops)."""
+    at_ep, traced = speed_yardstick(host_profile(host)), speed_yardstick(host_profile(host.traced()))
+    return lambda config: (traced if config.parallel.ep == 1 else at_ep)(config)
+
+
 def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationProfile:
     """The profile: ``host``'s measurements with the runtime fitted on the traced ``base`` runs
     (:func:`runtime_configs` at :func:`fit_ranks` ranks). When ``host.ranks`` outnumber the cores,
@@ -340,15 +375,18 @@ def fit_profile(host: HostMeasurements, base: list[RunSeries]) -> CalibrationPro
         meta["tp_allreduce_samples"] = [list(x) for x in comm["tp_allreduce"]]
 
     def make_profile(scale: dict, overhead: dict, time_slice: float | None = None, p2p_extra: float = 0.0,
-                     ar_slowdown: float = 1.0) -> CalibrationProfile:
-        return host_profile(host, scale, overhead, time_slice=time_slice, p2p_extra=p2p_extra, ar_slowdown=ar_slowdown,
+                     ar_slowdown: float = 1.0, of: HostMeasurements = host) -> CalibrationProfile:
+        return host_profile(of, scale, overhead, time_slice=time_slice, p2p_extra=p2p_extra, ar_slowdown=ar_slowdown,
                             meta=dict(meta, runtime_fit_ranks=base_ranks, probe_seconds=dict(probes),
                                       sitting=dict(sitting)))
 
+    traced = host.traced()      # what the traced runs run (E = 1): the fits simulate them on it
+
     def fit(time_slice: float | None) -> CalibrationProfile:
         # the op costs first (op totals), then the in-run communication on the step times
-        scale, overhead = fit_runtime(base, lambda sc, ov: make_profile(sc, ov, time_slice))
-        p2p_extra, ar_slowdown = fit_communication(base, lambda p, a: make_profile(scale, overhead, time_slice, p, a))
+        scale, overhead = fit_runtime(base, lambda sc, ov: make_profile(sc, ov, time_slice, of=traced))
+        p2p_extra, ar_slowdown = fit_communication(
+            base, lambda p, a: make_profile(scale, overhead, time_slice, p, a, of=traced))
         return make_profile(scale, overhead, time_slice, p2p_extra, ar_slowdown)
 
     if base_ranks * host.tp > cores:
@@ -386,5 +424,5 @@ def calibrate(model: str = "tiny", *, ranks: int = 2, repeats: int = 20, progres
                         dtype=dtype, tp=tp, ep=ep)
     report("runtime (traced runs)")
     series = run_series(host.runtime_configs(fit_ranks(ranks, tp), runtime_steps), rules, progress=report,
-                        yardstick=speed_yardstick(host_profile(host)))
+                        yardstick=host_yardstick(host))
     return fit_profile(host, series)

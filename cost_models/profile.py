@@ -34,7 +34,8 @@ devices whose links are the fitted point-to-point and all-reduce costs. Format (
     ep: 2                          # optional (default 1): the expert-parallel size E a MoE model was measured at
     all_to_all: {latency: 900 us, bandwidth: 0.4 GB/s, residual: 0.3}  # with ep > 1: one executor all-to-all
                                    # over the EP group, latency + bytes a rank sends / bandwidth (residual: the
-                                   # fit's largest relative miss on its own points, meta["a2a_samples"])
+                                   # fit's largest relative miss on its own points, meta["a2a_samples"]; round:
+                                   # one synchronous EP round's in-run seconds, a2a_forward_parts; absent: latency / 2)
     expert_layers: {router: {f:, b_input:, w:, b:}, experts: {...}, experts_ep1: {...}, shared: {...}}
                                    # a MoE model's expert layers measured alone (calibration.measure.measure_moe_layers)
     meta: {host: ..., torch: ..., threads: 1, date: ...}   # free-form, kept as is
@@ -48,6 +49,9 @@ when calibrating), and :meth:`CalibrationProfile.layer_costs` adds its all-to-al
 per MoE block, F runs three (the per-expert counts, E x 8 bytes; the dispatch and the combine, each
 ``n k h d`` bytes per rank, :func:`cost_models.moe.moe_share`) and the input backward two (their
 gradients; the forward's three again under full recomputation) (:meth:`CalibrationProfile.a2a_times`).
+F's synchronous rounds (four a block: the counts exchange's two, the dispatch's and the combine's
+counts' rounds) are priced at one in-run round cost, ``all_to_all.round``
+(:meth:`CalibrationProfile.a2a_forward_parts`), as compute: the op's own stream waits on them.
 A MoE model's costs carry F / B phases (compute and all-to-all segments,
 :meth:`CalibrationProfile.layer_segments`), so that the simulator runs the schedule's overlapped
 F&B pairs as the executor does (:mod:`sim.overlap`). A profile is used at the E it was measured at only.
@@ -173,6 +177,7 @@ class CalibrationProfile:
     ep: int = 1                                   # expert-parallel size E a MoE model was measured at
     all_to_all: LinkSpec | None = None            # with ep > 1: one executor all-to-all over the EP group
     a2a_residual: float | None = None             # the all-to-all fit's largest relative miss on its points
+    a2a_round: float | None = None                # s: one synchronous EP round in a run (None: the fit's, latency / 2)
     expert_layers: tuple[tuple[str, LayerTiming], ...] = ()   # a MoE model's expert layers measured alone
     a2a_wire: float | None = None                 # a job's emulated wire (--a2a-wire, bytes/s), not the file's
 
@@ -309,12 +314,45 @@ class CalibrationProfile:
         wire = (lambda nbytes: max(one(nbytes), nbytes / self.a2a_wire)) if self.a2a_wire is not None else one
         return one(8.0 * self.model.experts), wire(share.dispatch_bytes), wire(share.combine_bytes)
 
+    def round_time(self) -> float:
+        """Seconds of one synchronous gloo round of the EP group inside a run: ``a2a_round``, else the
+        fit's own, ``all_to_all.latency / 2`` (the fit's empty exchange is two rounds: its counts'
+        and its rows'); 0 at E = 1."""
+        if self.ep == 1 or self.all_to_all is None:
+            return 0.0
+        return self.a2a_round if self.a2a_round is not None else self.all_to_all.latency / 2
+
+    def a2a_forward_parts(self) -> tuple[float, float, float, float]:
+        """One MoE block's forward all-to-alls as (sync before the dispatch's rows, the dispatch's
+        rows, sync before the combine's rows, the combine's rows), seconds. The executor's F holds four
+        synchronous rounds a block (:mod:`executor.expert_parallel`): the per-expert counts exchange
+        (its counts' round and its rows), then the dispatch's and the combine's counts' rounds; each
+        costs ``c`` = :meth:`round_time` on the compute stream, so the per-expert counts take
+        ``2c + 8E / bandwidth`` and the dispatch ``c``, the combine ``c``. The rows of S bytes are
+        what is left of the fitted exchange (``latency + S / bandwidth``, which holds one counts'
+        round at the fit's ``latency / 2``) and of the wire (its clock starts at the call, before the
+        counts' round): ``max(latency / 2 + S / bandwidth, S / W - c)``. At ``c = latency / 2`` (a
+        profile without ``a2a_round``) the four sum to :meth:`a2a_times`' three, exactly. Zeros at E = 1."""
+        if self.ep == 1 or self.all_to_all is None:
+            return 0.0, 0.0, 0.0, 0.0
+        from .moe import moe_share
+        from .parallel import Parallel
+        share = moe_share(self.model, Parallel(ep=self.ep))
+        link, c = self.all_to_all, self.round_time()
+
+        def rows(nbytes: float) -> float:
+            fit = link.latency / 2 + nbytes / link.bandwidth
+            return max(fit, nbytes / self.a2a_wire - c) if self.a2a_wire is not None else fit
+        return (2 * c + 8.0 * self.model.experts / link.bandwidth + c, rows(share.dispatch_bytes), c,
+                rows(share.combine_bytes))
+
     def all_to_all_times(self, recompute: str = "none") -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Per layer, the all-to-all seconds in F (counts + dispatch + combine) and in the input
-        backward (the dispatch's and combine's gradients; under full recomputation the forward's
-        three again): 0 but in MoE blocks at E > 1."""
-        counts, disp, comb = self.a2a_times()
-        f = counts + disp + comb
+        """Per layer, the all-to-all seconds in F (:meth:`a2a_forward_parts`: the synchronous rounds
+        at the in-run round cost and the dispatch's and combine's rows) and in the input backward (the
+        dispatch's and combine's gradients, :meth:`a2a_times`; under full recomputation the forward's
+        again): 0 but in MoE blocks at E > 1."""
+        _counts, disp, comb = self.a2a_times()
+        f = sum(self.a2a_forward_parts())
         b = disp + comb + (f if recompute == "full" else 0.0)
         moe = self.moe_blocks()
         return tuple(f if m else 0.0 for m in moe), tuple(b if m else 0.0 for m in moe)
@@ -331,7 +369,8 @@ class CalibrationProfile:
         weight gradients in the last compute segment); the all-to-alls are the fit's, the compute
         segments the measured alone times scaled to the rest (measured alone, the experts can take
         longer than inside the block on a loaded host: never a negative segment)."""
-        counts, disp, comb = self.a2a_times()
+        _counts, disp, comb = self.a2a_times()
+        sync_d, rows_d, sync_c, rows_c = self.a2a_forward_parts()
         parts = dict(self.expert_layers)
         ex = [parts[k] for k in ("experts", "shared") if k in parts]
         ex_f, ex_b = sum(t.f for t in ex), sum(t.b_input for t in ex)
@@ -343,8 +382,8 @@ class CalibrationProfile:
                 fs.append([("compute", f)])
                 bs.append([("compute", b)])
                 continue
-            fwd = _fitted([("compute", max(0.0, f - counts - disp - comb - ex_f)), ("comm", counts + disp),
-                           ("compute", ex_f), ("comm", comb)], f)
+            fwd = _fitted([("compute", max(0.0, f - sync_d - rows_d - sync_c - rows_c - ex_f)), ("round", sync_d),
+                           ("comm", rows_d), ("compute", ex_f), ("round", sync_c), ("comm", rows_c)], f)
             back = (fwd if full else []) + [("comm", comb), ("compute", ex_b), ("comm", disp)]
             back.append(("compute", max(0.0, b - sum(x for _, x in back))))
             fs.append(fwd)
@@ -440,7 +479,8 @@ class CalibrationProfile:
         if self.ep > 1:
             d["ep"] = self.ep
             d["all_to_all"] = {"latency": self.all_to_all.latency, "bandwidth": self.all_to_all.bandwidth,
-                               **({"residual": self.a2a_residual} if self.a2a_residual is not None else {})}
+                               **({"residual": self.a2a_residual} if self.a2a_residual is not None else {}),
+                               **({"round": self.a2a_round} if self.a2a_round is not None else {})}
         if self.expert_layers:
             d["expert_layers"] = {k: {"f": t.f, "b_input": t.b_input, "w": t.w,
                                       **({"b": t.b} if t.b is not None else {})} for k, t in self.expert_layers}
@@ -449,11 +489,14 @@ class CalibrationProfile:
 
 def _fitted(segs: list[tuple[str, float]], total: float) -> list[tuple[str, float]]:
     """``segs`` with the compute segments scaled so that all sum to ``total`` (the comm kept; total
-    is at least their sum: a layer's time includes its all-to-alls)."""
-    comm = sum(x for k, x in segs if k == "comm")
+    is at least their sum: a layer's time includes its all-to-alls); a "round" segment (a
+    synchronous exchange priced as such, :meth:`CalibrationProfile.a2a_forward_parts`) is kept
+    unscaled and becomes compute: it holds the op's own stream, no other op hides it."""
+    fixed = sum(x for k, x in segs if k != "compute")
     compute = sum(x for k, x in segs if k == "compute")
-    k = max(0.0, total - comm) / compute if compute > 0 else 0.0
-    return [(kind, x * k if kind == "compute" else x) for kind, x in segs]
+    k = max(0.0, total - fixed) / compute if compute > 0 else 0.0
+    return [("compute", x * k) if kind == "compute" else ("compute", x) if kind == "round" else (kind, x)
+            for kind, x in segs]
 
 
 @dataclass(frozen=True)
@@ -594,10 +637,13 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         except ValueError as e:
             raise SpecError(f"{source}: field 'tp': {e}") from None
     ep = _check_group_size(source, "ep", d.get("ep", 1), file=d)
-    a2a, a2a_res = None, None
+    a2a, a2a_res, a2a_round = None, None, None
     if ep > 1:
         v = _spec.mapping(d["all_to_all"], source, "all_to_all")
-        _spec.check_fields(v, source, ("latency", "bandwidth", "residual"), ("latency", "bandwidth"), "all_to_all.")
+        _spec.check_fields(v, source, ("latency", "bandwidth", "residual", "round"), ("latency", "bandwidth"),
+                           "all_to_all.")
+        if "round" in v:
+            a2a_round = _spec.seconds(v["round"], source, "all_to_all.round")
         a2a = _fit({k: v[k] for k in ("latency", "bandwidth")}, source, "all_to_all", "calibrated-all-to-all")
         if "residual" in v:
             a2a_res = v["residual"]
@@ -624,6 +670,7 @@ def profile_from_dict(d, source: str = "<dict>") -> CalibrationProfile:
         grad_copy_per_byte=_spec.seconds(d.get("grad_copy_per_byte", 0.0), source, "grad_copy_per_byte"),
         oversubscribed_slowdown=float(over), act_bytes_recompute=act_rec, precision=precision,
         time_slice=time_slice, tp=tp, tp_allreduce=tp_ar, ep=ep, all_to_all=a2a, a2a_residual=a2a_res,
+        a2a_round=a2a_round,
         expert_layers=expert_layers)
 
 

@@ -38,9 +38,10 @@ backward exchange runs synchronously inside autograd's backward of the node.
 *An emulated wire* (``wire``, bytes/s: the job's ``--a2a-wire``, :class:`cost_models.job.Faults`).
 On a cluster an all-to-all is wire time the processor does not spend; over gloo on one host it is
 a CPU copy. With a wire, an exchange of rows of ``S`` bytes (what this rank puts into it, its own
-rows included: ``x``'s bytes, as the calibration's fit counts them) issued at ``t0`` ends no
-earlier than ``t0 + S / wire``: its wait (:func:`wire_wait`) sleeps what is left of that after
-the gloo exchange itself, so the core is free meanwhile; an exchange's seconds are
+rows included: ``x``'s bytes, as the calibration's fit counts them) issued at ``t0`` (the call,
+before its counts' round: the fit times the round and the rows as one exchange) ends no earlier
+than ``t0 + S / wire``: its wait (:func:`wire_wait`) sleeps what is left of that after the gloo
+exchange itself (counts' round and rows), so the core is free meanwhile; an exchange's seconds are
 ``max(gloo, S / wire)``, the simulator's rule on a calibrated profile
 (:meth:`cost_models.profile.CalibrationProfile.a2a_times`). Under the F&B overlap the wait comes
 after the other micro-batch's compute segment (:mod:`executor.overlap`), which then hides it. The
@@ -218,12 +219,12 @@ class ExpertParallel:
             return AllToAllHandle(x, send)
         if len(self.sent) < SENT_KEPT:
             self.sent.append(tuple(send))
+        due = self.wire_due(x)      # the exchange starts here: its counts' round is part of its seconds
         recv = exchange_counts(send, self.group, x.device)
         if _KILL[0]:
             note_injected_kill("by --inject-fault (inside an expert all-to-all)")
             os.kill(os.getpid(), signal.SIGKILL)
         pending = [] if async_op else None
-        due = self.wire_due(x)
         out = _AllToAll.apply(x, send, recv, self.group, pending, self)
         return AllToAllHandle(out, recv, pending[0] if pending else None, due, self.clock, self.sleep)
 

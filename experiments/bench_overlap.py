@@ -39,8 +39,9 @@ profile with the same wire, ``--steps`` back-to-back iterations, the median afte
                                         [-s interleaved] [-D 1] [-N 8] [--dp 2] [--ep 2] [--steps 4]
                                         [--reps 3] [--out-dir out/bench_overlap]
 
-writes ``overlap.csv`` (one row per pair, then the summary) and ``overlap.png`` (the measured
-on/off ratio per pair as bars, the prediction as a line) into ``--out-dir``.
+writes ``overlap.csv`` (one row per pair, then the summary), ``overlap.png`` (the measured
+on/off ratio per pair as bars, the prediction as a line) and ``calibration.yaml`` (the profile the
+prediction used, so that ``--profile`` can predict the sitting again) into ``--out-dir``.
 
 Never a timed test: the numbers are this machine's in this sitting.
 """
@@ -53,6 +54,7 @@ from dataclasses import replace
 from pathlib import Path
 
 DEFAULT_WIRE = "2 MB/s"
+PROFILE_FILE = "calibration.yaml"   # the sitting's profile (calibrated here, or --profile's), saved beside the CSV
 
 
 def _median_step(res) -> float:
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
 
     import pandas as pd
 
-    from cost_models import load_profile
+    from cost_models import load_profile, save_profile
     from cost_models.bind import check_profile_ep, check_profile_model
     from cost_models.job import Faults
     from executor.config import RunConfig
@@ -214,7 +216,9 @@ def main(argv=None) -> int:
                "profile": prof.name}
     write_csv(pd.DataFrame(rows + [summary]), out / "overlap.csv")
     plot(out / "overlap.png", ratios, s_on / s_off, head.replace(", gloo", "\ngloo", 1))
-    print(f"wrote {out / 'overlap.csv'}, {out / 'overlap.png'}")
+    save_profile(prof, out / PROFILE_FILE)
+    print(f"wrote {out / 'overlap.csv'}, {out / 'overlap.png'}, {out / PROFILE_FILE} (the sitting's calibration: "
+          f"--profile it to predict again)")
     return 0
 
 
