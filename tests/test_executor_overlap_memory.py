@@ -246,10 +246,10 @@ def test_simulated_pair_memory_equals_measured(runs, case):
     """Per rank, the simulator's peak activation bytes (pairs booked segment by segment,
     :func:`cost_models.memory.pair_memory`) within 1 % of the executor's measured peak (D 2, N 4,
     R 2, EP 2, balanced routing). Measured / simulated, rank 0 and 1: dapple --overlap-fb
-    3,002,160 / 2,995,200 and 2,250,660 / 2,245,632 (before: 4,344,320 on rank 0, +45 %); zb-v with
-    overlap 4,427,972 / 4,418,304 and 4,681,284 / 4,704,772 (before: 4,343,808 on rank 1, -7.2 %: a
-    tuple segment's split B keeps its graph and output gradients until W); dualpipe-v 5,477,060 /
-    5,503,744 and 5,441,360 / 5,429,760."""
+    3,002,160 / 3,001,344 and 2,250,660 / 2,249,728 (before: 4,344,320 on rank 0, +45 %); zb-v with
+    overlap 4,682,308 / 4,713,988 and 4,681,284 / 4,712,964 (before: -7.2 % on rank 1: a tuple
+    segment's split B keeps its graph and output gradients until W); dualpipe-v 5,844,700 /
+    5,875,716 and 5,769,556 / 5,800,964."""
     from sim.engine import run
     cfg = CASES[4][case][0] if isinstance(CASES[4][case], tuple) else CASES[4][case]
     b = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
