@@ -126,3 +126,20 @@ def moe_blocks_on(cfg, sched, device: int) -> int:
     spec = cfg.spec()
     ranges = block_ranges(spec.layers, sched.num_stages, cfg.blocks)
     return sum(1 for c, s in sched.stages_on(device) for i in ranges[s] if i >= spec.dense_layers)
+
+
+def assert_bytes_equal_the_ledger(cfg, sched, res) -> None:
+    """A run's program is the ledger's (:func:`cost_models.bind.bind` of the same job), its weights,
+    gradients, optimizer state and ZeRO-3's gathered weights per rank equal the ledger's static
+    bytes to the byte, and its peak activation bytes are within 1 % of the ledger's walk."""
+    from cost_models.bind import bind
+    from cost_models.job import Job
+    from cost_models.memory import peak_activation
+    ledger = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
+    assert [op for prog in ledger.lowered.programs for op in prog] == [op for prog in sched.programs for op in prog]
+    assert [d["static_bytes"] + d["gathered_bytes"] for d in res.per_device] == \
+        [int(x) for x in ledger.costs.static_mem]
+    act = peak_activation(ledger.lowered, ledger.costs)
+    for d, want in zip(res.per_device, act, strict=True):
+        assert abs(d["peak_activation_bytes"] - want) <= 0.01 * want, ([d["peak_activation_bytes"] for d in
+                                                                         res.per_device], act)

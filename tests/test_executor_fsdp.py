@@ -192,18 +192,8 @@ def test_bytes_per_rank_equal_the_simulators_ledger(runs, world, case):
     activations). With ``--reshard-after-forward`` the two count different units (see the report of
     issue 43 and :mod:`executor.zero`): the ledger two layers (FSDP's per-block units, the next one
     prefetched), the executor one stage chunk: not compared here."""
-    from cost_models.bind import bind
-    from cost_models.job import Job
-    from cost_models.memory import peak_activation
-    cfg, sched, res = runs(world)[case]
-    ledger = bind(Job(layout=cfg.layout, parallel=cfg.parallel, model=cfg.spec(), cluster="dgx-a100-1x8"))
-    assert [op for prog in ledger.lowered.programs for op in prog] == [op for prog in sched.programs for op in prog]
-    assert [d["static_bytes"] + d["gathered_bytes"] for d in res.per_device] == \
-        [int(x) for x in ledger.costs.static_mem]
-    act = peak_activation(ledger.lowered, ledger.costs)
-    for d, want in zip(res.per_device, act, strict=True):
-        assert abs(d["peak_activation_bytes"] - want) <= 0.01 * want, ([d["peak_activation_bytes"] for d in
-                                                                         res.per_device], act)
+    from tests.helpers import assert_bytes_equal_the_ledger
+    assert_bytes_equal_the_ledger(*runs(world)[case])
 
 
 def test_a_model_file_is_refused_at_every_zero_stage():
